@@ -1,0 +1,4 @@
+//! Secrets of Work on Repeat: the single AEAD seam, the key ring, HMAC signing and redaction.
+//!
+//! Everything that encrypts, decrypts, signs or redacts goes through this crate. It never logs,
+//! prints or formats (through `Debug` or `Display`) any key or secret value it holds.
