@@ -75,8 +75,14 @@ mod tests {
 
     #[test]
     fn different_values_differ() {
-        assert_ne!(canonical_hash(&json!({"a": 1})), canonical_hash(&json!({"a": "1"})));
-        assert_ne!(canonical_hash(&json!([1, 2])), canonical_hash(&json!([2, 1])));
+        assert_ne!(
+            canonical_hash(&json!({"a": 1})),
+            canonical_hash(&json!({"a": "1"}))
+        );
+        assert_ne!(
+            canonical_hash(&json!([1, 2])),
+            canonical_hash(&json!([2, 1]))
+        );
     }
 
     #[test]

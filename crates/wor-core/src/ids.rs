@@ -119,6 +119,11 @@ typed_id!(/// A model or tool connection.
 typed_id!(/// An approval request.
     ApprovalId, "apr", "approval");
 
+/// A fresh id for one HTTP request, for correlating its log line with its response.
+pub fn request_id() -> String {
+    format!("req_{}", uuid::Uuid::now_v7().simple())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -139,9 +144,19 @@ mod tests {
         let key = ApiKeyId::new().to_string();
         assert!(key.parse::<ProjectId>().is_err());
         assert!("prj_".parse::<ProjectId>().is_err());
-        assert!("prj_zzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzz".parse::<ProjectId>().is_err());
-        let upper = ProjectId::new().to_string().to_uppercase().replacen("PRJ", "prj", 1);
-        assert!(upper.parse::<ProjectId>().is_err(), "ids are lower-case only");
+        assert!(
+            "prj_zzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzz"
+                .parse::<ProjectId>()
+                .is_err()
+        );
+        let upper = ProjectId::new()
+            .to_string()
+            .to_uppercase()
+            .replacen("PRJ", "prj", 1);
+        assert!(
+            upper.parse::<ProjectId>().is_err(),
+            "ids are lower-case only"
+        );
         let err = "nope".parse::<MemberId>().unwrap_err().to_string();
         assert!(err.contains("`nope`") && err.contains("mem_"), "{err}");
     }

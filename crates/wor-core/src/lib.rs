@@ -7,5 +7,5 @@ pub mod canonical;
 pub mod ids;
 pub mod role;
 
-pub use ids::IdError;
+pub use ids::{ApiKeyId, ApprovalId, ConnectionId, IdError, MemberId, ProjectId, RoutineId, RunId};
 pub use role::{Role, RoleParseError};

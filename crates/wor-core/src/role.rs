@@ -54,9 +54,14 @@ impl Role {
         matches!(self, Role::Owner | Role::Admin | Role::Approver)
     }
 
-    /// May grant `other` to a new member or key: never more than one holds.
+    /// Whether this role is at least as powerful as `other`.
+    pub fn includes(self, other: Role) -> bool {
+        self.rank() >= other.rank()
+    }
+
+    /// May grant `other` to a new member or service key: never more than one holds.
     pub fn can_grant(self, other: Role) -> bool {
-        self.can_configure() && self.rank() >= other.rank()
+        self.can_configure() && self.includes(other)
     }
 }
 

@@ -1,0 +1,108 @@
+//! The client side of the HTTP API, used by the client subcommands.
+
+use anyhow::{Context, anyhow, bail};
+use reqwest::Method;
+use serde_json::Value;
+
+use crate::env;
+
+/// Where the server is and which key to present.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ClientArgs {
+    /// Base URL of the Work on Repeat server.
+    #[arg(long, env = env::SERVER, default_value = "http://127.0.0.1:8080", value_name = "URL")]
+    pub server: String,
+    /// Print the server's JSON instead of a summary.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug)]
+pub struct ApiClient {
+    base: url::Url,
+    api_key: String,
+    http: reqwest::Client,
+}
+
+impl ApiClient {
+    pub fn new(args: &ClientArgs) -> anyhow::Result<Self> {
+        let base = url::Url::parse(&args.server)
+            .with_context(|| format!("--server `{}` is not a URL", args.server))?;
+        if !matches!(base.scheme(), "http" | "https") {
+            bail!("--server must be an http:// or https:// URL");
+        }
+        let api_key = std::env::var(env::API_KEY).map_err(|_| {
+            anyhow!(
+                "{} is not set: export the key `wor init` printed",
+                env::API_KEY
+            )
+        })?;
+        // The CLI talks to the operator's own server, at an address the operator typed; it is
+        // not egress chosen by a routine, so it does not go through the egress guard.
+        #[expect(
+            clippy::disallowed_methods,
+            reason = "the API client reaches the operator's own server, not a routine-chosen destination"
+        )]
+        let http = reqwest::Client::builder()
+            .no_proxy()
+            .redirect(reqwest::redirect::Policy::none())
+            .timeout(std::time::Duration::from_secs(30))
+            .build()
+            .context("cannot build the HTTP client")?;
+        Ok(ApiClient {
+            base,
+            api_key,
+            http,
+        })
+    }
+
+    pub async fn get(&self, path: &str) -> anyhow::Result<Value> {
+        self.send(Method::GET, path, None).await
+    }
+
+    pub async fn post(&self, path: &str, body: &Value) -> anyhow::Result<Value> {
+        self.send(Method::POST, path, Some(body)).await
+    }
+
+    pub async fn delete(&self, path: &str) -> anyhow::Result<Value> {
+        self.send(Method::DELETE, path, None).await
+    }
+
+    async fn send(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&Value>,
+    ) -> anyhow::Result<Value> {
+        let url = self
+            .base
+            .join(path)
+            .with_context(|| format!("cannot form a URL from `{path}`"))?;
+        let mut request = self
+            .http
+            .request(method, url.clone())
+            .bearer_auth(&self.api_key);
+        if let Some(body) = body {
+            request = request.json(body);
+        }
+        let response = request
+            .send()
+            .await
+            .with_context(|| format!("cannot reach the server at {}", self.base))?;
+        let status = response.status();
+        let text = response.text().await.context("cannot read the response")?;
+        let value: Value = if text.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_str(&text).with_context(|| {
+                format!("the server answered {status} with a body that is not JSON")
+            })?
+        };
+        if status.is_success() {
+            return Ok(value);
+        }
+        let code = value["error"]["code"].as_str().unwrap_or("unknown");
+        let message = value["error"]["message"].as_str().unwrap_or("no message");
+        bail!("{message} ({code}, HTTP {})", status.as_u16())
+    }
+}

@@ -1,0 +1,91 @@
+//! `wor whoami` and `wor member …`: clients of the API.
+
+use std::process::ExitCode;
+
+use serde_json::json;
+
+use super::{field, print_json};
+use crate::client::{ApiClient, ClientArgs};
+
+#[derive(Debug, clap::Subcommand)]
+pub enum MemberCommand {
+    /// List the project's members.
+    List(ClientArgs),
+    /// Add a member; print their first API key once on stdout.
+    Create {
+        /// The member's name (unique in the project).
+        name: String,
+        /// owner, admin, approver or viewer.
+        #[arg(long)]
+        role: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Show one member.
+    Show {
+        /// A `mem_…` id.
+        id: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+}
+
+pub async fn whoami(args: ClientArgs) -> anyhow::Result<ExitCode> {
+    let me = ApiClient::new(&args)?.get("/v1/whoami").await?;
+    if args.json {
+        print_json(&me)?;
+    } else {
+        println!(
+            "project  {} ({})",
+            field(&me["project"], "name"),
+            field(&me["project"], "id")
+        );
+        println!("key      {}", field(&me, "key_id"));
+        println!("member   {}", field(&me, "member_id"));
+        println!("role     {}", field(&me, "role"));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn run(cmd: MemberCommand) -> anyhow::Result<ExitCode> {
+    match cmd {
+        MemberCommand::List(args) => {
+            let members = ApiClient::new(&args)?.get("/v1/members").await?;
+            if args.json {
+                print_json(&members)?;
+            } else {
+                for m in members.as_array().into_iter().flatten() {
+                    println!(
+                        "{}  {:<8}  {}",
+                        field(m, "id"),
+                        field(m, "role"),
+                        field(m, "name")
+                    );
+                }
+            }
+        }
+        MemberCommand::Create { name, role, client } => {
+            let created = ApiClient::new(&client)?
+                .post("/v1/members", &json!({ "name": name, "role": role }))
+                .await?;
+            if client.json {
+                print_json(&created)?;
+            } else {
+                eprintln!(
+                    "created member `{}` ({}) with role {}; their API key follows, shown only once:",
+                    field(&created["member"], "name"),
+                    field(&created["member"], "id"),
+                    field(&created["member"], "role"),
+                );
+                println!("{}", field(&created["key"], "api_key"));
+            }
+        }
+        MemberCommand::Show { id, client } => {
+            let member = ApiClient::new(&client)?
+                .get(&format!("/v1/members/{id}"))
+                .await?;
+            print_json(&member)?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,99 @@
+//! Operator commands that work on the database directly, whether the server runs or not.
+
+use std::process::ExitCode;
+
+use anyhow::{Context, bail};
+use wor_store::{CreatedProject, Store};
+
+use crate::config::{ServerConfig, ServerFlags};
+
+#[derive(Debug, clap::Args)]
+pub struct InitArgs {
+    #[command(flatten)]
+    flags: ServerFlags,
+    /// Name of the first project.
+    #[arg(long, default_value = "default")]
+    project: String,
+    /// Name of the project's owner.
+    #[arg(long, default_value = "owner")]
+    owner: String,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum ProjectCommand {
+    /// Create a project and its owner; print the owner's API key once.
+    Create {
+        /// The project's name (unique).
+        name: String,
+        /// Name of the project's owner.
+        #[arg(long, default_value = "owner")]
+        owner: String,
+        #[command(flatten)]
+        flags: ServerFlags,
+    },
+    /// List every project.
+    List {
+        #[command(flatten)]
+        flags: ServerFlags,
+    },
+}
+
+async fn open(flags: &ServerFlags) -> anyhow::Result<Store> {
+    let config = ServerConfig::resolve(flags, None, false)?;
+    Store::open(config.database.as_deref(), &config.data_dir)
+        .await
+        .context("cannot open the database")
+}
+
+fn check_name(name: &str, what: &str) -> anyhow::Result<()> {
+    if name.trim().is_empty() || name.trim() != name || name.len() > 100 {
+        bail!("{what} name must be 1 to 100 characters with no leading or trailing space");
+    }
+    Ok(())
+}
+
+/// The key alone on stdout, so `KEY=$(wor init)` captures exactly it.
+fn report(created: &CreatedProject) {
+    eprintln!(
+        "created project `{}` ({}) with owner `{}` ({})",
+        created.project.name, created.project.id, created.owner.name, created.owner.id
+    );
+    eprintln!("the owner's API key follows on stdout; it is shown only this once:");
+    println!("{}", created.owner_key.expose());
+}
+
+pub async fn init(args: InitArgs) -> anyhow::Result<ExitCode> {
+    check_name(&args.project, "project")?;
+    check_name(&args.owner, "owner")?;
+    let store = open(&args.flags).await?;
+    if store.count_projects().await? > 0 {
+        bail!(
+            "already initialised: this database has projects; add another with `wor project create NAME`"
+        );
+    }
+    let created = store.create_project(&args.project, &args.owner).await?;
+    report(&created);
+    store.close().await;
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn project(cmd: ProjectCommand) -> anyhow::Result<ExitCode> {
+    match cmd {
+        ProjectCommand::Create { name, owner, flags } => {
+            check_name(&name, "project")?;
+            check_name(&owner, "owner")?;
+            let store = open(&flags).await?;
+            let created = store.create_project(&name, &owner).await?;
+            report(&created);
+            store.close().await;
+        }
+        ProjectCommand::List { flags } => {
+            let store = open(&flags).await?;
+            for project in store.list_projects().await? {
+                println!("{}  {}", project.id, project.name);
+            }
+            store.close().await;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

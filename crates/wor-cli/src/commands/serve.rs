@@ -1,0 +1,82 @@
+//! `wor serve`.
+
+use std::process::ExitCode;
+
+use anyhow::Context;
+use tokio::net::TcpListener;
+use wor_server::AppState;
+use wor_store::Store;
+
+use crate::config::{ServerConfig, ServerFlags};
+use crate::env;
+
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    flags: ServerFlags,
+    /// Address to listen on [default: 127.0.0.1:8080].
+    #[arg(long, env = env::LISTEN, value_name = "ADDR")]
+    listen: Option<String>,
+    /// Production mode: refuses demo mode, a missing encryption key and default credentials.
+    #[arg(long)]
+    production: bool,
+}
+
+pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
+    let config = ServerConfig::resolve(&args.flags, args.listen.as_deref(), args.production)?;
+    let problems = config.production_problems();
+    if !problems.is_empty() {
+        for problem in &problems {
+            eprintln!("error: production mode: {problem}");
+        }
+        eprintln!("error: refusing to start in production mode");
+        return Ok(ExitCode::from(2));
+    }
+    let store = Store::open(config.database.as_deref(), &config.data_dir)
+        .await
+        .context("cannot open the database")?;
+    let listener = TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", config.listen))?;
+    let local = listener.local_addr()?;
+    tracing::info!(
+        category = "lifecycle",
+        listen = %local,
+        database = store.backend().as_str(),
+        production = config.production,
+        "server started"
+    );
+    eprintln!("wor: listening on http://{local}");
+    wor_server::serve(
+        listener,
+        AppState {
+            store: store.clone(),
+        },
+        shutdown_signal(),
+    )
+    .await?;
+    store.close().await;
+    tracing::info!(category = "lifecycle", "server stopped");
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(term) => term,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = ctrl_c => {},
+            _ = term.recv() => {},
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}

@@ -1,0 +1,273 @@
+//! Server configuration from a TOML file, the environment and flags (in rising precedence),
+//! converged into one [`ServerConfig`], and the checks production mode makes before start.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail};
+use base64::Engine;
+
+use crate::env;
+
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
+pub const DEFAULT_DATA_DIR: &str = ".wor";
+
+/// The example key printed in `docs/configuration.md`. Production refuses it: a key anyone can
+/// read in the documentation protects nothing.
+pub const DOCUMENTED_EXAMPLE_KEY: &str = "d29yLWV4YW1wbGUta2V5LWRvLW5vdC11c2UtaXQhISE=";
+
+/// Passwords that ship as defaults with databases and tutorials.
+const DEFAULT_PASSWORDS: &[&str] = &[
+    "", "postgres", "password", "admin", "root", "changeme", "secret", "wor", "example", "test",
+];
+
+/// The configuration file's keys. Unknown keys are errors, so a typo never silently becomes a
+/// default.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    listen: Option<String>,
+    data_dir: Option<PathBuf>,
+    database: Option<String>,
+    production: Option<bool>,
+    demo: Option<bool>,
+}
+
+/// Values given on the command line (or through their environment variables, which clap reads).
+#[derive(Debug, Default, Clone, clap::Args)]
+pub struct ServerFlags {
+    /// TOML configuration file.
+    #[arg(long, env = env::CONFIG, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Directory of the embedded database and generated keys [default: ./.wor].
+    #[arg(long, env = env::DATA_DIR, value_name = "DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// Database URL, `postgres://…`; without it the embedded SQLite database in the data dir.
+    #[arg(long, env = env::DATABASE_URL, value_name = "URL", hide_env_values = true)]
+    pub database: Option<String>,
+}
+
+/// Everything `wor serve` runs with.
+#[derive(Debug)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    pub data_dir: PathBuf,
+    pub database: Option<String>,
+    pub production: bool,
+    pub demo: bool,
+    encryption_key: Option<String>,
+}
+
+impl ServerConfig {
+    /// Converges file, environment and flags. `listen` and `production` come from `serve`'s own
+    /// flags; `None` / `false` there means "not given".
+    pub fn resolve(
+        flags: &ServerFlags,
+        listen: Option<&str>,
+        production_flag: bool,
+    ) -> anyhow::Result<Self> {
+        let file = match &flags.config {
+            Some(path) => read_file(path)?,
+            None => FileConfig::default(),
+        };
+        let listen_text = listen
+            .map(str::to_owned)
+            .or(file.listen)
+            .unwrap_or_else(|| DEFAULT_LISTEN.to_owned());
+        let listen: SocketAddr = listen_text.parse().with_context(|| {
+            format!("listen address `{listen_text}` is not of the form `IP:PORT`")
+        })?;
+        let production = production_flag
+            || env_flag(env::ENV, |v| v == "production")?
+            || file.production.unwrap_or(false);
+        let demo = env_flag(env::DEMO, |v| v == "1" || v == "true")? || file.demo.unwrap_or(false);
+        let encryption_key = std::env::var(env::ENCRYPTION_KEY)
+            .ok()
+            .filter(|k| !k.is_empty());
+        Ok(ServerConfig {
+            listen,
+            data_dir: flags
+                .data_dir
+                .clone()
+                .or(file.data_dir)
+                .unwrap_or_else(|| PathBuf::from(DEFAULT_DATA_DIR)),
+            database: flags.database.clone().or(file.database),
+            production,
+            demo,
+            encryption_key,
+        })
+    }
+
+    /// Production refuses to start with demo mode, without an encryption key, or with any
+    /// default credential. Returns every problem found, not only the first.
+    pub fn production_problems(&self) -> Vec<String> {
+        if !self.production {
+            return Vec::new();
+        }
+        let mut problems = Vec::new();
+        if self.demo {
+            problems.push(format!(
+                "demo mode is on ({} or `demo = true`); production never runs demo mode",
+                env::DEMO
+            ));
+        }
+        match &self.encryption_key {
+            None => problems.push(format!(
+                "{} is not set; production needs a 32-byte base64 key (generate one with `wor secrets generate-key`)",
+                env::ENCRYPTION_KEY
+            )),
+            Some(key) => {
+                if let Some(problem) = encryption_key_problem(key) {
+                    problems.push(problem);
+                }
+            }
+        }
+        if let Some(url) = &self.database {
+            if let Some(problem) = database_credential_problem(url) {
+                problems.push(problem);
+            }
+        }
+        problems
+    }
+}
+
+fn read_file(path: &Path) -> anyhow::Result<FileConfig> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read configuration file `{}`", path.display()))?;
+    toml::from_str(&text)
+        .with_context(|| format!("invalid configuration file `{}`", path.display()))
+}
+
+fn env_flag(name: &str, is_on: impl Fn(&str) -> bool) -> anyhow::Result<bool> {
+    match std::env::var(name) {
+        Ok(value) => Ok(is_on(value.trim())),
+        Err(std::env::VarError::NotPresent) => Ok(false),
+        Err(std::env::VarError::NotUnicode(_)) => bail!("{name} is not valid UTF-8"),
+    }
+}
+
+fn encryption_key_problem(key: &str) -> Option<String> {
+    let bytes = match base64::engine::general_purpose::STANDARD.decode(key.trim()) {
+        Ok(bytes) => bytes,
+        Err(_) => return Some(format!("{} is not valid base64", env::ENCRYPTION_KEY)),
+    };
+    if bytes.len() != 32 {
+        return Some(format!(
+            "{} decodes to {} bytes; it must be exactly 32",
+            env::ENCRYPTION_KEY,
+            bytes.len()
+        ));
+    }
+    let all_same = bytes.windows(2).all(|w| w.first() == w.get(1));
+    if key.trim() == DOCUMENTED_EXAMPLE_KEY || all_same {
+        return Some(format!(
+            "{} is a default or example key; generate a fresh one",
+            env::ENCRYPTION_KEY
+        ));
+    }
+    None
+}
+
+fn database_credential_problem(url: &str) -> Option<String> {
+    let parsed = url::Url::parse(url).ok()?;
+    if !matches!(parsed.scheme(), "postgres" | "postgresql") {
+        return None;
+    }
+    // A socket connection (`host=/run/postgresql`) authenticates by peer, not by password.
+    let over_socket = parsed.host_str().is_none_or(str::is_empty)
+        || parsed
+            .query_pairs()
+            .any(|(k, v)| k == "host" && v.starts_with('/'));
+    if over_socket {
+        return None;
+    }
+    let password = parsed.password().unwrap_or("");
+    let user = parsed.username();
+    if DEFAULT_PASSWORDS.contains(&password) || password == user {
+        return Some(format!(
+            "the database URL uses a default or empty password for user `{user}`; set a real one"
+        ));
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(production: bool, demo: bool, key: Option<&str>, db: Option<&str>) -> ServerConfig {
+        ServerConfig {
+            listen: DEFAULT_LISTEN.parse().unwrap(),
+            data_dir: PathBuf::from("x"),
+            database: db.map(str::to_owned),
+            production,
+            demo,
+            encryption_key: key.map(str::to_owned),
+        }
+    }
+
+    const GOOD_KEY: &str = "q6mZ2k0kq3c7b1pY8Jx0M1yJc4pN9rO2vW6tU5sR3aE=";
+
+    #[test]
+    fn development_has_no_production_problems() {
+        assert!(
+            config(false, true, None, None)
+                .production_problems()
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn production_accepts_a_real_key_and_password() {
+        let c = config(
+            true,
+            false,
+            Some(GOOD_KEY),
+            Some("postgres://wor:Xk9!vQ2@db:5432/wor"),
+        );
+        assert_eq!(c.production_problems(), Vec::<String>::new());
+    }
+
+    #[test]
+    fn production_names_each_problem() {
+        let p = config(true, true, None, None).production_problems();
+        assert!(p.iter().any(|m| m.contains("demo mode")), "{p:?}");
+        assert!(
+            p.iter()
+                .any(|m| m.contains("WOR_ENCRYPTION_KEY is not set")),
+            "{p:?}"
+        );
+        for bad in [
+            DOCUMENTED_EXAMPLE_KEY,
+            "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=",
+            "short",
+            "%%%",
+        ] {
+            let p = config(true, false, Some(bad), None).production_problems();
+            assert_eq!(p.len(), 1, "{bad}: {p:?}");
+        }
+        for bad in [
+            "postgres://postgres:postgres@db/wor",
+            "postgres://wor@db/wor",
+            "postgresql://admin:admin@db/wor",
+            "postgres://wor:changeme@10.0.0.5/wor",
+        ] {
+            let p = config(true, false, Some(GOOD_KEY), Some(bad)).production_problems();
+            assert!(
+                p.iter().any(|m| m.contains("default or empty password")),
+                "{bad}: {p:?}"
+            );
+            assert!(
+                !p.iter()
+                    .any(|m| m.contains(":changeme") || m.contains(":postgres@"))
+            );
+        }
+        let socket = config(
+            true,
+            false,
+            Some(GOOD_KEY),
+            Some("postgres:///wor?host=/run/postgresql"),
+        );
+        assert!(socket.production_problems().is_empty());
+    }
+}

@@ -1,0 +1,24 @@
+//! Every environment variable `wor` reads, in one place.
+
+/// Path of the TOML configuration file.
+pub const CONFIG: &str = "WOR_CONFIG";
+/// `production` turns on production mode.
+pub const ENV: &str = "WOR_ENV";
+/// Address the server listens on.
+pub const LISTEN: &str = "WOR_LISTEN";
+/// Directory of the embedded database and generated keys.
+pub const DATA_DIR: &str = "WOR_DATA_DIR";
+/// `postgres://…` (or `sqlite://…`) instead of the embedded database.
+pub const DATABASE_URL: &str = "WOR_DATABASE_URL";
+/// `1`/`true` turns on demo mode, which production refuses.
+pub const DEMO: &str = "WOR_DEMO";
+/// The primary encryption key: 32 bytes, base64.
+pub const ENCRYPTION_KEY: &str = "WOR_ENCRYPTION_KEY";
+/// Log level of Work on Repeat's own components (`error` … `trace`); dependencies stay at `warn`.
+pub const LOG: &str = "WOR_LOG";
+/// `json` (default) or `text`.
+pub const LOG_FORMAT: &str = "WOR_LOG_FORMAT";
+/// Base URL of the server that client subcommands talk to.
+pub const SERVER: &str = "WOR_SERVER";
+/// API key that client subcommands present.
+pub const API_KEY: &str = "WOR_API_KEY";

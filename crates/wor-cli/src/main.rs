@@ -1,0 +1,61 @@
+//! `wor`: the one binary of Work on Repeat — the server, the operator commands that work on
+//! the database directly, and a client of the HTTP API. This is the composition root: it reads
+//! configuration and wires the crates together; it holds no business rules.
+
+#![allow(
+    clippy::print_stdout,
+    clippy::print_stderr,
+    reason = "a command-line program's output is its interface"
+)]
+
+mod client;
+mod commands;
+mod config;
+mod env;
+mod logging;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+use crate::commands::Command;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "wor",
+    version,
+    about = "Work on Repeat: run AI agent routines whose every tool call is bounded",
+    long_about = "Work on Repeat runs AI agent routines on a schedule, on a signed webhook or on \
+                  request, and bounds what they can do even when their model is hijacked.\n\n\
+                  Server and operator commands: serve, init, project.\n\
+                  Client commands (need --server/WOR_SERVER and WOR_API_KEY): whoami, member, key."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if let Err(err) = logging::init() {
+        eprintln!("error: {err:#}");
+        return ExitCode::from(2);
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(err) => {
+            eprintln!("error: cannot start the async runtime: {err}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(cli.command.run()) {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,128 @@
+//! The one error shape of the API, `{"error":{"code":…,"message":…}}`, and the one place
+//! where errors become HTTP statuses.
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use wor_store::StoreError;
+
+/// Everything a handler can answer other than success.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("missing or invalid API key")]
+    Unauthenticated,
+    #[error("{0}")]
+    Forbidden(String),
+    #[error("not found")]
+    NotFound,
+    #[error("no route for this method and path")]
+    NoRoute,
+    #[error("method not allowed")]
+    MethodNotAllowed,
+    #[error("{message}")]
+    BadRequest { code: &'static str, message: String },
+    #[error("request body is larger than the limit")]
+    PayloadTooLarge,
+    #[error("expected `content-type: application/json`")]
+    UnsupportedMediaType,
+    #[error("{0}")]
+    Conflict(String),
+    #[error("{0}")]
+    Unavailable(String),
+    #[error("internal error")]
+    Internal,
+}
+
+impl ApiError {
+    pub fn bad_request(code: &'static str, message: impl Into<String>) -> Self {
+        ApiError::BadRequest {
+            code,
+            message: message.into(),
+        }
+    }
+
+    fn status_and_code(&self) -> (StatusCode, &'static str) {
+        match self {
+            ApiError::Unauthenticated => (StatusCode::UNAUTHORIZED, "unauthenticated"),
+            ApiError::Forbidden(_) => (StatusCode::FORBIDDEN, "forbidden"),
+            ApiError::NotFound => (StatusCode::NOT_FOUND, "not_found"),
+            ApiError::NoRoute => (StatusCode::NOT_FOUND, "no_route"),
+            ApiError::MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"),
+            ApiError::BadRequest { code, .. } => (StatusCode::BAD_REQUEST, code),
+            ApiError::PayloadTooLarge => (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"),
+            ApiError::UnsupportedMediaType => {
+                (StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type")
+            }
+            ApiError::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
+            ApiError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
+            ApiError::Internal => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+        }
+    }
+}
+
+/// The body of every error response.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct ErrorDetail {
+    /// A stable, machine-readable code such as `not_found` or `invalid_json`.
+    pub code: String,
+    /// A human-readable explanation.
+    pub message: String,
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let (status, code) = self.status_and_code();
+        let body = ErrorBody {
+            error: ErrorDetail {
+                code: code.to_owned(),
+                message: self.to_string(),
+            },
+        };
+        let mut response = (status, axum::Json(body)).into_response();
+        if status == StatusCode::UNAUTHORIZED {
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        response
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(err: StoreError) -> Self {
+        match err {
+            StoreError::NotFound => ApiError::NotFound,
+            StoreError::Conflict(message) => ApiError::Conflict(message),
+            other => {
+                // The variant is logged, not the message: database messages can quote data.
+                tracing::error!(
+                    category = "store",
+                    kind = store_error_kind(&other),
+                    "store error"
+                );
+                ApiError::Internal
+            }
+        }
+    }
+}
+
+fn store_error_kind(err: &StoreError) -> &'static str {
+    match err {
+        StoreError::NotFound => "not_found",
+        StoreError::Conflict(_) => "conflict",
+        StoreError::UnsupportedUrl(_) => "unsupported_url",
+        StoreError::DataDir { .. } => "data_dir",
+        StoreError::Corrupt(_) => "corrupt",
+        StoreError::Database(sqlx_err) => match sqlx_err {
+            wor_store::SqlxError::PoolTimedOut => "pool_timed_out",
+            wor_store::SqlxError::Database(_) => "database",
+            wor_store::SqlxError::Io(_) => "io",
+            _ => "other",
+        },
+        StoreError::Migration(_) => "migration",
+    }
+}

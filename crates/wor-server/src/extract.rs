@@ -1,0 +1,66 @@
+//! Request extractors that turn every rejection into the API's one error shape.
+
+use axum::extract::rejection::{JsonRejection, PathRejection};
+use axum::extract::{FromRequest, FromRequestParts, Request};
+use axum::http::StatusCode;
+use axum::http::request::Parts;
+use serde::de::DeserializeOwned;
+
+use crate::error::ApiError;
+
+/// A JSON body. Request types use `#[serde(deny_unknown_fields)]`, so a misspelt field is an
+/// error rather than a silent default.
+#[derive(Debug)]
+pub struct ApiJson<T>(pub T);
+
+impl<S, T> FromRequest<S> for ApiJson<T>
+where
+    T: DeserializeOwned,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        match axum::Json::<T>::from_request(req, state).await {
+            Ok(axum::Json(value)) => Ok(ApiJson(value)),
+            Err(rejection) => Err(json_rejection(rejection)),
+        }
+    }
+}
+
+fn json_rejection(rejection: JsonRejection) -> ApiError {
+    match rejection {
+        JsonRejection::MissingJsonContentType(_) => ApiError::UnsupportedMediaType,
+        JsonRejection::JsonSyntaxError(e) => {
+            ApiError::bad_request("invalid_json", format!("malformed JSON: {}", e.body_text()))
+        }
+        JsonRejection::JsonDataError(e) => ApiError::bad_request(
+            "invalid_body",
+            format!("invalid request body: {}", e.body_text()),
+        ),
+        other if other.status() == StatusCode::PAYLOAD_TOO_LARGE => ApiError::PayloadTooLarge,
+        other => ApiError::bad_request("invalid_body", other.body_text()),
+    }
+}
+
+/// Path parameters, such as a typed id; a malformed id is a 400 naming what was expected.
+#[derive(Debug)]
+pub struct ApiPath<T>(pub T);
+
+impl<S, T> FromRequestParts<S> for ApiPath<T>
+where
+    T: DeserializeOwned + Send,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        match axum::extract::Path::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Path(value)) => Ok(ApiPath(value)),
+            Err(PathRejection::FailedToDeserializePathParams(e)) => {
+                Err(ApiError::bad_request("invalid_id", e.body_text()))
+            }
+            Err(other) => Err(ApiError::bad_request("invalid_path", other.body_text())),
+        }
+    }
+}

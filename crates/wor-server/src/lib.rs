@@ -1,0 +1,104 @@
+//! The HTTP API of Work on Repeat: routes, authentication, the one error shape and the
+//! OpenAPI document.
+//!
+//! Handlers hold no business rules of their own beyond who may call them; they never take a
+//! project id from the request, and they never return a secret except a key at its creation.
+
+pub mod auth;
+pub mod error;
+pub mod extract;
+mod request_log;
+pub mod routes;
+pub mod views;
+
+use std::future::Future;
+
+use axum::Router;
+use axum::extract::DefaultBodyLimit;
+use axum::routing::get;
+use tokio::net::TcpListener;
+use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
+use utoipa::openapi::{InfoBuilder, OpenApi};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+use wor_store::Store;
+
+use crate::error::ApiError;
+
+/// Request bodies larger than this are refused with 413.
+pub const MAX_BODY_BYTES: usize = 1024 * 1024;
+
+/// What every handler can reach.
+#[derive(Debug, Clone)]
+pub struct AppState {
+    pub store: Store,
+}
+
+/// The API's routes together with their OpenAPI description. Routes are registered through
+/// `utoipa_axum`, so a route cannot exist without its document entry.
+fn api() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(routes::health::healthz))
+        .routes(routes!(routes::health::readyz))
+        .routes(routes!(routes::project::get_project))
+        .routes(routes!(routes::project::whoami))
+        .routes(routes!(
+            routes::members::list_members,
+            routes::members::create_member
+        ))
+        .routes(routes!(routes::members::get_member))
+        .routes(routes!(routes::keys::list_keys, routes::keys::create_key))
+        .routes(routes!(routes::keys::get_key, routes::keys::revoke_key))
+}
+
+/// The OpenAPI 3.1 document of the API.
+pub fn openapi() -> OpenApi {
+    let (_, doc) = api().split_for_parts();
+    finish_document(doc)
+}
+
+fn finish_document(mut doc: OpenApi) -> OpenApi {
+    doc.info = InfoBuilder::new()
+        .title("Work on Repeat API")
+        .version(env!("CARGO_PKG_VERSION"))
+        .description(Some(
+            "Every route under /v1 needs `Authorization: Bearer wor_…`; the key decides the project.",
+        ))
+        .build();
+    let components = doc.components.get_or_insert_with(Default::default);
+    components.add_security_scheme(
+        "bearer",
+        SecurityScheme::Http(Http::new(HttpAuthScheme::Bearer)),
+    );
+    doc
+}
+
+/// The complete router, with state, limits, logging and fallbacks.
+pub fn router(state: AppState) -> Router {
+    let (routes, doc) = api().split_for_parts();
+    let doc = finish_document(doc);
+    routes
+        .route(
+            "/v1/openapi.json",
+            get(move || {
+                let doc = doc.clone();
+                async move { axum::Json(doc) }
+            }),
+        )
+        .fallback(|| async { ApiError::NoRoute })
+        .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(axum::middleware::from_fn(request_log::log_request))
+        .with_state(state)
+}
+
+/// Serves the API on `listener` until `shutdown` completes, then drains open requests.
+pub async fn serve(
+    listener: TcpListener,
+    state: AppState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown)
+        .await
+}

@@ -1,0 +1,134 @@
+//! API keys of the caller's project: created and shown once, listed by prefix, revoked.
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::StatusCode;
+use wor_core::ApiKeyId;
+use wor_store::{ApiKeyKind, NewApiKey};
+
+use crate::AppState;
+use crate::auth::Caller;
+use crate::error::{ApiError, ErrorBody};
+use crate::extract::{ApiJson, ApiPath};
+use crate::routes::members::{check_name, parse_role};
+use crate::views::{ApiKeyView, CreatedApiKey};
+
+#[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateApiKey {
+    pub name: String,
+    /// One of `owner`, `admin`, `approver`, `viewer`; never above the caller's own role.
+    pub role: String,
+    /// A service key has a role and no person (for automation) and can never approve. A
+    /// personal key (the default) belongs to the calling member.
+    #[serde(default)]
+    pub service: bool,
+}
+
+/// Lists the project's keys: metadata and prefix only.
+#[utoipa::path(get, path = "/v1/keys", tag = "keys", security(("bearer" = [])),
+    responses((status = 200, body = [ApiKeyView]), (status = 401, body = ErrorBody)))]
+pub async fn list_keys(
+    State(state): State<AppState>,
+    caller: Caller,
+) -> Result<Json<Vec<ApiKeyView>>, ApiError> {
+    let keys = state.store.list_api_keys(caller.project_id).await?;
+    Ok(Json(keys.into_iter().map(Into::into).collect()))
+}
+
+/// Creates a key and returns it once.
+#[utoipa::path(post, path = "/v1/keys", tag = "keys", security(("bearer" = [])),
+    request_body = CreateApiKey,
+    responses((status = 201, body = CreatedApiKey), (status = 400, body = ErrorBody),
+        (status = 403, body = ErrorBody)))]
+pub async fn create_key(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiJson(body): ApiJson<CreateApiKey>,
+) -> Result<(StatusCode, Json<CreatedApiKey>), ApiError> {
+    check_name(&body.name, "key")?;
+    let role = parse_role(&body.role)?;
+    let kind = if body.service {
+        caller.require_configure()?;
+        if !caller.role.can_grant(role) {
+            return Err(ApiError::Forbidden(format!(
+                "role `{}` cannot grant role `{role}`",
+                caller.role
+            )));
+        }
+        ApiKeyKind::Service
+    } else {
+        let member = caller.require_member("create a personal key")?;
+        if !caller.role.includes(role) {
+            return Err(ApiError::Forbidden(format!(
+                "a key with role `{}` cannot create a key with role `{role}`",
+                caller.role
+            )));
+        }
+        ApiKeyKind::Personal(member)
+    };
+    let (record, key) = state
+        .store
+        .create_api_key(
+            caller.project_id,
+            NewApiKey {
+                name: body.name,
+                role,
+                kind,
+                created_by: Some(caller.key_id),
+            },
+        )
+        .await?;
+    tracing::info!(category = "config", action = "key.create", project_id = %caller.project_id,
+        key_id = %record.id, actor_key_id = %caller.key_id, "api key created");
+    Ok((
+        StatusCode::CREATED,
+        Json(CreatedApiKey {
+            key: record.into(),
+            api_key: key.expose().to_owned(),
+        }),
+    ))
+}
+
+/// One key's metadata.
+#[utoipa::path(get, path = "/v1/keys/{key_id}", tag = "keys", security(("bearer" = [])),
+    params(("key_id" = String, Path, description = "a `key_…` id")),
+    responses((status = 200, body = ApiKeyView), (status = 404, body = ErrorBody)))]
+pub async fn get_key(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiPath(key_id): ApiPath<ApiKeyId>,
+) -> Result<Json<ApiKeyView>, ApiError> {
+    Ok(Json(
+        state
+            .store
+            .get_api_key(caller.project_id, key_id)
+            .await?
+            .into(),
+    ))
+}
+
+/// Revokes a key at once. Admins and owners may revoke any key; a member their own.
+#[utoipa::path(delete, path = "/v1/keys/{key_id}", tag = "keys", security(("bearer" = [])),
+    params(("key_id" = String, Path, description = "a `key_…` id")),
+    responses((status = 200, body = ApiKeyView), (status = 403, body = ErrorBody),
+        (status = 404, body = ErrorBody)))]
+pub async fn revoke_key(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiPath(key_id): ApiPath<ApiKeyId>,
+) -> Result<Json<ApiKeyView>, ApiError> {
+    // Looked up first, inside the caller's project: a foreign key is a 404, not a 403.
+    let key = state.store.get_api_key(caller.project_id, key_id).await?;
+    let own_key = key.member_id.is_some() && key.member_id == caller.member_id;
+    if !own_key {
+        caller.require_configure()?;
+    }
+    let revoked = state
+        .store
+        .revoke_api_key(caller.project_id, key_id)
+        .await?;
+    tracing::info!(category = "config", action = "key.revoke", project_id = %caller.project_id,
+        key_id = %key_id, actor_key_id = %caller.key_id, "api key revoked");
+    Ok(Json(revoked.into()))
+}

@@ -1,0 +1,128 @@
+//! Members of the caller's project.
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::StatusCode;
+use wor_core::{MemberId, Role};
+use wor_store::{ApiKeyKind, NewApiKey};
+
+use crate::AppState;
+use crate::auth::Caller;
+use crate::error::{ApiError, ErrorBody};
+use crate::extract::{ApiJson, ApiPath};
+use crate::views::{CreatedApiKey, MemberView};
+
+#[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateMember {
+    pub name: String,
+    /// One of `owner`, `admin`, `approver`, `viewer`; never above the caller's own role.
+    pub role: String,
+}
+
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct CreatedMember {
+    pub member: MemberView,
+    /// The new member's first personal key, shown once.
+    pub key: CreatedApiKey,
+}
+
+pub(crate) fn parse_role(text: &str) -> Result<Role, ApiError> {
+    text.parse()
+        .map_err(|e: wor_core::RoleParseError| ApiError::bad_request("invalid_role", e.to_string()))
+}
+
+pub(crate) fn check_name(name: &str, what: &str) -> Result<(), ApiError> {
+    let trimmed = name.trim();
+    if trimmed.is_empty() || trimmed.len() > 100 || trimmed != name {
+        return Err(ApiError::bad_request(
+            "invalid_name",
+            format!("{what} name must be 1 to 100 characters with no leading or trailing space"),
+        ));
+    }
+    if name.chars().any(char::is_control) {
+        return Err(ApiError::bad_request(
+            "invalid_name",
+            format!("{what} name must not contain control characters"),
+        ));
+    }
+    Ok(())
+}
+
+/// Lists the project's members.
+#[utoipa::path(get, path = "/v1/members", tag = "members", security(("bearer" = [])),
+    responses((status = 200, body = [MemberView]), (status = 401, body = ErrorBody)))]
+pub async fn list_members(
+    State(state): State<AppState>,
+    caller: Caller,
+) -> Result<Json<Vec<MemberView>>, ApiError> {
+    let members = state.store.list_members(caller.project_id).await?;
+    Ok(Json(members.into_iter().map(Into::into).collect()))
+}
+
+/// Adds a member and returns their first personal key, once.
+#[utoipa::path(post, path = "/v1/members", tag = "members", security(("bearer" = [])),
+    request_body = CreateMember,
+    responses((status = 201, body = CreatedMember), (status = 400, body = ErrorBody),
+        (status = 403, body = ErrorBody), (status = 409, body = ErrorBody)))]
+pub async fn create_member(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiJson(body): ApiJson<CreateMember>,
+) -> Result<(StatusCode, Json<CreatedMember>), ApiError> {
+    caller.require_configure()?;
+    check_name(&body.name, "member")?;
+    let role = parse_role(&body.role)?;
+    if !caller.role.can_grant(role) {
+        return Err(ApiError::Forbidden(format!(
+            "role `{}` cannot grant role `{role}`",
+            caller.role
+        )));
+    }
+    let member = state
+        .store
+        .create_member(caller.project_id, &body.name, role)
+        .await?;
+    let (record, key) = state
+        .store
+        .create_api_key(
+            caller.project_id,
+            NewApiKey {
+                name: format!("{} (initial key)", member.name),
+                role,
+                kind: ApiKeyKind::Personal(member.id),
+                created_by: Some(caller.key_id),
+            },
+        )
+        .await?;
+    tracing::info!(category = "config", action = "member.create", project_id = %caller.project_id,
+        member_id = %member.id, actor_key_id = %caller.key_id, "member created");
+    Ok((
+        StatusCode::CREATED,
+        Json(CreatedMember {
+            member: member.into(),
+            key: CreatedApiKey {
+                key: record.into(),
+                api_key: key.expose().to_owned(),
+            },
+        }),
+    ))
+}
+
+/// One member of the project.
+#[utoipa::path(get, path = "/v1/members/{member_id}", tag = "members", security(("bearer" = [])),
+    params(("member_id" = String, Path, description = "a `mem_…` id")),
+    responses((status = 200, body = MemberView), (status = 404, body = ErrorBody)))]
+pub async fn get_member(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiPath(member_id): ApiPath<MemberId>,
+) -> Result<Json<MemberView>, ApiError> {
+    Ok(Json(
+        state
+            .store
+            .get_member(caller.project_id, member_id)
+            .await?
+            .into(),
+    ))
+}

@@ -1,0 +1,6 @@
+//! Route handlers, one module per resource.
+
+pub mod health;
+pub mod keys;
+pub mod members;
+pub mod project;

@@ -1,0 +1,177 @@
+//! Storage of Work on Repeat: the SQLite and PostgreSQL repositories and their migrations.
+//!
+//! One schema runs on both databases through `sqlx`'s `Any` driver; where the dialects
+//! differ, a migration carries one text per backend. Every repository function that reads or
+//! writes a project's resources takes the project id as an argument, and every query filters
+//! on it: a caller can never reach another project's rows by passing a foreign resource id.
+
+mod api_keys;
+mod members;
+mod migrations;
+mod projects;
+
+use std::path::Path;
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::any::{AnyPoolOptions, install_default_drivers};
+use sqlx::{AnyPool, Executor};
+
+pub use api_keys::{API_KEY_PREFIX, api_key_digest};
+pub use api_keys::{ApiKeyKind, ApiKeyRecord, AuthenticatedKey, NewApiKey, PlaintextApiKey};
+pub use members::MemberRecord;
+pub use projects::{CreatedProject, ProjectRecord};
+pub use sqlx::Error as SqlxError;
+
+/// Which database a [`Store`] runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+impl Backend {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Backend::Sqlite => "sqlite",
+            Backend::Postgres => "postgres",
+        }
+    }
+}
+
+/// What went wrong talking to the database. Not-found and conflicts are their own variants
+/// so callers can answer 404 / 409 without looking at database error codes.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("not found")]
+    NotFound,
+    #[error("{0}")]
+    Conflict(String),
+    #[error("unsupported database url `{0}`: expected `sqlite://…` or `postgres://…`")]
+    UnsupportedUrl(String),
+    #[error("cannot create data directory `{path}`: {source}")]
+    DataDir {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("stored row is corrupt: {0}")]
+    Corrupt(String),
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+    #[error("migration failed: {0}")]
+    Migration(#[from] sqlx::migrate::MigrateError),
+}
+
+/// A connection pool to the one database, with the repositories as methods.
+#[derive(Debug, Clone)]
+pub struct Store {
+    pool: AnyPool,
+    backend: Backend,
+}
+
+/// The SQLite database file inside a data directory.
+pub const SQLITE_FILE: &str = "wor.db";
+
+impl Store {
+    /// Opens `database_url` if given, or the embedded SQLite database in `data_dir`, creating
+    /// it if needed, and applies every pending migration.
+    pub async fn open(database_url: Option<&str>, data_dir: &Path) -> Result<Self, StoreError> {
+        let url = match database_url {
+            Some(url) => url.to_owned(),
+            None => {
+                std::fs::create_dir_all(data_dir).map_err(|source| StoreError::DataDir {
+                    path: data_dir.display().to_string(),
+                    source,
+                })?;
+                format!("sqlite://{}?mode=rwc", data_dir.join(SQLITE_FILE).display())
+            }
+        };
+        Self::connect(&url).await
+    }
+
+    /// Connects to a `sqlite://` or `postgres://` URL and applies pending migrations.
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        install_default_drivers();
+        let backend = if url.starts_with("sqlite:") {
+            Backend::Sqlite
+        } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            Backend::Postgres
+        } else {
+            return Err(StoreError::UnsupportedUrl(scrub_url(url)));
+        };
+        let options = AnyPoolOptions::new().acquire_timeout(Duration::from_secs(10));
+        let pool = match backend {
+            // One writer at a time is SQLite's model; WAL lets readers go on meanwhile, and
+            // FULL sync keeps a committed transaction across a power cut.
+            Backend::Sqlite => {
+                options
+                    .max_connections(8)
+                    .after_connect(|conn, _meta| {
+                        Box::pin(async move {
+                            conn.execute(
+                                "PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL; \
+                                 PRAGMA busy_timeout = 10000; PRAGMA foreign_keys = ON;",
+                            )
+                            .await?;
+                            Ok(())
+                        })
+                    })
+                    .connect(url)
+                    .await?
+            }
+            Backend::Postgres => options.max_connections(16).connect(url).await?,
+        };
+        let store = Store { pool, backend };
+        migrations::apply(&store).await?;
+        Ok(store)
+    }
+
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    pub fn pool(&self) -> &AnyPool {
+        &self.pool
+    }
+
+    /// Whether the database answers a trivial query.
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        Ok(())
+    }
+
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+}
+
+/// The URL with any password replaced, for error messages.
+pub fn scrub_url(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(mut parsed) if parsed.password().is_some() => {
+            let _ = parsed.set_password(Some("***"));
+            parsed.to_string()
+        }
+        Ok(parsed) => parsed.to_string(),
+        Err(_) => "<unparseable url>".to_owned(),
+    }
+}
+
+/// Milliseconds since the Unix epoch, the one time format stored.
+pub fn now_millis() -> i64 {
+    chrono::Utc::now().timestamp_millis()
+}
+
+fn parse_column<T: FromStr>(value: &str, column: &str) -> Result<T, StoreError> {
+    value
+        .parse()
+        .map_err(|_| StoreError::Corrupt(format!("column `{column}` holds `{value}`")))
+}
+
+/// Maps a unique-constraint violation to [`StoreError::Conflict`] with `message`.
+fn conflict_or(err: sqlx::Error, message: impl FnOnce() -> String) -> StoreError {
+    match &err {
+        sqlx::Error::Database(db) if db.is_unique_violation() => StoreError::Conflict(message()),
+        _ => StoreError::Database(err),
+    }
+}
