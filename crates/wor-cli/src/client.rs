@@ -101,8 +101,14 @@ impl ApiClient {
         if status.is_success() {
             return Ok(value);
         }
-        let code = value["error"]["code"].as_str().unwrap_or("unknown");
-        let message = value["error"]["message"].as_str().unwrap_or("no message");
+        let code = value
+            .pointer("/error/code")
+            .and_then(|v| v.as_str())
+            .unwrap_or("unknown");
+        let message = value
+            .pointer("/error/message")
+            .and_then(|v| v.as_str())
+            .unwrap_or("no message");
         bail!("{message} ({code}, HTTP {})", status.as_u16())
     }
 }

@@ -122,10 +122,12 @@ impl ServerConfig {
                 }
             }
         }
-        if let Some(url) = &self.database {
-            if let Some(problem) = database_credential_problem(url) {
-                problems.push(problem);
-            }
+        if let Some(problem) = self
+            .database
+            .as_deref()
+            .and_then(database_credential_problem)
+        {
+            problems.push(problem);
         }
         problems
     }

@@ -9,6 +9,8 @@ mod api_keys;
 mod members;
 mod migrations;
 mod projects;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 use std::path::Path;
 use std::str::FromStr;

@@ -54,11 +54,11 @@ pub async fn run(cmd: KeyCommand) -> anyhow::Result<ExitCode> {
                 eprintln!(
                     "created {} key `{}` ({}) with role {}; it follows, shown only once:",
                     if service { "service" } else { "personal" },
-                    field(&created, "name"),
-                    field(&created, "id"),
-                    field(&created, "role"),
+                    field(&created, "/name"),
+                    field(&created, "/id"),
+                    field(&created, "/role"),
                 );
-                println!("{}", field(&created, "api_key"));
+                println!("{}", field(&created, "/api_key"));
             }
         }
         KeyCommand::List(args) => {
@@ -67,24 +67,24 @@ pub async fn run(cmd: KeyCommand) -> anyhow::Result<ExitCode> {
                 print_json(&keys)?;
             } else {
                 for k in keys.as_array().into_iter().flatten() {
-                    let state = if k["revoked_at"].is_string() {
+                    let state = if k.get("revoked_at").is_some_and(|v| v.is_string()) {
                         "revoked"
                     } else {
                         "active"
                     };
-                    let kind = if k["service"].as_bool() == Some(true) {
+                    let kind = if k.get("service").and_then(|v| v.as_bool()) == Some(true) {
                         "service"
                     } else {
                         "personal"
                     };
                     println!(
                         "{}  {}…  {:<8}  {:<8}  {:<7}  {}",
-                        field(k, "id"),
-                        field(k, "prefix"),
-                        field(k, "role"),
+                        field(k, "/id"),
+                        field(k, "/prefix"),
+                        field(k, "/role"),
                         kind,
                         state,
-                        field(k, "name")
+                        field(k, "/name")
                     );
                 }
             }
@@ -96,7 +96,7 @@ pub async fn run(cmd: KeyCommand) -> anyhow::Result<ExitCode> {
             if client.json {
                 print_json(&key)?;
             } else {
-                eprintln!("revoked {}", field(&key, "id"));
+                eprintln!("revoked {}", field(&key, "/id"));
             }
         }
     }

@@ -37,12 +37,12 @@ pub async fn whoami(args: ClientArgs) -> anyhow::Result<ExitCode> {
     } else {
         println!(
             "project  {} ({})",
-            field(&me["project"], "name"),
-            field(&me["project"], "id")
+            field(&me, "/project/name"),
+            field(&me, "/project/id")
         );
-        println!("key      {}", field(&me, "key_id"));
-        println!("member   {}", field(&me, "member_id"));
-        println!("role     {}", field(&me, "role"));
+        println!("key      {}", field(&me, "/key_id"));
+        println!("member   {}", field(&me, "/member_id"));
+        println!("role     {}", field(&me, "/role"));
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -57,9 +57,9 @@ pub async fn run(cmd: MemberCommand) -> anyhow::Result<ExitCode> {
                 for m in members.as_array().into_iter().flatten() {
                     println!(
                         "{}  {:<8}  {}",
-                        field(m, "id"),
-                        field(m, "role"),
-                        field(m, "name")
+                        field(m, "/id"),
+                        field(m, "/role"),
+                        field(m, "/name")
                     );
                 }
             }
@@ -73,11 +73,11 @@ pub async fn run(cmd: MemberCommand) -> anyhow::Result<ExitCode> {
             } else {
                 eprintln!(
                     "created member `{}` ({}) with role {}; their API key follows, shown only once:",
-                    field(&created["member"], "name"),
-                    field(&created["member"], "id"),
-                    field(&created["member"], "role"),
+                    field(&created, "/member/name"),
+                    field(&created, "/member/id"),
+                    field(&created, "/member/role"),
                 );
-                println!("{}", field(&created["key"], "api_key"));
+                println!("{}", field(&created, "/key/api_key"));
             }
         }
         MemberCommand::Show { id, client } => {

@@ -47,7 +47,10 @@ pub(crate) fn print_json(value: &serde_json::Value) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A JSON field as display text, `-` when absent.
-pub(crate) fn field<'a>(value: &'a serde_json::Value, name: &str) -> &'a str {
-    value[name].as_str().unwrap_or("-")
+/// The string at a JSON pointer (`/project/name`) as display text, `-` when absent.
+pub(crate) fn field<'a>(value: &'a serde_json::Value, pointer: &str) -> &'a str {
+    value
+        .pointer(pointer)
+        .and_then(|v| v.as_str())
+        .unwrap_or("-")
 }

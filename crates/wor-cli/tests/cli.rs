@@ -1,0 +1,369 @@
+//! The `wor` binary through its real interfaces: operator commands on the data dir, the
+//! server over HTTP, the client subcommands, production refusals and what reaches the log.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic,
+    reason = "tests fail loudly"
+)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const WOR: &str = env!("CARGO_BIN_EXE_wor");
+
+/// A command with a clean environment: nothing from the developer's shell leaks in.
+fn wor(args: &[&str]) -> Command {
+    let mut cmd = Command::new(WOR);
+    cmd.args(args)
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .stdin(Stdio::null());
+    cmd
+}
+
+fn run(cmd: &mut Command) -> Output {
+    cmd.output().unwrap()
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// The database a server test runs on: the CI PostgreSQL when configured, else the data dir.
+fn database_args(dir: &Path) -> Vec<String> {
+    match std::env::var("WOR_TEST_DATABASE_URL") {
+        Ok(url) if !url.is_empty() => vec!["--database".into(), url],
+        _ => vec!["--data-dir".into(), dir.display().to_string()],
+    }
+}
+
+/// Creates a project through the operator command and returns its owner key.
+fn create_project(db: &[String]) -> String {
+    let name = format!("cli-{}", std::process::id())
+        + &format!("-{:?}", Instant::now()).replace([' ', '.', ':'], "");
+    let mut args = vec!["project", "create", name.as_str()];
+    args.extend(db.iter().map(String::as_str));
+    let out = run(&mut wor(&args));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    text(&out.stdout).trim().to_owned()
+}
+
+struct Server {
+    child: Child,
+    url: String,
+    log: Arc<Mutex<String>>,
+}
+
+impl Server {
+    fn start(db: &[String], envs: &[(&str, &str)]) -> Server {
+        let mut args = vec!["serve", "--listen", "127.0.0.1:0"];
+        args.extend(db.iter().map(String::as_str));
+        let mut cmd = wor(&args);
+        cmd.envs(envs.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        let mut child = cmd.spawn().unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let log = Arc::new(Mutex::new(String::new()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Some(url) = line.strip_prefix("wor: listening on ") {
+                    let _ = tx.send(url.to_owned());
+                }
+                let mut log = sink.lock().unwrap();
+                log.push_str(&line);
+                log.push('\n');
+            }
+        });
+        let url = rx
+            .recv_timeout(Duration::from_secs(30))
+            .unwrap_or_else(|_| panic!("server did not start: {}", log.lock().unwrap()));
+        Server { child, url, log }
+    }
+
+    fn client(&self, key: &str, args: &[&str]) -> Output {
+        run(wor(args)
+            .env("WOR_SERVER", &self.url)
+            .env("WOR_API_KEY", key))
+    }
+
+    /// Sends a raw HTTP/1.1 request and returns the whole response text.
+    fn raw(&self, request: &str) -> String {
+        let addr = self.url.trim_start_matches("http://").to_owned();
+        #[expect(
+            clippy::disallowed_methods,
+            reason = "the test talks to its own server on loopback"
+        )]
+        let mut stream = std::net::TcpStream::connect(addr).unwrap();
+        stream.write_all(request.as_bytes()).unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).unwrap();
+        response
+    }
+
+    /// Stops the server with SIGTERM and returns everything it logged.
+    fn stop(mut self) -> String {
+        let _ = Command::new("kill")
+            .arg(self.child.id().to_string())
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                assert!(status.success(), "server exited with {status}");
+                std::thread::sleep(Duration::from_millis(100));
+                return self.log.lock().unwrap().clone();
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        panic!("server did not stop on SIGTERM");
+    }
+}
+
+#[test]
+fn init_prints_the_key_alone_and_only_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().display().to_string();
+    let out = run(&mut wor(&["init", "--data-dir", &data]));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    let key = stdout.trim();
+    assert_eq!(
+        stdout.lines().count(),
+        1,
+        "stdout holds the key alone: {stdout:?}"
+    );
+    assert!(key.starts_with("wor_") && key.len() == 68, "{key}");
+    assert!(text(&out.stderr).contains("shown only this once"));
+    assert!(!text(&out.stderr).contains(key));
+
+    let again = run(&mut wor(&["init", "--data-dir", &data]));
+    assert!(!again.status.success());
+    assert!(
+        text(&again.stderr).contains("already initialised"),
+        "{}",
+        text(&again.stderr)
+    );
+    assert!(again.stdout.is_empty());
+
+    // The environment variable names the data dir as well as the flag does.
+    let other = run(wor(&["project", "create", "second"]).env("WOR_DATA_DIR", &data));
+    assert!(other.status.success(), "{}", text(&other.stderr));
+    let listed = text(&run(wor(&["project", "list"]).env("WOR_DATA_DIR", &data)).stdout);
+    assert!(
+        listed.contains("default") && listed.contains("second"),
+        "{listed}"
+    );
+
+    for file in ["wor.db", "wor.db-wal"] {
+        let bytes = std::fs::read(dir.path().join(file)).unwrap_or_default();
+        assert!(
+            !bytes.windows(key.len()).any(|w| w == key.as_bytes()),
+            "{file} holds the key"
+        );
+    }
+}
+
+#[test]
+fn serve_and_client_commands_work_end_to_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = database_args(dir.path());
+    let key = create_project(&db);
+    let other_key = create_project(&db);
+    let server = Server::start(&db, &[]);
+
+    let me = server.client(&key, &["whoami", "--json"]);
+    assert!(me.status.success(), "{}", text(&me.stderr));
+    let me: serde_json::Value = serde_json::from_slice(&me.stdout).unwrap();
+    assert_eq!(me["role"], "owner");
+
+    let created = server.client(
+        &key,
+        &[
+            "key",
+            "create",
+            "--name",
+            "deploy",
+            "--role",
+            "admin",
+            "--service",
+        ],
+    );
+    assert!(created.status.success(), "{}", text(&created.stderr));
+    let service_key = text(&created.stdout).trim().to_owned();
+    assert!(service_key.starts_with("wor_"));
+    let service_me: serde_json::Value =
+        serde_json::from_slice(&server.client(&service_key, &["whoami", "--json"]).stdout).unwrap();
+    assert_eq!(service_me["service"], true);
+
+    let listed = text(&server.client(&key, &["key", "list"]).stdout);
+    assert!(
+        listed.contains("deploy") && listed.contains(&service_key[..12]),
+        "{listed}"
+    );
+    assert!(!listed.contains(&service_key[12..]));
+    let key_id = service_me["key_id"].as_str().unwrap();
+
+    // The other project cannot see or revoke it.
+    let foreign = server.client(&other_key, &["key", "revoke", key_id]);
+    assert!(!foreign.status.success());
+    assert!(
+        text(&foreign.stderr).contains("not_found, HTTP 404"),
+        "{}",
+        text(&foreign.stderr)
+    );
+
+    let revoked = server.client(&key, &["key", "revoke", key_id]);
+    assert!(revoked.status.success(), "{}", text(&revoked.stderr));
+    let after = server.client(&service_key, &["whoami"]);
+    assert!(!after.status.success());
+    assert!(
+        text(&after.stderr).contains("HTTP 401"),
+        "{}",
+        text(&after.stderr)
+    );
+
+    let member = server.client(&key, &["member", "create", "pat", "--role", "approver"]);
+    assert!(member.status.success(), "{}", text(&member.stderr));
+    let members = text(&server.client(&key, &["member", "list"]).stdout);
+    assert!(
+        members.contains("pat") && members.contains("approver"),
+        "{members}"
+    );
+
+    let missing = run(wor(&["whoami"]).env("WOR_SERVER", &server.url));
+    assert!(text(&missing.stderr).contains("WOR_API_KEY is not set"));
+    server.stop();
+}
+
+#[test]
+fn logs_hold_neither_request_bodies_nor_authorization_headers() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = database_args(dir.path());
+    let key = create_project(&db);
+    let server = Server::start(&db, &[("WOR_LOG", "trace")]);
+    let canary_body = "canary-body-6f1c2b";
+    let body = format!("{{\"name\":\"{canary_body}\",\"role\":\"viewer\",\"service\":true}}");
+    let response = server.raw(&format!(
+        "POST /v1/keys?token=canary-query-93ad HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n\
+         Cookie: session=canary-cookie-11aa\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    ));
+    assert!(response.starts_with("HTTP/1.1 201"), "{response}");
+    let bad = server.raw(
+        "GET /v1/keys HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wor_canary_bad_key_77\r\nConnection: close\r\n\r\n",
+    );
+    assert!(bad.starts_with("HTTP/1.1 401"), "{bad}");
+    let log = server.stop();
+    assert!(
+        log.contains("\"route\":\"/v1/keys\""),
+        "the request was logged: {log}"
+    );
+    for secret in [
+        key.as_str(),
+        &key[12..],
+        canary_body,
+        "canary-query-93ad",
+        "canary-cookie-11aa",
+        "wor_canary_bad_key_77",
+    ] {
+        assert!(!log.contains(secret), "the log holds `{secret}`:\n{log}");
+    }
+    assert!(!log.to_lowercase().contains("authorization"), "{log}");
+}
+
+#[test]
+fn production_refuses_to_start_without_its_safeguards() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().display().to_string();
+    let good_key = "q6mZ2k0kq3c7b1pY8Jx0M1yJc4pN9rO2vW6tU5sR3aE=";
+    type Case<'a> = (&'a [(&'a str, &'a str)], &'a [&'a str], &'a str);
+    let cases: &[Case] = &[
+        (&[], &["--production"], "WOR_ENCRYPTION_KEY is not set"),
+        (
+            &[("WOR_ENV", "production")],
+            &[],
+            "WOR_ENCRYPTION_KEY is not set",
+        ),
+        (
+            &[("WOR_ENCRYPTION_KEY", good_key), ("WOR_DEMO", "1")],
+            &["--production"],
+            "demo mode is on",
+        ),
+        (
+            &[(
+                "WOR_ENCRYPTION_KEY",
+                "d29yLWV4YW1wbGUta2V5LWRvLW5vdC11c2UtaXQhISE=",
+            )],
+            &["--production"],
+            "default or example key",
+        ),
+        (
+            &[("WOR_ENCRYPTION_KEY", good_key)],
+            &[
+                "--production",
+                "--database",
+                "postgres://postgres:postgres@127.0.0.1:1/wor",
+            ],
+            "default or empty password",
+        ),
+    ];
+    for (envs, flags, expected) in cases {
+        let mut args = vec!["serve", "--listen", "127.0.0.1:0", "--data-dir", &data];
+        args.extend_from_slice(flags);
+        let out = run(wor(&args).envs(envs.iter().copied()));
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{envs:?} {flags:?}: {stderr}");
+        assert!(stderr.contains(expected), "{envs:?} {flags:?}: {stderr}");
+        assert!(stderr.contains("refusing to start"), "{stderr}");
+        assert!(
+            !stderr.contains(":postgres@"),
+            "the password is not echoed: {stderr}"
+        );
+    }
+    // The same settings without production mode start fine.
+    let server = Server::start(&["--data-dir".into(), data.clone()], &[("WOR_DEMO", "1")]);
+    server.stop();
+}
+
+#[test]
+fn configuration_file_is_read_and_typos_are_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("wor.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "data_dir = \"{}\"\nlisten = \"127.0.0.1:0\"\n",
+            dir.path().join("d").display()
+        ),
+    )
+    .unwrap();
+    let out = run(&mut wor(&[
+        "init",
+        "--config",
+        &config.display().to_string(),
+    ]));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(dir.path().join("d").join("wor.db").exists());
+
+    std::fs::write(&config, "data_dri = \"x\"\n").unwrap();
+    let out = run(&mut wor(&[
+        "init",
+        "--config",
+        &config.display().to_string(),
+    ]));
+    let stderr = text(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("unknown field `data_dri`") && stderr.contains("line 1"),
+        "{stderr}"
+    );
+}

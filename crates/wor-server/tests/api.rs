@@ -1,0 +1,524 @@
+//! The API end to end, in process: tenant isolation over every documented route, the one
+//! error shape, roles, and keys shown once.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic,
+    reason = "tests fail loudly"
+)]
+
+use axum::Router;
+use axum::body::Body;
+use axum::http::{Method, Request, StatusCode};
+use http_body_util::BodyExt;
+use serde_json::{Value, json};
+use tower::ServiceExt;
+use wor_server::{AppState, router};
+use wor_store::CreatedProject;
+use wor_store::testing::TestDatabase;
+
+struct TestApi {
+    router: Router,
+    db: TestDatabase,
+}
+
+struct Reply {
+    status: StatusCode,
+    body: Value,
+    text: String,
+}
+
+impl TestApi {
+    async fn new() -> Self {
+        let db = TestDatabase::new().await.unwrap();
+        let router = router(AppState {
+            store: db.store.clone(),
+        });
+        TestApi { router, db }
+    }
+
+    async fn project(&self, owner: &str) -> CreatedProject {
+        self.db
+            .store
+            .create_project(&TestDatabase::unique_name("p"), owner)
+            .await
+            .unwrap()
+    }
+
+    async fn raw(&self, request: Request<Body>) -> Reply {
+        let response = self.router.clone().oneshot(request).await.unwrap();
+        let status = response.status();
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        let text = String::from_utf8_lossy(&bytes).into_owned();
+        let body = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        Reply { status, body, text }
+    }
+
+    async fn call(
+        &self,
+        method: Method,
+        path: &str,
+        key: Option<&str>,
+        body: Option<Value>,
+    ) -> Reply {
+        let mut request = Request::builder().method(method).uri(path);
+        if let Some(key) = key {
+            request = request.header("authorization", format!("Bearer {key}"));
+        }
+        let request = match body {
+            Some(body) => request
+                .header("content-type", "application/json")
+                .body(Body::from(body.to_string())),
+            None => request.body(Body::empty()),
+        };
+        self.raw(request.unwrap()).await
+    }
+}
+
+fn assert_error(reply: &Reply, status: StatusCode, code: &str) {
+    assert_eq!(reply.status, status, "{}", reply.text);
+    assert_eq!(reply.body["error"]["code"], code, "{}", reply.text);
+    assert!(
+        reply.body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty())
+    );
+    assert_eq!(
+        reply.body.as_object().map(|o| o.len()),
+        Some(1),
+        "the error shape has one top-level field: {}",
+        reply.text
+    );
+}
+
+/// Every documented operation, as (method, path template).
+fn documented_operations() -> Vec<(Method, String)> {
+    let doc = serde_json::to_value(wor_server::openapi()).unwrap();
+    let mut ops = Vec::new();
+    for (path, item) in doc["paths"].as_object().unwrap() {
+        for (method, _) in item.as_object().unwrap() {
+            let method: Method = method.to_uppercase().parse().unwrap();
+            ops.push((method, path.clone()));
+        }
+    }
+    assert!(ops.len() >= 8, "the document lists the API: {ops:?}");
+    ops
+}
+
+/// Sample request bodies for documented operations that take one.
+fn sample_body(method: &Method, path: &str) -> Option<Value> {
+    match (method.as_str(), path) {
+        ("POST", "/v1/members") => Some(json!({"name": "probe", "role": "viewer"})),
+        ("POST", "/v1/keys") => Some(json!({"name": "probe", "role": "viewer", "service": true})),
+        ("POST" | "PUT" | "PATCH", _) => {
+            panic!("no sample body for {method} {path}: add one so the isolation walk covers it")
+        }
+        _ => None,
+    }
+}
+
+#[tokio::test]
+async fn another_projects_resources_answer_404_on_every_route() {
+    let api = TestApi::new().await;
+    let a = api.project("alice").await;
+    let b = api.project("bob").await;
+    let a_key_id = api.db.store.list_api_keys(a.project.id).await.unwrap()[0].id;
+    let foreign_ids = [
+        ("member_id", a.owner.id.to_string()),
+        ("key_id", a_key_id.to_string()),
+    ];
+    let a_ids = [
+        a.project.id.to_string(),
+        a.owner.id.to_string(),
+        a_key_id.to_string(),
+    ];
+    let b_key = b.owner_key.expose();
+
+    for (method, template) in documented_operations() {
+        let mut path = template.clone();
+        let mut has_param = false;
+        while let Some(start) = path.find('{') {
+            let end = path[start..].find('}').unwrap() + start;
+            let name = &path[start + 1..end];
+            let id = foreign_ids
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, id)| id.clone())
+                .unwrap_or_else(|| {
+                    panic!("no foreign id for path parameter `{name}` of {template}: add one")
+                });
+            path.replace_range(start..=end, &id);
+            has_param = true;
+        }
+        let reply = api
+            .call(
+                method.clone(),
+                &path,
+                Some(b_key),
+                sample_body(&method, &template),
+            )
+            .await;
+        if has_param {
+            assert_error(&reply, StatusCode::NOT_FOUND, "not_found");
+        }
+        for id in &a_ids {
+            assert!(
+                !reply.text.contains(id.as_str()),
+                "{method} {template} with project B's key revealed project A's `{id}`"
+            );
+        }
+    }
+    // Nothing of A's was changed by B's walk.
+    let a_key = api
+        .db
+        .store
+        .get_api_key(a.project.id, a_key_id)
+        .await
+        .unwrap();
+    assert!(a_key.revoked_at.is_none());
+    assert!(
+        api.db
+            .store
+            .authenticate_api_key(a.owner_key.expose())
+            .await
+            .unwrap()
+            .is_some()
+    );
+}
+
+#[tokio::test]
+async fn every_documented_route_exists_and_requires_a_key() {
+    let api = TestApi::new().await;
+    for (method, template) in documented_operations() {
+        let path = template.replace('{', "x").replace('}', "");
+        let reply = api.call(method.clone(), &path, None, None).await;
+        if template.starts_with("/v1/") {
+            assert_error(&reply, StatusCode::UNAUTHORIZED, "unauthenticated");
+        } else {
+            assert_eq!(
+                reply.status,
+                StatusCode::OK,
+                "{method} {template}: {}",
+                reply.text
+            );
+        }
+    }
+    let doc = api.call(Method::GET, "/v1/openapi.json", None, None).await;
+    assert_eq!(doc.status, StatusCode::OK);
+    assert_eq!(doc.body["openapi"], "3.1.0");
+    assert_eq!(
+        doc.body,
+        serde_json::to_value(wor_server::openapi()).unwrap()
+    );
+}
+
+#[tokio::test]
+async fn bad_requests_get_clear_4xx_errors_in_one_shape() {
+    let api = TestApi::new().await;
+    let p = api.project("alice").await;
+    let key = p.owner_key.expose();
+
+    let malformed = Request::post("/v1/keys")
+        .header("authorization", format!("Bearer {key}"))
+        .header("content-type", "application/json")
+        .body(Body::from("{\"name\": "))
+        .unwrap();
+    assert_error(
+        &api.raw(malformed).await,
+        StatusCode::BAD_REQUEST,
+        "invalid_json",
+    );
+
+    let unknown = api
+        .call(
+            Method::POST,
+            "/v1/keys",
+            Some(key),
+            Some(json!({"name": "k", "role": "viewer", "rol": "x"})),
+        )
+        .await;
+    assert_error(&unknown, StatusCode::BAD_REQUEST, "invalid_body");
+    assert!(
+        unknown.text.contains("unknown field `rol`"),
+        "{}",
+        unknown.text
+    );
+
+    let bad_role = api
+        .call(
+            Method::POST,
+            "/v1/keys",
+            Some(key),
+            Some(json!({"name": "k", "role": "root"})),
+        )
+        .await;
+    assert_error(&bad_role, StatusCode::BAD_REQUEST, "invalid_role");
+
+    let huge = "x".repeat(wor_server::MAX_BODY_BYTES + 10);
+    let oversized = api
+        .call(
+            Method::POST,
+            "/v1/keys",
+            Some(key),
+            Some(json!({"name": huge, "role": "viewer"})),
+        )
+        .await;
+    assert_error(
+        &oversized,
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "payload_too_large",
+    );
+
+    let no_type = Request::post("/v1/keys")
+        .header("authorization", format!("Bearer {key}"))
+        .body(Body::from("{}"))
+        .unwrap();
+    assert_error(
+        &api.raw(no_type).await,
+        StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        "unsupported_media_type",
+    );
+
+    let bad_id = api
+        .call(Method::GET, "/v1/keys/mem_123", Some(key), None)
+        .await;
+    assert_error(&bad_id, StatusCode::BAD_REQUEST, "invalid_id");
+    assert!(bad_id.text.contains("key_"), "{}", bad_id.text);
+
+    let missing = api
+        .call(
+            Method::GET,
+            &format!("/v1/keys/{}", wor_core::ApiKeyId::new()),
+            Some(key),
+            None,
+        )
+        .await;
+    assert_error(&missing, StatusCode::NOT_FOUND, "not_found");
+
+    assert_error(
+        &api.call(Method::GET, "/v1/nope", Some(key), None).await,
+        StatusCode::NOT_FOUND,
+        "no_route",
+    );
+    assert_error(
+        &api.call(Method::PUT, "/v1/keys", Some(key), None).await,
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+    );
+    assert_error(
+        &api.call(Method::GET, "/v1/keys", Some("wor_not_a_key"), None)
+            .await,
+        StatusCode::UNAUTHORIZED,
+        "unauthenticated",
+    );
+    let basic = Request::get("/v1/keys")
+        .header("authorization", "Basic Zm9vOmJhcg==")
+        .body(Body::empty())
+        .unwrap();
+    assert_error(
+        &api.raw(basic).await,
+        StatusCode::UNAUTHORIZED,
+        "unauthenticated",
+    );
+}
+
+#[tokio::test]
+async fn roles_are_checked_on_every_configuration_route() {
+    let api = TestApi::new().await;
+    let p = api.project("alice").await;
+    let owner = p.owner_key.expose();
+
+    let created = api
+        .call(
+            Method::POST,
+            "/v1/members",
+            Some(owner),
+            Some(json!({"name": "vera", "role": "viewer"})),
+        )
+        .await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.text);
+    let viewer_key = created.body["key"]["api_key"].as_str().unwrap().to_owned();
+    assert_eq!(created.body["key"]["role"], "viewer");
+
+    // A viewer reads but does not configure.
+    assert_eq!(
+        api.call(Method::GET, "/v1/members", Some(&viewer_key), None)
+            .await
+            .status,
+        StatusCode::OK
+    );
+    let denied = api
+        .call(
+            Method::POST,
+            "/v1/members",
+            Some(&viewer_key),
+            Some(json!({"name": "x", "role": "viewer"})),
+        )
+        .await;
+    assert_error(&denied, StatusCode::FORBIDDEN, "forbidden");
+    let denied = api
+        .call(
+            Method::POST,
+            "/v1/keys",
+            Some(&viewer_key),
+            Some(json!({"name": "s", "role": "viewer", "service": true})),
+        )
+        .await;
+    assert_error(&denied, StatusCode::FORBIDDEN, "forbidden");
+    // A viewer may make itself another viewer key, never a stronger one.
+    let own = api
+        .call(
+            Method::POST,
+            "/v1/keys",
+            Some(&viewer_key),
+            Some(json!({"name": "laptop", "role": "viewer"})),
+        )
+        .await;
+    assert_eq!(own.status, StatusCode::CREATED, "{}", own.text);
+    let stronger = api
+        .call(
+            Method::POST,
+            "/v1/keys",
+            Some(&viewer_key),
+            Some(json!({"name": "up", "role": "admin"})),
+        )
+        .await;
+    assert_error(&stronger, StatusCode::FORBIDDEN, "forbidden");
+
+    // An admin cannot mint owners.
+    let admin = api
+        .call(
+            Method::POST,
+            "/v1/members",
+            Some(owner),
+            Some(json!({"name": "adam", "role": "admin"})),
+        )
+        .await;
+    let admin_key = admin.body["key"]["api_key"].as_str().unwrap().to_owned();
+    let escalate = api
+        .call(
+            Method::POST,
+            "/v1/members",
+            Some(&admin_key),
+            Some(json!({"name": "o2", "role": "owner"})),
+        )
+        .await;
+    assert_error(&escalate, StatusCode::FORBIDDEN, "forbidden");
+
+    // A service key has no person: it cannot make personal keys.
+    let service = api
+        .call(
+            Method::POST,
+            "/v1/keys",
+            Some(owner),
+            Some(json!({"name": "ci", "role": "admin", "service": true})),
+        )
+        .await;
+    assert_eq!(service.status, StatusCode::CREATED, "{}", service.text);
+    assert_eq!(service.body["service"], true);
+    assert_eq!(service.body["member_id"], Value::Null);
+    let service_key = service.body["api_key"].as_str().unwrap().to_owned();
+    let personal = api
+        .call(
+            Method::POST,
+            "/v1/keys",
+            Some(&service_key),
+            Some(json!({"name": "p", "role": "viewer"})),
+        )
+        .await;
+    assert_error(&personal, StatusCode::FORBIDDEN, "forbidden");
+
+    // A viewer may revoke its own key but not another's.
+    let own_id = own.body["id"].as_str().unwrap();
+    let other_id = service.body["id"].as_str().unwrap();
+    assert_error(
+        &api.call(
+            Method::DELETE,
+            &format!("/v1/keys/{other_id}"),
+            Some(&viewer_key),
+            None,
+        )
+        .await,
+        StatusCode::FORBIDDEN,
+        "forbidden",
+    );
+    let revoked = api
+        .call(
+            Method::DELETE,
+            &format!("/v1/keys/{own_id}"),
+            Some(&viewer_key),
+            None,
+        )
+        .await;
+    assert_eq!(revoked.status, StatusCode::OK, "{}", revoked.text);
+    assert!(revoked.body["revoked_at"].is_string());
+    let own_secret = own.body["api_key"].as_str().unwrap();
+    assert_error(
+        &api.call(Method::GET, "/v1/whoami", Some(own_secret), None)
+            .await,
+        StatusCode::UNAUTHORIZED,
+        "unauthenticated",
+    );
+}
+
+#[tokio::test]
+async fn keys_are_shown_once_and_listed_by_prefix() {
+    let api = TestApi::new().await;
+    let p = api.project("alice").await;
+    let owner = p.owner_key.expose();
+    let created = api
+        .call(
+            Method::POST,
+            "/v1/keys",
+            Some(owner),
+            Some(json!({"name": "bot", "role": "viewer", "service": true})),
+        )
+        .await;
+    let secret = created.body["api_key"].as_str().unwrap().to_owned();
+    assert!(secret.starts_with("wor_"));
+    for path in [
+        "/v1/keys".to_owned(),
+        format!("/v1/keys/{}", created.body["id"].as_str().unwrap()),
+    ] {
+        let reply = api.call(Method::GET, &path, Some(owner), None).await;
+        assert_eq!(reply.status, StatusCode::OK);
+        assert!(
+            !reply.text.contains(&secret[12..]),
+            "{path} returned the key"
+        );
+        assert!(
+            !reply.text.contains(&owner[12..]),
+            "{path} returned the owner key"
+        );
+        assert!(!reply.text.contains("api_key"), "{path}: {}", reply.text);
+        assert!(
+            reply.text.contains(&secret[..12]),
+            "the prefix identifies the key"
+        );
+    }
+    let me = api
+        .call(Method::GET, "/v1/whoami", Some(&secret), None)
+        .await;
+    assert_eq!(me.body["service"], true);
+    assert_eq!(me.body["role"], "viewer");
+    assert_eq!(me.body["project"]["id"], p.project.id.to_string());
+}
+
+#[tokio::test]
+async fn health_and_readiness_answer_without_a_key() {
+    let api = TestApi::new().await;
+    let health = api.call(Method::GET, "/healthz", None, None).await;
+    assert_eq!(
+        (health.status, health.body["status"].clone()),
+        (StatusCode::OK, json!("ok"))
+    );
+    let ready = api.call(Method::GET, "/readyz", None, None).await;
+    assert_eq!(
+        (ready.status, ready.body["status"].clone()),
+        (StatusCode::OK, json!("ready"))
+    );
+    api.db.store.close().await;
+    let closed = api.call(Method::GET, "/readyz", None, None).await;
+    assert_error(&closed, StatusCode::SERVICE_UNAVAILABLE, "unavailable");
+}
