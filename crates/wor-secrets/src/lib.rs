@@ -2,3 +2,9 @@
 //!
 //! Everything that encrypts, decrypts, signs or redacts goes through this crate. It never logs,
 //! prints or formats (through `Debug` or `Display`) any key or secret value it holds.
+
+pub mod aead;
+
+pub use aead::{
+    DevKeyOrigin, KeyId, KeyRing, SealedSecret, SecretBinding, SecretsError, load_or_create_dev_key,
+};
