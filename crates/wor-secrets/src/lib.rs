@@ -4,9 +4,11 @@
 //! prints or formats (through `Debug` or `Display`) any key or secret value it holds.
 
 pub mod aead;
+pub mod redaction;
 pub mod webhook_signature;
 
 pub use aead::{
     DevKeyOrigin, KeyId, KeyRing, SealedSecret, SecretBinding, SecretsError, load_or_create_dev_key,
 };
+pub use redaction::{REDACTED_MARKER, RedactionError, Redactor, redact_shapes};
 pub use webhook_signature::{SignatureError, StandardWebhookSecret};
