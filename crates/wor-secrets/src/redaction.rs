@@ -3,8 +3,8 @@
 //! A [`Redactor`] is built from a project's live secret values. [`Redactor::redact`] replaces
 //!
 //! - every occurrence of a live secret, and of its standard base64, URL-safe base64,
-//!   percent-encoded and JSON-escaped forms, with `[REDACTED]` (one Aho–Corasick pass,
-//!   leftmost-longest). Secrets shorter than [`MIN_LIVE_SECRET_LEN`] bytes are not matched
+//!   percent-encoded and JSON-escaped forms, with `[REDACTED]` (leftmost-longest, with an
+//!   Aho–Corasick automaton behind a fingerprint table of the secrets' first bytes). Secrets shorter than [`MIN_LIVE_SECRET_LEN`] bytes are not matched
 //!   exactly: they would redact ordinary words; the shape rules still apply. Base64 forms only
 //!   match where the secret starts the encoded stream (a secret encoded mid-stream has no
 //!   fixed encoding);
@@ -12,6 +12,7 @@
 //!   credentials in URLs and headers) with `[REDACTED:<rule id>]`. As in gitleaks, one
 //!   case-insensitive Aho–Corasick pass finds the rules' keywords and each rule's regex runs
 //!   only in a window around its keyword hits, so text without keywords costs one scan.
+//!   A credential in a URL or an assignment loses only its secret part.
 //!
 //! [`redact_shapes`] applies the shape rules alone, for logs that have no project.
 
@@ -20,7 +21,7 @@ use std::collections::BTreeSet;
 use std::fmt;
 use std::sync::LazyLock;
 
-use aho_corasick::{AhoCorasick, AhoCorasickKind, MatchKind};
+use aho_corasick::{AhoCorasick, AhoCorasickKind, Anchored, Input, MatchKind, StartKind};
 use base64::Engine as _;
 use base64::engine::general_purpose::{STANDARD, STANDARD_NO_PAD, URL_SAFE, URL_SAFE_NO_PAD};
 use regex::Regex;
@@ -51,8 +52,84 @@ pub enum RedactionError {
 /// Its `Debug` output shows only counts.
 pub struct Redactor {
     /// `None` when no live secret is long enough to match.
-    live: Option<AhoCorasick>,
+    live: Option<LiveSecretMatcher>,
     live_pattern_count: usize,
+}
+
+/// Bits in the fingerprint table of a [`LiveSecretMatcher`] (128 KiB).
+const FINGERPRINT_BITS: u32 = 20;
+
+/// Finds live secrets: an 8-byte fingerprint table says where a secret may start, and an
+/// anchored leftmost-longest Aho–Corasick search confirms it.
+///
+/// Scanning every position through a many-thousand-pattern automaton is slower than this
+/// table lookup, which rejects almost every position at once.
+struct LiveSecretMatcher {
+    automaton: AhoCorasick,
+    /// One bit per fingerprint of some pattern's first [`MIN_LIVE_SECRET_LEN`] bytes.
+    fingerprints: Vec<u64>,
+}
+
+fn fingerprint(prefix: &[u8; MIN_LIVE_SECRET_LEN]) -> usize {
+    let mixed = u64::from_le_bytes(*prefix).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    usize::try_from(mixed >> (64 - FINGERPRINT_BITS)).unwrap_or_default()
+}
+
+impl LiveSecretMatcher {
+    fn build(patterns: &BTreeSet<String>) -> Result<Self, RedactionError> {
+        let automaton = AhoCorasick::builder()
+            .match_kind(MatchKind::LeftmostLongest)
+            .start_kind(StartKind::Anchored)
+            // The contiguous NFA keeps memory linear in the secrets' total length; a DFA
+            // over thousands of random strings would be hundreds of megabytes.
+            .kind(Some(AhoCorasickKind::ContiguousNFA))
+            .build(patterns)
+            .map_err(|e| RedactionError::MatcherTooLarge {
+                reason: e.to_string(),
+            })?;
+        let mut fingerprints = vec![0u64; 1 << (FINGERPRINT_BITS - 6)];
+        for pattern in patterns {
+            if let Some(prefix) = pattern.as_bytes().first_chunk() {
+                let bit = fingerprint(prefix);
+                if let Some(word) = fingerprints.get_mut(bit / 64) {
+                    *word |= 1 << (bit % 64);
+                }
+            }
+        }
+        Ok(Self {
+            automaton,
+            fingerprints,
+        })
+    }
+
+    fn may_start(&self, prefix: &[u8; MIN_LIVE_SECRET_LEN]) -> bool {
+        let bit = fingerprint(prefix);
+        self.fingerprints
+            .get(bit / 64)
+            .is_some_and(|word| word & (1 << (bit % 64)) != 0)
+    }
+
+    fn find(&self, text: &str, spans: &mut Vec<Span>) {
+        let bytes = text.as_bytes();
+        let mut at = 0;
+        while let Some(prefix) = bytes.get(at..).and_then(|rest| rest.first_chunk()) {
+            if self.may_start(prefix) {
+                let input = Input::new(text)
+                    .span(at..text.len())
+                    .anchored(Anchored::Yes);
+                if let Some(found) = self.automaton.find(input) {
+                    spans.push(Span {
+                        start: found.start(),
+                        end: found.end(),
+                        marker: Marker::LiveSecret,
+                    });
+                    at = found.end();
+                    continue;
+                }
+            }
+            at += 1;
+        }
+    }
 }
 
 impl fmt::Debug for Redactor {
@@ -83,16 +160,7 @@ impl Redactor {
         let live = if patterns.is_empty() {
             None
         } else {
-            let matcher = AhoCorasick::builder()
-                .match_kind(MatchKind::LeftmostLongest)
-                // The contiguous NFA keeps memory linear in the secrets' total length; a DFA
-                // over thousands of random strings would be hundreds of megabytes.
-                .kind(Some(AhoCorasickKind::ContiguousNFA))
-                .build(&patterns)
-                .map_err(|e| RedactionError::MatcherTooLarge {
-                    reason: e.to_string(),
-                })?;
-            Some(matcher)
+            Some(LiveSecretMatcher::build(&patterns)?)
         };
         Ok(Self {
             live,
@@ -104,11 +172,7 @@ impl Redactor {
     pub fn redact<'t>(&self, text: &'t str) -> Cow<'t, str> {
         let mut spans = Vec::new();
         if let Some(live) = &self.live {
-            spans.extend(live.find_iter(text).map(|m| Span {
-                start: m.start(),
-                end: m.end(),
-                marker: Marker::LiveSecret,
-            }));
+            live.find(text, &mut spans);
         }
         shape_scanner().find(text, &mut spans);
         apply(text, spans)
@@ -250,9 +314,10 @@ fn apply(text: &str, mut spans: Vec<Span>) -> Cow<'_, str> {
 
 /// Finds secret shapes: a keyword prefilter, then each rule's regex near its keyword hits.
 struct ShapeScanner {
+    /// Every rule keyword, lower-cased and deduplicated, matched ignoring ASCII case.
     keywords: AhoCorasick,
-    /// For each keyword pattern, the indices of the rules it belongs to.
-    keyword_rules: Vec<Vec<usize>>,
+    /// For each keyword pattern, the rules it belongs to with the keyword as they spell it.
+    keyword_rules: Vec<Vec<(usize, &'static str)>>,
     regexes: Vec<Regex>,
 }
 
@@ -264,23 +329,24 @@ fn shape_scanner() -> &'static ShapeScanner {
 impl ShapeScanner {
     #[expect(
         clippy::expect_used,
-        reason = "the rules are constants; `every_rule_compiles` tests that they build"
+        reason = "the rules are constants; `every_rule_compiles_and_has_valid_keywords` builds them"
     )]
     fn build() -> Self {
-        let mut keywords: Vec<&'static str> = Vec::new();
-        let mut keyword_rules: Vec<Vec<usize>> = Vec::new();
+        let mut keywords: Vec<String> = Vec::new();
+        let mut keyword_rules: Vec<Vec<(usize, &'static str)>> = Vec::new();
         for (index, rule) in SHAPE_RULES.iter().enumerate() {
-            for keyword in rule.keywords {
-                match keywords.iter().position(|k| k == keyword) {
-                    Some(at) => {
-                        if let Some(list) = keyword_rules.get_mut(at) {
-                            list.push(index);
-                        }
-                    }
+            for &keyword in rule.keywords {
+                let folded = keyword.to_ascii_lowercase();
+                let at = match keywords.iter().position(|k| *k == folded) {
+                    Some(at) => at,
                     None => {
-                        keywords.push(keyword);
-                        keyword_rules.push(vec![index]);
+                        keywords.push(folded);
+                        keyword_rules.push(Vec::new());
+                        keywords.len() - 1
                     }
+                };
+                if let Some(list) = keyword_rules.get_mut(at) {
+                    list.push((index, keyword));
                 }
             }
         }
@@ -304,17 +370,22 @@ impl ShapeScanner {
         let mut windows: Vec<Vec<(usize, usize)>> = vec![Vec::new(); SHAPE_RULES.len()];
         let mut any = false;
         for hit in self.keywords.find_overlapping_iter(text) {
-            let Some(rule_indices) = self.keyword_rules.get(hit.pattern().as_usize()) else {
+            let Some(rule_keywords) = self.keyword_rules.get(hit.pattern().as_usize()) else {
                 continue;
             };
-            for &index in rule_indices {
+            for &(index, keyword) in rule_keywords {
                 let (Some(rule), Some(list)) = (SHAPE_RULES.get(index), windows.get_mut(index))
                 else {
                     continue;
                 };
+                if !rule.ignores_case()
+                    && text.as_bytes().get(hit.range()) != Some(keyword.as_bytes())
+                {
+                    continue;
+                }
                 any = true;
-                let start = hit.start().saturating_sub(rule.reach);
-                let end = hit.end().saturating_add(rule.reach).min(text.len());
+                let start = hit.start().saturating_sub(rule.before);
+                let end = hit.end().saturating_add(rule.after).min(text.len());
                 match list.last_mut() {
                     Some(last) if start <= last.1 => {
                         last.0 = last.0.min(start);
@@ -346,7 +417,7 @@ fn find_in_window(
     let start = text.floor_char_boundary(start);
     let end = text.ceil_char_boundary(end);
     // Searching `text[..end]` from `start` keeps the context before the window visible to
-    // `\b`; matches are bounded by `reach`, so the cut at `end` loses none.
+    // `\b`; matches end within `after` bytes of their keyword, so the cut at `end` loses none.
     let Some(haystack) = text.get(..end) else {
         return;
     };

@@ -338,7 +338,7 @@ fn rule_by_id(id: &str) -> (usize, &'static ShapeRule) {
 }
 
 #[test]
-fn every_rule_compiles_and_has_lowercase_keywords() {
+fn every_rule_compiles_and_has_valid_keywords() {
     assert!(SHAPE_RULES.len() >= 30, "only {} rules", SHAPE_RULES.len());
     let scanner = shape_scanner();
     assert_eq!(scanner.regexes.len(), SHAPE_RULES.len());
@@ -347,7 +347,9 @@ fn every_rule_compiles_and_has_lowercase_keywords() {
         assert!(ids.insert(rule.id), "duplicate rule id `{}`", rule.id);
         assert!(!rule.keywords.is_empty(), "`{}` has no keyword", rule.id);
         for keyword in rule.keywords {
-            assert_eq!(*keyword, keyword.to_lowercase(), "`{}`", rule.id);
+            if rule.ignores_case() {
+                assert_eq!(*keyword, keyword.to_lowercase(), "`{}`", rule.id);
+            }
         }
     }
 }
@@ -368,10 +370,31 @@ fn every_rule_redacts_its_positive_and_spares_its_negative() {
             .captures(positive)
             .unwrap_or_else(|| panic!("`{id}` does not match its positive sample"));
         let secret = caps.get(rule.secret_group).unwrap().as_str();
-        let lower = positive.to_lowercase();
+        let matched = caps.get(0).unwrap().as_str();
+        let holds_keyword = if rule.ignores_case() {
+            let lower = matched.to_lowercase();
+            rule.keywords.iter().any(|k| lower.contains(k))
+        } else {
+            rule.keywords.iter().any(|k| matched.contains(k))
+        };
         assert!(
-            rule.keywords.iter().any(|k| lower.contains(k)),
-            "`{id}`: positive sample holds none of its keywords"
+            holds_keyword,
+            "`{id}`: its match holds none of its keywords"
+        );
+        let whole = caps.get(0).unwrap();
+        let keyword_at = rule
+            .keywords
+            .iter()
+            .filter_map(|k| whole.as_str().to_lowercase().find(&k.to_lowercase()))
+            .min()
+            .unwrap();
+        assert!(
+            keyword_at <= rule.before,
+            "`{id}`: keyword too far from match start"
+        );
+        assert!(
+            whole.len() - keyword_at <= rule.after,
+            "`{id}`: match longer than `after` allows"
         );
 
         // Embedded in surrounding text, through the prefilter.
