@@ -1,0 +1,454 @@
+//! Redaction of live secret values and common secret shapes from text and JSON.
+//!
+//! A [`Redactor`] is built from a project's live secret values. [`Redactor::redact`] replaces
+//!
+//! - every occurrence of a live secret, and of its standard base64, URL-safe base64,
+//!   percent-encoded and JSON-escaped forms, with `[REDACTED]` (leftmost-longest, with an
+//!   Aho–Corasick automaton behind a fingerprint table of the secrets' first bytes). Secrets shorter than [`MIN_LIVE_SECRET_LEN`] bytes are not matched
+//!   exactly: they would redact ordinary words; the shape rules still apply. Base64 forms only
+//!   match where the secret starts the encoded stream (a secret encoded mid-stream has no
+//!   fixed encoding);
+//! - every match of a secret-shape rule (provider key formats, JWTs, private key blocks,
+//!   credentials in URLs and headers) with `[REDACTED:<rule id>]`. As in gitleaks, one
+//!   case-insensitive Aho–Corasick pass finds the rules' keywords and each rule's regex runs
+//!   only in a window around its keyword hits, so text without keywords costs one scan.
+//!   A credential in a URL or an assignment loses only its secret part.
+//!
+//! [`redact_shapes`] applies the shape rules alone, for logs that have no project.
+
+use std::borrow::Cow;
+use std::collections::BTreeSet;
+use std::fmt;
+use std::sync::LazyLock;
+
+use aho_corasick::{AhoCorasick, AhoCorasickKind, Anchored, Input, MatchKind, StartKind};
+use base64::Engine as _;
+use base64::engine::general_purpose::{STANDARD, STANDARD_NO_PAD, URL_SAFE, URL_SAFE_NO_PAD};
+use regex::Regex;
+
+mod rules;
+
+use rules::{SHAPE_RULES, ShapeRule};
+
+/// Marker that replaces a live secret (or overlapping hits of different kinds).
+pub const REDACTED_MARKER: &str = "[REDACTED]";
+
+/// Live secrets shorter than this many bytes are not matched exactly.
+pub const MIN_LIVE_SECRET_LEN: usize = 8;
+
+/// What went wrong while building a [`Redactor`].
+#[derive(Debug, thiserror::Error)]
+pub enum RedactionError {
+    /// The live secrets are too many or too large for the matcher.
+    #[error("live secrets could not be compiled into a matcher: {reason}")]
+    MatcherTooLarge {
+        /// The matcher's explanation (it names no secret).
+        reason: String,
+    },
+}
+
+/// Redacts one project's live secrets and all secret shapes.
+///
+/// Its `Debug` output shows only counts.
+pub struct Redactor {
+    /// `None` when no live secret is long enough to match.
+    live: Option<LiveSecretMatcher>,
+    live_pattern_count: usize,
+}
+
+/// Bits in the fingerprint table of a [`LiveSecretMatcher`] (128 KiB).
+const FINGERPRINT_BITS: u32 = 20;
+
+/// Finds live secrets: an 8-byte fingerprint table says where a secret may start, and an
+/// anchored leftmost-longest Aho–Corasick search confirms it.
+///
+/// Scanning every position through a many-thousand-pattern automaton is slower than this
+/// table lookup, which rejects almost every position at once.
+struct LiveSecretMatcher {
+    automaton: AhoCorasick,
+    /// One bit per fingerprint of some pattern's first [`MIN_LIVE_SECRET_LEN`] bytes.
+    fingerprints: Vec<u64>,
+}
+
+fn fingerprint(prefix: &[u8; MIN_LIVE_SECRET_LEN]) -> usize {
+    let mixed = u64::from_le_bytes(*prefix).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    usize::try_from(mixed >> (64 - FINGERPRINT_BITS)).unwrap_or_default()
+}
+
+impl LiveSecretMatcher {
+    fn build(patterns: &BTreeSet<String>) -> Result<Self, RedactionError> {
+        let automaton = AhoCorasick::builder()
+            .match_kind(MatchKind::LeftmostLongest)
+            .start_kind(StartKind::Anchored)
+            // The contiguous NFA keeps memory linear in the secrets' total length; a DFA
+            // over thousands of random strings would be hundreds of megabytes.
+            .kind(Some(AhoCorasickKind::ContiguousNFA))
+            .build(patterns)
+            .map_err(|e| RedactionError::MatcherTooLarge {
+                reason: e.to_string(),
+            })?;
+        let mut fingerprints = vec![0u64; 1 << (FINGERPRINT_BITS - 6)];
+        for pattern in patterns {
+            if let Some(prefix) = pattern.as_bytes().first_chunk() {
+                let bit = fingerprint(prefix);
+                if let Some(word) = fingerprints.get_mut(bit / 64) {
+                    *word |= 1 << (bit % 64);
+                }
+            }
+        }
+        Ok(Self {
+            automaton,
+            fingerprints,
+        })
+    }
+
+    fn may_start(&self, prefix: &[u8; MIN_LIVE_SECRET_LEN]) -> bool {
+        let bit = fingerprint(prefix);
+        self.fingerprints
+            .get(bit / 64)
+            .is_some_and(|word| word & (1 << (bit % 64)) != 0)
+    }
+
+    fn find(&self, text: &str, spans: &mut Vec<Span>) {
+        let bytes = text.as_bytes();
+        let mut at = 0;
+        while let Some(prefix) = bytes.get(at..).and_then(|rest| rest.first_chunk()) {
+            if self.may_start(prefix) {
+                let input = Input::new(text)
+                    .span(at..text.len())
+                    .anchored(Anchored::Yes);
+                if let Some(found) = self.automaton.find(input) {
+                    spans.push(Span {
+                        start: found.start(),
+                        end: found.end(),
+                        marker: Marker::LiveSecret,
+                    });
+                    at = found.end();
+                    continue;
+                }
+            }
+            at += 1;
+        }
+    }
+}
+
+impl fmt::Debug for Redactor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Redactor")
+            .field("live_patterns", &self.live_pattern_count)
+            .field("shape_rules", &SHAPE_RULES.len())
+            .finish()
+    }
+}
+
+impl Redactor {
+    /// Builds a redactor from the live secret values of a project.
+    ///
+    /// # Errors
+    /// [`RedactionError::MatcherTooLarge`] if the secrets exceed the matcher's size limits.
+    pub fn new<S: AsRef<str>>(
+        live_secrets: impl IntoIterator<Item = S>,
+    ) -> Result<Self, RedactionError> {
+        let mut patterns = BTreeSet::new();
+        for secret in live_secrets {
+            let secret = secret.as_ref();
+            if secret.len() >= MIN_LIVE_SECRET_LEN {
+                patterns.extend(encoded_forms(secret));
+            }
+        }
+        let live_pattern_count = patterns.len();
+        let live = if patterns.is_empty() {
+            None
+        } else {
+            Some(LiveSecretMatcher::build(&patterns)?)
+        };
+        Ok(Self {
+            live,
+            live_pattern_count,
+        })
+    }
+
+    /// Returns `text` with live secrets and secret shapes replaced; borrowed when unchanged.
+    pub fn redact<'t>(&self, text: &'t str) -> Cow<'t, str> {
+        let mut spans = Vec::new();
+        if let Some(live) = &self.live {
+            live.find(text, &mut spans);
+        }
+        shape_scanner().find(text, &mut spans);
+        apply(text, spans)
+    }
+
+    /// Redacts every string in `value` in place: string values at any depth and object keys.
+    ///
+    /// Keys that redact to the same text collapse into one entry (the last one wins).
+    pub fn redact_json(&self, value: &mut serde_json::Value) {
+        redact_json_with(value, &|text| self.redact(text));
+    }
+}
+
+/// Redacts secret shapes only (no live secrets), for logs and other text with no project.
+pub fn redact_shapes(text: &str) -> Cow<'_, str> {
+    let mut spans = Vec::new();
+    shape_scanner().find(text, &mut spans);
+    apply(text, spans)
+}
+
+fn redact_json_with(value: &mut serde_json::Value, redact: &dyn Fn(&str) -> Cow<'_, str>) {
+    use serde_json::Value;
+    match value {
+        Value::String(text) => {
+            if let Cow::Owned(redacted) = redact(text) {
+                *text = redacted;
+            }
+        }
+        Value::Array(items) => {
+            for item in items {
+                redact_json_with(item, redact);
+            }
+        }
+        Value::Object(map) => {
+            let keys_change = map.keys().any(|k| matches!(redact(k), Cow::Owned(_)));
+            if keys_change {
+                let entries = std::mem::take(map);
+                for (key, mut item) in entries {
+                    redact_json_with(&mut item, redact);
+                    map.insert(redact(&key).into_owned(), item);
+                }
+            } else {
+                for item in map.values_mut() {
+                    redact_json_with(item, redact);
+                }
+            }
+        }
+        Value::Null | Value::Bool(_) | Value::Number(_) => {}
+    }
+}
+
+/// The forms in which a secret commonly appears in tool output and payloads.
+fn encoded_forms(secret: &str) -> Vec<String> {
+    let bytes = secret.as_bytes();
+    let mut forms = vec![
+        secret.to_owned(),
+        STANDARD.encode(bytes),
+        STANDARD_NO_PAD.encode(bytes),
+        URL_SAFE.encode(bytes),
+        URL_SAFE_NO_PAD.encode(bytes),
+        percent_encode(bytes, b"0123456789ABCDEF"),
+        percent_encode(bytes, b"0123456789abcdef"),
+    ];
+    if let Ok(quoted) = serde_json::to_string(secret)
+        && let Some(inner) = quoted.get(1..quoted.len().saturating_sub(1))
+    {
+        forms.push(inner.to_owned());
+    }
+    forms
+}
+
+/// Percent-encodes every byte outside RFC 3986's unreserved set.
+fn percent_encode(bytes: &[u8], digits: &[u8; 16]) -> String {
+    let mut out = String::with_capacity(bytes.len() * 3);
+    for &byte in bytes {
+        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
+            out.push(char::from(byte));
+        } else {
+            out.push('%');
+            for nibble in [byte >> 4, byte & 0x0f] {
+                let digit = digits.get(usize::from(nibble)).copied().unwrap_or(b'0');
+                out.push(char::from(digit));
+            }
+        }
+    }
+    out
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Marker {
+    LiveSecret,
+    Shape(&'static str),
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Span {
+    start: usize,
+    end: usize,
+    marker: Marker,
+}
+
+/// Replaces the union of `spans` in `text`; overlapping spans of different kinds get the
+/// generic marker.
+fn apply(text: &str, mut spans: Vec<Span>) -> Cow<'_, str> {
+    if spans.is_empty() {
+        return Cow::Borrowed(text);
+    }
+    spans.sort_unstable_by_key(|s| (s.start, std::cmp::Reverse(s.end)));
+    let mut merged: Vec<Span> = Vec::with_capacity(spans.len());
+    for span in spans {
+        match merged.last_mut() {
+            Some(last) if span.start < last.end => {
+                last.end = last.end.max(span.end);
+                if last.marker != span.marker {
+                    last.marker = Marker::LiveSecret;
+                }
+            }
+            _ => merged.push(span),
+        }
+    }
+    let mut out = String::with_capacity(text.len());
+    let mut cursor = 0;
+    for span in merged {
+        // INVARIANT: spans come from matches on `text`, so they lie on char boundaries.
+        out.push_str(text.get(cursor..span.start).unwrap_or_default());
+        match span.marker {
+            Marker::LiveSecret => out.push_str(REDACTED_MARKER),
+            Marker::Shape(id) => {
+                out.push_str("[REDACTED:");
+                out.push_str(id);
+                out.push(']');
+            }
+        }
+        cursor = span.end;
+    }
+    out.push_str(text.get(cursor..).unwrap_or_default());
+    Cow::Owned(out)
+}
+
+/// Finds secret shapes: a keyword prefilter, then each rule's regex near its keyword hits.
+struct ShapeScanner {
+    /// Every rule keyword, lower-cased and deduplicated, matched ignoring ASCII case.
+    keywords: AhoCorasick,
+    /// For each keyword pattern, the rules it belongs to with the keyword as they spell it.
+    keyword_rules: Vec<Vec<(usize, &'static str)>>,
+    regexes: Vec<Regex>,
+}
+
+fn shape_scanner() -> &'static ShapeScanner {
+    static SCANNER: LazyLock<ShapeScanner> = LazyLock::new(ShapeScanner::build);
+    &SCANNER
+}
+
+impl ShapeScanner {
+    #[expect(
+        clippy::expect_used,
+        reason = "the rules are constants; `every_rule_compiles_and_has_valid_keywords` builds them"
+    )]
+    fn build() -> Self {
+        let mut keywords: Vec<String> = Vec::new();
+        let mut keyword_rules: Vec<Vec<(usize, &'static str)>> = Vec::new();
+        for (index, rule) in SHAPE_RULES.iter().enumerate() {
+            for &keyword in rule.keywords {
+                let folded = keyword.to_ascii_lowercase();
+                let at = match keywords.iter().position(|k| *k == folded) {
+                    Some(at) => at,
+                    None => {
+                        keywords.push(folded);
+                        keyword_rules.push(Vec::new());
+                        keywords.len() - 1
+                    }
+                };
+                if let Some(list) = keyword_rules.get_mut(at) {
+                    list.push((index, keyword));
+                }
+            }
+        }
+        let keywords = AhoCorasick::builder()
+            .ascii_case_insensitive(true)
+            .build(&keywords)
+            .expect("keyword matcher builds");
+        let regexes = SHAPE_RULES
+            .iter()
+            .map(|rule| Regex::new(rule.pattern).expect("rule pattern compiles"))
+            .collect();
+        Self {
+            keywords,
+            keyword_rules,
+            regexes,
+        }
+    }
+
+    fn find(&self, text: &str, spans: &mut Vec<Span>) {
+        // Per rule, the merged windows around its keyword hits.
+        let mut windows: Vec<Vec<(usize, usize)>> = vec![Vec::new(); SHAPE_RULES.len()];
+        let mut any = false;
+        for hit in self.keywords.find_overlapping_iter(text) {
+            let Some(rule_keywords) = self.keyword_rules.get(hit.pattern().as_usize()) else {
+                continue;
+            };
+            for &(index, keyword) in rule_keywords {
+                let (Some(rule), Some(list)) = (SHAPE_RULES.get(index), windows.get_mut(index))
+                else {
+                    continue;
+                };
+                if !rule.ignores_case()
+                    && text.as_bytes().get(hit.range()) != Some(keyword.as_bytes())
+                {
+                    continue;
+                }
+                any = true;
+                let start = hit.start().saturating_sub(rule.before);
+                let end = hit.end().saturating_add(rule.after).min(text.len());
+                match list.last_mut() {
+                    Some(last) if start <= last.1 => {
+                        last.0 = last.0.min(start);
+                        last.1 = last.1.max(end);
+                    }
+                    _ => list.push((start, end)),
+                }
+            }
+        }
+        if !any {
+            return;
+        }
+        for ((rule, regex), list) in SHAPE_RULES.iter().zip(&self.regexes).zip(&windows) {
+            for &(start, end) in list {
+                find_in_window(text, rule, regex, start, end, spans);
+            }
+        }
+    }
+}
+
+fn find_in_window(
+    text: &str,
+    rule: &ShapeRule,
+    regex: &Regex,
+    start: usize,
+    end: usize,
+    spans: &mut Vec<Span>,
+) {
+    let start = text.floor_char_boundary(start);
+    let end = text.ceil_char_boundary(end);
+    // Searching `text[..end]` from `start` keeps the context before the window visible to
+    // `\b`; matches end within `after` bytes of their keyword, so the cut at `end` loses none.
+    let Some(haystack) = text.get(..end) else {
+        return;
+    };
+    let marker = Marker::Shape(rule.id);
+    let mut at = start;
+    while at < haystack.len() {
+        let found = if rule.secret_group == 0 {
+            regex.find_at(haystack, at).map(|m| (m.end(), m.range()))
+        } else {
+            regex.captures_at(haystack, at).and_then(|caps| {
+                let whole_end = caps.get(0)?.end();
+                Some((whole_end, caps.get(rule.secret_group)?.range()))
+            })
+        };
+        let Some((match_end, secret)) = found else {
+            break;
+        };
+        if !secret.is_empty() {
+            spans.push(Span {
+                start: secret.start,
+                end: secret.end,
+                marker,
+            });
+        }
+        at = if match_end > at {
+            match_end
+        } else {
+            text.ceil_char_boundary(at.saturating_add(1))
+        };
+    }
+}
+
+#[cfg(test)]
+mod tests;

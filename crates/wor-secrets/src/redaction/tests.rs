@@ -1,0 +1,560 @@
+//! Tests of live-secret and shape redaction, with one positive and one negative sample per rule.
+
+use std::collections::BTreeSet;
+
+use super::*;
+
+fn alnum(n: usize) -> String {
+    "aB3dE5gH7jK9mN1pQ2sT4vW6yZ8"
+        .chars()
+        .cycle()
+        .take(n)
+        .collect()
+}
+
+fn hex(n: usize) -> String {
+    "0a1b2c3d4e5f6789".chars().cycle().take(n).collect()
+}
+
+/// `(rule id, positive sample, negative sample)`; every rule must appear exactly once.
+fn samples() -> Vec<(&'static str, String, String)> {
+    vec![
+        (
+            "private-key",
+            format!(
+                "-----BEGIN RSA PRIVATE KEY-----\nMIIEow{}\n-----END RSA PRIVATE KEY-----",
+                alnum(80)
+            ),
+            format!(
+                "-----BEGIN PUBLIC KEY-----\nMIIBIj{}\n-----END PUBLIC KEY-----",
+                alnum(80)
+            ),
+        ),
+        (
+            "aws-access-token",
+            "AKIAZ7QRSTUVWXY23456".into(),
+            "akiaz7qrstuvwxy23456 AKIA".into(),
+        ),
+        (
+            "aws-secret-access-key",
+            "aws_secret_access_key = \"wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY\"".into(),
+            "aws_secret_access_key = \"tooshort\"".into(),
+        ),
+        (
+            "github-pat",
+            format!("ghp_{}", alnum(36)),
+            format!("ghp_{}", alnum(35)),
+        ),
+        (
+            "github-fine-grained-pat",
+            format!("github_pat_{}", alnum(82)),
+            format!("github_pat_{}", alnum(20)),
+        ),
+        (
+            "github-oauth",
+            format!("gho_{}", alnum(36)),
+            "gho_abc".into(),
+        ),
+        (
+            "github-app-token",
+            format!("ghs_{}", alnum(36)),
+            "ghs_abc".into(),
+        ),
+        (
+            "github-refresh-token",
+            format!("ghr_{}", alnum(36)),
+            "ghr_abc".into(),
+        ),
+        (
+            "gitlab-pat",
+            format!("glpat-{}", alnum(20)),
+            "glpat-short".into(),
+        ),
+        (
+            "gitlab-pipeline-trigger-token",
+            format!("glptt-{}", hex(40)),
+            format!("glptt-{}", "z".repeat(40)),
+        ),
+        (
+            "gitlab-runner-registration-token",
+            format!("GR1348941{}", alnum(20)),
+            "GR1348941abc".into(),
+        ),
+        (
+            "gitlab-runner-auth-token",
+            format!("glrt-{}", alnum(24)),
+            "glrt-short".into(),
+        ),
+        (
+            "gitlab-deploy-token",
+            format!("gldt-{}", alnum(24)),
+            "gldt-short".into(),
+        ),
+        (
+            "slack-bot-token",
+            "xoxb-1234567890-1234567890123-AbCdEfGh".into(),
+            "xoxb-123".into(),
+        ),
+        (
+            "slack-user-token",
+            format!("xoxp-1234567890-1234567890-1234567890-{}", alnum(32)),
+            "xoxp-1-2-3-abc".into(),
+        ),
+        (
+            "slack-app-token",
+            "xapp-1-A0123ABCDEF-1234567890123-abcdef0123456789".into(),
+            "xapp-x".into(),
+        ),
+        (
+            "slack-webhook-url",
+            format!("https://hooks.slack.com/services/T0123ABCD/B0123ABCD/{}", alnum(24)),
+            "see https://hooks.slack.com/services/ for details".into(),
+        ),
+        (
+            "discord-webhook-url",
+            format!("https://discord.com/api/webhooks/123456789012345678/{}", alnum(64)),
+            "https://discord.com/api/webhooks/ documentation".into(),
+        ),
+        (
+            "stripe-access-token",
+            format!("sk_live_{}", alnum(24)),
+            "sk_live_short".into(),
+        ),
+        (
+            "whsec-secret",
+            format!("whsec_{}", alnum(32)),
+            "whsec_abc".into(),
+        ),
+        (
+            "openai-api-key",
+            format!("sk-{}T3BlbkFJ{}", alnum(20), alnum(20)),
+            format!("sk-{}T3BlbkFJ{}", alnum(5), alnum(5)),
+        ),
+        (
+            "openai-project-key",
+            format!("sk-proj-{}", alnum(48)),
+            "sk-proj-short".into(),
+        ),
+        (
+            "anthropic-api-key",
+            format!("sk-ant-api03-{}AA", alnum(93)),
+            "sk-ant-api03-short".into(),
+        ),
+        (
+            "anthropic-admin-api-key",
+            format!("sk-ant-admin01-{}AA", alnum(93)),
+            "sk-ant-admin01-short".into(),
+        ),
+        (
+            "gcp-api-key",
+            format!("AIza{}", alnum(35)),
+            "AIzashort".into(),
+        ),
+        (
+            "google-oauth-client-secret",
+            format!("GOCSPX-{}", alnum(28)),
+            "GOCSPX-abc".into(),
+        ),
+        (
+            "twilio-api-key",
+            format!("SK{}", hex(32)),
+            format!("ask the desk about SK{}", "g".repeat(32)),
+        ),
+        (
+            "sendgrid-api-token",
+            format!("SG.{}.{}", alnum(22), alnum(43)),
+            "SG.short.short".into(),
+        ),
+        (
+            "npm-access-token",
+            format!("npm_{}", alnum(36)),
+            "run npm_install".into(),
+        ),
+        (
+            "pypi-upload-token",
+            format!("pypi-AgEIcHlwaS5vcmc{}", alnum(60)),
+            "pypi-AgEIcHlwaS5vcmcshort".into(),
+        ),
+        (
+            "jwt",
+            "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U"
+                .into(),
+            "eyJhbGciOiJIUzI1NiJ9 alone".into(),
+        ),
+        (
+            "basic-auth-url",
+            "postgres://admin:s3cr3tP4ss@db.example.com:5432/app".into(),
+            "https://db.example.com:5432/app?user=admin".into(),
+        ),
+        (
+            "bearer-token",
+            format!("Authorization: Bearer {}", alnum(40)),
+            "the bearer of bad news".into(),
+        ),
+        (
+            "basic-auth-header",
+            "Authorization: Basic dXNlcjpwYXNzd29yZA==".into(),
+            "Authorization: required".into(),
+        ),
+        (
+            "generic-credential-assignment",
+            "{\"password\": \"correct-horse-battery\"}".into(),
+            "{\"password_policy\": \"strong\", \"password\": \"x\"}".into(),
+        ),
+        (
+            "age-secret-key",
+            "AGE-SECRET-KEY-1QPZRY9X8GF2TVDW0S3JN54KHCE6MUA7LQPZRY9X8GF2TVDW0S3JN54KHCE".into(),
+            "AGE-SECRET-KEY-1short".into(),
+        ),
+        (
+            "shopify-token",
+            format!("shpat_{}", hex(32)),
+            "shpat_xyz".into(),
+        ),
+        (
+            "digitalocean-token",
+            format!("dop_v1_{}", hex(64)),
+            "dop_v1_abc".into(),
+        ),
+        (
+            "doppler-api-token",
+            format!("dp.pt.{}", alnum(43)),
+            "dp.pt.short".into(),
+        ),
+        (
+            "hashicorp-tf-api-token",
+            format!("abcdefghijklmn.atlasv1.{}", alnum(64)),
+            "foo.atlasv1.bar".into(),
+        ),
+        (
+            "vault-token",
+            format!("hvs.{}", alnum(100)),
+            "hvs.short".into(),
+        ),
+        (
+            "huggingface-access-token",
+            format!("hf_{}", "abcdefghijklmnopqrstuvwxyzABCDEFGH"),
+            "hf_abc123".into(),
+        ),
+        (
+            "postman-api-token",
+            format!("PMAK-{}-{}", hex(24), hex(34)),
+            "PMAK-123".into(),
+        ),
+        (
+            "pulumi-api-token",
+            format!("pul-{}", hex(40)),
+            "pul-request".into(),
+        ),
+        (
+            "linear-api-key",
+            format!("lin_api_{}", alnum(40)),
+            "lin_api_docs".into(),
+        ),
+        (
+            "databricks-api-token",
+            format!("dapi{}", hex(32)),
+            "dapi is an api".into(),
+        ),
+        (
+            "atlassian-api-token",
+            format!("ATATT3{}", alnum(186)),
+            "ATATT3xyz".into(),
+        ),
+        (
+            "grafana-service-account-token",
+            format!("glsa_{}_{}", alnum(32), hex(8)),
+            "glsa_short".into(),
+        ),
+        (
+            "grafana-cloud-api-token",
+            format!("glc_{}", alnum(40)),
+            "glc_short".into(),
+        ),
+        (
+            "new-relic-user-api-key",
+            "NRAK-ABCDEFGHIJKLMNOPQRSTUVWXY12".into(),
+            "NRAK-SHORT".into(),
+        ),
+        (
+            "sentry-user-token",
+            format!("sntryu_{}", hex(64)),
+            "sntryu_abc".into(),
+        ),
+        (
+            "sentry-org-token",
+            format!("sntrys_eyJ{}", alnum(60)),
+            "sntrys_abc".into(),
+        ),
+        (
+            "flyio-access-token",
+            format!("fo1_{}", alnum(43)),
+            "fo1_abc".into(),
+        ),
+        (
+            "planetscale-token",
+            format!("pscale_tkn_{}", alnum(40)),
+            "pscale_tkn_short".into(),
+        ),
+        (
+            "rubygems-api-token",
+            format!("rubygems_{}", hex(48)),
+            "rubygems_org".into(),
+        ),
+        (
+            "square-access-token",
+            format!("sq0atp-{}", alnum(30)),
+            "sq0atp-abc".into(),
+        ),
+        (
+            "azure-ad-client-secret",
+            format!("abc8Q~{}", alnum(32)),
+            "abc8Q~short".into(),
+        ),
+        (
+            "dockerhub-pat",
+            format!("dckr_pat_{}", alnum(27)),
+            "dckr_pat_abc".into(),
+        ),
+        (
+            "mailgun-private-api-token",
+            format!("key-{}", hex(32)),
+            "key-value store".into(),
+        ),
+        (
+            "telegram-bot-token",
+            format!("123456789:AA{}", alnum(33)),
+            "123456789:AAshort".into(),
+        ),
+    ]
+}
+
+fn rule_by_id(id: &str) -> (usize, &'static ShapeRule) {
+    SHAPE_RULES
+        .iter()
+        .enumerate()
+        .find(|(_, r)| r.id == id)
+        .unwrap_or_else(|| panic!("sample names unknown rule `{id}`"))
+}
+
+#[test]
+fn every_rule_compiles_and_has_valid_keywords() {
+    assert!(SHAPE_RULES.len() >= 30, "only {} rules", SHAPE_RULES.len());
+    let scanner = shape_scanner();
+    assert_eq!(scanner.regexes.len(), SHAPE_RULES.len());
+    let mut ids = BTreeSet::new();
+    for rule in SHAPE_RULES {
+        assert!(ids.insert(rule.id), "duplicate rule id `{}`", rule.id);
+        assert!(!rule.keywords.is_empty(), "`{}` has no keyword", rule.id);
+        for keyword in rule.keywords {
+            if rule.ignores_case() {
+                assert_eq!(*keyword, keyword.to_lowercase(), "`{}`", rule.id);
+            }
+        }
+    }
+}
+
+#[test]
+fn every_rule_redacts_its_positive_and_spares_its_negative() {
+    let samples = samples();
+    let sampled: Vec<&str> = samples.iter().map(|(id, _, _)| *id).collect();
+    let unique: BTreeSet<&str> = sampled.iter().copied().collect();
+    assert_eq!(unique.len(), sampled.len(), "a rule is sampled twice");
+    let all: BTreeSet<&str> = SHAPE_RULES.iter().map(|r| r.id).collect();
+    assert_eq!(unique, all, "every rule needs exactly one sample row");
+
+    for (id, positive, negative) in &samples {
+        let (index, rule) = rule_by_id(id);
+        let regex = &shape_scanner().regexes[index];
+        let caps = regex
+            .captures(positive)
+            .unwrap_or_else(|| panic!("`{id}` does not match its positive sample"));
+        let secret = caps.get(rule.secret_group).unwrap().as_str();
+        let matched = caps.get(0).unwrap().as_str();
+        let holds_keyword = if rule.ignores_case() {
+            let lower = matched.to_lowercase();
+            rule.keywords.iter().any(|k| lower.contains(k))
+        } else {
+            rule.keywords.iter().any(|k| matched.contains(k))
+        };
+        assert!(
+            holds_keyword,
+            "`{id}`: its match holds none of its keywords"
+        );
+        let whole = caps.get(0).unwrap();
+        let keyword_at = rule
+            .keywords
+            .iter()
+            .filter_map(|k| whole.as_str().to_lowercase().find(&k.to_lowercase()))
+            .min()
+            .unwrap();
+        assert!(
+            keyword_at <= rule.before,
+            "`{id}`: keyword too far from match start"
+        );
+        assert!(
+            whole.len() - keyword_at <= rule.after,
+            "`{id}`: match longer than `after` allows"
+        );
+
+        // Embedded in surrounding text, through the prefilter.
+        let text = format!("before {positive} after");
+        let redacted = redact_shapes(&text);
+        assert!(!redacted.contains(secret), "`{id}` leaked: {redacted}");
+        assert!(redacted.contains("[REDACTED"), "`{id}`: {redacted}");
+        assert!(redacted.starts_with("before ") && redacted.ends_with(" after"));
+
+        assert!(
+            !regex.is_match(negative),
+            "`{id}` matches its negative sample"
+        );
+        let spared = redact_shapes(negative);
+        assert_eq!(spared, negative.as_str(), "`{id}` negative was redacted");
+        assert!(matches!(spared, Cow::Borrowed(_)));
+    }
+}
+
+#[test]
+fn shape_marker_names_the_rule() {
+    let token = format!("ghp_{}", alnum(36));
+    assert_eq!(
+        redact_shapes(&format!("token {token}.")),
+        "token [REDACTED:github-pat]."
+    );
+}
+
+#[test]
+fn group_rules_redact_only_the_secret_part() {
+    let redacted = redact_shapes("url postgres://admin:s3cr3tP4ss@db.example.com/app");
+    assert_eq!(
+        redacted,
+        "url postgres://admin:[REDACTED:basic-auth-url]@db.example.com/app"
+    );
+}
+
+#[test]
+fn unterminated_private_key_is_still_redacted() {
+    let body = alnum(200);
+    let text = format!("-----BEGIN PRIVATE KEY-----\\n{body}\\n");
+    let redacted = redact_shapes(&text);
+    assert!(!redacted.contains(&body[..40]), "{redacted}");
+}
+
+#[test]
+fn private_key_in_json_string_is_redacted() {
+    let body = alnum(120);
+    let mut value = serde_json::json!({
+        "type": "service_account",
+        "private_key": format!("-----BEGIN PRIVATE KEY-----\n{body}\n-----END PRIVATE KEY-----\n"),
+    });
+    Redactor::new(Vec::<String>::new())
+        .unwrap()
+        .redact_json(&mut value);
+    let rendered = value.to_string();
+    assert!(!rendered.contains(&body[..40]), "{rendered}");
+    assert!(rendered.contains("service_account"));
+}
+
+const LIVE: &str = "live-secret-Value/42+x";
+
+#[test]
+fn live_secret_and_its_encodings_are_redacted() {
+    let redactor = Redactor::new([LIVE]).unwrap();
+    let forms = [
+        LIVE.to_owned(),
+        STANDARD.encode(LIVE),
+        URL_SAFE_NO_PAD.encode(LIVE),
+        "live-secret-Value%2F42%2Bx".to_owned(),
+        "live-secret-Value%2f42%2bx".to_owned(),
+    ];
+    for form in &forms {
+        let text = format!("result: {form} (end)");
+        assert_eq!(
+            redactor.redact(&text),
+            "result: [REDACTED] (end)",
+            "form `{form}`"
+        );
+    }
+    let quoted = Redactor::new(["pass\"word\\with-escapes"]).unwrap();
+    let json = serde_json::json!({ "v": "pass\"word\\with-escapes" }).to_string();
+    assert!(!quoted.redact(&json).contains("word"), "{json}");
+}
+
+#[test]
+fn leftmost_longest_secret_wins() {
+    let redactor = Redactor::new(["abcdefgh12", "abcdefgh1234"]).unwrap();
+    assert_eq!(redactor.redact("x abcdefgh1234 y"), "x [REDACTED] y");
+    assert_eq!(redactor.redact("x abcdefgh12 y"), "x [REDACTED] y");
+}
+
+#[test]
+fn short_secrets_are_not_matched_exactly() {
+    let redactor = Redactor::new(["short", "longer-secret"]).unwrap();
+    assert_eq!(redactor.redact("short longer-secret"), "short [REDACTED]");
+}
+
+#[test]
+fn unchanged_text_is_borrowed() {
+    let redactor = Redactor::new([LIVE]).unwrap();
+    assert!(matches!(
+        redactor.redact("nothing to see here, ask the task desk"),
+        Cow::Borrowed(_)
+    ));
+}
+
+#[test]
+fn overlapping_live_and_shape_hits_merge() {
+    let token = format!("ghp_{}", alnum(36));
+    let redactor = Redactor::new([token.as_str()]).unwrap();
+    assert_eq!(redactor.redact(&format!("a {token} b")), "a [REDACTED] b");
+}
+
+#[test]
+fn multibyte_text_near_keywords_does_not_break() {
+    let token = format!("ghp_{}", alnum(36));
+    let text = format!("é€😀 {token} 😀€é sk ŝk ghp_ é");
+    let redacted = redact_shapes(&text);
+    assert_eq!(redacted, "é€😀 [REDACTED:github-pat] 😀€é sk ŝk ghp_ é");
+}
+
+#[test]
+fn secrets_deep_in_large_text_are_found() {
+    let token = format!("ghp_{}", alnum(36));
+    let mut text = "lorem ipsum dolor sit amet, ".repeat(40_000);
+    text.push_str(&token);
+    text.push(' ');
+    text.push_str(LIVE);
+    let redactor = Redactor::new([LIVE]).unwrap();
+    let redacted = redactor.redact(&text);
+    assert!(!redacted.contains(&token));
+    assert!(!redacted.contains(LIVE));
+    assert!(redacted.ends_with("[REDACTED:github-pat] [REDACTED]"));
+}
+
+#[test]
+fn json_strings_and_keys_are_redacted() {
+    let redactor = Redactor::new([LIVE]).unwrap();
+    let mut value = serde_json::json!({
+        "ok": "fine",
+        "nested": [1, true, null, { "deep": format!("x {LIVE} y") }],
+        LIVE: "key was a secret",
+        "jwt": "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U",
+    });
+    redactor.redact_json(&mut value);
+    let rendered = value.to_string();
+    assert!(!rendered.contains(LIVE), "{rendered}");
+    assert!(!rendered.contains("dozjgNryP4J3"), "{rendered}");
+    assert_eq!(value["nested"][3]["deep"], "x [REDACTED] y");
+    assert_eq!(value["[REDACTED]"], "key was a secret");
+    assert_eq!(value["ok"], "fine");
+    assert_eq!(value["nested"][1], true);
+}
+
+#[test]
+fn debug_output_holds_no_secret() {
+    let redactor = Redactor::new([LIVE]).unwrap();
+    let rendered = format!("{redactor:?}");
+    assert!(!rendered.contains(LIVE));
+    assert!(!rendered.contains(&STANDARD.encode(LIVE)));
+    assert!(rendered.contains("live_patterns"));
+}
