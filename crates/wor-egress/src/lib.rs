@@ -3,3 +3,7 @@
 //! Every byte that leaves the server goes through this crate, which refuses any destination
 //! that resolves to a loopback, private or other special-use address. No other crate opens
 //! sockets or builds an HTTP client (`clippy.toml` enforces it).
+
+pub mod address;
+
+pub use address::{SpecialRange, classify};
