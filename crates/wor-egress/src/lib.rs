@@ -5,5 +5,6 @@
 //! sockets or builds an HTTP client (`clippy.toml` enforces it).
 
 pub mod address;
+pub mod url;
 
 pub use address::{SpecialRange, classify};
