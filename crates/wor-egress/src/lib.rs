@@ -5,6 +5,7 @@
 //! sockets or builds an HTTP client (`clippy.toml` enforces it).
 
 pub mod address;
+pub mod policy;
 pub mod url;
 
 pub use address::{SpecialRange, classify};
