@@ -6,6 +6,7 @@
 
 pub mod address;
 pub mod policy;
+pub mod resolver;
 pub mod url;
 
 pub use address::{SpecialRange, classify};
