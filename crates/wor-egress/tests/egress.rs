@@ -2,6 +2,14 @@
 //! allowed servers listen on 127.0.0.2 (explicitly listed by the policy), and a canary listener
 //! on 127.0.0.1 counts every connection the denial tests might have made.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    reason = "test helpers outside #[test] functions"
+)]
+
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
