@@ -17,8 +17,7 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use wor_egress::{
-    EgressClient, EgressLimits, EgressPolicy, EgressRequest, GuardedResolver, StaticResolver,
-    check,
+    EgressClient, EgressLimits, EgressPolicy, EgressRequest, GuardedResolver, StaticResolver, check,
 };
 
 const REQUESTS: u32 = 2_000;
@@ -86,7 +85,14 @@ async fn main() {
     // Warm both pools.
     for _ in 0..50 {
         guarded.send(EgressRequest::get(&named_url)).await.unwrap();
-        plain.get(&ip_url).send().await.unwrap().bytes().await.unwrap();
+        plain
+            .get(&ip_url)
+            .send()
+            .await
+            .unwrap()
+            .bytes()
+            .await
+            .unwrap();
     }
 
     let started = Instant::now();
@@ -98,7 +104,14 @@ async fn main() {
 
     let started = Instant::now();
     for _ in 0..REQUESTS {
-        let body = plain.get(&ip_url).send().await.unwrap().bytes().await.unwrap();
+        let body = plain
+            .get(&ip_url)
+            .send()
+            .await
+            .unwrap()
+            .bytes()
+            .await
+            .unwrap();
         assert_eq!(body.as_ref(), b"ok");
     }
     let plain_time = started.elapsed();
@@ -125,7 +138,10 @@ async fn main() {
     println!("sequential GETs over loopback, {REQUESTS} each, keep-alive");
     println!("  EgressClient (vet + pinned resolver + connect): {g:8.1} us/request");
     println!("  plain reqwest::Client:                          {p:8.1} us/request");
-    println!("  ratio guarded/plain:                            {:8.2}", g / p);
+    println!(
+        "  ratio guarded/plain:                            {:8.2}",
+        g / p
+    );
     println!("check alone, {CHECKS} each");
     for (url, time) in check_times {
         println!("  {:>8.2} us  {url}", per_op(time, CHECKS));
