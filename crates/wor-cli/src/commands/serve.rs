@@ -35,6 +35,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let store = Store::open(config.database.as_deref(), &config.data_dir)
         .await
         .context("cannot open the database")?;
+    let shutdown = shutdown_signal()?;
     let listener = TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("cannot listen on {}", config.listen))?;
@@ -52,7 +53,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         AppState {
             store: store.clone(),
         },
-        shutdown_signal(),
+        shutdown,
     )
     .await?;
     store.close().await;
@@ -60,23 +61,16 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(term) => term,
-                Err(_) => {
-                    let _ = ctrl_c.await;
-                    return;
-                }
-            };
+/// Registers SIGTERM and SIGINT handlers now, so a signal that arrives as soon as the server
+/// says it is listening is not lost, and returns the future that completes on either.
+fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()> + Send + 'static> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
+    let mut int = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
+    Ok(async move {
         tokio::select! {
-            _ = ctrl_c => {},
             _ = term.recv() => {},
+            _ = int.recv() => {},
         }
-    }
-    #[cfg(not(unix))]
-    let _ = ctrl_c.await;
+    })
 }
