@@ -31,6 +31,16 @@ struct FileConfig {
     database: Option<String>,
     production: Option<bool>,
     demo: Option<bool>,
+    egress: Option<EgressSection>,
+}
+
+/// `[egress]`: special-use destinations the operator allows. Only this file can list them;
+/// nothing reachable through the API can.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EgressSection {
+    #[serde(default)]
+    allowed_cidrs: Vec<String>,
 }
 
 /// Values given on the command line (or through their environment variables, which clap reads).
@@ -55,6 +65,8 @@ pub struct ServerConfig {
     pub database: Option<String>,
     pub production: bool,
     pub demo: bool,
+    /// The operator's `[egress] allowed_cidrs`.
+    pub egress_allowed_cidrs: Vec<String>,
     encryption_key: Option<String>,
 }
 
@@ -94,6 +106,7 @@ impl ServerConfig {
             database: flags.database.clone().or(file.database),
             production,
             demo,
+            egress_allowed_cidrs: file.egress.map(|e| e.allowed_cidrs).unwrap_or_default(),
             encryption_key,
         })
     }
@@ -204,6 +217,7 @@ mod tests {
             database: db.map(str::to_owned),
             production,
             demo,
+            egress_allowed_cidrs: Vec::new(),
             encryption_key: key.map(str::to_owned),
         }
     }

@@ -1,5 +1,6 @@
 //! The subcommands.
 
+mod egress;
 mod keys;
 mod members;
 mod operator;
@@ -26,6 +27,9 @@ pub enum Command {
     /// API keys of your project.
     #[command(subcommand)]
     Key(keys::KeyCommand),
+    /// The egress guard, as a local tool.
+    #[command(subcommand)]
+    Egress(egress::EgressCommand),
 }
 
 impl Command {
@@ -37,6 +41,7 @@ impl Command {
             Command::Whoami(args) => members::whoami(args).await,
             Command::Member(cmd) => members::run(cmd).await,
             Command::Key(cmd) => keys::run(cmd).await,
+            Command::Egress(cmd) => egress::run(cmd).await,
         }
     }
 }
