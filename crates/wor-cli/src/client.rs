@@ -64,6 +64,10 @@ impl ApiClient {
         self.send(Method::POST, path, Some(body)).await
     }
 
+    pub async fn put(&self, path: &str, body: &Value) -> anyhow::Result<Value> {
+        self.send(Method::PUT, path, Some(body)).await
+    }
+
     pub async fn delete(&self, path: &str) -> anyhow::Result<Value> {
         self.send(Method::DELETE, path, None).await
     }
@@ -82,7 +86,7 @@ impl ApiClient {
             .http
             .request(method, url.clone())
             .bearer_auth(&self.api_key);
-        if let Some(body) = body {
+        if let Some(body) = body.filter(|b| !b.is_null()) {
             request = request.json(body);
         }
         let response = request

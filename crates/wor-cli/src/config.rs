@@ -68,6 +68,15 @@ pub struct ServerConfig {
     /// The operator's `[egress] allowed_cidrs`.
     pub egress_allowed_cidrs: Vec<String>,
     encryption_key: Option<String>,
+    encryption_key_retired: Option<String>,
+}
+
+/// Where the key ring's primary key came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeySource {
+    Environment,
+    DevFileLoaded,
+    DevFileCreated,
 }
 
 impl ServerConfig {
@@ -96,6 +105,9 @@ impl ServerConfig {
         let encryption_key = std::env::var(env::ENCRYPTION_KEY)
             .ok()
             .filter(|k| !k.is_empty());
+        let encryption_key_retired = std::env::var(env::ENCRYPTION_KEY_RETIRED)
+            .ok()
+            .filter(|k| !k.trim().is_empty());
         Ok(ServerConfig {
             listen,
             data_dir: flags
@@ -108,7 +120,44 @@ impl ServerConfig {
             demo,
             egress_allowed_cidrs: file.egress.map(|e| e.allowed_cidrs).unwrap_or_default(),
             encryption_key,
+            encryption_key_retired,
         })
+    }
+
+    /// The key ring secrets are sealed under. With `WOR_ENCRYPTION_KEY` set, a development key
+    /// file left in the data dir joins as a retired key, so `wor secrets rotate` can move its
+    /// values to the real key. Without it (development only) the key file in the data dir is
+    /// used, created on first start.
+    pub fn key_ring(&self) -> anyhow::Result<(wor_secrets::KeyRing, KeySource)> {
+        let retired = self.encryption_key_retired.as_deref().unwrap_or("");
+        match &self.encryption_key {
+            Some(primary) => {
+                let mut ring = wor_secrets::KeyRing::from_env_values(Some(primary), retired)
+                    .with_context(|| {
+                        format!("{} or {}", env::ENCRYPTION_KEY, env::ENCRYPTION_KEY_RETIRED)
+                    })?;
+                if let Some(dev) = wor_secrets::load_dev_key(&self.data_dir)? {
+                    ring = ring.with_retired_ring(dev);
+                }
+                Ok((ring, KeySource::Environment))
+            }
+            None if self.production => bail!("{} is not set", env::ENCRYPTION_KEY),
+            None if !retired.is_empty() => bail!(
+                "{} is set without {}: retired keys need a primary key",
+                env::ENCRYPTION_KEY_RETIRED,
+                env::ENCRYPTION_KEY
+            ),
+            None => {
+                let (ring, origin) = wor_secrets::load_or_create_dev_key(&self.data_dir)?;
+                Ok((
+                    ring,
+                    match origin {
+                        wor_secrets::DevKeyOrigin::Created => KeySource::DevFileCreated,
+                        wor_secrets::DevKeyOrigin::Loaded => KeySource::DevFileLoaded,
+                    },
+                ))
+            }
+        }
     }
 
     /// Production refuses to start with demo mode, without an encryption key, or with any
@@ -219,6 +268,7 @@ mod tests {
             demo,
             egress_allowed_cidrs: Vec::new(),
             encryption_key: key.map(str::to_owned),
+            encryption_key_retired: None,
         }
     }
 

@@ -14,6 +14,8 @@ pub const DATABASE_URL: &str = "WOR_DATABASE_URL";
 pub const DEMO: &str = "WOR_DEMO";
 /// The primary encryption key: 32 bytes, base64.
 pub const ENCRYPTION_KEY: &str = "WOR_ENCRYPTION_KEY";
+/// Retired encryption keys, comma-separated: still open old values, never seal new ones.
+pub const ENCRYPTION_KEY_RETIRED: &str = "WOR_ENCRYPTION_KEY_RETIRED";
 /// Log level of Work on Repeat's own components (`error` … `trace`); dependencies stay at `warn`.
 pub const LOG: &str = "WOR_LOG";
 /// `json` (default) or `text`.

@@ -23,49 +23,92 @@ fn check(args: &[&str]) -> Output {
 }
 
 fn corpus() -> Vec<String> {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/corpora/ssrf/block-urls.json");
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../../shared/corpora/ssrf/block-urls.json"
+    );
     let text = std::fs::read_to_string(path)
         .unwrap_or_else(|e| panic!("the SSRF corpus is missing at {path}: {e}"));
     let json: serde_json::Value = serde_json::from_str(&text).unwrap();
-    json["urls"].as_array().unwrap().iter().map(|u| u.as_str().unwrap().to_owned()).collect()
+    json["urls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|u| u.as_str().unwrap().to_owned())
+        .collect()
 }
 
 /// Words that name an address class or a URL problem in a denial.
 const REASONS: &[&str] = &[
-    "loopback", "private", "link-local", "this network", "unspecified", "shared", "reserved",
-    "multicast", "broadcast", "documentation", "ipv4-mapped", "url", "scheme", "credentials",
-    "port", "host",
+    "loopback",
+    "private",
+    "link-local",
+    "this network",
+    "unspecified",
+    "shared",
+    "reserved",
+    "multicast",
+    "broadcast",
+    "documentation",
+    "ipv4-mapped",
+    "url",
+    "scheme",
+    "credentials",
+    "port",
+    "host",
 ];
 
 #[test]
 fn every_corpus_url_is_refused_with_a_named_reason() {
     // Public names in the corpus resolve, in the wild, to internal addresses; a stub answer
     // stands in for that (no real DNS is asked: with --resolve, nothing else resolves).
-    let internal = ["127.0.0.1", "10.0.0.7", "169.254.169.254", "192.168.1.1", "::1"];
+    let internal = [
+        "127.0.0.1",
+        "10.0.0.7",
+        "169.254.169.254",
+        "192.168.1.1",
+        "::1",
+    ];
     let urls = corpus();
     assert!(urls.len() >= 50, "the corpus has {} entries", urls.len());
     for (i, url) in urls.iter().enumerate() {
         let mut args = vec![url.clone()];
-        if let Ok(parsed) = url::Url::parse(url) {
-            if let Some(url::Host::Domain(name)) = parsed.host() {
-                let addr = internal[i % internal.len()];
-                let entry = if addr.contains(':') { format!("{name}:[{addr}]") } else { format!("{name}:{addr}") };
-                args.extend(["--resolve".to_owned(), entry]);
-            }
+        if let Ok(parsed) = url::Url::parse(url)
+            && let Some(url::Host::Domain(name)) = parsed.host()
+        {
+            let addr = internal[i % internal.len()];
+            let entry = if addr.contains(':') {
+                format!("{name}:[{addr}]")
+            } else {
+                format!("{name}:{addr}")
+            };
+            args.extend(["--resolve".to_owned(), entry]);
         }
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let out = check(&args);
         let stdout = String::from_utf8_lossy(&out.stdout);
-        assert_eq!(out.status.code(), Some(1), "{url}: {stdout} {}", String::from_utf8_lossy(&out.stderr));
+        assert_eq!(
+            out.status.code(),
+            Some(1),
+            "{url}: {stdout} {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         assert!(stdout.starts_with("deny: "), "{url}: {stdout}");
         let lower = stdout.to_lowercase();
-        assert!(REASONS.iter().any(|r| lower.contains(r)), "{url}: the reason names nothing: {stdout}");
+        assert!(
+            REASONS.iter().any(|r| lower.contains(r)),
+            "{url}: the reason names nothing: {stdout}"
+        );
     }
 }
 
 #[test]
 fn an_allowed_destination_and_bad_usage() {
-    let allowed = check(&["https://api.example.com/v1", "--resolve", "api.example.com:93.184.215.14"]);
+    let allowed = check(&[
+        "https://api.example.com/v1",
+        "--resolve",
+        "api.example.com:93.184.215.14",
+    ]);
     assert_eq!(allowed.status.code(), Some(0));
     assert_eq!(String::from_utf8_lossy(&allowed.stdout).trim(), "allow");
 
@@ -78,11 +121,29 @@ fn an_allowed_destination_and_bad_usage() {
     ]);
     assert_eq!(off_list.status.code(), Some(1));
 
-    let unlisted_name = check(&["https://elsewhere.example/", "--resolve", "api.example.com:93.184.215.14"]);
-    assert_eq!(unlisted_name.status.code(), Some(1), "with --resolve nothing else resolves");
+    let unlisted_name = check(&[
+        "https://elsewhere.example/",
+        "--resolve",
+        "api.example.com:93.184.215.14",
+    ]);
+    assert_eq!(
+        unlisted_name.status.code(),
+        Some(1),
+        "with --resolve nothing else resolves"
+    );
 
-    assert_eq!(check(&["http://x.test", "--resolve", "nonsense"]).status.code(), Some(2));
-    assert_eq!(check(&["http://x.test", "--allow-host", "a b"]).status.code(), Some(2));
+    assert_eq!(
+        check(&["http://x.test", "--resolve", "nonsense"])
+            .status
+            .code(),
+        Some(2)
+    );
+    assert_eq!(
+        check(&["http://x.test", "--allow-host", "a b"])
+            .status
+            .code(),
+        Some(2)
+    );
     assert_eq!(check(&[]).status.code(), Some(2));
 }
 
@@ -93,13 +154,26 @@ fn operator_cidrs_come_from_the_config_file_and_production_narrows_them() {
     std::fs::write(&config, "[egress]\nallowed_cidrs = [\"10.20.0.0/16\"]\n").unwrap();
     let config = config.display().to_string();
     let listed = check(&["http://10.20.3.4/", "--config", &config]);
-    assert_eq!(listed.status.code(), Some(0), "{}", String::from_utf8_lossy(&listed.stdout));
+    assert_eq!(
+        listed.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&listed.stdout)
+    );
     let unlisted = check(&["http://10.21.3.4/", "--config", &config]);
     assert_eq!(unlisted.status.code(), Some(1));
 
-    std::fs::write(dir.path().join("wide.toml"), "[egress]\nallowed_cidrs = [\"0.0.0.0/0\"]\n").unwrap();
+    std::fs::write(
+        dir.path().join("wide.toml"),
+        "[egress]\nallowed_cidrs = [\"0.0.0.0/0\"]\n",
+    )
+    .unwrap();
     let wide = dir.path().join("wide.toml").display().to_string();
     let refused = check(&["http://10.20.3.4/", "--config", &wide, "--production"]);
-    assert_eq!(refused.status.code(), Some(2), "production refuses a list that disables the guard");
+    assert_eq!(
+        refused.status.code(),
+        Some(2),
+        "production refuses a list that disables the guard"
+    );
     assert!(String::from_utf8_lossy(&refused.stderr).contains("too broad"));
 }

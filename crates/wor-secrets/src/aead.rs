@@ -392,6 +392,16 @@ impl KeyRing {
         ))
     }
 
+    /// Adds every key of `other` to this ring as a retired key: values sealed under them still
+    /// open, and new values are sealed under this ring's primary.
+    pub fn with_retired_ring(mut self, other: KeyRing) -> Self {
+        self.push_retired(other.primary);
+        for key in other.retired {
+            self.push_retired(key);
+        }
+        self
+    }
+
     fn push_retired(&mut self, key: RingKey) {
         let known = key.id == self.primary.id || self.retired.iter().any(|k| k.id == key.id);
         if !known {
@@ -542,6 +552,20 @@ pub fn load_or_create_dev_key(dir: &Path) -> Result<(KeyRing, DevKeyOrigin), Sec
             read_dev_key(&path).map(|ring| (ring, DevKeyOrigin::Loaded))
         }
         Err(e) => Err(io_error(&path)(e)),
+    }
+}
+
+/// Loads the development key from `dir/encryption.key` if the file exists; never creates it.
+///
+/// # Errors
+/// As [`load_or_create_dev_key`], except that a missing file is `Ok(None)`.
+pub fn load_dev_key(dir: &Path) -> Result<Option<KeyRing>, SecretsError> {
+    match read_dev_key(&dir.join(DEV_KEY_FILE_NAME)) {
+        Ok(ring) => Ok(Some(ring)),
+        Err(SecretsError::KeyFile { source, .. }) if source.kind() == io::ErrorKind::NotFound => {
+            Ok(None)
+        }
+        Err(other) => Err(other),
     }
 }
 

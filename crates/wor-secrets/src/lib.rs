@@ -8,7 +8,8 @@ pub mod redaction;
 pub mod webhook_signature;
 
 pub use aead::{
-    DevKeyOrigin, KeyId, KeyRing, SealedSecret, SecretBinding, SecretsError, load_or_create_dev_key,
+    DevKeyOrigin, KeyId, KeyRing, SealedSecret, SecretBinding, SecretsError, load_dev_key,
+    load_or_create_dev_key,
 };
 pub use redaction::{REDACTED_MARKER, RedactionError, Redactor, redact_shapes};
 pub use webhook_signature::{SignatureError, StandardWebhookSecret};

@@ -76,10 +76,12 @@ pub struct ErrorDetail {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let (status, code) = self.status_and_code();
+        // Messages can quote what the caller sent; secret shapes never go back out (S4).
+        let message = wor_secrets::redact_shapes(&self.to_string()).into_owned();
         let body = ErrorBody {
             error: ErrorDetail {
                 code: code.to_owned(),
-                message: self.to_string(),
+                message,
             },
         };
         let mut response = (status, axum::Json(body)).into_response();
@@ -89,6 +91,19 @@ impl IntoResponse for ApiError {
                 .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
         response
+    }
+}
+
+impl From<wor_store::VaultError> for ApiError {
+    fn from(err: wor_store::VaultError) -> Self {
+        match err {
+            wor_store::VaultError::Store(store) => store.into(),
+            other => {
+                // Names the slot, never a value; the caller sees only that it failed.
+                tracing::error!(category = "vault", error = %other, "secret could not be sealed or opened");
+                ApiError::Internal
+            }
+        }
     }
 }
 

@@ -21,7 +21,7 @@ use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
 use utoipa::openapi::{InfoBuilder, OpenApi};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
-use wor_store::Store;
+use wor_store::{Store, Vault};
 
 use crate::error::ApiError;
 
@@ -32,6 +32,15 @@ pub const MAX_BODY_BYTES: usize = 1024 * 1024;
 #[derive(Debug, Clone)]
 pub struct AppState {
     pub store: Store,
+    /// The only path to stored secret values.
+    pub vault: Vault,
+}
+
+impl AppState {
+    pub fn new(store: Store, keys: std::sync::Arc<wor_secrets::KeyRing>) -> Self {
+        let vault = Vault::new(store.clone(), keys);
+        AppState { store, vault }
+    }
 }
 
 /// The API's routes together with their OpenAPI description. Routes are registered through
@@ -49,6 +58,13 @@ fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(routes::members::get_member))
         .routes(routes!(routes::keys::list_keys, routes::keys::create_key))
         .routes(routes!(routes::keys::get_key, routes::keys::revoke_key))
+        .routes(routes!(
+            routes::model_connections::list,
+            routes::model_connections::create
+        ))
+        .routes(routes!(routes::model_connections::get))
+        .routes(routes!(routes::model_connections::set_api_key))
+        .routes(routes!(routes::model_connections::revoke))
 }
 
 /// The OpenAPI 3.1 document of the API.

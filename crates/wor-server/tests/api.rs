@@ -32,9 +32,8 @@ struct Reply {
 impl TestApi {
     async fn new() -> Self {
         let db = TestDatabase::new().await.unwrap();
-        let router = router(AppState {
-            store: db.store.clone(),
-        });
+        let (keys, _) = wor_secrets::KeyRing::generate().unwrap();
+        let router = router(AppState::new(db.store.clone(), std::sync::Arc::new(keys)));
         TestApi { router, db }
     }
 
@@ -111,6 +110,14 @@ fn sample_body(method: &Method, path: &str) -> Option<Value> {
     match (method.as_str(), path) {
         ("POST", "/v1/members") => Some(json!({"name": "probe", "role": "viewer"})),
         ("POST", "/v1/keys") => Some(json!({"name": "probe", "role": "viewer", "service": true})),
+        ("POST", "/v1/model-connections") => Some(json!({
+            "name": "probe", "provider": "anthropic", "base_url": "https://api.example.com",
+            "api_key": "sk-probe-0000000000"
+        })),
+        ("PUT", "/v1/model-connections/{connection_id}/api-key") => {
+            Some(json!({"api_key": "sk-probe-1111111111"}))
+        }
+        ("POST", "/v1/model-connections/{connection_id}/revoke") => None,
         ("POST" | "PUT" | "PATCH", _) => {
             panic!("no sample body for {method} {path}: add one so the isolation walk covers it")
         }
@@ -124,14 +131,27 @@ async fn another_projects_resources_answer_404_on_every_route() {
     let a = api.project("alice").await;
     let b = api.project("bob").await;
     let a_key_id = api.db.store.list_api_keys(a.project.id).await.unwrap()[0].id;
+    let a_model = api
+        .call(
+            Method::POST,
+            "/v1/model-connections",
+            Some(a.owner_key.expose()),
+            Some(json!({"name": "m", "provider": "openai_compatible",
+                "base_url": "https://models.example.com/v1", "api_key": "sk-a-secret-123456789"})),
+        )
+        .await;
+    assert_eq!(a_model.status, StatusCode::CREATED, "{}", a_model.text);
+    let a_model_id = a_model.body["id"].as_str().unwrap().to_owned();
     let foreign_ids = [
         ("member_id", a.owner.id.to_string()),
         ("key_id", a_key_id.to_string()),
+        ("connection_id", a_model_id.clone()),
     ];
     let a_ids = [
         a.project.id.to_string(),
         a.owner.id.to_string(),
         a_key_id.to_string(),
+        a_model_id.clone(),
     ];
     let b_key = b.owner_key.expose();
 
@@ -170,6 +190,16 @@ async fn another_projects_resources_answer_404_on_every_route() {
         }
     }
     // Nothing of A's was changed by B's walk.
+    let model = api
+        .call(
+            Method::GET,
+            &format!("/v1/model-connections/{a_model_id}"),
+            Some(a.owner_key.expose()),
+            None,
+        )
+        .await;
+    assert_eq!(model.body["status"], "active");
+    assert_eq!(model.body["credential_version"], 1);
     let a_key = api
         .db
         .store
@@ -521,4 +551,164 @@ async fn health_and_readiness_answer_without_a_key() {
     api.db.store.close().await;
     let closed = api.call(Method::GET, "/readyz", None, None).await;
     assert_error(&closed, StatusCode::SERVICE_UNAVAILABLE, "unavailable");
+}
+
+#[tokio::test]
+async fn model_connection_keys_go_in_and_never_come_out() {
+    let api = TestApi::new().await;
+    let p = api.project("alice").await;
+    let owner = p.owner_key.expose();
+    let secret = "sk-live-canary-5c8e2f1a9b7d4e3f";
+    let created = api
+        .call(
+            Method::POST,
+            "/v1/model-connections",
+            Some(owner),
+            Some(json!({"name": "main", "provider": "anthropic",
+                "base_url": "https://api.anthropic.example", "api_key": secret})),
+        )
+        .await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.text);
+    assert_eq!(created.body["api_key"]["configured"], true);
+    assert!(created.body["api_key"]["updated_at"].is_string());
+    assert_eq!(created.body["credential_version"], 1);
+    let id = created.body["id"].as_str().unwrap().to_owned();
+
+    let second = "sk-live-canary-second-77aa11bb";
+    let replaced = api
+        .call(
+            Method::PUT,
+            &format!("/v1/model-connections/{id}/api-key"),
+            Some(owner),
+            Some(json!({"api_key": second})),
+        )
+        .await;
+    assert_eq!(replaced.status, StatusCode::OK, "{}", replaced.text);
+    assert_eq!(replaced.body["credential_version"], 2);
+
+    let listed = api
+        .call(Method::GET, "/v1/model-connections", Some(owner), None)
+        .await;
+    let one = api
+        .call(
+            Method::GET,
+            &format!("/v1/model-connections/{id}"),
+            Some(owner),
+            None,
+        )
+        .await;
+    for reply in [&created, &replaced, &listed, &one] {
+        for value in [secret, second] {
+            assert!(
+                !reply.text.contains(value),
+                "a response holds the key: {}",
+                reply.text
+            );
+            assert!(
+                !reply.text.contains(&value[8..]),
+                "a response holds part of the key"
+            );
+        }
+    }
+    // Sealed under the project, the row and the field: the value opens from its own slot only.
+    let slot = wor_store::SecretSlot::new(p.project.id, "model_connections", &id, "api_key");
+    let (keys, _) = wor_secrets::KeyRing::generate().unwrap();
+    let stranger = wor_store::Vault::new(api.db.store.clone(), std::sync::Arc::new(keys));
+    assert!(
+        stranger.open(&slot).await.is_err(),
+        "another key ring cannot open it"
+    );
+
+    let revoked = api
+        .call(
+            Method::POST,
+            &format!("/v1/model-connections/{id}/revoke"),
+            Some(owner),
+            None,
+        )
+        .await;
+    assert_eq!(revoked.body["status"], "revoked");
+    assert_eq!(revoked.body["api_key"]["configured"], false);
+    let again = api
+        .call(
+            Method::PUT,
+            &format!("/v1/model-connections/{id}/api-key"),
+            Some(owner),
+            Some(json!({"api_key": "sk-x-123456789"})),
+        )
+        .await;
+    assert_error(&again, StatusCode::CONFLICT, "conflict");
+
+    if api.db.url.starts_with("sqlite:") {
+        for file in ["wor.db", "wor.db-wal"] {
+            let bytes = std::fs::read(api.db.dir.path().join(file)).unwrap_or_default();
+            for value in [secret, second] {
+                assert!(
+                    !bytes.windows(value.len()).any(|w| w == value.as_bytes()),
+                    "{file} holds a key"
+                );
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn model_connection_input_is_checked() {
+    let api = TestApi::new().await;
+    let p = api.project("alice").await;
+    let owner = p.owner_key.expose();
+    let body = |base_url: &str, provider: &str| json!({"name": "m", "provider": provider, "base_url": base_url, "api_key": "sk-test-123456789"});
+    for (url, provider, code) in [
+        ("ftp://models.example.com", "anthropic", "invalid_base_url"),
+        (
+            "https://user:pw@models.example.com",
+            "anthropic",
+            "invalid_base_url",
+        ),
+        ("not a url", "anthropic", "invalid_base_url"),
+        ("https://models.example.com", "gpt", "invalid_provider"),
+    ] {
+        let reply = api
+            .call(
+                Method::POST,
+                "/v1/model-connections",
+                Some(owner),
+                Some(body(url, provider)),
+            )
+            .await;
+        assert_error(&reply, StatusCode::BAD_REQUEST, code);
+        assert!(
+            !reply.text.contains("user:pw"),
+            "the refusal does not repeat credentials: {}",
+            reply.text
+        );
+    }
+    let empty_key = api
+        .call(
+            Method::POST,
+            "/v1/model-connections",
+            Some(owner),
+            Some(json!({"name": "m", "provider": "anthropic", "base_url": "https://a.example", "api_key": " "})),
+        )
+        .await;
+    assert_error(&empty_key, StatusCode::BAD_REQUEST, "invalid_api_key");
+
+    let viewer = api
+        .call(
+            Method::POST,
+            "/v1/members",
+            Some(owner),
+            Some(json!({"name": "v", "role": "viewer"})),
+        )
+        .await;
+    let viewer_key = viewer.body["key"]["api_key"].as_str().unwrap();
+    let denied = api
+        .call(
+            Method::POST,
+            "/v1/model-connections",
+            Some(viewer_key),
+            Some(body("https://a.example", "anthropic")),
+        )
+        .await;
+    assert_error(&denied, StatusCode::FORBIDDEN, "forbidden");
 }

@@ -1,16 +1,18 @@
 //! Storage of Work on Repeat: the SQLite and PostgreSQL repositories and their migrations.
 //!
-//! One schema runs on both databases through `sqlx`'s `Any` driver; where the dialects
-//! differ, a migration carries one text per backend. Every repository function that reads or
+//! One schema runs on both databases through `sqlx`'s `Any` driver; the few type names that
+//! differ are substituted when migrations run. Every repository function that reads or
 //! writes a project's resources takes the project id as an argument, and every query filters
 //! on it: a caller can never reach another project's rows by passing a foreign resource id.
 
 mod api_keys;
 mod members;
 mod migrations;
+mod model_connections;
 mod projects;
 #[cfg(feature = "testing")]
 pub mod testing;
+mod vault;
 
 use std::path::Path;
 use std::str::FromStr;
@@ -22,8 +24,13 @@ use sqlx::{AnyPool, Executor};
 pub use api_keys::{API_KEY_PREFIX, api_key_digest};
 pub use api_keys::{ApiKeyKind, ApiKeyRecord, AuthenticatedKey, NewApiKey, PlaintextApiKey};
 pub use members::MemberRecord;
+pub use model_connections::{
+    API_KEY_FIELD, ConnectionStatus, MODEL_CONNECTIONS_TABLE, ModelConnectionRecord, ModelProvider,
+    NewModelConnection,
+};
 pub use projects::{CreatedProject, ProjectRecord};
 pub use sqlx::Error as SqlxError;
+pub use vault::{RotationReport, SecretMetadata, SecretSlot, Vault, VaultError};
 
 /// Which database a [`Store`] runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

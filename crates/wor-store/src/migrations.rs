@@ -1,41 +1,47 @@
-//! The schema, as an ordered list of migrations with one SQL text per backend.
+//! The schema, as an ordered list of migrations run on either backend.
 
 use std::borrow::Cow;
 
-use sqlx::SqlSafeStr;
 use sqlx::migrate::{Migration, MigrationType, Migrator};
+use sqlx::{AssertSqlSafe, SqlSafeStr};
 
 use crate::{Backend, Store, StoreError};
 
+/// One step of the schema. Its SQL may use `@BYTES@` for the binary column type, which
+/// is `BLOB` on SQLite and `BYTEA` on PostgreSQL; anything else that differs gets a
+/// backend-specific text.
 struct SchemaMigration {
     version: i64,
     description: &'static str,
-    sqlite: &'static str,
-    postgres: &'static str,
+    sql: &'static str,
 }
 
-const FOUNDATION: &str = include_str!("../migrations/0001_foundation.sql");
-
-const MIGRATIONS: &[SchemaMigration] = &[SchemaMigration {
-    version: 1,
-    description: "foundation",
-    sqlite: FOUNDATION,
-    postgres: FOUNDATION,
-}];
+const MIGRATIONS: &[SchemaMigration] = &[
+    SchemaMigration {
+        version: 1,
+        description: "foundation",
+        sql: include_str!("../migrations/0001_foundation.sql"),
+    },
+    SchemaMigration {
+        version: 2,
+        description: "secrets",
+        sql: include_str!("../migrations/0002_secrets.sql"),
+    },
+];
 
 pub(crate) async fn apply(store: &Store) -> Result<(), StoreError> {
     let migrations = MIGRATIONS
         .iter()
         .map(|m| {
-            let sql = match store.backend {
-                Backend::Sqlite => m.sqlite,
-                Backend::Postgres => m.postgres,
+            let bytes = match store.backend {
+                Backend::Sqlite => "BLOB",
+                Backend::Postgres => "BYTEA",
             };
             Migration::new(
                 m.version,
                 Cow::Borrowed(m.description),
                 MigrationType::Simple,
-                sql.into_sql_str(),
+                AssertSqlSafe(m.sql.replace("@BYTES@", bytes)).into_sql_str(),
                 false,
             )
         })

@@ -32,8 +32,40 @@ impl TestDatabase {
         Ok(TestDatabase { store, url, dir })
     }
 
+    /// A database of its own for a test that works on a whole database (rotation, audit
+    /// verification): a new PostgreSQL database when `WOR_TEST_DATABASE_URL` is set, else the
+    /// SQLite file in `dir`. Returns its URL; nothing is created in it yet.
+    pub async fn fresh_url(dir: &std::path::Path) -> Result<String, StoreError> {
+        let base = match std::env::var(TEST_DATABASE_URL) {
+            Ok(url) if !url.is_empty() => url,
+            _ => {
+                return Ok(format!(
+                    "sqlite://{}?mode=rwc",
+                    dir.join(crate::SQLITE_FILE).display()
+                ));
+            }
+        };
+        sqlx::any::install_default_drivers();
+        let name = format!("wor_t_{}", uuid_hex());
+        let admin = sqlx::AnyPool::connect(&base).await?;
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .execute(&admin)
+            .await?;
+        admin.close().await;
+        let mut url = url::Url::parse(&base)
+            .map_err(|_| StoreError::UnsupportedUrl(crate::scrub_url(&base)))?;
+        url.set_path(&format!("/{name}"));
+        Ok(url.to_string())
+    }
+
     /// A project name no other test uses, for tests sharing one PostgreSQL database.
     pub fn unique_name(prefix: &str) -> String {
         format!("{prefix}-{}", wor_core::ids::request_id())
     }
+}
+
+fn uuid_hex() -> String {
+    wor_core::ids::request_id()
+        .trim_start_matches("req_")
+        .to_owned()
 }

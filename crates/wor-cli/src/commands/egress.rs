@@ -70,7 +70,11 @@ pub async fn run(cmd: EgressCommand) -> anyhow::Result<ExitCode> {
     let names: Arc<dyn NameResolver> = if resolve.is_empty() {
         match SystemResolver::from_system_conf() {
             Ok(system) => Arc::new(system),
-            Err(err) => return usage(format!("cannot read the system resolver configuration: {err}")),
+            Err(err) => {
+                return usage(format!(
+                    "cannot read the system resolver configuration: {err}"
+                ));
+            }
         }
     } else {
         let mut fixed = StaticResolver::new();

@@ -3,7 +3,9 @@
 mod egress;
 mod keys;
 mod members;
+mod model_connections;
 mod operator;
+mod secrets;
 mod serve;
 
 use std::process::ExitCode;
@@ -27,6 +29,12 @@ pub enum Command {
     /// API keys of your project.
     #[command(subcommand)]
     Key(keys::KeyCommand),
+    /// Model connections: provider endpoints and their (sealed) API keys.
+    #[command(subcommand, name = "model-connection")]
+    ModelConnection(model_connections::ModelConnectionCommand),
+    /// The encryption key ring (operator: works on the database directly).
+    #[command(subcommand)]
+    Secrets(secrets::SecretsCommand),
     /// The egress guard, as a local tool.
     #[command(subcommand)]
     Egress(egress::EgressCommand),
@@ -42,6 +50,8 @@ impl Command {
             Command::Member(cmd) => members::run(cmd).await,
             Command::Key(cmd) => keys::run(cmd).await,
             Command::Egress(cmd) => egress::run(cmd).await,
+            Command::ModelConnection(cmd) => model_connections::run(cmd).await,
+            Command::Secrets(cmd) => secrets::run(cmd).await,
         }
     }
 }

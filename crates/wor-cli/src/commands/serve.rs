@@ -1,13 +1,14 @@
 //! `wor serve`.
 
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use anyhow::Context;
 use tokio::net::TcpListener;
 use wor_server::AppState;
 use wor_store::Store;
 
-use crate::config::{ServerConfig, ServerFlags};
+use crate::config::{KeySource, ServerConfig, ServerFlags};
 use crate::env;
 
 #[derive(Debug, clap::Args)]
@@ -32,6 +33,20 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         eprintln!("error: refusing to start in production mode");
         return Ok(ExitCode::from(2));
     }
+    let (keys, key_source) = config
+        .key_ring()
+        .context("cannot load the encryption key")?;
+    if key_source == KeySource::DevFileCreated {
+        tracing::warn!(
+            category = "secrets",
+            "generated a development encryption key in the data dir"
+        );
+        eprintln!(
+            "wor: warning: no {} set; generated a development key in {} (production refuses this)",
+            env::ENCRYPTION_KEY,
+            config.data_dir.display()
+        );
+    }
     let store = Store::open(config.database.as_deref(), &config.data_dir)
         .await
         .context("cannot open the database")?;
@@ -48,14 +63,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         "server started"
     );
     eprintln!("wor: listening on http://{local}");
-    wor_server::serve(
-        listener,
-        AppState {
-            store: store.clone(),
-        },
-        shutdown,
-    )
-    .await?;
+    let state = AppState::new(store.clone(), Arc::new(keys));
+    wor_server::serve(listener, state, shutdown).await?;
     store.close().await;
     tracing::info!(category = "lifecycle", "server stopped");
     Ok(ExitCode::SUCCESS)

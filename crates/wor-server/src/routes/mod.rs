@@ -3,4 +3,5 @@
 pub mod health;
 pub mod keys;
 pub mod members;
+pub mod model_connections;
 pub mod project;

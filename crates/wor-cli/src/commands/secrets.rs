@@ -1,0 +1,111 @@
+//! `wor secrets …`: operator commands for the encryption key ring, on the database directly.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::Context;
+use secrecy::ExposeSecret;
+use wor_store::{Store, Vault};
+
+use crate::config::{ServerConfig, ServerFlags};
+use crate::env;
+
+#[derive(Debug, clap::Subcommand)]
+pub enum SecretsCommand {
+    /// Print a fresh random encryption key (32 bytes, base64) for WOR_ENCRYPTION_KEY.
+    GenerateKey,
+    /// Re-seal every stored secret under the primary key (WOR_ENCRYPTION_KEY), opening old
+    /// values with the retired keys (WOR_ENCRYPTION_KEY_RETIRED, and a development key file in
+    /// the data dir). Safe to interrupt and run again; afterwards the old keys can be dropped.
+    Rotate {
+        /// Re-seal at most this many secrets, then stop (to spread a rotation out).
+        #[arg(long)]
+        limit: Option<u64>,
+        #[command(flatten)]
+        flags: ServerFlags,
+    },
+    /// Open every stored secret with the current key ring and report any that fail: run it
+    /// before dropping a retired key. Exits 1 if any secret cannot be opened.
+    Verify {
+        #[command(flatten)]
+        flags: ServerFlags,
+    },
+}
+
+async fn open_vault(flags: &ServerFlags) -> anyhow::Result<(Store, Vault)> {
+    let config = ServerConfig::resolve(flags, None, false)?;
+    let (keys, _) = config
+        .key_ring()
+        .context("cannot load the encryption key")?;
+    let store = Store::open(config.database.as_deref(), &config.data_dir)
+        .await
+        .context("cannot open the database")?;
+    let vault = Vault::new(store.clone(), Arc::new(keys));
+    Ok((store, vault))
+}
+
+pub async fn run(cmd: SecretsCommand) -> anyhow::Result<ExitCode> {
+    match cmd {
+        SecretsCommand::GenerateKey => {
+            let (_, text) = wor_secrets::KeyRing::generate()?;
+            eprintln!(
+                "a new key follows; set it as {} and keep it secret:",
+                env::ENCRYPTION_KEY
+            );
+            println!("{}", text.expose_secret());
+            Ok(ExitCode::SUCCESS)
+        }
+        SecretsCommand::Rotate { limit, flags } => {
+            let (store, vault) = open_vault(&flags).await?;
+            let pending = vault.count_needing_rotation().await?.max(0) as u64;
+            let total = limit.map_or(pending, |l| l.min(pending));
+            eprintln!(
+                "{pending} secret(s) not under the primary key {}; re-sealing {total}",
+                vault.key_ring().primary_key_id()
+            );
+            let bar = indicatif::ProgressBar::new(total).with_style(
+                indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} secrets  {elapsed}")
+                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            let report = vault
+                .rotate(limit, |r| {
+                    bar.set_position(r.rotated + r.failed.len() as u64)
+                })
+                .await?;
+            bar.finish();
+            let left = vault.count_needing_rotation().await?;
+            store.close().await;
+            eprintln!("re-sealed {}; {left} left under other keys", report.rotated);
+            for failure in &report.failed {
+                eprintln!("error: {failure}");
+            }
+            if !report.failed.is_empty() {
+                eprintln!(
+                    "some secrets could not be opened: keep the old keys until they are fixed"
+                );
+                return Ok(ExitCode::FAILURE);
+            }
+            if left == 0 {
+                eprintln!("done: no stored secret needs the retired keys any more");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        SecretsCommand::Verify { flags } => {
+            let (store, vault) = open_vault(&flags).await?;
+            let (total, failed) = vault.verify_all().await?;
+            store.close().await;
+            for failure in &failed {
+                eprintln!("error: {failure}");
+            }
+            println!(
+                "{} of {total} stored secret(s) open",
+                total - failed.len() as u64
+            );
+            Ok(if failed.is_empty() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
+        }
+    }
+}

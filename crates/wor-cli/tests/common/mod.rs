@@ -1,0 +1,148 @@
+//! Helpers shared by the binary's integration tests: a clean-environment `wor` command and a
+//! real server on a loopback port.
+#![allow(
+    dead_code,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic,
+    reason = "tests fail loudly; not every test binary uses every helper"
+)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+pub const WOR: &str = env!("CARGO_BIN_EXE_wor");
+
+/// A command with a clean environment: nothing from the developer's shell leaks in.
+pub fn wor(args: &[&str]) -> Command {
+    let mut cmd = Command::new(WOR);
+    cmd.args(args)
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .stdin(Stdio::null());
+    cmd
+}
+
+pub fn run(cmd: &mut Command) -> Output {
+    cmd.output().unwrap()
+}
+
+pub fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// The database a server test runs on: the CI PostgreSQL when configured, else the data dir.
+pub fn database_args(dir: &Path) -> Vec<String> {
+    // The data dir is always given: it holds the development key even when the database
+    // is elsewhere.
+    let mut args = vec!["--data-dir".into(), dir.display().to_string()];
+    if let Ok(url) = std::env::var("WOR_TEST_DATABASE_URL")
+        && !url.is_empty()
+    {
+        args.extend(["--database".into(), url]);
+    }
+    args
+}
+
+/// Like [`database_args`], but with a database of the test's own, for commands that work on
+/// a whole database.
+pub async fn own_database_args(dir: &Path) -> Vec<String> {
+    let url = wor_store::testing::TestDatabase::fresh_url(dir)
+        .await
+        .unwrap();
+    vec![
+        "--data-dir".into(),
+        dir.display().to_string(),
+        "--database".into(),
+        url,
+    ]
+}
+
+/// Creates a project through the operator command and returns its owner key.
+pub fn create_project(db: &[String]) -> String {
+    let name = format!("cli-{}", std::process::id())
+        + &format!("-{:?}", Instant::now()).replace([' ', '.', ':'], "");
+    let mut args = vec!["project", "create", name.as_str()];
+    args.extend(db.iter().map(String::as_str));
+    let out = run(&mut wor(&args));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    text(&out.stdout).trim().to_owned()
+}
+
+pub struct Server {
+    pub child: Child,
+    pub url: String,
+    pub log: Arc<Mutex<String>>,
+}
+
+impl Server {
+    pub fn start(db: &[String], envs: &[(&str, &str)]) -> Server {
+        let mut args = vec!["serve", "--listen", "127.0.0.1:0"];
+        args.extend(db.iter().map(String::as_str));
+        let mut cmd = wor(&args);
+        cmd.envs(envs.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        let mut child = cmd.spawn().unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let log = Arc::new(Mutex::new(String::new()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Some(url) = line.strip_prefix("wor: listening on ") {
+                    let _ = tx.send(url.to_owned());
+                }
+                let mut log = sink.lock().unwrap();
+                log.push_str(&line);
+                log.push('\n');
+            }
+        });
+        let url = rx
+            .recv_timeout(Duration::from_secs(30))
+            .unwrap_or_else(|_| panic!("server did not start: {}", log.lock().unwrap()));
+        Server { child, url, log }
+    }
+
+    pub fn client(&self, key: &str, args: &[&str]) -> Output {
+        run(wor(args)
+            .env("WOR_SERVER", &self.url)
+            .env("WOR_API_KEY", key))
+    }
+
+    /// Sends a raw HTTP/1.1 request and returns the whole response text.
+    pub fn raw(&self, request: &str) -> String {
+        let addr = self.url.trim_start_matches("http://").to_owned();
+        #[expect(
+            clippy::disallowed_methods,
+            reason = "the test talks to its own server on loopback"
+        )]
+        let mut stream = std::net::TcpStream::connect(addr).unwrap();
+        stream.write_all(request.as_bytes()).unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).unwrap();
+        response
+    }
+
+    /// Stops the server with SIGTERM and returns everything it logged.
+    pub fn stop(mut self) -> String {
+        let _ = Command::new("kill")
+            .arg(self.child.id().to_string())
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                assert!(status.success(), "server exited with {status}");
+                std::thread::sleep(Duration::from_millis(100));
+                return self.log.lock().unwrap().clone();
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        panic!("server did not stop on SIGTERM");
+    }
+}

@@ -1,0 +1,254 @@
+//! Model connections: provider endpoints whose API keys live sealed in the vault.
+//!
+//! A key goes in through `POST` or `PUT …/api-key` and never comes out: responses say only
+//! whether it is configured and when it changed (S3).
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::StatusCode;
+use wor_core::ConnectionId;
+use wor_store::{
+    API_KEY_FIELD, MODEL_CONNECTIONS_TABLE, ModelConnectionRecord, NewModelConnection, SecretSlot,
+};
+
+use crate::AppState;
+use crate::auth::Caller;
+use crate::error::{ApiError, ErrorBody};
+use crate::extract::{ApiJson, ApiPath};
+use crate::routes::members::check_name;
+use crate::views::rfc3339;
+
+/// The longest API key accepted; longer input is a mistake, not a key.
+const MAX_API_KEY_LEN: usize = 8 * 1024;
+
+#[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateModelConnection {
+    pub name: String,
+    /// `openai_compatible` or `anthropic`.
+    pub provider: String,
+    /// The provider's base URL, `https://…`; checked again by the egress guard on every call.
+    pub base_url: String,
+    /// The provider API key. Stored encrypted; never returned.
+    pub api_key: String,
+}
+
+#[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SetApiKey {
+    /// The new provider API key. Stored encrypted; never returned.
+    pub api_key: String,
+}
+
+/// What the API says about a secret-bearing field: never its value, masked or not.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct SecretFieldView {
+    pub configured: bool,
+    pub updated_at: Option<String>,
+}
+
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct ModelConnectionView {
+    pub id: String,
+    pub name: String,
+    pub provider: String,
+    pub base_url: String,
+    pub owner_member_id: Option<String>,
+    /// `active` or `revoked`.
+    pub status: String,
+    /// Rises each time the key is replaced; runs recheck it when they start.
+    pub credential_version: i64,
+    pub api_key: SecretFieldView,
+    pub created_at: String,
+    pub updated_at: String,
+}
+
+fn slot(record: &ModelConnectionRecord) -> SecretSlot {
+    SecretSlot::new(
+        record.project_id,
+        MODEL_CONNECTIONS_TABLE,
+        record.id,
+        API_KEY_FIELD,
+    )
+}
+
+async fn view(
+    state: &AppState,
+    record: ModelConnectionRecord,
+) -> Result<ModelConnectionView, ApiError> {
+    let secret = state.vault.metadata(&slot(&record)).await?;
+    Ok(ModelConnectionView {
+        id: record.id.to_string(),
+        name: record.name,
+        provider: record.provider.to_string(),
+        base_url: record.base_url,
+        owner_member_id: record.owner_member_id.map(|m| m.to_string()),
+        status: match record.status {
+            wor_store::ConnectionStatus::Active => "active".to_owned(),
+            wor_store::ConnectionStatus::Revoked => "revoked".to_owned(),
+        },
+        credential_version: record.credential_version,
+        api_key: SecretFieldView {
+            configured: secret.is_some(),
+            updated_at: secret.map(|s| rfc3339(s.updated_at)),
+        },
+        created_at: rfc3339(record.created_at),
+        updated_at: rfc3339(record.updated_at),
+    })
+}
+
+fn check_api_key(key: &str) -> Result<(), ApiError> {
+    if key.trim().is_empty() || key.len() > MAX_API_KEY_LEN || key.chars().any(char::is_control) {
+        return Err(ApiError::bad_request(
+            "invalid_api_key",
+            "api_key must be 1 to 8192 printable characters",
+        ));
+    }
+    Ok(())
+}
+
+fn check_base_url(url: &str) -> Result<(), ApiError> {
+    wor_egress::EgressUrl::parse(url)
+        .map(|_| ())
+        .map_err(|refusal| {
+            ApiError::bad_request("invalid_base_url", format!("base_url: {refusal}"))
+        })
+}
+
+/// Lists the project's model connections.
+#[utoipa::path(get, path = "/v1/model-connections", tag = "model-connections", security(("bearer" = [])),
+    responses((status = 200, body = [ModelConnectionView]), (status = 401, body = ErrorBody)))]
+pub async fn list(
+    State(state): State<AppState>,
+    caller: Caller,
+) -> Result<Json<Vec<ModelConnectionView>>, ApiError> {
+    let mut views = Vec::new();
+    for record in state
+        .store
+        .list_model_connections(caller.project_id)
+        .await?
+    {
+        views.push(view(&state, record).await?);
+    }
+    Ok(Json(views))
+}
+
+/// Adds a model connection; its API key is sealed at once and never returned.
+#[utoipa::path(post, path = "/v1/model-connections", tag = "model-connections", security(("bearer" = [])),
+    request_body = CreateModelConnection,
+    responses((status = 201, body = ModelConnectionView), (status = 400, body = ErrorBody),
+        (status = 403, body = ErrorBody), (status = 409, body = ErrorBody)))]
+pub async fn create(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiJson(body): ApiJson<CreateModelConnection>,
+) -> Result<(StatusCode, Json<ModelConnectionView>), ApiError> {
+    caller.require_configure()?;
+    check_name(&body.name, "connection")?;
+    let provider = body
+        .provider
+        .parse()
+        .map_err(|e: String| ApiError::bad_request("invalid_provider", e))?;
+    check_base_url(&body.base_url)?;
+    check_api_key(&body.api_key)?;
+    let record = state
+        .store
+        .create_model_connection(
+            caller.project_id,
+            NewModelConnection {
+                name: body.name,
+                provider,
+                base_url: body.base_url,
+                owner_member_id: caller.member_id,
+                created_by: Some(caller.key_id),
+            },
+        )
+        .await?;
+    if let Err(err) = state.vault.put(&slot(&record), &body.api_key).await {
+        // Never leave a connection that looks configured but holds no key.
+        state
+            .store
+            .revoke_model_connection(caller.project_id, record.id)
+            .await?;
+        return Err(err.into());
+    }
+    tracing::info!(category = "config", action = "model_connection.create", project_id = %caller.project_id,
+        connection_id = %record.id, actor_key_id = %caller.key_id, "model connection created");
+    Ok((StatusCode::CREATED, Json(view(&state, record).await?)))
+}
+
+/// One model connection.
+#[utoipa::path(get, path = "/v1/model-connections/{connection_id}", tag = "model-connections",
+    security(("bearer" = [])),
+    params(("connection_id" = String, Path, description = "a `con_…` id")),
+    responses((status = 200, body = ModelConnectionView), (status = 404, body = ErrorBody)))]
+pub async fn get(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<ConnectionId>,
+) -> Result<Json<ModelConnectionView>, ApiError> {
+    let record = state
+        .store
+        .get_model_connection(caller.project_id, id)
+        .await?;
+    Ok(Json(view(&state, record).await?))
+}
+
+/// Replaces the API key; the credential version rises by one.
+#[utoipa::path(put, path = "/v1/model-connections/{connection_id}/api-key", tag = "model-connections",
+    security(("bearer" = [])), request_body = SetApiKey,
+    params(("connection_id" = String, Path, description = "a `con_…` id")),
+    responses((status = 200, body = ModelConnectionView), (status = 404, body = ErrorBody),
+        (status = 409, body = ErrorBody)))]
+pub async fn set_api_key(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<ConnectionId>,
+    ApiJson(body): ApiJson<SetApiKey>,
+) -> Result<Json<ModelConnectionView>, ApiError> {
+    let record = state
+        .store
+        .get_model_connection(caller.project_id, id)
+        .await?;
+    caller.require_configure()?;
+    check_api_key(&body.api_key)?;
+    if record.status == wor_store::ConnectionStatus::Revoked {
+        return Err(ApiError::Conflict(format!(
+            "model connection `{id}` is revoked"
+        )));
+    }
+    state.vault.put(&slot(&record), &body.api_key).await?;
+    let record = state
+        .store
+        .bump_model_credential_version(caller.project_id, id)
+        .await?;
+    tracing::info!(category = "config", action = "model_connection.set_key", project_id = %caller.project_id,
+        connection_id = %id, credential_version = record.credential_version, actor_key_id = %caller.key_id,
+        "model connection key replaced");
+    Ok(Json(view(&state, record).await?))
+}
+
+/// Revokes the connection and deletes its key; runs using it fail closed.
+#[utoipa::path(post, path = "/v1/model-connections/{connection_id}/revoke", tag = "model-connections",
+    security(("bearer" = [])),
+    params(("connection_id" = String, Path, description = "a `con_…` id")),
+    responses((status = 200, body = ModelConnectionView), (status = 404, body = ErrorBody)))]
+pub async fn revoke(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<ConnectionId>,
+) -> Result<Json<ModelConnectionView>, ApiError> {
+    let record = state
+        .store
+        .get_model_connection(caller.project_id, id)
+        .await?;
+    caller.require_configure()?;
+    let record = state
+        .store
+        .revoke_model_connection(caller.project_id, record.id)
+        .await?;
+    state.vault.delete(&slot(&record)).await?;
+    tracing::info!(category = "config", action = "model_connection.revoke", project_id = %caller.project_id,
+        connection_id = %id, actor_key_id = %caller.key_id, "model connection revoked");
+    Ok(Json(view(&state, record).await?))
+}

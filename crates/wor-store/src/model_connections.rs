@@ -1,0 +1,245 @@
+//! Model connections: a provider endpoint and the API key to reach it (in the vault).
+//!
+//! A connection is project-scoped and owner-controlled. Its `credential_version` rises each
+//! time its key is replaced, so a run that pinned one version notices a change and fails
+//! closed rather than silently using another credential.
+
+use std::fmt;
+use std::str::FromStr;
+
+use sqlx::Row;
+use wor_core::{ApiKeyId, ConnectionId, MemberId, ProjectId};
+
+use crate::{Store, StoreError, conflict_or, now_millis, parse_column};
+
+/// The wire protocol a model connection speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ModelProvider {
+    /// Any OpenAI-compatible chat-completions endpoint (OpenAI, vLLM, Ollama, gateways).
+    OpenaiCompatible,
+    /// Anthropic Messages.
+    Anthropic,
+}
+
+impl ModelProvider {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ModelProvider::OpenaiCompatible => "openai_compatible",
+            ModelProvider::Anthropic => "anthropic",
+        }
+    }
+}
+
+impl fmt::Display for ModelProvider {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for ModelProvider {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "openai_compatible" => Ok(ModelProvider::OpenaiCompatible),
+            "anthropic" => Ok(ModelProvider::Anthropic),
+            other => Err(format!(
+                "`{}` is not a model provider: expected openai_compatible or anthropic",
+                other.chars().take(40).collect::<String>()
+            )),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ConnectionStatus {
+    Active,
+    Revoked,
+}
+
+impl FromStr for ConnectionStatus {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "active" => Ok(ConnectionStatus::Active),
+            "revoked" => Ok(ConnectionStatus::Revoked),
+            _ => Err(()),
+        }
+    }
+}
+
+/// The table secrets of model connections are filed under in the vault.
+pub const MODEL_CONNECTIONS_TABLE: &str = "model_connections";
+/// The vault field holding a model connection's API key.
+pub const API_KEY_FIELD: &str = "api_key";
+
+#[derive(Debug, Clone)]
+pub struct NewModelConnection {
+    pub name: String,
+    pub provider: ModelProvider,
+    pub base_url: String,
+    pub owner_member_id: Option<MemberId>,
+    pub created_by: Option<ApiKeyId>,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ModelConnectionRecord {
+    pub id: ConnectionId,
+    pub project_id: ProjectId,
+    pub name: String,
+    pub provider: ModelProvider,
+    pub base_url: String,
+    pub owner_member_id: Option<MemberId>,
+    pub status: ConnectionStatus,
+    pub credential_version: i64,
+    pub created_by: Option<ApiKeyId>,
+    pub created_at: i64,
+    pub updated_at: i64,
+}
+
+const COLUMNS: &str = "id, project_id, name, provider, base_url, owner_member_id, status, \
+                       credential_version, created_by, created_at, updated_at";
+
+impl Store {
+    pub async fn create_model_connection(
+        &self,
+        project: ProjectId,
+        new: NewModelConnection,
+    ) -> Result<ModelConnectionRecord, StoreError> {
+        let now = now_millis();
+        let record = ModelConnectionRecord {
+            id: ConnectionId::new(),
+            project_id: project,
+            name: new.name,
+            provider: new.provider,
+            base_url: new.base_url,
+            owner_member_id: new.owner_member_id,
+            status: ConnectionStatus::Active,
+            credential_version: 1,
+            created_by: new.created_by,
+            created_at: now,
+            updated_at: now,
+        };
+        sqlx::query(
+            "INSERT INTO model_connections (id, project_id, name, provider, base_url, owner_member_id, \
+             status, credential_version, created_by, created_at, updated_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, 'active', 1, $7, $8, $8)",
+        )
+        .bind(record.id.to_string())
+        .bind(project.to_string())
+        .bind(&record.name)
+        .bind(record.provider.as_str())
+        .bind(&record.base_url)
+        .bind(record.owner_member_id.map(|m| m.to_string()))
+        .bind(record.created_by.map(|k| k.to_string()))
+        .bind(now)
+        .execute(self.pool())
+        .await
+        .map_err(|e| {
+            conflict_or(e, || {
+                format!("a model connection named `{}` already exists", record.name)
+            })
+        })?;
+        Ok(record)
+    }
+
+    pub async fn get_model_connection(
+        &self,
+        project: ProjectId,
+        id: ConnectionId,
+    ) -> Result<ModelConnectionRecord, StoreError> {
+        let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {COLUMNS} FROM model_connections WHERE project_id = $1 AND id = $2"
+        )))
+        .bind(project.to_string())
+        .bind(id.to_string())
+        .fetch_optional(self.pool())
+        .await?
+        .ok_or(StoreError::NotFound)?;
+        from_row(&row)
+    }
+
+    pub async fn list_model_connections(
+        &self,
+        project: ProjectId,
+    ) -> Result<Vec<ModelConnectionRecord>, StoreError> {
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {COLUMNS} FROM model_connections WHERE project_id = $1 ORDER BY id"
+        )))
+        .bind(project.to_string())
+        .fetch_all(self.pool())
+        .await?;
+        rows.iter().map(from_row).collect()
+    }
+
+    /// Records that the connection's key was replaced: its credential version rises by one.
+    pub async fn bump_model_credential_version(
+        &self,
+        project: ProjectId,
+        id: ConnectionId,
+    ) -> Result<ModelConnectionRecord, StoreError> {
+        let done = sqlx::query(
+            "UPDATE model_connections SET credential_version = credential_version + 1, updated_at = $1 \
+             WHERE project_id = $2 AND id = $3 AND status = 'active'",
+        )
+        .bind(now_millis())
+        .bind(project.to_string())
+        .bind(id.to_string())
+        .execute(self.pool())
+        .await?;
+        if done.rows_affected() == 0 {
+            // Either absent (404) or revoked (409): tell which without revealing anything foreign.
+            let existing = self.get_model_connection(project, id).await?;
+            if existing.status == ConnectionStatus::Revoked {
+                return Err(StoreError::Conflict(format!(
+                    "model connection `{id}` is revoked"
+                )));
+            }
+        }
+        self.get_model_connection(project, id).await
+    }
+
+    pub async fn revoke_model_connection(
+        &self,
+        project: ProjectId,
+        id: ConnectionId,
+    ) -> Result<ModelConnectionRecord, StoreError> {
+        sqlx::query(
+            "UPDATE model_connections SET status = 'revoked', updated_at = $1 \
+             WHERE project_id = $2 AND id = $3",
+        )
+        .bind(now_millis())
+        .bind(project.to_string())
+        .bind(id.to_string())
+        .execute(self.pool())
+        .await?;
+        self.get_model_connection(project, id).await
+    }
+}
+
+fn from_row(row: &sqlx::any::AnyRow) -> Result<ModelConnectionRecord, StoreError> {
+    let id: String = row.try_get("id")?;
+    let project_id: String = row.try_get("project_id")?;
+    let provider: String = row.try_get("provider")?;
+    let owner: Option<String> = row.try_get("owner_member_id")?;
+    let status: String = row.try_get("status")?;
+    let created_by: Option<String> = row.try_get("created_by")?;
+    Ok(ModelConnectionRecord {
+        id: parse_column(&id, "model_connections.id")?,
+        project_id: parse_column(&project_id, "model_connections.project_id")?,
+        name: row.try_get("name")?,
+        provider: parse_column(&provider, "model_connections.provider")?,
+        base_url: row.try_get("base_url")?,
+        owner_member_id: owner
+            .map(|m| parse_column(&m, "model_connections.owner_member_id"))
+            .transpose()?,
+        status: parse_column(&status, "model_connections.status")?,
+        credential_version: row.try_get("credential_version")?,
+        created_by: created_by
+            .map(|k| parse_column(&k, "model_connections.created_by"))
+            .transpose()?,
+        created_at: row.try_get("created_at")?,
+        updated_at: row.try_get("updated_at")?,
+    })
+}
