@@ -6,6 +6,7 @@
 pub mod canonical;
 pub mod ids;
 pub mod role;
+pub mod routine;
 
 pub use ids::{ApiKeyId, ApprovalId, ConnectionId, IdError, MemberId, ProjectId, RoutineId, RunId};
 pub use role::{Role, RoleParseError};

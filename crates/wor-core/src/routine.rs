@@ -1,0 +1,435 @@
+//! Routine definitions: the TOML a person writes, parsed and validated into one value.
+//!
+//! Every error names the field and the line it is on. A definition is immutable once applied;
+//! its [`RoutineDefinition::content_hash`] tells whether an apply changed anything.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::{Deserialize, Deserializer, Serialize};
+use toml::Spanned;
+
+use crate::canonical::canonical_hash;
+
+/// Why a routine definition was refused. The message names the field and the line.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct RoutineError {
+    pub message: String,
+    /// 1-based line of the offending text, when known.
+    pub line: Option<usize>,
+}
+
+/// A routine's name: 1 to 64 of `a-z`, `0-9` and `-`, starting with a letter.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub struct RoutineName(String);
+
+impl RoutineName {
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let ok = (1..=64).contains(&text.len())
+            && text.starts_with(|c: char| c.is_ascii_lowercase())
+            && text
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-');
+        if ok {
+            Ok(RoutineName(text.to_owned()))
+        } else {
+            Err(format!(
+                "`{}` is not a routine name: use 1 to 64 of a-z, 0-9 and `-`, starting with a letter",
+                text.chars().take(80).collect::<String>()
+            ))
+        }
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for RoutineName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for RoutineName {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        RoutineName::parse(&text).map_err(serde::de::Error::custom)
+    }
+}
+
+/// Which model API a routine talks to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ModelProviderKind {
+    /// Any OpenAI-compatible chat-completions endpoint.
+    OpenaiCompatible,
+    /// Anthropic Messages.
+    Anthropic,
+    /// The built-in scripted model, for demos and tests. Production refuses it.
+    Replay,
+}
+
+/// `[model]`: the model identity `(provider, connection, model)`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSection {
+    pub provider: ModelProviderKind,
+    /// The model connection's name; required except for `replay`.
+    #[serde(default)]
+    pub connection: Option<String>,
+    /// The provider's model id, e.g. `claude-sonnet-4-5`.
+    pub model: String,
+    /// Output tokens asked for per turn.
+    #[serde(default)]
+    pub max_output_tokens: Option<u32>,
+    /// For `replay`: the script, inline (see docs/replay.md).
+    #[serde(default)]
+    pub script: Option<toml::Value>,
+}
+
+/// `[budget]`: limits on one run (and, for nested routines, on its root run).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BudgetLimits {
+    #[serde(default = "default_turns", deserialize_with = "positive_u64")]
+    pub turns: u64,
+    #[serde(default = "default_tool_calls", deserialize_with = "positive_u64")]
+    pub tool_calls: u64,
+    #[serde(default = "default_input_tokens", deserialize_with = "positive_u64")]
+    pub input_tokens: u64,
+    #[serde(default = "default_output_tokens", deserialize_with = "positive_u64")]
+    pub output_tokens: u64,
+    /// Cost in millionths of a US dollar, priced by the server's per-model price table.
+    #[serde(default = "default_cost", deserialize_with = "positive_u64")]
+    pub cost_microdollars: u64,
+    #[serde(default = "default_wall_seconds", deserialize_with = "positive_u64")]
+    pub wall_seconds: u64,
+}
+
+fn default_turns() -> u64 {
+    20
+}
+fn default_tool_calls() -> u64 {
+    50
+}
+fn default_input_tokens() -> u64 {
+    500_000
+}
+fn default_output_tokens() -> u64 {
+    50_000
+}
+fn default_cost() -> u64 {
+    5_000_000
+}
+fn default_wall_seconds() -> u64 {
+    900
+}
+
+fn positive_u64<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    let value = i64::deserialize(d)?;
+    u64::try_from(value)
+        .ok()
+        .filter(|v| *v > 0)
+        .ok_or_else(|| serde::de::Error::custom(format!("must be a positive whole number, not {value}")))
+}
+
+impl Default for BudgetLimits {
+    fn default() -> Self {
+        BudgetLimits {
+            turns: default_turns(),
+            tool_calls: default_tool_calls(),
+            input_tokens: default_input_tokens(),
+            output_tokens: default_output_tokens(),
+            cost_microdollars: default_cost(),
+            wall_seconds: default_wall_seconds(),
+        }
+    }
+}
+
+/// What happens when a run starts while others of the same routine are active.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OverlapPolicy {
+    /// The new run is not started (recorded as skipped).
+    Skip,
+    /// The new run waits until a slot frees.
+    Queue,
+    /// The oldest active run is cancelled to make room.
+    CancelPrevious,
+}
+
+/// `[concurrency]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConcurrencySection {
+    #[serde(default = "one", deserialize_with = "positive_u64")]
+    pub max_runs: u64,
+    #[serde(default = "queue")]
+    pub overlap: OverlapPolicy,
+}
+
+fn one() -> u64 {
+    1
+}
+fn queue() -> OverlapPolicy {
+    OverlapPolicy::Queue
+}
+
+impl Default for ConcurrencySection {
+    fn default() -> Self {
+        ConcurrencySection {
+            max_runs: 1,
+            overlap: OverlapPolicy::Queue,
+        }
+    }
+}
+
+/// How a roster tool may be called.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolMode {
+    /// Runs when policy allows.
+    Auto,
+    /// Always waits for a person's approval of the exact call.
+    Confirm,
+    /// Never runs; the model gets a clear refusal.
+    Deny,
+}
+
+/// One `[[tools]]` entry: a tool the routine may use, and how.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RosterEntry {
+    /// `CONNECTION/TOOL`: a tool connection's name and one of its pinned tools.
+    pub tool: String,
+    pub mode: ToolMode,
+    /// Arguments the author fixes: hidden from the model, always overriding what it writes.
+    #[serde(default)]
+    pub pinned: BTreeMap<String, serde_json::Value>,
+}
+
+impl RosterEntry {
+    /// The connection and tool names of `tool`.
+    pub fn split(&self) -> Option<(&str, &str)> {
+        self.tool.split_once('/')
+    }
+}
+
+/// A complete, validated routine definition.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RoutineDefinition {
+    pub name: RoutineName,
+    pub description: String,
+    pub instructions: String,
+    pub model: ModelSection,
+    pub budget: BudgetLimits,
+    pub concurrency: ConcurrencySection,
+    pub tools: Vec<RosterEntry>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRoutine {
+    name: RoutineName,
+    #[serde(default)]
+    description: String,
+    instructions: Spanned<String>,
+    model: Spanned<ModelSection>,
+    #[serde(default)]
+    budget: BudgetLimits,
+    #[serde(default)]
+    concurrency: ConcurrencySection,
+    #[serde(default)]
+    tools: Vec<Spanned<RosterEntry>>,
+}
+
+fn line_of(text: &str, offset: usize) -> usize {
+    text.get(..offset).map_or(1, |before| before.matches('\n').count() + 1)
+}
+
+impl RoutineDefinition {
+    /// Parses and validates a routine written in TOML.
+    pub fn from_toml(text: &str) -> Result<Self, RoutineError> {
+        let raw: RawRoutine = toml::from_str(text).map_err(|e| {
+            let line = e.span().map(|s| line_of(text, s.start));
+            let mut message = e.message().trim().to_owned();
+            if let Some(line) = line {
+                message = format!("line {line}: {message}");
+            }
+            RoutineError { message, line }
+        })?;
+        let at = |span: std::ops::Range<usize>, message: String| {
+            let line = line_of(text, span.start);
+            RoutineError {
+                message: format!("line {line}: {message}"),
+                line: Some(line),
+            }
+        };
+        if raw.instructions.get_ref().trim().is_empty() {
+            return Err(at(raw.instructions.span(), "`instructions` must not be empty".to_owned()));
+        }
+        let model_span = raw.model.span();
+        let model = raw.model.into_inner();
+        match (model.provider, &model.connection, &model.script) {
+            (ModelProviderKind::Replay, Some(_), _) => {
+                return Err(at(model_span, "`model.connection` is not used with provider `replay`".into()));
+            }
+            (ModelProviderKind::Replay, None, None) => {
+                return Err(at(model_span, "`model.script` is required with provider `replay`".into()));
+            }
+            (ModelProviderKind::OpenaiCompatible | ModelProviderKind::Anthropic, None, _) => {
+                return Err(at(model_span, "`model.connection` names the model connection to use".into()));
+            }
+            (ModelProviderKind::OpenaiCompatible | ModelProviderKind::Anthropic, _, Some(_)) => {
+                return Err(at(model_span, "`model.script` is only for provider `replay`".into()));
+            }
+            _ => {}
+        }
+        if model.model.trim().is_empty() {
+            return Err(at(model_span, "`model.model` must name a model".into()));
+        }
+        let mut tools = Vec::with_capacity(raw.tools.len());
+        for entry in raw.tools {
+            let span = entry.span();
+            let entry = entry.into_inner();
+            let Some((connection, tool)) = entry.split() else {
+                return Err(at(span, format!("`tools.tool` `{}` must be CONNECTION/TOOL", entry.tool)));
+            };
+            if connection.is_empty() || tool.is_empty() {
+                return Err(at(span, format!("`tools.tool` `{}` must be CONNECTION/TOOL", entry.tool)));
+            }
+            if tools.iter().any(|t: &RosterEntry| t.tool == entry.tool) {
+                return Err(at(span, format!("`tools.tool` `{}` is listed twice", entry.tool)));
+            }
+            tools.push(entry);
+        }
+        Ok(RoutineDefinition {
+            name: raw.name,
+            description: raw.description,
+            instructions: raw.instructions.into_inner(),
+            model,
+            budget: raw.budget,
+            concurrency: raw.concurrency,
+            tools,
+        })
+    }
+
+    /// SHA-256 of the definition's canonical JSON: equal definitions, equal hashes, whatever
+    /// the formatting of the TOML they came from.
+    pub fn content_hash(&self) -> String {
+        canonical_hash(&serde_json::to_value(self).unwrap_or(serde_json::Value::Null))
+    }
+
+    /// The roster entry for `CONNECTION/TOOL`, if the routine lists it.
+    pub fn roster_entry(&self, tool: &str) -> Option<&RosterEntry> {
+        self.tools.iter().find(|t| t.tool == tool)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const EXAMPLE: &str = r#"
+name = "inbox-triage"
+description = "Sort the support inbox"
+instructions = "Read the inbox and file each message."
+
+[model]
+provider = "anthropic"
+connection = "main"
+model = "claude-sonnet-4-5"
+
+[budget]
+turns = 5
+cost_microdollars = 100000
+
+[[tools]]
+tool = "mail/read_inbox"
+mode = "auto"
+
+[[tools]]
+tool = "mail/send"
+mode = "confirm"
+pinned = { from = "support@example.com" }
+"#;
+
+    #[test]
+    fn parses_a_complete_routine_with_defaults() {
+        let r = RoutineDefinition::from_toml(EXAMPLE).unwrap();
+        assert_eq!(r.name.as_str(), "inbox-triage");
+        assert_eq!(r.budget.turns, 5);
+        assert_eq!(r.budget.tool_calls, 50, "unset limits take their defaults");
+        assert_eq!(r.concurrency, ConcurrencySection::default());
+        assert_eq!(r.tools.len(), 2);
+        let send = r.roster_entry("mail/send").unwrap();
+        assert_eq!(send.mode, ToolMode::Confirm);
+        assert_eq!(send.pinned["from"], "support@example.com");
+        assert_eq!(send.split(), Some(("mail", "send")));
+    }
+
+    #[test]
+    fn hash_ignores_formatting_but_not_content() {
+        let a = RoutineDefinition::from_toml(EXAMPLE).unwrap();
+        let reformatted = EXAMPLE.replace("turns = 5", "turns    =    5 # five");
+        let b = RoutineDefinition::from_toml(&reformatted).unwrap();
+        assert_eq!(a.content_hash(), b.content_hash());
+        let c = RoutineDefinition::from_toml(&EXAMPLE.replace("turns = 5", "turns = 6")).unwrap();
+        assert_ne!(a.content_hash(), c.content_hash());
+    }
+
+    fn error(text: &str) -> RoutineError {
+        RoutineDefinition::from_toml(text).unwrap_err()
+    }
+
+    #[test]
+    fn errors_name_the_field_and_line() {
+        let e = error(&EXAMPLE.replace("mode = \"confirm\"", "mode = \"sometimes\""));
+        assert_eq!(e.line, Some(21), "{e}");
+        assert!(e.message.contains("sometimes"), "{e}");
+
+        let e = error(&EXAMPLE.replace("turns = 5", "turns = 0"));
+        assert_eq!(e.line, Some(12), "{e}");
+        assert!(e.message.contains("positive"), "{e}");
+
+        let e = error(&EXAMPLE.replace("name = \"inbox-triage\"", "name = \"Inbox Triage\""));
+        assert_eq!(e.line, Some(2), "{e}");
+        assert!(e.message.contains("routine name"), "{e}");
+
+        let e = error(&EXAMPLE.replace("turns = 5", "turns = 5\nturnz = 3"));
+        assert!(e.message.contains("turnz"), "{e}");
+
+        let e = error(&EXAMPLE.replace("connection = \"main\"\n", ""));
+        assert!(e.message.contains("model.connection"), "{e}");
+        assert_eq!(e.line, Some(6), "{e}");
+
+        let e = error(&EXAMPLE.replace("mail/send", "mail/read_inbox"));
+        assert!(e.message.contains("listed twice") && e.line == Some(19), "{e}");
+
+        let e = error(&EXAMPLE.replace("mail/send", "send"));
+        assert!(e.message.contains("CONNECTION/TOOL"), "{e}");
+
+        let e = error(&EXAMPLE.replace("Read the inbox and file each message.", "  "));
+        assert!(e.message.contains("instructions"), "{e}");
+
+        let e = error("name = \"x\"\ninstructions = ");
+        assert!(e.line.is_some(), "{e}");
+    }
+
+    #[test]
+    fn replay_needs_a_script_and_no_connection() {
+        let replay = EXAMPLE
+            .replace("provider = \"anthropic\"", "provider = \"replay\"")
+            .replace("connection = \"main\"\n", "");
+        let e = error(&replay);
+        assert!(e.message.contains("model.script"), "{e}");
+        let with_script = replay.replace(
+            "model = \"claude-sonnet-4-5\"",
+            "model = \"demo\"\nscript = { turns = [] }",
+        );
+        let r = RoutineDefinition::from_toml(&with_script).unwrap();
+        assert_eq!(r.model.provider, ModelProviderKind::Replay);
+    }
+}
