@@ -129,10 +129,9 @@ fn default_wall_seconds() -> u64 {
 
 fn positive_u64<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
     let value = i64::deserialize(d)?;
-    u64::try_from(value)
-        .ok()
-        .filter(|v| *v > 0)
-        .ok_or_else(|| serde::de::Error::custom(format!("must be a positive whole number, not {value}")))
+    u64::try_from(value).ok().filter(|v| *v > 0).ok_or_else(|| {
+        serde::de::Error::custom(format!("must be a positive whole number, not {value}"))
+    })
 }
 
 impl Default for BudgetLimits {
@@ -246,7 +245,8 @@ struct RawRoutine {
 }
 
 fn line_of(text: &str, offset: usize) -> usize {
-    text.get(..offset).map_or(1, |before| before.matches('\n').count() + 1)
+    text.get(..offset)
+        .map_or(1, |before| before.matches('\n').count() + 1)
 }
 
 impl RoutineDefinition {
@@ -268,22 +268,37 @@ impl RoutineDefinition {
             }
         };
         if raw.instructions.get_ref().trim().is_empty() {
-            return Err(at(raw.instructions.span(), "`instructions` must not be empty".to_owned()));
+            return Err(at(
+                raw.instructions.span(),
+                "`instructions` must not be empty".to_owned(),
+            ));
         }
         let model_span = raw.model.span();
         let model = raw.model.into_inner();
         match (model.provider, &model.connection, &model.script) {
             (ModelProviderKind::Replay, Some(_), _) => {
-                return Err(at(model_span, "`model.connection` is not used with provider `replay`".into()));
+                return Err(at(
+                    model_span,
+                    "`model.connection` is not used with provider `replay`".into(),
+                ));
             }
             (ModelProviderKind::Replay, None, None) => {
-                return Err(at(model_span, "`model.script` is required with provider `replay`".into()));
+                return Err(at(
+                    model_span,
+                    "`model.script` is required with provider `replay`".into(),
+                ));
             }
             (ModelProviderKind::OpenaiCompatible | ModelProviderKind::Anthropic, None, _) => {
-                return Err(at(model_span, "`model.connection` names the model connection to use".into()));
+                return Err(at(
+                    model_span,
+                    "`model.connection` names the model connection to use".into(),
+                ));
             }
             (ModelProviderKind::OpenaiCompatible | ModelProviderKind::Anthropic, _, Some(_)) => {
-                return Err(at(model_span, "`model.script` is only for provider `replay`".into()));
+                return Err(at(
+                    model_span,
+                    "`model.script` is only for provider `replay`".into(),
+                ));
             }
             _ => {}
         }
@@ -295,13 +310,22 @@ impl RoutineDefinition {
             let span = entry.span();
             let entry = entry.into_inner();
             let Some((connection, tool)) = entry.split() else {
-                return Err(at(span, format!("`tools.tool` `{}` must be CONNECTION/TOOL", entry.tool)));
+                return Err(at(
+                    span,
+                    format!("`tools.tool` `{}` must be CONNECTION/TOOL", entry.tool),
+                ));
             };
             if connection.is_empty() || tool.is_empty() {
-                return Err(at(span, format!("`tools.tool` `{}` must be CONNECTION/TOOL", entry.tool)));
+                return Err(at(
+                    span,
+                    format!("`tools.tool` `{}` must be CONNECTION/TOOL", entry.tool),
+                ));
             }
             if tools.iter().any(|t: &RosterEntry| t.tool == entry.tool) {
-                return Err(at(span, format!("`tools.tool` `{}` is listed twice", entry.tool)));
+                return Err(at(
+                    span,
+                    format!("`tools.tool` `{}` is listed twice", entry.tool),
+                ));
             }
             tools.push(entry);
         }
@@ -406,7 +430,10 @@ pinned = { from = "support@example.com" }
         assert_eq!(e.line, Some(6), "{e}");
 
         let e = error(&EXAMPLE.replace("mail/send", "mail/read_inbox"));
-        assert!(e.message.contains("listed twice") && e.line == Some(19), "{e}");
+        assert!(
+            e.message.contains("listed twice") && e.line == Some(19),
+            "{e}"
+        );
 
         let e = error(&EXAMPLE.replace("mail/send", "send"));
         assert!(e.message.contains("CONNECTION/TOOL"), "{e}");

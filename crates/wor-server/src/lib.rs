@@ -34,12 +34,18 @@ pub struct AppState {
     pub store: Store,
     /// The only path to stored secret values.
     pub vault: Vault,
+    /// Production mode: demo-only features (the replay model) are refused.
+    pub production: bool,
 }
 
 impl AppState {
-    pub fn new(store: Store, keys: std::sync::Arc<wor_secrets::KeyRing>) -> Self {
+    pub fn new(store: Store, keys: std::sync::Arc<wor_secrets::KeyRing>, production: bool) -> Self {
         let vault = Vault::new(store.clone(), keys);
-        AppState { store, vault }
+        AppState {
+            store,
+            vault,
+            production,
+        }
     }
 }
 
@@ -65,6 +71,8 @@ fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(routes::model_connections::get))
         .routes(routes!(routes::model_connections::set_api_key))
         .routes(routes!(routes::model_connections::revoke))
+        .routes(routes!(routes::routines::list, routes::routines::apply))
+        .routes(routes!(routes::routines::get))
 }
 
 /// The OpenAPI 3.1 document of the API.

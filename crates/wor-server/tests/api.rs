@@ -33,7 +33,11 @@ impl TestApi {
     async fn new() -> Self {
         let db = TestDatabase::new().await.unwrap();
         let (keys, _) = wor_secrets::KeyRing::generate().unwrap();
-        let router = router(AppState::new(db.store.clone(), std::sync::Arc::new(keys)));
+        let router = router(AppState::new(
+            db.store.clone(),
+            std::sync::Arc::new(keys),
+            false,
+        ));
         TestApi { router, db }
     }
 
@@ -91,6 +95,15 @@ fn assert_error(reply: &Reply, status: StatusCode, code: &str) {
     );
 }
 
+const REPLAY_ROUTINE: &str = r#"
+name = "probe"
+instructions = "Say hello."
+[model]
+provider = "replay"
+model = "script"
+script = { turns = [] }
+"#;
+
 /// Every documented operation, as (method, path template).
 fn documented_operations() -> Vec<(Method, String)> {
     let doc = serde_json::to_value(wor_server::openapi()).unwrap();
@@ -118,6 +131,7 @@ fn sample_body(method: &Method, path: &str) -> Option<Value> {
             Some(json!({"api_key": "sk-probe-1111111111"}))
         }
         ("POST", "/v1/model-connections/{connection_id}/revoke") => None,
+        ("POST", "/v1/routines") => Some(json!({"toml": REPLAY_ROUTINE})),
         ("POST" | "PUT" | "PATCH", _) => {
             panic!("no sample body for {method} {path}: add one so the isolation walk covers it")
         }
@@ -142,16 +156,28 @@ async fn another_projects_resources_answer_404_on_every_route() {
         .await;
     assert_eq!(a_model.status, StatusCode::CREATED, "{}", a_model.text);
     let a_model_id = a_model.body["id"].as_str().unwrap().to_owned();
+    let a_routine = api
+        .call(
+            Method::POST,
+            "/v1/routines",
+            Some(a.owner_key.expose()),
+            Some(json!({"toml": REPLAY_ROUTINE})),
+        )
+        .await;
+    assert_eq!(a_routine.status, StatusCode::CREATED, "{}", a_routine.text);
+    let a_routine_id = a_routine.body["routine"]["id"].as_str().unwrap().to_owned();
     let foreign_ids = [
         ("member_id", a.owner.id.to_string()),
         ("key_id", a_key_id.to_string()),
         ("connection_id", a_model_id.clone()),
+        ("routine_id", a_routine_id.clone()),
     ];
     let a_ids = [
         a.project.id.to_string(),
         a.owner.id.to_string(),
         a_key_id.to_string(),
         a_model_id.clone(),
+        a_routine_id.clone(),
     ];
     let b_key = b.owner_key.expose();
 
@@ -711,4 +737,156 @@ async fn model_connection_input_is_checked() {
         )
         .await;
     assert_error(&denied, StatusCode::FORBIDDEN, "forbidden");
+}
+
+#[tokio::test]
+async fn routines_apply_as_immutable_versions() {
+    let api = TestApi::new().await;
+    let p = api.project("alice").await;
+    let owner = p.owner_key.expose();
+    let apply = |toml: String| {
+        api.call(
+            Method::POST,
+            "/v1/routines",
+            Some(owner),
+            Some(json!({"toml": toml})),
+        )
+    };
+
+    let first = apply(REPLAY_ROUTINE.to_owned()).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.text);
+    assert_eq!(
+        (first.body["version"].clone(), first.body["changed"].clone()),
+        (json!(1), json!(true))
+    );
+    let id = first.body["routine"]["id"].as_str().unwrap().to_owned();
+
+    let reformatted = REPLAY_ROUTINE.replace("instructions = ", "instructions   =   ");
+    let same = apply(reformatted).await;
+    assert_eq!(same.status, StatusCode::OK);
+    assert_eq!(
+        (same.body["version"].clone(), same.body["changed"].clone()),
+        (json!(1), json!(false))
+    );
+
+    let edited = apply(REPLAY_ROUTINE.replace("Say hello.", "Say goodbye.")).await;
+    assert_eq!(
+        (
+            edited.body["version"].clone(),
+            edited.body["changed"].clone()
+        ),
+        (json!(2), json!(true))
+    );
+    assert_eq!(edited.body["routine"]["id"], id.as_str());
+
+    let detail = api
+        .call(
+            Method::GET,
+            &format!("/v1/routines/{id}"),
+            Some(owner),
+            None,
+        )
+        .await;
+    assert_eq!(detail.status, StatusCode::OK, "{}", detail.text);
+    assert_eq!(detail.body["routine"]["current_version"], 2);
+    assert!(
+        detail.body["source_toml"]
+            .as_str()
+            .unwrap()
+            .contains("goodbye")
+    );
+    assert_eq!(
+        detail.body["definition"]["budget"]["turns"], 20,
+        "defaults are filled in"
+    );
+    assert_eq!(detail.body["versions"].as_array().unwrap().len(), 2);
+    // The first version is still there, unchanged.
+    let v1 = api
+        .db
+        .store
+        .get_routine_version(p.project.id, id.parse().unwrap(), 1)
+        .await
+        .unwrap();
+    assert_eq!(v1.definition.instructions, "Say hello.");
+
+    let bad =
+        apply(REPLAY_ROUTINE.replace("model = \"script\"", "model = \"script\"\nmodle = 1")).await;
+    assert_error(&bad, StatusCode::BAD_REQUEST, "invalid_routine");
+    assert!(
+        bad.text.contains("line 7") && bad.text.contains("modle"),
+        "{}",
+        bad.text
+    );
+
+    let missing_connection = apply(
+        REPLAY_ROUTINE
+            .replace(
+                "provider = \"replay\"",
+                "provider = \"anthropic\"\nconnection = \"nope\"",
+            )
+            .replace("script = { turns = [] }\n", ""),
+    )
+    .await;
+    assert_error(
+        &missing_connection,
+        StatusCode::BAD_REQUEST,
+        "invalid_routine",
+    );
+    assert!(
+        missing_connection
+            .text
+            .contains("no active model connection named `nope`"),
+        "{}",
+        missing_connection.text
+    );
+
+    let viewer = api
+        .call(
+            Method::POST,
+            "/v1/members",
+            Some(owner),
+            Some(json!({"name": "v", "role": "viewer"})),
+        )
+        .await;
+    let viewer_key = viewer.body["key"]["api_key"].as_str().unwrap();
+    let denied = api
+        .call(
+            Method::POST,
+            "/v1/routines",
+            Some(viewer_key),
+            Some(json!({"toml": REPLAY_ROUTINE})),
+        )
+        .await;
+    assert_error(&denied, StatusCode::FORBIDDEN, "forbidden");
+    let listed = api
+        .call(Method::GET, "/v1/routines", Some(viewer_key), None)
+        .await;
+    assert_eq!(listed.body.as_array().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn production_refuses_the_replay_model() {
+    let db = TestDatabase::new().await.unwrap();
+    let (keys, _) = wor_secrets::KeyRing::generate().unwrap();
+    let router = router(AppState::new(
+        db.store.clone(),
+        std::sync::Arc::new(keys),
+        true,
+    ));
+    let api = TestApi { router, db };
+    let p = api.project("alice").await;
+    let reply = api
+        .call(
+            Method::POST,
+            "/v1/routines",
+            Some(p.owner_key.expose()),
+            Some(json!({"toml": REPLAY_ROUTINE})),
+        )
+        .await;
+    assert_error(&reply, StatusCode::BAD_REQUEST, "invalid_routine");
+    assert!(
+        reply.text.contains("production refuses it"),
+        "{}",
+        reply.text
+    );
 }

@@ -10,6 +10,7 @@ mod members;
 mod migrations;
 mod model_connections;
 mod projects;
+mod routines;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod vault;
@@ -29,6 +30,7 @@ pub use model_connections::{
     NewModelConnection,
 };
 pub use projects::{CreatedProject, ProjectRecord};
+pub use routines::{AppliedRoutine, RoutineRecord, RoutineVersionRecord};
 pub use sqlx::Error as SqlxError;
 pub use vault::{RotationReport, SecretMetadata, SecretSlot, Vault, VaultError};
 

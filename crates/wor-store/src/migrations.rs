@@ -27,6 +27,11 @@ const MIGRATIONS: &[SchemaMigration] = &[
         description: "secrets",
         sql: include_str!("../migrations/0002_secrets.sql"),
     },
+    SchemaMigration {
+        version: 3,
+        description: "routines",
+        sql: include_str!("../migrations/0003_routines.sql"),
+    },
 ];
 
 pub(crate) async fn apply(store: &Store) -> Result<(), StoreError> {

@@ -5,6 +5,7 @@ mod keys;
 mod members;
 mod model_connections;
 mod operator;
+mod routines;
 mod secrets;
 mod serve;
 
@@ -29,6 +30,9 @@ pub enum Command {
     /// API keys of your project.
     #[command(subcommand)]
     Key(keys::KeyCommand),
+    /// Routines: apply TOML definitions, list and show them.
+    #[command(subcommand)]
+    Routine(routines::RoutineCommand),
     /// Model connections: provider endpoints and their (sealed) API keys.
     #[command(subcommand, name = "model-connection")]
     ModelConnection(model_connections::ModelConnectionCommand),
@@ -50,6 +54,7 @@ impl Command {
             Command::Member(cmd) => members::run(cmd).await,
             Command::Key(cmd) => keys::run(cmd).await,
             Command::Egress(cmd) => egress::run(cmd).await,
+            Command::Routine(cmd) => routines::run(cmd).await,
             Command::ModelConnection(cmd) => model_connections::run(cmd).await,
             Command::Secrets(cmd) => secrets::run(cmd).await,
         }

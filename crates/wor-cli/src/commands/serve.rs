@@ -63,7 +63,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         "server started"
     );
     eprintln!("wor: listening on http://{local}");
-    let state = AppState::new(store.clone(), Arc::new(keys));
+    let state = AppState::new(store.clone(), Arc::new(keys), config.production);
     wor_server::serve(listener, state, shutdown).await?;
     store.close().await;
     tracing::info!(category = "lifecycle", "server stopped");

@@ -5,3 +5,4 @@ pub mod keys;
 pub mod members;
 pub mod model_connections;
 pub mod project;
+pub mod routines;

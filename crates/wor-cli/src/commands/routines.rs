@@ -1,0 +1,119 @@
+//! `wor routine …`: clients of the API.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use serde_json::{Value, json};
+
+use super::{field, print_json};
+use crate::client::{ApiClient, ClientArgs};
+
+#[derive(Debug, clap::Subcommand)]
+pub enum RoutineCommand {
+    /// Create a routine from a TOML file, or make a new version of it if it changed.
+    Apply {
+        /// The routine definition (see docs/routines.md); `-` reads standard input.
+        #[arg(short = 'f', long = "file", value_name = "FILE")]
+        file: PathBuf,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// List the project's routines.
+    List(ClientArgs),
+    /// Show a routine (by name or `rtn_…` id): its current definition and versions.
+    Show {
+        routine: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+}
+
+/// Resolves a routine name to its id through the list; ids pass through.
+pub(crate) async fn routine_id(api: &ApiClient, routine: &str) -> anyhow::Result<String> {
+    if routine.starts_with("rtn_") {
+        return Ok(routine.to_owned());
+    }
+    let list = api.get("/v1/routines").await?;
+    list.as_array()
+        .into_iter()
+        .flatten()
+        .find(|r| r.get("name").and_then(Value::as_str) == Some(routine))
+        .and_then(|r| r.get("id").and_then(Value::as_str))
+        .map(str::to_owned)
+        .with_context(|| format!("no routine named `{routine}` in this project"))
+}
+
+pub async fn run(cmd: RoutineCommand) -> anyhow::Result<ExitCode> {
+    match cmd {
+        RoutineCommand::Apply { file, client } => {
+            let toml = if file.as_os_str() == "-" {
+                std::io::read_to_string(std::io::stdin()).context("cannot read standard input")?
+            } else {
+                std::fs::read_to_string(&file)
+                    .with_context(|| format!("cannot read `{}`", file.display()))?
+            };
+            let applied = ApiClient::new(&client)?
+                .post("/v1/routines", &json!({ "toml": toml }))
+                .await?;
+            if client.json {
+                print_json(&applied)?;
+            } else {
+                let version = applied.get("version").and_then(Value::as_i64).unwrap_or(0);
+                let changed = applied.get("changed").and_then(Value::as_bool) == Some(true);
+                println!(
+                    "{} {} ({}) version {version}",
+                    if changed { "applied" } else { "unchanged" },
+                    field(&applied, "/routine/name"),
+                    field(&applied, "/routine/id"),
+                );
+            }
+        }
+        RoutineCommand::List(client) => {
+            let list = ApiClient::new(&client)?.get("/v1/routines").await?;
+            if client.json {
+                print_json(&list)?;
+            } else {
+                for r in list.as_array().into_iter().flatten() {
+                    println!(
+                        "{}  v{:<3}  {}",
+                        field(r, "/id"),
+                        r.get("current_version")
+                            .and_then(Value::as_i64)
+                            .unwrap_or(0),
+                        field(r, "/name")
+                    );
+                }
+            }
+        }
+        RoutineCommand::Show { routine, client } => {
+            let api = ApiClient::new(&client)?;
+            let id = routine_id(&api, &routine).await?;
+            let detail = api.get(&format!("/v1/routines/{id}")).await?;
+            if client.json {
+                print_json(&detail)?;
+            } else {
+                println!(
+                    "{} ({})",
+                    field(&detail, "/routine/name"),
+                    field(&detail, "/routine/id")
+                );
+                for v in detail
+                    .get("versions")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                {
+                    println!(
+                        "  v{:<3} {}  {}",
+                        v.get("version").and_then(Value::as_i64).unwrap_or(0),
+                        field(v, "/created_at"),
+                        field(v, "/content_hash"),
+                    );
+                }
+                println!("\n{}", field(&detail, "/source_toml"));
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

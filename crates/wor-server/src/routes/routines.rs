@@ -1,0 +1,184 @@
+//! Routines: applied as TOML, versioned immutably.
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::StatusCode;
+use wor_core::RoutineId;
+use wor_core::routine::{ModelProviderKind, RoutineDefinition};
+
+use crate::AppState;
+use crate::auth::Caller;
+use crate::error::{ApiError, ErrorBody};
+use crate::extract::{ApiJson, ApiPath};
+use crate::views::rfc3339;
+
+/// The largest routine source accepted.
+const MAX_ROUTINE_BYTES: usize = 256 * 1024;
+
+#[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ApplyRoutine {
+    /// The routine definition, in TOML (see docs/routines.md).
+    pub toml: String,
+}
+
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct RoutineView {
+    pub id: String,
+    pub name: String,
+    pub current_version: i64,
+    pub created_at: String,
+    pub updated_at: String,
+}
+
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct AppliedRoutineView {
+    pub routine: RoutineView,
+    pub version: i64,
+    /// False when the definition equalled the current version and nothing was written.
+    pub changed: bool,
+}
+
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct RoutineVersionSummary {
+    pub version: i64,
+    pub content_hash: String,
+    pub created_at: String,
+}
+
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct RoutineDetail {
+    pub routine: RoutineView,
+    /// The current version's source, as applied.
+    pub source_toml: String,
+    /// The current version, parsed, with defaults filled in.
+    #[schema(value_type = Object)]
+    pub definition: serde_json::Value,
+    pub versions: Vec<RoutineVersionSummary>,
+}
+
+impl From<wor_store::RoutineRecord> for RoutineView {
+    fn from(r: wor_store::RoutineRecord) -> Self {
+        RoutineView {
+            id: r.id.to_string(),
+            name: r.name,
+            current_version: r.current_version,
+            created_at: rfc3339(r.created_at),
+            updated_at: rfc3339(r.updated_at),
+        }
+    }
+}
+
+/// Applies a routine: creates it, or makes a new immutable version if it changed.
+#[utoipa::path(post, path = "/v1/routines", tag = "routines", security(("bearer" = [])),
+    request_body = ApplyRoutine,
+    responses((status = 200, body = AppliedRoutineView), (status = 201, body = AppliedRoutineView),
+        (status = 400, body = ErrorBody), (status = 403, body = ErrorBody)))]
+pub async fn apply(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiJson(body): ApiJson<ApplyRoutine>,
+) -> Result<(StatusCode, Json<AppliedRoutineView>), ApiError> {
+    caller.require_configure()?;
+    if body.toml.len() > MAX_ROUTINE_BYTES {
+        return Err(ApiError::bad_request(
+            "invalid_routine",
+            "the routine is larger than 256 KiB",
+        ));
+    }
+    let definition = RoutineDefinition::from_toml(&body.toml)
+        .map_err(|e| ApiError::bad_request("invalid_routine", e.message))?;
+    if state.production && definition.model.provider == ModelProviderKind::Replay {
+        return Err(ApiError::bad_request(
+            "invalid_routine",
+            "provider `replay` is a scripted model for demos and tests; production refuses it",
+        ));
+    }
+    if let Some(name) = &definition.model.connection {
+        let known = state
+            .store
+            .list_model_connections(caller.project_id)
+            .await?
+            .into_iter()
+            .any(|c| &c.name == name && c.status == wor_store::ConnectionStatus::Active);
+        if !known {
+            return Err(ApiError::bad_request(
+                "invalid_routine",
+                format!(
+                    "`model.connection`: no active model connection named `{name}` in this project"
+                ),
+            ));
+        }
+    }
+    let applied = state
+        .store
+        .apply_routine(
+            caller.project_id,
+            &body.toml,
+            &definition,
+            Some(caller.key_id),
+        )
+        .await?;
+    tracing::info!(category = "config", action = "routine.apply", project_id = %caller.project_id,
+        routine_id = %applied.routine.id, version = applied.version, changed = applied.changed,
+        actor_key_id = %caller.key_id, "routine applied");
+    let status = if applied.changed && applied.version == 1 {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok((
+        status,
+        Json(AppliedRoutineView {
+            routine: applied.routine.into(),
+            version: applied.version,
+            changed: applied.changed,
+        }),
+    ))
+}
+
+/// Lists the project's routines.
+#[utoipa::path(get, path = "/v1/routines", tag = "routines", security(("bearer" = [])),
+    responses((status = 200, body = [RoutineView]), (status = 401, body = ErrorBody)))]
+pub async fn list(
+    State(state): State<AppState>,
+    caller: Caller,
+) -> Result<Json<Vec<RoutineView>>, ApiError> {
+    let routines = state.store.list_routines(caller.project_id).await?;
+    Ok(Json(routines.into_iter().map(Into::into).collect()))
+}
+
+/// One routine: its current definition and its version history.
+#[utoipa::path(get, path = "/v1/routines/{routine_id}", tag = "routines", security(("bearer" = [])),
+    params(("routine_id" = String, Path, description = "a `rtn_…` id")),
+    responses((status = 200, body = RoutineDetail), (status = 404, body = ErrorBody)))]
+pub async fn get(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<RoutineId>,
+) -> Result<Json<RoutineDetail>, ApiError> {
+    let routine = state.store.get_routine(caller.project_id, id).await?;
+    let current = state
+        .store
+        .get_routine_version(caller.project_id, id, routine.current_version)
+        .await?;
+    let versions = state
+        .store
+        .list_routine_versions(caller.project_id, id)
+        .await?;
+    Ok(Json(RoutineDetail {
+        routine: routine.into(),
+        definition: serde_json::to_value(&current.definition).map_err(|_| ApiError::Internal)?,
+        source_toml: current.source_toml,
+        versions: versions
+            .into_iter()
+            .map(
+                |(version, content_hash, created_at)| RoutineVersionSummary {
+                    version,
+                    content_hash,
+                    created_at: rfc3339(created_at),
+                },
+            )
+            .collect(),
+    }))
+}
