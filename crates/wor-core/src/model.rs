@@ -311,7 +311,10 @@ mod tests {
         assert_eq!(known, StopReason::ToolUse);
         let other: StopReason = serde_json::from_value(json!("content_filter")).unwrap();
         assert_eq!(other, StopReason::Other("content_filter".into()));
-        assert_eq!(serde_json::to_value(&other).unwrap(), json!("content_filter"));
+        assert_eq!(
+            serde_json::to_value(&other).unwrap(),
+            json!("content_filter")
+        );
         assert_eq!(
             serde_json::to_value(StopReason::MaxTokens).unwrap(),
             json!("max_tokens")
@@ -333,7 +336,10 @@ mod tests {
             );
         }
         let err = "openai".parse::<ProviderKind>().unwrap_err();
-        assert!(err.to_string().starts_with("`openai` is not a model provider"));
+        assert!(
+            err.to_string()
+                .starts_with("`openai` is not a model provider")
+        );
         assert!(!ProviderKind::Replay.needs_connection());
         assert!(ProviderKind::Anthropic.needs_connection());
     }

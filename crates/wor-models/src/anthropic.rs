@@ -132,7 +132,9 @@ pub fn request_body(request: &ModelRequest, streaming: bool) -> Value {
                 system.push(content.as_str());
                 continue;
             }
-            ChatMessage::User { content } => ("user", vec![json!({"type": "text", "text": content})]),
+            ChatMessage::User { content } => {
+                ("user", vec![json!({"type": "text", "text": content})])
+            }
             ChatMessage::Assistant(assistant) => {
                 let mut blocks = Vec::new();
                 if !assistant.text.is_empty() {
@@ -224,10 +226,12 @@ impl WireUsage {
             self.cache_creation_input_tokens,
             self.cache_read_input_tokens,
         ];
-        parts
-            .iter()
-            .any(Option::is_some)
-            .then(|| parts.iter().flatten().fold(0u64, |sum, n| sum.saturating_add(*n)))
+        parts.iter().any(Option::is_some).then(|| {
+            parts
+                .iter()
+                .flatten()
+                .fold(0u64, |sum, n| sum.saturating_add(*n))
+        })
     }
 }
 
@@ -416,7 +420,9 @@ impl MessageStream {
             StreamEvent::ContentBlockDelta { index, delta } => {
                 self.require_start()?;
                 let block = self.blocks.get_mut(&index).ok_or_else(|| {
-                    ModelError::malformed(format!("delta for content block {index} before its start"))
+                    ModelError::malformed(format!(
+                        "delta for content block {index} before its start"
+                    ))
                 })?;
                 match (block, delta) {
                     (PartialBlock::Text(text), BlockDelta::TextDelta { text: part }) => {
@@ -462,7 +468,9 @@ impl MessageStream {
         if self.started {
             Ok(())
         } else {
-            Err(ModelError::malformed("message stream event before message_start"))
+            Err(ModelError::malformed(
+                "message stream event before message_start",
+            ))
         }
     }
 

@@ -62,7 +62,9 @@ pub enum ModelError {
     #[error("invalid replay script: {0}")]
     InvalidScript(String),
     /// A replay script has no turn left that matches the request.
-    #[error("replay script exhausted: no turn left for this request ({played} of {total} turns played)")]
+    #[error(
+        "replay script exhausted: no turn left for this request ({played} of {total} turns played)"
+    )]
     ScriptExhausted {
         /// Turns played so far.
         played: usize,

@@ -267,7 +267,14 @@ impl Completion {
             .tool_calls
             .into_iter()
             .enumerate()
-            .map(|(position, call)| tool_call(call.id, call.function.name, &call.function.arguments, position))
+            .map(|(position, call)| {
+                tool_call(
+                    call.id,
+                    call.function.name,
+                    &call.function.arguments,
+                    position,
+                )
+            })
             .collect::<Result<Vec<_>, _>>()?;
         let stop_reason = stop_reason(choice.finish_reason.as_deref(), !tool_calls.is_empty());
         Ok(ModelResponse {

@@ -163,16 +163,19 @@ impl ReplayScript {
 
 impl ReplayCondition {
     fn matches(&self, messages: &[ChatMessage]) -> bool {
-        let tool_result_ok = self.last_tool_result_contains.as_ref().is_none_or(|needle| {
-            messages
-                .iter()
-                .rev()
-                .find_map(|m| match m {
-                    ChatMessage::Tool(result) => Some(result.content.contains(needle.as_str())),
-                    _ => None,
-                })
-                .unwrap_or(false)
-        });
+        let tool_result_ok = self
+            .last_tool_result_contains
+            .as_ref()
+            .is_none_or(|needle| {
+                messages
+                    .iter()
+                    .rev()
+                    .find_map(|m| match m {
+                        ChatMessage::Tool(result) => Some(result.content.contains(needle.as_str())),
+                        _ => None,
+                    })
+                    .unwrap_or(false)
+            });
         let context_ok = self
             .context_contains
             .as_ref()
@@ -218,18 +221,18 @@ impl ReplayProvider {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let total = self.script.turns.len();
-        let chosen = self
-            .script
-            .turns
-            .iter()
-            .zip(state.played.iter())
-            .position(|(turn, played)| {
-                (!played || turn.repeat)
-                    && turn
-                        .when
-                        .as_ref()
-                        .is_none_or(|c| c.matches(&request.messages))
-            });
+        let chosen =
+            self.script
+                .turns
+                .iter()
+                .zip(state.played.iter())
+                .position(|(turn, played)| {
+                    (!played || turn.repeat)
+                        && turn
+                            .when
+                            .as_ref()
+                            .is_none_or(|c| c.matches(&request.messages))
+                });
         let (Some(index), Some(turn)) = (chosen, chosen.and_then(|i| self.script.turns.get(i)))
         else {
             return Err(ModelError::ScriptExhausted {
@@ -274,11 +277,14 @@ fn build_response(
             })
         })
         .collect::<Result<Vec<_>, ModelError>>()?;
-    let stop_reason = turn.stop_reason.clone().unwrap_or(if tool_calls.is_empty() {
-        StopReason::EndTurn
-    } else {
-        StopReason::ToolUse
-    });
+    let stop_reason = turn
+        .stop_reason
+        .clone()
+        .unwrap_or(if tool_calls.is_empty() {
+            StopReason::EndTurn
+        } else {
+            StopReason::ToolUse
+        });
     let usage = turn.usage.unwrap_or_else(|| {
         let context: usize = messages.iter().map(|m| m.text().len()).sum();
         let output = turn.text.len()
