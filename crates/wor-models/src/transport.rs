@@ -191,25 +191,26 @@ pub(crate) async fn post_json(
         let sent = tokio::time::timeout_at(deadline, async {
             let builder = egress
                 .streaming_request(Method::POST, url, endpoint.allowlist.as_ref())
-                .await?;
+                .await
+                .map_err(ModelError::from)?;
             builder
                 .headers(headers.clone())
                 .body(body.clone())
                 .send()
                 .await
-                .map_err(|e| EgressError::Request(e.without_url()))
+                .map_err(|e| from_reqwest(e, timeout))
         })
         .await
         .map_err(|_| ModelError::Timeout(timeout))?;
         let retries_left = attempt < max_attempts;
         let response = match sent {
             Ok(response) => response,
-            Err(EgressError::Request(error)) if retries_left && !error.is_timeout() => {
+            // A failed connection or exchange; refusals and timeouts are not retried.
+            Err(ModelError::Transport(_)) if retries_left => {
                 tokio::time::sleep(options.retry.backoff(attempt)).await;
                 continue;
             }
-            Err(EgressError::Request(error)) => return Err(from_reqwest(error, timeout)),
-            Err(other) => return Err(other.into()),
+            Err(error) => return Err(error),
         };
         let status = response.status();
         if status.is_success() {

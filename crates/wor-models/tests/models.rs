@@ -1028,3 +1028,31 @@ async fn replay_scripts_load_from_files_by_extension() {
         "invalid replay script: turn 1: no json value follows `GO:` in the conversation"
     );
 }
+
+#[tokio::test]
+async fn a_refused_connection_is_a_transport_error_after_retries() {
+    // A port that was just free: nothing listens, the connection is refused.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    drop(listener);
+    let provider = OpenAiCompatibleProvider::new(
+        loopback_egress(),
+        ProviderEndpoint::new(format!("http://{addr}"), Some(API_KEY.into())),
+        options(false),
+    );
+    let started = std::time::Instant::now();
+    let error = provider
+        .complete(&simple_request(), &mut DiscardStream)
+        .await
+        .unwrap_err();
+    assert!(matches!(error, ModelError::Transport(_)), "{error:?}");
+    assert!(
+        error.to_string().starts_with("model request failed: "),
+        "{error}"
+    );
+    assert!(
+        started.elapsed() >= Duration::from_millis(10),
+        "two backoffs were waited before giving up"
+    );
+    assert_key_hidden(&error);
+}
