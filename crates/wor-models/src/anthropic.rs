@@ -23,7 +23,9 @@ use wor_egress::header::{HeaderName, HeaderValue};
 
 use crate::error::ModelError;
 use crate::sse::{SseDecoder, SseEvent};
-use crate::transport::{ProviderEndpoint, ProviderOptions, json_headers, post_json, secret_header};
+use crate::transport::{
+    ProviderEndpoint, ProviderOptions, json_headers, post_json, redact_key, secret_header,
+};
 use crate::{ModelFuture, ModelProvider, StreamSink, parse_json, parse_tool_arguments, shorten};
 
 /// The API version this client speaks, sent as `anthropic-version`.
@@ -102,6 +104,11 @@ impl AnthropicProvider {
             Err(ModelError::Transport(_)) => Err(ModelError::TruncatedStream {
                 usage_so_far: stream.usage,
             }),
+            // The provider's own words, which could quote the key.
+            Err(ModelError::StreamError(message)) => Err(ModelError::StreamError(redact_key(
+                &message,
+                &self.endpoint,
+            ))),
             Err(other) => Err(other),
         }
     }

@@ -22,7 +22,7 @@ pub enum ModelError {
     Timeout(Duration),
     /// The provider answered with an error status (after any retries).
     #[error("model provider answered http {status} after {attempts} attempt(s){}{}",
-        retry_after.map(|d| format!(" (retry after {}s)", d.as_secs())).unwrap_or_default(),
+        retry_after.map(|d| format!(" (retry after {d:?})")).unwrap_or_default(),
         if summary.is_empty() { String::new() } else { format!(": {summary}") })]
     HttpStatus {
         /// The HTTP status code.

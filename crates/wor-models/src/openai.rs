@@ -24,7 +24,9 @@ use wor_egress::header::AUTHORIZATION;
 
 use crate::error::ModelError;
 use crate::sse::{SseDecoder, SseEvent};
-use crate::transport::{ProviderEndpoint, ProviderOptions, json_headers, post_json, secret_header};
+use crate::transport::{
+    ProviderEndpoint, ProviderOptions, json_headers, post_json, redact_key, secret_header,
+};
 use crate::{ModelFuture, ModelProvider, StreamSink, parse_json, parse_tool_arguments, shorten};
 
 /// A client of one OpenAI-compatible endpoint.
@@ -94,6 +96,11 @@ impl OpenAiCompatibleProvider {
             Err(ModelError::Transport(_)) => Err(ModelError::TruncatedStream {
                 usage_so_far: stream.usage.unwrap_or_default(),
             }),
+            // The provider's own words, which could quote the key.
+            Err(ModelError::StreamError(message)) => Err(ModelError::StreamError(redact_key(
+                &message,
+                &self.endpoint,
+            ))),
             Err(other) => Err(other),
         }
     }

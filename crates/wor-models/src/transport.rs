@@ -284,7 +284,7 @@ async fn error_summary(
 }
 
 /// `text` with the endpoint's key (in any encoding the redactor knows) and secret shapes removed.
-fn redact_key(text: &str, endpoint: &ProviderEndpoint) -> String {
+pub(crate) fn redact_key(text: &str, endpoint: &ProviderEndpoint) -> String {
     let keys = endpoint.api_key.iter().map(|key| key.expose_secret());
     match Redactor::new(keys) {
         Ok(redactor) => redactor.redact(text).into_owned(),

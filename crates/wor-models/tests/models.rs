@@ -1056,3 +1056,18 @@ async fn a_refused_connection_is_a_transport_error_after_retries() {
     );
     assert_key_hidden(&error);
 }
+
+#[tokio::test]
+async fn openai_mid_stream_error_is_reported_without_the_key() {
+    let stream = format!(
+        "data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"Hel\"}}}}]}}\n\ndata: {{\"error\":{{\"message\":\"key {API_KEY} revoked\"}}}}\n\n"
+    );
+    let server = MockServer::start(vec![sse_reply(&stream, 64)]).await;
+    let error = openai(&server, true)
+        .complete(&simple_request(), &mut DiscardStream)
+        .await
+        .unwrap_err();
+    assert!(matches!(error, ModelError::StreamError(_)), "{error:?}");
+    assert!(error.to_string().contains("revoked"), "{error}");
+    assert_key_hidden(&error);
+}
