@@ -1,4 +1,5 @@
-//! Domain types of Work on Repeat: typed ids, member roles, canonical JSON and hashing.
+//! Domain types of Work on Repeat: typed ids, member roles, the provider-neutral model
+//! conversation, canonical JSON and hashing.
 //!
 //! This crate is the centre every other crate points toward. It does no I/O and depends on no
 //! runtime, database, HTTP or sandbox crate, so nothing here can fail for I/O reasons.
@@ -6,6 +7,7 @@
 pub mod budget;
 pub mod canonical;
 pub mod ids;
+pub mod model;
 pub mod role;
 pub mod routine;
 

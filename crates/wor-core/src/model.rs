@@ -1,0 +1,386 @@
+//! The provider-neutral model conversation: what a routine sends to a model and what comes back.
+//!
+//! Providers (`wor-models`) translate these types to and from their wire formats; the engine
+//! builds requests from them and records responses. Nothing here knows about HTTP or any one
+//! provider, and nothing here does I/O.
+//!
+//! Provenance (trusted, requester, untrusted) is not a field of [`ChatMessage`]: by the time text
+//! becomes a message, untrusted content has already been wrapped in its delimited envelope.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::ids::ConnectionId;
+
+/// Who wrote a [`ChatMessage`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ChatRole {
+    /// Instructions from the routine.
+    System,
+    /// Input from the caller or the engine.
+    User,
+    /// The model's own turn.
+    Assistant,
+    /// The result of a tool call, answering an assistant's [`ToolCallRequest`].
+    Tool,
+}
+
+/// One message of a conversation, tagged by `role` when serialised.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "role", rename_all = "snake_case")]
+pub enum ChatMessage {
+    /// Instructions from the routine.
+    System {
+        /// The instruction text.
+        content: String,
+    },
+    /// Input from the caller or the engine.
+    User {
+        /// The input text.
+        content: String,
+    },
+    /// A turn of the model: text, tool calls, or both.
+    Assistant(AssistantMessage),
+    /// The result of one tool call.
+    Tool(ToolResult),
+}
+
+impl ChatMessage {
+    /// A system message.
+    pub fn system(content: impl Into<String>) -> Self {
+        Self::System {
+            content: content.into(),
+        }
+    }
+
+    /// A user message.
+    pub fn user(content: impl Into<String>) -> Self {
+        Self::User {
+            content: content.into(),
+        }
+    }
+
+    /// The role of this message.
+    pub fn role(&self) -> ChatRole {
+        match self {
+            Self::System { .. } => ChatRole::System,
+            Self::User { .. } => ChatRole::User,
+            Self::Assistant(_) => ChatRole::Assistant,
+            Self::Tool(_) => ChatRole::Tool,
+        }
+    }
+
+    /// The message's text: the content, the assistant's text, or the tool result.
+    pub fn text(&self) -> &str {
+        match self {
+            Self::System { content } | Self::User { content } => content,
+            Self::Assistant(message) => &message.text,
+            Self::Tool(result) => &result.content,
+        }
+    }
+}
+
+/// What the model said in one turn: text (possibly empty) and the tool calls it asked for.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct AssistantMessage {
+    /// The text of the turn; empty when the model only called tools.
+    #[serde(default)]
+    pub text: String,
+    /// Tool calls in the order the model made them (several when it called tools in parallel).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCallRequest>,
+}
+
+/// A tool call the model proposed. Nothing runs until the engine's pipeline decides.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolCallRequest {
+    /// The provider's id for this call; the matching [`ToolResult::tool_call_id`].
+    pub id: String,
+    /// The tool's name, as the model wrote it (not yet checked against the roster).
+    pub name: String,
+    /// The arguments, parsed as JSON (not yet validated against any schema).
+    pub arguments: serde_json::Value,
+}
+
+/// The result of one tool call, given back to the model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolResult {
+    /// The [`ToolCallRequest::id`] this answers.
+    pub tool_call_id: String,
+    /// The result text (already capped, redacted and enveloped by the engine).
+    pub content: String,
+    /// Whether the call failed or was refused; the content then says why.
+    #[serde(default)]
+    pub is_error: bool,
+}
+
+/// A tool as the model is shown it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolSpec {
+    /// The name the model calls it by.
+    pub name: String,
+    /// What it does, for the model.
+    pub description: String,
+    /// The JSON Schema of its arguments (with pinned arguments already removed).
+    pub input_schema: serde_json::Value,
+}
+
+/// One request for a model turn.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelRequest {
+    /// The provider's model id (for example `gpt-4.1-mini` or `claude-sonnet-4-5`).
+    pub model: String,
+    /// The conversation so far, oldest first.
+    pub messages: Vec<ChatMessage>,
+    /// The tools the model may call; empty for none.
+    #[serde(default)]
+    pub tools: Vec<ToolSpec>,
+    /// The most tokens the model may write in this turn.
+    pub max_output_tokens: u32,
+    /// Sampling temperature; `None` leaves the provider's default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub temperature: Option<f32>,
+}
+
+/// Why the model stopped writing.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    /// It finished its turn.
+    EndTurn,
+    /// It wants tool results before going on.
+    ToolUse,
+    /// It reached [`ModelRequest::max_output_tokens`].
+    MaxTokens,
+    /// Anything else, as the provider named it (`content_filter`, `refusal`, `stop_sequence`…).
+    #[serde(untagged)]
+    Other(String),
+}
+
+/// Tokens a model call consumed, for budgets and cost.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Usage {
+    /// Tokens read (prompt, including any cached prompt tokens).
+    pub input_tokens: u64,
+    /// Tokens written.
+    pub output_tokens: u64,
+}
+
+impl Usage {
+    /// The sum of two usages, saturating.
+    #[must_use]
+    pub fn saturating_add(self, other: Usage) -> Usage {
+        Usage {
+            input_tokens: self.input_tokens.saturating_add(other.input_tokens),
+            output_tokens: self.output_tokens.saturating_add(other.output_tokens),
+        }
+    }
+}
+
+/// One complete model turn.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelResponse {
+    /// What the model said.
+    pub message: AssistantMessage,
+    /// Why it stopped.
+    pub stop_reason: StopReason,
+    /// What it cost in tokens.
+    pub usage: Usage,
+}
+
+/// The kind of model provider.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ProviderKind {
+    /// Any OpenAI-compatible chat-completions endpoint.
+    OpenaiCompatible,
+    /// The Anthropic Messages API.
+    Anthropic,
+    /// The built-in scripted model, for demos and tests; production refuses it.
+    Replay,
+}
+
+impl ProviderKind {
+    /// The name used in configuration and records.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::OpenaiCompatible => "openai_compatible",
+            Self::Anthropic => "anthropic",
+            Self::Replay => "replay",
+        }
+    }
+
+    /// Whether a model of this kind is reached through a model connection (URL and API key).
+    pub fn needs_connection(self) -> bool {
+        !matches!(self, Self::Replay)
+    }
+}
+
+impl fmt::Display for ProviderKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A string that names no provider kind.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{0}` is not a model provider: expected `openai_compatible`, `anthropic` or `replay`")]
+pub struct ProviderKindParseError(String);
+
+impl FromStr for ProviderKind {
+    type Err = ProviderKindParseError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "openai_compatible" => Ok(Self::OpenaiCompatible),
+            "anthropic" => Ok(Self::Anthropic),
+            "replay" => Ok(Self::Replay),
+            other => Err(ProviderKindParseError(other.chars().take(80).collect())),
+        }
+    }
+}
+
+/// Which model a routine talks to: `(provider, connection_id | null, model_id)`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ModelIdentity {
+    /// The kind of provider.
+    pub provider: ProviderKind,
+    /// The model connection holding URL and key; `None` for [`ProviderKind::Replay`].
+    pub connection_id: Option<ConnectionId>,
+    /// The provider's model id (for replay, the script's name).
+    pub model_id: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn messages_serialise_tagged_by_role() {
+        let messages = vec![
+            ChatMessage::system("be brief"),
+            ChatMessage::user("hi"),
+            ChatMessage::Assistant(AssistantMessage {
+                text: String::new(),
+                tool_calls: vec![ToolCallRequest {
+                    id: "c1".into(),
+                    name: "lookup".into(),
+                    arguments: json!({"q": "x"}),
+                }],
+            }),
+            ChatMessage::Tool(ToolResult {
+                tool_call_id: "c1".into(),
+                content: "found".into(),
+                is_error: false,
+            }),
+        ];
+        let value = serde_json::to_value(&messages).unwrap();
+        assert_eq!(
+            value,
+            json!([
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "text": "", "tool_calls": [
+                    {"id": "c1", "name": "lookup", "arguments": {"q": "x"}}
+                ]},
+                {"role": "tool", "tool_call_id": "c1", "content": "found", "is_error": false},
+            ])
+        );
+        let back: Vec<ChatMessage> = serde_json::from_value(value).unwrap();
+        assert_eq!(back, messages);
+        let roles: Vec<ChatRole> = back.iter().map(ChatMessage::role).collect();
+        assert_eq!(
+            roles,
+            [
+                ChatRole::System,
+                ChatRole::User,
+                ChatRole::Assistant,
+                ChatRole::Tool
+            ]
+        );
+        assert_eq!(back[3].text(), "found");
+    }
+
+    #[test]
+    fn stop_reasons_keep_unknown_provider_names() {
+        let known: StopReason = serde_json::from_value(json!("tool_use")).unwrap();
+        assert_eq!(known, StopReason::ToolUse);
+        let other: StopReason = serde_json::from_value(json!("content_filter")).unwrap();
+        assert_eq!(other, StopReason::Other("content_filter".into()));
+        assert_eq!(
+            serde_json::to_value(&other).unwrap(),
+            json!("content_filter")
+        );
+        assert_eq!(
+            serde_json::to_value(StopReason::MaxTokens).unwrap(),
+            json!("max_tokens")
+        );
+    }
+
+    #[test]
+    fn provider_kinds_parse_and_print_alike() {
+        for kind in [
+            ProviderKind::OpenaiCompatible,
+            ProviderKind::Anthropic,
+            ProviderKind::Replay,
+        ] {
+            assert_eq!(kind.to_string().parse::<ProviderKind>(), Ok(kind));
+            assert_eq!(
+                serde_json::to_value(kind).unwrap(),
+                json!(kind.as_str()),
+                "serde and Display agree"
+            );
+        }
+        let err = "openai".parse::<ProviderKind>().unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("`openai` is not a model provider")
+        );
+        assert!(!ProviderKind::Replay.needs_connection());
+        assert!(ProviderKind::Anthropic.needs_connection());
+    }
+
+    #[test]
+    fn identity_round_trips_with_and_without_connection() {
+        let with = ModelIdentity {
+            provider: ProviderKind::Anthropic,
+            connection_id: Some(ConnectionId::new()),
+            model_id: "claude".into(),
+        };
+        let without = ModelIdentity {
+            provider: ProviderKind::Replay,
+            connection_id: None,
+            model_id: "demo".into(),
+        };
+        for identity in [with, without] {
+            let text = serde_json::to_string(&identity).unwrap();
+            assert_eq!(
+                serde_json::from_str::<ModelIdentity>(&text).unwrap(),
+                identity
+            );
+        }
+    }
+
+    #[test]
+    fn usage_adds_saturating() {
+        let a = Usage {
+            input_tokens: u64::MAX,
+            output_tokens: 2,
+        };
+        let b = Usage {
+            input_tokens: 1,
+            output_tokens: 3,
+        };
+        assert_eq!(
+            a.saturating_add(b),
+            Usage {
+                input_tokens: u64::MAX,
+                output_tokens: 5
+            }
+        );
+    }
+}
