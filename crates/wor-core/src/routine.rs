@@ -10,6 +10,7 @@ use serde::{Deserialize, Deserializer, Serialize};
 use toml::Spanned;
 
 use crate::canonical::canonical_hash;
+use crate::model::ProviderKind;
 
 /// Why a routine definition was refused. The message names the field and the line.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -59,23 +60,11 @@ impl<'de> Deserialize<'de> for RoutineName {
     }
 }
 
-/// Which model API a routine talks to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ModelProviderKind {
-    /// Any OpenAI-compatible chat-completions endpoint.
-    OpenaiCompatible,
-    /// Anthropic Messages.
-    Anthropic,
-    /// The built-in scripted model, for demos and tests. Production refuses it.
-    Replay,
-}
-
 /// `[model]`: the model identity `(provider, connection, model)`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelSection {
-    pub provider: ModelProviderKind,
+    pub provider: ProviderKind,
     /// The model connection's name; required except for `replay`.
     #[serde(default)]
     pub connection: Option<String>,
@@ -276,25 +265,25 @@ impl RoutineDefinition {
         let model_span = raw.model.span();
         let model = raw.model.into_inner();
         match (model.provider, &model.connection, &model.script) {
-            (ModelProviderKind::Replay, Some(_), _) => {
+            (ProviderKind::Replay, Some(_), _) => {
                 return Err(at(
                     model_span,
                     "`model.connection` is not used with provider `replay`".into(),
                 ));
             }
-            (ModelProviderKind::Replay, None, None) => {
+            (ProviderKind::Replay, None, None) => {
                 return Err(at(
                     model_span,
                     "`model.script` is required with provider `replay`".into(),
                 ));
             }
-            (ModelProviderKind::OpenaiCompatible | ModelProviderKind::Anthropic, None, _) => {
+            (ProviderKind::OpenaiCompatible | ProviderKind::Anthropic, None, _) => {
                 return Err(at(
                     model_span,
                     "`model.connection` names the model connection to use".into(),
                 ));
             }
-            (ModelProviderKind::OpenaiCompatible | ModelProviderKind::Anthropic, _, Some(_)) => {
+            (ProviderKind::OpenaiCompatible | ProviderKind::Anthropic, _, Some(_)) => {
                 return Err(at(
                     model_span,
                     "`model.script` is only for provider `replay`".into(),
@@ -457,6 +446,6 @@ pinned = { from = "support@example.com" }
             "model = \"demo\"\nscript = { turns = [] }",
         );
         let r = RoutineDefinition::from_toml(&with_script).unwrap();
-        assert_eq!(r.model.provider, ModelProviderKind::Replay);
+        assert_eq!(r.model.provider, ProviderKind::Replay);
     }
 }

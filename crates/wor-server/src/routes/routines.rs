@@ -4,7 +4,8 @@ use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
 use wor_core::RoutineId;
-use wor_core::routine::{ModelProviderKind, RoutineDefinition};
+use wor_core::model::ProviderKind;
+use wor_core::routine::RoutineDefinition;
 
 use crate::AppState;
 use crate::auth::Caller;
@@ -88,7 +89,7 @@ pub async fn apply(
     }
     let definition = RoutineDefinition::from_toml(&body.toml)
         .map_err(|e| ApiError::bad_request("invalid_routine", e.message))?;
-    if state.production && definition.model.provider == ModelProviderKind::Replay {
+    if state.production && definition.model.provider == ProviderKind::Replay {
         return Err(ApiError::bad_request(
             "invalid_routine",
             "provider `replay` is a scripted model for demos and tests; production refuses it",
