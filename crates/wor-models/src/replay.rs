@@ -207,6 +207,26 @@ impl ReplayProvider {
         }
     }
 
+    /// A provider continuing a conversation: the turns that produced the assistant messages
+    /// of `history` count as played, as they were chosen then. A run that resumes after a
+    /// restart therefore gets the turn it would have got, never a replay of the first.
+    pub fn resuming(script: ReplayScript, history: &[ChatMessage]) -> Result<Self, ModelError> {
+        let provider = Self::new(script);
+        for (at, message) in history.iter().enumerate() {
+            if matches!(message, ChatMessage::Assistant(_)) {
+                let earlier = history.get(..at).unwrap_or_default().to_vec();
+                provider.next_turn(&ModelRequest {
+                    model: String::new(),
+                    messages: earlier,
+                    tools: Vec::new(),
+                    max_output_tokens: 0,
+                    temperature: None,
+                })?;
+            }
+        }
+        Ok(provider)
+    }
+
     /// A provider playing the script file at `path`.
     pub fn load(path: &Path) -> Result<Self, ModelError> {
         ReplayScript::load(path).map(Self::new)

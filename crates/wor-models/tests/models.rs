@@ -1071,3 +1071,56 @@ async fn openai_mid_stream_error_is_reported_without_the_key() {
     assert!(error.to_string().contains("revoked"), "{error}");
     assert_key_hidden(&error);
 }
+
+#[tokio::test]
+async fn replay_resuming_a_conversation_continues_where_it_was() {
+    let script = ReplayScript::from_toml_str(
+        r#"
+        [[turns]]
+        text = "one"
+        tool_calls = [{ id = "c1", name = "fetch" }]
+
+        [[turns]]
+        when = { last_tool_result_contains = "MARK" }
+        text = "marked"
+
+        [[turns]]
+        text = "two"
+        tool_calls = [{ id = "c2", name = "fetch" }]
+
+        [[turns]]
+        text = "three"
+        "#,
+    )
+    .unwrap();
+    let fresh = ReplayProvider::resuming(script.clone(), &[]).unwrap();
+    let first = fresh
+        .complete(
+            &request_with(vec![ChatMessage::user("go")]),
+            &mut DiscardStream,
+        )
+        .await
+        .unwrap();
+    assert_eq!(first.message.text, "one");
+
+    // The history holds turns "one" and "two"; the run restarts and asks again.
+    let history = vec![
+        ChatMessage::user("go"),
+        ChatMessage::Assistant(first.message.clone()),
+        tool_result("c1", "plain page"),
+        ChatMessage::Assistant(wor_core::model::AssistantMessage {
+            text: "two".into(),
+            tool_calls: vec![],
+        }),
+        tool_result("c2", "plain page"),
+    ];
+    let resumed = ReplayProvider::resuming(script, &history).unwrap();
+    let next = resumed
+        .complete(&request_with(history), &mut DiscardStream)
+        .await
+        .unwrap();
+    assert_eq!(
+        next.message.text, "three",
+        "neither `one` nor `two` is played again"
+    );
+}
