@@ -10,6 +10,7 @@ pub mod ids;
 pub mod model;
 pub mod role;
 pub mod routine;
+pub mod run;
 
 pub use ids::{ApiKeyId, ApprovalId, ConnectionId, IdError, MemberId, ProjectId, RoutineId, RunId};
 pub use role::{Role, RoleParseError};

@@ -54,6 +54,11 @@ impl Role {
         matches!(self, Role::Owner | Role::Admin | Role::Approver)
     }
 
+    /// May start and cancel runs: every role but `viewer`.
+    pub fn can_operate_runs(self) -> bool {
+        self != Role::Viewer
+    }
+
     /// Whether this role is at least as powerful as `other`.
     pub fn includes(self, other: Role) -> bool {
         self.rank() >= other.rank()

@@ -107,6 +107,15 @@ impl From<wor_store::VaultError> for ApiError {
     }
 }
 
+impl From<wor_engine::EngineError> for ApiError {
+    fn from(err: wor_engine::EngineError) -> Self {
+        match err {
+            wor_engine::EngineError::Refused(reason) => ApiError::Conflict(reason),
+            wor_engine::EngineError::Store(store) => store.into(),
+        }
+    }
+}
+
 impl From<StoreError> for ApiError {
     fn from(err: StoreError) -> Self {
         match err {

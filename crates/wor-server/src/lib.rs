@@ -21,6 +21,7 @@ use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
 use utoipa::openapi::{InfoBuilder, OpenApi};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
+use wor_engine::Engine;
 use wor_store::{Store, Vault};
 
 use crate::error::ApiError;
@@ -34,17 +35,19 @@ pub struct AppState {
     pub store: Store,
     /// The only path to stored secret values.
     pub vault: Vault,
+    /// Starts and drives runs.
+    pub engine: Engine,
     /// Production mode: demo-only features (the replay model) are refused.
     pub production: bool,
 }
 
 impl AppState {
-    pub fn new(store: Store, keys: std::sync::Arc<wor_secrets::KeyRing>, production: bool) -> Self {
-        let vault = Vault::new(store.clone(), keys);
+    pub fn new(engine: Engine) -> Self {
         AppState {
-            store,
-            vault,
-            production,
+            store: engine.store().clone(),
+            vault: engine.vault().clone(),
+            production: engine.config().production,
+            engine,
         }
     }
 }
@@ -73,6 +76,11 @@ fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(routes::model_connections::revoke))
         .routes(routes!(routes::routines::list, routes::routines::apply))
         .routes(routes!(routes::routines::get))
+        .routes(routes!(routes::runs::start))
+        .routes(routes!(routes::runs::list))
+        .routes(routes!(routes::runs::get))
+        .routes(routes!(routes::runs::cancel))
+        .routes(routes!(routes::runs::events))
 }
 
 /// The OpenAPI 3.1 document of the API.

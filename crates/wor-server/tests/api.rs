@@ -18,6 +18,18 @@ use wor_server::{AppState, router};
 use wor_store::CreatedProject;
 use wor_store::testing::TestDatabase;
 
+/// The application state over a test database, with a fresh key ring and no workers.
+fn app_state(db: &TestDatabase, production: bool) -> AppState {
+    let (keys, _) = wor_secrets::KeyRing::generate().unwrap();
+    let vault = wor_store::Vault::new(db.store.clone(), std::sync::Arc::new(keys));
+    let egress = wor_egress::EgressClient::new(wor_egress::EgressPolicy::development()).unwrap();
+    let config = wor_engine::EngineConfig {
+        production,
+        ..wor_engine::EngineConfig::default()
+    };
+    AppState::new(wor_engine::Engine::new(db.store.clone(), vault, egress, config))
+}
+
 struct TestApi {
     router: Router,
     db: TestDatabase,
@@ -32,12 +44,7 @@ struct Reply {
 impl TestApi {
     async fn new() -> Self {
         let db = TestDatabase::new().await.unwrap();
-        let (keys, _) = wor_secrets::KeyRing::generate().unwrap();
-        let router = router(AppState::new(
-            db.store.clone(),
-            std::sync::Arc::new(keys),
-            false,
-        ));
+        let router = router(app_state(&db, false));
         TestApi { router, db }
     }
 
@@ -867,12 +874,7 @@ async fn routines_apply_as_immutable_versions() {
 #[tokio::test]
 async fn production_refuses_the_replay_model() {
     let db = TestDatabase::new().await.unwrap();
-    let (keys, _) = wor_secrets::KeyRing::generate().unwrap();
-    let router = router(AppState::new(
-        db.store.clone(),
-        std::sync::Arc::new(keys),
-        true,
-    ));
+    let router = router(app_state(&db, true));
     let api = TestApi { router, db };
     let p = api.project("alice").await;
     let reply = api

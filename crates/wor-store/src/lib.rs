@@ -11,6 +11,7 @@ mod migrations;
 mod model_connections;
 mod projects;
 mod routines;
+mod runs;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod vault;
@@ -31,6 +32,7 @@ pub use model_connections::{
 };
 pub use projects::{CreatedProject, ProjectRecord};
 pub use routines::{AppliedRoutine, RoutineRecord, RoutineVersionRecord};
+pub use runs::{NewRun, RunFilter, RunRecord, RunStep};
 pub use sqlx::Error as SqlxError;
 pub use vault::{RotationReport, SecretMetadata, SecretSlot, Vault, VaultError};
 

@@ -32,6 +32,11 @@ const MIGRATIONS: &[SchemaMigration] = &[
         description: "routines",
         sql: include_str!("../migrations/0003_routines.sql"),
     },
+    SchemaMigration {
+        version: 4,
+        description: "runs",
+        sql: include_str!("../migrations/0004_runs.sql"),
+    },
 ];
 
 pub(crate) async fn apply(store: &Store) -> Result<(), StoreError> {

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use tokio::net::TcpListener;
+use wor_engine::{Engine, EngineConfig};
 use wor_server::AppState;
 use wor_store::Store;
 
@@ -63,8 +64,31 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         "server started"
     );
     eprintln!("wor: listening on http://{local}");
-    let state = AppState::new(store.clone(), Arc::new(keys), config.production);
-    wor_server::serve(listener, state, shutdown).await?;
+    let egress = wor_egress::EgressClient::new(egress_policy(&config)?)
+        .context("cannot build the outbound client")?;
+    let vault = wor_store::Vault::new(store.clone(), Arc::new(keys));
+    let engine = Engine::new(
+        store.clone(),
+        vault,
+        egress,
+        EngineConfig {
+            production: config.production,
+            ..EngineConfig::default()
+        },
+    );
+    let (stop_workers, workers_stopped) = tokio::sync::watch::channel(false);
+    let worker = engine.spawn_worker(workers_stopped);
+    let state = AppState::new(engine.clone());
+    let served = wor_server::serve(listener, state, shutdown).await;
+    // Runs in flight are given back, to be resumed at the next start rather than after
+    // their lease runs out.
+    let _ = stop_workers.send(true);
+    let _ = worker.await;
+    let released = store.release_leases(&engine.config().worker_id).await?;
+    if released > 0 {
+        tracing::info!(category = "lifecycle", runs = released, "runs in flight given back for resumption");
+    }
+    served?;
     store.close().await;
     tracing::info!(category = "lifecycle", "server stopped");
     Ok(ExitCode::SUCCESS)
@@ -82,4 +106,13 @@ fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()> + S
             _ = int.recv() => {},
         }
     })
+}
+
+/// The server-wide egress policy: production flag and the operator's CIDRs from the file.
+fn egress_policy(config: &ServerConfig) -> anyhow::Result<wor_egress::EgressPolicy> {
+    wor_egress::EgressPolicy::from_config(&wor_egress::EgressConfig {
+        production: config.production,
+        allowed_cidrs: config.egress_allowed_cidrs.clone(),
+    })
+    .context("invalid `[egress] allowed_cidrs`")
 }

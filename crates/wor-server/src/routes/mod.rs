@@ -6,3 +6,4 @@ pub mod members;
 pub mod model_connections;
 pub mod project;
 pub mod routines;
+pub mod runs;

@@ -1,0 +1,345 @@
+//! Driving one run: the agent loop, from the run's stored steps to its end.
+//!
+//! Each pass checks cancellation and the budget, asks the model for a turn, records it, and
+//! answers each tool call the model proposed. Everything recorded is redacted first (the
+//! project's live secrets and common secret shapes).
+
+use std::time::{Duration, Instant};
+
+use secrecy::ExposeSecret;
+use serde_json::{Value, json};
+use wor_core::budget::{BudgetExceeded, BudgetUsage};
+use wor_core::model::{
+    AssistantMessage, ChatMessage, ModelRequest, ModelResponse, ProviderKind, ToolCallRequest, ToolResult,
+};
+use wor_core::routine::{RoutineDefinition, ToolMode};
+use wor_core::run::{Provenance, RunStatus};
+use wor_models::{
+    AnthropicProvider, DiscardStream, ModelProvider, OpenAiCompatibleProvider, ProviderEndpoint, ProviderOptions,
+    ReplayProvider, ReplayScript,
+};
+use wor_secrets::Redactor;
+use wor_store::{API_KEY_FIELD, ConnectionStatus, MODEL_CONNECTIONS_TABLE, RunRecord, RunStep, SecretSlot};
+
+use crate::{Engine, EngineError};
+
+/// Output tokens asked for per turn when the routine does not say.
+const DEFAULT_MAX_OUTPUT_TOKENS: u32 = 1024;
+/// How often a waiting worker looks for a cancel request and renews its lease.
+const CANCEL_POLL: Duration = Duration::from_millis(250);
+
+/// How a run ended, with the reason recorded as its outcome.
+struct Ending {
+    status: RunStatus,
+    outcome: String,
+}
+
+impl Ending {
+    fn new(status: RunStatus, outcome: impl Into<String>) -> Self {
+        Ending {
+            status,
+            outcome: outcome.into(),
+        }
+    }
+
+    fn budget(exceeded: BudgetExceeded) -> Self {
+        Ending::new(RunStatus::BudgetExceeded, exceeded.to_string())
+    }
+}
+
+/// What a model call came to.
+enum TurnOutcome {
+    Response(Box<ModelResponse>),
+    End(Ending),
+}
+
+impl Engine {
+    /// Drives a run this worker holds the lease of, until it ends or the lease is lost.
+    pub(crate) async fn drive(&self, run: RunRecord) -> Result<(), EngineError> {
+        let worker = self.config.worker_id.clone();
+        let ending = match self.drive_loop(&run).await {
+            Ok(ending) => ending,
+            Err(EngineError::Refused(reason)) => Ending::new(RunStatus::Failed, reason),
+            Err(other) => return Err(other),
+        };
+        let finished = self
+            .store
+            .finish_run(run.project_id, run.id, &worker, ending.status, &ending.outcome)
+            .await?;
+        tracing::info!(category = "run", action = "run.end", project_id = %run.project_id,
+            run_id = %run.id, status = ending.status.as_str(), lease_held = finished, "run ended");
+        Ok(())
+    }
+
+    async fn drive_loop(&self, run: &RunRecord) -> Result<Ending, EngineError> {
+        let version = self
+            .store
+            .get_routine_version(run.project_id, run.routine_id, run.routine_version)
+            .await?;
+        let definition = version.definition;
+        let steps = self.store.list_run_steps(run.project_id, run.id, 0).await?;
+        let mut messages = conversation(&definition, &steps);
+        let provider = match self.provider(run, &definition, &messages).await {
+            Ok(provider) => provider,
+            Err(reason) => return Ok(Ending::new(RunStatus::Failed, reason)),
+        };
+        let live: Vec<_> = self
+            .vault
+            .project_values(run.project_id)
+            .await
+            .map_err(|e| EngineError::Refused(format!("the project's secrets cannot be opened: {e}")))?;
+        let redactor = Redactor::new(live.iter().map(|s| s.expose_secret()))
+            .map_err(|e| EngineError::Refused(format!("cannot build the redactor: {e}")))?;
+        let limits = definition.budget;
+        let started = Instant::now();
+        // Wall time already spent before a restart counts too.
+        let spent_before = run
+            .started_at
+            .map(|s| u64::try_from(wor_store::now_millis().saturating_sub(s) / 1000).unwrap_or(0))
+            .unwrap_or(0);
+        let elapsed = || spent_before.saturating_add(started.elapsed().as_secs());
+        let mut usage = run.usage;
+        let price = self
+            .config
+            .prices
+            .get(&definition.model.model)
+            .copied()
+            .unwrap_or_default();
+        loop {
+            if self.store.is_cancel_requested(run.id).await? {
+                return Ok(Ending::new(RunStatus::Cancelled, "cancelled on request"));
+            }
+            if let Err(exceeded) = usage.check(&limits, elapsed()) {
+                return Ok(Ending::budget(exceeded));
+            }
+            usage = match usage.reserve_turn(&limits) {
+                Ok(next) => next,
+                Err(exceeded) => return Ok(Ending::budget(exceeded)),
+            };
+            let request = ModelRequest {
+                model: definition.model.model.clone(),
+                messages: messages.clone(),
+                tools: Vec::new(),
+                max_output_tokens: definition.model.max_output_tokens.unwrap_or(DEFAULT_MAX_OUTPUT_TOKENS),
+                temperature: None,
+            };
+            let remaining = Duration::from_secs(limits.wall_seconds.saturating_sub(elapsed()));
+            let response = match self.call_model(run, provider.as_ref(), &request, remaining, &limits).await? {
+                TurnOutcome::Response(response) => response,
+                TurnOutcome::End(ending) => {
+                    self.store.save_usage(run.id, &self.config.worker_id, &usage).await?;
+                    return Ok(ending);
+                }
+            };
+            usage = usage.add_model_usage(response.usage.input_tokens, response.usage.output_tokens, &price);
+            let mut recorded = json!({
+                "message": response.message,
+                "usage": response.usage,
+                "stop_reason": response.stop_reason,
+            });
+            redactor.redact_json(&mut recorded);
+            self.store
+                .append_run_step(run.project_id, run.id, "model_turn", Provenance::Model, &recorded)
+                .await?;
+            self.store.save_usage(run.id, &self.config.worker_id, &usage).await?;
+            messages.push(ChatMessage::Assistant(response.message.clone()));
+            if let Err(exceeded) = usage.check(&limits, elapsed()) {
+                return Ok(Ending::budget(exceeded));
+            }
+            if response.message.tool_calls.is_empty() {
+                return Ok(Ending::new(RunStatus::Succeeded, redactor.redact(&response.message.text)));
+            }
+            for call in &response.message.tool_calls {
+                let (result, next_usage) = match self.answer_tool_call(&definition, call, usage) {
+                    Ok(answer) => answer,
+                    Err(exceeded) => {
+                        self.store.save_usage(run.id, &self.config.worker_id, &usage).await?;
+                        return Ok(Ending::budget(exceeded));
+                    }
+                };
+                usage = next_usage;
+                let mut recorded = json!({ "tool": call.name, "result": result });
+                redactor.redact_json(&mut recorded);
+                self.store
+                    .append_run_step(run.project_id, run.id, "tool_result", Provenance::Engine, &recorded)
+                    .await?;
+                messages.push(ChatMessage::Tool(result));
+            }
+            self.store.save_usage(run.id, &self.config.worker_id, &usage).await?;
+            if !self
+                .store
+                .renew_lease(run.id, &self.config.worker_id, lease_ms(&self.config))
+                .await?
+            {
+                return Err(EngineError::Refused("the run's lease was lost to another worker".to_owned()));
+            }
+        }
+    }
+
+    /// Answers one proposed tool call. The roster is checked first; a denied tool is refused;
+    /// a tool the routine may use is reserved against the budget — and then refused too, since
+    /// tool connections are not built yet. Nothing runs without a decision.
+    fn answer_tool_call(
+        &self,
+        definition: &RoutineDefinition,
+        call: &ToolCallRequest,
+        usage: BudgetUsage,
+    ) -> Result<(ToolResult, BudgetUsage), BudgetExceeded> {
+        let refuse = |text: String| ToolResult {
+            tool_call_id: call.id.clone(),
+            content: text,
+            is_error: true,
+        };
+        let Some(entry) = definition.roster_entry(&call.name) else {
+            return Ok((
+                refuse(format!("tool `{}` is not on this routine's roster", call.name)),
+                usage,
+            ));
+        };
+        if entry.mode == ToolMode::Deny {
+            return Ok((refuse(format!("tool `{}` is denied by this routine", call.name)), usage));
+        }
+        let usage = usage.reserve_tool_call(&definition.budget)?;
+        Ok((
+            refuse(format!(
+                "tool `{}` cannot run: tool connections are not available in this version of Work on Repeat",
+                call.name
+            )),
+            usage,
+        ))
+    }
+
+    /// One model call, stopped early by a cancel request or the wall-time deadline.
+    async fn call_model(
+        &self,
+        run: &RunRecord,
+        provider: &dyn ModelProvider,
+        request: &ModelRequest,
+        remaining: Duration,
+        limits: &wor_core::routine::BudgetLimits,
+    ) -> Result<TurnOutcome, EngineError> {
+        let mut sink = DiscardStream;
+        let call = provider.complete(request, &mut sink);
+        tokio::pin!(call);
+        let deadline = tokio::time::sleep(remaining);
+        tokio::pin!(deadline);
+        let mut poll = tokio::time::interval(CANCEL_POLL);
+        loop {
+            tokio::select! {
+                result = &mut call => {
+                    return Ok(match result {
+                        Ok(response) => TurnOutcome::Response(Box::new(response)),
+                        Err(error) => TurnOutcome::End(Ending::new(
+                            RunStatus::Failed,
+                            wor_secrets::redact_shapes(&format!("the model call failed: {error}")).into_owned(),
+                        )),
+                    });
+                }
+                () = &mut deadline => {
+                    return Ok(TurnOutcome::End(Ending::budget(BudgetExceeded {
+                        limit: wor_core::budget::BudgetLimit::WallTime,
+                        used: limits.wall_seconds,
+                        allowed: limits.wall_seconds,
+                    })));
+                }
+                _ = poll.tick() => {
+                    if self.store.is_cancel_requested(run.id).await? {
+                        return Ok(TurnOutcome::End(Ending::new(RunStatus::Cancelled, "cancelled on request")));
+                    }
+                    if !self.store.renew_lease(run.id, &self.config.worker_id, lease_ms(&self.config)).await? {
+                        return Err(EngineError::Refused("the run's lease was lost to another worker".to_owned()));
+                    }
+                }
+            }
+        }
+    }
+
+    /// The model provider of the routine, rechecking its connection now (S14): a connection
+    /// that is missing or revoked fails the run closed, with the reason.
+    async fn provider(
+        &self,
+        run: &RunRecord,
+        definition: &RoutineDefinition,
+        history: &[ChatMessage],
+    ) -> Result<Box<dyn ModelProvider>, String> {
+        let model = &definition.model;
+        if model.provider == ProviderKind::Replay {
+            if self.config.production {
+                return Err("provider `replay` is refused in production".to_owned());
+            }
+            let script: ReplayScript = model
+                .script
+                .clone()
+                .ok_or("the replay routine has no script")?
+                .try_into()
+                .map_err(|e| format!("the replay script is invalid: {e}"))?;
+            return ReplayProvider::resuming(script, history)
+                .map(|p| Box::new(p) as Box<dyn ModelProvider>)
+                .map_err(|e| format!("the replay script cannot resume this run: {e}"));
+        }
+        let name = model.connection.as_deref().ok_or("the routine names no model connection")?;
+        let connections = self
+            .store
+            .list_model_connections(run.project_id)
+            .await
+            .map_err(|e| format!("model connections cannot be read: {e}"))?;
+        let connection = connections
+            .into_iter()
+            .find(|c| c.name == name && c.status == ConnectionStatus::Active)
+            .ok_or_else(|| format!("model connection `{name}` is missing or revoked"))?;
+        let slot = SecretSlot::new(run.project_id, MODEL_CONNECTIONS_TABLE, connection.id, API_KEY_FIELD);
+        let key = self
+            .vault
+            .open(&slot)
+            .await
+            .map_err(|e| format!("the key of model connection `{name}` cannot be opened: {e}"))?;
+        let endpoint = ProviderEndpoint::new(connection.base_url, Some(key));
+        let options = ProviderOptions::default();
+        Ok(match model.provider {
+            ProviderKind::Anthropic => Box::new(AnthropicProvider::new(self.egress.clone(), endpoint, options)),
+            _ => Box::new(OpenAiCompatibleProvider::new(self.egress.clone(), endpoint, options)),
+        })
+    }
+}
+
+fn lease_ms(config: &crate::EngineConfig) -> i64 {
+    i64::try_from(config.lease.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// The conversation so far, rebuilt from the run's steps: the instructions (trusted), the
+/// requester's input, then each recorded model turn and tool result in order.
+fn conversation(definition: &RoutineDefinition, steps: &[RunStep]) -> Vec<ChatMessage> {
+    let mut messages = vec![ChatMessage::system(definition.instructions.clone())];
+    for step in steps {
+        match step.kind.as_str() {
+            "input" => {
+                let input = step.payload.get("input").cloned().unwrap_or(Value::Null);
+                let text = match input {
+                    Value::String(text) => text,
+                    other => other.to_string(),
+                };
+                messages.push(ChatMessage::user(text));
+            }
+            "model_turn" => {
+                if let Some(message) = step
+                    .payload
+                    .get("message")
+                    .and_then(|m| serde_json::from_value::<AssistantMessage>(m.clone()).ok())
+                {
+                    messages.push(ChatMessage::Assistant(message));
+                }
+            }
+            "tool_result" => {
+                if let Some(result) = step
+                    .payload
+                    .get("result")
+                    .and_then(|r| serde_json::from_value::<ToolResult>(r.clone()).ok())
+                {
+                    messages.push(ChatMessage::Tool(result));
+                }
+            }
+            _ => {}
+        }
+    }
+    messages
+}

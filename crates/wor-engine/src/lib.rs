@@ -1,0 +1,93 @@
+//! The engine: starts runs and drives them — the agent loop — on workers.
+//!
+//! A run is driven from its stored steps alone: every model turn and every tool result is
+//! written before the next step begins, so a worker that dies leaves a run another worker (or
+//! the same process after a restart) resumes where it stopped. Budgets, cancellation and the
+//! wall-time deadline are checked before every step.
+//!
+//! Not built yet: tool execution through tool connections, policy decisions and approvals,
+//! nested routines and run-scoped credentials. Until then a tool call is answered with a clear
+//! refusal that names why; nothing runs without a decision.
+
+mod driver;
+mod start;
+mod worker;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use wor_core::budget::ModelPrice;
+use wor_egress::EgressClient;
+use wor_store::{Store, StoreError, Vault};
+
+pub use start::{StartRun, Trigger};
+
+/// How the engine runs.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Names this process's leases; unique per process.
+    pub worker_id: String,
+    /// How long a claimed run stays this worker's without renewal.
+    pub lease: Duration,
+    /// How often an idle worker looks for work.
+    pub poll_interval: Duration,
+    /// Prices per model id; a model without a price costs nothing.
+    pub prices: BTreeMap<String, ModelPrice>,
+    /// Production refuses demo-only features (the replay model).
+    pub production: bool,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            worker_id: format!("worker-{}", wor_core::ids::request_id().trim_start_matches("req_")),
+            lease: Duration::from_secs(30),
+            poll_interval: Duration::from_millis(200),
+            prices: BTreeMap::new(),
+            production: false,
+        }
+    }
+}
+
+/// Why the engine could not do what it was asked. A run that fails is not an engine error:
+/// it ends with status `failed` and its reason.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("{0}")]
+    Refused(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// The engine: cheap to clone, shared by the API and the workers.
+#[derive(Debug, Clone)]
+pub struct Engine {
+    store: Store,
+    vault: Vault,
+    egress: EgressClient,
+    config: Arc<EngineConfig>,
+}
+
+impl Engine {
+    pub fn new(store: Store, vault: Vault, egress: EgressClient, config: EngineConfig) -> Self {
+        Engine {
+            store,
+            vault,
+            egress,
+            config: Arc::new(config),
+        }
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    pub fn vault(&self) -> &Vault {
+        &self.vault
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+}

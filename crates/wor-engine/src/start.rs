@@ -1,0 +1,81 @@
+//! Starting runs: the routine's current version, its concurrency policy, and the input as the
+//! requester's first step.
+
+use wor_core::model::ProviderKind;
+use wor_core::routine::OverlapPolicy;
+use wor_core::run::RunStatus;
+use wor_core::{ApiKeyId, ProjectId, RoutineId};
+use wor_store::{NewRun, RunRecord};
+
+use crate::{Engine, EngineError};
+
+/// What started a run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Trigger {
+    /// An API call, by this key.
+    Api(ApiKeyId),
+}
+
+/// A request to start a run.
+#[derive(Debug, Clone)]
+pub struct StartRun {
+    pub project: ProjectId,
+    pub routine: RoutineId,
+    /// The requester's input: text or any JSON value.
+    pub input: serde_json::Value,
+    pub trigger: Trigger,
+}
+
+impl Engine {
+    /// Queues a run of the routine's current version, applying its overlap policy.
+    pub async fn start_run(&self, request: StartRun) -> Result<RunRecord, EngineError> {
+        let routine = self.store.get_routine(request.project, request.routine).await?;
+        let version = self
+            .store
+            .get_routine_version(request.project, routine.id, routine.current_version)
+            .await?;
+        let definition = &version.definition;
+        if self.config.production && definition.model.provider == ProviderKind::Replay {
+            return Err(EngineError::Refused(
+                "provider `replay` is a scripted model for demos and tests; production refuses it".to_owned(),
+            ));
+        }
+        let active = self.store.active_runs(request.project, routine.id).await?;
+        let max = definition.concurrency.max_runs;
+        let full = u64::try_from(active.len()).unwrap_or(u64::MAX) >= max;
+        let (status, outcome) = match (full, definition.concurrency.overlap) {
+            (true, OverlapPolicy::Skip) => (
+                RunStatus::Skipped,
+                Some(format!("skipped: {} run(s) of this routine active, at most {max}", active.len())),
+            ),
+            (true, OverlapPolicy::CancelPrevious) => {
+                if let Some(oldest) = active.first() {
+                    self.store.request_cancel(request.project, oldest.id).await?;
+                }
+                (RunStatus::Queued, None)
+            }
+            _ => (RunStatus::Queued, None),
+        };
+        let Trigger::Api(key) = request.trigger;
+        let run = self
+            .store
+            .create_run(
+                request.project,
+                NewRun {
+                    routine_id: routine.id,
+                    routine_version: version.version,
+                    trigger_kind: "api".to_owned(),
+                    started_by: Some(key),
+                    max_concurrent: max,
+                    status,
+                    outcome,
+                },
+                &serde_json::json!({ "input": request.input }),
+            )
+            .await?;
+        tracing::info!(category = "run", action = "run.start", project_id = %request.project,
+            run_id = %run.id, routine_id = %routine.id, version = version.version,
+            status = run.status.as_str(), "run started");
+        Ok(run)
+    }
+}

@@ -1,0 +1,289 @@
+//! Runs: start, list, inspect, cancel, and follow live over server-sent events.
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::{Query, State};
+use axum::http::StatusCode;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use futures_util::Stream;
+use wor_core::run::RunStatus;
+use wor_core::{ProjectId, RoutineId, RunId};
+use wor_engine::{StartRun, Trigger};
+use wor_store::{RunFilter, RunRecord, RunStep, Store};
+
+use crate::AppState;
+use crate::auth::Caller;
+use crate::error::{ApiError, ErrorBody};
+use crate::extract::{ApiJson, ApiPath};
+use crate::views::rfc3339;
+
+/// How often an events stream looks for new steps.
+const EVENTS_POLL: Duration = Duration::from_millis(200);
+
+#[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StartRunBody {
+    /// The requester's input: text or any JSON value. It enters the run labelled `requester`.
+    #[serde(default)]
+    #[schema(value_type = Object)]
+    pub input: serde_json::Value,
+}
+
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct UsageView {
+    pub turns: u64,
+    pub tool_calls: u64,
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    pub cost_microdollars: u64,
+}
+
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct RunView {
+    pub id: String,
+    pub routine_id: String,
+    pub routine_version: i64,
+    pub root_run_id: String,
+    pub parent_run_id: Option<String>,
+    /// queued, running, waiting_for_approval, succeeded, failed, cancelled, budget_exceeded or skipped.
+    pub status: String,
+    pub trigger: String,
+    pub started_by: Option<String>,
+    /// The final answer, or why the run ended.
+    pub outcome: Option<String>,
+    pub usage: UsageView,
+    pub cancel_requested: bool,
+    pub created_at: String,
+    pub started_at: Option<String>,
+    pub finished_at: Option<String>,
+}
+
+impl From<RunRecord> for RunView {
+    fn from(r: RunRecord) -> Self {
+        RunView {
+            id: r.id.to_string(),
+            routine_id: r.routine_id.to_string(),
+            routine_version: r.routine_version,
+            root_run_id: r.root_run_id.to_string(),
+            parent_run_id: r.parent_run_id.map(|p| p.to_string()),
+            status: r.status.to_string(),
+            trigger: r.trigger_kind,
+            started_by: r.started_by.map(|k| k.to_string()),
+            outcome: r.outcome,
+            usage: UsageView {
+                turns: r.usage.turns,
+                tool_calls: r.usage.tool_calls,
+                input_tokens: r.usage.input_tokens,
+                output_tokens: r.usage.output_tokens,
+                cost_microdollars: r.usage.cost_microdollars,
+            },
+            cancel_requested: r.cancel_requested,
+            created_at: rfc3339(r.created_at),
+            started_at: r.started_at.map(rfc3339),
+            finished_at: r.finished_at.map(rfc3339),
+        }
+    }
+}
+
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct RunStepView {
+    pub seq: i64,
+    /// input, model_turn, tool_result or outcome.
+    pub kind: String,
+    /// Where the content came from: trusted, requester, untrusted, model or engine.
+    pub provenance: String,
+    #[schema(value_type = Object)]
+    pub payload: serde_json::Value,
+    pub created_at: String,
+}
+
+impl From<RunStep> for RunStepView {
+    fn from(s: RunStep) -> Self {
+        RunStepView {
+            seq: s.seq,
+            kind: s.kind,
+            provenance: s.provenance.as_str().to_owned(),
+            payload: s.payload,
+            created_at: rfc3339(s.created_at),
+        }
+    }
+}
+
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct RunDetail {
+    #[serde(flatten)]
+    pub run: RunView,
+    pub steps: Vec<RunStepView>,
+}
+
+#[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct RunListQuery {
+    /// Only runs of this routine (`rtn_…`).
+    pub routine_id: Option<String>,
+    /// Only runs with this status.
+    pub status: Option<String>,
+    /// Only runs older than this one: the previous page's last id.
+    pub before: Option<String>,
+    /// At most this many (1 to 200, default 50).
+    pub limit: Option<u32>,
+}
+
+/// Starts a run of the routine's current version.
+#[utoipa::path(post, path = "/v1/routines/{routine_id}/runs", tag = "runs", security(("bearer" = [])),
+    request_body = StartRunBody,
+    params(("routine_id" = String, Path, description = "a `rtn_…` id")),
+    responses((status = 202, body = RunView), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody),
+        (status = 409, body = ErrorBody)))]
+pub async fn start(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiPath(routine): ApiPath<RoutineId>,
+    ApiJson(body): ApiJson<StartRunBody>,
+) -> Result<(StatusCode, Json<RunView>), ApiError> {
+    // Looked up before the role check: another project's routine is a 404, not a 403.
+    state.store.get_routine(caller.project_id, routine).await?;
+    if !caller.role.can_operate_runs() {
+        return Err(ApiError::Forbidden(format!("role `{}` cannot start runs", caller.role)));
+    }
+    let run = state
+        .engine
+        .start_run(StartRun {
+            project: caller.project_id,
+            routine,
+            input: body.input,
+            trigger: Trigger::Api(caller.key_id),
+        })
+        .await?;
+    Ok((StatusCode::ACCEPTED, Json(run.into())))
+}
+
+/// Lists runs, newest first.
+#[utoipa::path(get, path = "/v1/runs", tag = "runs", security(("bearer" = [])), params(RunListQuery),
+    responses((status = 200, body = [RunView]), (status = 400, body = ErrorBody)))]
+pub async fn list(
+    State(state): State<AppState>,
+    caller: Caller,
+    query: Result<Query<RunListQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Json<Vec<RunView>>, ApiError> {
+    let Query(query) = query.map_err(|e| ApiError::bad_request("invalid_query", e.body_text()))?;
+    let parse = |e: wor_core::IdError| ApiError::bad_request("invalid_id", e.to_string());
+    let filter = RunFilter {
+        routine_id: query.routine_id.as_deref().map(str::parse).transpose().map_err(parse)?,
+        status: query
+            .status
+            .as_deref()
+            .map(str::parse::<RunStatus>)
+            .transpose()
+            .map_err(|e| ApiError::bad_request("invalid_status", e.to_string()))?,
+        before: query.before.as_deref().map(str::parse).transpose().map_err(parse)?,
+        limit: query.limit.unwrap_or(50),
+    };
+    let runs = state.store.list_runs(caller.project_id, &filter).await?;
+    Ok(Json(runs.into_iter().map(Into::into).collect()))
+}
+
+/// One run with every step it took.
+#[utoipa::path(get, path = "/v1/runs/{run_id}", tag = "runs", security(("bearer" = [])),
+    params(("run_id" = String, Path, description = "a `run_…` id")),
+    responses((status = 200, body = RunDetail), (status = 404, body = ErrorBody)))]
+pub async fn get(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<RunId>,
+) -> Result<Json<RunDetail>, ApiError> {
+    let run = state.store.get_run(caller.project_id, id).await?;
+    let steps = state.store.list_run_steps(caller.project_id, id, 0).await?;
+    Ok(Json(RunDetail {
+        run: run.into(),
+        steps: steps.into_iter().map(Into::into).collect(),
+    }))
+}
+
+/// Cancels a run: a queued run at once, a running one at its next step.
+#[utoipa::path(post, path = "/v1/runs/{run_id}/cancel", tag = "runs", security(("bearer" = [])),
+    params(("run_id" = String, Path, description = "a `run_…` id")),
+    responses((status = 200, body = RunView), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)))]
+pub async fn cancel(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<RunId>,
+) -> Result<Json<RunView>, ApiError> {
+    state.store.get_run(caller.project_id, id).await?;
+    if !caller.role.can_operate_runs() {
+        return Err(ApiError::Forbidden(format!("role `{}` cannot cancel runs", caller.role)));
+    }
+    let run = state.store.request_cancel(caller.project_id, id).await?;
+    tracing::info!(category = "run", action = "run.cancel", project_id = %caller.project_id, run_id = %id,
+        actor_key_id = %caller.key_id, "run cancel requested");
+    Ok(Json(run.into()))
+}
+
+/// The run's steps as server-sent events (`event: step`), then `event: end` with the run once
+/// it has ended.
+#[utoipa::path(get, path = "/v1/runs/{run_id}/events", tag = "runs", security(("bearer" = [])),
+    params(("run_id" = String, Path, description = "a `run_…` id")),
+    responses((status = 200, description = "text/event-stream of `step` events and one `end` event"),
+        (status = 404, body = ErrorBody)))]
+pub async fn events(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<RunId>,
+) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ApiError> {
+    state.store.get_run(caller.project_id, id).await?;
+    let stream = step_stream(state.store.clone(), caller.project_id, id);
+    Ok(Sse::new(stream).keep_alive(KeepAlive::default()))
+}
+
+struct Follow {
+    store: Store,
+    project: ProjectId,
+    run: RunId,
+    last_seq: i64,
+    pending: std::collections::VecDeque<Event>,
+    ended: bool,
+}
+
+fn step_stream(store: Store, project: ProjectId, run: RunId) -> impl Stream<Item = Result<Event, Infallible>> {
+    let follow = Follow {
+        store,
+        project,
+        run,
+        last_seq: 0,
+        pending: Default::default(),
+        ended: false,
+    };
+    futures_util::stream::unfold(follow, |mut f| async move {
+        loop {
+            if let Some(event) = f.pending.pop_front() {
+                return Some((Ok(event), f));
+            }
+            if f.ended {
+                return None;
+            }
+            // Read the status first: steps written before a run ends are all seen below.
+            let record = f.store.get_run(f.project, f.run).await.ok();
+            let steps = f.store.list_run_steps(f.project, f.run, f.last_seq).await.unwrap_or_default();
+            for step in steps {
+                f.last_seq = step.seq;
+                let view = RunStepView::from(step);
+                if let Ok(event) = Event::default().event("step").json_data(&view) {
+                    f.pending.push_back(event);
+                }
+            }
+            match record {
+                Some(run) if run.status.is_terminal() => {
+                    if let Ok(event) = Event::default().event("end").json_data(RunView::from(run)) {
+                        f.pending.push_back(event);
+                    }
+                    f.ended = true;
+                }
+                None => f.ended = true,
+                Some(_) if f.pending.is_empty() => tokio::time::sleep(EVENTS_POLL).await,
+                Some(_) => {}
+            }
+        }
+    })
+}

@@ -1,0 +1,432 @@
+//! Runs and their steps. A run's row holds its status, usage and lease; its steps hold
+//! everything it did, in order, each written before the next begins.
+//!
+//! INVARIANT: a worker changes a running run only while it holds the run's lease
+//! (`lease_owner`), so two workers never drive one run.
+
+use sqlx::Row;
+use wor_core::budget::BudgetUsage;
+use wor_core::run::{Provenance, RunStatus};
+use wor_core::{ApiKeyId, ProjectId, RoutineId, RunId};
+
+use crate::{Store, StoreError, now_millis, parse_column};
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct RunRecord {
+    pub id: RunId,
+    pub project_id: ProjectId,
+    pub routine_id: RoutineId,
+    pub routine_version: i64,
+    pub root_run_id: RunId,
+    pub parent_run_id: Option<RunId>,
+    pub depth: i64,
+    pub status: RunStatus,
+    pub trigger_kind: String,
+    pub started_by: Option<ApiKeyId>,
+    pub outcome: Option<String>,
+    pub usage: BudgetUsage,
+    pub cancel_requested: bool,
+    pub created_at: i64,
+    pub started_at: Option<i64>,
+    pub finished_at: Option<i64>,
+}
+
+#[derive(Debug, Clone)]
+pub struct NewRun {
+    pub routine_id: RoutineId,
+    pub routine_version: i64,
+    pub trigger_kind: String,
+    pub started_by: Option<ApiKeyId>,
+    pub max_concurrent: u64,
+    /// `Skipped` for a run refused by the overlap policy, otherwise `Queued`.
+    pub status: RunStatus,
+    pub outcome: Option<String>,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct RunStep {
+    pub seq: i64,
+    pub kind: String,
+    pub provenance: Provenance,
+    pub payload: serde_json::Value,
+    pub created_at: i64,
+}
+
+/// Filters and page of a run listing, newest first.
+#[derive(Debug, Clone, Default)]
+pub struct RunFilter {
+    pub routine_id: Option<RoutineId>,
+    pub status: Option<RunStatus>,
+    /// Only runs older than this one (the previous page's last id).
+    pub before: Option<RunId>,
+    pub limit: u32,
+}
+
+const COLUMNS: &str = "id, project_id, routine_id, routine_version, root_run_id, parent_run_id, depth, \
+    status, trigger_kind, started_by, outcome, usage_turns, usage_tool_calls, usage_input_tokens, \
+    usage_output_tokens, usage_cost_microdollars, cancel_requested, created_at, started_at, finished_at";
+
+fn to_i64(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+fn to_u64(value: i64) -> u64 {
+    u64::try_from(value).unwrap_or(0)
+}
+
+impl Store {
+    /// Records a new top-level run (queued, or skipped by the overlap policy), with its input
+    /// as the first step.
+    pub async fn create_run(
+        &self,
+        project: ProjectId,
+        new: NewRun,
+        input: &serde_json::Value,
+    ) -> Result<RunRecord, StoreError> {
+        let id = RunId::new();
+        let now = now_millis();
+        let mut tx = self.pool().begin().await?;
+        sqlx::query(
+            "INSERT INTO runs (id, project_id, routine_id, routine_version, root_run_id, parent_run_id, depth, \
+             status, trigger_kind, started_by, max_concurrent, outcome, created_at, updated_at, finished_at) \
+             VALUES ($1, $2, $3, $4, $1, NULL, 0, $5, $6, $7, $8, $9, $10, $10, $11)",
+        )
+        .bind(id.to_string())
+        .bind(project.to_string())
+        .bind(new.routine_id.to_string())
+        .bind(new.routine_version)
+        .bind(new.status.as_str())
+        .bind(&new.trigger_kind)
+        .bind(new.started_by.map(|k| k.to_string()))
+        .bind(to_i64(new.max_concurrent))
+        .bind(new.outcome.as_deref())
+        .bind(now)
+        .bind(new.status.is_terminal().then_some(now))
+        .execute(&mut *tx)
+        .await?;
+        insert_step(&mut tx, project, id, 1, "input", Provenance::Requester, input, now).await?;
+        tx.commit().await?;
+        self.get_run(project, id).await
+    }
+
+    pub async fn get_run(&self, project: ProjectId, id: RunId) -> Result<RunRecord, StoreError> {
+        let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {COLUMNS} FROM runs WHERE project_id = $1 AND id = $2"
+        )))
+        .bind(project.to_string())
+        .bind(id.to_string())
+        .fetch_optional(self.pool())
+        .await?
+        .ok_or(StoreError::NotFound)?;
+        run_from_row(&row)
+    }
+
+    pub async fn list_runs(&self, project: ProjectId, filter: &RunFilter) -> Result<Vec<RunRecord>, StoreError> {
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {COLUMNS} FROM runs WHERE project_id = $1 \
+             AND ($2 IS NULL OR routine_id = $2) AND ($3 IS NULL OR status = $3) AND ($4 IS NULL OR id < $4) \
+             ORDER BY id DESC LIMIT $5"
+        )))
+        .bind(project.to_string())
+        .bind(filter.routine_id.map(|r| r.to_string()))
+        .bind(filter.status.map(|s| s.as_str()))
+        .bind(filter.before.map(|r| r.to_string()))
+        .bind(i64::from(filter.limit.clamp(1, 200)))
+        .fetch_all(self.pool())
+        .await?;
+        rows.iter().map(run_from_row).collect()
+    }
+
+    /// Active (queued, running or waiting) runs of a routine, oldest first.
+    pub async fn active_runs(&self, project: ProjectId, routine: RoutineId) -> Result<Vec<RunRecord>, StoreError> {
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {COLUMNS} FROM runs WHERE project_id = $1 AND routine_id = $2 \
+             AND status IN ('queued', 'running', 'waiting_for_approval') ORDER BY id"
+        )))
+        .bind(project.to_string())
+        .bind(routine.to_string())
+        .fetch_all(self.pool())
+        .await?;
+        rows.iter().map(run_from_row).collect()
+    }
+
+    /// Asks a run to stop. A queued run is cancelled at once; a running one is flagged and its
+    /// worker stops it. Cancelling a finished run changes nothing.
+    pub async fn request_cancel(&self, project: ProjectId, id: RunId) -> Result<RunRecord, StoreError> {
+        let now = now_millis();
+        sqlx::query(
+            "UPDATE runs SET status = 'cancelled', outcome = 'cancelled before it started', \
+             finished_at = $1, updated_at = $1 WHERE project_id = $2 AND id = $3 AND status = 'queued'",
+        )
+        .bind(now)
+        .bind(project.to_string())
+        .bind(id.to_string())
+        .execute(self.pool())
+        .await?;
+        sqlx::query(
+            "UPDATE runs SET cancel_requested = 1, updated_at = $1 \
+             WHERE project_id = $2 AND id = $3 AND status IN ('running', 'waiting_for_approval')",
+        )
+        .bind(now)
+        .bind(project.to_string())
+        .bind(id.to_string())
+        .execute(self.pool())
+        .await?;
+        self.get_run(project, id).await
+    }
+
+    /// Puts runs whose worker stopped renewing its lease back in the queue, to be resumed.
+    pub async fn requeue_expired_runs(&self) -> Result<u64, StoreError> {
+        let done = sqlx::query(
+            "UPDATE runs SET status = 'queued', lease_owner = NULL, lease_expires_at = NULL, updated_at = $1 \
+             WHERE status = 'running' AND lease_expires_at < $1",
+        )
+        .bind(now_millis())
+        .execute(self.pool())
+        .await?;
+        Ok(done.rows_affected())
+    }
+
+    /// Gives back every run `worker` holds, for another worker (or this process after its
+    /// restart) to resume at once rather than after the lease runs out.
+    pub async fn release_leases(&self, worker: &str) -> Result<u64, StoreError> {
+        let done = sqlx::query(
+            "UPDATE runs SET status = 'queued', lease_owner = NULL, lease_expires_at = NULL, updated_at = $1 \
+             WHERE lease_owner = $2 AND status = 'running'",
+        )
+        .bind(now_millis())
+        .bind(worker)
+        .execute(self.pool())
+        .await?;
+        Ok(done.rows_affected())
+    }
+
+    /// Claims the oldest queued run whose routine has a free slot, leasing it to `worker`.
+    pub async fn claim_run(&self, worker: &str, lease_ms: i64) -> Result<Option<RunRecord>, StoreError> {
+        let candidates = sqlx::query(
+            "SELECT r.id, r.project_id FROM runs r WHERE r.status = 'queued' AND \
+             (SELECT COUNT(*) FROM runs x WHERE x.routine_id = r.routine_id \
+              AND x.status IN ('running', 'waiting_for_approval')) < r.max_concurrent \
+             ORDER BY r.id LIMIT 16",
+        )
+        .fetch_all(self.pool())
+        .await?;
+        for row in candidates {
+            let id: String = row.try_get("id")?;
+            let project: String = row.try_get("project_id")?;
+            let now = now_millis();
+            let claimed = sqlx::query(
+                "UPDATE runs SET status = 'running', lease_owner = $1, lease_expires_at = $2, \
+                 started_at = COALESCE(started_at, $3), updated_at = $3 WHERE id = $4 AND status = 'queued'",
+            )
+            .bind(worker)
+            .bind(now + lease_ms)
+            .bind(now)
+            .bind(&id)
+            .execute(self.pool())
+            .await?;
+            if claimed.rows_affected() == 1 {
+                let project: ProjectId = parse_column(&project, "runs.project_id")?;
+                let id: RunId = parse_column(&id, "runs.id")?;
+                return self.get_run(project, id).await.map(Some);
+            }
+        }
+        Ok(None)
+    }
+
+    /// Extends `worker`'s lease; false when the lease was lost (the run must not go on here).
+    pub async fn renew_lease(&self, run: RunId, worker: &str, lease_ms: i64) -> Result<bool, StoreError> {
+        let now = now_millis();
+        let done = sqlx::query(
+            "UPDATE runs SET lease_expires_at = $1 WHERE id = $2 AND lease_owner = $3 AND status = 'running'",
+        )
+        .bind(now + lease_ms)
+        .bind(run.to_string())
+        .bind(worker)
+        .execute(self.pool())
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    pub async fn is_cancel_requested(&self, run: RunId) -> Result<bool, StoreError> {
+        let row = sqlx::query("SELECT cancel_requested FROM runs WHERE id = $1")
+            .bind(run.to_string())
+            .fetch_one(self.pool())
+            .await?;
+        let flag: i64 = row.try_get("cancel_requested")?;
+        Ok(flag != 0)
+    }
+
+    /// Records the run's usage so far.
+    pub async fn save_usage(&self, run: RunId, worker: &str, usage: &BudgetUsage) -> Result<(), StoreError> {
+        sqlx::query(
+            "UPDATE runs SET usage_turns = $1, usage_tool_calls = $2, usage_input_tokens = $3, \
+             usage_output_tokens = $4, usage_cost_microdollars = $5, updated_at = $6 \
+             WHERE id = $7 AND lease_owner = $8",
+        )
+        .bind(to_i64(usage.turns))
+        .bind(to_i64(usage.tool_calls))
+        .bind(to_i64(usage.input_tokens))
+        .bind(to_i64(usage.output_tokens))
+        .bind(to_i64(usage.cost_microdollars))
+        .bind(now_millis())
+        .bind(run.to_string())
+        .bind(worker)
+        .execute(self.pool())
+        .await?;
+        Ok(())
+    }
+
+    /// Ends a run held by `worker` with a terminal status, recording the outcome as its last
+    /// step in the same transaction (so whoever sees the status also sees the step). Returns
+    /// false, changing nothing, when the worker no longer holds the run.
+    pub async fn finish_run(
+        &self,
+        project: ProjectId,
+        run: RunId,
+        worker: &str,
+        status: RunStatus,
+        outcome: &str,
+    ) -> Result<bool, StoreError> {
+        let now = now_millis();
+        let mut tx = self.pool().begin().await?;
+        let done = sqlx::query(
+            "UPDATE runs SET status = $1, outcome = $2, finished_at = $3, updated_at = $3, \
+             lease_owner = NULL, lease_expires_at = NULL WHERE id = $4 AND lease_owner = $5 AND status = 'running'",
+        )
+        .bind(status.as_str())
+        .bind(outcome)
+        .bind(now)
+        .bind(run.to_string())
+        .bind(worker)
+        .execute(&mut *tx)
+        .await?;
+        if done.rows_affected() != 1 {
+            tx.rollback().await?;
+            return Ok(false);
+        }
+        let last: i64 = sqlx::query("SELECT COALESCE(MAX(seq), 0) AS last FROM run_steps WHERE run_id = $1")
+            .bind(run.to_string())
+            .fetch_one(&mut *tx)
+            .await?
+            .try_get("last")?;
+        let payload = serde_json::json!({ "status": status.as_str(), "message": outcome });
+        insert_step(&mut tx, project, run, last + 1, "outcome", Provenance::Engine, &payload, now).await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+
+    /// Appends a step and returns its sequence number.
+    pub async fn append_run_step(
+        &self,
+        project: ProjectId,
+        run: RunId,
+        kind: &str,
+        provenance: Provenance,
+        payload: &serde_json::Value,
+    ) -> Result<i64, StoreError> {
+        let mut tx = self.pool().begin().await?;
+        let row = sqlx::query("SELECT COALESCE(MAX(seq), 0) AS last FROM run_steps WHERE run_id = $1")
+            .bind(run.to_string())
+            .fetch_one(&mut *tx)
+            .await?;
+        let last: i64 = row.try_get("last")?;
+        insert_step(&mut tx, project, run, last + 1, kind, provenance, payload, now_millis()).await?;
+        tx.commit().await?;
+        Ok(last + 1)
+    }
+
+    /// The run's steps after `after_seq`, in order.
+    pub async fn list_run_steps(
+        &self,
+        project: ProjectId,
+        run: RunId,
+        after_seq: i64,
+    ) -> Result<Vec<RunStep>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT seq, kind, provenance, payload, created_at FROM run_steps \
+             WHERE project_id = $1 AND run_id = $2 AND seq > $3 ORDER BY seq",
+        )
+        .bind(project.to_string())
+        .bind(run.to_string())
+        .bind(after_seq)
+        .fetch_all(self.pool())
+        .await?;
+        rows.iter()
+            .map(|row| {
+                let provenance: String = row.try_get("provenance")?;
+                let payload: String = row.try_get("payload")?;
+                Ok(RunStep {
+                    seq: row.try_get("seq")?,
+                    kind: row.try_get("kind")?,
+                    provenance: parse_column(&provenance, "run_steps.provenance")?,
+                    payload: serde_json::from_str(&payload)
+                        .map_err(|_| StoreError::Corrupt("run_steps.payload is not JSON".to_owned()))?,
+                    created_at: row.try_get("created_at")?,
+                })
+            })
+            .collect()
+    }
+}
+
+#[expect(clippy::too_many_arguments, reason = "one column each")]
+async fn insert_step(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    project: ProjectId,
+    run: RunId,
+    seq: i64,
+    kind: &str,
+    provenance: Provenance,
+    payload: &serde_json::Value,
+    now: i64,
+) -> Result<(), StoreError> {
+    sqlx::query(
+        "INSERT INTO run_steps (run_id, seq, project_id, kind, provenance, payload, created_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7)",
+    )
+    .bind(run.to_string())
+    .bind(seq)
+    .bind(project.to_string())
+    .bind(kind)
+    .bind(provenance.as_str())
+    .bind(payload.to_string())
+    .bind(now)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+fn run_from_row(row: &sqlx::any::AnyRow) -> Result<RunRecord, StoreError> {
+    let id: String = row.try_get("id")?;
+    let project_id: String = row.try_get("project_id")?;
+    let routine_id: String = row.try_get("routine_id")?;
+    let root: String = row.try_get("root_run_id")?;
+    let parent: Option<String> = row.try_get("parent_run_id")?;
+    let status: String = row.try_get("status")?;
+    let started_by: Option<String> = row.try_get("started_by")?;
+    let cancel: i64 = row.try_get("cancel_requested")?;
+    Ok(RunRecord {
+        id: parse_column(&id, "runs.id")?,
+        project_id: parse_column(&project_id, "runs.project_id")?,
+        routine_id: parse_column(&routine_id, "runs.routine_id")?,
+        routine_version: row.try_get("routine_version")?,
+        root_run_id: parse_column(&root, "runs.root_run_id")?,
+        parent_run_id: parent.map(|p| parse_column(&p, "runs.parent_run_id")).transpose()?,
+        depth: row.try_get("depth")?,
+        status: parse_column(&status, "runs.status")?,
+        trigger_kind: row.try_get("trigger_kind")?,
+        started_by: started_by.map(|k| parse_column(&k, "runs.started_by")).transpose()?,
+        outcome: row.try_get("outcome")?,
+        usage: BudgetUsage {
+            turns: to_u64(row.try_get("usage_turns")?),
+            tool_calls: to_u64(row.try_get("usage_tool_calls")?),
+            input_tokens: to_u64(row.try_get("usage_input_tokens")?),
+            output_tokens: to_u64(row.try_get("usage_output_tokens")?),
+            cost_microdollars: to_u64(row.try_get("usage_cost_microdollars")?),
+        },
+        cancel_requested: cancel != 0,
+        created_at: row.try_get("created_at")?,
+        started_at: row.try_get("started_at")?,
+        finished_at: row.try_get("finished_at")?,
+    })
+}
