@@ -139,6 +139,8 @@ fn sample_body(method: &Method, path: &str) -> Option<Value> {
         }
         ("POST", "/v1/model-connections/{connection_id}/revoke") => None,
         ("POST", "/v1/routines") => Some(json!({"toml": REPLAY_ROUTINE})),
+        ("POST", "/v1/routines/{routine_id}/runs") => Some(json!({"input": "probe"})),
+        ("POST", "/v1/runs/{run_id}/cancel") => None,
         ("POST" | "PUT" | "PATCH", _) => {
             panic!("no sample body for {method} {path}: add one so the isolation walk covers it")
         }
@@ -173,11 +175,22 @@ async fn another_projects_resources_answer_404_on_every_route() {
         .await;
     assert_eq!(a_routine.status, StatusCode::CREATED, "{}", a_routine.text);
     let a_routine_id = a_routine.body["routine"]["id"].as_str().unwrap().to_owned();
+    let a_run = api
+        .call(
+            Method::POST,
+            &format!("/v1/routines/{a_routine_id}/runs"),
+            Some(a.owner_key.expose()),
+            Some(json!({"input": "hello"})),
+        )
+        .await;
+    assert_eq!(a_run.status, StatusCode::ACCEPTED, "{}", a_run.text);
+    let a_run_id = a_run.body["id"].as_str().unwrap().to_owned();
     let foreign_ids = [
         ("member_id", a.owner.id.to_string()),
         ("key_id", a_key_id.to_string()),
         ("connection_id", a_model_id.clone()),
         ("routine_id", a_routine_id.clone()),
+        ("run_id", a_run_id.clone()),
     ];
     let a_ids = [
         a.project.id.to_string(),
@@ -185,6 +198,7 @@ async fn another_projects_resources_answer_404_on_every_route() {
         a_key_id.to_string(),
         a_model_id.clone(),
         a_routine_id.clone(),
+        a_run_id.clone(),
     ];
     let b_key = b.owner_key.expose();
 
@@ -233,6 +247,8 @@ async fn another_projects_resources_answer_404_on_every_route() {
         .await;
     assert_eq!(model.body["status"], "active");
     assert_eq!(model.body["credential_version"], 1);
+    let run = api.db.store.get_run(a.project.id, a_run_id.parse().unwrap()).await.unwrap();
+    assert!(!run.cancel_requested && run.status.as_str() == "queued", "B's walk cancelled A's run");
     let a_key = api
         .db
         .store
