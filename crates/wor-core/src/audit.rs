@@ -530,7 +530,11 @@ impl ChainVerifier {
             .is_some_and(|c| c.entry_hash != entry.hash)
         {
             Some((entry.seq, BreakReason::CheckpointMismatch))
-        } else if self.anchors.get(&entry.seq).is_some_and(|h| *h != entry.hash) {
+        } else if self
+            .anchors
+            .get(&entry.seq)
+            .is_some_and(|h| *h != entry.hash)
+        {
             Some((entry.seq, BreakReason::AnchorMismatch))
         } else {
             None

@@ -25,7 +25,10 @@ pub struct AuditSigningKey(SigningKey);
 impl fmt::Debug for AuditSigningKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("AuditSigningKey")
-            .field("verifying_key", &verifying_key_to_base64(&self.verifying_key()))
+            .field(
+                "verifying_key",
+                &verifying_key_to_base64(&self.verifying_key()),
+            )
             .finish_non_exhaustive()
     }
 }
@@ -187,6 +190,9 @@ mod tests {
         }
         let (key, text) = AuditSigningKey::generate().unwrap();
         let debug = format!("{key:?}");
-        assert!(!debug.contains(secrecy::ExposeSecret::expose_secret(&text)), "{debug}");
+        assert!(
+            !debug.contains(secrecy::ExposeSecret::expose_secret(&text)),
+            "{debug}"
+        );
     }
 }

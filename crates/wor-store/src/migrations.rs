@@ -16,12 +16,35 @@ struct SchemaMigration {
 
 const FOUNDATION: &str = include_str!("../migrations/0001_foundation.sql");
 
-const MIGRATIONS: &[SchemaMigration] = &[SchemaMigration {
-    version: 1,
-    description: "foundation",
-    sqlite: FOUNDATION,
-    postgres: FOUNDATION,
-}];
+/// The triggers that make the audit tables append-only, per backend; also used by the test
+/// support that plays an attacker who drops them.
+pub(crate) const AUDIT_TRIGGERS_SQLITE: &str =
+    include_str!("../migrations/0003_audit_triggers.sqlite.sql");
+pub(crate) const AUDIT_TRIGGERS_POSTGRES: &str =
+    include_str!("../migrations/0003_audit_triggers.postgres.sql");
+
+const MIGRATIONS: &[SchemaMigration] = &[
+    SchemaMigration {
+        version: 1,
+        description: "foundation",
+        sqlite: FOUNDATION,
+        postgres: FOUNDATION,
+    },
+    // Version 2 is taken by the secrets branch's migration, developed in parallel.
+    SchemaMigration {
+        version: 3,
+        description: "audit",
+        sqlite: concat!(
+            include_str!("../migrations/0003_audit.sql"),
+            include_str!("../migrations/0003_audit_triggers.sqlite.sql")
+        ),
+        postgres: concat!(
+            include_str!("../migrations/0003_audit.sql"),
+            include_str!("../migrations/0003_audit_function.postgres.sql"),
+            include_str!("../migrations/0003_audit_triggers.postgres.sql")
+        ),
+    },
+];
 
 pub(crate) async fn apply(store: &Store) -> Result<(), StoreError> {
     let migrations = MIGRATIONS

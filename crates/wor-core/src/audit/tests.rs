@@ -101,7 +101,10 @@ fn intact_chain_verifies_and_reports_its_unsigned_tail() {
         })
     );
     let empty = verify_chain(project, &key.verifying_key(), &[], vec![], &[]);
-    assert!(matches!(empty, Verification::Intact(ref s) if s.entries == 0), "{empty:?}");
+    assert!(
+        matches!(empty, Verification::Intact(ref s) if s.entries == 0),
+        "{empty:?}"
+    );
 }
 
 #[test]
@@ -248,7 +251,10 @@ fn without_an_anchor_a_cut_unsigned_tail_is_not_detectable() {
     // Documented limit: entries after the last checkpoint rest on the hash chain alone.
     let (project, key, mut case) = intact();
     case.entries.truncate(5);
-    assert!(matches!(check(project, &key, case), Verification::Intact(_)));
+    assert!(matches!(
+        check(project, &key, case),
+        Verification::Intact(_)
+    ));
 }
 
 #[test]
@@ -256,10 +262,16 @@ fn anchors_parse_strictly() {
     let hash = "ab".repeat(32);
     assert_eq!(
         format!("12:{hash}").parse::<Anchor>(),
-        Ok(Anchor { seq: 12, hash: hash.clone() })
+        Ok(Anchor {
+            seq: 12,
+            hash: hash.clone()
+        })
     );
     for bad in ["12", "0:{hash}", "x:{hash}", "3:abc"] {
-        assert!(bad.replace("{hash}", &hash).parse::<Anchor>().is_err(), "{bad}");
+        assert!(
+            bad.replace("{hash}", &hash).parse::<Anchor>().is_err(),
+            "{bad}"
+        );
     }
 }
 
@@ -288,7 +300,10 @@ fn the_encoding_is_pinned() {
             r#""project_id":"prj_0193b0c4d5e67f8091a2b3c4d5e6f708","root_run_id":null,"seq":1,"#,
             r#""subjects":{"member_id":"mem_0193b0c4d5e67f8091a2b3c4d5e6f70b"}}"#
         )
-        .replace("PD", &canonical_hash(&json!({"name": "pat", "role": "viewer"})))
+        .replace(
+            "PD",
+            &canonical_hash(&json!({"name": "pat", "role": "viewer"}))
+        )
     );
     assert_eq!(entry.hash, sha256_hex(entry.canonical_body().as_bytes()));
 }
