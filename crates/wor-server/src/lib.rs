@@ -21,7 +21,7 @@ use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
 use utoipa::openapi::{InfoBuilder, OpenApi};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
-use wor_store::Store;
+use wor_store::{AuditLog, Store};
 
 use crate::error::ApiError;
 
@@ -32,6 +32,8 @@ pub const MAX_BODY_BYTES: usize = 1024 * 1024;
 #[derive(Debug, Clone)]
 pub struct AppState {
     pub store: Store,
+    /// The one writer of the audit log; handlers append through it.
+    pub audit: AuditLog,
 }
 
 /// The API's routes together with their OpenAPI description. Routes are registered through
@@ -49,6 +51,7 @@ fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(routes::members::get_member))
         .routes(routes!(routes::keys::list_keys, routes::keys::create_key))
         .routes(routes!(routes::keys::get_key, routes::keys::revoke_key))
+        .routes(routes!(routes::audit::list_audit))
 }
 
 /// The OpenAPI 3.1 document of the API.

@@ -14,13 +14,15 @@ use axum::http::{Method, Request, StatusCode};
 use http_body_util::BodyExt;
 use serde_json::{Value, json};
 use tower::ServiceExt;
+use wor_core::audit::{Actor, AuditCategory, AuditEvent, Verification};
 use wor_server::{AppState, router};
-use wor_store::CreatedProject;
 use wor_store::testing::TestDatabase;
+use wor_store::{AuditConfig, AuditLog, CreatedProject};
 
 struct TestApi {
     router: Router,
     db: TestDatabase,
+    audit: AuditLog,
 }
 
 struct Reply {
@@ -32,10 +34,13 @@ struct Reply {
 impl TestApi {
     async fn new() -> Self {
         let db = TestDatabase::new().await.unwrap();
+        let (key, _) = wor_secrets::AuditSigningKey::generate().unwrap();
+        let audit = AuditLog::start(db.store.clone(), key, AuditConfig::default());
         let router = router(AppState {
             store: db.store.clone(),
+            audit: audit.clone(),
         });
-        TestApi { router, db }
+        TestApi { router, db, audit }
     }
 
     async fn project(&self, owner: &str) -> CreatedProject {
@@ -134,6 +139,15 @@ async fn another_projects_resources_answer_404_on_every_route() {
         a_key_id.to_string(),
     ];
     let b_key = b.owner_key.expose();
+    // A's audit log names A's ids; B must never see them.
+    api.audit
+        .append(
+            AuditEvent::new(a.project.id, AuditCategory::ProjectCreate, Actor::Operator)
+                .subject("member_id", a.owner.id)
+                .subject("key_id", a_key_id),
+        )
+        .await
+        .unwrap();
 
     for (method, template) in documented_operations() {
         let mut path = template.clone();
@@ -521,4 +535,139 @@ async fn health_and_readiness_answer_without_a_key() {
     api.db.store.close().await;
     let closed = api.call(Method::GET, "/readyz", None, None).await;
     assert_error(&closed, StatusCode::SERVICE_UNAVAILABLE, "unavailable");
+}
+
+#[tokio::test]
+async fn configuration_changes_are_audited_and_exported_page_by_page() {
+    let api = TestApi::new().await;
+    let p = api.project("alice").await;
+    let other = api.project("bob").await;
+    let owner = p.owner_key.expose();
+
+    let member = api
+        .call(
+            Method::POST,
+            "/v1/members",
+            Some(owner),
+            Some(json!({"name": "val", "role": "viewer"})),
+        )
+        .await;
+    assert_eq!(member.status, StatusCode::CREATED, "{}", member.text);
+    let service = api
+        .call(
+            Method::POST,
+            "/v1/keys",
+            Some(owner),
+            Some(json!({"name": "ci", "role": "viewer", "service": true})),
+        )
+        .await;
+    assert_eq!(service.status, StatusCode::CREATED, "{}", service.text);
+    let service_id = service.body["id"].as_str().unwrap();
+    let service_key = service.body["api_key"].as_str().unwrap();
+    let revoke = api
+        .call(
+            Method::DELETE,
+            &format!("/v1/keys/{service_id}"),
+            Some(owner),
+            None,
+        )
+        .await;
+    assert_eq!(revoke.status, StatusCode::OK, "{}", revoke.text);
+    // Revoking again changes nothing and records nothing.
+    api.call(
+        Method::DELETE,
+        &format!("/v1/keys/{service_id}"),
+        Some(owner),
+        None,
+    )
+    .await;
+    // Bob's project does something too; Alice must not see it.
+    api.call(
+        Method::POST,
+        "/v1/members",
+        Some(other.owner_key.expose()),
+        Some(json!({"name": "eve", "role": "viewer"})),
+    )
+    .await;
+
+    // The new viewer reads the log, two entries a page.
+    let viewer = member.body["key"]["api_key"].as_str().unwrap();
+    let mut entries = Vec::new();
+    let mut checkpoints = Vec::new();
+    let mut after = 0;
+    loop {
+        let page = api
+            .call(
+                Method::GET,
+                &format!("/v1/audit?after={after}&limit=2"),
+                Some(viewer),
+                None,
+            )
+            .await;
+        assert_eq!(page.status, StatusCode::OK, "{}", page.text);
+        assert!(!page.text.contains(service_key) && !page.text.contains(viewer));
+        for e in page.body["entries"].as_array().unwrap() {
+            entries.push(serde_json::from_value::<wor_core::audit::AuditEntry>(e.clone()).unwrap());
+        }
+        for c in page.body["checkpoints"].as_array().unwrap() {
+            checkpoints.push(serde_json::from_value(c.clone()).unwrap());
+        }
+        match page.body["next_after"].as_i64() {
+            Some(next) => after = next,
+            None => break,
+        }
+    }
+    let categories: Vec<&str> = entries.iter().map(|e| e.category.as_str()).collect();
+    assert_eq!(
+        categories,
+        ["member.create", "key.create", "key.create", "key.revoke"]
+    );
+    let owner_actor = Actor::Member {
+        member_id: p.owner.id,
+        key_id: api.db.store.list_api_keys(p.project.id).await.unwrap()[0].id,
+    };
+    assert!(
+        entries
+            .iter()
+            .all(|e| e.actor == owner_actor && e.project_id == p.project.id)
+    );
+    assert_eq!(entries[3].subjects["key_id"], service_id);
+    assert_eq!(entries[2].payload["service"], true);
+
+    api.audit.checkpoint().await.unwrap();
+    let signed: Vec<wor_core::audit::AuditCheckpoint> = serde_json::from_value(
+        api.call(Method::GET, "/v1/audit", Some(viewer), None)
+            .await
+            .body["checkpoints"]
+            .clone(),
+    )
+    .unwrap();
+    assert_eq!(signed.last().map(|c| c.seq), Some(4));
+    checkpoints.extend(signed);
+    let verdict = wor_core::audit::verify_chain(
+        p.project.id,
+        &api.audit.verifying_key(),
+        &entries,
+        checkpoints,
+        &[],
+    );
+    assert!(
+        matches!(verdict, Verification::Intact(ref s) if s.entries == 4 && s.unsigned_tail == 0),
+        "{verdict:?}"
+    );
+
+    for bad in [
+        "?limit=0",
+        "?limit=1001",
+        "?after=-1",
+        "?after=x",
+        "?sort=desc",
+    ] {
+        assert_error(
+            &api.call(Method::GET, &format!("/v1/audit{bad}"), Some(viewer), None)
+                .await,
+            StatusCode::BAD_REQUEST,
+            "invalid_query",
+        );
+    }
 }
