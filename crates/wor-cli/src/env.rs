@@ -14,6 +14,9 @@ pub const DATABASE_URL: &str = "WOR_DATABASE_URL";
 pub const DEMO: &str = "WOR_DEMO";
 /// The primary encryption key: 32 bytes, base64.
 pub const ENCRYPTION_KEY: &str = "WOR_ENCRYPTION_KEY";
+/// The audit log's ed25519 signing key: 32 bytes, base64. Without it the key lives in
+/// `audit-signing.key` in the data dir. Every process writing one database needs the same key.
+pub const AUDIT_SIGNING_KEY: &str = "WOR_AUDIT_SIGNING_KEY";
 /// Log level of Work on Repeat's own components (`error` … `trace`); dependencies stay at `warn`.
 pub const LOG: &str = "WOR_LOG";
 /// `json` (default) or `text`.

@@ -9,7 +9,8 @@
 use std::collections::{BTreeMap, btree_map};
 use std::fmt;
 
-use ed25519_dalek::{Signature, VerifyingKey};
+use ed25519_dalek::Signature;
+pub use ed25519_dalek::VerifyingKey;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 

@@ -18,8 +18,10 @@ const FOUNDATION: &str = include_str!("../migrations/0001_foundation.sql");
 
 /// The triggers that make the audit tables append-only, per backend; also used by the test
 /// support that plays an attacker who drops them.
+#[cfg(feature = "testing")]
 pub(crate) const AUDIT_TRIGGERS_SQLITE: &str =
     include_str!("../migrations/0003_audit_triggers.sqlite.sql");
+#[cfg(feature = "testing")]
 pub(crate) const AUDIT_TRIGGERS_POSTGRES: &str =
     include_str!("../migrations/0003_audit_triggers.postgres.sql");
 

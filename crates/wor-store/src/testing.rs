@@ -45,7 +45,14 @@ impl TestDatabase {
     /// in one transaction (on a shared PostgreSQL database other tests never see the
     /// triggers missing).
     pub async fn tamper(&self, statements: &[String]) -> Result<(), StoreError> {
-        let (drop, create) = match self.store.backend() {
+        tamper(&self.store, statements).await
+    }
+}
+
+/// [`TestDatabase::tamper`] on any store, for tests that open the database a binary used.
+pub async fn tamper(store: &Store, statements: &[String]) -> Result<(), StoreError> {
+    {
+        let (drop, create) = match store.backend() {
             Backend::Sqlite => (
                 "DROP TRIGGER audit_entries_no_update; DROP TRIGGER audit_entries_no_delete; \
                  DROP TRIGGER audit_checkpoints_no_update; DROP TRIGGER audit_checkpoints_no_delete;",
@@ -59,7 +66,7 @@ impl TestDatabase {
                 AUDIT_TRIGGERS_POSTGRES,
             ),
         };
-        let mut tx = self.store.pool().begin().await?;
+        let mut tx = store.pool().begin().await?;
         tx.execute(sqlx::raw_sql(drop)).await?;
         for statement in statements {
             tx.execute(sqlx::raw_sql(sqlx::AssertSqlSafe(statement.clone())))

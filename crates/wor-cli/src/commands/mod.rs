@@ -1,5 +1,6 @@
 //! The subcommands.
 
+mod audit;
 mod keys;
 mod members;
 mod operator;
@@ -26,6 +27,9 @@ pub enum Command {
     /// API keys of your project.
     #[command(subcommand)]
     Key(keys::KeyCommand),
+    /// The tamper-evident audit log: verify, export, and the checkpoint public key.
+    #[command(subcommand)]
+    Audit(audit::AuditCommand),
 }
 
 impl Command {
@@ -37,6 +41,7 @@ impl Command {
             Command::Whoami(args) => members::whoami(args).await,
             Command::Member(cmd) => members::run(cmd).await,
             Command::Key(cmd) => keys::run(cmd).await,
+            Command::Audit(cmd) => audit::run(cmd).await,
         }
     }
 }

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use tokio::net::TcpListener;
 use wor_server::AppState;
-use wor_store::Store;
+use wor_store::{AuditConfig, AuditLog, Store};
 
 use crate::config::{ServerConfig, ServerFlags};
 use crate::env;
@@ -35,6 +35,11 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let store = Store::open(config.database.as_deref(), &config.data_dir)
         .await
         .context("cannot open the database")?;
+    let audit = AuditLog::start(
+        store.clone(),
+        config.audit_signing_key()?,
+        AuditConfig::default(),
+    );
     let shutdown = shutdown_signal()?;
     let listener = TcpListener::bind(config.listen)
         .await
@@ -52,10 +57,15 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         listener,
         AppState {
             store: store.clone(),
+            audit: audit.clone(),
         },
         shutdown,
     )
     .await?;
+    // Sign what this process appended, so it does not stay in the unsigned tail.
+    if audit.checkpoint().await.is_err() {
+        tracing::error!(category = "audit", "final audit checkpoint failed");
+    }
     store.close().await;
     tracing::info!(category = "lifecycle", "server stopped");
     Ok(ExitCode::SUCCESS)
