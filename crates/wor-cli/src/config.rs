@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
 use base64::Engine;
+use wor_core::audit::VerifyingKey;
+use wor_secrets::{AUDIT_SIGNING_KEY_FILE_NAME, AuditSigningKey};
 
 use crate::env;
 
@@ -68,6 +70,7 @@ pub struct ServerConfig {
     /// The operator's `[egress] allowed_cidrs`.
     pub egress_allowed_cidrs: Vec<String>,
     encryption_key: Option<String>,
+    audit_signing_key: Option<String>,
     encryption_key_retired: Option<String>,
 }
 
@@ -108,6 +111,9 @@ impl ServerConfig {
         let encryption_key_retired = std::env::var(env::ENCRYPTION_KEY_RETIRED)
             .ok()
             .filter(|k| !k.trim().is_empty());
+        let audit_signing_key = std::env::var(env::AUDIT_SIGNING_KEY)
+            .ok()
+            .filter(|k| !k.trim().is_empty());
         Ok(ServerConfig {
             listen,
             data_dir: flags
@@ -121,6 +127,7 @@ impl ServerConfig {
             egress_allowed_cidrs: file.egress.map(|e| e.allowed_cidrs).unwrap_or_default(),
             encryption_key,
             encryption_key_retired,
+            audit_signing_key,
         })
     }
 
@@ -158,6 +165,33 @@ impl ServerConfig {
                 ))
             }
         }
+    }
+
+    /// The audit signing key: from the environment, else `audit-signing.key` in the data dir,
+    /// created (mode 0600) when missing.
+    pub fn audit_signing_key(&self) -> anyhow::Result<AuditSigningKey> {
+        AuditSigningKey::from_env_or_dir(self.audit_signing_key.as_deref(), &self.data_dir)
+            .with_context(|| {
+                format!(
+                    "cannot load the audit signing key ({})",
+                    env::AUDIT_SIGNING_KEY
+                )
+            })
+    }
+
+    /// The key that verifies this installation's checkpoints, without creating a signing key.
+    pub fn audit_verifying_key(&self) -> anyhow::Result<VerifyingKey> {
+        if self.audit_signing_key.is_none()
+            && !self.data_dir.join(AUDIT_SIGNING_KEY_FILE_NAME).exists()
+        {
+            bail!(
+                "no audit signing key: {} is not set and `{}` has no {AUDIT_SIGNING_KEY_FILE_NAME}; \
+                 pass --public-key",
+                env::AUDIT_SIGNING_KEY,
+                self.data_dir.display()
+            );
+        }
+        Ok(self.audit_signing_key()?.verifying_key())
     }
 
     /// Production refuses to start with demo mode, without an encryption key, or with any
@@ -269,6 +303,7 @@ mod tests {
             egress_allowed_cidrs: Vec::new(),
             encryption_key: key.map(str::to_owned),
             encryption_key_retired: None,
+            audit_signing_key: None,
         }
     }
 

@@ -16,6 +16,9 @@ pub const DEMO: &str = "WOR_DEMO";
 pub const ENCRYPTION_KEY: &str = "WOR_ENCRYPTION_KEY";
 /// Retired encryption keys, comma-separated: still open old values, never seal new ones.
 pub const ENCRYPTION_KEY_RETIRED: &str = "WOR_ENCRYPTION_KEY_RETIRED";
+/// The audit log's ed25519 signing key: 32 bytes, base64. Without it the key lives in
+/// `audit-signing.key` in the data dir. Every process writing one database needs the same key.
+pub const AUDIT_SIGNING_KEY: &str = "WOR_AUDIT_SIGNING_KEY";
 /// Log level of Work on Repeat's own components (`error` … `trace`); dependencies stay at `warn`.
 pub const LOG: &str = "WOR_LOG";
 /// `json` (default) or `text`.

@@ -28,7 +28,9 @@ use crate::commands::Command;
     long_about = "Work on Repeat runs AI agent routines on a schedule, on a signed webhook or on \
                   request, and bounds what they can do even when their model is hijacked.\n\n\
                   Server and operator commands: serve, init, project.\n\
-                  Client commands (need --server/WOR_SERVER and WOR_API_KEY): whoami, member, key."
+                  Client commands (need --server/WOR_SERVER and WOR_API_KEY): whoami, member, key, \
+                  audit export.\n\
+                  Audit: audit verify, audit public-key (operator) and audit export (client)."
 )]
 struct Cli {
     #[command(subcommand)]

@@ -10,6 +10,8 @@
 
 mod common;
 
+use std::path::Path;
+
 use common::{Server, create_project, database_args, run, text, wor};
 
 #[test]
@@ -250,5 +252,198 @@ fn configuration_file_is_read_and_typos_are_errors() {
     assert!(
         stderr.contains("unknown field `data_dri`") && stderr.contains("line 1"),
         "{stderr}"
+    );
+}
+
+/// The database URL a test's binaries use, for opening it from the test as an attacker.
+fn database_url(dir: &Path) -> String {
+    match std::env::var("WOR_TEST_DATABASE_URL") {
+        Ok(url) if !url.is_empty() => url,
+        _ => format!("sqlite://{}", dir.join("wor.db").display()),
+    }
+}
+
+#[test]
+fn audit_log_is_written_exported_and_verified_end_to_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = database_args(dir.path());
+    let key = create_project(&db);
+    let key_file = dir.path().join("audit-signing.key");
+    assert_eq!(
+        std::os::unix::fs::PermissionsExt::mode(
+            &std::fs::metadata(&key_file).unwrap().permissions()
+        ) & 0o777,
+        0o600
+    );
+    let server = Server::start(&db, &[]);
+    let me: serde_json::Value =
+        serde_json::from_slice(&server.client(&key, &["whoami", "--json"]).stdout).unwrap();
+    let project = me["project"]["id"].as_str().unwrap().to_owned();
+    assert!(
+        server
+            .client(&key, &["member", "create", "pat", "--role", "viewer"])
+            .status
+            .success()
+    );
+    let created = server.client(
+        &key,
+        &[
+            "key",
+            "create",
+            "--name",
+            "ci",
+            "--role",
+            "viewer",
+            "--service",
+        ],
+    );
+    let service_key = text(&created.stdout).trim().to_owned();
+    let service: serde_json::Value =
+        serde_json::from_slice(&server.client(&service_key, &["whoami", "--json"]).stdout).unwrap();
+    assert!(
+        server
+            .client(
+                &key,
+                &["key", "revoke", service["key_id"].as_str().unwrap()]
+            )
+            .status
+            .success()
+    );
+
+    let export = dir.path().join("export.jsonl");
+    let out = server.client(
+        &key,
+        &[
+            "audit",
+            "export",
+            "--format",
+            "jsonl",
+            "--output",
+            &export.display().to_string(),
+        ],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    server.stop();
+
+    let exported = std::fs::read_to_string(&export).unwrap();
+    let categories: Vec<String> = exported
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["type"] == "entry")
+        .map(|v| v["category"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(
+        categories,
+        [
+            "project.create",
+            "member.create",
+            "key.create",
+            "member.create",
+            "key.create",
+            "key.create",
+            "key.revoke"
+        ]
+    );
+    assert!(exported.contains("\"kind\":\"operator\""), "{exported}");
+    assert!(!exported.contains(&key) && !exported.contains(&service_key));
+
+    let mut args = vec!["audit", "public-key"];
+    args.extend(db.iter().map(String::as_str));
+    let public = text(&run(&mut wor(&args)).stdout).trim().to_owned();
+    assert_eq!(public.len(), 44, "{public}");
+
+    // Offline: the export verifies with the public key, and a doctored copy does not.
+    let file = export.display().to_string();
+    let ok = run(&mut wor(&[
+        "audit",
+        "verify",
+        "--file",
+        &file,
+        "--public-key",
+        &public,
+    ]));
+    assert_eq!(
+        ok.status.code(),
+        Some(0),
+        "{}{}",
+        text(&ok.stdout),
+        text(&ok.stderr)
+    );
+    assert!(
+        text(&ok.stdout).contains("intact: 7 entries"),
+        "{}",
+        text(&ok.stdout)
+    );
+    let doctored = dir.path().join("doctored.jsonl");
+    std::fs::write(
+        &doctored,
+        exported.replacen("\"role\":\"viewer\"", "\"role\":\"owner\"", 1),
+    )
+    .unwrap();
+    let bad = run(&mut wor(&[
+        "audit",
+        "verify",
+        "--file",
+        &doctored.display().to_string(),
+        "--public-key",
+        &public,
+    ]));
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(
+        text(&bad.stdout).contains("BROKEN at entry 4: entry contents do not match"),
+        "{}",
+        text(&bad.stdout)
+    );
+    let wrong_key = run(&mut wor(&[
+        "audit",
+        "verify",
+        "--file",
+        &file,
+        "--public-key",
+        "O2onvM62pC1io6jQKm8Nc2UyFXcd4kOmOsBIoYtZ2ik=",
+    ]));
+    assert_eq!(
+        wrong_key.status.code(),
+        Some(1),
+        "{}",
+        text(&wrong_key.stdout)
+    );
+
+    // In the database: intact, then an attacker deletes entry 2 (dropping the trigger first).
+    let mut args = vec!["audit", "verify", "--project", project.as_str()];
+    args.extend(db.iter().map(String::as_str));
+    let ok = run(&mut wor(&args));
+    assert_eq!(
+        ok.status.code(),
+        Some(0),
+        "{}{}",
+        text(&ok.stdout),
+        text(&ok.stderr)
+    );
+    assert!(
+        text(&ok.stdout).contains("intact: 7 entries") && text(&ok.stdout).contains("0 unsigned"),
+        "{}",
+        text(&ok.stdout)
+    );
+    tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let store = wor_store::Store::connect(&database_url(dir.path()))
+            .await
+            .unwrap();
+        wor_store::testing::tamper(
+            &store,
+            &[format!(
+                "DELETE FROM audit_entries WHERE project_id = '{project}' AND seq = 2"
+            )],
+        )
+        .await
+        .unwrap();
+        store.close().await;
+    });
+    let bad = run(&mut wor(&args));
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(
+        text(&bad.stdout).contains("BROKEN at entry 2: entry is missing"),
+        "{}",
+        text(&bad.stdout)
     );
 }

@@ -1,9 +1,11 @@
-//! Domain types of Work on Repeat: typed ids, member roles, the provider-neutral model
-//! conversation, canonical JSON and hashing.
+//! Domain types of Work on Repeat: typed ids, member roles, routine definitions, budgets, run
+//! statuses and provenance labels, the provider-neutral model conversation, canonical JSON and
+//! hashing, and the audit chain with its verification.
 //!
 //! This crate is the centre every other crate points toward. It does no I/O and depends on no
 //! runtime, database, HTTP or sandbox crate, so nothing here can fail for I/O reasons.
 
+pub mod audit;
 pub mod budget;
 pub mod canonical;
 pub mod ids;

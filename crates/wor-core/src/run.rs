@@ -56,7 +56,10 @@ impl RunStatus {
 
     /// Counts against the routine's concurrency limit.
     pub fn is_active(self) -> bool {
-        matches!(self, RunStatus::Queued | RunStatus::Running | RunStatus::WaitingForApproval)
+        matches!(
+            self,
+            RunStatus::Queued | RunStatus::Running | RunStatus::WaitingForApproval
+        )
     }
 }
 

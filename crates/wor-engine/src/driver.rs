@@ -10,16 +10,19 @@ use secrecy::ExposeSecret;
 use serde_json::{Value, json};
 use wor_core::budget::{BudgetExceeded, BudgetUsage};
 use wor_core::model::{
-    AssistantMessage, ChatMessage, ModelRequest, ModelResponse, ProviderKind, ToolCallRequest, ToolResult,
+    AssistantMessage, ChatMessage, ModelRequest, ModelResponse, ProviderKind, ToolCallRequest,
+    ToolResult,
 };
 use wor_core::routine::{RoutineDefinition, ToolMode};
 use wor_core::run::{Provenance, RunStatus};
 use wor_models::{
-    AnthropicProvider, DiscardStream, ModelProvider, OpenAiCompatibleProvider, ProviderEndpoint, ProviderOptions,
-    ReplayProvider, ReplayScript,
+    AnthropicProvider, DiscardStream, ModelProvider, OpenAiCompatibleProvider, ProviderEndpoint,
+    ProviderOptions, ReplayProvider, ReplayScript,
 };
 use wor_secrets::Redactor;
-use wor_store::{API_KEY_FIELD, ConnectionStatus, MODEL_CONNECTIONS_TABLE, RunRecord, RunStep, SecretSlot};
+use wor_store::{
+    API_KEY_FIELD, ConnectionStatus, MODEL_CONNECTIONS_TABLE, RunRecord, RunStep, SecretSlot,
+};
 
 use crate::{Engine, EngineError};
 
@@ -64,7 +67,13 @@ impl Engine {
         };
         let finished = self
             .store
-            .finish_run(run.project_id, run.id, &worker, ending.status, &ending.outcome)
+            .finish_run(
+                run.project_id,
+                run.id,
+                &worker,
+                ending.status,
+                &ending.outcome,
+            )
             .await?;
         tracing::info!(category = "run", action = "run.end", project_id = %run.project_id,
             run_id = %run.id, status = ending.status.as_str(), lease_held = finished, "run ended");
@@ -87,7 +96,9 @@ impl Engine {
             .vault
             .project_values(run.project_id)
             .await
-            .map_err(|e| EngineError::Refused(format!("the project's secrets cannot be opened: {e}")))?;
+            .map_err(|e| {
+                EngineError::Refused(format!("the project's secrets cannot be opened: {e}"))
+            })?;
         let redactor = Redactor::new(live.iter().map(|s| s.expose_secret()))
             .map_err(|e| EngineError::Refused(format!("cannot build the redactor: {e}")))?;
         let limits = definition.budget;
@@ -120,18 +131,30 @@ impl Engine {
                 model: definition.model.model.clone(),
                 messages: messages.clone(),
                 tools: Vec::new(),
-                max_output_tokens: definition.model.max_output_tokens.unwrap_or(DEFAULT_MAX_OUTPUT_TOKENS),
+                max_output_tokens: definition
+                    .model
+                    .max_output_tokens
+                    .unwrap_or(DEFAULT_MAX_OUTPUT_TOKENS),
                 temperature: None,
             };
             let remaining = Duration::from_secs(limits.wall_seconds.saturating_sub(elapsed()));
-            let response = match self.call_model(run, provider.as_ref(), &request, remaining, &limits).await? {
+            let response = match self
+                .call_model(run, provider.as_ref(), &request, remaining, &limits)
+                .await?
+            {
                 TurnOutcome::Response(response) => response,
                 TurnOutcome::End(ending) => {
-                    self.store.save_usage(run.id, &self.config.worker_id, &usage).await?;
+                    self.store
+                        .save_usage(run.id, &self.config.worker_id, &usage)
+                        .await?;
                     return Ok(ending);
                 }
             };
-            usage = usage.add_model_usage(response.usage.input_tokens, response.usage.output_tokens, &price);
+            usage = usage.add_model_usage(
+                response.usage.input_tokens,
+                response.usage.output_tokens,
+                &price,
+            );
             let mut recorded = json!({
                 "message": response.message,
                 "usage": response.usage,
@@ -139,21 +162,34 @@ impl Engine {
             });
             redactor.redact_json(&mut recorded);
             self.store
-                .append_run_step(run.project_id, run.id, "model_turn", Provenance::Model, &recorded)
+                .append_run_step(
+                    run.project_id,
+                    run.id,
+                    "model_turn",
+                    Provenance::Model,
+                    &recorded,
+                )
                 .await?;
-            self.store.save_usage(run.id, &self.config.worker_id, &usage).await?;
+            self.store
+                .save_usage(run.id, &self.config.worker_id, &usage)
+                .await?;
             messages.push(ChatMessage::Assistant(response.message.clone()));
             if let Err(exceeded) = usage.check(&limits, elapsed()) {
                 return Ok(Ending::budget(exceeded));
             }
             if response.message.tool_calls.is_empty() {
-                return Ok(Ending::new(RunStatus::Succeeded, redactor.redact(&response.message.text)));
+                return Ok(Ending::new(
+                    RunStatus::Succeeded,
+                    redactor.redact(&response.message.text),
+                ));
             }
             for call in &response.message.tool_calls {
                 let (result, next_usage) = match self.answer_tool_call(&definition, call, usage) {
                     Ok(answer) => answer,
                     Err(exceeded) => {
-                        self.store.save_usage(run.id, &self.config.worker_id, &usage).await?;
+                        self.store
+                            .save_usage(run.id, &self.config.worker_id, &usage)
+                            .await?;
                         return Ok(Ending::budget(exceeded));
                     }
                 };
@@ -161,17 +197,27 @@ impl Engine {
                 let mut recorded = json!({ "tool": call.name, "result": result });
                 redactor.redact_json(&mut recorded);
                 self.store
-                    .append_run_step(run.project_id, run.id, "tool_result", Provenance::Engine, &recorded)
+                    .append_run_step(
+                        run.project_id,
+                        run.id,
+                        "tool_result",
+                        Provenance::Engine,
+                        &recorded,
+                    )
                     .await?;
                 messages.push(ChatMessage::Tool(result));
             }
-            self.store.save_usage(run.id, &self.config.worker_id, &usage).await?;
+            self.store
+                .save_usage(run.id, &self.config.worker_id, &usage)
+                .await?;
             if !self
                 .store
                 .renew_lease(run.id, &self.config.worker_id, lease_ms(&self.config))
                 .await?
             {
-                return Err(EngineError::Refused("the run's lease was lost to another worker".to_owned()));
+                return Err(EngineError::Refused(
+                    "the run's lease was lost to another worker".to_owned(),
+                ));
             }
         }
     }
@@ -192,12 +238,18 @@ impl Engine {
         };
         let Some(entry) = definition.roster_entry(&call.name) else {
             return Ok((
-                refuse(format!("tool `{}` is not on this routine's roster", call.name)),
+                refuse(format!(
+                    "tool `{}` is not on this routine's roster",
+                    call.name
+                )),
                 usage,
             ));
         };
         if entry.mode == ToolMode::Deny {
-            return Ok((refuse(format!("tool `{}` is denied by this routine", call.name)), usage));
+            return Ok((
+                refuse(format!("tool `{}` is denied by this routine", call.name)),
+                usage,
+            ));
         }
         let usage = usage.reserve_tool_call(&definition.budget)?;
         Ok((
@@ -277,7 +329,10 @@ impl Engine {
                 .map(|p| Box::new(p) as Box<dyn ModelProvider>)
                 .map_err(|e| format!("the replay script cannot resume this run: {e}"));
         }
-        let name = model.connection.as_deref().ok_or("the routine names no model connection")?;
+        let name = model
+            .connection
+            .as_deref()
+            .ok_or("the routine names no model connection")?;
         let connections = self
             .store
             .list_model_connections(run.project_id)
@@ -287,17 +342,29 @@ impl Engine {
             .into_iter()
             .find(|c| c.name == name && c.status == ConnectionStatus::Active)
             .ok_or_else(|| format!("model connection `{name}` is missing or revoked"))?;
-        let slot = SecretSlot::new(run.project_id, MODEL_CONNECTIONS_TABLE, connection.id, API_KEY_FIELD);
-        let key = self
-            .vault
-            .open(&slot)
-            .await
-            .map_err(|e| format!("the key of model connection `{name}` cannot be opened: {e}"))?;
+        let slot = SecretSlot::new(
+            run.project_id,
+            MODEL_CONNECTIONS_TABLE,
+            connection.id,
+            API_KEY_FIELD,
+        );
+        let key =
+            self.vault.open(&slot).await.map_err(|e| {
+                format!("the key of model connection `{name}` cannot be opened: {e}")
+            })?;
         let endpoint = ProviderEndpoint::new(connection.base_url, Some(key));
         let options = ProviderOptions::default();
         Ok(match model.provider {
-            ProviderKind::Anthropic => Box::new(AnthropicProvider::new(self.egress.clone(), endpoint, options)),
-            _ => Box::new(OpenAiCompatibleProvider::new(self.egress.clone(), endpoint, options)),
+            ProviderKind::Anthropic => Box::new(AnthropicProvider::new(
+                self.egress.clone(),
+                endpoint,
+                options,
+            )),
+            _ => Box::new(OpenAiCompatibleProvider::new(
+                self.egress.clone(),
+                endpoint,
+                options,
+            )),
         })
     }
 }

@@ -41,7 +41,10 @@ pub struct EngineConfig {
 impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
-            worker_id: format!("worker-{}", wor_core::ids::request_id().trim_start_matches("req_")),
+            worker_id: format!(
+                "worker-{}",
+                wor_core::ids::request_id().trim_start_matches("req_")
+            ),
             lease: Duration::from_secs(30),
             poll_interval: Duration::from_millis(200),
             prices: BTreeMap::new(),

@@ -29,7 +29,10 @@ pub struct StartRun {
 impl Engine {
     /// Queues a run of the routine's current version, applying its overlap policy.
     pub async fn start_run(&self, request: StartRun) -> Result<RunRecord, EngineError> {
-        let routine = self.store.get_routine(request.project, request.routine).await?;
+        let routine = self
+            .store
+            .get_routine(request.project, request.routine)
+            .await?;
         let version = self
             .store
             .get_routine_version(request.project, routine.id, routine.current_version)
@@ -37,7 +40,8 @@ impl Engine {
         let definition = &version.definition;
         if self.config.production && definition.model.provider == ProviderKind::Replay {
             return Err(EngineError::Refused(
-                "provider `replay` is a scripted model for demos and tests; production refuses it".to_owned(),
+                "provider `replay` is a scripted model for demos and tests; production refuses it"
+                    .to_owned(),
             ));
         }
         let active = self.store.active_runs(request.project, routine.id).await?;
@@ -46,11 +50,16 @@ impl Engine {
         let (status, outcome) = match (full, definition.concurrency.overlap) {
             (true, OverlapPolicy::Skip) => (
                 RunStatus::Skipped,
-                Some(format!("skipped: {} run(s) of this routine active, at most {max}", active.len())),
+                Some(format!(
+                    "skipped: {} run(s) of this routine active, at most {max}",
+                    active.len()
+                )),
             ),
             (true, OverlapPolicy::CancelPrevious) => {
                 if let Some(oldest) = active.first() {
-                    self.store.request_cancel(request.project, oldest.id).await?;
+                    self.store
+                        .request_cancel(request.project, oldest.id)
+                        .await?;
                 }
                 (RunStatus::Queued, None)
             }

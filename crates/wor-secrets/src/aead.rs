@@ -8,9 +8,7 @@
 //! Key material lives only in zeroizing types and never appears in `Debug` output or errors.
 
 use std::fmt;
-use std::fs;
-use std::io::{self, Write as _};
-use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _, PermissionsExt as _};
+use std::io;
 use std::path::{Path, PathBuf};
 
 use base64::Engine as _;
@@ -20,6 +18,8 @@ use chacha20poly1305::{XChaCha20Poly1305, XNonce};
 use secrecy::{ExposeSecret as _, SecretBox, SecretSlice, SecretString};
 use sha2::{Digest as _, Sha256};
 use zeroize::Zeroizing;
+
+use crate::key_file::{self, KeyFileOrigin};
 
 /// Length in bytes of an encryption key.
 pub const KEY_LEN: usize = 32;
@@ -105,17 +105,25 @@ pub enum SecretsError {
     /// The operating system's random number generator failed.
     #[error("operating system randomness is unavailable")]
     RandomnessUnavailable,
-    /// Reading or creating the development key file failed.
-    #[error("development key file `{path}`: {source}")]
+    /// Reading or creating a key file failed.
+    #[error("key file `{path}`: {source}")]
     KeyFile {
         /// The file involved.
         path: PathBuf,
         /// The I/O error.
         source: io::Error,
     },
-    /// The development key file may be read by other users.
+    /// An audit signing or verifying key is malformed (the key itself is not echoed).
+    #[error("audit {which} key {reason}")]
+    InvalidAuditKey {
+        /// `signing` or `verifying`.
+        which: &'static str,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// A key file may be read by other users.
     #[error(
-        "development key file `{path}` has mode {mode:o}; it must not be readable by group or others (chmod 600)"
+        "key file `{path}` has mode {mode:o}; it must not be readable by group or others (chmod 600)"
     )]
     KeyFileTooOpen {
         /// The file involved.
@@ -503,56 +511,24 @@ impl KeyRing {
 }
 
 /// Whether [`load_or_create_dev_key`] found an existing key or made a new one.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DevKeyOrigin {
-    /// The key file existed and was loaded.
-    Loaded,
-    /// No key file existed; a new key was generated and written.
-    Created,
-}
+pub type DevKeyOrigin = KeyFileOrigin;
 
 /// Loads the development key from `dir/encryption.key`, creating it (mode 0600) if absent.
 ///
-/// For development only: production takes its key from the environment. The file is written
-/// to a private temporary name created with mode 0600 and then hard-linked into place, so the
-/// key is never readable by others and a concurrent creator never overwrites it. A key file
-/// readable by group or others is refused.
+/// For development only: production takes its key from the environment. The file is created
+/// as [`crate::key_file`] creates every key file: private from the start, never overwritten,
+/// refused when readable by group or others.
 ///
 /// # Errors
 /// [`SecretsError::KeyFile`] on I/O failure, [`SecretsError::KeyFileTooOpen`] on loose
 /// permissions, or a key parsing error if the file holds no valid key.
 pub fn load_or_create_dev_key(dir: &Path) -> Result<(KeyRing, DevKeyOrigin), SecretsError> {
-    let path = dir.join(DEV_KEY_FILE_NAME);
-    let io_error = |path: &Path| {
-        let path = path.to_path_buf();
-        move |source| SecretsError::KeyFile { path, source }
-    };
-    match read_dev_key(&path) {
-        Ok(ring) => return Ok((ring, DevKeyOrigin::Loaded)),
-        Err(SecretsError::KeyFile { source, .. }) if source.kind() == io::ErrorKind::NotFound => {}
-        Err(other) => return Err(other),
-    }
-    fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(dir)
-        .map_err(io_error(dir))?;
-    let (ring, text) = KeyRing::generate()?;
-    let mut suffix = [0u8; 8];
-    getrandom::fill(&mut suffix).map_err(|_| SecretsError::RandomnessUnavailable)?;
-    let temporary = dir.join(format!(".{DEV_KEY_FILE_NAME}.{}", hex::encode(suffix)));
-    let written = write_new_private_file(&temporary, text.expose_secret());
-    let linked = written.and_then(|()| fs::hard_link(&temporary, &path));
-    // The temporary name is only a staging area; remove it whatever happened.
-    let _ = fs::remove_file(&temporary);
-    match linked {
-        Ok(()) => Ok((ring, DevKeyOrigin::Created)),
-        // Another process created the key first: use theirs.
-        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
-            read_dev_key(&path).map(|ring| (ring, DevKeyOrigin::Loaded))
-        }
-        Err(e) => Err(io_error(&path)(e)),
-    }
+    key_file::load_or_create(
+        dir,
+        DEV_KEY_FILE_NAME,
+        |text| KeyRing::from_base64(text, []),
+        KeyRing::generate,
+    )
 }
 
 /// Loads the development key from `dir/encryption.key` if the file exists; never creates it.
@@ -560,45 +536,18 @@ pub fn load_or_create_dev_key(dir: &Path) -> Result<(KeyRing, DevKeyOrigin), Sec
 /// # Errors
 /// As [`load_or_create_dev_key`], except that a missing file is `Ok(None)`.
 pub fn load_dev_key(dir: &Path) -> Result<Option<KeyRing>, SecretsError> {
-    match read_dev_key(&dir.join(DEV_KEY_FILE_NAME)) {
-        Ok(ring) => Ok(Some(ring)),
-        Err(SecretsError::KeyFile { source, .. }) if source.kind() == io::ErrorKind::NotFound => {
-            Ok(None)
-        }
-        Err(other) => Err(other),
-    }
-}
-
-fn write_new_private_file(path: &Path, contents: &str) -> io::Result<()> {
-    let mut file = fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(path)?;
-    file.write_all(contents.as_bytes())?;
-    file.write_all(b"\n")?;
-    file.sync_all()
-}
-
-fn read_dev_key(path: &Path) -> Result<KeyRing, SecretsError> {
-    let io_error = |source| SecretsError::KeyFile {
-        path: path.to_path_buf(),
-        source,
-    };
-    let mode = fs::metadata(path).map_err(io_error)?.permissions().mode() & 0o777;
-    if mode & 0o077 != 0 {
-        return Err(SecretsError::KeyFileTooOpen {
-            path: path.to_path_buf(),
-            mode,
-        });
-    }
-    let text = Zeroizing::new(fs::read_to_string(path).map_err(io_error)?);
-    KeyRing::from_base64(&text, [])
+    key_file::load_existing(dir, DEV_KEY_FILE_NAME, |text| {
+        KeyRing::from_base64(text, [])
+    })
 }
 
 #[cfg(test)]
 mod tests {
+    use std::fs;
+    use std::os::unix::fs::PermissionsExt as _;
+
     use super::*;
+    use crate::key_file::write_new_private_file;
 
     const BINDING: SecretBinding<'static> = SecretBinding {
         project: "prj_1",

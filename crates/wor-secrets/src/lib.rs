@@ -1,9 +1,12 @@
-//! Secrets of Work on Repeat: the single AEAD seam, the key ring, HMAC signing and redaction.
+//! Secrets of Work on Repeat: the single AEAD seam, the key ring, HMAC signing, the audit
+//! signing key, private key files and redaction.
 //!
 //! Everything that encrypts, decrypts, signs or redacts goes through this crate. It never logs,
 //! prints or formats (through `Debug` or `Display`) any key or secret value it holds.
 
 pub mod aead;
+pub mod audit_signing;
+mod key_file;
 pub mod redaction;
 pub mod webhook_signature;
 
@@ -11,5 +14,9 @@ pub use aead::{
     DevKeyOrigin, KeyId, KeyRing, SealedSecret, SecretBinding, SecretsError, load_dev_key,
     load_or_create_dev_key,
 };
+pub use audit_signing::{
+    AUDIT_SIGNING_KEY_FILE_NAME, AuditSigningKey, parse_verifying_key, verifying_key_to_base64,
+};
+pub use key_file::KeyFileOrigin;
 pub use redaction::{REDACTED_MARKER, RedactionError, Redactor, redact_shapes};
 pub use webhook_signature::{SignatureError, StandardWebhookSecret};

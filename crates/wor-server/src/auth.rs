@@ -6,6 +6,7 @@
 use axum::extract::FromRequestParts;
 use axum::http::header::AUTHORIZATION;
 use axum::http::request::Parts;
+use wor_core::audit::Actor;
 use wor_core::{ApiKeyId, MemberId, ProjectId, Role};
 use wor_store::AuthenticatedKey;
 
@@ -43,6 +44,20 @@ impl Caller {
                 "role `{}` cannot change configuration; `admin` or `owner` is required",
                 self.role
             )))
+        }
+    }
+
+    /// Who the audit log records as having acted: the member behind a personal key, or the
+    /// service key itself.
+    pub fn actor(&self) -> Actor {
+        match self.member_id {
+            Some(member_id) => Actor::Member {
+                member_id,
+                key_id: self.key_id,
+            },
+            None => Actor::ApiKey {
+                key_id: self.key_id,
+            },
         }
     }
 

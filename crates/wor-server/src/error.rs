@@ -123,30 +123,9 @@ impl From<StoreError> for ApiError {
             StoreError::Conflict(message) => ApiError::Conflict(message),
             other => {
                 // The variant is logged, not the message: database messages can quote data.
-                tracing::error!(
-                    category = "store",
-                    kind = store_error_kind(&other),
-                    "store error"
-                );
+                tracing::error!(category = "store", kind = other.kind(), "store error");
                 ApiError::Internal
             }
         }
-    }
-}
-
-fn store_error_kind(err: &StoreError) -> &'static str {
-    match err {
-        StoreError::NotFound => "not_found",
-        StoreError::Conflict(_) => "conflict",
-        StoreError::UnsupportedUrl(_) => "unsupported_url",
-        StoreError::DataDir { .. } => "data_dir",
-        StoreError::Corrupt(_) => "corrupt",
-        StoreError::Database(sqlx_err) => match sqlx_err {
-            wor_store::SqlxError::PoolTimedOut => "pool_timed_out",
-            wor_store::SqlxError::Database(_) => "database",
-            wor_store::SqlxError::Io(_) => "io",
-            _ => "other",
-        },
-        StoreError::Migration(_) => "migration",
     }
 }

@@ -1,6 +1,6 @@
 //! Request extractors that turn every rejection into the API's one error shape.
 
-use axum::extract::rejection::{JsonRejection, PathRejection};
+use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
 use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::StatusCode;
 use axum::http::request::Parts;
@@ -61,6 +61,28 @@ where
                 Err(ApiError::bad_request("invalid_id", e.body_text()))
             }
             Err(other) => Err(ApiError::bad_request("invalid_path", other.body_text())),
+        }
+    }
+}
+
+/// Query parameters; a malformed one is a 400 naming it.
+#[derive(Debug)]
+pub struct ApiQuery<T>(pub T);
+
+impl<S, T> FromRequestParts<S> for ApiQuery<T>
+where
+    T: DeserializeOwned + Send,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        match axum::extract::Query::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Query(value)) => Ok(ApiQuery(value)),
+            Err(QueryRejection::FailedToDeserializeQueryString(e)) => {
+                Err(ApiError::bad_request("invalid_query", e.body_text()))
+            }
+            Err(other) => Err(ApiError::bad_request("invalid_query", other.body_text())),
         }
     }
 }

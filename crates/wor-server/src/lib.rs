@@ -22,7 +22,7 @@ use utoipa::openapi::{InfoBuilder, OpenApi};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 use wor_engine::Engine;
-use wor_store::{Store, Vault};
+use wor_store::{AuditLog, Store, Vault};
 
 use crate::error::ApiError;
 
@@ -39,15 +39,18 @@ pub struct AppState {
     pub engine: Engine,
     /// Production mode: demo-only features (the replay model) are refused.
     pub production: bool,
+    /// The one writer of the audit log; handlers append through it.
+    pub audit: AuditLog,
 }
 
 impl AppState {
-    pub fn new(engine: Engine) -> Self {
+    pub fn new(engine: Engine, audit: AuditLog) -> Self {
         AppState {
             store: engine.store().clone(),
             vault: engine.vault().clone(),
             production: engine.config().production,
             engine,
+            audit,
         }
     }
 }
@@ -81,6 +84,7 @@ fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(routes::runs::get))
         .routes(routes!(routes::runs::cancel))
         .routes(routes!(routes::runs::events))
+        .routes(routes!(routes::audit::list_audit))
 }
 
 /// The OpenAPI 3.1 document of the API.

@@ -14,12 +14,13 @@ use axum::http::{Method, Request, StatusCode};
 use http_body_util::BodyExt;
 use serde_json::{Value, json};
 use tower::ServiceExt;
+use wor_core::audit::{Actor, AuditCategory, AuditEvent, Verification};
 use wor_server::{AppState, router};
-use wor_store::CreatedProject;
 use wor_store::testing::TestDatabase;
+use wor_store::{AuditConfig, AuditLog, CreatedProject};
 
-/// The application state over a test database, with a fresh key ring and no workers.
-fn app_state(db: &TestDatabase, production: bool) -> AppState {
+/// The application state over a test database, with fresh keys and no workers.
+fn app_state(db: &TestDatabase, production: bool) -> (AppState, AuditLog) {
     let (keys, _) = wor_secrets::KeyRing::generate().unwrap();
     let vault = wor_store::Vault::new(db.store.clone(), std::sync::Arc::new(keys));
     let egress = wor_egress::EgressClient::new(wor_egress::EgressPolicy::development()).unwrap();
@@ -27,12 +28,16 @@ fn app_state(db: &TestDatabase, production: bool) -> AppState {
         production,
         ..wor_engine::EngineConfig::default()
     };
-    AppState::new(wor_engine::Engine::new(db.store.clone(), vault, egress, config))
+    let (key, _) = wor_secrets::AuditSigningKey::generate().unwrap();
+    let audit = AuditLog::start(db.store.clone(), key, AuditConfig::default());
+    let engine = wor_engine::Engine::new(db.store.clone(), vault, egress, config);
+    (AppState::new(engine, audit.clone()), audit)
 }
 
 struct TestApi {
     router: Router,
     db: TestDatabase,
+    audit: AuditLog,
 }
 
 struct Reply {
@@ -44,8 +49,12 @@ struct Reply {
 impl TestApi {
     async fn new() -> Self {
         let db = TestDatabase::new().await.unwrap();
-        let router = router(app_state(&db, false));
-        TestApi { router, db }
+        let (state, audit) = app_state(&db, false);
+        TestApi {
+            router: router(state),
+            db,
+            audit,
+        }
     }
 
     async fn project(&self, owner: &str) -> CreatedProject {
@@ -201,6 +210,15 @@ async fn another_projects_resources_answer_404_on_every_route() {
         a_run_id.clone(),
     ];
     let b_key = b.owner_key.expose();
+    // A's audit log names A's ids; B must never see them.
+    api.audit
+        .append(
+            AuditEvent::new(a.project.id, AuditCategory::ProjectCreate, Actor::Operator)
+                .subject("member_id", a.owner.id)
+                .subject("key_id", a_key_id),
+        )
+        .await
+        .unwrap();
 
     for (method, template) in documented_operations() {
         let mut path = template.clone();
@@ -247,8 +265,16 @@ async fn another_projects_resources_answer_404_on_every_route() {
         .await;
     assert_eq!(model.body["status"], "active");
     assert_eq!(model.body["credential_version"], 1);
-    let run = api.db.store.get_run(a.project.id, a_run_id.parse().unwrap()).await.unwrap();
-    assert!(!run.cancel_requested && run.status.as_str() == "queued", "B's walk cancelled A's run");
+    let run = api
+        .db
+        .store
+        .get_run(a.project.id, a_run_id.parse().unwrap())
+        .await
+        .unwrap();
+    assert!(
+        !run.cancel_requested && run.status.as_str() == "queued",
+        "B's walk cancelled A's run"
+    );
     let a_key = api
         .db
         .store
@@ -890,8 +916,12 @@ async fn routines_apply_as_immutable_versions() {
 #[tokio::test]
 async fn production_refuses_the_replay_model() {
     let db = TestDatabase::new().await.unwrap();
-    let router = router(app_state(&db, true));
-    let api = TestApi { router, db };
+    let (state, audit) = app_state(&db, true);
+    let api = TestApi {
+        router: router(state),
+        db,
+        audit,
+    };
     let p = api.project("alice").await;
     let reply = api
         .call(
@@ -907,4 +937,139 @@ async fn production_refuses_the_replay_model() {
         "{}",
         reply.text
     );
+}
+
+#[tokio::test]
+async fn configuration_changes_are_audited_and_exported_page_by_page() {
+    let api = TestApi::new().await;
+    let p = api.project("alice").await;
+    let other = api.project("bob").await;
+    let owner = p.owner_key.expose();
+
+    let member = api
+        .call(
+            Method::POST,
+            "/v1/members",
+            Some(owner),
+            Some(json!({"name": "val", "role": "viewer"})),
+        )
+        .await;
+    assert_eq!(member.status, StatusCode::CREATED, "{}", member.text);
+    let service = api
+        .call(
+            Method::POST,
+            "/v1/keys",
+            Some(owner),
+            Some(json!({"name": "ci", "role": "viewer", "service": true})),
+        )
+        .await;
+    assert_eq!(service.status, StatusCode::CREATED, "{}", service.text);
+    let service_id = service.body["id"].as_str().unwrap();
+    let service_key = service.body["api_key"].as_str().unwrap();
+    let revoke = api
+        .call(
+            Method::DELETE,
+            &format!("/v1/keys/{service_id}"),
+            Some(owner),
+            None,
+        )
+        .await;
+    assert_eq!(revoke.status, StatusCode::OK, "{}", revoke.text);
+    // Revoking again changes nothing and records nothing.
+    api.call(
+        Method::DELETE,
+        &format!("/v1/keys/{service_id}"),
+        Some(owner),
+        None,
+    )
+    .await;
+    // Bob's project does something too; Alice must not see it.
+    api.call(
+        Method::POST,
+        "/v1/members",
+        Some(other.owner_key.expose()),
+        Some(json!({"name": "eve", "role": "viewer"})),
+    )
+    .await;
+
+    // The new viewer reads the log, two entries a page.
+    let viewer = member.body["key"]["api_key"].as_str().unwrap();
+    let mut entries = Vec::new();
+    let mut checkpoints = Vec::new();
+    let mut after = 0;
+    loop {
+        let page = api
+            .call(
+                Method::GET,
+                &format!("/v1/audit?after={after}&limit=2"),
+                Some(viewer),
+                None,
+            )
+            .await;
+        assert_eq!(page.status, StatusCode::OK, "{}", page.text);
+        assert!(!page.text.contains(service_key) && !page.text.contains(viewer));
+        for e in page.body["entries"].as_array().unwrap() {
+            entries.push(serde_json::from_value::<wor_core::audit::AuditEntry>(e.clone()).unwrap());
+        }
+        for c in page.body["checkpoints"].as_array().unwrap() {
+            checkpoints.push(serde_json::from_value(c.clone()).unwrap());
+        }
+        match page.body["next_after"].as_i64() {
+            Some(next) => after = next,
+            None => break,
+        }
+    }
+    let categories: Vec<&str> = entries.iter().map(|e| e.category.as_str()).collect();
+    assert_eq!(
+        categories,
+        ["member.create", "key.create", "key.create", "key.revoke"]
+    );
+    let owner_actor = Actor::Member {
+        member_id: p.owner.id,
+        key_id: api.db.store.list_api_keys(p.project.id).await.unwrap()[0].id,
+    };
+    assert!(
+        entries
+            .iter()
+            .all(|e| e.actor == owner_actor && e.project_id == p.project.id)
+    );
+    assert_eq!(entries[3].subjects["key_id"], service_id);
+    assert_eq!(entries[2].payload["service"], true);
+
+    api.audit.checkpoint().await.unwrap();
+    let signed: Vec<wor_core::audit::AuditCheckpoint> = serde_json::from_value(
+        api.call(Method::GET, "/v1/audit", Some(viewer), None)
+            .await
+            .body["checkpoints"]
+            .clone(),
+    )
+    .unwrap();
+    assert_eq!(signed.last().map(|c| c.seq), Some(4));
+    checkpoints.extend(signed);
+    let verdict = wor_core::audit::verify_chain(
+        p.project.id,
+        &api.audit.verifying_key(),
+        &entries,
+        checkpoints,
+        &[],
+    );
+    assert!(
+        matches!(verdict, Verification::Intact(ref s) if s.entries == 4 && s.unsigned_tail == 0),
+        "{verdict:?}"
+    );
+
+    for bad in [
+        "?limit=0",
+        "?limit=1001",
+        "?after=-1",
+        "?after=x",
+        "?sort=desc",
+    ] {
+        assert_error(
+            &api.call(Method::GET, &format!("/v1/audit{bad}"), Some(viewer), None)
+                .await,
+            StatusCode::BAD_REQUEST,
+            "invalid_query",
+        );
+    }
 }

@@ -4,8 +4,11 @@
 //! differ are substituted when migrations run. Every repository function that reads or
 //! writes a project's resources takes the project id as an argument, and every query filters
 //! on it: a caller can never reach another project's rows by passing a foreign resource id.
+//!
+//! The audit chain is stored here too, written only by [`AuditLog`]'s writer task.
 
 mod api_keys;
+mod audit;
 mod members;
 mod migrations;
 mod model_connections;
@@ -25,6 +28,7 @@ use sqlx::{AnyPool, Executor};
 
 pub use api_keys::{API_KEY_PREFIX, api_key_digest};
 pub use api_keys::{ApiKeyKind, ApiKeyRecord, AuthenticatedKey, NewApiKey, PlaintextApiKey};
+pub use audit::{AuditConfig, AuditLog, AuditReceipt};
 pub use members::MemberRecord;
 pub use model_connections::{
     API_KEY_FIELD, ConnectionStatus, MODEL_CONNECTIONS_TABLE, ModelConnectionRecord, ModelProvider,
@@ -73,6 +77,32 @@ pub enum StoreError {
     Database(#[from] sqlx::Error),
     #[error("migration failed: {0}")]
     Migration(#[from] sqlx::migrate::MigrateError),
+    #[error("the audit writer has stopped")]
+    AuditStopped,
+    #[error("audit append failed ({0})")]
+    AuditWrite(&'static str),
+}
+
+impl StoreError {
+    /// A fixed label for the kind of error, for logs: messages can quote data, labels cannot.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            StoreError::NotFound => "not_found",
+            StoreError::Conflict(_) => "conflict",
+            StoreError::UnsupportedUrl(_) => "unsupported_url",
+            StoreError::DataDir { .. } => "data_dir",
+            StoreError::Corrupt(_) => "corrupt",
+            StoreError::Database(sqlx_err) => match sqlx_err {
+                sqlx::Error::PoolTimedOut => "pool_timed_out",
+                sqlx::Error::Database(_) => "database",
+                sqlx::Error::Io(_) => "io",
+                _ => "other",
+            },
+            StoreError::Migration(_) => "migration",
+            StoreError::AuditStopped => "audit_stopped",
+            StoreError::AuditWrite(_) => "audit_write",
+        }
+    }
 }
 
 /// A connection pool to the one database, with the repositories as methods.

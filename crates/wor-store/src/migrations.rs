@@ -7,35 +7,66 @@ use sqlx::{AssertSqlSafe, SqlSafeStr};
 
 use crate::{Backend, Store, StoreError};
 
-/// One step of the schema. Its SQL may use `@BYTES@` for the binary column type, which
-/// is `BLOB` on SQLite and `BYTEA` on PostgreSQL; anything else that differs gets a
-/// backend-specific text.
+/// One step of the schema, with one SQL text per backend (most share theirs). A text may use
+/// `@BYTES@` for the binary column type: `BLOB` on SQLite, `BYTEA` on PostgreSQL.
 struct SchemaMigration {
     version: i64,
     description: &'static str,
-    sql: &'static str,
+    sqlite: &'static str,
+    postgres: &'static str,
 }
+
+const FOUNDATION: &str = include_str!("../migrations/0001_foundation.sql");
+const SECRETS: &str = include_str!("../migrations/0002_secrets.sql");
+const ROUTINES: &str = include_str!("../migrations/0004_routines.sql");
+const RUNS: &str = include_str!("../migrations/0005_runs.sql");
+
+/// The triggers that make the audit tables append-only, per backend; also used by the test
+/// support that plays an attacker who drops them.
+#[cfg(feature = "testing")]
+pub(crate) const AUDIT_TRIGGERS_SQLITE: &str =
+    include_str!("../migrations/0003_audit_triggers.sqlite.sql");
+#[cfg(feature = "testing")]
+pub(crate) const AUDIT_TRIGGERS_POSTGRES: &str =
+    include_str!("../migrations/0003_audit_triggers.postgres.sql");
 
 const MIGRATIONS: &[SchemaMigration] = &[
     SchemaMigration {
         version: 1,
         description: "foundation",
-        sql: include_str!("../migrations/0001_foundation.sql"),
+        sqlite: FOUNDATION,
+        postgres: FOUNDATION,
     },
     SchemaMigration {
         version: 2,
         description: "secrets",
-        sql: include_str!("../migrations/0002_secrets.sql"),
+        sqlite: SECRETS,
+        postgres: SECRETS,
     },
     SchemaMigration {
         version: 3,
-        description: "routines",
-        sql: include_str!("../migrations/0003_routines.sql"),
+        description: "audit",
+        sqlite: concat!(
+            include_str!("../migrations/0003_audit.sql"),
+            include_str!("../migrations/0003_audit_triggers.sqlite.sql")
+        ),
+        postgres: concat!(
+            include_str!("../migrations/0003_audit.sql"),
+            include_str!("../migrations/0003_audit_function.postgres.sql"),
+            include_str!("../migrations/0003_audit_triggers.postgres.sql")
+        ),
     },
     SchemaMigration {
         version: 4,
+        description: "routines",
+        sqlite: ROUTINES,
+        postgres: ROUTINES,
+    },
+    SchemaMigration {
+        version: 5,
         description: "runs",
-        sql: include_str!("../migrations/0004_runs.sql"),
+        sqlite: RUNS,
+        postgres: RUNS,
     },
 ];
 
@@ -43,15 +74,15 @@ pub(crate) async fn apply(store: &Store) -> Result<(), StoreError> {
     let migrations = MIGRATIONS
         .iter()
         .map(|m| {
-            let bytes = match store.backend {
-                Backend::Sqlite => "BLOB",
-                Backend::Postgres => "BYTEA",
+            let (sql, bytes) = match store.backend {
+                Backend::Sqlite => (m.sqlite, "BLOB"),
+                Backend::Postgres => (m.postgres, "BYTEA"),
             };
             Migration::new(
                 m.version,
                 Cow::Borrowed(m.description),
                 MigrationType::Simple,
-                AssertSqlSafe(m.sql.replace("@BYTES@", bytes)).into_sql_str(),
+                AssertSqlSafe(sql.replace("@BYTES@", bytes)).into_sql_str(),
                 false,
             )
         })

@@ -104,7 +104,17 @@ impl Store {
         .bind(new.status.is_terminal().then_some(now))
         .execute(&mut *tx)
         .await?;
-        insert_step(&mut tx, project, id, 1, "input", Provenance::Requester, input, now).await?;
+        insert_step(
+            &mut tx,
+            project,
+            id,
+            1,
+            "input",
+            Provenance::Requester,
+            input,
+            now,
+        )
+        .await?;
         tx.commit().await?;
         self.get_run(project, id).await
     }
@@ -121,7 +131,11 @@ impl Store {
         run_from_row(&row)
     }
 
-    pub async fn list_runs(&self, project: ProjectId, filter: &RunFilter) -> Result<Vec<RunRecord>, StoreError> {
+    pub async fn list_runs(
+        &self,
+        project: ProjectId,
+        filter: &RunFilter,
+    ) -> Result<Vec<RunRecord>, StoreError> {
         let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
             "SELECT {COLUMNS} FROM runs WHERE project_id = $1 \
              AND ($2 IS NULL OR routine_id = $2) AND ($3 IS NULL OR status = $3) AND ($4 IS NULL OR id < $4) \
@@ -138,7 +152,11 @@ impl Store {
     }
 
     /// Active (queued, running or waiting) runs of a routine, oldest first.
-    pub async fn active_runs(&self, project: ProjectId, routine: RoutineId) -> Result<Vec<RunRecord>, StoreError> {
+    pub async fn active_runs(
+        &self,
+        project: ProjectId,
+        routine: RoutineId,
+    ) -> Result<Vec<RunRecord>, StoreError> {
         let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
             "SELECT {COLUMNS} FROM runs WHERE project_id = $1 AND routine_id = $2 \
              AND status IN ('queued', 'running', 'waiting_for_approval') ORDER BY id"
@@ -152,7 +170,11 @@ impl Store {
 
     /// Asks a run to stop. A queued run is cancelled at once; a running one is flagged and its
     /// worker stops it. Cancelling a finished run changes nothing.
-    pub async fn request_cancel(&self, project: ProjectId, id: RunId) -> Result<RunRecord, StoreError> {
+    pub async fn request_cancel(
+        &self,
+        project: ProjectId,
+        id: RunId,
+    ) -> Result<RunRecord, StoreError> {
         let now = now_millis();
         sqlx::query(
             "UPDATE runs SET status = 'cancelled', outcome = 'cancelled before it started', \
@@ -202,7 +224,11 @@ impl Store {
     }
 
     /// Claims the oldest queued run whose routine has a free slot, leasing it to `worker`.
-    pub async fn claim_run(&self, worker: &str, lease_ms: i64) -> Result<Option<RunRecord>, StoreError> {
+    pub async fn claim_run(
+        &self,
+        worker: &str,
+        lease_ms: i64,
+    ) -> Result<Option<RunRecord>, StoreError> {
         let candidates = sqlx::query(
             "SELECT r.id, r.project_id FROM runs r WHERE r.status = 'queued' AND \
              (SELECT COUNT(*) FROM runs x WHERE x.routine_id = r.routine_id \
@@ -235,7 +261,12 @@ impl Store {
     }
 
     /// Extends `worker`'s lease; false when the lease was lost (the run must not go on here).
-    pub async fn renew_lease(&self, run: RunId, worker: &str, lease_ms: i64) -> Result<bool, StoreError> {
+    pub async fn renew_lease(
+        &self,
+        run: RunId,
+        worker: &str,
+        lease_ms: i64,
+    ) -> Result<bool, StoreError> {
         let now = now_millis();
         let done = sqlx::query(
             "UPDATE runs SET lease_expires_at = $1 WHERE id = $2 AND lease_owner = $3 AND status = 'running'",
@@ -258,7 +289,12 @@ impl Store {
     }
 
     /// Records the run's usage so far.
-    pub async fn save_usage(&self, run: RunId, worker: &str, usage: &BudgetUsage) -> Result<(), StoreError> {
+    pub async fn save_usage(
+        &self,
+        run: RunId,
+        worker: &str,
+        usage: &BudgetUsage,
+    ) -> Result<(), StoreError> {
         sqlx::query(
             "UPDATE runs SET usage_turns = $1, usage_tool_calls = $2, usage_input_tokens = $3, \
              usage_output_tokens = $4, usage_cost_microdollars = $5, updated_at = $6 \
@@ -305,13 +341,24 @@ impl Store {
             tx.rollback().await?;
             return Ok(false);
         }
-        let last: i64 = sqlx::query("SELECT COALESCE(MAX(seq), 0) AS last FROM run_steps WHERE run_id = $1")
-            .bind(run.to_string())
-            .fetch_one(&mut *tx)
-            .await?
-            .try_get("last")?;
+        let last: i64 =
+            sqlx::query("SELECT COALESCE(MAX(seq), 0) AS last FROM run_steps WHERE run_id = $1")
+                .bind(run.to_string())
+                .fetch_one(&mut *tx)
+                .await?
+                .try_get("last")?;
         let payload = serde_json::json!({ "status": status.as_str(), "message": outcome });
-        insert_step(&mut tx, project, run, last + 1, "outcome", Provenance::Engine, &payload, now).await?;
+        insert_step(
+            &mut tx,
+            project,
+            run,
+            last + 1,
+            "outcome",
+            Provenance::Engine,
+            &payload,
+            now,
+        )
+        .await?;
         tx.commit().await?;
         Ok(true)
     }
@@ -326,12 +373,23 @@ impl Store {
         payload: &serde_json::Value,
     ) -> Result<i64, StoreError> {
         let mut tx = self.pool().begin().await?;
-        let row = sqlx::query("SELECT COALESCE(MAX(seq), 0) AS last FROM run_steps WHERE run_id = $1")
-            .bind(run.to_string())
-            .fetch_one(&mut *tx)
-            .await?;
+        let row =
+            sqlx::query("SELECT COALESCE(MAX(seq), 0) AS last FROM run_steps WHERE run_id = $1")
+                .bind(run.to_string())
+                .fetch_one(&mut *tx)
+                .await?;
         let last: i64 = row.try_get("last")?;
-        insert_step(&mut tx, project, run, last + 1, kind, provenance, payload, now_millis()).await?;
+        insert_step(
+            &mut tx,
+            project,
+            run,
+            last + 1,
+            kind,
+            provenance,
+            payload,
+            now_millis(),
+        )
+        .await?;
         tx.commit().await?;
         Ok(last + 1)
     }
@@ -360,8 +418,9 @@ impl Store {
                     seq: row.try_get("seq")?,
                     kind: row.try_get("kind")?,
                     provenance: parse_column(&provenance, "run_steps.provenance")?,
-                    payload: serde_json::from_str(&payload)
-                        .map_err(|_| StoreError::Corrupt("run_steps.payload is not JSON".to_owned()))?,
+                    payload: serde_json::from_str(&payload).map_err(|_| {
+                        StoreError::Corrupt("run_steps.payload is not JSON".to_owned())
+                    })?,
                     created_at: row.try_get("created_at")?,
                 })
             })
@@ -411,11 +470,15 @@ fn run_from_row(row: &sqlx::any::AnyRow) -> Result<RunRecord, StoreError> {
         routine_id: parse_column(&routine_id, "runs.routine_id")?,
         routine_version: row.try_get("routine_version")?,
         root_run_id: parse_column(&root, "runs.root_run_id")?,
-        parent_run_id: parent.map(|p| parse_column(&p, "runs.parent_run_id")).transpose()?,
+        parent_run_id: parent
+            .map(|p| parse_column(&p, "runs.parent_run_id"))
+            .transpose()?,
         depth: row.try_get("depth")?,
         status: parse_column(&status, "runs.status")?,
         trigger_kind: row.try_get("trigger_kind")?,
-        started_by: started_by.map(|k| parse_column(&k, "runs.started_by")).transpose()?,
+        started_by: started_by
+            .map(|k| parse_column(&k, "runs.started_by"))
+            .transpose()?,
         outcome: row.try_get("outcome")?,
         usage: BudgetUsage {
             turns: to_u64(row.try_get("usage_turns")?),

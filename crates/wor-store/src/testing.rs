@@ -2,7 +2,10 @@
 //! PostgreSQL database) every test shares that database and keeps to its own projects;
 //! otherwise each test gets a fresh SQLite file in a temporary directory.
 
-use crate::{Store, StoreError};
+use sqlx::Executor as _;
+
+use crate::migrations::{AUDIT_TRIGGERS_POSTGRES, AUDIT_TRIGGERS_SQLITE};
+use crate::{Backend, Store, StoreError};
 
 /// The environment variable naming the database tests run against.
 pub const TEST_DATABASE_URL: &str = "WOR_TEST_DATABASE_URL";
@@ -61,6 +64,43 @@ impl TestDatabase {
     /// A project name no other test uses, for tests sharing one PostgreSQL database.
     pub fn unique_name(prefix: &str) -> String {
         format!("{prefix}-{}", wor_core::ids::request_id())
+    }
+
+    /// Runs `statements` as an attacker with database access would: drops the triggers that
+    /// keep the audit tables append-only, changes the rows, and puts the triggers back, all
+    /// in one transaction (on a shared PostgreSQL database other tests never see the
+    /// triggers missing).
+    pub async fn tamper(&self, statements: &[String]) -> Result<(), StoreError> {
+        tamper(&self.store, statements).await
+    }
+}
+
+/// [`TestDatabase::tamper`] on any store, for tests that open the database a binary used.
+pub async fn tamper(store: &Store, statements: &[String]) -> Result<(), StoreError> {
+    {
+        let (drop, create) = match store.backend() {
+            Backend::Sqlite => (
+                "DROP TRIGGER audit_entries_no_update; DROP TRIGGER audit_entries_no_delete; \
+                 DROP TRIGGER audit_checkpoints_no_update; DROP TRIGGER audit_checkpoints_no_delete;",
+                AUDIT_TRIGGERS_SQLITE,
+            ),
+            Backend::Postgres => (
+                "DROP TRIGGER audit_entries_append_only ON audit_entries; \
+                 DROP TRIGGER audit_entries_no_truncate ON audit_entries; \
+                 DROP TRIGGER audit_checkpoints_append_only ON audit_checkpoints; \
+                 DROP TRIGGER audit_checkpoints_no_truncate ON audit_checkpoints;",
+                AUDIT_TRIGGERS_POSTGRES,
+            ),
+        };
+        let mut tx = store.pool().begin().await?;
+        tx.execute(sqlx::raw_sql(drop)).await?;
+        for statement in statements {
+            tx.execute(sqlx::raw_sql(sqlx::AssertSqlSafe(statement.clone())))
+                .await?;
+        }
+        tx.execute(sqlx::raw_sql(create)).await?;
+        tx.commit().await?;
+        Ok(())
     }
 }
 

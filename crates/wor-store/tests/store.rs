@@ -189,3 +189,378 @@ async fn migrations_are_idempotent() {
     let again = wor_store::Store::connect(&db.url).await.unwrap();
     again.ping().await.unwrap();
 }
+
+// ---- The audit chain ----
+
+use std::time::Duration;
+
+use wor_core::ProjectId;
+use wor_core::audit::{
+    Actor, Anchor, AuditCategory, AuditEvent, BreakReason, ChainBreak, GENESIS_HASH, Verification,
+};
+use wor_core::canonical::canonical_hash;
+use wor_secrets::AuditSigningKey;
+use wor_store::{AuditConfig, AuditLog, Store};
+
+fn audit_config(checkpoint_every: i64) -> AuditConfig {
+    AuditConfig {
+        checkpoint_every,
+        checkpoint_interval: Duration::from_secs(3600),
+        max_batch: 64,
+    }
+}
+
+fn signing_key(byte: u8) -> AuditSigningKey {
+    use base64::Engine as _;
+    AuditSigningKey::from_base64(&base64::engine::general_purpose::STANDARD.encode([byte; 32]))
+        .unwrap()
+}
+
+fn key_event(project: ProjectId, i: usize) -> AuditEvent {
+    AuditEvent::new(project, AuditCategory::KeyCreate, Actor::Operator)
+        .subject("key_id", wor_core::ApiKeyId::new())
+        .payload(serde_json::json!({ "name": format!("key {i}") }))
+}
+
+async fn new_project(db: &TestDatabase) -> ProjectId {
+    db.store
+        .create_project(&TestDatabase::unique_name("audit"), "alice")
+        .await
+        .unwrap()
+        .project
+        .id
+}
+
+async fn verify(store: &Store, project: ProjectId, log: &AuditLog) -> Verification {
+    store
+        .verify_audit_chain(project, &log.verifying_key(), &[])
+        .await
+        .unwrap()
+}
+
+fn intact_entries(v: &Verification) -> i64 {
+    match v {
+        Verification::Intact(summary) => summary.entries,
+        Verification::Broken(b) => panic!("chain broken: {b}"),
+    }
+}
+
+#[tokio::test]
+async fn concurrent_appends_form_one_chain_that_survives_a_restart() {
+    let db = TestDatabase::new().await.unwrap();
+    let project = new_project(&db).await;
+    let log = AuditLog::start(db.store.clone(), signing_key(1), audit_config(10));
+
+    let appends = (0..40).map(|i| {
+        let log = log.clone();
+        tokio::spawn(async move { log.append(key_event(project, i)).await.unwrap() })
+    });
+    let mut seqs = Vec::new();
+    for task in appends.collect::<Vec<_>>() {
+        seqs.push(task.await.unwrap().seq);
+    }
+    seqs.sort_unstable();
+    assert_eq!(
+        seqs,
+        (1..=40).collect::<Vec<_>>(),
+        "every caller got its own number"
+    );
+    let v = verify(&db.store, project, &log).await;
+    assert_eq!(intact_entries(&v), 40);
+    let Verification::Intact(summary) = v else {
+        unreachable!()
+    };
+    // Group commit may write all 40 in one batch; a checkpoint follows any batch that leaves
+    // 10 or more entries unsigned.
+    assert!(
+        summary.checkpoints >= 1 && summary.unsigned_tail < 10,
+        "{summary:?}"
+    );
+    let first = db.store.audit_entries(project, 0, 1).await.unwrap();
+    assert_eq!(first[0].prev_hash, GENESIS_HASH);
+    drop(log);
+
+    // A new process: a new pool and a new writer continue the same chain.
+    let reopened = Store::connect(&db.url).await.unwrap();
+    let log = AuditLog::start(reopened.clone(), signing_key(1), audit_config(10));
+    let receipt = log.append(key_event(project, 99)).await.unwrap();
+    assert_eq!(receipt.seq, 41);
+    log.checkpoint().await.unwrap();
+    let Verification::Intact(summary) = verify(&reopened, project, &log).await else {
+        panic!("broken after restart")
+    };
+    assert_eq!((summary.entries, summary.unsigned_tail), (41, 0));
+    assert_eq!(summary.head_hash, receipt.hash);
+}
+
+#[tokio::test]
+async fn two_writers_on_one_database_keep_one_chain() {
+    let db = TestDatabase::new().await.unwrap();
+    let project = new_project(&db).await;
+    let other = Store::connect(&db.url).await.unwrap();
+    let a = AuditLog::start(db.store.clone(), signing_key(2), audit_config(7));
+    let b = AuditLog::start(other, signing_key(2), audit_config(7));
+    let mut tasks = Vec::new();
+    for i in 0..30 {
+        let log = if i % 2 == 0 { a.clone() } else { b.clone() };
+        tasks.push(tokio::spawn(async move {
+            log.append(key_event(project, i)).await.unwrap()
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    a.checkpoint().await.unwrap();
+    b.checkpoint().await.unwrap();
+    assert_eq!(intact_entries(&verify(&db.store, project, &a).await), 30);
+}
+
+#[tokio::test]
+async fn stored_payloads_are_redacted_and_digested_in_full() {
+    let db = TestDatabase::new().await.unwrap();
+    let project = new_project(&db).await;
+    let log = AuditLog::start(db.store.clone(), signing_key(3), audit_config(100));
+    let token = format!(
+        "ghp_{}",
+        "a1B2c3D4e5".repeat(4).chars().take(36).collect::<String>()
+    );
+    let payload = serde_json::json!({ "note": format!("token {token} leaked") });
+    log.append(
+        AuditEvent::new(project, AuditCategory::KeyRevoke, Actor::Operator)
+            .payload(payload.clone()),
+    )
+    .await
+    .unwrap();
+    let entry = &db.store.audit_entries(project, 0, 10).await.unwrap()[0];
+    assert_eq!(entry.payload_digest, canonical_hash(&payload));
+    let stored = entry.payload.to_string();
+    assert!(
+        !stored.contains(&token) && stored.contains("REDACTED"),
+        "{stored}"
+    );
+}
+
+#[tokio::test]
+async fn audit_tables_refuse_update_and_delete() {
+    let db = TestDatabase::new().await.unwrap();
+    let project = new_project(&db).await;
+    let log = AuditLog::start(db.store.clone(), signing_key(4), audit_config(1));
+    log.append(key_event(project, 0)).await.unwrap();
+    for sql in [
+        "UPDATE audit_entries SET category = 'x' WHERE project_id = $1",
+        "DELETE FROM audit_entries WHERE project_id = $1",
+        "UPDATE audit_checkpoints SET seq = 9 WHERE project_id = $1",
+        "DELETE FROM audit_checkpoints WHERE project_id = $1",
+    ] {
+        let err = sqlx::query(sql)
+            .bind(project.to_string())
+            .execute(db.store.pool())
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("append-only"), "{sql}: {err}");
+    }
+    assert_eq!(intact_entries(&verify(&db.store, project, &log).await), 1);
+}
+
+#[tokio::test]
+async fn every_tampering_of_the_stored_chain_is_detected() {
+    let db = TestDatabase::new().await.unwrap();
+    let log = AuditLog::start(db.store.clone(), signing_key(5), audit_config(3));
+    // Each case: (name, SQL given the project id, expected first break).
+    type Case = (&'static str, fn(&str) -> Vec<String>, ChainBreak);
+    let brk = |seq, reason| ChainBreak { seq, reason };
+    let cases: Vec<Case> = vec![
+        (
+            "modified entry",
+            |p| {
+                vec![format!(
+                    "UPDATE audit_entries SET payload = '{{}}' WHERE project_id = '{p}' AND seq = 2"
+                )]
+            },
+            brk(2, BreakReason::HashMismatch),
+        ),
+        (
+            "malformed column",
+            |p| {
+                vec![format!(
+                    "UPDATE audit_entries SET actor = 'nope' WHERE project_id = '{p}' AND seq = 4"
+                )]
+            },
+            brk(
+                4,
+                BreakReason::Unreadable {
+                    column: "actor".into(),
+                },
+            ),
+        ),
+        (
+            "deleted entry",
+            |p| {
+                vec![format!(
+                    "DELETE FROM audit_entries WHERE project_id = '{p}' AND seq = 2"
+                )]
+            },
+            brk(2, BreakReason::Gap { found: 3 }),
+        ),
+        (
+            "inserted entry",
+            |p| {
+                vec![
+                    format!(
+                        "UPDATE audit_entries SET seq = seq + 1000 WHERE project_id = '{p}' AND seq >= 2"
+                    ),
+                    format!(
+                        "UPDATE audit_entries SET seq = seq - 999 WHERE project_id = '{p}' AND seq > 1000"
+                    ),
+                    format!(
+                        "INSERT INTO audit_entries SELECT project_id, 2, at, actor, category, subjects, \
+                         root_run_id, parent_run_id, payload_digest, payload, prev_hash, hash \
+                         FROM audit_entries WHERE project_id = '{p}' AND seq = 1"
+                    ),
+                ]
+            },
+            brk(2, BreakReason::HashMismatch),
+        ),
+        (
+            "reordered entries",
+            |p| {
+                vec![
+                    format!(
+                        "UPDATE audit_entries SET seq = 1002 WHERE project_id = '{p}' AND seq = 2"
+                    ),
+                    format!(
+                        "UPDATE audit_entries SET seq = 2 WHERE project_id = '{p}' AND seq = 3"
+                    ),
+                    format!(
+                        "UPDATE audit_entries SET seq = 3 WHERE project_id = '{p}' AND seq = 1002"
+                    ),
+                ]
+            },
+            brk(2, BreakReason::HashMismatch),
+        ),
+        (
+            "chain cut back behind the last checkpoint",
+            |p| {
+                vec![format!(
+                    "DELETE FROM audit_entries WHERE project_id = '{p}' AND seq >= 5"
+                )]
+            },
+            brk(6, BreakReason::Truncated { head: 4 }),
+        ),
+        (
+            "forged checkpoint over the unsigned tail",
+            |p| {
+                vec![format!(
+                    "INSERT INTO audit_checkpoints SELECT project_id, 7, hash, at, \
+                 (SELECT key_id FROM audit_checkpoints WHERE project_id = '{p}' AND seq = 3), \
+                 '{sig}' FROM audit_entries WHERE project_id = '{p}' AND seq = 7",
+                    sig = "ab".repeat(64)
+                )]
+            },
+            brk(7, BreakReason::BadSignature),
+        ),
+        (
+            "altered checkpoint",
+            |p| {
+                vec![format!(
+                    "UPDATE audit_checkpoints SET at = at + 1 WHERE project_id = '{p}' AND seq = 3"
+                )]
+            },
+            brk(3, BreakReason::BadSignature),
+        ),
+    ];
+    for (name, tamper, expected) in cases {
+        let project = new_project(&db).await;
+        for i in 0..7 {
+            log.append(key_event(project, i)).await.unwrap();
+        }
+        assert_eq!(
+            intact_entries(&verify(&db.store, project, &log).await),
+            7,
+            "{name}"
+        );
+        db.tamper(&tamper(&project.to_string())).await.unwrap();
+        assert_eq!(
+            verify(&db.store, project, &log).await,
+            Verification::Broken(expected),
+            "{name}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_rewritten_chain_is_caught_by_its_checkpoints_and_a_cut_tail_by_an_anchor() {
+    let db = TestDatabase::new().await.unwrap();
+    let log = AuditLog::start(db.store.clone(), signing_key(6), audit_config(3));
+    let project = new_project(&db).await;
+    for i in 0..7 {
+        log.append(key_event(project, i)).await.unwrap();
+    }
+    let Verification::Intact(before) = verify(&db.store, project, &log).await else {
+        panic!()
+    };
+    assert_eq!(
+        (before.last_checkpoint_seq, before.unsigned_tail),
+        (Some(6), 1)
+    );
+
+    // The attacker rewrites entry 2 and recomputes every hash and link after it.
+    let mut entries = db.store.audit_entries(project, 0, 100).await.unwrap();
+    entries[1].payload = serde_json::json!({ "name": "innocent" });
+    let mut prev = GENESIS_HASH.to_owned();
+    let mut statements = Vec::new();
+    for e in &mut entries {
+        e.prev_hash = prev;
+        e.hash = e.compute_hash();
+        prev = e.hash.clone();
+        statements.push(format!(
+            "UPDATE audit_entries SET payload = '{}', prev_hash = '{}', hash = '{}' \
+             WHERE project_id = '{project}' AND seq = {}",
+            wor_core::canonical::to_canonical_json(&e.payload),
+            e.prev_hash,
+            e.hash,
+            e.seq
+        ));
+    }
+    db.tamper(&statements).await.unwrap();
+    assert_eq!(
+        verify(&db.store, project, &log).await,
+        Verification::Broken(ChainBreak {
+            seq: 3,
+            reason: BreakReason::CheckpointMismatch
+        })
+    );
+
+    // Cutting only the unsigned tail leaves a consistent chain: only an anchor kept outside
+    // the database shows it.
+    let other = new_project(&db).await;
+    for i in 0..7 {
+        log.append(key_event(other, i)).await.unwrap();
+    }
+    let Verification::Intact(head) = verify(&db.store, other, &log).await else {
+        panic!()
+    };
+    db.tamper(&[format!(
+        "DELETE FROM audit_entries WHERE project_id = '{other}' AND seq = 7"
+    )])
+    .await
+    .unwrap();
+    assert!(matches!(
+        verify(&db.store, other, &log).await,
+        Verification::Intact(_)
+    ));
+    let anchor = Anchor {
+        seq: 7,
+        hash: head.head_hash,
+    };
+    assert_eq!(
+        db.store
+            .verify_audit_chain(other, &log.verifying_key(), &[anchor])
+            .await
+            .unwrap(),
+        Verification::Broken(ChainBreak {
+            seq: 7,
+            reason: BreakReason::AnchorMissing { head: 6 }
+        })
+    );
+}

@@ -1,5 +1,6 @@
 //! The subcommands.
 
+mod audit;
 mod egress;
 mod keys;
 mod members;
@@ -42,6 +43,9 @@ pub enum Command {
     /// The egress guard, as a local tool.
     #[command(subcommand)]
     Egress(egress::EgressCommand),
+    /// The tamper-evident audit log: verify, export, and the checkpoint public key.
+    #[command(subcommand)]
+    Audit(audit::AuditCommand),
 }
 
 impl Command {
@@ -57,6 +61,7 @@ impl Command {
             Command::Routine(cmd) => routines::run(cmd).await,
             Command::ModelConnection(cmd) => model_connections::run(cmd).await,
             Command::Secrets(cmd) => secrets::run(cmd).await,
+            Command::Audit(cmd) => audit::run(cmd).await,
         }
     }
 }

@@ -3,7 +3,9 @@
 use std::process::ExitCode;
 
 use anyhow::{Context, bail};
-use wor_store::{CreatedProject, Store};
+use serde_json::json;
+use wor_core::audit::{Actor, AuditCategory, AuditEvent};
+use wor_store::{AuditConfig, AuditLog, CreatedProject, Store};
 
 use crate::config::{ServerConfig, ServerFlags};
 
@@ -45,6 +47,53 @@ async fn open(flags: &ServerFlags) -> anyhow::Result<Store> {
         .context("cannot open the database")
 }
 
+/// Creates a project and records it, its owner and the owner's key in its audit log, with
+/// the operator as actor, then signs the new chain's head.
+async fn create_audited(
+    flags: &ServerFlags,
+    store: &Store,
+    name: &str,
+    owner: &str,
+) -> anyhow::Result<CreatedProject> {
+    let config = ServerConfig::resolve(flags, None, false)?;
+    let audit = AuditLog::start(
+        store.clone(),
+        config.audit_signing_key()?,
+        AuditConfig::default(),
+    );
+    let created = store.create_project(name, owner).await?;
+    let project = created.project.id;
+    let key_id = store
+        .list_api_keys(project)
+        .await?
+        .first()
+        .map(|k| k.id)
+        .context("the new project has no owner key")?;
+    let events = [
+        AuditEvent::new(project, AuditCategory::ProjectCreate, Actor::Operator)
+            .subject("project_id", project)
+            .payload(json!({ "name": name })),
+        AuditEvent::new(project, AuditCategory::MemberCreate, Actor::Operator)
+            .subject("member_id", created.owner.id)
+            .payload(json!({ "name": owner, "role": created.owner.role })),
+        AuditEvent::new(project, AuditCategory::KeyCreate, Actor::Operator)
+            .subject("key_id", key_id)
+            .subject("member_id", created.owner.id)
+            .payload(json!({ "role": created.owner.role, "service": false })),
+    ];
+    for event in events {
+        audit
+            .append(event)
+            .await
+            .context("cannot write the audit log")?;
+    }
+    audit
+        .checkpoint()
+        .await
+        .context("cannot sign the audit log")?;
+    Ok(created)
+}
+
 fn check_name(name: &str, what: &str) -> anyhow::Result<()> {
     if name.trim().is_empty() || name.trim() != name || name.len() > 100 {
         bail!("{what} name must be 1 to 100 characters with no leading or trailing space");
@@ -71,7 +120,7 @@ pub async fn init(args: InitArgs) -> anyhow::Result<ExitCode> {
             "already initialised: this database has projects; add another with `wor project create NAME`"
         );
     }
-    let created = store.create_project(&args.project, &args.owner).await?;
+    let created = create_audited(&args.flags, &store, &args.project, &args.owner).await?;
     report(&created);
     store.close().await;
     Ok(ExitCode::SUCCESS)
@@ -83,7 +132,7 @@ pub async fn project(cmd: ProjectCommand) -> anyhow::Result<ExitCode> {
             check_name(&name, "project")?;
             check_name(&owner, "owner")?;
             let store = open(&flags).await?;
-            let created = store.create_project(&name, &owner).await?;
+            let created = create_audited(&flags, &store, &name, &owner).await?;
             report(&created);
             store.close().await;
         }

@@ -7,7 +7,7 @@ use anyhow::Context;
 use tokio::net::TcpListener;
 use wor_engine::{Engine, EngineConfig};
 use wor_server::AppState;
-use wor_store::Store;
+use wor_store::{AuditConfig, AuditLog, Store};
 
 use crate::config::{KeySource, ServerConfig, ServerFlags};
 use crate::env;
@@ -51,6 +51,11 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let store = Store::open(config.database.as_deref(), &config.data_dir)
         .await
         .context("cannot open the database")?;
+    let audit = AuditLog::start(
+        store.clone(),
+        config.audit_signing_key()?,
+        AuditConfig::default(),
+    );
     let shutdown = shutdown_signal()?;
     let listener = TcpListener::bind(config.listen)
         .await
@@ -78,7 +83,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     );
     let (stop_workers, workers_stopped) = tokio::sync::watch::channel(false);
     let worker = engine.spawn_worker(workers_stopped);
-    let state = AppState::new(engine.clone());
+    let state = AppState::new(engine.clone(), audit.clone());
     let served = wor_server::serve(listener, state, shutdown).await;
     // Runs in flight are given back, to be resumed at the next start rather than after
     // their lease runs out.
@@ -86,7 +91,15 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let _ = worker.await;
     let released = store.release_leases(&engine.config().worker_id).await?;
     if released > 0 {
-        tracing::info!(category = "lifecycle", runs = released, "runs in flight given back for resumption");
+        tracing::info!(
+            category = "lifecycle",
+            runs = released,
+            "runs in flight given back for resumption"
+        );
+    }
+    // Sign what this process appended, so it does not stay in the unsigned tail.
+    if audit.checkpoint().await.is_err() {
+        tracing::error!(category = "audit", "final audit checkpoint failed");
     }
     served?;
     store.close().await;

@@ -3,7 +3,9 @@
 use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
+use serde_json::json;
 use wor_core::ApiKeyId;
+use wor_core::audit::{AuditCategory, AuditEvent};
 use wor_store::{ApiKeyKind, NewApiKey};
 
 use crate::AppState;
@@ -79,6 +81,13 @@ pub async fn create_key(
             },
         )
         .await?;
+    let mut event = AuditEvent::new(caller.project_id, AuditCategory::KeyCreate, caller.actor())
+        .subject("key_id", record.id)
+        .payload(json!({ "name": record.name, "role": record.role, "service": record.service }));
+    if let Some(member) = record.member_id {
+        event = event.subject("member_id", member);
+    }
+    state.audit.append(event).await?;
     tracing::info!(category = "config", action = "key.create", project_id = %caller.project_id,
         key_id = %record.id, actor_key_id = %caller.key_id, "api key created");
     Ok((
@@ -128,6 +137,17 @@ pub async fn revoke_key(
         .store
         .revoke_api_key(caller.project_id, key_id)
         .await?;
+    // Revoking a revoked key changes nothing and records nothing.
+    if key.revoked_at.is_none() {
+        state
+            .audit
+            .append(
+                AuditEvent::new(caller.project_id, AuditCategory::KeyRevoke, caller.actor())
+                    .subject("key_id", key_id)
+                    .payload(json!({ "name": revoked.name, "own_key": own_key })),
+            )
+            .await?;
+    }
     tracing::info!(category = "config", action = "key.revoke", project_id = %caller.project_id,
         key_id = %key_id, actor_key_id = %caller.key_id, "api key revoked");
     Ok(Json(revoked.into()))

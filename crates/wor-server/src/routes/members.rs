@@ -3,6 +3,8 @@
 use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
+use serde_json::json;
+use wor_core::audit::{AuditCategory, AuditEvent};
 use wor_core::{MemberId, Role};
 use wor_store::{ApiKeyKind, NewApiKey};
 
@@ -93,6 +95,24 @@ pub async fn create_member(
                 kind: ApiKeyKind::Personal(member.id),
                 created_by: Some(caller.key_id),
             },
+        )
+        .await?;
+    let project = caller.project_id;
+    state
+        .audit
+        .append(
+            AuditEvent::new(project, AuditCategory::MemberCreate, caller.actor())
+                .subject("member_id", member.id)
+                .payload(json!({ "name": member.name, "role": role })),
+        )
+        .await?;
+    state
+        .audit
+        .append(
+            AuditEvent::new(project, AuditCategory::KeyCreate, caller.actor())
+                .subject("key_id", record.id)
+                .subject("member_id", member.id)
+                .payload(json!({ "name": record.name, "role": role, "service": false })),
         )
         .await?;
     tracing::info!(category = "config", action = "member.create", project_id = %caller.project_id,

@@ -1,5 +1,6 @@
 //! Route handlers, one module per resource.
 
+pub mod audit;
 pub mod health;
 pub mod keys;
 pub mod members;

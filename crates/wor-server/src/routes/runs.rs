@@ -146,7 +146,10 @@ pub async fn start(
     // Looked up before the role check: another project's routine is a 404, not a 403.
     state.store.get_routine(caller.project_id, routine).await?;
     if !caller.role.can_operate_runs() {
-        return Err(ApiError::Forbidden(format!("role `{}` cannot start runs", caller.role)));
+        return Err(ApiError::Forbidden(format!(
+            "role `{}` cannot start runs",
+            caller.role
+        )));
     }
     let run = state
         .engine
@@ -171,14 +174,24 @@ pub async fn list(
     let Query(query) = query.map_err(|e| ApiError::bad_request("invalid_query", e.body_text()))?;
     let parse = |e: wor_core::IdError| ApiError::bad_request("invalid_id", e.to_string());
     let filter = RunFilter {
-        routine_id: query.routine_id.as_deref().map(str::parse).transpose().map_err(parse)?,
+        routine_id: query
+            .routine_id
+            .as_deref()
+            .map(str::parse)
+            .transpose()
+            .map_err(parse)?,
         status: query
             .status
             .as_deref()
             .map(str::parse::<RunStatus>)
             .transpose()
             .map_err(|e| ApiError::bad_request("invalid_status", e.to_string()))?,
-        before: query.before.as_deref().map(str::parse).transpose().map_err(parse)?,
+        before: query
+            .before
+            .as_deref()
+            .map(str::parse)
+            .transpose()
+            .map_err(parse)?,
         limit: query.limit.unwrap_or(50),
     };
     let runs = state.store.list_runs(caller.project_id, &filter).await?;
@@ -213,7 +226,10 @@ pub async fn cancel(
 ) -> Result<Json<RunView>, ApiError> {
     state.store.get_run(caller.project_id, id).await?;
     if !caller.role.can_operate_runs() {
-        return Err(ApiError::Forbidden(format!("role `{}` cannot cancel runs", caller.role)));
+        return Err(ApiError::Forbidden(format!(
+            "role `{}` cannot cancel runs",
+            caller.role
+        )));
     }
     let run = state.store.request_cancel(caller.project_id, id).await?;
     tracing::info!(category = "run", action = "run.cancel", project_id = %caller.project_id, run_id = %id,
@@ -246,7 +262,11 @@ struct Follow {
     ended: bool,
 }
 
-fn step_stream(store: Store, project: ProjectId, run: RunId) -> impl Stream<Item = Result<Event, Infallible>> {
+fn step_stream(
+    store: Store,
+    project: ProjectId,
+    run: RunId,
+) -> impl Stream<Item = Result<Event, Infallible>> {
     let follow = Follow {
         store,
         project,
@@ -265,7 +285,11 @@ fn step_stream(store: Store, project: ProjectId, run: RunId) -> impl Stream<Item
             }
             // Read the status first: steps written before a run ends are all seen below.
             let record = f.store.get_run(f.project, f.run).await.ok();
-            let steps = f.store.list_run_steps(f.project, f.run, f.last_seq).await.unwrap_or_default();
+            let steps = f
+                .store
+                .list_run_steps(f.project, f.run, f.last_seq)
+                .await
+                .unwrap_or_default();
             for step in steps {
                 f.last_seq = step.seq;
                 let view = RunStepView::from(step);

@@ -1,0 +1,564 @@
+//! The audit chain's storage: the one writer, with group commit and signed checkpoints, and
+//! the reads that export and verify it.
+//!
+//! [`AuditLog`] is a handle to a writer task. Every append goes through its channel; the task
+//! takes whatever is queued (up to a batch size), writes it in one transaction in arrival
+//! order and answers each caller once that transaction has committed. The chain's head is read
+//! inside the transaction, after taking the project's lock — the database's write lock on
+//! SQLite (`BEGIN IMMEDIATE`), a transaction-scoped advisory lock on PostgreSQL — so the chain
+//! stays correct across restarts and across several server processes sharing one database.
+//!
+//! INVARIANT: nothing else in the workspace inserts into `audit_entries` or
+//! `audit_checkpoints`, and nothing updates or deletes them (triggers refuse it).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use ed25519_dalek::VerifyingKey;
+use serde_json::Value;
+use sha2::{Digest as _, Sha256};
+use sqlx::{Any, Row, Transaction};
+use tokio::sync::{mpsc, oneshot};
+use wor_core::ProjectId;
+use wor_core::audit::{
+    Anchor, AuditCheckpoint, AuditEntry, AuditEvent, ChainVerifier, GENESIS_HASH, Verification,
+    checkpoint_message, key_id,
+};
+use wor_core::canonical::to_canonical_json;
+use wor_secrets::{AuditSigningKey, redact_shapes};
+
+use crate::{Backend, Store, StoreError, now_millis, parse_column};
+
+/// When the writer signs checkpoints and how much it commits at once.
+#[derive(Debug, Clone)]
+pub struct AuditConfig {
+    /// Sign a project's head once this many entries follow its last checkpoint.
+    pub checkpoint_every: i64,
+    /// Sign the head of every project appended to since the last checkpoint this often.
+    pub checkpoint_interval: Duration,
+    /// At most this many appends share one transaction.
+    pub max_batch: usize,
+}
+
+impl Default for AuditConfig {
+    fn default() -> Self {
+        AuditConfig {
+            checkpoint_every: 256,
+            checkpoint_interval: Duration::from_secs(60),
+            max_batch: 512,
+        }
+    }
+}
+
+/// Where an appended entry landed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AuditReceipt {
+    pub seq: i64,
+    pub hash: String,
+}
+
+enum Command {
+    Append {
+        event: AuditEvent,
+        reply: oneshot::Sender<Result<AuditReceipt, StoreError>>,
+    },
+    Checkpoint {
+        reply: oneshot::Sender<Result<(), StoreError>>,
+    },
+}
+
+/// The handle through which everything is appended to the audit log. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct AuditLog {
+    sender: mpsc::Sender<Command>,
+    verifying_key: VerifyingKey,
+}
+
+impl std::fmt::Debug for Command {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Command::Append { event, .. } => write!(f, "Append({})", event.category()),
+            Command::Checkpoint { .. } => f.write_str("Checkpoint"),
+        }
+    }
+}
+
+impl AuditLog {
+    /// Starts the writer task on the current tokio runtime. It runs until every handle is
+    /// dropped.
+    pub fn start(store: Store, key: AuditSigningKey, config: AuditConfig) -> AuditLog {
+        let (sender, receiver) = mpsc::channel(config.max_batch.max(1) * 4);
+        let verifying_key = key.verifying_key();
+        let writer = Writer {
+            store,
+            key_id: key_id(&verifying_key),
+            key,
+            config,
+            unsigned: BTreeSet::new(),
+        };
+        tokio::spawn(writer.run(receiver));
+        AuditLog {
+            sender,
+            verifying_key,
+        }
+    }
+
+    /// Appends `event` to its project's chain and returns once it is committed.
+    pub async fn append(&self, event: AuditEvent) -> Result<AuditReceipt, StoreError> {
+        let (reply, answer) = oneshot::channel();
+        self.sender
+            .send(Command::Append { event, reply })
+            .await
+            .map_err(|_| StoreError::AuditStopped)?;
+        answer.await.map_err(|_| StoreError::AuditStopped)?
+    }
+
+    /// Signs the head of every project this writer appended to since its last checkpoint, now.
+    /// Called before a process exits, so what it wrote does not stay unsigned.
+    pub async fn checkpoint(&self) -> Result<(), StoreError> {
+        let (reply, answer) = oneshot::channel();
+        self.sender
+            .send(Command::Checkpoint { reply })
+            .await
+            .map_err(|_| StoreError::AuditStopped)?;
+        answer.await.map_err(|_| StoreError::AuditStopped)?
+    }
+
+    /// The public key that verifies this writer's checkpoints.
+    pub fn verifying_key(&self) -> VerifyingKey {
+        self.verifying_key
+    }
+}
+
+struct Writer {
+    store: Store,
+    key: AuditSigningKey,
+    key_id: String,
+    config: AuditConfig,
+    /// Projects with entries this writer appended after their last checkpoint.
+    unsigned: BTreeSet<ProjectId>,
+}
+
+type Replies = Vec<oneshot::Sender<Result<AuditReceipt, StoreError>>>;
+
+impl Writer {
+    async fn run(mut self, mut receiver: mpsc::Receiver<Command>) {
+        let mut ticker = tokio::time::interval(self.config.checkpoint_interval);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        ticker.tick().await;
+        loop {
+            tokio::select! {
+                command = receiver.recv() => {
+                    let Some(command) = command else { break };
+                    let mut batch = vec![command];
+                    while batch.len() < self.config.max_batch {
+                        match receiver.try_recv() {
+                            Ok(command) => batch.push(command),
+                            Err(_) => break,
+                        }
+                    }
+                    self.handle(batch).await;
+                }
+                _ = ticker.tick() => {
+                    let _ = self.checkpoint_unsigned().await;
+                }
+            }
+        }
+        let _ = self.checkpoint_unsigned().await;
+    }
+
+    async fn handle(&mut self, batch: Vec<Command>) {
+        let mut events = Vec::new();
+        let mut replies: Replies = Vec::new();
+        let mut checkpoint_replies = Vec::new();
+        for command in batch {
+            match command {
+                Command::Append { event, reply } => {
+                    events.push(event);
+                    replies.push(reply);
+                }
+                Command::Checkpoint { reply } => checkpoint_replies.push(reply),
+            }
+        }
+        if !events.is_empty() {
+            let count = events.len();
+            match self.append_batch(events).await {
+                Ok(receipts) => {
+                    for (reply, receipt) in replies.into_iter().zip(receipts) {
+                        let _ = reply.send(Ok(receipt));
+                    }
+                }
+                Err(err) => {
+                    tracing::error!(
+                        category = "audit",
+                        batch = count,
+                        kind = err.kind(),
+                        "audit append failed"
+                    );
+                    for reply in replies {
+                        let _ = reply.send(Err(StoreError::AuditWrite(err.kind())));
+                    }
+                }
+            }
+        }
+        if !checkpoint_replies.is_empty() {
+            let result = self.checkpoint_unsigned().await;
+            for reply in checkpoint_replies {
+                let _ = reply.send(
+                    result
+                        .as_ref()
+                        .map(|_| ())
+                        .map_err(|e| StoreError::AuditWrite(e.kind())),
+                );
+            }
+        }
+    }
+
+    /// Writes `events` in one transaction, in order, and returns their receipts in order.
+    async fn append_batch(
+        &mut self,
+        events: Vec<AuditEvent>,
+    ) -> Result<Vec<AuditReceipt>, StoreError> {
+        let mut by_project: BTreeMap<ProjectId, Vec<(usize, AuditEvent)>> = BTreeMap::new();
+        let count = events.len();
+        for (index, event) in events.into_iter().enumerate() {
+            by_project
+                .entry(event.project_id())
+                .or_default()
+                .push((index, event));
+        }
+        let mut receipts: Vec<Option<AuditReceipt>> = vec![None; count];
+        let mut tx = self.store.begin_write().await?;
+        let at = now_millis();
+        let mut signed = Vec::new();
+        // Projects are locked in id order, so two processes never wait on each other in a cycle.
+        for (project, events) in by_project {
+            let head = lock_head(&mut tx, self.store.backend, project).await?;
+            let (mut seq, mut prev) = (head.seq, head.hash);
+            for (index, event) in events {
+                seq += 1;
+                let entry = event.into_entry(seq, at, prev, redact_payload);
+                insert_entry(&mut tx, &entry).await?;
+                prev = entry.hash.clone();
+                if let Some(slot) = receipts.get_mut(index) {
+                    *slot = Some(AuditReceipt {
+                        seq,
+                        hash: entry.hash,
+                    });
+                }
+            }
+            if seq - head.checkpoint_seq >= self.config.checkpoint_every {
+                self.insert_checkpoint(&mut tx, project, seq, &prev, at)
+                    .await?;
+                signed.push(project);
+            } else {
+                self.unsigned.insert(project);
+            }
+        }
+        tx.commit().await?;
+        for project in signed {
+            self.unsigned.remove(&project);
+        }
+        receipts
+            .into_iter()
+            .map(|r| r.ok_or_else(|| StoreError::Corrupt("audit batch lost an entry".to_owned())))
+            .collect()
+    }
+
+    async fn checkpoint_unsigned(&mut self) -> Result<(), StoreError> {
+        if self.unsigned.is_empty() {
+            return Ok(());
+        }
+        let result = self.checkpoint_projects().await;
+        if let Err(err) = &result {
+            tracing::error!(
+                category = "audit",
+                kind = err.kind(),
+                "audit checkpoint failed"
+            );
+        }
+        result
+    }
+
+    async fn checkpoint_projects(&mut self) -> Result<(), StoreError> {
+        let mut tx = self.store.begin_write().await?;
+        let at = now_millis();
+        for project in &self.unsigned {
+            let head = lock_head(&mut tx, self.store.backend, *project).await?;
+            if head.seq > head.checkpoint_seq {
+                self.insert_checkpoint(&mut tx, *project, head.seq, &head.hash, at)
+                    .await?;
+            }
+        }
+        tx.commit().await?;
+        self.unsigned.clear();
+        Ok(())
+    }
+
+    async fn insert_checkpoint(
+        &self,
+        tx: &mut Transaction<'_, Any>,
+        project: ProjectId,
+        seq: i64,
+        entry_hash: &str,
+        at: i64,
+    ) -> Result<(), StoreError> {
+        let message = checkpoint_message(project, seq, entry_hash, at, &self.key_id);
+        let signature = hex::encode(self.key.sign(&message));
+        sqlx::query(
+            "INSERT INTO audit_checkpoints (project_id, seq, entry_hash, at, key_id, signature) \
+             VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (project_id, seq) DO NOTHING",
+        )
+        .bind(project.to_string())
+        .bind(seq)
+        .bind(entry_hash)
+        .bind(at)
+        .bind(&self.key_id)
+        .bind(signature)
+        .execute(&mut **tx)
+        .await?;
+        Ok(())
+    }
+}
+
+/// The stored payload: secret shapes redacted from every string and key. Live secrets are
+/// not known here yet; when connections hold secrets, their redactor joins this one.
+fn redact_payload(value: &mut Value) {
+    match value {
+        Value::String(text) => {
+            if let std::borrow::Cow::Owned(redacted) = redact_shapes(text) {
+                *text = redacted;
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(redact_payload),
+        Value::Object(map) => {
+            let entries = std::mem::take(map);
+            for (key, mut item) in entries {
+                redact_payload(&mut item);
+                map.insert(redact_shapes(&key).into_owned(), item);
+            }
+        }
+        Value::Null | Value::Bool(_) | Value::Number(_) => {}
+    }
+}
+
+struct ChainHead {
+    seq: i64,
+    hash: String,
+    checkpoint_seq: i64,
+}
+
+/// Takes `project`'s chain lock for the rest of the transaction and reads its head.
+async fn lock_head(
+    tx: &mut Transaction<'_, Any>,
+    backend: Backend,
+    project: ProjectId,
+) -> Result<ChainHead, StoreError> {
+    if backend == Backend::Postgres {
+        sqlx::query("SELECT 1 AS locked FROM (SELECT pg_advisory_xact_lock($1)) AS l")
+            .bind(advisory_lock_key(project))
+            .execute(&mut **tx)
+            .await?;
+    }
+    let head = sqlx::query(
+        "SELECT seq, hash FROM audit_entries WHERE project_id = $1 ORDER BY seq DESC LIMIT 1",
+    )
+    .bind(project.to_string())
+    .fetch_optional(&mut **tx)
+    .await?;
+    let checkpoint = sqlx::query(
+        "SELECT seq FROM audit_checkpoints WHERE project_id = $1 ORDER BY seq DESC LIMIT 1",
+    )
+    .bind(project.to_string())
+    .fetch_optional(&mut **tx)
+    .await?;
+    let (seq, hash) = match head {
+        Some(row) => (row.try_get("seq")?, row.try_get("hash")?),
+        None => (0, GENESIS_HASH.to_owned()),
+    };
+    let checkpoint_seq = match checkpoint {
+        Some(row) => row.try_get("seq")?,
+        None => 0,
+    };
+    Ok(ChainHead {
+        seq,
+        hash,
+        checkpoint_seq,
+    })
+}
+
+/// A 64-bit advisory-lock key for a project's chain, from a labelled hash of its id.
+fn advisory_lock_key(project: ProjectId) -> i64 {
+    let digest = Sha256::digest(format!("wor-audit-chain\0{project}").as_bytes());
+    i64::from_be_bytes(digest.first_chunk::<8>().copied().unwrap_or_default())
+}
+
+async fn insert_entry(tx: &mut Transaction<'_, Any>, entry: &AuditEntry) -> Result<(), StoreError> {
+    let actor = serde_json::to_value(&entry.actor)
+        .map_err(|e| StoreError::Corrupt(format!("audit actor: {e}")))?;
+    let subjects = serde_json::to_value(&entry.subjects)
+        .map_err(|e| StoreError::Corrupt(format!("audit subjects: {e}")))?;
+    sqlx::query(
+        "INSERT INTO audit_entries (project_id, seq, at, actor, category, subjects, root_run_id, \
+         parent_run_id, payload_digest, payload, prev_hash, hash) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+    )
+    .bind(entry.project_id.to_string())
+    .bind(entry.seq)
+    .bind(entry.at)
+    .bind(to_canonical_json(&actor))
+    .bind(&entry.category)
+    .bind(to_canonical_json(&subjects))
+    .bind(entry.root_run_id.map(|r| r.to_string()))
+    .bind(entry.parent_run_id.map(|r| r.to_string()))
+    .bind(&entry.payload_digest)
+    .bind(to_canonical_json(&entry.payload))
+    .bind(&entry.prev_hash)
+    .bind(&entry.hash)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+const ENTRY_COLUMNS: &str = "project_id, seq, at, actor, category, subjects, root_run_id, \
+                             parent_run_id, payload_digest, payload, prev_hash, hash";
+
+/// How many entries verification reads per query.
+const VERIFY_PAGE: i64 = 1000;
+
+impl Store {
+    /// A write transaction. On SQLite it takes the database's write lock at once, so a
+    /// transaction that reads and then writes never fails to upgrade its lock.
+    async fn begin_write(&self) -> Result<Transaction<'static, Any>, StoreError> {
+        Ok(match self.backend {
+            Backend::Sqlite => self.pool.begin_with("BEGIN IMMEDIATE").await?,
+            Backend::Postgres => self.pool.begin().await?,
+        })
+    }
+
+    /// Up to `limit` entries of `project`'s chain after sequence number `after`, in order.
+    pub async fn audit_entries(
+        &self,
+        project: ProjectId,
+        after: i64,
+        limit: i64,
+    ) -> Result<Vec<AuditEntry>, StoreError> {
+        let rows = self.audit_entry_rows(project, after, limit).await?;
+        rows.iter()
+            .map(|row| {
+                entry_from_row(row).map_err(|column| {
+                    StoreError::Corrupt(format!("column `audit_entries.{column}`"))
+                })
+            })
+            .collect()
+    }
+
+    async fn audit_entry_rows(
+        &self,
+        project: ProjectId,
+        after: i64,
+        limit: i64,
+    ) -> Result<Vec<sqlx::any::AnyRow>, StoreError> {
+        Ok(sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {ENTRY_COLUMNS} FROM audit_entries \
+             WHERE project_id = $1 AND seq > $2 ORDER BY seq LIMIT $3"
+        )))
+        .bind(project.to_string())
+        .bind(after)
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
+    /// `project`'s checkpoints with `after < seq <= through` (no upper bound when `None`).
+    pub async fn audit_checkpoints(
+        &self,
+        project: ProjectId,
+        after: i64,
+        through: Option<i64>,
+    ) -> Result<Vec<AuditCheckpoint>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT project_id, seq, entry_hash, at, key_id, signature FROM audit_checkpoints \
+             WHERE project_id = $1 AND seq > $2 AND seq <= $3 ORDER BY seq",
+        )
+        .bind(project.to_string())
+        .bind(after)
+        .bind(through.unwrap_or(i64::MAX))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|row| {
+                let project_id: String = row.try_get("project_id")?;
+                Ok(AuditCheckpoint {
+                    project_id: parse_column(&project_id, "audit_checkpoints.project_id")?,
+                    seq: row.try_get("seq")?,
+                    entry_hash: row.try_get("entry_hash")?,
+                    at: row.try_get("at")?,
+                    key_id: row.try_get("key_id")?,
+                    signature: row.try_get("signature")?,
+                })
+            })
+            .collect()
+    }
+
+    /// Verifies `project`'s whole chain and checkpoints against `key`, page by page.
+    pub async fn verify_audit_chain(
+        &self,
+        project: ProjectId,
+        key: &VerifyingKey,
+        anchors: &[Anchor],
+    ) -> Result<Verification, StoreError> {
+        let checkpoints = self.audit_checkpoints(project, 0, None).await?;
+        let mut verifier = ChainVerifier::new(project, key, checkpoints, anchors);
+        let mut after = 0;
+        while !verifier.entries_broken() {
+            let rows = self.audit_entry_rows(project, after, VERIFY_PAGE).await?;
+            for row in &rows {
+                let seq: i64 = row.try_get("seq")?;
+                match entry_from_row(row) {
+                    Ok(entry) => verifier.push(&entry),
+                    Err(column) => verifier.push_unreadable(seq, column),
+                }
+                after = seq;
+            }
+            if i64::try_from(rows.len()).unwrap_or(0) < VERIFY_PAGE {
+                break;
+            }
+        }
+        Ok(verifier.finish())
+    }
+}
+
+/// An entry from its row, or the name of the column that does not parse.
+fn entry_from_row(row: &sqlx::any::AnyRow) -> Result<AuditEntry, &'static str> {
+    fn text(row: &sqlx::any::AnyRow, column: &'static str) -> Result<String, &'static str> {
+        row.try_get(column).map_err(|_| column)
+    }
+    fn json<T: serde::de::DeserializeOwned>(
+        row: &sqlx::any::AnyRow,
+        column: &'static str,
+    ) -> Result<T, &'static str> {
+        serde_json::from_str(&text(row, column)?).map_err(|_| column)
+    }
+    fn id<T: std::str::FromStr>(
+        row: &sqlx::any::AnyRow,
+        column: &'static str,
+    ) -> Result<Option<T>, &'static str> {
+        let value: Option<String> = row.try_get(column).map_err(|_| column)?;
+        value.map(|v| v.parse().map_err(|_| column)).transpose()
+    }
+    Ok(AuditEntry {
+        project_id: text(row, "project_id")?.parse().map_err(|_| "project_id")?,
+        seq: row.try_get("seq").map_err(|_| "seq")?,
+        at: row.try_get("at").map_err(|_| "at")?,
+        actor: json(row, "actor")?,
+        category: text(row, "category")?,
+        subjects: json(row, "subjects")?,
+        root_run_id: id(row, "root_run_id")?,
+        parent_run_id: id(row, "parent_run_id")?,
+        payload_digest: text(row, "payload_digest")?,
+        payload: json(row, "payload")?,
+        prev_hash: text(row, "prev_hash")?,
+        hash: text(row, "hash")?,
+    })
+}
