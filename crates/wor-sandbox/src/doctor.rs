@@ -25,7 +25,7 @@ pub struct LayerReport {
 pub async fn doctor(sandbox: &Sandbox) -> Vec<LayerReport> {
     let mut reports = Vec::new();
     for layer in SandboxLayer::ALL {
-        let mut profile = SandboxProfile::new("/nonexistent-probe");
+        let mut profile = SandboxProfile::new("/usr/nonexistent-probe");
         profile.probe_until = Some(layer);
         if layer == SandboxLayer::EgressProxy {
             profile.network = NetworkAccess::Proxy(Vec::new());
