@@ -3,6 +3,7 @@
 mod keys;
 mod members;
 mod operator;
+mod sandbox;
 mod serve;
 
 use std::process::ExitCode;
@@ -26,6 +27,11 @@ pub enum Command {
     /// API keys of your project.
     #[command(subcommand)]
     Key(keys::KeyCommand),
+    /// Run a command in the mandatory sandbox, as a local tool would run (local).
+    #[command(subcommand)]
+    Sandbox(sandbox::SandboxCommand),
+    /// Report which sandbox layers this host supports, by applying each one (local).
+    Doctor(sandbox::DoctorArgs),
 }
 
 impl Command {
@@ -37,6 +43,8 @@ impl Command {
             Command::Whoami(args) => members::whoami(args).await,
             Command::Member(cmd) => members::run(cmd).await,
             Command::Key(cmd) => keys::run(cmd).await,
+            Command::Sandbox(sandbox::SandboxCommand::Exec(args)) => sandbox::exec(args).await,
+            Command::Doctor(args) => sandbox::doctor(args).await,
         }
     }
 }
