@@ -65,9 +65,19 @@ fn eventually(what: &str, check: impl Fn() -> bool) {
 #[test]
 fn exec_passes_the_exit_code_and_output_through() {
     let dir = tempfile::tempdir().unwrap();
-    let out = wor(dir.path(), &["sandbox", "exec", "--", "sh", "-c", "echo hi; id -u; exit 5"])
-        .output()
-        .unwrap();
+    let out = wor(
+        dir.path(),
+        &[
+            "sandbox",
+            "exec",
+            "--",
+            "sh",
+            "-c",
+            "echo hi; id -u; exit 5",
+        ],
+    )
+    .output()
+    .unwrap();
     assert_eq!(out.status.code(), Some(5), "{}", text(&out.stderr));
     assert_eq!(text(&out.stdout), "hi\n1000\n");
     assert_eq!(roots(dir.path()), 0);
@@ -76,11 +86,14 @@ fn exec_passes_the_exit_code_and_output_through() {
 #[test]
 fn exec_passes_only_declared_variables() {
     let dir = tempfile::tempdir().unwrap();
-    let out = wor(dir.path(), &["sandbox", "exec", "--env", "DECLARED", "--", "env"])
-        .env("DECLARED", "yes")
-        .env("UNDECLARED_SECRET", "no")
-        .output()
-        .unwrap();
+    let out = wor(
+        dir.path(),
+        &["sandbox", "exec", "--env", "DECLARED", "--", "env"],
+    )
+    .env("DECLARED", "yes")
+    .env("UNDECLARED_SECRET", "no")
+    .output()
+    .unwrap();
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert_eq!(text(&out.stdout), "DECLARED=yes\n");
 }
@@ -92,9 +105,12 @@ fn exec_without_network_reaches_nothing() {
     listener.set_nonblocking(true).unwrap();
     let port = listener.local_addr().unwrap().port();
     let script = format!("echo hi > /dev/tcp/127.0.0.1/{port}");
-    let out = wor(dir.path(), &["sandbox", "exec", "--", "bash", "-c", &script])
-        .output()
-        .unwrap();
+    let out = wor(
+        dir.path(),
+        &["sandbox", "exec", "--", "bash", "-c", &script],
+    )
+    .output()
+    .unwrap();
     assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
     assert!(listener.accept().is_err());
 }
@@ -135,7 +151,9 @@ fn doctor_reports_every_layer() {
         "seccomp",
     ] {
         assert!(
-            stdout.lines().any(|l| l.starts_with(layer) && l.ends_with("supported")),
+            stdout
+                .lines()
+                .any(|l| l.starts_with(layer) && l.ends_with("supported")),
             "{layer}: {stdout}"
         );
     }

@@ -183,7 +183,10 @@ async fn read_head(client: &mut TcpStream) -> Result<(String, Vec<u8>), String> 
     {
         return Err("connect target must be a plain host:port".into());
     }
-    let leftover = head.get(end.saturating_add(4)..).unwrap_or_default().to_vec();
+    let leftover = head
+        .get(end.saturating_add(4)..)
+        .unwrap_or_default()
+        .to_vec();
     Ok((authority.to_owned(), leftover))
 }
 

@@ -37,9 +37,10 @@ pub async fn doctor(sandbox: &Sandbox) -> Vec<LayerReport> {
         let (supported, detail) = match result {
             Ok(SandboxExit::Code(0)) => (true, "applied".to_owned()),
             Ok(other) => (false, format!("probe ended with {other:?}")),
-            Err(SandboxError::Layer { layer: failed, reason }) if failed == layer => {
-                (false, reason)
-            }
+            Err(SandboxError::Layer {
+                layer: failed,
+                reason,
+            }) if failed == layer => (false, reason),
             Err(SandboxError::Layer { layer: failed, .. }) => {
                 (false, format!("needs `{failed}`, which is unavailable"))
             }

@@ -286,7 +286,11 @@ fn wait_or_kill(control: &OwnedFd, child: Pid) -> i32 {
             return match rustix::process::waitpid(Some(child), WaitOptions::empty()) {
                 Ok(Some((_, status))) => status
                     .exit_status()
-                    .or_else(|| status.terminating_signal().map(|s| 128_i32.saturating_add(s)))
+                    .or_else(|| {
+                        status
+                            .terminating_signal()
+                            .map(|s| 128_i32.saturating_add(s))
+                    })
                     .unwrap_or(EXIT_SETUP_FAILED),
                 _ => EXIT_SETUP_FAILED,
             };
@@ -510,8 +514,8 @@ fn build_root(root: &Path, profile: &SandboxProfile) -> Result<(), String> {
 fn mount_tmp(root: &Path, size: u64) -> Result<(), String> {
     let tmp = root.join("tmp");
     std::fs::create_dir_all(&tmp).map_err(io(&tmp))?;
-    let data = std::ffi::CString::new(format!("size={size},mode=1777"))
-        .map_err(|e| e.to_string())?;
+    let data =
+        std::ffi::CString::new(format!("size={size},mode=1777")).map_err(|e| e.to_string())?;
     rustix::mount::mount(
         "tmpfs",
         &tmp,
@@ -584,8 +588,12 @@ fn loopback_up() -> Result<(), String> {
     let (len, _) =
         rustix::net::recv(&socket, &mut answer, RecvFlags::empty()).map_err(err("netlink recv"))?;
     let field = |range: std::ops::Range<usize>| answer.get(..len).and_then(|a| a.get(range));
-    let kind = field(4..6).and_then(|b| b.try_into().ok()).map(u16::from_ne_bytes);
-    let code = field(16..20).and_then(|b| b.try_into().ok()).map(i32::from_ne_bytes);
+    let kind = field(4..6)
+        .and_then(|b| b.try_into().ok())
+        .map(u16::from_ne_bytes);
+    let code = field(16..20)
+        .and_then(|b| b.try_into().ok())
+        .map(i32::from_ne_bytes);
     match (kind, code) {
         (Some(NLMSG_ERROR), Some(0)) => Ok(()),
         (Some(NLMSG_ERROR), Some(code)) => Err(format!(
@@ -620,8 +628,8 @@ fn set_limits(profile: &SandboxProfile) -> Result<(), String> {
 
 fn landlock(profile: &SandboxProfile, proxy: bool) -> Result<(), String> {
     use landlock::{
-        ABI, Access, AccessFs, AccessNet, BitFlags, CompatLevel, Compatible, NetPort,
-        PathBeneath, PathFd, Ruleset, RulesetAttr, RulesetCreatedAttr, RulesetStatus, Scope,
+        ABI, Access, AccessFs, AccessNet, BitFlags, CompatLevel, Compatible, NetPort, PathBeneath,
+        PathFd, Ruleset, RulesetAttr, RulesetCreatedAttr, RulesetStatus, Scope,
     };
     // V6: filesystem rights incl. truncate and device ioctls, TCP bind/connect, and scoping
     // of signals and abstract unix sockets. Required in full: no best-effort downgrade.
@@ -657,9 +665,18 @@ fn landlock(profile: &SandboxProfile, proxy: bool) -> Result<(), String> {
             .add_rule(rule(&bind.target, AccessFs::from_read(abi))?)
             .map_err(e)?;
     }
-    for node in ["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom"] {
+    for node in [
+        "/dev/null",
+        "/dev/zero",
+        "/dev/full",
+        "/dev/random",
+        "/dev/urandom",
+    ] {
         ruleset = ruleset
-            .add_rule(rule(Path::new(node), AccessFs::ReadFile | AccessFs::WriteFile)?)
+            .add_rule(rule(
+                Path::new(node),
+                AccessFs::ReadFile | AccessFs::WriteFile,
+            )?)
             .map_err(e)?;
     }
     let tmp = AccessFs::from_all(abi)
@@ -684,7 +701,10 @@ mod tests {
     #[test]
     fn bind_targets_must_be_absolute_and_plain() {
         let root = Path::new("/r");
-        assert_eq!(inside(root, Path::new("/usr/bin")).unwrap(), Path::new("/r/usr/bin"));
+        assert_eq!(
+            inside(root, Path::new("/usr/bin")).unwrap(),
+            Path::new("/r/usr/bin")
+        );
         assert!(inside(root, Path::new("usr")).is_err());
         assert!(inside(root, Path::new("/usr/../etc")).is_err());
     }

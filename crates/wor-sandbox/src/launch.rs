@@ -116,8 +116,7 @@ impl Sandbox {
         let allowlist = match &profile.network {
             NetworkAccess::None => None,
             NetworkAccess::Proxy(entries) => Some(
-                HostAllowlist::parse(entries)
-                    .map_err(|e| SandboxError::Profile(e.to_string()))?,
+                HostAllowlist::parse(entries).map_err(|e| SandboxError::Profile(e.to_string()))?,
             ),
         };
         let root = TempRoot::create(&self.config.state_dir)?;
@@ -161,7 +160,9 @@ impl Sandbox {
             Ok(received) => received,
             Err(join) => {
                 let _ = child.kill().await;
-                return Err(SandboxError::Helper(format!("start-up task failed: {join}")));
+                return Err(SandboxError::Helper(format!(
+                    "start-up task failed: {join}"
+                )));
             }
         };
         let proxy = match reports.and_then(|reports| {
@@ -265,9 +266,9 @@ fn receive_startup(
         let mut iov = [IoSliceMut::new(&mut buf)];
         let msg = rustix::net::recvmsg(control, &mut iov, &mut ancillary, RecvFlags::CMSG_CLOEXEC)
             .map_err(|e| match e {
-                rustix::io::Errno::AGAIN => SandboxError::Helper(format!(
-                    "the sandbox did not start within {timeout:?}"
-                )),
+                rustix::io::Errno::AGAIN => {
+                    SandboxError::Helper(format!("the sandbox did not start within {timeout:?}"))
+                }
                 other => SandboxError::Io(other.into()),
             })?;
         let mut fd = None;
@@ -334,7 +335,9 @@ fn start_proxy(
             }
         }
     }
-    Err(SandboxError::Helper("start-up ended without a report".into()))
+    Err(SandboxError::Helper(
+        "start-up ended without a report".into(),
+    ))
 }
 
 /// A process running in the sandbox.

@@ -31,8 +31,7 @@ mod seccomp;
 pub use doctor::{LayerReport, doctor};
 pub use helper::{INSIDE_ID, main_if_helper};
 pub use launch::{
-    ROOT_PREFIX, Sandbox, SandboxConfig, SandboxExit, SandboxOutput, SandboxStdio,
-    SandboxedProcess,
+    ROOT_PREFIX, Sandbox, SandboxConfig, SandboxExit, SandboxOutput, SandboxStdio, SandboxedProcess,
 };
 pub use layer::{SandboxError, SandboxLayer};
 pub use profile::{

@@ -82,7 +82,7 @@ const NAMESPACE_FLAGS: &[u64] = &[
 ];
 
 /// Terminal ioctls that inject input into (or reconfigure) a controlling terminal.
-const DENIED_IOCTLS: &[u64] = &[libc::TIOCSTI as u64, libc::TIOCLINUX as u64];
+const DENIED_IOCTLS: &[u64] = &[libc::TIOCSTI, libc::TIOCLINUX];
 
 /// The deny-list program.
 pub(crate) fn deny_list() -> Result<BpfProgram, String> {

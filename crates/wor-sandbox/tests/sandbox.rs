@@ -57,7 +57,11 @@ fn text(bytes: &[u8]) -> String {
 async fn a_command_runs_and_its_output_and_status_come_back() {
     let dir = tempfile::tempdir().unwrap();
     let sandbox = sandbox(dir.path());
-    let out = run(&sandbox, &sh("echo hello; id -u; hostname; echo err >&2; exit 7")).await;
+    let out = run(
+        &sandbox,
+        &sh("echo hello; id -u; hostname; echo err >&2; exit 7"),
+    )
+    .await;
     assert_eq!(out.exit, SandboxExit::Code(7), "{}", text(&out.stderr));
     assert_eq!(text(&out.stdout), "hello\n1000\nwor-sandbox\n");
     assert_eq!(text(&out.stderr), "err\n");
@@ -97,15 +101,21 @@ async fn only_tmp_is_writable_and_nothing_written_there_executes() {
     for expected in ["root=2", "usr=2", "proc=2", "data", "copied", "exec=126"] {
         assert!(stdout.contains(expected), "{expected} in {stdout}");
     }
-    assert!(text(&out.stderr).contains("Permission denied"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("Permission denied"),
+        "{}",
+        text(&out.stderr)
+    );
 }
 
 #[tokio::test]
 async fn tmp_is_size_limited_and_limits_apply() {
     let dir = tempfile::tempdir().unwrap();
     let sandbox = sandbox(dir.path());
-    let mut profile = sh("head -c 4194304 /dev/zero > /tmp/big; echo write=$?; ulimit -n; \
-                          grep -E '^(NoNewPrivs|Seccomp):' /proc/self/status");
+    let mut profile = sh(
+        "head -c 4194304 /dev/zero > /tmp/big; echo write=$?; ulimit -n; \
+                          grep -E '^(NoNewPrivs|Seccomp):' /proc/self/status",
+    );
     profile.tmp_size_bytes = 1 << 20;
     let out = run(&sandbox, &profile).await;
     let stdout = text(&out.stdout);
@@ -159,7 +169,10 @@ async fn ptrace_mount_and_new_namespaces_are_refused() {
 
 #[tokio::test]
 async fn only_declared_variables_are_in_the_environment() {
-    assert!(std::env::var_os("PATH").is_some(), "the host test process has a PATH");
+    assert!(
+        std::env::var_os("PATH").is_some(),
+        "the host test process has a PATH"
+    );
     let dir = tempfile::tempdir().unwrap();
     let sandbox = sandbox(dir.path());
     let profile = SandboxProfile::new("/usr/bin/env").env("DECLARED", "yes");
@@ -178,7 +191,11 @@ async fn without_network_access_nothing_is_reachable() {
         "echo hi > /dev/tcp/127.0.0.1/{port}; echo tcp=$?; \
          curl -sS -m 2 http://1.1.1.1/; echo curl=$?"
     );
-    let out = run(&sandbox, &SandboxProfile::new("/bin/bash").args(["-c", &script])).await;
+    let out = run(
+        &sandbox,
+        &SandboxProfile::new("/bin/bash").args(["-c", &script]),
+    )
+    .await;
     let stdout = text(&out.stdout);
     assert!(stdout.contains("tcp=1"), "{stdout} {}", text(&out.stderr));
     assert!(!stdout.contains("curl=0"), "{stdout}");
@@ -202,7 +219,9 @@ fn counting_server(ip: &str) -> (u16, Arc<std::sync::atomic::AtomicUsize>) {
             seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             let mut buf = [0u8; 1024];
             let _ = stream.read(&mut buf);
-            let _ = stream.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: close\r\n\r\nhello");
+            let _ = stream.write_all(
+                b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: close\r\n\r\nhello",
+            );
         }
     });
     (port, count)
@@ -243,8 +262,16 @@ async fn with_an_allowlist_only_allowed_hosts_are_reachable_through_the_proxy() 
         assert!(!stdout.contains(refused), "{refused}: {stdout} {stderr}");
     }
     assert!(stderr.contains("403"), "{stderr}");
-    assert_eq!(allowed_hits.load(Ordering::SeqCst), 1, "only the allowed tunnel");
-    assert_eq!(refused_hits.load(Ordering::SeqCst), 0, "a refused address is never dialled");
+    assert_eq!(
+        allowed_hits.load(Ordering::SeqCst),
+        1,
+        "only the allowed tunnel"
+    );
+    assert_eq!(
+        refused_hits.load(Ordering::SeqCst),
+        0,
+        "a refused address is never dialled"
+    );
 }
 
 #[tokio::test]
@@ -258,7 +285,10 @@ async fn every_layer_fails_closed_and_the_error_names_it() {
         }
         profile.simulate_unavailable = Some(layer);
         match sandbox.spawn(&profile, SandboxStdio::Piped).await {
-            Err(SandboxError::Layer { layer: failed, reason }) => {
+            Err(SandboxError::Layer {
+                layer: failed,
+                reason,
+            }) => {
                 assert_eq!(failed, layer, "{reason}");
                 assert!(reason.contains("simulated"), "{reason}");
             }
@@ -273,13 +303,25 @@ async fn a_real_setup_failure_refuses_to_start() {
     let dir = tempfile::tempdir().unwrap();
     let sandbox = sandbox(dir.path());
     let profile = sh("echo ran").bind(Bind::same("/nonexistent/tool/runtime"));
-    let error = sandbox.spawn(&profile, SandboxStdio::Piped).await.unwrap_err();
+    let error = sandbox
+        .spawn(&profile, SandboxStdio::Piped)
+        .await
+        .unwrap_err();
     assert!(
-        matches!(&error, SandboxError::Layer { layer: SandboxLayer::RootFilesystem, .. }),
+        matches!(
+            &error,
+            SandboxError::Layer {
+                layer: SandboxLayer::RootFilesystem,
+                ..
+            }
+        ),
         "{error}"
     );
     let missing = SandboxProfile::new("/usr/bin/not-there");
-    let error = sandbox.spawn(&missing, SandboxStdio::Piped).await.unwrap_err();
+    let error = sandbox
+        .spawn(&missing, SandboxStdio::Piped)
+        .await
+        .unwrap_err();
     assert!(matches!(&error, SandboxError::Exec { .. }), "{error}");
     assert_eq!(roots(dir.path()), 0);
 }
@@ -322,7 +364,11 @@ async fn eventually(what: &str, check: impl Fn() -> bool) {
 fn marker() -> String {
     use std::sync::atomic::{AtomicU32, Ordering};
     static N: AtomicU32 = AtomicU32::new(1);
-    format!("1000.{}{}", std::process::id(), N.fetch_add(1, Ordering::SeqCst))
+    format!(
+        "1000.{}{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::SeqCst)
+    )
 }
 
 /// A tool that starts a grandchild and waits: the whole tree must go.
@@ -335,7 +381,10 @@ async fn success_and_failure_leave_nothing_behind() {
     let dir = tempfile::tempdir().unwrap();
     let sandbox = sandbox(dir.path());
     assert_eq!(run(&sandbox, &sh("true")).await.exit, SandboxExit::Code(0));
-    assert_eq!(run(&sandbox, &sh("exit 3")).await.exit, SandboxExit::Code(3));
+    assert_eq!(
+        run(&sandbox, &sh("exit 3")).await.exit,
+        SandboxExit::Code(3)
+    );
     assert_eq!(roots(dir.path()), 0);
 }
 
@@ -350,7 +399,10 @@ async fn a_timeout_kills_the_whole_tree_and_removes_the_root() {
         .unwrap();
     assert_eq!(out.exit, SandboxExit::TimedOut);
     assert!(!text(&out.stdout).contains("done"));
-    eventually("no sleeper survives the timeout", || processes(&marker) == 0).await;
+    eventually("no sleeper survives the timeout", || {
+        processes(&marker) == 0
+    })
+    .await;
     assert_eq!(roots(dir.path()), 0);
 }
 
@@ -360,7 +412,10 @@ async fn kill_and_drop_kill_the_whole_tree_and_remove_the_root() {
     let sandbox = sandbox(dir.path());
     for by_drop in [false, true] {
         let marker = marker();
-        let mut process = sandbox.spawn(&sleepers(&marker), SandboxStdio::Null).await.unwrap();
+        let mut process = sandbox
+            .spawn(&sleepers(&marker), SandboxStdio::Null)
+            .await
+            .unwrap();
         eventually("both sleepers run", || processes(&marker) >= 2).await;
         assert_eq!(roots(dir.path()), 1);
         if by_drop {
@@ -379,14 +434,23 @@ async fn stdio_is_a_pipe_pair_for_json_rpc() {
     let dir = tempfile::tempdir().unwrap();
     let sandbox = sandbox(dir.path());
     let mut process = sandbox
-        .spawn(&sh("while read line; do echo \"got $line\"; done"), SandboxStdio::Piped)
+        .spawn(
+            &sh("while read line; do echo \"got $line\"; done"),
+            SandboxStdio::Piped,
+        )
         .await
         .unwrap();
     let mut stdin = process.stdin.take().unwrap();
     let mut lines = BufReader::new(process.stdout.take().unwrap()).lines();
     for request in ["{\"id\":1}", "{\"id\":2}"] {
-        stdin.write_all(format!("{request}\n").as_bytes()).await.unwrap();
-        assert_eq!(lines.next_line().await.unwrap().unwrap(), format!("got {request}"));
+        stdin
+            .write_all(format!("{request}\n").as_bytes())
+            .await
+            .unwrap();
+        assert_eq!(
+            lines.next_line().await.unwrap().unwrap(),
+            format!("got {request}")
+        );
     }
     drop(stdin);
     assert_eq!(process.wait().await.unwrap(), SandboxExit::Code(0));
