@@ -27,3 +27,7 @@ pub const LOG_FORMAT: &str = "WOR_LOG_FORMAT";
 pub const SERVER: &str = "WOR_SERVER";
 /// API key that client subcommands present.
 pub const API_KEY: &str = "WOR_API_KEY";
+/// Directory for per-operation sandbox roots.
+pub const SANDBOX_DIR: &str = "WOR_SANDBOX_DIR";
+/// Where `wor sandbox exec` looks commands up (the shell's search path).
+pub const PATH: &str = "PATH";

@@ -28,8 +28,9 @@ use crate::commands::Command;
     long_about = "Work on Repeat runs AI agent routines on a schedule, on a signed webhook or on \
                   request, and bounds what they can do even when their model is hijacked.\n\n\
                   Server and operator commands: serve, init, project.\n\
+                  Local commands: sandbox exec, doctor, egress check.\n\
                   Client commands (need --server/WOR_SERVER and WOR_API_KEY): whoami, member, key, \
-                  audit export.\n\
+                  model-connection, routine, run, audit export.\n\
                   Audit: audit verify, audit public-key (operator) and audit export (client)."
 )]
 struct Cli {
@@ -38,6 +39,8 @@ struct Cli {
 }
 
 fn main() -> ExitCode {
+    // Before anything else: the sandbox helper is this binary re-executed, and it forks.
+    wor_sandbox::main_if_helper();
     let cli = Cli::parse();
     if let Err(err) = logging::init() {
         eprintln!("error: {err:#}");

@@ -7,7 +7,8 @@
 //! Code map: [`address`] names special-use ranges; [`url`] parses and vets URLs; [`policy`]
 //! holds the server-wide [`EgressPolicy`] and per-connection [`HostAllowlist`]s; [`resolver`]
 //! resolves names behind the policy and pins answers; [`client`] is the [`EgressClient`];
-//! [`check`](mod@check) answers `wor egress check` without connecting.
+//! [`check`](mod@check) answers `wor egress check` without connecting; [`connect_proxy`] is the
+//! sandbox's only way out.
 //!
 //! Architecture invariant: the reqwest client is built in exactly one function
 //! (`client::build_http`), and it resolves names only through the [`GuardedResolver`].
@@ -15,6 +16,7 @@
 pub mod address;
 pub mod check;
 pub mod client;
+pub mod connect_proxy;
 pub mod policy;
 pub mod resolver;
 pub mod url;

@@ -7,6 +7,7 @@ mod members;
 mod model_connections;
 mod operator;
 mod routines;
+mod sandbox;
 mod secrets;
 mod serve;
 
@@ -46,6 +47,11 @@ pub enum Command {
     /// The tamper-evident audit log: verify, export, and the checkpoint public key.
     #[command(subcommand)]
     Audit(audit::AuditCommand),
+    /// Run a command in the mandatory sandbox, as a local tool would run (local).
+    #[command(subcommand)]
+    Sandbox(sandbox::SandboxCommand),
+    /// Report which sandbox layers this host supports, by applying each one (local).
+    Doctor(sandbox::DoctorArgs),
 }
 
 impl Command {
@@ -62,6 +68,8 @@ impl Command {
             Command::ModelConnection(cmd) => model_connections::run(cmd).await,
             Command::Secrets(cmd) => secrets::run(cmd).await,
             Command::Audit(cmd) => audit::run(cmd).await,
+            Command::Sandbox(sandbox::SandboxCommand::Exec(args)) => sandbox::exec(args).await,
+            Command::Doctor(args) => sandbox::doctor(args).await,
         }
     }
 }
