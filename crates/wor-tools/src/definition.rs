@@ -65,7 +65,9 @@ impl ToolDefinition {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PinError {
     /// The stored hash is not the hash of the stored definition.
-    #[error("pinned tool `{name}` does not match its hash: stored `{stored}`, computed `{computed}`")]
+    #[error(
+        "pinned tool `{name}` does not match its hash: stored `{stored}`, computed `{computed}`"
+    )]
     HashMismatch {
         /// The tool.
         name: String,
@@ -102,7 +104,10 @@ impl PinnedToolDefinition {
                 computed,
             });
         }
-        Ok(Self { definition, hash: computed })
+        Ok(Self {
+            definition,
+            hash: computed,
+        })
     }
 
     /// The pinned definition.
@@ -128,7 +133,10 @@ impl PinnedToolDefinition {
 
 /// Pins every tool of a reviewed list.
 pub fn pin_all(definitions: impl IntoIterator<Item = ToolDefinition>) -> Vec<PinnedToolDefinition> {
-    definitions.into_iter().map(PinnedToolDefinition::pin).collect()
+    definitions
+        .into_iter()
+        .map(PinnedToolDefinition::pin)
+        .collect()
 }
 
 /// How a connection's live tool list differs from its pins.
@@ -423,7 +431,11 @@ mod tests {
             pin
         );
         let error = PinnedToolDefinition::from_stored(definition, &"0".repeat(64)).unwrap_err();
-        assert!(error.to_string().starts_with("pinned tool `search` does not match"));
+        assert!(
+            error
+                .to_string()
+                .starts_with("pinned tool `search` does not match")
+        );
     }
 
     #[test]

@@ -99,7 +99,9 @@ impl PathTemplate {
             return Err(invalid("it must start with `/`"));
         }
         if template.contains(['?', '#', '%', '\\']) || template.chars().any(char::is_whitespace) {
-            return Err(invalid("it may not contain `?`, `#`, `%`, `\\` or white space"));
+            return Err(invalid(
+                "it may not contain `?`, `#`, `%`, `\\` or white space",
+            ));
         }
         if template.split('/').any(|s| s == "." || s == "..") {
             return Err(invalid("it may not contain `.` or `..` segments"));
@@ -115,7 +117,9 @@ impl PathTemplate {
             let close = after.find('}').ok_or_else(|| invalid("unclosed `{`"))?;
             let (name, tail) = after.split_at(close);
             if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
-                return Err(invalid("placeholder names are ascii letters, digits and `_`"));
+                return Err(invalid(
+                    "placeholder names are ascii letters, digits and `_`",
+                ));
             }
             if !literal.is_empty() {
                 parts.push(TemplatePart::Literal(literal.to_owned()));
@@ -153,7 +157,8 @@ impl PathTemplate {
                     let value = arguments
                         .get(name)
                         .ok_or_else(|| HttpToolError::MissingPathArgument(name.clone()))?;
-                    let text = scalar_text(value).ok_or_else(|| HttpToolError::NotScalar(name.clone()))?;
+                    let text =
+                        scalar_text(value).ok_or_else(|| HttpToolError::NotScalar(name.clone()))?;
                     if text.is_empty() || text == "." || text == ".." || text.contains(['/', '\\'])
                     {
                         return Err(HttpToolError::PathInjection(name.clone()));
@@ -268,7 +273,10 @@ impl HttpToolDefinition {
             _ => return Err(HttpToolError::UnsupportedMethod(config.method)),
         };
         let path = PathTemplate::parse(&config.path)?;
-        let properties = config.input_schema.get("properties").and_then(Value::as_object);
+        let properties = config
+            .input_schema
+            .get("properties")
+            .and_then(Value::as_object);
         for parameter in path.parameters() {
             if !properties.is_some_and(|p| p.contains_key(parameter)) {
                 return Err(HttpToolError::UndeclaredPathParameter(parameter.to_owned()));
@@ -339,7 +347,8 @@ impl HttpToolDefinition {
                     single => vec![single],
                 };
                 for value in values {
-                    let text = scalar_text(value).ok_or_else(|| HttpToolError::NotScalar(key.clone()))?;
+                    let text =
+                        scalar_text(value).ok_or_else(|| HttpToolError::NotScalar(key.clone()))?;
                     pairs.push(format!(
                         "{}={}",
                         utf8_percent_encode(key, COMPONENT),
@@ -371,7 +380,8 @@ impl HttpToolDefinition {
         arguments: &Map<String, Value>,
     ) -> Result<ToolCallResult, HttpToolError> {
         let (url, body) = self.build_request(connection, arguments)?;
-        let mut request = EgressRequest::new(self.method.clone(), &url).with_allowlist(&connection.allowlist);
+        let mut request =
+            EgressRequest::new(self.method.clone(), &url).with_allowlist(&connection.allowlist);
         request.timeout = Some(connection.timeout);
         request.max_response_bytes = Some(connection.max_response_bytes);
         if let Some(body) = body {
@@ -389,11 +399,18 @@ impl HttpToolDefinition {
             .headers
             .get(CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.split(';').next().is_some_and(|m| m.trim().ends_with("json")));
+            .is_some_and(|v| {
+                v.split(';')
+                    .next()
+                    .is_some_and(|m| m.trim().ends_with("json"))
+            });
         let mut content = Vec::new();
         let is_error = !response.status.is_success();
         if is_error {
-            content.push(ToolContent::Text(format!("http status {}", response.status.as_u16())));
+            content.push(ToolContent::Text(format!(
+                "http status {}",
+                response.status.as_u16()
+            )));
         }
         if !response.body.is_empty() {
             let json = is_json
@@ -442,10 +459,7 @@ mod tests {
     #[test]
     fn fills_and_encodes_segments() {
         let template = PathTemplate::parse("/repos/{owner}/{repo}/issues").unwrap();
-        assert_eq!(
-            template.parameters().collect::<Vec<_>>(),
-            ["owner", "repo"]
-        );
+        assert_eq!(template.parameters().collect::<Vec<_>>(), ["owner", "repo"]);
         assert_eq!(
             template
                 .fill(&args(json!({"owner": "a b?#%", "repo": 7})))
@@ -481,9 +495,14 @@ mod tests {
 
     #[test]
     fn refuses_bad_templates() {
-        for bad in ["repos", "/a/../b", "/a?x=1", "/{a", "/a}", "/{a-b}", "/{}", "/%2e"] {
+        for bad in [
+            "repos", "/a/../b", "/a?x=1", "/{a", "/a}", "/{a-b}", "/{}", "/%2e",
+        ] {
             assert!(
-                matches!(PathTemplate::parse(bad), Err(HttpToolError::InvalidTemplate { .. })),
+                matches!(
+                    PathTemplate::parse(bad),
+                    Err(HttpToolError::InvalidTemplate { .. })
+                ),
                 "{bad}"
             );
         }
@@ -505,7 +524,10 @@ mod tests {
     fn builds_urls_with_query_or_body() {
         let connection = connection();
         let (url, body) = tool("GET", "/repos/{owner}/issues")
-            .build_request(&connection, &args(json!({"owner": "acme", "title": "a&b", "repo": ["x", 1]})))
+            .build_request(
+                &connection,
+                &args(json!({"owner": "acme", "title": "a&b", "repo": ["x", 1]})),
+            )
             .unwrap();
         assert_eq!(
             url,

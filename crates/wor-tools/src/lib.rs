@@ -33,8 +33,8 @@ pub use http_tool::{
 };
 pub use mcp::egress_http::McpHttpError;
 pub use mcp::sandbox::{
-    LaunchError, LaunchFuture, LaunchedProcess, ProcessGuard, SandboxLauncher,
-    SandboxUnavailable, StdioCommand,
+    LaunchError, LaunchFuture, LaunchedProcess, ProcessGuard, SandboxLauncher, SandboxUnavailable,
+    StdioCommand,
 };
 pub use mcp::{
     McpError, McpLimits, McpServerKind, McpSession, StreamableHttpEndpoint, ToolListChanged,

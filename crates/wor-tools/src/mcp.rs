@@ -268,7 +268,9 @@ impl McpSession {
         let service = tokio::time::timeout(limits.initialize_timeout, handler.serve(transport))
             .await
             .map_err(|_| McpError::Timeout(limits.initialize_timeout))?
-            .map_err(|error| McpError::Initialize(redactor.redact(&error.to_string()).into_owned()))?;
+            .map_err(|error| {
+                McpError::Initialize(redactor.redact(&error.to_string()).into_owned())
+            })?;
         Ok(Self {
             service,
             tools_changed,
@@ -322,7 +324,11 @@ impl McpSession {
                 .send_request_with_option(request, options)
                 .await
                 .map_err(|e| self.service_error(e))?;
-            let page = match handle.await_response().await.map_err(|e| self.service_error(e))? {
+            let page = match handle
+                .await_response()
+                .await
+                .map_err(|e| self.service_error(e))?
+            {
                 ServerResult::ListToolsResult(page) => page,
                 _ => return Err(McpError::UnexpectedResponse("not a tool list")),
             };
@@ -391,6 +397,9 @@ impl McpSession {
 
     /// Ends the session (for HTTP, deletes it on the server).
     pub async fn close(mut self) {
-        let _ = self.service.close_with_timeout(Duration::from_secs(5)).await;
+        let _ = self
+            .service
+            .close_with_timeout(Duration::from_secs(5))
+            .await;
     }
 }

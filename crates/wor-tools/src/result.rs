@@ -170,7 +170,12 @@ mod tests {
             ],
             is_error: false,
         };
-        let out = ToolResult::new(&result, "github/search", &redactor(), ResultLimits::default());
+        let out = ToolResult::new(
+            &result,
+            "github/search",
+            &redactor(),
+            ResultLimits::default(),
+        );
         assert_eq!(out.text, "hello\n{\"a\":1}");
         assert_eq!(out.truncated, None);
         assert_eq!(

@@ -300,7 +300,10 @@ mod tests {
         assert_eq!(paths, BTreeSet::from(["", "/labels/0", "/title"]));
         let message = error.to_string();
         assert!(message.starts_with("arguments do not match the input schema: "));
-        assert!(message.contains("at `/labels/0`: 1 is not of type \"string\""), "{message}");
+        assert!(
+            message.contains("at `/labels/0`: 1 is not of type \"string\""),
+            "{message}"
+        );
         assert!(message.contains("extra"), "{message}");
 
         assert_eq!(

@@ -241,9 +241,8 @@ where
     let mut failed = false;
     let checked = bytes
         .map(move |chunk| {
-            let chunk = chunk.map_err(|e| {
-                McpHttpError::Egress(EgressError::Request(e.without_url()))
-            })?;
+            let chunk =
+                chunk.map_err(|e| McpHttpError::Egress(EgressError::Request(e.without_url())))?;
             counter.feed(&chunk)?;
             Ok::<Bytes, McpHttpError>(chunk)
         })
@@ -333,7 +332,9 @@ impl StreamableHttpClient for EgressStreamableHttp {
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned);
         let media = media_type(&response);
-        let json_limit = limits.max_json_response_size.min(self.inner.max_message_bytes);
+        let json_limit = limits
+            .max_json_response_size
+            .min(self.inner.max_message_bytes);
         if !status.is_success() {
             let failure = status_failure(status, response.headers());
             // A JSON-RPC error in an error response is the server's answer, not a transport

@@ -77,7 +77,8 @@ pub enum LaunchError {
 }
 
 /// The future a [`SandboxLauncher`] returns.
-pub type LaunchFuture<'a> = Pin<Box<dyn Future<Output = Result<LaunchedProcess, LaunchError>> + Send + 'a>>;
+pub type LaunchFuture<'a> =
+    Pin<Box<dyn Future<Output = Result<LaunchedProcess, LaunchError>> + Send + 'a>>;
 
 /// Starts a stdio MCP server inside the sandbox and hands back its pipes.
 ///
