@@ -1,0 +1,350 @@
+//! A routine's tool roster, what the model is shown of each tool, and the arguments that are
+//! actually sent: pinned values forced in, then checked against the pinned input schema.
+//!
+//! Schema validation uses `jsonschema` without any retriever: a `$ref` that points outside the
+//! schema is never fetched; the schema is unusable instead ([`ArgumentError::UnusableSchema`]).
+//! Every [`ArgumentError`] is a message for the model (a tool error), not a server failure.
+
+use std::collections::BTreeSet;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use crate::definition::PinnedToolDefinition;
+
+/// What happens when the model calls a roster tool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolMode {
+    /// Runs once policy allows it.
+    Auto,
+    /// Runs after an approver approves that exact call.
+    Confirm,
+    /// Never runs; the model is told so.
+    Deny,
+}
+
+/// One tool on a routine's roster.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RosterEntry {
+    /// The tool's name on its connection.
+    pub tool: String,
+    /// Its mode.
+    pub mode: ToolMode,
+    /// Argument values the author fixed: hidden from the model, always sent.
+    #[serde(default)]
+    pub pinned_arguments: Map<String, Value>,
+}
+
+/// A tool as the model sees it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelToolSpec {
+    /// The tool's name.
+    pub name: String,
+    /// Its pinned description (empty when it has none).
+    pub description: String,
+    /// Its pinned input schema without the pinned arguments.
+    pub input_schema: Value,
+}
+
+/// What the model is shown of `pinned`: name, description, and the input schema with every
+/// pinned argument removed from the top-level `properties` and `required`.
+pub fn model_view(pinned: &PinnedToolDefinition, entry: &RosterEntry) -> ModelToolSpec {
+    let definition = pinned.definition();
+    let mut schema = definition.input_schema.clone();
+    if let Some(Value::Object(properties)) = schema.get_mut("properties") {
+        for key in entry.pinned_arguments.keys() {
+            properties.remove(key);
+        }
+    }
+    if let Some(Value::Array(required)) = schema.get_mut("required") {
+        required.retain(|name| {
+            name.as_str()
+                .is_none_or(|name| !entry.pinned_arguments.contains_key(name))
+        });
+    }
+    ModelToolSpec {
+        name: definition.name.clone(),
+        description: definition.description.clone().unwrap_or_default(),
+        input_schema: Value::Object(schema),
+    }
+}
+
+/// The arguments that will be sent, in canonical form.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CanonicalArguments {
+    /// The arguments, pinned values included.
+    pub value: Map<String, Value>,
+    /// Their canonical JSON ([`wor_core::canonical`]).
+    pub canonical_json: String,
+    /// Lower-case hex SHA-256 of `canonical_json`: what approvals bind to.
+    pub hash: String,
+    /// The keys whose value came from the roster, sorted.
+    pub pinned_keys: Vec<String>,
+}
+
+/// One way the arguments break the schema.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SchemaViolation {
+    /// JSON pointer into the arguments (`""` for the whole object).
+    pub path: String,
+    /// What is wrong there.
+    pub message: String,
+}
+
+/// Why the arguments cannot be sent. Each is returned to the model as a tool error.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ArgumentError {
+    /// The model sent something other than a JSON object.
+    #[error("arguments must be a json object, got {found}")]
+    NotAnObject {
+        /// The JSON type that was sent.
+        found: &'static str,
+    },
+    /// The arguments do not match the pinned input schema.
+    #[error("arguments do not match the input schema: {}", summary(.violations))]
+    SchemaViolations {
+        /// Every violation, in schema order.
+        violations: Vec<SchemaViolation>,
+    },
+    /// The pinned schema cannot be used (malformed, or it refers to a remote document, which
+    /// is never fetched).
+    #[error("the tool's input schema cannot be used: {reason}")]
+    UnusableSchema {
+        /// Why.
+        reason: String,
+    },
+}
+
+fn summary(violations: &[SchemaViolation]) -> String {
+    violations
+        .iter()
+        .map(|v| {
+            if v.path.is_empty() {
+                v.message.clone()
+            } else {
+                format!("at `{}`: {}", v.path, v.message)
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+fn json_type(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// Builds the arguments to send: the model's object (`null` counts as `{}`), with every pinned
+/// value written over it, validated against `pinned_schema`.
+///
+/// A violation at a pinned key names the key but never shows its value: pinned values are
+/// hidden from the model.
+pub fn prepare_arguments(
+    model_arguments: &Value,
+    entry: &RosterEntry,
+    pinned_schema: &Value,
+) -> Result<CanonicalArguments, ArgumentError> {
+    let mut arguments = match model_arguments {
+        Value::Object(map) => map.clone(),
+        Value::Null => Map::new(),
+        other => {
+            return Err(ArgumentError::NotAnObject {
+                found: json_type(other),
+            });
+        }
+    };
+    for (key, value) in &entry.pinned_arguments {
+        arguments.insert(key.clone(), value.clone());
+    }
+    let instance = Value::Object(arguments);
+
+    let validator = jsonschema::options()
+        .offline()
+        .build(pinned_schema)
+        .map_err(|error| ArgumentError::UnusableSchema {
+            reason: error.to_string(),
+        })?;
+    let pinned_keys: BTreeSet<&String> = entry.pinned_arguments.keys().collect();
+    let violations: Vec<SchemaViolation> = validator
+        .iter_errors(&instance)
+        .map(|error| {
+            let path = error.instance_path().as_str().to_owned();
+            let first = path.split('/').nth(1).map(unescape_pointer);
+            let at_pinned = first.is_some_and(|key| pinned_keys.contains(&key));
+            let message = if at_pinned {
+                error.masked().to_string()
+            } else {
+                error.to_string()
+            };
+            SchemaViolation { path, message }
+        })
+        .collect();
+    if !violations.is_empty() {
+        return Err(ArgumentError::SchemaViolations { violations });
+    }
+
+    let Value::Object(value) = instance else {
+        return Err(ArgumentError::NotAnObject { found: "unknown" });
+    };
+    let canonical_json = wor_core::canonical::to_canonical_json(&Value::Object(value.clone()));
+    let hash = wor_core::canonical::sha256_hex(canonical_json.as_bytes());
+    Ok(CanonicalArguments {
+        value,
+        canonical_json,
+        hash,
+        pinned_keys: pinned_keys.into_iter().cloned().collect(),
+    })
+}
+
+fn unescape_pointer(segment: &str) -> String {
+    segment.replace("~1", "/").replace("~0", "~")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::definition::ToolDefinition;
+    use serde_json::json;
+
+    fn schema() -> Value {
+        json!({
+            "type": "object",
+            "properties": {
+                "owner": {"type": "string"},
+                "repo": {"type": "string"},
+                "title": {"type": "string", "maxLength": 20},
+                "labels": {"type": "array", "items": {"type": "string"}}
+            },
+            "required": ["owner", "repo", "title"],
+            "additionalProperties": false
+        })
+    }
+
+    fn entry() -> RosterEntry {
+        RosterEntry {
+            tool: "create_issue".into(),
+            mode: ToolMode::Confirm,
+            pinned_arguments: json!({"owner": "acme", "repo": "ops"})
+                .as_object()
+                .cloned()
+                .unwrap(),
+        }
+    }
+
+    fn pinned() -> PinnedToolDefinition {
+        PinnedToolDefinition::pin(ToolDefinition {
+            name: "create_issue".into(),
+            description: Some("Opens an issue".into()),
+            input_schema: schema().as_object().cloned().unwrap(),
+            annotations: None,
+        })
+    }
+
+    #[test]
+    fn model_view_hides_pinned_arguments() {
+        let view = model_view(&pinned(), &entry());
+        assert_eq!(view.name, "create_issue");
+        assert_eq!(view.description, "Opens an issue");
+        assert_eq!(
+            view.input_schema,
+            json!({
+                "type": "object",
+                "properties": {
+                    "title": {"type": "string", "maxLength": 20},
+                    "labels": {"type": "array", "items": {"type": "string"}}
+                },
+                "required": ["title"],
+                "additionalProperties": false
+            })
+        );
+    }
+
+    #[test]
+    fn pinned_values_override_the_model() {
+        let prepared = prepare_arguments(
+            &json!({"owner": "attacker", "title": "hi"}),
+            &entry(),
+            &schema(),
+        )
+        .unwrap();
+        assert_eq!(
+            prepared.canonical_json,
+            r#"{"owner":"acme","repo":"ops","title":"hi"}"#
+        );
+        assert_eq!(
+            prepared.hash,
+            wor_core::canonical::sha256_hex(prepared.canonical_json.as_bytes())
+        );
+        assert_eq!(prepared.pinned_keys, ["owner", "repo"]);
+    }
+
+    #[test]
+    fn violations_are_clear_messages() {
+        let error = prepare_arguments(
+            &json!({"title": "this title is far too long", "labels": [1], "extra": true}),
+            &entry(),
+            &schema(),
+        )
+        .unwrap_err();
+        let ArgumentError::SchemaViolations { violations } = &error else {
+            panic!("{error:?}");
+        };
+        let paths: BTreeSet<&str> = violations.iter().map(|v| v.path.as_str()).collect();
+        assert_eq!(paths, BTreeSet::from(["", "/labels/0", "/title"]));
+        let message = error.to_string();
+        assert!(message.starts_with("arguments do not match the input schema: "));
+        assert!(
+            message.contains("at `/labels/0`: 1 is not of type \"string\""),
+            "{message}"
+        );
+        assert!(message.contains("extra"), "{message}");
+
+        assert_eq!(
+            prepare_arguments(&json!([1]), &entry(), &schema())
+                .unwrap_err()
+                .to_string(),
+            "arguments must be a json object, got an array"
+        );
+    }
+
+    #[test]
+    fn a_bad_pinned_value_is_reported_without_showing_it() {
+        let mut entry = entry();
+        entry
+            .pinned_arguments
+            .insert("title".into(), json!("pinned-secret-looking-title-value"));
+        let error = prepare_arguments(&json!({}), &entry, &schema()).unwrap_err();
+        let message = error.to_string();
+        assert!(message.contains("`/title`"), "{message}");
+        assert!(!message.contains("pinned-secret-looking"), "{message}");
+    }
+
+    #[test]
+    fn null_arguments_are_an_empty_object() {
+        let entry = RosterEntry {
+            tool: "t".into(),
+            mode: ToolMode::Auto,
+            pinned_arguments: Map::new(),
+        };
+        let prepared = prepare_arguments(&Value::Null, &entry, &json!({"type": "object"})).unwrap();
+        assert_eq!(prepared.canonical_json, "{}");
+    }
+
+    #[test]
+    fn a_remote_ref_is_unusable_not_fetched() {
+        // No listener: a fetch would also fail, so the loopback test in tests/ counts requests.
+        let schema = json!({"$ref": "https://schemas.example.com/args.json"});
+        let error = prepare_arguments(&json!({}), &entry(), &schema).unwrap_err();
+        assert!(
+            matches!(error, ArgumentError::UnusableSchema { .. }),
+            "{error:?}"
+        );
+    }
+}

@@ -1,0 +1,51 @@
+//! End-to-end tests of the tool library, loopback only: the reference MCP server
+//! (`@modelcontextprotocol/server-everything`, installed by `.ci/mcp-servers.sh`), a small
+//! rmcp server of our own that changes its tools on demand, and plain HTTP servers that
+//! record what reached them.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic,
+    reason = "tests fail loudly"
+)]
+
+mod everything;
+mod http_tools;
+mod own_server;
+mod schemas;
+mod stdio;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use wor_egress::{EgressClient, EgressLimits, EgressPolicy, HostAllowlist, StaticResolver};
+
+/// The egress client every test uses: the development policy with loopback explicitly
+/// allowed, the way an operator lists a private CIDR.
+pub fn loopback_egress() -> EgressClient {
+    let policy = EgressPolicy::development()
+        .with_allowed_cidrs(["127.0.0.1/32".parse().unwrap()])
+        .unwrap();
+    EgressClient::with_resolver(
+        policy,
+        Arc::new(StaticResolver::new()),
+        EgressLimits::default(),
+    )
+    .unwrap()
+}
+
+/// An allowlist of exactly `addr`.
+pub fn allow(addr: SocketAddr) -> HostAllowlist {
+    HostAllowlist::parse([addr.to_string()]).unwrap()
+}
+
+/// Serves `router` on a fresh loopback port.
+pub async fn serve(router: axum::Router) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        axum::serve(listener, router).await.unwrap();
+    });
+    addr
+}
