@@ -54,6 +54,15 @@ pub enum AuditCategory {
     MemberCreate,
     KeyCreate,
     KeyRevoke,
+    ModelConnectionCreate,
+    ModelConnectionSetKey,
+    ModelConnectionRevoke,
+    RoutineApply,
+    RunStart,
+    RunCancel,
+    RunEnd,
+    ModelCall,
+    ToolCall,
 }
 
 impl AuditCategory {
@@ -63,6 +72,15 @@ impl AuditCategory {
             AuditCategory::MemberCreate => "member.create",
             AuditCategory::KeyCreate => "key.create",
             AuditCategory::KeyRevoke => "key.revoke",
+            AuditCategory::ModelConnectionCreate => "model_connection.create",
+            AuditCategory::ModelConnectionSetKey => "model_connection.set_key",
+            AuditCategory::ModelConnectionRevoke => "model_connection.revoke",
+            AuditCategory::RoutineApply => "routine.apply",
+            AuditCategory::RunStart => "run.start",
+            AuditCategory::RunCancel => "run.cancel",
+            AuditCategory::RunEnd => "run.end",
+            AuditCategory::ModelCall => "model.call",
+            AuditCategory::ToolCall => "tool.call",
         }
     }
 }

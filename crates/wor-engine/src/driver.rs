@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use secrecy::ExposeSecret;
 use serde_json::{Value, json};
+use wor_core::audit::{Actor, AuditCategory, AuditEvent};
 use wor_core::budget::{BudgetExceeded, BudgetUsage};
 use wor_core::model::{
     AssistantMessage, ChatMessage, ModelRequest, ModelResponse, ProviderKind, ToolCallRequest,
@@ -75,6 +76,23 @@ impl Engine {
                 &ending.outcome,
             )
             .await?;
+        if finished {
+            self.audit
+                .append(
+                    AuditEvent::new(
+                        run.project_id,
+                        AuditCategory::RunEnd,
+                        Actor::Run { run_id: run.id },
+                    )
+                    .subject("run_id", run.id)
+                    .subject("routine_id", run.routine_id)
+                    .runs(run.root_run_id, run.parent_run_id)
+                    .payload(
+                        json!({ "status": ending.status.as_str(), "outcome": ending.outcome }),
+                    ),
+                )
+                .await?;
+        }
         tracing::info!(category = "run", action = "run.end", project_id = %run.project_id,
             run_id = %run.id, status = ending.status.as_str(), lease_held = finished, "run ended");
         Ok(())

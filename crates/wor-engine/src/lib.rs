@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use wor_core::budget::ModelPrice;
 use wor_egress::EgressClient;
-use wor_store::{Store, StoreError, Vault};
+use wor_store::{AuditLog, Store, StoreError, Vault};
 
 pub use start::{StartRun, Trigger};
 
@@ -69,17 +69,29 @@ pub struct Engine {
     store: Store,
     vault: Vault,
     egress: EgressClient,
+    audit: AuditLog,
     config: Arc<EngineConfig>,
 }
 
 impl Engine {
-    pub fn new(store: Store, vault: Vault, egress: EgressClient, config: EngineConfig) -> Self {
+    pub fn new(
+        store: Store,
+        vault: Vault,
+        egress: EgressClient,
+        audit: AuditLog,
+        config: EngineConfig,
+    ) -> Self {
         Engine {
             store,
             vault,
             egress,
+            audit,
             config: Arc::new(config),
         }
+    }
+
+    pub fn audit(&self) -> &AuditLog {
+        &self.audit
     }
 
     pub fn store(&self) -> &Store {

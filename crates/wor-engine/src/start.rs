@@ -1,6 +1,7 @@
 //! Starting runs: the routine's current version, its concurrency policy, and the input as the
 //! requester's first step.
 
+use wor_core::audit::{Actor, AuditCategory, AuditEvent};
 use wor_core::model::ProviderKind;
 use wor_core::routine::OverlapPolicy;
 use wor_core::run::RunStatus;
@@ -24,6 +25,8 @@ pub struct StartRun {
     /// The requester's input: text or any JSON value.
     pub input: serde_json::Value,
     pub trigger: Trigger,
+    /// Who the audit log names as starting the run; `None` names the trigger's key.
+    pub actor: Option<Actor>,
 }
 
 impl Engine {
@@ -80,6 +83,23 @@ impl Engine {
                     outcome,
                 },
                 &serde_json::json!({ "input": request.input }),
+            )
+            .await?;
+        let actor = match &request.actor {
+            Some(actor) => actor.clone(),
+            None => Actor::ApiKey { key_id: key },
+        };
+        self.audit
+            .append(
+                AuditEvent::new(request.project, AuditCategory::RunStart, actor)
+                    .subject("run_id", run.id)
+                    .subject("routine_id", routine.id)
+                    .runs(run.root_run_id, run.parent_run_id)
+                    .payload(serde_json::json!({
+                        "routine_version": version.version,
+                        "trigger": "api",
+                        "status": run.status.as_str(),
+                    })),
             )
             .await?;
         tracing::info!(category = "run", action = "run.start", project_id = %request.project,

@@ -30,7 +30,7 @@ fn app_state(db: &TestDatabase, production: bool) -> (AppState, AuditLog) {
     };
     let (key, _) = wor_secrets::AuditSigningKey::generate().unwrap();
     let audit = AuditLog::start(db.store.clone(), key, AuditConfig::default());
-    let engine = wor_engine::Engine::new(db.store.clone(), vault, egress, config);
+    let engine = wor_engine::Engine::new(db.store.clone(), vault, egress, audit.clone(), config);
     (AppState::new(engine, audit.clone()), audit)
 }
 

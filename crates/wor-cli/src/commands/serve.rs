@@ -56,6 +56,19 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         config.audit_signing_key()?,
         AuditConfig::default(),
     );
+    let egress = wor_egress::EgressClient::new(egress_policy(&config)?)
+        .context("cannot build the outbound client")?;
+    let vault = wor_store::Vault::new(store.clone(), Arc::new(keys));
+    let engine = Engine::new(
+        store.clone(),
+        vault,
+        egress,
+        audit.clone(),
+        EngineConfig {
+            production: config.production,
+            ..EngineConfig::default()
+        },
+    );
     let shutdown = shutdown_signal()?;
     let listener = TcpListener::bind(config.listen)
         .await
@@ -69,18 +82,6 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         "server started"
     );
     eprintln!("wor: listening on http://{local}");
-    let egress = wor_egress::EgressClient::new(egress_policy(&config)?)
-        .context("cannot build the outbound client")?;
-    let vault = wor_store::Vault::new(store.clone(), Arc::new(keys));
-    let engine = Engine::new(
-        store.clone(),
-        vault,
-        egress,
-        EngineConfig {
-            production: config.production,
-            ..EngineConfig::default()
-        },
-    );
     let (stop_workers, workers_stopped) = tokio::sync::watch::channel(false);
     let worker = engine.spawn_worker(workers_stopped);
     let state = AppState::new(engine.clone(), audit.clone());

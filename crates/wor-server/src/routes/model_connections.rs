@@ -6,7 +6,9 @@
 use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
+use serde_json::json;
 use wor_core::ConnectionId;
+use wor_core::audit::{AuditCategory, AuditEvent};
 use wor_store::{
     API_KEY_FIELD, MODEL_CONNECTIONS_TABLE, ModelConnectionRecord, NewModelConnection, SecretSlot,
 };
@@ -172,6 +174,14 @@ pub async fn create(
             .await?;
         return Err(err.into());
     }
+    state
+        .audit
+        .append(
+            AuditEvent::new(caller.project_id, AuditCategory::ModelConnectionCreate, caller.actor())
+                .subject("connection_id", record.id)
+                .payload(json!({ "name": record.name, "provider": record.provider, "base_url": record.base_url })),
+        )
+        .await?;
     tracing::info!(category = "config", action = "model_connection.create", project_id = %caller.project_id,
         connection_id = %record.id, actor_key_id = %caller.key_id, "model connection created");
     Ok((StatusCode::CREATED, Json(view(&state, record).await?)))
@@ -222,6 +232,18 @@ pub async fn set_api_key(
         .store
         .bump_model_credential_version(caller.project_id, id)
         .await?;
+    state
+        .audit
+        .append(
+            AuditEvent::new(
+                caller.project_id,
+                AuditCategory::ModelConnectionSetKey,
+                caller.actor(),
+            )
+            .subject("connection_id", id)
+            .payload(json!({ "credential_version": record.credential_version })),
+        )
+        .await?;
     tracing::info!(category = "config", action = "model_connection.set_key", project_id = %caller.project_id,
         connection_id = %id, credential_version = record.credential_version, actor_key_id = %caller.key_id,
         "model connection key replaced");
@@ -248,6 +270,17 @@ pub async fn revoke(
         .revoke_model_connection(caller.project_id, record.id)
         .await?;
     state.vault.delete(&slot(&record)).await?;
+    state
+        .audit
+        .append(
+            AuditEvent::new(
+                caller.project_id,
+                AuditCategory::ModelConnectionRevoke,
+                caller.actor(),
+            )
+            .subject("connection_id", id),
+        )
+        .await?;
     tracing::info!(category = "config", action = "model_connection.revoke", project_id = %caller.project_id,
         connection_id = %id, actor_key_id = %caller.key_id, "model connection revoked");
     Ok(Json(view(&state, record).await?))

@@ -4,6 +4,7 @@ use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
 use wor_core::RoutineId;
+use wor_core::audit::{AuditCategory, AuditEvent};
 use wor_core::model::ProviderKind;
 use wor_core::routine::RoutineDefinition;
 
@@ -120,6 +121,24 @@ pub async fn apply(
             Some(caller.key_id),
         )
         .await?;
+    if applied.changed {
+        state
+            .audit
+            .append(
+                AuditEvent::new(
+                    caller.project_id,
+                    AuditCategory::RoutineApply,
+                    caller.actor(),
+                )
+                .subject("routine_id", applied.routine.id)
+                .payload(serde_json::json!({
+                    "name": applied.routine.name,
+                    "version": applied.version,
+                    "content_hash": definition.content_hash(),
+                })),
+            )
+            .await?;
+    }
     tracing::info!(category = "config", action = "routine.apply", project_id = %caller.project_id,
         routine_id = %applied.routine.id, version = applied.version, changed = applied.changed,
         actor_key_id = %caller.key_id, "routine applied");

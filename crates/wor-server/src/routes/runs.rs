@@ -8,6 +8,7 @@ use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use futures_util::Stream;
+use wor_core::audit::{AuditCategory, AuditEvent};
 use wor_core::run::RunStatus;
 use wor_core::{ProjectId, RoutineId, RunId};
 use wor_engine::{StartRun, Trigger};
@@ -158,6 +159,7 @@ pub async fn start(
             routine,
             input: body.input,
             trigger: Trigger::Api(caller.key_id),
+            actor: Some(caller.actor()),
         })
         .await?;
     Ok((StatusCode::ACCEPTED, Json(run.into())))
@@ -232,6 +234,15 @@ pub async fn cancel(
         )));
     }
     let run = state.store.request_cancel(caller.project_id, id).await?;
+    state
+        .audit
+        .append(
+            AuditEvent::new(caller.project_id, AuditCategory::RunCancel, caller.actor())
+                .subject("run_id", id)
+                .runs(run.root_run_id, run.parent_run_id)
+                .payload(serde_json::json!({ "status": run.status.as_str() })),
+        )
+        .await?;
     tracing::info!(category = "run", action = "run.cancel", project_id = %caller.project_id, run_id = %id,
         actor_key_id = %caller.key_id, "run cancel requested");
     Ok(Json(run.into()))
