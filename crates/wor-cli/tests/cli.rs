@@ -10,9 +10,7 @@
 
 mod common;
 
-use std::path::Path;
-
-use common::{Server, create_project, database_args, run, text, wor};
+use common::{Server, create_project, database_args, database_url, run, text, wor};
 
 #[test]
 fn init_prints_the_key_alone_and_only_once() {
@@ -255,14 +253,6 @@ fn configuration_file_is_read_and_typos_are_errors() {
     );
 }
 
-/// The database URL a test's binaries use, for opening it from the test as an attacker.
-fn database_url(dir: &Path) -> String {
-    match std::env::var("WOR_TEST_DATABASE_URL") {
-        Ok(url) if !url.is_empty() => url,
-        _ => format!("sqlite://{}", dir.join("wor.db").display()),
-    }
-}
-
 #[test]
 fn audit_log_is_written_exported_and_verified_end_to_end() {
     let dir = tempfile::tempdir().unwrap();
@@ -426,7 +416,7 @@ fn audit_log_is_written_exported_and_verified_end_to_end() {
         text(&ok.stdout)
     );
     tokio::runtime::Runtime::new().unwrap().block_on(async {
-        let store = wor_store::Store::connect(&database_url(dir.path()))
+        let store = wor_store::Store::connect(&database_url(&db, dir.path()))
             .await
             .unwrap();
         wor_store::testing::tamper(

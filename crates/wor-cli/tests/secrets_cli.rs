@@ -17,7 +17,7 @@ use std::io::Write;
 use std::process::Stdio;
 
 use base64::Engine;
-use common::{Server, create_project, database_args, own_database_args, run, text, wor};
+use common::{Server, create_project, database_url, own_database_args, run, text, wor};
 
 /// Everything a canary may look like once encoded.
 fn forms(canary: &str) -> Vec<String> {
@@ -43,39 +43,38 @@ fn assert_absent(haystack: &str, canaries: &[&str], place: &str) {
 }
 
 /// The whole database as text: the SQLite files, or every row of every table on PostgreSQL.
-async fn database_text(dir: &std::path::Path) -> String {
-    match std::env::var("WOR_TEST_DATABASE_URL") {
-        Ok(url) if !url.is_empty() => {
-            let store = wor_store::Store::connect(&url).await.unwrap();
-            let tables: Vec<(String,)> = sqlx::query_as(
-                "SELECT table_name::text FROM information_schema.tables WHERE table_schema = 'public'",
-            )
-            .fetch_all(store.pool())
-            .await
-            .unwrap();
-            let mut all = String::new();
-            for (table,) in tables {
-                let rows: Vec<(String,)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-                    "SELECT CAST(t AS TEXT) FROM {table} t"
-                )))
-                .fetch_all(store.pool())
-                .await
-                .unwrap();
-                for (row,) in rows {
-                    all.push_str(&row);
-                    all.push('\n');
-                }
-            }
-            all
-        }
-        _ => ["wor.db", "wor.db-wal", "wor.db-shm"]
+async fn database_text(db: &[String], dir: &std::path::Path) -> String {
+    let url = database_url(db, dir);
+    if !url.starts_with("postgres") {
+        return ["wor.db", "wor.db-wal", "wor.db-shm"]
             .iter()
             .map(|f| {
                 String::from_utf8_lossy(&std::fs::read(dir.join(f)).unwrap_or_default())
                     .into_owned()
             })
-            .collect(),
+            .collect();
     }
+    let store = wor_store::Store::connect(&url).await.unwrap();
+    let tables: Vec<(String,)> = sqlx::query_as(
+        "SELECT table_name::text FROM information_schema.tables WHERE table_schema = 'public'",
+    )
+    .fetch_all(store.pool())
+    .await
+    .unwrap();
+    let mut all = String::new();
+    for (table,) in tables {
+        let rows: Vec<(String,)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT CAST(t AS TEXT) FROM {table} t"
+        )))
+        .fetch_all(store.pool())
+        .await
+        .unwrap();
+        for (row,) in rows {
+            all.push_str(&row);
+            all.push('\n');
+        }
+    }
+    all
 }
 
 fn with_stdin(server: &Server, key: &str, args: &[&str], input: &str) -> std::process::Output {
@@ -98,7 +97,7 @@ fn with_stdin(server: &Server, key: &str, args: &[&str], input: &str) -> std::pr
 #[tokio::test(flavor = "multi_thread")]
 async fn canaries_in_secret_fields_appear_nowhere() {
     let dir = tempfile::tempdir().unwrap();
-    let db = database_args(dir.path());
+    let db = own_database_args(dir.path()).await;
     let owner = create_project(&db);
     let server = Server::start(&db, &[("WOR_LOG", "trace")]);
     let first = "sk-canary-first-0d9e8f7a6b5c4d3e";
@@ -179,10 +178,18 @@ async fn canaries_in_secret_fields_appear_nowhere() {
     let canaries = [first, second, "sk-canary-in-url-99887766"];
     assert_absent(&responses, &canaries, "an API response or CLI output");
     assert_absent(&log, &canaries, "the server log");
-    assert_absent(&database_text(dir.path()).await, &canaries, "the database");
+    assert_absent(
+        &database_text(&db, dir.path()).await,
+        &canaries,
+        "the database",
+    );
     // The API key the owner uses is a credential too: not in the log, not in the database.
     assert_absent(&log, &[&owner], "the server log");
-    assert_absent(&database_text(dir.path()).await, &[&owner], "the database");
+    assert_absent(
+        &database_text(&db, dir.path()).await,
+        &[&owner],
+        "the database",
+    );
 }
 
 fn secrets_cmd(args: &[&str], db: &[String], envs: &[(&str, &str)]) -> std::process::Output {

@@ -35,6 +35,18 @@ impl TestDatabase {
         Ok(TestDatabase { store, url, dir })
     }
 
+    /// A store on a database of this test's own (see [`Self::fresh_url`]): for tests whose
+    /// workers claim whatever work the database holds.
+    pub async fn isolated() -> Result<Self, StoreError> {
+        let dir = tempfile::tempdir().map_err(|source| StoreError::DataDir {
+            path: "<temporary directory>".to_owned(),
+            source,
+        })?;
+        let url = Self::fresh_url(dir.path()).await?;
+        let store = Store::connect(&url).await?;
+        Ok(TestDatabase { store, url, dir })
+    }
+
     /// A database of its own for a test that works on a whole database (rotation, audit
     /// verification): a new PostgreSQL database when `WOR_TEST_DATABASE_URL` is set, else the
     /// SQLite file in `dir`. Returns its URL; nothing is created in it yet.

@@ -35,17 +35,34 @@ pub fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
-/// The database a server test runs on: the CI PostgreSQL when configured, else the data dir.
+/// The database a server test runs on: a PostgreSQL database of the test's own when CI
+/// configures PostgreSQL (a server's workers claim whatever runs their database holds, so
+/// tests must not share one), else the SQLite file in the data dir. The data dir is always
+/// given: it holds the development key and the audit signing key.
 pub fn database_args(dir: &Path) -> Vec<String> {
-    // The data dir is always given: it holds the development key even when the database
-    // is elsewhere.
     let mut args = vec!["--data-dir".into(), dir.display().to_string()];
     if let Ok(url) = std::env::var("WOR_TEST_DATABASE_URL")
         && !url.is_empty()
     {
-        args.extend(["--database".into(), url]);
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let own = runtime
+            .block_on(wor_store::testing::TestDatabase::fresh_url(dir))
+            .unwrap();
+        args.extend(["--database".into(), own]);
     }
     args
+}
+
+/// The database URL a test's binaries use (from their arguments), for opening it from the
+/// test as an attacker.
+pub fn database_url(db: &[String], dir: &Path) -> String {
+    db.iter()
+        .position(|a| a == "--database")
+        .and_then(|i| db.get(i + 1).cloned())
+        .unwrap_or_else(|| format!("sqlite://{}", dir.join("wor.db").display()))
 }
 
 /// Like [`database_args`], but with a database of the test's own, for commands that work on

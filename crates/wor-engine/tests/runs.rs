@@ -1,0 +1,598 @@
+//! The engine end to end on the configured database: runs driven by the replay model and by
+//! an OpenAI-compatible mock on loopback, every budget kind, cancellation, overlap policies,
+//! connections rechecked at run start, and a worker that dies mid-run.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic,
+    reason = "tests fail loudly"
+)]
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+use wor_core::budget::ModelPrice;
+use wor_core::run::RunStatus;
+use wor_core::{ProjectId, RoutineId, RunId};
+use wor_engine::{Engine, EngineConfig, StartRun, Trigger};
+use wor_store::testing::TestDatabase;
+use wor_store::{AuditConfig, AuditLog, NewModelConnection, RunRecord, SecretSlot, Vault};
+
+struct Harness {
+    db: TestDatabase,
+    vault: Vault,
+    audit: AuditLog,
+    project: ProjectId,
+    key: wor_core::ApiKeyId,
+}
+
+impl Harness {
+    async fn new() -> Self {
+        // Workers claim any queued run of their database: each test gets a database of its own.
+        let db = TestDatabase::isolated().await.unwrap();
+        let created = db
+            .store
+            .create_project(&TestDatabase::unique_name("engine"), "owner")
+            .await
+            .unwrap();
+        let key = db.store.list_api_keys(created.project.id).await.unwrap()[0].id;
+        let (keys, _) = wor_secrets::KeyRing::generate().unwrap();
+        let vault = Vault::new(db.store.clone(), Arc::new(keys));
+        let (signing, _) = wor_secrets::AuditSigningKey::generate().unwrap();
+        let audit = AuditLog::start(db.store.clone(), signing, AuditConfig::default());
+        Harness {
+            db,
+            vault,
+            audit,
+            project: created.project.id,
+            key,
+        }
+    }
+
+    fn engine(&self, config: EngineConfig) -> Engine {
+        let policy = wor_egress::EgressPolicy::development()
+            .with_allowed_cidrs(["127.0.0.1/32".parse().unwrap()])
+            .unwrap();
+        let egress = wor_egress::EgressClient::new(policy).unwrap();
+        Engine::new(
+            self.db.store.clone(),
+            self.vault.clone(),
+            egress,
+            self.audit.clone(),
+            config,
+        )
+    }
+
+    async fn routine(&self, toml: &str) -> RoutineId {
+        let definition = wor_core::routine::RoutineDefinition::from_toml(toml).unwrap();
+        self.db
+            .store
+            .apply_routine(self.project, toml, &definition, None)
+            .await
+            .unwrap()
+            .routine
+            .id
+    }
+
+    async fn start(&self, engine: &Engine, routine: RoutineId, input: &str) -> RunRecord {
+        engine
+            .start_run(StartRun {
+                project: self.project,
+                routine,
+                input: json!(input),
+                trigger: Trigger::Api(self.key),
+                actor: None,
+            })
+            .await
+            .unwrap()
+    }
+
+    async fn run(&self, id: RunId) -> RunRecord {
+        self.db.store.get_run(self.project, id).await.unwrap()
+    }
+
+    async fn steps(&self, id: RunId) -> Vec<(String, String, Value)> {
+        self.db
+            .store
+            .list_run_steps(self.project, id, 0)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|s| (s.kind, s.provenance.as_str().to_owned(), s.payload))
+            .collect()
+    }
+
+    /// Drives queued runs until `id` has ended.
+    async fn drive_to_end(&self, engine: &Engine, id: RunId) -> RunRecord {
+        for _ in 0..50 {
+            engine.run_next().await.unwrap();
+            let run = self.run(id).await;
+            if run.status.is_terminal() {
+                return run;
+            }
+        }
+        panic!("run {id} did not end");
+    }
+}
+
+fn replay(body: &str, budget: &str) -> String {
+    format!(
+        "name = \"r\"\ninstructions = \"Be brief.\"\n{budget}\n[model]\nprovider = \"replay\"\nmodel = \"m\"\n\
+         [model.script]\n{body}\n"
+    )
+}
+
+#[tokio::test]
+async fn a_run_succeeds_and_its_steps_tell_the_story() {
+    let h = Harness::new().await;
+    let engine = h.engine(EngineConfig::default());
+    let routine = h
+        .routine(&replay("[[model.script.turns]]\ntext = \"All done.\"", ""))
+        .await;
+    let run = h.start(&engine, routine, "say it").await;
+    assert_eq!(run.status, RunStatus::Queued);
+    let run = h.drive_to_end(&engine, run.id).await;
+    assert_eq!(run.status, RunStatus::Succeeded);
+    assert_eq!(run.outcome.as_deref(), Some("All done."));
+    assert_eq!(run.usage.turns, 1);
+    assert!(run.usage.output_tokens > 0, "usage is recorded");
+    let steps = h.steps(run.id).await;
+    let kinds: Vec<(&str, &str)> = steps
+        .iter()
+        .map(|(k, p, _)| (k.as_str(), p.as_str()))
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            ("input", "requester"),
+            ("model_turn", "model"),
+            ("outcome", "engine")
+        ]
+    );
+    assert_eq!(steps[0].2["input"], "say it");
+    assert_eq!(steps[2].2["status"], "succeeded");
+}
+
+#[tokio::test]
+async fn tool_calls_are_refused_unless_the_roster_allows_and_nothing_runs_unconnected() {
+    let h = Harness::new().await;
+    let engine = h.engine(EngineConfig::default());
+    let script = r#"
+[[model.script.turns]]
+tool_calls = [{ id = "a", name = "mail/delete_all" }, { id = "b", name = "mail/read" }, { id = "c", name = "mail/purge" }]
+[[model.script.turns]]
+text = "Gave up."
+"#;
+    let roster = "\n[[tools]]\ntool = \"mail/read\"\nmode = \"auto\"\n[[tools]]\ntool = \"mail/purge\"\nmode = \"deny\"\n";
+    let routine = h.routine(&(replay(script, "") + roster)).await;
+    let run = h.start(&engine, routine, "clean up").await;
+    let run = h.drive_to_end(&engine, run.id).await;
+    assert_eq!(run.status, RunStatus::Succeeded);
+    let results: Vec<String> = h
+        .steps(run.id)
+        .await
+        .into_iter()
+        .filter(|(k, _, _)| k == "tool_result")
+        .map(|(_, _, p)| p["result"]["content"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(results.len(), 3);
+    assert!(
+        results[0].contains("not on this routine's roster"),
+        "{results:?}"
+    );
+    assert!(
+        results[1].contains("tool connections are not available"),
+        "{results:?}"
+    );
+    assert!(results[2].contains("denied by this routine"), "{results:?}");
+    assert_eq!(
+        run.usage.tool_calls, 1,
+        "only the roster tool counts against the budget"
+    );
+}
+
+/// A script that asks for a tool forever.
+const LOOPING: &str = "[[model.script.turns]]\nrepeat = true\ntool_calls = [{ name = \"mail/read\" }]\nusage = { input_tokens = 40, output_tokens = 20 }";
+const ROSTER: &str = "\n[[tools]]\ntool = \"mail/read\"\nmode = \"auto\"\n";
+
+#[tokio::test]
+async fn each_budget_ends_the_run_naming_its_limit() {
+    let h = Harness::new().await;
+    let mut config = EngineConfig::default();
+    config.prices.insert(
+        "m".to_owned(),
+        ModelPrice {
+            input_microdollars_per_mtok: 1_000_000,
+            output_microdollars_per_mtok: 1_000_000,
+        },
+    );
+    let engine = h.engine(config);
+    for (budget, limit) in [
+        ("turns = 3", "turns"),
+        ("tool_calls = 2", "tool_calls"),
+        ("input_tokens = 100", "input_tokens"),
+        ("output_tokens = 50", "output_tokens"),
+        ("cost_microdollars = 1", "cost_microdollars"),
+    ] {
+        let routine = h
+            .routine(&(replay(LOOPING, &format!("[budget]\n{budget}")) + ROSTER))
+            .await;
+        let run = h.start(&engine, routine, "go").await;
+        let run = h.drive_to_end(&engine, run.id).await;
+        assert_eq!(
+            run.status,
+            RunStatus::BudgetExceeded,
+            "{budget}: {:?}",
+            run.outcome
+        );
+        let outcome = run.outcome.unwrap();
+        assert!(
+            outcome.contains(&format!("budget `{limit}` exhausted")),
+            "{budget}: {outcome}"
+        );
+        assert!(
+            run.usage.turns <= 3,
+            "{budget}: the loop stopped: {:?}",
+            run.usage
+        );
+    }
+}
+
+/// An OpenAI-compatible chat-completions mock: answers each request with the next scripted
+/// reply (streamed as server-sent events), or holds it open forever; records request bodies.
+#[derive(Clone)]
+struct MockModel {
+    url: String,
+    requests: Arc<Mutex<Vec<Value>>>,
+}
+
+#[derive(Clone)]
+enum Reply {
+    Text(&'static str),
+    ToolCall(&'static str),
+    Hang,
+}
+
+impl MockModel {
+    async fn start(replies: Vec<Reply>) -> MockModel {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/v1", listener.local_addr().unwrap());
+        let requests = Arc::new(Mutex::new(Vec::new()));
+        let queue = Arc::new(Mutex::new(VecDeque::from(replies)));
+        let seen = requests.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut stream, _)) = listener.accept().await else {
+                    return;
+                };
+                let seen = seen.clone();
+                let queue = queue.clone();
+                tokio::spawn(async move {
+                    let Some(body) = read_request(&mut stream).await else {
+                        return;
+                    };
+                    seen.lock()
+                        .unwrap()
+                        .push(serde_json::from_slice(&body).unwrap_or(Value::Null));
+                    let reply = queue.lock().unwrap().pop_front().unwrap_or(Reply::Hang);
+                    let events = match reply {
+                        Reply::Hang => {
+                            tokio::time::sleep(Duration::from_secs(600)).await;
+                            return;
+                        }
+                        Reply::Text(text) => vec![
+                            json!({"choices":[{"index":0,"delta":{"role":"assistant","content":text},"finish_reason":null}]}),
+                            json!({"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}),
+                        ],
+                        Reply::ToolCall(name) => vec![
+                            json!({"choices":[{"index":0,"delta":{"role":"assistant","tool_calls":[{"index":0,"id":"call_1","type":"function","function":{"name":name,"arguments":"{}"}}]},"finish_reason":null}]}),
+                            json!({"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}),
+                        ],
+                    };
+                    let mut sse = String::new();
+                    for event in events {
+                        sse.push_str(&format!("data: {event}\n\n"));
+                    }
+                    sse.push_str("data: {\"choices\":[],\"usage\":{\"prompt_tokens\":12,\"completion_tokens\":3}}\n\ndata: [DONE]\n\n");
+                    let head = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                        sse.len()
+                    );
+                    let _ = stream.write_all(head.as_bytes()).await;
+                    let _ = stream.write_all(sse.as_bytes()).await;
+                });
+            }
+        });
+        MockModel { url, requests }
+    }
+
+    fn request_count(&self) -> usize {
+        self.requests.lock().unwrap().len()
+    }
+}
+
+async fn read_request(stream: &mut tokio::net::TcpStream) -> Option<Vec<u8>> {
+    let mut buffer = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        let n = stream.read(&mut chunk).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        buffer.extend_from_slice(&chunk[..n]);
+        if let Some(end) = buffer.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&buffer[..end]).to_lowercase();
+            let length: usize = head
+                .lines()
+                .find_map(|l| {
+                    l.strip_prefix("content-length:")
+                        .map(|v| v.trim().parse().unwrap_or(0))
+                })
+                .unwrap_or(0);
+            while buffer.len() < end + 4 + length {
+                let n = stream.read(&mut chunk).await.ok()?;
+                if n == 0 {
+                    return None;
+                }
+                buffer.extend_from_slice(&chunk[..n]);
+            }
+            return Some(buffer[end + 4..end + 4 + length].to_vec());
+        }
+    }
+}
+
+impl Harness {
+    async fn openai_routine(&self, model: &MockModel, budget: &str) -> RoutineId {
+        let connection = self
+            .db
+            .store
+            .create_model_connection(
+                self.project,
+                NewModelConnection {
+                    name: "mock".to_owned(),
+                    provider: wor_store::ModelProvider::OpenaiCompatible,
+                    base_url: model.url.clone(),
+                    owner_member_id: None,
+                    created_by: None,
+                },
+            )
+            .await
+            .unwrap();
+        let slot = SecretSlot::new(self.project, "model_connections", connection.id, "api_key");
+        self.vault
+            .put(&slot, "sk-mock-key-0123456789")
+            .await
+            .unwrap();
+        self.routine(&format!(
+            "name = \"o\"\ninstructions = \"Be brief.\"\n{budget}\n[model]\nprovider = \"openai_compatible\"\n\
+             connection = \"mock\"\nmodel = \"gpt-test\"\n"
+        ))
+        .await
+    }
+}
+
+#[tokio::test]
+async fn wall_time_ends_a_run_stuck_in_a_model_call() {
+    let h = Harness::new().await;
+    let engine = h.engine(EngineConfig::default());
+    let model = MockModel::start(vec![Reply::Hang]).await;
+    let routine = h.openai_routine(&model, "[budget]\nwall_seconds = 1").await;
+    let run = h.start(&engine, routine, "go").await;
+    let started = std::time::Instant::now();
+    let run = h.drive_to_end(&engine, run.id).await;
+    assert_eq!(run.status, RunStatus::BudgetExceeded);
+    assert!(
+        run.outcome
+            .unwrap()
+            .contains("budget `wall_seconds` exhausted")
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "the deadline cut the call short"
+    );
+}
+
+#[tokio::test]
+async fn cancel_stops_a_queued_run_and_a_running_model_call() {
+    let h = Harness::new().await;
+    let engine = h.engine(EngineConfig::default());
+    let model = MockModel::start(vec![Reply::Hang]).await;
+    let routine = h
+        .openai_routine(&model, "[concurrency]\nmax_runs = 2")
+        .await;
+
+    let queued = h.start(&engine, routine, "first").await;
+    let cancelled =
+        h.db.store
+            .request_cancel(h.project, queued.id)
+            .await
+            .unwrap();
+    assert_eq!(
+        cancelled.status,
+        RunStatus::Cancelled,
+        "a queued run is cancelled at once"
+    );
+
+    let running = h.start(&engine, routine, "second").await;
+    let driver = {
+        let engine = engine.clone();
+        tokio::spawn(async move { engine.run_next().await })
+    };
+    for _ in 0..100 {
+        if model.request_count() == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(model.request_count(), 1, "the model call is in flight");
+    h.db.store
+        .request_cancel(h.project, running.id)
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(10), driver)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let run = h.run(running.id).await;
+    assert_eq!(run.status, RunStatus::Cancelled);
+    assert_eq!(run.outcome.as_deref(), Some("cancelled on request"));
+}
+
+#[tokio::test]
+async fn a_run_whose_worker_died_resumes_without_repeating_a_step() {
+    let h = Harness::new().await;
+    let model = MockModel::start(vec![
+        Reply::ToolCall("lookup"),
+        Reply::Hang,
+        Reply::Text("Resumed and done."),
+    ])
+    .await;
+    let routine = h.openai_routine(&model, "").await;
+    let doomed = h.engine(EngineConfig {
+        worker_id: "doomed".to_owned(),
+        lease: Duration::from_millis(400),
+        ..EngineConfig::default()
+    });
+    let run = h.start(&doomed, routine, "go").await;
+    let task = {
+        let doomed = doomed.clone();
+        tokio::spawn(async move { doomed.run_next().await })
+    };
+    for _ in 0..200 {
+        if model.request_count() == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(
+        model.request_count(),
+        2,
+        "the first turn was answered and the second is in flight"
+    );
+    // The worker dies: no clean shutdown, its lease simply stops being renewed.
+    task.abort();
+    let _ = task.await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+
+    let rescuer = h.engine(EngineConfig {
+        worker_id: "rescuer".to_owned(),
+        ..EngineConfig::default()
+    });
+    let run = h.drive_to_end(&rescuer, run.id).await;
+    assert_eq!(run.status, RunStatus::Succeeded, "{:?}", run.outcome);
+    assert_eq!(run.outcome.as_deref(), Some("Resumed and done."));
+    let steps = h.steps(run.id).await;
+    let kinds: Vec<&str> = steps.iter().map(|(k, _, _)| k.as_str()).collect();
+    assert_eq!(
+        kinds,
+        [
+            "input",
+            "model_turn",
+            "tool_result",
+            "model_turn",
+            "outcome"
+        ],
+        "nothing repeated"
+    );
+    // The resumed request carried the conversation so far, rebuilt from the stored steps.
+    let last = model.requests.lock().unwrap().last().cloned().unwrap();
+    let text = last.to_string();
+    assert!(
+        text.contains("lookup") && text.contains("not on this routine's roster"),
+        "{text}"
+    );
+    assert_eq!(model.request_count(), 3);
+}
+
+#[tokio::test]
+async fn a_revoked_model_connection_fails_the_run_closed() {
+    let h = Harness::new().await;
+    let engine = h.engine(EngineConfig::default());
+    let model = MockModel::start(vec![Reply::Text("never")]).await;
+    let routine = h.openai_routine(&model, "").await;
+    let connection = h.db.store.list_model_connections(h.project).await.unwrap()[0].id;
+    h.db.store
+        .revoke_model_connection(h.project, connection)
+        .await
+        .unwrap();
+    let run = h.start(&engine, routine, "go").await;
+    let run = h.drive_to_end(&engine, run.id).await;
+    assert_eq!(run.status, RunStatus::Failed);
+    assert!(
+        run.outcome
+            .unwrap()
+            .contains("model connection `mock` is missing or revoked")
+    );
+    assert_eq!(model.request_count(), 0, "nothing was sent");
+}
+
+#[tokio::test]
+async fn overlap_policies_skip_queue_or_cancel_the_previous_run() {
+    let h = Harness::new().await;
+    let engine = h.engine(EngineConfig::default());
+    let text = "[[model.script.turns]]\ntext = \"ok\"\nrepeat = true";
+    let skip = h
+        .routine(
+            &replay(text, "[concurrency]\noverlap = \"skip\"")
+                .replace("name = \"r\"", "name = \"s\""),
+        )
+        .await;
+    let first = h.start(&engine, skip, "1").await;
+    let second = h.start(&engine, skip, "2").await;
+    assert_eq!(first.status, RunStatus::Queued);
+    assert_eq!(second.status, RunStatus::Skipped);
+    assert!(second.outcome.unwrap().contains("skipped"));
+
+    let cancel = h
+        .routine(
+            &replay(text, "[concurrency]\noverlap = \"cancel_previous\"")
+                .replace("name = \"r\"", "name = \"c\""),
+        )
+        .await;
+    let older = h.start(&engine, cancel, "1").await;
+    let newer = h.start(&engine, cancel, "2").await;
+    assert_eq!(h.run(older.id).await.status, RunStatus::Cancelled);
+    assert_eq!(newer.status, RunStatus::Queued);
+
+    let queue = h
+        .routine(&replay(text, "").replace("name = \"r\"", "name = \"q\""))
+        .await;
+    let a = h.start(&engine, queue, "1").await;
+    let b = h.start(&engine, queue, "2").await;
+    assert_eq!((a.status, b.status), (RunStatus::Queued, RunStatus::Queued));
+    let a = h.drive_to_end(&engine, a.id).await;
+    let b = h.drive_to_end(&engine, b.id).await;
+    assert_eq!(
+        (a.status, b.status),
+        (RunStatus::Succeeded, RunStatus::Succeeded)
+    );
+}
+
+#[tokio::test]
+async fn production_refuses_the_replay_model() {
+    let h = Harness::new().await;
+    let engine = h.engine(EngineConfig {
+        production: true,
+        ..EngineConfig::default()
+    });
+    let routine = h
+        .routine(&replay("[[model.script.turns]]\ntext = \"x\"", ""))
+        .await;
+    let err = engine
+        .start_run(StartRun {
+            project: h.project,
+            routine,
+            input: json!("go"),
+            trigger: Trigger::Api(h.key),
+            actor: None,
+        })
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("production refuses it"), "{err}");
+}
