@@ -72,6 +72,68 @@ impl ApiClient {
         self.send(Method::DELETE, path, None).await
     }
 
+    /// Reads a server-sent event stream to its end, calling `on_event` with each event's name
+    /// and JSON data.
+    pub async fn events(
+        &self,
+        path: &str,
+        mut on_event: impl FnMut(&str, Value),
+    ) -> anyhow::Result<()> {
+        let url = self
+            .base
+            .join(path)
+            .with_context(|| format!("cannot form a URL from `{path}`"))?;
+        // The event stream lives as long as the run: no total timeout, only the connect one.
+        #[expect(
+            clippy::disallowed_methods,
+            reason = "the API client reaches the operator's own server, not a routine-chosen destination"
+        )]
+        let http = reqwest::Client::builder()
+            .no_proxy()
+            .redirect(reqwest::redirect::Policy::none())
+            .connect_timeout(std::time::Duration::from_secs(10))
+            .build()
+            .context("cannot build the HTTP client")?;
+        let mut response = http
+            .get(url)
+            .bearer_auth(&self.api_key)
+            .send()
+            .await
+            .with_context(|| format!("cannot reach the server at {}", self.base))?;
+        if !response.status().is_success() {
+            let status = response.status();
+            let value: Value = response.json().await.unwrap_or(Value::Null);
+            let message = value
+                .pointer("/error/message")
+                .and_then(|v| v.as_str())
+                .unwrap_or("no message");
+            bail!("{message} (HTTP {})", status.as_u16());
+        }
+        // Bytes until a whole line is in: a chunk may end inside a multi-byte character.
+        let mut buffer: Vec<u8> = Vec::new();
+        let (mut name, mut data) = (String::new(), String::new());
+        while let Some(chunk) = response.chunk().await.context("the event stream broke")? {
+            buffer.extend_from_slice(&chunk);
+            while let Some(end) = buffer.iter().position(|b| *b == b'\n') {
+                let raw: Vec<u8> = buffer.drain(..=end).collect();
+                let text = String::from_utf8_lossy(&raw);
+                let line = text.trim_end_matches(['\r', '\n']);
+                if line.is_empty() {
+                    if !data.is_empty() {
+                        on_event(&name, serde_json::from_str(&data).unwrap_or(Value::Null));
+                    }
+                    name.clear();
+                    data.clear();
+                } else if let Some(value) = line.strip_prefix("event:") {
+                    name = value.trim().to_owned();
+                } else if let Some(value) = line.strip_prefix("data:") {
+                    data.push_str(value.trim_start());
+                }
+            }
+        }
+        Ok(())
+    }
+
     async fn send(
         &self,
         method: Method,

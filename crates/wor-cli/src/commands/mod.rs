@@ -7,6 +7,7 @@ mod members;
 mod model_connections;
 mod operator;
 mod routines;
+mod runs;
 mod sandbox;
 mod secrets;
 mod serve;
@@ -35,6 +36,9 @@ pub enum Command {
     /// Routines: apply TOML definitions, list and show them.
     #[command(subcommand)]
     Routine(routines::RoutineCommand),
+    /// Runs: start (and follow), list, show and cancel.
+    #[command(subcommand)]
+    Run(runs::RunCommand),
     /// Model connections: provider endpoints and their (sealed) API keys.
     #[command(subcommand, name = "model-connection")]
     ModelConnection(model_connections::ModelConnectionCommand),
@@ -65,6 +69,7 @@ impl Command {
             Command::Key(cmd) => keys::run(cmd).await,
             Command::Egress(cmd) => egress::run(cmd).await,
             Command::Routine(cmd) => routines::run(cmd).await,
+            Command::Run(cmd) => runs::run(cmd).await,
             Command::ModelConnection(cmd) => model_connections::run(cmd).await,
             Command::Secrets(cmd) => secrets::run(cmd).await,
             Command::Audit(cmd) => audit::run(cmd).await,

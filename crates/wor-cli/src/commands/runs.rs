@@ -1,0 +1,238 @@
+//! `wor run …`: start, follow, inspect and cancel runs (clients of the API).
+
+use std::process::ExitCode;
+
+use anyhow::Context;
+use serde_json::{Value, json};
+
+use super::routines::routine_id;
+use super::{field, print_json};
+use crate::client::{ApiClient, ClientArgs};
+
+#[derive(Debug, clap::Subcommand)]
+pub enum RunCommand {
+    /// Start a run of a routine (by name or `rtn_…` id).
+    Start {
+        routine: String,
+        /// The requester's input, as text.
+        #[arg(long, conflicts_with = "input_json")]
+        input: Option<String>,
+        /// The requester's input, as a JSON value.
+        #[arg(long, value_name = "JSON")]
+        input_json: Option<String>,
+        /// Show the run live until it ends; exit 0 only if it succeeded.
+        #[arg(long)]
+        follow: bool,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Show a run and its steps.
+    Get {
+        /// A `run_…` id.
+        id: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// List runs, newest first.
+    List {
+        /// Only runs of this routine (name or id).
+        #[arg(long)]
+        routine: Option<String>,
+        /// Only runs with this status.
+        #[arg(long)]
+        status: Option<String>,
+        /// At most this many.
+        #[arg(long, default_value_t = 20)]
+        limit: u32,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Cancel a run.
+    Cancel {
+        /// A `run_…` id.
+        id: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Show a run live until it ends; exit 0 only if it succeeded.
+    Follow {
+        /// A `run_…` id.
+        id: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+}
+
+fn summary(run: &Value) -> String {
+    let usage = run.get("usage").cloned().unwrap_or(Value::Null);
+    let n = |k: &str| usage.get(k).and_then(Value::as_u64).unwrap_or(0);
+    format!(
+        "{}  {:<20}  turns {} tools {} tokens {}/{}  {}",
+        field(run, "/id"),
+        field(run, "/status"),
+        n("turns"),
+        n("tool_calls"),
+        n("input_tokens"),
+        n("output_tokens"),
+        field(run, "/outcome"),
+    )
+}
+
+/// One line for a step, for people watching a run.
+fn describe_step(step: &Value) -> String {
+    let payload = step.get("payload").cloned().unwrap_or(Value::Null);
+    let provenance = field(step, "/provenance");
+    match field(step, "/kind") {
+        "input" => format!(
+            "[{provenance}] input: {}",
+            payload
+                .get("input")
+                .map(Value::to_string)
+                .unwrap_or_default()
+        ),
+        "model_turn" => {
+            let text = field(&payload, "/message/text");
+            let calls: Vec<&str> = payload
+                .pointer("/message/tool_calls")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+                .filter_map(|c| c.get("name").and_then(Value::as_str))
+                .collect();
+            let mut line = format!("[model] {}", if text == "-" { "" } else { text });
+            if !calls.is_empty() {
+                line.push_str(&format!(" → calls {}", calls.join(", ")));
+            }
+            line
+        }
+        "tool_result" => format!(
+            "[{provenance}] {}: {}",
+            field(&payload, "/tool"),
+            field(&payload, "/result/content")
+        ),
+        "outcome" => format!(
+            "[{provenance}] {}: {}",
+            field(&payload, "/status"),
+            field(&payload, "/message")
+        ),
+        other => format!("[{provenance}] {other}"),
+    }
+}
+
+async fn follow(api: &ApiClient, id: &str) -> anyhow::Result<ExitCode> {
+    let mut last = Value::Null;
+    api.events(
+        &format!("/v1/runs/{id}/events"),
+        |event, data| match event {
+            "step" => println!("{}", describe_step(&data)),
+            "end" => last = data,
+            _ => {}
+        },
+    )
+    .await?;
+    if last.is_null() {
+        last = api.get(&format!("/v1/runs/{id}")).await?;
+    }
+    eprintln!("{}", summary(&last));
+    Ok(if field(&last, "/status") == "succeeded" {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+pub async fn run(cmd: RunCommand) -> anyhow::Result<ExitCode> {
+    match cmd {
+        RunCommand::Start {
+            routine,
+            input,
+            input_json,
+            follow: live,
+            client,
+        } => {
+            let api = ApiClient::new(&client)?;
+            let id = routine_id(&api, &routine).await?;
+            let input = match (input, input_json) {
+                (_, Some(text)) => {
+                    serde_json::from_str(&text).context("--input-json is not valid JSON")?
+                }
+                (Some(text), None) => Value::String(text),
+                (None, None) => Value::Null,
+            };
+            let run = api
+                .post(
+                    &format!("/v1/routines/{id}/runs"),
+                    &json!({ "input": input }),
+                )
+                .await?;
+            let run_id = field(&run, "/id").to_owned();
+            if live {
+                eprintln!("run {run_id} started");
+                return follow(&api, &run_id).await;
+            }
+            if client.json {
+                print_json(&run)?;
+            } else {
+                println!("{run_id}");
+            }
+        }
+        RunCommand::Get { id, client } => {
+            let run = ApiClient::new(&client)?
+                .get(&format!("/v1/runs/{id}"))
+                .await?;
+            if client.json {
+                print_json(&run)?;
+            } else {
+                println!("{}", summary(&run));
+                for step in run
+                    .get("steps")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                {
+                    println!("  {}", describe_step(step));
+                }
+            }
+        }
+        RunCommand::List {
+            routine,
+            status,
+            limit,
+            client,
+        } => {
+            let api = ApiClient::new(&client)?;
+            let mut query = format!("/v1/runs?limit={limit}");
+            if let Some(routine) = routine {
+                query.push_str(&format!(
+                    "&routine_id={}",
+                    routine_id(&api, &routine).await?
+                ));
+            }
+            if let Some(status) = status {
+                query.push_str(&format!("&status={status}"));
+            }
+            let runs = api.get(&query).await?;
+            if client.json {
+                print_json(&runs)?;
+            } else {
+                for r in runs.as_array().into_iter().flatten() {
+                    println!("{}", summary(r));
+                }
+            }
+        }
+        RunCommand::Cancel { id, client } => {
+            let run = ApiClient::new(&client)?
+                .post(&format!("/v1/runs/{id}/cancel"), &Value::Null)
+                .await?;
+            if client.json {
+                print_json(&run)?;
+            } else {
+                eprintln!("{}", summary(&run));
+            }
+        }
+        RunCommand::Follow { id, client } => {
+            return follow(&ApiClient::new(&client)?, &id).await;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,139 @@
+//! Routines and runs through the binary: apply a routine, start a run and follow it live,
+//! list and show runs, and a run that fails ending the follow with a non-zero exit.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic,
+    reason = "tests fail loudly"
+)]
+
+mod common;
+
+use common::{Server, create_project, database_args, text};
+
+const ROUTINE: &str = r#"
+name = "greeter"
+instructions = "Greet the requester."
+
+[model]
+provider = "replay"
+model = "script"
+
+[[model.script.turns]]
+when = { context_contains = "fail please" }
+tool_calls = [{ name = "mail/send" }]
+repeat = true
+
+[[model.script.turns]]
+text = "Hello from the routine."
+repeat = true
+"#;
+
+#[test]
+fn a_routine_runs_and_is_followed_live() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = database_args(dir.path());
+    let key = create_project(&db);
+    let server = Server::start(&db, &[]);
+    let file = dir.path().join("greeter.toml");
+    std::fs::write(&file, ROUTINE).unwrap();
+    let applied = server.client(
+        &key,
+        &["routine", "apply", "-f", &file.display().to_string()],
+    );
+    assert!(applied.status.success(), "{}", text(&applied.stderr));
+    assert!(
+        text(&applied.stdout).contains("applied greeter"),
+        "{}",
+        text(&applied.stdout)
+    );
+    let again = server.client(
+        &key,
+        &["routine", "apply", "-f", &file.display().to_string()],
+    );
+    assert!(
+        text(&again.stdout).contains("unchanged greeter"),
+        "{}",
+        text(&again.stdout)
+    );
+
+    let followed = server.client(
+        &key,
+        &["run", "start", "greeter", "--input", "hi there", "--follow"],
+    );
+    let out = text(&followed.stdout);
+    assert!(
+        followed.status.success(),
+        "{out}\n{}",
+        text(&followed.stderr)
+    );
+    assert!(out.contains("[requester] input: \"hi there\""), "{out}");
+    assert!(out.contains("[model] Hello from the routine."), "{out}");
+    assert!(out.contains("[engine] succeeded"), "{out}");
+
+    // A run that runs out of turns: the follow ends non-zero, naming the limit.
+    let budget = ROUTINE.replace("[model]", "[budget]\nturns = 2\n\n[model]");
+    std::fs::write(&file, budget).unwrap();
+    assert!(
+        server
+            .client(
+                &key,
+                &["routine", "apply", "-f", &file.display().to_string()]
+            )
+            .status
+            .success()
+    );
+    let failed = server.client(
+        &key,
+        &[
+            "run",
+            "start",
+            "greeter",
+            "--input",
+            "fail please",
+            "--follow",
+        ],
+    );
+    assert_eq!(failed.status.code(), Some(1), "{}", text(&failed.stdout));
+    assert!(
+        text(&failed.stderr).contains("budget_exceeded"),
+        "{}",
+        text(&failed.stderr)
+    );
+    assert!(
+        text(&failed.stdout).contains("not on this routine's roster"),
+        "{}",
+        text(&failed.stdout)
+    );
+
+    let listed = server.client(&key, &["run", "list", "--routine", "greeter"]);
+    let listed = text(&listed.stdout);
+    assert_eq!(listed.lines().count(), 2, "{listed}");
+    assert!(
+        listed.contains("succeeded") && listed.contains("budget_exceeded"),
+        "{listed}"
+    );
+    let run_id = listed
+        .lines()
+        .last()
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_owned();
+    let shown = server.client(&key, &["run", "get", &run_id]);
+    assert!(
+        text(&shown.stdout).contains("Hello from the routine."),
+        "{}",
+        text(&shown.stdout)
+    );
+
+    let shown = server.client(&key, &["routine", "show", "greeter"]);
+    assert!(
+        text(&shown.stdout).contains("v2"),
+        "{}",
+        text(&shown.stdout)
+    );
+    server.stop();
+}
