@@ -6,9 +6,13 @@ use tokio::task::JoinHandle;
 use crate::{Engine, EngineError};
 
 impl Engine {
+    /// Puts runs whose worker stopped renewing its lease back in the queue. Returns how many.
+    pub async fn requeue_expired(&self) -> Result<u64, EngineError> {
+        Ok(self.store.requeue_expired_runs().await?)
+    }
+
     /// Claims one queued run and drives it to its end. Returns whether there was one.
     pub async fn run_next(&self) -> Result<bool, EngineError> {
-        self.store.requeue_expired_runs().await?;
         let lease = i64::try_from(self.config.lease.as_millis()).unwrap_or(i64::MAX);
         match self.store.claim_run(&self.config.worker_id, lease).await? {
             Some(run) => {
@@ -19,13 +23,21 @@ impl Engine {
         }
     }
 
-    /// A worker task that drives runs until `shutdown` turns true.
+    /// A worker task that drives runs until `shutdown` turns true. It looks for runs of dead
+    /// workers every half lease, not on every poll: an idle engine only reads.
     pub fn spawn_worker(&self, mut shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
         let engine = self.clone();
         tokio::spawn(async move {
+            let mut last_requeue: Option<std::time::Instant> = None;
             loop {
                 if *shutdown.borrow() {
                     return;
+                }
+                if last_requeue.is_none_or(|t| t.elapsed() >= engine.config.lease / 2) {
+                    if let Err(error) = engine.requeue_expired().await {
+                        tracing::error!(category = "run", error = %error, "requeueing expired runs failed");
+                    }
+                    last_requeue = Some(std::time::Instant::now());
                 }
                 let worked = tokio::select! {
                     result = engine.run_next() => match result {

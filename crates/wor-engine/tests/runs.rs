@@ -107,9 +107,10 @@ impl Harness {
             .collect()
     }
 
-    /// Drives queued runs until `id` has ended.
+    /// Drives queued runs (and runs of dead workers) until `id` has ended.
     async fn drive_to_end(&self, engine: &Engine, id: RunId) -> RunRecord {
         for _ in 0..50 {
+            engine.requeue_expired().await.unwrap();
             engine.run_next().await.unwrap();
             let run = self.run(id).await;
             if run.status.is_terminal() {
