@@ -22,9 +22,10 @@ use wor_egress::EgressClient;
 use wor_egress::header::{HeaderName, HeaderValue};
 
 use crate::error::ModelError;
-use crate::sse::{SseDecoder, SseEvent};
+use crate::sse::SseEvent;
 use crate::transport::{
-    ProviderEndpoint, ProviderOptions, json_headers, post_json, redact_key, secret_header,
+    ProviderEndpoint, ProviderOptions, StreamAssembler, json_headers, post_json, read_answer,
+    secret_header,
 };
 use crate::{ModelFuture, ModelProvider, StreamSink, parse_json, parse_tool_arguments, shorten};
 
@@ -78,39 +79,10 @@ impl AnthropicProvider {
             body,
         )
         .await?;
-        if !streaming {
-            let body = response.read_all().await?;
-            let message: WireMessage = parse_json("message", &body)?;
-            let response = message.into_response()?;
-            if !response.message.text.is_empty() {
-                sink.text_delta(&response.message.text);
-            }
-            return Ok(response);
-        }
-        let mut decoder = SseDecoder::default();
-        let mut stream = MessageStream::default();
-        let mut events = Vec::new();
-        let read = response
-            .read_chunks(|chunk| {
-                decoder.feed(chunk, &mut events)?;
-                for event in events.drain(..) {
-                    stream.event(&event, sink)?;
-                }
-                Ok(())
-            })
-            .await;
-        match read {
-            Ok(()) => stream.finish(),
-            Err(ModelError::Transport(_)) => Err(ModelError::TruncatedStream {
-                usage_so_far: stream.usage,
-            }),
-            // The provider's own words, which could quote the key.
-            Err(ModelError::StreamError(message)) => Err(ModelError::StreamError(redact_key(
-                &message,
-                &self.endpoint,
-            ))),
-            Err(other) => Err(other),
-        }
+        read_answer::<MessageStream>(response, streaming, &self.endpoint, sink, |body| {
+            parse_json::<WireMessage>("message", body)?.into_response()
+        })
+        .await
     }
 }
 
@@ -389,7 +361,15 @@ struct MessageStream {
     stopped: bool,
 }
 
-impl MessageStream {
+impl StreamAssembler for MessageStream {
+    fn finish(self) -> Result<ModelResponse, ModelError> {
+        self.assemble()
+    }
+
+    fn usage_so_far(&self) -> Usage {
+        self.usage
+    }
+
     fn event(&mut self, event: &SseEvent, sink: &mut dyn StreamSink) -> Result<(), ModelError> {
         if self.stopped {
             return Ok(());
@@ -470,7 +450,9 @@ impl MessageStream {
         }
         Ok(())
     }
+}
 
+impl MessageStream {
     fn require_start(&self) -> Result<(), ModelError> {
         if self.started {
             Ok(())
@@ -491,7 +473,7 @@ impl MessageStream {
         }
     }
 
-    fn finish(self) -> Result<ModelResponse, ModelError> {
+    fn assemble(self) -> Result<ModelResponse, ModelError> {
         if !self.stopped {
             return Err(ModelError::TruncatedStream {
                 usage_so_far: self.usage,

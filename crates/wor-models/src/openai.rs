@@ -23,9 +23,10 @@ use wor_egress::EgressClient;
 use wor_egress::header::AUTHORIZATION;
 
 use crate::error::ModelError;
-use crate::sse::{SseDecoder, SseEvent};
+use crate::sse::SseEvent;
 use crate::transport::{
-    ProviderEndpoint, ProviderOptions, json_headers, post_json, redact_key, secret_header,
+    ProviderEndpoint, ProviderOptions, StreamAssembler, json_headers, post_json, read_answer,
+    secret_header,
 };
 use crate::{ModelFuture, ModelProvider, StreamSink, parse_json, parse_tool_arguments, shorten};
 
@@ -70,39 +71,10 @@ impl OpenAiCompatibleProvider {
             body,
         )
         .await?;
-        if !streaming {
-            let body = response.read_all().await?;
-            let completion: Completion = parse_json("chat completion", &body)?;
-            let response = completion.into_response()?;
-            if !response.message.text.is_empty() {
-                sink.text_delta(&response.message.text);
-            }
-            return Ok(response);
-        }
-        let mut decoder = SseDecoder::default();
-        let mut stream = ChatStream::default();
-        let mut events = Vec::new();
-        let read = response
-            .read_chunks(|chunk| {
-                decoder.feed(chunk, &mut events)?;
-                for event in events.drain(..) {
-                    stream.event(&event, sink)?;
-                }
-                Ok(())
-            })
-            .await;
-        match read {
-            Ok(()) => stream.finish(),
-            Err(ModelError::Transport(_)) => Err(ModelError::TruncatedStream {
-                usage_so_far: stream.usage.unwrap_or_default(),
-            }),
-            // The provider's own words, which could quote the key.
-            Err(ModelError::StreamError(message)) => Err(ModelError::StreamError(redact_key(
-                &message,
-                &self.endpoint,
-            ))),
-            Err(other) => Err(other),
-        }
+        read_answer::<ChatStream>(response, streaming, &self.endpoint, sink, |body| {
+            parse_json::<Completion>("chat completion", body)?.into_response()
+        })
+        .await
     }
 }
 
@@ -374,7 +346,11 @@ struct ChatStream {
     done: bool,
 }
 
-impl ChatStream {
+impl StreamAssembler for ChatStream {
+    fn usage_so_far(&self) -> Usage {
+        self.usage.unwrap_or_default()
+    }
+
     fn event(&mut self, event: &SseEvent, sink: &mut dyn StreamSink) -> Result<(), ModelError> {
         if self.done {
             return Ok(());

@@ -332,6 +332,62 @@ fn from_reqwest(error: reqwest::Error, timeout: Duration) -> ModelError {
     ModelError::Transport(EgressError::Request(error.without_url()))
 }
 
+/// How a provider turns its streamed events into one response.
+pub(crate) trait StreamAssembler: Default {
+    /// Takes one server-sent event, passing text deltas on to `sink`.
+    fn event(
+        &mut self,
+        event: &crate::sse::SseEvent,
+        sink: &mut dyn crate::StreamSink,
+    ) -> Result<(), ModelError>;
+    /// The response, once the stream has ended as the provider ends it.
+    fn finish(self) -> Result<wor_core::model::ModelResponse, ModelError>;
+    /// What the stream reported as used before it broke off.
+    fn usage_so_far(&self) -> wor_core::model::Usage;
+}
+
+/// Reads a provider's answer: the whole body parsed by `whole` when not streaming, or the
+/// stream assembled by `S`. A connection lost mid-stream is a truncated stream carrying the
+/// usage reported so far; the provider's own error words are redacted of the key.
+pub(crate) async fn read_answer<S: StreamAssembler>(
+    response: OpenResponse,
+    streaming: bool,
+    endpoint: &ProviderEndpoint,
+    sink: &mut dyn crate::StreamSink,
+    whole: impl FnOnce(&[u8]) -> Result<wor_core::model::ModelResponse, ModelError>,
+) -> Result<wor_core::model::ModelResponse, ModelError> {
+    if !streaming {
+        let body = response.read_all().await?;
+        let answer = whole(&body)?;
+        if !answer.message.text.is_empty() {
+            sink.text_delta(&answer.message.text);
+        }
+        return Ok(answer);
+    }
+    let mut decoder = crate::sse::SseDecoder::default();
+    let mut stream = S::default();
+    let mut events = Vec::new();
+    let read = response
+        .read_chunks(|chunk| {
+            decoder.feed(chunk, &mut events)?;
+            for event in events.drain(..) {
+                stream.event(&event, sink)?;
+            }
+            Ok(())
+        })
+        .await;
+    match read {
+        Ok(()) => stream.finish(),
+        Err(ModelError::Transport(_)) => Err(ModelError::TruncatedStream {
+            usage_so_far: stream.usage_so_far(),
+        }),
+        Err(ModelError::StreamError(message)) => {
+            Err(ModelError::StreamError(redact_key(&message, endpoint)))
+        }
+        Err(other) => Err(other),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
