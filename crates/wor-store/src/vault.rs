@@ -11,7 +11,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use secrecy::SecretString;
-use sqlx::Row;
+use sqlx::{AssertSqlSafe, Row};
 use wor_core::ProjectId;
 use wor_secrets::{KeyRing, SealedSecret, SecretBinding, SecretsError};
 
@@ -150,57 +150,46 @@ impl Vault {
     pub async fn put(&self, slot: &SecretSlot, value: &str) -> Result<SecretMetadata, VaultError> {
         let sealed = self.seal(slot, value.as_bytes())?;
         let now = now_millis();
-        sqlx::query(
+        let query = sqlx::query(
             "INSERT INTO sealed_secrets (project_id, owner_table, owner_id, field, key_id, sealed, updated_at) \
              VALUES ($1, $2, $3, $4, $5, $6, $7) \
              ON CONFLICT (project_id, owner_table, owner_id, field) \
              DO UPDATE SET key_id = excluded.key_id, sealed = excluded.sealed, updated_at = excluded.updated_at",
-        )
-        .bind(slot.project.to_string())
-        .bind(slot.owner_table)
-        .bind(&slot.owner_id)
-        .bind(&slot.field)
-        .bind(sealed.key_id().to_string())
-        .bind(sealed.to_bytes())
-        .bind(now)
-        .execute(self.store.pool())
-        .await
-        .map_err(StoreError::from)?;
+        );
+        bind_slot(query, slot)
+            .bind(sealed.key_id().to_string())
+            .bind(sealed.to_bytes())
+            .bind(now)
+            .execute(self.store.pool())
+            .await
+            .map_err(StoreError::from)?;
         Ok(SecretMetadata { updated_at: now })
     }
 
     /// Opens the secret in `slot`: only for attaching it to an outgoing request.
     pub async fn open(&self, slot: &SecretSlot) -> Result<SecretString, VaultError> {
-        let row = sqlx::query(
-            "SELECT sealed FROM sealed_secrets \
-             WHERE project_id = $1 AND owner_table = $2 AND owner_id = $3 AND field = $4",
-        )
-        .bind(slot.project.to_string())
-        .bind(slot.owner_table)
-        .bind(&slot.owner_id)
-        .bind(&slot.field)
-        .fetch_optional(self.store.pool())
-        .await
-        .map_err(StoreError::from)?
-        .ok_or_else(|| VaultError::Missing {
-            slot: slot.to_string(),
-        })?;
+        let query = sqlx::query(AssertSqlSafe(format!(
+            "SELECT sealed FROM sealed_secrets WHERE {SLOT_WHERE}"
+        )));
+        let row = bind_slot(query, slot)
+            .fetch_optional(self.store.pool())
+            .await
+            .map_err(StoreError::from)?
+            .ok_or_else(|| VaultError::Missing {
+                slot: slot.to_string(),
+            })?;
         let bytes: Vec<u8> = row.try_get("sealed").map_err(StoreError::from)?;
         self.open_sealed(slot, &bytes)
     }
 
     /// Whether `slot` is set, and when it changed.
     pub async fn metadata(&self, slot: &SecretSlot) -> Result<Option<SecretMetadata>, StoreError> {
-        let row = sqlx::query(
-            "SELECT updated_at FROM sealed_secrets \
-             WHERE project_id = $1 AND owner_table = $2 AND owner_id = $3 AND field = $4",
-        )
-        .bind(slot.project.to_string())
-        .bind(slot.owner_table)
-        .bind(&slot.owner_id)
-        .bind(&slot.field)
-        .fetch_optional(self.store.pool())
-        .await?;
+        let query = sqlx::query(AssertSqlSafe(format!(
+            "SELECT updated_at FROM sealed_secrets WHERE {SLOT_WHERE}"
+        )));
+        let row = bind_slot(query, slot)
+            .fetch_optional(self.store.pool())
+            .await?;
         row.map(|r| {
             Ok(SecretMetadata {
                 updated_at: r.try_get("updated_at")?,
@@ -211,16 +200,10 @@ impl Vault {
 
     /// Removes the secret in `slot`, if any.
     pub async fn delete(&self, slot: &SecretSlot) -> Result<(), StoreError> {
-        sqlx::query(
-            "DELETE FROM sealed_secrets \
-             WHERE project_id = $1 AND owner_table = $2 AND owner_id = $3 AND field = $4",
-        )
-        .bind(slot.project.to_string())
-        .bind(slot.owner_table)
-        .bind(&slot.owner_id)
-        .bind(&slot.field)
-        .execute(self.store.pool())
-        .await?;
+        let query = sqlx::query(AssertSqlSafe(format!(
+            "DELETE FROM sealed_secrets WHERE {SLOT_WHERE}"
+        )));
+        bind_slot(query, slot).execute(self.store.pool()).await?;
         Ok(())
     }
 
@@ -348,6 +331,20 @@ impl Vault {
         }
         Ok((total, failed))
     }
+}
+
+type AnyQuery<'q> = sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments>;
+
+/// The WHERE clause that names one slot, for [`bind_slot`].
+const SLOT_WHERE: &str = "project_id = $1 AND owner_table = $2 AND owner_id = $3 AND field = $4";
+
+/// Binds `slot` as parameters `$1` to `$4`, in the order of [`SLOT_WHERE`].
+fn bind_slot<'q>(query: AnyQuery<'q>, slot: &SecretSlot) -> AnyQuery<'q> {
+    query
+        .bind(slot.project.to_string())
+        .bind(slot.owner_table)
+        .bind(slot.owner_id.clone())
+        .bind(slot.field.clone())
 }
 
 /// The owning tables a secret may belong to; a row naming any other is corrupt.
