@@ -177,7 +177,7 @@ impl Store {
     ) -> Result<RunRecord, StoreError> {
         let now = now_millis();
         sqlx::query(
-            "UPDATE runs SET status = 'cancelled', outcome = 'cancelled before it started', \
+            "UPDATE runs SET status = 'cancelled', outcome = 'cancelled while queued', \
              finished_at = $1, updated_at = $1 WHERE project_id = $2 AND id = $3 AND status = 'queued'",
         )
         .bind(now)
