@@ -63,6 +63,7 @@ pub enum AuditCategory {
     RunEnd,
     ModelCall,
     ToolCall,
+    SecretUse,
 }
 
 impl AuditCategory {
@@ -81,6 +82,7 @@ impl AuditCategory {
             AuditCategory::RunEnd => "run.end",
             AuditCategory::ModelCall => "model.call",
             AuditCategory::ToolCall => "tool.call",
+            AuditCategory::SecretUse => "secret.use",
         }
     }
 }

@@ -58,6 +58,19 @@ enum TurnOutcome {
 }
 
 impl Engine {
+    /// The redactor for everything a run of `project` records or sends: the project's live
+    /// secret values and the common secret shapes.
+    pub(crate) async fn project_redactor(
+        &self,
+        project: wor_core::ProjectId,
+    ) -> Result<Redactor, EngineError> {
+        let live: Vec<_> = self.vault.project_values(project).await.map_err(|e| {
+            EngineError::Refused(format!("the project's secrets cannot be opened: {e}"))
+        })?;
+        Redactor::new(live.iter().map(|s| s.expose_secret()))
+            .map_err(|e| EngineError::Refused(format!("cannot build the redactor: {e}")))
+    }
+
     /// Drives a run this worker holds the lease of, until it ends or the lease is lost.
     pub(crate) async fn drive(&self, run: RunRecord) -> Result<(), EngineError> {
         let worker = self.config.worker_id.clone();
@@ -110,15 +123,7 @@ impl Engine {
             Ok(provider) => provider,
             Err(reason) => return Ok(Ending::new(RunStatus::Failed, reason)),
         };
-        let live: Vec<_> = self
-            .vault
-            .project_values(run.project_id)
-            .await
-            .map_err(|e| {
-                EngineError::Refused(format!("the project's secrets cannot be opened: {e}"))
-            })?;
-        let redactor = Redactor::new(live.iter().map(|s| s.expose_secret()))
-            .map_err(|e| EngineError::Refused(format!("cannot build the redactor: {e}")))?;
+        let redactor = self.project_redactor(run.project_id).await?;
         let limits = definition.budget;
         let started = Instant::now();
         // Wall time already spent before a restart counts too.
@@ -188,10 +193,36 @@ impl Engine {
                     &recorded,
                 )
                 .await?;
+            self.audit
+                .append(
+                    AuditEvent::new(
+                        run.project_id,
+                        AuditCategory::ModelCall,
+                        Actor::Run { run_id: run.id },
+                    )
+                    .subject("run_id", run.id)
+                    .runs(run.root_run_id, run.parent_run_id)
+                    .payload(json!({
+                        "provider": definition.model.provider.as_str(),
+                        "model": definition.model.model,
+                        "input_tokens": response.usage.input_tokens,
+                        "output_tokens": response.usage.output_tokens,
+                        "tool_calls": response.message.tool_calls.len(),
+                    })),
+                )
+                .await?;
             self.store
                 .save_usage(run.id, &self.config.worker_id, &usage)
                 .await?;
-            messages.push(ChatMessage::Assistant(response.message.clone()));
+            // The conversation goes on with the recorded (redacted) turn, as it will after a resume.
+            let message: AssistantMessage = recorded
+                .get("message")
+                .cloned()
+                .and_then(|m| serde_json::from_value(m).ok())
+                .ok_or_else(|| {
+                    EngineError::Refused("a model turn does not serialise".to_owned())
+                })?;
+            messages.push(ChatMessage::Assistant(message));
             if let Err(exceeded) = usage.check(&limits, elapsed()) {
                 return Ok(Ending::budget(exceeded));
             }
@@ -214,6 +245,14 @@ impl Engine {
                 usage = next_usage;
                 let mut recorded = json!({ "tool": call.name, "result": result });
                 redactor.redact_json(&mut recorded);
+                // The model gets exactly what was recorded, as it will after a resume.
+                let result: ToolResult = recorded
+                    .get("result")
+                    .cloned()
+                    .and_then(|r| serde_json::from_value(r).ok())
+                    .ok_or_else(|| {
+                        EngineError::Refused("a tool result does not serialise".to_owned())
+                    })?;
                 self.store
                     .append_run_step(
                         run.project_id,
@@ -221,6 +260,14 @@ impl Engine {
                         "tool_result",
                         Provenance::Engine,
                         &recorded,
+                    )
+                    .await?;
+                self.audit
+                    .append(
+                        AuditEvent::new(run.project_id, AuditCategory::ToolCall, Actor::Run { run_id: run.id })
+                            .subject("run_id", run.id)
+                            .runs(run.root_run_id, run.parent_run_id)
+                            .payload(json!({ "tool": call.name, "decision": "refused", "reason": result.content })),
                     )
                     .await?;
                 messages.push(ChatMessage::Tool(result));
@@ -370,6 +417,16 @@ impl Engine {
             self.vault.open(&slot).await.map_err(|e| {
                 format!("the key of model connection `{name}` cannot be opened: {e}")
             })?;
+        self.audit
+            .append(
+                AuditEvent::new(run.project_id, AuditCategory::SecretUse, Actor::Run { run_id: run.id })
+                    .subject("run_id", run.id)
+                    .subject("connection_id", connection.id)
+                    .runs(run.root_run_id, run.parent_run_id)
+                    .payload(json!({ "slot": slot.to_string(), "credential_version": connection.credential_version })),
+            )
+            .await
+            .map_err(|e| format!("the use of a secret cannot be recorded: {e}"))?;
         let endpoint = ProviderEndpoint::new(connection.base_url, Some(key));
         let options = ProviderOptions::default();
         Ok(match model.provider {

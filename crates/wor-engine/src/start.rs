@@ -69,6 +69,11 @@ impl Engine {
             _ => (RunStatus::Queued, None),
         };
         let Trigger::Api(key) = request.trigger;
+        // The requester's input is recorded, and later sent to the model, without secrets.
+        let mut input = serde_json::json!({ "input": request.input });
+        self.project_redactor(request.project)
+            .await?
+            .redact_json(&mut input);
         let run = self
             .store
             .create_run(
@@ -82,7 +87,7 @@ impl Engine {
                     status,
                     outcome,
                 },
-                &serde_json::json!({ "input": request.input }),
+                &input,
             )
             .await?;
         let actor = match &request.actor {

@@ -597,3 +597,78 @@ async fn production_refuses_the_replay_model() {
         .unwrap_err();
     assert!(err.to_string().contains("production refuses it"), "{err}");
 }
+
+#[tokio::test]
+async fn secrets_in_the_input_reach_neither_the_record_nor_the_model_and_key_use_is_audited() {
+    let h = Harness::new().await;
+    let engine = h.engine(EngineConfig::default());
+    let model = MockModel::start(vec![Reply::Text("Noted.")]).await;
+    let routine = h.openai_routine(&model, "").await;
+    let shape = ["ghp_", "0123456789abcdefghijABCDEFGHIJ012345"].concat();
+    let input = format!("my key is sk-mock-key-0123456789 and my token is {shape}");
+    let run = h.start(&engine, routine, &input).await;
+    let run = h.drive_to_end(&engine, run.id).await;
+    assert_eq!(run.status, RunStatus::Succeeded, "{:?}", run.outcome);
+    let stored = h.steps(run.id).await[0].2.to_string();
+    let sent = model.requests.lock().unwrap()[0].to_string();
+    for place in [&stored, &sent] {
+        assert!(
+            !place.contains("sk-mock-key-0123456789"),
+            "the live key leaked: {place}"
+        );
+        assert!(!place.contains(&shape), "the token leaked: {place}");
+        assert!(
+            place.contains("my key is"),
+            "the rest of the input is kept: {place}"
+        );
+    }
+    let entries = h.db.store.audit_entries(h.project, 0, 100).await.unwrap();
+    let categories: Vec<&str> = entries.iter().map(|e| e.category.as_str()).collect();
+    assert_eq!(
+        categories,
+        ["run.start", "secret.use", "model.call", "run.end"],
+        "{categories:?}"
+    );
+    let secret_use = &entries[1];
+    assert!(
+        secret_use
+            .payload
+            .to_string()
+            .contains("model_connections/"),
+        "names the slot"
+    );
+    assert!(
+        !secret_use.payload.to_string().contains("sk-mock"),
+        "never the value"
+    );
+}
+
+#[tokio::test]
+async fn every_tool_call_decision_is_audited() {
+    let h = Harness::new().await;
+    let engine = h.engine(EngineConfig::default());
+    let script = "[[model.script.turns]]\ntool_calls = [{ id = \"a\", name = \"mail/send\" }]\n[[model.script.turns]]\ntext = \"ok\"";
+    let routine = h.routine(&replay(script, "")).await;
+    let run = h.start(&engine, routine, "go").await;
+    h.drive_to_end(&engine, run.id).await;
+    let entries = h.db.store.audit_entries(h.project, 0, 100).await.unwrap();
+    let categories: Vec<&str> = entries.iter().map(|e| e.category.as_str()).collect();
+    assert_eq!(
+        categories,
+        [
+            "run.start",
+            "model.call",
+            "tool.call",
+            "model.call",
+            "run.end"
+        ]
+    );
+    assert_eq!(entries[2].payload["tool"], "mail/send");
+    assert_eq!(entries[2].payload["decision"], "refused");
+    assert!(
+        entries
+            .iter()
+            .skip(1)
+            .all(|e| e.actor == wor_core::audit::Actor::Run { run_id: run.id })
+    );
+}
