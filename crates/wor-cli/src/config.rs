@@ -13,6 +13,7 @@ use crate::env;
 
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
 pub const DEFAULT_DATA_DIR: &str = ".wor";
+pub const DEFAULT_MAX_RUNNING_PER_PROJECT: u64 = 16;
 
 /// The example key printed in `docs/configuration.md`. Production refuses it: a key anyone can
 /// read in the documentation protects nothing.
@@ -33,6 +34,7 @@ struct FileConfig {
     database: Option<String>,
     production: Option<bool>,
     demo: Option<bool>,
+    max_running_per_project: Option<u64>,
     egress: Option<EgressSection>,
 }
 
@@ -69,6 +71,8 @@ pub struct ServerConfig {
     pub demo: bool,
     /// The operator's `[egress] allowed_cidrs`.
     pub egress_allowed_cidrs: Vec<String>,
+    /// At most this many runs of one project run at once.
+    pub max_running_per_project: u64,
     encryption_key: Option<String>,
     audit_signing_key: Option<String>,
     encryption_key_retired: Option<String>,
@@ -125,6 +129,11 @@ impl ServerConfig {
             production,
             demo,
             egress_allowed_cidrs: file.egress.map(|e| e.allowed_cidrs).unwrap_or_default(),
+            max_running_per_project: match file.max_running_per_project {
+                Some(0) => bail!("`max_running_per_project` must be at least 1"),
+                Some(n) => n,
+                None => DEFAULT_MAX_RUNNING_PER_PROJECT,
+            },
             encryption_key,
             encryption_key_retired,
             audit_signing_key,
@@ -301,6 +310,7 @@ mod tests {
             production,
             demo,
             egress_allowed_cidrs: Vec::new(),
+            max_running_per_project: DEFAULT_MAX_RUNNING_PER_PROJECT,
             encryption_key: key.map(str::to_owned),
             encryption_key_retired: None,
             audit_signing_key: None,

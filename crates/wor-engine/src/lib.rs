@@ -36,6 +36,8 @@ pub struct EngineConfig {
     pub prices: BTreeMap<String, ModelPrice>,
     /// Production refuses demo-only features (the replay model).
     pub production: bool,
+    /// At most this many runs of one project run at once, whatever their routines allow.
+    pub max_running_per_project: u64,
 }
 
 impl Default for EngineConfig {
@@ -49,6 +51,7 @@ impl Default for EngineConfig {
             poll_interval: Duration::from_millis(200),
             prices: BTreeMap::new(),
             production: false,
+            max_running_per_project: 16,
         }
     }
 }

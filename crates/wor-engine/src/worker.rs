@@ -14,7 +14,15 @@ impl Engine {
     /// Claims one queued run and drives it to its end. Returns whether there was one.
     pub async fn run_next(&self) -> Result<bool, EngineError> {
         let lease = i64::try_from(self.config.lease.as_millis()).unwrap_or(i64::MAX);
-        match self.store.claim_run(&self.config.worker_id, lease).await? {
+        match self
+            .store
+            .claim_run(
+                &self.config.worker_id,
+                lease,
+                self.config.max_running_per_project,
+            )
+            .await?
+        {
             Some(run) => {
                 self.drive(run).await?;
                 Ok(true)

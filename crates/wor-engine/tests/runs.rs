@@ -672,3 +672,41 @@ async fn every_tool_call_decision_is_audited() {
             .all(|e| e.actor == wor_core::audit::Actor::Run { run_id: run.id })
     );
 }
+
+#[tokio::test]
+async fn a_project_runs_no_more_than_its_limit_at_once() {
+    let h = Harness::new().await;
+    let engine = h.engine(EngineConfig {
+        max_running_per_project: 1,
+        ..EngineConfig::default()
+    });
+    let text = "[[model.script.turns]]\ntext = \"ok\"\nrepeat = true";
+    let a = h
+        .routine(&replay(text, "").replace("name = \"r\"", "name = \"a\""))
+        .await;
+    let b = h
+        .routine(&replay(text, "").replace("name = \"r\"", "name = \"b\""))
+        .await;
+    let first = h.start(&engine, a, "1").await;
+    let second = h.start(&engine, b, "2").await;
+    // Another worker holds the first run: the project is at its limit.
+    let held =
+        h.db.store
+            .claim_run("elsewhere", 60_000, 1)
+            .await
+            .unwrap()
+            .unwrap();
+    assert_eq!(held.id, first.id);
+    assert!(
+        !engine.run_next().await.unwrap(),
+        "no second run of the project starts"
+    );
+    assert_eq!(h.run(second.id).await.status, RunStatus::Queued);
+    // When the first one is given back and finishes, the second goes.
+    h.db.store.release_leases("elsewhere").await.unwrap();
+    h.drive_to_end(&engine, first.id).await;
+    assert_eq!(
+        h.drive_to_end(&engine, second.id).await.status,
+        RunStatus::Succeeded
+    );
+}

@@ -223,18 +223,23 @@ impl Store {
         Ok(done.rows_affected())
     }
 
-    /// Claims the oldest queued run whose routine has a free slot, leasing it to `worker`.
+    /// Claims the oldest queued run whose routine and project both have a free slot (at most
+    /// `max_per_project` running runs per project), leasing it to `worker`.
     pub async fn claim_run(
         &self,
         worker: &str,
         lease_ms: i64,
+        max_per_project: u64,
     ) -> Result<Option<RunRecord>, StoreError> {
         let candidates = sqlx::query(
             "SELECT r.id, r.project_id FROM runs r WHERE r.status = 'queued' AND \
              (SELECT COUNT(*) FROM runs x WHERE x.routine_id = r.routine_id \
-              AND x.status IN ('running', 'waiting_for_approval')) < r.max_concurrent \
+              AND x.status IN ('running', 'waiting_for_approval')) < r.max_concurrent AND \
+             (SELECT COUNT(*) FROM runs y WHERE y.project_id = r.project_id \
+              AND y.status IN ('running', 'waiting_for_approval')) < $1 \
              ORDER BY r.id LIMIT 16",
         )
+        .bind(to_i64(max_per_project))
         .fetch_all(self.pool())
         .await?;
         for row in candidates {

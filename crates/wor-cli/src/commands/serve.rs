@@ -66,6 +66,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         audit.clone(),
         EngineConfig {
             production: config.production,
+            max_running_per_project: config.max_running_per_project,
             ..EngineConfig::default()
         },
     );
