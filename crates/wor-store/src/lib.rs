@@ -15,6 +15,7 @@ mod model_connections;
 mod projects;
 mod routines;
 mod runs;
+mod tool_connections;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod vault;
@@ -37,6 +38,10 @@ pub use model_connections::{
 pub use projects::{CreatedProject, ProjectRecord};
 pub use routines::{AppliedRoutine, RoutineRecord, RoutineVersionRecord};
 pub use runs::{NewRun, RunFilter, RunRecord, RunStep};
+pub use tool_connections::{
+    NewToolConnection, StoredPin, TOOL_CONNECTIONS_TABLE, ToolClass, ToolConnectionKind,
+    ToolConnectionRecord, ToolConnectionStatus, header_field,
+};
 pub use sqlx::Error as SqlxError;
 pub use vault::{RotationReport, SecretMetadata, SecretSlot, Vault, VaultError};
 
