@@ -54,6 +54,11 @@ pub enum AuditCategory {
     MemberCreate,
     KeyCreate,
     KeyRevoke,
+    ToolConnectionCreate,
+    ToolConnectionEnable,
+    ToolConnectionDisable,
+    /// A tool connection's live tools changed from its pins (S9).
+    ToolConnectionQuarantine,
 }
 
 impl AuditCategory {
@@ -63,6 +68,10 @@ impl AuditCategory {
             AuditCategory::MemberCreate => "member.create",
             AuditCategory::KeyCreate => "key.create",
             AuditCategory::KeyRevoke => "key.revoke",
+            AuditCategory::ToolConnectionCreate => "connection.create",
+            AuditCategory::ToolConnectionEnable => "connection.enable",
+            AuditCategory::ToolConnectionDisable => "connection.disable",
+            AuditCategory::ToolConnectionQuarantine => "connection.quarantine",
         }
     }
 }

@@ -49,7 +49,8 @@ impl AppState {
             store: engine.store().clone(),
             vault: engine.vault().clone(),
             production: engine.config().production,
-            engine,
+            // Quarantines found while driving runs go to the same chain.
+            engine: engine.with_audit(audit.clone()),
             audit,
         }
     }
@@ -77,6 +78,14 @@ fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(routes::model_connections::get))
         .routes(routes!(routes::model_connections::set_api_key))
         .routes(routes!(routes::model_connections::revoke))
+        .routes(routes!(
+            routes::tool_connections::list,
+            routes::tool_connections::create
+        ))
+        .routes(routes!(routes::tool_connections::get))
+        .routes(routes!(routes::tool_connections::review))
+        .routes(routes!(routes::tool_connections::enable))
+        .routes(routes!(routes::tool_connections::disable))
         .routes(routes!(routes::routines::list, routes::routines::apply))
         .routes(routes!(routes::routines::get))
         .routes(routes!(routes::runs::start))

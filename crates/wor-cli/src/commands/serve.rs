@@ -80,7 +80,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
             production: config.production,
             ..EngineConfig::default()
         },
-    );
+    )
+    .with_audit(audit.clone());
     let (stop_workers, workers_stopped) = tokio::sync::watch::channel(false);
     let worker = engine.spawn_worker(workers_stopped);
     let state = AppState::new(engine.clone(), audit.clone());
