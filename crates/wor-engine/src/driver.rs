@@ -14,17 +14,17 @@ use wor_core::model::{
     ToolResult,
 };
 use wor_core::routine::{RoutineDefinition, ToolMode};
-use wor_store::ToolClass;
-use wor_tools::{ResultLimits, prepare_arguments};
 use wor_core::run::{Provenance, RunStatus};
 use wor_models::{
     AnthropicProvider, DiscardStream, ModelProvider, OpenAiCompatibleProvider, ProviderEndpoint,
     ProviderOptions, ReplayProvider, ReplayScript,
 };
 use wor_secrets::Redactor;
+use wor_store::ToolClass;
 use wor_store::{
     API_KEY_FIELD, ConnectionStatus, MODEL_CONNECTIONS_TABLE, RunRecord, RunStep, SecretSlot,
 };
+use wor_tools::{ResultLimits, prepare_arguments};
 
 use crate::run_tools::{RunTools, ToolsUnavailable, model_name};
 use crate::{Engine, EngineError};
@@ -331,16 +331,13 @@ impl Engine {
             }));
         };
         // 2-3. Schema and pinned arguments: failures go back to the model.
-        let arguments = match prepare_arguments(
-            &call.arguments,
-            &offered.entry,
-            &offered.pin.input_schema(),
-        ) {
-            Ok(arguments) => arguments,
-            Err(error) => {
-                return Ok(refuse(format!("tool `{}`: {error}", offered.roster_name)));
-            }
-        };
+        let arguments =
+            match prepare_arguments(&call.arguments, &offered.entry, &offered.pin.input_schema()) {
+                Ok(arguments) => arguments,
+                Err(error) => {
+                    return Ok(refuse(format!("tool `{}`: {error}", offered.roster_name)));
+                }
+            };
         // 4. Decision: S8's default policy in its simplest honest form.
         let (decision, refusal) = match offered.mode {
             ToolMode::Deny => (
@@ -377,7 +374,13 @@ impl Engine {
         redactor.redact_json(&mut recorded);
         if let Some(refusal) = refusal {
             self.store
-                .append_run_step(run.project_id, run.id, "tool_call", Provenance::Engine, &recorded)
+                .append_run_step(
+                    run.project_id,
+                    run.id,
+                    "tool_call",
+                    Provenance::Engine,
+                    &recorded,
+                )
                 .await?;
             return Ok(refuse(refusal));
         }
@@ -388,7 +391,13 @@ impl Engine {
         };
         // The call is on record before it runs.
         self.store
-            .append_run_step(run.project_id, run.id, "tool_call", Provenance::Engine, &recorded)
+            .append_run_step(
+                run.project_id,
+                run.id,
+                "tool_call",
+                Provenance::Engine,
+                &recorded,
+            )
             .await?;
         self.store
             .save_usage(run.id, &self.config.worker_id, &usage)
@@ -400,7 +409,10 @@ impl Engine {
                 .call_tool(&offered.tool, arguments.value)
                 .await
                 .map_err(|e| e.to_string()),
-            None => Err(format!("tool connection `{}` is not open", offered.connection)),
+            None => Err(format!(
+                "tool connection `{}` is not open",
+                offered.connection
+            )),
         };
         // 7. Result: redacted, capped, labelled untrusted, enveloped.
         let (text, is_error) = match outcome {

@@ -10,11 +10,11 @@ use secrecy::SecretString;
 use serde_json::{Value, json};
 use wor_core::ProjectId;
 use wor_core::audit::{Actor, AuditCategory, AuditEvent};
+use wor_store::{SecretSlot, StoreError};
 use wor_store::{
     StoredPin, TOOL_CONNECTIONS_TABLE, ToolClass, ToolConnectionKind, ToolConnectionRecord,
     ToolConnectionStatus, header_field,
 };
-use wor_store::{SecretSlot, StoreError};
 use wor_tools::{
     ConnectionCredentials, McpLimits, McpSession, PinnedToolDefinition, StreamableHttpEndpoint,
     ToolDefinition, ToolListDiff, compare,
@@ -128,7 +128,9 @@ impl Engine {
             .vault
             .metadata(&bearer)
             .await
-            .map_err(|e| format!("the credentials of tool connection `{name}` cannot be read: {e}"))?
+            .map_err(|e| {
+                format!("the credentials of tool connection `{name}` cannot be read: {e}")
+            })?
             .is_some()
         {
             let token = self.open_secret(&bearer, name).await?;
@@ -155,9 +157,10 @@ impl Engine {
     }
 
     async fn open_secret(&self, slot: &SecretSlot, name: &str) -> Result<SecretString, String> {
-        self.vault.open(slot).await.map_err(|e| {
-            format!("a credential of tool connection `{name}` cannot be opened: {e}")
-        })
+        self.vault
+            .open(slot)
+            .await
+            .map_err(|e| format!("a credential of tool connection `{name}` cannot be opened: {e}"))
     }
 
     async fn live_tools(
@@ -314,8 +317,11 @@ impl Engine {
                 audit.append(event).await?;
             }
             None => {
-                tracing::error!(category = "audit", action = "connection.quarantine",
-                    "no audit log is attached to the engine; the quarantine is not in the chain");
+                tracing::error!(
+                    category = "audit",
+                    action = "connection.quarantine",
+                    "no audit log is attached to the engine; the quarantine is not in the chain"
+                );
             }
         }
         Ok(())
@@ -332,9 +338,7 @@ impl Engine {
             ToolConnectionStatus::PendingReview => Err(format!(
                 "tool connection `{name}` is waiting for review; an admin must review and enable it"
             )),
-            ToolConnectionStatus::Disabled => {
-                Err(format!("tool connection `{name}` is disabled"))
-            }
+            ToolConnectionStatus::Disabled => Err(format!("tool connection `{name}` is disabled")),
         }
     }
 }

@@ -15,9 +15,9 @@ mod model_connections;
 mod projects;
 mod routines;
 mod runs;
-mod tool_connections;
 #[cfg(feature = "testing")]
 pub mod testing;
+mod tool_connections;
 mod vault;
 
 use std::path::Path;
@@ -38,11 +38,11 @@ pub use model_connections::{
 pub use projects::{CreatedProject, ProjectRecord};
 pub use routines::{AppliedRoutine, RoutineRecord, RoutineVersionRecord};
 pub use runs::{NewRun, RunFilter, RunRecord, RunStep};
+pub use sqlx::Error as SqlxError;
 pub use tool_connections::{
     NewToolConnection, StoredPin, TOOL_CONNECTIONS_TABLE, ToolClass, ToolConnectionKind,
     ToolConnectionRecord, ToolConnectionStatus, header_field,
 };
-pub use sqlx::Error as SqlxError;
 pub use vault::{RotationReport, SecretMetadata, SecretSlot, Vault, VaultError};
 
 /// Which database a [`Store`] runs on.

@@ -353,7 +353,10 @@ pub async fn get(
     caller: Caller,
     ApiPath(id): ApiPath<ConnectionId>,
 ) -> Result<Json<ToolConnectionView>, ApiError> {
-    let record = state.store.get_tool_connection(caller.project_id, id).await?;
+    let record = state
+        .store
+        .get_tool_connection(caller.project_id, id)
+        .await?;
     Ok(Json(view(&state, record).await?))
 }
 
@@ -389,7 +392,10 @@ pub async fn review(
     caller: Caller,
     ApiPath(id): ApiPath<ConnectionId>,
 ) -> Result<Json<ToolReviewView>, ApiError> {
-    state.store.get_tool_connection(caller.project_id, id).await?;
+    state
+        .store
+        .get_tool_connection(caller.project_id, id)
+        .await?;
     caller.require_configure()?;
     let review = state
         .engine
@@ -416,7 +422,10 @@ pub async fn enable(
     ApiPath(id): ApiPath<ConnectionId>,
     ApiJson(body): ApiJson<EnableToolConnection>,
 ) -> Result<Json<ToolConnectionView>, ApiError> {
-    let before = state.store.get_tool_connection(caller.project_id, id).await?;
+    let before = state
+        .store
+        .get_tool_connection(caller.project_id, id)
+        .await?;
     caller.require_configure()?;
     let record = state
         .engine
@@ -455,7 +464,10 @@ pub async fn disable(
     caller: Caller,
     ApiPath(id): ApiPath<ConnectionId>,
 ) -> Result<Json<ToolConnectionView>, ApiError> {
-    state.store.get_tool_connection(caller.project_id, id).await?;
+    state
+        .store
+        .get_tool_connection(caller.project_id, id)
+        .await?;
     caller.require_configure()?;
     let record = state
         .store
