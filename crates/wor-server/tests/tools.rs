@@ -64,7 +64,12 @@ fn loopback_egress() -> EgressClient {
 
 impl Harness {
     async fn new() -> Self {
-        let db = TestDatabase::new().await.unwrap();
+        // A database of its own: the worker claims any queued run, so a shared PostgreSQL
+        // database would let it drive (or be beaten to) other tests' runs.
+        let dir = tempfile::tempdir().unwrap();
+        let url = TestDatabase::fresh_url(dir.path()).await.unwrap();
+        let store = wor_store::Store::connect(&url).await.unwrap();
+        let db = TestDatabase { store, url, dir };
         let (keys, _) = wor_secrets::KeyRing::generate().unwrap();
         let vault = wor_store::Vault::new(db.store.clone(), Arc::new(keys));
         let (key, _) = wor_secrets::AuditSigningKey::generate().unwrap();
