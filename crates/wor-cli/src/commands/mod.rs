@@ -10,6 +10,7 @@ mod routines;
 mod sandbox;
 mod secrets;
 mod serve;
+mod tool_connections;
 
 use std::process::ExitCode;
 
@@ -38,6 +39,9 @@ pub enum Command {
     /// Model connections: provider endpoints and their (sealed) API keys.
     #[command(subcommand, name = "model-connection")]
     ModelConnection(model_connections::ModelConnectionCommand),
+    /// Tool connections: MCP servers and HTTP APIs, reviewed and pinned before use.
+    #[command(subcommand)]
+    Connection(tool_connections::ToolConnectionCommand),
     /// The encryption key ring (operator: works on the database directly).
     #[command(subcommand)]
     Secrets(secrets::SecretsCommand),
@@ -66,6 +70,7 @@ impl Command {
             Command::Egress(cmd) => egress::run(cmd).await,
             Command::Routine(cmd) => routines::run(cmd).await,
             Command::ModelConnection(cmd) => model_connections::run(cmd).await,
+            Command::Connection(cmd) => tool_connections::run(cmd).await,
             Command::Secrets(cmd) => secrets::run(cmd).await,
             Command::Audit(cmd) => audit::run(cmd).await,
             Command::Sandbox(sandbox::SandboxCommand::Exec(args)) => sandbox::exec(args).await,
