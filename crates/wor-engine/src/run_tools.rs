@@ -13,7 +13,7 @@ use wor_store::{RunRecord, StoreError, ToolClass, ToolConnectionRecord};
 use wor_tools::{McpSession, PinnedToolDefinition, ToolListVerdict, compare, model_view};
 
 use crate::Engine;
-use crate::tool_connections::{quarantine_names, stored_pins};
+use crate::tool_connections::{quarantine_names, stored_from_definition, stored_pins};
 
 /// Longest function name the providers accept.
 const MAX_MODEL_NAME: usize = 64;
@@ -158,6 +158,16 @@ impl Engine {
                     "tool connection `{connection}` is quarantined: tools changed since they were pinned: {}; an admin must review the diff and enable it again",
                     names.join(", ")
                 )));
+            }
+            if diff.verdict() == ToolListVerdict::ToolsRemoved {
+                let seen = live
+                    .iter()
+                    .map(|t| (t.name.clone(), stored_from_definition(t)))
+                    .collect();
+                self.store
+                    .record_live_tools(run.project_id, record.id, &seen)
+                    .await
+                    .map_err(ToolsUnavailable::Store)?;
             }
             for (tool, entry) in entries {
                 // A pinned tool the server no longer lists is unavailable, not a quarantine.
