@@ -215,11 +215,9 @@ pub async fn run(cmd: ToolConnectionCommand) -> anyhow::Result<ExitCode> {
             headers,
             client,
         } => {
-            let mut body = json!({"name": name, "kind": kind, "url": url, "allowlist": allowlist,
-                "headers": read_headers(&headers)?});
-            if let Some(token) = read_bearer(bearer_env.as_deref(), bearer_stdin)? {
-                body["bearer_token"] = Value::String(token);
-            }
+            let body = json!({"name": name, "kind": kind, "url": url, "allowlist": allowlist,
+                "headers": read_headers(&headers)?,
+                "bearer_token": read_bearer(bearer_env.as_deref(), bearer_stdin)?});
             let created = ApiClient::new(&client)?
                 .post("/v1/tool-connections", &body)
                 .await?;
