@@ -404,11 +404,13 @@ impl Engine {
             .await?;
         // 6. Execute, credentials attached by the session at send time.
         let outcome = match tools.connections.get(&offered.connection) {
-            Some(connection) => connection
-                .session
-                .call_tool(&offered.tool, arguments.value)
-                .await
-                .map_err(|e| e.to_string()),
+            Some(connection) => {
+                self.call_until_cancelled(
+                    run,
+                    connection.session.call_tool(&offered.tool, arguments.value),
+                )
+                .await?
+            }
             None => Err(format!(
                 "tool connection `{}` is not open",
                 offered.connection
@@ -443,6 +445,30 @@ impl Engine {
             usage,
             provenance: Provenance::Untrusted,
         })
+    }
+
+    /// Waits for a tool call, polling for a cancel request; on one, the call is dropped,
+    /// which cancels it on the server.
+    async fn call_until_cancelled(
+        &self,
+        run: &RunRecord,
+        call: impl Future<Output = Result<wor_tools::ToolCallResult, wor_tools::McpError>>,
+    ) -> Result<Result<wor_tools::ToolCallResult, String>, EngineError> {
+        tokio::pin!(call);
+        let mut poll = tokio::time::interval(CANCEL_POLL);
+        loop {
+            tokio::select! {
+                result = &mut call => return Ok(result.map_err(|e| e.to_string())),
+                _ = poll.tick() => {
+                    if self.store.is_cancel_requested(run.id).await? {
+                        return Ok(Err("the run was cancelled while the tool ran".to_owned()));
+                    }
+                    if !self.store.renew_lease(run.id, &self.config.worker_id, lease_ms(&self.config)).await? {
+                        return Err(EngineError::Refused("the run's lease was lost to another worker".to_owned()));
+                    }
+                }
+            }
+        }
     }
 
     /// One model call, stopped early by a cancel request or the wall-time deadline.

@@ -302,6 +302,7 @@ impl ServerHandler for Desk {
             desk_tool("lookup", "Looks a record up", "q"),
             desk_tool("send", send, "to"),
         ];
+        tools.push(desk_tool("wait", "Takes a minute", "why"));
         if !self.state.publish_removed.load(Ordering::SeqCst) {
             tools.push(desk_tool("publish", "Publishes the report", "title"));
         }
@@ -320,6 +321,9 @@ impl ServerHandler for Desk {
             .lock()
             .unwrap()
             .push((request.name.to_string(), arguments.clone()));
+        if request.name == "wait" {
+            tokio::time::sleep(Duration::from_secs(60)).await;
+        }
         let text = match request.name.as_ref() {
             "lookup" => format!("record for {}", arguments["q"].as_str().unwrap_or("")),
             other => format!("{other} done"),
@@ -667,7 +671,7 @@ mode = "confirm"
     assert!(review["diff"].is_null());
     let tools = review["tools"].as_array().unwrap();
     let names: Vec<&str> = tools.iter().map(|t| t["name"].as_str().unwrap()).collect();
-    assert_eq!(names, ["lookup", "send", "publish"]);
+    assert_eq!(names, ["lookup", "send", "wait", "publish"]);
     assert_eq!(tools[1]["description"], HONEST);
     assert_eq!(
         tools[1]["input_schema"]["properties"]["to"]["type"],
@@ -907,6 +911,71 @@ mode = "auto"
         .call(Method::GET, &format!("/v1/tool-connections/{id}"), None)
         .await;
     assert_eq!(connection["status"], "enabled");
+}
+
+#[tokio::test]
+async fn cancelling_a_run_aborts_its_tool_call_in_flight() {
+    let desk = Desk::default();
+    let addr = serve_desk(desk.clone()).await;
+    let h = Harness::new().await;
+    h.connect_and_enable("desk", addr, json!({}), &["wait"])
+        .await;
+    let (_, applied) = h
+        .call(
+            Method::POST,
+            "/v1/routines",
+            Some(json!({"toml": r#"
+name = "waiter"
+instructions = "Wait."
+[model]
+provider = "replay"
+model = "script"
+[[model.script.turns]]
+tool_calls = [{ name = "desk__wait", arguments = { why = "x" } }]
+[[tools]]
+tool = "desk/wait"
+mode = "auto"
+"#})),
+        )
+        .await;
+    let routine_id = applied["routine"]["id"].as_str().unwrap().to_owned();
+    let (_, run) = h
+        .call(
+            Method::POST,
+            &format!("/v1/routines/{routine_id}/runs"),
+            Some(json!({"input": "go"})),
+        )
+        .await;
+    let run_id = run["id"].as_str().unwrap().to_owned();
+    let engine = h.engine.clone();
+    let worker = tokio::spawn(async move { engine.run_next().await.unwrap() });
+    // Wait until the call is on record (and so under way), then cancel.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let (_, run) = h
+            .call(Method::GET, &format!("/v1/runs/{run_id}"), None)
+            .await;
+        if !steps_of(&run, "tool_call").is_empty() {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the tool call never started"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (status, _) = h
+        .call(Method::POST, &format!("/v1/runs/{run_id}/cancel"), None)
+        .await;
+    assert!(status.is_success());
+    tokio::time::timeout(Duration::from_secs(10), worker)
+        .await
+        .expect("the run did not stop while its tool call was in flight")
+        .unwrap();
+    let (_, run) = h
+        .call(Method::GET, &format!("/v1/runs/{run_id}"), None)
+        .await;
+    assert_eq!(run["status"], "cancelled", "{run:#}");
 }
 
 #[tokio::test]
