@@ -155,6 +155,47 @@ async fn canaries_in_secret_fields_appear_nowhere() {
         assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
         record(&out);
     }
+    // A tool connection's bearer token and secret header: sealed, never shown.
+    let tool_token = "tok-canary-tool-7c6b5a4f3e2d1c0b";
+    let tool_header = "key-canary-tool-0f1e2d3c4b5a6978";
+    let tool = run(wor(&[
+        "connection",
+        "create",
+        "desk",
+        "--url",
+        "https://mcp.example.com/mcp",
+        "--allow",
+        "mcp.example.com",
+        "--bearer-env",
+        "TOOL_TOKEN",
+        "--header-env",
+        "X-Api-Key=TOOL_HEADER",
+        "--json",
+    ])
+    .env("WOR_SERVER", &server.url)
+    .env("WOR_API_KEY", &owner)
+    .env("TOOL_TOKEN", tool_token)
+    .env("TOOL_HEADER", tool_header));
+    assert!(tool.status.success(), "{}", text(&tool.stderr));
+    let tool_view: serde_json::Value = serde_json::from_slice(&tool.stdout).unwrap();
+    assert_eq!(tool_view["status"], "pending_review");
+    assert_eq!(tool_view["credentials"]["x-api-key"]["configured"], true);
+    assert_eq!(
+        tool_view["credentials"]["authorization"]["configured"],
+        true
+    );
+    record(&tool);
+    let tool_id = tool_view["id"].as_str().unwrap().to_owned();
+    for args in [
+        vec!["connection", "list", "--json"],
+        vec!["connection", "show", tool_id.as_str(), "--json"],
+        vec!["connection", "list"],
+        vec!["audit", "export"],
+    ] {
+        let out = server.client(&owner, &args);
+        assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
+        record(&out);
+    }
     // A request that fails carrying a canary: the error must not echo it.
     let bad = with_stdin(
         &server,
@@ -175,7 +216,13 @@ async fn canaries_in_secret_fields_appear_nowhere() {
     record(&bad);
     let log = server.stop();
 
-    let canaries = [first, second, "sk-canary-in-url-99887766"];
+    let canaries = [
+        first,
+        second,
+        "sk-canary-in-url-99887766",
+        tool_token,
+        tool_header,
+    ];
     assert_absent(&responses, &canaries, "an API response or CLI output");
     assert_absent(&log, &canaries, "the server log");
     assert_absent(

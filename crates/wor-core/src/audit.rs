@@ -64,6 +64,11 @@ pub enum AuditCategory {
     ModelCall,
     ToolCall,
     SecretUse,
+    ToolConnectionCreate,
+    ToolConnectionEnable,
+    ToolConnectionDisable,
+    /// A tool connection's live tools changed from its pins (S9).
+    ToolConnectionQuarantine,
 }
 
 impl AuditCategory {
@@ -83,6 +88,10 @@ impl AuditCategory {
             AuditCategory::ModelCall => "model.call",
             AuditCategory::ToolCall => "tool.call",
             AuditCategory::SecretUse => "secret.use",
+            AuditCategory::ToolConnectionCreate => "connection.create",
+            AuditCategory::ToolConnectionEnable => "connection.enable",
+            AuditCategory::ToolConnectionDisable => "connection.disable",
+            AuditCategory::ToolConnectionQuarantine => "connection.quarantine",
         }
     }
 }

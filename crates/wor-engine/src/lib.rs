@@ -5,12 +5,15 @@
 //! the same process after a restart) resumes where it stopped. Budgets, cancellation and the
 //! wall-time deadline are checked before every step.
 //!
-//! Not built yet: tool execution through tool connections, policy decisions and approvals,
-//! nested routines and run-scoped credentials. Until then a tool call is answered with a clear
-//! refusal that names why; nothing runs without a decision.
+//! Roster tools on MCP-over-HTTP connections run through the pipeline of the spec (roster,
+//! schema and pinned arguments, decision, budget, record, execute, result). Not built yet:
+//! approvals (a call that needs one is refused), stdio and HTTP API connections in runs,
+//! nested routines and run-scoped credentials.
 
 mod driver;
+mod run_tools;
 mod start;
+mod tool_connections;
 mod worker;
 
 use std::collections::BTreeMap;
@@ -22,6 +25,9 @@ use wor_egress::EgressClient;
 use wor_store::{AuditLog, Store, StoreError, Vault};
 
 pub use start::{StartRun, Trigger};
+pub use tool_connections::{
+    BEARER_TOKEN_FIELD, ReviewDiff, ReviewedTool, ToolReview, credential_slot,
+};
 
 /// How the engine runs.
 #[derive(Debug, Clone)]
@@ -62,6 +68,12 @@ impl Default for EngineConfig {
 pub enum EngineError {
     #[error("{0}")]
     Refused(String),
+    /// The request itself is wrong (a bad argument).
+    #[error("{0}")]
+    Invalid(String),
+    /// Something outside (a tool server) could not be reached or answered wrongly.
+    #[error("{0}")]
+    Unreachable(String),
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -72,6 +84,7 @@ pub struct Engine {
     store: Store,
     vault: Vault,
     egress: EgressClient,
+    /// Where the engine's security events are recorded (S12).
     audit: AuditLog,
     config: Arc<EngineConfig>,
 }

@@ -160,17 +160,16 @@ async fn a_run_succeeds_and_its_steps_tell_the_story() {
 }
 
 #[tokio::test]
-async fn tool_calls_are_refused_unless_the_roster_allows_and_nothing_runs_unconnected() {
+async fn tool_calls_off_the_roster_are_refused_and_a_missing_connection_fails_closed() {
     let h = Harness::new().await;
     let engine = h.engine(EngineConfig::default());
     let script = r#"
 [[model.script.turns]]
-tool_calls = [{ id = "a", name = "mail/delete_all" }, { id = "b", name = "mail/read" }, { id = "c", name = "mail/purge" }]
+tool_calls = [{ id = "a", name = "mail__delete_all" }, { id = "b", name = "shell" }]
 [[model.script.turns]]
 text = "Gave up."
 "#;
-    let roster = "\n[[tools]]\ntool = \"mail/read\"\nmode = \"auto\"\n[[tools]]\ntool = \"mail/purge\"\nmode = \"deny\"\n";
-    let routine = h.routine(&(replay(script, "") + roster)).await;
+    let routine = h.routine(&replay(script, "")).await;
     let run = h.start(&engine, routine, "clean up").await;
     let run = h.drive_to_end(&engine, run.id).await;
     assert_eq!(run.status, RunStatus::Succeeded);
@@ -181,25 +180,37 @@ text = "Gave up."
         .filter(|(k, _, _)| k == "tool_result")
         .map(|(_, _, p)| p["result"]["content"].as_str().unwrap().to_owned())
         .collect();
-    assert_eq!(results.len(), 3);
+    assert_eq!(results.len(), 2);
     assert!(
-        results[0].contains("not on this routine's roster"),
+        results
+            .iter()
+            .all(|r| r.contains("not on this routine's roster")),
         "{results:?}"
     );
-    assert!(
-        results[1].contains("tool connections are not available"),
-        "{results:?}"
-    );
-    assert!(results[2].contains("denied by this routine"), "{results:?}");
     assert_eq!(
-        run.usage.tool_calls, 1,
-        "only the roster tool counts against the budget"
+        run.usage.tool_calls, 0,
+        "refused calls do not count against the budget"
     );
+
+    // A roster naming a connection that does not exist: the run fails closed before any turn.
+    let roster = "\n[[tools]]\ntool = \"mail/read\"\nmode = \"auto\"\n";
+    let routine = h
+        .routine(&(replay(script, "").replace("name = \"r\"", "name = \"m\"") + roster))
+        .await;
+    let run = h.start(&engine, routine, "go").await;
+    let run = h.drive_to_end(&engine, run.id).await;
+    assert_eq!(run.status, RunStatus::Failed);
+    assert!(
+        run.outcome
+            .unwrap()
+            .contains("tool connection `mail` named by the roster does not exist")
+    );
+    assert_eq!(run.usage.turns, 0, "the model was never asked");
 }
 
-/// A script that asks for a tool forever.
-const LOOPING: &str = "[[model.script.turns]]\nrepeat = true\ntool_calls = [{ name = \"mail/read\" }]\nusage = { input_tokens = 40, output_tokens = 20 }";
-const ROSTER: &str = "\n[[tools]]\ntool = \"mail/read\"\nmode = \"auto\"\n";
+/// A script that asks for a (refused) tool forever. The tool-call budget is tested with a real
+/// tool connection in `wor-server/tests/tools.rs`.
+const LOOPING: &str = "[[model.script.turns]]\nrepeat = true\ntool_calls = [{ name = \"mail__read\" }]\nusage = { input_tokens = 40, output_tokens = 20 }";
 
 #[tokio::test]
 async fn each_budget_ends_the_run_naming_its_limit() {
@@ -215,13 +226,12 @@ async fn each_budget_ends_the_run_naming_its_limit() {
     let engine = h.engine(config);
     for (budget, limit) in [
         ("turns = 3", "turns"),
-        ("tool_calls = 2", "tool_calls"),
         ("input_tokens = 100", "input_tokens"),
         ("output_tokens = 50", "output_tokens"),
         ("cost_microdollars = 1", "cost_microdollars"),
     ] {
         let routine = h
-            .routine(&(replay(LOOPING, &format!("[budget]\n{budget}")) + ROSTER))
+            .routine(&replay(LOOPING, &format!("[budget]\n{budget}")))
             .await;
         let run = h.start(&engine, routine, "go").await;
         let run = h.drive_to_end(&engine, run.id).await;
@@ -664,7 +674,11 @@ async fn every_tool_call_decision_is_audited() {
         ]
     );
     assert_eq!(entries[2].payload["tool"], "mail/send");
-    assert_eq!(entries[2].payload["decision"], "refused");
+    assert_eq!(entries[2].payload["transition"], "answered");
+    assert_eq!(
+        entries[2].payload["is_error"], true,
+        "refused: not on the roster"
+    );
     assert!(
         entries
             .iter()

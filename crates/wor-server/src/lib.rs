@@ -44,13 +44,14 @@ pub struct AppState {
 }
 
 impl AppState {
-    pub fn new(engine: Engine, audit: AuditLog) -> Self {
+    /// The state of an API over `engine`; handlers append to the engine's audit log.
+    pub fn new(engine: Engine) -> Self {
         AppState {
             store: engine.store().clone(),
             vault: engine.vault().clone(),
             production: engine.config().production,
+            audit: engine.audit().clone(),
             engine,
-            audit,
         }
     }
 }
@@ -77,6 +78,14 @@ fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(routes::model_connections::get))
         .routes(routes!(routes::model_connections::set_api_key))
         .routes(routes!(routes::model_connections::revoke))
+        .routes(routes!(
+            routes::tool_connections::list,
+            routes::tool_connections::create
+        ))
+        .routes(routes!(routes::tool_connections::get))
+        .routes(routes!(routes::tool_connections::review))
+        .routes(routes!(routes::tool_connections::enable))
+        .routes(routes!(routes::tool_connections::disable))
         .routes(routes!(routes::routines::list, routes::routines::apply))
         .routes(routes!(routes::routines::get))
         .routes(routes!(routes::runs::start))

@@ -31,7 +31,7 @@ fn app_state(db: &TestDatabase, production: bool) -> (AppState, AuditLog) {
     let (key, _) = wor_secrets::AuditSigningKey::generate().unwrap();
     let audit = AuditLog::start(db.store.clone(), key, AuditConfig::default());
     let engine = wor_engine::Engine::new(db.store.clone(), vault, egress, audit.clone(), config);
-    (AppState::new(engine, audit.clone()), audit)
+    (AppState::new(engine), audit)
 }
 
 struct TestApi {
@@ -147,6 +147,12 @@ fn sample_body(method: &Method, path: &str) -> Option<Value> {
             Some(json!({"api_key": "sk-probe-1111111111"}))
         }
         ("POST", "/v1/model-connections/{connection_id}/revoke") => None,
+        ("POST", "/v1/tool-connections") => Some(json!({
+            "name": "probe", "kind": "mcp_http", "url": "https://mcp.example.com/mcp",
+            "allowlist": ["mcp.example.com"], "bearer_token": "tok-probe-0000000000"
+        })),
+        ("POST", "/v1/tool-connections/{tool_connection_id}/enable") => Some(json!({"tools": {}})),
+        ("POST", "/v1/tool-connections/{tool_connection_id}/disable") => None,
         ("POST", "/v1/routines") => Some(json!({"toml": REPLAY_ROUTINE})),
         ("POST", "/v1/routines/{routine_id}/runs") => Some(json!({"input": "probe"})),
         ("POST", "/v1/runs/{run_id}/cancel") => None,
@@ -174,6 +180,17 @@ async fn another_projects_resources_answer_404_on_every_route() {
         .await;
     assert_eq!(a_model.status, StatusCode::CREATED, "{}", a_model.text);
     let a_model_id = a_model.body["id"].as_str().unwrap().to_owned();
+    let a_tools = api
+        .call(
+            Method::POST,
+            "/v1/tool-connections",
+            Some(a.owner_key.expose()),
+            Some(json!({"name": "t", "kind": "mcp_http", "url": "https://mcp.example.com/mcp",
+                "allowlist": ["mcp.example.com"], "headers": {"x-api-key": "key-a-secret-123456789"}})),
+        )
+        .await;
+    assert_eq!(a_tools.status, StatusCode::CREATED, "{}", a_tools.text);
+    let a_tools_id = a_tools.body["id"].as_str().unwrap().to_owned();
     let a_routine = api
         .call(
             Method::POST,
@@ -198,6 +215,7 @@ async fn another_projects_resources_answer_404_on_every_route() {
         ("member_id", a.owner.id.to_string()),
         ("key_id", a_key_id.to_string()),
         ("connection_id", a_model_id.clone()),
+        ("tool_connection_id", a_tools_id.clone()),
         ("routine_id", a_routine_id.clone()),
         ("run_id", a_run_id.clone()),
     ];
@@ -206,6 +224,7 @@ async fn another_projects_resources_answer_404_on_every_route() {
         a.owner.id.to_string(),
         a_key_id.to_string(),
         a_model_id.clone(),
+        a_tools_id.clone(),
         a_routine_id.clone(),
         a_run_id.clone(),
     ];
@@ -265,6 +284,18 @@ async fn another_projects_resources_answer_404_on_every_route() {
         .await;
     assert_eq!(model.body["status"], "active");
     assert_eq!(model.body["credential_version"], 1);
+    let tools = api
+        .call(
+            Method::GET,
+            &format!("/v1/tool-connections/{a_tools_id}"),
+            Some(a.owner_key.expose()),
+            None,
+        )
+        .await;
+    assert_eq!(
+        tools.body["status"], "pending_review",
+        "B's walk changed A's tool connection"
+    );
     let run = api
         .db
         .store

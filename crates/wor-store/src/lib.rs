@@ -17,6 +17,7 @@ mod routines;
 mod runs;
 #[cfg(feature = "testing")]
 pub mod testing;
+mod tool_connections;
 mod vault;
 
 use std::path::Path;
@@ -38,6 +39,10 @@ pub use projects::{CreatedProject, ProjectRecord};
 pub use routines::{AppliedRoutine, RoutineRecord, RoutineVersionRecord};
 pub use runs::{NewRun, RunFilter, RunRecord, RunStep};
 pub use sqlx::Error as SqlxError;
+pub use tool_connections::{
+    NewToolConnection, StoredPin, TOOL_CONNECTIONS_TABLE, ToolClass, ToolConnectionKind,
+    ToolConnectionRecord, ToolConnectionStatus, header_field,
+};
 pub use vault::{RotationReport, SecretMetadata, SecretSlot, Vault, VaultError};
 
 /// Which database a [`Store`] runs on.

@@ -20,6 +20,7 @@ const FOUNDATION: &str = include_str!("../migrations/0001_foundation.sql");
 const SECRETS: &str = include_str!("../migrations/0002_secrets.sql");
 const ROUTINES: &str = include_str!("../migrations/0004_routines.sql");
 const RUNS: &str = include_str!("../migrations/0005_runs.sql");
+const TOOL_CONNECTIONS: &str = include_str!("../migrations/0006_tool_connections.sql");
 
 /// The triggers that make the audit tables append-only, per backend; also used by the test
 /// support that plays an attacker who drops them.
@@ -67,6 +68,12 @@ const MIGRATIONS: &[SchemaMigration] = &[
         description: "runs",
         sqlite: RUNS,
         postgres: RUNS,
+    },
+    SchemaMigration {
+        version: 6,
+        description: "tool connections",
+        sqlite: TOOL_CONNECTIONS,
+        postgres: TOOL_CONNECTIONS,
     },
 ];
 

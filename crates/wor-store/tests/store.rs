@@ -564,3 +564,93 @@ async fn a_rewritten_chain_is_caught_by_its_checkpoints_and_a_cut_tail_by_an_anc
         })
     );
 }
+
+#[tokio::test]
+async fn tool_connections_are_confined_to_their_project_and_keep_their_pins() {
+    use std::collections::BTreeMap;
+    use wor_store::{
+        NewToolConnection, StoredPin, ToolClass, ToolConnectionKind, ToolConnectionStatus,
+    };
+
+    let db = TestDatabase::new().await.unwrap();
+    let a = db
+        .store
+        .create_project(&TestDatabase::unique_name("a"), "alice")
+        .await
+        .unwrap();
+    let b = db
+        .store
+        .create_project(&TestDatabase::unique_name("b"), "bob")
+        .await
+        .unwrap();
+    let new = || NewToolConnection {
+        name: "desk".to_owned(),
+        kind: ToolConnectionKind::McpHttp,
+        url: "https://mcp.example.com/mcp".to_owned(),
+        allowlist: vec!["mcp.example.com".to_owned()],
+        secret_headers: vec!["x-api-key".to_owned()],
+        created_by: None,
+    };
+    let created = db
+        .store
+        .create_tool_connection(a.project.id, new())
+        .await
+        .unwrap();
+    assert_eq!(created.status, ToolConnectionStatus::PendingReview);
+    // Names are unique per project, not across projects.
+    assert!(matches!(
+        db.store.create_tool_connection(a.project.id, new()).await,
+        Err(StoreError::Conflict(_))
+    ));
+    db.store
+        .create_tool_connection(b.project.id, new())
+        .await
+        .unwrap();
+    // Project B reaches none of A's rows, by id or by name, and cannot change them.
+    assert!(matches!(
+        db.store.get_tool_connection(b.project.id, created.id).await,
+        Err(StoreError::NotFound)
+    ));
+    assert!(matches!(
+        db.store
+            .disable_tool_connection(b.project.id, created.id)
+            .await,
+        Err(StoreError::NotFound)
+    ));
+    let b_desk = db
+        .store
+        .get_tool_connection_by_name(b.project.id, "desk")
+        .await
+        .unwrap();
+    assert_ne!(b_desk.id, created.id);
+
+    let pins = BTreeMap::from([(
+        "echo".to_owned(),
+        StoredPin {
+            definition: serde_json::json!({"name": "echo", "description": null,
+                "inputSchema": {"type": "object"}, "annotations": null}),
+            hash: "ab".repeat(32),
+        },
+    )]);
+    let classes = BTreeMap::from([("echo".to_owned(), ToolClass::ReadOnly)]);
+    let enabled = db
+        .store
+        .enable_tool_connection(a.project.id, created.id, &pins, &classes)
+        .await
+        .unwrap();
+    assert_eq!(enabled.status, ToolConnectionStatus::Enabled);
+    assert_eq!(enabled.pinned_tools, pins);
+    assert_eq!(enabled.class_of("echo"), ToolClass::ReadOnly);
+    assert_eq!(enabled.class_of("other"), ToolClass::Consequential);
+    let quarantined = db
+        .store
+        .quarantine_tool_connection(a.project.id, created.id, &BTreeMap::new())
+        .await
+        .unwrap();
+    assert_eq!(quarantined.status, ToolConnectionStatus::Quarantined);
+    assert_eq!(
+        quarantined.pinned_tools, pins,
+        "a quarantine keeps the pins"
+    );
+    assert_eq!(quarantined.live_tools, Some(BTreeMap::new()));
+}

@@ -11,6 +11,7 @@ mod runs;
 mod sandbox;
 mod secrets;
 mod serve;
+mod tool_connections;
 
 use std::process::ExitCode;
 
@@ -42,6 +43,9 @@ pub enum Command {
     /// Model connections: provider endpoints and their (sealed) API keys.
     #[command(subcommand, name = "model-connection")]
     ModelConnection(model_connections::ModelConnectionCommand),
+    /// Tool connections: MCP servers and HTTP APIs, reviewed and pinned before use.
+    #[command(subcommand)]
+    Connection(tool_connections::ToolConnectionCommand),
     /// The encryption key ring (operator: works on the database directly).
     #[command(subcommand)]
     Secrets(secrets::SecretsCommand),
@@ -71,6 +75,7 @@ impl Command {
             Command::Routine(cmd) => routines::run(cmd).await,
             Command::Run(cmd) => runs::run(cmd).await,
             Command::ModelConnection(cmd) => model_connections::run(cmd).await,
+            Command::Connection(cmd) => tool_connections::run(cmd).await,
             Command::Secrets(cmd) => secrets::run(cmd).await,
             Command::Audit(cmd) => audit::run(cmd).await,
             Command::Sandbox(sandbox::SandboxCommand::Exec(args)) => sandbox::exec(args).await,

@@ -85,7 +85,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     eprintln!("wor: listening on http://{local}");
     let (stop_workers, workers_stopped) = tokio::sync::watch::channel(false);
     let worker = engine.spawn_worker(workers_stopped);
-    let state = AppState::new(engine.clone(), audit.clone());
+    let state = AppState::new(engine.clone());
     let served = wor_server::serve(listener, state, shutdown).await;
     // Runs in flight are given back, to be resumed at the next start rather than after
     // their lease runs out.

@@ -8,3 +8,4 @@ pub mod model_connections;
 pub mod project;
 pub mod routines;
 pub mod runs;
+pub mod tool_connections;

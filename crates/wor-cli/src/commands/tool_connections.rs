@@ -1,0 +1,276 @@
+//! `wor connection …`: tool connections, clients of the API. Credentials are read from
+//! environment variables or standard input, never from a flag (flags show in process
+//! listings). `enable` pins the hashes of a review the admin saved, so what is pinned is what
+//! they saw.
+
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, bail};
+use serde_json::{Value, json};
+
+use super::{field, print_json};
+use crate::client::{ApiClient, ClientArgs};
+
+#[derive(Debug, clap::Subcommand)]
+pub enum ToolConnectionCommand {
+    /// Add a tool connection; it waits for review before any tool runs.
+    Create {
+        /// A name for the connection: rosters call its tools `NAME/TOOL`.
+        name: String,
+        /// mcp_http or http_api.
+        #[arg(long, default_value = "mcp_http")]
+        kind: String,
+        /// The MCP endpoint or API base URL.
+        #[arg(long)]
+        url: String,
+        /// A host pattern the connection may reach (repeat for several).
+        #[arg(long = "allow", value_name = "HOST", required = true)]
+        allowlist: Vec<String>,
+        /// Read a bearer token from this environment variable.
+        #[arg(long, value_name = "VAR", conflicts_with = "bearer_stdin")]
+        bearer_env: Option<String>,
+        /// Read a bearer token from standard input.
+        #[arg(long)]
+        bearer_stdin: bool,
+        /// A secret header, its value read from an environment variable (repeatable).
+        #[arg(long = "header-env", value_name = "NAME=VAR")]
+        headers: Vec<String>,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// List the project's tool connections.
+    List(ClientArgs),
+    /// Show one tool connection.
+    Show {
+        /// A `con_…` id.
+        id: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// List the server's live tools with their hashes, and the diff against the pins.
+    Review {
+        /// A `con_…` id.
+        id: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Pin the reviewed tools and enable the connection.
+    Enable {
+        /// A `con_…` id.
+        id: String,
+        /// The output of `wor connection review --json` the tools were reviewed from.
+        #[arg(long, value_name = "FILE", required_unless_present = "tools")]
+        from_review: Option<PathBuf>,
+        /// A reviewed tool and its hash (repeatable), instead of --from-review.
+        #[arg(
+            long = "tool",
+            value_name = "NAME=HASH",
+            conflicts_with = "from_review"
+        )]
+        tools: Vec<String>,
+        /// A tool to classify read-only (repeatable); every other tool is consequential.
+        #[arg(long = "read-only", value_name = "TOOL")]
+        read_only: Vec<String>,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Disable the connection; runs that need it fail closed.
+    Disable {
+        /// A `con_…` id.
+        id: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+}
+
+fn summary(c: &Value) -> String {
+    let pinned = c
+        .get("pinned_tools")
+        .and_then(Value::as_object)
+        .map_or(0, |p| p.len());
+    format!(
+        "{}  {:<8}  {:<14}  {} pinned  {}  {}",
+        field(c, "/id"),
+        field(c, "/kind"),
+        field(c, "/status"),
+        pinned,
+        field(c, "/name"),
+        field(c, "/url"),
+    )
+}
+
+fn show(client: &ClientArgs, value: &Value) -> anyhow::Result<()> {
+    if client.json {
+        print_json(value)
+    } else {
+        println!("{}", summary(value));
+        Ok(())
+    }
+}
+
+fn read_bearer(env: Option<&str>, stdin: bool) -> anyhow::Result<Option<String>> {
+    if let Some(var) = env {
+        let value =
+            std::env::var(var).with_context(|| format!("environment variable {var} is not set"))?;
+        return Ok(Some(value.trim().to_owned()));
+    }
+    if stdin {
+        let mut text = String::new();
+        std::io::stdin()
+            .read_to_string(&mut text)
+            .context("cannot read the bearer token from standard input")?;
+        return Ok(Some(text.trim().to_owned()));
+    }
+    Ok(None)
+}
+
+fn read_headers(specs: &[String]) -> anyhow::Result<BTreeMap<String, String>> {
+    let mut headers = BTreeMap::new();
+    for spec in specs {
+        let Some((name, var)) = spec.split_once('=') else {
+            bail!("--header-env takes NAME=VAR, got `{spec}`");
+        };
+        let value =
+            std::env::var(var).with_context(|| format!("environment variable {var} is not set"))?;
+        headers.insert(name.to_owned(), value.trim().to_owned());
+    }
+    Ok(headers)
+}
+
+/// The reviewed `name -> hash` set, from a saved review or from `NAME=HASH` flags.
+fn reviewed_tools(
+    from_review: Option<&PathBuf>,
+    tools: &[String],
+) -> anyhow::Result<BTreeMap<String, String>> {
+    let mut reviewed = BTreeMap::new();
+    if let Some(path) = from_review {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        let review: Value = serde_json::from_str(&text)
+            .with_context(|| format!("{} is not the json of a review", path.display()))?;
+        for tool in review
+            .get("tools")
+            .and_then(Value::as_array)
+            .context("the review has no `tools`")?
+        {
+            let name = tool.get("name").and_then(Value::as_str);
+            let hash = tool.get("hash").and_then(Value::as_str);
+            let (Some(name), Some(hash)) = (name, hash) else {
+                bail!("a tool in the review has no name or hash");
+            };
+            reviewed.insert(name.to_owned(), hash.to_owned());
+        }
+    }
+    for spec in tools {
+        let Some((name, hash)) = spec.split_once('=') else {
+            bail!("--tool takes NAME=HASH, got `{spec}`");
+        };
+        reviewed.insert(name.to_owned(), hash.to_owned());
+    }
+    Ok(reviewed)
+}
+
+fn print_review(review: &Value) {
+    println!(
+        "{}",
+        summary(review.get("connection").unwrap_or(&Value::Null))
+    );
+    for tool in review
+        .get("tools")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        println!();
+        println!("tool {}  {}", field(tool, "/name"), field(tool, "/hash"));
+        println!("  description: {}", field(tool, "/description"));
+        println!(
+            "  input schema: {}",
+            tool.get("input_schema").unwrap_or(&Value::Null)
+        );
+        println!(
+            "  annotations (hints, not trusted): {}",
+            tool.get("annotations").unwrap_or(&Value::Null)
+        );
+    }
+    if let Some(text) = review.pointer("/diff/text").and_then(Value::as_str) {
+        println!();
+        println!("difference from the pins:");
+        print!("{text}");
+    }
+}
+
+pub async fn run(cmd: ToolConnectionCommand) -> anyhow::Result<ExitCode> {
+    match cmd {
+        ToolConnectionCommand::Create {
+            name,
+            kind,
+            url,
+            allowlist,
+            bearer_env,
+            bearer_stdin,
+            headers,
+            client,
+        } => {
+            let body = json!({"name": name, "kind": kind, "url": url, "allowlist": allowlist,
+                "headers": read_headers(&headers)?,
+                "bearer_token": read_bearer(bearer_env.as_deref(), bearer_stdin)?});
+            let created = ApiClient::new(&client)?
+                .post("/v1/tool-connections", &body)
+                .await?;
+            show(&client, &created)?;
+        }
+        ToolConnectionCommand::List(client) => {
+            let list = ApiClient::new(&client)?.get("/v1/tool-connections").await?;
+            if client.json {
+                print_json(&list)?;
+            } else {
+                for c in list.as_array().into_iter().flatten() {
+                    println!("{}", summary(c));
+                }
+            }
+        }
+        ToolConnectionCommand::Show { id, client } => {
+            let one = ApiClient::new(&client)?
+                .get(&format!("/v1/tool-connections/{id}"))
+                .await?;
+            show(&client, &one)?;
+        }
+        ToolConnectionCommand::Review { id, client } => {
+            let review = ApiClient::new(&client)?
+                .get(&format!("/v1/tool-connections/{id}/review"))
+                .await?;
+            if client.json {
+                print_json(&review)?;
+            } else {
+                print_review(&review);
+            }
+        }
+        ToolConnectionCommand::Enable {
+            id,
+            from_review,
+            tools,
+            read_only,
+            client,
+        } => {
+            let reviewed = reviewed_tools(from_review.as_ref(), &tools)?;
+            let enabled = ApiClient::new(&client)?
+                .post(
+                    &format!("/v1/tool-connections/{id}/enable"),
+                    &json!({"tools": reviewed, "read_only": read_only}),
+                )
+                .await?;
+            show(&client, &enabled)?;
+        }
+        ToolConnectionCommand::Disable { id, client } => {
+            let disabled = ApiClient::new(&client)?
+                .post(&format!("/v1/tool-connections/{id}/disable"), &Value::Null)
+                .await?;
+            show(&client, &disabled)?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,410 @@
+//! Tool connections: MCP servers and HTTP APIs, their review status, the operator's
+//! classification of each tool, and the pinned tool definitions.
+//!
+//! Credentials are not here: they live sealed in the vault under [`TOOL_CONNECTIONS_TABLE`],
+//! one slot per header ([`header_field`]); this table keeps only the header names. Pins are
+//! stored as JSON (`name -> {definition, hash}`); checking a pin against its definition is the
+//! tool library's job when the pins are loaded.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+
+use serde_json::Value;
+use sqlx::Row;
+use wor_core::{ApiKeyId, ConnectionId, ProjectId};
+
+use crate::{Store, StoreError, conflict_or, now_millis, parse_column};
+
+/// The table secrets of tool connections are filed under in the vault.
+pub const TOOL_CONNECTIONS_TABLE: &str = "tool_connections";
+
+/// The vault field holding the value of credential header `name` (lower case).
+pub fn header_field(name: &str) -> String {
+    format!("header:{name}")
+}
+
+/// How a tool connection reaches its tools.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolConnectionKind {
+    /// An MCP server over streamable HTTP.
+    McpHttp,
+    /// An MCP server started over stdio inside the sandbox.
+    McpStdio,
+    /// A plain HTTP API.
+    HttpApi,
+}
+
+impl ToolConnectionKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ToolConnectionKind::McpHttp => "mcp_http",
+            ToolConnectionKind::McpStdio => "mcp_stdio",
+            ToolConnectionKind::HttpApi => "http_api",
+        }
+    }
+}
+
+impl fmt::Display for ToolConnectionKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for ToolConnectionKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "mcp_http" => Ok(ToolConnectionKind::McpHttp),
+            "mcp_stdio" => Ok(ToolConnectionKind::McpStdio),
+            "http_api" => Ok(ToolConnectionKind::HttpApi),
+            other => Err(format!(
+                "`{}` is not a tool connection kind: expected mcp_http, mcp_stdio or http_api",
+                other.chars().take(40).collect::<String>()
+            )),
+        }
+    }
+}
+
+/// Where a tool connection stands. Only `enabled` connections run tools.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolConnectionStatus {
+    /// Created, its tools not reviewed yet.
+    PendingReview,
+    /// Reviewed and pinned.
+    Enabled,
+    /// Its live tool list changed from the pins; waits for a new review.
+    Quarantined,
+    /// Turned off by an admin.
+    Disabled,
+}
+
+impl ToolConnectionStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ToolConnectionStatus::PendingReview => "pending_review",
+            ToolConnectionStatus::Enabled => "enabled",
+            ToolConnectionStatus::Quarantined => "quarantined",
+            ToolConnectionStatus::Disabled => "disabled",
+        }
+    }
+}
+
+impl fmt::Display for ToolConnectionStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for ToolConnectionStatus {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "pending_review" => Ok(ToolConnectionStatus::PendingReview),
+            "enabled" => Ok(ToolConnectionStatus::Enabled),
+            "quarantined" => Ok(ToolConnectionStatus::Quarantined),
+            "disabled" => Ok(ToolConnectionStatus::Disabled),
+            _ => Err(()),
+        }
+    }
+}
+
+/// The operator's classification of one tool (S8). Anything not classified is consequential.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolClass {
+    /// Reads only: may run after untrusted content entered the context.
+    ReadOnly,
+    /// May change something: needs approval once untrusted content is in context.
+    #[default]
+    Consequential,
+}
+
+/// One pinned tool as stored: the pinned fields and their hash.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct StoredPin {
+    /// `{"name", "description", "inputSchema", "annotations"}`.
+    pub definition: Value,
+    /// Lower-case hex SHA-256 of the definition's canonical JSON.
+    pub hash: String,
+}
+
+#[derive(Debug, Clone)]
+pub struct NewToolConnection {
+    pub name: String,
+    pub kind: ToolConnectionKind,
+    pub url: String,
+    /// Host patterns this connection may reach.
+    pub allowlist: Vec<String>,
+    /// Lower-case names of the credential headers sealed in the vault.
+    pub secret_headers: Vec<String>,
+    pub created_by: Option<ApiKeyId>,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ToolConnectionRecord {
+    pub id: ConnectionId,
+    pub project_id: ProjectId,
+    pub name: String,
+    pub kind: ToolConnectionKind,
+    pub url: String,
+    pub allowlist: Vec<String>,
+    pub status: ToolConnectionStatus,
+    pub tool_classification: BTreeMap<String, ToolClass>,
+    pub pinned_tools: BTreeMap<String, StoredPin>,
+    /// The tool list last seen, as stored pins (definition and hash); `None` before the first.
+    pub live_tools: Option<BTreeMap<String, StoredPin>>,
+    pub secret_headers: Vec<String>,
+    pub created_by: Option<ApiKeyId>,
+    pub created_at: i64,
+    pub updated_at: i64,
+}
+
+impl ToolConnectionRecord {
+    /// The operator's class of `tool`; consequential unless classified read-only.
+    pub fn class_of(&self, tool: &str) -> ToolClass {
+        self.tool_classification
+            .get(tool)
+            .copied()
+            .unwrap_or_default()
+    }
+}
+
+const COLUMNS: &str = "id, project_id, name, kind, url, allowlist, status, tool_classification, \
+                       pinned_tools, live_tools, secret_headers, created_by, created_at, updated_at";
+
+fn to_json<T: serde::Serialize>(value: &T) -> Result<String, StoreError> {
+    serde_json::to_string(value).map_err(|e| StoreError::Corrupt(format!("cannot encode: {e}")))
+}
+
+impl Store {
+    /// Adds a connection, `pending_review`, with nothing pinned.
+    pub async fn create_tool_connection(
+        &self,
+        project: ProjectId,
+        new: NewToolConnection,
+    ) -> Result<ToolConnectionRecord, StoreError> {
+        let now = now_millis();
+        let record = ToolConnectionRecord {
+            id: ConnectionId::new(),
+            project_id: project,
+            name: new.name,
+            kind: new.kind,
+            url: new.url,
+            allowlist: new.allowlist,
+            status: ToolConnectionStatus::PendingReview,
+            tool_classification: BTreeMap::new(),
+            pinned_tools: BTreeMap::new(),
+            live_tools: None,
+            secret_headers: new.secret_headers,
+            created_by: new.created_by,
+            created_at: now,
+            updated_at: now,
+        };
+        sqlx::query(
+            "INSERT INTO tool_connections (id, project_id, name, kind, url, allowlist, status, \
+             tool_classification, pinned_tools, live_tools, secret_headers, created_by, created_at, updated_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, 'pending_review', '{}', '{}', NULL, $7, $8, $9, $9)",
+        )
+        .bind(record.id.to_string())
+        .bind(project.to_string())
+        .bind(&record.name)
+        .bind(record.kind.as_str())
+        .bind(&record.url)
+        .bind(to_json(&record.allowlist)?)
+        .bind(to_json(&record.secret_headers)?)
+        .bind(record.created_by.map(|k| k.to_string()))
+        .bind(now)
+        .execute(self.pool())
+        .await
+        .map_err(|e| {
+            conflict_or(e, || {
+                format!("a tool connection named `{}` already exists", record.name)
+            })
+        })?;
+        Ok(record)
+    }
+
+    pub async fn get_tool_connection(
+        &self,
+        project: ProjectId,
+        id: ConnectionId,
+    ) -> Result<ToolConnectionRecord, StoreError> {
+        let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {COLUMNS} FROM tool_connections WHERE project_id = $1 AND id = $2"
+        )))
+        .bind(project.to_string())
+        .bind(id.to_string())
+        .fetch_optional(self.pool())
+        .await?
+        .ok_or(StoreError::NotFound)?;
+        from_row(&row)
+    }
+
+    pub async fn get_tool_connection_by_name(
+        &self,
+        project: ProjectId,
+        name: &str,
+    ) -> Result<ToolConnectionRecord, StoreError> {
+        let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {COLUMNS} FROM tool_connections WHERE project_id = $1 AND name = $2"
+        )))
+        .bind(project.to_string())
+        .bind(name)
+        .fetch_optional(self.pool())
+        .await?
+        .ok_or(StoreError::NotFound)?;
+        from_row(&row)
+    }
+
+    pub async fn list_tool_connections(
+        &self,
+        project: ProjectId,
+    ) -> Result<Vec<ToolConnectionRecord>, StoreError> {
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {COLUMNS} FROM tool_connections WHERE project_id = $1 ORDER BY id"
+        )))
+        .bind(project.to_string())
+        .fetch_all(self.pool())
+        .await?;
+        rows.iter().map(from_row).collect()
+    }
+
+    /// Pins `pins` with `classification`, records them as the live list too, and enables the
+    /// connection.
+    pub async fn enable_tool_connection(
+        &self,
+        project: ProjectId,
+        id: ConnectionId,
+        pins: &BTreeMap<String, StoredPin>,
+        classification: &BTreeMap<String, ToolClass>,
+    ) -> Result<ToolConnectionRecord, StoreError> {
+        let pins = to_json(pins)?;
+        let done = sqlx::query(
+            "UPDATE tool_connections SET status = 'enabled', pinned_tools = $1, live_tools = $1, \
+             tool_classification = $2, updated_at = $3 WHERE project_id = $4 AND id = $5",
+        )
+        .bind(pins)
+        .bind(to_json(classification)?)
+        .bind(now_millis())
+        .bind(project.to_string())
+        .bind(id.to_string())
+        .execute(self.pool())
+        .await?;
+        self.updated_tool_connection(project, id, done.rows_affected())
+            .await
+    }
+
+    /// Quarantines the connection, keeping its pins, with `live` as the list last seen.
+    pub async fn quarantine_tool_connection(
+        &self,
+        project: ProjectId,
+        id: ConnectionId,
+        live: &BTreeMap<String, StoredPin>,
+    ) -> Result<ToolConnectionRecord, StoreError> {
+        let done = sqlx::query(
+            "UPDATE tool_connections SET status = 'quarantined', live_tools = $1, updated_at = $2 \
+             WHERE project_id = $3 AND id = $4",
+        )
+        .bind(to_json(live)?)
+        .bind(now_millis())
+        .bind(project.to_string())
+        .bind(id.to_string())
+        .execute(self.pool())
+        .await?;
+        self.updated_tool_connection(project, id, done.rows_affected())
+            .await
+    }
+
+    /// Records the tool list last seen, without changing the status.
+    pub async fn record_live_tools(
+        &self,
+        project: ProjectId,
+        id: ConnectionId,
+        live: &BTreeMap<String, StoredPin>,
+    ) -> Result<ToolConnectionRecord, StoreError> {
+        let done = sqlx::query(
+            "UPDATE tool_connections SET live_tools = $1 WHERE project_id = $2 AND id = $3",
+        )
+        .bind(to_json(live)?)
+        .bind(project.to_string())
+        .bind(id.to_string())
+        .execute(self.pool())
+        .await?;
+        self.updated_tool_connection(project, id, done.rows_affected())
+            .await
+    }
+
+    /// Disables the connection; its pins are kept for a later review.
+    pub async fn disable_tool_connection(
+        &self,
+        project: ProjectId,
+        id: ConnectionId,
+    ) -> Result<ToolConnectionRecord, StoreError> {
+        let done = sqlx::query(
+            "UPDATE tool_connections SET status = 'disabled', updated_at = $1 \
+             WHERE project_id = $2 AND id = $3",
+        )
+        .bind(now_millis())
+        .bind(project.to_string())
+        .bind(id.to_string())
+        .execute(self.pool())
+        .await?;
+        self.updated_tool_connection(project, id, done.rows_affected())
+            .await
+    }
+
+    async fn updated_tool_connection(
+        &self,
+        project: ProjectId,
+        id: ConnectionId,
+        rows: u64,
+    ) -> Result<ToolConnectionRecord, StoreError> {
+        if rows == 0 {
+            return Err(StoreError::NotFound);
+        }
+        self.get_tool_connection(project, id).await
+    }
+}
+
+fn json_column<T: serde::de::DeserializeOwned>(text: &str, column: &str) -> Result<T, StoreError> {
+    serde_json::from_str(text)
+        .map_err(|_| StoreError::Corrupt(format!("column `{column}` is not valid json")))
+}
+
+fn from_row(row: &sqlx::any::AnyRow) -> Result<ToolConnectionRecord, StoreError> {
+    let id: String = row.try_get("id")?;
+    let project_id: String = row.try_get("project_id")?;
+    let kind: String = row.try_get("kind")?;
+    let status: String = row.try_get("status")?;
+    let allowlist: String = row.try_get("allowlist")?;
+    let classification: String = row.try_get("tool_classification")?;
+    let pinned: String = row.try_get("pinned_tools")?;
+    let live: Option<String> = row.try_get("live_tools")?;
+    let headers: String = row.try_get("secret_headers")?;
+    let created_by: Option<String> = row.try_get("created_by")?;
+    Ok(ToolConnectionRecord {
+        id: parse_column(&id, "tool_connections.id")?,
+        project_id: parse_column(&project_id, "tool_connections.project_id")?,
+        name: row.try_get("name")?,
+        kind: kind.parse().map_err(|_| {
+            StoreError::Corrupt(format!("column `tool_connections.kind` holds `{kind}`"))
+        })?,
+        url: row.try_get("url")?,
+        allowlist: json_column(&allowlist, "tool_connections.allowlist")?,
+        status: parse_column(&status, "tool_connections.status")?,
+        tool_classification: json_column(&classification, "tool_connections.tool_classification")?,
+        pinned_tools: json_column(&pinned, "tool_connections.pinned_tools")?,
+        live_tools: live
+            .map(|l| json_column(&l, "tool_connections.live_tools"))
+            .transpose()?,
+        secret_headers: json_column(&headers, "tool_connections.secret_headers")?,
+        created_by: created_by
+            .map(|k| parse_column(&k, "tool_connections.created_by"))
+            .transpose()?,
+        created_at: row.try_get("created_at")?,
+        updated_at: row.try_get("updated_at")?,
+    })
+}
