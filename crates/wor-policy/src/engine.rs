@@ -170,7 +170,10 @@ impl PolicyEngine {
 
         let budget = RestrictedExpression::new_record([
             ("turns".to_owned(), long(request.budget_used.turns)),
-            ("tool_calls".to_owned(), long(request.budget_used.tool_calls)),
+            (
+                "tool_calls".to_owned(),
+                long(request.budget_used.tool_calls),
+            ),
             (
                 "cost_microdollars".to_owned(),
                 long(request.budget_used.cost_microdollars),
@@ -184,7 +187,9 @@ impl PolicyEngine {
             ),
             (
                 "arguments_json".to_owned(),
-                string(&to_canonical_json(&Value::Object(request.arguments.clone()))),
+                string(&to_canonical_json(&Value::Object(
+                    request.arguments.clone(),
+                ))),
             ),
             (
                 "untrusted_in_context".to_owned(),
@@ -224,7 +229,11 @@ impl PolicyEngine {
                 (
                     err.policy_id().to_string(),
                     Outcome::Deny,
-                    format!("policy `{}` failed to evaluate ({}), so the call is denied", err.policy_id(), err.inner()),
+                    format!(
+                        "policy `{}` failed to evaluate ({}), so the call is denied",
+                        err.policy_id(),
+                        err.inner()
+                    ),
                 )
             })
             .collect();
@@ -268,11 +277,18 @@ impl PolicyEngine {
             }
         };
         if request.untrusted_in_context {
-            let sources: Vec<&str> = request.untrusted_sources.iter().map(String::as_str).collect();
+            let sources: Vec<&str> = request
+                .untrusted_sources
+                .iter()
+                .map(String::as_str)
+                .collect();
             decision.reasons.push(if sources.is_empty() {
                 "untrusted content is in the context (no source named)".to_owned()
             } else {
-                format!("untrusted content is in the context from: {}", sources.join(", "))
+                format!(
+                    "untrusted content is in the context from: {}",
+                    sources.join(", ")
+                )
             });
         }
         decision
@@ -323,12 +339,30 @@ impl PolicyEngineBuilder {
         let validator = Validator::new(schema.clone());
         let mut policies = PolicySet::new();
         let mut meanings = HashMap::new();
-        load(&validator, PolicySource::Project, &self.project, &mut policies, &mut meanings)?;
+        load(
+            &validator,
+            PolicySource::Project,
+            &self.project,
+            &mut policies,
+            &mut meanings,
+        )?;
         if let Some(routine) = &self.routine {
-            load(&validator, PolicySource::Routine, routine, &mut policies, &mut meanings)?;
+            load(
+                &validator,
+                PolicySource::Routine,
+                routine,
+                &mut policies,
+                &mut meanings,
+            )?;
         }
         let roster = roster_policies(&self.roster);
-        load(&validator, PolicySource::Roster, &roster, &mut policies, &mut meanings)?;
+        load(
+            &validator,
+            PolicySource::Roster,
+            &roster,
+            &mut policies,
+            &mut meanings,
+        )?;
         Ok(PolicyEngine {
             schema,
             policies,
@@ -420,12 +454,12 @@ fn load(
                     value: value.to_owned(),
                 });
             }
-            (Effect::Permit, Some(value)) => Outcome::parse(value).ok_or_else(|| {
-                PolicyError::UnknownDecision {
+            (Effect::Permit, Some(value)) => {
+                Outcome::parse(value).ok_or_else(|| PolicyError::UnknownDecision {
                     at: find(source, text, &format!("\"{value}\"")),
                     value: value.to_owned(),
-                }
-            })?,
+                })?
+            }
         };
         let id = PolicyId::new(format!("{}.{name}", source.as_str()));
         if meanings.contains_key(&id) {

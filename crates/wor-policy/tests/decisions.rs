@@ -38,10 +38,34 @@ fn default_policy_table() {
     use Outcome::{Allow, Confirm, Deny};
     // (classification, untrusted in context, roster mode) -> outcome, determining policy
     let table = [
-        (ReadOnly, false, ToolMode::Auto, Allow, "project.read-only-runs"),
-        (ReadOnly, true, ToolMode::Auto, Allow, "project.read-only-runs"),
-        (ReadOnly, false, ToolMode::Confirm, Confirm, "roster.mail/send"),
-        (ReadOnly, true, ToolMode::Confirm, Confirm, "roster.mail/send"),
+        (
+            ReadOnly,
+            false,
+            ToolMode::Auto,
+            Allow,
+            "project.read-only-runs",
+        ),
+        (
+            ReadOnly,
+            true,
+            ToolMode::Auto,
+            Allow,
+            "project.read-only-runs",
+        ),
+        (
+            ReadOnly,
+            false,
+            ToolMode::Confirm,
+            Confirm,
+            "roster.mail/send",
+        ),
+        (
+            ReadOnly,
+            true,
+            ToolMode::Confirm,
+            Confirm,
+            "roster.mail/send",
+        ),
         (ReadOnly, false, ToolMode::Deny, Deny, "roster.mail/send"),
         (ReadOnly, true, ToolMode::Deny, Deny, "roster.mail/send"),
         (
@@ -58,9 +82,27 @@ fn default_policy_table() {
             Confirm,
             "project.consequential-after-untrusted-content",
         ),
-        (Consequential, false, ToolMode::Confirm, Confirm, "roster.mail/send"),
-        (Consequential, false, ToolMode::Deny, Deny, "roster.mail/send"),
-        (Consequential, true, ToolMode::Deny, Deny, "roster.mail/send"),
+        (
+            Consequential,
+            false,
+            ToolMode::Confirm,
+            Confirm,
+            "roster.mail/send",
+        ),
+        (
+            Consequential,
+            false,
+            ToolMode::Deny,
+            Deny,
+            "roster.mail/send",
+        ),
+        (
+            Consequential,
+            true,
+            ToolMode::Deny,
+            Deny,
+            "roster.mail/send",
+        ),
     ];
     for (classification, untrusted, mode, want, policy) in table {
         let engine = PolicyEngine::builder()
@@ -174,7 +216,10 @@ fn deny_wins_over_confirm_and_allow() {
         .build();
     let decision = engine.decide(&request);
     assert_eq!(decision.outcome, Outcome::Confirm, "{decision:?}");
-    assert_eq!(decision.determining_policies, ["routine.after-twenty-calls"]);
+    assert_eq!(
+        decision.determining_policies,
+        ["routine.after-twenty-calls"]
+    );
 }
 
 #[test]
@@ -213,9 +258,15 @@ fn routine_policy_denies_by_argument_value() {
     // A non-string argument is its canonical JSON, which ends in a quote: denied.
     assert_eq!(send(json!(["ops@example.com"])), Outcome::Deny);
     // Another tool is not concerned.
-    let other = DecisionRequest::builder("triage", "r", "mail", "draft", Classification::Consequential)
-        .arguments(args(json!({"to": "mallory@evil.test"})))
-        .build();
+    let other = DecisionRequest::builder(
+        "triage",
+        "r",
+        "mail",
+        "draft",
+        Classification::Consequential,
+    )
+    .arguments(args(json!({"to": "mallory@evil.test"})))
+    .build();
     assert_eq!(engine.decide(&other).outcome, Outcome::Allow);
 }
 
@@ -295,7 +346,10 @@ fn schema_errors_carry_line_and_column() {
     assert_eq!(at.source, PolicySource::Routine);
     assert_eq!(at.line(), Some(6), "{err}");
     let message = err.to_string();
-    assert!(message.starts_with("routine policy, line 6, column "), "{message}");
+    assert!(
+        message.starts_with("routine policy, line 6, column "),
+        "{message}"
+    );
     assert!(message.contains("untrusted_in_contxt"), "{message}");
 
     // A type error: classification is a String, not a Long.
@@ -313,19 +367,33 @@ fn schema_errors_carry_line_and_column() {
 
 #[test]
 fn syntax_and_annotation_errors_carry_the_line() {
-    let err = load_error("permit (principal, action, resource);\n\npermit (principal, action resource);");
+    let err =
+        load_error("permit (principal, action, resource);\n\npermit (principal, action resource);");
     assert!(matches!(err, PolicyError::Syntax { .. }), "{err:?}");
     assert_eq!(err.location().unwrap().line(), Some(3), "{err}");
 
-    let err = load_error("permit (principal, action, resource);\n@decision(\"maybe\")\npermit (principal, action, resource);");
-    assert!(matches!(&err, PolicyError::UnknownDecision { value, .. } if value == "maybe"), "{err:?}");
+    let err = load_error(
+        "permit (principal, action, resource);\n@decision(\"maybe\")\npermit (principal, action, resource);",
+    );
+    assert!(
+        matches!(&err, PolicyError::UnknownDecision { value, .. } if value == "maybe"),
+        "{err:?}"
+    );
     assert_eq!(err.location().unwrap().line(), Some(2), "{err}");
 
     let err = load_error("@decision(\"allow\")\nforbid (principal, action, resource);");
-    assert!(matches!(err, PolicyError::ForbidWithDecision { .. }), "{err:?}");
+    assert!(
+        matches!(err, PolicyError::ForbidWithDecision { .. }),
+        "{err:?}"
+    );
 
-    let err = load_error("@id(\"x\") permit (principal, action, resource);\n@id(\"x\") permit (principal, action, resource);");
-    assert!(matches!(&err, PolicyError::DuplicateId { id, .. } if id == "routine.x"), "{err:?}");
+    let err = load_error(
+        "@id(\"x\") permit (principal, action, resource);\n@id(\"x\") permit (principal, action, resource);",
+    );
+    assert!(
+        matches!(&err, PolicyError::DuplicateId { id, .. } if id == "routine.x"),
+        "{err:?}"
+    );
 }
 
 #[test]
@@ -357,7 +425,9 @@ fn a_policy_that_fails_to_evaluate_denies() {
 fn cedar_requests_fit_the_schema() {
     let engine = PolicyEngine::builder().build().unwrap();
     let request = call(Classification::Consequential)
-        .arguments(args(json!({"to": "a@example.com", "n": 3, "nested": {"b": 1, "a": [true]}})))
+        .arguments(args(
+            json!({"to": "a@example.com", "n": 3, "nested": {"b": 1, "a": [true]}}),
+        ))
         .annotations(ToolAnnotations {
             read_only_hint: Some(true),
             ..ToolAnnotations::default()
