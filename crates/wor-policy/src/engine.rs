@@ -69,7 +69,7 @@ impl PolicyEngine {
     /// Decides one call. Deny wins over confirm, confirm over allow; a call no policy matches is
     /// denied, and so is a call on which any policy fails to evaluate (it might have denied).
     pub fn decide(&self, request: &DecisionRequest) -> Decision {
-        match self.cedar_request(request) {
+        match self.build_cedar_request(request, None) {
             Ok((cedar_request, entities)) => {
                 let response =
                     self.authorizer
@@ -98,6 +98,17 @@ impl PolicyEngine {
     pub fn cedar_request(
         &self,
         request: &DecisionRequest,
+    ) -> Result<(Request, Entities), PolicyError> {
+        self.build_cedar_request(request, Some(&self.schema))
+    }
+
+    /// `decide` builds without checking against the schema: every value here comes from a
+    /// typed field, so the shape is fixed by this function (`cedar_request` checks it in
+    /// tests), and the check would be most of a decision's cost.
+    fn build_cedar_request(
+        &self,
+        request: &DecisionRequest,
+        schema: Option<&Schema>,
     ) -> Result<(Request, Entities), PolicyError> {
         let bad = |e: &dyn std::fmt::Display| PolicyError::Request(e.to_string());
         let names = &self.names;
@@ -205,16 +216,11 @@ impl PolicyEngine {
         ])
         .map_err(|e| bad(&e))?;
 
-        let entities = Entities::from_entities([routine, run, tool, arguments], Some(&self.schema))
+        let entities = Entities::from_entities([routine, run, tool, arguments], schema)
             .map_err(|e| bad(&e))?;
-        let cedar_request = Request::new(
-            run_uid,
-            names.call_tool.clone(),
-            tool_uid,
-            context,
-            Some(&self.schema),
-        )
-        .map_err(|e| bad(&e))?;
+        let cedar_request =
+            Request::new(run_uid, names.call_tool.clone(), tool_uid, context, schema)
+                .map_err(|e| bad(&e))?;
         Ok((cedar_request, entities))
     }
 

@@ -4,6 +4,7 @@ use std::collections::BTreeSet;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
+use wor_core::canonical::to_canonical_json;
 use wor_core::routine::ToolMode;
 
 /// The operator's classification of a tool. Tool annotations never set it.
@@ -83,6 +84,8 @@ pub struct DecisionRequest {
     pub(crate) annotations: ToolAnnotations,
     pub(crate) mode: ToolMode,
     pub(crate) arguments: Map<String, Value>,
+    /// The canonical JSON of `arguments`, computed once by [`DecisionRequestBuilder::build`].
+    pub(crate) arguments_json: String,
     pub(crate) untrusted_in_context: bool,
     pub(crate) untrusted_sources: BTreeSet<String>,
     pub(crate) budget_used: BudgetUsed,
@@ -109,6 +112,7 @@ impl DecisionRequest {
             annotations: ToolAnnotations::default(),
             mode: ToolMode::Auto,
             arguments: Map::new(),
+            arguments_json: String::new(),
             untrusted_in_context: false,
             untrusted_sources: BTreeSet::new(),
             budget_used: BudgetUsed::default(),
@@ -179,7 +183,13 @@ impl DecisionRequestBuilder {
         self
     }
 
-    pub fn build(self) -> DecisionRequest {
+    pub fn build(mut self) -> DecisionRequest {
+        // The map is moved out and back to encode it without a copy.
+        let arguments = Value::Object(std::mem::take(&mut self.0.arguments));
+        self.0.arguments_json = to_canonical_json(&arguments);
+        if let Value::Object(map) = arguments {
+            self.0.arguments = map;
+        }
         self.0
     }
 }

@@ -437,3 +437,23 @@ fn cedar_requests_fit_the_schema() {
     // Request::new and Entities::from_entities check against the schema.
     engine.cedar_request(&request).unwrap();
 }
+
+#[test]
+fn arguments_json_is_canonical() {
+    let engine = PolicyEngine::builder()
+        .routine_policy(
+            r#"@id("exact-call") @decision("deny") permit (principal, action, resource)
+               when { context.arguments_json == "{\"a\":1,\"b\":{\"c\":[true],\"d\":\"x\"}}" };"#,
+        )
+        .build()
+        .unwrap();
+    let request = |value: Value| {
+        call(Classification::ReadOnly)
+            .arguments(args(value))
+            .build()
+    };
+    let decision = engine.decide(&request(json!({"b": {"d": "x", "c": [true]}, "a": 1})));
+    assert_eq!(decision.determining_policies, ["routine.exact-call"]);
+    let decision = engine.decide(&request(json!({"b": {"d": "y", "c": [true]}, "a": 1})));
+    assert_eq!(decision.outcome, Outcome::Allow);
+}
