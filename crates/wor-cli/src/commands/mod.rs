@@ -6,6 +6,7 @@ mod keys;
 mod members;
 mod model_connections;
 mod operator;
+mod policy;
 mod routines;
 mod runs;
 mod sandbox;
@@ -60,6 +61,9 @@ pub enum Command {
     Sandbox(sandbox::SandboxCommand),
     /// Report which sandbox layers this host supports, by applying each one (local).
     Doctor(sandbox::DoctorArgs),
+    /// Tool-call policies: test a decision offline (local).
+    #[command(subcommand)]
+    Policy(policy::PolicyCommand),
 }
 
 impl Command {
@@ -80,6 +84,7 @@ impl Command {
             Command::Audit(cmd) => audit::run(cmd).await,
             Command::Sandbox(sandbox::SandboxCommand::Exec(args)) => sandbox::exec(args).await,
             Command::Doctor(args) => sandbox::doctor(args).await,
+            Command::Policy(cmd) => policy::run(cmd),
         }
     }
 }

@@ -1,0 +1,491 @@
+//! Loading policies (parse, validate against the schema, read their decisions) and deciding.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::str::FromStr;
+
+use cedar_policy::{
+    Authorizer, Context, Effect, Entities, Entity, EntityId, EntityTypeName, EntityUid, PolicyId,
+    PolicySet, Request, Response, RestrictedExpression, Schema, ValidationMode, Validator,
+};
+use miette::Diagnostic;
+use serde_json::Value;
+use wor_core::canonical::to_canonical_json;
+use wor_core::routine::{RosterEntry, ToolMode};
+
+use crate::decision::{Decision, NO_POLICY_MATCHED, Outcome, REQUEST_INVALID};
+use crate::error::{PolicyError, PolicyLocation, PolicySource};
+use crate::request::DecisionRequest;
+use crate::{DEFAULT_PROJECT_POLICY, SCHEMA};
+
+/// What one loaded policy decides when it matches.
+#[derive(Debug, Clone)]
+struct PolicyMeaning {
+    outcome: Outcome,
+    reason: Option<String>,
+}
+
+/// The Cedar names the engine fills requests with, parsed once.
+#[derive(Debug, Clone)]
+struct CedarNames {
+    routine: EntityTypeName,
+    run: EntityTypeName,
+    tool: EntityTypeName,
+    arguments: EntityTypeName,
+    call_tool: EntityUid,
+}
+
+/// The loaded, validated policies of one routine version: the project policy, the routine's
+/// policy and its roster's modes. Build once per routine version; [`PolicyEngine::decide`] is
+/// cheap and cannot fail.
+#[derive(Debug)]
+pub struct PolicyEngine {
+    schema: Schema,
+    policies: PolicySet,
+    // INVARIANT: holds an entry for every policy id in `policies`.
+    meanings: HashMap<PolicyId, PolicyMeaning>,
+    names: CedarNames,
+    authorizer: Authorizer,
+}
+
+/// Gathers the policy texts of a [`PolicyEngine`].
+#[derive(Debug, Clone)]
+pub struct PolicyEngineBuilder {
+    project: String,
+    routine: Option<String>,
+    roster: Vec<(String, ToolMode)>,
+}
+
+impl PolicyEngine {
+    /// Starts with the built-in [`DEFAULT_PROJECT_POLICY`], no routine policy and no roster.
+    pub fn builder() -> PolicyEngineBuilder {
+        PolicyEngineBuilder {
+            project: DEFAULT_PROJECT_POLICY.to_owned(),
+            routine: None,
+            roster: Vec::new(),
+        }
+    }
+
+    /// Decides one call. Deny wins over confirm, confirm over allow; a call no policy matches is
+    /// denied, and so is a call on which any policy fails to evaluate (it might have denied).
+    pub fn decide(&self, request: &DecisionRequest) -> Decision {
+        match self.build_cedar_request(request, None) {
+            Ok((cedar_request, entities)) => {
+                let response =
+                    self.authorizer
+                        .is_authorized(&cedar_request, &self.policies, &entities);
+                self.interpret(request, &response)
+            }
+            Err(err) => Decision {
+                outcome: Outcome::Deny,
+                determining_policies: vec![REQUEST_INVALID.to_owned()],
+                reasons: vec![err.to_string()],
+            },
+        }
+    }
+
+    /// Every loaded policy, with its id (`project.read-only-runs`, …).
+    pub fn policy_set(&self) -> &PolicySet {
+        &self.policies
+    }
+
+    pub fn schema(&self) -> &Schema {
+        &self.schema
+    }
+
+    /// The Cedar request and entities [`PolicyEngine::decide`] evaluates for `request`,
+    /// checked against the schema.
+    pub fn cedar_request(
+        &self,
+        request: &DecisionRequest,
+    ) -> Result<(Request, Entities), PolicyError> {
+        self.build_cedar_request(request, Some(&self.schema))
+    }
+
+    /// `decide` builds without checking against the schema: every value here comes from a
+    /// typed field, so the shape is fixed by this function (`cedar_request` checks it in
+    /// tests), and the check would be most of a decision's cost.
+    fn build_cedar_request(
+        &self,
+        request: &DecisionRequest,
+        schema: Option<&Schema>,
+    ) -> Result<(Request, Entities), PolicyError> {
+        let bad = |e: &dyn std::fmt::Display| PolicyError::Request(e.to_string());
+        let names = &self.names;
+        let uid = |ty: &EntityTypeName, id: &str| {
+            EntityUid::from_type_name_and_id(ty.clone(), EntityId::new(id))
+        };
+        let string = |s: &str| RestrictedExpression::new_string(s.to_owned());
+        let long = |n: u64| RestrictedExpression::new_long(i64::try_from(n).unwrap_or(i64::MAX));
+
+        let routine_uid = uid(&names.routine, &request.routine);
+        let routine = Entity::new_with_tags(
+            routine_uid.clone(),
+            [("name".to_owned(), string(&request.routine))],
+            [],
+            [],
+        )
+        .map_err(|e| bad(&e))?;
+        let run_uid = uid(&names.run, &request.run);
+        let run = Entity::new_with_tags(
+            run_uid.clone(),
+            [("trigger".to_owned(), string(request.trigger.as_str()))],
+            [routine_uid],
+            [],
+        )
+        .map_err(|e| bad(&e))?;
+
+        let hints = &request.annotations;
+        let annotations = RestrictedExpression::new_record(
+            [
+                ("read_only_hint", hints.read_only_hint),
+                ("destructive_hint", hints.destructive_hint),
+                ("idempotent_hint", hints.idempotent_hint),
+                ("open_world_hint", hints.open_world_hint),
+            ]
+            .into_iter()
+            .filter_map(|(k, v)| v.map(|v| (k.to_owned(), RestrictedExpression::new_bool(v)))),
+        )
+        .map_err(|e| bad(&e))?;
+        let tool_uid = uid(&names.tool, &request.tool_ref());
+        let tool = Entity::new_with_tags(
+            tool_uid.clone(),
+            [
+                ("name".to_owned(), string(&request.tool)),
+                ("connection".to_owned(), string(&request.connection)),
+                (
+                    "classification".to_owned(),
+                    string(request.classification.as_str()),
+                ),
+                ("annotations".to_owned(), annotations),
+            ],
+            [],
+            [],
+        )
+        .map_err(|e| bad(&e))?;
+
+        let arguments_uid = uid(&names.arguments, "call");
+        let arguments = Entity::new_with_tags(
+            arguments_uid.clone(),
+            [],
+            [],
+            request.arguments.iter().map(|(name, value)| {
+                let text = match value {
+                    Value::String(s) => s.clone(),
+                    other => to_canonical_json(other),
+                };
+                (name.clone(), RestrictedExpression::new_string(text))
+            }),
+        )
+        .map_err(|e| bad(&e))?;
+
+        let budget = RestrictedExpression::new_record([
+            ("turns".to_owned(), long(request.budget_used.turns)),
+            (
+                "tool_calls".to_owned(),
+                long(request.budget_used.tool_calls),
+            ),
+            (
+                "cost_microdollars".to_owned(),
+                long(request.budget_used.cost_microdollars),
+            ),
+        ])
+        .map_err(|e| bad(&e))?;
+        let context = Context::from_pairs([
+            (
+                "arguments".to_owned(),
+                RestrictedExpression::new_entity_uid(arguments_uid),
+            ),
+            (
+                "arguments_json".to_owned(),
+                string(&to_canonical_json(&Value::Object(
+                    request.arguments.clone(),
+                ))),
+            ),
+            (
+                "untrusted_in_context".to_owned(),
+                RestrictedExpression::new_bool(request.untrusted_in_context),
+            ),
+            (
+                "untrusted_sources".to_owned(),
+                RestrictedExpression::new_set(request.untrusted_sources.iter().map(|s| string(s))),
+            ),
+            ("budget_used".to_owned(), budget),
+            ("trigger".to_owned(), string(request.trigger.as_str())),
+            ("mode".to_owned(), string(mode_str(request.mode))),
+        ])
+        .map_err(|e| bad(&e))?;
+
+        let entities = Entities::from_entities([routine, run, tool, arguments], schema)
+            .map_err(|e| bad(&e))?;
+        let cedar_request =
+            Request::new(run_uid, names.call_tool.clone(), tool_uid, context, schema)
+                .map_err(|e| bad(&e))?;
+        Ok((cedar_request, entities))
+    }
+
+    fn interpret(&self, request: &DecisionRequest, response: &Response) -> Decision {
+        // Cedar skips a policy that fails to evaluate; that policy might have denied, so it
+        // counts as a deny here.
+        let failed: Vec<(String, Outcome, String)> = response
+            .diagnostics()
+            .errors()
+            .map(|err| {
+                let cedar_policy::AuthorizationError::PolicyEvaluationError(err) = err;
+                (
+                    err.policy_id().to_string(),
+                    Outcome::Deny,
+                    format!(
+                        "policy `{}` failed to evaluate ({}), so the call is denied",
+                        err.policy_id(),
+                        err.inner()
+                    ),
+                )
+            })
+            .collect();
+        let matched = response.diagnostics().reason().map(|id| {
+            let meaning = self.meanings.get(id);
+            let outcome = meaning.map_or(Outcome::Deny, |m| m.outcome);
+            let why = meaning
+                .and_then(|m| m.reason.as_deref())
+                .map_or(String::new(), |r| format!(": {r}"));
+            (
+                id.to_string(),
+                outcome,
+                format!("policy `{id}` decides {outcome}{why}"),
+            )
+        });
+        let all: Vec<(String, Outcome, String)> = matched.chain(failed).collect();
+
+        let mut decision = match all.iter().map(|(_, outcome, _)| *outcome).max() {
+            None => Decision {
+                outcome: Outcome::Deny,
+                determining_policies: vec![NO_POLICY_MATCHED.to_owned()],
+                reasons: vec![format!(
+                    "no policy permits calling `{}` with mode `{}`",
+                    request.tool_ref(),
+                    mode_str(request.mode)
+                )],
+            },
+            Some(strongest) => {
+                let mut determining: Vec<(String, String)> = all
+                    .into_iter()
+                    .filter(|(_, outcome, _)| *outcome == strongest)
+                    .map(|(id, _, reason)| (id, reason))
+                    .collect();
+                determining.sort();
+                let (determining_policies, reasons) = determining.into_iter().unzip();
+                Decision {
+                    outcome: strongest,
+                    determining_policies,
+                    reasons,
+                }
+            }
+        };
+        if request.untrusted_in_context {
+            let sources: Vec<&str> = request
+                .untrusted_sources
+                .iter()
+                .map(String::as_str)
+                .collect();
+            decision.reasons.push(if sources.is_empty() {
+                "untrusted content is in the context (no source named)".to_owned()
+            } else {
+                format!(
+                    "untrusted content is in the context from: {}",
+                    sources.join(", ")
+                )
+            });
+        }
+        decision
+    }
+}
+
+fn mode_str(mode: ToolMode) -> &'static str {
+    match mode {
+        ToolMode::Auto => "auto",
+        ToolMode::Confirm => "confirm",
+        ToolMode::Deny => "deny",
+    }
+}
+
+impl PolicyEngineBuilder {
+    /// Replaces the built-in default project policy.
+    pub fn project_policy(mut self, text: impl Into<String>) -> Self {
+        self.project = text.into();
+        self
+    }
+
+    pub fn routine_policy(mut self, text: impl Into<String>) -> Self {
+        self.routine = Some(text.into());
+        self
+    }
+
+    /// One roster tool (`CONNECTION/TOOL`) and its mode: `deny` and `confirm` become a policy
+    /// each (`roster.CONNECTION/TOOL`); `auto` adds none.
+    pub fn roster_tool(mut self, tool: impl Into<String>, mode: ToolMode) -> Self {
+        self.roster.push((tool.into(), mode));
+        self
+    }
+
+    /// Every tool of a routine's roster; see [`PolicyEngineBuilder::roster_tool`].
+    pub fn roster(mut self, entries: &[RosterEntry]) -> Self {
+        self.roster
+            .extend(entries.iter().map(|e| (e.tool.clone(), e.mode)));
+        self
+    }
+
+    /// Parses every policy text, validates it against the schema and reads each policy's
+    /// decision.
+    pub fn build(self) -> Result<PolicyEngine, PolicyError> {
+        let schema = Schema::from_cedarschema_str(SCHEMA)
+            .map(|(schema, _warnings)| schema)
+            .map_err(|e| PolicyError::BuiltInSchema(e.to_string()))?;
+        let names = cedar_names().map_err(PolicyError::BuiltInSchema)?;
+        let validator = Validator::new(schema.clone());
+        let mut policies = PolicySet::new();
+        let mut meanings = HashMap::new();
+        load(
+            &validator,
+            PolicySource::Project,
+            &self.project,
+            &mut policies,
+            &mut meanings,
+        )?;
+        if let Some(routine) = &self.routine {
+            load(
+                &validator,
+                PolicySource::Routine,
+                routine,
+                &mut policies,
+                &mut meanings,
+            )?;
+        }
+        let roster = roster_policies(&self.roster);
+        load(
+            &validator,
+            PolicySource::Roster,
+            &roster,
+            &mut policies,
+            &mut meanings,
+        )?;
+        Ok(PolicyEngine {
+            schema,
+            policies,
+            meanings,
+            names,
+            authorizer: Authorizer::new(),
+        })
+    }
+}
+
+fn cedar_names() -> Result<CedarNames, String> {
+    let ty = |name: &str| EntityTypeName::from_str(name).map_err(|e| e.to_string());
+    Ok(CedarNames {
+        routine: ty("Routine")?,
+        run: ty("Run")?,
+        tool: ty("Tool")?,
+        arguments: ty("Arguments")?,
+        call_tool: EntityUid::from_str(r#"Action::"call_tool""#).map_err(|e| e.to_string())?,
+    })
+}
+
+/// The Cedar text of the roster's `confirm` and `deny` modes.
+fn roster_policies(roster: &[(String, ToolMode)]) -> String {
+    let mut text = String::new();
+    for (tool, mode) in roster {
+        let decision = match mode {
+            ToolMode::Auto => continue,
+            ToolMode::Confirm => "confirm",
+            ToolMode::Deny => "deny",
+        };
+        let tool = tool.escape_default();
+        let _ = writeln!(
+            text,
+            "@id(\"{tool}\")\n@decision(\"{decision}\")\n\
+             @reason(\"the roster sets mode {decision} for this tool\")\n\
+             permit (principal, action == Action::\"call_tool\", resource == Tool::\"{tool}\");"
+        );
+    }
+    text
+}
+
+/// The byte offset of the first label of a Cedar diagnostic.
+fn first_offset(diagnostic: &dyn Diagnostic) -> Option<usize> {
+    diagnostic
+        .labels()
+        .and_then(|mut labels| labels.next())
+        .map(|label| label.offset())
+}
+
+/// Best effort: where `needle` first appears in `text`.
+fn find(source: PolicySource, text: &str, needle: &str) -> PolicyLocation {
+    PolicyLocation::at_offset(source, text, text.find(needle))
+}
+
+fn load(
+    validator: &Validator,
+    source: PolicySource,
+    text: &str,
+    into: &mut PolicySet,
+    meanings: &mut HashMap<PolicyId, PolicyMeaning>,
+) -> Result<(), PolicyError> {
+    let parsed = PolicySet::from_str(text).map_err(|errs| PolicyError::Syntax {
+        at: PolicyLocation::at_offset(source, text, first_offset(&errs)),
+        message: errs.to_string(),
+    })?;
+    if let Some(template) = parsed.templates().next() {
+        return Err(PolicyError::Template {
+            at: find(source, text, &template.to_string()),
+        });
+    }
+    let validation = validator.validate(&parsed, ValidationMode::Strict);
+    if let Some(err) = validation.validation_errors().next() {
+        return Err(PolicyError::Schema {
+            at: PolicyLocation::at_offset(source, text, first_offset(err)),
+            message: err.to_string(),
+        });
+    }
+    for policy in parsed.policies() {
+        let name = policy
+            .annotation("id")
+            .map_or_else(|| policy.id().to_string(), str::to_owned);
+        let decision = policy.annotation("decision");
+        let outcome = match (policy.effect(), decision) {
+            (Effect::Forbid, None | Some("deny")) => Outcome::Deny,
+            (Effect::Permit, None) => Outcome::Allow,
+            (Effect::Forbid, Some(value)) => {
+                return Err(PolicyError::ForbidWithDecision {
+                    at: find(source, text, &format!("\"{value}\"")),
+                    value: value.to_owned(),
+                });
+            }
+            (Effect::Permit, Some(value)) => {
+                Outcome::parse(value).ok_or_else(|| PolicyError::UnknownDecision {
+                    at: find(source, text, &format!("\"{value}\"")),
+                    value: value.to_owned(),
+                })?
+            }
+        };
+        let id = PolicyId::new(format!("{}.{name}", source.as_str()));
+        if meanings.contains_key(&id) {
+            return Err(PolicyError::DuplicateId {
+                at: find(source, text, &format!("\"{name}\"")),
+                id: id.to_string(),
+            });
+        }
+        into.add(policy.new_id(id.clone()))
+            .map_err(|e| PolicyError::DuplicateId {
+                at: find(source, text, &format!("\"{name}\"")),
+                id: format!("{id} ({e})"),
+            })?;
+        meanings.insert(
+            id,
+            PolicyMeaning {
+                outcome,
+                reason: policy.annotation("reason").map(str::to_owned),
+            },
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,271 @@
+//! What the engine knows about a proposed tool call, gathered into one value for policy.
+
+use std::collections::BTreeSet;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use wor_core::canonical::to_canonical_json;
+use wor_core::routine::ToolMode;
+
+/// The operator's classification of a tool. Tool annotations never set it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Classification {
+    ReadOnly,
+    Consequential,
+}
+
+impl Classification {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Classification::ReadOnly => "read_only",
+            Classification::Consequential => "consequential",
+        }
+    }
+}
+
+/// How the run was started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TriggerKind {
+    Api,
+    Schedule,
+    Webhook,
+    /// Started by another routine's run.
+    Routine,
+}
+
+impl TriggerKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TriggerKind::Api => "api",
+            TriggerKind::Schedule => "schedule",
+            TriggerKind::Webhook => "webhook",
+            TriggerKind::Routine => "routine",
+        }
+    }
+}
+
+/// What a tool says about itself (MCP annotations): hints for display only.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ToolAnnotations {
+    #[serde(default)]
+    pub read_only_hint: Option<bool>,
+    #[serde(default)]
+    pub destructive_hint: Option<bool>,
+    #[serde(default)]
+    pub idempotent_hint: Option<bool>,
+    #[serde(default)]
+    pub open_world_hint: Option<bool>,
+}
+
+/// What the run (its root run, for nested routines) has used so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BudgetUsed {
+    #[serde(default)]
+    pub turns: u64,
+    #[serde(default)]
+    pub tool_calls: u64,
+    #[serde(default)]
+    pub cost_microdollars: u64,
+}
+
+/// One proposed tool call as policy sees it. Built with [`DecisionRequest::builder`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecisionRequest {
+    pub(crate) routine: String,
+    pub(crate) run: String,
+    pub(crate) trigger: TriggerKind,
+    pub(crate) connection: String,
+    pub(crate) tool: String,
+    pub(crate) classification: Classification,
+    pub(crate) annotations: ToolAnnotations,
+    pub(crate) mode: ToolMode,
+    pub(crate) arguments: Map<String, Value>,
+    /// The canonical JSON of `arguments`, computed once by [`DecisionRequestBuilder::build`].
+    pub(crate) arguments_json: String,
+    pub(crate) untrusted_in_context: bool,
+    pub(crate) untrusted_sources: BTreeSet<String>,
+    pub(crate) budget_used: BudgetUsed,
+}
+
+impl DecisionRequest {
+    /// Starts a request for calling `CONNECTION/TOOL` (`connection`, `tool`) from a run of
+    /// `routine`. Until set: trigger `api`, mode `auto`, no arguments, no untrusted content,
+    /// nothing used, no annotations.
+    pub fn builder(
+        routine: impl Into<String>,
+        run: impl Into<String>,
+        connection: impl Into<String>,
+        tool: impl Into<String>,
+        classification: Classification,
+    ) -> DecisionRequestBuilder {
+        DecisionRequestBuilder(DecisionRequest {
+            routine: routine.into(),
+            run: run.into(),
+            trigger: TriggerKind::Api,
+            connection: connection.into(),
+            tool: tool.into(),
+            classification,
+            annotations: ToolAnnotations::default(),
+            mode: ToolMode::Auto,
+            arguments: Map::new(),
+            arguments_json: String::new(),
+            untrusted_in_context: false,
+            untrusted_sources: BTreeSet::new(),
+            budget_used: BudgetUsed::default(),
+        })
+    }
+
+    /// `CONNECTION/TOOL`, the tool's roster name and its Cedar entity id.
+    pub fn tool_ref(&self) -> String {
+        format!("{}/{}", self.connection, self.tool)
+    }
+
+    pub fn mode(&self) -> ToolMode {
+        self.mode
+    }
+
+    pub fn untrusted_sources(&self) -> &BTreeSet<String> {
+        &self.untrusted_sources
+    }
+
+    pub fn untrusted_in_context(&self) -> bool {
+        self.untrusted_in_context
+    }
+}
+
+/// Fills a [`DecisionRequest`] from a tool call; see [`DecisionRequest::builder`].
+#[derive(Debug, Clone)]
+pub struct DecisionRequestBuilder(DecisionRequest);
+
+impl DecisionRequestBuilder {
+    pub fn trigger(mut self, trigger: TriggerKind) -> Self {
+        self.0.trigger = trigger;
+        self
+    }
+
+    /// The tool's mode on the routine's roster.
+    pub fn mode(mut self, mode: ToolMode) -> Self {
+        self.0.mode = mode;
+        self
+    }
+
+    pub fn annotations(mut self, annotations: ToolAnnotations) -> Self {
+        self.0.annotations = annotations;
+        self
+    }
+
+    /// The call's arguments after schema validation and pinning (pipeline steps 2 and 3).
+    pub fn arguments(mut self, arguments: Map<String, Value>) -> Self {
+        self.0.arguments = arguments;
+        self
+    }
+
+    /// Marks untrusted content as present in the context, with no named source.
+    pub fn untrusted_in_context(mut self) -> Self {
+        self.0.untrusted_in_context = true;
+        self
+    }
+
+    /// Names one source of untrusted content in the context (`webhook`, `tool:mail/read`, …);
+    /// this also marks untrusted content as present.
+    pub fn untrusted_source(mut self, source: impl Into<String>) -> Self {
+        self.0.untrusted_in_context = true;
+        self.0.untrusted_sources.insert(source.into());
+        self
+    }
+
+    pub fn budget_used(mut self, used: BudgetUsed) -> Self {
+        self.0.budget_used = used;
+        self
+    }
+
+    pub fn build(mut self) -> DecisionRequest {
+        // The map is moved out and back to encode it without a copy.
+        let arguments = Value::Object(std::mem::take(&mut self.0.arguments));
+        self.0.arguments_json = to_canonical_json(&arguments);
+        if let Value::Object(map) = arguments {
+            self.0.arguments = map;
+        }
+        self.0
+    }
+}
+
+/// The JSON form of a tool call for `wor policy test --call CALL.json` (docs/policies.md).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ToolCallDescription {
+    #[serde(default = "default_routine")]
+    pub routine: String,
+    #[serde(default = "default_run")]
+    pub run: String,
+    /// `CONNECTION/TOOL`.
+    pub tool: String,
+    pub classification: Classification,
+    #[serde(default)]
+    pub annotations: ToolAnnotations,
+    #[serde(default)]
+    pub arguments: Map<String, Value>,
+    #[serde(default)]
+    pub provenance: ProvenanceDescription,
+    #[serde(default)]
+    pub budget_used: BudgetUsed,
+    #[serde(default = "default_trigger")]
+    pub trigger: TriggerKind,
+    #[serde(default = "default_mode")]
+    pub mode: ToolMode,
+}
+
+/// The run's provenance state in a [`ToolCallDescription`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProvenanceDescription {
+    #[serde(default)]
+    pub untrusted_in_context: bool,
+    #[serde(default)]
+    pub untrusted_sources: BTreeSet<String>,
+}
+
+fn default_routine() -> String {
+    "routine".to_owned()
+}
+fn default_run() -> String {
+    "run".to_owned()
+}
+fn default_trigger() -> TriggerKind {
+    TriggerKind::Api
+}
+fn default_mode() -> ToolMode {
+    ToolMode::Auto
+}
+
+impl ToolCallDescription {
+    /// The request, or why `tool` is not `CONNECTION/TOOL`.
+    pub fn into_request(self) -> Result<DecisionRequest, String> {
+        let Some((connection, tool)) = self.tool.split_once('/') else {
+            return Err(format!("`{}` is not CONNECTION/TOOL", self.tool));
+        };
+        let mut builder = DecisionRequest::builder(
+            self.routine,
+            self.run,
+            connection,
+            tool,
+            self.classification,
+        )
+        .trigger(self.trigger)
+        .mode(self.mode)
+        .annotations(self.annotations)
+        .arguments(self.arguments)
+        .budget_used(self.budget_used);
+        if self.provenance.untrusted_in_context {
+            builder = builder.untrusted_in_context();
+        }
+        for source in self.provenance.untrusted_sources {
+            builder = builder.untrusted_source(source);
+        }
+        Ok(builder.build())
+    }
+}
