@@ -329,7 +329,8 @@ impl HttpToolDefinition {
     ) -> Result<(String, Option<Vec<u8>>), HttpToolError> {
         let path = self.path.fill(arguments)?;
         let parameters: Vec<&str> = self.path.parameters().collect();
-        let rest: Map<String, Value> = arguments
+        // Sorted by name, whatever order the map keeps: the same call builds the same request.
+        let rest: std::collections::BTreeMap<String, Value> = arguments
             .iter()
             .filter(|(key, _)| !parameters.contains(&key.as_str()))
             .map(|(key, value)| (key.clone(), value.clone()))
@@ -337,7 +338,10 @@ impl HttpToolDefinition {
         let mut url = format!("{}{path}", connection.base_url);
         let mut body = None;
         if self.sends_body() {
-            body = Some(Value::Object(rest).to_string().into_bytes());
+            body = Some(
+                wor_core::canonical::to_canonical_json(&Value::Object(rest.into_iter().collect()))
+                    .into_bytes(),
+            );
         } else if !rest.is_empty() {
             let mut pairs = Vec::new();
             for (key, value) in &rest {
