@@ -36,6 +36,9 @@ struct FileConfig {
     demo: Option<bool>,
     max_running_per_project: Option<u64>,
     egress: Option<EgressSection>,
+    /// Per-model prices, in microdollars per million tokens: `[prices."model-id"]`.
+    #[serde(default)]
+    prices: std::collections::BTreeMap<String, wor_core::budget::ModelPrice>,
 }
 
 /// `[egress]`: special-use destinations the operator allows. Only this file can list them;
@@ -73,6 +76,8 @@ pub struct ServerConfig {
     pub egress_allowed_cidrs: Vec<String>,
     /// At most this many runs of one project run at once.
     pub max_running_per_project: u64,
+    /// What each model costs; a model without a price costs nothing against budgets.
+    pub prices: std::collections::BTreeMap<String, wor_core::budget::ModelPrice>,
     encryption_key: Option<String>,
     audit_signing_key: Option<String>,
     encryption_key_retired: Option<String>,
@@ -134,6 +139,7 @@ impl ServerConfig {
                 Some(n) => n,
                 None => DEFAULT_MAX_RUNNING_PER_PROJECT,
             },
+            prices: file.prices,
             encryption_key,
             encryption_key_retired,
             audit_signing_key,
@@ -311,6 +317,7 @@ mod tests {
             demo,
             egress_allowed_cidrs: Vec::new(),
             max_running_per_project: DEFAULT_MAX_RUNNING_PER_PROJECT,
+            prices: Default::default(),
             encryption_key: key.map(str::to_owned),
             encryption_key_retired: None,
             audit_signing_key: None,
@@ -318,6 +325,26 @@ mod tests {
     }
 
     const GOOD_KEY: &str = "q6mZ2k0kq3c7b1pY8Jx0M1yJc4pN9rO2vW6tU5sR3aE=";
+
+    #[test]
+    fn prices_come_from_the_file_and_typos_are_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("wor.toml");
+        std::fs::write(
+            &path,
+            "[prices.\"m\"]\ninput_microdollars_per_mtok = 3\noutput_microdollars_per_mtok = 15\n",
+        )
+        .unwrap();
+        let flags = ServerFlags {
+            config: Some(path.clone()),
+            ..ServerFlags::default()
+        };
+        let config = ServerConfig::resolve(&flags, Some("127.0.0.1:0"), false).unwrap();
+        assert_eq!(config.prices["m"].output_microdollars_per_mtok, 15);
+        std::fs::write(&path, "[prices.\"m\"]\ninput_per_mtok = 3\n").unwrap();
+        let error = ServerConfig::resolve(&flags, Some("127.0.0.1:0"), false).unwrap_err();
+        assert!(format!("{error:#}").contains("input_per_mtok"), "{error:#}");
+    }
 
     #[test]
     fn development_has_no_production_problems() {

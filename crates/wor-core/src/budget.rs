@@ -65,6 +65,7 @@ impl fmt::Display for BudgetExceeded {
 /// A model's price in millionths of a dollar per million tokens, so that integer arithmetic
 /// is exact for any realistic price.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ModelPrice {
     pub input_microdollars_per_mtok: u64,
     pub output_microdollars_per_mtok: u64,

@@ -141,7 +141,10 @@ impl Engine {
             .get_routine_version(run.project_id, run.routine_id, run.routine_version)
             .await?;
         let definition = version.definition;
-        let steps = self.store.list_run_steps(run.project_id, run.id, 0).await?;
+        let mut steps = self.store.list_run_steps(run.project_id, run.id, 0).await?;
+        if self.settle_interrupted_calls(run, &steps).await? {
+            steps = self.store.list_run_steps(run.project_id, run.id, 0).await?;
+        }
         let messages = conversation(&definition, &steps);
         let provider = match self.provider(run, &definition, &messages).await {
             Ok(provider) => provider,
@@ -353,6 +356,68 @@ impl Engine {
                 ));
             }
         }
+    }
+
+    /// A run resumed after its worker died may hold `tool_call` steps with no result: the call
+    /// was recorded, and perhaps ran, but its outcome was never written. It is never run again
+    /// (it may have had its effect); the model is told its outcome is unknown, and the audit
+    /// chain says so. Returns whether anything was settled.
+    async fn settle_interrupted_calls(
+        &self,
+        run: &RunRecord,
+        steps: &[RunStep],
+    ) -> Result<bool, EngineError> {
+        let answered: Vec<&str> = steps
+            .iter()
+            .filter(|s| s.kind == "tool_result")
+            .filter_map(|s| {
+                s.payload
+                    .pointer("/result/tool_call_id")
+                    .and_then(Value::as_str)
+            })
+            .collect();
+        let mut settled = false;
+        for step in steps.iter().filter(|s| s.kind == "tool_call") {
+            let Some(call_id) = step.payload.get("call_id").and_then(Value::as_str) else {
+                continue;
+            };
+            if answered.contains(&call_id) {
+                continue;
+            }
+            let tool = step.payload.get("tool").cloned().unwrap_or(Value::Null);
+            let executed = step.payload.get("decision").and_then(Value::as_str) == Some("allow");
+            let content = if executed {
+                "outcome_unknown: this call started before the run was interrupted and its outcome \
+                 was not recorded; it was not repeated. Check its effect before calling it again."
+            } else {
+                "this call was refused before the run was interrupted"
+            };
+            let result = ToolResult {
+                tool_call_id: call_id.to_owned(),
+                content: content.to_owned(),
+                is_error: true,
+            };
+            self.store
+                .append_run_step(
+                    run.project_id,
+                    run.id,
+                    "tool_result",
+                    Provenance::Engine,
+                    &json!({ "tool": tool, "result": result, "outcome_unknown": executed }),
+                )
+                .await?;
+            self.audit_tool_call(
+                run,
+                json!({
+                    "transition": if executed { "outcome_unknown" } else { "answered" },
+                    "tool": tool,
+                    "call_id": call_id,
+                }),
+            )
+            .await?;
+            settled = true;
+        }
+        Ok(settled)
     }
 
     /// Records a tool call's transition in the audit chain: metadata and hashes, not content.

@@ -724,3 +724,85 @@ async fn a_project_runs_no_more_than_its_limit_at_once() {
         RunStatus::Succeeded
     );
 }
+
+#[tokio::test]
+async fn a_tool_call_interrupted_by_a_crash_is_not_repeated_and_its_outcome_is_unknown() {
+    let h = Harness::new().await;
+    let script = r#"
+[[model.script.turns]]
+when = { last_tool_result_contains = "outcome_unknown" }
+text = "I will check the outbox before sending again."
+[[model.script.turns]]
+tool_calls = [{ id = "call_9", name = "mail__send", arguments = { to = "a@example.com" } }]
+"#;
+    let routine = h.routine(&replay(script, "")).await;
+    let engine = h.engine(EngineConfig::default());
+    let run = h.start(&engine, routine, "send the report").await;
+    // A worker claimed the run, the model asked for a tool, the call was recorded as allowed
+    // and started — and the worker died before its result was written.
+    let claimed =
+        h.db.store
+            .claim_run("dead", 60_000, 16)
+            .await
+            .unwrap()
+            .unwrap();
+    let call = json!({"id": "call_9", "name": "mail__send", "arguments": {"to": "a@example.com"}});
+    h.db.store
+        .append_run_step(
+            h.project,
+            claimed.id,
+            "model_turn",
+            wor_core::run::Provenance::Model,
+            &json!({"message": {"text": "", "tool_calls": [call]}, "usage": {"input_tokens": 1, "output_tokens": 1}}),
+        )
+        .await
+        .unwrap();
+    h.db.store
+        .append_run_step(
+            h.project,
+            claimed.id,
+            "tool_call",
+            wor_core::run::Provenance::Engine,
+            &json!({"tool": "mail/send", "call_id": "call_9", "decision": "allow"}),
+        )
+        .await
+        .unwrap();
+    h.db.store.release_leases("dead").await.unwrap();
+
+    let run = h.drive_to_end(&engine, run.id).await;
+    assert_eq!(run.status, RunStatus::Succeeded, "{:?}", run.outcome);
+    assert_eq!(
+        run.outcome.as_deref(),
+        Some("I will check the outbox before sending again.")
+    );
+    let steps = h.steps(run.id).await;
+    let kinds: Vec<&str> = steps.iter().map(|(k, _, _)| k.as_str()).collect();
+    assert_eq!(
+        kinds,
+        [
+            "input",
+            "model_turn",
+            "tool_call",
+            "tool_result",
+            "model_turn",
+            "outcome"
+        ]
+    );
+    let settled = &steps[3].2;
+    assert_eq!(settled["outcome_unknown"], true);
+    assert_eq!(settled["result"]["tool_call_id"], "call_9");
+    assert!(
+        settled["result"]["content"]
+            .as_str()
+            .unwrap()
+            .contains("not repeated")
+    );
+    assert_eq!(run.usage.tool_calls, 0, "nothing ran again");
+    let entries = h.db.store.audit_entries(h.project, 0, 100).await.unwrap();
+    assert!(
+        entries
+            .iter()
+            .any(|e| e.category == "tool.call" && e.payload["transition"] == "outcome_unknown"),
+        "the unknown outcome is in the audit chain"
+    );
+}
