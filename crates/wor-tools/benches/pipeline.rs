@@ -8,6 +8,7 @@
     clippy::unwrap_used,
     clippy::expect_used,
     clippy::print_stdout,
+    clippy::indexing_slicing,
     reason = "a benchmark reports on stdout and fails loudly"
 )]
 
