@@ -20,7 +20,7 @@ use crate::client::ClientArgs;
 
 #[derive(Debug, clap::Subcommand)]
 pub enum Command {
-    /// Run the server: API, console, scheduler and worker in one process.
+    /// Run the server: the HTTP API and a run worker in one process.
     Serve(serve::ServeArgs),
     /// Create the first project and its owner; print the owner's API key once (operator).
     Init(operator::InitArgs),
