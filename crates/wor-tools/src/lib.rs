@@ -36,6 +36,7 @@ pub use mcp::sandbox::{
     LaunchError, LaunchFuture, LaunchedProcess, ProcessGuard, SandboxLauncher, SandboxUnavailable,
     StdioCommand,
 };
+pub use mcp::sandboxed::Sandboxed;
 pub use mcp::{
     McpError, McpLimits, McpServerKind, McpSession, StreamableHttpEndpoint, ToolListChanged,
 };

@@ -10,6 +10,7 @@
 
 pub mod egress_http;
 pub mod sandbox;
+pub mod sandboxed;
 
 use std::fmt;
 use std::sync::Arc;

@@ -24,6 +24,9 @@ pub struct StdioCommand {
     pub env: Vec<(String, SecretString)>,
     /// Hosts the sandbox's egress proxy lets it reach.
     pub egress_allowlist: HostAllowlist,
+    /// Host paths the server needs to read (its package, its data), bound read-only at the
+    /// same place inside; the system runtime (`/usr` and the loader) is always there.
+    pub read_only_paths: Vec<std::path::PathBuf>,
 }
 
 impl fmt::Debug for StdioCommand {
@@ -34,6 +37,7 @@ impl fmt::Debug for StdioCommand {
             .field("args", &self.args)
             .field("env", &env_names)
             .field("egress_allowlist", &self.egress_allowlist)
+            .field("read_only_paths", &self.read_only_paths)
             .finish()
     }
 }

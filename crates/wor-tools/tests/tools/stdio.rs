@@ -24,6 +24,7 @@ fn command(marker: &std::path::Path) -> StdioCommand {
             SecretString::from("stdio-secret-123456"),
         )],
         egress_allowlist: HostAllowlist::default(),
+        read_only_paths: Vec::new(),
     }
 }
 
