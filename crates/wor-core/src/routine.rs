@@ -335,6 +335,14 @@ impl RoutineDefinition {
         canonical_hash(&serde_json::to_value(self).unwrap_or(serde_json::Value::Null))
     }
 
+    /// Why production mode refuses this routine, if it does: the `replay` model is for demos
+    /// and tests only.
+    pub fn production_refusal(&self) -> Option<&'static str> {
+        (self.model.provider == ProviderKind::Replay).then_some(
+            "provider `replay` is a scripted model for demos and tests; production refuses it",
+        )
+    }
+
     /// The roster entry for `CONNECTION/TOOL`, if the routine lists it.
     pub fn roster_entry(&self, tool: &str) -> Option<&RosterEntry> {
         self.tools.iter().find(|t| t.tool == tool)

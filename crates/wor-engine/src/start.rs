@@ -2,7 +2,6 @@
 //! requester's first step.
 
 use wor_core::audit::{Actor, AuditCategory, AuditEvent};
-use wor_core::model::ProviderKind;
 use wor_core::routine::OverlapPolicy;
 use wor_core::run::RunStatus;
 use wor_core::{ApiKeyId, ProjectId, RoutineId};
@@ -41,11 +40,11 @@ impl Engine {
             .get_routine_version(request.project, routine.id, routine.current_version)
             .await?;
         let definition = &version.definition;
-        if self.config.production && definition.model.provider == ProviderKind::Replay {
-            return Err(EngineError::Refused(
-                "provider `replay` is a scripted model for demos and tests; production refuses it"
-                    .to_owned(),
-            ));
+        if let Some(refusal) = definition
+            .production_refusal()
+            .filter(|_| self.config.production)
+        {
+            return Err(EngineError::Refused(refusal.to_owned()));
         }
         let active = self.store.active_runs(request.project, routine.id).await?;
         let max = definition.concurrency.max_runs;

@@ -5,7 +5,6 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use wor_core::RoutineId;
 use wor_core::audit::{AuditCategory, AuditEvent};
-use wor_core::model::ProviderKind;
 use wor_core::routine::RoutineDefinition;
 
 use crate::AppState;
@@ -90,11 +89,8 @@ pub async fn apply(
     }
     let definition = RoutineDefinition::from_toml(&body.toml)
         .map_err(|e| ApiError::bad_request("invalid_routine", e.message))?;
-    if state.production && definition.model.provider == ProviderKind::Replay {
-        return Err(ApiError::bad_request(
-            "invalid_routine",
-            "provider `replay` is a scripted model for demos and tests; production refuses it",
-        ));
+    if let Some(refusal) = definition.production_refusal().filter(|_| state.production) {
+        return Err(ApiError::bad_request("invalid_routine", refusal));
     }
     if let Some(name) = &definition.model.connection {
         let known = state
