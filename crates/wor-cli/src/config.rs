@@ -35,6 +35,8 @@ struct FileConfig {
     production: Option<bool>,
     demo: Option<bool>,
     max_running_per_project: Option<u64>,
+    /// How long an approval request waits for a decision, in seconds (default 24 hours).
+    approval_ttl_seconds: Option<u64>,
     egress: Option<EgressSection>,
     /// Per-model prices, in microdollars per million tokens: `[prices."model-id"]`.
     #[serde(default)]
@@ -76,6 +78,8 @@ pub struct ServerConfig {
     pub egress_allowed_cidrs: Vec<String>,
     /// At most this many runs of one project run at once.
     pub max_running_per_project: u64,
+    /// How long an approval request waits for a decision before it counts as denied.
+    pub approval_ttl: std::time::Duration,
     /// What each model costs; a model without a price costs nothing against budgets.
     pub prices: std::collections::BTreeMap<String, wor_core::budget::ModelPrice>,
     encryption_key: Option<String>,
@@ -138,6 +142,11 @@ impl ServerConfig {
                 Some(0) => bail!("`max_running_per_project` must be at least 1"),
                 Some(n) => n,
                 None => DEFAULT_MAX_RUNNING_PER_PROJECT,
+            },
+            approval_ttl: match file.approval_ttl_seconds {
+                Some(0) => bail!("`approval_ttl_seconds` must be at least 1"),
+                Some(n) => std::time::Duration::from_secs(n),
+                None => wor_engine::DEFAULT_APPROVAL_TTL,
             },
             prices: file.prices,
             encryption_key,
@@ -317,6 +326,7 @@ mod tests {
             demo,
             egress_allowed_cidrs: Vec::new(),
             max_running_per_project: DEFAULT_MAX_RUNNING_PER_PROJECT,
+            approval_ttl: wor_engine::DEFAULT_APPROVAL_TTL,
             prices: Default::default(),
             encryption_key: key.map(str::to_owned),
             encryption_key_retired: None,

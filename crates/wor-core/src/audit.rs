@@ -69,6 +69,16 @@ pub enum AuditCategory {
     ToolConnectionDisable,
     /// A tool connection's live tools changed from its pins (S9).
     ToolConnectionQuarantine,
+    /// A run parked a tool call for a person's decision.
+    ApprovalRequest,
+    /// A person approved or denied a call.
+    ApprovalDecide,
+    /// Nobody decided before the approval expired.
+    ApprovalExpire,
+    /// A run used an approval to execute its call.
+    ApprovalUse,
+    /// The project's policy was set or reset.
+    PolicySet,
 }
 
 impl AuditCategory {
@@ -92,6 +102,11 @@ impl AuditCategory {
             AuditCategory::ToolConnectionEnable => "connection.enable",
             AuditCategory::ToolConnectionDisable => "connection.disable",
             AuditCategory::ToolConnectionQuarantine => "connection.quarantine",
+            AuditCategory::ApprovalRequest => "approval.request",
+            AuditCategory::ApprovalDecide => "approval.decide",
+            AuditCategory::ApprovalExpire => "approval.expire",
+            AuditCategory::ApprovalUse => "approval.use",
+            AuditCategory::PolicySet => "policy.set",
         }
     }
 }

@@ -5,6 +5,7 @@
 //! This crate is the centre every other crate points toward. It does no I/O and depends on no
 //! runtime, database, HTTP or sandbox crate, so nothing here can fail for I/O reasons.
 
+pub mod approval;
 pub mod audit;
 pub mod budget;
 pub mod canonical;

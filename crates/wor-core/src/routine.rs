@@ -186,6 +186,31 @@ pub enum ToolMode {
     Deny,
 }
 
+/// What a run does when a person denies one of its calls, or nobody decides in time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnDenial {
+    /// The model is told the call was denied, and the run goes on.
+    #[default]
+    Continue,
+    /// The run ends as failed, naming the denied call.
+    Fail,
+}
+
+/// `[approvals]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApprovalsSection {
+    #[serde(default)]
+    pub on_denial: OnDenial,
+}
+
+impl ApprovalsSection {
+    fn is_default(&self) -> bool {
+        *self == ApprovalsSection::default()
+    }
+}
+
 /// One `[[tools]]` entry: a tool the routine may use, and how.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -215,6 +240,12 @@ pub struct RoutineDefinition {
     pub budget: BudgetLimits,
     pub concurrency: ConcurrencySection,
     pub tools: Vec<RosterEntry>,
+    /// The routine's own Cedar policy, added to the project's (docs/policies.md). Validated
+    /// against the policy schema when the routine is applied.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub policy: Option<String>,
+    #[serde(skip_serializing_if = "ApprovalsSection::is_default")]
+    pub approvals: ApprovalsSection,
 }
 
 #[derive(Deserialize)]
@@ -231,6 +262,10 @@ struct RawRoutine {
     concurrency: ConcurrencySection,
     #[serde(default)]
     tools: Vec<Spanned<RosterEntry>>,
+    #[serde(default)]
+    policy: Option<Spanned<String>>,
+    #[serde(default)]
+    approvals: ApprovalsSection,
 }
 
 fn line_of(text: &str, offset: usize) -> usize {
@@ -318,6 +353,16 @@ impl RoutineDefinition {
             }
             tools.push(entry);
         }
+        let policy = match raw.policy {
+            Some(policy) if policy.get_ref().trim().is_empty() => {
+                return Err(at(
+                    policy.span(),
+                    "`policy` must hold Cedar policies, or be left out".to_owned(),
+                ));
+            }
+            Some(policy) => Some(policy.into_inner()),
+            None => None,
+        };
         Ok(RoutineDefinition {
             name: raw.name,
             description: raw.description,
@@ -326,6 +371,8 @@ impl RoutineDefinition {
             budget: raw.budget,
             concurrency: raw.concurrency,
             tools,
+            policy,
+            approvals: raw.approvals,
         })
     }
 

@@ -6,11 +6,14 @@
 //! wall-time deadline are checked before every step.
 //!
 //! Roster tools on MCP-over-HTTP connections run through the pipeline of the spec (roster,
-//! schema and pinned arguments, decision, budget, record, execute, result). Not built yet:
-//! approvals (a call that needs one is refused), stdio and HTTP API connections in runs,
-//! nested routines and run-scoped credentials.
+//! schema and pinned arguments, decision by Cedar policy, budget, record, execute, result). A
+//! call that needs approval parks its run, holding no worker, until a person decides or the
+//! approval expires. Not built yet: stdio and HTTP API connections in runs, nested routines
+//! and run-scoped credentials.
 
+mod approvals;
 mod driver;
+mod pipeline;
 mod run_tools;
 mod start;
 mod tool_connections;
@@ -24,10 +27,14 @@ use wor_core::budget::ModelPrice;
 use wor_egress::EgressClient;
 use wor_store::{AuditLog, Store, StoreError, Vault};
 
+pub use approvals::Approver;
 pub use start::{StartRun, Trigger};
 pub use tool_connections::{
     BEARER_TOKEN_FIELD, ReviewDiff, ReviewedTool, ToolReview, credential_slot,
 };
+
+/// How long an approval waits for a decision unless configured otherwise: 24 hours.
+pub const DEFAULT_APPROVAL_TTL: Duration = Duration::from_secs(24 * 60 * 60);
 
 /// How the engine runs.
 #[derive(Debug, Clone)]
@@ -44,6 +51,8 @@ pub struct EngineConfig {
     pub production: bool,
     /// At most this many runs of one project run at once, whatever their routines allow.
     pub max_running_per_project: u64,
+    /// How long an approval request waits for a decision before it counts as denied.
+    pub approval_ttl: Duration,
 }
 
 impl Default for EngineConfig {
@@ -58,6 +67,7 @@ impl Default for EngineConfig {
             prices: BTreeMap::new(),
             production: false,
             max_running_per_project: 16,
+            approval_ttl: DEFAULT_APPROVAL_TTL,
         }
     }
 }
@@ -68,6 +78,9 @@ impl Default for EngineConfig {
 pub enum EngineError {
     #[error("{0}")]
     Refused(String),
+    /// The caller may not do this (a role or separation-of-duties rule).
+    #[error("{0}")]
+    Forbidden(String),
     /// The request itself is wrong (a bad argument).
     #[error("{0}")]
     Invalid(String),

@@ -5,6 +5,9 @@ use tokio::task::JoinHandle;
 
 use crate::{Engine, EngineError};
 
+/// How often a worker looks for approvals whose time ran out.
+const APPROVAL_SWEEP: std::time::Duration = std::time::Duration::from_secs(1);
+
 impl Engine {
     /// Puts runs whose worker stopped renewing its lease back in the queue. Returns how many.
     pub async fn requeue_expired(&self) -> Result<u64, EngineError> {
@@ -32,11 +35,13 @@ impl Engine {
     }
 
     /// A worker task that drives runs until `shutdown` turns true. It looks for runs of dead
-    /// workers every half lease, not on every poll: an idle engine only reads.
+    /// workers every half lease and for expired approvals every second, not on every poll: an
+    /// idle engine only reads.
     pub fn spawn_worker(&self, mut shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
         let engine = self.clone();
         tokio::spawn(async move {
             let mut last_requeue: Option<std::time::Instant> = None;
+            let mut last_expiry: Option<std::time::Instant> = None;
             loop {
                 if *shutdown.borrow() {
                     return;
@@ -45,7 +50,14 @@ impl Engine {
                     if let Err(error) = engine.requeue_expired().await {
                         tracing::error!(category = "run", error = %error, "requeueing expired runs failed");
                     }
+
                     last_requeue = Some(std::time::Instant::now());
+                }
+                if last_expiry.is_none_or(|t| t.elapsed() >= APPROVAL_SWEEP) {
+                    if let Err(error) = engine.expire_approvals().await {
+                        tracing::error!(category = "approval", error = %error, "expiring approvals failed");
+                    }
+                    last_expiry = Some(std::time::Instant::now());
                 }
                 let worked = tokio::select! {
                     result = engine.run_next() => match result {

@@ -107,6 +107,35 @@ impl Harness {
             .collect()
     }
 
+    /// A member with the approver role, deciding with their own key.
+    async fn approver(&self) -> wor_engine::Approver {
+        let member = self
+            .db
+            .store
+            .create_member(self.project, "approver", wor_core::Role::Approver)
+            .await
+            .unwrap();
+        let (key, _) = self
+            .db
+            .store
+            .create_api_key(
+                self.project,
+                wor_store::NewApiKey {
+                    kind: wor_store::ApiKeyKind::Personal(member.id),
+                    name: "approver".to_owned(),
+                    role: wor_core::Role::Approver,
+                    created_by: None,
+                },
+            )
+            .await
+            .unwrap();
+        wor_engine::Approver {
+            key_id: key.id,
+            member_id: Some(member.id),
+            role: wor_core::Role::Approver,
+        }
+    }
+
     /// Drives queued runs (and runs of dead workers) until `id` has ended.
     async fn drive_to_end(&self, engine: &Engine, id: RunId) -> RunRecord {
         for _ in 0..50 {
@@ -769,6 +798,36 @@ tool_calls = [{ id = "call_9", name = "mail__send", arguments = { to = "a@exampl
         .unwrap();
     h.db.store.release_leases("dead").await.unwrap();
 
+    // The resumed run does not repeat the call on its own: it asks a person (default: confirm).
+    assert!(engine.run_next().await.unwrap());
+    let parked = h.run(run.id).await;
+    assert_eq!(parked.status, RunStatus::WaitingForApproval);
+    let approvals =
+        h.db.store
+            .list_approvals(
+                h.project,
+                &wor_store::ApprovalFilter {
+                    limit: 10,
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+    assert_eq!(approvals.len(), 1);
+    assert_eq!(approvals[0].kind, wor_store::ApprovalKind::OutcomeUnknown);
+    assert_eq!(approvals[0].call_id, "call_9");
+    // A person says not to run it again: the model is told its outcome is unknown.
+    let approver = h.approver().await;
+    engine
+        .decide_approval(
+            h.project,
+            approvals[0].id,
+            approver,
+            wor_store::Verdict::Deny,
+            "the report may have gone out already",
+        )
+        .await
+        .unwrap();
     let run = h.drive_to_end(&engine, run.id).await;
     assert_eq!(run.status, RunStatus::Succeeded, "{:?}", run.outcome);
     assert_eq!(
@@ -789,7 +848,6 @@ tool_calls = [{ id = "call_9", name = "mail__send", arguments = { to = "a@exampl
         ]
     );
     let settled = &steps[3].2;
-    assert_eq!(settled["outcome_unknown"], true);
     assert_eq!(settled["result"]["tool_call_id"], "call_9");
     assert!(
         settled["result"]["content"]

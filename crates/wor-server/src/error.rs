@@ -111,6 +111,7 @@ impl From<wor_engine::EngineError> for ApiError {
     fn from(err: wor_engine::EngineError) -> Self {
         match err {
             wor_engine::EngineError::Refused(reason) => ApiError::Conflict(reason),
+            wor_engine::EngineError::Forbidden(reason) => ApiError::Forbidden(reason),
             wor_engine::EngineError::Invalid(reason) => {
                 ApiError::bad_request("invalid_request", reason)
             }

@@ -93,6 +93,15 @@ fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(routes::runs::get))
         .routes(routes!(routes::runs::cancel))
         .routes(routes!(routes::runs::events))
+        .routes(routes!(routes::approvals::list))
+        .routes(routes!(routes::approvals::get))
+        .routes(routes!(routes::approvals::approve))
+        .routes(routes!(routes::approvals::deny))
+        .routes(routes!(
+            routes::policy::get,
+            routes::policy::set,
+            routes::policy::reset
+        ))
         .routes(routes!(routes::audit::list_audit))
 }
 

@@ -57,6 +57,17 @@ impl TestApi {
         }
     }
 
+    /// With a database of its own, for tests that claim runs (a worker claims any queued run).
+    async fn isolated() -> Self {
+        let db = TestDatabase::isolated().await.unwrap();
+        let (state, audit) = app_state(&db, false);
+        TestApi {
+            router: router(state),
+            db,
+            audit,
+        }
+    }
+
     async fn project(&self, owner: &str) -> CreatedProject {
         self.db
             .store
@@ -156,6 +167,10 @@ fn sample_body(method: &Method, path: &str) -> Option<Value> {
         ("POST", "/v1/routines") => Some(json!({"toml": REPLAY_ROUTINE})),
         ("POST", "/v1/routines/{routine_id}/runs") => Some(json!({"input": "probe"})),
         ("POST", "/v1/runs/{run_id}/cancel") => None,
+        ("POST", "/v1/approvals/{approval_id}/approve" | "/v1/approvals/{approval_id}/deny") => {
+            Some(json!({"reason": "probe"}))
+        }
+        ("PUT", "/v1/policy") => Some(json!({"text": wor_policy::DEFAULT_PROJECT_POLICY})),
         ("POST" | "PUT" | "PATCH", _) => {
             panic!("no sample body for {method} {path}: add one so the isolation walk covers it")
         }
@@ -165,7 +180,7 @@ fn sample_body(method: &Method, path: &str) -> Option<Value> {
 
 #[tokio::test]
 async fn another_projects_resources_answer_404_on_every_route() {
-    let api = TestApi::new().await;
+    let api = TestApi::isolated().await;
     let a = api.project("alice").await;
     let b = api.project("bob").await;
     let a_key_id = api.db.store.list_api_keys(a.project.id).await.unwrap()[0].id;
@@ -201,6 +216,52 @@ async fn another_projects_resources_answer_404_on_every_route() {
         .await;
     assert_eq!(a_routine.status, StatusCode::CREATED, "{}", a_routine.text);
     let a_routine_id = a_routine.body["routine"]["id"].as_str().unwrap().to_owned();
+    // A parked run of A's with an approval request, as a worker leaves it.
+    let parked_run = api
+        .call(
+            Method::POST,
+            &format!("/v1/routines/{a_routine_id}/runs"),
+            Some(a.owner_key.expose()),
+            Some(json!({"input": "park"})),
+        )
+        .await;
+    assert_eq!(
+        parked_run.status,
+        StatusCode::ACCEPTED,
+        "{}",
+        parked_run.text
+    );
+    let claimed = api
+        .db
+        .store
+        .claim_run("walk", 60_000, 16)
+        .await
+        .unwrap()
+        .unwrap();
+    let (a_approval_id, _) = api
+        .db
+        .store
+        .park_for_approval(
+            a.project.id,
+            "walk",
+            &wor_store::NewApproval {
+                run_id: claimed.id,
+                call_id: "call-1".to_owned(),
+                tool: "t/send".to_owned(),
+                pin_hash: "pin".to_owned(),
+                arguments: json!({"to": "x"}),
+                arguments_hash: "args".to_owned(),
+                pinned_keys: Vec::new(),
+                binding_hash: "binding".to_owned(),
+                kind: wor_store::ApprovalKind::Policy,
+                why: json!({}),
+                expires_at: i64::MAX,
+            },
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    let a_approval_id = a_approval_id.to_string();
     let a_run = api
         .call(
             Method::POST,
@@ -218,6 +279,7 @@ async fn another_projects_resources_answer_404_on_every_route() {
         ("tool_connection_id", a_tools_id.clone()),
         ("routine_id", a_routine_id.clone()),
         ("run_id", a_run_id.clone()),
+        ("approval_id", a_approval_id.clone()),
     ];
     let a_ids = [
         a.project.id.to_string(),
@@ -227,6 +289,8 @@ async fn another_projects_resources_answer_404_on_every_route() {
         a_tools_id.clone(),
         a_routine_id.clone(),
         a_run_id.clone(),
+        claimed.id.to_string(),
+        a_approval_id.clone(),
     ];
     let b_key = b.owner_key.expose();
     // A's audit log names A's ids; B must never see them.
@@ -305,6 +369,17 @@ async fn another_projects_resources_answer_404_on_every_route() {
     assert!(
         !run.cancel_requested && run.status.as_str() == "queued",
         "B's walk cancelled A's run"
+    );
+    let approval = api
+        .db
+        .store
+        .get_approval(a.project.id, a_approval_id.parse().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(
+        approval.status,
+        wor_store::ApprovalStatus::Pending,
+        "B's walk decided A's approval"
     );
     let a_key = api
         .db
@@ -1103,4 +1178,98 @@ async fn configuration_changes_are_audited_and_exported_page_by_page() {
             "invalid_query",
         );
     }
+}
+
+#[tokio::test]
+async fn policies_are_validated_when_saved_with_the_line_named() {
+    let api = TestApi::new().await;
+    let a = api.project("alice").await;
+    let owner = Some(a.owner_key.expose());
+    let shown = api.call(Method::GET, "/v1/policy", owner, None).await;
+    assert_eq!(shown.status, StatusCode::OK, "{}", shown.text);
+    assert_eq!(shown.body["is_default"], true);
+    assert_eq!(shown.body["text"], wor_policy::DEFAULT_PROJECT_POLICY);
+
+    // A policy that does not fit the schema is refused, naming its line; nothing changes.
+    let bad = "@id(\"ok\")\npermit (principal, action, resource);\n\n@id(\"bad\")\npermit (principal, action, resource)\nwhen { context.no_such_field == 1 };\n";
+    let refused = api
+        .call(Method::PUT, "/v1/policy", owner, Some(json!({"text": bad})))
+        .await;
+    assert_error(&refused, StatusCode::BAD_REQUEST, "invalid_policy");
+    assert!(
+        refused.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("line 6"),
+        "{}",
+        refused.text
+    );
+    let unchanged = api.call(Method::GET, "/v1/policy", owner, None).await;
+    assert_eq!(unchanged.body["is_default"], true);
+
+    // A viewer may read but not set it.
+    let viewer = api
+        .call(
+            Method::POST,
+            "/v1/members",
+            owner,
+            Some(json!({"name": "vera", "role": "viewer"})),
+        )
+        .await;
+    let viewer_key = viewer.body["key"]["api_key"].as_str().unwrap().to_owned();
+    let good = "@id(\"everything-needs-approval\")\n@decision(\"confirm\")\npermit (principal, action, resource);\n";
+    let forbidden = api
+        .call(
+            Method::PUT,
+            "/v1/policy",
+            Some(&viewer_key),
+            Some(json!({"text": good})),
+        )
+        .await;
+    assert_error(&forbidden, StatusCode::FORBIDDEN, "forbidden");
+
+    let set = api
+        .call(
+            Method::PUT,
+            "/v1/policy",
+            owner,
+            Some(json!({"text": good})),
+        )
+        .await;
+    assert_eq!(set.status, StatusCode::OK, "{}", set.text);
+    assert_eq!(set.body["is_default"], false);
+    assert_eq!(set.body["text"], good);
+    let reset = api.call(Method::DELETE, "/v1/policy", owner, None).await;
+    assert_eq!(reset.body["is_default"], true);
+
+    // A routine's own policy is validated when the routine is applied.
+    let routine = format!(
+        "{REPLAY_ROUTINE}policy = \"\"\"\n@id(\"x\")\npermit (principal, action, resource)\nwhen {{ context.nope }};\n\"\"\"\n"
+    );
+    let refused = api
+        .call(
+            Method::POST,
+            "/v1/routines",
+            owner,
+            Some(json!({"toml": routine})),
+        )
+        .await;
+    assert_error(&refused, StatusCode::BAD_REQUEST, "invalid_routine");
+    assert!(
+        refused.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("`policy`"),
+        "{}",
+        refused.text
+    );
+    let audit = api
+        .call(Method::GET, "/v1/audit?limit=100", owner, None)
+        .await;
+    assert_eq!(
+        audit.text.matches("policy.set").count(),
+        2,
+        "{}",
+        audit.text
+    );
 }

@@ -206,6 +206,19 @@ impl Harness {
         run
     }
 
+    /// Adds a member with `role` and returns their personal API key.
+    async fn member(&self, role: &str) -> String {
+        let (status, member) = self
+            .call(
+                Method::POST,
+                "/v1/members",
+                Some(json!({"name": format!("{role}-member"), "role": role})),
+            )
+            .await;
+        assert_eq!(status, StatusCode::CREATED, "{member}");
+        member["key"]["api_key"].as_str().unwrap().to_owned()
+    }
+
     async fn audit_text(&self) -> String {
         let (_, _, text) = self
             .call_as(self.owner(), Method::GET, "/v1/audit?limit=1000", None)
@@ -630,10 +643,10 @@ instructions = "Use the desk."
 provider = "replay"
 model = "script"
 [[model.script.turns]]
-when = { last_tool_result_contains = "needs a person's approval" }
+when = { last_tool_result_contains = "no-publish" }
 text = "done"
 [[model.script.turns]]
-when = { last_tool_result_contains = "consequential tool after untrusted content" }
+when = { last_tool_result_contains = "no-send" }
 tool_calls = [{ name = "desk__publish", arguments = { title = "t" } }]
 [[model.script.turns]]
 when = { last_tool_result_contains = "record for" }
@@ -731,10 +744,41 @@ mode = "confirm"
     assert_eq!(enabled["tool_classification"]["lookup"], "read_only");
     assert_eq!(enabled["tool_classification"]["send"], "consequential");
 
-    // The decision: read-only runs; consequential after untrusted content and `confirm` are
-    // refused, and never reach the server.
+    // The decision: read-only runs; a consequential call after untrusted content and a
+    // `confirm` call each wait for a person, and a denied one never reaches the server.
     desk.state.calls.lock().unwrap().clear();
     let run = h.run(routine).await;
+    assert_eq!(run["status"], "waiting_for_approval", "{run:#}");
+    let approver = h.member("approver").await;
+    for reason in ["no-send", "no-publish"] {
+        let run_id = run["id"].as_str().unwrap();
+        let (_, pending) = h
+            .call(
+                Method::GET,
+                &format!("/v1/approvals?status=pending&run_id={run_id}"),
+                None,
+            )
+            .await;
+        let pending = pending.as_array().unwrap();
+        assert_eq!(pending.len(), 1, "{pending:?}");
+        let (status, _, text) = h
+            .call_as(
+                &approver,
+                Method::POST,
+                &format!("/v1/approvals/{}/deny", pending[0]["id"].as_str().unwrap()),
+                Some(json!({"reason": reason})),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+        assert!(h.engine.run_next().await.unwrap());
+    }
+    let (_, run) = h
+        .call(
+            Method::GET,
+            &format!("/v1/runs/{}", run["id"].as_str().unwrap()),
+            None,
+        )
+        .await;
     assert_eq!(run["status"], "succeeded", "{run:#}");
     let calls = desk.state.calls.lock().unwrap().clone();
     assert_eq!(calls.len(), 1, "{calls:?}");
@@ -1033,4 +1077,300 @@ async fn stdio_connections_are_refused_until_the_sandbox_is_wired() {
         body["error"]["message"],
         "stdio MCP servers run only in the sandbox, which this server does not start yet"
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Approvals
+
+const MAILER: &str = r#"
+name = "mailer"
+instructions = "Look the ticket up and answer it."
+[model]
+provider = "replay"
+model = "script"
+[[model.script.turns]]
+when = { last_tool_result_contains = "not-mallory" }
+text = "finished"
+[[model.script.turns]]
+when = { last_tool_result_contains = "send done" }
+tool_calls = [{ name = "desk__send", arguments = { to = "mallory" } }]
+[[model.script.turns]]
+when = { last_tool_result_contains = "record for" }
+tool_calls = [{ name = "desk__send", arguments = { to = "alice" } }]
+[[model.script.turns]]
+tool_calls = [{ name = "desk__lookup", arguments = { q = "ticket-7" } }]
+[[tools]]
+tool = "desk/lookup"
+mode = "auto"
+[[tools]]
+tool = "desk/send"
+mode = "auto"
+"#;
+
+impl Harness {
+    async fn pending_approvals(&self, run_id: &str) -> Vec<Value> {
+        let (status, list) = self
+            .call(
+                Method::GET,
+                &format!("/v1/approvals?status=pending&run_id={run_id}"),
+                None,
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{list}");
+        list.as_array().unwrap().clone()
+    }
+
+    async fn decide(&self, key: &str, id: &str, verb: &str, reason: &str) -> (StatusCode, Value) {
+        let (status, body, _) = self
+            .call_as(
+                key,
+                Method::POST,
+                &format!("/v1/approvals/{id}/{verb}"),
+                Some(json!({ "reason": reason })),
+            )
+            .await;
+        (status, body)
+    }
+
+    async fn get_run(&self, run_id: &str) -> Value {
+        let (status, run) = self
+            .call(Method::GET, &format!("/v1/runs/{run_id}"), None)
+            .await;
+        assert_eq!(status, StatusCode::OK);
+        run
+    }
+
+    /// The same database and keys with a new engine: what a restarted server would have.
+    fn restarted_engine(&self, config: wor_engine::EngineConfig) -> wor_engine::Engine {
+        wor_engine::Engine::new(
+            self.engine.store().clone(),
+            self.engine.vault().clone(),
+            loopback_egress(),
+            self.engine.audit().clone(),
+            config,
+        )
+    }
+}
+
+#[tokio::test]
+async fn a_consequential_call_after_untrusted_content_waits_for_exactly_one_approval() {
+    let desk = Desk::default();
+    let addr = serve_desk(desk.clone()).await;
+    let h = Harness::new().await;
+    h.connect_and_enable("desk", addr, json!({}), &["lookup"])
+        .await;
+    let run = h.run(MAILER).await;
+    let run_id = run["id"].as_str().unwrap().to_owned();
+    // The read-only lookup ran; the send after its (untrusted) result waits, holding no worker.
+    assert_eq!(run["status"], "waiting_for_approval", "{run:#}");
+    let sent = |to: &str| {
+        desk.state
+            .calls
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(name, args)| name == "send" && args["to"] == to)
+            .count()
+    };
+    assert_eq!(sent("alice"), 0);
+    assert!(
+        !h.engine.run_next().await.unwrap(),
+        "a parked run is not queued"
+    );
+    let pending = h.pending_approvals(&run_id).await;
+    assert_eq!(pending.len(), 1);
+    let first = pending[0].clone();
+    let first_id = first["id"].as_str().unwrap().to_owned();
+    assert_eq!(first["tool"], "desk/send");
+    assert_eq!(first["arguments"], json!({"to": "alice"}));
+    assert_eq!(
+        first["why"]["untrusted_sources"],
+        json!(["tool:desk/lookup"])
+    );
+    assert_eq!(
+        first["why"]["determining_policies"],
+        json!(["project.consequential-after-untrusted-content"])
+    );
+    // The request shows its run's context.
+    let (status, detail) = h
+        .call(Method::GET, &format!("/v1/approvals/{first_id}"), None)
+        .await;
+    assert_eq!(status, StatusCode::OK, "{detail}");
+    assert_eq!(detail["routine"], "mailer");
+    assert_eq!(detail["run_input"], "go");
+    assert_eq!(detail["run"]["status"], "waiting_for_approval");
+
+    // Separation of duties: the key that started the run, a viewer and a service key cannot
+    // decide; a reason is required.
+    let (status, body) = h.decide(h.owner(), &first_id, "approve", "mine").await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("started this run")
+    );
+    let viewer = h.member("viewer").await;
+    let (status, _) = h.decide(&viewer, &first_id, "approve", "ok").await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    let (status, service) = h
+        .call(
+            Method::POST,
+            "/v1/keys",
+            Some(json!({"name": "bot", "role": "approver", "service": true})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{service}");
+    let service = service["api_key"].as_str().unwrap().to_owned();
+    let (status, _) = h.decide(&service, &first_id, "approve", "ok").await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    let approver = h.member("approver").await;
+    let (status, _) = h.decide(&approver, &first_id, "approve", "  ").await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(h.pending_approvals(&run_id).await.len(), 1);
+
+    // Approving exactly this call lets the run go on, on a restarted engine: it sends once.
+    let (status, approved) = h
+        .decide(&approver, &first_id, "approve", "alice asked for it")
+        .await;
+    assert_eq!(status, StatusCode::OK, "{approved}");
+    assert_eq!(approved["status"], "approved");
+    let (status, _) = h.decide(&approver, &first_id, "approve", "again").await;
+    assert_eq!(status, StatusCode::CONFLICT, "a decision is final");
+    let restarted = h.restarted_engine(wor_engine::EngineConfig::default());
+    assert!(restarted.run_next().await.unwrap());
+    assert_eq!(sent("alice"), 1);
+    // The next send has other arguments: the first approval does not cover it.
+    let run = h.get_run(&run_id).await;
+    assert_eq!(run["status"], "waiting_for_approval", "{run:#}");
+    assert_eq!(sent("mallory"), 0);
+    let pending = h.pending_approvals(&run_id).await;
+    assert_eq!(pending.len(), 1);
+    let second = pending[0].clone();
+    assert_eq!(second["arguments"], json!({"to": "mallory"}));
+    assert_ne!(second["binding_hash"], first["binding_hash"]);
+    let used = h
+        .engine
+        .store()
+        .use_approval(
+            first_id.parse().unwrap(),
+            second["binding_hash"].as_str().unwrap(),
+        )
+        .await
+        .unwrap();
+    assert!(!used, "an approval is single use and bound to its call");
+    let (status, _) = h
+        .decide(
+            &approver,
+            second["id"].as_str().unwrap(),
+            "deny",
+            "not-mallory",
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(restarted.run_next().await.unwrap());
+    let run = h.get_run(&run_id).await;
+    assert_eq!(run["status"], "succeeded", "{run:#}");
+    assert_eq!(run["outcome"], "finished");
+    assert_eq!(sent("alice"), 1, "the approved call ran exactly once");
+    assert_eq!(sent("mallory"), 0, "the denied call never ran");
+    assert_eq!(steps_of(&run, "approval_used").len(), 1);
+
+    let audit = h.audit_text().await;
+    for category in ["approval.request", "approval.decide", "approval.use"] {
+        assert!(audit.contains(category), "no `{category}` in the audit log");
+    }
+    assert!(audit.contains("alice asked for it"));
+}
+
+#[tokio::test]
+async fn an_expired_approval_denies_and_the_routine_decides_what_follows() {
+    let desk = Desk::default();
+    let addr = serve_desk(desk.clone()).await;
+    let h = Harness::new().await;
+    h.connect_and_enable("desk", addr, json!({}), &["lookup"])
+        .await;
+    let failing = format!(
+        "{}\n[approvals]\non_denial = \"fail\"\n",
+        MAILER.replace("name = \"mailer\"", "name = \"strict-mailer\"")
+    );
+    let (status, applied) = h
+        .call(Method::POST, "/v1/routines", Some(json!({"toml": failing})))
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{applied}");
+    let routine_id = applied["routine"]["id"].as_str().unwrap();
+    let (status, run) = h
+        .call(
+            Method::POST,
+            &format!("/v1/routines/{routine_id}/runs"),
+            Some(json!({"input": "go"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::ACCEPTED);
+    let run_id = run["id"].as_str().unwrap().to_owned();
+    let short = h.restarted_engine(wor_engine::EngineConfig {
+        approval_ttl: Duration::from_millis(300),
+        ..wor_engine::EngineConfig::default()
+    });
+    assert!(short.run_next().await.unwrap());
+    let pending = h.pending_approvals(&run_id).await;
+    assert_eq!(pending.len(), 1);
+    let id = pending[0]["id"].as_str().unwrap().to_owned();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    // Past its expiry nobody can approve it, even before the sweep marks it.
+    let approver = h.member("approver").await;
+    let (status, body) = h.decide(&approver, &id, "approve", "late").await;
+    assert_eq!(status, StatusCode::CONFLICT, "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("expired")
+    );
+    assert_eq!(short.expire_approvals().await.unwrap(), 1);
+    assert!(short.run_next().await.unwrap());
+    let run = h.get_run(&run_id).await;
+    assert_eq!(run["status"], "failed", "{run:#}");
+    assert!(
+        run["outcome"].as_str().unwrap().contains("expired"),
+        "{run:#}"
+    );
+    assert_eq!(
+        desk.state
+            .calls
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(name, _)| name == "send")
+            .count(),
+        0
+    );
+    assert!(h.audit_text().await.contains("approval.expire"));
+}
+
+#[tokio::test]
+async fn cancelling_a_parked_run_ends_it_and_its_approval() {
+    let desk = Desk::default();
+    let addr = serve_desk(desk.clone()).await;
+    let h = Harness::new().await;
+    h.connect_and_enable("desk", addr, json!({}), &["lookup"])
+        .await;
+    let run = h.run(MAILER).await;
+    let run_id = run["id"].as_str().unwrap().to_owned();
+    assert_eq!(run["status"], "waiting_for_approval");
+    let id = h.pending_approvals(&run_id).await[0]["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let (status, _) = h
+        .call(Method::POST, &format!("/v1/runs/{run_id}/cancel"), None)
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(h.engine.run_next().await.unwrap());
+    let run = h.get_run(&run_id).await;
+    assert_eq!(run["status"], "cancelled", "{run:#}");
+    let (_, approval) = h
+        .call(Method::GET, &format!("/v1/approvals/{id}"), None)
+        .await;
+    assert_eq!(approval["status"], "cancelled");
 }

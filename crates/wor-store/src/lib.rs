@@ -8,6 +8,7 @@
 //! The audit chain is stored here too, written only by [`AuditLog`]'s writer task.
 
 mod api_keys;
+mod approvals;
 mod audit;
 mod members;
 mod migrations;
@@ -29,6 +30,10 @@ use sqlx::{AnyPool, Executor};
 
 pub use api_keys::{API_KEY_PREFIX, api_key_digest};
 pub use api_keys::{ApiKeyKind, ApiKeyRecord, AuthenticatedKey, NewApiKey, PlaintextApiKey};
+pub use approvals::{
+    ApprovalDecision, ApprovalFilter, ApprovalKind, ApprovalRecord, ApprovalStatus, DecideError,
+    NewApproval, ProjectPolicyRecord, Verdict,
+};
 pub use audit::{AuditConfig, AuditLog, AuditReceipt};
 pub use members::MemberRecord;
 pub use model_connections::{

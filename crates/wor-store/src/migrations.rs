@@ -21,6 +21,7 @@ const SECRETS: &str = include_str!("../migrations/0002_secrets.sql");
 const ROUTINES: &str = include_str!("../migrations/0004_routines.sql");
 const RUNS: &str = include_str!("../migrations/0005_runs.sql");
 const TOOL_CONNECTIONS: &str = include_str!("../migrations/0006_tool_connections.sql");
+const APPROVALS: &str = include_str!("../migrations/0007_approvals.sql");
 
 /// The triggers that make the audit tables append-only, per backend; also used by the test
 /// support that plays an attacker who drops them.
@@ -74,6 +75,12 @@ const MIGRATIONS: &[SchemaMigration] = &[
         description: "tool connections",
         sqlite: TOOL_CONNECTIONS,
         postgres: TOOL_CONNECTIONS,
+    },
+    SchemaMigration {
+        version: 7,
+        description: "approvals",
+        sqlite: APPROVALS,
+        postgres: APPROVALS,
     },
 ];
 

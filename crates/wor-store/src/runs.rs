@@ -169,7 +169,7 @@ impl Store {
     }
 
     /// Asks a run to stop. A queued run is cancelled at once; a running one is flagged and its
-    /// worker stops it. Cancelling a finished run changes nothing.
+    /// worker stops it; a parked one is flagged and queued, for a worker to end it. Cancelling a finished run changes nothing.
     pub async fn request_cancel(
         &self,
         project: ProjectId,
@@ -185,8 +185,10 @@ impl Store {
         .bind(id.to_string())
         .execute(self.pool())
         .await?;
+        // A parked run has no worker: it goes back in the queue, flagged, for one to end it.
         sqlx::query(
-            "UPDATE runs SET cancel_requested = 1, updated_at = $1 \
+            "UPDATE runs SET cancel_requested = 1, updated_at = $1, \
+             status = CASE WHEN status = 'waiting_for_approval' THEN 'queued' ELSE status END \
              WHERE project_id = $2 AND id = $3 AND status IN ('running', 'waiting_for_approval')",
         )
         .bind(now)
@@ -224,7 +226,9 @@ impl Store {
     }
 
     /// Claims the oldest queued run whose routine and project both have a free slot (at most
-    /// `max_per_project` running runs per project), leasing it to `worker`.
+    /// `max_per_project` running runs per project; a run waiting for approval holds no worker
+    /// and does not count there, but does count against its routine's limit), leasing it to
+    /// `worker`.
     pub async fn claim_run(
         &self,
         worker: &str,
@@ -236,7 +240,7 @@ impl Store {
              (SELECT COUNT(*) FROM runs x WHERE x.routine_id = r.routine_id \
               AND x.status IN ('running', 'waiting_for_approval')) < r.max_concurrent AND \
              (SELECT COUNT(*) FROM runs y WHERE y.project_id = r.project_id \
-              AND y.status IN ('running', 'waiting_for_approval')) < $1 \
+              AND y.status = 'running') < $1 \
              ORDER BY r.id LIMIT 16",
         )
         .bind(to_i64(max_per_project))

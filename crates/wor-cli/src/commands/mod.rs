@@ -1,5 +1,6 @@
 //! The subcommands.
 
+mod approvals;
 mod audit;
 mod egress;
 mod keys;
@@ -61,9 +62,12 @@ pub enum Command {
     Sandbox(sandbox::SandboxCommand),
     /// Report which sandbox layers this host supports, by applying each one (local).
     Doctor(sandbox::DoctorArgs),
-    /// Tool-call policies: test a decision offline (local).
+    /// Tool-call policies: the project's policy, and testing a decision offline.
     #[command(subcommand)]
     Policy(policy::PolicyCommand),
+    /// Approvals: tool calls waiting for a person's decision.
+    #[command(subcommand)]
+    Approvals(approvals::ApprovalsCommand),
 }
 
 impl Command {
@@ -84,7 +88,8 @@ impl Command {
             Command::Audit(cmd) => audit::run(cmd).await,
             Command::Sandbox(sandbox::SandboxCommand::Exec(args)) => sandbox::exec(args).await,
             Command::Doctor(args) => sandbox::doctor(args).await,
-            Command::Policy(cmd) => policy::run(cmd),
+            Command::Policy(cmd) => policy::run(cmd).await,
+            Command::Approvals(cmd) => approvals::run(cmd).await,
         }
     }
 }

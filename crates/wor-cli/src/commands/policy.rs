@@ -1,9 +1,13 @@
-//! `wor policy test`: the decision policy would give for one tool call, offline.
+//! `wor policy test`: the decision policy would give for one tool call, offline; and
+//! `wor policy show | set | reset`: the project's policy (clients of the API).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use serde_json::json;
 use wor_policy::{Outcome, PolicyEngine, ToolCallDescription};
+
+use crate::client::{ApiClient, ClientArgs};
 
 #[derive(Debug, clap::Subcommand)]
 pub enum PolicyCommand {
@@ -24,19 +28,64 @@ pub enum PolicyCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Show the project's policy (the built-in default until one is set).
+    Show(ClientArgs),
+    /// Replace the project's policy with a Cedar file; it is validated first.
+    Set {
+        #[arg(short = 'f', long = "file", value_name = "POLICY.cedar")]
+        file: PathBuf,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Go back to the built-in default policy.
+    Reset(ClientArgs),
 }
 
 const EXIT_CONFIRM: u8 = 10;
 const EXIT_DENY: u8 = 11;
 const EXIT_USAGE: u8 = 2;
 
-pub fn run(cmd: PolicyCommand) -> anyhow::Result<ExitCode> {
-    let PolicyCommand::Test {
-        file,
-        call,
-        project,
-        json,
-    } = cmd;
+pub async fn run(cmd: PolicyCommand) -> anyhow::Result<ExitCode> {
+    let (view, client) = match cmd {
+        PolicyCommand::Test {
+            file,
+            call,
+            project,
+            json,
+        } => return test(file, call, project, json),
+        PolicyCommand::Show(client) => (ApiClient::new(&client)?.get("/v1/policy").await?, client),
+        PolicyCommand::Set { file, client } => {
+            let text = std::fs::read_to_string(&file)
+                .map_err(|e| anyhow::anyhow!("cannot read `{}`: {e}", file.display()))?;
+            let view = ApiClient::new(&client)?
+                .put("/v1/policy", &json!({ "text": text }))
+                .await?;
+            eprintln!("project policy set");
+            (view, client)
+        }
+        PolicyCommand::Reset(client) => {
+            let view = ApiClient::new(&client)?.delete("/v1/policy").await?;
+            eprintln!("project policy reset to the built-in default");
+            (view, client)
+        }
+    };
+    if client.json {
+        super::print_json(&view)?;
+    } else {
+        if view.get("is_default").and_then(serde_json::Value::as_bool) == Some(true) {
+            eprintln!("(the built-in default policy)");
+        }
+        print!("{}", super::field(&view, "/text"));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn test(
+    file: PathBuf,
+    call: PathBuf,
+    project: Option<PathBuf>,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
     let usage = |message: String| {
         eprintln!("error: {message}");
         Ok(ExitCode::from(EXIT_USAGE))

@@ -67,6 +67,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         EngineConfig {
             production: config.production,
             max_running_per_project: config.max_running_per_project,
+            approval_ttl: config.approval_ttl,
             prices: config.prices.clone(),
             ..EngineConfig::default()
         },

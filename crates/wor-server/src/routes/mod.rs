@@ -1,10 +1,12 @@
 //! Route handlers, one module per resource.
 
+pub mod approvals;
 pub mod audit;
 pub mod health;
 pub mod keys;
 pub mod members;
 pub mod model_connections;
+pub mod policy;
 pub mod project;
 pub mod routines;
 pub mod runs;

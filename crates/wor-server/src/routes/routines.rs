@@ -92,6 +92,14 @@ pub async fn apply(
     if let Some(refusal) = definition.production_refusal().filter(|_| state.production) {
         return Err(ApiError::bad_request("invalid_routine", refusal));
     }
+    // The routine's own policy, with its roster modes, must validate against the schema.
+    let mut policy = wor_policy::PolicyEngine::builder().roster(&definition.tools);
+    if let Some(text) = &definition.policy {
+        policy = policy.routine_policy(text.clone());
+    }
+    policy
+        .build()
+        .map_err(|e| ApiError::bad_request("invalid_routine", format!("`policy`: {e}")))?;
     if let Some(name) = &definition.model.connection {
         let known = state
             .store

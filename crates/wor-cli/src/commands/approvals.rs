@@ -1,0 +1,192 @@
+//! `wor approvals …`: list, show and decide the tool calls waiting for a person (clients of
+//! the API).
+
+use std::process::ExitCode;
+
+use serde_json::{Value, json};
+
+use super::{field, print_json};
+use crate::client::{ApiClient, ClientArgs};
+
+#[derive(Debug, clap::Subcommand)]
+pub enum ApprovalsCommand {
+    /// List approvals, newest first (pending ones by default).
+    List {
+        /// Only approvals with this status: pending, approved, denied, expired, cancelled or all.
+        #[arg(long, default_value = "pending")]
+        status: String,
+        /// Only approvals of this run (`run_…`).
+        #[arg(long)]
+        run: Option<String>,
+        /// At most this many.
+        #[arg(long, default_value_t = 20)]
+        limit: u32,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Show one approval: the exact call, why it needs a decision, and its run.
+    Show {
+        /// An `apr_…` id.
+        id: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Approve exactly this call; its run goes on and runs it once.
+    Approve {
+        /// An `apr_…` id.
+        id: String,
+        /// Why (recorded with the decision and in the audit log).
+        #[arg(long)]
+        reason: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Deny this call; its run goes on without it, or fails, as its routine says.
+    Deny {
+        /// An `apr_…` id.
+        id: String,
+        /// Why (recorded with the decision and in the audit log).
+        #[arg(long)]
+        reason: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+}
+
+fn summary(approval: &Value) -> String {
+    format!(
+        "{}  {:<9}  {}  run {}  expires {}",
+        field(approval, "/id"),
+        field(approval, "/status"),
+        field(approval, "/tool"),
+        field(approval, "/run_id"),
+        field(approval, "/expires_at"),
+    )
+}
+
+fn show(approval: &Value) {
+    println!("approval   {}", field(approval, "/id"));
+    println!("status     {}", field(approval, "/status"));
+    println!(
+        "routine    {}  run {} ({}, trigger {})",
+        field(approval, "/routine"),
+        field(approval, "/run_id"),
+        field(approval, "/run/status"),
+        field(approval, "/run/trigger"),
+    );
+    if let Some(input) = approval.get("run_input") {
+        println!("run input  {input}");
+    }
+    println!("tool       {}", field(approval, "/tool"));
+    println!("definition {}", field(approval, "/pin_hash"));
+    let pinned: Vec<&str> = approval
+        .get("pinned_keys")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect();
+    println!("arguments (exactly what will be sent):");
+    if let Some(Value::Object(arguments)) = approval.get("arguments") {
+        for (key, value) in arguments {
+            let mark = if pinned.contains(&key.as_str()) {
+                "  (pinned by the routine)"
+            } else {
+                ""
+            };
+            println!("  {key} = {value}{mark}");
+        }
+    }
+    println!("why:");
+    for list in ["/why/reasons", "/why/determining_policies"] {
+        for item in approval
+            .pointer(list)
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_str)
+        {
+            println!("  {item}");
+        }
+    }
+    let sources: Vec<&str> = approval
+        .pointer("/why/untrusted_sources")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect();
+    if !sources.is_empty() {
+        println!("untrusted content in context from: {}", sources.join(", "));
+    }
+    println!("binding    {}", field(approval, "/binding_hash"));
+    println!("requested  {}", field(approval, "/requested_at"));
+    println!("expires    {}", field(approval, "/expires_at"));
+    if field(approval, "/status") != "pending" {
+        println!(
+            "decided    {} by {}: {}",
+            field(approval, "/decided_at"),
+            field(approval, "/decided_by_member"),
+            field(approval, "/decision_reason"),
+        );
+    }
+}
+
+pub async fn run(cmd: ApprovalsCommand) -> anyhow::Result<ExitCode> {
+    match cmd {
+        ApprovalsCommand::List {
+            status,
+            run,
+            limit,
+            client,
+        } => {
+            let mut query = format!("/v1/approvals?limit={limit}");
+            if status != "all" {
+                query.push_str(&format!("&status={status}"));
+            }
+            if let Some(run) = run {
+                query.push_str(&format!("&run_id={run}"));
+            }
+            let approvals = ApiClient::new(&client)?.get(&query).await?;
+            if client.json {
+                print_json(&approvals)?;
+            } else {
+                for approval in approvals.as_array().into_iter().flatten() {
+                    println!("{}", summary(approval));
+                }
+            }
+        }
+        ApprovalsCommand::Show { id, client } => {
+            let approval = ApiClient::new(&client)?
+                .get(&format!("/v1/approvals/{id}"))
+                .await?;
+            if client.json {
+                print_json(&approval)?;
+            } else {
+                show(&approval);
+            }
+        }
+        ApprovalsCommand::Approve { id, reason, client } => {
+            decide(&id, "approve", &reason, &client).await?;
+        }
+        ApprovalsCommand::Deny { id, reason, client } => {
+            decide(&id, "deny", &reason, &client).await?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn decide(id: &str, verb: &str, reason: &str, client: &ClientArgs) -> anyhow::Result<()> {
+    let approval = ApiClient::new(client)?
+        .post(
+            &format!("/v1/approvals/{id}/{verb}"),
+            &json!({ "reason": reason }),
+        )
+        .await?;
+    if client.json {
+        print_json(&approval)?;
+    } else {
+        eprintln!("{}", summary(&approval));
+    }
+    Ok(())
+}

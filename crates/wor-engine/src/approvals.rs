@@ -1,0 +1,141 @@
+//! Deciding approvals, and expiring the ones nobody decided.
+//!
+//! Separation of duties: only a role that may approve decides, and never with the API key that
+//! started the run, nor as the member who owns that key (whichever of their keys they use).
+
+use serde_json::json;
+use wor_core::audit::{Actor, AuditCategory, AuditEvent};
+use wor_core::{ApiKeyId, ApprovalId, MemberId, ProjectId, Role};
+use wor_store::{ApprovalDecision, ApprovalRecord, DecideError, StoreError, Verdict};
+
+use crate::{Engine, EngineError};
+
+/// Longest reason accepted with a decision.
+const MAX_REASON_CHARS: usize = 2000;
+
+/// Who is deciding: the authenticated caller.
+#[derive(Debug, Clone, Copy)]
+pub struct Approver {
+    pub key_id: ApiKeyId,
+    pub member_id: Option<MemberId>,
+    pub role: Role,
+}
+
+impl Engine {
+    /// Records `approver`'s decision on approval `id` and queues its run to go on.
+    pub async fn decide_approval(
+        &self,
+        project: ProjectId,
+        id: ApprovalId,
+        approver: Approver,
+        verdict: Verdict,
+        reason: &str,
+    ) -> Result<ApprovalRecord, EngineError> {
+        let reason = reason.trim();
+        if reason.is_empty() {
+            return Err(EngineError::Invalid(
+                "a decision needs a reason (`reason`)".to_owned(),
+            ));
+        }
+        if reason.chars().count() > MAX_REASON_CHARS {
+            return Err(EngineError::Invalid(format!(
+                "the reason is longer than {MAX_REASON_CHARS} characters"
+            )));
+        }
+        // Lookups first: another project's approval is not found, whatever the caller's role.
+        let approval = self.store.get_approval(project, id).await?;
+        let run = self.store.get_run(project, approval.run_id).await?;
+        if !approver.role.can_approve() {
+            return Err(EngineError::Forbidden(format!(
+                "deciding approvals needs the approver, admin or owner role; this key has `{}`",
+                approver.role
+            )));
+        }
+        if let Some(starter) = run.started_by {
+            if starter == approver.key_id {
+                return Err(EngineError::Forbidden(
+                    "the API key that started this run cannot decide its approvals".to_owned(),
+                ));
+            }
+            let starter_member = match self.store.get_api_key(project, starter).await {
+                Ok(key) => key.member_id,
+                Err(StoreError::NotFound) => None,
+                Err(other) => return Err(other.into()),
+            };
+            if starter_member.is_some() && starter_member == approver.member_id {
+                return Err(EngineError::Forbidden(
+                    "the member who started this run cannot decide its approvals".to_owned(),
+                ));
+            }
+        }
+        let reason = wor_secrets::redact_shapes(reason).into_owned();
+        let decision = ApprovalDecision {
+            verdict,
+            key_id: approver.key_id,
+            member_id: approver.member_id,
+            reason: reason.clone(),
+        };
+        let decided = match self.store.decide_approval(project, id, &decision).await {
+            Ok(decided) => decided,
+            Err(DecideError::NotFound) => return Err(StoreError::NotFound.into()),
+            Err(DecideError::Store(error)) => return Err(error.into()),
+            Err(other @ (DecideError::NotPending(_) | DecideError::Expired)) => {
+                return Err(EngineError::Refused(other.to_string()));
+            }
+        };
+        let actor = match approver.member_id {
+            Some(member_id) => Actor::Member {
+                member_id,
+                key_id: approver.key_id,
+            },
+            None => Actor::ApiKey {
+                key_id: approver.key_id,
+            },
+        };
+        self.audit
+            .append(
+                AuditEvent::new(project, AuditCategory::ApprovalDecide, actor)
+                    .subject("approval_id", id)
+                    .subject("run_id", run.id)
+                    .runs(run.root_run_id, run.parent_run_id)
+                    .payload(json!({
+                        "decision": decided.status.as_str(),
+                        "reason": reason,
+                        "tool": decided.tool,
+                        "binding_hash": decided.binding_hash,
+                    })),
+            )
+            .await?;
+        tracing::info!(category = "approval", action = "approval.decide", project_id = %project,
+            approval_id = %id, decision = decided.status.as_str(), "approval decided");
+        Ok(decided)
+    }
+
+    /// Expires every pending approval whose time ran out; their runs go on as their routines
+    /// say for a denial. Returns how many expired.
+    pub async fn expire_approvals(&self) -> Result<usize, EngineError> {
+        let expired = self.store.expire_approvals().await?;
+        for approval in &expired {
+            let run = self
+                .store
+                .get_run(approval.project_id, approval.run_id)
+                .await?;
+            self.audit
+                .append(
+                    AuditEvent::new(
+                        approval.project_id,
+                        AuditCategory::ApprovalExpire,
+                        Actor::Run { run_id: run.id },
+                    )
+                    .subject("approval_id", approval.id)
+                    .subject("run_id", run.id)
+                    .runs(run.root_run_id, run.parent_run_id)
+                    .payload(json!({ "tool": approval.tool, "expires_at": approval.expires_at })),
+                )
+                .await?;
+            tracing::info!(category = "approval", action = "approval.expire", project_id = %approval.project_id,
+                approval_id = %approval.id, "approval expired");
+        }
+        Ok(expired.len())
+    }
+}

@@ -1,0 +1,121 @@
+//! The project's Cedar policy: read, replace (validated against the schema), reset.
+
+use axum::Json;
+use axum::extract::State;
+use wor_core::audit::{AuditCategory, AuditEvent};
+use wor_policy::{DEFAULT_PROJECT_POLICY, PolicyEngine};
+
+use crate::AppState;
+use crate::auth::Caller;
+use crate::error::{ApiError, ErrorBody};
+use crate::extract::ApiJson;
+use crate::views::rfc3339;
+
+/// The largest policy text accepted.
+const MAX_POLICY_BYTES: usize = 128 * 1024;
+
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct PolicyView {
+    /// The Cedar text in force for the project.
+    pub text: String,
+    /// True when the project uses the built-in default policy.
+    pub is_default: bool,
+    pub updated_by: Option<String>,
+    pub updated_at: Option<String>,
+}
+
+#[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SetPolicyBody {
+    /// Cedar policies (docs/policies.md); they replace the built-in default.
+    pub text: String,
+}
+
+async fn current(state: &AppState, caller: &Caller) -> Result<PolicyView, ApiError> {
+    Ok(match state.store.project_policy(caller.project_id).await? {
+        Some(policy) => PolicyView {
+            text: policy.text,
+            is_default: false,
+            updated_by: policy.updated_by.map(|k| k.to_string()),
+            updated_at: Some(rfc3339(policy.updated_at)),
+        },
+        None => PolicyView {
+            text: DEFAULT_PROJECT_POLICY.to_owned(),
+            is_default: true,
+            updated_by: None,
+            updated_at: None,
+        },
+    })
+}
+
+/// The project's policy (the built-in default until one is set).
+#[utoipa::path(get, path = "/v1/policy", tag = "policy", security(("bearer" = [])),
+    responses((status = 200, body = PolicyView)))]
+pub async fn get(
+    State(state): State<AppState>,
+    caller: Caller,
+) -> Result<Json<PolicyView>, ApiError> {
+    Ok(Json(current(&state, &caller).await?))
+}
+
+/// Replaces the project's policy; it is validated against the schema first, and an error names
+/// the line.
+#[utoipa::path(put, path = "/v1/policy", tag = "policy", security(("bearer" = [])),
+    request_body = SetPolicyBody,
+    responses((status = 200, body = PolicyView), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody)))]
+pub async fn set(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiJson(body): ApiJson<SetPolicyBody>,
+) -> Result<Json<PolicyView>, ApiError> {
+    caller.require_configure()?;
+    if body.text.len() > MAX_POLICY_BYTES {
+        return Err(ApiError::bad_request(
+            "invalid_policy",
+            "the policy is larger than 128 KiB",
+        ));
+    }
+    PolicyEngine::builder()
+        .project_policy(body.text.clone())
+        .build()
+        .map_err(|e| ApiError::bad_request("invalid_policy", e.to_string()))?;
+    state
+        .store
+        .set_project_policy(caller.project_id, Some(&body.text), Some(caller.key_id))
+        .await?;
+    audit(&state, &caller, Some(&body.text)).await?;
+    Ok(Json(current(&state, &caller).await?))
+}
+
+/// Goes back to the built-in default policy.
+#[utoipa::path(delete, path = "/v1/policy", tag = "policy", security(("bearer" = [])),
+    responses((status = 200, body = PolicyView), (status = 403, body = ErrorBody)))]
+pub async fn reset(
+    State(state): State<AppState>,
+    caller: Caller,
+) -> Result<Json<PolicyView>, ApiError> {
+    caller.require_configure()?;
+    state
+        .store
+        .set_project_policy(caller.project_id, None, Some(caller.key_id))
+        .await?;
+    audit(&state, &caller, None).await?;
+    Ok(Json(current(&state, &caller).await?))
+}
+
+async fn audit(state: &AppState, caller: &Caller, text: Option<&str>) -> Result<(), ApiError> {
+    state
+        .audit
+        .append(
+            AuditEvent::new(caller.project_id, AuditCategory::PolicySet, caller.actor()).payload(
+                serde_json::json!({
+                    "is_default": text.is_none(),
+                    "content_hash": text.map(|t| wor_core::canonical::sha256_hex(t.as_bytes())),
+                }),
+            ),
+        )
+        .await?;
+    tracing::info!(category = "config", action = "policy.set", project_id = %caller.project_id,
+        is_default = text.is_none(), actor_key_id = %caller.key_id, "project policy set");
+    Ok(())
+}

@@ -1,0 +1,558 @@
+//! Approvals: durable requests for a person's decision on one exact tool call, and the project
+//! policy that decides which calls need one.
+//!
+//! INVARIANTS: a run is parked (status `waiting_for_approval`, no lease) in the same
+//! transaction that records its approval request, and re-queued in the same transaction that
+//! records the decision or the expiry, so a parked run is never lost and never resumed twice.
+//! An approved approval is used at most once, and only by a call with the same binding hash.
+
+use std::fmt;
+use std::str::FromStr;
+
+use sqlx::Row;
+use wor_core::{ApiKeyId, ApprovalId, MemberId, ProjectId, RunId};
+
+use crate::{Store, StoreError, now_millis, parse_column};
+
+/// Where an approval stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ApprovalStatus {
+    /// Waiting for a person.
+    Pending,
+    Approved,
+    Denied,
+    /// Nobody decided before it expired: treated as denied.
+    Expired,
+    /// Its run ended (cancelled) before anyone decided.
+    Cancelled,
+}
+
+impl ApprovalStatus {
+    pub const ALL: [ApprovalStatus; 5] = [
+        ApprovalStatus::Pending,
+        ApprovalStatus::Approved,
+        ApprovalStatus::Denied,
+        ApprovalStatus::Expired,
+        ApprovalStatus::Cancelled,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ApprovalStatus::Pending => "pending",
+            ApprovalStatus::Approved => "approved",
+            ApprovalStatus::Denied => "denied",
+            ApprovalStatus::Expired => "expired",
+            ApprovalStatus::Cancelled => "cancelled",
+        }
+    }
+}
+
+impl fmt::Display for ApprovalStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for ApprovalStatus {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        ApprovalStatus::ALL
+            .into_iter()
+            .find(|status| status.as_str() == s)
+            .ok_or_else(|| {
+                format!(
+                    "`{}` is not an approval status: expected pending, approved, denied, expired or cancelled",
+                    s.chars().take(40).collect::<String>()
+                )
+            })
+    }
+}
+
+/// Why the call needs a person.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ApprovalKind {
+    /// Policy answered `confirm`.
+    Policy,
+    /// The call started before its run was interrupted and its outcome is unknown: approving
+    /// runs it again, denying tells the model the outcome is unknown.
+    OutcomeUnknown,
+}
+
+impl ApprovalKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ApprovalKind::Policy => "policy",
+            ApprovalKind::OutcomeUnknown => "outcome_unknown",
+        }
+    }
+}
+
+impl FromStr for ApprovalKind {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "policy" => Ok(ApprovalKind::Policy),
+            "outcome_unknown" => Ok(ApprovalKind::OutcomeUnknown),
+            _ => Err(()),
+        }
+    }
+}
+
+/// A request for approval, as the engine files it when it parks a run.
+#[derive(Debug, Clone)]
+pub struct NewApproval {
+    pub run_id: RunId,
+    pub call_id: String,
+    /// `CONNECTION/TOOL`.
+    pub tool: String,
+    pub pin_hash: String,
+    /// The canonical arguments (pinned ones included), redacted.
+    pub arguments: serde_json::Value,
+    pub arguments_hash: String,
+    pub pinned_keys: Vec<String>,
+    pub binding_hash: String,
+    pub kind: ApprovalKind,
+    /// Why: the determining policies, their reasons and the untrusted sources in context.
+    pub why: serde_json::Value,
+    pub expires_at: i64,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ApprovalRecord {
+    pub id: ApprovalId,
+    pub project_id: ProjectId,
+    pub run_id: RunId,
+    pub call_id: String,
+    pub tool: String,
+    pub pin_hash: String,
+    pub arguments: serde_json::Value,
+    pub arguments_hash: String,
+    pub pinned_keys: Vec<String>,
+    pub binding_hash: String,
+    pub kind: ApprovalKind,
+    pub why: serde_json::Value,
+    pub status: ApprovalStatus,
+    pub requested_at: i64,
+    pub expires_at: i64,
+    pub decided_by_key: Option<ApiKeyId>,
+    pub decided_by_member: Option<MemberId>,
+    pub decision_reason: Option<String>,
+    pub decided_at: Option<i64>,
+    pub used_at: Option<i64>,
+}
+
+/// A person's answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    Approve,
+    Deny,
+}
+
+/// Who decided, and why.
+#[derive(Debug, Clone)]
+pub struct ApprovalDecision {
+    pub verdict: Verdict,
+    pub key_id: ApiKeyId,
+    pub member_id: Option<MemberId>,
+    pub reason: String,
+}
+
+/// Why a decision was not recorded.
+#[derive(Debug, thiserror::Error)]
+pub enum DecideError {
+    #[error("not found")]
+    NotFound,
+    #[error("the approval is already {0}")]
+    NotPending(ApprovalStatus),
+    #[error("the approval expired before it was decided")]
+    Expired,
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl From<sqlx::Error> for DecideError {
+    fn from(error: sqlx::Error) -> Self {
+        DecideError::Store(StoreError::Database(error))
+    }
+}
+
+/// Filters and page of an approval listing, newest first.
+#[derive(Debug, Clone, Default)]
+pub struct ApprovalFilter {
+    pub status: Option<ApprovalStatus>,
+    pub run_id: Option<RunId>,
+    /// Only approvals older than this one (the previous page's last id).
+    pub before: Option<ApprovalId>,
+    pub limit: u32,
+}
+
+/// A project's own policy text.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ProjectPolicyRecord {
+    pub text: String,
+    pub updated_by: Option<ApiKeyId>,
+    pub updated_at: i64,
+}
+
+const COLUMNS: &str = "id, project_id, run_id, call_id, tool, pin_hash, arguments, arguments_hash, \
+    pinned_keys, binding_hash, kind, why, status, requested_at, expires_at, decided_by_key, \
+    decided_by_member, decision_reason, decided_at, used_at";
+
+impl Store {
+    /// Files `approval` and parks its run, which `worker` holds: the run gives up its lease and
+    /// waits with status `waiting_for_approval`. A request of the same kind for the same call
+    /// filed before is kept as it is. Returns the approval's id and whether it was filed now,
+    /// or `None` when the worker no longer holds the run (nothing changed).
+    pub async fn park_for_approval(
+        &self,
+        project: ProjectId,
+        worker: &str,
+        approval: &NewApproval,
+    ) -> Result<Option<(ApprovalId, bool)>, StoreError> {
+        let now = now_millis();
+        let mut tx = self.pool().begin().await?;
+        let parked = sqlx::query(
+            "UPDATE runs SET status = 'waiting_for_approval', lease_owner = NULL, lease_expires_at = NULL, \
+             updated_at = $1 WHERE project_id = $2 AND id = $3 AND lease_owner = $4 AND status = 'running'",
+        )
+        .bind(now)
+        .bind(project.to_string())
+        .bind(approval.run_id.to_string())
+        .bind(worker)
+        .execute(&mut *tx)
+        .await?;
+        if parked.rows_affected() != 1 {
+            tx.rollback().await?;
+            return Ok(None);
+        }
+        let existing = sqlx::query(
+            "SELECT id FROM approvals WHERE run_id = $1 AND call_id = $2 AND kind = $3",
+        )
+        .bind(approval.run_id.to_string())
+        .bind(&approval.call_id)
+        .bind(approval.kind.as_str())
+        .fetch_optional(&mut *tx)
+        .await?;
+        let parked = match existing {
+            Some(row) => (
+                parse_column(&row.try_get::<String, _>("id")?, "approvals.id")?,
+                false,
+            ),
+            None => {
+                let id = ApprovalId::new();
+                sqlx::query(
+                    "INSERT INTO approvals (id, project_id, run_id, call_id, tool, pin_hash, arguments, \
+                     arguments_hash, pinned_keys, binding_hash, kind, why, status, requested_at, expires_at) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, 'pending', $13, $14)",
+                )
+                .bind(id.to_string())
+                .bind(project.to_string())
+                .bind(approval.run_id.to_string())
+                .bind(&approval.call_id)
+                .bind(&approval.tool)
+                .bind(&approval.pin_hash)
+                .bind(approval.arguments.to_string())
+                .bind(&approval.arguments_hash)
+                .bind(serde_json::Value::from(approval.pinned_keys.clone()).to_string())
+                .bind(&approval.binding_hash)
+                .bind(approval.kind.as_str())
+                .bind(approval.why.to_string())
+                .bind(now)
+                .bind(approval.expires_at)
+                .execute(&mut *tx)
+                .await?;
+                (id, true)
+            }
+        };
+        tx.commit().await?;
+        Ok(Some(parked))
+    }
+
+    pub async fn get_approval(
+        &self,
+        project: ProjectId,
+        id: ApprovalId,
+    ) -> Result<ApprovalRecord, StoreError> {
+        let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {COLUMNS} FROM approvals WHERE project_id = $1 AND id = $2"
+        )))
+        .bind(project.to_string())
+        .bind(id.to_string())
+        .fetch_optional(self.pool())
+        .await?
+        .ok_or(StoreError::NotFound)?;
+        approval_from_row(&row)
+    }
+
+    /// The approval of `kind` filed for `call_id` of `run`, if any.
+    pub async fn approval_for_call(
+        &self,
+        project: ProjectId,
+        run: RunId,
+        call_id: &str,
+        kind: ApprovalKind,
+    ) -> Result<Option<ApprovalRecord>, StoreError> {
+        let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {COLUMNS} FROM approvals WHERE project_id = $1 AND run_id = $2 AND call_id = $3 AND kind = $4"
+        )))
+        .bind(project.to_string())
+        .bind(run.to_string())
+        .bind(call_id)
+        .bind(kind.as_str())
+        .fetch_optional(self.pool())
+        .await?;
+        row.as_ref().map(approval_from_row).transpose()
+    }
+
+    pub async fn list_approvals(
+        &self,
+        project: ProjectId,
+        filter: &ApprovalFilter,
+    ) -> Result<Vec<ApprovalRecord>, StoreError> {
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {COLUMNS} FROM approvals WHERE project_id = $1 \
+             AND ($2 IS NULL OR status = $2) AND ($3 IS NULL OR run_id = $3) AND ($4 IS NULL OR id < $4) \
+             ORDER BY id DESC LIMIT $5"
+        )))
+        .bind(project.to_string())
+        .bind(filter.status.map(|s| s.as_str()))
+        .bind(filter.run_id.map(|r| r.to_string()))
+        .bind(filter.before.map(|b| b.to_string()))
+        .bind(i64::from(filter.limit))
+        .fetch_all(self.pool())
+        .await?;
+        rows.iter().map(approval_from_row).collect()
+    }
+
+    /// Records a person's decision on a pending, unexpired approval and puts its run back in
+    /// the queue, in one transaction. Who may decide is the caller's check.
+    pub async fn decide_approval(
+        &self,
+        project: ProjectId,
+        id: ApprovalId,
+        decision: &ApprovalDecision,
+    ) -> Result<ApprovalRecord, DecideError> {
+        let now = now_millis();
+        let status = match decision.verdict {
+            Verdict::Approve => ApprovalStatus::Approved,
+            Verdict::Deny => ApprovalStatus::Denied,
+        };
+        let mut tx = self.pool().begin().await?;
+        let done = sqlx::query(
+            "UPDATE approvals SET status = $1, decided_by_key = $2, decided_by_member = $3, \
+             decision_reason = $4, decided_at = $5 \
+             WHERE project_id = $6 AND id = $7 AND status = 'pending' AND expires_at > $5",
+        )
+        .bind(status.as_str())
+        .bind(decision.key_id.to_string())
+        .bind(decision.member_id.map(|m| m.to_string()))
+        .bind(&decision.reason)
+        .bind(now)
+        .bind(project.to_string())
+        .bind(id.to_string())
+        .execute(&mut *tx)
+        .await?;
+        if done.rows_affected() != 1 {
+            tx.rollback().await?;
+            let current = match self.get_approval(project, id).await {
+                Ok(current) => current,
+                Err(StoreError::NotFound) => return Err(DecideError::NotFound),
+                Err(other) => return Err(other.into()),
+            };
+            return Err(if current.status == ApprovalStatus::Pending {
+                DecideError::Expired
+            } else {
+                DecideError::NotPending(current.status)
+            });
+        }
+        requeue_parked(&mut tx, project, id, now).await?;
+        tx.commit().await?;
+        self.get_approval(project, id).await.map_err(Into::into)
+    }
+
+    /// Marks every pending approval whose time ran out as expired and puts its run back in the
+    /// queue (to continue with a denial or fail, as its routine says). Returns them.
+    pub async fn expire_approvals(&self) -> Result<Vec<ApprovalRecord>, StoreError> {
+        let now = now_millis();
+        let due = sqlx::query(
+            "SELECT id, project_id FROM approvals WHERE status = 'pending' AND expires_at <= $1 \
+             ORDER BY id LIMIT 100",
+        )
+        .bind(now)
+        .fetch_all(self.pool())
+        .await?;
+        let mut expired = Vec::with_capacity(due.len());
+        for row in due {
+            let id: ApprovalId = parse_column(&row.try_get::<String, _>("id")?, "approvals.id")?;
+            let project: ProjectId = parse_column(
+                &row.try_get::<String, _>("project_id")?,
+                "approvals.project_id",
+            )?;
+            let mut tx = self.pool().begin().await?;
+            let done = sqlx::query(
+                "UPDATE approvals SET status = 'expired', decided_at = $1 \
+                 WHERE id = $2 AND status = 'pending'",
+            )
+            .bind(now)
+            .bind(id.to_string())
+            .execute(&mut *tx)
+            .await?;
+            if done.rows_affected() == 1 {
+                requeue_parked(&mut tx, project, id, now).await?;
+                tx.commit().await?;
+                expired.push(self.get_approval(project, id).await?);
+            } else {
+                tx.rollback().await?;
+            }
+        }
+        Ok(expired)
+    }
+
+    /// Uses an approved approval for the call whose binding hash is `binding_hash`: true once,
+    /// false ever after, and false for any other binding.
+    pub async fn use_approval(
+        &self,
+        id: ApprovalId,
+        binding_hash: &str,
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query(
+            "UPDATE approvals SET used_at = $1 \
+             WHERE id = $2 AND status = 'approved' AND used_at IS NULL AND binding_hash = $3",
+        )
+        .bind(now_millis())
+        .bind(id.to_string())
+        .bind(binding_hash)
+        .execute(self.pool())
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    /// Marks the pending approvals of `run` cancelled (its run ended without a decision).
+    pub async fn cancel_approvals(&self, run: RunId) -> Result<u64, StoreError> {
+        let done = sqlx::query(
+            "UPDATE approvals SET status = 'cancelled', decided_at = $1 WHERE run_id = $2 AND status = 'pending'",
+        )
+        .bind(now_millis())
+        .bind(run.to_string())
+        .execute(self.pool())
+        .await?;
+        Ok(done.rows_affected())
+    }
+
+    /// The project's own policy, when one was set.
+    pub async fn project_policy(
+        &self,
+        project: ProjectId,
+    ) -> Result<Option<ProjectPolicyRecord>, StoreError> {
+        let row = sqlx::query(
+            "SELECT text, updated_by, updated_at FROM project_policies WHERE project_id = $1",
+        )
+        .bind(project.to_string())
+        .fetch_optional(self.pool())
+        .await?;
+        row.map(|row| {
+            let updated_by: Option<String> = row.try_get("updated_by")?;
+            Ok(ProjectPolicyRecord {
+                text: row.try_get("text")?,
+                updated_by: updated_by
+                    .map(|k| parse_column(&k, "project_policies.updated_by"))
+                    .transpose()?,
+                updated_at: row.try_get("updated_at")?,
+            })
+        })
+        .transpose()
+    }
+
+    /// Sets the project's policy text (validated by the caller); `None` goes back to the
+    /// built-in default.
+    pub async fn set_project_policy(
+        &self,
+        project: ProjectId,
+        text: Option<&str>,
+        by: Option<ApiKeyId>,
+    ) -> Result<(), StoreError> {
+        let mut tx = self.pool().begin().await?;
+        sqlx::query("DELETE FROM project_policies WHERE project_id = $1")
+            .bind(project.to_string())
+            .execute(&mut *tx)
+            .await?;
+        if let Some(text) = text {
+            sqlx::query(
+                "INSERT INTO project_policies (project_id, text, updated_by, updated_at) VALUES ($1, $2, $3, $4)",
+            )
+            .bind(project.to_string())
+            .bind(text)
+            .bind(by.map(|k| k.to_string()))
+            .bind(now_millis())
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+}
+
+/// Puts the run of approval `id` back in the queue when it is parked.
+async fn requeue_parked(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    project: ProjectId,
+    id: ApprovalId,
+    now: i64,
+) -> Result<(), StoreError> {
+    sqlx::query(
+        "UPDATE runs SET status = 'queued', updated_at = $1 WHERE project_id = $2 \
+         AND status = 'waiting_for_approval' AND id = (SELECT run_id FROM approvals WHERE id = $3)",
+    )
+    .bind(now)
+    .bind(project.to_string())
+    .bind(id.to_string())
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+fn approval_from_row(row: &sqlx::any::AnyRow) -> Result<ApprovalRecord, StoreError> {
+    let text = |column: &str| -> Result<String, StoreError> { Ok(row.try_get(column)?) };
+    let json = |column: &str| -> Result<serde_json::Value, StoreError> {
+        serde_json::from_str(&text(column)?)
+            .map_err(|_| StoreError::Corrupt(format!("approvals.{column} is not JSON")))
+    };
+    let optional =
+        |column: &str| -> Result<Option<String>, StoreError> { Ok(row.try_get(column)?) };
+    let pinned_keys = json("pinned_keys")?
+        .as_array()
+        .map(|keys| {
+            keys.iter()
+                .filter_map(|k| k.as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default();
+    Ok(ApprovalRecord {
+        id: parse_column(&text("id")?, "approvals.id")?,
+        project_id: parse_column(&text("project_id")?, "approvals.project_id")?,
+        run_id: parse_column(&text("run_id")?, "approvals.run_id")?,
+        call_id: text("call_id")?,
+        tool: text("tool")?,
+        pin_hash: text("pin_hash")?,
+        arguments: json("arguments")?,
+        arguments_hash: text("arguments_hash")?,
+        pinned_keys,
+        binding_hash: text("binding_hash")?,
+        kind: parse_column(&text("kind")?, "approvals.kind")?,
+        why: json("why")?,
+        status: parse_column(&text("status")?, "approvals.status")?,
+        requested_at: row.try_get("requested_at")?,
+        expires_at: row.try_get("expires_at")?,
+        decided_by_key: optional("decided_by_key")?
+            .map(|k| parse_column(&k, "approvals.decided_by_key"))
+            .transpose()?,
+        decided_by_member: optional("decided_by_member")?
+            .map(|m| parse_column(&m, "approvals.decided_by_member"))
+            .transpose()?,
+        decision_reason: optional("decision_reason")?,
+        decided_at: row.try_get("decided_at")?,
+        used_at: row.try_get("used_at")?,
+    })
+}
