@@ -26,17 +26,22 @@ pub struct ApiClient {
 
 impl ApiClient {
     pub fn new(args: &ClientArgs) -> anyhow::Result<Self> {
-        let base = url::Url::parse(&args.server)
-            .with_context(|| format!("--server `{}` is not a URL", args.server))?;
-        if !matches!(base.scheme(), "http" | "https") {
-            bail!("--server must be an http:// or https:// URL");
-        }
         let api_key = std::env::var(env::API_KEY).map_err(|_| {
             anyhow!(
                 "{} is not set: export the key `wor init` printed",
                 env::API_KEY
             )
         })?;
+        Self::with_key(&args.server, api_key)
+    }
+
+    /// A client of the server at `server` presenting `api_key`.
+    pub fn with_key(server: &str, api_key: String) -> anyhow::Result<Self> {
+        let base =
+            url::Url::parse(server).with_context(|| format!("--server `{server}` is not a URL"))?;
+        if !matches!(base.scheme(), "http" | "https") {
+            bail!("--server must be an http:// or https:// URL");
+        }
         // The CLI talks to the operator's own server, at an address the operator typed; it is
         // not egress chosen by a routine, so it does not go through the egress guard.
         #[expect(

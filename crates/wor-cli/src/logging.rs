@@ -1,5 +1,5 @@
 //! Structured logs on stderr. Work on Repeat's own components log at `WOR_LOG` (default
-//! `info`); every dependency stays at `warn`, so no HTTP library can log a header or body.
+//! `info`; `warn` for `wor demo`, whose output is its narrative); every dependency stays at `warn`, so no HTTP library can log a header or body.
 //! Every line passes through shape redaction on its way out (S4), as a last line of defence:
 //! log fields are fixed categories, ids, counters and timings in the first place.
 
@@ -20,8 +20,9 @@ const OWN_TARGETS: &[&str] = &[
     "wor_egress",
 ];
 
-pub fn init() -> anyhow::Result<()> {
-    let level = std::env::var(env::LOG).unwrap_or_else(|_| "info".to_owned());
+/// Installs the logger; `default_level` applies when `WOR_LOG` is not set.
+pub fn init(default_level: &str) -> anyhow::Result<()> {
+    let level = std::env::var(env::LOG).unwrap_or_else(|_| default_level.to_owned());
     let level = level.trim().to_ascii_lowercase();
     if !["error", "warn", "info", "debug", "trace", "off"].contains(&level.as_str()) {
         anyhow::bail!(

@@ -11,6 +11,7 @@
 mod client;
 mod commands;
 mod config;
+mod demo_tools;
 mod env;
 mod logging;
 
@@ -42,7 +43,7 @@ fn main() -> ExitCode {
     // Before anything else: the sandbox helper is this binary re-executed, and it forks.
     wor_sandbox::main_if_helper();
     let cli = Cli::parse();
-    if let Err(err) = logging::init() {
+    if let Err(err) = logging::init(cli.command.default_log_level()) {
         eprintln!("error: {err:#}");
         return ExitCode::from(2);
     }

@@ -64,7 +64,7 @@ fn summary(approval: &Value) -> String {
     )
 }
 
-fn show(approval: &Value) {
+pub(crate) fn show(approval: &Value) {
     println!("approval   {}", field(approval, "/id"));
     println!("status     {}", field(approval, "/status"));
     println!(
@@ -97,27 +97,18 @@ fn show(approval: &Value) {
             println!("  {key} = {value}{mark}");
         }
     }
-    println!("why:");
-    for list in ["/why/reasons", "/why/determining_policies"] {
-        for item in approval
-            .pointer(list)
+    let list = |pointer: &str| -> Vec<&str> {
+        approval
+            .pointer(pointer)
             .and_then(Value::as_array)
             .into_iter()
             .flatten()
             .filter_map(Value::as_str)
-        {
-            println!("  {item}");
-        }
-    }
-    let sources: Vec<&str> = approval
-        .pointer("/why/untrusted_sources")
-        .and_then(Value::as_array)
-        .into_iter()
-        .flatten()
-        .filter_map(Value::as_str)
-        .collect();
-    if !sources.is_empty() {
-        println!("untrusted content in context from: {}", sources.join(", "));
+            .collect()
+    };
+    println!("why ({}):", list("/why/determining_policies").join(", "));
+    for reason in list("/why/reasons") {
+        println!("  {reason}");
     }
     println!("binding    {}", field(approval, "/binding_hash"));
     println!("requested  {}", field(approval, "/requested_at"));

@@ -2,6 +2,7 @@
 
 mod approvals;
 mod audit;
+mod demo;
 mod egress;
 mod keys;
 mod members;
@@ -23,6 +24,9 @@ use crate::client::ClientArgs;
 pub enum Command {
     /// Run the server: the HTTP API and a run worker in one process.
     Serve(serve::ServeArgs),
+    /// The main job in one command: a routine run, a tool call held for approval and a blocked
+    /// exfiltration attempt, on a temporary embedded server.
+    Demo(demo::DemoArgs),
     /// Create the first project and its owner; print the owner's API key once (operator).
     Init(operator::InitArgs),
     /// Manage projects (operator: works on the database directly).
@@ -71,9 +75,18 @@ pub enum Command {
 }
 
 impl Command {
+    /// The log level when `WOR_LOG` is not set: the demo's output is its narrative.
+    pub fn default_log_level(&self) -> &'static str {
+        match self {
+            Command::Demo(_) => "warn",
+            _ => "info",
+        }
+    }
+
     pub async fn run(self) -> anyhow::Result<ExitCode> {
         match self {
             Command::Serve(args) => serve::run(args).await,
+            Command::Demo(args) => demo::run(args).await,
             Command::Init(args) => operator::init(args).await,
             Command::Project(cmd) => operator::project(cmd).await,
             Command::Whoami(args) => members::whoami(args).await,

@@ -63,7 +63,7 @@ pub enum RunCommand {
     },
 }
 
-fn summary(run: &Value) -> String {
+pub(crate) fn summary(run: &Value) -> String {
     let usage = run.get("usage").cloned().unwrap_or(Value::Null);
     let n = |k: &str| usage.get(k).and_then(Value::as_u64).unwrap_or(0);
     format!(
@@ -79,7 +79,7 @@ fn summary(run: &Value) -> String {
 }
 
 /// One line for a step, for people watching a run.
-fn describe_step(step: &Value) -> String {
+pub(crate) fn describe_step(step: &Value) -> String {
     let payload = step.get("payload").cloned().unwrap_or(Value::Null);
     let provenance = field(step, "/provenance");
     match field(step, "/kind") {
@@ -109,6 +109,30 @@ fn describe_step(step: &Value) -> String {
             "[{provenance}] {}: {}",
             field(&payload, "/tool"),
             field(&payload, "/result/content")
+        ),
+        "tool_call" => {
+            let policies: Vec<&str> = payload
+                .get("determining_policies")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+                .filter_map(Value::as_str)
+                .collect();
+            format!(
+                "[{provenance}] {} {}: {} ({})",
+                field(&payload, "/tool"),
+                payload
+                    .get("arguments")
+                    .map(Value::to_string)
+                    .unwrap_or_default(),
+                field(&payload, "/decision"),
+                policies.join(", ")
+            )
+        }
+        "approval_used" => format!(
+            "[{provenance}] approval {} used for {}",
+            field(&payload, "/approval_id"),
+            field(&payload, "/tool")
         ),
         "outcome" => format!(
             "[{provenance}] {}: {}",

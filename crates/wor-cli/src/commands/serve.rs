@@ -34,44 +34,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         eprintln!("error: refusing to start in production mode");
         return Ok(ExitCode::from(2));
     }
-    let (keys, key_source) = config
-        .key_ring()
-        .context("cannot load the encryption key")?;
-    if key_source == KeySource::DevFileCreated {
-        tracing::warn!(
-            category = "secrets",
-            "generated a development encryption key in the data dir"
-        );
-        eprintln!(
-            "wor: warning: no {} set; generated a development key in {} (production refuses this)",
-            env::ENCRYPTION_KEY,
-            config.data_dir.display()
-        );
-    }
-    let store = Store::open(config.database.as_deref(), &config.data_dir)
-        .await
-        .context("cannot open the database")?;
-    let audit = AuditLog::start(
-        store.clone(),
-        config.audit_signing_key()?,
-        AuditConfig::default(),
-    );
-    let egress = wor_egress::EgressClient::new(egress_policy(&config)?)
-        .context("cannot build the outbound client")?;
-    let vault = wor_store::Vault::new(store.clone(), Arc::new(keys));
-    let engine = Engine::new(
-        store.clone(),
-        vault,
-        egress,
-        audit.clone(),
-        EngineConfig {
-            production: config.production,
-            max_running_per_project: config.max_running_per_project,
-            approval_ttl: config.approval_ttl,
-            prices: config.prices.clone(),
-            ..EngineConfig::default()
-        },
-    );
+    let (engine, audit) = open_engine(&config).await?;
+    let store = engine.store().clone();
     let shutdown = shutdown_signal()?;
     let listener = TcpListener::bind(config.listen)
         .await
@@ -111,9 +75,57 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Opens the database, the key ring, the audit log and the egress client of `config`, and
+/// builds the engine on them (what `wor serve` and `wor demo` run).
+pub(crate) async fn open_engine(config: &ServerConfig) -> anyhow::Result<(Engine, AuditLog)> {
+    let (keys, key_source) = config
+        .key_ring()
+        .context("cannot load the encryption key")?;
+    // The demo's data dir is its own and temporary: a generated key there is expected.
+    if key_source == KeySource::DevFileCreated && !config.demo {
+        tracing::warn!(
+            category = "secrets",
+            "generated a development encryption key in the data dir"
+        );
+        {
+            eprintln!(
+                "wor: warning: no {} set; generated a development key in {} (production refuses this)",
+                env::ENCRYPTION_KEY,
+                config.data_dir.display()
+            );
+        }
+    }
+    let store = Store::open(config.database.as_deref(), &config.data_dir)
+        .await
+        .context("cannot open the database")?;
+    let audit = AuditLog::start(
+        store.clone(),
+        config.audit_signing_key()?,
+        AuditConfig::default(),
+    );
+    let egress = wor_egress::EgressClient::new(egress_policy(config)?)
+        .context("cannot build the outbound client")?;
+    let vault = wor_store::Vault::new(store.clone(), Arc::new(keys));
+    let engine = Engine::new(
+        store,
+        vault,
+        egress,
+        audit.clone(),
+        EngineConfig {
+            production: config.production,
+            max_running_per_project: config.max_running_per_project,
+            approval_ttl: config.approval_ttl,
+            prices: config.prices.clone(),
+            ..EngineConfig::default()
+        },
+    );
+    Ok((engine, audit))
+}
+
 /// Registers SIGTERM and SIGINT handlers now, so a signal that arrives as soon as the server
 /// says it is listening is not lost, and returns the future that completes on either.
-fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()> + Send + 'static> {
+pub(crate) fn shutdown_signal()
+-> anyhow::Result<impl std::future::Future<Output = ()> + Send + 'static> {
     use tokio::signal::unix::{SignalKind, signal};
     let mut term = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
     let mut int = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
