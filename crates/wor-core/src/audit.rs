@@ -79,6 +79,8 @@ pub enum AuditCategory {
     ApprovalUse,
     /// The project's policy was set or reset.
     PolicySet,
+    /// A routine's webhook secret was made or replaced.
+    WebhookSecretRotate,
 }
 
 impl AuditCategory {
@@ -107,6 +109,7 @@ impl AuditCategory {
             AuditCategory::ApprovalExpire => "approval.expire",
             AuditCategory::ApprovalUse => "approval.use",
             AuditCategory::PolicySet => "policy.set",
+            AuditCategory::WebhookSecretRotate => "routine.webhook_secret",
         }
     }
 }

@@ -211,6 +211,79 @@ impl ApprovalsSection {
     }
 }
 
+/// How an inbound webhook proves it comes from the sender holding the routine's secret.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WebhookScheme {
+    /// `wor-timestamp` and `wor-signature` headers: hex HMAC-SHA256 of `${timestamp}.${body}`.
+    #[default]
+    Wor,
+    /// Standard Webhooks: `webhook-id`, `webhook-timestamp`, `webhook-signature`.
+    Standard,
+}
+
+/// `[webhook]`: whether a signed HTTP request may start a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WebhookSection {
+    #[serde(default)]
+    pub enabled: bool,
+    #[serde(default)]
+    pub scheme: WebhookScheme,
+}
+
+impl WebhookSection {
+    fn is_default(&self) -> bool {
+        *self == WebhookSection::default()
+    }
+}
+
+/// A run event a run webhook can be sent for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RunEvent {
+    /// The run succeeded.
+    Finished,
+    /// A call waits for a person's approval.
+    WaitingForApproval,
+    /// The run failed or was cancelled.
+    Failed,
+    /// A budget limit ended the run.
+    BudgetExceeded,
+}
+
+impl RunEvent {
+    pub const ALL: [RunEvent; 4] = [
+        RunEvent::Finished,
+        RunEvent::WaitingForApproval,
+        RunEvent::Failed,
+        RunEvent::BudgetExceeded,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RunEvent::Finished => "run.finished",
+            RunEvent::WaitingForApproval => "run.waiting_for_approval",
+            RunEvent::Failed => "run.failed",
+            RunEvent::BudgetExceeded => "run.budget_exceeded",
+        }
+    }
+}
+
+fn all_events() -> Vec<RunEvent> {
+    RunEvent::ALL.to_vec()
+}
+
+/// `[notify]`: where run webhooks go, and for which events.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NotifySection {
+    /// An `http` or `https` URL, reached through the egress guard.
+    pub url: String,
+    #[serde(default = "all_events")]
+    pub events: Vec<RunEvent>,
+}
+
 /// One `[[tools]]` entry: a tool the routine may use, and how.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -246,6 +319,13 @@ pub struct RoutineDefinition {
     pub policy: Option<String>,
     #[serde(skip_serializing_if = "ApprovalsSection::is_default")]
     pub approvals: ApprovalsSection,
+    /// When the routine runs on its own (docs/webhooks.md, docs/routines.md).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub schedule: Option<crate::schedule::ScheduleSection>,
+    #[serde(skip_serializing_if = "WebhookSection::is_default")]
+    pub webhook: WebhookSection,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub notify: Option<NotifySection>,
 }
 
 #[derive(Deserialize)]
@@ -266,6 +346,12 @@ struct RawRoutine {
     policy: Option<Spanned<String>>,
     #[serde(default)]
     approvals: ApprovalsSection,
+    #[serde(default)]
+    schedule: Option<Spanned<crate::schedule::ScheduleSection>>,
+    #[serde(default)]
+    webhook: WebhookSection,
+    #[serde(default)]
+    notify: Option<Spanned<NotifySection>>,
 }
 
 fn line_of(text: &str, offset: usize) -> usize {
@@ -363,6 +449,39 @@ impl RoutineDefinition {
             Some(policy) => Some(policy.into_inner()),
             None => None,
         };
+        let schedule = match raw.schedule {
+            Some(section) => {
+                let span = section.span();
+                let section = section.into_inner();
+                section.compile().map_err(|e| at(span, e))?;
+                Some(section)
+            }
+            None => None,
+        };
+        let notify = match raw.notify {
+            Some(section) => {
+                let span = section.span();
+                let section = section.into_inner();
+                let scheme = section.url.split_once("://").map(|(s, _)| s);
+                if !matches!(scheme, Some("http" | "https")) {
+                    return Err(at(
+                        span,
+                        format!(
+                            "`notify.url` `{}` must be an http:// or https:// URL",
+                            section.url
+                        ),
+                    ));
+                }
+                if section.events.is_empty() {
+                    return Err(at(
+                        span,
+                        "`notify.events` must name at least one event".to_owned(),
+                    ));
+                }
+                Some(section)
+            }
+            None => None,
+        };
         Ok(RoutineDefinition {
             name: raw.name,
             description: raw.description,
@@ -373,6 +492,9 @@ impl RoutineDefinition {
             tools,
             policy,
             approvals: raw.approvals,
+            schedule,
+            webhook: raw.webhook,
+            notify,
         })
     }
 

@@ -114,6 +114,8 @@ impl Engine {
             .await?;
         if finished {
             self.store.cancel_approvals(run.id).await?;
+            self.enqueue_run_webhook(&run, ending.status, Some(&ending.outcome), None)
+                .await?;
             self.audit
                 .append(
                     AuditEvent::new(
@@ -579,6 +581,25 @@ fn conversation(definition: &RoutineDefinition, steps: &[RunStep]) -> Vec<ChatMe
                 let text = match input {
                     Value::String(text) => text,
                     other => other.to_string(),
+                };
+                // An untrusted input (a webhook payload) goes in its envelope, with the
+                // boundary fixed when the run was created.
+                let boundary = step.payload.get("boundary").and_then(Value::as_str);
+                let text = match (step.provenance, boundary) {
+                    (Provenance::Untrusted, Some(boundary)) => {
+                        let source = step
+                            .payload
+                            .get("source")
+                            .and_then(Value::as_str)
+                            .unwrap_or("input");
+                        crate::pipeline::untrusted_envelope(source, boundary, &text)
+                    }
+                    (Provenance::Untrusted, None) => crate::pipeline::untrusted_envelope(
+                        "input",
+                        &crate::pipeline::new_boundary(),
+                        &text,
+                    ),
+                    _ => text,
                 };
                 messages.push(ChatMessage::user(text));
             }

@@ -8,8 +8,9 @@
 //! Roster tools on MCP-over-HTTP connections run through the pipeline of the spec (roster,
 //! schema and pinned arguments, decision by Cedar policy, budget, record, execute, result). A
 //! call that needs approval parks its run, holding no worker, until a person decides or the
-//! approval expires. Not built yet: stdio and HTTP API connections in runs, nested routines
-//! and run-scoped credentials.
+//! approval expires. Runs also start on a schedule and on signed inbound webhooks, and run
+//! webhooks tell other systems about them (`triggers.rs`). Not built yet: stdio and HTTP API
+//! connections in runs, nested routines and run-scoped credentials.
 
 mod approvals;
 mod driver;
@@ -17,6 +18,7 @@ mod pipeline;
 mod run_tools;
 mod start;
 mod tool_connections;
+mod triggers;
 mod worker;
 
 use std::collections::BTreeMap;
@@ -31,6 +33,10 @@ pub use approvals::Approver;
 pub use start::{StartRun, Trigger};
 pub use tool_connections::{
     BEARER_TOKEN_FIELD, ReviewDiff, ReviewedTool, ToolReview, credential_slot,
+};
+pub use triggers::{
+    InboundWebhook, MAX_DELIVERY_ATTEMPTS, MAX_WEBHOOK_BYTES, REPLAY_WINDOW_SECS, SchedulerReport,
+    WebhookRejection,
 };
 
 /// How long an approval waits for a decision unless configured otherwise: 24 hours.

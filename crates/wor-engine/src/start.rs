@@ -3,7 +3,7 @@
 
 use wor_core::audit::{Actor, AuditCategory, AuditEvent};
 use wor_core::routine::OverlapPolicy;
-use wor_core::run::RunStatus;
+use wor_core::run::{Provenance, RunStatus};
 use wor_core::{ApiKeyId, ProjectId, RoutineId};
 use wor_store::{NewRun, RunRecord};
 
@@ -14,6 +14,21 @@ use crate::{Engine, EngineError};
 pub enum Trigger {
     /// An API call, by this key.
     Api(ApiKeyId),
+    /// The routine's schedule, for this slot (Unix ms); a slot starts at most one run.
+    Schedule { slot: i64 },
+    /// A signed inbound webhook; a delivery id starts at most one run. Its payload is
+    /// untrusted input.
+    Webhook { delivery: String },
+}
+
+impl Trigger {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Trigger::Api(_) => "api",
+            Trigger::Schedule { .. } => "schedule",
+            Trigger::Webhook { .. } => "webhook",
+        }
+    }
 }
 
 /// A request to start a run.
@@ -67,9 +82,40 @@ impl Engine {
             }
             _ => (RunStatus::Queued, None),
         };
-        let Trigger::Api(key) = request.trigger;
-        // The requester's input is recorded, and later sent to the model, without secrets.
-        let mut input = serde_json::json!({ "input": request.input });
+        let (started_by, trigger_key, provenance, default_actor) = match &request.trigger {
+            Trigger::Api(key) => (
+                Some(*key),
+                None,
+                Provenance::Requester,
+                Actor::ApiKey { key_id: *key },
+            ),
+            Trigger::Schedule { slot } => (
+                None,
+                Some(format!("slot:{slot}")),
+                Provenance::Engine,
+                Actor::Schedule {
+                    routine_id: routine.id,
+                },
+            ),
+            Trigger::Webhook { delivery } => (
+                None,
+                Some(format!("delivery:{delivery}")),
+                Provenance::Untrusted,
+                Actor::Webhook {
+                    routine_id: routine.id,
+                },
+            ),
+        };
+        // The input is recorded, and later sent to the model, without secrets. A webhook's
+        // payload is untrusted: it reaches the model inside a boundary fixed now.
+        let mut input = match request.trigger {
+            Trigger::Webhook { .. } => serde_json::json!({
+                "input": request.input,
+                "source": "webhook",
+                "boundary": wor_core::ids::request_id().trim_start_matches("req_"),
+            }),
+            _ => serde_json::json!({ "input": request.input }),
+        };
         self.project_redactor(request.project)
             .await?
             .redact_json(&mut input);
@@ -80,19 +126,18 @@ impl Engine {
                 NewRun {
                     routine_id: routine.id,
                     routine_version: version.version,
-                    trigger_kind: "api".to_owned(),
-                    started_by: Some(key),
+                    trigger_kind: request.trigger.kind().to_owned(),
+                    started_by,
                     max_concurrent: max,
                     status,
                     outcome,
+                    trigger_key,
+                    input_provenance: provenance,
                 },
                 &input,
             )
             .await?;
-        let actor = match &request.actor {
-            Some(actor) => actor.clone(),
-            None => Actor::ApiKey { key_id: key },
-        };
+        let actor = request.actor.clone().unwrap_or(default_actor);
         self.audit
             .append(
                 AuditEvent::new(request.project, AuditCategory::RunStart, actor)
@@ -101,7 +146,7 @@ impl Engine {
                     .runs(run.root_run_id, run.parent_run_id)
                     .payload(serde_json::json!({
                         "routine_version": version.version,
-                        "trigger": "api",
+                        "trigger": request.trigger.kind(),
                         "status": run.status.as_str(),
                     })),
             )

@@ -95,6 +95,23 @@ fn wor_mac(secret: &str, timestamp: i64, body: &[u8]) -> HmacSha256 {
     mac
 }
 
+/// A new routine webhook secret: `whsec_` and the standard base64 of 32 random bytes. The same
+/// text keys both schemes: the `wor` scheme uses its UTF-8 bytes, Standard Webhooks the bytes
+/// after `whsec_`.
+///
+/// # Errors
+/// [`crate::SecretsError::RandomnessUnavailable`] when the system has no randomness to give.
+pub fn generate_secret() -> Result<secrecy::SecretString, crate::SecretsError> {
+    let mut bytes = zeroize::Zeroizing::new([0u8; 32]);
+    getrandom::fill(bytes.as_mut_slice())
+        .map_err(|_| crate::SecretsError::RandomnessUnavailable)?;
+    Ok(format!(
+        "{STANDARD_SECRET_PREFIX}{}",
+        STANDARD.encode(bytes.as_slice())
+    )
+    .into())
+}
+
 /// Signs a run webhook in the `wor` scheme: lower-case hex HMAC-SHA256 of `${timestamp}.${body}`.
 pub fn sign(secret: &str, timestamp: i64, body: &[u8]) -> String {
     hex::encode(wor_mac(secret, timestamp, body).finalize().into_bytes())

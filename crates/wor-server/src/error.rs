@@ -12,6 +12,9 @@ pub enum ApiError {
     Unauthenticated,
     #[error("{0}")]
     Forbidden(String),
+    /// An inbound webhook whose signature or timestamp did not check out.
+    #[error("{0}")]
+    InvalidSignature(String),
     #[error("not found")]
     NotFound,
     #[error("no route for this method and path")]
@@ -44,6 +47,7 @@ impl ApiError {
         match self {
             ApiError::Unauthenticated => (StatusCode::UNAUTHORIZED, "unauthenticated"),
             ApiError::Forbidden(_) => (StatusCode::FORBIDDEN, "forbidden"),
+            ApiError::InvalidSignature(_) => (StatusCode::UNAUTHORIZED, "invalid_signature"),
             ApiError::NotFound => (StatusCode::NOT_FOUND, "not_found"),
             ApiError::NoRoute => (StatusCode::NOT_FOUND, "no_route"),
             ApiError::MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"),
@@ -76,6 +80,7 @@ pub struct ErrorDetail {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let (status, code) = self.status_and_code();
+        let bearer = matches!(self, ApiError::Unauthenticated);
         // Messages can quote what the caller sent; secret shapes never go back out (S4).
         let message = wor_secrets::redact_shapes(&self.to_string()).into_owned();
         let body = ErrorBody {
@@ -85,7 +90,7 @@ impl IntoResponse for ApiError {
             },
         };
         let mut response = (status, axum::Json(body)).into_response();
-        if status == StatusCode::UNAUTHORIZED {
+        if bearer {
             response
                 .headers_mut()
                 .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));

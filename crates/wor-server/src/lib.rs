@@ -102,6 +102,9 @@ fn api() -> OpenApiRouter<AppState> {
             routes::policy::set,
             routes::policy::reset
         ))
+        .routes(routes!(routes::webhooks::receive))
+        .routes(routes!(routes::webhooks::rotate_secret))
+        .routes(routes!(routes::webhooks::deliveries))
         .routes(routes!(routes::audit::list_audit))
 }
 

@@ -171,6 +171,8 @@ fn sample_body(method: &Method, path: &str) -> Option<Value> {
             Some(json!({"reason": "probe"}))
         }
         ("PUT", "/v1/policy") => Some(json!({"text": wor_policy::DEFAULT_PROJECT_POLICY})),
+        ("POST", "/v1/routines/{routine_id}/webhook-secret") => None,
+        ("POST", "/hooks/{routine_id}") => Some(json!({"probe": true})),
         ("POST" | "PUT" | "PATCH", _) => {
             panic!("no sample body for {method} {path}: add one so the isolation walk covers it")
         }
@@ -406,6 +408,9 @@ async fn every_documented_route_exists_and_requires_a_key() {
         let reply = api.call(method.clone(), &path, None, None).await;
         if template.starts_with("/v1/") {
             assert_error(&reply, StatusCode::UNAUTHORIZED, "unauthenticated");
+        } else if template.starts_with("/hooks/") {
+            // Inbound webhooks prove themselves by signature; an unknown routine is not found.
+            assert_error(&reply, StatusCode::NOT_FOUND, "not_found");
         } else {
             assert_eq!(
                 reply.status,

@@ -1374,3 +1374,70 @@ async fn cancelling_a_parked_run_ends_it_and_its_approval() {
         .await;
     assert_eq!(approval["status"], "cancelled");
 }
+
+#[tokio::test]
+async fn a_parked_run_notifies_people_with_a_signed_approval_webhook() {
+    let desk = Desk::default();
+    let addr = serve_desk(desk.clone()).await;
+    let got: Arc<Mutex<Vec<(axum::http::HeaderMap, axum::body::Bytes)>>> = Arc::default();
+    let sink = got.clone();
+    let receiver = serve(Router::new().route(
+        "/hook",
+        axum::routing::post(
+            move |headers: axum::http::HeaderMap, body: axum::body::Bytes| {
+                let sink = sink.clone();
+                async move {
+                    sink.lock().unwrap().push((headers, body));
+                    StatusCode::NO_CONTENT
+                }
+            },
+        ),
+    ))
+    .await;
+    let h = Harness::new().await;
+    h.connect_and_enable("desk", addr, json!({}), &["lookup"])
+        .await;
+    let routine = format!(
+        "{MAILER}\n[notify]\nurl = \"http://{receiver}/hook\"\nevents = [\"waiting_for_approval\"]\n"
+    );
+    let (status, applied) = h
+        .call(Method::POST, "/v1/routines", Some(json!({"toml": routine})))
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{applied}");
+    let secret = applied["webhook_secret"].as_str().unwrap().to_owned();
+    let routine_id = applied["routine"]["id"].as_str().unwrap();
+    let (_, run) = h
+        .call(
+            Method::POST,
+            &format!("/v1/routines/{routine_id}/runs"),
+            Some(json!({"input": "go"})),
+        )
+        .await;
+    let run_id = run["id"].as_str().unwrap().to_owned();
+    assert!(h.engine.run_next().await.unwrap());
+    let pending = h.pending_approvals(&run_id).await;
+    assert_eq!(pending.len(), 1);
+    assert_eq!(
+        h.engine
+            .deliver_webhooks(wor_store::now_millis())
+            .await
+            .unwrap(),
+        1
+    );
+    let (headers, body) = got.lock().unwrap()[0].clone();
+    let header = |name: &str| headers.get(name).unwrap().to_str().unwrap().to_owned();
+    assert_eq!(header("wor-event"), "run.waiting_for_approval");
+    wor_secrets::webhook_signature::verify(
+        &secret,
+        header("wor-timestamp").parse().unwrap(),
+        &body,
+        &header("wor-signature"),
+        wor_store::now_millis() / 1000,
+        300,
+    )
+    .unwrap();
+    let payload: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(payload["approval"]["id"], pending[0]["id"]);
+    assert_eq!(payload["approval"]["tool"], "desk/send");
+    assert_eq!(payload["run"]["status"], "waiting_for_approval");
+}

@@ -19,6 +19,7 @@ mod runs;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod tool_connections;
+mod triggers;
 mod vault;
 
 use std::path::Path;
@@ -48,6 +49,7 @@ pub use tool_connections::{
     NewToolConnection, StoredPin, TOOL_CONNECTIONS_TABLE, ToolClass, ToolConnectionKind,
     ToolConnectionRecord, ToolConnectionStatus, header_field,
 };
+pub use triggers::{AttemptOutcome, DeliveryFilter, DeliveryRecord, DueSchedule, NewDelivery};
 pub use vault::{RotationReport, SecretMetadata, SecretSlot, Vault, VaultError};
 
 /// Which database a [`Store`] runs on.

@@ -22,6 +22,7 @@ const ROUTINES: &str = include_str!("../migrations/0004_routines.sql");
 const RUNS: &str = include_str!("../migrations/0005_runs.sql");
 const TOOL_CONNECTIONS: &str = include_str!("../migrations/0006_tool_connections.sql");
 const APPROVALS: &str = include_str!("../migrations/0007_approvals.sql");
+const TRIGGERS: &str = include_str!("../migrations/0008_triggers.sql");
 
 /// The triggers that make the audit tables append-only, per backend; also used by the test
 /// support that plays an attacker who drops them.
@@ -81,6 +82,12 @@ const MIGRATIONS: &[SchemaMigration] = &[
         description: "approvals",
         sqlite: APPROVALS,
         postgres: APPROVALS,
+    },
+    SchemaMigration {
+        version: 8,
+        description: "triggers",
+        sqlite: TRIGGERS,
+        postgres: TRIGGERS,
     },
 ];
 

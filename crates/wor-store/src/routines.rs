@@ -137,6 +137,14 @@ impl Store {
                 "the routine changed concurrently; apply again".to_owned()
             })
         })?;
+        crate::triggers::sync_schedule(
+            &mut tx,
+            project,
+            routine.id,
+            definition.schedule.as_ref(),
+            now,
+        )
+        .await?;
         tx.commit().await?;
         Ok(AppliedRoutine {
             routine,
@@ -154,6 +162,23 @@ impl Store {
             "SELECT {COLUMNS} FROM routines WHERE project_id = $1 AND id = $2"
         )))
         .bind(project.to_string())
+        .bind(id.to_string())
+        .fetch_optional(self.pool())
+        .await?
+        .ok_or(StoreError::NotFound)?;
+        routine_from_row(&row)
+    }
+
+    /// The routine with this id in whichever project holds it. Only for the inbound webhook
+    /// route, where the request carries no key: the caller must then prove itself with the
+    /// routine's own secret before anything about the routine is revealed or done.
+    pub async fn get_routine_for_webhook(
+        &self,
+        id: RoutineId,
+    ) -> Result<RoutineRecord, StoreError> {
+        let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {COLUMNS} FROM routines WHERE id = $1"
+        )))
         .bind(id.to_string())
         .fetch_optional(self.pool())
         .await?

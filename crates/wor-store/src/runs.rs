@@ -23,6 +23,7 @@ pub struct RunRecord {
     pub status: RunStatus,
     pub trigger_kind: String,
     pub started_by: Option<ApiKeyId>,
+    pub trigger_key: Option<String>,
     pub outcome: Option<String>,
     pub usage: BudgetUsage,
     pub cancel_requested: bool,
@@ -41,6 +42,11 @@ pub struct NewRun {
     /// `Skipped` for a run refused by the overlap policy, otherwise `Queued`.
     pub status: RunStatus,
     pub outcome: Option<String>,
+    /// For triggers that must start at most one run: `slot:<ms>`, `delivery:<id>`.
+    pub trigger_key: Option<String>,
+    /// How the input step is labelled: `requester` for a caller's input, `untrusted` for a
+    /// webhook payload, `engine` for what a schedule says.
+    pub input_provenance: Provenance,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -63,7 +69,7 @@ pub struct RunFilter {
 }
 
 const COLUMNS: &str = "id, project_id, routine_id, routine_version, root_run_id, parent_run_id, depth, \
-    status, trigger_kind, started_by, outcome, usage_turns, usage_tool_calls, usage_input_tokens, \
+    status, trigger_kind, started_by, trigger_key, outcome, usage_turns, usage_tool_calls, usage_input_tokens, \
     usage_output_tokens, usage_cost_microdollars, cancel_requested, created_at, started_at, finished_at";
 
 fn to_i64(value: u64) -> i64 {
@@ -88,8 +94,8 @@ impl Store {
         let mut tx = self.pool().begin().await?;
         sqlx::query(
             "INSERT INTO runs (id, project_id, routine_id, routine_version, root_run_id, parent_run_id, depth, \
-             status, trigger_kind, started_by, max_concurrent, outcome, created_at, updated_at, finished_at) \
-             VALUES ($1, $2, $3, $4, $1, NULL, 0, $5, $6, $7, $8, $9, $10, $10, $11)",
+             status, trigger_kind, started_by, max_concurrent, outcome, created_at, updated_at, finished_at, trigger_key) \
+             VALUES ($1, $2, $3, $4, $1, NULL, 0, $5, $6, $7, $8, $9, $10, $10, $11, $12)",
         )
         .bind(id.to_string())
         .bind(project.to_string())
@@ -102,15 +108,21 @@ impl Store {
         .bind(new.outcome.as_deref())
         .bind(now)
         .bind(new.status.is_terminal().then_some(now))
+        .bind(new.trigger_key.as_deref())
         .execute(&mut *tx)
-        .await?;
+        .await
+        .map_err(|e| {
+            crate::conflict_or(e, || {
+                "this trigger (schedule slot or webhook delivery) already started a run".to_owned()
+            })
+        })?;
         insert_step(
             &mut tx,
             project,
             id,
             1,
             "input",
-            Provenance::Requester,
+            new.input_provenance,
             input,
             now,
         )
@@ -488,6 +500,7 @@ fn run_from_row(row: &sqlx::any::AnyRow) -> Result<RunRecord, StoreError> {
         started_by: started_by
             .map(|k| parse_column(&k, "runs.started_by"))
             .transpose()?,
+        trigger_key: row.try_get("trigger_key")?,
         outcome: row.try_get("outcome")?,
         usage: BudgetUsage {
             turns: to_u64(row.try_get("usage_turns")?),

@@ -15,6 +15,7 @@ mod sandbox;
 mod secrets;
 mod serve;
 mod tool_connections;
+mod webhooks;
 
 use std::process::ExitCode;
 
@@ -72,6 +73,9 @@ pub enum Command {
     /// Approvals: tool calls waiting for a person's decision.
     #[command(subcommand)]
     Approvals(approvals::ApprovalsCommand),
+    /// Webhooks: sign and verify bodies (local), and the delivery log of run webhooks.
+    #[command(subcommand)]
+    Webhook(webhooks::WebhookCommand),
 }
 
 impl Command {
@@ -103,6 +107,7 @@ impl Command {
             Command::Doctor(args) => sandbox::doctor(args).await,
             Command::Policy(cmd) => policy::run(cmd).await,
             Command::Approvals(cmd) => approvals::run(cmd).await,
+            Command::Webhook(cmd) => webhooks::run(cmd).await,
         }
     }
 }

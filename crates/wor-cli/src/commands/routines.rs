@@ -21,8 +21,15 @@ pub enum RoutineCommand {
     },
     /// List the project's routines.
     List(ClientArgs),
-    /// Show a routine (by name or `rtn_…` id): its current definition and versions.
+    /// Show a routine (by name or `rtn_…` id): its current definition, versions and the next
+    /// firings of its schedule.
     Show {
+        routine: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Make a new webhook secret for a routine and print it once (the old one stops working).
+    WebhookSecret {
         routine: String,
         #[command(flatten)]
         client: ClientArgs,
@@ -67,6 +74,10 @@ pub async fn run(cmd: RoutineCommand) -> anyhow::Result<ExitCode> {
                     field(&applied, "/routine/name"),
                     field(&applied, "/routine/id"),
                 );
+                if let Some(secret) = applied.get("webhook_secret").and_then(Value::as_str) {
+                    eprintln!("webhook secret (shown once; it signs inbound and run webhooks):");
+                    println!("{secret}");
+                }
             }
         }
         RoutineCommand::List(client) => {
@@ -111,7 +122,32 @@ pub async fn run(cmd: RoutineCommand) -> anyhow::Result<ExitCode> {
                         field(v, "/content_hash"),
                     );
                 }
+                let firings: Vec<&str> = detail
+                    .get("next_firings")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                    .filter_map(Value::as_str)
+                    .collect();
+                if !firings.is_empty() {
+                    println!("next firings (UTC):");
+                    for firing in firings {
+                        println!("  {firing}");
+                    }
+                }
                 println!("\n{}", field(&detail, "/source_toml"));
+            }
+        }
+        RoutineCommand::WebhookSecret { routine, client } => {
+            let api = ApiClient::new(&client)?;
+            let id = routine_id(&api, &routine).await?;
+            let made = api
+                .post(&format!("/v1/routines/{id}/webhook-secret"), &Value::Null)
+                .await?;
+            if client.json {
+                print_json(&made)?;
+            } else {
+                println!("{}", field(&made, "/secret"));
             }
         }
     }

@@ -50,6 +50,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     );
     eprintln!("wor: listening on http://{local}");
     let (stop_workers, workers_stopped) = tokio::sync::watch::channel(false);
+    let triggers = engine.spawn_triggers(workers_stopped.clone());
     let worker = engine.spawn_worker(workers_stopped);
     let state = AppState::new(engine.clone());
     let served = wor_server::serve(listener, state, shutdown).await;
@@ -57,6 +58,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     // their lease runs out.
     let _ = stop_workers.send(true);
     let _ = worker.await;
+    let _ = triggers.await;
     let released = store.release_leases(&engine.config().worker_id).await?;
     if released > 0 {
         tracing::info!(

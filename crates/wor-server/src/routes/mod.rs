@@ -11,3 +11,4 @@ pub mod project;
 pub mod routines;
 pub mod runs;
 pub mod tool_connections;
+pub mod webhooks;

@@ -38,6 +38,9 @@ pub struct AppliedRoutineView {
     pub version: i64,
     /// False when the definition equalled the current version and nothing was written.
     pub changed: bool,
+    /// The routine's new webhook secret, shown this once: made when a version first enables
+    /// `[webhook]` or `[notify]` and the routine has none.
+    pub webhook_secret: Option<String>,
 }
 
 #[derive(Debug, serde::Serialize, utoipa::ToSchema)]
@@ -56,6 +59,10 @@ pub struct RoutineDetail {
     #[schema(value_type = Object)]
     pub definition: serde_json::Value,
     pub versions: Vec<RoutineVersionSummary>,
+    /// The next firings of its `[schedule]` (RFC 3339, UTC); empty without one.
+    pub next_firings: Vec<String>,
+    /// Whether a webhook secret exists (its value is never shown again).
+    pub webhook_secret_configured: bool,
 }
 
 impl From<wor_store::RoutineRecord> for RoutineView {
@@ -146,6 +153,21 @@ pub async fn apply(
     tracing::info!(category = "config", action = "routine.apply", project_id = %caller.project_id,
         routine_id = %applied.routine.id, version = applied.version, changed = applied.changed,
         actor_key_id = %caller.key_id, "routine applied");
+    let wants_secret = definition.webhook.enabled || definition.notify.is_some();
+    let webhook_secret = if wants_secret
+        && !state
+            .engine
+            .has_webhook_secret(caller.project_id, applied.routine.id)
+            .await?
+    {
+        let secret = state
+            .engine
+            .rotate_webhook_secret(caller.project_id, applied.routine.id, caller.actor())
+            .await?;
+        Some(secrecy::ExposeSecret::expose_secret(&secret).to_owned())
+    } else {
+        None
+    };
     let status = if applied.changed && applied.version == 1 {
         StatusCode::CREATED
     } else {
@@ -157,6 +179,7 @@ pub async fn apply(
             routine: applied.routine.into(),
             version: applied.version,
             changed: applied.changed,
+            webhook_secret,
         }),
     ))
 }
@@ -190,7 +213,20 @@ pub async fn get(
         .store
         .list_routine_versions(caller.project_id, id)
         .await?;
+    let next_firings = state
+        .engine
+        .next_firings(caller.project_id, id, &current.definition, 5)
+        .await?
+        .into_iter()
+        .map(wor_core::schedule::slot_rfc3339)
+        .collect();
+    let webhook_secret_configured = state
+        .engine
+        .has_webhook_secret(caller.project_id, id)
+        .await?;
     Ok(Json(RoutineDetail {
+        next_firings,
+        webhook_secret_configured,
         routine: routine.into(),
         definition: serde_json::to_value(&current.definition).map_err(|_| ApiError::Internal)?,
         source_toml: current.source_toml,

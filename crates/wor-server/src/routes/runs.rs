@@ -51,6 +51,8 @@ pub struct RunView {
     /// queued, running, waiting_for_approval, succeeded, failed, cancelled, budget_exceeded or skipped.
     pub status: String,
     pub trigger: String,
+    /// `slot:<unix ms>` for a scheduled run, `delivery:<id>` for a webhook's.
+    pub trigger_key: Option<String>,
     pub started_by: Option<String>,
     /// The final answer, or why the run ended.
     pub outcome: Option<String>,
@@ -71,6 +73,7 @@ impl From<RunRecord> for RunView {
             parent_run_id: r.parent_run_id.map(|p| p.to_string()),
             status: r.status.to_string(),
             trigger: r.trigger_kind,
+            trigger_key: r.trigger_key,
             started_by: r.started_by.map(|k| k.to_string()),
             outcome: r.outcome,
             usage: UsageView {

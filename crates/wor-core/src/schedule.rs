@@ -1,0 +1,367 @@
+//! Schedules: a routine's `[schedule]` (a cron expression in an IANA time zone), its firing
+//! times, which missed slots to catch up after downtime, and a deterministic jitter.
+//!
+//! Times are Unix milliseconds (UTC). Cron expressions have five fields, or six with seconds
+//! first; daylight-saving transitions follow croner: a fixed-time slot that falls into a
+//! spring-forward gap fires at the first instant after the gap, and one that falls into a
+//! fall-back overlap fires once, at the earlier instant.
+
+use std::str::FromStr;
+
+use chrono::{TimeZone as _, Utc};
+use chrono_tz::Tz;
+use croner::Cron;
+use croner::parser::{CronParser, Seconds};
+use serde::{Deserialize, Serialize};
+
+use crate::canonical::sha256_hex;
+
+/// How long after its time a slot still counts as on time rather than missed.
+pub const ON_TIME_GRACE_MS: i64 = 60_000;
+/// At most this many missed slots are caught up with `catch_up = "all"` (the latest ones).
+pub const MAX_CATCH_UP: usize = 24;
+/// Longest jitter a schedule may ask for.
+pub const MAX_JITTER_SECONDS: u64 = 3600;
+
+/// What to do with slots missed while no scheduler ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CatchUp {
+    /// Missed slots do not run.
+    Skip,
+    /// The latest missed slot runs once.
+    #[default]
+    One,
+    /// Every missed slot runs, at most [`MAX_CATCH_UP`] of them (the latest).
+    All,
+}
+
+/// `[schedule]` of a routine, as written.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScheduleSection {
+    /// Five fields (minute hour day-of-month month day-of-week) or six with seconds first.
+    pub cron: String,
+    /// An IANA time zone name such as `Europe/Berlin`.
+    #[serde(default = "utc")]
+    pub timezone: String,
+    #[serde(default)]
+    pub catch_up: CatchUp,
+    /// Each slot runs up to this many seconds late, by an offset fixed per routine and slot.
+    #[serde(default)]
+    pub jitter_seconds: u64,
+}
+
+fn utc() -> String {
+    "UTC".to_owned()
+}
+
+/// A schedule ready to compute with.
+#[derive(Debug, Clone)]
+pub struct Schedule {
+    cron: Cron,
+    tz: Tz,
+    catch_up: CatchUp,
+    jitter_ms: i64,
+}
+
+impl ScheduleSection {
+    /// Parses the expression and the time zone.
+    pub fn compile(&self) -> Result<Schedule, String> {
+        let cron = CronParser::builder()
+            .seconds(Seconds::Optional)
+            .build()
+            .parse(&self.cron)
+            .map_err(|e| {
+                format!(
+                    "`schedule.cron` `{}` is not a cron expression: {e}",
+                    self.cron
+                )
+            })?;
+        let tz = Tz::from_str(&self.timezone).map_err(|_| {
+            format!(
+                "`schedule.timezone` `{}` is not an IANA time zone (e.g. `Europe/Berlin`, `UTC`)",
+                self.timezone
+            )
+        })?;
+        if self.jitter_seconds > MAX_JITTER_SECONDS {
+            return Err(format!(
+                "`schedule.jitter_seconds` must be at most {MAX_JITTER_SECONDS}"
+            ));
+        }
+        let schedule = Schedule {
+            cron,
+            tz,
+            catch_up: self.catch_up,
+            jitter_ms: i64::try_from(self.jitter_seconds.saturating_mul(1000)).unwrap_or(0),
+        };
+        // A pattern that never matches (e.g. 30 February) is refused now, not at run time.
+        if schedule.next_after(Utc::now().timestamp_millis()).is_none() {
+            return Err(format!("`schedule.cron` `{}` never fires", self.cron));
+        }
+        Ok(schedule)
+    }
+}
+
+/// Which slots to start now, and where the schedule stands afterwards.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DuePlan {
+    /// Slots to start now, oldest first.
+    pub fire: Vec<i64>,
+    /// The first slot not handled yet: the schedule's next slot after this tick.
+    pub next_slot: Option<i64>,
+}
+
+impl Schedule {
+    /// The first slot strictly after `after_ms`; `None` when the pattern never fires again.
+    pub fn next_after(&self, after_ms: i64) -> Option<i64> {
+        let after = self.tz.timestamp_millis_opt(after_ms).single()?;
+        self.cron
+            .find_next_occurrence(&after, false)
+            .ok()
+            .map(|t| t.timestamp_millis())
+    }
+
+    /// The next `count` slots after `after_ms`.
+    pub fn upcoming(&self, after_ms: i64, count: usize) -> Vec<i64> {
+        let mut slots = Vec::with_capacity(count);
+        let mut cursor = after_ms;
+        while slots.len() < count {
+            match self.next_after(cursor) {
+                Some(slot) => {
+                    slots.push(slot);
+                    cursor = slot;
+                }
+                None => break,
+            }
+        }
+        slots
+    }
+
+    /// The jitter of `slot` for `routine`: a fixed offset in `[0, jitter)`, the same in every
+    /// scheduler process.
+    pub fn jitter_of(&self, routine: &str, slot: i64) -> i64 {
+        if self.jitter_ms <= 0 {
+            return 0;
+        }
+        let digest = sha256_hex(format!("{routine}:{slot}").as_bytes());
+        let value = digest
+            .get(..12)
+            .and_then(|h| i64::from_str_radix(h, 16).ok())
+            .unwrap_or(0);
+        value % self.jitter_ms
+    }
+
+    /// What to start at `now` for a schedule whose first unhandled slot is `next_slot`:
+    /// on-time slots (within [`ON_TIME_GRACE_MS`]) whose jitter has passed, plus missed ones
+    /// as the catch-up policy says. A slot whose jitter has not passed yet stays unhandled.
+    pub fn plan(&self, routine: &str, next_slot: i64, now: i64) -> DuePlan {
+        let mut due = Vec::new();
+        let mut cursor = Some(next_slot);
+        // Bounded: a schedule that fires every second and was down for a year stops here.
+        let limit = 10_000;
+        while let Some(slot) = cursor {
+            if slot > now || due.len() >= limit {
+                break;
+            }
+            due.push(slot);
+            cursor = self.next_after(slot);
+        }
+        let mut fire = Vec::new();
+        let mut next = cursor;
+        let missed: Vec<i64> = due
+            .iter()
+            .copied()
+            .filter(|slot| now - slot > ON_TIME_GRACE_MS)
+            .collect();
+        match self.catch_up {
+            CatchUp::Skip => {}
+            CatchUp::One => fire.extend(missed.last().copied()),
+            CatchUp::All => {
+                fire.extend(
+                    missed
+                        .iter()
+                        .skip(missed.len().saturating_sub(MAX_CATCH_UP)),
+                );
+            }
+        }
+        for slot in due
+            .iter()
+            .copied()
+            .filter(|slot| now - slot <= ON_TIME_GRACE_MS)
+        {
+            if slot + self.jitter_of(routine, slot) > now {
+                // Not yet: this slot and everything after it wait for a later tick.
+                next = Some(slot);
+                break;
+            }
+            fire.push(slot);
+        }
+        DuePlan {
+            fire,
+            next_slot: next,
+        }
+    }
+}
+
+/// A slot as RFC 3339 in UTC, for people.
+pub fn slot_rfc3339(slot: i64) -> String {
+    Utc.timestamp_millis_opt(slot)
+        .single()
+        .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true))
+        .unwrap_or_else(|| slot.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn schedule(cron: &str, tz: &str, catch_up: CatchUp, jitter: u64) -> Schedule {
+        ScheduleSection {
+            cron: cron.to_owned(),
+            timezone: tz.to_owned(),
+            catch_up,
+            jitter_seconds: jitter,
+        }
+        .compile()
+        .unwrap()
+    }
+
+    fn utc_ms(y: i32, mo: u32, d: u32, h: u32, mi: u32, s: u32) -> i64 {
+        Utc.with_ymd_and_hms(y, mo, d, h, mi, s)
+            .single()
+            .unwrap()
+            .timestamp_millis()
+    }
+
+    #[test]
+    fn bad_expressions_and_zones_are_refused_with_the_field_named() {
+        let section = |cron: &str, tz: &str| ScheduleSection {
+            cron: cron.to_owned(),
+            timezone: tz.to_owned(),
+            catch_up: CatchUp::One,
+            jitter_seconds: 0,
+        };
+        let err = section("61 * * * *", "UTC").compile().unwrap_err();
+        assert!(err.contains("`schedule.cron`"), "{err}");
+        let err = section("* * * * *", "Mars/Olympus").compile().unwrap_err();
+        assert!(err.contains("`schedule.timezone`"), "{err}");
+        let err = section("0 0 30 2 *", "UTC").compile().unwrap_err();
+        assert!(err.contains("never fires"), "{err}");
+        let mut jittery = section("* * * * *", "UTC");
+        jittery.jitter_seconds = MAX_JITTER_SECONDS + 1;
+        assert!(jittery.compile().is_err());
+    }
+
+    #[test]
+    fn minutes_and_seconds_fire_where_expected() {
+        let every_minute = schedule("* * * * *", "UTC", CatchUp::One, 0);
+        let start = utc_ms(2026, 11, 29, 10, 0, 30);
+        assert_eq!(
+            every_minute.upcoming(start, 3),
+            [
+                utc_ms(2026, 11, 29, 10, 1, 0),
+                utc_ms(2026, 11, 29, 10, 2, 0),
+                utc_ms(2026, 11, 29, 10, 3, 0)
+            ]
+        );
+        let every_two_seconds = schedule("*/2 * * * * *", "UTC", CatchUp::One, 0);
+        assert_eq!(
+            every_two_seconds.next_after(start),
+            Some(utc_ms(2026, 11, 29, 10, 0, 32))
+        );
+    }
+
+    #[test]
+    fn daylight_saving_transitions_fire_once_per_day() {
+        // Europe/Berlin: 2026-03-29 02:00 CET jumps to 03:00 CEST; 2026-10-25 03:00 CEST falls
+        // back to 02:00 CET, so 02:30 happens twice.
+        let daily = schedule("30 2 * * *", "Europe/Berlin", CatchUp::One, 0);
+        let spring = daily.upcoming(utc_ms(2026, 3, 27, 12, 0, 0), 3);
+        assert_eq!(
+            spring,
+            [
+                utc_ms(2026, 3, 28, 1, 30, 0), // 02:30 CET
+                utc_ms(2026, 3, 29, 1, 0, 0), // no 02:30 that day: the first instant after the gap, 03:00 CEST
+                utc_ms(2026, 3, 30, 0, 30, 0), // 02:30 CEST
+            ]
+        );
+        let autumn = daily.upcoming(utc_ms(2026, 10, 24, 12, 0, 0), 2);
+        assert_eq!(
+            autumn,
+            [
+                utc_ms(2026, 10, 25, 0, 30, 0), // the earlier 02:30 (CEST) only
+                utc_ms(2026, 10, 26, 1, 30, 0), // 02:30 CET
+            ]
+        );
+        // An hourly job still fires every real hour across the overlap.
+        let hourly = schedule("0 * * * *", "Europe/Berlin", CatchUp::One, 0);
+        let hours = hourly.upcoming(utc_ms(2026, 10, 24, 23, 30, 0), 4);
+        assert_eq!(
+            hours,
+            [
+                utc_ms(2026, 10, 25, 0, 0, 0),
+                utc_ms(2026, 10, 25, 1, 0, 0),
+                utc_ms(2026, 10, 25, 2, 0, 0),
+                utc_ms(2026, 10, 25, 3, 0, 0),
+            ]
+        );
+    }
+
+    #[test]
+    fn catch_up_policies_choose_among_missed_slots() {
+        let start = utc_ms(2026, 11, 29, 10, 0, 0);
+        let now = utc_ms(2026, 11, 29, 10, 5, 10); // 10:00 … 10:05 are due; 10:05 is on time
+        let plan = |catch_up| schedule("* * * * *", "UTC", catch_up, 0).plan("r", start, now);
+        let on_time = utc_ms(2026, 11, 29, 10, 5, 0);
+        let next = Some(utc_ms(2026, 11, 29, 10, 6, 0));
+        assert_eq!(
+            plan(CatchUp::Skip),
+            DuePlan {
+                fire: vec![on_time],
+                next_slot: next
+            }
+        );
+        assert_eq!(
+            plan(CatchUp::One),
+            DuePlan {
+                fire: vec![utc_ms(2026, 11, 29, 10, 4, 0), on_time],
+                next_slot: next
+            }
+        );
+        let all = plan(CatchUp::All);
+        assert_eq!(all.fire.len(), 6);
+        assert_eq!(all.next_slot, next);
+        // A long outage catches up at most MAX_CATCH_UP slots, the latest ones.
+        let day_later = start + 24 * 3600 * 1000 + 10_000;
+        let long = schedule("* * * * *", "UTC", CatchUp::All, 0).plan("r", start, day_later);
+        assert_eq!(long.fire.len(), MAX_CATCH_UP + 1);
+        assert_eq!(long.fire.last(), Some(&(start + 24 * 3600 * 1000)));
+    }
+
+    #[test]
+    fn jitter_is_fixed_per_slot_and_delays_within_its_bound() {
+        let jittery = schedule("* * * * *", "UTC", CatchUp::Skip, 30);
+        let slot = utc_ms(2026, 11, 29, 10, 0, 0);
+        let offset = jittery.jitter_of("rtn_a", slot);
+        assert!((0..30_000).contains(&offset));
+        assert_eq!(
+            offset,
+            jittery.jitter_of("rtn_a", slot),
+            "the same in every process"
+        );
+        let before = jittery.plan("rtn_a", slot, slot + offset - 1);
+        assert!(before.fire.is_empty());
+        assert_eq!(
+            before.next_slot,
+            Some(slot),
+            "the slot waits, it is not skipped"
+        );
+        let after = jittery.plan("rtn_a", slot, slot + offset);
+        assert_eq!(after.fire, [slot]);
+        assert_eq!(
+            schedule("* * * * *", "UTC", CatchUp::Skip, 0).jitter_of("rtn_a", slot),
+            0
+        );
+    }
+}

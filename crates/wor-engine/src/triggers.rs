@@ -1,0 +1,519 @@
+//! Runs that start on their own, and the webhooks that tell other systems about runs:
+//! the scheduler, signed inbound webhooks, and the outbox of signed run webhooks
+//! (docs/webhooks.md, invariant S13).
+
+use std::time::Duration;
+
+use secrecy::{ExposeSecret as _, SecretString};
+use serde_json::{Value, json};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use wor_core::audit::{Actor, AuditCategory, AuditEvent};
+use wor_core::routine::{RoutineDefinition, RunEvent, WebhookScheme};
+use wor_core::run::RunStatus;
+use wor_core::schedule::slot_rfc3339;
+use wor_core::{ProjectId, RoutineId};
+use wor_egress::{EgressRequest, HeaderMap, header};
+use wor_secrets::webhook_signature;
+use wor_store::{AttemptOutcome, NewDelivery, RunRecord, SecretSlot, StoreError};
+
+use crate::{Engine, EngineError, StartRun, Trigger};
+
+/// The vault table webhook secrets are filed under (one per routine).
+pub const ROUTINES_TABLE: &str = "routines";
+/// The vault field of a routine's webhook secret.
+pub const WEBHOOK_SECRET_FIELD: &str = "webhook_secret";
+/// How far a webhook timestamp may be from now, either way.
+pub const REPLAY_WINDOW_SECS: u64 = 300;
+/// Largest inbound webhook body accepted.
+pub const MAX_WEBHOOK_BYTES: usize = 256 * 1024;
+/// How often the scheduler and the webhook outbox look for work.
+const TICK: Duration = Duration::from_secs(1);
+/// Attempts per run webhook before it is given up.
+pub const MAX_DELIVERY_ATTEMPTS: i64 = 6;
+/// A claimed delivery is retried by another process after this long.
+const DELIVERY_LEASE_MS: i64 = 30_000;
+
+/// What one scheduler pass did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SchedulerReport {
+    /// Runs started (including ones recorded as skipped by the overlap policy).
+    pub started: u64,
+    /// Slots another scheduler process had already started.
+    pub already_started: u64,
+}
+
+/// Headers of an inbound webhook, as received.
+#[derive(Debug, Clone, Default)]
+pub struct InboundWebhook {
+    pub timestamp: Option<String>,
+    pub signature: Option<String>,
+    /// `wor-delivery` or `webhook-id`.
+    pub delivery: Option<String>,
+    pub body: Vec<u8>,
+}
+
+/// Why an inbound webhook started nothing. Each maps to one HTTP answer.
+#[derive(Debug, thiserror::Error)]
+pub enum WebhookRejection {
+    /// Unknown routine, or its webhook is not enabled: answered as not found.
+    #[error("not found")]
+    NotFound,
+    #[error("the body is larger than {MAX_WEBHOOK_BYTES} bytes")]
+    TooLarge,
+    #[error("{0}")]
+    BadSignature(String),
+    #[error("this delivery was received before")]
+    Replayed,
+    #[error("{0}")]
+    Refused(String),
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+}
+
+impl Engine {
+    /// One scheduler pass at `now` (Unix ms): every scheduled routine whose next slot is due
+    /// starts its slots as its catch-up and jitter settings say. A slot starts at most one run
+    /// whichever process gets there, and the schedule only moves forward by compare-and-set.
+    pub async fn schedule_tick(&self, now: i64) -> Result<SchedulerReport, EngineError> {
+        let mut report = SchedulerReport::default();
+        for due in self.store.due_schedules(now, 500).await? {
+            let routine = self
+                .store
+                .get_routine(due.project_id, due.routine_id)
+                .await?;
+            let version = self
+                .store
+                .get_routine_version(due.project_id, routine.id, routine.current_version)
+                .await?;
+            let plan = match version.definition.schedule.as_ref().map(|s| s.compile()) {
+                Some(Ok(schedule)) => schedule.plan(&routine.id.to_string(), due.next_slot_at, now),
+                Some(Err(reason)) => {
+                    tracing::error!(category = "schedule", routine_id = %routine.id, reason = %reason,
+                        "a stored schedule does not compile; it is stopped");
+                    self.store
+                        .advance_schedule(routine.id, due.next_slot_at, None)
+                        .await?;
+                    continue;
+                }
+                None => {
+                    self.store
+                        .advance_schedule(routine.id, due.next_slot_at, None)
+                        .await?;
+                    continue;
+                }
+            };
+            // Runs first, then the schedule: a crash in between re-plans the same slots, and
+            // the ones already started are refused by the store, not started twice.
+            for slot in &plan.fire {
+                let started = self
+                    .start_run(StartRun {
+                        project: due.project_id,
+                        routine: routine.id,
+                        input: Value::String(format!(
+                            "Scheduled run for slot {}.",
+                            slot_rfc3339(*slot)
+                        )),
+                        trigger: Trigger::Schedule { slot: *slot },
+                        actor: None,
+                    })
+                    .await;
+                match started {
+                    Ok(_) => report.started += 1,
+                    Err(EngineError::Store(StoreError::Conflict(_))) => {
+                        report.already_started += 1;
+                    }
+                    Err(error) => return Err(error),
+                }
+            }
+            if plan.next_slot != Some(due.next_slot_at) {
+                self.store
+                    .advance_schedule(routine.id, due.next_slot_at, plan.next_slot)
+                    .await?;
+            }
+        }
+        Ok(report)
+    }
+
+    /// The next `count` slots of a routine's schedule after now, if it has one.
+    pub async fn next_firings(
+        &self,
+        project: ProjectId,
+        routine: RoutineId,
+        definition: &RoutineDefinition,
+        count: usize,
+    ) -> Result<Vec<i64>, EngineError> {
+        let Some(section) = &definition.schedule else {
+            return Ok(Vec::new());
+        };
+        let schedule = section.compile().map_err(EngineError::Invalid)?;
+        let from = match self.store.schedule_next_slot(project, routine).await? {
+            // The stored next slot is the first one to fire (it may be due right now).
+            Some(next) => next.saturating_sub(1),
+            None => wor_store::now_millis(),
+        };
+        Ok(schedule.upcoming(from, count))
+    }
+
+    /// A task that runs the scheduler and the webhook outbox every second until `shutdown`.
+    pub fn spawn_triggers(&self, mut shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
+        let engine = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(TICK);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {},
+                    _ = shutdown.changed() => return,
+                }
+                if *shutdown.borrow() {
+                    return;
+                }
+                let now = wor_store::now_millis();
+                if let Err(error) = engine.schedule_tick(now).await {
+                    tracing::error!(category = "schedule", error = %error, "scheduler pass failed");
+                }
+                if let Err(error) = engine.deliver_webhooks(now).await {
+                    tracing::error!(category = "webhook", error = %error, "webhook delivery pass failed");
+                }
+            }
+        })
+    }
+
+    /// The slot of a routine's webhook secret.
+    fn webhook_slot(project: ProjectId, routine: RoutineId) -> SecretSlot {
+        SecretSlot::new(project, ROUTINES_TABLE, routine, WEBHOOK_SECRET_FIELD)
+    }
+
+    /// Whether the routine has a webhook secret.
+    pub async fn has_webhook_secret(
+        &self,
+        project: ProjectId,
+        routine: RoutineId,
+    ) -> Result<bool, EngineError> {
+        Ok(self
+            .vault
+            .metadata(&Self::webhook_slot(project, routine))
+            .await?
+            .is_some())
+    }
+
+    /// Makes a new webhook secret for the routine (replacing any), seals it, and returns it:
+    /// the only time it is shown.
+    pub async fn rotate_webhook_secret(
+        &self,
+        project: ProjectId,
+        routine: RoutineId,
+        actor: Actor,
+    ) -> Result<SecretString, EngineError> {
+        let secret = webhook_signature::generate_secret()
+            .map_err(|e| EngineError::Refused(format!("cannot make a webhook secret: {e}")))?;
+        let slot = Self::webhook_slot(project, routine);
+        self.vault
+            .put(&slot, secret.expose_secret())
+            .await
+            .map_err(|e| EngineError::Refused(format!("cannot seal the webhook secret: {e}")))?;
+        self.audit
+            .append(
+                AuditEvent::new(project, AuditCategory::WebhookSecretRotate, actor)
+                    .subject("routine_id", routine)
+                    .payload(json!({ "slot": slot.to_string() })),
+            )
+            .await?;
+        Ok(secret)
+    }
+
+    async fn open_webhook_secret(
+        &self,
+        project: ProjectId,
+        routine: RoutineId,
+    ) -> Result<Option<SecretString>, EngineError> {
+        let slot = Self::webhook_slot(project, routine);
+        if self.vault.metadata(&slot).await?.is_none() {
+            return Ok(None);
+        }
+        self.vault
+            .open(&slot)
+            .await
+            .map(Some)
+            .map_err(|e| EngineError::Refused(format!("cannot open the webhook secret: {e}")))
+    }
+
+    /// Checks an inbound webhook for `routine` and starts a run with its payload as untrusted
+    /// input. Nothing about the routine is revealed before the signature checks out.
+    pub async fn receive_webhook(
+        &self,
+        routine: RoutineId,
+        hook: InboundWebhook,
+    ) -> Result<RunRecord, WebhookRejection> {
+        if hook.body.len() > MAX_WEBHOOK_BYTES {
+            return Err(WebhookRejection::TooLarge);
+        }
+        let record = match self.store.get_routine_for_webhook(routine).await {
+            Ok(record) => record,
+            Err(StoreError::NotFound) => return Err(WebhookRejection::NotFound),
+            Err(other) => return Err(EngineError::from(other).into()),
+        };
+        let version = self
+            .store
+            .get_routine_version(record.project_id, record.id, record.current_version)
+            .await
+            .map_err(EngineError::from)?;
+        let settings = version.definition.webhook;
+        if !settings.enabled {
+            return Err(WebhookRejection::NotFound);
+        }
+        let Some(secret) = self
+            .open_webhook_secret(record.project_id, record.id)
+            .await?
+        else {
+            return Err(WebhookRejection::NotFound);
+        };
+        let bad = |reason: &str| WebhookRejection::BadSignature(reason.to_owned());
+        let timestamp: i64 = hook
+            .timestamp
+            .as_deref()
+            .ok_or_else(|| bad("missing timestamp header"))?
+            .trim()
+            .parse()
+            .map_err(|_| bad("the timestamp is not Unix seconds"))?;
+        let signature = hook
+            .signature
+            .as_deref()
+            .ok_or_else(|| bad("missing signature header"))?;
+        let now = wor_store::now_millis() / 1000;
+        let checked = match settings.scheme {
+            WebhookScheme::Wor => webhook_signature::verify(
+                secret.expose_secret(),
+                timestamp,
+                &hook.body,
+                signature,
+                now,
+                REPLAY_WINDOW_SECS,
+            ),
+            WebhookScheme::Standard => {
+                let id = hook
+                    .delivery
+                    .as_deref()
+                    .ok_or_else(|| bad("missing webhook-id header"))?;
+                wor_secrets::StandardWebhookSecret::parse(secret.expose_secret()).and_then(
+                    |standard| {
+                        standard.verify(
+                            id,
+                            timestamp,
+                            &hook.body,
+                            signature,
+                            now,
+                            REPLAY_WINDOW_SECS,
+                        )
+                    },
+                )
+            }
+        };
+        checked.map_err(|e| WebhookRejection::BadSignature(e.to_string()))?;
+        // Deduplicated by delivery id, or else by the signature itself.
+        let delivery = hook
+            .delivery
+            .clone()
+            .unwrap_or_else(|| format!("sig:{}", signature.trim().to_ascii_lowercase()));
+        let input = match serde_json::from_slice::<Value>(&hook.body) {
+            Ok(json) => json,
+            Err(_) => Value::String(String::from_utf8_lossy(&hook.body).into_owned()),
+        };
+        match self
+            .start_run(StartRun {
+                project: record.project_id,
+                routine: record.id,
+                input,
+                trigger: Trigger::Webhook { delivery },
+                actor: None,
+            })
+            .await
+        {
+            Ok(run) => Ok(run),
+            Err(EngineError::Store(StoreError::Conflict(_))) => Err(WebhookRejection::Replayed),
+            Err(EngineError::Refused(reason)) => Err(WebhookRejection::Refused(reason)),
+            Err(other) => Err(other.into()),
+        }
+    }
+
+    /// Queues the run webhook for `event` if the run's routine asks for it. `approval` adds
+    /// the approval a parked run waits on.
+    pub(crate) async fn enqueue_run_webhook(
+        &self,
+        run: &RunRecord,
+        status: RunStatus,
+        outcome: Option<&str>,
+        approval: Option<Value>,
+    ) -> Result<(), EngineError> {
+        let event = match status {
+            RunStatus::Succeeded => RunEvent::Finished,
+            RunStatus::WaitingForApproval => RunEvent::WaitingForApproval,
+            RunStatus::Failed | RunStatus::Cancelled => RunEvent::Failed,
+            RunStatus::BudgetExceeded => RunEvent::BudgetExceeded,
+            RunStatus::Queued | RunStatus::Running | RunStatus::Skipped => return Ok(()),
+        };
+        let version = self
+            .store
+            .get_routine_version(run.project_id, run.routine_id, run.routine_version)
+            .await?;
+        let Some(notify) = &version.definition.notify else {
+            return Ok(());
+        };
+        if !notify.events.contains(&event) {
+            return Ok(());
+        }
+        let event_key = match approval
+            .as_ref()
+            .and_then(|a| a.get("id"))
+            .and_then(Value::as_str)
+        {
+            Some(id) => format!("{}:{id}", event.as_str()),
+            None => event.as_str().to_owned(),
+        };
+        let mut body = json!({
+            "event": event.as_str(),
+            "occurred_at": slot_rfc3339(wor_store::now_millis()),
+            "project_id": run.project_id.to_string(),
+            "routine": { "id": run.routine_id.to_string(), "name": version.definition.name.as_str(), "version": run.routine_version },
+            "run": {
+                "id": run.id.to_string(),
+                "status": status.as_str(),
+                "trigger": run.trigger_kind,
+                "outcome": outcome,
+                "usage": run.usage,
+            },
+        });
+        if let Some(approval) = approval
+            && let Some(map) = body.as_object_mut()
+        {
+            map.insert("approval".to_owned(), approval);
+        }
+        self.project_redactor(run.project_id)
+            .await?
+            .redact_json(&mut body);
+        self.store
+            .enqueue_delivery(&NewDelivery {
+                project_id: run.project_id,
+                routine_id: run.routine_id,
+                run_id: run.id,
+                event: event.as_str().to_owned(),
+                event_key,
+                url: notify.url.clone(),
+                body: body.to_string(),
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// Sends the run webhooks due at `now`, signed with their routine's secret, through the
+    /// egress guard; failures are retried with exponential backoff and jitter, at most
+    /// [`MAX_DELIVERY_ATTEMPTS`] times. Returns how many were attempted.
+    pub async fn deliver_webhooks(&self, now: i64) -> Result<usize, EngineError> {
+        let claimed = self
+            .store
+            .claim_due_deliveries(now, DELIVERY_LEASE_MS, 50)
+            .await?;
+        for delivery in &claimed {
+            let outcome = match self
+                .open_webhook_secret(delivery.project_id, delivery.routine_id)
+                .await?
+            {
+                None => AttemptOutcome::Failed {
+                    status_code: None,
+                    error: "the routine has no webhook secret; create one with `wor routine webhook-secret`".to_owned(),
+                    retry_at: None,
+                },
+                Some(secret) => {
+                    let timestamp = wor_store::now_millis() / 1000;
+                    let signature = webhook_signature::sign(
+                        secret.expose_secret(),
+                        timestamp,
+                        delivery.body.as_bytes(),
+                    );
+                    let mut request =
+                        EgressRequest::webhook(&delivery.url, delivery.body.clone().into_bytes());
+                    request.headers =
+                        delivery_headers(&delivery.id, &delivery.event, timestamp, &signature);
+                    request.max_response_bytes = Some(wor_egress::EgressLimits::webhook().max_response_bytes);
+                    match self.egress.send(request).await {
+                        Ok(response) if response.status.is_success() => AttemptOutcome::Delivered {
+                            status_code: response.status.as_u16(),
+                        },
+                        Ok(response) => AttemptOutcome::Failed {
+                            status_code: Some(response.status.as_u16()),
+                            error: format!("the receiver answered {}", response.status),
+                            retry_at: retry_at(&delivery.id, delivery.attempts + 1),
+                        },
+                        Err(error) => AttemptOutcome::Failed {
+                            status_code: None,
+                            error: wor_secrets::redact_shapes(&error.to_string()).into_owned(),
+                            retry_at: retry_at(&delivery.id, delivery.attempts + 1),
+                        },
+                    }
+                }
+            };
+            tracing::info!(category = "webhook", action = "webhook.deliver", project_id = %delivery.project_id,
+                run_id = %delivery.run_id, delivered = matches!(outcome, AttemptOutcome::Delivered { .. }),
+                attempt = delivery.attempts + 1, "run webhook attempted");
+            self.store
+                .record_delivery_attempt(&delivery.id, &outcome)
+                .await?;
+        }
+        Ok(claimed.len())
+    }
+}
+
+fn delivery_headers(id: &str, event: &str, timestamp: i64, signature: &str) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    let pairs = [
+        ("content-type", "application/json".to_owned()),
+        ("wor-delivery", id.to_owned()),
+        ("wor-event", event.to_owned()),
+        ("wor-timestamp", timestamp.to_string()),
+        ("wor-signature", signature.to_owned()),
+    ];
+    for (name, value) in pairs {
+        if let (Ok(name), Ok(value)) = (
+            header::HeaderName::from_bytes(name.as_bytes()),
+            header::HeaderValue::from_str(&value),
+        ) {
+            headers.insert(name, value);
+        }
+    }
+    headers
+}
+
+/// When attempt `attempt` (1-based, just failed) is retried: 2 s doubling per attempt, at most
+/// 10 minutes, with up to 20 % jitter fixed by the delivery id; `None` once attempts run out.
+fn retry_at(id: &str, attempt: i64) -> Option<i64> {
+    if attempt >= MAX_DELIVERY_ATTEMPTS {
+        return None;
+    }
+    let exponent = u32::try_from(attempt.saturating_sub(1))
+        .unwrap_or(0)
+        .min(16);
+    let base = 2_000_i64.saturating_mul(1_i64 << exponent).min(600_000);
+    let digest = wor_core::canonical::sha256_hex(format!("{id}:{attempt}").as_bytes());
+    let spread = digest
+        .get(..8)
+        .and_then(|h| i64::from_str_radix(h, 16).ok())
+        .unwrap_or(0)
+        % (base / 5 + 1);
+    Some(wor_store::now_millis() + base + spread)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retries_back_off_and_stop() {
+        let now = wor_store::now_millis();
+        let first = retry_at("dlv_1", 1).unwrap() - now;
+        let third = retry_at("dlv_1", 3).unwrap() - now;
+        assert!((2_000..=2_500).contains(&first), "{first}");
+        assert!((8_000..=9_700).contains(&third), "{third}");
+        assert_eq!(retry_at("dlv_1", MAX_DELIVERY_ATTEMPTS), None);
+    }
+}

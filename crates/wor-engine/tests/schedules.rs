@@ -1,0 +1,243 @@
+//! The scheduler on the configured database: slots start runs on time, exactly once across
+//! restarts and concurrent schedulers, missed slots are caught up as the routine says, and an
+//! unscheduled routine stops firing.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic,
+    reason = "tests fail loudly"
+)]
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use wor_core::run::Provenance;
+use wor_core::{ProjectId, RoutineId};
+use wor_engine::{Engine, EngineConfig};
+use wor_store::testing::TestDatabase;
+use wor_store::{AuditConfig, AuditLog, RunFilter, Vault};
+
+struct Harness {
+    db: TestDatabase,
+    vault: Vault,
+    audit: AuditLog,
+    project: ProjectId,
+}
+
+impl Harness {
+    async fn new() -> Self {
+        let db = TestDatabase::isolated().await.unwrap();
+        let created = db
+            .store
+            .create_project(&TestDatabase::unique_name("sched"), "owner")
+            .await
+            .unwrap();
+        let (keys, _) = wor_secrets::KeyRing::generate().unwrap();
+        let vault = Vault::new(db.store.clone(), Arc::new(keys));
+        let (signing, _) = wor_secrets::AuditSigningKey::generate().unwrap();
+        let audit = AuditLog::start(db.store.clone(), signing, AuditConfig::default());
+        Harness {
+            db,
+            vault,
+            audit,
+            project: created.project.id,
+        }
+    }
+
+    /// A new engine on the same database: another scheduler process, or this one restarted.
+    fn engine(&self) -> Engine {
+        Engine::new(
+            self.db.store.clone(),
+            self.vault.clone(),
+            wor_egress::EgressClient::new(wor_egress::EgressPolicy::development()).unwrap(),
+            self.audit.clone(),
+            EngineConfig::default(),
+        )
+    }
+
+    async fn apply(&self, schedule: &str) -> RoutineId {
+        let toml = format!(
+            "name = \"nightly\"\ninstructions = \"Report.\"\n[model]\nprovider = \"replay\"\n\
+             model = \"m\"\nscript = {{ turns = [] }}\n[concurrency]\nmax_runs = 100\n{schedule}\n"
+        );
+        let definition = wor_core::routine::RoutineDefinition::from_toml(&toml).unwrap();
+        self.db
+            .store
+            .apply_routine(self.project, &toml, &definition, None)
+            .await
+            .unwrap()
+            .routine
+            .id
+    }
+
+    async fn next_slot(&self, routine: RoutineId) -> Option<i64> {
+        self.db
+            .store
+            .schedule_next_slot(self.project, routine)
+            .await
+            .unwrap()
+    }
+
+    /// The slots the routine's runs were started for.
+    async fn slots(&self, routine: RoutineId) -> Vec<i64> {
+        let runs = self
+            .db
+            .store
+            .list_runs(
+                self.project,
+                &RunFilter {
+                    routine_id: Some(routine),
+                    limit: 200,
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+        let mut slots: Vec<i64> = runs
+            .iter()
+            .map(|r| {
+                assert_eq!(r.trigger_kind, "schedule");
+                assert_eq!(r.started_by, None);
+                r.trigger_key
+                    .as_deref()
+                    .unwrap()
+                    .strip_prefix("slot:")
+                    .unwrap()
+                    .parse()
+                    .unwrap()
+            })
+            .collect();
+        slots.sort_unstable();
+        slots
+    }
+}
+
+const MINUTE: i64 = 60_000;
+
+#[tokio::test]
+async fn each_slot_starts_one_run_across_restarts_and_concurrent_schedulers() {
+    let h = Harness::new().await;
+    let routine = h.apply("[schedule]\ncron = \"* * * * *\"").await;
+    let first = h.next_slot(routine).await.unwrap();
+    assert_eq!(first % MINUTE, 0, "a minute cron fires on the minute");
+
+    let a = h.engine();
+    assert_eq!(
+        a.schedule_tick(first - 1).await.unwrap().started,
+        0,
+        "not yet"
+    );
+    assert_eq!(a.schedule_tick(first + 500).await.unwrap().started, 1);
+    assert_eq!(a.schedule_tick(first + 900).await.unwrap().started, 0);
+    assert_eq!(h.next_slot(routine).await, Some(first + MINUTE));
+
+    // A restarted scheduler (a new engine on the same database) neither repeats nor skips.
+    let b = h.engine();
+    assert_eq!(b.schedule_tick(first + 1_000).await.unwrap().started, 0);
+    assert_eq!(
+        b.schedule_tick(first + MINUTE + 200).await.unwrap().started,
+        1
+    );
+
+    // Two schedulers ticking at once start the slot once between them.
+    let now = first + 2 * MINUTE + 300;
+    let (x, y) = tokio::join!(a.schedule_tick(now), b.schedule_tick(now));
+    let (x, y) = (x.unwrap(), y.unwrap());
+    assert_eq!(x.started + y.started, 1, "{x:?} {y:?}");
+    assert_eq!(
+        h.slots(routine).await,
+        [first, first + MINUTE, first + 2 * MINUTE]
+    );
+
+    // The scheduled run's input says which slot it is for, labelled as the engine's.
+    let runs =
+        h.db.store
+            .list_runs(
+                h.project,
+                &RunFilter {
+                    limit: 1,
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+    let steps =
+        h.db.store
+            .list_run_steps(h.project, runs[0].id, 0)
+            .await
+            .unwrap();
+    assert_eq!(steps[0].provenance, Provenance::Engine);
+    assert!(
+        steps[0].payload["input"]
+            .as_str()
+            .unwrap()
+            .contains("Scheduled run for slot")
+    );
+    let audit = h.db.store.audit_entries(h.project, 0, 100).await.unwrap();
+    assert!(
+        audit.iter().any(|e| e.category == "run.start"
+            && matches!(e.actor, wor_core::audit::Actor::Schedule { .. })),
+        "the audit log names the schedule as the actor"
+    );
+}
+
+#[tokio::test]
+async fn missed_slots_are_caught_up_as_the_routine_says() {
+    for (policy, expected_missed) in [("skip", 0), ("one", 1), ("all", 5)] {
+        let h = Harness::new().await;
+        let routine = h
+            .apply(&format!(
+                "[schedule]\ncron = \"* * * * *\"\ncatch_up = \"{policy}\""
+            ))
+            .await;
+        let first = h.next_slot(routine).await.unwrap();
+        // Down for five minutes: slots first … first+4m were missed; first+5m is on time.
+        let now = first + 5 * MINUTE + 2_000;
+        let report = h.engine().schedule_tick(now).await.unwrap();
+        assert_eq!(report.started, expected_missed + 1, "catch_up = {policy}");
+        let slots: BTreeSet<i64> = h.slots(routine).await.into_iter().collect();
+        assert!(
+            slots.contains(&(first + 5 * MINUTE)),
+            "{policy}: the on-time slot runs"
+        );
+        if policy == "one" {
+            assert!(
+                slots.contains(&(first + 4 * MINUTE)),
+                "the latest missed slot"
+            );
+        }
+        assert_eq!(h.next_slot(routine).await, Some(first + 6 * MINUTE));
+    }
+}
+
+#[tokio::test]
+async fn a_new_version_without_a_schedule_stops_firing() {
+    let h = Harness::new().await;
+    let routine = h
+        .apply("[schedule]\ncron = \"*/2 * * * * *\"\ntimezone = \"Europe/Berlin\"")
+        .await;
+    let first = h.next_slot(routine).await.unwrap();
+    let engine = h.engine();
+    let version =
+        h.db.store
+            .get_routine_version(h.project, routine, 1)
+            .await
+            .unwrap();
+    let upcoming = engine
+        .next_firings(h.project, routine, &version.definition, 3)
+        .await
+        .unwrap();
+    assert_eq!(upcoming, [first, first + 2_000, first + 4_000]);
+    // Re-applying the same schedule keeps its place; removing it stops it.
+    h.apply("[schedule]\ncron = \"*/2 * * * * *\"\ntimezone = \"Europe/Berlin\"\n# same")
+        .await;
+    assert_eq!(h.next_slot(routine).await, Some(first));
+    h.apply("").await;
+    assert_eq!(h.next_slot(routine).await, None);
+    assert_eq!(
+        engine.schedule_tick(first + 10_000).await.unwrap().started,
+        0
+    );
+    assert!(h.slots(routine).await.is_empty());
+}
