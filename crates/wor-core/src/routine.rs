@@ -284,6 +284,36 @@ pub struct NotifySection {
     pub events: Vec<RunEvent>,
 }
 
+/// `[memory]`: whether runs of a thread remember what earlier runs were asked and answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MemorySection {
+    #[serde(default)]
+    pub enabled: bool,
+    /// How many of the latest entries a run is given.
+    #[serde(default = "default_memory_entries")]
+    pub max_entries: u32,
+}
+
+fn default_memory_entries() -> u32 {
+    20
+}
+
+impl Default for MemorySection {
+    fn default() -> Self {
+        MemorySection {
+            enabled: false,
+            max_entries: default_memory_entries(),
+        }
+    }
+}
+
+impl MemorySection {
+    fn is_default(&self) -> bool {
+        *self == MemorySection::default()
+    }
+}
+
 /// One `[[tools]]` entry: a tool the routine may use, and how.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -326,6 +356,8 @@ pub struct RoutineDefinition {
     pub webhook: WebhookSection,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub notify: Option<NotifySection>,
+    #[serde(skip_serializing_if = "MemorySection::is_default")]
+    pub memory: MemorySection,
 }
 
 #[derive(Deserialize)]
@@ -352,6 +384,8 @@ struct RawRoutine {
     webhook: WebhookSection,
     #[serde(default)]
     notify: Option<Spanned<NotifySection>>,
+    #[serde(default)]
+    memory: MemorySection,
 }
 
 fn line_of(text: &str, offset: usize) -> usize {
@@ -495,6 +529,7 @@ impl RoutineDefinition {
             schedule,
             webhook: raw.webhook,
             notify,
+            memory: raw.memory,
         })
     }
 

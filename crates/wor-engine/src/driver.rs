@@ -114,6 +114,9 @@ impl Engine {
             .await?;
         if finished {
             self.store.cancel_approvals(run.id).await?;
+            if ending.status == RunStatus::Succeeded {
+                self.remember(&run, &ending.outcome).await?;
+            }
             self.enqueue_run_webhook(&run, ending.status, Some(&ending.outcome), None)
                 .await?;
             self.audit
@@ -177,6 +180,55 @@ impl Engine {
         let flow = self.turns(&context, messages, pending, untrusted).await;
         tools.close().await;
         flow
+    }
+
+    /// Adds what a finished run was asked and what it answered to its thread's memory, when
+    /// its routine keeps memory. The answer is labelled untrusted when untrusted content was in
+    /// the run's context: it may have been influenced by it, and it stays marked forever.
+    async fn remember(&self, run: &RunRecord, answer: &str) -> Result<(), EngineError> {
+        let Some(thread) = &run.thread else {
+            return Ok(());
+        };
+        let version = self
+            .store
+            .get_routine_version(run.project_id, run.routine_id, run.routine_version)
+            .await?;
+        if !version.definition.memory.enabled {
+            return Ok(());
+        }
+        let steps = self.store.list_run_steps(run.project_id, run.id, 0).await?;
+        let tainted = !untrusted_sources(&steps).is_empty();
+        let now = wor_store::now_millis();
+        let mut entries = Vec::new();
+        if let Some(input) = steps.iter().find(|s| s.kind == "input") {
+            let text = match input.payload.get("input") {
+                Some(Value::String(text)) => text.clone(),
+                Some(other) => other.to_string(),
+                None => String::new(),
+            };
+            entries.push(wor_store::MemoryEntry {
+                run_id: run.id,
+                role: "requester".to_owned(),
+                provenance: input.provenance,
+                text,
+                created_at: now,
+            });
+        }
+        entries.push(wor_store::MemoryEntry {
+            run_id: run.id,
+            role: "assistant".to_owned(),
+            provenance: if tainted {
+                Provenance::Untrusted
+            } else {
+                Provenance::Model
+            },
+            text: answer.to_owned(),
+            created_at: now,
+        });
+        self.store
+            .append_memory(run.project_id, run.routine_id, thread, &entries)
+            .await?;
+        Ok(())
     }
 
     /// The policy a run's calls are decided by: the project's policy (or the built-in
@@ -574,6 +626,10 @@ fn lease_ms(config: &crate::EngineConfig) -> i64 {
 /// requester's input, then each recorded model turn and tool result in order.
 fn conversation(definition: &RoutineDefinition, steps: &[RunStep]) -> Vec<ChatMessage> {
     let mut messages = vec![ChatMessage::system(definition.instructions.clone())];
+    // Memory of earlier runs comes right after the instructions, before this run's input.
+    if let Some(memory) = steps.iter().find(|s| s.kind == "memory") {
+        messages.extend(memory_messages(&memory.payload));
+    }
     for step in steps {
         match step.kind.as_str() {
             "input" => {
@@ -625,4 +681,37 @@ fn conversation(definition: &RoutineDefinition, steps: &[RunStep]) -> Vec<ChatMe
         }
     }
     messages
+}
+
+/// The messages a `memory` step replays, each with its label: what earlier requesters asked
+/// and what runs free of untrusted content answered are plain messages; anything labelled
+/// untrusted goes in an envelope marked as data, whatever its role was.
+fn memory_messages(payload: &Value) -> Vec<ChatMessage> {
+    let boundary = payload
+        .get("boundary")
+        .and_then(Value::as_str)
+        .map(str::to_owned)
+        .unwrap_or_else(crate::pipeline::new_boundary);
+    payload
+        .get("entries")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(|entry| {
+            let text = entry.get("text").and_then(Value::as_str)?;
+            let role = entry.get("role").and_then(Value::as_str)?;
+            let provenance = entry.get("provenance").and_then(Value::as_str)?;
+            Some(match (provenance, role) {
+                ("requester" | "engine", _) => ChatMessage::user(format!(
+                    "(From an earlier run of this thread, the requester asked:) {text}"
+                )),
+                ("model", "assistant") => ChatMessage::user(format!(
+                    "(From an earlier run of this thread, you answered:) {text}"
+                )),
+                _ => ChatMessage::user(crate::pipeline::untrusted_envelope(
+                    "memory", &boundary, text,
+                )),
+            })
+        })
+        .collect()
 }

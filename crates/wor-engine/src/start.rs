@@ -41,7 +41,14 @@ pub struct StartRun {
     pub trigger: Trigger,
     /// Who the audit log names as starting the run; `None` names the trigger's key.
     pub actor: Option<Actor>,
+    /// The memory thread (routines with `[memory]`); `None` is the thread `default`.
+    pub thread: Option<String>,
 }
+
+/// The thread a run without one belongs to.
+pub const DEFAULT_THREAD: &str = "default";
+/// Longest thread name accepted.
+const MAX_THREAD_CHARS: usize = 128;
 
 impl Engine {
     /// Queues a run of the routine's current version, applying its overlap policy.
@@ -112,13 +119,62 @@ impl Engine {
             Trigger::Webhook { .. } => serde_json::json!({
                 "input": request.input,
                 "source": "webhook",
-                "boundary": wor_core::ids::request_id().trim_start_matches("req_"),
+                "boundary": crate::pipeline::new_boundary(),
             }),
             _ => serde_json::json!({ "input": request.input }),
         };
         self.project_redactor(request.project)
             .await?
             .redact_json(&mut input);
+        // Memory is replayed with the labels it was stored with; one untrusted entry makes the
+        // whole memory step untrusted, so decisions see it from the first call.
+        let thread = match &request.thread {
+            Some(thread) => {
+                let thread = thread.trim();
+                if thread.is_empty()
+                    || thread.chars().count() > MAX_THREAD_CHARS
+                    || thread.chars().any(char::is_control)
+                {
+                    return Err(EngineError::Invalid(format!(
+                        "`thread` must be 1 to {MAX_THREAD_CHARS} printable characters"
+                    )));
+                }
+                thread.to_owned()
+            }
+            None => DEFAULT_THREAD.to_owned(),
+        };
+        let memory = if definition.memory.enabled {
+            let entries = self
+                .store
+                .thread_memory(
+                    request.project,
+                    routine.id,
+                    &thread,
+                    definition.memory.max_entries,
+                )
+                .await?;
+            (!entries.is_empty()).then(|| {
+                let provenance = if entries
+                    .iter()
+                    .any(|e| e.provenance == Provenance::Untrusted)
+                {
+                    Provenance::Untrusted
+                } else {
+                    Provenance::Requester
+                };
+                (
+                    provenance,
+                    serde_json::json!({
+                        "source": "memory",
+                        "thread": thread,
+                        "entries": entries,
+                        "boundary": crate::pipeline::new_boundary(),
+                    }),
+                )
+            })
+        } else {
+            None
+        };
         let run = self
             .store
             .create_run(
@@ -133,6 +189,8 @@ impl Engine {
                     outcome,
                     trigger_key,
                     input_provenance: provenance,
+                    thread: definition.memory.enabled.then_some(thread),
+                    memory,
                 },
                 &input,
             )

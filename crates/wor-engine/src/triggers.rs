@@ -116,6 +116,7 @@ impl Engine {
                         )),
                         trigger: Trigger::Schedule { slot: *slot },
                         actor: None,
+                        thread: None,
                     })
                     .await;
                 match started {
@@ -327,6 +328,7 @@ impl Engine {
                 input,
                 trigger: Trigger::Webhook { delivery },
                 actor: None,
+                thread: None,
             })
             .await
         {

@@ -87,6 +87,7 @@ impl Harness {
                 input: json!(input),
                 trigger: Trigger::Api(self.key),
                 actor: None,
+                thread: None,
             })
             .await
             .unwrap()
@@ -631,6 +632,7 @@ async fn production_refuses_the_replay_model() {
             input: json!("go"),
             trigger: Trigger::Api(h.key),
             actor: None,
+            thread: None,
         })
         .await
         .unwrap_err();

@@ -11,6 +11,7 @@ mod api_keys;
 mod approvals;
 mod audit;
 mod members;
+mod memory;
 mod migrations;
 mod model_connections;
 mod projects;
@@ -37,6 +38,7 @@ pub use approvals::{
 };
 pub use audit::{AuditConfig, AuditLog, AuditReceipt};
 pub use members::MemberRecord;
+pub use memory::MemoryEntry;
 pub use model_connections::{
     API_KEY_FIELD, ConnectionStatus, MODEL_CONNECTIONS_TABLE, ModelConnectionRecord, ModelProvider,
     NewModelConnection,

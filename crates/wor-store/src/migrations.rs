@@ -23,6 +23,7 @@ const RUNS: &str = include_str!("../migrations/0005_runs.sql");
 const TOOL_CONNECTIONS: &str = include_str!("../migrations/0006_tool_connections.sql");
 const APPROVALS: &str = include_str!("../migrations/0007_approvals.sql");
 const TRIGGERS: &str = include_str!("../migrations/0008_triggers.sql");
+const MEMORY: &str = include_str!("../migrations/0009_memory.sql");
 
 /// The triggers that make the audit tables append-only, per backend; also used by the test
 /// support that plays an attacker who drops them.
@@ -88,6 +89,12 @@ const MIGRATIONS: &[SchemaMigration] = &[
         description: "triggers",
         sqlite: TRIGGERS,
         postgres: TRIGGERS,
+    },
+    SchemaMigration {
+        version: 9,
+        description: "memory",
+        sqlite: MEMORY,
+        postgres: MEMORY,
     },
 ];
 

@@ -24,6 +24,7 @@ pub struct RunRecord {
     pub trigger_kind: String,
     pub started_by: Option<ApiKeyId>,
     pub trigger_key: Option<String>,
+    pub thread: Option<String>,
     pub outcome: Option<String>,
     pub usage: BudgetUsage,
     pub cancel_requested: bool,
@@ -47,6 +48,11 @@ pub struct NewRun {
     /// How the input step is labelled: `requester` for a caller's input, `untrusted` for a
     /// webhook payload, `engine` for what a schedule says.
     pub input_provenance: Provenance,
+    /// The memory thread the run belongs to, when its routine keeps memory.
+    pub thread: Option<String>,
+    /// The thread's memory as replayed into this run (a `memory` step after the input), with
+    /// the step's label: `untrusted` when any entry is.
+    pub memory: Option<(Provenance, serde_json::Value)>,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -69,7 +75,7 @@ pub struct RunFilter {
 }
 
 const COLUMNS: &str = "id, project_id, routine_id, routine_version, root_run_id, parent_run_id, depth, \
-    status, trigger_kind, started_by, trigger_key, outcome, usage_turns, usage_tool_calls, usage_input_tokens, \
+    status, trigger_kind, started_by, trigger_key, thread, outcome, usage_turns, usage_tool_calls, usage_input_tokens, \
     usage_output_tokens, usage_cost_microdollars, cancel_requested, created_at, started_at, finished_at";
 
 fn to_i64(value: u64) -> i64 {
@@ -94,8 +100,8 @@ impl Store {
         let mut tx = self.pool().begin().await?;
         sqlx::query(
             "INSERT INTO runs (id, project_id, routine_id, routine_version, root_run_id, parent_run_id, depth, \
-             status, trigger_kind, started_by, max_concurrent, outcome, created_at, updated_at, finished_at, trigger_key) \
-             VALUES ($1, $2, $3, $4, $1, NULL, 0, $5, $6, $7, $8, $9, $10, $10, $11, $12)",
+             status, trigger_kind, started_by, max_concurrent, outcome, created_at, updated_at, finished_at, trigger_key, thread) \
+             VALUES ($1, $2, $3, $4, $1, NULL, 0, $5, $6, $7, $8, $9, $10, $10, $11, $12, $13)",
         )
         .bind(id.to_string())
         .bind(project.to_string())
@@ -109,6 +115,7 @@ impl Store {
         .bind(now)
         .bind(new.status.is_terminal().then_some(now))
         .bind(new.trigger_key.as_deref())
+        .bind(new.thread.as_deref())
         .execute(&mut *tx)
         .await
         .map_err(|e| {
@@ -127,6 +134,9 @@ impl Store {
             now,
         )
         .await?;
+        if let Some((provenance, memory)) = &new.memory {
+            insert_step(&mut tx, project, id, 2, "memory", *provenance, memory, now).await?;
+        }
         tx.commit().await?;
         self.get_run(project, id).await
     }
@@ -501,6 +511,7 @@ fn run_from_row(row: &sqlx::any::AnyRow) -> Result<RunRecord, StoreError> {
             .map(|k| parse_column(&k, "runs.started_by"))
             .transpose()?,
         trigger_key: row.try_get("trigger_key")?,
+        thread: row.try_get("thread")?,
         outcome: row.try_get("outcome")?,
         usage: BudgetUsage {
             turns: to_u64(row.try_get("usage_turns")?),

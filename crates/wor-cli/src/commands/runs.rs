@@ -23,6 +23,9 @@ pub enum RunCommand {
         /// Show the run live until it ends; exit 0 only if it succeeded.
         #[arg(long)]
         follow: bool,
+        /// The memory thread, for routines with `[memory]` [default: default].
+        #[arg(long)]
+        thread: Option<String>,
         #[command(flatten)]
         client: ClientArgs,
     },
@@ -105,6 +108,14 @@ pub(crate) fn describe_step(step: &Value) -> String {
             }
             line
         }
+        "memory" => format!(
+            "[{provenance}] memory of thread {}: {} entries",
+            field(&payload, "/thread"),
+            payload
+                .get("entries")
+                .and_then(Value::as_array)
+                .map_or(0, Vec::len)
+        ),
         "tool_result" => format!(
             "[{provenance}] {}: {}",
             field(&payload, "/tool"),
@@ -172,6 +183,7 @@ pub async fn run(cmd: RunCommand) -> anyhow::Result<ExitCode> {
             input,
             input_json,
             follow: live,
+            thread,
             client,
         } => {
             let api = ApiClient::new(&client)?;
@@ -186,7 +198,7 @@ pub async fn run(cmd: RunCommand) -> anyhow::Result<ExitCode> {
             let run = api
                 .post(
                     &format!("/v1/routines/{id}/runs"),
-                    &json!({ "input": input }),
+                    &json!({ "input": input, "thread": thread }),
                 )
                 .await?;
             let run_id = field(&run, "/id").to_owned();

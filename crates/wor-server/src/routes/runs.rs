@@ -30,6 +30,9 @@ pub struct StartRunBody {
     #[serde(default)]
     #[schema(value_type = Object)]
     pub input: serde_json::Value,
+    /// The memory thread, for routines with `[memory]` (default `default`).
+    #[serde(default)]
+    pub thread: Option<String>,
 }
 
 #[derive(Debug, serde::Serialize, utoipa::ToSchema)]
@@ -53,6 +56,8 @@ pub struct RunView {
     pub trigger: String,
     /// `slot:<unix ms>` for a scheduled run, `delivery:<id>` for a webhook's.
     pub trigger_key: Option<String>,
+    /// The memory thread, for routines with `[memory]`.
+    pub thread: Option<String>,
     pub started_by: Option<String>,
     /// The final answer, or why the run ended.
     pub outcome: Option<String>,
@@ -74,6 +79,7 @@ impl From<RunRecord> for RunView {
             status: r.status.to_string(),
             trigger: r.trigger_kind,
             trigger_key: r.trigger_key,
+            thread: r.thread,
             started_by: r.started_by.map(|k| k.to_string()),
             outcome: r.outcome,
             usage: UsageView {
@@ -163,6 +169,7 @@ pub async fn start(
             input: body.input,
             trigger: Trigger::Api(caller.key_id),
             actor: Some(caller.actor()),
+            thread: body.thread,
         })
         .await?;
     Ok((StatusCode::ACCEPTED, Json(run.into())))

@@ -1,0 +1,91 @@
+//! Conversation memory: what earlier runs of a routine's thread said, with provenance labels.
+
+use sqlx::Row;
+use wor_core::run::Provenance;
+use wor_core::{ProjectId, RoutineId, RunId};
+
+use crate::{Store, StoreError, now_millis, parse_column};
+
+/// One remembered message.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct MemoryEntry {
+    pub run_id: RunId,
+    /// `requester` (what the run was asked) or `assistant` (what it answered).
+    pub role: String,
+    /// The label the text carried in its run; `untrusted` stays `untrusted`.
+    pub provenance: Provenance,
+    pub text: String,
+    pub created_at: i64,
+}
+
+impl Store {
+    /// Appends entries to a thread's memory.
+    pub async fn append_memory(
+        &self,
+        project: ProjectId,
+        routine: RoutineId,
+        thread: &str,
+        entries: &[MemoryEntry],
+    ) -> Result<(), StoreError> {
+        let mut tx = self.pool().begin().await?;
+        for entry in entries {
+            sqlx::query(
+                "INSERT INTO memory_entries (id, project_id, routine_id, thread, run_id, role, provenance, text, created_at) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+            )
+            .bind(format!("mem_{}", uuid::Uuid::now_v7().simple()))
+            .bind(project.to_string())
+            .bind(routine.to_string())
+            .bind(thread)
+            .bind(entry.run_id.to_string())
+            .bind(&entry.role)
+            .bind(entry.provenance.as_str())
+            .bind(&entry.text)
+            .bind(now_millis())
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// The latest `limit` entries of a thread, oldest first.
+    pub async fn thread_memory(
+        &self,
+        project: ProjectId,
+        routine: RoutineId,
+        thread: &str,
+        limit: u32,
+    ) -> Result<Vec<MemoryEntry>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT run_id, role, provenance, text, created_at FROM memory_entries \
+             WHERE project_id = $1 AND routine_id = $2 AND thread = $3 ORDER BY id DESC LIMIT $4",
+        )
+        .bind(project.to_string())
+        .bind(routine.to_string())
+        .bind(thread)
+        .bind(i64::from(limit))
+        .fetch_all(self.pool())
+        .await?;
+        let mut entries = rows
+            .iter()
+            .map(|row| {
+                Ok(MemoryEntry {
+                    run_id: parse_column(
+                        &row.try_get::<String, _>("run_id")?,
+                        "memory_entries.run_id",
+                    )?,
+                    role: row.try_get("role")?,
+                    provenance: parse_column(
+                        &row.try_get::<String, _>("provenance")?,
+                        "memory_entries.provenance",
+                    )?,
+                    text: row.try_get("text")?,
+                    created_at: row.try_get("created_at")?,
+                })
+            })
+            .collect::<Result<Vec<_>, StoreError>>()?;
+        entries.reverse();
+        Ok(entries)
+    }
+}
