@@ -38,6 +38,7 @@ struct FileConfig {
     /// How long an approval request waits for a decision, in seconds (default 24 hours).
     approval_ttl_seconds: Option<u64>,
     egress: Option<EgressSection>,
+    sandbox: Option<SandboxSection>,
     /// Per-model prices, in microdollars per million tokens: `[prices."model-id"]`.
     #[serde(default)]
     prices: std::collections::BTreeMap<String, wor_core::budget::ModelPrice>,
@@ -50,6 +51,15 @@ struct FileConfig {
 struct EgressSection {
     #[serde(default)]
     allowed_cidrs: Vec<String>,
+}
+
+/// `[sandbox]`: host directories stdio tool servers may be started from and read. Only this
+/// file can list them; the API can only choose paths inside them.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SandboxSection {
+    #[serde(default)]
+    allowed_paths: Vec<PathBuf>,
 }
 
 /// Values given on the command line (or through their environment variables, which clap reads).
@@ -80,6 +90,8 @@ pub struct ServerConfig {
     pub max_running_per_project: u64,
     /// How long an approval request waits for a decision before it counts as denied.
     pub approval_ttl: std::time::Duration,
+    /// The operator's `[sandbox] allowed_paths`.
+    pub stdio_allowed_roots: Vec<PathBuf>,
     /// What each model costs; a model without a price costs nothing against budgets.
     pub prices: std::collections::BTreeMap<String, wor_core::budget::ModelPrice>,
     encryption_key: Option<String>,
@@ -147,6 +159,20 @@ impl ServerConfig {
                 Some(0) => bail!("`approval_ttl_seconds` must be at least 1"),
                 Some(n) => std::time::Duration::from_secs(n),
                 None => wor_engine::DEFAULT_APPROVAL_TTL,
+            },
+            stdio_allowed_roots: match file.sandbox {
+                Some(section) => {
+                    for path in &section.allowed_paths {
+                        if !path.is_absolute() || path.parent().is_none() {
+                            bail!(
+                                "`[sandbox] allowed_paths`: `{}` must be an absolute directory other than `/`",
+                                path.display()
+                            );
+                        }
+                    }
+                    section.allowed_paths
+                }
+                None => Vec::new(),
             },
             prices: file.prices,
             encryption_key,
@@ -327,6 +353,7 @@ mod tests {
             egress_allowed_cidrs: Vec::new(),
             max_running_per_project: DEFAULT_MAX_RUNNING_PER_PROJECT,
             approval_ttl: wor_engine::DEFAULT_APPROVAL_TTL,
+            stdio_allowed_roots: Vec::new(),
             prices: Default::default(),
             encryption_key: key.map(str::to_owned),
             encryption_key_retired: None,

@@ -97,3 +97,110 @@ async fn server_everything_runs_over_stdio_inside_the_sandbox() {
         state.path().display()
     );
 }
+
+mod common;
+
+/// Through the real server: an admin creates a `mcp_stdio` connection whose program and paths
+/// lie where the operator's configuration allows; review starts it in the sandbox; a routine
+/// calls its tool through the whole pipeline. Paths outside the allowed roots are refused.
+#[test]
+fn a_stdio_connection_runs_a_routine_inside_the_sandbox_through_the_api() {
+    use common::{Server, create_project, database_args, text};
+
+    let entry = everything_entry();
+    let package = entry.ancestors().nth(2).unwrap().to_path_buf();
+    let node_modules = package.ancestors().nth(2).unwrap().to_path_buf();
+    let root = node_modules.parent().unwrap().to_path_buf();
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("wor.toml");
+    std::fs::write(
+        &config,
+        format!("[sandbox]\nallowed_paths = [\"{}\"]\n", root.display()),
+    )
+    .unwrap();
+    let mut db = database_args(dir.path());
+    db.extend(["--config".to_owned(), config.display().to_string()]);
+    let key = create_project(&db);
+    let server = Server::start(&db, &[]);
+    let client = |args: &[&str]| {
+        let mut cmd = common::wor(args);
+        cmd.env("WOR_SERVER", &server.url)
+            .env("WOR_API_KEY", &key)
+            .env("TOOL_HOME", "/tmp");
+        common::run(&mut cmd)
+    };
+    let entry_arg = entry.display().to_string();
+    let node_modules_arg = node_modules.display().to_string();
+
+    // Outside the allowed roots: refused, naming the configuration.
+    let refused = client(&[
+        "connection",
+        "create",
+        "bad",
+        "--stdio",
+        "/usr/bin/node",
+        "--arg",
+        &entry_arg,
+        "--read-only",
+        "/etc",
+    ]);
+    assert!(!refused.status.success());
+    assert!(
+        text(&refused.stderr).contains("allowed_paths"),
+        "{}",
+        text(&refused.stderr)
+    );
+
+    let created = client(&[
+        "connection",
+        "create",
+        "ev",
+        "--stdio",
+        "/usr/bin/node",
+        "--arg",
+        &entry_arg,
+        "--arg",
+        "stdio",
+        "--read-only",
+        &node_modules_arg,
+        "--env-from",
+        "HOME=TOOL_HOME",
+        "--json",
+    ]);
+    assert!(created.status.success(), "{}", text(&created.stderr));
+    let created: serde_json::Value = serde_json::from_slice(&created.stdout).unwrap();
+    assert_eq!(created["kind"], "mcp_stdio");
+    assert_eq!(created["credentials"]["env:HOME"]["configured"], true);
+    let id = created["id"].as_str().unwrap().to_owned();
+    let review = client(&["connection", "review", &id, "--json"]);
+    assert!(review.status.success(), "{}", text(&review.stderr));
+    let review_file = dir.path().join("review.json");
+    std::fs::write(&review_file, &review.stdout).unwrap();
+    let enabled = client(&[
+        "connection",
+        "enable",
+        &id,
+        "--from-review",
+        review_file.to_str().unwrap(),
+        "--read-only",
+        "echo",
+    ]);
+    assert!(enabled.status.success(), "{}", text(&enabled.stderr));
+
+    let routine = dir.path().join("echo.toml");
+    std::fs::write(
+        &routine,
+        "name = \"echoer\"\ninstructions = \"Echo.\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\n\
+         [[model.script.turns]]\nwhen = { last_tool_result_contains = \"Echo:\" }\ntext = \"echoed\"\n\
+         [[model.script.turns]]\ntool_calls = [{ name = \"ev__echo\", arguments = { message = \"hi from the sandbox\" } }]\n\
+         [[tools]]\ntool = \"ev/echo\"\nmode = \"auto\"\n",
+    )
+    .unwrap();
+    let applied = client(&["routine", "apply", "-f", routine.to_str().unwrap()]);
+    assert!(applied.status.success(), "{}", text(&applied.stderr));
+    let run = client(&["run", "start", "echoer", "--follow"]);
+    let shown = text(&run.stdout);
+    assert!(run.status.success(), "{shown}\n{}", text(&run.stderr));
+    assert!(shown.contains("Echo: hi from the sandbox"), "{shown}");
+    server.stop();
+}

@@ -32,7 +32,7 @@ use wor_store::{AuditLog, Store, StoreError, Vault};
 pub use approvals::Approver;
 pub use start::{StartRun, Trigger};
 pub use tool_connections::{
-    BEARER_TOKEN_FIELD, ReviewDiff, ReviewedTool, ToolReview, credential_slot,
+    BEARER_TOKEN_FIELD, ReviewDiff, ReviewedTool, ToolReview, check_stdio_spec, credential_slot,
 };
 pub use triggers::{
     InboundWebhook, MAX_DELIVERY_ATTEMPTS, MAX_WEBHOOK_BYTES, REPLAY_WINDOW_SECS, SchedulerReport,
@@ -59,6 +59,9 @@ pub struct EngineConfig {
     pub max_running_per_project: u64,
     /// How long an approval request waits for a decision before it counts as denied.
     pub approval_ttl: Duration,
+    /// Host directories (from the operator's configuration, never the API) under which stdio
+    /// tool servers' programs and read-only paths may lie, besides the system runtime.
+    pub stdio_allowed_roots: Vec<std::path::PathBuf>,
 }
 
 impl Default for EngineConfig {
@@ -74,6 +77,7 @@ impl Default for EngineConfig {
             production: false,
             max_running_per_project: 16,
             approval_ttl: DEFAULT_APPROVAL_TTL,
+            stdio_allowed_roots: Vec::new(),
         }
     }
 }
@@ -106,6 +110,8 @@ pub struct Engine {
     /// Where the engine's security events are recorded (S12).
     audit: AuditLog,
     config: Arc<EngineConfig>,
+    /// Starts stdio tool servers; without it, stdio connections are refused.
+    sandbox: Option<wor_sandbox::Sandbox>,
 }
 
 impl Engine {
@@ -122,7 +128,15 @@ impl Engine {
             egress,
             audit,
             config: Arc::new(config),
+            sandbox: None,
         }
+    }
+
+    /// Lets the engine start stdio tool servers, always inside `sandbox`.
+    #[must_use]
+    pub fn with_sandbox(mut self, sandbox: wor_sandbox::Sandbox) -> Self {
+        self.sandbox = Some(sandbox);
+        self
     }
 
     pub fn audit(&self) -> &AuditLog {

@@ -241,6 +241,12 @@ impl Engine {
                 },
             ));
         };
+        // A server that announced a changed tool list is checked against its pins first.
+        if let Some(connection) = scope.tools.connections.get(&offered.connection)
+            && let Some(refusal) = self.recheck_if_changed(scope.run, connection).await?
+        {
+            return Ok(Answer::Fail(refusal));
+        }
         // 2-3. Schema and pinned arguments: failures go back to the model.
         let arguments =
             match prepare_arguments(&call.arguments, &offered.entry, &offered.pin.input_schema()) {
@@ -665,6 +671,11 @@ impl Engine {
         arguments: CanonicalArguments,
         usage: BudgetUsage,
     ) -> Result<Answer, EngineError> {
+        if let Some(connection) = scope.tools.connections.get(&offered.connection)
+            && let Some(refusal) = self.recheck_if_changed(scope.run, connection).await?
+        {
+            return Ok(Answer::Fail(refusal));
+        }
         let outcome = match scope.tools.connections.get(&offered.connection) {
             Some(connection) => {
                 self.call_until_cancelled(
@@ -707,6 +718,46 @@ impl Engine {
             usage,
             provenance: Provenance::Untrusted,
         })
+    }
+
+    /// When the server said its tool list changed (`notifications/tools/list_changed`) since
+    /// the run started or last checked, compares the live list with the pins again before the
+    /// next call: a changed or new tool quarantines the connection and the run fails closed,
+    /// naming the tools. Returns the refusal, if any.
+    async fn recheck_if_changed(
+        &self,
+        run: &RunRecord,
+        connection: &crate::run_tools::LiveConnection,
+    ) -> Result<Option<String>, EngineError> {
+        if !connection.session.tools_changed().take() {
+            return Ok(None);
+        }
+        let record = &connection.record;
+        let live = match connection.session.list_tools().await {
+            Ok(live) => live,
+            Err(error) => {
+                return Ok(Some(format!(
+                    "tool connection `{}` announced new tools and they cannot be listed: {error}",
+                    record.name
+                )));
+            }
+        };
+        let pins = crate::tool_connections::stored_pins(record).map_err(EngineError::Refused)?;
+        let diff = wor_tools::compare(&pins, &live);
+        if diff.verdict() != wor_tools::ToolListVerdict::Quarantine {
+            return Ok(None);
+        }
+        self.quarantine_tool_connection(record, &live, &diff, run)
+            .await?;
+        let names: Vec<String> = crate::tool_connections::quarantine_names(&diff)
+            .iter()
+            .map(|n| format!("`{n}`"))
+            .collect();
+        Ok(Some(format!(
+            "tool connection `{}` is quarantined: its tools changed during the run: {}; an admin must review the diff and enable it again",
+            record.name,
+            names.join(", ")
+        )))
     }
 
     async fn append_step(

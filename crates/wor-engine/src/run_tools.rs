@@ -30,9 +30,10 @@ pub(crate) struct OfferedTool {
     pub class: ToolClass,
 }
 
-/// An open connection of the run.
+/// An open connection of the run, with the record its pins were checked against.
 pub(crate) struct LiveConnection {
     pub session: McpSession,
+    pub record: ToolConnectionRecord,
 }
 
 /// The run's tools: what the model is offered, and the sessions to call them on.
@@ -181,7 +182,7 @@ impl Engine {
             }
             tools
                 .connections
-                .insert(connection.to_owned(), LiveConnection { session });
+                .insert(connection.to_owned(), LiveConnection { session, record });
         }
         Ok(tools)
     }

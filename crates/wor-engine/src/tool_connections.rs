@@ -5,12 +5,13 @@
 //! `wor-tools` attaches at send time; they never enter a value this module returns.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Component, Path, PathBuf};
 
 use secrecy::SecretString;
 use serde_json::{Value, json};
 use wor_core::ProjectId;
 use wor_core::audit::{Actor, AuditCategory, AuditEvent};
-use wor_store::{SecretSlot, StoreError};
+use wor_store::{SecretSlot, StdioSpec, StoreError, env_field};
 use wor_store::{
     StoredPin, TOOL_CONNECTIONS_TABLE, ToolClass, ToolConnectionKind, ToolConnectionRecord,
     ToolConnectionStatus, header_field,
@@ -109,11 +110,7 @@ impl Engine {
         let name = &record.name;
         match record.kind {
             ToolConnectionKind::McpHttp => {}
-            ToolConnectionKind::McpStdio => {
-                return Err(format!(
-                    "tool connection `{name}` is a stdio MCP server; stdio MCP servers run only in the sandbox, which this server does not start yet"
-                ));
-            }
+            ToolConnectionKind::McpStdio => return self.open_stdio_session(record).await,
             ToolConnectionKind::HttpApi => {
                 return Err(format!(
                     "tool connection `{name}` is an http api, which routines cannot call yet"
@@ -154,6 +151,50 @@ impl Engine {
         McpSession::connect_http(&self.egress, endpoint, McpLimits::default())
             .await
             .map_err(|e| format!("tool connection `{name}` cannot be reached: {e}"))
+    }
+
+    /// Starts a stdio connection's server in the sandbox: its declared program, arguments,
+    /// read-only paths and environment (values opened from the vault now), network only to its
+    /// allowlist through the egress proxy. Without a sandbox nothing starts.
+    async fn open_stdio_session(
+        &self,
+        record: &ToolConnectionRecord,
+    ) -> Result<McpSession, String> {
+        let name = &record.name;
+        let Some(sandbox) = &self.sandbox else {
+            return Err(format!(
+                "tool connection `{name}` is a stdio MCP server, which runs only in the sandbox; this server has no sandbox"
+            ));
+        };
+        let spec = record
+            .command
+            .as_ref()
+            .ok_or_else(|| format!("tool connection `{name}` has no command"))?;
+        check_stdio_spec(spec, &self.config.stdio_allowed_roots)
+            .map_err(|e| format!("tool connection `{name}`: {e}"))?;
+        let mut env = Vec::with_capacity(spec.env_names.len());
+        for variable in &spec.env_names {
+            let value = self
+                .open_secret(&credential_slot(record, env_field(variable)), name)
+                .await?;
+            env.push((variable.clone(), value));
+        }
+        let command = wor_tools::StdioCommand {
+            program: spec.program.clone(),
+            args: spec.args.clone(),
+            env,
+            egress_allowlist: wor_egress::HostAllowlist::parse(&record.allowlist).map_err(|e| {
+                format!("the allowlist of tool connection `{name}` is invalid: {e}")
+            })?,
+            read_only_paths: spec.read_only_paths.iter().map(PathBuf::from).collect(),
+        };
+        McpSession::connect_stdio(
+            &wor_tools::Sandboxed::new(sandbox.clone()),
+            &command,
+            McpLimits::default(),
+        )
+        .await
+        .map_err(|e| format!("tool connection `{name}` cannot be started: {e}"))
     }
 
     async fn open_secret(&self, slot: &SecretSlot, name: &str) -> Result<SecretString, String> {
@@ -329,5 +370,116 @@ impl Engine {
             )),
             ToolConnectionStatus::Disabled => Err(format!("tool connection `{name}` is disabled")),
         }
+    }
+}
+
+/// Paths every sandbox already has read-only (the system runtime): a program may live there.
+const SYSTEM_PROGRAM_ROOTS: &[&str] = &["/usr/bin", "/usr/local/bin", "/bin"];
+
+/// Checks a stdio server's command against the operator's allowed roots: absolute, normalised
+/// paths only; the program under the system runtime or an allowed root; every read-only path
+/// under an allowed root; environment names that cannot redirect the loader.
+pub fn check_stdio_spec(spec: &StdioSpec, allowed_roots: &[PathBuf]) -> Result<(), String> {
+    let normal = |text: &str, what: &str| -> Result<PathBuf, String> {
+        let path = Path::new(text);
+        if !path.is_absolute()
+            || path
+                .components()
+                .any(|c| matches!(c, Component::ParentDir | Component::CurDir))
+        {
+            return Err(format!(
+                "{what} `{text}` must be an absolute path without `.` or `..`"
+            ));
+        }
+        Ok(path.to_path_buf())
+    };
+    let under = |path: &Path, roots: &[&Path]| {
+        roots
+            .iter()
+            .any(|root| path.starts_with(root) && path != *root)
+    };
+    let allowed: Vec<&Path> = allowed_roots.iter().map(PathBuf::as_path).collect();
+    let mut program_roots: Vec<&Path> = SYSTEM_PROGRAM_ROOTS.iter().map(Path::new).collect();
+    program_roots.extend(allowed.iter().copied());
+    let program = normal(&spec.program, "the program")?;
+    if !under(&program, &program_roots) {
+        return Err(format!(
+            "the program `{}` is neither in the system runtime ({}) nor under a path the operator allows (`[sandbox] allowed_paths`)",
+            spec.program,
+            SYSTEM_PROGRAM_ROOTS.join(", ")
+        ));
+    }
+    for text in &spec.read_only_paths {
+        let path = normal(text, "a read-only path")?;
+        if !under(&path, &allowed) {
+            return Err(format!(
+                "the read-only path `{text}` is not under a path the operator allows (`[sandbox] allowed_paths` in the server configuration)"
+            ));
+        }
+    }
+    for variable in &spec.env_names {
+        let valid = !variable.is_empty()
+            && variable.len() <= 64
+            && variable
+                .chars()
+                .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')
+            && !variable.starts_with(|c: char| c.is_ascii_digit());
+        if !valid || variable.starts_with("LD_") {
+            return Err(format!(
+                "environment variable `{variable}` must be upper-case letters, digits and `_`, not starting with a digit or `LD_`"
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod stdio_tests {
+    use super::*;
+
+    fn spec(program: &str, paths: &[&str], env: &[&str]) -> StdioSpec {
+        StdioSpec {
+            program: program.to_owned(),
+            args: Vec::new(),
+            read_only_paths: paths.iter().map(|p| (*p).to_owned()).collect(),
+            env_names: env.iter().map(|p| (*p).to_owned()).collect(),
+        }
+    }
+
+    #[test]
+    fn stdio_commands_stay_inside_what_the_operator_allows() {
+        let roots = [PathBuf::from("/opt/mcp")];
+        assert!(
+            check_stdio_spec(
+                &spec("/usr/bin/node", &["/opt/mcp/everything"], &["API_TOKEN"]),
+                &roots
+            )
+            .is_ok()
+        );
+        assert!(check_stdio_spec(&spec("/opt/mcp/bin/server", &[], &[]), &roots).is_ok());
+        for (bad, why) in [
+            (spec("node", &[], &[]), "relative program"),
+            (
+                spec("/home/x/server", &[], &[]),
+                "program outside the roots",
+            ),
+            (
+                spec("/usr/bin/node", &["/var/lib/wor"], &[]),
+                "the data dir",
+            ),
+            (
+                spec("/usr/bin/node", &["/opt/mcp/../../etc"], &[]),
+                "escaping with ..",
+            ),
+            (spec("/usr/bin/node", &["/opt/mcp"], &[]), "the root itself"),
+            (spec("/usr/bin/node", &[], &["LD_PRELOAD"]), "the loader"),
+            (spec("/usr/bin/node", &[], &["lower"]), "a bad name"),
+        ] {
+            assert!(check_stdio_spec(&bad, &roots).is_err(), "{why}");
+        }
+        assert!(
+            check_stdio_spec(&spec("/usr/bin/node", &["/opt/mcp/x"], &[]), &[]).is_err(),
+            "no roots configured: no read-only paths"
+        );
     }
 }

@@ -48,8 +48,8 @@ pub use routines::{AppliedRoutine, RoutineRecord, RoutineVersionRecord};
 pub use runs::{NewRun, RunFilter, RunRecord, RunStep};
 pub use sqlx::Error as SqlxError;
 pub use tool_connections::{
-    NewToolConnection, StoredPin, TOOL_CONNECTIONS_TABLE, ToolClass, ToolConnectionKind,
-    ToolConnectionRecord, ToolConnectionStatus, header_field,
+    NewToolConnection, StdioSpec, StoredPin, TOOL_CONNECTIONS_TABLE, ToolClass, ToolConnectionKind,
+    ToolConnectionRecord, ToolConnectionStatus, env_field, header_field,
 };
 pub use triggers::{AttemptOutcome, DeliveryFilter, DeliveryRecord, DueSchedule, NewDelivery};
 pub use vault::{RotationReport, SecretMetadata, SecretSlot, Vault, VaultError};

@@ -24,6 +24,7 @@ const TOOL_CONNECTIONS: &str = include_str!("../migrations/0006_tool_connections
 const APPROVALS: &str = include_str!("../migrations/0007_approvals.sql");
 const TRIGGERS: &str = include_str!("../migrations/0008_triggers.sql");
 const MEMORY: &str = include_str!("../migrations/0009_memory.sql");
+const STDIO_CONNECTIONS: &str = include_str!("../migrations/0010_stdio_connections.sql");
 
 /// The triggers that make the audit tables append-only, per backend; also used by the test
 /// support that plays an attacker who drops them.
@@ -95,6 +96,12 @@ const MIGRATIONS: &[SchemaMigration] = &[
         description: "memory",
         sqlite: MEMORY,
         postgres: MEMORY,
+    },
+    SchemaMigration {
+        version: 10,
+        description: "stdio connections",
+        sqlite: STDIO_CONNECTIONS,
+        postgres: STDIO_CONNECTIONS,
     },
 ];
 

@@ -24,6 +24,27 @@ pub fn header_field(name: &str) -> String {
     format!("header:{name}")
 }
 
+/// The vault field holding the value of a stdio server's environment variable `name`.
+pub fn env_field(name: &str) -> String {
+    format!("env:{name}")
+}
+
+/// How a `mcp_stdio` connection's server starts in the sandbox.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StdioSpec {
+    /// An absolute path to the program.
+    pub program: String,
+    #[serde(default)]
+    pub args: Vec<String>,
+    /// Absolute host paths bound read-only at the same place inside the sandbox.
+    #[serde(default)]
+    pub read_only_paths: Vec<String>,
+    /// Names of the environment variables it gets; their values are sealed in the vault.
+    #[serde(default)]
+    pub env_names: Vec<String>,
+}
+
 /// How a tool connection reaches its tools.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -140,6 +161,8 @@ pub struct NewToolConnection {
     pub allowlist: Vec<String>,
     /// Lower-case names of the credential headers sealed in the vault.
     pub secret_headers: Vec<String>,
+    /// How a `mcp_stdio` server starts; `None` for the other kinds.
+    pub command: Option<StdioSpec>,
     pub created_by: Option<ApiKeyId>,
 }
 
@@ -157,6 +180,7 @@ pub struct ToolConnectionRecord {
     /// The tool list last seen, as stored pins (definition and hash); `None` before the first.
     pub live_tools: Option<BTreeMap<String, StoredPin>>,
     pub secret_headers: Vec<String>,
+    pub command: Option<StdioSpec>,
     pub created_by: Option<ApiKeyId>,
     pub created_at: i64,
     pub updated_at: i64,
@@ -173,7 +197,7 @@ impl ToolConnectionRecord {
 }
 
 const COLUMNS: &str = "id, project_id, name, kind, url, allowlist, status, tool_classification, \
-                       pinned_tools, live_tools, secret_headers, created_by, created_at, updated_at";
+                       pinned_tools, live_tools, secret_headers, command, created_by, created_at, updated_at";
 
 fn to_json<T: serde::Serialize>(value: &T) -> Result<String, StoreError> {
     serde_json::to_string(value).map_err(|e| StoreError::Corrupt(format!("cannot encode: {e}")))
@@ -199,14 +223,15 @@ impl Store {
             pinned_tools: BTreeMap::new(),
             live_tools: None,
             secret_headers: new.secret_headers,
+            command: new.command,
             created_by: new.created_by,
             created_at: now,
             updated_at: now,
         };
         sqlx::query(
             "INSERT INTO tool_connections (id, project_id, name, kind, url, allowlist, status, \
-             tool_classification, pinned_tools, live_tools, secret_headers, created_by, created_at, updated_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, 'pending_review', '{}', '{}', NULL, $7, $8, $9, $9)",
+             tool_classification, pinned_tools, live_tools, secret_headers, created_by, created_at, updated_at, command) \
+             VALUES ($1, $2, $3, $4, $5, $6, 'pending_review', '{}', '{}', NULL, $7, $8, $9, $9, $10)",
         )
         .bind(record.id.to_string())
         .bind(project.to_string())
@@ -217,6 +242,7 @@ impl Store {
         .bind(to_json(&record.secret_headers)?)
         .bind(record.created_by.map(|k| k.to_string()))
         .bind(now)
+        .bind(record.command.as_ref().map(to_json).transpose()?)
         .execute(self.pool())
         .await
         .map_err(|e| {
@@ -384,6 +410,7 @@ fn from_row(row: &sqlx::any::AnyRow) -> Result<ToolConnectionRecord, StoreError>
     let pinned: String = row.try_get("pinned_tools")?;
     let live: Option<String> = row.try_get("live_tools")?;
     let headers: String = row.try_get("secret_headers")?;
+    let command: Option<String> = row.try_get("command")?;
     let created_by: Option<String> = row.try_get("created_by")?;
     Ok(ToolConnectionRecord {
         id: parse_column(&id, "tool_connections.id")?,
@@ -401,6 +428,9 @@ fn from_row(row: &sqlx::any::AnyRow) -> Result<ToolConnectionRecord, StoreError>
             .map(|l| json_column(&l, "tool_connections.live_tools"))
             .transpose()?,
         secret_headers: json_column(&headers, "tool_connections.secret_headers")?,
+        command: command
+            .map(|c| json_column(&c, "tool_connections.command"))
+            .transpose()?,
         created_by: created_by
             .map(|k| parse_column(&k, "tool_connections.created_by"))
             .transpose()?,

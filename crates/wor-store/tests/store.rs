@@ -589,6 +589,7 @@ async fn tool_connections_are_confined_to_their_project_and_keep_their_pins() {
         url: "https://mcp.example.com/mcp".to_owned(),
         allowlist: vec!["mcp.example.com".to_owned()],
         secret_headers: vec!["x-api-key".to_owned()],
+        command: None,
         created_by: None,
     };
     let created = db

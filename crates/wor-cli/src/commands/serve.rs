@@ -108,6 +108,7 @@ pub(crate) async fn open_engine(config: &ServerConfig) -> anyhow::Result<(Engine
     let egress = wor_egress::EgressClient::new(egress_policy(config)?)
         .context("cannot build the outbound client")?;
     let vault = wor_store::Vault::new(store.clone(), Arc::new(keys));
+    let resolver = egress.resolver().clone();
     let engine = Engine::new(
         store,
         vault,
@@ -117,11 +118,21 @@ pub(crate) async fn open_engine(config: &ServerConfig) -> anyhow::Result<(Engine
             production: config.production,
             max_running_per_project: config.max_running_per_project,
             approval_ttl: config.approval_ttl,
+            stdio_allowed_roots: config.stdio_allowed_roots.clone(),
             prices: config.prices.clone(),
             ..EngineConfig::default()
         },
     );
-    Ok((engine, audit))
+    // Stdio tool servers start only in the sandbox; its layers are applied (and any missing
+    // one named) when a server starts.
+    let sandbox = wor_sandbox::Sandbox::new(wor_sandbox::SandboxConfig {
+        helper: std::env::current_exe().context("cannot find the wor binary")?,
+        state_dir: config.data_dir.join("sandbox"),
+        resolver,
+        startup_timeout: std::time::Duration::from_secs(30),
+    })
+    .context("cannot prepare the sandbox's state directory")?;
+    Ok((engine.with_sandbox(sandbox), audit))
 }
 
 /// Registers SIGTERM and SIGINT handlers now, so a signal that arrives as soon as the server

@@ -20,15 +20,34 @@ pub enum ToolConnectionCommand {
     Create {
         /// A name for the connection: rosters call its tools `NAME/TOOL`.
         name: String,
-        /// mcp_http or http_api.
-        #[arg(long, default_value = "mcp_http")]
-        kind: String,
-        /// The MCP endpoint or API base URL.
+        /// mcp_http, mcp_stdio or http_api [default: mcp_stdio with --stdio, else mcp_http].
         #[arg(long)]
-        url: String,
-        /// A host pattern the connection may reach (repeat for several).
-        #[arg(long = "allow", value_name = "HOST", required = true)]
+        kind: Option<String>,
+        /// The MCP endpoint or API base URL.
+        #[arg(long, required_unless_present = "stdio")]
+        url: Option<String>,
+        /// A host pattern the connection may reach (repeat for several); for a stdio server,
+        /// the only hosts its sandbox may reach.
+        #[arg(long = "allow", value_name = "HOST")]
         allowlist: Vec<String>,
+        /// A stdio MCP server: the program, started in the sandbox (absolute path).
+        #[arg(long, value_name = "PROGRAM", conflicts_with = "url")]
+        stdio: Option<String>,
+        /// An argument of the stdio program (repeat, in order).
+        #[arg(
+            long = "arg",
+            value_name = "ARG",
+            requires = "stdio",
+            allow_hyphen_values = true
+        )]
+        args: Vec<String>,
+        /// A host path the stdio server may read, bound read-only (repeat).
+        #[arg(long = "read-only", value_name = "PATH", requires = "stdio")]
+        read_only: Vec<String>,
+        /// An environment variable of the stdio server, its value read from this CLI's own
+        /// environment variable VAR (repeat; stored encrypted).
+        #[arg(long = "env-from", value_name = "NAME=VAR", requires = "stdio")]
+        env: Vec<String>,
         /// Read a bearer token from this environment variable.
         #[arg(long, value_name = "VAR", conflicts_with = "bearer_stdin")]
         bearer_env: Option<String>,
@@ -131,7 +150,7 @@ fn read_headers(specs: &[String]) -> anyhow::Result<BTreeMap<String, String>> {
     let mut headers = BTreeMap::new();
     for spec in specs {
         let Some((name, var)) = spec.split_once('=') else {
-            bail!("--header-env takes NAME=VAR, got `{spec}`");
+            bail!("--header-env and --env-from take NAME=VAR, got `{spec}`");
         };
         let value =
             std::env::var(var).with_context(|| format!("environment variable {var} is not set"))?;
@@ -210,14 +229,27 @@ pub async fn run(cmd: ToolConnectionCommand) -> anyhow::Result<ExitCode> {
             kind,
             url,
             allowlist,
+            stdio,
+            args,
+            read_only,
+            env,
             bearer_env,
             bearer_stdin,
             headers,
             client,
         } => {
-            let body = json!({"name": name, "kind": kind, "url": url, "allowlist": allowlist,
-                "headers": read_headers(&headers)?,
-                "bearer_token": read_bearer(bearer_env.as_deref(), bearer_stdin)?});
+            let body = match stdio {
+                Some(program) => {
+                    json!({"name": name, "kind": kind.as_deref().unwrap_or("mcp_stdio"),
+                    "allowlist": allowlist,
+                    "command": {"program": program, "args": args, "read_only_paths": read_only},
+                    "env": read_headers(&env)?})
+                }
+                None => json!({"name": name, "kind": kind.as_deref().unwrap_or("mcp_http"),
+                    "url": url.unwrap_or_default(), "allowlist": allowlist,
+                    "headers": read_headers(&headers)?,
+                    "bearer_token": read_bearer(bearer_env.as_deref(), bearer_stdin)?}),
+            };
             let created = ApiClient::new(&client)?
                 .post("/v1/tool-connections", &body)
                 .await?;

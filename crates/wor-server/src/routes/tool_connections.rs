@@ -33,12 +33,25 @@ pub struct CreateToolConnection {
     /// 1 to 40 of `a-z`, `0-9`, `-` and `_`, starting with a letter: rosters name tools as
     /// `CONNECTION/TOOL`.
     pub name: String,
-    /// `mcp_http` or `http_api` (`mcp_stdio` needs the sandbox, not started by this server).
+    /// `mcp_http`, `mcp_stdio` (a server started in the sandbox) or `http_api`.
     pub kind: String,
     /// The MCP endpoint or API base URL; checked again by the egress guard on every request.
+    /// Not used by `mcp_stdio`.
+    #[serde(default)]
     pub url: String,
-    /// Host patterns the connection may reach (`api.example.com`, `*.example.com`, `host:port`).
+    /// Host patterns the connection may reach (`api.example.com`, `*.example.com`, `host:port`);
+    /// for `mcp_stdio`, the only hosts its sandbox may reach (through the egress proxy).
+    #[serde(default)]
     pub allowlist: Vec<String>,
+    /// `mcp_stdio` only: how its server starts in the sandbox. The program and read-only paths
+    /// must lie where the operator allows (`[sandbox] allowed_paths`).
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub command: Option<wor_store::StdioSpec>,
+    /// `mcp_stdio` only: the server's whole environment, by name. Stored encrypted; never
+    /// returned. (`command.env_names` is filled from these keys.)
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
     /// Sent as `Authorization: Bearer …`. Stored encrypted; never returned.
     #[serde(default)]
     pub bearer_token: Option<String>,
@@ -54,6 +67,9 @@ pub struct ToolConnectionView {
     pub kind: String,
     pub url: String,
     pub allowlist: Vec<String>,
+    /// `mcp_stdio` only: how its server starts in the sandbox (environment names only).
+    #[schema(value_type = Option<Object>)]
+    pub command: Option<wor_store::StdioSpec>,
     /// `pending_review`, `enabled`, `quarantined` or `disabled`.
     pub status: String,
     /// Tool name to `read_only` or `consequential`, set when the connection is enabled.
@@ -123,6 +139,14 @@ async fn view(
             .iter()
             .map(|h| (h.clone(), header_field(h))),
     );
+    if let Some(command) = &record.command {
+        fields.extend(
+            command
+                .env_names
+                .iter()
+                .map(|n| (format!("env:{n}"), wor_store::env_field(n))),
+        );
+    }
     for (name, field) in fields {
         if let Some(secret) = state
             .vault
@@ -142,6 +166,7 @@ async fn view(
         id: record.id.to_string(),
         name: record.name,
         kind: record.kind.to_string(),
+        command: record.command.clone(),
         url: record.url,
         allowlist: record.allowlist,
         status: record.status.to_string(),
@@ -274,20 +299,40 @@ pub async fn create(
         .kind
         .parse()
         .map_err(|e: String| ApiError::bad_request("invalid_kind", e))?;
-    if kind == ToolConnectionKind::McpStdio {
-        return Err(ApiError::bad_request(
-            "invalid_kind",
-            "stdio MCP servers run only in the sandbox, which this server does not start yet",
-        ));
-    }
-    wor_egress::EgressUrl::parse(&body.url)
-        .map_err(|refusal| ApiError::bad_request("invalid_url", format!("url: {refusal}")))?;
-    if body.allowlist.is_empty() {
-        return Err(ApiError::bad_request(
-            "invalid_allowlist",
-            "allowlist must name at least the host of `url`",
-        ));
-    }
+    let command = if kind == ToolConnectionKind::McpStdio {
+        let Some(mut command) = body.command.clone() else {
+            return Err(ApiError::bad_request(
+                "invalid_command",
+                "a `mcp_stdio` connection needs `command` (program, args, read_only_paths)",
+            ));
+        };
+        if !body.url.is_empty() {
+            return Err(ApiError::bad_request(
+                "invalid_url",
+                "a `mcp_stdio` connection has no `url`",
+            ));
+        }
+        command.env_names = body.env.keys().cloned().collect();
+        wor_engine::check_stdio_spec(&command, &state.engine.config().stdio_allowed_roots)
+            .map_err(|e| ApiError::bad_request("invalid_command", format!("command: {e}")))?;
+        Some(command)
+    } else {
+        if body.command.is_some() || !body.env.is_empty() {
+            return Err(ApiError::bad_request(
+                "invalid_command",
+                "`command` and `env` are only for `mcp_stdio` connections",
+            ));
+        }
+        wor_egress::EgressUrl::parse(&body.url)
+            .map_err(|refusal| ApiError::bad_request("invalid_url", format!("url: {refusal}")))?;
+        if body.allowlist.is_empty() {
+            return Err(ApiError::bad_request(
+                "invalid_allowlist",
+                "allowlist must name at least the host of `url`",
+            ));
+        }
+        None
+    };
     wor_egress::HostAllowlist::parse(&body.allowlist)
         .map_err(|e| ApiError::bad_request("invalid_allowlist", format!("allowlist: {e}")))?;
     let headers = check_credentials(&body)?;
@@ -301,6 +346,7 @@ pub async fn create(
                 url: body.url,
                 allowlist: body.allowlist,
                 secret_headers: headers.iter().map(|(name, _)| name.clone()).collect(),
+                command,
                 created_by: Some(caller.key_id),
             },
         )
@@ -311,6 +357,12 @@ pub async fn create(
     }
     for (name, value) in &headers {
         sealed.push((credential_slot(&record, header_field(name)), value.as_str()));
+    }
+    for (name, value) in &body.env {
+        sealed.push((
+            credential_slot(&record, wor_store::env_field(name)),
+            value.as_str(),
+        ));
     }
     for (slot, value) in sealed {
         if let Err(err) = state.vault.put(&slot, value).await {
@@ -334,7 +386,7 @@ pub async fn create(
             .payload(serde_json::json!({
                 "name": record.name, "kind": record.kind, "url": record.url,
                 "allowlist": record.allowlist, "credential_headers": record.secret_headers,
-                "bearer_token": body.bearer_token.is_some(),
+                "bearer_token": body.bearer_token.is_some(), "command": record.command,
             })),
         )
         .await?;
