@@ -481,13 +481,13 @@ impl Engine {
     pub(crate) async fn call_until_cancelled(
         &self,
         run: &RunRecord,
-        call: impl Future<Output = Result<wor_tools::ToolCallResult, wor_tools::McpError>>,
+        call: impl Future<Output = Result<wor_tools::ToolCallResult, String>>,
     ) -> Result<Result<wor_tools::ToolCallResult, String>, EngineError> {
         tokio::pin!(call);
         let mut poll = tokio::time::interval(CANCEL_POLL);
         loop {
             tokio::select! {
-                result = &mut call => return Ok(result.map_err(|e| e.to_string())),
+                result = &mut call => return Ok(result),
                 _ = poll.tick() => {
                     if self.store.is_cancel_requested(run.id).await? {
                         return Ok(Err("the run was cancelled while the tool ran".to_owned()));

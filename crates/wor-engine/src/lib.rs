@@ -5,12 +5,13 @@
 //! the same process after a restart) resumes where it stopped. Budgets, cancellation and the
 //! wall-time deadline are checked before every step.
 //!
-//! Roster tools on MCP-over-HTTP connections run through the pipeline of the spec (roster,
+//! Roster tools on MCP connections (over HTTP, or stdio in the sandbox) and HTTP API tools run
+//! through the pipeline of the spec (roster,
 //! schema and pinned arguments, decision by Cedar policy, budget, record, execute, result). A
 //! call that needs approval parks its run, holding no worker, until a person decides or the
 //! approval expires. Runs also start on a schedule and on signed inbound webhooks, and run
-//! webhooks tell other systems about them (`triggers.rs`). Not built yet: stdio and HTTP API
-//! connections in runs, nested routines and run-scoped credentials.
+//! webhooks tell other systems about them (`triggers.rs`). Not built yet: nested routines and
+//! run-scoped credentials.
 
 mod approvals;
 mod driver;

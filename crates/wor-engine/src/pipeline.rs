@@ -729,7 +729,7 @@ impl Engine {
         run: &RunRecord,
         connection: &crate::run_tools::LiveConnection,
     ) -> Result<Option<String>, EngineError> {
-        if !connection.session.tools_changed().take() {
+        if !connection.session.take_tools_changed() {
             return Ok(None);
         }
         let record = &connection.record;

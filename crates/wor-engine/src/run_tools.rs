@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use wor_core::model::ToolSpec;
 use wor_core::routine::{RoutineDefinition, ToolMode};
 use wor_store::{RunRecord, StoreError, ToolClass, ToolConnectionRecord};
-use wor_tools::{McpSession, PinnedToolDefinition, ToolListVerdict, compare, model_view};
+use wor_tools::{PinnedToolDefinition, ToolListVerdict, compare, model_view};
 
 use crate::Engine;
 use crate::tool_connections::{quarantine_names, stored_from_definition, stored_pins};
@@ -32,7 +32,7 @@ pub(crate) struct OfferedTool {
 
 /// An open connection of the run, with the record its pins were checked against.
 pub(crate) struct LiveConnection {
-    pub session: McpSession,
+    pub session: crate::tool_connections::ToolSession,
     pub record: ToolConnectionRecord,
 }
 

@@ -101,24 +101,40 @@ fn review_diff(diff: &ToolListDiff) -> ReviewDiff {
 }
 
 impl Engine {
-    /// Opens an MCP session with an `mcp_http` connection, its credentials attached by
+    /// Opens a session with a tool connection of any kind: an MCP session over HTTP or stdio
+    /// (in the sandbox), or the configured tools of an HTTP API. Credentials are attached by
     /// `wor-tools` at send time. Errors are for people: they name the connection, never a value.
     pub(crate) async fn open_tool_session(
         &self,
         record: &ToolConnectionRecord,
-    ) -> Result<McpSession, String> {
+    ) -> Result<ToolSession, String> {
         let name = &record.name;
         match record.kind {
-            ToolConnectionKind::McpHttp => {}
-            ToolConnectionKind::McpStdio => return self.open_stdio_session(record).await,
-            ToolConnectionKind::HttpApi => {
-                return Err(format!(
-                    "tool connection `{name}` is an http api, which routines cannot call yet"
-                ));
+            ToolConnectionKind::McpStdio => {
+                return self.open_stdio_session(record).await.map(ToolSession::Mcp);
             }
+            ToolConnectionKind::HttpApi => return self.open_http_api(record).await,
+            ToolConnectionKind::McpHttp => {}
         }
         let allowlist = wor_egress::HostAllowlist::parse(&record.allowlist)
             .map_err(|e| format!("the allowlist of tool connection `{name}` is invalid: {e}"))?;
+        let endpoint = StreamableHttpEndpoint {
+            url: record.url.clone(),
+            allowlist,
+            credentials: self.connection_credentials(record).await?,
+        };
+        McpSession::connect_http(&self.egress, endpoint, McpLimits::default())
+            .await
+            .map(ToolSession::Mcp)
+            .map_err(|e| format!("tool connection `{name}` cannot be reached: {e}"))
+    }
+
+    /// The bearer token and secret headers of a connection, opened from the vault.
+    async fn connection_credentials(
+        &self,
+        record: &ToolConnectionRecord,
+    ) -> Result<ConnectionCredentials, String> {
+        let name = &record.name;
         let mut credentials = ConnectionCredentials::none();
         let bearer = credential_slot(record, BEARER_TOKEN_FIELD);
         if self
@@ -143,14 +159,30 @@ impl Engine {
                 .with_header(header, value)
                 .map_err(|e| format!("tool connection `{name}`: {e}"))?;
         }
-        let endpoint = StreamableHttpEndpoint {
-            url: record.url.clone(),
+        Ok(credentials)
+    }
+
+    /// The configured tools of an `http_api` connection on its base URL.
+    async fn open_http_api(&self, record: &ToolConnectionRecord) -> Result<ToolSession, String> {
+        let name = &record.name;
+        let allowlist = wor_egress::HostAllowlist::parse(&record.allowlist)
+            .map_err(|e| format!("the allowlist of tool connection `{name}` is invalid: {e}"))?;
+        let connection = wor_tools::HttpApiConnection::new(
+            &record.url,
             allowlist,
-            credentials,
-        };
-        McpSession::connect_http(&self.egress, endpoint, McpLimits::default())
-            .await
-            .map_err(|e| format!("tool connection `{name}` cannot be reached: {e}"))
+            self.connection_credentials(record).await?,
+        )
+        .map_err(|e| format!("tool connection `{name}`: {e}"))?;
+        let tools = http_tool_definitions(record)
+            .map_err(|e| format!("tool connection `{name}`: {e}"))?
+            .into_iter()
+            .map(|tool| (tool.tool_definition().name, tool))
+            .collect();
+        Ok(ToolSession::Http {
+            connection: Box::new(connection),
+            tools,
+            egress: self.egress.clone(),
+        })
     }
 
     /// Starts a stdio connection's server in the sandbox: its declared program, arguments,
@@ -431,6 +463,85 @@ pub fn check_stdio_spec(spec: &StdioSpec, allowed_roots: &[PathBuf]) -> Result<(
         }
     }
     Ok(())
+}
+
+/// The HTTP tools configured on an `http_api` connection, checked.
+pub fn http_tool_definitions(
+    record: &ToolConnectionRecord,
+) -> Result<Vec<wor_tools::HttpToolDefinition>, String> {
+    record
+        .http_tools
+        .iter()
+        .map(|config| {
+            let config: wor_tools::HttpToolConfig = serde_json::from_value(config.clone())
+                .map_err(|e| format!("an http tool is not valid: {e}"))?;
+            wor_tools::HttpToolDefinition::new(config).map_err(|e| e.to_string())
+        })
+        .collect()
+}
+
+/// An open connection to a tool source: an MCP server, or the configured tools of an HTTP API.
+pub(crate) enum ToolSession {
+    Mcp(McpSession),
+    Http {
+        connection: Box<wor_tools::HttpApiConnection>,
+        tools: BTreeMap<String, wor_tools::HttpToolDefinition>,
+        egress: wor_egress::EgressClient,
+    },
+}
+
+impl ToolSession {
+    /// The live tool list: what the MCP server lists, or the configured HTTP tools.
+    pub async fn list_tools(&self) -> Result<Vec<ToolDefinition>, String> {
+        match self {
+            ToolSession::Mcp(session) => session.list_tools().await.map_err(|e| e.to_string()),
+            ToolSession::Http { tools, .. } => {
+                Ok(tools.values().map(|t| t.tool_definition()).collect())
+            }
+        }
+    }
+
+    /// Calls `tool`; a tool's own failure is `Ok` with `is_error`, anything else `Err`.
+    pub async fn call_tool(
+        &self,
+        tool: &str,
+        arguments: serde_json::Map<String, Value>,
+    ) -> Result<wor_tools::ToolCallResult, String> {
+        match self {
+            ToolSession::Mcp(session) => session
+                .call_tool(tool, arguments)
+                .await
+                .map_err(|e| e.to_string()),
+            ToolSession::Http {
+                connection,
+                tools,
+                egress,
+            } => {
+                let definition = tools
+                    .get(tool)
+                    .ok_or_else(|| format!("no http tool `{tool}`"))?;
+                definition
+                    .execute(egress, connection, &arguments)
+                    .await
+                    .map_err(|e| e.to_string())
+            }
+        }
+    }
+
+    /// Whether the server announced a changed tool list since the last look (never, for HTTP
+    /// tools: their list is configuration).
+    pub fn take_tools_changed(&self) -> bool {
+        match self {
+            ToolSession::Mcp(session) => session.tools_changed().take(),
+            ToolSession::Http { .. } => false,
+        }
+    }
+
+    pub async fn close(self) {
+        if let ToolSession::Mcp(session) = self {
+            session.close().await;
+        }
+    }
 }
 
 #[cfg(test)]

@@ -1515,3 +1515,157 @@ mode = "auto"
     assert_eq!(connection["status"], "quarantined");
     assert!(h.audit_text().await.contains("connection.quarantine"));
 }
+
+#[tokio::test]
+async fn http_api_tools_run_in_routines_with_credentials_attached_at_send_time() {
+    const TOKEN: &str = "tok-http-api-5e4d3c2b1a09";
+    type Seen = Arc<Mutex<Vec<(String, String, Option<String>, String)>>>;
+    let seen: Seen = Arc::default();
+    let sink = seen.clone();
+    let api = Router::new().fallback(
+        move |method: Method,
+              uri: axum::http::Uri,
+              headers: axum::http::HeaderMap,
+              body: String| {
+            let sink = sink.clone();
+            async move {
+                let auth = headers
+                    .get("authorization")
+                    .map(|v| v.to_str().unwrap().to_owned());
+                let created = method == Method::POST;
+                sink.lock()
+                    .unwrap()
+                    .push((method.to_string(), uri.to_string(), auth, body));
+                if created {
+                    axum::Json(json!({"status": "created"}))
+                } else {
+                    axum::Json(json!({"id": "42", "title": "a record"}))
+                }
+            }
+        },
+    );
+    let addr = serve(api).await;
+    let h = Harness::new().await;
+    let tools = json!([
+        {"name": "get_item", "description": "Reads an item", "method": "GET", "path": "/items/{id}",
+         "inputSchema": {"type": "object", "properties": {"id": {"type": "string"}}, "required": ["id"]}},
+        {"name": "create_item", "description": "Creates an item", "method": "POST", "path": "/items",
+         "inputSchema": {"type": "object", "properties": {"title": {"type": "string"}}}}
+    ]);
+    let (status, body) = h
+        .call(
+            Method::POST,
+            "/v1/tool-connections",
+            Some(
+                json!({"name": "items", "kind": "http_api", "url": format!("http://{addr}/v1"),
+                "allowlist": [addr.to_string()], "bearer_token": TOKEN, "tools": [{"name": "x",
+                "method": "TRACE", "path": "/", "inputSchema": {}}]}),
+            ),
+        )
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert_eq!(body["error"]["code"], "invalid_tools");
+    let (status, created) = h
+        .call(
+            Method::POST,
+            "/v1/tool-connections",
+            Some(
+                json!({"name": "items", "kind": "http_api", "url": format!("http://{addr}/v1"),
+                "allowlist": [addr.to_string()], "bearer_token": TOKEN, "tools": tools}),
+            ),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    let id = created["id"].as_str().unwrap();
+    let (status, review) = h
+        .call(
+            Method::GET,
+            &format!("/v1/tool-connections/{id}/review"),
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{review}");
+    let hashes: BTreeMap<String, Value> = review["tools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| (t["name"].as_str().unwrap().to_owned(), t["hash"].clone()))
+        .collect();
+    assert_eq!(hashes.len(), 2);
+    let (status, _) = h
+        .call(
+            Method::POST,
+            &format!("/v1/tool-connections/{id}/enable"),
+            Some(json!({"tools": hashes, "read_only": ["get_item"]})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK);
+
+    let routine = r#"
+name = "items-user"
+instructions = "Read an item, then file a new one."
+[model]
+provider = "replay"
+model = "script"
+[[model.script.turns]]
+when = { last_tool_result_contains = "created" }
+text = "filed"
+[[model.script.turns]]
+when = { last_tool_result_contains = "may not contain" }
+tool_calls = [{ name = "items__create_item", arguments = { title = "follow-up" } }]
+[[model.script.turns]]
+when = { last_tool_result_contains = "a record" }
+tool_calls = [{ name = "items__get_item", arguments = { id = "../admin" } }]
+[[model.script.turns]]
+tool_calls = [{ name = "items__get_item", arguments = { id = "42" } }]
+[[tools]]
+tool = "items/get_item"
+mode = "auto"
+[[tools]]
+tool = "items/create_item"
+mode = "auto"
+"#;
+    let run = h.run(routine).await;
+    // The read ran; the path escape was refused as a tool error; the POST waits for a person.
+    assert_eq!(run["status"], "waiting_for_approval", "{run:#}");
+    {
+        let seen = seen.lock().unwrap();
+        assert_eq!(seen.len(), 1, "{seen:?}");
+        assert_eq!(seen[0].0, "GET");
+        assert_eq!(seen[0].1, "/v1/items/42");
+        assert_eq!(
+            seen[0].2.as_deref(),
+            Some(format!("Bearer {TOKEN}").as_str())
+        );
+    }
+    let run_id = run["id"].as_str().unwrap();
+    let pending = h.pending_approvals(run_id).await;
+    assert_eq!(pending[0]["tool"], "items/create_item");
+    let approver = h.member("approver").await;
+    let (status, _) = h
+        .decide(
+            &approver,
+            pending[0]["id"].as_str().unwrap(),
+            "approve",
+            "ok",
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(h.engine.run_next().await.unwrap());
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    assert_eq!(
+        (seen[1].0.as_str(), seen[1].1.as_str()),
+        ("POST", "/v1/items")
+    );
+    assert_eq!(
+        serde_json::from_str::<Value>(&seen[1].3).unwrap(),
+        json!({"title": "follow-up"})
+    );
+    let run = h.get_run(run_id).await;
+    assert_eq!(run["status"], "succeeded", "{run:#}");
+    assert!(
+        !run.to_string().contains(TOKEN),
+        "the credential is nowhere in the run"
+    );
+}

@@ -25,6 +25,7 @@ const APPROVALS: &str = include_str!("../migrations/0007_approvals.sql");
 const TRIGGERS: &str = include_str!("../migrations/0008_triggers.sql");
 const MEMORY: &str = include_str!("../migrations/0009_memory.sql");
 const STDIO_CONNECTIONS: &str = include_str!("../migrations/0010_stdio_connections.sql");
+const HTTP_TOOLS: &str = include_str!("../migrations/0011_http_tools.sql");
 
 /// The triggers that make the audit tables append-only, per backend; also used by the test
 /// support that plays an attacker who drops them.
@@ -102,6 +103,12 @@ const MIGRATIONS: &[SchemaMigration] = &[
         description: "stdio connections",
         sqlite: STDIO_CONNECTIONS,
         postgres: STDIO_CONNECTIONS,
+    },
+    SchemaMigration {
+        version: 11,
+        description: "http tools",
+        sqlite: HTTP_TOOLS,
+        postgres: HTTP_TOOLS,
     },
 ];
 

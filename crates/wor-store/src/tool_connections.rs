@@ -163,6 +163,8 @@ pub struct NewToolConnection {
     pub secret_headers: Vec<String>,
     /// How a `mcp_stdio` server starts; `None` for the other kinds.
     pub command: Option<StdioSpec>,
+    /// The tools of an `http_api` connection, as configured (JSON objects); empty otherwise.
+    pub http_tools: Vec<Value>,
     pub created_by: Option<ApiKeyId>,
 }
 
@@ -181,6 +183,7 @@ pub struct ToolConnectionRecord {
     pub live_tools: Option<BTreeMap<String, StoredPin>>,
     pub secret_headers: Vec<String>,
     pub command: Option<StdioSpec>,
+    pub http_tools: Vec<Value>,
     pub created_by: Option<ApiKeyId>,
     pub created_at: i64,
     pub updated_at: i64,
@@ -197,7 +200,7 @@ impl ToolConnectionRecord {
 }
 
 const COLUMNS: &str = "id, project_id, name, kind, url, allowlist, status, tool_classification, \
-                       pinned_tools, live_tools, secret_headers, command, created_by, created_at, updated_at";
+                       pinned_tools, live_tools, secret_headers, command, http_tools, created_by, created_at, updated_at";
 
 fn to_json<T: serde::Serialize>(value: &T) -> Result<String, StoreError> {
     serde_json::to_string(value).map_err(|e| StoreError::Corrupt(format!("cannot encode: {e}")))
@@ -224,14 +227,15 @@ impl Store {
             live_tools: None,
             secret_headers: new.secret_headers,
             command: new.command,
+            http_tools: new.http_tools,
             created_by: new.created_by,
             created_at: now,
             updated_at: now,
         };
         sqlx::query(
             "INSERT INTO tool_connections (id, project_id, name, kind, url, allowlist, status, \
-             tool_classification, pinned_tools, live_tools, secret_headers, created_by, created_at, updated_at, command) \
-             VALUES ($1, $2, $3, $4, $5, $6, 'pending_review', '{}', '{}', NULL, $7, $8, $9, $9, $10)",
+             tool_classification, pinned_tools, live_tools, secret_headers, created_by, created_at, updated_at, command, http_tools) \
+             VALUES ($1, $2, $3, $4, $5, $6, 'pending_review', '{}', '{}', NULL, $7, $8, $9, $9, $10, $11)",
         )
         .bind(record.id.to_string())
         .bind(project.to_string())
@@ -243,6 +247,7 @@ impl Store {
         .bind(record.created_by.map(|k| k.to_string()))
         .bind(now)
         .bind(record.command.as_ref().map(to_json).transpose()?)
+        .bind((!record.http_tools.is_empty()).then(|| to_json(&record.http_tools)).transpose()?)
         .execute(self.pool())
         .await
         .map_err(|e| {
@@ -411,6 +416,7 @@ fn from_row(row: &sqlx::any::AnyRow) -> Result<ToolConnectionRecord, StoreError>
     let live: Option<String> = row.try_get("live_tools")?;
     let headers: String = row.try_get("secret_headers")?;
     let command: Option<String> = row.try_get("command")?;
+    let http_tools: Option<String> = row.try_get("http_tools")?;
     let created_by: Option<String> = row.try_get("created_by")?;
     Ok(ToolConnectionRecord {
         id: parse_column(&id, "tool_connections.id")?,
@@ -431,6 +437,10 @@ fn from_row(row: &sqlx::any::AnyRow) -> Result<ToolConnectionRecord, StoreError>
         command: command
             .map(|c| json_column(&c, "tool_connections.command"))
             .transpose()?,
+        http_tools: http_tools
+            .map(|t| json_column(&t, "tool_connections.http_tools"))
+            .transpose()?
+            .unwrap_or_default(),
         created_by: created_by
             .map(|k| parse_column(&k, "tool_connections.created_by"))
             .transpose()?,

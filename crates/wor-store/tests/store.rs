@@ -590,6 +590,7 @@ async fn tool_connections_are_confined_to_their_project_and_keep_their_pins() {
         allowlist: vec!["mcp.example.com".to_owned()],
         secret_headers: vec!["x-api-key".to_owned()],
         command: None,
+        http_tools: Vec::new(),
         created_by: None,
     };
     let created = db

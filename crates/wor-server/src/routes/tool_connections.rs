@@ -52,6 +52,11 @@ pub struct CreateToolConnection {
     /// returned. (`command.env_names` is filled from these keys.)
     #[serde(default)]
     pub env: BTreeMap<String, String>,
+    /// `http_api` only: its tools, each `{name, description, method, path, inputSchema}`; the
+    /// path template's `{params}` must be properties of the input schema.
+    #[serde(default)]
+    #[schema(value_type = Vec<Object>)]
+    pub tools: Vec<serde_json::Value>,
     /// Sent as `Authorization: Bearer …`. Stored encrypted; never returned.
     #[serde(default)]
     pub bearer_token: Option<String>,
@@ -317,6 +322,12 @@ pub async fn create(
             .map_err(|e| ApiError::bad_request("invalid_command", format!("command: {e}")))?;
         Some(command)
     } else {
+        if (kind == ToolConnectionKind::HttpApi) == body.tools.is_empty() {
+            return Err(ApiError::bad_request(
+                "invalid_tools",
+                "an `http_api` connection lists its `tools`; other kinds do not",
+            ));
+        }
         if body.command.is_some() || !body.env.is_empty() {
             return Err(ApiError::bad_request(
                 "invalid_command",
@@ -333,8 +344,11 @@ pub async fn create(
         }
         None
     };
-    wor_egress::HostAllowlist::parse(&body.allowlist)
+    let allowlist = wor_egress::HostAllowlist::parse(&body.allowlist)
         .map_err(|e| ApiError::bad_request("invalid_allowlist", format!("allowlist: {e}")))?;
+    if kind == ToolConnectionKind::HttpApi {
+        check_http_tools(&body, allowlist)?;
+    }
     let headers = check_credentials(&body)?;
     let record = state
         .store
@@ -347,6 +361,7 @@ pub async fn create(
                 allowlist: body.allowlist,
                 secret_headers: headers.iter().map(|(name, _)| name.clone()).collect(),
                 command,
+                http_tools: body.tools.clone(),
                 created_by: Some(caller.key_id),
             },
         )
@@ -393,6 +408,41 @@ pub async fn create(
     tracing::info!(category = "config", action = "connection.create", project_id = %caller.project_id,
         connection_id = %record.id, actor_key_id = %caller.key_id, "tool connection created");
     Ok((StatusCode::CREATED, Json(view(&state, record).await?)))
+}
+
+/// Checks an `http_api` connection's base URL and tools: the URL's host on the allowlist, each
+/// tool a supported method with a valid template, names unique.
+fn check_http_tools(
+    body: &CreateToolConnection,
+    allowlist: wor_egress::HostAllowlist,
+) -> Result<(), ApiError> {
+    let bad = |message: String| ApiError::bad_request("invalid_tools", message);
+    wor_tools::HttpApiConnection::new(
+        &body.url,
+        allowlist,
+        wor_tools::ConnectionCredentials::none(),
+    )
+    .map_err(|e| bad(format!("url: {e}")))?;
+    let mut names = std::collections::BTreeSet::new();
+    for (index, tool) in body.tools.iter().enumerate() {
+        let config: wor_tools::HttpToolConfig = serde_json::from_value(tool.clone())
+            .map_err(|e| bad(format!("tools[{index}]: {e}")))?;
+        check_connection_name(&config.name).map_err(|_| {
+            bad(format!(
+                "tools[{index}]: `{}` is not a valid tool name",
+                config.name
+            ))
+        })?;
+        if !names.insert(config.name.clone()) {
+            return Err(bad(format!(
+                "tools[{index}]: `{}` is listed twice",
+                config.name
+            )));
+        }
+        wor_tools::HttpToolDefinition::new(config)
+            .map_err(|e| bad(format!("tools[{index}]: {e}")))?;
+    }
+    Ok(())
 }
 
 /// One tool connection.
