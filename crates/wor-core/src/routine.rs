@@ -203,6 +203,9 @@ pub enum OnDenial {
 pub struct ApprovalsSection {
     #[serde(default)]
     pub on_denial: OnDenial,
+    /// The member who applied the run's routine version may not decide its approvals either.
+    #[serde(default)]
+    pub separate_from_author: bool,
 }
 
 impl ApprovalsSection {

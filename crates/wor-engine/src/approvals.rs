@@ -1,7 +1,9 @@
 //! Deciding approvals, and expiring the ones nobody decided.
 //!
 //! Separation of duties: only a role that may approve decides, and never with the API key that
-//! started the run, nor as the member who owns that key (whichever of their keys they use).
+//! started the run, nor as the member who owns that key (whichever of their keys they use); a
+//! routine with `[approvals] separate_from_author = true` also excludes the member who applied
+//! the run's routine version.
 
 use serde_json::json;
 use wor_core::audit::{Actor, AuditCategory, AuditEvent};
@@ -65,6 +67,24 @@ impl Engine {
             if starter_member.is_some() && starter_member == approver.member_id {
                 return Err(EngineError::Forbidden(
                     "the member who started this run cannot decide its approvals".to_owned(),
+                ));
+            }
+        }
+        let version = self
+            .store
+            .get_routine_version(project, run.routine_id, run.routine_version)
+            .await?;
+        if version.definition.approvals.separate_from_author
+            && let Some(author_key) = version.created_by
+        {
+            let author = match self.store.get_api_key(project, author_key).await {
+                Ok(key) => key.member_id,
+                Err(StoreError::NotFound) => None,
+                Err(other) => return Err(other.into()),
+            };
+            if author_key == approver.key_id || (author.is_some() && author == approver.member_id) {
+                return Err(EngineError::Forbidden(
+                    "this routine asks that its author not decide its approvals".to_owned(),
                 ));
             }
         }

@@ -1669,3 +1669,46 @@ mode = "auto"
         "the credential is nowhere in the run"
     );
 }
+
+#[tokio::test]
+async fn a_routine_can_keep_its_author_from_deciding_its_approvals() {
+    let desk = Desk::default();
+    let addr = serve_desk(desk.clone()).await;
+    let h = Harness::new().await;
+    h.connect_and_enable("desk", addr, json!({}), &["lookup"])
+        .await;
+    let author = h.member("admin").await;
+    let routine = format!("{MAILER}\n[approvals]\nseparate_from_author = true\n");
+    let (status, applied, text) = h
+        .call_as(
+            &author,
+            Method::POST,
+            "/v1/routines",
+            Some(json!({"toml": routine})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{text}");
+    let routine_id = applied["routine"]["id"].as_str().unwrap();
+    let (_, run) = h
+        .call(
+            Method::POST,
+            &format!("/v1/routines/{routine_id}/runs"),
+            Some(json!({"input": "go"})),
+        )
+        .await;
+    let run_id = run["id"].as_str().unwrap().to_owned();
+    assert!(h.engine.run_next().await.unwrap());
+    let pending = h.pending_approvals(&run_id).await;
+    let id = pending[0]["id"].as_str().unwrap();
+    let (status, body) = h.decide(&author, id, "approve", "I wrote it").await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("author")
+    );
+    let approver = h.member("approver").await;
+    let (status, _) = h.decide(&approver, id, "approve", "checked").await;
+    assert_eq!(status, StatusCode::OK);
+}
