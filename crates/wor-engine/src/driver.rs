@@ -268,10 +268,16 @@ impl Engine {
         } = *context;
         let limits = definition.budget;
         let started = Instant::now();
-        // Wall time already spent before a restart counts too.
+        // Wall time already spent before a restart counts too; time parked for a person does
+        // not.
         let spent_before = run
             .started_at
-            .map(|s| u64::try_from(wor_store::now_millis().saturating_sub(s) / 1000).unwrap_or(0))
+            .map(|s| {
+                let spent = wor_store::now_millis()
+                    .saturating_sub(s)
+                    .saturating_sub(run.parked_ms);
+                u64::try_from(spent / 1000).unwrap_or(0)
+            })
             .unwrap_or(0);
         let elapsed = || spent_before.saturating_add(started.elapsed().as_secs());
         let mut usage = run.usage;

@@ -37,7 +37,7 @@ pub use tool_connections::{
 };
 pub use triggers::{
     InboundWebhook, MAX_DELIVERY_ATTEMPTS, MAX_WEBHOOK_BYTES, REPLAY_WINDOW_SECS, SchedulerReport,
-    WebhookRejection,
+    WebhookRejection, WebhookSecretKind,
 };
 
 /// How long an approval waits for a decision unless configured otherwise: 24 hours.

@@ -21,12 +21,42 @@ use crate::{Engine, EngineError, StartRun, Trigger};
 
 /// The vault table webhook secrets are filed under (one per routine).
 pub const ROUTINES_TABLE: &str = "routines";
-/// The vault field of a routine's webhook secret.
+/// The vault field of a routine's inbound webhook secret.
 pub const WEBHOOK_SECRET_FIELD: &str = "webhook_secret";
+/// The vault field of a routine's run webhook (notify) secret.
+pub const NOTIFY_SECRET_FIELD: &str = "notify_secret";
+
+/// Which of a routine's two webhook secrets. They are separate so that a run webhook a
+/// receiver got can never be replayed as an inbound webhook of the same routine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WebhookSecretKind {
+    /// Verifies inbound webhooks (`[webhook]`).
+    Inbound,
+    /// Signs run webhooks (`[notify]`).
+    Notify,
+}
+
+impl WebhookSecretKind {
+    fn field(self) -> &'static str {
+        match self {
+            WebhookSecretKind::Inbound => WEBHOOK_SECRET_FIELD,
+            WebhookSecretKind::Notify => NOTIFY_SECRET_FIELD,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WebhookSecretKind::Inbound => "inbound",
+            WebhookSecretKind::Notify => "notify",
+        }
+    }
+}
 /// How far a webhook timestamp may be from now, either way.
 pub const REPLAY_WINDOW_SECS: u64 = 300;
 /// Largest inbound webhook body accepted.
 pub const MAX_WEBHOOK_BYTES: usize = 256 * 1024;
+/// Longest delivery id (`wor-delivery`, `webhook-id`) accepted.
+pub const MAX_DELIVERY_ID_BYTES: usize = 256;
 /// How often the scheduler and the webhook outbox look for work.
 const TICK: Duration = Duration::from_secs(1);
 /// Attempts per run webhook before it is given up.
@@ -181,20 +211,21 @@ impl Engine {
         })
     }
 
-    /// The slot of a routine's webhook secret.
-    fn webhook_slot(project: ProjectId, routine: RoutineId) -> SecretSlot {
-        SecretSlot::new(project, ROUTINES_TABLE, routine, WEBHOOK_SECRET_FIELD)
+    /// The slot of one of a routine's webhook secrets.
+    fn webhook_slot(project: ProjectId, routine: RoutineId, kind: WebhookSecretKind) -> SecretSlot {
+        SecretSlot::new(project, ROUTINES_TABLE, routine, kind.field())
     }
 
-    /// Whether the routine has a webhook secret.
+    /// Whether the routine has that webhook secret.
     pub async fn has_webhook_secret(
         &self,
         project: ProjectId,
         routine: RoutineId,
+        kind: WebhookSecretKind,
     ) -> Result<bool, EngineError> {
         Ok(self
             .vault
-            .metadata(&Self::webhook_slot(project, routine))
+            .metadata(&Self::webhook_slot(project, routine, kind))
             .await?
             .is_some())
     }
@@ -205,11 +236,12 @@ impl Engine {
         &self,
         project: ProjectId,
         routine: RoutineId,
+        kind: WebhookSecretKind,
         actor: Actor,
     ) -> Result<SecretString, EngineError> {
         let secret = webhook_signature::generate_secret()
             .map_err(|e| EngineError::Refused(format!("cannot make a webhook secret: {e}")))?;
-        let slot = Self::webhook_slot(project, routine);
+        let slot = Self::webhook_slot(project, routine, kind);
         self.vault
             .put(&slot, secret.expose_secret())
             .await
@@ -218,7 +250,7 @@ impl Engine {
             .append(
                 AuditEvent::new(project, AuditCategory::WebhookSecretRotate, actor)
                     .subject("routine_id", routine)
-                    .payload(json!({ "slot": slot.to_string() })),
+                    .payload(json!({ "slot": slot.to_string(), "kind": kind.as_str() })),
             )
             .await?;
         Ok(secret)
@@ -228,8 +260,9 @@ impl Engine {
         &self,
         project: ProjectId,
         routine: RoutineId,
+        kind: WebhookSecretKind,
     ) -> Result<Option<SecretString>, EngineError> {
-        let slot = Self::webhook_slot(project, routine);
+        let slot = Self::webhook_slot(project, routine, kind);
         if self.vault.metadata(&slot).await?.is_none() {
             return Ok(None);
         }
@@ -250,6 +283,15 @@ impl Engine {
         if hook.body.len() > MAX_WEBHOOK_BYTES {
             return Err(WebhookRejection::TooLarge);
         }
+        if hook
+            .delivery
+            .as_deref()
+            .is_some_and(|id| id.len() > MAX_DELIVERY_ID_BYTES || id.chars().any(char::is_control))
+        {
+            return Err(WebhookRejection::BadSignature(format!(
+                "the delivery id must be at most {MAX_DELIVERY_ID_BYTES} printable bytes"
+            )));
+        }
         let record = match self.store.get_routine_for_webhook(routine).await {
             Ok(record) => record,
             Err(StoreError::NotFound) => return Err(WebhookRejection::NotFound),
@@ -265,7 +307,7 @@ impl Engine {
             return Err(WebhookRejection::NotFound);
         }
         let Some(secret) = self
-            .open_webhook_secret(record.project_id, record.id)
+            .open_webhook_secret(record.project_id, record.id, WebhookSecretKind::Inbound)
             .await?
         else {
             return Err(WebhookRejection::NotFound);
@@ -312,11 +354,18 @@ impl Engine {
             }
         };
         checked.map_err(|e| WebhookRejection::BadSignature(e.to_string()))?;
-        // Deduplicated by delivery id, or else by the signature itself.
-        let delivery = hook
-            .delivery
-            .clone()
-            .unwrap_or_else(|| format!("sig:{}", signature.trim().to_ascii_lowercase()));
+        // Deduplicated by what the signature covers: in the `wor` scheme that is the timestamp
+        // and body (a `wor-delivery` header is not signed, so a replay could change it); in
+        // Standard Webhooks the signed `webhook-id`.
+        let delivery = match settings.scheme {
+            WebhookScheme::Wor => format!(
+                "sig:{}",
+                wor_core::canonical::sha256_hex(signature.trim().to_ascii_lowercase().as_bytes())
+            ),
+            WebhookScheme::Standard => {
+                format!("id:{}", hook.delivery.clone().unwrap_or_default())
+            }
+        };
         let input = match serde_json::from_slice::<Value>(&hook.body) {
             Ok(json) => json,
             Err(_) => Value::String(String::from_utf8_lossy(&hook.body).into_owned()),
@@ -418,12 +467,16 @@ impl Engine {
             .await?;
         for delivery in &claimed {
             let outcome = match self
-                .open_webhook_secret(delivery.project_id, delivery.routine_id)
+                .open_webhook_secret(
+                    delivery.project_id,
+                    delivery.routine_id,
+                    WebhookSecretKind::Notify,
+                )
                 .await?
             {
                 None => AttemptOutcome::Failed {
                     status_code: None,
-                    error: "the routine has no webhook secret; create one with `wor routine webhook-secret`".to_owned(),
+                    error: "the routine has no notify secret; create one with `wor routine webhook-secret --notify`".to_owned(),
                     retry_at: None,
                 },
                 Some(secret) => {

@@ -1433,7 +1433,7 @@ async fn a_parked_run_notifies_people_with_a_signed_approval_webhook() {
         .call(Method::POST, "/v1/routines", Some(json!({"toml": routine})))
         .await;
     assert_eq!(status, StatusCode::CREATED, "{applied}");
-    let secret = applied["webhook_secret"].as_str().unwrap().to_owned();
+    let secret = applied["notify_secret"].as_str().unwrap().to_owned();
     let routine_id = applied["routine"]["id"].as_str().unwrap();
     let (_, run) = h
         .call(
@@ -1711,4 +1711,31 @@ async fn a_routine_can_keep_its_author_from_deciding_its_approvals() {
     let approver = h.member("approver").await;
     let (status, _) = h.decide(&approver, id, "approve", "checked").await;
     assert_eq!(status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn time_spent_waiting_for_a_person_is_not_wall_time() {
+    let desk = Desk::default();
+    let addr = serve_desk(desk.clone()).await;
+    let h = Harness::new().await;
+    h.connect_and_enable("desk", addr, json!({}), &["lookup"])
+        .await;
+    let run = h
+        .run(&format!("{MAILER}\n[budget]\nwall_seconds = 1\n"))
+        .await;
+    assert_eq!(run["status"], "waiting_for_approval", "{run:#}");
+    let run_id = run["id"].as_str().unwrap().to_owned();
+    // Parked for longer than the whole wall-time budget.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let approver = h.member("approver").await;
+    for (verb, reason) in [("approve", "ok"), ("deny", "not-mallory")] {
+        let pending = h.pending_approvals(&run_id).await;
+        let (status, _) = h
+            .decide(&approver, pending[0]["id"].as_str().unwrap(), verb, reason)
+            .await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(h.engine.run_next().await.unwrap());
+    }
+    let run = h.get_run(&run_id).await;
+    assert_eq!(run["status"], "succeeded", "{run:#}");
 }

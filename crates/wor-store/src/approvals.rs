@@ -215,7 +215,7 @@ impl Store {
         let mut tx = self.pool().begin().await?;
         let parked = sqlx::query(
             "UPDATE runs SET status = 'waiting_for_approval', lease_owner = NULL, lease_expires_at = NULL, \
-             updated_at = $1 WHERE project_id = $2 AND id = $3 AND lease_owner = $4 AND status = 'running'",
+             updated_at = $1, parked_at = $1 WHERE project_id = $2 AND id = $3 AND lease_owner = $4 AND status = 'running'",
         )
         .bind(now)
         .bind(project.to_string())

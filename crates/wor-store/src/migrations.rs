@@ -26,6 +26,7 @@ const TRIGGERS: &str = include_str!("../migrations/0008_triggers.sql");
 const MEMORY: &str = include_str!("../migrations/0009_memory.sql");
 const STDIO_CONNECTIONS: &str = include_str!("../migrations/0010_stdio_connections.sql");
 const HTTP_TOOLS: &str = include_str!("../migrations/0011_http_tools.sql");
+const PARKED_TIME: &str = include_str!("../migrations/0012_parked_time.sql");
 
 /// The triggers that make the audit tables append-only, per backend; also used by the test
 /// support that plays an attacker who drops them.
@@ -109,6 +110,12 @@ const MIGRATIONS: &[SchemaMigration] = &[
         description: "http tools",
         sqlite: HTTP_TOOLS,
         postgres: HTTP_TOOLS,
+    },
+    SchemaMigration {
+        version: 12,
+        description: "parked time",
+        sqlite: PARKED_TIME,
+        postgres: PARKED_TIME,
     },
 ];
 

@@ -27,6 +27,8 @@ pub struct RunRecord {
     pub thread: Option<String>,
     pub outcome: Option<String>,
     pub usage: BudgetUsage,
+    /// Milliseconds spent parked for approvals, not counted as the run's wall time.
+    pub parked_ms: i64,
     pub cancel_requested: bool,
     pub created_at: i64,
     pub started_at: Option<i64>,
@@ -76,7 +78,7 @@ pub struct RunFilter {
 
 const COLUMNS: &str = "id, project_id, routine_id, routine_version, root_run_id, parent_run_id, depth, \
     status, trigger_kind, started_by, trigger_key, thread, outcome, usage_turns, usage_tool_calls, usage_input_tokens, \
-    usage_output_tokens, usage_cost_microdollars, cancel_requested, created_at, started_at, finished_at";
+    usage_output_tokens, usage_cost_microdollars, cancel_requested, created_at, started_at, finished_at, parked_ms";
 
 fn to_i64(value: u64) -> i64 {
     i64::try_from(value).unwrap_or(i64::MAX)
@@ -274,7 +276,9 @@ impl Store {
             let now = now_millis();
             let claimed = sqlx::query(
                 "UPDATE runs SET status = 'running', lease_owner = $1, lease_expires_at = $2, \
-                 started_at = COALESCE(started_at, $3), updated_at = $3 WHERE id = $4 AND status = 'queued'",
+                 started_at = COALESCE(started_at, $3), updated_at = $3, \
+                 parked_ms = parked_ms + COALESCE($3 - parked_at, 0), parked_at = NULL \
+                 WHERE id = $4 AND status = 'queued'",
             )
             .bind(worker)
             .bind(now + lease_ms)
@@ -524,5 +528,6 @@ fn run_from_row(row: &sqlx::any::AnyRow) -> Result<RunRecord, StoreError> {
         created_at: row.try_get("created_at")?,
         started_at: row.try_get("started_at")?,
         finished_at: row.try_get("finished_at")?,
+        parked_ms: row.try_get("parked_ms")?,
     })
 }

@@ -31,6 +31,9 @@ pub enum RoutineCommand {
     /// Make a new webhook secret for a routine and print it once (the old one stops working).
     WebhookSecret {
         routine: String,
+        /// The secret that signs run webhooks, instead of the one that verifies inbound ones.
+        #[arg(long)]
+        notify: bool,
         #[command(flatten)]
         client: ClientArgs,
     },
@@ -74,9 +77,20 @@ pub async fn run(cmd: RoutineCommand) -> anyhow::Result<ExitCode> {
                     field(&applied, "/routine/name"),
                     field(&applied, "/routine/id"),
                 );
-                if let Some(secret) = applied.get("webhook_secret").and_then(Value::as_str) {
-                    eprintln!("webhook secret (shown once; it signs inbound and run webhooks):");
-                    println!("{secret}");
+                for (key, what) in [
+                    (
+                        "webhook_secret",
+                        "inbound webhook secret (shown once; it verifies POST /hooks/…):",
+                    ),
+                    (
+                        "notify_secret",
+                        "run webhook secret (shown once; receivers verify run webhooks with it):",
+                    ),
+                ] {
+                    if let Some(secret) = applied.get(key).and_then(Value::as_str) {
+                        eprintln!("{what}");
+                        println!("{secret}");
+                    }
                 }
             }
         }
@@ -138,11 +152,19 @@ pub async fn run(cmd: RoutineCommand) -> anyhow::Result<ExitCode> {
                 println!("\n{}", field(&detail, "/source_toml"));
             }
         }
-        RoutineCommand::WebhookSecret { routine, client } => {
+        RoutineCommand::WebhookSecret {
+            routine,
+            notify,
+            client,
+        } => {
             let api = ApiClient::new(&client)?;
             let id = routine_id(&api, &routine).await?;
+            let kind = if notify { "notify" } else { "inbound" };
             let made = api
-                .post(&format!("/v1/routines/{id}/webhook-secret"), &Value::Null)
+                .post(
+                    &format!("/v1/routines/{id}/webhook-secret?for={kind}"),
+                    &Value::Null,
+                )
                 .await?;
             if client.json {
                 print_json(&made)?;

@@ -6,6 +6,7 @@ use axum::http::StatusCode;
 use wor_core::RoutineId;
 use wor_core::audit::{AuditCategory, AuditEvent};
 use wor_core::routine::RoutineDefinition;
+use wor_engine::WebhookSecretKind;
 
 use crate::AppState;
 use crate::auth::Caller;
@@ -38,9 +39,12 @@ pub struct AppliedRoutineView {
     pub version: i64,
     /// False when the definition equalled the current version and nothing was written.
     pub changed: bool,
-    /// The routine's new webhook secret, shown this once: made when a version first enables
-    /// `[webhook]` or `[notify]` and the routine has none.
+    /// The routine's new inbound webhook secret, shown this once: made when a version first
+    /// enables `[webhook]` and the routine has none.
     pub webhook_secret: Option<String>,
+    /// The routine's new run webhook secret, shown this once: made when a version first sets
+    /// `[notify]` and the routine has none. Receivers verify run webhooks with it.
+    pub notify_secret: Option<String>,
 }
 
 #[derive(Debug, serde::Serialize, utoipa::ToSchema)]
@@ -61,8 +65,10 @@ pub struct RoutineDetail {
     pub versions: Vec<RoutineVersionSummary>,
     /// The next firings of its `[schedule]` (RFC 3339, UTC); empty without one.
     pub next_firings: Vec<String>,
-    /// Whether a webhook secret exists (its value is never shown again).
+    /// Whether an inbound webhook secret exists (its value is never shown again).
     pub webhook_secret_configured: bool,
+    /// Whether a run webhook (notify) secret exists.
+    pub notify_secret_configured: bool,
 }
 
 impl From<wor_store::RoutineRecord> for RoutineView {
@@ -153,21 +159,25 @@ pub async fn apply(
     tracing::info!(category = "config", action = "routine.apply", project_id = %caller.project_id,
         routine_id = %applied.routine.id, version = applied.version, changed = applied.changed,
         actor_key_id = %caller.key_id, "routine applied");
-    let wants_secret = definition.webhook.enabled || definition.notify.is_some();
-    let webhook_secret = if wants_secret
-        && !state
-            .engine
-            .has_webhook_secret(caller.project_id, applied.routine.id)
-            .await?
-    {
-        let secret = state
-            .engine
-            .rotate_webhook_secret(caller.project_id, applied.routine.id, caller.actor())
-            .await?;
-        Some(secrecy::ExposeSecret::expose_secret(&secret).to_owned())
-    } else {
-        None
-    };
+    let mut made = [None, None];
+    for (slot, (wanted, kind)) in made.iter_mut().zip([
+        (definition.webhook.enabled, WebhookSecretKind::Inbound),
+        (definition.notify.is_some(), WebhookSecretKind::Notify),
+    ]) {
+        if wanted
+            && !state
+                .engine
+                .has_webhook_secret(caller.project_id, applied.routine.id, kind)
+                .await?
+        {
+            let secret = state
+                .engine
+                .rotate_webhook_secret(caller.project_id, applied.routine.id, kind, caller.actor())
+                .await?;
+            *slot = Some(secrecy::ExposeSecret::expose_secret(&secret).to_owned());
+        }
+    }
+    let [webhook_secret, notify_secret] = made;
     let status = if applied.changed && applied.version == 1 {
         StatusCode::CREATED
     } else {
@@ -180,6 +190,7 @@ pub async fn apply(
             version: applied.version,
             changed: applied.changed,
             webhook_secret,
+            notify_secret,
         }),
     ))
 }
@@ -222,11 +233,16 @@ pub async fn get(
         .collect();
     let webhook_secret_configured = state
         .engine
-        .has_webhook_secret(caller.project_id, id)
+        .has_webhook_secret(caller.project_id, id, WebhookSecretKind::Inbound)
+        .await?;
+    let notify_secret_configured = state
+        .engine
+        .has_webhook_secret(caller.project_id, id, WebhookSecretKind::Notify)
         .await?;
     Ok(Json(RoutineDetail {
         next_firings,
         webhook_secret_configured,
+        notify_secret_configured,
         routine: routine.into(),
         definition: serde_json::to_value(&current.definition).map_err(|_| ApiError::Internal)?,
         source_toml: current.source_toml,

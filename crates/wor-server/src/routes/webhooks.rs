@@ -7,7 +7,7 @@ use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use secrecy::ExposeSecret as _;
 use wor_core::{RoutineId, RunId};
-use wor_engine::{InboundWebhook, WebhookRejection};
+use wor_engine::{InboundWebhook, WebhookRejection, WebhookSecretKind};
 use wor_store::{DeliveryFilter, DeliveryRecord};
 
 use crate::AppState;
@@ -25,8 +25,8 @@ pub struct HookAccepted {
 
 #[derive(Debug, serde::Serialize, utoipa::ToSchema)]
 pub struct WebhookSecretView {
-    /// The routine's new webhook secret, shown this once. It signs inbound webhooks and run
-    /// webhooks; the previous one stops working now.
+    /// The routine's new secret of that kind, shown this once; the previous one stops working
+    /// now.
     pub secret: String,
 }
 
@@ -155,20 +155,42 @@ fn rejection_kind(rejection: &WebhookRejection) -> &'static str {
     }
 }
 
+#[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct SecretQuery {
+    /// `inbound` (default: verifies `POST /hooks/{routine_id}`) or `notify` (signs run webhooks).
+    #[serde(rename = "for")]
+    #[param(rename = "for")]
+    pub kind: Option<String>,
+}
+
 /// Makes a new webhook secret for the routine and shows it once; the old one stops working.
 #[utoipa::path(post, path = "/v1/routines/{routine_id}/webhook-secret", tag = "webhooks", security(("bearer" = [])),
-    params(("routine_id" = String, Path, description = "a `rtn_…` id")),
-    responses((status = 200, body = WebhookSecretView), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)))]
+    params(("routine_id" = String, Path, description = "a `rtn_…` id"), SecretQuery),
+    responses((status = 200, body = WebhookSecretView), (status = 400, body = ErrorBody),
+        (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)))]
 pub async fn rotate_secret(
     State(state): State<AppState>,
     caller: Caller,
     ApiPath(routine): ApiPath<RoutineId>,
+    query: Result<Query<SecretQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<WebhookSecretView>, ApiError> {
+    let Query(query) = query.map_err(|e| ApiError::bad_request("invalid_query", e.body_text()))?;
+    let kind = match query.kind.as_deref() {
+        None | Some("inbound") => WebhookSecretKind::Inbound,
+        Some("notify") => WebhookSecretKind::Notify,
+        Some(other) => {
+            return Err(ApiError::bad_request(
+                "invalid_query",
+                format!("`for` is `inbound` or `notify`, not `{other}`"),
+            ));
+        }
+    };
     state.store.get_routine(caller.project_id, routine).await?;
     caller.require_configure()?;
     let secret = state
         .engine
-        .rotate_webhook_secret(caller.project_id, routine, caller.actor())
+        .rotate_webhook_secret(caller.project_id, routine, kind, caller.actor())
         .await?;
     tracing::info!(category = "config", action = "routine.webhook_secret", project_id = %caller.project_id,
         routine_id = %routine, actor_key_id = %caller.key_id, "webhook secret made");
