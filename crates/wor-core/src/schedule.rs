@@ -156,51 +156,69 @@ impl Schedule {
     /// on-time slots (within [`ON_TIME_GRACE_MS`]) whose jitter has passed, plus missed ones
     /// as the catch-up policy says. A slot whose jitter has not passed yet stays unhandled.
     pub fn plan(&self, routine: &str, next_slot: i64, now: i64) -> DuePlan {
+        // Bounded: a schedule that fires every second and was down for a year does not
+        // enumerate its whole outage; it resumes from the on-time window instead.
+        const LIMIT: usize = 10_000;
         let mut due = Vec::new();
         let mut cursor = Some(next_slot);
-        // Bounded: a schedule that fires every second and was down for a year stops here.
-        let limit = 10_000;
         while let Some(slot) = cursor {
-            if slot > now || due.len() >= limit {
+            if slot > now {
+                break;
+            }
+            if due.len() >= LIMIT {
+                let window = now - ON_TIME_GRACE_MS - self.jitter_ms;
+                let latest_missed = self.previous_before(window).filter(|s| *s >= next_slot);
+                due = latest_missed.into_iter().collect();
+                cursor = self.next_after(window.max(next_slot) - 1);
+                while let Some(slot) = cursor.filter(|s| *s <= now) {
+                    due.push(slot);
+                    cursor = self.next_after(slot);
+                }
                 break;
             }
             due.push(slot);
             cursor = self.next_after(slot);
         }
-        let mut fire = Vec::new();
+        // A slot is due at its time plus its jitter; lateness counts from there.
+        let mut missed = Vec::new();
+        let mut on_time = Vec::new();
         let mut next = cursor;
-        let missed: Vec<i64> = due
-            .iter()
-            .copied()
-            .filter(|slot| now - slot > ON_TIME_GRACE_MS)
-            .collect();
-        match self.catch_up {
-            CatchUp::Skip => {}
-            CatchUp::One => fire.extend(missed.last().copied()),
-            CatchUp::All => {
-                fire.extend(
-                    missed
-                        .iter()
-                        .skip(missed.len().saturating_sub(MAX_CATCH_UP)),
-                );
-            }
-        }
-        for slot in due
-            .iter()
-            .copied()
-            .filter(|slot| now - slot <= ON_TIME_GRACE_MS)
-        {
-            if slot + self.jitter_of(routine, slot) > now {
+        for slot in due {
+            let at = slot + self.jitter_of(routine, slot);
+            if at > now {
                 // Not yet: this slot and everything after it wait for a later tick.
                 next = Some(slot);
                 break;
             }
-            fire.push(slot);
+            if now - at > ON_TIME_GRACE_MS {
+                missed.push(slot);
+            } else {
+                on_time.push(slot);
+            }
         }
+        let mut fire = match self.catch_up {
+            CatchUp::Skip => Vec::new(),
+            CatchUp::One => missed.last().copied().into_iter().collect(),
+            CatchUp::All => missed
+                .iter()
+                .copied()
+                .skip(missed.len().saturating_sub(MAX_CATCH_UP))
+                .collect(),
+        };
+        fire.extend(on_time);
         DuePlan {
             fire,
             next_slot: next,
         }
+    }
+
+    /// The last slot strictly before `before_ms`.
+    fn previous_before(&self, before_ms: i64) -> Option<i64> {
+        let before = self.tz.timestamp_millis_opt(before_ms).single()?;
+        self.cron
+            .find_previous_occurrence(&before, false)
+            .ok()
+            .map(|t| t.timestamp_millis())
     }
 }
 
@@ -363,5 +381,24 @@ mod tests {
             schedule("* * * * *", "UTC", CatchUp::Skip, 0).jitter_of("rtn_a", slot),
             0
         );
+        // A jitter longer than the on-time grace still runs the slot, on time.
+        let long = schedule("0 * * * *", "UTC", CatchUp::Skip, 1800);
+        let offset = long.jitter_of("rtn_b", slot);
+        let plan = long.plan("rtn_b", slot, slot + offset + 1_000);
+        assert_eq!(plan.fire, [slot], "offset {offset}");
+    }
+
+    #[test]
+    fn a_very_long_outage_catches_up_within_bounds() {
+        let every_second = schedule("* * * * * *", "UTC", CatchUp::One, 0);
+        let start = utc_ms(2026, 11, 1, 0, 0, 0);
+        let now = start + 30 * 24 * 3600 * 1000; // a month of one-second slots missed
+        let plan = every_second.plan("r", start, now);
+        // The latest missed slot once, then the on-time window (60 s of slots).
+        assert!(plan.fire.len() <= 62, "{}", plan.fire.len());
+        assert_eq!(plan.fire.last(), Some(&now));
+        assert_eq!(plan.next_slot, Some(now + 1000));
+        let missed = plan.fire.first().unwrap();
+        assert!(now - missed > ON_TIME_GRACE_MS);
     }
 }

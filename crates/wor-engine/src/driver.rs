@@ -113,12 +113,7 @@ impl Engine {
             )
             .await?;
         if finished {
-            self.store.cancel_approvals(run.id).await?;
-            if ending.status == RunStatus::Succeeded {
-                self.remember(&run, &ending.outcome).await?;
-            }
-            self.enqueue_run_webhook(&run, ending.status, Some(&ending.outcome), None)
-                .await?;
+            // The audit entry first: nothing after it can keep the run's end off the chain.
             self.audit
                 .append(
                     AuditEvent::new(
@@ -133,6 +128,12 @@ impl Engine {
                         json!({ "status": ending.status.as_str(), "outcome": ending.outcome }),
                     ),
                 )
+                .await?;
+            self.store.cancel_approvals(run.id).await?;
+            if ending.status == RunStatus::Succeeded {
+                self.remember(&run, &ending.outcome).await?;
+            }
+            self.enqueue_run_webhook(&run, ending.status, Some(&ending.outcome), None)
                 .await?;
         }
         tracing::info!(category = "run", action = "run.end", project_id = %run.project_id,
@@ -149,6 +150,7 @@ impl Engine {
         let steps = self.store.list_run_steps(run.project_id, run.id, 0).await?;
         let messages = conversation(&definition, &steps);
         let pending = pending_calls(&steps);
+        let call_ids = recorded_call_ids(&steps);
         let untrusted = untrusted_sources(&steps);
         let provider = match self.provider(run, &definition, &messages).await {
             Ok(provider) => provider,
@@ -177,7 +179,9 @@ impl Engine {
             tools: &tools,
             policy: &policy,
         };
-        let flow = self.turns(&context, messages, pending, untrusted).await;
+        let flow = self
+            .turns(&context, messages, pending, untrusted, call_ids)
+            .await;
         tools.close().await;
         flow
     }
@@ -257,6 +261,7 @@ impl Engine {
         mut messages: Vec<ChatMessage>,
         mut pending: Vec<PendingCall>,
         mut untrusted: BTreeSet<String>,
+        mut call_ids: BTreeSet<String>,
     ) -> Result<Flow, EngineError> {
         let RunContext {
             run,
@@ -313,7 +318,7 @@ impl Engine {
                     temperature: None,
                 };
                 let remaining = Duration::from_secs(limits.wall_seconds.saturating_sub(elapsed()));
-                let response = match self
+                let mut response = match self
                     .call_model(run, provider, &request, remaining, &limits)
                     .await?
                 {
@@ -330,6 +335,9 @@ impl Engine {
                     response.usage.output_tokens,
                     &price,
                 );
+                // Call ids key steps and approvals: each must be unique in the run, whatever
+                // the model sent (some servers reuse `call_0` every turn).
+                unique_call_ids(&mut response.message.tool_calls, &mut call_ids);
                 let message = self
                     .record_model_turn(run, definition, &response, redactor)
                     .await?;
@@ -720,4 +728,62 @@ fn memory_messages(payload: &Value) -> Vec<ChatMessage> {
             })
         })
         .collect()
+}
+
+/// The call ids the run's recorded model turns already used.
+fn recorded_call_ids(steps: &[RunStep]) -> BTreeSet<String> {
+    steps
+        .iter()
+        .filter(|s| s.kind == "model_turn")
+        .filter_map(|s| {
+            s.payload
+                .pointer("/message/tool_calls")
+                .and_then(Value::as_array)
+        })
+        .flatten()
+        .filter_map(|c| c.get("id").and_then(Value::as_str).map(str::to_owned))
+        .collect()
+}
+
+/// Renames empty or already used call ids so every call of the run has its own.
+fn unique_call_ids(calls: &mut [wor_core::model::ToolCallRequest], used: &mut BTreeSet<String>) {
+    for call in calls {
+        if call.id.is_empty() || used.contains(&call.id) {
+            let base = if call.id.is_empty() {
+                "call"
+            } else {
+                call.id.as_str()
+            };
+            let mut n = used.len();
+            let mut candidate = format!("{base}~{n}");
+            while used.contains(&candidate) {
+                n += 1;
+                candidate = format!("{base}~{n}");
+            }
+            call.id = candidate;
+        }
+        used.insert(call.id.clone());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reused_call_ids_are_made_unique() {
+        let call = |id: &str| wor_core::model::ToolCallRequest {
+            id: id.to_owned(),
+            name: "t".to_owned(),
+            arguments: Value::Null,
+        };
+        let mut used: BTreeSet<String> = ["call_0".to_owned()].into();
+        let mut calls = vec![call("call_0"), call("call_1"), call("call_1"), call("")];
+        unique_call_ids(&mut calls, &mut used);
+        let ids: BTreeSet<&str> = calls.iter().map(|c| c.id.as_str()).collect();
+        assert_eq!(ids.len(), 4, "{calls:?}");
+        assert!(!ids.contains("call_0"));
+        assert!(ids.contains("call_1"));
+        assert_eq!(used.len(), 5);
+    }
 }

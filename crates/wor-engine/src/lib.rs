@@ -63,6 +63,8 @@ pub struct EngineConfig {
     /// Host directories (from the operator's configuration, never the API) under which stdio
     /// tool servers' programs and read-only paths may lie, besides the system runtime.
     pub stdio_allowed_roots: Vec<std::path::PathBuf>,
+    /// Host paths no tool may ever see, whatever the roots allow (the server's data dir).
+    pub protected_paths: Vec<std::path::PathBuf>,
 }
 
 impl Default for EngineConfig {
@@ -79,6 +81,7 @@ impl Default for EngineConfig {
             max_running_per_project: 16,
             approval_ttl: DEFAULT_APPROVAL_TTL,
             stdio_allowed_roots: Vec::new(),
+            protected_paths: Vec::new(),
         }
     }
 }

@@ -202,8 +202,12 @@ impl Engine {
             .command
             .as_ref()
             .ok_or_else(|| format!("tool connection `{name}` has no command"))?;
-        check_stdio_spec(spec, &self.config.stdio_allowed_roots)
-            .map_err(|e| format!("tool connection `{name}`: {e}"))?;
+        check_stdio_spec(
+            spec,
+            &self.config.stdio_allowed_roots,
+            &self.config.protected_paths,
+        )
+        .map_err(|e| format!("tool connection `{name}`: {e}"))?;
         let mut env = Vec::with_capacity(spec.env_names.len());
         for variable in &spec.env_names {
             let value = self
@@ -408,10 +412,16 @@ impl Engine {
 /// Paths every sandbox already has read-only (the system runtime): a program may live there.
 const SYSTEM_PROGRAM_ROOTS: &[&str] = &["/usr/bin", "/usr/local/bin", "/bin"];
 
-/// Checks a stdio server's command against the operator's allowed roots: absolute, normalised
-/// paths only; the program under the system runtime or an allowed root; every read-only path
-/// under an allowed root; environment names that cannot redirect the loader.
-pub fn check_stdio_spec(spec: &StdioSpec, allowed_roots: &[PathBuf]) -> Result<(), String> {
+/// Checks a stdio server's command against the operator's allowed roots: absolute paths without
+/// `.` or `..`; the program under the system runtime or an allowed root; every read-only path
+/// under an allowed root, *after* resolving symbolic links (a link under a root pointing
+/// elsewhere is refused), and neither inside nor containing a protected path (the data dir);
+/// environment names that cannot redirect the loader.
+pub fn check_stdio_spec(
+    spec: &StdioSpec,
+    allowed_roots: &[PathBuf],
+    protected: &[PathBuf],
+) -> Result<(), String> {
     let normal = |text: &str, what: &str| -> Result<PathBuf, String> {
         let path = Path::new(text);
         if !path.is_absolute()
@@ -425,27 +435,42 @@ pub fn check_stdio_spec(spec: &StdioSpec, allowed_roots: &[PathBuf]) -> Result<(
         }
         Ok(path.to_path_buf())
     };
-    let under = |path: &Path, roots: &[&Path]| {
+    let resolve = |path: &Path| std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    let under = |path: &Path, roots: &[PathBuf]| {
         roots
             .iter()
-            .any(|root| path.starts_with(root) && path != *root)
+            .any(|root| path.starts_with(root) && path != root.as_path())
     };
-    let allowed: Vec<&Path> = allowed_roots.iter().map(PathBuf::as_path).collect();
-    let mut program_roots: Vec<&Path> = SYSTEM_PROGRAM_ROOTS.iter().map(Path::new).collect();
-    program_roots.extend(allowed.iter().copied());
+    let allowed: Vec<PathBuf> = allowed_roots.iter().map(|r| resolve(r)).collect();
+    let mut program_roots: Vec<PathBuf> = SYSTEM_PROGRAM_ROOTS
+        .iter()
+        .map(|r| resolve(Path::new(r)))
+        .collect();
+    program_roots.extend(allowed.iter().cloned());
     let program = normal(&spec.program, "the program")?;
-    if !under(&program, &program_roots) {
+    if !under(&resolve(&program), &program_roots) {
         return Err(format!(
             "the program `{}` is neither in the system runtime ({}) nor under a path the operator allows (`[sandbox] allowed_paths`)",
             spec.program,
             SYSTEM_PROGRAM_ROOTS.join(", ")
         ));
     }
+    let protected: Vec<PathBuf> = protected.iter().map(|p| resolve(p)).collect();
     for text in &spec.read_only_paths {
         let path = normal(text, "a read-only path")?;
-        if !under(&path, &allowed) {
+        let real = std::fs::canonicalize(&path)
+            .map_err(|e| format!("the read-only path `{text}` cannot be resolved: {e}"))?;
+        if !under(&path, &allowed) || !under(&real, &allowed) {
             return Err(format!(
-                "the read-only path `{text}` is not under a path the operator allows (`[sandbox] allowed_paths` in the server configuration)"
+                "the read-only path `{text}` is not under a path the operator allows (`[sandbox] allowed_paths` in the server configuration), once links are resolved"
+            ));
+        }
+        if protected
+            .iter()
+            .any(|p| real.starts_with(p) || p.starts_with(&real))
+        {
+            return Err(format!(
+                "the read-only path `{text}` overlaps the server's data directory"
             ));
         }
     }
@@ -559,37 +584,49 @@ mod stdio_tests {
 
     #[test]
     fn stdio_commands_stay_inside_what_the_operator_allows() {
-        let roots = [PathBuf::from("/opt/mcp")];
-        assert!(
-            check_stdio_spec(
-                &spec("/usr/bin/node", &["/opt/mcp/everything"], &["API_TOKEN"]),
-                &roots
-            )
-            .is_ok()
-        );
-        assert!(check_stdio_spec(&spec("/opt/mcp/bin/server", &[], &[]), &roots).is_ok());
+        let base = tempfile::tempdir().unwrap();
+        let root = base.path().join("mcp");
+        let package = root.join("everything");
+        let data = root.join("data");
+        let outside = base.path().join("secrets");
+        for dir in [&package, &data, &outside] {
+            std::fs::create_dir_all(dir).unwrap();
+        }
+        std::os::unix::fs::symlink(&outside, root.join("link")).unwrap();
+        let roots = [root.clone()];
+        let protected = [data.clone()];
+        let p = |path: &Path| path.display().to_string();
+        let ok = |s: &StdioSpec| check_stdio_spec(s, &roots, &protected);
+        assert!(ok(&spec("/usr/bin/node", &[&p(&package)], &["API_TOKEN"])).is_ok());
+        assert!(ok(&spec(&p(&root.join("bin/server")), &[], &[])).is_ok());
         for (bad, why) in [
             (spec("node", &[], &[]), "relative program"),
             (
                 spec("/home/x/server", &[], &[]),
                 "program outside the roots",
             ),
+            (spec("/usr/bin/node", &["/etc"], &[]), "outside the roots"),
             (
-                spec("/usr/bin/node", &["/var/lib/wor"], &[]),
-                "the data dir",
+                spec("/usr/bin/node", &[&p(&root.join("link"))], &[]),
+                "a link leading out",
             ),
+            (spec("/usr/bin/node", &[&p(&data)], &[]), "the data dir"),
             (
-                spec("/usr/bin/node", &["/opt/mcp/../../etc"], &[]),
+                spec("/usr/bin/node", &[&format!("{}/../secrets", p(&root))], &[]),
                 "escaping with ..",
             ),
-            (spec("/usr/bin/node", &["/opt/mcp"], &[]), "the root itself"),
+            (spec("/usr/bin/node", &[&p(&root)], &[]), "the root itself"),
+            (
+                spec("/usr/bin/node", &[&p(&root.join("missing"))], &[]),
+                "a path that does not exist",
+            ),
             (spec("/usr/bin/node", &[], &["LD_PRELOAD"]), "the loader"),
             (spec("/usr/bin/node", &[], &["lower"]), "a bad name"),
         ] {
-            assert!(check_stdio_spec(&bad, &roots).is_err(), "{why}");
+            assert!(ok(&bad).is_err(), "{why}");
         }
         assert!(
-            check_stdio_spec(&spec("/usr/bin/node", &["/opt/mcp/x"], &[]), &[]).is_err(),
+            check_stdio_spec(&spec("/usr/bin/node", &[&p(&package)], &[]), &[], &[]).is_err(),
             "no roots configured: no read-only paths"
         );
     }

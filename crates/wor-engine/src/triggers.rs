@@ -108,62 +108,78 @@ impl Engine {
     pub async fn schedule_tick(&self, now: i64) -> Result<SchedulerReport, EngineError> {
         let mut report = SchedulerReport::default();
         for due in self.store.due_schedules(now, 500).await? {
-            let routine = self
-                .store
-                .get_routine(due.project_id, due.routine_id)
-                .await?;
-            let version = self
-                .store
-                .get_routine_version(due.project_id, routine.id, routine.current_version)
-                .await?;
-            let plan = match version.definition.schedule.as_ref().map(|s| s.compile()) {
-                Some(Ok(schedule)) => schedule.plan(&routine.id.to_string(), due.next_slot_at, now),
-                Some(Err(reason)) => {
-                    tracing::error!(category = "schedule", routine_id = %routine.id, reason = %reason,
-                        "a stored schedule does not compile; it is stopped");
-                    self.store
-                        .advance_schedule(routine.id, due.next_slot_at, None)
-                        .await?;
-                    continue;
-                }
-                None => {
-                    self.store
-                        .advance_schedule(routine.id, due.next_slot_at, None)
-                        .await?;
-                    continue;
-                }
-            };
-            // Runs first, then the schedule: a crash in between re-plans the same slots, and
-            // the ones already started are refused by the store, not started twice.
-            for slot in &plan.fire {
-                let started = self
-                    .start_run(StartRun {
-                        project: due.project_id,
-                        routine: routine.id,
-                        input: Value::String(format!(
-                            "Scheduled run for slot {}.",
-                            slot_rfc3339(*slot)
-                        )),
-                        trigger: Trigger::Schedule { slot: *slot },
-                        actor: None,
-                        thread: None,
-                    })
-                    .await;
-                match started {
-                    Ok(_) => report.started += 1,
-                    Err(EngineError::Store(StoreError::Conflict(_))) => {
-                        report.already_started += 1;
-                    }
-                    Err(error) => return Err(error),
-                }
-            }
-            if plan.next_slot != Some(due.next_slot_at) {
-                self.store
-                    .advance_schedule(routine.id, due.next_slot_at, plan.next_slot)
-                    .await?;
+            // One schedule's trouble never holds up the others.
+            if let Err(error) = self.tick_schedule(&due, now, &mut report).await {
+                tracing::error!(category = "schedule", routine_id = %due.routine_id, error = %error,
+                    "a schedule could not be processed; it is retried next tick");
             }
         }
         Ok(report)
+    }
+
+    async fn tick_schedule(
+        &self,
+        due: &wor_store::DueSchedule,
+        now: i64,
+        report: &mut SchedulerReport,
+    ) -> Result<(), EngineError> {
+        let routine = self
+            .store
+            .get_routine(due.project_id, due.routine_id)
+            .await?;
+        let version = self
+            .store
+            .get_routine_version(due.project_id, routine.id, routine.current_version)
+            .await?;
+        let plan = match version.definition.schedule.as_ref().map(|s| s.compile()) {
+            Some(Ok(schedule)) => schedule.plan(&routine.id.to_string(), due.next_slot_at, now),
+            Some(Err(reason)) => {
+                tracing::error!(category = "schedule", routine_id = %routine.id, reason = %reason,
+                    "a stored schedule does not compile; it is stopped");
+                self.store
+                    .advance_schedule(routine.id, due.next_slot_at, None)
+                    .await?;
+                return Ok(());
+            }
+            None => {
+                self.store
+                    .advance_schedule(routine.id, due.next_slot_at, None)
+                    .await?;
+                return Ok(());
+            }
+        };
+        // Runs first, then the schedule: a crash in between re-plans the same slots, and the
+        // ones already started are refused by the store, not started twice. A slot whose run
+        // cannot start (the routine is refused, say) is logged and passed, not retried forever.
+        for slot in &plan.fire {
+            let started = self
+                .start_run(StartRun {
+                    project: due.project_id,
+                    routine: routine.id,
+                    input: Value::String(format!(
+                        "Scheduled run for slot {}.",
+                        slot_rfc3339(*slot)
+                    )),
+                    trigger: Trigger::Schedule { slot: *slot },
+                    actor: None,
+                    thread: None,
+                })
+                .await;
+            match started {
+                Ok(_) => report.started += 1,
+                Err(EngineError::Store(StoreError::Conflict(_))) => report.already_started += 1,
+                Err(error) => {
+                    tracing::error!(category = "schedule", routine_id = %routine.id, slot = %slot_rfc3339(*slot),
+                        error = %error, "a scheduled run could not start; the slot is passed");
+                }
+            }
+        }
+        if plan.next_slot != Some(due.next_slot_at) {
+            self.store
+                .advance_schedule(routine.id, due.next_slot_at, plan.next_slot)
+                .await?;
+        }
+        Ok(())
     }
 
     /// The next `count` slots of a routine's schedule after now, if it has one.

@@ -228,7 +228,7 @@ impl Store {
             return Ok(None);
         }
         let existing = sqlx::query(
-            "SELECT id FROM approvals WHERE run_id = $1 AND call_id = $2 AND kind = $3",
+            "SELECT id, status FROM approvals WHERE run_id = $1 AND call_id = $2 AND kind = $3",
         )
         .bind(approval.run_id.to_string())
         .bind(&approval.call_id)
@@ -236,6 +236,14 @@ impl Store {
         .fetch_optional(&mut *tx)
         .await?;
         let parked = match existing {
+            // Parking again on a decided approval would wait for nothing: refuse instead.
+            Some(row) if row.try_get::<String, _>("status")? != "pending" => {
+                tx.rollback().await?;
+                return Err(StoreError::Conflict(format!(
+                    "the approval for call `{}` was already decided",
+                    approval.call_id
+                )));
+            }
             Some(row) => (
                 parse_column(&row.try_get::<String, _>("id")?, "approvals.id")?,
                 false,

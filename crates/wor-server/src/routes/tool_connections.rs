@@ -318,8 +318,13 @@ pub async fn create(
             ));
         }
         command.env_names = body.env.keys().cloned().collect();
-        wor_engine::check_stdio_spec(&command, &state.engine.config().stdio_allowed_roots)
-            .map_err(|e| ApiError::bad_request("invalid_command", format!("command: {e}")))?;
+        let config = state.engine.config();
+        wor_engine::check_stdio_spec(
+            &command,
+            &config.stdio_allowed_roots,
+            &config.protected_paths,
+        )
+        .map_err(|e| ApiError::bad_request("invalid_command", format!("command: {e}")))?;
         Some(command)
     } else {
         if (kind == ToolConnectionKind::HttpApi) == body.tools.is_empty() {
