@@ -458,12 +458,18 @@ pub fn check_stdio_spec(
     let protected: Vec<PathBuf> = protected.iter().map(|p| resolve(p)).collect();
     for text in &spec.read_only_paths {
         let path = normal(text, "a read-only path")?;
+        let outside = || {
+            format!(
+                "the read-only path `{text}` is not under a path the operator allows (`[sandbox] allowed_paths` in the server configuration), once links are resolved"
+            )
+        };
+        if !under(&path, &allowed) {
+            return Err(outside());
+        }
         let real = std::fs::canonicalize(&path)
             .map_err(|e| format!("the read-only path `{text}` cannot be resolved: {e}"))?;
-        if !under(&path, &allowed) || !under(&real, &allowed) {
-            return Err(format!(
-                "the read-only path `{text}` is not under a path the operator allows (`[sandbox] allowed_paths` in the server configuration), once links are resolved"
-            ));
+        if !under(&real, &allowed) {
+            return Err(outside());
         }
         if protected
             .iter()
