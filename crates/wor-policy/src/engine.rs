@@ -22,7 +22,9 @@ use crate::{DEFAULT_PROJECT_POLICY, SCHEMA};
 #[derive(Debug, Clone)]
 struct PolicyMeaning {
     outcome: Outcome,
-    reason: Option<String>,
+    /// The policy's id as text, and the line a decision's reasons show for it, made once.
+    id: String,
+    described: String,
 }
 
 /// The Cedar names the engine fills requests with, parsed once.
@@ -46,7 +48,13 @@ pub struct PolicyEngine {
     meanings: HashMap<PolicyId, PolicyMeaning>,
     names: CedarNames,
     authorizer: Authorizer,
+    /// The routine, run and tool entities of recent calls, which are the same for every call of
+    /// one run to one tool: built once, then cloned. Bounded; cleared when full.
+    fixed_entities: std::sync::Mutex<HashMap<String, Entities>>,
 }
+
+/// Most distinct (routine, run, tool) entity sets kept by one engine.
+const FIXED_ENTITIES_CAPACITY: usize = 256;
 
 /// Gathers the policy texts of a [`PolicyEngine`].
 #[derive(Debug, Clone)]
@@ -118,51 +126,101 @@ impl PolicyEngine {
         let string = |s: &str| RestrictedExpression::new_string(s.to_owned());
         let long = |n: u64| RestrictedExpression::new_long(i64::try_from(n).unwrap_or(i64::MAX));
 
-        let routine_uid = uid(&names.routine, &request.routine);
-        let routine = Entity::new_with_tags(
-            routine_uid.clone(),
-            [("name".to_owned(), string(&request.routine))],
-            [],
-            [],
-        )
-        .map_err(|e| bad(&e))?;
+        let tool_ref = request.tool_ref();
         let run_uid = uid(&names.run, &request.run);
-        let run = Entity::new_with_tags(
-            run_uid.clone(),
-            [("trigger".to_owned(), string(request.trigger.as_str()))],
-            [routine_uid],
-            [],
-        )
-        .map_err(|e| bad(&e))?;
-
+        let tool_uid = uid(&names.tool, &tool_ref);
         let hints = &request.annotations;
-        let annotations = RestrictedExpression::new_record(
-            [
-                ("read_only_hint", hints.read_only_hint),
-                ("destructive_hint", hints.destructive_hint),
-                ("idempotent_hint", hints.idempotent_hint),
-                ("open_world_hint", hints.open_world_hint),
-            ]
-            .into_iter()
-            .filter_map(|(k, v)| v.map(|v| (k.to_owned(), RestrictedExpression::new_bool(v)))),
-        )
-        .map_err(|e| bad(&e))?;
-        let tool_uid = uid(&names.tool, &request.tool_ref());
-        let tool = Entity::new_with_tags(
-            tool_uid.clone(),
-            [
-                ("name".to_owned(), string(&request.tool)),
-                ("connection".to_owned(), string(&request.connection)),
-                (
-                    "classification".to_owned(),
-                    string(request.classification.as_str()),
-                ),
-                ("annotations".to_owned(), annotations),
-            ],
-            [],
-            [],
-        )
-        .map_err(|e| bad(&e))?;
+        // Everything the three fixed entities are built from; a hit skips evaluating them.
+        let hint = |h: Option<bool>| match h {
+            None => '-',
+            Some(true) => 't',
+            Some(false) => 'f',
+        };
+        let mut key =
+            String::with_capacity(request.routine.len() + request.run.len() + tool_ref.len() + 32);
+        for part in [
+            request.routine.as_str(),
+            request.run.as_str(),
+            request.trigger.as_str(),
+            tool_ref.as_str(),
+            request.classification.as_str(),
+        ] {
+            key.push_str(part);
+            key.push('\u{0}');
+        }
+        key.extend([
+            hint(hints.read_only_hint),
+            hint(hints.destructive_hint),
+            hint(hints.idempotent_hint),
+            hint(hints.open_world_hint),
+        ]);
+        let cached = if schema.is_none() {
+            self.fixed_entities
+                .lock()
+                .ok()
+                .and_then(|cache| cache.get(&key).cloned())
+        } else {
+            None
+        };
+        let fixed = match cached {
+            Some(entities) => entities,
+            None => {
+                let routine_uid = uid(&names.routine, &request.routine);
+                let routine = Entity::new_with_tags(
+                    routine_uid.clone(),
+                    [("name".to_owned(), string(&request.routine))],
+                    [],
+                    [],
+                )
+                .map_err(|e| bad(&e))?;
+                let run = Entity::new_with_tags(
+                    run_uid.clone(),
+                    [("trigger".to_owned(), string(request.trigger.as_str()))],
+                    [routine_uid],
+                    [],
+                )
+                .map_err(|e| bad(&e))?;
+                let annotations = RestrictedExpression::new_record(
+                    [
+                        ("read_only_hint", hints.read_only_hint),
+                        ("destructive_hint", hints.destructive_hint),
+                        ("idempotent_hint", hints.idempotent_hint),
+                        ("open_world_hint", hints.open_world_hint),
+                    ]
+                    .into_iter()
+                    .filter_map(|(k, v)| {
+                        v.map(|v| (k.to_owned(), RestrictedExpression::new_bool(v)))
+                    }),
+                )
+                .map_err(|e| bad(&e))?;
+                let tool = Entity::new_with_tags(
+                    tool_uid.clone(),
+                    [
+                        ("name".to_owned(), string(&request.tool)),
+                        ("connection".to_owned(), string(&request.connection)),
+                        (
+                            "classification".to_owned(),
+                            string(request.classification.as_str()),
+                        ),
+                        ("annotations".to_owned(), annotations),
+                    ],
+                    [],
+                    [],
+                )
+                .map_err(|e| bad(&e))?;
+                let built =
+                    Entities::from_entities([routine, run, tool], schema).map_err(|e| bad(&e))?;
+                if schema.is_none()
+                    && let Ok(mut cache) = self.fixed_entities.lock()
+                {
+                    if cache.len() >= FIXED_ENTITIES_CAPACITY {
+                        cache.clear();
+                    }
+                    cache.insert(key, built.clone());
+                }
+                built
+            }
+        };
 
         let arguments_uid = uid(&names.arguments, "call");
         let arguments = Entity::new_with_tags(
@@ -196,12 +254,8 @@ impl PolicyEngine {
                 "arguments".to_owned(),
                 RestrictedExpression::new_entity_uid(arguments_uid),
             ),
-            (
-                "arguments_json".to_owned(),
-                string(&to_canonical_json(&Value::Object(
-                    request.arguments.clone(),
-                ))),
-            ),
+            // Computed once, when the request was built.
+            ("arguments_json".to_owned(), string(&request.arguments_json)),
             (
                 "untrusted_in_context".to_owned(),
                 RestrictedExpression::new_bool(request.untrusted_in_context),
@@ -216,7 +270,8 @@ impl PolicyEngine {
         ])
         .map_err(|e| bad(&e))?;
 
-        let entities = Entities::from_entities([routine, run, tool, arguments], schema)
+        let entities = fixed
+            .add_entities([arguments], schema)
             .map_err(|e| bad(&e))?;
         let cedar_request =
             Request::new(run_uid, names.call_tool.clone(), tool_uid, context, schema)
@@ -243,18 +298,22 @@ impl PolicyEngine {
                 )
             })
             .collect();
-        let matched = response.diagnostics().reason().map(|id| {
-            let meaning = self.meanings.get(id);
-            let outcome = meaning.map_or(Outcome::Deny, |m| m.outcome);
-            let why = meaning
-                .and_then(|m| m.reason.as_deref())
-                .map_or(String::new(), |r| format!(": {r}"));
-            (
-                id.to_string(),
-                outcome,
-                format!("policy `{id}` decides {outcome}{why}"),
-            )
-        });
+        let matched = response
+            .diagnostics()
+            .reason()
+            .map(|id| match self.meanings.get(id) {
+                Some(meaning) => (
+                    meaning.id.clone(),
+                    meaning.outcome,
+                    meaning.described.clone(),
+                ),
+                // Every loaded policy has a meaning; an unknown one is treated as a deny.
+                None => (
+                    id.to_string(),
+                    Outcome::Deny,
+                    format!("policy `{id}` is unknown, so the call is denied"),
+                ),
+            });
         let all: Vec<(String, Outcome, String)> = matched.chain(failed).collect();
 
         let mut decision = match all.iter().map(|(_, outcome, _)| *outcome).max() {
@@ -375,6 +434,7 @@ impl PolicyEngineBuilder {
             meanings,
             names,
             authorizer: Authorizer::new(),
+            fixed_entities: std::sync::Mutex::new(HashMap::new()),
         })
     }
 }
@@ -479,11 +539,15 @@ fn load(
                 at: find(source, text, &format!("\"{name}\"")),
                 id: format!("{id} ({e})"),
             })?;
+        let why = policy
+            .annotation("reason")
+            .map_or(String::new(), |r| format!(": {r}"));
         meanings.insert(
-            id,
+            id.clone(),
             PolicyMeaning {
                 outcome,
-                reason: policy.annotation("reason").map(str::to_owned),
+                id: id.to_string(),
+                described: format!("policy `{id}` decides {outcome}{why}"),
             },
         );
     }

@@ -457,3 +457,47 @@ fn arguments_json_is_canonical() {
     let decision = engine.decide(&request(json!({"b": {"d": "y", "c": [true]}, "a": 1})));
     assert_eq!(decision.outcome, Outcome::Allow);
 }
+
+#[test]
+fn one_engine_decides_many_calls_without_mixing_them_up() {
+    // The engine keeps the fixed entities of recent (run, tool) pairs; each call must still be
+    // decided on its own facts.
+    let engine = PolicyEngine::builder().build().unwrap();
+    let decide = |tool: &str, classification, untrusted: bool, run: &str| {
+        let mut builder = DecisionRequest::builder("triage", run, "mail", tool, classification);
+        if untrusted {
+            builder = builder.untrusted_source("tool:mail/read");
+        }
+        engine.decide(&builder.build()).outcome
+    };
+    for _ in 0..3 {
+        assert_eq!(
+            decide("read", Classification::ReadOnly, true, "run_1"),
+            Outcome::Allow
+        );
+        assert_eq!(
+            decide("send", Classification::Consequential, true, "run_1"),
+            Outcome::Confirm
+        );
+        assert_eq!(
+            decide("send", Classification::Consequential, false, "run_1"),
+            Outcome::Allow
+        );
+        assert_eq!(
+            decide("read", Classification::Consequential, true, "run_2"),
+            Outcome::Confirm
+        );
+        assert_eq!(
+            decide("read", Classification::ReadOnly, true, "run_2"),
+            Outcome::Allow
+        );
+    }
+    // More distinct pairs than the cache holds still decide correctly.
+    for n in 0..600 {
+        let run = format!("run_{n}");
+        assert_eq!(
+            decide("send", Classification::Consequential, true, &run),
+            Outcome::Confirm
+        );
+    }
+}
