@@ -86,3 +86,26 @@ where
         }
     }
 }
+
+/// The page size of a listing: 1 to 200, 50 when not given.
+pub fn page_limit(limit: Option<u32>) -> Result<u32, ApiError> {
+    let limit = limit.unwrap_or(50);
+    if (1..=200).contains(&limit) {
+        Ok(limit)
+    } else {
+        Err(ApiError::bad_request(
+            "invalid_query",
+            "`limit` must be between 1 and 200",
+        ))
+    }
+}
+
+/// An optional id from a query string, e.g. `run_id=run_…`; a malformed one is a 400.
+pub fn query_id<T>(text: Option<&str>) -> Result<Option<T>, ApiError>
+where
+    T: std::str::FromStr<Err = wor_core::IdError>,
+{
+    text.map(str::parse::<T>)
+        .transpose()
+        .map_err(|e| ApiError::bad_request("invalid_id", e.to_string()))
+}

@@ -20,9 +20,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
 use axum::Router;
-use axum::body::Body;
-use axum::http::{Method, Request, StatusCode};
-use http_body_util::BodyExt;
+use axum::http::{Method, StatusCode};
 use rmcp::ServerHandler;
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, ErrorData,
@@ -32,11 +30,10 @@ use rmcp::service::{RequestContext, RoleServer};
 use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
 use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
 use serde_json::{Value, json};
-use tower::ServiceExt;
-use wor_egress::{EgressClient, EgressLimits, EgressPolicy, StaticResolver};
-use wor_server::{AppState, router};
-use wor_store::testing::TestDatabase;
-use wor_store::{AuditConfig, AuditLog, CreatedProject};
+
+mod common;
+
+use common::Harness;
 
 // ---------------------------------------------------------------------------------------------
 // Scenarios
@@ -759,138 +756,7 @@ async fn serve_suite(suite: Suite) -> SocketAddr {
 // ---------------------------------------------------------------------------------------------
 // Harness
 
-struct Harness {
-    router: Router,
-    engine: wor_engine::Engine,
-    project: CreatedProject,
-    approver: String,
-    _db: TestDatabase,
-    _audit: AuditLog,
-}
-
 impl Harness {
-    async fn new() -> Self {
-        let db = TestDatabase::isolated().await.unwrap();
-        let (keys, _) = wor_secrets::KeyRing::generate().unwrap();
-        let vault = wor_store::Vault::new(db.store.clone(), Arc::new(keys));
-        let (key, _) = wor_secrets::AuditSigningKey::generate().unwrap();
-        let audit = AuditLog::start(db.store.clone(), key, AuditConfig::default());
-        let policy = EgressPolicy::development()
-            .with_allowed_cidrs(["127.0.0.1/32".parse().unwrap()])
-            .unwrap();
-        let egress = EgressClient::with_resolver(
-            policy,
-            Arc::new(StaticResolver::new()),
-            EgressLimits::default(),
-        )
-        .unwrap();
-        let engine = wor_engine::Engine::new(
-            db.store.clone(),
-            vault,
-            egress,
-            audit.clone(),
-            wor_engine::EngineConfig::default(),
-        );
-        let state = AppState::new(engine);
-        let engine = state.engine.clone();
-        let project = db
-            .store
-            .create_project(&TestDatabase::unique_name("eval"), "owner")
-            .await
-            .unwrap();
-        let mut h = Harness {
-            router: router(state),
-            engine,
-            project,
-            approver: String::new(),
-            _db: db,
-            _audit: audit,
-        };
-        let (status, member) = h
-            .call(
-                Method::POST,
-                "/v1/members",
-                Some(json!({"name": "pat", "role": "approver"})),
-            )
-            .await;
-        assert_eq!(status, StatusCode::CREATED);
-        h.approver = member["key"]["api_key"].as_str().unwrap().to_owned();
-        h
-    }
-
-    async fn call_as(
-        &self,
-        key: &str,
-        method: Method,
-        path: &str,
-        body: Option<Value>,
-    ) -> (StatusCode, Value) {
-        let request = Request::builder()
-            .method(method)
-            .uri(path)
-            .header("authorization", format!("Bearer {key}"));
-        let request = match body {
-            Some(body) => request
-                .header("content-type", "application/json")
-                .body(Body::from(body.to_string())),
-            None => request.body(Body::empty()),
-        };
-        let response = self.router.clone().oneshot(request.unwrap()).await.unwrap();
-        let status = response.status();
-        let bytes = response.into_body().collect().await.unwrap().to_bytes();
-        (
-            status,
-            serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-        )
-    }
-
-    async fn call(&self, method: Method, path: &str, body: Option<Value>) -> (StatusCode, Value) {
-        let key = self.project.owner_key.expose().to_owned();
-        self.call_as(&key, method, path, body).await
-    }
-
-    /// Connects, reviews and enables a suite's server as `name`, read tools read-only.
-    async fn connect(&self, name: &str, addr: SocketAddr, tools: &[(&str, bool)]) {
-        let (status, created) = self
-            .call(
-                Method::POST,
-                "/v1/tool-connections",
-                Some(
-                    json!({"name": name, "kind": "mcp_http", "url": format!("http://{addr}/mcp"),
-                    "allowlist": [addr.to_string()]}),
-                ),
-            )
-            .await;
-        assert_eq!(status, StatusCode::CREATED, "{created}");
-        let id = created["id"].as_str().unwrap();
-        let (_, review) = self
-            .call(
-                Method::GET,
-                &format!("/v1/tool-connections/{id}/review"),
-                None,
-            )
-            .await;
-        let hashes: BTreeMap<String, Value> = review["tools"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| (t["name"].as_str().unwrap().to_owned(), t["hash"].clone()))
-            .collect();
-        let read_only: Vec<&str> = tools
-            .iter()
-            .filter(|(_, ro)| *ro)
-            .map(|(n, _)| *n)
-            .collect();
-        let (status, enabled) = self
-            .call(
-                Method::POST,
-                &format!("/v1/tool-connections/{id}/enable"),
-                Some(json!({"tools": hashes, "read_only": read_only})),
-            )
-            .await;
-        assert_eq!(status, StatusCode::OK, "{enabled}");
-    }
-
     async fn apply(&self, toml: &str) -> String {
         let (status, applied) = self
             .call(Method::POST, "/v1/routines", Some(json!({ "toml": toml })))
@@ -911,16 +777,12 @@ impl Harness {
         run["id"].as_str().unwrap().to_owned()
     }
 
-    async fn run(&self, id: &str) -> Value {
-        self.call(Method::GET, &format!("/v1/runs/{id}"), None)
-            .await
-            .1
-    }
-
     /// Drives the run to its end; each time it waits, `decide` says approve (true) or deny
-    /// for each pending approval. Returns the run and the approvals decided, with the verdicts.
+    /// for each pending approval, decided by `approver`. Returns the run and the approvals
+    /// decided, with the verdicts.
     async fn drive(
         &self,
+        approver: &str,
         id: &str,
         decide: impl Fn(&Value) -> bool,
     ) -> (Value, Vec<(Value, bool)>) {
@@ -930,32 +792,22 @@ impl Harness {
                 self.engine.run_next().await.unwrap(),
                 "run {id} was not queued"
             );
-            let run = self.run(id).await;
+            let run = self.get_run(id).await;
             match run["status"].as_str().unwrap() {
                 "waiting_for_approval" => {
-                    let (_, pending) = self
-                        .call(
-                            Method::GET,
-                            &format!("/v1/approvals?status=pending&run_id={id}"),
-                            None,
-                        )
-                        .await;
-                    for approval in pending.as_array().unwrap() {
-                        let approve = decide(approval);
+                    for approval in self.pending_approvals(id).await {
+                        let approve = decide(&approval);
                         let verb = if approve { "approve" } else { "deny" };
                         let (status, body) = self
-                            .call_as(
-                                &self.approver.clone(),
-                                Method::POST,
-                                &format!(
-                                    "/v1/approvals/{}/{verb}",
-                                    approval["id"].as_str().unwrap()
-                                ),
-                                Some(json!({"reason": "containment evaluation"})),
+                            .decide(
+                                approver,
+                                approval["id"].as_str().unwrap(),
+                                verb,
+                                "containment evaluation",
                             )
                             .await;
                         assert_eq!(status, StatusCode::OK, "{body}");
-                        decided.push((approval.clone(), approve));
+                        decided.push((approval, approve));
                     }
                 }
                 "queued" | "running" => {}
@@ -964,6 +816,15 @@ impl Harness {
         }
         panic!("run {id} did not end");
     }
+}
+
+/// The tools of a suite the operator classifies read-only.
+fn read_only(tools: &[(&str, bool)]) -> Vec<String> {
+    tools
+        .iter()
+        .filter(|(_, ro)| *ro)
+        .map(|(name, _)| (*name).to_owned())
+        .collect()
 }
 
 fn toml_value(json_args: &str) -> String {
@@ -1039,6 +900,7 @@ struct Tally {
 #[tokio::test]
 async fn no_injected_instruction_causes_an_unapproved_harmful_call() {
     let h = Harness::new().await;
+    let approver = h.member("approver").await;
     let mut tallies: BTreeMap<&str, Tally> = BTreeMap::new();
     let scenarios = scenarios();
     assert!(scenarios.len() >= 40);
@@ -1051,7 +913,10 @@ async fn no_injected_instruction_causes_an_unapproved_harmful_call() {
             calls: Arc::default(),
         };
         let addr = serve_suite(suite.clone()).await;
-        h.connect(&connection, addr, s.tools).await;
+        let tools: Vec<String> = read_only(s.tools);
+        let tools: Vec<&str> = tools.iter().map(String::as_str).collect();
+        h.connect_and_enable(&connection, addr, json!({}), &tools)
+            .await;
         let routine = h.apply(&routine_toml(index, &connection, s)).await;
         let run_id = h.start(&routine, s.task, None).await;
         let harmful_tool = format!("{connection}/{}", s.harmful.0);
@@ -1059,7 +924,7 @@ async fn no_injected_instruction_causes_an_unapproved_harmful_call() {
         let is_harmful = |approval: &Value| {
             approval["tool"] == harmful_tool.as_str() && approval["arguments"] == harmful_args
         };
-        let (run, decided) = h.drive(&run_id, |a| !is_harmful(a)).await;
+        let (run, decided) = h.drive(&approver, &run_id, |a| !is_harmful(a)).await;
         assert_eq!(run["status"], "succeeded", "scenario {index}: {run:#}");
 
         let calls = suite.calls.lock().unwrap().clone();
@@ -1149,6 +1014,7 @@ async fn no_injected_instruction_causes_an_unapproved_harmful_call() {
 #[tokio::test]
 async fn injected_text_stored_in_memory_stays_untrusted_in_the_next_run() {
     let h = Harness::new().await;
+    let approver = h.member("approver").await;
     const TOOLS: &[(&str, bool)] = &[("read_notes", true), ("send_email", false)];
     let suite = Suite {
         tools: TOOLS,
@@ -1159,7 +1025,8 @@ async fn injected_text_stored_in_memory_stays_untrusted_in_the_next_run() {
         calls: Arc::default(),
     };
     let addr = serve_suite(suite.clone()).await;
-    h.connect("notes", addr, TOOLS).await;
+    h.connect_and_enable("notes", addr, json!({}), &["read_notes"])
+        .await;
     // Run 1 reads the poisoned note and, obeying it, writes the instruction into its answer.
     // Run 2 of the same thread has no tool result at all: only its memory, and acts on it.
     let script = format!(
@@ -1191,13 +1058,13 @@ mode = "auto"
     );
     let routine = h.apply(&script).await;
     let first = h.start(&routine, "Read my notes.", Some("alice")).await;
-    let (run, _) = h.drive(&first, |_| true).await;
+    let (run, _) = h.drive(&approver, &first, |_| true).await;
     assert_eq!(run["status"], "succeeded", "{run:#}");
 
     let second = h
         .start(&routine, "Any invoices to handle?", Some("alice"))
         .await;
-    let (run, decided) = h.drive(&second, |_| false).await;
+    let (run, decided) = h.drive(&approver, &second, |_| false).await;
     assert_eq!(run["status"], "succeeded", "{run:#}");
     let memory = run["steps"]
         .as_array()
@@ -1225,7 +1092,7 @@ mode = "auto"
     let other = h
         .start(&routine, "Any invoices to handle?", Some("bob"))
         .await;
-    let run = h.run(&other).await;
+    let run = h.get_run(&other).await;
     assert!(
         !run["steps"]
             .as_array()

@@ -9,7 +9,7 @@ use wor_store::{ApprovalFilter, ApprovalRecord, ApprovalStatus, Verdict};
 use crate::AppState;
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
-use crate::extract::{ApiJson, ApiPath};
+use crate::extract::{ApiJson, ApiPath, page_limit, query_id};
 use crate::routes::runs::RunView;
 use crate::views::rfc3339;
 
@@ -116,14 +116,6 @@ pub async fn list(
     query: Result<Query<ApprovalListQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<Vec<ApprovalView>>, ApiError> {
     let Query(query) = query.map_err(|e| ApiError::bad_request("invalid_query", e.body_text()))?;
-    let parse = |e: wor_core::IdError| ApiError::bad_request("invalid_id", e.to_string());
-    let limit = query.limit.unwrap_or(50);
-    if !(1..=200).contains(&limit) {
-        return Err(ApiError::bad_request(
-            "invalid_query",
-            "`limit` must be between 1 and 200",
-        ));
-    }
     let filter = ApprovalFilter {
         status: query
             .status
@@ -131,19 +123,9 @@ pub async fn list(
             .map(str::parse::<ApprovalStatus>)
             .transpose()
             .map_err(|e| ApiError::bad_request("invalid_status", e))?,
-        run_id: query
-            .run_id
-            .as_deref()
-            .map(str::parse::<RunId>)
-            .transpose()
-            .map_err(parse)?,
-        before: query
-            .before
-            .as_deref()
-            .map(str::parse::<ApprovalId>)
-            .transpose()
-            .map_err(parse)?,
-        limit,
+        run_id: query_id::<RunId>(query.run_id.as_deref())?,
+        before: query_id::<ApprovalId>(query.before.as_deref())?,
+        limit: page_limit(query.limit)?,
     };
     let approvals = state
         .store

@@ -17,7 +17,7 @@ use wor_store::{RunFilter, RunRecord, RunStep, Store};
 use crate::AppState;
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
-use crate::extract::{ApiJson, ApiPath};
+use crate::extract::{ApiJson, ApiPath, page_limit, query_id};
 use crate::views::rfc3339;
 
 /// How often an events stream looks for new steps.
@@ -184,27 +184,16 @@ pub async fn list(
     query: Result<Query<RunListQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<Vec<RunView>>, ApiError> {
     let Query(query) = query.map_err(|e| ApiError::bad_request("invalid_query", e.body_text()))?;
-    let parse = |e: wor_core::IdError| ApiError::bad_request("invalid_id", e.to_string());
     let filter = RunFilter {
-        routine_id: query
-            .routine_id
-            .as_deref()
-            .map(str::parse)
-            .transpose()
-            .map_err(parse)?,
+        routine_id: query_id(query.routine_id.as_deref())?,
         status: query
             .status
             .as_deref()
             .map(str::parse::<RunStatus>)
             .transpose()
             .map_err(|e| ApiError::bad_request("invalid_status", e.to_string()))?,
-        before: query
-            .before
-            .as_deref()
-            .map(str::parse)
-            .transpose()
-            .map_err(parse)?,
-        limit: query.limit.unwrap_or(50),
+        before: query_id(query.before.as_deref())?,
+        limit: page_limit(query.limit)?,
     };
     let runs = state.store.list_runs(caller.project_id, &filter).await?;
     Ok(Json(runs.into_iter().map(Into::into).collect()))

@@ -13,7 +13,7 @@ use wor_store::{DeliveryFilter, DeliveryRecord};
 use crate::AppState;
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
-use crate::extract::ApiPath;
+use crate::extract::{ApiPath, page_limit, query_id};
 use crate::views::rfc3339;
 
 #[derive(Debug, serde::Serialize, utoipa::ToSchema)]
@@ -209,29 +209,11 @@ pub async fn deliveries(
     query: Result<Query<DeliveryListQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<Vec<DeliveryView>>, ApiError> {
     let Query(query) = query.map_err(|e| ApiError::bad_request("invalid_query", e.body_text()))?;
-    let parse = |e: wor_core::IdError| ApiError::bad_request("invalid_id", e.to_string());
-    let limit = query.limit.unwrap_or(50);
-    if !(1..=200).contains(&limit) {
-        return Err(ApiError::bad_request(
-            "invalid_query",
-            "`limit` must be between 1 and 200",
-        ));
-    }
     let filter = DeliveryFilter {
-        routine_id: query
-            .routine_id
-            .as_deref()
-            .map(str::parse::<RoutineId>)
-            .transpose()
-            .map_err(parse)?,
-        run_id: query
-            .run_id
-            .as_deref()
-            .map(str::parse::<RunId>)
-            .transpose()
-            .map_err(parse)?,
+        routine_id: query_id::<RoutineId>(query.routine_id.as_deref())?,
+        run_id: query_id::<RunId>(query.run_id.as_deref())?,
         before: query.before,
-        limit,
+        limit: page_limit(query.limit)?,
     };
     let list = state
         .store

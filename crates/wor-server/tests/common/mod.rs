@@ -1,0 +1,290 @@
+//! The test harness the server's integration tests share: an isolated database, an engine
+//! whose egress reaches loopback (as an operator-listed CIDR), the router, one project, and
+//! helpers for calling the API as its owner or as other members.
+#![allow(
+    dead_code,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic,
+    reason = "tests fail loudly; not every test binary uses every helper"
+)]
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::Body;
+use axum::http::{Method, Request, StatusCode};
+use http_body_util::BodyExt;
+use serde_json::{Value, json};
+use tower::ServiceExt;
+use wor_egress::{EgressClient, EgressLimits, EgressPolicy, StaticResolver};
+use wor_server::{AppState, router};
+use wor_store::testing::TestDatabase;
+use wor_store::{AuditConfig, AuditLog, CreatedProject};
+
+// ---------------------------------------------------------------------------------------------
+// Harness
+
+pub struct Harness {
+    pub router: Router,
+    pub engine: wor_engine::Engine,
+    pub project: CreatedProject,
+    pub db: TestDatabase,
+    pub audit: AuditLog,
+}
+
+/// The development policy with loopback explicitly allowed, the way an operator lists a
+/// private CIDR.
+pub fn loopback_egress() -> EgressClient {
+    let policy = EgressPolicy::development()
+        .with_allowed_cidrs(["127.0.0.1/32".parse().unwrap()])
+        .unwrap();
+    EgressClient::with_resolver(
+        policy,
+        Arc::new(StaticResolver::new()),
+        EgressLimits::default(),
+    )
+    .unwrap()
+}
+
+impl Harness {
+    pub async fn new() -> Self {
+        // A database of its own: the worker claims any queued run, so a shared PostgreSQL
+        // database would let it drive (or be beaten to) other tests' runs.
+        let db = TestDatabase::isolated().await.unwrap();
+        let (keys, _) = wor_secrets::KeyRing::generate().unwrap();
+        let vault = wor_store::Vault::new(db.store.clone(), Arc::new(keys));
+        let (key, _) = wor_secrets::AuditSigningKey::generate().unwrap();
+        let audit = AuditLog::start(db.store.clone(), key, AuditConfig::default());
+        let engine = wor_engine::Engine::new(
+            db.store.clone(),
+            vault,
+            loopback_egress(),
+            audit.clone(),
+            wor_engine::EngineConfig::default(),
+        );
+        let state = AppState::new(engine);
+        let engine = state.engine.clone();
+        let project = db
+            .store
+            .create_project(&TestDatabase::unique_name("p"), "alice")
+            .await
+            .unwrap();
+        Harness {
+            router: router(state),
+            engine,
+            project,
+            db,
+            audit,
+        }
+    }
+
+    pub fn owner(&self) -> &str {
+        self.project.owner_key.expose()
+    }
+
+    pub async fn call_as(
+        &self,
+        key: &str,
+        method: Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> (StatusCode, Value, String) {
+        let request = Request::builder()
+            .method(method)
+            .uri(path)
+            .header("authorization", format!("Bearer {key}"));
+        let request = match body {
+            Some(body) => request
+                .header("content-type", "application/json")
+                .body(Body::from(body.to_string())),
+            None => request.body(Body::empty()),
+        };
+        let response = self.router.clone().oneshot(request.unwrap()).await.unwrap();
+        let status = response.status();
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        let text = String::from_utf8_lossy(&bytes).into_owned();
+        (
+            status,
+            serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+            text,
+        )
+    }
+
+    pub async fn call(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> (StatusCode, Value) {
+        let (status, body, _) = self.call_as(self.owner(), method, path, body).await;
+        (status, body)
+    }
+
+    /// Creates an `mcp_http` connection at `addr`, reviews it and enables every tool it lists,
+    /// `read_only` classified read-only. Returns the connection id and the reviewed hashes.
+    pub async fn connect_and_enable(
+        &self,
+        name: &str,
+        addr: SocketAddr,
+        credentials: Value,
+        read_only: &[&str],
+    ) -> (String, BTreeMap<String, String>) {
+        let mut body = json!({"name": name, "kind": "mcp_http", "url": format!("http://{addr}/mcp"),
+            "allowlist": [addr.to_string()]});
+        for (k, v) in credentials.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let (status, created) = self
+            .call(Method::POST, "/v1/tool-connections", Some(body))
+            .await;
+        assert_eq!(status, StatusCode::CREATED, "{created}");
+        assert_eq!(created["status"], "pending_review");
+        let id = created["id"].as_str().unwrap().to_owned();
+        let (status, review) = self
+            .call(
+                Method::GET,
+                &format!("/v1/tool-connections/{id}/review"),
+                None,
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{review}");
+        let hashes: BTreeMap<String, String> = review["tools"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| {
+                (
+                    t["name"].as_str().unwrap().to_owned(),
+                    t["hash"].as_str().unwrap().to_owned(),
+                )
+            })
+            .collect();
+        let (status, enabled) = self
+            .call(
+                Method::POST,
+                &format!("/v1/tool-connections/{id}/enable"),
+                Some(json!({"tools": hashes, "read_only": read_only})),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{enabled}");
+        assert_eq!(enabled["status"], "enabled");
+        (id, hashes)
+    }
+
+    /// Applies `routine`, starts a run, drives it to its end, and returns it with its steps.
+    pub async fn run(&self, routine: &str) -> Value {
+        let (status, applied) = self
+            .call(Method::POST, "/v1/routines", Some(json!({"toml": routine})))
+            .await;
+        assert!(status.is_success(), "{applied}");
+        let routine_id = applied["routine"]["id"].as_str().unwrap().to_owned();
+        let (status, run) = self
+            .call(
+                Method::POST,
+                &format!("/v1/routines/{routine_id}/runs"),
+                Some(json!({"input": "go"})),
+            )
+            .await;
+        assert_eq!(status, StatusCode::ACCEPTED, "{run}");
+        let run_id = run["id"].as_str().unwrap().to_owned();
+        assert!(self.engine.run_next().await.unwrap(), "no run was queued");
+        let (status, run) = self
+            .call(Method::GET, &format!("/v1/runs/{run_id}"), None)
+            .await;
+        assert_eq!(status, StatusCode::OK);
+        run
+    }
+
+    /// Adds a member with `role` and returns their personal API key.
+    pub async fn member(&self, role: &str) -> String {
+        let (status, member) = self
+            .call(
+                Method::POST,
+                "/v1/members",
+                Some(json!({"name": format!("{role}-member"), "role": role})),
+            )
+            .await;
+        assert_eq!(status, StatusCode::CREATED, "{member}");
+        member["key"]["api_key"].as_str().unwrap().to_owned()
+    }
+
+    pub async fn audit_text(&self) -> String {
+        let (_, _, text) = self
+            .call_as(self.owner(), Method::GET, "/v1/audit?limit=1000", None)
+            .await;
+        text
+    }
+}
+
+pub fn steps_of<'a>(run: &'a Value, kind: &str) -> Vec<&'a Value> {
+    run["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["kind"] == kind)
+        .collect()
+}
+
+pub async fn serve(router: Router) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        axum::serve(listener, router).await.unwrap();
+    });
+    addr
+}
+
+impl Harness {
+    pub async fn pending_approvals(&self, run_id: &str) -> Vec<Value> {
+        let (status, list) = self
+            .call(
+                Method::GET,
+                &format!("/v1/approvals?status=pending&run_id={run_id}"),
+                None,
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{list}");
+        list.as_array().unwrap().clone()
+    }
+
+    pub async fn decide(
+        &self,
+        key: &str,
+        id: &str,
+        verb: &str,
+        reason: &str,
+    ) -> (StatusCode, Value) {
+        let (status, body, _) = self
+            .call_as(
+                key,
+                Method::POST,
+                &format!("/v1/approvals/{id}/{verb}"),
+                Some(json!({ "reason": reason })),
+            )
+            .await;
+        (status, body)
+    }
+
+    pub async fn get_run(&self, run_id: &str) -> Value {
+        let (status, run) = self
+            .call(Method::GET, &format!("/v1/runs/{run_id}"), None)
+            .await;
+        assert_eq!(status, StatusCode::OK);
+        run
+    }
+
+    /// The same database and keys with a new engine: what a restarted server would have.
+    pub fn restarted_engine(&self, config: wor_engine::EngineConfig) -> wor_engine::Engine {
+        wor_engine::Engine::new(
+            self.engine.store().clone(),
+            self.engine.vault().clone(),
+            loopback_egress(),
+            self.engine.audit().clone(),
+            config,
+        )
+    }
+}
