@@ -135,6 +135,12 @@ impl Engine {
             }
             self.enqueue_run_webhook(&run, ending.status, Some(&ending.outcome), None)
                 .await?;
+            // A nested run's parent waits for it: it goes on now.
+            if let Some(parent) = run.parent_run_id {
+                self.store
+                    .requeue_parked_run(run.project_id, parent)
+                    .await?;
+            }
         }
         tracing::info!(category = "run", action = "run.end", project_id = %run.project_id,
             run_id = %run.id, status = ending.status.as_str(), lease_held = finished, "run ended");
@@ -271,7 +277,8 @@ impl Engine {
             tools,
             policy,
         } = *context;
-        let limits = definition.budget;
+        // A nested run never gets more than what was left of its root's budget.
+        let limits = crate::nested::capped(definition.budget, run.budget_cap.as_ref());
         let started = Instant::now();
         // Wall time already spent before a restart counts too; time parked for a person does
         // not.

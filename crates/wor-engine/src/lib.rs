@@ -10,11 +10,12 @@
 //! schema and pinned arguments, decision by Cedar policy, budget, record, execute, result). A
 //! call that needs approval parks its run, holding no worker, until a person decides or the
 //! approval expires. Runs also start on a schedule and on signed inbound webhooks, and run
-//! webhooks tell other systems about them (`triggers.rs`). Not built yet: nested routines and
-//! run-scoped credentials.
+//! webhooks tell other systems about them (`triggers.rs`); a routine used as a tool runs as a
+//! nested run on its root's budget (`nested.rs`). Not built yet: run-scoped credentials.
 
 mod approvals;
 mod driver;
+mod nested;
 mod pipeline;
 mod run_tools;
 mod start;

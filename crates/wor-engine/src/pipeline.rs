@@ -456,7 +456,26 @@ impl Engine {
         let text = |key: &str| step.get(key).and_then(Value::as_str).unwrap_or_default();
         let decision = text("decision");
         let tool = text("tool");
-        if pending.started_with_approval || decision == Outcome::Allow.as_str() {
+        let started = pending.started_with_approval || decision == Outcome::Allow.as_str();
+        // A routine call that started is picked up again: its nested run is found by the
+        // call, never started twice, so nothing is repeated.
+        if started && tool.starts_with(&format!("{}/", crate::nested::ROUTINE_CONNECTION)) {
+            let Some(offered) = scope.tools.find(&call.name) else {
+                return Ok(scope.refuse(
+                    call,
+                    usage,
+                    format!("tool `{tool}` is no longer available"),
+                ));
+            };
+            let input = call
+                .arguments
+                .get("input")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_owned();
+            return self.call_routine(scope, offered, call, &input, usage).await;
+        }
+        if started {
             return self.resume_started_call(scope, pending, step, usage).await;
         }
         if decision != Outcome::Confirm.as_str() {
@@ -671,6 +690,15 @@ impl Engine {
         arguments: CanonicalArguments,
         usage: BudgetUsage,
     ) -> Result<Answer, EngineError> {
+        if offered.connection == crate::nested::ROUTINE_CONNECTION {
+            let input = arguments
+                .value
+                .get("input")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_owned();
+            return self.call_routine(scope, offered, call, &input, usage).await;
+        }
         if let Some(connection) = scope.tools.connections.get(&offered.connection)
             && let Some(refusal) = self.recheck_if_changed(scope.run, connection).await?
         {

@@ -121,6 +121,24 @@ impl Engine {
             wanted.entry(connection).or_default().push((tool, entry));
         }
         for (connection, entries) in wanted {
+            if connection == crate::nested::ROUTINE_CONNECTION {
+                for (routine, entry) in entries {
+                    let offered =
+                        self.routine_tool(run, routine, entry)
+                            .await
+                            .map_err(|e| match e {
+                                crate::EngineError::Store(store) => ToolsUnavailable::Store(store),
+                                other => ToolsUnavailable::Refused(other.to_string()),
+                            })?;
+                    let name = model_name(connection, routine);
+                    if tools.offered.insert(name.clone(), offered).is_some() {
+                        return Err(ToolsUnavailable::Refused(format!(
+                            "two roster tools are offered to the model as `{name}`"
+                        )));
+                    }
+                }
+                continue;
+            }
             let record = match self
                 .store
                 .get_tool_connection_by_name(run.project_id, connection)

@@ -191,6 +191,7 @@ impl Engine {
                     input_provenance: provenance,
                     thread: definition.memory.enabled.then_some(thread),
                     memory,
+                    parent: None,
                 },
                 &input,
             )

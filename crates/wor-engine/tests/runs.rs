@@ -866,3 +866,88 @@ tool_calls = [{ id = "call_9", name = "mail__send", arguments = { to = "a@exampl
         "the unknown outcome is in the audit chain"
     );
 }
+
+#[tokio::test]
+async fn a_routine_used_as_a_tool_runs_nested_on_the_root_budget_and_depth_is_capped() {
+    let h = Harness::new().await;
+    // The helper answers once; the caller asks it and reports what it said.
+    h.routine(
+        "name = \"helper\"\ndescription = \"Answers questions.\"\ninstructions = \"Answer.\"\n\
+         [model]\nprovider = \"replay\"\nmodel = \"m\"\n\
+         [[model.script.turns]]\ntext = \"forty-two\"\n",
+    )
+    .await;
+    let caller = h
+        .routine(
+            "name = \"caller\"\ninstructions = \"Ask the helper.\"\n[budget]\nturns = 6\n\
+             [model]\nprovider = \"replay\"\nmodel = \"m\"\n\
+             [[model.script.turns]]\nwhen = { last_tool_result_contains = \"forty-two\" }\ntext = \"the helper said forty-two\"\n\
+             [[model.script.turns]]\ntool_calls = [{ name = \"routine__helper\", arguments = { input = \"what is the answer?\" } }]\n\
+             [[tools]]\ntool = \"routine/helper\"\nmode = \"auto\"\n",
+        )
+        .await;
+    let engine = h.engine(EngineConfig::default());
+    let run = h.start(&engine, caller, "go").await;
+    let run = h.drive_to_end(&engine, run.id).await;
+    assert_eq!(run.status, RunStatus::Succeeded, "{:?}", run.outcome);
+    assert_eq!(run.outcome.as_deref(), Some("the helper said forty-two"));
+    // The nested run: its place in the tree, its capped budget, its usage counted above.
+    let runs =
+        h.db.store
+            .list_runs(
+                h.project,
+                &wor_store::RunFilter {
+                    limit: 10,
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+    let child = runs.iter().find(|r| r.id != run.id).unwrap();
+    assert_eq!(child.trigger_kind, "routine");
+    assert_eq!(child.parent_run_id, Some(run.id));
+    assert_eq!(child.root_run_id, run.id);
+    assert_eq!(child.depth, 1);
+    assert_eq!(child.status, RunStatus::Succeeded);
+    assert_eq!(
+        child.budget_cap.as_ref().unwrap()["turns"],
+        5,
+        "six minus the caller's first turn"
+    );
+    assert_eq!(
+        run.usage.turns,
+        2 + child.usage.turns,
+        "the child's turns count for the root"
+    );
+
+    // A routine that calls itself stops at the depth cap, told so as a tool error.
+    let looping = h
+        .routine(
+            "name = \"looping\"\ninstructions = \"Recurse.\"\n\
+             [model]\nprovider = \"replay\"\nmodel = \"m\"\n\
+             [[model.script.turns]]\nwhen = { last_tool_result_contains = \"nest at most\" }\ntext = \"bottom\"\n\
+             [[model.script.turns]]\nwhen = { last_tool_result_contains = \"succeeded\" }\ntext = \"unwound\"\n\
+             [[model.script.turns]]\ntool_calls = [{ name = \"routine__looping\", arguments = { input = \"again\" } }]\n\
+             [[tools]]\ntool = \"routine/looping\"\nmode = \"auto\"\n",
+        )
+        .await;
+    let run = h.start(&engine, looping, "go").await;
+    let run = h.drive_to_end(&engine, run.id).await;
+    assert_eq!(run.status, RunStatus::Succeeded, "{:?}", run.outcome);
+    let all =
+        h.db.store
+            .list_runs(
+                h.project,
+                &wor_store::RunFilter {
+                    routine_id: Some(looping),
+                    limit: 20,
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+    let depths: Vec<i64> = all.iter().map(|r| r.depth).collect();
+    assert_eq!(all.len(), 4, "depths {depths:?}");
+    assert_eq!(depths.iter().max(), Some(&3));
+    assert!(all.iter().all(|r| r.root_run_id == run.id));
+}

@@ -1483,3 +1483,106 @@ async fn time_spent_waiting_for_a_person_is_not_wall_time() {
     let run = h.get_run(&run_id).await;
     assert_eq!(run["status"], "succeeded", "{run:#}");
 }
+
+#[tokio::test]
+async fn a_nested_routine_waiting_for_a_person_parks_its_parent_until_it_ends() {
+    let desk = Desk::default();
+    let addr = serve_desk(desk.clone()).await;
+    let h = Harness::new().await;
+    h.connect_and_enable("desk", addr, json!({}), &["lookup"])
+        .await;
+    let child = r#"
+name = "sender"
+instructions = "Look up and send."
+[model]
+provider = "replay"
+model = "script"
+[[model.script.turns]]
+when = { last_tool_result_contains = "send done" }
+text = "sent to alice"
+[[model.script.turns]]
+when = { last_tool_result_contains = "record for" }
+tool_calls = [{ name = "desk__send", arguments = { to = "alice" } }]
+[[model.script.turns]]
+tool_calls = [{ name = "desk__lookup", arguments = { q = "ticket-9" } }]
+[[tools]]
+tool = "desk/lookup"
+mode = "auto"
+[[tools]]
+tool = "desk/send"
+mode = "auto"
+"#;
+    let (status, _) = h
+        .call(Method::POST, "/v1/routines", Some(json!({ "toml": child })))
+        .await;
+    assert_eq!(status, StatusCode::CREATED);
+    let parent = r#"
+name = "delegator"
+instructions = "Delegate."
+[model]
+provider = "replay"
+model = "script"
+[[model.script.turns]]
+when = { last_tool_result_contains = "sent to alice" }
+text = "delegated"
+[[model.script.turns]]
+tool_calls = [{ name = "routine__sender", arguments = { input = "handle ticket 9" } }]
+[[tools]]
+tool = "routine/sender"
+mode = "auto"
+"#;
+    let run = h.run(parent).await;
+    let parent_id = run["id"].as_str().unwrap().to_owned();
+    // The nested run waits for the send; the parent waits with it, holding no worker.
+    assert_eq!(run["status"], "waiting_for_approval", "{run:#}");
+    let (_, approvals) = h
+        .call(Method::GET, "/v1/approvals?status=pending", None)
+        .await;
+    let approvals = approvals.as_array().unwrap().clone();
+    assert_eq!(approvals.len(), 1, "{approvals:?}");
+    assert_ne!(
+        approvals[0]["run_id"],
+        parent_id.as_str(),
+        "the approval is the child's"
+    );
+    assert!(
+        !h.engine.run_next().await.unwrap(),
+        "nothing runs while a person decides"
+    );
+    let approver = h.member("approver").await;
+    let (status, _) = h
+        .decide(
+            &approver,
+            approvals[0]["id"].as_str().unwrap(),
+            "approve",
+            "ok",
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    // The child finishes, which queues the parent; the parent takes its answer.
+    assert!(h.engine.run_next().await.unwrap());
+    assert!(h.engine.run_next().await.unwrap());
+    let run = h.get_run(&parent_id).await;
+    assert_eq!(run["status"], "succeeded", "{run:#}");
+    assert_eq!(run["outcome"], "delegated");
+    let sends = desk
+        .state
+        .calls
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(name, _)| name == "send")
+        .count();
+    assert_eq!(sends, 1, "the approved call ran once");
+    let (status, body) = h
+        .call(
+            Method::POST,
+            "/v1/tool-connections",
+            Some(
+                json!({"name": "routine", "kind": "mcp_http", "url": format!("http://{addr}/mcp"),
+                "allowlist": [addr.to_string()]}),
+            ),
+        )
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+}

@@ -45,7 +45,7 @@ pub use model_connections::{
 };
 pub use projects::{CreatedProject, ProjectRecord};
 pub use routines::{AppliedRoutine, RoutineRecord, RoutineVersionRecord};
-pub use runs::{NewRun, RunFilter, RunRecord, RunStep};
+pub use runs::{NewRun, ParentLink, RunFilter, RunRecord, RunStep};
 pub use sqlx::Error as SqlxError;
 pub use tool_connections::{
     NewToolConnection, StdioSpec, StoredPin, TOOL_CONNECTIONS_TABLE, ToolClass, ToolConnectionKind,

@@ -27,6 +27,7 @@ const MEMORY: &str = include_str!("../migrations/0009_memory.sql");
 const STDIO_CONNECTIONS: &str = include_str!("../migrations/0010_stdio_connections.sql");
 const HTTP_TOOLS: &str = include_str!("../migrations/0011_http_tools.sql");
 const PARKED_TIME: &str = include_str!("../migrations/0012_parked_time.sql");
+const NESTED_RUNS: &str = include_str!("../migrations/0013_nested_runs.sql");
 
 /// The triggers that make the audit tables append-only, per backend; also used by the test
 /// support that plays an attacker who drops them.
@@ -116,6 +117,12 @@ const MIGRATIONS: &[SchemaMigration] = &[
         description: "parked time",
         sqlite: PARKED_TIME,
         postgres: PARKED_TIME,
+    },
+    SchemaMigration {
+        version: 13,
+        description: "nested runs",
+        sqlite: NESTED_RUNS,
+        postgres: NESTED_RUNS,
     },
 ];
 

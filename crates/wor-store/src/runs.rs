@@ -29,6 +29,8 @@ pub struct RunRecord {
     pub usage: BudgetUsage,
     /// Milliseconds spent parked for approvals, not counted as the run's wall time.
     pub parked_ms: i64,
+    /// A nested run's cap: what was left of its root's budget when it started.
+    pub budget_cap: Option<serde_json::Value>,
     pub cancel_requested: bool,
     pub created_at: i64,
     pub started_at: Option<i64>,
@@ -55,6 +57,18 @@ pub struct NewRun {
     /// The thread's memory as replayed into this run (a `memory` step after the input), with
     /// the step's label: `untrusted` when any entry is.
     pub memory: Option<(Provenance, serde_json::Value)>,
+    /// For a run started by another run's call: its place in the tree and its budget cap.
+    pub parent: Option<ParentLink>,
+}
+
+/// Where a nested run sits: its root and parent runs, its depth, and what is left of the
+/// root's budget (JSON budget limits) when it started.
+#[derive(Debug, Clone)]
+pub struct ParentLink {
+    pub root: RunId,
+    pub parent: RunId,
+    pub depth: i64,
+    pub budget_cap: serde_json::Value,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -78,7 +92,7 @@ pub struct RunFilter {
 
 const COLUMNS: &str = "id, project_id, routine_id, routine_version, root_run_id, parent_run_id, depth, \
     status, trigger_kind, started_by, trigger_key, thread, outcome, usage_turns, usage_tool_calls, usage_input_tokens, \
-    usage_output_tokens, usage_cost_microdollars, cancel_requested, created_at, started_at, finished_at, parked_ms";
+    usage_output_tokens, usage_cost_microdollars, cancel_requested, created_at, started_at, finished_at, parked_ms, budget_cap";
 
 fn to_i64(value: u64) -> i64 {
     i64::try_from(value).unwrap_or(i64::MAX)
@@ -102,8 +116,8 @@ impl Store {
         let mut tx = self.pool().begin().await?;
         sqlx::query(
             "INSERT INTO runs (id, project_id, routine_id, routine_version, root_run_id, parent_run_id, depth, \
-             status, trigger_kind, started_by, max_concurrent, outcome, created_at, updated_at, finished_at, trigger_key, thread) \
-             VALUES ($1, $2, $3, $4, $1, NULL, 0, $5, $6, $7, $8, $9, $10, $10, $11, $12, $13)",
+             status, trigger_kind, started_by, max_concurrent, outcome, created_at, updated_at, finished_at, trigger_key, thread, budget_cap) \
+             VALUES ($1, $2, $3, $4, $14, $15, $16, $5, $6, $7, $8, $9, $10, $10, $11, $12, $13, $17)",
         )
         .bind(id.to_string())
         .bind(project.to_string())
@@ -118,6 +132,10 @@ impl Store {
         .bind(new.status.is_terminal().then_some(now))
         .bind(new.trigger_key.as_deref())
         .bind(new.thread.as_deref())
+        .bind(new.parent.as_ref().map_or(id, |p| p.root).to_string())
+        .bind(new.parent.as_ref().map(|p| p.parent.to_string()))
+        .bind(new.parent.as_ref().map_or(0, |p| p.depth))
+        .bind(new.parent.as_ref().map(|p| p.budget_cap.to_string()))
         .execute(&mut *tx)
         .await
         .map_err(|e| {
@@ -293,6 +311,92 @@ impl Store {
             }
         }
         Ok(None)
+    }
+
+    /// Claims one queued run by id for `worker` (a parent driving its child in place).
+    pub async fn claim_run_by_id(
+        &self,
+        project: ProjectId,
+        id: RunId,
+        worker: &str,
+        lease_ms: i64,
+    ) -> Result<Option<RunRecord>, StoreError> {
+        let now = now_millis();
+        let claimed = sqlx::query(
+            "UPDATE runs SET status = 'running', lease_owner = $1, lease_expires_at = $2, \
+             started_at = COALESCE(started_at, $3), updated_at = $3, \
+             parked_ms = parked_ms + COALESCE($3 - parked_at, 0), parked_at = NULL \
+             WHERE project_id = $4 AND id = $5 AND status = 'queued'",
+        )
+        .bind(worker)
+        .bind(now + lease_ms)
+        .bind(now)
+        .bind(project.to_string())
+        .bind(id.to_string())
+        .execute(self.pool())
+        .await?;
+        if claimed.rows_affected() == 1 {
+            return self.get_run(project, id).await.map(Some);
+        }
+        Ok(None)
+    }
+
+    /// The run a trigger key started, if any.
+    pub async fn run_by_trigger_key(
+        &self,
+        project: ProjectId,
+        routine: RoutineId,
+        key: &str,
+    ) -> Result<Option<RunRecord>, StoreError> {
+        let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {COLUMNS} FROM runs WHERE project_id = $1 AND routine_id = $2 AND trigger_key = $3"
+        )))
+        .bind(project.to_string())
+        .bind(routine.to_string())
+        .bind(key)
+        .fetch_optional(self.pool())
+        .await?;
+        row.as_ref().map(run_from_row).transpose()
+    }
+
+    /// Parks a run `worker` holds while something else (a nested run) finishes: it gives up
+    /// its lease and waits as `waiting_for_approval`. False when the lease was lost.
+    pub async fn park_run(
+        &self,
+        project: ProjectId,
+        id: RunId,
+        worker: &str,
+    ) -> Result<bool, StoreError> {
+        let now = now_millis();
+        let done = sqlx::query(
+            "UPDATE runs SET status = 'waiting_for_approval', lease_owner = NULL, lease_expires_at = NULL, \
+             updated_at = $1, parked_at = $1 WHERE project_id = $2 AND id = $3 AND lease_owner = $4 AND status = 'running'",
+        )
+        .bind(now)
+        .bind(project.to_string())
+        .bind(id.to_string())
+        .bind(worker)
+        .execute(self.pool())
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    /// Puts a parked run back in the queue (its nested run ended).
+    pub async fn requeue_parked_run(
+        &self,
+        project: ProjectId,
+        id: RunId,
+    ) -> Result<(), StoreError> {
+        sqlx::query(
+            "UPDATE runs SET status = 'queued', updated_at = $1 \
+             WHERE project_id = $2 AND id = $3 AND status = 'waiting_for_approval'",
+        )
+        .bind(now_millis())
+        .bind(project.to_string())
+        .bind(id.to_string())
+        .execute(self.pool())
+        .await?;
+        Ok(())
     }
 
     /// Extends `worker`'s lease; false when the lease was lost (the run must not go on here).
@@ -529,5 +633,12 @@ fn run_from_row(row: &sqlx::any::AnyRow) -> Result<RunRecord, StoreError> {
         started_at: row.try_get("started_at")?,
         finished_at: row.try_get("finished_at")?,
         parked_ms: row.try_get("parked_ms")?,
+        budget_cap: row
+            .try_get::<Option<String>, _>("budget_cap")?
+            .map(|text| {
+                serde_json::from_str(&text)
+                    .map_err(|_| StoreError::Corrupt("runs.budget_cap is not JSON".to_owned()))
+            })
+            .transpose()?,
     })
 }

@@ -300,6 +300,12 @@ pub async fn create(
 ) -> Result<(StatusCode, Json<ToolConnectionView>), ApiError> {
     caller.require_configure()?;
     check_connection_name(&body.name)?;
+    if body.name == "routine" {
+        return Err(ApiError::bad_request(
+            "invalid_name",
+            "`routine` is reserved: rosters name routines used as tools `routine/NAME`",
+        ));
+    }
     let kind: ToolConnectionKind = body
         .kind
         .parse()

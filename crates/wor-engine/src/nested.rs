@@ -1,0 +1,288 @@
+//! Routines used as tools: a roster entry `routine/NAME` offers routine NAME to the model as a
+//! tool taking `{input}`. Calling it starts a nested run of that routine — its parent, root and
+//! depth recorded, its budget capped by what is left of the root run's, nesting at most
+//! [`MAX_NESTING_DEPTH`] deep — which the parent's worker drives in place. A nested run that
+//! waits for a person parks its parent too; when it ends, the parent is queued again and takes
+//! its answer. Its output is untrusted for the parent, like any tool result.
+
+use serde_json::{Value, json};
+use wor_core::audit::{Actor, AuditCategory, AuditEvent};
+use wor_core::budget::BudgetUsage;
+use wor_core::model::{ToolCallRequest, ToolResult};
+use wor_core::routine::{BudgetLimits, RosterEntry, ToolMode};
+use wor_core::run::{Provenance, RunStatus};
+use wor_store::{NewRun, ParentLink, RunRecord, StoreError, ToolClass};
+use wor_tools::{PinnedToolDefinition, ToolDefinition};
+
+use crate::pipeline::{Answer, CallScope, new_boundary, untrusted_envelope};
+use crate::run_tools::OfferedTool;
+use crate::{Engine, EngineError};
+
+/// The connection name rosters use for routines: `routine/NAME`.
+pub const ROUTINE_CONNECTION: &str = "routine";
+/// How deep routines may call routines: a root run is depth 0.
+pub const MAX_NESTING_DEPTH: i64 = 3;
+
+/// What is left of `limits` after `used`, field by field.
+pub(crate) fn remaining(limits: &BudgetLimits, used: &BudgetUsage) -> BudgetLimits {
+    BudgetLimits {
+        turns: limits.turns.saturating_sub(used.turns),
+        tool_calls: limits.tool_calls.saturating_sub(used.tool_calls),
+        input_tokens: limits.input_tokens.saturating_sub(used.input_tokens),
+        output_tokens: limits.output_tokens.saturating_sub(used.output_tokens),
+        cost_microdollars: limits
+            .cost_microdollars
+            .saturating_sub(used.cost_microdollars),
+        wall_seconds: limits.wall_seconds,
+    }
+}
+
+/// `limits` capped by a nested run's cap, field by field. A cap that cannot be read caps
+/// everything at zero: a nested run never gets more than its root allows.
+pub(crate) fn capped(limits: BudgetLimits, cap: Option<&Value>) -> BudgetLimits {
+    let Some(cap) = cap else {
+        return limits;
+    };
+    let field = |name: &str| cap.get(name).and_then(Value::as_u64).unwrap_or(0);
+    BudgetLimits {
+        turns: limits.turns.min(field("turns")),
+        tool_calls: limits.tool_calls.min(field("tool_calls")),
+        input_tokens: limits.input_tokens.min(field("input_tokens")),
+        output_tokens: limits.output_tokens.min(field("output_tokens")),
+        cost_microdollars: limits.cost_microdollars.min(field("cost_microdollars")),
+        wall_seconds: limits.wall_seconds.min(field("wall_seconds")),
+    }
+}
+
+fn routine_tool_definition(name: &str, description: &str) -> ToolDefinition {
+    let schema = json!({
+        "type": "object",
+        "properties": {"input": {"type": "string", "description": "what to ask the routine"}},
+        "required": ["input"],
+        "additionalProperties": false
+    });
+    ToolDefinition {
+        name: name.to_owned(),
+        description: Some(if description.is_empty() {
+            format!("Runs the routine `{name}` and returns its answer.")
+        } else {
+            description.to_owned()
+        }),
+        input_schema: schema.as_object().cloned().unwrap_or_default(),
+        annotations: Some(json!({"routine": name})),
+    }
+}
+
+impl Engine {
+    /// The tool a roster entry `routine/NAME` offers: the routine must exist in the project.
+    pub(crate) async fn routine_tool(
+        &self,
+        run: &RunRecord,
+        name: &str,
+        entry: &RosterEntry,
+    ) -> Result<OfferedTool, EngineError> {
+        let routine = match self.store.find_routine_by_name(run.project_id, name).await {
+            Ok(routine) => routine,
+            Err(StoreError::NotFound) => {
+                return Err(EngineError::Refused(format!(
+                    "routine `{name}` named by the roster does not exist"
+                )));
+            }
+            Err(other) => return Err(other.into()),
+        };
+        let version = self
+            .store
+            .get_routine_version(run.project_id, routine.id, routine.current_version)
+            .await?;
+        let pin = PinnedToolDefinition::pin(routine_tool_definition(
+            name,
+            &version.definition.description,
+        ));
+        Ok(OfferedTool {
+            roster_name: entry.tool.clone(),
+            connection: ROUTINE_CONNECTION.to_owned(),
+            tool: name.to_owned(),
+            mode: entry.mode,
+            pin,
+            entry: wor_tools::RosterEntry {
+                tool: name.to_owned(),
+                mode: match entry.mode {
+                    ToolMode::Auto => wor_tools::ToolMode::Auto,
+                    ToolMode::Confirm => wor_tools::ToolMode::Confirm,
+                    ToolMode::Deny => wor_tools::ToolMode::Deny,
+                },
+                pinned_arguments: entry.pinned.clone().into_iter().collect(),
+            },
+            // A routine can do anything its own roster lets it: never read-only by default.
+            class: ToolClass::Consequential,
+        })
+    }
+
+    /// Runs the nested routine of a call (or picks up the one a previous attempt started) and
+    /// answers with its outcome; parks the parent while the nested run waits for a person.
+    pub(crate) async fn call_routine(
+        &self,
+        scope: &CallScope<'_>,
+        offered: &OfferedTool,
+        call: &ToolCallRequest,
+        input: &str,
+        usage: BudgetUsage,
+    ) -> Result<Answer, EngineError> {
+        let parent = scope.run;
+        let refuse = |text: String| Answer::Result {
+            result: ToolResult {
+                tool_call_id: call.id.clone(),
+                content: scope.redactor.redact(&text).into_owned(),
+                is_error: true,
+            },
+            usage,
+            provenance: Provenance::Engine,
+        };
+        if parent.depth + 1 > MAX_NESTING_DEPTH {
+            return Ok(refuse(format!(
+                "routine `{}` was not started: routines may nest at most {MAX_NESTING_DEPTH} deep",
+                offered.tool
+            )));
+        }
+        let routine = self
+            .store
+            .find_routine_by_name(parent.project_id, &offered.tool)
+            .await?;
+        let key = format!("parent:{}:{}", parent.id, call.id);
+        let child = match self
+            .store
+            .run_by_trigger_key(parent.project_id, routine.id, &key)
+            .await?
+        {
+            Some(child) => child,
+            None => {
+                let version = self
+                    .store
+                    .get_routine_version(parent.project_id, routine.id, routine.current_version)
+                    .await?;
+                // The child's budget is what is left of its parent's, whose own limits were
+                // capped the same way: so, transitively, of the root's.
+                let parent_limits = capped(scope.definition.budget, parent.budget_cap.as_ref());
+                let left = remaining(&parent_limits, &usage);
+                let mut input_step = json!({ "input": input });
+                let provenance = if scope.untrusted.is_empty() {
+                    Provenance::Requester
+                } else {
+                    // Written by a model that had untrusted content in front of it.
+                    if let Some(map) = input_step.as_object_mut() {
+                        map.insert("source".to_owned(), json!("parent"));
+                        map.insert("boundary".to_owned(), json!(new_boundary()));
+                    }
+                    Provenance::Untrusted
+                };
+                scope.redactor.redact_json(&mut input_step);
+                let created = self
+                    .store
+                    .create_run(
+                        parent.project_id,
+                        NewRun {
+                            routine_id: routine.id,
+                            routine_version: version.version,
+                            trigger_kind: "routine".to_owned(),
+                            started_by: None,
+                            max_concurrent: u64::MAX / 2,
+                            status: RunStatus::Queued,
+                            outcome: None,
+                            trigger_key: Some(key.clone()),
+                            input_provenance: provenance,
+                            thread: None,
+                            memory: None,
+                            parent: Some(ParentLink {
+                                root: parent.root_run_id,
+                                parent: parent.id,
+                                depth: parent.depth + 1,
+                                budget_cap: serde_json::to_value(left).unwrap_or(Value::Null),
+                            }),
+                        },
+                        &input_step,
+                    )
+                    .await?;
+                self.audit
+                    .append(
+                        AuditEvent::new(
+                            parent.project_id,
+                            AuditCategory::RunStart,
+                            Actor::Run { run_id: parent.id },
+                        )
+                        .subject("run_id", created.id)
+                        .subject("routine_id", routine.id)
+                        .runs(created.root_run_id, created.parent_run_id)
+                        .payload(json!({
+                            "routine_version": version.version,
+                            "trigger": "routine",
+                            "depth": created.depth,
+                        })),
+                    )
+                    .await?;
+                created
+            }
+        };
+        // Driven here, by the parent's worker, while the parent holds its lease.
+        let lease = i64::try_from(self.config.lease.as_millis()).unwrap_or(i64::MAX);
+        if let Some(claimed) = self
+            .store
+            .claim_run_by_id(parent.project_id, child.id, &self.config.worker_id, lease)
+            .await?
+        {
+            Box::pin(self.drive(claimed)).await?;
+        }
+        let child = self.store.get_run(parent.project_id, child.id).await?;
+        if !child.status.is_terminal() {
+            // It waits for a person (or another worker has it): the parent waits too, holding
+            // nothing, and is queued again when the child ends.
+            if !self
+                .store
+                .park_run(parent.project_id, parent.id, &self.config.worker_id)
+                .await?
+            {
+                return Err(EngineError::Refused(
+                    "the run's lease was lost to another worker".to_owned(),
+                ));
+            }
+            // The child may have ended between the read and the park.
+            if self
+                .store
+                .get_run(parent.project_id, child.id)
+                .await?
+                .status
+                .is_terminal()
+            {
+                self.store
+                    .requeue_parked_run(parent.project_id, parent.id)
+                    .await?;
+            }
+            return Ok(Answer::Parked);
+        }
+        let usage = BudgetUsage {
+            turns: usage.turns.saturating_add(child.usage.turns),
+            tool_calls: usage.tool_calls.saturating_add(child.usage.tool_calls),
+            input_tokens: usage.input_tokens.saturating_add(child.usage.input_tokens),
+            output_tokens: usage
+                .output_tokens
+                .saturating_add(child.usage.output_tokens),
+            cost_microdollars: usage
+                .cost_microdollars
+                .saturating_add(child.usage.cost_microdollars),
+        };
+        let text = format!(
+            "{} ({}): {}",
+            child.status,
+            child.id,
+            child.outcome.as_deref().unwrap_or_default()
+        );
+        Ok(Answer::Result {
+            result: ToolResult {
+                tool_call_id: call.id.clone(),
+                content: untrusted_envelope(&offered.roster_name, &new_boundary(), &text),
+                is_error: child.status != RunStatus::Succeeded,
+            },
+            usage,
+            provenance: Provenance::Untrusted,
+        })
+    }
+}
