@@ -33,7 +33,7 @@ use crate::{Engine, EngineError};
 /// Output tokens asked for per turn when the routine does not say.
 const DEFAULT_MAX_OUTPUT_TOKENS: u32 = 1024;
 /// How often a waiting worker looks for a cancel request and renews its lease.
-const CANCEL_POLL: Duration = Duration::from_millis(250);
+pub(crate) const CANCEL_POLL: Duration = Duration::from_millis(250);
 
 /// How a run ended, with the reason recorded as its outcome.
 struct Ending {
@@ -135,12 +135,6 @@ impl Engine {
             }
             self.enqueue_run_webhook(&run, ending.status, Some(&ending.outcome), None)
                 .await?;
-            // A nested run's parent waits for it: it goes on now.
-            if let Some(parent) = run.parent_run_id {
-                self.store
-                    .requeue_parked_run(run.project_id, parent)
-                    .await?;
-            }
         }
         tracing::info!(category = "run", action = "run.end", project_id = %run.project_id,
             run_id = %run.id, status = ending.status.as_str(), lease_held = finished, "run ended");
@@ -373,6 +367,8 @@ impl Engine {
                     redactor,
                     policy,
                     untrusted: &untrusted,
+                    limits,
+                    wall_spent: elapsed(),
                 };
                 let (result, provenance) = match self.answer_call(&scope, &call, usage).await? {
                     Answer::Result {

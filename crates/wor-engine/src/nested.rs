@@ -94,10 +94,12 @@ impl Engine {
             .store
             .get_routine_version(run.project_id, routine.id, routine.current_version)
             .await?;
-        let pin = PinnedToolDefinition::pin(routine_tool_definition(
-            name,
-            &version.definition.description,
-        ));
+        // The routine's content hash is part of the pinned definition, so an approval of a
+        // call binds to the routine exactly as it was when the call was approved.
+        let mut definition = routine_tool_definition(name, &version.definition.description);
+        definition.annotations =
+            Some(json!({"routine": name, "content_hash": version.content_hash}));
+        let pin = PinnedToolDefinition::pin(definition);
         Ok(OfferedTool {
             roster_name: entry.tool.clone(),
             connection: ROUTINE_CONNECTION.to_owned(),
@@ -162,8 +164,8 @@ impl Engine {
                     .await?;
                 // The child's budget is what is left of its parent's, whose own limits were
                 // capped the same way: so, transitively, of the root's.
-                let parent_limits = capped(scope.definition.budget, parent.budget_cap.as_ref());
-                let left = remaining(&parent_limits, &usage);
+                let mut left = remaining(&scope.limits, &usage);
+                left.wall_seconds = scope.limits.wall_seconds.saturating_sub(scope.wall_spent);
                 let mut input_step = json!({ "input": input });
                 let provenance = if scope.untrusted.is_empty() {
                     Provenance::Requester
@@ -184,7 +186,9 @@ impl Engine {
                             routine_id: routine.id,
                             routine_version: version.version,
                             trigger_kind: "routine".to_owned(),
-                            started_by: None,
+                            // Whoever started the root started this too: they still may not
+                            // approve its calls.
+                            started_by: parent.started_by,
                             max_concurrent: u64::MAX / 2,
                             status: RunStatus::Queued,
                             outcome: None,
@@ -229,7 +233,27 @@ impl Engine {
             .claim_run_by_id(parent.project_id, child.id, &self.config.worker_id, lease)
             .await?
         {
-            Box::pin(self.drive(claimed)).await?;
+            // Driven while the parent keeps its lease; a cancel of the parent reaches the child.
+            let mut driving = Box::pin(self.drive(claimed));
+            let mut poll = tokio::time::interval(crate::driver::CANCEL_POLL);
+            loop {
+                tokio::select! {
+                    driven = &mut driving => {
+                        driven?;
+                        break;
+                    }
+                    _ = poll.tick() => {
+                        if !self.store.renew_lease(parent.id, &self.config.worker_id, lease).await? {
+                            return Err(EngineError::Refused(
+                                "the run's lease was lost to another worker".to_owned(),
+                            ));
+                        }
+                        if self.store.is_cancel_requested(parent.id).await? {
+                            self.store.request_cancel(parent.project_id, child.id).await?;
+                        }
+                    }
+                }
+            }
         }
         let child = self.store.get_run(parent.project_id, child.id).await?;
         if !child.status.is_terminal() {
@@ -269,6 +293,10 @@ impl Engine {
                 .cost_microdollars
                 .saturating_add(child.usage.cost_microdollars),
         };
+        // Saved now: once the call has its answer, nothing would add the child's usage again.
+        self.store
+            .save_usage(parent.id, &self.config.worker_id, &usage)
+            .await?;
         let text = format!(
             "{} ({}): {}",
             child.status,

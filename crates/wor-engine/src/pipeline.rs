@@ -160,6 +160,10 @@ pub(crate) struct CallScope<'a> {
     pub policy: &'a PolicyEngine,
     /// Untrusted sources in the context so far (`tool:CONNECTION/TOOL`, `input`, …).
     pub untrusted: &'a BTreeSet<String>,
+    /// The run's limits: its routine's, capped for a nested run by what its parent had left.
+    pub limits: wor_core::routine::BudgetLimits,
+    /// Wall time the run has used so far, in seconds.
+    pub wall_spent: u64,
 }
 
 impl CallScope<'_> {
@@ -322,7 +326,7 @@ impl Engine {
             }
             Outcome::Allow => {
                 // 5. Budget, before the call is on record as started.
-                let usage = match usage.reserve_tool_call(&scope.definition.budget) {
+                let usage = match usage.reserve_tool_call(&scope.limits) {
                     Ok(usage) => usage,
                     Err(exceeded) => return Ok(Answer::Budget(exceeded)),
                 };
@@ -467,12 +471,17 @@ impl Engine {
                     format!("tool `{tool}` is no longer available"),
                 ));
             };
-            let input = call
-                .arguments
-                .get("input")
-                .and_then(Value::as_str)
-                .unwrap_or_default()
-                .to_owned();
+            // The same arguments as the first attempt: pinned values applied, schema checked.
+            let input =
+                prepare_arguments(&call.arguments, &offered.entry, &offered.pin.input_schema())
+                    .ok()
+                    .and_then(|a| {
+                        a.value
+                            .get("input")
+                            .and_then(Value::as_str)
+                            .map(str::to_owned)
+                    })
+                    .unwrap_or_default();
             return self.call_routine(scope, offered, call, &input, usage).await;
         }
         if started {
@@ -648,7 +657,7 @@ impl Engine {
             return Ok(mismatch(scope, usage));
         }
         // 5. Budget: reserved only now that the call may run.
-        let usage = match usage.reserve_tool_call(&scope.definition.budget) {
+        let usage = match usage.reserve_tool_call(&scope.limits) {
             Ok(usage) => usage,
             Err(exceeded) => return Ok(Answer::Budget(exceeded)),
         };

@@ -60,7 +60,8 @@ pub struct ToolAnnotations {
     pub open_world_hint: Option<bool>,
 }
 
-/// What the run (its root run, for nested routines) has used so far.
+/// What the run has used so far. A nested run counts its own usage here; its limits are
+/// capped by what its root had left when it started.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct BudgetUsed {

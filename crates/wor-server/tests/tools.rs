@@ -1549,6 +1549,16 @@ mode = "auto"
         !h.engine.run_next().await.unwrap(),
         "nothing runs while a person decides"
     );
+    // Whoever started the root may not approve the nested run's calls either.
+    let (status, _) = h
+        .decide(
+            h.owner(),
+            approvals[0]["id"].as_str().unwrap(),
+            "approve",
+            "mine",
+        )
+        .await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
     let approver = h.member("approver").await;
     let (status, _) = h
         .decide(

@@ -218,15 +218,20 @@ impl Store {
         id: RunId,
     ) -> Result<RunRecord, StoreError> {
         let now = now_millis();
-        sqlx::query(
+        let mut tx = self.pool().begin().await?;
+        let cancelled = sqlx::query(
             "UPDATE runs SET status = 'cancelled', outcome = 'cancelled while queued', \
              finished_at = $1, updated_at = $1 WHERE project_id = $2 AND id = $3 AND status = 'queued'",
         )
         .bind(now)
         .bind(project.to_string())
         .bind(id.to_string())
-        .execute(self.pool())
+        .execute(&mut *tx)
         .await?;
+        if cancelled.rows_affected() == 1 {
+            requeue_parent(&mut tx, id, now).await?;
+        }
+        tx.commit().await?;
         // A parked run has no worker: it goes back in the queue, flagged, for one to end it.
         sqlx::query(
             "UPDATE runs SET cancel_requested = 1, updated_at = $1, \
@@ -498,6 +503,9 @@ impl Store {
             now,
         )
         .await?;
+        // A nested run's parent, parked while it ran, goes on: in the same transaction, so an
+        // ended child never leaves its parent waiting.
+        requeue_parent(&mut tx, run, now).await?;
         tx.commit().await?;
         Ok(true)
     }
@@ -565,6 +573,23 @@ impl Store {
             })
             .collect()
     }
+}
+
+/// Queues the parent of `child` again if it is parked waiting for it.
+async fn requeue_parent(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    child: RunId,
+    now: i64,
+) -> Result<(), StoreError> {
+    sqlx::query(
+        "UPDATE runs SET status = 'queued', updated_at = $1 WHERE status = 'waiting_for_approval' \
+         AND id = (SELECT parent_run_id FROM runs WHERE id = $2)",
+    )
+    .bind(now)
+    .bind(child.to_string())
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
 }
 
 #[expect(clippy::too_many_arguments, reason = "one column each")]

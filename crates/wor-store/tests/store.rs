@@ -656,3 +656,91 @@ async fn tool_connections_are_confined_to_their_project_and_keep_their_pins() {
     );
     assert_eq!(quarantined.live_tools, Some(BTreeMap::new()));
 }
+
+#[tokio::test]
+async fn an_ended_nested_run_always_releases_its_parked_parent() {
+    use wor_core::run::{Provenance, RunStatus};
+    use wor_store::{NewRun, ParentLink};
+    // Claims pick any queued run of the database: this test needs one of its own.
+    let db = TestDatabase::isolated().await.unwrap();
+    let project = new_project(&db).await;
+    let toml = "name = \"r\"\ninstructions = \"x\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\nscript = { turns = [] }\n";
+    let definition = wor_core::routine::RoutineDefinition::from_toml(toml).unwrap();
+    let routine = db
+        .store
+        .apply_routine(project, toml, &definition, None)
+        .await
+        .unwrap()
+        .routine
+        .id;
+    let new = |parent: Option<ParentLink>, key: &str| NewRun {
+        routine_id: routine,
+        routine_version: 1,
+        trigger_kind: "api".to_owned(),
+        started_by: None,
+        max_concurrent: 100,
+        status: RunStatus::Queued,
+        outcome: None,
+        trigger_key: Some(key.to_owned()),
+        input_provenance: Provenance::Requester,
+        thread: None,
+        memory: None,
+        parent,
+    };
+    let input = serde_json::json!({"input": "x"});
+    let store = &db.store;
+    let parent = store
+        .create_run(project, new(None, "p"), &input)
+        .await
+        .unwrap();
+    let parent = store
+        .claim_run_by_id(project, parent.id, "w", 60_000)
+        .await
+        .unwrap()
+        .unwrap();
+    let link = || ParentLink {
+        root: parent.id,
+        parent: parent.id,
+        depth: 1,
+        budget_cap: serde_json::json!({"turns": 1}),
+    };
+    // A child cancelled while queued ends without being driven: the parent goes on.
+    let child = store
+        .create_run(project, new(Some(link()), "c1"), &input)
+        .await
+        .unwrap();
+    assert_eq!(child.depth, 1);
+    assert_eq!(child.budget_cap.as_ref().unwrap()["turns"], 1);
+    assert!(store.park_run(project, parent.id, "w").await.unwrap());
+    store.request_cancel(project, child.id).await.unwrap();
+    assert_eq!(
+        store.get_run(project, parent.id).await.unwrap().status,
+        RunStatus::Queued
+    );
+    // A child that finishes releases it in the same transaction.
+    let parent = store
+        .claim_run_by_id(project, parent.id, "w", 60_000)
+        .await
+        .unwrap()
+        .unwrap();
+    let child = store
+        .create_run(project, new(Some(link()), "c2"), &input)
+        .await
+        .unwrap();
+    assert!(store.park_run(project, parent.id, "w").await.unwrap());
+    store
+        .claim_run_by_id(project, child.id, "w", 60_000)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        store
+            .finish_run(project, child.id, "w", RunStatus::Succeeded, "done")
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        store.get_run(project, parent.id).await.unwrap().status,
+        RunStatus::Queued
+    );
+}
