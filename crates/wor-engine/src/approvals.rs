@@ -33,6 +33,14 @@ impl Engine {
         verdict: Verdict,
         reason: &str,
     ) -> Result<ApprovalRecord, EngineError> {
+        // Lookups first: another project's approval is not found, whoever asks and however.
+        let approval = self.store.get_approval(project, id).await?;
+        let run = self.store.get_run(project, approval.run_id).await?;
+        if approver.member_id.is_none() {
+            return Err(EngineError::Forbidden(
+                "a service key cannot decide approvals; use a member's key".to_owned(),
+            ));
+        }
         let reason = reason.trim();
         if reason.is_empty() {
             return Err(EngineError::Invalid(
@@ -44,9 +52,6 @@ impl Engine {
                 "the reason is longer than {MAX_REASON_CHARS} characters"
             )));
         }
-        // Lookups first: another project's approval is not found, whatever the caller's role.
-        let approval = self.store.get_approval(project, id).await?;
-        let run = self.store.get_run(project, approval.run_id).await?;
         if !approver.role.can_approve() {
             return Err(EngineError::Forbidden(format!(
                 "deciding approvals needs the approver, admin or owner role; this key has `{}`",
@@ -59,11 +64,7 @@ impl Engine {
                     "the API key that started this run cannot decide its approvals".to_owned(),
                 ));
             }
-            let starter_member = match self.store.get_api_key(project, starter).await {
-                Ok(key) => key.member_id,
-                Err(StoreError::NotFound) => None,
-                Err(other) => return Err(other.into()),
-            };
+            let starter_member = self.key_member(project, starter).await?;
             if starter_member.is_some() && starter_member == approver.member_id {
                 return Err(EngineError::Forbidden(
                     "the member who started this run cannot decide its approvals".to_owned(),
@@ -77,11 +78,7 @@ impl Engine {
         if version.definition.approvals.separate_from_author
             && let Some(author_key) = version.created_by
         {
-            let author = match self.store.get_api_key(project, author_key).await {
-                Ok(key) => key.member_id,
-                Err(StoreError::NotFound) => None,
-                Err(other) => return Err(other.into()),
-            };
+            let author = self.key_member(project, author_key).await?;
             if author_key == approver.key_id || (author.is_some() && author == approver.member_id) {
                 return Err(EngineError::Forbidden(
                     "this routine asks that its author not decide its approvals".to_owned(),
@@ -129,6 +126,19 @@ impl Engine {
         tracing::info!(category = "approval", action = "approval.decide", project_id = %project,
             approval_id = %id, decision = decided.status.as_str(), "approval decided");
         Ok(decided)
+    }
+
+    /// The member a key belongs to; `None` for a service key or a key no longer there.
+    async fn key_member(
+        &self,
+        project: ProjectId,
+        key: ApiKeyId,
+    ) -> Result<Option<MemberId>, EngineError> {
+        match self.store.get_api_key(project, key).await {
+            Ok(key) => Ok(key.member_id),
+            Err(StoreError::NotFound) => Ok(None),
+            Err(other) => Err(other.into()),
+        }
     }
 
     /// Expires every pending approval whose time ran out; their runs go on as their routines

@@ -9,7 +9,6 @@
     reason = "tests fail loudly"
 )]
 
-use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -32,7 +31,7 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 
 mod common;
 
-use common::{Harness, serve, steps_of};
+use common::{Harness, reviewed_hashes, serve, steps_of};
 
 // ---------------------------------------------------------------------------------------------
 // A small MCP server of our own: `lookup` (read), `send` (whose description the rug pull
@@ -482,15 +481,7 @@ mode = "confirm"
         tools[1]["input_schema"]["properties"]["to"]["type"],
         "string"
     );
-    let hashes: BTreeMap<String, String> = tools
-        .iter()
-        .map(|t| {
-            (
-                t["name"].as_str().unwrap().to_owned(),
-                t["hash"].as_str().unwrap().to_owned(),
-            )
-        })
-        .collect();
+    let hashes = reviewed_hashes(&review);
     // The credentials were attached as headers at send time.
     let seen = desk.state.headers.lock().unwrap().clone();
     assert!(!seen.is_empty());
@@ -689,17 +680,7 @@ mode = "deny"
         .call(Method::POST, &enable_path, Some(json!({"tools": hashes})))
         .await;
     assert_eq!(status, StatusCode::CONFLICT);
-    let reviewed: BTreeMap<String, String> = review["tools"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| {
-            (
-                t["name"].as_str().unwrap().to_owned(),
-                t["hash"].as_str().unwrap().to_owned(),
-            )
-        })
-        .collect();
+    let reviewed = reviewed_hashes(&review);
     let (status, enabled) = h
         .call(
             Method::POST,
@@ -1329,12 +1310,7 @@ async fn http_api_tools_run_in_routines_with_credentials_attached_at_send_time()
         )
         .await;
     assert_eq!(status, StatusCode::OK, "{review}");
-    let hashes: BTreeMap<String, Value> = review["tools"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| (t["name"].as_str().unwrap().to_owned(), t["hash"].clone()))
-        .collect();
+    let hashes = reviewed_hashes(&review);
     assert_eq!(hashes.len(), 2);
     let (status, _) = h
         .call(

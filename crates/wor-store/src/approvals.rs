@@ -213,17 +213,7 @@ impl Store {
     ) -> Result<Option<(ApprovalId, bool)>, StoreError> {
         let now = now_millis();
         let mut tx = self.pool().begin().await?;
-        let parked = sqlx::query(
-            "UPDATE runs SET status = 'waiting_for_approval', lease_owner = NULL, lease_expires_at = NULL, \
-             updated_at = $1, parked_at = $1 WHERE project_id = $2 AND id = $3 AND lease_owner = $4 AND status = 'running'",
-        )
-        .bind(now)
-        .bind(project.to_string())
-        .bind(approval.run_id.to_string())
-        .bind(worker)
-        .execute(&mut *tx)
-        .await?;
-        if parked.rows_affected() != 1 {
+        if !crate::runs::park(&mut tx, project, approval.run_id, worker).await? {
             tx.rollback().await?;
             return Ok(None);
         }

@@ -294,31 +294,18 @@ impl Store {
         .fetch_all(self.pool())
         .await?;
         for row in candidates {
-            let id: String = row.try_get("id")?;
-            let project: String = row.try_get("project_id")?;
-            let now = now_millis();
-            let claimed = sqlx::query(
-                "UPDATE runs SET status = 'running', lease_owner = $1, lease_expires_at = $2, \
-                 started_at = COALESCE(started_at, $3), updated_at = $3, \
-                 parked_ms = parked_ms + COALESCE($3 - parked_at, 0), parked_at = NULL \
-                 WHERE id = $4 AND status = 'queued'",
-            )
-            .bind(worker)
-            .bind(now + lease_ms)
-            .bind(now)
-            .bind(&id)
-            .execute(self.pool())
-            .await?;
-            if claimed.rows_affected() == 1 {
-                let project: ProjectId = parse_column(&project, "runs.project_id")?;
-                let id: RunId = parse_column(&id, "runs.id")?;
-                return self.get_run(project, id).await.map(Some);
+            let project: ProjectId =
+                parse_column(&row.try_get::<String, _>("project_id")?, "runs.project_id")?;
+            let id: RunId = parse_column(&row.try_get::<String, _>("id")?, "runs.id")?;
+            if let Some(run) = self.claim_run_by_id(project, id, worker, lease_ms).await? {
+                return Ok(Some(run));
             }
         }
         Ok(None)
     }
 
-    /// Claims one queued run by id for `worker` (a parent driving its child in place).
+    /// Claims one queued run by id for `worker`: the claim of [`Store::claim_run`], and of a
+    /// parent driving its nested run in place. Time spent parked is added to `parked_ms`.
     pub async fn claim_run_by_id(
         &self,
         project: ProjectId,
@@ -372,18 +359,8 @@ impl Store {
         id: RunId,
         worker: &str,
     ) -> Result<bool, StoreError> {
-        let now = now_millis();
-        let done = sqlx::query(
-            "UPDATE runs SET status = 'waiting_for_approval', lease_owner = NULL, lease_expires_at = NULL, \
-             updated_at = $1, parked_at = $1 WHERE project_id = $2 AND id = $3 AND lease_owner = $4 AND status = 'running'",
-        )
-        .bind(now)
-        .bind(project.to_string())
-        .bind(id.to_string())
-        .bind(worker)
-        .execute(self.pool())
-        .await?;
-        Ok(done.rows_affected() == 1)
+        let mut connection = self.pool().acquire().await?;
+        park(&mut connection, project, id, worker).await
     }
 
     /// Puts a parked run back in the queue (its nested run ended).
@@ -573,6 +550,28 @@ impl Store {
             })
             .collect()
     }
+}
+
+/// Parks a run `worker` holds: status `waiting_for_approval`, lease released, `parked_at` set.
+/// False when the worker no longer holds it.
+pub(crate) async fn park(
+    connection: &mut sqlx::AnyConnection,
+    project: ProjectId,
+    id: RunId,
+    worker: &str,
+) -> Result<bool, StoreError> {
+    let now = now_millis();
+    let done = sqlx::query(
+        "UPDATE runs SET status = 'waiting_for_approval', lease_owner = NULL, lease_expires_at = NULL, \
+         updated_at = $1, parked_at = $1 WHERE project_id = $2 AND id = $3 AND lease_owner = $4 AND status = 'running'",
+    )
+    .bind(now)
+    .bind(project.to_string())
+    .bind(id.to_string())
+    .bind(worker)
+    .execute(&mut *connection)
+    .await?;
+    Ok(done.rows_affected() == 1)
 }
 
 /// Queues the parent of `child` again if it is parked waiting for it.

@@ -152,17 +152,7 @@ impl Harness {
             )
             .await;
         assert_eq!(status, StatusCode::OK, "{review}");
-        let hashes: BTreeMap<String, String> = review["tools"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| {
-                (
-                    t["name"].as_str().unwrap().to_owned(),
-                    t["hash"].as_str().unwrap().to_owned(),
-                )
-            })
-            .collect();
+        let hashes = reviewed_hashes(&review);
         let (status, enabled) = self
             .call(
                 Method::POST,
@@ -218,6 +208,21 @@ impl Harness {
             .await;
         text
     }
+}
+
+/// Tool name to hash, from a `GET /v1/tool-connections/{id}/review` answer.
+pub fn reviewed_hashes(review: &Value) -> BTreeMap<String, String> {
+    review["tools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            (
+                t["name"].as_str().unwrap().to_owned(),
+                t["hash"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect()
 }
 
 pub fn steps_of<'a>(run: &'a Value, kind: &str) -> Vec<&'a Value> {
