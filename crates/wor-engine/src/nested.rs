@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 use wor_core::audit::{Actor, AuditCategory, AuditEvent};
 use wor_core::budget::BudgetUsage;
 use wor_core::model::{ToolCallRequest, ToolResult};
-use wor_core::routine::{BudgetLimits, RosterEntry, ToolMode};
+use wor_core::routine::{BudgetLimits, RosterEntry};
 use wor_core::run::{Provenance, RunStatus};
 use wor_store::{NewRun, ParentLink, RunRecord, StoreError, ToolClass};
 use wor_tools::{PinnedToolDefinition, ToolDefinition};
@@ -74,6 +74,15 @@ fn routine_tool_definition(name: &str, description: &str) -> ToolDefinition {
 }
 
 impl Engine {
+    /// Drives `run` to its end as an owned, boxed future: a task of its own can run it, and the
+    /// explicit type breaks the cycle of a run driving a run.
+    fn drive_owned(
+        self,
+        run: RunRecord,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), EngineError>> + Send>> {
+        Box::pin(async move { self.drive(run).await })
+    }
+
     /// The tool a roster entry `routine/NAME` offers: the routine must exist in the project.
     pub(crate) async fn routine_tool(
         &self,
@@ -106,15 +115,7 @@ impl Engine {
             tool: name.to_owned(),
             mode: entry.mode,
             pin,
-            entry: wor_tools::RosterEntry {
-                tool: name.to_owned(),
-                mode: match entry.mode {
-                    ToolMode::Auto => wor_tools::ToolMode::Auto,
-                    ToolMode::Confirm => wor_tools::ToolMode::Confirm,
-                    ToolMode::Deny => wor_tools::ToolMode::Deny,
-                },
-                pinned_arguments: entry.pinned.clone().into_iter().collect(),
-            },
+            entry: crate::run_tools::tools_entry(name, entry),
             // A routine can do anything its own roster lets it: never read-only by default.
             class: ToolClass::Consequential,
         })
@@ -131,17 +132,8 @@ impl Engine {
         usage: BudgetUsage,
     ) -> Result<Answer, EngineError> {
         let parent = scope.run;
-        let refuse = |text: String| Answer::Result {
-            result: ToolResult {
-                tool_call_id: call.id.clone(),
-                content: scope.redactor.redact(&text).into_owned(),
-                is_error: true,
-            },
-            usage,
-            provenance: Provenance::Engine,
-        };
         if parent.depth + 1 > MAX_NESTING_DEPTH {
-            return Ok(refuse(format!(
+            return Ok(scope.refuse(call, usage, format!(
                 "routine `{}` was not started: routines may nest at most {MAX_NESTING_DEPTH} deep",
                 offered.tool
             )));
@@ -234,12 +226,16 @@ impl Engine {
             .await?
         {
             // Driven while the parent keeps its lease; a cancel of the parent reaches the child.
-            let mut driving = Box::pin(self.drive(claimed));
+            // On a task of its own: polled inside the parent's poll, each level of nesting
+            // would deepen the stack Cedar evaluates on, until it refuses ("recursion limit").
+            let mut driving = tokio::spawn(self.clone().drive_owned(claimed));
             let mut poll = tokio::time::interval(crate::driver::CANCEL_POLL);
             loop {
                 tokio::select! {
                     driven = &mut driving => {
-                        driven?;
+                        driven.map_err(|e| {
+                            EngineError::Refused(format!("the nested run's task ended abnormally: {e}"))
+                        })??;
                         break;
                     }
                     _ = poll.tick() => {

@@ -167,7 +167,12 @@ pub(crate) struct CallScope<'a> {
 }
 
 impl CallScope<'_> {
-    fn refuse(&self, call: &ToolCallRequest, usage: BudgetUsage, text: String) -> Answer {
+    pub(crate) fn refuse(
+        &self,
+        call: &ToolCallRequest,
+        usage: BudgetUsage,
+        text: String,
+    ) -> Answer {
         Answer::Result {
             result: ToolResult {
                 tool_call_id: call.id.clone(),

@@ -52,6 +52,23 @@ pub(crate) enum ToolsUnavailable {
     Store(StoreError),
 }
 
+/// The tool library's view of a routine's roster entry for `tool`: its mode and pinned
+/// arguments.
+pub(crate) fn tools_entry(
+    tool: &str,
+    entry: &wor_core::routine::RosterEntry,
+) -> wor_tools::RosterEntry {
+    wor_tools::RosterEntry {
+        tool: tool.to_owned(),
+        mode: match entry.mode {
+            ToolMode::Auto => wor_tools::ToolMode::Auto,
+            ToolMode::Confirm => wor_tools::ToolMode::Confirm,
+            ToolMode::Deny => wor_tools::ToolMode::Deny,
+        },
+        pinned_arguments: entry.pinned.clone().into_iter().collect(),
+    }
+}
+
 /// The name the model calls a roster tool by: letters, digits, `_` and `-` only.
 pub(crate) fn model_name(connection: &str, tool: &str) -> String {
     format!("{connection}__{tool}")
@@ -221,15 +238,7 @@ impl Engine {
             tool: tool.to_owned(),
             mode: entry.mode,
             pin,
-            entry: wor_tools::RosterEntry {
-                tool: tool.to_owned(),
-                mode: match entry.mode {
-                    ToolMode::Auto => wor_tools::ToolMode::Auto,
-                    ToolMode::Confirm => wor_tools::ToolMode::Confirm,
-                    ToolMode::Deny => wor_tools::ToolMode::Deny,
-                },
-                pinned_arguments: entry.pinned.clone().into_iter().collect(),
-            },
+            entry: tools_entry(tool, entry),
             class: record.class_of(tool),
         };
         if tools.offered.insert(name.clone(), offered).is_some() {
