@@ -1,7 +1,7 @@
 //! Routines used as tools: a roster entry `routine/NAME` offers routine NAME to the model as a
 //! tool taking `{input}`. Calling it starts a nested run of that routine — its parent, root and
 //! depth recorded, its budget capped by what is left of the root run's, nesting at most
-//! [`MAX_NESTING_DEPTH`] deep — which the parent's worker drives in place. A nested run that
+//! [`MAX_NESTING_DEPTH`] deep — which the parent's worker drives at once, on a task of its own. A nested run that
 //! waits for a person parks its parent too; when it ends, the parent is queued again and takes
 //! its answer. Its output is untrusted for the parent, like any tool result.
 

@@ -305,7 +305,7 @@ impl Store {
     }
 
     /// Claims one queued run by id for `worker`: the claim of [`Store::claim_run`], and of a
-    /// parent driving its nested run in place. Time spent parked is added to `parked_ms`.
+    /// parent driving its nested run at once. Time spent parked is added to `parked_ms`.
     pub async fn claim_run_by_id(
         &self,
         project: ProjectId,
