@@ -286,6 +286,13 @@ impl Engine {
             })
             .unwrap_or(0);
         let elapsed = || spent_before.saturating_add(started.elapsed().as_secs());
+        let authority = self
+            .mint_authority(
+                run,
+                definition,
+                Duration::from_secs(limits.wall_seconds.saturating_sub(spent_before)),
+            )
+            .await?;
         let mut usage = run.usage;
         let price = self
             .config
@@ -369,6 +376,7 @@ impl Engine {
                     untrusted: &untrusted,
                     limits,
                     wall_spent: elapsed(),
+                    authority: &authority,
                 };
                 let (result, provenance) = match self.answer_call(&scope, &call, usage).await? {
                     Answer::Result {

@@ -11,9 +11,11 @@
 //! call that needs approval parks its run, holding no worker, until a person decides or the
 //! approval expires. Runs also start on a schedule and on signed inbound webhooks, and run
 //! webhooks tell other systems about them (`triggers.rs`); a routine used as a tool runs as a
-//! nested run on its root's budget (`nested.rs`). Not built yet: run-scoped credentials.
+//! nested run on its root's budget (`nested.rs`). Every call executes under the run's own
+//! credential, minted at claim and expiring at the run's deadline (`authority.rs`).
 
 mod approvals;
+mod authority;
 mod driver;
 mod nested;
 mod pipeline;

@@ -164,6 +164,8 @@ pub(crate) struct CallScope<'a> {
     pub limits: wor_core::routine::BudgetLimits,
     /// Wall time the run has used so far, in seconds.
     pub wall_spent: u64,
+    /// The run's credential, presented before anything executes.
+    pub authority: &'a crate::authority::RunAuthority,
 }
 
 impl CallScope<'_> {
@@ -704,6 +706,12 @@ impl Engine {
         arguments: CanonicalArguments,
         usage: BudgetUsage,
     ) -> Result<Answer, EngineError> {
+        if let Err(reason) = self
+            .authorize_call(scope.authority, &offered.roster_name)
+            .await?
+        {
+            return Ok(Answer::Fail(reason));
+        }
         if offered.connection == crate::nested::ROUTINE_CONNECTION {
             let input = arguments
                 .value

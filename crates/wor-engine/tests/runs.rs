@@ -296,6 +296,13 @@ struct MockModel {
 enum Reply {
     Text(&'static str),
     ToolCall(&'static str),
+    /// Says the request `arrived`, waits for `release`, then calls `name` with `arguments`.
+    Held {
+        name: &'static str,
+        arguments: &'static str,
+        arrived: Arc<tokio::sync::Notify>,
+        release: Arc<tokio::sync::Notify>,
+    },
     Hang,
 }
 
@@ -330,10 +337,17 @@ impl MockModel {
                             json!({"choices":[{"index":0,"delta":{"role":"assistant","content":text},"finish_reason":null}]}),
                             json!({"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}),
                         ],
-                        Reply::ToolCall(name) => vec![
-                            json!({"choices":[{"index":0,"delta":{"role":"assistant","tool_calls":[{"index":0,"id":"call_1","type":"function","function":{"name":name,"arguments":"{}"}}]},"finish_reason":null}]}),
-                            json!({"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}),
-                        ],
+                        Reply::ToolCall(name) => tool_call_events(name, "{}"),
+                        Reply::Held {
+                            name,
+                            arguments,
+                            arrived,
+                            release,
+                        } => {
+                            arrived.notify_one();
+                            release.notified().await;
+                            tool_call_events(name, arguments)
+                        }
                     };
                     let mut sse = String::new();
                     for event in events {
@@ -355,6 +369,13 @@ impl MockModel {
     fn request_count(&self) -> usize {
         self.requests.lock().unwrap().len()
     }
+}
+
+fn tool_call_events(name: &str, arguments: &str) -> Vec<Value> {
+    vec![
+        json!({"choices":[{"index":0,"delta":{"role":"assistant","tool_calls":[{"index":0,"id":"call_1","type":"function","function":{"name":name,"arguments":arguments}}]},"finish_reason":null}]}),
+        json!({"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}),
+    ]
 }
 
 async fn read_request(stream: &mut tokio::net::TcpStream) -> Option<Vec<u8>> {
@@ -950,4 +971,75 @@ async fn a_routine_used_as_a_tool_runs_nested_on_the_root_budget_and_depth_is_ca
     assert_eq!(all.len(), 4, "depths {depths:?}");
     assert_eq!(depths.iter().max(), Some(&3));
     assert!(all.iter().all(|r| r.root_run_id == run.id));
+}
+
+#[tokio::test]
+async fn a_run_acts_only_with_its_own_live_credential() {
+    let h = Harness::new().await;
+    let helper = h
+        .routine(
+            "name = \"helper\"\ninstructions = \"Answer.\"\n\
+         [model]\nprovider = \"replay\"\nmodel = \"m\"\n\
+         [[model.script.turns]]\ntext = \"forty-two\"\n",
+        )
+        .await;
+    let arrived = Arc::new(tokio::sync::Notify::new());
+    let release = Arc::new(tokio::sync::Notify::new());
+    let model = MockModel::start(vec![Reply::Held {
+        name: "routine__helper",
+        arguments: r#"{"input":"what is the answer?"}"#,
+        arrived: arrived.clone(),
+        release: release.clone(),
+    }])
+    .await;
+    let routine = h
+        .openai_routine(
+            &model,
+            "[[tools]]\ntool = \"routine/helper\"\nmode = \"auto\"\n",
+        )
+        .await;
+    let engine = h.engine(EngineConfig::default());
+    let run = h.start(&engine, routine, "go").await;
+    assert!(!h.db.store.run_token_exists(run.id).await.unwrap());
+    let driving = tokio::spawn({
+        let engine = engine.clone();
+        async move { engine.run_next().await.unwrap() }
+    });
+    // While the worker drives the run, the run holds a credential; end it before the model
+    // answers with a call.
+    arrived.notified().await;
+    assert!(h.db.store.run_token_exists(run.id).await.unwrap());
+    h.db.store.revoke_run_token(run.id).await.unwrap();
+    release.notify_one();
+    assert!(driving.await.unwrap());
+    let run = h.run(run.id).await;
+    assert_eq!(run.status, RunStatus::Failed);
+    assert!(
+        run.outcome
+            .as_deref()
+            .unwrap()
+            .contains("the run's credential is no longer valid"),
+        "{:?}",
+        run.outcome
+    );
+    let runs =
+        h.db.store
+            .list_runs(
+                h.project,
+                &wor_store::RunFilter {
+                    limit: 10,
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+    assert_eq!(runs.len(), 1, "the nested run never started");
+
+    assert!(!h.db.store.run_token_exists(run.id).await.unwrap());
+
+    // A run that ends normally leaves no credential behind either.
+    let done = h.start(&engine, helper, "q").await;
+    let done = h.drive_to_end(&engine, done.id).await;
+    assert_eq!(done.status, RunStatus::Succeeded, "{:?}", done.outcome);
+    assert!(!h.db.store.run_token_exists(done.id).await.unwrap());
 }

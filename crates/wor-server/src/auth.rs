@@ -1,14 +1,21 @@
-//! Who is calling: the API key in `Authorization: Bearer …`, resolved to its project and role.
+//! Who is calling: the API key in `Authorization: Bearer …`, resolved to its project and role;
+//! or a run's own credential (`wrt_…`, S14), which [`run_credential_gate`] lets through to
+//! [`RUN_CREDENTIAL_ROUTES`] only.
 //!
 //! INVARIANT: the project a request acts on comes from here and from nowhere else — never from
 //! a path, query or body.
+//! INVARIANT: a run credential never reaches a handler that takes a [`Caller`]: configuration,
+//! approvals, keys, members, other runs — all refuse it with 403 before any handler runs.
 
-use axum::extract::FromRequestParts;
+use axum::extract::{FromRequestParts, Request};
 use axum::http::header::AUTHORIZATION;
 use axum::http::request::Parts;
+use axum::http::{HeaderMap, Method};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
 use wor_core::audit::Actor;
 use wor_core::{ApiKeyId, MemberId, ProjectId, Role};
-use wor_store::AuthenticatedKey;
+use wor_store::{AuthenticatedKey, RUN_TOKEN_PREFIX, RunGrant};
 
 use crate::AppState;
 use crate::error::ApiError;
@@ -69,6 +76,40 @@ impl Caller {
     }
 }
 
+/// The routes a run credential may call: reading its own run. Everything else refuses it.
+pub const RUN_CREDENTIAL_ROUTES: &[(Method, &str)] = &[(Method::GET, "/v1/run")];
+
+/// The bearer token of a request, if it has one.
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(AUTHORIZATION)?
+        .to_str()
+        .ok()?
+        .strip_prefix("Bearer ")
+        .map(str::trim)
+}
+
+/// Refuses a run credential on every route but [`RUN_CREDENTIAL_ROUTES`], before routing, so a
+/// route added later is closed to it by default.
+pub async fn run_credential_gate(request: Request, next: Next) -> Response {
+    let is_run_credential =
+        bearer(request.headers()).is_some_and(|token| token.starts_with(RUN_TOKEN_PREFIX));
+    if is_run_credential
+        && !RUN_CREDENTIAL_ROUTES
+            .iter()
+            .any(|(method, path)| request.method() == method && request.uri().path() == *path)
+    {
+        tracing::warn!(category = "auth", action = "run_credential.refused",
+            method = %request.method(), "a run credential was refused");
+        return ApiError::Forbidden(
+            "a run's credential can only read its own run (GET /v1/run); it cannot call this route"
+                .to_owned(),
+        )
+        .into_response();
+    }
+    next.run(request).await
+}
+
 impl FromRequestParts<AppState> for Caller {
     type Rejection = ApiError;
 
@@ -76,21 +117,39 @@ impl FromRequestParts<AppState> for Caller {
         parts: &mut Parts,
         state: &AppState,
     ) -> Result<Self, Self::Rejection> {
-        let header = parts
-            .headers
-            .get(AUTHORIZATION)
-            .ok_or(ApiError::Unauthenticated)?;
-        let token = header
-            .to_str()
-            .ok()
-            .and_then(|h| h.strip_prefix("Bearer "))
-            .map(str::trim)
-            .ok_or(ApiError::Unauthenticated)?;
+        let token = bearer(&parts.headers).ok_or(ApiError::Unauthenticated)?;
+        if token.starts_with(RUN_TOKEN_PREFIX) {
+            // The gate refuses these before routing; this holds even without it.
+            return Err(ApiError::Forbidden(
+                "a run's credential cannot call this route".to_owned(),
+            ));
+        }
         let key = state
             .store
             .authenticate_api_key(token)
             .await?
             .ok_or(ApiError::Unauthenticated)?;
         Ok(key.into())
+    }
+}
+
+/// A run acting with its own credential: one running run of one project, until its deadline.
+#[derive(Debug, Clone)]
+pub struct RunCaller(pub RunGrant);
+
+impl FromRequestParts<AppState> for RunCaller {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        state: &AppState,
+    ) -> Result<Self, Self::Rejection> {
+        let token = bearer(&parts.headers).ok_or(ApiError::Unauthenticated)?;
+        let grant = state
+            .store
+            .authenticate_run_token(token)
+            .await?
+            .ok_or(ApiError::Unauthenticated)?;
+        Ok(RunCaller(grant))
     }
 }

@@ -93,6 +93,7 @@ fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(routes::runs::get))
         .routes(routes!(routes::runs::cancel))
         .routes(routes!(routes::runs::events))
+        .routes(routes!(routes::runs::own_run))
         .routes(routes!(routes::approvals::list))
         .routes(routes!(routes::approvals::get))
         .routes(routes!(routes::approvals::approve))
@@ -145,6 +146,7 @@ pub fn router(state: AppState) -> Router {
         .fallback(|| async { ApiError::NoRoute })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(axum::middleware::from_fn(auth::run_credential_gate))
         .layer(axum::middleware::from_fn(request_log::log_request))
         .with_state(state)
 }

@@ -1278,3 +1278,212 @@ async fn policies_are_validated_when_saved_with_the_line_named() {
         audit.text
     );
 }
+
+/// S14: a run's own credential reads its own run and nothing else. Every other documented
+/// route refuses it with 403 — with the project's own ids and valid bodies, so a route that
+/// accepted it would act.
+#[tokio::test]
+async fn a_run_credential_reads_its_own_run_and_every_other_route_refuses_it() {
+    let api = TestApi::isolated().await;
+    let a = api.project("alice").await;
+    let owner = a.owner_key.expose();
+    let key_id = api.db.store.list_api_keys(a.project.id).await.unwrap()[0].id;
+    let created = |reply: Reply, pointer: &str| {
+        assert!(reply.status.is_success(), "{}", reply.text);
+        reply
+            .body
+            .pointer(pointer)
+            .unwrap()
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    let model = created(
+        api.call(
+            Method::POST,
+            "/v1/model-connections",
+            Some(owner),
+            Some(json!({"name": "m", "provider": "openai_compatible",
+                "base_url": "https://models.example.com/v1", "api_key": "sk-a-secret-123456789"})),
+        )
+        .await,
+        "/id",
+    );
+    let tools = created(
+        api.call(
+            Method::POST,
+            "/v1/tool-connections",
+            Some(owner),
+            Some(
+                json!({"name": "t", "kind": "mcp_http", "url": "https://mcp.example.com/mcp",
+                "allowlist": ["mcp.example.com"]}),
+            ),
+        )
+        .await,
+        "/id",
+    );
+    let routine = created(
+        api.call(
+            Method::POST,
+            "/v1/routines",
+            Some(owner),
+            Some(json!({"toml": REPLAY_ROUTINE})),
+        )
+        .await,
+        "/routine/id",
+    );
+    let run = created(
+        api.call(
+            Method::POST,
+            &format!("/v1/routines/{routine}/runs"),
+            Some(owner),
+            Some(json!({"input": "hello"})),
+        )
+        .await,
+        "/id",
+    );
+    let run_id: wor_core::RunId = run.parse().unwrap();
+    // The runtime's side: claim the run and mint its credential, as a worker does.
+    api.db
+        .store
+        .claim_run_by_id(a.project.id, run_id, "runtime", 60_000)
+        .await
+        .unwrap()
+        .unwrap();
+    let expires_at = wor_store::now_millis() + 60_000;
+    let token = api
+        .db
+        .store
+        .mint_run_token(a.project.id, run_id, "runtime", expires_at)
+        .await
+        .unwrap()
+        .unwrap();
+    let token = token.expose();
+    assert!(token.starts_with("wrt_"));
+
+    let own = api.call(Method::GET, "/v1/run", Some(token), None).await;
+    assert_eq!(own.status, StatusCode::OK, "{}", own.text);
+    assert_eq!(own.body["id"], run.as_str());
+    assert_eq!(own.body["status"], "running");
+    assert_eq!(own.body["roster"], json!([]));
+    assert!(own.body["credential_expires_at"].is_string());
+
+    let own_ids = [
+        ("member_id", a.owner.id.to_string()),
+        ("key_id", key_id.to_string()),
+        ("connection_id", model.clone()),
+        ("tool_connection_id", tools.clone()),
+        ("routine_id", routine.clone()),
+        ("run_id", run.clone()),
+        ("approval_id", wor_core::ApprovalId::new().to_string()),
+    ];
+    let mut refused = 0;
+    for (method, template) in documented_operations() {
+        if method == Method::GET && template == "/v1/run" {
+            continue;
+        }
+        let mut path = template.clone();
+        while let Some(start) = path.find('{') {
+            let end = path[start..].find('}').unwrap() + start;
+            let name = &path[start + 1..end];
+            let id = own_ids
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, id)| id.clone())
+                .unwrap_or_else(|| panic!("no id for path parameter `{name}` of {template}"));
+            path.replace_range(start..=end, &id);
+        }
+        let reply = api
+            .call(
+                method.clone(),
+                &path,
+                Some(token),
+                sample_body(&method, &template),
+            )
+            .await;
+        assert_error(&reply, StatusCode::FORBIDDEN, "forbidden");
+        assert!(
+            reply.text.contains("run's credential"),
+            "{method} {template}: {}",
+            reply.text
+        );
+        refused += 1;
+    }
+    assert!(refused >= 30, "the walk covered the API: {refused} routes");
+    let unknown = api
+        .call(Method::GET, "/v1/not-a-route", Some(token), None)
+        .await;
+    assert_error(&unknown, StatusCode::FORBIDDEN, "forbidden");
+    // Nothing was changed by the walk.
+    let stored = api.db.store.get_run(a.project.id, run_id).await.unwrap();
+    assert!(!stored.cancel_requested, "the walk cancelled the run");
+    let keys = api.db.store.list_api_keys(a.project.id).await.unwrap();
+    assert_eq!(keys.len(), 1, "the walk created a key");
+    assert!(keys[0].revoked_at.is_none(), "the walk revoked a key");
+    let routines = api
+        .call(Method::GET, "/v1/routines", Some(owner), None)
+        .await;
+    assert_eq!(routines.body.as_array().map(Vec::len), Some(1));
+    let version = api
+        .call(
+            Method::GET,
+            &format!("/v1/routines/{routine}"),
+            Some(owner),
+            None,
+        )
+        .await;
+    assert_eq!(
+        version.body["routine"]["current_version"], 1,
+        "the walk changed the routine"
+    );
+
+    // A member's key is not a run credential, nor is a made-up one.
+    let as_owner = api.call(Method::GET, "/v1/run", Some(owner), None).await;
+    assert_error(&as_owner, StatusCode::UNAUTHORIZED, "unauthenticated");
+    let made_up = format!("wrt_{}", "0".repeat(64));
+    let forged = api.call(Method::GET, "/v1/run", Some(&made_up), None).await;
+    assert_error(&forged, StatusCode::UNAUTHORIZED, "unauthenticated");
+    // Past its deadline the credential is dead; so it is once the run ends.
+    let expired = api
+        .db
+        .store
+        .mint_run_token(a.project.id, run_id, "runtime", wor_store::now_millis() - 1)
+        .await
+        .unwrap()
+        .unwrap();
+    let reply = api
+        .call(Method::GET, "/v1/run", Some(expired.expose()), None)
+        .await;
+    assert_error(&reply, StatusCode::UNAUTHORIZED, "unauthenticated");
+    let live = api
+        .db
+        .store
+        .mint_run_token(a.project.id, run_id, "runtime", expires_at)
+        .await
+        .unwrap()
+        .unwrap();
+    let reply = api
+        .call(Method::GET, "/v1/run", Some(live.expose()), None)
+        .await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+    let old = api.call(Method::GET, "/v1/run", Some(token), None).await;
+    assert_error(&old, StatusCode::UNAUTHORIZED, "unauthenticated");
+    assert!(
+        api.db
+            .store
+            .finish_run(
+                a.project.id,
+                run_id,
+                "runtime",
+                wor_core::run::RunStatus::Succeeded,
+                "done"
+            )
+            .await
+            .unwrap()
+    );
+    let reply = api
+        .call(Method::GET, "/v1/run", Some(live.expose()), None)
+        .await;
+    assert_error(&reply, StatusCode::UNAUTHORIZED, "unauthenticated");
+    assert!(!api.db.store.run_token_exists(run_id).await.unwrap());
+}

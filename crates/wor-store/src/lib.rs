@@ -16,6 +16,7 @@ mod migrations;
 mod model_connections;
 mod projects;
 mod routines;
+mod run_tokens;
 mod runs;
 #[cfg(feature = "testing")]
 pub mod testing;
@@ -45,6 +46,7 @@ pub use model_connections::{
 };
 pub use projects::{CreatedProject, ProjectRecord};
 pub use routines::{AppliedRoutine, RoutineRecord, RoutineVersionRecord};
+pub use run_tokens::{RUN_TOKEN_PREFIX, RunGrant, RunToken};
 pub use runs::{NewRun, ParentLink, RunFilter, RunRecord, RunStep};
 pub use sqlx::Error as SqlxError;
 pub use tool_connections::{

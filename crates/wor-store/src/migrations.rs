@@ -28,6 +28,7 @@ const STDIO_CONNECTIONS: &str = include_str!("../migrations/0010_stdio_connectio
 const HTTP_TOOLS: &str = include_str!("../migrations/0011_http_tools.sql");
 const PARKED_TIME: &str = include_str!("../migrations/0012_parked_time.sql");
 const NESTED_RUNS: &str = include_str!("../migrations/0013_nested_runs.sql");
+const RUN_TOKENS: &str = include_str!("../migrations/0014_run_tokens.sql");
 
 /// The triggers that make the audit tables append-only, per backend; also used by the test
 /// support that plays an attacker who drops them.
@@ -123,6 +124,12 @@ const MIGRATIONS: &[SchemaMigration] = &[
         description: "nested runs",
         sqlite: NESTED_RUNS,
         postgres: NESTED_RUNS,
+    },
+    SchemaMigration {
+        version: 14,
+        description: "run tokens",
+        sqlite: RUN_TOKENS,
+        postgres: RUN_TOKENS,
     },
 ];
 

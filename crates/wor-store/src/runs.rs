@@ -328,6 +328,10 @@ impl Store {
         .execute(self.pool())
         .await?;
         if claimed.rows_affected() == 1 {
+            // A credential minted under an earlier claim (whose lease expired) ends here; the
+            // new holder mints its own.
+            let mut connection = self.pool().acquire().await?;
+            crate::run_tokens::revoke(&mut connection, id).await?;
             return self.get_run(project, id).await.map(Some);
         }
         Ok(None)
@@ -483,6 +487,7 @@ impl Store {
         // A nested run's parent, parked while it ran, goes on: in the same transaction, so an
         // ended child never leaves its parent waiting.
         requeue_parent(&mut tx, run, now).await?;
+        crate::run_tokens::revoke(&mut tx, run).await?;
         tx.commit().await?;
         Ok(true)
     }
@@ -571,7 +576,11 @@ pub(crate) async fn park(
     .bind(worker)
     .execute(&mut *connection)
     .await?;
-    Ok(done.rows_affected() == 1)
+    if done.rows_affected() != 1 {
+        return Ok(false);
+    }
+    crate::run_tokens::revoke(connection, id).await?;
+    Ok(true)
 }
 
 /// Queues the parent of `child` again if it is parked waiting for it.

@@ -15,7 +15,7 @@ use wor_engine::{StartRun, Trigger};
 use wor_store::{RunFilter, RunRecord, RunStep, Store};
 
 use crate::AppState;
-use crate::auth::Caller;
+use crate::auth::{Caller, RunCaller};
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::{ApiJson, ApiPath, page_limit, query_id};
 use crate::views::rfc3339;
@@ -213,6 +213,40 @@ pub async fn get(
     Ok(Json(RunDetail {
         run: run.into(),
         steps: steps.into_iter().map(Into::into).collect(),
+    }))
+}
+
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct OwnRunView {
+    #[serde(flatten)]
+    pub run: RunView,
+    /// The roster tools the run may call (`CONNECTION/TOOL`).
+    pub roster: Vec<String>,
+    /// When the credential expires: the run's deadline when it was minted.
+    pub credential_expires_at: String,
+}
+
+/// The run a run credential (`wrt_…`) belongs to: the one route that credential may call.
+#[utoipa::path(get, path = "/v1/run", tag = "runs", security(("bearer" = [])),
+    responses((status = 200, body = OwnRunView), (status = 401, body = ErrorBody)))]
+pub async fn own_run(
+    State(state): State<AppState>,
+    RunCaller(grant): RunCaller,
+) -> Result<Json<OwnRunView>, ApiError> {
+    let run = state.store.get_run(grant.project_id, grant.run_id).await?;
+    let version = state
+        .store
+        .get_routine_version(grant.project_id, grant.routine_id, grant.routine_version)
+        .await?;
+    Ok(Json(OwnRunView {
+        run: run.into(),
+        roster: version
+            .definition
+            .tools
+            .into_iter()
+            .map(|entry| entry.tool)
+            .collect(),
+        credential_expires_at: rfc3339(grant.expires_at),
     }))
 }
 
