@@ -149,6 +149,7 @@ fn doctor_reports_every_layer() {
         "egress-proxy",
         "landlock",
         "seccomp",
+        "wasm-runtime",
     ] {
         assert!(
             stdout

@@ -19,6 +19,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("wor-secrets", &["wor-core"]),
     ("wor-egress", &["wor-core"]),
     ("wor-sandbox", &["wor-core", "wor-egress"]),
+    ("wor-wasm", &["wor-egress"]),
     ("wor-store", &["wor-core", "wor-secrets"]),
     ("wor-models", &["wor-core", "wor-egress", "wor-secrets"]),
     (
@@ -39,6 +40,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "wor-secrets",
             "wor-egress",
             "wor-sandbox",
+            "wor-wasm",
             "wor-tools",
             "wor-models",
             "wor-store",
@@ -65,6 +67,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "wor-secrets",
             "wor-egress",
             "wor-sandbox",
+            "wor-wasm",
             "wor-store",
             "wor-models",
             "wor-tools",

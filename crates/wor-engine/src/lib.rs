@@ -5,8 +5,8 @@
 //! the same process after a restart) resumes where it stopped. Budgets, cancellation and the
 //! wall-time deadline are checked before every step.
 //!
-//! Roster tools on MCP connections (over HTTP, or stdio in the sandbox) and HTTP API tools run
-//! through the pipeline of the spec (roster,
+//! Roster tools on MCP connections (over HTTP, or stdio in the sandbox), HTTP API tools and Wasm
+//! components run through the pipeline of the spec (roster,
 //! schema and pinned arguments, decision by Cedar policy, budget, record, execute, result). A
 //! call that needs approval parks its run, holding no worker, until a person decides or the
 //! approval expires. Runs also start on a schedule and on signed inbound webhooks, and run
@@ -23,6 +23,7 @@ mod run_tools;
 mod start;
 mod tool_connections;
 mod triggers;
+mod wasm_tools;
 mod worker;
 
 use std::collections::BTreeMap;
@@ -119,6 +120,8 @@ pub struct Engine {
     config: Arc<EngineConfig>,
     /// Starts stdio tool servers; without it, stdio connections are refused.
     sandbox: Option<wor_sandbox::Sandbox>,
+    /// Runs Wasm tool components.
+    wasm: wasm_tools::WasmHost,
 }
 
 impl Engine {
@@ -136,6 +139,7 @@ impl Engine {
             audit,
             config: Arc::new(config),
             sandbox: None,
+            wasm: wasm_tools::WasmHost::default(),
         }
     }
 

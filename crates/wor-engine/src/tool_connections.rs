@@ -114,6 +114,7 @@ impl Engine {
                 return self.open_stdio_session(record).await.map(ToolSession::Mcp);
             }
             ToolConnectionKind::HttpApi => return self.open_http_api(record).await,
+            ToolConnectionKind::Wasm => return self.open_wasm_session(record).await,
             ToolConnectionKind::McpHttp => {}
         }
         let allowlist = wor_egress::HostAllowlist::parse(&record.allowlist)
@@ -519,6 +520,11 @@ pub(crate) enum ToolSession {
         tools: BTreeMap<String, wor_tools::HttpToolDefinition>,
         egress: wor_egress::EgressClient,
     },
+    /// A Wasm component and the SHA-256 of its file.
+    Wasm {
+        tool: Box<wor_wasm::WasmTool>,
+        digest: String,
+    },
 }
 
 impl ToolSession {
@@ -528,6 +534,9 @@ impl ToolSession {
             ToolSession::Mcp(session) => session.list_tools().await.map_err(|e| e.to_string()),
             ToolSession::Http { tools, .. } => {
                 Ok(tools.values().map(|t| t.tool_definition()).collect())
+            }
+            ToolSession::Wasm { tool, digest } => {
+                crate::wasm_tools::list_wasm_tools(tool, digest).await
             }
         }
     }
@@ -556,6 +565,9 @@ impl ToolSession {
                     .await
                     .map_err(|e| e.to_string())
             }
+            ToolSession::Wasm { tool: wasm, .. } => {
+                crate::wasm_tools::call_wasm_tool(wasm, tool, arguments).await
+            }
         }
     }
 
@@ -564,7 +576,7 @@ impl ToolSession {
     pub fn take_tools_changed(&self) -> bool {
         match self {
             ToolSession::Mcp(session) => session.tools_changed().take(),
-            ToolSession::Http { .. } => false,
+            ToolSession::Http { .. } | ToolSession::Wasm { .. } => false,
         }
     }
 

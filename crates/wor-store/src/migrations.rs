@@ -131,6 +131,12 @@ const MIGRATIONS: &[SchemaMigration] = &[
         sqlite: RUN_TOKENS,
         postgres: RUN_TOKENS,
     },
+    SchemaMigration {
+        version: 15,
+        description: "wasm tools",
+        sqlite: include_str!("../migrations/0015_wasm_tools.sqlite.sql"),
+        postgres: include_str!("../migrations/0015_wasm_tools.postgres.sql"),
+    },
 ];
 
 pub(crate) async fn apply(store: &Store) -> Result<(), StoreError> {

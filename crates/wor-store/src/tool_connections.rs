@@ -55,6 +55,9 @@ pub enum ToolConnectionKind {
     McpStdio,
     /// A plain HTTP API.
     HttpApi,
+    /// A WebAssembly component (WASI preview 2) run in-process under fuel, deadline and
+    /// memory limits; its `command.program` is the component file.
+    Wasm,
 }
 
 impl ToolConnectionKind {
@@ -63,7 +66,17 @@ impl ToolConnectionKind {
             ToolConnectionKind::McpHttp => "mcp_http",
             ToolConnectionKind::McpStdio => "mcp_stdio",
             ToolConnectionKind::HttpApi => "http_api",
+            ToolConnectionKind::Wasm => "wasm",
         }
+    }
+
+    /// Whether it runs on this machine from a `command` (a sandboxed process or a component)
+    /// rather than at a URL.
+    pub fn is_local(self) -> bool {
+        matches!(
+            self,
+            ToolConnectionKind::McpStdio | ToolConnectionKind::Wasm
+        )
     }
 }
 
@@ -80,8 +93,9 @@ impl FromStr for ToolConnectionKind {
             "mcp_http" => Ok(ToolConnectionKind::McpHttp),
             "mcp_stdio" => Ok(ToolConnectionKind::McpStdio),
             "http_api" => Ok(ToolConnectionKind::HttpApi),
+            "wasm" => Ok(ToolConnectionKind::Wasm),
             other => Err(format!(
-                "`{}` is not a tool connection kind: expected mcp_http, mcp_stdio or http_api",
+                "`{}` is not a tool connection kind: expected mcp_http, mcp_stdio, http_api or wasm",
                 other.chars().take(40).collect::<String>()
             )),
         }

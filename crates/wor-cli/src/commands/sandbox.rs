@@ -124,6 +124,14 @@ pub async fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
             println!("{:<20} UNSUPPORTED: {}", report.layer.name(), report.detail);
         }
     }
+    // Wasm tools need no namespace, but their runtime reserves address space for its pool.
+    match wor_wasm::WasmRuntime::new() {
+        Ok(_) => println!("{:<20} supported", "wasm-runtime"),
+        Err(error) => {
+            all = false;
+            println!("{:<20} UNSUPPORTED: {error}", "wasm-runtime");
+        }
+    }
     if all {
         println!("every sandbox layer is supported: local tools can run");
         Ok(ExitCode::SUCCESS)

@@ -17,22 +17,28 @@ use crate::client::{ApiClient, ClientArgs};
 #[derive(Debug, clap::Subcommand)]
 pub enum ToolConnectionCommand {
     /// Add a tool connection; it waits for review before any tool runs.
+    #[command(group(clap::ArgGroup::new("local").args(["stdio", "wasm"])))]
     Create {
         /// A name for the connection: rosters call its tools `NAME/TOOL`.
         name: String,
-        /// mcp_http, mcp_stdio or http_api [default: mcp_stdio with --stdio, else mcp_http].
+        /// mcp_http, mcp_stdio, http_api or wasm [default: mcp_stdio with --stdio, wasm with
+        /// --wasm, else mcp_http].
         #[arg(long)]
         kind: Option<String>,
         /// The MCP endpoint or API base URL.
-        #[arg(long, required_unless_present = "stdio")]
+        #[arg(long, required_unless_present = "local")]
         url: Option<String>,
         /// A host pattern the connection may reach (repeat for several); for a stdio server,
-        /// the only hosts its sandbox may reach.
+        /// the only hosts its sandbox may reach; for a Wasm component, the only hosts its
+        /// outgoing HTTP may reach.
         #[arg(long = "allow", value_name = "HOST")]
         allowlist: Vec<String>,
         /// A stdio MCP server: the program, started in the sandbox (absolute path).
         #[arg(long, value_name = "PROGRAM", conflicts_with = "url")]
         stdio: Option<String>,
+        /// A Wasm tool: the component file (WASI preview 2, the `wor:tool` world; absolute path).
+        #[arg(long, value_name = "COMPONENT", conflicts_with_all = ["url", "stdio"])]
+        wasm: Option<String>,
         /// An argument of the stdio program (repeat, in order).
         #[arg(
             long = "arg",
@@ -41,12 +47,13 @@ pub enum ToolConnectionCommand {
             allow_hyphen_values = true
         )]
         args: Vec<String>,
-        /// A host path the stdio server may read, bound read-only (repeat).
-        #[arg(long = "read-only", value_name = "PATH", requires = "stdio")]
+        /// A host path the stdio server may read, bound read-only; for a Wasm component, a
+        /// directory it may read at the same path (repeat).
+        #[arg(long = "read-only", value_name = "PATH", requires = "local")]
         read_only: Vec<String>,
-        /// An environment variable of the stdio server, its value read from this CLI's own
-        /// environment variable VAR (repeat; stored encrypted).
-        #[arg(long = "env-from", value_name = "NAME=VAR", requires = "stdio")]
+        /// An environment variable of the stdio server or Wasm component, its value read from
+        /// this CLI's own environment variable VAR (repeat; stored encrypted).
+        #[arg(long = "env-from", value_name = "NAME=VAR", requires = "local")]
         env: Vec<String>,
         /// Read a bearer token from this environment variable.
         #[arg(long, value_name = "VAR", conflicts_with = "bearer_stdin")]
@@ -230,6 +237,7 @@ pub async fn run(cmd: ToolConnectionCommand) -> anyhow::Result<ExitCode> {
             url,
             allowlist,
             stdio,
+            wasm,
             args,
             read_only,
             env,
@@ -238,14 +246,20 @@ pub async fn run(cmd: ToolConnectionCommand) -> anyhow::Result<ExitCode> {
             headers,
             client,
         } => {
-            let body = match stdio {
-                Some(program) => {
+            let body = match (stdio, wasm) {
+                (Some(program), _) => {
                     json!({"name": name, "kind": kind.as_deref().unwrap_or("mcp_stdio"),
                     "allowlist": allowlist,
                     "command": {"program": program, "args": args, "read_only_paths": read_only},
                     "env": read_headers(&env)?})
                 }
-                None => json!({"name": name, "kind": kind.as_deref().unwrap_or("mcp_http"),
+                (None, Some(component)) => {
+                    json!({"name": name, "kind": kind.as_deref().unwrap_or("wasm"),
+                    "allowlist": allowlist,
+                    "command": {"program": component, "read_only_paths": read_only},
+                    "env": read_headers(&env)?})
+                }
+                (None, None) => json!({"name": name, "kind": kind.as_deref().unwrap_or("mcp_http"),
                     "url": url.unwrap_or_default(), "allowlist": allowlist,
                     "headers": read_headers(&headers)?,
                     "bearer_token": read_bearer(bearer_env.as_deref(), bearer_stdin)?}),

@@ -33,22 +33,25 @@ pub struct CreateToolConnection {
     /// 1 to 40 of `a-z`, `0-9`, `-` and `_`, starting with a letter: rosters name tools as
     /// `CONNECTION/TOOL`.
     pub name: String,
-    /// `mcp_http`, `mcp_stdio` (a server started in the sandbox) or `http_api`.
+    /// `mcp_http`, `mcp_stdio` (a server started in the sandbox), `http_api` or `wasm` (a
+    /// WebAssembly component, `docs/tools.md`).
     pub kind: String,
     /// The MCP endpoint or API base URL; checked again by the egress guard on every request.
-    /// Not used by `mcp_stdio`.
+    /// Not used by `mcp_stdio` and `wasm`.
     #[serde(default)]
     pub url: String,
     /// Host patterns the connection may reach (`api.example.com`, `*.example.com`, `host:port`);
-    /// for `mcp_stdio`, the only hosts its sandbox may reach (through the egress proxy).
+    /// for `mcp_stdio`, the only hosts its sandbox may reach (through the egress proxy); for
+    /// `wasm`, the only hosts its outgoing HTTP may reach (none when empty).
     #[serde(default)]
     pub allowlist: Vec<String>,
-    /// `mcp_stdio` only: how its server starts in the sandbox. The program and read-only paths
+    /// `mcp_stdio` and `wasm` only: how its server starts in the sandbox, or which component
+    /// file (`program`) runs with which read-only directories. The program and read-only paths
     /// must lie where the operator allows (`[sandbox] allowed_paths`).
     #[serde(default)]
     #[schema(value_type = Option<Object>)]
     pub command: Option<wor_store::StdioSpec>,
-    /// `mcp_stdio` only: the server's whole environment, by name. Stored encrypted; never
+    /// `mcp_stdio` and `wasm` only: the server's or component's whole environment, by name. Stored encrypted; never
     /// returned. (`command.env_names` is filled from these keys.)
     #[serde(default)]
     pub env: BTreeMap<String, String>,
@@ -72,7 +75,7 @@ pub struct ToolConnectionView {
     pub kind: String,
     pub url: String,
     pub allowlist: Vec<String>,
-    /// `mcp_stdio` only: how its server starts in the sandbox (environment names only).
+    /// `mcp_stdio` and `wasm` only: how it starts (environment names only).
     #[schema(value_type = Option<Object>)]
     pub command: Option<wor_store::StdioSpec>,
     /// `pending_review`, `enabled`, `quarantined` or `disabled`.
@@ -310,18 +313,21 @@ pub async fn create(
         .kind
         .parse()
         .map_err(|e: String| ApiError::bad_request("invalid_kind", e))?;
-    let command = if kind == ToolConnectionKind::McpStdio {
+    let command = if kind.is_local() {
         let Some(mut command) = body.command.clone() else {
             return Err(ApiError::bad_request(
                 "invalid_command",
-                "a `mcp_stdio` connection needs `command` (program, args, read_only_paths)",
+                format!("a `{kind}` connection needs `command` (program, args, read_only_paths)"),
             ));
         };
         if !body.url.is_empty() {
             return Err(ApiError::bad_request(
                 "invalid_url",
-                "a `mcp_stdio` connection has no `url`",
+                format!("a `{kind}` connection has no `url`"),
             ));
+        }
+        if kind == ToolConnectionKind::Wasm {
+            check_wasm_command(&command, &body)?;
         }
         command.env_names = body.env.keys().cloned().collect();
         let config = state.engine.config();
@@ -342,7 +348,7 @@ pub async fn create(
         if body.command.is_some() || !body.env.is_empty() {
             return Err(ApiError::bad_request(
                 "invalid_command",
-                "`command` and `env` are only for `mcp_stdio` connections",
+                "`command` and `env` are only for `mcp_stdio` and `wasm` connections",
             ));
         }
         wor_egress::EgressUrl::parse(&body.url)
@@ -600,4 +606,35 @@ pub async fn disable(
     tracing::info!(category = "config", action = "connection.disable", project_id = %caller.project_id,
         connection_id = %id, actor_key_id = %caller.key_id, "tool connection disabled");
     Ok(Json(view(&state, record).await?))
+}
+
+/// What a `wasm` connection may not have: arguments (a component gets none), credentials other
+/// than its environment, read-only paths that are not directories.
+fn check_wasm_command(
+    command: &wor_store::StdioSpec,
+    body: &CreateToolConnection,
+) -> Result<(), ApiError> {
+    if !command.args.is_empty() {
+        return Err(ApiError::bad_request(
+            "invalid_command",
+            "a `wasm` connection takes no `args`",
+        ));
+    }
+    if body.bearer_token.is_some() || !body.headers.is_empty() {
+        return Err(ApiError::bad_request(
+            "invalid_credentials",
+            "a `wasm` connection has no headers; give it secrets through `env`",
+        ));
+    }
+    for path in &command.read_only_paths {
+        if !std::path::Path::new(path).is_dir() {
+            return Err(ApiError::bad_request(
+                "invalid_command",
+                format!(
+                    "command: the read-only path `{path}` of a `wasm` connection must be a directory"
+                ),
+            ));
+        }
+    }
+    Ok(())
 }

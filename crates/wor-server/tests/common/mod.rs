@@ -52,6 +52,11 @@ pub fn loopback_egress() -> EgressClient {
 
 impl Harness {
     pub async fn new() -> Self {
+        Self::with_config(wor_engine::EngineConfig::default()).await
+    }
+
+    /// A harness whose engine runs with `config`.
+    pub async fn with_config(config: wor_engine::EngineConfig) -> Self {
         // A database of its own: the worker claims any queued run, so a shared PostgreSQL
         // database would let it drive (or be beaten to) other tests' runs.
         let db = TestDatabase::isolated().await.unwrap();
@@ -64,7 +69,7 @@ impl Harness {
             vault,
             loopback_egress(),
             audit.clone(),
-            wor_engine::EngineConfig::default(),
+            config,
         );
         let state = AppState::new(engine);
         let engine = state.engine.clone();

@@ -1,0 +1,209 @@
+//! Wasm tool connections: a component file run by `wor-wasm`, its tools pinned like any other.
+//!
+//! The component's SHA-256 is part of every tool definition it lists (as the annotation
+//! `component_sha256`), so replacing the file changes every pin and quarantines the connection
+//! at the next run start, exactly as a changed MCP tool does. Compiled components are kept by
+//! digest: a run start compiles only a file it has not seen.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use serde_json::{Map, Value, json};
+use wor_store::{ToolConnectionRecord, env_field};
+use wor_tools::{ToolCallResult, ToolContent, ToolDefinition};
+use wor_wasm::{WasmComponent, WasmGrants, WasmLimits, WasmRuntime, WasmTool};
+
+use crate::Engine;
+use crate::tool_connections::{ToolSession, check_stdio_spec, credential_slot};
+
+/// The largest component file accepted.
+const MAX_COMPONENT_BYTES: u64 = 64 << 20;
+
+/// The process's Wasm runtime, made at first use, and the components compiled on it by digest.
+#[derive(Clone, Default)]
+pub(crate) struct WasmHost {
+    state: Arc<Mutex<WasmHostState>>,
+}
+
+#[derive(Default)]
+struct WasmHostState {
+    runtime: Option<WasmRuntime>,
+    components: HashMap<String, WasmComponent>,
+}
+
+impl std::fmt::Debug for WasmHost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WasmHost").finish_non_exhaustive()
+    }
+}
+
+impl WasmHost {
+    /// The compiled component for `bytes` (whose SHA-256 is `digest`), compiling it off the
+    /// async threads when it is new.
+    async fn component(&self, digest: &str, bytes: Vec<u8>) -> Result<WasmComponent, String> {
+        let runtime = {
+            let mut state = self
+                .state
+                .lock()
+                .map_err(|_| "the Wasm runtime is unusable".to_owned())?;
+            if let Some(component) = state.components.get(digest) {
+                return Ok(component.clone());
+            }
+            match &state.runtime {
+                Some(runtime) => runtime.clone(),
+                None => {
+                    let runtime = WasmRuntime::new().map_err(|e| e.to_string())?;
+                    state.runtime = Some(runtime.clone());
+                    runtime
+                }
+            }
+        };
+        let component = tokio::task::spawn_blocking(move || runtime.load(&bytes))
+            .await
+            .map_err(|e| format!("compiling the component failed: {e}"))?
+            .map_err(|e| e.to_string())?;
+        if let Ok(mut state) = self.state.lock() {
+            state
+                .components
+                .insert(digest.to_owned(), component.clone());
+        }
+        Ok(component)
+    }
+}
+
+impl Engine {
+    /// Loads a `wasm` connection's component (its path checked against the operator's allowed
+    /// roots like a stdio program), with its declared environment (values opened from the vault
+    /// now), read-only directories, and HTTP only to its allowlist through the egress guard.
+    pub(crate) async fn open_wasm_session(
+        &self,
+        record: &ToolConnectionRecord,
+    ) -> Result<ToolSession, String> {
+        let name = &record.name;
+        let spec = record
+            .command
+            .as_ref()
+            .ok_or_else(|| format!("tool connection `{name}` has no command"))?;
+        check_stdio_spec(
+            spec,
+            &self.config.stdio_allowed_roots,
+            &self.config.protected_paths,
+        )
+        .map_err(|e| format!("tool connection `{name}`: {e}"))?;
+        let size = tokio::fs::metadata(&spec.program)
+            .await
+            .map_err(|e| format!("tool connection `{name}`: its component cannot be read: {e}"))?
+            .len();
+        if size > MAX_COMPONENT_BYTES {
+            return Err(format!(
+                "tool connection `{name}`: its component is larger than {MAX_COMPONENT_BYTES} bytes"
+            ));
+        }
+        let bytes = tokio::fs::read(&spec.program)
+            .await
+            .map_err(|e| format!("tool connection `{name}`: its component cannot be read: {e}"))?;
+        let digest = wor_core::canonical::sha256_hex(&bytes);
+        let component = self
+            .wasm
+            .component(&digest, bytes)
+            .await
+            .map_err(|e| format!("tool connection `{name}`: {e}"))?;
+        let mut env = Vec::with_capacity(spec.env_names.len());
+        for variable in &spec.env_names {
+            let slot = credential_slot(record, env_field(variable));
+            let value = self.vault.open(&slot).await.map_err(|e| {
+                format!("a credential of tool connection `{name}` cannot be opened: {e}")
+            })?;
+            env.push((
+                variable.clone(),
+                secrecy::ExposeSecret::expose_secret(&value).to_owned(),
+            ));
+        }
+        let allowlist = if record.allowlist.is_empty() {
+            None
+        } else {
+            Some(
+                wor_egress::HostAllowlist::parse(&record.allowlist).map_err(|e| {
+                    format!("the allowlist of tool connection `{name}` is invalid: {e}")
+                })?,
+            )
+        };
+        let grants = WasmGrants {
+            env,
+            read_only_dirs: spec
+                .read_only_paths
+                .iter()
+                .map(|path| (PathBuf::from(path), path.clone()))
+                .collect(),
+            allowlist,
+        };
+        let tool = WasmTool::new(
+            component,
+            grants,
+            WasmLimits::default(),
+            self.egress.clone(),
+        )
+        .map_err(|e| format!("tool connection `{name}`: {e}"))?;
+        Ok(ToolSession::Wasm {
+            tool: Box::new(tool),
+            digest,
+        })
+    }
+}
+
+/// The tools a component lists, as definitions carrying the component's digest.
+pub(crate) async fn list_wasm_tools(
+    tool: &WasmTool,
+    digest: &str,
+) -> Result<Vec<ToolDefinition>, String> {
+    let listed = tool.list_tools().await.map_err(|e| e.to_string())?;
+    listed
+        .into_iter()
+        .map(|entry| {
+            let name = entry
+                .get("name")
+                .and_then(Value::as_str)
+                .filter(|n| !n.is_empty())
+                .ok_or("a listed tool has no name")?
+                .to_owned();
+            let input_schema = match entry.get("input_schema") {
+                None => Map::from_iter([("type".to_owned(), json!("object"))]),
+                Some(Value::Object(schema)) => schema.clone(),
+                Some(_) => {
+                    return Err(format!(
+                        "the input schema of tool `{name}` is not an object"
+                    ));
+                }
+            };
+            Ok(ToolDefinition {
+                name,
+                description: entry
+                    .get("description")
+                    .and_then(Value::as_str)
+                    .map(str::to_owned),
+                input_schema,
+                annotations: Some(json!({ "component_sha256": digest })),
+            })
+        })
+        .collect()
+}
+
+/// Calls one tool of a component: its own error is a result with `is_error`.
+pub(crate) async fn call_wasm_tool(
+    tool: &WasmTool,
+    name: &str,
+    arguments: Map<String, Value>,
+) -> Result<ToolCallResult, String> {
+    match tool.call_tool(name, &Value::Object(arguments)).await {
+        Ok(Ok(text)) => Ok(ToolCallResult {
+            content: vec![ToolContent::Text(text)],
+            is_error: false,
+        }),
+        Ok(Err(text)) => Ok(ToolCallResult {
+            content: vec![ToolContent::Text(text)],
+            is_error: true,
+        }),
+        Err(error) => Err(error.to_string()),
+    }
+}

@@ -1,0 +1,399 @@
+//! Wasm tools: WebAssembly components (WASI preview 2) implementing the `wor:tool` world
+//! (`wit/tool.wit`), run under hard limits.
+//!
+//! - Every call gets a fresh instance from a pre-instantiated component on a pooling allocator,
+//!   so nothing carries over between calls and starting one costs little.
+//! - Fuel bounds the instructions a call may execute, an epoch deadline its wall time (also
+//!   while the host awaits on its behalf), and a resource limiter its linear memory.
+//! - The guest sees no host directory unless one is declared (read-only), no environment
+//!   variable but those declared, and no sockets at all.
+//! - Outgoing HTTP (wasi-http) is the only network, and every request goes through the egress
+//!   guard with the tool's host allowlist; without an allowlist every request is refused.
+//!
+//! INVARIANT: nothing a component does reaches the network except through [`EgressClient`].
+
+mod http;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::Value;
+use wasmtime::component::{Component, Linker, ResourceTable};
+use wasmtime::{
+    Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, ResourceLimiter, Store,
+    Trap,
+};
+use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
+use wasmtime_wasi_http::{WasiHttpCtx, WasiHttpView};
+use wor_egress::{EgressClient, HostAllowlist};
+
+mod bindings {
+    wasmtime::component::bindgen!({
+        path: "wit/tool.wit",
+        world: "tool",
+        exports: { default: async },
+    });
+}
+
+use bindings::ToolPre;
+
+/// How often the epoch advances: the resolution of the wall-time deadline.
+const EPOCH_TICK: Duration = Duration::from_millis(10);
+/// Fuel a call may use before it yields to the async runtime (so a busy guest does not hold a
+/// thread, and a cancel or timeout gets through).
+const FUEL_YIELD_INTERVAL: u64 = 10_000_000;
+/// The most linear memory any instance can have; a tool's own limit is at most this.
+pub const MAX_MEMORY_BYTES: usize = 256 << 20;
+/// The most instances alive at once across all Wasm tools of the process.
+const POOL_INSTANCES: u32 = 64;
+
+/// What one call may use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WasmLimits {
+    /// Fuel: roughly, the instructions the call may execute.
+    pub fuel: u64,
+    /// Bytes of linear memory (at most [`MAX_MEMORY_BYTES`]).
+    pub memory_bytes: usize,
+    /// Wall time of the call, including HTTP requests made on its behalf.
+    pub timeout: Duration,
+}
+
+impl Default for WasmLimits {
+    fn default() -> Self {
+        Self {
+            fuel: 1_000_000_000,
+            memory_bytes: 64 << 20,
+            timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// What a component may see: declared environment variables, declared read-only directories,
+/// and the hosts its HTTP requests may reach.
+#[derive(Debug, Clone, Default)]
+pub struct WasmGrants {
+    /// Environment variables (name, value), and no others.
+    pub env: Vec<(String, String)>,
+    /// Host directories, each visible read-only at its guest path.
+    pub read_only_dirs: Vec<(PathBuf, String)>,
+    /// Hosts outgoing HTTP may reach, through the egress guard; `None`: no network at all.
+    pub allowlist: Option<HostAllowlist>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum WasmError {
+    #[error("the Wasm runtime cannot be set up: {0}")]
+    Setup(String),
+    #[error("not a usable Wasm tool component: {0}")]
+    Component(String),
+    #[error("the Wasm tool cannot start: {0}")]
+    Instantiate(String),
+    #[error("the Wasm tool ran out of fuel (more than {0} units of work)")]
+    OutOfFuel(u64),
+    #[error("the Wasm tool passed its deadline of {0:?}")]
+    Deadline(Duration),
+    #[error("the Wasm tool reached its memory limit of {0} bytes")]
+    MemoryLimit(usize),
+    #[error("the Wasm tool trapped: {0}")]
+    Trap(String),
+    #[error("the Wasm tool's tool list is not valid: {0}")]
+    ToolList(String),
+    #[error("cannot read the component at {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// The engine every Wasm tool of the process runs on: one pooling allocator, one epoch
+/// ticker. Cheap to clone.
+#[derive(Clone)]
+pub struct WasmRuntime {
+    engine: Engine,
+    linker: Arc<Linker<Host>>,
+}
+
+impl std::fmt::Debug for WasmRuntime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WasmRuntime").finish_non_exhaustive()
+    }
+}
+
+impl WasmRuntime {
+    pub fn new() -> Result<Self, WasmError> {
+        let mut pool = PoolingAllocationConfig::new();
+        pool.total_component_instances(POOL_INSTANCES)
+            .total_core_instances(POOL_INSTANCES * 8)
+            .total_memories(POOL_INSTANCES * 2)
+            .total_tables(POOL_INSTANCES * 8)
+            .total_stacks(POOL_INSTANCES)
+            .max_memory_size(MAX_MEMORY_BYTES)
+            .max_memories_per_component(4)
+            .max_tables_per_component(16);
+        let mut config = Config::new();
+        config
+            .consume_fuel(true)
+            .epoch_interruption(true)
+            .memory_reservation(u64::try_from(MAX_MEMORY_BYTES).unwrap_or(u64::MAX))
+            .allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
+        let engine = Engine::new(&config).map_err(|e| WasmError::Setup(e.to_string()))?;
+        let mut linker = Linker::new(&engine);
+        wasmtime_wasi::p2::add_to_linker_async(&mut linker)
+            .map_err(|e| WasmError::Setup(e.to_string()))?;
+        wasmtime_wasi_http::p2::add_only_http_to_linker_async(&mut linker)
+            .map_err(|e| WasmError::Setup(e.to_string()))?;
+        start_epoch_ticker(&engine);
+        Ok(Self {
+            engine,
+            linker: Arc::new(linker),
+        })
+    }
+
+    /// Compiles a component and resolves its imports once, so each call only instantiates.
+    /// A component importing anything the host does not provide is refused here.
+    pub fn load(&self, bytes: &[u8]) -> Result<WasmComponent, WasmError> {
+        let component = Component::new(&self.engine, bytes)
+            .map_err(|e| WasmError::Component(format!("{e:#}")))?;
+        let pre = self
+            .linker
+            .instantiate_pre(&component)
+            .map_err(|e| WasmError::Component(format!("{e:#}")))?;
+        let pre = ToolPre::new(pre).map_err(|e| WasmError::Component(format!("{e:#}")))?;
+        Ok(WasmComponent { pre })
+    }
+
+    /// [`WasmRuntime::load`] of a file.
+    pub fn load_file(&self, path: &Path) -> Result<WasmComponent, WasmError> {
+        let bytes = std::fs::read(path).map_err(|source| WasmError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        self.load(&bytes)
+    }
+}
+
+/// Advances the engine's epoch every [`EPOCH_TICK`] for as long as the engine lives.
+fn start_epoch_ticker(engine: &Engine) {
+    let weak = engine.weak();
+    std::thread::Builder::new()
+        .name("wor-wasm-epoch".to_owned())
+        .spawn(move || {
+            while let Some(engine) = weak.upgrade() {
+                engine.increment_epoch();
+                drop(engine);
+                std::thread::sleep(EPOCH_TICK);
+            }
+        })
+        .map(drop)
+        .unwrap_or_else(|e| tracing::error!(category = "wasm", error = %e, "no epoch ticker"));
+}
+
+/// A compiled, pre-instantiated component.
+#[derive(Clone)]
+pub struct WasmComponent {
+    pre: ToolPre<Host>,
+}
+
+impl std::fmt::Debug for WasmComponent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WasmComponent").finish_non_exhaustive()
+    }
+}
+
+/// A component with what it may see and use: what a Wasm tool connection runs.
+#[derive(Debug, Clone)]
+pub struct WasmTool {
+    component: WasmComponent,
+    grants: Arc<WasmGrants>,
+    limits: WasmLimits,
+    egress: EgressClient,
+}
+
+impl WasmTool {
+    pub fn new(
+        component: WasmComponent,
+        grants: WasmGrants,
+        limits: WasmLimits,
+        egress: EgressClient,
+    ) -> Result<Self, WasmError> {
+        if limits.memory_bytes > MAX_MEMORY_BYTES {
+            return Err(WasmError::Setup(format!(
+                "a memory limit of {} bytes is more than the runtime's {MAX_MEMORY_BYTES}",
+                limits.memory_bytes
+            )));
+        }
+        for (host, _) in &grants.read_only_dirs {
+            if !host.is_dir() {
+                return Err(WasmError::Setup(format!(
+                    "declared directory {} does not exist",
+                    host.display()
+                )));
+            }
+        }
+        Ok(Self {
+            component,
+            grants: Arc::new(grants),
+            limits,
+            egress,
+        })
+    }
+
+    /// The component's tools: a JSON array of `{name, description, input_schema}`.
+    pub async fn list_tools(&self) -> Result<Vec<Value>, WasmError> {
+        let text = self
+            .invoke(|tool, store| Box::pin(tool.call_list_tools(store)))
+            .await?;
+        let list: Value =
+            serde_json::from_str(&text).map_err(|e| WasmError::ToolList(e.to_string()))?;
+        match list {
+            Value::Array(tools) => Ok(tools),
+            _ => Err(WasmError::ToolList("not a JSON array".to_owned())),
+        }
+    }
+
+    /// Calls tool `name` with `arguments`: `Ok(Err(text))` is the tool's own error.
+    pub async fn call_tool(
+        &self,
+        name: &str,
+        arguments: &Value,
+    ) -> Result<Result<String, String>, WasmError> {
+        let name = name.to_owned();
+        let arguments = arguments.to_string();
+        self.invoke(move |tool, store| {
+            Box::pin(async move { tool.call_call_tool(store, &name, &arguments).await })
+        })
+        .await
+    }
+
+    /// One call on a fresh instance under the limits.
+    async fn invoke<R>(
+        &self,
+        call: impl for<'a> FnOnce(
+            &'a bindings::Tool,
+            &'a mut Store<Host>,
+        ) -> std::pin::Pin<
+            Box<dyn std::future::Future<Output = wasmtime::Result<R>> + Send + 'a>,
+        >,
+    ) -> Result<R, WasmError> {
+        let mut store = self.store()?;
+        let limits = self.limits;
+        let run = async {
+            let tool = self.component.pre.instantiate_async(&mut store).await?;
+            call(&tool, &mut store).await
+        };
+        match tokio::time::timeout(limits.timeout, run).await {
+            Err(_) => Err(WasmError::Deadline(limits.timeout)),
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(error)) => Err(classify(&error, &store, limits)),
+        }
+    }
+
+    fn store(&self) -> Result<Store<Host>, WasmError> {
+        let mut wasi = WasiCtxBuilder::new();
+        for (name, value) in &self.grants.env {
+            wasi.env(name, value);
+        }
+        for (host, guest) in &self.grants.read_only_dirs {
+            wasi.preopened_dir(host, guest, wasmtime_wasi::FsPerms::ReadOnly)
+                .map_err(|e| WasmError::Setup(format!("{}: {e}", host.display())))?;
+        }
+        wasi.allow_tcp(false)
+            .allow_udp(false)
+            .allow_ip_name_lookup(false);
+        let host = Host {
+            wasi: wasi.build(),
+            http: WasiHttpCtx::new(),
+            hooks: http::EgressHooks::new(self.egress.clone(), self.grants.clone()),
+            table: ResourceTable::new(),
+            limiter: MemoryLimiter {
+                max_bytes: self.limits.memory_bytes,
+                refused: false,
+            },
+        };
+        let mut store = Store::new(self.component.pre.engine(), host);
+        store.limiter(|host| &mut host.limiter);
+        store
+            .set_fuel(self.limits.fuel)
+            .map_err(|e| WasmError::Setup(e.to_string()))?;
+        store
+            .fuel_async_yield_interval(Some(FUEL_YIELD_INTERVAL))
+            .map_err(|e| WasmError::Setup(e.to_string()))?;
+        let ticks = self.limits.timeout.as_millis() / EPOCH_TICK.as_millis().max(1);
+        store.set_epoch_deadline(u64::try_from(ticks).unwrap_or(u64::MAX).max(1));
+        store.epoch_deadline_trap();
+        Ok(store)
+    }
+}
+
+/// What a failed call came to, most specific first.
+fn classify(error: &wasmtime::Error, store: &Store<Host>, limits: WasmLimits) -> WasmError {
+    if store.data().limiter.refused {
+        return WasmError::MemoryLimit(limits.memory_bytes);
+    }
+    match error.downcast_ref::<Trap>() {
+        Some(Trap::OutOfFuel) => WasmError::OutOfFuel(limits.fuel),
+        Some(Trap::Interrupt) => WasmError::Deadline(limits.timeout),
+        Some(trap) => WasmError::Trap(trap.to_string()),
+        None => WasmError::Instantiate(format!("{error:#}")),
+    }
+}
+
+/// Refuses linear memory beyond the tool's limit, and remembers that it did.
+struct MemoryLimiter {
+    max_bytes: usize,
+    refused: bool,
+}
+
+impl ResourceLimiter for MemoryLimiter {
+    fn memory_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        if desired > self.max_bytes {
+            self.refused = true;
+            return Ok(false);
+        }
+        Ok(true)
+    }
+
+    fn table_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        Ok(desired <= 100_000)
+    }
+}
+
+/// What a store holds for one call.
+struct Host {
+    wasi: WasiCtx,
+    http: WasiHttpCtx,
+    hooks: http::EgressHooks,
+    table: ResourceTable,
+    limiter: MemoryLimiter,
+}
+
+impl WasiView for Host {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView {
+            ctx: &mut self.wasi,
+            table: &mut self.table,
+        }
+    }
+}
+
+impl WasiHttpView for Host {
+    fn http(&mut self) -> wasmtime_wasi_http::WasiHttpCtxView<'_> {
+        wasmtime_wasi_http::WasiHttpCtxView {
+            ctx: &mut self.http,
+            table: &mut self.table,
+            hooks: &mut self.hooks,
+        }
+    }
+}

@@ -1,0 +1,306 @@
+//! Wasm tools against the probe component (`guest/`, built by `.ci/wasm-fixtures.sh`): each
+//! tool of the probe tries one thing, and each test checks the host's limit holds. Network
+//! tests use loopback listeners that count what reaches them.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic,
+    reason = "tests fail loudly"
+)]
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use wor_egress::{EgressClient, EgressLimits, EgressPolicy, HostAllowlist, StaticResolver};
+use wor_wasm::{WasmError, WasmGrants, WasmLimits, WasmRuntime, WasmTool};
+
+/// Where the probe component is: `WOR_WASM_PROBE`, or the release build under the target dir.
+fn probe_path() -> PathBuf {
+    let path = std::env::var_os("WOR_WASM_PROBE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let target = std::env::var_os("CARGO_TARGET_DIR")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target"));
+            target.join("wasm32-wasip2/release/wor_wasm_probe.wasm")
+        });
+    assert!(
+        path.is_file(),
+        "the probe component is not built at {}: run `bash .ci/wasm-fixtures.sh` (or set WOR_WASM_PROBE)",
+        path.display()
+    );
+    path
+}
+
+/// An egress client whose policy lets loopback through, the way an operator lists a CIDR.
+fn loopback_egress() -> EgressClient {
+    let policy = EgressPolicy::development()
+        .with_allowed_cidrs(["127.0.0.1/32".parse().unwrap()])
+        .unwrap();
+    EgressClient::with_resolver(
+        policy,
+        Arc::new(StaticResolver::new()),
+        EgressLimits::default(),
+    )
+    .unwrap()
+}
+
+fn probe(runtime: &WasmRuntime, grants: WasmGrants, limits: WasmLimits) -> WasmTool {
+    let component = runtime.load_file(&probe_path()).unwrap();
+    WasmTool::new(component, grants, limits, loopback_egress()).unwrap()
+}
+
+async fn call(tool: &WasmTool, name: &str, arguments: Value) -> Result<String, String> {
+    tool.call_tool(name, &arguments).await.unwrap()
+}
+
+/// A loopback HTTP server that counts requests and answers `hello`.
+async fn counting_server() -> (std::net::SocketAddr, Arc<AtomicUsize>) {
+    let hits = Arc::new(AtomicUsize::new(0));
+    let counter = hits.clone();
+    let app = axum::Router::new().fallback(move || {
+        let counter = counter.clone();
+        async move {
+            counter.fetch_add(1, Ordering::SeqCst);
+            "hello"
+        }
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (addr, hits)
+}
+
+#[tokio::test]
+async fn a_component_lists_its_tools_and_answers_calls_on_fresh_instances() {
+    let runtime = WasmRuntime::new().unwrap();
+    let tool = probe(&runtime, WasmGrants::default(), WasmLimits::default());
+    let tools = tool.list_tools().await.unwrap();
+    let names: Vec<&str> = tools.iter().map(|t| t["name"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        [
+            "echo",
+            "env",
+            "read_file",
+            "write_file",
+            "spin",
+            "hog",
+            "connect",
+            "fetch"
+        ]
+    );
+    assert_eq!(tools[0]["input_schema"]["type"], "object");
+    assert_eq!(
+        call(&tool, "echo", json!({"text": "hi"})).await,
+        Ok("hi".to_owned())
+    );
+    // The tool's own errors come back as errors, not failures of the host.
+    let unknown = call(&tool, "nope", json!({})).await.unwrap_err();
+    assert!(unknown.contains("no tool `nope`"), "{unknown}");
+}
+
+#[tokio::test]
+async fn fuel_and_the_deadline_stop_a_tool_that_never_ends() {
+    let runtime = WasmRuntime::new().unwrap();
+    let starved = probe(
+        &runtime,
+        WasmGrants::default(),
+        WasmLimits {
+            fuel: 50_000_000,
+            ..WasmLimits::default()
+        },
+    );
+    let error = starved.call_tool("spin", &json!({})).await.unwrap_err();
+    assert!(matches!(error, WasmError::OutOfFuel(50_000_000)), "{error}");
+    let hurried = probe(
+        &runtime,
+        WasmGrants::default(),
+        WasmLimits {
+            fuel: u64::MAX,
+            timeout: Duration::from_millis(300),
+            ..WasmLimits::default()
+        },
+    );
+    let started = std::time::Instant::now();
+    let error = hurried.call_tool("spin", &json!({})).await.unwrap_err();
+    assert!(matches!(error, WasmError::Deadline(_)), "{error}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+    // The runtime goes on serving calls.
+    assert_eq!(
+        call(&hurried, "echo", json!({"text": "after"})).await,
+        Ok("after".to_owned())
+    );
+}
+
+#[tokio::test]
+async fn memory_beyond_the_limit_is_refused() {
+    let runtime = WasmRuntime::new().unwrap();
+    let tool = probe(
+        &runtime,
+        WasmGrants::default(),
+        WasmLimits {
+            memory_bytes: 16 << 20,
+            ..WasmLimits::default()
+        },
+    );
+    assert_eq!(
+        call(&tool, "hog", json!({"mib": 2})).await,
+        Ok(format!("{} bytes", 2 << 20))
+    );
+    let error = tool
+        .call_tool("hog", &json!({"mib": 64}))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(error, WasmError::MemoryLimit(limit) if limit == 16 << 20),
+        "{error}"
+    );
+    let too_big = WasmTool::new(
+        runtime.load_file(&probe_path()).unwrap(),
+        WasmGrants::default(),
+        WasmLimits {
+            memory_bytes: wor_wasm::MAX_MEMORY_BYTES + 1,
+            ..WasmLimits::default()
+        },
+        loopback_egress(),
+    );
+    assert!(too_big.is_err());
+}
+
+#[tokio::test]
+async fn a_tool_sees_no_file_variable_or_socket_it_was_not_given() {
+    let runtime = WasmRuntime::new().unwrap();
+    let shared = tempfile::tempdir().unwrap();
+    std::fs::write(shared.path().join("note.txt"), "shared text").unwrap();
+    let tool = probe(
+        &runtime,
+        WasmGrants {
+            env: vec![("PROBE_GIVEN".to_owned(), "given".to_owned())],
+            read_only_dirs: vec![(shared.path().to_owned(), "/data".to_owned())],
+            allowlist: None,
+        },
+        WasmLimits::default(),
+    );
+    // Host files: none but the declared directory, and that one read-only.
+    for path in ["/etc/passwd", "/etc/shadow", "/proc/self/environ"] {
+        let read = call(&tool, "read_file", json!({"path": path})).await;
+        assert!(read.is_err(), "{path} was readable: {read:?}");
+    }
+    assert_eq!(
+        call(&tool, "read_file", json!({"path": "/data/note.txt"})).await,
+        Ok("shared text".to_owned())
+    );
+    for path in ["/data/new.txt", "/tmp/new.txt", "new.txt"] {
+        let write = call(&tool, "write_file", json!({"path": path})).await;
+        assert!(write.is_err(), "{path} was writable");
+    }
+    assert!(!shared.path().join("new.txt").exists());
+    // Environment: only what was declared.
+    std::env::var("HOME").expect("the test needs HOME set on the host");
+    assert!(call(&tool, "env", json!({"name": "HOME"})).await.is_err());
+    assert!(call(&tool, "env", json!({"name": "PATH"})).await.is_err());
+    assert_eq!(
+        call(&tool, "env", json!({"name": "PROBE_GIVEN"})).await,
+        Ok("given".to_owned())
+    );
+    // Sockets: none, not even to loopback.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let connect = call(&tool, "connect", json!({"addr": addr})).await;
+    assert!(connect.is_err(), "{connect:?}");
+    assert!(
+        listener.accept().is_err(),
+        "a connection reached the listener"
+    );
+}
+
+#[tokio::test]
+async fn outgoing_http_goes_only_through_the_egress_guard_and_the_allowlist() {
+    let runtime = WasmRuntime::new().unwrap();
+    let (addr, hits) = counting_server().await;
+    let url = format!("http://{addr}/page");
+    let grants = |entries: &[&str]| WasmGrants {
+        allowlist: Some(HostAllowlist::parse(entries).unwrap()),
+        ..WasmGrants::default()
+    };
+
+    // No allowlist: no network at all.
+    let offline = probe(&runtime, WasmGrants::default(), WasmLimits::default());
+    let refused = call(&offline, "fetch", json!({"url": url}))
+        .await
+        .unwrap_err();
+    assert!(refused.contains("HttpRequestDenied"), "{refused}");
+    // Another host on the allowlist: refused.
+    let elsewhere = probe(
+        &runtime,
+        grants(&["api.example.com"]),
+        WasmLimits::default(),
+    );
+    let refused = call(&elsewhere, "fetch", json!({"url": url}))
+        .await
+        .unwrap_err();
+    assert!(refused.contains("HttpRequestDenied"), "{refused}");
+    assert_eq!(hits.load(Ordering::SeqCst), 0, "a refused request arrived");
+
+    // The allowlisted host: through the guard.
+    let allowed = probe(
+        &runtime,
+        grants(&[&addr.to_string()]),
+        WasmLimits::default(),
+    );
+    assert_eq!(
+        call(&allowed, "fetch", json!({"url": url})).await,
+        Ok("200 hello".to_owned())
+    );
+    assert_eq!(hits.load(Ordering::SeqCst), 1);
+
+    // The guard's own rules hold whatever the allowlist says: a metadata address, and loopback
+    // under a policy that does not list it.
+    let metadata = probe(
+        &runtime,
+        grants(&["169.254.169.254"]),
+        WasmLimits::default(),
+    );
+    let refused = call(
+        &metadata,
+        "fetch",
+        json!({"url": "http://169.254.169.254/latest/meta-data/"}),
+    )
+    .await
+    .unwrap_err();
+    assert!(refused.contains("HttpRequestDenied"), "{refused}");
+    let strict = WasmTool::new(
+        runtime.load_file(&probe_path()).unwrap(),
+        grants(&[&addr.to_string()]),
+        WasmLimits::default(),
+        EgressClient::with_resolver(
+            EgressPolicy::development(),
+            Arc::new(StaticResolver::new()),
+            EgressLimits::default(),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let refused = call(&strict, "fetch", json!({"url": url}))
+        .await
+        .unwrap_err();
+    assert!(refused.contains("HttpRequestDenied"), "{refused}");
+    assert_eq!(hits.load(Ordering::SeqCst), 1, "a refused request arrived");
+}
+
+#[tokio::test]
+async fn what_is_not_a_tool_component_is_refused_when_loaded() {
+    let runtime = WasmRuntime::new().unwrap();
+    let error = runtime.load(b"not wasm at all").unwrap_err();
+    assert!(matches!(error, WasmError::Component(_)), "{error}");
+    let missing = runtime
+        .load_file(std::path::Path::new("/nonexistent/tool.wasm"))
+        .unwrap_err();
+    assert!(matches!(missing, WasmError::Read { .. }), "{missing}");
+}
