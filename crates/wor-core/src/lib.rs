@@ -14,6 +14,7 @@ pub mod model;
 pub mod role;
 pub mod routine;
 pub mod run;
+pub mod run_loop;
 pub mod schedule;
 
 pub use ids::{ApiKeyId, ApprovalId, ConnectionId, IdError, MemberId, ProjectId, RoutineId, RunId};

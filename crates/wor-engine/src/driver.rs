@@ -1,8 +1,10 @@
 //! Driving one run: the agent loop, from the run's stored steps to its end.
 //!
-//! Each pass checks cancellation and the budget, asks the model for a turn, records it, and
-//! answers each tool call the model proposed. Everything recorded is redacted first (the
-//! project's live secrets and common secret shapes).
+//! The loop's decisions — cancellation and every budget checked before each step, which call
+//! to answer next, when to ask the model, how the run ends — are the pure state machine
+//! `wor_core::run_loop`; this module does the I/O of each step it hands out (a model turn, one
+//! call through the pipeline) and persists it before asking for the next. Everything recorded
+//! is redacted first (the project's live secrets and common secret shapes).
 
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
@@ -16,6 +18,7 @@ use wor_core::model::{
 };
 use wor_core::routine::RoutineDefinition;
 use wor_core::run::{Provenance, RunStatus};
+use wor_core::run_loop::{AfterCall, CallOutcome, Ending, Next, RunLoop};
 use wor_models::{
     AnthropicProvider, DiscardStream, ModelProvider, OpenAiCompatibleProvider, ProviderEndpoint,
     ProviderOptions, ReplayProvider, ReplayScript,
@@ -34,25 +37,6 @@ use crate::{Engine, EngineError};
 const DEFAULT_MAX_OUTPUT_TOKENS: u32 = 1024;
 /// How often a waiting worker looks for a cancel request and renews its lease.
 pub(crate) const CANCEL_POLL: Duration = Duration::from_millis(250);
-
-/// How a run ended, with the reason recorded as its outcome.
-struct Ending {
-    status: RunStatus,
-    outcome: String,
-}
-
-impl Ending {
-    fn new(status: RunStatus, outcome: impl Into<String>) -> Self {
-        Ending {
-            status,
-            outcome: outcome.into(),
-        }
-    }
-
-    fn budget(exceeded: BudgetExceeded) -> Self {
-        Ending::new(RunStatus::BudgetExceeded, exceeded.to_string())
-    }
-}
 
 /// Where driving a run stopped.
 enum Flow {
@@ -255,13 +239,15 @@ impl Engine {
             .map_err(|e| format!("the run's policies do not validate: {e}")))
     }
 
+    /// Drives the run's loop (`wor_core::run_loop`): does each step it hands out — a model
+    /// turn, or one call through the pipeline — and persists it before asking for the next.
     async fn turns(
         &self,
         context: &RunContext<'_>,
         mut messages: Vec<ChatMessage>,
-        mut pending: Vec<PendingCall>,
-        mut untrusted: BTreeSet<String>,
-        mut call_ids: BTreeSet<String>,
+        pending: Vec<PendingCall>,
+        untrusted: BTreeSet<String>,
+        call_ids: BTreeSet<String>,
     ) -> Result<Flow, EngineError> {
         let RunContext {
             run,
@@ -293,163 +279,185 @@ impl Engine {
                 Duration::from_secs(limits.wall_seconds.saturating_sub(spent_before)),
             )
             .await?;
-        let mut usage = run.usage;
         let price = self
             .config
             .prices
             .get(&definition.model.model)
             .copied()
             .unwrap_or_default();
+        let mut machine = RunLoop::resume(limits, run.usage, pending, call_ids, untrusted);
         loop {
-            if self.store.is_cancel_requested(run.id).await? {
-                return Ok(Flow::End(Ending::new(
-                    RunStatus::Cancelled,
-                    "cancelled on request",
-                )));
-            }
-            if let Err(exceeded) = usage.check(&limits, elapsed()) {
-                return Ok(Flow::End(Ending::budget(exceeded)));
-            }
-            if pending.is_empty() {
-                usage = match usage.reserve_turn(&limits) {
-                    Ok(next) => next,
-                    Err(exceeded) => return Ok(Flow::End(Ending::budget(exceeded))),
-                };
-                let request = ModelRequest {
-                    model: definition.model.model.clone(),
-                    messages: messages.clone(),
-                    tools: tools.specs(),
-                    max_output_tokens: definition
-                        .model
-                        .max_output_tokens
-                        .unwrap_or(DEFAULT_MAX_OUTPUT_TOKENS),
-                    temperature: None,
-                };
-                let remaining = Duration::from_secs(limits.wall_seconds.saturating_sub(elapsed()));
-                let mut response = match self
-                    .call_model(run, provider, &request, remaining, &limits)
-                    .await?
-                {
-                    TurnOutcome::Response(response) => response,
-                    TurnOutcome::End(ending) => {
-                        self.store
-                            .save_usage(run.id, &self.config.worker_id, &usage)
-                            .await?;
+            let cancel_requested = self.store.is_cancel_requested(run.id).await?;
+            match machine.next(cancel_requested, elapsed()) {
+                Next::End(ending) => {
+                    self.store
+                        .save_usage(run.id, &self.config.worker_id, &machine.usage())
+                        .await?;
+                    return Ok(Flow::End(ending));
+                }
+                Next::CallModel => {
+                    let request = ModelRequest {
+                        model: definition.model.model.clone(),
+                        messages: messages.clone(),
+                        tools: tools.specs(),
+                        max_output_tokens: definition
+                            .model
+                            .max_output_tokens
+                            .unwrap_or(DEFAULT_MAX_OUTPUT_TOKENS),
+                        temperature: None,
+                    };
+                    let remaining =
+                        Duration::from_secs(limits.wall_seconds.saturating_sub(elapsed()));
+                    let mut response = match self
+                        .call_model(run, provider, &request, remaining, &limits)
+                        .await?
+                    {
+                        TurnOutcome::Response(response) => response,
+                        TurnOutcome::End(ending) => {
+                            self.store
+                                .save_usage(run.id, &self.config.worker_id, &machine.usage())
+                                .await?;
+                            return Ok(Flow::End(ending));
+                        }
+                    };
+                    // Call ids key steps and approvals: the loop makes each unique in the run,
+                    // whatever the model sent.
+                    machine.model_answered(
+                        response.usage.input_tokens,
+                        response.usage.output_tokens,
+                        &price,
+                        &mut response.message.tool_calls,
+                    );
+                    let message = self
+                        .record_model_turn(run, definition, &response, redactor)
+                        .await?;
+                    self.store
+                        .save_usage(run.id, &self.config.worker_id, &machine.usage())
+                        .await?;
+                    // The recorded (redacted) calls are answered, as they will be after a
+                    // resume.
+                    let calls = message
+                        .tool_calls
+                        .iter()
+                        .cloned()
+                        .map(PendingCall::fresh)
+                        .collect();
+                    messages.push(ChatMessage::Assistant(message));
+                    if let Some(ending) = machine.turn_recorded(calls, elapsed(), || {
+                        redactor.redact(&response.message.text).into_owned()
+                    }) {
                         return Ok(Flow::End(ending));
                     }
-                };
-                usage = usage.add_model_usage(
-                    response.usage.input_tokens,
-                    response.usage.output_tokens,
-                    &price,
-                );
-                // Call ids key steps and approvals: each must be unique in the run, whatever
-                // the model sent (some servers reuse `call_0` every turn).
-                unique_call_ids(&mut response.message.tool_calls, &mut call_ids);
-                let message = self
-                    .record_model_turn(run, definition, &response, redactor)
-                    .await?;
-                self.store
-                    .save_usage(run.id, &self.config.worker_id, &usage)
-                    .await?;
-                let calls = message.tool_calls.clone();
-                messages.push(ChatMessage::Assistant(message));
-                if let Err(exceeded) = usage.check(&limits, elapsed()) {
-                    return Ok(Flow::End(Ending::budget(exceeded)));
                 }
-                if calls.is_empty() {
-                    return Ok(Flow::End(Ending::new(
-                        RunStatus::Succeeded,
-                        redactor.redact(&response.message.text),
-                    )));
-                }
-                // The recorded (redacted) calls are answered, as they will be after a resume.
-                pending = calls.into_iter().map(PendingCall::fresh).collect();
-            }
-            for call in std::mem::take(&mut pending) {
-                let scope = CallScope {
-                    run,
-                    definition,
-                    tools,
-                    redactor,
-                    policy,
-                    untrusted: &untrusted,
-                    limits,
-                    wall_spent: elapsed(),
-                    authority: &authority,
-                };
-                let (result, provenance) = match self.answer_call(&scope, &call, usage).await? {
-                    Answer::Result {
-                        result,
-                        usage: next_usage,
-                        provenance,
-                    } => {
-                        usage = next_usage;
-                        (result, provenance)
+                Next::Answer(call) => {
+                    let scope = CallScope {
+                        run,
+                        definition,
+                        tools,
+                        redactor,
+                        policy,
+                        untrusted: machine.untrusted(),
+                        limits,
+                        wall_spent: elapsed(),
+                        authority: &authority,
+                    };
+                    let answer = self.answer_call(&scope, &call, machine.usage()).await?;
+                    let (outcome, answered) = match answer {
+                        Answer::Result {
+                            result,
+                            usage,
+                            provenance,
+                        } => {
+                            let tool = call
+                                .recorded
+                                .as_ref()
+                                .and_then(|r| r.get("tool").cloned())
+                                .or_else(|| {
+                                    tools
+                                        .find(&call.call.name)
+                                        .map(|t| Value::from(t.roster_name.clone()))
+                                })
+                                .unwrap_or_else(|| Value::from(call.call.name.clone()));
+                            let source = (provenance == Provenance::Untrusted)
+                                .then(|| format!("tool:{}", tool.as_str().unwrap_or_default()));
+                            (
+                                CallOutcome::Answered {
+                                    usage,
+                                    untrusted_source: source,
+                                },
+                                Some((result, provenance, tool)),
+                            )
+                        }
+                        Answer::Budget(exceeded) => (CallOutcome::Budget(exceeded), None),
+                        Answer::Parked => (CallOutcome::Parked, None),
+                        Answer::Fail(reason) => (CallOutcome::Fail(reason), None),
+                    };
+                    match machine.call_answered(outcome) {
+                        AfterCall::Continue => {}
+                        AfterCall::Park => return Ok(Flow::Parked),
+                        AfterCall::End(ending) => {
+                            self.store
+                                .save_usage(run.id, &self.config.worker_id, &machine.usage())
+                                .await?;
+                            return Ok(Flow::End(ending));
+                        }
                     }
-                    Answer::Budget(exceeded) => {
-                        self.store
-                            .save_usage(run.id, &self.config.worker_id, &usage)
+                    if let Some((result, provenance, tool)) = answered {
+                        let message = self
+                            .record_tool_result(run, &call, result, provenance, tool, redactor)
                             .await?;
-                        return Ok(Flow::End(Ending::budget(exceeded)));
+                        messages.push(ChatMessage::Tool(message));
                     }
-                    Answer::Parked => return Ok(Flow::Parked),
-                    Answer::Fail(reason) => {
-                        return Ok(Flow::End(Ending::new(RunStatus::Failed, reason)));
+                    self.store
+                        .save_usage(run.id, &self.config.worker_id, &machine.usage())
+                        .await?;
+                    if !self
+                        .store
+                        .renew_lease(run.id, &self.config.worker_id, lease_ms(&self.config))
+                        .await?
+                    {
+                        return Err(EngineError::Refused(
+                            "the run's lease was lost to another worker".to_owned(),
+                        ));
                     }
-                };
-                let tool = call
-                    .recorded
-                    .as_ref()
-                    .and_then(|r| r.get("tool").cloned())
-                    .or_else(|| {
-                        tools
-                            .find(&call.call.name)
-                            .map(|t| Value::from(t.roster_name.clone()))
-                    })
-                    .unwrap_or_else(|| Value::from(call.call.name.clone()));
-                if provenance == Provenance::Untrusted {
-                    untrusted.insert(format!("tool:{}", tool.as_str().unwrap_or_default()));
                 }
-                let mut recorded = json!({ "tool": tool, "result": result });
-                redactor.redact_json(&mut recorded);
-                // The model gets exactly what was recorded, as it will after a resume.
-                let result: ToolResult = recorded
-                    .get("result")
-                    .cloned()
-                    .and_then(|r| serde_json::from_value(r).ok())
-                    .ok_or_else(|| {
-                        EngineError::Refused("a tool result does not serialise".to_owned())
-                    })?;
-                self.store
-                    .append_run_step(run.project_id, run.id, "tool_result", provenance, &recorded)
-                    .await?;
-                self.audit_tool_call(
-                    run,
-                    json!({
-                        "transition": "answered",
-                        "tool": tool,
-                        "call_id": call.call.id,
-                        "provenance": provenance.as_str(),
-                        "is_error": result.is_error,
-                    }),
-                )
-                .await?;
-                messages.push(ChatMessage::Tool(result));
-            }
-            self.store
-                .save_usage(run.id, &self.config.worker_id, &usage)
-                .await?;
-            if !self
-                .store
-                .renew_lease(run.id, &self.config.worker_id, lease_ms(&self.config))
-                .await?
-            {
-                return Err(EngineError::Refused(
-                    "the run's lease was lost to another worker".to_owned(),
-                ));
             }
         }
+    }
+
+    /// Records a call's result (redacted) as a `tool_result` step and its audit entry; returns
+    /// the result as recorded, which is what the model gets, as it will after a resume.
+    async fn record_tool_result(
+        &self,
+        run: &RunRecord,
+        call: &PendingCall,
+        result: ToolResult,
+        provenance: Provenance,
+        tool: Value,
+        redactor: &Redactor,
+    ) -> Result<ToolResult, EngineError> {
+        let mut recorded = json!({ "tool": tool, "result": result });
+        redactor.redact_json(&mut recorded);
+        let result: ToolResult = recorded
+            .get("result")
+            .cloned()
+            .and_then(|r| serde_json::from_value(r).ok())
+            .ok_or_else(|| EngineError::Refused("a tool result does not serialise".to_owned()))?;
+        self.store
+            .append_run_step(run.project_id, run.id, "tool_result", provenance, &recorded)
+            .await?;
+        self.audit_tool_call(
+            run,
+            json!({
+                "transition": "answered",
+                "tool": tool,
+                "call_id": call.call.id,
+                "provenance": provenance.as_str(),
+                "is_error": result.is_error,
+            }),
+        )
+        .await?;
+        Ok(result)
     }
 
     /// Records a model turn (redacted) and its audit entry; returns the turn as recorded, which
@@ -754,47 +762,4 @@ fn recorded_call_ids(steps: &[RunStep]) -> BTreeSet<String> {
         .flatten()
         .filter_map(|c| c.get("id").and_then(Value::as_str).map(str::to_owned))
         .collect()
-}
-
-/// Renames empty or already used call ids so every call of the run has its own.
-fn unique_call_ids(calls: &mut [wor_core::model::ToolCallRequest], used: &mut BTreeSet<String>) {
-    for call in calls {
-        if call.id.is_empty() || used.contains(&call.id) {
-            let base = if call.id.is_empty() {
-                "call"
-            } else {
-                call.id.as_str()
-            };
-            let mut n = used.len();
-            let mut candidate = format!("{base}~{n}");
-            while used.contains(&candidate) {
-                n += 1;
-                candidate = format!("{base}~{n}");
-            }
-            call.id = candidate;
-        }
-        used.insert(call.id.clone());
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn reused_call_ids_are_made_unique() {
-        let call = |id: &str| wor_core::model::ToolCallRequest {
-            id: id.to_owned(),
-            name: "t".to_owned(),
-            arguments: Value::Null,
-        };
-        let mut used: BTreeSet<String> = ["call_0".to_owned()].into();
-        let mut calls = vec![call("call_0"), call("call_1"), call("call_1"), call("")];
-        unique_call_ids(&mut calls, &mut used);
-        let ids: BTreeSet<&str> = calls.iter().map(|c| c.id.as_str()).collect();
-        assert_eq!(ids.len(), 4, "{calls:?}");
-        assert!(!ids.contains("call_0"));
-        assert!(ids.contains("call_1"));
-        assert_eq!(used.len(), 5);
-    }
 }

@@ -1,0 +1,430 @@
+//! The agent loop of one run as a pure state machine: what comes next, given what happened.
+//!
+//! The driver (in `wor-engine`) does the I/O — asks the model, runs each call through the tool
+//! pipeline, persists every step before the next — and reports each result here; this module
+//! decides the order and the ends. Before every step it checks, in this order: a cancel
+//! request, then every budget (turns, tool calls, tokens, cost, wall time). Then it answers the
+//! oldest pending call of the last model turn, or, when none is left, reserves one model turn.
+//! A turn without calls ends the run with its answer. Call ids are made unique within the run,
+//! since steps and approvals are keyed by them.
+//!
+//! A run resumed after a restart is rebuilt with [`RunLoop::resume`] from its stored usage,
+//! the calls of its last turn that have no result yet, the call ids already used, and the
+//! untrusted sources already in its context; it then goes on exactly where it stopped.
+
+use std::collections::{BTreeSet, VecDeque};
+
+use crate::budget::{BudgetExceeded, BudgetUsage, ModelPrice};
+use crate::model::ToolCallRequest;
+use crate::routine::BudgetLimits;
+use crate::run::RunStatus;
+
+/// How a run ended, with the reason recorded as its outcome.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ending {
+    pub status: RunStatus,
+    pub outcome: String,
+}
+
+impl Ending {
+    pub fn new(status: RunStatus, outcome: impl Into<String>) -> Self {
+        Ending {
+            status,
+            outcome: outcome.into(),
+        }
+    }
+
+    /// A run that went over a budget, naming the limit.
+    pub fn budget(exceeded: BudgetExceeded) -> Self {
+        Ending::new(RunStatus::BudgetExceeded, exceeded.to_string())
+    }
+}
+
+/// What the driver does next.
+#[derive(Debug, PartialEq)]
+pub enum Next<C> {
+    /// The run is over.
+    End(Ending),
+    /// Ask the model for a turn; the turn is already counted in [`RunLoop::usage`].
+    CallModel,
+    /// Run this call through the tool pipeline, then report with [`RunLoop::call_answered`].
+    Answer(C),
+}
+
+/// What the tool pipeline made of one call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CallOutcome {
+    /// The call has a result (run, refused or denied) for the model: the run's usage now, and
+    /// the untrusted source the result adds to the context, if any.
+    Answered {
+        usage: BudgetUsage,
+        untrusted_source: Option<String>,
+    },
+    /// Running it would go over a budget.
+    Budget(BudgetExceeded),
+    /// The run must fail (a quarantine, a routine that fails on denial, a lost credential).
+    Fail(String),
+    /// The call waits for a person; the run parks.
+    Parked,
+}
+
+/// After a call: go on, end, or park.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AfterCall {
+    Continue,
+    End(Ending),
+    Park,
+}
+
+/// The loop's state: limits, usage, the calls still to answer, the ids used, the untrusted
+/// sources in the context.
+#[derive(Debug, Clone)]
+pub struct RunLoop<C> {
+    limits: BudgetLimits,
+    usage: BudgetUsage,
+    pending: VecDeque<C>,
+    call_ids: BTreeSet<String>,
+    untrusted: BTreeSet<String>,
+}
+
+impl<C> RunLoop<C> {
+    /// The loop of a run with `usage` so far, `pending` calls of its last turn (in the model's
+    /// order), the call ids it has used and the untrusted sources in its context.
+    pub fn resume(
+        limits: BudgetLimits,
+        usage: BudgetUsage,
+        pending: Vec<C>,
+        call_ids: BTreeSet<String>,
+        untrusted: BTreeSet<String>,
+    ) -> Self {
+        RunLoop {
+            limits,
+            usage,
+            pending: pending.into(),
+            call_ids,
+            untrusted,
+        }
+    }
+
+    pub fn usage(&self) -> BudgetUsage {
+        self.usage
+    }
+
+    pub fn limits(&self) -> BudgetLimits {
+        self.limits
+    }
+
+    /// The untrusted sources in the context so far (`tool:CONNECTION/TOOL`, `webhook`, …).
+    pub fn untrusted(&self) -> &BTreeSet<String> {
+        &self.untrusted
+    }
+
+    /// The next step, given whether a cancel was requested and the wall time used so far.
+    pub fn next(&mut self, cancel_requested: bool, elapsed_seconds: u64) -> Next<C> {
+        if cancel_requested {
+            return Next::End(Ending::new(RunStatus::Cancelled, "cancelled on request"));
+        }
+        if let Err(exceeded) = self.usage.check(&self.limits, elapsed_seconds) {
+            return Next::End(Ending::budget(exceeded));
+        }
+        if let Some(call) = self.pending.pop_front() {
+            return Next::Answer(call);
+        }
+        match self.usage.reserve_turn(&self.limits) {
+            Ok(usage) => {
+                self.usage = usage;
+                Next::CallModel
+            }
+            Err(exceeded) => Next::End(Ending::budget(exceeded)),
+        }
+    }
+
+    /// Counts a model turn's tokens and cost, and renames its calls whose ids are empty or
+    /// already used in the run (some servers send `call_0` every turn): `call_0~N`.
+    pub fn model_answered(
+        &mut self,
+        input_tokens: u64,
+        output_tokens: u64,
+        price: &ModelPrice,
+        calls: &mut [ToolCallRequest],
+    ) {
+        self.usage = self
+            .usage
+            .add_model_usage(input_tokens, output_tokens, price);
+        for call in calls {
+            if call.id.is_empty() || self.call_ids.contains(&call.id) {
+                let base = if call.id.is_empty() {
+                    "call"
+                } else {
+                    call.id.as_str()
+                };
+                let mut n = self.call_ids.len();
+                let mut candidate = format!("{base}~{n}");
+                while self.call_ids.contains(&candidate) {
+                    n = n.saturating_add(1);
+                    candidate = format!("{base}~{n}");
+                }
+                call.id = candidate;
+            }
+            self.call_ids.insert(call.id.clone());
+        }
+    }
+
+    /// The turn is recorded, with `calls` to answer (as recorded). Ends the run when the turn
+    /// went over a budget, or, without calls, with the turn's `answer`.
+    pub fn turn_recorded(
+        &mut self,
+        calls: Vec<C>,
+        elapsed_seconds: u64,
+        answer: impl FnOnce() -> String,
+    ) -> Option<Ending> {
+        if let Err(exceeded) = self.usage.check(&self.limits, elapsed_seconds) {
+            return Some(Ending::budget(exceeded));
+        }
+        if calls.is_empty() {
+            return Some(Ending::new(RunStatus::Succeeded, answer()));
+        }
+        self.pending = calls.into();
+        None
+    }
+
+    /// What the pipeline made of the call last handed out.
+    pub fn call_answered(&mut self, outcome: CallOutcome) -> AfterCall {
+        match outcome {
+            CallOutcome::Answered {
+                usage,
+                untrusted_source,
+            } => {
+                self.usage = usage;
+                if let Some(source) = untrusted_source {
+                    self.untrusted.insert(source);
+                }
+                AfterCall::Continue
+            }
+            CallOutcome::Budget(exceeded) => AfterCall::End(Ending::budget(exceeded)),
+            CallOutcome::Fail(reason) => AfterCall::End(Ending::new(RunStatus::Failed, reason)),
+            CallOutcome::Parked => AfterCall::Park,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::budget::BudgetLimit;
+
+    fn limits(turns: u64, tool_calls: u64) -> BudgetLimits {
+        BudgetLimits {
+            turns,
+            tool_calls,
+            input_tokens: 1_000,
+            output_tokens: 1_000,
+            cost_microdollars: 1_000,
+            wall_seconds: 60,
+        }
+    }
+
+    fn call(id: &str) -> ToolCallRequest {
+        ToolCallRequest {
+            id: id.to_owned(),
+            name: "t".to_owned(),
+            arguments: serde_json::json!({}),
+        }
+    }
+
+    fn fresh(limits: BudgetLimits) -> RunLoop<ToolCallRequest> {
+        RunLoop::resume(
+            limits,
+            BudgetUsage::default(),
+            Vec::new(),
+            BTreeSet::new(),
+            BTreeSet::new(),
+        )
+    }
+
+    #[test]
+    fn a_turn_without_calls_ends_the_run_with_its_answer() {
+        let mut run = fresh(limits(3, 3));
+        assert_eq!(run.next(false, 0), Next::CallModel);
+        assert_eq!(run.usage().turns, 1);
+        let ending = run.turn_recorded(Vec::new(), 0, || "done".to_owned());
+        assert_eq!(ending, Some(Ending::new(RunStatus::Succeeded, "done")));
+    }
+
+    #[test]
+    fn calls_are_answered_in_order_before_the_next_turn() {
+        let mut run = fresh(limits(3, 3));
+        assert_eq!(run.next(false, 0), Next::CallModel);
+        assert_eq!(
+            run.turn_recorded(vec![call("a"), call("b")], 0, String::new),
+            None
+        );
+        assert_eq!(run.next(false, 0), Next::Answer(call("a")));
+        let usage = run.usage();
+        let answered = CallOutcome::Answered {
+            usage,
+            untrusted_source: Some("tool:c/t".to_owned()),
+        };
+        assert_eq!(run.call_answered(answered), AfterCall::Continue);
+        assert_eq!(run.next(false, 0), Next::Answer(call("b")));
+        assert!(run.untrusted().contains("tool:c/t"));
+        assert_eq!(run.next(false, 0), Next::CallModel);
+        assert_eq!(run.usage().turns, 2);
+    }
+
+    #[test]
+    fn cancel_comes_before_everything_and_the_budget_before_any_step() {
+        // A run that used its one turn, which asked for call `a`.
+        let mut run = RunLoop::resume(
+            limits(1, 1),
+            BudgetUsage {
+                turns: 1,
+                ..BudgetUsage::default()
+            },
+            vec![call("a")],
+            BTreeSet::new(),
+            BTreeSet::new(),
+        );
+        let Next::End(ending) = run.clone().next(true, 999) else {
+            panic!("a cancel ends the run");
+        };
+        assert_eq!(ending.status, RunStatus::Cancelled);
+        let Next::End(ending) = run.clone().next(false, 60) else {
+            panic!("the wall time ends the run");
+        };
+        assert_eq!(ending.status, RunStatus::BudgetExceeded);
+        assert!(ending.outcome.contains("wall"), "{}", ending.outcome);
+        // A resumed run answers its pending call first, then has no turn left.
+        assert_eq!(run.next(false, 0), Next::Answer(call("a")));
+        let Next::End(ending) = run.next(false, 0) else {
+            panic!("no turn is left");
+        };
+        assert_eq!(ending.status, RunStatus::BudgetExceeded);
+    }
+
+    #[test]
+    fn outcomes_of_the_pipeline_end_park_or_go_on() {
+        let mut run = fresh(limits(3, 3));
+        let exceeded = BudgetExceeded {
+            limit: BudgetLimit::ToolCalls,
+            used: 4,
+            allowed: 3,
+        };
+        assert_eq!(
+            run.call_answered(CallOutcome::Budget(exceeded)),
+            AfterCall::End(Ending::budget(exceeded))
+        );
+        assert_eq!(
+            run.call_answered(CallOutcome::Fail("quarantined".to_owned())),
+            AfterCall::End(Ending::new(RunStatus::Failed, "quarantined"))
+        );
+        assert_eq!(run.call_answered(CallOutcome::Parked), AfterCall::Park);
+    }
+
+    #[test]
+    fn reused_and_empty_call_ids_are_made_unique() {
+        let mut run = RunLoop::<ToolCallRequest>::resume(
+            limits(3, 3),
+            BudgetUsage::default(),
+            Vec::new(),
+            ["call_0".to_owned()].into(),
+            BTreeSet::new(),
+        );
+        let mut calls = vec![call("call_0"), call("call_1"), call("call_1"), call("")];
+        run.model_answered(1, 1, &ModelPrice::default(), &mut calls);
+        let ids: BTreeSet<&str> = calls.iter().map(|c| c.id.as_str()).collect();
+        assert_eq!(ids.len(), 4, "{calls:?}");
+        assert!(!ids.contains("call_0"));
+        assert!(ids.contains("call_1"));
+        assert!(ids.iter().all(|id| !id.is_empty()));
+    }
+
+    #[derive(Debug, Clone)]
+    enum Event {
+        Turn { calls: u8, tokens: u16 },
+        Call { untrusted: bool, fail: bool },
+        Cancel,
+    }
+
+    fn event() -> impl Strategy<Value = Event> {
+        prop_oneof![
+            (0u8..4, 0u16..400).prop_map(|(calls, tokens)| Event::Turn { calls, tokens }),
+            (any::<bool>(), prop::bool::weighted(0.05))
+                .prop_map(|(untrusted, fail)| Event::Call { untrusted, fail }),
+            Just(Event::Cancel),
+        ]
+    }
+
+    proptest! {
+        /// Whatever the model and the pipeline do, the loop never hands out a step beyond a
+        /// limit, every call id is unique, and once it ends it ends for good.
+        #[test]
+        fn the_loop_never_steps_past_a_limit(
+            events in prop::collection::vec(event(), 1..80),
+            turns in 1u64..6,
+            tool_calls in 0u64..8,
+        ) {
+            let limits = limits(turns, tool_calls);
+            let mut run = fresh(limits);
+            let mut seen_ids = BTreeSet::new();
+            let mut events = events.into_iter();
+            let mut model_turns = 0u64;
+            loop {
+                let event = events.next();
+                let cancel = matches!(event, Some(Event::Cancel) | None);
+                match run.next(cancel, 0) {
+                    Next::End(ending) => {
+                        prop_assert!(cancel || ending.status == RunStatus::BudgetExceeded
+                            || ending.status == RunStatus::Succeeded);
+                        break;
+                    }
+                    Next::CallModel => {
+                        model_turns += 1;
+                        prop_assert!(model_turns <= limits.turns);
+                        let (calls, tokens) = match event {
+                            Some(Event::Turn { calls, tokens }) => (calls, tokens),
+                            _ => (1, 10),
+                        };
+                        let mut requests: Vec<ToolCallRequest> =
+                            (0..calls).map(|_| call("call_0")).collect();
+                        run.model_answered(u64::from(tokens), 1, &ModelPrice::default(), &mut requests);
+                        for request in &requests {
+                            prop_assert!(seen_ids.insert(request.id.clone()), "id {} reused", request.id);
+                        }
+                        if let Some(ending) = run.turn_recorded(requests, 0, String::new) {
+                            prop_assert!(ending.status != RunStatus::Cancelled);
+                            break;
+                        }
+                    }
+                    Next::Answer(_) => {
+                        let (untrusted, fail) = match event {
+                            Some(Event::Call { untrusted, fail }) => (untrusted, fail),
+                            _ => (false, false),
+                        };
+                        let outcome = if fail {
+                            CallOutcome::Fail("refused".to_owned())
+                        } else {
+                            match run.usage().reserve_tool_call(&run.limits()) {
+                                Ok(usage) => CallOutcome::Answered {
+                                    usage,
+                                    untrusted_source: untrusted.then(|| "tool:c/t".to_owned()),
+                                },
+                                Err(exceeded) => CallOutcome::Budget(exceeded),
+                            }
+                        };
+                        match run.call_answered(outcome) {
+                            AfterCall::Continue => {
+                                prop_assert!(run.usage().tool_calls <= limits.tool_calls);
+                            }
+                            AfterCall::End(_) | AfterCall::Park => break,
+                        }
+                    }
+                }
+            }
+            prop_assert!(run.usage().turns <= limits.turns);
+            prop_assert!(run.usage().tool_calls <= limits.tool_calls);
+        }
+    }
+}
