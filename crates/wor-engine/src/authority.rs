@@ -2,8 +2,9 @@
 //!
 //! When a worker claims a run it mints the run's token, expiring at the run's deadline (what is
 //! left of its wall time). The engine holds no member's key: every tool call, nested routine
-//! included, is executed only after the token is presented and found live — stored, before its
-//! deadline, its run still running under this claim — and the tool is on the run's roster.
+//! included, is answered only after the token is presented and found live — stored, before its
+//! deadline, its run still running under this claim — and executed only when the tool is on the
+//! run's roster.
 //! Parking or ending the run deletes the token in the same statement, so nothing executes for a
 //! run that is no longer being driven here, whatever the driving code believes.
 
@@ -16,11 +17,29 @@ use wor_store::{RunRecord, RunToken};
 
 use crate::{Engine, EngineError};
 
-/// The credential of the run being driven, and the roster it may act on.
+/// The credential of the run being driven, its deadline, and the roster it may act on.
 pub(crate) struct RunAuthority {
     run: RunId,
     token: RunToken,
+    expires_at: i64,
     roster: BTreeSet<String>,
+}
+
+impl RunAuthority {
+    /// Whether `roster_name` (`CONNECTION/TOOL`) is on the run's roster.
+    pub(crate) fn allows(&self, roster_name: &str) -> bool {
+        self.roster.contains(roster_name)
+    }
+}
+
+/// Where a run's credential stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Standing {
+    Live,
+    /// Its deadline (the run's wall time) has passed.
+    Expired,
+    /// Deleted or superseded: the run was parked, ended or claimed by another worker.
+    Ended,
 }
 
 impl Engine {
@@ -44,35 +63,26 @@ impl Engine {
         Ok(RunAuthority {
             run: run.id,
             token,
+            expires_at,
             roster: definition.tools.iter().map(|e| e.tool.clone()).collect(),
         })
     }
 
-    /// Whether the run may call `roster_name` now: its credential is live and the tool is on
-    /// its roster. `Err` carries the reason the run must stop.
-    pub(crate) async fn authorize_call(
+    /// Presents the run's credential: live, past its deadline, or ended.
+    pub(crate) async fn credential_standing(
         &self,
         authority: &RunAuthority,
-        roster_name: &str,
-    ) -> Result<Result<(), String>, EngineError> {
+    ) -> Result<Standing, EngineError> {
+        if wor_store::now_millis() >= authority.expires_at {
+            return Ok(Standing::Expired);
+        }
         let grant = self
             .store
             .authenticate_run_token(authority.token.expose())
             .await?;
-        match grant {
-            Some(grant) if grant.run_id == authority.run => {}
-            _ => {
-                return Ok(Err(
-                    "the run's credential is no longer valid (the run passed its deadline, or was parked, ended or taken over); the call did not run"
-                        .to_owned(),
-                ));
-            }
-        }
-        if !authority.roster.contains(roster_name) {
-            return Ok(Err(format!(
-                "`{roster_name}` is not on the run's roster; the call did not run"
-            )));
-        }
-        Ok(Ok(()))
+        Ok(match grant {
+            Some(grant) if grant.run_id == authority.run => Standing::Live,
+            _ => Standing::Ended,
+        })
     }
 }

@@ -25,6 +25,7 @@ use wor_store::{
 };
 use wor_tools::{CanonicalArguments, ResultLimits, prepare_arguments};
 
+use crate::authority::Standing;
 use crate::run_tools::{OfferedTool, RunTools, model_name};
 use crate::{Engine, EngineError};
 
@@ -217,6 +218,24 @@ impl Engine {
         pending: &PendingCall,
         usage: BudgetUsage,
     ) -> Result<Answer, EngineError> {
+        // The run's credential first: nothing is reserved, recorded or used for a run whose
+        // credential has ended.
+        match self.credential_standing(scope.authority).await? {
+            Standing::Live => {}
+            Standing::Expired => {
+                return Ok(Answer::Budget(wor_core::budget::BudgetExceeded {
+                    limit: wor_core::budget::BudgetLimit::WallTime,
+                    used: scope.limits.wall_seconds,
+                    allowed: scope.limits.wall_seconds,
+                }));
+            }
+            Standing::Ended => {
+                return Ok(Answer::Fail(
+                    "the run's credential is no longer valid (the run was parked, ended or taken over); the call did not run"
+                        .to_owned(),
+                ));
+            }
+        }
         match &pending.recorded {
             None => self.answer_fresh(scope, &pending.call, usage).await,
             Some(step) => self.resume_call(scope, pending, step, usage).await,
@@ -706,11 +725,11 @@ impl Engine {
         arguments: CanonicalArguments,
         usage: BudgetUsage,
     ) -> Result<Answer, EngineError> {
-        if let Err(reason) = self
-            .authorize_call(scope.authority, &offered.roster_name)
-            .await?
-        {
-            return Ok(Answer::Fail(reason));
+        if !scope.authority.allows(&offered.roster_name) {
+            return Ok(Answer::Fail(format!(
+                "`{}` is not on the run's roster; the call did not run",
+                offered.roster_name
+            )));
         }
         if offered.connection == crate::nested::ROUTINE_CONNECTION {
             let input = arguments

@@ -5,9 +5,10 @@
 //! at the next run start, exactly as a changed MCP tool does. Compiled components are kept by
 //! digest: a run start compiles only a file it has not seen.
 
-use std::collections::HashMap;
-use std::path::PathBuf;
+use std::collections::VecDeque;
+
 use std::sync::{Arc, Mutex};
+use tokio::io::AsyncReadExt;
 
 use serde_json::{Map, Value, json};
 use wor_store::{ToolConnectionRecord, env_field};
@@ -19,6 +20,8 @@ use crate::tool_connections::{ToolSession, check_stdio_spec, credential_slot};
 
 /// The largest component file accepted.
 const MAX_COMPONENT_BYTES: u64 = 64 << 20;
+/// Compiled components kept at most; the oldest is dropped beyond this.
+const MAX_CACHED_COMPONENTS: usize = 32;
 
 /// The process's Wasm runtime, made at first use, and the components compiled on it by digest.
 #[derive(Clone, Default)]
@@ -29,7 +32,8 @@ pub(crate) struct WasmHost {
 #[derive(Default)]
 struct WasmHostState {
     runtime: Option<WasmRuntime>,
-    components: HashMap<String, WasmComponent>,
+    /// By digest, oldest first.
+    components: VecDeque<(String, WasmComponent)>,
 }
 
 impl std::fmt::Debug for WasmHost {
@@ -47,7 +51,7 @@ impl WasmHost {
                 .state
                 .lock()
                 .map_err(|_| "the Wasm runtime is unusable".to_owned())?;
-            if let Some(component) = state.components.get(digest) {
+            if let Some((_, component)) = state.components.iter().find(|(d, _)| d == digest) {
                 return Ok(component.clone());
             }
             match &state.runtime {
@@ -64,9 +68,12 @@ impl WasmHost {
             .map_err(|e| format!("compiling the component failed: {e}"))?
             .map_err(|e| e.to_string())?;
         if let Ok(mut state) = self.state.lock() {
+            if state.components.len() >= MAX_CACHED_COMPONENTS {
+                state.components.pop_front();
+            }
             state
                 .components
-                .insert(digest.to_owned(), component.clone());
+                .push_back((digest.to_owned(), component.clone()));
         }
         Ok(component)
     }
@@ -91,18 +98,9 @@ impl Engine {
             &self.config.protected_paths,
         )
         .map_err(|e| format!("tool connection `{name}`: {e}"))?;
-        let size = tokio::fs::metadata(&spec.program)
+        let bytes = read_component(&spec.program)
             .await
-            .map_err(|e| format!("tool connection `{name}`: its component cannot be read: {e}"))?
-            .len();
-        if size > MAX_COMPONENT_BYTES {
-            return Err(format!(
-                "tool connection `{name}`: its component is larger than {MAX_COMPONENT_BYTES} bytes"
-            ));
-        }
-        let bytes = tokio::fs::read(&spec.program)
-            .await
-            .map_err(|e| format!("tool connection `{name}`: its component cannot be read: {e}"))?;
+            .map_err(|e| format!("tool connection `{name}`: {e}"))?;
         let digest = wor_core::canonical::sha256_hex(&bytes);
         let component = self
             .wasm
@@ -131,11 +129,18 @@ impl Engine {
         };
         let grants = WasmGrants {
             env,
+            // The resolved paths, as checked above, so a link swapped in later is not followed.
             read_only_dirs: spec
                 .read_only_paths
                 .iter()
-                .map(|path| (PathBuf::from(path), path.clone()))
-                .collect(),
+                .map(|path| {
+                    std::fs::canonicalize(path)
+                        .map(|real| (real, path.clone()))
+                        .map_err(|e| {
+                            format!("tool connection `{name}`: `{path}` cannot be resolved: {e}")
+                        })
+                })
+                .collect::<Result<_, _>>()?,
             allowlist,
         };
         let tool = WasmTool::new(
@@ -206,4 +211,30 @@ pub(crate) async fn call_wasm_tool(
         }),
         Err(error) => Err(error.to_string()),
     }
+}
+
+/// Reads a component file once, refusing anything but a regular file and more than
+/// [`MAX_COMPONENT_BYTES`]; what is hashed is what is compiled.
+async fn read_component(path: &str) -> Result<Vec<u8>, String> {
+    let file = tokio::fs::File::open(path)
+        .await
+        .map_err(|e| format!("its component cannot be read: {e}"))?;
+    let metadata = file
+        .metadata()
+        .await
+        .map_err(|e| format!("its component cannot be read: {e}"))?;
+    if !metadata.is_file() {
+        return Err("its component is not a regular file".to_owned());
+    }
+    let mut bytes = Vec::new();
+    file.take(MAX_COMPONENT_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .await
+        .map_err(|e| format!("its component cannot be read: {e}"))?;
+    if u64::try_from(bytes.len()).unwrap_or(u64::MAX) > MAX_COMPONENT_BYTES {
+        return Err(format!(
+            "its component is larger than {MAX_COMPONENT_BYTES} bytes"
+        ));
+    }
+    Ok(bytes)
 }

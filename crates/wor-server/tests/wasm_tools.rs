@@ -124,6 +124,11 @@ async fn a_wasm_component_runs_as_a_tool_connection_pinned_to_its_file() {
                 "command": {"program": program}}),
             "invalid_url",
         ),
+        (
+            json!({"name": "probe", "kind": "wasm", "command": {"program": program},
+                "tools": [{"name": "x"}]}),
+            "invalid_tools",
+        ),
     ] {
         let (status, reply) = create(body.clone()).await;
         assert_eq!(status, StatusCode::BAD_REQUEST, "{body}: {reply}");
@@ -148,7 +153,7 @@ async fn a_wasm_component_runs_as_a_tool_connection_pinned_to_its_file() {
     assert_eq!(status, StatusCode::OK, "{review}");
     let digest = wor_core::canonical::sha256_hex(&std::fs::read(&component).unwrap());
     let tools = review["tools"].as_array().unwrap();
-    assert_eq!(tools.len(), 8, "{review}");
+    assert_eq!(tools.len(), 9, "{review}");
     assert!(
         tools
             .iter()

@@ -2,8 +2,9 @@
 //!
 //! A token is `wrt_` followed by 64 hex digits (256 bits from the operating system's random
 //! source), minted when a worker claims the run and stored as a SHA-256 digest only. It is
-//! live while the run is `running` under that claim and until the run's deadline; parking or
-//! ending the run deletes it, so a parked run keeps nothing but its row.
+//! live while the run is `running` under the lease it was minted under and until the run's
+//! deadline; parking, ending or claiming the run again deletes it, so a parked run keeps nothing
+//! but its row.
 
 use std::fmt;
 
@@ -65,8 +66,8 @@ impl Store {
             .execute(&mut *tx)
             .await?;
         let inserted = sqlx::query(
-            "INSERT INTO run_tokens (run_id, project_id, sha256, expires_at, created_at) \
-             SELECT id, project_id, $1, $2, $3 FROM runs \
+            "INSERT INTO run_tokens (run_id, project_id, sha256, lease_owner, expires_at, created_at) \
+             SELECT id, project_id, $1, lease_owner, $2, $3 FROM runs \
              WHERE id = $4 AND project_id = $5 AND lease_owner = $6 AND status = 'running'",
         )
         .bind(sha256_hex(token.expose().as_bytes()))
@@ -86,7 +87,7 @@ impl Store {
     }
 
     /// What `presented` grants, if it is a live run token: stored, before its deadline, and
-    /// its run still running.
+    /// its run still running under the lease it was minted under.
     pub async fn authenticate_run_token(
         &self,
         presented: &str,
@@ -97,7 +98,8 @@ impl Store {
         let row = sqlx::query(
             "SELECT t.run_id, t.project_id, t.expires_at, r.routine_id, r.routine_version \
              FROM run_tokens t JOIN runs r ON r.id = t.run_id \
-             WHERE t.sha256 = $1 AND t.expires_at > $2 AND r.status = 'running'",
+             WHERE t.sha256 = $1 AND t.expires_at > $2 AND r.status = 'running' \
+             AND r.lease_owner = t.lease_owner",
         )
         .bind(sha256_hex(presented.as_bytes()))
         .bind(now_millis())
@@ -135,7 +137,18 @@ impl Store {
     }
 }
 
-/// Deletes a run's credential, inside the transaction or statement that parks or ends it.
+/// Deletes the credentials of runs no worker is driving (requeued after a lost lease, cancelled
+/// while queued, or left by a crash); returns how many.
+pub(crate) async fn sweep(connection: &mut sqlx::AnyConnection) -> Result<u64, StoreError> {
+    let done = sqlx::query(
+        "DELETE FROM run_tokens WHERE run_id NOT IN (SELECT id FROM runs WHERE status = 'running')",
+    )
+    .execute(connection)
+    .await?;
+    Ok(done.rows_affected())
+}
+
+/// Deletes a run's credential, inside the transaction that parks, ends or claims it.
 pub(crate) async fn revoke(
     connection: &mut sqlx::AnyConnection,
     run: RunId,

@@ -255,6 +255,9 @@ impl Store {
         .bind(now_millis())
         .execute(self.pool())
         .await?;
+        // Their credentials, and any other left by a run no worker drives, end here.
+        let mut connection = self.pool().acquire().await?;
+        crate::run_tokens::sweep(&mut connection).await?;
         Ok(done.rows_affected())
     }
 
@@ -269,6 +272,8 @@ impl Store {
         .bind(worker)
         .execute(self.pool())
         .await?;
+        let mut connection = self.pool().acquire().await?;
+        crate::run_tokens::sweep(&mut connection).await?;
         Ok(done.rows_affected())
     }
 
@@ -314,6 +319,7 @@ impl Store {
         lease_ms: i64,
     ) -> Result<Option<RunRecord>, StoreError> {
         let now = now_millis();
+        let mut tx = self.pool().begin().await?;
         let claimed = sqlx::query(
             "UPDATE runs SET status = 'running', lease_owner = $1, lease_expires_at = $2, \
              started_at = COALESCE(started_at, $3), updated_at = $3, \
@@ -325,16 +331,17 @@ impl Store {
         .bind(now)
         .bind(project.to_string())
         .bind(id.to_string())
-        .execute(self.pool())
+        .execute(&mut *tx)
         .await?;
-        if claimed.rows_affected() == 1 {
-            // A credential minted under an earlier claim (whose lease expired) ends here; the
-            // new holder mints its own.
-            let mut connection = self.pool().acquire().await?;
-            crate::run_tokens::revoke(&mut connection, id).await?;
-            return self.get_run(project, id).await.map(Some);
+        if claimed.rows_affected() != 1 {
+            tx.rollback().await?;
+            return Ok(None);
         }
-        Ok(None)
+        // A credential minted under an earlier claim (whose lease expired) ends with it; the
+        // new holder mints its own.
+        crate::run_tokens::revoke(&mut tx, id).await?;
+        tx.commit().await?;
+        self.get_run(project, id).await.map(Some)
     }
 
     /// The run a trigger key started, if any.
@@ -363,8 +370,10 @@ impl Store {
         id: RunId,
         worker: &str,
     ) -> Result<bool, StoreError> {
-        let mut connection = self.pool().acquire().await?;
-        park(&mut connection, project, id, worker).await
+        let mut tx = self.pool().begin().await?;
+        let parked = park(&mut tx, project, id, worker).await?;
+        tx.commit().await?;
+        Ok(parked)
     }
 
     /// Puts a parked run back in the queue (its nested run ended).

@@ -48,12 +48,12 @@ impl WasiHttpHooks for EgressHooks {
                 return Err(HttpError::HttpRequestDenied);
             };
             let (parts, body) = request.into_parts();
-            let body = body.collect().await?.to_bytes();
-            if body.len() > MAX_REQUEST_BYTES {
-                return Err(HttpError::InternalError(Some(format!(
-                    "request bodies are limited to {MAX_REQUEST_BYTES} bytes"
-                ))));
-            }
+            // Read no more than the limit: the guest could stream without end.
+            let body = http_body_util::Limited::new(body, MAX_REQUEST_BYTES)
+                .collect()
+                .await
+                .map_err(|_| HttpError::HttpRequestBodySize(Some(MAX_REQUEST_BYTES as u64)))?
+                .to_bytes();
             let url = parts.uri.to_string();
             let mut outgoing = EgressRequest::new(parts.method, &url).with_allowlist(allowlist);
             outgoing.headers = parts.headers;

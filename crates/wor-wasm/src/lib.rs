@@ -53,7 +53,8 @@ const POOL_INSTANCES: u32 = 64;
 pub struct WasmLimits {
     /// Fuel: roughly, the instructions the call may execute.
     pub fuel: u64,
-    /// Bytes of linear memory (at most [`MAX_MEMORY_BYTES`]).
+    /// Bytes of linear memory, all of the instance's memories together (at most
+    /// [`MAX_MEMORY_BYTES`]).
     pub memory_bytes: usize,
     /// Wall time of the call, including HTTP requests made on its behalf.
     pub timeout: Duration,
@@ -144,7 +145,7 @@ impl WasmRuntime {
             .map_err(|e| WasmError::Setup(e.to_string()))?;
         wasmtime_wasi_http::p2::add_only_http_to_linker_async(&mut linker)
             .map_err(|e| WasmError::Setup(e.to_string()))?;
-        start_epoch_ticker(&engine);
+        start_epoch_ticker(&engine)?;
         Ok(Self {
             engine,
             linker: Arc::new(linker),
@@ -174,8 +175,9 @@ impl WasmRuntime {
     }
 }
 
-/// Advances the engine's epoch every [`EPOCH_TICK`] for as long as the engine lives.
-fn start_epoch_ticker(engine: &Engine) {
+/// Advances the engine's epoch every [`EPOCH_TICK`] for as long as the engine lives. Without
+/// it no deadline would interrupt a guest, so failing to start it fails the runtime.
+fn start_epoch_ticker(engine: &Engine) -> Result<(), WasmError> {
     let weak = engine.weak();
     std::thread::Builder::new()
         .name("wor-wasm-epoch".to_owned())
@@ -187,7 +189,7 @@ fn start_epoch_ticker(engine: &Engine) {
             }
         })
         .map(drop)
-        .unwrap_or_else(|e| tracing::error!(category = "wasm", error = %e, "no epoch ticker"));
+        .map_err(|e| WasmError::Setup(format!("the epoch ticker cannot start: {e}")))
 }
 
 /// A compiled, pre-instantiated component.
@@ -309,6 +311,7 @@ impl WasmTool {
             table: ResourceTable::new(),
             limiter: MemoryLimiter {
                 max_bytes: self.limits.memory_bytes,
+                used: 0,
                 refused: false,
             },
         };
@@ -340,23 +343,27 @@ fn classify(error: &wasmtime::Error, store: &Store<Host>, limits: WasmLimits) ->
     }
 }
 
-/// Refuses linear memory beyond the tool's limit, and remembers that it did.
+/// Refuses linear memory beyond the tool's limit, counted over every memory of the instance,
+/// and remembers that it did.
 struct MemoryLimiter {
     max_bytes: usize,
+    used: usize,
     refused: bool,
 }
 
 impl ResourceLimiter for MemoryLimiter {
     fn memory_growing(
         &mut self,
-        _current: usize,
+        current: usize,
         desired: usize,
         _maximum: Option<usize>,
     ) -> wasmtime::Result<bool> {
-        if desired > self.max_bytes {
+        let total = self.used.saturating_add(desired.saturating_sub(current));
+        if total > self.max_bytes {
             self.refused = true;
             return Ok(false);
         }
+        self.used = total;
         Ok(true)
     }
 

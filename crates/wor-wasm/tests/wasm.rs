@@ -91,7 +91,8 @@ async fn a_component_lists_its_tools_and_answers_calls_on_fresh_instances() {
             "spin",
             "hog",
             "connect",
-            "fetch"
+            "fetch",
+            "upload"
         ]
     );
     assert_eq!(tools[0]["input_schema"]["type"], "object");
@@ -259,6 +260,16 @@ async fn outgoing_http_goes_only_through_the_egress_guard_and_the_allowlist() {
         Ok("200 hello".to_owned())
     );
     assert_eq!(hits.load(Ordering::SeqCst), 1);
+    // A request body beyond 1 MiB is refused while it streams, before anything is sent.
+    let refused = call(&allowed, "upload", json!({"url": url, "mib": 8}))
+        .await
+        .unwrap_err();
+    assert!(refused.contains("HttpRequestBodySize"), "{refused}");
+    assert_eq!(
+        hits.load(Ordering::SeqCst),
+        1,
+        "the oversized request arrived"
+    );
 
     // The guard's own rules hold whatever the allowlist says: a metadata address, and loopback
     // under a policy that does not list it.

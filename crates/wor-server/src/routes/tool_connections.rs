@@ -326,8 +326,11 @@ pub async fn create(
                 format!("a `{kind}` connection has no `url`"),
             ));
         }
-        if kind == ToolConnectionKind::Wasm {
-            check_wasm_command(&command, &body)?;
+        if !body.tools.is_empty() {
+            return Err(ApiError::bad_request(
+                "invalid_tools",
+                format!("a `{kind}` connection lists its own tools; it takes no `tools`"),
+            ));
         }
         command.env_names = body.env.keys().cloned().collect();
         let config = state.engine.config();
@@ -337,6 +340,10 @@ pub async fn create(
             &config.protected_paths,
         )
         .map_err(|e| ApiError::bad_request("invalid_command", format!("command: {e}")))?;
+        // After the roots check: nothing is looked at outside the operator's paths.
+        if kind == ToolConnectionKind::Wasm {
+            check_wasm_command(&command, &body)?;
+        }
         Some(command)
     } else {
         if (kind == ToolConnectionKind::HttpApi) == body.tools.is_empty() {

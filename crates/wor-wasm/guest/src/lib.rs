@@ -1,10 +1,10 @@
 //! The probe tool: each tool tries one thing a Wasm tool might do, and reports what happened.
 
-use std::io::Read;
+use std::io::{Read, Write};
 
 use serde_json::{Value, json};
 use wasip2::http::outgoing_handler;
-use wasip2::http::types::{Fields, Method, OutgoingRequest, Scheme};
+use wasip2::http::types::{Fields, Method, OutgoingBody, OutgoingRequest, Scheme};
 
 wit_bindgen::generate!({
     path: "../wit/tool.wit",
@@ -60,6 +60,11 @@ impl Guest for Probe {
                 "GETs a URL over wasi-http",
                 json!({"url": {"type": "string"}})
             ),
+            tool(
+                "upload",
+                "POSTs MiB of zeros to a URL over wasi-http",
+                json!({"url": {"type": "string"}, "mib": {"type": "integer"}})
+            ),
         ])
         .to_string()
     }
@@ -96,14 +101,19 @@ impl Guest for Probe {
             "connect" => std::net::TcpStream::connect(text("addr"))
                 .map(|_| "connected".to_owned())
                 .map_err(|e| e.to_string()),
-            "fetch" => fetch(&text("url")),
+            "fetch" => request(&text("url"), None),
+            "upload" => {
+                let mib = args.get("mib").and_then(Value::as_u64).unwrap_or(1) as usize;
+                request(&text("url"), Some(mib << 20))
+            }
             other => Err(format!("no tool `{other}`")),
         }
     }
 }
 
-/// A GET of `url` (`http://` or `https://`), returning `STATUS BODY`.
-fn fetch(url: &str) -> Result<String, String> {
+/// A GET of `url` (`http://` or `https://`), or a POST of `upload` zero bytes, returning
+/// `STATUS BODY`.
+fn request(url: &str, upload: Option<usize>) -> Result<String, String> {
     let (scheme, rest) = if let Some(rest) = url.strip_prefix("http://") {
         (Scheme::Http, rest)
     } else if let Some(rest) = url.strip_prefix("https://") {
@@ -116,9 +126,12 @@ fn fetch(url: &str) -> Result<String, String> {
         None => (rest, "/"),
     };
     let request = OutgoingRequest::new(Fields::new());
-    request
-        .set_method(&Method::Get)
-        .map_err(|()| "bad method")?;
+    let method = if upload.is_some() {
+        Method::Post
+    } else {
+        Method::Get
+    };
+    request.set_method(&method).map_err(|()| "bad method")?;
     request
         .set_scheme(Some(&scheme))
         .map_err(|()| "bad scheme")?;
@@ -128,7 +141,22 @@ fn fetch(url: &str) -> Result<String, String> {
     request
         .set_path_with_query(Some(path))
         .map_err(|()| "bad path")?;
+    let body = request.body().map_err(|()| "no request body")?;
     let pending = outgoing_handler::handle(request, None).map_err(|e| format!("refused: {e:?}"))?;
+    if let Some(bytes) = upload {
+        let mut stream = body.write().map_err(|()| "no request body stream")?;
+        let chunk = [0u8; 4096];
+        let mut left = bytes;
+        while left > 0 {
+            let n = left.min(chunk.len());
+            if stream.write_all(&chunk[..n]).is_err() {
+                break;
+            }
+            left -= n;
+        }
+        drop(stream);
+    }
+    let _ = OutgoingBody::finish(body, None);
     pending.subscribe().block();
     let response = pending
         .get()
