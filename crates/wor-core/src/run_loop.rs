@@ -208,6 +208,36 @@ impl<C> RunLoop<C> {
     }
 }
 
+/// Where one call of the last turn stood when its run stopped, read from its recorded
+/// `tool_call` step: what resuming it must do so that nothing is repeated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallResume {
+    /// No decision was recorded: the call goes through the whole pipeline.
+    Fresh,
+    /// It was refused (by policy, or before a decision): the model is told so again.
+    Refused,
+    /// It was held for a person: its approval decides.
+    Held,
+    /// It started (allowed, or with an approval used) and has no result, so it may have had
+    /// its effect. A routine call finds its nested run again; any other call is not repeated
+    /// without a person (its outcome is unknown).
+    Started { routine: bool },
+}
+
+impl CallResume {
+    /// From the call's recorded decision (`allow`, `confirm`, `deny`, or a refusal), whether
+    /// an approval was used to start it, and whether it calls a routine.
+    pub fn of(decision: Option<&str>, started_with_approval: bool, routine: bool) -> Self {
+        match decision {
+            None => CallResume::Fresh,
+            Some(_) if started_with_approval => CallResume::Started { routine },
+            Some("allow") => CallResume::Started { routine },
+            Some("confirm") => CallResume::Held,
+            Some(_) => CallResume::Refused,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
@@ -339,6 +369,32 @@ mod tests {
         assert!(!ids.contains("call_0"));
         assert!(ids.contains("call_1"));
         assert!(ids.iter().all(|id| !id.is_empty()));
+    }
+
+    #[test]
+    fn a_resumed_call_repeats_nothing_that_may_have_happened() {
+        assert_eq!(CallResume::of(None, false, false), CallResume::Fresh);
+        assert_eq!(
+            CallResume::of(Some("deny"), false, false),
+            CallResume::Refused
+        );
+        assert_eq!(
+            CallResume::of(Some("refused"), false, true),
+            CallResume::Refused
+        );
+        assert_eq!(
+            CallResume::of(Some("confirm"), false, false),
+            CallResume::Held
+        );
+        assert_eq!(
+            CallResume::of(Some("allow"), false, false),
+            CallResume::Started { routine: false }
+        );
+        // An approved call that was started is started, whatever its first decision said.
+        assert_eq!(
+            CallResume::of(Some("confirm"), true, true),
+            CallResume::Started { routine: true }
+        );
     }
 
     #[derive(Debug, Clone)]

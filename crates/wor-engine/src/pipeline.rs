@@ -25,6 +25,8 @@ use wor_store::{
 };
 use wor_tools::{CanonicalArguments, ResultLimits, prepare_arguments};
 
+use wor_core::run_loop::CallResume;
+
 use crate::authority::Standing;
 use crate::run_tools::{OfferedTool, RunTools, model_name};
 use crate::{Engine, EngineError};
@@ -484,12 +486,15 @@ impl Engine {
     ) -> Result<Answer, EngineError> {
         let call = &pending.call;
         let text = |key: &str| step.get(key).and_then(Value::as_str).unwrap_or_default();
-        let decision = text("decision");
         let tool = text("tool");
-        let started = pending.started_with_approval || decision == Outcome::Allow.as_str();
+        let resume = CallResume::of(
+            Some(text("decision")),
+            pending.started_with_approval,
+            tool.starts_with(&format!("{}/", crate::nested::ROUTINE_CONNECTION)),
+        );
         // A routine call that started is picked up again: its nested run is found by the
         // call, never started twice, so nothing is repeated.
-        if started && tool.starts_with(&format!("{}/", crate::nested::ROUTINE_CONNECTION)) {
+        if resume == (CallResume::Started { routine: true }) {
             let Some(offered) = scope.tools.find(&call.name) else {
                 return Ok(scope.refuse(
                     call,
@@ -510,11 +515,14 @@ impl Engine {
                     .unwrap_or_default();
             return self.call_routine(scope, offered, call, &input, usage).await;
         }
-        if started {
-            return self.resume_started_call(scope, pending, step, usage).await;
-        }
-        if decision != Outcome::Confirm.as_str() {
-            return Ok(scope.refuse(call, usage, format!("tool `{tool}` was refused")));
+        match resume {
+            CallResume::Started { .. } => {
+                return self.resume_started_call(scope, pending, step, usage).await;
+            }
+            CallResume::Refused | CallResume::Fresh => {
+                return Ok(scope.refuse(call, usage, format!("tool `{tool}` was refused")));
+            }
+            CallResume::Held => {}
         }
         let approval = self
             .store
