@@ -8,6 +8,9 @@
 //! A turn without calls ends the run with its answer. Call ids are made unique within the run,
 //! since steps and approvals are keyed by them.
 //!
+//! Within one call, [`Verdict::then`] says what follows the policy decision, and
+//! [`CallResume::of`] what resuming a call recorded before a restart must do.
+//!
 //! A run resumed after a restart is rebuilt with [`RunLoop::resume`] from its stored usage,
 //! the calls of its last turn that have no result yet, the call ids already used, and the
 //! untrusted sources already in its context; it then goes on exactly where it stopped.
@@ -208,6 +211,45 @@ impl<C> RunLoop<C> {
     }
 }
 
+/// A call's policy verdict (the decision of `wor-policy`, or a person's approval as `Allow`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    Allow,
+    Confirm,
+    Deny,
+}
+
+/// What follows a call's decision, in the order the pipeline persists it. Before the decision
+/// come the roster, the pinned schema and the pinned arguments; a call that fails one of them
+/// is refused back to the model and never decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AfterDecision {
+    /// Record the call with its refusal; the model is told why.
+    RecordRefusal,
+    /// Record the call, file an approval and park the run.
+    RecordAndPark,
+    /// Running it would go over the tool-call budget: the run ends, the call not recorded as
+    /// started.
+    Budget(BudgetExceeded),
+    /// The call is counted (`usage`): record it as started and save the usage, then execute it
+    /// and record its result.
+    RecordAndExecute(BudgetUsage),
+}
+
+impl Verdict {
+    /// The next transitions of a call with this verdict, given the run's usage and limits.
+    pub fn then(self, usage: BudgetUsage, limits: &BudgetLimits) -> AfterDecision {
+        match self {
+            Verdict::Deny => AfterDecision::RecordRefusal,
+            Verdict::Confirm => AfterDecision::RecordAndPark,
+            Verdict::Allow => match usage.reserve_tool_call(limits) {
+                Ok(usage) => AfterDecision::RecordAndExecute(usage),
+                Err(exceeded) => AfterDecision::Budget(exceeded),
+            },
+        }
+    }
+}
+
 /// Where one call of the last turn stood when its run stopped, read from its recorded
 /// `tool_call` step: what resuming it must do so that nothing is repeated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -369,6 +411,31 @@ mod tests {
         assert!(!ids.contains("call_0"));
         assert!(ids.contains("call_1"));
         assert!(ids.iter().all(|id| !id.is_empty()));
+    }
+
+    #[test]
+    fn only_an_allowed_call_within_budget_is_executed() {
+        let limits = limits(3, 1);
+        let none = BudgetUsage::default();
+        assert_eq!(
+            Verdict::Deny.then(none, &limits),
+            AfterDecision::RecordRefusal
+        );
+        assert_eq!(
+            Verdict::Confirm.then(none, &limits),
+            AfterDecision::RecordAndPark
+        );
+        let AfterDecision::RecordAndExecute(usage) = Verdict::Allow.then(none, &limits) else {
+            panic!("an allowed call within budget runs");
+        };
+        assert_eq!(usage.tool_calls, 1);
+        assert!(matches!(
+            Verdict::Allow.then(usage, &limits),
+            AfterDecision::Budget(BudgetExceeded {
+                limit: BudgetLimit::ToolCalls,
+                ..
+            })
+        ));
     }
 
     #[test]

@@ -25,7 +25,7 @@ use wor_store::{
 };
 use wor_tools::{CanonicalArguments, ResultLimits, prepare_arguments};
 
-use wor_core::run_loop::CallResume;
+use wor_core::run_loop::{AfterDecision, CallResume, Verdict};
 
 use crate::authority::Standing;
 use crate::run_tools::{OfferedTool, RunTools, model_name};
@@ -321,8 +321,13 @@ impl Engine {
             }),
         )
         .await?;
-        match decision.outcome {
-            Outcome::Deny => {
+        let verdict = match decision.outcome {
+            Outcome::Allow => Verdict::Allow,
+            Outcome::Confirm => Verdict::Confirm,
+            Outcome::Deny => Verdict::Deny,
+        };
+        match verdict.then(usage, &scope.limits) {
+            AfterDecision::RecordRefusal => {
                 self.append_step(scope.run, "tool_call", &recorded).await?;
                 Ok(scope.refuse(
                     call,
@@ -334,7 +339,7 @@ impl Engine {
                     ),
                 ))
             }
-            Outcome::Confirm => {
+            AfterDecision::RecordAndPark => {
                 self.append_step(scope.run, "tool_call", &recorded).await?;
                 let arguments_shown = recorded.get("arguments").cloned().unwrap_or(Value::Null);
                 self.park(
@@ -352,12 +357,9 @@ impl Engine {
                 )
                 .await
             }
-            Outcome::Allow => {
-                // 5. Budget, before the call is on record as started.
-                let usage = match usage.reserve_tool_call(&scope.limits) {
-                    Ok(usage) => usage,
-                    Err(exceeded) => return Ok(Answer::Budget(exceeded)),
-                };
+            // 5. Budget, before the call is on record as started.
+            AfterDecision::Budget(exceeded) => Ok(Answer::Budget(exceeded)),
+            AfterDecision::RecordAndExecute(usage) => {
                 self.append_step(scope.run, "tool_call", &recorded).await?;
                 self.store
                     .save_usage(scope.run.id, &self.config.worker_id, &usage)
