@@ -26,6 +26,12 @@ pub(crate) struct RunAuthority {
 }
 
 impl RunAuthority {
+    /// Time left until the run's deadline (zero once it has passed).
+    pub(crate) fn remaining(&self) -> Duration {
+        let left = self.expires_at.saturating_sub(wor_store::now_millis());
+        Duration::from_millis(u64::try_from(left).unwrap_or(0))
+    }
+
     /// Whether `roster_name` (`CONNECTION/TOOL`) is on the run's roster.
     pub(crate) fn allows(&self, roster_name: &str) -> bool {
         self.roster.contains(roster_name)

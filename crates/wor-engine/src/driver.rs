@@ -509,18 +509,26 @@ impl Engine {
             .ok_or_else(|| EngineError::Refused("a model turn does not serialise".to_owned()))
     }
 
-    /// Waits for a tool call, polling for a cancel request; on one, the call is dropped,
-    /// which cancels it on the server.
+    /// Waits for a tool call, polling for a cancel request, at most `remaining` (the run's
+    /// wall time left); on a cancel or at the deadline the call is dropped, which cancels it on
+    /// the server.
     pub(crate) async fn call_until_cancelled(
         &self,
         run: &RunRecord,
+        remaining: Duration,
         call: impl Future<Output = Result<wor_tools::ToolCallResult, String>>,
     ) -> Result<Result<wor_tools::ToolCallResult, String>, EngineError> {
         tokio::pin!(call);
+        let deadline = tokio::time::sleep(remaining);
+        tokio::pin!(deadline);
         let mut poll = tokio::time::interval(CANCEL_POLL);
         loop {
             tokio::select! {
                 result = &mut call => return Ok(result),
+                // The call is dropped (aborted); the next step ends the run on its wall time.
+                () = &mut deadline => {
+                    return Ok(Err("the run's wall time ran out while the tool ran".to_owned()));
+                }
                 _ = poll.tick() => {
                     if self.store.is_cancel_requested(run.id).await? {
                         return Ok(Err("the run was cancelled while the tool ran".to_owned()));

@@ -759,6 +759,7 @@ impl Engine {
             Some(connection) => {
                 self.call_until_cancelled(
                     scope.run,
+                    scope.authority.remaining(),
                     connection.session.call_tool(&offered.tool, arguments.value),
                 )
                 .await?

@@ -835,6 +835,50 @@ mode = "auto"
 }
 
 #[tokio::test]
+async fn the_wall_time_stops_a_tool_call_in_flight() {
+    let desk = Desk::default();
+    let addr = serve_desk(desk.clone()).await;
+    let h = Harness::new().await;
+    h.connect_and_enable("desk", addr, json!({}), &["wait"])
+        .await;
+    // `wait` takes a minute; the run has two seconds.
+    let started = std::time::Instant::now();
+    let run = h
+        .run(
+            r#"
+name = "hurried"
+instructions = "Wait."
+[budget]
+wall_seconds = 2
+[model]
+provider = "replay"
+model = "script"
+[[model.script.turns]]
+tool_calls = [{ name = "desk__wait", arguments = { why = "x" } }]
+[[tools]]
+tool = "desk/wait"
+mode = "auto"
+"#,
+        )
+        .await;
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "the run waited for its tool call"
+    );
+    assert_eq!(run["status"], "budget_exceeded", "{run:#}");
+    assert!(run["outcome"].as_str().unwrap().contains("wall"), "{run:#}");
+    let results = steps_of(&run, "tool_result");
+    assert_eq!(results.len(), 1, "{run:#}");
+    assert!(
+        results[0]["payload"]["result"]["content"]
+            .as_str()
+            .unwrap()
+            .contains("wall time ran out while the tool ran"),
+        "{run:#}"
+    );
+}
+
+#[tokio::test]
 async fn stdio_connections_never_start_without_the_sandbox() {
     let h = Harness::new().await;
     let create = |body: Value| h.call(Method::POST, "/v1/tool-connections", Some(body));
