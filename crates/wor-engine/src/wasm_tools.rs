@@ -5,15 +5,16 @@
 //! at the next run start, exactly as a changed MCP tool does. Compiled components are kept by
 //! digest: a run start compiles only a file it has not seen.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 
 use std::sync::{Arc, Mutex};
 use tokio::io::AsyncReadExt;
 
 use serde_json::{Map, Value, json};
+use wor_core::ProjectId;
 use wor_store::{ToolConnectionRecord, env_field};
 use wor_tools::{ToolCallResult, ToolContent, ToolDefinition};
-use wor_wasm::{WasmComponent, WasmGrants, WasmLimits, WasmRuntime, WasmTool};
+use wor_wasm::{Semaphore, WasmComponent, WasmGrants, WasmLimits, WasmRuntime, WasmTool};
 
 use crate::Engine;
 use crate::tool_connections::{ToolSession, check_stdio_spec, credential_slot};
@@ -22,6 +23,9 @@ use crate::tool_connections::{ToolSession, check_stdio_spec, credential_slot};
 const MAX_COMPONENT_BYTES: u64 = 64 << 20;
 /// Compiled components kept at most; the oldest is dropped beyond this.
 const MAX_CACHED_COMPONENTS: usize = 32;
+/// Wasm instances one project may hold at once: a quarter of the pool, so no project can take
+/// it all.
+const PROJECT_SHARE: usize = wor_wasm::POOL_INSTANCES as usize / 4;
 
 /// The process's Wasm runtime, made at first use, and the components compiled on it by digest.
 #[derive(Clone, Default)]
@@ -34,6 +38,8 @@ struct WasmHostState {
     runtime: Option<WasmRuntime>,
     /// By digest, oldest first.
     components: VecDeque<(String, WasmComponent)>,
+    /// Each project's share of the instance pool.
+    shares: HashMap<ProjectId, Arc<Semaphore>>,
 }
 
 impl std::fmt::Debug for WasmHost {
@@ -43,6 +49,19 @@ impl std::fmt::Debug for WasmHost {
 }
 
 impl WasmHost {
+    /// `project`'s share of the instance pool, shared by all its Wasm tools.
+    fn share(&self, project: ProjectId) -> Result<Arc<Semaphore>, String> {
+        let mut state = self
+            .state
+            .lock()
+            .map_err(|_| "the Wasm runtime is unusable".to_owned())?;
+        Ok(state
+            .shares
+            .entry(project)
+            .or_insert_with(|| Arc::new(Semaphore::new(PROJECT_SHARE)))
+            .clone())
+    }
+
     /// The compiled component for `bytes` (whose SHA-256 is `digest`), compiling it off the
     /// async threads when it is new.
     async fn component(&self, digest: &str, bytes: Vec<u8>) -> Result<WasmComponent, String> {
@@ -149,7 +168,8 @@ impl Engine {
             WasmLimits::default(),
             self.egress.clone(),
         )
-        .map_err(|e| format!("tool connection `{name}`: {e}"))?;
+        .map_err(|e| format!("tool connection `{name}`: {e}"))?
+        .with_share(self.wasm.share(record.project_id)?);
         Ok(ToolSession::Wasm {
             tool: Box::new(tool),
             digest,

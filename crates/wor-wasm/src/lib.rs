@@ -19,6 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::Value;
+pub use tokio::sync::Semaphore;
 use wasmtime::component::{Component, Linker, ResourceTable};
 use wasmtime::{
     Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, ResourceLimiter, Store,
@@ -45,8 +46,9 @@ const EPOCH_TICK: Duration = Duration::from_millis(10);
 const FUEL_YIELD_INTERVAL: u64 = 10_000_000;
 /// The most linear memory any instance can have; a tool's own limit is at most this.
 pub const MAX_MEMORY_BYTES: usize = 256 << 20;
-/// The most instances alive at once across all Wasm tools of the process.
-const POOL_INSTANCES: u32 = 64;
+/// The most instances alive at once across all Wasm tools of the process; a call waits for a
+/// free one (within its deadline) rather than fail.
+pub const POOL_INSTANCES: u32 = 64;
 
 /// What one call may use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -114,6 +116,8 @@ pub enum WasmError {
 pub struct WasmRuntime {
     engine: Engine,
     linker: Arc<Linker<Host>>,
+    /// One permit per instance the pool can hold.
+    slots: Arc<Semaphore>,
 }
 
 impl std::fmt::Debug for WasmRuntime {
@@ -149,6 +153,7 @@ impl WasmRuntime {
         Ok(Self {
             engine,
             linker: Arc::new(linker),
+            slots: Arc::new(Semaphore::new(POOL_INSTANCES as usize)),
         })
     }
 
@@ -162,7 +167,10 @@ impl WasmRuntime {
             .instantiate_pre(&component)
             .map_err(|e| WasmError::Component(format!("{e:#}")))?;
         let pre = ToolPre::new(pre).map_err(|e| WasmError::Component(format!("{e:#}")))?;
-        Ok(WasmComponent { pre })
+        Ok(WasmComponent {
+            pre,
+            slots: self.slots.clone(),
+        })
     }
 
     /// [`WasmRuntime::load`] of a file.
@@ -196,6 +204,7 @@ fn start_epoch_ticker(engine: &Engine) -> Result<(), WasmError> {
 #[derive(Clone)]
 pub struct WasmComponent {
     pre: ToolPre<Host>,
+    slots: Arc<Semaphore>,
 }
 
 impl std::fmt::Debug for WasmComponent {
@@ -211,6 +220,8 @@ pub struct WasmTool {
     grants: Arc<WasmGrants>,
     limits: WasmLimits,
     egress: EgressClient,
+    /// The share of instances its owner (a project) may hold at once, if capped.
+    share: Option<Arc<Semaphore>>,
 }
 
 impl WasmTool {
@@ -239,7 +250,16 @@ impl WasmTool {
             grants: Arc::new(grants),
             limits,
             egress,
+            share: None,
         })
+    }
+
+    /// Caps the instances this tool's calls hold at once to the permits of `share` (shared by
+    /// every tool of one owner), so one owner cannot take the whole pool.
+    #[must_use]
+    pub fn with_share(mut self, share: Arc<Semaphore>) -> Self {
+        self.share = Some(share);
+        self
     }
 
     /// The component's tools: a JSON array of `{name, description, input_schema}`.
@@ -282,6 +302,18 @@ impl WasmTool {
         let mut store = self.store()?;
         let limits = self.limits;
         let run = async {
+            // Waiting for a slot counts against the call's deadline.
+            let _share = match &self.share {
+                Some(share) => Some(share.clone().acquire_owned().await.map_err(closed)?),
+                None => None,
+            };
+            let _slot = self
+                .component
+                .slots
+                .clone()
+                .acquire_owned()
+                .await
+                .map_err(closed)?;
             let tool = self.component.pre.instantiate_async(&mut store).await?;
             call(&tool, &mut store).await
         };
@@ -328,6 +360,10 @@ impl WasmTool {
         store.epoch_deadline_trap();
         Ok(store)
     }
+}
+
+fn closed(_: tokio::sync::AcquireError) -> wasmtime::Error {
+    wasmtime::Error::msg("the Wasm runtime is shutting down")
 }
 
 /// What a failed call came to, most specific first.

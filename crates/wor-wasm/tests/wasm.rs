@@ -315,3 +315,56 @@ async fn what_is_not_a_tool_component_is_refused_when_loaded() {
         .unwrap_err();
     assert!(matches!(missing, WasmError::Read { .. }), "{missing}");
 }
+
+#[tokio::test]
+async fn a_share_caps_the_instances_one_owner_holds_and_waiting_counts_against_the_deadline() {
+    let runtime = WasmRuntime::new().unwrap();
+    let share = Arc::new(wor_wasm::Semaphore::new(1));
+    let busy = probe(
+        &runtime,
+        WasmGrants::default(),
+        WasmLimits {
+            fuel: u64::MAX,
+            timeout: Duration::from_millis(1500),
+            ..WasmLimits::default()
+        },
+    )
+    .with_share(share.clone());
+    let quick = probe(
+        &runtime,
+        WasmGrants::default(),
+        WasmLimits {
+            timeout: Duration::from_millis(300),
+            ..WasmLimits::default()
+        },
+    );
+    let spinning = tokio::spawn(async move { busy.call_tool("spin", &json!({})).await });
+    // Wait until the spinning call holds the owner's one instance.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while share.available_permits() > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the spin never started"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Another owner's tool is not held up by it.
+    assert_eq!(
+        call(&quick, "echo", json!({"text": "free"})).await,
+        Ok("free".to_owned())
+    );
+    // The same owner's next call waits for the instance, and its wait counts.
+    let capped = quick.clone().with_share(share.clone());
+    let error = capped
+        .call_tool("echo", &json!({"text": "x"}))
+        .await
+        .unwrap_err();
+    assert!(matches!(error, WasmError::Deadline(_)), "{error}");
+    let spun = spinning.await.unwrap().unwrap_err();
+    assert!(matches!(spun, WasmError::Deadline(_)), "{spun}");
+    // Freed, the share serves the next call.
+    assert_eq!(
+        call(&capped, "echo", json!({"text": "after"})).await,
+        Ok("after".to_owned())
+    );
+}
