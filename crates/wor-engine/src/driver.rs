@@ -527,11 +527,17 @@ impl Engine {
                 result = &mut call => return Ok(result),
                 // The call is dropped (aborted); the next step ends the run on its wall time.
                 () = &mut deadline => {
-                    return Ok(Err("the run's wall time ran out while the tool ran".to_owned()));
+                    return Ok(Err(
+                        "it was stopped when the run's wall time ran out; its outcome is unknown"
+                            .to_owned(),
+                    ));
                 }
                 _ = poll.tick() => {
                     if self.store.is_cancel_requested(run.id).await? {
-                        return Ok(Err("the run was cancelled while the tool ran".to_owned()));
+                        return Ok(Err(
+                            "it was stopped when the run was cancelled; its outcome is unknown"
+                                .to_owned(),
+                        ));
                     }
                     if !self.store.renew_lease(run.id, &self.config.worker_id, lease_ms(&self.config)).await? {
                         return Err(EngineError::Refused("the run's lease was lost to another worker".to_owned()));

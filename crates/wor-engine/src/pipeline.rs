@@ -222,26 +222,33 @@ impl Engine {
     ) -> Result<Answer, EngineError> {
         // The run's credential first: nothing is reserved, recorded or used for a run whose
         // credential has ended.
-        match self.credential_standing(scope.authority).await? {
-            Standing::Live => {}
-            Standing::Expired => {
-                return Ok(Answer::Budget(wor_core::budget::BudgetExceeded {
-                    limit: wor_core::budget::BudgetLimit::WallTime,
-                    used: scope.limits.wall_seconds,
-                    allowed: scope.limits.wall_seconds,
-                }));
-            }
-            Standing::Ended => {
-                return Ok(Answer::Fail(
-                    "the run's credential is no longer valid (the run was parked, ended or taken over); the call did not run"
-                        .to_owned(),
-                ));
-            }
+        if let Some(answer) = self.present_credential(scope).await? {
+            return Ok(answer);
         }
         match &pending.recorded {
             None => self.answer_fresh(scope, &pending.call, usage).await,
             Some(step) => self.resume_call(scope, pending, step, usage).await,
         }
+    }
+
+    /// Presents the run's credential: `None` when it is live, else how the run ends — past
+    /// its deadline as over its wall time, otherwise failed.
+    async fn present_credential(
+        &self,
+        scope: &CallScope<'_>,
+    ) -> Result<Option<Answer>, EngineError> {
+        Ok(match self.credential_standing(scope.authority).await? {
+            Standing::Live => None,
+            Standing::Expired => Some(Answer::Budget(wor_core::budget::BudgetExceeded {
+                limit: wor_core::budget::BudgetLimit::WallTime,
+                used: scope.limits.wall_seconds,
+                allowed: scope.limits.wall_seconds,
+            })),
+            Standing::Ended => Some(Answer::Fail(
+                "the run's credential is no longer valid (the run was parked, ended or taken over); the call did not run"
+                    .to_owned(),
+            )),
+        })
     }
 
     async fn answer_fresh(
@@ -754,6 +761,10 @@ impl Engine {
             && let Some(refusal) = self.recheck_if_changed(scope.run, connection).await?
         {
             return Ok(Answer::Fail(refusal));
+        }
+        // Presented again right before the call: the decision and the record came between.
+        if let Some(answer) = self.present_credential(scope).await? {
+            return Ok(answer);
         }
         let outcome = match scope.tools.connections.get(&offered.connection) {
             Some(connection) => {

@@ -873,7 +873,7 @@ mode = "auto"
         results[0]["payload"]["result"]["content"]
             .as_str()
             .unwrap()
-            .contains("wall time ran out while the tool ran"),
+            .contains("stopped when the run's wall time ran out; its outcome is unknown"),
         "{run:#}"
     );
 }

@@ -135,8 +135,11 @@ impl WasmRuntime {
             .total_tables(POOL_INSTANCES * 8)
             .total_stacks(POOL_INSTANCES)
             .max_memory_size(MAX_MEMORY_BYTES)
-            .max_memories_per_component(4)
-            .max_tables_per_component(16);
+            // Per component at most what the pool holds per slot on average, so a component
+            // that loads always fits in one slot.
+            .max_core_instances_per_component(8)
+            .max_memories_per_component(2)
+            .max_tables_per_component(8);
         let mut config = Config::new();
         config
             .consume_fuel(true)
@@ -299,25 +302,34 @@ impl WasmTool {
             Box<dyn std::future::Future<Output = wasmtime::Result<R>> + Send + 'a>,
         >,
     ) -> Result<R, WasmError> {
-        let mut store = self.store()?;
         let limits = self.limits;
-        let run = async {
-            // Waiting for a slot counts against the call's deadline.
-            let _share = match &self.share {
-                Some(share) => Some(share.clone().acquire_owned().await.map_err(closed)?),
+        let deadline = tokio::time::Instant::now() + limits.timeout;
+        // The owner's share and a pool slot first, waiting within the call's deadline; both are
+        // held until the instance is gone (declared before the store, dropped after it).
+        let permits = tokio::time::timeout_at(deadline, async {
+            let share = match &self.share {
+                Some(share) => Some(share.clone().acquire_owned().await?),
                 None => None,
             };
-            let _slot = self
-                .component
-                .slots
-                .clone()
-                .acquire_owned()
-                .await
-                .map_err(closed)?;
+            let slot = self.component.slots.clone().acquire_owned().await?;
+            Ok::<_, tokio::sync::AcquireError>((share, slot))
+        })
+        .await;
+        let _permits = match permits {
+            Err(_) => return Err(WasmError::Deadline(limits.timeout)),
+            Ok(Err(_)) => {
+                return Err(WasmError::Setup(
+                    "the Wasm runtime is shutting down".to_owned(),
+                ));
+            }
+            Ok(Ok(permits)) => permits,
+        };
+        let mut store = self.store()?;
+        let run = async {
             let tool = self.component.pre.instantiate_async(&mut store).await?;
             call(&tool, &mut store).await
         };
-        match tokio::time::timeout(limits.timeout, run).await {
+        match tokio::time::timeout_at(deadline, run).await {
             Err(_) => Err(WasmError::Deadline(limits.timeout)),
             Ok(Ok(value)) => Ok(value),
             Ok(Err(error)) => Err(classify(&error, &store, limits)),
@@ -360,10 +372,6 @@ impl WasmTool {
         store.epoch_deadline_trap();
         Ok(store)
     }
-}
-
-fn closed(_: tokio::sync::AcquireError) -> wasmtime::Error {
-    wasmtime::Error::msg("the Wasm runtime is shutting down")
 }
 
 /// What a failed call came to, most specific first.
