@@ -199,6 +199,32 @@ impl Engine {
                 "tool connection `{name}` is a stdio MCP server, which runs only in the sandbox; this server has no sandbox"
             ));
         };
+        let (spec, env) = self.local_command(record).await?;
+        let command = wor_tools::StdioCommand {
+            program: spec.program.clone(),
+            args: spec.args.clone(),
+            env,
+            egress_allowlist: wor_egress::HostAllowlist::parse(&record.allowlist).map_err(|e| {
+                format!("the allowlist of tool connection `{name}` is invalid: {e}")
+            })?,
+            read_only_paths: spec.read_only_paths.iter().map(PathBuf::from).collect(),
+        };
+        McpSession::connect_stdio(
+            &wor_tools::Sandboxed::new(sandbox.clone()),
+            &command,
+            McpLimits::default(),
+        )
+        .await
+        .map_err(|e| format!("tool connection `{name}` cannot be started: {e}"))
+    }
+
+    /// A local connection's (`mcp_stdio`, `wasm`) command, checked against the operator's
+    /// allowed roots, and its environment, opened from the vault now.
+    pub(crate) async fn local_command<'a>(
+        &self,
+        record: &'a ToolConnectionRecord,
+    ) -> Result<(&'a StdioSpec, Vec<(String, SecretString)>), String> {
+        let name = &record.name;
         let spec = record
             .command
             .as_ref()
@@ -216,22 +242,7 @@ impl Engine {
                 .await?;
             env.push((variable.clone(), value));
         }
-        let command = wor_tools::StdioCommand {
-            program: spec.program.clone(),
-            args: spec.args.clone(),
-            env,
-            egress_allowlist: wor_egress::HostAllowlist::parse(&record.allowlist).map_err(|e| {
-                format!("the allowlist of tool connection `{name}` is invalid: {e}")
-            })?,
-            read_only_paths: spec.read_only_paths.iter().map(PathBuf::from).collect(),
-        };
-        McpSession::connect_stdio(
-            &wor_tools::Sandboxed::new(sandbox.clone()),
-            &command,
-            McpLimits::default(),
-        )
-        .await
-        .map_err(|e| format!("tool connection `{name}` cannot be started: {e}"))
+        Ok((spec, env))
     }
 
     async fn open_secret(&self, slot: &SecretSlot, name: &str) -> Result<SecretString, String> {

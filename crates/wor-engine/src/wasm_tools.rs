@@ -12,12 +12,12 @@ use tokio::io::AsyncReadExt;
 
 use serde_json::{Map, Value, json};
 use wor_core::ProjectId;
-use wor_store::{ToolConnectionRecord, env_field};
+use wor_store::ToolConnectionRecord;
 use wor_tools::{ToolCallResult, ToolContent, ToolDefinition};
 use wor_wasm::{Semaphore, WasmComponent, WasmGrants, WasmLimits, WasmRuntime, WasmTool};
 
 use crate::Engine;
-use crate::tool_connections::{ToolSession, check_stdio_spec, credential_slot};
+use crate::tool_connections::ToolSession;
 
 /// The largest component file accepted.
 const MAX_COMPONENT_BYTES: u64 = 64 << 20;
@@ -107,16 +107,7 @@ impl Engine {
         record: &ToolConnectionRecord,
     ) -> Result<ToolSession, String> {
         let name = &record.name;
-        let spec = record
-            .command
-            .as_ref()
-            .ok_or_else(|| format!("tool connection `{name}` has no command"))?;
-        check_stdio_spec(
-            spec,
-            &self.config.stdio_allowed_roots,
-            &self.config.protected_paths,
-        )
-        .map_err(|e| format!("tool connection `{name}`: {e}"))?;
+        let (spec, env) = self.local_command(record).await?;
         let bytes = read_component(&spec.program)
             .await
             .map_err(|e| format!("tool connection `{name}`: {e}"))?;
@@ -126,17 +117,16 @@ impl Engine {
             .component(&digest, bytes)
             .await
             .map_err(|e| format!("tool connection `{name}`: {e}"))?;
-        let mut env = Vec::with_capacity(spec.env_names.len());
-        for variable in &spec.env_names {
-            let slot = credential_slot(record, env_field(variable));
-            let value = self.vault.open(&slot).await.map_err(|e| {
-                format!("a credential of tool connection `{name}` cannot be opened: {e}")
-            })?;
-            env.push((
-                variable.clone(),
-                secrecy::ExposeSecret::expose_secret(&value).to_owned(),
-            ));
-        }
+        // WASI takes plain strings: the values live in the call's store only.
+        let env = env
+            .into_iter()
+            .map(|(variable, value)| {
+                (
+                    variable,
+                    secrecy::ExposeSecret::expose_secret(&value).to_owned(),
+                )
+            })
+            .collect();
         let allowlist = if record.allowlist.is_empty() {
             None
         } else {

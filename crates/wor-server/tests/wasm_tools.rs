@@ -10,7 +10,6 @@
     reason = "tests fail loudly"
 )]
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -19,25 +18,7 @@ use serde_json::{Value, json};
 
 mod common;
 
-use common::{Harness, reviewed_hashes, serve, steps_of};
-
-/// The probe component: `WOR_WASM_PROBE`, or the release build under the target dir.
-fn probe_component() -> PathBuf {
-    let path = std::env::var_os("WOR_WASM_PROBE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            let target = std::env::var_os("CARGO_TARGET_DIR")
-                .map(PathBuf::from)
-                .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target"));
-            target.join("wasm32-wasip2/release/wor_wasm_probe.wasm")
-        });
-    assert!(
-        path.is_file(),
-        "the probe component is not built at {}: run `bash .ci/wasm-fixtures.sh` (or set WOR_WASM_PROBE)",
-        path.display()
-    );
-    path
-}
+use common::{Harness, serve, steps_of};
 
 const SECRET: &str = "probe-secret-0123456789abcdef";
 
@@ -79,7 +60,7 @@ mode = "auto"
 async fn a_wasm_component_runs_as_a_tool_connection_pinned_to_its_file() {
     let root = tempfile::tempdir().unwrap();
     let component = root.path().join("probe.wasm");
-    std::fs::copy(probe_component(), &component).unwrap();
+    std::fs::copy(wor_wasm::testing::probe_component(), &component).unwrap();
     let h = Harness::with_config(wor_engine::EngineConfig {
         stdio_allowed_roots: vec![root.path().to_owned()],
         ..wor_engine::EngineConfig::default()
@@ -143,14 +124,7 @@ async fn a_wasm_component_runs_as_a_tool_connection_pinned_to_its_file() {
     assert_eq!(created["status"], "pending_review");
     assert!(!created.to_string().contains(SECRET));
     let id = created["id"].as_str().unwrap().to_owned();
-    let (status, review) = h
-        .call(
-            Method::GET,
-            &format!("/v1/tool-connections/{id}/review"),
-            None,
-        )
-        .await;
-    assert_eq!(status, StatusCode::OK, "{review}");
+    let (review, _) = h.review_and_enable(&id, &["echo", "env"]).await;
     let digest = wor_core::canonical::sha256_hex(&std::fs::read(&component).unwrap());
     let tools = review["tools"].as_array().unwrap();
     assert_eq!(tools.len(), 9, "{review}");
@@ -160,15 +134,6 @@ async fn a_wasm_component_runs_as_a_tool_connection_pinned_to_its_file() {
             .all(|t| t["annotations"]["component_sha256"] == digest.as_str()),
         "{review}"
     );
-    let hashes = reviewed_hashes(&review);
-    let (status, enabled) = h
-        .call(
-            Method::POST,
-            &format!("/v1/tool-connections/{id}/enable"),
-            Some(json!({"tools": hashes, "read_only": ["echo", "env"]})),
-        )
-        .await;
-    assert_eq!(status, StatusCode::OK, "{enabled}");
 
     let run = h.run(&routine(addr)).await;
     assert_eq!(run["status"], "succeeded", "{run:#}");

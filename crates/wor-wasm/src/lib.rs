@@ -13,6 +13,8 @@
 //! INVARIANT: nothing a component does reaches the network except through [`EgressClient`].
 
 mod http;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -18,22 +18,8 @@ use serde_json::{Value, json};
 use wor_egress::{EgressClient, EgressLimits, EgressPolicy, HostAllowlist, StaticResolver};
 use wor_wasm::{WasmError, WasmGrants, WasmLimits, WasmRuntime, WasmTool};
 
-/// Where the probe component is: `WOR_WASM_PROBE`, or the release build under the target dir.
 fn probe_path() -> PathBuf {
-    let path = std::env::var_os("WOR_WASM_PROBE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            let target = std::env::var_os("CARGO_TARGET_DIR")
-                .map(PathBuf::from)
-                .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target"));
-            target.join("wasm32-wasip2/release/wor_wasm_probe.wasm")
-        });
-    assert!(
-        path.is_file(),
-        "the probe component is not built at {}: run `bash .ci/wasm-fixtures.sh` (or set WOR_WASM_PROBE)",
-        path.display()
-    );
-    path
+    wor_wasm::testing::probe_component()
 }
 
 /// An egress client whose policy lets loopback through, the way an operator lists a CIDR.

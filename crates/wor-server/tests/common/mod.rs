@@ -149,6 +149,17 @@ impl Harness {
         assert_eq!(status, StatusCode::CREATED, "{created}");
         assert_eq!(created["status"], "pending_review");
         let id = created["id"].as_str().unwrap().to_owned();
+        let (_, hashes) = self.review_and_enable(&id, read_only).await;
+        (id, hashes)
+    }
+
+    /// Reviews connection `id` and enables every tool the review lists, `read_only`
+    /// classified read-only. Returns the review and the hashes it pinned.
+    pub async fn review_and_enable(
+        &self,
+        id: &str,
+        read_only: &[&str],
+    ) -> (Value, BTreeMap<String, String>) {
         let (status, review) = self
             .call(
                 Method::GET,
@@ -167,7 +178,7 @@ impl Harness {
             .await;
         assert_eq!(status, StatusCode::OK, "{enabled}");
         assert_eq!(enabled["status"], "enabled");
-        (id, hashes)
+        (review, hashes)
     }
 
     /// Applies `routine`, starts a run, drives it to its end, and returns it with its steps.
