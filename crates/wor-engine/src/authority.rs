@@ -5,8 +5,9 @@
 //! included, is answered only after the token is presented and found live — stored, before its
 //! deadline, its run still running under this claim — and executed only when the tool is on the
 //! run's roster.
-//! Parking or ending the run deletes the token in the same statement, so nothing executes for a
-//! run that is no longer being driven here, whatever the driving code believes.
+//! Parking, ending or claiming the run again deletes the token in the same transaction, so
+//! nothing executes for a run that is no longer being driven here, whatever the driving code
+//! believes.
 
 use std::collections::BTreeSet;
 use std::time::Duration;
