@@ -256,7 +256,8 @@ pub async fn run(cmd: ToolConnectionCommand) -> anyhow::Result<ExitCode> {
                 (None, Some(component)) => {
                     json!({"name": name, "kind": kind.as_deref().unwrap_or("wasm"),
                     "allowlist": allowlist,
-                    "command": {"program": component, "read_only_paths": read_only},
+                    // Any `--arg` goes along, for the server to refuse: a component takes none.
+                    "command": {"program": component, "args": args, "read_only_paths": read_only},
                     "env": read_headers(&env)?})
                 }
                 (None, None) => json!({"name": name, "kind": kind.as_deref().unwrap_or("mcp_http"),
