@@ -1,5 +1,6 @@
-//! A stdio MCP server — the reference server-everything under node — running inside the
-//! mandatory sandbox, spoken to over its pipes; the sandbox is the `wor` binary's own helper.
+//! Local tools through the real binary: a stdio MCP server — the reference server-everything
+//! under node — running inside the mandatory sandbox, spoken to over its pipes (the sandbox is
+//! the `wor` binary's own helper); and a Wasm tool component.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -202,5 +203,102 @@ fn a_stdio_connection_runs_a_routine_inside_the_sandbox_through_the_api() {
     let shown = text(&run.stdout);
     assert!(run.status.success(), "{shown}\n{}", text(&run.stderr));
     assert!(shown.contains("Echo: hi from the sandbox"), "{shown}");
+    server.stop();
+}
+
+/// A Wasm tool through the real binary: `wor connection create --wasm`, review, enable and a
+/// routine that calls it; an argument for the component is refused, not dropped.
+#[test]
+fn a_wasm_connection_runs_a_routine_through_the_cli() {
+    use common::{Server, create_project, database_args, text};
+
+    let dir = tempfile::tempdir().unwrap();
+    let tools = dir.path().join("tools");
+    std::fs::create_dir(&tools).unwrap();
+    let component = tools.join("probe.wasm");
+    std::fs::copy(wor_wasm::testing::probe_component(), &component).unwrap();
+    let config = dir.path().join("wor.toml");
+    std::fs::write(
+        &config,
+        format!("[sandbox]\nallowed_paths = [\"{}\"]\n", tools.display()),
+    )
+    .unwrap();
+    let mut db = database_args(dir.path());
+    db.extend(["--config".to_owned(), config.display().to_string()]);
+    let key = create_project(&db);
+    let server = Server::start(&db, &[]);
+    let client = |args: &[&str]| {
+        let mut cmd = common::wor(args);
+        cmd.env("WOR_SERVER", &server.url)
+            .env("WOR_API_KEY", &key)
+            .env("PROBE_VALUE", "from-the-cli");
+        common::run(&mut cmd)
+    };
+    let program = component.display().to_string();
+
+    let refused = client(&[
+        "connection",
+        "create",
+        "probe",
+        "--wasm",
+        &program,
+        "--arg",
+        "x",
+    ]);
+    assert!(!refused.status.success());
+    assert!(
+        text(&refused.stderr).contains("takes no `args`"),
+        "{}",
+        text(&refused.stderr)
+    );
+    let created = client(&[
+        "connection",
+        "create",
+        "probe",
+        "--wasm",
+        &program,
+        "--env-from",
+        "PROBE_GIVEN=PROBE_VALUE",
+        "--json",
+    ]);
+    assert!(created.status.success(), "{}", text(&created.stderr));
+    let created: serde_json::Value = serde_json::from_slice(&created.stdout).unwrap();
+    assert_eq!(created["kind"], "wasm");
+    assert_eq!(
+        created["credentials"]["env:PROBE_GIVEN"]["configured"],
+        true
+    );
+    let id = created["id"].as_str().unwrap().to_owned();
+    let review = client(&["connection", "review", &id, "--json"]);
+    assert!(review.status.success(), "{}", text(&review.stderr));
+    let review_file = dir.path().join("review.json");
+    std::fs::write(&review_file, &review.stdout).unwrap();
+    let enabled = client(&[
+        "connection",
+        "enable",
+        &id,
+        "--from-review",
+        review_file.to_str().unwrap(),
+        "--read-only",
+        "echo",
+    ]);
+    assert!(enabled.status.success(), "{}", text(&enabled.stderr));
+
+    let routine = dir.path().join("probe.toml");
+    std::fs::write(
+        &routine,
+        "name = \"prober\"\ninstructions = \"Echo.\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\n\
+         [[model.script.turns]]\nwhen = { last_tool_result_contains = \"hi from wasm\" }\ntext = \"echoed\"\n\
+         [[model.script.turns]]\ntool_calls = [{ name = \"probe__echo\", arguments = { text = \"hi from wasm\" } }]\n\
+         [[tools]]\ntool = \"probe/echo\"\nmode = \"auto\"\n",
+    )
+    .unwrap();
+    let applied = client(&["routine", "apply", "-f", routine.to_str().unwrap()]);
+    assert!(applied.status.success(), "{}", text(&applied.stderr));
+    let run = client(&["run", "start", "prober", "--follow"]);
+    let shown = text(&run.stdout);
+    assert!(run.status.success(), "{shown}\n{}", text(&run.stderr));
+    assert!(shown.contains("hi from wasm"), "{shown}");
+    assert!(shown.contains("echoed"), "{shown}");
     server.stop();
 }
