@@ -61,6 +61,15 @@ pub struct NewRun {
     pub parent: Option<ParentLink>,
 }
 
+/// The limits a claim of the queue checks as it is written.
+#[derive(Debug, Clone, Copy)]
+struct ClaimLimits<'a> {
+    /// The candidate's routine (`rtn_…`), whose `max_concurrent` holds.
+    routine: &'a str,
+    /// At most this many running runs per project.
+    max_per_project: u64,
+}
+
 /// Where a nested run sits: its root and parent runs, its depth, and what is left of the
 /// root's budget (JSON budget limits) when it started.
 #[derive(Debug, Clone)]
@@ -288,7 +297,7 @@ impl Store {
         max_per_project: u64,
     ) -> Result<Option<RunRecord>, StoreError> {
         let candidates = sqlx::query(
-            "SELECT r.id, r.project_id FROM runs r WHERE r.status = 'queued' AND \
+            "SELECT r.id, r.project_id, r.routine_id FROM runs r WHERE r.status = 'queued' AND \
              (SELECT COUNT(*) FROM runs x WHERE x.routine_id = r.routine_id \
               AND x.status IN ('running', 'waiting_for_approval')) < r.max_concurrent AND \
              (SELECT COUNT(*) FROM runs y WHERE y.project_id = r.project_id \
@@ -301,16 +310,24 @@ impl Store {
         for row in candidates {
             let project: ProjectId =
                 parse_column(&row.try_get::<String, _>("project_id")?, "runs.project_id")?;
+            let routine: String = row.try_get("routine_id")?;
             let id: RunId = parse_column(&row.try_get::<String, _>("id")?, "runs.id")?;
-            if let Some(run) = self.claim_run_by_id(project, id, worker, lease_ms).await? {
+            let limits = ClaimLimits {
+                routine: &routine,
+                max_per_project,
+            };
+            if let Some(run) = self
+                .claim(project, id, worker, lease_ms, Some(limits))
+                .await?
+            {
                 return Ok(Some(run));
             }
         }
         Ok(None)
     }
 
-    /// Claims one queued run by id for `worker`: the claim of [`Store::claim_run`], and of a
-    /// parent driving its nested run at once. Time spent parked is added to `parked_ms`.
+    /// Claims one queued run by id for `worker`, whatever the limits: a parent driving its
+    /// nested run at once. Time spent parked is added to `parked_ms`.
     pub async fn claim_run_by_id(
         &self,
         project: ProjectId,
@@ -318,21 +335,55 @@ impl Store {
         worker: &str,
         lease_ms: i64,
     ) -> Result<Option<RunRecord>, StoreError> {
+        self.claim(project, id, worker, lease_ms, None).await
+    }
+
+    /// Claims queued run `id` for `worker`. With `limits`, only if its routine and project
+    /// still have a free slot when the claim is written, so the limits hold however many
+    /// workers claim at once: on PostgreSQL the claims of one project take turns (an advisory
+    /// lock for the transaction) and each sees the others' committed claims; SQLite has one
+    /// writer at a time already.
+    async fn claim(
+        &self,
+        project: ProjectId,
+        id: RunId,
+        worker: &str,
+        lease_ms: i64,
+        limits: Option<ClaimLimits<'_>>,
+    ) -> Result<Option<RunRecord>, StoreError> {
         let now = now_millis();
         let mut tx = self.pool().begin().await?;
-        let claimed = sqlx::query(
+        if limits.is_some() && self.backend() == crate::Backend::Postgres {
+            sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
+                .bind(project.to_string())
+                .execute(&mut *tx)
+                .await?;
+        }
+        let within_limits = if limits.is_some() {
+            " AND (SELECT COUNT(*) FROM runs x WHERE x.routine_id = $6 \
+             AND x.status IN ('running', 'waiting_for_approval')) < max_concurrent \
+             AND (SELECT COUNT(*) FROM runs y WHERE y.project_id = $4 AND y.status = 'running') < $7"
+        } else {
+            ""
+        };
+        let sql = format!(
             "UPDATE runs SET status = 'running', lease_owner = $1, lease_expires_at = $2, \
              started_at = COALESCE(started_at, $3), updated_at = $3, \
              parked_ms = parked_ms + COALESCE($3 - parked_at, 0), parked_at = NULL \
-             WHERE project_id = $4 AND id = $5 AND status = 'queued'",
-        )
-        .bind(worker)
-        .bind(now + lease_ms)
-        .bind(now)
-        .bind(project.to_string())
-        .bind(id.to_string())
-        .execute(&mut *tx)
-        .await?;
+             WHERE project_id = $4 AND id = $5 AND status = 'queued'{within_limits}"
+        );
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(worker)
+            .bind(now + lease_ms)
+            .bind(now)
+            .bind(project.to_string())
+            .bind(id.to_string());
+        if let Some(limits) = limits {
+            query = query
+                .bind(limits.routine.to_owned())
+                .bind(to_i64(limits.max_per_project));
+        }
+        let claimed = query.execute(&mut *tx).await?;
         if claimed.rows_affected() != 1 {
             tx.rollback().await?;
             return Ok(None);

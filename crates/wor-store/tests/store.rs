@@ -744,3 +744,99 @@ async fn an_ended_nested_run_always_releases_its_parked_parent() {
         RunStatus::Queued
     );
 }
+
+/// Many workers claiming the queue at once never run more of a routine than its
+/// `max_concurrent`, nor more of a project than the per-project limit (on both backends).
+#[tokio::test]
+async fn concurrent_claims_keep_the_routine_and_project_limits() {
+    use wor_core::run::{Provenance, RunStatus};
+    use wor_store::{NewRun, RunFilter};
+    let db = TestDatabase::isolated().await.unwrap();
+    let project = new_project(&db).await;
+    let store = db.store.clone();
+    let mut routines = Vec::new();
+    for name in ["narrow", "wide"] {
+        let toml = format!(
+            "name = \"{name}\"\ninstructions = \"x\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\nscript = {{ turns = [] }}\n"
+        );
+        let definition = wor_core::routine::RoutineDefinition::from_toml(&toml).unwrap();
+        let routine = store
+            .apply_routine(project, &toml, &definition, None)
+            .await
+            .unwrap()
+            .routine
+            .id;
+        routines.push(routine);
+    }
+    let queue = |routine, max_concurrent, count| {
+        let store = store.clone();
+        async move {
+            for _ in 0..count {
+                let new = NewRun {
+                    routine_id: routine,
+                    routine_version: 1,
+                    trigger_kind: "api".to_owned(),
+                    started_by: None,
+                    max_concurrent,
+                    status: RunStatus::Queued,
+                    outcome: None,
+                    trigger_key: None,
+                    input_provenance: Provenance::Requester,
+                    thread: None,
+                    memory: None,
+                    parent: None,
+                };
+                store
+                    .create_run(project, new, &serde_json::json!("x"))
+                    .await
+                    .unwrap();
+            }
+        }
+    };
+    // `narrow` runs at most 2 at once; the project at most 5.
+    queue(routines[0], 2, 10).await;
+    queue(routines[1], 100, 10).await;
+    let mut workers = Vec::new();
+    for w in 0..12 {
+        let store = store.clone();
+        workers.push(tokio::spawn(async move {
+            let worker = format!("worker-{w}");
+            let mut claimed = 0;
+            while store.claim_run(&worker, 60_000, 5).await.unwrap().is_some() {
+                claimed += 1;
+            }
+            claimed
+        }));
+    }
+    let mut total = 0;
+    for worker in workers {
+        total += worker.await.unwrap();
+    }
+    let running = |routine: Option<wor_core::RoutineId>| {
+        let store = store.clone();
+        async move {
+            store
+                .list_runs(
+                    project,
+                    &RunFilter {
+                        routine_id: routine,
+                        status: Some(RunStatus::Running),
+                        limit: 200,
+                        ..Default::default()
+                    },
+                )
+                .await
+                .unwrap()
+                .len()
+        }
+    };
+    assert_eq!(
+        total, 5,
+        "the project limit bounds what all workers claimed"
+    );
+    assert_eq!(running(None).await, 5);
+    assert!(
+        running(Some(routines[0])).await <= 2,
+        "narrow ran more than 2"
+    );
+}
