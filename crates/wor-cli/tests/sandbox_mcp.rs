@@ -101,35 +101,104 @@ async fn server_everything_runs_over_stdio_inside_the_sandbox() {
 
 mod common;
 
+/// A real `wor serve` whose operator allows local tools under `allowed`, and the CLI against
+/// it as the project's owner, with `env` (one variable) set for `--env-from`.
+struct LocalTools {
+    dir: tempfile::TempDir,
+    server: common::Server,
+    key: String,
+    env: (&'static str, &'static str),
+}
+
+impl LocalTools {
+    fn start(
+        dir: tempfile::TempDir,
+        allowed: &std::path::Path,
+        env: (&'static str, &'static str),
+    ) -> Self {
+        let config = dir.path().join("wor.toml");
+        std::fs::write(
+            &config,
+            format!("[sandbox]\nallowed_paths = [\"{}\"]\n", allowed.display()),
+        )
+        .unwrap();
+        let mut db = common::database_args(dir.path());
+        db.extend(["--config".to_owned(), config.display().to_string()]);
+        let key = common::create_project(&db);
+        let server = common::Server::start(&db, &[]);
+        LocalTools {
+            dir,
+            server,
+            key,
+            env,
+        }
+    }
+
+    fn client(&self, args: &[&str]) -> std::process::Output {
+        let mut cmd = common::wor(args);
+        cmd.env("WOR_SERVER", &self.server.url)
+            .env("WOR_API_KEY", &self.key)
+            .env(self.env.0, self.env.1);
+        common::run(&mut cmd)
+    }
+
+    /// Reviews connection `id` (saving the review) and enables what it lists, `read_only`
+    /// classified read-only.
+    fn review_and_enable(&self, id: &str, read_only: &str) {
+        let review = self.client(&["connection", "review", id, "--json"]);
+        assert!(review.status.success(), "{}", common::text(&review.stderr));
+        let review_file = self.dir.path().join("review.json");
+        std::fs::write(&review_file, &review.stdout).unwrap();
+        let enabled = self.client(&[
+            "connection",
+            "enable",
+            id,
+            "--from-review",
+            review_file.to_str().unwrap(),
+            "--read-only",
+            read_only,
+        ]);
+        assert!(
+            enabled.status.success(),
+            "{}",
+            common::text(&enabled.stderr)
+        );
+    }
+
+    /// Applies routine `toml` named `name` and runs it with `--follow`; returns what it showed.
+    fn run_routine(&self, name: &str, toml: &str) -> String {
+        let routine = self.dir.path().join(format!("{name}.toml"));
+        std::fs::write(&routine, toml).unwrap();
+        let applied = self.client(&["routine", "apply", "-f", routine.to_str().unwrap()]);
+        assert!(
+            applied.status.success(),
+            "{}",
+            common::text(&applied.stderr)
+        );
+        let run = self.client(&["run", "start", name, "--follow"]);
+        let shown = common::text(&run.stdout);
+        assert!(
+            run.status.success(),
+            "{shown}\n{}",
+            common::text(&run.stderr)
+        );
+        shown
+    }
+}
+
 /// Through the real server: an admin creates a `mcp_stdio` connection whose program and paths
 /// lie where the operator's configuration allows; review starts it in the sandbox; a routine
 /// calls its tool through the whole pipeline. Paths outside the allowed roots are refused.
 #[test]
 fn a_stdio_connection_runs_a_routine_inside_the_sandbox_through_the_api() {
-    use common::{Server, create_project, database_args, text};
+    use common::text;
 
     let entry = everything_entry();
     let package = entry.ancestors().nth(2).unwrap().to_path_buf();
     let node_modules = package.ancestors().nth(2).unwrap().to_path_buf();
     let root = node_modules.parent().unwrap().to_path_buf();
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("wor.toml");
-    std::fs::write(
-        &config,
-        format!("[sandbox]\nallowed_paths = [\"{}\"]\n", root.display()),
-    )
-    .unwrap();
-    let mut db = database_args(dir.path());
-    db.extend(["--config".to_owned(), config.display().to_string()]);
-    let key = create_project(&db);
-    let server = Server::start(&db, &[]);
-    let client = |args: &[&str]| {
-        let mut cmd = common::wor(args);
-        cmd.env("WOR_SERVER", &server.url)
-            .env("WOR_API_KEY", &key)
-            .env("TOOL_HOME", "/tmp");
-        common::run(&mut cmd)
-    };
+    let tools = LocalTools::start(tempfile::tempdir().unwrap(), &root, ("TOOL_HOME", "/tmp"));
+    let client = |args: &[&str]| tools.client(args);
     let entry_arg = entry.display().to_string();
     let node_modules_arg = node_modules.display().to_string();
 
@@ -173,67 +242,32 @@ fn a_stdio_connection_runs_a_routine_inside_the_sandbox_through_the_api() {
     assert_eq!(created["kind"], "mcp_stdio");
     assert_eq!(created["credentials"]["env:HOME"]["configured"], true);
     let id = created["id"].as_str().unwrap().to_owned();
-    let review = client(&["connection", "review", &id, "--json"]);
-    assert!(review.status.success(), "{}", text(&review.stderr));
-    let review_file = dir.path().join("review.json");
-    std::fs::write(&review_file, &review.stdout).unwrap();
-    let enabled = client(&[
-        "connection",
-        "enable",
-        &id,
-        "--from-review",
-        review_file.to_str().unwrap(),
-        "--read-only",
-        "echo",
-    ]);
-    assert!(enabled.status.success(), "{}", text(&enabled.stderr));
+    tools.review_and_enable(&id, "echo");
 
-    let routine = dir.path().join("echo.toml");
-    std::fs::write(
-        &routine,
+    let shown = tools.run_routine(
+        "echoer",
         "name = \"echoer\"\ninstructions = \"Echo.\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\n\
          [[model.script.turns]]\nwhen = { last_tool_result_contains = \"Echo:\" }\ntext = \"echoed\"\n\
          [[model.script.turns]]\ntool_calls = [{ name = \"ev__echo\", arguments = { message = \"hi from the sandbox\" } }]\n\
          [[tools]]\ntool = \"ev/echo\"\nmode = \"auto\"\n",
-    )
-    .unwrap();
-    let applied = client(&["routine", "apply", "-f", routine.to_str().unwrap()]);
-    assert!(applied.status.success(), "{}", text(&applied.stderr));
-    let run = client(&["run", "start", "echoer", "--follow"]);
-    let shown = text(&run.stdout);
-    assert!(run.status.success(), "{shown}\n{}", text(&run.stderr));
+    );
     assert!(shown.contains("Echo: hi from the sandbox"), "{shown}");
-    server.stop();
+    tools.server.stop();
 }
 
 /// A Wasm tool through the real binary: `wor connection create --wasm`, review, enable and a
 /// routine that calls it; an argument for the component is refused, not dropped.
 #[test]
 fn a_wasm_connection_runs_a_routine_through_the_cli() {
-    use common::{Server, create_project, database_args, text};
+    use common::text;
 
     let dir = tempfile::tempdir().unwrap();
-    let tools = dir.path().join("tools");
-    std::fs::create_dir(&tools).unwrap();
-    let component = tools.join("probe.wasm");
+    let allowed = dir.path().join("tools");
+    std::fs::create_dir(&allowed).unwrap();
+    let component = allowed.join("probe.wasm");
     std::fs::copy(wor_wasm::testing::probe_component(), &component).unwrap();
-    let config = dir.path().join("wor.toml");
-    std::fs::write(
-        &config,
-        format!("[sandbox]\nallowed_paths = [\"{}\"]\n", tools.display()),
-    )
-    .unwrap();
-    let mut db = database_args(dir.path());
-    db.extend(["--config".to_owned(), config.display().to_string()]);
-    let key = create_project(&db);
-    let server = Server::start(&db, &[]);
-    let client = |args: &[&str]| {
-        let mut cmd = common::wor(args);
-        cmd.env("WOR_SERVER", &server.url)
-            .env("WOR_API_KEY", &key)
-            .env("PROBE_VALUE", "from-the-cli");
-        common::run(&mut cmd)
-    };
+    let tools = LocalTools::start(dir, &allowed, ("PROBE_VALUE", "from-the-cli"));
+    let client = |args: &[&str]| tools.client(args);
     let program = component.display().to_string();
 
     let refused = client(&[
@@ -269,36 +303,16 @@ fn a_wasm_connection_runs_a_routine_through_the_cli() {
         true
     );
     let id = created["id"].as_str().unwrap().to_owned();
-    let review = client(&["connection", "review", &id, "--json"]);
-    assert!(review.status.success(), "{}", text(&review.stderr));
-    let review_file = dir.path().join("review.json");
-    std::fs::write(&review_file, &review.stdout).unwrap();
-    let enabled = client(&[
-        "connection",
-        "enable",
-        &id,
-        "--from-review",
-        review_file.to_str().unwrap(),
-        "--read-only",
-        "echo",
-    ]);
-    assert!(enabled.status.success(), "{}", text(&enabled.stderr));
+    tools.review_and_enable(&id, "echo");
 
-    let routine = dir.path().join("probe.toml");
-    std::fs::write(
-        &routine,
+    let shown = tools.run_routine(
+        "prober",
         "name = \"prober\"\ninstructions = \"Echo.\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\n\
          [[model.script.turns]]\nwhen = { last_tool_result_contains = \"hi from wasm\" }\ntext = \"echoed\"\n\
          [[model.script.turns]]\ntool_calls = [{ name = \"probe__echo\", arguments = { text = \"hi from wasm\" } }]\n\
          [[tools]]\ntool = \"probe/echo\"\nmode = \"auto\"\n",
-    )
-    .unwrap();
-    let applied = client(&["routine", "apply", "-f", routine.to_str().unwrap()]);
-    assert!(applied.status.success(), "{}", text(&applied.stderr));
-    let run = client(&["run", "start", "prober", "--follow"]);
-    let shown = text(&run.stdout);
-    assert!(run.status.success(), "{shown}\n{}", text(&run.stderr));
+    );
     assert!(shown.contains("hi from wasm"), "{shown}");
     assert!(shown.contains("echoed"), "{shown}");
-    server.stop();
+    tools.server.stop();
 }

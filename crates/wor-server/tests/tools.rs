@@ -1346,24 +1346,8 @@ async fn http_api_tools_run_in_routines_with_credentials_attached_at_send_time()
         .await;
     assert_eq!(status, StatusCode::CREATED, "{created}");
     let id = created["id"].as_str().unwrap();
-    let (status, review) = h
-        .call(
-            Method::GET,
-            &format!("/v1/tool-connections/{id}/review"),
-            None,
-        )
-        .await;
-    assert_eq!(status, StatusCode::OK, "{review}");
-    let hashes = reviewed_hashes(&review);
+    let (_, hashes) = h.review_and_enable(id, &["get_item"]).await;
     assert_eq!(hashes.len(), 2);
-    let (status, _) = h
-        .call(
-            Method::POST,
-            &format!("/v1/tool-connections/{id}/enable"),
-            Some(json!({"tools": hashes, "read_only": ["get_item"]})),
-        )
-        .await;
-    assert_eq!(status, StatusCode::OK);
 
     let routine = r#"
 name = "items-user"
