@@ -19,6 +19,8 @@ pub mod client;
 pub mod connect_proxy;
 pub mod policy;
 pub mod resolver;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod url;
 
 pub use address::{SpecialRange, classify};

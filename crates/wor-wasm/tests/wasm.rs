@@ -15,24 +15,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use serde_json::{Value, json};
+use wor_egress::testing::loopback_egress;
 use wor_egress::{EgressClient, EgressLimits, EgressPolicy, HostAllowlist, StaticResolver};
 use wor_wasm::{WasmError, WasmGrants, WasmLimits, WasmRuntime, WasmTool};
 
 fn probe_path() -> PathBuf {
     wor_wasm::testing::probe_component()
-}
-
-/// An egress client whose policy lets loopback through, the way an operator lists a CIDR.
-fn loopback_egress() -> EgressClient {
-    let policy = EgressPolicy::development()
-        .with_allowed_cidrs(["127.0.0.1/32".parse().unwrap()])
-        .unwrap();
-    EgressClient::with_resolver(
-        policy,
-        Arc::new(StaticResolver::new()),
-        EgressLimits::default(),
-    )
-    .unwrap()
 }
 
 fn probe(runtime: &WasmRuntime, grants: WasmGrants, limits: WasmLimits) -> WasmTool {

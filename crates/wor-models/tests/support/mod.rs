@@ -167,17 +167,7 @@ pub fn sse_reply(body: &str, piece: usize) -> Reply {
 }
 
 /// An egress client whose policy allows 127.0.0.1 only (the mock's address).
-pub fn loopback_egress() -> EgressClient {
-    let policy = EgressPolicy::development()
-        .with_allowed_cidrs(["127.0.0.1/32".parse().unwrap()])
-        .unwrap();
-    EgressClient::with_resolver(
-        policy,
-        Arc::new(StaticResolver::new()),
-        EgressLimits::default(),
-    )
-    .unwrap()
-}
+pub use wor_egress::testing::loopback_egress;
 
 /// An egress client with the plain development policy: loopback refused.
 pub fn guarded_egress() -> EgressClient {

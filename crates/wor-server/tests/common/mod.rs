@@ -20,7 +20,6 @@ use axum::http::{Method, Request, StatusCode};
 use http_body_util::BodyExt;
 use serde_json::{Value, json};
 use tower::ServiceExt;
-use wor_egress::{EgressClient, EgressLimits, EgressPolicy, StaticResolver};
 use wor_server::{AppState, router};
 use wor_store::testing::TestDatabase;
 use wor_store::{AuditConfig, AuditLog, CreatedProject};
@@ -36,19 +35,7 @@ pub struct Harness {
     pub audit: AuditLog,
 }
 
-/// The development policy with loopback explicitly allowed, the way an operator lists a
-/// private CIDR.
-pub fn loopback_egress() -> EgressClient {
-    let policy = EgressPolicy::development()
-        .with_allowed_cidrs(["127.0.0.1/32".parse().unwrap()])
-        .unwrap();
-    EgressClient::with_resolver(
-        policy,
-        Arc::new(StaticResolver::new()),
-        EgressLimits::default(),
-    )
-    .unwrap()
-}
+pub use wor_egress::testing::loopback_egress;
 
 impl Harness {
     pub async fn new() -> Self {

@@ -17,23 +17,11 @@ mod schemas;
 mod stdio;
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 
-use wor_egress::{EgressClient, EgressLimits, EgressPolicy, HostAllowlist, StaticResolver};
+use wor_egress::HostAllowlist;
 
-/// The egress client every test uses: the development policy with loopback explicitly
-/// allowed, the way an operator lists a private CIDR.
-pub fn loopback_egress() -> EgressClient {
-    let policy = EgressPolicy::development()
-        .with_allowed_cidrs(["127.0.0.1/32".parse().unwrap()])
-        .unwrap();
-    EgressClient::with_resolver(
-        policy,
-        Arc::new(StaticResolver::new()),
-        EgressLimits::default(),
-    )
-    .unwrap()
-}
+/// The egress client every test uses.
+pub use wor_egress::testing::loopback_egress;
 
 /// An allowlist of exactly `addr`.
 pub fn allow(addr: SocketAddr) -> HostAllowlist {
