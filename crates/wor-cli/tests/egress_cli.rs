@@ -22,14 +22,14 @@ fn check(args: &[&str]) -> Output {
         .unwrap()
 }
 
+/// The SSRF corpus, from the repository (`testdata/SOURCES.md` names its source).
+const SSRF_CORPUS: &str = include_str!(concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../testdata/ssrf/block-urls.json"
+));
+
 fn corpus() -> Vec<String> {
-    // The runtime value: a test binary reused from another checkout still finds the corpus.
-    let manifest_dir = std::env::var("CARGO_MANIFEST_DIR")
-        .unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").to_owned());
-    let path = format!("{manifest_dir}/../../../shared/corpora/ssrf/block-urls.json");
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("the SSRF corpus is missing at {path}: {e}"));
-    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let json: serde_json::Value = serde_json::from_str(SSRF_CORPUS).unwrap();
     json["urls"]
         .as_array()
         .unwrap()

@@ -167,3 +167,137 @@ fn every_crate_root_says_what_it_is_for() {
         }
     }
 }
+
+/// The repository's root: two levels above this crate.
+fn repository_root() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .canonicalize()
+        .unwrap()
+}
+
+/// Every file below `dir` (skipping build output and installed packages) for which `keep` holds.
+fn files_below(
+    dir: &std::path::Path,
+    keep: &dyn Fn(&std::path::Path) -> bool,
+    out: &mut Vec<std::path::PathBuf>,
+) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if path.is_dir() {
+            if !matches!(name, "target" | "node_modules" | ".git") {
+                files_below(&path, keep, out);
+            }
+        } else if keep(&path) {
+            out.push(path);
+        }
+    }
+}
+
+/// Whether the relative path in `token` (from its first `..` segment on), resolved lexically
+/// from `base` (a path relative to the repository's root), leaves the repository.
+fn leaves_repository(base: &std::path::Path, token: &str) -> bool {
+    let segments: Vec<&str> = token.split('/').collect();
+    let Some(first) = segments.iter().position(|s| *s == "..") else {
+        return false;
+    };
+    let mut depth = base.components().count();
+    for segment in &segments[first..] {
+        match *segment {
+            ".." => match depth.checked_sub(1) {
+                Some(d) => depth = d,
+                None => return true,
+            },
+            "" | "." => {}
+            _ => depth += 1,
+        }
+    }
+    false
+}
+
+/// The words of a line that could be paths: split on characters no path here contains.
+fn path_like_tokens(line: &str) -> impl Iterator<Item = &str> {
+    line.split(|c: char| c.is_whitespace() || "\"'(),;{}[]<>`|=$".contains(c))
+        .filter(|t| t.contains(".."))
+}
+
+/// Tests, build scripts and CI scripts need nothing but the repository: a plain clone has no
+/// folder beside it. Any relative path in a Rust source that climbs out of the repository —
+/// from its crate's directory (`CARGO_MANIFEST_DIR`) or from its own file (`include_str!`) —
+/// fails this test, and so does any climb out of `.ci/` other than to the repository's root.
+#[test]
+fn nothing_reads_a_path_outside_the_repository() {
+    let root = repository_root();
+    let mut problems = Vec::new();
+
+    let mut sources = Vec::new();
+    files_below(
+        &root.join("crates"),
+        &|p| p.extension().is_some_and(|e| e == "rs"),
+        &mut sources,
+    );
+    assert!(
+        sources.len() > 50,
+        "found too few sources: {}",
+        sources.len()
+    );
+    for file in &sources {
+        let relative = file.strip_prefix(&root).unwrap();
+        let file_dir = relative.parent().unwrap();
+        let crate_dir = file
+            .ancestors()
+            .find(|dir| dir.join("Cargo.toml").is_file())
+            .unwrap()
+            .strip_prefix(&root)
+            .unwrap();
+        let text = std::fs::read_to_string(file).unwrap();
+        for (number, line) in text.lines().enumerate() {
+            for token in path_like_tokens(line) {
+                if leaves_repository(crate_dir, token) || leaves_repository(file_dir, token) {
+                    problems.push(format!(
+                        "{}:{}: `{token}` leaves the repository",
+                        relative.display(),
+                        number + 1
+                    ));
+                }
+            }
+        }
+    }
+
+    let mut scripts = Vec::new();
+    files_below(&root.join(".ci"), &|_| true, &mut scripts);
+    for file in &scripts {
+        let relative = file.strip_prefix(&root).unwrap();
+        let text = std::fs::read_to_string(file).unwrap();
+        for (number, line) in text.lines().enumerate() {
+            // `cd "$(dirname "$0")/.."` is the one climb a script may make: to the root.
+            let line = line.replace("dirname \"$0\")/..", "");
+            for token in path_like_tokens(&line) {
+                if token.split('/').any(|s| s == "..") {
+                    problems.push(format!(
+                        "{}:{}: `{token}` climbs out of `.ci/`",
+                        relative.display(),
+                        number + 1
+                    ));
+                }
+            }
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+#[test]
+fn the_path_rule_catches_a_climb_out_of_the_repository() {
+    let crate_dir = std::path::Path::new("crates/wor-egress");
+    let up = "..";
+    let outside = format!("{{manifest_dir}}/{up}/{up}/{up}/shared/corpora/ssrf/block-urls.json");
+    let inside = format!("/{up}/{up}/testdata/ssrf/block-urls.json");
+    assert!(leaves_repository(crate_dir, &outside));
+    assert!(!leaves_repository(crate_dir, &inside));
+    assert!(!leaves_repository(crate_dir, "0..n"));
+    assert_eq!(
+        path_like_tokens(&format!("let p = format!(\"{outside}\");")).count(),
+        1
+    );
+}

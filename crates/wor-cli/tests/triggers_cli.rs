@@ -20,13 +20,21 @@ use std::time::{Duration, Instant};
 use common::{Server, create_project, database_args, text, wor};
 use serde_json::Value;
 
+/// The webhook signature vectors, from the repository (`testdata/SOURCES.md` names their
+/// sources).
 fn corpus(name: &str) -> Value {
-    let manifest_dir = std::env::var("CARGO_MANIFEST_DIR")
-        .unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").to_owned());
-    let path = format!("{manifest_dir}/../../../shared/corpora/webhooks/{name}");
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("webhook corpus `{path}` is missing: {e}"));
-    serde_json::from_str(&text).unwrap()
+    let text = match name {
+        "run-webhook-signature.json" => include_str!(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../testdata/webhooks/run-webhook-signature.json"
+        )),
+        "standard-webhooks.json" => include_str!(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../testdata/webhooks/standard-webhooks.json"
+        )),
+        other => panic!("no webhook corpus named `{other}`"),
+    };
+    serde_json::from_str(text).unwrap()
 }
 
 /// Runs `wor ARGS` with `body` on standard input.

@@ -245,19 +245,25 @@ impl StandardWebhookSecret {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::path::PathBuf;
 
     fn corpus(name: &str) -> serde_json::Value {
-        // The runtime value: a test binary reused from another checkout still finds the corpus.
-        let manifest_dir = std::env::var("CARGO_MANIFEST_DIR")
-            .unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").to_owned());
-        let path = PathBuf::from(manifest_dir)
-            .join("../../../shared/corpora/webhooks")
-            .join(name);
-        let text = std::fs::read_to_string(&path)
-            .unwrap_or_else(|e| panic!("webhook corpus `{}` is missing: {e}", path.display()));
-        serde_json::from_str(&text).unwrap()
+        let text = match name {
+            "run-webhook-signature.json" => RUN_WEBHOOK_VECTORS,
+            "standard-webhooks.json" => STANDARD_WEBHOOKS_VECTORS,
+            other => panic!("no webhook corpus named `{other}`"),
+        };
+        serde_json::from_str(text).unwrap()
     }
+
+    // The vectors live in the repository (`testdata/SOURCES.md` names their sources).
+    const RUN_WEBHOOK_VECTORS: &str = include_str!(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../testdata/webhooks/run-webhook-signature.json"
+    ));
+    const STANDARD_WEBHOOKS_VECTORS: &str = include_str!(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../testdata/webhooks/standard-webhooks.json"
+    ));
 
     fn vectors(doc: &serde_json::Value) -> &Vec<serde_json::Value> {
         let vectors = doc["vectors"].as_array().unwrap();
