@@ -32,12 +32,25 @@ use crate::commands::Command;
                   Local commands: sandbox exec, doctor, egress check, policy test.\n\
                   Client commands (need --server/WOR_SERVER and WOR_API_KEY): whoami, member, key, \
                   model-connection, connection, routine, run, audit export.\n\
-                  Audit: audit verify, audit public-key (operator) and audit export (client)."
+                  Audit: audit verify, audit public-key (operator) and audit export (client).\n\
+                  Shell: completions, manpages.",
+    after_help = EXIT_CODES
 )]
-struct Cli {
+pub(crate) struct Cli {
     #[command(subcommand)]
     command: Command,
 }
+
+/// What the exit status of every command means; shown by `wor --help`.
+const EXIT_CODES: &str = "Exit codes:\n  \
+    0    success\n  \
+    1    failure, or a check that said no: an error, a run that did not succeed (run start \
+    --follow), a URL refused (egress check), an invalid signature (webhook verify), a broken \
+    chain (audit verify), an unsupported sandbox layer (doctor)\n  \
+    2    usage: bad arguments or configuration, or production mode refusing to start\n  \
+    10   policy test: the call would wait for a person (confirm)\n  \
+    11   policy test: the call would be denied\n  \
+    sandbox exec exits with the command's own status (137 when it was killed or timed out)";
 
 fn main() -> ExitCode {
     // Before anything else: the sandbox helper is this binary re-executed, and it forks.

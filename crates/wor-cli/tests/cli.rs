@@ -437,3 +437,295 @@ fn audit_log_is_written_exported_and_verified_end_to_end() {
         text(&bad.stdout)
     );
 }
+
+/// The subcommands `wor PATH --help` lists under `Commands:` (without `help`).
+fn subcommands(path: &[&str]) -> Vec<String> {
+    let mut args = path.to_vec();
+    args.push("--help");
+    let out = run(&mut wor(&args));
+    assert!(out.status.success(), "wor {args:?}: {}", text(&out.stderr));
+    let help = text(&out.stdout);
+    let Some(start) = help.find("\nCommands:\n") else {
+        return Vec::new();
+    };
+    help[start + "\nCommands:\n".len()..]
+        .lines()
+        .take_while(|line| line.starts_with("  "))
+        // A name starts in the third column; deeper lines continue a wrapped description.
+        .filter(|line| !line.starts_with("   "))
+        .filter_map(|line| line.split_whitespace().next())
+        .filter(|name| *name != "help")
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Every leaf command, as its path of names.
+fn leaf_commands(path: Vec<String>, out: &mut Vec<Vec<String>>) {
+    let names: Vec<&str> = path.iter().map(String::as_str).collect();
+    let children = subcommands(&names);
+    if children.is_empty() {
+        out.push(path);
+        return;
+    }
+    for child in children {
+        let mut next = path.clone();
+        next.push(child);
+        leaf_commands(next, out);
+    }
+}
+
+/// Commands that print no listing or object for `--json` to shape, and why.
+const NO_JSON: &[(&str, &str)] = &[
+    ("serve", "a server, not a report"),
+    ("demo", "a narrative for a person"),
+    ("init", "prints the new key alone, for `KEY=$(wor init)`"),
+    ("project create", "prints the new key alone"),
+    ("secrets generate-key", "prints the new key alone"),
+    ("secrets rotate", "progress and a summary on stderr"),
+    (
+        "audit export",
+        "writes JSON lines already (`--format jsonl`)",
+    ),
+    ("audit public-key", "prints the key alone"),
+    ("sandbox exec", "the command's own output"),
+    ("completions", "a shell script"),
+    ("manpages", "writes files; prints their paths"),
+];
+
+#[test]
+fn every_command_that_prints_a_listing_or_object_takes_json() {
+    let mut leaves = Vec::new();
+    leaf_commands(Vec::new(), &mut leaves);
+    assert!(leaves.len() > 40, "too few commands found: {leaves:?}");
+    let mut missing = Vec::new();
+    for leaf in &leaves {
+        let name = leaf.join(" ");
+        if NO_JSON.iter().any(|(exempt, _)| *exempt == name) {
+            continue;
+        }
+        let mut args: Vec<&str> = leaf.iter().map(String::as_str).collect();
+        args.push("--help");
+        let help = text(&run(&mut wor(&args)).stdout);
+        if !help.contains("--json") {
+            missing.push(name);
+        }
+    }
+    assert!(missing.is_empty(), "without --json: {missing:?}");
+    for (exempt, _) in NO_JSON {
+        assert!(
+            leaves.iter().any(|leaf| leaf.join(" ") == *exempt),
+            "`{exempt}` is exempt but is no command"
+        );
+    }
+}
+
+#[test]
+fn local_commands_print_json_that_parses() {
+    let parse = |args: &[&str], stdin: Option<&str>| -> (Option<i32>, serde_json::Value) {
+        let mut cmd = wor(args);
+        let out = match stdin {
+            None => run(&mut cmd),
+            Some(body) => {
+                use std::io::Write as _;
+                let mut child = cmd
+                    .stdin(std::process::Stdio::piped())
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap();
+                child
+                    .stdin
+                    .take()
+                    .unwrap()
+                    .write_all(body.as_bytes())
+                    .unwrap();
+                child.wait_with_output().unwrap()
+            }
+        };
+        let value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("wor {args:?}: not JSON ({e}): {}", text(&out.stdout)));
+        (out.status.code(), value)
+    };
+
+    let (code, denied) = parse(
+        &["egress", "check", "http://169.254.169.254/", "--json"],
+        None,
+    );
+    assert_eq!(code, Some(1));
+    assert_eq!(denied["decision"], "deny");
+    assert!(
+        denied["reason"].as_str().unwrap().contains("link-local"),
+        "{denied}"
+    );
+    let (code, allowed) = parse(
+        &[
+            "egress",
+            "check",
+            "https://api.example.com/",
+            "--resolve",
+            "api.example.com:93.184.215.14",
+            "--json",
+        ],
+        None,
+    );
+    assert_eq!(code, Some(0));
+    assert_eq!(allowed["decision"], "allow");
+    assert_eq!(allowed["addresses"][0], "93.184.215.14");
+
+    let body = r#"{"run_id":"run_01"}"#;
+    let (code, headers) = parse(
+        &[
+            "webhook",
+            "sign",
+            "--secret",
+            "s3cret",
+            "--timestamp",
+            "1764400000",
+            "--json",
+        ],
+        Some(body),
+    );
+    assert_eq!(code, Some(0));
+    let signature = headers["wor-signature"].as_str().unwrap().to_owned();
+    assert_eq!(headers["wor-timestamp"], "1764400000");
+    let verify = |signature: &str| {
+        parse(
+            &[
+                "webhook",
+                "verify",
+                "--secret",
+                "s3cret",
+                "--timestamp",
+                "1764400000",
+                "--now",
+                "1764400000",
+                "--signature",
+                signature,
+                "--json",
+            ],
+            Some(body),
+        )
+    };
+    assert_eq!(
+        verify(&signature),
+        (Some(0), serde_json::json!({"valid": true}))
+    );
+    let (code, invalid) = verify(&"0".repeat(64));
+    assert_eq!(code, Some(1));
+    assert_eq!(invalid["valid"], false);
+    assert!(invalid["reason"].is_string());
+
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().display().to_string();
+    assert!(
+        run(&mut wor(&["init", "--data-dir", &data]))
+            .status
+            .success()
+    );
+    let (code, projects) = parse(&["project", "list", "--data-dir", &data, "--json"], None);
+    assert_eq!(code, Some(0));
+    assert_eq!(projects[0]["name"], "default");
+    assert!(projects[0]["id"].as_str().unwrap().starts_with("prj_"));
+    let (code, chains) = parse(&["audit", "verify", "--data-dir", &data, "--json"], None);
+    assert_eq!(code, Some(0));
+    assert_eq!(chains[0]["project"], projects[0]["id"]);
+    assert_eq!(chains[0]["intact"], true);
+    assert!(chains[0]["entries"].as_i64().unwrap() >= 3, "{chains}");
+    let (_, secrets) = parse(&["secrets", "verify", "--data-dir", &data, "--json"], None);
+    assert_eq!(secrets["failed"], serde_json::json!([]));
+    let (code, doctor) = parse(&["doctor", "--json"], None);
+    let all = doctor["local_tools_can_run"].as_bool().unwrap();
+    assert_eq!(code, Some(if all { 0 } else { 1 }));
+    assert!(
+        doctor["layers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|l| l["layer"] == "wasm-runtime"),
+        "{doctor}"
+    );
+}
+
+#[test]
+fn completions_are_generated_for_every_shell() {
+    for (shell, marker) in [
+        ("bash", "complete -F"),
+        ("zsh", "#compdef wor"),
+        ("fish", "complete -c wor"),
+        ("powershell", "Register-ArgumentCompleter"),
+    ] {
+        let out = run(&mut wor(&["completions", shell]));
+        assert!(out.status.success(), "{shell}: {}", text(&out.stderr));
+        let script = text(&out.stdout);
+        assert!(script.contains(marker), "{shell} script lacks `{marker}`");
+        for command in ["routine", "approvals", "audit", "completions"] {
+            assert!(script.contains(command), "{shell} script lacks `{command}`");
+        }
+    }
+    // The bash script is valid bash, and completes a subcommand in a real shell.
+    let script = text(&run(&mut wor(&["completions", "bash"])).stdout);
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("wor.bash");
+    std::fs::write(&file, &script).unwrap();
+    let completed = run(std::process::Command::new("bash").args([
+        "-c",
+        &format!(
+            "source {}; COMP_WORDS=(wor appro); COMP_CWORD=1; COMP_LINE='wor appro'; \
+             COMP_POINT=9; _wor wor appro wor; printf '%s\\n' \"${{COMPREPLY[@]}}\"",
+            file.display()
+        ),
+    ]));
+    assert!(completed.status.success(), "{}", text(&completed.stderr));
+    assert_eq!(text(&completed.stdout).trim(), "approvals");
+
+    let unknown = run(&mut wor(&["completions", "tcsh"]));
+    assert_eq!(unknown.status.code(), Some(2));
+}
+
+#[test]
+fn manual_pages_cover_every_command() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(&mut wor(&["manpages", &dir.path().display().to_string()]));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let mut leaves = Vec::new();
+    leaf_commands(Vec::new(), &mut leaves);
+    for leaf in &leaves {
+        let name = format!("wor-{}.1", leaf.join("-"));
+        let page = std::fs::read_to_string(dir.path().join(&name))
+            .unwrap_or_else(|e| panic!("no page {name}: {e}"));
+        assert!(page.contains(".TH"), "{name}: {page}");
+    }
+    let main = std::fs::read_to_string(dir.path().join("wor.1")).unwrap();
+    assert!(main.contains(".TH wor"), "{main}");
+    assert!(
+        main.contains("Exit codes"),
+        "the main page documents exit codes"
+    );
+    let apply = std::fs::read_to_string(dir.path().join("wor-routine-apply.1")).unwrap();
+    assert!(apply.contains("wor\\-routine\\-apply"), "{apply}");
+    assert_eq!(
+        text(&out.stdout).lines().count(),
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        "one printed path per page written"
+    );
+}
+
+#[test]
+fn help_documents_the_exit_codes_the_commands_use() {
+    let help = text(&run(&mut wor(&["--help"])).stdout);
+    let codes = &help[help.find("Exit codes:").expect("an exit code section")..];
+    for code in ["0 ", "1 ", "2 ", "10 ", "11 "] {
+        assert!(
+            codes.lines().any(|l| l.trim_start().starts_with(code)),
+            "exit code {code}missing: {codes}"
+        );
+    }
+    // Usage errors are 2; a check that says no is 1.
+    assert_eq!(run(&mut wor(&["--no-such-flag"])).status.code(), Some(2));
+    assert_eq!(
+        run(&mut wor(&["egress", "check", "http://127.0.0.1/"]))
+            .status
+            .code(),
+        Some(1)
+    );
+}

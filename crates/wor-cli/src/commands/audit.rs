@@ -63,6 +63,10 @@ pub struct VerifyArgs {
     /// head); catches a chain cut back behind it. Repeatable.
     #[arg(long, value_name = "SEQ:HASH")]
     anchor: Vec<Anchor>,
+    /// Print a JSON array with one object per project checked: `project`, `intact`, and the
+    /// chain's summary or where it breaks.
+    #[arg(long)]
+    json: bool,
     #[command(flatten)]
     flags: ServerFlags,
 }
@@ -92,7 +96,7 @@ async fn verify(args: VerifyArgs) -> anyhow::Result<ExitCode> {
     };
     if let Some(file) = &args.file {
         let (project, verification) = verify_file(file, &key, &args.anchor, args.project)?;
-        return Ok(report(project, &verification));
+        return report_all(&[(project, verification)], args.json);
     }
     let store = Store::open(config.database.as_deref(), &config.data_dir)
         .await
@@ -115,22 +119,64 @@ async fn verify(args: VerifyArgs) -> anyhow::Result<ExitCode> {
     if projects.len() > 1 && !args.anchor.is_empty() {
         bail!("--anchor needs --project: an anchor belongs to one project's chain");
     }
-    let mut code = ExitCode::SUCCESS;
+    let mut verified = Vec::with_capacity(projects.len());
     for project in projects {
         let verification = store
             .verify_audit_chain(project, &key, &args.anchor)
             .await
             .with_context(|| format!("cannot read the audit log of `{project}`"))?;
-        if report(project, &verification) != ExitCode::SUCCESS {
-            code = ExitCode::FAILURE;
-        }
+        verified.push((project, verification));
     }
     store.close().await;
-    Ok(code)
+    report_all(&verified, args.json)
 }
 
-/// Prints one project's outcome; `FAILURE` when broken.
-fn report(project: ProjectId, verification: &Verification) -> ExitCode {
+/// Prints every project's outcome, as text or JSON; `FAILURE` when any chain is broken.
+fn report_all(verified: &[(ProjectId, Verification)], json: bool) -> anyhow::Result<ExitCode> {
+    let intact = verified
+        .iter()
+        .all(|(_, v)| matches!(v, Verification::Intact(_)));
+    if json {
+        super::print_json(&Value::Array(
+            verified
+                .iter()
+                .map(|(project, verification)| verification_json(*project, verification))
+                .collect(),
+        ))?;
+    } else {
+        for (project, verification) in verified {
+            report(*project, verification);
+        }
+    }
+    Ok(if intact {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+fn verification_json(project: ProjectId, verification: &Verification) -> Value {
+    match verification {
+        Verification::Intact(summary) => json!({
+            "project": project.to_string(),
+            "intact": true,
+            "entries": summary.entries,
+            "head_hash": summary.head_hash,
+            "checkpoints": summary.checkpoints,
+            "last_checkpoint_seq": summary.last_checkpoint_seq,
+            "unsigned_tail": summary.unsigned_tail,
+        }),
+        Verification::Broken(found) => json!({
+            "project": project.to_string(),
+            "intact": false,
+            "broken_at": found.seq,
+            "reason": found.reason.to_string(),
+        }),
+    }
+}
+
+/// Prints one project's outcome.
+fn report(project: ProjectId, verification: &Verification) {
     match verification {
         Verification::Intact(summary) => {
             let signed = match summary.last_checkpoint_seq {
@@ -145,11 +191,9 @@ fn report(project: ProjectId, verification: &Verification) -> ExitCode {
                 summary.entries,
                 summary.head_hash
             );
-            ExitCode::SUCCESS
         }
         Verification::Broken(found) => {
             println!("{project}: BROKEN at entry {}: {}", found.seq, found.reason);
-            ExitCode::FAILURE
         }
     }
 }

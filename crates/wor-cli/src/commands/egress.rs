@@ -27,6 +27,9 @@ pub enum EgressCommand {
         /// repeatable.
         #[arg(long = "allow-host", value_name = "HOST")]
         allow_host: Vec<String>,
+        /// Print the decision as JSON: `decision`, and `addresses` or `reason`.
+        #[arg(long)]
+        json: bool,
         /// Also read the operator's `[egress] allowed_cidrs` from the server configuration.
         #[command(flatten)]
         flags: ServerFlags,
@@ -42,6 +45,7 @@ pub async fn run(cmd: EgressCommand) -> anyhow::Result<ExitCode> {
         resolve,
         production,
         allow_host,
+        json,
         flags,
     } = cmd;
     let usage = |message: String| {
@@ -87,7 +91,22 @@ pub async fn run(cmd: EgressCommand) -> anyhow::Result<ExitCode> {
     };
     let resolver = GuardedResolver::new(names, Arc::new(policy));
     let decision = wor_egress::check(&url, allowlist.as_ref(), &resolver).await;
-    println!("{decision}");
+    if json {
+        super::print_json(&match &decision {
+            EgressDecision::Allow(addresses) => serde_json::json!({
+                "url": url,
+                "decision": "allow",
+                "addresses": addresses.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            }),
+            EgressDecision::Deny(reason) => serde_json::json!({
+                "url": url,
+                "decision": "deny",
+                "reason": reason.to_string(),
+            }),
+        })?;
+    } else {
+        println!("{decision}");
+    }
     Ok(match decision {
         EgressDecision::Allow(_) => ExitCode::SUCCESS,
         EgressDecision::Deny(_) => ExitCode::from(EXIT_DENIED),

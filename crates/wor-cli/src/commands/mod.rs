@@ -14,6 +14,7 @@ mod runs;
 mod sandbox;
 mod secrets;
 mod serve;
+mod shell;
 mod tool_connections;
 mod webhooks;
 
@@ -76,6 +77,10 @@ pub enum Command {
     /// Webhooks: sign and verify bodies (local), and the delivery log of run webhooks.
     #[command(subcommand)]
     Webhook(webhooks::WebhookCommand),
+    /// Print a shell completion script (bash, zsh, fish, powershell, elvish) on standard output.
+    Completions(shell::CompletionsArgs),
+    /// Write the manual pages of `wor` and every subcommand into a directory.
+    Manpages(shell::ManpagesArgs),
 }
 
 impl Command {
@@ -83,6 +88,7 @@ impl Command {
     pub fn default_log_level(&self) -> &'static str {
         match self {
             Command::Demo(_) => "warn",
+            Command::Completions(_) | Command::Manpages(_) => "error",
             _ => "info",
         }
     }
@@ -108,6 +114,8 @@ impl Command {
             Command::Policy(cmd) => policy::run(cmd).await,
             Command::Approvals(cmd) => approvals::run(cmd).await,
             Command::Webhook(cmd) => webhooks::run(cmd).await,
+            Command::Completions(args) => Ok(shell::completions(&args)),
+            Command::Manpages(args) => shell::manpages(&args),
         }
     }
 }

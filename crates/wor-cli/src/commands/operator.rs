@@ -35,6 +35,9 @@ pub enum ProjectCommand {
     },
     /// List every project.
     List {
+        /// Print the projects as a JSON array of `{id, name}`.
+        #[arg(long)]
+        json: bool,
         #[command(flatten)]
         flags: ServerFlags,
     },
@@ -136,12 +139,22 @@ pub async fn project(cmd: ProjectCommand) -> anyhow::Result<ExitCode> {
             report(&created);
             store.close().await;
         }
-        ProjectCommand::List { flags } => {
+        ProjectCommand::List { json, flags } => {
             let store = open(&flags).await?;
-            for project in store.list_projects().await? {
-                println!("{}  {}", project.id, project.name);
-            }
+            let projects = store.list_projects().await?;
             store.close().await;
+            if json {
+                super::print_json(&serde_json::Value::Array(
+                    projects
+                        .iter()
+                        .map(|p| json!({ "id": p.id.to_string(), "name": p.name }))
+                        .collect(),
+                ))?;
+            } else {
+                for project in projects {
+                    println!("{}  {}", project.id, project.name);
+                }
+            }
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -104,6 +104,9 @@ pub async fn exec(args: ExecArgs) -> anyhow::Result<ExitCode> {
 
 #[derive(Debug, clap::Args)]
 pub struct DoctorArgs {
+    /// Print a JSON array of `{layer, supported, detail}` and whether local tools can run.
+    #[arg(long)]
+    json: bool,
     #[command(flatten)]
     flags: SandboxFlags,
 }
@@ -114,22 +117,40 @@ pub async fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
         Arc::new(EgressPolicy::development()),
     );
     let sandbox = sandbox(&args.flags, resolver)?;
-    let reports = wor_sandbox::doctor(&sandbox).await;
-    let mut all = true;
-    for report in &reports {
-        if report.supported {
-            println!("{:<20} supported", report.layer.name());
-        } else {
-            all = false;
-            println!("{:<20} UNSUPPORTED: {}", report.layer.name(), report.detail);
-        }
-    }
+    let mut layers: Vec<(String, bool, String)> = wor_sandbox::doctor(&sandbox)
+        .await
+        .into_iter()
+        .map(|r| (r.layer.name().to_owned(), r.supported, r.detail))
+        .collect();
     // Wasm tools need no namespace, but their runtime reserves address space for its pool.
-    match wor_wasm::WasmRuntime::new() {
-        Ok(_) => println!("{:<20} supported", "wasm-runtime"),
-        Err(error) => {
-            all = false;
-            println!("{:<20} UNSUPPORTED: {error}", "wasm-runtime");
+    layers.push(match wor_wasm::WasmRuntime::new() {
+        Ok(_) => ("wasm-runtime".to_owned(), true, String::new()),
+        Err(error) => ("wasm-runtime".to_owned(), false, error.to_string()),
+    });
+    let all = layers.iter().all(|(_, supported, _)| *supported);
+    if args.json {
+        super::print_json(&serde_json::json!({
+            "local_tools_can_run": all,
+            "layers": layers
+                .iter()
+                .map(|(layer, supported, detail)| serde_json::json!({
+                    "layer": layer,
+                    "supported": supported,
+                    "detail": detail,
+                }))
+                .collect::<Vec<_>>(),
+        }))?;
+        return Ok(if all {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        });
+    }
+    for (layer, supported, detail) in &layers {
+        if *supported {
+            println!("{layer:<20} supported");
+        } else {
+            println!("{layer:<20} UNSUPPORTED: {detail}");
         }
     }
     if all {

@@ -27,6 +27,9 @@ pub enum SecretsCommand {
     /// Open every stored secret with the current key ring and report any that fail: run it
     /// before dropping a retired key. Exits 1 if any secret cannot be opened.
     Verify {
+        /// Print `{total, opened, failed: [...]}` as JSON.
+        #[arg(long)]
+        json: bool,
         #[command(flatten)]
         flags: ServerFlags,
     },
@@ -90,17 +93,23 @@ pub async fn run(cmd: SecretsCommand) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        SecretsCommand::Verify { flags } => {
+        SecretsCommand::Verify { json, flags } => {
             let (store, vault) = open_vault(&flags).await?;
             let (total, failed) = vault.verify_all().await?;
             store.close().await;
-            for failure in &failed {
-                eprintln!("error: {failure}");
+            let opened = total - failed.len() as u64;
+            if json {
+                super::print_json(&serde_json::json!({
+                    "total": total,
+                    "opened": opened,
+                    "failed": failed.iter().map(ToString::to_string).collect::<Vec<_>>(),
+                }))?;
+            } else {
+                for failure in &failed {
+                    eprintln!("error: {failure}");
+                }
+                println!("{opened} of {total} stored secret(s) open");
             }
-            println!(
-                "{} of {total} stored secret(s) open",
-                total - failed.len() as u64
-            );
             Ok(if failed.is_empty() {
                 ExitCode::SUCCESS
             } else {

@@ -38,6 +38,9 @@ pub enum WebhookCommand {
         /// The delivery id (required with `--scheme standard`).
         #[arg(long)]
         id: Option<String>,
+        /// Print the headers as one JSON object instead of `name: value` lines.
+        #[arg(long)]
+        json: bool,
     },
     /// Verify the body on standard input against a signature. Exit 0 when valid, 1 when not.
     Verify {
@@ -61,6 +64,9 @@ pub enum WebhookCommand {
         /// Check as of this Unix time [default: now] (for stored deliveries and test vectors).
         #[arg(long)]
         now: Option<i64>,
+        /// Print `{"valid": true}` or `{"valid": false, "reason": …}`.
+        #[arg(long)]
+        json: bool,
     },
     /// The delivery log of run webhooks, newest first.
     Deliveries {
@@ -99,25 +105,41 @@ pub async fn run(cmd: WebhookCommand) -> anyhow::Result<ExitCode> {
             timestamp,
             scheme,
             id,
+            json,
         } => {
             let body = read_body()?;
             let timestamp = timestamp.unwrap_or_else(now_secs);
-            match scheme {
-                Scheme::Wor => {
-                    println!("wor-timestamp: {timestamp}");
-                    println!(
-                        "wor-signature: {}",
-                        webhook_signature::sign(&secret, timestamp, &body)
-                    );
-                }
+            let headers: Vec<(&str, String)> = match scheme {
+                Scheme::Wor => vec![
+                    ("wor-timestamp", timestamp.to_string()),
+                    (
+                        "wor-signature",
+                        webhook_signature::sign(&secret, timestamp, &body),
+                    ),
+                ],
                 Scheme::Standard => {
                     let Some(id) = id else {
                         bail!("--scheme standard needs --id");
                     };
                     let secret = StandardWebhookSecret::parse(&secret)?;
-                    println!("webhook-id: {id}");
-                    println!("webhook-timestamp: {timestamp}");
-                    println!("webhook-signature: {}", secret.sign(&id, timestamp, &body));
+                    let signature = secret.sign(&id, timestamp, &body);
+                    vec![
+                        ("webhook-id", id),
+                        ("webhook-timestamp", timestamp.to_string()),
+                        ("webhook-signature", signature),
+                    ]
+                }
+            };
+            if json {
+                print_json(&Value::Object(
+                    headers
+                        .into_iter()
+                        .map(|(name, value)| (name.to_owned(), Value::String(value)))
+                        .collect(),
+                ))?;
+            } else {
+                for (name, value) in headers {
+                    println!("{name}: {value}");
                 }
             }
             Ok(ExitCode::SUCCESS)
@@ -130,6 +152,7 @@ pub async fn run(cmd: WebhookCommand) -> anyhow::Result<ExitCode> {
             id,
             window,
             now,
+            json,
         } => {
             let body = read_body()?;
             let now = now.unwrap_or_else(now_secs);
@@ -146,15 +169,23 @@ pub async fn run(cmd: WebhookCommand) -> anyhow::Result<ExitCode> {
                     })
                 }
             };
-            Ok(match checked {
-                Ok(()) => {
-                    println!("valid");
-                    ExitCode::SUCCESS
+            if json {
+                print_json(&match &checked {
+                    Ok(()) => serde_json::json!({ "valid": true }),
+                    Err(error) => {
+                        serde_json::json!({ "valid": false, "reason": error.to_string() })
+                    }
+                })?;
+            } else {
+                match &checked {
+                    Ok(()) => println!("valid"),
+                    Err(error) => println!("invalid: {error}"),
                 }
-                Err(error) => {
-                    println!("invalid: {error}");
-                    ExitCode::FAILURE
-                }
+            }
+            Ok(if checked.is_ok() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
             })
         }
         WebhookCommand::Deliveries {
