@@ -124,8 +124,22 @@ fn a_person_decides_the_held_call_with_wor_approvals_while_the_demo_waits() {
     assert!(shown_text.contains("tool:demo/read_inbox"), "{shown_text}");
     let missing_reason = client(&["approvals", "deny", &id]);
     assert!(!missing_reason.status.success());
-    let denied = client(&["approvals", "deny", &id, "--reason", "exfiltration attempt"]);
-    assert!(denied.status.success(), "{}", text(&denied.stderr));
+    // The command exactly as the demo printed it, typed into a shell where `wor` is not on
+    // PATH: it must name the binary so that it runs from where the user stands.
+    let shell = |line: &str| {
+        run(std::process::Command::new("sh")
+            .args(["-c", line.trim()])
+            .env("PATH", "/usr/bin:/bin")
+            .env("WOR_SERVER", &server)
+            .env("WOR_API_KEY", &approver_key))
+    };
+    let denied = shell(&deny);
+    assert!(
+        denied.status.success(),
+        "`{}` failed: {}",
+        deny.trim(),
+        text(&denied.stderr)
+    );
     let again = client(&["approvals", "approve", &id, "--reason", "changed my mind"]);
     assert!(!again.status.success(), "a decision is final");
     assert!(
@@ -136,7 +150,7 @@ fn a_person_decides_the_held_call_with_wor_approvals_while_the_demo_waits() {
 
     let verify = read_until("wor audit verify --data-dir");
     let dir = verify.split("--data-dir").nth(1).unwrap().trim().to_owned();
-    let verified = run(&mut wor(&["audit", "verify", "--data-dir", &dir]));
+    let verified = shell(&verify);
     assert!(verified.status.success(), "{}", text(&verified.stdout));
     assert!(text(&verified.stdout).contains("intact"));
 

@@ -306,13 +306,14 @@ async fn scenario(
             )
             .await?;
     } else {
+        let wor = invocation();
         println!("5. Decide it yourself, as Dana, in another terminal:");
         println!();
         println!("   export WOR_SERVER={base} WOR_API_KEY={approver_key}");
-        println!("   wor approvals show {approval_id}");
-        println!("   wor approvals deny {approval_id} --reason \"exfiltration attempt\"");
+        println!("   {wor} approvals show {approval_id}");
+        println!("   {wor} approvals deny {approval_id} --reason \"exfiltration attempt\"");
         println!(
-            "   (or `wor approvals approve …`: the mail then goes to the demo's local outbox)"
+            "   (or `{wor} approvals approve …`: the mail then goes to the demo's local outbox)"
         );
         println!();
         println!(
@@ -362,14 +363,15 @@ async fn scenario(
     println!("   {}", summary(&run));
     if !args.no_wait {
         println!();
+        let wor = invocation();
         println!("Where to look (the server stays up until Ctrl-C):");
         println!(
             "   export WOR_SERVER={base} WOR_API_KEY={}",
             created.owner_key.expose()
         );
-        println!("   wor run get {run_id}     every step, its provenance and decision");
-        println!("   wor approvals list --status all");
-        println!("   wor audit verify --data-dir {}", data_dir.display());
+        println!("   {wor} run get {run_id}     every step, its provenance and decision");
+        println!("   {wor} approvals list --status all");
+        println!("   {wor} audit verify --data-dir {}", data_dir.display());
         interrupted.await;
     }
     Ok(Scenario {
@@ -418,5 +420,31 @@ async fn watch_for(
             );
         }
         tokio::time::sleep(POLL).await;
+    }
+}
+
+/// How the user can run this same binary from where they stand: `wor` when that name on
+/// `PATH` is this binary, else its path relative to the working directory when it lies below
+/// it (`target/release/wor`), else its absolute path.
+fn invocation() -> String {
+    let Ok(me) = std::env::current_exe().and_then(|p| p.canonicalize()) else {
+        return "wor".to_owned();
+    };
+    let on_path = std::env::var_os("PATH").is_some_and(|path| {
+        std::env::split_paths(&path)
+            .filter_map(|dir| dir.join("wor").canonicalize().ok())
+            .next()
+            .is_some_and(|found| found == me)
+    });
+    if on_path {
+        return "wor".to_owned();
+    }
+    let relative = std::env::current_dir()
+        .ok()
+        .and_then(|cwd| cwd.canonicalize().ok())
+        .and_then(|cwd| me.strip_prefix(cwd).ok().map(std::path::Path::to_path_buf));
+    match relative {
+        Some(path) => path.display().to_string(),
+        None => me.display().to_string(),
     }
 }
