@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sourced by .ci/run: clones the committed repository into an empty temporary folder, so that
+# Sourced by .ci/run: clones the committed repository into an empty folder of its own, so that
 # nothing beside the checkout (no `shared/`, no sibling folders) is reachable, and runs there
 # the tests that load public test data (the SSRF corpus and the webhook signature vectors).
 # Uses a target dir of its own under CARGO_TARGET_DIR, so the main build is not disturbed, and

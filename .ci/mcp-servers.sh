@@ -18,6 +18,7 @@ wor_install_mcp_servers() {
 
   if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      echo "mcp-servers: installing nodejs and npm from Debian packages (the reference MCP servers are npm packages)" >&2
       apt-get update -qq && apt-get install -y -qq nodejs npm >/dev/null
     fi
   fi
@@ -31,6 +32,7 @@ wor_install_mcp_servers() {
     installed="$(node -p "require(process.argv[1]).version" "$manifest")"
   fi
   if [ "$installed" != "$WOR_MCP_EVERYTHING_VERSION" ] || [ ! -e "$entry" ]; then
+    echo "mcp-servers: installing $package@$WOR_MCP_EVERYTHING_VERSION with npm into $prefix (the reference MCP server the tool tests talk to)" >&2
     npm install --prefix "$prefix" --no-audit --no-fund --loglevel=error \
       "$package@$WOR_MCP_EVERYTHING_VERSION" >&2 || return 1
   fi

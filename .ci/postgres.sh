@@ -11,7 +11,7 @@ pg_bin_dir() {
 }
 
 if ! PG_BIN=$(pg_bin_dir); then
-  echo "ci: installing PostgreSQL from Debian packages"
+  echo "ci: installing PostgreSQL from Debian packages (every test runs once on it as well as on SQLite)"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq postgresql >/dev/null

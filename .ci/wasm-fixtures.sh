@@ -10,6 +10,7 @@
 wor_build_wasm_fixtures() {
   local target_dir="${CARGO_TARGET_DIR:-$PWD/target}"
   if ! rustup target list --installed 2>/dev/null | grep -qx wasm32-wasip2; then
+    echo "wasm-fixtures: adding the wasm32-wasip2 target with rustup (to build the probe component the Wasm tool tests run)"
     rustup target add wasm32-wasip2 || {
       echo "wasm-fixtures: the wasm32-wasip2 target cannot be installed with rustup" >&2
       return 1
