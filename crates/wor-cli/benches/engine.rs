@@ -1,0 +1,557 @@
+//! Engine benchmark: what a governed tool call, a run start and a parked run cost through the
+//! real `wor serve` (release build), each figure beside a baseline measured in the same run.
+//! One line per figure, on SQLite and (with `WOR_BENCH_PG_URL`) on PostgreSQL.
+//!
+//! ```sh
+//! cargo bench -p wor-cli --bench engine
+//! WOR_BENCH_PG_URL=postgres://wor@127.0.0.1:5432/postgres cargo bench -p wor-cli --bench engine
+//! WOR_BENCH_ONLY=call,parked WOR_BENCH_PARKED=200 cargo bench -p wor-cli --bench engine
+//! ```
+//!
+//! Figures (`WOR_BENCH_ONLY` picks some): `call` — added latency of a tool call through a
+//! routine (replay model, read-only echo tool on a loopback MCP server) against a direct
+//! JSON-RPC call to the same server; `throughput` — tool calls per second with 32 runs at
+//! once against 32 direct callers; `trivial` — runs of one model turn per second with 1, 8
+//! and 32 concurrent starters, and enqueue → start; `cron` — routines whose schedule fires in
+//! the same minute, dispatch lag against inserting as many rows in one transaction; `parked` —
+//! server memory per run waiting for approval, and starting a run with none and with many
+//! parked.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic,
+    clippy::print_stdout,
+    clippy::print_stderr,
+    reason = "a benchmark fails loudly and reports on stdout"
+)]
+
+#[allow(dead_code, reason = "each benchmark uses a part of the shared support")]
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use rmcp::ServerHandler;
+use rmcp::model::{
+    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, ErrorData,
+    InitializeResult, ListToolsResult, PaginatedRequestParams, ServerCapabilities, Tool,
+};
+use rmcp::service::{RequestContext, RoleServer};
+use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
+use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
+use serde_json::json;
+use support::{Api, Server, backends, between, database_for, env_number, ms, percentile};
+
+const LOOPBACK_CONFIG: &str = "[egress]\nallowed_cidrs = [\"127.0.0.1/32\"]\n";
+
+/// The echo tool server: answers `#N#` (its N-th call) and notes when each call arrived.
+#[derive(Clone, Default)]
+struct Echo {
+    calls: Arc<AtomicUsize>,
+    arrivals: Arc<std::sync::Mutex<Vec<Instant>>>,
+}
+
+impl ServerHandler for Echo {
+    fn get_info(&self) -> InitializeResult {
+        InitializeResult::new(ServerCapabilities::builder().enable_tools().build())
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, ErrorData> {
+        let schema = json!({"type": "object", "properties": {"text": {"type": "string"}}})
+            .as_object()
+            .cloned()
+            .unwrap();
+        Ok(ListToolsResult::with_all_items(vec![Tool::new(
+            "echo",
+            "Returns its call number.",
+            Arc::new(schema),
+        )]))
+    }
+
+    async fn call_tool(
+        &self,
+        _request: CallToolRequestParams,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, ErrorData> {
+        self.arrivals.lock().unwrap().push(Instant::now());
+        let n = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
+        Ok(CallToolResult::success(vec![ContentBlock::text(format!("#{n}#"))]).into())
+    }
+}
+
+async fn serve_echo(echo: Echo) -> std::net::SocketAddr {
+    // Stateless, answering in plain JSON: the direct baseline is one POST per call.
+    let config = StreamableHttpServerConfig::default()
+        .with_legacy_session_mode(false)
+        .with_json_response(true);
+    let service = StreamableHttpService::new(
+        move || Ok(echo.clone()),
+        Arc::new(LocalSessionManager::default()),
+        config,
+    );
+    let app = axum::Router::new().nest_service("/mcp", service);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    addr
+}
+
+/// One direct JSON-RPC `tools/call` to the echo server, as a client without `wor` makes it.
+async fn direct_call(http: &reqwest::Client, addr: std::net::SocketAddr) -> Duration {
+    let started = Instant::now();
+    let response = http
+        .post(format!("http://{addr}/mcp"))
+        .header("accept", "application/json, text/event-stream")
+        .header("content-type", "application/json")
+        .body(
+            json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                   "params": {"name": "echo", "arguments": {"text": "hi"}}})
+            .to_string(),
+        )
+        .send()
+        .await
+        .unwrap();
+    let body = response.text().await.unwrap();
+    assert!(body.contains("#"), "unexpected answer: {body}");
+    started.elapsed()
+}
+
+fn client() -> reqwest::Client {
+    #[expect(
+        clippy::disallowed_methods,
+        reason = "the benchmark's baseline client on loopback"
+    )]
+    reqwest::Client::builder().no_proxy().build().unwrap()
+}
+
+/// A routine that calls `echo` until the `calls`-th answer, then ends.
+fn echo_routine(name: &str, calls: usize) -> String {
+    format!(
+        r##"
+name = "{name}"
+instructions = "Echo."
+[model]
+provider = "replay"
+model = "script"
+[[model.script.turns]]
+when = {{ last_tool_result_contains = "#{calls}#" }}
+text = "done"
+[[model.script.turns]]
+tool_calls = [{{ name = "echo__echo", arguments = {{ text = "hi" }} }}]
+repeat = true
+[budget]
+turns = {turns}
+tool_calls = {calls}
+[concurrency]
+max_runs = 64
+[[tools]]
+tool = "echo/echo"
+mode = "auto"
+"##,
+        turns = calls + 2
+    )
+}
+
+const TRIVIAL: &str = r#"
+name = "trivial"
+instructions = "Answer."
+[model]
+provider = "replay"
+model = "script"
+[[model.script.turns]]
+text = "ok"
+repeat = true
+[concurrency]
+max_runs = 1000
+"#;
+
+/// Starts a run and follows its events to the end; returns the run's id.
+async fn start_and_follow(api: &Api, routine: &str) -> String {
+    let run = api
+        .post(
+            &format!("/v1/routines/{routine}/runs"),
+            json!({"input": "go"}),
+        )
+        .await;
+    let id = run["id"].as_str().unwrap().to_owned();
+    let mut response = api
+        .http
+        .get(format!("{}/v1/runs/{id}/events", api.base))
+        .bearer_auth(&api.key)
+        .send()
+        .await
+        .unwrap();
+    let mut seen = String::new();
+    while let Some(chunk) = response.chunk().await.unwrap() {
+        seen.push_str(&String::from_utf8_lossy(&chunk));
+        if seen.contains("event: end") {
+            break;
+        }
+    }
+    id
+}
+
+async fn figure_call(backend: &str, base: &Option<String>) {
+    let calls = env_number("WOR_BENCH_CALLS", 200);
+    let echo = Echo::default();
+    let addr = serve_echo(echo.clone()).await;
+    let http = client();
+    for _ in 0..50 {
+        direct_call(&http, addr).await;
+    }
+    let mut direct: Vec<Duration> = Vec::new();
+    for _ in 0..calls {
+        direct.push(direct_call(&http, addr).await);
+    }
+    direct.sort();
+
+    let (server, key) = Server::start(database_for(base).await.as_deref(), LOOPBACK_CONFIG);
+    let api = Api::new(&server, key);
+    api.mcp_tools("echo", addr, &["echo"]).await;
+    echo.calls.store(0, Ordering::SeqCst);
+    let warm = api.apply(&echo_routine("warm", 10)).await;
+    start_and_follow(&api, &warm).await;
+    echo.calls.store(0, Ordering::SeqCst);
+    echo.arrivals.lock().unwrap().clear();
+    let routine = api.apply(&echo_routine("echo", calls)).await;
+    let run = start_and_follow(&api, &routine).await;
+    let arrivals = echo.arrivals.lock().unwrap().clone();
+    assert_eq!(arrivals.len(), calls, "run {run} made every call");
+    let mut intervals: Vec<Duration> = arrivals.windows(2).map(|w| w[1] - w[0]).collect();
+    intervals.sort();
+    let (d50, d99) = (percentile(&direct, 0.5), percentile(&direct, 0.99));
+    let (i50, i99) = (percentile(&intervals, 0.5), percentile(&intervals, 0.99));
+    println!(
+        "{backend:<8} call        direct p50={:.3}ms p99={:.3}ms | through a routine, call to call \
+         p50={:.3}ms p99={:.3}ms | added p50=+{:.3}ms p99=+{:.3}ms ({calls} calls)",
+        ms(d50),
+        ms(d99),
+        ms(i50),
+        ms(i99),
+        ms(i50.saturating_sub(d50)),
+        ms(i99.saturating_sub(d99)),
+    );
+}
+
+async fn figure_throughput(backend: &str, base: &Option<String>) {
+    const AT_ONCE: usize = 32;
+    let per_run = env_number("WOR_BENCH_CALLS_PER_RUN", 50);
+    let echo = Echo::default();
+    let addr = serve_echo(echo.clone()).await;
+    let http = client();
+    let started = Instant::now();
+    let callers: Vec<_> = (0..AT_ONCE)
+        .map(|_| {
+            let http = http.clone();
+            tokio::spawn(async move {
+                for _ in 0..per_run {
+                    direct_call(&http, addr).await;
+                }
+            })
+        })
+        .collect();
+    for caller in callers {
+        caller.await.unwrap();
+    }
+    let direct_rate = (AT_ONCE * per_run) as f64 / started.elapsed().as_secs_f64();
+
+    let (server, key) = Server::start(
+        database_for(base).await.as_deref(),
+        &format!("max_running_per_project = {AT_ONCE}\n{LOOPBACK_CONFIG}"),
+    );
+    let api = Api::new(&server, key);
+    api.mcp_tools("echo", addr, &["echo"]).await;
+    // Each run stops after its budget of calls: the answers' numbers are shared by all runs.
+    let routine = api
+        .apply(&echo_routine("many", per_run).replace(
+            &format!("when = {{ last_tool_result_contains = \"#{per_run}#\" }}"),
+            "when = { last_tool_result_contains = \"#never#\" }",
+        ))
+        .await;
+    echo.calls.store(0, Ordering::SeqCst);
+    let started = Instant::now();
+    let runs: Vec<_> = (0..AT_ONCE)
+        .map(|_| {
+            let (api, routine) = (api.clone(), routine.clone());
+            tokio::spawn(async move { start_and_follow(&api, &routine).await })
+        })
+        .collect();
+    for run in runs {
+        run.await.unwrap();
+    }
+    let made = echo.calls.load(Ordering::SeqCst);
+    let rate = made as f64 / started.elapsed().as_secs_f64();
+    println!(
+        "{backend:<8} throughput  {AT_ONCE} at once: direct {direct_rate:.0} calls/s | through \
+         routines {rate:.0} calls/s ({made} calls) | ratio {:.3}x",
+        rate / direct_rate
+    );
+}
+
+async fn figure_trivial(backend: &str, base: &Option<String>) {
+    let total = env_number("WOR_BENCH_TRIVIAL_RUNS", 200);
+    for starters in [1usize, 8, 32] {
+        let (server, key) = Server::start(
+            database_for(base).await.as_deref(),
+            "max_running_per_project = 64\n",
+        );
+        let api = Api::new(&server, key);
+        let routine = api.apply(TRIVIAL).await;
+        start_and_follow(&api, &routine).await;
+        let next = Arc::new(AtomicUsize::new(0));
+        let started = Instant::now();
+        let tasks: Vec<_> = (0..starters)
+            .map(|_| {
+                let (api, routine, next) = (api.clone(), routine.clone(), next.clone());
+                tokio::spawn(async move {
+                    let mut ids = Vec::new();
+                    while next.fetch_add(1, Ordering::SeqCst) < total {
+                        ids.push(start_and_follow(&api, &routine).await);
+                    }
+                    ids
+                })
+            })
+            .collect();
+        let mut ids = Vec::new();
+        for task in tasks {
+            ids.extend(task.await.unwrap());
+        }
+        let rate = ids.len() as f64 / started.elapsed().as_secs_f64();
+        let mut waits = Vec::new();
+        for id in &ids {
+            let run = api.get(&format!("/v1/runs/{id}")).await;
+            if let Some(wait) = between(&run, "created_at", "started_at") {
+                waits.push(wait);
+            }
+        }
+        waits.sort();
+        println!(
+            "{backend:<8} trivial     {starters:>2} starters: {rate:.1} runs/s ({} runs) | \
+             enqueue→start p50={:.1}ms p99={:.1}ms",
+            ids.len(),
+            ms(percentile(&waits, 0.5)),
+            ms(percentile(&waits, 0.99)),
+        );
+    }
+}
+
+async fn figure_cron(backend: &str, base: &Option<String>) {
+    let count = env_number("WOR_BENCH_CRON_ROUTINES", 10_000);
+    // Baseline: as many rows inserted in one transaction, on the same kind of database.
+    let baseline = {
+        sqlx::any::install_default_drivers();
+        let dir = tempfile::tempdir().unwrap();
+        let url = match database_for(base).await {
+            Some(url) => url,
+            None => format!("sqlite://{}?mode=rwc", dir.path().join("b.db").display()),
+        };
+        let pool = sqlx::AnyPool::connect(&url).await.unwrap();
+        sqlx::query("CREATE TABLE slots (id BIGINT PRIMARY KEY, routine TEXT NOT NULL, at BIGINT NOT NULL)")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let started = Instant::now();
+        let mut tx = pool.begin().await.unwrap();
+        for i in 0..count {
+            sqlx::query("INSERT INTO slots (id, routine, at) VALUES ($1, $2, $3)")
+                .bind(i as i64)
+                .bind(format!("rtn_{i}"))
+                .bind(0_i64)
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+        }
+        tx.commit().await.unwrap();
+        let took = started.elapsed();
+        pool.close().await;
+        took
+    };
+
+    let (server, key) = Server::start(
+        database_for(base).await.as_deref(),
+        "max_running_per_project = 64\n",
+    );
+    let api = Api::new(&server, key);
+    let applied = Instant::now();
+    let next = Arc::new(AtomicUsize::new(0));
+    let appliers: Vec<_> = (0..8)
+        .map(|_| {
+            let (api, next) = (api.clone(), next.clone());
+            tokio::spawn(async move {
+                loop {
+                    let i = next.fetch_add(1, Ordering::SeqCst);
+                    if i >= count {
+                        return;
+                    }
+                    api.apply(&format!(
+                        "{}\n[schedule]\ncron = \"* * * * *\"\n",
+                        TRIVIAL.replace("name = \"trivial\"", &format!("name = \"cron-{i}\""))
+                    ))
+                    .await;
+                }
+            })
+        })
+        .collect();
+    for applier in appliers {
+        applier.await.unwrap();
+    }
+    let apply_took = applied.elapsed();
+    // The first slot after every routine exists: the next minute boundary.
+    let now = chrono::Utc::now();
+    let slot = now
+        .with_timezone(&chrono::Utc)
+        .timestamp()
+        .div_euclid(60)
+        .saturating_add(1)
+        * 60;
+    let slot_at = chrono::DateTime::from_timestamp(slot, 0).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let mut created: Vec<chrono::DateTime<chrono::FixedOffset>> = Vec::new();
+    while Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        if chrono::Utc::now() < slot_at + chrono::Duration::seconds(2) {
+            continue;
+        }
+        let mut all = Vec::new();
+        for status in ["queued", "running", "succeeded", "failed"] {
+            all.extend(api.runs_with_status(status).await);
+        }
+        created = all
+            .iter()
+            .filter(|r| r["trigger"] == "schedule")
+            .filter_map(|r| chrono::DateTime::parse_from_rfc3339(r["created_at"].as_str()?).ok())
+            .filter(|t| t.timestamp() >= slot)
+            .collect();
+        if created.len() >= count || chrono::Utc::now() > slot_at + chrono::Duration::seconds(60)
+        {
+            break;
+        }
+    }
+    let mut lags: Vec<Duration> = created
+        .iter()
+        .filter_map(|t| (*t - slot_at.fixed_offset()).to_std().ok())
+        .collect();
+    lags.sort();
+    let within_1s = lags.iter().filter(|l| **l <= Duration::from_secs(1)).count();
+    println!(
+        "{backend:<8} cron        {count} routines due in one slot: baseline {count} inserts in \
+         one transaction {:.0}ms | dispatched {}/{count}, p50={:.0}ms p99={:.0}ms, {within_1s} \
+         within 1 s (applying them took {:.1}s)",
+        ms(baseline),
+        lags.len(),
+        ms(percentile(&lags, 0.5)),
+        ms(percentile(&lags, 0.99)),
+        apply_took.as_secs_f64(),
+    );
+}
+
+async fn figure_parked(backend: &str, base: &Option<String>) {
+    let parked = env_number("WOR_BENCH_PARKED", 1000);
+    let echo = Echo::default();
+    let addr = serve_echo(echo.clone()).await;
+    let (server, key) = Server::start(
+        database_for(base).await.as_deref(),
+        &format!("max_running_per_project = 64\n{LOOPBACK_CONFIG}"),
+    );
+    let api = Api::new(&server, key);
+    api.mcp_tools("echo", addr, &[]).await;
+    let routine = api
+        .apply(
+            &echo_routine("held", 1)
+                .replace("mode = \"auto\"", "mode = \"confirm\"")
+                .replace("max_runs = 64", "max_runs = 100000"),
+        )
+        .await;
+    let start_latency = |api: Api, routine: String| async move {
+        let mut times = Vec::new();
+        for _ in 0..30 {
+            let started = Instant::now();
+            api.post(
+                &format!("/v1/routines/{routine}/runs"),
+                json!({"input": "go"}),
+            )
+            .await;
+            times.push(started.elapsed());
+        }
+        times.sort();
+        percentile(&times, 0.5)
+    };
+    let wait_parked = |api: Api, at_least: usize| async move {
+        let deadline = Instant::now() + Duration::from_secs(1800);
+        loop {
+            let queued = api.get("/v1/runs?status=queued&limit=1").await;
+            let running = api.get("/v1/runs?status=running&limit=1").await;
+            if queued.as_array().is_some_and(Vec::is_empty)
+                && running.as_array().is_some_and(Vec::is_empty)
+            {
+                let waiting = api.runs_with_status("waiting_for_approval").await.len();
+                if waiting >= at_least {
+                    return waiting;
+                }
+            }
+            assert!(Instant::now() < deadline, "runs did not park in time");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    };
+    let empty_start = start_latency(api.clone(), routine.clone()).await;
+    wait_parked(api.clone(), 30).await;
+    let rss_before = server.rss_kib();
+    let next = Arc::new(AtomicUsize::new(0));
+    let starters: Vec<_> = (0..16)
+        .map(|_| {
+            let (api, routine, next) = (api.clone(), routine.clone(), next.clone());
+            tokio::spawn(async move {
+                while next.fetch_add(1, Ordering::SeqCst) < parked {
+                    api.post(
+                        &format!("/v1/routines/{routine}/runs"),
+                        json!({"input": "go"}),
+                    )
+                    .await;
+                }
+            })
+        })
+        .collect();
+    for starter in starters {
+        starter.await.unwrap();
+    }
+    let waiting = wait_parked(api.clone(), parked + 30).await;
+    let rss_after = server.rss_kib();
+    let full_start = start_latency(api.clone(), routine.clone()).await;
+    println!(
+        "{backend:<8} parked      {waiting} runs waiting for approval: server memory {:.2} KB \
+         per parked run (RSS {rss_before} → {rss_after} KiB) | start with 30 parked p50={:.1}ms, \
+         with {waiting} parked p50={:.1}ms",
+        (rss_after.saturating_sub(rss_before)) as f64 * 1.024 / parked as f64,
+        ms(empty_start),
+        ms(full_start),
+    );
+}
+
+#[tokio::main]
+async fn main() {
+    let only = std::env::var("WOR_BENCH_ONLY").unwrap_or_default();
+    let wanted = |name: &str| only.is_empty() || only.split(',').any(|o| o.trim() == name);
+    for (backend, base) in backends() {
+        if wanted("call") {
+            figure_call(backend, &base).await;
+        }
+        if wanted("throughput") {
+            figure_throughput(backend, &base).await;
+        }
+        if wanted("trivial") {
+            figure_trivial(backend, &base).await;
+        }
+        if wanted("parked") {
+            figure_parked(backend, &base).await;
+        }
+        if wanted("cron") {
+            figure_cron(backend, &base).await;
+        }
+    }
+}

@@ -1,0 +1,298 @@
+//! What the server benchmarks share: the real `wor` binary started on a fresh data dir (and a
+//! fresh PostgreSQL database when asked), a client of its API, and small statistics.
+
+use std::io::{BufRead as _, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use serde_json::Value;
+
+/// The `wor` binary of this build, with a clean environment.
+pub fn wor() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_wor"));
+    cmd.env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .env("WOR_LOG", "warn");
+    cmd
+}
+
+/// A running `wor serve`, killed when dropped.
+pub struct Server {
+    pub child: Child,
+    pub url: String,
+    pub _dir: tempfile::TempDir,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Server {
+    /// `wor init` then `wor serve` on a fresh data dir (and `database` when given), with
+    /// `config` as its configuration file. Returns the server and the owner's key.
+    pub fn start(database: Option<&str>, config: &str) -> (Server, String) {
+        let dir = tempfile::tempdir().unwrap();
+        let config_file = dir.path().join("wor.toml");
+        std::fs::write(&config_file, config).unwrap();
+        let mut flags = vec![
+            "--data-dir".to_owned(),
+            dir.path().join("data").display().to_string(),
+            "--config".to_owned(),
+            config_file.display().to_string(),
+        ];
+        if let Some(url) = database {
+            flags.extend(["--database".to_owned(), url.to_owned()]);
+        }
+        let init = wor().arg("init").args(&flags).output().unwrap();
+        assert!(
+            init.status.success(),
+            "{}",
+            String::from_utf8_lossy(&init.stderr)
+        );
+        let key = String::from_utf8(init.stdout).unwrap().trim().to_owned();
+        let mut child = wor()
+            .args(["serve", "--listen", "127.0.0.1:0"])
+            .args(&flags)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Some(url) = line.strip_prefix("wor: listening on ") {
+                    let _ = tx.send(url.to_owned());
+                } else if line.contains("\"level\":\"ERROR\"") {
+                    eprintln!("server: {line}");
+                }
+            }
+        });
+        let url = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the server did not start");
+        (
+            Server {
+                child,
+                url,
+                _dir: dir,
+            },
+            key,
+        )
+    }
+
+    /// The server process's resident memory, in KiB.
+    pub fn rss_kib(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap()
+    }
+}
+
+/// A client of the server's API.
+#[derive(Clone)]
+pub struct Api {
+    pub http: reqwest::Client,
+    pub base: String,
+    pub key: String,
+}
+
+impl Api {
+    pub fn new(server: &Server, key: String) -> Api {
+        #[expect(
+            clippy::disallowed_methods,
+            reason = "the benchmark is a client of its own server on loopback"
+        )]
+        let http = reqwest::Client::builder()
+            .no_proxy()
+            .pool_max_idle_per_host(128)
+            .build()
+            .unwrap();
+        Api {
+            http,
+            base: server.url.clone(),
+            key,
+        }
+    }
+
+    pub async fn call(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> Value {
+        let mut request = self
+            .http
+            .request(method, format!("{}{path}", self.base))
+            .bearer_auth(&self.key);
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        let response = request.send().await.unwrap();
+        let status = response.status();
+        let value: Value = response.json().await.unwrap_or(Value::Null);
+        assert!(status.is_success(), "{path}: {status} {value}");
+        value
+    }
+
+    pub async fn get(&self, path: &str) -> Value {
+        self.call(reqwest::Method::GET, path, None).await
+    }
+
+    pub async fn post(&self, path: &str, body: Value) -> Value {
+        self.call(reqwest::Method::POST, path, Some(body)).await
+    }
+
+    /// Applies a routine; returns its id.
+    pub async fn apply(&self, toml: &str) -> String {
+        let applied = self
+            .post("/v1/routines", serde_json::json!({ "toml": toml }))
+            .await;
+        applied["routine"]["id"].as_str().unwrap().to_owned()
+    }
+
+    /// Every run of the project with `status`, paging through the list.
+    pub async fn runs_with_status(&self, status: &str) -> Vec<Value> {
+        let mut all = Vec::new();
+        let mut before: Option<String> = None;
+        loop {
+            let path = match &before {
+                Some(id) => format!("/v1/runs?status={status}&limit=200&before={id}"),
+                None => format!("/v1/runs?status={status}&limit=200"),
+            };
+            let page = self.get(&path).await;
+            let items = page.as_array().cloned().unwrap_or_default();
+            let full = items.len() == 200;
+            before = items
+                .last()
+                .and_then(|r| r["id"].as_str())
+                .map(str::to_owned);
+            all.extend(items);
+            if !full {
+                return all;
+            }
+        }
+    }
+
+    /// Creates, reviews and enables an HTTP API connection named `name` whose tools are
+    /// `tools` (HTTP API tool definitions), with `read_only` classified read-only.
+    pub async fn http_tools(
+        &self,
+        name: &str,
+        addr: std::net::SocketAddr,
+        tools: Value,
+        read_only: &[&str],
+    ) {
+        let created = self
+            .post(
+                "/v1/tool-connections",
+                serde_json::json!({"name": name, "kind": "http_api",
+                    "url": format!("http://{addr}/v1"), "allowlist": [addr.to_string()],
+                    "tools": tools}),
+            )
+            .await;
+        self.enable(created["id"].as_str().unwrap(), read_only)
+            .await;
+    }
+
+    /// Creates, reviews and enables an MCP connection over streamable HTTP at `url`.
+    pub async fn mcp_tools(&self, name: &str, addr: std::net::SocketAddr, read_only: &[&str]) {
+        let created = self
+            .post(
+                "/v1/tool-connections",
+                serde_json::json!({"name": name, "kind": "mcp_http",
+                    "url": format!("http://{addr}/mcp"), "allowlist": [addr.to_string()]}),
+            )
+            .await;
+        self.enable(created["id"].as_str().unwrap(), read_only)
+            .await;
+    }
+
+    async fn enable(&self, id: &str, read_only: &[&str]) {
+        let review = self
+            .get(&format!("/v1/tool-connections/{id}/review"))
+            .await;
+        let hashes: serde_json::Map<String, Value> = review["tools"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| (t["name"].as_str().unwrap().to_owned(), t["hash"].clone()))
+            .collect();
+        self.post(
+            &format!("/v1/tool-connections/{id}/enable"),
+            serde_json::json!({"tools": hashes, "read_only": read_only}),
+        )
+        .await;
+    }
+}
+
+/// A fresh PostgreSQL database on the server of `base`, for one measurement.
+pub async fn fresh_postgres(base: &str) -> String {
+    sqlx::any::install_default_drivers();
+    let name = format!(
+        "wor_bench_{}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    );
+    let admin = sqlx::AnyPool::connect(base).await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+        .execute(&admin)
+        .await
+        .unwrap();
+    admin.close().await;
+    let mut url = url::Url::parse(base).unwrap();
+    url.set_path(&format!("/{name}"));
+    url.to_string()
+}
+
+/// The backends to measure: SQLite always, PostgreSQL when `WOR_BENCH_PG_URL` names a server.
+pub fn backends() -> Vec<(&'static str, Option<String>)> {
+    let mut backends = vec![("sqlite", None)];
+    if let Ok(base) = std::env::var("WOR_BENCH_PG_URL") {
+        backends.push(("postgres", Some(base)));
+    }
+    backends
+}
+
+/// A fresh database for one measurement on `backend` (None: SQLite in the data dir).
+pub async fn database_for(base: &Option<String>) -> Option<String> {
+    match base {
+        Some(base) => Some(fresh_postgres(base).await),
+        None => None,
+    }
+}
+
+/// The value at fraction `p` of `sorted`.
+pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let index = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[index.min(sorted.len() - 1)]
+}
+
+pub fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+/// Milliseconds between two RFC 3339 timestamps of a run view.
+pub fn between(run: &Value, from: &str, to: &str) -> Option<Duration> {
+    let parse = |key: &str| {
+        run[key]
+            .as_str()
+            .and_then(|t| chrono::DateTime::parse_from_rfc3339(t).ok())
+    };
+    let (a, b) = (parse(from)?, parse(to)?);
+    (b - a).to_std().ok()
+}
+
+/// A number from the environment, or `default`.
+pub fn env_number(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
