@@ -1487,3 +1487,65 @@ async fn a_run_credential_reads_its_own_run_and_every_other_route_refuses_it() {
     assert_error(&reply, StatusCode::UNAUTHORIZED, "unauthenticated");
     assert!(!api.db.store.run_token_exists(run_id).await.unwrap());
 }
+
+#[tokio::test]
+async fn the_last_owner_key_cannot_be_revoked_through_the_api() {
+    let api = TestApi::new().await;
+    let p = api.project("alice").await;
+    let owner = p.owner_key.expose();
+    let first = api.db.store.list_api_keys(p.project.id).await.unwrap()[0].id;
+
+    let refused = api
+        .call(
+            Method::DELETE,
+            &format!("/v1/keys/{first}"),
+            Some(owner),
+            None,
+        )
+        .await;
+    assert_error(&refused, StatusCode::CONFLICT, "last_owner_key");
+    let message = refused.body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains(&format!("`{first}`")) && message.contains("recover-owner"),
+        "{message}"
+    );
+    assert_eq!(
+        api.call(Method::GET, "/v1/whoami", Some(owner), None)
+            .await
+            .status,
+        StatusCode::OK
+    );
+
+    // A second owner member: now the first owner's key can go, and the second's cannot.
+    let bob = api
+        .call(
+            Method::POST,
+            "/v1/members",
+            Some(owner),
+            Some(json!({"name": "bob", "role": "owner"})),
+        )
+        .await;
+    assert_eq!(bob.status, StatusCode::CREATED, "{}", bob.text);
+    let bob_key = bob.body["key"]["api_key"].as_str().unwrap().to_owned();
+    let bob_key_id = bob.body["key"]["id"].as_str().unwrap().to_owned();
+    let revoked = api
+        .call(
+            Method::DELETE,
+            &format!("/v1/keys/{first}"),
+            Some(&bob_key),
+            None,
+        )
+        .await;
+    assert_eq!(revoked.status, StatusCode::OK, "{}", revoked.text);
+    assert_error(
+        &api.call(
+            Method::DELETE,
+            &format!("/v1/keys/{bob_key_id}"),
+            Some(&bob_key),
+            None,
+        )
+        .await,
+        StatusCode::CONFLICT,
+        "last_owner_key",
+    );
+}
