@@ -1549,3 +1549,95 @@ async fn the_last_owner_key_cannot_be_revoked_through_the_api() {
         "last_owner_key",
     );
 }
+
+/// The operations of the served document, as (method, path template, operation).
+fn document_operations(doc: &Value) -> Vec<(String, String, Value)> {
+    let mut ops = Vec::new();
+    for (path, item) in doc["paths"].as_object().unwrap() {
+        for (method, operation) in item.as_object().unwrap() {
+            ops.push((method.clone(), path.clone(), operation.clone()));
+        }
+    }
+    ops
+}
+
+#[tokio::test]
+async fn the_openapi_document_describes_what_the_server_answers() {
+    let api = TestApi::new().await;
+    let served = api.call(Method::GET, "/v1/openapi.json", None, None).await;
+    assert_eq!(served.status, StatusCode::OK);
+    let doc = served.body;
+    assert_eq!(doc, serde_json::to_value(wor_server::openapi()).unwrap());
+    let ops = document_operations(&doc);
+    assert!(ops.len() >= 30, "{}", ops.len());
+    let mut queries = 0;
+    for (method, path, op) in &ops {
+        let params = op["parameters"].as_array().cloned().unwrap_or_default();
+        for param in &params {
+            let name = param["name"].as_str().unwrap();
+            match param["in"].as_str().unwrap() {
+                "path" => assert!(
+                    path.contains(&format!("{{{name}}}")),
+                    "{method} {path}: path parameter `{name}` is not in the path"
+                ),
+                "query" => {
+                    queries += 1;
+                    assert_ne!(param["required"], true, "{method} {path}: `{name}`");
+                }
+                other => panic!("{method} {path}: `{name}` in {other}"),
+            }
+        }
+        // Every `{name}` of the template is a path parameter.
+        for segment in path.split('/').filter(|s| s.starts_with('{')) {
+            let name = segment.trim_start_matches('{').trim_end_matches('}');
+            assert!(
+                params
+                    .iter()
+                    .any(|p| p["name"] == name && p["in"] == "path"),
+                "{method} {path}: `{name}` is not declared"
+            );
+        }
+        let responses = op["responses"].as_object().unwrap();
+        let documents = |status: &str| responses.contains_key(status);
+        if let Some(content) = op["requestBody"]["content"].as_object() {
+            assert!(documents("400"), "{method} {path} takes a body: 400");
+            assert!(documents("413"), "{method} {path} takes a body: 413");
+            if content.contains_key("application/json") {
+                assert!(documents("415"), "{method} {path} takes JSON: 415");
+            }
+        }
+        if op["security"].as_array().is_some_and(|s| !s.is_empty()) {
+            assert!(documents("401"), "{method} {path} is authenticated: 401");
+            assert!(documents("403"), "{method} {path} is authenticated: 403");
+        }
+        if !params.is_empty() {
+            assert!(documents("400"), "{method} {path} has parameters: 400");
+        }
+    }
+    assert!(
+        queries >= 15,
+        "the listings' filters are query parameters: {queries}"
+    );
+
+    // A run's input is text or any JSON value.
+    let input = &doc["components"]["schemas"]["StartRunBody"]["properties"]["input"];
+    let accepts = |value: Value| match input.get("type") {
+        None => true,
+        Some(Value::String(t)) => t == json_type(&value),
+        Some(Value::Array(types)) => types.iter().any(|t| t == json_type(&value)),
+        Some(other) => panic!("{other}"),
+    };
+    assert!(accepts(json!("summarise the queue")), "{input}");
+    assert!(accepts(json!({"ticket": 7})), "{input}");
+}
+
+fn json_type(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "boolean",
+        Value::Number(_) => "number",
+        Value::String(_) => "string",
+        Value::Array(_) => "array",
+        Value::Object(_) => "object",
+    }
+}

@@ -208,7 +208,7 @@ pub async fn list(
 
 /// One routine: its current definition and its version history.
 #[utoipa::path(get, path = "/v1/routines/{routine_id}", tag = "routines", security(("bearer" = [])),
-    params(("routine_id" = String, Path, description = "a `rtn_…` id")),
+    params(("routine_id" = String, Path, description = "a `rtn_…` id", pattern = "^rtn_[0-9a-f]{32}$")),
     responses((status = 200, body = RoutineDetail), (status = 404, body = ErrorBody)))]
 pub async fn get(
     State(state): State<AppState>,
