@@ -1550,6 +1550,37 @@ async fn the_last_owner_key_cannot_be_revoked_through_the_api() {
     );
 }
 
+#[tokio::test]
+async fn the_bearer_scheme_is_case_insensitive() {
+    let api = TestApi::new().await;
+    let p = api.project("alice").await;
+    let key = p.owner_key.expose();
+    let with = |authorization: String| {
+        Request::get("/v1/whoami")
+            .header("authorization", authorization)
+            .body(Body::empty())
+            .unwrap()
+    };
+    for scheme in ["Bearer", "bearer", "BEARER", "bEaReR"] {
+        let reply = api.raw(with(format!("{scheme} {key}"))).await;
+        assert_eq!(reply.status, StatusCode::OK, "{scheme}: {}", reply.text);
+    }
+    for wrong in [
+        format!("Basic {key}"),
+        format!("Bearer{key}"),
+        key.to_owned(),
+    ] {
+        assert_error(
+            &api.raw(with(wrong)).await,
+            StatusCode::UNAUTHORIZED,
+            "unauthenticated",
+        );
+    }
+    // The gate that keeps run credentials off the API reads the scheme the same way.
+    let gated = api.raw(with("bearer wrt_0123".to_owned())).await;
+    assert_error(&gated, StatusCode::FORBIDDEN, "forbidden");
+}
+
 /// The operations of the served document, as (method, path template, operation).
 fn document_operations(doc: &Value) -> Vec<(String, String, Value)> {
     let mut ops = Vec::new();

@@ -105,6 +105,11 @@ pub async fn apply(
     if let Some(refusal) = definition.production_refusal().filter(|_| state.production) {
         return Err(ApiError::bad_request("invalid_routine", refusal));
     }
+    if let Some(notify) = &definition.notify {
+        state.engine.vet_notify_url(&notify.url).map_err(|denial| {
+            ApiError::bad_request("invalid_routine", format!("`notify.url`: {denial}"))
+        })?;
+    }
     // The routine's own policy, with its roster modes, must validate against the schema.
     let mut policy = wor_policy::PolicyEngine::builder().roster(&definition.tools);
     if let Some(text) = &definition.policy {

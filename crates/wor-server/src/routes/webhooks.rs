@@ -2,7 +2,6 @@
 //! webhooks (docs/webhooks.md).
 
 use axum::Json;
-use axum::body::Bytes;
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use secrecy::ExposeSecret as _;
@@ -13,7 +12,7 @@ use wor_store::{DeliveryFilter, DeliveryRecord};
 use crate::AppState;
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
-use crate::extract::{ApiPath, page_limit, query_id};
+use crate::extract::{ApiBytes, ApiPath, page_limit, query_id};
 use crate::views::rfc3339;
 
 #[derive(Debug, serde::Serialize, utoipa::ToSchema)]
@@ -106,7 +105,7 @@ pub async fn receive(
     State(state): State<AppState>,
     ApiPath(routine): ApiPath<String>,
     headers: HeaderMap,
-    body: Bytes,
+    ApiBytes(body): ApiBytes,
 ) -> Result<(StatusCode, Json<HookAccepted>), ApiError> {
     // A malformed id is as unknown as any other: nothing tells the caller which it was.
     let routine: RoutineId = routine.parse().map_err(|_| ApiError::NotFound)?;
