@@ -480,6 +480,7 @@ const NO_JSON: &[(&str, &str)] = &[
     ("demo", "a narrative for a person"),
     ("init", "prints the new key alone, for `KEY=$(wor init)`"),
     ("project create", "prints the new key alone"),
+    ("project recover-owner", "prints the new key alone"),
     ("secrets generate-key", "prints the new key alone"),
     ("secrets rotate", "progress and a summary on stderr"),
     (
@@ -727,5 +728,105 @@ fn help_documents_the_exit_codes_the_commands_use() {
             .status
             .code(),
         Some(1)
+    );
+}
+
+#[test]
+fn an_operator_recovers_an_owner_and_the_audit_log_records_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = database_args(dir.path());
+    let key = create_project(&db);
+    let server = Server::start(&db, &[]);
+    let me: serde_json::Value =
+        serde_json::from_slice(&server.client(&key, &["whoami", "--json"]).stdout).unwrap();
+    let project = me["project"]["id"].as_str().unwrap().to_owned();
+    let project_name = me["project"]["name"].as_str().unwrap().to_owned();
+    let owner_key_id = me["key_id"].as_str().unwrap().to_owned();
+
+    // The only owner key cannot be revoked: the project would have no one to manage it.
+    let refused = server.client(&key, &["key", "revoke", &owner_key_id]);
+    assert!(!refused.status.success());
+    let stderr = text(&refused.stderr);
+    assert!(
+        stderr.contains("last live owner key") && stderr.contains("(last_owner_key, HTTP 409)"),
+        "{stderr}"
+    );
+    assert!(server.client(&key, &["whoami"]).status.success());
+
+    // The operator makes a new owner, by project id, while the server runs.
+    let recover = |target: &str, owner: &str| {
+        let mut args = vec!["project", "recover-owner", target, "--owner", owner];
+        args.extend(db.iter().map(String::as_str));
+        let out = run(&mut wor(&args));
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        text(&out.stdout).trim().to_owned()
+    };
+    let rescuer_key = recover(&project, "rescuer");
+    assert!(
+        rescuer_key.starts_with("wor_") && rescuer_key.len() == 68,
+        "{rescuer_key}"
+    );
+    let rescuer: serde_json::Value =
+        serde_json::from_slice(&server.client(&rescuer_key, &["whoami", "--json"]).stdout).unwrap();
+    assert_eq!(rescuer["role"], "owner");
+    assert_eq!(rescuer["project"]["id"], project.as_str());
+    assert_ne!(rescuer["member_id"], me["member_id"]);
+    // With a second owner, the first owner's key can go.
+    let revoked = server.client(&rescuer_key, &["key", "revoke", &owner_key_id]);
+    assert!(revoked.status.success(), "{}", text(&revoked.stderr));
+    // By name, for the existing owner member: a new key for them.
+    let again = recover(&project_name, "owner");
+    let original: serde_json::Value =
+        serde_json::from_slice(&server.client(&again, &["whoami", "--json"]).stdout).unwrap();
+    assert_eq!(original["member_id"], me["member_id"]);
+    // An unknown project is a clear error.
+    let mut args = vec!["project", "recover-owner", "no-such-project"];
+    args.extend(db.iter().map(String::as_str));
+    let missing = run(&mut wor(&args));
+    assert!(!missing.status.success());
+    assert!(text(&missing.stderr).contains("no project named `no-such-project`"));
+
+    let export = server.client(&again, &["audit", "export"]);
+    assert!(export.status.success(), "{}", text(&export.stderr));
+    server.stop();
+    let entries: Vec<serde_json::Value> = text(&export.stdout)
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["type"] == "entry")
+        .collect();
+    let recovery: Vec<(&str, &str)> = entries
+        .iter()
+        .filter(|e| e["payload"]["recovery"] == true)
+        .map(|e| {
+            (
+                e["category"].as_str().unwrap(),
+                e["actor"]["kind"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        recovery,
+        [
+            ("member.create", "operator"),
+            ("key.create", "operator"),
+            ("key.create", "operator")
+        ],
+        "{entries:?}"
+    );
+
+    let mut args = vec!["audit", "verify", "--project", project.as_str()];
+    args.extend(db.iter().map(String::as_str));
+    let verified = run(&mut wor(&args));
+    assert_eq!(
+        verified.status.code(),
+        Some(0),
+        "{}{}",
+        text(&verified.stdout),
+        text(&verified.stderr)
+    );
+    assert!(
+        text(&verified.stdout).contains(&format!("intact: {} entries", entries.len())),
+        "{}",
+        text(&verified.stdout)
     );
 }

@@ -9,8 +9,9 @@ use std::str::FromStr;
 /// Why a string is not a valid id of the expected kind.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum IdError {
-    #[error("`{value}` is not a {kind} id: expected `{prefix}_` followed by 32 hex digits")]
+    #[error("`{value}` is not {kind} id: expected `{prefix}_` followed by 32 hex digits")]
     Malformed {
+        /// The kind with its article: `a run`, `an approval`.
         kind: &'static str,
         prefix: &'static str,
         value: String,
@@ -105,19 +106,19 @@ macro_rules! typed_id {
 }
 
 typed_id!(/// A project: the tenant.
-    ProjectId, "prj", "project");
+    ProjectId, "prj", "a project");
 typed_id!(/// A member of a project.
-    MemberId, "mem", "member");
+    MemberId, "mem", "a member");
 typed_id!(/// An API key (personal or service).
-    ApiKeyId, "key", "API key");
+    ApiKeyId, "key", "an API key");
 typed_id!(/// A routine.
-    RoutineId, "rtn", "routine");
+    RoutineId, "rtn", "a routine");
 typed_id!(/// A run of a routine version.
-    RunId, "run", "run");
+    RunId, "run", "a run");
 typed_id!(/// A model or tool connection.
-    ConnectionId, "con", "connection");
+    ConnectionId, "con", "a connection");
 typed_id!(/// An approval request.
-    ApprovalId, "apr", "approval");
+    ApprovalId, "apr", "an approval");
 
 /// A fresh id for one HTTP request, for correlating its log line with its response.
 pub fn request_id() -> String {
@@ -159,6 +160,13 @@ mod tests {
         );
         let err = "nope".parse::<MemberId>().unwrap_err().to_string();
         assert!(err.contains("`nope`") && err.contains("mem_"), "{err}");
+        // The article agrees with the kind.
+        let err = "nope".parse::<ApprovalId>().unwrap_err().to_string();
+        assert!(err.starts_with("`nope` is not an approval id:"), "{err}");
+        let err = "nope".parse::<ApiKeyId>().unwrap_err().to_string();
+        assert!(err.starts_with("`nope` is not an API key id:"), "{err}");
+        let err = "nope".parse::<RunId>().unwrap_err().to_string();
+        assert!(err.starts_with("`nope` is not a run id:"), "{err}");
     }
 
     #[test]

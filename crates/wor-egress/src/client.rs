@@ -230,6 +230,33 @@ impl EgressClient {
             .map(|(url, _)| url)
     }
 
+    /// Vets a destination saved now and reached later (a routine's `notify.url`) as far as can
+    /// be done without a DNS lookup: the shape of the URL, and the address when the host is an
+    /// IP literal or a localhost name, against this client's policy (with the operator's
+    /// allowed CIDRs). Any other name is resolved and checked each time it is sent to.
+    pub fn vet_destination(&self, url: &str) -> Result<EgressUrl, Box<EgressDenial>> {
+        let url = EgressUrl::parse(url).map_err(|refusal| Box::new(refusal.into()))?;
+        let addrs = match url.host() {
+            EgressHost::Ip(ip) => vec![*ip],
+            // What the resolver answers for them, whatever DNS says (RFC 6761).
+            EgressHost::Name(name) if crate::resolver::is_localhost(name) => vec![
+                IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+                IpAddr::V6(std::net::Ipv6Addr::LOCALHOST),
+            ],
+            EgressHost::Name(_) => Vec::new(),
+        };
+        for ip in addrs {
+            self.resolver.policy().check_address(ip).map_err(|range| {
+                Box::new(EgressDenial::Address {
+                    host: url.host().clone(),
+                    ip,
+                    range,
+                })
+            })?;
+        }
+        Ok(url)
+    }
+
     /// Sends `request` after vetting it, and reads the whole response body up to the cap.
     pub async fn send(&self, request: EgressRequest<'_>) -> Result<EgressResponse, EgressError> {
         let timeout = request.timeout.unwrap_or(self.limits.total_timeout);

@@ -322,7 +322,7 @@ impl GuardedResolver {
     }
 }
 
-fn is_localhost(name: &str) -> bool {
+pub(crate) fn is_localhost(name: &str) -> bool {
     name == "localhost" || name.ends_with(".localhost")
 }
 

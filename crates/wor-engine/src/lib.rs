@@ -165,4 +165,11 @@ impl Engine {
     pub fn config(&self) -> &EngineConfig {
         &self.config
     }
+
+    /// Vets a routine's run webhook destination (`notify.url`) when the routine is applied,
+    /// with the egress policy its deliveries are sent under; see
+    /// [`EgressClient::vet_destination`].
+    pub fn vet_notify_url(&self, url: &str) -> Result<(), Box<wor_egress::EgressDenial>> {
+        self.egress.vet_destination(url).map(|_| ())
+    }
 }

@@ -79,14 +79,14 @@ impl Caller {
 /// The routes a run credential may call: reading its own run. Everything else refuses it.
 pub const RUN_CREDENTIAL_ROUTES: &[(Method, &str)] = &[(Method::GET, "/v1/run")];
 
-/// The bearer token of a request, if it has one.
+/// The bearer token of a request, if it has one. The scheme name is case-insensitive
+/// (RFC 9110 section 11.1): `Bearer`, `bearer` and `BEARER` are one scheme.
 fn bearer(headers: &HeaderMap) -> Option<&str> {
-    headers
-        .get(AUTHORIZATION)?
-        .to_str()
-        .ok()?
-        .strip_prefix("Bearer ")
-        .map(str::trim)
+    let value = headers.get(AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, token) = value.split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then_some(token.trim())
 }
 
 /// Refuses a run credential on every route but [`RUN_CREDENTIAL_ROUTES`], before routing, so a

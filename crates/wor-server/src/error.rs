@@ -29,6 +29,9 @@ pub enum ApiError {
     UnsupportedMediaType,
     #[error("{0}")]
     Conflict(String),
+    /// The change would leave the project without an owner who can manage it.
+    #[error("{0}")]
+    LastOwnerKey(String),
     #[error("{0}")]
     Unavailable(String),
     #[error("internal error")]
@@ -57,6 +60,7 @@ impl ApiError {
                 (StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type")
             }
             ApiError::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
+            ApiError::LastOwnerKey(_) => (StatusCode::CONFLICT, "last_owner_key"),
             ApiError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
             ApiError::Internal => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         }
@@ -131,6 +135,7 @@ impl From<StoreError> for ApiError {
         match err {
             StoreError::NotFound => ApiError::NotFound,
             StoreError::Conflict(message) => ApiError::Conflict(message),
+            last @ StoreError::LastOwnerKey { .. } => ApiError::LastOwnerKey(last.to_string()),
             other => {
                 // The variant is logged, not the message: database messages can quote data.
                 tracing::error!(category = "store", kind = other.kind(), "store error");

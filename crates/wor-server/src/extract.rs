@@ -1,6 +1,7 @@
 //! Request extractors that turn every rejection into the API's one error shape.
 
-use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
+use axum::body::Bytes;
+use axum::extract::rejection::{BytesRejection, JsonRejection, PathRejection, QueryRejection};
 use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::StatusCode;
 use axum::http::request::Parts;
@@ -40,6 +41,33 @@ fn json_rejection(rejection: JsonRejection) -> ApiError {
         ),
         other if other.status() == StatusCode::PAYLOAD_TOO_LARGE => ApiError::PayloadTooLarge,
         other => ApiError::bad_request("invalid_body", other.body_text()),
+    }
+}
+
+/// A raw body, taken as it came (an inbound webhook's). Over [`crate::MAX_BODY_BYTES`] it is a
+/// 413 and any other failure to read it a 400, both in the one error shape.
+#[derive(Debug)]
+pub struct ApiBytes(pub Bytes);
+
+impl<S> FromRequest<S> for ApiBytes
+where
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        Bytes::from_request(req, state)
+            .await
+            .map(ApiBytes)
+            .map_err(bytes_rejection)
+    }
+}
+
+fn bytes_rejection(rejection: BytesRejection) -> ApiError {
+    if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        ApiError::PayloadTooLarge
+    } else {
+        ApiError::bad_request("invalid_body", rejection.body_text())
     }
 }
 

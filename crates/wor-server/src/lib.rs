@@ -17,8 +17,9 @@ use axum::Router;
 use axum::extract::DefaultBodyLimit;
 use axum::routing::get;
 use tokio::net::TcpListener;
+use utoipa::openapi::path::Operation;
 use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
-use utoipa::openapi::{InfoBuilder, OpenApi};
+use utoipa::openapi::{Content, InfoBuilder, OpenApi, Ref, RefOr, Response};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 use wor_engine::Engine;
@@ -128,7 +129,71 @@ fn finish_document(mut doc: OpenApi) -> OpenApi {
         "bearer",
         SecurityScheme::Http(Http::new(HttpAuthScheme::Bearer)),
     );
+    for item in doc.paths.paths.values_mut() {
+        let operations = [
+            &mut item.get,
+            &mut item.put,
+            &mut item.post,
+            &mut item.delete,
+            &mut item.patch,
+        ];
+        for operation in operations.into_iter().flatten() {
+            document_extractor_answers(operation);
+        }
+    }
     doc
+}
+
+/// Adds the answers an operation gives whatever its handler does, because they come from the
+/// extractors and the gate in front of the router: the caller's key (401 when missing, unknown
+/// or revoked; 403 for a role that may not, or a run's credential), a JSON body (400 when
+/// malformed, 413 over [`MAX_BODY_BYTES`], 415 without `content-type: application/json`), any
+/// other body (413) and path or query parameters (400 when malformed). A handler's own entry
+/// for one of these statuses is kept.
+fn document_extractor_answers(operation: &mut Operation) {
+    let mut answers: Vec<(u16, &str)> = Vec::new();
+    if operation.security.as_ref().is_some_and(|s| !s.is_empty()) {
+        answers.push((401, "the API key is missing, unknown or revoked"));
+        answers.push((
+            403,
+            "the key's role may not do this, or a run's credential was used",
+        ));
+    }
+    match operation.request_body.as_ref() {
+        Some(RefOr::T(body)) if body.content.contains_key("application/json") => {
+            answers.push((
+                400,
+                "the body is not valid JSON or not what this operation takes",
+            ));
+            answers.push((413, "the body is larger than the limit"));
+            answers.push((
+                415,
+                "the body is not sent as `content-type: application/json`",
+            ));
+        }
+        Some(_) => answers.push((413, "the body is larger than the limit")),
+        None => {}
+    }
+    if operation.parameters.as_ref().is_some_and(|p| !p.is_empty()) {
+        answers.push((400, "a path or query parameter is malformed"));
+    }
+    for (status, description) in answers {
+        operation
+            .responses
+            .responses
+            .entry(status.to_string())
+            .or_insert_with(|| {
+                RefOr::T(
+                    Response::builder()
+                        .description(description)
+                        .content(
+                            "application/json",
+                            Content::new(Some(Ref::from_schema_name("ErrorBody"))),
+                        )
+                        .build(),
+                )
+            });
+    }
 }
 
 /// The complete router, with state, limits, logging and fallbacks.

@@ -1487,3 +1487,188 @@ async fn a_run_credential_reads_its_own_run_and_every_other_route_refuses_it() {
     assert_error(&reply, StatusCode::UNAUTHORIZED, "unauthenticated");
     assert!(!api.db.store.run_token_exists(run_id).await.unwrap());
 }
+
+#[tokio::test]
+async fn the_last_owner_key_cannot_be_revoked_through_the_api() {
+    let api = TestApi::new().await;
+    let p = api.project("alice").await;
+    let owner = p.owner_key.expose();
+    let first = api.db.store.list_api_keys(p.project.id).await.unwrap()[0].id;
+
+    let refused = api
+        .call(
+            Method::DELETE,
+            &format!("/v1/keys/{first}"),
+            Some(owner),
+            None,
+        )
+        .await;
+    assert_error(&refused, StatusCode::CONFLICT, "last_owner_key");
+    let message = refused.body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains(&format!("`{first}`")) && message.contains("recover-owner"),
+        "{message}"
+    );
+    assert_eq!(
+        api.call(Method::GET, "/v1/whoami", Some(owner), None)
+            .await
+            .status,
+        StatusCode::OK
+    );
+
+    // A second owner member: now the first owner's key can go, and the second's cannot.
+    let bob = api
+        .call(
+            Method::POST,
+            "/v1/members",
+            Some(owner),
+            Some(json!({"name": "bob", "role": "owner"})),
+        )
+        .await;
+    assert_eq!(bob.status, StatusCode::CREATED, "{}", bob.text);
+    let bob_key = bob.body["key"]["api_key"].as_str().unwrap().to_owned();
+    let bob_key_id = bob.body["key"]["id"].as_str().unwrap().to_owned();
+    let revoked = api
+        .call(
+            Method::DELETE,
+            &format!("/v1/keys/{first}"),
+            Some(&bob_key),
+            None,
+        )
+        .await;
+    assert_eq!(revoked.status, StatusCode::OK, "{}", revoked.text);
+    assert_error(
+        &api.call(
+            Method::DELETE,
+            &format!("/v1/keys/{bob_key_id}"),
+            Some(&bob_key),
+            None,
+        )
+        .await,
+        StatusCode::CONFLICT,
+        "last_owner_key",
+    );
+}
+
+#[tokio::test]
+async fn the_bearer_scheme_is_case_insensitive() {
+    let api = TestApi::new().await;
+    let p = api.project("alice").await;
+    let key = p.owner_key.expose();
+    let with = |authorization: String| {
+        Request::get("/v1/whoami")
+            .header("authorization", authorization)
+            .body(Body::empty())
+            .unwrap()
+    };
+    for scheme in ["Bearer", "bearer", "BEARER", "bEaReR"] {
+        let reply = api.raw(with(format!("{scheme} {key}"))).await;
+        assert_eq!(reply.status, StatusCode::OK, "{scheme}: {}", reply.text);
+    }
+    for wrong in [
+        format!("Basic {key}"),
+        format!("Bearer{key}"),
+        key.to_owned(),
+    ] {
+        assert_error(
+            &api.raw(with(wrong)).await,
+            StatusCode::UNAUTHORIZED,
+            "unauthenticated",
+        );
+    }
+    // The gate that keeps run credentials off the API reads the scheme the same way.
+    let gated = api.raw(with("bearer wrt_0123".to_owned())).await;
+    assert_error(&gated, StatusCode::FORBIDDEN, "forbidden");
+}
+
+/// The operations of the served document, as (method, path template, operation).
+fn document_operations(doc: &Value) -> Vec<(String, String, Value)> {
+    let mut ops = Vec::new();
+    for (path, item) in doc["paths"].as_object().unwrap() {
+        for (method, operation) in item.as_object().unwrap() {
+            ops.push((method.clone(), path.clone(), operation.clone()));
+        }
+    }
+    ops
+}
+
+#[tokio::test]
+async fn the_openapi_document_describes_what_the_server_answers() {
+    let api = TestApi::new().await;
+    let served = api.call(Method::GET, "/v1/openapi.json", None, None).await;
+    assert_eq!(served.status, StatusCode::OK);
+    let doc = served.body;
+    assert_eq!(doc, serde_json::to_value(wor_server::openapi()).unwrap());
+    let ops = document_operations(&doc);
+    assert!(ops.len() >= 30, "{}", ops.len());
+    let mut queries = 0;
+    for (method, path, op) in &ops {
+        let params = op["parameters"].as_array().cloned().unwrap_or_default();
+        for param in &params {
+            let name = param["name"].as_str().unwrap();
+            match param["in"].as_str().unwrap() {
+                "path" => assert!(
+                    path.contains(&format!("{{{name}}}")),
+                    "{method} {path}: path parameter `{name}` is not in the path"
+                ),
+                "query" => {
+                    queries += 1;
+                    assert_ne!(param["required"], true, "{method} {path}: `{name}`");
+                }
+                other => panic!("{method} {path}: `{name}` in {other}"),
+            }
+        }
+        // Every `{name}` of the template is a path parameter.
+        for segment in path.split('/').filter(|s| s.starts_with('{')) {
+            let name = segment.trim_start_matches('{').trim_end_matches('}');
+            assert!(
+                params
+                    .iter()
+                    .any(|p| p["name"] == name && p["in"] == "path"),
+                "{method} {path}: `{name}` is not declared"
+            );
+        }
+        let responses = op["responses"].as_object().unwrap();
+        let documents = |status: &str| responses.contains_key(status);
+        if let Some(content) = op["requestBody"]["content"].as_object() {
+            assert!(documents("400"), "{method} {path} takes a body: 400");
+            assert!(documents("413"), "{method} {path} takes a body: 413");
+            if content.contains_key("application/json") {
+                assert!(documents("415"), "{method} {path} takes JSON: 415");
+            }
+        }
+        if op["security"].as_array().is_some_and(|s| !s.is_empty()) {
+            assert!(documents("401"), "{method} {path} is authenticated: 401");
+            assert!(documents("403"), "{method} {path} is authenticated: 403");
+        }
+        if !params.is_empty() {
+            assert!(documents("400"), "{method} {path} has parameters: 400");
+        }
+    }
+    assert!(
+        queries >= 15,
+        "the listings' filters are query parameters: {queries}"
+    );
+
+    // A run's input is text or any JSON value.
+    let input = &doc["components"]["schemas"]["StartRunBody"]["properties"]["input"];
+    let accepts = |value: Value| match input.get("type") {
+        None => true,
+        Some(Value::String(t)) => t == json_type(&value),
+        Some(Value::Array(types)) => types.iter().any(|t| t == json_type(&value)),
+        Some(other) => panic!("{other}"),
+    };
+    assert!(accepts(json!("summarise the queue")), "{input}");
+    assert!(accepts(json!({"ticket": 7})), "{input}");
+}
+
+fn json_type(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "boolean",
+        Value::Number(_) => "number",
+        Value::String(_) => "string",
+        Value::Array(_) => "array",
+        Value::Object(_) => "object",
+    }
+}

@@ -218,6 +218,22 @@ async fn a_signed_webhook_starts_a_run_with_its_payload_untrusted_and_forgeries_
         .hook(&routine, &signed(&secret, now(), &big, "d-9"), &big)
         .await;
     assert_eq!(reply.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(
+        reply.body["error"]["code"], "payload_too_large",
+        "{}",
+        reply.text
+    );
+    // Over the server's body limit too, the answer is the one JSON error shape, not text.
+    let huge = vec![b'x'; wor_server::MAX_BODY_BYTES + 1];
+    let reply = h
+        .hook(&routine, &signed(&secret, now(), &huge, "d-10"), &huge)
+        .await;
+    assert_eq!(reply.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(
+        reply.body["error"]["code"], "payload_too_large",
+        "{}",
+        reply.text
+    );
 
     // An unknown routine and one without an enabled webhook answer alike, revealing nothing.
     let unknown = h
@@ -463,4 +479,51 @@ async fn a_run_webhook_cannot_be_replayed_as_an_inbound_webhook() {
         )
         .await;
     assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test]
+async fn a_notify_url_the_egress_guard_refuses_is_refused_when_applied() {
+    let h = Harness::new().await;
+    let h = &h;
+    let apply = |url: &str| {
+        let toml = format!("{HOOKED}\n[notify]\nurl = \"{url}\"\n");
+        async move {
+            h.reply(Method::POST, "/v1/routines", Some(json!({ "toml": toml })))
+                .await
+        }
+    };
+    for (url, reason) in [
+        ("http://169.254.169.254/latest/meta-data/", "link-local"),
+        ("http://10.0.0.7/hook", "private-use"),
+        ("http://[::ffff:169.254.169.254]/hook", "169.254.169.254"),
+        (
+            "http://metadata.localhost:8080/hook",
+            "resolves to `::1`, which is loopback",
+        ),
+        ("https://user:pw@hooks.example.com/hook", "credentials"),
+    ] {
+        let reply = apply(url).await;
+        assert_eq!(
+            reply.status,
+            StatusCode::BAD_REQUEST,
+            "{url}: {}",
+            reply.text
+        );
+        assert_eq!(
+            reply.body["error"]["code"], "invalid_routine",
+            "{}",
+            reply.text
+        );
+        let message = reply.body["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("`notify.url`") && message.contains(reason),
+            "{url}: {message}"
+        );
+    }
+    // The operator's allowed CIDRs still count (the harness allows 127.0.0.1/32), and a name
+    // is resolved and checked when a webhook is sent, not when the routine is saved.
+    for url in ["http://127.0.0.1:9/hook", "https://hooks.example.com/wor"] {
+        let reply = apply(url).await;
+        assert!(reply.status.is_success(), "{url}: {}", reply.text);
+    }
 }

@@ -232,22 +232,93 @@ impl Store {
     }
 
     /// Revokes a key; revoking a revoked key is a no-op that returns it unchanged.
+    ///
+    /// INVARIANT: a project keeps at least one owner who can manage it — an `owner` member with
+    /// a live personal `owner` key. Revoking the last such key is refused with
+    /// [`StoreError::LastOwnerKey`], checked in the transaction that revokes, after taking the
+    /// project's lock, so two revocations at once cannot both pass.
     pub async fn revoke_api_key(
         &self,
         project: ProjectId,
         id: ApiKeyId,
     ) -> Result<ApiKeyRecord, StoreError> {
-        sqlx::query(
+        let mut tx = self.pool.begin().await?;
+        lock_project(&mut tx, project).await?;
+        let key = fetch_key(&mut tx, project, id).await?;
+        let revoked = sqlx::query(
             "UPDATE api_keys SET revoked_at = $1 \
              WHERE project_id = $2 AND id = $3 AND revoked_at IS NULL",
         )
         .bind(now_millis())
         .bind(project.to_string())
         .bind(id.to_string())
-        .execute(&self.pool)
-        .await?;
-        self.get_api_key(project, id).await
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if revoked > 0 && is_owner_key(&key) && live_owner_keys(&mut tx, project).await? == 0 {
+            tx.rollback().await?;
+            return Err(StoreError::LastOwnerKey { key_id: id });
+        }
+        let key = fetch_key(&mut tx, project, id).await?;
+        tx.commit().await?;
+        Ok(key)
     }
+}
+
+/// Takes the project's write lock for the rest of `tx`: a row lock on PostgreSQL, the
+/// database's write lock on SQLite. Changes that must see each other's effect on the project's
+/// owners (revocations) take it first, so they run one after the other.
+pub(crate) async fn lock_project(
+    tx: &mut Transaction<'_, Any>,
+    project: ProjectId,
+) -> Result<(), StoreError> {
+    let locked = sqlx::query("UPDATE projects SET name = name WHERE id = $1")
+        .bind(project.to_string())
+        .execute(&mut **tx)
+        .await?
+        .rows_affected();
+    if locked == 0 {
+        return Err(StoreError::NotFound);
+    }
+    Ok(())
+}
+
+async fn fetch_key(
+    tx: &mut Transaction<'_, Any>,
+    project: ProjectId,
+    id: ApiKeyId,
+) -> Result<ApiKeyRecord, StoreError> {
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {COLUMNS} FROM api_keys WHERE project_id = $1 AND id = $2"
+    )))
+    .bind(project.to_string())
+    .bind(id.to_string())
+    .fetch_optional(&mut **tx)
+    .await?
+    .ok_or(StoreError::NotFound)?;
+    key_from_row(&row)
+}
+
+/// A key that lets a person manage the project: a personal key with role `owner`.
+fn is_owner_key(key: &ApiKeyRecord) -> bool {
+    key.member_id.is_some() && key.role == Role::Owner
+}
+
+/// How many live personal `owner` keys of `owner` members the project has.
+pub(crate) async fn live_owner_keys(
+    tx: &mut Transaction<'_, Any>,
+    project: ProjectId,
+) -> Result<i64, StoreError> {
+    let row = sqlx::query(
+        "SELECT COUNT(*) AS n FROM api_keys k \
+         JOIN members m ON m.id = k.member_id AND m.project_id = k.project_id \
+         WHERE k.project_id = $1 AND k.kind = 'personal' AND k.revoked_at IS NULL \
+         AND k.role = 'owner' AND m.role = 'owner'",
+    )
+    .bind(project.to_string())
+    .fetch_one(&mut **tx)
+    .await?;
+    Ok(row.try_get("n")?)
 }
 
 fn key_from_row(row: &sqlx::any::AnyRow) -> Result<ApiKeyRecord, StoreError> {

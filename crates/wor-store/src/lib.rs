@@ -44,7 +44,7 @@ pub use model_connections::{
     API_KEY_FIELD, ConnectionStatus, MODEL_CONNECTIONS_TABLE, ModelConnectionRecord, ModelProvider,
     NewModelConnection,
 };
-pub use projects::{CreatedProject, ProjectRecord};
+pub use projects::{CreatedProject, ProjectRecord, RecoveredOwner};
 pub use routines::{AppliedRoutine, RoutineRecord, RoutineVersionRecord};
 pub use run_tokens::{RUN_TOKEN_PREFIX, RunGrant, RunToken};
 pub use runs::{NewRun, ParentLink, RunFilter, RunRecord, RunStep};
@@ -80,6 +80,12 @@ pub enum StoreError {
     NotFound,
     #[error("{0}")]
     Conflict(String),
+    /// The change would leave the project without an owner who can manage it.
+    #[error(
+        "key `{key_id}` is the last live owner key of the project's owners; create another \
+         owner key first (an operator can run `wor project recover-owner`)"
+    )]
+    LastOwnerKey { key_id: wor_core::ApiKeyId },
     #[error("unsupported database url `{0}`: expected `sqlite://…` or `postgres://…`")]
     UnsupportedUrl(String),
     #[error("cannot create data directory `{path}`: {source}")]
@@ -105,6 +111,7 @@ impl StoreError {
         match self {
             StoreError::NotFound => "not_found",
             StoreError::Conflict(_) => "conflict",
+            StoreError::LastOwnerKey { .. } => "last_owner_key",
             StoreError::UnsupportedUrl(_) => "unsupported_url",
             StoreError::DataDir { .. } => "data_dir",
             StoreError::Corrupt(_) => "corrupt",

@@ -4,7 +4,7 @@
 use sqlx::Row;
 use wor_core::{MemberId, ProjectId, Role};
 
-use crate::api_keys::{self, ApiKeyKind, NewApiKey, PlaintextApiKey};
+use crate::api_keys::{self, ApiKeyKind, ApiKeyRecord, NewApiKey, PlaintextApiKey};
 use crate::{Store, StoreError, conflict_or, now_millis, parse_column};
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -20,6 +20,17 @@ pub struct CreatedProject {
     pub project: ProjectRecord,
     pub owner: crate::MemberRecord,
     pub owner_key: PlaintextApiKey,
+}
+
+/// What an operator's owner recovery yields: the owner (new or existing) and a new owner key,
+/// shown once.
+#[derive(Debug)]
+pub struct RecoveredOwner {
+    pub owner: crate::MemberRecord,
+    /// Whether the owner is a member created by the recovery.
+    pub owner_created: bool,
+    pub key: ApiKeyRecord,
+    pub plaintext: PlaintextApiKey,
 }
 
 impl Store {
@@ -68,6 +79,86 @@ impl Store {
             owner,
             owner_key,
         })
+    }
+
+    /// Lets someone manage `project` again (an operator's recovery, when every owner key is
+    /// lost): a new personal `owner` key for the owner member named `owner_name`, or, when the
+    /// project has no member of that name, a new `owner` member with that key. A member of that
+    /// name with a lower role is refused: recovery makes no one an owner who was not.
+    pub async fn recover_owner(
+        &self,
+        project: ProjectId,
+        owner_name: &str,
+    ) -> Result<RecoveredOwner, StoreError> {
+        let mut tx = self.pool.begin().await?;
+        api_keys::lock_project(&mut tx, project).await?;
+        let existing = sqlx::query(
+            "SELECT id, role, created_at FROM members WHERE project_id = $1 AND name = $2",
+        )
+        .bind(project.to_string())
+        .bind(owner_name)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let (owner, owner_created) = match existing {
+            Some(row) => {
+                let id: String = row.try_get("id")?;
+                let role: String = row.try_get("role")?;
+                let role: Role = parse_column(&role, "members.role")?;
+                if role != Role::Owner {
+                    return Err(StoreError::Conflict(format!(
+                        "member `{owner_name}` has role `{role}`, not `owner`; name an owner or \
+                         a new member"
+                    )));
+                }
+                let member = crate::MemberRecord {
+                    id: parse_column(&id, "members.id")?,
+                    project_id: project,
+                    name: owner_name.to_owned(),
+                    role,
+                    created_at: row.try_get("created_at")?,
+                };
+                (member, false)
+            }
+            None => {
+                let member = crate::MemberRecord {
+                    id: MemberId::new(),
+                    project_id: project,
+                    name: owner_name.to_owned(),
+                    role: Role::Owner,
+                    created_at: now_millis(),
+                };
+                crate::members::insert(&mut tx, &member).await?;
+                (member, true)
+            }
+        };
+        let (key, plaintext) = api_keys::insert(
+            &mut tx,
+            project,
+            NewApiKey {
+                name: format!("{owner_name} (recovered owner key)"),
+                role: Role::Owner,
+                kind: ApiKeyKind::Personal(owner.id),
+                created_by: None,
+            },
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(RecoveredOwner {
+            owner,
+            owner_created,
+            key,
+            plaintext,
+        })
+    }
+
+    /// The project named `name`.
+    pub async fn find_project(&self, name: &str) -> Result<ProjectRecord, StoreError> {
+        let row = sqlx::query("SELECT id, name, created_at FROM projects WHERE name = $1")
+            .bind(name)
+            .fetch_optional(&self.pool)
+            .await?
+            .ok_or(StoreError::NotFound)?;
+        project_from_row(&row)
     }
 
     pub async fn get_project(&self, id: ProjectId) -> Result<ProjectRecord, StoreError> {

@@ -840,3 +840,207 @@ async fn concurrent_claims_keep_the_routine_and_project_limits() {
         "narrow ran more than 2"
     );
 }
+
+/// A personal `owner` key for `member`, as an owner would create one.
+async fn owner_key(
+    db: &TestDatabase,
+    project: wor_core::ProjectId,
+    member: wor_core::MemberId,
+) -> wor_core::ApiKeyId {
+    let (record, _) = db
+        .store
+        .create_api_key(
+            project,
+            NewApiKey {
+                name: TestDatabase::unique_name("owner-key"),
+                role: Role::Owner,
+                kind: ApiKeyKind::Personal(member),
+                created_by: None,
+            },
+        )
+        .await
+        .unwrap();
+    record.id
+}
+
+#[tokio::test]
+async fn the_last_owner_key_cannot_be_revoked() {
+    let db = TestDatabase::new().await.unwrap();
+    let p = db
+        .store
+        .create_project(&TestDatabase::unique_name("p"), "alice")
+        .await
+        .unwrap();
+    let project = p.project.id;
+    let first = db.store.list_api_keys(project).await.unwrap()[0].id;
+    // A service key with role owner is no person: it does not keep the project manageable.
+    let (service, _) = db
+        .store
+        .create_api_key(
+            project,
+            NewApiKey {
+                name: "ci".into(),
+                role: Role::Owner,
+                kind: ApiKeyKind::Service,
+                created_by: None,
+            },
+        )
+        .await
+        .unwrap();
+
+    let err = db.store.revoke_api_key(project, first).await.unwrap_err();
+    assert!(
+        matches!(err, StoreError::LastOwnerKey { key_id } if key_id == first),
+        "{err:?}"
+    );
+    assert!(
+        err.to_string().contains("wor project recover-owner"),
+        "{err}"
+    );
+    assert!(
+        db.store
+            .get_api_key(project, first)
+            .await
+            .unwrap()
+            .revoked_at
+            .is_none()
+    );
+    assert!(
+        db.store
+            .authenticate_api_key(p.owner_key.expose())
+            .await
+            .unwrap()
+            .is_some()
+    );
+
+    // With a second owner key, the first can go; then the second is the last.
+    let second = owner_key(&db, project, p.owner.id).await;
+    assert!(
+        db.store
+            .revoke_api_key(project, first)
+            .await
+            .unwrap()
+            .revoked_at
+            .is_some()
+    );
+    assert!(matches!(
+        db.store.revoke_api_key(project, second).await,
+        Err(StoreError::LastOwnerKey { .. })
+    ));
+    // Keys that are not owner keys revoke as before.
+    assert!(
+        db.store
+            .revoke_api_key(project, service.id)
+            .await
+            .unwrap()
+            .revoked_at
+            .is_some()
+    );
+}
+
+#[tokio::test]
+async fn two_concurrent_revocations_cannot_both_remove_the_last_owner() {
+    let db = TestDatabase::new().await.unwrap();
+    for _ in 0..5 {
+        let p = db
+            .store
+            .create_project(&TestDatabase::unique_name("p"), "alice")
+            .await
+            .unwrap();
+        let project = p.project.id;
+        let first = db.store.list_api_keys(project).await.unwrap()[0].id;
+        let second = owner_key(&db, project, p.owner.id).await;
+        let (a, b) = tokio::join!(
+            tokio::spawn({
+                let store = db.store.clone();
+                async move { store.revoke_api_key(project, first).await }
+            }),
+            tokio::spawn({
+                let store = db.store.clone();
+                async move { store.revoke_api_key(project, second).await }
+            }),
+        );
+        let outcomes = [a.unwrap(), b.unwrap()];
+        let revoked = outcomes.iter().filter(|o| o.is_ok()).count();
+        let refused = outcomes
+            .iter()
+            .filter(|o| matches!(o, Err(StoreError::LastOwnerKey { .. })))
+            .count();
+        assert_eq!((revoked, refused), (1, 1), "{outcomes:?}");
+        let live = db
+            .store
+            .list_api_keys(project)
+            .await
+            .unwrap()
+            .into_iter()
+            .filter(|k| k.revoked_at.is_none())
+            .count();
+        assert_eq!(live, 1);
+    }
+}
+
+#[tokio::test]
+async fn recovering_an_owner_makes_a_working_owner_key() {
+    let db = TestDatabase::new().await.unwrap();
+    let p = db
+        .store
+        .create_project(&TestDatabase::unique_name("p"), "alice")
+        .await
+        .unwrap();
+    let project = p.project.id;
+    assert_eq!(
+        db.store.find_project(&p.project.name).await.unwrap().id,
+        project
+    );
+
+    // An existing owner gets a new key.
+    let again = db.store.recover_owner(project, "alice").await.unwrap();
+    assert!(!again.owner_created);
+    assert_eq!(again.owner.id, p.owner.id);
+    let auth = db
+        .store
+        .authenticate_api_key(again.plaintext.expose())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (auth.project_id, auth.member_id, auth.role),
+        (project, Some(p.owner.id), Role::Owner)
+    );
+
+    // An unknown name becomes a new owner member.
+    let fresh = db.store.recover_owner(project, "rescuer").await.unwrap();
+    assert!(fresh.owner_created);
+    assert_eq!(fresh.owner.role, Role::Owner);
+    assert_eq!(
+        db.store
+            .get_member(project, fresh.owner.id)
+            .await
+            .unwrap()
+            .name,
+        "rescuer"
+    );
+    assert_eq!(fresh.key.member_id, Some(fresh.owner.id));
+
+    // Recovery promotes no one.
+    let viewer = db
+        .store
+        .create_member(project, "vera", Role::Viewer)
+        .await
+        .unwrap();
+    let err = db.store.recover_owner(project, "vera").await.unwrap_err();
+    assert!(
+        matches!(err, StoreError::Conflict(ref m) if m.contains("`vera`")),
+        "{err:?}"
+    );
+    assert_eq!(
+        db.store.get_member(project, viewer.id).await.unwrap().role,
+        Role::Viewer
+    );
+    assert!(matches!(
+        db.store
+            .recover_owner(wor_core::ProjectId::new(), "x")
+            .await,
+        Err(StoreError::NotFound)
+    ));
+}

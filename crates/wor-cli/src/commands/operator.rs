@@ -4,8 +4,9 @@ use std::process::ExitCode;
 
 use anyhow::{Context, bail};
 use serde_json::json;
+use wor_core::ProjectId;
 use wor_core::audit::{Actor, AuditCategory, AuditEvent};
-use wor_store::{AuditConfig, AuditLog, CreatedProject, Store};
+use wor_store::{AuditConfig, AuditLog, CreatedProject, ProjectRecord, Store, StoreError};
 
 use crate::config::{ServerConfig, ServerFlags};
 
@@ -41,6 +42,18 @@ pub enum ProjectCommand {
         #[command(flatten)]
         flags: ServerFlags,
     },
+    /// Let someone manage a project again when no owner key is left: make a new owner key for
+    /// the owner named by --owner (a new owner member when the project has none of that name);
+    /// print it once. Recorded in the project's audit log with the operator as actor.
+    RecoverOwner {
+        /// The project's name or `prj_…` id.
+        project: String,
+        /// The owner to give the key to; a new owner member when no member has this name.
+        #[arg(long, default_value = "owner")]
+        owner: String,
+        #[command(flatten)]
+        flags: ServerFlags,
+    },
 }
 
 async fn open(flags: &ServerFlags) -> anyhow::Result<Store> {
@@ -48,6 +61,16 @@ async fn open(flags: &ServerFlags) -> anyhow::Result<Store> {
     Store::open(config.database.as_deref(), &config.data_dir)
         .await
         .context("cannot open the database")
+}
+
+/// The audit log's one writer, for an operator command.
+fn start_audit(flags: &ServerFlags, store: &Store) -> anyhow::Result<AuditLog> {
+    let config = ServerConfig::resolve(flags, None, false)?;
+    Ok(AuditLog::start(
+        store.clone(),
+        config.audit_signing_key()?,
+        AuditConfig::default(),
+    ))
 }
 
 /// Creates a project and records it, its owner and the owner's key in its audit log, with
@@ -58,12 +81,7 @@ async fn create_audited(
     name: &str,
     owner: &str,
 ) -> anyhow::Result<CreatedProject> {
-    let config = ServerConfig::resolve(flags, None, false)?;
-    let audit = AuditLog::start(
-        store.clone(),
-        config.audit_signing_key()?,
-        AuditConfig::default(),
-    );
+    let audit = start_audit(flags, store)?;
     let created = store.create_project(name, owner).await?;
     let project = created.project.id;
     let key_id = store
@@ -139,6 +157,16 @@ pub async fn project(cmd: ProjectCommand) -> anyhow::Result<ExitCode> {
             report(&created);
             store.close().await;
         }
+        ProjectCommand::RecoverOwner {
+            project,
+            owner,
+            flags,
+        } => {
+            check_name(&owner, "owner")?;
+            let store = open(&flags).await?;
+            recover_owner(&flags, &store, &project, &owner).await?;
+            store.close().await;
+        }
         ProjectCommand::List { json, flags } => {
             let store = open(&flags).await?;
             let projects = store.list_projects().await?;
@@ -158,4 +186,70 @@ pub async fn project(cmd: ProjectCommand) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The project a command names, by `prj_…` id or by name.
+async fn find_project(store: &Store, project: &str) -> anyhow::Result<ProjectRecord> {
+    let found = match project.parse::<ProjectId>() {
+        Ok(id) => store.get_project(id).await,
+        Err(_) => store.find_project(project).await,
+    };
+    match found {
+        Err(StoreError::NotFound) => bail!("no project named `{project}`"),
+        other => Ok(other?),
+    }
+}
+
+/// Makes a new owner key (and owner, if needed), records it in the project's audit log with
+/// the operator as actor, signs the chain's head and prints the key once on stdout.
+async fn recover_owner(
+    flags: &ServerFlags,
+    store: &Store,
+    project: &str,
+    owner: &str,
+) -> anyhow::Result<()> {
+    let project = find_project(store, project).await?;
+    let audit = start_audit(flags, store)?;
+    let recovered = store.recover_owner(project.id, owner).await?;
+    let mut events = Vec::new();
+    if recovered.owner_created {
+        events.push(
+            AuditEvent::new(project.id, AuditCategory::MemberCreate, Actor::Operator)
+                .subject("member_id", recovered.owner.id)
+                .payload(json!({ "name": owner, "role": recovered.owner.role, "recovery": true })),
+        );
+    }
+    events.push(
+        AuditEvent::new(project.id, AuditCategory::KeyCreate, Actor::Operator)
+            .subject("key_id", recovered.key.id)
+            .subject("member_id", recovered.owner.id)
+            .payload(json!({
+                "name": recovered.key.name,
+                "role": recovered.key.role,
+                "service": false,
+                "recovery": true,
+            })),
+    );
+    for event in events {
+        audit
+            .append(event)
+            .await
+            .context("cannot write the audit log")?;
+    }
+    audit
+        .checkpoint()
+        .await
+        .context("cannot sign the audit log")?;
+    let who = if recovered.owner_created {
+        "new owner"
+    } else {
+        "owner"
+    };
+    eprintln!(
+        "created owner key {} for {who} `{}` ({}) of project `{}` ({})",
+        recovered.key.id, recovered.owner.name, recovered.owner.id, project.name, project.id
+    );
+    eprintln!("the API key follows on stdout; it is shown only this once:");
+    println!("{}", recovered.plaintext.expose());
+    Ok(())
 }

@@ -87,6 +87,7 @@ pub struct ApprovalDetail {
 }
 
 #[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct ApprovalListQuery {
     /// Only approvals with this status (pending, approved, denied, expired, cancelled).
@@ -136,7 +137,7 @@ pub async fn list(
 
 /// One approval with the context of its run.
 #[utoipa::path(get, path = "/v1/approvals/{approval_id}", tag = "approvals", security(("bearer" = [])),
-    params(("approval_id" = String, Path, description = "an `apr_…` id")),
+    params(("approval_id" = String, Path, description = "an `apr_…` id", pattern = "^apr_[0-9a-f]{32}$")),
     responses((status = 200, body = ApprovalDetail), (status = 404, body = ErrorBody)))]
 pub async fn get(
     State(state): State<AppState>,
@@ -171,7 +172,7 @@ pub async fn get(
 /// Approves exactly this call: its run goes on and runs it once.
 #[utoipa::path(post, path = "/v1/approvals/{approval_id}/approve", tag = "approvals", security(("bearer" = [])),
     request_body = DecideBody,
-    params(("approval_id" = String, Path, description = "an `apr_…` id")),
+    params(("approval_id" = String, Path, description = "an `apr_…` id", pattern = "^apr_[0-9a-f]{32}$")),
     responses((status = 200, body = ApprovalView), (status = 400, body = ErrorBody),
         (status = 403, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn approve(
@@ -186,7 +187,7 @@ pub async fn approve(
 /// Denies this call: its run goes on without it (or fails, as its routine says).
 #[utoipa::path(post, path = "/v1/approvals/{approval_id}/deny", tag = "approvals", security(("bearer" = [])),
     request_body = DecideBody,
-    params(("approval_id" = String, Path, description = "an `apr_…` id")),
+    params(("approval_id" = String, Path, description = "an `apr_…` id", pattern = "^apr_[0-9a-f]{32}$")),
     responses((status = 200, body = ApprovalView), (status = 400, body = ErrorBody),
         (status = 403, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn deny(

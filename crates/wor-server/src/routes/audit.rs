@@ -15,6 +15,7 @@ pub const MAX_AUDIT_PAGE: i64 = 1000;
 const DEFAULT_AUDIT_PAGE: i64 = 100;
 
 #[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct AuditQuery {
     /// Return entries with a sequence number above this one (default 0: from the start).

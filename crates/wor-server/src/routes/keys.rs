@@ -101,7 +101,7 @@ pub async fn create_key(
 
 /// One key's metadata.
 #[utoipa::path(get, path = "/v1/keys/{key_id}", tag = "keys", security(("bearer" = [])),
-    params(("key_id" = String, Path, description = "a `key_…` id")),
+    params(("key_id" = String, Path, description = "a `key_…` id", pattern = "^key_[0-9a-f]{32}$")),
     responses((status = 200, body = ApiKeyView), (status = 404, body = ErrorBody)))]
 pub async fn get_key(
     State(state): State<AppState>,
@@ -117,11 +117,12 @@ pub async fn get_key(
     ))
 }
 
-/// Revokes a key at once. Admins and owners may revoke any key; a member their own.
+/// Revokes a key at once. Admins and owners may revoke any key; a member their own. The last
+/// live owner key of the project's owners cannot be revoked (409 `last_owner_key`).
 #[utoipa::path(delete, path = "/v1/keys/{key_id}", tag = "keys", security(("bearer" = [])),
-    params(("key_id" = String, Path, description = "a `key_…` id")),
+    params(("key_id" = String, Path, description = "a `key_…` id", pattern = "^key_[0-9a-f]{32}$")),
     responses((status = 200, body = ApiKeyView), (status = 403, body = ErrorBody),
-        (status = 404, body = ErrorBody)))]
+        (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn revoke_key(
     State(state): State<AppState>,
     caller: Caller,

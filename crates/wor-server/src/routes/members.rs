@@ -131,7 +131,7 @@ pub async fn create_member(
 
 /// One member of the project.
 #[utoipa::path(get, path = "/v1/members/{member_id}", tag = "members", security(("bearer" = [])),
-    params(("member_id" = String, Path, description = "a `mem_…` id")),
+    params(("member_id" = String, Path, description = "a `mem_…` id", pattern = "^mem_[0-9a-f]{32}$")),
     responses((status = 200, body = MemberView), (status = 404, body = ErrorBody)))]
 pub async fn get_member(
     State(state): State<AppState>,

@@ -190,7 +190,7 @@ pub async fn create(
 /// One model connection.
 #[utoipa::path(get, path = "/v1/model-connections/{connection_id}", tag = "model-connections",
     security(("bearer" = [])),
-    params(("connection_id" = String, Path, description = "a `con_…` id")),
+    params(("connection_id" = String, Path, description = "a `con_…` id", pattern = "^con_[0-9a-f]{32}$")),
     responses((status = 200, body = ModelConnectionView), (status = 404, body = ErrorBody)))]
 pub async fn get(
     State(state): State<AppState>,
@@ -207,7 +207,7 @@ pub async fn get(
 /// Replaces the API key; the credential version rises by one.
 #[utoipa::path(put, path = "/v1/model-connections/{connection_id}/api-key", tag = "model-connections",
     security(("bearer" = [])), request_body = SetApiKey,
-    params(("connection_id" = String, Path, description = "a `con_…` id")),
+    params(("connection_id" = String, Path, description = "a `con_…` id", pattern = "^con_[0-9a-f]{32}$")),
     responses((status = 200, body = ModelConnectionView), (status = 404, body = ErrorBody),
         (status = 409, body = ErrorBody)))]
 pub async fn set_api_key(
@@ -253,7 +253,7 @@ pub async fn set_api_key(
 /// Revokes the connection and deletes its key; runs using it fail closed.
 #[utoipa::path(post, path = "/v1/model-connections/{connection_id}/revoke", tag = "model-connections",
     security(("bearer" = [])),
-    params(("connection_id" = String, Path, description = "a `con_…` id")),
+    params(("connection_id" = String, Path, description = "a `con_…` id", pattern = "^con_[0-9a-f]{32}$")),
     responses((status = 200, body = ModelConnectionView), (status = 404, body = ErrorBody)))]
 pub async fn revoke(
     State(state): State<AppState>,

@@ -105,6 +105,11 @@ pub async fn apply(
     if let Some(refusal) = definition.production_refusal().filter(|_| state.production) {
         return Err(ApiError::bad_request("invalid_routine", refusal));
     }
+    if let Some(notify) = &definition.notify {
+        state.engine.vet_notify_url(&notify.url).map_err(|denial| {
+            ApiError::bad_request("invalid_routine", format!("`notify.url`: {denial}"))
+        })?;
+    }
     // The routine's own policy, with its roster modes, must validate against the schema.
     let mut policy = wor_policy::PolicyEngine::builder().roster(&definition.tools);
     if let Some(text) = &definition.policy {
@@ -208,7 +213,7 @@ pub async fn list(
 
 /// One routine: its current definition and its version history.
 #[utoipa::path(get, path = "/v1/routines/{routine_id}", tag = "routines", security(("bearer" = [])),
-    params(("routine_id" = String, Path, description = "a `rtn_…` id")),
+    params(("routine_id" = String, Path, description = "a `rtn_…` id", pattern = "^rtn_[0-9a-f]{32}$")),
     responses((status = 200, body = RoutineDetail), (status = 404, body = ErrorBody)))]
 pub async fn get(
     State(state): State<AppState>,

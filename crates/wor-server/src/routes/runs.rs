@@ -28,7 +28,7 @@ const EVENTS_POLL: Duration = Duration::from_millis(200);
 pub struct StartRunBody {
     /// The requester's input: text or any JSON value. It enters the run labelled `requester`.
     #[serde(default)]
-    #[schema(value_type = Object)]
+    #[schema(value_type = Value)]
     pub input: serde_json::Value,
     /// The memory thread, for routines with `[memory]` (default `default`).
     #[serde(default)]
@@ -129,6 +129,7 @@ pub struct RunDetail {
 }
 
 #[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct RunListQuery {
     /// Only runs of this routine (`rtn_…`).
@@ -144,7 +145,7 @@ pub struct RunListQuery {
 /// Starts a run of the routine's current version.
 #[utoipa::path(post, path = "/v1/routines/{routine_id}/runs", tag = "runs", security(("bearer" = [])),
     request_body = StartRunBody,
-    params(("routine_id" = String, Path, description = "a `rtn_…` id")),
+    params(("routine_id" = String, Path, description = "a `rtn_…` id", pattern = "^rtn_[0-9a-f]{32}$")),
     responses((status = 202, body = RunView), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody),
         (status = 409, body = ErrorBody)))]
 pub async fn start(
@@ -201,7 +202,7 @@ pub async fn list(
 
 /// One run with every step it took.
 #[utoipa::path(get, path = "/v1/runs/{run_id}", tag = "runs", security(("bearer" = [])),
-    params(("run_id" = String, Path, description = "a `run_…` id")),
+    params(("run_id" = String, Path, description = "a `run_…` id", pattern = "^run_[0-9a-f]{32}$")),
     responses((status = 200, body = RunDetail), (status = 404, body = ErrorBody)))]
 pub async fn get(
     State(state): State<AppState>,
@@ -252,7 +253,7 @@ pub async fn own_run(
 
 /// Cancels a run: a queued run at once, a running one at its next step.
 #[utoipa::path(post, path = "/v1/runs/{run_id}/cancel", tag = "runs", security(("bearer" = [])),
-    params(("run_id" = String, Path, description = "a `run_…` id")),
+    params(("run_id" = String, Path, description = "a `run_…` id", pattern = "^run_[0-9a-f]{32}$")),
     responses((status = 200, body = RunView), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)))]
 pub async fn cancel(
     State(state): State<AppState>,
@@ -284,7 +285,7 @@ pub async fn cancel(
 /// The run's steps as server-sent events (`event: step`), then `event: end` with the run once
 /// it has ended.
 #[utoipa::path(get, path = "/v1/runs/{run_id}/events", tag = "runs", security(("bearer" = [])),
-    params(("run_id" = String, Path, description = "a `run_…` id")),
+    params(("run_id" = String, Path, description = "a `run_…` id", pattern = "^run_[0-9a-f]{32}$")),
     responses((status = 200, description = "text/event-stream of `step` events and one `end` event"),
         (status = 404, body = ErrorBody)))]
 pub async fn events(

@@ -472,7 +472,7 @@ fn check_http_tools(
 /// One tool connection.
 #[utoipa::path(get, path = "/v1/tool-connections/{tool_connection_id}", tag = "tool-connections",
     security(("bearer" = [])),
-    params(("tool_connection_id" = String, Path, description = "a `con_…` id")),
+    params(("tool_connection_id" = String, Path, description = "a `con_…` id", pattern = "^con_[0-9a-f]{32}$")),
     responses((status = 200, body = ToolConnectionView), (status = 404, body = ErrorBody)))]
 pub async fn get(
     State(state): State<AppState>,
@@ -510,7 +510,7 @@ fn diff_view(diff: ReviewDiff) -> ReviewDiffView {
 /// pins if there are any. Changes nothing.
 #[utoipa::path(get, path = "/v1/tool-connections/{tool_connection_id}/review", tag = "tool-connections",
     security(("bearer" = [])),
-    params(("tool_connection_id" = String, Path, description = "a `con_…` id")),
+    params(("tool_connection_id" = String, Path, description = "a `con_…` id", pattern = "^con_[0-9a-f]{32}$")),
     responses((status = 200, body = ToolReviewView), (status = 403, body = ErrorBody),
         (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
 pub async fn review(
@@ -538,7 +538,7 @@ pub async fn review(
 /// Refused with 409 if the live list changed since the review.
 #[utoipa::path(post, path = "/v1/tool-connections/{tool_connection_id}/enable", tag = "tool-connections",
     security(("bearer" = [])), request_body = EnableToolConnection,
-    params(("tool_connection_id" = String, Path, description = "a `con_…` id")),
+    params(("tool_connection_id" = String, Path, description = "a `con_…` id", pattern = "^con_[0-9a-f]{32}$")),
     responses((status = 200, body = ToolConnectionView), (status = 400, body = ErrorBody),
         (status = 403, body = ErrorBody), (status = 404, body = ErrorBody),
         (status = 409, body = ErrorBody), (status = 503, body = ErrorBody)))]
@@ -582,7 +582,7 @@ pub async fn enable(
 /// Disables the connection: runs that need it fail closed. Its pins are kept.
 #[utoipa::path(post, path = "/v1/tool-connections/{tool_connection_id}/disable", tag = "tool-connections",
     security(("bearer" = [])),
-    params(("tool_connection_id" = String, Path, description = "a `con_…` id")),
+    params(("tool_connection_id" = String, Path, description = "a `con_…` id", pattern = "^con_[0-9a-f]{32}$")),
     responses((status = 200, body = ToolConnectionView), (status = 403, body = ErrorBody),
         (status = 404, body = ErrorBody)))]
 pub async fn disable(

@@ -2,7 +2,6 @@
 //! webhooks (docs/webhooks.md).
 
 use axum::Json;
-use axum::body::Bytes;
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use secrecy::ExposeSecret as _;
@@ -13,7 +12,7 @@ use wor_store::{DeliveryFilter, DeliveryRecord};
 use crate::AppState;
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
-use crate::extract::{ApiPath, page_limit, query_id};
+use crate::extract::{ApiBytes, ApiPath, page_limit, query_id};
 use crate::views::rfc3339;
 
 #[derive(Debug, serde::Serialize, utoipa::ToSchema)]
@@ -72,6 +71,7 @@ impl From<DeliveryRecord> for DeliveryView {
 }
 
 #[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct DeliveryListQuery {
     /// Only deliveries of this routine (`rtn_…`).
@@ -97,7 +97,7 @@ fn header(headers: &HeaderMap, names: &[&str]) -> Option<String> {
 /// `webhook-id` + `webhook-timestamp` + `webhook-signature`). The body becomes the run's
 /// untrusted input. An unknown routine, or one whose webhook is not enabled, is not found.
 #[utoipa::path(post, path = "/hooks/{routine_id}", tag = "webhooks",
-    params(("routine_id" = String, Path, description = "a `rtn_…` id")),
+    params(("routine_id" = String, Path, description = "a `rtn_…` id", pattern = "^rtn_[0-9a-f]{32}$")),
     request_body(content = String, description = "any body, at most 256 KiB; JSON is kept as JSON"),
     responses((status = 202, body = HookAccepted), (status = 401, body = ErrorBody),
         (status = 404, body = ErrorBody), (status = 409, body = ErrorBody), (status = 413, body = ErrorBody)))]
@@ -105,7 +105,7 @@ pub async fn receive(
     State(state): State<AppState>,
     ApiPath(routine): ApiPath<String>,
     headers: HeaderMap,
-    body: Bytes,
+    ApiBytes(body): ApiBytes,
 ) -> Result<(StatusCode, Json<HookAccepted>), ApiError> {
     // A malformed id is as unknown as any other: nothing tells the caller which it was.
     let routine: RoutineId = routine.parse().map_err(|_| ApiError::NotFound)?;
@@ -156,6 +156,7 @@ fn rejection_kind(rejection: &WebhookRejection) -> &'static str {
 }
 
 #[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct SecretQuery {
     /// `inbound` (default: verifies `POST /hooks/{routine_id}`) or `notify` (signs run webhooks).
@@ -166,7 +167,7 @@ pub struct SecretQuery {
 
 /// Makes a new webhook secret for the routine and shows it once; the old one stops working.
 #[utoipa::path(post, path = "/v1/routines/{routine_id}/webhook-secret", tag = "webhooks", security(("bearer" = [])),
-    params(("routine_id" = String, Path, description = "a `rtn_…` id"), SecretQuery),
+    params(("routine_id" = String, Path, description = "a `rtn_…` id", pattern = "^rtn_[0-9a-f]{32}$"), SecretQuery),
     responses((status = 200, body = WebhookSecretView), (status = 400, body = ErrorBody),
         (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)))]
 pub async fn rotate_secret(
