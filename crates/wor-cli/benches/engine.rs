@@ -352,10 +352,12 @@ async fn figure_cron(backend: &str, base: &Option<String>) {
             None => format!("sqlite://{}?mode=rwc", dir.path().join("b.db").display()),
         };
         let pool = sqlx::AnyPool::connect(&url).await.unwrap();
-        sqlx::query("CREATE TABLE slots (id BIGINT PRIMARY KEY, routine TEXT NOT NULL, at BIGINT NOT NULL)")
-            .execute(&pool)
-            .await
-            .unwrap();
+        sqlx::query(
+            "CREATE TABLE slots (id BIGINT PRIMARY KEY, routine TEXT NOT NULL, at BIGINT NOT NULL)",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
         let started = Instant::now();
         let mut tx = pool.begin().await.unwrap();
         for i in 0..count {
@@ -428,8 +430,7 @@ async fn figure_cron(backend: &str, base: &Option<String>) {
             .filter_map(|r| chrono::DateTime::parse_from_rfc3339(r["created_at"].as_str()?).ok())
             .filter(|t| t.timestamp() >= slot)
             .collect();
-        if created.len() >= count || chrono::Utc::now() > slot_at + chrono::Duration::seconds(60)
-        {
+        if created.len() >= count || chrono::Utc::now() > slot_at + chrono::Duration::seconds(60) {
             break;
         }
     }
@@ -438,7 +439,10 @@ async fn figure_cron(backend: &str, base: &Option<String>) {
         .filter_map(|t| (*t - slot_at.fixed_offset()).to_std().ok())
         .collect();
     lags.sort();
-    let within_1s = lags.iter().filter(|l| **l <= Duration::from_secs(1)).count();
+    let within_1s = lags
+        .iter()
+        .filter(|l| **l <= Duration::from_secs(1))
+        .count();
     println!(
         "{backend:<8} cron        {count} routines due in one slot: baseline {count} inserts in \
          one transaction {:.0}ms | dispatched {}/{count}, p50={:.0}ms p99={:.0}ms, {within_1s} \

@@ -210,9 +210,7 @@ impl Api {
     }
 
     async fn enable(&self, id: &str, read_only: &[&str]) {
-        let review = self
-            .get(&format!("/v1/tool-connections/{id}/review"))
-            .await;
+        let review = self.get(&format!("/v1/tool-connections/{id}/review")).await;
         let hashes: serde_json::Map<String, Value> = review["tools"]
             .as_array()
             .unwrap()
