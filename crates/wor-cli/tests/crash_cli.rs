@@ -273,22 +273,37 @@ impl Api {
         answer
     }
 
-    /// Every item of a list route, following `before` pages.
-    fn list_all(&self, key: &str, path: &str) -> Vec<Value> {
+    /// Every item of a list route, following `before` pages; `Err` names a failed page.
+    fn try_list_all(&self, key: &str, path: &str) -> Result<Vec<Value>, String> {
         let mut all: Vec<Value> = Vec::new();
         loop {
             let mut page_path = format!("{path}limit=200");
             if let Some(last) = all.last() {
                 page_path.push_str(&format!("&before={}", last["id"].as_str().unwrap()));
             }
-            let page = self.call(key, reqwest::Method::GET, &page_path, None, 200);
-            let page = page.as_array().unwrap().clone();
+            let page = match self.try_call(key, reqwest::Method::GET, &page_path, None)? {
+                (200, Value::Array(page)) => page,
+                (status, body) => return Err(format!("GET {page_path} answered {status}: {body}")),
+            };
             let done = page.len() < 200;
             all.extend(page);
             if done {
-                return all;
+                return Ok(all);
             }
         }
+    }
+
+    /// [`Self::try_list_all`] tried a few times, for the final look with the server up.
+    fn list_all(&self, key: &str, path: &str) -> Vec<Value> {
+        let mut last = String::new();
+        for _ in 0..10 {
+            match self.try_list_all(key, path) {
+                Ok(all) => return all,
+                Err(error) => last = error,
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        panic!("listing {path} failed ten times: {last}");
     }
 }
 
@@ -691,21 +706,29 @@ fn runs_survive_repeated_sigkill_of_the_server_without_lost_or_repeated_calls() 
     // No more kills: everything should settle, the approver deciding what comes up.
     let settle_deadline = Instant::now() + SETTLE;
     let runs_path = format!("/v1/runs?routine_id={routine}&");
-    let mut runs = api.list_all(&owner, &runs_path);
-    while Instant::now() < settle_deadline
-        && runs
-            .iter()
-            .any(|r| !is_terminal(r["status"].as_str().unwrap()))
-    {
+    let mut list_failures = Vec::new();
+    while Instant::now() < settle_deadline {
+        match api.try_list_all(&owner, &runs_path) {
+            Ok(runs)
+                if runs
+                    .iter()
+                    .all(|r| is_terminal(r["status"].as_str().unwrap())) =>
+            {
+                break;
+            }
+            Ok(_) => {}
+            // The server is up and nothing is being killed: an error answer is a finding.
+            Err(error) => list_failures.push(format!("while settling, {error}")),
+        }
         std::thread::sleep(Duration::from_millis(250));
-        runs = api.list_all(&owner, &runs_path);
     }
     stop_approver.store(true, Ordering::SeqCst);
     approver_thread.join().unwrap();
     let settled = started.elapsed();
-    runs = api.list_all(&owner, &runs_path);
+    let runs = api.list_all(&owner, &runs_path);
     let approvals = api.list_all(&owner, "/v1/approvals?");
     let mut problems: Vec<String> = exited_on_its_own;
+    problems.extend(list_failures);
     problems.extend(run_problems(&runs, &approvals));
     server.stop();
 
