@@ -149,6 +149,9 @@ fn cap(mut text: String, max_bytes: usize) -> (String, Option<Truncation>) {
     };
     text.push('\n');
     text.push_str(&truncation.to_string());
+    // A cap smaller than the marker itself: nothing of the result is kept, and the marker is
+    // cut too (it is ASCII), so the cap holds whatever it is.
+    text.truncate(max_bytes.min(text.len()));
     (text, Some(truncation))
 }
 
@@ -205,6 +208,26 @@ mod tests {
             truncation.dropped_bytes
         )));
         assert!(out.is_error);
+    }
+
+    #[test]
+    fn a_cap_smaller_than_the_marker_still_holds() {
+        let result = ToolCallResult {
+            content: vec![ToolContent::Text("x".repeat(100))],
+            is_error: false,
+        };
+        for max_bytes in [0, 1, 10, 40] {
+            let out = ToolResult::new(&result, "t", &redactor(), ResultLimits { max_bytes });
+            assert!(out.text.len() <= max_bytes, "{max_bytes}: {:?}", out.text);
+            assert!(!out.text.contains('x'), "{max_bytes}: {:?}", out.text);
+            assert_eq!(
+                out.truncated,
+                Some(Truncation {
+                    original_bytes: 100,
+                    dropped_bytes: 100
+                })
+            );
+        }
     }
 
     #[test]

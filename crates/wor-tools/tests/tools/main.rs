@@ -12,6 +12,7 @@
 
 mod everything;
 mod http_tools;
+mod mcp_fuzz;
 mod own_server;
 mod schemas;
 mod stdio;
