@@ -212,7 +212,7 @@ impl Store {
         approval: &NewApproval,
     ) -> Result<Option<(ApprovalId, bool)>, StoreError> {
         let now = now_millis();
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin_write().await?;
         if !crate::runs::park(&mut tx, project, approval.run_id, worker).await? {
             tx.rollback().await?;
             return Ok(None);
@@ -337,7 +337,7 @@ impl Store {
             Verdict::Approve => ApprovalStatus::Approved,
             Verdict::Deny => ApprovalStatus::Denied,
         };
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin_write().await?;
         let done = sqlx::query(
             "UPDATE approvals SET status = $1, decided_by_key = $2, decided_by_member = $3, \
              decision_reason = $4, decided_at = $5 \
@@ -388,7 +388,7 @@ impl Store {
                 &row.try_get::<String, _>("project_id")?,
                 "approvals.project_id",
             )?;
-            let mut tx = self.pool().begin().await?;
+            let mut tx = self.begin_write().await?;
             let done = sqlx::query(
                 "UPDATE approvals SET status = 'expired', decided_at = $1 \
                  WHERE id = $2 AND status = 'pending'",
@@ -471,7 +471,7 @@ impl Store {
         text: Option<&str>,
         by: Option<ApiKeyId>,
     ) -> Result<(), StoreError> {
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin_write().await?;
         sqlx::query("DELETE FROM project_policies WHERE project_id = $1")
             .bind(project.to_string())
             .execute(&mut *tx)

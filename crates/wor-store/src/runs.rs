@@ -122,7 +122,7 @@ impl Store {
     ) -> Result<RunRecord, StoreError> {
         let id = RunId::new();
         let now = now_millis();
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin_write().await?;
         sqlx::query(
             "INSERT INTO runs (id, project_id, routine_id, routine_version, root_run_id, parent_run_id, depth, \
              status, trigger_kind, started_by, max_concurrent, outcome, created_at, updated_at, finished_at, trigger_key, thread, budget_cap) \
@@ -227,7 +227,7 @@ impl Store {
         id: RunId,
     ) -> Result<RunRecord, StoreError> {
         let now = now_millis();
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin_write().await?;
         let cancelled = sqlx::query(
             "UPDATE runs SET status = 'cancelled', outcome = 'cancelled while queued', \
              finished_at = $1, updated_at = $1 WHERE project_id = $2 AND id = $3 AND status = 'queued'",
@@ -352,7 +352,7 @@ impl Store {
         limits: Option<ClaimLimits<'_>>,
     ) -> Result<Option<RunRecord>, StoreError> {
         let now = now_millis();
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin_write().await?;
         if limits.is_some() && self.backend() == crate::Backend::Postgres {
             sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
                 .bind(project.to_string())
@@ -421,7 +421,7 @@ impl Store {
         id: RunId,
         worker: &str,
     ) -> Result<bool, StoreError> {
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin_write().await?;
         let parked = park(&mut tx, project, id, worker).await?;
         tx.commit().await?;
         Ok(parked)
@@ -510,7 +510,7 @@ impl Store {
         outcome: &str,
     ) -> Result<bool, StoreError> {
         let now = now_millis();
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin_write().await?;
         let done = sqlx::query(
             "UPDATE runs SET status = $1, outcome = $2, finished_at = $3, updated_at = $3, \
              lease_owner = NULL, lease_expires_at = NULL WHERE id = $4 AND lease_owner = $5 AND status = 'running'",
@@ -561,7 +561,7 @@ impl Store {
         provenance: Provenance,
         payload: &serde_json::Value,
     ) -> Result<i64, StoreError> {
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin_write().await?;
         let row =
             sqlx::query("SELECT COALESCE(MAX(seq), 0) AS last FROM run_steps WHERE run_id = $1")
                 .bind(run.to_string())

@@ -840,3 +840,148 @@ async fn concurrent_claims_keep_the_routine_and_project_limits() {
         "narrow ran more than 2"
     );
 }
+
+/// What the API and the workers do at once — apply routines, start runs, claim them, append
+/// steps, park for approvals, decide them, use them, finish — from many tasks on one
+/// database: every operation succeeds. On SQLite a write transaction that began deferred and
+/// read first used to fail at once with "database is locked" (codes 5 and 517) instead of
+/// waiting for the write lock (this test failed so, with codes 5 and 517).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn many_concurrent_writers_all_succeed() {
+    use wor_core::run::{Provenance, RunStatus};
+    use wor_store::{ApprovalDecision, ApprovalKind, NewApproval, NewRun, Verdict};
+    let db = TestDatabase::isolated().await.unwrap();
+    let created = db
+        .store
+        .create_project(&TestDatabase::unique_name("busy"), "alice")
+        .await
+        .unwrap();
+    let project = created.project.id;
+    let key = db.store.list_api_keys(project).await.unwrap()[0].id;
+    let mut tasks = Vec::new();
+    for task in 0..12 {
+        let store = db.store.clone();
+        tasks.push(tokio::spawn(async move {
+            let worker = format!("worker-{task}");
+            for round in 0..6 {
+                // A new version of the task's routine each round: read, then write.
+                let toml = format!(
+                    "name = \"r{task}\"\ninstructions = \"round {round}\"\n[model]\nprovider = \"replay\"\n\
+                     model = \"m\"\nscript = {{ turns = [] }}\n"
+                );
+                let definition = wor_core::routine::RoutineDefinition::from_toml(&toml).unwrap();
+                let applied = store
+                    .apply_routine(project, &toml, &definition, Some(key))
+                    .await
+                    .unwrap();
+                let new = NewRun {
+                    routine_id: applied.routine.id,
+                    routine_version: applied.version,
+                    trigger_kind: "api".to_owned(),
+                    started_by: Some(key),
+                    max_concurrent: 100,
+                    status: RunStatus::Queued,
+                    outcome: None,
+                    trigger_key: None,
+                    input_provenance: Provenance::Requester,
+                    thread: None,
+                    memory: None,
+                    parent: None,
+                };
+                let run = store
+                    .create_run(project, new, &serde_json::json!("x"))
+                    .await
+                    .unwrap();
+                store
+                    .claim_run_by_id(project, run.id, &worker, 60_000)
+                    .await
+                    .unwrap()
+                    .expect("a queued run of this task is claimed");
+                for _ in 0..3 {
+                    store
+                        .append_run_step(
+                            project,
+                            run.id,
+                            "model_turn",
+                            Provenance::Model,
+                            &serde_json::json!({"round": round}),
+                        )
+                        .await
+                        .unwrap();
+                }
+                let approval = NewApproval {
+                    run_id: run.id,
+                    call_id: "call_1".to_owned(),
+                    tool: "mail/send".to_owned(),
+                    pin_hash: "pin".to_owned(),
+                    arguments: serde_json::json!({}),
+                    arguments_hash: "args".to_owned(),
+                    pinned_keys: Vec::new(),
+                    binding_hash: format!("binding-{task}-{round}"),
+                    kind: ApprovalKind::Policy,
+                    why: serde_json::json!({}),
+                    expires_at: wor_store::now_millis() + 60_000,
+                };
+                let (approval_id, filed) = store
+                    .park_for_approval(project, &worker, &approval)
+                    .await
+                    .unwrap()
+                    .expect("the worker holds its run");
+                assert!(filed);
+                let decision = ApprovalDecision {
+                    verdict: Verdict::Approve,
+                    key_id: key,
+                    member_id: None,
+                    reason: "ok".to_owned(),
+                };
+                store
+                    .decide_approval(project, approval_id, &decision)
+                    .await
+                    .unwrap();
+                store
+                    .claim_run_by_id(project, run.id, &worker, 60_000)
+                    .await
+                    .unwrap()
+                    .expect("the approved run is queued again");
+                assert!(
+                    store
+                        .use_approval(approval_id, &approval.binding_hash)
+                        .await
+                        .unwrap()
+                );
+                store
+                    .append_run_step(
+                        project,
+                        run.id,
+                        "tool_result",
+                        Provenance::Untrusted,
+                        &serde_json::json!({}),
+                    )
+                    .await
+                    .unwrap();
+                assert!(
+                    store
+                        .finish_run(project, run.id, &worker, RunStatus::Succeeded, "done")
+                        .await
+                        .unwrap()
+                );
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let finished = db
+        .store
+        .list_runs(
+            project,
+            &wor_store::RunFilter {
+                status: Some(RunStatus::Succeeded),
+                limit: 200,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(finished.len(), 12 * 6);
+}
