@@ -1043,3 +1043,241 @@ async fn a_run_acts_only_with_its_own_live_credential() {
     assert_eq!(done.status, RunStatus::Succeeded, "{:?}", done.outcome);
     assert!(!h.db.store.run_token_exists(done.id).await.unwrap());
 }
+
+/// An HTTP API on loopback that records every request it receives and answers them in turn:
+/// `None` holds a request open for good (the worker dies while it waits), `Some(body)`
+/// answers with that JSON.
+struct RecordingApi {
+    addr: std::net::SocketAddr,
+    requests: Arc<Mutex<Vec<Value>>>,
+}
+
+impl RecordingApi {
+    async fn start(answers: Vec<Option<Value>>) -> RecordingApi {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let requests = Arc::new(Mutex::new(Vec::new()));
+        let answers = Arc::new(Mutex::new(VecDeque::from(answers)));
+        let seen = requests.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut stream, _)) = listener.accept().await else {
+                    return;
+                };
+                let seen = seen.clone();
+                let answers = answers.clone();
+                tokio::spawn(async move {
+                    let Some(body) = read_request(&mut stream).await else {
+                        return;
+                    };
+                    seen.lock()
+                        .unwrap()
+                        .push(serde_json::from_slice(&body).unwrap_or(Value::Null));
+                    let Some(answer) = answers.lock().unwrap().pop_front().flatten() else {
+                        tokio::time::sleep(Duration::from_secs(600)).await;
+                        return;
+                    };
+                    let body = answer.to_string();
+                    let head = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                        body.len()
+                    );
+                    let _ = stream.write_all(head.as_bytes()).await;
+                    let _ = stream.write_all(body.as_bytes()).await;
+                });
+            }
+        });
+        RecordingApi { addr, requests }
+    }
+
+    fn request_count(&self) -> usize {
+        self.requests.lock().unwrap().len()
+    }
+
+    /// Waits until the API has seen `count` requests.
+    async fn wait_for(&self, count: usize) {
+        for _ in 0..400 {
+            if self.request_count() >= count {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!("the API saw {} requests, not {count}", self.request_count());
+    }
+}
+
+impl Harness {
+    /// An enabled `http_api` connection `items` with one consequential tool, `create_item`.
+    async fn items_connection(&self, engine: &Engine, api: &RecordingApi) {
+        let created = self
+            .db
+            .store
+            .create_tool_connection(
+                self.project,
+                wor_store::NewToolConnection {
+                    name: "items".to_owned(),
+                    kind: wor_store::ToolConnectionKind::HttpApi,
+                    url: format!("http://{}/v1", api.addr),
+                    allowlist: vec![api.addr.to_string()],
+                    secret_headers: Vec::new(),
+                    command: None,
+                    http_tools: vec![json!({
+                        "name": "create_item", "description": "Creates an item", "method": "POST",
+                        "path": "/items",
+                        "inputSchema": {"type": "object", "properties": {"title": {"type": "string"}}}
+                    })],
+                    created_by: None,
+                },
+            )
+            .await
+            .unwrap();
+        let review = engine
+            .review_tool_connection(self.project, created.id)
+            .await
+            .unwrap();
+        let reviewed = review
+            .tools
+            .iter()
+            .map(|t| (t.name.clone(), t.hash.clone()))
+            .collect();
+        engine
+            .enable_tool_connection(self.project, created.id, &reviewed, &[])
+            .await
+            .unwrap();
+    }
+
+    async fn approvals_of(&self, run: RunId) -> Vec<wor_store::ApprovalRecord> {
+        let mut approvals = self
+            .db
+            .store
+            .list_approvals(
+                self.project,
+                &wor_store::ApprovalFilter {
+                    run_id: Some(run),
+                    limit: 50,
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+        approvals.reverse();
+        approvals
+    }
+}
+
+/// Drives `run` on a worker that dies while its tool call is in flight: returns once the API
+/// has seen `requests` requests and the worker is gone, its run queued again.
+async fn die_during_call(h: &Harness, api: &RecordingApi, requests: usize) {
+    let doomed = h.engine(EngineConfig {
+        worker_id: "doomed".to_owned(),
+        ..EngineConfig::default()
+    });
+    let task = tokio::spawn(async move { doomed.run_next().await });
+    api.wait_for(requests).await;
+    task.abort();
+    let _ = task.await;
+    h.db.store.release_leases("doomed").await.unwrap();
+}
+
+#[tokio::test]
+async fn an_approved_retry_interrupted_again_is_put_to_a_person_again() {
+    let h = Harness::new().await;
+    // The first two attempts hang until their worker dies; the third is answered.
+    let api = RecordingApi::start(vec![None, None, Some(json!({"status": "created"}))]).await;
+    let engine = h.engine(EngineConfig::default());
+    h.items_connection(&engine, &api).await;
+    let script = r#"
+[[model.script.turns]]
+when = { last_tool_result_contains = "created" }
+text = "Filed."
+[[model.script.turns]]
+tool_calls = [{ id = "call_1", name = "items__create_item", arguments = { title = "report" } }]
+[[tools]]
+tool = "items/create_item"
+mode = "auto"
+"#;
+    let routine = h.routine(&replay(script, "")).await;
+    let run = h.start(&engine, routine, "file the report").await;
+
+    // The call is allowed and starts; the worker dies before its result is written.
+    die_during_call(&h, &api, 1).await;
+    assert!(engine.run_next().await.unwrap());
+    assert_eq!(h.run(run.id).await.status, RunStatus::WaitingForApproval);
+    let approvals = h.approvals_of(run.id).await;
+    assert_eq!(approvals.len(), 1);
+    assert_eq!(approvals[0].kind, wor_store::ApprovalKind::OutcomeUnknown);
+    let approver = h.approver().await;
+    engine
+        .decide_approval(
+            h.project,
+            approvals[0].id,
+            approver,
+            wor_store::Verdict::Approve,
+            "it did not go out; run it again",
+        )
+        .await
+        .unwrap();
+
+    // The approved retry starts, and its worker dies too.
+    die_during_call(&h, &api, 2).await;
+    assert!(engine.run_next().await.unwrap());
+    assert_eq!(
+        api.request_count(),
+        2,
+        "the call is not repeated without a person"
+    );
+    let run_now = h.run(run.id).await;
+    assert_eq!(
+        run_now.status,
+        RunStatus::WaitingForApproval,
+        "{:?}",
+        run_now.outcome
+    );
+    let approvals = h.approvals_of(run.id).await;
+    assert_eq!(approvals.len(), 2, "a second, new approval is filed");
+    let (first, second) = (&approvals[0], &approvals[1]);
+    assert_ne!(first.id, second.id);
+    assert!(first.used_at.is_some(), "the first approval was spent");
+    assert_eq!(second.kind, wor_store::ApprovalKind::OutcomeUnknown);
+    assert_eq!(second.status, wor_store::ApprovalStatus::Pending);
+    assert_eq!(second.call_id, "call_1");
+    assert_eq!(
+        second.binding_hash, first.binding_hash,
+        "bound to the same call"
+    );
+
+    // Approving it runs the call once more, and the run goes on.
+    engine
+        .decide_approval(
+            h.project,
+            second.id,
+            approver,
+            wor_store::Verdict::Approve,
+            "checked: still not filed",
+        )
+        .await
+        .unwrap();
+    let ended = h.drive_to_end(&engine, run.id).await;
+    assert_eq!(ended.status, RunStatus::Succeeded, "{:?}", ended.outcome);
+    assert_eq!(ended.outcome.as_deref(), Some("Filed."));
+    assert_eq!(api.request_count(), 3);
+    let approvals = h.approvals_of(run.id).await;
+    assert!(approvals.iter().all(|a| a.used_at.is_some()));
+    assert_eq!(
+        api.request_count(),
+        1 + approvals.len(),
+        "every execution after the first had an approval of its own"
+    );
+    let kinds: Vec<String> = h.steps(run.id).await.into_iter().map(|s| s.0).collect();
+    assert_eq!(
+        kinds.iter().filter(|k| *k == "approval_used").count(),
+        2,
+        "{kinds:?}"
+    );
+    let entries = h.db.store.audit_entries(h.project, 0, 200).await.unwrap();
+    let unknown = entries
+        .iter()
+        .filter(|e| e.category == "tool.call" && e.payload["transition"] == "outcome_unknown")
+        .count();
+    assert_eq!(unknown, 2, "each unknown outcome is in the audit chain");
+}

@@ -34,8 +34,8 @@ use sqlx::{Any, AnyPool, Executor, Transaction};
 pub use api_keys::{API_KEY_PREFIX, api_key_digest};
 pub use api_keys::{ApiKeyKind, ApiKeyRecord, AuthenticatedKey, NewApiKey, PlaintextApiKey};
 pub use approvals::{
-    ApprovalDecision, ApprovalFilter, ApprovalKind, ApprovalRecord, ApprovalStatus, DecideError,
-    NewApproval, ProjectPolicyRecord, Verdict,
+    ApprovalDecision, ApprovalFilter, ApprovalKind, ApprovalRecord, ApprovalStatus, ApprovedCall,
+    ApprovedStart, DecideError, NewApproval, ProjectPolicyRecord, Verdict,
 };
 pub use audit::{AuditConfig, AuditLog, AuditReceipt};
 pub use members::MemberRecord;
