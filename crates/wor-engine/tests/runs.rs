@@ -1281,3 +1281,271 @@ mode = "auto"
         .count();
     assert_eq!(unknown, 2, "each unknown outcome is in the audit chain");
 }
+
+/// An OpenAI-compatible model on loopback that holds every request until the test opens its
+/// gate, counting how many requests are in flight at once, in all and per tag (a word in the
+/// routine's instructions).
+struct GatedModel {
+    url: String,
+    open: tokio::sync::watch::Sender<bool>,
+    counts: Arc<Mutex<GateCounts>>,
+}
+
+#[derive(Default)]
+struct GateCounts {
+    in_flight: std::collections::BTreeMap<String, usize>,
+    most: std::collections::BTreeMap<String, usize>,
+    total_in_flight: usize,
+    most_in_total: usize,
+}
+
+impl GatedModel {
+    async fn start(tags: &'static [&'static str]) -> GatedModel {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/v1", listener.local_addr().unwrap());
+        let (open, opened) = tokio::sync::watch::channel(false);
+        let counts = Arc::new(Mutex::new(GateCounts::default()));
+        let shared = counts.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut stream, _)) = listener.accept().await else {
+                    return;
+                };
+                let counts = shared.clone();
+                let mut opened = opened.clone();
+                tokio::spawn(async move {
+                    let Some(body) = read_request(&mut stream).await else {
+                        return;
+                    };
+                    let text = String::from_utf8_lossy(&body).into_owned();
+                    let tag = tags
+                        .iter()
+                        .find(|t| text.contains(*t))
+                        .copied()
+                        .unwrap_or("")
+                        .to_owned();
+                    {
+                        let mut c = counts.lock().unwrap();
+                        c.total_in_flight += 1;
+                        c.most_in_total = c.most_in_total.max(c.total_in_flight);
+                        let now = {
+                            let n = c.in_flight.entry(tag.clone()).or_default();
+                            *n += 1;
+                            *n
+                        };
+                        let most = c.most.entry(tag.clone()).or_default();
+                        *most = (*most).max(now);
+                    }
+                    let _ = opened.wait_for(|open| *open).await;
+                    {
+                        let mut c = counts.lock().unwrap();
+                        c.total_in_flight -= 1;
+                        *c.in_flight.get_mut(&tag).unwrap() -= 1;
+                    }
+                    let events = [
+                        json!({"choices":[{"index":0,"delta":{"role":"assistant","content":"done"},"finish_reason":null}]}),
+                        json!({"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}),
+                    ];
+                    let mut sse = String::new();
+                    for event in events {
+                        sse.push_str(&format!("data: {event}\n\n"));
+                    }
+                    sse.push_str("data: [DONE]\n\n");
+                    let head = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                        sse.len()
+                    );
+                    let _ = stream.write_all(head.as_bytes()).await;
+                    let _ = stream.write_all(sse.as_bytes()).await;
+                });
+            }
+        });
+        GatedModel { url, open, counts }
+    }
+
+    fn in_flight(&self) -> usize {
+        self.counts.lock().unwrap().total_in_flight
+    }
+
+    fn most_in_total(&self) -> usize {
+        self.counts.lock().unwrap().most_in_total
+    }
+
+    fn most_of(&self, tag: &str) -> usize {
+        self.counts
+            .lock()
+            .unwrap()
+            .most
+            .get(tag)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Waits (up to 20 s) until `count` requests are held at once.
+    async fn wait_for_in_flight(&self, count: usize) {
+        for _ in 0..800 {
+            if self.in_flight() >= count {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!(
+            "only {} model calls were in flight at once, not {count}",
+            self.in_flight()
+        );
+    }
+}
+
+impl Harness {
+    /// A routine `name` on the gated model, with `tag` in its instructions and at most
+    /// `max_runs` runs active at once.
+    async fn gated_routine(
+        &self,
+        model: &GatedModel,
+        name: &str,
+        tag: &str,
+        max_runs: u32,
+    ) -> RoutineId {
+        if self
+            .db
+            .store
+            .list_model_connections(self.project)
+            .await
+            .unwrap()
+            .is_empty()
+        {
+            let connection = self
+                .db
+                .store
+                .create_model_connection(
+                    self.project,
+                    NewModelConnection {
+                        name: "gated".to_owned(),
+                        provider: wor_store::ModelProvider::OpenaiCompatible,
+                        base_url: model.url.clone(),
+                        owner_member_id: None,
+                        created_by: None,
+                    },
+                )
+                .await
+                .unwrap();
+            let slot = SecretSlot::new(self.project, "model_connections", connection.id, "api_key");
+            self.vault
+                .put(&slot, "sk-gated-key-0123456789")
+                .await
+                .unwrap();
+        }
+        self.routine(&format!(
+            "name = \"{name}\"\ninstructions = \"Work as {tag}.\"\n[model]\nprovider = \"openai_compatible\"\n\
+             connection = \"gated\"\nmodel = \"gpt-test\"\n[concurrency]\nmax_runs = {max_runs}\noverlap = \"queue\"\n"
+        ))
+        .await
+    }
+
+    /// Waits (up to 30 s) until every run in `runs` has ended, and returns them.
+    async fn wait_for_ends(&self, runs: &[RunId]) -> Vec<RunRecord> {
+        for _ in 0..1200 {
+            let mut ended = Vec::new();
+            for id in runs {
+                let run = self.run(*id).await;
+                if run.status.is_terminal() {
+                    ended.push(run);
+                }
+            }
+            if ended.len() == runs.len() {
+                return ended;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!("not every run ended");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_worker_pool_drives_many_runs_at_once() {
+    let h = Harness::new().await;
+    let model = GatedModel::start(&["tag-a"]).await;
+    let routine = h.gated_routine(&model, "wide", "tag-a", 10).await;
+    let engine = h.engine(EngineConfig {
+        workers: 16,
+        ..EngineConfig::default()
+    });
+    let mut runs = Vec::new();
+    for i in 0..10 {
+        runs.push(h.start(&engine, routine, &format!("job {i}")).await.id);
+    }
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let pool = engine.spawn_workers(stopped);
+    // Every model call waits at the gate: the runs can only all get there by running at once.
+    model.wait_for_in_flight(10).await;
+    model.open.send(true).unwrap();
+    let ended = h.wait_for_ends(&runs).await;
+    assert!(
+        ended.iter().all(|r| r.status == RunStatus::Succeeded),
+        "{:?}",
+        ended.iter().map(|r| &r.outcome).collect::<Vec<_>>()
+    );
+    assert_eq!(model.most_in_total(), 10);
+    stop.send(true).unwrap();
+    tokio::time::timeout(Duration::from_secs(10), pool)
+        .await
+        .expect("the pool stops on shutdown")
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_worker_pool_keeps_the_routine_and_project_limits() {
+    let h = Harness::new().await;
+    let model = GatedModel::start(&["tag-narrow", "tag-wide"]).await;
+    let narrow = h.gated_routine(&model, "narrow", "tag-narrow", 2).await;
+    let wide = h.gated_routine(&model, "wide", "tag-wide", 10).await;
+    let engine = h.engine(EngineConfig {
+        workers: 16,
+        max_running_per_project: 5,
+        ..EngineConfig::default()
+    });
+    let mut runs = Vec::new();
+    for i in 0..6 {
+        runs.push(h.start(&engine, narrow, &format!("n{i}")).await.id);
+        runs.push(h.start(&engine, wide, &format!("w{i}")).await.id);
+    }
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    // Two pools, as two processes on one database would run them.
+    let other = h.engine(EngineConfig {
+        worker_id: "other-process".to_owned(),
+        workers: 16,
+        max_running_per_project: 5,
+        ..EngineConfig::default()
+    });
+    let pools = [
+        engine.spawn_workers(stopped.clone()),
+        other.spawn_workers(stopped),
+    ];
+    model.wait_for_in_flight(5).await;
+    // Give the pools time to overreach if they would.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(
+        model.in_flight(),
+        5,
+        "the project's limit is reached, not passed"
+    );
+    model.open.send(true).unwrap();
+    let ended = h.wait_for_ends(&runs).await;
+    assert!(ended.iter().all(|r| r.status == RunStatus::Succeeded));
+    assert_eq!(
+        model.most_in_total(),
+        5,
+        "never more than the project's limit"
+    );
+    assert!(
+        model.most_of("tag-narrow") <= 2,
+        "never more than the routine's limit"
+    );
+    stop.send(true).unwrap();
+    for pool in pools {
+        tokio::time::timeout(Duration::from_secs(10), pool)
+            .await
+            .expect("the pool stops on shutdown")
+            .unwrap();
+    }
+}
