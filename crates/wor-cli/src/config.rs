@@ -35,6 +35,8 @@ struct FileConfig {
     production: Option<bool>,
     demo: Option<bool>,
     max_running_per_project: Option<u64>,
+    /// How many runs this process drives at once.
+    workers: Option<usize>,
     /// How long an approval request waits for a decision, in seconds (default 24 hours).
     approval_ttl_seconds: Option<u64>,
     egress: Option<EgressSection>,
@@ -88,6 +90,8 @@ pub struct ServerConfig {
     pub egress_allowed_cidrs: Vec<String>,
     /// At most this many runs of one project run at once.
     pub max_running_per_project: u64,
+    /// How many runs this process drives at once.
+    pub workers: usize,
     /// How long an approval request waits for a decision before it counts as denied.
     pub approval_ttl: std::time::Duration,
     /// The operator's `[sandbox] allowed_paths`.
@@ -154,6 +158,11 @@ impl ServerConfig {
                 Some(0) => bail!("`max_running_per_project` must be at least 1"),
                 Some(n) => n,
                 None => DEFAULT_MAX_RUNNING_PER_PROJECT,
+            },
+            workers: match file.workers {
+                Some(0) => bail!("`workers` must be at least 1"),
+                Some(n) => n,
+                None => wor_engine::DEFAULT_WORKERS,
             },
             approval_ttl: match file.approval_ttl_seconds {
                 Some(0) => bail!("`approval_ttl_seconds` must be at least 1"),
@@ -352,6 +361,7 @@ mod tests {
             demo,
             egress_allowed_cidrs: Vec::new(),
             max_running_per_project: DEFAULT_MAX_RUNNING_PER_PROJECT,
+            workers: wor_engine::DEFAULT_WORKERS,
             approval_ttl: wor_engine::DEFAULT_APPROVAL_TTL,
             stdio_allowed_roots: Vec::new(),
             prices: Default::default(),
@@ -381,6 +391,25 @@ mod tests {
         std::fs::write(&path, "[prices.\"m\"]\ninput_per_mtok = 3\n").unwrap();
         let error = ServerConfig::resolve(&flags, Some("127.0.0.1:0"), false).unwrap_err();
         assert!(format!("{error:#}").contains("input_per_mtok"), "{error:#}");
+    }
+
+    #[test]
+    fn the_worker_pool_size_comes_from_the_file_and_zero_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("wor.toml");
+        let flags = ServerFlags {
+            config: Some(path.clone()),
+            ..ServerFlags::default()
+        };
+        std::fs::write(&path, "").unwrap();
+        let config = ServerConfig::resolve(&flags, Some("127.0.0.1:0"), false).unwrap();
+        assert_eq!(config.workers, wor_engine::DEFAULT_WORKERS);
+        std::fs::write(&path, "workers = 64\n").unwrap();
+        let config = ServerConfig::resolve(&flags, Some("127.0.0.1:0"), false).unwrap();
+        assert_eq!(config.workers, 64);
+        std::fs::write(&path, "workers = 0\n").unwrap();
+        let error = ServerConfig::resolve(&flags, Some("127.0.0.1:0"), false).unwrap_err();
+        assert!(format!("{error:#}").contains("`workers`"), "{error:#}");
     }
 
     #[test]

@@ -6,6 +6,8 @@ pub const CONFIG: &str = "WOR_CONFIG";
 pub const ENV: &str = "WOR_ENV";
 /// Address the server listens on.
 pub const LISTEN: &str = "WOR_LISTEN";
+/// How many runs `wor serve` drives at once.
+pub const WORKERS: &str = "WOR_WORKERS";
 /// Directory of the embedded database and generated keys.
 pub const DATA_DIR: &str = "WOR_DATA_DIR";
 /// `postgres://…` (or `sqlite://…`) instead of the embedded database.

@@ -123,6 +123,7 @@ impl Engine {
                     })),
             )
             .await?;
+        self.wake_workers();
         tracing::info!(category = "approval", action = "approval.decide", project_id = %project,
             approval_id = %id, decision = decided.status.as_str(), "approval decided");
         Ok(decided)

@@ -47,6 +47,10 @@ pub use triggers::{
 /// How long an approval waits for a decision unless configured otherwise: 24 hours.
 pub const DEFAULT_APPROVAL_TTL: Duration = Duration::from_secs(24 * 60 * 60);
 
+/// How many runs one process drives at once unless configured otherwise: as many as one
+/// project may run.
+pub const DEFAULT_WORKERS: usize = 16;
+
 /// How the engine runs.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -62,6 +66,8 @@ pub struct EngineConfig {
     pub production: bool,
     /// At most this many runs of one project run at once, whatever their routines allow.
     pub max_running_per_project: u64,
+    /// How many runs this process drives at once (its worker pool's slots; at least one).
+    pub workers: usize,
     /// How long an approval request waits for a decision before it counts as denied.
     pub approval_ttl: Duration,
     /// Host directories (from the operator's configuration, never the API) under which stdio
@@ -83,6 +89,7 @@ impl Default for EngineConfig {
             prices: BTreeMap::new(),
             production: false,
             max_running_per_project: 16,
+            workers: DEFAULT_WORKERS,
             approval_ttl: DEFAULT_APPROVAL_TTL,
             stdio_allowed_roots: Vec::new(),
             protected_paths: Vec::new(),
@@ -122,6 +129,8 @@ pub struct Engine {
     sandbox: Option<wor_sandbox::Sandbox>,
     /// Runs Wasm tool components.
     wasm: wasm_tools::WasmHost,
+    /// Wakes this process's idle worker pool: a run was queued or one ended.
+    work: Arc<tokio::sync::Notify>,
 }
 
 impl Engine {
@@ -140,6 +149,7 @@ impl Engine {
             config: Arc::new(config),
             sandbox: None,
             wasm: wasm_tools::WasmHost::default(),
+            work: Arc::new(tokio::sync::Notify::new()),
         }
     }
 

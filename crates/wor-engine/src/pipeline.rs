@@ -21,7 +21,8 @@ use wor_policy::{
 };
 use wor_secrets::Redactor;
 use wor_store::{
-    ApprovalKind, ApprovalRecord, ApprovalStatus, NewApproval, RunRecord, RunStep, ToolClass,
+    ApprovalKind, ApprovalRecord, ApprovalStatus, ApprovedCall, ApprovedStart, NewApproval,
+    RunRecord, RunStep, ToolClass,
 };
 use wor_tools::{CanonicalArguments, ResultLimits, prepare_arguments};
 
@@ -551,10 +552,12 @@ impl Engine {
                 ApprovalStatus::Approved if approval.used_at.is_none() => {
                     self.execute_approved(scope, call, &approval, usage).await
                 }
+                // Used, yet no `approval_used` step: the two are written in one transaction,
+                // so only a record changed outside the engine gets here. Nothing is run.
                 ApprovalStatus::Approved => Ok(scope.refuse(
                     call,
                     usage,
-                    format!("the approved call to `{tool}` was interrupted before it started; it was not run"),
+                    format!("the approval for `{tool}` was already used and the call is not on record as started; it was not run"),
                 )),
                 ApprovalStatus::Denied | ApprovalStatus::Expired | ApprovalStatus::Cancelled => {
                     Ok(self.denied(scope, call, &approval, usage))
@@ -593,19 +596,15 @@ impl Engine {
             )
             .await?;
         match approval {
-            None => {
-                self.audit_tool_call(
-                    scope.run,
-                    json!({ "transition": "outcome_unknown", "tool": step.get("tool"), "call_id": call.id }),
-                )
-                .await?;
-                let mut request = request_from_step(step, ApprovalKind::OutcomeUnknown, &call.id);
-                request.why = json!({
-                    "determining_policies": ["wor.outcome-unknown"],
-                    "reasons": ["this call started before the run was interrupted and its outcome was not recorded; approving runs it again, denying tells the model its outcome is unknown"],
-                    "untrusted_sources": scope.untrusted,
-                });
-                self.park(scope, request).await
+            // Not asked yet, or the approved retry started and was interrupted too: its outcome
+            // is unknown again, and a person is asked again (a new, single-use approval).
+            None => self.ask_outcome_unknown(scope, step, &call.id, 1).await,
+            Some(approval)
+                if approval.status == ApprovalStatus::Approved && approval.used_at.is_some() =>
+            {
+                let retries = approval_attempt(&approval) + 1;
+                self.ask_outcome_unknown(scope, step, &call.id, retries)
+                    .await
             }
             Some(approval) if approval.status == ApprovalStatus::Pending => {
                 self.park(
@@ -614,14 +613,43 @@ impl Engine {
                 )
                 .await
             }
-            Some(approval)
-                if approval.status == ApprovalStatus::Approved && approval.used_at.is_none() =>
-            {
+            Some(approval) if approval.status == ApprovalStatus::Approved => {
                 self.execute_approved(scope, call, &approval, usage).await
             }
-            // Denied, expired, or already retried once and interrupted again.
+            // Denied or expired: the model is told its outcome is unknown.
             Some(_) => Ok(unknown(usage)),
         }
+    }
+
+    /// Records that a started call's outcome is unknown (for the `attempt`-th time) and parks
+    /// the run on a new `outcome_unknown` approval for it.
+    async fn ask_outcome_unknown(
+        &self,
+        scope: &CallScope<'_>,
+        step: &Value,
+        call_id: &str,
+        attempt: u64,
+    ) -> Result<Answer, EngineError> {
+        self.audit_tool_call(
+            scope.run,
+            json!({ "transition": "outcome_unknown", "tool": step.get("tool"), "call_id": call_id, "attempt": attempt }),
+        )
+        .await?;
+        let mut request = request_from_step(step, ApprovalKind::OutcomeUnknown, call_id);
+        let reason = if attempt == 1 {
+            "this call started before the run was interrupted and its outcome was not recorded; approving runs it again, denying tells the model its outcome is unknown".to_owned()
+        } else {
+            format!(
+                "this call started before the run was interrupted and its outcome was not recorded, {attempt} times (the earlier approved retries were interrupted too); approving runs it again, denying tells the model its outcome is unknown"
+            )
+        };
+        request.why = json!({
+            "determining_policies": ["wor.outcome-unknown"],
+            "reasons": [reason],
+            "untrusted_sources": scope.untrusted,
+            "attempt": attempt,
+        });
+        self.park(scope, request).await
     }
 
     /// The answer to a call a person denied, or nobody decided in time.
@@ -689,30 +717,49 @@ impl Engine {
             offered.pin.hash(),
             &arguments.hash,
         );
-        if binding != approval.binding_hash
-            || !self.store.use_approval(approval.id, &binding).await?
-        {
-            self.audit_tool_call(
-                scope.run,
-                json!({ "transition": "approval_mismatch", "tool": approval.tool, "call_id": call.id, "approval_id": approval.id.to_string() }),
-            )
-            .await?;
-            return Ok(mismatch(scope, usage));
-        }
-        // 5. Budget: reserved only now that the call may run.
-        let usage = match usage.reserve_tool_call(&scope.limits) {
-            Ok(usage) => usage,
+        // 5. Budget: reserved before the approval is used, so an approval is never spent on
+        // a call the budget would not let run.
+        let reserved = match usage.reserve_tool_call(&scope.limits) {
+            Ok(reserved) => reserved,
             Err(exceeded) => return Ok(Answer::Budget(exceeded)),
         };
-        self.append_step(
-            scope.run,
-            "approval_used",
-            &json!({ "call_id": call.id, "approval_id": approval.id.to_string(), "tool": approval.tool }),
-        )
-        .await?;
-        self.store
-            .save_usage(scope.run.id, &self.config.worker_id, &usage)
-            .await?;
+        // The approval is used and the call recorded as started in one transaction: a crash
+        // can leave both or neither, never a spent approval whose call did not start.
+        let started = if binding == approval.binding_hash {
+            let step = json!({ "call_id": call.id, "approval_id": approval.id.to_string(), "tool": approval.tool });
+            self.store
+                .start_approved_call(
+                    scope.run.project_id,
+                    scope.run.id,
+                    &self.config.worker_id,
+                    &ApprovedCall {
+                        approval: approval.id,
+                        binding_hash: &binding,
+                        step: &step,
+                        usage: &reserved,
+                    },
+                )
+                .await?
+        } else {
+            ApprovedStart::NotUsable
+        };
+        match started {
+            ApprovedStart::Started => {}
+            ApprovedStart::RunNotHeld => {
+                return Err(EngineError::Refused(
+                    "the run's lease was lost to another worker".to_owned(),
+                ));
+            }
+            ApprovedStart::NotUsable => {
+                self.audit_tool_call(
+                    scope.run,
+                    json!({ "transition": "approval_mismatch", "tool": approval.tool, "call_id": call.id, "approval_id": approval.id.to_string() }),
+                )
+                .await?;
+                return Ok(mismatch(scope, usage));
+            }
+        }
+        let usage = reserved;
         let run = scope.run;
         self.audit
             .append(
@@ -883,6 +930,15 @@ impl Engine {
             .await?;
         Ok(())
     }
+}
+
+/// Which time of asking an `outcome_unknown` approval is (1 for the first), from its `why`.
+fn approval_attempt(approval: &ApprovalRecord) -> u64 {
+    approval
+        .why
+        .get("attempt")
+        .and_then(Value::as_u64)
+        .unwrap_or(1)
 }
 
 /// Why a call needs a person, as its approval request shows it.

@@ -210,6 +210,9 @@ impl Engine {
                     })),
             )
             .await?;
+        if run.status == RunStatus::Queued {
+            self.wake_workers();
+        }
         tracing::info!(category = "run", action = "run.start", project_id = %request.project,
             run_id = %run.id, routine_id = %routine.id, version = version.version,
             status = run.status.as_str(), "run started");

@@ -1,11 +1,21 @@
-//! Workers: claim queued runs and drive them; put back runs whose worker died.
+//! Workers: a pool that claims queued runs and drives up to `workers` of them at once; put
+//! back runs whose worker died; expire approvals nobody decided.
+//!
+//! One dispatcher claims and hands each claimed run to a driver task of its own, while a slot
+//! is free. The limits are not counted here: every claim checks the routine's
+//! `max_concurrent` and the project's running limit as it is written (`wor-store`), so they
+//! hold across slots and processes alike. An idle pool asks the database for work once per
+//! poll interval, whatever its size; it is woken sooner when this process queues a run or a
+//! driver ends one. The sweeps (expired leases, expired approvals) run once per process.
 
-use tokio::sync::watch;
-use tokio::task::JoinHandle;
+use std::sync::Arc;
+
+use tokio::sync::{Semaphore, watch};
+use tokio::task::{JoinHandle, JoinSet};
 
 use crate::{Engine, EngineError};
 
-/// How often a worker looks for approvals whose time ran out.
+/// How often the process looks for approvals whose time ran out.
 const APPROVAL_SWEEP: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl Engine {
@@ -16,16 +26,7 @@ impl Engine {
 
     /// Claims one queued run and drives it to its end. Returns whether there was one.
     pub async fn run_next(&self) -> Result<bool, EngineError> {
-        let lease = i64::try_from(self.config.lease.as_millis()).unwrap_or(i64::MAX);
-        match self
-            .store
-            .claim_run(
-                &self.config.worker_id,
-                lease,
-                self.config.max_running_per_project,
-            )
-            .await?
-        {
+        match self.claim_next().await? {
             Some(run) => {
                 self.drive(run).await?;
                 Ok(true)
@@ -34,48 +35,111 @@ impl Engine {
         }
     }
 
-    /// A worker task that drives runs until `shutdown` turns true. It looks for runs of dead
-    /// workers every half lease and for expired approvals every second, not on every poll: an
-    /// idle engine only reads.
-    pub fn spawn_worker(&self, mut shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
+    /// Claims the oldest queued run the limits allow, leased to this process.
+    async fn claim_next(&self) -> Result<Option<wor_store::RunRecord>, EngineError> {
+        let lease = i64::try_from(self.config.lease.as_millis()).unwrap_or(i64::MAX);
+        Ok(self
+            .store
+            .claim_run(
+                &self.config.worker_id,
+                lease,
+                self.config.max_running_per_project,
+            )
+            .await?)
+    }
+
+    /// Tells an idle pool of this process that there may be work: a run was queued or a
+    /// running one ended (freeing a place under the limits).
+    pub(crate) fn wake_workers(&self) {
+        self.work.notify_one();
+    }
+
+    /// Starts the worker pool: up to `workers` runs driven at once (at least one), until
+    /// `shutdown` turns true; then the runs in flight are stopped where they are (their
+    /// steps say where to resume) and the returned task ends. The caller gives their leases
+    /// back.
+    pub fn spawn_workers(&self, shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
         let engine = self.clone();
         tokio::spawn(async move {
-            let mut last_requeue: Option<std::time::Instant> = None;
-            let mut last_expiry: Option<std::time::Instant> = None;
-            loop {
-                if *shutdown.borrow() {
-                    return;
-                }
-                if last_requeue.is_none_or(|t| t.elapsed() >= engine.config.lease / 2) {
-                    if let Err(error) = engine.requeue_expired().await {
-                        tracing::error!(category = "run", error = %error, "requeueing expired runs failed");
-                    }
+            let sweeps = tokio::spawn(engine.clone().sweep(shutdown.clone()));
+            engine.dispatch(shutdown).await;
+            let _ = sweeps.await;
+        })
+    }
 
-                    last_requeue = Some(std::time::Instant::now());
-                }
-                if last_expiry.is_none_or(|t| t.elapsed() >= APPROVAL_SWEEP) {
-                    if let Err(error) = engine.expire_approvals().await {
-                        tracing::error!(category = "approval", error = %error, "expiring approvals failed");
-                    }
-                    last_expiry = Some(std::time::Instant::now());
-                }
-                let worked = tokio::select! {
-                    result = engine.run_next() => match result {
-                        Ok(worked) => worked,
-                        Err(error) => {
+    /// Claims runs while a slot is free and drives each on a task of its own.
+    async fn dispatch(&self, mut shutdown: watch::Receiver<bool>) {
+        let slots = Arc::new(Semaphore::new(self.config.workers.max(1)));
+        let mut drivers = JoinSet::new();
+        loop {
+            while drivers.try_join_next().is_some() {}
+            if *shutdown.borrow() {
+                break;
+            }
+            let slot = tokio::select! {
+                slot = slots.clone().acquire_owned() => match slot {
+                    Ok(slot) => slot,
+                    Err(_) => break,
+                },
+                _ = shutdown.changed() => break,
+            };
+            match self.claim_next().await {
+                Ok(Some(run)) => {
+                    let engine = self.clone();
+                    drivers.spawn(async move {
+                        if let Err(error) = engine.drive(run).await {
                             tracing::error!(category = "run", error = %error, "worker step failed");
-                            false
                         }
-                    },
-                    _ = shutdown.changed() => return,
-                };
-                if !worked {
-                    tokio::select! {
-                        () = tokio::time::sleep(engine.config.poll_interval) => {},
-                        _ = shutdown.changed() => return,
-                    }
+                        drop(slot);
+                        engine.wake_workers();
+                    });
+                    continue;
+                }
+                Ok(None) => {}
+                Err(error) => {
+                    tracing::error!(category = "run", error = %error, "claiming a run failed");
                 }
             }
-        })
+            drop(slot);
+            tokio::select! {
+                () = tokio::time::sleep(self.config.poll_interval) => {}
+                () = self.work.notified() => {}
+                _ = shutdown.changed() => break,
+            }
+        }
+        drivers.abort_all();
+        while drivers.join_next().await.is_some() {}
+    }
+
+    /// Looks for runs of dead workers every half lease and for expired approvals every
+    /// second, until `shutdown`.
+    async fn sweep(self, mut shutdown: watch::Receiver<bool>) {
+        let mut last_requeue: Option<std::time::Instant> = None;
+        loop {
+            if *shutdown.borrow() {
+                return;
+            }
+            if last_requeue.is_none_or(|t| t.elapsed() >= self.config.lease / 2) {
+                match self.requeue_expired().await {
+                    Ok(0) => {}
+                    Ok(_) => self.wake_workers(),
+                    Err(error) => {
+                        tracing::error!(category = "run", error = %error, "requeueing expired runs failed");
+                    }
+                }
+                last_requeue = Some(std::time::Instant::now());
+            }
+            match self.expire_approvals().await {
+                Ok(0) => {}
+                Ok(_) => self.wake_workers(),
+                Err(error) => {
+                    tracing::error!(category = "approval", error = %error, "expiring approvals failed");
+                }
+            }
+            tokio::select! {
+                () = tokio::time::sleep(APPROVAL_SWEEP) => {}
+                _ = shutdown.changed() => return,
+            }
+        }
     }
 }

@@ -1043,3 +1043,509 @@ async fn a_run_acts_only_with_its_own_live_credential() {
     assert_eq!(done.status, RunStatus::Succeeded, "{:?}", done.outcome);
     assert!(!h.db.store.run_token_exists(done.id).await.unwrap());
 }
+
+/// An HTTP API on loopback that records every request it receives and answers them in turn:
+/// `None` holds a request open for good (the worker dies while it waits), `Some(body)`
+/// answers with that JSON.
+struct RecordingApi {
+    addr: std::net::SocketAddr,
+    requests: Arc<Mutex<Vec<Value>>>,
+}
+
+impl RecordingApi {
+    async fn start(answers: Vec<Option<Value>>) -> RecordingApi {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let requests = Arc::new(Mutex::new(Vec::new()));
+        let answers = Arc::new(Mutex::new(VecDeque::from(answers)));
+        let seen = requests.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut stream, _)) = listener.accept().await else {
+                    return;
+                };
+                let seen = seen.clone();
+                let answers = answers.clone();
+                tokio::spawn(async move {
+                    let Some(body) = read_request(&mut stream).await else {
+                        return;
+                    };
+                    seen.lock()
+                        .unwrap()
+                        .push(serde_json::from_slice(&body).unwrap_or(Value::Null));
+                    let Some(answer) = answers.lock().unwrap().pop_front().flatten() else {
+                        tokio::time::sleep(Duration::from_secs(600)).await;
+                        return;
+                    };
+                    let body = answer.to_string();
+                    let head = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                        body.len()
+                    );
+                    let _ = stream.write_all(head.as_bytes()).await;
+                    let _ = stream.write_all(body.as_bytes()).await;
+                });
+            }
+        });
+        RecordingApi { addr, requests }
+    }
+
+    fn request_count(&self) -> usize {
+        self.requests.lock().unwrap().len()
+    }
+
+    /// Waits until the API has seen `count` requests.
+    async fn wait_for(&self, count: usize) {
+        for _ in 0..400 {
+            if self.request_count() >= count {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!("the API saw {} requests, not {count}", self.request_count());
+    }
+}
+
+impl Harness {
+    /// An enabled `http_api` connection `items` with one consequential tool, `create_item`.
+    async fn items_connection(&self, engine: &Engine, api: &RecordingApi) {
+        let created = self
+            .db
+            .store
+            .create_tool_connection(
+                self.project,
+                wor_store::NewToolConnection {
+                    name: "items".to_owned(),
+                    kind: wor_store::ToolConnectionKind::HttpApi,
+                    url: format!("http://{}/v1", api.addr),
+                    allowlist: vec![api.addr.to_string()],
+                    secret_headers: Vec::new(),
+                    command: None,
+                    http_tools: vec![json!({
+                        "name": "create_item", "description": "Creates an item", "method": "POST",
+                        "path": "/items",
+                        "inputSchema": {"type": "object", "properties": {"title": {"type": "string"}}}
+                    })],
+                    created_by: None,
+                },
+            )
+            .await
+            .unwrap();
+        let review = engine
+            .review_tool_connection(self.project, created.id)
+            .await
+            .unwrap();
+        let reviewed = review
+            .tools
+            .iter()
+            .map(|t| (t.name.clone(), t.hash.clone()))
+            .collect();
+        engine
+            .enable_tool_connection(self.project, created.id, &reviewed, &[])
+            .await
+            .unwrap();
+    }
+
+    async fn approvals_of(&self, run: RunId) -> Vec<wor_store::ApprovalRecord> {
+        let mut approvals = self
+            .db
+            .store
+            .list_approvals(
+                self.project,
+                &wor_store::ApprovalFilter {
+                    run_id: Some(run),
+                    limit: 50,
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+        approvals.reverse();
+        approvals
+    }
+}
+
+/// Drives `run` on a worker that dies while its tool call is in flight: returns once the API
+/// has seen `requests` requests and the worker is gone, its run queued again.
+async fn die_during_call(h: &Harness, api: &RecordingApi, requests: usize) {
+    let doomed = h.engine(EngineConfig {
+        worker_id: "doomed".to_owned(),
+        ..EngineConfig::default()
+    });
+    let task = tokio::spawn(async move { doomed.run_next().await });
+    api.wait_for(requests).await;
+    task.abort();
+    let _ = task.await;
+    h.db.store.release_leases("doomed").await.unwrap();
+}
+
+#[tokio::test]
+async fn an_approved_retry_interrupted_again_is_put_to_a_person_again() {
+    let h = Harness::new().await;
+    // The first two attempts hang until their worker dies; the third is answered.
+    let api = RecordingApi::start(vec![None, None, Some(json!({"status": "created"}))]).await;
+    let engine = h.engine(EngineConfig::default());
+    h.items_connection(&engine, &api).await;
+    let script = r#"
+[[model.script.turns]]
+when = { last_tool_result_contains = "created" }
+text = "Filed."
+[[model.script.turns]]
+tool_calls = [{ id = "call_1", name = "items__create_item", arguments = { title = "report" } }]
+[[tools]]
+tool = "items/create_item"
+mode = "auto"
+"#;
+    let routine = h.routine(&replay(script, "")).await;
+    let run = h.start(&engine, routine, "file the report").await;
+
+    // The call is allowed and starts; the worker dies before its result is written.
+    die_during_call(&h, &api, 1).await;
+    assert!(engine.run_next().await.unwrap());
+    assert_eq!(h.run(run.id).await.status, RunStatus::WaitingForApproval);
+    let approvals = h.approvals_of(run.id).await;
+    assert_eq!(approvals.len(), 1);
+    assert_eq!(approvals[0].kind, wor_store::ApprovalKind::OutcomeUnknown);
+    let approver = h.approver().await;
+    engine
+        .decide_approval(
+            h.project,
+            approvals[0].id,
+            approver,
+            wor_store::Verdict::Approve,
+            "it did not go out; run it again",
+        )
+        .await
+        .unwrap();
+
+    // The approved retry starts, and its worker dies too.
+    die_during_call(&h, &api, 2).await;
+    assert!(engine.run_next().await.unwrap());
+    assert_eq!(
+        api.request_count(),
+        2,
+        "the call is not repeated without a person"
+    );
+    let run_now = h.run(run.id).await;
+    assert_eq!(
+        run_now.status,
+        RunStatus::WaitingForApproval,
+        "{:?}",
+        run_now.outcome
+    );
+    let approvals = h.approvals_of(run.id).await;
+    assert_eq!(approvals.len(), 2, "a second, new approval is filed");
+    let (first, second) = (&approvals[0], &approvals[1]);
+    assert_ne!(first.id, second.id);
+    assert!(first.used_at.is_some(), "the first approval was spent");
+    assert_eq!(second.kind, wor_store::ApprovalKind::OutcomeUnknown);
+    assert_eq!(second.status, wor_store::ApprovalStatus::Pending);
+    assert_eq!(second.call_id, "call_1");
+    assert_eq!(
+        second.binding_hash, first.binding_hash,
+        "bound to the same call"
+    );
+
+    // Approving it runs the call once more, and the run goes on.
+    engine
+        .decide_approval(
+            h.project,
+            second.id,
+            approver,
+            wor_store::Verdict::Approve,
+            "checked: still not filed",
+        )
+        .await
+        .unwrap();
+    let ended = h.drive_to_end(&engine, run.id).await;
+    assert_eq!(ended.status, RunStatus::Succeeded, "{:?}", ended.outcome);
+    assert_eq!(ended.outcome.as_deref(), Some("Filed."));
+    assert_eq!(api.request_count(), 3);
+    let approvals = h.approvals_of(run.id).await;
+    assert!(approvals.iter().all(|a| a.used_at.is_some()));
+    assert_eq!(
+        api.request_count(),
+        1 + approvals.len(),
+        "every execution after the first had an approval of its own"
+    );
+    let kinds: Vec<String> = h.steps(run.id).await.into_iter().map(|s| s.0).collect();
+    assert_eq!(
+        kinds.iter().filter(|k| *k == "approval_used").count(),
+        2,
+        "{kinds:?}"
+    );
+    let entries = h.db.store.audit_entries(h.project, 0, 200).await.unwrap();
+    let unknown = entries
+        .iter()
+        .filter(|e| e.category == "tool.call" && e.payload["transition"] == "outcome_unknown")
+        .count();
+    assert_eq!(unknown, 2, "each unknown outcome is in the audit chain");
+}
+
+/// An OpenAI-compatible model on loopback that holds every request until the test opens its
+/// gate, counting how many requests are in flight at once, in all and per tag (a word in the
+/// routine's instructions).
+struct GatedModel {
+    url: String,
+    open: tokio::sync::watch::Sender<bool>,
+    counts: Arc<Mutex<GateCounts>>,
+}
+
+#[derive(Default)]
+struct GateCounts {
+    in_flight: std::collections::BTreeMap<String, usize>,
+    most: std::collections::BTreeMap<String, usize>,
+    total_in_flight: usize,
+    most_in_total: usize,
+}
+
+impl GatedModel {
+    async fn start(tags: &'static [&'static str]) -> GatedModel {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/v1", listener.local_addr().unwrap());
+        let (open, opened) = tokio::sync::watch::channel(false);
+        let counts = Arc::new(Mutex::new(GateCounts::default()));
+        let shared = counts.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut stream, _)) = listener.accept().await else {
+                    return;
+                };
+                let counts = shared.clone();
+                let mut opened = opened.clone();
+                tokio::spawn(async move {
+                    let Some(body) = read_request(&mut stream).await else {
+                        return;
+                    };
+                    let text = String::from_utf8_lossy(&body).into_owned();
+                    let tag = tags
+                        .iter()
+                        .find(|t| text.contains(*t))
+                        .copied()
+                        .unwrap_or("")
+                        .to_owned();
+                    {
+                        let mut c = counts.lock().unwrap();
+                        c.total_in_flight += 1;
+                        c.most_in_total = c.most_in_total.max(c.total_in_flight);
+                        let now = {
+                            let n = c.in_flight.entry(tag.clone()).or_default();
+                            *n += 1;
+                            *n
+                        };
+                        let most = c.most.entry(tag.clone()).or_default();
+                        *most = (*most).max(now);
+                    }
+                    let _ = opened.wait_for(|open| *open).await;
+                    {
+                        let mut c = counts.lock().unwrap();
+                        c.total_in_flight -= 1;
+                        *c.in_flight.get_mut(&tag).unwrap() -= 1;
+                    }
+                    let events = [
+                        json!({"choices":[{"index":0,"delta":{"role":"assistant","content":"done"},"finish_reason":null}]}),
+                        json!({"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}),
+                    ];
+                    let mut sse = String::new();
+                    for event in events {
+                        sse.push_str(&format!("data: {event}\n\n"));
+                    }
+                    sse.push_str("data: [DONE]\n\n");
+                    let head = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                        sse.len()
+                    );
+                    let _ = stream.write_all(head.as_bytes()).await;
+                    let _ = stream.write_all(sse.as_bytes()).await;
+                });
+            }
+        });
+        GatedModel { url, open, counts }
+    }
+
+    fn in_flight(&self) -> usize {
+        self.counts.lock().unwrap().total_in_flight
+    }
+
+    fn most_in_total(&self) -> usize {
+        self.counts.lock().unwrap().most_in_total
+    }
+
+    fn most_of(&self, tag: &str) -> usize {
+        self.counts
+            .lock()
+            .unwrap()
+            .most
+            .get(tag)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Waits (up to 20 s) until `count` requests are held at once.
+    async fn wait_for_in_flight(&self, count: usize) {
+        for _ in 0..800 {
+            if self.in_flight() >= count {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!(
+            "only {} model calls were in flight at once, not {count}",
+            self.in_flight()
+        );
+    }
+}
+
+impl Harness {
+    /// A routine `name` on the gated model, with `tag` in its instructions and at most
+    /// `max_runs` runs active at once.
+    async fn gated_routine(
+        &self,
+        model: &GatedModel,
+        name: &str,
+        tag: &str,
+        max_runs: u32,
+    ) -> RoutineId {
+        if self
+            .db
+            .store
+            .list_model_connections(self.project)
+            .await
+            .unwrap()
+            .is_empty()
+        {
+            let connection = self
+                .db
+                .store
+                .create_model_connection(
+                    self.project,
+                    NewModelConnection {
+                        name: "gated".to_owned(),
+                        provider: wor_store::ModelProvider::OpenaiCompatible,
+                        base_url: model.url.clone(),
+                        owner_member_id: None,
+                        created_by: None,
+                    },
+                )
+                .await
+                .unwrap();
+            let slot = SecretSlot::new(self.project, "model_connections", connection.id, "api_key");
+            self.vault
+                .put(&slot, "sk-gated-key-0123456789")
+                .await
+                .unwrap();
+        }
+        self.routine(&format!(
+            "name = \"{name}\"\ninstructions = \"Work as {tag}.\"\n[model]\nprovider = \"openai_compatible\"\n\
+             connection = \"gated\"\nmodel = \"gpt-test\"\n[concurrency]\nmax_runs = {max_runs}\noverlap = \"queue\"\n"
+        ))
+        .await
+    }
+
+    /// Waits (up to 30 s) until every run in `runs` has ended, and returns them.
+    async fn wait_for_ends(&self, runs: &[RunId]) -> Vec<RunRecord> {
+        for _ in 0..1200 {
+            let mut ended = Vec::new();
+            for id in runs {
+                let run = self.run(*id).await;
+                if run.status.is_terminal() {
+                    ended.push(run);
+                }
+            }
+            if ended.len() == runs.len() {
+                return ended;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!("not every run ended");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_worker_pool_drives_many_runs_at_once() {
+    let h = Harness::new().await;
+    let model = GatedModel::start(&["tag-a"]).await;
+    let routine = h.gated_routine(&model, "wide", "tag-a", 10).await;
+    let engine = h.engine(EngineConfig {
+        workers: 16,
+        ..EngineConfig::default()
+    });
+    let mut runs = Vec::new();
+    for i in 0..10 {
+        runs.push(h.start(&engine, routine, &format!("job {i}")).await.id);
+    }
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let pool = engine.spawn_workers(stopped);
+    // Every model call waits at the gate: the runs can only all get there by running at once.
+    model.wait_for_in_flight(10).await;
+    model.open.send(true).unwrap();
+    let ended = h.wait_for_ends(&runs).await;
+    assert!(
+        ended.iter().all(|r| r.status == RunStatus::Succeeded),
+        "{:?}",
+        ended.iter().map(|r| &r.outcome).collect::<Vec<_>>()
+    );
+    assert_eq!(model.most_in_total(), 10);
+    stop.send(true).unwrap();
+    tokio::time::timeout(Duration::from_secs(10), pool)
+        .await
+        .expect("the pool stops on shutdown")
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_worker_pool_keeps_the_routine_and_project_limits() {
+    let h = Harness::new().await;
+    let model = GatedModel::start(&["tag-narrow", "tag-wide"]).await;
+    let narrow = h.gated_routine(&model, "narrow", "tag-narrow", 2).await;
+    let wide = h.gated_routine(&model, "wide", "tag-wide", 10).await;
+    let engine = h.engine(EngineConfig {
+        workers: 16,
+        max_running_per_project: 5,
+        ..EngineConfig::default()
+    });
+    let mut runs = Vec::new();
+    for i in 0..6 {
+        runs.push(h.start(&engine, narrow, &format!("n{i}")).await.id);
+        runs.push(h.start(&engine, wide, &format!("w{i}")).await.id);
+    }
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    // Two pools, as two processes on one database would run them.
+    let other = h.engine(EngineConfig {
+        worker_id: "other-process".to_owned(),
+        workers: 16,
+        max_running_per_project: 5,
+        ..EngineConfig::default()
+    });
+    let pools = [
+        engine.spawn_workers(stopped.clone()),
+        other.spawn_workers(stopped),
+    ];
+    model.wait_for_in_flight(5).await;
+    // Give the pools time to overreach if they would.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(
+        model.in_flight(),
+        5,
+        "the project's limit is reached, not passed"
+    );
+    model.open.send(true).unwrap();
+    let ended = h.wait_for_ends(&runs).await;
+    assert!(ended.iter().all(|r| r.status == RunStatus::Succeeded));
+    assert_eq!(
+        model.most_in_total(),
+        5,
+        "never more than the project's limit"
+    );
+    assert!(
+        model.most_of("tag-narrow") <= 2,
+        "never more than the routine's limit"
+    );
+    stop.send(true).unwrap();
+    for pool in pools {
+        tokio::time::timeout(Duration::from_secs(10), pool)
+            .await
+            .expect("the pool stops on shutdown")
+            .unwrap();
+    }
+}

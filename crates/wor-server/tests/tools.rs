@@ -1047,16 +1047,27 @@ async fn a_consequential_call_after_untrusted_content_waits_for_exactly_one_appr
     let second = pending[0].clone();
     assert_eq!(second["arguments"], json!({"to": "mallory"}));
     assert_ne!(second["binding_hash"], first["binding_hash"]);
-    let used = h
+    let reused = h
         .engine
         .store()
-        .use_approval(
-            first_id.parse().unwrap(),
-            second["binding_hash"].as_str().unwrap(),
+        .start_approved_call(
+            h.project.project.id,
+            run_id.parse().unwrap(),
+            "any-worker",
+            &wor_store::ApprovedCall {
+                approval: first_id.parse().unwrap(),
+                binding_hash: second["binding_hash"].as_str().unwrap(),
+                step: &json!({}),
+                usage: &wor_core::budget::BudgetUsage::default(),
+            },
         )
         .await
         .unwrap();
-    assert!(!used, "an approval is single use and bound to its call");
+    assert_eq!(
+        reused,
+        wor_store::ApprovedStart::NotUsable,
+        "an approval is single use and bound to its call"
+    );
     let (status, _) = h
         .decide(
             &approver,

@@ -147,7 +147,7 @@ impl Store {
         project: ProjectId,
         new: NewApiKey,
     ) -> Result<(ApiKeyRecord, PlaintextApiKey), StoreError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.begin_write().await?;
         if let ApiKeyKind::Personal(member) = new.kind {
             let found =
                 sqlx::query("SELECT 1 AS one FROM members WHERE project_id = $1 AND id = $2")

@@ -4,12 +4,19 @@
 //! INVARIANTS: a run is parked (status `waiting_for_approval`, no lease) in the same
 //! transaction that records its approval request, and re-queued in the same transaction that
 //! records the decision or the expiry, so a parked run is never lost and never resumed twice.
-//! An approved approval is used at most once, and only by a call with the same binding hash.
+//! An approved approval is used at most once, and only by a call with the same binding hash,
+//! in the same transaction that records the call as started (its `approval_used` step): an
+//! approval is never spent without its call on record, so a resumed run never finds a used
+//! approval whose call did not start. A call whose outcome is unknown may be asked about
+//! again after its approved retry was interrupted too: each request is a row of its own,
+//! and at most one unused request exists per call and kind.
 
 use std::fmt;
 use std::str::FromStr;
 
 use sqlx::Row;
+use wor_core::budget::BudgetUsage;
+use wor_core::run::Provenance;
 use wor_core::{ApiKeyId, ApprovalId, MemberId, ProjectId, RunId};
 
 use crate::{Store, StoreError, now_millis, parse_column};
@@ -143,6 +150,28 @@ pub struct ApprovalRecord {
     pub used_at: Option<i64>,
 }
 
+/// A call a person approved, as it starts: the approval it uses, the binding hash of the call
+/// as it is about to run, what its `approval_used` step records, and the run's usage with the
+/// call counted.
+#[derive(Debug, Clone, Copy)]
+pub struct ApprovedCall<'a> {
+    pub approval: ApprovalId,
+    pub binding_hash: &'a str,
+    pub step: &'a serde_json::Value,
+    pub usage: &'a BudgetUsage,
+}
+
+/// What came of starting an approved call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ApprovedStart {
+    /// The approval is used, the call recorded as started and the usage saved: it may run.
+    Started,
+    /// The worker no longer holds the run; nothing changed.
+    RunNotHeld,
+    /// The approval is not approved, already used, or bound to another call; nothing changed.
+    NotUsable,
+}
+
 /// A person's answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {
@@ -212,19 +241,26 @@ impl Store {
         approval: &NewApproval,
     ) -> Result<Option<(ApprovalId, bool)>, StoreError> {
         let now = now_millis();
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin_write().await?;
         if !crate::runs::park(&mut tx, project, approval.run_id, worker).await? {
             tx.rollback().await?;
             return Ok(None);
         }
         let existing = sqlx::query(
-            "SELECT id, status FROM approvals WHERE run_id = $1 AND call_id = $2 AND kind = $3",
+            "SELECT id, status, used_at FROM approvals WHERE run_id = $1 AND call_id = $2 AND kind = $3 \
+             ORDER BY id DESC LIMIT 1",
         )
         .bind(approval.run_id.to_string())
         .bind(&approval.call_id)
         .bind(approval.kind.as_str())
         .fetch_optional(&mut *tx)
         .await?;
+        // A used approval was spent on an attempt that started: the call may be asked about
+        // again (its outcome is unknown once more), with a request of its own.
+        let existing = match existing {
+            Some(row) if row.try_get::<Option<i64>, _>("used_at")?.is_some() => None,
+            other => other,
+        };
         let parked = match existing {
             // Parking again on a decided approval would wait for nothing: refuse instead.
             Some(row) if row.try_get::<String, _>("status")? != "pending" => {
@@ -284,7 +320,7 @@ impl Store {
         approval_from_row(&row)
     }
 
-    /// The approval of `kind` filed for `call_id` of `run`, if any.
+    /// The latest approval of `kind` filed for `call_id` of `run`, if any.
     pub async fn approval_for_call(
         &self,
         project: ProjectId,
@@ -293,7 +329,8 @@ impl Store {
         kind: ApprovalKind,
     ) -> Result<Option<ApprovalRecord>, StoreError> {
         let row = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "SELECT {COLUMNS} FROM approvals WHERE project_id = $1 AND run_id = $2 AND call_id = $3 AND kind = $4"
+            "SELECT {COLUMNS} FROM approvals WHERE project_id = $1 AND run_id = $2 AND call_id = $3 AND kind = $4 \
+             ORDER BY id DESC LIMIT 1"
         )))
         .bind(project.to_string())
         .bind(run.to_string())
@@ -337,7 +374,7 @@ impl Store {
             Verdict::Approve => ApprovalStatus::Approved,
             Verdict::Deny => ApprovalStatus::Denied,
         };
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin_write().await?;
         let done = sqlx::query(
             "UPDATE approvals SET status = $1, decided_by_key = $2, decided_by_member = $3, \
              decision_reason = $4, decided_at = $5 \
@@ -388,7 +425,7 @@ impl Store {
                 &row.try_get::<String, _>("project_id")?,
                 "approvals.project_id",
             )?;
-            let mut tx = self.pool().begin().await?;
+            let mut tx = self.begin_write().await?;
             let done = sqlx::query(
                 "UPDATE approvals SET status = 'expired', decided_at = $1 \
                  WHERE id = $2 AND status = 'pending'",
@@ -408,23 +445,48 @@ impl Store {
         Ok(expired)
     }
 
-    /// Uses an approved approval for the call whose binding hash is `binding_hash`: true once,
-    /// false ever after, and false for any other binding.
-    pub async fn use_approval(
+    /// Starts a call a person approved, in one transaction: uses the approval (approved,
+    /// unused, of this run, bound to `call.binding_hash`), records the call as started (an
+    /// `approval_used` step with `call.step`) and saves the run's usage, only while `worker`
+    /// holds the run. An approval is used once; if anything fails, none of it happened.
+    pub async fn start_approved_call(
         &self,
-        id: ApprovalId,
-        binding_hash: &str,
-    ) -> Result<bool, StoreError> {
-        let done = sqlx::query(
-            "UPDATE approvals SET used_at = $1 \
-             WHERE id = $2 AND status = 'approved' AND used_at IS NULL AND binding_hash = $3",
+        project: ProjectId,
+        run: RunId,
+        worker: &str,
+        call: &ApprovedCall<'_>,
+    ) -> Result<ApprovedStart, StoreError> {
+        let mut tx = self.begin_write().await?;
+        let used = sqlx::query(
+            "UPDATE approvals SET used_at = $1 WHERE project_id = $2 AND run_id = $3 AND id = $4 \
+             AND status = 'approved' AND used_at IS NULL AND binding_hash = $5",
         )
         .bind(now_millis())
-        .bind(id.to_string())
-        .bind(binding_hash)
-        .execute(self.pool())
+        .bind(project.to_string())
+        .bind(run.to_string())
+        .bind(call.approval.to_string())
+        .bind(call.binding_hash)
+        .execute(&mut *tx)
         .await?;
-        Ok(done.rows_affected() == 1)
+        if used.rows_affected() != 1 {
+            tx.rollback().await?;
+            return Ok(ApprovedStart::NotUsable);
+        }
+        if !crate::runs::write_usage(&mut tx, run, worker, call.usage).await? {
+            tx.rollback().await?;
+            return Ok(ApprovedStart::RunNotHeld);
+        }
+        crate::runs::append_step(
+            &mut tx,
+            project,
+            run,
+            "approval_used",
+            Provenance::Engine,
+            call.step,
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(ApprovedStart::Started)
     }
 
     /// Marks the pending approvals of `run` cancelled (its run ended without a decision).
@@ -471,7 +533,7 @@ impl Store {
         text: Option<&str>,
         by: Option<ApiKeyId>,
     ) -> Result<(), StoreError> {
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin_write().await?;
         sqlx::query("DELETE FROM project_policies WHERE project_id = $1")
             .bind(project.to_string())
             .execute(&mut *tx)

@@ -427,15 +427,6 @@ const ENTRY_COLUMNS: &str = "project_id, seq, at, actor, category, subjects, roo
 const VERIFY_PAGE: i64 = 1000;
 
 impl Store {
-    /// A write transaction. On SQLite it takes the database's write lock at once, so a
-    /// transaction that reads and then writes never fails to upgrade its lock.
-    async fn begin_write(&self) -> Result<Transaction<'static, Any>, StoreError> {
-        Ok(match self.backend {
-            Backend::Sqlite => self.pool.begin_with("BEGIN IMMEDIATE").await?,
-            Backend::Postgres => self.pool.begin().await?,
-        })
-    }
-
     /// Up to `limit` entries of `project`'s chain after sequence number `after`, in order.
     pub async fn audit_entries(
         &self,

@@ -29,13 +29,13 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use sqlx::any::{AnyPoolOptions, install_default_drivers};
-use sqlx::{AnyPool, Executor};
+use sqlx::{Any, AnyPool, Executor, Transaction};
 
 pub use api_keys::{API_KEY_PREFIX, api_key_digest};
 pub use api_keys::{ApiKeyKind, ApiKeyRecord, AuthenticatedKey, NewApiKey, PlaintextApiKey};
 pub use approvals::{
-    ApprovalDecision, ApprovalFilter, ApprovalKind, ApprovalRecord, ApprovalStatus, DecideError,
-    NewApproval, ProjectPolicyRecord, Verdict,
+    ApprovalDecision, ApprovalFilter, ApprovalKind, ApprovalRecord, ApprovalStatus, ApprovedCall,
+    ApprovedStart, DecideError, NewApproval, ProjectPolicyRecord, Verdict,
 };
 pub use audit::{AuditConfig, AuditLog, AuditReceipt};
 pub use members::MemberRecord;
@@ -200,6 +200,51 @@ impl Store {
         &self.pool
     }
 
+    /// Begins a transaction that writes: the one way the store opens one.
+    ///
+    /// On SQLite it takes the database's write lock up front (`BEGIN IMMEDIATE`), waiting up
+    /// to `busy_timeout` for it. A deferred transaction would take it only at its first write,
+    /// and in WAL mode one that has read by then cannot wait: it fails at once as busy (code
+    /// 5, or 517 when another writer committed since it read). On PostgreSQL it is a plain
+    /// transaction; row locks and the per-project advisory lock order its writers.
+    ///
+    /// Only the `BEGIN` is retried, with a doubling pause, when SQLite still finds the
+    /// database busy or locked after `busy_timeout`: nothing of the transaction has run yet,
+    /// so trying again cannot repeat or lose a write. Once the lock is held no statement of
+    /// the transaction can meet a busy database, so nothing after `BEGIN` needs a retry.
+    #[expect(
+        clippy::disallowed_methods,
+        reason = "the one place a transaction begins (clippy.toml)"
+    )]
+    pub(crate) async fn begin_write(&self) -> Result<Transaction<'static, Any>, StoreError> {
+        let mut pause = WRITE_RETRY_PAUSE;
+        let mut attempt = 1;
+        loop {
+            let begun = match self.backend {
+                Backend::Sqlite => self.pool.begin_with("BEGIN IMMEDIATE").await,
+                Backend::Postgres => self.pool.begin().await,
+            };
+            match begun {
+                Ok(tx) => return Ok(tx),
+                Err(err)
+                    if self.backend == Backend::Sqlite
+                        && attempt < WRITE_BEGIN_ATTEMPTS
+                        && is_busy(&err) =>
+                {
+                    tracing::warn!(
+                        category = "store",
+                        attempt,
+                        "the database is busy; beginning the write again"
+                    );
+                    tokio::time::sleep(pause).await;
+                    pause = pause.saturating_mul(2);
+                    attempt += 1;
+                }
+                Err(err) => return Err(err.into()),
+            }
+        }
+    }
+
     /// Whether the database answers a trivial query.
     pub async fn ping(&self) -> Result<(), StoreError> {
         sqlx::query("SELECT 1").execute(&self.pool).await?;
@@ -209,6 +254,22 @@ impl Store {
     pub async fn close(&self) {
         self.pool.close().await;
     }
+}
+
+/// How many times a write transaction's `BEGIN` is tried while SQLite reports the database
+/// busy, and the pause before the second try (doubled before each further one).
+const WRITE_BEGIN_ATTEMPTS: u32 = 4;
+const WRITE_RETRY_PAUSE: Duration = Duration::from_millis(50);
+
+/// Whether `err` is SQLite's `SQLITE_BUSY` or `SQLITE_LOCKED`, in any extended form (the
+/// primary code is the low byte of the extended one).
+fn is_busy(err: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(db) = err else {
+        return false;
+    };
+    db.code()
+        .and_then(|code| code.parse::<i64>().ok())
+        .is_some_and(|code| matches!(code & 0xff, 5 | 6))
 }
 
 /// The URL with any password replaced, for error messages.

@@ -52,7 +52,7 @@ impl Store {
             role,
             created_at: now_millis(),
         };
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.begin_write().await?;
         insert(&mut tx, &member).await?;
         tx.commit().await?;
         Ok(member)

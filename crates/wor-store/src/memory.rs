@@ -27,7 +27,7 @@ impl Store {
         thread: &str,
         entries: &[MemoryEntry],
     ) -> Result<(), StoreError> {
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin_write().await?;
         for entry in entries {
             sqlx::query(
                 "INSERT INTO memory_entries (id, project_id, routine_id, thread, run_id, role, provenance, text, created_at) \

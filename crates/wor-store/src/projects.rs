@@ -46,7 +46,7 @@ impl Store {
             name: name.to_owned(),
             created_at: now,
         };
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.begin_write().await?;
         sqlx::query("INSERT INTO projects (id, name, created_at) VALUES ($1, $2, $3)")
             .bind(project.id.to_string())
             .bind(name)

@@ -49,7 +49,7 @@ impl Store {
     ) -> Result<AppliedRoutine, StoreError> {
         let hash = definition.content_hash();
         let now = now_millis();
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin_write().await?;
         let existing = sqlx::query(sqlx::AssertSqlSafe(format!(
             "SELECT {COLUMNS} FROM routines WHERE project_id = $1 AND name = $2"
         )))

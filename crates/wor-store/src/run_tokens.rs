@@ -60,7 +60,7 @@ impl Store {
             .try_fill_bytes(&mut bytes)
             .map_err(|e| StoreError::Corrupt(format!("random source failed: {e}")))?;
         let token = RunToken(format!("{RUN_TOKEN_PREFIX}{}", hex::encode(bytes)));
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin_write().await?;
         sqlx::query("DELETE FROM run_tokens WHERE run_id = $1")
             .bind(run.to_string())
             .execute(&mut *tx)

@@ -122,7 +122,7 @@ impl Store {
     ) -> Result<RunRecord, StoreError> {
         let id = RunId::new();
         let now = now_millis();
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin_write().await?;
         sqlx::query(
             "INSERT INTO runs (id, project_id, routine_id, routine_version, root_run_id, parent_run_id, depth, \
              status, trigger_kind, started_by, max_concurrent, outcome, created_at, updated_at, finished_at, trigger_key, thread, budget_cap) \
@@ -227,7 +227,7 @@ impl Store {
         id: RunId,
     ) -> Result<RunRecord, StoreError> {
         let now = now_millis();
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin_write().await?;
         let cancelled = sqlx::query(
             "UPDATE runs SET status = 'cancelled', outcome = 'cancelled while queued', \
              finished_at = $1, updated_at = $1 WHERE project_id = $2 AND id = $3 AND status = 'queued'",
@@ -352,7 +352,7 @@ impl Store {
         limits: Option<ClaimLimits<'_>>,
     ) -> Result<Option<RunRecord>, StoreError> {
         let now = now_millis();
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin_write().await?;
         if limits.is_some() && self.backend() == crate::Backend::Postgres {
             sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
                 .bind(project.to_string())
@@ -421,7 +421,7 @@ impl Store {
         id: RunId,
         worker: &str,
     ) -> Result<bool, StoreError> {
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin_write().await?;
         let parked = park(&mut tx, project, id, worker).await?;
         tx.commit().await?;
         Ok(parked)
@@ -480,21 +480,8 @@ impl Store {
         worker: &str,
         usage: &BudgetUsage,
     ) -> Result<(), StoreError> {
-        sqlx::query(
-            "UPDATE runs SET usage_turns = $1, usage_tool_calls = $2, usage_input_tokens = $3, \
-             usage_output_tokens = $4, usage_cost_microdollars = $5, updated_at = $6 \
-             WHERE id = $7 AND lease_owner = $8",
-        )
-        .bind(to_i64(usage.turns))
-        .bind(to_i64(usage.tool_calls))
-        .bind(to_i64(usage.input_tokens))
-        .bind(to_i64(usage.output_tokens))
-        .bind(to_i64(usage.cost_microdollars))
-        .bind(now_millis())
-        .bind(run.to_string())
-        .bind(worker)
-        .execute(self.pool())
-        .await?;
+        let mut connection = self.pool().acquire().await?;
+        write_usage(&mut connection, run, worker, usage).await?;
         Ok(())
     }
 
@@ -510,7 +497,7 @@ impl Store {
         outcome: &str,
     ) -> Result<bool, StoreError> {
         let now = now_millis();
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin_write().await?;
         let done = sqlx::query(
             "UPDATE runs SET status = $1, outcome = $2, finished_at = $3, updated_at = $3, \
              lease_owner = NULL, lease_expires_at = NULL WHERE id = $4 AND lease_owner = $5 AND status = 'running'",
@@ -561,26 +548,10 @@ impl Store {
         provenance: Provenance,
         payload: &serde_json::Value,
     ) -> Result<i64, StoreError> {
-        let mut tx = self.pool().begin().await?;
-        let row =
-            sqlx::query("SELECT COALESCE(MAX(seq), 0) AS last FROM run_steps WHERE run_id = $1")
-                .bind(run.to_string())
-                .fetch_one(&mut *tx)
-                .await?;
-        let last: i64 = row.try_get("last")?;
-        insert_step(
-            &mut tx,
-            project,
-            run,
-            last + 1,
-            kind,
-            provenance,
-            payload,
-            now_millis(),
-        )
-        .await?;
+        let mut tx = self.begin_write().await?;
+        let seq = append_step(&mut tx, project, run, kind, provenance, payload).await?;
         tx.commit().await?;
-        Ok(last + 1)
+        Ok(seq)
     }
 
     /// The run's steps after `after_seq`, in order.
@@ -641,6 +612,60 @@ pub(crate) async fn park(
     }
     crate::run_tokens::revoke(connection, id).await?;
     Ok(true)
+}
+
+/// Records the usage of a run `worker` holds; false when it does not hold it.
+pub(crate) async fn write_usage(
+    connection: &mut sqlx::AnyConnection,
+    run: RunId,
+    worker: &str,
+    usage: &BudgetUsage,
+) -> Result<bool, StoreError> {
+    let done = sqlx::query(
+        "UPDATE runs SET usage_turns = $1, usage_tool_calls = $2, usage_input_tokens = $3, \
+         usage_output_tokens = $4, usage_cost_microdollars = $5, updated_at = $6 \
+         WHERE id = $7 AND lease_owner = $8 AND status = 'running'",
+    )
+    .bind(to_i64(usage.turns))
+    .bind(to_i64(usage.tool_calls))
+    .bind(to_i64(usage.input_tokens))
+    .bind(to_i64(usage.output_tokens))
+    .bind(to_i64(usage.cost_microdollars))
+    .bind(now_millis())
+    .bind(run.to_string())
+    .bind(worker)
+    .execute(&mut *connection)
+    .await?;
+    Ok(done.rows_affected() == 1)
+}
+
+/// Appends a step after the run's last one, in `tx`; returns its sequence number.
+pub(crate) async fn append_step(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    project: ProjectId,
+    run: RunId,
+    kind: &str,
+    provenance: Provenance,
+    payload: &serde_json::Value,
+) -> Result<i64, StoreError> {
+    let last: i64 =
+        sqlx::query("SELECT COALESCE(MAX(seq), 0) AS last FROM run_steps WHERE run_id = $1")
+            .bind(run.to_string())
+            .fetch_one(&mut **tx)
+            .await?
+            .try_get("last")?;
+    insert_step(
+        tx,
+        project,
+        run,
+        last + 1,
+        kind,
+        provenance,
+        payload,
+        now_millis(),
+    )
+    .await?;
+    Ok(last + 1)
 }
 
 /// Queues the parent of `child` again if it is parked waiting for it.

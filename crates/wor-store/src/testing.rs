@@ -104,7 +104,7 @@ pub async fn tamper(store: &Store, statements: &[String]) -> Result<(), StoreErr
                 AUDIT_TRIGGERS_POSTGRES,
             ),
         };
-        let mut tx = store.pool().begin().await?;
+        let mut tx = store.begin_write().await?;
         tx.execute(sqlx::raw_sql(drop)).await?;
         for statement in statements {
             tx.execute(sqlx::raw_sql(sqlx::AssertSqlSafe(statement.clone())))

@@ -1044,3 +1044,332 @@ async fn recovering_an_owner_makes_a_working_owner_key() {
         Err(StoreError::NotFound)
     ));
 }
+
+/// What the API and the workers do at once — apply routines, start runs, claim them, append
+/// steps, park for approvals, decide them, use them, finish — from many tasks on one
+/// database: every operation succeeds. On SQLite a write transaction that began deferred and
+/// read first used to fail at once with "database is locked" (codes 5 and 517) instead of
+/// waiting for the write lock (this test failed so, with codes 5 and 517).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn many_concurrent_writers_all_succeed() {
+    use wor_core::run::{Provenance, RunStatus};
+    use wor_store::{
+        ApprovalDecision, ApprovalKind, ApprovedCall, ApprovedStart, NewApproval, NewRun, Verdict,
+    };
+    let db = TestDatabase::isolated().await.unwrap();
+    let created = db
+        .store
+        .create_project(&TestDatabase::unique_name("busy"), "alice")
+        .await
+        .unwrap();
+    let project = created.project.id;
+    let key = db.store.list_api_keys(project).await.unwrap()[0].id;
+    let mut tasks = Vec::new();
+    for task in 0..12 {
+        let store = db.store.clone();
+        tasks.push(tokio::spawn(async move {
+            let worker = format!("worker-{task}");
+            for round in 0..6 {
+                // A new version of the task's routine each round: read, then write.
+                let toml = format!(
+                    "name = \"r{task}\"\ninstructions = \"round {round}\"\n[model]\nprovider = \"replay\"\n\
+                     model = \"m\"\nscript = {{ turns = [] }}\n"
+                );
+                let definition = wor_core::routine::RoutineDefinition::from_toml(&toml).unwrap();
+                let applied = store
+                    .apply_routine(project, &toml, &definition, Some(key))
+                    .await
+                    .unwrap();
+                let new = NewRun {
+                    routine_id: applied.routine.id,
+                    routine_version: applied.version,
+                    trigger_kind: "api".to_owned(),
+                    started_by: Some(key),
+                    max_concurrent: 100,
+                    status: RunStatus::Queued,
+                    outcome: None,
+                    trigger_key: None,
+                    input_provenance: Provenance::Requester,
+                    thread: None,
+                    memory: None,
+                    parent: None,
+                };
+                let run = store
+                    .create_run(project, new, &serde_json::json!("x"))
+                    .await
+                    .unwrap();
+                store
+                    .claim_run_by_id(project, run.id, &worker, 60_000)
+                    .await
+                    .unwrap()
+                    .expect("a queued run of this task is claimed");
+                for _ in 0..3 {
+                    store
+                        .append_run_step(
+                            project,
+                            run.id,
+                            "model_turn",
+                            Provenance::Model,
+                            &serde_json::json!({"round": round}),
+                        )
+                        .await
+                        .unwrap();
+                }
+                let approval = NewApproval {
+                    run_id: run.id,
+                    call_id: "call_1".to_owned(),
+                    tool: "mail/send".to_owned(),
+                    pin_hash: "pin".to_owned(),
+                    arguments: serde_json::json!({}),
+                    arguments_hash: "args".to_owned(),
+                    pinned_keys: Vec::new(),
+                    binding_hash: format!("binding-{task}-{round}"),
+                    kind: ApprovalKind::Policy,
+                    why: serde_json::json!({}),
+                    expires_at: wor_store::now_millis() + 60_000,
+                };
+                let (approval_id, filed) = store
+                    .park_for_approval(project, &worker, &approval)
+                    .await
+                    .unwrap()
+                    .expect("the worker holds its run");
+                assert!(filed);
+                let decision = ApprovalDecision {
+                    verdict: Verdict::Approve,
+                    key_id: key,
+                    member_id: None,
+                    reason: "ok".to_owned(),
+                };
+                store
+                    .decide_approval(project, approval_id, &decision)
+                    .await
+                    .unwrap();
+                store
+                    .claim_run_by_id(project, run.id, &worker, 60_000)
+                    .await
+                    .unwrap()
+                    .expect("the approved run is queued again");
+                let usage = wor_core::budget::BudgetUsage {
+                    tool_calls: round + 1,
+                    ..Default::default()
+                };
+                let started = store
+                    .start_approved_call(
+                        project,
+                        run.id,
+                        &worker,
+                        &ApprovedCall {
+                            approval: approval_id,
+                            binding_hash: &approval.binding_hash,
+                            step: &serde_json::json!({"call_id": "call_1"}),
+                            usage: &usage,
+                        },
+                    )
+                    .await
+                    .unwrap();
+                assert_eq!(started, ApprovedStart::Started);
+                store
+                    .append_run_step(
+                        project,
+                        run.id,
+                        "tool_result",
+                        Provenance::Untrusted,
+                        &serde_json::json!({}),
+                    )
+                    .await
+                    .unwrap();
+                assert!(
+                    store
+                        .finish_run(project, run.id, &worker, RunStatus::Succeeded, "done")
+                        .await
+                        .unwrap()
+                );
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let finished = db
+        .store
+        .list_runs(
+            project,
+            &wor_store::RunFilter {
+                status: Some(RunStatus::Succeeded),
+                limit: 200,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(finished.len(), 12 * 6);
+}
+
+/// Using an approval and recording its call as started are one transaction: a failure in
+/// between (injected here by a trigger that refuses the `approval_used` step) leaves the
+/// approval unused, so the resumed run can still run the approved call.
+#[tokio::test]
+async fn an_approval_is_never_used_without_its_call_recorded_as_started() {
+    use wor_core::budget::BudgetUsage;
+    use wor_core::run::{Provenance, RunStatus};
+    use wor_store::{
+        ApprovalDecision, ApprovalKind, ApprovedCall, ApprovedStart, Backend, NewApproval, NewRun,
+        Verdict,
+    };
+    let db = TestDatabase::isolated().await.unwrap();
+    let created = db
+        .store
+        .create_project(&TestDatabase::unique_name("atomic"), "alice")
+        .await
+        .unwrap();
+    let project = created.project.id;
+    let key = db.store.list_api_keys(project).await.unwrap()[0].id;
+    let store = &db.store;
+    let toml = "name = \"r\"\ninstructions = \"x\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\nscript = { turns = [] }\n";
+    let definition = wor_core::routine::RoutineDefinition::from_toml(toml).unwrap();
+    let routine = store
+        .apply_routine(project, toml, &definition, None)
+        .await
+        .unwrap()
+        .routine
+        .id;
+    let new = NewRun {
+        routine_id: routine,
+        routine_version: 1,
+        trigger_kind: "api".to_owned(),
+        started_by: Some(key),
+        max_concurrent: 1,
+        status: RunStatus::Queued,
+        outcome: None,
+        trigger_key: None,
+        input_provenance: Provenance::Requester,
+        thread: None,
+        memory: None,
+        parent: None,
+    };
+    let run = store
+        .create_run(project, new, &serde_json::json!("x"))
+        .await
+        .unwrap();
+    store
+        .claim_run_by_id(project, run.id, "w", 60_000)
+        .await
+        .unwrap()
+        .unwrap();
+    let request = NewApproval {
+        run_id: run.id,
+        call_id: "call_1".to_owned(),
+        tool: "mail/send".to_owned(),
+        pin_hash: "pin".to_owned(),
+        arguments: serde_json::json!({}),
+        arguments_hash: "args".to_owned(),
+        pinned_keys: Vec::new(),
+        binding_hash: "binding".to_owned(),
+        kind: ApprovalKind::Policy,
+        why: serde_json::json!({}),
+        expires_at: wor_store::now_millis() + 60_000,
+    };
+    let (approval, _) = store
+        .park_for_approval(project, "w", &request)
+        .await
+        .unwrap()
+        .unwrap();
+    let decision = ApprovalDecision {
+        verdict: Verdict::Approve,
+        key_id: key,
+        member_id: None,
+        reason: "ok".to_owned(),
+    };
+    store
+        .decide_approval(project, approval, &decision)
+        .await
+        .unwrap();
+    store
+        .claim_run_by_id(project, run.id, "w", 60_000)
+        .await
+        .unwrap()
+        .unwrap();
+    let usage = BudgetUsage {
+        tool_calls: 1,
+        ..BudgetUsage::default()
+    };
+    let step = serde_json::json!({"call_id": "call_1", "approval_id": approval.to_string()});
+    let call = ApprovedCall {
+        approval,
+        binding_hash: "binding",
+        step: &step,
+        usage: &usage,
+    };
+    let (inject, remove) = match store.backend() {
+        Backend::Sqlite => (
+            "CREATE TRIGGER refuse_start BEFORE INSERT ON run_steps WHEN NEW.kind = 'approval_used' \
+             BEGIN SELECT RAISE(ABORT, 'injected failure'); END;",
+            "DROP TRIGGER refuse_start;",
+        ),
+        Backend::Postgres => (
+            "CREATE FUNCTION refuse_start() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN RAISE EXCEPTION 'injected failure'; END $$; \
+             CREATE TRIGGER refuse_start BEFORE INSERT ON run_steps FOR EACH ROW \
+             WHEN (NEW.kind = 'approval_used') EXECUTE FUNCTION refuse_start();",
+            "DROP TRIGGER refuse_start ON run_steps; DROP FUNCTION refuse_start();",
+        ),
+    };
+    sqlx::raw_sql(inject).execute(store.pool()).await.unwrap();
+    let failed = store
+        .start_approved_call(project, run.id, "w", &call)
+        .await
+        .unwrap_err();
+    assert!(failed.to_string().contains("injected failure"), "{failed}");
+    let approval_now = store.get_approval(project, approval).await.unwrap();
+    assert_eq!(approval_now.used_at, None, "the approval is not spent");
+    let steps = store.list_run_steps(project, run.id, 0).await.unwrap();
+    assert!(steps.iter().all(|s| s.kind != "approval_used"));
+    assert_eq!(
+        store
+            .get_run(project, run.id)
+            .await
+            .unwrap()
+            .usage
+            .tool_calls,
+        0
+    );
+
+    sqlx::raw_sql(remove).execute(store.pool()).await.unwrap();
+    assert_eq!(
+        store
+            .start_approved_call(project, run.id, "w", &call)
+            .await
+            .unwrap(),
+        ApprovedStart::Started
+    );
+    assert!(
+        store
+            .get_approval(project, approval)
+            .await
+            .unwrap()
+            .used_at
+            .is_some()
+    );
+    let steps = store.list_run_steps(project, run.id, 0).await.unwrap();
+    assert_eq!(
+        steps.iter().filter(|s| s.kind == "approval_used").count(),
+        1
+    );
+    assert_eq!(
+        store
+            .get_run(project, run.id)
+            .await
+            .unwrap()
+            .usage
+            .tool_calls,
+        1
+    );
+    // Used once, never again.
+    assert_eq!(
+        store
+            .start_approved_call(project, run.id, "w", &call)
+            .await
+            .unwrap(),
+        ApprovedStart::NotUsable
+    );
+}

@@ -89,7 +89,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         let _ = stopped.await;
     }));
     let (stop_workers, workers_stopped) = tokio::sync::watch::channel(false);
-    let worker = engine.spawn_worker(workers_stopped);
+    let worker = engine.spawn_workers(workers_stopped);
 
     let outcome = scenario(&args, &base, &store, &tools, &data_dir).await;
 

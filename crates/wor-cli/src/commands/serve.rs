@@ -22,10 +22,17 @@ pub struct ServeArgs {
     /// Production mode: refuses demo mode, a missing encryption key and default credentials.
     #[arg(long)]
     production: bool,
+    /// How many runs this process drives at once [default: `workers` in the file, else 16].
+    #[arg(long, env = env::WORKERS, value_name = "N",
+          value_parser = clap::value_parser!(u16).range(1..))]
+    workers: Option<u16>,
 }
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
-    let config = ServerConfig::resolve(&args.flags, args.listen.as_deref(), args.production)?;
+    let mut config = ServerConfig::resolve(&args.flags, args.listen.as_deref(), args.production)?;
+    if let Some(workers) = args.workers {
+        config.workers = usize::from(workers);
+    }
     let problems = config.production_problems();
     if !problems.is_empty() {
         for problem in &problems {
@@ -51,7 +58,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     eprintln!("wor: listening on http://{local}");
     let (stop_workers, workers_stopped) = tokio::sync::watch::channel(false);
     let triggers = engine.spawn_triggers(workers_stopped.clone());
-    let worker = engine.spawn_worker(workers_stopped);
+    let worker = engine.spawn_workers(workers_stopped);
     let state = AppState::new(engine.clone());
     let served = wor_server::serve(listener, state, shutdown).await;
     // Runs in flight are given back, to be resumed at the next start rather than after
@@ -117,6 +124,7 @@ pub(crate) async fn open_engine(config: &ServerConfig) -> anyhow::Result<(Engine
         EngineConfig {
             production: config.production,
             max_running_per_project: config.max_running_per_project,
+            workers: config.workers,
             approval_ttl: config.approval_ttl,
             stdio_allowed_roots: config.stdio_allowed_roots.clone(),
             protected_paths: vec![config.data_dir.clone()],
