@@ -179,3 +179,23 @@ fn bad_input_exits_2_with_the_line() {
             .contains("`send` is not CONNECTION/TOOL")
     );
 }
+
+#[test]
+fn a_policy_nested_past_the_limit_exits_2_naming_the_limit() {
+    // 300 levels: what `wor policy test` used to accept (and the server crashed on).
+    let dir = tempfile::tempdir().unwrap();
+    let call = send("ops@example.com", false, "auto");
+    let deep = format!(
+        "permit (principal, action, resource)\nwhen {{ {}true{} }};",
+        "(".repeat(300),
+        ")".repeat(300)
+    );
+    let out = policy_test(dir.path(), &deep, &call, &[]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        err.contains("routine policy, line 2, column") && err.contains("deeper than 32 levels"),
+        "{err}"
+    );
+    assert!(out.stdout.is_empty());
+}

@@ -137,3 +137,34 @@ fn a_routine_runs_and_is_followed_live() {
     );
     server.stop();
 }
+
+#[test]
+fn a_malformed_replay_script_is_refused_by_routine_apply_with_its_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = database_args(dir.path());
+    let key = create_project(&db);
+    let server = Server::start(&db, &[]);
+    let file = dir.path().join("greeter.toml");
+    // Both `arguments` and `arguments_after` in the first turn, which starts on line 9.
+    let malformed = ROUTINE.replace(
+        "tool_calls = [{ name = \"mail/send\" }]",
+        "tool_calls = [{ name = \"mail/send\", arguments = {}, arguments_after = \"ARGS:\" }]",
+    );
+    std::fs::write(&file, malformed).unwrap();
+    let applied = server.client(
+        &key,
+        &["routine", "apply", "-f", &file.display().to_string()],
+    );
+    assert!(!applied.status.success(), "{}", text(&applied.stdout));
+    let err = text(&applied.stderr);
+    assert!(
+        err.contains("line 9: `model.script`: tool call `mail/send` of turn 1 has both `arguments` and `arguments_after`"),
+        "{err}"
+    );
+    let listed = server.client(&key, &["routine", "list"]);
+    assert!(
+        !text(&listed.stdout).contains("greeter"),
+        "{}",
+        text(&listed.stdout)
+    );
+}

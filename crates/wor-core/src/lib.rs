@@ -10,12 +10,15 @@ pub mod audit;
 pub mod budget;
 pub mod canonical;
 pub mod ids;
+pub mod json_depth;
 pub mod model;
+pub mod replay;
 pub mod role;
 pub mod routine;
 pub mod run;
 pub mod run_loop;
 pub mod schedule;
+pub mod text;
 
 pub use ids::{ApiKeyId, ApprovalId, ConnectionId, IdError, MemberId, ProjectId, RoutineId, RunId};
 pub use role::{Role, RoleParseError};

@@ -11,6 +11,12 @@ use toml::Spanned;
 
 use crate::canonical::canonical_hash;
 use crate::model::ProviderKind;
+use crate::replay::ReplayScript;
+
+/// The deepest the `toml` parser nests arrays and inline tables before it refuses a document
+/// (its own bound, which keeps its recursion, and ours over the values, off the end of the
+/// stack); a test holds it to the parser's behaviour.
+pub const MAX_TOML_NESTING: usize = 80;
 
 /// Why a routine definition was refused. The message names the field and the line.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -73,9 +79,9 @@ pub struct ModelSection {
     /// Output tokens asked for per turn.
     #[serde(default)]
     pub max_output_tokens: Option<u32>,
-    /// For `replay`: the script, inline (see docs/replay.md).
-    #[serde(default)]
-    pub script: Option<toml::Value>,
+    /// For `replay`: the script, inline (see docs/replay.md), checked when applied.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub script: Option<ReplayScript>,
 }
 
 /// `[budget]`: limits on one run (and, for nested routines, on its root run).
@@ -391,6 +397,33 @@ struct RawRoutine {
     memory: MemorySection,
 }
 
+/// Where each turn of `[model.script]` starts, read again only to place an error.
+#[derive(Deserialize)]
+struct ScriptTurnSpans {
+    model: ModelSpans,
+}
+
+#[derive(Deserialize)]
+struct ModelSpans {
+    script: ScriptSpans,
+}
+
+#[derive(Deserialize)]
+struct ScriptSpans {
+    turns: Vec<Spanned<serde::de::IgnoredAny>>,
+}
+
+/// The span of turn `turn` (counted from 1) of the routine's replay script.
+fn script_turn_span(text: &str, turn: usize) -> Option<std::ops::Range<usize>> {
+    let spans: ScriptTurnSpans = toml::from_str(text).ok()?;
+    spans
+        .model
+        .script
+        .turns
+        .get(turn.checked_sub(1)?)
+        .map(Spanned::span)
+}
+
 fn line_of(text: &str, offset: usize) -> usize {
     text.get(..offset)
         .map_or(1, |before| before.matches('\n').count() + 1)
@@ -402,6 +435,10 @@ impl RoutineDefinition {
         let raw: RawRoutine = toml::from_str(text).map_err(|e| {
             let line = e.span().map(|s| line_of(text, s.start));
             let mut message = e.message().trim().to_owned();
+            if message.contains("max recursion depth") {
+                message =
+                    format!("arrays and inline tables nest deeper than {MAX_TOML_NESTING} levels");
+            }
             if let Some(line) = line {
                 message = format!("line {line}: {message}");
             }
@@ -448,6 +485,15 @@ impl RoutineDefinition {
                 ));
             }
             _ => {}
+        }
+        if let Some(script) = &model.script {
+            script.validate().map_err(|e| {
+                let span = e
+                    .turn()
+                    .and_then(|turn| script_turn_span(text, turn))
+                    .unwrap_or_else(|| model_span.clone());
+                at(span, format!("`model.script`: {e}"))
+            })?;
         }
         if model.model.trim().is_empty() {
             return Err(at(model_span, "`model.model` must name a model".into()));
@@ -658,9 +704,88 @@ pinned = { from = "support@example.com" }
         assert!(e.message.contains("model.script"), "{e}");
         let with_script = replay.replace(
             "model = \"claude-sonnet-4-5\"",
-            "model = \"demo\"\nscript = { turns = [] }",
+            "model = \"demo\"\nscript = { turns = [{ text = \"hi\" }] }",
         );
         let r = RoutineDefinition::from_toml(&with_script).unwrap();
         assert_eq!(r.model.provider, ProviderKind::Replay);
+    }
+
+    #[test]
+    fn a_malformed_replay_script_is_refused_with_its_line_and_field() {
+        let routine = |script: &str| {
+            format!(
+                "name = \"scripted\"\ninstructions = \"Go.\"\n[model]\nprovider = \"replay\"\nmodel = \"demo\"\n{script}"
+            )
+        };
+        let good = "[[model.script.turns]]\ntext = \"one\"\n\n[[model.script.turns]]\ntool_calls = [{ name = \"t\", arguments = { a = 1 } }]\n";
+        let parsed = RoutineDefinition::from_toml(&routine(good)).unwrap();
+        assert_eq!(parsed.model.script.unwrap().turns.len(), 2);
+        for (script, expected, line) in [
+            (
+                "[[model.script.turns]]\ntext = \"one\"\ntypo = 1\n",
+                "unknown field `typo`",
+                8,
+            ),
+            (
+                "[[model.script.turns]]\ntext = \"one\"\n\n[[model.script.turns]]\ntool_calls = [{ name = \"t\", arguments = {}, arguments_after = \"m\" }]\n",
+                "`model.script`: tool call `t` of turn 2 has both `arguments` and `arguments_after`",
+                9,
+            ),
+            (
+                "[[model.script.turns]]\ntext = \"one\"\n[[model.script.turns]]\nrepeat = true\n",
+                "`model.script`: turn 2 has neither text nor tool calls",
+                8,
+            ),
+            (
+                "script = { turns = [] }\n",
+                "`model.script`: the script has no turns",
+                3,
+            ),
+            (
+                "script = \"turns.toml\"\n",
+                "invalid type: string \"turns.toml\"",
+                6,
+            ),
+            (
+                "[[model.script.turns]]\ntext = \"one\"\ntool_calls = \"t\"\n",
+                "invalid type: string \"t\", expected a sequence",
+                8,
+            ),
+            (
+                "[[model.script.turns]]\ntext = \"one\"\nwhen = \"always\"\n",
+                "invalid type: string \"always\"",
+                8,
+            ),
+            (
+                "[[model.script.turns]]\ntool_calls = [{ arguments = {} }]\n",
+                "missing field `name`",
+                7,
+            ),
+        ] {
+            let e = error(&routine(script));
+            assert!(e.message.contains(expected), "{script}: {e}");
+            assert_eq!(e.line, Some(line), "{script}: {e}");
+            assert!(e.message.starts_with(&format!("line {line}: ")), "{e}");
+        }
+    }
+
+    #[test]
+    fn toml_nested_past_the_parser_limit_is_refused_naming_it() {
+        let routine = |levels: usize| {
+            let value = format!("{}1{}", "[".repeat(levels), "]".repeat(levels));
+            EXAMPLE.replace(
+                "pinned = { from = \"support@example.com\" }",
+                &format!("pinned = {{ from = {value} }}"),
+            )
+        };
+        // `pinned` is an inline table: one level, and the arrays in it the rest.
+        let deepest = MAX_TOML_NESTING - 1;
+        let r = RoutineDefinition::from_toml(&routine(deepest)).unwrap();
+        assert!(r.roster_entry("mail/send").unwrap().pinned["from"].is_array());
+        let e = error(&routine(deepest + 1));
+        assert_eq!(
+            e.message,
+            format!("line 22: arrays and inline tables nest deeper than {MAX_TOML_NESTING} levels")
+        );
     }
 }

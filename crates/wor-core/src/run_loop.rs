@@ -30,11 +30,15 @@ pub struct Ending {
 }
 
 impl Ending {
+    /// An ending with `outcome` as its reason; U+0000 in it becomes U+FFFD (`text.rs`), as
+    /// outcomes can quote what a model or tool wrote.
     pub fn new(status: RunStatus, outcome: impl Into<String>) -> Self {
-        Ending {
-            status,
-            outcome: outcome.into(),
-        }
+        let outcome = outcome.into();
+        let outcome = match crate::text::replace_nul(&outcome) {
+            std::borrow::Cow::Owned(clean) => clean,
+            std::borrow::Cow::Borrowed(_) => outcome,
+        };
+        Ending { status, outcome }
     }
 
     /// A run that went over a budget, naming the limit.

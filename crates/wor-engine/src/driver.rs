@@ -13,6 +13,7 @@ use secrecy::ExposeSecret;
 use serde_json::{Value, json};
 use wor_core::audit::{Actor, AuditCategory, AuditEvent};
 use wor_core::budget::BudgetExceeded;
+use wor_core::json_depth::{MAX_JSON_NESTING, value_nesting};
 use wor_core::model::{
     AssistantMessage, ChatMessage, ModelRequest, ModelResponse, ProviderKind, ToolResult,
 };
@@ -21,7 +22,7 @@ use wor_core::run::{Provenance, RunStatus};
 use wor_core::run_loop::{AfterCall, CallOutcome, Ending, Next, RunLoop};
 use wor_models::{
     AnthropicProvider, DiscardStream, ModelProvider, OpenAiCompatibleProvider, ProviderEndpoint,
-    ProviderOptions, ReplayProvider, ReplayScript,
+    ProviderOptions, ReplayProvider,
 };
 use wor_policy::PolicyEngine;
 use wor_secrets::Redactor;
@@ -438,6 +439,7 @@ impl Engine {
     ) -> Result<ToolResult, EngineError> {
         let mut recorded = json!({ "tool": tool, "result": result });
         redactor.redact_json(&mut recorded);
+        note_nul_replaced(&mut recorded);
         let result: ToolResult = recorded
             .get("result")
             .cloned()
@@ -475,6 +477,7 @@ impl Engine {
             "stop_reason": response.stop_reason,
         });
         redactor.redact_json(&mut recorded);
+        note_nul_replaced(&mut recorded);
         self.store
             .append_run_step(
                 run.project_id,
@@ -566,7 +569,10 @@ impl Engine {
             tokio::select! {
                 result = &mut call => {
                     return Ok(match result {
-                        Ok(response) => TurnOutcome::Response(Box::new(response)),
+                        Ok(response) => match too_deep_call(&response) {
+                            Some(ending) => TurnOutcome::End(ending),
+                            None => TurnOutcome::Response(Box::new(response)),
+                        },
                         Err(error) => TurnOutcome::End(Ending::new(
                             RunStatus::Failed,
                             wor_secrets::redact_shapes(&format!("the model call failed: {error}")).into_owned(),
@@ -605,12 +611,11 @@ impl Engine {
             if self.config.production {
                 return Err("provider `replay` is refused in production".to_owned());
             }
-            let script: ReplayScript = model
+            // Checked when the routine was applied (and again whenever it is read back).
+            let script = model
                 .script
                 .clone()
-                .ok_or("the replay routine has no script")?
-                .try_into()
-                .map_err(|e| format!("the replay script is invalid: {e}"))?;
+                .ok_or("the replay routine has no script")?;
             return ReplayProvider::resuming(script, history)
                 .map(|p| Box::new(p) as Box<dyn ModelProvider>)
                 .map_err(|e| format!("the replay script cannot resume this run: {e}"));
@@ -776,4 +781,31 @@ fn recorded_call_ids(steps: &[RunStep]) -> BTreeSet<String> {
         .flatten()
         .filter_map(|c| c.get("id").and_then(Value::as_str).map(str::to_owned))
         .collect()
+}
+
+/// Replaces U+0000 in a step about to be recorded (`wor_core::text`), and says so in the step
+/// as `"nul_replaced": true`; the run goes on with the step as recorded.
+fn note_nul_replaced(recorded: &mut Value) {
+    if wor_core::text::replace_nul_in_json(recorded)
+        && let Value::Object(step) = recorded
+    {
+        step.insert("nul_replaced".to_owned(), Value::Bool(true));
+    }
+}
+
+/// A tool call whose arguments nest deeper than [`MAX_JSON_NESTING`] ends the run, before
+/// anything records or validates them (`wor_core::json_depth`).
+fn too_deep_call(response: &ModelResponse) -> Option<Ending> {
+    let call = response
+        .message
+        .tool_calls
+        .iter()
+        .find(|call| value_nesting(&call.arguments) > MAX_JSON_NESTING)?;
+    Some(Ending::new(
+        RunStatus::Failed,
+        format!(
+            "the model's call of `{}` has arguments nested deeper than {MAX_JSON_NESTING} levels",
+            call.name
+        ),
+    ))
 }

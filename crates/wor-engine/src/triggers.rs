@@ -382,10 +382,12 @@ impl Engine {
                 format!("id:{}", hook.delivery.clone().unwrap_or_default())
             }
         };
-        let input = match serde_json::from_slice::<Value>(&hook.body) {
+        let mut input = match serde_json::from_slice::<Value>(&hook.body) {
             Ok(json) => json,
             Err(_) => Value::String(String::from_utf8_lossy(&hook.body).into_owned()),
         };
+        // A sender's payload is the run's input as it came; U+0000 cannot be stored.
+        wor_core::text::replace_nul_in_json(&mut input);
         match self
             .start_run(StartRun {
                 project: record.project_id,

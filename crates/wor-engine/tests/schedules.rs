@@ -59,7 +59,7 @@ impl Harness {
     async fn apply(&self, schedule: &str) -> RoutineId {
         let toml = format!(
             "name = \"nightly\"\ninstructions = \"Report.\"\n[model]\nprovider = \"replay\"\n\
-             model = \"m\"\nscript = {{ turns = [] }}\n[concurrency]\nmax_runs = 100\n{schedule}\n"
+             model = \"m\"\nscript = {{ turns = [{{ text = \"hi\" }}] }}\n[concurrency]\nmax_runs = 100\n{schedule}\n"
         );
         let definition = wor_core::routine::RoutineDefinition::from_toml(&toml).unwrap();
         self.db

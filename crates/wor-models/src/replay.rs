@@ -34,7 +34,6 @@
 use std::path::Path;
 use std::sync::Mutex;
 
-use serde::Deserialize;
 use serde_json::Value;
 use wor_core::model::{
     AssistantMessage, ChatMessage, ModelRequest, ModelResponse, ProviderKind, StopReason,
@@ -42,146 +41,50 @@ use wor_core::model::{
 };
 
 use crate::error::ModelError;
-use crate::{ModelFuture, ModelProvider, StreamSink, describe_json_error};
+use crate::{ModelFuture, ModelProvider, StreamSink};
 
-/// A parsed, validated replay script.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ReplayScript {
-    /// The turns, in file order.
-    pub turns: Vec<ReplayTurn>,
-}
+pub use wor_core::replay::{
+    ReplayCondition, ReplayScript, ReplayScriptError, ReplayToolCall, ReplayTurn,
+};
 
-/// One scripted assistant turn.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ReplayTurn {
-    /// When this turn may play; `None` for any request.
-    #[serde(default)]
-    pub when: Option<ReplayCondition>,
-    /// The assistant text.
-    #[serde(default)]
-    pub text: String,
-    /// The tool calls, in order.
-    #[serde(default)]
-    pub tool_calls: Vec<ReplayToolCall>,
-    /// Reported usage; estimated from sizes when absent.
-    #[serde(default)]
-    pub usage: Option<Usage>,
-    /// The stop reason; derived from the tool calls when absent.
-    #[serde(default)]
-    pub stop_reason: Option<StopReason>,
-    /// Whether the turn stays playable after it has played.
-    #[serde(default)]
-    pub repeat: bool,
-}
-
-/// What the request must contain for a turn to play. All given conditions must hold.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ReplayCondition {
-    /// The most recent tool result contains this text.
-    #[serde(default)]
-    pub last_tool_result_contains: Option<String>,
-    /// Some message of the conversation contains this text.
-    #[serde(default)]
-    pub context_contains: Option<String>,
-}
-
-/// One scripted tool call.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ReplayToolCall {
-    /// The call id; `replay_{turn}_{call}` when absent.
-    #[serde(default)]
-    pub id: Option<String>,
-    /// The tool name.
-    pub name: String,
-    /// Literal arguments.
-    #[serde(default)]
-    pub arguments: Option<Value>,
-    /// A marker: the arguments are the JSON value right after it in the context.
-    #[serde(default)]
-    pub arguments_after: Option<String>,
-}
-
-impl ReplayScript {
-    /// Parses a TOML script.
-    pub fn from_toml_str(text: &str) -> Result<Self, ModelError> {
-        let script: Self =
-            toml::from_str(text).map_err(|e| ModelError::InvalidScript(e.message().to_owned()))?;
-        script.validated()
-    }
-
-    /// Parses a JSON script.
-    pub fn from_json_str(text: &str) -> Result<Self, ModelError> {
-        let script: Self = serde_json::from_str(text)
-            .map_err(|e| ModelError::InvalidScript(describe_json_error(&e)))?;
-        script.validated()
-    }
-
-    /// Reads a script file: JSON if the name ends in `.json`, TOML otherwise.
-    pub fn load(path: &Path) -> Result<Self, ModelError> {
-        let text = std::fs::read_to_string(path).map_err(|e| {
-            ModelError::InvalidScript(format!("could not read `{}`: {e}", path.display()))
-        })?;
-        if path.extension().is_some_and(|ext| ext == "json") {
-            Self::from_json_str(&text)
-        } else {
-            Self::from_toml_str(&text)
-        }
-    }
-
-    fn validated(self) -> Result<Self, ModelError> {
-        if self.turns.is_empty() {
-            return Err(ModelError::InvalidScript("the script has no turns".into()));
-        }
-        for (number, turn) in self.turns.iter().enumerate().map(|(i, t)| (i + 1, t)) {
-            if turn.text.is_empty() && turn.tool_calls.is_empty() {
-                return Err(ModelError::InvalidScript(format!(
-                    "turn {number} has neither text nor tool calls"
-                )));
-            }
-            for call in &turn.tool_calls {
-                if call.arguments.is_some() && call.arguments_after.is_some() {
-                    return Err(ModelError::InvalidScript(format!(
-                        "tool call `{}` of turn {number} has both `arguments` and `arguments_after`",
-                        call.name
-                    )));
-                }
-                if call.arguments_after.as_deref() == Some("") {
-                    return Err(ModelError::InvalidScript(format!(
-                        "tool call `{}` of turn {number} has an empty `arguments_after` marker",
-                        call.name
-                    )));
-                }
-            }
-        }
-        Ok(self)
+impl From<ReplayScriptError> for ModelError {
+    fn from(err: ReplayScriptError) -> Self {
+        ModelError::InvalidScript(err.to_string())
     }
 }
 
-impl ReplayCondition {
-    fn matches(&self, messages: &[ChatMessage]) -> bool {
-        let tool_result_ok = self
-            .last_tool_result_contains
-            .as_ref()
-            .is_none_or(|needle| {
-                messages
-                    .iter()
-                    .rev()
-                    .find_map(|m| match m {
-                        ChatMessage::Tool(result) => Some(result.content.contains(needle.as_str())),
-                        _ => None,
-                    })
-                    .unwrap_or(false)
-            });
-        let context_ok = self
-            .context_contains
-            .as_ref()
-            .is_none_or(|needle| messages.iter().any(|m| m.text().contains(needle.as_str())));
-        tool_result_ok && context_ok
-    }
+/// Reads a script file: JSON if the name ends in `.json`, TOML otherwise.
+fn load_script(path: &Path) -> Result<ReplayScript, ModelError> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        ModelError::InvalidScript(format!("could not read `{}`: {e}", path.display()))
+    })?;
+    Ok(if path.extension().is_some_and(|ext| ext == "json") {
+        ReplayScript::from_json_str(&text)?
+    } else {
+        ReplayScript::from_toml_str(&text)?
+    })
+}
+
+/// Whether `condition` holds for the conversation `messages`.
+fn condition_matches(condition: &ReplayCondition, messages: &[ChatMessage]) -> bool {
+    let tool_result_ok = condition
+        .last_tool_result_contains
+        .as_ref()
+        .is_none_or(|needle| {
+            messages
+                .iter()
+                .rev()
+                .find_map(|m| match m {
+                    ChatMessage::Tool(result) => Some(result.content.contains(needle.as_str())),
+                    _ => None,
+                })
+                .unwrap_or(false)
+        });
+    let context_ok = condition
+        .context_contains
+        .as_ref()
+        .is_none_or(|needle| messages.iter().any(|m| m.text().contains(needle.as_str())));
+    tool_result_ok && context_ok
 }
 
 /// Which turns have played.
@@ -229,7 +132,7 @@ impl ReplayProvider {
 
     /// A provider playing the script file at `path`.
     pub fn load(path: &Path) -> Result<Self, ModelError> {
-        ReplayScript::load(path).map(Self::new)
+        load_script(path).map(Self::new)
     }
 
     /// Picks the turn for `request`, marks it played and builds the response.
@@ -251,7 +154,7 @@ impl ReplayProvider {
                         && turn
                             .when
                             .as_ref()
-                            .is_none_or(|c| c.matches(&request.messages))
+                            .is_none_or(|c| condition_matches(c, &request.messages))
                 });
         let (Some(index), Some(turn)) = (chosen, chosen.and_then(|i| self.script.turns.get(i)))
         else {

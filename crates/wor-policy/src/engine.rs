@@ -14,6 +14,7 @@ use wor_core::canonical::to_canonical_json;
 use wor_core::routine::{RosterEntry, ToolMode};
 
 use crate::decision::{Decision, NO_POLICY_MATCHED, Outcome, REQUEST_INVALID};
+use crate::depth::{DepthExcess, MAX_EXPRESSION_DEPTH, MAX_POLICY_NESTING, check_depth};
 use crate::error::{PolicyError, PolicyLocation, PolicySource};
 use crate::request::DecisionRequest;
 use crate::{DEFAULT_PROJECT_POLICY, SCHEMA};
@@ -490,6 +491,17 @@ fn load(
     into: &mut PolicySet,
     meanings: &mut HashMap<PolicyId, PolicyMeaning>,
 ) -> Result<(), PolicyError> {
+    // Before Cedar sees the text: its parser recurses on nesting (`depth.rs`).
+    check_depth(text).map_err(|excess| match excess {
+        DepthExcess::Nesting { offset } => PolicyError::TooDeep {
+            at: PolicyLocation::at_offset(source, text, Some(offset)),
+            limit: MAX_POLICY_NESTING,
+        },
+        DepthExcess::Expression { offset } => PolicyError::ExpressionTooDeep {
+            at: PolicyLocation::at_offset(source, text, Some(offset)),
+            limit: MAX_EXPRESSION_DEPTH,
+        },
+    })?;
     let parsed = PolicySet::from_str(text).map_err(|errs| PolicyError::Syntax {
         at: PolicyLocation::at_offset(source, text, first_offset(&errs)),
         message: errs.to_string(),

@@ -76,6 +76,10 @@ pub enum PolicyError {
     UnknownDecision { at: PolicyLocation, value: String },
     #[error("{at}: a `forbid` always denies, so `@decision(\"{value}\")` cannot apply to it")]
     ForbidWithDecision { at: PolicyLocation, value: String },
+    #[error("{at}: the policy nests `(`, `[`, `{{` and `if` deeper than {limit} levels")]
+    TooDeep { at: PolicyLocation, limit: usize },
+    #[error("{at}: the expression is deeper than {limit} operators")]
+    ExpressionTooDeep { at: PolicyLocation, limit: usize },
     #[error("policy templates are not supported: {at}")]
     Template { at: PolicyLocation },
     #[error("the built-in policy schema is invalid: {0}")]
@@ -93,6 +97,8 @@ impl PolicyError {
             | PolicyError::DuplicateId { at, .. }
             | PolicyError::UnknownDecision { at, .. }
             | PolicyError::ForbidWithDecision { at, .. }
+            | PolicyError::TooDeep { at, .. }
+            | PolicyError::ExpressionTooDeep { at, .. }
             | PolicyError::Template { at } => Some(at),
             PolicyError::BuiltInSchema(_) | PolicyError::Request(_) => None,
         }

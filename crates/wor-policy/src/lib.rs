@@ -9,11 +9,13 @@
 //! error. This crate does no I/O; policy text comes in as strings.
 
 mod decision;
+mod depth;
 mod engine;
 mod error;
 mod request;
 
 pub use decision::{Decision, Outcome};
+pub use depth::{MAX_EXPRESSION_DEPTH, MAX_POLICY_NESTING};
 pub use engine::{PolicyEngine, PolicyEngineBuilder};
 pub use error::{PolicyError, PolicyLocation, PolicySource};
 pub use request::{

@@ -3,9 +3,11 @@
 use axum::body::Bytes;
 use axum::extract::rejection::{BytesRejection, JsonRejection, PathRejection, QueryRejection};
 use axum::extract::{FromRequest, FromRequestParts, Request};
-use axum::http::StatusCode;
 use axum::http::request::Parts;
+use axum::http::{HeaderMap, StatusCode, header};
 use serde::de::DeserializeOwned;
+use serde_json::Value;
+use wor_core::json_depth::MAX_JSON_NESTING;
 
 use crate::error::ApiError;
 
@@ -22,11 +24,93 @@ where
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        match axum::Json::<T>::from_request(req, state).await {
+        if !json_content_type(req.headers()) {
+            return Err(ApiError::UnsupportedMediaType);
+        }
+        let bytes = Bytes::from_request(req, state).await.map_err(|rejection| {
+            if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                ApiError::PayloadTooLarge
+            } else {
+                ApiError::bad_request("invalid_body", rejection.body_text())
+            }
+        })?;
+        let nesting = wor_core::json_depth::text_nesting(&bytes);
+        if nesting > MAX_JSON_NESTING {
+            return Err(ApiError::bad_request(
+                "invalid_json",
+                format!("the body nests arrays and objects deeper than {MAX_JSON_NESTING} levels"),
+            ));
+        }
+        // PostgreSQL text cannot hold U+0000, so no input may carry it, on any backend.
+        if let Some(field) = field_with_nul(&bytes) {
+            return Err(ApiError::bad_request(
+                "invalid_body",
+                format!("{field} contains a NUL character (U+0000)"),
+            ));
+        }
+        match axum::Json::<T>::from_bytes(&bytes) {
             Ok(axum::Json(value)) => Ok(ApiJson(value)),
             Err(rejection) => Err(json_rejection(rejection)),
         }
     }
+}
+
+/// `application/json`, or any `application/…+json`, as axum's own `Json` accepts.
+fn json_content_type(headers: &HeaderMap) -> bool {
+    let Some(value) = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return false;
+    };
+    let essence = value
+        .split(';')
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_ascii_lowercase();
+    essence == "application/json"
+        || essence
+            .strip_prefix("application/")
+            .is_some_and(|subtype| subtype.ends_with("+json"))
+}
+
+/// Which top-level field of a JSON body holds U+0000 (written `\u0000`; JSON has no other
+/// way to carry it), as `` `name` `` or "the body"; `None` when nothing does. Bodies that are
+/// not JSON are left to the parser.
+fn field_with_nul(body: &[u8]) -> Option<String> {
+    // Cheap first: most bodies have no `\u0000` at all.
+    if !body.windows(6).any(|w| w == b"\\u0000") {
+        return None;
+    }
+    let value: Value = serde_json::from_slice(body).ok()?;
+    let mut found = None;
+    if let Value::Object(map) = &value {
+        found = map
+            .iter()
+            .find(|(key, field)| key.contains('\0') || holds_nul(field))
+            .map(|(key, _)| format!("`{key}`"));
+    }
+    found.or_else(|| holds_nul(&value).then(|| "the body".to_owned()))
+}
+
+/// Whether any string or key in `value` holds U+0000. Iterative: the depth is serde_json's.
+fn holds_nul(value: &Value) -> bool {
+    let mut pending = vec![value];
+    while let Some(value) = pending.pop() {
+        match value {
+            Value::String(s) if s.contains('\0') => return true,
+            Value::Array(items) => pending.extend(items),
+            Value::Object(map) => {
+                if map.keys().any(|k| k.contains('\0')) {
+                    return true;
+                }
+                pending.extend(map.values());
+            }
+            _ => {}
+        }
+    }
+    false
 }
 
 fn json_rejection(rejection: JsonRejection) -> ApiError {

@@ -128,7 +128,7 @@ instructions = "Say hello."
 [model]
 provider = "replay"
 model = "script"
-script = { turns = [] }
+script = { turns = [{ text = "hi" }] }
 "#;
 
 /// Every documented operation, as (method, path template).
@@ -984,7 +984,7 @@ async fn routines_apply_as_immutable_versions() {
                 "provider = \"replay\"",
                 "provider = \"anthropic\"\nconnection = \"nope\"",
             )
-            .replace("script = { turns = [] }\n", ""),
+            .replace("script = { turns = [{ text = \"hi\" }] }\n", ""),
     )
     .await;
     assert_error(

@@ -18,7 +18,7 @@ use wor_store::{NewRun, Store};
 
 const ROUNDS: usize = 5_000;
 
-const ROUTINE: &str = "name = \"bench\"\ninstructions = \"Bench.\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\nscript = { turns = [] }\n";
+const ROUTINE: &str = "name = \"bench\"\ninstructions = \"Bench.\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\nscript = { turns = [{ text = \"hi\" }] }\n";
 
 fn stats(mut samples: Vec<Duration>) -> (Duration, Duration) {
     samples.sort();

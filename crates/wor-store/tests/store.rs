@@ -664,7 +664,7 @@ async fn an_ended_nested_run_always_releases_its_parked_parent() {
     // Claims pick any queued run of the database: this test needs one of its own.
     let db = TestDatabase::isolated().await.unwrap();
     let project = new_project(&db).await;
-    let toml = "name = \"r\"\ninstructions = \"x\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\nscript = { turns = [] }\n";
+    let toml = "name = \"r\"\ninstructions = \"x\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\nscript = { turns = [{ text = \"hi\" }] }\n";
     let definition = wor_core::routine::RoutineDefinition::from_toml(toml).unwrap();
     let routine = db
         .store
@@ -757,7 +757,7 @@ async fn concurrent_claims_keep_the_routine_and_project_limits() {
     let mut routines = Vec::new();
     for name in ["narrow", "wide"] {
         let toml = format!(
-            "name = \"{name}\"\ninstructions = \"x\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\nscript = {{ turns = [] }}\n"
+            "name = \"{name}\"\ninstructions = \"x\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\nscript = {{ turns = [{{ text = \"hi\" }}] }}\n"
         );
         let definition = wor_core::routine::RoutineDefinition::from_toml(&toml).unwrap();
         let routine = store

@@ -347,4 +347,43 @@ mod tests {
             "{error:?}"
         );
     }
+
+    /// The deepest a schema can arrive (an MCP message nests at most 128 levels) and the deepest
+    /// arguments a model may send (64 levels), on a tokio worker's 2 MiB stack.
+    #[test]
+    fn deep_schemas_and_deep_arguments_validate_on_a_worker_stack() {
+        let check = std::thread::Builder::new()
+            .stack_size(2 << 20)
+            .spawn(|| {
+                let entry = RosterEntry {
+                    tool: "deep".into(),
+                    mode: ToolMode::Auto,
+                    pinned_arguments: Map::new(),
+                };
+                // 60 nested object schemas: 120 levels of JSON.
+                let nested = (0..60).fold(json!({"type": "integer"}), |inner, _| {
+                    json!({"type": "object", "properties": {"a": inner}})
+                });
+                let deep_value = (0..59).fold(json!(1), |inner, _| json!({ "a": inner }));
+                let ok = prepare_arguments(&json!({"a": deep_value}), &entry, &nested);
+                assert!(ok.is_ok(), "{ok:?}");
+                // A recursive schema walks the arguments as deep as they go.
+                let recursive = json!({
+                    "type": "object",
+                    "$defs": {"node": {"anyOf": [{"type": "integer"}, {"type": "array", "items": {"$ref": "#/$defs/node"}}]}},
+                    "properties": {"v": {"$ref": "#/$defs/node"}},
+                });
+                let deep_array = (0..62).fold(json!(1), |inner, _| json!([inner]));
+                let ok = prepare_arguments(&json!({"v": deep_array}), &entry, &recursive);
+                assert!(ok.is_ok(), "{ok:?}");
+                let bad = (0..62).fold(json!("x"), |inner, _| json!([inner]));
+                let refused = prepare_arguments(&json!({"v": bad}), &entry, &recursive);
+                assert!(
+                    matches!(refused, Err(ArgumentError::SchemaViolations { .. })),
+                    "{refused:?}"
+                );
+            })
+            .unwrap();
+        check.join().unwrap();
+    }
 }

@@ -106,6 +106,31 @@ impl Harness {
         )
     }
 
+    /// Sends `body` as it is, as JSON, with the owner's key.
+    pub async fn call_raw(
+        &self,
+        method: Method,
+        path: &str,
+        body: &str,
+    ) -> (StatusCode, Value, String) {
+        let request = Request::builder()
+            .method(method)
+            .uri(path)
+            .header("authorization", format!("Bearer {}", self.owner()))
+            .header("content-type", "application/json")
+            .body(Body::from(body.to_owned()))
+            .unwrap();
+        let response = self.router.clone().oneshot(request).await.unwrap();
+        let status = response.status();
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        let text = String::from_utf8_lossy(&bytes).into_owned();
+        (
+            status,
+            serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+            text,
+        )
+    }
+
     pub async fn call(
         &self,
         method: Method,

@@ -28,6 +28,19 @@ const LAST_EVENT_ID: &str = "last-event-id";
 const EVENT_STREAM: &str = "text/event-stream";
 const JSON: &str = "application/json";
 
+/// The deepest arrays and objects may nest in a message from an MCP server, its JSON-RPC
+/// envelope included. Checked before the message is parsed: the parser that reads it does not
+/// bound its depth, and a deep enough value overflows the stack of whatever walks or drops it.
+pub const MAX_MESSAGE_NESTING: usize = 128;
+
+/// The JSON body of a response, refused when it nests too deeply.
+fn shallow_enough(body: &[u8]) -> Result<&[u8], McpHttpError> {
+    if wor_core::json_depth::text_nesting(body) > MAX_MESSAGE_NESTING {
+        return Err(McpHttpError::TooDeep(MAX_MESSAGE_NESTING));
+    }
+    Ok(body)
+}
+
 /// What went wrong in one HTTP exchange with an MCP server. No variant holds a URL or header.
 #[derive(Debug, thiserror::Error)]
 pub enum McpHttpError {
@@ -40,6 +53,9 @@ pub enum McpHttpError {
     /// A body or event exceeded its cap.
     #[error("mcp server sent more than {0} bytes in one message")]
     TooLarge(usize),
+    /// A message nested deeper than [`MAX_MESSAGE_NESTING`].
+    #[error("mcp server sent a message nested deeper than {0} levels")]
+    TooDeep(usize),
     /// A message could not be encoded.
     #[error("could not encode the message: {0}")]
     Encode(#[source] serde_json::Error),
@@ -182,12 +198,17 @@ async fn read_capped(response: reqwest::Response, limit: usize) -> HttpResult<Ve
     Ok(body)
 }
 
-/// Counts the bytes of the current server-sent event and fails past `limit`, before the
-/// parser buffers it. An event ends at a blank line (`\n\n`, `\r\n\r\n` or `\r\r`).
+/// Counts the bytes of the current server-sent event and fails past `limit`, and tracks how
+/// deeply its JSON nests and fails past [`MAX_MESSAGE_NESTING`], before the parser buffers it.
+/// An event ends at a blank line (`\n\n`, `\r\n\r\n` or `\r\r`).
 #[derive(Debug)]
 struct EventSizeLimit {
     limit: usize,
     in_event: usize,
+    /// Open arrays and objects of the event's data; strings (which cannot span lines) aside.
+    nesting: usize,
+    in_string: bool,
+    escaped: bool,
     /// The previous byte ended a line (`\n`, or `\r` not followed by `\n` yet).
     at_line_start: bool,
     previous_cr: bool,
@@ -198,6 +219,9 @@ impl EventSizeLimit {
         Self {
             limit,
             in_event: 0,
+            nesting: 0,
+            in_string: false,
+            escaped: false,
             at_line_start: true,
             previous_cr: false,
         }
@@ -214,7 +238,10 @@ impl EventSizeLimit {
                 b'\n' | b'\r' => {
                     if self.at_line_start {
                         self.in_event = 0;
+                        self.nesting = 0;
                     }
+                    self.in_string = false;
+                    self.escaped = false;
                     self.at_line_start = true;
                     self.previous_cr = byte == b'\r';
                     continue;
@@ -227,6 +254,19 @@ impl EventSizeLimit {
             self.in_event = self.in_event.saturating_add(1);
             if self.in_event > self.limit {
                 return Err(McpHttpError::TooLarge(self.limit));
+            }
+            match (self.in_string, self.escaped, byte) {
+                (true, true, _) => self.escaped = false,
+                (true, false, b'\\') => self.escaped = true,
+                (true, false, b'"') | (false, _, b'"') => self.in_string = !self.in_string,
+                (false, _, b'[' | b'{') => {
+                    self.nesting += 1;
+                    if self.nesting > MAX_MESSAGE_NESTING {
+                        return Err(McpHttpError::TooDeep(MAX_MESSAGE_NESTING));
+                    }
+                }
+                (false, _, b']' | b'}') => self.nesting = self.nesting.saturating_sub(1),
+                _ => {}
             }
         }
         Ok(())
@@ -344,7 +384,9 @@ impl StreamableHttpClient for EgressStreamableHttp {
             if media.as_deref() == Some(JSON) && !auth {
                 let body = read_capped(response, json_limit).await?;
                 if let Ok(message @ ServerJsonRpcMessage::Error(_)) =
-                    serde_json::from_slice::<ServerJsonRpcMessage>(&body)
+                    shallow_enough(&body).map_err(|_| ()).and_then(|body| {
+                        serde_json::from_slice::<ServerJsonRpcMessage>(body).map_err(|_| ())
+                    })
                 {
                     return Ok(StreamableHttpPostResponse::Json(message, new_session));
                 }
@@ -364,7 +406,9 @@ impl StreamableHttpClient for EgressStreamableHttp {
                 if body.is_empty() {
                     return Ok(StreamableHttpPostResponse::Accepted);
                 }
-                let message = serde_json::from_slice(&body)?;
+                let message = serde_json::from_slice(
+                    shallow_enough(&body).map_err(StreamableHttpError::Client)?,
+                )?;
                 Ok(StreamableHttpPostResponse::Json(message, new_session))
             }
             _ if response.content_length() == Some(0) => Ok(StreamableHttpPostResponse::Accepted),
@@ -463,5 +507,32 @@ mod tests {
         assert!(limit.feed(b"\ndata: 67").is_ok());
         // 11 + 8 + 2 bytes in one event (a single line break does not end it): over.
         assert!(matches!(limit.feed(b"89"), Err(McpHttpError::TooLarge(20))));
+    }
+
+    #[test]
+    fn events_nested_too_deeply_are_refused_across_chunks_and_strings_do_not_count() {
+        let mut limit = EventSizeLimit::new(1 << 20);
+        let at_limit = format!(
+            "data: {}1{}\n\n",
+            "[".repeat(MAX_MESSAGE_NESTING),
+            "]".repeat(MAX_MESSAGE_NESTING)
+        );
+        // Twice: the count starts again with each event.
+        assert!(limit.feed(at_limit.as_bytes()).is_ok());
+        assert!(limit.feed(at_limit.as_bytes()).is_ok());
+        let strings = format!("data: {{\"a\": \"\\\"{}\"}}\n\n", "[".repeat(1000));
+        assert!(limit.feed(strings.as_bytes()).is_ok(), "{strings}");
+        assert!(limit.feed(b"data: ").is_ok());
+        assert!(
+            limit
+                .feed("[".repeat(MAX_MESSAGE_NESTING).as_bytes())
+                .is_ok()
+        );
+        assert!(matches!(
+            limit.feed(b"[1]"),
+            Err(McpHttpError::TooDeep(MAX_MESSAGE_NESTING))
+        ));
+        assert!(shallow_enough(at_limit.as_bytes()).is_ok());
+        assert!(shallow_enough(format!("[{at_limit}]").as_bytes()).is_err());
     }
 }
