@@ -359,6 +359,10 @@ async fn figure_cron(backend: &str, base: &Option<String>) {
         .await
         .unwrap();
         let started = Instant::now();
+        #[expect(
+            clippy::disallowed_methods,
+            reason = "the baseline is a plain transaction on a database of its own, outside the store"
+        )]
         let mut tx = pool.begin().await.unwrap();
         for i in 0..count {
             sqlx::query("INSERT INTO slots (id, routine, at) VALUES ($1, $2, $3)")

@@ -242,7 +242,7 @@ impl Store {
         project: ProjectId,
         id: ApiKeyId,
     ) -> Result<ApiKeyRecord, StoreError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.begin_write().await?;
         lock_project(&mut tx, project).await?;
         let key = fetch_key(&mut tx, project, id).await?;
         let revoked = sqlx::query(

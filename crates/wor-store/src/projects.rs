@@ -90,7 +90,7 @@ impl Store {
         project: ProjectId,
         owner_name: &str,
     ) -> Result<RecoveredOwner, StoreError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.begin_write().await?;
         api_keys::lock_project(&mut tx, project).await?;
         let existing = sqlx::query(
             "SELECT id, role, created_at FROM members WHERE project_id = $1 AND name = $2",
