@@ -1073,7 +1073,7 @@ async fn many_concurrent_writers_all_succeed() {
                 // A new version of the task's routine each round: read, then write.
                 let toml = format!(
                     "name = \"r{task}\"\ninstructions = \"round {round}\"\n[model]\nprovider = \"replay\"\n\
-                     model = \"m\"\nscript = {{ turns = [] }}\n"
+                     model = \"m\"\nscript = {{ turns = [{{ text = \"hi\" }}] }}\n"
                 );
                 let definition = wor_core::routine::RoutineDefinition::from_toml(&toml).unwrap();
                 let applied = store
@@ -1225,7 +1225,7 @@ async fn an_approval_is_never_used_without_its_call_recorded_as_started() {
     let project = created.project.id;
     let key = db.store.list_api_keys(project).await.unwrap()[0].id;
     let store = &db.store;
-    let toml = "name = \"r\"\ninstructions = \"x\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\nscript = { turns = [] }\n";
+    let toml = "name = \"r\"\ninstructions = \"x\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\nscript = { turns = [{ text = \"hi\" }] }\n";
     let definition = wor_core::routine::RoutineDefinition::from_toml(toml).unwrap();
     let routine = store
         .apply_routine(project, toml, &definition, None)
