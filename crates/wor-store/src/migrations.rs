@@ -137,6 +137,12 @@ const MIGRATIONS: &[SchemaMigration] = &[
         sqlite: include_str!("../migrations/0015_wasm_tools.sqlite.sql"),
         postgres: include_str!("../migrations/0015_wasm_tools.postgres.sql"),
     },
+    SchemaMigration {
+        version: 16,
+        description: "console",
+        sqlite: include_str!("../migrations/0016_console.sql"),
+        postgres: include_str!("../migrations/0016_console.sql"),
+    },
 ];
 
 pub(crate) async fn apply(store: &Store) -> Result<(), StoreError> {
