@@ -755,3 +755,50 @@ async fn another_projects_run_and_approval_are_a_404_page_in_the_console() {
         CONTENT_SECURITY_POLICY
     );
 }
+
+#[tokio::test]
+async fn sessions_end_when_idle_and_at_their_absolute_expiry() {
+    let h = Harness::new().await;
+    let store = &h.db.store;
+    let project = h.project.project.id;
+    let member = h.project.owner.id;
+    let live = store
+        .create_console_session(project, member, 60_000)
+        .await
+        .unwrap();
+    assert!(
+        store
+            .console_session(live.expose(), 60_000)
+            .await
+            .unwrap()
+            .is_some()
+    );
+    // Unused for longer than the idle limit: gone, however recent its sign-in.
+    assert!(
+        store
+            .console_session(live.expose(), 0)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    let past = store
+        .create_console_session(project, member, -1)
+        .await
+        .unwrap();
+    assert!(
+        store
+            .console_session(past.expose(), 60_000)
+            .await
+            .unwrap()
+            .is_none(),
+        "past its absolute expiry"
+    );
+    // An API key is not a session token, even one of this project's owner.
+    assert!(
+        store
+            .console_session(h.owner(), 60_000)
+            .await
+            .unwrap()
+            .is_none()
+    );
+}
