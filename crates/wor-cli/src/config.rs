@@ -41,6 +41,7 @@ struct FileConfig {
     approval_ttl_seconds: Option<u64>,
     egress: Option<EgressSection>,
     sandbox: Option<SandboxSection>,
+    console: Option<ConsoleSection>,
     /// Per-model prices, in microdollars per million tokens: `[prices."model-id"]`.
     #[serde(default)]
     prices: std::collections::BTreeMap<String, wor_core::budget::ModelPrice>,
@@ -62,6 +63,98 @@ struct EgressSection {
 struct SandboxSection {
     #[serde(default)]
     allowed_paths: Vec<PathBuf>,
+}
+
+/// `[console]`: password hashing and sign-in limits of the web console. Every key is
+/// optional; leaving one out keeps its safe default.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ConsoleSection {
+    argon2_memory_kib: Option<u32>,
+    argon2_iterations: Option<u32>,
+    argon2_parallelism: Option<u32>,
+    invitation_ttl_hours: Option<u64>,
+    session_idle_minutes: Option<u64>,
+    session_absolute_hours: Option<u64>,
+    max_failed_sign_ins_per_account: Option<u32>,
+    max_failed_sign_ins_per_address: Option<u32>,
+    lockout_minutes: Option<u64>,
+}
+
+/// Least argon2id memory accepted: below this the hash is cheap to attack.
+const MIN_ARGON2_MEMORY_KIB: u32 = 8 * 1024;
+
+impl ConsoleSection {
+    fn resolve(self) -> anyhow::Result<wor_server::console::ConsoleConfig> {
+        use std::time::Duration;
+        let defaults = wor_server::console::ConsoleConfig::default();
+        let positive = |value: Option<u64>, key: &str, unit: u64, default: Duration| match value {
+            Some(0) => bail!("`[console] {key}` must be at least 1"),
+            Some(n) => Ok(Duration::from_secs(n.saturating_mul(unit))),
+            None => Ok(default),
+        };
+        let at_least_one = |value: Option<u32>, key: &str, default: u32| match value {
+            Some(0) => bail!("`[console] {key}` must be at least 1"),
+            Some(n) => Ok(n),
+            None => Ok(default),
+        };
+        let config = wor_server::console::ConsoleConfig {
+            argon2_memory_kib: match self.argon2_memory_kib {
+                Some(kib) if kib < MIN_ARGON2_MEMORY_KIB => {
+                    bail!("`[console] argon2_memory_kib` must be at least {MIN_ARGON2_MEMORY_KIB}")
+                }
+                Some(kib) => kib,
+                None => defaults.argon2_memory_kib,
+            },
+            argon2_iterations: at_least_one(
+                self.argon2_iterations,
+                "argon2_iterations",
+                defaults.argon2_iterations,
+            )?,
+            argon2_parallelism: at_least_one(
+                self.argon2_parallelism,
+                "argon2_parallelism",
+                defaults.argon2_parallelism,
+            )?,
+            invitation_ttl: positive(
+                self.invitation_ttl_hours,
+                "invitation_ttl_hours",
+                3600,
+                defaults.invitation_ttl,
+            )?,
+            session_idle: positive(
+                self.session_idle_minutes,
+                "session_idle_minutes",
+                60,
+                defaults.session_idle,
+            )?,
+            session_absolute: positive(
+                self.session_absolute_hours,
+                "session_absolute_hours",
+                3600,
+                defaults.session_absolute,
+            )?,
+            max_failures_per_account: at_least_one(
+                self.max_failed_sign_ins_per_account,
+                "max_failed_sign_ins_per_account",
+                defaults.max_failures_per_account,
+            )?,
+            max_failures_per_address: at_least_one(
+                self.max_failed_sign_ins_per_address,
+                "max_failed_sign_ins_per_address",
+                defaults.max_failures_per_address,
+            )?,
+            lockout: positive(
+                self.lockout_minutes,
+                "lockout_minutes",
+                60,
+                defaults.lockout,
+            )?,
+        };
+        wor_server::console::password::check_parameters(&config)
+            .map_err(|e| anyhow::anyhow!("`[console]`: {e}"))?;
+        Ok(config)
+    }
 }
 
 /// Values given on the command line (or through their environment variables, which clap reads).
@@ -98,6 +191,8 @@ pub struct ServerConfig {
     pub stdio_allowed_roots: Vec<PathBuf>,
     /// What each model costs; a model without a price costs nothing against budgets.
     pub prices: std::collections::BTreeMap<String, wor_core::budget::ModelPrice>,
+    /// The web console's `[console]` settings.
+    pub console: wor_server::console::ConsoleConfig,
     encryption_key: Option<String>,
     audit_signing_key: Option<String>,
     encryption_key_retired: Option<String>,
@@ -184,6 +279,7 @@ impl ServerConfig {
                 None => Vec::new(),
             },
             prices: file.prices,
+            console: file.console.unwrap_or_default().resolve()?,
             encryption_key,
             encryption_key_retired,
             audit_signing_key,
@@ -365,6 +461,7 @@ mod tests {
             approval_ttl: wor_engine::DEFAULT_APPROVAL_TTL,
             stdio_allowed_roots: Vec::new(),
             prices: Default::default(),
+            console: Default::default(),
             encryption_key: key.map(str::to_owned),
             encryption_key_retired: None,
             audit_signing_key: None,
@@ -410,6 +507,44 @@ mod tests {
         std::fs::write(&path, "workers = 0\n").unwrap();
         let error = ServerConfig::resolve(&flags, Some("127.0.0.1:0"), false).unwrap_err();
         assert!(format!("{error:#}").contains("`workers`"), "{error:#}");
+    }
+
+    #[test]
+    fn console_settings_come_from_the_file_with_safe_defaults_and_floors() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("wor.toml");
+        let flags = ServerFlags {
+            config: Some(path.clone()),
+            ..ServerFlags::default()
+        };
+        std::fs::write(&path, "").unwrap();
+        let config = ServerConfig::resolve(&flags, Some("127.0.0.1:0"), false).unwrap();
+        assert_eq!(
+            config.console,
+            wor_server::console::ConsoleConfig::default()
+        );
+        std::fs::write(
+            &path,
+            "[console]\nargon2_memory_kib = 65536\nargon2_iterations = 3\nsession_idle_minutes = 5\n",
+        )
+        .unwrap();
+        let config = ServerConfig::resolve(&flags, Some("127.0.0.1:0"), false).unwrap();
+        assert_eq!(config.console.argon2_memory_kib, 65536);
+        assert_eq!(config.console.argon2_iterations, 3);
+        assert_eq!(config.console.session_idle.as_secs(), 300);
+        for (text, complaint) in [
+            ("argon2_memory_kib = 1024", "argon2_memory_kib"),
+            ("argon2_parallelism = 0", "argon2_parallelism"),
+            ("lockout_minutes = 0", "lockout_minutes"),
+            ("session_idle = 5", "session_idle"),
+        ] {
+            std::fs::write(&path, format!("[console]\n{text}\n")).unwrap();
+            let error = ServerConfig::resolve(&flags, Some("127.0.0.1:0"), false).unwrap_err();
+            assert!(
+                format!("{error:#}").contains(complaint),
+                "{text}: {error:#}"
+            );
+        }
     }
 
     #[test]

@@ -37,6 +37,10 @@ pub enum Actor {
     },
     /// A service API key (no person).
     ApiKey { key_id: ApiKeyId },
+    /// A member signed in to the web console (no API key involved).
+    ConsoleMember { member_id: MemberId },
+    /// Someone at the console's sign-in page who has not signed in.
+    ConsoleVisitor,
     /// A routine's schedule.
     Schedule { routine_id: RoutineId },
     /// An inbound webhook of a routine.
@@ -81,6 +85,16 @@ pub enum AuditCategory {
     PolicySet,
     /// A routine's webhook secret was made or replaced.
     WebhookSecretRotate,
+    /// A member was invited to set a console password.
+    MemberInvite,
+    /// A member set their console password through an invitation.
+    MemberSetPassword,
+    /// A member signed in to the console.
+    ConsoleSignIn,
+    /// A console sign-in was refused (wrong name or password, or locked out).
+    ConsoleSignInFailure,
+    /// A member signed out of the console.
+    ConsoleSignOut,
 }
 
 impl AuditCategory {
@@ -110,6 +124,11 @@ impl AuditCategory {
             AuditCategory::ApprovalUse => "approval.use",
             AuditCategory::PolicySet => "policy.set",
             AuditCategory::WebhookSecretRotate => "routine.webhook_secret",
+            AuditCategory::MemberInvite => "member.invite",
+            AuditCategory::MemberSetPassword => "member.set_password",
+            AuditCategory::ConsoleSignIn => "console.sign_in",
+            AuditCategory::ConsoleSignInFailure => "console.sign_in_failure",
+            AuditCategory::ConsoleSignOut => "console.sign_out",
         }
     }
 }

@@ -8,17 +8,21 @@
 use serde_json::json;
 use wor_core::audit::{Actor, AuditCategory, AuditEvent};
 use wor_core::{ApiKeyId, ApprovalId, MemberId, ProjectId, Role};
-use wor_store::{ApprovalDecision, ApprovalRecord, DecideError, StoreError, Verdict};
+use wor_store::{ApprovalDecision, ApprovalRecord, DecideError, RunRecord, StoreError, Verdict};
 
 use crate::{Engine, EngineError};
 
 /// Longest reason accepted with a decision.
 const MAX_REASON_CHARS: usize = 2000;
 
+/// Why a decision without a person is refused.
+const NO_PERSON: &str = "a service key cannot decide approvals; use a member's key";
+
 /// Who is deciding: the authenticated caller.
 #[derive(Debug, Clone, Copy)]
 pub struct Approver {
-    pub key_id: ApiKeyId,
+    /// The API key used; `None` for a member signed in to the console.
+    pub key_id: Option<ApiKeyId>,
     pub member_id: Option<MemberId>,
     pub role: Role,
 }
@@ -36,11 +40,6 @@ impl Engine {
         // Lookups first: another project's approval is not found, whoever asks and however.
         let approval = self.store.get_approval(project, id).await?;
         let run = self.store.get_run(project, approval.run_id).await?;
-        if approver.member_id.is_none() {
-            return Err(EngineError::Forbidden(
-                "a service key cannot decide approvals; use a member's key".to_owned(),
-            ));
-        }
         let reason = reason.trim();
         if reason.is_empty() {
             return Err(EngineError::Invalid(
@@ -52,38 +51,8 @@ impl Engine {
                 "the reason is longer than {MAX_REASON_CHARS} characters"
             )));
         }
-        if !approver.role.can_approve() {
-            return Err(EngineError::Forbidden(format!(
-                "deciding approvals needs the approver, admin or owner role; this key has `{}`",
-                approver.role
-            )));
-        }
-        if let Some(starter) = run.started_by {
-            if starter == approver.key_id {
-                return Err(EngineError::Forbidden(
-                    "the API key that started this run cannot decide its approvals".to_owned(),
-                ));
-            }
-            let starter_member = self.key_member(project, starter).await?;
-            if starter_member.is_some() && starter_member == approver.member_id {
-                return Err(EngineError::Forbidden(
-                    "the member who started this run cannot decide its approvals".to_owned(),
-                ));
-            }
-        }
-        let version = self
-            .store
-            .get_routine_version(project, run.routine_id, run.routine_version)
-            .await?;
-        if version.definition.approvals.separate_from_author
-            && let Some(author_key) = version.created_by
-        {
-            let author = self.key_member(project, author_key).await?;
-            if author_key == approver.key_id || (author.is_some() && author == approver.member_id) {
-                return Err(EngineError::Forbidden(
-                    "this routine asks that its author not decide its approvals".to_owned(),
-                ));
-            }
+        if let Some(refusal) = self.approver_refusal(project, &run, approver).await? {
+            return Err(EngineError::Forbidden(refusal));
         }
         let reason = wor_secrets::redact_shapes(reason).into_owned();
         let decision = ApprovalDecision {
@@ -100,14 +69,12 @@ impl Engine {
                 return Err(EngineError::Refused(other.to_string()));
             }
         };
-        let actor = match approver.member_id {
-            Some(member_id) => Actor::Member {
-                member_id,
-                key_id: approver.key_id,
-            },
-            None => Actor::ApiKey {
-                key_id: approver.key_id,
-            },
+        let actor = match (approver.member_id, approver.key_id) {
+            (Some(member_id), Some(key_id)) => Actor::Member { member_id, key_id },
+            (Some(member_id), None) => Actor::ConsoleMember { member_id },
+            (None, Some(key_id)) => Actor::ApiKey { key_id },
+            // Refused by `approver_refusal` above: a decision always has a person.
+            (None, None) => return Err(EngineError::Forbidden(NO_PERSON.to_owned())),
         };
         self.audit
             .append(
@@ -127,6 +94,61 @@ impl Engine {
         tracing::info!(category = "approval", action = "approval.decide", project_id = %project,
             approval_id = %id, decision = decided.status.as_str(), "approval decided");
         Ok(decided)
+    }
+
+    /// Why `approver` may not decide approvals of `run`, or `None` when they may. The console
+    /// shows this beside a held call; [`Engine::decide_approval`] refuses with it.
+    pub async fn approval_refusal(
+        &self,
+        project: ProjectId,
+        approval: &ApprovalRecord,
+        approver: Approver,
+    ) -> Result<Option<String>, EngineError> {
+        let run = self.store.get_run(project, approval.run_id).await?;
+        self.approver_refusal(project, &run, approver).await
+    }
+
+    async fn approver_refusal(
+        &self,
+        project: ProjectId,
+        run: &RunRecord,
+        approver: Approver,
+    ) -> Result<Option<String>, EngineError> {
+        let Some(member_id) = approver.member_id else {
+            return Ok(Some(NO_PERSON.to_owned()));
+        };
+        if !approver.role.can_approve() {
+            return Ok(Some(format!(
+                "deciding approvals needs the approver, admin or owner role; this caller has `{}`",
+                approver.role
+            )));
+        }
+        if let Some(starter) = run.started_by {
+            if Some(starter) == approver.key_id {
+                return Ok(Some(
+                    "the API key that started this run cannot decide its approvals".to_owned(),
+                ));
+            }
+            if self.key_member(project, starter).await? == Some(member_id) {
+                return Ok(Some(
+                    "the member who started this run cannot decide its approvals".to_owned(),
+                ));
+            }
+        }
+        let version = self
+            .store
+            .get_routine_version(project, run.routine_id, run.routine_version)
+            .await?;
+        if version.definition.approvals.separate_from_author
+            && let Some(author_key) = version.created_by
+            && (Some(author_key) == approver.key_id
+                || self.key_member(project, author_key).await? == Some(member_id))
+        {
+            return Ok(Some(
+                "this routine asks that its author not decide its approvals".to_owned(),
+            ));
+        }
+        Ok(None)
     }
 
     /// The member a key belongs to; `None` for a service key or a key no longer there.

@@ -131,7 +131,7 @@ impl Harness {
             .await
             .unwrap();
         wor_engine::Approver {
-            key_id: key.id,
+            key_id: Some(key.id),
             member_id: Some(member.id),
             role: wor_core::Role::Approver,
         }

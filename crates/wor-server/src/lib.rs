@@ -5,6 +5,7 @@
 //! project id from the request, and they never return a secret except a key at its creation.
 
 pub mod auth;
+pub mod console;
 pub mod error;
 pub mod extract;
 mod request_log;
@@ -42,6 +43,8 @@ pub struct AppState {
     pub production: bool,
     /// The one writer of the audit log; handlers append through it.
     pub audit: AuditLog,
+    /// Sign-in settings of the web console.
+    pub console: console::ConsoleConfig,
 }
 
 impl AppState {
@@ -52,8 +55,15 @@ impl AppState {
             vault: engine.vault().clone(),
             production: engine.config().production,
             audit: engine.audit().clone(),
+            console: console::ConsoleConfig::default(),
             engine,
         }
+    }
+
+    /// The same state with the console's settings from the server configuration.
+    pub fn with_console(mut self, console: console::ConsoleConfig) -> Self {
+        self.console = console;
+        self
     }
 }
 
@@ -70,6 +80,7 @@ fn api() -> OpenApiRouter<AppState> {
             routes::members::create_member
         ))
         .routes(routes!(routes::members::get_member))
+        .routes(routes!(routes::invitations::invite))
         .routes(routes!(routes::keys::list_keys, routes::keys::create_key))
         .routes(routes!(routes::keys::get_key, routes::keys::revoke_key))
         .routes(routes!(
@@ -201,6 +212,7 @@ pub fn router(state: AppState) -> Router {
     let (routes, doc) = api().split_for_parts();
     let doc = finish_document(doc);
     routes
+        .merge(console::router(state.clone()))
         .route(
             "/v1/openapi.json",
             get(move || {
@@ -216,13 +228,17 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// Serves the API on `listener` until `shutdown` completes, then drains open requests.
+/// Serves the API and the console on `listener` until `shutdown` completes, then drains open
+/// requests. Handlers can read the peer's address (the console's per-address sign-in limit).
 pub async fn serve(
     listener: TcpListener,
     state: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(shutdown)
-        .await
+    axum::serve(
+        listener,
+        router(state).into_make_service_with_connect_info::<std::net::SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown)
+    .await
 }

@@ -149,6 +149,7 @@ fn documented_operations() -> Vec<(Method, String)> {
 fn sample_body(method: &Method, path: &str) -> Option<Value> {
     match (method.as_str(), path) {
         ("POST", "/v1/members") => Some(json!({"name": "probe", "role": "viewer"})),
+        ("POST", "/v1/invitations") => Some(json!({"name": "probe-invited", "role": "viewer"})),
         ("POST", "/v1/keys") => Some(json!({"name": "probe", "role": "viewer", "service": true})),
         ("POST", "/v1/model-connections") => Some(json!({
             "name": "probe", "provider": "anthropic", "base_url": "https://api.example.com",

@@ -183,7 +183,8 @@ pub enum Verdict {
 #[derive(Debug, Clone)]
 pub struct ApprovalDecision {
     pub verdict: Verdict,
-    pub key_id: ApiKeyId,
+    /// The API key used; `None` for a decision made in the console.
+    pub key_id: Option<ApiKeyId>,
     pub member_id: Option<MemberId>,
     pub reason: String,
 }
@@ -381,7 +382,7 @@ impl Store {
              WHERE project_id = $6 AND id = $7 AND status = 'pending' AND expires_at > $5",
         )
         .bind(status.as_str())
-        .bind(decision.key_id.to_string())
+        .bind(decision.key_id.map(|k| k.to_string()))
         .bind(decision.member_id.map(|m| m.to_string()))
         .bind(&decision.reason)
         .bind(now)

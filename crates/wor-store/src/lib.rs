@@ -10,6 +10,7 @@
 mod api_keys;
 mod approvals;
 mod audit;
+mod console;
 mod members;
 mod memory;
 mod migrations;
@@ -38,6 +39,10 @@ pub use approvals::{
     ApprovedStart, DecideError, NewApproval, ProjectPolicyRecord, Verdict,
 };
 pub use audit::{AuditConfig, AuditLog, AuditReceipt};
+pub use console::{
+    ConsoleSessionRecord, ConsoleToken, INVITATION_TOKEN_PREFIX, InvitationRecord,
+    SESSION_TOKEN_PREFIX, SignInAccount,
+};
 pub use members::MemberRecord;
 pub use memory::MemoryEntry;
 pub use model_connections::{

@@ -143,6 +143,12 @@ const MIGRATIONS: &[SchemaMigration] = &[
         sqlite: include_str!("../migrations/0016_repeat_approvals.sqlite.sql"),
         postgres: include_str!("../migrations/0016_repeat_approvals.postgres.sql"),
     },
+    SchemaMigration {
+        version: 17,
+        description: "console",
+        sqlite: include_str!("../migrations/0017_console.sql"),
+        postgres: include_str!("../migrations/0017_console.sql"),
+    },
 ];
 
 pub(crate) async fn apply(store: &Store) -> Result<(), StoreError> {

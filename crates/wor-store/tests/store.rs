@@ -1136,7 +1136,7 @@ async fn many_concurrent_writers_all_succeed() {
                 assert!(filed);
                 let decision = ApprovalDecision {
                     verdict: Verdict::Approve,
-                    key_id: key,
+                    key_id: Some(key),
                     member_id: None,
                     reason: "ok".to_owned(),
                 };
@@ -1276,7 +1276,7 @@ async fn an_approval_is_never_used_without_its_call_recorded_as_started() {
         .unwrap();
     let decision = ApprovalDecision {
         verdict: Verdict::Approve,
-        key_id: key,
+        key_id: Some(key),
         member_id: None,
         reason: "ok".to_owned(),
     };

@@ -21,6 +21,9 @@ pub enum MemberCommand {
         #[command(flatten)]
         client: ClientArgs,
     },
+    /// Invite a member to the web console: print a single-use link where they set their
+    /// password. A new name adds the member with `--role`.
+    Invite(super::member_invite::InviteArgs),
     /// Show one member.
     Show {
         /// A `mem_…` id.
@@ -80,6 +83,7 @@ pub async fn run(cmd: MemberCommand) -> anyhow::Result<ExitCode> {
                 println!("{}", field(&created, "/key/api_key"));
             }
         }
+        MemberCommand::Invite(args) => return super::member_invite::run(args).await,
         MemberCommand::Show { id, client } => {
             let member = ApiClient::new(&client)?
                 .get(&format!("/v1/members/{id}"))

@@ -5,6 +5,7 @@ mod audit;
 mod demo;
 mod egress;
 mod keys;
+mod member_invite;
 mod members;
 mod model_connections;
 mod operator;

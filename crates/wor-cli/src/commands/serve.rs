@@ -59,7 +59,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let (stop_workers, workers_stopped) = tokio::sync::watch::channel(false);
     let triggers = engine.spawn_triggers(workers_stopped.clone());
     let worker = engine.spawn_workers(workers_stopped);
-    let state = AppState::new(engine.clone());
+    let state = AppState::new(engine.clone()).with_console(config.console.clone());
     let served = wor_server::serve(listener, state, shutdown).await;
     // Runs in flight are given back, to be resumed at the next start rather than after
     // their lease runs out.

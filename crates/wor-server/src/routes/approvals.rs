@@ -213,7 +213,7 @@ async fn decide(
             caller.project_id,
             id,
             Approver {
-                key_id: caller.key_id,
+                key_id: Some(caller.key_id),
                 member_id: caller.member_id,
                 role: caller.role,
             },

@@ -3,6 +3,7 @@
 pub mod approvals;
 pub mod audit;
 pub mod health;
+pub mod invitations;
 pub mod keys;
 pub mod members;
 pub mod model_connections;

@@ -1,0 +1,189 @@
+//! The web console: server-rendered pages for people, on the same listener as the API.
+//!
+//! Members sign in with a password set through a single-use invitation; a server-side session
+//! (its token in an `HttpOnly; SameSite=Strict` cookie) decides the project, never the request
+//! (S1). Every page is rendered by askama, which escapes everything it prints: text a model or
+//! a tool produced is shown, never interpreted. Every response carries a Content-Security-Policy
+//! without inline script or any third-party origin; every POST passes [`session::csrf_gate`].
+//!
+//! INVARIANT: an API key or a run credential never opens a console session, and a console
+//! session never calls `/v1`: each side only reads its own credential.
+
+mod pages;
+pub mod password;
+pub mod session;
+
+use std::time::Duration;
+
+use askama::Template;
+use axum::Router;
+use axum::extract::Request;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::{get, post};
+
+use crate::AppState;
+use crate::error::ApiError;
+
+/// The console's settings, from the server's configuration file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConsoleConfig {
+    /// argon2id memory cost in KiB.
+    pub argon2_memory_kib: u32,
+    /// argon2id passes over memory.
+    pub argon2_iterations: u32,
+    /// argon2id lanes.
+    pub argon2_parallelism: u32,
+    /// How long an invitation link works.
+    pub invitation_ttl: Duration,
+    /// A session unused this long ends.
+    pub session_idle: Duration,
+    /// A session ends this long after sign-in, however busy.
+    pub session_absolute: Duration,
+    /// Failed sign-ins for one account within [`Self::lockout`] before it is locked.
+    pub max_failures_per_account: u32,
+    /// Failed sign-ins from one address within [`Self::lockout`] before it is locked.
+    pub max_failures_per_address: u32,
+    /// How far back failures count, and so how long a lockout lasts.
+    pub lockout: Duration,
+}
+
+impl Default for ConsoleConfig {
+    /// argon2id at 19 MiB, 2 passes, 1 lane (OWASP's recommended minimum); 72-hour
+    /// invitations; sessions idle out after 30 minutes and end after 12 hours; 5 failed
+    /// sign-ins for an account (20 from an address) in 15 minutes lock it for 15 minutes.
+    fn default() -> Self {
+        ConsoleConfig {
+            argon2_memory_kib: 19 * 1024,
+            argon2_iterations: 2,
+            argon2_parallelism: 1,
+            invitation_ttl: Duration::from_secs(72 * 3600),
+            session_idle: Duration::from_secs(30 * 60),
+            session_absolute: Duration::from_secs(12 * 3600),
+            max_failures_per_account: 5,
+            max_failures_per_address: 20,
+            lockout: Duration::from_secs(15 * 60),
+        }
+    }
+}
+
+/// Milliseconds of `duration`, saturating.
+pub(crate) fn millis(duration: Duration) -> i64 {
+    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// The policy on every console response: nothing but this origin's stylesheet and images, no
+/// script at all, forms only to this origin, never framed.
+pub const CONTENT_SECURITY_POLICY: &str = "default-src 'none'; style-src 'self'; img-src 'self'; \
+    form-action 'self'; frame-ancestors 'none'; base-uri 'none'";
+
+const STYLESHEET: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/static/console.css"));
+
+/// The console's routes, under `/console`.
+pub fn router(state: AppState) -> Router<AppState> {
+    let pages = Router::new()
+        .route("/", get(pages::home))
+        .route("/sign-in", get(pages::sign_in_page).post(pages::sign_in))
+        .route("/sign-out", post(pages::sign_out))
+        .route(
+            "/invitations/{token}",
+            get(pages::invitation_page).post(pages::accept_invitation),
+        )
+        .route("/approvals", get(pages::approvals))
+        .route("/approvals/{approval_id}/{verdict}", post(pages::decide))
+        .route("/runs/{run_id}", get(pages::run))
+        .route("/static/console.css", get(stylesheet))
+        .fallback(|| async { ConsoleError(ApiError::NotFound) })
+        .layer(axum::middleware::from_fn_with_state(
+            state,
+            session::csrf_gate,
+        ))
+        .layer(axum::middleware::from_fn(security_headers));
+    Router::new().nest("/console", pages)
+}
+
+async fn stylesheet() -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, "text/css; charset=utf-8"),
+            (header::CACHE_CONTROL, "public, max-age=3600"),
+        ],
+        STYLESHEET,
+    )
+        .into_response()
+}
+
+/// Adds the console's security headers to every response under `/console`, error pages
+/// included.
+async fn security_headers(request: Request, next: Next) -> Response {
+    let mut response = next.run(request).await;
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(CONTENT_SECURITY_POLICY),
+    );
+    headers.insert(
+        header::REFERRER_POLICY,
+        HeaderValue::from_static("no-referrer"),
+    );
+    headers.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    headers.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    if !headers.contains_key(header::CACHE_CONTROL) {
+        headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    }
+    response
+}
+
+/// A page's failure, shown as an HTML page with the status the API would answer.
+#[derive(Debug)]
+pub struct ConsoleError(pub ApiError);
+
+impl<E: Into<ApiError>> From<E> for ConsoleError {
+    fn from(err: E) -> Self {
+        ConsoleError(err.into())
+    }
+}
+
+#[derive(Template)]
+#[template(path = "console/error.html")]
+struct ErrorPage {
+    title: &'static str,
+    message: String,
+}
+
+impl IntoResponse for ConsoleError {
+    fn into_response(self) -> Response {
+        let (status, _) = self.0.status_and_code();
+        let title = match status {
+            StatusCode::NOT_FOUND => "Not found",
+            StatusCode::FORBIDDEN => "Not allowed",
+            StatusCode::CONFLICT => "Already decided",
+            StatusCode::BAD_REQUEST => "Not accepted",
+            StatusCode::TOO_MANY_REQUESTS => "Too many attempts",
+            _ => "Something went wrong",
+        };
+        // The same redaction as the API's error bodies (S4).
+        let message = match self.0 {
+            ApiError::NotFound | ApiError::NoRoute => {
+                "There is nothing here, or it belongs to another project.".to_owned()
+            }
+            other => wor_secrets::redact_shapes(&other.to_string()).into_owned(),
+        };
+        render(status, &ErrorPage { title, message })
+    }
+}
+
+/// Renders `page` with `status`; a template that fails to render is a 500 without detail.
+pub(crate) fn render(status: StatusCode, page: &impl Template) -> Response {
+    match page.render() {
+        Ok(html) => (status, Html(html)).into_response(),
+        Err(error) => {
+            tracing::error!(category = "console", error = %error, "a console page failed to render");
+            (StatusCode::INTERNAL_SERVER_ERROR, "internal error").into_response()
+        }
+    }
+}

@@ -1,0 +1,708 @@
+//! The console's pages and forms. Handlers parse, call the same store and engine functions
+//! the API calls, and render; the separation-of-duties rules live in the engine only.
+
+use askama::Template;
+use axum::Form;
+use axum::extract::rejection::FormRejection;
+use axum::extract::{Path, Query, State};
+use axum::http::request::Parts;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Redirect, Response};
+use rand::TryRngCore;
+use serde_json::{Value, json};
+use wor_core::audit::{Actor, AuditCategory, AuditEvent};
+use wor_core::{ApprovalId, RunId};
+use wor_engine::Approver;
+use wor_store::{ApprovalFilter, ApprovalRecord, ApprovalStatus, RunRecord, Verdict};
+
+use super::password::{check_new_password, hash_password, verify_password};
+use super::session::{
+    ConsoleMember, FORM_COOKIE, MaybeConsoleMember, SESSION_COOKIE, client_address, set_cookie,
+};
+use super::{ConsoleError, millis, render};
+use crate::AppState;
+use crate::error::ApiError;
+use crate::views::rfc3339;
+
+/// At most this many pending approvals are shown, newest first.
+const INBOX_LIMIT: u32 = 200;
+
+type PageResult = Result<Response, ConsoleError>;
+
+fn form<T>(form: Result<Form<T>, FormRejection>) -> Result<T, ConsoleError> {
+    form.map(|Form(value)| value)
+        .map_err(|e| ConsoleError(ApiError::bad_request("invalid_form", e.body_text())))
+}
+
+/// A random token for a form before sign-in.
+fn form_token() -> Result<String, ConsoleError> {
+    let mut bytes = [0u8; 32];
+    rand::rngs::OsRng.try_fill_bytes(&mut bytes).map_err(|_| {
+        tracing::error!(category = "console", "random source failed");
+        ConsoleError(ApiError::Internal)
+    })?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// Who is signed in, for the page header.
+struct Banner {
+    name: String,
+    role: String,
+    csrf: String,
+}
+
+impl From<&ConsoleMember> for Banner {
+    fn from(member: &ConsoleMember) -> Self {
+        Banner {
+            name: member.session.member_name.clone(),
+            role: member.session.role.to_string(),
+            csrf: member.session.csrf_token.clone(),
+        }
+    }
+}
+
+pub async fn home(MaybeConsoleMember(member): MaybeConsoleMember) -> Response {
+    match member {
+        Some(_) => Redirect::to("/console/approvals").into_response(),
+        None => Redirect::to("/console/sign-in").into_response(),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sign-in and sign-out
+
+#[derive(Template)]
+#[template(path = "console/sign_in.html")]
+struct SignInPage {
+    csrf: String,
+    project: String,
+    name: String,
+    notice: Option<&'static str>,
+    error: Option<&'static str>,
+}
+
+#[derive(Debug, Default, serde::Deserialize)]
+pub struct SignInQuery {
+    #[serde(default)]
+    project: String,
+    #[serde(default)]
+    name: String,
+    #[serde(default)]
+    password_set: Option<String>,
+}
+
+/// The sign-in form, with a fresh form token in its own cookie.
+fn sign_in_form(
+    parts: &Parts,
+    status: StatusCode,
+    mut page: SignInPage,
+) -> Result<Response, ConsoleError> {
+    let token = form_token()?;
+    page.csrf.clone_from(&token);
+    let mut response = render(status, &page);
+    response.headers_mut().append(
+        header::SET_COOKIE,
+        set_cookie(parts, FORM_COOKIE, &token, "/console", None),
+    );
+    Ok(response)
+}
+
+pub async fn sign_in_page(
+    parts: Parts,
+    MaybeConsoleMember(member): MaybeConsoleMember,
+    query: Result<Query<SignInQuery>, axum::extract::rejection::QueryRejection>,
+) -> PageResult {
+    if member.is_some() {
+        return Ok(Redirect::to("/console/approvals").into_response());
+    }
+    let query = query.map(|Query(q)| q).unwrap_or_default();
+    sign_in_form(
+        &parts,
+        StatusCode::OK,
+        SignInPage {
+            csrf: String::new(),
+            project: query.project,
+            name: query.name,
+            notice: query
+                .password_set
+                .map(|_| "Your password is set. Sign in with it."),
+            error: None,
+        },
+    )
+}
+
+#[derive(Debug, serde::Deserialize)]
+pub struct SignInForm {
+    project: String,
+    name: String,
+    password: String,
+}
+
+/// The one message for an unknown project, an unknown member, a member without a password
+/// and a wrong password, so the form tells nobody which names exist.
+const SIGN_IN_REFUSED: &str = "That project, name and password do not match.";
+const LOCKED_OUT: &str = "Too many failed sign-ins. Wait 15 minutes, then try again.";
+
+pub async fn sign_in(
+    State(state): State<AppState>,
+    parts: Parts,
+    body: Result<Form<SignInForm>, FormRejection>,
+) -> PageResult {
+    let body = form(body)?;
+    let config = &state.console;
+    let address = client_address(&parts);
+    let account_scope = format!("account:{}\n{}", body.project, body.name);
+    let address_scope = format!("address:{address}");
+    let since = wor_store::now_millis().saturating_sub(millis(config.lockout));
+    let locked = state.store.sign_in_failures(&account_scope, since).await?
+        >= i64::from(config.max_failures_per_account)
+        || state.store.sign_in_failures(&address_scope, since).await?
+            >= i64::from(config.max_failures_per_address);
+    let account = if locked {
+        None
+    } else {
+        state
+            .store
+            .sign_in_account(&body.project, &body.name)
+            .await?
+    };
+    let verified = !locked
+        && verify_password(
+            config,
+            account.as_ref().map(|a| a.phc.clone()),
+            body.password,
+        )
+        .await
+        .map_err(|error| {
+            tracing::error!(category = "console", error = %error, "a password could not be checked");
+            ConsoleError(ApiError::Internal)
+        })?;
+    let account = match account {
+        Some(account) if verified => account,
+        _ => {
+            if !locked {
+                state
+                    .store
+                    .record_sign_in_failure(&[&account_scope, &address_scope])
+                    .await?;
+            }
+            if let Some(project) = state.store.project_id_by_name(&body.project).await? {
+                state
+                    .audit
+                    .append(
+                        AuditEvent::new(
+                            project,
+                            AuditCategory::ConsoleSignInFailure,
+                            Actor::ConsoleVisitor,
+                        )
+                        .payload(json!({
+                            "name": body.name,
+                            "address": address,
+                            "reason": if locked { "locked_out" } else { "wrong_name_or_password" },
+                        })),
+                    )
+                    .await?;
+            }
+            tracing::warn!(
+                category = "console",
+                action = "sign_in.refused",
+                locked,
+                "a console sign-in was refused"
+            );
+            let (status, error) = if locked {
+                (StatusCode::TOO_MANY_REQUESTS, LOCKED_OUT)
+            } else {
+                (StatusCode::UNAUTHORIZED, SIGN_IN_REFUSED)
+            };
+            return sign_in_form(
+                &parts,
+                status,
+                SignInPage {
+                    csrf: String::new(),
+                    project: body.project,
+                    name: body.name,
+                    notice: None,
+                    error: Some(error),
+                },
+            );
+        }
+    };
+    state
+        .store
+        .clear_sign_in_failures(&account_scope, since)
+        .await?;
+    let token = state
+        .store
+        .create_console_session(
+            account.project_id,
+            account.member_id,
+            millis(config.session_absolute),
+        )
+        .await?;
+    state
+        .audit
+        .append(
+            AuditEvent::new(
+                account.project_id,
+                AuditCategory::ConsoleSignIn,
+                Actor::ConsoleMember {
+                    member_id: account.member_id,
+                },
+            )
+            .subject("member_id", account.member_id)
+            .payload(json!({ "address": address })),
+        )
+        .await?;
+    tracing::info!(category = "console", action = "sign_in", project_id = %account.project_id,
+        member_id = %account.member_id, "a member signed in to the console");
+    let mut response = Redirect::to("/console/approvals").into_response();
+    let headers = response.headers_mut();
+    headers.append(
+        header::SET_COOKIE,
+        set_cookie(
+            &parts,
+            SESSION_COOKIE,
+            token.expose(),
+            "/",
+            Some(millis(config.session_absolute) / 1000),
+        ),
+    );
+    headers.append(
+        header::SET_COOKIE,
+        set_cookie(&parts, FORM_COOKIE, "", "/console", Some(0)),
+    );
+    Ok(response)
+}
+
+pub async fn sign_out(
+    State(state): State<AppState>,
+    parts: Parts,
+    member: ConsoleMember,
+) -> PageResult {
+    state.store.end_console_session(&member.token).await?;
+    state
+        .audit
+        .append(
+            AuditEvent::new(
+                member.session.project_id,
+                AuditCategory::ConsoleSignOut,
+                member.actor(),
+            )
+            .subject("member_id", member.session.member_id),
+        )
+        .await?;
+    let mut response = Redirect::to("/console/sign-in").into_response();
+    response.headers_mut().append(
+        header::SET_COOKIE,
+        set_cookie(&parts, SESSION_COOKIE, "", "/", Some(0)),
+    );
+    Ok(response)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Invitations
+
+#[derive(Template)]
+#[template(path = "console/invitation.html")]
+struct InvitationPage {
+    csrf: String,
+    member_name: String,
+    expires_at: String,
+    min_chars: usize,
+    error: Option<String>,
+}
+
+fn invitation_gone() -> ConsoleError {
+    ConsoleError(ApiError::NotFound)
+}
+
+fn invitation_form(
+    parts: &Parts,
+    status: StatusCode,
+    mut page: InvitationPage,
+) -> Result<Response, ConsoleError> {
+    let token = form_token()?;
+    page.csrf.clone_from(&token);
+    let mut response = render(status, &page);
+    response.headers_mut().append(
+        header::SET_COOKIE,
+        set_cookie(parts, FORM_COOKIE, &token, "/console", None),
+    );
+    Ok(response)
+}
+
+pub async fn invitation_page(
+    State(state): State<AppState>,
+    parts: Parts,
+    Path(token): Path<String>,
+) -> PageResult {
+    let invitation = state
+        .store
+        .invitation(&token)
+        .await?
+        .ok_or_else(invitation_gone)?;
+    invitation_form(
+        &parts,
+        StatusCode::OK,
+        InvitationPage {
+            csrf: String::new(),
+            member_name: invitation.member_name,
+            expires_at: rfc3339(invitation.expires_at),
+            min_chars: super::password::MIN_PASSWORD_CHARS,
+            error: None,
+        },
+    )
+}
+
+#[derive(Debug, serde::Deserialize)]
+pub struct SetPasswordForm {
+    password: String,
+    repeat: String,
+}
+
+pub async fn accept_invitation(
+    State(state): State<AppState>,
+    parts: Parts,
+    Path(token): Path<String>,
+    body: Result<Form<SetPasswordForm>, FormRejection>,
+) -> PageResult {
+    let body = form(body)?;
+    let invitation = state
+        .store
+        .invitation(&token)
+        .await?
+        .ok_or_else(invitation_gone)?;
+    if let Err(rule) = check_new_password(&body.password, &body.repeat, &invitation.member_name) {
+        return invitation_form(
+            &parts,
+            StatusCode::BAD_REQUEST,
+            InvitationPage {
+                csrf: String::new(),
+                member_name: invitation.member_name,
+                expires_at: rfc3339(invitation.expires_at),
+                min_chars: super::password::MIN_PASSWORD_CHARS,
+                error: Some(rule.to_string()),
+            },
+        );
+    }
+    let phc = hash_password(&state.console, body.password)
+        .await
+        .map_err(|error| {
+            tracing::error!(category = "console", error = %error, "a password could not be hashed");
+            ConsoleError(ApiError::Internal)
+        })?;
+    let accepted = state
+        .store
+        .accept_invitation(&token, &phc)
+        .await?
+        .ok_or_else(invitation_gone)?;
+    state
+        .audit
+        .append(
+            AuditEvent::new(
+                accepted.project_id,
+                AuditCategory::MemberSetPassword,
+                Actor::ConsoleMember {
+                    member_id: accepted.member_id,
+                },
+            )
+            .subject("member_id", accepted.member_id),
+        )
+        .await?;
+    let project = state.store.get_project(accepted.project_id).await?;
+    let target = url::form_urlencoded::Serializer::new(String::new())
+        .append_pair("project", &project.name)
+        .append_pair("name", &accepted.member_name)
+        .append_pair("password_set", "1")
+        .finish();
+    let mut response = Redirect::to(&format!("/console/sign-in?{target}")).into_response();
+    response.headers_mut().append(
+        header::SET_COOKIE,
+        set_cookie(&parts, FORM_COOKIE, "", "/console", Some(0)),
+    );
+    Ok(response)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Approvals
+
+/// One argument of a held call, as the tool will receive it.
+struct ArgumentRow {
+    name: String,
+    value: String,
+    pinned: bool,
+}
+
+struct ApprovalCard {
+    id: String,
+    run_id: String,
+    tool: String,
+    kind: String,
+    arguments: Vec<ArgumentRow>,
+    policies: Vec<String>,
+    reasons: Vec<String>,
+    untrusted_sources: Vec<String>,
+    routine: String,
+    routine_version: i64,
+    run_input: String,
+    requested_at: String,
+    expires_at: String,
+    expires_in: String,
+    binding_hash: String,
+    /// Why this member may not decide; `None` when they may.
+    refusal: Option<String>,
+}
+
+#[derive(Template)]
+#[template(path = "console/approvals.html")]
+struct ApprovalsPage {
+    banner: Banner,
+    approvals: Vec<ApprovalCard>,
+}
+
+/// A JSON value as the text a person reads: strings as they are, the rest as JSON.
+fn text_of(value: &Value) -> String {
+    match value {
+        Value::String(text) => text.clone(),
+        other => serde_json::to_string_pretty(other).unwrap_or_default(),
+    }
+}
+
+fn texts(value: Option<&Value>) -> Vec<String> {
+    match value {
+        Some(Value::Array(items)) => items.iter().map(text_of).collect(),
+        Some(Value::Null) | None => Vec::new(),
+        Some(other) => vec![text_of(other)],
+    }
+}
+
+fn argument_rows(approval: &ApprovalRecord) -> Vec<ArgumentRow> {
+    match &approval.arguments {
+        Value::Object(fields) => fields
+            .iter()
+            .map(|(name, value)| ArgumentRow {
+                name: name.clone(),
+                value: serde_json::to_string_pretty(value).unwrap_or_default(),
+                pinned: approval.pinned_keys.contains(name),
+            })
+            .collect(),
+        other => vec![ArgumentRow {
+            name: "(arguments)".to_owned(),
+            value: serde_json::to_string_pretty(other).unwrap_or_default(),
+            pinned: false,
+        }],
+    }
+}
+
+fn time_left(expires_at: i64) -> String {
+    let minutes = (expires_at - wor_store::now_millis()) / 60_000;
+    match minutes {
+        m if m <= 0 => "less than a minute".to_owned(),
+        m if m < 120 => format!("{m} min"),
+        m => format!("{} h {} min", m / 60, m % 60),
+    }
+}
+
+/// The requester's input of `run`, as text.
+async fn run_input(state: &AppState, run: &RunRecord) -> Result<String, ConsoleError> {
+    Ok(state
+        .store
+        .list_run_steps(run.project_id, run.id, 0)
+        .await?
+        .into_iter()
+        .find(|s| s.kind == "input")
+        .and_then(|s| s.payload.get("input").map(text_of))
+        .unwrap_or_default())
+}
+
+fn approver(member: &ConsoleMember) -> Approver {
+    Approver {
+        key_id: None,
+        member_id: Some(member.session.member_id),
+        role: member.session.role,
+    }
+}
+
+pub async fn approvals(State(state): State<AppState>, member: ConsoleMember) -> PageResult {
+    let project = member.session.project_id;
+    let pending = state
+        .store
+        .list_approvals(
+            project,
+            &ApprovalFilter {
+                status: Some(ApprovalStatus::Pending),
+                run_id: None,
+                before: None,
+                limit: INBOX_LIMIT,
+            },
+        )
+        .await?;
+    let mut cards = Vec::with_capacity(pending.len());
+    for approval in pending {
+        let run = state.store.get_run(project, approval.run_id).await?;
+        let routine = state.store.get_routine(project, run.routine_id).await?;
+        let refusal = state
+            .engine
+            .approval_refusal(project, &approval, approver(&member))
+            .await?;
+        cards.push(ApprovalCard {
+            id: approval.id.to_string(),
+            run_id: run.id.to_string(),
+            tool: approval.tool.clone(),
+            kind: approval.kind.as_str().to_owned(),
+            arguments: argument_rows(&approval),
+            policies: texts(approval.why.get("determining_policies")),
+            reasons: texts(approval.why.get("reasons")),
+            untrusted_sources: texts(approval.why.get("untrusted_sources")),
+            routine: routine.name,
+            routine_version: run.routine_version,
+            run_input: run_input(&state, &run).await?,
+            requested_at: rfc3339(approval.requested_at),
+            expires_at: rfc3339(approval.expires_at),
+            expires_in: time_left(approval.expires_at),
+            binding_hash: approval.binding_hash,
+            refusal,
+        });
+    }
+    Ok(render(
+        StatusCode::OK,
+        &ApprovalsPage {
+            banner: (&member).into(),
+            approvals: cards,
+        },
+    ))
+}
+
+#[derive(Debug, serde::Deserialize)]
+pub struct DecideForm {
+    reason: String,
+}
+
+pub async fn decide(
+    State(state): State<AppState>,
+    member: ConsoleMember,
+    Path((approval_id, verdict)): Path<(String, String)>,
+    body: Result<Form<DecideForm>, FormRejection>,
+) -> PageResult {
+    let body = form(body)?;
+    let verdict = match verdict.as_str() {
+        "approve" => Verdict::Approve,
+        "deny" => Verdict::Deny,
+        _ => return Err(ConsoleError(ApiError::NotFound)),
+    };
+    let id: ApprovalId = approval_id
+        .parse()
+        .map_err(|_| ConsoleError(ApiError::NotFound))?;
+    // The API's own path: the engine looks the approval up in the session's project and
+    // applies separation of duties.
+    let decided = state
+        .engine
+        .decide_approval(
+            member.session.project_id,
+            id,
+            approver(&member),
+            verdict,
+            &body.reason,
+        )
+        .await?;
+    Ok(Redirect::to(&format!("/console/runs/{}", decided.run_id)).into_response())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Runs
+
+struct StepRow {
+    seq: i64,
+    kind: String,
+    provenance: String,
+    at: String,
+    text: String,
+}
+
+struct RunApprovalRow {
+    tool: String,
+    status: String,
+    decision_reason: String,
+}
+
+#[derive(Template)]
+#[template(path = "console/run.html")]
+struct RunPage {
+    banner: Banner,
+    id: String,
+    routine: String,
+    routine_version: i64,
+    status: String,
+    trigger: String,
+    outcome: String,
+    created_at: String,
+    finished_at: String,
+    turns: u64,
+    tool_calls: u64,
+    input_tokens: u64,
+    output_tokens: u64,
+    cost_microdollars: u64,
+    approvals: Vec<RunApprovalRow>,
+    steps: Vec<StepRow>,
+}
+
+pub async fn run(
+    State(state): State<AppState>,
+    member: ConsoleMember,
+    Path(run_id): Path<String>,
+) -> PageResult {
+    let project = member.session.project_id;
+    let id: RunId = run_id
+        .parse()
+        .map_err(|_| ConsoleError(ApiError::NotFound))?;
+    let run = state.store.get_run(project, id).await?;
+    let routine = state.store.get_routine(project, run.routine_id).await?;
+    let steps = state.store.list_run_steps(project, run.id, 0).await?;
+    let approvals = state
+        .store
+        .list_approvals(
+            project,
+            &ApprovalFilter {
+                status: None,
+                run_id: Some(run.id),
+                before: None,
+                limit: INBOX_LIMIT,
+            },
+        )
+        .await?;
+    let page = RunPage {
+        banner: (&member).into(),
+        id: run.id.to_string(),
+        routine: routine.name,
+        routine_version: run.routine_version,
+        status: run.status.to_string(),
+        trigger: run.trigger_kind.clone(),
+        outcome: run.outcome.clone().unwrap_or_default(),
+        created_at: rfc3339(run.created_at),
+        finished_at: run.finished_at.map(rfc3339).unwrap_or_default(),
+        turns: run.usage.turns,
+        tool_calls: run.usage.tool_calls,
+        input_tokens: run.usage.input_tokens,
+        output_tokens: run.usage.output_tokens,
+        cost_microdollars: run.usage.cost_microdollars,
+        approvals: approvals
+            .into_iter()
+            .map(|a| RunApprovalRow {
+                tool: a.tool,
+                status: a.status.as_str().to_owned(),
+                decision_reason: a.decision_reason.unwrap_or_default(),
+            })
+            .collect(),
+        steps: steps
+            .into_iter()
+            .map(|step| StepRow {
+                seq: step.seq,
+                kind: step.kind,
+                provenance: step.provenance.as_str().to_owned(),
+                at: rfc3339(step.created_at),
+                text: serde_json::to_string_pretty(&step.payload).unwrap_or_default(),
+            })
+            .collect(),
+    };
+    Ok(render(StatusCode::OK, &page))
+}

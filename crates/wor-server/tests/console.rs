@@ -1,0 +1,804 @@
+//! The web console through the real router over loopback HTTP, as a browser without script
+//! would use it: invitations, passwords, sessions and their cookies, CSRF, lockout, the
+//! approvals inbox deciding through the engine, tenant isolation and inert rendering of what
+//! tools produced.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "the test plays a browser reaching the server under test on loopback"
+)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic,
+    reason = "test helpers fail loudly"
+)]
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+
+use axum::http::{Method, StatusCode};
+use axum::routing::{get, post};
+use common::{Harness, serve};
+use reqwest::header::{HeaderMap, LOCATION, SET_COOKIE};
+use serde_json::{Value, json};
+use wor_server::console::CONTENT_SECURITY_POLICY;
+
+/// What a tool returns: markup and a script link that must stay text.
+const HOSTILE: &str = "<script>alert(1)</script> <img src=x onerror=alert(1)> <a href=\"javascript:alert(1)\">click</a>";
+
+/// A browser: one cookie jar, no script, no redirects followed.
+struct Browser {
+    base: String,
+    client: reqwest::Client,
+    cookies: BTreeMap<String, String>,
+}
+
+struct Page {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: String,
+}
+
+impl Page {
+    fn location(&self) -> &str {
+        self.headers
+            .get(LOCATION)
+            .map(|v| v.to_str().unwrap())
+            .unwrap_or("")
+    }
+
+    fn set_cookies(&self) -> Vec<String> {
+        self.headers
+            .get_all(SET_COOKIE)
+            .iter()
+            .map(|v| v.to_str().unwrap().to_owned())
+            .collect()
+    }
+
+    /// The value of the first hidden `csrf` field.
+    fn csrf(&self) -> String {
+        let start = self
+            .body
+            .find("name=\"csrf\" value=\"")
+            .expect("a csrf field")
+            + 19;
+        let rest = &self.body[start..];
+        rest[..rest.find('"').unwrap()].to_owned()
+    }
+}
+
+impl Browser {
+    fn new(addr: SocketAddr) -> Self {
+        Browser {
+            base: format!("http://{addr}"),
+            client: reqwest::Client::builder()
+                .redirect(reqwest::redirect::Policy::none())
+                .build()
+                .unwrap(),
+            cookies: BTreeMap::new(),
+        }
+    }
+
+    async fn send(&mut self, request: reqwest::RequestBuilder) -> Page {
+        let cookie = self
+            .cookies
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join("; ");
+        let request = if cookie.is_empty() {
+            request
+        } else {
+            request.header("cookie", cookie)
+        };
+        let response = request.send().await.unwrap();
+        let status = StatusCode::from_u16(response.status().as_u16()).unwrap();
+        let headers = response.headers().clone();
+        for set in headers.get_all(SET_COOKIE) {
+            let text = set.to_str().unwrap();
+            let (pair, attributes) = text.split_once(';').unwrap_or((text, ""));
+            let (name, value) = pair.split_once('=').unwrap();
+            if attributes.contains("Max-Age=0") {
+                self.cookies.remove(name);
+            } else {
+                self.cookies.insert(name.to_owned(), value.to_owned());
+            }
+        }
+        let body = response.text().await.unwrap();
+        Page {
+            status,
+            headers,
+            body,
+        }
+    }
+
+    async fn get(&mut self, path: &str) -> Page {
+        let request = self.client.get(format!("{}{path}", self.base));
+        self.send(request).await
+    }
+
+    async fn post(&mut self, path: &str, form: &[(&str, &str)]) -> Page {
+        let request = self
+            .client
+            .post(format!("{}{path}", self.base))
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(encode(form));
+        self.send(request).await
+    }
+
+    /// Opens invitation `path` and sets `password`.
+    async fn accept(&mut self, path: &str, password: &str) -> Page {
+        let page = self.get(path).await;
+        assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+        let csrf = page.csrf();
+        self.post(
+            path,
+            &[
+                ("csrf", &csrf),
+                ("password", password),
+                ("repeat", password),
+            ],
+        )
+        .await
+    }
+
+    async fn sign_in(&mut self, project: &str, name: &str, password: &str) -> Page {
+        let page = self.get("/console/sign-in").await;
+        assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+        let csrf = page.csrf();
+        self.post(
+            "/console/sign-in",
+            &[
+                ("csrf", &csrf),
+                ("project", project),
+                ("name", name),
+                ("password", password),
+            ],
+        )
+        .await
+    }
+}
+
+/// A form body, as a browser encodes it.
+fn encode(form: &[(&str, &str)]) -> String {
+    url::form_urlencoded::Serializer::new(String::new())
+        .extend_pairs(form)
+        .finish()
+}
+
+/// Serves `h`'s router on loopback, with the peer address visible to handlers.
+async fn serve_console(h: &Harness) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let router = h.router.clone();
+    tokio::spawn(async move {
+        axum::serve(
+            listener,
+            router.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .await
+        .unwrap();
+    });
+    addr
+}
+
+async fn invite(h: &Harness, key: &str, name: &str, role: Option<&str>) -> (StatusCode, Value) {
+    let (status, body, _) = h
+        .call_as(
+            key,
+            Method::POST,
+            "/v1/invitations",
+            Some(json!({"name": name, "role": role})),
+        )
+        .await;
+    (status, body)
+}
+
+/// Invites `name` with `role`, sets their password and signs them in.
+async fn signed_in(h: &Harness, addr: SocketAddr, name: &str, role: Option<&str>) -> Browser {
+    let (status, invitation) = invite(h, h.owner(), name, role).await;
+    assert_eq!(status, StatusCode::CREATED, "{invitation}");
+    let mut browser = Browser::new(addr);
+    let page = browser
+        .accept(
+            invitation["path"].as_str().unwrap(),
+            "a long and quiet passphrase",
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::SEE_OTHER, "{}", page.body);
+    let page = browser
+        .sign_in(&h.project.project.name, name, "a long and quiet passphrase")
+        .await;
+    assert_eq!(page.status, StatusCode::SEE_OTHER, "{}", page.body);
+    browser
+}
+
+#[tokio::test]
+async fn an_invitation_works_once_sets_a_checked_password_and_signs_in_with_a_strict_cookie() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    let approver = h.member("approver").await;
+    let (status, body) = invite(&h, &approver, "ann", Some("approver")).await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "only admins invite: {body}");
+    let (status, body) = invite(&h, h.owner(), "ann", None).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    let (status, invitation) = invite(&h, h.owner(), "ann", Some("approver")).await;
+    assert_eq!(status, StatusCode::CREATED, "{invitation}");
+    let path = invitation["path"].as_str().unwrap();
+    assert!(path.starts_with("/console/invitations/wri_"), "{path}");
+
+    let mut browser = Browser::new(addr);
+    let page = browser.get(path).await;
+    assert_eq!(page.status, StatusCode::OK);
+    assert!(page.body.contains("ann"));
+    let mut csrf = page.csrf();
+    for (password, complaint) in [
+        ("short one", "at least 12"),
+        ("Password1234", "most common"),
+        ("ann", "at least 12"),
+    ] {
+        let page = browser
+            .post(
+                path,
+                &[
+                    ("csrf", &csrf),
+                    ("password", password),
+                    ("repeat", password),
+                ],
+            )
+            .await;
+        assert_eq!(page.status, StatusCode::BAD_REQUEST, "{password}");
+        assert!(page.body.contains(complaint), "{password}: {}", page.body);
+        // Each rendering of the form comes with a fresh token.
+        csrf = page.csrf();
+    }
+    let page = browser
+        .post(
+            path,
+            &[
+                ("password", "a long and quiet passphrase"),
+                ("repeat", "a long and quiet passphrase"),
+            ],
+        )
+        .await;
+    assert_eq!(
+        page.status,
+        StatusCode::FORBIDDEN,
+        "a form without its token is refused"
+    );
+    let page = browser.accept(path, "a long and quiet passphrase").await;
+    assert_eq!(page.status, StatusCode::SEE_OTHER, "{}", page.body);
+    assert!(page.location().starts_with("/console/sign-in?"));
+    // Single use.
+    let page = browser.get(path).await;
+    assert_eq!(page.status, StatusCode::NOT_FOUND);
+
+    // An expired invitation is refused like a used one.
+    let bob =
+        h.db.store
+            .create_member(h.project.project.id, "bob", wor_core::Role::Viewer)
+            .await
+            .unwrap();
+    let (token, _) =
+        h.db.store
+            .create_invitation(h.project.project.id, bob.id, None, -1)
+            .await
+            .unwrap();
+    let page = browser
+        .get(&format!("/console/invitations/{}", token.expose()))
+        .await;
+    assert_eq!(page.status, StatusCode::NOT_FOUND);
+
+    let page = browser
+        .sign_in(
+            &h.project.project.name,
+            "ann",
+            "a long and quiet passphrase",
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::SEE_OTHER, "{}", page.body);
+    assert_eq!(page.location(), "/console/approvals");
+    let session = page
+        .set_cookies()
+        .into_iter()
+        .find(|c| c.starts_with("wor_session="))
+        .unwrap();
+    assert!(session.starts_with("wor_session=wrs_"), "{session}");
+    for attribute in ["HttpOnly", "SameSite=Strict", "Path=/;"] {
+        assert!(session.contains(attribute), "{session}");
+    }
+    assert!(!session.contains("Secure"), "plain HTTP: {session}");
+    let page = browser.get("/console/approvals").await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    assert!(page.body.contains("Signed in as <strong>ann</strong>"));
+
+    // Behind a TLS-terminating proxy the cookie is Secure.
+    let mut tls = Browser::new(addr);
+    let page = tls.get("/console/sign-in").await;
+    let csrf = page.csrf();
+    let request = tls
+        .client
+        .post(format!("{}/console/sign-in", tls.base))
+        .header("x-forwarded-proto", "https")
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(encode(&[
+            ("csrf", csrf.as_str()),
+            ("project", &h.project.project.name),
+            ("name", "ann"),
+            ("password", "a long and quiet passphrase"),
+        ]));
+    let page = tls.send(request).await;
+    let session = page
+        .set_cookies()
+        .into_iter()
+        .find(|c| c.starts_with("wor_session="))
+        .unwrap();
+    assert!(session.contains("; Secure"), "{session}");
+
+    // Sign-out needs the session's token, and ends the session.
+    let page = browser.post("/console/sign-out", &[]).await;
+    assert_eq!(page.status, StatusCode::FORBIDDEN);
+    let page = browser.get("/console/approvals").await;
+    let csrf = page.csrf();
+    let page = browser.post("/console/sign-out", &[("csrf", &csrf)]).await;
+    assert_eq!(page.status, StatusCode::SEE_OTHER);
+    let page = browser.get("/console/approvals").await;
+    assert_eq!(page.status, StatusCode::SEE_OTHER);
+    assert_eq!(page.location(), "/console/sign-in");
+
+    let audit = h.audit_text().await;
+    for category in [
+        "member.invite",
+        "member.set_password",
+        "console.sign_in",
+        "console.sign_out",
+    ] {
+        assert!(audit.contains(category), "{category} is audited");
+    }
+    assert!(
+        !audit.contains("quiet passphrase"),
+        "no password in the audit"
+    );
+}
+
+#[tokio::test]
+async fn sign_in_says_the_same_for_unknown_names_and_wrong_passwords_and_locks_out() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    let project = h.project.project.name.clone();
+    drop(signed_in(&h, addr, "ann", Some("approver")).await);
+    drop(signed_in(&h, addr, "cho", Some("viewer")).await);
+    let mut browser = Browser::new(addr);
+    let unknown = browser
+        .sign_in(&project, "nobody", "a long and quiet passphrase")
+        .await;
+    let wrong = browser.sign_in(&project, "ann", "not her passphrase").await;
+    assert_eq!(unknown.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(wrong.status, StatusCode::UNAUTHORIZED);
+    let message = |page: &Page| {
+        let start = page.body.find("role=\"alert\">").unwrap();
+        page.body[start..page.body[start..].find("</p>").unwrap() + start].to_owned()
+    };
+    assert_eq!(message(&unknown), message(&wrong));
+    for _ in 0..4 {
+        let page = browser.sign_in(&project, "ann", "not her passphrase").await;
+        assert_eq!(page.status, StatusCode::UNAUTHORIZED);
+    }
+    // Five failures: the right password is refused too, for a while.
+    let page = browser
+        .sign_in(&project, "ann", "a long and quiet passphrase")
+        .await;
+    assert_eq!(page.status, StatusCode::TOO_MANY_REQUESTS, "{}", page.body);
+    assert!(
+        !browser.cookies.contains_key("wor_session"),
+        "no session while locked out"
+    );
+    // And per address: 20 failures from one address lock out every name there.
+    for i in 0..14 {
+        let page = browser
+            .sign_in(&project, &format!("guess-{i}"), "whatever it is")
+            .await;
+        assert_eq!(page.status, StatusCode::UNAUTHORIZED, "attempt {i}");
+    }
+    let page = browser
+        .sign_in(&project, "cho", "a long and quiet passphrase")
+        .await;
+    assert_eq!(page.status, StatusCode::TOO_MANY_REQUESTS, "{}", page.body);
+    let audit = h.audit_text().await;
+    assert!(audit.contains("console.sign_in_failure"));
+    assert!(audit.contains("locked_out"));
+}
+
+#[tokio::test]
+async fn an_api_key_cannot_open_the_console_and_a_session_cannot_call_the_api() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    let browser = signed_in(&h, addr, "ann", Some("approver")).await;
+    let session = browser.cookies["wor_session"].clone();
+    let client = &browser.client;
+    let base = &browser.base;
+    let api = client
+        .get(format!("{base}/v1/whoami"))
+        .header("cookie", format!("wor_session={session}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(api.status().as_u16(), 401, "a session cookie is no API key");
+    let api = client
+        .get(format!("{base}/v1/whoami"))
+        .bearer_auth(&session)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(api.status().as_u16(), 401, "a session token is no API key");
+    for cookie in [
+        format!("wor_session={}", h.owner()),
+        "wor_session=wrt_00".to_owned(),
+    ] {
+        let page = client
+            .get(format!("{base}/console/approvals"))
+            .header("cookie", cookie)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(page.status().as_u16(), 303);
+        assert_eq!(page.headers()[LOCATION], "/console/sign-in");
+    }
+    let page = client
+        .get(format!("{base}/console/approvals"))
+        .bearer_auth(h.owner())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(page.status().as_u16(), 303, "an API key is no session");
+}
+
+/// An HTTP API tool server: `get_note` answers with hostile markup; `send_note` records.
+async fn hostile_tools(h: &Harness) {
+    let api = axum::Router::new()
+        .route(
+            "/v1/notes/{id}",
+            get(|| async { axum::Json(json!({"note": HOSTILE})) }),
+        )
+        .route(
+            "/v1/notes",
+            post(|| async { axum::Json(json!({"status": "sent"})) }),
+        );
+    let addr = serve(api).await;
+    let tools = json!([
+        {"name": "get_note", "description": "Reads a note", "method": "GET", "path": "/notes/{id}",
+         "inputSchema": {"type": "object", "properties": {"id": {"type": "string"}}, "required": ["id"]}},
+        {"name": "send_note", "description": "Sends a note", "method": "POST", "path": "/notes",
+         "inputSchema": {"type": "object", "properties": {"to": {"type": "string"}, "text": {"type": "string"}}}}
+    ]);
+    let (status, created) = h
+        .call(
+            Method::POST,
+            "/v1/tool-connections",
+            Some(
+                json!({"name": "notes", "kind": "http_api", "url": format!("http://{addr}/v1"),
+                "allowlist": [addr.to_string()], "tools": tools}),
+            ),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    h.review_and_enable(created["id"].as_str().unwrap(), &["get_note"])
+        .await;
+}
+
+const ROUTINE: &str = r#"
+name = "note-sender"
+instructions = "Read note 7, then send it on."
+[model]
+provider = "replay"
+model = "script"
+[[model.script.turns]]
+when = { last_tool_result_contains = "sent" }
+text = "sent it"
+[[model.script.turns]]
+when = { last_tool_result_contains = "onerror" }
+tool_calls = [{ name = "notes__send_note", arguments = { text = "<script>alert(1)</script>" } }]
+[[model.script.turns]]
+tool_calls = [{ name = "notes__get_note", arguments = { id = "7" } }]
+[[tools]]
+tool = "notes/get_note"
+mode = "auto"
+[[tools]]
+tool = "notes/send_note"
+mode = "confirm"
+pinned = { to = "team@example.com" }
+[concurrency]
+max_runs = 5
+"#;
+
+/// Applies [`ROUTINE`] as the owner; returns its id.
+async fn note_sender(h: &Harness) -> String {
+    let (status, applied) = h
+        .call(Method::POST, "/v1/routines", Some(json!({"toml": ROUTINE})))
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{applied}");
+    applied["routine"]["id"].as_str().unwrap().to_owned()
+}
+
+/// Starts a run of `routine` as the owner and drives it until it parks; returns its id.
+async fn parked_run(h: &Harness, routine: &str) -> String {
+    let (status, run) = h
+        .call(
+            Method::POST,
+            &format!("/v1/routines/{routine}/runs"),
+            Some(json!({"input": "send note 7"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{run}");
+    let id = run["id"].as_str().unwrap().to_owned();
+    assert!(h.engine.run_next().await.unwrap(), "no run was queued");
+    let run = h.get_run(&id).await;
+    assert_eq!(run["status"], "waiting_for_approval", "{run:#}");
+    id
+}
+
+#[tokio::test]
+async fn the_inbox_decides_through_the_engine_and_tells_the_starter_why_they_cannot() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    hostile_tools(&h).await;
+    let routine = note_sender(&h).await;
+    let approved_run = parked_run(&h, &routine).await;
+    let denied_run = parked_run(&h, &routine).await;
+
+    // The owner started both runs: the inbox shows them, and why the owner cannot decide.
+    let mut owner = signed_in(&h, addr, "alice", None).await;
+    let page = owner.get("/console/approvals").await;
+    assert_eq!(page.status, StatusCode::OK);
+    assert!(page.body.contains("notes/send_note"));
+    assert!(
+        page.body
+            .contains("the member who started this run cannot decide its approvals"),
+        "{}",
+        page.body
+    );
+    assert!(!page.body.contains("/approve\""), "no form to decide with");
+
+    let mut ann = signed_in(&h, addr, "ann", Some("approver")).await;
+    let page = ann.get("/console/approvals").await;
+    assert_eq!(page.status, StatusCode::OK);
+    assert_eq!(page.body.matches("<section class=\"card\"").count(), 2);
+    assert!(
+        page.body.find(&denied_run).unwrap() < page.body.find(&approved_run).unwrap(),
+        "newest first"
+    );
+    assert!(page.body.contains("pinned by the routine"));
+    assert!(page.body.contains("team@example.com"));
+    assert!(page.body.contains("note-sender (version 1)"));
+    assert!(
+        page.body
+            .contains("&#60;script&#62;alert(1)&#60;/script&#62;"),
+        "the model's argument is shown as text"
+    );
+    assert!(!page.body.contains("<script>"));
+    let approval = |run: &str| {
+        let run = run.to_owned();
+        let h = &h;
+        async move {
+            h.pending_approvals(&run).await[0]["id"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        }
+    };
+    let approve_id = approval(&approved_run).await;
+    let deny_id = approval(&denied_run).await;
+
+    // The starter is refused by the engine too, whatever the page shows.
+    let csrf = owner.get("/console/approvals").await.csrf();
+    let page = owner
+        .post(
+            &format!("/console/approvals/{approve_id}/approve"),
+            &[("csrf", &csrf), ("reason", "mine")],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::FORBIDDEN);
+    assert!(page.body.contains("started this run"));
+
+    let csrf = page_csrf(&mut ann).await;
+    let page = ann
+        .post(
+            &format!("/console/approvals/{approve_id}/approve"),
+            &[("reason", "looks right")],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::FORBIDDEN, "no token, no decision");
+    assert_eq!(h.pending_approvals(&approved_run).await.len(), 1);
+    let page = ann
+        .post(
+            &format!("/console/approvals/{approve_id}/approve"),
+            &[("csrf", &csrf), ("reason", "looks right")],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::SEE_OTHER, "{}", page.body);
+    assert_eq!(page.location(), format!("/console/runs/{approved_run}"));
+    let page = ann
+        .post(
+            &format!("/console/approvals/{deny_id}/deny"),
+            &[("csrf", &csrf), ("reason", "not this one")],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::SEE_OTHER, "{}", page.body);
+    while h.engine.run_next().await.unwrap() {}
+
+    assert_eq!(h.get_run(&approved_run).await["status"], "succeeded");
+    let (_, denied, _) = h
+        .call_as(
+            h.owner(),
+            Method::GET,
+            &format!("/v1/approvals/{deny_id}"),
+            None,
+        )
+        .await;
+    assert_eq!(denied["status"], "denied");
+    assert_eq!(denied["decision_reason"], "not this one");
+    assert_eq!(denied["decided_by_key"], Value::Null);
+    assert!(
+        denied["decided_by_member"]
+            .as_str()
+            .unwrap()
+            .starts_with("mem_")
+    );
+    let audit = h.audit_text().await;
+    assert!(
+        audit.contains("console_member"),
+        "decisions name the member"
+    );
+
+    // The run page: the timeline, with the tool's markup as inert text.
+    let page = ann.get(&format!("/console/runs/{approved_run}")).await;
+    assert_eq!(page.status, StatusCode::OK);
+    assert!(page.body.contains("succeeded"));
+    assert!(page.body.contains("looks right"));
+    assert!(page.body.contains("untrusted"));
+    assert!(
+        page.body
+            .contains("&#60;script&#62;alert(1)&#60;/script&#62;")
+    );
+    assert!(page.body.contains("&#60;img src=x onerror=alert(1)&#62;"));
+    for live in [
+        "<script",
+        "<img",
+        "href=\"javascript:",
+        "href=\\\"javascript:",
+    ] {
+        assert!(!page.body.contains(live), "`{live}` is rendered as markup");
+    }
+    for (name, value) in [
+        ("content-security-policy", CONTENT_SECURITY_POLICY),
+        ("referrer-policy", "no-referrer"),
+        ("x-content-type-options", "nosniff"),
+    ] {
+        assert_eq!(page.headers[name], value);
+    }
+    let css = ann.get("/console/static/console.css").await;
+    assert_eq!(css.status, StatusCode::OK);
+    assert!(
+        css.headers["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/css")
+    );
+}
+
+async fn page_csrf(browser: &mut Browser) -> String {
+    browser.get("/console/approvals").await.csrf()
+}
+
+#[tokio::test]
+async fn another_projects_run_and_approval_are_a_404_page_in_the_console() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    hostile_tools(&h).await;
+    let routine = note_sender(&h).await;
+    let run = parked_run(&h, &routine).await;
+    let approval = h.pending_approvals(&run).await[0]["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+
+    let other =
+        h.db.store
+            .create_project(&wor_store::testing::TestDatabase::unique_name("q"), "olga")
+            .await
+            .unwrap();
+    let (status, invitation, _) = h
+        .call_as(
+            other.owner_key.expose(),
+            Method::POST,
+            "/v1/invitations",
+            Some(json!({"name": "olga"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{invitation}");
+    let mut olga = Browser::new(addr);
+    olga.accept(
+        invitation["path"].as_str().unwrap(),
+        "a long and quiet passphrase",
+    )
+    .await;
+    let page = olga
+        .sign_in(&other.project.name, "olga", "a long and quiet passphrase")
+        .await;
+    assert_eq!(page.status, StatusCode::SEE_OTHER, "{}", page.body);
+
+    let page = olga.get("/console/approvals").await;
+    assert!(!page.body.contains(&approval), "another project's inbox");
+    let csrf = page.csrf();
+    let page = olga.get(&format!("/console/runs/{run}")).await;
+    assert_eq!(page.status, StatusCode::NOT_FOUND);
+    assert!(page.body.contains("another project"));
+    assert_eq!(
+        page.headers["content-security-policy"],
+        CONTENT_SECURITY_POLICY
+    );
+    let page = olga
+        .post(
+            &format!("/console/approvals/{approval}/approve"),
+            &[("csrf", &csrf), ("reason", "mine now")],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::NOT_FOUND);
+    assert_eq!(h.pending_approvals(&run).await.len(), 1, "still pending");
+    let page = olga.get("/console/no-such-page").await;
+    assert_eq!(page.status, StatusCode::NOT_FOUND);
+    assert_eq!(
+        page.headers["content-security-policy"],
+        CONTENT_SECURITY_POLICY
+    );
+}
+
+#[tokio::test]
+async fn sessions_end_when_idle_and_at_their_absolute_expiry() {
+    let h = Harness::new().await;
+    let store = &h.db.store;
+    let project = h.project.project.id;
+    let member = h.project.owner.id;
+    let live = store
+        .create_console_session(project, member, 60_000)
+        .await
+        .unwrap();
+    assert!(
+        store
+            .console_session(live.expose(), 60_000)
+            .await
+            .unwrap()
+            .is_some()
+    );
+    // Unused for longer than the idle limit: gone, however recent its sign-in.
+    assert!(
+        store
+            .console_session(live.expose(), 0)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    let past = store
+        .create_console_session(project, member, -1)
+        .await
+        .unwrap();
+    assert!(
+        store
+            .console_session(past.expose(), 60_000)
+            .await
+            .unwrap()
+            .is_none(),
+        "past its absolute expiry"
+    );
+    // An API key is not a session token, even one of this project's owner.
+    assert!(
+        store
+            .console_session(h.owner(), 60_000)
+            .await
+            .unwrap()
+            .is_none()
+    );
+}

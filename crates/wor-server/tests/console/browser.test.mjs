@@ -1,0 +1,237 @@
+// The console in a real browser (Debian's chromium through playwright-core) against the real
+// `wor serve`: invitation, password, sign-in, a parked run decided in the inbox, the run's
+// timeline, tool output that must stay text, and axe on every page built so far.
+//
+// Run by .ci/console.sh: WOR_BIN is the `wor` binary, WOR_NPM_CONSOLE the folder holding the
+// npm packages, WOR_TEST_DATABASE_URL empty for SQLite or a PostgreSQL URL.
+import { test, before, after } from 'node:test';
+import assert from 'node:assert/strict';
+import { spawn, execFileSync } from 'node:child_process';
+import { createRequire } from 'node:module';
+import fs from 'node:fs';
+import http from 'node:http';
+import os from 'node:os';
+import path from 'node:path';
+import { fileURLToPath } from 'node:url';
+
+const require = createRequire(path.join(process.env.WOR_NPM_CONSOLE, 'node_modules', 'index.js'));
+const { chromium } = require('playwright-core');
+const { AxeBuilder } = require('@axe-core/playwright');
+
+const WOR = process.env.WOR_BIN;
+const DATABASE = process.env.WOR_TEST_DATABASE_URL || '';
+const REPO = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '../../../..');
+// Screenshots for docs/console.md come from the SQLite run, so each CI run writes them once.
+const SHOTS = DATABASE ? null : path.join(REPO, 'docs', 'console');
+const HOSTILE = '<script>alert(1)</script> <img src=x onerror=alert(1)> <a href="javascript:alert(1)">click</a>';
+const PASSWORD = 'a long and quiet passphrase';
+
+let dir, server, serverUrl, toolServer, toolAddr, ownerKey, browser, project;
+const dialogs = [];
+
+function flags() {
+  const list = ['--config', path.join(dir, 'wor.toml'), '--data-dir', path.join(dir, 'data')];
+  if (DATABASE) list.push('--database', DATABASE);
+  return list;
+}
+
+async function api(method, route, body) {
+  const response = await fetch(serverUrl + route, {
+    method,
+    headers: { authorization: `Bearer ${ownerKey}`, 'content-type': 'application/json' },
+    body: body === undefined ? undefined : JSON.stringify(body),
+  });
+  const text = await response.text();
+  assert.ok(response.ok, `${method} ${route}: ${response.status} ${text}`);
+  return JSON.parse(text);
+}
+
+before(async () => {
+  dir = fs.mkdtempSync(path.join(os.tmpdir(), 'wor-console-'));
+  // The HTTP API the routine's tools call: a read that returns hostile markup, and a send.
+  toolServer = http.createServer((req, res) => {
+    res.setHeader('content-type', 'application/json');
+    if (req.method === 'GET') res.end(JSON.stringify({ note: HOSTILE }));
+    else res.end(JSON.stringify({ status: 'sent' }));
+  });
+  await new Promise((resolve) => toolServer.listen(0, '127.0.0.1', resolve));
+  toolAddr = `127.0.0.1:${toolServer.address().port}`;
+  fs.writeFileSync(path.join(dir, 'wor.toml'), '[egress]\nallowed_cidrs = ["127.0.0.1/32"]\n');
+  project = `console-${process.pid}-${Date.now()}`;
+  ownerKey = execFileSync(WOR, ['project', 'create', project, '--owner', 'alice', ...flags()], {
+    encoding: 'utf8',
+    stdio: ['ignore', 'pipe', 'inherit'],
+  }).trim();
+  server = spawn(WOR, ['serve', '--listen', '127.0.0.1:0', ...flags()], {
+    stdio: ['ignore', 'ignore', 'pipe'],
+    env: { ...process.env, WOR_LOG: 'warn' },
+  });
+  serverUrl = await new Promise((resolve, reject) => {
+    let seen = '';
+    server.stderr.on('data', (chunk) => {
+      seen += chunk;
+      const match = seen.match(/listening on (http:\/\/[0-9.:]+)/);
+      if (match) resolve(match[1]);
+    });
+    server.on('exit', (code) => reject(new Error(`wor serve exited with ${code}: ${seen}`)));
+  });
+  browser = await chromium.launch({ executablePath: '/usr/bin/chromium', args: ['--no-sandbox'] });
+});
+
+after(async () => {
+  await browser?.close();
+  server?.kill('SIGTERM');
+  toolServer?.close();
+  if (dir) fs.rmSync(dir, { recursive: true, force: true });
+});
+
+async function newPage() {
+  const context = await browser.newContext();
+  const page = await context.newPage();
+  // A dialog would mean that text from a tool ran as script.
+  page.on('dialog', async (dialog) => {
+    dialogs.push(dialog.message());
+    await dialog.dismiss();
+  });
+  return page;
+}
+
+async function accessible(page, name) {
+  const results = await new AxeBuilder({ page }).analyze();
+  const bad = results.violations.filter((v) => v.impact === 'serious' || v.impact === 'critical');
+  assert.deepEqual(
+    bad.map((v) => `${v.id}: ${v.help}`),
+    [],
+    `axe on the ${name} page`,
+  );
+}
+
+let routineId;
+
+/// Sets up (once) a tool connection and a routine whose runs park on `notes/send_note`, and
+/// starts a run that parks.
+async function parkedRun() {
+  routineId ??= await noteSender();
+  const run = await api('POST', `/v1/routines/${routineId}/runs`, { input: 'please send note 7' });
+  for (let i = 0; i < 200; i++) {
+    const now = await api('GET', `/v1/runs/${run.id}`);
+    if (now.status === 'waiting_for_approval') return run.id;
+    assert.ok(!['succeeded', 'failed', 'cancelled'].includes(now.status), `run ended: ${now.status}`);
+    await new Promise((r) => setTimeout(r, 100));
+  }
+  throw new Error('the run never parked');
+}
+
+async function noteSender() {
+  const tools = [
+    { name: 'get_note', description: 'Reads a note', method: 'GET', path: '/notes/{id}',
+      inputSchema: { type: 'object', properties: { id: { type: 'string' } }, required: ['id'] } },
+    { name: 'send_note', description: 'Sends a note', method: 'POST', path: '/notes',
+      inputSchema: { type: 'object', properties: { to: { type: 'string' }, text: { type: 'string' } } } },
+  ];
+  const connection = await api('POST', '/v1/tool-connections', {
+    name: 'notes', kind: 'http_api', url: `http://${toolAddr}/v1`, allowlist: [toolAddr], tools,
+  });
+  const review = await api('GET', `/v1/tool-connections/${connection.id}/review`);
+  const hashes = Object.fromEntries(review.tools.map((t) => [t.name, t.hash]));
+  await api('POST', `/v1/tool-connections/${connection.id}/enable`, { tools: hashes, read_only: ['get_note'] });
+  const toml = `
+name = "note-sender"
+instructions = "Read note 7, then send it on."
+[model]
+provider = "replay"
+model = "script"
+[[model.script.turns]]
+when = { last_tool_result_contains = "sent" }
+text = "sent it"
+[[model.script.turns]]
+when = { last_tool_result_contains = "onerror" }
+tool_calls = [{ name = "notes__send_note", arguments = { text = "<script>alert(2)</script>" } }]
+[[model.script.turns]]
+tool_calls = [{ name = "notes__get_note", arguments = { id = "7" } }]
+[[tools]]
+tool = "notes/get_note"
+mode = "auto"
+[[tools]]
+tool = "notes/send_note"
+mode = "confirm"
+pinned = { to = "team@example.com" }
+`;
+  const applied = await api('POST', '/v1/routines', { toml });
+  return applied.routine.id;
+}
+
+test('a member is invited, signs in, approves a held call and sees the run finish', async () => {
+  const runId = await parkedRun();
+  const link = execFileSync(WOR, ['member', 'invite', 'ann', '--role', 'approver', '--server', serverUrl], {
+    encoding: 'utf8',
+    env: { ...process.env, WOR_API_KEY: ownerKey },
+    stdio: ['ignore', 'pipe', 'inherit'],
+  }).trim();
+  assert.match(link, /\/console\/invitations\/wri_[0-9a-f]{64}$/);
+
+  const page = await newPage();
+  await page.goto(link);
+  await accessible(page, 'invitation');
+  await page.getByLabel('New password').fill(PASSWORD);
+  await page.getByLabel('The same password again').fill(PASSWORD);
+  await page.getByRole('button', { name: 'Set password' }).click();
+  await page.waitForURL(/\/console\/sign-in/);
+  await accessible(page, 'sign-in');
+  assert.equal(await page.getByLabel('Project').inputValue(), project);
+  await page.getByLabel('Password').fill(PASSWORD);
+  await page.getByRole('button', { name: 'Sign in' }).click();
+  await page.waitForURL(/\/console\/approvals$/);
+
+  const card = page.locator('section.card', { hasText: runId });
+  await assert.doesNotReject(card.waitFor());
+  assert.match(await card.innerText(), /notes\/send_note/);
+  assert.match(await card.innerText(), /pinned by the routine/);
+  assert.match(await card.innerText(), /<script>alert\(2\)<\/script>/, 'the argument shows as text');
+  await accessible(page, 'approvals');
+  if (SHOTS) await page.screenshot({ path: path.join(SHOTS, 'inbox.png'), fullPage: true });
+
+  await card.getByLabel('Reason').fill('checked the recipient');
+  await card.getByRole('button', { name: 'Approve' }).click();
+  await page.waitForURL(new RegExp(`/console/runs/${runId}$`));
+  for (let i = 0; i < 100; i++) {
+    if ((await page.locator('.status').innerText()) === 'succeeded') break;
+    await new Promise((r) => setTimeout(r, 200));
+    await page.reload();
+  }
+  assert.equal(await page.locator('.status').innerText(), 'succeeded');
+  const timeline = await page.locator('ol.timeline').innerText();
+  assert.ok(timeline.includes('<script>alert(1)</script>'), 'the tool result shows as text');
+  assert.ok(timeline.includes('<img src=x onerror=alert(1)>'));
+  assert.equal(await page.locator('script').count(), 0);
+  assert.equal(await page.locator('main img').count(), 0);
+  assert.equal(await page.locator('a[href^="javascript:"]').count(), 0);
+  await accessible(page, 'run');
+  if (SHOTS) await page.screenshot({ path: path.join(SHOTS, 'run.png'), fullPage: true });
+  assert.deepEqual(dialogs, [], 'no script ran');
+  await page.context().close();
+});
+
+test('the member who started a run is told why they cannot decide it', async () => {
+  const runId = await parkedRun();
+  const link = execFileSync(WOR, ['member', 'invite', 'alice', '--server', serverUrl], {
+    encoding: 'utf8',
+    env: { ...process.env, WOR_API_KEY: ownerKey },
+    stdio: ['ignore', 'pipe', 'inherit'],
+  }).trim();
+  const page = await newPage();
+  await page.goto(link);
+  await page.getByLabel('New password').fill(PASSWORD);
+  await page.getByLabel('The same password again').fill(PASSWORD);
+  await page.getByRole('button', { name: 'Set password' }).click();
+  await page.waitForURL(/\/console\/sign-in/);
+  await page.getByLabel('Password').fill(PASSWORD);
+  await page.getByRole('button', { name: 'Sign in' }).click();
+  await page.waitForURL(/\/console\/approvals$/);
+  const card = page.locator('section.card', { hasText: runId });
+  await card.waitFor();
+  assert.match(await card.innerText(), /the member who started this run cannot decide its approvals/);
+  assert.equal(await card.getByRole('button', { name: 'Approve' }).count(), 0);
+  assert.deepEqual(dialogs, []);
+  await page.context().close();
+});

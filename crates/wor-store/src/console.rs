@@ -1,0 +1,314 @@
+//! The web console's sign-in state: members' password hashes, single-use invitations,
+//! server-side sessions and recent failed sign-ins.
+//!
+//! Invitation and session tokens are 256 bits from the operating system's random source,
+//! shown once and stored as SHA-256 digests only. Passwords arrive here already hashed (an
+//! argon2id PHC string); this module never sees one.
+
+use std::fmt;
+
+use rand::TryRngCore;
+use sqlx::Row;
+use wor_core::canonical::sha256_hex;
+use wor_core::{ApiKeyId, MemberId, ProjectId, Role};
+
+use crate::{Store, StoreError, now_millis, parse_column};
+
+/// The text every invitation token starts with.
+pub const INVITATION_TOKEN_PREFIX: &str = "wri_";
+/// The text every console session token starts with.
+pub const SESSION_TOKEN_PREFIX: &str = "wrs_";
+
+/// A freshly made token. Its `Debug` hides the value; read it with [`Self::expose`].
+pub struct ConsoleToken(String);
+
+impl ConsoleToken {
+    fn generate(prefix: &str) -> Result<Self, StoreError> {
+        let mut bytes = [0u8; 32];
+        rand::rngs::OsRng
+            .try_fill_bytes(&mut bytes)
+            .map_err(|e| StoreError::Corrupt(format!("random source failed: {e}")))?;
+        Ok(Self(format!("{prefix}{}", hex::encode(bytes))))
+    }
+
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for ConsoleToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("ConsoleToken(***)")
+    }
+}
+
+/// An invitation that can still be used.
+#[derive(Debug, Clone)]
+pub struct InvitationRecord {
+    pub project_id: ProjectId,
+    pub member_id: MemberId,
+    pub member_name: String,
+    pub expires_at: i64,
+}
+
+/// A member who may sign in, with the stored hash to check a password against.
+#[derive(Debug, Clone)]
+pub struct SignInAccount {
+    pub project_id: ProjectId,
+    pub member_id: MemberId,
+    pub phc: String,
+}
+
+/// A live console session, with its member's current role.
+#[derive(Debug, Clone)]
+pub struct ConsoleSessionRecord {
+    pub project_id: ProjectId,
+    pub member_id: MemberId,
+    pub member_name: String,
+    pub role: Role,
+    /// The synchronizer token every form of this session carries.
+    pub csrf_token: String,
+}
+
+impl Store {
+    /// Makes a single-use invitation for `member`, valid for `ttl_ms`.
+    pub async fn create_invitation(
+        &self,
+        project: ProjectId,
+        member: MemberId,
+        created_by: Option<ApiKeyId>,
+        ttl_ms: i64,
+    ) -> Result<(ConsoleToken, i64), StoreError> {
+        let token = ConsoleToken::generate(INVITATION_TOKEN_PREFIX)?;
+        let now = now_millis();
+        let expires_at = now.saturating_add(ttl_ms);
+        sqlx::query(
+            "INSERT INTO member_invitations (sha256, project_id, member_id, created_by, \
+             created_at, expires_at) VALUES ($1, $2, $3, $4, $5, $6)",
+        )
+        .bind(sha256_hex(token.expose().as_bytes()))
+        .bind(project.to_string())
+        .bind(member.to_string())
+        .bind(created_by.map(|k| k.to_string()))
+        .bind(now)
+        .bind(expires_at)
+        .execute(&self.pool)
+        .await?;
+        Ok((token, expires_at))
+    }
+
+    /// The invitation `presented` names, if it is unused and unexpired.
+    pub async fn invitation(
+        &self,
+        presented: &str,
+    ) -> Result<Option<InvitationRecord>, StoreError> {
+        let row = sqlx::query(
+            "SELECT i.project_id, i.member_id, i.expires_at, m.name FROM member_invitations i \
+             JOIN members m ON m.id = i.member_id AND m.project_id = i.project_id \
+             WHERE i.sha256 = $1 AND i.used_at IS NULL AND i.expires_at > $2",
+        )
+        .bind(sha256_hex(presented.as_bytes()))
+        .bind(now_millis())
+        .fetch_optional(&self.pool)
+        .await?;
+        let Some(row) = row else { return Ok(None) };
+        let project_id: String = row.try_get("project_id")?;
+        let member_id: String = row.try_get("member_id")?;
+        Ok(Some(InvitationRecord {
+            project_id: parse_column(&project_id, "member_invitations.project_id")?,
+            member_id: parse_column(&member_id, "member_invitations.member_id")?,
+            member_name: row.try_get("name")?,
+            expires_at: row.try_get("expires_at")?,
+        }))
+    }
+
+    /// Uses invitation `presented` to set its member's password hash. `None` when the
+    /// invitation is unknown, used or expired: it works once, and only before it expires.
+    pub async fn accept_invitation(
+        &self,
+        presented: &str,
+        phc: &str,
+    ) -> Result<Option<InvitationRecord>, StoreError> {
+        let Some(invitation) = self.invitation(presented).await? else {
+            return Ok(None);
+        };
+        let now = now_millis();
+        let mut tx = self.begin_write().await?;
+        // INVARIANT: the update is the single-use check; of two concurrent uses one matches.
+        let used = sqlx::query(
+            "UPDATE member_invitations SET used_at = $1 \
+             WHERE sha256 = $2 AND used_at IS NULL AND expires_at > $1",
+        )
+        .bind(now)
+        .bind(sha256_hex(presented.as_bytes()))
+        .execute(&mut *tx)
+        .await?;
+        if used.rows_affected() != 1 {
+            return Ok(None);
+        }
+        sqlx::query("DELETE FROM member_passwords WHERE member_id = $1")
+            .bind(invitation.member_id.to_string())
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(
+            "INSERT INTO member_passwords (member_id, project_id, phc, set_at) \
+             VALUES ($1, $2, $3, $4)",
+        )
+        .bind(invitation.member_id.to_string())
+        .bind(invitation.project_id.to_string())
+        .bind(phc)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(Some(invitation))
+    }
+
+    /// The member named `member` in the project named `project`, if they have a password.
+    pub async fn sign_in_account(
+        &self,
+        project: &str,
+        member: &str,
+    ) -> Result<Option<SignInAccount>, StoreError> {
+        let row = sqlx::query(
+            "SELECT m.project_id, m.id, pw.phc FROM projects p \
+             JOIN members m ON m.project_id = p.id \
+             JOIN member_passwords pw ON pw.member_id = m.id AND pw.project_id = m.project_id \
+             WHERE p.name = $1 AND m.name = $2",
+        )
+        .bind(project)
+        .bind(member)
+        .fetch_optional(&self.pool)
+        .await?;
+        let Some(row) = row else { return Ok(None) };
+        let project_id: String = row.try_get("project_id")?;
+        let member_id: String = row.try_get("id")?;
+        Ok(Some(SignInAccount {
+            project_id: parse_column(&project_id, "members.project_id")?,
+            member_id: parse_column(&member_id, "members.id")?,
+            phc: row.try_get("phc")?,
+        }))
+    }
+
+    /// The id of the project named `name`, if there is one.
+    pub async fn project_id_by_name(&self, name: &str) -> Result<Option<ProjectId>, StoreError> {
+        let id: Option<String> = sqlx::query_scalar("SELECT id FROM projects WHERE name = $1")
+            .bind(name)
+            .fetch_optional(&self.pool)
+            .await?;
+        id.map(|id| parse_column(&id, "projects.id")).transpose()
+    }
+
+    /// Starts a session for `member` that ends `absolute_ms` from now at the latest. Returns
+    /// the session token (for the cookie) and the session's CSRF token.
+    pub async fn create_console_session(
+        &self,
+        project: ProjectId,
+        member: MemberId,
+        absolute_ms: i64,
+    ) -> Result<ConsoleToken, StoreError> {
+        let token = ConsoleToken::generate(SESSION_TOKEN_PREFIX)?;
+        let csrf = ConsoleToken::generate("")?;
+        let now = now_millis();
+        sqlx::query(
+            "INSERT INTO console_sessions (sha256, project_id, member_id, csrf_token, created_at, \
+             last_seen_at, expires_at) VALUES ($1, $2, $3, $4, $5, $5, $6)",
+        )
+        .bind(sha256_hex(token.expose().as_bytes()))
+        .bind(project.to_string())
+        .bind(member.to_string())
+        .bind(csrf.expose())
+        .bind(now)
+        .bind(now.saturating_add(absolute_ms))
+        .execute(&self.pool)
+        .await?;
+        Ok(token)
+    }
+
+    /// The live session `presented` names: not past its absolute expiry, and used within the
+    /// last `idle_ms`. Using it refreshes its idle clock.
+    pub async fn console_session(
+        &self,
+        presented: &str,
+        idle_ms: i64,
+    ) -> Result<Option<ConsoleSessionRecord>, StoreError> {
+        if !presented.starts_with(SESSION_TOKEN_PREFIX) {
+            return Ok(None);
+        }
+        let digest = sha256_hex(presented.as_bytes());
+        let now = now_millis();
+        let row = sqlx::query(
+            "SELECT s.project_id, s.member_id, s.csrf_token, m.name, m.role \
+             FROM console_sessions s \
+             JOIN members m ON m.id = s.member_id AND m.project_id = s.project_id \
+             WHERE s.sha256 = $1 AND s.expires_at > $2 AND s.last_seen_at > $3",
+        )
+        .bind(&digest)
+        .bind(now)
+        .bind(now.saturating_sub(idle_ms))
+        .fetch_optional(&self.pool)
+        .await?;
+        let Some(row) = row else { return Ok(None) };
+        sqlx::query("UPDATE console_sessions SET last_seen_at = $1 WHERE sha256 = $2")
+            .bind(now)
+            .bind(&digest)
+            .execute(&self.pool)
+            .await?;
+        let project_id: String = row.try_get("project_id")?;
+        let member_id: String = row.try_get("member_id")?;
+        let role: String = row.try_get("role")?;
+        Ok(Some(ConsoleSessionRecord {
+            project_id: parse_column(&project_id, "console_sessions.project_id")?,
+            member_id: parse_column(&member_id, "console_sessions.member_id")?,
+            member_name: row.try_get("name")?,
+            role: parse_column(&role, "members.role")?,
+            csrf_token: row.try_get("csrf_token")?,
+        }))
+    }
+
+    /// Ends the session `presented` names (signing out). Ending an unknown one is a no-op.
+    pub async fn end_console_session(&self, presented: &str) -> Result<(), StoreError> {
+        sqlx::query("DELETE FROM console_sessions WHERE sha256 = $1")
+            .bind(sha256_hex(presented.as_bytes()))
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Records one failed sign-in against each of `scopes` (an account, an address).
+    pub async fn record_sign_in_failure(&self, scopes: &[&str]) -> Result<(), StoreError> {
+        let now = now_millis();
+        for scope in scopes {
+            sqlx::query("INSERT INTO sign_in_failures (scope, at) VALUES ($1, $2)")
+                .bind(*scope)
+                .bind(now)
+                .execute(&self.pool)
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// How many sign-ins failed for `scope` since `since` (milliseconds since the epoch).
+    pub async fn sign_in_failures(&self, scope: &str, since: i64) -> Result<i64, StoreError> {
+        Ok(
+            sqlx::query_scalar(
+                "SELECT COUNT(*) FROM sign_in_failures WHERE scope = $1 AND at > $2",
+            )
+            .bind(scope)
+            .bind(since)
+            .fetch_one(&self.pool)
+            .await?,
+        )
+    }
+
+    /// Forgets the failures of `scope` (after a successful sign-in) and any older than
+    /// `before` everywhere.
+    pub async fn clear_sign_in_failures(&self, scope: &str, before: i64) -> Result<(), StoreError> {
+        sqlx::query("DELETE FROM sign_in_failures WHERE scope = $1 OR at < $2")
+            .bind(scope)
+            .bind(before)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+}
