@@ -382,9 +382,17 @@ impl Engine {
                 format!("id:{}", hook.delivery.clone().unwrap_or_default())
             }
         };
-        let mut input = match serde_json::from_slice::<Value>(&hook.body) {
-            Ok(json) => json,
-            Err(_) => Value::String(String::from_utf8_lossy(&hook.body).into_owned()),
+        // A payload nested deeper than any API body may be is kept as the text it came as.
+        let parsed = if wor_core::json_depth::text_nesting(&hook.body)
+            > wor_core::json_depth::MAX_JSON_NESTING
+        {
+            None
+        } else {
+            serde_json::from_slice::<Value>(&hook.body).ok()
+        };
+        let mut input = match parsed {
+            Some(json) => json,
+            None => Value::String(String::from_utf8_lossy(&hook.body).into_owned()),
         };
         // A sender's payload is the run's input as it came; U+0000 cannot be stored.
         wor_core::text::replace_nul_in_json(&mut input);

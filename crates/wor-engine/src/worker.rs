@@ -72,7 +72,16 @@ impl Engine {
         let slots = Arc::new(Semaphore::new(self.config.workers.max(1)));
         let mut drivers = JoinSet::new();
         loop {
-            while drivers.try_join_next().is_some() {}
+            while let Some(ended) = drivers.try_join_next() {
+                if let Err(error) = ended
+                    && error.is_panic()
+                {
+                    tracing::error!(
+                        category = "run",
+                        "a run's driver panicked; its lease will expire and the run is resumed"
+                    );
+                }
+            }
             if *shutdown.borrow() {
                 break;
             }

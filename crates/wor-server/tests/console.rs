@@ -409,7 +409,69 @@ async fn sign_in_says_the_same_for_unknown_names_and_wrong_passwords_and_locks_o
     assert_eq!(page.status, StatusCode::TOO_MANY_REQUESTS, "{}", page.body);
     let audit = h.audit_text().await;
     assert!(audit.contains("console.sign_in_failure"));
-    assert!(audit.contains("locked_out"));
+    // Refusals by the lockout are not audited one by one: nobody can fill the chain.
+    assert!(!audit.contains("locked_out"));
+}
+
+#[tokio::test]
+async fn sign_ins_sent_at_once_cannot_pass_the_lockout_together() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    let project = h.project.project.name.clone();
+    drop(signed_in(&h, addr, "ann", Some("approver")).await);
+    let attempts: Vec<_> = (0..16)
+        .map(|_| {
+            let project = project.clone();
+            tokio::spawn(async move {
+                Browser::new(addr)
+                    .sign_in(&project, "ann", "sixteen guesses at once")
+                    .await
+                    .status
+            })
+        })
+        .collect();
+    let mut checked = 0;
+    for attempt in attempts {
+        let status = attempt.await.unwrap();
+        assert!(
+            status == StatusCode::UNAUTHORIZED || status == StatusCode::TOO_MANY_REQUESTS,
+            "{status}"
+        );
+        if status == StatusCode::UNAUTHORIZED {
+            checked += 1;
+        }
+    }
+    // Each attempt counts before its password is checked: at most five are checked at all.
+    assert_eq!(checked, 5, "passwords checked");
+}
+
+#[tokio::test]
+async fn an_admin_cannot_invite_an_owner_and_a_new_password_ends_old_sessions() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    let admin = h.member("admin").await;
+    let (status, body) = invite(&h, &admin, "newowner", Some("owner")).await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+    let (_, members) = h.call(Method::GET, "/v1/members", None).await;
+    assert!(
+        !members.to_string().contains("newowner"),
+        "a refused invitation leaves no member: {members}"
+    );
+
+    let mut browser = signed_in(&h, addr, "ann", Some("approver")).await;
+    assert_eq!(
+        browser.get("/console/approvals").await.status,
+        StatusCode::OK
+    );
+    // A fresh invitation sets a new password: the session opened with the old one ends.
+    let (status, again) = invite(&h, h.owner(), "ann", None).await;
+    assert_eq!(status, StatusCode::CREATED, "{again}");
+    let page = Browser::new(addr)
+        .accept(again["path"].as_str().unwrap(), "another long passphrase")
+        .await;
+    assert_eq!(page.status, StatusCode::SEE_OTHER, "{}", page.body);
+    let page = browser.get("/console/approvals").await;
+    assert_ne!(page.status, StatusCode::OK, "the old session is over");
 }
 
 #[tokio::test]

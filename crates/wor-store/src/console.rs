@@ -150,6 +150,11 @@ impl Store {
             .bind(invitation.member_id.to_string())
             .execute(&mut *tx)
             .await?;
+        // A new password ends every session opened with the old one.
+        sqlx::query("DELETE FROM console_sessions WHERE member_id = $1")
+            .bind(invitation.member_id.to_string())
+            .execute(&mut *tx)
+            .await?;
         sqlx::query(
             "INSERT INTO member_passwords (member_id, project_id, phc, set_at) \
              VALUES ($1, $2, $3, $4)",
@@ -275,13 +280,65 @@ impl Store {
         Ok(())
     }
 
-    /// Records one failed sign-in against each of `scopes` (an account, an address).
-    pub async fn record_sign_in_failure(&self, scopes: &[&str]) -> Result<(), StoreError> {
+    /// Counts a sign-in attempt against each of `scopes` (an account with its limit, an
+    /// address with its limit) before its password is checked. In one write transaction (on
+    /// PostgreSQL under a lock per scope, taken in sorted order) it refuses with `None` when a
+    /// scope already has its limit of failures since `since`; else it records a failure for each
+    /// scope and returns when, for [`Self::release_sign_in_attempt`] to take back if the password
+    /// is right. So attempts sent at once cannot all pass the count before any is recorded.
+    pub async fn reserve_sign_in_attempt(
+        &self,
+        scopes: &[(&str, i64)],
+        since: i64,
+    ) -> Result<Option<i64>, StoreError> {
         let now = now_millis();
-        for scope in scopes {
+        let mut tx = self.begin_write().await?;
+        if self.backend() == crate::Backend::Postgres {
+            let mut names: Vec<&str> = scopes.iter().map(|(scope, _)| *scope).collect();
+            names.sort_unstable();
+            for scope in names {
+                sqlx::query(
+                    "SELECT 1 AS locked FROM (SELECT pg_advisory_xact_lock(hashtext($1))) AS l",
+                )
+                .bind(scope)
+                .fetch_one(&mut *tx)
+                .await?;
+            }
+        }
+        for (scope, limit) in scopes {
+            let failures: i64 = sqlx::query_scalar(
+                "SELECT COUNT(*) FROM sign_in_failures WHERE scope = $1 AND at > $2",
+            )
+            .bind(*scope)
+            .bind(since)
+            .fetch_one(&mut *tx)
+            .await?;
+            if failures >= *limit {
+                return Ok(None);
+            }
+        }
+        for (scope, _) in scopes {
             sqlx::query("INSERT INTO sign_in_failures (scope, at) VALUES ($1, $2)")
                 .bind(*scope)
                 .bind(now)
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(Some(now))
+    }
+
+    /// Takes back the failures [`Self::reserve_sign_in_attempt`] recorded at `at` for `scopes`:
+    /// the password was right.
+    pub async fn release_sign_in_attempt(
+        &self,
+        scopes: &[&str],
+        at: i64,
+    ) -> Result<(), StoreError> {
+        for scope in scopes {
+            sqlx::query("DELETE FROM sign_in_failures WHERE scope = $1 AND at = $2")
+                .bind(*scope)
+                .bind(at)
                 .execute(&self.pool)
                 .await?;
         }

@@ -154,10 +154,19 @@ pub async fn sign_in(
     let account_scope = format!("account:{}\n{}", body.project, body.name);
     let address_scope = format!("address:{address}");
     let since = wor_store::now_millis().saturating_sub(millis(config.lockout));
-    let locked = state.store.sign_in_failures(&account_scope, since).await?
-        >= i64::from(config.max_failures_per_account)
-        || state.store.sign_in_failures(&address_scope, since).await?
-            >= i64::from(config.max_failures_per_address);
+    // The attempt counts as a failure before the password is checked, so attempts sent at
+    // once cannot all pass the count; a right password takes it back.
+    let reserved = state
+        .store
+        .reserve_sign_in_attempt(
+            &[
+                (&account_scope, i64::from(config.max_failures_per_account)),
+                (&address_scope, i64::from(config.max_failures_per_address)),
+            ],
+            since,
+        )
+        .await?;
+    let locked = reserved.is_none();
     let account = if locked {
         None
     } else {
@@ -180,13 +189,14 @@ pub async fn sign_in(
     let account = match account {
         Some(account) if verified => account,
         _ => {
-            if !locked {
-                state
-                    .store
-                    .record_sign_in_failure(&[&account_scope, &address_scope])
-                    .await?;
-            }
-            if let Some(project) = state.store.project_id_by_name(&body.project).await? {
+            // Attempts refused by the lockout are not audited one by one: the failure that
+            // reached the limit was, and nobody can write to the chain without a limit.
+            let audited = if locked {
+                None
+            } else {
+                state.store.project_id_by_name(&body.project).await?
+            };
+            if let Some(project) = audited {
                 state
                     .audit
                     .append(
@@ -196,7 +206,7 @@ pub async fn sign_in(
                             Actor::ConsoleVisitor,
                         )
                         .payload(json!({
-                            "name": body.name,
+                            "name": body.name.chars().take(100).collect::<String>(),
                             "address": address,
                             "reason": if locked { "locked_out" } else { "wrong_name_or_password" },
                         })),
@@ -227,6 +237,12 @@ pub async fn sign_in(
             );
         }
     };
+    if let Some(at) = reserved {
+        state
+            .store
+            .release_sign_in_attempt(&[&address_scope], at)
+            .await?;
+    }
     state
         .store
         .clear_sign_in_failures(&account_scope, since)

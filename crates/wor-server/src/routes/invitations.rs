@@ -77,6 +77,13 @@ pub async fn invite(
                     ),
                 )
             })?;
+            // Checked before the member exists: a refused invitation leaves nothing behind.
+            if !caller.role.can_grant(role) {
+                return Err(ApiError::Forbidden(format!(
+                    "role `{}` cannot invite a member with role `{role}`",
+                    caller.role
+                )));
+            }
             (
                 state.store.create_member(project, &body.name, role).await?,
                 true,
