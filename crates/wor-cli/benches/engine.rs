@@ -148,6 +148,7 @@ repeat = true
 [budget]
 turns = {turns}
 tool_calls = {calls}
+input_tokens = 1000000000
 [concurrency]
 max_runs = 64
 [[tools]]

@@ -472,6 +472,16 @@ async fn an_admin_cannot_invite_an_owner_and_a_new_password_ends_old_sessions() 
     assert_eq!(page.status, StatusCode::SEE_OTHER, "{}", page.body);
     let page = browser.get("/console/approvals").await;
     assert_ne!(page.status, StatusCode::OK, "the old session is over");
+
+    // U+0000 in any field of a console form is refused before it can reach the database.
+    let page = Browser::new(addr)
+        .sign_in(
+            &h.project.project.name,
+            "ann\u{0}",
+            "a long and quiet passphrase",
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::BAD_REQUEST, "{}", page.body);
 }
 
 #[tokio::test]

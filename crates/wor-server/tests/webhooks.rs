@@ -425,6 +425,26 @@ async fn run_webhooks_arrive_signed_and_failed_deliveries_are_retried() {
         .await;
     assert_eq!(log.body[0]["status"], "delivered", "{}", log.text);
     assert_eq!(log.body[0]["attempts"], 2);
+    // A page cursor is a delivery id; anything else (U+0000 included) is a 400, never a 500.
+    let newest = log.body[0]["id"].as_str().unwrap().to_owned();
+    let page = h
+        .reply(
+            Method::GET,
+            &format!("/v1/webhook-deliveries?before={newest}"),
+            None,
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.text);
+    for bad in ["%00", "dlv_%00", "x'--"] {
+        let page = h
+            .reply(
+                Method::GET,
+                &format!("/v1/webhook-deliveries?before={bad}"),
+                None,
+            )
+            .await;
+        assert_eq!(page.status, StatusCode::BAD_REQUEST, "{bad}: {}", page.text);
+    }
 
     let got = receiver.got.lock().unwrap().clone();
     assert_eq!(got.len(), 2);

@@ -182,6 +182,16 @@ pub async fn csrf_gate(State(state): State<AppState>, request: Request, next: Ne
     let Ok(bytes) = axum::body::to_bytes(body, MAX_FORM_BYTES).await else {
         return ConsoleError(ApiError::PayloadTooLarge).into_response();
     };
+    // PostgreSQL text cannot hold U+0000: no console form may carry it, in any field.
+    if url::form_urlencoded::parse(&bytes)
+        .any(|(key, value)| key.contains('\0') || value.contains('\0'))
+    {
+        return ConsoleError(ApiError::bad_request(
+            "invalid_form",
+            "a field contains a NUL character (U+0000)",
+        ))
+        .into_response();
+    }
     let presented = url::form_urlencoded::parse(&bytes)
         .find(|(key, _)| key == "csrf")
         .map(|(_, value)| value.into_owned())
