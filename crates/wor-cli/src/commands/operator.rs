@@ -102,16 +102,7 @@ async fn create_audited(
             .subject("member_id", created.owner.id)
             .payload(json!({ "role": created.owner.role, "service": false })),
     ];
-    for event in events {
-        audit
-            .append(event)
-            .await
-            .context("cannot write the audit log")?;
-    }
-    audit
-        .checkpoint()
-        .await
-        .context("cannot sign the audit log")?;
+    record_and_sign(&audit, events).await?;
     Ok(created)
 }
 
@@ -230,16 +221,7 @@ async fn recover_owner(
                 "recovery": true,
             })),
     );
-    for event in events {
-        audit
-            .append(event)
-            .await
-            .context("cannot write the audit log")?;
-    }
-    audit
-        .checkpoint()
-        .await
-        .context("cannot sign the audit log")?;
+    record_and_sign(&audit, events).await?;
     let who = if recovered.owner_created {
         "new owner"
     } else {
@@ -251,5 +233,24 @@ async fn recover_owner(
     );
     eprintln!("the API key follows on stdout; it is shown only this once:");
     println!("{}", recovered.plaintext.expose());
+    Ok(())
+}
+
+/// Appends `events` to the audit log, then signs the chain's new head: what an operator did is
+/// recorded and checkpointed before the command reports it.
+async fn record_and_sign(
+    audit: &AuditLog,
+    events: impl IntoIterator<Item = AuditEvent>,
+) -> anyhow::Result<()> {
+    for event in events {
+        audit
+            .append(event)
+            .await
+            .context("cannot write the audit log")?;
+    }
+    audit
+        .checkpoint()
+        .await
+        .context("cannot sign the audit log")?;
     Ok(())
 }

@@ -91,20 +91,31 @@ pub struct SignInQuery {
     password_set: Option<String>,
 }
 
-/// The sign-in form, with a fresh form token in its own cookie.
-fn sign_in_form(
+/// A page with a form for someone not signed in (`csrf` picks the page's token field): a
+/// fresh form token, in the page and in its own cookie.
+fn form_page<T: askama::Template>(
     parts: &Parts,
     status: StatusCode,
-    mut page: SignInPage,
+    mut page: T,
+    csrf: impl FnOnce(&mut T) -> &mut String,
 ) -> Result<Response, ConsoleError> {
     let token = form_token()?;
-    page.csrf.clone_from(&token);
+    csrf(&mut page).clone_from(&token);
     let mut response = render(status, &page);
     response.headers_mut().append(
         header::SET_COOKIE,
         set_cookie(parts, FORM_COOKIE, &token, "/console", None),
     );
     Ok(response)
+}
+
+/// The sign-in form, with a fresh form token in its own cookie.
+fn sign_in_form(
+    parts: &Parts,
+    status: StatusCode,
+    page: SignInPage,
+) -> Result<Response, ConsoleError> {
+    form_page(parts, status, page, |p| &mut p.csrf)
 }
 
 pub async fn sign_in_page(
@@ -335,16 +346,9 @@ fn invitation_gone() -> ConsoleError {
 fn invitation_form(
     parts: &Parts,
     status: StatusCode,
-    mut page: InvitationPage,
+    page: InvitationPage,
 ) -> Result<Response, ConsoleError> {
-    let token = form_token()?;
-    page.csrf.clone_from(&token);
-    let mut response = render(status, &page);
-    response.headers_mut().append(
-        header::SET_COOKIE,
-        set_cookie(parts, FORM_COOKIE, &token, "/console", None),
-    );
-    Ok(response)
+    form_page(parts, status, page, |p| &mut p.csrf)
 }
 
 pub async fn invitation_page(
