@@ -749,8 +749,8 @@ async fn an_ended_nested_run_always_releases_its_parked_parent() {
 /// `max_concurrent`, nor more of a project than the per-project limit (on both backends).
 #[tokio::test]
 async fn concurrent_claims_keep_the_routine_and_project_limits() {
-    use wor_core::run::{Provenance, RunStatus};
-    use wor_store::{NewRun, RunFilter};
+    use wor_core::run::RunStatus;
+    use wor_store::RunFilter;
     let db = TestDatabase::isolated().await.unwrap();
     let project = new_project(&db).await;
     let store = db.store.clone();
@@ -772,20 +772,7 @@ async fn concurrent_claims_keep_the_routine_and_project_limits() {
         let store = store.clone();
         async move {
             for _ in 0..count {
-                let new = NewRun {
-                    routine_id: routine,
-                    routine_version: 1,
-                    trigger_kind: "api".to_owned(),
-                    started_by: None,
-                    max_concurrent,
-                    status: RunStatus::Queued,
-                    outcome: None,
-                    trigger_key: None,
-                    input_provenance: Provenance::Requester,
-                    thread: None,
-                    memory: None,
-                    parent: None,
-                };
+                let new = queued_run(routine, 1, None, max_concurrent);
                 store
                     .create_run(project, new, &serde_json::json!("x"))
                     .await
@@ -842,6 +829,31 @@ async fn concurrent_claims_keep_the_routine_and_project_limits() {
 }
 
 /// A personal `owner` key for `member`, as an owner would create one.
+/// A run of `routine` started through the API by `started_by`, queued with the routine's
+/// `max_concurrent`.
+fn queued_run(
+    routine: wor_core::RoutineId,
+    routine_version: i64,
+    started_by: Option<wor_core::ApiKeyId>,
+    max_concurrent: u64,
+) -> wor_store::NewRun {
+    use wor_core::run::{Provenance, RunStatus};
+    wor_store::NewRun {
+        routine_id: routine,
+        routine_version,
+        trigger_kind: "api".to_owned(),
+        started_by,
+        max_concurrent,
+        status: RunStatus::Queued,
+        outcome: None,
+        trigger_key: None,
+        input_provenance: Provenance::Requester,
+        thread: None,
+        memory: None,
+        parent: None,
+    }
+}
+
 async fn owner_key(
     db: &TestDatabase,
     project: wor_core::ProjectId,
@@ -1054,7 +1066,7 @@ async fn recovering_an_owner_makes_a_working_owner_key() {
 async fn many_concurrent_writers_all_succeed() {
     use wor_core::run::{Provenance, RunStatus};
     use wor_store::{
-        ApprovalDecision, ApprovalKind, ApprovedCall, ApprovedStart, NewApproval, NewRun, Verdict,
+        ApprovalDecision, ApprovalKind, ApprovedCall, ApprovedStart, NewApproval, Verdict,
     };
     let db = TestDatabase::isolated().await.unwrap();
     let created = db
@@ -1080,20 +1092,7 @@ async fn many_concurrent_writers_all_succeed() {
                     .apply_routine(project, &toml, &definition, Some(key))
                     .await
                     .unwrap();
-                let new = NewRun {
-                    routine_id: applied.routine.id,
-                    routine_version: applied.version,
-                    trigger_kind: "api".to_owned(),
-                    started_by: Some(key),
-                    max_concurrent: 100,
-                    status: RunStatus::Queued,
-                    outcome: None,
-                    trigger_key: None,
-                    input_provenance: Provenance::Requester,
-                    thread: None,
-                    memory: None,
-                    parent: None,
-                };
+                let new = queued_run(applied.routine.id, applied.version, Some(key), 100);
                 let run = store
                     .create_run(project, new, &serde_json::json!("x"))
                     .await
@@ -1211,10 +1210,8 @@ async fn many_concurrent_writers_all_succeed() {
 #[tokio::test]
 async fn an_approval_is_never_used_without_its_call_recorded_as_started() {
     use wor_core::budget::BudgetUsage;
-    use wor_core::run::{Provenance, RunStatus};
     use wor_store::{
-        ApprovalDecision, ApprovalKind, ApprovedCall, ApprovedStart, Backend, NewApproval, NewRun,
-        Verdict,
+        ApprovalDecision, ApprovalKind, ApprovedCall, ApprovedStart, Backend, NewApproval, Verdict,
     };
     let db = TestDatabase::isolated().await.unwrap();
     let created = db
@@ -1233,20 +1230,7 @@ async fn an_approval_is_never_used_without_its_call_recorded_as_started() {
         .unwrap()
         .routine
         .id;
-    let new = NewRun {
-        routine_id: routine,
-        routine_version: 1,
-        trigger_kind: "api".to_owned(),
-        started_by: Some(key),
-        max_concurrent: 1,
-        status: RunStatus::Queued,
-        outcome: None,
-        trigger_key: None,
-        input_provenance: Provenance::Requester,
-        thread: None,
-        memory: None,
-        parent: None,
-    };
+    let new = queued_run(routine, 1, Some(key), 1);
     let run = store
         .create_run(project, new, &serde_json::json!("x"))
         .await
