@@ -29,6 +29,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "wor-egress",
             "wor-secrets",
             "wor-sandbox",
+            "wor-wasm",
             "wor-policy",
         ],
     ),
@@ -299,5 +300,255 @@ fn the_path_rule_catches_a_climb_out_of_the_repository() {
     assert_eq!(
         path_like_tokens(&format!("let p = format!(\"{outside}\");")).count(),
         1
+    );
+}
+
+/// The modules of one crate that `source` (one module's text) refers to as `crate::NAME`.
+fn module_references(source: &str, modules: &[String]) -> Vec<String> {
+    let mut found = Vec::new();
+    for (at, _) in source.match_indices("crate::") {
+        let rest = &source[at + "crate::".len()..];
+        let name: String = rest
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect();
+        if modules.contains(&name) && !found.contains(&name) {
+            found.push(name);
+        }
+        // `use crate::{a::X, b}` names several.
+        if rest.starts_with('{') {
+            let group: String = rest.chars().take_while(|c| *c != '}').collect();
+            for part in group.trim_start_matches('{').split(',') {
+                let name: String = part
+                    .trim()
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                if modules.contains(&name) && !found.contains(&name) {
+                    found.push(name);
+                }
+            }
+        }
+    }
+    found
+}
+
+/// A cycle in `edges`, if there is one, as the modules along it.
+fn find_cycle(edges: &BTreeMap<String, Vec<String>>) -> Option<Vec<String>> {
+    fn visit(
+        node: &str,
+        edges: &BTreeMap<String, Vec<String>>,
+        path: &mut Vec<String>,
+        done: &mut std::collections::BTreeSet<String>,
+    ) -> Option<Vec<String>> {
+        if let Some(start) = path.iter().position(|n| n == node) {
+            let mut cycle = path[start..].to_vec();
+            cycle.push(node.to_owned());
+            return Some(cycle);
+        }
+        if done.contains(node) {
+            return None;
+        }
+        path.push(node.to_owned());
+        for next in edges.get(node).into_iter().flatten() {
+            if let Some(cycle) = visit(next, edges, path, done) {
+                return Some(cycle);
+            }
+        }
+        path.pop();
+        done.insert(node.to_owned());
+        None
+    }
+    let mut done = std::collections::BTreeSet::new();
+    edges
+        .keys()
+        .find_map(|node| visit(node, edges, &mut Vec::new(), &mut done))
+}
+
+/// The modules of each crate (one file each, below `src/`, the crate root aside) refer to
+/// each other in one direction only: a circle means two modules that are really one, or a
+/// shared piece that belongs in a module of its own.
+#[test]
+fn no_crate_has_a_circle_of_modules() {
+    let crates = repository_root().join("crates");
+    for krate in std::fs::read_dir(&crates).unwrap() {
+        let src = krate.unwrap().path().join("src");
+        if !src.is_dir() {
+            continue;
+        }
+        let mut files = Vec::new();
+        files_below(
+            &src,
+            &|p| p.extension().is_some_and(|e| e == "rs"),
+            &mut files,
+        );
+        let module_of = |path: &std::path::Path| {
+            let relative = path.strip_prefix(&src).unwrap();
+            let first = relative.components().next().unwrap();
+            first
+                .as_os_str()
+                .to_string_lossy()
+                .trim_end_matches(".rs")
+                .to_owned()
+        };
+        let modules: Vec<String> = files
+            .iter()
+            .map(|p| module_of(p))
+            .filter(|m| !matches!(m.as_str(), "lib" | "main" | "bin"))
+            .collect();
+        let mut edges: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for file in &files {
+            let module = module_of(file);
+            if !modules.contains(&module) {
+                continue;
+            }
+            let source = std::fs::read_to_string(file).unwrap();
+            // What only its tests use does not make a module depend on another, nor does a
+            // comment that links to one.
+            let source: String = source
+                .split("#[cfg(test)]")
+                .next()
+                .unwrap_or_default()
+                .lines()
+                .map(|line| line.split("//").next().unwrap_or_default())
+                .collect::<Vec<_>>()
+                .join("\n");
+            let source = source.as_str();
+            let entry = edges.entry(module.clone()).or_default();
+            for target in module_references(source, &modules) {
+                if target != module && !entry.contains(&target) {
+                    entry.push(target);
+                }
+            }
+        }
+        assert_eq!(
+            find_cycle(&edges),
+            None,
+            "modules of {} refer to each other in a circle",
+            src.display()
+        );
+    }
+}
+
+#[test]
+fn the_circle_rule_finds_a_circle() {
+    let modules: Vec<String> = ["driver", "pipeline", "call"].map(str::to_owned).into();
+    assert_eq!(
+        module_references(
+            "use crate::{pipeline::X, call};\nlet a = crate::driver::Y;",
+            &modules
+        ),
+        ["pipeline", "call", "driver"].map(str::to_owned)
+    );
+    let edges = BTreeMap::from([
+        ("driver".to_owned(), vec!["pipeline".to_owned()]),
+        ("pipeline".to_owned(), vec!["call".to_owned()]),
+        ("call".to_owned(), vec!["driver".to_owned()]),
+    ]);
+    assert!(find_cycle(&edges).is_some());
+    let acyclic = BTreeMap::from([
+        (
+            "driver".to_owned(),
+            vec!["pipeline".to_owned(), "call".to_owned()],
+        ),
+        ("pipeline".to_owned(), vec!["call".to_owned()]),
+    ]);
+    assert_eq!(find_cycle(&acyclic), None);
+}
+
+/// A run's steps are read and written as `wor_core::step::Step` only: outside its module no
+/// library code names a step kind as a string or looks a key up in a step's payload.
+#[test]
+fn steps_are_typed_outside_the_step_module() {
+    let kinds = [
+        "\"model_turn\"",
+        "\"tool_call\"",
+        "\"tool_result\"",
+        "\"approval_used\"",
+    ];
+    let mut files = Vec::new();
+    files_below(
+        &repository_root().join("crates"),
+        &|p| {
+            p.extension().is_some_and(|e| e == "rs")
+                && p.components().any(|c| c.as_os_str() == "src")
+                && !p.ends_with("wor-core/src/step.rs")
+                // Providers' wire formats have block types of the same names.
+                && !p.components().any(|c| c.as_os_str() == "wor-models")
+        },
+        &mut files,
+    );
+    let mut found = Vec::new();
+    for file in files {
+        let source = std::fs::read_to_string(&file).unwrap();
+        let library = source.split("#[cfg(test)]").next().unwrap_or_default();
+        for (n, line) in library.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or_default();
+            if kinds.iter().any(|k| code.contains(k))
+                || code.contains(".payload.get(")
+                || code.contains(".payload.pointer(")
+                || code.contains("s.kind ==")
+            {
+                found.push(format!("{}:{}: {}", file.display(), n + 1, line.trim()));
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "untyped step handling:\n{}",
+        found.join("\n")
+    );
+}
+
+/// The dependency diagram of ARCHITECTURE.md, as `cargo metadata` has it: each crate, the
+/// crates it depends on (normal dependencies only), those that depend on nothing last.
+fn dependency_diagram() -> String {
+    let meta = metadata();
+    let mut edges: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for package in meta["packages"].as_array().unwrap() {
+        let name = package["name"].as_str().unwrap().to_owned();
+        let mut deps: Vec<String> = package["dependencies"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|d| d["kind"].is_null())
+            .filter_map(|d| d["name"].as_str())
+            .filter(|d| d.starts_with("wor-"))
+            .map(str::to_owned)
+            .collect();
+        deps.sort();
+        deps.dedup();
+        edges.insert(name, deps);
+    }
+    // Most dependencies first: the composition root at the top, `wor-core` at the bottom.
+    let mut order: Vec<(&String, &Vec<String>)> = edges.iter().collect();
+    order.sort_by(|a, b| b.1.len().cmp(&a.1.len()).then(a.0.cmp(b.0)));
+    order
+        .iter()
+        .map(|(name, deps)| {
+            if deps.is_empty() {
+                format!("{name} (depends on no other crate)")
+            } else {
+                format!("{name} ──> {}", deps.join(", "))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// ARCHITECTURE.md draws exactly the dependencies the crates have.
+#[test]
+fn the_architecture_diagram_matches_the_crates() {
+    let text = std::fs::read_to_string(repository_root().join("ARCHITECTURE.md")).unwrap();
+    let start = "<!-- dependencies: generated, checked by crates/wor-cli/tests/tidy.rs -->\n```\n";
+    let drawn = text
+        .split_once(start)
+        .and_then(|(_, rest)| rest.split_once("\n```"))
+        .map(|(block, _)| block)
+        .expect("ARCHITECTURE.md has the generated dependency block");
+    let actual = dependency_diagram();
+    assert_eq!(
+        drawn, actual,
+        "ARCHITECTURE.md's dependency block is out of date; it should read:\n{actual}"
     );
 }

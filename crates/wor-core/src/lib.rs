@@ -8,6 +8,7 @@
 pub mod approval;
 pub mod audit;
 pub mod budget;
+pub mod call;
 pub mod canonical;
 pub mod ids;
 pub mod json_depth;
@@ -18,6 +19,7 @@ pub mod routine;
 pub mod run;
 pub mod run_loop;
 pub mod schedule;
+pub mod step;
 pub mod text;
 
 pub use ids::{ApiKeyId, ApprovalId, ConnectionId, IdError, MemberId, ProjectId, RoutineId, RunId};

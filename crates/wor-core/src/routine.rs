@@ -192,6 +192,9 @@ pub enum ToolMode {
     Deny,
 }
 
+/// The connection name rosters use for other routines: `routine/NAME`.
+pub const ROUTINE_CONNECTION: &str = "routine";
+
 /// What a run does when a person denies one of its calls, or nobody decides in time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

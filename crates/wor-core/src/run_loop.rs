@@ -18,9 +18,11 @@
 use std::collections::{BTreeSet, VecDeque};
 
 use crate::budget::{BudgetExceeded, BudgetUsage, ModelPrice};
+use crate::call::Verdict;
 use crate::model::ToolCallRequest;
 use crate::routine::BudgetLimits;
-use crate::run::RunStatus;
+use crate::run::{Provenance, RunStatus};
+use crate::step::{PendingCall, ToolResultStep, tool_source};
 
 /// How a run ended, with the reason recorded as its outcome.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -59,13 +61,15 @@ pub enum Next<C> {
 }
 
 /// What the tool pipeline made of one call.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum CallOutcome {
-    /// The call has a result (run, refused or denied) for the model: the run's usage now, and
-    /// the untrusted source the result adds to the context, if any.
+    /// The call has an answer for the model — a tool's result, a refusal or a denial — with
+    /// its label and the run's usage now. An untrusted answer adds its tool to the context's
+    /// untrusted sources.
     Answered {
+        answer: ToolResultStep,
+        provenance: Provenance,
         usage: BudgetUsage,
-        untrusted_source: Option<String>,
     },
     /// Running it would go over a budget.
     Budget(BudgetExceeded),
@@ -196,31 +200,26 @@ impl<C> RunLoop<C> {
     }
 
     /// What the pipeline made of the call last handed out.
-    pub fn call_answered(&mut self, outcome: CallOutcome) -> AfterCall {
+    pub fn call_answered(&mut self, outcome: &CallOutcome) -> AfterCall {
         match outcome {
             CallOutcome::Answered {
+                answer,
+                provenance,
                 usage,
-                untrusted_source,
             } => {
-                self.usage = usage;
-                if let Some(source) = untrusted_source {
-                    self.untrusted.insert(source);
+                self.usage = *usage;
+                if *provenance == Provenance::Untrusted {
+                    self.untrusted.insert(tool_source(&answer.tool));
                 }
                 AfterCall::Continue
             }
-            CallOutcome::Budget(exceeded) => AfterCall::End(Ending::budget(exceeded)),
-            CallOutcome::Fail(reason) => AfterCall::End(Ending::new(RunStatus::Failed, reason)),
+            CallOutcome::Budget(exceeded) => AfterCall::End(Ending::budget(*exceeded)),
+            CallOutcome::Fail(reason) => {
+                AfterCall::End(Ending::new(RunStatus::Failed, reason.clone()))
+            }
             CallOutcome::Parked => AfterCall::Park,
         }
     }
-}
-
-/// A call's policy verdict (the decision of `wor-policy`, or a person's approval as `Allow`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Verdict {
-    Allow,
-    Confirm,
-    Deny,
 }
 
 /// What follows a call's decision, in the order the pipeline persists it. Before the decision
@@ -254,13 +253,13 @@ impl Verdict {
     }
 }
 
-/// Where one call of the last turn stood when its run stopped, read from its recorded
-/// `tool_call` step: what resuming it must do so that nothing is repeated.
+/// Where one call of the last turn stood when its run stopped, read from its steps: what
+/// resuming it must do so that nothing is repeated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CallResume {
     /// No decision was recorded: the call goes through the whole pipeline.
     Fresh,
-    /// It was refused (by policy, or before a decision): the model is told so again.
+    /// Policy denied it: the model is told so again.
     Refused,
     /// It was held for a person: its approval decides.
     Held,
@@ -271,15 +270,18 @@ pub enum CallResume {
 }
 
 impl CallResume {
-    /// From the call's recorded decision (`allow`, `confirm`, `deny`, or a refusal), whether
-    /// an approval was used to start it, and whether it calls a routine.
-    pub fn of(decision: Option<&str>, started_with_approval: bool, routine: bool) -> Self {
-        match decision {
-            None => CallResume::Fresh,
-            Some(_) if started_with_approval => CallResume::Started { routine },
-            Some("allow") => CallResume::Started { routine },
-            Some("confirm") => CallResume::Held,
-            Some(_) => CallResume::Refused,
+    /// From how far the call got: its recorded decision, if any, and whether an approval
+    /// was used to start it.
+    pub fn of(pending: &PendingCall) -> Self {
+        let Some(recorded) = &pending.recorded else {
+            return CallResume::Fresh;
+        };
+        let routine = recorded.calls_routine();
+        match recorded.decision {
+            _ if pending.started_with_approval => CallResume::Started { routine },
+            Verdict::Allow => CallResume::Started { routine },
+            Verdict::Confirm => CallResume::Held,
+            Verdict::Deny => CallResume::Refused,
         }
     }
 }
@@ -290,6 +292,7 @@ mod tests {
 
     use super::*;
     use crate::budget::BudgetLimit;
+    use crate::step::ToolCallStep;
 
     fn limits(turns: u64, tool_calls: u64) -> BudgetLimits {
         BudgetLimits {
@@ -307,6 +310,22 @@ mod tests {
             id: id.to_owned(),
             name: "t".to_owned(),
             arguments: serde_json::json!({}),
+        }
+    }
+
+    fn answered_by(tool: &str, provenance: Provenance, usage: BudgetUsage) -> CallOutcome {
+        CallOutcome::Answered {
+            answer: ToolResultStep {
+                tool: tool.to_owned(),
+                result: crate::model::ToolResult {
+                    tool_call_id: "a".to_owned(),
+                    content: "r".to_owned(),
+                    is_error: false,
+                },
+                nul_replaced: false,
+            },
+            provenance,
+            usage,
         }
     }
 
@@ -339,11 +358,8 @@ mod tests {
         );
         assert_eq!(run.next(false, 0), Next::Answer(call("a")));
         let usage = run.usage();
-        let answered = CallOutcome::Answered {
-            usage,
-            untrusted_source: Some("tool:c/t".to_owned()),
-        };
-        assert_eq!(run.call_answered(answered), AfterCall::Continue);
+        let answered = answered_by("c/t", Provenance::Untrusted, usage);
+        assert_eq!(run.call_answered(&answered), AfterCall::Continue);
         assert_eq!(run.next(false, 0), Next::Answer(call("b")));
         assert!(run.untrusted().contains("tool:c/t"));
         assert_eq!(run.next(false, 0), Next::CallModel);
@@ -389,14 +405,14 @@ mod tests {
             allowed: 3,
         };
         assert_eq!(
-            run.call_answered(CallOutcome::Budget(exceeded)),
+            run.call_answered(&CallOutcome::Budget(exceeded)),
             AfterCall::End(Ending::budget(exceeded))
         );
         assert_eq!(
-            run.call_answered(CallOutcome::Fail("quarantined".to_owned())),
+            run.call_answered(&CallOutcome::Fail("quarantined".to_owned())),
             AfterCall::End(Ending::new(RunStatus::Failed, "quarantined"))
         );
-        assert_eq!(run.call_answered(CallOutcome::Parked), AfterCall::Park);
+        assert_eq!(run.call_answered(&CallOutcome::Parked), AfterCall::Park);
     }
 
     #[test]
@@ -444,27 +460,49 @@ mod tests {
 
     #[test]
     fn a_resumed_call_repeats_nothing_that_may_have_happened() {
-        assert_eq!(CallResume::of(None, false, false), CallResume::Fresh);
+        let pending =
+            |decision: Option<Verdict>, started_with_approval: bool, tool: &str| PendingCall {
+                call: call("a"),
+                recorded: decision.map(|decision| ToolCallStep {
+                    tool: tool.to_owned(),
+                    model_name: "t".to_owned(),
+                    call_id: "a".to_owned(),
+                    arguments: serde_json::Map::new(),
+                    arguments_hash: String::new(),
+                    pinned_keys: Vec::new(),
+                    pin_hash: String::new(),
+                    decision,
+                    determining_policies: Vec::new(),
+                    reasons: Vec::new(),
+                    untrusted_sources: BTreeSet::new(),
+                }),
+                started_with_approval,
+            };
         assert_eq!(
-            CallResume::of(Some("deny"), false, false),
+            CallResume::of(&pending(None, false, "mail/send")),
+            CallResume::Fresh
+        );
+        assert_eq!(
+            CallResume::of(&pending(Some(Verdict::Deny), false, "mail/send")),
             CallResume::Refused
         );
         assert_eq!(
-            CallResume::of(Some("refused"), false, true),
-            CallResume::Refused
-        );
-        assert_eq!(
-            CallResume::of(Some("confirm"), false, false),
+            CallResume::of(&pending(Some(Verdict::Confirm), false, "mail/send")),
             CallResume::Held
         );
         assert_eq!(
-            CallResume::of(Some("allow"), false, false),
+            CallResume::of(&pending(Some(Verdict::Allow), false, "mail/send")),
             CallResume::Started { routine: false }
         );
         // An approved call that was started is started, whatever its first decision said.
         assert_eq!(
-            CallResume::of(Some("confirm"), true, true),
+            CallResume::of(&pending(Some(Verdict::Confirm), true, "routine/digest")),
             CallResume::Started { routine: true }
+        );
+        // Only the `routine` connection is a routine call, not a name that starts with it.
+        assert_eq!(
+            CallResume::of(&pending(Some(Verdict::Allow), false, "routines/x")),
+            CallResume::Started { routine: false }
         );
     }
 
@@ -534,14 +572,15 @@ mod tests {
                             CallOutcome::Fail("refused".to_owned())
                         } else {
                             match run.usage().reserve_tool_call(&run.limits()) {
-                                Ok(usage) => CallOutcome::Answered {
+                                Ok(usage) => answered_by(
+                                    "c/t",
+                                    if untrusted { Provenance::Untrusted } else { Provenance::Engine },
                                     usage,
-                                    untrusted_source: untrusted.then(|| "tool:c/t".to_owned()),
-                                },
+                                ),
                                 Err(exceeded) => CallOutcome::Budget(exceeded),
                             }
                         };
-                        match run.call_answered(outcome) {
+                        match run.call_answered(&outcome) {
                             AfterCall::Continue => {
                                 prop_assert!(run.usage().tool_calls <= limits.tool_calls);
                             }

@@ -8,7 +8,9 @@
 use serde_json::json;
 use wor_core::audit::{Actor, AuditCategory, AuditEvent};
 use wor_core::{ApiKeyId, ApprovalId, MemberId, ProjectId, Role};
-use wor_store::{ApprovalDecision, ApprovalRecord, DecideError, RunRecord, StoreError, Verdict};
+use wor_store::{
+    ApprovalAnswer, ApprovalDecision, ApprovalRecord, DecideError, RunRecord, StoreError,
+};
 
 use crate::{Engine, EngineError};
 
@@ -34,7 +36,7 @@ impl Engine {
         project: ProjectId,
         id: ApprovalId,
         approver: Approver,
-        verdict: Verdict,
+        verdict: ApprovalAnswer,
         reason: &str,
     ) -> Result<ApprovalRecord, EngineError> {
         // Lookups first: another project's approval is not found, whoever asks and however.

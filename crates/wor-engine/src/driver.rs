@@ -10,34 +10,32 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use secrecy::ExposeSecret;
-use serde_json::{Value, json};
-use wor_core::audit::{Actor, AuditCategory, AuditEvent};
-use wor_core::budget::BudgetExceeded;
+use serde_json::json;
+use wor_core::audit::AuditCategory;
+use wor_core::budget::{BudgetExceeded, BudgetLimit};
 use wor_core::json_depth::{MAX_JSON_NESTING, value_nesting};
-use wor_core::model::{
-    AssistantMessage, ChatMessage, ModelRequest, ModelResponse, ProviderKind, ToolResult,
-};
+use wor_core::model::{AssistantMessage, ChatMessage, ModelRequest, ModelResponse, ProviderKind};
 use wor_core::routine::RoutineDefinition;
 use wor_core::run::{Provenance, RunStatus};
 use wor_core::run_loop::{AfterCall, CallOutcome, Ending, Next, RunLoop};
+use wor_core::step::{
+    MemoryEntry, MemoryRole, ModelTurnStep, PendingCall, Step, ToolResultStep, conversation,
+    pending_calls, recorded_call_ids, untrusted_sources,
+};
 use wor_models::{
     AnthropicProvider, DiscardStream, ModelProvider, OpenAiCompatibleProvider, ProviderEndpoint,
     ProviderOptions, ReplayProvider,
 };
 use wor_policy::PolicyEngine;
 use wor_secrets::Redactor;
-use wor_store::{
-    API_KEY_FIELD, ConnectionStatus, MODEL_CONNECTIONS_TABLE, RunRecord, RunStep, SecretSlot,
-};
+use wor_store::{API_KEY_FIELD, ConnectionStatus, MODEL_CONNECTIONS_TABLE, RunRecord, SecretSlot};
 
-use crate::pipeline::{Answer, CallScope, PendingCall, pending_calls, untrusted_sources};
+use crate::call::{CallScope, Stopped, run_event};
 use crate::run_tools::{RunTools, ToolsUnavailable};
 use crate::{Engine, EngineError};
 
 /// Output tokens asked for per turn when the routine does not say.
 const DEFAULT_MAX_OUTPUT_TOKENS: u32 = 1024;
-/// How often a waiting worker looks for a cancel request and renews its lease.
-pub(crate) const CANCEL_POLL: Duration = Duration::from_millis(250);
 
 /// Where driving a run stopped.
 enum Flow {
@@ -70,11 +68,13 @@ impl Engine {
         &self,
         project: wor_core::ProjectId,
     ) -> Result<Redactor, EngineError> {
-        let live: Vec<_> = self.vault.project_values(project).await.map_err(|e| {
-            EngineError::Refused(format!("the project's secrets cannot be opened: {e}"))
-        })?;
+        let live: Vec<_> = self
+            .vault
+            .project_values(project)
+            .await
+            .map_err(EngineError::Vault)?;
         Redactor::new(live.iter().map(|s| s.expose_secret()))
-            .map_err(|e| EngineError::Refused(format!("cannot build the redactor: {e}")))
+            .map_err(|e| EngineError::InvalidState(format!("cannot build the redactor: {e}")))
     }
 
     /// Drives a run this worker holds the lease of, until it ends, parks for an approval or
@@ -84,8 +84,16 @@ impl Engine {
         let ending = match self.drive_loop(&run).await {
             Ok(Flow::End(ending)) => ending,
             Ok(Flow::Parked) => return Ok(()),
-            Err(EngineError::Refused(reason)) => Ending::new(RunStatus::Failed, reason),
-            Err(other) => return Err(other),
+            // Another worker drives the run now: it is theirs to end.
+            Err(EngineError::LeaseLost) => {
+                tracing::warn!(category = "run", action = "run.lease_lost", project_id = %run.project_id,
+                    run_id = %run.id, "the run's lease was lost to another worker; it is left to them");
+                return Ok(());
+            }
+            Err(error) => match error.run_failure() {
+                Some(reason) => Ending::new(RunStatus::Failed, reason),
+                None => return Err(error),
+            },
         };
         let finished = self
             .store
@@ -101,17 +109,11 @@ impl Engine {
             // The audit entry first: nothing after it can keep the run's end off the chain.
             self.audit
                 .append(
-                    AuditEvent::new(
-                        run.project_id,
-                        AuditCategory::RunEnd,
-                        Actor::Run { run_id: run.id },
-                    )
-                    .subject("run_id", run.id)
-                    .subject("routine_id", run.routine_id)
-                    .runs(run.root_run_id, run.parent_run_id)
-                    .payload(
-                        json!({ "status": ending.status.as_str(), "outcome": ending.outcome }),
-                    ),
+                    run_event(&run, AuditCategory::RunEnd)
+                        .subject("routine_id", run.routine_id)
+                        .payload(
+                            json!({ "status": ending.status.as_str(), "outcome": ending.outcome }),
+                        ),
                 )
                 .await?;
             self.store.cancel_approvals(run.id).await?;
@@ -133,10 +135,11 @@ impl Engine {
             .await?;
         let definition = version.definition;
         let steps = self.store.list_run_steps(run.project_id, run.id, 0).await?;
-        let messages = conversation(&definition, &steps);
-        let pending = pending_calls(&steps);
-        let call_ids = recorded_call_ids(&steps);
-        let untrusted = untrusted_sources(&steps);
+        let labelled = || steps.iter().map(|s| (&s.step, s.provenance));
+        let messages = conversation(&definition.instructions, labelled());
+        let pending = pending_calls(steps.iter().map(|s| &s.step));
+        let call_ids = recorded_call_ids(steps.iter().map(|s| &s.step));
+        let untrusted = untrusted_sources(labelled());
         let provider = match self.provider(run, &definition, &messages).await {
             Ok(provider) => provider,
             Err(reason) => return Ok(Flow::End(Ending::new(RunStatus::Failed, reason))),
@@ -186,26 +189,24 @@ impl Engine {
             return Ok(());
         }
         let steps = self.store.list_run_steps(run.project_id, run.id, 0).await?;
-        let tainted = !untrusted_sources(&steps).is_empty();
+        let tainted = !untrusted_sources(steps.iter().map(|s| (&s.step, s.provenance))).is_empty();
         let now = wor_store::now_millis();
         let mut entries = Vec::new();
-        if let Some(input) = steps.iter().find(|s| s.kind == "input") {
-            let text = match input.payload.get("input") {
-                Some(Value::String(text)) => text.clone(),
-                Some(other) => other.to_string(),
-                None => String::new(),
-            };
-            entries.push(wor_store::MemoryEntry {
+        if let Some((input, provenance)) = steps.iter().find_map(|s| match &s.step {
+            Step::Input(input) => Some((input, s.provenance)),
+            _ => None,
+        }) {
+            entries.push(MemoryEntry {
                 run_id: run.id,
-                role: "requester".to_owned(),
-                provenance: input.provenance,
-                text,
+                role: MemoryRole::Requester,
+                provenance,
+                text: input.text(),
                 created_at: now,
             });
         }
-        entries.push(wor_store::MemoryEntry {
+        entries.push(MemoryEntry {
             run_id: run.id,
-            role: "assistant".to_owned(),
+            role: MemoryRole::Assistant,
             provenance: if tainted {
                 Provenance::Untrusted
             } else {
@@ -362,38 +363,8 @@ impl Engine {
                         wall_spent: elapsed(),
                         authority: &authority,
                     };
-                    let answer = self.answer_call(&scope, &call, machine.usage()).await?;
-                    let (outcome, answered) = match answer {
-                        Answer::Result {
-                            result,
-                            usage,
-                            provenance,
-                        } => {
-                            let tool = call
-                                .recorded
-                                .as_ref()
-                                .and_then(|r| r.get("tool").cloned())
-                                .or_else(|| {
-                                    tools
-                                        .find(&call.call.name)
-                                        .map(|t| Value::from(t.roster_name.clone()))
-                                })
-                                .unwrap_or_else(|| Value::from(call.call.name.clone()));
-                            let source = (provenance == Provenance::Untrusted)
-                                .then(|| format!("tool:{}", tool.as_str().unwrap_or_default()));
-                            (
-                                CallOutcome::Answered {
-                                    usage,
-                                    untrusted_source: source,
-                                },
-                                Some((result, provenance, tool)),
-                            )
-                        }
-                        Answer::Budget(exceeded) => (CallOutcome::Budget(exceeded), None),
-                        Answer::Parked => (CallOutcome::Parked, None),
-                        Answer::Fail(reason) => (CallOutcome::Fail(reason), None),
-                    };
-                    match machine.call_answered(outcome) {
+                    let outcome = self.answer_call(&scope, &call, machine.usage()).await?;
+                    match machine.call_answered(&outcome) {
                         AfterCall::Continue => {}
                         AfterCall::Park => return Ok(Flow::Parked),
                         AfterCall::End(ending) => {
@@ -403,63 +374,56 @@ impl Engine {
                             return Ok(Flow::End(ending));
                         }
                     }
-                    if let Some((result, provenance, tool)) = answered {
-                        let message = self
-                            .record_tool_result(run, &call, result, provenance, tool, redactor)
+                    if let CallOutcome::Answered {
+                        answer, provenance, ..
+                    } = outcome
+                    {
+                        let recorded = self
+                            .record_tool_result(run, answer, provenance, redactor)
                             .await?;
-                        messages.push(ChatMessage::Tool(message));
+                        messages.push(ChatMessage::Tool(recorded));
                     }
                     self.store
                         .save_usage(run.id, &self.config.worker_id, &machine.usage())
                         .await?;
-                    if !self
-                        .store
-                        .renew_lease(run.id, &self.config.worker_id, lease_ms(&self.config))
-                        .await?
-                    {
-                        return Err(EngineError::Refused(
-                            "the run's lease was lost to another worker".to_owned(),
-                        ));
-                    }
+                    self.renew_lease(run).await?;
                 }
             }
         }
     }
 
-    /// Records a call's result (redacted) as a `tool_result` step and its audit entry; returns
+    /// Records a call's answer (redacted) as a `tool_result` step and its audit entry; returns
     /// the result as recorded, which is what the model gets, as it will after a resume.
     async fn record_tool_result(
         &self,
         run: &RunRecord,
-        call: &PendingCall,
-        result: ToolResult,
+        answer: ToolResultStep,
         provenance: Provenance,
-        tool: Value,
         redactor: &Redactor,
-    ) -> Result<ToolResult, EngineError> {
-        let mut recorded = json!({ "tool": tool, "result": result });
-        redactor.redact_json(&mut recorded);
-        note_nul_replaced(&mut recorded);
-        let result: ToolResult = recorded
-            .get("result")
-            .cloned()
-            .and_then(|r| serde_json::from_value(r).ok())
-            .ok_or_else(|| EngineError::Refused("a tool result does not serialise".to_owned()))?;
+    ) -> Result<wor_core::model::ToolResult, EngineError> {
+        let Step::ToolResult(recorded) = as_recorded(Step::ToolResult(answer), redactor)? else {
+            return Err(EngineError::InvalidState(
+                "a recorded tool result changed kind".to_owned(),
+            ));
+        };
         self.store
-            .append_run_step(run.project_id, run.id, "tool_result", provenance, &recorded)
+            .append_run_step(
+                run.project_id,
+                run.id,
+                provenance,
+                &Step::ToolResult(recorded.clone()),
+            )
             .await?;
-        self.audit_tool_call(
-            run,
-            json!({
+        self.audit
+            .append(run_event(run, AuditCategory::ToolCall).payload(json!({
                 "transition": "answered",
-                "tool": tool,
-                "call_id": call.call.id,
+                "tool": recorded.tool,
+                "call_id": recorded.result.tool_call_id,
                 "provenance": provenance.as_str(),
-                "is_error": result.is_error,
-            }),
-        )
-        .await?;
-        Ok(result)
+                "is_error": recorded.result.is_error,
+            })))
+            .await?;
+        Ok(recorded.result)
     }
 
     /// Records a model turn (redacted) and its audit entry; returns the turn as recorded, which
@@ -471,83 +435,35 @@ impl Engine {
         response: &ModelResponse,
         redactor: &Redactor,
     ) -> Result<AssistantMessage, EngineError> {
-        let mut recorded = json!({
-            "message": response.message,
-            "usage": response.usage,
-            "stop_reason": response.stop_reason,
+        let turn = Step::ModelTurn(ModelTurnStep {
+            message: response.message.clone(),
+            usage: response.usage,
+            stop_reason: response.stop_reason.clone(),
+            nul_replaced: false,
         });
-        redactor.redact_json(&mut recorded);
-        note_nul_replaced(&mut recorded);
+        let Step::ModelTurn(recorded) = as_recorded(turn, redactor)? else {
+            return Err(EngineError::InvalidState(
+                "a recorded model turn changed kind".to_owned(),
+            ));
+        };
         self.store
             .append_run_step(
                 run.project_id,
                 run.id,
-                "model_turn",
                 Provenance::Model,
-                &recorded,
+                &Step::ModelTurn(recorded.clone()),
             )
             .await?;
         self.audit
-            .append(
-                AuditEvent::new(
-                    run.project_id,
-                    AuditCategory::ModelCall,
-                    Actor::Run { run_id: run.id },
-                )
-                .subject("run_id", run.id)
-                .runs(run.root_run_id, run.parent_run_id)
-                .payload(json!({
-                    "provider": definition.model.provider.as_str(),
-                    "model": definition.model.model,
-                    "input_tokens": response.usage.input_tokens,
-                    "output_tokens": response.usage.output_tokens,
-                    "tool_calls": response.message.tool_calls.len(),
-                })),
-            )
+            .append(run_event(run, AuditCategory::ModelCall).payload(json!({
+                "provider": definition.model.provider.as_str(),
+                "model": definition.model.model,
+                "input_tokens": response.usage.input_tokens,
+                "output_tokens": response.usage.output_tokens,
+                "tool_calls": response.message.tool_calls.len(),
+            })))
             .await?;
-        recorded
-            .get("message")
-            .cloned()
-            .and_then(|m| serde_json::from_value(m).ok())
-            .ok_or_else(|| EngineError::Refused("a model turn does not serialise".to_owned()))
-    }
-
-    /// Waits for a tool call, polling for a cancel request, at most `remaining` (the run's
-    /// wall time left); on a cancel or at the deadline the call is dropped, which cancels it on
-    /// the server.
-    pub(crate) async fn call_until_cancelled(
-        &self,
-        run: &RunRecord,
-        remaining: Duration,
-        call: impl Future<Output = Result<wor_tools::ToolCallResult, String>>,
-    ) -> Result<Result<wor_tools::ToolCallResult, String>, EngineError> {
-        tokio::pin!(call);
-        let deadline = tokio::time::sleep(remaining);
-        tokio::pin!(deadline);
-        let mut poll = tokio::time::interval(CANCEL_POLL);
-        loop {
-            tokio::select! {
-                result = &mut call => return Ok(result),
-                // The call is dropped (aborted); the next step ends the run on its wall time.
-                () = &mut deadline => {
-                    return Ok(Err(
-                        "it was stopped when the run's wall time ran out; its outcome is unknown"
-                            .to_owned(),
-                    ));
-                }
-                _ = poll.tick() => {
-                    if self.store.is_cancel_requested(run.id).await? {
-                        return Ok(Err(
-                            "it was stopped when the run was cancelled; its outcome is unknown"
-                                .to_owned(),
-                        ));
-                    }
-                    if !self.store.renew_lease(run.id, &self.config.worker_id, lease_ms(&self.config)).await? {
-                        return Err(EngineError::Refused("the run's lease was lost to another worker".to_owned()));
-                    }
-                }
-            }
-        }
+        Ok(recorded.message)
     }
 
     /// One model call, stopped early by a cancel request or the wall-time deadline.
@@ -561,41 +477,24 @@ impl Engine {
     ) -> Result<TurnOutcome, EngineError> {
         let mut sink = DiscardStream;
         let call = provider.complete(request, &mut sink);
-        tokio::pin!(call);
-        let deadline = tokio::time::sleep(remaining);
-        tokio::pin!(deadline);
-        let mut poll = tokio::time::interval(CANCEL_POLL);
-        loop {
-            tokio::select! {
-                result = &mut call => {
-                    return Ok(match result {
-                        Ok(response) => match too_deep_call(&response) {
-                            Some(ending) => TurnOutcome::End(ending),
-                            None => TurnOutcome::Response(Box::new(response)),
-                        },
-                        Err(error) => TurnOutcome::End(Ending::new(
-                            RunStatus::Failed,
-                            wor_secrets::redact_shapes(&format!("the model call failed: {error}")).into_owned(),
-                        )),
-                    });
-                }
-                () = &mut deadline => {
-                    return Ok(TurnOutcome::End(Ending::budget(BudgetExceeded {
-                        limit: wor_core::budget::BudgetLimit::WallTime,
-                        used: limits.wall_seconds,
-                        allowed: limits.wall_seconds,
-                    })));
-                }
-                _ = poll.tick() => {
-                    if self.store.is_cancel_requested(run.id).await? {
-                        return Ok(TurnOutcome::End(Ending::new(RunStatus::Cancelled, "cancelled on request")));
-                    }
-                    if !self.store.renew_lease(run.id, &self.config.worker_id, lease_ms(&self.config)).await? {
-                        return Err(EngineError::Refused("the run's lease was lost to another worker".to_owned()));
-                    }
-                }
+        Ok(match self.until_stopped(run, remaining, call).await? {
+            Ok(Ok(response)) => match too_deep_call(&response) {
+                Some(ending) => TurnOutcome::End(ending),
+                None => TurnOutcome::Response(Box::new(response)),
+            },
+            Ok(Err(error)) => TurnOutcome::End(Ending::new(
+                RunStatus::Failed,
+                wor_secrets::redact_shapes(&format!("the model call failed: {error}")).into_owned(),
+            )),
+            Err(Stopped::Deadline) => TurnOutcome::End(Ending::budget(BudgetExceeded {
+                limit: BudgetLimit::WallTime,
+                used: limits.wall_seconds,
+                allowed: limits.wall_seconds,
+            })),
+            Err(Stopped::Cancelled) => {
+                TurnOutcome::End(Ending::new(RunStatus::Cancelled, "cancelled on request"))
             }
-        }
+        })
     }
 
     /// The model provider of the routine, rechecking its connection now (S14): a connection
@@ -645,10 +544,8 @@ impl Engine {
             })?;
         self.audit
             .append(
-                AuditEvent::new(run.project_id, AuditCategory::SecretUse, Actor::Run { run_id: run.id })
-                    .subject("run_id", run.id)
+                run_event(run, AuditCategory::SecretUse)
                     .subject("connection_id", connection.id)
-                    .runs(run.root_run_id, run.parent_run_id)
                     .payload(json!({ "slot": slot.to_string(), "credential_version": connection.credential_version })),
             )
             .await
@@ -670,127 +567,25 @@ impl Engine {
     }
 }
 
-fn lease_ms(config: &crate::EngineConfig) -> i64 {
-    i64::try_from(config.lease.as_millis()).unwrap_or(i64::MAX)
-}
-
-/// The conversation so far, rebuilt from the run's steps: the instructions (trusted), the
-/// requester's input, then each recorded model turn and tool result in order.
-fn conversation(definition: &RoutineDefinition, steps: &[RunStep]) -> Vec<ChatMessage> {
-    let mut messages = vec![ChatMessage::system(definition.instructions.clone())];
-    // Memory of earlier runs comes right after the instructions, before this run's input.
-    if let Some(memory) = steps.iter().find(|s| s.kind == "memory") {
-        messages.extend(memory_messages(&memory.payload));
-    }
-    for step in steps {
-        match step.kind.as_str() {
-            "input" => {
-                let input = step.payload.get("input").cloned().unwrap_or(Value::Null);
-                let text = match input {
-                    Value::String(text) => text,
-                    other => other.to_string(),
-                };
-                // An untrusted input (a webhook payload) goes in its envelope, with the
-                // boundary fixed when the run was created.
-                let boundary = step.payload.get("boundary").and_then(Value::as_str);
-                let text = match (step.provenance, boundary) {
-                    (Provenance::Untrusted, Some(boundary)) => {
-                        let source = step
-                            .payload
-                            .get("source")
-                            .and_then(Value::as_str)
-                            .unwrap_or("input");
-                        crate::pipeline::untrusted_envelope(source, boundary, &text)
-                    }
-                    (Provenance::Untrusted, None) => crate::pipeline::untrusted_envelope(
-                        "input",
-                        &crate::pipeline::new_boundary(),
-                        &text,
-                    ),
-                    _ => text,
-                };
-                messages.push(ChatMessage::user(text));
-            }
-            "model_turn" => {
-                if let Some(message) = step
-                    .payload
-                    .get("message")
-                    .and_then(|m| serde_json::from_value::<AssistantMessage>(m.clone()).ok())
-                {
-                    messages.push(ChatMessage::Assistant(message));
-                }
-            }
-            "tool_result" => {
-                if let Some(result) = step
-                    .payload
-                    .get("result")
-                    .and_then(|r| serde_json::from_value::<ToolResult>(r.clone()).ok())
-                {
-                    messages.push(ChatMessage::Tool(result));
-                }
-            }
+/// A step as it is recorded: the project's secrets and common secret shapes redacted, and
+/// U+0000 replaced (`wor_core::text`), which the step then says (`nul_replaced`). The run goes
+/// on with the step as recorded.
+fn as_recorded(step: Step, redactor: &Redactor) -> Result<Step, EngineError> {
+    let mut replaced = false;
+    let mut step = step
+        .rewritten(|payload| {
+            redactor.redact_json(payload);
+            replaced = wor_core::text::replace_nul_in_json(payload);
+        })
+        .map_err(|e| EngineError::InvalidState(e.to_string()))?;
+    if replaced {
+        match &mut step {
+            Step::ModelTurn(turn) => turn.nul_replaced = true,
+            Step::ToolResult(result) => result.nul_replaced = true,
             _ => {}
         }
     }
-    messages
-}
-
-/// The messages a `memory` step replays, each with its label: what earlier requesters asked
-/// and what runs free of untrusted content answered are plain messages; anything labelled
-/// untrusted goes in an envelope marked as data, whatever its role was.
-fn memory_messages(payload: &Value) -> Vec<ChatMessage> {
-    let boundary = payload
-        .get("boundary")
-        .and_then(Value::as_str)
-        .map(str::to_owned)
-        .unwrap_or_else(crate::pipeline::new_boundary);
-    payload
-        .get("entries")
-        .and_then(Value::as_array)
-        .into_iter()
-        .flatten()
-        .filter_map(|entry| {
-            let text = entry.get("text").and_then(Value::as_str)?;
-            let role = entry.get("role").and_then(Value::as_str)?;
-            let provenance = entry.get("provenance").and_then(Value::as_str)?;
-            Some(match (provenance, role) {
-                ("requester" | "engine", _) => ChatMessage::user(format!(
-                    "(From an earlier run of this thread, the requester asked:) {text}"
-                )),
-                ("model", "assistant") => ChatMessage::user(format!(
-                    "(From an earlier run of this thread, you answered:) {text}"
-                )),
-                _ => ChatMessage::user(crate::pipeline::untrusted_envelope(
-                    "memory", &boundary, text,
-                )),
-            })
-        })
-        .collect()
-}
-
-/// The call ids the run's recorded model turns already used.
-fn recorded_call_ids(steps: &[RunStep]) -> BTreeSet<String> {
-    steps
-        .iter()
-        .filter(|s| s.kind == "model_turn")
-        .filter_map(|s| {
-            s.payload
-                .pointer("/message/tool_calls")
-                .and_then(Value::as_array)
-        })
-        .flatten()
-        .filter_map(|c| c.get("id").and_then(Value::as_str).map(str::to_owned))
-        .collect()
-}
-
-/// Replaces U+0000 in a step about to be recorded (`wor_core::text`), and says so in the step
-/// as `"nul_replaced": true`; the run goes on with the step as recorded.
-fn note_nul_replaced(recorded: &mut Value) {
-    if wor_core::text::replace_nul_in_json(recorded)
-        && let Value::Object(step) = recorded
-    {
-        step.insert("nul_replaced".to_owned(), Value::Bool(true));
-    }
+    Ok(step)
 }
 
 /// A tool call whose arguments nest deeper than [`MAX_JSON_NESTING`] ends the run, before

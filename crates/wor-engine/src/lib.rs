@@ -16,6 +16,7 @@
 
 mod approvals;
 mod authority;
+mod call;
 mod driver;
 mod nested;
 mod pipeline;
@@ -101,6 +102,8 @@ impl Default for EngineConfig {
 /// it ends with status `failed` and its reason.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
+    /// The run fails closed with this reason (a policy that does not validate, a connection
+    /// that cannot be used, a rule of the pipeline); over the API, a conflict.
     #[error("{0}")]
     Refused(String),
     /// The caller may not do this (a role or separation-of-duties rule).
@@ -112,8 +115,41 @@ pub enum EngineError {
     /// Something outside (a tool server) could not be reached or answered wrongly.
     #[error("{0}")]
     Unreachable(String),
+    /// Another worker holds the run now (this one's lease expired): this worker stops driving
+    /// it and leaves its end to the holder.
+    #[error("the run's lease was lost to another worker")]
+    LeaseLost,
+    /// A secret could not be sealed or opened.
+    #[error("the vault: {0}")]
+    Vault(#[source] wor_store::VaultError),
+    /// What is stored does not have the shape the engine wrote (a step, a pin, a run's
+    /// record): the run fails closed rather than guess.
+    #[error("stored state is not valid: {0}")]
+    InvalidState(String),
+    /// A nested run's task ended without an answer (it panicked or was aborted).
+    #[error("the nested run's task ended abnormally: {0}")]
+    NestedTask(String),
     #[error(transparent)]
     Store(#[from] StoreError),
+}
+
+impl EngineError {
+    /// The reason a run being driven ends as failed because of this error; `None` for an error
+    /// that must not end the run (the store is unavailable: the run resumes later).
+    pub(crate) fn run_failure(&self) -> Option<String> {
+        match self {
+            EngineError::Refused(reason) => Some(reason.clone()),
+            EngineError::Vault(_) => {
+                Some("the project's secrets cannot be opened; the run cannot go on".to_owned())
+            }
+            EngineError::InvalidState(_) | EngineError::NestedTask(_) => Some(self.to_string()),
+            EngineError::Forbidden(_)
+            | EngineError::Invalid(_)
+            | EngineError::Unreachable(_)
+            | EngineError::LeaseLost
+            | EngineError::Store(_) => None,
+        }
+    }
 }
 
 /// The engine: cheap to clone, shared by the API and the workers.

@@ -8,18 +8,17 @@
 use serde_json::{Value, json};
 use wor_core::audit::{Actor, AuditCategory, AuditEvent};
 use wor_core::budget::BudgetUsage;
-use wor_core::model::{ToolCallRequest, ToolResult};
-use wor_core::routine::{BudgetLimits, RosterEntry};
+use wor_core::call::{ToolClass, TriggerKind};
+use wor_core::routine::{BudgetLimits, ROUTINE_CONNECTION, RosterEntry};
 use wor_core::run::{Provenance, RunStatus};
-use wor_store::{NewRun, ParentLink, RunRecord, StoreError, ToolClass};
+use wor_core::run_loop::CallOutcome;
+use wor_core::step::{InputSource, InputStep, PendingCall, new_boundary, untrusted_envelope};
+use wor_store::{NewRun, ParentLink, RunRecord, StoreError};
 use wor_tools::{PinnedToolDefinition, ToolDefinition};
 
-use crate::pipeline::{Answer, CallScope, new_boundary, untrusted_envelope};
+use crate::call::{CANCEL_POLL, CallScope};
 use crate::run_tools::OfferedTool;
 use crate::{Engine, EngineError};
-
-/// The connection name rosters use for routines: `routine/NAME`.
-pub const ROUTINE_CONNECTION: &str = "routine";
 /// How deep routines may call routines: a root run is depth 0.
 pub const MAX_NESTING_DEPTH: i64 = 3;
 
@@ -127,16 +126,18 @@ impl Engine {
         &self,
         scope: &CallScope<'_>,
         offered: &OfferedTool,
-        call: &ToolCallRequest,
+        pending: &PendingCall,
         input: &str,
         usage: BudgetUsage,
-    ) -> Result<Answer, EngineError> {
+    ) -> Result<CallOutcome, EngineError> {
         let parent = scope.run;
+        let call = &pending.call;
         if parent.depth + 1 > MAX_NESTING_DEPTH {
-            return Ok(scope.refuse(call, usage, format!(
+            let text = format!(
                 "routine `{}` was not started: routines may nest at most {MAX_NESTING_DEPTH} deep",
                 offered.tool
-            )));
+            );
+            return Ok(scope.refuse(pending, usage, &text));
         }
         let routine = self
             .store
@@ -158,18 +159,16 @@ impl Engine {
                 // capped the same way: so, transitively, of the root's.
                 let mut left = remaining(&scope.limits, &usage);
                 left.wall_seconds = scope.limits.wall_seconds.saturating_sub(scope.wall_spent);
-                let mut input_step = json!({ "input": input });
-                let provenance = if scope.untrusted.is_empty() {
-                    Provenance::Requester
+                let input = Value::from(scope.redactor.redact(input).into_owned());
+                let (input_step, provenance) = if scope.untrusted.is_empty() {
+                    (InputStep::requested(input), Provenance::Requester)
                 } else {
                     // Written by a model that had untrusted content in front of it.
-                    if let Some(map) = input_step.as_object_mut() {
-                        map.insert("source".to_owned(), json!("parent"));
-                        map.insert("boundary".to_owned(), json!(new_boundary()));
-                    }
-                    Provenance::Untrusted
+                    (
+                        InputStep::untrusted(input, InputSource::Parent),
+                        Provenance::Untrusted,
+                    )
                 };
-                scope.redactor.redact_json(&mut input_step);
                 let created = self
                     .store
                     .create_run(
@@ -177,7 +176,7 @@ impl Engine {
                         NewRun {
                             routine_id: routine.id,
                             routine_version: version.version,
-                            trigger_kind: "routine".to_owned(),
+                            trigger_kind: TriggerKind::Routine,
                             // Whoever started the root started this too: they still may not
                             // approve its calls.
                             started_by: parent.started_by,
@@ -195,7 +194,7 @@ impl Engine {
                                 budget_cap: serde_json::to_value(left).unwrap_or(Value::Null),
                             }),
                         },
-                        &input_step,
+                        input_step,
                     )
                     .await?;
                 self.audit
@@ -229,21 +228,18 @@ impl Engine {
             // On a task of its own: polled inside the parent's poll, each level of nesting
             // would deepen the stack Cedar evaluates on, until it refuses ("recursion limit").
             let mut driving = tokio::spawn(self.clone().drive_owned(claimed));
-            let mut poll = tokio::time::interval(crate::driver::CANCEL_POLL);
+            // Unlike a model or tool call, a cancel of the parent does not drop the child's
+            // task: it is passed on, and the child ends itself at its next step.
+            let mut poll =
+                tokio::time::interval_at(tokio::time::Instant::now() + CANCEL_POLL, CANCEL_POLL);
             loop {
                 tokio::select! {
                     driven = &mut driving => {
-                        driven.map_err(|e| {
-                            EngineError::Refused(format!("the nested run's task ended abnormally: {e}"))
-                        })??;
+                        driven.map_err(|e| EngineError::NestedTask(e.to_string()))??;
                         break;
                     }
                     _ = poll.tick() => {
-                        if !self.store.renew_lease(parent.id, &self.config.worker_id, lease).await? {
-                            return Err(EngineError::Refused(
-                                "the run's lease was lost to another worker".to_owned(),
-                            ));
-                        }
+                        self.renew_lease(parent).await?;
                         if self.store.is_cancel_requested(parent.id).await? {
                             self.store.request_cancel(parent.project_id, child.id).await?;
                         }
@@ -260,9 +256,7 @@ impl Engine {
                 .park_run(parent.project_id, parent.id, &self.config.worker_id)
                 .await?
             {
-                return Err(EngineError::Refused(
-                    "the run's lease was lost to another worker".to_owned(),
-                ));
+                return Err(EngineError::LeaseLost);
             }
             // The child may have ended between the read and the park.
             if self
@@ -276,7 +270,7 @@ impl Engine {
                     .requeue_parked_run(parent.project_id, parent.id)
                     .await?;
             }
-            return Ok(Answer::Parked);
+            return Ok(CallOutcome::Parked);
         }
         let usage = BudgetUsage {
             turns: usage.turns.saturating_add(child.usage.turns),
@@ -299,14 +293,14 @@ impl Engine {
             child.id,
             child.outcome.as_deref().unwrap_or_default()
         );
-        Ok(Answer::Result {
-            result: ToolResult {
-                tool_call_id: call.id.clone(),
-                content: untrusted_envelope(&offered.roster_name, &new_boundary(), &text),
-                is_error: child.status != RunStatus::Succeeded,
-            },
-            usage,
-            provenance: Provenance::Untrusted,
-        })
+        let content = untrusted_envelope(&offered.roster_name, &new_boundary(), &text);
+        Ok(scope
+            .answer(
+                pending,
+                usage,
+                content,
+                child.status != RunStatus::Succeeded,
+            )
+            .with_provenance(Provenance::Untrusted))
     }
 }

@@ -7,9 +7,10 @@
 
 use std::collections::BTreeMap;
 
+use wor_core::call::ToolClass;
 use wor_core::model::ToolSpec;
-use wor_core::routine::{RoutineDefinition, ToolMode};
-use wor_store::{RunRecord, StoreError, ToolClass, ToolConnectionRecord};
+use wor_core::routine::{ROUTINE_CONNECTION, RoutineDefinition, ToolMode};
+use wor_store::{RunRecord, StoreError, ToolConnectionRecord};
 use wor_tools::{PinnedToolDefinition, ToolListVerdict, compare, model_view};
 
 use crate::Engine;
@@ -32,7 +33,7 @@ pub(crate) struct OfferedTool {
 
 /// An open connection of the run, with the record its pins were checked against.
 pub(crate) struct LiveConnection {
-    pub session: crate::tool_connections::ToolSession,
+    pub session: wor_tools::ToolSession,
     pub record: ToolConnectionRecord,
 }
 
@@ -138,7 +139,7 @@ impl Engine {
             wanted.entry(connection).or_default().push((tool, entry));
         }
         for (connection, entries) in wanted {
-            if connection == crate::nested::ROUTINE_CONNECTION {
+            if connection == ROUTINE_CONNECTION {
                 for (routine, entry) in entries {
                     let offered =
                         self.routine_tool(run, routine, entry)

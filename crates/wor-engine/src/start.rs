@@ -2,8 +2,10 @@
 //! requester's first step.
 
 use wor_core::audit::{Actor, AuditCategory, AuditEvent};
+use wor_core::call::TriggerKind;
 use wor_core::routine::OverlapPolicy;
 use wor_core::run::{Provenance, RunStatus};
+use wor_core::step::{InputSource, InputStep, MemoryStep, new_boundary};
 use wor_core::{ApiKeyId, ProjectId, RoutineId};
 use wor_store::{NewRun, RunRecord};
 
@@ -22,11 +24,11 @@ pub enum Trigger {
 }
 
 impl Trigger {
-    pub fn kind(&self) -> &'static str {
+    pub fn kind(&self) -> TriggerKind {
         match self {
-            Trigger::Api(_) => "api",
-            Trigger::Schedule { .. } => "schedule",
-            Trigger::Webhook { .. } => "webhook",
+            Trigger::Api(_) => TriggerKind::Api,
+            Trigger::Schedule { .. } => TriggerKind::Schedule,
+            Trigger::Webhook { .. } => TriggerKind::Webhook,
         }
     }
 }
@@ -115,17 +117,14 @@ impl Engine {
         };
         // The input is recorded, and later sent to the model, without secrets. A webhook's
         // payload is untrusted: it reaches the model inside a boundary fixed now.
-        let mut input = match request.trigger {
-            Trigger::Webhook { .. } => serde_json::json!({
-                "input": request.input,
-                "source": "webhook",
-                "boundary": crate::pipeline::new_boundary(),
-            }),
-            _ => serde_json::json!({ "input": request.input }),
-        };
+        let mut input = request.input.clone();
         self.project_redactor(request.project)
             .await?
             .redact_json(&mut input);
+        let input = match request.trigger {
+            Trigger::Webhook { .. } => InputStep::untrusted(input, InputSource::Webhook),
+            _ => InputStep::requested(input),
+        };
         // Memory is replayed with the labels it was stored with; one untrusted entry makes the
         // whole memory step untrusted, so decisions see it from the first call.
         let thread = match &request.thread {
@@ -164,12 +163,11 @@ impl Engine {
                 };
                 (
                     provenance,
-                    serde_json::json!({
-                        "source": "memory",
-                        "thread": thread,
-                        "entries": entries,
-                        "boundary": crate::pipeline::new_boundary(),
-                    }),
+                    MemoryStep {
+                        thread: thread.clone(),
+                        entries,
+                        boundary: new_boundary(),
+                    },
                 )
             })
         } else {
@@ -182,7 +180,7 @@ impl Engine {
                 NewRun {
                     routine_id: routine.id,
                     routine_version: version.version,
-                    trigger_kind: request.trigger.kind().to_owned(),
+                    trigger_kind: request.trigger.kind(),
                     started_by,
                     max_concurrent: max,
                     status,
@@ -193,7 +191,7 @@ impl Engine {
                     memory,
                     parent: None,
                 },
-                &input,
+                input,
             )
             .await?;
         let actor = request.actor.clone().unwrap_or(default_actor);
@@ -205,7 +203,7 @@ impl Engine {
                     .runs(run.root_run_id, run.parent_run_id)
                     .payload(serde_json::json!({
                         "routine_version": version.version,
-                        "trigger": request.trigger.kind(),
+                        "trigger": request.trigger.kind().as_str(),
                         "status": run.status.as_str(),
                     })),
             )

@@ -11,14 +11,15 @@ use secrecy::SecretString;
 use serde_json::{Value, json};
 use wor_core::ProjectId;
 use wor_core::audit::{Actor, AuditCategory, AuditEvent};
+use wor_core::call::ToolClass;
 use wor_store::{SecretSlot, StdioSpec, StoreError, env_field};
 use wor_store::{
-    StoredPin, TOOL_CONNECTIONS_TABLE, ToolClass, ToolConnectionKind, ToolConnectionRecord,
+    StoredPin, TOOL_CONNECTIONS_TABLE, ToolConnectionKind, ToolConnectionRecord,
     ToolConnectionStatus, header_field,
 };
 use wor_tools::{
     ConnectionCredentials, McpLimits, McpSession, PinnedToolDefinition, StreamableHttpEndpoint,
-    ToolDefinition, ToolListDiff, compare,
+    ToolDefinition, ToolListDiff, ToolSession, compare,
 };
 
 use crate::{Engine, EngineError};
@@ -521,81 +522,6 @@ pub fn http_tool_definitions(
             wor_tools::HttpToolDefinition::new(config).map_err(|e| e.to_string())
         })
         .collect()
-}
-
-/// An open connection to a tool source: an MCP server, or the configured tools of an HTTP API.
-pub(crate) enum ToolSession {
-    Mcp(McpSession),
-    Http {
-        connection: Box<wor_tools::HttpApiConnection>,
-        tools: BTreeMap<String, wor_tools::HttpToolDefinition>,
-        egress: wor_egress::EgressClient,
-    },
-    /// A Wasm component and the SHA-256 of its file.
-    Wasm {
-        tool: Box<wor_wasm::WasmTool>,
-        digest: String,
-    },
-}
-
-impl ToolSession {
-    /// The live tool list: what the MCP server lists, or the configured HTTP tools.
-    pub async fn list_tools(&self) -> Result<Vec<ToolDefinition>, String> {
-        match self {
-            ToolSession::Mcp(session) => session.list_tools().await.map_err(|e| e.to_string()),
-            ToolSession::Http { tools, .. } => {
-                Ok(tools.values().map(|t| t.tool_definition()).collect())
-            }
-            ToolSession::Wasm { tool, digest } => {
-                crate::wasm_tools::list_wasm_tools(tool, digest).await
-            }
-        }
-    }
-
-    /// Calls `tool`; a tool's own failure is `Ok` with `is_error`, anything else `Err`.
-    pub async fn call_tool(
-        &self,
-        tool: &str,
-        arguments: serde_json::Map<String, Value>,
-    ) -> Result<wor_tools::ToolCallResult, String> {
-        match self {
-            ToolSession::Mcp(session) => session
-                .call_tool(tool, arguments)
-                .await
-                .map_err(|e| e.to_string()),
-            ToolSession::Http {
-                connection,
-                tools,
-                egress,
-            } => {
-                let definition = tools
-                    .get(tool)
-                    .ok_or_else(|| format!("no http tool `{tool}`"))?;
-                definition
-                    .execute(egress, connection, &arguments)
-                    .await
-                    .map_err(|e| e.to_string())
-            }
-            ToolSession::Wasm { tool: wasm, .. } => {
-                crate::wasm_tools::call_wasm_tool(wasm, tool, arguments).await
-            }
-        }
-    }
-
-    /// Whether the server announced a changed tool list since the last look (never, for HTTP
-    /// tools: their list is configuration).
-    pub fn take_tools_changed(&self) -> bool {
-        match self {
-            ToolSession::Mcp(session) => session.tools_changed().take(),
-            ToolSession::Http { .. } | ToolSession::Wasm { .. } => false,
-        }
-    }
-
-    pub async fn close(self) {
-        if let ToolSession::Mcp(session) = self {
-            session.close().await;
-        }
-    }
 }
 
 #[cfg(test)]

@@ -10,14 +10,12 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use tokio::io::AsyncReadExt;
 
-use serde_json::{Map, Value, json};
 use wor_core::ProjectId;
 use wor_store::ToolConnectionRecord;
-use wor_tools::{ToolCallResult, ToolContent, ToolDefinition};
+use wor_tools::ToolSession;
 use wor_wasm::{Semaphore, WasmComponent, WasmGrants, WasmLimits, WasmRuntime, WasmTool};
 
 use crate::Engine;
-use crate::tool_connections::ToolSession;
 
 /// The largest component file accepted.
 const MAX_COMPONENT_BYTES: u64 = 64 << 20;
@@ -164,62 +162,6 @@ impl Engine {
             tool: Box::new(tool),
             digest,
         })
-    }
-}
-
-/// The tools a component lists, as definitions carrying the component's digest.
-pub(crate) async fn list_wasm_tools(
-    tool: &WasmTool,
-    digest: &str,
-) -> Result<Vec<ToolDefinition>, String> {
-    let listed = tool.list_tools().await.map_err(|e| e.to_string())?;
-    listed
-        .into_iter()
-        .map(|entry| {
-            let name = entry
-                .get("name")
-                .and_then(Value::as_str)
-                .filter(|n| !n.is_empty())
-                .ok_or("a listed tool has no name")?
-                .to_owned();
-            let input_schema = match entry.get("input_schema") {
-                None => Map::from_iter([("type".to_owned(), json!("object"))]),
-                Some(Value::Object(schema)) => schema.clone(),
-                Some(_) => {
-                    return Err(format!(
-                        "the input schema of tool `{name}` is not an object"
-                    ));
-                }
-            };
-            Ok(ToolDefinition {
-                name,
-                description: entry
-                    .get("description")
-                    .and_then(Value::as_str)
-                    .map(str::to_owned),
-                input_schema,
-                annotations: Some(json!({ "component_sha256": digest })),
-            })
-        })
-        .collect()
-}
-
-/// Calls one tool of a component: its own error is a result with `is_error`.
-pub(crate) async fn call_wasm_tool(
-    tool: &WasmTool,
-    name: &str,
-    arguments: Map<String, Value>,
-) -> Result<ToolCallResult, String> {
-    match tool.call_tool(name, &Value::Object(arguments)).await {
-        Ok(Ok(text)) => Ok(ToolCallResult {
-            content: vec![ToolContent::Text(text)],
-            is_error: false,
-        }),
-        Ok(Err(text)) => Ok(ToolCallResult {
-            content: vec![ToolContent::Text(text)],
-            is_error: true,
-        }),
-        Err(error) => Err(error.to_string()),
     }
 }
 

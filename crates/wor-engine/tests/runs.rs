@@ -18,6 +18,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use wor_core::budget::ModelPrice;
 use wor_core::run::RunStatus;
+use wor_core::step::Step;
 use wor_core::{ProjectId, RoutineId, RunId};
 use wor_engine::{Engine, EngineConfig, StartRun, Trigger};
 use wor_store::testing::TestDatabase;
@@ -104,7 +105,13 @@ impl Harness {
             .await
             .unwrap()
             .into_iter()
-            .map(|s| (s.kind, s.provenance.as_str().to_owned(), s.payload))
+            .map(|s| {
+                (
+                    s.step.kind().as_str().to_owned(),
+                    s.provenance.as_str().to_owned(),
+                    s.step.to_stored().unwrap(),
+                )
+            })
             .collect()
     }
 
@@ -799,23 +806,34 @@ tool_calls = [{ id = "call_9", name = "mail__send", arguments = { to = "a@exampl
             .unwrap()
             .unwrap();
     let call = json!({"id": "call_9", "name": "mail__send", "arguments": {"to": "a@example.com"}});
+    let turn = Step::from_stored(
+        "model_turn",
+        json!({"message": {"text": "", "tool_calls": [call]}, "usage": {"input_tokens": 1, "output_tokens": 1}, "stop_reason": "tool_use"}),
+    )
+    .unwrap();
     h.db.store
         .append_run_step(
             h.project,
             claimed.id,
-            "model_turn",
             wor_core::run::Provenance::Model,
-            &json!({"message": {"text": "", "tool_calls": [call]}, "usage": {"input_tokens": 1, "output_tokens": 1}}),
+            &turn,
         )
         .await
         .unwrap();
+    let started = Step::from_stored(
+        "tool_call",
+        json!({"tool": "mail/send", "model_name": "mail__send", "call_id": "call_9",
+               "arguments": {"to": "a@example.com"}, "arguments_hash": "h", "pinned_keys": [],
+               "pin_hash": "p", "decision": "allow", "determining_policies": [], "reasons": [],
+               "untrusted_sources": []}),
+    )
+    .unwrap();
     h.db.store
         .append_run_step(
             h.project,
             claimed.id,
-            "tool_call",
             wor_core::run::Provenance::Engine,
-            &json!({"tool": "mail/send", "call_id": "call_9", "decision": "allow"}),
+            &started,
         )
         .await
         .unwrap();
@@ -846,7 +864,7 @@ tool_calls = [{ id = "call_9", name = "mail__send", arguments = { to = "a@exampl
             h.project,
             approvals[0].id,
             approver,
-            wor_store::Verdict::Deny,
+            wor_store::ApprovalAnswer::Deny,
             "the report may have gone out already",
         )
         .await
@@ -925,7 +943,7 @@ async fn a_routine_used_as_a_tool_runs_nested_on_the_root_budget_and_depth_is_ca
             .await
             .unwrap();
     let child = runs.iter().find(|r| r.id != run.id).unwrap();
-    assert_eq!(child.trigger_kind, "routine");
+    assert_eq!(child.trigger_kind, wor_core::call::TriggerKind::Routine);
     assert_eq!(child.parent_run_id, Some(run.id));
     assert_eq!(child.root_run_id, run.id);
     assert_eq!(child.depth, 1);
@@ -1212,7 +1230,7 @@ mode = "auto"
             h.project,
             approvals[0].id,
             approver,
-            wor_store::Verdict::Approve,
+            wor_store::ApprovalAnswer::Approve,
             "it did not go out; run it again",
         )
         .await
@@ -1252,7 +1270,7 @@ mode = "auto"
             h.project,
             second.id,
             approver,
-            wor_store::Verdict::Approve,
+            wor_store::ApprovalAnswer::Approve,
             "checked: still not filed",
         )
         .await

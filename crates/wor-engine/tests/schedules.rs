@@ -97,7 +97,7 @@ impl Harness {
         let mut slots: Vec<i64> = runs
             .iter()
             .map(|r| {
-                assert_eq!(r.trigger_kind, "schedule");
+                assert_eq!(r.trigger_kind, wor_core::call::TriggerKind::Schedule);
                 assert_eq!(r.started_by, None);
                 r.trigger_key
                     .as_deref()
@@ -168,12 +168,10 @@ async fn each_slot_starts_one_run_across_restarts_and_concurrent_schedulers() {
             .await
             .unwrap();
     assert_eq!(steps[0].provenance, Provenance::Engine);
-    assert!(
-        steps[0].payload["input"]
-            .as_str()
-            .unwrap()
-            .contains("Scheduled run for slot")
-    );
+    let wor_core::step::Step::Input(input) = &steps[0].step else {
+        panic!("the first step is the input: {:?}", steps[0]);
+    };
+    assert!(input.text().contains("Scheduled run for slot"), "{input:?}");
     let audit = h.db.store.audit_entries(h.project, 0, 100).await.unwrap();
     assert!(
         audit.iter().any(|e| e.category == "run.start"

@@ -16,8 +16,9 @@ use std::time::{Duration, Instant};
 
 use cedar_policy::Authorizer;
 use serde_json::json;
+use wor_core::call::ToolClass;
 use wor_core::routine::ToolMode;
-use wor_policy::{BudgetUsed, Classification, DecisionRequest, PolicyEngine};
+use wor_policy::{BudgetUsed, DecisionRequest, PolicyEngine};
 
 const ROUTINE_POLICY: &str = r#"
 @id("external-recipients")
@@ -72,7 +73,7 @@ fn main() {
         "run_0190",
         "mail",
         "send",
-        Classification::Consequential,
+        ToolClass::Consequential,
     )
     .arguments(
         json!({"to": "ops@example.com", "subject": "weekly report", "body": "all good", "cc": ["a@example.com"]})

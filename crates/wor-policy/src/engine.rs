@@ -13,16 +13,17 @@ use serde_json::Value;
 use wor_core::canonical::to_canonical_json;
 use wor_core::routine::{RosterEntry, ToolMode};
 
-use crate::decision::{Decision, NO_POLICY_MATCHED, Outcome, REQUEST_INVALID};
+use crate::decision::{Decision, NO_POLICY_MATCHED, REQUEST_INVALID};
 use crate::depth::{DepthExcess, MAX_EXPRESSION_DEPTH, MAX_POLICY_NESTING, check_depth};
 use crate::error::{PolicyError, PolicyLocation, PolicySource};
 use crate::request::DecisionRequest;
 use crate::{DEFAULT_PROJECT_POLICY, SCHEMA};
+use wor_core::call::Verdict;
 
 /// What one loaded policy decides when it matches.
 #[derive(Debug, Clone)]
 struct PolicyMeaning {
-    outcome: Outcome,
+    outcome: Verdict,
     /// The policy's id as text, and the line a decision's reasons show for it, made once.
     id: String,
     described: String,
@@ -86,7 +87,7 @@ impl PolicyEngine {
                 self.interpret(request, &response)
             }
             Err(err) => Decision {
-                outcome: Outcome::Deny,
+                outcome: Verdict::Deny,
                 determining_policies: vec![REQUEST_INVALID.to_owned()],
                 reasons: vec![err.to_string()],
             },
@@ -283,14 +284,14 @@ impl PolicyEngine {
     fn interpret(&self, request: &DecisionRequest, response: &Response) -> Decision {
         // Cedar skips a policy that fails to evaluate; that policy might have denied, so it
         // counts as a deny here.
-        let failed: Vec<(String, Outcome, String)> = response
+        let failed: Vec<(String, Verdict, String)> = response
             .diagnostics()
             .errors()
             .map(|err| {
                 let cedar_policy::AuthorizationError::PolicyEvaluationError(err) = err;
                 (
                     err.policy_id().to_string(),
-                    Outcome::Deny,
+                    Verdict::Deny,
                     format!(
                         "policy `{}` failed to evaluate ({}), so the call is denied",
                         err.policy_id(),
@@ -311,15 +312,15 @@ impl PolicyEngine {
                 // Every loaded policy has a meaning; an unknown one is treated as a deny.
                 None => (
                     id.to_string(),
-                    Outcome::Deny,
+                    Verdict::Deny,
                     format!("policy `{id}` is unknown, so the call is denied"),
                 ),
             });
-        let all: Vec<(String, Outcome, String)> = matched.chain(failed).collect();
+        let all: Vec<(String, Verdict, String)> = matched.chain(failed).collect();
 
         let mut decision = match all.iter().map(|(_, outcome, _)| *outcome).max() {
             None => Decision {
-                outcome: Outcome::Deny,
+                outcome: Verdict::Deny,
                 determining_policies: vec![NO_POLICY_MATCHED.to_owned()],
                 reasons: vec![format!(
                     "no policy permits calling `{}` with mode `{}`",
@@ -524,8 +525,8 @@ fn load(
             .map_or_else(|| policy.id().to_string(), str::to_owned);
         let decision = policy.annotation("decision");
         let outcome = match (policy.effect(), decision) {
-            (Effect::Forbid, None | Some("deny")) => Outcome::Deny,
-            (Effect::Permit, None) => Outcome::Allow,
+            (Effect::Forbid, None | Some("deny")) => Verdict::Deny,
+            (Effect::Permit, None) => Verdict::Allow,
             (Effect::Forbid, Some(value)) => {
                 return Err(PolicyError::ForbidWithDecision {
                     at: find(source, text, &format!("\"{value}\"")),
@@ -533,7 +534,7 @@ fn load(
                 });
             }
             (Effect::Permit, Some(value)) => {
-                Outcome::parse(value).ok_or_else(|| PolicyError::UnknownDecision {
+                Verdict::parse(value).ok_or_else(|| PolicyError::UnknownDecision {
                     at: find(source, text, &format!("\"{value}\"")),
                     value: value.to_owned(),
                 })?

@@ -14,13 +14,13 @@ mod engine;
 mod error;
 mod request;
 
-pub use decision::{Decision, Outcome};
+pub use decision::Decision;
 pub use depth::{MAX_EXPRESSION_DEPTH, MAX_POLICY_NESTING};
 pub use engine::{PolicyEngine, PolicyEngineBuilder};
 pub use error::{PolicyError, PolicyLocation, PolicySource};
 pub use request::{
-    BudgetUsed, Classification, DecisionRequest, DecisionRequestBuilder, ProvenanceDescription,
-    ToolAnnotations, ToolCallDescription, TriggerKind,
+    BudgetUsed, DecisionRequest, DecisionRequestBuilder, ProvenanceDescription, ToolAnnotations,
+    ToolCallDescription,
 };
 
 /// The Cedar schema every policy is validated against (Cedar's human-readable schema syntax).

@@ -4,47 +4,9 @@ use std::collections::BTreeSet;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
+use wor_core::call::{ToolClass, TriggerKind};
 use wor_core::canonical::to_canonical_json;
 use wor_core::routine::ToolMode;
-
-/// The operator's classification of a tool. Tool annotations never set it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Classification {
-    ReadOnly,
-    Consequential,
-}
-
-impl Classification {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Classification::ReadOnly => "read_only",
-            Classification::Consequential => "consequential",
-        }
-    }
-}
-
-/// How the run was started.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum TriggerKind {
-    Api,
-    Schedule,
-    Webhook,
-    /// Started by another routine's run.
-    Routine,
-}
-
-impl TriggerKind {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            TriggerKind::Api => "api",
-            TriggerKind::Schedule => "schedule",
-            TriggerKind::Webhook => "webhook",
-            TriggerKind::Routine => "routine",
-        }
-    }
-}
 
 /// What a tool says about itself (MCP annotations): hints for display only.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -81,7 +43,7 @@ pub struct DecisionRequest {
     pub(crate) trigger: TriggerKind,
     pub(crate) connection: String,
     pub(crate) tool: String,
-    pub(crate) classification: Classification,
+    pub(crate) classification: ToolClass,
     pub(crate) annotations: ToolAnnotations,
     pub(crate) mode: ToolMode,
     pub(crate) arguments: Map<String, Value>,
@@ -101,7 +63,7 @@ impl DecisionRequest {
         run: impl Into<String>,
         connection: impl Into<String>,
         tool: impl Into<String>,
-        classification: Classification,
+        classification: ToolClass,
     ) -> DecisionRequestBuilder {
         DecisionRequestBuilder(DecisionRequest {
             routine: routine.into(),
@@ -205,7 +167,7 @@ pub struct ToolCallDescription {
     pub run: String,
     /// `CONNECTION/TOOL`.
     pub tool: String,
-    pub classification: Classification,
+    pub classification: ToolClass,
     #[serde(default)]
     pub annotations: ToolAnnotations,
     #[serde(default)]

@@ -10,13 +10,14 @@
 )]
 
 use serde_json::{Map, Value, json};
+use wor_core::call::{ToolClass, Verdict};
 use wor_core::routine::ToolMode;
 use wor_policy::{
-    BudgetUsed, Classification, Decision, DecisionRequest, DecisionRequestBuilder, Outcome,
-    PolicyEngine, PolicyError, PolicySource, ToolAnnotations,
+    BudgetUsed, Decision, DecisionRequest, DecisionRequestBuilder, PolicyEngine, PolicyError,
+    PolicySource, ToolAnnotations,
 };
 
-fn call(classification: Classification) -> DecisionRequestBuilder {
+fn call(classification: ToolClass) -> DecisionRequestBuilder {
     DecisionRequest::builder("triage", "run_1", "mail", "send", classification)
 }
 
@@ -34,8 +35,8 @@ fn check_named(decision: &Decision) {
 
 #[test]
 fn default_policy_table() {
-    use Classification::{Consequential, ReadOnly};
-    use Outcome::{Allow, Confirm, Deny};
+    use ToolClass::{Consequential, ReadOnly};
+    use Verdict::{Allow, Confirm, Deny};
     // (classification, untrusted in context, roster mode) -> outcome, determining policy
     let table = [
         (
@@ -131,13 +132,13 @@ fn consequential_untrusted_under_confirm_names_both_confirm_policies() {
         .build()
         .unwrap();
     let decision = engine.decide(
-        &call(Classification::Consequential)
+        &call(ToolClass::Consequential)
             .mode(ToolMode::Confirm)
             .untrusted_source("tool:web/fetch")
             .untrusted_source("webhook")
             .build(),
     );
-    assert_eq!(decision.outcome, Outcome::Confirm);
+    assert_eq!(decision.outcome, Verdict::Confirm);
     assert_eq!(
         decision.determining_policies,
         [
@@ -158,8 +159,8 @@ fn mode_deny_without_roster_policy_fails_closed() {
     // allows only under mode auto, so nothing matches.
     let engine = PolicyEngine::builder().build().unwrap();
     for mode in [ToolMode::Deny, ToolMode::Confirm] {
-        let decision = engine.decide(&call(Classification::ReadOnly).mode(mode).build());
-        assert_eq!(decision.outcome, Outcome::Deny, "{mode:?}");
+        let decision = engine.decide(&call(ToolClass::ReadOnly).mode(mode).build());
+        assert_eq!(decision.outcome, Verdict::Deny, "{mode:?}");
         assert_eq!(decision.determining_policies, ["wor.no-policy-matched"]);
     }
 }
@@ -189,7 +190,7 @@ fn deny_wins_over_confirm_and_allow() {
         .routine_policy(ROUTINE_POLICY)
         .build()
         .unwrap();
-    let request = call(Classification::Consequential)
+    let request = call(ToolClass::Consequential)
         .arguments(args(json!({"to": "mallory@evil.test"})))
         .untrusted_source("webhook")
         .budget_used(BudgetUsed {
@@ -199,7 +200,7 @@ fn deny_wins_over_confirm_and_allow() {
         })
         .build();
     let decision = engine.decide(&request);
-    assert_eq!(decision.outcome, Outcome::Deny, "{decision:?}");
+    assert_eq!(decision.outcome, Verdict::Deny, "{decision:?}");
     assert_eq!(
         decision.determining_policies,
         ["routine.external-recipients"]
@@ -207,7 +208,7 @@ fn deny_wins_over_confirm_and_allow() {
     assert!(decision.reasons[0].contains("mail goes only to example.com"));
 
     // Without the external recipient, confirm (two policies) beats allow.
-    let request = call(Classification::Consequential)
+    let request = call(ToolClass::Consequential)
         .arguments(args(json!({"to": "ops@example.com"})))
         .budget_used(BudgetUsed {
             tool_calls: 25,
@@ -215,7 +216,7 @@ fn deny_wins_over_confirm_and_allow() {
         })
         .build();
     let decision = engine.decide(&request);
-    assert_eq!(decision.outcome, Outcome::Confirm, "{decision:?}");
+    assert_eq!(decision.outcome, Verdict::Confirm, "{decision:?}");
     assert_eq!(
         decision.determining_policies,
         ["routine.after-twenty-calls"]
@@ -230,10 +231,10 @@ fn forbid_denies_over_permits() {
         )
         .build()
         .unwrap();
-    let read = call(Classification::ReadOnly);
-    assert_eq!(engine.decide(&read.clone().build()).outcome, Outcome::Allow);
-    let decision = engine.decide(&read.trigger(wor_policy::TriggerKind::Webhook).build());
-    assert_eq!(decision.outcome, Outcome::Deny);
+    let read = call(ToolClass::ReadOnly);
+    assert_eq!(engine.decide(&read.clone().build()).outcome, Verdict::Allow);
+    let decision = engine.decide(&read.trigger(wor_core::call::TriggerKind::Webhook).build());
+    assert_eq!(decision.outcome, Verdict::Deny);
     assert_eq!(decision.determining_policies, ["routine.no-webhook-runs"]);
 }
 
@@ -246,28 +247,22 @@ fn routine_policy_denies_by_argument_value() {
     let send = |to: Value| {
         engine
             .decide(
-                &call(Classification::Consequential)
+                &call(ToolClass::Consequential)
                     .arguments(args(json!({"to": to, "subject": "x@example.com"})))
                     .build(),
             )
             .outcome
     };
-    assert_eq!(send(json!("ops@example.com")), Outcome::Allow);
-    assert_eq!(send(json!("ops@example.com.evil.test")), Outcome::Deny);
-    assert_eq!(send(json!("ops@EXAMPLE.org")), Outcome::Deny);
+    assert_eq!(send(json!("ops@example.com")), Verdict::Allow);
+    assert_eq!(send(json!("ops@example.com.evil.test")), Verdict::Deny);
+    assert_eq!(send(json!("ops@EXAMPLE.org")), Verdict::Deny);
     // A non-string argument is its canonical JSON, which ends in a quote: denied.
-    assert_eq!(send(json!(["ops@example.com"])), Outcome::Deny);
+    assert_eq!(send(json!(["ops@example.com"])), Verdict::Deny);
     // Another tool is not concerned.
-    let other = DecisionRequest::builder(
-        "triage",
-        "r",
-        "mail",
-        "draft",
-        Classification::Consequential,
-    )
-    .arguments(args(json!({"to": "mallory@evil.test"})))
-    .build();
-    assert_eq!(engine.decide(&other).outcome, Outcome::Allow);
+    let other = DecisionRequest::builder("triage", "r", "mail", "draft", ToolClass::Consequential)
+        .arguments(args(json!({"to": "mallory@evil.test"})))
+        .build();
+    assert_eq!(engine.decide(&other).outcome, Verdict::Allow);
 }
 
 #[test]
@@ -285,7 +280,7 @@ fn annotations_never_change_the_default_decision() {
         idempotent_hint: Some(false),
         open_world_hint: Some(true),
     };
-    for classification in [Classification::ReadOnly, Classification::Consequential] {
+    for classification in [ToolClass::ReadOnly, ToolClass::Consequential] {
         for untrusted in [false, true] {
             let decide = |annotations: ToolAnnotations| {
                 let mut b = call(classification).annotations(annotations);
@@ -301,12 +296,12 @@ fn annotations_never_change_the_default_decision() {
     }
     // And the read-only hint does not lift the approval the default asks for.
     let decision = engine.decide(
-        &call(Classification::Consequential)
+        &call(ToolClass::Consequential)
             .annotations(lying)
             .untrusted_source("webhook")
             .build(),
     );
-    assert_eq!(decision.outcome, Outcome::Confirm);
+    assert_eq!(decision.outcome, Verdict::Confirm);
 }
 
 #[test]
@@ -320,7 +315,7 @@ fn a_policy_may_read_annotations_when_its_author_chooses() {
         .build()
         .unwrap();
     let decision = engine.decide(
-        &call(Classification::ReadOnly)
+        &call(ToolClass::ReadOnly)
             .annotations(ToolAnnotations {
                 destructive_hint: Some(true),
                 ..ToolAnnotations::default()
@@ -406,17 +401,17 @@ fn a_policy_that_fails_to_evaluate_denies() {
         )
         .build()
         .unwrap();
-    let quiet = call(Classification::ReadOnly).build();
-    assert_eq!(engine.decide(&quiet).outcome, Outcome::Allow);
+    let quiet = call(ToolClass::ReadOnly).build();
+    assert_eq!(engine.decide(&quiet).outcome, Verdict::Allow);
     let decision = engine.decide(
-        &call(Classification::ReadOnly)
+        &call(ToolClass::ReadOnly)
             .budget_used(BudgetUsed {
                 turns: 1,
                 ..BudgetUsed::default()
             })
             .build(),
     );
-    assert_eq!(decision.outcome, Outcome::Deny, "{decision:?}");
+    assert_eq!(decision.outcome, Verdict::Deny, "{decision:?}");
     assert_eq!(decision.determining_policies, ["routine.overflowing"]);
     assert!(decision.reasons[0].contains("failed to evaluate"));
 }
@@ -424,7 +419,7 @@ fn a_policy_that_fails_to_evaluate_denies() {
 #[test]
 fn cedar_requests_fit_the_schema() {
     let engine = PolicyEngine::builder().build().unwrap();
-    let request = call(Classification::Consequential)
+    let request = call(ToolClass::Consequential)
         .arguments(args(
             json!({"to": "a@example.com", "n": 3, "nested": {"b": 1, "a": [true]}}),
         ))
@@ -447,15 +442,11 @@ fn arguments_json_is_canonical() {
         )
         .build()
         .unwrap();
-    let request = |value: Value| {
-        call(Classification::ReadOnly)
-            .arguments(args(value))
-            .build()
-    };
+    let request = |value: Value| call(ToolClass::ReadOnly).arguments(args(value)).build();
     let decision = engine.decide(&request(json!({"b": {"d": "x", "c": [true]}, "a": 1})));
     assert_eq!(decision.determining_policies, ["routine.exact-call"]);
     let decision = engine.decide(&request(json!({"b": {"d": "y", "c": [true]}, "a": 1})));
-    assert_eq!(decision.outcome, Outcome::Allow);
+    assert_eq!(decision.outcome, Verdict::Allow);
 }
 
 #[test]
@@ -472,32 +463,32 @@ fn one_engine_decides_many_calls_without_mixing_them_up() {
     };
     for _ in 0..3 {
         assert_eq!(
-            decide("read", Classification::ReadOnly, true, "run_1"),
-            Outcome::Allow
+            decide("read", ToolClass::ReadOnly, true, "run_1"),
+            Verdict::Allow
         );
         assert_eq!(
-            decide("send", Classification::Consequential, true, "run_1"),
-            Outcome::Confirm
+            decide("send", ToolClass::Consequential, true, "run_1"),
+            Verdict::Confirm
         );
         assert_eq!(
-            decide("send", Classification::Consequential, false, "run_1"),
-            Outcome::Allow
+            decide("send", ToolClass::Consequential, false, "run_1"),
+            Verdict::Allow
         );
         assert_eq!(
-            decide("read", Classification::Consequential, true, "run_2"),
-            Outcome::Confirm
+            decide("read", ToolClass::Consequential, true, "run_2"),
+            Verdict::Confirm
         );
         assert_eq!(
-            decide("read", Classification::ReadOnly, true, "run_2"),
-            Outcome::Allow
+            decide("read", ToolClass::ReadOnly, true, "run_2"),
+            Verdict::Allow
         );
     }
     // More distinct pairs than the cache holds still decide correctly.
     for n in 0..600 {
         let run = format!("run_{n}");
         assert_eq!(
-            decide("send", Classification::Consequential, true, &run),
-            Outcome::Confirm
+            decide("send", ToolClass::Consequential, true, &run),
+            Verdict::Confirm
         );
     }
 }

@@ -10,9 +10,9 @@
 )]
 
 use proptest::prelude::*;
+use wor_core::call::{ToolClass, Verdict};
 use wor_policy::{
-    Classification, DecisionRequest, MAX_EXPRESSION_DEPTH, MAX_POLICY_NESTING, Outcome,
-    PolicyEngine, PolicyError,
+    DecisionRequest, MAX_EXPRESSION_DEPTH, MAX_POLICY_NESTING, PolicyEngine, PolicyError,
 };
 
 /// A tokio worker's default stack.
@@ -20,19 +20,14 @@ const WORKER_STACK: usize = 2 << 20;
 
 /// Loads `text` as the routine policy and decides one call, on a thread with a tokio
 /// worker's stack: a stack overflow aborts the test binary.
-fn load_and_decide(text: String) -> Result<Outcome, PolicyError> {
+fn load_and_decide(text: String) -> Result<Verdict, PolicyError> {
     std::thread::Builder::new()
         .stack_size(WORKER_STACK)
         .spawn(move || {
             let engine = PolicyEngine::builder().routine_policy(text).build()?;
-            let request = DecisionRequest::builder(
-                "triage",
-                "run_1",
-                "mail",
-                "send",
-                Classification::ReadOnly,
-            )
-            .build();
+            let request =
+                DecisionRequest::builder("triage", "run_1", "mail", "send", ToolClass::ReadOnly)
+                    .build();
             Ok(engine.decide(&request).outcome)
         })
         .unwrap()
@@ -69,13 +64,13 @@ fn nested_condition(kind: &str, levels: usize) -> String {
 fn policies_at_the_limit_load_and_decide_on_a_worker_stack() {
     for kind in ["paren", "record", "if"] {
         let text = permit_when(&nested_condition(kind, MAX_POLICY_NESTING));
-        assert_eq!(load_and_decide(text), Ok(Outcome::Deny), "{kind}");
+        assert_eq!(load_and_decide(text), Ok(Verdict::Deny), "{kind}");
     }
     // Sets: `[[…[true]…]]` nests, and `.contains` needs an element of the same type.
     let inner = MAX_POLICY_NESTING - 2;
     let set = format!("{}true{}", "[".repeat(inner), "]".repeat(inner));
     let text = permit_when(&format!("[{set}].contains({set})"));
-    assert_eq!(load_and_decide(text), Ok(Outcome::Deny), "set");
+    assert_eq!(load_and_decide(text), Ok(Verdict::Deny), "set");
     // The deepest nesting and the longest operator chain at once.
     let parens = MAX_POLICY_NESTING - 1;
     let deepest = |links: usize| {
@@ -110,7 +105,7 @@ fn policies_at_the_limit_load_and_decide_on_a_worker_stack() {
     );
     assert_eq!(
         load_and_decide(deepest(allowed)),
-        Ok(Outcome::Deny),
+        Ok(Verdict::Deny),
         "paren and chain"
     );
 }
@@ -185,7 +180,7 @@ fn brackets_in_strings_and_comments_do_not_count() {
         "// {deep}\n@id(\"{deep}\")\n@decision(\"deny\")\n\
          permit (principal, action, resource) when {{ context.arguments_json != \"\\\"{deep}\" }};"
     );
-    assert_eq!(load_and_decide(text), Ok(Outcome::Deny));
+    assert_eq!(load_and_decide(text), Ok(Verdict::Deny));
 }
 
 /// One way to wrap a true boolean expression in another.
@@ -248,7 +243,7 @@ proptest! {
         let levels = depth + 1; // the `when { }`
         let result = load_and_decide(permit_when(&condition));
         if levels <= MAX_POLICY_NESTING {
-            prop_assert_eq!(result, Ok(Outcome::Deny), "{} levels: {}", levels, condition);
+            prop_assert_eq!(result, Ok(Verdict::Deny), "{} levels: {}", levels, condition);
         } else {
             prop_assert!(
                 matches!(result, Err(PolicyError::TooDeep { .. })),

@@ -125,6 +125,16 @@ impl From<wor_engine::EngineError> for ApiError {
                 ApiError::bad_request("invalid_request", reason)
             }
             wor_engine::EngineError::Unreachable(reason) => ApiError::Unavailable(reason),
+            // Only a worker driving a run loses its lease; a request that meets it raced one.
+            wor_engine::EngineError::LeaseLost => {
+                ApiError::Conflict("the run is being driven by another worker".to_owned())
+            }
+            wor_engine::EngineError::Vault(vault) => vault.into(),
+            // Logged by kind only: the text can quote stored data.
+            wor_engine::EngineError::InvalidState(_) | wor_engine::EngineError::NestedTask(_) => {
+                tracing::error!(category = "engine", "stored state the engine cannot use");
+                ApiError::Internal
+            }
             wor_engine::EngineError::Store(store) => store.into(),
         }
     }

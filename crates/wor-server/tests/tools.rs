@@ -1057,7 +1057,11 @@ async fn a_consequential_call_after_untrusted_content_waits_for_exactly_one_appr
             &wor_store::ApprovedCall {
                 approval: first_id.parse().unwrap(),
                 binding_hash: second["binding_hash"].as_str().unwrap(),
-                step: &json!({}),
+                step: &wor_core::step::Step::ApprovalUsed(wor_core::step::ApprovalUsedStep {
+                    call_id: "reused".to_owned(),
+                    approval_id: first_id.parse().unwrap(),
+                    tool: "mail/send".to_owned(),
+                }),
                 usage: &wor_core::budget::BudgetUsage::default(),
             },
         )

@@ -55,7 +55,7 @@ async fn main() {
                 NewRun {
                     routine_id: routine.id,
                     routine_version: routine.current_version,
-                    trigger_kind: "api".to_owned(),
+                    trigger_kind: wor_core::call::TriggerKind::Api,
                     started_by: None,
                     max_concurrent: 1_000,
                     status: RunStatus::Queued,
@@ -66,7 +66,7 @@ async fn main() {
                     memory: None,
                     parent: None,
                 },
-                &serde_json::json!("go"),
+                wor_core::step::InputStep::requested(serde_json::json!("go")),
             )
             .await
             .unwrap();

@@ -17,6 +17,7 @@ use std::str::FromStr;
 use sqlx::Row;
 use wor_core::budget::BudgetUsage;
 use wor_core::run::Provenance;
+use wor_core::step::Step;
 use wor_core::{ApiKeyId, ApprovalId, MemberId, ProjectId, RunId};
 
 use crate::{Store, StoreError, now_millis, parse_column};
@@ -157,7 +158,7 @@ pub struct ApprovalRecord {
 pub struct ApprovedCall<'a> {
     pub approval: ApprovalId,
     pub binding_hash: &'a str,
-    pub step: &'a serde_json::Value,
+    pub step: &'a Step,
     pub usage: &'a BudgetUsage,
 }
 
@@ -172,9 +173,10 @@ pub enum ApprovedStart {
     NotUsable,
 }
 
-/// A person's answer.
+/// A person's answer to an approval request (the call's own verdict, by policy, is
+/// `wor_core::call::Verdict`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Verdict {
+pub enum ApprovalAnswer {
     Approve,
     Deny,
 }
@@ -182,7 +184,7 @@ pub enum Verdict {
 /// Who decided, and why.
 #[derive(Debug, Clone)]
 pub struct ApprovalDecision {
-    pub verdict: Verdict,
+    pub verdict: ApprovalAnswer,
     /// The API key used; `None` for a decision made in the console.
     pub key_id: Option<ApiKeyId>,
     pub member_id: Option<MemberId>,
@@ -372,8 +374,8 @@ impl Store {
     ) -> Result<ApprovalRecord, DecideError> {
         let now = now_millis();
         let status = match decision.verdict {
-            Verdict::Approve => ApprovalStatus::Approved,
-            Verdict::Deny => ApprovalStatus::Denied,
+            ApprovalAnswer::Approve => ApprovalStatus::Approved,
+            ApprovalAnswer::Deny => ApprovalStatus::Denied,
         };
         let mut tx = self.begin_write().await?;
         let done = sqlx::query(
@@ -477,15 +479,7 @@ impl Store {
             tx.rollback().await?;
             return Ok(ApprovedStart::RunNotHeld);
         }
-        crate::runs::append_step(
-            &mut tx,
-            project,
-            run,
-            "approval_used",
-            Provenance::Engine,
-            call.step,
-        )
-        .await?;
+        crate::runs::append_step(&mut tx, project, run, Provenance::Engine, call.step).await?;
         tx.commit().await?;
         Ok(ApprovedStart::Started)
     }

@@ -35,8 +35,8 @@ use sqlx::{Any, AnyPool, Executor, Transaction};
 pub use api_keys::{API_KEY_PREFIX, api_key_digest};
 pub use api_keys::{ApiKeyKind, ApiKeyRecord, AuthenticatedKey, NewApiKey, PlaintextApiKey};
 pub use approvals::{
-    ApprovalDecision, ApprovalFilter, ApprovalKind, ApprovalRecord, ApprovalStatus, ApprovedCall,
-    ApprovedStart, DecideError, NewApproval, ProjectPolicyRecord, Verdict,
+    ApprovalAnswer, ApprovalDecision, ApprovalFilter, ApprovalKind, ApprovalRecord, ApprovalStatus,
+    ApprovedCall, ApprovedStart, DecideError, NewApproval, ProjectPolicyRecord,
 };
 pub use audit::{AuditConfig, AuditLog, AuditReceipt};
 pub use console::{
@@ -44,7 +44,6 @@ pub use console::{
     SESSION_TOKEN_PREFIX, SignInAccount,
 };
 pub use members::MemberRecord;
-pub use memory::MemoryEntry;
 pub use model_connections::{
     API_KEY_FIELD, ConnectionStatus, MODEL_CONNECTIONS_TABLE, ModelConnectionRecord, ModelProvider,
     NewModelConnection,
@@ -55,7 +54,7 @@ pub use run_tokens::{RUN_TOKEN_PREFIX, RunGrant, RunToken};
 pub use runs::{NewRun, ParentLink, RunFilter, RunRecord, RunStep};
 pub use sqlx::Error as SqlxError;
 pub use tool_connections::{
-    NewToolConnection, StdioSpec, StoredPin, TOOL_CONNECTIONS_TABLE, ToolClass, ToolConnectionKind,
+    NewToolConnection, StdioSpec, StoredPin, TOOL_CONNECTIONS_TABLE, ToolConnectionKind,
     ToolConnectionRecord, ToolConnectionStatus, env_field, header_field,
 };
 pub use triggers::{AttemptOutcome, DeliveryFilter, DeliveryRecord, DueSchedule, NewDelivery};

@@ -1,22 +1,10 @@
 //! Conversation memory: what earlier runs of a routine's thread said, with provenance labels.
 
 use sqlx::Row;
-use wor_core::run::Provenance;
-use wor_core::{ProjectId, RoutineId, RunId};
+use wor_core::step::MemoryEntry;
+use wor_core::{ProjectId, RoutineId};
 
 use crate::{Store, StoreError, now_millis, parse_column};
-
-/// One remembered message.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
-pub struct MemoryEntry {
-    pub run_id: RunId,
-    /// `requester` (what the run was asked) or `assistant` (what it answered).
-    pub role: String,
-    /// The label the text carried in its run; `untrusted` stays `untrusted`.
-    pub provenance: Provenance,
-    pub text: String,
-    pub created_at: i64,
-}
 
 impl Store {
     /// Appends entries to a thread's memory.
@@ -38,7 +26,7 @@ impl Store {
             .bind(routine.to_string())
             .bind(thread)
             .bind(entry.run_id.to_string())
-            .bind(&entry.role)
+            .bind(entry.role.as_str())
             .bind(entry.provenance.as_str())
             .bind(&entry.text)
             .bind(now_millis())
@@ -75,7 +63,7 @@ impl Store {
                         &row.try_get::<String, _>("run_id")?,
                         "memory_entries.run_id",
                     )?,
-                    role: row.try_get("role")?,
+                    role: parse_column(&row.try_get::<String, _>("role")?, "memory_entries.role")?,
                     provenance: parse_column(
                         &row.try_get::<String, _>("provenance")?,
                         "memory_entries.provenance",

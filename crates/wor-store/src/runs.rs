@@ -6,7 +6,9 @@
 
 use sqlx::Row;
 use wor_core::budget::BudgetUsage;
+use wor_core::call::TriggerKind;
 use wor_core::run::{Provenance, RunStatus};
+use wor_core::step::{InputStep, MemoryStep, OutcomeStep, Step};
 use wor_core::{ApiKeyId, ProjectId, RoutineId, RunId};
 
 use crate::{Store, StoreError, now_millis, parse_column};
@@ -21,7 +23,7 @@ pub struct RunRecord {
     pub parent_run_id: Option<RunId>,
     pub depth: i64,
     pub status: RunStatus,
-    pub trigger_kind: String,
+    pub trigger_kind: TriggerKind,
     pub started_by: Option<ApiKeyId>,
     pub trigger_key: Option<String>,
     pub thread: Option<String>,
@@ -41,7 +43,7 @@ pub struct RunRecord {
 pub struct NewRun {
     pub routine_id: RoutineId,
     pub routine_version: i64,
-    pub trigger_kind: String,
+    pub trigger_kind: TriggerKind,
     pub started_by: Option<ApiKeyId>,
     pub max_concurrent: u64,
     /// `Skipped` for a run refused by the overlap policy, otherwise `Queued`.
@@ -56,7 +58,7 @@ pub struct NewRun {
     pub thread: Option<String>,
     /// The thread's memory as replayed into this run (a `memory` step after the input), with
     /// the step's label: `untrusted` when any entry is.
-    pub memory: Option<(Provenance, serde_json::Value)>,
+    pub memory: Option<(Provenance, MemoryStep)>,
     /// For a run started by another run's call: its place in the tree and its budget cap.
     pub parent: Option<ParentLink>,
 }
@@ -80,12 +82,12 @@ pub struct ParentLink {
     pub budget_cap: serde_json::Value,
 }
 
-#[derive(Debug, Clone, serde::Serialize)]
+/// One step of a run's log as stored: its place, its label and when it was written.
+#[derive(Debug, Clone, PartialEq)]
 pub struct RunStep {
     pub seq: i64,
-    pub kind: String,
     pub provenance: Provenance,
-    pub payload: serde_json::Value,
+    pub step: Step,
     pub created_at: i64,
 }
 
@@ -118,7 +120,7 @@ impl Store {
         &self,
         project: ProjectId,
         new: NewRun,
-        input: &serde_json::Value,
+        input: InputStep,
     ) -> Result<RunRecord, StoreError> {
         let id = RunId::new();
         let now = now_millis();
@@ -133,7 +135,7 @@ impl Store {
         .bind(new.routine_id.to_string())
         .bind(new.routine_version)
         .bind(new.status.as_str())
-        .bind(&new.trigger_kind)
+        .bind(new.trigger_kind.as_str())
         .bind(new.started_by.map(|k| k.to_string()))
         .bind(to_i64(new.max_concurrent))
         .bind(new.outcome.as_deref())
@@ -157,14 +159,14 @@ impl Store {
             project,
             id,
             1,
-            "input",
             new.input_provenance,
-            input,
+            &Step::Input(input),
             now,
         )
         .await?;
         if let Some((provenance, memory)) = &new.memory {
-            insert_step(&mut tx, project, id, 2, "memory", *provenance, memory, now).await?;
+            let memory = Step::Memory(memory.clone());
+            insert_step(&mut tx, project, id, 2, *provenance, &memory, now).await?;
         }
         tx.commit().await?;
         self.get_run(project, id).await
@@ -519,15 +521,17 @@ impl Store {
                 .fetch_one(&mut *tx)
                 .await?
                 .try_get("last")?;
-        let payload = serde_json::json!({ "status": status.as_str(), "message": outcome });
+        let step = Step::Outcome(OutcomeStep {
+            status,
+            message: outcome.to_owned(),
+        });
         insert_step(
             &mut tx,
             project,
             run,
             last + 1,
-            "outcome",
             Provenance::Engine,
-            &payload,
+            &step,
             now,
         )
         .await?;
@@ -544,12 +548,11 @@ impl Store {
         &self,
         project: ProjectId,
         run: RunId,
-        kind: &str,
         provenance: Provenance,
-        payload: &serde_json::Value,
+        step: &Step,
     ) -> Result<i64, StoreError> {
         let mut tx = self.begin_write().await?;
-        let seq = append_step(&mut tx, project, run, kind, provenance, payload).await?;
+        let seq = append_step(&mut tx, project, run, provenance, step).await?;
         tx.commit().await?;
         Ok(seq)
     }
@@ -573,14 +576,15 @@ impl Store {
         rows.iter()
             .map(|row| {
                 let provenance: String = row.try_get("provenance")?;
+                let kind: String = row.try_get("kind")?;
                 let payload: String = row.try_get("payload")?;
+                let payload = serde_json::from_str(&payload)
+                    .map_err(|_| StoreError::Corrupt("run_steps.payload is not JSON".to_owned()))?;
                 Ok(RunStep {
                     seq: row.try_get("seq")?,
-                    kind: row.try_get("kind")?,
                     provenance: parse_column(&provenance, "run_steps.provenance")?,
-                    payload: serde_json::from_str(&payload).map_err(|_| {
-                        StoreError::Corrupt("run_steps.payload is not JSON".to_owned())
-                    })?,
+                    step: Step::from_stored(&kind, payload)
+                        .map_err(|e| StoreError::Corrupt(format!("run_steps: {e}")))?,
                     created_at: row.try_get("created_at")?,
                 })
             })
@@ -644,9 +648,8 @@ pub(crate) async fn append_step(
     tx: &mut sqlx::Transaction<'_, sqlx::Any>,
     project: ProjectId,
     run: RunId,
-    kind: &str,
     provenance: Provenance,
-    payload: &serde_json::Value,
+    step: &Step,
 ) -> Result<i64, StoreError> {
     let last: i64 =
         sqlx::query("SELECT COALESCE(MAX(seq), 0) AS last FROM run_steps WHERE run_id = $1")
@@ -654,17 +657,7 @@ pub(crate) async fn append_step(
             .fetch_one(&mut **tx)
             .await?
             .try_get("last")?;
-    insert_step(
-        tx,
-        project,
-        run,
-        last + 1,
-        kind,
-        provenance,
-        payload,
-        now_millis(),
-    )
-    .await?;
+    insert_step(tx, project, run, last + 1, provenance, step, now_millis()).await?;
     Ok(last + 1)
 }
 
@@ -685,17 +678,18 @@ async fn requeue_parent(
     Ok(())
 }
 
-#[expect(clippy::too_many_arguments, reason = "one column each")]
 async fn insert_step(
     tx: &mut sqlx::Transaction<'_, sqlx::Any>,
     project: ProjectId,
     run: RunId,
     seq: i64,
-    kind: &str,
     provenance: Provenance,
-    payload: &serde_json::Value,
+    step: &Step,
     now: i64,
 ) -> Result<(), StoreError> {
+    let payload = step
+        .to_stored()
+        .map_err(|e| StoreError::Corrupt(format!("a step to record: {e}")))?;
     sqlx::query(
         "INSERT INTO run_steps (run_id, seq, project_id, kind, provenance, payload, created_at) \
          VALUES ($1, $2, $3, $4, $5, $6, $7)",
@@ -703,7 +697,7 @@ async fn insert_step(
     .bind(run.to_string())
     .bind(seq)
     .bind(project.to_string())
-    .bind(kind)
+    .bind(step.kind().as_str())
     .bind(provenance.as_str())
     .bind(payload.to_string())
     .bind(now)
@@ -732,7 +726,10 @@ fn run_from_row(row: &sqlx::any::AnyRow) -> Result<RunRecord, StoreError> {
             .transpose()?,
         depth: row.try_get("depth")?,
         status: parse_column(&status, "runs.status")?,
-        trigger_kind: row.try_get("trigger_kind")?,
+        trigger_kind: parse_column(
+            &row.try_get::<String, _>("trigger_kind")?,
+            "runs.trigger_kind",
+        )?,
         started_by: started_by
             .map(|k| parse_column(&k, "runs.started_by"))
             .transpose()?,

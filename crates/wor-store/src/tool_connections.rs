@@ -12,6 +12,7 @@ use std::str::FromStr;
 
 use serde_json::Value;
 use sqlx::Row;
+use wor_core::call::ToolClass;
 use wor_core::{ApiKeyId, ConnectionId, ProjectId};
 
 use crate::{Store, StoreError, conflict_or, now_millis, parse_column};
@@ -144,17 +145,6 @@ impl FromStr for ToolConnectionStatus {
             _ => Err(()),
         }
     }
-}
-
-/// The operator's classification of one tool (S8). Anything not classified is consequential.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ToolClass {
-    /// Reads only: may run after untrusted content entered the context.
-    ReadOnly,
-    /// May change something: needs approval once untrusted content is in context.
-    #[default]
-    Consequential,
 }
 
 /// One pinned tool as stored: the pinned fields and their hash.

@@ -8,6 +8,9 @@
 )]
 
 use wor_core::Role;
+use wor_core::call::ToolClass;
+use wor_core::model::{AssistantMessage, StopReason, ToolResult, Usage};
+use wor_core::step::{ApprovalUsedStep, InputStep, ModelTurnStep, Step, StepKind, ToolResultStep};
 use wor_store::testing::TestDatabase;
 use wor_store::{ApiKeyKind, NewApiKey, StoreError};
 
@@ -568,9 +571,7 @@ async fn a_rewritten_chain_is_caught_by_its_checkpoints_and_a_cut_tail_by_an_anc
 #[tokio::test]
 async fn tool_connections_are_confined_to_their_project_and_keep_their_pins() {
     use std::collections::BTreeMap;
-    use wor_store::{
-        NewToolConnection, StoredPin, ToolClass, ToolConnectionKind, ToolConnectionStatus,
-    };
+    use wor_store::{NewToolConnection, StoredPin, ToolConnectionKind, ToolConnectionStatus};
 
     let db = TestDatabase::new().await.unwrap();
     let a = db
@@ -676,7 +677,7 @@ async fn an_ended_nested_run_always_releases_its_parked_parent() {
     let new = |parent: Option<ParentLink>, key: &str| NewRun {
         routine_id: routine,
         routine_version: 1,
-        trigger_kind: "api".to_owned(),
+        trigger_kind: wor_core::call::TriggerKind::Api,
         started_by: None,
         max_concurrent: 100,
         status: RunStatus::Queued,
@@ -687,10 +688,10 @@ async fn an_ended_nested_run_always_releases_its_parked_parent() {
         memory: None,
         parent,
     };
-    let input = serde_json::json!({"input": "x"});
+    let input = InputStep::requested(serde_json::json!("x"));
     let store = &db.store;
     let parent = store
-        .create_run(project, new(None, "p"), &input)
+        .create_run(project, new(None, "p"), input.clone())
         .await
         .unwrap();
     let parent = store
@@ -706,7 +707,7 @@ async fn an_ended_nested_run_always_releases_its_parked_parent() {
     };
     // A child cancelled while queued ends without being driven: the parent goes on.
     let child = store
-        .create_run(project, new(Some(link()), "c1"), &input)
+        .create_run(project, new(Some(link()), "c1"), input.clone())
         .await
         .unwrap();
     assert_eq!(child.depth, 1);
@@ -724,7 +725,7 @@ async fn an_ended_nested_run_always_releases_its_parked_parent() {
         .unwrap()
         .unwrap();
     let child = store
-        .create_run(project, new(Some(link()), "c2"), &input)
+        .create_run(project, new(Some(link()), "c2"), input.clone())
         .await
         .unwrap();
     assert!(store.park_run(project, parent.id, "w").await.unwrap());
@@ -774,7 +775,7 @@ async fn concurrent_claims_keep_the_routine_and_project_limits() {
             for _ in 0..count {
                 let new = queued_run(routine, 1, None, max_concurrent);
                 store
-                    .create_run(project, new, &serde_json::json!("x"))
+                    .create_run(project, new, InputStep::requested(serde_json::json!("x")))
                     .await
                     .unwrap();
             }
@@ -841,7 +842,7 @@ fn queued_run(
     wor_store::NewRun {
         routine_id: routine,
         routine_version,
-        trigger_kind: "api".to_owned(),
+        trigger_kind: wor_core::call::TriggerKind::Api,
         started_by,
         max_concurrent,
         status: RunStatus::Queued,
@@ -1066,7 +1067,7 @@ async fn recovering_an_owner_makes_a_working_owner_key() {
 async fn many_concurrent_writers_all_succeed() {
     use wor_core::run::{Provenance, RunStatus};
     use wor_store::{
-        ApprovalDecision, ApprovalKind, ApprovedCall, ApprovedStart, NewApproval, Verdict,
+        ApprovalAnswer, ApprovalDecision, ApprovalKind, ApprovedCall, ApprovedStart, NewApproval,
     };
     let db = TestDatabase::isolated().await.unwrap();
     let created = db
@@ -1094,7 +1095,7 @@ async fn many_concurrent_writers_all_succeed() {
                     .unwrap();
                 let new = queued_run(applied.routine.id, applied.version, Some(key), 100);
                 let run = store
-                    .create_run(project, new, &serde_json::json!("x"))
+                    .create_run(project, new, InputStep::requested(serde_json::json!("x")))
                     .await
                     .unwrap();
                 store
@@ -1107,9 +1108,16 @@ async fn many_concurrent_writers_all_succeed() {
                         .append_run_step(
                             project,
                             run.id,
-                            "model_turn",
                             Provenance::Model,
-                            &serde_json::json!({"round": round}),
+                            &Step::ModelTurn(ModelTurnStep {
+                                message: AssistantMessage {
+                                    text: format!("round {round}"),
+                                    tool_calls: Vec::new(),
+                                },
+                                usage: Usage::default(),
+                                stop_reason: StopReason::EndTurn,
+                                nul_replaced: false,
+                            }),
                         )
                         .await
                         .unwrap();
@@ -1134,7 +1142,7 @@ async fn many_concurrent_writers_all_succeed() {
                     .expect("the worker holds its run");
                 assert!(filed);
                 let decision = ApprovalDecision {
-                    verdict: Verdict::Approve,
+                    verdict: ApprovalAnswer::Approve,
                     key_id: Some(key),
                     member_id: None,
                     reason: "ok".to_owned(),
@@ -1160,7 +1168,11 @@ async fn many_concurrent_writers_all_succeed() {
                         &ApprovedCall {
                             approval: approval_id,
                             binding_hash: &approval.binding_hash,
-                            step: &serde_json::json!({"call_id": "call_1"}),
+                            step: &Step::ApprovalUsed(ApprovalUsedStep {
+                                call_id: "call_1".to_owned(),
+                                approval_id,
+                                tool: "mail/send".to_owned(),
+                            }),
                             usage: &usage,
                         },
                     )
@@ -1171,9 +1183,16 @@ async fn many_concurrent_writers_all_succeed() {
                     .append_run_step(
                         project,
                         run.id,
-                        "tool_result",
                         Provenance::Untrusted,
-                        &serde_json::json!({}),
+                        &Step::ToolResult(ToolResultStep {
+                            tool: "mail/send".to_owned(),
+                            result: ToolResult {
+                                tool_call_id: "call_1".to_owned(),
+                                content: "sent".to_owned(),
+                                is_error: false,
+                            },
+                            nul_replaced: false,
+                        }),
                     )
                     .await
                     .unwrap();
@@ -1211,7 +1230,8 @@ async fn many_concurrent_writers_all_succeed() {
 async fn an_approval_is_never_used_without_its_call_recorded_as_started() {
     use wor_core::budget::BudgetUsage;
     use wor_store::{
-        ApprovalDecision, ApprovalKind, ApprovedCall, ApprovedStart, Backend, NewApproval, Verdict,
+        ApprovalAnswer, ApprovalDecision, ApprovalKind, ApprovedCall, ApprovedStart, Backend,
+        NewApproval,
     };
     let db = TestDatabase::isolated().await.unwrap();
     let created = db
@@ -1232,7 +1252,7 @@ async fn an_approval_is_never_used_without_its_call_recorded_as_started() {
         .id;
     let new = queued_run(routine, 1, Some(key), 1);
     let run = store
-        .create_run(project, new, &serde_json::json!("x"))
+        .create_run(project, new, InputStep::requested(serde_json::json!("x")))
         .await
         .unwrap();
     store
@@ -1259,7 +1279,7 @@ async fn an_approval_is_never_used_without_its_call_recorded_as_started() {
         .unwrap()
         .unwrap();
     let decision = ApprovalDecision {
-        verdict: Verdict::Approve,
+        verdict: ApprovalAnswer::Approve,
         key_id: Some(key),
         member_id: None,
         reason: "ok".to_owned(),
@@ -1277,7 +1297,11 @@ async fn an_approval_is_never_used_without_its_call_recorded_as_started() {
         tool_calls: 1,
         ..BudgetUsage::default()
     };
-    let step = serde_json::json!({"call_id": "call_1", "approval_id": approval.to_string()});
+    let step = Step::ApprovalUsed(ApprovalUsedStep {
+        call_id: "call_1".to_owned(),
+        approval_id: approval,
+        tool: "mail/send".to_owned(),
+    });
     let call = ApprovedCall {
         approval,
         binding_hash: "binding",
@@ -1307,7 +1331,11 @@ async fn an_approval_is_never_used_without_its_call_recorded_as_started() {
     let approval_now = store.get_approval(project, approval).await.unwrap();
     assert_eq!(approval_now.used_at, None, "the approval is not spent");
     let steps = store.list_run_steps(project, run.id, 0).await.unwrap();
-    assert!(steps.iter().all(|s| s.kind != "approval_used"));
+    assert!(
+        steps
+            .iter()
+            .all(|s| s.step.kind() != StepKind::ApprovalUsed)
+    );
     assert_eq!(
         store
             .get_run(project, run.id)
@@ -1336,7 +1364,10 @@ async fn an_approval_is_never_used_without_its_call_recorded_as_started() {
     );
     let steps = store.list_run_steps(project, run.id, 0).await.unwrap();
     assert_eq!(
-        steps.iter().filter(|s| s.kind == "approval_used").count(),
+        steps
+            .iter()
+            .filter(|s| s.step.kind() == StepKind::ApprovalUsed)
+            .count(),
         1
     );
     assert_eq!(

@@ -22,6 +22,7 @@ pub mod http_tool;
 pub mod mcp;
 pub mod result;
 pub mod roster;
+pub mod session;
 
 pub use credentials::{ConnectionCredentials, CredentialError};
 pub use definition::{
@@ -45,3 +46,4 @@ pub use roster::{
     ArgumentError, CanonicalArguments, ModelToolSpec, RosterEntry, SchemaViolation, ToolMode,
     model_view, prepare_arguments,
 };
+pub use session::ToolSession;

@@ -5,7 +5,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use serde_json::json;
-use wor_policy::{Outcome, PolicyEngine, ToolCallDescription};
+use wor_core::call::Verdict;
+use wor_policy::{PolicyEngine, ToolCallDescription};
 
 use crate::client::{ApiClient, ClientArgs};
 
@@ -138,8 +139,8 @@ fn test(
         }
     }
     Ok(match decision.outcome {
-        Outcome::Allow => ExitCode::SUCCESS,
-        Outcome::Confirm => ExitCode::from(EXIT_CONFIRM),
-        Outcome::Deny => ExitCode::from(EXIT_DENY),
+        Verdict::Allow => ExitCode::SUCCESS,
+        Verdict::Confirm => ExitCode::from(EXIT_CONFIRM),
+        Verdict::Deny => ExitCode::from(EXIT_DENY),
     })
 }

@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use serde_json::{Value, json};
+use wor_core::step::Step;
 
 use super::routines::routine_id;
 use super::{field, print_json};
@@ -81,76 +82,15 @@ pub(crate) fn summary(run: &Value) -> String {
     )
 }
 
-/// One line for a step, for people watching a run.
+/// One line for a step (as the API shows it), for people watching a run.
 pub(crate) fn describe_step(step: &Value) -> String {
-    let payload = step.get("payload").cloned().unwrap_or(Value::Null);
     let provenance = field(step, "/provenance");
-    match field(step, "/kind") {
-        "input" => format!(
-            "[{provenance}] input: {}",
-            payload
-                .get("input")
-                .map(Value::to_string)
-                .unwrap_or_default()
-        ),
-        "model_turn" => {
-            let text = field(&payload, "/message/text");
-            let calls: Vec<&str> = payload
-                .pointer("/message/tool_calls")
-                .and_then(Value::as_array)
-                .into_iter()
-                .flatten()
-                .filter_map(|c| c.get("name").and_then(Value::as_str))
-                .collect();
-            let mut line = format!("[model] {}", if text == "-" { "" } else { text });
-            if !calls.is_empty() {
-                line.push_str(&format!(" → calls {}", calls.join(", ")));
-            }
-            line
-        }
-        "memory" => format!(
-            "[{provenance}] memory of thread {}: {} entries",
-            field(&payload, "/thread"),
-            payload
-                .get("entries")
-                .and_then(Value::as_array)
-                .map_or(0, Vec::len)
-        ),
-        "tool_result" => format!(
-            "[{provenance}] {}: {}",
-            field(&payload, "/tool"),
-            field(&payload, "/result/content")
-        ),
-        "tool_call" => {
-            let policies: Vec<&str> = payload
-                .get("determining_policies")
-                .and_then(Value::as_array)
-                .into_iter()
-                .flatten()
-                .filter_map(Value::as_str)
-                .collect();
-            format!(
-                "[{provenance}] {} {}: {} ({})",
-                field(&payload, "/tool"),
-                payload
-                    .get("arguments")
-                    .map(Value::to_string)
-                    .unwrap_or_default(),
-                field(&payload, "/decision"),
-                policies.join(", ")
-            )
-        }
-        "approval_used" => format!(
-            "[{provenance}] approval {} used for {}",
-            field(&payload, "/approval_id"),
-            field(&payload, "/tool")
-        ),
-        "outcome" => format!(
-            "[{provenance}] {}: {}",
-            field(&payload, "/status"),
-            field(&payload, "/message")
-        ),
-        other => format!("[{provenance}] {other}"),
+    let kind = field(step, "/kind");
+    let payload = step.get("payload").cloned().unwrap_or(Value::Null);
+    match Step::from_stored(kind, payload) {
+        Ok(step) => format!("[{provenance}] {}", step.describe()),
+        // A newer server's step this client does not know: named, not guessed at.
+        Err(error) => format!("[{provenance}] {kind} ({error})"),
     }
 }
 

@@ -11,9 +11,10 @@ use axum::response::{IntoResponse, Redirect, Response};
 use rand::TryRngCore;
 use serde_json::{Value, json};
 use wor_core::audit::{Actor, AuditCategory, AuditEvent};
+use wor_core::step::Step;
 use wor_core::{ApprovalId, RunId};
 use wor_engine::Approver;
-use wor_store::{ApprovalFilter, ApprovalRecord, ApprovalStatus, RunRecord, Verdict};
+use wor_store::{ApprovalAnswer, ApprovalFilter, ApprovalRecord, ApprovalStatus, RunRecord};
 
 use super::password::{check_new_password, hash_password, verify_password};
 use super::session::{
@@ -530,8 +531,10 @@ async fn run_input(state: &AppState, run: &RunRecord) -> Result<String, ConsoleE
         .list_run_steps(run.project_id, run.id, 0)
         .await?
         .into_iter()
-        .find(|s| s.kind == "input")
-        .and_then(|s| s.payload.get("input").map(text_of))
+        .find_map(|s| match s.step {
+            Step::Input(input) => Some(input.text()),
+            _ => None,
+        })
         .unwrap_or_default())
 }
 
@@ -606,8 +609,8 @@ pub async fn decide(
 ) -> PageResult {
     let body = form(body)?;
     let verdict = match verdict.as_str() {
-        "approve" => Verdict::Approve,
-        "deny" => Verdict::Deny,
+        "approve" => ApprovalAnswer::Approve,
+        "deny" => ApprovalAnswer::Deny,
         _ => return Err(ConsoleError(ApiError::NotFound)),
     };
     let id: ApprovalId = approval_id
@@ -696,7 +699,7 @@ pub async fn run(
         routine: routine.name,
         routine_version: run.routine_version,
         status: run.status.to_string(),
-        trigger: run.trigger_kind.clone(),
+        trigger: run.trigger_kind.as_str().to_owned(),
         outcome: run.outcome.clone().unwrap_or_default(),
         created_at: rfc3339(run.created_at),
         finished_at: run.finished_at.map(rfc3339).unwrap_or_default(),
@@ -717,10 +720,15 @@ pub async fn run(
             .into_iter()
             .map(|step| StepRow {
                 seq: step.seq,
-                kind: step.kind,
+                kind: step.step.kind().as_str().to_owned(),
                 provenance: step.provenance.as_str().to_owned(),
                 at: rfc3339(step.created_at),
-                text: serde_json::to_string_pretty(&step.payload).unwrap_or_default(),
+                text: step
+                    .step
+                    .to_stored()
+                    .ok()
+                    .and_then(|payload| serde_json::to_string_pretty(&payload).ok())
+                    .unwrap_or_default(),
             })
             .collect(),
     };

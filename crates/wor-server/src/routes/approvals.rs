@@ -2,9 +2,10 @@
 
 use axum::Json;
 use axum::extract::{Query, State};
+use wor_core::step::Step;
 use wor_core::{ApprovalId, RunId};
 use wor_engine::Approver;
-use wor_store::{ApprovalFilter, ApprovalRecord, ApprovalStatus, Verdict};
+use wor_store::{ApprovalAnswer, ApprovalFilter, ApprovalRecord, ApprovalStatus};
 
 use crate::AppState;
 use crate::auth::Caller;
@@ -158,8 +159,10 @@ pub async fn get(
         .list_run_steps(caller.project_id, run.id, 0)
         .await?
         .into_iter()
-        .find(|s| s.kind == "input")
-        .and_then(|s| s.payload.get("input").cloned())
+        .find_map(|s| match s.step {
+            Step::Input(input) => Some(input.input),
+            _ => None,
+        })
         .unwrap_or(serde_json::Value::Null);
     Ok(Json(ApprovalDetail {
         approval: approval.into(),
@@ -181,7 +184,7 @@ pub async fn approve(
     ApiPath(id): ApiPath<ApprovalId>,
     ApiJson(body): ApiJson<DecideBody>,
 ) -> Result<Json<ApprovalView>, ApiError> {
-    decide(state, caller, id, Verdict::Approve, &body.reason).await
+    decide(state, caller, id, ApprovalAnswer::Approve, &body.reason).await
 }
 
 /// Denies this call: its run goes on without it (or fails, as its routine says).
@@ -196,14 +199,14 @@ pub async fn deny(
     ApiPath(id): ApiPath<ApprovalId>,
     ApiJson(body): ApiJson<DecideBody>,
 ) -> Result<Json<ApprovalView>, ApiError> {
-    decide(state, caller, id, Verdict::Deny, &body.reason).await
+    decide(state, caller, id, ApprovalAnswer::Deny, &body.reason).await
 }
 
 async fn decide(
     state: AppState,
     caller: Caller,
     id: ApprovalId,
-    verdict: Verdict,
+    verdict: ApprovalAnswer,
     reason: &str,
 ) -> Result<Json<ApprovalView>, ApiError> {
     // The engine looks the approval up before any check: another project's is a 404.

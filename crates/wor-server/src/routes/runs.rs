@@ -77,7 +77,7 @@ impl From<RunRecord> for RunView {
             root_run_id: r.root_run_id.to_string(),
             parent_run_id: r.parent_run_id.map(|p| p.to_string()),
             status: r.status.to_string(),
-            trigger: r.trigger_kind,
+            trigger: r.trigger_kind.as_str().to_owned(),
             trigger_key: r.trigger_key,
             thread: r.thread,
             started_by: r.started_by.map(|k| k.to_string()),
@@ -100,7 +100,7 @@ impl From<RunRecord> for RunView {
 #[derive(Debug, serde::Serialize, utoipa::ToSchema)]
 pub struct RunStepView {
     pub seq: i64,
-    /// input, model_turn, tool_result or outcome.
+    /// input, memory, model_turn, tool_call, approval_used, tool_result or outcome.
     pub kind: String,
     /// Where the content came from: trusted, requester, untrusted, model or engine.
     pub provenance: String,
@@ -109,15 +109,20 @@ pub struct RunStepView {
     pub created_at: String,
 }
 
-impl From<RunStep> for RunStepView {
-    fn from(s: RunStep) -> Self {
-        RunStepView {
+impl TryFrom<RunStep> for RunStepView {
+    type Error = ApiError;
+    fn try_from(s: RunStep) -> Result<Self, ApiError> {
+        let payload = s.step.to_stored().map_err(|error| {
+            tracing::error!(category = "run", %error, "a run step does not serialise");
+            ApiError::Internal
+        })?;
+        Ok(RunStepView {
             seq: s.seq,
-            kind: s.kind,
+            kind: s.step.kind().as_str().to_owned(),
             provenance: s.provenance.as_str().to_owned(),
-            payload: s.payload,
+            payload,
             created_at: rfc3339(s.created_at),
-        }
+        })
     }
 }
 
@@ -213,7 +218,10 @@ pub async fn get(
     let steps = state.store.list_run_steps(caller.project_id, id, 0).await?;
     Ok(Json(RunDetail {
         run: run.into(),
-        steps: steps.into_iter().map(Into::into).collect(),
+        steps: steps
+            .into_iter()
+            .map(RunStepView::try_from)
+            .collect::<Result<_, _>>()?,
     }))
 }
 
@@ -337,7 +345,9 @@ fn step_stream(
                 .unwrap_or_default();
             for step in steps {
                 f.last_seq = step.seq;
-                let view = RunStepView::from(step);
+                let Ok(view) = RunStepView::try_from(step) else {
+                    continue;
+                };
                 if let Ok(event) = Event::default().event("step").json_data(&view) {
                     f.pending.push_back(event);
                 }
