@@ -114,7 +114,7 @@ impl Engine {
             tool: name.to_owned(),
             mode: entry.mode,
             pin,
-            entry: crate::run_tools::tools_entry(name, entry),
+            entry: entry.clone(),
             // A routine can do anything its own roster lets it: never read-only by default.
             class: ToolClass::Consequential,
         })

@@ -648,12 +648,8 @@ impl Engine {
         };
         let (text, is_error) = match outcome {
             Ok(result) => {
-                let result = wor_tools::ToolResult::new(
-                    &result,
-                    &offered.roster_name,
-                    scope.redactor,
-                    ResultLimits::default(),
-                );
+                let result =
+                    wor_tools::ShapedResult::new(&result, scope.redactor, ResultLimits::default());
                 (result.text, result.is_error)
             }
             Err(error) => (

@@ -27,7 +27,7 @@ pub(crate) struct OfferedTool {
     pub tool: String,
     pub mode: ToolMode,
     pub pin: PinnedToolDefinition,
-    pub entry: wor_tools::RosterEntry,
+    pub entry: wor_core::routine::RosterEntry,
     pub class: ToolClass,
 }
 
@@ -51,23 +51,6 @@ pub(crate) enum ToolsUnavailable {
     /// The run fails closed with this reason.
     Refused(String),
     Store(StoreError),
-}
-
-/// The tool library's view of a routine's roster entry for `tool`: its mode and pinned
-/// arguments.
-pub(crate) fn tools_entry(
-    tool: &str,
-    entry: &wor_core::routine::RosterEntry,
-) -> wor_tools::RosterEntry {
-    wor_tools::RosterEntry {
-        tool: tool.to_owned(),
-        mode: match entry.mode {
-            ToolMode::Auto => wor_tools::ToolMode::Auto,
-            ToolMode::Confirm => wor_tools::ToolMode::Confirm,
-            ToolMode::Deny => wor_tools::ToolMode::Deny,
-        },
-        pinned_arguments: entry.pinned.clone().into_iter().collect(),
-    }
 }
 
 /// The name the model calls a roster tool by: letters, digits, `_` and `-` only.
@@ -239,7 +222,7 @@ impl Engine {
             tool: tool.to_owned(),
             mode: entry.mode,
             pin,
-            entry: tools_entry(tool, entry),
+            entry: entry.clone(),
             class: record.class_of(tool),
         };
         if tools.offered.insert(name.clone(), offered).is_some() {

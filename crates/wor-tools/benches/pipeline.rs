@@ -16,10 +16,11 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value, json};
+use wor_core::routine::{RosterEntry, ToolMode};
 use wor_secrets::Redactor;
 use wor_tools::{
-    PinnedToolDefinition, ResultLimits, RosterEntry, ToolCallResult, ToolContent, ToolDefinition,
-    ToolMode, ToolResult, model_view, prepare_arguments,
+    PinnedToolDefinition, ResultLimits, ShapedResult, ToolCallResult, ToolContent, ToolDefinition,
+    model_view, prepare_arguments,
 };
 
 const ROUNDS: usize = 2_000;
@@ -71,7 +72,7 @@ fn main() {
     let entry = RosterEntry {
         tool: "mail/send".to_owned(),
         mode: ToolMode::Auto,
-        pinned_arguments,
+        pinned: pinned_arguments.into_iter().collect(),
     };
     let arguments = json!({"to": "pat@example.com", "subject": "Your ticket", "body": "Hello ".repeat(40), "priority": 2});
     let secrets: Vec<String> = (0..50)
@@ -88,12 +89,7 @@ fn main() {
     let (pipeline_p50, pipeline_p99) = measure(|| {
         let view = model_view(black_box(&pinned), black_box(&entry));
         let prepared = prepare_arguments(black_box(&arguments), &entry, &schema_value).unwrap();
-        let wrapped = ToolResult::new(
-            black_box(&result),
-            "mail/send",
-            &redactor,
-            ResultLimits::default(),
-        );
+        let wrapped = ShapedResult::new(black_box(&result), &redactor, ResultLimits::default());
         black_box((view, prepared, wrapped));
     });
     let (baseline_p50, baseline_p99) = measure(|| {

@@ -9,7 +9,7 @@
 //! - [`mcp`]: the MCP client ([`McpSession`]) over streamable HTTP through the egress guard,
 //!   or over stdio through a [`SandboxLauncher`].
 //! - [`http_tool`]: HTTP API tools, a method and a path template on an allowlisted host.
-//! - [`result`]: [`ToolResult`], redacted, capped and labelled untrusted.
+//! - [`result`]: [`ShapedResult`], redacted and capped (always untrusted).
 //! - [`credentials`]: a connection's secret headers, attached only at send time.
 //!
 //! This crate never opens a socket itself (all HTTP goes through `wor_egress::EgressClient`),
@@ -41,9 +41,9 @@ pub use mcp::sandboxed::Sandboxed;
 pub use mcp::{
     McpError, McpLimits, McpServerKind, McpSession, StreamableHttpEndpoint, ToolListChanged,
 };
-pub use result::{Provenance, ResultLimits, ToolCallResult, ToolContent, ToolResult, Truncation};
+pub use result::{ResultLimits, ShapedResult, ToolCallResult, ToolContent, Truncation};
 pub use roster::{
-    ArgumentError, CanonicalArguments, ModelToolSpec, RosterEntry, SchemaViolation, ToolMode,
-    model_view, prepare_arguments,
+    ArgumentError, CanonicalArguments, ModelToolSpec, SchemaViolation, model_view,
+    prepare_arguments,
 };
 pub use session::ToolSession;

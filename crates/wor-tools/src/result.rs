@@ -1,5 +1,5 @@
-//! What a tool returned, and the [`ToolResult`] the engine gives back to the model: redacted,
-//! size-capped and labelled untrusted.
+//! What a tool returned, and the [`ShapedResult`] the engine gives back to the model: redacted
+//! and size-capped, always untrusted.
 //!
 //! Order matters: redaction runs on the whole text before the cap, so a secret cut in half by
 //! the cap cannot slip past the exact-match redactor.
@@ -30,18 +30,6 @@ pub struct ToolCallResult {
     pub is_error: bool,
 }
 
-/// Where content came from. wor-core has no provenance type yet; this one lives here until it
-/// moves there.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
-pub enum Provenance {
-    /// Anything a tool returned: data, never instructions.
-    Untrusted {
-        /// Which tool: `connection/tool`.
-        source: String,
-    },
-}
-
 /// How large a result may be.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ResultLimits {
@@ -57,15 +45,15 @@ impl Default for ResultLimits {
     }
 }
 
-/// A result ready for the model: redacted, capped, labelled.
+/// A tool's answer as text ready for the model: redacted and capped. It is always untrusted;
+/// the engine labels it so (`wor_core::run::Provenance::Untrusted`) and wraps it in its
+/// envelope as the content of the `wor_core::model::ToolResult` the model gets.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ToolResult {
+pub struct ShapedResult {
     /// The text given to the model (inside the engine's untrusted-content envelope).
     pub text: String,
     /// The tool reported failure.
     pub is_error: bool,
-    /// Always untrusted.
-    pub provenance: Provenance,
     /// Bytes dropped by the cap, if any.
     pub truncated: Option<Truncation>,
 }
@@ -89,24 +77,16 @@ impl fmt::Display for Truncation {
     }
 }
 
-impl ToolResult {
+impl ShapedResult {
     /// Renders `result` as text (text as is, JSON as compact JSON, pieces separated by a
-    /// newline), redacts it with `redactor`, caps it at `limits`, and labels it untrusted.
-    pub fn new(
-        result: &ToolCallResult,
-        source: &str,
-        redactor: &Redactor,
-        limits: ResultLimits,
-    ) -> Self {
+    /// newline), redacts it with `redactor` and caps it at `limits`.
+    pub fn new(result: &ToolCallResult, redactor: &Redactor, limits: ResultLimits) -> Self {
         let rendered = render(&result.content);
         let redacted = redactor.redact(&rendered).into_owned();
         let (text, truncated) = cap(redacted, limits.max_bytes);
         Self {
             text,
             is_error: result.is_error,
-            provenance: Provenance::Untrusted {
-                source: source.to_owned(),
-            },
             truncated,
         }
     }
@@ -173,20 +153,9 @@ mod tests {
             ],
             is_error: false,
         };
-        let out = ToolResult::new(
-            &result,
-            "github/search",
-            &redactor(),
-            ResultLimits::default(),
-        );
+        let out = ShapedResult::new(&result, &redactor(), ResultLimits::default());
         assert_eq!(out.text, "hello\n{\"a\":1}");
         assert_eq!(out.truncated, None);
-        assert_eq!(
-            out.provenance,
-            Provenance::Untrusted {
-                source: "github/search".into()
-            }
-        );
     }
 
     #[test]
@@ -195,7 +164,7 @@ mod tests {
             content: vec![ToolContent::Text("é".repeat(1000))],
             is_error: true,
         };
-        let out = ToolResult::new(&result, "t", &redactor(), ResultLimits { max_bytes: 200 });
+        let out = ShapedResult::new(&result, &redactor(), ResultLimits { max_bytes: 200 });
         assert!(out.text.len() <= 200, "{}", out.text.len());
         let truncation = out.truncated.unwrap();
         assert_eq!(truncation.original_bytes, 2000);
@@ -217,7 +186,7 @@ mod tests {
             is_error: false,
         };
         for max_bytes in [0, 1, 10, 40] {
-            let out = ToolResult::new(&result, "t", &redactor(), ResultLimits { max_bytes });
+            let out = ShapedResult::new(&result, &redactor(), ResultLimits { max_bytes });
             assert!(out.text.len() <= max_bytes, "{max_bytes}: {:?}", out.text);
             assert!(!out.text.contains('x'), "{max_bytes}: {:?}", out.text);
             assert_eq!(
@@ -238,7 +207,7 @@ mod tests {
             content: vec![ToolContent::Text(text)],
             is_error: false,
         };
-        let out = ToolResult::new(&result, "t", &redactor(), ResultLimits { max_bytes: 180 });
+        let out = ShapedResult::new(&result, &redactor(), ResultLimits { max_bytes: 180 });
         assert!(!out.text.contains("sk-live"), "{}", out.text);
     }
 
@@ -250,7 +219,7 @@ mod tests {
             )],
             is_error: false,
         };
-        let out = ToolResult::new(&result, "t", &redactor(), ResultLimits::default());
+        let out = ShapedResult::new(&result, &redactor(), ResultLimits::default());
         assert!(!out.text.contains("sk-live-secret"), "{}", out.text);
         assert!(!out.text.contains("eyJzdWIi"), "{}", out.text);
         assert!(out.text.contains("[REDACTED"));

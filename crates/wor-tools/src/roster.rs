@@ -10,31 +10,9 @@ use std::collections::BTreeSet;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
+use wor_core::routine::RosterEntry;
+
 use crate::definition::PinnedToolDefinition;
-
-/// What happens when the model calls a roster tool.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ToolMode {
-    /// Runs once policy allows it.
-    Auto,
-    /// Runs after an approver approves that exact call.
-    Confirm,
-    /// Never runs; the model is told so.
-    Deny,
-}
-
-/// One tool on a routine's roster.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct RosterEntry {
-    /// The tool's name on its connection.
-    pub tool: String,
-    /// Its mode.
-    pub mode: ToolMode,
-    /// Argument values the author fixed: hidden from the model, always sent.
-    #[serde(default)]
-    pub pinned_arguments: Map<String, Value>,
-}
 
 /// A tool as the model sees it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -53,14 +31,14 @@ pub fn model_view(pinned: &PinnedToolDefinition, entry: &RosterEntry) -> ModelTo
     let definition = pinned.definition();
     let mut schema = definition.input_schema.clone();
     if let Some(Value::Object(properties)) = schema.get_mut("properties") {
-        for key in entry.pinned_arguments.keys() {
+        for key in entry.pinned.keys() {
             properties.remove(key);
         }
     }
     if let Some(Value::Array(required)) = schema.get_mut("required") {
         required.retain(|name| {
             name.as_str()
-                .is_none_or(|name| !entry.pinned_arguments.contains_key(name))
+                .is_none_or(|name| !entry.pinned.contains_key(name))
         });
     }
     ModelToolSpec {
@@ -160,7 +138,7 @@ pub fn prepare_arguments(
             });
         }
     };
-    for (key, value) in &entry.pinned_arguments {
+    for (key, value) in &entry.pinned {
         arguments.insert(key.clone(), value.clone());
     }
     let instance = Value::Object(arguments);
@@ -171,7 +149,7 @@ pub fn prepare_arguments(
         .map_err(|error| ArgumentError::UnusableSchema {
             reason: error.to_string(),
         })?;
-    let pinned_keys: BTreeSet<&String> = entry.pinned_arguments.keys().collect();
+    let pinned_keys: BTreeSet<&String> = entry.pinned.keys().collect();
     let violations: Vec<SchemaViolation> = validator
         .iter_errors(&instance)
         .map(|error| {
@@ -212,6 +190,7 @@ mod tests {
     use super::*;
     use crate::definition::ToolDefinition;
     use serde_json::json;
+    use wor_core::routine::ToolMode;
 
     fn schema() -> Value {
         json!({
@@ -231,10 +210,12 @@ mod tests {
         RosterEntry {
             tool: "create_issue".into(),
             mode: ToolMode::Confirm,
-            pinned_arguments: json!({"owner": "acme", "repo": "ops"})
+            pinned: json!({"owner": "acme", "repo": "ops"})
                 .as_object()
                 .cloned()
-                .unwrap(),
+                .unwrap()
+                .into_iter()
+                .collect(),
         }
     }
 
@@ -318,7 +299,7 @@ mod tests {
     fn a_bad_pinned_value_is_reported_without_showing_it() {
         let mut entry = entry();
         entry
-            .pinned_arguments
+            .pinned
             .insert("title".into(), json!("pinned-secret-looking-title-value"));
         let error = prepare_arguments(&json!({}), &entry, &schema()).unwrap_err();
         let message = error.to_string();
@@ -331,7 +312,7 @@ mod tests {
         let entry = RosterEntry {
             tool: "t".into(),
             mode: ToolMode::Auto,
-            pinned_arguments: Map::new(),
+            pinned: Default::default(),
         };
         let prepared = prepare_arguments(&Value::Null, &entry, &json!({"type": "object"})).unwrap();
         assert_eq!(prepared.canonical_json, "{}");
@@ -358,7 +339,7 @@ mod tests {
                 let entry = RosterEntry {
                     tool: "deep".into(),
                     mode: ToolMode::Auto,
-                    pinned_arguments: Map::new(),
+                    pinned: Default::default(),
                 };
                 // 60 nested object schemas: 120 levels of JSON.
                 let nested = (0..60).fold(json!({"type": "integer"}), |inner, _| {

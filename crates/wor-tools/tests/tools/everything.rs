@@ -10,10 +10,11 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
+use wor_core::routine::{RosterEntry, ToolMode};
 use wor_tools::{
-    ConnectionCredentials, McpError, McpLimits, McpSession, ResultLimits, RosterEntry,
-    StreamableHttpEndpoint, ToolContent, ToolListVerdict, ToolMode, ToolResult, compare,
-    model_view, pin_all, prepare_arguments,
+    ConnectionCredentials, McpError, McpLimits, McpSession, ResultLimits, ShapedResult,
+    StreamableHttpEndpoint, ToolContent, ToolListVerdict, compare, model_view, pin_all,
+    prepare_arguments,
 };
 
 use crate::{allow, loopback_egress};
@@ -178,7 +179,9 @@ async fn pinned_arguments_win_from_roster_to_result() {
     let entry = RosterEntry {
         tool: "echo".into(),
         mode: ToolMode::Auto,
-        pinned_arguments: object(json!({"message": "the author's words"})),
+        pinned: object(json!({"message": "the author's words"}))
+            .into_iter()
+            .collect(),
     };
 
     let view = model_view(echo, &entry);
@@ -199,17 +202,6 @@ async fn pinned_arguments_win_from_roster_to_result() {
     assert_eq!(prepared.pinned_keys, ["message"]);
     let result = session.call_tool("echo", prepared.value).await.unwrap();
     let redactor = wor_secrets::Redactor::new(Vec::<String>::new()).unwrap();
-    let out = ToolResult::new(
-        &result,
-        "everything/echo",
-        &redactor,
-        ResultLimits::default(),
-    );
+    let out = ShapedResult::new(&result, &redactor, ResultLimits::default());
     assert_eq!(out.text, "Echo: the author's words");
-    assert_eq!(
-        out.provenance,
-        wor_tools::Provenance::Untrusted {
-            source: "everything/echo".into()
-        }
-    );
 }

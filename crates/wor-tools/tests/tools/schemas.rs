@@ -6,7 +6,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use serde_json::{Value, json};
-use wor_tools::{ArgumentError, RosterEntry, ToolMode, prepare_arguments};
+use wor_core::routine::{RosterEntry, ToolMode};
+use wor_tools::{ArgumentError, prepare_arguments};
 
 use crate::serve;
 
@@ -24,7 +25,7 @@ fn entry() -> RosterEntry {
     RosterEntry {
         tool: "t".into(),
         mode: ToolMode::Auto,
-        pinned_arguments: Default::default(),
+        pinned: Default::default(),
     }
 }
 
