@@ -1730,7 +1730,11 @@ mode = "{mode}"
             .await
             .unwrap();
         h.drive_to_end(&engine, run.id).await;
-        assert_eq!(api.request_count(), 0, "a denied call never reaches the tool");
+        assert_eq!(
+            api.request_count(),
+            0,
+            "a denied call never reaches the tool"
+        );
         h.check_transcript(
             run.id,
             expect![[r#"
