@@ -24,7 +24,9 @@ use axum::routing::{get, post};
 use common::{Harness, serve};
 use reqwest::header::{HeaderMap, LOCATION, SET_COOKIE};
 use serde_json::{Value, json};
-use wor_server::console::CONTENT_SECURITY_POLICY;
+use std::time::Duration;
+
+use wor_server::console::{CONTENT_SECURITY_POLICY, ConsoleConfig};
 
 /// What a tool returns: markup and a script link that must stay text.
 const HOSTILE: &str = "<script>alert(1)</script> <img src=x onerror=alert(1)> <a href=\"javascript:alert(1)\">click</a>";
@@ -315,7 +317,7 @@ async fn an_invitation_works_once_sets_a_checked_password_and_signs_in_with_a_st
     assert_eq!(page.status, StatusCode::OK, "{}", page.body);
     assert!(page.body.contains("Signed in as <strong>ann</strong>"));
 
-    // Behind a TLS-terminating proxy the cookie is Secure.
+    // A client saying it came over TLS changes nothing: only the operator's setting does.
     let mut tls = Browser::new(addr);
     let page = tls.get("/console/sign-in").await;
     let csrf = page.csrf();
@@ -336,7 +338,7 @@ async fn an_invitation_works_once_sets_a_checked_password_and_signs_in_with_a_st
         .into_iter()
         .find(|c| c.starts_with("wor_session="))
         .unwrap();
-    assert!(session.contains("; Secure"), "{session}");
+    assert!(!session.contains("Secure"), "{session}");
 
     // Sign-out needs the session's token, and ends the session.
     let page = browser.post("/console/sign-out", &[]).await;
@@ -835,7 +837,7 @@ async fn sessions_end_when_idle_and_at_their_absolute_expiry() {
     let project = h.project.project.id;
     let member = h.project.owner.id;
     let live = store
-        .create_console_session(project, member, 60_000)
+        .create_console_session(project, member, 60_000, &Default::default())
         .await
         .unwrap();
     assert!(
@@ -854,7 +856,7 @@ async fn sessions_end_when_idle_and_at_their_absolute_expiry() {
             .is_none()
     );
     let past = store
-        .create_console_session(project, member, -1)
+        .create_console_session(project, member, -1, &Default::default())
         .await
         .unwrap();
     assert!(
@@ -872,5 +874,388 @@ async fn sessions_end_when_idle_and_at_their_absolute_expiry() {
             .await
             .unwrap()
             .is_none()
+    );
+}
+
+#[tokio::test]
+async fn cookies_are_secure_when_the_operator_says_the_console_is_served_over_https() {
+    let h = Harness::with_console(ConsoleConfig {
+        secure_cookies: true,
+        ..ConsoleConfig::default()
+    })
+    .await;
+    let addr = serve_console(&h).await;
+    let (_, invitation) = invite(&h, h.owner(), "ann", Some("approver")).await;
+    let mut browser = Browser::new(addr);
+    let page = browser.get(invitation["path"].as_str().unwrap()).await;
+    assert!(
+        page.set_cookies().iter().all(|c| c.contains("; Secure")),
+        "{:?}",
+        page.set_cookies()
+    );
+    browser
+        .accept(
+            invitation["path"].as_str().unwrap(),
+            "a long and quiet passphrase",
+        )
+        .await;
+    let page = browser
+        .sign_in(
+            &h.project.project.name,
+            "ann",
+            "a long and quiet passphrase",
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::SEE_OTHER, "{}", page.body);
+    let session = page
+        .set_cookies()
+        .into_iter()
+        .find(|c| c.starts_with("wor_session="))
+        .unwrap();
+    assert!(session.contains("; Secure"), "{session}");
+}
+
+#[tokio::test]
+async fn a_member_signed_in_can_accept_an_invitation_in_the_same_browser() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    let mut ann = signed_in(&h, addr, "ann", Some("approver")).await;
+    let (status, invitation) = invite(&h, h.owner(), "bob", Some("viewer")).await;
+    assert_eq!(status, StatusCode::CREATED, "{invitation}");
+    let path = invitation["path"].as_str().unwrap();
+    // The form's token is the form cookie's, not the session's: a session's token is refused.
+    let session_csrf = page_csrf(&mut ann).await;
+    let page = ann
+        .post(
+            path,
+            &[
+                ("csrf", &session_csrf),
+                ("password", "bob's long passphrase"),
+                ("repeat", "bob's long passphrase"),
+            ],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::FORBIDDEN);
+    let page = ann.accept(path, "bob's long passphrase").await;
+    assert_eq!(page.status, StatusCode::SEE_OTHER, "{}", page.body);
+    assert!(page.location().starts_with("/console/sign-in?"));
+    // Ann's own session is untouched; bob can sign in.
+    assert_eq!(ann.get("/console/approvals").await.status, StatusCode::OK);
+    let page = Browser::new(addr)
+        .sign_in(&h.project.project.name, "bob", "bob's long passphrase")
+        .await;
+    assert_eq!(page.status, StatusCode::SEE_OTHER, "{}", page.body);
+}
+
+#[tokio::test]
+async fn the_lockout_message_states_the_configured_window() {
+    let h = Harness::with_console(ConsoleConfig {
+        max_failures_per_account: 2,
+        lockout: Duration::from_secs(120),
+        ..ConsoleConfig::default()
+    })
+    .await;
+    let addr = serve_console(&h).await;
+    drop(signed_in(&h, addr, "ann", Some("approver")).await);
+    let mut browser = Browser::new(addr);
+    for _ in 0..2 {
+        let page = browser
+            .sign_in(&h.project.project.name, "ann", "not her passphrase")
+            .await;
+        assert_eq!(page.status, StatusCode::UNAUTHORIZED);
+    }
+    let page = browser
+        .sign_in(&h.project.project.name, "ann", "not her passphrase")
+        .await;
+    assert_eq!(page.status, StatusCode::TOO_MANY_REQUESTS);
+    assert!(
+        page.body.contains("Wait 2 minutes, then try again."),
+        "{}",
+        page.body
+    );
+    assert!(!page.body.contains("15 minutes"));
+}
+
+/// Signs in to `addr` as if through a proxy that names the client `forwarded`.
+async fn sign_in_forwarded(
+    addr: SocketAddr,
+    project: &str,
+    name: &str,
+    forwarded: &str,
+) -> StatusCode {
+    let mut browser = Browser::new(addr);
+    let csrf = browser.get("/console/sign-in").await.csrf();
+    let request = browser
+        .client
+        .post(format!("{}/console/sign-in", browser.base))
+        .header("x-forwarded-for", forwarded)
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(encode(&[
+            ("csrf", csrf.as_str()),
+            ("project", project),
+            ("name", name),
+            ("password", "a wrong guess"),
+        ]));
+    browser.send(request).await.status
+}
+
+#[tokio::test]
+async fn the_address_limit_believes_forwarded_addresses_only_from_trusted_proxies() {
+    // Loopback is the operator's trusted proxy here.
+    let h = Harness::with_console(ConsoleConfig {
+        max_failures_per_address: 3,
+        trusted_proxies: vec!["127.0.0.1/32".parse().unwrap(), "::1/128".parse().unwrap()],
+        ..ConsoleConfig::default()
+    })
+    .await;
+    let addr = serve_console(&h).await;
+    let project = h.project.project.name.clone();
+    // Three addresses of one IPv6 /64 are one client.
+    for (i, client) in ["2001:db8:0:1::1", "2001:db8:0:1::2", "2001:db8:0:1:ffff::3"]
+        .iter()
+        .enumerate()
+    {
+        let status = sign_in_forwarded(addr, &project, &format!("n{i}"), client).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{client}");
+    }
+    let status = sign_in_forwarded(addr, &project, "n9", "2001:db8:0:1::99").await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "the /64 is locked");
+    // Another /64, and an IPv4 client behind the same proxy, are not.
+    let status = sign_in_forwarded(addr, &project, "n9", "2001:db8:0:2::1").await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    let status = sign_in_forwarded(addr, &project, "n9", "198.51.100.7").await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    let audit = h.audit_text().await;
+    assert!(
+        audit.contains("2001:db8:0:1::2"),
+        "the audit names the client"
+    );
+}
+
+#[tokio::test]
+async fn a_forwarded_address_from_an_untrusted_peer_is_ignored() {
+    let h = Harness::with_console(ConsoleConfig {
+        max_failures_per_address: 3,
+        ..ConsoleConfig::default()
+    })
+    .await;
+    let addr = serve_console(&h).await;
+    let project = h.project.project.name.clone();
+    for i in 0..3 {
+        let forwarded = format!("198.51.100.{i}");
+        let status = sign_in_forwarded(addr, &project, &format!("n{i}"), &forwarded).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED);
+    }
+    // A new forwarded address each time does not escape the peer's count.
+    let status = sign_in_forwarded(addr, &project, "n9", "198.51.100.200").await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    assert!(!h.audit_text().await.contains("198.51.100."));
+}
+
+#[tokio::test]
+async fn expired_sessions_invitations_and_old_failures_are_purged() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    let store = &h.db.store;
+    let project = h.project.project.id;
+    let owner = h.project.owner.id;
+    let now = wor_store::now_millis();
+    let live = store
+        .create_console_session(project, owner, 60_000, &Default::default())
+        .await
+        .unwrap();
+    store
+        .create_console_session(project, owner, -1, &Default::default())
+        .await
+        .unwrap();
+    store
+        .create_invitation(project, owner, None, -1)
+        .await
+        .unwrap();
+    let (open, _) = store
+        .create_invitation(project, owner, None, 60_000)
+        .await
+        .unwrap();
+    let purged = store
+        .purge_console_state(now + 1_000, 60_000, now - 60_000)
+        .await
+        .unwrap();
+    assert_eq!((purged.sessions, purged.invitations), (1, 1));
+    assert!(
+        store
+            .console_session(live.expose(), 60_000)
+            .await
+            .unwrap()
+            .is_some()
+    );
+    assert!(store.invitation(open.expose()).await.unwrap().is_some());
+    // An idle session is purged too.
+    let purged = store
+        .purge_console_state(wor_store::now_millis() + 120_000, 60_000, 0)
+        .await
+        .unwrap();
+    assert_eq!(purged.sessions, 1, "idle past its limit");
+
+    // Signing in purges on the way: nothing expired is left for the next purge.
+    store
+        .create_console_session(project, owner, -1, &Default::default())
+        .await
+        .unwrap();
+    store
+        .create_invitation(project, owner, None, -1)
+        .await
+        .unwrap();
+    let mut browser = Browser::new(addr);
+    let page = browser
+        .sign_in(&h.project.project.name, "nobody", "a wrong guess")
+        .await;
+    assert_eq!(page.status, StatusCode::UNAUTHORIZED);
+    let purged = store
+        .purge_console_state(wor_store::now_millis(), 60_000, 0)
+        .await
+        .unwrap();
+    assert_eq!(purged, Default::default(), "the sign-in purged them");
+}
+
+#[tokio::test]
+async fn members_list_and_end_their_sessions_and_an_admin_ends_anyones() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    let mut ann = signed_in(&h, addr, "ann", Some("approver")).await;
+    let mut ann_phone = Browser::new(addr);
+    let page = ann_phone
+        .sign_in(
+            &h.project.project.name,
+            "ann",
+            "a long and quiet passphrase",
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::SEE_OTHER);
+    let mut cho = signed_in(&h, addr, "cho", Some("viewer")).await;
+
+    let page = ann.get("/console/sessions").await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    assert_eq!(page.body.matches("<tr id=\"session-ses_").count(), 2);
+    assert_eq!(page.body.matches("this browser").count(), 1);
+    assert!(!page.body.contains(">cho<"), "only her own sessions");
+    assert!(!page.body.contains("wrs_"), "no token is shown");
+    let ids = |body: &str| -> Vec<String> {
+        body.match_indices("<tr id=\"session-")
+            .map(|(i, _)| body[i + 16..i + 16 + 36].to_owned())
+            .collect()
+    };
+    // The phone's session: the one not marked as this browser.
+    let listed = ids(&page.body);
+    let phone = listed
+        .iter()
+        .find(|id| {
+            let row = &page.body[page.body.find(id.as_str()).unwrap()..];
+            !row[..row.find("</tr>").unwrap()].contains("this browser")
+        })
+        .unwrap()
+        .clone();
+    let cho_session = ids(&cho.get("/console/sessions").await.body)[0].clone();
+
+    // A member cannot end another member's session: it is not found for them.
+    let csrf = page.csrf();
+    let page = ann
+        .post(
+            &format!("/console/sessions/{cho_session}/revoke"),
+            &[("csrf", &csrf)],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::NOT_FOUND);
+    assert_eq!(cho.get("/console/approvals").await.status, StatusCode::OK);
+    let page = ann
+        .post(&format!("/console/sessions/{phone}/revoke"), &[])
+        .await;
+    assert_eq!(
+        page.status,
+        StatusCode::FORBIDDEN,
+        "no token, no revocation"
+    );
+    let page = ann
+        .post(
+            &format!("/console/sessions/{phone}/revoke"),
+            &[("csrf", &csrf)],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::SEE_OTHER, "{}", page.body);
+    assert_eq!(page.location(), "/console/sessions");
+    assert_eq!(
+        ann_phone.get("/console/approvals").await.status,
+        StatusCode::SEE_OTHER
+    );
+    assert_eq!(ann.get("/console/approvals").await.status, StatusCode::OK);
+
+    // The owner (an admin) sees everyone's sessions and ends cho's.
+    let mut alice = signed_in(&h, addr, "alice", None).await;
+    let page = alice.get("/console/sessions").await;
+    assert!(page.body.contains("cho"), "{}", page.body);
+    assert!(page.body.contains(&cho_session));
+    let csrf = page.csrf();
+    let page = alice
+        .post(
+            &format!("/console/sessions/{cho_session}/revoke"),
+            &[("csrf", &csrf)],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::SEE_OTHER, "{}", page.body);
+    assert_eq!(
+        cho.get("/console/approvals").await.status,
+        StatusCode::SEE_OTHER
+    );
+
+    // Ending one's own current session signs out.
+    let page = ann.get("/console/sessions").await;
+    let own = ids(&page.body)[0].clone();
+    let csrf = page.csrf();
+    let page = ann
+        .post(
+            &format!("/console/sessions/{own}/revoke"),
+            &[("csrf", &csrf)],
+        )
+        .await;
+    assert_eq!(page.location(), "/console/sign-in");
+    assert!(!ann.cookies.contains_key("wor_session"));
+
+    // Another project's admin cannot end this project's sessions.
+    let other =
+        h.db.store
+            .create_project(&wor_store::testing::TestDatabase::unique_name("q"), "olga")
+            .await
+            .unwrap();
+    let (_, invitation, _) = h
+        .call_as(
+            other.owner_key.expose(),
+            Method::POST,
+            "/v1/invitations",
+            Some(json!({"name": "olga"})),
+        )
+        .await;
+    let mut olga = Browser::new(addr);
+    olga.accept(
+        invitation["path"].as_str().unwrap(),
+        "a long and quiet passphrase",
+    )
+    .await;
+    olga.sign_in(&other.project.name, "olga", "a long and quiet passphrase")
+        .await;
+    let alice_session = ids(&alice.get("/console/sessions").await.body)[0].clone();
+    let csrf = page_csrf(&mut olga).await;
+    let page = olga
+        .post(
+            &format!("/console/sessions/{alice_session}/revoke"),
+            &[("csrf", &csrf)],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::NOT_FOUND);
+    assert_eq!(alice.get("/console/approvals").await.status, StatusCode::OK);
+
+    let audit = h.audit_text().await;
+    assert_eq!(
+        audit.matches("console.session_revoke").count(),
+        3,
+        "{audit}"
     );
 }

@@ -9,6 +9,8 @@
 //! INVARIANT: an API key or a run credential never opens a console session, and a console
 //! session never calls `/v1`: each side only reads its own credential.
 
+mod account;
+mod client;
 mod pages;
 pub mod password;
 pub mod session;
@@ -47,12 +49,19 @@ pub struct ConsoleConfig {
     pub max_failures_per_address: u32,
     /// How far back failures count, and so how long a lockout lasts.
     pub lockout: Duration,
+    /// Whether cookies carry `Secure`: the operator says the console is reached over HTTPS
+    /// (`wor serve` speaks plain HTTP; TLS ends in front of it). Never taken from a request.
+    pub secure_cookies: bool,
+    /// Proxies whose `X-Forwarded-For` names the client, for the per-address sign-in limit.
+    /// From any other peer the header is ignored: the peer is the client.
+    pub trusted_proxies: Vec<ipnet::IpNet>,
 }
 
 impl Default for ConsoleConfig {
     /// argon2id at 19 MiB, 2 passes, 1 lane (OWASP's recommended minimum); 72-hour
     /// invitations; sessions idle out after 30 minutes and end after 12 hours; 5 failed
-    /// sign-ins for an account (20 from an address) in 15 minutes lock it for 15 minutes.
+    /// sign-ins for an account (20 from an address) in 15 minutes lock it for 15 minutes;
+    /// cookies without `Secure` and no trusted proxy.
     fn default() -> Self {
         ConsoleConfig {
             argon2_memory_kib: 19 * 1024,
@@ -64,6 +73,8 @@ impl Default for ConsoleConfig {
             max_failures_per_account: 5,
             max_failures_per_address: 20,
             lockout: Duration::from_secs(15 * 60),
+            secure_cookies: false,
+            trusted_proxies: Vec::new(),
         }
     }
 }
@@ -93,6 +104,8 @@ pub fn router(state: AppState) -> Router<AppState> {
         .route("/approvals", get(pages::approvals))
         .route("/approvals/{approval_id}/{verdict}", post(pages::decide))
         .route("/runs/{run_id}", get(pages::run))
+        .route("/sessions", get(account::sessions))
+        .route("/sessions/{session_id}/revoke", post(account::revoke))
         .route("/static/console.css", get(stylesheet))
         .fallback(|| async { ConsoleError(ApiError::NotFound) })
         .layer(axum::middleware::from_fn_with_state(

@@ -13,13 +13,14 @@ use serde_json::{Value, json};
 use wor_core::audit::{Actor, AuditCategory, AuditEvent};
 use wor_core::{ApprovalId, RunId};
 use wor_engine::Approver;
-use wor_store::{ApprovalFilter, ApprovalRecord, ApprovalStatus, RunRecord, Verdict};
-
-use super::password::{check_new_password, hash_password, verify_password};
-use super::session::{
-    ConsoleMember, FORM_COOKIE, MaybeConsoleMember, SESSION_COOKIE, client_address, set_cookie,
+use wor_store::{
+    ApprovalFilter, ApprovalRecord, ApprovalStatus, RunRecord, SessionOrigin, Verdict,
 };
-use super::{ConsoleError, millis, render};
+
+use super::client::ClientAddress;
+use super::password::{check_new_password, hash_password, verify_password};
+use super::session::{ConsoleMember, FORM_COOKIE, MaybeConsoleMember, SESSION_COOKIE, set_cookie};
+use super::{ConsoleConfig, ConsoleError, millis, render};
 use crate::AppState;
 use crate::error::ApiError;
 use crate::views::rfc3339;
@@ -27,9 +28,9 @@ use crate::views::rfc3339;
 /// At most this many pending approvals are shown, newest first.
 const INBOX_LIMIT: u32 = 200;
 
-type PageResult = Result<Response, ConsoleError>;
+pub(super) type PageResult = Result<Response, ConsoleError>;
 
-fn form<T>(form: Result<Form<T>, FormRejection>) -> Result<T, ConsoleError> {
+pub(super) fn form<T>(form: Result<Form<T>, FormRejection>) -> Result<T, ConsoleError> {
     form.map(|Form(value)| value)
         .map_err(|e| ConsoleError(ApiError::bad_request("invalid_form", e.body_text())))
 }
@@ -45,10 +46,10 @@ fn form_token() -> Result<String, ConsoleError> {
 }
 
 /// Who is signed in, for the page header.
-struct Banner {
-    name: String,
-    role: String,
-    csrf: String,
+pub(super) struct Banner {
+    pub(super) name: String,
+    pub(super) role: String,
+    pub(super) csrf: String,
 }
 
 impl From<&ConsoleMember> for Banner {
@@ -78,7 +79,7 @@ struct SignInPage {
     project: String,
     name: String,
     notice: Option<&'static str>,
-    error: Option<&'static str>,
+    error: Option<String>,
 }
 
 #[derive(Debug, Default, serde::Deserialize)]
@@ -94,7 +95,7 @@ pub struct SignInQuery {
 /// A page with a form for someone not signed in (`csrf` picks the page's token field): a
 /// fresh form token, in the page and in its own cookie.
 fn form_page<T: askama::Template>(
-    parts: &Parts,
+    config: &ConsoleConfig,
     status: StatusCode,
     mut page: T,
     csrf: impl FnOnce(&mut T) -> &mut String,
@@ -104,22 +105,22 @@ fn form_page<T: askama::Template>(
     let mut response = render(status, &page);
     response.headers_mut().append(
         header::SET_COOKIE,
-        set_cookie(parts, FORM_COOKIE, &token, "/console", None),
+        set_cookie(config, FORM_COOKIE, &token, "/console", None),
     );
     Ok(response)
 }
 
 /// The sign-in form, with a fresh form token in its own cookie.
 fn sign_in_form(
-    parts: &Parts,
+    config: &ConsoleConfig,
     status: StatusCode,
     page: SignInPage,
 ) -> Result<Response, ConsoleError> {
-    form_page(parts, status, page, |p| &mut p.csrf)
+    form_page(config, status, page, |p| &mut p.csrf)
 }
 
 pub async fn sign_in_page(
-    parts: Parts,
+    State(state): State<AppState>,
     MaybeConsoleMember(member): MaybeConsoleMember,
     query: Result<Query<SignInQuery>, axum::extract::rejection::QueryRejection>,
 ) -> PageResult {
@@ -128,7 +129,7 @@ pub async fn sign_in_page(
     }
     let query = query.map(|Query(q)| q).unwrap_or_default();
     sign_in_form(
-        &parts,
+        &state.console,
         StatusCode::OK,
         SignInPage {
             csrf: String::new(),
@@ -152,7 +153,20 @@ pub struct SignInForm {
 /// The one message for an unknown project, an unknown member, a member without a password
 /// and a wrong password, so the form tells nobody which names exist.
 const SIGN_IN_REFUSED: &str = "That project, name and password do not match.";
-const LOCKED_OUT: &str = "Too many failed sign-ins. Wait 15 minutes, then try again.";
+
+/// What a locked-out client is told: the configured lockout window, in words.
+fn locked_out(lockout: std::time::Duration) -> String {
+    let seconds = lockout.as_secs().max(1);
+    let (count, unit) = if seconds.is_multiple_of(3600) {
+        (seconds / 3600, "hour")
+    } else if seconds.is_multiple_of(60) {
+        (seconds / 60, "minute")
+    } else {
+        (seconds, "second")
+    };
+    let plural = if count == 1 { "" } else { "s" };
+    format!("Too many failed sign-ins. Wait {count} {unit}{plural}, then try again.")
+}
 
 pub async fn sign_in(
     State(state): State<AppState>,
@@ -161,10 +175,17 @@ pub async fn sign_in(
 ) -> PageResult {
     let body = form(body)?;
     let config = &state.console;
-    let address = client_address(&parts);
+    let client = ClientAddress::of(&parts, &config.trusted_proxies);
+    let address = client.text();
     let account_scope = format!("account:{}\n{}", body.project, body.name);
-    let address_scope = format!("address:{address}");
-    let since = wor_store::now_millis().saturating_sub(millis(config.lockout));
+    let address_scope = format!("address:{}", client.lockout_key());
+    let now = wor_store::now_millis();
+    let since = now.saturating_sub(millis(config.lockout));
+    // Sign-in state that can no longer be used is deleted as sign-ins happen.
+    state
+        .store
+        .purge_console_state(now, millis(config.session_idle), since)
+        .await?;
     // The attempt counts as a failure before the password is checked, so attempts sent at
     // once cannot all pass the count; a right password takes it back.
     let reserved = state
@@ -231,12 +252,12 @@ pub async fn sign_in(
                 "a console sign-in was refused"
             );
             let (status, error) = if locked {
-                (StatusCode::TOO_MANY_REQUESTS, LOCKED_OUT)
+                (StatusCode::TOO_MANY_REQUESTS, locked_out(config.lockout))
             } else {
-                (StatusCode::UNAUTHORIZED, SIGN_IN_REFUSED)
+                (StatusCode::UNAUTHORIZED, SIGN_IN_REFUSED.to_owned())
             };
             return sign_in_form(
-                &parts,
+                config,
                 status,
                 SignInPage {
                     csrf: String::new(),
@@ -258,12 +279,22 @@ pub async fn sign_in(
         .store
         .clear_sign_in_failures(&account_scope, since)
         .await?;
+    let origin = SessionOrigin {
+        address: address.clone(),
+        user_agent: parts
+            .headers
+            .get(header::USER_AGENT)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned(),
+    };
     let token = state
         .store
         .create_console_session(
             account.project_id,
             account.member_id,
             millis(config.session_absolute),
+            &origin,
         )
         .await?;
     state
@@ -287,7 +318,7 @@ pub async fn sign_in(
     headers.append(
         header::SET_COOKIE,
         set_cookie(
-            &parts,
+            config,
             SESSION_COOKIE,
             token.expose(),
             "/",
@@ -296,16 +327,12 @@ pub async fn sign_in(
     );
     headers.append(
         header::SET_COOKIE,
-        set_cookie(&parts, FORM_COOKIE, "", "/console", Some(0)),
+        set_cookie(&state.console, FORM_COOKIE, "", "/console", Some(0)),
     );
     Ok(response)
 }
 
-pub async fn sign_out(
-    State(state): State<AppState>,
-    parts: Parts,
-    member: ConsoleMember,
-) -> PageResult {
+pub async fn sign_out(State(state): State<AppState>, member: ConsoleMember) -> PageResult {
     state.store.end_console_session(&member.token).await?;
     state
         .audit
@@ -321,7 +348,7 @@ pub async fn sign_out(
     let mut response = Redirect::to("/console/sign-in").into_response();
     response.headers_mut().append(
         header::SET_COOKIE,
-        set_cookie(&parts, SESSION_COOKIE, "", "/", Some(0)),
+        set_cookie(&state.console, SESSION_COOKIE, "", "/", Some(0)),
     );
     Ok(response)
 }
@@ -344,16 +371,15 @@ fn invitation_gone() -> ConsoleError {
 }
 
 fn invitation_form(
-    parts: &Parts,
+    config: &ConsoleConfig,
     status: StatusCode,
     page: InvitationPage,
 ) -> Result<Response, ConsoleError> {
-    form_page(parts, status, page, |p| &mut p.csrf)
+    form_page(config, status, page, |p| &mut p.csrf)
 }
 
 pub async fn invitation_page(
     State(state): State<AppState>,
-    parts: Parts,
     Path(token): Path<String>,
 ) -> PageResult {
     let invitation = state
@@ -362,7 +388,7 @@ pub async fn invitation_page(
         .await?
         .ok_or_else(invitation_gone)?;
     invitation_form(
-        &parts,
+        &state.console,
         StatusCode::OK,
         InvitationPage {
             csrf: String::new(),
@@ -382,7 +408,6 @@ pub struct SetPasswordForm {
 
 pub async fn accept_invitation(
     State(state): State<AppState>,
-    parts: Parts,
     Path(token): Path<String>,
     body: Result<Form<SetPasswordForm>, FormRejection>,
 ) -> PageResult {
@@ -394,7 +419,7 @@ pub async fn accept_invitation(
         .ok_or_else(invitation_gone)?;
     if let Err(rule) = check_new_password(&body.password, &body.repeat, &invitation.member_name) {
         return invitation_form(
-            &parts,
+            &state.console,
             StatusCode::BAD_REQUEST,
             InvitationPage {
                 csrf: String::new(),
@@ -438,7 +463,7 @@ pub async fn accept_invitation(
     let mut response = Redirect::to(&format!("/console/sign-in?{target}")).into_response();
     response.headers_mut().append(
         header::SET_COOKIE,
-        set_cookie(&parts, FORM_COOKIE, "", "/console", Some(0)),
+        set_cookie(&state.console, FORM_COOKIE, "", "/console", Some(0)),
     );
     Ok(response)
 }
@@ -481,7 +506,7 @@ struct ApprovalsPage {
 }
 
 /// A JSON value as the text a person reads: strings as they are, the rest as JSON.
-fn text_of(value: &Value) -> String {
+pub(super) fn text_of(value: &Value) -> String {
     match value {
         Value::String(text) => text.clone(),
         other => serde_json::to_string_pretty(other).unwrap_or_default(),
