@@ -1259,3 +1259,132 @@ async fn members_list_and_end_their_sessions_and_an_admin_ends_anyones() {
         "{audit}"
     );
 }
+
+#[tokio::test]
+async fn runs_are_listed_with_filters_and_cancelled_through_the_apis_path() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    hostile_tools(&h).await;
+    let routine = note_sender(&h).await;
+    let first = parked_run(&h, &routine).await;
+    let second = parked_run(&h, &routine).await;
+    let mut ann = signed_in(&h, addr, "ann", Some("approver")).await;
+
+    let page = ann.get("/console/runs").await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    assert!(
+        page.body.find(&second).unwrap() < page.body.find(&first).unwrap(),
+        "newest first"
+    );
+    for (query, shown) in [
+        (
+            format!("status=waiting_for_approval&routine={routine}&trigger=api"),
+            true,
+        ),
+        ("status=succeeded".to_owned(), false),
+        ("trigger=schedule".to_owned(), false),
+        ("from=2000-01-01T00:00&to=2999-01-01".to_owned(), true),
+        ("from=2999-01-01T00:00".to_owned(), false),
+        ("routine=&status=&trigger=&from=&to=".to_owned(), true),
+    ] {
+        let page = ann.get(&format!("/console/runs?{query}")).await;
+        assert_eq!(page.status, StatusCode::OK, "{query}: {}", page.body);
+        assert_eq!(page.body.contains(&first), shown, "{query}");
+        assert_eq!(page.body.contains(&second), shown, "{query}");
+    }
+    for query in [
+        "status=sleeping",
+        "trigger=carrier-pigeon",
+        "from=yesterday",
+        "routine=rtn_nope",
+        "colour=blue",
+    ] {
+        let page = ann.get(&format!("/console/runs?{query}")).await;
+        assert_eq!(page.status, StatusCode::BAD_REQUEST, "{query}");
+    }
+
+    // The run page: budgets as bars against the routine's limits, the cost, a cancel button.
+    let page = ann.get(&format!("/console/runs/{first}")).await;
+    assert_eq!(page.status, StatusCode::OK);
+    assert_eq!(page.body.matches("<meter").count(), 6, "{}", page.body);
+    assert!(page.body.contains("Tool calls"));
+    assert!(
+        page.body.contains("from tool notes/get_note"),
+        "where the untrusted step came from"
+    );
+    assert!(page.body.contains("Cancel this run"));
+    // The inbox links each untrusted source to the step it came from.
+    let inbox = ann.get("/console/approvals").await;
+    assert!(
+        inbox.body.contains(&format!("/console/runs/{first}#step-")),
+        "{}",
+        inbox.body
+    );
+
+    // A viewer sees no cancel button, and the API's rule refuses them anyway.
+    let mut cho = signed_in(&h, addr, "cho", Some("viewer")).await;
+    let page = cho.get(&format!("/console/runs/{first}")).await;
+    assert!(!page.body.contains("Cancel this run"));
+    let csrf = page.csrf();
+    let page = cho
+        .post(&format!("/console/runs/{first}/cancel"), &[("csrf", &csrf)])
+        .await;
+    assert_eq!(page.status, StatusCode::FORBIDDEN, "{}", page.body);
+
+    let csrf = page_csrf(&mut ann).await;
+    let page = ann
+        .post(&format!("/console/runs/{first}/cancel"), &[])
+        .await;
+    assert_eq!(page.status, StatusCode::FORBIDDEN, "no token, no cancel");
+    let page = ann
+        .post(&format!("/console/runs/{first}/cancel"), &[("csrf", &csrf)])
+        .await;
+    assert_eq!(page.status, StatusCode::SEE_OTHER, "{}", page.body);
+    assert_eq!(page.location(), format!("/console/runs/{first}"));
+    let run = h.get_run(&first).await;
+    assert!(
+        run["cancel_requested"] == true || run["status"] == "cancelled",
+        "{run:#}"
+    );
+    let page = ann.get(&format!("/console/runs/{first}")).await;
+    assert!(!page.body.contains("Cancel this run"));
+    let audit = h.audit_text().await;
+    assert!(audit.contains("run.cancel"));
+
+    // Another project's run cannot be cancelled from there: the 404 page.
+    let other =
+        h.db.store
+            .create_project(&wor_store::testing::TestDatabase::unique_name("q"), "olga")
+            .await
+            .unwrap();
+    let (_, invitation, _) = h
+        .call_as(
+            other.owner_key.expose(),
+            Method::POST,
+            "/v1/invitations",
+            Some(json!({"name": "olga"})),
+        )
+        .await;
+    let mut olga = Browser::new(addr);
+    olga.accept(
+        invitation["path"].as_str().unwrap(),
+        "a long and quiet passphrase",
+    )
+    .await;
+    olga.sign_in(&other.project.name, "olga", "a long and quiet passphrase")
+        .await;
+    let page = olga.get("/console/runs").await;
+    assert!(
+        !page.body.contains(&second),
+        "another project's runs are not listed"
+    );
+    let csrf = page.csrf();
+    let page = olga
+        .post(
+            &format!("/console/runs/{second}/cancel"),
+            &[("csrf", &csrf)],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::NOT_FOUND);
+    assert_eq!(h.get_run(&second).await["cancel_requested"], false);
+}

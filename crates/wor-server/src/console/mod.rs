@@ -13,6 +13,7 @@ mod account;
 mod client;
 mod pages;
 pub mod password;
+mod runs;
 pub mod session;
 
 use std::time::Duration;
@@ -103,7 +104,9 @@ pub fn router(state: AppState) -> Router<AppState> {
         )
         .route("/approvals", get(pages::approvals))
         .route("/approvals/{approval_id}/{verdict}", post(pages::decide))
+        .route("/runs", get(runs::list))
         .route("/runs/{run_id}", get(pages::run))
+        .route("/runs/{run_id}/cancel", post(runs::cancel))
         .route("/sessions", get(account::sessions))
         .route("/sessions/{session_id}/revoke", post(account::revoke))
         .route("/static/console.css", get(stylesheet))

@@ -13,9 +13,7 @@ use serde_json::{Value, json};
 use wor_core::audit::{Actor, AuditCategory, AuditEvent};
 use wor_core::{ApprovalId, RunId};
 use wor_engine::Approver;
-use wor_store::{
-    ApprovalFilter, ApprovalRecord, ApprovalStatus, RunRecord, SessionOrigin, Verdict,
-};
+use wor_store::{ApprovalFilter, ApprovalRecord, ApprovalStatus, SessionOrigin, Verdict};
 
 use super::client::ClientAddress;
 use super::password::{check_new_password, hash_password, verify_password};
@@ -486,7 +484,7 @@ struct ApprovalCard {
     arguments: Vec<ArgumentRow>,
     policies: Vec<String>,
     reasons: Vec<String>,
-    untrusted_sources: Vec<String>,
+    untrusted_sources: Vec<SourceLink>,
     routine: String,
     routine_version: i64,
     run_input: String,
@@ -548,16 +546,19 @@ fn time_left(expires_at: i64) -> String {
     }
 }
 
-/// The requester's input of `run`, as text.
-async fn run_input(state: &AppState, run: &RunRecord) -> Result<String, ConsoleError> {
-    Ok(state
-        .store
-        .list_run_steps(run.project_id, run.id, 0)
-        .await?
-        .into_iter()
+/// The requester's input among a run's `steps`, as text.
+fn run_input(steps: &[wor_store::RunStep]) -> String {
+    steps
+        .iter()
         .find(|s| s.kind == "input")
         .and_then(|s| s.payload.get("input").map(text_of))
-        .unwrap_or_default())
+        .unwrap_or_default()
+}
+
+/// An untrusted source that was in context when a call was held, and the step it came from.
+struct SourceLink {
+    name: String,
+    step: Option<i64>,
 }
 
 fn approver(member: &ConsoleMember) -> Approver {
@@ -586,6 +587,7 @@ pub async fn approvals(State(state): State<AppState>, member: ConsoleMember) -> 
     for approval in pending {
         let run = state.store.get_run(project, approval.run_id).await?;
         let routine = state.store.get_routine(project, run.routine_id).await?;
+        let steps = state.store.list_run_steps(project, run.id, 0).await?;
         let refusal = state
             .engine
             .approval_refusal(project, &approval, approver(&member))
@@ -598,10 +600,16 @@ pub async fn approvals(State(state): State<AppState>, member: ConsoleMember) -> 
             arguments: argument_rows(&approval),
             policies: texts(approval.why.get("determining_policies")),
             reasons: texts(approval.why.get("reasons")),
-            untrusted_sources: texts(approval.why.get("untrusted_sources")),
+            untrusted_sources: texts(approval.why.get("untrusted_sources"))
+                .into_iter()
+                .map(|name| SourceLink {
+                    step: untrusted_step_of(&steps, &name),
+                    name,
+                })
+                .collect(),
             routine: routine.name,
             routine_version: run.routine_version,
-            run_input: run_input(&state, &run).await?,
+            run_input: run_input(&steps),
             requested_at: rfc3339(approval.requested_at),
             expires_at: rfc3339(approval.expires_at),
             expires_in: time_left(approval.expires_at),
@@ -660,8 +668,61 @@ struct StepRow {
     seq: i64,
     kind: String,
     provenance: String,
+    /// Where the content came from, in words: the requester, the model, which tool.
+    source: String,
     at: String,
     text: String,
+}
+
+/// One budget of a run: what it used against what its routine allows.
+struct BudgetRow {
+    name: &'static str,
+    used: u64,
+    allowed: u64,
+    /// `used` as a whole percentage of `allowed`, at most 100, for the bar.
+    percent: u64,
+}
+
+impl BudgetRow {
+    fn new(name: &'static str, used: u64, allowed: u64) -> Self {
+        let percent = if allowed == 0 {
+            100
+        } else {
+            u64::try_from((u128::from(used) * 100 / u128::from(allowed)).min(100)).unwrap_or(100)
+        };
+        BudgetRow {
+            name,
+            used,
+            allowed,
+            percent,
+        }
+    }
+}
+
+/// Where a step's content came from, as a person reads it.
+fn step_source(step: &wor_store::RunStep) -> String {
+    let named = |key: &str| step.payload.get(key).and_then(Value::as_str);
+    match (step.kind.as_str(), named("tool"), named("source")) {
+        ("tool_result", Some(tool), _) => format!("tool {tool}"),
+        (kind, Some(tool), _) => format!("the {} of {tool}", kind.replace('_', " ")),
+        (_, _, Some(source)) => source.to_owned(),
+        ("input", _, _) => "the run's input".to_owned(),
+        ("model_turn", _, _) => "the model".to_owned(),
+        ("outcome", _, _) => "the engine".to_owned(),
+        (kind, _, _) => kind.to_owned(),
+    }
+}
+
+/// The first step of `steps` each untrusted source (as the policy names it, `tool:NAME`) came
+/// from, so the inbox can link to it.
+fn untrusted_step_of(steps: &[wor_store::RunStep], source: &str) -> Option<i64> {
+    let tool = source.strip_prefix("tool:")?;
+    steps
+        .iter()
+        .find(|s| {
+            s.kind == "tool_result" && s.payload.get("tool").and_then(Value::as_str) == Some(tool)
+        })
+        .map(|s| s.seq)
 }
 
 struct RunApprovalRow {
@@ -687,6 +748,12 @@ struct RunPage {
     input_tokens: u64,
     output_tokens: u64,
     cost_microdollars: u64,
+    /// The cost in US dollars, for reading.
+    cost_dollars: String,
+    budgets: Vec<BudgetRow>,
+    /// Whether this member may cancel the run now (it has not ended, nor been asked to).
+    can_cancel: bool,
+    cancel_requested: bool,
     approvals: Vec<RunApprovalRow>,
     steps: Vec<StepRow>,
 }
@@ -702,7 +769,34 @@ pub async fn run(
         .map_err(|_| ConsoleError(ApiError::NotFound))?;
     let run = state.store.get_run(project, id).await?;
     let routine = state.store.get_routine(project, run.routine_id).await?;
+    let version = state
+        .store
+        .get_routine_version(project, run.routine_id, run.routine_version)
+        .await?;
+    let limits = &version.definition.budget;
     let steps = state.store.list_run_steps(project, run.id, 0).await?;
+    let end = run.finished_at.unwrap_or_else(wor_store::now_millis);
+    let wall_seconds = run
+        .started_at
+        .map(|started| (end - started - run.parked_ms).max(0) / 1000)
+        .unwrap_or(0);
+    let usage = &run.usage;
+    let budgets = vec![
+        BudgetRow::new("Model turns", usage.turns, limits.turns),
+        BudgetRow::new("Tool calls", usage.tool_calls, limits.tool_calls),
+        BudgetRow::new("Input tokens", usage.input_tokens, limits.input_tokens),
+        BudgetRow::new("Output tokens", usage.output_tokens, limits.output_tokens),
+        BudgetRow::new(
+            "Cost (µ$)",
+            usage.cost_microdollars,
+            limits.cost_microdollars,
+        ),
+        BudgetRow::new(
+            "Wall time (s)",
+            u64::try_from(wall_seconds).unwrap_or(0),
+            limits.wall_seconds,
+        ),
+    ];
     let approvals = state
         .store
         .list_approvals(
@@ -730,6 +824,16 @@ pub async fn run(
         input_tokens: run.usage.input_tokens,
         output_tokens: run.usage.output_tokens,
         cost_microdollars: run.usage.cost_microdollars,
+        cost_dollars: format!(
+            "{}.{:06}",
+            run.usage.cost_microdollars / 1_000_000,
+            run.usage.cost_microdollars % 1_000_000
+        ),
+        budgets,
+        can_cancel: !run.status.is_terminal()
+            && !run.cancel_requested
+            && member.session.role.can_operate_runs(),
+        cancel_requested: run.cancel_requested,
         approvals: approvals
             .into_iter()
             .map(|a| RunApprovalRow {
@@ -741,6 +845,7 @@ pub async fn run(
         steps: steps
             .into_iter()
             .map(|step| StepRow {
+                source: step_source(&step),
                 seq: step.seq,
                 kind: step.kind,
                 provenance: step.provenance.as_str().to_owned(),

@@ -26,7 +26,7 @@ const SHOTS = DATABASE ? null : path.join(REPO, 'docs', 'console');
 const HOSTILE = '<script>alert(1)</script> <img src=x onerror=alert(1)> <a href="javascript:alert(1)">click</a>';
 const PASSWORD = 'a long and quiet passphrase';
 
-let dir, server, serverUrl, toolServer, toolAddr, ownerKey, browser, project;
+let dir, server, serverUrl, toolServer, toolAddr, ownerKey, browser, project, otherProject, otherKey;
 const dialogs = [];
 
 function flags() {
@@ -59,6 +59,12 @@ before(async () => {
   fs.writeFileSync(path.join(dir, 'wor.toml'), '[egress]\nallowed_cidrs = ["127.0.0.1/32"]\n');
   project = `console-${process.pid}-${Date.now()}`;
   ownerKey = execFileSync(WOR, ['project', 'create', project, '--owner', 'alice', ...flags()], {
+    encoding: 'utf8',
+    stdio: ['ignore', 'pipe', 'inherit'],
+  }).trim();
+  // A second project, whose member must find nothing of the first.
+  otherProject = `${project}-other`;
+  otherKey = execFileSync(WOR, ['project', 'create', otherProject, '--owner', 'olga', ...flags()], {
     encoding: 'utf8',
     stdio: ['ignore', 'pipe', 'inherit'],
   }).trim();
@@ -156,6 +162,8 @@ mode = "auto"
 tool = "notes/send_note"
 mode = "confirm"
 pinned = { to = "team@example.com" }
+[concurrency]
+max_runs = 10
 `;
   const applied = await api('POST', '/v1/routines', { toml });
   return applied.routine.id;
@@ -233,5 +241,140 @@ test('the member who started a run is told why they cannot decide it', async () 
   assert.match(await card.innerText(), /the member who started this run cannot decide its approvals/);
   assert.equal(await card.getByRole('button', { name: 'Approve' }).count(), 0);
   assert.deepEqual(dialogs, []);
+  await page.context().close();
+});
+
+/// Invites `name` (with `role`, in the project of `key`), sets their password and signs them
+/// in; returns the signed-in page.
+async function memberPage(name, role, key = ownerKey, projectName = project) {
+  const args = ['member', 'invite', name, '--server', serverUrl];
+  if (role) args.push('--role', role);
+  const link = execFileSync(WOR, args, {
+    encoding: 'utf8',
+    env: { ...process.env, WOR_API_KEY: key },
+    stdio: ['ignore', 'pipe', 'inherit'],
+  }).trim();
+  const page = await newPage();
+  await page.goto(link);
+  await page.getByLabel('New password').fill(PASSWORD);
+  await page.getByLabel('The same password again').fill(PASSWORD);
+  await page.getByRole('button', { name: 'Set password' }).click();
+  await page.waitForURL(/\/console\/sign-in/);
+  assert.equal(await page.getByLabel('Project').inputValue(), projectName);
+  await page.getByLabel('Password').fill(PASSWORD);
+  await page.getByRole('button', { name: 'Sign in' }).click();
+  await page.waitForURL(/\/console\/approvals$/);
+  return page;
+}
+
+test('a held call is denied with a reason, and the run shows it', async () => {
+  const runId = await parkedRun();
+  const page = await memberPage('bea', 'approver');
+  const card = page.locator('section.card', { hasText: runId });
+  await card.waitFor();
+  await card.getByLabel('Reason').fill('the recipient is wrong');
+  await card.getByRole('button', { name: 'Deny' }).click();
+  await page.waitForURL(new RegExp(`/console/runs/${runId}$`));
+  assert.match(await page.locator('.run-approvals').innerText(), /denied — “the recipient is wrong”/);
+  const approvals = await api('GET', `/v1/approvals?run_id=${runId}`);
+  assert.equal(approvals[0].status, 'denied');
+  assert.equal(approvals[0].decision_reason, 'the recipient is wrong');
+  await accessible(page, 'run (denied)');
+  assert.deepEqual(dialogs, []);
+  await page.context().close();
+});
+
+test('a form posted without its token is refused and decides nothing', async () => {
+  const runId = await parkedRun();
+  const page = await memberPage('cyd', 'approver');
+  const card = page.locator('section.card', { hasText: runId });
+  await card.waitFor();
+  // A forged form: the same fields, without the hidden token.
+  await card.locator('input[name=csrf]').evaluate((input) => input.remove());
+  await card.getByLabel('Reason').fill('forged');
+  await card.getByRole('button', { name: 'Approve' }).click();
+  await page.waitForLoadState();
+  assert.match(await page.locator('h1').innerText(), /Not allowed/);
+  assert.match(await page.locator('main').innerText(), /security token/);
+  const approvals = await api('GET', `/v1/approvals?run_id=${runId}`);
+  assert.equal(approvals[0].status, 'pending', 'nothing was decided');
+  await accessible(page, 'error');
+  await page.context().close();
+});
+
+test('another project\'s run is a 404 page, and its runs are not listed', async () => {
+  const runId = await parkedRun();
+  const page = await memberPage('olga', null, otherKey, otherProject);
+  assert.equal(await page.locator('section.card').count(), 0, 'no approval of the other project');
+  const response = await page.goto(`${serverUrl}/console/runs/${runId}`);
+  assert.equal(response.status(), 404);
+  assert.match(await page.locator('main').innerText(), /belongs to another project/);
+  await accessible(page, 'not found');
+  await page.goto(`${serverUrl}/console/runs`);
+  assert.equal(await page.getByText(runId).count(), 0);
+  await accessible(page, 'runs');
+  await page.goto(`${serverUrl}/console/sessions`);
+  await accessible(page, 'sessions');
+  await page.context().close();
+});
+
+test('the runs list filters by status, and a run can be cancelled', async () => {
+  const runId = await parkedRun();
+  const page = await memberPage('eve', 'admin');
+  await page.goto(`${serverUrl}/console/runs`);
+  await page.getByLabel('Status').selectOption('waiting_for_approval');
+  await page.getByRole('button', { name: 'Filter' }).click();
+  await page.waitForURL(/status=waiting_for_approval/);
+  await page.getByRole('link', { name: runId }).click();
+  await page.waitForURL(new RegExp(`/console/runs/${runId}$`));
+  assert.equal(await page.locator('meter').count(), 6, 'a bar per budget');
+  await page.getByRole('button', { name: 'Cancel this run' }).click();
+  await page.waitForURL(new RegExp(`/console/runs/${runId}$`));
+  const run = await api('GET', `/v1/runs/${runId}`);
+  assert.ok(run.cancel_requested || run.status === 'cancelled', JSON.stringify(run));
+  await page.context().close();
+});
+
+test('a member sees their sessions and ends one', async () => {
+  const first = await memberPage('fay', 'viewer');
+  const context = await browser.newContext();
+  const second = await context.newPage();
+  await second.goto(`${serverUrl}/console/sign-in`);
+  await second.getByLabel('Project').fill(project);
+  await second.getByLabel('Your name').fill('fay');
+  await second.getByLabel('Password').fill(PASSWORD);
+  await second.getByRole('button', { name: 'Sign in' }).click();
+  await second.waitForURL(/\/console\/approvals$/);
+  await first.goto(`${serverUrl}/console/sessions`);
+  const rows = first.locator('tbody tr');
+  assert.equal(await rows.count(), 2);
+  const other = rows.filter({ hasNotText: 'this browser' });
+  await other.getByRole('button', { name: /^End / }).click();
+  await first.waitForURL(/\/console\/sessions$/);
+  assert.equal(await first.locator('tbody tr').count(), 1);
+  await second.goto(`${serverUrl}/console/approvals`);
+  assert.match(second.url(), /\/console\/sign-in$/, 'the ended session is signed out');
+  await context.close();
+  await first.context().close();
+});
+
+test('repeated failed sign-ins lock the account, even with the right password', async () => {
+  (await memberPage('gus', 'viewer')).context().close();
+  const page = await newPage();
+  const attempt = async (password) => {
+    await page.goto(`${serverUrl}/console/sign-in`);
+    await page.getByLabel('Project').fill(project);
+    await page.getByLabel('Your name').fill('gus');
+    await page.getByLabel('Password').fill(password);
+    await page.getByRole('button', { name: 'Sign in' }).click();
+    await page.waitForLoadState();
+    return page.locator('[role=alert]').innerText();
+  };
+  for (let i = 0; i < 5; i++) {
+    assert.match(await attempt('not the passphrase'), /do not match/);
+  }
+  assert.match(await attempt(PASSWORD), /Too many failed sign-ins\. Wait 15 minutes/);
+  assert.match(page.url(), /\/console\/sign-in$/);
+  await accessible(page, 'sign-in (locked)');
   await page.context().close();
 });
