@@ -1388,3 +1388,100 @@ async fn runs_are_listed_with_filters_and_cancelled_through_the_apis_path() {
     assert_eq!(page.status, StatusCode::NOT_FOUND);
     assert_eq!(h.get_run(&second).await["cancel_requested"], false);
 }
+
+#[tokio::test]
+async fn a_routine_page_shows_its_toml_versions_diff_firings_and_webhook() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    hostile_tools(&h).await;
+    let routine = note_sender(&h).await;
+    let edited = ROUTINE.replace(
+        "instructions = \"Read note 7, then send it on.\"",
+        "instructions = \"Read note 8 <b>now</b>, then send it on.\"\n[schedule]\ncron = \"0 9 * * *\"\n[webhook]\nenabled = true",
+    );
+    let (status, applied) = h
+        .call(Method::POST, "/v1/routines", Some(json!({"toml": edited})))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{applied}");
+    assert_eq!(applied["version"], 2);
+    let mut ann = signed_in(&h, addr, "ann", Some("viewer")).await;
+
+    let page = ann.get("/console/routines").await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    assert!(page.body.contains(&format!("/console/routines/{routine}")));
+    assert!(page.body.contains("note-sender"));
+
+    let page = ann.get(&format!("/console/routines/{routine}")).await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    assert!(
+        page.body.contains("Read note 8 &#60;b&#62;now&#60;/b&#62;"),
+        "the TOML is shown as text"
+    );
+    assert_eq!(
+        page.body.matches("<li><time>").count(),
+        5,
+        "five next firings"
+    );
+    assert!(page.body.contains("T09:00:00.000Z"));
+    assert!(page.body.contains(&format!("POST /hooks/{routine}")));
+    assert!(
+        !page.body.contains("class=\"data diff\""),
+        "no diff until asked"
+    );
+
+    let page = ann
+        .get(&format!("/console/routines/{routine}?from=1&to=2"))
+        .await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    assert!(page.body.contains("From version 1 to version 2"));
+    assert!(
+        page.body.contains(
+            "<span class=\"del\">- instructions = &#34;Read note 7, then send it on.&#34;</span>"
+        ),
+        "{}",
+        page.body
+    );
+    assert!(page.body.contains("<span class=\"ins\">+ [webhook]</span>"));
+    assert!(
+        page.body
+            .contains("<span class=\"same\">  name = &#34;note-sender&#34;</span>")
+    );
+    for (query, status) in [
+        ("from=1", StatusCode::BAD_REQUEST),
+        ("from=1&to=9", StatusCode::NOT_FOUND),
+        ("from=one&to=2", StatusCode::BAD_REQUEST),
+        ("colour=blue", StatusCode::BAD_REQUEST),
+    ] {
+        let page = ann
+            .get(&format!("/console/routines/{routine}?{query}"))
+            .await;
+        assert_eq!(page.status, status, "{query}");
+    }
+
+    // Another project's routine is the 404 page.
+    let other =
+        h.db.store
+            .create_project(&wor_store::testing::TestDatabase::unique_name("q"), "olga")
+            .await
+            .unwrap();
+    let (_, invitation, _) = h
+        .call_as(
+            other.owner_key.expose(),
+            Method::POST,
+            "/v1/invitations",
+            Some(json!({"name": "olga"})),
+        )
+        .await;
+    let mut olga = Browser::new(addr);
+    olga.accept(
+        invitation["path"].as_str().unwrap(),
+        "a long and quiet passphrase",
+    )
+    .await;
+    olga.sign_in(&other.project.name, "olga", "a long and quiet passphrase")
+        .await;
+    let page = olga.get(&format!("/console/routines/{routine}")).await;
+    assert_eq!(page.status, StatusCode::NOT_FOUND);
+    let page = olga.get("/console/routines").await;
+    assert!(!page.body.contains(&routine));
+}

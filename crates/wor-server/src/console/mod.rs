@@ -13,6 +13,7 @@ mod account;
 mod client;
 mod pages;
 pub mod password;
+mod routines;
 mod runs;
 pub mod session;
 
@@ -107,6 +108,8 @@ pub fn router(state: AppState) -> Router<AppState> {
         .route("/runs", get(runs::list))
         .route("/runs/{run_id}", get(pages::run))
         .route("/runs/{run_id}/cancel", post(runs::cancel))
+        .route("/routines", get(routines::list))
+        .route("/routines/{routine_id}", get(routines::show))
         .route("/sessions", get(account::sessions))
         .route("/sessions/{session_id}/revoke", post(account::revoke))
         .route("/static/console.css", get(stylesheet))

@@ -378,3 +378,25 @@ test('repeated failed sign-ins lock the account, even with the right password', 
   await accessible(page, 'sign-in (locked)');
   await page.context().close();
 });
+
+test('a routine shows its definition and the difference between two versions', async () => {
+  routineId ??= await noteSender();
+  const current = await api('GET', `/v1/routines/${routineId}`);
+  const edited = current.source_toml.replace('Read note 7, then send it on.', 'Read note 7 twice, then send it on.');
+  await api('POST', '/v1/routines', { toml: edited });
+  const page = await memberPage('hal', 'viewer');
+  await page.getByRole('link', { name: 'Routines' }).click();
+  await page.waitForURL(/\/console\/routines$/);
+  await accessible(page, 'routines');
+  await page.getByRole('link', { name: 'note-sender' }).click();
+  await page.waitForURL(new RegExp(`/console/routines/${routineId}$`));
+  assert.match(await page.locator('pre.toml').innerText(), /Read note 7 twice/);
+  await page.getByLabel('Compare version').selectOption('1');
+  await page.getByLabel('with version').selectOption('2');
+  await page.getByRole('button', { name: 'Show the difference' }).click();
+  await page.waitForURL(/from=1&to=2/);
+  assert.match(await page.locator('pre.diff .del').innerText(), /Read note 7, then/);
+  assert.match(await page.locator('pre.diff .ins').innerText(), /Read note 7 twice/);
+  await accessible(page, 'routine');
+  await page.context().close();
+});
