@@ -11,6 +11,7 @@
 
 mod account;
 mod client;
+mod connections;
 mod pages;
 pub mod password;
 mod routines;
@@ -108,6 +109,12 @@ pub fn router(state: AppState) -> Router<AppState> {
         .route("/runs", get(runs::list))
         .route("/runs/{run_id}", get(pages::run))
         .route("/runs/{run_id}/cancel", post(runs::cancel))
+        .route("/connections", get(connections::list))
+        .route("/connections/{connection_id}", get(connections::show))
+        .route(
+            "/connections/{connection_id}/enable",
+            post(connections::enable),
+        )
         .route("/routines", get(routines::list))
         .route("/routines/{routine_id}", get(routines::show))
         .route("/sessions", get(account::sessions))
