@@ -1699,3 +1699,89 @@ mode = "auto"
     let page = olga.post(&enable_path, &[("csrf", &csrf)]).await;
     assert_eq!(page.status, StatusCode::NOT_FOUND);
 }
+
+#[tokio::test]
+async fn the_policy_is_validated_with_its_line_named_and_the_audit_page_verifies_the_chain() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    let mut cho = signed_in(&h, addr, "cho", Some("viewer")).await;
+    let page = cho.get("/console/policy").await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    assert!(page.body.contains("built-in default policy"));
+    assert!(!page.body.contains("<textarea"), "a viewer gets no form");
+    let csrf = page.csrf();
+    let page = cho
+        .post(
+            "/console/policy",
+            &[
+                ("csrf", &csrf),
+                ("text", "forbid (principal, action, resource);"),
+            ],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::FORBIDDEN);
+
+    let mut alice = signed_in(&h, addr, "alice", None).await;
+    let page = alice.get("/console/policy").await;
+    assert!(page.body.contains("<textarea"));
+    let csrf = page.csrf();
+    let bad = "@id(\"ok\")\npermit (principal, action, resource);\n\n@id(\"bad\")\npermit (principal, action, resource)\nwhen { context.no_such_field == 1 };\n";
+    let page = alice
+        .post(
+            "/console/policy",
+            &[("csrf", &csrf), ("text", bad), ("action", "save")],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::BAD_REQUEST);
+    assert!(page.body.contains("Not saved:"), "{}", page.body);
+    assert!(page.body.contains("line 6"), "{}", page.body);
+    assert!(
+        page.body.contains("context.no_such_field"),
+        "the text is kept"
+    );
+    let (_, policy) = h.call(Method::GET, "/v1/policy", None).await;
+    assert_eq!(policy["is_default"], true, "nothing changed");
+    let good = "@id(\"all\")\npermit (principal, action, resource);\n";
+    let page = alice
+        .post(
+            "/console/policy",
+            &[("csrf", &csrf), ("text", good), ("action", "save")],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::SEE_OTHER, "{}", page.body);
+    let (_, policy) = h.call(Method::GET, "/v1/policy", None).await;
+    assert_eq!(policy["text"], good);
+    let page = alice
+        .post("/console/policy", &[("csrf", &csrf), ("action", "reset")])
+        .await;
+    assert_eq!(page.status, StatusCode::SEE_OTHER);
+    let (_, policy) = h.call(Method::GET, "/v1/policy", None).await;
+    assert_eq!(policy["is_default"], true);
+
+    // The audit page: every entry as text, and the chain verified.
+    let page = cho.get("/console/audit").await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    assert!(
+        page.body.contains("Chain verification: Intact"),
+        "{}",
+        page.body
+    );
+    assert!(page.body.contains("policy.set"));
+    assert!(page.body.contains("console.sign_in"));
+    assert_eq!(
+        cho.get("/console/audit?after=-1").await.status,
+        StatusCode::BAD_REQUEST
+    );
+    h.db.tamper(&[format!(
+        "UPDATE audit_entries SET category = 'policy.forged' WHERE project_id = '{}' AND seq = 2",
+        h.project.project.id
+    )])
+    .await
+    .unwrap();
+    let page = cho.get("/console/audit").await;
+    assert!(
+        page.body.contains("Chain verification: Broken at entry 2"),
+        "{}",
+        page.body
+    );
+}

@@ -14,6 +14,7 @@ mod client;
 mod connections;
 mod pages;
 pub mod password;
+mod project;
 mod routines;
 mod runs;
 pub mod session;
@@ -115,6 +116,8 @@ pub fn router(state: AppState) -> Router<AppState> {
             "/connections/{connection_id}/enable",
             post(connections::enable),
         )
+        .route("/policy", get(project::policy).post(project::set))
+        .route("/audit", get(project::audit))
         .route("/routines", get(routines::list))
         .route("/routines/{routine_id}", get(routines::show))
         .route("/sessions", get(account::sessions))

@@ -123,7 +123,8 @@ before(async () => {
     let seen = '';
     server.stderr.on('data', (chunk) => {
       seen += chunk;
-      const match = seen.match(/listening on (http:\/\/[0-9.:]+)/);
+      // The whole address: the line may arrive in pieces.
+      const match = seen.match(/listening on (http:\/\/[0-9.]+:[0-9]+)[^0-9]/);
       if (match) resolve(match[1]);
     });
     server.on('exit', (code) => reject(new Error(`wor serve exited with ${code}: ${seen}`)));
@@ -506,5 +507,25 @@ mode = "auto"
   now = await api('GET', `/v1/tool-connections/${connection.id}`);
   assert.equal(now.status, 'enabled');
   assert.deepEqual(dialogs, []);
+  await page.context().close();
+});
+
+test('a policy that does not validate is refused with its line, and the audit log verifies', async () => {
+  const page = await memberPage('jo', 'admin');
+  await page.getByRole('link', { name: 'Policy' }).click();
+  await page.waitForURL(/\/console\/policy$/);
+  await accessible(page, 'policy');
+  const text = '@id("bad")\npermit (principal, action, resource)\nwhen { context.no_such_field == 1 };\n';
+  await page.getByLabel('Policy text (Cedar)').fill(text);
+  await page.getByRole('button', { name: 'Validate and save' }).click();
+  await page.waitForLoadState();
+  assert.match(await page.locator('[role=alert]').innerText(), /Not saved: .*line 3/s);
+  assert.equal(await page.getByLabel('Policy text (Cedar)').inputValue(), text, 'the text is kept');
+  await accessible(page, 'policy (refused)');
+  assert.equal((await api('GET', '/v1/policy')).is_default, true);
+  await page.getByRole('link', { name: 'Audit' }).click();
+  await page.waitForURL(/\/console\/audit$/);
+  assert.match(await page.locator('.verification').innerText(), /Chain verification: Intact/);
+  await accessible(page, 'audit');
   await page.context().close();
 });
