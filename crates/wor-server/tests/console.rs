@@ -1785,3 +1785,73 @@ async fn the_policy_is_validated_with_its_line_named_and_the_audit_page_verifies
         page.body
     );
 }
+
+#[tokio::test]
+async fn an_admin_invites_from_the_console_under_the_apis_rules_and_the_link_shows_once() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    let mut cho = signed_in(&h, addr, "cho", Some("viewer")).await;
+    let page = cho.get("/console/members").await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    assert!(page.body.contains("alice") && page.body.contains("cho"));
+    assert!(
+        !page.body.contains("Invite a member"),
+        "a viewer gets no form"
+    );
+    let csrf = page.csrf();
+    let page = cho
+        .post(
+            "/console/members/invite",
+            &[("csrf", &csrf), ("name", "zed"), ("role", "viewer")],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::FORBIDDEN);
+
+    let mut eve = signed_in(&h, addr, "eve", Some("admin")).await;
+    let page = eve.get("/console/members").await;
+    assert!(page.body.contains("Invite a member"));
+    assert!(
+        !page.body.contains("<option value=\"owner\">"),
+        "an admin cannot grant owner"
+    );
+    let csrf = page.csrf();
+    let page = eve
+        .post(
+            "/console/members/invite",
+            &[("csrf", &csrf), ("name", "zed"), ("role", "owner")],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::FORBIDDEN, "{}", page.body);
+    let page = eve
+        .post(
+            "/console/members/invite",
+            &[("csrf", &csrf), ("name", "zed"), ("role", "")],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::BAD_REQUEST);
+    assert!(
+        page.body.contains("give a role to add them"),
+        "{}",
+        page.body
+    );
+    let page = eve
+        .post(
+            "/console/members/invite",
+            &[("csrf", &csrf), ("name", "zed"), ("role", "approver")],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::CREATED, "{}", page.body);
+    let start = page.body.find("class=\"invitation-link\" href=\"").unwrap() + 30;
+    let link = page.body[start..start + page.body[start..].find('"').unwrap()].to_owned();
+    assert!(link.starts_with("/console/invitations/wri_"), "{link}");
+    assert!(
+        !eve.get("/console/members").await.body.contains(&link),
+        "shown once"
+    );
+    let page = Browser::new(addr)
+        .accept(&link, "a long and quiet passphrase")
+        .await;
+    assert_eq!(page.status, StatusCode::SEE_OTHER, "{}", page.body);
+    let audit = h.audit_text().await;
+    assert!(audit.contains("member.invite") && audit.contains("member.create"));
+}

@@ -12,6 +12,7 @@
 mod account;
 mod client;
 mod connections;
+mod members;
 mod pages;
 pub mod password;
 mod project;
@@ -116,6 +117,8 @@ pub fn router(state: AppState) -> Router<AppState> {
             "/connections/{connection_id}/enable",
             post(connections::enable),
         )
+        .route("/members", get(members::list))
+        .route("/members/invite", post(members::invite))
         .route("/policy", get(project::policy).post(project::set))
         .route("/audit", get(project::audit))
         .route("/routines", get(routines::list))
