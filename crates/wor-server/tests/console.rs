@@ -740,14 +740,15 @@ async fn the_inbox_decides_through_the_engine_and_tells_the_starter_why_they_can
             .contains("&#60;script&#62;alert(1)&#60;/script&#62;")
     );
     assert!(page.body.contains("&#60;img src=x onerror=alert(1)&#62;"));
-    for live in [
-        "<script",
-        "<img",
-        "href=\"javascript:",
-        "href=\\\"javascript:",
-    ] {
+    for live in ["<img", "href=\"javascript:", "href=\\\"javascript:"] {
         assert!(!page.body.contains(live), "`{live}` is rendered as markup");
     }
+    // The one script element is the console's own file.
+    assert_eq!(page.body.matches("<script").count(), 1);
+    assert!(
+        page.body
+            .contains("<script src=\"/console/static/console.js\" defer></script>")
+    );
     for (name, value) in [
         ("content-security-policy", CONTENT_SECURITY_POLICY),
         ("referrer-policy", "no-referrer"),
@@ -755,6 +756,18 @@ async fn the_inbox_decides_through_the_engine_and_tells_the_starter_why_they_can
     ] {
         assert_eq!(page.headers[name], value);
     }
+    let script = ann.get("/console/static/console.js").await;
+    assert_eq!(script.status, StatusCode::OK);
+    assert!(
+        script.headers["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/javascript")
+    );
+    assert!(
+        !CONTENT_SECURITY_POLICY.contains("unsafe"),
+        "no inline script, no eval"
+    );
     let css = ann.get("/console/static/console.css").await;
     assert_eq!(css.status, StatusCode::OK);
     assert!(
@@ -1854,4 +1867,118 @@ async fn an_admin_invites_from_the_console_under_the_apis_rules_and_the_link_sho
     assert_eq!(page.status, StatusCode::SEE_OTHER, "{}", page.body);
     let audit = h.audit_text().await;
     assert!(audit.contains("member.invite") && audit.contains("member.create"));
+}
+
+/// Reads the event stream `response` until it carries `needle`, for at most ten seconds.
+async fn stream_until(response: &mut reqwest::Response, needle: &str) -> String {
+    let mut seen = String::new();
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !seen.contains(needle) {
+        let chunk = tokio::time::timeout_at(deadline, response.chunk())
+            .await
+            .unwrap_or_else(|_| panic!("no `{needle}` in time; saw {seen:?}"))
+            .unwrap()
+            .unwrap_or_else(|| panic!("the stream ended without `{needle}`: {seen:?}"));
+        seen.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    seen
+}
+
+#[tokio::test]
+async fn the_inbox_and_an_active_run_send_live_change_events() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    hostile_tools(&h).await;
+    let routine = note_sender(&h).await;
+    let ann = signed_in(&h, addr, "ann", Some("approver")).await;
+    let cookie = format!("wor_session={}", ann.cookies["wor_session"]);
+    let open = |path: String| {
+        let request = ann
+            .client
+            .get(format!("{}{path}", ann.base))
+            .header("cookie", cookie.clone());
+        async move { request.send().await.unwrap() }
+    };
+    let page = ann
+        .client
+        .get(format!("{}/console/approvals", ann.base))
+        .header("cookie", cookie.clone())
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(page.contains("data-live=\"/console/approvals/events\""));
+
+    let mut inbox = open("/console/approvals/events".to_owned()).await;
+    assert_eq!(inbox.status().as_u16(), 200);
+    assert!(
+        inbox.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/event-stream")
+    );
+    let run = parked_run(&h, &routine).await;
+    let seen = stream_until(&mut inbox, "event: changed").await;
+    assert!(
+        !seen.contains(&run),
+        "the event says only that the inbox changed"
+    );
+
+    let page = open(format!("/console/runs/{run}"))
+        .await
+        .text()
+        .await
+        .unwrap();
+    assert!(page.contains(&format!("data-live=\"/console/runs/{run}/events\"")));
+    let mut follow = open(format!("/console/runs/{run}/events")).await;
+    assert_eq!(follow.status().as_u16(), 200);
+    let approval = h.pending_approvals(&run).await[0]["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let approver = h.member("approver").await;
+    let (status, _) = h.decide(&approver, &approval, "approve", "fine").await;
+    assert_eq!(status, StatusCode::OK);
+    while h.engine.run_next().await.unwrap() {}
+    stream_until(&mut follow, "event: end").await;
+    let page = open(format!("/console/runs/{run}"))
+        .await
+        .text()
+        .await
+        .unwrap();
+    assert!(!page.contains("data-live"), "an ended run is not followed");
+
+    // Without a session there is no stream; another project's run has none either.
+    let anonymous = ann
+        .client
+        .get(format!("{}/console/approvals/events", ann.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(anonymous.status().as_u16(), 303);
+    let other =
+        h.db.store
+            .create_project(&wor_store::testing::TestDatabase::unique_name("q"), "olga")
+            .await
+            .unwrap();
+    let (_, invitation, _) = h
+        .call_as(
+            other.owner_key.expose(),
+            Method::POST,
+            "/v1/invitations",
+            Some(json!({"name": "olga"})),
+        )
+        .await;
+    let mut olga = Browser::new(addr);
+    olga.accept(
+        invitation["path"].as_str().unwrap(),
+        "a long and quiet passphrase",
+    )
+    .await;
+    olga.sign_in(&other.project.name, "olga", "a long and quiet passphrase")
+        .await;
+    let page = olga.get(&format!("/console/runs/{run}/events")).await;
+    assert_eq!(page.status, StatusCode::NOT_FOUND);
 }

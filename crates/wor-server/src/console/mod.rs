@@ -12,6 +12,7 @@
 mod account;
 mod client;
 mod connections;
+mod live;
 mod members;
 mod pages;
 pub mod password;
@@ -89,12 +90,18 @@ pub(crate) fn millis(duration: Duration) -> i64 {
     i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
 }
 
-/// The policy on every console response: nothing but this origin's stylesheet and images, no
-/// script at all, forms only to this origin, never framed.
-pub const CONTENT_SECURITY_POLICY: &str = "default-src 'none'; style-src 'self'; img-src 'self'; \
-    form-action 'self'; frame-ancestors 'none'; base-uri 'none'";
+/// The policy on every console response: nothing but this origin's stylesheet, images and one
+/// script file (no inline script, no `eval`), fetches and event streams only to this origin,
+/// forms only to this origin, never framed.
+pub const CONTENT_SECURITY_POLICY: &str = "default-src 'none'; script-src 'self'; \
+    connect-src 'self'; style-src 'self'; img-src 'self'; form-action 'self'; \
+    frame-ancestors 'none'; base-uri 'none'";
 
 const STYLESHEET: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/static/console.css"));
+const SCRIPT: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/static/console.js"));
+
+/// At most this many pending approvals are shown, newest first.
+pub(crate) const INBOX_LIMIT: u32 = 200;
 
 /// The console's routes, under `/console`.
 pub fn router(state: AppState) -> Router<AppState> {
@@ -107,10 +114,12 @@ pub fn router(state: AppState) -> Router<AppState> {
             get(pages::invitation_page).post(pages::accept_invitation),
         )
         .route("/approvals", get(pages::approvals))
+        .route("/approvals/events", get(live::inbox))
         .route("/approvals/{approval_id}/{verdict}", post(pages::decide))
         .route("/runs", get(runs::list))
         .route("/runs/{run_id}", get(pages::run))
         .route("/runs/{run_id}/cancel", post(runs::cancel))
+        .route("/runs/{run_id}/events", get(live::run))
         .route("/connections", get(connections::list))
         .route("/connections/{connection_id}", get(connections::show))
         .route(
@@ -126,6 +135,7 @@ pub fn router(state: AppState) -> Router<AppState> {
         .route("/sessions", get(account::sessions))
         .route("/sessions/{session_id}/revoke", post(account::revoke))
         .route("/static/console.css", get(stylesheet))
+        .route("/static/console.js", get(script))
         .fallback(|| async { ConsoleError(ApiError::NotFound) })
         .layer(axum::middleware::from_fn_with_state(
             state,
@@ -142,6 +152,17 @@ async fn stylesheet() -> Response {
             (header::CACHE_CONTROL, "public, max-age=3600"),
         ],
         STYLESHEET,
+    )
+        .into_response()
+}
+
+async fn script() -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, "text/javascript; charset=utf-8"),
+            (header::CACHE_CONTROL, "public, max-age=3600"),
+        ],
+        SCRIPT,
     )
         .into_response()
 }

@@ -18,13 +18,10 @@ use wor_store::{ApprovalFilter, ApprovalRecord, ApprovalStatus, SessionOrigin, V
 use super::client::ClientAddress;
 use super::password::{check_new_password, hash_password, verify_password};
 use super::session::{ConsoleMember, FORM_COOKIE, MaybeConsoleMember, SESSION_COOKIE, set_cookie};
-use super::{ConsoleConfig, ConsoleError, millis, render};
+use super::{ConsoleConfig, ConsoleError, INBOX_LIMIT, millis, render};
 use crate::AppState;
 use crate::error::ApiError;
 use crate::views::rfc3339;
-
-/// At most this many pending approvals are shown, newest first.
-const INBOX_LIMIT: u32 = 200;
 
 pub(super) type PageResult = Result<Response, ConsoleError>;
 
@@ -754,6 +751,8 @@ struct RunPage {
     /// Whether this member may cancel the run now (it has not ended, nor been asked to).
     can_cancel: bool,
     cancel_requested: bool,
+    /// The run has not ended: the page follows it live.
+    active: bool,
     approvals: Vec<RunApprovalRow>,
     steps: Vec<StepRow>,
 }
@@ -834,6 +833,7 @@ pub async fn run(
             && !run.cancel_requested
             && member.session.role.can_operate_runs(),
         cancel_requested: run.cancel_requested,
+        active: !run.status.is_terminal(),
         approvals: approvals
             .into_iter()
             .map(|a| RunApprovalRow {

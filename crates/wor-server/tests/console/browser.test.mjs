@@ -251,16 +251,15 @@ test('a member is invited, signs in, approves a held call and sees the run finis
   await card.getByLabel('Reason').fill('checked the recipient');
   await card.getByRole('button', { name: 'Approve' }).click();
   await page.waitForURL(new RegExp(`/console/runs/${runId}$`));
-  for (let i = 0; i < 100; i++) {
-    if ((await page.locator('.status').innerText()) === 'succeeded') break;
-    await new Promise((r) => setTimeout(r, 200));
-    await page.reload();
-  }
+  // The page follows the run live: no reload.
+  await page.locator('.status', { hasText: 'succeeded' }).waitFor({ timeout: 30000 });
   assert.equal(await page.locator('.status').innerText(), 'succeeded');
   const timeline = await page.locator('ol.timeline').innerText();
   assert.ok(timeline.includes('<script>alert(1)</script>'), 'the tool result shows as text');
   assert.ok(timeline.includes('<img src=x onerror=alert(1)>'));
-  assert.equal(await page.locator('script').count(), 0);
+  // The one script element is the console's own file: the tool's markup made none.
+  assert.equal(await page.locator('script').count(), 1);
+  assert.equal(await page.locator('script[src="/console/static/console.js"]').count(), 1);
   assert.equal(await page.locator('main img').count(), 0);
   assert.equal(await page.locator('a[href^="javascript:"]').count(), 0);
   await accessible(page, 'run');
@@ -527,5 +526,27 @@ test('a policy that does not validate is refused with its line, and the audit lo
   await page.waitForURL(/\/console\/audit$/);
   assert.match(await page.locator('.verification').innerText(), /Chain verification: Intact/);
   await accessible(page, 'audit');
+  await page.context().close();
+});
+
+test('the inbox shows a new held call live, and j then d denies it with a reason', async () => {
+  const page = await memberPage('kit', 'approver');
+  await accessible(page, 'approvals');
+  const runId = await parkedRun();
+  const card = page.locator('section.card', { hasText: runId });
+  await card.waitFor({ timeout: 15000 });
+  // The newest call is first: j moves to it, d asks for the reason, Enter denies.
+  await page.locator('h1').click();
+  await page.keyboard.press('j');
+  assert.equal(await card.evaluate((node) => node === document.activeElement), true);
+  await page.keyboard.press('d');
+  assert.equal(await card.getByLabel('Reason').evaluate((node) => node === document.activeElement), true);
+  await page.keyboard.type('not from the keyboard of a stranger');
+  await page.keyboard.press('Enter');
+  await page.waitForURL(new RegExp(`/console/runs/${runId}$`));
+  const approvals = await api('GET', `/v1/approvals?run_id=${runId}`);
+  assert.equal(approvals[0].status, 'denied');
+  assert.equal(approvals[0].decision_reason, 'not from the keyboard of a stranger');
+  assert.deepEqual(dialogs, []);
   await page.context().close();
 });
