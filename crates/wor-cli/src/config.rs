@@ -79,13 +79,19 @@ struct ConsoleSection {
     max_failed_sign_ins_per_account: Option<u32>,
     max_failed_sign_ins_per_address: Option<u32>,
     lockout_minutes: Option<u64>,
+    /// The console is reached over HTTPS (TLS ends in a proxy in front of `wor serve`): its
+    /// cookies carry `Secure`. Default: on in production mode, off otherwise.
+    secure_cookies: Option<bool>,
+    /// Proxies (CIDRs) whose `X-Forwarded-For` names the client for the sign-in limit.
+    #[serde(default)]
+    trusted_proxies: Vec<String>,
 }
 
 /// Least argon2id memory accepted: below this the hash is cheap to attack.
 const MIN_ARGON2_MEMORY_KIB: u32 = 8 * 1024;
 
 impl ConsoleSection {
-    fn resolve(self) -> anyhow::Result<wor_server::console::ConsoleConfig> {
+    fn resolve(self, production: bool) -> anyhow::Result<wor_server::console::ConsoleConfig> {
         use std::time::Duration;
         let defaults = wor_server::console::ConsoleConfig::default();
         let positive = |value: Option<u64>, key: &str, unit: u64, default: Duration| match value {
@@ -150,6 +156,20 @@ impl ConsoleSection {
                 60,
                 defaults.lockout,
             )?,
+            secure_cookies: self.secure_cookies.unwrap_or(production),
+            trusted_proxies: self
+                .trusted_proxies
+                .iter()
+                .map(|text| {
+                    text.parse::<ipnet::IpNet>()
+                        .or_else(|_| text.parse::<std::net::IpAddr>().map(ipnet::IpNet::from))
+                        .map_err(|_| {
+                            anyhow::anyhow!(
+                                "`[console] trusted_proxies`: `{text}` is not an address or a CIDR"
+                            )
+                        })
+                })
+                .collect::<anyhow::Result<_>>()?,
         };
         wor_server::console::password::check_parameters(&config)
             .map_err(|e| anyhow::anyhow!("`[console]`: {e}"))?;
@@ -279,7 +299,7 @@ impl ServerConfig {
                 None => Vec::new(),
             },
             prices: file.prices,
-            console: file.console.unwrap_or_default().resolve()?,
+            console: file.console.unwrap_or_default().resolve(production)?,
             encryption_key,
             encryption_key_retired,
             audit_signing_key,
@@ -532,7 +552,37 @@ mod tests {
         assert_eq!(config.console.argon2_memory_kib, 65536);
         assert_eq!(config.console.argon2_iterations, 3);
         assert_eq!(config.console.session_idle.as_secs(), 300);
+        assert!(
+            !config.console.secure_cookies,
+            "plain HTTP outside production"
+        );
+        assert!(config.console.trusted_proxies.is_empty());
+        std::fs::write(
+            &path,
+            "production = true\n[console]\ntrusted_proxies = [\"10.0.0.0/8\", \"::1\"]\n",
+        )
+        .unwrap();
+        let config = ServerConfig::resolve(&flags, Some("127.0.0.1:0"), false).unwrap();
+        assert!(
+            config.console.secure_cookies,
+            "Secure by default in production"
+        );
+        assert_eq!(
+            config.console.trusted_proxies,
+            vec![
+                "10.0.0.0/8".parse::<ipnet::IpNet>().unwrap(),
+                "::1/128".parse().unwrap()
+            ]
+        );
+        std::fs::write(
+            &path,
+            "production = true\n[console]\nsecure_cookies = false\n",
+        )
+        .unwrap();
+        let config = ServerConfig::resolve(&flags, Some("127.0.0.1:0"), false).unwrap();
+        assert!(!config.console.secure_cookies, "the operator's word");
         for (text, complaint) in [
+            ("trusted_proxies = [\"a proxy\"]", "trusted_proxies"),
             ("argon2_memory_kib = 1024", "argon2_memory_kib"),
             ("argon2_parallelism = 0", "argon2_parallelism"),
             ("lockout_minutes = 0", "lockout_minutes"),

@@ -95,6 +95,8 @@ pub enum AuditCategory {
     ConsoleSignInFailure,
     /// A member signed out of the console.
     ConsoleSignOut,
+    /// A console session was ended by its member or by an admin.
+    ConsoleSessionRevoke,
 }
 
 impl AuditCategory {
@@ -129,6 +131,7 @@ impl AuditCategory {
             AuditCategory::ConsoleSignIn => "console.sign_in",
             AuditCategory::ConsoleSignInFailure => "console.sign_in_failure",
             AuditCategory::ConsoleSignOut => "console.sign_out",
+            AuditCategory::ConsoleSessionRevoke => "console.session_revoke",
         }
     }
 }

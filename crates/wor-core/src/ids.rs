@@ -117,6 +117,8 @@ typed_id!(/// A run of a routine version.
     RunId, "run", "a run");
 typed_id!(/// A model or tool connection.
     ConnectionId, "con", "a connection");
+typed_id!(/// A member's signed-in web console session (not its token).
+    ConsoleSessionId, "ses", "a console session");
 typed_id!(/// An approval request.
     ApprovalId, "apr", "an approval");
 

@@ -22,5 +22,8 @@ pub mod schedule;
 pub mod step;
 pub mod text;
 
-pub use ids::{ApiKeyId, ApprovalId, ConnectionId, IdError, MemberId, ProjectId, RoutineId, RunId};
+pub use ids::{
+    ApiKeyId, ApprovalId, ConnectionId, ConsoleSessionId, IdError, MemberId, ProjectId, RoutineId,
+    RunId,
+};
 pub use role::{Role, RoleParseError};

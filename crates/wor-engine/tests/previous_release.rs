@@ -17,7 +17,10 @@ use wor_core::step::{InputSource, Step, StepKind};
 use wor_engine::{Engine, EngineConfig};
 use wor_store::{AuditConfig, AuditLog, RunFilter, Store, Vault};
 
-const PREVIOUS: &[u8] = include_bytes!("../../../testdata/previous-release/wor.db");
+const PREVIOUS: &[u8] = include_bytes!(concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../testdata/previous-release/wor.db"
+));
 
 async fn previous_release() -> (Store, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();

@@ -4,6 +4,11 @@
 use utoipa::ToSchema;
 use wor_store::{ApiKeyRecord, MemberRecord, ProjectRecord};
 
+/// Milliseconds of `duration`, saturating.
+pub(crate) fn millis(duration: std::time::Duration) -> i64 {
+    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
+}
+
 /// RFC 3339 text of a stored millisecond timestamp.
 pub fn rfc3339(millis: i64) -> String {
     chrono::DateTime::from_timestamp_millis(millis)

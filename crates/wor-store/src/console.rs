@@ -10,7 +10,7 @@ use std::fmt;
 use rand::TryRngCore;
 use sqlx::Row;
 use wor_core::canonical::sha256_hex;
-use wor_core::{ApiKeyId, MemberId, ProjectId, Role};
+use wor_core::{ApiKeyId, ConsoleSessionId, MemberId, ProjectId, Role};
 
 use crate::{Store, StoreError, now_millis, parse_column};
 
@@ -62,6 +62,7 @@ pub struct SignInAccount {
 /// A live console session, with its member's current role.
 #[derive(Debug, Clone)]
 pub struct ConsoleSessionRecord {
+    pub id: ConsoleSessionId,
     pub project_id: ProjectId,
     pub member_id: MemberId,
     pub member_name: String,
@@ -70,7 +71,74 @@ pub struct ConsoleSessionRecord {
     pub csrf_token: String,
 }
 
+/// How many rows [`Store::purge_console_state`] deleted, of each kind.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PurgedConsoleState {
+    pub sessions: u64,
+    pub invitations: u64,
+    pub sign_in_failures: u64,
+}
+
+/// Where a console session was opened from, as the member will recognise it.
+#[derive(Debug, Clone, Default)]
+pub struct SessionOrigin {
+    /// The client's address.
+    pub address: String,
+    /// The browser's `User-Agent`, cut to [`MAX_USER_AGENT_CHARS`].
+    pub user_agent: String,
+}
+
+/// Longest `User-Agent` kept with a session.
+pub const MAX_USER_AGENT_CHARS: usize = 200;
+
+/// A live console session as listed to its member or an admin: never its token.
+#[derive(Debug, Clone)]
+pub struct ConsoleSessionSummary {
+    pub id: ConsoleSessionId,
+    pub member_id: MemberId,
+    pub member_name: String,
+    pub address: String,
+    pub user_agent: String,
+    pub created_at: i64,
+    pub last_seen_at: i64,
+    pub expires_at: i64,
+}
+
 impl Store {
+    /// Deletes what can no longer be used at `now`: sessions past their absolute expiry or
+    /// unused for `idle_ms`, invitations past their expiry (used or not), and failed sign-ins
+    /// from before `failures_before` (outside every lockout window).
+    pub async fn purge_console_state(
+        &self,
+        now: i64,
+        idle_ms: i64,
+        failures_before: i64,
+    ) -> Result<PurgedConsoleState, StoreError> {
+        let sessions = sqlx::query(
+            "DELETE FROM console_sessions WHERE expires_at <= $1 OR last_seen_at <= $2",
+        )
+        .bind(now)
+        .bind(now.saturating_sub(idle_ms))
+        .execute(&self.pool)
+        .await?
+        .rows_affected();
+        let invitations = sqlx::query("DELETE FROM member_invitations WHERE expires_at <= $1")
+            .bind(now)
+            .execute(&self.pool)
+            .await?
+            .rows_affected();
+        let sign_in_failures = sqlx::query("DELETE FROM sign_in_failures WHERE at < $1")
+            .bind(failures_before)
+            .execute(&self.pool)
+            .await?
+            .rows_affected();
+        Ok(PurgedConsoleState {
+            sessions,
+            invitations,
+            sign_in_failures,
+        })
+    }
+
     /// Makes a single-use invitation for `member`, valid for `ttl_ms`.
     pub async fn create_invitation(
         &self,
@@ -211,23 +279,96 @@ impl Store {
         project: ProjectId,
         member: MemberId,
         absolute_ms: i64,
+        origin: &SessionOrigin,
     ) -> Result<ConsoleToken, StoreError> {
         let token = ConsoleToken::generate(SESSION_TOKEN_PREFIX)?;
         let csrf = ConsoleToken::generate("")?;
         let now = now_millis();
         sqlx::query(
-            "INSERT INTO console_sessions (sha256, project_id, member_id, csrf_token, created_at, \
-             last_seen_at, expires_at) VALUES ($1, $2, $3, $4, $5, $5, $6)",
+            "INSERT INTO console_sessions (sha256, id, project_id, member_id, csrf_token, \
+             created_at, last_seen_at, expires_at, address, user_agent) \
+             VALUES ($1, $2, $3, $4, $5, $6, $6, $7, $8, $9)",
         )
         .bind(sha256_hex(token.expose().as_bytes()))
+        .bind(ConsoleSessionId::new().to_string())
         .bind(project.to_string())
         .bind(member.to_string())
         .bind(csrf.expose())
         .bind(now)
         .bind(now.saturating_add(absolute_ms))
+        .bind(&origin.address)
+        .bind(
+            origin
+                .user_agent
+                .chars()
+                .take(MAX_USER_AGENT_CHARS)
+                .collect::<String>(),
+        )
         .execute(&self.pool)
         .await?;
         Ok(token)
+    }
+
+    /// The live sessions of `project` (of `member` only, when given), most recently used first.
+    pub async fn list_console_sessions(
+        &self,
+        project: ProjectId,
+        member: Option<MemberId>,
+        idle_ms: i64,
+    ) -> Result<Vec<ConsoleSessionSummary>, StoreError> {
+        let now = now_millis();
+        let rows = sqlx::query(
+            "SELECT s.id, s.member_id, m.name, s.address, s.user_agent, s.created_at, \
+             s.last_seen_at, s.expires_at FROM console_sessions s \
+             JOIN members m ON m.id = s.member_id AND m.project_id = s.project_id \
+             WHERE s.project_id = $1 AND ($2 IS NULL OR s.member_id = $2) \
+             AND s.expires_at > $3 AND s.last_seen_at > $4 \
+             ORDER BY s.last_seen_at DESC, s.id LIMIT 500",
+        )
+        .bind(project.to_string())
+        .bind(member.map(|m| m.to_string()))
+        .bind(now)
+        .bind(now.saturating_sub(idle_ms))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.into_iter()
+            .map(|row| {
+                let id: String = row.try_get("id")?;
+                let member_id: String = row.try_get("member_id")?;
+                Ok(ConsoleSessionSummary {
+                    id: parse_column(&id, "console_sessions.id")?,
+                    member_id: parse_column(&member_id, "console_sessions.member_id")?,
+                    member_name: row.try_get("name")?,
+                    address: row.try_get("address")?,
+                    user_agent: row.try_get("user_agent")?,
+                    created_at: row.try_get("created_at")?,
+                    last_seen_at: row.try_get("last_seen_at")?,
+                    expires_at: row.try_get("expires_at")?,
+                })
+            })
+            .collect()
+    }
+
+    /// Ends session `id` of `project`, if it belongs to `member` (any member's, when `None`).
+    /// Returns the member whose session it was; `None` when there is no such session there.
+    pub async fn revoke_console_session(
+        &self,
+        project: ProjectId,
+        id: ConsoleSessionId,
+        member: Option<MemberId>,
+    ) -> Result<Option<MemberId>, StoreError> {
+        let owner: Option<String> = sqlx::query_scalar(
+            "DELETE FROM console_sessions WHERE project_id = $1 AND id = $2 \
+             AND ($3 IS NULL OR member_id = $3) RETURNING member_id",
+        )
+        .bind(project.to_string())
+        .bind(id.to_string())
+        .bind(member.map(|m| m.to_string()))
+        .fetch_optional(&self.pool)
+        .await?;
+        owner
+            .map(|m| parse_column(&m, "console_sessions.member_id"))
+            .transpose()
     }
 
     /// The live session `presented` names: not past its absolute expiry, and used within the
@@ -243,7 +384,7 @@ impl Store {
         let digest = sha256_hex(presented.as_bytes());
         let now = now_millis();
         let row = sqlx::query(
-            "SELECT s.project_id, s.member_id, s.csrf_token, m.name, m.role \
+            "SELECT s.id, s.project_id, s.member_id, s.csrf_token, m.name, m.role \
              FROM console_sessions s \
              JOIN members m ON m.id = s.member_id AND m.project_id = s.project_id \
              WHERE s.sha256 = $1 AND s.expires_at > $2 AND s.last_seen_at > $3",
@@ -259,10 +400,12 @@ impl Store {
             .bind(&digest)
             .execute(&self.pool)
             .await?;
+        let id: String = row.try_get("id")?;
         let project_id: String = row.try_get("project_id")?;
         let member_id: String = row.try_get("member_id")?;
         let role: String = row.try_get("role")?;
         Ok(Some(ConsoleSessionRecord {
+            id: parse_column(&id, "console_sessions.id")?,
             project_id: parse_column(&project_id, "console_sessions.project_id")?,
             member_id: parse_column(&member_id, "console_sessions.member_id")?,
             member_name: row.try_get("name")?,

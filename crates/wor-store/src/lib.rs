@@ -40,8 +40,9 @@ pub use approvals::{
 };
 pub use audit::{AuditConfig, AuditLog, AuditReceipt};
 pub use console::{
-    ConsoleSessionRecord, ConsoleToken, INVITATION_TOKEN_PREFIX, InvitationRecord,
-    SESSION_TOKEN_PREFIX, SignInAccount,
+    ConsoleSessionRecord, ConsoleSessionSummary, ConsoleToken, INVITATION_TOKEN_PREFIX,
+    InvitationRecord, MAX_USER_AGENT_CHARS, PurgedConsoleState, SESSION_TOKEN_PREFIX,
+    SessionOrigin, SignInAccount,
 };
 pub use members::MemberRecord;
 pub use model_connections::{

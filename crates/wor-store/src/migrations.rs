@@ -149,6 +149,12 @@ const MIGRATIONS: &[SchemaMigration] = &[
         sqlite: include_str!("../migrations/0017_console.sql"),
         postgres: include_str!("../migrations/0017_console.sql"),
     },
+    SchemaMigration {
+        version: 19,
+        description: "console sessions",
+        sqlite: include_str!("../migrations/0019_console_sessions.sql"),
+        postgres: include_str!("../migrations/0019_console_sessions.sql"),
+    },
 ];
 
 pub(crate) async fn apply(store: &Store) -> Result<(), StoreError> {

@@ -99,6 +99,12 @@ pub struct RunFilter {
     /// Only runs older than this one (the previous page's last id).
     pub before: Option<RunId>,
     pub limit: u32,
+    /// Only runs started this way: `api`, `schedule`, `webhook` or `routine`.
+    pub trigger_kind: Option<TriggerKind>,
+    /// Only runs created at or after this time (milliseconds since the epoch).
+    pub created_after: Option<i64>,
+    /// Only runs created before this time (milliseconds since the epoch).
+    pub created_before: Option<i64>,
 }
 
 const COLUMNS: &str = "id, project_id, routine_id, routine_version, root_run_id, parent_run_id, depth, \
@@ -192,6 +198,8 @@ impl Store {
         let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
             "SELECT {COLUMNS} FROM runs WHERE project_id = $1 \
              AND ($2 IS NULL OR routine_id = $2) AND ($3 IS NULL OR status = $3) AND ($4 IS NULL OR id < $4) \
+             AND ($6 IS NULL OR trigger_kind = $6) AND ($7 IS NULL OR created_at >= $7) \
+             AND ($8 IS NULL OR created_at < $8) \
              ORDER BY id DESC LIMIT $5"
         )))
         .bind(project.to_string())
@@ -199,6 +207,9 @@ impl Store {
         .bind(filter.status.map(|s| s.as_str()))
         .bind(filter.before.map(|r| r.to_string()))
         .bind(i64::from(filter.limit.clamp(1, 200)))
+        .bind(filter.trigger_kind.map(TriggerKind::as_str))
+        .bind(filter.created_after)
+        .bind(filter.created_before)
         .fetch_all(self.pool())
         .await?;
         rows.iter().map(run_from_row).collect()

@@ -9,8 +9,16 @@
 //! INVARIANT: an API key or a run credential never opens a console session, and a console
 //! session never calls `/v1`: each side only reads its own credential.
 
+mod account;
+mod client;
+mod connections;
+mod live;
+mod members;
 mod pages;
 pub mod password;
+mod project;
+mod routines;
+mod runs;
 pub mod session;
 
 use std::time::Duration;
@@ -47,12 +55,19 @@ pub struct ConsoleConfig {
     pub max_failures_per_address: u32,
     /// How far back failures count, and so how long a lockout lasts.
     pub lockout: Duration,
+    /// Whether cookies carry `Secure`: the operator says the console is reached over HTTPS
+    /// (`wor serve` speaks plain HTTP; TLS ends in front of it). Never taken from a request.
+    pub secure_cookies: bool,
+    /// Proxies whose `X-Forwarded-For` names the client, for the per-address sign-in limit.
+    /// From any other peer the header is ignored: the peer is the client.
+    pub trusted_proxies: Vec<ipnet::IpNet>,
 }
 
 impl Default for ConsoleConfig {
     /// argon2id at 19 MiB, 2 passes, 1 lane (OWASP's recommended minimum); 72-hour
     /// invitations; sessions idle out after 30 minutes and end after 12 hours; 5 failed
-    /// sign-ins for an account (20 from an address) in 15 minutes lock it for 15 minutes.
+    /// sign-ins for an account (20 from an address) in 15 minutes lock it for 15 minutes;
+    /// cookies without `Secure` and no trusted proxy.
     fn default() -> Self {
         ConsoleConfig {
             argon2_memory_kib: 19 * 1024,
@@ -64,21 +79,26 @@ impl Default for ConsoleConfig {
             max_failures_per_account: 5,
             max_failures_per_address: 20,
             lockout: Duration::from_secs(15 * 60),
+            secure_cookies: false,
+            trusted_proxies: Vec::new(),
         }
     }
 }
 
-/// Milliseconds of `duration`, saturating.
-pub(crate) fn millis(duration: Duration) -> i64 {
-    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
-}
+pub(crate) use crate::views::millis;
 
-/// The policy on every console response: nothing but this origin's stylesheet and images, no
-/// script at all, forms only to this origin, never framed.
-pub const CONTENT_SECURITY_POLICY: &str = "default-src 'none'; style-src 'self'; img-src 'self'; \
-    form-action 'self'; frame-ancestors 'none'; base-uri 'none'";
+/// The policy on every console response: nothing but this origin's stylesheet, images and one
+/// script file (no inline script, no `eval`), fetches and event streams only to this origin,
+/// forms only to this origin, never framed.
+pub const CONTENT_SECURITY_POLICY: &str = "default-src 'none'; script-src 'self'; \
+    connect-src 'self'; style-src 'self'; img-src 'self'; form-action 'self'; \
+    frame-ancestors 'none'; base-uri 'none'";
 
 const STYLESHEET: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/static/console.css"));
+const SCRIPT: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/static/console.js"));
+
+/// At most this many pending approvals are shown, newest first.
+pub(crate) const INBOX_LIMIT: u32 = 200;
 
 /// The console's routes, under `/console`.
 pub fn router(state: AppState) -> Router<AppState> {
@@ -91,9 +111,28 @@ pub fn router(state: AppState) -> Router<AppState> {
             get(pages::invitation_page).post(pages::accept_invitation),
         )
         .route("/approvals", get(pages::approvals))
+        .route("/approvals/events", get(live::inbox))
         .route("/approvals/{approval_id}/{verdict}", post(pages::decide))
+        .route("/runs", get(runs::list))
         .route("/runs/{run_id}", get(pages::run))
+        .route("/runs/{run_id}/cancel", post(runs::cancel))
+        .route("/runs/{run_id}/events", get(live::run))
+        .route("/connections", get(connections::list))
+        .route("/connections/{connection_id}", get(connections::show))
+        .route(
+            "/connections/{connection_id}/enable",
+            post(connections::enable),
+        )
+        .route("/members", get(members::list))
+        .route("/members/invite", post(members::invite))
+        .route("/policy", get(project::policy).post(project::set))
+        .route("/audit", get(project::audit))
+        .route("/routines", get(routines::list))
+        .route("/routines/{routine_id}", get(routines::show))
+        .route("/sessions", get(account::sessions))
+        .route("/sessions/{session_id}/revoke", post(account::revoke))
         .route("/static/console.css", get(stylesheet))
+        .route("/static/console.js", get(script))
         .fallback(|| async { ConsoleError(ApiError::NotFound) })
         .layer(axum::middleware::from_fn_with_state(
             state,
@@ -110,6 +149,17 @@ async fn stylesheet() -> Response {
             (header::CACHE_CONTROL, "public, max-age=3600"),
         ],
         STYLESHEET,
+    )
+        .into_response()
+}
+
+async fn script() -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, "text/javascript; charset=utf-8"),
+            (header::CACHE_CONTROL, "public, max-age=3600"),
+        ],
+        SCRIPT,
     )
         .into_response()
 }

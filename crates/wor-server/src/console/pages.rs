@@ -14,23 +14,19 @@ use wor_core::audit::{Actor, AuditCategory, AuditEvent};
 use wor_core::step::Step;
 use wor_core::{ApprovalId, RunId};
 use wor_engine::Approver;
-use wor_store::{ApprovalAnswer, ApprovalFilter, ApprovalRecord, ApprovalStatus, RunRecord};
+use wor_store::{ApprovalAnswer, ApprovalFilter, ApprovalRecord, ApprovalStatus, SessionOrigin};
 
+use super::client::ClientAddress;
 use super::password::{check_new_password, hash_password, verify_password};
-use super::session::{
-    ConsoleMember, FORM_COOKIE, MaybeConsoleMember, SESSION_COOKIE, client_address, set_cookie,
-};
-use super::{ConsoleError, millis, render};
+use super::session::{ConsoleMember, FORM_COOKIE, MaybeConsoleMember, SESSION_COOKIE, set_cookie};
+use super::{ConsoleConfig, ConsoleError, INBOX_LIMIT, millis, render};
 use crate::AppState;
 use crate::error::ApiError;
 use crate::views::rfc3339;
 
-/// At most this many pending approvals are shown, newest first.
-const INBOX_LIMIT: u32 = 200;
+pub(super) type PageResult = Result<Response, ConsoleError>;
 
-type PageResult = Result<Response, ConsoleError>;
-
-fn form<T>(form: Result<Form<T>, FormRejection>) -> Result<T, ConsoleError> {
+pub(super) fn form<T>(form: Result<Form<T>, FormRejection>) -> Result<T, ConsoleError> {
     form.map(|Form(value)| value)
         .map_err(|e| ConsoleError(ApiError::bad_request("invalid_form", e.body_text())))
 }
@@ -46,10 +42,10 @@ fn form_token() -> Result<String, ConsoleError> {
 }
 
 /// Who is signed in, for the page header.
-struct Banner {
-    name: String,
-    role: String,
-    csrf: String,
+pub(super) struct Banner {
+    pub(super) name: String,
+    pub(super) role: String,
+    pub(super) csrf: String,
 }
 
 impl From<&ConsoleMember> for Banner {
@@ -79,7 +75,7 @@ struct SignInPage {
     project: String,
     name: String,
     notice: Option<&'static str>,
-    error: Option<&'static str>,
+    error: Option<String>,
 }
 
 #[derive(Debug, Default, serde::Deserialize)]
@@ -95,7 +91,7 @@ pub struct SignInQuery {
 /// A page with a form for someone not signed in (`csrf` picks the page's token field): a
 /// fresh form token, in the page and in its own cookie.
 fn form_page<T: askama::Template>(
-    parts: &Parts,
+    config: &ConsoleConfig,
     status: StatusCode,
     mut page: T,
     csrf: impl FnOnce(&mut T) -> &mut String,
@@ -105,22 +101,22 @@ fn form_page<T: askama::Template>(
     let mut response = render(status, &page);
     response.headers_mut().append(
         header::SET_COOKIE,
-        set_cookie(parts, FORM_COOKIE, &token, "/console", None),
+        set_cookie(config, FORM_COOKIE, &token, "/console", None),
     );
     Ok(response)
 }
 
 /// The sign-in form, with a fresh form token in its own cookie.
 fn sign_in_form(
-    parts: &Parts,
+    config: &ConsoleConfig,
     status: StatusCode,
     page: SignInPage,
 ) -> Result<Response, ConsoleError> {
-    form_page(parts, status, page, |p| &mut p.csrf)
+    form_page(config, status, page, |p| &mut p.csrf)
 }
 
 pub async fn sign_in_page(
-    parts: Parts,
+    State(state): State<AppState>,
     MaybeConsoleMember(member): MaybeConsoleMember,
     query: Result<Query<SignInQuery>, axum::extract::rejection::QueryRejection>,
 ) -> PageResult {
@@ -129,7 +125,7 @@ pub async fn sign_in_page(
     }
     let query = query.map(|Query(q)| q).unwrap_or_default();
     sign_in_form(
-        &parts,
+        &state.console,
         StatusCode::OK,
         SignInPage {
             csrf: String::new(),
@@ -153,7 +149,20 @@ pub struct SignInForm {
 /// The one message for an unknown project, an unknown member, a member without a password
 /// and a wrong password, so the form tells nobody which names exist.
 const SIGN_IN_REFUSED: &str = "That project, name and password do not match.";
-const LOCKED_OUT: &str = "Too many failed sign-ins. Wait 15 minutes, then try again.";
+
+/// What a locked-out client is told: the configured lockout window, in words.
+fn locked_out(lockout: std::time::Duration) -> String {
+    let seconds = lockout.as_secs().max(1);
+    let (count, unit) = if seconds.is_multiple_of(3600) {
+        (seconds / 3600, "hour")
+    } else if seconds.is_multiple_of(60) {
+        (seconds / 60, "minute")
+    } else {
+        (seconds, "second")
+    };
+    let plural = if count == 1 { "" } else { "s" };
+    format!("Too many failed sign-ins. Wait {count} {unit}{plural}, then try again.")
+}
 
 pub async fn sign_in(
     State(state): State<AppState>,
@@ -162,10 +171,17 @@ pub async fn sign_in(
 ) -> PageResult {
     let body = form(body)?;
     let config = &state.console;
-    let address = client_address(&parts);
+    let client = ClientAddress::of(&parts, &config.trusted_proxies);
+    let address = client.text();
     let account_scope = format!("account:{}\n{}", body.project, body.name);
-    let address_scope = format!("address:{address}");
-    let since = wor_store::now_millis().saturating_sub(millis(config.lockout));
+    let address_scope = format!("address:{}", client.lockout_key());
+    let now = wor_store::now_millis();
+    let since = now.saturating_sub(millis(config.lockout));
+    // Sign-in state that can no longer be used is deleted as sign-ins happen.
+    state
+        .store
+        .purge_console_state(now, millis(config.session_idle), since)
+        .await?;
     // The attempt counts as a failure before the password is checked, so attempts sent at
     // once cannot all pass the count; a right password takes it back.
     let reserved = state
@@ -232,12 +248,12 @@ pub async fn sign_in(
                 "a console sign-in was refused"
             );
             let (status, error) = if locked {
-                (StatusCode::TOO_MANY_REQUESTS, LOCKED_OUT)
+                (StatusCode::TOO_MANY_REQUESTS, locked_out(config.lockout))
             } else {
-                (StatusCode::UNAUTHORIZED, SIGN_IN_REFUSED)
+                (StatusCode::UNAUTHORIZED, SIGN_IN_REFUSED.to_owned())
             };
             return sign_in_form(
-                &parts,
+                config,
                 status,
                 SignInPage {
                     csrf: String::new(),
@@ -259,12 +275,22 @@ pub async fn sign_in(
         .store
         .clear_sign_in_failures(&account_scope, since)
         .await?;
+    let origin = SessionOrigin {
+        address: address.clone(),
+        user_agent: parts
+            .headers
+            .get(header::USER_AGENT)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned(),
+    };
     let token = state
         .store
         .create_console_session(
             account.project_id,
             account.member_id,
             millis(config.session_absolute),
+            &origin,
         )
         .await?;
     state
@@ -288,7 +314,7 @@ pub async fn sign_in(
     headers.append(
         header::SET_COOKIE,
         set_cookie(
-            &parts,
+            config,
             SESSION_COOKIE,
             token.expose(),
             "/",
@@ -297,16 +323,12 @@ pub async fn sign_in(
     );
     headers.append(
         header::SET_COOKIE,
-        set_cookie(&parts, FORM_COOKIE, "", "/console", Some(0)),
+        set_cookie(&state.console, FORM_COOKIE, "", "/console", Some(0)),
     );
     Ok(response)
 }
 
-pub async fn sign_out(
-    State(state): State<AppState>,
-    parts: Parts,
-    member: ConsoleMember,
-) -> PageResult {
+pub async fn sign_out(State(state): State<AppState>, member: ConsoleMember) -> PageResult {
     state.store.end_console_session(&member.token).await?;
     state
         .audit
@@ -322,7 +344,7 @@ pub async fn sign_out(
     let mut response = Redirect::to("/console/sign-in").into_response();
     response.headers_mut().append(
         header::SET_COOKIE,
-        set_cookie(&parts, SESSION_COOKIE, "", "/", Some(0)),
+        set_cookie(&state.console, SESSION_COOKIE, "", "/", Some(0)),
     );
     Ok(response)
 }
@@ -345,16 +367,15 @@ fn invitation_gone() -> ConsoleError {
 }
 
 fn invitation_form(
-    parts: &Parts,
+    config: &ConsoleConfig,
     status: StatusCode,
     page: InvitationPage,
 ) -> Result<Response, ConsoleError> {
-    form_page(parts, status, page, |p| &mut p.csrf)
+    form_page(config, status, page, |p| &mut p.csrf)
 }
 
 pub async fn invitation_page(
     State(state): State<AppState>,
-    parts: Parts,
     Path(token): Path<String>,
 ) -> PageResult {
     let invitation = state
@@ -363,7 +384,7 @@ pub async fn invitation_page(
         .await?
         .ok_or_else(invitation_gone)?;
     invitation_form(
-        &parts,
+        &state.console,
         StatusCode::OK,
         InvitationPage {
             csrf: String::new(),
@@ -383,7 +404,6 @@ pub struct SetPasswordForm {
 
 pub async fn accept_invitation(
     State(state): State<AppState>,
-    parts: Parts,
     Path(token): Path<String>,
     body: Result<Form<SetPasswordForm>, FormRejection>,
 ) -> PageResult {
@@ -395,7 +415,7 @@ pub async fn accept_invitation(
         .ok_or_else(invitation_gone)?;
     if let Err(rule) = check_new_password(&body.password, &body.repeat, &invitation.member_name) {
         return invitation_form(
-            &parts,
+            &state.console,
             StatusCode::BAD_REQUEST,
             InvitationPage {
                 csrf: String::new(),
@@ -439,7 +459,7 @@ pub async fn accept_invitation(
     let mut response = Redirect::to(&format!("/console/sign-in?{target}")).into_response();
     response.headers_mut().append(
         header::SET_COOKIE,
-        set_cookie(&parts, FORM_COOKIE, "", "/console", Some(0)),
+        set_cookie(&state.console, FORM_COOKIE, "", "/console", Some(0)),
     );
     Ok(response)
 }
@@ -462,7 +482,7 @@ struct ApprovalCard {
     arguments: Vec<ArgumentRow>,
     policies: Vec<String>,
     reasons: Vec<String>,
-    untrusted_sources: Vec<String>,
+    untrusted_sources: Vec<SourceLink>,
     routine: String,
     routine_version: i64,
     run_input: String,
@@ -482,7 +502,7 @@ struct ApprovalsPage {
 }
 
 /// A JSON value as the text a person reads: strings as they are, the rest as JSON.
-fn text_of(value: &Value) -> String {
+pub(super) fn text_of(value: &Value) -> String {
     match value {
         Value::String(text) => text.clone(),
         other => serde_json::to_string_pretty(other).unwrap_or_default(),
@@ -524,18 +544,21 @@ fn time_left(expires_at: i64) -> String {
     }
 }
 
-/// The requester's input of `run`, as text.
-async fn run_input(state: &AppState, run: &RunRecord) -> Result<String, ConsoleError> {
-    Ok(state
-        .store
-        .list_run_steps(run.project_id, run.id, 0)
-        .await?
-        .into_iter()
-        .find_map(|s| match s.step {
+/// The requester's input among a run's `steps`, as text.
+fn run_input(steps: &[wor_store::RunStep]) -> String {
+    steps
+        .iter()
+        .find_map(|s| match &s.step {
             Step::Input(input) => Some(input.text()),
             _ => None,
         })
-        .unwrap_or_default())
+        .unwrap_or_default()
+}
+
+/// An untrusted source that was in context when a call was held, and the step it came from.
+struct SourceLink {
+    name: String,
+    step: Option<i64>,
 }
 
 fn approver(member: &ConsoleMember) -> Approver {
@@ -564,6 +587,7 @@ pub async fn approvals(State(state): State<AppState>, member: ConsoleMember) -> 
     for approval in pending {
         let run = state.store.get_run(project, approval.run_id).await?;
         let routine = state.store.get_routine(project, run.routine_id).await?;
+        let steps = state.store.list_run_steps(project, run.id, 0).await?;
         let refusal = state
             .engine
             .approval_refusal(project, &approval, approver(&member))
@@ -576,10 +600,16 @@ pub async fn approvals(State(state): State<AppState>, member: ConsoleMember) -> 
             arguments: argument_rows(&approval),
             policies: texts(approval.why.get("determining_policies")),
             reasons: texts(approval.why.get("reasons")),
-            untrusted_sources: texts(approval.why.get("untrusted_sources")),
+            untrusted_sources: texts(approval.why.get("untrusted_sources"))
+                .into_iter()
+                .map(|name| SourceLink {
+                    step: untrusted_step_of(&steps, &name),
+                    name,
+                })
+                .collect(),
             routine: routine.name,
             routine_version: run.routine_version,
-            run_input: run_input(&state, &run).await?,
+            run_input: run_input(&steps),
             requested_at: rfc3339(approval.requested_at),
             expires_at: rfc3339(approval.expires_at),
             expires_in: time_left(approval.expires_at),
@@ -638,8 +668,62 @@ struct StepRow {
     seq: i64,
     kind: String,
     provenance: String,
+    /// Where the content came from, in words: the requester, the model, which tool.
+    source: String,
     at: String,
     text: String,
+}
+
+/// One budget of a run: what it used against what its routine allows.
+struct BudgetRow {
+    name: &'static str,
+    used: u64,
+    allowed: u64,
+    /// `used` as a whole percentage of `allowed`, at most 100, for the bar.
+    percent: u64,
+}
+
+impl BudgetRow {
+    fn new(name: &'static str, used: u64, allowed: u64) -> Self {
+        let percent = if allowed == 0 {
+            100
+        } else {
+            u64::try_from((u128::from(used) * 100 / u128::from(allowed)).min(100)).unwrap_or(100)
+        };
+        BudgetRow {
+            name,
+            used,
+            allowed,
+            percent,
+        }
+    }
+}
+
+/// Where a step's content came from, as a person reads it.
+fn step_source(step: &wor_store::RunStep) -> String {
+    match &step.step {
+        Step::ToolResult(result) => format!("tool {}", result.tool),
+        Step::ToolCall(call) => format!("the tool call of {}", call.tool),
+        Step::ApprovalUsed(used) => format!("the approval used of {}", used.tool),
+        Step::Input(input) => match input.source {
+            Some(source) => source.as_str().to_owned(),
+            None => "the run's input".to_owned(),
+        },
+        Step::Memory(_) => "memory".to_owned(),
+        Step::ModelTurn(_) => "the model".to_owned(),
+        Step::Outcome(_) => "the engine".to_owned(),
+    }
+}
+
+/// The first step of `steps` each untrusted source (as the policy names it, `tool:NAME`) came
+/// from, so the inbox can link to it.
+fn untrusted_step_of(steps: &[wor_store::RunStep], source: &str) -> Option<i64> {
+    steps
+        .iter()
+        .find(|s| {
+            wor_core::step::untrusted_source(&s.step, s.provenance).as_deref() == Some(source)
+        })
+        .map(|s| s.seq)
 }
 
 struct RunApprovalRow {
@@ -665,6 +749,14 @@ struct RunPage {
     input_tokens: u64,
     output_tokens: u64,
     cost_microdollars: u64,
+    /// The cost in US dollars, for reading.
+    cost_dollars: String,
+    budgets: Vec<BudgetRow>,
+    /// Whether this member may cancel the run now (it has not ended, nor been asked to).
+    can_cancel: bool,
+    cancel_requested: bool,
+    /// The run has not ended: the page follows it live.
+    active: bool,
     approvals: Vec<RunApprovalRow>,
     steps: Vec<StepRow>,
 }
@@ -680,7 +772,34 @@ pub async fn run(
         .map_err(|_| ConsoleError(ApiError::NotFound))?;
     let run = state.store.get_run(project, id).await?;
     let routine = state.store.get_routine(project, run.routine_id).await?;
+    let version = state
+        .store
+        .get_routine_version(project, run.routine_id, run.routine_version)
+        .await?;
+    let limits = &version.definition.budget;
     let steps = state.store.list_run_steps(project, run.id, 0).await?;
+    let end = run.finished_at.unwrap_or_else(wor_store::now_millis);
+    let wall_seconds = run
+        .started_at
+        .map(|started| (end - started - run.parked_ms).max(0) / 1000)
+        .unwrap_or(0);
+    let usage = &run.usage;
+    let budgets = vec![
+        BudgetRow::new("Model turns", usage.turns, limits.turns),
+        BudgetRow::new("Tool calls", usage.tool_calls, limits.tool_calls),
+        BudgetRow::new("Input tokens", usage.input_tokens, limits.input_tokens),
+        BudgetRow::new("Output tokens", usage.output_tokens, limits.output_tokens),
+        BudgetRow::new(
+            "Cost (µ$)",
+            usage.cost_microdollars,
+            limits.cost_microdollars,
+        ),
+        BudgetRow::new(
+            "Wall time (s)",
+            u64::try_from(wall_seconds).unwrap_or(0),
+            limits.wall_seconds,
+        ),
+    ];
     let approvals = state
         .store
         .list_approvals(
@@ -708,6 +827,17 @@ pub async fn run(
         input_tokens: run.usage.input_tokens,
         output_tokens: run.usage.output_tokens,
         cost_microdollars: run.usage.cost_microdollars,
+        cost_dollars: format!(
+            "{}.{:06}",
+            run.usage.cost_microdollars / 1_000_000,
+            run.usage.cost_microdollars % 1_000_000
+        ),
+        budgets,
+        can_cancel: !run.status.is_terminal()
+            && !run.cancel_requested
+            && member.session.role.can_operate_runs(),
+        cancel_requested: run.cancel_requested,
+        active: !run.status.is_terminal(),
         approvals: approvals
             .into_iter()
             .map(|a| RunApprovalRow {
@@ -719,6 +849,7 @@ pub async fn run(
         steps: steps
             .into_iter()
             .map(|step| StepRow {
+                source: step_source(&step),
                 seq: step.seq,
                 kind: step.step.kind().as_str().to_owned(),
                 provenance: step.provenance.as_str().to_owned(),

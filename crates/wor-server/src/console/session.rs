@@ -1,16 +1,15 @@
 //! Console sessions: the cookie, the signed-in member, and the CSRF check on every POST.
 //!
 //! The session token lives only in an `HttpOnly; SameSite=Strict; Path=/` cookie (`Secure`
-//! when the request came over TLS) and is stored as a digest. Each session has its own
-//! synchronizer token, which every console form carries in a hidden `csrf` field; before
-//! sign-in (the sign-in and invitation forms) the token is a random value in a cookie of its
-//! own, compared with the form's. [`csrf_gate`] checks every POST under `/console` before any
+//! when the operator's configuration says the console is served over HTTPS) and is stored as a
+//! digest. Each session has its own synchronizer token, which every console form carries in a
+//! hidden `csrf` field; the forms used before sign-in (sign-in and invitations) carry instead
+//! a random value in a cookie of their own, compared with the form's, whether or not the
+//! browser also has a session. [`csrf_gate`] checks every POST under `/console` before any
 //! handler runs, so a form added later is covered by default.
 
-use std::net::SocketAddr;
-
 use axum::body::Body;
-use axum::extract::{ConnectInfo, FromRequestParts, Request, State};
+use axum::extract::{FromRequestParts, Request, State};
 use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderValue, Method, header};
 use axum::middleware::Next;
@@ -19,7 +18,7 @@ use subtle::ConstantTimeEq;
 use wor_core::audit::Actor;
 use wor_store::ConsoleSessionRecord;
 
-use super::{ConsoleError, millis};
+use super::{ConsoleConfig, ConsoleError, millis};
 use crate::AppState;
 use crate::error::ApiError;
 
@@ -42,20 +41,10 @@ pub fn cookie<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
         .map(|(_, value)| value)
 }
 
-/// Whether the request reached us over TLS: directly, or through a proxy that says so. The
-/// header can only add `Secure` to a cookie, never remove it.
-fn over_tls(parts: &Parts) -> bool {
-    parts.uri.scheme_str() == Some("https")
-        || parts
-            .headers
-            .get("x-forwarded-proto")
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.eq_ignore_ascii_case("https"))
-}
-
-/// A `Set-Cookie` value: `HttpOnly; SameSite=Strict`, `Secure` over TLS; `max_age` 0 clears it.
+/// A `Set-Cookie` value: `HttpOnly; SameSite=Strict`, and `Secure` when the operator says the
+/// console is reached over HTTPS (never because a request says so); `max_age` 0 clears it.
 pub fn set_cookie(
-    parts: &Parts,
+    config: &ConsoleConfig,
     name: &str,
     value: &str,
     path: &str,
@@ -65,20 +54,11 @@ pub fn set_cookie(
     if let Some(seconds) = max_age {
         text.push_str(&format!("; Max-Age={seconds}"));
     }
-    if over_tls(parts) {
+    if config.secure_cookies {
         text.push_str("; Secure");
     }
     // Names and values are ours: fixed names and hex tokens.
     HeaderValue::from_str(&text).unwrap_or_else(|_| HeaderValue::from_static(""))
-}
-
-/// The client's address, for the per-address sign-in limit.
-pub fn client_address(parts: &Parts) -> String {
-    parts
-        .extensions
-        .get::<ConnectInfo<SocketAddr>>()
-        .map(|ConnectInfo(addr)| addr.ip().to_string())
-        .unwrap_or_else(|| "unknown".to_owned())
 }
 
 /// A member signed in to the console. The project is the session's, and only the session's.
@@ -172,8 +152,16 @@ fn csrf_refused() -> Response {
     .into_response()
 }
 
-/// Refuses every POST under `/console` whose `csrf` field does not match the session's token
-/// (or, with no session, the form cookie's), with 403, before any handler runs.
+/// Whether `path` (under `/console`) is a form used before sign-in, whose token is the form
+/// cookie's rather than a session's: a member may open an invitation while signed in.
+fn is_pre_session_form(path: &str) -> bool {
+    let path = path.strip_prefix("/console").unwrap_or(path);
+    path == "/sign-in" || path.starts_with("/invitations/")
+}
+
+/// Refuses every POST under `/console` whose `csrf` field does not match the expected token,
+/// with 403, before any handler runs: the form cookie's for the sign-in and invitation forms,
+/// the session's for every other form.
 pub async fn csrf_gate(State(state): State<AppState>, request: Request, next: Next) -> Response {
     if request.method() != Method::POST {
         return next.run(request).await;
@@ -200,9 +188,10 @@ pub async fn csrf_gate(State(state): State<AppState>, request: Request, next: Ne
         Ok(member) => member,
         Err(error) => return ConsoleError(error).into_response(),
     };
-    let expected = match &member {
-        Some(member) => Some(member.session.csrf_token.clone()),
-        None => cookie(&parts.headers, FORM_COOKIE).map(str::to_owned),
+    let expected = if is_pre_session_form(parts.uri.path()) {
+        cookie(&parts.headers, FORM_COOKIE).map(str::to_owned)
+    } else {
+        member.as_ref().map(|m| m.session.csrf_token.clone())
     };
     let matches = expected.is_some_and(|expected| {
         !expected.is_empty() && bool::from(expected.as_bytes().ct_eq(presented.as_bytes()))

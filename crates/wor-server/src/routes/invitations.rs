@@ -4,14 +4,15 @@ use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
 use serde_json::json;
-use wor_core::audit::{AuditCategory, AuditEvent};
+use wor_core::audit::{Actor, AuditCategory, AuditEvent};
+use wor_core::{ApiKeyId, ProjectId, Role};
 
 use crate::AppState;
 use crate::auth::Caller;
-use crate::console::millis;
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::ApiJson;
 use crate::routes::members::{check_name, parse_role};
+use crate::views::millis;
 use crate::views::{MemberView, rfc3339};
 
 #[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
@@ -44,10 +45,36 @@ pub async fn invite(
     caller: Caller,
     ApiJson(body): ApiJson<CreateInvitation>,
 ) -> Result<(StatusCode, Json<CreatedInvitation>), ApiError> {
-    caller.require_configure()?;
+    let created = invite_member(
+        &state,
+        caller.project_id,
+        caller.role,
+        caller.actor(),
+        Some(caller.key_id),
+        &body,
+    )
+    .await?;
+    Ok((StatusCode::CREATED, Json(created)))
+}
+
+/// Invites `body.name` (adding them with `body.role` if new) for a caller with `caller_role`
+/// in `project`, audited as `actor`: the API's and the console's one path. Nobody invites a
+/// member whose role they could not grant, and a refused invitation adds nobody.
+pub(crate) async fn invite_member(
+    state: &AppState,
+    project: ProjectId,
+    caller_role: Role,
+    actor: Actor,
+    key: Option<ApiKeyId>,
+    body: &CreateInvitation,
+) -> Result<CreatedInvitation, ApiError> {
+    if !caller_role.can_configure() {
+        return Err(ApiError::Forbidden(format!(
+            "role `{caller_role}` cannot change configuration; `admin` or `owner` is required"
+        )));
+    }
     check_name(&body.name, "member")?;
     let role = body.role.as_deref().map(parse_role).transpose()?;
-    let project = caller.project_id;
     let existing = state
         .store
         .list_members(project)
@@ -78,10 +105,10 @@ pub async fn invite(
                 )
             })?;
             // Checked before the member exists: a refused invitation leaves nothing behind.
-            if !caller.role.can_grant(role) {
+            if !caller_role.can_grant(role) {
                 return Err(ApiError::Forbidden(format!(
                     "role `{}` cannot invite a member with role `{role}`",
-                    caller.role
+                    caller_role
                 )));
             }
             (
@@ -91,17 +118,17 @@ pub async fn invite(
         }
     };
     // Inviting someone sets their password: never for a role the caller could not grant.
-    if !caller.role.can_grant(member.role) {
+    if !caller_role.can_grant(member.role) {
         return Err(ApiError::Forbidden(format!(
             "role `{}` cannot invite a member with role `{}`",
-            caller.role, member.role
+            caller_role, member.role
         )));
     }
     if new_member {
         state
             .audit
             .append(
-                AuditEvent::new(project, AuditCategory::MemberCreate, caller.actor())
+                AuditEvent::new(project, AuditCategory::MemberCreate, actor.clone())
                     .subject("member_id", member.id)
                     .payload(json!({ "name": member.name, "role": member.role })),
             )
@@ -112,27 +139,24 @@ pub async fn invite(
         .create_invitation(
             project,
             member.id,
-            Some(caller.key_id),
+            key,
             millis(state.console.invitation_ttl),
         )
         .await?;
     state
         .audit
         .append(
-            AuditEvent::new(project, AuditCategory::MemberInvite, caller.actor())
+            AuditEvent::new(project, AuditCategory::MemberInvite, actor.clone())
                 .subject("member_id", member.id)
                 .payload(json!({ "expires_at": rfc3339(expires_at) })),
         )
         .await?;
     tracing::info!(category = "config", action = "member.invite", project_id = %project,
-        member_id = %member.id, actor_key_id = %caller.key_id, "member invited to the console");
-    Ok((
-        StatusCode::CREATED,
-        Json(CreatedInvitation {
-            member: member.into(),
-            new_member,
-            path: format!("/console/invitations/{}", token.expose()),
-            expires_at: rfc3339(expires_at),
-        }),
-    ))
+        member_id = %member.id, "member invited to the console");
+    Ok(CreatedInvitation {
+        member: member.into(),
+        new_member,
+        path: format!("/console/invitations/{}", token.expose()),
+        expires_at: rfc3339(expires_at),
+    })
 }

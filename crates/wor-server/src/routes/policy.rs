@@ -2,7 +2,8 @@
 
 use axum::Json;
 use axum::extract::State;
-use wor_core::audit::{AuditCategory, AuditEvent};
+use wor_core::audit::{Actor, AuditCategory, AuditEvent};
+use wor_core::{ApiKeyId, ProjectId, Role};
 use wor_policy::{DEFAULT_PROJECT_POLICY, PolicyEngine};
 
 use crate::AppState;
@@ -31,8 +32,9 @@ pub struct SetPolicyBody {
     pub text: String,
 }
 
-async fn current(state: &AppState, caller: &Caller) -> Result<PolicyView, ApiError> {
-    Ok(match state.store.project_policy(caller.project_id).await? {
+/// The policy in force for `project`: the API's and the console's one reading.
+pub(crate) async fn current(state: &AppState, project: ProjectId) -> Result<PolicyView, ApiError> {
+    Ok(match state.store.project_policy(project).await? {
         Some(policy) => PolicyView {
             text: policy.text,
             is_default: false,
@@ -55,7 +57,7 @@ pub async fn get(
     State(state): State<AppState>,
     caller: Caller,
 ) -> Result<Json<PolicyView>, ApiError> {
-    Ok(Json(current(&state, &caller).await?))
+    Ok(Json(current(&state, caller.project_id).await?))
 }
 
 /// Replaces the project's policy; it is validated against the schema first, and an error names
@@ -68,23 +70,16 @@ pub async fn set(
     caller: Caller,
     ApiJson(body): ApiJson<SetPolicyBody>,
 ) -> Result<Json<PolicyView>, ApiError> {
-    caller.require_configure()?;
-    if body.text.len() > MAX_POLICY_BYTES {
-        return Err(ApiError::bad_request(
-            "invalid_policy",
-            "the policy is larger than 128 KiB",
-        ));
-    }
-    PolicyEngine::builder()
-        .project_policy(body.text.clone())
-        .build()
-        .map_err(|e| ApiError::bad_request("invalid_policy", e.to_string()))?;
-    state
-        .store
-        .set_project_policy(caller.project_id, Some(&body.text), Some(caller.key_id))
-        .await?;
-    audit(&state, &caller, Some(&body.text)).await?;
-    Ok(Json(current(&state, &caller).await?))
+    set_policy(
+        &state,
+        caller.project_id,
+        caller.role,
+        caller.actor(),
+        Some(caller.key_id),
+        Some(&body.text),
+    )
+    .await?;
+    Ok(Json(current(&state, caller.project_id).await?))
 }
 
 /// Goes back to the built-in default policy.
@@ -94,28 +89,57 @@ pub async fn reset(
     State(state): State<AppState>,
     caller: Caller,
 ) -> Result<Json<PolicyView>, ApiError> {
-    caller.require_configure()?;
-    state
-        .store
-        .set_project_policy(caller.project_id, None, Some(caller.key_id))
-        .await?;
-    audit(&state, &caller, None).await?;
-    Ok(Json(current(&state, &caller).await?))
+    set_policy(
+        &state,
+        caller.project_id,
+        caller.role,
+        caller.actor(),
+        Some(caller.key_id),
+        None,
+    )
+    .await?;
+    Ok(Json(current(&state, caller.project_id).await?))
 }
 
-async fn audit(state: &AppState, caller: &Caller, text: Option<&str>) -> Result<(), ApiError> {
+/// Sets `project`'s policy to `text` (validated against the schema first; an error names the
+/// line), or back to the built-in default with `None`, for a caller with `role`, audited as
+/// `actor`: the API's and the console's one path.
+pub(crate) async fn set_policy(
+    state: &AppState,
+    project: ProjectId,
+    role: Role,
+    actor: Actor,
+    key: Option<ApiKeyId>,
+    text: Option<&str>,
+) -> Result<(), ApiError> {
+    if !role.can_configure() {
+        return Err(ApiError::Forbidden(format!(
+            "role `{role}` cannot change configuration; `admin` or `owner` is required"
+        )));
+    }
+    if let Some(text) = text {
+        if text.len() > MAX_POLICY_BYTES {
+            return Err(ApiError::bad_request(
+                "invalid_policy",
+                "the policy is larger than 128 KiB",
+            ));
+        }
+        PolicyEngine::builder()
+            .project_policy(text.to_owned())
+            .build()
+            .map_err(|e| ApiError::bad_request("invalid_policy", e.to_string()))?;
+    }
+    state.store.set_project_policy(project, text, key).await?;
     state
         .audit
         .append(
-            AuditEvent::new(caller.project_id, AuditCategory::PolicySet, caller.actor()).payload(
-                serde_json::json!({
-                    "is_default": text.is_none(),
-                    "content_hash": text.map(|t| wor_core::canonical::sha256_hex(t.as_bytes())),
-                }),
-            ),
+            AuditEvent::new(project, AuditCategory::PolicySet, actor).payload(serde_json::json!({
+                "is_default": text.is_none(),
+                "content_hash": text.map(|t| wor_core::canonical::sha256_hex(t.as_bytes())),
+            })),
         )
         .await?;
-    tracing::info!(category = "config", action = "policy.set", project_id = %caller.project_id,
-        is_default = text.is_none(), actor_key_id = %caller.key_id, "project policy set");
+    tracing::info!(category = "config", action = "policy.set", project_id = %project,
+        is_default = text.is_none(), "project policy set");
     Ok(())
 }

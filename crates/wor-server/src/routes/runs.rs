@@ -8,9 +8,9 @@ use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use futures_util::Stream;
-use wor_core::audit::{AuditCategory, AuditEvent};
+use wor_core::audit::{Actor, AuditCategory, AuditEvent};
 use wor_core::run::RunStatus;
-use wor_core::{ProjectId, RoutineId, RunId};
+use wor_core::{ProjectId, Role, RoutineId, RunId};
 use wor_engine::{StartRun, Trigger};
 use wor_store::{RunFilter, RunRecord, RunStep, Store};
 
@@ -200,6 +200,7 @@ pub async fn list(
             .map_err(|e| ApiError::bad_request("invalid_status", e.to_string()))?,
         before: query_id(query.before.as_deref())?,
         limit: page_limit(query.limit)?,
+        ..RunFilter::default()
     };
     let runs = state.store.list_runs(caller.project_id, &filter).await?;
     Ok(Json(runs.into_iter().map(Into::into).collect()))
@@ -268,26 +269,38 @@ pub async fn cancel(
     caller: Caller,
     ApiPath(id): ApiPath<RunId>,
 ) -> Result<Json<RunView>, ApiError> {
-    state.store.get_run(caller.project_id, id).await?;
-    if !caller.role.can_operate_runs() {
+    let run = cancel_run(&state, caller.project_id, caller.role, caller.actor(), id).await?;
+    tracing::info!(category = "run", action = "run.cancel", project_id = %caller.project_id, run_id = %id,
+        actor_key_id = %caller.key_id, "run cancel requested");
+    Ok(Json(run.into()))
+}
+
+/// Asks run `id` of `project` to stop, for a caller with `role`, and audits it as `actor`: the
+/// API's and the console's one path. Another project's run is not found, before the role check.
+pub(crate) async fn cancel_run(
+    state: &AppState,
+    project: ProjectId,
+    role: Role,
+    actor: Actor,
+    id: RunId,
+) -> Result<RunRecord, ApiError> {
+    state.store.get_run(project, id).await?;
+    if !role.can_operate_runs() {
         return Err(ApiError::Forbidden(format!(
-            "role `{}` cannot cancel runs",
-            caller.role
+            "role `{role}` cannot cancel runs"
         )));
     }
-    let run = state.store.request_cancel(caller.project_id, id).await?;
+    let run = state.store.request_cancel(project, id).await?;
     state
         .audit
         .append(
-            AuditEvent::new(caller.project_id, AuditCategory::RunCancel, caller.actor())
+            AuditEvent::new(project, AuditCategory::RunCancel, actor)
                 .subject("run_id", id)
                 .runs(run.root_run_id, run.parent_run_id)
                 .payload(serde_json::json!({ "status": run.status.as_str() })),
         )
         .await?;
-    tracing::info!(category = "run", action = "run.cancel", project_id = %caller.project_id, run_id = %id,
-        actor_key_id = %caller.key_id, "run cancel requested");
-    Ok(Json(run.into()))
+    Ok(run)
 }
 
 /// The run's steps as server-sent events (`event: step`), then `event: end` with the run once

@@ -548,35 +548,55 @@ pub async fn enable(
     ApiPath(id): ApiPath<ConnectionId>,
     ApiJson(body): ApiJson<EnableToolConnection>,
 ) -> Result<Json<ToolConnectionView>, ApiError> {
-    let before = state
-        .store
-        .get_tool_connection(caller.project_id, id)
-        .await?;
-    caller.require_configure()?;
-    let record = state
-        .engine
-        .enable_tool_connection(caller.project_id, id, &body.tools, &body.read_only)
-        .await?;
-    state
-        .audit
-        .append(
-            AuditEvent::new(
-                caller.project_id,
-                AuditCategory::ToolConnectionEnable,
-                caller.actor(),
-            )
-            .subject("connection_id", id)
-            .payload(serde_json::json!({
-                "previous_status": before.status,
-                "pinned": body.tools,
-                "read_only": body.read_only,
-            })),
-        )
-        .await?;
+    let record = enable_connection(
+        &state,
+        caller.project_id,
+        caller.role,
+        caller.actor(),
+        id,
+        &body,
+    )
+    .await?;
     tracing::info!(category = "config", action = "connection.enable", project_id = %caller.project_id,
         connection_id = %id, actor_key_id = %caller.key_id, tools = record.pinned_tools.len(),
         "tool connection enabled");
     Ok(Json(view(&state, record).await?))
+}
+
+/// Pins exactly `body.tools`, classifies them and enables connection `id` of `project`, for a
+/// caller with `role`, audited as `actor`: the API's and the console's one path. Another
+/// project's connection is not found, before the role check.
+pub(crate) async fn enable_connection(
+    state: &AppState,
+    project: wor_core::ProjectId,
+    role: wor_core::Role,
+    actor: wor_core::audit::Actor,
+    id: ConnectionId,
+    body: &EnableToolConnection,
+) -> Result<ToolConnectionRecord, ApiError> {
+    let before = state.store.get_tool_connection(project, id).await?;
+    if !role.can_configure() {
+        return Err(ApiError::Forbidden(format!(
+            "role `{role}` cannot change configuration; `admin` or `owner` is required"
+        )));
+    }
+    let record = state
+        .engine
+        .enable_tool_connection(project, id, &body.tools, &body.read_only)
+        .await?;
+    state
+        .audit
+        .append(
+            AuditEvent::new(project, AuditCategory::ToolConnectionEnable, actor)
+                .subject("connection_id", id)
+                .payload(serde_json::json!({
+                    "previous_status": before.status,
+                    "pinned": body.tools,
+                    "read_only": body.read_only,
+                })),
+        )
+        .await?;
+    Ok(record)
 }
 
 /// Disables the connection: runs that need it fail closed. Its pins are kept.

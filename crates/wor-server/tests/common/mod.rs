@@ -44,6 +44,18 @@ impl Harness {
 
     /// A harness whose engine runs with `config`.
     pub async fn with_config(config: wor_engine::EngineConfig) -> Self {
+        Self::with_configs(config, wor_server::console::ConsoleConfig::default()).await
+    }
+
+    /// A harness whose web console has the settings `console`.
+    pub async fn with_console(console: wor_server::console::ConsoleConfig) -> Self {
+        Self::with_configs(wor_engine::EngineConfig::default(), console).await
+    }
+
+    async fn with_configs(
+        config: wor_engine::EngineConfig,
+        console: wor_server::console::ConsoleConfig,
+    ) -> Self {
         // A database of its own: the worker claims any queued run, so a shared PostgreSQL
         // database would let it drive (or be beaten to) other tests' runs.
         let db = TestDatabase::isolated().await.unwrap();
@@ -58,7 +70,7 @@ impl Harness {
             audit.clone(),
             config,
         );
-        let state = AppState::new(engine);
+        let state = AppState::new(engine).with_console(console);
         let engine = state.engine.clone();
         let project = db
             .store

@@ -1,0 +1,232 @@
+//! Tool connections: the list, and a connection's page where an admin reviews the live tools
+//! (through the engine's review, which connects through the egress client), classifies each
+//! read-only or consequential and enables exactly what was reviewed; for a quarantined
+//! connection the page shows the diff between the pinned and the offered definitions, and
+//! re-approving pins the offered ones. Enabling is the API's `enable_connection`.
+
+use std::collections::BTreeMap;
+
+use askama::Template;
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Redirect};
+use wor_core::ConnectionId;
+use wor_core::call::ToolClass;
+use wor_store::ToolConnectionStatus;
+
+use super::pages::{Banner, PageResult};
+use super::session::ConsoleMember;
+use super::{ConsoleError, render};
+use crate::AppState;
+use crate::error::ApiError;
+use crate::routes::tool_connections::{EnableToolConnection, enable_connection};
+use crate::views::rfc3339;
+
+struct ConnectionRow {
+    id: String,
+    name: String,
+    kind: String,
+    status: String,
+    pinned: usize,
+    updated_at: String,
+}
+
+#[derive(Template)]
+#[template(path = "console/connections.html")]
+struct ConnectionsPage {
+    banner: Banner,
+    connections: Vec<ConnectionRow>,
+}
+
+pub async fn list(State(state): State<AppState>, member: ConsoleMember) -> PageResult {
+    let connections = state
+        .store
+        .list_tool_connections(member.session.project_id)
+        .await?
+        .into_iter()
+        .map(|c| ConnectionRow {
+            id: c.id.to_string(),
+            name: c.name,
+            kind: c.kind.as_str().to_owned(),
+            status: c.status.as_str().to_owned(),
+            pinned: c.pinned_tools.len(),
+            updated_at: rfc3339(c.updated_at),
+        })
+        .collect();
+    Ok(render(
+        StatusCode::OK,
+        &ConnectionsPage {
+            banner: (&member).into(),
+            connections,
+        },
+    ))
+}
+
+/// A tool as the review shows it, all as text.
+struct ToolRow {
+    name: String,
+    description: String,
+    input_schema: String,
+    annotations: String,
+    hash: String,
+    read_only: bool,
+    /// The field value that pins it: `HASH:NAME`.
+    pin: String,
+}
+
+struct PinnedRow {
+    name: String,
+    class: &'static str,
+}
+
+struct DiffView {
+    changed: Vec<String>,
+    added: Vec<String>,
+    removed: Vec<String>,
+    text: String,
+}
+
+#[derive(Template)]
+#[template(path = "console/connection.html")]
+struct ConnectionPage {
+    banner: Banner,
+    id: String,
+    name: String,
+    kind: String,
+    url: String,
+    status: String,
+    pinned: Vec<PinnedRow>,
+    /// The live tools, for a member who may configure; `None` for everyone else.
+    review: Option<Vec<ToolRow>>,
+    diff: Option<DiffView>,
+    quarantined: bool,
+}
+
+fn class_name(class: ToolClass) -> &'static str {
+    match class {
+        ToolClass::ReadOnly => "read-only",
+        ToolClass::Consequential => "consequential",
+    }
+}
+
+fn pretty(value: &serde_json::Value) -> String {
+    serde_json::to_string_pretty(value).unwrap_or_default()
+}
+
+pub async fn show(
+    State(state): State<AppState>,
+    member: ConsoleMember,
+    Path(connection_id): Path<String>,
+) -> PageResult {
+    let project = member.session.project_id;
+    let id: ConnectionId = connection_id
+        .parse()
+        .map_err(|_| ConsoleError(ApiError::NotFound))?;
+    let record = state.store.get_tool_connection(project, id).await?;
+    let (review, diff) = if member.session.role.can_configure() {
+        let review = state.engine.review_tool_connection(project, id).await?;
+        let tools = review
+            .tools
+            .into_iter()
+            .map(|tool| ToolRow {
+                read_only: record.class_of(&tool.name) == ToolClass::ReadOnly,
+                pin: format!("{}:{}", tool.hash, tool.name),
+                description: tool.description.unwrap_or_default(),
+                input_schema: pretty(&tool.input_schema),
+                annotations: tool.annotations.as_ref().map(pretty).unwrap_or_default(),
+                name: tool.name,
+                hash: tool.hash,
+            })
+            .collect();
+        let diff = review
+            .diff
+            .filter(|d| !(d.changed.is_empty() && d.added.is_empty() && d.removed.is_empty()))
+            .map(|d| DiffView {
+                changed: d.changed,
+                added: d.added,
+                removed: d.removed,
+                text: d.text,
+            });
+        (Some(tools), diff)
+    } else {
+        (None, None)
+    };
+    let page = ConnectionPage {
+        banner: (&member).into(),
+        id: record.id.to_string(),
+        name: record.name.clone(),
+        kind: record.kind.as_str().to_owned(),
+        url: record.url.clone(),
+        status: record.status.as_str().to_owned(),
+        quarantined: record.status == ToolConnectionStatus::Quarantined,
+        pinned: record
+            .pinned_tools
+            .keys()
+            .map(|name| PinnedRow {
+                class: class_name(record.class_of(name)),
+                name: name.clone(),
+            })
+            .collect(),
+        review,
+        diff,
+    };
+    Ok(render(StatusCode::OK, &page))
+}
+
+/// The enable form: `pin` fields (`HASH:NAME`, one per reviewed tool) and `read_only` fields
+/// (tool names). Repeated fields are why this reads the body itself.
+fn enable_body(bytes: &[u8]) -> Result<EnableToolConnection, ConsoleError> {
+    let mut tools = BTreeMap::new();
+    let mut read_only = Vec::new();
+    for (key, value) in url::form_urlencoded::parse(bytes) {
+        match key.as_ref() {
+            "pin" => {
+                let (hash, name) = value.split_once(':').ok_or_else(|| {
+                    ConsoleError(ApiError::bad_request(
+                        "invalid_form",
+                        "a `pin` field is `HASH:NAME`",
+                    ))
+                })?;
+                tools.insert(name.to_owned(), hash.to_owned());
+            }
+            "read_only" => read_only.push(value.into_owned()),
+            "csrf" => {}
+            other => {
+                return Err(ConsoleError(ApiError::bad_request(
+                    "invalid_form",
+                    format!(
+                        "unknown field `{}`",
+                        other.chars().take(40).collect::<String>()
+                    ),
+                )));
+            }
+        }
+    }
+    Ok(EnableToolConnection { tools, read_only })
+}
+
+pub async fn enable(
+    State(state): State<AppState>,
+    member: ConsoleMember,
+    Path(connection_id): Path<String>,
+    body: Bytes,
+) -> PageResult {
+    let id: ConnectionId = connection_id
+        .parse()
+        .map_err(|_| ConsoleError(ApiError::NotFound))?;
+    let body = enable_body(&body)?;
+    let record = enable_connection(
+        &state,
+        member.session.project_id,
+        member.session.role,
+        member.actor(),
+        id,
+        &body,
+    )
+    .await?;
+    tracing::info!(category = "config", action = "connection.enable", project_id = %member.session.project_id,
+        connection_id = %id, member_id = %member.session.member_id, tools = record.pinned_tools.len(),
+        "tool connection enabled in the console");
+    Ok(Redirect::to(&format!("/console/connections/{id}")).into_response())
+}

@@ -1,0 +1,87 @@
+// The console's only script, served from the binary. Pages work without it: it adds live
+// updates (server-sent events) to the approvals inbox and an active run's page, and keyboard
+// shortcuts on the inbox (j/k move between held calls, a/d approve or deny with the reason).
+'use strict';
+
+(function () {
+  const main = document.querySelector('main');
+  if (!main) return;
+
+  // Replaces the page's content with a fresh rendering of the same page, unless the person is
+  // typing in it: then a notice offers the reload instead.
+  async function refresh() {
+    const typing = Array.from(main.querySelectorAll('input[type=text], textarea')).some(
+      (field) => field.value !== '' || field === document.activeElement,
+    );
+    if (typing) {
+      let notice = document.getElementById('live-notice');
+      if (!notice) {
+        notice = document.createElement('p');
+        notice.id = 'live-notice';
+        notice.className = 'notice';
+        notice.setAttribute('role', 'status');
+        notice.textContent = 'This page has changed. Reload it to see the changes.';
+        main.prepend(notice);
+      }
+      return;
+    }
+    const response = await fetch(window.location.href, { credentials: 'same-origin' });
+    if (!response.ok) return;
+    const fresh = new DOMParser().parseFromString(await response.text(), 'text/html').querySelector('main');
+    if (fresh) main.replaceChildren(...fresh.childNodes);
+  }
+
+  const live = main.dataset.live;
+  if (live && window.EventSource) {
+    const source = new EventSource(live);
+    source.addEventListener('changed', () => refresh());
+    source.addEventListener('end', () => {
+      source.close();
+      refresh();
+    });
+  }
+
+  if (!main.classList.contains('inbox')) return;
+  let current = -1;
+  const cards = () => Array.from(main.querySelectorAll('section.card'));
+  function focusCard(index) {
+    const all = cards();
+    if (all.length === 0) return;
+    current = Math.max(0, Math.min(index, all.length - 1));
+    all[current].focus();
+  }
+  function decide(verdict) {
+    const card = cards()[current];
+    const form = card && card.querySelector('form.decide');
+    if (!form) return;
+    const reason = form.querySelector('input[name=reason]');
+    form.dataset.intent = verdict;
+    if (reason.value.trim() === '') {
+      reason.focus();
+      return;
+    }
+    form.querySelector(verdict === 'deny' ? 'button.deny' : 'button.approve').click();
+  }
+  document.addEventListener('keydown', (event) => {
+    const target = event.target;
+    if (target instanceof HTMLInputElement && target.name === 'reason' && event.key === 'Enter') {
+      // Enter in a reason field carries out the decision its card's shortcut chose.
+      const form = target.form;
+      if (form && form.dataset.intent === 'deny' && target.value.trim() !== '') {
+        event.preventDefault();
+        form.querySelector('button.deny').click();
+      }
+      return;
+    }
+    if (event.ctrlKey || event.metaKey || event.altKey) return;
+    if (target instanceof HTMLInputElement || target instanceof HTMLTextAreaElement || target instanceof HTMLSelectElement) return;
+    const active = cards().indexOf(document.activeElement);
+    if (active >= 0) current = active;
+    if (event.key === 'j') focusCard(current + 1);
+    else if (event.key === 'k') focusCard(current - 1);
+    else if (event.key === 'a') decide('approve');
+    else if (event.key === 'd') decide('deny');
+    else return;
+    event.preventDefault();
+  });
+})();
