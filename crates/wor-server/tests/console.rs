@@ -1982,3 +1982,68 @@ async fn the_inbox_and_an_active_run_send_live_change_events() {
     let page = olga.get(&format!("/console/runs/{run}/events")).await;
     assert_eq!(page.status, StatusCode::NOT_FOUND);
 }
+
+#[tokio::test]
+async fn a_key_made_in_the_console_is_shown_once_and_keeps_the_apis_role_rules() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    let mut cho = signed_in(&h, addr, "cho", Some("viewer")).await;
+    let page = cho.get("/console/keys").await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    assert!(
+        !page.body.contains("Service key"),
+        "a viewer makes personal keys only"
+    );
+    let csrf = page.csrf();
+    for (form, status) in [
+        (
+            vec![("name", "mine"), ("role", "admin")],
+            StatusCode::FORBIDDEN,
+        ),
+        (
+            vec![("name", "bot"), ("role", "viewer"), ("service", "on")],
+            StatusCode::FORBIDDEN,
+        ),
+        (
+            vec![("name", " padded "), ("role", "viewer")],
+            StatusCode::BAD_REQUEST,
+        ),
+    ] {
+        let mut fields = vec![("csrf", csrf.as_str())];
+        fields.extend(form.iter().copied());
+        let page = cho.post("/console/keys", &fields).await;
+        assert_eq!(page.status, status, "{form:?}: {}", page.body);
+    }
+    let page = cho
+        .post(
+            "/console/keys",
+            &[("csrf", &csrf), ("name", "laptop"), ("role", "viewer")],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::CREATED, "{}", page.body);
+    let start = page.body.find("class=\"data created-key\">").unwrap() + 25;
+    let secret = page.body[start..start + page.body[start..].find('<').unwrap()].to_owned();
+    assert!(secret.starts_with("wor_"), "{secret}");
+    let (status, whoami, _) = h.call_as(&secret, Method::GET, "/v1/whoami", None).await;
+    assert_eq!(status, StatusCode::OK, "{whoami}");
+    assert_eq!(whoami["role"], "viewer");
+    let page = cho.get("/console/keys").await;
+    assert!(page.body.contains("laptop"));
+    assert!(!page.body.contains(&secret), "shown once");
+
+    let mut eve = signed_in(&h, addr, "eve", Some("admin")).await;
+    let csrf = eve.get("/console/keys").await.csrf();
+    let page = eve
+        .post(
+            "/console/keys",
+            &[
+                ("csrf", &csrf),
+                ("name", "deployer"),
+                ("role", "approver"),
+                ("service", "on"),
+            ],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::CREATED, "{}", page.body);
+    assert!(h.audit_text().await.contains("key.create"));
+}
