@@ -1606,10 +1606,25 @@ async fn an_admin_reviews_classifies_and_enables_a_connection_and_reapproves_a_q
     let page_path = format!("/console/connections/{id}");
     let enable_path = format!("{page_path}/enable");
 
-    // A viewer sees the connection but no review and cannot enable it.
+    let (status, model) = h
+        .call(
+            Method::POST,
+            "/v1/model-connections",
+            Some(json!({"name": "main-model", "provider": "anthropic",
+                "base_url": "https://api.example.com", "api_key": "sk-console-canary-123456"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{model}");
+
+    // A viewer sees the connections but no review and cannot enable one.
     let mut cho = signed_in(&h, addr, "cho", Some("viewer")).await;
     let page = cho.get("/console/connections").await;
     assert!(page.body.contains("pending_review"), "{}", page.body);
+    assert!(page.body.contains("main-model") && page.body.contains("anthropic"));
+    assert!(
+        !page.body.contains("sk-console-canary"),
+        "a model key is never shown"
+    );
     let page = cho.get(&page_path).await;
     assert_eq!(page.status, StatusCode::OK);
     assert!(!page.body.contains("name=\"pin\""));
