@@ -1606,10 +1606,25 @@ async fn an_admin_reviews_classifies_and_enables_a_connection_and_reapproves_a_q
     let page_path = format!("/console/connections/{id}");
     let enable_path = format!("{page_path}/enable");
 
-    // A viewer sees the connection but no review and cannot enable it.
+    let (status, model) = h
+        .call(
+            Method::POST,
+            "/v1/model-connections",
+            Some(json!({"name": "main-model", "provider": "anthropic",
+                "base_url": "https://api.example.com", "api_key": "sk-console-canary-123456"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{model}");
+
+    // A viewer sees the connections but no review and cannot enable one.
     let mut cho = signed_in(&h, addr, "cho", Some("viewer")).await;
     let page = cho.get("/console/connections").await;
     assert!(page.body.contains("pending_review"), "{}", page.body);
+    assert!(page.body.contains("main-model") && page.body.contains("anthropic"));
+    assert!(
+        !page.body.contains("sk-console-canary"),
+        "a model key is never shown"
+    );
     let page = cho.get(&page_path).await;
     assert_eq!(page.status, StatusCode::OK);
     assert!(!page.body.contains("name=\"pin\""));
@@ -1981,4 +1996,69 @@ async fn the_inbox_and_an_active_run_send_live_change_events() {
         .await;
     let page = olga.get(&format!("/console/runs/{run}/events")).await;
     assert_eq!(page.status, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn a_key_made_in_the_console_is_shown_once_and_keeps_the_apis_role_rules() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    let mut cho = signed_in(&h, addr, "cho", Some("viewer")).await;
+    let page = cho.get("/console/keys").await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    assert!(
+        !page.body.contains("Service key"),
+        "a viewer makes personal keys only"
+    );
+    let csrf = page.csrf();
+    for (form, status) in [
+        (
+            vec![("name", "mine"), ("role", "admin")],
+            StatusCode::FORBIDDEN,
+        ),
+        (
+            vec![("name", "bot"), ("role", "viewer"), ("service", "on")],
+            StatusCode::FORBIDDEN,
+        ),
+        (
+            vec![("name", " padded "), ("role", "viewer")],
+            StatusCode::BAD_REQUEST,
+        ),
+    ] {
+        let mut fields = vec![("csrf", csrf.as_str())];
+        fields.extend(form.iter().copied());
+        let page = cho.post("/console/keys", &fields).await;
+        assert_eq!(page.status, status, "{form:?}: {}", page.body);
+    }
+    let page = cho
+        .post(
+            "/console/keys",
+            &[("csrf", &csrf), ("name", "laptop"), ("role", "viewer")],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::CREATED, "{}", page.body);
+    let start = page.body.find("class=\"data created-key\">").unwrap() + 25;
+    let secret = page.body[start..start + page.body[start..].find('<').unwrap()].to_owned();
+    assert!(secret.starts_with("wor_"), "{secret}");
+    let (status, whoami, _) = h.call_as(&secret, Method::GET, "/v1/whoami", None).await;
+    assert_eq!(status, StatusCode::OK, "{whoami}");
+    assert_eq!(whoami["role"], "viewer");
+    let page = cho.get("/console/keys").await;
+    assert!(page.body.contains("laptop"));
+    assert!(!page.body.contains(&secret), "shown once");
+
+    let mut eve = signed_in(&h, addr, "eve", Some("admin")).await;
+    let csrf = eve.get("/console/keys").await.csrf();
+    let page = eve
+        .post(
+            "/console/keys",
+            &[
+                ("csrf", &csrf),
+                ("name", "deployer"),
+                ("role", "approver"),
+                ("service", "on"),
+            ],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::CREATED, "{}", page.body);
+    assert!(h.audit_text().await.contains("key.create"));
 }

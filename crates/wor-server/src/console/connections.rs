@@ -32,11 +32,21 @@ struct ConnectionRow {
     updated_at: String,
 }
 
+/// A model connection as listed: never its key.
+struct ModelRow {
+    name: String,
+    provider: &'static str,
+    base_url: String,
+    active: bool,
+    updated_at: String,
+}
+
 #[derive(Template)]
 #[template(path = "console/connections.html")]
 struct ConnectionsPage {
     banner: Banner,
     connections: Vec<ConnectionRow>,
+    models: Vec<ModelRow>,
 }
 
 pub async fn list(State(state): State<AppState>, member: ConsoleMember) -> PageResult {
@@ -54,11 +64,25 @@ pub async fn list(State(state): State<AppState>, member: ConsoleMember) -> PageR
             updated_at: rfc3339(c.updated_at),
         })
         .collect();
+    let models = state
+        .store
+        .list_model_connections(member.session.project_id)
+        .await?
+        .into_iter()
+        .map(|m| ModelRow {
+            name: m.name,
+            provider: m.provider.as_str(),
+            base_url: m.base_url,
+            active: m.status == wor_store::ConnectionStatus::Active,
+            updated_at: rfc3339(m.updated_at),
+        })
+        .collect();
     Ok(render(
         StatusCode::OK,
         &ConnectionsPage {
             banner: (&member).into(),
             connections,
+            models,
         },
     ))
 }

@@ -12,6 +12,7 @@
 mod account;
 mod client;
 mod connections;
+mod keys;
 mod live;
 mod members;
 mod pages;
@@ -123,6 +124,7 @@ pub fn router(state: AppState) -> Router<AppState> {
             "/connections/{connection_id}/enable",
             post(connections::enable),
         )
+        .route("/keys", get(keys::list).post(keys::create))
         .route("/members", get(members::list))
         .route("/members/invite", post(members::invite))
         .route("/policy", get(project::policy).post(project::set))

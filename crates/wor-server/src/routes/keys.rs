@@ -4,8 +4,8 @@ use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
 use serde_json::json;
-use wor_core::ApiKeyId;
-use wor_core::audit::{AuditCategory, AuditEvent};
+use wor_core::audit::{Actor, AuditCategory, AuditEvent};
+use wor_core::{ApiKeyId, MemberId, ProjectId, Role};
 use wor_store::{ApiKeyKind, NewApiKey};
 
 use crate::AppState;
@@ -48,23 +48,57 @@ pub async fn create_key(
     caller: Caller,
     ApiJson(body): ApiJson<CreateApiKey>,
 ) -> Result<(StatusCode, Json<CreatedApiKey>), ApiError> {
+    let created = create_api_key(
+        &state,
+        caller.project_id,
+        caller.role,
+        caller.member_id,
+        caller.actor(),
+        Some(caller.key_id),
+        &body,
+    )
+    .await?;
+    Ok((StatusCode::CREATED, Json(created)))
+}
+
+/// Creates a key for a caller with `caller_role` (and `member`, for a personal key) in
+/// `project`, audited as `actor`, and returns it once: the API's and the console's one path.
+/// A service key needs an admin and a role they could grant; a personal key never exceeds
+/// the caller's role.
+pub(crate) async fn create_api_key(
+    state: &AppState,
+    project: ProjectId,
+    caller_role: Role,
+    member: Option<MemberId>,
+    actor: Actor,
+    created_by: Option<ApiKeyId>,
+    body: &CreateApiKey,
+) -> Result<CreatedApiKey, ApiError> {
     check_name(&body.name, "key")?;
     let role = parse_role(&body.role)?;
     let kind = if body.service {
-        caller.require_configure()?;
-        if !caller.role.can_grant(role) {
+        if !caller_role.can_configure() {
+            return Err(ApiError::Forbidden(format!(
+                "role `{caller_role}` cannot change configuration; `admin` or `owner` is required"
+            )));
+        }
+        if !caller_role.can_grant(role) {
             return Err(ApiError::Forbidden(format!(
                 "role `{}` cannot grant role `{role}`",
-                caller.role
+                caller_role
             )));
         }
         ApiKeyKind::Service
     } else {
-        let member = caller.require_member("create a personal key")?;
-        if !caller.role.includes(role) {
+        let member = member.ok_or_else(|| {
+            ApiError::Forbidden(
+                "a service key cannot create a personal key; use a member's key".to_owned(),
+            )
+        })?;
+        if !caller_role.includes(role) {
             return Err(ApiError::Forbidden(format!(
                 "a key with role `{}` cannot create a key with role `{role}`",
-                caller.role
+                caller_role
             )));
         }
         ApiKeyKind::Personal(member)
@@ -72,31 +106,28 @@ pub async fn create_key(
     let (record, key) = state
         .store
         .create_api_key(
-            caller.project_id,
+            project,
             NewApiKey {
-                name: body.name,
+                name: body.name.clone(),
                 role,
                 kind,
-                created_by: Some(caller.key_id),
+                created_by,
             },
         )
         .await?;
-    let mut event = AuditEvent::new(caller.project_id, AuditCategory::KeyCreate, caller.actor())
+    let mut event = AuditEvent::new(project, AuditCategory::KeyCreate, actor)
         .subject("key_id", record.id)
         .payload(json!({ "name": record.name, "role": record.role, "service": record.service }));
     if let Some(member) = record.member_id {
         event = event.subject("member_id", member);
     }
     state.audit.append(event).await?;
-    tracing::info!(category = "config", action = "key.create", project_id = %caller.project_id,
-        key_id = %record.id, actor_key_id = %caller.key_id, "api key created");
-    Ok((
-        StatusCode::CREATED,
-        Json(CreatedApiKey {
-            key: record.into(),
-            api_key: key.expose().to_owned(),
-        }),
-    ))
+    tracing::info!(category = "config", action = "key.create", project_id = %project,
+        key_id = %record.id, "api key created");
+    Ok(CreatedApiKey {
+        key: record.into(),
+        api_key: key.expose().to_owned(),
+    })
 }
 
 /// One key's metadata.

@@ -526,6 +526,16 @@ test('a policy that does not validate is refused with its line, and the audit lo
   await page.waitForURL(/\/console\/audit$/);
   assert.match(await page.locator('.verification').innerText(), /Chain verification: Intact/);
   await accessible(page, 'audit');
+  await page.getByRole('link', { name: 'Members' }).click();
+  await page.waitForURL(/\/console\/members$/);
+  await accessible(page, 'members');
+  await page.getByRole('link', { name: 'Keys' }).click();
+  await page.waitForURL(/\/console\/keys$/);
+  await page.getByLabel('Name').fill('jo-laptop');
+  await page.getByRole('button', { name: 'Create key' }).click();
+  await page.waitForLoadState();
+  assert.match(await page.locator('pre.created-key').innerText(), /^wor_[0-9a-f]+$/);
+  await accessible(page, 'keys');
   await page.context().close();
 });
 
