@@ -95,6 +95,14 @@ pub enum AuditCategory {
     ConsoleSignInFailure,
     /// A member signed out of the console.
     ConsoleSignOut,
+    /// A notification route was made.
+    NotificationRouteCreate,
+    /// A notification route was deleted.
+    NotificationRouteDelete,
+    /// A member linked a Slack identity from a console session.
+    SlackIdentityLink,
+    /// A Slack user pressed Approve or Deny: what came of it, decided or refused.
+    SlackInteraction,
 }
 
 impl AuditCategory {
@@ -129,6 +137,10 @@ impl AuditCategory {
             AuditCategory::ConsoleSignIn => "console.sign_in",
             AuditCategory::ConsoleSignInFailure => "console.sign_in_failure",
             AuditCategory::ConsoleSignOut => "console.sign_out",
+            AuditCategory::NotificationRouteCreate => "notification_route.create",
+            AuditCategory::NotificationRouteDelete => "notification_route.delete",
+            AuditCategory::SlackIdentityLink => "slack.link",
+            AuditCategory::SlackInteraction => "slack.interaction",
         }
     }
 }

@@ -119,6 +119,8 @@ typed_id!(/// A model or tool connection.
     ConnectionId, "con", "a connection");
 typed_id!(/// An approval request.
     ApprovalId, "apr", "an approval");
+typed_id!(/// A notification route: where approval requests are sent.
+    NotificationRouteId, "ntf", "a notification route");
 
 /// A fresh id for one HTTP request, for correlating its log line with its response.
 pub fn request_id() -> String {

@@ -20,5 +20,8 @@ pub mod run_loop;
 pub mod schedule;
 pub mod text;
 
-pub use ids::{ApiKeyId, ApprovalId, ConnectionId, IdError, MemberId, ProjectId, RoutineId, RunId};
+pub use ids::{
+    ApiKeyId, ApprovalId, ConnectionId, IdError, MemberId, NotificationRouteId, ProjectId,
+    RoutineId, RunId,
+};
 pub use role::{Role, RoleParseError};

@@ -149,6 +149,12 @@ const MIGRATIONS: &[SchemaMigration] = &[
         sqlite: include_str!("../migrations/0017_console.sql"),
         postgres: include_str!("../migrations/0017_console.sql"),
     },
+    SchemaMigration {
+        version: 20,
+        description: "notifications",
+        sqlite: include_str!("../migrations/0020_notifications.sql"),
+        postgres: include_str!("../migrations/0020_notifications.sql"),
+    },
 ];
 
 pub(crate) async fn apply(store: &Store) -> Result<(), StoreError> {
