@@ -12,6 +12,7 @@
 mod pages;
 pub mod password;
 pub mod session;
+mod slack_link;
 
 use std::time::Duration;
 
@@ -93,6 +94,10 @@ pub fn router(state: AppState) -> Router<AppState> {
         .route("/approvals", get(pages::approvals))
         .route("/approvals/{approval_id}/{verdict}", post(pages::decide))
         .route("/runs/{run_id}", get(pages::run))
+        .route(
+            "/slack/link/{token}",
+            get(slack_link::link_page).post(slack_link::link),
+        )
         .route("/static/console.css", get(stylesheet))
         .fallback(|| async { ConsoleError(ApiError::NotFound) })
         .layer(axum::middleware::from_fn_with_state(
