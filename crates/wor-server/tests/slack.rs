@@ -639,7 +639,7 @@ async fn slack_decides_through_the_engine_and_every_message_follows_the_approval
 }
 
 #[tokio::test]
-async fn an_expired_approval_says_so_and_a_deleted_route_sends_nothing_more() {
+async fn the_outbox_survives_a_restart_an_expiry_says_so_and_a_deleted_route_sends_nothing_more() {
     let h = Harness::with_config(wor_engine::EngineConfig {
         approval_ttl: Duration::from_millis(300),
         ..config()
@@ -650,7 +650,17 @@ async fn an_expired_approval_says_so_and_a_deleted_route_sends_nothing_more() {
     let routine = apply_routine(&h).await;
     let route = slack_route(&h, "all", slack, None).await;
     let (_, approval) = parked_run(&h, h.owner(), &routine).await;
-    assert_eq!(deliver(&h, 0).await, 1);
+    // The outbox is in the database: a restarted server sends what the first one queued.
+    let restarted = h.restarted_engine(config());
+    assert_eq!(
+        restarted
+            .deliver_notifications(wor_store::now_millis())
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(calls.lock().unwrap().len(), 1);
+    assert_eq!(deliver(&h, 0).await, 0, "sent once");
     tokio::time::sleep(Duration::from_millis(400)).await;
     assert_eq!(h.engine.expire_approvals().await.unwrap(), 1);
     // The run goes on as its routine says for a denial.
