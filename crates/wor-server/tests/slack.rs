@@ -684,6 +684,27 @@ async fn the_outbox_survives_a_restart_an_expiry_says_so_and_a_deleted_route_sen
     )
     .await;
     assert_eq!(reply["outcome"], "refused");
+    deliver(&h, 0).await;
+
+    // A run cancelled while it waits ends its approval, and the message says so.
+    let (cancelled_run, _) = parked_run(&h, h.owner(), &routine).await;
+    assert_eq!(deliver(&h, 0).await, 1);
+    let (status, _) = h
+        .call(
+            Method::POST,
+            &format!("/v1/runs/{cancelled_run}/cancel"),
+            None,
+        )
+        .await;
+    assert!(status.is_success(), "{status}");
+    assert!(h.engine.run_next().await.unwrap());
+    assert_eq!(h.get_run(&cancelled_run).await["status"], "cancelled");
+    assert_eq!(deliver(&h, 0).await, 1);
+    let last = calls.lock().unwrap().last().cloned().unwrap();
+    assert_eq!(last.0, "chat.update");
+    let text = message_text(&last.2);
+    assert!(text.contains("*Cancelled*"), "{text}");
+    assert!(!text.contains("\"action_id\":\"approve\""), "{text}");
 
     // Deleting the route removes its secrets; another held call sends nothing.
     let (status, _) = h
