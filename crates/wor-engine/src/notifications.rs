@@ -143,9 +143,9 @@ impl Engine {
             ("slack_signing_secret", &secrets.signing_secret),
         ] {
             let value = value.expose_secret();
-            if value.trim().is_empty() || value.len() > 512 {
+            if value.trim().is_empty() || value.len() > 512 || value.chars().any(char::is_control) {
                 return Err(EngineError::Invalid(format!(
-                    "`{field}` must be 1 to 512 characters"
+                    "`{field}` must be 1 to 512 printable characters"
                 )));
             }
         }

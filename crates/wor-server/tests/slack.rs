@@ -759,6 +759,11 @@ async fn routes_are_checked_when_made_and_only_admins_make_them() {
         (with("kind", json!("email")), "email"),
         (with("routine_id", json!("rtn_nope")), "routine_id"),
         (with("name", json!("")), "name"),
+        (with("name", json!("line\nbreak")), "name"),
+        (
+            with("slack_signing_secret", json!("tab\tinside")),
+            "slack_signing_secret",
+        ),
     ] {
         let (status, reply) = h
             .call(Method::POST, "/v1/notification-routes", Some(body))

@@ -21,6 +21,7 @@ use crate::AppState;
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::{ApiBytes, ApiJson, ApiPath, page_limit, query_id};
+use crate::routes::members::check_name;
 use crate::routes::model_connections::SecretFieldView;
 use crate::views::rfc3339;
 
@@ -216,6 +217,7 @@ pub async fn create(
     ApiJson(body): ApiJson<CreateNotificationRoute>,
 ) -> Result<(StatusCode, Json<NotificationRouteView>), ApiError> {
     caller.require_configure()?;
+    check_name(&body.name, "route")?;
     let RouteKind::Slack = body.kind;
     let routine_id = query_id::<RoutineId>(body.routine_id.as_deref())
         .map_err(|_| ApiError::bad_request("invalid_route", "`routine_id` is not a `rtn_…` id"))?;
