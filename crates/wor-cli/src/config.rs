@@ -42,6 +42,8 @@ struct FileConfig {
     egress: Option<EgressSection>,
     sandbox: Option<SandboxSection>,
     console: Option<ConsoleSection>,
+    /// Where people reach this server (`https://wor.example.com`), for links in notifications.
+    public_url: Option<String>,
     /// Per-model prices, in microdollars per million tokens: `[prices."model-id"]`.
     #[serde(default)]
     prices: std::collections::BTreeMap<String, wor_core::budget::ModelPrice>,
@@ -213,6 +215,8 @@ pub struct ServerConfig {
     pub prices: std::collections::BTreeMap<String, wor_core::budget::ModelPrice>,
     /// The web console's `[console]` settings.
     pub console: wor_server::console::ConsoleConfig,
+    /// Where people reach this server, for links in notifications (`public_url`).
+    pub public_url: Option<String>,
     encryption_key: Option<String>,
     audit_signing_key: Option<String>,
     encryption_key_retired: Option<String>,
@@ -300,6 +304,17 @@ impl ServerConfig {
             },
             prices: file.prices,
             console: file.console.unwrap_or_default().resolve(production)?,
+            public_url: match file.public_url {
+                Some(url) => {
+                    let parsed = url::Url::parse(&url)
+                        .map_err(|e| anyhow::anyhow!("`public_url` is not a URL: {e}"))?;
+                    if !matches!(parsed.scheme(), "http" | "https") || parsed.cannot_be_a_base() {
+                        bail!("`public_url` must be an http or https URL");
+                    }
+                    Some(url.trim_end_matches('/').to_owned())
+                }
+                None => None,
+            },
             encryption_key,
             encryption_key_retired,
             audit_signing_key,
@@ -482,6 +497,7 @@ mod tests {
             stdio_allowed_roots: Vec::new(),
             prices: Default::default(),
             console: Default::default(),
+            public_url: None,
             encryption_key: key.map(str::to_owned),
             encryption_key_retired: None,
             audit_signing_key: None,

@@ -97,6 +97,14 @@ pub enum AuditCategory {
     ConsoleSignOut,
     /// A console session was ended by its member or by an admin.
     ConsoleSessionRevoke,
+    /// A notification route was made.
+    NotificationRouteCreate,
+    /// A notification route was deleted.
+    NotificationRouteDelete,
+    /// A member linked a Slack identity from a console session.
+    SlackIdentityLink,
+    /// A Slack user pressed Approve or Deny: what came of it, decided or refused.
+    SlackInteraction,
 }
 
 impl AuditCategory {
@@ -132,6 +140,10 @@ impl AuditCategory {
             AuditCategory::ConsoleSignInFailure => "console.sign_in_failure",
             AuditCategory::ConsoleSignOut => "console.sign_out",
             AuditCategory::ConsoleSessionRevoke => "console.session_revoke",
+            AuditCategory::NotificationRouteCreate => "notification_route.create",
+            AuditCategory::NotificationRouteDelete => "notification_route.delete",
+            AuditCategory::SlackIdentityLink => "slack.link",
+            AuditCategory::SlackInteraction => "slack.interaction",
         }
     }
 }

@@ -121,6 +121,8 @@ typed_id!(/// A member's signed-in web console session (not its token).
     ConsoleSessionId, "ses", "a console session");
 typed_id!(/// An approval request.
     ApprovalId, "apr", "an approval");
+typed_id!(/// A notification route: where approval requests are sent.
+    NotificationRouteId, "ntf", "a notification route");
 
 /// A fresh id for one HTTP request, for correlating its log line with its response.
 pub fn request_id() -> String {

@@ -23,7 +23,7 @@ pub mod step;
 pub mod text;
 
 pub use ids::{
-    ApiKeyId, ApprovalId, ConnectionId, ConsoleSessionId, IdError, MemberId, ProjectId, RoutineId,
-    RunId,
+    ApiKeyId, ApprovalId, ConnectionId, ConsoleSessionId, IdError, MemberId, NotificationRouteId,
+    ProjectId, RoutineId, RunId,
 };
 pub use role::{Role, RoleParseError};

@@ -29,6 +29,27 @@ pub struct Approver {
     pub role: Role,
 }
 
+/// Where a decision was made, for what the messages about it say.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum DecidedVia {
+    /// An API key (the API or the CLI).
+    Api,
+    /// A console session.
+    Console,
+    /// A Slack button, pressed by a linked member.
+    Slack,
+}
+
+impl DecidedVia {
+    fn as_note(self) -> &'static str {
+        match self {
+            DecidedVia::Api => "through the API",
+            DecidedVia::Console => "in the console",
+            DecidedVia::Slack => "in Slack",
+        }
+    }
+}
+
 impl Engine {
     /// Records `approver`'s decision on approval `id` and queues its run to go on.
     pub async fn decide_approval(
@@ -38,6 +59,26 @@ impl Engine {
         approver: Approver,
         verdict: ApprovalAnswer,
         reason: &str,
+    ) -> Result<ApprovalRecord, EngineError> {
+        let via = if approver.key_id.is_some() {
+            DecidedVia::Api
+        } else {
+            DecidedVia::Console
+        };
+        self.decide_approval_via(project, id, approver, verdict, reason, via)
+            .await
+    }
+
+    /// [`Self::decide_approval`], saying where the decision was made: every channel decides
+    /// through here, under the same checks.
+    pub(crate) async fn decide_approval_via(
+        &self,
+        project: ProjectId,
+        id: ApprovalId,
+        approver: Approver,
+        verdict: ApprovalAnswer,
+        reason: &str,
+        via: DecidedVia,
     ) -> Result<ApprovalRecord, EngineError> {
         // Lookups first: another project's approval is not found, whoever asks and however.
         let approval = self.store.get_approval(project, id).await?;
@@ -93,6 +134,8 @@ impl Engine {
             )
             .await?;
         self.wake_workers();
+        self.notify_approval_changed_or_log(project, id, "decided", Some(via.as_note().to_owned()))
+            .await;
         tracing::info!(category = "approval", action = "approval.decide", project_id = %project,
             approval_id = %id, decision = decided.status.as_str(), "approval decided");
         Ok(decided)
@@ -188,6 +231,8 @@ impl Engine {
                     .payload(json!({ "tool": approval.tool, "expires_at": approval.expires_at })),
                 )
                 .await?;
+            self.notify_approval_changed_or_log(approval.project_id, approval.id, "expired", None)
+                .await;
             tracing::info!(category = "approval", action = "approval.expire", project_id = %approval.project_id,
                 approval_id = %approval.id, "approval expired");
         }

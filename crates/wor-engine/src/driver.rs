@@ -116,7 +116,10 @@ impl Engine {
                         ),
                 )
                 .await?;
-            self.store.cancel_approvals(run.id).await?;
+            for cancelled in self.store.cancel_approvals(run.id).await? {
+                self.notify_approval_changed_or_log(run.project_id, cancelled, "cancelled", None)
+                    .await;
+            }
             if ending.status == RunStatus::Succeeded {
                 self.remember(&run, &ending.outcome).await?;
             }

@@ -19,6 +19,7 @@ mod authority;
 mod call;
 mod driver;
 mod nested;
+mod notifications;
 mod pipeline;
 mod run_tools;
 mod start;
@@ -36,6 +37,11 @@ use wor_egress::EgressClient;
 use wor_store::{AuditLog, Store, StoreError, Vault};
 
 pub use approvals::Approver;
+pub use notifications::{
+    MAX_SLACK_INTERACTION_BYTES, NOTIFICATION_ROUTES_TABLE, SLACK_BOT_TOKEN_FIELD,
+    SLACK_REPLAY_WINDOW_SECS, SLACK_SIGNING_SECRET_FIELD, SlackInteraction, SlackOutcome,
+    SlackRejection, SlackSecrets,
+};
 pub use start::{StartRun, Trigger};
 pub use tool_connections::{
     BEARER_TOKEN_FIELD, ReviewDiff, ReviewedTool, ToolReview, check_stdio_spec, credential_slot,
@@ -76,6 +82,9 @@ pub struct EngineConfig {
     pub stdio_allowed_roots: Vec<std::path::PathBuf>,
     /// Host paths no tool may ever see, whatever the roots allow (the server's data dir).
     pub protected_paths: Vec<std::path::PathBuf>,
+    /// Where people reach the console (`https://wor.example.com`), for links in notifications;
+    /// `None` leaves links out.
+    pub console_url: Option<String>,
 }
 
 impl Default for EngineConfig {
@@ -94,6 +103,7 @@ impl Default for EngineConfig {
             approval_ttl: DEFAULT_APPROVAL_TTL,
             stdio_allowed_roots: Vec::new(),
             protected_paths: Vec::new(),
+            console_url: None,
         }
     }
 }

@@ -286,6 +286,14 @@ impl Engine {
                 })),
             )
             .await?;
+            self.notify_approval_requested(
+                run.project_id,
+                run.routine_id,
+                id,
+                &approval.tool,
+                &approval.why,
+            )
+            .await?;
         }
         tracing::info!(category = "approval", action = "approval.request", project_id = %run.project_id,
             run_id = %run.id, approval_id = %id, "run parked for approval");

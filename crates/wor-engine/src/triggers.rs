@@ -202,7 +202,8 @@ impl Engine {
         Ok(schedule.upcoming(from, count))
     }
 
-    /// A task that runs the scheduler and the webhook outbox every second until `shutdown`.
+    /// A task that runs the scheduler, the webhook outbox and the notification outbox every
+    /// second until `shutdown`.
     pub fn spawn_triggers(&self, mut shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
         let engine = self.clone();
         tokio::spawn(async move {
@@ -222,6 +223,9 @@ impl Engine {
                 }
                 if let Err(error) = engine.deliver_webhooks(now).await {
                     tracing::error!(category = "webhook", error = %error, "webhook delivery pass failed");
+                }
+                if let Err(error) = engine.deliver_notifications(now).await {
+                    tracing::error!(category = "notification", error = %error, "notification pass failed");
                 }
             }
         })
@@ -567,7 +571,7 @@ fn delivery_headers(id: &str, event: &str, timestamp: i64, signature: &str) -> H
 
 /// When attempt `attempt` (1-based, just failed) is retried: 2 s doubling per attempt, at most
 /// 10 minutes, with up to 20 % jitter fixed by the delivery id; `None` once attempts run out.
-fn retry_at(id: &str, attempt: i64) -> Option<i64> {
+pub(crate) fn retry_at(id: &str, attempt: i64) -> Option<i64> {
     if attempt >= MAX_DELIVERY_ATTEMPTS {
         return None;
     }

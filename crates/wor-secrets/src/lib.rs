@@ -8,6 +8,7 @@ pub mod aead;
 pub mod audit_signing;
 mod key_file;
 pub mod redaction;
+pub mod slack_signature;
 pub mod webhook_signature;
 
 pub use aead::{

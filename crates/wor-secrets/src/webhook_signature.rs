@@ -67,7 +67,11 @@ fn mac_for(key: &[u8]) -> HmacSha256 {
     HmacSha256::new_from_slice(key).expect("hmac accepts any key length")
 }
 
-fn check_window(timestamp: i64, now: i64, window_secs: u64) -> Result<(), SignatureError> {
+pub(crate) fn check_window(
+    timestamp: i64,
+    now: i64,
+    window_secs: u64,
+) -> Result<(), SignatureError> {
     let distance = now.abs_diff(timestamp);
     if distance <= window_secs {
         return Ok(());

@@ -118,6 +118,16 @@ fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(routes::webhooks::receive))
         .routes(routes!(routes::webhooks::rotate_secret))
         .routes(routes!(routes::webhooks::deliveries))
+        .routes(routes!(
+            routes::notifications::list,
+            routes::notifications::create
+        ))
+        .routes(routes!(
+            routes::notifications::get,
+            routes::notifications::delete
+        ))
+        .routes(routes!(routes::notifications::deliveries))
+        .routes(routes!(routes::notifications::slack_interaction))
         .routes(routes!(routes::audit::list_audit))
 }
 

@@ -174,6 +174,12 @@ fn sample_body(method: &Method, path: &str) -> Option<Value> {
         ("PUT", "/v1/policy") => Some(json!({"text": wor_policy::DEFAULT_PROJECT_POLICY})),
         ("POST", "/v1/routines/{routine_id}/webhook-secret") => None,
         ("POST", "/hooks/{routine_id}") => Some(json!({"probe": true})),
+        ("POST", "/v1/notification-routes") => Some(json!({
+            "name": "probe", "kind": "slack", "channel": "C0PROBE",
+            "slack_api_url": "https://slack.example.com/api",
+            "slack_bot_token": "xoxb-probe-0000000000", "slack_signing_secret": "probe-signing-secret"
+        })),
+        ("POST", "/hooks/slack/{notification_route_id}") => Some(json!({"probe": true})),
         ("POST" | "PUT" | "PATCH", _) => {
             panic!("no sample body for {method} {path}: add one so the isolation walk covers it")
         }
@@ -275,7 +281,18 @@ async fn another_projects_resources_answer_404_on_every_route() {
         .await;
     assert_eq!(a_run.status, StatusCode::ACCEPTED, "{}", a_run.text);
     let a_run_id = a_run.body["id"].as_str().unwrap().to_owned();
+    let a_route = api
+        .call(
+            Method::POST,
+            "/v1/notification-routes",
+            Some(a.owner_key.expose()),
+            sample_body(&Method::POST, "/v1/notification-routes"),
+        )
+        .await;
+    assert_eq!(a_route.status, StatusCode::CREATED, "{}", a_route.text);
+    let a_route_id = a_route.body["id"].as_str().unwrap().to_owned();
     let foreign_ids = [
+        ("notification_route_id", a_route_id.clone()),
         ("member_id", a.owner.id.to_string()),
         ("key_id", a_key_id.to_string()),
         ("connection_id", a_model_id.clone()),
@@ -285,6 +302,7 @@ async fn another_projects_resources_answer_404_on_every_route() {
         ("approval_id", a_approval_id.clone()),
     ];
     let a_ids = [
+        a_route_id.clone(),
         a.project.id.to_string(),
         a.owner.id.to_string(),
         a_key_id.to_string(),
@@ -330,7 +348,11 @@ async fn another_projects_resources_answer_404_on_every_route() {
                 sample_body(&method, &template),
             )
             .await;
-        if has_param {
+        if template.starts_with("/hooks/slack/") {
+            // A Slack interaction proves itself by signature, not by key: unsigned, it is
+            // refused before anything about the route is read.
+            assert_error(&reply, StatusCode::UNAUTHORIZED, "invalid_signature");
+        } else if has_param {
             assert_error(&reply, StatusCode::NOT_FOUND, "not_found");
         }
         for id in &a_ids {
@@ -1377,6 +1399,10 @@ async fn a_run_credential_reads_its_own_run_and_every_other_route_refuses_it() {
         ("routine_id", routine.clone()),
         ("run_id", run.clone()),
         ("approval_id", wor_core::ApprovalId::new().to_string()),
+        (
+            "notification_route_id",
+            wor_core::NotificationRouteId::new().to_string(),
+        ),
     ];
     let mut refused = 0;
     for (method, template) in documented_operations() {

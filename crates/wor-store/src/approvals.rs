@@ -484,16 +484,20 @@ impl Store {
         Ok(ApprovedStart::Started)
     }
 
-    /// Marks the pending approvals of `run` cancelled (its run ended without a decision).
-    pub async fn cancel_approvals(&self, run: RunId) -> Result<u64, StoreError> {
-        let done = sqlx::query(
-            "UPDATE approvals SET status = 'cancelled', decided_at = $1 WHERE run_id = $2 AND status = 'pending'",
+    /// Marks the pending approvals of `run` cancelled (its run ended without a decision);
+    /// returns which.
+    pub async fn cancel_approvals(&self, run: RunId) -> Result<Vec<ApprovalId>, StoreError> {
+        let rows = sqlx::query(
+            "UPDATE approvals SET status = 'cancelled', decided_at = $1 WHERE run_id = $2 AND status = 'pending' \
+             RETURNING id",
         )
         .bind(now_millis())
         .bind(run.to_string())
-        .execute(self.pool())
+        .fetch_all(self.pool())
         .await?;
-        Ok(done.rows_affected())
+        rows.iter()
+            .map(|row| parse_column(&row.try_get::<String, _>("id")?, "approvals.id"))
+            .collect()
     }
 
     /// The project's own policy, when one was set.

@@ -23,7 +23,7 @@ pub const SESSION_TOKEN_PREFIX: &str = "wrs_";
 pub struct ConsoleToken(String);
 
 impl ConsoleToken {
-    fn generate(prefix: &str) -> Result<Self, StoreError> {
+    pub(crate) fn generate(prefix: &str) -> Result<Self, StoreError> {
         let mut bytes = [0u8; 32];
         rand::rngs::OsRng
             .try_fill_bytes(&mut bytes)

@@ -15,6 +15,7 @@ mod members;
 mod memory;
 mod migrations;
 mod model_connections;
+mod notifications;
 mod projects;
 mod routines;
 mod run_tokens;
@@ -48,6 +49,11 @@ pub use members::MemberRecord;
 pub use model_connections::{
     API_KEY_FIELD, ConnectionStatus, MODEL_CONNECTIONS_TABLE, ModelConnectionRecord, ModelProvider,
     NewModelConnection,
+};
+pub use notifications::{
+    NOTIFICATION_ROUTES_TABLE, NewNotification, NewNotificationRoute, NotificationAction,
+    NotificationDeliveryFilter, NotificationDeliveryRecord, NotificationRouteRecord, RouteChannel,
+    RouteFilter, SLACK_LINK_TOKEN_PREFIX, SlackLinkRecord, SlackMessageRecord,
 };
 pub use projects::{CreatedProject, ProjectRecord, RecoveredOwner};
 pub use routines::{AppliedRoutine, RoutineRecord, RoutineVersionRecord};

@@ -155,6 +155,12 @@ const MIGRATIONS: &[SchemaMigration] = &[
         sqlite: include_str!("../migrations/0019_console_sessions.sql"),
         postgres: include_str!("../migrations/0019_console_sessions.sql"),
     },
+    SchemaMigration {
+        version: 20,
+        description: "notifications",
+        sqlite: include_str!("../migrations/0020_notifications.sql"),
+        postgres: include_str!("../migrations/0020_notifications.sql"),
+    },
 ];
 
 pub(crate) async fn apply(store: &Store) -> Result<(), StoreError> {

@@ -348,7 +348,12 @@ fn bind_slot<'q>(query: AnyQuery<'q>, slot: &SecretSlot) -> AnyQuery<'q> {
 }
 
 /// The owning tables a secret may belong to; a row naming any other is corrupt.
-const OWNER_TABLES: &[&str] = &["model_connections", "tool_connections", "routines"];
+const OWNER_TABLES: &[&str] = &[
+    "model_connections",
+    "tool_connections",
+    "routines",
+    crate::NOTIFICATION_ROUTES_TABLE,
+];
 
 fn slot_from_row(
     project: ProjectId,

@@ -8,6 +8,7 @@ mod keys;
 mod member_invite;
 mod members;
 mod model_connections;
+mod notify;
 mod operator;
 mod policy;
 mod routines;
@@ -78,6 +79,9 @@ pub enum Command {
     /// Webhooks: sign and verify bodies (local), and the delivery log of run webhooks.
     #[command(subcommand)]
     Webhook(webhooks::WebhookCommand),
+    /// Notification routes: approval requests sent to Slack, and their delivery log.
+    #[command(subcommand)]
+    Notify(notify::NotifyCommand),
     /// Print a shell completion script (bash, zsh, fish, powershell, elvish) on standard output.
     Completions(shell::CompletionsArgs),
     /// Write the manual pages of `wor` and every subcommand into a directory.
@@ -115,6 +119,7 @@ impl Command {
             Command::Policy(cmd) => policy::run(cmd).await,
             Command::Approvals(cmd) => approvals::run(cmd).await,
             Command::Webhook(cmd) => webhooks::run(cmd).await,
+            Command::Notify(cmd) => notify::run(cmd).await,
             Command::Completions(args) => Ok(shell::completions(&args)),
             Command::Manpages(args) => shell::manpages(&args),
         }

@@ -129,6 +129,7 @@ pub(crate) async fn open_engine(config: &ServerConfig) -> anyhow::Result<(Engine
             stdio_allowed_roots: config.stdio_allowed_roots.clone(),
             protected_paths: vec![config.data_dir.clone()],
             prices: config.prices.clone(),
+            console_url: config.public_url.clone(),
             ..EngineConfig::default()
         },
     );

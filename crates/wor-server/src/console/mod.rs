@@ -21,6 +21,7 @@ mod project;
 mod routines;
 mod runs;
 pub mod session;
+mod slack_link;
 
 use std::time::Duration;
 
@@ -133,6 +134,10 @@ pub fn router(state: AppState) -> Router<AppState> {
         .route("/routines/{routine_id}", get(routines::show))
         .route("/sessions", get(account::sessions))
         .route("/sessions/{session_id}/revoke", post(account::revoke))
+        .route(
+            "/slack/link/{token}",
+            get(slack_link::link_page).post(slack_link::link),
+        )
         .route("/static/console.css", get(stylesheet))
         .route("/static/console.js", get(script))
         .fallback(|| async { ConsoleError(ApiError::NotFound) })

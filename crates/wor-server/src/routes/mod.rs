@@ -7,6 +7,7 @@ pub mod invitations;
 pub mod keys;
 pub mod members;
 pub mod model_connections;
+pub mod notifications;
 pub mod policy;
 pub mod project;
 pub mod routines;

@@ -1,0 +1,204 @@
+//! `wor notify …`: notification routes that send approval requests to Slack, and their
+//! delivery log (a client of the API).
+
+use std::process::ExitCode;
+
+use serde_json::{Value, json};
+
+use super::{field, print_json};
+use crate::client::{ApiClient, ClientArgs};
+
+#[derive(Debug, clap::Subcommand)]
+pub enum NotifyCommand {
+    /// Send approval requests to a Slack channel (all of the project's, or only those matching
+    /// every filter given). Prints the route, with the path to set as the Slack app's
+    /// interactivity request URL.
+    Create {
+        /// The route's name, unique in the project.
+        name: String,
+        /// The Slack channel id (`C…`).
+        #[arg(long)]
+        slack_channel: String,
+        /// The Slack app's bot token (`xoxb-…`); sealed, never shown again.
+        #[arg(long, env = "WOR_SLACK_BOT_TOKEN", hide_env_values = true)]
+        slack_bot_token: String,
+        /// The Slack app's signing secret; sealed, never shown again.
+        #[arg(long, env = "WOR_SLACK_SIGNING_SECRET", hide_env_values = true)]
+        slack_signing_secret: String,
+        /// The Slack Web API base URL [default: https://slack.com/api].
+        #[arg(long)]
+        slack_api_url: Option<String>,
+        /// Only this routine's approval requests (name or `rtn_…` id).
+        #[arg(long)]
+        routine: Option<String>,
+        /// Only approval requests of this tool (`CONNECTION/TOOL`).
+        #[arg(long)]
+        tool: Option<String>,
+        /// Only approval requests this policy id determined.
+        #[arg(long)]
+        policy: Option<String>,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// The project's notification routes.
+    List {
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Delete a route (`ntf_…`) and its sealed secrets.
+    Delete {
+        id: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// The delivery log, newest first: what was posted or updated, and what failed and why.
+    Deliveries {
+        /// Only this route's (`ntf_…`).
+        #[arg(long)]
+        route: Option<String>,
+        /// Only those about this approval (`apr_…`).
+        #[arg(long)]
+        approval: Option<String>,
+        /// Only `pending`, `delivered` or `failed` ones.
+        #[arg(long)]
+        status: Option<String>,
+        #[arg(long, default_value_t = 20)]
+        limit: u32,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+}
+
+fn print_route(route: &Value) {
+    let filters: Vec<String> = ["routine_id", "tool", "policy"]
+        .iter()
+        .filter_map(|key| {
+            route
+                .get(*key)
+                .and_then(Value::as_str)
+                .map(|v| format!("{key}={v}"))
+        })
+        .collect();
+    println!(
+        "{}  {:<20}  slack {}  {}  {}",
+        field(route, "/id"),
+        field(route, "/name"),
+        field(route, "/channel"),
+        if filters.is_empty() {
+            "every approval request".to_owned()
+        } else {
+            filters.join(" ")
+        },
+        field(route, "/interaction_path"),
+    );
+}
+
+pub async fn run(cmd: NotifyCommand) -> anyhow::Result<ExitCode> {
+    match cmd {
+        NotifyCommand::Create {
+            name,
+            slack_channel,
+            slack_bot_token,
+            slack_signing_secret,
+            slack_api_url,
+            routine,
+            tool,
+            policy,
+            client,
+        } => {
+            let api = ApiClient::new(&client)?;
+            let routine_id = match routine {
+                Some(routine) => Some(super::routines::routine_id(&api, &routine).await?),
+                None => None,
+            };
+            let route = api
+                .post(
+                    "/v1/notification-routes",
+                    &json!({
+                        "name": name,
+                        "kind": "slack",
+                        "channel": slack_channel,
+                        "slack_api_url": slack_api_url,
+                        "slack_bot_token": slack_bot_token,
+                        "slack_signing_secret": slack_signing_secret,
+                        "routine_id": routine_id,
+                        "tool": tool,
+                        "policy": policy,
+                    }),
+                )
+                .await?;
+            if client.json {
+                print_json(&route)?;
+            } else {
+                print_route(&route);
+            }
+        }
+        NotifyCommand::List { client } => {
+            let api = ApiClient::new(&client)?;
+            let list = api.get("/v1/notification-routes").await?;
+            if client.json {
+                print_json(&list)?;
+            } else {
+                for route in list.as_array().into_iter().flatten() {
+                    print_route(route);
+                }
+            }
+        }
+        NotifyCommand::Delete { id, client } => {
+            let api = ApiClient::new(&client)?;
+            let route = api.delete(&format!("/v1/notification-routes/{id}")).await?;
+            if client.json {
+                print_json(&route)?;
+            } else {
+                println!(
+                    "deleted {}  {}",
+                    field(&route, "/id"),
+                    field(&route, "/name")
+                );
+            }
+        }
+        NotifyCommand::Deliveries {
+            route,
+            approval,
+            status,
+            limit,
+            client,
+        } => {
+            let api = ApiClient::new(&client)?;
+            let mut query = format!("/v1/notification-deliveries?limit={limit}");
+            for (key, value) in [
+                ("route_id", route),
+                ("approval_id", approval),
+                ("status", status),
+            ] {
+                if let Some(value) = value {
+                    query.push_str(&format!("&{key}={}", urlencoding(&value)));
+                }
+            }
+            let list = api.get(&query).await?;
+            if client.json {
+                print_json(&list)?;
+            } else {
+                for d in list.as_array().into_iter().flatten() {
+                    println!(
+                        "{}  {:<9}  {:<12}  attempts {}  {}  {}",
+                        field(d, "/id"),
+                        field(d, "/status"),
+                        field(d, "/action"),
+                        d.get("attempts").and_then(Value::as_i64).unwrap_or(0),
+                        field(d, "/approval_id"),
+                        d.get("last_error")
+                            .and_then(Value::as_str)
+                            .unwrap_or_default(),
+                    );
+                }
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Percent-encodes a query value.
+fn urlencoding(value: &str) -> String {
+    url::form_urlencoded::byte_serialize(value.as_bytes()).collect()
+}

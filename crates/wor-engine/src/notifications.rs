@@ -1,0 +1,961 @@
+//! Approval requests where people work: notification routes, their outbox, Slack messages and
+//! the Slack interactions that decide (docs/notifications.md).
+//!
+//! A held call enqueues one `slack.post` per matching route; a decision (from any channel), a
+//! refusal or an expiry enqueues a `slack.update` of every message posted about it. What a
+//! message says is rendered from the approval when it is sent, so a late attempt shows the
+//! approval as it stands. Every request leaves through the egress guard.
+//!
+//! A Slack interaction is accepted only with a valid signature of the route's signing secret
+//! inside the replay window, once per `trigger_id`; the Slack user must be linked to a member
+//! (from a signed-in console session), and the decision goes through the same engine function
+//! as the API's, so separation of duties, the binding to the exact call and single use hold
+//! unchanged.
+
+use secrecy::{ExposeSecret as _, SecretString};
+use serde_json::{Value, json};
+use wor_core::audit::{Actor, AuditCategory, AuditEvent};
+use wor_core::{ApprovalId, MemberId, NotificationRouteId, ProjectId};
+use wor_egress::{EgressRequest, HeaderMap, header};
+use wor_store::{
+    ApprovalAnswer, ApprovalRecord, ApprovalStatus, AttemptOutcome, NewNotification,
+    NewNotificationRoute, NotificationAction, NotificationDeliveryFilter,
+    NotificationDeliveryRecord, NotificationRouteRecord, RouteChannel, SecretSlot, StoreError,
+};
+
+use crate::approvals::DecidedVia;
+use crate::triggers::retry_at;
+use crate::{Approver, Engine, EngineError};
+
+pub use wor_store::NOTIFICATION_ROUTES_TABLE;
+/// The vault field of a route's Slack bot token (`xoxb-…`).
+pub const SLACK_BOT_TOKEN_FIELD: &str = "slack_bot_token";
+/// The vault field of a route's Slack signing secret.
+pub const SLACK_SIGNING_SECRET_FIELD: &str = "slack_signing_secret";
+
+/// How far a Slack request's timestamp may be from now, in seconds (Slack's own advice).
+pub const SLACK_REPLAY_WINDOW_SECS: u64 = 300;
+/// Longest Slack interaction body accepted.
+pub const MAX_SLACK_INTERACTION_BYTES: usize = 64 * 1024;
+/// How long a Slack link stays usable.
+const SLACK_LINK_TTL_MS: i64 = 15 * 60 * 1000;
+/// A claimed notification is retried by another process after this long.
+const NOTIFICATION_LEASE_MS: i64 = 30_000;
+/// Argument values longer than this are cut in messages (the console shows them whole).
+const MAX_SHOWN_VALUE_CHARS: usize = 200;
+/// Longest route name.
+const MAX_ROUTE_NAME_CHARS: usize = 100;
+
+/// A Slack route's secrets, as an admin gives them; sealed at once, never shown again.
+pub struct SlackSecrets {
+    pub bot_token: SecretString,
+    pub signing_secret: SecretString,
+}
+
+impl std::fmt::Debug for SlackSecrets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SlackSecrets(***)")
+    }
+}
+
+/// An inbound Slack interaction (a button press), as received.
+#[derive(Debug, Clone)]
+pub struct SlackInteraction {
+    /// `X-Slack-Request-Timestamp`.
+    pub timestamp: Option<String>,
+    /// `X-Slack-Signature`.
+    pub signature: Option<String>,
+    /// The raw, unmodified body.
+    pub body: Vec<u8>,
+}
+
+/// What came of a verified interaction: the text Slack shows the person who pressed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SlackOutcome {
+    Decided(ApprovalStatus),
+    Refused(String),
+}
+
+/// Why an interaction was refused before anything was decided.
+#[derive(Debug, thiserror::Error)]
+pub enum SlackRejection {
+    /// No such route, or not a Slack route: nothing tells the caller which.
+    #[error("not found")]
+    NotFound,
+    #[error("the interaction is larger than the limit")]
+    TooLarge,
+    #[error("{0}")]
+    BadSignature(String),
+    #[error("this interaction was received before")]
+    Replayed,
+    #[error("{0}")]
+    Malformed(String),
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+}
+
+impl From<StoreError> for SlackRejection {
+    fn from(error: StoreError) -> Self {
+        SlackRejection::Engine(error.into())
+    }
+}
+
+fn route_slot(project: ProjectId, route: NotificationRouteId, field: &str) -> SecretSlot {
+    SecretSlot::new(project, NOTIFICATION_ROUTES_TABLE, route, field)
+}
+
+/// A Slack id (`C…`, `U…`, `T…`): letters and digits only, so it can be printed in messages
+/// and stored without escaping.
+fn is_slack_id(text: &str) -> bool {
+    !text.is_empty() && text.len() <= 32 && text.bytes().all(|b| b.is_ascii_alphanumeric())
+}
+
+impl Engine {
+    /// Makes a Slack notification route and seals its secrets (S3).
+    pub async fn create_slack_route(
+        &self,
+        project: ProjectId,
+        route: NewNotificationRoute,
+        secrets: SlackSecrets,
+        actor: Actor,
+    ) -> Result<NotificationRouteRecord, EngineError> {
+        let name = route.name.trim();
+        if name.is_empty() || name.chars().count() > MAX_ROUTE_NAME_CHARS {
+            return Err(EngineError::Invalid(format!(
+                "`name` must be 1 to {MAX_ROUTE_NAME_CHARS} characters"
+            )));
+        }
+        let RouteChannel::Slack { channel, api_url } = &route.channel;
+        if !is_slack_id(channel) {
+            return Err(EngineError::Invalid(
+                "`channel` must be a Slack channel id (letters and digits, such as `C0123ABCD`)"
+                    .to_owned(),
+            ));
+        }
+        self.egress
+            .vet_destination(&format!(
+                "{}/chat.postMessage",
+                api_url.trim_end_matches('/')
+            ))
+            .map_err(|denial| EngineError::Invalid(format!("`slack_api_url`: {denial}")))?;
+        for (field, value) in [
+            ("slack_bot_token", &secrets.bot_token),
+            ("slack_signing_secret", &secrets.signing_secret),
+        ] {
+            let value = value.expose_secret();
+            if value.trim().is_empty() || value.len() > 512 || value.chars().any(char::is_control) {
+                return Err(EngineError::Invalid(format!(
+                    "`{field}` must be 1 to 512 printable characters"
+                )));
+            }
+        }
+        if let Some(routine) = route.filter.routine_id {
+            self.store.get_routine(project, routine).await?;
+        }
+        let created = self
+            .store
+            .create_notification_route(project, &route)
+            .await?;
+        for (field, value) in [
+            (SLACK_BOT_TOKEN_FIELD, &secrets.bot_token),
+            (SLACK_SIGNING_SECRET_FIELD, &secrets.signing_secret),
+        ] {
+            self.vault
+                .put(
+                    &route_slot(project, created.id, field),
+                    value.expose_secret(),
+                )
+                .await
+                .map_err(|e| EngineError::Refused(format!("cannot seal `{field}`: {e}")))?;
+        }
+        self.audit
+            .append(
+                AuditEvent::new(project, AuditCategory::NotificationRouteCreate, actor)
+                    .subject("route_id", created.id)
+                    .payload(json!({
+                        "name": created.name,
+                        "kind": created.channel.kind(),
+                        "channel": channel,
+                        "routine_id": created.filter.routine_id,
+                        "tool": created.filter.tool,
+                        "policy": created.filter.policy,
+                    })),
+            )
+            .await?;
+        Ok(created)
+    }
+
+    /// Deletes a route and its sealed secrets; its pending deliveries fail.
+    pub async fn delete_notification_route(
+        &self,
+        project: ProjectId,
+        id: NotificationRouteId,
+        actor: Actor,
+    ) -> Result<(), EngineError> {
+        self.store.delete_notification_route(project, id).await?;
+        for field in [SLACK_BOT_TOKEN_FIELD, SLACK_SIGNING_SECRET_FIELD] {
+            self.vault.delete(&route_slot(project, id, field)).await?;
+        }
+        self.audit
+            .append(
+                AuditEvent::new(project, AuditCategory::NotificationRouteDelete, actor)
+                    .subject("route_id", id),
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// Enqueues a message for every route of the project that wants approval `id` of `run`.
+    pub(crate) async fn notify_approval_requested(
+        &self,
+        project: ProjectId,
+        run_routine: wor_core::RoutineId,
+        id: ApprovalId,
+        tool: &str,
+        why: &Value,
+    ) -> Result<(), EngineError> {
+        let policies: Vec<&str> = why
+            .get("determining_policies")
+            .and_then(Value::as_array)
+            .map(|list| list.iter().filter_map(Value::as_str).collect())
+            .unwrap_or_default();
+        for route in self.store.list_notification_routes(project).await? {
+            let filter = &route.filter;
+            let wanted = filter.routine_id.is_none_or(|r| r == run_routine)
+                && filter.tool.as_deref().is_none_or(|t| t == tool)
+                && filter
+                    .policy
+                    .as_deref()
+                    .is_none_or(|p| policies.contains(&p));
+            if !wanted {
+                continue;
+            }
+            self.store
+                .enqueue_notification(&NewNotification {
+                    project_id: project,
+                    route_id: route.id,
+                    approval_id: id,
+                    action: NotificationAction::SlackPost,
+                    event_key: "post".to_owned(),
+                    note: None,
+                })
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Enqueues an update of every message about approval `id` (decided, refused or expired),
+    /// with `note` shown beside its state.
+    pub(crate) async fn notify_approval_changed(
+        &self,
+        project: ProjectId,
+        id: ApprovalId,
+        event_key: &str,
+        note: Option<String>,
+    ) -> Result<(), EngineError> {
+        let posts = self
+            .store
+            .list_notification_deliveries(
+                project,
+                &NotificationDeliveryFilter {
+                    approval_id: Some(id),
+                    limit: 1000,
+                    ..NotificationDeliveryFilter::default()
+                },
+            )
+            .await?;
+        for post in posts
+            .iter()
+            .filter(|d| d.action == NotificationAction::SlackPost)
+        {
+            self.store
+                .enqueue_notification(&NewNotification {
+                    project_id: project,
+                    route_id: post.route_id,
+                    approval_id: id,
+                    action: NotificationAction::SlackUpdate,
+                    event_key: event_key.to_owned(),
+                    note: note.clone(),
+                })
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// The same as [`Self::notify_approval_changed`], for a path that must not fail after
+    /// its change is committed: a failure is logged, and the messages keep their old text.
+    pub(crate) async fn notify_approval_changed_or_log(
+        &self,
+        project: ProjectId,
+        id: ApprovalId,
+        event_key: &str,
+        note: Option<String>,
+    ) {
+        if let Err(error) = self
+            .notify_approval_changed(project, id, event_key, note)
+            .await
+        {
+            tracing::error!(category = "notification", project_id = %project, approval_id = %id,
+                error = %error, "cannot enqueue the update of an approval's messages");
+        }
+    }
+
+    /// Sends the notifications due at `now` through the egress guard; failures are retried
+    /// with backoff, at most [`crate::MAX_DELIVERY_ATTEMPTS`] times. Returns how many were attempted.
+    pub async fn deliver_notifications(&self, now: i64) -> Result<usize, EngineError> {
+        let claimed = self
+            .store
+            .claim_due_notifications(now, NOTIFICATION_LEASE_MS, 50)
+            .await?;
+        for delivery in &claimed {
+            let outcome = self.attempt_notification(delivery).await?;
+            tracing::info!(category = "notification", action = delivery.action.as_str(),
+                project_id = %delivery.project_id, approval_id = %delivery.approval_id,
+                delivered = matches!(outcome, AttemptOutcome::Delivered { .. }),
+                attempt = delivery.attempts + 1, "notification attempted");
+            self.store
+                .record_notification_attempt(&delivery.id, &outcome)
+                .await?;
+        }
+        Ok(claimed.len())
+    }
+
+    async fn attempt_notification(
+        &self,
+        delivery: &NotificationDeliveryRecord,
+    ) -> Result<AttemptOutcome, EngineError> {
+        let give_up = |error: &str| AttemptOutcome::Failed {
+            status_code: None,
+            error: error.to_owned(),
+            retry_at: None,
+        };
+        let project = delivery.project_id;
+        let route = match self
+            .store
+            .get_notification_route(project, delivery.route_id)
+            .await
+        {
+            Ok(route) => route,
+            Err(StoreError::NotFound) => return Ok(give_up("the route was deleted")),
+            Err(other) => return Err(other.into()),
+        };
+        let RouteChannel::Slack { channel, api_url } = &route.channel;
+        let approval = self
+            .store
+            .get_approval(project, delivery.approval_id)
+            .await?;
+        let message = self
+            .slack_message(&approval, delivery.note.as_deref())
+            .await?;
+        let (method, body) = match delivery.action {
+            NotificationAction::SlackPost => (
+                "chat.postMessage",
+                json!({ "channel": channel, "text": message.text, "blocks": message.blocks }),
+            ),
+            NotificationAction::SlackUpdate => {
+                let posted = self.store.slack_messages(project, approval.id).await?;
+                let Some(posted) = posted.into_iter().find(|m| m.route_id == route.id) else {
+                    // The post has not gone out yet: it will show the approval as it stands,
+                    // and this update waits for it in case it goes out later.
+                    return Ok(AttemptOutcome::Failed {
+                        status_code: None,
+                        error: "the message to update has not been posted yet".to_owned(),
+                        retry_at: retry_at(&delivery.id, delivery.attempts + 1),
+                    });
+                };
+                (
+                    "chat.update",
+                    json!({ "channel": posted.channel, "ts": posted.ts, "text": message.text,
+                        "blocks": message.blocks }),
+                )
+            }
+        };
+        let token = match self
+            .vault
+            .open(&route_slot(project, route.id, SLACK_BOT_TOKEN_FIELD))
+            .await
+        {
+            Ok(token) => token,
+            Err(error) => {
+                return Ok(give_up(&format!(
+                    "cannot open the route's bot token: {error}"
+                )));
+            }
+        };
+        let answer = self.slack_call(api_url, method, &token, &body).await;
+        let retry = || retry_at(&delivery.id, delivery.attempts + 1);
+        Ok(match answer {
+            Ok(SlackAnswer::Ok(reply)) => {
+                if delivery.action == NotificationAction::SlackPost {
+                    let channel = reply.get("channel").and_then(Value::as_str);
+                    let ts = reply.get("ts").and_then(Value::as_str);
+                    match (channel, ts) {
+                        (Some(channel), Some(ts)) => {
+                            self.store
+                                .record_slack_message(project, approval.id, route.id, channel, ts)
+                                .await?;
+                        }
+                        _ => {
+                            return Ok(give_up(
+                                "Slack answered ok without the message's channel and ts",
+                            ));
+                        }
+                    }
+                }
+                AttemptOutcome::Delivered { status_code: 200 }
+            }
+            Ok(SlackAnswer::Refused { status, error }) => AttemptOutcome::Failed {
+                status_code: Some(status),
+                error: format!("Slack answered `{error}`"),
+                retry_at: retry(),
+            },
+            Err(error) => AttemptOutcome::Failed {
+                status_code: None,
+                error: wor_secrets::redact_shapes(&error).into_owned(),
+                retry_at: retry(),
+            },
+        })
+    }
+
+    /// Calls one Slack Web API method with the bot token, through the egress guard.
+    async fn slack_call(
+        &self,
+        api_url: &str,
+        method: &str,
+        token: &SecretString,
+        body: &Value,
+    ) -> Result<SlackAnswer, String> {
+        let url = format!("{}/{method}", api_url.trim_end_matches('/'));
+        let mut request = EgressRequest::webhook(&url, body.to_string().into_bytes());
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::CONTENT_TYPE,
+            header::HeaderValue::from_static("application/json; charset=utf-8"),
+        );
+        let mut bearer =
+            header::HeaderValue::from_str(&format!("Bearer {}", token.expose_secret()))
+                .map_err(|_| "the bot token cannot be sent as a header".to_owned())?;
+        bearer.set_sensitive(true);
+        headers.insert(header::AUTHORIZATION, bearer);
+        request.headers = headers;
+        request.max_response_bytes = Some(wor_egress::EgressLimits::webhook().max_response_bytes);
+        let response = self.egress.send(request).await.map_err(|e| e.to_string())?;
+        let status = response.status.as_u16();
+        let reply: Value = serde_json::from_slice(&response.body).unwrap_or(Value::Null);
+        if response.status.is_success() && reply.get("ok") == Some(&Value::Bool(true)) {
+            return Ok(SlackAnswer::Ok(reply));
+        }
+        let error = reply.get("error").and_then(Value::as_str).map_or_else(
+            || format!("HTTP {status}"),
+            |e| e.chars().take(100).collect(),
+        );
+        Ok(SlackAnswer::Refused { status, error })
+    }
+
+    /// The Slack message about `approval` as it stands.
+    async fn slack_message(
+        &self,
+        approval: &ApprovalRecord,
+        note: Option<&str>,
+    ) -> Result<SlackMessage, EngineError> {
+        let project = approval.project_id;
+        let run = self.store.get_run(project, approval.run_id).await?;
+        let routine = self.store.get_routine(project, run.routine_id).await?;
+        let mut blocks = vec![json!({
+            "type": "section",
+            "text": { "type": "mrkdwn", "text": format!(
+                "*Approval needed* for `{}` in routine *{}* (version {}), run `{}`",
+                slack_escape(&approval.tool), slack_escape(&routine.name), run.routine_version, run.id) },
+        })];
+        let mut arguments = Vec::new();
+        if let Some(map) = approval.arguments.as_object() {
+            for (key, value) in map {
+                let pinned = approval.pinned_keys.iter().any(|k| k == key);
+                arguments.push(format!(
+                    "• `{}`{}: {}",
+                    slack_escape(key),
+                    if pinned { " (pinned)" } else { "" },
+                    slack_escape(&shown_value(value))
+                ));
+            }
+        }
+        if arguments.is_empty() {
+            arguments.push("(no arguments)".to_owned());
+        }
+        blocks.push(json!({ "type": "section", "text": { "type": "mrkdwn",
+            "text": format!("*Arguments* (canonical)\n{}", arguments.join("\n")) } }));
+        let texts = |key: &str| -> Vec<String> {
+            approval
+                .why
+                .get(key)
+                .and_then(Value::as_array)
+                .map(|l| {
+                    l.iter()
+                        .filter_map(Value::as_str)
+                        .map(slack_escape)
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        let mut why = Vec::new();
+        let reasons = texts("reasons");
+        if !reasons.is_empty() {
+            why.push(format!("Reasons: {}", reasons.join("; ")));
+        }
+        let policies = texts("determining_policies");
+        if !policies.is_empty() {
+            why.push(format!("Policies: {}", policies.join(", ")));
+        }
+        let untrusted = texts("untrusted_sources");
+        if !untrusted.is_empty() {
+            why.push(format!(
+                "Untrusted content in context: {}",
+                untrusted.join(", ")
+            ));
+        }
+        if approval.kind == wor_store::ApprovalKind::OutcomeUnknown {
+            why.push("The call started before an interruption and its outcome is unknown: approving runs it again.".to_owned());
+        }
+        if why.is_empty() {
+            why.push("Held by policy.".to_owned());
+        }
+        blocks.push(json!({ "type": "section", "text": { "type": "mrkdwn",
+            "text": format!("*Why it is held*\n{}", why.join("\n")) } }));
+        let expires = wor_core::schedule::slot_rfc3339(approval.expires_at);
+        let link = self
+            .config
+            .console_url
+            .as_deref()
+            .map(|base| {
+                format!(
+                    " · <{}/console/approvals|Open the console>",
+                    base.trim_end_matches('/')
+                )
+            })
+            .unwrap_or_default();
+        let (state, text) = match approval.status {
+            ApprovalStatus::Pending => (
+                format!("Expires at {expires}{link}"),
+                format!("Approval needed for {}", approval.tool),
+            ),
+            ApprovalStatus::Approved | ApprovalStatus::Denied => {
+                let who = match approval.decided_by_member {
+                    Some(member) => self.member_name(project, member).await?,
+                    None => "a service key".to_owned(),
+                };
+                let verb = if approval.status == ApprovalStatus::Approved {
+                    "Approved"
+                } else {
+                    "Denied"
+                };
+                let when = approval
+                    .decided_at
+                    .map(wor_core::schedule::slot_rfc3339)
+                    .unwrap_or_default();
+                (
+                    format!(
+                        "*{verb}* by {} {} at {when}: {}",
+                        slack_escape(&who),
+                        note.unwrap_or("through the API"),
+                        slack_escape(approval.decision_reason.as_deref().unwrap_or(""))
+                    ),
+                    format!("{verb}: {}", approval.tool),
+                )
+            }
+            ApprovalStatus::Expired => (
+                format!("*Expired* at {expires} without a decision: the call did not run"),
+                format!("Expired: {}", approval.tool),
+            ),
+            ApprovalStatus::Cancelled => (
+                "*Cancelled*: the run ended before anyone decided".to_owned(),
+                format!("Cancelled: {}", approval.tool),
+            ),
+        };
+        blocks
+            .push(json!({ "type": "context", "elements": [{ "type": "mrkdwn", "text": state }] }));
+        if approval.status == ApprovalStatus::Pending {
+            if let Some(note) = note {
+                blocks.push(json!({ "type": "context",
+                    "elements": [{ "type": "mrkdwn", "text": note }] }));
+            }
+            blocks.push(json!({ "type": "actions", "block_id": "wor_decision", "elements": [
+                { "type": "button", "action_id": "approve", "style": "primary",
+                  "text": { "type": "plain_text", "text": "Approve" }, "value": approval.id.to_string() },
+                { "type": "button", "action_id": "deny", "style": "danger",
+                  "text": { "type": "plain_text", "text": "Deny" }, "value": approval.id.to_string() },
+            ] }));
+        }
+        Ok(SlackMessage { text, blocks })
+    }
+
+    async fn member_name(
+        &self,
+        project: ProjectId,
+        member: MemberId,
+    ) -> Result<String, EngineError> {
+        match self.store.get_member(project, member).await {
+            Ok(member) => Ok(member.name),
+            Err(StoreError::NotFound) => Ok(member.to_string()),
+            Err(other) => Err(other.into()),
+        }
+    }
+
+    /// Checks and acts on a Slack interaction for route `route`: the signature first, then the
+    /// replay, then who pressed, then the decision through [`Engine::decide_approval`]'s own
+    /// path. Nothing about the route is revealed before the signature checks out.
+    pub async fn receive_slack_interaction(
+        &self,
+        route: NotificationRouteId,
+        interaction: SlackInteraction,
+    ) -> Result<SlackOutcome, SlackRejection> {
+        if interaction.body.len() > MAX_SLACK_INTERACTION_BYTES {
+            return Err(SlackRejection::TooLarge);
+        }
+        let route = self
+            .store
+            .find_notification_route(route)
+            .await?
+            .ok_or(SlackRejection::NotFound)?;
+        let project = route.project_id;
+        let secret = match self
+            .vault
+            .open(&route_slot(project, route.id, SLACK_SIGNING_SECRET_FIELD))
+            .await
+        {
+            Ok(secret) => secret,
+            Err(_) => return Err(SlackRejection::NotFound),
+        };
+        let (Some(timestamp), Some(signature)) = (&interaction.timestamp, &interaction.signature)
+        else {
+            return Err(SlackRejection::BadSignature(
+                "`X-Slack-Request-Timestamp` and `X-Slack-Signature` are required".to_owned(),
+            ));
+        };
+        let timestamp: i64 = timestamp.trim().parse().map_err(|_| {
+            SlackRejection::BadSignature("the timestamp is not Unix seconds".to_owned())
+        })?;
+        let now = wor_store::now_millis() / 1000;
+        wor_secrets::slack_signature::verify(
+            secret.expose_secret(),
+            timestamp,
+            &interaction.body,
+            signature,
+            now,
+            SLACK_REPLAY_WINDOW_SECS,
+        )
+        .map_err(|e| SlackRejection::BadSignature(e.to_string()))?;
+
+        let press = ButtonPress::parse(&interaction.body)?;
+        if !self
+            .store
+            .note_slack_interaction(route.id, &press.trigger_id)
+            .await?
+        {
+            return Err(SlackRejection::Replayed);
+        }
+        // Another project's approval is as unknown as a malformed id.
+        let approval = match self.store.get_approval(project, press.approval_id).await {
+            Ok(approval) => approval,
+            Err(StoreError::NotFound) => {
+                return Ok(SlackOutcome::Refused(
+                    "this approval is not known".to_owned(),
+                ));
+            }
+            Err(other) => return Err(other.into()),
+        };
+        let event_key = format!("interaction:{}", press.trigger_id);
+        let Some(member_id) = self
+            .store
+            .slack_member(project, &press.team_id, &press.user_id)
+            .await?
+        else {
+            let refusal = "this Slack user is not linked to a member of the project".to_owned();
+            self.notify_approval_changed(
+                project,
+                approval.id,
+                &event_key,
+                Some(format!("Refused for <@{}>: {refusal}", press.user_id)),
+            )
+            .await?;
+            let link = self
+                .store
+                .create_slack_link_token(project, &press.team_id, &press.user_id, SLACK_LINK_TTL_MS)
+                .await?;
+            self.send_link(&route, &press, link.expose()).await;
+            tracing::info!(category = "notification", action = "slack.refuse", project_id = %project,
+                approval_id = %approval.id, reason = "unlinked", "slack interaction refused");
+            return Ok(SlackOutcome::Refused(refusal));
+        };
+        let member = self.store.get_member(project, member_id).await?;
+        let approver = Approver {
+            key_id: None,
+            member_id: Some(member_id),
+            role: member.role,
+        };
+        let (verdict, reason) = match press.action {
+            ApprovalAnswer::Approve => (ApprovalAnswer::Approve, "approved in Slack"),
+            ApprovalAnswer::Deny => (ApprovalAnswer::Deny, "denied in Slack"),
+        };
+        let outcome = match self
+            .decide_approval_via(
+                project,
+                approval.id,
+                approver,
+                verdict,
+                reason,
+                DecidedVia::Slack,
+            )
+            .await
+        {
+            Ok(decided) => SlackOutcome::Decided(decided.status),
+            Err(EngineError::Forbidden(refusal) | EngineError::Refused(refusal)) => {
+                self.notify_approval_changed(
+                    project,
+                    approval.id,
+                    &event_key,
+                    Some(format!(
+                        "Refused for <@{}> ({}): {}",
+                        press.user_id,
+                        slack_escape(&member.name),
+                        slack_escape(&refusal)
+                    )),
+                )
+                .await?;
+                SlackOutcome::Refused(refusal)
+            }
+            Err(other) => return Err(other.into()),
+        };
+        self.audit
+            .append(
+                AuditEvent::new(
+                    project,
+                    AuditCategory::SlackInteraction,
+                    Actor::ConsoleMember { member_id },
+                )
+                .subject("approval_id", approval.id)
+                .subject("route_id", route.id)
+                .payload(json!({
+                    "slack_team": press.team_id,
+                    "slack_user": press.user_id,
+                    "action": match press.action { ApprovalAnswer::Approve => "approve", ApprovalAnswer::Deny => "deny" },
+                    "outcome": match &outcome {
+                        SlackOutcome::Decided(status) => status.as_str().to_owned(),
+                        SlackOutcome::Refused(reason) => format!("refused: {reason}"),
+                    },
+                })),
+            )
+            .await
+            .map_err(EngineError::from)?;
+        Ok(outcome)
+    }
+
+    /// Tells an unlinked Slack user, privately, where to link their identity; a failure is
+    /// logged (the message already says why they were refused).
+    async fn send_link(&self, route: &NotificationRouteRecord, press: &ButtonPress, token: &str) {
+        let RouteChannel::Slack { channel, api_url } = &route.channel;
+        let Some(base) = self.config.console_url.as_deref() else {
+            tracing::warn!(category = "notification", project_id = %route.project_id,
+                "no console URL is configured: an unlinked Slack user cannot be sent a link");
+            return;
+        };
+        let text = format!(
+            "Your Slack identity is not linked to a member of this project. Sign in to the console and link it here (valid 15 minutes, once): {}/console/slack/link/{token}",
+            base.trim_end_matches('/')
+        );
+        let token_result = self
+            .vault
+            .open(&route_slot(
+                route.project_id,
+                route.id,
+                SLACK_BOT_TOKEN_FIELD,
+            ))
+            .await;
+        let Ok(bot) = token_result else {
+            return;
+        };
+        let body = json!({ "channel": press.channel.as_deref().unwrap_or(channel), "user": press.user_id, "text": text });
+        match self
+            .slack_call(api_url, "chat.postEphemeral", &bot, &body)
+            .await
+        {
+            Ok(SlackAnswer::Ok(_)) => {}
+            Ok(SlackAnswer::Refused { error, .. }) => {
+                tracing::warn!(category = "notification", project_id = %route.project_id,
+                    error = %error, "the link could not be sent to the Slack user");
+            }
+            Err(error) => {
+                tracing::warn!(category = "notification", project_id = %route.project_id,
+                    error = %wor_secrets::redact_shapes(&error), "the link could not be sent to the Slack user");
+            }
+        }
+    }
+
+    /// Links the Slack identity a link token names to the signed-in `member`.
+    pub async fn link_slack_identity(
+        &self,
+        project: ProjectId,
+        token: &str,
+        member: MemberId,
+    ) -> Result<wor_store::SlackLinkRecord, EngineError> {
+        let Some(link) = self
+            .store
+            .link_slack_identity(project, token, member)
+            .await?
+        else {
+            return Err(StoreError::NotFound.into());
+        };
+        self.audit
+            .append(
+                AuditEvent::new(
+                    project,
+                    AuditCategory::SlackIdentityLink,
+                    Actor::ConsoleMember { member_id: member },
+                )
+                .subject("member_id", member)
+                .payload(json!({ "slack_team": link.team_id, "slack_user": link.slack_user_id })),
+            )
+            .await?;
+        Ok(link)
+    }
+}
+
+/// What Slack answered a Web API call.
+enum SlackAnswer {
+    Ok(Value),
+    Refused { status: u16, error: String },
+}
+
+struct SlackMessage {
+    text: String,
+    blocks: Vec<Value>,
+}
+
+/// A press of Approve or Deny, from a `block_actions` payload.
+#[derive(Debug)]
+struct ButtonPress {
+    trigger_id: String,
+    team_id: String,
+    user_id: String,
+    channel: Option<String>,
+    approval_id: ApprovalId,
+    action: ApprovalAnswer,
+}
+
+impl ButtonPress {
+    fn parse(body: &[u8]) -> Result<Self, SlackRejection> {
+        let malformed = |what: &str| SlackRejection::Malformed(format!("the interaction {what}"));
+        let payload = url::form_urlencoded::parse(body)
+            .find(|(key, _)| key == "payload")
+            .map(|(_, value)| value.into_owned())
+            .ok_or_else(|| malformed("has no `payload` field"))?;
+        let payload: Value =
+            serde_json::from_str(&payload).map_err(|_| malformed("payload is not JSON"))?;
+        if payload.get("type").and_then(Value::as_str) != Some("block_actions") {
+            return Err(malformed("is not a button press (`block_actions`)"));
+        }
+        let text = |pointer: &str| payload.pointer(pointer).and_then(Value::as_str);
+        let id = |pointer: &str| text(pointer).filter(|v| is_slack_id(v)).map(str::to_owned);
+        let user_id = id("/user/id").ok_or_else(|| malformed("names no Slack user"))?;
+        let team_id = id("/team/id")
+            .or_else(|| id("/user/team_id"))
+            .ok_or_else(|| malformed("names no Slack team"))?;
+        let trigger_id = text("/trigger_id")
+            .filter(|t| !t.is_empty() && t.len() <= 128 && t.bytes().all(|b| b.is_ascii_graphic()))
+            .ok_or_else(|| malformed("has no `trigger_id`"))?
+            .to_owned();
+        let action = match text("/actions/0/action_id") {
+            Some("approve") => ApprovalAnswer::Approve,
+            Some("deny") => ApprovalAnswer::Deny,
+            _ => return Err(malformed("is neither Approve nor Deny")),
+        };
+        let approval_id = text("/actions/0/value")
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| malformed("names no approval"))?;
+        Ok(ButtonPress {
+            trigger_id,
+            team_id,
+            user_id,
+            channel: id("/channel/id"),
+            approval_id,
+            action,
+        })
+    }
+}
+
+/// A value as a message shows it: strings as they are, anything else as canonical JSON, cut
+/// to [`MAX_SHOWN_VALUE_CHARS`] with a mark saying how much was left out.
+fn shown_value(value: &Value) -> String {
+    let text = match value {
+        Value::String(s) => s.clone(),
+        other => wor_core::canonical::to_canonical_json(other),
+    };
+    let total = text.chars().count();
+    if total <= MAX_SHOWN_VALUE_CHARS {
+        return text;
+    }
+    let shown: String = text.chars().take(MAX_SHOWN_VALUE_CHARS).collect();
+    format!(
+        "{shown}… ({} more characters; the console shows it whole)",
+        total - MAX_SHOWN_VALUE_CHARS
+    )
+}
+
+/// Escapes the three characters Slack's `mrkdwn` treats as control characters, so text from a
+/// model or a tool cannot mention people, link or format.
+fn slack_escape(text: &str) -> String {
+    text.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_values_are_cut_and_control_characters_escaped() {
+        let long = Value::String("x".repeat(250));
+        let shown = shown_value(&long);
+        assert!(shown.starts_with(&"x".repeat(200)));
+        assert!(shown.contains("50 more characters"));
+        assert_eq!(shown_value(&json!({"b": 1, "a": 2})), r#"{"a":2,"b":1}"#);
+        assert_eq!(
+            slack_escape("<!channel> & <@U1>"),
+            "&lt;!channel&gt; &amp; &lt;@U1&gt;"
+        );
+    }
+
+    #[test]
+    fn only_button_presses_with_every_field_parse() {
+        let approval = ApprovalId::new();
+        let payload = json!({"type": "block_actions", "trigger_id": "1.2.abc",
+            "user": {"id": "U1", "team_id": "T1"}, "team": {"id": "T1"},
+            "channel": {"id": "C1"},
+            "actions": [{"action_id": "deny", "value": approval.to_string()}]});
+        let body = url::form_urlencoded::Serializer::new(String::new())
+            .append_pair("payload", &payload.to_string())
+            .finish();
+        let press = ButtonPress::parse(body.as_bytes()).unwrap();
+        assert_eq!(press.approval_id, approval);
+        assert_eq!(press.action, ApprovalAnswer::Deny);
+        assert_eq!(press.user_id, "U1");
+        for broken in [
+            json!({"type": "view_submission"}),
+            json!({"type": "block_actions", "trigger_id": "t", "user": {"id": "U<1>"}, "team": {"id": "T1"},
+                "actions": [{"action_id": "approve", "value": approval.to_string()}]}),
+            json!({"type": "block_actions", "trigger_id": "t", "user": {"id": "U1"}, "team": {"id": "T1"},
+                "actions": [{"action_id": "other", "value": approval.to_string()}]}),
+            json!({"type": "block_actions", "trigger_id": "t", "user": {"id": "U1"}, "team": {"id": "T1"},
+                "actions": [{"action_id": "approve", "value": "apr_x"}]}),
+        ] {
+            let body = url::form_urlencoded::Serializer::new(String::new())
+                .append_pair("payload", &broken.to_string())
+                .finish();
+            assert!(matches!(
+                ButtonPress::parse(body.as_bytes()),
+                Err(SlackRejection::Malformed(_))
+            ));
+        }
+        assert!(ButtonPress::parse(b"nothing=here").is_err());
+    }
+}
