@@ -472,13 +472,13 @@ impl RoutineDefinition {
                     "`model.script` is required with provider `replay`".into(),
                 ));
             }
-            (ProviderKind::OpenaiCompatible | ProviderKind::Anthropic, None, _) => {
+            (kind, None, _) if kind.needs_connection() => {
                 return Err(at(
                     model_span,
                     "`model.connection` names the model connection to use".into(),
                 ));
             }
-            (ProviderKind::OpenaiCompatible | ProviderKind::Anthropic, _, Some(_)) => {
+            (kind, _, Some(_)) if kind.needs_connection() => {
                 return Err(at(
                     model_span,
                     "`model.script` is only for provider `replay`".into(),

@@ -633,6 +633,12 @@ impl Engine {
             .into_iter()
             .find(|c| c.name == name && c.status == ConnectionStatus::Active)
             .ok_or_else(|| format!("model connection `{name}` is missing or revoked"))?;
+        if connection.provider != model.provider {
+            return Err(format!(
+                "model connection `{name}` speaks `{}`, the routine's model `{}`",
+                connection.provider, model.provider
+            ));
+        }
         let slot = SecretSlot::new(
             run.project_id,
             MODEL_CONNECTIONS_TABLE,
@@ -661,11 +667,14 @@ impl Engine {
                 endpoint,
                 options,
             )),
-            _ => Box::new(OpenAiCompatibleProvider::new(
+            ProviderKind::OpenaiCompatible => Box::new(OpenAiCompatibleProvider::new(
                 self.egress.clone(),
                 endpoint,
                 options,
             )),
+            ProviderKind::AzureOpenai | ProviderKind::Gemini | ProviderKind::Replay => {
+                return Err(format!("provider `{}` is not built yet", model.provider));
+            }
         })
     }
 }

@@ -46,7 +46,7 @@ pub use console::{
 pub use members::MemberRecord;
 pub use memory::MemoryEntry;
 pub use model_connections::{
-    API_KEY_FIELD, ConnectionStatus, MODEL_CONNECTIONS_TABLE, ModelConnectionRecord, ModelProvider,
+    API_KEY_FIELD, ConnectionStatus, MODEL_CONNECTIONS_TABLE, ModelConnectionRecord,
     NewModelConnection,
 };
 pub use projects::{CreatedProject, ProjectRecord, RecoveredOwner};

@@ -9,6 +9,7 @@ use axum::http::StatusCode;
 use serde_json::json;
 use wor_core::ConnectionId;
 use wor_core::audit::{AuditCategory, AuditEvent};
+use wor_core::model::{ProviderKind, ProviderKindParseError};
 use wor_store::{
     API_KEY_FIELD, MODEL_CONNECTIONS_TABLE, ModelConnectionRecord, NewModelConnection, SecretSlot,
 };
@@ -27,7 +28,7 @@ const MAX_API_KEY_LEN: usize = 8 * 1024;
 #[serde(deny_unknown_fields)]
 pub struct CreateModelConnection {
     pub name: String,
-    /// `openai_compatible` or `anthropic`.
+    /// `openai_compatible`, `anthropic`, `azure_openai` or `gemini`.
     pub provider: String,
     /// The provider's base URL, `https://…`; checked again by the egress guard on every call.
     pub base_url: String,
@@ -147,10 +148,15 @@ pub async fn create(
 ) -> Result<(StatusCode, Json<ModelConnectionView>), ApiError> {
     caller.require_configure()?;
     check_name(&body.name, "connection")?;
-    let provider = body
-        .provider
-        .parse()
-        .map_err(|e: String| ApiError::bad_request("invalid_provider", e))?;
+    let provider: ProviderKind = body.provider.parse().map_err(|e: ProviderKindParseError| {
+        ApiError::bad_request("invalid_provider", e.to_string())
+    })?;
+    if !provider.needs_connection() {
+        return Err(ApiError::bad_request(
+            "invalid_provider",
+            format!("provider `{provider}` takes no model connection"),
+        ));
+    }
     check_base_url(&body.base_url)?;
     check_api_key(&body.api_key)?;
     let record = state
