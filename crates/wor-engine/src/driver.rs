@@ -645,30 +645,47 @@ impl Engine {
             connection.id,
             API_KEY_FIELD,
         );
-        let key =
-            self.vault.open(&slot).await.map_err(|e| {
+        // A connection without a key is a local model server: allowed only while its address
+        // is in the operator's model ranges, rechecked at every (re)start.
+        let key = match self.vault.metadata(&slot).await {
+            Ok(Some(_)) => Some(self.vault.open(&slot).await.map_err(|e| {
                 format!("the key of model connection `{name}` cannot be opened: {e}")
-            })?;
-        self.audit
-            .append(
-                AuditEvent::new(run.project_id, AuditCategory::SecretUse, Actor::Run { run_id: run.id })
-                    .subject("run_id", run.id)
-                    .subject("connection_id", connection.id)
-                    .runs(run.root_run_id, run.parent_run_id)
-                    .payload(json!({ "slot": slot.to_string(), "credential_version": connection.credential_version })),
-            )
-            .await
-            .map_err(|e| format!("the use of a secret cannot be recorded: {e}"))?;
-        let endpoint = ProviderEndpoint::new(connection.base_url, Some(key));
+            })?),
+            Ok(None) => {
+                self.model_egress
+                    .vet_keyless_model(&connection.base_url)
+                    .await
+                    .map_err(|e| format!("model connection `{name}` has no API key: {e}"))?;
+                None
+            }
+            Err(e) => {
+                return Err(format!(
+                    "the key of model connection `{name}` cannot be read: {e}"
+                ));
+            }
+        };
+        if key.is_some() {
+            self.audit
+                .append(
+                    AuditEvent::new(run.project_id, AuditCategory::SecretUse, Actor::Run { run_id: run.id })
+                        .subject("run_id", run.id)
+                        .subject("connection_id", connection.id)
+                        .runs(run.root_run_id, run.parent_run_id)
+                        .payload(json!({ "slot": slot.to_string(), "credential_version": connection.credential_version })),
+                )
+                .await
+                .map_err(|e| format!("the use of a secret cannot be recorded: {e}"))?;
+        }
+        let endpoint = ProviderEndpoint::new(connection.base_url, key);
         let options = ProviderOptions::default();
         Ok(match model.provider {
             ProviderKind::Anthropic => Box::new(AnthropicProvider::new(
-                self.egress.clone(),
+                self.model_egress.clone(),
                 endpoint,
                 options,
             )),
             ProviderKind::OpenaiCompatible => Box::new(OpenAiCompatibleProvider::new(
-                self.egress.clone(),
+                self.model_egress.clone(),
                 endpoint,
                 options,
             )),

@@ -122,6 +122,9 @@ pub struct Engine {
     store: Store,
     vault: Vault,
     egress: EgressClient,
+    /// The client model calls go out through: `egress`'s policy plus the operator's
+    /// `[egress] model_cidrs`, which no tool, webhook or sandbox traffic may reach.
+    model_egress: EgressClient,
     /// Where the engine's security events are recorded (S12).
     audit: AuditLog,
     config: Arc<EngineConfig>,
@@ -144,6 +147,7 @@ impl Engine {
         Engine {
             store,
             vault,
+            model_egress: egress.clone(),
             egress,
             audit,
             config: Arc::new(config),
@@ -158,6 +162,23 @@ impl Engine {
     pub fn with_sandbox(mut self, sandbox: wor_sandbox::Sandbox) -> Self {
         self.sandbox = Some(sandbox);
         self
+    }
+
+    /// Sends model calls through `model_egress` (built from the policy's
+    /// [`for_models`](wor_egress::EgressPolicy::for_models)) instead of the tools' client.
+    #[must_use]
+    pub fn with_model_egress(mut self, model_egress: EgressClient) -> Self {
+        self.model_egress = model_egress;
+        self
+    }
+
+    /// Checks that a model connection may go without an API key: its base URL reaches only
+    /// addresses the operator listed in `[egress] model_cidrs` (S6).
+    pub async fn vet_keyless_model_url(
+        &self,
+        url: &str,
+    ) -> Result<(), wor_egress::KeylessModelRefusal> {
+        self.model_egress.vet_keyless_model(url).await.map(|_| ())
     }
 
     pub fn audit(&self) -> &AuditLog {

@@ -32,8 +32,11 @@ pub struct CreateModelConnection {
     pub provider: String,
     /// The provider's base URL, `https://…`; checked again by the egress guard on every call.
     pub base_url: String,
-    /// The provider API key. Stored encrypted; never returned.
-    pub api_key: String,
+    /// The provider API key. Stored encrypted; never returned. Left out only for a local
+    /// model server whose address the operator listed in the server configuration's
+    /// `[egress] model_cidrs`.
+    #[serde(default)]
+    pub api_key: Option<String>,
 }
 
 #[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
@@ -158,7 +161,14 @@ pub async fn create(
         ));
     }
     check_base_url(&body.base_url)?;
-    check_api_key(&body.api_key)?;
+    match &body.api_key {
+        Some(key) => check_api_key(key)?,
+        None => state
+            .engine
+            .vet_keyless_model_url(&body.base_url)
+            .await
+            .map_err(|refusal| ApiError::bad_request("api_key_required", refusal.to_string()))?,
+    }
     let record = state
         .store
         .create_model_connection(
@@ -172,7 +182,9 @@ pub async fn create(
             },
         )
         .await?;
-    if let Err(err) = state.vault.put(&slot(&record), &body.api_key).await {
+    if let Some(key) = &body.api_key
+        && let Err(err) = state.vault.put(&slot(&record), key).await
+    {
         // Never leave a connection that looks configured but holds no key.
         state
             .store

@@ -1,0 +1,254 @@
+//! Model connections through the API: local model servers in the operator's model ranges
+//! without a key, and those ranges kept shut to tools and webhooks.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic,
+    reason = "tests fail loudly"
+)]
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use axum::Router;
+use axum::http::{HeaderMap, Method, StatusCode};
+use common::{Harness, steps_of};
+use serde_json::{Value, json};
+use wor_egress::{EgressClient, EgressLimits, EgressPolicy, StaticResolver};
+
+/// The address the local model server listens on: listed for models only. Tools and webhooks
+/// may reach 127.0.0.1 (the harness's usual allowed range), never this one.
+const MODEL_RANGE: &str = "127.0.0.2/32";
+
+/// Egress for tools and webhooks, and egress for models, as `wor serve` builds them from
+/// `[egress] allowed_cidrs = ["127.0.0.1/32"]` and `model_cidrs = ["127.0.0.2/32"]`.
+fn egress_with_model_range() -> (EgressClient, EgressClient) {
+    let policy = EgressPolicy::development()
+        .with_allowed_cidrs(["127.0.0.1/32".parse().unwrap()])
+        .unwrap()
+        .with_model_cidrs([MODEL_RANGE.parse().unwrap()])
+        .unwrap();
+    let client = |policy| {
+        EgressClient::with_resolver(
+            policy,
+            Arc::new(StaticResolver::new()),
+            EgressLimits::default(),
+        )
+        .unwrap()
+    };
+    (client(policy.for_models()), client(policy))
+}
+
+/// What a local server saw: each request's path, authorization header and body.
+#[derive(Debug, Default)]
+struct Seen {
+    requests: Mutex<Vec<(String, Option<String>, Value)>>,
+}
+
+/// A local OpenAI-compatible server (Ollama's dialect: no key, usage in the last chunk) on
+/// `ip`, answering every chat completion with `text`; any other path is recorded and 404.
+async fn local_model(ip: [u8; 4], text: &'static str) -> (SocketAddr, Arc<Seen>) {
+    let seen = Arc::new(Seen::default());
+    let record = seen.clone();
+    let chat = axum::routing::post(
+        move |headers: HeaderMap, axum::Json(body): axum::Json<Value>| {
+            let seen = record.clone();
+            async move {
+                let auth = headers
+                    .get("authorization")
+                    .map(|v| v.to_str().unwrap().to_owned());
+                seen.requests
+                    .lock()
+                    .unwrap()
+                    .push(("/v1/chat/completions".into(), auth, body));
+                let chunks = [
+                    json!({"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "llama3.2",
+                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": text}, "finish_reason": null}]}),
+                    json!({"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "llama3.2",
+                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": "stop"}]}),
+                    json!({"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "llama3.2",
+                    "choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}}),
+                ];
+                let mut sse = String::new();
+                for chunk in chunks {
+                    sse.push_str(&format!("data: {chunk}\n\n"));
+                }
+                sse.push_str("data: [DONE]\n\n");
+                ([("content-type", "text/event-stream")], sse)
+            }
+        },
+    );
+    let other = seen.clone();
+    let router =
+        Router::new()
+            .route("/v1/chat/completions", chat)
+            .fallback(move |uri: axum::http::Uri| {
+                let seen = other.clone();
+                async move {
+                    seen.requests
+                        .lock()
+                        .unwrap()
+                        .push((uri.path().to_owned(), None, Value::Null));
+                    StatusCode::NOT_FOUND
+                }
+            });
+    let listener = tokio::net::TcpListener::bind(SocketAddr::from((ip, 0)))
+        .await
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    (addr, seen)
+}
+
+const LOCAL_ROUTINE: &str = r#"
+name = "local"
+instructions = "Answer briefly."
+[model]
+provider = "openai_compatible"
+connection = "local"
+model = "llama3.2"
+"#;
+
+#[tokio::test]
+async fn a_local_model_server_in_the_model_range_needs_no_key_and_the_range_stays_shut_to_tools_and_webhooks()
+ {
+    let (model_egress, egress) = egress_with_model_range();
+    let h = Harness::with_egress(Default::default(), egress, Some(model_egress)).await;
+    let (local, seen) = local_model([127, 0, 0, 2], "hello from the local model").await;
+
+    // No key, and the address is in the model range: created, shown as keyless.
+    let (status, created) = h
+        .call(
+            Method::POST,
+            "/v1/model-connections",
+            Some(json!({"name": "local", "provider": "openai_compatible",
+                "base_url": format!("http://{local}/v1")})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    assert_eq!(created["api_key"]["configured"], false);
+
+    let run = h.run(LOCAL_ROUTINE).await;
+    assert_eq!(run["status"], "succeeded", "{run:#}");
+    let turn = &steps_of(&run, "model_turn")[0]["payload"];
+    assert_eq!(
+        turn["message"]["text"], "hello from the local model",
+        "{turn}"
+    );
+    {
+        let requests = seen.requests.lock().unwrap();
+        assert_eq!(requests.len(), 1);
+        assert_eq!(requests[0].1, None, "no authorization header is sent");
+        assert_eq!(requests[0].2["model"], "llama3.2");
+    }
+    // No secret was used, so none is recorded as used.
+    assert!(!h.audit_text().await.contains("secret.use"));
+
+    // Without a key, an address outside the model range is refused, even one tools may reach.
+    let (elsewhere, _) = local_model([127, 0, 0, 1], "unused").await;
+    for base_url in [
+        format!("http://{elsewhere}/v1"),
+        "http://10.0.0.5:11434/v1".to_owned(),
+    ] {
+        let (status, refused) = h
+            .call(
+                Method::POST,
+                "/v1/model-connections",
+                Some(
+                    json!({"name": "nokey", "provider": "openai_compatible", "base_url": base_url}),
+                ),
+            )
+            .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{base_url}: {refused}");
+        assert_eq!(refused["error"]["code"], "api_key_required", "{refused}");
+    }
+
+    // A tool connection to the model range is refused by the egress guard at review...
+    let body = json!({"name": "sneaky", "kind": "mcp_http", "url": format!("http://{local}/mcp"),
+        "allowlist": [local.to_string()]});
+    let (status, created) = h
+        .call(Method::POST, "/v1/tool-connections", Some(body))
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    let id = created["id"].as_str().unwrap();
+    let (status, review) = h
+        .call(
+            Method::GET,
+            &format!("/v1/tool-connections/{id}/review"),
+            None,
+        )
+        .await;
+    assert!(!status.is_success(), "{status} {review}");
+    let message = review["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("127.0.0.2"), "{message}");
+    // ... and so is a run webhook to it, when the routine is applied.
+    let toml = format!("{LOCAL_ROUTINE}\n[notify]\nurl = \"http://{local}/hook\"\n");
+    let (status, refused) = h
+        .call(Method::POST, "/v1/routines", Some(json!({ "toml": toml })))
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{refused}");
+    assert!(
+        refused["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("`notify.url`"),
+        "{refused}"
+    );
+    // Nothing but the one model call reached the local server.
+    let paths: Vec<String> = seen
+        .requests
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|r| r.0.clone())
+        .collect();
+    assert_eq!(paths, ["/v1/chat/completions"]);
+}
+
+#[tokio::test]
+async fn a_keyless_connection_is_rechecked_at_every_start() {
+    // The connection was made while the range was listed; a server restarted without it
+    // fails the run closed instead of sending to the range.
+    let (model_egress, egress) = egress_with_model_range();
+    let h = Harness::with_egress(Default::default(), egress, Some(model_egress)).await;
+    let (local, seen) = local_model([127, 0, 0, 2], "unused").await;
+    let (status, created) = h
+        .call(
+            Method::POST,
+            "/v1/model-connections",
+            Some(json!({"name": "local", "provider": "openai_compatible",
+                "base_url": format!("http://{local}/v1")})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    let (status, applied) = h
+        .call(
+            Method::POST,
+            "/v1/routines",
+            Some(json!({"toml": LOCAL_ROUTINE})),
+        )
+        .await;
+    assert!(status.is_success(), "{applied}");
+    let routine_id = applied["routine"]["id"].as_str().unwrap();
+    let (status, run) = h
+        .call(
+            Method::POST,
+            &format!("/v1/routines/{routine_id}/runs"),
+            Some(json!({"input": "go"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{run}");
+    let restarted = h.restarted_engine(Default::default());
+    assert!(restarted.run_next().await.unwrap());
+    let run = h.get_run(run["id"].as_str().unwrap()).await;
+    assert_eq!(run["status"], "failed", "{run:#}");
+    let outcome = run["outcome"].as_str().unwrap();
+    assert!(
+        outcome.contains("has no API key") && outcome.contains("127.0.0.2"),
+        "{outcome}"
+    );
+    assert!(seen.requests.lock().unwrap().is_empty());
+}
