@@ -1124,3 +1124,196 @@ async fn replay_resuming_a_conversation_continues_where_it_was() {
         "neither `one` nor `two` is played again"
     );
 }
+
+// ---------------------------------------------------------------- local servers' dialects
+//
+// Recorded from Ollama's and llama.cpp server's documentation of their OpenAI-compatible
+// `/v1/chat/completions`; the differences are listed in docs/models.md.
+
+fn local(server: &MockServer, streaming: bool) -> OpenAiCompatibleProvider {
+    OpenAiCompatibleProvider::new(
+        loopback_egress(),
+        ProviderEndpoint::new(format!("{}/v1", server.base_url()), None),
+        options(streaming),
+    )
+}
+
+fn sse_of(chunks: &[serde_json::Value]) -> String {
+    let mut body = String::new();
+    for chunk in chunks {
+        body.push_str(&format!("data: {chunk}\n\n"));
+    }
+    body.push_str("data: [DONE]\n\n");
+    body
+}
+
+#[tokio::test]
+async fn ollama_streams_whole_tool_calls_without_index_says_stop_and_takes_no_key() {
+    // Each call arrives whole in one chunk, without `index`; the turn ends with `stop`; usage
+    // comes in a last chunk with no choices.
+    let body = sse_of(&[
+        json!({"id": "chatcmpl-7", "object": "chat.completion.chunk", "model": "llama3.2",
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": "",
+                "tool_calls": [{"id": "call_k2x", "type": "function",
+                    "function": {"name": "lookup", "arguments": "{\"word\":\"apple\"}"}}]},
+                "finish_reason": null}]}),
+        json!({"id": "chatcmpl-7", "object": "chat.completion.chunk", "model": "llama3.2",
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": "",
+                "tool_calls": [{"id": "call_9qa", "type": "function",
+                    "function": {"name": "lookup", "arguments": "{\"word\":\"pear\"}"}}]},
+                "finish_reason": null}]}),
+        json!({"id": "chatcmpl-7", "object": "chat.completion.chunk", "model": "llama3.2",
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                "finish_reason": "stop"}]}),
+        json!({"id": "chatcmpl-7", "object": "chat.completion.chunk", "model": "llama3.2",
+            "choices": [], "usage": {"prompt_tokens": 61, "completion_tokens": 24, "total_tokens": 85}}),
+    ]);
+    let server = MockServer::start(vec![sse_reply(&body, 37)]).await;
+    let mut sink = CollectedStream::default();
+    let response = local(&server, true)
+        .complete(&conversation(), &mut sink)
+        .await
+        .unwrap();
+    let calls: Vec<(&str, serde_json::Value)> = response
+        .message
+        .tool_calls
+        .iter()
+        .map(|c| (c.id.as_str(), c.arguments.clone()))
+        .collect();
+    assert_eq!(
+        calls,
+        [
+            ("call_k2x", json!({"word": "apple"})),
+            ("call_9qa", json!({"word": "pear"}))
+        ]
+    );
+    assert_eq!(response.stop_reason, StopReason::ToolUse);
+    assert_eq!(
+        response.usage,
+        Usage {
+            input_tokens: 61,
+            output_tokens: 24
+        }
+    );
+    let request = &server.requests()[0];
+    assert_eq!(request.header("authorization"), None, "no key, no header");
+    assert_eq!(request.json()["stream_options"]["include_usage"], true);
+}
+
+#[tokio::test]
+async fn ollama_non_streamed_tool_calls_and_usage() {
+    let server = MockServer::start(vec![json_reply(
+        200,
+        &[],
+        r#"{"id":"chatcmpl-3","object":"chat.completion","created":1733000000,"model":"qwen2.5",
+            "system_fingerprint":"fp_ollama",
+            "choices":[{"index":0,"message":{"role":"assistant","content":"",
+                "tool_calls":[{"id":"call_ab12","index":0,"type":"function",
+                    "function":{"name":"lookup","arguments":"{\"word\":\"fig\"}"}}]},
+                "finish_reason":"tool_calls"}],
+            "usage":{"prompt_tokens":40,"completion_tokens":17,"total_tokens":57}}"#,
+    )])
+    .await;
+    let response = local(&server, false)
+        .complete(&conversation(), &mut DiscardStream)
+        .await
+        .unwrap();
+    assert_eq!(response.message.text, "");
+    assert_eq!(response.message.tool_calls[0].id, "call_ab12");
+    assert_eq!(
+        response.message.tool_calls[0].arguments,
+        json!({"word": "fig"})
+    );
+    assert_eq!(response.stop_reason, StopReason::ToolUse);
+    assert_eq!(response.usage.input_tokens, 40);
+    assert_eq!(server.requests()[0].header("authorization"), None);
+}
+
+#[tokio::test]
+async fn llama_cpp_streams_reasoning_apart_and_usage_with_timings_in_the_finishing_chunk() {
+    // Reasoning arrives as `reasoning_content` (not answer text); argument fragments are keyed
+    // by `index` with the id in the first; the finishing chunk carries `usage` and `timings`.
+    let body = sse_of(&[
+        json!({"choices": [{"index": 0, "delta": {"role": "assistant", "content": null}, "finish_reason": null}],
+            "created": 1733000000, "id": "chatcmpl-Xq", "model": "gpt-oss-20b", "object": "chat.completion.chunk"}),
+        json!({"choices": [{"index": 0, "delta": {"reasoning_content": "The user wants a word."}, "finish_reason": null}],
+            "object": "chat.completion.chunk"}),
+        json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "Hx8vQ2", "type": "function",
+            "function": {"name": "lookup", "arguments": ""}}]}, "finish_reason": null}], "object": "chat.completion.chunk"}),
+        json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{\"word\":"}}]},
+            "finish_reason": null}], "object": "chat.completion.chunk"}),
+        json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "\"plum\"}"}}]},
+            "finish_reason": null}], "object": "chat.completion.chunk"}),
+        json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}], "object": "chat.completion.chunk",
+            "usage": {"completion_tokens": 31, "prompt_tokens": 118, "total_tokens": 149},
+            "timings": {"prompt_n": 118, "prompt_ms": 80.2, "predicted_n": 31, "predicted_ms": 410.0}}),
+    ]);
+    let server = MockServer::start(vec![sse_reply(&body, 53)]).await;
+    let mut sink = CollectedStream::default();
+    let response = local(&server, true)
+        .complete(&conversation(), &mut sink)
+        .await
+        .unwrap();
+    assert_eq!(response.message.text, "", "reasoning is not answer text");
+    assert!(sink.text().is_empty(), "{sink:?}");
+    assert_eq!(response.message.tool_calls.len(), 1);
+    assert_eq!(response.message.tool_calls[0].id, "Hx8vQ2");
+    assert_eq!(
+        response.message.tool_calls[0].arguments,
+        json!({"word": "plum"})
+    );
+    assert_eq!(response.stop_reason, StopReason::ToolUse);
+    assert_eq!(
+        response.usage,
+        Usage {
+            input_tokens: 118,
+            output_tokens: 31
+        }
+    );
+}
+
+#[tokio::test]
+async fn llama_cpp_timings_count_when_usage_is_missing_and_its_errors_are_summarised() {
+    // Builds that report only their own `timings` still count against token budgets.
+    let body = sse_of(&[
+        json!({"choices": [{"index": 0, "delta": {"content": "Plums are fruit."}, "finish_reason": null}]}),
+        json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+            "timings": {"prompt_n": 20, "predicted_n": 5}}),
+    ]);
+    let server = MockServer::start(vec![
+        sse_reply(&body, 64),
+        json_reply(
+            400,
+            &[],
+            r#"{"error":{"code":400,"message":"tools param requires --jinja flag","type":"invalid_request_error"}}"#,
+        ),
+    ])
+    .await;
+    let provider = local(&server, true);
+    let response = provider
+        .complete(&simple_request(), &mut DiscardStream)
+        .await
+        .unwrap();
+    assert_eq!(response.message.text, "Plums are fruit.");
+    assert_eq!(response.stop_reason, StopReason::EndTurn);
+    assert_eq!(
+        response.usage,
+        Usage {
+            input_tokens: 20,
+            output_tokens: 5
+        }
+    );
+    let error = provider
+        .complete(&conversation(), &mut DiscardStream)
+        .await
+        .unwrap_err();
+    match &error {
+        ModelError::HttpStatus {
+            status, summary, ..
+        } => {
+            assert_eq!(*status, 400);
+            assert_eq!(summary, "tools param requires --jinja flag");
+        }
+        other => panic!("{other:?}"),
+    }
+}
