@@ -21,8 +21,8 @@ use wor_core::routine::RoutineDefinition;
 use wor_core::run::{Provenance, RunStatus};
 use wor_core::run_loop::{AfterCall, CallOutcome, Ending, Next, RunLoop};
 use wor_models::{
-    AnthropicProvider, DiscardStream, ModelProvider, OpenAiCompatibleProvider, ProviderEndpoint,
-    ProviderOptions, ReplayProvider,
+    AnthropicProvider, AzureOpenAiProvider, DiscardStream, ModelProvider, OpenAiCompatibleProvider,
+    ProviderEndpoint, ProviderOptions, ReplayProvider,
 };
 use wor_policy::PolicyEngine;
 use wor_secrets::Redactor;
@@ -689,7 +689,12 @@ impl Engine {
                 endpoint,
                 options,
             )),
-            ProviderKind::AzureOpenai | ProviderKind::Gemini | ProviderKind::Replay => {
+            ProviderKind::AzureOpenai => Box::new(AzureOpenAiProvider::new(
+                self.model_egress.clone(),
+                endpoint,
+                options,
+            )),
+            ProviderKind::Gemini | ProviderKind::Replay => {
                 return Err(format!("provider `{}` is not built yet", model.provider));
             }
         })

@@ -17,6 +17,7 @@
 //! error summaries; `sse` the event-stream decoder; [`error`] the [`ModelError`] enum.
 
 pub mod anthropic;
+pub mod azure;
 pub mod error;
 pub mod openai;
 pub mod replay;
@@ -29,6 +30,7 @@ use std::pin::Pin;
 use wor_core::model::{ModelRequest, ModelResponse, ProviderKind};
 
 pub use anthropic::{ANTHROPIC_VERSION, AnthropicProvider};
+pub use azure::AzureOpenAiProvider;
 pub use error::ModelError;
 pub use openai::OpenAiCompatibleProvider;
 pub use replay::{ReplayProvider, ReplayScript};

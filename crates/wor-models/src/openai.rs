@@ -20,7 +20,7 @@ use wor_core::model::{
     ToolCallRequest, Usage,
 };
 use wor_egress::EgressClient;
-use wor_egress::header::AUTHORIZATION;
+use wor_egress::header::{AUTHORIZATION, HeaderName, HeaderValue};
 
 use crate::error::ModelError;
 use crate::sse::SseEvent;
@@ -53,29 +53,51 @@ impl OpenAiCompatibleProvider {
         request: &ModelRequest,
         sink: &mut dyn StreamSink,
     ) -> Result<ModelResponse, ModelError> {
-        let streaming = self.options.streaming;
-        let body = serde_json::to_vec(&request_body(request, streaming))
-            .map_err(|e| ModelError::InvalidRequest(e.to_string()))?;
-        let mut headers = json_headers(streaming);
-        if let Some(key) = &self.endpoint.api_key {
-            let bearer = format!("Bearer {}", key.expose_secret());
-            headers.insert(AUTHORIZATION, secret_header(&bearer)?);
-        }
         let url = self.endpoint.url("chat/completions");
-        let response = post_json(
+        let body = request_body(request, self.options.streaming);
+        // The key becomes a header only now, as the request is sent.
+        let auth = match &self.endpoint.api_key {
+            Some(key) => Some((
+                AUTHORIZATION,
+                secret_header(&format!("Bearer {}", key.expose_secret()))?,
+            )),
+            None => None,
+        };
+        exchange(
             &self.egress,
             &self.endpoint,
             &self.options,
             &url,
-            headers,
             body,
+            auth,
+            sink,
         )
-        .await?;
-        read_answer::<ChatStream>(response, streaming, &self.endpoint, sink, |body| {
-            parse_json::<Completion>("chat completion", body)?.into_response()
-        })
         .await
     }
+}
+
+/// Sends one chat-completions `body` to `url` with the `auth` header and reads the answer,
+/// streamed or whole: the exchange the OpenAI-compatible and Azure OpenAI providers share.
+pub(crate) async fn exchange(
+    egress: &EgressClient,
+    endpoint: &ProviderEndpoint,
+    options: &ProviderOptions,
+    url: &str,
+    body: Value,
+    auth: Option<(HeaderName, HeaderValue)>,
+    sink: &mut dyn StreamSink,
+) -> Result<ModelResponse, ModelError> {
+    let streaming = options.streaming;
+    let body = serde_json::to_vec(&body).map_err(|e| ModelError::InvalidRequest(e.to_string()))?;
+    let mut headers = json_headers(streaming);
+    if let Some((name, value)) = auth {
+        headers.insert(name, value);
+    }
+    let response = post_json(egress, endpoint, options, url, headers, body).await?;
+    read_answer::<ChatStream>(response, streaming, endpoint, sink, |body| {
+        parse_json::<Completion>("chat completion", body)?.into_response()
+    })
+    .await
 }
 
 impl ModelProvider for OpenAiCompatibleProvider {

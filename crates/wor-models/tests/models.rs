@@ -20,9 +20,9 @@ use wor_core::model::{
     Usage,
 };
 use wor_models::{
-    AnthropicProvider, CollectedStream, DiscardStream, ModelError, ModelProvider,
-    OpenAiCompatibleProvider, ProviderEndpoint, ProviderOptions, ReplayProvider, ReplayScript,
-    RetryPolicy,
+    AnthropicProvider, AzureOpenAiProvider, CollectedStream, DiscardStream, ModelError,
+    ModelProvider, OpenAiCompatibleProvider, ProviderEndpoint, ProviderOptions, ReplayProvider,
+    ReplayScript, RetryPolicy,
 };
 
 const API_KEY: &str = "sk-test-0123456789abcdefghijklmnopqrstuv";
@@ -1316,4 +1316,120 @@ async fn llama_cpp_timings_count_when_usage_is_missing_and_its_errors_are_summar
         }
         other => panic!("{other:?}"),
     }
+}
+
+// ---------------------------------------------------------------- Azure OpenAI
+
+fn azure(server: &MockServer, streaming: bool) -> AzureOpenAiProvider {
+    AzureOpenAiProvider::new(
+        loopback_egress(),
+        ProviderEndpoint::new(server.base_url(), Some(API_KEY.into())),
+        options(streaming),
+    )
+}
+
+#[tokio::test]
+async fn azure_sends_to_the_deployment_with_an_api_key_header_and_skips_filter_chunks() {
+    // The first chunk carries only the prompt's content-filter results and no choices.
+    let body = sse_of(&[
+        json!({"choices": [], "created": 0, "id": "", "model": "", "object": "",
+            "prompt_filter_results": [{"prompt_index": 0, "content_filter_results": {
+                "hate": {"filtered": false, "severity": "safe"}}}]}),
+        json!({"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Looking"},
+            "content_filter_results": {}, "finish_reason": null}], "id": "chatcmpl-A1", "model": "gpt-4o-2024-08-06",
+            "object": "chat.completion.chunk"}),
+        json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "call_Az", "type": "function",
+            "function": {"name": "lookup", "arguments": "{\"word\":\"kiwi\"}"}}]}, "finish_reason": null}],
+            "object": "chat.completion.chunk"}),
+        json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}], "object": "chat.completion.chunk"}),
+        json!({"choices": [], "object": "chat.completion.chunk",
+            "usage": {"prompt_tokens": 90, "completion_tokens": 14, "total_tokens": 104}}),
+    ]);
+    let server = MockServer::start(vec![sse_reply(&body, 41)]).await;
+    let mut request = conversation();
+    request.model = "gpt-4o-prod".into();
+    let mut sink = CollectedStream::default();
+    let response = azure(&server, true)
+        .complete(&request, &mut sink)
+        .await
+        .unwrap();
+    assert_eq!(response.message.text, "Looking");
+    assert_eq!(response.message.tool_calls[0].id, "call_Az");
+    assert_eq!(response.stop_reason, StopReason::ToolUse);
+    assert_eq!(response.usage.input_tokens, 90);
+    assert_eq!(response.usage.output_tokens, 14);
+    let sent = &server.requests()[0];
+    assert_eq!(
+        sent.request_line,
+        "POST /openai/deployments/gpt-4o-prod/chat/completions?api-version=2024-10-21 HTTP/1.1"
+    );
+    assert_eq!(sent.header("api-key"), Some(API_KEY));
+    assert_eq!(sent.header("authorization"), None);
+    let body = sent.json();
+    assert!(
+        body.get("model").is_none(),
+        "the deployment names the model"
+    );
+    assert_eq!(body["tools"][0]["function"]["name"], "lookup");
+}
+
+#[tokio::test]
+async fn azure_waits_out_a_429_and_redacts_a_rejected_key() {
+    let server = MockServer::start(vec![
+        json_reply(
+            429,
+            &["retry-after: 1"],
+            r#"{"error":{"code":"429","message":"Requests to the ChatCompletions_Create Operation have exceeded the rate limit. Please retry after 1 second."}}"#,
+        ),
+        json_reply(
+            200,
+            &[],
+            r#"{"choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],
+                "usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}"#,
+        ),
+        json_reply(
+            401,
+            &[],
+            &format!(
+                r#"{{"error":{{"code":"401","message":"Access denied due to invalid subscription key {API_KEY} or wrong API endpoint."}}}}"#
+            ),
+        ),
+    ])
+    .await;
+    let provider = AzureOpenAiProvider::new(
+        loopback_egress(),
+        ProviderEndpoint::new(
+            format!(
+                "{}/openai?api-version=2025-01-01-preview",
+                server.base_url()
+            ),
+            Some(API_KEY.into()),
+        ),
+        options(false),
+    );
+    let mut request = simple_request();
+    request.model = "mini".into();
+    let response = provider
+        .complete(&request, &mut DiscardStream)
+        .await
+        .unwrap();
+    assert_eq!(response.message.text, "ok");
+    let requests = server.requests();
+    let waited = requests[1].at.duration_since(requests[0].at);
+    assert!(waited >= Duration::from_millis(900), "{waited:?}");
+    assert!(
+        requests[1]
+            .request_line
+            .contains("/openai/deployments/mini/chat/completions?api-version=2025-01-01-preview")
+    );
+    let error = provider
+        .complete(&request, &mut DiscardStream)
+        .await
+        .unwrap_err();
+    assert_key_hidden(&error);
+    assert!(
+        matches!(error, ModelError::HttpStatus { status: 401, .. }),
+        "{error:?}"
+    );
+    assert!(error.to_string().contains("Access denied"), "{error}");
 }
