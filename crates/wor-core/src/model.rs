@@ -103,6 +103,10 @@ pub struct ToolCallRequest {
     pub name: String,
     /// The arguments, parsed as JSON (not yet validated against any schema).
     pub arguments: serde_json::Value,
+    /// Opaque state the provider asks to have sent back with this call in later requests
+    /// (Gemini's thought signature); `None` for every other provider.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub thought_signature: Option<String>,
 }
 
 /// The result of one tool call, given back to the model.
@@ -291,6 +295,7 @@ mod tests {
                     id: "c1".into(),
                     name: "lookup".into(),
                     arguments: json!({"q": "x"}),
+                    thought_signature: None,
                 }],
             }),
             ChatMessage::Tool(ToolResult {

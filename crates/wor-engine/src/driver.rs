@@ -21,8 +21,8 @@ use wor_core::routine::RoutineDefinition;
 use wor_core::run::{Provenance, RunStatus};
 use wor_core::run_loop::{AfterCall, CallOutcome, Ending, Next, RunLoop};
 use wor_models::{
-    AnthropicProvider, AzureOpenAiProvider, DiscardStream, ModelProvider, OpenAiCompatibleProvider,
-    ProviderEndpoint, ProviderOptions, ReplayProvider,
+    AnthropicProvider, AzureOpenAiProvider, DiscardStream, GeminiProvider, ModelProvider,
+    OpenAiCompatibleProvider, ProviderEndpoint, ProviderOptions, ReplayProvider,
 };
 use wor_policy::PolicyEngine;
 use wor_secrets::Redactor;
@@ -694,8 +694,13 @@ impl Engine {
                 endpoint,
                 options,
             )),
-            ProviderKind::Gemini | ProviderKind::Replay => {
-                return Err(format!("provider `{}` is not built yet", model.provider));
+            ProviderKind::Gemini => Box::new(GeminiProvider::new(
+                self.model_egress.clone(),
+                endpoint,
+                options,
+            )),
+            ProviderKind::Replay => {
+                return Err("provider `replay` takes no model connection".to_owned());
             }
         })
     }

@@ -248,6 +248,7 @@ impl WireMessage {
                     id,
                     name,
                     arguments: input,
+                    thought_signature: None,
                 }),
                 WireBlock::Other => {}
             }
@@ -494,6 +495,7 @@ impl MessageStream {
                         id,
                         name,
                         arguments,
+                        thought_signature: None,
                     });
                 }
                 PartialBlock::Other => {}
@@ -527,11 +529,13 @@ mod tests {
                             id: "a".into(),
                             name: "t".into(),
                             arguments: json!({}),
+                            thought_signature: None,
                         },
                         ToolCallRequest {
                             id: "b".into(),
                             name: "t".into(),
                             arguments: json!({"k": 1}),
+                            thought_signature: None,
                         },
                     ],
                 }),

