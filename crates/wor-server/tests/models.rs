@@ -252,3 +252,148 @@ async fn a_keyless_connection_is_rechecked_at_every_start() {
     );
     assert!(seen.requests.lock().unwrap().is_empty());
 }
+
+/// A cloud provider's fake on 127.0.0.1: answers every POST with `body` as an event stream and
+/// records the path, the header named `key_header` and whether any other credential header
+/// came.
+async fn cloud_model(body: String, key_header: &'static str) -> (SocketAddr, Arc<Seen>) {
+    let seen = Arc::new(Seen::default());
+    let record = seen.clone();
+    let router = Router::new().fallback(move |uri: axum::http::Uri, headers: HeaderMap| {
+        let seen = record.clone();
+        let body = body.clone();
+        async move {
+            let key = headers
+                .get(key_header)
+                .map(|v| v.to_str().unwrap().to_owned());
+            let path = uri
+                .path_and_query()
+                .map(|p| p.as_str().to_owned())
+                .unwrap_or_default();
+            seen.requests.lock().unwrap().push((path, key, Value::Null));
+            ([("content-type", "text/event-stream")], body)
+        }
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    (addr, seen)
+}
+
+#[tokio::test]
+async fn azure_and_gemini_connections_run_routines_with_usage_and_cost() {
+    let mut config = wor_engine::EngineConfig::default();
+    for model in ["prod-gpt", "gemini-2.5-flash"] {
+        config.prices.insert(
+            model.to_owned(),
+            wor_core::budget::ModelPrice {
+                input_microdollars_per_mtok: 1_000_000,
+                output_microdollars_per_mtok: 2_000_000,
+            },
+        );
+    }
+    let h = Harness::with_config(config).await;
+    let azure_body = {
+        let chunks = [
+            json!({"choices": [], "prompt_filter_results": []}),
+            json!({"choices": [{"index": 0, "delta": {"content": "from azure"}, "finish_reason": null}]}),
+            json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
+            json!({"choices": [], "usage": {"prompt_tokens": 1000, "completion_tokens": 500}}),
+        ];
+        let mut sse: String = chunks.iter().map(|c| format!("data: {c}\n\n")).collect();
+        sse.push_str("data: [DONE]\n\n");
+        sse
+    };
+    let gemini_body = format!(
+        "data: {}\r\n\r\n",
+        json!({"candidates": [{"content": {"role": "model", "parts": [{"text": "from gemini"}]},
+            "finishReason": "STOP", "index": 0}],
+            "usageMetadata": {"promptTokenCount": 2000, "candidatesTokenCount": 100, "thoughtsTokenCount": 900}})
+    );
+    let (azure, azure_seen) = cloud_model(azure_body, "api-key").await;
+    let (gemini, gemini_seen) = cloud_model(gemini_body, "x-goog-api-key").await;
+    for (name, provider, base_url, key) in [
+        (
+            "az",
+            "azure_openai",
+            format!("http://{azure}"),
+            "azure-key-0123456789abcdef",
+        ),
+        (
+            "gem",
+            "gemini",
+            format!("http://{gemini}"),
+            "AIzaSyA-test-key-0123456789abcdefghijk",
+        ),
+    ] {
+        let (status, created) = h
+            .call(
+                Method::POST,
+                "/v1/model-connections",
+                Some(json!({"name": name, "provider": provider, "base_url": base_url, "api_key": key})),
+            )
+            .await;
+        assert_eq!(status, StatusCode::CREATED, "{created}");
+    }
+    let routine = |name: &str, provider: &str, connection: &str, model: &str| {
+        format!(
+            "name = \"{name}\"\ninstructions = \"Answer.\"\n[model]\nprovider = \"{provider}\"\nconnection = \"{connection}\"\nmodel = \"{model}\"\n"
+        )
+    };
+    let run = h
+        .run(&routine("on-azure", "azure_openai", "az", "prod-gpt"))
+        .await;
+    assert_eq!(run["status"], "succeeded", "{run:#}");
+    assert_eq!(run["outcome"], "from azure", "{run:#}");
+    assert_eq!(run["usage"]["input_tokens"], 1000);
+    assert_eq!(run["usage"]["output_tokens"], 500);
+    assert_eq!(run["usage"]["cost_microdollars"], 2000);
+    {
+        let seen = azure_seen.requests.lock().unwrap();
+        assert_eq!(
+            seen[0].0,
+            "/openai/deployments/prod-gpt/chat/completions?api-version=2024-10-21"
+        );
+        assert_eq!(seen[0].1.as_deref(), Some("azure-key-0123456789abcdef"));
+    }
+    let run = h
+        .run(&routine("on-gemini", "gemini", "gem", "gemini-2.5-flash"))
+        .await;
+    assert_eq!(run["status"], "succeeded", "{run:#}");
+    assert_eq!(run["usage"]["input_tokens"], 2000);
+    assert_eq!(
+        run["usage"]["output_tokens"], 1000,
+        "thinking counts as output"
+    );
+    assert_eq!(run["usage"]["cost_microdollars"], 4000);
+    {
+        let seen = gemini_seen.requests.lock().unwrap();
+        assert_eq!(
+            seen[0].0,
+            "/v1beta/models/gemini-2.5-flash:streamGenerateContent?alt=sse"
+        );
+        assert_eq!(
+            seen[0].1.as_deref(),
+            Some("AIzaSyA-test-key-0123456789abcdefghijk")
+        );
+    }
+    // A routine whose provider differs from its connection's fails closed, sending nothing.
+    let before = gemini_seen.requests.lock().unwrap().len();
+    let run = h
+        .run(&routine(
+            "mismatch",
+            "azure_openai",
+            "gem",
+            "gemini-2.5-flash",
+        ))
+        .await;
+    assert_eq!(run["status"], "failed", "{run:#}");
+    assert!(
+        run["outcome"].as_str().unwrap().contains("speaks `gemini`"),
+        "{run:#}"
+    );
+    assert_eq!(gemini_seen.requests.lock().unwrap().len(), before);
+    // No key appears in what the API shows of the runs or the audit log.
+    let audit = h.audit_text().await;
+    assert!(!audit.contains("azure-key-0123") && !audit.contains("AIzaSyA-test"));
+}
