@@ -147,6 +147,10 @@ pub struct ModelRequest {
     /// Sampling temperature; `None` leaves the provider's default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub temperature: Option<f32>,
+    /// The JSON Schema the final answer must match (the routine's `[output] schema`), for
+    /// providers that can constrain their output to it; the engine checks the answer anyway.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_schema: Option<serde_json::Value>,
 }
 
 /// Why the model stopped writing.

@@ -30,6 +30,7 @@ use wor_store::{
     API_KEY_FIELD, ConnectionStatus, MODEL_CONNECTIONS_TABLE, RunRecord, RunStep, SecretSlot,
 };
 
+use crate::output::FinalAnswer;
 use crate::pipeline::{Answer, CallScope, PendingCall, pending_calls, untrusted_sources};
 use crate::run_tools::{RunTools, ToolsUnavailable};
 use crate::{Engine, EngineError};
@@ -306,6 +307,7 @@ impl Engine {
                             .max_output_tokens
                             .unwrap_or(DEFAULT_MAX_OUTPUT_TOKENS),
                         temperature: None,
+                        output_schema: definition.output.as_ref().map(|o| o.schema.clone()),
                     };
                     let remaining =
                         Duration::from_secs(limits.wall_seconds.saturating_sub(elapsed()));
@@ -347,7 +349,14 @@ impl Engine {
                     if let Some(ending) = machine.turn_recorded(calls, elapsed(), || {
                         redactor.redact(&response.message.text).into_owned()
                     }) {
-                        return Ok(Flow::End(ending));
+                        let usage = machine.usage();
+                        match self
+                            .final_answer(run, definition, usage, &limits, ending, &mut messages)
+                            .await?
+                        {
+                            FinalAnswer::End(ending) => return Ok(Flow::End(ending)),
+                            FinalAnswer::Correct => {}
+                        }
                     }
                 }
                 Next::Answer(call) => {

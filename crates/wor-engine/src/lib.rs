@@ -18,6 +18,7 @@ mod approvals;
 mod authority;
 mod driver;
 mod nested;
+mod output;
 mod pipeline;
 mod run_tools;
 mod start;

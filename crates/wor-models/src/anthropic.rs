@@ -554,6 +554,7 @@ mod tests {
             tools: Vec::new(),
             max_output_tokens: 10,
             temperature: None,
+            output_schema: None,
         };
         let body = request_body(&request, false);
         assert_eq!(body.get("system"), Some(&json!("rule one\n\nrule two")));

@@ -206,6 +206,11 @@ pub fn request_body(request: &ModelRequest) -> Value {
     if let Some(temperature) = request.temperature {
         config.insert("temperature".into(), json!(temperature));
     }
+    // Structured output, on turns without tools: a JSON answer constrained to the schema.
+    if let (Some(schema), true) = (&request.output_schema, request.tools.is_empty()) {
+        config.insert("responseMimeType".into(), json!("application/json"));
+        config.insert("responseJsonSchema".into(), schema.clone());
+    }
     body.insert("generationConfig".into(), Value::Object(config));
     Value::Object(body)
 }
@@ -498,6 +503,7 @@ mod tests {
             }],
             max_output_tokens: 100,
             temperature: None,
+            output_schema: None,
         };
         assert_eq!(
             request_body(&request),

@@ -143,6 +143,17 @@ pub fn request_body(request: &ModelRequest, streaming: bool) -> Value {
             .collect();
         body.insert("tools".into(), Value::Array(tools));
     }
+    if let Some(schema) = &request.output_schema {
+        // Structured output: the answer is constrained to the schema where the server supports
+        // it; not strict, since strict mode refuses schemas outside OpenAI's subset.
+        body.insert(
+            "response_format".into(),
+            json!({
+                "type": "json_schema",
+                "json_schema": {"name": "output", "schema": schema, "strict": false},
+            }),
+        );
+    }
     if streaming {
         body.insert("stream".into(), Value::Bool(true));
         body.insert("stream_options".into(), json!({"include_usage": true}));

@@ -124,6 +124,7 @@ impl ReplayProvider {
                     tools: Vec::new(),
                     max_output_tokens: 0,
                     temperature: None,
+                    output_schema: None,
                 })?;
             }
         }

@@ -106,6 +106,7 @@ fn conversation() -> ModelRequest {
         tools: vec![lookup_tool()],
         max_output_tokens: 256,
         temperature: Some(0.5),
+        output_schema: None,
     }
 }
 
@@ -116,6 +117,7 @@ fn simple_request() -> ModelRequest {
         tools: Vec::new(),
         max_output_tokens: 64,
         temperature: None,
+        output_schema: None,
     }
 }
 
@@ -823,6 +825,7 @@ fn request_with(messages: Vec<ChatMessage>) -> ModelRequest {
         tools: Vec::new(),
         max_output_tokens: 100,
         temperature: None,
+        output_schema: None,
     }
 }
 
@@ -1592,4 +1595,54 @@ async fn gemini_honours_the_retry_delay_in_its_error_body_and_redacts_a_rejected
         .unwrap_err();
     assert_key_hidden(&error);
     assert!(error.to_string().contains("API key not valid"), "{error}");
+}
+
+// ---------------------------------------------------------------- structured output
+
+#[tokio::test]
+async fn an_output_schema_is_asked_for_natively_where_the_provider_has_it() {
+    let schema =
+        json!({"type": "object", "required": ["n"], "properties": {"n": {"type": "integer"}}});
+    let server = MockServer::start(vec![json_reply(
+        200,
+        &[],
+        r#"{"choices":[{"index":0,"message":{"role":"assistant","content":"{\"n\":1}"},"finish_reason":"stop"}]}"#,
+    )])
+    .await;
+    let mut request = simple_request();
+    request.output_schema = Some(schema.clone());
+    openai(&server, false)
+        .complete(&request, &mut DiscardStream)
+        .await
+        .unwrap();
+    assert_eq!(
+        server.requests()[0].json()["response_format"],
+        json!({"type": "json_schema", "json_schema": {"name": "output", "schema": schema, "strict": false}})
+    );
+
+    let server = MockServer::start(vec![json_reply(
+        200,
+        &[],
+        r#"{"candidates":[{"content":{"role":"model","parts":[{"text":"{\"n\":1}"}]},"finishReason":"STOP","index":0}]}"#,
+    )])
+    .await;
+    gemini(&server, false)
+        .complete(&request, &mut DiscardStream)
+        .await
+        .unwrap();
+    let config = &server.requests()[0].json()["generationConfig"];
+    assert_eq!(config["responseMimeType"], "application/json");
+    assert_eq!(config["responseJsonSchema"], schema);
+    // With tools offered, Gemini is not constrained (the turn may call a tool instead).
+    let mut with_tools = request.clone();
+    with_tools.tools = vec![lookup_tool()];
+    gemini(&server, false)
+        .complete(&with_tools, &mut DiscardStream)
+        .await
+        .unwrap();
+    assert!(
+        server.requests()[1].json()["generationConfig"]
+            .get("responseJsonSchema")
+            .is_none()
+    );
 }

@@ -397,3 +397,113 @@ async fn azure_and_gemini_connections_run_routines_with_usage_and_cost() {
     let audit = h.audit_text().await;
     assert!(!audit.contains("azure-key-0123") && !audit.contains("AIzaSyA-test"));
 }
+
+/// A replay routine with `[output] schema` whose model answers `answers` in turn.
+fn structured_routine(answers: &[&str], turns: u64) -> String {
+    let mut toml = format!(
+        r#"name = "triage"
+instructions = "Classify the page."
+[model]
+provider = "replay"
+model = "script"
+[budget]
+turns = {turns}
+[output]
+schema = {{ type = "object", required = ["severity", "summary"], additionalProperties = false, properties = {{ severity = {{ enum = ["low", "high"] }}, summary = {{ type = "string" }} }} }}
+"#
+    );
+    for answer in answers {
+        toml.push_str(&format!("[[model.script.turns]]\ntext = '''{answer}'''\n"));
+    }
+    toml
+}
+
+#[tokio::test]
+async fn a_structured_answer_is_the_runs_json_result() {
+    let h = Harness::new().await;
+    let run = h
+        .run(&structured_routine(
+            &["```json\n{\"severity\": \"low\", \"summary\": \"disk at 81%\"}\n```"],
+            3,
+        ))
+        .await;
+    assert_eq!(run["status"], "succeeded", "{run:#}");
+    assert_eq!(
+        run["result"],
+        json!({"severity": "low", "summary": "disk at 81%"})
+    );
+    assert_eq!(
+        run["outcome"],
+        r#"{"severity":"low","summary":"disk at 81%"}"#
+    );
+    assert_eq!(steps_of(&run, "output").len(), 1);
+    assert_eq!(run["usage"]["turns"], 1);
+}
+
+#[tokio::test]
+async fn an_invalid_answer_is_corrected_within_the_turn_budget() {
+    let h = Harness::new().await;
+    let run = h
+        .run(&structured_routine(
+            &[
+                "The disk is nearly full.",
+                r#"{"severity": "urgent", "summary": "disk full"}"#,
+                r#"{"severity": "high", "summary": "disk full"}"#,
+            ],
+            3,
+        ))
+        .await;
+    assert_eq!(run["status"], "succeeded", "{run:#}");
+    assert_eq!(
+        run["result"],
+        json!({"severity": "high", "summary": "disk full"})
+    );
+    assert_eq!(run["usage"]["turns"], 3);
+    // Each correction request is an engine input naming the violation.
+    let requests: Vec<&str> = steps_of(&run, "input")
+        .iter()
+        .filter(|s| s["provenance"] == "engine")
+        .map(|s| s["payload"]["input"].as_str().unwrap())
+        .collect();
+    assert_eq!(requests.len(), 2, "{run:#}");
+    assert!(requests[0].contains("not JSON"), "{}", requests[0]);
+    assert!(requests[1].contains("at `/severity`"), "{}", requests[1]);
+}
+
+#[tokio::test]
+async fn an_answer_that_stays_invalid_fails_the_run_naming_the_violation() {
+    let h = Harness::new().await;
+    let run = h
+        .run(&structured_routine(
+            &[
+                r#"{"severity": "low"}"#,
+                r#"{"severity": "low", "summary": 7}"#,
+            ],
+            2,
+        ))
+        .await;
+    assert_eq!(run["status"], "failed", "{run:#}");
+    let outcome = run["outcome"].as_str().unwrap();
+    assert!(
+        outcome.contains("does not match the output schema") && outcome.contains("/summary"),
+        "{outcome}"
+    );
+    assert!(run.get("result").is_none(), "{run:#}");
+}
+
+#[tokio::test]
+async fn an_output_schema_with_a_remote_ref_is_refused_when_applied() {
+    let h = Harness::new().await;
+    let toml = "name = \"r\"\ninstructions = \"x\"\n[model]\nprovider = \"replay\"\nmodel = \"s\"\n[[model.script.turns]]\ntext = \"{}\"\n[output]\nschema = '{\"$ref\": \"https://schemas.example.com/out.json\"}'\n";
+    let (status, refused) = h
+        .call(Method::POST, "/v1/routines", Some(json!({ "toml": toml })))
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{refused}");
+    assert!(
+        refused["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("`output.schema` cannot be used"),
+        "{refused}"
+    );
+}

@@ -11,6 +11,7 @@
 //! - [`http_tool`]: HTTP API tools, a method and a path template on an allowlisted host.
 //! - [`result`]: [`ToolResult`], redacted, capped and labelled untrusted.
 //! - [`credentials`]: a connection's secret headers, attached only at send time.
+//! - [`output`]: a routine's output schema and the check of a final answer against it.
 //!
 //! This crate never opens a socket itself (all HTTP goes through `wor_egress::EgressClient`),
 //! never spawns a process (stdio servers start only through a sandbox launcher), and never
@@ -20,6 +21,7 @@ pub mod credentials;
 pub mod definition;
 pub mod http_tool;
 pub mod mcp;
+pub mod output;
 pub mod result;
 pub mod roster;
 
@@ -40,6 +42,7 @@ pub use mcp::sandboxed::Sandboxed;
 pub use mcp::{
     McpError, McpLimits, McpServerKind, McpSession, StreamableHttpEndpoint, ToolListChanged,
 };
+pub use output::{OutputSchema, OutputSchemaError, OutputViolation};
 pub use result::{Provenance, ResultLimits, ToolCallResult, ToolContent, ToolResult, Truncation};
 pub use roster::{
     ArgumentError, CanonicalArguments, ModelToolSpec, RosterEntry, SchemaViolation, ToolMode,

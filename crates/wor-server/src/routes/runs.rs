@@ -125,6 +125,9 @@ impl From<RunStep> for RunStepView {
 pub struct RunDetail {
     #[serde(flatten)]
     pub run: RunView,
+    /// For a routine with `[output] schema`, the validated JSON result of a succeeded run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub result: Option<serde_json::Value>,
     pub steps: Vec<RunStepView>,
 }
 
@@ -211,8 +214,13 @@ pub async fn get(
 ) -> Result<Json<RunDetail>, ApiError> {
     let run = state.store.get_run(caller.project_id, id).await?;
     let steps = state.store.list_run_steps(caller.project_id, id, 0).await?;
+    let result = steps
+        .iter()
+        .rfind(|s| s.kind == "output")
+        .and_then(|s| s.payload.get("result").cloned());
     Ok(Json(RunDetail {
         run: run.into(),
+        result,
         steps: steps.into_iter().map(Into::into).collect(),
     }))
 }
