@@ -21,8 +21,8 @@ use wor_core::routine::RoutineDefinition;
 use wor_core::run::{Provenance, RunStatus};
 use wor_core::run_loop::{AfterCall, CallOutcome, Ending, Next, RunLoop};
 use wor_models::{
-    AnthropicProvider, AzureOpenAiProvider, DiscardStream, GeminiProvider, ModelProvider,
-    OpenAiCompatibleProvider, ProviderEndpoint, ProviderOptions, ReplayProvider,
+    AnthropicProvider, AzureOpenAiProvider, GeminiProvider, ModelProvider,
+    OpenAiCompatibleProvider, ProviderEndpoint, ProviderOptions, ReplayProvider, StreamSink,
 };
 use wor_policy::PolicyEngine;
 use wor_secrets::Redactor;
@@ -122,6 +122,7 @@ impl Engine {
             self.enqueue_run_webhook(&run, ending.status, Some(&ending.outcome), None)
                 .await?;
         }
+        self.live_text.close(run.id);
         tracing::info!(category = "run", action = "run.end", project_id = %run.project_id,
             run_id = %run.id, status = ending.status.as_str(), lease_held = finished, "run ended");
         Ok(())
@@ -311,10 +312,14 @@ impl Engine {
                     };
                     let remaining =
                         Duration::from_secs(limits.wall_seconds.saturating_sub(elapsed()));
-                    let mut response = match self
-                        .call_model(run, provider, &request, remaining, &limits)
-                        .await?
-                    {
+                    // The text goes out to watchers as it comes, redacted; the turn is
+                    // recorded whole below.
+                    let mut live = self.live_text.sink(run.id, redactor.stream());
+                    let outcome = self
+                        .call_model(run, provider, &request, remaining, &limits, &mut live)
+                        .await;
+                    live.finish();
+                    let mut response = match outcome? {
                         TurnOutcome::Response(response) => response,
                         TurnOutcome::End(ending) => {
                             self.store
@@ -567,9 +572,9 @@ impl Engine {
         request: &ModelRequest,
         remaining: Duration,
         limits: &wor_core::routine::BudgetLimits,
+        sink: &mut dyn StreamSink,
     ) -> Result<TurnOutcome, EngineError> {
-        let mut sink = DiscardStream;
-        let call = provider.complete(request, &mut sink);
+        let call = provider.complete(request, sink);
         tokio::pin!(call);
         let deadline = tokio::time::sleep(remaining);
         tokio::pin!(deadline);

@@ -17,6 +17,7 @@
 mod approvals;
 mod authority;
 mod driver;
+mod live_text;
 mod nested;
 mod output;
 mod pipeline;
@@ -135,6 +136,8 @@ pub struct Engine {
     wasm: wasm_tools::WasmHost,
     /// Wakes this process's idle worker pool: a run was queued or one ended.
     work: Arc<tokio::sync::Notify>,
+    /// The model text of runs driven here, redacted, for people watching them.
+    live_text: live_text::LiveText,
 }
 
 impl Engine {
@@ -155,6 +158,7 @@ impl Engine {
             sandbox: None,
             wasm: wasm_tools::WasmHost::default(),
             work: Arc::new(tokio::sync::Notify::new()),
+            live_text: live_text::LiveText::default(),
         }
     }
 
@@ -180,6 +184,12 @@ impl Engine {
         url: &str,
     ) -> Result<(), wor_egress::KeylessModelRefusal> {
         self.model_egress.vet_keyless_model(url).await.map(|_| ())
+    }
+
+    /// The redacted text deltas of `run`'s model calls from now on, while this process
+    /// drives it; the channel closes when the run ends here.
+    pub fn watch_text(&self, run: wor_core::RunId) -> tokio::sync::broadcast::Receiver<String> {
+        self.live_text.subscribe(run)
     }
 
     pub fn audit(&self) -> &AuditLog {

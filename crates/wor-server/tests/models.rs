@@ -507,3 +507,173 @@ async fn an_output_schema_with_a_remote_ref_is_refused_when_applied() {
         "{refused}"
     );
 }
+
+/// The model connection's key, which the fake model writes into its answer in three deltas.
+const STREAMED_KEY: &str = "sk-live-0123456789abcdefXYZ";
+
+/// A streaming OpenAI-compatible fake: text deltas with the connection's key split across
+/// three of them, then a pause before the turn ends. Sends the time it finished on `done`.
+async fn slow_streaming_model(
+    done: tokio::sync::oneshot::Sender<std::time::Instant>,
+) -> SocketAddr {
+    let done = Arc::new(Mutex::new(Some(done)));
+    let route = axum::routing::post(move || {
+        let done = done.clone();
+        async move {
+            // More than the 256 bytes the stream holds back, so text goes out before the end.
+            let filler = "and more text. ".repeat(6);
+            let deltas = [
+                "Here is the key: ",
+                "sk-live-",
+                "0123456789",
+                "abcdefXYZ",
+                " ",
+                &filler,
+                &filler,
+                &filler,
+                &filler,
+            ];
+            let mut chunks: Vec<(u64, String)> = deltas
+                .iter()
+                .map(|d| {
+                    (
+                        20,
+                        format!(
+                            "data: {}\n\n",
+                            json!({"choices": [{"index": 0, "delta": {"content": d}}]})
+                        ),
+                    )
+                })
+                .collect();
+            chunks.push((
+                400,
+                format!(
+                    "data: {}\n\ndata: {}\n\ndata: [DONE]\n\n",
+                    json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
+                    json!({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 12}})
+                ),
+            ));
+            let stream = futures_util::stream::unfold(
+                (chunks.into_iter(), done),
+                |(mut chunks, done)| async move {
+                    let (pause, chunk) = chunks.next()?;
+                    tokio::time::sleep(std::time::Duration::from_millis(pause)).await;
+                    if chunk.contains("[DONE]")
+                        && let Some(done) = done.lock().unwrap().take()
+                    {
+                        let _ = done.send(std::time::Instant::now());
+                    }
+                    Some((Ok::<_, std::convert::Infallible>(chunk), (chunks, done)))
+                },
+            );
+            (
+                [("content-type", "text/event-stream")],
+                axum::body::Body::from_stream(stream),
+            )
+        }
+    });
+    common::serve(Router::new().route("/v1/chat/completions", route)).await
+}
+
+#[tokio::test]
+async fn model_text_streams_to_run_events_redacted_before_the_turn_ends() {
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+
+    let h = Harness::new().await;
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+    let model = slow_streaming_model(done_tx).await;
+    let (status, created) = h
+        .call(
+            Method::POST,
+            "/v1/model-connections",
+            Some(json!({"name": "fake", "provider": "openai_compatible",
+                "base_url": format!("http://{model}/v1"), "api_key": STREAMED_KEY})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    let toml = "name = \"talker\"\ninstructions = \"Talk.\"\n[model]\nprovider = \"openai_compatible\"\nconnection = \"fake\"\nmodel = \"m\"\n";
+    let (_, applied) = h
+        .call(Method::POST, "/v1/routines", Some(json!({ "toml": toml })))
+        .await;
+    let routine_id = applied["routine"]["id"].as_str().unwrap().to_owned();
+    let (status, run) = h
+        .call(
+            Method::POST,
+            &format!("/v1/routines/{routine_id}/runs"),
+            Some(json!({"input": "go"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{run}");
+    let run_id = run["id"].as_str().unwrap().to_owned();
+
+    let request = axum::http::Request::builder()
+        .uri(format!("/v1/runs/{run_id}/events"))
+        .header("authorization", format!("Bearer {}", h.owner()))
+        .body(axum::body::Body::empty())
+        .unwrap();
+    let response = h.router.clone().oneshot(request).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let reader = tokio::spawn(async move {
+        let mut body = response.into_body();
+        let mut frames: Vec<(std::time::Instant, String)> = Vec::new();
+        while let Some(frame) = body.frame().await {
+            if let Ok(data) = frame.unwrap().into_data() {
+                let text = String::from_utf8_lossy(&data).into_owned();
+                let end = text.contains("event: end");
+                frames.push((std::time::Instant::now(), text));
+                if end {
+                    break;
+                }
+            }
+        }
+        frames
+    });
+    assert!(h.engine.run_next().await.unwrap());
+    let finished_at = done_rx.await.unwrap();
+    let frames = tokio::time::timeout(std::time::Duration::from_secs(10), reader)
+        .await
+        .unwrap()
+        .unwrap();
+
+    let everything: String = frames.iter().map(|(_, f)| f.as_str()).collect();
+    for part in ["sk-live-0", "0123456789", "abcdefXYZ", STREAMED_KEY] {
+        assert!(
+            !everything.contains(part),
+            "`{part}` reached the stream: {everything}"
+        );
+    }
+    // The text events, in order, and when they came.
+    let mut deltas = String::new();
+    let mut first_text_at = None;
+    for (at, frame) in &frames {
+        for event in frame.split("\n\n") {
+            if let Some(data) = event
+                .strip_prefix("event: text\ndata: ")
+                .or_else(|| event.strip_prefix("event:text\ndata:"))
+            {
+                let value: Value = serde_json::from_str(data.trim()).unwrap();
+                deltas.push_str(value["delta"].as_str().unwrap());
+                first_text_at.get_or_insert(*at);
+            }
+        }
+    }
+    let expected = format!(
+        "Here is the key: [REDACTED] {}",
+        "and more text. ".repeat(24)
+    );
+    assert_eq!(deltas, expected, "{everything}");
+    let first_text_at = first_text_at.expect("text events");
+    assert!(
+        first_text_at < finished_at,
+        "text arrived before the model's turn ended"
+    );
+    let text_pos = everything.find("event: text").unwrap();
+    let turn_pos = everything.find("\"model_turn\"").unwrap();
+    assert!(text_pos < turn_pos, "deltas come before the recorded turn");
+    // The stored turn is written whole, redacted as before.
+    let run = h.get_run(&run_id).await;
+    assert_eq!(run["status"], "succeeded", "{run:#}");
+    let turn = &steps_of(&run, "model_turn")[0]["payload"]["message"]["text"];
+    assert_eq!(turn, &json!(expected));
+}
