@@ -53,9 +53,18 @@ struct RunContext<'a> {
     run: &'a RunRecord,
     definition: &'a RoutineDefinition,
     provider: &'a dyn ModelProvider,
+    connection: &'a ModelCredential,
     redactor: &'a Redactor,
     tools: &'a RunTools,
     policy: &'a PolicyEngine,
+}
+
+/// The model connection a run's calls go through and the version of its key, recorded on
+/// every model call (`None` for the replay model, which has no connection).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct ModelCredential {
+    connection_id: Option<wor_core::ConnectionId>,
+    credential_version: Option<i64>,
 }
 
 /// What a model call came to.
@@ -139,10 +148,14 @@ impl Engine {
         let pending = pending_calls(&steps);
         let call_ids = recorded_call_ids(&steps);
         let untrusted = untrusted_sources(&steps);
-        let provider = match self.provider(run, &definition, &messages).await {
+        let (provider, connection) = match self.provider(run, &definition, &messages).await {
             Ok(provider) => provider,
             Err(reason) => return Ok(Flow::End(Ending::new(RunStatus::Failed, reason))),
         };
+        // A key replaced since the run's last model call is another credential: fail closed.
+        if let Some(reason) = credential_changed(&steps, &connection) {
+            return Ok(Flow::End(Ending::new(RunStatus::Failed, reason)));
+        }
         let policy = match self.run_policy(run, &definition).await? {
             Ok(policy) => policy,
             Err(reason) => return Ok(Flow::End(Ending::new(RunStatus::Failed, reason))),
@@ -162,6 +175,7 @@ impl Engine {
             run,
             definition: &definition,
             provider: provider.as_ref(),
+            connection: &connection,
             redactor: &redactor,
             tools: &tools,
             policy: &policy,
@@ -256,6 +270,7 @@ impl Engine {
             run,
             definition,
             provider,
+            connection,
             redactor,
             tools,
             policy,
@@ -337,7 +352,7 @@ impl Engine {
                         &mut response.message.tool_calls,
                     );
                     let message = self
-                        .record_model_turn(run, definition, &response, redactor)
+                        .record_model_turn(run, definition, connection, &response, redactor)
                         .await?;
                     self.store
                         .save_usage(run.id, &self.config.worker_id, &machine.usage())
@@ -482,13 +497,23 @@ impl Engine {
         &self,
         run: &RunRecord,
         definition: &RoutineDefinition,
+        connection: &ModelCredential,
         response: &ModelResponse,
         redactor: &Redactor,
     ) -> Result<AssistantMessage, EngineError> {
+        // The model identity (provider, connection, model) and the key's version, on every
+        // call.
+        let identity = json!({
+            "provider": definition.model.provider.as_str(),
+            "connection_id": connection.connection_id.map(|c| c.to_string()),
+            "model_id": definition.model.model,
+            "credential_version": connection.credential_version,
+        });
         let mut recorded = json!({
             "message": response.message,
             "usage": response.usage,
             "stop_reason": response.stop_reason,
+            "identity": identity,
         });
         redactor.redact_json(&mut recorded);
         note_nul_replaced(&mut recorded);
@@ -513,6 +538,8 @@ impl Engine {
                 .payload(json!({
                     "provider": definition.model.provider.as_str(),
                     "model": definition.model.model,
+                    "connection_id": connection.connection_id.map(|c| c.to_string()),
+                    "credential_version": connection.credential_version,
                     "input_tokens": response.usage.input_tokens,
                     "output_tokens": response.usage.output_tokens,
                     "tool_calls": response.message.tool_calls.len(),
@@ -619,7 +646,7 @@ impl Engine {
         run: &RunRecord,
         definition: &RoutineDefinition,
         history: &[ChatMessage],
-    ) -> Result<Box<dyn ModelProvider>, String> {
+    ) -> Result<(Box<dyn ModelProvider>, ModelCredential), String> {
         let model = &definition.model;
         if model.provider == ProviderKind::Replay {
             if self.config.production {
@@ -631,7 +658,12 @@ impl Engine {
                 .clone()
                 .ok_or("the replay routine has no script")?;
             return ReplayProvider::resuming(script, history)
-                .map(|p| Box::new(p) as Box<dyn ModelProvider>)
+                .map(|p| {
+                    (
+                        Box::new(p) as Box<dyn ModelProvider>,
+                        ModelCredential::default(),
+                    )
+                })
                 .map_err(|e| format!("the replay script cannot resume this run: {e}"));
         }
         let name = model
@@ -690,9 +722,13 @@ impl Engine {
                 .await
                 .map_err(|e| format!("the use of a secret cannot be recorded: {e}"))?;
         }
+        let credential = ModelCredential {
+            connection_id: Some(connection.id),
+            credential_version: Some(connection.credential_version),
+        };
         let endpoint = ProviderEndpoint::new(connection.base_url, key);
         let options = ProviderOptions::default();
-        Ok(match model.provider {
+        let provider: Box<dyn ModelProvider> = match model.provider {
             ProviderKind::Anthropic => Box::new(AnthropicProvider::new(
                 self.model_egress.clone(),
                 endpoint,
@@ -716,7 +752,33 @@ impl Engine {
             ProviderKind::Replay => {
                 return Err("provider `replay` takes no model connection".to_owned());
             }
-        })
+        };
+        Ok((provider, credential))
+    }
+}
+
+/// Why the run may not go on with `now`: its last recorded model call went through another
+/// connection or another version of the key.
+fn credential_changed(steps: &[RunStep], now: &ModelCredential) -> Option<String> {
+    let identity = steps
+        .iter()
+        .rev()
+        .filter(|s| s.kind == "model_turn")
+        .find_map(|s| s.payload.get("identity"))?;
+    let connection = identity.get("connection_id").and_then(Value::as_str);
+    let version = identity.get("credential_version").and_then(Value::as_i64);
+    let now_connection = now.connection_id.map(|c| c.to_string());
+    if connection != now_connection.as_deref() {
+        return Some(
+            "the routine's model connection is not the one this run started with; the run fails closed"
+                .to_owned(),
+        );
+    }
+    match (version, now.credential_version) {
+        (Some(then), Some(now)) if then != now => Some(format!(
+            "the model connection's key was replaced since this run's last model call (credential version {then}, now {now}); the run fails closed"
+        )),
+        _ => None,
     }
 }
 
@@ -858,4 +920,59 @@ fn too_deep_call(response: &ModelResponse) -> Option<Ending> {
             call.name
         ),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn turn(identity: Value) -> RunStep {
+        RunStep {
+            seq: 2,
+            kind: "model_turn".to_owned(),
+            provenance: Provenance::Model,
+            payload: json!({"message": {"text": "x"}, "identity": identity}),
+            created_at: 0,
+        }
+    }
+
+    #[test]
+    fn a_replaced_key_or_connection_stops_a_resumed_run() {
+        let connection = wor_core::ConnectionId::new();
+        let now = ModelCredential {
+            connection_id: Some(connection),
+            credential_version: Some(2),
+        };
+        let recorded = |version: i64| {
+            turn(
+                json!({"provider": "openai_compatible", "connection_id": connection.to_string(),
+                "model_id": "m", "credential_version": version}),
+            )
+        };
+        // Nothing recorded yet, or the same key: go on.
+        assert_eq!(credential_changed(&[], &now), None);
+        assert_eq!(credential_changed(&[recorded(2)], &now), None);
+        // The last call counts.
+        assert_eq!(credential_changed(&[recorded(1), recorded(2)], &now), None);
+        let replaced = credential_changed(&[recorded(1)], &now).unwrap();
+        assert!(
+            replaced.contains("credential version 1, now 2"),
+            "{replaced}"
+        );
+        let other = ModelCredential {
+            connection_id: Some(wor_core::ConnectionId::new()),
+            credential_version: Some(1),
+        };
+        let moved = credential_changed(&[recorded(1)], &other).unwrap();
+        assert!(
+            moved.contains("not the one this run started with"),
+            "{moved}"
+        );
+        // Turns recorded before identities were recorded say nothing.
+        let old = RunStep {
+            payload: json!({"message": {"text": "x"}}),
+            ..turn(Value::Null)
+        };
+        assert_eq!(credential_changed(&[old], &now), None);
+    }
 }

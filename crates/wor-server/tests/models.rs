@@ -312,6 +312,7 @@ async fn azure_and_gemini_connections_run_routines_with_usage_and_cost() {
     );
     let (azure, azure_seen) = cloud_model(azure_body, "api-key").await;
     let (gemini, gemini_seen) = cloud_model(gemini_body, "x-goog-api-key").await;
+    let mut connection_ids = Vec::new();
     for (name, provider, base_url, key) in [
         (
             "az",
@@ -334,6 +335,7 @@ async fn azure_and_gemini_connections_run_routines_with_usage_and_cost() {
             )
             .await;
         assert_eq!(status, StatusCode::CREATED, "{created}");
+        connection_ids.push(created["id"].as_str().unwrap().to_owned());
     }
     let routine = |name: &str, provider: &str, connection: &str, model: &str| {
         format!(
@@ -348,6 +350,12 @@ async fn azure_and_gemini_connections_run_routines_with_usage_and_cost() {
     assert_eq!(run["usage"]["input_tokens"], 1000);
     assert_eq!(run["usage"]["output_tokens"], 500);
     assert_eq!(run["usage"]["cost_microdollars"], 2000);
+    // Every model call records the model identity and the key's version.
+    assert_eq!(
+        steps_of(&run, "model_turn")[0]["payload"]["identity"],
+        json!({"provider": "azure_openai", "connection_id": connection_ids[0],
+            "model_id": "prod-gpt", "credential_version": 1})
+    );
     {
         let seen = azure_seen.requests.lock().unwrap();
         assert_eq!(
@@ -395,6 +403,11 @@ async fn azure_and_gemini_connections_run_routines_with_usage_and_cost() {
     assert_eq!(gemini_seen.requests.lock().unwrap().len(), before);
     // No key appears in what the API shows of the runs or the audit log.
     let audit = h.audit_text().await;
+    assert!(
+        audit.contains(&format!("\"connection_id\":\"{}\"", connection_ids[1]))
+            && audit.contains("\"credential_version\":1"),
+        "model calls are audited with their connection and key version"
+    );
     assert!(!audit.contains("azure-key-0123") && !audit.contains("AIzaSyA-test"));
 }
 
