@@ -93,8 +93,10 @@ pub enum EgressError {
 /// Why a model connection may not go without an API key.
 #[derive(Debug, thiserror::Error)]
 pub enum KeylessModelRefusal {
-    /// The base URL is refused or cannot be resolved, key or no key.
-    #[error(transparent)]
+    /// The base URL is refused (outside every listed range) or cannot be resolved.
+    #[error(
+        "a model connection without an API key must reach an address the operator listed in `[egress] model_cidrs`: {0}"
+    )]
     Egress(EgressError),
     /// The host is, or resolves to, an address outside `[egress] model_cidrs`.
     #[error(
