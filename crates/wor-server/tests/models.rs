@@ -403,11 +403,23 @@ async fn azure_and_gemini_connections_run_routines_with_usage_and_cost() {
     assert_eq!(gemini_seen.requests.lock().unwrap().len(), before);
     // No key appears in what the API shows of the runs or the audit log.
     let audit = h.audit_text().await;
-    assert!(
-        audit.contains(&format!("\"connection_id\":\"{}\"", connection_ids[1]))
-            && audit.contains("\"credential_version\":1"),
-        "model calls are audited with their connection and key version"
-    );
+    let entries: Value = serde_json::from_str(&audit).unwrap();
+    let calls: Vec<&Value> = entries["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["category"] == "model.call")
+        .map(|e| &e["payload"])
+        .collect();
+    assert_eq!(calls.len(), 2, "the mismatched run called no model");
+    for (call, (connection, provider)) in calls
+        .iter()
+        .zip(connection_ids.iter().zip(["azure_openai", "gemini"]))
+    {
+        assert_eq!(call["connection_id"], connection.as_str(), "{call}");
+        assert_eq!(call["provider"], provider, "{call}");
+        assert_eq!(call["credential_version"], 1, "{call}");
+    }
     assert!(!audit.contains("azure-key-0123") && !audit.contains("AIzaSyA-test"));
 }
 
