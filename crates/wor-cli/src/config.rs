@@ -56,6 +56,8 @@ struct FileConfig {
 struct EgressSection {
     #[serde(default)]
     allowed_cidrs: Vec<String>,
+    #[serde(default)]
+    model_cidrs: Vec<String>,
 }
 
 /// `[sandbox]`: host directories stdio tool servers may be started from and read. Only this
@@ -203,6 +205,8 @@ pub struct ServerConfig {
     pub demo: bool,
     /// The operator's `[egress] allowed_cidrs`.
     pub egress_allowed_cidrs: Vec<String>,
+    /// The operator's `[egress] model_cidrs`: open to model connections only.
+    pub egress_model_cidrs: Vec<String>,
     /// At most this many runs of one project run at once.
     pub max_running_per_project: u64,
     /// How many runs this process drives at once.
@@ -272,7 +276,12 @@ impl ServerConfig {
             database: flags.database.clone().or(file.database),
             production,
             demo,
-            egress_allowed_cidrs: file.egress.map(|e| e.allowed_cidrs).unwrap_or_default(),
+            egress_allowed_cidrs: file
+                .egress
+                .as_ref()
+                .map(|e| e.allowed_cidrs.clone())
+                .unwrap_or_default(),
+            egress_model_cidrs: file.egress.map(|e| e.model_cidrs).unwrap_or_default(),
             max_running_per_project: match file.max_running_per_project {
                 Some(0) => bail!("`max_running_per_project` must be at least 1"),
                 Some(n) => n,
@@ -491,6 +500,7 @@ mod tests {
             production,
             demo,
             egress_allowed_cidrs: Vec::new(),
+            egress_model_cidrs: Vec::new(),
             max_running_per_project: DEFAULT_MAX_RUNNING_PER_PROJECT,
             workers: wor_engine::DEFAULT_WORKERS,
             approval_ttl: wor_engine::DEFAULT_APPROVAL_TTL,

@@ -168,3 +168,53 @@ fn a_malformed_replay_script_is_refused_by_routine_apply_with_its_line() {
         text(&listed.stdout)
     );
 }
+
+#[test]
+fn a_keyless_model_connection_needs_the_operators_model_range() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("wor.toml");
+    std::fs::write(&config, "[egress]\nmodel_cidrs = [\"10.0.0.0/24\"]\n").unwrap();
+    let mut db = database_args(dir.path());
+    db.extend(["--config".to_owned(), config.display().to_string()]);
+    let key = create_project(&db);
+    let server = Server::start(&db, &[]);
+    let create = |name: &str, base_url: &str| {
+        server.client(
+            &key,
+            &[
+                "model-connection",
+                "create",
+                name,
+                "--provider",
+                "openai_compatible",
+                "--base-url",
+                base_url,
+            ],
+        )
+    };
+    let local = create("local", "http://10.0.0.5:11434/v1");
+    assert!(local.status.success(), "{}", text(&local.stderr));
+    assert!(
+        text(&local.stdout).contains("key absent"),
+        "{}",
+        text(&local.stdout)
+    );
+    let elsewhere = create("elsewhere", "http://10.0.1.5:11434/v1");
+    assert!(!elsewhere.status.success());
+    assert!(
+        text(&elsewhere.stderr).contains("model_cidrs"),
+        "{}",
+        text(&elsewhere.stderr)
+    );
+    // The model range is not open to anything else: `wor egress check` (the policy of tools
+    // and webhooks) still refuses it.
+    let checked = common::run(&mut common::wor(&[
+        "egress",
+        "check",
+        "http://10.0.0.5:11434/v1",
+        "--config",
+        &config.display().to_string(),
+    ]));
+    assert_eq!(checked.status.code(), Some(1), "{}", text(&checked.stdout));
+    server.stop();
+}

@@ -103,6 +103,10 @@ pub struct ToolCallRequest {
     pub name: String,
     /// The arguments, parsed as JSON (not yet validated against any schema).
     pub arguments: serde_json::Value,
+    /// Opaque state the provider asks to have sent back with this call in later requests
+    /// (Gemini's thought signature); `None` for every other provider.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub thought_signature: Option<String>,
 }
 
 /// The result of one tool call, given back to the model.
@@ -143,6 +147,10 @@ pub struct ModelRequest {
     /// Sampling temperature; `None` leaves the provider's default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub temperature: Option<f32>,
+    /// The JSON Schema the final answer must match (the routine's `[output] schema`), for
+    /// providers that can constrain their output to it; the engine checks the answer anyway.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_schema: Option<serde_json::Value>,
 }
 
 /// Why the model stopped writing.
@@ -191,24 +199,45 @@ pub struct ModelResponse {
     pub usage: Usage,
 }
 
-/// The kind of model provider.
+/// Which wire protocol a model is reached by: the `provider` of a routine's model identity and
+/// of a model connection (stored as the snake-case name, `openai_compatible` …).
+///
+/// Every kind but [`ProviderKind::Replay`] is reached through a model connection holding its
+/// base URL and key; a connection never has kind `replay`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ProviderKind {
-    /// Any OpenAI-compatible chat-completions endpoint.
+    /// Any OpenAI-compatible chat-completions endpoint (OpenAI, vLLM, Ollama, llama.cpp
+    /// server, LiteLLM, gateways), with a bearer key or, for local servers, none.
     OpenaiCompatible,
     /// The Anthropic Messages API.
     Anthropic,
+    /// Azure OpenAI: chat completions at a deployment URL, an `api-key` header and an
+    /// `api-version` query parameter.
+    AzureOpenai,
+    /// Google's Gemini API (`generateContent`).
+    Gemini,
     /// The built-in scripted model, for demos and tests; production refuses it.
     Replay,
 }
 
 impl ProviderKind {
+    /// Every kind, in declaration order.
+    pub const ALL: [ProviderKind; 5] = [
+        Self::OpenaiCompatible,
+        Self::Anthropic,
+        Self::AzureOpenai,
+        Self::Gemini,
+        Self::Replay,
+    ];
+
     /// The name used in configuration and records.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::OpenaiCompatible => "openai_compatible",
             Self::Anthropic => "anthropic",
+            Self::AzureOpenai => "azure_openai",
+            Self::Gemini => "gemini",
             Self::Replay => "replay",
         }
     }
@@ -227,19 +256,19 @@ impl fmt::Display for ProviderKind {
 
 /// A string that names no provider kind.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("`{0}` is not a model provider: expected `openai_compatible`, `anthropic` or `replay`")]
+#[error(
+    "`{0}` is not a model provider: expected `openai_compatible`, `anthropic`, `azure_openai`, `gemini` or `replay`"
+)]
 pub struct ProviderKindParseError(String);
 
 impl FromStr for ProviderKind {
     type Err = ProviderKindParseError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "openai_compatible" => Ok(Self::OpenaiCompatible),
-            "anthropic" => Ok(Self::Anthropic),
-            "replay" => Ok(Self::Replay),
-            other => Err(ProviderKindParseError(other.chars().take(80).collect())),
-        }
+        Self::ALL
+            .into_iter()
+            .find(|kind| kind.as_str() == s)
+            .ok_or_else(|| ProviderKindParseError(s.chars().take(80).collect()))
     }
 }
 
@@ -270,6 +299,7 @@ mod tests {
                     id: "c1".into(),
                     name: "lookup".into(),
                     arguments: json!({"q": "x"}),
+                    thought_signature: None,
                 }],
             }),
             ChatMessage::Tool(ToolResult {
@@ -323,11 +353,19 @@ mod tests {
 
     #[test]
     fn provider_kinds_parse_and_print_alike() {
-        for kind in [
-            ProviderKind::OpenaiCompatible,
-            ProviderKind::Anthropic,
-            ProviderKind::Replay,
-        ] {
+        // The names are stored (model connections, routine versions): they never change.
+        let names: Vec<&str> = ProviderKind::ALL.iter().map(|k| k.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "openai_compatible",
+                "anthropic",
+                "azure_openai",
+                "gemini",
+                "replay"
+            ]
+        );
+        for kind in ProviderKind::ALL {
             assert_eq!(kind.to_string().parse::<ProviderKind>(), Ok(kind));
             assert_eq!(
                 serde_json::to_value(kind).unwrap(),

@@ -370,6 +370,20 @@ pub struct RoutineDefinition {
     pub notify: Option<NotifySection>,
     #[serde(skip_serializing_if = "MemorySection::is_default")]
     pub memory: MemorySection,
+    /// The shape the run's final answer must have (docs/models.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output: Option<OutputSection>,
+}
+
+/// `[output]`: the JSON Schema a run's final answer must match. The run's result is then the
+/// validated JSON; a model whose answer does not match is asked to correct it while turns
+/// remain, and the run fails naming the violation when none do.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutputSection {
+    /// The JSON Schema (an object), written as a TOML table or as JSON text. It may not refer
+    /// to remote documents (nothing is fetched); it is compiled when the routine is applied.
+    pub schema: serde_json::Value,
 }
 
 #[derive(Deserialize)]
@@ -398,6 +412,8 @@ struct RawRoutine {
     notify: Option<Spanned<NotifySection>>,
     #[serde(default)]
     memory: MemorySection,
+    #[serde(default)]
+    output: Option<Spanned<OutputSection>>,
 }
 
 /// Where each turn of `[model.script]` starts, read again only to place an error.
@@ -475,13 +491,13 @@ impl RoutineDefinition {
                     "`model.script` is required with provider `replay`".into(),
                 ));
             }
-            (ProviderKind::OpenaiCompatible | ProviderKind::Anthropic, None, _) => {
+            (kind, None, _) if kind.needs_connection() => {
                 return Err(at(
                     model_span,
                     "`model.connection` names the model connection to use".into(),
                 ));
             }
-            (ProviderKind::OpenaiCompatible | ProviderKind::Anthropic, _, Some(_)) => {
+            (kind, _, Some(_)) if kind.needs_connection() => {
                 return Err(at(
                     model_span,
                     "`model.script` is only for provider `replay`".into(),
@@ -568,6 +584,40 @@ impl RoutineDefinition {
             }
             None => None,
         };
+        let output = match raw.output {
+            Some(section) => {
+                let span = section.span();
+                let section = section.into_inner();
+                let schema = match section.schema {
+                    serde_json::Value::String(text) => {
+                        serde_json::from_str(&text).map_err(|e| {
+                            at(
+                                span.clone(),
+                                format!("`output.schema` is not valid JSON: {e}"),
+                            )
+                        })?
+                    }
+                    other => other,
+                };
+                if !schema.is_object() {
+                    return Err(at(
+                        span,
+                        "`output.schema` must be a JSON Schema object".to_owned(),
+                    ));
+                }
+                if crate::json_depth::value_nesting(&schema) > crate::json_depth::MAX_JSON_NESTING {
+                    return Err(at(
+                        span,
+                        format!(
+                            "`output.schema` nests deeper than {} levels",
+                            crate::json_depth::MAX_JSON_NESTING
+                        ),
+                    ));
+                }
+                Some(OutputSection { schema })
+            }
+            None => None,
+        };
         Ok(RoutineDefinition {
             name: raw.name,
             description: raw.description,
@@ -582,6 +632,7 @@ impl RoutineDefinition {
             webhook: raw.webhook,
             notify,
             memory: raw.memory,
+            output,
         })
     }
 
@@ -696,6 +747,35 @@ pinned = { from = "support@example.com" }
 
         let e = error("name = \"x\"\ninstructions = ");
         assert!(e.line.is_some(), "{e}");
+    }
+
+    #[test]
+    fn an_output_schema_is_a_table_or_json_text_and_an_object() {
+        let plain = RoutineDefinition::from_toml(EXAMPLE).unwrap();
+        assert_eq!(plain.output, None);
+        let hash = plain.content_hash();
+        let table =
+            format!("{EXAMPLE}\n[output]\nschema = {{ type = \"object\", required = [\"a\"] }}\n");
+        let text = format!(
+            "{EXAMPLE}\n[output]\nschema = '{{\"type\": \"object\", \"required\": [\"a\"]}}'\n"
+        );
+        let from_table = RoutineDefinition::from_toml(&table).unwrap();
+        let from_text = RoutineDefinition::from_toml(&text).unwrap();
+        assert_eq!(
+            from_table.output.as_ref().map(|o| &o.schema),
+            Some(&serde_json::json!({"type": "object", "required": ["a"]}))
+        );
+        assert_eq!(from_table, from_text);
+        assert_ne!(from_table.content_hash(), hash);
+        let e = error(&format!("{EXAMPLE}\n[output]\nschema = '[1, 2]'\n"));
+        assert!(e.message.contains("must be a JSON Schema object"), "{e}");
+        let e = error(&format!("{EXAMPLE}\n[output]\nschema = '{{nope'\n"));
+        assert!(e.message.contains("not valid JSON"), "{e}");
+        let deep = format!("{}{}", "[".repeat(70), "]".repeat(70));
+        let e = error(&format!(
+            "{EXAMPLE}\n[output]\nschema = '{{\"enum\": {deep}}}'\n"
+        ));
+        assert!(e.message.contains("deeper than 64"), "{e}");
     }
 
     #[test]

@@ -310,6 +310,7 @@ mod tests {
             id: id.to_owned(),
             name: "t".to_owned(),
             arguments: serde_json::json!({}),
+            thought_signature: None,
         }
     }
 

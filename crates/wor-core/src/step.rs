@@ -14,12 +14,14 @@ use std::collections::BTreeSet;
 
 use serde::{Deserialize, Serialize};
 
-use crate::ApprovalId;
 use crate::RunId;
 use crate::call::Verdict;
-use crate::model::{AssistantMessage, ChatMessage, StopReason, ToolCallRequest, ToolResult, Usage};
+use crate::model::{
+    AssistantMessage, ChatMessage, ProviderKind, StopReason, ToolCallRequest, ToolResult, Usage,
+};
 use crate::routine::ROUTINE_CONNECTION;
 use crate::run::{Provenance, RunStatus};
+use crate::{ApprovalId, ConnectionId};
 
 /// One step of a run's log.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -38,6 +40,9 @@ pub enum Step {
     ApprovalUsed(ApprovalUsedStep),
     /// The answer the model got for one call: a tool's result, a refusal or a notice.
     ToolResult(ToolResultStep),
+    /// The run's validated structured result (a routine with an `[output] schema`), right
+    /// before its outcome.
+    Output(OutputStep),
     /// How the run ended; always the last step.
     Outcome(OutcomeStep),
 }
@@ -52,17 +57,19 @@ pub enum StepKind {
     ToolCall,
     ApprovalUsed,
     ToolResult,
+    Output,
     Outcome,
 }
 
 impl StepKind {
-    pub const ALL: [StepKind; 7] = [
+    pub const ALL: [StepKind; 8] = [
         StepKind::Input,
         StepKind::Memory,
         StepKind::ModelTurn,
         StepKind::ToolCall,
         StepKind::ApprovalUsed,
         StepKind::ToolResult,
+        StepKind::Output,
         StepKind::Outcome,
     ];
 
@@ -74,19 +81,22 @@ impl StepKind {
             StepKind::ToolCall => "tool_call",
             StepKind::ApprovalUsed => "approval_used",
             StepKind::ToolResult => "tool_result",
+            StepKind::Output => "output",
             StepKind::Outcome => "outcome",
         }
     }
 }
 
-/// Where an untrusted input came from.
+/// Where an input came from, when not from the requester.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum InputSource {
-    /// A signed webhook delivery's payload.
+    /// A signed webhook delivery's payload (untrusted).
     Webhook,
-    /// A parent run's model wrote it with untrusted content in its context.
+    /// A parent run's model wrote it with untrusted content in its context (untrusted).
     Parent,
+    /// The engine asks the model to correct a final answer its routine's output schema refused.
+    OutputSchema,
 }
 
 impl InputSource {
@@ -94,6 +104,7 @@ impl InputSource {
         match self {
             InputSource::Webhook => "webhook",
             InputSource::Parent => "parent",
+            InputSource::OutputSchema => "output_schema",
         }
     }
 }
@@ -192,12 +203,25 @@ pub struct MemoryStep {
     pub boundary: String,
 }
 
+/// Which model answered a turn, and with which key: the provider, the model connection (none
+/// for a model without one) and its key's version, and the model id.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelIdentity {
+    pub provider: ProviderKind,
+    pub connection_id: Option<ConnectionId>,
+    pub model_id: String,
+    pub credential_version: Option<i64>,
+}
+
 /// One model turn as recorded (redacted).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelTurnStep {
     pub message: AssistantMessage,
     pub usage: Usage,
     pub stop_reason: StopReason,
+    /// Who answered (recorded since model identities were; older turns have none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub identity: Option<ModelIdentity>,
     /// U+0000 in the turn was replaced before it was recorded (`text.rs`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub nul_replaced: bool,
@@ -254,6 +278,12 @@ pub struct ToolResultStep {
     pub nul_replaced: bool,
 }
 
+/// A run's structured result, checked against its routine's output schema.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OutputStep {
+    pub result: serde_json::Value,
+}
+
 /// How the run ended.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OutcomeStep {
@@ -281,6 +311,7 @@ impl Step {
             Step::ToolCall(_) => StepKind::ToolCall,
             Step::ApprovalUsed(_) => StepKind::ApprovalUsed,
             Step::ToolResult(_) => StepKind::ToolResult,
+            Step::Output(_) => StepKind::Output,
             Step::Outcome(_) => StepKind::Outcome,
         }
     }
@@ -368,6 +399,7 @@ impl Step {
                 },
                 result.result.content
             ),
+            Step::Output(output) => format!("result: {}", output.result),
             Step::Outcome(outcome) => format!("{}: {}", outcome.status, outcome.message),
         }
     }
@@ -451,6 +483,16 @@ pub fn pending_calls<'a>(steps: impl IntoIterator<Item = &'a Step>) -> Vec<Pendi
         .collect()
 }
 
+/// Who answered the last recorded model turn, when it says.
+pub fn last_model_identity<'a>(
+    steps: impl IntoIterator<Item = &'a Step, IntoIter: DoubleEndedIterator>,
+) -> Option<&'a ModelIdentity> {
+    steps.into_iter().rev().find_map(|s| match s {
+        Step::ModelTurn(turn) => Some(turn.identity.as_ref()),
+        _ => None,
+    })?
+}
+
 /// The call ids the recorded model turns already used.
 pub fn recorded_call_ids<'a>(steps: impl IntoIterator<Item = &'a Step>) -> BTreeSet<String> {
     steps
@@ -530,7 +572,11 @@ pub fn conversation<'a>(
             }
             Step::ModelTurn(turn) => messages.push(ChatMessage::Assistant(turn.message.clone())),
             Step::ToolResult(result) => messages.push(ChatMessage::Tool(result.result.clone())),
-            Step::Memory(_) | Step::ToolCall(_) | Step::ApprovalUsed(_) | Step::Outcome(_) => {}
+            Step::Memory(_)
+            | Step::ToolCall(_)
+            | Step::ApprovalUsed(_)
+            | Step::Output(_)
+            | Step::Outcome(_) => {}
         }
     }
     messages
@@ -569,6 +615,7 @@ mod tests {
             id: id.to_owned(),
             name: "mail_send".to_owned(),
             arguments: json!({"to": "a@example.com"}),
+            thought_signature: None,
         }
     }
 
@@ -580,6 +627,7 @@ mod tests {
             },
             usage: Usage::default(),
             stop_reason: StopReason::ToolUse,
+            identity: None,
             nul_replaced: false,
         })
     }

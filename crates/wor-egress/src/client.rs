@@ -90,6 +90,26 @@ pub enum EgressError {
     Build(#[source] reqwest::Error),
 }
 
+/// Why a model connection may not go without an API key.
+#[derive(Debug, thiserror::Error)]
+pub enum KeylessModelRefusal {
+    /// The base URL is refused (outside every listed range) or cannot be resolved.
+    #[error(
+        "a model connection without an API key must reach an address the operator listed in `[egress] model_cidrs`: {0}"
+    )]
+    Egress(EgressError),
+    /// The host is, or resolves to, an address outside `[egress] model_cidrs`.
+    #[error(
+        "a model connection without an API key must reach an address the operator listed in `[egress] model_cidrs`; `{host}` is {ip}"
+    )]
+    OutsideModelRange {
+        /// The base URL's host.
+        host: EgressHost,
+        /// The first address outside the model ranges.
+        ip: IpAddr,
+    },
+}
+
 /// One request for [`EgressClient::send`].
 #[derive(Debug, Clone)]
 pub struct EgressRequest<'a> {
@@ -255,6 +275,23 @@ impl EgressClient {
             })?;
         }
         Ok(url)
+    }
+
+    /// Vets `url` as the base URL of a model connection that has no API key: it must pass this
+    /// client's policy (the one for models) and the host must be, or resolve only to, addresses
+    /// in the operator's `[egress] model_cidrs`. Makes no connection.
+    pub async fn vet_keyless_model(&self, url: &str) -> Result<EgressUrl, KeylessModelRefusal> {
+        let (url, addrs) = vet(url, None, &self.resolver)
+            .await
+            .map_err(KeylessModelRefusal::Egress)?;
+        let policy = self.resolver.policy();
+        match addrs.iter().find(|ip| !policy.is_model_address(**ip)) {
+            Some(ip) => Err(KeylessModelRefusal::OutsideModelRange {
+                host: url.host().clone(),
+                ip: *ip,
+            }),
+            None => Ok(url),
+        }
     }
 
     /// Sends `request` after vetting it, and reads the whole response body up to the cap.

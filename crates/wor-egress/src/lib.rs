@@ -26,7 +26,8 @@ pub mod url;
 pub use address::{SpecialRange, classify};
 pub use check::{EgressDecision, check};
 pub use client::{
-    EgressClient, EgressError, EgressLimits, EgressRequest, EgressResponse, WEBHOOK_TIMEOUT,
+    EgressClient, EgressError, EgressLimits, EgressRequest, EgressResponse, KeylessModelRefusal,
+    WEBHOOK_TIMEOUT,
 };
 pub use policy::{
     AllowlistError, EgressConfig, EgressDenial, EgressPolicy, HostAllowlist, HostPattern,

@@ -29,6 +29,11 @@ pub struct EgressConfig {
     /// Special-use ranges the operator allows anyway (`10.1.0.0/16`, `127.0.0.1/32`).
     #[serde(default)]
     pub allowed_cidrs: Vec<String>,
+    /// Special-use ranges open to model connections only (local model servers such as Ollama
+    /// or llama.cpp on `10.0.0.0/24`); a model connection there may have no API key. Tools,
+    /// webhooks and the sandbox proxy are never let into them.
+    #[serde(default)]
+    pub model_cidrs: Vec<String>,
 }
 
 /// Why an [`EgressConfig`] was refused.
@@ -37,6 +42,9 @@ pub enum PolicyError {
     /// Not a CIDR.
     #[error("allowed cidr `{0}` is not a valid cidr")]
     InvalidCidr(String),
+    /// A `model_cidrs` entry is not a CIDR.
+    #[error("model cidr `{0}` is not a valid cidr")]
+    InvalidModelCidr(String),
     /// Production refuses prefixes that would switch most of the guard off.
     #[error("allowed cidr `{0}` is too broad for production (shorter than /{1})")]
     TooBroad(IpNet, u8),
@@ -59,10 +67,14 @@ const LINK_LOCAL: [IpNet; 2] = [
 ];
 
 /// The server-wide address policy.
+///
+/// `model_cidrs` are kept apart from `allowed_cidrs`: [`EgressPolicy::check_address`] ignores
+/// them, and only the policy [`EgressPolicy::for_models`] returns lets traffic into them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct EgressPolicy {
     production: bool,
     allowed_cidrs: Vec<IpNet>,
+    model_cidrs: Vec<IpNet>,
 }
 
 impl EgressPolicy {
@@ -75,27 +87,83 @@ impl EgressPolicy {
     pub fn production() -> Self {
         Self {
             production: true,
-            allowed_cidrs: Vec::new(),
+            ..Self::default()
         }
     }
 
     /// Builds the policy from the server configuration.
     pub fn from_config(config: &EgressConfig) -> Result<Self, PolicyError> {
-        let cidrs = config
-            .allowed_cidrs
-            .iter()
-            .map(|raw| {
-                IpNet::from_str(raw.trim())
-                    .or_else(|_| IpAddr::from_str(raw.trim()).map(IpNet::from))
-                    .map_err(|_| PolicyError::InvalidCidr(raw.clone()))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        let cidrs = parse_cidrs(&config.allowed_cidrs, PolicyError::InvalidCidr)?;
+        let model_cidrs = parse_cidrs(&config.model_cidrs, PolicyError::InvalidModelCidr)?;
         let base = if config.production {
             Self::production()
         } else {
             Self::development()
         };
-        base.with_allowed_cidrs(cidrs)
+        base.with_allowed_cidrs(cidrs)?
+            .with_model_cidrs(model_cidrs)
+    }
+
+    /// Adds operator-listed ranges open to model connections only, under the same production
+    /// rules as [`EgressPolicy::with_allowed_cidrs`].
+    pub fn with_model_cidrs(
+        mut self,
+        cidrs: impl IntoIterator<Item = IpNet>,
+    ) -> Result<Self, PolicyError> {
+        for cidr in cidrs {
+            let cidr = cidr.trunc();
+            self.check_listable(cidr)?;
+            self.model_cidrs.push(cidr);
+        }
+        Ok(self)
+    }
+
+    /// The policy model connections are sent under: this one with the model ranges allowed.
+    #[must_use]
+    pub fn for_models(&self) -> Self {
+        let mut allowed = self.allowed_cidrs.clone();
+        allowed.extend(self.model_cidrs.iter().copied());
+        Self {
+            production: self.production,
+            allowed_cidrs: allowed,
+            model_cidrs: self.model_cidrs.clone(),
+        }
+    }
+
+    /// The operator-listed ranges open to model connections only.
+    pub fn model_cidrs(&self) -> &[IpNet] {
+        &self.model_cidrs
+    }
+
+    /// Whether `ip` lies in a range listed for models (a keyless model connection may reach
+    /// only such addresses).
+    pub fn is_model_address(&self, ip: IpAddr) -> bool {
+        let canonical = ip.to_canonical();
+        self.model_cidrs
+            .iter()
+            .any(|cidr| cidr.contains(&ip) || cidr.contains(&canonical))
+    }
+
+    /// Production refuses ranges that would switch most of the guard off or open cloud
+    /// metadata.
+    fn check_listable(&self, cidr: IpNet) -> Result<(), PolicyError> {
+        if !self.production {
+            return Ok(());
+        }
+        let min = match cidr {
+            IpNet::V4(_) => 8,
+            IpNet::V6(_) => 16,
+        };
+        if cidr.prefix_len() < min {
+            return Err(PolicyError::TooBroad(cidr, min));
+        }
+        if LINK_LOCAL
+            .iter()
+            .any(|ll| ll.contains(&cidr) || cidr.contains(ll))
+        {
+            return Err(PolicyError::LinkLocal(cidr));
+        }
+        Ok(())
     }
 
     /// Adds operator-listed ranges that are allowed even though they are special-use.
@@ -105,21 +173,7 @@ impl EgressPolicy {
     ) -> Result<Self, PolicyError> {
         for cidr in cidrs {
             let cidr = cidr.trunc();
-            if self.production {
-                let min = match cidr {
-                    IpNet::V4(_) => 8,
-                    IpNet::V6(_) => 16,
-                };
-                if cidr.prefix_len() < min {
-                    return Err(PolicyError::TooBroad(cidr, min));
-                }
-                if LINK_LOCAL
-                    .iter()
-                    .any(|ll| ll.contains(&cidr) || cidr.contains(ll))
-                {
-                    return Err(PolicyError::LinkLocal(cidr));
-                }
-            }
+            self.check_listable(cidr)?;
             self.allowed_cidrs.push(cidr);
         }
         Ok(self)
@@ -151,6 +205,20 @@ impl EgressPolicy {
         }
         Err(range)
     }
+}
+
+/// CIDRs (or single addresses) as written in the configuration; `invalid` names a bad entry.
+fn parse_cidrs(
+    raw: &[String],
+    invalid: fn(String) -> PolicyError,
+) -> Result<Vec<IpNet>, PolicyError> {
+    raw.iter()
+        .map(|entry| {
+            IpNet::from_str(entry.trim())
+                .or_else(|_| IpAddr::from_str(entry.trim()).map(IpNet::from))
+                .map_err(|_| invalid(entry.clone()))
+        })
+        .collect()
 }
 
 /// One allowlist entry: `api.example.com`, `*.example.com` (subdomains only), `10.0.0.5`,
@@ -390,6 +458,7 @@ mod tests {
         let config = EgressConfig {
             production: true,
             allowed_cidrs: vec!["192.168.1.0/24".into(), "fd00::1".into()],
+            model_cidrs: Vec::new(),
         };
         let prod = EgressPolicy::from_config(&config).unwrap();
         assert!(prod.is_production());
@@ -417,10 +486,56 @@ mod tests {
         let bad = EgressConfig {
             production: false,
             allowed_cidrs: vec!["10.0.0.0/33".into()],
+            model_cidrs: Vec::new(),
         };
         assert_eq!(
             EgressPolicy::from_config(&bad),
             Err(PolicyError::InvalidCidr("10.0.0.0/33".into()))
+        );
+    }
+
+    #[test]
+    fn model_ranges_open_only_the_policy_for_models() {
+        let config = EgressConfig {
+            production: true,
+            allowed_cidrs: vec!["192.168.1.0/24".into()],
+            model_cidrs: vec!["10.0.0.0/24".into(), "fd00:1::5".into()],
+        };
+        let policy = EgressPolicy::from_config(&config).unwrap();
+        let ollama: IpAddr = "10.0.0.5".parse().unwrap();
+        // Tools, webhooks and the sandbox proxy use this policy: the model range stays shut.
+        assert!(policy.check_address(ollama).is_err());
+        assert!(policy.check_address("fd00:1::5".parse().unwrap()).is_err());
+        assert!(policy.is_model_address(ollama));
+        assert!(policy.is_model_address("::ffff:10.0.0.5".parse().unwrap()));
+        assert!(!policy.is_model_address("192.168.1.10".parse().unwrap()));
+        let models = policy.for_models();
+        assert!(models.check_address(ollama).is_ok());
+        assert!(models.check_address("fd00:1::5".parse().unwrap()).is_ok());
+        assert!(
+            models
+                .check_address("192.168.1.10".parse().unwrap())
+                .is_ok()
+        );
+        assert!(models.check_address("10.0.1.5".parse().unwrap()).is_err());
+        // The same production rules as for allowed ranges.
+        let metadata = EgressConfig {
+            production: true,
+            allowed_cidrs: Vec::new(),
+            model_cidrs: vec!["169.254.0.0/16".into()],
+        };
+        assert!(matches!(
+            EgressPolicy::from_config(&metadata),
+            Err(PolicyError::LinkLocal(_))
+        ));
+        let bad = EgressConfig {
+            production: false,
+            allowed_cidrs: Vec::new(),
+            model_cidrs: vec!["ollama".into()],
+        };
+        assert_eq!(
+            EgressPolicy::from_config(&bad),
+            Err(PolicyError::InvalidModelCidr("ollama".into()))
         );
     }
 

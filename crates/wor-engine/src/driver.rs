@@ -19,18 +19,19 @@ use wor_core::routine::RoutineDefinition;
 use wor_core::run::{Provenance, RunStatus};
 use wor_core::run_loop::{AfterCall, CallOutcome, Ending, Next, RunLoop};
 use wor_core::step::{
-    MemoryEntry, MemoryRole, ModelTurnStep, PendingCall, Step, ToolResultStep, conversation,
-    pending_calls, recorded_call_ids, untrusted_sources,
+    MemoryEntry, MemoryRole, ModelIdentity, ModelTurnStep, PendingCall, Step, ToolResultStep,
+    conversation, last_model_identity, pending_calls, recorded_call_ids, untrusted_sources,
 };
 use wor_models::{
-    AnthropicProvider, DiscardStream, ModelProvider, OpenAiCompatibleProvider, ProviderEndpoint,
-    ProviderOptions, ReplayProvider,
+    AnthropicProvider, AzureOpenAiProvider, GeminiProvider, ModelProvider,
+    OpenAiCompatibleProvider, ProviderEndpoint, ProviderOptions, ReplayProvider, StreamSink,
 };
 use wor_policy::PolicyEngine;
 use wor_secrets::Redactor;
 use wor_store::{API_KEY_FIELD, ConnectionStatus, MODEL_CONNECTIONS_TABLE, RunRecord, SecretSlot};
 
 use crate::call::{CallScope, Stopped, run_event};
+use crate::output::FinalAnswer;
 use crate::run_tools::{RunTools, ToolsUnavailable};
 use crate::{Engine, EngineError};
 
@@ -50,9 +51,18 @@ struct RunContext<'a> {
     run: &'a RunRecord,
     definition: &'a RoutineDefinition,
     provider: &'a dyn ModelProvider,
+    connection: &'a ModelCredential,
     redactor: &'a Redactor,
     tools: &'a RunTools,
     policy: &'a PolicyEngine,
+}
+
+/// The model connection a run's calls go through and the version of its key, recorded on
+/// every model call (`None` for the replay model, which has no connection).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct ModelCredential {
+    connection_id: Option<wor_core::ConnectionId>,
+    credential_version: Option<i64>,
 }
 
 /// What a model call came to.
@@ -126,6 +136,7 @@ impl Engine {
             self.enqueue_run_webhook(&run, ending.status, Some(&ending.outcome), None)
                 .await?;
         }
+        self.live_text.close(run.id);
         tracing::info!(category = "run", action = "run.end", project_id = %run.project_id,
             run_id = %run.id, status = ending.status.as_str(), lease_held = finished, "run ended");
         Ok(())
@@ -143,10 +154,17 @@ impl Engine {
         let pending = pending_calls(steps.iter().map(|s| &s.step));
         let call_ids = recorded_call_ids(steps.iter().map(|s| &s.step));
         let untrusted = untrusted_sources(labelled());
-        let provider = match self.provider(run, &definition, &messages).await {
+        let (provider, connection) = match self.provider(run, &definition, &messages).await {
             Ok(provider) => provider,
             Err(reason) => return Ok(Flow::End(Ending::new(RunStatus::Failed, reason))),
         };
+        // A key replaced since the run's last model call is another credential: fail closed.
+        if let Some(reason) = credential_changed(
+            last_model_identity(steps.iter().map(|s| &s.step)),
+            &connection,
+        ) {
+            return Ok(Flow::End(Ending::new(RunStatus::Failed, reason)));
+        }
         let policy = match self.run_policy(run, &definition).await? {
             Ok(policy) => policy,
             Err(reason) => return Ok(Flow::End(Ending::new(RunStatus::Failed, reason))),
@@ -166,6 +184,7 @@ impl Engine {
             run,
             definition: &definition,
             provider: provider.as_ref(),
+            connection: &connection,
             redactor: &redactor,
             tools: &tools,
             policy: &policy,
@@ -258,6 +277,7 @@ impl Engine {
             run,
             definition,
             provider,
+            connection,
             redactor,
             tools,
             policy,
@@ -310,13 +330,18 @@ impl Engine {
                             .max_output_tokens
                             .unwrap_or(DEFAULT_MAX_OUTPUT_TOKENS),
                         temperature: None,
+                        output_schema: definition.output.as_ref().map(|o| o.schema.clone()),
                     };
                     let remaining =
                         Duration::from_secs(limits.wall_seconds.saturating_sub(elapsed()));
-                    let mut response = match self
-                        .call_model(run, provider, &request, remaining, &limits)
-                        .await?
-                    {
+                    // The text goes out to watchers as it comes, redacted; the turn is
+                    // recorded whole below.
+                    let mut live = self.live_text.sink(run.id, redactor.stream());
+                    let outcome = self
+                        .call_model(run, provider, &request, remaining, &limits, &mut live)
+                        .await;
+                    live.finish();
+                    let mut response = match outcome? {
                         TurnOutcome::Response(response) => response,
                         TurnOutcome::End(ending) => {
                             self.store
@@ -334,7 +359,7 @@ impl Engine {
                         &mut response.message.tool_calls,
                     );
                     let message = self
-                        .record_model_turn(run, definition, &response, redactor)
+                        .record_model_turn(run, definition, connection, &response, redactor)
                         .await?;
                     self.store
                         .save_usage(run.id, &self.config.worker_id, &machine.usage())
@@ -351,7 +376,14 @@ impl Engine {
                     if let Some(ending) = machine.turn_recorded(calls, elapsed(), || {
                         redactor.redact(&response.message.text).into_owned()
                     }) {
-                        return Ok(Flow::End(ending));
+                        let usage = machine.usage();
+                        match self
+                            .final_answer(run, definition, usage, &limits, ending, &mut messages)
+                            .await?
+                        {
+                            FinalAnswer::End(ending) => return Ok(Flow::End(ending)),
+                            FinalAnswer::Correct => {}
+                        }
                     }
                 }
                 Next::Answer(call) => {
@@ -435,6 +467,7 @@ impl Engine {
         &self,
         run: &RunRecord,
         definition: &RoutineDefinition,
+        connection: &ModelCredential,
         response: &ModelResponse,
         redactor: &Redactor,
     ) -> Result<AssistantMessage, EngineError> {
@@ -442,6 +475,14 @@ impl Engine {
             message: response.message.clone(),
             usage: response.usage,
             stop_reason: response.stop_reason.clone(),
+            // The model identity (provider, connection, model) and the key's version, on every
+            // call.
+            identity: Some(ModelIdentity {
+                provider: definition.model.provider,
+                connection_id: connection.connection_id,
+                model_id: definition.model.model.clone(),
+                credential_version: connection.credential_version,
+            }),
             nul_replaced: false,
         });
         let Step::ModelTurn(recorded) = as_recorded(turn, redactor)? else {
@@ -461,6 +502,8 @@ impl Engine {
             .append(run_event(run, AuditCategory::ModelCall).payload(json!({
                 "provider": definition.model.provider.as_str(),
                 "model": definition.model.model,
+                "connection_id": connection.connection_id.map(|c| c.to_string()),
+                "credential_version": connection.credential_version,
                 "input_tokens": response.usage.input_tokens,
                 "output_tokens": response.usage.output_tokens,
                 "tool_calls": response.message.tool_calls.len(),
@@ -477,9 +520,9 @@ impl Engine {
         request: &ModelRequest,
         remaining: Duration,
         limits: &wor_core::routine::BudgetLimits,
+        sink: &mut dyn StreamSink,
     ) -> Result<TurnOutcome, EngineError> {
-        let mut sink = DiscardStream;
-        let call = provider.complete(request, &mut sink);
+        let call = provider.complete(request, sink);
         Ok(match self.until_stopped(run, remaining, call).await? {
             Ok(Ok(response)) => match too_deep_call(&response) {
                 Some(ending) => TurnOutcome::End(ending),
@@ -507,7 +550,7 @@ impl Engine {
         run: &RunRecord,
         definition: &RoutineDefinition,
         history: &[ChatMessage],
-    ) -> Result<Box<dyn ModelProvider>, String> {
+    ) -> Result<(Box<dyn ModelProvider>, ModelCredential), String> {
         let model = &definition.model;
         if model.provider == ProviderKind::Replay {
             if self.config.production {
@@ -519,7 +562,12 @@ impl Engine {
                 .clone()
                 .ok_or("the replay routine has no script")?;
             return ReplayProvider::resuming(script, history)
-                .map(|p| Box::new(p) as Box<dyn ModelProvider>)
+                .map(|p| {
+                    (
+                        Box::new(p) as Box<dyn ModelProvider>,
+                        ModelCredential::default(),
+                    )
+                })
                 .map_err(|e| format!("the replay script cannot resume this run: {e}"));
         }
         let name = model
@@ -535,38 +583,97 @@ impl Engine {
             .into_iter()
             .find(|c| c.name == name && c.status == ConnectionStatus::Active)
             .ok_or_else(|| format!("model connection `{name}` is missing or revoked"))?;
+        if connection.provider != model.provider {
+            return Err(format!(
+                "model connection `{name}` speaks `{}`, the routine's model `{}`",
+                connection.provider, model.provider
+            ));
+        }
         let slot = SecretSlot::new(
             run.project_id,
             MODEL_CONNECTIONS_TABLE,
             connection.id,
             API_KEY_FIELD,
         );
-        let key =
-            self.vault.open(&slot).await.map_err(|e| {
+        // A connection without a key is a local model server: allowed only while its address
+        // is in the operator's model ranges, rechecked at every (re)start.
+        let key = match self.vault.metadata(&slot).await {
+            Ok(Some(_)) => Some(self.vault.open(&slot).await.map_err(|e| {
                 format!("the key of model connection `{name}` cannot be opened: {e}")
-            })?;
-        self.audit
-            .append(
-                run_event(run, AuditCategory::SecretUse)
-                    .subject("connection_id", connection.id)
-                    .payload(json!({ "slot": slot.to_string(), "credential_version": connection.credential_version })),
-            )
-            .await
-            .map_err(|e| format!("the use of a secret cannot be recorded: {e}"))?;
-        let endpoint = ProviderEndpoint::new(connection.base_url, Some(key));
+            })?),
+            Ok(None) => {
+                self.model_egress
+                    .vet_keyless_model(&connection.base_url)
+                    .await
+                    .map_err(|e| format!("model connection `{name}` has no API key: {e}"))?;
+                None
+            }
+            Err(e) => {
+                return Err(format!(
+                    "the key of model connection `{name}` cannot be read: {e}"
+                ));
+            }
+        };
+        if key.is_some() {
+            self.audit
+                .append(
+                    run_event(run, AuditCategory::SecretUse)
+                        .subject("connection_id", connection.id)
+                        .payload(json!({ "slot": slot.to_string(), "credential_version": connection.credential_version })),
+                )
+                .await
+                .map_err(|e| format!("the use of a secret cannot be recorded: {e}"))?;
+        }
+        let credential = ModelCredential {
+            connection_id: Some(connection.id),
+            credential_version: Some(connection.credential_version),
+        };
+        let endpoint = ProviderEndpoint::new(connection.base_url, key);
         let options = ProviderOptions::default();
-        Ok(match model.provider {
+        let provider: Box<dyn ModelProvider> = match model.provider {
             ProviderKind::Anthropic => Box::new(AnthropicProvider::new(
-                self.egress.clone(),
+                self.model_egress.clone(),
                 endpoint,
                 options,
             )),
-            _ => Box::new(OpenAiCompatibleProvider::new(
-                self.egress.clone(),
+            ProviderKind::OpenaiCompatible => Box::new(OpenAiCompatibleProvider::new(
+                self.model_egress.clone(),
                 endpoint,
                 options,
             )),
-        })
+            ProviderKind::AzureOpenai => Box::new(AzureOpenAiProvider::new(
+                self.model_egress.clone(),
+                endpoint,
+                options,
+            )),
+            ProviderKind::Gemini => Box::new(GeminiProvider::new(
+                self.model_egress.clone(),
+                endpoint,
+                options,
+            )),
+            ProviderKind::Replay => {
+                return Err("provider `replay` takes no model connection".to_owned());
+            }
+        };
+        Ok((provider, credential))
+    }
+}
+
+/// Why the run may not go on with `now`: its last recorded model call (`then`) went through
+/// another connection or another version of the key.
+fn credential_changed(then: Option<&ModelIdentity>, now: &ModelCredential) -> Option<String> {
+    let then = then?;
+    if then.connection_id != now.connection_id {
+        return Some(
+            "the routine's model connection is not the one this run started with; the run fails closed"
+                .to_owned(),
+        );
+    }
+    match (then.credential_version, now.credential_version) {
+        (Some(then), Some(now)) if then != now => Some(format!(
+            "the model connection's key was replaced since this run's last model call (credential version {then}, now {now}); the run fails closed"
+        )),
+        _ => None,
     }
 }
 
@@ -606,4 +713,41 @@ fn too_deep_call(response: &ModelResponse) -> Option<Ending> {
             call.name
         ),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_replaced_key_or_connection_stops_a_resumed_run() {
+        let connection = wor_core::ConnectionId::new();
+        let now = ModelCredential {
+            connection_id: Some(connection),
+            credential_version: Some(2),
+        };
+        let recorded = |version: i64| ModelIdentity {
+            provider: ProviderKind::OpenaiCompatible,
+            connection_id: Some(connection),
+            model_id: "m".to_owned(),
+            credential_version: Some(version),
+        };
+        // Nothing recorded yet (or turns recorded before identities were), or the same key.
+        assert_eq!(credential_changed(None, &now), None);
+        assert_eq!(credential_changed(Some(&recorded(2)), &now), None);
+        let replaced = credential_changed(Some(&recorded(1)), &now).unwrap();
+        assert!(
+            replaced.contains("credential version 1, now 2"),
+            "{replaced}"
+        );
+        let other = ModelCredential {
+            connection_id: Some(wor_core::ConnectionId::new()),
+            credential_version: Some(1),
+        };
+        let moved = credential_changed(Some(&recorded(1)), &other).unwrap();
+        assert!(
+            moved.contains("not the one this run started with"),
+            "{moved}"
+        );
+    }
 }

@@ -18,8 +18,10 @@ mod approvals;
 mod authority;
 mod call;
 mod driver;
+mod live_text;
 mod nested;
 mod notifications;
+mod output;
 mod pipeline;
 mod run_tools;
 mod start;
@@ -168,6 +170,9 @@ pub struct Engine {
     store: Store,
     vault: Vault,
     egress: EgressClient,
+    /// The client model calls go out through: `egress`'s policy plus the operator's
+    /// `[egress] model_cidrs`, which no tool, webhook or sandbox traffic may reach.
+    model_egress: EgressClient,
     /// Where the engine's security events are recorded (S12).
     audit: AuditLog,
     config: Arc<EngineConfig>,
@@ -177,6 +182,8 @@ pub struct Engine {
     wasm: wasm_tools::WasmHost,
     /// Wakes this process's idle worker pool: a run was queued or one ended.
     work: Arc<tokio::sync::Notify>,
+    /// The model text of runs driven here, redacted, for people watching them.
+    live_text: live_text::LiveText,
 }
 
 impl Engine {
@@ -190,12 +197,14 @@ impl Engine {
         Engine {
             store,
             vault,
+            model_egress: egress.clone(),
             egress,
             audit,
             config: Arc::new(config),
             sandbox: None,
             wasm: wasm_tools::WasmHost::default(),
             work: Arc::new(tokio::sync::Notify::new()),
+            live_text: live_text::LiveText::default(),
         }
     }
 
@@ -204,6 +213,29 @@ impl Engine {
     pub fn with_sandbox(mut self, sandbox: wor_sandbox::Sandbox) -> Self {
         self.sandbox = Some(sandbox);
         self
+    }
+
+    /// Sends model calls through `model_egress` (built from the policy's
+    /// [`for_models`](wor_egress::EgressPolicy::for_models)) instead of the tools' client.
+    #[must_use]
+    pub fn with_model_egress(mut self, model_egress: EgressClient) -> Self {
+        self.model_egress = model_egress;
+        self
+    }
+
+    /// Checks that a model connection may go without an API key: its base URL reaches only
+    /// addresses the operator listed in `[egress] model_cidrs` (S6).
+    pub async fn vet_keyless_model_url(
+        &self,
+        url: &str,
+    ) -> Result<(), wor_egress::KeylessModelRefusal> {
+        self.model_egress.vet_keyless_model(url).await.map(|_| ())
+    }
+
+    /// The redacted text deltas of `run`'s model calls from now on, while this process
+    /// drives it; the channel closes when the run ends here.
+    pub fn watch_text(&self, run: wor_core::RunId) -> tokio::sync::broadcast::Receiver<String> {
+        self.live_text.subscribe(run)
     }
 
     pub fn audit(&self) -> &AuditLog {

@@ -424,7 +424,7 @@ impl Harness {
                 self.project,
                 NewModelConnection {
                     name: "mock".to_owned(),
-                    provider: wor_store::ModelProvider::OpenaiCompatible,
+                    provider: wor_core::model::ProviderKind::OpenaiCompatible,
                     base_url: model.url.clone(),
                     owner_member_id: None,
                     created_by: None,
@@ -1439,7 +1439,7 @@ impl Harness {
                     self.project,
                     NewModelConnection {
                         name: "gated".to_owned(),
-                        provider: wor_store::ModelProvider::OpenaiCompatible,
+                        provider: wor_core::model::ProviderKind::OpenaiCompatible,
                         base_url: model.url.clone(),
                         owner_member_id: None,
                         created_by: None,

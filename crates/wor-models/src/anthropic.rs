@@ -248,6 +248,7 @@ impl WireMessage {
                     id,
                     name,
                     arguments: input,
+                    thought_signature: None,
                 }),
                 WireBlock::Other => {}
             }
@@ -494,6 +495,7 @@ impl MessageStream {
                         id,
                         name,
                         arguments,
+                        thought_signature: None,
                     });
                 }
                 PartialBlock::Other => {}
@@ -527,11 +529,13 @@ mod tests {
                             id: "a".into(),
                             name: "t".into(),
                             arguments: json!({}),
+                            thought_signature: None,
                         },
                         ToolCallRequest {
                             id: "b".into(),
                             name: "t".into(),
                             arguments: json!({"k": 1}),
+                            thought_signature: None,
                         },
                     ],
                 }),
@@ -550,6 +554,7 @@ mod tests {
             tools: Vec::new(),
             max_output_tokens: 10,
             temperature: None,
+            output_schema: None,
         };
         let body = request_body(&request, false);
         assert_eq!(body.get("system"), Some(&json!("rule one\n\nrule two")));

@@ -1,5 +1,6 @@
-//! Model providers of Work on Repeat: the OpenAI-compatible chat-completions client, the
-//! Anthropic Messages client and the scripted `replay` model, behind one [`ModelProvider`] trait.
+//! Model providers of Work on Repeat: the OpenAI-compatible chat-completions client (also for
+//! Azure OpenAI deployments), the Anthropic Messages client, the Gemini `generateContent` client
+//! and the scripted `replay` model, behind one [`ModelProvider`] trait.
 //!
 //! Each provider turns a provider-neutral [`ModelRequest`] into its wire format and the answer
 //! back into a [`ModelResponse`], streaming text deltas to a [`StreamSink`] for live display
@@ -12,12 +13,14 @@
 //! [`ToolCallRequest`](wor_core::model::ToolCallRequest) here is only a proposal), or panic on
 //! a malformed response (that is a [`ModelError`]).
 //!
-//! Code map: [`openai`] and [`anthropic`] are the HTTP providers; [`replay`] the scripted model
+//! Code map: [`openai`], [`azure`], [`anthropic`] and [`gemini`] are the HTTP providers; [`replay`] the scripted model
 //! (format in its docs and in `docs/replay.md`); [`transport`] the shared retries, deadlines and
 //! error summaries; `sse` the event-stream decoder; [`error`] the [`ModelError`] enum.
 
 pub mod anthropic;
+pub mod azure;
 pub mod error;
+pub mod gemini;
 pub mod openai;
 pub mod replay;
 mod sse;
@@ -29,7 +32,9 @@ use std::pin::Pin;
 use wor_core::model::{ModelRequest, ModelResponse, ProviderKind};
 
 pub use anthropic::{ANTHROPIC_VERSION, AnthropicProvider};
+pub use azure::AzureOpenAiProvider;
 pub use error::ModelError;
+pub use gemini::GeminiProvider;
 pub use openai::OpenAiCompatibleProvider;
 pub use replay::{ReplayProvider, ReplayScript};
 pub use transport::{ProviderEndpoint, ProviderOptions, RetryPolicy};

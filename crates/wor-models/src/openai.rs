@@ -20,7 +20,7 @@ use wor_core::model::{
     ToolCallRequest, Usage,
 };
 use wor_egress::EgressClient;
-use wor_egress::header::AUTHORIZATION;
+use wor_egress::header::{AUTHORIZATION, HeaderName, HeaderValue};
 
 use crate::error::ModelError;
 use crate::sse::SseEvent;
@@ -53,29 +53,51 @@ impl OpenAiCompatibleProvider {
         request: &ModelRequest,
         sink: &mut dyn StreamSink,
     ) -> Result<ModelResponse, ModelError> {
-        let streaming = self.options.streaming;
-        let body = serde_json::to_vec(&request_body(request, streaming))
-            .map_err(|e| ModelError::InvalidRequest(e.to_string()))?;
-        let mut headers = json_headers(streaming);
-        if let Some(key) = &self.endpoint.api_key {
-            let bearer = format!("Bearer {}", key.expose_secret());
-            headers.insert(AUTHORIZATION, secret_header(&bearer)?);
-        }
         let url = self.endpoint.url("chat/completions");
-        let response = post_json(
+        let body = request_body(request, self.options.streaming);
+        // The key becomes a header only now, as the request is sent.
+        let auth = match &self.endpoint.api_key {
+            Some(key) => Some((
+                AUTHORIZATION,
+                secret_header(&format!("Bearer {}", key.expose_secret()))?,
+            )),
+            None => None,
+        };
+        exchange(
             &self.egress,
             &self.endpoint,
             &self.options,
             &url,
-            headers,
             body,
+            auth,
+            sink,
         )
-        .await?;
-        read_answer::<ChatStream>(response, streaming, &self.endpoint, sink, |body| {
-            parse_json::<Completion>("chat completion", body)?.into_response()
-        })
         .await
     }
+}
+
+/// Sends one chat-completions `body` to `url` with the `auth` header and reads the answer,
+/// streamed or whole: the exchange the OpenAI-compatible and Azure OpenAI providers share.
+pub(crate) async fn exchange(
+    egress: &EgressClient,
+    endpoint: &ProviderEndpoint,
+    options: &ProviderOptions,
+    url: &str,
+    body: Value,
+    auth: Option<(HeaderName, HeaderValue)>,
+    sink: &mut dyn StreamSink,
+) -> Result<ModelResponse, ModelError> {
+    let streaming = options.streaming;
+    let body = serde_json::to_vec(&body).map_err(|e| ModelError::InvalidRequest(e.to_string()))?;
+    let mut headers = json_headers(streaming);
+    if let Some((name, value)) = auth {
+        headers.insert(name, value);
+    }
+    let response = post_json(egress, endpoint, options, url, headers, body).await?;
+    read_answer::<ChatStream>(response, streaming, endpoint, sink, |body| {
+        parse_json::<Completion>("chat completion", body)?.into_response()
+    })
+    .await
 }
 
 impl ModelProvider for OpenAiCompatibleProvider {
@@ -120,6 +142,17 @@ pub fn request_body(request: &ModelRequest, streaming: bool) -> Value {
             })
             .collect();
         body.insert("tools".into(), Value::Array(tools));
+    }
+    if let Some(schema) = &request.output_schema {
+        // Structured output: the answer is constrained to the schema where the server supports
+        // it; not strict, since strict mode refuses schemas outside OpenAI's subset.
+        body.insert(
+            "response_format".into(),
+            json!({
+                "type": "json_schema",
+                "json_schema": {"name": "output", "schema": schema, "strict": false},
+            }),
+        );
     }
     if streaming {
         body.insert("stream".into(), Value::Bool(true));
@@ -173,8 +206,11 @@ fn message_json(message: &ChatMessage) -> Value {
     }
 }
 
+/// Why the turn ended. Some servers (Ollama among them) say `stop` on a turn that called tools:
+/// a turn with tool calls is a tool-use turn whatever the reason says.
 fn stop_reason(finish_reason: Option<&str>, has_tool_calls: bool) -> StopReason {
     match finish_reason {
+        Some("stop") if has_tool_calls => StopReason::ToolUse,
         Some("stop") => StopReason::EndTurn,
         Some("tool_calls" | "function_call") => StopReason::ToolUse,
         Some("length") => StopReason::MaxTokens,
@@ -201,10 +237,29 @@ impl From<WireUsage> for Usage {
     }
 }
 
+/// llama.cpp server's own counters, which some of its builds send instead of `usage`.
+#[derive(Debug, Deserialize)]
+struct WireTimings {
+    #[serde(default)]
+    prompt_n: u64,
+    #[serde(default)]
+    predicted_n: u64,
+}
+
+impl From<WireTimings> for Usage {
+    fn from(timings: WireTimings) -> Self {
+        Usage {
+            input_tokens: timings.prompt_n,
+            output_tokens: timings.predicted_n,
+        }
+    }
+}
+
 #[derive(Debug, Deserialize)]
 struct Completion {
     choices: Vec<Choice>,
     usage: Option<WireUsage>,
+    timings: Option<WireTimings>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -231,7 +286,31 @@ struct WireToolCall {
 struct WireFunction {
     name: String,
     #[serde(default)]
-    arguments: String,
+    arguments: WireArguments,
+}
+
+/// Tool-call arguments: JSON text as the format says, or (from some local servers) the JSON
+/// object itself.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum WireArguments {
+    Text(String),
+    Object(Map<String, Value>),
+}
+
+impl Default for WireArguments {
+    fn default() -> Self {
+        Self::Text(String::new())
+    }
+}
+
+impl WireArguments {
+    fn into_text(self) -> String {
+        match self {
+            Self::Text(text) => text,
+            Self::Object(object) => Value::Object(object).to_string(),
+        }
+    }
 }
 
 impl Completion {
@@ -250,7 +329,7 @@ impl Completion {
                 tool_call(
                     call.id,
                     call.function.name,
-                    &call.function.arguments,
+                    &call.function.arguments.into_text(),
                     position,
                 )
             })
@@ -262,7 +341,11 @@ impl Completion {
                 tool_calls,
             },
             stop_reason,
-            usage: self.usage.map(Usage::from).unwrap_or_default(),
+            usage: self
+                .usage
+                .map(Usage::from)
+                .or(self.timings.map(Usage::from))
+                .unwrap_or_default(),
         })
     }
 }
@@ -289,6 +372,7 @@ fn tool_call(
         id,
         name,
         arguments,
+        thought_signature: None,
     })
 }
 
@@ -297,6 +381,7 @@ struct Chunk {
     #[serde(default)]
     choices: Vec<ChunkChoice>,
     usage: Option<WireUsage>,
+    timings: Option<WireTimings>,
     error: Option<Value>,
 }
 
@@ -325,7 +410,7 @@ struct DeltaToolCall {
 #[derive(Debug, Deserialize)]
 struct DeltaFunction {
     name: Option<String>,
-    arguments: Option<String>,
+    arguments: Option<WireArguments>,
 }
 
 /// A tool call being assembled from deltas.
@@ -343,12 +428,33 @@ struct ChatStream {
     tool_calls: BTreeMap<u64, PartialToolCall>,
     finish_reason: Option<String>,
     usage: Option<Usage>,
+    /// From llama.cpp's `timings`, used only when no `usage` came.
+    timings: Option<Usage>,
     done: bool,
+}
+
+impl ChatStream {
+    /// Where a tool-call fragment without an `index` belongs (servers that send each call
+    /// whole, such as Ollama, may leave it out): a new id starts a new call, no id or a known
+    /// one continues the last.
+    fn index_without_one(&self, id: Option<&str>) -> u64 {
+        let last = self.tool_calls.last_key_value().map(|(index, _)| *index);
+        match (id.filter(|id| !id.is_empty()), last) {
+            (_, None) => 0,
+            (Some(id), Some(last)) => {
+                match self.tool_calls.iter().find(|(_, call)| call.id == id) {
+                    Some((index, _)) => *index,
+                    None => last.saturating_add(1),
+                }
+            }
+            (None, Some(last)) => last,
+        }
+    }
 }
 
 impl StreamAssembler for ChatStream {
     fn usage_so_far(&self) -> Usage {
-        self.usage.unwrap_or_default()
+        self.usage.or(self.timings).unwrap_or_default()
     }
 
     fn event(&mut self, event: &SseEvent, sink: &mut dyn StreamSink) -> Result<(), ModelError> {
@@ -370,6 +476,9 @@ impl StreamAssembler for ChatStream {
         if let Some(usage) = chunk.usage {
             self.usage = Some(usage.into());
         }
+        if let Some(timings) = chunk.timings {
+            self.timings = Some(timings.into());
+        }
         // One completion was asked for; other choice indexes are not ours.
         for choice in chunk.choices.into_iter().filter(|c| c.index == 0) {
             if let Some(delta) = choice.delta {
@@ -377,10 +486,11 @@ impl StreamAssembler for ChatStream {
                     sink.text_delta(&text);
                     self.text.push_str(&text);
                 }
-                for (position, fragment) in delta.tool_calls.into_iter().enumerate() {
-                    let index = fragment
-                        .index
-                        .unwrap_or_else(|| u64::try_from(position).unwrap_or(u64::MAX));
+                for fragment in delta.tool_calls {
+                    let index = match fragment.index {
+                        Some(index) => index,
+                        None => self.index_without_one(fragment.id.as_deref()),
+                    };
                     let call = self.tool_calls.entry(index).or_default();
                     if let Some(id) = fragment.id.filter(|id| !id.is_empty()) {
                         call.id = id;
@@ -394,7 +504,7 @@ impl StreamAssembler for ChatStream {
                             }
                         }
                         if let Some(arguments) = function.arguments {
-                            call.arguments.push_str(&arguments);
+                            call.arguments.push_str(&arguments.into_text());
                         }
                     }
                 }
@@ -407,9 +517,10 @@ impl StreamAssembler for ChatStream {
     }
 
     fn finish(self) -> Result<ModelResponse, ModelError> {
+        let usage = self.usage_so_far();
         if !self.done {
             return Err(ModelError::TruncatedStream {
-                usage_so_far: self.usage.unwrap_or_default(),
+                usage_so_far: usage,
             });
         }
         let tool_calls = self
@@ -425,7 +536,7 @@ impl StreamAssembler for ChatStream {
                 tool_calls,
             },
             stop_reason,
-            usage: self.usage.unwrap_or_default(),
+            usage,
         })
     }
 }

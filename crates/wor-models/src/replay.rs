@@ -124,6 +124,7 @@ impl ReplayProvider {
                     tools: Vec::new(),
                     max_output_tokens: 0,
                     temperature: None,
+                    output_schema: None,
                 })?;
             }
         }
@@ -197,6 +198,7 @@ fn build_response(
                     .unwrap_or_else(|| format!("replay_{number}_{}", position + 1)),
                 name: call.name.clone(),
                 arguments,
+                thought_signature: None,
             })
         })
         .collect::<Result<Vec<_>, ModelError>>()?;

@@ -222,24 +222,50 @@ pub(crate) async fn post_json(
                 read: 0,
             });
         }
-        let retry_after = retry_after(response.headers());
+        let header_wait = retry_after(response.headers());
+        let body = error_body(response, deadline).await;
+        // Google's APIs give the wait in the body (`google.rpc.RetryInfo`) instead.
+        let retry_after = header_wait.or_else(|| retry_delay_in_body(&body));
         let retryable = status.as_u16() == 429 || status.is_server_error();
         let within_patience = retry_after.is_none_or(|wait| wait <= options.retry.max_retry_after);
         if retryable && retries_left && within_patience {
-            // The error body is not needed; dropping the response frees the connection.
-            drop(response);
             let wait = retry_after.unwrap_or_else(|| options.retry.backoff(attempt));
             tokio::time::sleep(wait).await;
             continue;
         }
-        let summary = error_summary(response, deadline, endpoint).await;
         return Err(ModelError::HttpStatus {
             status: status.as_u16(),
             retry_after,
             attempts: attempt,
-            summary,
+            summary: error_summary(&body, endpoint),
         });
     }
+}
+
+/// The first part of an error body (at most [`ERROR_BODY_LIMIT`] bytes, within the deadline).
+async fn error_body(mut response: reqwest::Response, deadline: Instant) -> Vec<u8> {
+    let mut body = Vec::new();
+    while body.len() < ERROR_BODY_LIMIT {
+        match tokio::time::timeout_at(deadline, response.chunk()).await {
+            Ok(Ok(Some(chunk))) => body.extend_from_slice(&chunk),
+            _ => break,
+        }
+    }
+    body
+}
+
+/// The `retryDelay` of a `google.rpc.RetryInfo` in an error body (`"37s"`, `"1.5s"`).
+fn retry_delay_in_body(body: &[u8]) -> Option<Duration> {
+    let json: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let details = json.pointer("/error/details")?.as_array()?;
+    details.iter().find_map(|detail| {
+        let delay = detail.get("retryDelay")?.as_str()?;
+        let seconds: f64 = delay.strip_suffix('s')?.parse().ok()?;
+        if !seconds.is_finite() || seconds < 0.0 {
+            return None;
+        }
+        Duration::try_from_secs_f64(seconds).ok()
+    })
 }
 
 /// The `Retry-After` header in seconds (integer or decimal). The HTTP-date form is ignored
@@ -255,19 +281,8 @@ fn retry_after(headers: &HeaderMap) -> Option<Duration> {
 
 /// A short, redacted summary of an error body: the provider's `error.message` when the body is
 /// the usual JSON error object, otherwise the first line of the text.
-async fn error_summary(
-    mut response: reqwest::Response,
-    deadline: Instant,
-    endpoint: &ProviderEndpoint,
-) -> String {
-    let mut body = Vec::new();
-    while body.len() < ERROR_BODY_LIMIT {
-        match tokio::time::timeout_at(deadline, response.chunk()).await {
-            Ok(Ok(Some(chunk))) => body.extend_from_slice(&chunk),
-            _ => break,
-        }
-    }
-    let text = String::from_utf8_lossy(&body);
+fn error_summary(body: &[u8], endpoint: &ProviderEndpoint) -> String {
+    let text = String::from_utf8_lossy(body);
     let message = match serde_json::from_str::<serde_json::Value>(&text) {
         Ok(json) => json
             .pointer("/error/message")
@@ -421,6 +436,21 @@ mod tests {
         for ignored in ["Wed, 21 Oct 2015 07:28:00 GMT", "-1", "NaN", "inf"] {
             headers.insert(header::RETRY_AFTER, HeaderValue::from_static(ignored));
             assert_eq!(retry_after(&headers), None, "{ignored}");
+        }
+    }
+
+    #[test]
+    fn a_retry_delay_in_a_google_error_body_counts() {
+        let body = br#"{"error":{"code":429,"message":"quota","status":"RESOURCE_EXHAUSTED",
+            "details":[{"@type":"type.googleapis.com/google.rpc.QuotaFailure"},
+                {"@type":"type.googleapis.com/google.rpc.RetryInfo","retryDelay":"1.5s"}]}}"#;
+        assert_eq!(retry_delay_in_body(body), Some(Duration::from_millis(1500)));
+        for none in [
+            &b"{}"[..],
+            b"not json",
+            br#"{"error":{"details":[{"retryDelay":"soon"}]}}"#,
+        ] {
+            assert_eq!(retry_delay_in_body(none), None);
         }
     }
 

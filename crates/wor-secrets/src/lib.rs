@@ -19,5 +19,5 @@ pub use audit_signing::{
     AUDIT_SIGNING_KEY_FILE_NAME, AuditSigningKey, parse_verifying_key, verifying_key_to_base64,
 };
 pub use key_file::KeyFileOrigin;
-pub use redaction::{REDACTED_MARKER, RedactionError, Redactor, redact_shapes};
+pub use redaction::{REDACTED_MARKER, RedactionError, Redactor, StreamRedactor, redact_shapes};
 pub use webhook_signature::{SignatureError, StandardWebhookSecret};

@@ -54,6 +54,8 @@ pub struct Redactor {
     /// `None` when no live secret is long enough to match.
     live: Option<LiveSecretMatcher>,
     live_pattern_count: usize,
+    /// The longest live pattern, in bytes.
+    longest_live: usize,
 }
 
 /// Bits in the fingerprint table of a [`LiveSecretMatcher`] (128 KiB).
@@ -157,6 +159,7 @@ impl Redactor {
             }
         }
         let live_pattern_count = patterns.len();
+        let longest_live = patterns.iter().map(String::len).max().unwrap_or(0);
         let live = if patterns.is_empty() {
             None
         } else {
@@ -165,17 +168,32 @@ impl Redactor {
         Ok(Self {
             live,
             live_pattern_count,
+            longest_live,
         })
     }
 
     /// Returns `text` with live secrets and secret shapes replaced; borrowed when unchanged.
     pub fn redact<'t>(&self, text: &'t str) -> Cow<'t, str> {
+        apply(text, self.spans(text))
+    }
+
+    fn spans(&self, text: &str) -> Vec<Span> {
         let mut spans = Vec::new();
         if let Some(live) = &self.live {
             live.find(text, &mut spans);
         }
         shape_scanner().find(text, &mut spans);
-        apply(text, spans)
+        spans
+    }
+
+    /// A redactor for text that arrives in pieces (a model's streamed deltas).
+    pub fn stream(&self) -> StreamRedactor<'_> {
+        StreamRedactor {
+            redactor: self,
+            text: String::new(),
+            emitted: 0,
+            hold: self.longest_live.max(STREAM_SHAPE_HOLD),
+        }
     }
 
     /// Redacts every string in `value` in place: string values at any depth and object keys.
@@ -183,6 +201,99 @@ impl Redactor {
     /// Keys that redact to the same text collapse into one entry (the last one wins).
     pub fn redact_json(&self, value: &mut serde_json::Value) {
         redact_json_with(value, &|text| self.redact(text));
+    }
+}
+
+/// Bytes of a stream always held back for secret shapes, whose matches have no fixed length
+/// (the longest live secret is held back too, when longer).
+const STREAM_SHAPE_HOLD: usize = 256;
+
+/// Redacts text that arrives in pieces: each piece is added to everything before it, and
+/// only text that no secret can still be spanning is let out, redacted.
+///
+/// INVARIANT: the text let out ends where no match (live or shape) over everything seen so far
+/// crosses, and at least `hold` bytes before the end; a live secret is at most `hold` bytes
+/// long, so one split across any number of pieces is whole in the text before it is let out.
+pub struct StreamRedactor<'r> {
+    redactor: &'r Redactor,
+    text: String,
+    /// Bytes of `text` already let out.
+    emitted: usize,
+    hold: usize,
+}
+
+impl fmt::Debug for StreamRedactor<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StreamRedactor")
+            .field("seen", &self.text.len())
+            .field("emitted", &self.emitted)
+            .finish()
+    }
+}
+
+impl StreamRedactor<'_> {
+    /// Adds `piece`; returns the redacted text that may be let out now (often empty).
+    pub fn push(&mut self, piece: &str) -> String {
+        self.text.push_str(piece);
+        let mut cut = self.text.len().saturating_sub(self.hold);
+        while !self.text.is_char_boundary(cut) {
+            cut = cut.saturating_sub(1);
+        }
+        self.let_out(cut)
+    }
+
+    /// The rest, redacted, once the stream has ended.
+    pub fn finish(mut self) -> String {
+        let end = self.text.len();
+        self.let_out(end)
+    }
+
+    fn let_out(&mut self, cut: usize) -> String {
+        if cut <= self.emitted {
+            return String::new();
+        }
+        // Only the text near what is not yet out can hold a match that matters.
+        let mut base = self.emitted.saturating_sub(self.hold);
+        while !self.text.is_char_boundary(base) {
+            base = base.saturating_sub(1);
+        }
+        let window = self.text.get(base..).unwrap_or_default();
+        let spans: Vec<Span> = self
+            .redactor
+            .spans(window)
+            .into_iter()
+            .map(|s| Span {
+                start: s.start + base,
+                end: s.end + base,
+                marker: s.marker,
+            })
+            .collect();
+        // Never cut inside a match: the whole match goes out (redacted) or waits.
+        let mut cut = cut;
+        loop {
+            let crossing = spans
+                .iter()
+                .filter(|s| s.start < cut && s.end > cut)
+                .map(|s| s.end)
+                .max();
+            match crossing {
+                Some(end) => cut = end,
+                None => break,
+            }
+        }
+        let inside: Vec<Span> = spans
+            .into_iter()
+            .filter(|s| s.start >= self.emitted && s.end <= cut)
+            .map(|s| Span {
+                start: s.start - self.emitted,
+                end: s.end - self.emitted,
+                marker: s.marker,
+            })
+            .collect();
+        let piece = self.text.get(self.emitted..cut).unwrap_or_default();
+        let out = apply(piece, inside).into_owned();
+        self.emitted = cut;
+        out
     }
 }
 

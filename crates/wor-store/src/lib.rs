@@ -47,7 +47,7 @@ pub use console::{
 };
 pub use members::MemberRecord;
 pub use model_connections::{
-    API_KEY_FIELD, ConnectionStatus, MODEL_CONNECTIONS_TABLE, ModelConnectionRecord, ModelProvider,
+    API_KEY_FIELD, ConnectionStatus, MODEL_CONNECTIONS_TABLE, ModelConnectionRecord,
     NewModelConnection,
 };
 pub use notifications::{

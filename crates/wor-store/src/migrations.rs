@@ -161,6 +161,12 @@ const MIGRATIONS: &[SchemaMigration] = &[
         sqlite: include_str!("../migrations/0020_notifications.sql"),
         postgres: include_str!("../migrations/0020_notifications.sql"),
     },
+    SchemaMigration {
+        version: 21,
+        description: "model providers",
+        sqlite: include_str!("../migrations/0021_model_providers.sqlite.sql"),
+        postgres: include_str!("../migrations/0021_model_providers.postgres.sql"),
+    },
 ];
 
 pub(crate) async fn apply(store: &Store) -> Result<(), StoreError> {

@@ -4,52 +4,13 @@
 //! time its key is replaced, so a run that pinned one version notices a change and fails
 //! closed rather than silently using another credential.
 
-use std::fmt;
 use std::str::FromStr;
 
 use sqlx::Row;
+use wor_core::model::ProviderKind;
 use wor_core::{ApiKeyId, ConnectionId, MemberId, ProjectId};
 
 use crate::{Store, StoreError, conflict_or, now_millis, parse_column};
-
-/// The wire protocol a model connection speaks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ModelProvider {
-    /// Any OpenAI-compatible chat-completions endpoint (OpenAI, vLLM, Ollama, gateways).
-    OpenaiCompatible,
-    /// Anthropic Messages.
-    Anthropic,
-}
-
-impl ModelProvider {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ModelProvider::OpenaiCompatible => "openai_compatible",
-            ModelProvider::Anthropic => "anthropic",
-        }
-    }
-}
-
-impl fmt::Display for ModelProvider {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for ModelProvider {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "openai_compatible" => Ok(ModelProvider::OpenaiCompatible),
-            "anthropic" => Ok(ModelProvider::Anthropic),
-            other => Err(format!(
-                "`{}` is not a model provider: expected openai_compatible or anthropic",
-                other.chars().take(40).collect::<String>()
-            )),
-        }
-    }
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -77,7 +38,7 @@ pub const API_KEY_FIELD: &str = "api_key";
 #[derive(Debug, Clone)]
 pub struct NewModelConnection {
     pub name: String,
-    pub provider: ModelProvider,
+    pub provider: ProviderKind,
     pub base_url: String,
     pub owner_member_id: Option<MemberId>,
     pub created_by: Option<ApiKeyId>,
@@ -88,7 +49,7 @@ pub struct ModelConnectionRecord {
     pub id: ConnectionId,
     pub project_id: ProjectId,
     pub name: String,
-    pub provider: ModelProvider,
+    pub provider: ProviderKind,
     pub base_url: String,
     pub owner_member_id: Option<MemberId>,
     pub status: ConnectionStatus,

@@ -1116,6 +1116,7 @@ async fn many_concurrent_writers_all_succeed() {
                                 },
                                 usage: Usage::default(),
                                 stop_reason: StopReason::EndTurn,
+                                identity: None,
                                 nul_replaced: false,
                             }),
                         )
@@ -1387,4 +1388,47 @@ async fn an_approval_is_never_used_without_its_call_recorded_as_started() {
             .unwrap(),
         ApprovedStart::NotUsable
     );
+}
+
+#[tokio::test]
+async fn model_connections_keep_every_connection_provider_and_refuse_replay() {
+    use wor_core::model::ProviderKind;
+    use wor_store::NewModelConnection;
+
+    let db = TestDatabase::new().await.unwrap();
+    let created = db
+        .store
+        .create_project(&TestDatabase::unique_name("p"), "alice")
+        .await
+        .unwrap();
+    let project = created.project.id;
+    let new = |name: &str, provider| NewModelConnection {
+        name: name.to_owned(),
+        provider,
+        base_url: "https://models.example.com/v1".to_owned(),
+        owner_member_id: None,
+        created_by: None,
+    };
+    for kind in ProviderKind::ALL
+        .into_iter()
+        .filter(|k| k.needs_connection())
+    {
+        let record = db
+            .store
+            .create_model_connection(project, new(kind.as_str(), kind))
+            .await
+            .unwrap();
+        let read = db
+            .store
+            .get_model_connection(project, record.id)
+            .await
+            .unwrap();
+        assert_eq!(read.provider, kind);
+    }
+    // The schema itself refuses a connection to the scripted model.
+    let refused = db
+        .store
+        .create_model_connection(project, new("scripted", ProviderKind::Replay))
+        .await;
+    assert!(refused.is_err(), "{refused:?}");
 }

@@ -11,6 +11,7 @@
 //! - [`http_tool`]: HTTP API tools, a method and a path template on an allowlisted host.
 //! - [`result`]: [`ShapedResult`], redacted and capped (always untrusted).
 //! - [`credentials`]: a connection's secret headers, attached only at send time.
+//! - [`output`]: a routine's output schema and the check of a final answer against it.
 //!
 //! This crate never opens a socket itself (all HTTP goes through `wor_egress::EgressClient`),
 //! never spawns a process (stdio servers start only through a sandbox launcher), and never
@@ -20,6 +21,7 @@ pub mod credentials;
 pub mod definition;
 pub mod http_tool;
 pub mod mcp;
+pub mod output;
 pub mod result;
 pub mod roster;
 pub mod session;
@@ -41,6 +43,7 @@ pub use mcp::sandboxed::Sandboxed;
 pub use mcp::{
     McpError, McpLimits, McpServerKind, McpSession, StreamableHttpEndpoint, ToolListChanged,
 };
+pub use output::{OutputSchema, OutputSchemaError, OutputViolation};
 pub use result::{ResultLimits, ShapedResult, ToolCallResult, ToolContent, Truncation};
 pub use roster::{
     ArgumentError, CanonicalArguments, ModelToolSpec, SchemaViolation, model_view,

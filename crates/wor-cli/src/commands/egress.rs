@@ -59,6 +59,7 @@ pub async fn run(cmd: EgressCommand) -> anyhow::Result<ExitCode> {
     let policy = match EgressPolicy::from_config(&EgressConfig {
         production: config.production,
         allowed_cidrs: config.egress_allowed_cidrs.clone(),
+        model_cidrs: Vec::new(),
     }) {
         Ok(policy) => policy,
         Err(err) => return usage(err.to_string()),

@@ -23,6 +23,15 @@ pub struct ApiKeySource {
 
 impl ApiKeySource {
     fn read(&self) -> anyhow::Result<String> {
+        match self.read_if_given()? {
+            Some(key) => Ok(key),
+            None => bail!("give the provider API key with --api-key-env VAR or --api-key-stdin"),
+        }
+    }
+
+    /// The key, or `None` when neither source was given (a local model server in the
+    /// operator's `[egress] model_cidrs` may take none; the server decides).
+    fn read_if_given(&self) -> anyhow::Result<Option<String>> {
         let key = if let Some(var) = &self.api_key_env {
             std::env::var(var).with_context(|| format!("environment variable {var} is not set"))?
         } else if self.api_key_stdin {
@@ -32,9 +41,9 @@ impl ApiKeySource {
                 .context("cannot read the API key from standard input")?;
             text
         } else {
-            bail!("give the provider API key with --api-key-env VAR or --api-key-stdin");
+            return Ok(None);
         };
-        Ok(key.trim().to_owned())
+        Ok(Some(key.trim().to_owned()))
     }
 }
 
@@ -44,7 +53,7 @@ pub enum ModelConnectionCommand {
     Create {
         /// A name for the connection (unique in the project).
         name: String,
-        /// openai_compatible or anthropic.
+        /// openai_compatible, anthropic, azure_openai or gemini.
         #[arg(long)]
         provider: String,
         /// The provider's base URL, e.g. https://api.openai.com/v1.
@@ -116,12 +125,14 @@ pub async fn run(cmd: ModelConnectionCommand) -> anyhow::Result<ExitCode> {
             key,
             client,
         } => {
-            let api_key = key.read()?;
+            let body = match key.read_if_given()? {
+                Some(api_key) => {
+                    json!({"name": name, "provider": provider, "base_url": base_url, "api_key": api_key})
+                }
+                None => json!({"name": name, "provider": provider, "base_url": base_url}),
+            };
             let created = ApiClient::new(&client)?
-                .post(
-                    "/v1/model-connections",
-                    &json!({"name": name, "provider": provider, "base_url": base_url, "api_key": api_key}),
-                )
+                .post("/v1/model-connections", &body)
                 .await?;
             show(&client, &created)?;
         }

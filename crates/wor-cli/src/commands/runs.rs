@@ -96,10 +96,22 @@ pub(crate) fn describe_step(step: &Value) -> String {
 
 async fn follow(api: &ApiClient, id: &str) -> anyhow::Result<ExitCode> {
     let mut last = Value::Null;
+    // The model's text as it is written, on one line ended when the next step arrives.
+    let mut in_text = false;
     api.events(
         &format!("/v1/runs/{id}/events"),
         |event, data| match event {
-            "step" => println!("{}", describe_step(&data)),
+            "text" => {
+                print!("{}", field(&data, "/delta"));
+                let _ = std::io::Write::flush(&mut std::io::stdout());
+                in_text = true;
+            }
+            "step" => {
+                if std::mem::take(&mut in_text) {
+                    println!();
+                }
+                println!("{}", describe_step(&data));
+            }
             "end" => last = data,
             _ => {}
         },

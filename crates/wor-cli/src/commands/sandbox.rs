@@ -83,6 +83,7 @@ pub async fn exec(args: ExecArgs) -> anyhow::Result<ExitCode> {
     let policy = EgressPolicy::from_config(&wor_egress::EgressConfig {
         production: false,
         allowed_cidrs: args.allow_cidrs.clone(),
+        model_cidrs: Vec::new(),
     })?;
     let names: Arc<dyn NameResolver> = if args.resolve.is_empty() {
         Arc::new(SystemResolver::from_system_conf()?)

@@ -112,8 +112,13 @@ pub(crate) async fn open_engine(config: &ServerConfig) -> anyhow::Result<(Engine
         config.audit_signing_key()?,
         AuditConfig::default(),
     );
-    let egress = wor_egress::EgressClient::new(egress_policy(config)?)
-        .context("cannot build the outbound client")?;
+    let policy = egress_policy(config)?;
+    // Model connections go out under a policy of their own, which alone opens the
+    // operator's `[egress] model_cidrs`.
+    let model_egress = wor_egress::EgressClient::new(policy.for_models())
+        .context("cannot build the outbound client for models")?;
+    let egress =
+        wor_egress::EgressClient::new(policy).context("cannot build the outbound client")?;
     let vault = wor_store::Vault::new(store.clone(), Arc::new(keys));
     let resolver = egress.resolver().clone();
     let engine = Engine::new(
@@ -142,7 +147,10 @@ pub(crate) async fn open_engine(config: &ServerConfig) -> anyhow::Result<(Engine
         startup_timeout: std::time::Duration::from_secs(30),
     })
     .context("cannot prepare the sandbox's state directory")?;
-    Ok((engine.with_sandbox(sandbox), audit))
+    Ok((
+        engine.with_sandbox(sandbox).with_model_egress(model_egress),
+        audit,
+    ))
 }
 
 /// Registers SIGTERM and SIGINT handlers now, so a signal that arrives as soon as the server
@@ -165,6 +173,7 @@ fn egress_policy(config: &ServerConfig) -> anyhow::Result<wor_egress::EgressPoli
     wor_egress::EgressPolicy::from_config(&wor_egress::EgressConfig {
         production: config.production,
         allowed_cidrs: config.egress_allowed_cidrs.clone(),
+        model_cidrs: config.egress_model_cidrs.clone(),
     })
-    .context("invalid `[egress] allowed_cidrs`")
+    .context("invalid `[egress]` section")
 }

@@ -558,3 +558,53 @@ fn debug_output_holds_no_secret() {
     assert!(!rendered.contains(&STANDARD.encode(LIVE)));
     assert!(rendered.contains("live_patterns"));
 }
+
+#[test]
+fn a_secret_split_across_stream_pieces_never_gets_out() {
+    const SECRET: &str = "zq-live-7Hc2Xw9Pk4Rm8Tn3Vb6Yd1";
+    let redactor = Redactor::new([SECRET]).unwrap();
+    let text = format!(
+        "The key is {SECRET}, and a token ghp_{} follows. {}Done.",
+        alnum(36),
+        "filler words ".repeat(40)
+    );
+    let whole = redactor.redact(&text).into_owned();
+    assert!(!whole.contains(SECRET));
+    // Every way of cutting the text into three pieces, around the secret and the token.
+    let bytes: Vec<usize> = (0..text.len())
+        .filter(|i| text.is_char_boundary(*i))
+        .collect();
+    for &a in bytes.iter().step_by(5) {
+        for &b in bytes.iter().filter(|b| **b >= a).step_by(13) {
+            let mut stream = redactor.stream();
+            let mut out = Vec::new();
+            for piece in [&text[..a], &text[a..b], &text[b..]] {
+                out.push(stream.push(piece));
+            }
+            out.push(stream.finish());
+            for part in &out {
+                for window in [12, 20] {
+                    assert!(
+                        !SECRET
+                            .as_bytes()
+                            .windows(window)
+                            .any(|w| part.as_bytes().windows(window).any(|p| p == w)),
+                        "a part of the secret got out at cuts {a}/{b}: {part}"
+                    );
+                }
+            }
+            assert_eq!(out.concat(), whole, "cuts {a}/{b}");
+        }
+    }
+}
+
+#[test]
+fn a_stream_lets_text_out_before_it_ends() {
+    let redactor = Redactor::new(["zq-live-7Hc2Xw9Pk4Rm8Tn3Vb6Yd1"]).unwrap();
+    let mut stream = redactor.stream();
+    let long = "word ".repeat(200);
+    let first = stream.push(&long);
+    assert!(!first.is_empty() && long.starts_with(&first));
+    assert!(first.len() <= long.len() - 256, "the tail is held back");
+    assert_eq!(format!("{first}{}", stream.finish()), long);
+}

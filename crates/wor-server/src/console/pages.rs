@@ -710,7 +710,7 @@ fn step_source(step: &wor_store::RunStep) -> String {
             None => "the run's input".to_owned(),
         },
         Step::Memory(_) => "memory".to_owned(),
-        Step::ModelTurn(_) => "the model".to_owned(),
+        Step::ModelTurn(_) | Step::Output(_) => "the model".to_owned(),
         Step::Outcome(_) => "the engine".to_owned(),
     }
 }

@@ -9,6 +9,7 @@ use axum::http::StatusCode;
 use serde_json::json;
 use wor_core::ConnectionId;
 use wor_core::audit::{AuditCategory, AuditEvent};
+use wor_core::model::{ProviderKind, ProviderKindParseError};
 use wor_store::{
     API_KEY_FIELD, MODEL_CONNECTIONS_TABLE, ModelConnectionRecord, NewModelConnection, SecretSlot,
 };
@@ -27,12 +28,15 @@ const MAX_API_KEY_LEN: usize = 8 * 1024;
 #[serde(deny_unknown_fields)]
 pub struct CreateModelConnection {
     pub name: String,
-    /// `openai_compatible` or `anthropic`.
+    /// `openai_compatible`, `anthropic`, `azure_openai` or `gemini`.
     pub provider: String,
     /// The provider's base URL, `https://…`; checked again by the egress guard on every call.
     pub base_url: String,
-    /// The provider API key. Stored encrypted; never returned.
-    pub api_key: String,
+    /// The provider API key. Stored encrypted; never returned. Left out only for a local
+    /// model server whose address the operator listed in the server configuration's
+    /// `[egress] model_cidrs`.
+    #[serde(default)]
+    pub api_key: Option<String>,
 }
 
 #[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
@@ -147,12 +151,24 @@ pub async fn create(
 ) -> Result<(StatusCode, Json<ModelConnectionView>), ApiError> {
     caller.require_configure()?;
     check_name(&body.name, "connection")?;
-    let provider = body
-        .provider
-        .parse()
-        .map_err(|e: String| ApiError::bad_request("invalid_provider", e))?;
+    let provider: ProviderKind = body.provider.parse().map_err(|e: ProviderKindParseError| {
+        ApiError::bad_request("invalid_provider", e.to_string())
+    })?;
+    if !provider.needs_connection() {
+        return Err(ApiError::bad_request(
+            "invalid_provider",
+            format!("provider `{provider}` takes no model connection"),
+        ));
+    }
     check_base_url(&body.base_url)?;
-    check_api_key(&body.api_key)?;
+    match &body.api_key {
+        Some(key) => check_api_key(key)?,
+        None => state
+            .engine
+            .vet_keyless_model_url(&body.base_url)
+            .await
+            .map_err(|refusal| ApiError::bad_request("api_key_required", refusal.to_string()))?,
+    }
     let record = state
         .store
         .create_model_connection(
@@ -166,7 +182,9 @@ pub async fn create(
             },
         )
         .await?;
-    if let Err(err) = state.vault.put(&slot(&record), &body.api_key).await {
+    if let Some(key) = &body.api_key
+        && let Err(err) = state.vault.put(&slot(&record), key).await
+    {
         // Never leave a connection that looks configured but holds no key.
         state
             .store

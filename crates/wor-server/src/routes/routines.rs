@@ -110,6 +110,10 @@ pub async fn apply(
             ApiError::bad_request("invalid_routine", format!("`notify.url`: {denial}"))
         })?;
     }
+    if let Some(output) = &definition.output {
+        wor_tools::OutputSchema::compile(&output.schema)
+            .map_err(|e| ApiError::bad_request("invalid_routine", e.to_string()))?;
+    }
     // The routine's own policy, with its roster modes, must validate against the schema.
     let mut policy = wor_policy::PolicyEngine::builder().roster(&definition.tools);
     if let Some(text) = &definition.policy {

@@ -10,6 +10,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use futures_util::Stream;
 use wor_core::audit::{Actor, AuditCategory, AuditEvent};
 use wor_core::run::RunStatus;
+use wor_core::step::Step;
 use wor_core::{ProjectId, Role, RoutineId, RunId};
 use wor_engine::{StartRun, Trigger};
 use wor_store::{RunFilter, RunRecord, RunStep, Store};
@@ -130,6 +131,9 @@ impl TryFrom<RunStep> for RunStepView {
 pub struct RunDetail {
     #[serde(flatten)]
     pub run: RunView,
+    /// For a routine with `[output] schema`, the validated JSON result of a succeeded run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub result: Option<serde_json::Value>,
     pub steps: Vec<RunStepView>,
 }
 
@@ -217,8 +221,13 @@ pub async fn get(
 ) -> Result<Json<RunDetail>, ApiError> {
     let run = state.store.get_run(caller.project_id, id).await?;
     let steps = state.store.list_run_steps(caller.project_id, id, 0).await?;
+    let result = steps.iter().rev().find_map(|s| match &s.step {
+        Step::Output(output) => Some(output.result.clone()),
+        _ => None,
+    });
     Ok(Json(RunDetail {
         run: run.into(),
+        result,
         steps: steps
             .into_iter()
             .map(RunStepView::try_from)
@@ -303,11 +312,12 @@ pub(crate) async fn cancel_run(
     Ok(run)
 }
 
-/// The run's steps as server-sent events (`event: step`), then `event: end` with the run once
-/// it has ended.
+/// The run's steps as server-sent events (`event: step`), the model's text as it is written
+/// (`event: text`, `{"delta": …}`, redacted; only while this server drives the run), then
+/// `event: end` with the run once it has ended.
 #[utoipa::path(get, path = "/v1/runs/{run_id}/events", tag = "runs", security(("bearer" = [])),
     params(("run_id" = String, Path, description = "a `run_…` id", pattern = "^run_[0-9a-f]{32}$")),
-    responses((status = 200, description = "text/event-stream of `step` events and one `end` event"),
+    responses((status = 200, description = "text/event-stream of `step` and `text` events and one `end` event"),
         (status = 404, body = ErrorBody)))]
 pub async fn events(
     State(state): State<AppState>,
@@ -315,7 +325,9 @@ pub async fn events(
     ApiPath(id): ApiPath<RunId>,
 ) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ApiError> {
     state.store.get_run(caller.project_id, id).await?;
-    let stream = step_stream(state.store.clone(), caller.project_id, id);
+    // Subscribed before the first read, so no text written after it is missed.
+    let text = state.engine.watch_text(id);
+    let stream = step_stream(state.store.clone(), caller.project_id, id, text);
     Ok(Sse::new(stream).keep_alive(KeepAlive::default()))
 }
 
@@ -326,12 +338,67 @@ struct Follow {
     last_seq: i64,
     pending: std::collections::VecDeque<Event>,
     ended: bool,
+    /// The model's redacted text deltas; `None` once the run ended in this process.
+    text: Option<tokio::sync::broadcast::Receiver<String>>,
+}
+
+impl Follow {
+    /// Queues every text delta that has already arrived.
+    fn drain_text(&mut self) {
+        use tokio::sync::broadcast::error::TryRecvError;
+        while let Some(text) = self.text.as_mut() {
+            match text.try_recv() {
+                Ok(delta) => self.push_text(delta),
+                Err(TryRecvError::Lagged(_)) => {}
+                Err(TryRecvError::Empty) => return,
+                Err(TryRecvError::Closed) => self.text = None,
+            }
+        }
+    }
+
+    fn push_text(&mut self, delta: String) {
+        if let Ok(event) = Event::default()
+            .event("text")
+            .json_data(serde_json::json!({ "delta": delta }))
+        {
+            self.pending.push_back(event);
+        }
+    }
+
+    /// Waits for the next poll of the steps, passing on text deltas that arrive meanwhile.
+    async fn wait(&mut self) {
+        use tokio::sync::broadcast::error::RecvError;
+        let Some(text) = self.text.as_mut() else {
+            tokio::time::sleep(EVENTS_POLL).await;
+            return;
+        };
+        let poll = tokio::time::sleep(EVENTS_POLL);
+        tokio::pin!(poll);
+        loop {
+            tokio::select! {
+                () = &mut poll => return,
+                delta = text.recv() => match delta {
+                    Ok(delta) => {
+                        self.push_text(delta);
+                        return;
+                    }
+                    // A watcher too slow for the text misses some; the steps still come.
+                    Err(RecvError::Lagged(_)) => {}
+                    Err(RecvError::Closed) => {
+                        self.text = None;
+                        return;
+                    }
+                },
+            }
+        }
+    }
 }
 
 fn step_stream(
     store: Store,
     project: ProjectId,
     run: RunId,
+    text: tokio::sync::broadcast::Receiver<String>,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
     let follow = Follow {
         store,
@@ -340,6 +407,7 @@ fn step_stream(
         last_seq: 0,
         pending: Default::default(),
         ended: false,
+        text: Some(text),
     };
     futures_util::stream::unfold(follow, |mut f| async move {
         loop {
@@ -349,6 +417,8 @@ fn step_stream(
             if f.ended {
                 return None;
             }
+            // Text already written goes out before the steps that follow it.
+            f.drain_text();
             // Read the status first: steps written before a run ends are all seen below.
             let record = f.store.get_run(f.project, f.run).await.ok();
             let steps = f
@@ -373,7 +443,7 @@ fn step_stream(
                     f.ended = true;
                 }
                 None => f.ended = true,
-                Some(_) if f.pending.is_empty() => tokio::time::sleep(EVENTS_POLL).await,
+                Some(_) if f.pending.is_empty() => f.wait().await,
                 Some(_) => {}
             }
         }

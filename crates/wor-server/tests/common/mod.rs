@@ -44,17 +44,47 @@ impl Harness {
 
     /// A harness whose engine runs with `config`.
     pub async fn with_config(config: wor_engine::EngineConfig) -> Self {
-        Self::with_configs(config, wor_server::console::ConsoleConfig::default()).await
+        Self::with_everything(
+            config,
+            wor_server::console::ConsoleConfig::default(),
+            loopback_egress(),
+            None,
+        )
+        .await
     }
 
     /// A harness whose web console has the settings `console`.
     pub async fn with_console(console: wor_server::console::ConsoleConfig) -> Self {
-        Self::with_configs(wor_engine::EngineConfig::default(), console).await
+        Self::with_everything(
+            wor_engine::EngineConfig::default(),
+            console,
+            loopback_egress(),
+            None,
+        )
+        .await
     }
 
-    async fn with_configs(
+    /// A harness whose tools and webhooks go out through `egress`, and model calls through
+    /// `model_egress` when given (else `egress`).
+    pub async fn with_egress(
+        config: wor_engine::EngineConfig,
+        egress: wor_egress::EgressClient,
+        model_egress: Option<wor_egress::EgressClient>,
+    ) -> Self {
+        Self::with_everything(
+            config,
+            wor_server::console::ConsoleConfig::default(),
+            egress,
+            model_egress,
+        )
+        .await
+    }
+
+    async fn with_everything(
         config: wor_engine::EngineConfig,
         console: wor_server::console::ConsoleConfig,
+        egress: wor_egress::EgressClient,
+        model_egress: Option<wor_egress::EgressClient>,
     ) -> Self {
         // A database of its own: the worker claims any queued run, so a shared PostgreSQL
         // database would let it drive (or be beaten to) other tests' runs.
@@ -63,13 +93,11 @@ impl Harness {
         let vault = wor_store::Vault::new(db.store.clone(), Arc::new(keys));
         let (key, _) = wor_secrets::AuditSigningKey::generate().unwrap();
         let audit = AuditLog::start(db.store.clone(), key, AuditConfig::default());
-        let engine = wor_engine::Engine::new(
-            db.store.clone(),
-            vault,
-            loopback_egress(),
-            audit.clone(),
-            config,
-        );
+        let mut engine =
+            wor_engine::Engine::new(db.store.clone(), vault, egress, audit.clone(), config);
+        if let Some(model_egress) = model_egress {
+            engine = engine.with_model_egress(model_egress);
+        }
         let state = AppState::new(engine).with_console(console);
         let engine = state.engine.clone();
         let project = db
