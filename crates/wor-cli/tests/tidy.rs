@@ -552,3 +552,35 @@ fn the_architecture_diagram_matches_the_crates() {
         "ARCHITECTURE.md's dependency block is out of date; it should read:\n{actual}"
     );
 }
+
+/// ARCHITECTURE.md is written one sentence per line, so a change to one sentence is one line of
+/// its diff: no prose line holds the end of one sentence and the start of the next.
+#[test]
+fn the_architecture_has_one_sentence_per_line() {
+    let text = std::fs::read_to_string(repository_root().join("ARCHITECTURE.md")).unwrap();
+    let mut in_code = false;
+    let mut found = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        if line.starts_with("```") {
+            in_code = !in_code;
+            continue;
+        }
+        if in_code || line.starts_with('|') || line.starts_with('#') {
+            continue;
+        }
+        let chars: Vec<char> = line.chars().collect();
+        let joined = chars.windows(3).any(|w| {
+            matches!(w[0], '.' | '!' | '?')
+                && w[1] == ' '
+                && (w[2].is_ascii_uppercase() || matches!(w[2], '`' | '*' | '('))
+        });
+        if joined {
+            found.push(format!("ARCHITECTURE.md:{}: {line}", n + 1));
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "two sentences on one line:\n{}",
+        found.join("\n")
+    );
+}

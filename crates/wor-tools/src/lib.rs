@@ -49,4 +49,4 @@ pub use roster::{
     ArgumentError, CanonicalArguments, ModelToolSpec, SchemaViolation, model_view,
     prepare_arguments,
 };
-pub use session::ToolSession;
+pub use session::{ToolSession, ToolSessionError};

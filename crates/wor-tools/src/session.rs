@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use serde_json::{Map, Value, json};
 use wor_wasm::WasmTool;
 
-use crate::{McpSession, ToolCallResult, ToolContent, ToolDefinition};
+use crate::{HttpToolError, McpError, McpSession, ToolCallResult, ToolContent, ToolDefinition};
 
 /// An open connection to a tool source: an MCP server, or the configured tools of an HTTP API.
 pub enum ToolSession {
@@ -34,11 +34,28 @@ impl std::fmt::Debug for ToolSession {
     }
 }
 
+/// Why a session could not list or call its tools. A tool's own failure is not one of these:
+/// it is a result with `is_error`.
+#[derive(Debug, thiserror::Error)]
+pub enum ToolSessionError {
+    #[error(transparent)]
+    Mcp(#[from] McpError),
+    #[error(transparent)]
+    Http(#[from] HttpToolError),
+    #[error("no http tool `{0}`")]
+    NoSuchTool(String),
+    #[error(transparent)]
+    Wasm(#[from] wor_wasm::WasmError),
+    /// A component listed a tool that is not one (no name, a schema that is not an object).
+    #[error("{0}")]
+    WasmListing(String),
+}
+
 impl ToolSession {
     /// The live tool list: what the MCP server lists, or the configured HTTP tools.
-    pub async fn list_tools(&self) -> Result<Vec<ToolDefinition>, String> {
+    pub async fn list_tools(&self) -> Result<Vec<ToolDefinition>, ToolSessionError> {
         match self {
-            ToolSession::Mcp(session) => session.list_tools().await.map_err(|e| e.to_string()),
+            ToolSession::Mcp(session) => Ok(session.list_tools().await?),
             ToolSession::Http { tools, .. } => {
                 Ok(tools.values().map(|t| t.tool_definition()).collect())
             }
@@ -51,12 +68,9 @@ impl ToolSession {
         &self,
         tool: &str,
         arguments: serde_json::Map<String, Value>,
-    ) -> Result<ToolCallResult, String> {
+    ) -> Result<ToolCallResult, ToolSessionError> {
         match self {
-            ToolSession::Mcp(session) => session
-                .call_tool(tool, arguments)
-                .await
-                .map_err(|e| e.to_string()),
+            ToolSession::Mcp(session) => Ok(session.call_tool(tool, arguments).await?),
             ToolSession::Http {
                 connection,
                 tools,
@@ -64,11 +78,8 @@ impl ToolSession {
             } => {
                 let definition = tools
                     .get(tool)
-                    .ok_or_else(|| format!("no http tool `{tool}`"))?;
-                definition
-                    .execute(egress, connection, &arguments)
-                    .await
-                    .map_err(|e| e.to_string())
+                    .ok_or_else(|| ToolSessionError::NoSuchTool(tool.to_owned()))?;
+                Ok(definition.execute(egress, connection, &arguments).await?)
             }
             ToolSession::Wasm { tool: wasm, .. } => call_wasm_tool(wasm, tool, arguments).await,
         }
@@ -91,8 +102,11 @@ impl ToolSession {
 }
 
 /// The tools a component lists, as definitions carrying the component's digest.
-async fn list_wasm_tools(tool: &WasmTool, digest: &str) -> Result<Vec<ToolDefinition>, String> {
-    let listed = tool.list_tools().await.map_err(|e| e.to_string())?;
+async fn list_wasm_tools(
+    tool: &WasmTool,
+    digest: &str,
+) -> Result<Vec<ToolDefinition>, ToolSessionError> {
+    let listed = tool.list_tools().await?;
     listed
         .into_iter()
         .map(|entry| {
@@ -100,15 +114,17 @@ async fn list_wasm_tools(tool: &WasmTool, digest: &str) -> Result<Vec<ToolDefini
                 .get("name")
                 .and_then(Value::as_str)
                 .filter(|n| !n.is_empty())
-                .ok_or("a listed tool has no name")?
+                .ok_or_else(|| {
+                    ToolSessionError::WasmListing("a listed tool has no name".to_owned())
+                })?
                 .to_owned();
             let input_schema = match entry.get("input_schema") {
                 None => Map::from_iter([("type".to_owned(), json!("object"))]),
                 Some(Value::Object(schema)) => schema.clone(),
                 Some(_) => {
-                    return Err(format!(
+                    return Err(ToolSessionError::WasmListing(format!(
                         "the input schema of tool `{name}` is not an object"
-                    ));
+                    )));
                 }
             };
             Ok(ToolDefinition {
@@ -129,7 +145,7 @@ async fn call_wasm_tool(
     tool: &WasmTool,
     name: &str,
     arguments: Map<String, Value>,
-) -> Result<ToolCallResult, String> {
+) -> Result<ToolCallResult, ToolSessionError> {
     match tool.call_tool(name, &Value::Object(arguments)).await {
         Ok(Ok(text)) => Ok(ToolCallResult {
             content: vec![ToolContent::Text(text)],
@@ -139,6 +155,6 @@ async fn call_wasm_tool(
             content: vec![ToolContent::Text(text)],
             is_error: true,
         }),
-        Err(error) => Err(error.to_string()),
+        Err(error) => Err(error.into()),
     }
 }
