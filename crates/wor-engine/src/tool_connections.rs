@@ -110,16 +110,24 @@ impl Engine {
         record: &ToolConnectionRecord,
     ) -> Result<ToolSession, String> {
         let name = &record.name;
-        match record.kind {
-            ToolConnectionKind::McpStdio => {
-                return self.open_stdio_session(record).await.map(ToolSession::Mcp);
-            }
-            ToolConnectionKind::HttpApi => return self.open_http_api(record).await,
-            ToolConnectionKind::Wasm => return self.open_wasm_session(record).await,
-            ToolConnectionKind::McpHttp => {}
-        }
+        // Parsed once here, for whichever kind of session needs it.
         let allowlist = wor_egress::HostAllowlist::parse(&record.allowlist)
             .map_err(|e| format!("the allowlist of tool connection `{name}` is invalid: {e}"))?;
+        match record.kind {
+            ToolConnectionKind::McpStdio => {
+                return self
+                    .open_stdio_session(record, allowlist)
+                    .await
+                    .map(ToolSession::Mcp);
+            }
+            ToolConnectionKind::HttpApi => return self.open_http_api(record, allowlist).await,
+            ToolConnectionKind::Wasm => {
+                // No allowlist means no network at all for a component.
+                let allowlist = (!record.allowlist.is_empty()).then_some(allowlist);
+                return self.open_wasm_session(record, allowlist).await;
+            }
+            ToolConnectionKind::McpHttp => {}
+        }
         let endpoint = StreamableHttpEndpoint {
             url: record.url.clone(),
             allowlist,
@@ -165,10 +173,12 @@ impl Engine {
     }
 
     /// The configured tools of an `http_api` connection on its base URL.
-    async fn open_http_api(&self, record: &ToolConnectionRecord) -> Result<ToolSession, String> {
+    async fn open_http_api(
+        &self,
+        record: &ToolConnectionRecord,
+        allowlist: wor_egress::HostAllowlist,
+    ) -> Result<ToolSession, String> {
         let name = &record.name;
-        let allowlist = wor_egress::HostAllowlist::parse(&record.allowlist)
-            .map_err(|e| format!("the allowlist of tool connection `{name}` is invalid: {e}"))?;
         let connection = wor_tools::HttpApiConnection::new(
             &record.url,
             allowlist,
@@ -193,6 +203,7 @@ impl Engine {
     async fn open_stdio_session(
         &self,
         record: &ToolConnectionRecord,
+        allowlist: wor_egress::HostAllowlist,
     ) -> Result<McpSession, String> {
         let name = &record.name;
         let Some(sandbox) = &self.sandbox else {
@@ -205,9 +216,7 @@ impl Engine {
             program: spec.program.clone(),
             args: spec.args.clone(),
             env,
-            egress_allowlist: wor_egress::HostAllowlist::parse(&record.allowlist).map_err(|e| {
-                format!("the allowlist of tool connection `{name}` is invalid: {e}")
-            })?,
+            egress_allowlist: allowlist,
             read_only_paths: spec.read_only_paths.iter().map(PathBuf::from).collect(),
         };
         McpSession::connect_stdio(

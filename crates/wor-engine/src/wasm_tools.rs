@@ -103,6 +103,7 @@ impl Engine {
     pub(crate) async fn open_wasm_session(
         &self,
         record: &ToolConnectionRecord,
+        allowlist: Option<wor_egress::HostAllowlist>,
     ) -> Result<ToolSession, String> {
         let name = &record.name;
         let (spec, env) = self.local_command(record).await?;
@@ -125,15 +126,6 @@ impl Engine {
                 )
             })
             .collect();
-        let allowlist = if record.allowlist.is_empty() {
-            None
-        } else {
-            Some(
-                wor_egress::HostAllowlist::parse(&record.allowlist).map_err(|e| {
-                    format!("the allowlist of tool connection `{name}` is invalid: {e}")
-                })?,
-            )
-        };
         let grants = WasmGrants {
             env,
             // The resolved paths, as checked above, so a link swapped in later is not followed.
