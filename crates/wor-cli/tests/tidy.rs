@@ -584,3 +584,51 @@ fn the_architecture_has_one_sentence_per_line() {
         found.join("\n")
     );
 }
+
+/// Every file below `testdata/` that a source names is in git: a file the ignore rules keep out
+/// (a `*.db` fixture, say) is on the machine that wrote it and missing from every clone.
+#[test]
+fn test_data_named_by_the_sources_is_in_git() {
+    let root = repository_root();
+    let tracked = Command::new("git")
+        .args(["ls-files", "testdata"])
+        .current_dir(&root)
+        .output()
+        .unwrap();
+    assert!(
+        tracked.status.success(),
+        "the tests run in a git checkout: {}",
+        String::from_utf8_lossy(&tracked.stderr)
+    );
+    let tracked = String::from_utf8(tracked.stdout).unwrap();
+    let tracked: std::collections::BTreeSet<&str> = tracked.lines().collect();
+    let mut sources = Vec::new();
+    files_below(
+        &root.join("crates"),
+        &|p| p.extension().is_some_and(|e| e == "rs"),
+        &mut sources,
+    );
+    let mut missing = Vec::new();
+    for file in sources {
+        let text = std::fs::read_to_string(&file).unwrap();
+        for (at, _) in text.match_indices("testdata/") {
+            let name: String = text[at..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || "/._-".contains(*c))
+                .collect();
+            // A path to a file (with an extension), not a folder or prose.
+            let is_file = name
+                .rsplit('/')
+                .next()
+                .is_some_and(|last| last.contains('.') && !last.ends_with('.'));
+            if is_file && !tracked.contains(name.as_str()) {
+                missing.push(format!("{}: {name}", file.display()));
+            }
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "named by the sources but not in git:\n{}",
+        missing.join("\n")
+    );
+}
