@@ -244,9 +244,15 @@ pub struct ToolCallStep {
     /// The hash of the tool definition the call was checked against.
     pub pin_hash: String,
     pub decision: Verdict,
+    /// The policies that decided, and why; empty in rows written before decisions recorded
+    /// them.
+    #[serde(default)]
     pub determining_policies: Vec<String>,
+    #[serde(default)]
     pub reasons: Vec<String>,
-    /// The untrusted sources in the context when it was decided.
+    /// The untrusted sources in the context when it was decided (display only: a resumed run
+    /// takes its untrusted sources from the labels of its steps, never from this list).
+    #[serde(default)]
     pub untrusted_sources: BTreeSet<String>,
 }
 
@@ -707,6 +713,22 @@ mod tests {
             let reread = Step::from_stored(kind, again).expect("reads back");
             assert_eq!(reread, step, "{kind}");
         }
+    }
+
+    #[test]
+    fn a_decision_recorded_before_its_policies_were_reads_with_none() {
+        let step = Step::from_stored(
+            "tool_call",
+            json!({"tool": "mail/send", "model_name": "mail_send", "call_id": "c",
+                   "arguments": {}, "arguments_hash": "h", "pinned_keys": [], "pin_hash": "p",
+                   "decision": "allow", "untrusted_in_context": false}),
+        )
+        .expect("an early decision row reads");
+        let Step::ToolCall(call) = step else {
+            panic!("a tool call: {step:?}");
+        };
+        assert_eq!(call.decision, Verdict::Allow);
+        assert!(call.determining_policies.is_empty() && call.untrusted_sources.is_empty());
     }
 
     #[test]
