@@ -21,7 +21,13 @@ use crate::run_tools::RunTools;
 use crate::{Engine, EngineError};
 
 /// How often a waiting worker looks for a cancel request and renews its lease.
-pub(crate) const CANCEL_POLL: Duration = Duration::from_millis(250);
+const CANCEL_POLL: Duration = Duration::from_millis(250);
+
+/// The ticks of a wait's cancel and lease poll: the first one [`CANCEL_POLL`] from now, not at
+/// once (the lease was just taken or renewed).
+pub(crate) fn cancel_poll() -> tokio::time::Interval {
+    tokio::time::interval_at(tokio::time::Instant::now() + CANCEL_POLL, CANCEL_POLL)
+}
 
 /// Everything about a run a tool call is answered in.
 pub(crate) struct CallScope<'a> {
@@ -135,8 +141,7 @@ impl Engine {
         tokio::pin!(work);
         let deadline = tokio::time::sleep(remaining);
         tokio::pin!(deadline);
-        let mut poll =
-            tokio::time::interval_at(tokio::time::Instant::now() + CANCEL_POLL, CANCEL_POLL);
+        let mut poll = cancel_poll();
         loop {
             tokio::select! {
                 done = &mut work => return Ok(Ok(done)),

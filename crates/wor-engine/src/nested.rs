@@ -16,7 +16,7 @@ use wor_core::step::{InputSource, InputStep, PendingCall, new_boundary, untruste
 use wor_store::{NewRun, ParentLink, RunRecord, StoreError};
 use wor_tools::{PinnedToolDefinition, ToolDefinition};
 
-use crate::call::{CANCEL_POLL, CallScope};
+use crate::call::{CallScope, cancel_poll};
 use crate::run_tools::OfferedTool;
 use crate::{Engine, EngineError};
 /// How deep routines may call routines: a root run is depth 0.
@@ -230,8 +230,7 @@ impl Engine {
             let mut driving = tokio::spawn(self.clone().drive_owned(claimed));
             // Unlike a model or tool call, a cancel of the parent does not drop the child's
             // task: it is passed on, and the child ends itself at its next step.
-            let mut poll =
-                tokio::time::interval_at(tokio::time::Instant::now() + CANCEL_POLL, CANCEL_POLL);
+            let mut poll = cancel_poll();
             loop {
                 tokio::select! {
                     driven = &mut driving => {
