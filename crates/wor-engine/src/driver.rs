@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use secrecy::ExposeSecret;
 use serde_json::json;
 use wor_core::audit::AuditCategory;
-use wor_core::budget::{BudgetExceeded, BudgetLimit};
+use wor_core::budget::{BudgetExceeded, BudgetLimit, BudgetUsage};
 use wor_core::json_depth::{MAX_JSON_NESTING, value_nesting};
 use wor_core::model::{AssistantMessage, ChatMessage, ModelRequest, ModelResponse, ProviderKind};
 use wor_core::routine::RoutineDefinition;
@@ -30,7 +30,7 @@ use wor_policy::PolicyEngine;
 use wor_secrets::Redactor;
 use wor_store::{API_KEY_FIELD, ConnectionStatus, MODEL_CONNECTIONS_TABLE, RunRecord, SecretSlot};
 
-use crate::call::{CallScope, Stopped, run_event};
+use crate::call::{CallScope, Recorded, Stopped, run_event};
 use crate::output::FinalAnswer;
 use crate::run_tools::{RunTools, ToolsUnavailable};
 use crate::{Engine, EngineError};
@@ -311,8 +311,14 @@ impl Engine {
             .copied()
             .unwrap_or_default();
         let mut machine = RunLoop::resume(limits, run.usage, pending, call_ids, untrusted);
+        // Whether a cancel was requested, as the last journal write found it: a step that
+        // follows a write need not ask again.
+        let mut cancel_known: Option<bool> = None;
         loop {
-            let cancel_requested = self.store.is_cancel_requested(run.id).await?;
+            let cancel_requested = match cancel_known.take() {
+                Some(known) => known,
+                None => self.store.is_cancel_requested(run.id).await?,
+            };
             match machine.next(cancel_requested, elapsed()) {
                 Next::End(ending) => {
                     self.store
@@ -358,12 +364,15 @@ impl Engine {
                         &price,
                         &mut response.message.tool_calls,
                     );
-                    let message = self
-                        .record_model_turn(run, definition, connection, &response, redactor)
+                    let turn = ModelTurn {
+                        definition,
+                        connection,
+                        response: &response,
+                    };
+                    let (message, cancel) = self
+                        .record_model_turn(run, turn, machine.usage(), redactor)
                         .await?;
-                    self.store
-                        .save_usage(run.id, &self.config.worker_id, &machine.usage())
-                        .await?;
+                    cancel_known = Some(cancel);
                     // The recorded (redacted) calls are answered, as they will be after a
                     // resume.
                     let calls = message
@@ -413,9 +422,10 @@ impl Engine {
                         answer, provenance, ..
                     } = outcome
                     {
-                        let recorded = self
+                        let (recorded, cancel) = self
                             .record_tool_result(run, answer, provenance, redactor)
                             .await?;
+                        cancel_known = Some(cancel);
                         messages.push(ChatMessage::Tool(recorded));
                     }
                     self.store
@@ -427,50 +437,53 @@ impl Engine {
         }
     }
 
-    /// Records a call's answer (redacted) as a `tool_result` step and its audit entry; returns
-    /// the result as recorded, which is what the model gets, as it will after a resume.
+    /// Records a call's answer (redacted) as a `tool_result` step with its audit entry; returns
+    /// the result as recorded, which is what the model gets, as it will after a resume, and
+    /// whether a cancel of the run has been requested.
     async fn record_tool_result(
         &self,
         run: &RunRecord,
         answer: ToolResultStep,
         provenance: Provenance,
         redactor: &Redactor,
-    ) -> Result<wor_core::model::ToolResult, EngineError> {
+    ) -> Result<(wor_core::model::ToolResult, bool), EngineError> {
         let Step::ToolResult(recorded) = as_recorded(Step::ToolResult(answer), redactor)? else {
             return Err(EngineError::InvalidState(
                 "a recorded tool result changed kind".to_owned(),
             ));
         };
-        self.store
-            .append_run_step(
-                run.project_id,
-                run.id,
-                provenance,
-                &Step::ToolResult(recorded.clone()),
+        let answered = run_event(run, AuditCategory::ToolCall).payload(json!({
+            "transition": "answered",
+            "tool": recorded.tool,
+            "call_id": recorded.result.tool_call_id,
+            "provenance": provenance.as_str(),
+            "is_error": recorded.result.is_error,
+        }));
+        let written = self
+            .record(
+                self.journal(run)
+                    .step(provenance, Step::ToolResult(recorded.clone()))
+                    .audit(answered),
             )
             .await?;
-        self.audit
-            .append(run_event(run, AuditCategory::ToolCall).payload(json!({
-                "transition": "answered",
-                "tool": recorded.tool,
-                "call_id": recorded.result.tool_call_id,
-                "provenance": provenance.as_str(),
-                "is_error": recorded.result.is_error,
-            })))
-            .await?;
-        Ok(recorded.result)
+        Ok((recorded.result, cancel_seen(written)))
     }
 
-    /// Records a model turn (redacted) and its audit entry; returns the turn as recorded, which
-    /// is what the conversation goes on with, as it will after a resume.
+    /// Records a model turn (redacted) with its audit entry and the run's usage after it;
+    /// returns the turn as recorded, which is what the conversation goes on with, as it will
+    /// after a resume, and whether a cancel of the run has been requested.
     async fn record_model_turn(
         &self,
         run: &RunRecord,
-        definition: &RoutineDefinition,
-        connection: &ModelCredential,
-        response: &ModelResponse,
+        turn: ModelTurn<'_>,
+        usage: BudgetUsage,
         redactor: &Redactor,
-    ) -> Result<AssistantMessage, EngineError> {
+    ) -> Result<(AssistantMessage, bool), EngineError> {
+        let ModelTurn {
+            definition,
+            connection,
+            response,
+        } = turn;
         let turn = Step::ModelTurn(ModelTurnStep {
             message: response.message.clone(),
             usage: response.usage,
@@ -490,26 +503,24 @@ impl Engine {
                 "a recorded model turn changed kind".to_owned(),
             ));
         };
-        self.store
-            .append_run_step(
-                run.project_id,
-                run.id,
-                Provenance::Model,
-                &Step::ModelTurn(recorded.clone()),
+        let called = run_event(run, AuditCategory::ModelCall).payload(json!({
+            "provider": definition.model.provider.as_str(),
+            "model": definition.model.model,
+            "connection_id": connection.connection_id.map(|c| c.to_string()),
+            "credential_version": connection.credential_version,
+            "input_tokens": response.usage.input_tokens,
+            "output_tokens": response.usage.output_tokens,
+            "tool_calls": response.message.tool_calls.len(),
+        }));
+        let written = self
+            .record(
+                self.journal(run)
+                    .step(Provenance::Model, Step::ModelTurn(recorded.clone()))
+                    .audit(called)
+                    .usage(usage),
             )
             .await?;
-        self.audit
-            .append(run_event(run, AuditCategory::ModelCall).payload(json!({
-                "provider": definition.model.provider.as_str(),
-                "model": definition.model.model,
-                "connection_id": connection.connection_id.map(|c| c.to_string()),
-                "credential_version": connection.credential_version,
-                "input_tokens": response.usage.input_tokens,
-                "output_tokens": response.usage.output_tokens,
-                "tool_calls": response.message.tool_calls.len(),
-            })))
-            .await?;
-        Ok(recorded.message)
+        Ok((recorded.message, cancel_seen(written)))
     }
 
     /// One model call, stopped early by a cancel request or the wall-time deadline.
@@ -749,5 +760,21 @@ mod tests {
             moved.contains("not the one this run started with"),
             "{moved}"
         );
+    }
+}
+
+/// A model's answer and what it was asked under, as a turn records them.
+struct ModelTurn<'a> {
+    definition: &'a RoutineDefinition,
+    connection: &'a ModelCredential,
+    response: &'a ModelResponse,
+}
+
+/// Whether a journal write found a cancel requested; a write that presented no credential
+/// cannot find it ended.
+fn cancel_seen(written: Recorded) -> bool {
+    match written {
+        Recorded::Committed { cancel_requested } => cancel_requested,
+        Recorded::CredentialEnded => false,
     }
 }

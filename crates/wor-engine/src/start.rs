@@ -70,22 +70,25 @@ impl Engine {
         {
             return Err(EngineError::Refused(refusal.to_owned()));
         }
-        let active = self.store.active_runs(request.project, routine.id).await?;
         let max = definition.concurrency.max_runs;
-        let full = u64::try_from(active.len()).unwrap_or(u64::MAX) >= max;
-        let (status, outcome) = match (full, definition.concurrency.overlap) {
+        let active = self
+            .store
+            .active_run_count(request.project, routine.id, max)
+            .await?;
+        let (status, outcome) = match (active >= max, definition.concurrency.overlap) {
             (true, OverlapPolicy::Skip) => (
                 RunStatus::Skipped,
                 Some(format!(
-                    "skipped: {} run(s) of this routine active, at most {max}",
-                    active.len()
+                    "skipped: {active} run(s) of this routine active, at most {max}"
                 )),
             ),
             (true, OverlapPolicy::CancelPrevious) => {
-                if let Some(oldest) = active.first() {
-                    self.store
-                        .request_cancel(request.project, oldest.id)
-                        .await?;
+                if let Some(oldest) = self
+                    .store
+                    .oldest_active_run(request.project, routine.id)
+                    .await?
+                {
+                    self.store.request_cancel(request.project, oldest).await?;
                 }
                 (RunStatus::Queued, None)
             }

@@ -11,6 +11,7 @@ mod api_keys;
 mod approvals;
 mod audit;
 mod console;
+mod journal;
 mod members;
 mod memory;
 mod migrations;
@@ -45,6 +46,7 @@ pub use console::{
     InvitationRecord, MAX_USER_AGENT_CHARS, PurgedConsoleState, SESSION_TOKEN_PREFIX,
     SessionOrigin, SignInAccount,
 };
+pub use journal::{RunWrite, RunWritten};
 pub use members::MemberRecord;
 pub use model_connections::{
     API_KEY_FIELD, ConnectionStatus, MODEL_CONNECTIONS_TABLE, ModelConnectionRecord,

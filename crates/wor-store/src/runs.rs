@@ -111,7 +111,7 @@ const COLUMNS: &str = "id, project_id, routine_id, routine_version, root_run_id,
     status, trigger_kind, started_by, trigger_key, thread, outcome, usage_turns, usage_tool_calls, usage_input_tokens, \
     usage_output_tokens, usage_cost_microdollars, cancel_requested, created_at, started_at, finished_at, parked_ms, budget_cap";
 
-fn to_i64(value: u64) -> i64 {
+pub(crate) fn to_i64(value: u64) -> i64 {
     i64::try_from(value).unwrap_or(i64::MAX)
 }
 
@@ -215,21 +215,44 @@ impl Store {
         rows.iter().map(run_from_row).collect()
     }
 
-    /// Active (queued, running or waiting) runs of a routine, oldest first.
-    pub async fn active_runs(
+    /// How many runs of a routine are active (queued, running or waiting), counted up to
+    /// `up_to`: a start asks only whether the routine is full, so its cost does not grow with
+    /// the runs parked there.
+    pub async fn active_run_count(
         &self,
         project: ProjectId,
         routine: RoutineId,
-    ) -> Result<Vec<RunRecord>, StoreError> {
-        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "SELECT {COLUMNS} FROM runs WHERE project_id = $1 AND routine_id = $2 \
-             AND status IN ('queued', 'running', 'waiting_for_approval') ORDER BY id"
-        )))
-        .bind(project.to_string())
+        up_to: u64,
+    ) -> Result<u64, StoreError> {
+        let row = sqlx::query(
+            "SELECT COUNT(*) AS n FROM (SELECT 1 AS one FROM runs WHERE routine_id = $1 \
+             AND project_id = $2 AND status IN ('queued', 'running', 'waiting_for_approval') \
+             LIMIT $3) AS active",
+        )
         .bind(routine.to_string())
-        .fetch_all(self.pool())
+        .bind(project.to_string())
+        .bind(to_i64(up_to))
+        .fetch_one(self.pool())
         .await?;
-        rows.iter().map(run_from_row).collect()
+        Ok(to_u64(row.try_get("n")?))
+    }
+
+    /// The oldest active run of a routine, if any.
+    pub async fn oldest_active_run(
+        &self,
+        project: ProjectId,
+        routine: RoutineId,
+    ) -> Result<Option<RunId>, StoreError> {
+        let row = sqlx::query(
+            "SELECT id FROM runs WHERE routine_id = $1 AND project_id = $2 \
+             AND status IN ('queued', 'running', 'waiting_for_approval') ORDER BY id LIMIT 1",
+        )
+        .bind(routine.to_string())
+        .bind(project.to_string())
+        .fetch_optional(self.pool())
+        .await?;
+        row.map(|row| parse_column(&row.try_get::<String, _>("id")?, "runs.id"))
+            .transpose()
     }
 
     /// Asks a run to stop. A queued run is cancelled at once; a running one is flagged and its
@@ -689,7 +712,7 @@ async fn requeue_parent(
     Ok(())
 }
 
-async fn insert_step(
+pub(crate) async fn insert_step(
     tx: &mut sqlx::Transaction<'_, sqlx::Any>,
     project: ProjectId,
     run: RunId,
