@@ -176,9 +176,9 @@ impl Engine {
     /// longer holds the run, and nothing was written.
     pub(crate) async fn record(&self, write: RunWrite) -> Result<Recorded, EngineError> {
         match self.audit.record(write).await? {
-            RunWritten::Committed { cancel_requested } => {
-                Ok(Recorded::Committed { cancel_requested })
-            }
+            RunWritten::Committed {
+                cancel_requested, ..
+            } => Ok(Recorded::Committed { cancel_requested }),
             RunWritten::CredentialEnded => Ok(Recorded::CredentialEnded),
             RunWritten::LeaseLost => Err(EngineError::LeaseLost),
         }

@@ -28,7 +28,9 @@ use wor_models::{
 };
 use wor_policy::PolicyEngine;
 use wor_secrets::Redactor;
-use wor_store::{API_KEY_FIELD, ConnectionStatus, MODEL_CONNECTIONS_TABLE, RunRecord, SecretSlot};
+use wor_store::{
+    API_KEY_FIELD, ConnectionStatus, MODEL_CONNECTIONS_TABLE, RunRecord, RunWritten, SecretSlot,
+};
 
 use crate::call::{CallScope, Recorded, Stopped, run_event};
 use crate::output::FinalAnswer;
@@ -90,7 +92,6 @@ impl Engine {
     /// Drives a run this worker holds the lease of, until it ends, parks for an approval or
     /// the lease is lost.
     pub(crate) async fn drive(&self, run: RunRecord) -> Result<(), EngineError> {
-        let worker = self.config.worker_id.clone();
         let ending = match self.drive_loop(&run).await {
             Ok(Flow::End(ending)) => ending,
             Ok(Flow::Parked) => return Ok(()),
@@ -105,28 +106,28 @@ impl Engine {
                 None => return Err(error),
             },
         };
-        let finished = self
-            .store
-            .finish_run(
-                run.project_id,
-                run.id,
-                &worker,
-                ending.status,
-                &ending.outcome,
-            )
-            .await?;
-        if finished {
-            // The audit entry first: nothing after it can keep the run's end off the chain.
-            self.audit
-                .append(
-                    run_event(&run, AuditCategory::RunEnd)
-                        .subject("routine_id", run.routine_id)
-                        .payload(
-                            json!({ "status": ending.status.as_str(), "outcome": ending.outcome }),
-                        ),
-                )
-                .await?;
-            for cancelled in self.store.cancel_approvals(run.id).await? {
+        // The end, its outcome step and its audit entry are one write: nothing after it can
+        // keep the run's end off the chain.
+        let end = self
+            .journal(&run)
+            .end(ending.status, &ending.outcome)
+            .audit(
+                run_event(&run, AuditCategory::RunEnd)
+                    .subject("routine_id", run.routine_id)
+                    .payload(
+                        json!({ "status": ending.status.as_str(), "outcome": ending.outcome }),
+                    ),
+            );
+        let cancelled = match self.audit.record(end).await? {
+            RunWritten::Committed {
+                cancelled_approvals,
+                ..
+            } => Some(cancelled_approvals),
+            RunWritten::LeaseLost | RunWritten::CredentialEnded => None,
+        };
+        let finished = cancelled.is_some();
+        if let Some(cancelled) = cancelled {
+            for cancelled in cancelled {
                 self.notify_approval_changed_or_log(run.project_id, cancelled, "cancelled", None)
                     .await;
             }
@@ -144,17 +145,16 @@ impl Engine {
 
     async fn drive_loop(&self, run: &RunRecord) -> Result<Flow, EngineError> {
         let version = self
-            .store
-            .get_routine_version(run.project_id, run.routine_id, run.routine_version)
+            .routine_version(run.project_id, run.routine_id, run.routine_version)
             .await?;
-        let definition = version.definition;
+        let definition = &version.definition;
         let steps = self.store.list_run_steps(run.project_id, run.id, 0).await?;
         let labelled = || steps.iter().map(|s| (&s.step, s.provenance));
         let messages = conversation(&definition.instructions, labelled());
         let pending = pending_calls(steps.iter().map(|s| &s.step));
         let call_ids = recorded_call_ids(steps.iter().map(|s| &s.step));
         let untrusted = untrusted_sources(labelled());
-        let (provider, connection) = match self.provider(run, &definition, &messages).await {
+        let (provider, connection) = match self.provider(run, definition, &messages).await {
             Ok(provider) => provider,
             Err(reason) => return Ok(Flow::End(Ending::new(RunStatus::Failed, reason))),
         };
@@ -165,12 +165,12 @@ impl Engine {
         ) {
             return Ok(Flow::End(Ending::new(RunStatus::Failed, reason)));
         }
-        let policy = match self.run_policy(run, &definition).await? {
+        let policy = match self.run_policy(run, definition).await? {
             Ok(policy) => policy,
             Err(reason) => return Ok(Flow::End(Ending::new(RunStatus::Failed, reason))),
         };
         let redactor = self.project_redactor(run.project_id).await?;
-        let tools = match self.prepare_tools(run, &definition).await {
+        let tools = match self.prepare_tools(run, definition).await {
             Ok(tools) => tools,
             Err(ToolsUnavailable::Refused(reason)) => {
                 return Ok(Flow::End(Ending::new(
@@ -182,7 +182,7 @@ impl Engine {
         };
         let context = RunContext {
             run,
-            definition: &definition,
+            definition,
             provider: provider.as_ref(),
             connection: &connection,
             redactor: &redactor,
@@ -204,8 +204,7 @@ impl Engine {
             return Ok(());
         };
         let version = self
-            .store
-            .get_routine_version(run.project_id, run.routine_id, run.routine_version)
+            .routine_version(run.project_id, run.routine_id, run.routine_version)
             .await?;
         if !version.definition.memory.enabled {
             return Ok(());
@@ -726,6 +725,22 @@ fn too_deep_call(response: &ModelResponse) -> Option<Ending> {
     ))
 }
 
+/// A model's answer and what it was asked under, as a turn records them.
+struct ModelTurn<'a> {
+    definition: &'a RoutineDefinition,
+    connection: &'a ModelCredential,
+    response: &'a ModelResponse,
+}
+
+/// Whether a journal write found a cancel requested; a write that presented no credential
+/// cannot find it ended.
+fn cancel_seen(written: Recorded) -> bool {
+    match written {
+        Recorded::Committed { cancel_requested } => cancel_requested,
+        Recorded::CredentialEnded => false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -760,21 +775,5 @@ mod tests {
             moved.contains("not the one this run started with"),
             "{moved}"
         );
-    }
-}
-
-/// A model's answer and what it was asked under, as a turn records them.
-struct ModelTurn<'a> {
-    definition: &'a RoutineDefinition,
-    connection: &'a ModelCredential,
-    response: &'a ModelResponse,
-}
-
-/// Whether a journal write found a cancel requested; a write that presented no credential
-/// cannot find it ended.
-fn cancel_seen(written: Recorded) -> bool {
-    match written {
-        Recorded::Committed { cancel_requested } => cancel_requested,
-        Recorded::CredentialEnded => false,
     }
 }

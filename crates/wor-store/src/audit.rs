@@ -120,6 +120,24 @@ impl AuditLog {
         answer.await.map_err(|_| StoreError::AuditStopped)?
     }
 
+    /// Appends `events`, in order, and returns once all are committed. They are queued
+    /// together, so the writer commits them in as few transactions as its batch size allows.
+    pub async fn append_all(&self, events: Vec<AuditEvent>) -> Result<(), StoreError> {
+        let mut answers = Vec::with_capacity(events.len());
+        for event in events {
+            let (reply, answer) = oneshot::channel();
+            self.sender
+                .send(Command::Append { event, reply })
+                .await
+                .map_err(|_| StoreError::AuditStopped)?;
+            answers.push(answer);
+        }
+        for answer in answers {
+            answer.await.map_err(|_| StoreError::AuditStopped)??;
+        }
+        Ok(())
+    }
+
     /// Records a run's step (steps, usage, audit entries) in one transaction, shared with
     /// whatever else is queued, and returns once it is committed; see [`RunWrite`].
     pub async fn record(&self, write: RunWrite) -> Result<RunWritten, StoreError> {
@@ -207,7 +225,10 @@ impl Writer {
         }
         if !events.is_empty() || !records.is_empty() {
             let count = events.len() + records.len();
-            let (writes, record_replies): (Vec<_>, Vec<_>) = records.into_iter().unzip();
+            let (writes, record_replies): (Vec<_>, Vec<_>) = records
+                .into_iter()
+                .map(|(write, reply)| (*write, reply))
+                .unzip();
             match self.commit_batch(events, writes).await {
                 Ok((receipts, written)) => {
                     for (reply, receipt) in replies.into_iter().zip(receipts) {
@@ -252,7 +273,7 @@ impl Writer {
     async fn commit_batch(
         &mut self,
         mut events: Vec<AuditEvent>,
-        writes: Vec<Box<RunWrite>>,
+        writes: Vec<RunWrite>,
     ) -> Result<(Vec<AuditReceipt>, Vec<RunWritten>), StoreError> {
         let appended = events.len();
         let mut tx = self.store.begin_write().await?;
@@ -261,7 +282,7 @@ impl Writer {
         for write in writes {
             let outcome = crate::journal::write_run(&mut tx, &write, at).await?;
             if matches!(outcome, RunWritten::Committed { .. }) {
-                events.extend(write.audit.into_iter());
+                events.extend(write.audit);
             }
             written.push(outcome);
         }
