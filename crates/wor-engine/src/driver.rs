@@ -7,6 +7,7 @@
 //! is redacted first (the project's live secrets and common secret shapes).
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use secrecy::ExposeSecret;
@@ -244,22 +245,37 @@ impl Engine {
 
     /// The policy a run's calls are decided by: the project's policy (or the built-in
     /// default), the routine's own, and its roster modes. `Err` when they do not validate:
-    /// the run fails closed with the reason.
+    /// the run fails closed with the reason. Built once per routine version and project
+    /// policy text, then shared (see [`crate::versions`]).
     async fn run_policy(
         &self,
         run: &RunRecord,
         definition: &RoutineDefinition,
-    ) -> Result<Result<PolicyEngine, String>, EngineError> {
+    ) -> Result<Result<Arc<PolicyEngine>, String>, EngineError> {
+        let project = self
+            .store
+            .project_policy(run.project_id)
+            .await?
+            .map(|p| p.text);
+        let key = crate::versions::PolicyKey::new(run, project.as_deref());
+        if let Some(built) = self.versions.policy(&key) {
+            return Ok(Ok(built));
+        }
         let mut builder = PolicyEngine::builder().roster(&definition.tools);
-        if let Some(project) = self.store.project_policy(run.project_id).await? {
-            builder = builder.project_policy(project.text);
+        if let Some(text) = project {
+            builder = builder.project_policy(text);
         }
         if let Some(policy) = &definition.policy {
             builder = builder.routine_policy(policy.clone());
         }
-        Ok(builder
-            .build()
-            .map_err(|e| format!("the run's policies do not validate: {e}")))
+        Ok(match builder.build() {
+            Ok(built) => {
+                let built = Arc::new(built);
+                self.versions.keep_policy(key, built.clone());
+                Ok(built)
+            }
+            Err(e) => Err(format!("the run's policies do not validate: {e}")),
+        })
     }
 
     /// Drives the run's loop (`wor_core::run_loop`): does each step it hands out — a model
