@@ -181,8 +181,7 @@ impl Engine {
             }
         }
         let version = self
-            .store
-            .get_routine_version(project, run.routine_id, run.routine_version)
+            .routine_version(project, run.routine_id, run.routine_version)
             .await?;
         if version.definition.approvals.separate_from_author
             && let Some(author_key) = version.created_by

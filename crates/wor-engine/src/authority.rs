@@ -27,6 +27,16 @@ pub(crate) struct RunAuthority {
 }
 
 impl RunAuthority {
+    /// The credential, to present with the write that reserves a call.
+    pub(crate) fn token(&self) -> &RunToken {
+        &self.token
+    }
+
+    /// Whether the run's deadline has passed.
+    pub(crate) fn expired(&self) -> bool {
+        wor_store::now_millis() >= self.expires_at
+    }
+
     /// Time left until the run's deadline (zero once it has passed).
     pub(crate) fn remaining(&self) -> Duration {
         let left = self.expires_at.saturating_sub(wor_store::now_millis());
@@ -80,7 +90,7 @@ impl Engine {
         &self,
         authority: &RunAuthority,
     ) -> Result<Standing, EngineError> {
-        if wor_store::now_millis() >= authority.expires_at {
+        if authority.expired() {
             return Ok(Standing::Expired);
         }
         let grant = self

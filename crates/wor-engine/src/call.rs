@@ -14,7 +14,7 @@ use wor_core::run_loop::CallOutcome;
 use wor_core::step::{PendingCall, ToolResultStep};
 use wor_policy::PolicyEngine;
 use wor_secrets::Redactor;
-use wor_store::RunRecord;
+use wor_store::{RunRecord, RunWrite, RunWritten};
 
 use crate::authority::RunAuthority;
 use crate::run_tools::RunTools;
@@ -120,6 +120,15 @@ pub(crate) fn run_event(run: &RunRecord, category: AuditCategory) -> AuditEvent 
         .runs(run.root_run_id, run.parent_run_id)
 }
 
+/// What a journal write came to, for a worker that still holds its run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Recorded {
+    /// Committed; whether a cancel of the run had been requested by then.
+    Committed { cancel_requested: bool },
+    /// The presented credential is no longer live: nothing was written.
+    CredentialEnded,
+}
+
 /// Why a guarded wait stopped before its work finished.
 pub(crate) enum Stopped {
     /// A cancel was requested.
@@ -153,6 +162,25 @@ impl Engine {
                     self.renew_lease(run).await?;
                 }
             }
+        }
+    }
+
+    /// The start of a journal write for `run`, fenced by this worker's lease (which it renews).
+    pub(crate) fn journal(&self, run: &RunRecord) -> RunWrite {
+        let lease = i64::try_from(self.config.lease.as_millis()).unwrap_or(i64::MAX);
+        RunWrite::new(run.project_id, run.id, &self.config.worker_id, lease)
+    }
+
+    /// Commits `write` (with whatever else is queued from other runs) and returns whether a
+    /// cancel of the run has been requested; [`EngineError::LeaseLost`] when this worker no
+    /// longer holds the run, and nothing was written.
+    pub(crate) async fn record(&self, write: RunWrite) -> Result<Recorded, EngineError> {
+        match self.audit.record(write).await? {
+            RunWritten::Committed {
+                cancel_requested, ..
+            } => Ok(Recorded::Committed { cancel_requested }),
+            RunWritten::CredentialEnded => Ok(Recorded::CredentialEnded),
+            RunWritten::LeaseLost => Err(EngineError::LeaseLost),
         }
     }
 

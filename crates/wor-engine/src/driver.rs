@@ -7,12 +7,13 @@
 //! is redacted first (the project's live secrets and common secret shapes).
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use secrecy::ExposeSecret;
 use serde_json::json;
 use wor_core::audit::AuditCategory;
-use wor_core::budget::{BudgetExceeded, BudgetLimit};
+use wor_core::budget::{BudgetExceeded, BudgetLimit, BudgetUsage};
 use wor_core::json_depth::{MAX_JSON_NESTING, value_nesting};
 use wor_core::model::{AssistantMessage, ChatMessage, ModelRequest, ModelResponse, ProviderKind};
 use wor_core::routine::RoutineDefinition;
@@ -28,9 +29,11 @@ use wor_models::{
 };
 use wor_policy::PolicyEngine;
 use wor_secrets::Redactor;
-use wor_store::{API_KEY_FIELD, ConnectionStatus, MODEL_CONNECTIONS_TABLE, RunRecord, SecretSlot};
+use wor_store::{
+    API_KEY_FIELD, ConnectionStatus, MODEL_CONNECTIONS_TABLE, RunRecord, RunWritten, SecretSlot,
+};
 
-use crate::call::{CallScope, Stopped, run_event};
+use crate::call::{CallScope, Recorded, Stopped, run_event};
 use crate::output::FinalAnswer;
 use crate::run_tools::{RunTools, ToolsUnavailable};
 use crate::{Engine, EngineError};
@@ -90,7 +93,6 @@ impl Engine {
     /// Drives a run this worker holds the lease of, until it ends, parks for an approval or
     /// the lease is lost.
     pub(crate) async fn drive(&self, run: RunRecord) -> Result<(), EngineError> {
-        let worker = self.config.worker_id.clone();
         let ending = match self.drive_loop(&run).await {
             Ok(Flow::End(ending)) => ending,
             Ok(Flow::Parked) => return Ok(()),
@@ -105,28 +107,28 @@ impl Engine {
                 None => return Err(error),
             },
         };
-        let finished = self
-            .store
-            .finish_run(
-                run.project_id,
-                run.id,
-                &worker,
-                ending.status,
-                &ending.outcome,
-            )
-            .await?;
-        if finished {
-            // The audit entry first: nothing after it can keep the run's end off the chain.
-            self.audit
-                .append(
-                    run_event(&run, AuditCategory::RunEnd)
-                        .subject("routine_id", run.routine_id)
-                        .payload(
-                            json!({ "status": ending.status.as_str(), "outcome": ending.outcome }),
-                        ),
-                )
-                .await?;
-            for cancelled in self.store.cancel_approvals(run.id).await? {
+        // The end, its outcome step and its audit entry are one write: nothing after it can
+        // keep the run's end off the chain.
+        let end = self
+            .journal(&run)
+            .end(ending.status, &ending.outcome)
+            .audit(
+                run_event(&run, AuditCategory::RunEnd)
+                    .subject("routine_id", run.routine_id)
+                    .payload(
+                        json!({ "status": ending.status.as_str(), "outcome": ending.outcome }),
+                    ),
+            );
+        let cancelled = match self.audit.record(end).await? {
+            RunWritten::Committed {
+                cancelled_approvals,
+                ..
+            } => Some(cancelled_approvals),
+            RunWritten::LeaseLost | RunWritten::CredentialEnded => None,
+        };
+        let finished = cancelled.is_some();
+        if let Some(cancelled) = cancelled {
+            for cancelled in cancelled {
                 self.notify_approval_changed_or_log(run.project_id, cancelled, "cancelled", None)
                     .await;
             }
@@ -144,17 +146,16 @@ impl Engine {
 
     async fn drive_loop(&self, run: &RunRecord) -> Result<Flow, EngineError> {
         let version = self
-            .store
-            .get_routine_version(run.project_id, run.routine_id, run.routine_version)
+            .routine_version(run.project_id, run.routine_id, run.routine_version)
             .await?;
-        let definition = version.definition;
+        let definition = &version.definition;
         let steps = self.store.list_run_steps(run.project_id, run.id, 0).await?;
         let labelled = || steps.iter().map(|s| (&s.step, s.provenance));
         let messages = conversation(&definition.instructions, labelled());
         let pending = pending_calls(steps.iter().map(|s| &s.step));
         let call_ids = recorded_call_ids(steps.iter().map(|s| &s.step));
         let untrusted = untrusted_sources(labelled());
-        let (provider, connection) = match self.provider(run, &definition, &messages).await {
+        let (provider, connection) = match self.provider(run, definition, &messages).await {
             Ok(provider) => provider,
             Err(reason) => return Ok(Flow::End(Ending::new(RunStatus::Failed, reason))),
         };
@@ -165,12 +166,12 @@ impl Engine {
         ) {
             return Ok(Flow::End(Ending::new(RunStatus::Failed, reason)));
         }
-        let policy = match self.run_policy(run, &definition).await? {
+        let policy = match self.run_policy(run, definition).await? {
             Ok(policy) => policy,
             Err(reason) => return Ok(Flow::End(Ending::new(RunStatus::Failed, reason))),
         };
         let redactor = self.project_redactor(run.project_id).await?;
-        let tools = match self.prepare_tools(run, &definition).await {
+        let tools = match self.prepare_tools(run, definition).await {
             Ok(tools) => tools,
             Err(ToolsUnavailable::Refused(reason)) => {
                 return Ok(Flow::End(Ending::new(
@@ -182,7 +183,7 @@ impl Engine {
         };
         let context = RunContext {
             run,
-            definition: &definition,
+            definition,
             provider: provider.as_ref(),
             connection: &connection,
             redactor: &redactor,
@@ -204,8 +205,7 @@ impl Engine {
             return Ok(());
         };
         let version = self
-            .store
-            .get_routine_version(run.project_id, run.routine_id, run.routine_version)
+            .routine_version(run.project_id, run.routine_id, run.routine_version)
             .await?;
         if !version.definition.memory.enabled {
             return Ok(());
@@ -245,22 +245,37 @@ impl Engine {
 
     /// The policy a run's calls are decided by: the project's policy (or the built-in
     /// default), the routine's own, and its roster modes. `Err` when they do not validate:
-    /// the run fails closed with the reason.
+    /// the run fails closed with the reason. Built once per routine version and project
+    /// policy text, then shared (see [`crate::versions`]).
     async fn run_policy(
         &self,
         run: &RunRecord,
         definition: &RoutineDefinition,
-    ) -> Result<Result<PolicyEngine, String>, EngineError> {
+    ) -> Result<Result<Arc<PolicyEngine>, String>, EngineError> {
+        let project = self
+            .store
+            .project_policy(run.project_id)
+            .await?
+            .map(|p| p.text);
+        let key = crate::versions::PolicyKey::new(run, project.as_deref());
+        if let Some(built) = self.versions.policy(&key) {
+            return Ok(Ok(built));
+        }
         let mut builder = PolicyEngine::builder().roster(&definition.tools);
-        if let Some(project) = self.store.project_policy(run.project_id).await? {
-            builder = builder.project_policy(project.text);
+        if let Some(text) = project {
+            builder = builder.project_policy(text);
         }
         if let Some(policy) = &definition.policy {
             builder = builder.routine_policy(policy.clone());
         }
-        Ok(builder
-            .build()
-            .map_err(|e| format!("the run's policies do not validate: {e}")))
+        Ok(match builder.build() {
+            Ok(built) => {
+                let built = Arc::new(built);
+                self.versions.keep_policy(key, built.clone());
+                Ok(built)
+            }
+            Err(e) => Err(format!("the run's policies do not validate: {e}")),
+        })
     }
 
     /// Drives the run's loop (`wor_core::run_loop`): does each step it hands out — a model
@@ -311,8 +326,14 @@ impl Engine {
             .copied()
             .unwrap_or_default();
         let mut machine = RunLoop::resume(limits, run.usage, pending, call_ids, untrusted);
+        // Whether a cancel was requested, as the last journal write found it: a step that
+        // follows a write need not ask again.
+        let mut cancel_known: Option<bool> = None;
         loop {
-            let cancel_requested = self.store.is_cancel_requested(run.id).await?;
+            let cancel_requested = match cancel_known.take() {
+                Some(known) => known,
+                None => self.store.is_cancel_requested(run.id).await?,
+            };
             match machine.next(cancel_requested, elapsed()) {
                 Next::End(ending) => {
                     self.store
@@ -358,12 +379,15 @@ impl Engine {
                         &price,
                         &mut response.message.tool_calls,
                     );
-                    let message = self
-                        .record_model_turn(run, definition, connection, &response, redactor)
+                    let turn = ModelTurn {
+                        definition,
+                        connection,
+                        response: &response,
+                    };
+                    let (message, cancel) = self
+                        .record_model_turn(run, turn, machine.usage(), redactor)
                         .await?;
-                    self.store
-                        .save_usage(run.id, &self.config.worker_id, &machine.usage())
-                        .await?;
+                    cancel_known = Some(cancel);
                     // The recorded (redacted) calls are answered, as they will be after a
                     // resume.
                     let calls = message
@@ -413,9 +437,10 @@ impl Engine {
                         answer, provenance, ..
                     } = outcome
                     {
-                        let recorded = self
+                        let (recorded, cancel) = self
                             .record_tool_result(run, answer, provenance, redactor)
                             .await?;
+                        cancel_known = Some(cancel);
                         messages.push(ChatMessage::Tool(recorded));
                     }
                     self.store
@@ -427,50 +452,53 @@ impl Engine {
         }
     }
 
-    /// Records a call's answer (redacted) as a `tool_result` step and its audit entry; returns
-    /// the result as recorded, which is what the model gets, as it will after a resume.
+    /// Records a call's answer (redacted) as a `tool_result` step with its audit entry; returns
+    /// the result as recorded, which is what the model gets, as it will after a resume, and
+    /// whether a cancel of the run has been requested.
     async fn record_tool_result(
         &self,
         run: &RunRecord,
         answer: ToolResultStep,
         provenance: Provenance,
         redactor: &Redactor,
-    ) -> Result<wor_core::model::ToolResult, EngineError> {
+    ) -> Result<(wor_core::model::ToolResult, bool), EngineError> {
         let Step::ToolResult(recorded) = as_recorded(Step::ToolResult(answer), redactor)? else {
             return Err(EngineError::InvalidState(
                 "a recorded tool result changed kind".to_owned(),
             ));
         };
-        self.store
-            .append_run_step(
-                run.project_id,
-                run.id,
-                provenance,
-                &Step::ToolResult(recorded.clone()),
+        let answered = run_event(run, AuditCategory::ToolCall).payload(json!({
+            "transition": "answered",
+            "tool": recorded.tool,
+            "call_id": recorded.result.tool_call_id,
+            "provenance": provenance.as_str(),
+            "is_error": recorded.result.is_error,
+        }));
+        let written = self
+            .record(
+                self.journal(run)
+                    .step(provenance, Step::ToolResult(recorded.clone()))
+                    .audit(answered),
             )
             .await?;
-        self.audit
-            .append(run_event(run, AuditCategory::ToolCall).payload(json!({
-                "transition": "answered",
-                "tool": recorded.tool,
-                "call_id": recorded.result.tool_call_id,
-                "provenance": provenance.as_str(),
-                "is_error": recorded.result.is_error,
-            })))
-            .await?;
-        Ok(recorded.result)
+        Ok((recorded.result, cancel_seen(written)))
     }
 
-    /// Records a model turn (redacted) and its audit entry; returns the turn as recorded, which
-    /// is what the conversation goes on with, as it will after a resume.
+    /// Records a model turn (redacted) with its audit entry and the run's usage after it;
+    /// returns the turn as recorded, which is what the conversation goes on with, as it will
+    /// after a resume, and whether a cancel of the run has been requested.
     async fn record_model_turn(
         &self,
         run: &RunRecord,
-        definition: &RoutineDefinition,
-        connection: &ModelCredential,
-        response: &ModelResponse,
+        turn: ModelTurn<'_>,
+        usage: BudgetUsage,
         redactor: &Redactor,
-    ) -> Result<AssistantMessage, EngineError> {
+    ) -> Result<(AssistantMessage, bool), EngineError> {
+        let ModelTurn {
+            definition,
+            connection,
+            response,
+        } = turn;
         let turn = Step::ModelTurn(ModelTurnStep {
             message: response.message.clone(),
             usage: response.usage,
@@ -490,26 +518,24 @@ impl Engine {
                 "a recorded model turn changed kind".to_owned(),
             ));
         };
-        self.store
-            .append_run_step(
-                run.project_id,
-                run.id,
-                Provenance::Model,
-                &Step::ModelTurn(recorded.clone()),
+        let called = run_event(run, AuditCategory::ModelCall).payload(json!({
+            "provider": definition.model.provider.as_str(),
+            "model": definition.model.model,
+            "connection_id": connection.connection_id.map(|c| c.to_string()),
+            "credential_version": connection.credential_version,
+            "input_tokens": response.usage.input_tokens,
+            "output_tokens": response.usage.output_tokens,
+            "tool_calls": response.message.tool_calls.len(),
+        }));
+        let written = self
+            .record(
+                self.journal(run)
+                    .step(Provenance::Model, Step::ModelTurn(recorded.clone()))
+                    .audit(called)
+                    .usage(usage),
             )
             .await?;
-        self.audit
-            .append(run_event(run, AuditCategory::ModelCall).payload(json!({
-                "provider": definition.model.provider.as_str(),
-                "model": definition.model.model,
-                "connection_id": connection.connection_id.map(|c| c.to_string()),
-                "credential_version": connection.credential_version,
-                "input_tokens": response.usage.input_tokens,
-                "output_tokens": response.usage.output_tokens,
-                "tool_calls": response.message.tool_calls.len(),
-            })))
-            .await?;
-        Ok(recorded.message)
+        Ok((recorded.message, cancel_seen(written)))
     }
 
     /// One model call, stopped early by a cancel request or the wall-time deadline.
@@ -713,6 +739,22 @@ fn too_deep_call(response: &ModelResponse) -> Option<Ending> {
             call.name
         ),
     ))
+}
+
+/// A model's answer and what it was asked under, as a turn records them.
+struct ModelTurn<'a> {
+    definition: &'a RoutineDefinition,
+    connection: &'a ModelCredential,
+    response: &'a ModelResponse,
+}
+
+/// Whether a journal write found a cancel requested; a write that presented no credential
+/// cannot find it ended.
+fn cancel_seen(written: Recorded) -> bool {
+    match written {
+        Recorded::Committed { cancel_requested } => cancel_requested,
+        Recorded::CredentialEnded => false,
+    }
 }
 
 #[cfg(test)]

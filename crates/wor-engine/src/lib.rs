@@ -24,9 +24,11 @@ mod notifications;
 mod output;
 mod pipeline;
 mod run_tools;
+mod scheduler;
 mod start;
 mod tool_connections;
 mod triggers;
+mod versions;
 mod wasm_tools;
 mod worker;
 
@@ -184,6 +186,8 @@ pub struct Engine {
     work: Arc<tokio::sync::Notify>,
     /// The model text of runs driven here, redacted, for people watching them.
     live_text: live_text::LiveText,
+    /// Routine versions read so far (they never change).
+    versions: Arc<versions::VersionCache>,
 }
 
 impl Engine {
@@ -205,6 +209,7 @@ impl Engine {
             wasm: wasm_tools::WasmHost::default(),
             work: Arc::new(tokio::sync::Notify::new()),
             live_text: live_text::LiveText::default(),
+            versions: Arc::default(),
         }
     }
 

@@ -99,8 +99,7 @@ impl Engine {
             Err(other) => return Err(other.into()),
         };
         let version = self
-            .store
-            .get_routine_version(run.project_id, routine.id, routine.current_version)
+            .routine_version(run.project_id, routine.id, routine.current_version)
             .await?;
         // The routine's content hash is part of the pinned definition, so an approval of a
         // call binds to the routine exactly as it was when the call was approved.
@@ -152,8 +151,7 @@ impl Engine {
             Some(child) => child,
             None => {
                 let version = self
-                    .store
-                    .get_routine_version(parent.project_id, routine.id, routine.current_version)
+                    .routine_version(parent.project_id, routine.id, routine.current_version)
                     .await?;
                 // The child's budget is what is left of its parent's, whose own limits were
                 // capped the same way: so, transitively, of the root's.

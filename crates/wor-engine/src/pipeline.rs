@@ -27,7 +27,7 @@ use wor_store::{
 use wor_tools::{CanonicalArguments, ResultLimits, prepare_arguments};
 
 use crate::authority::Standing;
-use crate::call::{CallScope, Stopped, run_event};
+use crate::call::{CallScope, Recorded, Stopped, run_event};
 use crate::run_tools::{OfferedTool, model_name};
 use crate::{Engine, EngineError};
 
@@ -48,14 +48,20 @@ impl Engine {
         pending: &PendingCall,
         usage: BudgetUsage,
     ) -> Result<CallOutcome, EngineError> {
-        // The run's credential first: nothing is reserved, recorded or used for a run whose
-        // credential has ended.
-        if let Some(outcome) = self.present_credential(scope).await? {
-            return Ok(outcome);
+        // Past the run's deadline nothing more is asked of any tool.
+        if scope.authority.expired() {
+            return Ok(wall_time_over(scope));
         }
         match &pending.recorded {
+            // A fresh call presents the run's credential with the write that records and
+            // reserves it.
             None => self.answer_fresh(scope, pending, usage).await,
-            Some(recorded) => self.resume_call(scope, pending, recorded, usage).await,
+            // A resumed call presents it first: nothing is recorded or used for a run whose
+            // credential has ended.
+            Some(recorded) => match self.present_credential(scope).await? {
+                Some(outcome) => Ok(outcome),
+                None => self.resume_call(scope, pending, recorded, usage).await,
+            },
         }
     }
 
@@ -67,15 +73,8 @@ impl Engine {
     ) -> Result<Option<CallOutcome>, EngineError> {
         Ok(match self.credential_standing(scope.authority).await? {
             Standing::Live => None,
-            Standing::Expired => Some(CallOutcome::Budget(BudgetExceeded {
-                limit: BudgetLimit::WallTime,
-                used: scope.limits.wall_seconds,
-                allowed: scope.limits.wall_seconds,
-            })),
-            Standing::Ended => Some(CallOutcome::Fail(
-                "the run's credential is no longer valid (the run was parked, ended or taken over); the call did not run"
-                    .to_owned(),
-            )),
+            Standing::Expired => Some(wall_time_over(scope)),
+            Standing::Ended => Some(credential_ended()),
         })
     }
 
@@ -141,24 +140,24 @@ impl Engine {
                 "a redacted tool call changed kind".to_owned(),
             ));
         };
-        self.audit
-            .append(
-                run_event(scope.run, AuditCategory::ToolCall).payload(json!({
-                    "transition": "decided",
-                    "tool": offered.roster_name,
-                    "call_id": call.id,
-                    "decision": decision.outcome.as_str(),
-                    "determining_policies": decision.determining_policies,
-                    "arguments_hash": arguments.hash,
-                    "pin_hash": offered.pin.hash(),
-                    "untrusted_sources": scope.untrusted,
-                })),
-            )
-            .await?;
+        let decided = run_event(scope.run, AuditCategory::ToolCall).payload(json!({
+            "transition": "decided",
+            "tool": offered.roster_name,
+            "call_id": call.id,
+            "decision": decision.outcome.as_str(),
+            "determining_policies": decision.determining_policies,
+            "arguments_hash": arguments.hash,
+            "pin_hash": offered.pin.hash(),
+            "untrusted_sources": scope.untrusted,
+        }));
+        // The decision's audit entry is committed with the step that records the call.
+        let record = self
+            .journal(scope.run)
+            .step(Provenance::Engine, Step::ToolCall(recorded.clone()))
+            .audit(decided.clone());
         match decision.outcome.then(usage, &scope.limits) {
             AfterDecision::RecordRefusal => {
-                self.append_step(scope.run, Step::ToolCall(recorded))
-                    .await?;
+                self.record(record).await?;
                 let text = format!(
                     "tool `{}` was refused by policy: {}",
                     offered.roster_name,
@@ -168,8 +167,7 @@ impl Engine {
             }
             AfterDecision::RecordAndPark => {
                 let why = why_json(&decision, scope.untrusted);
-                self.append_step(scope.run, Step::ToolCall(recorded.clone()))
-                    .await?;
+                self.record(record).await?;
                 self.park(
                     scope,
                     ApprovalRequest {
@@ -181,13 +179,18 @@ impl Engine {
                 .await
             }
             // 5. Budget, before the call is on record as started.
-            AfterDecision::Budget(exceeded) => Ok(CallOutcome::Budget(exceeded)),
+            AfterDecision::Budget(exceeded) => {
+                self.audit.append(decided).await?;
+                Ok(CallOutcome::Budget(exceeded))
+            }
+            // The record, the reservation and the check of the run's credential are one
+            // write: nothing is recorded or reserved for a call whose credential has ended.
             AfterDecision::RecordAndExecute(usage) => {
-                self.append_step(scope.run, Step::ToolCall(recorded))
-                    .await?;
-                self.store
-                    .save_usage(scope.run.id, &self.config.worker_id, &usage)
-                    .await?;
+                let reserved = record.usage(usage).presenting(scope.authority.token());
+                match self.record(reserved).await? {
+                    Recorded::Committed { .. } => {}
+                    Recorded::CredentialEnded => return Ok(credential_ended()),
+                }
                 self.execute(scope, offered, pending, arguments, usage)
                     .await
             }
@@ -595,6 +598,10 @@ impl Engine {
                     ),
             )
             .await?;
+        // Presented again right before the call: the approval's use came between.
+        if let Some(outcome) = self.present_credential(scope).await? {
+            return Ok(outcome);
+        }
         self.execute(scope, offered, pending, arguments, usage)
             .await
     }
@@ -625,10 +632,6 @@ impl Engine {
             && let Some(refusal) = self.recheck_if_changed(scope.run, connection).await?
         {
             return Ok(CallOutcome::Fail(refusal));
-        }
-        // Presented again right before the call: the decision and the record came between.
-        if let Some(outcome) = self.present_credential(scope).await? {
-            return Ok(outcome);
         }
         let outcome = match scope.tools.connections.get(&offered.connection) {
             Some(connection) => match self
@@ -717,13 +720,23 @@ impl Engine {
             names.join(", ")
         )))
     }
+}
 
-    async fn append_step(&self, run: &RunRecord, step: Step) -> Result<(), EngineError> {
-        self.store
-            .append_run_step(run.project_id, run.id, Provenance::Engine, &step)
-            .await?;
-        Ok(())
-    }
+/// How a call ends when the run's deadline has passed: over its wall time.
+fn wall_time_over(scope: &CallScope<'_>) -> CallOutcome {
+    CallOutcome::Budget(BudgetExceeded {
+        limit: BudgetLimit::WallTime,
+        used: scope.limits.wall_seconds,
+        allowed: scope.limits.wall_seconds,
+    })
+}
+
+/// How a call ends when the run's credential is no longer live: nothing ran.
+fn credential_ended() -> CallOutcome {
+    CallOutcome::Fail(
+        "the run's credential is no longer valid (the run was parked, ended or taken over); the call did not run"
+            .to_owned(),
+    )
 }
 
 /// A step as it is recorded: the project's secrets and common secret shapes redacted.

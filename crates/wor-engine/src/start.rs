@@ -6,8 +6,9 @@ use wor_core::call::TriggerKind;
 use wor_core::routine::OverlapPolicy;
 use wor_core::run::{Provenance, RunStatus};
 use wor_core::step::{InputSource, InputStep, MemoryStep, new_boundary};
-use wor_core::{ApiKeyId, ProjectId, RoutineId};
-use wor_store::{NewRun, RunRecord};
+use wor_core::{ApiKeyId, ProjectId, RoutineId, RunId};
+use wor_secrets::Redactor;
+use wor_store::{NewRun, RoutineVersionRecord, RunRecord};
 
 use crate::{Engine, EngineError};
 
@@ -52,6 +53,16 @@ pub const DEFAULT_THREAD: &str = "default";
 /// Longest thread name accepted.
 const MAX_THREAD_CHARS: usize = 128;
 
+/// What a start decided before anything is written: the run to record, its input, who the
+/// audit log names as starting it, and whether the routine's oldest active run is to be
+/// cancelled (overlap policy `cancel_previous`).
+pub(crate) struct Admission {
+    pub run: NewRun,
+    pub input: InputStep,
+    pub actor: Actor,
+    pub cancel_oldest: bool,
+}
+
 impl Engine {
     /// Queues a run of the routine's current version, applying its overlap policy.
     pub async fn start_run(&self, request: StartRun) -> Result<RunRecord, EngineError> {
@@ -60,9 +71,55 @@ impl Engine {
             .get_routine(request.project, request.routine)
             .await?;
         let version = self
-            .store
-            .get_routine_version(request.project, routine.id, routine.current_version)
+            .routine_version(request.project, routine.id, routine.current_version)
             .await?;
+        let definition = &version.definition;
+        let active = self
+            .store
+            .active_run_count(request.project, routine.id, definition.concurrency.max_runs)
+            .await?;
+        let redactor = self.project_redactor(request.project).await?;
+        let admission = self.admit(&request, &version, active, &redactor).await?;
+        if admission.cancel_oldest
+            && let Some(oldest) = self
+                .store
+                .oldest_active_run(request.project, routine.id)
+                .await?
+        {
+            self.store.request_cancel(request.project, oldest).await?;
+        }
+        let Admission {
+            run: new,
+            input,
+            actor,
+            ..
+        } = admission;
+        let run = self
+            .store
+            .create_run(request.project, new.clone(), input)
+            .await?;
+        self.audit
+            .append(run_started(request.project, run.id, &new, actor))
+            .await?;
+        if run.status == RunStatus::Queued {
+            self.wake_workers();
+        }
+        tracing::info!(category = "run", action = "run.start", project_id = %request.project,
+            run_id = %run.id, routine_id = %routine.id, version = version.version,
+            status = run.status.as_str(), "run started");
+        Ok(run)
+    }
+
+    /// Decides how `request` starts a run of `version` with `active` runs of the routine
+    /// active: queued, or skipped by the overlap policy; its input redacted with `redactor`
+    /// and its memory replayed.
+    pub(crate) async fn admit(
+        &self,
+        request: &StartRun,
+        version: &RoutineVersionRecord,
+        active: u64,
+        redactor: &Redactor,
+    ) -> Result<Admission, EngineError> {
         let definition = &version.definition;
         if let Some(refusal) = definition
             .production_refusal()
@@ -70,27 +127,19 @@ impl Engine {
         {
             return Err(EngineError::Refused(refusal.to_owned()));
         }
-        let active = self.store.active_runs(request.project, routine.id).await?;
         let max = definition.concurrency.max_runs;
-        let full = u64::try_from(active.len()).unwrap_or(u64::MAX) >= max;
+        let full = active >= max;
         let (status, outcome) = match (full, definition.concurrency.overlap) {
             (true, OverlapPolicy::Skip) => (
                 RunStatus::Skipped,
                 Some(format!(
-                    "skipped: {} run(s) of this routine active, at most {max}",
-                    active.len()
+                    "skipped: {active} run(s) of this routine active, at most {max}"
                 )),
             ),
-            (true, OverlapPolicy::CancelPrevious) => {
-                if let Some(oldest) = active.first() {
-                    self.store
-                        .request_cancel(request.project, oldest.id)
-                        .await?;
-                }
-                (RunStatus::Queued, None)
-            }
             _ => (RunStatus::Queued, None),
         };
+        let cancel_oldest = full && definition.concurrency.overlap == OverlapPolicy::CancelPrevious;
+        let routine_id = version.routine_id;
         let (started_by, trigger_key, provenance, default_actor) = match &request.trigger {
             Trigger::Api(key) => (
                 Some(*key),
@@ -102,25 +151,19 @@ impl Engine {
                 None,
                 Some(format!("slot:{slot}")),
                 Provenance::Engine,
-                Actor::Schedule {
-                    routine_id: routine.id,
-                },
+                Actor::Schedule { routine_id },
             ),
             Trigger::Webhook { delivery } => (
                 None,
                 Some(format!("delivery:{delivery}")),
                 Provenance::Untrusted,
-                Actor::Webhook {
-                    routine_id: routine.id,
-                },
+                Actor::Webhook { routine_id },
             ),
         };
         // The input is recorded, and later sent to the model, without secrets. A webhook's
         // payload is untrusted: it reaches the model inside a boundary fixed now.
         let mut input = request.input.clone();
-        self.project_redactor(request.project)
-            .await?
-            .redact_json(&mut input);
+        redactor.redact_json(&mut input);
         let input = match request.trigger {
             Trigger::Webhook { .. } => InputStep::untrusted(input, InputSource::Webhook),
             _ => InputStep::requested(input),
@@ -147,7 +190,7 @@ impl Engine {
                 .store
                 .thread_memory(
                     request.project,
-                    routine.id,
+                    routine_id,
                     &thread,
                     definition.memory.max_entries,
                 )
@@ -173,47 +216,39 @@ impl Engine {
         } else {
             None
         };
-        let run = self
-            .store
-            .create_run(
-                request.project,
-                NewRun {
-                    routine_id: routine.id,
-                    routine_version: version.version,
-                    trigger_kind: request.trigger.kind(),
-                    started_by,
-                    max_concurrent: max,
-                    status,
-                    outcome,
-                    trigger_key,
-                    input_provenance: provenance,
-                    thread: definition.memory.enabled.then_some(thread),
-                    memory,
-                    parent: None,
-                },
-                input,
-            )
-            .await?;
-        let actor = request.actor.clone().unwrap_or(default_actor);
-        self.audit
-            .append(
-                AuditEvent::new(request.project, AuditCategory::RunStart, actor)
-                    .subject("run_id", run.id)
-                    .subject("routine_id", routine.id)
-                    .runs(run.root_run_id, run.parent_run_id)
-                    .payload(serde_json::json!({
-                        "routine_version": version.version,
-                        "trigger": request.trigger.kind().as_str(),
-                        "status": run.status.as_str(),
-                    })),
-            )
-            .await?;
-        if run.status == RunStatus::Queued {
-            self.wake_workers();
-        }
-        tracing::info!(category = "run", action = "run.start", project_id = %request.project,
-            run_id = %run.id, routine_id = %routine.id, version = version.version,
-            status = run.status.as_str(), "run started");
-        Ok(run)
+        Ok(Admission {
+            run: NewRun {
+                routine_id,
+                routine_version: version.version,
+                trigger_kind: request.trigger.kind(),
+                started_by,
+                max_concurrent: max,
+                status,
+                outcome,
+                trigger_key,
+                input_provenance: provenance,
+                thread: definition.memory.enabled.then_some(thread),
+                memory,
+                parent: None,
+            },
+            input,
+            actor: request.actor.clone().unwrap_or(default_actor),
+            cancel_oldest,
+        })
     }
+}
+
+/// The audit entry of the start of run `id`, recorded as `run`.
+pub(crate) fn run_started(project: ProjectId, id: RunId, run: &NewRun, actor: Actor) -> AuditEvent {
+    let root = run.parent.as_ref().map_or(id, |p| p.root);
+    let parent = run.parent.as_ref().map(|p| p.parent);
+    AuditEvent::new(project, AuditCategory::RunStart, actor)
+        .subject("run_id", id)
+        .subject("routine_id", run.routine_id)
+        .runs(root, parent)
+        .payload(serde_json::json!({
+            "routine_version": run.routine_version,
+            "trigger": run.trigger_kind.as_str(),
+            "status": run.status.as_str(),
+        }))
 }

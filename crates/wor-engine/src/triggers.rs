@@ -102,86 +102,6 @@ pub enum WebhookRejection {
 }
 
 impl Engine {
-    /// One scheduler pass at `now` (Unix ms): every scheduled routine whose next slot is due
-    /// starts its slots as its catch-up and jitter settings say. A slot starts at most one run
-    /// whichever process gets there, and the schedule only moves forward by compare-and-set.
-    pub async fn schedule_tick(&self, now: i64) -> Result<SchedulerReport, EngineError> {
-        let mut report = SchedulerReport::default();
-        for due in self.store.due_schedules(now, 500).await? {
-            // One schedule's trouble never holds up the others.
-            if let Err(error) = self.tick_schedule(&due, now, &mut report).await {
-                tracing::error!(category = "schedule", routine_id = %due.routine_id, error = %error,
-                    "a schedule could not be processed; it is retried next tick");
-            }
-        }
-        Ok(report)
-    }
-
-    async fn tick_schedule(
-        &self,
-        due: &wor_store::DueSchedule,
-        now: i64,
-        report: &mut SchedulerReport,
-    ) -> Result<(), EngineError> {
-        let routine = self
-            .store
-            .get_routine(due.project_id, due.routine_id)
-            .await?;
-        let version = self
-            .store
-            .get_routine_version(due.project_id, routine.id, routine.current_version)
-            .await?;
-        let plan = match version.definition.schedule.as_ref().map(|s| s.compile()) {
-            Some(Ok(schedule)) => schedule.plan(&routine.id.to_string(), due.next_slot_at, now),
-            Some(Err(reason)) => {
-                tracing::error!(category = "schedule", routine_id = %routine.id, reason = %reason,
-                    "a stored schedule does not compile; it is stopped");
-                self.store
-                    .advance_schedule(routine.id, due.next_slot_at, None)
-                    .await?;
-                return Ok(());
-            }
-            None => {
-                self.store
-                    .advance_schedule(routine.id, due.next_slot_at, None)
-                    .await?;
-                return Ok(());
-            }
-        };
-        // Runs first, then the schedule: a crash in between re-plans the same slots, and the
-        // ones already started are refused by the store, not started twice. A slot whose run
-        // cannot start (the routine is refused, say) is logged and passed, not retried forever.
-        for slot in &plan.fire {
-            let started = self
-                .start_run(StartRun {
-                    project: due.project_id,
-                    routine: routine.id,
-                    input: Value::String(format!(
-                        "Scheduled run for slot {}.",
-                        slot_rfc3339(*slot)
-                    )),
-                    trigger: Trigger::Schedule { slot: *slot },
-                    actor: None,
-                    thread: None,
-                })
-                .await;
-            match started {
-                Ok(_) => report.started += 1,
-                Err(EngineError::Store(StoreError::Conflict(_))) => report.already_started += 1,
-                Err(error) => {
-                    tracing::error!(category = "schedule", routine_id = %routine.id, slot = %slot_rfc3339(*slot),
-                        error = %error, "a scheduled run could not start; the slot is passed");
-                }
-            }
-        }
-        if plan.next_slot != Some(due.next_slot_at) {
-            self.store
-                .advance_schedule(routine.id, due.next_slot_at, plan.next_slot)
-                .await?;
-        }
-        Ok(())
-    }
-
     /// The next `count` slots of a routine's schedule after now, if it has one.
     pub async fn next_firings(
         &self,
@@ -202,18 +122,14 @@ impl Engine {
         Ok(schedule.upcoming(from, count))
     }
 
-    /// A task that runs the scheduler, the webhook outbox and the notification outbox every
-    /// second until `shutdown`.
+    /// A task that runs the scheduler and, every second, the webhook outbox and the
+    /// notification outbox, until `shutdown`. The scheduler wakes when the earliest schedule
+    /// is due (and at least every second, for routines applied meanwhile).
     pub fn spawn_triggers(&self, mut shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
         let engine = self.clone();
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(TICK);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut outboxes_at = tokio::time::Instant::now();
             loop {
-                tokio::select! {
-                    _ = tick.tick() => {},
-                    _ = shutdown.changed() => return,
-                }
                 if *shutdown.borrow() {
                     return;
                 }
@@ -221,14 +137,44 @@ impl Engine {
                 if let Err(error) = engine.schedule_tick(now).await {
                     tracing::error!(category = "schedule", error = %error, "scheduler pass failed");
                 }
-                if let Err(error) = engine.deliver_webhooks(now).await {
-                    tracing::error!(category = "webhook", error = %error, "webhook delivery pass failed");
+                if tokio::time::Instant::now() >= outboxes_at {
+                    if let Err(error) = engine.deliver_webhooks(now).await {
+                        tracing::error!(category = "webhook", error = %error, "webhook delivery pass failed");
+                    }
+                    if let Err(error) = engine.deliver_notifications(now).await {
+                        tracing::error!(category = "notification", error = %error, "notification pass failed");
+                    }
+                    outboxes_at = tokio::time::Instant::now() + TICK;
                 }
-                if let Err(error) = engine.deliver_notifications(now).await {
-                    tracing::error!(category = "notification", error = %error, "notification pass failed");
+                let wake = engine.next_scheduler_wake().await.min(outboxes_at);
+                tokio::select! {
+                    () = tokio::time::sleep_until(wake) => {},
+                    _ = shutdown.changed() => return,
                 }
             }
         })
+    }
+
+    /// When the scheduler looks again: just after the earliest schedule's next slot still
+    /// ahead, if that is within a tick, else a tick from now (a slot already past — inside
+    /// its jitter, or one that could not start — is looked at again then).
+    async fn next_scheduler_wake(&self) -> tokio::time::Instant {
+        let tick = tokio::time::Instant::now() + TICK;
+        let now = wor_store::now_millis();
+        let next = match self.store.next_due_slot(now).await {
+            Ok(next) => next,
+            Err(error) => {
+                tracing::error!(category = "schedule", error = %error, "reading the next due slot failed");
+                None
+            }
+        };
+        let Some(next) = next else { return tick };
+        // A millisecond past the slot, so that the pass finds it due.
+        let wait = next.saturating_sub(now).saturating_add(1);
+        match u64::try_from(wait) {
+            Ok(wait) => (tokio::time::Instant::now() + Duration::from_millis(wait)).min(tick),
+            Err(_) => tick,
+        }
     }
 
     /// The slot of one of a routine's webhook secrets.
@@ -318,11 +264,9 @@ impl Engine {
             Err(other) => return Err(EngineError::from(other).into()),
         };
         let version = self
-            .store
-            .get_routine_version(record.project_id, record.id, record.current_version)
-            .await
-            .map_err(EngineError::from)?;
-        let settings = version.definition.webhook;
+            .routine_version(record.project_id, record.id, record.current_version)
+            .await?;
+        let settings = &version.definition.webhook;
         if !settings.enabled {
             return Err(WebhookRejection::NotFound);
         }
@@ -435,8 +379,7 @@ impl Engine {
             RunStatus::Queued | RunStatus::Running | RunStatus::Skipped => return Ok(()),
         };
         let version = self
-            .store
-            .get_routine_version(run.project_id, run.routine_id, run.routine_version)
+            .routine_version(run.project_id, run.routine_id, run.routine_version)
             .await?;
         let Some(notify) = &version.definition.notify else {
             return Ok(());

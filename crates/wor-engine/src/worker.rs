@@ -6,7 +6,7 @@
 //! `max_concurrent` and the project's running limit as it is written (`wor-store`), so they
 //! hold across slots and processes alike. An idle pool asks the database for work once per
 //! poll interval, whatever its size; it is woken sooner when this process queues a run or a
-//! driver ends one. The sweeps (expired leases, expired approvals) run once per process.
+//! driver ends one, and on PostgreSQL when any process queues one (LISTEN/NOTIFY). The sweeps (expired leases, expired approvals) run once per process.
 
 use std::sync::Arc;
 
@@ -14,6 +14,9 @@ use tokio::sync::{Semaphore, watch};
 use tokio::task::{JoinHandle, JoinSet};
 
 use crate::{Engine, EngineError};
+
+/// How long the queued-run listener waits before reconnecting after an error.
+const LISTEN_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// How often the process looks for approvals whose time ran out.
 const APPROVAL_SWEEP: std::time::Duration = std::time::Duration::from_secs(1);
@@ -62,8 +65,10 @@ impl Engine {
         let engine = self.clone();
         tokio::spawn(async move {
             let sweeps = tokio::spawn(engine.clone().sweep(shutdown.clone()));
+            let listener = tokio::spawn(engine.clone().listen(shutdown.clone()));
             engine.dispatch(shutdown).await;
             let _ = sweeps.await;
+            let _ = listener.await;
         })
     }
 
@@ -118,6 +123,38 @@ impl Engine {
         }
         drivers.abort_all();
         while drivers.join_next().await.is_some() {}
+    }
+
+    /// On PostgreSQL, wakes the pool whenever any process queues a run (LISTEN/NOTIFY), so
+    /// that a run queued by another replica starts at once rather than at the next poll.
+    /// Without a listener (SQLite, or the connection failing) the poll is the fallback.
+    async fn listen(self, mut shutdown: watch::Receiver<bool>) {
+        let mut listener = match self.store.work_listener().await {
+            Ok(Some(listener)) => listener,
+            Ok(None) => return,
+            Err(error) => {
+                tracing::error!(category = "run", error = %error,
+                    "listening for queued runs failed; workers poll instead");
+                return;
+            }
+        };
+        loop {
+            tokio::select! {
+                heard = listener.queued() => match heard {
+                    Ok(()) => self.wake_workers(),
+                    Err(error) => {
+                        tracing::warn!(category = "run", error = %error,
+                            "the queued-run listener lost its connection; it reconnects");
+                        self.wake_workers();
+                        tokio::select! {
+                            () = tokio::time::sleep(LISTEN_RETRY) => {}
+                            _ = shutdown.changed() => return,
+                        }
+                    }
+                },
+                _ = shutdown.changed() => return,
+            }
+        }
     }
 
     /// Looks for runs of dead workers every half lease and for expired approvals every

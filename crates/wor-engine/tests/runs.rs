@@ -1511,6 +1511,55 @@ async fn a_worker_pool_drives_many_runs_at_once() {
         .unwrap();
 }
 
+/// A run queued by another process reaches this one's idle workers at once on PostgreSQL
+/// (LISTEN/NOTIFY), long before their poll; on SQLite there is no listener, and the poll (or
+/// this process's own wake-up) is what finds work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_queued_by_another_process_wakes_idle_workers() {
+    let h = Harness::new().await;
+    let routine = h
+        .routine(
+            "name = \"quick\"\ninstructions = \"Answer.\"\n\
+             [model]\nprovider = \"replay\"\nmodel = \"m\"\n\
+             [[model.script.turns]]\ntext = \"done\"\n",
+        )
+        .await;
+    let listener = h.db.store.work_listener().await.unwrap();
+    if h.db.store.backend() == wor_store::Backend::Sqlite {
+        assert!(listener.is_none(), "SQLite has no cross-process listener");
+        return;
+    }
+    assert!(listener.is_some());
+    // This process polls once a minute: only a notification can wake it in time.
+    let idle = h.engine(EngineConfig {
+        poll_interval: Duration::from_secs(60),
+        ..EngineConfig::default()
+    });
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let pool = idle.spawn_workers(stopped);
+    // Let the pool take its first (empty) look and settle into its wait.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let other = h.engine(EngineConfig {
+        worker_id: "api-replica".to_owned(),
+        ..EngineConfig::default()
+    });
+    let run = h.start(&other, routine, "go").await;
+    let ended = tokio::time::timeout(Duration::from_secs(20), h.wait_for_ends(&[run.id]))
+        .await
+        .expect("the idle pool was woken by the notification");
+    assert_eq!(
+        ended[0].status,
+        RunStatus::Succeeded,
+        "{:?}",
+        ended[0].outcome
+    );
+    stop.send(true).unwrap();
+    tokio::time::timeout(Duration::from_secs(10), pool)
+        .await
+        .expect("the pool stops on shutdown")
+        .unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_worker_pool_keeps_the_routine_and_project_limits() {
     let h = Harness::new().await;

@@ -57,8 +57,12 @@ impl Harness {
     }
 
     async fn apply(&self, schedule: &str) -> RoutineId {
+        self.apply_named("nightly", schedule).await
+    }
+
+    async fn apply_named(&self, name: &str, schedule: &str) -> RoutineId {
         let toml = format!(
-            "name = \"nightly\"\ninstructions = \"Report.\"\n[model]\nprovider = \"replay\"\n\
+            "name = \"{name}\"\ninstructions = \"Report.\"\n[model]\nprovider = \"replay\"\n\
              model = \"m\"\nscript = {{ turns = [{{ text = \"hi\" }}] }}\n[concurrency]\nmax_runs = 100\n{schedule}\n"
         );
         let definition = wor_core::routine::RoutineDefinition::from_toml(&toml).unwrap();
@@ -114,6 +118,61 @@ impl Harness {
 }
 
 const MINUTE: i64 = 60_000;
+
+/// More routines than one scheduler statement takes, due in the same slot, start in one pass,
+/// one run each; a slot still inside its jitter, first in line, holds none of them up.
+#[tokio::test]
+async fn many_routines_due_at_once_start_in_one_pass() {
+    let h = Harness::new().await;
+    // A yearly slot: however long applying them takes, every routine shares the next one.
+    const YEARLY: &str = "[schedule]\ncron = \"0 0 1 1 *\"";
+    let count = 1_100;
+    let mut routines = Vec::new();
+    for i in 0..count {
+        routines.push(h.apply_named(&format!("r{i}"), YEARLY).await);
+    }
+    let jittered = h
+        .apply_named("jittered", &format!("{YEARLY}\njitter_seconds = 50"))
+        .await;
+    let first = h.next_slot(routines[0]).await.unwrap();
+    for routine in &routines {
+        assert_eq!(h.next_slot(*routine).await, Some(first));
+    }
+    let engine = h.engine();
+    let report = engine.schedule_tick(first + 200).await.unwrap();
+    // The jittered routine may or may not be due 200 ms after its slot; all the others are.
+    assert!(
+        report.started == count || report.started == count + 1,
+        "{report:?}"
+    );
+    for routine in &routines {
+        assert_eq!(h.slots(*routine).await, [first], "one run per routine");
+        assert!(h.next_slot(*routine).await > Some(first));
+    }
+    let again = engine.schedule_tick(first + 300).await.unwrap();
+    // Only the jittered routine can still start; nothing starts twice.
+    assert!(
+        again.started <= 1 && again.already_started == 0,
+        "{again:?}"
+    );
+    for routine in &routines {
+        assert_eq!(h.slots(*routine).await, [first]);
+    }
+    assert!(h.slots(jittered).await.len() <= 1);
+    let starts =
+        h.db.store
+            .audit_entries(h.project, 0, 5_000)
+            .await
+            .unwrap()
+            .iter()
+            .filter(|e| e.category == "run.start")
+            .count();
+    assert_eq!(
+        u64::try_from(starts).unwrap(),
+        report.started + again.started,
+        "every start is on the audit chain"
+    );
+}
 
 #[tokio::test]
 async fn each_slot_starts_one_run_across_restarts_and_concurrent_schedulers() {

@@ -487,17 +487,8 @@ impl Store {
     /// Marks the pending approvals of `run` cancelled (its run ended without a decision);
     /// returns which.
     pub async fn cancel_approvals(&self, run: RunId) -> Result<Vec<ApprovalId>, StoreError> {
-        let rows = sqlx::query(
-            "UPDATE approvals SET status = 'cancelled', decided_at = $1 WHERE run_id = $2 AND status = 'pending' \
-             RETURNING id",
-        )
-        .bind(now_millis())
-        .bind(run.to_string())
-        .fetch_all(self.pool())
-        .await?;
-        rows.iter()
-            .map(|row| parse_column(&row.try_get::<String, _>("id")?, "approvals.id"))
-            .collect()
+        let mut connection = self.pool().acquire().await?;
+        cancel_pending(&mut connection, run, now_millis()).await
     }
 
     /// The project's own policy, when one was set.
@@ -614,4 +605,23 @@ fn approval_from_row(row: &sqlx::any::AnyRow) -> Result<ApprovalRecord, StoreErr
         decided_at: row.try_get("decided_at")?,
         used_at: row.try_get("used_at")?,
     })
+}
+
+/// Cancels the pending approvals of `run` (it ended); returns their ids.
+pub(crate) async fn cancel_pending(
+    connection: &mut sqlx::AnyConnection,
+    run: RunId,
+    now: i64,
+) -> Result<Vec<ApprovalId>, StoreError> {
+    let rows = sqlx::query(
+        "UPDATE approvals SET status = 'cancelled', decided_at = $1 WHERE run_id = $2 AND status = 'pending' \
+         RETURNING id",
+    )
+    .bind(now)
+    .bind(run.to_string())
+    .fetch_all(connection)
+    .await?;
+    rows.iter()
+        .map(|row| parse_column(&row.try_get::<String, _>("id")?, "approvals.id"))
+        .collect()
 }

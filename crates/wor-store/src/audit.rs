@@ -27,6 +27,7 @@ use wor_core::audit::{
 use wor_core::canonical::to_canonical_json;
 use wor_secrets::{AuditSigningKey, redact_shapes};
 
+use crate::journal::{RunWrite, RunWritten};
 use crate::{Backend, Store, StoreError, now_millis, parse_column};
 
 /// When the writer signs checkpoints and how much it commits at once.
@@ -65,6 +66,10 @@ enum Command {
     Checkpoint {
         reply: oneshot::Sender<Result<(), StoreError>>,
     },
+    Record {
+        write: Box<RunWrite>,
+        reply: oneshot::Sender<Result<RunWritten, StoreError>>,
+    },
 }
 
 /// The handle through which everything is appended to the audit log. Cheap to clone.
@@ -79,6 +84,7 @@ impl std::fmt::Debug for Command {
         match self {
             Command::Append { event, .. } => write!(f, "Append({})", event.category()),
             Command::Checkpoint { .. } => f.write_str("Checkpoint"),
+            Command::Record { write, .. } => write!(f, "Record({})", write.run),
         }
     }
 }
@@ -95,6 +101,7 @@ impl AuditLog {
             key,
             config,
             unsigned: BTreeSet::new(),
+            signed: Vec::new(),
         };
         tokio::spawn(writer.run(receiver));
         AuditLog {
@@ -108,6 +115,38 @@ impl AuditLog {
         let (reply, answer) = oneshot::channel();
         self.sender
             .send(Command::Append { event, reply })
+            .await
+            .map_err(|_| StoreError::AuditStopped)?;
+        answer.await.map_err(|_| StoreError::AuditStopped)?
+    }
+
+    /// Appends `events`, in order, and returns once all are committed. They are queued
+    /// together, so the writer commits them in as few transactions as its batch size allows.
+    pub async fn append_all(&self, events: Vec<AuditEvent>) -> Result<(), StoreError> {
+        let mut answers = Vec::with_capacity(events.len());
+        for event in events {
+            let (reply, answer) = oneshot::channel();
+            self.sender
+                .send(Command::Append { event, reply })
+                .await
+                .map_err(|_| StoreError::AuditStopped)?;
+            answers.push(answer);
+        }
+        for answer in answers {
+            answer.await.map_err(|_| StoreError::AuditStopped)??;
+        }
+        Ok(())
+    }
+
+    /// Records a run's step (steps, usage, audit entries) in one transaction, shared with
+    /// whatever else is queued, and returns once it is committed; see [`RunWrite`].
+    pub async fn record(&self, write: RunWrite) -> Result<RunWritten, StoreError> {
+        let (reply, answer) = oneshot::channel();
+        self.sender
+            .send(Command::Record {
+                write: Box::new(write),
+                reply,
+            })
             .await
             .map_err(|_| StoreError::AuditStopped)?;
         answer.await.map_err(|_| StoreError::AuditStopped)?
@@ -137,6 +176,8 @@ struct Writer {
     config: AuditConfig,
     /// Projects with entries this writer appended after their last checkpoint.
     unsigned: BTreeSet<ProjectId>,
+    /// Projects whose head the batch being written signed.
+    signed: Vec<ProjectId>,
 }
 
 type Replies = Vec<oneshot::Sender<Result<AuditReceipt, StoreError>>>;
@@ -170,6 +211,7 @@ impl Writer {
     async fn handle(&mut self, batch: Vec<Command>) {
         let mut events = Vec::new();
         let mut replies: Replies = Vec::new();
+        let mut records = Vec::new();
         let mut checkpoint_replies = Vec::new();
         for command in batch {
             match command {
@@ -177,15 +219,23 @@ impl Writer {
                     events.push(event);
                     replies.push(reply);
                 }
+                Command::Record { write, reply } => records.push((write, reply)),
                 Command::Checkpoint { reply } => checkpoint_replies.push(reply),
             }
         }
-        if !events.is_empty() {
-            let count = events.len();
-            match self.append_batch(events).await {
-                Ok(receipts) => {
+        if !events.is_empty() || !records.is_empty() {
+            let count = events.len() + records.len();
+            let (writes, record_replies): (Vec<_>, Vec<_>) = records
+                .into_iter()
+                .map(|(write, reply)| (*write, reply))
+                .unzip();
+            match self.commit_batch(events, writes).await {
+                Ok((receipts, written)) => {
                     for (reply, receipt) in replies.into_iter().zip(receipts) {
                         let _ = reply.send(Ok(receipt));
+                    }
+                    for (reply, written) in record_replies.into_iter().zip(written) {
+                        let _ = reply.send(Ok(written));
                     }
                 }
                 Err(err) => {
@@ -196,6 +246,9 @@ impl Writer {
                         "audit append failed"
                     );
                     for reply in replies {
+                        let _ = reply.send(Err(StoreError::AuditWrite(err.kind())));
+                    }
+                    for reply in record_replies {
                         let _ = reply.send(Err(StoreError::AuditWrite(err.kind())));
                     }
                 }
@@ -214,10 +267,40 @@ impl Writer {
         }
     }
 
-    /// Writes `events` in one transaction, in order, and returns their receipts in order.
+    /// Writes the runs' steps and then every audit entry — `events` and those of the run
+    /// writes that passed their fence — in one transaction, and returns the receipts of
+    /// `events` and what became of each write, in order.
+    async fn commit_batch(
+        &mut self,
+        mut events: Vec<AuditEvent>,
+        writes: Vec<RunWrite>,
+    ) -> Result<(Vec<AuditReceipt>, Vec<RunWritten>), StoreError> {
+        let appended = events.len();
+        let mut tx = self.store.begin_write().await?;
+        let at = now_millis();
+        let mut written = Vec::with_capacity(writes.len());
+        for write in writes {
+            let outcome = crate::journal::write_run(&mut tx, &write, at).await?;
+            if matches!(outcome, RunWritten::Committed { .. }) {
+                events.extend(write.audit);
+            }
+            written.push(outcome);
+        }
+        let mut receipts = self.append_batch(&mut tx, events, at).await?;
+        tx.commit().await?;
+        self.signed_committed();
+        receipts.truncate(appended);
+        Ok((receipts, written))
+    }
+
+    /// Appends `events` in `tx`, in order, and returns their receipts in order. The projects
+    /// whose head it signed are forgotten as unsigned once `tx` commits
+    /// ([`Writer::signed_committed`]).
     async fn append_batch(
         &mut self,
+        tx: &mut Transaction<'_, Any>,
         events: Vec<AuditEvent>,
+        at: i64,
     ) -> Result<Vec<AuditReceipt>, StoreError> {
         let mut by_project: BTreeMap<ProjectId, Vec<(usize, AuditEvent)>> = BTreeMap::new();
         let count = events.len();
@@ -228,17 +311,15 @@ impl Writer {
                 .push((index, event));
         }
         let mut receipts: Vec<Option<AuditReceipt>> = vec![None; count];
-        let mut tx = self.store.begin_write().await?;
-        let at = now_millis();
-        let mut signed = Vec::new();
+        self.signed.clear();
         // Projects are locked in id order, so two processes never wait on each other in a cycle.
         for (project, events) in by_project {
-            let head = lock_head(&mut tx, self.store.backend, project).await?;
+            let head = lock_head(tx, self.store.backend, project).await?;
             let (mut seq, mut prev) = (head.seq, head.hash);
             for (index, event) in events {
                 seq += 1;
                 let entry = event.into_entry(seq, at, prev, redact_payload);
-                insert_entry(&mut tx, &entry).await?;
+                insert_entry(tx, &entry).await?;
                 prev = entry.hash.clone();
                 if let Some(slot) = receipts.get_mut(index) {
                     *slot = Some(AuditReceipt {
@@ -248,21 +329,23 @@ impl Writer {
                 }
             }
             if seq - head.checkpoint_seq >= self.config.checkpoint_every {
-                self.insert_checkpoint(&mut tx, project, seq, &prev, at)
-                    .await?;
-                signed.push(project);
+                self.insert_checkpoint(tx, project, seq, &prev, at).await?;
+                self.signed.push(project);
             } else {
                 self.unsigned.insert(project);
             }
-        }
-        tx.commit().await?;
-        for project in signed {
-            self.unsigned.remove(&project);
         }
         receipts
             .into_iter()
             .map(|r| r.ok_or_else(|| StoreError::Corrupt("audit batch lost an entry".to_owned())))
             .collect()
+    }
+
+    /// After a batch committed: the projects whose heads it signed are not unsigned any more.
+    fn signed_committed(&mut self) {
+        for project in std::mem::take(&mut self.signed) {
+            self.unsigned.remove(&project);
+        }
     }
 
     async fn checkpoint_unsigned(&mut self) -> Result<(), StoreError> {

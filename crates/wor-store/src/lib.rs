@@ -11,6 +11,7 @@ mod api_keys;
 mod approvals;
 mod audit;
 mod console;
+mod journal;
 mod members;
 mod memory;
 mod migrations;
@@ -45,6 +46,7 @@ pub use console::{
     InvitationRecord, MAX_USER_AGENT_CHARS, PurgedConsoleState, SESSION_TOKEN_PREFIX,
     SessionOrigin, SignInAccount,
 };
+pub use journal::{RunWrite, RunWritten};
 pub use members::MemberRecord;
 pub use model_connections::{
     API_KEY_FIELD, ConnectionStatus, MODEL_CONNECTIONS_TABLE, ModelConnectionRecord,
@@ -58,7 +60,9 @@ pub use notifications::{
 pub use projects::{CreatedProject, ProjectRecord, RecoveredOwner};
 pub use routines::{AppliedRoutine, RoutineRecord, RoutineVersionRecord};
 pub use run_tokens::{RUN_TOKEN_PREFIX, RunGrant, RunToken};
-pub use runs::{NewRun, ParentLink, RunFilter, RunRecord, RunStep};
+pub use runs::{
+    NewRun, ParentLink, RunFilter, RunRecord, RunStep, ScheduleAdvance, ScheduledStart,
+};
 pub use sqlx::Error as SqlxError;
 pub use tool_connections::{
     NewToolConnection, StdioSpec, StoredPin, TOOL_CONNECTIONS_TABLE, ToolConnectionKind,
@@ -144,6 +148,24 @@ impl StoreError {
 pub struct Store {
     pool: AnyPool,
     backend: Backend,
+    /// The PostgreSQL URL, for the connection that listens for queued runs.
+    listen_url: Option<std::sync::Arc<str>>,
+}
+
+/// The channel PostgreSQL notifies when a run is queued (migration 0022).
+const WORK_CHANNEL: &str = "wor_work";
+
+/// A PostgreSQL connection that hears when any process queues a run.
+#[derive(Debug)]
+pub struct WorkListener(sqlx::postgres::PgListener);
+
+impl WorkListener {
+    /// Waits until a run is queued somewhere. After a lost connection it reconnects (and
+    /// answers at once, since what was queued meanwhile went unheard).
+    pub async fn queued(&mut self) -> Result<(), StoreError> {
+        self.0.recv().await?;
+        Ok(())
+    }
 }
 
 /// The SQLite database file inside a data directory.
@@ -198,7 +220,12 @@ impl Store {
             }
             Backend::Postgres => options.max_connections(16).connect(url).await?,
         };
-        let store = Store { pool, backend };
+        let listen_url = (backend == Backend::Postgres).then(|| std::sync::Arc::from(url));
+        let store = Store {
+            pool,
+            backend,
+            listen_url,
+        };
         migrations::apply(&store).await?;
         Ok(store)
     }
@@ -254,6 +281,17 @@ impl Store {
                 Err(err) => return Err(err.into()),
             }
         }
+    }
+
+    /// On PostgreSQL, a listener that hears whenever any process queues a run; `None` on
+    /// SQLite, where only this process writes and wakes its own workers.
+    pub async fn work_listener(&self) -> Result<Option<WorkListener>, StoreError> {
+        let Some(url) = &self.listen_url else {
+            return Ok(None);
+        };
+        let mut listener = sqlx::postgres::PgListener::connect(url).await?;
+        listener.listen(WORK_CHANNEL).await?;
+        Ok(Some(WorkListener(listener)))
     }
 
     /// Whether the database answers a trivial query.

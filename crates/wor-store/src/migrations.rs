@@ -167,6 +167,12 @@ const MIGRATIONS: &[SchemaMigration] = &[
         sqlite: include_str!("../migrations/0021_model_providers.sqlite.sql"),
         postgres: include_str!("../migrations/0021_model_providers.postgres.sql"),
     },
+    SchemaMigration {
+        version: 22,
+        description: "run engine",
+        sqlite: include_str!("../migrations/0022_run_engine.sqlite.sql"),
+        postgres: include_str!("../migrations/0022_run_engine.postgres.sql"),
+    },
 ];
 
 pub(crate) async fn apply(store: &Store) -> Result<(), StoreError> {

@@ -8,7 +8,7 @@ use sqlx::Row;
 use wor_core::budget::BudgetUsage;
 use wor_core::call::TriggerKind;
 use wor_core::run::{Provenance, RunStatus};
-use wor_core::step::{InputStep, MemoryStep, OutcomeStep, Step};
+use wor_core::step::{InputStep, MemoryStep, Step};
 use wor_core::{ApiKeyId, ProjectId, RoutineId, RunId};
 
 use crate::{Store, StoreError, now_millis, parse_column};
@@ -63,6 +63,23 @@ pub struct NewRun {
     pub parent: Option<ParentLink>,
 }
 
+/// A run a scheduler pass starts.
+#[derive(Debug, Clone)]
+pub struct ScheduledStart {
+    pub project: ProjectId,
+    pub run: NewRun,
+    pub input: InputStep,
+}
+
+/// A schedule's next slot moved from `from` to `to` (`None`: it fires no more), by
+/// compare-and-set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScheduleAdvance {
+    pub routine: RoutineId,
+    pub from: i64,
+    pub to: Option<i64>,
+}
+
 /// The limits a claim of the queue checks as it is written.
 #[derive(Debug, Clone, Copy)]
 struct ClaimLimits<'a> {
@@ -111,7 +128,7 @@ const COLUMNS: &str = "id, project_id, routine_id, routine_version, root_run_id,
     status, trigger_kind, started_by, trigger_key, thread, outcome, usage_turns, usage_tool_calls, usage_input_tokens, \
     usage_output_tokens, usage_cost_microdollars, cancel_requested, created_at, started_at, finished_at, parked_ms, budget_cap";
 
-fn to_i64(value: u64) -> i64 {
+pub(crate) fn to_i64(value: u64) -> i64 {
     i64::try_from(value).unwrap_or(i64::MAX)
 }
 
@@ -131,51 +148,38 @@ impl Store {
         let id = RunId::new();
         let now = now_millis();
         let mut tx = self.begin_write().await?;
-        sqlx::query(
-            "INSERT INTO runs (id, project_id, routine_id, routine_version, root_run_id, parent_run_id, depth, \
-             status, trigger_kind, started_by, max_concurrent, outcome, created_at, updated_at, finished_at, trigger_key, thread, budget_cap) \
-             VALUES ($1, $2, $3, $4, $14, $15, $16, $5, $6, $7, $8, $9, $10, $10, $11, $12, $13, $17)",
-        )
-        .bind(id.to_string())
-        .bind(project.to_string())
-        .bind(new.routine_id.to_string())
-        .bind(new.routine_version)
-        .bind(new.status.as_str())
-        .bind(new.trigger_kind.as_str())
-        .bind(new.started_by.map(|k| k.to_string()))
-        .bind(to_i64(new.max_concurrent))
-        .bind(new.outcome.as_deref())
-        .bind(now)
-        .bind(new.status.is_terminal().then_some(now))
-        .bind(new.trigger_key.as_deref())
-        .bind(new.thread.as_deref())
-        .bind(new.parent.as_ref().map_or(id, |p| p.root).to_string())
-        .bind(new.parent.as_ref().map(|p| p.parent.to_string()))
-        .bind(new.parent.as_ref().map_or(0, |p| p.depth))
-        .bind(new.parent.as_ref().map(|p| p.budget_cap.to_string()))
-        .execute(&mut *tx)
-        .await
-        .map_err(|e| {
-            crate::conflict_or(e, || {
-                "this trigger (schedule slot or webhook delivery) already started a run".to_owned()
-            })
-        })?;
-        insert_step(
-            &mut tx,
-            project,
-            id,
-            1,
-            new.input_provenance,
-            &Step::Input(input),
-            now,
-        )
-        .await?;
-        if let Some((provenance, memory)) = &new.memory {
-            let memory = Step::Memory(memory.clone());
-            insert_step(&mut tx, project, id, 2, *provenance, &memory, now).await?;
+        if !insert_run(&mut tx, project, id, &new, &input, now).await? {
+            return Err(StoreError::Conflict(
+                "this trigger (schedule slot or webhook delivery) already started a run".to_owned(),
+            ));
         }
         tx.commit().await?;
         self.get_run(project, id).await
+    }
+
+    /// Records the runs a scheduler pass starts and moves the schedules on, in one
+    /// transaction: a crash leaves all of it or none. A slot that already started a run (in
+    /// another process) starts no other: its entry in the answer is `None`. A schedule another
+    /// process moved first is left as that process moved it.
+    pub async fn start_scheduled(
+        &self,
+        starts: Vec<ScheduledStart>,
+        advances: &[ScheduleAdvance],
+    ) -> Result<Vec<Option<RunId>>, StoreError> {
+        let now = now_millis();
+        let mut tx = self.begin_write().await?;
+        let mut started = Vec::with_capacity(starts.len());
+        for start in starts {
+            let id = RunId::new();
+            let inserted =
+                insert_run(&mut tx, start.project, id, &start.run, &start.input, now).await?;
+            started.push(inserted.then_some(id));
+        }
+        for advance in advances {
+            crate::triggers::advance_schedule(&mut tx, advance, now).await?;
+        }
+        tx.commit().await?;
+        Ok(started)
     }
 
     pub async fn get_run(&self, project: ProjectId, id: RunId) -> Result<RunRecord, StoreError> {
@@ -215,21 +219,44 @@ impl Store {
         rows.iter().map(run_from_row).collect()
     }
 
-    /// Active (queued, running or waiting) runs of a routine, oldest first.
-    pub async fn active_runs(
+    /// How many runs of a routine are active (queued, running or waiting), counted up to
+    /// `up_to`: a start asks only whether the routine is full, so its cost does not grow with
+    /// the runs parked there.
+    pub async fn active_run_count(
         &self,
         project: ProjectId,
         routine: RoutineId,
-    ) -> Result<Vec<RunRecord>, StoreError> {
-        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "SELECT {COLUMNS} FROM runs WHERE project_id = $1 AND routine_id = $2 \
-             AND status IN ('queued', 'running', 'waiting_for_approval') ORDER BY id"
-        )))
-        .bind(project.to_string())
+        up_to: u64,
+    ) -> Result<u64, StoreError> {
+        let row = sqlx::query(
+            "SELECT COUNT(*) AS n FROM (SELECT 1 AS one FROM runs WHERE routine_id = $1 \
+             AND project_id = $2 AND status IN ('queued', 'running', 'waiting_for_approval') \
+             LIMIT $3) AS active",
+        )
         .bind(routine.to_string())
-        .fetch_all(self.pool())
+        .bind(project.to_string())
+        .bind(to_i64(up_to))
+        .fetch_one(self.pool())
         .await?;
-        rows.iter().map(run_from_row).collect()
+        Ok(to_u64(row.try_get("n")?))
+    }
+
+    /// The oldest active run of a routine, if any.
+    pub async fn oldest_active_run(
+        &self,
+        project: ProjectId,
+        routine: RoutineId,
+    ) -> Result<Option<RunId>, StoreError> {
+        let row = sqlx::query(
+            "SELECT id FROM runs WHERE routine_id = $1 AND project_id = $2 \
+             AND status IN ('queued', 'running', 'waiting_for_approval') ORDER BY id LIMIT 1",
+        )
+        .bind(routine.to_string())
+        .bind(project.to_string())
+        .fetch_optional(self.pool())
+        .await?;
+        row.map(|row| parse_column(&row.try_get::<String, _>("id")?, "runs.id"))
+            .transpose()
     }
 
     /// Asks a run to stop. A queued run is cancelled at once; a running one is flagged and its
@@ -498,62 +525,6 @@ impl Store {
         Ok(())
     }
 
-    /// Ends a run held by `worker` with a terminal status, recording the outcome as its last
-    /// step in the same transaction (so whoever sees the status also sees the step). Returns
-    /// false, changing nothing, when the worker no longer holds the run.
-    pub async fn finish_run(
-        &self,
-        project: ProjectId,
-        run: RunId,
-        worker: &str,
-        status: RunStatus,
-        outcome: &str,
-    ) -> Result<bool, StoreError> {
-        let now = now_millis();
-        let mut tx = self.begin_write().await?;
-        let done = sqlx::query(
-            "UPDATE runs SET status = $1, outcome = $2, finished_at = $3, updated_at = $3, \
-             lease_owner = NULL, lease_expires_at = NULL WHERE id = $4 AND lease_owner = $5 AND status = 'running'",
-        )
-        .bind(status.as_str())
-        .bind(outcome)
-        .bind(now)
-        .bind(run.to_string())
-        .bind(worker)
-        .execute(&mut *tx)
-        .await?;
-        if done.rows_affected() != 1 {
-            tx.rollback().await?;
-            return Ok(false);
-        }
-        let last: i64 =
-            sqlx::query("SELECT COALESCE(MAX(seq), 0) AS last FROM run_steps WHERE run_id = $1")
-                .bind(run.to_string())
-                .fetch_one(&mut *tx)
-                .await?
-                .try_get("last")?;
-        let step = Step::Outcome(OutcomeStep {
-            status,
-            message: outcome.to_owned(),
-        });
-        insert_step(
-            &mut tx,
-            project,
-            run,
-            last + 1,
-            Provenance::Engine,
-            &step,
-            now,
-        )
-        .await?;
-        // A nested run's parent, parked while it ran, goes on: in the same transaction, so an
-        // ended child never leaves its parent waiting.
-        requeue_parent(&mut tx, run, now).await?;
-        crate::run_tokens::revoke(&mut tx, run).await?;
-        tx.commit().await?;
-        Ok(true)
-    }
-
     /// Appends a step and returns its sequence number.
     pub async fn append_run_step(
         &self,
@@ -601,6 +572,61 @@ impl Store {
             })
             .collect()
     }
+}
+
+/// Inserts a new run with its input (and memory) as its first steps; false, with nothing
+/// written, when its trigger key already started a run.
+async fn insert_run(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    project: ProjectId,
+    id: RunId,
+    new: &NewRun,
+    input: &InputStep,
+    now: i64,
+) -> Result<bool, StoreError> {
+    let inserted = sqlx::query(
+        "INSERT INTO runs (id, project_id, routine_id, routine_version, root_run_id, parent_run_id, depth, \
+         status, trigger_kind, started_by, max_concurrent, outcome, created_at, updated_at, finished_at, trigger_key, thread, budget_cap) \
+         VALUES ($1, $2, $3, $4, $14, $15, $16, $5, $6, $7, $8, $9, $10, $10, $11, $12, $13, $17) \
+         ON CONFLICT DO NOTHING",
+    )
+    .bind(id.to_string())
+    .bind(project.to_string())
+    .bind(new.routine_id.to_string())
+    .bind(new.routine_version)
+    .bind(new.status.as_str())
+    .bind(new.trigger_kind.as_str())
+    .bind(new.started_by.map(|k| k.to_string()))
+    .bind(to_i64(new.max_concurrent))
+    .bind(new.outcome.as_deref())
+    .bind(now)
+    .bind(new.status.is_terminal().then_some(now))
+    .bind(new.trigger_key.as_deref())
+    .bind(new.thread.as_deref())
+    .bind(new.parent.as_ref().map_or(id, |p| p.root).to_string())
+    .bind(new.parent.as_ref().map(|p| p.parent.to_string()))
+    .bind(new.parent.as_ref().map_or(0, |p| p.depth))
+    .bind(new.parent.as_ref().map(|p| p.budget_cap.to_string()))
+    .execute(&mut **tx)
+    .await?;
+    if inserted.rows_affected() != 1 {
+        return Ok(false);
+    }
+    insert_step(
+        tx,
+        project,
+        id,
+        1,
+        new.input_provenance,
+        &Step::Input(input.clone()),
+        now,
+    )
+    .await?;
+    if let Some((provenance, memory)) = &new.memory {
+        let memory = Step::Memory(memory.clone());
+        insert_step(tx, project, id, 2, *provenance, &memory, now).await?;
+    }
+    Ok(true)
 }
 
 /// Parks a run `worker` holds: status `waiting_for_approval`, lease released, `parked_at` set.
@@ -673,7 +699,7 @@ pub(crate) async fn append_step(
 }
 
 /// Queues the parent of `child` again if it is parked waiting for it.
-async fn requeue_parent(
+pub(crate) async fn requeue_parent(
     tx: &mut sqlx::Transaction<'_, sqlx::Any>,
     child: RunId,
     now: i64,
@@ -689,7 +715,7 @@ async fn requeue_parent(
     Ok(())
 }
 
-async fn insert_step(
+pub(crate) async fn insert_step(
     tx: &mut sqlx::Transaction<'_, sqlx::Any>,
     project: ProjectId,
     run: RunId,

@@ -9,13 +9,15 @@ use sqlx::Row;
 use wor_core::schedule::ScheduleSection;
 use wor_core::{ProjectId, RoutineId, RunId};
 
-use crate::{Store, StoreError, now_millis, parse_column};
+use crate::{ScheduleAdvance, Store, StoreError, now_millis, parse_column};
 
 /// A scheduled routine whose next slot is due.
 #[derive(Debug, Clone)]
 pub struct DueSchedule {
     pub project_id: ProjectId,
     pub routine_id: RoutineId,
+    /// The routine's current version, whose schedule this is.
+    pub version: i64,
     pub next_slot_at: i64,
 }
 
@@ -131,18 +133,30 @@ pub(crate) async fn sync_schedule(
 }
 
 impl Store {
-    /// Scheduled routines whose next slot is at or before `now`, oldest first.
+    /// Scheduled routines whose next slot is at or before `now`, oldest first (by slot, then
+    /// routine), at most `limit`, after the schedule `after` (slot, routine) when given: a
+    /// pass pages through them.
     pub async fn due_schedules(
         &self,
         now: i64,
-        limit: u32,
+        after: Option<(i64, RoutineId)>,
+        limit: usize,
     ) -> Result<Vec<DueSchedule>, StoreError> {
+        let (after_slot, after_routine) = match after {
+            Some((slot, routine)) => (slot, routine.to_string()),
+            None => (i64::MIN, String::new()),
+        };
         let rows = sqlx::query(
-            "SELECT routine_id, project_id, next_slot_at FROM routine_schedules \
-             WHERE next_slot_at IS NOT NULL AND next_slot_at <= $1 ORDER BY next_slot_at LIMIT $2",
+            "SELECT s.routine_id, s.project_id, s.next_slot_at, r.current_version \
+             FROM routine_schedules s JOIN routines r ON r.id = s.routine_id \
+             WHERE s.next_slot_at IS NOT NULL AND s.next_slot_at <= $1 \
+             AND (s.next_slot_at > $2 OR (s.next_slot_at = $2 AND s.routine_id > $3)) \
+             ORDER BY s.next_slot_at, s.routine_id LIMIT $4",
         )
         .bind(now)
-        .bind(i64::from(limit))
+        .bind(after_slot)
+        .bind(after_routine)
+        .bind(i64::try_from(limit).unwrap_or(i64::MAX))
         .fetch_all(self.pool())
         .await?;
         rows.iter()
@@ -156,6 +170,7 @@ impl Store {
                         &row.try_get::<String, _>("project_id")?,
                         "routine_schedules.project_id",
                     )?,
+                    version: row.try_get("current_version")?,
                     next_slot_at: row.try_get("next_slot_at")?,
                 })
             })
@@ -181,6 +196,17 @@ impl Store {
         })
     }
 
+    /// The earliest next slot of any schedule after `now` (Unix ms), if there is one.
+    pub async fn next_due_slot(&self, now: i64) -> Result<Option<i64>, StoreError> {
+        let row = sqlx::query(
+            "SELECT MIN(next_slot_at) AS next FROM routine_schedules WHERE next_slot_at > $1",
+        )
+        .bind(now)
+        .fetch_one(self.pool())
+        .await?;
+        Ok(row.try_get("next")?)
+    }
+
     /// Moves a schedule's next slot from `from` to `to`; false when another process moved it
     /// first (this one then does nothing more for that schedule).
     pub async fn advance_schedule(
@@ -189,17 +215,13 @@ impl Store {
         from: i64,
         to: Option<i64>,
     ) -> Result<bool, StoreError> {
-        let done = sqlx::query(
-            "UPDATE routine_schedules SET next_slot_at = $1, updated_at = $2 \
-             WHERE routine_id = $3 AND next_slot_at = $4",
+        let mut connection = self.pool().acquire().await?;
+        advance_schedule(
+            &mut connection,
+            &ScheduleAdvance { routine, from, to },
+            now_millis(),
         )
-        .bind(to)
-        .bind(now_millis())
-        .bind(routine.to_string())
-        .bind(from)
-        .execute(self.pool())
-        .await?;
-        Ok(done.rows_affected() == 1)
+        .await
     }
 
     /// Enqueues a run webhook; enqueueing the same event of a run again does nothing.
@@ -349,4 +371,23 @@ fn delivery_from_row(row: &sqlx::any::AnyRow) -> Result<DeliveryRecord, StoreErr
         created_at: row.try_get("created_at")?,
         updated_at: row.try_get("updated_at")?,
     })
+}
+
+/// Moves a schedule on by compare-and-set; false when another process moved it first.
+pub(crate) async fn advance_schedule(
+    connection: &mut sqlx::AnyConnection,
+    advance: &ScheduleAdvance,
+    now: i64,
+) -> Result<bool, StoreError> {
+    let done = sqlx::query(
+        "UPDATE routine_schedules SET next_slot_at = $1, updated_at = $2 \
+         WHERE routine_id = $3 AND next_slot_at = $4",
+    )
+    .bind(advance.to)
+    .bind(now)
+    .bind(advance.routine.to_string())
+    .bind(advance.from)
+    .execute(connection)
+    .await?;
+    Ok(done.rows_affected() == 1)
 }

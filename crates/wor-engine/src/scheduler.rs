@@ -1,0 +1,205 @@
+//! The scheduler: starts the runs of every schedule whose slot is due, in batches.
+//!
+//! One statement finds a batch of due schedules (oldest slot first, paged by slot and routine
+//! so that a slot still inside its jitter never holds up the ones after it); each routine's
+//! plan says which slots fire; then one transaction records every run of the batch with its
+//! input and moves every schedule on, and the runs' start entries join the audit chain
+//! together. A slot starts at most one run whichever process gets there (its trigger key is
+//! unique), and a schedule only moves forward by compare-and-set.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use serde_json::Value;
+use wor_core::ProjectId;
+use wor_core::run::RunStatus;
+use wor_core::schedule::slot_rfc3339;
+use wor_secrets::Redactor;
+use wor_store::{DueSchedule, RoutineVersionRecord, ScheduleAdvance, ScheduledStart};
+
+use crate::start::{Admission, run_started};
+use crate::triggers::SchedulerReport;
+use crate::{Engine, EngineError, StartRun, Trigger};
+
+/// How many due schedules one statement takes.
+const SCHEDULE_BATCH: usize = 1_000;
+
+/// A slot that fires in this pass, as admitted.
+struct Firing {
+    project: ProjectId,
+    version: Arc<RoutineVersionRecord>,
+    admission: Admission,
+}
+
+impl Engine {
+    /// One scheduler pass at `now` (Unix ms): every scheduled routine whose next slot is due
+    /// starts its slots as its catch-up and jitter settings say.
+    pub async fn schedule_tick(&self, now: i64) -> Result<SchedulerReport, EngineError> {
+        let mut report = SchedulerReport::default();
+        let mut after = None;
+        loop {
+            let due = self.store.due_schedules(now, after, SCHEDULE_BATCH).await?;
+            let Some(last) = due.last() else { break };
+            after = Some((last.next_slot_at, last.routine_id));
+            let full = due.len() == SCHEDULE_BATCH;
+            self.start_due(&due, now, &mut report).await?;
+            if !full {
+                break;
+            }
+        }
+        Ok(report)
+    }
+
+    /// Starts the due slots of one batch of schedules and moves the schedules on.
+    async fn start_due(
+        &self,
+        due: &[DueSchedule],
+        now: i64,
+        report: &mut SchedulerReport,
+    ) -> Result<(), EngineError> {
+        let mut firings = Vec::new();
+        let mut advances = Vec::new();
+        let mut redactors: HashMap<ProjectId, Redactor> = HashMap::new();
+        for schedule in due {
+            // One schedule's trouble never holds up the others.
+            match self
+                .plan_schedule(schedule, now, &mut redactors, &mut firings)
+                .await
+            {
+                Ok(advance) => advances.extend(advance),
+                Err(error) => {
+                    tracing::error!(category = "schedule", routine_id = %schedule.routine_id, error = %error,
+                        "a schedule could not be processed; it is retried next pass");
+                }
+            }
+        }
+        if firings.is_empty() && advances.is_empty() {
+            return Ok(());
+        }
+        let starts = firings
+            .iter()
+            .map(|f| ScheduledStart {
+                project: f.project,
+                run: f.admission.run.clone(),
+                input: f.admission.input.clone(),
+            })
+            .collect();
+        let started = self.store.start_scheduled(starts, &advances).await?;
+        let mut entries = Vec::new();
+        for (firing, id) in firings.into_iter().zip(started) {
+            let Some(id) = id else {
+                report.already_started += 1;
+                continue;
+            };
+            report.started += 1;
+            let Firing {
+                project,
+                version,
+                admission,
+            } = firing;
+            tracing::info!(category = "run", action = "run.start", project_id = %project,
+                run_id = %id, routine_id = %admission.run.routine_id, version = version.version,
+                status = admission.run.status.as_str(), "run started");
+            entries.push(run_started(project, id, &admission.run, admission.actor));
+        }
+        // The start entries go to the audit writer together, which commits them in as few
+        // transactions as its batch allows.
+        self.audit.append_all(entries).await?;
+        if report.started > 0 {
+            self.wake_workers();
+        }
+        Ok(())
+    }
+
+    /// Plans one due schedule: admits the runs of its slots that fire now into `firings`, and
+    /// returns how its schedule moves on (`None` when it stays, its next slot still inside
+    /// its jitter).
+    async fn plan_schedule(
+        &self,
+        schedule: &DueSchedule,
+        now: i64,
+        redactors: &mut HashMap<ProjectId, Redactor>,
+        firings: &mut Vec<Firing>,
+    ) -> Result<Option<ScheduleAdvance>, EngineError> {
+        let version = self
+            .routine_version(schedule.project_id, schedule.routine_id, schedule.version)
+            .await?;
+        let stop = ScheduleAdvance {
+            routine: schedule.routine_id,
+            from: schedule.next_slot_at,
+            to: None,
+        };
+        let plan = match version.definition.schedule.as_ref().map(|s| s.compile()) {
+            Some(Ok(compiled)) => {
+                compiled.plan(&schedule.routine_id.to_string(), schedule.next_slot_at, now)
+            }
+            Some(Err(reason)) => {
+                tracing::error!(category = "schedule", routine_id = %schedule.routine_id, reason = %reason,
+                    "a stored schedule does not compile; it is stopped");
+                return Ok(Some(stop));
+            }
+            None => return Ok(Some(stop)),
+        };
+        if !plan.fire.is_empty() {
+            let redactor = match redactors.entry(schedule.project_id) {
+                std::collections::hash_map::Entry::Occupied(found) => found.into_mut(),
+                std::collections::hash_map::Entry::Vacant(slot) => {
+                    slot.insert(self.project_redactor(schedule.project_id).await?)
+                }
+            };
+            let max = version.definition.concurrency.max_runs;
+            let mut active = self
+                .store
+                .active_run_count(schedule.project_id, schedule.routine_id, max)
+                .await?;
+            for slot in &plan.fire {
+                let request = StartRun {
+                    project: schedule.project_id,
+                    routine: schedule.routine_id,
+                    input: Value::String(format!(
+                        "Scheduled run for slot {}.",
+                        slot_rfc3339(*slot)
+                    )),
+                    trigger: Trigger::Schedule { slot: *slot },
+                    actor: None,
+                    thread: None,
+                };
+                // A slot whose run cannot start (the routine is refused, say) is logged and
+                // passed, not retried forever.
+                match self.admit(&request, &version, active, redactor).await {
+                    Ok(admission) => {
+                        if admission.cancel_oldest
+                            && let Some(oldest) = self
+                                .store
+                                .oldest_active_run(schedule.project_id, schedule.routine_id)
+                                .await?
+                        {
+                            self.store
+                                .request_cancel(schedule.project_id, oldest)
+                                .await?;
+                        }
+                        if admission.run.status == RunStatus::Queued {
+                            active = active.saturating_add(1);
+                        }
+                        firings.push(Firing {
+                            project: schedule.project_id,
+                            version: version.clone(),
+                            admission,
+                        });
+                    }
+                    Err(error) => {
+                        tracing::error!(category = "schedule", routine_id = %schedule.routine_id,
+                            slot = %slot_rfc3339(*slot), error = %error,
+                            "a scheduled run could not start; the slot is passed");
+                    }
+                }
+            }
+        }
+        Ok(
+            (plan.next_slot != Some(schedule.next_slot_at)).then_some(ScheduleAdvance {
+                to: plan.next_slot,
+                ..stop
+            }),
+        )
+    }
+}

@@ -1,0 +1,281 @@
+//! A run's journal writes: what the worker driving a run records at one step — its steps, its
+//! usage, its audit entries — committed together, fenced by the worker's lease (and, when the
+//! step reserves a call, by the run's credential).
+//!
+//! The writes go through the audit writer's task ([`AuditLog::record`](crate::AuditLog)),
+//! which commits whatever is queued, from every run this process drives, in one transaction:
+//! a step and its audit entries are durable together, and concurrent runs share one commit.
+//! Nothing is acknowledged before its transaction has committed, so "every step is persisted
+//! before the next begins" holds for each run.
+
+use sqlx::{Any, Row, Transaction};
+use wor_core::audit::AuditEvent;
+use wor_core::budget::BudgetUsage;
+use wor_core::canonical::sha256_hex;
+use wor_core::run::{Provenance, RunStatus};
+use wor_core::step::{OutcomeStep, Step};
+use wor_core::{ApprovalId, ProjectId, RunId};
+
+use crate::runs::{insert_step, requeue_parent, to_i64};
+use crate::{RunToken, Store, StoreError, now_millis};
+
+/// What the worker driving a run records at one step, in one transaction.
+#[derive(Debug)]
+pub struct RunWrite {
+    pub project: ProjectId,
+    pub run: RunId,
+    /// The worker that must hold the run's lease; the write renews the lease for `lease_ms`.
+    pub worker: String,
+    pub lease_ms: i64,
+    /// The SHA-256 digest of the run's credential, when the write reserves a call: the
+    /// credential must still be live, or nothing is written.
+    credential: Option<String>,
+    pub steps: Vec<(Provenance, Step)>,
+    /// The run's usage after this step, when it changed.
+    pub usage: Option<BudgetUsage>,
+    /// Audit entries committed with the steps, in order.
+    pub audit: Vec<AuditEvent>,
+    /// The run's end, when this write ends it.
+    end: Option<(RunStatus, String)>,
+}
+
+impl RunWrite {
+    pub fn new(project: ProjectId, run: RunId, worker: &str, lease_ms: i64) -> Self {
+        RunWrite {
+            project,
+            run,
+            worker: worker.to_owned(),
+            lease_ms,
+            credential: None,
+            steps: Vec::new(),
+            usage: None,
+            audit: Vec::new(),
+            end: None,
+        }
+    }
+
+    #[must_use]
+    pub fn step(mut self, provenance: Provenance, step: Step) -> Self {
+        self.steps.push((provenance, step));
+        self
+    }
+
+    #[must_use]
+    pub fn usage(mut self, usage: BudgetUsage) -> Self {
+        self.usage = Some(usage);
+        self
+    }
+
+    #[must_use]
+    pub fn audit(mut self, event: AuditEvent) -> Self {
+        self.audit.push(event);
+        self
+    }
+
+    /// Ends the run with `status` and `outcome`, after the steps: its `outcome` step is the
+    /// last, its lease and credential end, its pending approvals are cancelled and a parent
+    /// waiting for it is queued again — all in the same transaction.
+    #[must_use]
+    pub fn end(mut self, status: RunStatus, outcome: &str) -> Self {
+        self.end = Some((status, outcome.to_owned()));
+        self
+    }
+
+    /// Writes only while `credential` is the run's live credential: the check and the
+    /// reservation of a call are one statement.
+    #[must_use]
+    pub fn presenting(mut self, credential: &RunToken) -> Self {
+        self.credential = Some(sha256_hex(credential.expose().as_bytes()));
+        self
+    }
+}
+
+impl Store {
+    /// Ends a run `worker` holds, outside the audit writer (the engine ends runs through
+    /// [`AuditLog::record`](crate::AuditLog::record), with their audit entry): see
+    /// [`RunWrite::end`](crate::RunWrite::end). False when the worker does not hold it.
+    pub async fn finish_run(
+        &self,
+        project: ProjectId,
+        run: RunId,
+        worker: &str,
+        status: RunStatus,
+        outcome: &str,
+    ) -> Result<bool, StoreError> {
+        let write = RunWrite::new(project, run, worker, 0).end(status, outcome);
+        let mut tx = self.begin_write().await?;
+        let written = write_run(&mut tx, &write, now_millis()).await?;
+        tx.commit().await?;
+        Ok(matches!(written, RunWritten::Committed { .. }))
+    }
+}
+
+/// What became of a [`RunWrite`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RunWritten {
+    /// Committed. Whether a cancel of the run had been requested when it was written, and,
+    /// for a write that ended the run, the approvals it cancelled.
+    Committed {
+        cancel_requested: bool,
+        cancelled_approvals: Vec<ApprovalId>,
+    },
+    /// The worker does not hold the run (any more): nothing was written.
+    LeaseLost,
+    /// The worker holds the run but the presented credential is no longer live: nothing was
+    /// written.
+    CredentialEnded,
+}
+
+/// Writes `write`'s run part in `tx`: the fence (lease, credential), the lease renewal, the
+/// usage and the steps. Its audit entries are the caller's to append in the same transaction
+/// when this answers [`RunWritten::Committed`].
+pub(crate) async fn write_run(
+    tx: &mut Transaction<'_, Any>,
+    write: &RunWrite,
+    now: i64,
+) -> Result<RunWritten, StoreError> {
+    let mut fence = Fence::default();
+    let mut sql = format!("UPDATE runs SET updated_at = {}", fence.int(now));
+    match &write.end {
+        Some((status, outcome)) => {
+            let status = fence.text(status.as_str());
+            let outcome = fence.text(outcome);
+            sql.push_str(&format!(
+                ", lease_owner = NULL, lease_expires_at = NULL, finished_at = updated_at, \
+                 status = {status}, outcome = {outcome}"
+            ));
+        }
+        None => {
+            let lease = fence.int(now.saturating_add(write.lease_ms));
+            sql.push_str(&format!(", lease_expires_at = {lease}"));
+        }
+    }
+    if let Some(usage) = &write.usage {
+        let turns = fence.int(to_i64(usage.turns));
+        let calls = fence.int(to_i64(usage.tool_calls));
+        let input = fence.int(to_i64(usage.input_tokens));
+        let output = fence.int(to_i64(usage.output_tokens));
+        let cost = fence.int(to_i64(usage.cost_microdollars));
+        sql.push_str(&format!(
+            ", usage_turns = {turns}, usage_tool_calls = {calls}, usage_input_tokens = {input}, \
+             usage_output_tokens = {output}, usage_cost_microdollars = {cost}"
+        ));
+    }
+    let id = fence.text(&write.run.to_string());
+    let project = fence.text(&write.project.to_string());
+    let worker = fence.text(&write.worker);
+    sql.push_str(&format!(
+        " WHERE id = {id} AND project_id = {project} AND lease_owner = {worker} \
+         AND status = 'running'"
+    ));
+    if let Some(credential) = &write.credential {
+        let credential = fence.text(credential);
+        let at = fence.int(now);
+        sql.push_str(&format!(
+            " AND EXISTS (SELECT 1 FROM run_tokens t WHERE t.run_id = runs.id \
+             AND t.sha256 = {credential} AND t.expires_at > {at} \
+             AND t.lease_owner = runs.lease_owner)"
+        ));
+    }
+    sql.push_str(" RETURNING cancel_requested");
+    let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
+    for value in fence.values {
+        query = match value {
+            Bound::Int(value) => query.bind(value),
+            Bound::Text(value) => query.bind(value),
+        };
+    }
+    let Some(row) = query.fetch_optional(&mut **tx).await? else {
+        return fenced_out(tx, write).await;
+    };
+    let cancel_requested: i64 = row.try_get("cancel_requested")?;
+    let outcome = write.end.as_ref().map(|(status, outcome)| {
+        Step::Outcome(OutcomeStep {
+            status: *status,
+            message: outcome.clone(),
+        })
+    });
+    let steps = write
+        .steps
+        .iter()
+        .map(|(provenance, step)| (*provenance, step))
+        .chain(outcome.as_ref().map(|step| (Provenance::Engine, step)));
+    let mut seq: Option<i64> = None;
+    for (provenance, step) in steps {
+        let next = match seq {
+            Some(last) => last + 1,
+            None => last_seq(tx, write.run).await? + 1,
+        };
+        insert_step(tx, write.project, write.run, next, provenance, step, now).await?;
+        seq = Some(next);
+    }
+    let mut cancelled_approvals = Vec::new();
+    if write.end.is_some() {
+        // A nested run's parent, parked while it ran, goes on: an ended child never leaves
+        // its parent waiting.
+        requeue_parent(tx, write.run, now).await?;
+        crate::run_tokens::revoke(tx, write.run).await?;
+        cancelled_approvals = crate::approvals::cancel_pending(tx, write.run, now).await?;
+    }
+    Ok(RunWritten::Committed {
+        cancel_requested: cancel_requested != 0,
+        cancelled_approvals,
+    })
+}
+
+/// The sequence number of the run's last step (0 before the first).
+async fn last_seq(tx: &mut Transaction<'_, Any>, run: RunId) -> Result<i64, StoreError> {
+    Ok(
+        sqlx::query("SELECT COALESCE(MAX(seq), 0) AS last FROM run_steps WHERE run_id = $1")
+            .bind(run.to_string())
+            .fetch_one(&mut **tx)
+            .await?
+            .try_get("last")?,
+    )
+}
+
+/// The values of a fence statement in the order of their placeholders.
+#[derive(Default)]
+struct Fence {
+    values: Vec<Bound>,
+}
+
+enum Bound {
+    Int(i64),
+    Text(String),
+}
+
+impl Fence {
+    /// The placeholder of the next value, `value`.
+    fn int(&mut self, value: i64) -> String {
+        self.values.push(Bound::Int(value));
+        format!("${}", self.values.len())
+    }
+
+    fn text(&mut self, value: &str) -> String {
+        self.values.push(Bound::Text(value.to_owned()));
+        format!("${}", self.values.len())
+    }
+}
+
+/// Why a fenced write matched no row: the lease, or only the credential.
+async fn fenced_out(
+    tx: &mut Transaction<'_, Any>,
+    write: &RunWrite,
+) -> Result<RunWritten, StoreError> {
+    if write.credential.is_none() {
+        return Ok(RunWritten::LeaseLost);
+    }
+    let held = sqlx::query(
+        "SELECT 1 AS held FROM runs WHERE id = $1 AND lease_owner = $2 AND status = 'running'",
+    )
+    .bind(write.run.to_string())
+    .bind(write.worker.clone())
+    .fetch_optional(&mut **tx)
+    .await?;
+    Ok(if held.is_some() {
+        RunWritten::CredentialEnded
+    } else {
+        RunWritten::LeaseLost
+    })
+}
