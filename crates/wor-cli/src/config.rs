@@ -366,6 +366,12 @@ impl ServerConfig {
         }
     }
 
+    /// Whether a key is configured without making one: `WOR_ENCRYPTION_KEY`, or a development
+    /// key file already in the data dir.
+    pub fn encryption_key_configured(&self) -> anyhow::Result<bool> {
+        Ok(self.encryption_key.is_some() || wor_secrets::load_dev_key(&self.data_dir)?.is_some())
+    }
+
     /// The audit signing key: from the environment, else `audit-signing.key` in the data dir,
     /// created (mode 0600) when missing.
     pub fn audit_signing_key(&self) -> anyhow::Result<AuditSigningKey> {

@@ -28,7 +28,7 @@ use crate::commands::Command;
     about = "Work on Repeat: run AI agent routines whose every tool call is bounded",
     long_about = "Work on Repeat runs AI agent routines on a schedule, on a signed webhook or on \
                   request, and bounds what they can do even when their model is hijacked.\n\n\
-                  Server and operator commands: serve, init, project, secrets.\n\
+                  Server and operator commands: serve, init, project, secrets, backup, restore.\n\
                   Local commands: sandbox exec, doctor, egress check, policy test.\n\
                   Client commands (need --server/WOR_SERVER and WOR_API_KEY): whoami, member, key, \
                   model-connection, connection, routine, run, audit export.\n\

@@ -10,6 +10,7 @@
 mod api_keys;
 mod approvals;
 mod audit;
+mod backup;
 mod console;
 mod members;
 mod memory;
@@ -40,6 +41,7 @@ pub use approvals::{
     ApprovedCall, ApprovedStart, DecideError, NewApproval, ProjectPolicyRecord,
 };
 pub use audit::{AuditConfig, AuditLog, AuditReceipt};
+pub use backup::{BackupError, discard_restored, restore_sqlite};
 pub use console::{
     ConsoleSessionRecord, ConsoleSessionSummary, ConsoleToken, INVITATION_TOKEN_PREFIX,
     InvitationRecord, MAX_USER_AGENT_CHARS, PurgedConsoleState, SESSION_TOKEN_PREFIX,

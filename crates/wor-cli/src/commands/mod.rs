@@ -2,6 +2,7 @@
 
 mod approvals;
 mod audit;
+mod backup;
 mod demo;
 mod egress;
 mod keys;
@@ -33,6 +34,12 @@ pub enum Command {
     Demo(demo::DemoArgs),
     /// Create the first project and its owner; print the owner's API key once (operator).
     Init(operator::InitArgs),
+    /// Write a consistent copy of the embedded database while the server runs (operator; for
+    /// PostgreSQL it names the `pg_dump` path).
+    Backup(backup::BackupArgs),
+    /// Restore a backup into an empty data dir; refused unless every audit chain verifies and
+    /// every sealed secret opens under the key given (operator).
+    Restore(backup::RestoreArgs),
     /// Manage projects (operator: works on the database directly).
     #[command(subcommand)]
     Project(operator::ProjectCommand),
@@ -103,6 +110,8 @@ impl Command {
             Command::Serve(args) => serve::run(args).await,
             Command::Demo(args) => demo::run(args).await,
             Command::Init(args) => operator::init(args).await,
+            Command::Backup(args) => backup::backup(args).await,
+            Command::Restore(args) => backup::restore(args).await,
             Command::Project(cmd) => operator::project(cmd).await,
             Command::Whoami(args) => members::whoami(args).await,
             Command::Member(cmd) => members::run(cmd).await,
