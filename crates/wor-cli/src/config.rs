@@ -42,6 +42,7 @@ struct FileConfig {
     egress: Option<EgressSection>,
     sandbox: Option<SandboxSection>,
     console: Option<ConsoleSection>,
+    metrics: Option<MetricsSection>,
     /// Where people reach this server (`https://wor.example.com`), for links in notifications.
     public_url: Option<String>,
     /// Per-model prices, in microdollars per million tokens: `[prices."model-id"]`.
@@ -67,6 +68,14 @@ struct EgressSection {
 struct SandboxSection {
     #[serde(default)]
     allowed_paths: Vec<PathBuf>,
+}
+
+/// `[metrics]`: the Prometheus endpoint, on a listener of its own.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MetricsSection {
+    /// `IP:PORT` of the metrics listener; without it no metrics are recorded or served.
+    listen: Option<String>,
 }
 
 /// `[console]`: password hashing and sign-in limits of the web console. Every key is
@@ -221,6 +230,8 @@ pub struct ServerConfig {
     pub console: wor_server::console::ConsoleConfig,
     /// Where people reach this server, for links in notifications (`public_url`).
     pub public_url: Option<String>,
+    /// Where `GET /metrics` is served (`[metrics] listen`); `None`: no metrics at all.
+    pub metrics_listen: Option<SocketAddr>,
     encryption_key: Option<String>,
     audit_signing_key: Option<String>,
     encryption_key_retired: Option<String>,
@@ -322,6 +333,12 @@ impl ServerConfig {
                     }
                     Some(url.trim_end_matches('/').to_owned())
                 }
+                None => None,
+            },
+            metrics_listen: match file.metrics.and_then(|m| m.listen) {
+                Some(text) => Some(text.parse().with_context(|| {
+                    format!("`[metrics] listen` address `{text}` is not of the form `IP:PORT`")
+                })?),
                 None => None,
             },
             encryption_key,
@@ -514,6 +531,7 @@ mod tests {
             prices: Default::default(),
             console: Default::default(),
             public_url: None,
+            metrics_listen: None,
             encryption_key: key.map(str::to_owned),
             encryption_key_retired: None,
             audit_signing_key: None,

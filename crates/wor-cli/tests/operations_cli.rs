@@ -225,3 +225,268 @@ fn a_postgres_backup_names_pg_dump() {
     );
     assert!(!root.path().join("b.db").exists());
 }
+
+// ---------------------------------------------------------------------------------------------
+// Metrics: `GET /metrics` on the operator's `[metrics] listen`.
+
+/// Calls `routine__helper`, which waits for a person (mode `confirm`), then answers.
+const CALLER: &str = r#"
+name = "caller"
+instructions = "Ask the helper."
+
+[model]
+provider = "replay"
+model = "script"
+
+[[model.script.turns]]
+when = { last_tool_result_contains = "Hello" }
+text = "Done."
+usage = { input_tokens = 10, output_tokens = 5 }
+repeat = true
+
+[[model.script.turns]]
+tool_calls = [{ name = "routine__helper", arguments = { input = "hi" } }]
+usage = { input_tokens = 10, output_tokens = 5 }
+repeat = true
+
+[[tools]]
+tool = "routine/helper"
+mode = "confirm"
+"#;
+
+fn helper_routine(name: &str) -> String {
+    format!(
+        "name = \"{name}\"\ninstructions = \"Greet.\"\n\n[model]\nprovider = \"replay\"\n\
+         model = \"script\"\n\n[[model.script.turns]]\ntext = \"Hello from {name}.\"\n\
+         usage = {{ input_tokens = 3, output_tokens = 2 }}\nrepeat = true\n"
+    )
+}
+
+/// One HTTP/1.1 exchange on loopback; the whole response.
+fn http(addr: &str, request: &str) -> String {
+    use std::io::{Read as _, Write as _};
+    #[expect(
+        clippy::disallowed_methods,
+        reason = "the test talks to its own server on loopback"
+    )]
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    stream.write_all(request.as_bytes()).unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    response
+}
+
+/// The exposition as `series -> value` (`name{labels}` as written), comments left out.
+fn scrape(addr: &str) -> std::collections::BTreeMap<String, f64> {
+    let response = http(
+        addr,
+        "GET /metrics HTTP/1.1\r\nHost: metrics\r\nConnection: close\r\n\r\n",
+    );
+    let (head, body) = response.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(head.contains("text/plain; version=0.0.4"), "{head}");
+    body.lines()
+        .filter(|line| !line.starts_with('#') && !line.trim().is_empty())
+        .map(|line| {
+            let (series, value) = line.rsplit_once(' ').unwrap();
+            (series.to_owned(), value.parse::<f64>().unwrap())
+        })
+        .collect()
+}
+
+fn value(metrics: &std::collections::BTreeMap<String, f64>, series: &str) -> f64 {
+    metrics.get(series).copied().unwrap_or(0.0)
+}
+
+fn wait_for_status(server: &Server, key: &str, run: &str, status: &str) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let shown = server.client(key, &["run", "get", run, "--json"]);
+        let view: serde_json::Value = serde_json::from_slice(&shown.stdout)
+            .unwrap_or_else(|_| panic!("{}", text(&shown.stderr)));
+        if view["status"] == status {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "run {run} is {} not {status}",
+            view["status"]
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+fn metrics_addr(server: &Server) -> String {
+    let log = server.log.lock().unwrap().clone();
+    log.lines()
+        .find_map(|l| l.strip_prefix("wor: metrics on http://"))
+        .and_then(|rest| rest.strip_suffix("/metrics"))
+        .unwrap_or_else(|| panic!("no metrics listener: {log}"))
+        .to_owned()
+}
+
+#[test]
+fn metrics_move_by_exactly_a_held_approved_run_and_a_thousand_routines_add_no_series() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("wor.toml");
+    std::fs::write(&config, "[metrics]\nlisten = \"127.0.0.1:0\"\n").unwrap();
+    let mut db = common::database_args(dir.path());
+    db.extend(["--config".to_owned(), config.display().to_string()]);
+    let owner = common::create_project(&db);
+    let server = Server::start(&db, &[]);
+    let metrics = metrics_addr(&server);
+    assert_ne!(metrics, server.url.trim_start_matches("http://"));
+    let api_answer = http(
+        server.url.trim_start_matches("http://"),
+        "GET /metrics HTTP/1.1\r\nHost: api\r\nConnection: close\r\n\r\n",
+    );
+    assert!(
+        !api_answer.contains("wor_runs"),
+        "the API listener serves no metrics"
+    );
+    let approver = server.client(&owner, &["member", "create", "pat", "--role", "approver"]);
+    assert!(approver.status.success(), "{}", text(&approver.stderr));
+    let approver = text(&approver.stdout).trim().to_owned();
+    for (name, toml) in [
+        ("helper", helper_routine("helper")),
+        ("caller", CALLER.to_owned()),
+    ] {
+        let file = dir.path().join(format!("{name}.toml"));
+        std::fs::write(&file, toml).unwrap();
+        let applied = server.client(
+            &owner,
+            &["routine", "apply", "-f", &file.display().to_string()],
+        );
+        assert!(applied.status.success(), "{}", text(&applied.stderr));
+    }
+
+    let before = scrape(&metrics);
+    let started = server.client(&owner, &["run", "start", "caller", "--input", "go"]);
+    assert!(started.status.success(), "{}", text(&started.stderr));
+    let run = text(&started.stdout).trim().to_owned();
+    wait_for_status(&server, &owner, &run, "waiting_for_approval");
+    let held = scrape(&metrics);
+    assert_eq!(value(&held, "wor_approvals_pending"), 1.0);
+    assert!(value(&held, "wor_approval_oldest_pending_age_seconds") >= 0.0);
+    let delta = |now: &std::collections::BTreeMap<String, f64>, series: &str| {
+        value(now, series) - value(&before, series)
+    };
+    assert_eq!(
+        delta(&held, r#"wor_tool_calls_total{decision="confirm"}"#),
+        1.0
+    );
+    assert_eq!(
+        delta(&held, r#"wor_runs_started_total{trigger="api"}"#),
+        1.0
+    );
+    assert_eq!(
+        delta(
+            &held,
+            r#"wor_runs_finished_total{status="succeeded",trigger="api"}"#
+        ),
+        0.0
+    );
+
+    let listed = server.client(&approver, &["approvals", "list", "--json"]);
+    let approvals: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
+    let approval = approvals
+        .as_array()
+        .or_else(|| approvals["approvals"].as_array())
+        .unwrap()[0]["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let approved = server.client(
+        &approver,
+        &["approvals", "approve", &approval, "--reason", "expected"],
+    );
+    assert!(approved.status.success(), "{}", text(&approved.stderr));
+    wait_for_status(&server, &owner, &run, "succeeded");
+
+    let after = scrape(&metrics);
+    for (series, expected) in [
+        (r#"wor_runs_started_total{trigger="api"}"#, 1.0),
+        (r#"wor_runs_started_total{trigger="routine"}"#, 1.0),
+        (
+            r#"wor_runs_finished_total{status="succeeded",trigger="api"}"#,
+            1.0,
+        ),
+        (
+            r#"wor_runs_finished_total{status="succeeded",trigger="routine"}"#,
+            1.0,
+        ),
+        (r#"wor_tool_calls_total{decision="confirm"}"#, 1.0),
+        (r#"wor_tool_calls_total{decision="allow"}"#, 0.0),
+        (r#"wor_tool_calls_total{decision="deny"}"#, 0.0),
+        (r#"wor_approvals_decided_total{outcome="approved"}"#, 1.0),
+        (r#"wor_approvals_decided_total{outcome="denied"}"#, 0.0),
+        // The caller's two turns and the helper's one.
+        (r#"wor_model_calls_total{provider="replay"}"#, 3.0),
+        (
+            r#"wor_model_tokens_total{provider="replay",direction="input"}"#,
+            10.0 + 10.0 + 3.0,
+        ),
+        (
+            r#"wor_model_tokens_total{provider="replay",direction="output"}"#,
+            5.0 + 5.0 + 2.0,
+        ),
+        ("wor_run_queue_lag_seconds_count", 2.0),
+        (r#"wor_run_duration_seconds_count{status="succeeded"}"#, 2.0),
+    ] {
+        assert_eq!(delta(&after, series), expected, "{series}");
+    }
+    assert_eq!(value(&after, "wor_approvals_pending"), 0.0);
+    assert_eq!(
+        value(&after, "wor_approval_oldest_pending_age_seconds"),
+        0.0
+    );
+    assert!(delta(&after, "wor_audit_append_seconds_count") >= 1.0);
+    assert!(value(&after, "wor_db_pool_max_connections") >= 1.0);
+
+    // A thousand routines, three of them run: not one series more.
+    let series = after.len();
+    let api = server.url.trim_start_matches("http://").to_owned();
+    for n in 0..1000 {
+        let body = serde_json::json!({ "toml": helper_routine(&format!("bulk-{n}")) }).to_string();
+        let answer = http(
+            &api,
+            &format!(
+                "POST /v1/routines HTTP/1.1\r\nHost: api\r\nAuthorization: Bearer {owner}\r\n\
+                 Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            ),
+        );
+        assert!(answer.starts_with("HTTP/1.1 20"), "{answer}");
+    }
+    for n in [0, 499, 999] {
+        let out = server.client(
+            &owner,
+            &[
+                "run",
+                "start",
+                &format!("bulk-{n}"),
+                "--input",
+                "hi",
+                "--follow",
+            ],
+        );
+        assert!(out.status.success(), "{}", text(&out.stderr));
+    }
+    let bulk = scrape(&metrics);
+    assert_eq!(
+        delta(
+            &bulk,
+            r#"wor_runs_finished_total{status="succeeded",trigger="api"}"#
+        ),
+        1.0 + 3.0
+    );
+    let names: Vec<&String> = bulk.keys().filter(|k| !after.contains_key(*k)).collect();
+    assert_eq!(bulk.len(), series, "new series: {names:?}");
+    assert!(
+        !bulk
+            .keys()
+            .any(|k| k.contains("bulk-") || k.contains("caller") || k.contains("helper")),
+        "a routine name in a label"
+    );
+    server.stop();
+}

@@ -332,9 +332,10 @@ impl EgressClient {
                 body,
             })
         };
-        tokio::time::timeout(timeout, exchange)
+        let sent = tokio::time::timeout(timeout, exchange)
             .await
-            .map_err(|_| EgressError::Timeout(timeout))?
+            .unwrap_or(Err(EgressError::Timeout(timeout)));
+        sent.inspect_err(crate::metrics::on_error)
     }
 
     /// A request builder for streaming use (SSE, MCP over streamable HTTP), after vetting
@@ -347,7 +348,10 @@ impl EgressClient {
         url: &str,
         allowlist: Option<&HostAllowlist>,
     ) -> Result<reqwest::RequestBuilder, EgressError> {
-        let url = self.vet(url, allowlist).await?;
+        let url = self
+            .vet(url, allowlist)
+            .await
+            .inspect_err(crate::metrics::on_error)?;
         Ok(self.http.request(method, url.as_url().clone()))
     }
 }

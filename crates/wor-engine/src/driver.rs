@@ -116,6 +116,7 @@ impl Engine {
             )
             .await?;
         if finished {
+            crate::metrics::run_finished(&run, ending.status);
             // The audit entry first: nothing after it can keep the run's end off the chain.
             self.audit
                 .append(
@@ -509,6 +510,11 @@ impl Engine {
                 "tool_calls": response.message.tool_calls.len(),
             })))
             .await?;
+        crate::metrics::model_called(
+            definition.model.provider,
+            response.usage.input_tokens,
+            response.usage.output_tokens,
+        );
         Ok(recorded.message)
     }
 

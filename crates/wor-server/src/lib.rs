@@ -8,6 +8,7 @@ pub mod auth;
 pub mod console;
 pub mod error;
 pub mod extract;
+pub mod metrics;
 mod request_log;
 pub mod routes;
 pub mod views;

@@ -182,7 +182,10 @@ impl Writer {
         }
         if !events.is_empty() {
             let count = events.len();
-            match self.append_batch(events).await {
+            let began = std::time::Instant::now();
+            let appended = self.append_batch(events).await;
+            crate::metrics::audit_batch(count, began.elapsed(), appended.is_ok());
+            match appended {
                 Ok(receipts) => {
                     for (reply, receipt) in replies.into_iter().zip(receipts) {
                         let _ = reply.send(Ok(receipt));

@@ -14,6 +14,7 @@ mod backup;
 mod console;
 mod members;
 mod memory;
+pub mod metrics;
 mod migrations;
 mod model_connections;
 mod notifications;

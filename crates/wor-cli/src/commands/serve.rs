@@ -41,9 +41,37 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         eprintln!("error: refusing to start in production mode");
         return Ok(ExitCode::from(2));
     }
+    // Installed before the engine starts, so nothing it records is lost.
+    let metrics = match config.metrics_listen {
+        Some(addr) => Some((wor_server::metrics::install_recorder()?, addr)),
+        None => None,
+    };
     let (engine, audit) = open_engine(&config).await?;
     let store = engine.store().clone();
     let shutdown = shutdown_signal()?;
+    let (stop_metrics, metrics_stopped) = tokio::sync::watch::channel(false);
+    let metrics_served = match metrics {
+        Some((handle, addr)) => {
+            let listener = TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen for metrics on {addr}"))?;
+            let local = listener.local_addr()?;
+            eprintln!("wor: metrics on http://{local}/metrics");
+            let state = wor_server::metrics::MetricsState {
+                handle,
+                store: store.clone(),
+            };
+            let mut stopped = metrics_stopped;
+            Some(tokio::spawn(wor_server::metrics::serve(
+                listener,
+                state,
+                async move {
+                    let _ = stopped.changed().await;
+                },
+            )))
+        }
+        None => None,
+    };
     let listener = TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("cannot listen on {}", config.listen))?;
@@ -66,6 +94,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let _ = stop_workers.send(true);
     let _ = worker.await;
     let _ = triggers.await;
+    let _ = stop_metrics.send(true);
+    if let Some(served) = metrics_served {
+        let _ = served.await;
+    }
     let released = store.release_leases(&engine.config().worker_id).await?;
     if released > 0 {
         tracing::info!(
