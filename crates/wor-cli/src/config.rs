@@ -383,6 +383,11 @@ impl ServerConfig {
         }
     }
 
+    /// Whether `WOR_ENCRYPTION_KEY` is set.
+    pub fn encryption_key_set(&self) -> bool {
+        self.encryption_key.is_some()
+    }
+
     /// Whether a key is configured without making one: `WOR_ENCRYPTION_KEY`, or a development
     /// key file already in the data dir.
     pub fn encryption_key_configured(&self) -> anyhow::Result<bool> {

@@ -46,7 +46,7 @@ const EXIT_CODES: &str = "Exit codes:\n  \
     0    success\n  \
     1    failure, or a check that said no: an error, a run that did not succeed (run start \
     --follow), a URL refused (egress check), an invalid signature (webhook verify), a broken \
-    chain (audit verify), an unsupported sandbox layer (doctor)\n  \
+    chain (audit verify), a failed readiness check such as an unsupported sandbox layer (doctor)\n  \
     2    usage: bad arguments or configuration, or production mode refusing to start\n  \
     10   policy test: the call would wait for a person (confirm)\n  \
     11   policy test: the call would be denied\n  \

@@ -490,3 +490,107 @@ fn metrics_move_by_exactly_a_held_approved_run_and_a_thousand_routines_add_no_se
     );
     server.stop();
 }
+
+// ---------------------------------------------------------------------------------------------
+// `wor doctor`: the readiness report.
+
+fn doctor(args: &[&str], envs: &[(&str, &str)]) -> (Option<i32>, serde_json::Value) {
+    let mut all = vec!["doctor", "--json"];
+    all.extend_from_slice(args);
+    let out = run(wor(&all).envs(envs.iter().copied()));
+    let report = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|_| panic!("{}{}", text(&out.stdout), text(&out.stderr)));
+    (out.status.code(), report)
+}
+
+fn status<'a>(report: &'a serde_json::Value, name: &str) -> (&'a str, &'a str) {
+    let found = report["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["check"] == name)
+        .unwrap_or_else(|| panic!("no `{name}` check: {report}"));
+    (
+        found["status"].as_str().unwrap(),
+        found["detail"].as_str().unwrap(),
+    )
+}
+
+#[test]
+fn doctor_reports_readiness_with_an_exit_code() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = common::database_args(dir.path());
+    let db: Vec<&str> = db.iter().map(String::as_str).collect();
+    let sandbox_ready = {
+        let (code, report) = doctor(&["--sandbox-only"], &[]);
+        assert_eq!(code == Some(0), report["ready"] == true, "{report}");
+        report["ready"] == true
+    };
+
+    // Nothing set up yet: the database is missing (SQLite) or empty, and nothing is created.
+    let empty = tempfile::tempdir().unwrap();
+    let empty_dir = empty.path().display().to_string();
+    let (code, report) = doctor(&["--data-dir", &empty_dir], &[]);
+    assert_eq!(code, Some(1), "{report}");
+    assert_eq!(report["ready"], false);
+    assert_eq!(status(&report, "database").0, "fail", "{report}");
+    assert!(
+        !empty.path().join("wor.db").exists(),
+        "doctor created a database"
+    );
+    assert!(
+        !empty.path().join("encryption.key").exists(),
+        "doctor created a key"
+    );
+
+    let owner = common::create_project(&db.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+    assert!(owner.starts_with("wor_"), "{owner}");
+    let (code, report) = doctor(&db, &[]);
+    assert_eq!(status(&report, "encryption-key").0, "warn", "{report}");
+    assert!(
+        status(&report, "encryption-key")
+            .1
+            .contains("would generate one")
+    );
+    assert_eq!(code == Some(0), sandbox_ready, "{report}");
+    // Opening the vault makes the development key file.
+    let mut verify = vec!["secrets", "verify"];
+    verify.extend_from_slice(&db);
+    assert!(run(&mut wor(&verify)).status.success());
+    let (code, report) = doctor(&db, &[]);
+    let (database, detail) = status(&report, "database");
+    assert_eq!(database, "ok", "{report}");
+    assert!(detail.contains("migrations current"), "{detail}");
+    assert_eq!(status(&report, "clock-skew").0, "ok", "{report}");
+    assert_eq!(status(&report, "disk").0, "ok", "{report}");
+    let (key, detail) = status(&report, "encryption-key");
+    assert_eq!(key, "warn", "a development key file: {report}");
+    assert!(detail.contains("day(s) old"), "{detail}");
+    assert_eq!(code == Some(0), sandbox_ready, "{report}");
+
+    // Production without a real key is not ready, whatever else is.
+    let (code, report) = doctor(&db, &[("WOR_ENV", "production")]);
+    assert_eq!(code, Some(1), "{report}");
+    assert_eq!(status(&report, "encryption-key").0, "fail");
+    assert_eq!(status(&report, "production").0, "fail");
+    let (code, report) = doctor(
+        &db,
+        &[("WOR_ENV", "production"), ("WOR_ENCRYPTION_KEY", KEY)],
+    );
+    let (key, detail) = status(&report, "encryption-key");
+    assert_eq!(key, "ok", "{report}");
+    assert!(detail.contains("age is not known"), "{detail}");
+    assert!(
+        !report.to_string().contains(KEY),
+        "the key is never printed"
+    );
+    let production_ok = report["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|c| c["check"] != "production");
+    // A PostgreSQL URL without a password is a production problem of its own.
+    let on_postgres = db.contains(&"--database");
+    assert_eq!(production_ok, !on_postgres, "{report}");
+    assert_eq!(code == Some(0), sandbox_ready && production_ok, "{report}");
+}

@@ -18,6 +18,7 @@ pub mod metrics;
 mod migrations;
 mod model_connections;
 mod notifications;
+mod probe;
 mod projects;
 mod routines;
 mod run_tokens;
@@ -58,6 +59,7 @@ pub use notifications::{
     NotificationDeliveryFilter, NotificationDeliveryRecord, NotificationRouteRecord, RouteChannel,
     RouteFilter, SLACK_LINK_TOKEN_PREFIX, SlackLinkRecord, SlackMessageRecord,
 };
+pub use probe::{DatabaseProbe, probe};
 pub use projects::{CreatedProject, ProjectRecord, RecoveredOwner};
 pub use routines::{AppliedRoutine, RoutineRecord, RoutineVersionRecord};
 pub use run_tokens::{RUN_TOKEN_PREFIX, RunGrant, RunToken};
@@ -107,6 +109,8 @@ pub enum StoreError {
         path: String,
         source: std::io::Error,
     },
+    #[error("no database at `{path}` yet (`wor init` or `wor serve` creates it)")]
+    NoDatabase { path: String },
     #[error("stored row is corrupt: {0}")]
     Corrupt(String),
     #[error("database error: {0}")]
@@ -128,6 +132,7 @@ impl StoreError {
             StoreError::LastOwnerKey { .. } => "last_owner_key",
             StoreError::UnsupportedUrl(_) => "unsupported_url",
             StoreError::DataDir { .. } => "data_dir",
+            StoreError::NoDatabase { .. } => "no_database",
             StoreError::Corrupt(_) => "corrupt",
             StoreError::Database(sqlx_err) => match sqlx_err {
                 sqlx::Error::PoolTimedOut => "pool_timed_out",

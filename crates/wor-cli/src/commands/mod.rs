@@ -4,6 +4,7 @@ mod approvals;
 mod audit;
 mod backup;
 mod demo;
+mod doctor;
 mod egress;
 mod keys;
 mod member_invite;
@@ -75,8 +76,9 @@ pub enum Command {
     /// Run a command in the mandatory sandbox, as a local tool would run (local).
     #[command(subcommand)]
     Sandbox(sandbox::SandboxCommand),
-    /// Report which sandbox layers this host supports, by applying each one (local).
-    Doctor(sandbox::DoctorArgs),
+    /// A readiness report with an exit code for monitoring: sandbox layers, Wasm runtime,
+    /// encryption key, database and migrations, clock skew, free disk (local).
+    Doctor(doctor::DoctorArgs),
     /// Tool-call policies: the project's policy, and testing a decision offline.
     #[command(subcommand)]
     Policy(policy::PolicyCommand),
@@ -124,7 +126,7 @@ impl Command {
             Command::Secrets(cmd) => secrets::run(cmd).await,
             Command::Audit(cmd) => audit::run(cmd).await,
             Command::Sandbox(sandbox::SandboxCommand::Exec(args)) => sandbox::exec(args).await,
-            Command::Doctor(args) => sandbox::doctor(args).await,
+            Command::Doctor(args) => doctor::run(args).await,
             Command::Policy(cmd) => policy::run(cmd).await,
             Command::Approvals(cmd) => approvals::run(cmd).await,
             Command::Webhook(cmd) => webhooks::run(cmd).await,
