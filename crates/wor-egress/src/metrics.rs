@@ -4,7 +4,6 @@
 
 use metrics::counter;
 
-use crate::client::EgressError;
 use crate::policy::EgressDenial;
 
 pub const EGRESS_DENIALS: &str = "wor_egress_denials_total";
@@ -30,11 +29,4 @@ pub fn reason_class(denial: &EgressDenial) -> &'static str {
 
 pub(crate) fn denied(denial: &EgressDenial) {
     counter!(EGRESS_DENIALS, "reason" => reason_class(denial)).increment(1);
-}
-
-/// Counts `error` when it is the guard's refusal.
-pub(crate) fn on_error(error: &EgressError) {
-    if let EgressError::Denied(denial) = error {
-        denied(denial);
-    }
 }
