@@ -594,3 +594,197 @@ fn doctor_reports_readiness_with_an_exit_code() {
     assert_eq!(production_ok, !on_postgres, "{report}");
     assert_eq!(code == Some(0), sandbox_ready && production_ok, "{report}");
 }
+
+// ---------------------------------------------------------------------------------------------
+// TLS on the listener.
+
+struct Pem {
+    cert: String,
+    key: String,
+    der: rustls::pki_types::CertificateDer<'static>,
+}
+
+fn generated_certificate() -> Pem {
+    let made =
+        rcgen::generate_simple_self_signed(vec!["localhost".to_owned(), "127.0.0.1".to_owned()])
+            .unwrap();
+    Pem {
+        cert: made.cert.pem(),
+        key: made.signing_key.serialize_pem(),
+        der: made.cert.der().clone(),
+    }
+}
+
+type Tls = tokio_rustls::client::TlsStream<tokio::net::TcpStream>;
+
+async fn tls_connect(addr: &str, trusted: &Pem) -> std::io::Result<Tls> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(trusted.der.clone()).unwrap();
+    let provider = std::sync::Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    #[expect(
+        clippy::disallowed_methods,
+        reason = "the test talks to its own server on loopback"
+    )]
+    let tcp = tokio::net::TcpStream::connect(addr).await?;
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    connector.connect(name, tcp).await
+}
+
+/// One request on a kept-alive connection; the status line and body of its answer.
+async fn get(stream: &mut Tls, path: &str) -> (String, String) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    stream
+        .write_all(format!("GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut buffer = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        let read = stream.read(&mut chunk).await.unwrap();
+        assert!(read > 0, "the connection closed");
+        buffer.extend_from_slice(&chunk[..read]);
+        let text = String::from_utf8_lossy(&buffer).into_owned();
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let length: usize = head
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length: ")
+                        .map(|n| n.trim().parse().unwrap())
+                })
+                .unwrap();
+            if body.len() >= length {
+                return (head.lines().next().unwrap().to_owned(), body.to_owned());
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn tls_serves_a_generated_certificate_and_reloads_it_on_sighup_keeping_connections() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cert_path, key_path) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    let first = generated_certificate();
+    std::fs::write(&cert_path, &first.cert).unwrap();
+    std::fs::write(&key_path, &first.key).unwrap();
+    let config = dir.path().join("wor.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[tls]\ncert = \"{}\"\nkey = \"{}\"\n",
+            cert_path.display(),
+            key_path.display()
+        ),
+    )
+    .unwrap();
+    let mut db = dir_args(dir.path());
+    db.extend(["--config".to_owned(), config.display().to_string()]);
+    let server = tokio::task::block_in_place(|| Server::start(&db, &[]));
+    let addr = server
+        .url
+        .strip_prefix("https://")
+        .unwrap_or_else(|| panic!("not https: {}", server.url))
+        .to_owned();
+
+    let mut kept = tls_connect(&addr, &first).await.unwrap();
+    let (status, body) = get(&mut kept, "/healthz").await;
+    assert!(status.contains("200"), "{status}");
+    assert!(body.contains("ok"), "{body}");
+    // Plaintext on the TLS port gets no HTTP answer.
+    let plain = tokio::task::block_in_place(|| {
+        http(
+            &addr,
+            "GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        )
+    });
+    assert!(!plain.contains("200 OK"), "{plain}");
+
+    // A new certificate, then SIGHUP: the open connection goes on, new ones get the new one.
+    let second = generated_certificate();
+    std::fs::write(&cert_path, &second.cert).unwrap();
+    std::fs::write(&key_path, &second.key).unwrap();
+    assert!(
+        std::process::Command::new("kill")
+            .args(["-HUP", &server.child.id().to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !server
+        .log
+        .lock()
+        .unwrap()
+        .contains("TLS certificate reloaded")
+    {
+        assert!(std::time::Instant::now() < deadline, "no reload logged");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let (status, _) = get(&mut kept, "/healthz").await;
+    assert!(
+        status.contains("200"),
+        "the open connection survived: {status}"
+    );
+    assert!(
+        tls_connect(&addr, &first).await.is_err(),
+        "a new connection no longer gets the old certificate"
+    );
+    let mut fresh = tls_connect(&addr, &second).await.unwrap();
+    let (status, _) = get(&mut fresh, "/healthz").await;
+    assert!(status.contains("200"), "{status}");
+
+    // A broken file on the next SIGHUP keeps the working certificate.
+    std::fs::write(&key_path, "not a key").unwrap();
+    assert!(
+        std::process::Command::new("kill")
+            .args(["-HUP", &server.child.id().to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !server
+        .log
+        .lock()
+        .unwrap()
+        .contains("the previous certificate stays in use")
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no failed reload logged"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let mut again = tls_connect(&addr, &second).await.unwrap();
+    let (status, _) = get(&mut again, "/healthz").await;
+    assert!(status.contains("200"), "{status}");
+    drop((kept, fresh, again));
+    tokio::task::block_in_place(|| server.stop());
+}
+
+#[test]
+fn production_refuses_a_plaintext_listener_on_a_public_address() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().display().to_string();
+    let out = run(wor(&[
+        "serve",
+        "--production",
+        "--listen",
+        "0.0.0.0:0",
+        "--data-dir",
+        &data,
+    ])
+    .env("WOR_ENCRYPTION_KEY", KEY));
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("plaintext on a non-loopback address") && stderr.contains("behind_proxy"),
+        "{stderr}"
+    );
+}
