@@ -593,6 +593,56 @@ fn doctor_reports_readiness_with_an_exit_code() {
     let on_postgres = db.contains(&"--database");
     assert_eq!(production_ok, !on_postgres, "{report}");
     assert_eq!(code == Some(0), sandbox_ready && production_ok, "{report}");
+    assert!(
+        report["checks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|c| c["check"] != "tls"),
+        "no TLS configured, no TLS check"
+    );
+
+    // The listener's certificate: its expiry is reported; an expired one fails.
+    let certs = tempfile::tempdir().unwrap();
+    let config = certs.path().join("wor.toml");
+    let write_tls = |cert: &str, key: &str| {
+        std::fs::write(certs.path().join("cert.pem"), cert).unwrap();
+        std::fs::write(certs.path().join("key.pem"), key).unwrap();
+        std::fs::write(
+            &config,
+            format!(
+                "[tls]\ncert = \"{0}/cert.pem\"\nkey = \"{0}/key.pem\"\n",
+                certs.path().display()
+            ),
+        )
+        .unwrap();
+    };
+    let fresh = generated_certificate();
+    write_tls(&fresh.cert, &fresh.key);
+    let config_text = config.display().to_string();
+    let mut with_tls = db.clone();
+    with_tls.extend(["--config", config_text.as_str()]);
+    let (_, report) = doctor(&with_tls, &[]);
+    let (tls, detail) = status(&report, "tls");
+    assert_eq!(tls, "ok", "{report}");
+    assert!(detail.contains("expires in"), "{detail}");
+    let mut params = rcgen::CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
+    params.not_before = rcgen::date_time_ymd(2019, 1, 1);
+    params.not_after = rcgen::date_time_ymd(2020, 1, 1);
+    let key = rcgen::KeyPair::generate().unwrap();
+    let expired = params.self_signed(&key).unwrap();
+    write_tls(&expired.pem(), &key.serialize_pem());
+    let (code, report) = doctor(&with_tls, &[]);
+    let (tls, detail) = status(&report, "tls");
+    assert_eq!((tls, code), ("fail", Some(1)), "{report}");
+    assert!(detail.contains("expired"), "{detail}");
+    write_tls(&fresh.cert, "not a key");
+    let (code, report) = doctor(&with_tls, &[]);
+    assert_eq!(
+        (status(&report, "tls").0, code),
+        ("fail", Some(1)),
+        "{report}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

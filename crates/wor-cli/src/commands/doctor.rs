@@ -3,7 +3,8 @@
 //!
 //! Checks: every sandbox layer and the Wasm runtime, the encryption key (and what production
 //! mode would refuse), the database (reachable, migrations), the clock against the database's,
-//! and free disk in the data dir. It changes nothing: no database or key is created.
+//! free disk in the data dir, and the listener's TLS certificate when one is configured. It
+//! changes nothing: no database or key is created.
 
 use std::process::ExitCode;
 use std::time::{Duration, SystemTime};
@@ -20,6 +21,10 @@ const MAX_CLOCK_SKEW: Duration = Duration::from_secs(2);
 /// Free space in the data dir below which the check fails, and below which it warns.
 const DISK_FAIL_BYTES: u64 = 512 * 1024 * 1024;
 const DISK_WARN_BYTES: u64 = 2 * 1024 * 1024 * 1024;
+/// A listener certificate expiring sooner than this fails the check; sooner than the second,
+/// it warns.
+const CERT_FAIL_DAYS: i64 = 7;
+const CERT_WARN_DAYS: i64 = 30;
 
 #[derive(Debug, clap::Args)]
 pub struct DoctorArgs {
@@ -189,6 +194,49 @@ async fn server_checks(config: &ServerConfig, checks: &mut Vec<Check>) {
         )),
     }
     checks.push(disk_check(config));
+    if let Some(files) = &config.tls {
+        checks.push(tls_check(files));
+    }
+}
+
+/// The listener's certificate loads with its key, and how long until it expires.
+fn tls_check(files: &wor_server::tls::TlsFiles) -> Check {
+    if let Err(error) = files.load() {
+        return check("tls", Status::Fail, error.to_string());
+    }
+    let leaf = std::fs::read(&files.cert)
+        .map_err(|e| e.to_string())
+        .and_then(|bytes| {
+            let (_, pem) = x509_parser::pem::parse_x509_pem(&bytes).map_err(|e| e.to_string())?;
+            let cert = pem.parse_x509().map_err(|e| e.to_string())?;
+            Ok(cert.validity().not_after.timestamp())
+        });
+    match leaf {
+        Ok(not_after) => {
+            let days = (not_after - wor_store::now_millis() / 1000) / 86_400;
+            let status = if days < CERT_FAIL_DAYS {
+                Status::Fail
+            } else if days < CERT_WARN_DAYS {
+                Status::Warn
+            } else {
+                Status::Ok
+            };
+            let detail = if days < 0 {
+                format!("`{}` expired {} day(s) ago", files.cert.display(), -days)
+            } else {
+                format!("`{}` expires in {days} day(s)", files.cert.display())
+            };
+            check("tls", status, detail)
+        }
+        Err(reason) => check(
+            "tls",
+            Status::Fail,
+            format!(
+                "cannot read the expiry of `{}`: {reason}",
+                files.cert.display()
+            ),
+        ),
+    }
 }
 
 fn key_check(config: &ServerConfig) -> Check {
