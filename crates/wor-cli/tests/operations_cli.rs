@@ -838,3 +838,92 @@ fn production_refuses_a_plaintext_listener_on_a_public_address() {
         "{stderr}"
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// Logs: fixed fields only, at every level.
+
+#[test]
+fn a_run_logged_at_trace_level_leaves_no_prompt_input_tool_content_or_secret_in_the_log() {
+    const PROMPT: &str = "prompt-canary-4d1c9e";
+    const INPUT: &str = "input-canary-7b3a10";
+    const TOOL_TEXT: &str = "tool-content-canary-e52f08";
+    const ANSWER: &str = "answer-canary-91c6d4";
+    const REASON: &str = "reason-canary-2a7f3b";
+    const SECRET: &str = "sk-log-canary-3f2e1d0c9b8a7968";
+    let dir = tempfile::tempdir().unwrap();
+    let db = common::database_args(dir.path());
+    let owner = common::create_project(&db);
+    let server = Server::start(&db, &[("WOR_LOG", "trace")]);
+    let created = run(wor(&[
+        "model-connection",
+        "create",
+        "main",
+        "--provider",
+        "openai_compatible",
+        "--base-url",
+        "https://models.example.com/v1",
+        "--api-key-env",
+        "MODEL_KEY",
+    ])
+    .env("WOR_SERVER", &server.url)
+    .env("WOR_API_KEY", &owner)
+    .env("MODEL_KEY", SECRET));
+    assert!(created.status.success(), "{}", text(&created.stderr));
+    let approver = server.client(&owner, &["member", "create", "pat", "--role", "approver"]);
+    let approver = text(&approver.stdout).trim().to_owned();
+    let helper = helper_routine("helper").replace("Hello from helper.", TOOL_TEXT);
+    let caller = CALLER
+        .replace("Ask the helper.", &format!("Ask the helper. {PROMPT}"))
+        .replace(
+            "last_tool_result_contains = \"Hello\"",
+            &format!("last_tool_result_contains = \"{TOOL_TEXT}\""),
+        )
+        .replace("text = \"Done.\"", &format!("text = \"{ANSWER}\""));
+    for (name, toml) in [("helper", helper), ("caller", caller)] {
+        let file = dir.path().join(format!("{name}.toml"));
+        std::fs::write(&file, toml).unwrap();
+        let applied = server.client(
+            &owner,
+            &["routine", "apply", "-f", &file.display().to_string()],
+        );
+        assert!(applied.status.success(), "{}", text(&applied.stderr));
+    }
+    let started = server.client(&owner, &["run", "start", "caller", "--input", INPUT]);
+    let run_id = text(&started.stdout).trim().to_owned();
+    wait_for_status(&server, &owner, &run_id, "waiting_for_approval");
+    let listed = server.client(&approver, &["approvals", "list", "--json"]);
+    let approvals: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
+    let approval = approvals
+        .as_array()
+        .or_else(|| approvals["approvals"].as_array())
+        .unwrap()[0]["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let approved = server.client(
+        &approver,
+        &["approvals", "approve", &approval, "--reason", REASON],
+    );
+    assert!(approved.status.success(), "{}", text(&approved.stderr));
+    wait_for_status(&server, &owner, &run_id, "succeeded");
+    // The run really carried every canary: its record holds the answer and the tool content.
+    let shown = text(
+        &server
+            .client(&owner, &["run", "get", &run_id, "--json"])
+            .stdout,
+    );
+    assert!(
+        shown.contains(ANSWER) && shown.contains(TOOL_TEXT),
+        "{shown}"
+    );
+    let log = server.stop();
+    // WOR_LOG=trace lets every level of the project's own components through.
+    assert!(
+        log.contains("\"level\":\"INFO\"") && log.contains("run ended"),
+        "{log}"
+    );
+    assert!(log.contains(&run_id), "runs are logged by id");
+    for canary in [PROMPT, INPUT, TOOL_TEXT, ANSWER, REASON, SECRET] {
+        assert!(!log.contains(canary), "the log holds `{canary}`");
+    }
+}
