@@ -483,6 +483,7 @@ const NO_JSON: &[(&str, &str)] = &[
     ("project recover-owner", "prints the new key alone"),
     ("secrets generate-key", "prints the new key alone"),
     ("secrets rotate", "progress and a summary on stderr"),
+    ("backup", "writes a file; a line on stderr"),
     (
         "audit export",
         "writes JSON lines already (`--format jsonl`)",

@@ -35,6 +35,9 @@ pub struct RestoreArgs {
     /// with; default: WOR_AUDIT_SIGNING_KEY or `audit-signing.key` in the data dir.
     #[arg(long, value_name = "KEY")]
     public_key: Option<String>,
+    /// Print `{projects, audit_entries, sealed_secrets}` of the accepted restore as JSON.
+    #[arg(long)]
+    json: bool,
     #[command(flatten)]
     flags: ServerFlags,
 }
@@ -98,7 +101,15 @@ pub async fn restore(args: RestoreArgs) -> anyhow::Result<ExitCode> {
         Ok(summary) => {
             store.close().await;
             tracing::info!(category = "backup", "backup restored");
-            println!("{summary}");
+            if args.json {
+                super::print_json(&serde_json::json!({
+                    "projects": summary.projects,
+                    "audit_entries": summary.entries,
+                    "sealed_secrets": summary.secrets,
+                }))?;
+            } else {
+                println!("{}", summary.text());
+            }
             eprintln!(
                 "restored into {}: start it with `wor serve --data-dir {}`",
                 config.data_dir.display(),
@@ -116,12 +127,33 @@ pub async fn restore(args: RestoreArgs) -> anyhow::Result<ExitCode> {
     }
 }
 
+/// What a restore accepted.
+struct Restored {
+    projects: usize,
+    entries: i64,
+    secrets: u64,
+}
+
+impl Restored {
+    fn text(&self) -> String {
+        let key_note = if self.secrets == 0 {
+            "no sealed secrets, so the key was not checked"
+        } else {
+            "every one opens"
+        };
+        format!(
+            "restored: {} project(s), audit intact ({} entries), {} sealed secret(s): {key_note}",
+            self.projects, self.entries, self.secrets
+        )
+    }
+}
+
 /// Opens every sealed secret and verifies every project's audit chain on the restored copy.
 async fn check_restored(
     store: &Store,
     keys: wor_secrets::KeyRing,
     audit_key: &wor_core::audit::VerifyingKey,
-) -> anyhow::Result<String> {
+) -> anyhow::Result<Restored> {
     let vault = Vault::new(store.clone(), Arc::new(keys));
     let (total, failed) = vault.verify_all().await?;
     if let Some(first) = failed.first() {
@@ -149,13 +181,9 @@ async fn check_restored(
             ),
         }
     }
-    let key_note = if total == 0 {
-        "no sealed secrets, so the key was not checked"
-    } else {
-        "every one opens"
-    };
-    Ok(format!(
-        "restored: {} project(s), audit intact ({entries} entries), {total} sealed secret(s): {key_note}",
-        projects.len()
-    ))
+    Ok(Restored {
+        projects: projects.len(),
+        entries,
+        secrets: total,
+    })
 }
