@@ -42,6 +42,8 @@ struct FileConfig {
     egress: Option<EgressSection>,
     sandbox: Option<SandboxSection>,
     console: Option<ConsoleSection>,
+    metrics: Option<MetricsSection>,
+    tls: Option<TlsSection>,
     /// Where people reach this server (`https://wor.example.com`), for links in notifications.
     public_url: Option<String>,
     /// Per-model prices, in microdollars per million tokens: `[prices."model-id"]`.
@@ -67,6 +69,30 @@ struct EgressSection {
 struct SandboxSection {
     #[serde(default)]
     allowed_paths: Vec<PathBuf>,
+}
+
+/// `[metrics]`: the Prometheus endpoint, on a listener of its own.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MetricsSection {
+    /// `IP:PORT` of the metrics listener; without it no metrics are recorded or served.
+    listen: Option<String>,
+}
+
+/// `[tls]`: HTTPS on the listener, or the TLS-terminating proxy in front of it.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TlsSection {
+    /// PEM certificate chain; reloaded with the key on SIGHUP.
+    cert: Option<PathBuf>,
+    /// PEM private key.
+    key: Option<PathBuf>,
+    /// A proxy in front terminates TLS: a plaintext listener is then accepted in production.
+    #[serde(default)]
+    behind_proxy: bool,
+    /// The proxy's addresses (CIDRs): only their `X-Forwarded-For` is believed.
+    #[serde(default)]
+    proxy_cidrs: Vec<String>,
 }
 
 /// `[console]`: password hashing and sign-in limits of the web console. Every key is
@@ -221,6 +247,12 @@ pub struct ServerConfig {
     pub console: wor_server::console::ConsoleConfig,
     /// Where people reach this server, for links in notifications (`public_url`).
     pub public_url: Option<String>,
+    /// Where `GET /metrics` is served (`[metrics] listen`); `None`: no metrics at all.
+    pub metrics_listen: Option<SocketAddr>,
+    /// The certificate and key the listener serves HTTPS with (`[tls] cert`, `key`).
+    pub tls: Option<wor_server::tls::TlsFiles>,
+    /// `[tls] behind_proxy`: a proxy in front terminates TLS.
+    pub behind_proxy: bool,
     encryption_key: Option<String>,
     audit_signing_key: Option<String>,
     encryption_key_retired: Option<String>,
@@ -256,6 +288,25 @@ impl ServerConfig {
         let production = production_flag
             || env_flag(env::ENV, |v| v == "production")?
             || file.production.unwrap_or(false);
+        let tls = file.tls.unwrap_or_default();
+        let tls_files = match (tls.cert, tls.key) {
+            (Some(cert), Some(key)) => Some(wor_server::tls::TlsFiles { cert, key }),
+            (None, None) => None,
+            _ => bail!("`[tls]` needs both `cert` and `key`"),
+        };
+        if tls.behind_proxy && tls.proxy_cidrs.is_empty() {
+            bail!(
+                "`[tls] behind_proxy = true` needs `proxy_cidrs`: the proxy's addresses, the only \
+                 ones whose forwarded client addresses are believed"
+            );
+        }
+        if !tls.behind_proxy && !tls.proxy_cidrs.is_empty() {
+            bail!("`[tls] proxy_cidrs` is given without `behind_proxy = true`");
+        }
+        let mut console_section = file.console.unwrap_or_default();
+        console_section
+            .trusted_proxies
+            .extend(tls.proxy_cidrs.iter().cloned());
         let demo = env_flag(env::DEMO, |v| v == "1" || v == "true")? || file.demo.unwrap_or(false);
         let encryption_key = std::env::var(env::ENCRYPTION_KEY)
             .ok()
@@ -312,7 +363,7 @@ impl ServerConfig {
                 None => Vec::new(),
             },
             prices: file.prices,
-            console: file.console.unwrap_or_default().resolve(production)?,
+            console: console_section.resolve(production)?,
             public_url: match file.public_url {
                 Some(url) => {
                     let parsed = url::Url::parse(&url)
@@ -324,6 +375,14 @@ impl ServerConfig {
                 }
                 None => None,
             },
+            metrics_listen: match file.metrics.and_then(|m| m.listen) {
+                Some(text) => Some(text.parse().with_context(|| {
+                    format!("`[metrics] listen` address `{text}` is not of the form `IP:PORT`")
+                })?),
+                None => None,
+            },
+            tls: tls_files,
+            behind_proxy: tls.behind_proxy,
             encryption_key,
             encryption_key_retired,
             audit_signing_key,
@@ -364,6 +423,17 @@ impl ServerConfig {
                 ))
             }
         }
+    }
+
+    /// Whether `WOR_ENCRYPTION_KEY` is set.
+    pub fn encryption_key_set(&self) -> bool {
+        self.encryption_key.is_some()
+    }
+
+    /// Whether a key is configured without making one: `WOR_ENCRYPTION_KEY`, or a development
+    /// key file already in the data dir.
+    pub fn encryption_key_configured(&self) -> anyhow::Result<bool> {
+        Ok(self.encryption_key.is_some() || wor_secrets::load_dev_key(&self.data_dir)?.is_some())
     }
 
     /// The audit signing key: from the environment, else `audit-signing.key` in the data dir,
@@ -416,6 +486,13 @@ impl ServerConfig {
                     problems.push(problem);
                 }
             }
+        }
+        if self.tls.is_none() && !self.behind_proxy && !self.listen.ip().is_loopback() {
+            problems.push(format!(
+                "the listener {} is plaintext on a non-loopback address; configure `[tls] cert` \
+                 and `key`, or `[tls] behind_proxy = true` with the proxy's `proxy_cidrs`",
+                self.listen
+            ));
         }
         if let Some(problem) = self
             .database
@@ -508,6 +585,9 @@ mod tests {
             prices: Default::default(),
             console: Default::default(),
             public_url: None,
+            metrics_listen: None,
+            tls: None,
+            behind_proxy: false,
             encryption_key: key.map(str::to_owned),
             encryption_key_retired: None,
             audit_signing_key: None,
@@ -615,6 +695,62 @@ mod tests {
             ("session_idle = 5", "session_idle"),
         ] {
             std::fs::write(&path, format!("[console]\n{text}\n")).unwrap();
+            let error = ServerConfig::resolve(&flags, Some("127.0.0.1:0"), false).unwrap_err();
+            assert!(
+                format!("{error:#}").contains(complaint),
+                "{text}: {error:#}"
+            );
+        }
+    }
+
+    #[test]
+    fn production_refuses_a_plaintext_public_listener_unless_a_proxy_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("wor.toml");
+        let flags = ServerFlags {
+            config: Some(path.clone()),
+            ..ServerFlags::default()
+        };
+        let problems = |text: &str, listen: &str| {
+            std::fs::write(&path, text).unwrap();
+            let mut config = ServerConfig::resolve(&flags, Some(listen), false).unwrap();
+            config.encryption_key = Some(GOOD_KEY.to_owned());
+            config.production_problems()
+        };
+        let plaintext = |p: &Vec<String>| p.iter().any(|m| m.contains("plaintext"));
+        assert!(plaintext(&problems("production = true\n", "0.0.0.0:8080")));
+        assert!(plaintext(&problems("production = true\n", "[::]:8080")));
+        assert!(!plaintext(&problems(
+            "production = true\n",
+            "127.0.0.1:8080"
+        )));
+        assert!(!plaintext(&problems("production = true\n", "[::1]:8080")));
+        assert!(!plaintext(&problems("", "0.0.0.0:8080")), "development");
+        let behind =
+            "production = true\n[tls]\nbehind_proxy = true\nproxy_cidrs = [\"10.1.0.0/24\"]\n";
+        assert_eq!(problems(behind, "0.0.0.0:8080"), Vec::<String>::new());
+        std::fs::write(&path, behind).unwrap();
+        let config = ServerConfig::resolve(&flags, Some("0.0.0.0:8080"), false).unwrap();
+        assert_eq!(
+            config.console.trusted_proxies,
+            vec!["10.1.0.0/24".parse::<ipnet::IpNet>().unwrap()],
+            "forwarded addresses are believed from the proxy only"
+        );
+        let with_tls = "production = true\n[tls]\ncert = \"c.pem\"\nkey = \"k.pem\"\n";
+        assert!(!plaintext(&problems(with_tls, "0.0.0.0:8443")));
+        for (text, complaint) in [
+            ("[tls]\nbehind_proxy = true\n", "needs `proxy_cidrs`"),
+            (
+                "[tls]\nproxy_cidrs = [\"10.0.0.1\"]\n",
+                "without `behind_proxy",
+            ),
+            ("[tls]\ncert = \"c.pem\"\n", "both `cert` and `key`"),
+            (
+                "[tls]\nbehind_proxy = true\nproxy_cidrs = [\"a proxy\"]\n",
+                "trusted_proxies",
+            ),
+        ] {
+            std::fs::write(&path, text).unwrap();
             let error = ServerConfig::resolve(&flags, Some("127.0.0.1:0"), false).unwrap_err();
             assert!(
                 format!("{error:#}").contains(complaint),

@@ -28,7 +28,7 @@ use crate::commands::Command;
     about = "Work on Repeat: run AI agent routines whose every tool call is bounded",
     long_about = "Work on Repeat runs AI agent routines on a schedule, on a signed webhook or on \
                   request, and bounds what they can do even when their model is hijacked.\n\n\
-                  Server and operator commands: serve, init, project, secrets.\n\
+                  Server and operator commands: serve, init, project, secrets, backup, restore.\n\
                   Local commands: sandbox exec, doctor, egress check, policy test.\n\
                   Client commands (need --server/WOR_SERVER and WOR_API_KEY): whoami, member, key, \
                   model-connection, connection, routine, run, audit export.\n\
@@ -46,7 +46,7 @@ const EXIT_CODES: &str = "Exit codes:\n  \
     0    success\n  \
     1    failure, or a check that said no: an error, a run that did not succeed (run start \
     --follow), a URL refused (egress check), an invalid signature (webhook verify), a broken \
-    chain (audit verify), an unsupported sandbox layer (doctor)\n  \
+    chain (audit verify), a failed readiness check such as an unsupported sandbox layer (doctor)\n  \
     2    usage: bad arguments or configuration, or production mode refusing to start\n  \
     10   policy test: the call would wait for a person (confirm)\n  \
     11   policy test: the call would be denied\n  \

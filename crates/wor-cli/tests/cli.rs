@@ -483,6 +483,7 @@ const NO_JSON: &[(&str, &str)] = &[
     ("project recover-owner", "prints the new key alone"),
     ("secrets generate-key", "prints the new key alone"),
     ("secrets rotate", "progress and a summary on stderr"),
+    ("backup", "writes a file; a line on stderr"),
     (
         "audit export",
         "writes JSON lines already (`--format jsonl`)",
@@ -634,17 +635,22 @@ fn local_commands_print_json_that_parses() {
     assert!(chains[0]["entries"].as_i64().unwrap() >= 3, "{chains}");
     let (_, secrets) = parse(&["secrets", "verify", "--data-dir", &data, "--json"], None);
     assert_eq!(secrets["failed"], serde_json::json!([]));
-    let (code, doctor) = parse(&["doctor", "--json"], None);
-    let all = doctor["local_tools_can_run"].as_bool().unwrap();
+    let (code, doctor) = parse(&["doctor", "--data-dir", &data, "--json"], None);
+    let all = doctor["ready"].as_bool().unwrap();
     assert_eq!(code, Some(if all { 0 } else { 1 }));
-    assert!(
-        doctor["layers"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|l| l["layer"] == "wasm-runtime"),
-        "{doctor}"
-    );
+    let checks = doctor["checks"].as_array().unwrap();
+    for name in [
+        "wasm-runtime",
+        "database",
+        "clock-skew",
+        "disk",
+        "encryption-key",
+    ] {
+        assert!(
+            checks.iter().any(|c| c["check"] == name),
+            "{name}: {doctor}"
+        );
+    }
 }
 
 #[test]

@@ -332,9 +332,10 @@ impl EgressClient {
                 body,
             })
         };
-        tokio::time::timeout(timeout, exchange)
+        let sent = tokio::time::timeout(timeout, exchange)
             .await
-            .map_err(|_| EgressError::Timeout(timeout))?
+            .unwrap_or(Err(EgressError::Timeout(timeout)));
+        sent.inspect_err(count_denial)
     }
 
     /// A request builder for streaming use (SSE, MCP over streamable HTTP), after vetting
@@ -347,8 +348,15 @@ impl EgressClient {
         url: &str,
         allowlist: Option<&HostAllowlist>,
     ) -> Result<reqwest::RequestBuilder, EgressError> {
-        let url = self.vet(url, allowlist).await?;
+        let url = self.vet(url, allowlist).await.inspect_err(count_denial)?;
         Ok(self.http.request(method, url.as_url().clone()))
+    }
+}
+
+/// Counts `error` in the metrics when it is the guard's refusal.
+fn count_denial(error: &EgressError) {
+    if let EgressError::Denied(denial) = error {
+        crate::metrics::denied(denial);
     }
 }
 

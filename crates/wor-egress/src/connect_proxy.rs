@@ -106,6 +106,7 @@ impl ConnectProxy {
         {
             EgressDecision::Allow(addrs) => addrs,
             EgressDecision::Deny(denial) => {
+                crate::metrics::denied(&denial);
                 respond(&mut client, "403 Forbidden", &denial.to_string()).await?;
                 return Ok(ProxyOutcome::Refused(denial));
             }

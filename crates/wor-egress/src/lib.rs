@@ -17,6 +17,7 @@ pub mod address;
 pub mod check;
 pub mod client;
 pub mod connect_proxy;
+pub mod metrics;
 pub mod policy;
 pub mod resolver;
 #[cfg(feature = "testing")]

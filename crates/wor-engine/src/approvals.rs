@@ -133,6 +133,7 @@ impl Engine {
                     })),
             )
             .await?;
+        crate::metrics::approval_decided(decided.status);
         self.wake_workers();
         self.notify_approval_changed_or_log(project, id, "decided", Some(via.as_note().to_owned()))
             .await;
@@ -212,6 +213,7 @@ impl Engine {
     /// say for a denial. Returns how many expired.
     pub async fn expire_approvals(&self) -> Result<usize, EngineError> {
         let expired = self.store.expire_approvals().await?;
+        crate::metrics::approvals_expired(expired.len());
         for approval in &expired {
             let run = self
                 .store

@@ -128,6 +128,7 @@ impl Engine {
         };
         let finished = cancelled.is_some();
         if let Some(cancelled) = cancelled {
+            crate::metrics::run_finished(&run, ending.status);
             for cancelled in cancelled {
                 self.notify_approval_changed_or_log(run.project_id, cancelled, "cancelled", None)
                     .await;
@@ -535,6 +536,11 @@ impl Engine {
                     .usage(usage),
             )
             .await?;
+        crate::metrics::model_called(
+            definition.model.provider,
+            response.usage.input_tokens,
+            response.usage.output_tokens,
+        );
         Ok((recorded.message, cancel_seen(written)))
     }
 

@@ -19,6 +19,7 @@ mod authority;
 mod call;
 mod driver;
 mod live_text;
+pub mod metrics;
 mod nested;
 mod notifications;
 mod output;

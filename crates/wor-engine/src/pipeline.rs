@@ -122,6 +122,7 @@ impl Engine {
             };
         // 4. Decision.
         let decision = self.decide(scope, offered, &arguments, usage);
+        crate::metrics::tool_call_decided(decision.outcome);
         let recorded = ToolCallStep {
             tool: offered.roster_name.clone(),
             model_name: call.name.clone(),

@@ -484,6 +484,7 @@ impl Engine {
             tracing::info!(category = "webhook", action = "webhook.deliver", project_id = %delivery.project_id,
                 run_id = %delivery.run_id, delivered = matches!(outcome, AttemptOutcome::Delivered { .. }),
                 attempt = delivery.attempts + 1, "run webhook attempted");
+            crate::metrics::webhook_attempted(&outcome);
             self.store
                 .record_delivery_attempt(&delivery.id, &outcome)
                 .await?;

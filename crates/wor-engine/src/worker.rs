@@ -41,14 +41,19 @@ impl Engine {
     /// Claims the oldest queued run the limits allow, leased to this process.
     async fn claim_next(&self) -> Result<Option<wor_store::RunRecord>, EngineError> {
         let lease = i64::try_from(self.config.lease.as_millis()).unwrap_or(i64::MAX);
-        Ok(self
+        let began = wor_store::now_millis();
+        let claimed = self
             .store
             .claim_run(
                 &self.config.worker_id,
                 lease,
                 self.config.max_running_per_project,
             )
-            .await?)
+            .await?;
+        if let Some(run) = &claimed {
+            crate::metrics::run_claimed(run, began);
+        }
+        Ok(claimed)
     }
 
     /// Tells an idle pool of this process that there may be work: a run was queued or a

@@ -12,8 +12,8 @@ pub mod slack_signature;
 pub mod webhook_signature;
 
 pub use aead::{
-    DevKeyOrigin, KeyId, KeyRing, SealedSecret, SecretBinding, SecretsError, load_dev_key,
-    load_or_create_dev_key,
+    DEV_KEY_FILE_NAME, DevKeyOrigin, KeyId, KeyRing, SealedSecret, SecretBinding, SecretsError,
+    load_dev_key, load_or_create_dev_key,
 };
 pub use audit_signing::{
     AUDIT_SIGNING_KEY_FILE_NAME, AuditSigningKey, parse_verifying_key, verifying_key_to_base64,

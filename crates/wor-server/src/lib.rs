@@ -8,8 +8,10 @@ pub mod auth;
 pub mod console;
 pub mod error;
 pub mod extract;
+pub mod metrics;
 mod request_log;
 pub mod routes;
+pub mod tls;
 pub mod views;
 
 use std::future::Future;
@@ -245,6 +247,25 @@ pub async fn serve(
     state: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    axum::serve(
+        listener,
+        router(state).into_make_service_with_connect_info::<std::net::SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown)
+    .await
+}
+
+/// [`serve`] over TLS: connections are accepted under `tls`'s current certificate, which
+/// [`tls::ReloadableTls::reload`] replaces without touching connections already open.
+pub async fn serve_tls(
+    listener: TcpListener,
+    tls: tls::ReloadableTls,
+    state: AppState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    use axum::serve::ListenerExt as _;
+    // `tap_io` gives the listener the peer address as connect info, as a plain TCP one has.
+    let listener = tls::TlsListener::new(listener, tls)?.tap_io(|_| {});
     axum::serve(
         listener,
         router(state).into_make_service_with_connect_info::<std::net::SocketAddr>(),

@@ -410,6 +410,17 @@ impl Store {
         self.get_approval(project, id).await.map_err(Into::into)
     }
 
+    /// How many approvals wait for a decision across every project, and when the oldest was
+    /// requested (milliseconds): the operator's backlog, with no project's detail.
+    pub async fn pending_approval_backlog(&self) -> Result<(i64, Option<i64>), StoreError> {
+        let row: (i64, Option<i64>) = sqlx::query_as(
+            "SELECT COUNT(*), MIN(requested_at) FROM approvals WHERE status = 'pending'",
+        )
+        .fetch_one(self.pool())
+        .await?;
+        Ok(row)
+    }
+
     /// Marks every pending approval whose time ran out as expired and puts its run back in the
     /// queue (to continue with a denial or fail, as its routine says). Returns them.
     pub async fn expire_approvals(&self) -> Result<Vec<ApprovalRecord>, StoreError> {

@@ -229,7 +229,10 @@ impl Writer {
                 .into_iter()
                 .map(|(write, reply)| (*write, reply))
                 .unzip();
-            match self.commit_batch(events, writes).await {
+            let began = std::time::Instant::now();
+            let committed = self.commit_batch(events, writes).await;
+            crate::metrics::audit_batch(count, began.elapsed(), committed.is_ok());
+            match committed {
                 Ok((receipts, written)) => {
                     for (reply, receipt) in replies.into_iter().zip(receipts) {
                         let _ = reply.send(Ok(receipt));

@@ -10,13 +10,16 @@
 mod api_keys;
 mod approvals;
 mod audit;
+mod backup;
 mod console;
 mod journal;
 mod members;
 mod memory;
+pub mod metrics;
 mod migrations;
 mod model_connections;
 mod notifications;
+mod probe;
 mod projects;
 mod routines;
 mod run_tokens;
@@ -41,6 +44,7 @@ pub use approvals::{
     ApprovedCall, ApprovedStart, DecideError, NewApproval, ProjectPolicyRecord,
 };
 pub use audit::{AuditConfig, AuditLog, AuditReceipt};
+pub use backup::{BackupError, discard_restored, restore_sqlite};
 pub use console::{
     ConsoleSessionRecord, ConsoleSessionSummary, ConsoleToken, INVITATION_TOKEN_PREFIX,
     InvitationRecord, MAX_USER_AGENT_CHARS, PurgedConsoleState, SESSION_TOKEN_PREFIX,
@@ -57,6 +61,7 @@ pub use notifications::{
     NotificationDeliveryFilter, NotificationDeliveryRecord, NotificationRouteRecord, RouteChannel,
     RouteFilter, SLACK_LINK_TOKEN_PREFIX, SlackLinkRecord, SlackMessageRecord,
 };
+pub use probe::{DatabaseProbe, probe};
 pub use projects::{CreatedProject, ProjectRecord, RecoveredOwner};
 pub use routines::{AppliedRoutine, RoutineRecord, RoutineVersionRecord};
 pub use run_tokens::{RUN_TOKEN_PREFIX, RunGrant, RunToken};
@@ -108,6 +113,8 @@ pub enum StoreError {
         path: String,
         source: std::io::Error,
     },
+    #[error("no database at `{path}` yet (`wor init` or `wor serve` creates it)")]
+    NoDatabase { path: String },
     #[error("stored row is corrupt: {0}")]
     Corrupt(String),
     #[error("database error: {0}")]
@@ -129,6 +136,7 @@ impl StoreError {
             StoreError::LastOwnerKey { .. } => "last_owner_key",
             StoreError::UnsupportedUrl(_) => "unsupported_url",
             StoreError::DataDir { .. } => "data_dir",
+            StoreError::NoDatabase { .. } => "no_database",
             StoreError::Corrupt(_) => "corrupt",
             StoreError::Database(sqlx_err) => match sqlx_err {
                 sqlx::Error::PoolTimedOut => "pool_timed_out",

@@ -175,6 +175,11 @@ const MIGRATIONS: &[SchemaMigration] = &[
     },
 ];
 
+/// The newest migration of this release.
+pub(crate) fn latest_version() -> i64 {
+    MIGRATIONS.iter().map(|m| m.version).max().unwrap_or(0)
+}
+
 pub(crate) async fn apply(store: &Store) -> Result<(), StoreError> {
     let migrations = MIGRATIONS
         .iter()

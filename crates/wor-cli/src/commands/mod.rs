@@ -2,7 +2,9 @@
 
 mod approvals;
 mod audit;
+mod backup;
 mod demo;
+mod doctor;
 mod egress;
 mod keys;
 mod member_invite;
@@ -33,6 +35,12 @@ pub enum Command {
     Demo(demo::DemoArgs),
     /// Create the first project and its owner; print the owner's API key once (operator).
     Init(operator::InitArgs),
+    /// Write a consistent copy of the embedded database while the server runs (operator; for
+    /// PostgreSQL it names the `pg_dump` path).
+    Backup(backup::BackupArgs),
+    /// Restore a backup into an empty data dir; refused unless every audit chain verifies and
+    /// every sealed secret opens under the key given (operator).
+    Restore(backup::RestoreArgs),
     /// Manage projects (operator: works on the database directly).
     #[command(subcommand)]
     Project(operator::ProjectCommand),
@@ -68,8 +76,9 @@ pub enum Command {
     /// Run a command in the mandatory sandbox, as a local tool would run (local).
     #[command(subcommand)]
     Sandbox(sandbox::SandboxCommand),
-    /// Report which sandbox layers this host supports, by applying each one (local).
-    Doctor(sandbox::DoctorArgs),
+    /// A readiness report with an exit code for monitoring: sandbox layers, Wasm runtime,
+    /// encryption key, database and migrations, clock skew, free disk (local).
+    Doctor(doctor::DoctorArgs),
     /// Tool-call policies: the project's policy, and testing a decision offline.
     #[command(subcommand)]
     Policy(policy::PolicyCommand),
@@ -103,6 +112,8 @@ impl Command {
             Command::Serve(args) => serve::run(args).await,
             Command::Demo(args) => demo::run(args).await,
             Command::Init(args) => operator::init(args).await,
+            Command::Backup(args) => backup::backup(args).await,
+            Command::Restore(args) => backup::restore(args).await,
             Command::Project(cmd) => operator::project(cmd).await,
             Command::Whoami(args) => members::whoami(args).await,
             Command::Member(cmd) => members::run(cmd).await,
@@ -115,7 +126,7 @@ impl Command {
             Command::Secrets(cmd) => secrets::run(cmd).await,
             Command::Audit(cmd) => audit::run(cmd).await,
             Command::Sandbox(sandbox::SandboxCommand::Exec(args)) => sandbox::exec(args).await,
-            Command::Doctor(args) => sandbox::doctor(args).await,
+            Command::Doctor(args) => doctor::run(args).await,
             Command::Policy(cmd) => policy::run(cmd).await,
             Command::Approvals(cmd) => approvals::run(cmd).await,
             Command::Webhook(cmd) => webhooks::run(cmd).await,

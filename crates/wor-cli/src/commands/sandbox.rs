@@ -1,5 +1,5 @@
-//! `wor sandbox exec` and `wor doctor`: run a command under exactly the profile a tool gets,
-//! and report which sandbox layers this host supports.
+//! `wor sandbox exec`: run a command under exactly the profile a tool gets; and the sandbox
+//! layers this host supports, for `wor doctor`.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -103,21 +103,13 @@ pub async fn exec(args: ExecArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::from(code))
 }
 
-#[derive(Debug, clap::Args)]
-pub struct DoctorArgs {
-    /// Print a JSON array of `{layer, supported, detail}` and whether local tools can run.
-    #[arg(long)]
-    json: bool,
-    #[command(flatten)]
-    flags: SandboxFlags,
-}
-
-pub async fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
+/// Every sandbox layer, applied for real, and the Wasm runtime: `(name, supported, detail)`.
+pub(crate) async fn layers(flags: &SandboxFlags) -> anyhow::Result<Vec<(String, bool, String)>> {
     let resolver = GuardedResolver::new(
         Arc::new(StaticResolver::new()),
         Arc::new(EgressPolicy::development()),
     );
-    let sandbox = sandbox(&args.flags, resolver)?;
+    let sandbox = sandbox(flags, resolver)?;
     let mut layers: Vec<(String, bool, String)> = wor_sandbox::doctor(&sandbox)
         .await
         .into_iter()
@@ -128,37 +120,5 @@ pub async fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
         Ok(_) => ("wasm-runtime".to_owned(), true, String::new()),
         Err(error) => ("wasm-runtime".to_owned(), false, error.to_string()),
     });
-    let all = layers.iter().all(|(_, supported, _)| *supported);
-    if args.json {
-        super::print_json(&serde_json::json!({
-            "local_tools_can_run": all,
-            "layers": layers
-                .iter()
-                .map(|(layer, supported, detail)| serde_json::json!({
-                    "layer": layer,
-                    "supported": supported,
-                    "detail": detail,
-                }))
-                .collect::<Vec<_>>(),
-        }))?;
-        return Ok(if all {
-            ExitCode::SUCCESS
-        } else {
-            ExitCode::FAILURE
-        });
-    }
-    for (layer, supported, detail) in &layers {
-        if *supported {
-            println!("{layer:<20} supported");
-        } else {
-            println!("{layer:<20} UNSUPPORTED: {detail}");
-        }
-    }
-    if all {
-        println!("every sandbox layer is supported: local tools can run");
-        Ok(ExitCode::SUCCESS)
-    } else {
-        println!("some sandbox layers are unsupported: local tools will refuse to start");
-        Ok(ExitCode::FAILURE)
-    }
+    Ok(layers)
 }

@@ -41,9 +41,44 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         eprintln!("error: refusing to start in production mode");
         return Ok(ExitCode::from(2));
     }
+    // Installed before the engine starts, so nothing it records is lost.
+    let metrics = match config.metrics_listen {
+        Some(addr) => Some((wor_server::metrics::install_recorder()?, addr)),
+        None => None,
+    };
+    let tls = match &config.tls {
+        Some(files) => Some(
+            wor_server::tls::ReloadableTls::load(files.clone())
+                .context("cannot set up TLS on the listener")?,
+        ),
+        None => None,
+    };
     let (engine, audit) = open_engine(&config).await?;
     let store = engine.store().clone();
     let shutdown = shutdown_signal()?;
+    let (stop_metrics, metrics_stopped) = tokio::sync::watch::channel(false);
+    let metrics_served = match metrics {
+        Some((handle, addr)) => {
+            let listener = TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen for metrics on {addr}"))?;
+            let local = listener.local_addr()?;
+            eprintln!("wor: metrics on http://{local}/metrics");
+            let state = wor_server::metrics::MetricsState {
+                handle,
+                store: store.clone(),
+            };
+            let mut stopped = metrics_stopped;
+            Some(tokio::spawn(wor_server::metrics::serve(
+                listener,
+                state,
+                async move {
+                    let _ = stopped.changed().await;
+                },
+            )))
+        }
+        None => None,
+    };
     let listener = TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("cannot listen on {}", config.listen))?;
@@ -55,17 +90,30 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         production = config.production,
         "server started"
     );
-    eprintln!("wor: listening on http://{local}");
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    eprintln!("wor: listening on {scheme}://{local}");
     let (stop_workers, workers_stopped) = tokio::sync::watch::channel(false);
     let triggers = engine.spawn_triggers(workers_stopped.clone());
     let worker = engine.spawn_workers(workers_stopped);
     let state = AppState::new(engine.clone()).with_console(config.console.clone());
-    let served = wor_server::serve(listener, state, shutdown).await;
+    let served = match tls {
+        Some(tls) => {
+            let reloader = spawn_tls_reloader(tls.clone())?;
+            let served = wor_server::serve_tls(listener, tls, state, shutdown).await;
+            reloader.abort();
+            served
+        }
+        None => wor_server::serve(listener, state, shutdown).await,
+    };
     // Runs in flight are given back, to be resumed at the next start rather than after
     // their lease runs out.
     let _ = stop_workers.send(true);
     let _ = worker.await;
     let _ = triggers.await;
+    let _ = stop_metrics.send(true);
+    if let Some(served) = metrics_served {
+        let _ = served.await;
+    }
     let released = store.release_leases(&engine.config().worker_id).await?;
     if released > 0 {
         tracing::info!(
@@ -166,6 +214,32 @@ pub(crate) fn shutdown_signal()
             _ = int.recv() => {},
         }
     })
+}
+
+/// Reloads the listener's certificate and key on every SIGHUP; a file that does not load
+/// leaves the previous certificate in use, and says so.
+fn spawn_tls_reloader(
+    tls: wor_server::tls::ReloadableTls,
+) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut hangup = signal(SignalKind::hangup()).context("cannot handle SIGHUP")?;
+    Ok(tokio::spawn(async move {
+        while hangup.recv().await.is_some() {
+            match tls.reload() {
+                Ok(()) => {
+                    tracing::info!(category = "lifecycle", "TLS certificate reloaded");
+                    eprintln!("wor: TLS certificate reloaded");
+                }
+                Err(error) => {
+                    tracing::error!(
+                        category = "lifecycle",
+                        "TLS certificate reload failed; the previous one stays"
+                    );
+                    eprintln!("wor: error: {error}; the previous certificate stays in use");
+                }
+            }
+        }
+    }))
 }
 
 /// The server-wide egress policy: production flag and the operator's CIDRs from the file.

@@ -1,0 +1,331 @@
+//! `wor doctor`: a readiness report for monitoring. Each check is applied for real and says
+//! `ok`, `warn` or `FAIL` with a reason; the exit status is 0 only when nothing failed.
+//!
+//! Checks: every sandbox layer and the Wasm runtime, the encryption key (and what production
+//! mode would refuse), the database (reachable, migrations), the clock against the database's,
+//! free disk in the data dir, and the listener's TLS certificate when one is configured. It
+//! changes nothing: no database or key is created.
+
+use std::process::ExitCode;
+use std::time::{Duration, SystemTime};
+
+use serde_json::json;
+
+use super::sandbox::{self, SandboxFlags};
+use crate::config::{ServerConfig, ServerFlags};
+use crate::env;
+
+/// Clock difference with the database beyond which approvals' and run credentials' expiries
+/// (written with one clock, compared with the other) are off by too much.
+const MAX_CLOCK_SKEW: Duration = Duration::from_secs(2);
+/// Free space in the data dir below which the check fails, and below which it warns.
+const DISK_FAIL_BYTES: u64 = 512 * 1024 * 1024;
+const DISK_WARN_BYTES: u64 = 2 * 1024 * 1024 * 1024;
+/// A listener certificate expiring sooner than this fails the check; sooner than the second,
+/// it warns.
+const CERT_FAIL_DAYS: i64 = 7;
+const CERT_WARN_DAYS: i64 = 30;
+
+#[derive(Debug, clap::Args)]
+pub struct DoctorArgs {
+    /// Print `{ready, checks: [{check, status, detail}]}` as JSON.
+    #[arg(long)]
+    json: bool,
+    /// Only the sandbox layers and the Wasm runtime (what a host needs to run local tools).
+    #[arg(long)]
+    sandbox_only: bool,
+    #[command(flatten)]
+    flags: SandboxFlags,
+    #[command(flatten)]
+    server: ServerFlags,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Status {
+    Ok,
+    Warn,
+    Fail,
+}
+
+impl Status {
+    fn as_str(self) -> &'static str {
+        match self {
+            Status::Ok => "ok",
+            Status::Warn => "warn",
+            Status::Fail => "fail",
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Check {
+    name: String,
+    status: Status,
+    detail: String,
+}
+
+fn check(name: &str, status: Status, detail: impl Into<String>) -> Check {
+    Check {
+        name: name.to_owned(),
+        status,
+        detail: detail.into(),
+    }
+}
+
+pub async fn run(args: DoctorArgs) -> anyhow::Result<ExitCode> {
+    let mut checks: Vec<Check> = sandbox::layers(&args.flags)
+        .await?
+        .into_iter()
+        .map(|(layer, supported, detail)| Check {
+            name: layer,
+            status: if supported { Status::Ok } else { Status::Fail },
+            // A supported layer is printed as `supported`, as before the report grew.
+            detail: if supported { String::new() } else { detail },
+        })
+        .collect();
+    if !args.sandbox_only {
+        match ServerConfig::resolve(&args.server, None, false) {
+            Ok(config) => server_checks(&config, &mut checks).await,
+            Err(error) => checks.push(check("configuration", Status::Fail, format!("{error:#}"))),
+        }
+    }
+    let ready = checks.iter().all(|c| c.status != Status::Fail);
+    if args.json {
+        super::print_json(&json!({
+            "ready": ready,
+            "checks": checks.iter().map(|c| json!({
+                "check": c.name,
+                "status": c.status.as_str(),
+                "detail": c.detail,
+            })).collect::<Vec<_>>(),
+        }))?;
+    } else {
+        for c in &checks {
+            match c.status {
+                Status::Ok if c.detail.is_empty() => println!("{:<20} supported", c.name),
+                Status::Ok => println!("{:<20} ok: {}", c.name, c.detail),
+                Status::Warn => println!("{:<20} warn: {}", c.name, c.detail),
+                Status::Fail => println!("{:<20} FAIL: {}", c.name, c.detail),
+            }
+        }
+        println!(
+            "{}",
+            if ready {
+                "ready"
+            } else {
+                "NOT READY: see the failed checks above"
+            }
+        );
+    }
+    Ok(if ready {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+async fn server_checks(config: &ServerConfig, checks: &mut Vec<Check>) {
+    checks.push(key_check(config));
+    for problem in config.production_problems() {
+        checks.push(check("production", Status::Fail, problem));
+    }
+    let probed = wor_store::probe(config.database.as_deref(), &config.data_dir).await;
+    match &probed {
+        Ok(found) if found.applied_migration < found.latest_migration => checks.push(check(
+            "database",
+            Status::Warn,
+            format!(
+                "{} reachable; migrations at {} of {}: `wor serve` applies the rest when it starts",
+                found.backend.as_str(),
+                found.applied_migration,
+                found.latest_migration
+            ),
+        )),
+        Ok(found) if found.applied_migration > found.latest_migration => checks.push(check(
+            "database",
+            Status::Fail,
+            format!(
+                "migrations at {}, newer than this release knows ({}): a newer `wor` wrote it",
+                found.applied_migration, found.latest_migration
+            ),
+        )),
+        Ok(found) => checks.push(check(
+            "database",
+            Status::Ok,
+            format!(
+                "{} reachable; migrations current ({})",
+                found.backend.as_str(),
+                found.latest_migration
+            ),
+        )),
+        Err(error) => checks.push(check(
+            "database",
+            Status::Fail,
+            wor_secrets::redact_shapes(&error.to_string()).into_owned(),
+        )),
+    }
+    match probed.as_ref().ok().map(|p| p.server_now_ms) {
+        Some(Some(server_ms)) => {
+            let skew_ms = wor_store::now_millis().saturating_sub(server_ms);
+            let skew = Duration::from_millis(skew_ms.unsigned_abs());
+            let status = if skew > MAX_CLOCK_SKEW {
+                Status::Fail
+            } else {
+                Status::Ok
+            };
+            checks.push(check(
+                "clock-skew",
+                status,
+                format!(
+                    "{skew_ms} ms against the database (at most {} ms)",
+                    MAX_CLOCK_SKEW.as_millis()
+                ),
+            ));
+        }
+        Some(None) => checks.push(check(
+            "clock-skew",
+            Status::Ok,
+            "the embedded database has this host's clock",
+        )),
+        None => checks.push(check(
+            "clock-skew",
+            Status::Fail,
+            "not measured: the database is unreachable",
+        )),
+    }
+    checks.push(disk_check(config));
+    if let Some(files) = &config.tls {
+        checks.push(tls_check(files));
+    }
+}
+
+/// The listener's certificate loads with its key, and how long until it expires.
+fn tls_check(files: &wor_server::tls::TlsFiles) -> Check {
+    if let Err(error) = files.load() {
+        return check("tls", Status::Fail, error.to_string());
+    }
+    let leaf = std::fs::read(&files.cert)
+        .map_err(|e| e.to_string())
+        .and_then(|bytes| {
+            let (_, pem) = x509_parser::pem::parse_x509_pem(&bytes).map_err(|e| e.to_string())?;
+            let cert = pem.parse_x509().map_err(|e| e.to_string())?;
+            Ok(cert.validity().not_after.timestamp())
+        });
+    match leaf {
+        Ok(not_after) => {
+            let days = (not_after - wor_store::now_millis() / 1000) / 86_400;
+            let status = if days < CERT_FAIL_DAYS {
+                Status::Fail
+            } else if days < CERT_WARN_DAYS {
+                Status::Warn
+            } else {
+                Status::Ok
+            };
+            let detail = if days < 0 {
+                format!("`{}` expired {} day(s) ago", files.cert.display(), -days)
+            } else {
+                format!("`{}` expires in {days} day(s)", files.cert.display())
+            };
+            check("tls", status, detail)
+        }
+        Err(reason) => check(
+            "tls",
+            Status::Fail,
+            format!(
+                "cannot read the expiry of `{}`: {reason}",
+                files.cert.display()
+            ),
+        ),
+    }
+}
+
+fn key_check(config: &ServerConfig) -> Check {
+    if config.encryption_key_set() {
+        return match config.key_ring() {
+            Ok((ring, _)) => check(
+                "encryption-key",
+                Status::Ok,
+                format!(
+                    "{} (primary key id {}); a key from the environment carries no date, so its \
+                     age is not known",
+                    env::ENCRYPTION_KEY,
+                    ring.primary_key_id()
+                ),
+            ),
+            Err(error) => check("encryption-key", Status::Fail, format!("{error:#}")),
+        };
+    }
+    let file = config.data_dir.join(wor_secrets::DEV_KEY_FILE_NAME);
+    let status = if config.production {
+        Status::Fail
+    } else {
+        Status::Warn
+    };
+    match std::fs::metadata(&file).and_then(|m| m.modified()) {
+        Ok(modified) => {
+            let days = SystemTime::now()
+                .duration_since(modified)
+                .unwrap_or_default()
+                .as_secs()
+                / 86_400;
+            check(
+                "encryption-key",
+                status,
+                format!(
+                    "development key file `{}`, {days} day(s) old; production needs {}",
+                    file.display(),
+                    env::ENCRYPTION_KEY
+                ),
+            )
+        }
+        Err(_) => check(
+            "encryption-key",
+            status,
+            format!(
+                "no {} and no development key file: `wor serve` would generate one (production refuses)",
+                env::ENCRYPTION_KEY
+            ),
+        ),
+    }
+}
+
+fn disk_check(config: &ServerConfig) -> Check {
+    // The data dir, or the nearest directory above it that exists yet.
+    let mut dir = config.data_dir.as_path();
+    while !dir.exists() {
+        match dir.parent() {
+            Some(parent) if !parent.as_os_str().is_empty() => dir = parent,
+            _ => {
+                dir = std::path::Path::new(".");
+                break;
+            }
+        }
+    }
+    match rustix::fs::statvfs(dir) {
+        Ok(stats) => {
+            let free = stats.f_bavail.saturating_mul(stats.f_frsize);
+            let status = if free < DISK_FAIL_BYTES {
+                Status::Fail
+            } else if free < DISK_WARN_BYTES {
+                Status::Warn
+            } else {
+                Status::Ok
+            };
+            check(
+                "disk",
+                status,
+                format!(
+                    "{} MiB free in `{}` (fails under {} MiB)",
+                    free / (1024 * 1024),
+                    dir.display(),
+                    DISK_FAIL_BYTES / (1024 * 1024)
+                ),
+            )
+        }
+        Err(error) => check(
+            "disk",
+            Status::Fail,
+            format!("cannot read free space in `{}`: {error}", dir.display()),
+        ),
+    }
+}

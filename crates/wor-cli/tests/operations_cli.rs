@@ -1,0 +1,929 @@
+//! Operating a server through the binary: a backup taken while it runs, restored into a new
+//! data dir and run again; a restore with the wrong key refused.
+//!
+//! Backups are of the embedded SQLite database, so these tests run on SQLite whatever
+//! `WOR_TEST_DATABASE_URL` says; PostgreSQL's path (`pg_dump`) is named, not built.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic,
+    reason = "tests fail loudly"
+)]
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::Path;
+
+use base64::Engine as _;
+use common::{Server, run, text, wor};
+
+const KEY: &str = "q6mZ2k0kq3c7b1pY8Jx0M1yJc4pN9rO2vW6tU5sR3aE=";
+const OTHER_KEY: &str = "Zm9vYmFyYmF6cXV4cXV1eGNvcmdlZ3JhdWx0Z2FycGw=";
+const MODEL_KEY: &str = "sk-backup-canary-5e4d3c2b1a09f8e7";
+
+const ROUTINE: &str = r#"
+name = "greeter"
+instructions = "Greet the requester."
+
+[model]
+provider = "replay"
+model = "script"
+
+[[model.script.turns]]
+text = "Hello from the routine."
+repeat = true
+"#;
+
+fn dir_args(dir: &Path) -> Vec<String> {
+    vec!["--data-dir".into(), dir.display().to_string()]
+}
+
+fn operator(args: &[&str], dir: &Path, key: Option<&str>) -> std::process::Output {
+    let mut all: Vec<&str> = args.to_vec();
+    let dir_text = dir.display().to_string();
+    all.extend(["--data-dir", dir_text.as_str()]);
+    let mut cmd = wor(&all);
+    if let Some(key) = key {
+        cmd.env("WOR_ENCRYPTION_KEY", key);
+    }
+    run(&mut cmd)
+}
+
+fn run_greeter(server: &Server, owner: &str) -> String {
+    let out = server.client(
+        owner,
+        &["run", "start", "greeter", "--input", "hi", "--follow"],
+    );
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    assert!(stdout.contains("[engine] succeeded"), "{stdout}");
+    stdout
+}
+
+#[test]
+fn a_backup_of_a_running_server_restores_verifies_and_runs_and_a_wrong_key_is_refused() {
+    let root = tempfile::tempdir().unwrap();
+    let first = root.path().join("first");
+    let created = operator(&["project", "create", "ops"], &first, Some(KEY));
+    assert!(created.status.success(), "{}", text(&created.stderr));
+    let owner = text(&created.stdout).trim().to_owned();
+    let server = Server::start(&dir_args(&first), &[("WOR_ENCRYPTION_KEY", KEY)]);
+    let connection = run(wor(&[
+        "model-connection",
+        "create",
+        "main",
+        "--provider",
+        "openai_compatible",
+        "--base-url",
+        "https://models.example.com/v1",
+        "--api-key-env",
+        "MODEL_KEY",
+    ])
+    .env("WOR_SERVER", &server.url)
+    .env("WOR_API_KEY", &owner)
+    .env("MODEL_KEY", MODEL_KEY));
+    assert!(connection.status.success(), "{}", text(&connection.stderr));
+    let file = root.path().join("greeter.toml");
+    std::fs::write(&file, ROUTINE).unwrap();
+    let applied = server.client(
+        &owner,
+        &["routine", "apply", "-f", &file.display().to_string()],
+    );
+    assert!(applied.status.success(), "{}", text(&applied.stderr));
+    run_greeter(&server, &owner);
+
+    // Taken while the server runs (and holds the database open).
+    let backup = root.path().join("wor-backup.db");
+    let backup_text = backup.display().to_string();
+    let made = operator(&["backup", "--to", &backup_text], &first, None);
+    assert!(made.status.success(), "{}", text(&made.stderr));
+    assert_eq!(
+        std::fs::metadata(&backup).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    let again = operator(&["backup", "--to", &backup_text], &first, None);
+    assert_eq!(again.status.code(), Some(1));
+    assert!(
+        text(&again.stderr).contains("already exists"),
+        "{}",
+        text(&again.stderr)
+    );
+    // The key ring is never in the backup, and secrets are in it only sealed.
+    let bytes = std::fs::read(&backup).unwrap();
+    let raw_key = base64::engine::general_purpose::STANDARD
+        .decode(KEY)
+        .unwrap();
+    assert!(!bytes.windows(raw_key.len()).any(|w| w == raw_key));
+    for needle in [KEY, MODEL_KEY] {
+        assert!(
+            !bytes.windows(needle.len()).any(|w| w == needle.as_bytes()),
+            "the backup holds `{needle}`"
+        );
+    }
+    server.stop();
+
+    // Restored into a new data dir, with the audit signing key the operator kept apart.
+    let second = root.path().join("second");
+    std::fs::create_dir_all(&second).unwrap();
+    std::fs::copy(
+        first.join("audit-signing.key"),
+        second.join("audit-signing.key"),
+    )
+    .unwrap();
+    let keyless = operator(&["restore", "--from", &backup_text], &second, None);
+    assert_eq!(keyless.status.code(), Some(1));
+    assert!(
+        text(&keyless.stderr).contains("no encryption key"),
+        "{}",
+        text(&keyless.stderr)
+    );
+    let wrong = operator(
+        &["restore", "--from", &backup_text],
+        &second,
+        Some(OTHER_KEY),
+    );
+    assert_eq!(wrong.status.code(), Some(1), "{}", text(&wrong.stdout));
+    let complaint = text(&wrong.stderr);
+    assert!(complaint.contains("wrong encryption key"), "{complaint}");
+    assert!(complaint.contains("not in the key ring"), "{complaint}");
+    assert!(
+        !second.join("wor.db").exists(),
+        "a refused restore leaves nothing"
+    );
+
+    let restored = operator(&["restore", "--from", &backup_text], &second, Some(KEY));
+    assert!(restored.status.success(), "{}", text(&restored.stderr));
+    let summary = text(&restored.stdout);
+    assert!(summary.contains("audit intact"), "{summary}");
+    assert!(
+        summary.contains("1 sealed secret(s): every one opens"),
+        "{summary}"
+    );
+    let over = operator(&["restore", "--from", &backup_text], &second, Some(KEY));
+    assert_eq!(over.status.code(), Some(1));
+    assert!(text(&over.stderr).contains("already holds a database"));
+    let verified = operator(&["audit", "verify"], &second, Some(KEY));
+    assert!(verified.status.success(), "{}", text(&verified.stdout));
+    assert!(text(&verified.stdout).contains("intact"));
+
+    let server = Server::start(&dir_args(&second), &[("WOR_ENCRYPTION_KEY", KEY)]);
+    run_greeter(&server, &owner);
+    let listed = server.client(&owner, &["run", "list", "--routine", "greeter"]);
+    assert_eq!(
+        text(&listed.stdout).lines().count(),
+        2,
+        "{}",
+        text(&listed.stdout)
+    );
+    server.stop();
+    let verified = operator(&["audit", "verify"], &second, Some(KEY));
+    assert!(verified.status.success(), "{}", text(&verified.stdout));
+
+    // Not a backup at all.
+    let third = root.path().join("third");
+    std::fs::create_dir_all(&third).unwrap();
+    std::fs::copy(
+        first.join("audit-signing.key"),
+        third.join("audit-signing.key"),
+    )
+    .unwrap();
+    let junk = root.path().join("junk.db");
+    std::fs::write(&junk, "not a database").unwrap();
+    let refused = operator(
+        &["restore", "--from", &junk.display().to_string()],
+        &third,
+        Some(KEY),
+    );
+    assert_eq!(refused.status.code(), Some(1));
+    assert!(
+        text(&refused.stderr).contains("not a Work on Repeat backup"),
+        "{}",
+        text(&refused.stderr)
+    );
+    assert!(!third.join("wor.db").exists());
+}
+
+#[test]
+fn a_postgres_backup_names_pg_dump() {
+    let root = tempfile::tempdir().unwrap();
+    let out = run(&mut wor(&[
+        "backup",
+        "--to",
+        &root.path().join("b.db").display().to_string(),
+        "--data-dir",
+        &root.path().display().to_string(),
+        "--database",
+        "postgres://wor@127.0.0.1:1/none",
+    ]));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("pg_dump"),
+        "{}",
+        text(&out.stderr)
+    );
+    assert!(!root.path().join("b.db").exists());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Metrics: `GET /metrics` on the operator's `[metrics] listen`.
+
+/// Calls `routine__helper`, which waits for a person (mode `confirm`), then answers.
+const CALLER: &str = r#"
+name = "caller"
+instructions = "Ask the helper."
+
+[model]
+provider = "replay"
+model = "script"
+
+[[model.script.turns]]
+when = { last_tool_result_contains = "Hello" }
+text = "Done."
+usage = { input_tokens = 10, output_tokens = 5 }
+repeat = true
+
+[[model.script.turns]]
+tool_calls = [{ name = "routine__helper", arguments = { input = "hi" } }]
+usage = { input_tokens = 10, output_tokens = 5 }
+repeat = true
+
+[[tools]]
+tool = "routine/helper"
+mode = "confirm"
+"#;
+
+fn helper_routine(name: &str) -> String {
+    format!(
+        "name = \"{name}\"\ninstructions = \"Greet.\"\n\n[model]\nprovider = \"replay\"\n\
+         model = \"script\"\n\n[[model.script.turns]]\ntext = \"Hello from {name}.\"\n\
+         usage = {{ input_tokens = 3, output_tokens = 2 }}\nrepeat = true\n"
+    )
+}
+
+/// One HTTP/1.1 exchange on loopback; the whole response.
+fn http(addr: &str, request: &str) -> String {
+    use std::io::{Read as _, Write as _};
+    #[expect(
+        clippy::disallowed_methods,
+        reason = "the test talks to its own server on loopback"
+    )]
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    stream.write_all(request.as_bytes()).unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    response
+}
+
+/// The exposition as `series -> value` (`name{labels}` as written), comments left out.
+fn scrape(addr: &str) -> std::collections::BTreeMap<String, f64> {
+    let response = http(
+        addr,
+        "GET /metrics HTTP/1.1\r\nHost: metrics\r\nConnection: close\r\n\r\n",
+    );
+    let (head, body) = response.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(head.contains("text/plain; version=0.0.4"), "{head}");
+    body.lines()
+        .filter(|line| !line.starts_with('#') && !line.trim().is_empty())
+        .map(|line| {
+            let (series, value) = line.rsplit_once(' ').unwrap();
+            (series.to_owned(), value.parse::<f64>().unwrap())
+        })
+        .collect()
+}
+
+fn value(metrics: &std::collections::BTreeMap<String, f64>, series: &str) -> f64 {
+    metrics.get(series).copied().unwrap_or(0.0)
+}
+
+fn wait_for_status(server: &Server, key: &str, run: &str, status: &str) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let shown = server.client(key, &["run", "get", run, "--json"]);
+        let view: serde_json::Value = serde_json::from_slice(&shown.stdout)
+            .unwrap_or_else(|_| panic!("{}", text(&shown.stderr)));
+        if view["status"] == status {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "run {run} is {} not {status}",
+            view["status"]
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+fn metrics_addr(server: &Server) -> String {
+    let log = server.log.lock().unwrap().clone();
+    log.lines()
+        .find_map(|l| l.strip_prefix("wor: metrics on http://"))
+        .and_then(|rest| rest.strip_suffix("/metrics"))
+        .unwrap_or_else(|| panic!("no metrics listener: {log}"))
+        .to_owned()
+}
+
+#[test]
+fn metrics_move_by_exactly_a_held_approved_run_and_a_thousand_routines_add_no_series() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("wor.toml");
+    std::fs::write(&config, "[metrics]\nlisten = \"127.0.0.1:0\"\n").unwrap();
+    let mut db = common::database_args(dir.path());
+    db.extend(["--config".to_owned(), config.display().to_string()]);
+    let owner = common::create_project(&db);
+    let server = Server::start(&db, &[]);
+    let metrics = metrics_addr(&server);
+    assert_ne!(metrics, server.url.trim_start_matches("http://"));
+    let api_answer = http(
+        server.url.trim_start_matches("http://"),
+        "GET /metrics HTTP/1.1\r\nHost: api\r\nConnection: close\r\n\r\n",
+    );
+    assert!(
+        !api_answer.contains("wor_runs"),
+        "the API listener serves no metrics"
+    );
+    let approver = server.client(&owner, &["member", "create", "pat", "--role", "approver"]);
+    assert!(approver.status.success(), "{}", text(&approver.stderr));
+    let approver = text(&approver.stdout).trim().to_owned();
+    for (name, toml) in [
+        ("helper", helper_routine("helper")),
+        ("caller", CALLER.to_owned()),
+    ] {
+        let file = dir.path().join(format!("{name}.toml"));
+        std::fs::write(&file, toml).unwrap();
+        let applied = server.client(
+            &owner,
+            &["routine", "apply", "-f", &file.display().to_string()],
+        );
+        assert!(applied.status.success(), "{}", text(&applied.stderr));
+    }
+
+    let before = scrape(&metrics);
+    let started = server.client(&owner, &["run", "start", "caller", "--input", "go"]);
+    assert!(started.status.success(), "{}", text(&started.stderr));
+    let run = text(&started.stdout).trim().to_owned();
+    wait_for_status(&server, &owner, &run, "waiting_for_approval");
+    let held = scrape(&metrics);
+    assert_eq!(value(&held, "wor_approvals_pending"), 1.0);
+    assert!(value(&held, "wor_approval_oldest_pending_age_seconds") >= 0.0);
+    let delta = |now: &std::collections::BTreeMap<String, f64>, series: &str| {
+        value(now, series) - value(&before, series)
+    };
+    assert_eq!(
+        delta(&held, r#"wor_tool_calls_total{decision="confirm"}"#),
+        1.0
+    );
+    assert_eq!(
+        delta(&held, r#"wor_runs_started_total{trigger="api"}"#),
+        1.0
+    );
+    assert_eq!(
+        delta(
+            &held,
+            r#"wor_runs_finished_total{status="succeeded",trigger="api"}"#
+        ),
+        0.0
+    );
+
+    let listed = server.client(&approver, &["approvals", "list", "--json"]);
+    let approvals: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
+    let approval = approvals
+        .as_array()
+        .or_else(|| approvals["approvals"].as_array())
+        .unwrap()[0]["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let approved = server.client(
+        &approver,
+        &["approvals", "approve", &approval, "--reason", "expected"],
+    );
+    assert!(approved.status.success(), "{}", text(&approved.stderr));
+    wait_for_status(&server, &owner, &run, "succeeded");
+
+    let after = scrape(&metrics);
+    for (series, expected) in [
+        (r#"wor_runs_started_total{trigger="api"}"#, 1.0),
+        (r#"wor_runs_started_total{trigger="routine"}"#, 1.0),
+        (
+            r#"wor_runs_finished_total{status="succeeded",trigger="api"}"#,
+            1.0,
+        ),
+        (
+            r#"wor_runs_finished_total{status="succeeded",trigger="routine"}"#,
+            1.0,
+        ),
+        (r#"wor_tool_calls_total{decision="confirm"}"#, 1.0),
+        (r#"wor_tool_calls_total{decision="allow"}"#, 0.0),
+        (r#"wor_tool_calls_total{decision="deny"}"#, 0.0),
+        (r#"wor_approvals_decided_total{outcome="approved"}"#, 1.0),
+        (r#"wor_approvals_decided_total{outcome="denied"}"#, 0.0),
+        // The caller's two turns and the helper's one.
+        (r#"wor_model_calls_total{provider="replay"}"#, 3.0),
+        (
+            r#"wor_model_tokens_total{provider="replay",direction="input"}"#,
+            10.0 + 10.0 + 3.0,
+        ),
+        (
+            r#"wor_model_tokens_total{provider="replay",direction="output"}"#,
+            5.0 + 5.0 + 2.0,
+        ),
+        ("wor_run_queue_lag_seconds_count", 2.0),
+        (r#"wor_run_duration_seconds_count{status="succeeded"}"#, 2.0),
+    ] {
+        assert_eq!(delta(&after, series), expected, "{series}");
+    }
+    assert_eq!(value(&after, "wor_approvals_pending"), 0.0);
+    assert_eq!(
+        value(&after, "wor_approval_oldest_pending_age_seconds"),
+        0.0
+    );
+    assert!(delta(&after, "wor_audit_append_seconds_count") >= 1.0);
+    assert!(value(&after, "wor_db_pool_max_connections") >= 1.0);
+
+    // A thousand routines, three of them run: not one series more.
+    let series = after.len();
+    let api = server.url.trim_start_matches("http://").to_owned();
+    for n in 0..1000 {
+        let body = serde_json::json!({ "toml": helper_routine(&format!("bulk-{n}")) }).to_string();
+        let answer = http(
+            &api,
+            &format!(
+                "POST /v1/routines HTTP/1.1\r\nHost: api\r\nAuthorization: Bearer {owner}\r\n\
+                 Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            ),
+        );
+        assert!(answer.starts_with("HTTP/1.1 20"), "{answer}");
+    }
+    for n in [0, 499, 999] {
+        let out = server.client(
+            &owner,
+            &[
+                "run",
+                "start",
+                &format!("bulk-{n}"),
+                "--input",
+                "hi",
+                "--follow",
+            ],
+        );
+        assert!(out.status.success(), "{}", text(&out.stderr));
+    }
+    let bulk = scrape(&metrics);
+    assert_eq!(
+        delta(
+            &bulk,
+            r#"wor_runs_finished_total{status="succeeded",trigger="api"}"#
+        ),
+        1.0 + 3.0
+    );
+    let names: Vec<&String> = bulk.keys().filter(|k| !after.contains_key(*k)).collect();
+    assert_eq!(bulk.len(), series, "new series: {names:?}");
+    assert!(
+        !bulk
+            .keys()
+            .any(|k| k.contains("bulk-") || k.contains("caller") || k.contains("helper")),
+        "a routine name in a label"
+    );
+    server.stop();
+}
+
+// ---------------------------------------------------------------------------------------------
+// `wor doctor`: the readiness report.
+
+fn doctor(args: &[&str], envs: &[(&str, &str)]) -> (Option<i32>, serde_json::Value) {
+    let mut all = vec!["doctor", "--json"];
+    all.extend_from_slice(args);
+    let out = run(wor(&all).envs(envs.iter().copied()));
+    let report = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|_| panic!("{}{}", text(&out.stdout), text(&out.stderr)));
+    (out.status.code(), report)
+}
+
+fn status<'a>(report: &'a serde_json::Value, name: &str) -> (&'a str, &'a str) {
+    let found = report["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["check"] == name)
+        .unwrap_or_else(|| panic!("no `{name}` check: {report}"));
+    (
+        found["status"].as_str().unwrap(),
+        found["detail"].as_str().unwrap(),
+    )
+}
+
+#[test]
+fn doctor_reports_readiness_with_an_exit_code() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = common::database_args(dir.path());
+    let db: Vec<&str> = db.iter().map(String::as_str).collect();
+    let sandbox_ready = {
+        let (code, report) = doctor(&["--sandbox-only"], &[]);
+        assert_eq!(code == Some(0), report["ready"] == true, "{report}");
+        report["ready"] == true
+    };
+
+    // Nothing set up yet: the database is missing (SQLite) or empty, and nothing is created.
+    let empty = tempfile::tempdir().unwrap();
+    let empty_dir = empty.path().display().to_string();
+    let (code, report) = doctor(&["--data-dir", &empty_dir], &[]);
+    assert_eq!(code, Some(1), "{report}");
+    assert_eq!(report["ready"], false);
+    assert_eq!(status(&report, "database").0, "fail", "{report}");
+    assert!(
+        !empty.path().join("wor.db").exists(),
+        "doctor created a database"
+    );
+    assert!(
+        !empty.path().join("encryption.key").exists(),
+        "doctor created a key"
+    );
+
+    let owner = common::create_project(&db.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+    assert!(owner.starts_with("wor_"), "{owner}");
+    let (code, report) = doctor(&db, &[]);
+    assert_eq!(status(&report, "encryption-key").0, "warn", "{report}");
+    assert!(
+        status(&report, "encryption-key")
+            .1
+            .contains("would generate one")
+    );
+    assert_eq!(code == Some(0), sandbox_ready, "{report}");
+    // Opening the vault makes the development key file.
+    let mut verify = vec!["secrets", "verify"];
+    verify.extend_from_slice(&db);
+    assert!(run(&mut wor(&verify)).status.success());
+    let (code, report) = doctor(&db, &[]);
+    let (database, detail) = status(&report, "database");
+    assert_eq!(database, "ok", "{report}");
+    assert!(detail.contains("migrations current"), "{detail}");
+    assert_eq!(status(&report, "clock-skew").0, "ok", "{report}");
+    assert_eq!(status(&report, "disk").0, "ok", "{report}");
+    let (key, detail) = status(&report, "encryption-key");
+    assert_eq!(key, "warn", "a development key file: {report}");
+    assert!(detail.contains("day(s) old"), "{detail}");
+    assert_eq!(code == Some(0), sandbox_ready, "{report}");
+
+    // Production without a real key is not ready, whatever else is.
+    let (code, report) = doctor(&db, &[("WOR_ENV", "production")]);
+    assert_eq!(code, Some(1), "{report}");
+    assert_eq!(status(&report, "encryption-key").0, "fail");
+    assert_eq!(status(&report, "production").0, "fail");
+    let (code, report) = doctor(
+        &db,
+        &[("WOR_ENV", "production"), ("WOR_ENCRYPTION_KEY", KEY)],
+    );
+    let (key, detail) = status(&report, "encryption-key");
+    assert_eq!(key, "ok", "{report}");
+    assert!(detail.contains("age is not known"), "{detail}");
+    assert!(
+        !report.to_string().contains(KEY),
+        "the key is never printed"
+    );
+    let production_ok = report["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|c| c["check"] != "production");
+    // A PostgreSQL URL without a password is a production problem of its own.
+    let on_postgres = db.contains(&"--database");
+    assert_eq!(production_ok, !on_postgres, "{report}");
+    assert_eq!(code == Some(0), sandbox_ready && production_ok, "{report}");
+    assert!(
+        report["checks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|c| c["check"] != "tls"),
+        "no TLS configured, no TLS check"
+    );
+
+    // The listener's certificate: its expiry is reported; an expired one fails.
+    let certs = tempfile::tempdir().unwrap();
+    let config = certs.path().join("wor.toml");
+    let write_tls = |cert: &str, key: &str| {
+        std::fs::write(certs.path().join("cert.pem"), cert).unwrap();
+        std::fs::write(certs.path().join("key.pem"), key).unwrap();
+        std::fs::write(
+            &config,
+            format!(
+                "[tls]\ncert = \"{0}/cert.pem\"\nkey = \"{0}/key.pem\"\n",
+                certs.path().display()
+            ),
+        )
+        .unwrap();
+    };
+    let fresh = generated_certificate();
+    write_tls(&fresh.cert, &fresh.key);
+    let config_text = config.display().to_string();
+    let mut with_tls = db.clone();
+    with_tls.extend(["--config", config_text.as_str()]);
+    let (_, report) = doctor(&with_tls, &[]);
+    let (tls, detail) = status(&report, "tls");
+    assert_eq!(tls, "ok", "{report}");
+    assert!(detail.contains("expires in"), "{detail}");
+    let mut params = rcgen::CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
+    params.not_before = rcgen::date_time_ymd(2019, 1, 1);
+    params.not_after = rcgen::date_time_ymd(2020, 1, 1);
+    let key = rcgen::KeyPair::generate().unwrap();
+    let expired = params.self_signed(&key).unwrap();
+    write_tls(&expired.pem(), &key.serialize_pem());
+    let (code, report) = doctor(&with_tls, &[]);
+    let (tls, detail) = status(&report, "tls");
+    assert_eq!((tls, code), ("fail", Some(1)), "{report}");
+    assert!(detail.contains("expired"), "{detail}");
+    write_tls(&fresh.cert, "not a key");
+    let (code, report) = doctor(&with_tls, &[]);
+    assert_eq!(
+        (status(&report, "tls").0, code),
+        ("fail", Some(1)),
+        "{report}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// TLS on the listener.
+
+struct Pem {
+    cert: String,
+    key: String,
+    der: rustls::pki_types::CertificateDer<'static>,
+}
+
+fn generated_certificate() -> Pem {
+    let made =
+        rcgen::generate_simple_self_signed(vec!["localhost".to_owned(), "127.0.0.1".to_owned()])
+            .unwrap();
+    Pem {
+        cert: made.cert.pem(),
+        key: made.signing_key.serialize_pem(),
+        der: made.cert.der().clone(),
+    }
+}
+
+type Tls = tokio_rustls::client::TlsStream<tokio::net::TcpStream>;
+
+async fn tls_connect(addr: &str, trusted: &Pem) -> std::io::Result<Tls> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(trusted.der.clone()).unwrap();
+    let provider = std::sync::Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    #[expect(
+        clippy::disallowed_methods,
+        reason = "the test talks to its own server on loopback"
+    )]
+    let tcp = tokio::net::TcpStream::connect(addr).await?;
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    connector.connect(name, tcp).await
+}
+
+/// One request on a kept-alive connection; the status line and body of its answer.
+async fn get(stream: &mut Tls, path: &str) -> (String, String) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    stream
+        .write_all(format!("GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut buffer = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        let read = stream.read(&mut chunk).await.unwrap();
+        assert!(read > 0, "the connection closed");
+        buffer.extend_from_slice(&chunk[..read]);
+        let text = String::from_utf8_lossy(&buffer).into_owned();
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let length: usize = head
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length: ")
+                        .map(|n| n.trim().parse().unwrap())
+                })
+                .unwrap();
+            if body.len() >= length {
+                return (head.lines().next().unwrap().to_owned(), body.to_owned());
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn tls_serves_a_generated_certificate_and_reloads_it_on_sighup_keeping_connections() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cert_path, key_path) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    let first = generated_certificate();
+    std::fs::write(&cert_path, &first.cert).unwrap();
+    std::fs::write(&key_path, &first.key).unwrap();
+    let config = dir.path().join("wor.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[tls]\ncert = \"{}\"\nkey = \"{}\"\n",
+            cert_path.display(),
+            key_path.display()
+        ),
+    )
+    .unwrap();
+    let mut db = dir_args(dir.path());
+    db.extend(["--config".to_owned(), config.display().to_string()]);
+    let server = tokio::task::block_in_place(|| Server::start(&db, &[]));
+    let addr = server
+        .url
+        .strip_prefix("https://")
+        .unwrap_or_else(|| panic!("not https: {}", server.url))
+        .to_owned();
+
+    let mut kept = tls_connect(&addr, &first).await.unwrap();
+    let (status, body) = get(&mut kept, "/healthz").await;
+    assert!(status.contains("200"), "{status}");
+    assert!(body.contains("ok"), "{body}");
+    // Plaintext on the TLS port gets no HTTP answer.
+    let plain = tokio::task::block_in_place(|| {
+        http(
+            &addr,
+            "GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        )
+    });
+    assert!(!plain.contains("200 OK"), "{plain}");
+
+    // A new certificate, then SIGHUP: the open connection goes on, new ones get the new one.
+    let second = generated_certificate();
+    std::fs::write(&cert_path, &second.cert).unwrap();
+    std::fs::write(&key_path, &second.key).unwrap();
+    assert!(
+        std::process::Command::new("kill")
+            .args(["-HUP", &server.child.id().to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !server
+        .log
+        .lock()
+        .unwrap()
+        .contains("TLS certificate reloaded")
+    {
+        assert!(std::time::Instant::now() < deadline, "no reload logged");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let (status, _) = get(&mut kept, "/healthz").await;
+    assert!(
+        status.contains("200"),
+        "the open connection survived: {status}"
+    );
+    assert!(
+        tls_connect(&addr, &first).await.is_err(),
+        "a new connection no longer gets the old certificate"
+    );
+    let mut fresh = tls_connect(&addr, &second).await.unwrap();
+    let (status, _) = get(&mut fresh, "/healthz").await;
+    assert!(status.contains("200"), "{status}");
+
+    // A broken file on the next SIGHUP keeps the working certificate.
+    std::fs::write(&key_path, "not a key").unwrap();
+    assert!(
+        std::process::Command::new("kill")
+            .args(["-HUP", &server.child.id().to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !server
+        .log
+        .lock()
+        .unwrap()
+        .contains("the previous certificate stays in use")
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no failed reload logged"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let mut again = tls_connect(&addr, &second).await.unwrap();
+    let (status, _) = get(&mut again, "/healthz").await;
+    assert!(status.contains("200"), "{status}");
+    drop((kept, fresh, again));
+    tokio::task::block_in_place(|| server.stop());
+}
+
+#[test]
+fn production_refuses_a_plaintext_listener_on_a_public_address() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().display().to_string();
+    let out = run(wor(&[
+        "serve",
+        "--production",
+        "--listen",
+        "0.0.0.0:0",
+        "--data-dir",
+        &data,
+    ])
+    .env("WOR_ENCRYPTION_KEY", KEY));
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("plaintext on a non-loopback address") && stderr.contains("behind_proxy"),
+        "{stderr}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Logs: fixed fields only, at every level.
+
+#[test]
+fn a_run_logged_at_trace_level_leaves_no_prompt_input_tool_content_or_secret_in_the_log() {
+    const PROMPT: &str = "prompt-canary-4d1c9e";
+    const INPUT: &str = "input-canary-7b3a10";
+    const TOOL_TEXT: &str = "tool-content-canary-e52f08";
+    const ANSWER: &str = "answer-canary-91c6d4";
+    const REASON: &str = "reason-canary-2a7f3b";
+    const SECRET: &str = "sk-log-canary-3f2e1d0c9b8a7968";
+    let dir = tempfile::tempdir().unwrap();
+    let db = common::database_args(dir.path());
+    let owner = common::create_project(&db);
+    let server = Server::start(&db, &[("WOR_LOG", "trace")]);
+    let created = run(wor(&[
+        "model-connection",
+        "create",
+        "main",
+        "--provider",
+        "openai_compatible",
+        "--base-url",
+        "https://models.example.com/v1",
+        "--api-key-env",
+        "MODEL_KEY",
+    ])
+    .env("WOR_SERVER", &server.url)
+    .env("WOR_API_KEY", &owner)
+    .env("MODEL_KEY", SECRET));
+    assert!(created.status.success(), "{}", text(&created.stderr));
+    let approver = server.client(&owner, &["member", "create", "pat", "--role", "approver"]);
+    let approver = text(&approver.stdout).trim().to_owned();
+    let helper = helper_routine("helper").replace("Hello from helper.", TOOL_TEXT);
+    let caller = CALLER
+        .replace("Ask the helper.", &format!("Ask the helper. {PROMPT}"))
+        .replace(
+            "last_tool_result_contains = \"Hello\"",
+            &format!("last_tool_result_contains = \"{TOOL_TEXT}\""),
+        )
+        .replace("text = \"Done.\"", &format!("text = \"{ANSWER}\""));
+    for (name, toml) in [("helper", helper), ("caller", caller)] {
+        let file = dir.path().join(format!("{name}.toml"));
+        std::fs::write(&file, toml).unwrap();
+        let applied = server.client(
+            &owner,
+            &["routine", "apply", "-f", &file.display().to_string()],
+        );
+        assert!(applied.status.success(), "{}", text(&applied.stderr));
+    }
+    let started = server.client(&owner, &["run", "start", "caller", "--input", INPUT]);
+    let run_id = text(&started.stdout).trim().to_owned();
+    wait_for_status(&server, &owner, &run_id, "waiting_for_approval");
+    let listed = server.client(&approver, &["approvals", "list", "--json"]);
+    let approvals: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
+    let approval = approvals
+        .as_array()
+        .or_else(|| approvals["approvals"].as_array())
+        .unwrap()[0]["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let approved = server.client(
+        &approver,
+        &["approvals", "approve", &approval, "--reason", REASON],
+    );
+    assert!(approved.status.success(), "{}", text(&approved.stderr));
+    wait_for_status(&server, &owner, &run_id, "succeeded");
+    // The run really carried every canary: its record holds the answer and the tool content.
+    let shown = text(
+        &server
+            .client(&owner, &["run", "get", &run_id, "--json"])
+            .stdout,
+    );
+    assert!(
+        shown.contains(ANSWER) && shown.contains(TOOL_TEXT),
+        "{shown}"
+    );
+    let log = server.stop();
+    // WOR_LOG=trace lets every level of the project's own components through.
+    assert!(
+        log.contains("\"level\":\"INFO\"") && log.contains("run ended"),
+        "{log}"
+    );
+    assert!(log.contains(&run_id), "runs are logged by id");
+    for canary in [PROMPT, INPUT, TOOL_TEXT, ANSWER, REASON, SECRET] {
+        assert!(!log.contains(canary), "the log holds `{canary}`");
+    }
+}

@@ -1,0 +1,134 @@
+//! The engine's operational metrics: one function per event, so a hook in the engine is one
+//! line. They record through the `metrics` facade; with no recorder installed (no `[metrics]`
+//! listener) each call does nothing.
+//!
+//! INVARIANT: every label value is one of a fixed set of `&'static str` (a status, a trigger,
+//! a provider, a verdict): never a routine name, a tool's arguments, a URL or any other text
+//! of a project, so the number of series does not grow with what projects hold.
+
+use std::time::Duration;
+
+use metrics::{counter, histogram};
+use wor_core::call::{TriggerKind, Verdict};
+use wor_core::model::ProviderKind;
+use wor_core::run::RunStatus;
+use wor_store::{ApprovalStatus, AttemptOutcome, RunRecord};
+
+pub const RUNS_STARTED: &str = "wor_runs_started_total";
+pub const RUNS_FINISHED: &str = "wor_runs_finished_total";
+pub const RUN_DURATION: &str = "wor_run_duration_seconds";
+pub const RUN_QUEUE_LAG: &str = "wor_run_queue_lag_seconds";
+pub const MODEL_CALLS: &str = "wor_model_calls_total";
+pub const MODEL_TOKENS: &str = "wor_model_tokens_total";
+pub const TOOL_CALLS: &str = "wor_tool_calls_total";
+pub const APPROVALS_DECIDED: &str = "wor_approvals_decided_total";
+pub const WEBHOOK_DELIVERIES: &str = "wor_webhook_deliveries_total";
+
+/// Describes the engine's metrics to the installed recorder (`# HELP` lines).
+pub fn describe() {
+    use metrics::{Unit, describe_counter, describe_histogram};
+    describe_counter!(
+        RUNS_STARTED,
+        "Runs claimed by a worker for the first time, by trigger"
+    );
+    describe_counter!(
+        RUNS_FINISHED,
+        "Runs a worker ended, by final status and trigger"
+    );
+    describe_histogram!(
+        RUN_DURATION,
+        Unit::Seconds,
+        "From a run's first start to its end, without time parked for approvals"
+    );
+    describe_histogram!(
+        RUN_QUEUE_LAG,
+        Unit::Seconds,
+        "From a run's creation to its first claim by a worker"
+    );
+    describe_counter!(MODEL_CALLS, "Model calls answered, by provider");
+    describe_counter!(
+        MODEL_TOKENS,
+        "Model tokens, by provider and direction (input, output)"
+    );
+    describe_counter!(
+        TOOL_CALLS,
+        "Tool calls decided, by decision (allow, confirm, deny)"
+    );
+    describe_counter!(
+        APPROVALS_DECIDED,
+        "Approvals decided, by outcome (approved, denied, expired)"
+    );
+    describe_counter!(
+        WEBHOOK_DELIVERIES,
+        "Run webhook delivery attempts, by result (delivered, failed)"
+    );
+}
+
+fn seconds_between(from_ms: i64, to_ms: i64) -> f64 {
+    Duration::from_millis(u64::try_from(to_ms.saturating_sub(from_ms)).unwrap_or(0)).as_secs_f64()
+}
+
+/// A worker claimed `run`; `claim_began_ms` is when the claim was asked for. Only a first
+/// claim (its `started_at` written by this claim) counts as a start.
+pub(crate) fn run_claimed(run: &RunRecord, claim_began_ms: i64) {
+    let Some(started) = run.started_at else {
+        return;
+    };
+    if started < claim_began_ms {
+        return;
+    }
+    counter!(RUNS_STARTED, "trigger" => run.trigger_kind.as_str()).increment(1);
+    histogram!(RUN_QUEUE_LAG).record(seconds_between(run.created_at, started));
+}
+
+/// A worker ended `run` with `status`.
+pub(crate) fn run_finished(run: &RunRecord, status: RunStatus) {
+    counter!(RUNS_FINISHED, "status" => status.as_str(), "trigger" => trigger(run.trigger_kind))
+        .increment(1);
+    if let Some(started) = run.started_at {
+        let active = wor_store::now_millis()
+            .saturating_sub(started)
+            .saturating_sub(run.parked_ms);
+        histogram!(RUN_DURATION, "status" => status.as_str()).record(seconds_between(0, active));
+    }
+}
+
+fn trigger(kind: TriggerKind) -> &'static str {
+    kind.as_str()
+}
+
+/// A model answered a call of a run.
+pub(crate) fn model_called(provider: ProviderKind, input_tokens: u64, output_tokens: u64) {
+    let provider = provider.as_str();
+    counter!(MODEL_CALLS, "provider" => provider).increment(1);
+    counter!(MODEL_TOKENS, "provider" => provider, "direction" => "input").increment(input_tokens);
+    counter!(MODEL_TOKENS, "provider" => provider, "direction" => "output")
+        .increment(output_tokens);
+}
+
+/// Policy decided a proposed tool call.
+pub(crate) fn tool_call_decided(verdict: Verdict) {
+    counter!(TOOL_CALLS, "decision" => verdict.as_str()).increment(1);
+}
+
+/// A person decided an approval (`approved` or `denied`).
+pub(crate) fn approval_decided(status: ApprovalStatus) {
+    counter!(APPROVALS_DECIDED, "outcome" => status.as_str()).increment(1);
+}
+
+/// `count` approvals expired undecided.
+pub(crate) fn approvals_expired(count: usize) {
+    if count > 0 {
+        counter!(APPROVALS_DECIDED, "outcome" => ApprovalStatus::Expired.as_str())
+            .increment(u64::try_from(count).unwrap_or(u64::MAX));
+    }
+}
+
+/// One attempt to deliver a run webhook.
+pub(crate) fn webhook_attempted(outcome: &AttemptOutcome) {
+    let result = match outcome {
+        AttemptOutcome::Delivered { .. } => "delivered",
+        AttemptOutcome::Failed { .. } => "failed",
+    };
+    counter!(WEBHOOK_DELIVERIES, "result" => result).increment(1);
+}

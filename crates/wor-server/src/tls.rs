@@ -1,0 +1,168 @@
+//! TLS on the API's listener (rustls): the certificate chain and key from PEM files, reloaded
+//! on request (`wor serve` reloads on SIGHUP) without dropping a connection — a connection
+//! keeps the configuration it was accepted under, and only new ones get the new certificate.
+
+use std::io;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, RwLock};
+
+use rustls::ServerConfig;
+use rustls::pki_types::pem::PemObject as _;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio_rustls::TlsAcceptor;
+use tokio_rustls::server::TlsStream;
+
+/// Handshakes not finished within this are dropped, so a silent client holds nothing.
+const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Why the certificate or key could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("cannot read the TLS certificate `{path}`: {reason}")]
+    Certificate { path: String, reason: String },
+    #[error("cannot read the TLS key `{path}`: {reason}")]
+    Key { path: String, reason: String },
+    #[error("the TLS certificate and key do not make a server configuration: {0}")]
+    Config(#[from] rustls::Error),
+}
+
+/// Where the certificate chain and its private key are, in PEM.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+impl TlsFiles {
+    /// Reads both files and builds a server configuration (HTTP/1.1 over TLS 1.2 and 1.3).
+    pub fn load(&self) -> Result<Arc<ServerConfig>, TlsError> {
+        let chain = CertificateDer::pem_file_iter(&self.cert)
+            .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+            .map_err(|e| TlsError::Certificate {
+                path: self.cert.display().to_string(),
+                reason: e.to_string(),
+            })?;
+        if chain.is_empty() {
+            return Err(TlsError::Certificate {
+                path: self.cert.display().to_string(),
+                reason: "no certificate in the file".to_owned(),
+            });
+        }
+        let key = PrivateKeyDer::from_pem_file(&self.key).map_err(|e| TlsError::Key {
+            path: self.key.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+        let mut config = ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()?
+            .with_no_client_auth()
+            .with_single_cert(chain, key)?;
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Ok(Arc::new(config))
+    }
+}
+
+/// The configuration new connections are accepted under, replaceable while serving.
+#[derive(Debug, Clone)]
+pub struct ReloadableTls {
+    files: TlsFiles,
+    current: Arc<RwLock<Arc<ServerConfig>>>,
+}
+
+impl ReloadableTls {
+    pub fn load(files: TlsFiles) -> Result<Self, TlsError> {
+        let config = files.load()?;
+        Ok(ReloadableTls {
+            files,
+            current: Arc::new(RwLock::new(config)),
+        })
+    }
+
+    /// Reads the files again; on success new connections get the new certificate. On failure
+    /// the previous one stays in use.
+    pub fn reload(&self) -> Result<(), TlsError> {
+        let config = self.files.load()?;
+        match self.current.write() {
+            Ok(mut current) => *current = config,
+            Err(poisoned) => *poisoned.into_inner() = config,
+        }
+        Ok(())
+    }
+
+    fn config(&self) -> Arc<ServerConfig> {
+        match self.current.read() {
+            Ok(current) => current.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
+    }
+
+    pub fn files(&self) -> &TlsFiles {
+        &self.files
+    }
+}
+
+/// A listener whose connections arrive after their TLS handshake; handshakes run on tasks of
+/// their own, so a slow client does not hold up the others.
+#[derive(Debug)]
+pub struct TlsListener {
+    local: SocketAddr,
+    accepted: mpsc::Receiver<(TlsStream<tokio::net::TcpStream>, SocketAddr)>,
+}
+
+impl TlsListener {
+    pub fn new(listener: TcpListener, tls: ReloadableTls) -> io::Result<Self> {
+        let local = listener.local_addr()?;
+        let (sender, accepted) = mpsc::channel(64);
+        tokio::spawn(async move {
+            loop {
+                let (stream, peer) = match listener.accept().await {
+                    Ok(accepted) => accepted,
+                    Err(error) => {
+                        tracing::warn!(category = "http", kind = ?error.kind(), "accepting a connection failed");
+                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                if sender.is_closed() {
+                    break;
+                }
+                let acceptor = TlsAcceptor::from(tls.config());
+                let sender = sender.clone();
+                tokio::spawn(async move {
+                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                        Ok(Ok(stream)) => {
+                            let _ = sender.send((stream, peer)).await;
+                        }
+                        Ok(Err(_)) | Err(_) => {
+                            tracing::debug!(
+                                category = "http",
+                                "a TLS handshake failed or timed out"
+                            );
+                        }
+                    }
+                });
+            }
+        });
+        Ok(TlsListener { local, accepted })
+    }
+}
+
+impl axum::serve::Listener for TlsListener {
+    type Io = TlsStream<tokio::net::TcpStream>;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        match self.accepted.recv().await {
+            Some(accepted) => accepted,
+            // The accept task only stops once this listener is gone.
+            None => std::future::pending().await,
+        }
+    }
+
+    fn local_addr(&self) -> io::Result<Self::Addr> {
+        Ok(self.local)
+    }
+}

@@ -1,0 +1,39 @@
+//! The store's operational metrics, through the `metrics` facade (nothing is recorded unless
+//! the server installs a recorder). Labels are fixed words only.
+
+use std::time::Duration;
+
+use metrics::{counter, histogram};
+
+pub const AUDIT_APPEND: &str = "wor_audit_append_seconds";
+pub const AUDIT_BATCH: &str = "wor_audit_batch_entries";
+pub const AUDIT_APPEND_FAILURES: &str = "wor_audit_append_failures_total";
+
+/// Describes the store's metrics to the installed recorder (`# HELP` lines).
+pub fn describe() {
+    use metrics::{Unit, describe_counter, describe_histogram};
+    describe_histogram!(
+        AUDIT_APPEND,
+        Unit::Seconds,
+        "Time to write one batch of audit entries (one transaction)"
+    );
+    describe_histogram!(
+        AUDIT_BATCH,
+        Unit::Count,
+        "Audit entries written per transaction by the group-commit writer"
+    );
+    describe_counter!(
+        AUDIT_APPEND_FAILURES,
+        "Audit batches whose transaction failed"
+    );
+}
+
+/// The audit writer wrote (or failed to write) a batch of `entries` in `took`.
+pub(crate) fn audit_batch(entries: usize, took: Duration, ok: bool) {
+    if ok {
+        histogram!(AUDIT_APPEND).record(took.as_secs_f64());
+        histogram!(AUDIT_BATCH).record(entries as f64);
+    } else {
+        counter!(AUDIT_APPEND_FAILURES).increment(1);
+    }
+}

@@ -1,0 +1,83 @@
+//! A look at a database without changing it, for `wor doctor`: is it reachable, how far are
+//! its migrations, and what time does it think it is.
+
+use std::path::Path;
+use std::time::Duration;
+
+use sqlx::any::{AnyPoolOptions, install_default_drivers};
+
+use crate::{Backend, SQLITE_FILE, StoreError};
+
+/// What [`probe`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DatabaseProbe {
+    pub backend: Backend,
+    /// The newest migration applied to the database (0 for none).
+    pub applied_migration: i64,
+    /// The newest migration this release knows.
+    pub latest_migration: i64,
+    /// The database server's clock, in milliseconds since the epoch (PostgreSQL only: an
+    /// embedded SQLite database has the host's clock).
+    pub server_now_ms: Option<i64>,
+}
+
+/// Connects to `database_url`, or the embedded SQLite database of `data_dir` (read-only,
+/// never creating it), and reads what [`DatabaseProbe`] holds. Applies no migration.
+pub async fn probe(
+    database_url: Option<&str>,
+    data_dir: &Path,
+) -> Result<DatabaseProbe, StoreError> {
+    install_default_drivers();
+    let (url, backend) = match database_url {
+        Some(url) if url.starts_with("postgres://") || url.starts_with("postgresql://") => {
+            (url.to_owned(), Backend::Postgres)
+        }
+        Some(url) if url.starts_with("sqlite:") => (url.to_owned(), Backend::Sqlite),
+        Some(url) => return Err(StoreError::UnsupportedUrl(crate::scrub_url(url))),
+        None => {
+            let file = data_dir.join(SQLITE_FILE);
+            if !file.exists() {
+                return Err(StoreError::NoDatabase {
+                    path: file.display().to_string(),
+                });
+            }
+            (
+                format!("sqlite://{}?mode=ro", file.display()),
+                Backend::Sqlite,
+            )
+        }
+    };
+    let pool = AnyPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect(&url)
+        .await?;
+    let applied: Result<(Option<i64>,), sqlx::Error> =
+        sqlx::query_as("SELECT MAX(version) FROM _sqlx_migrations WHERE success")
+            .fetch_one(&pool)
+            .await;
+    let applied = match applied {
+        Ok((version,)) => version.unwrap_or(0),
+        // No migration table: a database nothing was ever applied to.
+        Err(sqlx::Error::Database(_)) => 0,
+        Err(other) => return Err(other.into()),
+    };
+    let server_now_ms = match backend {
+        Backend::Postgres => Some(
+            sqlx::query_as::<_, (i64,)>(
+                "SELECT CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)",
+            )
+            .fetch_one(&pool)
+            .await?
+            .0,
+        ),
+        Backend::Sqlite => None,
+    };
+    pool.close().await;
+    Ok(DatabaseProbe {
+        backend,
+        applied_migration: applied,
+        latest_migration: crate::migrations::latest_version(),
+        server_now_ms,
+    })
+}
