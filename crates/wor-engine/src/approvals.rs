@@ -14,6 +14,23 @@ use wor_store::{
 
 use crate::{Engine, EngineError};
 
+/// What an `approval.decide` entry records: the decision, where it was made and, for Slack,
+/// the Slack identity that pressed (the member is the entry's actor).
+fn decision_payload(decided: &ApprovalRecord, reason: &str, via: &DecidedVia) -> serde_json::Value {
+    let mut payload = json!({
+        "decision": decided.status.as_str(),
+        "reason": reason,
+        "tool": decided.tool,
+        "binding_hash": decided.binding_hash,
+        "via": via.as_str(),
+    });
+    if let (DecidedVia::Slack { team, user }, Some(fields)) = (via, payload.as_object_mut()) {
+        fields.insert("slack_team".to_owned(), json!(team));
+        fields.insert("slack_user".to_owned(), json!(user));
+    }
+    payload
+}
+
 /// Longest reason accepted with a decision.
 const MAX_REASON_CHARS: usize = 2000;
 
@@ -29,23 +46,31 @@ pub struct Approver {
     pub role: Role,
 }
 
-/// Where a decision was made, for what the messages about it say.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Where a decision was made, for what the messages about it say and its audit entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum DecidedVia {
     /// An API key (the API or the CLI).
     Api,
     /// A console session.
     Console,
-    /// A Slack button, pressed by a linked member.
-    Slack,
+    /// Slack, by the linked member whose Slack identity this is.
+    Slack { team: String, user: String },
 }
 
 impl DecidedVia {
-    fn as_note(self) -> &'static str {
+    fn as_note(&self) -> &'static str {
         match self {
             DecidedVia::Api => "through the API",
             DecidedVia::Console => "in the console",
-            DecidedVia::Slack => "in Slack",
+            DecidedVia::Slack { .. } => "in Slack",
+        }
+    }
+
+    fn as_str(&self) -> &'static str {
+        match self {
+            DecidedVia::Api => "api",
+            DecidedVia::Console => "console",
+            DecidedVia::Slack { .. } => "slack",
         }
     }
 }
@@ -125,12 +150,7 @@ impl Engine {
                     .subject("approval_id", id)
                     .subject("run_id", run.id)
                     .runs(run.root_run_id, run.parent_run_id)
-                    .payload(json!({
-                        "decision": decided.status.as_str(),
-                        "reason": reason,
-                        "tool": decided.tool,
-                        "binding_hash": decided.binding_hash,
-                    })),
+                    .payload(decision_payload(&decided, &reason, &via)),
             )
             .await?;
         self.wake_workers();

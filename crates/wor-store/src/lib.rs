@@ -53,7 +53,7 @@ pub use model_connections::{
 pub use notifications::{
     NOTIFICATION_ROUTES_TABLE, NewNotification, NewNotificationRoute, NotificationAction,
     NotificationDeliveryFilter, NotificationDeliveryRecord, NotificationRouteRecord, RouteChannel,
-    RouteFilter, SLACK_LINK_TOKEN_PREFIX, SlackLinkRecord, SlackMessageRecord,
+    RouteFilter, SLACK_LINK_TOKEN_PREFIX, SlackLinkRecord, SlackMessageRecord, SmtpTls,
 };
 pub use projects::{CreatedProject, ProjectRecord, RecoveredOwner};
 pub use routines::{AppliedRoutine, RoutineRecord, RoutineVersionRecord};
