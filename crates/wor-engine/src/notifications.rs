@@ -884,6 +884,7 @@ impl Engine {
                 verdict,
                 reason,
                 via,
+                None,
             )
             .await
         {

@@ -36,8 +36,8 @@ use sqlx::{Any, AnyPool, Executor, Transaction};
 pub use api_keys::{API_KEY_PREFIX, api_key_digest};
 pub use api_keys::{ApiKeyKind, ApiKeyRecord, AuthenticatedKey, NewApiKey, PlaintextApiKey};
 pub use approvals::{
-    ApprovalAnswer, ApprovalDecision, ApprovalFilter, ApprovalKind, ApprovalRecord, ApprovalStatus,
-    ApprovedCall, ApprovedStart, DecideError, NewApproval, ProjectPolicyRecord,
+    ApprovalAnswer, ApprovalDecision, ApprovalEdit, ApprovalFilter, ApprovalKind, ApprovalRecord,
+    ApprovalStatus, ApprovedCall, ApprovedStart, DecideError, NewApproval, ProjectPolicyRecord,
 };
 pub use audit::{AuditConfig, AuditLog, AuditReceipt};
 pub use console::{

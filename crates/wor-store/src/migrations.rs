@@ -167,6 +167,12 @@ const MIGRATIONS: &[SchemaMigration] = &[
         sqlite: include_str!("../migrations/0021_model_providers.sqlite.sql"),
         postgres: include_str!("../migrations/0021_model_providers.postgres.sql"),
     },
+    SchemaMigration {
+        version: 24,
+        description: "approval edits",
+        sqlite: include_str!("../migrations/0024_approval_edits.sql"),
+        postgres: include_str!("../migrations/0024_approval_edits.sql"),
+    },
 ];
 
 pub(crate) async fn apply(store: &Store) -> Result<(), StoreError> {
