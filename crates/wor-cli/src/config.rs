@@ -46,6 +46,7 @@ struct FileConfig {
     tls: Option<TlsSection>,
     /// Where people reach this server (`https://wor.example.com`), for links in notifications.
     public_url: Option<String>,
+    notifications: Option<NotificationsSection>,
     /// Per-model prices, in microdollars per million tokens: `[prices."model-id"]`.
     #[serde(default)]
     prices: std::collections::BTreeMap<String, wor_core::budget::ModelPrice>,
@@ -60,6 +61,16 @@ struct EgressSection {
     allowed_cidrs: Vec<String>,
     #[serde(default)]
     model_cidrs: Vec<String>,
+}
+
+/// `[notifications]`: what the operator allows approval notifications to do.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NotificationsSection {
+    /// Email routes may speak SMTP without TLS to a loopback relay (a local MTA that relays
+    /// onward itself). Off by default: every relay needs STARTTLS.
+    #[serde(default)]
+    smtp_plaintext_loopback: bool,
 }
 
 /// `[sandbox]`: host directories stdio tool servers may be started from and read. Only this
@@ -253,6 +264,8 @@ pub struct ServerConfig {
     pub tls: Option<wor_server::tls::TlsFiles>,
     /// `[tls] behind_proxy`: a proxy in front terminates TLS.
     pub behind_proxy: bool,
+    /// `[notifications] smtp_plaintext_loopback`.
+    pub smtp_plaintext_loopback: bool,
     encryption_key: Option<String>,
     audit_signing_key: Option<String>,
     encryption_key_retired: Option<String>,
@@ -364,6 +377,9 @@ impl ServerConfig {
             },
             prices: file.prices,
             console: console_section.resolve(production)?,
+            smtp_plaintext_loopback: file
+                .notifications
+                .is_some_and(|n| n.smtp_plaintext_loopback),
             public_url: match file.public_url {
                 Some(url) => {
                     let parsed = url::Url::parse(&url)
@@ -588,6 +604,7 @@ mod tests {
             metrics_listen: None,
             tls: None,
             behind_proxy: false,
+            smtp_plaintext_loopback: false,
             encryption_key: key.map(str::to_owned),
             encryption_key_retired: None,
             audit_signing_key: None,

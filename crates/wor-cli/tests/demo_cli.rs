@@ -147,6 +147,29 @@ fn a_person_decides_the_held_call_with_wor_approvals_while_the_demo_waits() {
         "{}",
         text(&again.stderr)
     );
+    // Edit and approve through the CLI: malformed edits are refused before anything is sent,
+    // and an edit of a decided call is refused by the server like any decision.
+    for (edit, needle) in [
+        ("to", "NAME=JSON"),
+        ("to=ops@example.com", "not JSON"),
+        ("to=\"ops@example.com\"", "already denied"),
+    ] {
+        let edited = client(&[
+            "approvals",
+            "approve",
+            &id,
+            "--reason",
+            "fix",
+            "--edit",
+            edit,
+        ]);
+        assert!(!edited.status.success(), "{edit}");
+        assert!(
+            text(&edited.stderr).contains(needle),
+            "{edit}: {}",
+            text(&edited.stderr)
+        );
+    }
 
     let verify = read_until("wor audit verify --data-dir");
     let dir = verify.split("--data-dir").nth(1).unwrap().trim().to_owned();

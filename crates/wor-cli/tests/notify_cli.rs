@@ -1,6 +1,6 @@
-//! `wor notify …` through the binary: a Slack route is made with its secrets from the
-//! environment (never on the command line, never printed), listed, its delivery log read and
-//! the route deleted, each with `--json` that parses.
+//! `wor notify …` through the binary: a Slack route and an email route are made with their
+//! secrets from the environment (never on the command line, never printed), listed, the
+//! delivery log read and a route deleted, each with `--json` that parses.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -16,6 +16,7 @@ use serde_json::Value;
 
 const BOT_TOKEN: &str = "xoxb-cli-test-3333-4444-abcdef";
 const SIGNING_SECRET: &str = "cli-test-signing-secret-5555";
+const SMTP_PASSWORD: &str = "cli-test-smtp-password-6666";
 
 fn json_of(out: &std::process::Output) -> Value {
     assert!(
@@ -34,7 +35,7 @@ fn notify_routes_are_made_listed_and_deleted_with_json_and_secrets_stay_sealed()
     let config = dir.path().join("wor.toml");
     std::fs::write(
         &config,
-        "public_url = \"https://wor.example.com/\"\n[egress]\nallowed_cidrs = [\"127.0.0.1/32\"]\n",
+        "public_url = \"https://wor.example.com/\"\n[egress]\nallowed_cidrs = [\"127.0.0.1/32\"]\n[notifications]\nsmtp_plaintext_loopback = true\n",
     )
     .unwrap();
     let mut db = database_args(dir.path());
@@ -115,10 +116,66 @@ fn notify_routes_are_made_listed_and_deleted_with_json_and_secrets_stay_sealed()
         text(&out.stderr)
     );
 
+    // An email route: the SMTP credentials from the environment, sealed, never printed.
+    let email = |extra: &[&str]| {
+        let mut args = vec![
+            "notify",
+            "create",
+            "mail",
+            "--email-to",
+            "ann@example.com",
+            "--email-to",
+            "bob@example.com",
+            "--email-from",
+            "wor@example.com",
+            "--smtp-host",
+            "127.0.0.1",
+            "--smtp-port",
+            "2525",
+        ];
+        args.extend_from_slice(extra);
+        common::run(
+            wor(&args)
+                .env("WOR_SERVER", &server.url)
+                .env("WOR_API_KEY", &key)
+                .env("WOR_SMTP_USERNAME", "relay-user")
+                .env("WOR_SMTP_PASSWORD", SMTP_PASSWORD),
+        )
+    };
+    let out = email(&[
+        "--smtp-plaintext-loopback",
+        "--digest-minutes",
+        "10",
+        "--json",
+    ]);
+    let mail = json_of(&out);
+    assert!(!text(&out.stdout).contains(SMTP_PASSWORD));
+    assert_eq!(mail["kind"], "email");
+    assert_eq!(
+        mail["email_to"],
+        serde_json::json!(["ann@example.com", "bob@example.com"])
+    );
+    assert_eq!(mail["smtp_tls"], "plaintext_loopback");
+    assert_eq!(mail["digest_minutes"], 10);
+    assert_eq!(mail["smtp_credentials"]["configured"], true);
+    let plain = server.client(&key, &["notify", "list"]);
+    assert!(
+        text(&plain.stdout).contains(
+            "email ann@example.com,bob@example.com via 127.0.0.1:2525 (digest every 10 min)"
+        ),
+        "{}",
+        text(&plain.stdout)
+    );
+    // A Slack channel and email recipients at once is no route.
+    let out = email(&["--slack-channel", "C0BOTH"]);
+    assert!(!out.status.success());
+
     let deleted = json_of(&server.client(&key, &["notify", "delete", &id, "--json"]));
     assert_eq!(deleted["id"], id.as_str());
     let list = json_of(&server.client(&key, &["notify", "list", "--json"]));
-    assert_eq!(list, serde_json::json!([]));
+    assert_eq!(list.as_array().unwrap().len(), 1, "{list}");
+    assert_eq!(list[0]["name"], "mail");
     let log = server.stop();
     assert!(!log.contains(BOT_TOKEN) && !log.contains(SIGNING_SECRET));
+    assert!(!log.contains(SMTP_PASSWORD));
 }

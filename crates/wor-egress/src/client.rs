@@ -88,6 +88,12 @@ pub enum EgressError {
     /// The reqwest client could not be built.
     #[error("could not build the outbound client: {0}")]
     Build(#[source] reqwest::Error),
+    /// No validated address of the host accepted a TCP connection in time.
+    #[error("`{authority}` did not accept a connection")]
+    Unreachable {
+        /// `host:port`.
+        authority: String,
+    },
 }
 
 /// Why a model connection may not go without an API key.
@@ -292,6 +298,36 @@ impl EgressClient {
             }),
             None => Ok(url),
         }
+    }
+
+    /// Opens a TCP connection to `host:port` for a protocol other than HTTP (SMTP): the
+    /// destination is vetted exactly as a request's would be (the shape of the host, every
+    /// address it resolves to against the policy, pinned by the guarded resolver), and only a
+    /// validated address is dialled, within the connect timeout. Returns the stream and the
+    /// address it reached. What is spoken over it, TLS included, is the caller's.
+    pub async fn connect_tcp(
+        &self,
+        host: &str,
+        port: u16,
+    ) -> Result<(tokio::net::TcpStream, SocketAddr), EgressError> {
+        let authority = match host.parse::<std::net::Ipv6Addr>() {
+            Ok(_) => format!("[{host}]:{port}"),
+            Err(_) => format!("{host}:{port}"),
+        };
+        let (_, addrs) = vet(&format!("https://{authority}/"), None, &self.resolver).await?;
+        for ip in addrs {
+            let addr = SocketAddr::new(ip, port);
+            #[expect(
+                clippy::disallowed_methods,
+                reason = "the one dial of a non-HTTP protocol, to an address the guard just validated"
+            )]
+            let connect = tokio::net::TcpStream::connect(addr);
+            if let Ok(Ok(stream)) = tokio::time::timeout(self.limits.connect_timeout, connect).await
+            {
+                return Ok((stream, addr));
+            }
+        }
+        Err(EgressError::Unreachable { authority })
     }
 
     /// Sends `request` after vetting it, and reads the whole response body up to the cap.

@@ -490,3 +490,47 @@ async fn check_reports_allow_and_deny() {
         "deny: `svc.example.test` port 80 is not on the connection's allowlist"
     );
 }
+
+#[tokio::test]
+async fn a_tcp_connection_for_another_protocol_is_vetted_like_a_request() {
+    let server = allowed_server("smtp").await;
+    let canary = canary().await;
+    let guard = client(
+        allowing_test_server(true),
+        stub(&[
+            ("relay.example.test", ALLOWED_IP),
+            ("sneaky.example.test", "127.0.0.1"),
+            ("metadata.example.test", "169.254.169.254"),
+        ]),
+    );
+    // A listed address, by name or literal, is dialled and the address reached is named.
+    let (_, reached) = guard
+        .connect_tcp("relay.example.test", server.addr.port())
+        .await
+        .unwrap();
+    assert_eq!(reached, server.addr);
+    guard
+        .connect_tcp(ALLOWED_IP, server.addr.port())
+        .await
+        .unwrap();
+    // Loopback, metadata and names resolving to them are refused before any dial.
+    for host in [
+        "127.0.0.1",
+        "localhost",
+        "sneaky.example.test",
+        "metadata.example.test",
+        "169.254.169.254",
+        "::1",
+    ] {
+        let refused = guard.connect_tcp(host, canary.addr.port()).await;
+        assert!(
+            matches!(refused, Err(EgressError::Denied(_))),
+            "{host}: {refused:?}"
+        );
+    }
+    // A host that is not a host is refused too.
+    assert!(guard.connect_tcp("a/b@c", 25).await.is_err());
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(canary.connections.load(Ordering::SeqCst), 0);
+    assert_eq!(server.connections.load(Ordering::SeqCst), 2);
+}

@@ -9,10 +9,39 @@ use serde_json::json;
 use wor_core::audit::{Actor, AuditCategory, AuditEvent};
 use wor_core::{ApiKeyId, ApprovalId, MemberId, ProjectId, Role};
 use wor_store::{
-    ApprovalAnswer, ApprovalDecision, ApprovalRecord, DecideError, RunRecord, StoreError,
+    ApprovalAnswer, ApprovalDecision, ApprovalEdit, ApprovalKind, ApprovalRecord, DecideError,
+    RunRecord, StoreError,
 };
 
 use crate::{Engine, EngineError};
+
+/// What an `approval.decide` entry records: the decision, where it was made and, for Slack,
+/// the Slack identity that pressed (the member is the entry's actor).
+fn decision_payload(
+    decided: &ApprovalRecord,
+    reason: &str,
+    via: &DecidedVia,
+    original_binding: &str,
+) -> serde_json::Value {
+    let mut payload = json!({
+        "decision": decided.status.as_str(),
+        "reason": reason,
+        "tool": decided.tool,
+        "binding_hash": decided.binding_hash,
+        "via": via.as_str(),
+    });
+    if let (DecidedVia::Slack { team, user }, Some(fields)) = (via, payload.as_object_mut()) {
+        fields.insert("slack_team".to_owned(), json!(team));
+        fields.insert("slack_user".to_owned(), json!(user));
+    }
+    // An edited call: both calls, and the binding of each.
+    if let (Some(edited), Some(fields)) = (&decided.edited_arguments, payload.as_object_mut()) {
+        fields.insert("original_arguments".to_owned(), decided.arguments.clone());
+        fields.insert("original_binding_hash".to_owned(), json!(original_binding));
+        fields.insert("edited_arguments".to_owned(), edited.clone());
+    }
+    payload
+}
 
 /// Longest reason accepted with a decision.
 const MAX_REASON_CHARS: usize = 2000;
@@ -29,23 +58,31 @@ pub struct Approver {
     pub role: Role,
 }
 
-/// Where a decision was made, for what the messages about it say.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Where a decision was made, for what the messages about it say and its audit entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum DecidedVia {
     /// An API key (the API or the CLI).
     Api,
     /// A console session.
     Console,
-    /// A Slack button, pressed by a linked member.
-    Slack,
+    /// Slack, by the linked member whose Slack identity this is.
+    Slack { team: String, user: String },
 }
 
 impl DecidedVia {
-    fn as_note(self) -> &'static str {
+    fn as_note(&self) -> &'static str {
         match self {
             DecidedVia::Api => "through the API",
             DecidedVia::Console => "in the console",
-            DecidedVia::Slack => "in Slack",
+            DecidedVia::Slack { .. } => "in Slack",
+        }
+    }
+
+    fn as_str(&self) -> &'static str {
+        match self {
+            DecidedVia::Api => "api",
+            DecidedVia::Console => "console",
+            DecidedVia::Slack { .. } => "slack",
         }
     }
 }
@@ -65,12 +102,89 @@ impl Engine {
         } else {
             DecidedVia::Console
         };
-        self.decide_approval_via(project, id, approver, verdict, reason, via)
+        self.decide_approval_via(project, id, approver, verdict, reason, via, None)
             .await
+    }
+
+    /// Approves approval `id` with some of its call's arguments corrected (`edits`: the
+    /// arguments to change and their new values; pinned ones cannot change). The approval is
+    /// bound to the edited call, so only the edited call can use it; the run checks it against
+    /// policy again when it resumes (an edit never turns a denied call into an allowed one) and
+    /// tells the model the call ran with edited arguments. Both calls are in the audit entry.
+    pub async fn approve_edited(
+        &self,
+        project: ProjectId,
+        id: ApprovalId,
+        approver: Approver,
+        edits: &serde_json::Value,
+        reason: &str,
+    ) -> Result<ApprovalRecord, EngineError> {
+        let approval = self.store.get_approval(project, id).await?;
+        if approval.kind != ApprovalKind::Policy {
+            return Err(EngineError::Refused(
+                "only a call held by policy can be edited; a call whose outcome is unknown is approved or denied as it ran".to_owned(),
+            ));
+        }
+        let edits = match edits.as_object() {
+            Some(edits) if !edits.is_empty() => edits,
+            _ => {
+                return Err(EngineError::Invalid(
+                    "`arguments` must be an object of the arguments to change and their new values"
+                        .to_owned(),
+                ));
+            }
+        };
+        if let Some(pinned) = edits.keys().find(|k| approval.pinned_keys.contains(k)) {
+            return Err(EngineError::Invalid(format!(
+                "`{}` is pinned by the routine and cannot be edited",
+                pinned.chars().take(100).collect::<String>()
+            )));
+        }
+        let mut edited = approval.arguments.as_object().cloned().unwrap_or_default();
+        for (key, value) in edits {
+            edited.insert(key.clone(), value.clone());
+        }
+        let edited = serde_json::Value::Object(edited);
+        if edited == approval.arguments {
+            return Err(EngineError::Invalid(
+                "the edit changes nothing; approve the call as it is".to_owned(),
+            ));
+        }
+        let hash = wor_core::canonical::sha256_hex(
+            wor_core::canonical::to_canonical_json(&edited).as_bytes(),
+        );
+        let binding = wor_core::approval::binding_hash(
+            approval.run_id,
+            &approval.call_id,
+            &approval.pin_hash,
+            &hash,
+        );
+        let via = if approver.key_id.is_some() {
+            DecidedVia::Api
+        } else {
+            DecidedVia::Console
+        };
+        self.decide_approval_via(
+            project,
+            id,
+            approver,
+            ApprovalAnswer::Approve,
+            reason,
+            via,
+            Some(ApprovalEdit {
+                arguments: edited,
+                binding_hash: binding,
+            }),
+        )
+        .await
     }
 
     /// [`Self::decide_approval`], saying where the decision was made: every channel decides
     /// through here, under the same checks.
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "every channel's decision passes through here, each fact of it apart"
+    )]
     pub(crate) async fn decide_approval_via(
         &self,
         project: ProjectId,
@@ -79,6 +193,7 @@ impl Engine {
         verdict: ApprovalAnswer,
         reason: &str,
         via: DecidedVia,
+        edit: Option<ApprovalEdit>,
     ) -> Result<ApprovalRecord, EngineError> {
         // Lookups first: another project's approval is not found, whoever asks and however.
         let approval = self.store.get_approval(project, id).await?;
@@ -104,7 +219,16 @@ impl Engine {
             member_id: approver.member_id,
             reason: reason.clone(),
         };
-        let decided = match self.store.decide_approval(project, id, &decision).await {
+        let original_binding = approval.binding_hash.clone();
+        let recorded = match &edit {
+            Some(edit) => {
+                self.store
+                    .decide_approval_edited(project, id, &decision, edit)
+                    .await
+            }
+            None => self.store.decide_approval(project, id, &decision).await,
+        };
+        let decided = match recorded {
             Ok(decided) => decided,
             Err(DecideError::NotFound) => return Err(StoreError::NotFound.into()),
             Err(DecideError::Store(error)) => return Err(error.into()),
@@ -125,12 +249,7 @@ impl Engine {
                     .subject("approval_id", id)
                     .subject("run_id", run.id)
                     .runs(run.root_run_id, run.parent_run_id)
-                    .payload(json!({
-                        "decision": decided.status.as_str(),
-                        "reason": reason,
-                        "tool": decided.tool,
-                        "binding_hash": decided.binding_hash,
-                    })),
+                    .payload(decision_payload(&decided, &reason, &via, &original_binding)),
             )
             .await?;
         crate::metrics::approval_decided(decided.status);

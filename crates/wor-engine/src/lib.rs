@@ -18,9 +18,11 @@ mod approvals;
 mod authority;
 mod call;
 mod driver;
+mod email;
 mod live_text;
 pub mod metrics;
 mod nested;
+mod notice;
 mod notifications;
 mod output;
 mod pipeline;
@@ -42,6 +44,7 @@ use wor_egress::EgressClient;
 use wor_store::{AuditLog, Store, StoreError, Vault};
 
 pub use approvals::Approver;
+pub use email::{SMTP_PASSWORD_FIELD, SMTP_USERNAME_FIELD, SmtpSecrets};
 pub use notifications::{
     MAX_SLACK_INTERACTION_BYTES, NOTIFICATION_ROUTES_TABLE, SLACK_BOT_TOKEN_FIELD,
     SLACK_REPLAY_WINDOW_SECS, SLACK_SIGNING_SECRET_FIELD, SlackInteraction, SlackOutcome,
@@ -90,6 +93,9 @@ pub struct EngineConfig {
     /// Where people reach the console (`https://wor.example.com`), for links in notifications;
     /// `None` leaves links out.
     pub console_url: Option<String>,
+    /// The operator allows email routes to speak SMTP without TLS to a loopback relay
+    /// (`[notifications] smtp_plaintext_loopback`); otherwise every relay needs STARTTLS.
+    pub smtp_plaintext_loopback: bool,
 }
 
 impl Default for EngineConfig {
@@ -109,6 +115,7 @@ impl Default for EngineConfig {
             stdio_allowed_roots: Vec::new(),
             protected_paths: Vec::new(),
             console_url: None,
+            smtp_plaintext_loopback: false,
         }
     }
 }

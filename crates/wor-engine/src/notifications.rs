@@ -20,10 +20,11 @@ use wor_egress::{EgressRequest, HeaderMap, header};
 use wor_store::{
     ApprovalAnswer, ApprovalRecord, ApprovalStatus, AttemptOutcome, NewNotification,
     NewNotificationRoute, NotificationAction, NotificationDeliveryFilter,
-    NotificationDeliveryRecord, NotificationRouteRecord, RouteChannel, SecretSlot, StoreError,
+    NotificationDeliveryRecord, NotificationRouteRecord, RouteChannel, StoreError,
 };
 
 use crate::approvals::DecidedVia;
+use crate::notice::{route_slot, shown_value};
 use crate::triggers::retry_at;
 use crate::{Approver, Engine, EngineError};
 
@@ -37,12 +38,14 @@ pub const SLACK_SIGNING_SECRET_FIELD: &str = "slack_signing_secret";
 pub const SLACK_REPLAY_WINDOW_SECS: u64 = 300;
 /// Longest Slack interaction body accepted.
 pub const MAX_SLACK_INTERACTION_BYTES: usize = 64 * 1024;
+/// Why an unlinked Slack user is refused.
+const UNLINKED: &str = "this Slack user is not linked to a member of the project";
+/// The `callback_id` of the form that asks for a Deny's reason.
+const DENY_FORM: &str = "wor_deny";
 /// How long a Slack link stays usable.
 const SLACK_LINK_TTL_MS: i64 = 15 * 60 * 1000;
 /// A claimed notification is retried by another process after this long.
 const NOTIFICATION_LEASE_MS: i64 = 30_000;
-/// Argument values longer than this are cut in messages (the console shows them whole).
-const MAX_SHOWN_VALUE_CHARS: usize = 200;
 /// Longest route name.
 const MAX_ROUTE_NAME_CHARS: usize = 100;
 
@@ -74,6 +77,12 @@ pub struct SlackInteraction {
 pub enum SlackOutcome {
     Decided(ApprovalStatus),
     Refused(String),
+    /// Deny was pressed: Slack was asked to show a form for the reason (`views.open`).
+    ReasonAsked,
+    /// The reason form was submitted and the call denied.
+    FormDecided(ApprovalStatus),
+    /// The reason form was submitted and refused, for this reason (shown in the form).
+    FormRefused(String),
 }
 
 /// Why an interaction was refused before anything was decided.
@@ -100,10 +109,6 @@ impl From<StoreError> for SlackRejection {
     }
 }
 
-fn route_slot(project: ProjectId, route: NotificationRouteId, field: &str) -> SecretSlot {
-    SecretSlot::new(project, NOTIFICATION_ROUTES_TABLE, route, field)
-}
-
 /// A Slack id (`C…`, `U…`, `T…`): letters and digits only, so it can be printed in messages
 /// and stored without escaping.
 fn is_slack_id(text: &str) -> bool {
@@ -119,13 +124,11 @@ impl Engine {
         secrets: SlackSecrets,
         actor: Actor,
     ) -> Result<NotificationRouteRecord, EngineError> {
-        let name = route.name.trim();
-        if name.is_empty() || name.chars().count() > MAX_ROUTE_NAME_CHARS {
-            return Err(EngineError::Invalid(format!(
-                "`name` must be 1 to {MAX_ROUTE_NAME_CHARS} characters"
-            )));
-        }
-        let RouteChannel::Slack { channel, api_url } = &route.channel;
+        let RouteChannel::Slack { channel, api_url } = &route.channel else {
+            return Err(EngineError::Invalid(
+                "a Slack route needs a Slack channel".to_owned(),
+            ));
+        };
         if !is_slack_id(channel) {
             return Err(EngineError::Invalid(
                 "`channel` must be a Slack channel id (letters and digits, such as `C0123ABCD`)"
@@ -138,10 +141,33 @@ impl Engine {
                 api_url.trim_end_matches('/')
             ))
             .map_err(|denial| EngineError::Invalid(format!("`slack_api_url`: {denial}")))?;
-        for (field, value) in [
-            ("slack_bot_token", &secrets.bot_token),
-            ("slack_signing_secret", &secrets.signing_secret),
-        ] {
+        self.create_route(
+            project,
+            route,
+            vec![
+                (SLACK_BOT_TOKEN_FIELD, secrets.bot_token),
+                (SLACK_SIGNING_SECRET_FIELD, secrets.signing_secret),
+            ],
+            actor,
+        )
+        .await
+    }
+
+    /// Makes a checked route of any kind, seals its secrets and audits it.
+    pub(crate) async fn create_route(
+        &self,
+        project: ProjectId,
+        route: NewNotificationRoute,
+        secrets: Vec<(&'static str, SecretString)>,
+        actor: Actor,
+    ) -> Result<NotificationRouteRecord, EngineError> {
+        let name = route.name.trim();
+        if name.is_empty() || name.chars().count() > MAX_ROUTE_NAME_CHARS {
+            return Err(EngineError::Invalid(format!(
+                "`name` must be 1 to {MAX_ROUTE_NAME_CHARS} characters"
+            )));
+        }
+        for (field, value) in &secrets {
             let value = value.expose_secret();
             if value.trim().is_empty() || value.len() > 512 || value.chars().any(char::is_control) {
                 return Err(EngineError::Invalid(format!(
@@ -156,10 +182,7 @@ impl Engine {
             .store
             .create_notification_route(project, &route)
             .await?;
-        for (field, value) in [
-            (SLACK_BOT_TOKEN_FIELD, &secrets.bot_token),
-            (SLACK_SIGNING_SECRET_FIELD, &secrets.signing_secret),
-        ] {
+        for (field, value) in &secrets {
             self.vault
                 .put(
                     &route_slot(project, created.id, field),
@@ -168,18 +191,24 @@ impl Engine {
                 .await
                 .map_err(|e| EngineError::Refused(format!("cannot seal `{field}`: {e}")))?;
         }
+        let mut payload = json!({
+            "name": created.name,
+            "kind": created.channel.kind(),
+            "target": created.channel.target(),
+            "routine_id": created.filter.routine_id,
+            "tool": created.filter.tool,
+            "policy": created.filter.policy,
+        });
+        if let (RouteChannel::Slack { channel, .. }, Some(object)) =
+            (&created.channel, payload.as_object_mut())
+        {
+            object.insert("channel".to_owned(), json!(channel));
+        }
         self.audit
             .append(
                 AuditEvent::new(project, AuditCategory::NotificationRouteCreate, actor)
                     .subject("route_id", created.id)
-                    .payload(json!({
-                        "name": created.name,
-                        "kind": created.channel.kind(),
-                        "channel": channel,
-                        "routine_id": created.filter.routine_id,
-                        "tool": created.filter.tool,
-                        "policy": created.filter.policy,
-                    })),
+                    .payload(payload),
             )
             .await?;
         Ok(created)
@@ -193,7 +222,12 @@ impl Engine {
         actor: Actor,
     ) -> Result<(), EngineError> {
         self.store.delete_notification_route(project, id).await?;
-        for field in [SLACK_BOT_TOKEN_FIELD, SLACK_SIGNING_SECRET_FIELD] {
+        for field in [
+            SLACK_BOT_TOKEN_FIELD,
+            SLACK_SIGNING_SECRET_FIELD,
+            crate::email::SMTP_USERNAME_FIELD,
+            crate::email::SMTP_PASSWORD_FIELD,
+        ] {
             self.vault.delete(&route_slot(project, id, field)).await?;
         }
         self.audit
@@ -230,14 +264,23 @@ impl Engine {
             if !wanted {
                 continue;
             }
+            let (action, not_before) = match &route.channel {
+                RouteChannel::Slack { .. } => (NotificationAction::SlackPost, None),
+                RouteChannel::Email { digest_minutes, .. } => (
+                    NotificationAction::EmailSend,
+                    digest_minutes
+                        .map(|minutes| crate::email::digest_due(wor_store::now_millis(), minutes)),
+                ),
+            };
             self.store
                 .enqueue_notification(&NewNotification {
                     project_id: project,
                     route_id: route.id,
                     approval_id: id,
-                    action: NotificationAction::SlackPost,
+                    action,
                     event_key: "post".to_owned(),
                     note: None,
+                    not_before,
                 })
                 .await?;
         }
@@ -276,6 +319,7 @@ impl Engine {
                     action: NotificationAction::SlackUpdate,
                     event_key: event_key.to_owned(),
                     note: note.clone(),
+                    not_before: None,
                 })
                 .await?;
         }
@@ -307,7 +351,23 @@ impl Engine {
             .store
             .claim_due_notifications(now, NOTIFICATION_LEASE_MS, 50)
             .await?;
-        for delivery in &claimed {
+        let attempted = claimed.len();
+        let (emails, slack): (Vec<_>, Vec<_>) = claimed
+            .into_iter()
+            .partition(|d| d.action == NotificationAction::EmailSend);
+        // Email deliveries go per route: a digest route sends its due ones as one message.
+        for deliveries in crate::email::by_route(emails).into_values() {
+            for (id, outcome) in self.attempt_emails(&deliveries).await? {
+                tracing::info!(category = "notification", action = "email.send",
+                    route_id = %deliveries.first().map(|d| d.route_id.to_string()).unwrap_or_default(),
+                    delivered = matches!(outcome, AttemptOutcome::Delivered { .. }),
+                    "notification attempted");
+                self.store
+                    .record_notification_attempt(&id, &outcome)
+                    .await?;
+            }
+        }
+        for delivery in &slack {
             let outcome = self.attempt_notification(delivery).await?;
             tracing::info!(category = "notification", action = delivery.action.as_str(),
                 project_id = %delivery.project_id, approval_id = %delivery.approval_id,
@@ -317,7 +377,7 @@ impl Engine {
                 .record_notification_attempt(&delivery.id, &outcome)
                 .await?;
         }
-        Ok(claimed.len())
+        Ok(attempted)
     }
 
     async fn attempt_notification(
@@ -339,7 +399,9 @@ impl Engine {
             Err(StoreError::NotFound) => return Ok(give_up("the route was deleted")),
             Err(other) => return Err(other.into()),
         };
-        let RouteChannel::Slack { channel, api_url } = &route.channel;
+        let RouteChannel::Slack { channel, api_url } = &route.channel else {
+            return Ok(give_up("the route is not a Slack route"));
+        };
         let approval = self
             .store
             .get_approval(project, delivery.approval_id)
@@ -368,6 +430,10 @@ impl Engine {
                     json!({ "channel": posted.channel, "ts": posted.ts, "text": message.text,
                         "blocks": message.blocks }),
                 )
+            }
+            // Sent by `attempt_emails`; never claimed here.
+            NotificationAction::EmailSend => {
+                return Ok(give_up("an email delivery is not a Slack message"));
             }
         };
         let token = match self
@@ -528,8 +594,9 @@ impl Engine {
             .as_deref()
             .map(|base| {
                 format!(
-                    " · <{}/console/approvals|Open the console>",
-                    base.trim_end_matches('/')
+                    " · <{}/console/approvals/{}|Open it in the console>",
+                    base.trim_end_matches('/'),
+                    approval.id
                 )
             })
             .unwrap_or_default();
@@ -645,7 +712,12 @@ impl Engine {
         )
         .map_err(|e| SlackRejection::BadSignature(e.to_string()))?;
 
-        let press = ButtonPress::parse(&interaction.body)?;
+        let press = match SlackPayload::parse(&interaction.body)? {
+            SlackPayload::Press(press) => press,
+            SlackPayload::DenyForm(form) => {
+                return self.receive_deny_form(&route, form).await;
+            }
+        };
         if !self
             .store
             .note_slack_interaction(route.id, &press.trigger_id)
@@ -653,106 +725,307 @@ impl Engine {
         {
             return Err(SlackRejection::Replayed);
         }
-        // Another project's approval is as unknown as a malformed id.
-        let approval = match self.store.get_approval(project, press.approval_id).await {
-            Ok(approval) => approval,
-            Err(StoreError::NotFound) => {
-                return Ok(SlackOutcome::Refused(
-                    "this approval is not known".to_owned(),
-                ));
+        let event_key = format!("interaction:{}", press.trigger_id);
+        let (approval, member) = match self
+            .slack_presser(&route, &press.identity, press.approval_id, &event_key)
+            .await?
+        {
+            Ok(found) => found,
+            Err(refusal) => return Ok(SlackOutcome::Refused(refusal)),
+        };
+        let outcome = match press.action {
+            ApprovalAnswer::Approve => {
+                self.decide_from_slack(
+                    &approval,
+                    &member,
+                    &press.identity,
+                    ApprovalAnswer::Approve,
+                    "approved in Slack",
+                    &event_key,
+                )
+                .await?
             }
+            // Deny asks for the reason first, in a form Slack shows the person who pressed.
+            ApprovalAnswer::Deny => {
+                self.ask_deny_reason(&route, &approval, &member, &press, &event_key)
+                    .await?
+            }
+        };
+        self.audit_slack(
+            &route,
+            &approval,
+            &member,
+            &press.identity,
+            press.action_name(),
+            &outcome,
+        )
+        .await?;
+        Ok(outcome)
+    }
+
+    /// The submitted reason form of a Deny: decides as the member the Slack user is linked to.
+    async fn receive_deny_form(
+        &self,
+        route: &NotificationRouteRecord,
+        form: DenyForm,
+    ) -> Result<SlackOutcome, SlackRejection> {
+        if !self
+            .store
+            .note_slack_interaction(route.id, &form.key)
+            .await?
+        {
+            return Err(SlackRejection::Replayed);
+        }
+        let event_key = format!("interaction:{}", form.key);
+        let (approval, member) = match self
+            .slack_presser(route, &form.identity, form.approval_id, &event_key)
+            .await?
+        {
+            Ok(found) => found,
+            Err(refusal) => return Ok(SlackOutcome::FormRefused(refusal)),
+        };
+        let reason = form.reason.trim();
+        let outcome = if reason.is_empty() {
+            SlackOutcome::FormRefused("a reason is needed to deny".to_owned())
+        } else {
+            match self
+                .decide_from_slack(
+                    &approval,
+                    &member,
+                    &form.identity,
+                    ApprovalAnswer::Deny,
+                    reason,
+                    &event_key,
+                )
+                .await?
+            {
+                SlackOutcome::Decided(status) => SlackOutcome::FormDecided(status),
+                SlackOutcome::Refused(why) => SlackOutcome::FormRefused(why),
+                other => other,
+            }
+        };
+        self.audit_slack(
+            route,
+            &approval,
+            &member,
+            &form.identity,
+            "deny_reason",
+            &outcome,
+        )
+        .await?;
+        Ok(outcome)
+    }
+
+    /// The approval a Slack user acts on and the member they are linked to; `None` (after
+    /// telling them privately where to link, and saying why in the message) when they are not
+    /// linked. Another project's approval is as unknown as a malformed id.
+    async fn slack_presser(
+        &self,
+        route: &NotificationRouteRecord,
+        identity: &SlackIdentity,
+        approval: ApprovalId,
+        event_key: &str,
+    ) -> Result<Result<(ApprovalRecord, wor_store::MemberRecord), String>, SlackRejection> {
+        let project = route.project_id;
+        let approval = match self.store.get_approval(project, approval).await {
+            Ok(approval) => approval,
+            Err(StoreError::NotFound) => return Ok(Err("this approval is not known".to_owned())),
             Err(other) => return Err(other.into()),
         };
-        let event_key = format!("interaction:{}", press.trigger_id);
         let Some(member_id) = self
             .store
-            .slack_member(project, &press.team_id, &press.user_id)
+            .slack_member(project, &identity.team, &identity.user)
             .await?
         else {
-            let refusal = "this Slack user is not linked to a member of the project".to_owned();
             self.notify_approval_changed(
                 project,
                 approval.id,
-                &event_key,
-                Some(format!("Refused for <@{}>: {refusal}", press.user_id)),
+                event_key,
+                Some(format!("Refused for <@{}>: {UNLINKED}", identity.user)),
             )
             .await?;
             let link = self
                 .store
-                .create_slack_link_token(project, &press.team_id, &press.user_id, SLACK_LINK_TTL_MS)
+                .create_slack_link_token(project, &identity.team, &identity.user, SLACK_LINK_TTL_MS)
                 .await?;
-            self.send_link(&route, &press, link.expose()).await;
+            self.send_link(route, identity, link.expose()).await;
             tracing::info!(category = "notification", action = "slack.refuse", project_id = %project,
                 approval_id = %approval.id, reason = "unlinked", "slack interaction refused");
-            return Ok(SlackOutcome::Refused(refusal));
+            return Ok(Err(UNLINKED.to_owned()));
         };
         let member = self.store.get_member(project, member_id).await?;
+        Ok(Ok((approval, member)))
+    }
+
+    /// Decides as `member` through the engine's one path; a refusal updates the messages.
+    async fn decide_from_slack(
+        &self,
+        approval: &ApprovalRecord,
+        member: &wor_store::MemberRecord,
+        identity: &SlackIdentity,
+        verdict: ApprovalAnswer,
+        reason: &str,
+        event_key: &str,
+    ) -> Result<SlackOutcome, SlackRejection> {
         let approver = Approver {
             key_id: None,
-            member_id: Some(member_id),
+            member_id: Some(member.id),
             role: member.role,
         };
-        let (verdict, reason) = match press.action {
-            ApprovalAnswer::Approve => (ApprovalAnswer::Approve, "approved in Slack"),
-            ApprovalAnswer::Deny => (ApprovalAnswer::Deny, "denied in Slack"),
+        let via = DecidedVia::Slack {
+            team: identity.team.clone(),
+            user: identity.user.clone(),
         };
-        let outcome = match self
+        match self
             .decide_approval_via(
-                project,
+                approval.project_id,
                 approval.id,
                 approver,
                 verdict,
                 reason,
-                DecidedVia::Slack,
+                via,
+                None,
             )
             .await
         {
-            Ok(decided) => SlackOutcome::Decided(decided.status),
+            Ok(decided) => Ok(SlackOutcome::Decided(decided.status)),
             Err(EngineError::Forbidden(refusal) | EngineError::Refused(refusal)) => {
-                self.notify_approval_changed(
-                    project,
-                    approval.id,
-                    &event_key,
-                    Some(format!(
-                        "Refused for <@{}> ({}): {}",
-                        press.user_id,
-                        slack_escape(&member.name),
-                        slack_escape(&refusal)
-                    )),
-                )
-                .await?;
-                SlackOutcome::Refused(refusal)
+                self.refuse_in_messages(approval, member, identity, &refusal, event_key)
+                    .await?;
+                Ok(SlackOutcome::Refused(refusal))
             }
-            Err(other) => return Err(other.into()),
+            Err(other) => Err(other.into()),
+        }
+    }
+
+    async fn refuse_in_messages(
+        &self,
+        approval: &ApprovalRecord,
+        member: &wor_store::MemberRecord,
+        identity: &SlackIdentity,
+        refusal: &str,
+        event_key: &str,
+    ) -> Result<(), SlackRejection> {
+        self.notify_approval_changed(
+            approval.project_id,
+            approval.id,
+            event_key,
+            Some(format!(
+                "Refused for <@{}> ({}): {}",
+                identity.user,
+                slack_escape(&member.name),
+                slack_escape(refusal)
+            )),
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// Deny pressed by a member who may decide: Slack is asked to show them a form for the
+    /// reason; the decision waits for the form. Who may not decide is told so at once.
+    async fn ask_deny_reason(
+        &self,
+        route: &NotificationRouteRecord,
+        approval: &ApprovalRecord,
+        member: &wor_store::MemberRecord,
+        press: &ButtonPress,
+        event_key: &str,
+    ) -> Result<SlackOutcome, SlackRejection> {
+        let project = approval.project_id;
+        let refusal = if approval.status == ApprovalStatus::Pending {
+            let approver = Approver {
+                key_id: None,
+                member_id: Some(member.id),
+                role: member.role,
+            };
+            self.approval_refusal(project, approval, approver).await?
+        } else {
+            Some(format!("the approval is already {}", approval.status))
         };
+        if let Some(refusal) = refusal {
+            self.refuse_in_messages(approval, member, &press.identity, &refusal, event_key)
+                .await?;
+            return Ok(SlackOutcome::Refused(refusal));
+        }
+        let RouteChannel::Slack { api_url, .. } = &route.channel else {
+            return Err(SlackRejection::NotFound);
+        };
+        let opened = match self
+            .vault
+            .open(&route_slot(project, route.id, SLACK_BOT_TOKEN_FIELD))
+            .await
+        {
+            Ok(bot) => self
+                .slack_call(
+                    api_url,
+                    "views.open",
+                    &bot,
+                    &json!({ "trigger_id": press.trigger_id, "view": deny_form(approval) }),
+                )
+                .await
+                .ok()
+                .filter(|answer| matches!(answer, SlackAnswer::Ok(_)))
+                .is_some(),
+            Err(_) => false,
+        };
+        if opened {
+            Ok(SlackOutcome::ReasonAsked)
+        } else {
+            let refusal = "Slack could not show the form for a reason; deny in the console";
+            self.refuse_in_messages(approval, member, &press.identity, refusal, event_key)
+                .await?;
+            Ok(SlackOutcome::Refused(refusal.to_owned()))
+        }
+    }
+
+    /// Audits one Slack interaction (`slack.interaction`), with the Slack ids and its outcome.
+    async fn audit_slack(
+        &self,
+        route: &NotificationRouteRecord,
+        approval: &ApprovalRecord,
+        member: &wor_store::MemberRecord,
+        identity: &SlackIdentity,
+        action: &str,
+        outcome: &SlackOutcome,
+    ) -> Result<(), SlackRejection> {
         self.audit
             .append(
                 AuditEvent::new(
-                    project,
+                    route.project_id,
                     AuditCategory::SlackInteraction,
-                    Actor::ConsoleMember { member_id },
+                    Actor::ConsoleMember {
+                        member_id: member.id,
+                    },
                 )
                 .subject("approval_id", approval.id)
                 .subject("route_id", route.id)
                 .payload(json!({
-                    "slack_team": press.team_id,
-                    "slack_user": press.user_id,
-                    "action": match press.action { ApprovalAnswer::Approve => "approve", ApprovalAnswer::Deny => "deny" },
-                    "outcome": match &outcome {
-                        SlackOutcome::Decided(status) => status.as_str().to_owned(),
-                        SlackOutcome::Refused(reason) => format!("refused: {reason}"),
+                    "slack_team": identity.team,
+                    "slack_user": identity.user,
+                    "action": action,
+                    "outcome": match outcome {
+                        SlackOutcome::Decided(status) | SlackOutcome::FormDecided(status) => status.as_str().to_owned(),
+                        SlackOutcome::Refused(reason) | SlackOutcome::FormRefused(reason) => format!("refused: {reason}"),
+                        SlackOutcome::ReasonAsked => "reason_asked".to_owned(),
                     },
                 })),
             )
             .await
             .map_err(EngineError::from)?;
-        Ok(outcome)
+        Ok(())
     }
 
     /// Tells an unlinked Slack user, privately, where to link their identity; a failure is
     /// logged (the message already says why they were refused).
-    async fn send_link(&self, route: &NotificationRouteRecord, press: &ButtonPress, token: &str) {
-        let RouteChannel::Slack { channel, api_url } = &route.channel;
+    async fn send_link(
+        &self,
+        route: &NotificationRouteRecord,
+        identity: &SlackIdentity,
+        token: &str,
+    ) {
+        let RouteChannel::Slack { channel, api_url } = &route.channel else {
+            return;
+        };
         let Some(base) = self.config.console_url.as_deref() else {
             tracing::warn!(category = "notification", project_id = %route.project_id,
                 "no console URL is configured: an unlinked Slack user cannot be sent a link");
@@ -773,7 +1046,7 @@ impl Engine {
         let Ok(bot) = token_result else {
             return;
         };
-        let body = json!({ "channel": press.channel.as_deref().unwrap_or(channel), "user": press.user_id, "text": text });
+        let body = json!({ "channel": identity.channel.as_deref().unwrap_or(channel), "user": identity.user, "text": text });
         match self
             .slack_call(api_url, "chat.postEphemeral", &bot, &body)
             .await
@@ -830,18 +1103,50 @@ struct SlackMessage {
     blocks: Vec<Value>,
 }
 
+/// Who acted in Slack: the workspace, the user, and the channel they acted in, if any.
+#[derive(Debug, Clone)]
+struct SlackIdentity {
+    team: String,
+    user: String,
+    channel: Option<String>,
+}
+
 /// A press of Approve or Deny, from a `block_actions` payload.
 #[derive(Debug)]
 struct ButtonPress {
     trigger_id: String,
-    team_id: String,
-    user_id: String,
-    channel: Option<String>,
+    identity: SlackIdentity,
     approval_id: ApprovalId,
     action: ApprovalAnswer,
 }
 
 impl ButtonPress {
+    fn action_name(&self) -> &'static str {
+        match self.action {
+            ApprovalAnswer::Approve => "approve",
+            ApprovalAnswer::Deny => "deny",
+        }
+    }
+}
+
+/// The submitted form of a Deny's reason, from a `view_submission` payload.
+#[derive(Debug)]
+struct DenyForm {
+    /// What makes this submission unique (its `trigger_id`, else its view's id).
+    key: String,
+    identity: SlackIdentity,
+    approval_id: ApprovalId,
+    reason: String,
+}
+
+/// A verified interaction's payload.
+#[derive(Debug)]
+enum SlackPayload {
+    Press(ButtonPress),
+    DenyForm(DenyForm),
+}
+
+impl SlackPayload {
     fn parse(body: &[u8]) -> Result<Self, SlackRejection> {
         let malformed = |what: &str| SlackRejection::Malformed(format!("the interaction {what}"));
         let payload = url::form_urlencoded::parse(body)
@@ -850,54 +1155,84 @@ impl ButtonPress {
             .ok_or_else(|| malformed("has no `payload` field"))?;
         let payload: Value =
             serde_json::from_str(&payload).map_err(|_| malformed("payload is not JSON"))?;
-        if payload.get("type").and_then(Value::as_str) != Some("block_actions") {
-            return Err(malformed("is not a button press (`block_actions`)"));
-        }
         let text = |pointer: &str| payload.pointer(pointer).and_then(Value::as_str);
         let id = |pointer: &str| text(pointer).filter(|v| is_slack_id(v)).map(str::to_owned);
-        let user_id = id("/user/id").ok_or_else(|| malformed("names no Slack user"))?;
-        let team_id = id("/team/id")
-            .or_else(|| id("/user/team_id"))
-            .ok_or_else(|| malformed("names no Slack team"))?;
-        let trigger_id = text("/trigger_id")
-            .filter(|t| !t.is_empty() && t.len() <= 128 && t.bytes().all(|b| b.is_ascii_graphic()))
-            .ok_or_else(|| malformed("has no `trigger_id`"))?
-            .to_owned();
-        let action = match text("/actions/0/action_id") {
-            Some("approve") => ApprovalAnswer::Approve,
-            Some("deny") => ApprovalAnswer::Deny,
-            _ => return Err(malformed("is neither Approve nor Deny")),
+        let token = |pointer: &str| {
+            text(pointer)
+                .filter(|t| {
+                    !t.is_empty() && t.len() <= 128 && t.bytes().all(|b| b.is_ascii_graphic())
+                })
+                .map(str::to_owned)
         };
-        let approval_id = text("/actions/0/value")
-            .and_then(|v| v.parse().ok())
-            .ok_or_else(|| malformed("names no approval"))?;
-        Ok(ButtonPress {
-            trigger_id,
-            team_id,
-            user_id,
+        let identity = SlackIdentity {
+            user: id("/user/id").ok_or_else(|| malformed("names no Slack user"))?,
+            team: id("/team/id")
+                .or_else(|| id("/user/team_id"))
+                .ok_or_else(|| malformed("names no Slack team"))?,
             channel: id("/channel/id"),
-            approval_id,
-            action,
-        })
+        };
+        match text("/type") {
+            Some("block_actions") => {
+                let trigger_id =
+                    token("/trigger_id").ok_or_else(|| malformed("has no `trigger_id`"))?;
+                let action = match text("/actions/0/action_id") {
+                    Some("approve") => ApprovalAnswer::Approve,
+                    Some("deny") => ApprovalAnswer::Deny,
+                    _ => return Err(malformed("is neither Approve nor Deny")),
+                };
+                let approval_id = text("/actions/0/value")
+                    .and_then(|v| v.parse().ok())
+                    .ok_or_else(|| malformed("names no approval"))?;
+                Ok(SlackPayload::Press(ButtonPress {
+                    trigger_id,
+                    identity,
+                    approval_id,
+                    action,
+                }))
+            }
+            Some("view_submission") if text("/view/callback_id") == Some(DENY_FORM) => {
+                let key = token("/trigger_id")
+                    .or_else(|| token("/view/id").map(|v| format!("view:{v}")))
+                    .ok_or_else(|| malformed("has no `trigger_id`"))?;
+                let approval_id = text("/view/private_metadata")
+                    .and_then(|v| v.parse().ok())
+                    .ok_or_else(|| malformed("names no approval"))?;
+                let reason = text("/view/state/values/wor_reason/reason/value")
+                    .unwrap_or_default()
+                    .to_owned();
+                Ok(SlackPayload::DenyForm(DenyForm {
+                    key,
+                    identity,
+                    approval_id,
+                    reason,
+                }))
+            }
+            _ => Err(malformed(
+                "is neither a button press (`block_actions`) nor a submitted Deny form",
+            )),
+        }
     }
 }
 
-/// A value as a message shows it: strings as they are, anything else as canonical JSON, cut
-/// to [`MAX_SHOWN_VALUE_CHARS`] with a mark saying how much was left out.
-fn shown_value(value: &Value) -> String {
-    let text = match value {
-        Value::String(s) => s.clone(),
-        other => wor_core::canonical::to_canonical_json(other),
-    };
-    let total = text.chars().count();
-    if total <= MAX_SHOWN_VALUE_CHARS {
-        return text;
-    }
-    let shown: String = text.chars().take(MAX_SHOWN_VALUE_CHARS).collect();
-    format!(
-        "{shown}… ({} more characters; the console shows it whole)",
-        total - MAX_SHOWN_VALUE_CHARS
-    )
+/// The form Slack shows whoever presses Deny, asking for the reason the model will be told.
+fn deny_form(approval: &ApprovalRecord) -> Value {
+    json!({
+        "type": "modal",
+        "callback_id": DENY_FORM,
+        "private_metadata": approval.id.to_string(),
+        "title": { "type": "plain_text", "text": "Deny this call" },
+        "submit": { "type": "plain_text", "text": "Deny" },
+        "close": { "type": "plain_text", "text": "Cancel" },
+        "blocks": [
+            { "type": "section", "text": { "type": "mrkdwn", "text": format!(
+                "Deny `{}`? The call does not run, and the model is told why.",
+                slack_escape(&approval.tool)) } },
+            { "type": "input", "block_id": "wor_reason",
+              "label": { "type": "plain_text", "text": "Reason" },
+              "element": { "type": "plain_text_input", "action_id": "reason",
+                "multiline": true, "max_length": 2000 } },
+        ],
+    })
 }
 
 /// Escapes the three characters Slack's `mrkdwn` treats as control characters, so text from a
@@ -935,10 +1270,25 @@ mod tests {
         let body = url::form_urlencoded::Serializer::new(String::new())
             .append_pair("payload", &payload.to_string())
             .finish();
-        let press = ButtonPress::parse(body.as_bytes()).unwrap();
+        let Ok(SlackPayload::Press(press)) = SlackPayload::parse(body.as_bytes()) else {
+            panic!("a press");
+        };
         assert_eq!(press.approval_id, approval);
         assert_eq!(press.action, ApprovalAnswer::Deny);
-        assert_eq!(press.user_id, "U1");
+        assert_eq!(press.identity.user, "U1");
+        let form = json!({"type": "view_submission", "trigger_id": "9.8.xyz",
+            "user": {"id": "U1", "team_id": "T1"}, "team": {"id": "T1"},
+            "view": {"id": "V1", "callback_id": "wor_deny", "private_metadata": approval.to_string(),
+                "state": {"values": {"wor_reason": {"reason": {"type": "plain_text_input", "value": "wrong recipient"}}}}}});
+        let body = url::form_urlencoded::Serializer::new(String::new())
+            .append_pair("payload", &form.to_string())
+            .finish();
+        let Ok(SlackPayload::DenyForm(form)) = SlackPayload::parse(body.as_bytes()) else {
+            panic!("a Deny form");
+        };
+        assert_eq!(form.approval_id, approval);
+        assert_eq!(form.reason, "wrong recipient");
+        assert_eq!(form.key, "9.8.xyz");
         for broken in [
             json!({"type": "view_submission"}),
             json!({"type": "block_actions", "trigger_id": "t", "user": {"id": "U<1>"}, "team": {"id": "T1"},
@@ -952,10 +1302,10 @@ mod tests {
                 .append_pair("payload", &broken.to_string())
                 .finish();
             assert!(matches!(
-                ButtonPress::parse(body.as_bytes()),
+                SlackPayload::parse(body.as_bytes()),
                 Err(SlackRejection::Malformed(_))
             ));
         }
-        assert!(ButtonPress::parse(b"nothing=here").is_err());
+        assert!(SlackPayload::parse(b"nothing=here").is_err());
     }
 }

@@ -531,11 +531,49 @@ impl Engine {
             );
             return Ok(scope.refuse(pending, usage, &text));
         };
-        let Ok(arguments) =
-            prepare_arguments(&call.arguments, &offered.entry, &offered.pin.input_schema())
-        else {
-            return Ok(mismatch(scope, usage));
+        // A call an approver edited runs with the edited arguments (pins applied again), and
+        // only if policy does not deny them.
+        let model_arguments = approval
+            .edited_arguments
+            .clone()
+            .unwrap_or_else(|| call.arguments.clone());
+        let arguments = match prepare_arguments(
+            &model_arguments,
+            &offered.entry,
+            &offered.pin.input_schema(),
+        ) {
+            Ok(arguments) => arguments,
+            Err(error) if approval.edited_arguments.is_some() => {
+                let text = format!(
+                    "the arguments a person edited for `{}` do not fit the tool: {error}; the call did not run",
+                    approval.tool
+                );
+                return Ok(scope.refuse(pending, usage, &text));
+            }
+            Err(_) => return Ok(mismatch(scope, usage)),
         };
+        if approval.edited_arguments.is_some() {
+            let decision = self.decide(scope, offered, &arguments, usage);
+            if decision.outcome == wor_core::call::Verdict::Deny {
+                self.audit
+                    .append(
+                        run_event(scope.run, AuditCategory::ToolCall).payload(json!({
+                            "transition": "edit_denied",
+                            "tool": approval.tool,
+                            "call_id": call.id,
+                            "approval_id": approval.id.to_string(),
+                            "determining_policies": decision.determining_policies,
+                        })),
+                    )
+                    .await?;
+                let text = format!(
+                    "tool `{}` was refused by policy with the arguments a person edited: {}",
+                    approval.tool,
+                    decision.reasons.join("; ")
+                );
+                return Ok(scope.refuse(pending, usage, &text));
+            }
+        }
         let binding = wor_core::approval::binding_hash(
             scope.run.id,
             &call.id,
@@ -599,12 +637,44 @@ impl Engine {
                     ),
             )
             .await?;
+        let edited = approval.edited_arguments.as_ref().map(|_| {
+            // What the model may see of the call it ran: never the pinned values.
+            let shown: serde_json::Map<String, Value> = arguments
+                .value
+                .iter()
+                .filter(|(key, _)| !arguments.pinned_keys.contains(key))
+                .map(|(key, value)| (key.clone(), value.clone()))
+                .collect();
+            wor_core::canonical::to_canonical_json(&Value::Object(shown))
+        });
         // Presented again right before the call: the approval's use came between.
         if let Some(outcome) = self.present_credential(scope).await? {
             return Ok(outcome);
         }
-        self.execute(scope, offered, pending, arguments, usage)
-            .await
+        let outcome = self
+            .execute(scope, offered, pending, arguments, usage)
+            .await?;
+        Ok(match (outcome, edited) {
+            (
+                CallOutcome::Answered {
+                    mut answer,
+                    provenance,
+                    usage,
+                },
+                Some(shown),
+            ) => {
+                answer.result.content = format!(
+                    "A person edited this call's arguments before approving it; it ran with {shown}.\n{}",
+                    answer.result.content
+                );
+                CallOutcome::Answered {
+                    answer,
+                    provenance,
+                    usage,
+                }
+            }
+            (outcome, _) => outcome,
+        })
     }
 
     /// Pipeline steps 6 and 7: the call, credentials attached by the session at send time, and

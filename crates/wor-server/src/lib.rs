@@ -112,6 +112,7 @@ fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(routes::approvals::get))
         .routes(routes!(routes::approvals::approve))
         .routes(routes!(routes::approvals::deny))
+        .routes(routes!(routes::approvals::edit_and_approve))
         .routes(routes!(
             routes::policy::get,
             routes::policy::set,

@@ -171,6 +171,9 @@ fn sample_body(method: &Method, path: &str) -> Option<Value> {
         ("POST", "/v1/approvals/{approval_id}/approve" | "/v1/approvals/{approval_id}/deny") => {
             Some(json!({"reason": "probe"}))
         }
+        ("POST", "/v1/approvals/{approval_id}/edit-and-approve") => {
+            Some(json!({"arguments": {"text": "probe"}, "reason": "probe"}))
+        }
         ("PUT", "/v1/policy") => Some(json!({"text": wor_policy::DEFAULT_PROJECT_POLICY})),
         ("POST", "/v1/routines/{routine_id}/webhook-secret") => None,
         ("POST", "/hooks/{routine_id}") => Some(json!({"probe": true})),

@@ -351,7 +351,10 @@ async fn an_invitation_works_once_sets_a_checked_password_and_signs_in_with_a_st
     assert_eq!(page.status, StatusCode::SEE_OTHER);
     let page = browser.get("/console/approvals").await;
     assert_eq!(page.status, StatusCode::SEE_OTHER);
-    assert_eq!(page.location(), "/console/sign-in");
+    assert_eq!(
+        page.location(),
+        "/console/sign-in?next=%2Fconsole%2Fapprovals"
+    );
 
     let audit = h.audit_text().await;
     for category in [
@@ -521,7 +524,10 @@ async fn an_api_key_cannot_open_the_console_and_a_session_cannot_call_the_api() 
             .await
             .unwrap();
         assert_eq!(page.status().as_u16(), 303);
-        assert_eq!(page.headers()[LOCATION], "/console/sign-in");
+        assert_eq!(
+            page.headers()[LOCATION],
+            "/console/sign-in?next=%2Fconsole%2Fapprovals"
+        );
     }
     let page = client
         .get(format!("{base}/console/approvals"))
@@ -780,6 +786,132 @@ async fn the_inbox_decides_through_the_engine_and_tells_the_starter_why_they_can
 
 async fn page_csrf(browser: &mut Browser) -> String {
     browser.get("/console/approvals").await.csrf()
+}
+
+#[tokio::test]
+async fn an_approvals_own_page_opens_after_sign_in_and_sign_in_returns_only_inside_the_console() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    hostile_tools(&h).await;
+    let routine = note_sender(&h).await;
+    let run = parked_run(&h, &routine).await;
+    let approval = h.pending_approvals(&run).await[0]["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let password = "a long and quiet passphrase";
+    let (status, invitation) = invite(&h, h.owner(), "ann", Some("approver")).await;
+    assert_eq!(status, StatusCode::CREATED, "{invitation}");
+    let mut ann = Browser::new(addr);
+    let page = ann
+        .accept(invitation["path"].as_str().unwrap(), password)
+        .await;
+    assert_eq!(page.status, StatusCode::SEE_OTHER);
+
+    // The page an email links to asks for a sign-in that returns to it.
+    let path = format!("/console/approvals/{approval}");
+    let page = ann.get(&path).await;
+    assert_eq!(page.status, StatusCode::SEE_OTHER);
+    let encoded: String = url::form_urlencoded::byte_serialize(path.as_bytes()).collect();
+    assert_eq!(page.location(), format!("/console/sign-in?next={encoded}"));
+    let page = ann.get(page.location()).await;
+    assert_eq!(page.status, StatusCode::OK);
+    assert!(
+        page.body
+            .contains(&format!("name=\"next\" value=\"{path}\"")),
+        "{}",
+        page.body
+    );
+    let csrf = page.csrf();
+    let project = h.project.project.name.clone();
+    let page = ann
+        .post(
+            "/console/sign-in",
+            &[
+                ("csrf", &csrf),
+                ("project", &project),
+                ("name", "ann"),
+                ("password", password),
+                ("next", &path),
+            ],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::SEE_OTHER, "{}", page.body);
+    assert_eq!(page.location(), path);
+    let page = ann.get(&path).await;
+    assert_eq!(page.status, StatusCode::OK);
+    assert!(page.body.contains("notes/send_note"));
+    assert!(page.body.contains("pinned by the routine"));
+    assert!(
+        page.body
+            .contains(&format!("action=\"/console/approvals/{approval}/approve\""))
+    );
+    // Deciding still needs the session's form and token.
+    let csrf = page.csrf();
+    let decided = ann
+        .post(
+            &format!("{path}/approve"),
+            &[("csrf", &csrf), ("reason", "checked the note")],
+        )
+        .await;
+    assert_eq!(decided.status, StatusCode::SEE_OTHER, "{}", decided.body);
+    let page = ann.get(&path).await;
+    assert_eq!(page.status, StatusCode::OK);
+    assert!(page.body.contains("Approved by ann"), "{}", page.body);
+    assert!(page.body.contains("checked the note"));
+    assert!(
+        !page.body.contains("/approve\""),
+        "a decided call has no form"
+    );
+    // An unknown (or another project's) approval is the 404 page.
+    let page = ann
+        .get(&format!(
+            "/console/approvals/{}",
+            wor_core::ApprovalId::new()
+        ))
+        .await;
+    assert_eq!(page.status, StatusCode::NOT_FOUND);
+    // Signed in, the sign-in page goes straight to where it was asked to.
+    let page = ann.get("/console/sign-in?next=%2Fconsole%2Fruns").await;
+    assert_eq!(page.location(), "/console/runs");
+
+    // Only this console's own pages are places to return to: anything else goes to the inbox.
+    for next in [
+        "https://evil.example/",
+        "//evil.example/console/",
+        "/\\evil.example",
+        "/console//evil.example",
+        "/console/\\evil.example",
+        "javascript:alert(1)",
+        "/elsewhere",
+        "/console/sign-in",
+        "/console/approvals\r\nSet-Cookie: x=1",
+    ] {
+        let mut visitor = Browser::new(addr);
+        let query: String = url::form_urlencoded::byte_serialize(next.as_bytes()).collect();
+        let page = visitor.get(&format!("/console/sign-in?next={query}")).await;
+        assert_eq!(page.status, StatusCode::OK);
+        assert!(
+            !page.body.contains("name=\"next\""),
+            "{next}: {}",
+            page.body
+        );
+        let csrf = page.csrf();
+        let page = visitor
+            .post(
+                "/console/sign-in",
+                &[
+                    ("csrf", &csrf),
+                    ("project", &project),
+                    ("name", "ann"),
+                    ("password", password),
+                    ("next", next),
+                ],
+            )
+            .await;
+        assert_eq!(page.status, StatusCode::SEE_OTHER, "{next}: {}", page.body);
+        assert_eq!(page.location(), "/console/approvals", "{next}");
+    }
 }
 
 #[tokio::test]

@@ -638,6 +638,141 @@ async fn slack_decides_through_the_engine_and_every_message_follows_the_approval
     );
 }
 
+/// A submitted Deny form (`view_submission`) as Slack posts it, form-encoded.
+fn deny_form(user: &str, approval: &str, trigger: &str, reason: &str) -> String {
+    let payload = json!({"type": "view_submission", "trigger_id": trigger,
+        "user": {"id": user, "team_id": "T0TEAM"}, "team": {"id": "T0TEAM"},
+        "view": {"id": format!("V{trigger}"), "callback_id": "wor_deny", "private_metadata": approval,
+            "state": {"values": {"wor_reason": {"reason": {"type": "plain_text_input", "value": reason}}}}}});
+    url::form_urlencoded::Serializer::new(String::new())
+        .append_pair("payload", &payload.to_string())
+        .finish()
+}
+
+#[tokio::test]
+async fn deny_in_slack_asks_for_a_reason_and_the_decision_names_the_slack_user() {
+    let h = Harness::with_config(config()).await;
+    let addr = serve_console(&h).await;
+    let (slack, calls) = fake_slack(0).await;
+    let sent = notes_tool(&h).await;
+    let routine = apply_routine(&h).await;
+    let all = slack_route(&h, "all", slack, None).await;
+    let (run, approval) = parked_run(&h, h.owner(), &routine).await;
+    deliver(&h, 0).await;
+    let mut ann = signed_in(&h, addr, "ann", Some("approver")).await;
+    link(&h, &calls, &all, &approval, "U0ANN", &mut ann).await;
+    let mut alice = signed_in(&h, addr, "alice", None).await;
+    link(&h, &calls, &all, &approval, "U0ALICE", &mut alice).await;
+
+    // The starter's Deny is refused at once: no form is opened for someone who cannot decide.
+    let (status, reply) = interact(
+        &h,
+        &all,
+        &press("U0ALICE", "deny", &approval, "t-starter-deny"),
+        SIGNING_SECRET,
+        now_secs(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{reply}");
+    assert!(
+        reply["reason"]
+            .as_str()
+            .unwrap()
+            .contains("started this run"),
+        "{reply}"
+    );
+    let forms = || {
+        calls
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(method, _, _)| method == "views.open")
+            .map(|(_, auth, body)| (auth.clone(), body.clone()))
+            .collect::<Vec<_>>()
+    };
+    assert!(forms().is_empty());
+
+    // An approver's Deny opens a form for the reason, and decides nothing yet.
+    let (status, reply) = interact(
+        &h,
+        &all,
+        &press("U0ANN", "deny", &approval, "t-deny"),
+        SIGNING_SECRET,
+        now_secs(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{reply}");
+    assert_eq!(reply["outcome"], "reason_asked");
+    let opened = forms();
+    assert_eq!(opened.len(), 1, "{opened:?}");
+    assert_eq!(opened[0].0, format!("Bearer {BOT_TOKEN}"));
+    assert_eq!(opened[0].1["trigger_id"], "t-deny");
+    assert_eq!(opened[0].1["view"]["callback_id"], "wor_deny");
+    assert_eq!(opened[0].1["view"]["private_metadata"], approval.as_str());
+    assert_eq!(h.pending_approvals(&run).await.len(), 1);
+
+    // A blank reason keeps the form open with why; a forged submission is refused.
+    let (status, reply) = interact(
+        &h,
+        &all,
+        &deny_form("U0ANN", &approval, "f-blank", "   "),
+        SIGNING_SECRET,
+        now_secs(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{reply}");
+    assert_eq!(reply["response_action"], "errors");
+    assert!(reply["errors"]["wor_reason"].is_string(), "{reply}");
+    let forged = deny_form("U0ANN", &approval, "f-forged", "forged");
+    let (status, _) = interact(&h, &all, &forged, "not-the-secret", now_secs()).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert_eq!(h.pending_approvals(&run).await.len(), 1);
+
+    // The reason denies the call as the linked member, through the engine.
+    let form = deny_form("U0ANN", &approval, "f-reason", "the recipient is wrong");
+    let (status, reply) = interact(&h, &all, &form, SIGNING_SECRET, now_secs()).await;
+    assert_eq!(status, StatusCode::OK, "{reply}");
+    assert_eq!(reply["response_action"], "clear", "{reply}");
+    let (status, _) = interact(&h, &all, &form, SIGNING_SECRET, now_secs()).await;
+    assert_eq!(status, StatusCode::CONFLICT, "a replayed form is refused");
+    let (_, decided) = h
+        .call(Method::GET, &format!("/v1/approvals/{approval}"), None)
+        .await;
+    assert_eq!(decided["status"], "denied");
+    assert_eq!(decided["decision_reason"], "the recipient is wrong");
+    assert!(h.engine.run_next().await.unwrap());
+    assert_ne!(h.get_run(&run).await["status"], "waiting_for_approval");
+    assert!(
+        sent.lock().unwrap().is_empty(),
+        "a denied call does not run"
+    );
+    deliver(&h, 0).await;
+    let updated = calls.lock().unwrap().iter().any(|(method, _, body)| {
+        method == "chat.update"
+            && message_text(body).contains("*Denied* by ann in Slack")
+            && message_text(body).contains("the recipient is wrong")
+    });
+    assert!(updated, "the message says who denied, where and why");
+
+    // The decision's own audit entry names the member and the Slack identity that decided.
+    let (_, audit) = h.call(Method::GET, "/v1/audit?limit=1000", None).await;
+    let decide = audit["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["category"] == "approval.decide")
+        .expect("an approval.decide entry")
+        .clone();
+    assert_eq!(decide["payload"]["via"], "slack", "{decide}");
+    assert_eq!(decide["payload"]["slack_user"], "U0ANN", "{decide}");
+    assert_eq!(decide["payload"]["slack_team"], "T0TEAM", "{decide}");
+    assert_eq!(decide["payload"]["reason"], "the recipient is wrong");
+    assert!(
+        decide["actor"].to_string().contains("mem_"),
+        "the member is the actor: {decide}"
+    );
+}
+
 #[tokio::test]
 async fn the_outbox_survives_a_restart_an_expiry_says_so_and_a_deleted_route_sends_nothing_more() {
     let h = Harness::with_config(wor_engine::EngineConfig {

@@ -149,6 +149,17 @@ pub struct ApprovalRecord {
     pub decision_reason: Option<String>,
     pub decided_at: Option<i64>,
     pub used_at: Option<i64>,
+    /// The arguments an approver corrected the call to before approving it (canonical,
+    /// pinned ones unchanged); `binding_hash` is then the edited call's.
+    pub edited_arguments: Option<serde_json::Value>,
+}
+
+/// An approver's correction of a held call: the arguments it runs with instead, and the
+/// binding hash of the call with them.
+#[derive(Debug, Clone)]
+pub struct ApprovalEdit {
+    pub arguments: serde_json::Value,
+    pub binding_hash: String,
 }
 
 /// A call a person approved, as it starts: the approval it uses, the binding hash of the call
@@ -230,7 +241,7 @@ pub struct ProjectPolicyRecord {
 
 const COLUMNS: &str = "id, project_id, run_id, call_id, tool, pin_hash, arguments, arguments_hash, \
     pinned_keys, binding_hash, kind, why, status, requested_at, expires_at, decided_by_key, \
-    decided_by_member, decision_reason, decided_at, used_at";
+    decided_by_member, decision_reason, decided_at, used_at, edited_arguments";
 
 impl Store {
     /// Files `approval` and parks its run, which `worker` holds: the run gives up its lease and
@@ -372,6 +383,29 @@ impl Store {
         id: ApprovalId,
         decision: &ApprovalDecision,
     ) -> Result<ApprovalRecord, DecideError> {
+        self.decide_approval_with(project, id, decision, None).await
+    }
+
+    /// [`Self::decide_approval`] for an approval of a corrected call: the edit is recorded and
+    /// the approval bound to the edited call in the same statement as the decision.
+    pub async fn decide_approval_edited(
+        &self,
+        project: ProjectId,
+        id: ApprovalId,
+        decision: &ApprovalDecision,
+        edit: &ApprovalEdit,
+    ) -> Result<ApprovalRecord, DecideError> {
+        self.decide_approval_with(project, id, decision, Some(edit))
+            .await
+    }
+
+    async fn decide_approval_with(
+        &self,
+        project: ProjectId,
+        id: ApprovalId,
+        decision: &ApprovalDecision,
+        edit: Option<&ApprovalEdit>,
+    ) -> Result<ApprovalRecord, DecideError> {
         let now = now_millis();
         let status = match decision.verdict {
             ApprovalAnswer::Approve => ApprovalStatus::Approved,
@@ -380,8 +414,10 @@ impl Store {
         let mut tx = self.begin_write().await?;
         let done = sqlx::query(
             "UPDATE approvals SET status = $1, decided_by_key = $2, decided_by_member = $3, \
-             decision_reason = $4, decided_at = $5 \
-             WHERE project_id = $6 AND id = $7 AND status = 'pending' AND expires_at > $5",
+             decision_reason = $4, decided_at = $5, edited_arguments = $8, \
+             binding_hash = COALESCE($9, binding_hash) \
+             WHERE project_id = $6 AND id = $7 AND status = 'pending' AND expires_at > $5 \
+             AND edited_arguments IS NULL",
         )
         .bind(status.as_str())
         .bind(decision.key_id.map(|k| k.to_string()))
@@ -390,6 +426,8 @@ impl Store {
         .bind(now)
         .bind(project.to_string())
         .bind(id.to_string())
+        .bind(edit.map(|e| e.arguments.to_string()))
+        .bind(edit.map(|e| e.binding_hash.clone()))
         .execute(&mut *tx)
         .await?;
         if done.rows_affected() != 1 {
@@ -615,6 +653,13 @@ fn approval_from_row(row: &sqlx::any::AnyRow) -> Result<ApprovalRecord, StoreErr
         decision_reason: optional("decision_reason")?,
         decided_at: row.try_get("decided_at")?,
         used_at: row.try_get("used_at")?,
+        edited_arguments: optional("edited_arguments")?
+            .map(|text| {
+                serde_json::from_str(&text).map_err(|_| {
+                    StoreError::Corrupt("approvals.edited_arguments is not JSON".to_owned())
+                })
+            })
+            .transpose()?,
     })
 }
 

@@ -40,8 +40,8 @@ use sqlx::{Any, AnyPool, Executor, Transaction};
 pub use api_keys::{API_KEY_PREFIX, api_key_digest};
 pub use api_keys::{ApiKeyKind, ApiKeyRecord, AuthenticatedKey, NewApiKey, PlaintextApiKey};
 pub use approvals::{
-    ApprovalAnswer, ApprovalDecision, ApprovalFilter, ApprovalKind, ApprovalRecord, ApprovalStatus,
-    ApprovedCall, ApprovedStart, DecideError, NewApproval, ProjectPolicyRecord,
+    ApprovalAnswer, ApprovalDecision, ApprovalEdit, ApprovalFilter, ApprovalKind, ApprovalRecord,
+    ApprovalStatus, ApprovedCall, ApprovedStart, DecideError, NewApproval, ProjectPolicyRecord,
 };
 pub use audit::{AuditConfig, AuditLog, AuditReceipt};
 pub use backup::{BackupError, discard_restored, restore_sqlite};
@@ -59,7 +59,7 @@ pub use model_connections::{
 pub use notifications::{
     NOTIFICATION_ROUTES_TABLE, NewNotification, NewNotificationRoute, NotificationAction,
     NotificationDeliveryFilter, NotificationDeliveryRecord, NotificationRouteRecord, RouteChannel,
-    RouteFilter, SLACK_LINK_TOKEN_PREFIX, SlackLinkRecord, SlackMessageRecord,
+    RouteFilter, SLACK_LINK_TOKEN_PREFIX, SlackLinkRecord, SlackMessageRecord, SmtpTls,
 };
 pub use probe::{DatabaseProbe, probe};
 pub use projects::{CreatedProject, ProjectRecord, RecoveredOwner};

@@ -173,6 +173,12 @@ const MIGRATIONS: &[SchemaMigration] = &[
         sqlite: include_str!("../migrations/0022_run_engine.sqlite.sql"),
         postgres: include_str!("../migrations/0022_run_engine.postgres.sql"),
     },
+    SchemaMigration {
+        version: 24,
+        description: "approval edits",
+        sqlite: include_str!("../migrations/0024_approval_edits.sql"),
+        postgres: include_str!("../migrations/0024_approval_edits.sql"),
+    },
 ];
 
 /// The newest migration of this release.

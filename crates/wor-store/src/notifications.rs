@@ -1,6 +1,6 @@
-//! Notifications of approval requests: a project's routes (Slack channels), the outbox of
-//! messages to post or update, the Slack messages posted per approval, and the Slack users
-//! linked to members.
+//! Notifications of approval requests: a project's routes (Slack channels and email
+//! recipients), the outbox of messages to post, update or mail, the Slack messages posted per
+//! approval, and the Slack users linked to members.
 //!
 //! INVARIANTS: every function that reads a project's routes, deliveries or identities takes
 //! the project id and filters on it; a delivery is attempted by one process at a time (its
@@ -35,12 +35,56 @@ pub enum RouteChannel {
         /// The Slack Web API base URL (`https://slack.com/api`; a test's fake elsewhere).
         api_url: String,
     },
+    /// Email to a list of recipients, through an SMTP relay (its credentials in the vault).
+    Email {
+        /// The relay's host name or address.
+        smtp_host: String,
+        smtp_port: u16,
+        /// How the connection to the relay is protected.
+        tls: SmtpTls,
+        /// The sender address.
+        from: String,
+        /// The recipients (at least one).
+        to: Vec<String>,
+        /// One message every this many minutes listing the requests since the last, instead
+        /// of one message per request.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        digest_minutes: Option<u32>,
+    },
+}
+
+/// How a connection to an SMTP relay is protected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SmtpTls {
+    /// `STARTTLS` before anything else is sent; a relay that does not offer it is refused.
+    Starttls,
+    /// No TLS: only to a loopback relay, and only when the operator's configuration allows it.
+    PlaintextLoopback,
+}
+
+impl SmtpTls {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SmtpTls::Starttls => "starttls",
+            SmtpTls::PlaintextLoopback => "plaintext_loopback",
+        }
+    }
 }
 
 impl RouteChannel {
     pub fn kind(&self) -> &'static str {
         match self {
             RouteChannel::Slack { .. } => "slack",
+            RouteChannel::Email { .. } => "email",
+        }
+    }
+
+    /// What the route sends to, in one line: the channel, or the recipients.
+    pub fn target(&self) -> String {
+        match self {
+            RouteChannel::Slack { channel, .. } => channel.clone(),
+            RouteChannel::Email { to, .. } => to.join(", "),
         }
     }
 }
@@ -83,6 +127,8 @@ pub enum NotificationAction {
     SlackPost,
     /// Update every field of the posted Slack message to the approval as it stands.
     SlackUpdate,
+    /// Mail the approval request (alone, or in the route's next digest).
+    EmailSend,
 }
 
 impl NotificationAction {
@@ -90,6 +136,7 @@ impl NotificationAction {
         match self {
             NotificationAction::SlackPost => "slack.post",
             NotificationAction::SlackUpdate => "slack.update",
+            NotificationAction::EmailSend => "email.send",
         }
     }
 }
@@ -106,6 +153,7 @@ impl FromStr for NotificationAction {
         match s {
             "slack.post" => Ok(NotificationAction::SlackPost),
             "slack.update" => Ok(NotificationAction::SlackUpdate),
+            "email.send" => Ok(NotificationAction::EmailSend),
             _ => Err(()),
         }
     }
@@ -122,6 +170,8 @@ pub struct NewNotification {
     pub event_key: String,
     /// Shown in the message besides the approval's state (why a Slack user was refused).
     pub note: Option<String>,
+    /// Not sent before this time (a digest's end); `None` sends it at once.
+    pub not_before: Option<i64>,
 }
 
 #[derive(Debug, Clone)]
@@ -195,9 +245,7 @@ impl Store {
         .bind(route.filter.routine_id.map(|r| r.to_string()))
         .bind(route.filter.tool.clone())
         .bind(route.filter.policy.clone())
-        .bind(match &route.channel {
-            RouteChannel::Slack { channel, .. } => channel.clone(),
-        })
+        .bind(route.channel.target())
         .bind(settings)
         .bind(route.created_by.map(|k| k.to_string()))
         .bind(now)
@@ -278,7 +326,7 @@ impl Store {
         sqlx::query(
             "INSERT INTO notification_deliveries (id, project_id, route_id, approval_id, action, \
              event_key, note, status, attempts, next_attempt_at, created_at, updated_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, 'pending', 0, $8, $8, $8) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, 'pending', 0, $8, $9, $9) \
              ON CONFLICT (route_id, approval_id, event_key) DO NOTHING",
         )
         .bind(format!("ntd_{}", uuid::Uuid::now_v7().simple()))
@@ -288,6 +336,7 @@ impl Store {
         .bind(notification.action.as_str())
         .bind(&notification.event_key)
         .bind(notification.note.clone())
+        .bind(notification.not_before.unwrap_or(now).max(now))
         .bind(now)
         .execute(self.pool())
         .await?;

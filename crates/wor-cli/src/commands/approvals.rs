@@ -31,13 +31,18 @@ pub enum ApprovalsCommand {
         #[command(flatten)]
         client: ClientArgs,
     },
-    /// Approve exactly this call; its run goes on and runs it once.
+    /// Approve exactly this call; its run goes on and runs it once. With `--edit`, approve it
+    /// with some arguments corrected: the edited call runs instead, if policy allows it.
     Approve {
         /// An `apr_…` id.
         id: String,
         /// Why (recorded with the decision and in the audit log).
         #[arg(long)]
         reason: String,
+        /// Correct an argument before approving: `NAME=JSON` (`text='"hello"'`), repeatable;
+        /// pinned arguments cannot be edited.
+        #[arg(long = "edit", value_name = "NAME=JSON")]
+        edits: Vec<String>,
         #[command(flatten)]
         client: ClientArgs,
     },
@@ -157,7 +162,39 @@ pub async fn run(cmd: ApprovalsCommand) -> anyhow::Result<ExitCode> {
                 show(&approval);
             }
         }
-        ApprovalsCommand::Approve { id, reason, client } => {
+        ApprovalsCommand::Approve {
+            id,
+            reason,
+            edits,
+            client,
+        } if !edits.is_empty() => {
+            let mut arguments = serde_json::Map::new();
+            for edit in &edits {
+                let Some((name, value)) = edit.split_once('=') else {
+                    anyhow::bail!("`--edit {edit}`: expected NAME=JSON");
+                };
+                let value: Value = serde_json::from_str(value).map_err(|e| {
+                    anyhow::anyhow!(
+                        "`--edit {name}=…`: the value is not JSON ({e}); quote text as '\"text\"'"
+                    )
+                })?;
+                arguments.insert(name.to_owned(), value);
+            }
+            let approval = ApiClient::new(&client)?
+                .post(
+                    &format!("/v1/approvals/{id}/edit-and-approve"),
+                    &json!({ "arguments": arguments, "reason": reason }),
+                )
+                .await?;
+            if client.json {
+                print_json(&approval)?;
+            } else {
+                eprintln!("{}", summary(&approval));
+            }
+        }
+        ApprovalsCommand::Approve {
+            id, reason, client, ..
+        } => {
             decide(&id, "approve", &reason, &client).await?;
         }
         ApprovalsCommand::Deny { id, reason, client } => {

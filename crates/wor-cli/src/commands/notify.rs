@@ -1,5 +1,5 @@
-//! `wor notify …`: notification routes that send approval requests to Slack, and their
-//! delivery log (a client of the API).
+//! `wor notify …`: notification routes that send approval requests to Slack or by email, and
+//! their delivery log (a client of the API).
 
 use std::process::ExitCode;
 
@@ -10,36 +10,11 @@ use crate::client::{ApiClient, ClientArgs};
 
 #[derive(Debug, clap::Subcommand)]
 pub enum NotifyCommand {
-    /// Send approval requests to a Slack channel (all of the project's, or only those matching
-    /// every filter given). Prints the route, with the path to set as the Slack app's
-    /// interactivity request URL.
-    Create {
-        /// The route's name, unique in the project.
-        name: String,
-        /// The Slack channel id (`C…`).
-        #[arg(long)]
-        slack_channel: String,
-        /// The Slack app's bot token (`xoxb-…`); sealed, never shown again.
-        #[arg(long, env = "WOR_SLACK_BOT_TOKEN", hide_env_values = true)]
-        slack_bot_token: String,
-        /// The Slack app's signing secret; sealed, never shown again.
-        #[arg(long, env = "WOR_SLACK_SIGNING_SECRET", hide_env_values = true)]
-        slack_signing_secret: String,
-        /// The Slack Web API base URL [default: https://slack.com/api].
-        #[arg(long)]
-        slack_api_url: Option<String>,
-        /// Only this routine's approval requests (name or `rtn_…` id).
-        #[arg(long)]
-        routine: Option<String>,
-        /// Only approval requests of this tool (`CONNECTION/TOOL`).
-        #[arg(long)]
-        tool: Option<String>,
-        /// Only approval requests this policy id determined.
-        #[arg(long)]
-        policy: Option<String>,
-        #[command(flatten)]
-        client: ClientArgs,
-    },
+    /// Send approval requests to a Slack channel (`--slack-channel`) or by email
+    /// (`--email-to`): all of the project's, or only those matching every filter given. Prints
+    /// the route; a Slack route's with the path to set as the Slack app's interactivity
+    /// request URL.
+    Create(Box<CreateRoute>),
     /// The project's notification routes.
     List {
         #[command(flatten)]
@@ -69,6 +44,65 @@ pub enum NotifyCommand {
     },
 }
 
+/// The flags of `wor notify create`.
+#[derive(Debug, clap::Args)]
+pub struct CreateRoute {
+    /// The route's name, unique in the project.
+    name: String,
+    /// Slack: the channel id (`C…`).
+    #[arg(
+        long,
+        conflicts_with = "email_to",
+        required_unless_present = "email_to"
+    )]
+    slack_channel: Option<String>,
+    /// Slack: the app's bot token (`xoxb-…`); sealed, never shown again.
+    #[arg(long, env = "WOR_SLACK_BOT_TOKEN", hide_env_values = true)]
+    slack_bot_token: Option<String>,
+    /// Slack: the app's signing secret; sealed, never shown again.
+    #[arg(long, env = "WOR_SLACK_SIGNING_SECRET", hide_env_values = true)]
+    slack_signing_secret: Option<String>,
+    /// Slack: the Web API base URL [default: https://slack.com/api].
+    #[arg(long)]
+    slack_api_url: Option<String>,
+    /// Email: a recipient (repeat for more).
+    #[arg(long)]
+    email_to: Vec<String>,
+    /// Email: the sender address.
+    #[arg(long, requires = "email_to")]
+    email_from: Option<String>,
+    /// Email: the SMTP relay's host name or address.
+    #[arg(long, requires = "email_to")]
+    smtp_host: Option<String>,
+    /// Email: the relay's port [default: 587].
+    #[arg(long, requires = "email_to")]
+    smtp_port: Option<u16>,
+    /// Email: speak SMTP without TLS to a loopback relay (the server's configuration must
+    /// allow it); otherwise STARTTLS is required.
+    #[arg(long, requires = "email_to")]
+    smtp_plaintext_loopback: bool,
+    /// Email: the relay's user name (with `WOR_SMTP_PASSWORD`); sealed.
+    #[arg(long, env = "WOR_SMTP_USERNAME", hide_env_values = true)]
+    smtp_username: Option<String>,
+    /// Email: the relay's password; sealed, never shown again.
+    #[arg(long, env = "WOR_SMTP_PASSWORD", hide_env_values = true)]
+    smtp_password: Option<String>,
+    /// Email: one message every this many minutes listing the requests since the last.
+    #[arg(long, requires = "email_to")]
+    digest_minutes: Option<u32>,
+    /// Only this routine's approval requests (name or `rtn_…` id).
+    #[arg(long)]
+    routine: Option<String>,
+    /// Only approval requests of this tool (`CONNECTION/TOOL`).
+    #[arg(long)]
+    tool: Option<String>,
+    /// Only approval requests this policy id determined.
+    #[arg(long)]
+    policy: Option<String>,
+    #[command(flatten)]
+    client: ClientArgs,
+}
+
 fn print_route(route: &Value) {
     let filters: Vec<String> = ["routine_id", "tool", "policy"]
         .iter()
@@ -79,54 +113,101 @@ fn print_route(route: &Value) {
                 .map(|v| format!("{key}={v}"))
         })
         .collect();
+    let target = match route.get("kind").and_then(Value::as_str) {
+        Some("email") => {
+            let to: Vec<&str> = route
+                .get("email_to")
+                .and_then(Value::as_array)
+                .map(|to| to.iter().filter_map(Value::as_str).collect())
+                .unwrap_or_default();
+            let digest = route
+                .get("digest_minutes")
+                .and_then(Value::as_u64)
+                .map(|m| format!(" (digest every {m} min)"))
+                .unwrap_or_default();
+            format!(
+                "email {} via {}:{}{digest}",
+                to.join(","),
+                field(route, "/smtp_host"),
+                route.get("smtp_port").and_then(Value::as_u64).unwrap_or(0)
+            )
+        }
+        _ => format!(
+            "slack {}  {}",
+            field(route, "/channel"),
+            field(route, "/interaction_path")
+        ),
+    };
     println!(
-        "{}  {:<20}  slack {}  {}  {}",
+        "{}  {:<20}  {}  {}",
         field(route, "/id"),
         field(route, "/name"),
-        field(route, "/channel"),
+        target,
         if filters.is_empty() {
             "every approval request".to_owned()
         } else {
             filters.join(" ")
         },
-        field(route, "/interaction_path"),
     );
 }
 
 pub async fn run(cmd: NotifyCommand) -> anyhow::Result<ExitCode> {
     match cmd {
-        NotifyCommand::Create {
-            name,
-            slack_channel,
-            slack_bot_token,
-            slack_signing_secret,
-            slack_api_url,
-            routine,
-            tool,
-            policy,
-            client,
-        } => {
+        NotifyCommand::Create(create) => {
+            let CreateRoute {
+                name,
+                slack_channel,
+                slack_bot_token,
+                slack_signing_secret,
+                slack_api_url,
+                email_to,
+                email_from,
+                smtp_host,
+                smtp_port,
+                smtp_plaintext_loopback,
+                smtp_username,
+                smtp_password,
+                digest_minutes,
+                routine,
+                tool,
+                policy,
+                client,
+            } = *create;
             let api = ApiClient::new(&client)?;
             let routine_id = match routine {
                 Some(routine) => Some(super::routines::routine_id(&api, &routine).await?),
                 None => None,
             };
-            let route = api
-                .post(
-                    "/v1/notification-routes",
-                    &json!({
-                        "name": name,
-                        "kind": "slack",
-                        "channel": slack_channel,
-                        "slack_api_url": slack_api_url,
-                        "slack_bot_token": slack_bot_token,
-                        "slack_signing_secret": slack_signing_secret,
-                        "routine_id": routine_id,
-                        "tool": tool,
-                        "policy": policy,
-                    }),
-                )
-                .await?;
+            let body = if email_to.is_empty() {
+                json!({
+                    "name": name,
+                    "kind": "slack",
+                    "channel": slack_channel,
+                    "slack_api_url": slack_api_url,
+                    "slack_bot_token": slack_bot_token,
+                    "slack_signing_secret": slack_signing_secret,
+                    "routine_id": routine_id,
+                    "tool": tool,
+                    "policy": policy,
+                })
+            } else {
+                json!({
+                    "name": name,
+                    "kind": "email",
+                    "email_to": email_to,
+                    "email_from": email_from,
+                    "smtp_host": smtp_host,
+                    "smtp_port": smtp_port,
+                    "smtp_tls": if smtp_plaintext_loopback { "plaintext_loopback" } else { "starttls" },
+                    "smtp_username": smtp_username,
+                    "smtp_password": smtp_password,
+                    "digest_minutes": digest_minutes,
+                    "routine_id": routine_id,
+                    "tool": tool,
+                    "policy": policy,
+                })
+            };
+            let route = api.post("/v1/notification-routes", &body).await?;
             if client.json {
                 print_json(&route)?;
             } else {

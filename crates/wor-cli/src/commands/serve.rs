@@ -183,6 +183,7 @@ pub(crate) async fn open_engine(config: &ServerConfig) -> anyhow::Result<(Engine
             protected_paths: vec![config.data_dir.clone()],
             prices: config.prices.clone(),
             console_url: config.public_url.clone(),
+            smtp_plaintext_loopback: config.smtp_plaintext_loopback,
             ..EngineConfig::default()
         },
     );

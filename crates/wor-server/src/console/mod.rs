@@ -114,6 +114,7 @@ pub fn router(state: AppState) -> Router<AppState> {
         )
         .route("/approvals", get(pages::approvals))
         .route("/approvals/events", get(live::inbox))
+        .route("/approvals/{approval_id}", get(pages::approval))
         .route("/approvals/{approval_id}/{verdict}", post(pages::decide))
         .route("/runs", get(runs::list))
         .route("/runs/{run_id}", get(pages::run))

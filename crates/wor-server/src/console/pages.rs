@@ -18,7 +18,9 @@ use wor_store::{ApprovalAnswer, ApprovalFilter, ApprovalRecord, ApprovalStatus, 
 
 use super::client::ClientAddress;
 use super::password::{check_new_password, hash_password, verify_password};
-use super::session::{ConsoleMember, FORM_COOKIE, MaybeConsoleMember, SESSION_COOKIE, set_cookie};
+use super::session::{
+    ConsoleMember, FORM_COOKIE, MaybeConsoleMember, SESSION_COOKIE, safe_next, set_cookie,
+};
 use super::{ConsoleConfig, ConsoleError, INBOX_LIMIT, millis, render};
 use crate::AppState;
 use crate::error::ApiError;
@@ -72,6 +74,8 @@ pub async fn home(MaybeConsoleMember(member): MaybeConsoleMember) -> Response {
 #[template(path = "console/sign_in.html")]
 struct SignInPage {
     csrf: String,
+    /// The console page to return to after sign-in (already checked by `safe_next`).
+    next: String,
     project: String,
     name: String,
     notice: Option<&'static str>,
@@ -86,6 +90,14 @@ pub struct SignInQuery {
     name: String,
     #[serde(default)]
     password_set: Option<String>,
+    #[serde(default)]
+    next: String,
+}
+
+/// Where a member goes after sign-in: the page they asked for, when it is one of this
+/// console's, else the inbox.
+fn after_sign_in(next: &str) -> &str {
+    safe_next(next).unwrap_or("/console/approvals")
 }
 
 /// A page with a form for someone not signed in (`csrf` picks the page's token field): a
@@ -120,15 +132,16 @@ pub async fn sign_in_page(
     MaybeConsoleMember(member): MaybeConsoleMember,
     query: Result<Query<SignInQuery>, axum::extract::rejection::QueryRejection>,
 ) -> PageResult {
-    if member.is_some() {
-        return Ok(Redirect::to("/console/approvals").into_response());
-    }
     let query = query.map(|Query(q)| q).unwrap_or_default();
+    if member.is_some() {
+        return Ok(Redirect::to(after_sign_in(&query.next)).into_response());
+    }
     sign_in_form(
         &state.console,
         StatusCode::OK,
         SignInPage {
             csrf: String::new(),
+            next: safe_next(&query.next).unwrap_or_default().to_owned(),
             project: query.project,
             name: query.name,
             notice: query
@@ -144,6 +157,8 @@ pub struct SignInForm {
     project: String,
     name: String,
     password: String,
+    #[serde(default)]
+    next: String,
 }
 
 /// The one message for an unknown project, an unknown member, a member without a password
@@ -257,6 +272,7 @@ pub async fn sign_in(
                 status,
                 SignInPage {
                     csrf: String::new(),
+                    next: safe_next(&body.next).unwrap_or_default().to_owned(),
                     project: body.project,
                     name: body.name,
                     notice: None,
@@ -309,7 +325,7 @@ pub async fn sign_in(
         .await?;
     tracing::info!(category = "console", action = "sign_in", project_id = %account.project_id,
         member_id = %account.member_id, "a member signed in to the console");
-    let mut response = Redirect::to("/console/approvals").into_response();
+    let mut response = Redirect::to(after_sign_in(&body.next)).into_response();
     let headers = response.headers_mut();
     headers.append(
         header::SET_COOKIE,
@@ -492,6 +508,10 @@ struct ApprovalCard {
     binding_hash: String,
     /// Why this member may not decide; `None` when they may.
     refusal: Option<String>,
+    /// `pending`, or how it was settled.
+    status: String,
+    /// Who decided, when and why, once decided.
+    decision: Option<String>,
 }
 
 #[derive(Template)]
@@ -499,6 +519,14 @@ struct ApprovalCard {
 struct ApprovalsPage {
     banner: Banner,
     approvals: Vec<ApprovalCard>,
+}
+
+/// One approval on a page of its own: where an email's link leads.
+#[derive(Template)]
+#[template(path = "console/approval.html")]
+struct ApprovalPage {
+    banner: Banner,
+    a: ApprovalCard,
 }
 
 /// A JSON value as the text a person reads: strings as they are, the rest as JSON.
@@ -585,37 +613,7 @@ pub async fn approvals(State(state): State<AppState>, member: ConsoleMember) -> 
         .await?;
     let mut cards = Vec::with_capacity(pending.len());
     for approval in pending {
-        let run = state.store.get_run(project, approval.run_id).await?;
-        let routine = state.store.get_routine(project, run.routine_id).await?;
-        let steps = state.store.list_run_steps(project, run.id, 0).await?;
-        let refusal = state
-            .engine
-            .approval_refusal(project, &approval, approver(&member))
-            .await?;
-        cards.push(ApprovalCard {
-            id: approval.id.to_string(),
-            run_id: run.id.to_string(),
-            tool: approval.tool.clone(),
-            kind: approval.kind.as_str().to_owned(),
-            arguments: argument_rows(&approval),
-            policies: texts(approval.why.get("determining_policies")),
-            reasons: texts(approval.why.get("reasons")),
-            untrusted_sources: texts(approval.why.get("untrusted_sources"))
-                .into_iter()
-                .map(|name| SourceLink {
-                    step: untrusted_step_of(&steps, &name),
-                    name,
-                })
-                .collect(),
-            routine: routine.name,
-            routine_version: run.routine_version,
-            run_input: run_input(&steps),
-            requested_at: rfc3339(approval.requested_at),
-            expires_at: rfc3339(approval.expires_at),
-            expires_in: time_left(approval.expires_at),
-            binding_hash: approval.binding_hash,
-            refusal,
-        });
+        cards.push(approval_card(&state, &member, approval).await?);
     }
     Ok(render(
         StatusCode::OK,
@@ -624,6 +622,100 @@ pub async fn approvals(State(state): State<AppState>, member: ConsoleMember) -> 
             approvals: cards,
         },
     ))
+}
+
+/// The page of one approval, pending or settled; another project's is the 404 page.
+pub async fn approval(
+    State(state): State<AppState>,
+    member: ConsoleMember,
+    Path(approval_id): Path<String>,
+) -> PageResult {
+    let id: ApprovalId = approval_id
+        .parse()
+        .map_err(|_| ConsoleError(ApiError::NotFound))?;
+    let approval = state
+        .store
+        .get_approval(member.session.project_id, id)
+        .await?;
+    let card = approval_card(&state, &member, approval).await?;
+    Ok(render(
+        StatusCode::OK,
+        &ApprovalPage {
+            banner: (&member).into(),
+            a: card,
+        },
+    ))
+}
+
+/// What the console shows of one approval, for `member`.
+async fn approval_card(
+    state: &AppState,
+    member: &ConsoleMember,
+    approval: ApprovalRecord,
+) -> Result<ApprovalCard, ConsoleError> {
+    let project = member.session.project_id;
+    let run = state.store.get_run(project, approval.run_id).await?;
+    let routine = state.store.get_routine(project, run.routine_id).await?;
+    let steps = state.store.list_run_steps(project, run.id, 0).await?;
+    let refusal = state
+        .engine
+        .approval_refusal(project, &approval, approver(member))
+        .await?;
+    let decision = match approval.status {
+        ApprovalStatus::Pending => None,
+        ApprovalStatus::Approved | ApprovalStatus::Denied => {
+            let who = match approval.decided_by_member {
+                Some(id) => match state.store.get_member(project, id).await {
+                    Ok(m) => m.name,
+                    Err(wor_store::StoreError::NotFound) => id.to_string(),
+                    Err(other) => return Err(other.into()),
+                },
+                None => "a service key".to_owned(),
+            };
+            Some(format!(
+                "{} by {who} at {}: {}",
+                if approval.status == ApprovalStatus::Approved {
+                    "Approved"
+                } else {
+                    "Denied"
+                },
+                approval.decided_at.map(rfc3339).unwrap_or_default(),
+                approval.decision_reason.as_deref().unwrap_or_default()
+            ))
+        }
+        ApprovalStatus::Expired => {
+            Some("Expired without a decision: the call did not run.".to_owned())
+        }
+        ApprovalStatus::Cancelled => {
+            Some("Cancelled: the run ended before anyone decided.".to_owned())
+        }
+    };
+    Ok(ApprovalCard {
+        id: approval.id.to_string(),
+        run_id: run.id.to_string(),
+        tool: approval.tool.clone(),
+        kind: approval.kind.as_str().to_owned(),
+        arguments: argument_rows(&approval),
+        policies: texts(approval.why.get("determining_policies")),
+        reasons: texts(approval.why.get("reasons")),
+        untrusted_sources: texts(approval.why.get("untrusted_sources"))
+            .into_iter()
+            .map(|name| SourceLink {
+                step: untrusted_step_of(&steps, &name),
+                name,
+            })
+            .collect(),
+        routine: routine.name,
+        routine_version: run.routine_version,
+        run_input: run_input(&steps),
+        requested_at: rfc3339(approval.requested_at),
+        expires_at: rfc3339(approval.expires_at),
+        expires_in: time_left(approval.expires_at),
+        binding_hash: approval.binding_hash,
+        refusal,
+        status: approval.status.as_str().to_owned(),
+        decision,
+    })
 }
 
 #[derive(Debug, serde::Deserialize)]

@@ -92,20 +92,42 @@ async fn resolve(parts: &Parts, state: &AppState) -> Result<Option<ConsoleMember
     }))
 }
 
-/// Why a page needing a session was refused: no session goes to the sign-in page.
+/// Why a page needing a session was refused: no session goes to the sign-in page, which
+/// returns to the page asked for (a `GET` of a console page) once signed in.
 #[derive(Debug)]
 pub enum SessionRejection {
-    SignIn,
+    SignIn { next: Option<String> },
     Error(ConsoleError),
 }
 
 impl IntoResponse for SessionRejection {
     fn into_response(self) -> Response {
         match self {
-            SessionRejection::SignIn => Redirect::to("/console/sign-in").into_response(),
+            SessionRejection::SignIn { next: None } => {
+                Redirect::to("/console/sign-in").into_response()
+            }
+            SessionRejection::SignIn { next: Some(next) } => {
+                let next: String = url::form_urlencoded::byte_serialize(next.as_bytes()).collect();
+                Redirect::to(&format!("/console/sign-in?next={next}")).into_response()
+            }
             SessionRejection::Error(error) => error.into_response(),
         }
     }
+}
+
+/// `next` when it is a page of this console to return to after sign-in: a relative path under
+/// `/console/`, with nothing that could make a browser leave this origin (`//`, a backslash,
+/// spaces or control characters), and not the sign-in or sign-out page itself. Anything else
+/// is no place to go, so no link can send a member elsewhere after they sign in.
+pub fn safe_next(next: &str) -> Option<&str> {
+    let safe = next.len() <= 1024
+        && next.starts_with("/console/")
+        && !next.contains("//")
+        && !next.contains('\\')
+        && next.bytes().all(|b| b.is_ascii_graphic())
+        && !next.starts_with("/console/sign-in")
+        && !next.starts_with("/console/sign-out");
+    safe.then_some(next)
 }
 
 impl FromRequestParts<AppState> for ConsoleMember {
@@ -120,7 +142,21 @@ impl FromRequestParts<AppState> for ConsoleMember {
         }
         match resolve(parts, state).await {
             Ok(Some(member)) => Ok(member),
-            Ok(None) => Err(SessionRejection::SignIn),
+            Ok(None) => Err(SessionRejection::SignIn {
+                // The URI as the browser asked for it: nested under `/console`, the request's
+                // own URI has lost that prefix.
+                next: (parts.method == Method::GET)
+                    .then(|| {
+                        parts
+                            .extensions
+                            .get::<axum::extract::OriginalUri>()
+                            .map_or(&parts.uri, |original| &original.0)
+                            .path_and_query()
+                            .map(|p| p.as_str().to_owned())
+                    })
+                    .flatten()
+                    .filter(|next| safe_next(next).is_some() && !next.ends_with("/events")),
+            }),
             Err(error) => Err(SessionRejection::Error(error.into())),
         }
     }

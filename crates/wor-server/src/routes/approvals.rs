@@ -46,6 +46,9 @@ pub struct ApprovalView {
     pub decision_reason: Option<String>,
     pub decided_at: Option<String>,
     pub used_at: Option<String>,
+    /// The arguments an approver corrected the call to (`edit-and-approve`); the call runs
+    /// with these, and `binding_hash` is theirs. `arguments` stay as the model proposed them.
+    pub edited_arguments: Option<serde_json::Value>,
 }
 
 impl From<ApprovalRecord> for ApprovalView {
@@ -70,6 +73,7 @@ impl From<ApprovalRecord> for ApprovalView {
             decision_reason: a.decision_reason,
             decided_at: a.decided_at.map(rfc3339),
             used_at: a.used_at.map(rfc3339),
+            edited_arguments: a.edited_arguments,
         }
     }
 }
@@ -185,6 +189,46 @@ pub async fn approve(
     ApiJson(body): ApiJson<DecideBody>,
 ) -> Result<Json<ApprovalView>, ApiError> {
     decide(state, caller, id, ApprovalAnswer::Approve, &body.reason).await
+}
+
+#[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct EditAndApproveBody {
+    /// The arguments to change and their new values; pinned arguments cannot change.
+    pub arguments: serde_json::Value,
+    pub reason: String,
+}
+
+/// Approves this call with some of its arguments corrected: the approval binds to the edited
+/// call, which runs once with them if policy does not deny them, and the model is told it ran
+/// with edited arguments. Both calls are in the audit entry.
+#[utoipa::path(post, path = "/v1/approvals/{approval_id}/edit-and-approve", tag = "approvals",
+    security(("bearer" = [])),
+    request_body = EditAndApproveBody,
+    params(("approval_id" = String, Path, description = "an `apr_…` id", pattern = "^apr_[0-9a-f]{32}$")),
+    responses((status = 200, body = ApprovalView), (status = 400, body = ErrorBody),
+        (status = 403, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
+pub async fn edit_and_approve(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<ApprovalId>,
+    ApiJson(body): ApiJson<EditAndApproveBody>,
+) -> Result<Json<ApprovalView>, ApiError> {
+    let decided = state
+        .engine
+        .approve_edited(
+            caller.project_id,
+            id,
+            Approver {
+                key_id: Some(caller.key_id),
+                member_id: caller.member_id,
+                role: caller.role,
+            },
+            &body.arguments,
+            &body.reason,
+        )
+        .await?;
+    Ok(Json(decided.into()))
 }
 
 /// Denies this call: its run goes on without it (or fails, as its routine says).

@@ -1,7 +1,7 @@
-//! Notification routes: where approval requests are sent (a Slack channel, per project and
-//! optionally per routine, tool or policy), their delivery log, and the Slack interaction
-//! endpoint (docs/notifications.md). A route's Slack bot token and signing secret go in once
-//! and never come out (S3).
+//! Notification routes: where approval requests are sent (a Slack channel or email
+//! recipients, per project and optionally per routine, tool or policy), their delivery log,
+//! and the Slack interaction endpoint (docs/notifications.md). A route's Slack bot token and
+//! signing secret, or its SMTP credentials, go in once and never come out (S3).
 
 use axum::Json;
 use axum::extract::{Query, State};
@@ -9,12 +9,12 @@ use axum::http::{HeaderMap, StatusCode};
 use secrecy::SecretString;
 use wor_core::{ApprovalId, NotificationRouteId, RoutineId};
 use wor_engine::{
-    NOTIFICATION_ROUTES_TABLE, SLACK_BOT_TOKEN_FIELD, SLACK_SIGNING_SECRET_FIELD, SlackInteraction,
-    SlackOutcome, SlackRejection, SlackSecrets,
+    NOTIFICATION_ROUTES_TABLE, SLACK_BOT_TOKEN_FIELD, SLACK_SIGNING_SECRET_FIELD,
+    SMTP_PASSWORD_FIELD, SlackInteraction, SlackOutcome, SlackRejection, SlackSecrets, SmtpSecrets,
 };
 use wor_store::{
     NewNotificationRoute, NotificationDeliveryFilter, NotificationDeliveryRecord,
-    NotificationRouteRecord, RouteChannel, RouteFilter, SecretSlot,
+    NotificationRouteRecord, RouteChannel, RouteFilter, SecretSlot, SmtpTls,
 };
 
 use crate::AppState;
@@ -28,27 +28,73 @@ use crate::views::rfc3339;
 /// Slack's Web API, unless a route names another base URL.
 pub const DEFAULT_SLACK_API_URL: &str = "https://slack.com/api";
 
-/// The kinds of route; only Slack is built.
+/// The kinds of route.
 #[derive(Debug, Clone, Copy, serde::Deserialize, serde::Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum RouteKind {
     Slack,
+    Email,
+}
+
+/// How an email route's connection to its relay is protected.
+#[derive(Debug, Clone, Copy, serde::Deserialize, serde::Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum SmtpTlsView {
+    /// `STARTTLS` before anything is sent (the default); a relay without it is refused.
+    Starttls,
+    /// No TLS, to a loopback relay only, when the operator's configuration allows it.
+    PlaintextLoopback,
+}
+
+impl From<SmtpTlsView> for SmtpTls {
+    fn from(view: SmtpTlsView) -> Self {
+        match view {
+            SmtpTlsView::Starttls => SmtpTls::Starttls,
+            SmtpTlsView::PlaintextLoopback => SmtpTls::PlaintextLoopback,
+        }
+    }
+}
+
+impl From<SmtpTls> for SmtpTlsView {
+    fn from(tls: SmtpTls) -> Self {
+        match tls {
+            SmtpTls::Starttls => SmtpTlsView::Starttls,
+            SmtpTls::PlaintextLoopback => SmtpTlsView::PlaintextLoopback,
+        }
+    }
 }
 
 #[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateNotificationRoute {
     pub name: String,
-    /// `slack` (the only kind built).
+    /// `slack` or `email`; the fields of the other kind must be left out.
     pub kind: RouteKind,
-    /// The Slack channel id (`C…`) requests are posted to.
-    pub channel: String,
-    /// The Slack Web API base URL [default: `https://slack.com/api`]; vetted by the egress guard.
+    /// Slack: the channel id (`C…`) requests are posted to.
+    pub channel: Option<String>,
+    /// Slack: the Web API base URL [default: `https://slack.com/api`]; vetted by the egress guard.
     pub slack_api_url: Option<String>,
-    /// The Slack app's bot token (`xoxb-…`). Sealed; never returned.
-    pub slack_bot_token: String,
-    /// The Slack app's signing secret, which verifies its interactions. Sealed; never returned.
-    pub slack_signing_secret: String,
+    /// Slack: the app's bot token (`xoxb-…`). Sealed; never returned.
+    pub slack_bot_token: Option<String>,
+    /// Slack: the app's signing secret, which verifies its interactions. Sealed; never returned.
+    pub slack_signing_secret: Option<String>,
+    /// Email: the SMTP relay's host name or address; vetted by the egress guard.
+    pub smtp_host: Option<String>,
+    /// Email: the relay's port [default: 587].
+    pub smtp_port: Option<u16>,
+    /// Email: `starttls` [default] or `plaintext_loopback`.
+    pub smtp_tls: Option<SmtpTlsView>,
+    /// Email: the relay's user name, with `smtp_password` (both or neither). Sealed.
+    pub smtp_username: Option<String>,
+    /// Email: the relay's password. Sealed; never returned.
+    pub smtp_password: Option<String>,
+    /// Email: the sender address.
+    pub email_from: Option<String>,
+    /// Email: the recipients (1 to 20).
+    pub email_to: Option<Vec<String>>,
+    /// Email: send one message every this many minutes (1 to 1440) listing the requests since
+    /// the last, instead of one per request.
+    pub digest_minutes: Option<u32>,
     /// Only approval requests of this routine (`rtn_…`).
     pub routine_id: Option<String>,
     /// Only approval requests of this tool (`CONNECTION/TOOL`).
@@ -61,18 +107,39 @@ pub struct CreateNotificationRoute {
 pub struct NotificationRouteView {
     pub id: String,
     pub name: String,
-    /// `slack`.
+    /// `slack` or `email`.
     pub kind: String,
-    pub channel: String,
-    pub slack_api_url: String,
+    /// Slack: the channel id.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub channel: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub slack_api_url: Option<String>,
     pub routine_id: Option<String>,
     pub tool: Option<String>,
     pub policy: Option<String>,
-    pub slack_bot_token: SecretFieldView,
-    pub slack_signing_secret: SecretFieldView,
-    /// The path of this route's Slack interaction endpoint, to set as the Slack app's
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub slack_bot_token: Option<SecretFieldView>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub slack_signing_secret: Option<SecretFieldView>,
+    /// Slack: the path of this route's interaction endpoint, to set as the Slack app's
     /// interactivity request URL (after the server's public address).
-    pub interaction_path: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub interaction_path: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub smtp_host: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub smtp_port: Option<u16>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub smtp_tls: Option<SmtpTlsView>,
+    /// Email: whether SMTP credentials are set (never the values).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub smtp_credentials: Option<SecretFieldView>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub email_from: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub email_to: Option<Vec<String>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub digest_minutes: Option<u32>,
     pub created_at: String,
 }
 
@@ -81,7 +148,7 @@ pub struct NotificationDeliveryView {
     pub id: String,
     pub route_id: String,
     pub approval_id: String,
-    /// `slack.post` or `slack.update`.
+    /// `slack.post`, `slack.update` or `email.send`.
     pub action: String,
     /// `pending`, `delivered` or `failed` (attempts exhausted).
     pub status: String,
@@ -129,10 +196,28 @@ pub struct NotificationDeliveryQuery {
 
 #[derive(Debug, serde::Serialize, utoipa::ToSchema)]
 pub struct SlackInteractionReply {
-    /// `approved`, `denied`, or `refused`.
+    /// `approved`, `denied`, `refused`, or `reason_asked` (Deny opened a form for the reason).
     pub outcome: String,
     /// Why a press was refused.
     pub reason: Option<String>,
+}
+
+/// The answer to a submitted Deny form, in the shape Slack reads: `clear` closes the form;
+/// `errors` keeps it open and shows why under the reason field.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct SlackFormReply {
+    /// `clear` or `errors`.
+    pub response_action: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub errors: Option<std::collections::BTreeMap<String, String>>,
+}
+
+/// A button press is answered with what came of it; a submitted form in Slack's form shape.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+#[serde(untagged)]
+pub enum SlackReply {
+    Press(SlackInteractionReply),
+    Form(SlackFormReply),
 }
 
 async fn secret_view(
@@ -152,22 +237,70 @@ async fn view(
     state: &AppState,
     route: NotificationRouteRecord,
 ) -> Result<NotificationRouteView, ApiError> {
-    let slack_bot_token = secret_view(state, &route, SLACK_BOT_TOKEN_FIELD).await?;
-    let slack_signing_secret = secret_view(state, &route, SLACK_SIGNING_SECRET_FIELD).await?;
-    let RouteChannel::Slack { channel, api_url } = route.channel;
-    Ok(NotificationRouteView {
-        interaction_path: format!("/hooks/slack/{}", route.id),
+    let mut shown = NotificationRouteView {
         id: route.id.to_string(),
-        name: route.name,
-        kind: "slack".to_owned(),
-        channel,
-        slack_api_url: api_url,
+        name: route.name.clone(),
+        kind: route.channel.kind().to_owned(),
+        channel: None,
+        slack_api_url: None,
         routine_id: route.filter.routine_id.map(|r| r.to_string()),
-        tool: route.filter.tool,
-        policy: route.filter.policy,
-        slack_bot_token,
-        slack_signing_secret,
+        tool: route.filter.tool.clone(),
+        policy: route.filter.policy.clone(),
+        slack_bot_token: None,
+        slack_signing_secret: None,
+        interaction_path: None,
+        smtp_host: None,
+        smtp_port: None,
+        smtp_tls: None,
+        smtp_credentials: None,
+        email_from: None,
+        email_to: None,
+        digest_minutes: None,
         created_at: rfc3339(route.created_at),
+    };
+    match &route.channel {
+        RouteChannel::Slack { channel, api_url } => {
+            shown.slack_bot_token = Some(secret_view(state, &route, SLACK_BOT_TOKEN_FIELD).await?);
+            shown.slack_signing_secret =
+                Some(secret_view(state, &route, SLACK_SIGNING_SECRET_FIELD).await?);
+            shown.interaction_path = Some(format!("/hooks/slack/{}", route.id));
+            shown.channel = Some(channel.clone());
+            shown.slack_api_url = Some(api_url.clone());
+        }
+        RouteChannel::Email {
+            smtp_host,
+            smtp_port,
+            tls,
+            from,
+            to,
+            digest_minutes,
+        } => {
+            shown.smtp_credentials = Some(secret_view(state, &route, SMTP_PASSWORD_FIELD).await?);
+            shown.smtp_host = Some(smtp_host.clone());
+            shown.smtp_port = Some(*smtp_port);
+            shown.smtp_tls = Some((*tls).into());
+            shown.email_from = Some(from.clone());
+            shown.email_to = Some(to.clone());
+            shown.digest_minutes = *digest_minutes;
+        }
+    }
+    Ok(shown)
+}
+
+/// A field of the other kind of route is a mistake, never ignored.
+fn refuse_foreign(kind: &str, fields: &[(&str, bool)]) -> Result<(), ApiError> {
+    match fields.iter().find(|(_, given)| *given) {
+        Some((field, _)) => Err(ApiError::bad_request(
+            "invalid_route",
+            format!("`{field}` does not apply to a `{kind}` route"),
+        )),
+        None => Ok(()),
+    }
+}
+
+fn required<T>(value: Option<T>, field: &str, kind: &str) -> Result<T, ApiError> {
+    value.ok_or_else(|| {
+        ApiError::bad_request("invalid_route", format!("a `{kind}` route needs `{field}`"))
     })
 }
 
@@ -218,32 +351,98 @@ pub async fn create(
 ) -> Result<(StatusCode, Json<NotificationRouteView>), ApiError> {
     caller.require_configure()?;
     check_name(&body.name, "route")?;
-    let RouteKind::Slack = body.kind;
     let routine_id = query_id::<RoutineId>(body.routine_id.as_deref())
         .map_err(|_| ApiError::bad_request("invalid_route", "`routine_id` is not a `rtn_…` id"))?;
-    let route = NewNotificationRoute {
-        name: body.name,
-        channel: RouteChannel::Slack {
-            channel: body.channel,
-            api_url: body
-                .slack_api_url
-                .unwrap_or_else(|| DEFAULT_SLACK_API_URL.to_owned()),
-        },
-        filter: RouteFilter {
-            routine_id,
-            tool: filter_text(body.tool, "tool")?,
-            policy: filter_text(body.policy, "policy")?,
-        },
-        created_by: Some(caller.key_id),
+    let filter = RouteFilter {
+        routine_id,
+        tool: filter_text(body.tool, "tool")?,
+        policy: filter_text(body.policy, "policy")?,
     };
-    let secrets = SlackSecrets {
-        bot_token: SecretString::from(body.slack_bot_token),
-        signing_secret: SecretString::from(body.slack_signing_secret),
+    let created = match body.kind {
+        RouteKind::Slack => {
+            refuse_foreign(
+                "slack",
+                &[
+                    ("smtp_host", body.smtp_host.is_some()),
+                    ("smtp_port", body.smtp_port.is_some()),
+                    ("smtp_tls", body.smtp_tls.is_some()),
+                    ("smtp_username", body.smtp_username.is_some()),
+                    ("smtp_password", body.smtp_password.is_some()),
+                    ("email_from", body.email_from.is_some()),
+                    ("email_to", body.email_to.is_some()),
+                    ("digest_minutes", body.digest_minutes.is_some()),
+                ],
+            )?;
+            let route = NewNotificationRoute {
+                name: body.name,
+                channel: RouteChannel::Slack {
+                    channel: required(body.channel, "channel", "slack")?,
+                    api_url: body
+                        .slack_api_url
+                        .unwrap_or_else(|| DEFAULT_SLACK_API_URL.to_owned()),
+                },
+                filter,
+                created_by: Some(caller.key_id),
+            };
+            let secrets = SlackSecrets {
+                bot_token: SecretString::from(required(
+                    body.slack_bot_token,
+                    "slack_bot_token",
+                    "slack",
+                )?),
+                signing_secret: SecretString::from(required(
+                    body.slack_signing_secret,
+                    "slack_signing_secret",
+                    "slack",
+                )?),
+            };
+            state
+                .engine
+                .create_slack_route(caller.project_id, route, secrets, caller.actor())
+                .await?
+        }
+        RouteKind::Email => {
+            refuse_foreign(
+                "email",
+                &[
+                    ("channel", body.channel.is_some()),
+                    ("slack_api_url", body.slack_api_url.is_some()),
+                    ("slack_bot_token", body.slack_bot_token.is_some()),
+                    ("slack_signing_secret", body.slack_signing_secret.is_some()),
+                ],
+            )?;
+            let secrets = match (body.smtp_username, body.smtp_password) {
+                (Some(username), Some(password)) => Some(SmtpSecrets {
+                    username: SecretString::from(username),
+                    password: SecretString::from(password),
+                }),
+                (None, None) => None,
+                _ => {
+                    return Err(ApiError::bad_request(
+                        "invalid_route",
+                        "`smtp_username` and `smtp_password` go together: give both or neither",
+                    ));
+                }
+            };
+            let route = NewNotificationRoute {
+                name: body.name,
+                channel: RouteChannel::Email {
+                    smtp_host: required(body.smtp_host, "smtp_host", "email")?,
+                    smtp_port: body.smtp_port.unwrap_or(587),
+                    tls: body.smtp_tls.unwrap_or(SmtpTlsView::Starttls).into(),
+                    from: required(body.email_from, "email_from", "email")?,
+                    to: required(body.email_to, "email_to", "email")?,
+                    digest_minutes: body.digest_minutes,
+                },
+                filter,
+                created_by: Some(caller.key_id),
+            };
+            state
+                .engine
+                .create_email_route(caller.project_id, route, secrets, caller.actor())
+                .await?
+        }
     };
-    let created = state
-        .engine
-        .create_slack_route(caller.project_id, route, secrets, caller.actor())
-        .await?;
     tracing::info!(category = "config", action = "notification_route.create", project_id = %caller.project_id,
         route_id = %created.id, actor_key_id = %caller.key_id, "notification route made");
     Ok((StatusCode::CREATED, Json(view(&state, created).await?)))
@@ -355,8 +554,8 @@ fn header(headers: &HeaderMap, name: &str) -> Option<String> {
 #[utoipa::path(post, path = "/hooks/slack/{notification_route_id}", tag = "notifications",
     params(("notification_route_id" = String, Path, description = "a `ntf_…` id", pattern = "^ntf_[0-9a-f]{32}$")),
     request_body(content = String, content_type = "application/x-www-form-urlencoded",
-        description = "Slack's `payload=` form of a `block_actions` interaction"),
-    responses((status = 200, body = SlackInteractionReply), (status = 400, body = ErrorBody),
+        description = "Slack's `payload=` form of a `block_actions` interaction or of a submitted Deny form (`view_submission`)"),
+    responses((status = 200, body = SlackReply), (status = 400, body = ErrorBody),
         (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
         (status = 409, body = ErrorBody), (status = 413, body = ErrorBody)))]
 pub async fn slack_interaction(
@@ -364,7 +563,7 @@ pub async fn slack_interaction(
     ApiPath(route): ApiPath<String>,
     headers: HeaderMap,
     ApiBytes(body): ApiBytes,
-) -> Result<Json<SlackInteractionReply>, ApiError> {
+) -> Result<Json<SlackReply>, ApiError> {
     let route: NotificationRouteId = route.parse().map_err(|_| ApiError::NotFound)?;
     let interaction = SlackInteraction {
         timestamp: header(&headers, "x-slack-request-timestamp"),
@@ -376,14 +575,29 @@ pub async fn slack_interaction(
         .receive_slack_interaction(route, interaction)
         .await
     {
-        Ok(SlackOutcome::Decided(status)) => Ok(Json(SlackInteractionReply {
+        Ok(SlackOutcome::Decided(status)) => Ok(Json(SlackReply::Press(SlackInteractionReply {
             outcome: status.to_string(),
             reason: None,
-        })),
-        Ok(SlackOutcome::Refused(reason)) => Ok(Json(SlackInteractionReply {
+        }))),
+        Ok(SlackOutcome::Refused(reason)) => Ok(Json(SlackReply::Press(SlackInteractionReply {
             outcome: "refused".to_owned(),
             reason: Some(reason),
-        })),
+        }))),
+        Ok(SlackOutcome::ReasonAsked) => Ok(Json(SlackReply::Press(SlackInteractionReply {
+            outcome: "reason_asked".to_owned(),
+            reason: None,
+        }))),
+        Ok(SlackOutcome::FormDecided(_)) => Ok(Json(SlackReply::Form(SlackFormReply {
+            response_action: "clear".to_owned(),
+            errors: None,
+        }))),
+        Ok(SlackOutcome::FormRefused(reason)) => Ok(Json(SlackReply::Form(SlackFormReply {
+            response_action: "errors".to_owned(),
+            errors: Some(std::collections::BTreeMap::from([(
+                "wor_reason".to_owned(),
+                reason.chars().take(150).collect(),
+            )])),
+        }))),
         Err(rejection) => {
             tracing::info!(category = "notification", action = "slack.reject", route_id = %route,
                 reason = rejection_kind(&rejection), "slack interaction refused");

@@ -332,6 +332,39 @@ test('a held call is denied with a reason, and the run shows it', async () => {
   await page.context().close();
 });
 
+test('an approval\'s own page, as an email links to it, opens after sign-in and decides there', async () => {
+  const runId = await parkedRun();
+  const [approval] = await api('GET', `/v1/approvals?run_id=${runId}&status=pending`);
+  // A member with a password, signed out: the page an email links to asks for a sign-in.
+  const invited = await memberPage('eli', 'approver');
+  await invited.getByRole('button', { name: 'Sign out' }).click();
+  await invited.waitForURL(/\/console\/sign-in/);
+  await invited.goto(`${serverUrl}/console/approvals/${approval.id}`);
+  await invited.waitForURL(/\/console\/sign-in\?next=/);
+  await accessible(invited, 'sign-in (returning to an approval)');
+  await invited.getByLabel('Project').fill(project);
+  await invited.getByLabel('Your name').fill('eli');
+  await invited.getByLabel('Password').fill(PASSWORD);
+  await invited.getByRole('button', { name: 'Sign in' }).click();
+  await invited.waitForURL(new RegExp(`/console/approvals/${approval.id}$`));
+  await accessible(invited, 'approval');
+  const card = invited.locator('section.card');
+  assert.match(await card.innerText(), /notes\/send_note/);
+  assert.match(await card.innerText(), /pinned by the routine/);
+  await card.getByLabel('Reason').fill('checked from the email');
+  await card.getByRole('button', { name: 'Approve' }).click();
+  await invited.waitForURL(new RegExp(`/console/runs/${runId}$`));
+  const [decided] = await api('GET', `/v1/approvals?run_id=${runId}`);
+  assert.equal(decided.status, 'approved');
+  assert.equal(decided.decision_reason, 'checked from the email');
+  await invited.goto(`${serverUrl}/console/approvals/${approval.id}`);
+  assert.match(await invited.locator('.decided').innerText(), /Approved by eli/);
+  assert.equal(await invited.locator('form.decide').count(), 0, 'a decided call has no form');
+  await accessible(invited, 'approval (decided)');
+  assert.deepEqual(dialogs, []);
+  await invited.context().close();
+});
+
 test('a form posted without its token is refused and decides nothing', async () => {
   const runId = await parkedRun();
   const page = await memberPage('cyd', 'approver');
@@ -401,7 +434,7 @@ test('a member sees their sessions and ends one', async () => {
   await first.waitForURL(/\/console\/sessions$/);
   assert.equal(await first.locator('tbody tr').count(), 1);
   await second.goto(`${serverUrl}/console/approvals`);
-  assert.match(second.url(), /\/console\/sign-in$/, 'the ended session is signed out');
+  assert.match(second.url(), /\/console\/sign-in\?next=%2Fconsole%2Fapprovals$/, 'the ended session is signed out');
   await context.close();
   await first.context().close();
 });

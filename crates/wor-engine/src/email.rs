@@ -1,0 +1,544 @@
+//! Approval requests by email: routes that mail each request (or a digest of them) through an
+//! SMTP relay, with a link to the console's page for that approval (docs/notifications.md).
+//!
+//! Deciding is never done by email: the link opens the console, where a signed-in member
+//! decides under the same rules as everywhere else. The relay is reached only through
+//! [`wor_egress::EgressClient::connect_tcp`], which vets the destination like any request and
+//! dials only a validated address; lettre speaks SMTP over that stream and never opens a socket
+//! of its own (`clippy.toml` bans its own dialling functions). `STARTTLS` is required before
+//! any credential or message is sent, unless the route is a plaintext one to a loopback relay
+//! and the operator's configuration allows that.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use lettre::message::header::{ContentTransferEncoding, ContentType};
+use lettre::message::{Mailbox, SinglePart};
+use lettre::transport::smtp::authentication::{Credentials, Mechanism};
+use lettre::transport::smtp::client::{AsyncSmtpConnection, TlsParameters};
+use lettre::transport::smtp::extension::ClientId;
+use secrecy::{ExposeSecret as _, SecretString};
+use serde_json::Value;
+use wor_core::audit::Actor;
+use wor_core::{NotificationRouteId, ProjectId};
+use wor_store::{
+    ApprovalRecord, ApprovalStatus, AttemptOutcome, NewNotificationRoute,
+    NotificationDeliveryRecord, NotificationRouteRecord, RouteChannel, SmtpTls, StoreError,
+};
+
+use crate::notice::{route_slot, shown_value};
+use crate::triggers::retry_at;
+use crate::{Engine, EngineError};
+
+/// The vault field of a route's SMTP user name.
+pub const SMTP_USERNAME_FIELD: &str = "smtp_username";
+/// The vault field of a route's SMTP password.
+pub const SMTP_PASSWORD_FIELD: &str = "smtp_password";
+
+/// At most this many recipients per route.
+const MAX_RECIPIENTS: usize = 20;
+/// The longest digest period, in minutes (a day).
+const MAX_DIGEST_MINUTES: u32 = 24 * 60;
+/// Time allowed for one whole SMTP exchange, from the greeting to `QUIT`.
+const SMTP_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A route's SMTP credentials, as an admin gives them; sealed at once, never shown again.
+/// Both or neither: a relay that needs no login (a local one) gets none.
+pub struct SmtpSecrets {
+    pub username: SecretString,
+    pub password: SecretString,
+}
+
+impl std::fmt::Debug for SmtpSecrets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SmtpSecrets(***)")
+    }
+}
+
+/// Why an email could not be sent; the text is what `wor notify deliveries` shows.
+#[derive(Debug, thiserror::Error)]
+enum MailError {
+    #[error("{0}")]
+    Egress(#[from] wor_egress::EgressError),
+    #[error(
+        "plaintext SMTP is not allowed by the server's configuration (`[notifications] smtp_plaintext_loopback`)"
+    )]
+    PlaintextNotAllowed,
+    #[error("plaintext SMTP goes only to a loopback relay; `{host}` is {addr}")]
+    PlaintextNotLoopback { host: String, addr: SocketAddr },
+    #[error("the relay does not offer STARTTLS; nothing was sent")]
+    NoStarttls,
+    #[error("the SMTP exchange did not finish within {0:?}")]
+    Timeout(Duration),
+    #[error("the route's credentials cannot be opened: {0}")]
+    Credentials(String),
+    #[error("the message cannot be built: {0}")]
+    Message(String),
+    #[error("SMTP: {0}")]
+    Smtp(#[from] lettre::transport::smtp::Error),
+}
+
+/// A host name or address an SMTP route may name: a DNS name of letters, digits, `-` and `.`,
+/// or an IP literal.
+fn is_smtp_host(host: &str) -> bool {
+    host.parse::<std::net::IpAddr>().is_ok()
+        || (!host.is_empty()
+            && host.len() <= 253
+            && host
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.'))
+}
+
+/// The authority of `host:port`, IPv6 literals in brackets.
+fn authority(host: &str, port: u16) -> String {
+    match host.parse::<std::net::Ipv6Addr>() {
+        Ok(_) => format!("[{host}]:{port}"),
+        Err(_) => format!("{host}:{port}"),
+    }
+}
+
+/// When a digest of `minutes` that starts collecting at `now` is sent: the end of the current
+/// window, so every request of one window goes out together.
+pub(crate) fn digest_due(now: i64, minutes: u32) -> i64 {
+    let period = i64::from(minutes.max(1)) * 60_000;
+    (now / period + 1).saturating_mul(period)
+}
+
+impl Engine {
+    /// Makes an email route and seals its SMTP credentials (S3). Its relay is vetted by the
+    /// egress guard now (an address literal) and at every send (a name).
+    pub async fn create_email_route(
+        &self,
+        project: ProjectId,
+        route: NewNotificationRoute,
+        secrets: Option<SmtpSecrets>,
+        actor: Actor,
+    ) -> Result<NotificationRouteRecord, EngineError> {
+        let RouteChannel::Email {
+            smtp_host,
+            smtp_port,
+            tls,
+            from,
+            to,
+            digest_minutes,
+        } = &route.channel
+        else {
+            return Err(EngineError::Invalid(
+                "an email route needs an email channel".to_owned(),
+            ));
+        };
+        if !is_smtp_host(smtp_host) {
+            return Err(EngineError::Invalid(
+                "`smtp_host` must be a host name (letters, digits, `-` and `.`) or an IP address"
+                    .to_owned(),
+            ));
+        }
+        if *smtp_port == 0 {
+            return Err(EngineError::Invalid(
+                "`smtp_port` must be 1 to 65535".to_owned(),
+            ));
+        }
+        self.egress
+            .vet_destination(&format!("https://{}/", authority(smtp_host, *smtp_port)))
+            .map_err(|denial| EngineError::Invalid(format!("`smtp_host`: {denial}")))?;
+        if *tls == SmtpTls::PlaintextLoopback {
+            if !self.config.smtp_plaintext_loopback {
+                return Err(EngineError::Invalid(
+                    "`tls = plaintext_loopback` needs the operator's `[notifications] smtp_plaintext_loopback = true`; otherwise STARTTLS is required".to_owned(),
+                ));
+            }
+            let loopback = smtp_host == "localhost"
+                || smtp_host
+                    .parse::<std::net::IpAddr>()
+                    .is_ok_and(|ip| ip.is_loopback());
+            if !loopback {
+                return Err(EngineError::Invalid(
+                    "`tls = plaintext_loopback` goes only to a loopback relay (`127.0.0.1`, `::1` or `localhost`)".to_owned(),
+                ));
+            }
+        }
+        from.parse::<Mailbox>()
+            .map_err(|_| EngineError::Invalid("`email_from` is not an email address".to_owned()))?;
+        if to.is_empty() || to.len() > MAX_RECIPIENTS {
+            return Err(EngineError::Invalid(format!(
+                "`email_to` must list 1 to {MAX_RECIPIENTS} addresses"
+            )));
+        }
+        for address in to {
+            address.parse::<Mailbox>().map_err(|_| {
+                EngineError::Invalid(format!(
+                    "`email_to`: `{}` is not an email address",
+                    address.chars().take(100).collect::<String>()
+                ))
+            })?;
+        }
+        if digest_minutes.is_some_and(|m| m == 0 || m > MAX_DIGEST_MINUTES) {
+            return Err(EngineError::Invalid(format!(
+                "`digest_minutes` must be 1 to {MAX_DIGEST_MINUTES}"
+            )));
+        }
+        let sealed = match secrets {
+            Some(secrets) => vec![
+                (SMTP_USERNAME_FIELD, secrets.username),
+                (SMTP_PASSWORD_FIELD, secrets.password),
+            ],
+            None => Vec::new(),
+        };
+        self.create_route(project, route, sealed, actor).await
+    }
+
+    /// Sends the due email deliveries of one route: one message per delivery, or for a digest
+    /// route one message for all of them. Returns each delivery with what came of it.
+    pub(crate) async fn attempt_emails(
+        &self,
+        deliveries: &[NotificationDeliveryRecord],
+    ) -> Result<Vec<(String, AttemptOutcome)>, EngineError> {
+        let Some(first) = deliveries.first() else {
+            return Ok(Vec::new());
+        };
+        let give_up = |error: &str| AttemptOutcome::Failed {
+            status_code: None,
+            error: error.to_owned(),
+            retry_at: None,
+        };
+        let every = |outcome: AttemptOutcome| -> Vec<(String, AttemptOutcome)> {
+            deliveries
+                .iter()
+                .map(|d| (d.id.clone(), outcome.clone()))
+                .collect()
+        };
+        let project = first.project_id;
+        let route = match self
+            .store
+            .get_notification_route(project, first.route_id)
+            .await
+        {
+            Ok(route) => route,
+            Err(StoreError::NotFound) => return Ok(every(give_up("the route was deleted"))),
+            Err(other) => return Err(other.into()),
+        };
+        let digest = matches!(
+            route.channel,
+            RouteChannel::Email {
+                digest_minutes: Some(_),
+                ..
+            }
+        );
+        let groups: Vec<&[NotificationDeliveryRecord]> = if digest {
+            vec![deliveries]
+        } else {
+            deliveries.chunks(1).collect()
+        };
+        let mut outcomes = Vec::with_capacity(deliveries.len());
+        for group in groups {
+            let Some(lead) = group.first() else {
+                continue;
+            };
+            let mut approvals = Vec::with_capacity(group.len());
+            for delivery in group {
+                approvals.push(
+                    self.store
+                        .get_approval(project, delivery.approval_id)
+                        .await?,
+                );
+            }
+            let outcome = match self.send_approval_email(&route, &approvals).await {
+                Ok(code) => AttemptOutcome::Delivered { status_code: code },
+                Err(error) => AttemptOutcome::Failed {
+                    status_code: None,
+                    error: wor_secrets::redact_shapes(&error.to_string()).into_owned(),
+                    // A digest's deliveries are retried together, on its first one's schedule.
+                    retry_at: retry_at(&lead.id, lead.attempts + 1),
+                },
+            };
+            outcomes.extend(group.iter().map(|d| (d.id.clone(), outcome.clone())));
+        }
+        Ok(outcomes)
+    }
+
+    /// Builds and sends one message about `approvals` through `route`'s relay.
+    async fn send_approval_email(
+        &self,
+        route: &NotificationRouteRecord,
+        approvals: &[ApprovalRecord],
+    ) -> Result<u16, MailError> {
+        let RouteChannel::Email {
+            smtp_host,
+            smtp_port,
+            tls,
+            from,
+            to,
+            ..
+        } = &route.channel
+        else {
+            return Err(MailError::Message(
+                "the route is not an email route".to_owned(),
+            ));
+        };
+        let mut sections = Vec::with_capacity(approvals.len());
+        for approval in approvals {
+            sections.push(
+                self.email_section(approval)
+                    .await
+                    .map_err(|e| MailError::Message(e.to_string()))?,
+            );
+        }
+        let subject = match approvals {
+            [one] => {
+                let tool = plain_line(&one.tool);
+                format!("Approval needed: {tool}")
+            }
+            many => format!("{} approval requests", many.len()),
+        };
+        let mut body = String::new();
+        if approvals.len() > 1 {
+            body.push_str(&format!(
+                "{} approval requests since the last message. Deciding needs a signed-in session in the console; nothing in this message decides.\n\n",
+                approvals.len()
+            ));
+        }
+        body.push_str(&sections.join("\n----\n\n"));
+        let mut builder = lettre::Message::builder()
+            .from(
+                from.parse()
+                    .map_err(|_| MailError::Message("`from` is not an address".to_owned()))?,
+            )
+            .subject(subject);
+        for address in to {
+            builder = builder.to(address
+                .parse()
+                .map_err(|_| MailError::Message("a recipient is not an address".to_owned()))?);
+        }
+        let message = builder
+            .singlepart(
+                SinglePart::builder()
+                    .header(ContentType::TEXT_PLAIN)
+                    .header(ContentTransferEncoding::Base64)
+                    .body(body),
+            )
+            .map_err(|e| MailError::Message(e.to_string()))?;
+        let credentials = self.smtp_credentials(route).await?;
+        tokio::time::timeout(
+            SMTP_TIMEOUT,
+            self.smtp_send(smtp_host, *smtp_port, *tls, credentials, &message),
+        )
+        .await
+        .map_err(|_| MailError::Timeout(SMTP_TIMEOUT))?
+    }
+
+    async fn smtp_credentials(
+        &self,
+        route: &NotificationRouteRecord,
+    ) -> Result<Option<Credentials>, MailError> {
+        let mut opened = Vec::with_capacity(2);
+        for field in [SMTP_USERNAME_FIELD, SMTP_PASSWORD_FIELD] {
+            match self
+                .vault
+                .open(&route_slot(route.project_id, route.id, field))
+                .await
+            {
+                Ok(value) => opened.push(Some(value)),
+                Err(wor_store::VaultError::Missing { .. }) => opened.push(None),
+                Err(error) => return Err(MailError::Credentials(error.to_string())),
+            }
+        }
+        let mut opened = opened.into_iter();
+        let (username, password) = (opened.next().flatten(), opened.next().flatten());
+        Ok(match (username, password) {
+            (Some(username), Some(password)) => Some(Credentials::new(
+                username.expose_secret().to_owned(),
+                password.expose_secret().to_owned(),
+            )),
+            _ => None,
+        })
+    }
+
+    /// One SMTP exchange over a connection the egress guard opened.
+    async fn smtp_send(
+        &self,
+        host: &str,
+        port: u16,
+        tls: SmtpTls,
+        credentials: Option<Credentials>,
+        message: &lettre::Message,
+    ) -> Result<u16, MailError> {
+        if tls == SmtpTls::PlaintextLoopback && !self.config.smtp_plaintext_loopback {
+            return Err(MailError::PlaintextNotAllowed);
+        }
+        let (stream, addr) = self.egress.connect_tcp(host, port).await?;
+        if tls == SmtpTls::PlaintextLoopback && !addr.ip().is_loopback() {
+            return Err(MailError::PlaintextNotLoopback {
+                host: host.to_owned(),
+                addr,
+            });
+        }
+        let hello = self.hello_name();
+        let mut connection =
+            AsyncSmtpConnection::connect_with_transport(Box::new(stream), &hello).await?;
+        if tls == SmtpTls::Starttls {
+            // Before any credential or message: a relay that cannot encrypt gets neither.
+            if !connection.can_starttls() {
+                connection.abort().await;
+                return Err(MailError::NoStarttls);
+            }
+            let parameters = TlsParameters::new(host.to_owned())?;
+            connection.starttls(parameters, &hello).await?;
+        }
+        if let Some(credentials) = credentials {
+            connection
+                .auth(&[Mechanism::Plain, Mechanism::Login], &credentials)
+                .await?;
+        }
+        let response = connection
+            .send(message.envelope(), &message.formatted())
+            .await?;
+        let _ = connection.quit().await;
+        Ok(u16::from(response.code()))
+    }
+
+    /// The name this server greets a relay with: the public URL's host, else `localhost`.
+    fn hello_name(&self) -> ClientId {
+        let host = self
+            .config
+            .console_url
+            .as_deref()
+            .and_then(|url| url::Url::parse(url).ok())
+            .and_then(|url| url.host_str().map(str::to_owned))
+            .filter(|host| is_smtp_host(host) && host.parse::<std::net::IpAddr>().is_err());
+        ClientId::Domain(host.unwrap_or_else(|| "localhost".to_owned()))
+    }
+
+    /// What an email says about one approval, as it stands: the same facts as a Slack
+    /// message, as plain text, and the link to its page in the console.
+    async fn email_section(&self, approval: &ApprovalRecord) -> Result<String, EngineError> {
+        let project = approval.project_id;
+        let run = self.store.get_run(project, approval.run_id).await?;
+        let routine = self.store.get_routine(project, run.routine_id).await?;
+        let mut text = format!(
+            "Approval needed for {} in routine {} (version {}), run {}.\n\n",
+            approval.tool, routine.name, run.routine_version, run.id
+        );
+        text.push_str(
+            "Arguments (canonical; \"pinned\" ones were set by the routine, not the model):\n",
+        );
+        match approval.arguments.as_object() {
+            Some(map) if !map.is_empty() => {
+                for (key, value) in map {
+                    let pinned = approval.pinned_keys.iter().any(|k| k == key);
+                    text.push_str(&format!(
+                        "  {key}{}: {}\n",
+                        if pinned { " (pinned)" } else { "" },
+                        shown_value(value)
+                    ));
+                }
+            }
+            _ => text.push_str("  (no arguments)\n"),
+        }
+        text.push_str("\nWhy it is held:\n");
+        let list = |key: &str| -> Vec<String> {
+            approval
+                .why
+                .get(key)
+                .and_then(Value::as_array)
+                .map(|l| {
+                    l.iter()
+                        .filter_map(Value::as_str)
+                        .map(str::to_owned)
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        let mut why = Vec::new();
+        for (key, label) in [
+            ("reasons", "Reasons"),
+            ("determining_policies", "Policies"),
+            ("untrusted_sources", "Untrusted content in context"),
+        ] {
+            let items = list(key);
+            if !items.is_empty() {
+                why.push(format!("  {label}: {}", items.join("; ")));
+            }
+        }
+        if approval.kind == wor_store::ApprovalKind::OutcomeUnknown {
+            why.push("  The call started before an interruption and its outcome is unknown: approving runs it again.".to_owned());
+        }
+        if why.is_empty() {
+            why.push("  Held by policy.".to_owned());
+        }
+        text.push_str(&why.join("\n"));
+        text.push('\n');
+        let expires = wor_core::schedule::slot_rfc3339(approval.expires_at);
+        text.push_str(&match approval.status {
+            ApprovalStatus::Pending => format!("\nExpires at {expires} unless decided.\n"),
+            ApprovalStatus::Approved => "\nAlready approved.\n".to_owned(),
+            ApprovalStatus::Denied => "\nAlready denied.\n".to_owned(),
+            ApprovalStatus::Expired => {
+                format!("\nExpired at {expires} without a decision: the call did not run.\n")
+            }
+            ApprovalStatus::Cancelled => {
+                "\nCancelled: the run ended before anyone decided.\n".to_owned()
+            }
+        });
+        match self.config.console_url.as_deref() {
+            Some(base) => text.push_str(&format!(
+                "\nDecide in the console (sign-in required; nothing in this email decides):\n{}/console/approvals/{}\n",
+                base.trim_end_matches('/'),
+                approval.id
+            )),
+            None => text.push_str(&format!(
+                "\nDecide it in the console's inbox, or with `wor approvals approve {}`.\n",
+                approval.id
+            )),
+        }
+        Ok(text)
+    }
+}
+
+/// Text for a header: control characters (a line break would start a new header) become
+/// spaces, and it is cut to 150 characters.
+fn plain_line(text: &str) -> String {
+    text.chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .take(150)
+        .collect()
+}
+
+/// Groups claimed email deliveries by route, keeping their order.
+pub(crate) fn by_route(
+    deliveries: Vec<NotificationDeliveryRecord>,
+) -> BTreeMap<NotificationRouteId, Vec<NotificationDeliveryRecord>> {
+    let mut routes: BTreeMap<NotificationRouteId, Vec<NotificationDeliveryRecord>> =
+        BTreeMap::new();
+    for delivery in deliveries {
+        routes.entry(delivery.route_id).or_default().push(delivery);
+    }
+    routes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_digest_is_due_at_the_end_of_its_window() {
+        let minute = 60_000;
+        assert_eq!(digest_due(0, 5), 5 * minute);
+        assert_eq!(digest_due(5 * minute - 1, 5), 5 * minute);
+        assert_eq!(digest_due(5 * minute, 5), 10 * minute);
+        // Two requests a minute apart in one window go out together.
+        assert_eq!(digest_due(61 * minute, 15), digest_due(62 * minute, 15));
+    }
+
+    #[test]
+    fn hosts_and_header_text_are_checked() {
+        assert!(is_smtp_host("smtp.example.com"));
+        assert!(is_smtp_host("127.0.0.1"));
+        assert!(is_smtp_host("::1"));
+        assert!(!is_smtp_host("smtp.example.com:25"));
+        assert!(!is_smtp_host("a b"));
+        assert!(!is_smtp_host(""));
+        assert_eq!(authority("::1", 25), "[::1]:25");
+        assert_eq!(plain_line("a\r\nBcc: x"), "a  Bcc: x");
+    }
+}
