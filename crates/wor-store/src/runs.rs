@@ -167,19 +167,23 @@ impl Store {
         advances: &[ScheduleAdvance],
     ) -> Result<Vec<Option<RunId>>, StoreError> {
         let now = now_millis();
+        let ids: Vec<RunId> = starts.iter().map(|_| RunId::new()).collect();
         let mut tx = self.begin_write().await?;
-        let mut started = Vec::with_capacity(starts.len());
-        for start in starts {
-            let id = RunId::new();
-            let inserted =
-                insert_run(&mut tx, start.project, id, &start.run, &start.input, now).await?;
-            started.push(inserted.then_some(id));
+        let mut inserted = std::collections::HashSet::new();
+        for (ids, starts) in ids
+            .chunks(ROWS_PER_STATEMENT)
+            .zip(starts.chunks(ROWS_PER_STATEMENT))
+        {
+            inserted.extend(insert_scheduled(&mut tx, ids, starts, now).await?);
         }
-        for advance in advances {
-            crate::triggers::advance_schedule(&mut tx, advance, now).await?;
+        for advances in advances.chunks(ROWS_PER_STATEMENT) {
+            crate::triggers::advance_schedules(&mut tx, advances, now).await?;
         }
         tx.commit().await?;
-        Ok(started)
+        Ok(ids
+            .into_iter()
+            .map(|id| inserted.contains(&id).then_some(id))
+            .collect())
     }
 
     pub async fn get_run(&self, project: ProjectId, id: RunId) -> Result<RunRecord, StoreError> {
@@ -572,6 +576,120 @@ impl Store {
             })
             .collect()
     }
+}
+
+/// How many rows one statement of a scheduler pass writes (each run's row binds 18 values).
+const ROWS_PER_STATEMENT: usize = 200;
+
+/// The placeholders `$first`, `$first+1`, … of one row of `count` values, in parentheses.
+fn row_placeholders(first: usize, count: usize) -> String {
+    let row: Vec<String> = (first..first + count).map(|n| format!("${n}")).collect();
+    format!("({})", row.join(", "))
+}
+
+/// Inserts the runs of `starts` under `ids` (two statements: the runs, then their first
+/// steps), skipping any whose trigger key already started a run; returns the ids inserted.
+async fn insert_scheduled(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    ids: &[RunId],
+    starts: &[ScheduledStart],
+    now: i64,
+) -> Result<Vec<RunId>, StoreError> {
+    if starts.is_empty() {
+        return Ok(Vec::new());
+    }
+    const RUN_VALUES: usize = 18;
+    let rows: Vec<String> = (0..starts.len())
+        .map(|i| row_placeholders(i * RUN_VALUES + 1, RUN_VALUES))
+        .collect();
+    let sql = format!(
+        "INSERT INTO runs (id, project_id, routine_id, routine_version, root_run_id, parent_run_id, depth, \
+         status, trigger_kind, started_by, max_concurrent, outcome, created_at, updated_at, finished_at, \
+         trigger_key, thread, budget_cap) VALUES {} ON CONFLICT DO NOTHING RETURNING id",
+        rows.join(", ")
+    );
+    let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
+    for (id, start) in ids.iter().zip(starts) {
+        let new = &start.run;
+        query = query
+            .bind(id.to_string())
+            .bind(start.project.to_string())
+            .bind(new.routine_id.to_string())
+            .bind(new.routine_version)
+            .bind(new.parent.as_ref().map_or(*id, |p| p.root).to_string())
+            .bind(new.parent.as_ref().map(|p| p.parent.to_string()))
+            .bind(new.parent.as_ref().map_or(0, |p| p.depth))
+            .bind(new.status.as_str())
+            .bind(new.trigger_kind.as_str())
+            .bind(new.started_by.map(|k| k.to_string()))
+            .bind(to_i64(new.max_concurrent))
+            .bind(new.outcome.clone())
+            .bind(now)
+            .bind(now)
+            .bind(new.status.is_terminal().then_some(now))
+            .bind(new.trigger_key.clone())
+            .bind(new.thread.clone())
+            .bind(new.parent.as_ref().map(|p| p.budget_cap.to_string()));
+    }
+    let inserted: std::collections::HashSet<RunId> = query
+        .fetch_all(&mut **tx)
+        .await?
+        .iter()
+        .map(|row| parse_column(&row.try_get::<String, _>("id")?, "runs.id"))
+        .collect::<Result<_, StoreError>>()?;
+    let mut steps = Vec::new();
+    for (id, start) in ids.iter().zip(starts) {
+        if !inserted.contains(id) {
+            continue;
+        }
+        steps.push((
+            *id,
+            start.project,
+            1,
+            start.run.input_provenance,
+            Step::Input(start.input.clone()),
+        ));
+        if let Some((provenance, memory)) = &start.run.memory {
+            steps.push((
+                *id,
+                start.project,
+                2,
+                *provenance,
+                Step::Memory(memory.clone()),
+            ));
+        }
+    }
+    const STEP_VALUES: usize = 7;
+    for chunk in steps.chunks(ROWS_PER_STATEMENT) {
+        let rows: Vec<String> = (0..chunk.len())
+            .map(|i| row_placeholders(i * STEP_VALUES + 1, STEP_VALUES))
+            .collect();
+        let sql = format!(
+            "INSERT INTO run_steps (run_id, seq, project_id, kind, provenance, payload, created_at) \
+             VALUES {}",
+            rows.join(", ")
+        );
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
+        for (run, project, seq, provenance, step) in chunk {
+            let payload = step
+                .to_stored()
+                .map_err(|e| StoreError::Corrupt(format!("a step to record: {e}")))?;
+            query = query
+                .bind(run.to_string())
+                .bind(*seq)
+                .bind(project.to_string())
+                .bind(step.kind().as_str())
+                .bind(provenance.as_str())
+                .bind(payload.to_string())
+                .bind(now);
+        }
+        query.execute(&mut **tx).await?;
+    }
+    Ok(ids
+        .iter()
+        .copied()
+        .filter(|id| inserted.contains(id))
+        .collect())
 }
 
 /// Inserts a new run with its input (and memory) as its first steps; false, with nothing

@@ -391,3 +391,37 @@ pub(crate) async fn advance_schedule(
     .await?;
     Ok(done.rows_affected() == 1)
 }
+
+/// Moves schedules on by compare-and-set, in one statement: each moves only if its next slot
+/// is still the one it was planned from (another process may have moved it first).
+pub(crate) async fn advance_schedules(
+    connection: &mut sqlx::AnyConnection,
+    advances: &[ScheduleAdvance],
+    now: i64,
+) -> Result<(), StoreError> {
+    if advances.is_empty() {
+        return Ok(());
+    }
+    let rows: Vec<String> = (0..advances.len())
+        .map(|i| {
+            let first = i * 3 + 2;
+            format!("(${first}, ${}, ${})", first + 1, first + 2)
+        })
+        .collect();
+    let sql = format!(
+        "UPDATE routine_schedules SET next_slot_at = CAST(v.column3 AS BIGINT), updated_at = $1 \
+         FROM (VALUES {}) AS v \
+         WHERE routine_schedules.routine_id = v.column1 \
+         AND routine_schedules.next_slot_at = CAST(v.column2 AS BIGINT)",
+        rows.join(", ")
+    );
+    let mut query = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(now);
+    for advance in advances {
+        query = query
+            .bind(advance.routine.to_string())
+            .bind(advance.from)
+            .bind(advance.to);
+    }
+    query.execute(connection).await?;
+    Ok(())
+}
