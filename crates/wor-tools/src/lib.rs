@@ -9,6 +9,7 @@
 //! - [`mcp`]: the MCP client ([`McpSession`]) over streamable HTTP through the egress guard,
 //!   or over stdio through a [`SandboxLauncher`].
 //! - [`http_tool`]: HTTP API tools, a method and a path template on an allowlisted host.
+//! - [`openapi`]: chosen operations of an OpenAPI 3.0/3.1 document as HTTP tools.
 //! - [`result`]: [`ShapedResult`], redacted and capped (always untrusted).
 //! - [`credentials`]: a connection's secret headers, attached only at send time.
 //! - [`output`]: a routine's output schema and the check of a final answer against it.
@@ -21,6 +22,7 @@ pub mod credentials;
 pub mod definition;
 pub mod http_tool;
 pub mod mcp;
+pub mod openapi;
 pub mod output;
 pub mod result;
 pub mod roster;
@@ -33,6 +35,7 @@ pub use definition::{
 };
 pub use http_tool::{
     HttpApiConnection, HttpToolConfig, HttpToolDefinition, HttpToolError, PathTemplate,
+    is_valid_tool_name,
 };
 pub use mcp::egress_http::McpHttpError;
 pub use mcp::sandbox::{
@@ -42,6 +45,9 @@ pub use mcp::sandbox::{
 pub use mcp::sandboxed::Sandboxed;
 pub use mcp::{
     McpError, McpLimits, McpServerKind, McpSession, StreamableHttpEndpoint, ToolListChanged,
+};
+pub use openapi::{
+    CredentialSlot, ImportedOperation, OpenApiDocument, OpenApiError, OpenApiImport,
 };
 pub use output::{OutputSchema, OutputSchemaError, OutputViolation};
 pub use result::{ResultLimits, ShapedResult, ToolCallResult, ToolContent, Truncation};
