@@ -71,6 +71,8 @@ pub enum AuditCategory {
     ToolConnectionCreate,
     ToolConnectionEnable,
     ToolConnectionDisable,
+    /// An `http_api` connection's tools were replaced (written again or imported again).
+    ToolConnectionUpdateTools,
     /// A tool connection's live tools changed from its pins (S9).
     ToolConnectionQuarantine,
     /// A run parked a tool call for a person's decision.
@@ -127,6 +129,7 @@ impl AuditCategory {
             AuditCategory::ToolConnectionCreate => "connection.create",
             AuditCategory::ToolConnectionEnable => "connection.enable",
             AuditCategory::ToolConnectionDisable => "connection.disable",
+            AuditCategory::ToolConnectionUpdateTools => "connection.update_tools",
             AuditCategory::ToolConnectionQuarantine => "connection.quarantine",
             AuditCategory::ApprovalRequest => "approval.request",
             AuditCategory::ApprovalDecide => "approval.decide",

@@ -25,6 +25,7 @@ mod output;
 mod pipeline;
 mod run_tools;
 mod start;
+mod tool_connection_spec;
 mod tool_connections;
 mod triggers;
 mod wasm_tools;
@@ -45,8 +46,13 @@ pub use notifications::{
     SlackRejection, SlackSecrets,
 };
 pub use start::{StartRun, Trigger};
+pub use tool_connection_spec::{
+    CheckedHttpTools, CheckedToolConnection, HttpToolsSource, LocalCommandRules, OpenApiSource,
+    ToolConnectionSpec, ToolConnectionSpecError,
+};
 pub use tool_connections::{
-    BEARER_TOKEN_FIELD, ReviewDiff, ReviewedTool, ToolReview, check_stdio_spec, credential_slot,
+    BEARER_TOKEN_FIELD, ReplacedTools, ReviewDiff, ReviewedTool, ToolReview, check_stdio_spec,
+    credential_slot,
 };
 pub use triggers::{
     InboundWebhook, MAX_DELIVERY_ATTEMPTS, MAX_WEBHOOK_BYTES, REPLAY_WINDOW_SECS, SchedulerReport,

@@ -98,6 +98,7 @@ fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(routes::tool_connections::review))
         .routes(routes!(routes::tool_connections::enable))
         .routes(routes!(routes::tool_connections::disable))
+        .routes(routes!(routes::tool_connections::replace_tools))
         .routes(routes!(routes::routines::list, routes::routines::apply))
         .routes(routes!(routes::routines::get))
         .routes(routes!(routes::runs::start))

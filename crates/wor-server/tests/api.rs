@@ -165,6 +165,9 @@ fn sample_body(method: &Method, path: &str) -> Option<Value> {
         })),
         ("POST", "/v1/tool-connections/{tool_connection_id}/enable") => Some(json!({"tools": {}})),
         ("POST", "/v1/tool-connections/{tool_connection_id}/disable") => None,
+        ("PUT", "/v1/tool-connections/{tool_connection_id}/tools") => Some(json!({"tools": [
+            {"name": "probe", "method": "GET", "path": "/probe", "inputSchema": {"type": "object"}}
+        ]})),
         ("POST", "/v1/routines") => Some(json!({"toml": REPLAY_ROUTINE})),
         ("POST", "/v1/routines/{routine_id}/runs") => Some(json!({"input": "probe"})),
         ("POST", "/v1/runs/{run_id}/cancel") => None,
