@@ -10,6 +10,8 @@
 //!   or over stdio through a [`SandboxLauncher`].
 //! - [`http_tool`]: HTTP API tools, a method and a path template on an allowlisted host.
 //! - [`openapi`]: chosen operations of an OpenAPI 3.0/3.1 document as HTTP tools.
+//! - [`oauth`]: MCP authorization discovery (RFC 9728, RFC 8414) and the PKCE authorization
+//!   request, every document fetched through the egress guard.
 //! - [`result`]: [`ShapedResult`], redacted and capped (always untrusted).
 //! - [`credentials`]: a connection's secret headers, attached only at send time.
 //! - [`output`]: a routine's output schema and the check of a final answer against it.
@@ -22,6 +24,7 @@ pub mod credentials;
 pub mod definition;
 pub mod http_tool;
 pub mod mcp;
+pub mod oauth;
 pub mod openapi;
 pub mod output;
 pub mod result;
