@@ -8,7 +8,11 @@
 //! document names), with [`MAX_METADATA_BYTES`] as the size cap and a short timeout; a
 //! redirect is never followed (the guard does not follow them and a `3xx` here is an error).
 //!
-//! Not built yet: client registration, the code exchange, token storage and refresh; see
+//! The token requests are here too: dynamic client registration (RFC 7591, a public client
+//! using PKCE), the code exchange and the refresh grant, each with `resource`; tokens come back
+//! as [`SecretString`]s and an error names only the server's error code, never its text (which
+//! could quote a token). Not built yet: storing and binding `state`, sealing the tokens,
+//! refreshing them ahead of expiry for a session, the CLI and the callback; see
 //! `docs/tools.md`.
 
 use std::time::Duration;
@@ -104,6 +108,22 @@ pub enum OAuthError {
     NoPkce {
         /// The issuer.
         issuer: String,
+    },
+    /// The connection's authorization server offers no dynamic registration.
+    #[error(
+        "authorization server `{issuer}` offers no dynamic client registration; give the connection a client id"
+    )]
+    NoRegistration {
+        /// The issuer.
+        issuer: String,
+    },
+    /// The authorization server refused a registration or token request.
+    #[error("the authorization server refused the {what}: `{error}`")]
+    Refused {
+        /// Which request.
+        what: &'static str,
+        /// The OAuth error code (RFC 6749 §5.2), or the status when there is none.
+        error: String,
     },
     /// No randomness could be had.
     #[error("no randomness for pkce and state: {0}")]
@@ -387,6 +407,217 @@ pub fn authorization_url(
         }
     }
     Ok(url.to_string())
+}
+
+/// A client registered with the authorization server.
+#[derive(Debug, Clone)]
+pub struct ClientRegistration {
+    pub client_id: String,
+    /// Only for a confidential client; a registered public client has none.
+    pub client_secret: Option<SecretString>,
+}
+
+/// Tokens from the token endpoint.
+#[derive(Debug, Clone)]
+pub struct TokenSet {
+    pub access_token: SecretString,
+    /// The refresh token, when the server issued one (a rotated one replaces the old).
+    pub refresh_token: Option<SecretString>,
+    /// Seconds until the access token expires, when the server said.
+    pub expires_in: Option<u64>,
+}
+
+#[derive(Deserialize)]
+struct TokenResponse {
+    access_token: String,
+    #[serde(default)]
+    refresh_token: Option<String>,
+    #[serde(default)]
+    expires_in: Option<u64>,
+}
+
+#[derive(Deserialize)]
+struct ErrorResponse {
+    error: String,
+}
+
+#[derive(Deserialize)]
+struct RegistrationResponse {
+    client_id: String,
+    #[serde(default)]
+    client_secret: Option<String>,
+}
+
+/// The OAuth error code of a refusal, kept only when it is made of the characters RFC 6749
+/// allows (anything else could carry more than a code).
+fn refusal(what: &'static str, status: u16, body: &[u8]) -> OAuthError {
+    let error = serde_json::from_slice::<ErrorResponse>(body)
+        .ok()
+        .map(|e| e.error)
+        .filter(|code| {
+            !code.is_empty()
+                && code.len() <= 64
+                && code
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
+        })
+        .unwrap_or_else(|| format!("http status {status}"));
+    OAuthError::Refused { what, error }
+}
+
+async fn post(
+    egress: &EgressClient,
+    what: &'static str,
+    url: &str,
+    content_type: &'static str,
+    body: Vec<u8>,
+) -> Result<Vec<u8>, OAuthError> {
+    let mut request = EgressRequest::post(url, body);
+    request.timeout = Some(METADATA_TIMEOUT);
+    request.max_response_bytes = Some(MAX_METADATA_BYTES);
+    request.headers.insert(
+        reqwest::header::CONTENT_TYPE,
+        HeaderValue::from_static(content_type),
+    );
+    request
+        .headers
+        .insert(ACCEPT, HeaderValue::from_static("application/json"));
+    let response = egress
+        .send(request)
+        .await
+        .map_err(|source| OAuthError::Fetch {
+            what,
+            url: url.to_owned(),
+            source,
+        })?;
+    if !response.status.is_success() {
+        return Err(refusal(what, response.status.as_u16(), &response.body));
+    }
+    Ok(response.body)
+}
+
+/// Registers a public client (PKCE, no secret) for `redirect_uri` (RFC 7591).
+pub async fn register_client(
+    egress: &EgressClient,
+    discovery: &AuthorizationDiscovery,
+    client_name: &str,
+    redirect_uri: &str,
+) -> Result<ClientRegistration, OAuthError> {
+    let metadata = &discovery.authorization_server;
+    let Some(endpoint) = &metadata.registration_endpoint else {
+        return Err(OAuthError::NoRegistration {
+            issuer: metadata.issuer.clone(),
+        });
+    };
+    let body = serde_json::json!({
+        "client_name": client_name,
+        "redirect_uris": [redirect_uri],
+        "grant_types": ["authorization_code", "refresh_token"],
+        "response_types": ["code"],
+        "token_endpoint_auth_method": "none",
+    });
+    let what = "client registration";
+    let answer = post(
+        egress,
+        what,
+        endpoint,
+        "application/json",
+        body.to_string().into_bytes(),
+    )
+    .await?;
+    let registered: RegistrationResponse =
+        serde_json::from_slice(&answer).map_err(|e| OAuthError::InvalidDocument {
+            what,
+            url: endpoint.clone(),
+            reason: e.to_string(),
+        })?;
+    Ok(ClientRegistration {
+        client_id: registered.client_id,
+        client_secret: registered.client_secret.map(SecretString::from),
+    })
+}
+
+async fn token_request(
+    egress: &EgressClient,
+    discovery: &AuthorizationDiscovery,
+    client: &ClientRegistration,
+    what: &'static str,
+    pairs: &[(&str, &str)],
+) -> Result<TokenSet, OAuthError> {
+    let mut form = url::form_urlencoded::Serializer::new(String::new());
+    for (key, value) in pairs {
+        form.append_pair(key, value);
+    }
+    form.append_pair("client_id", &client.client_id);
+    if let Some(secret) = &client.client_secret {
+        form.append_pair("client_secret", secret.expose_secret());
+    }
+    form.append_pair("resource", &discovery.resource);
+    let endpoint = &discovery.authorization_server.token_endpoint;
+    let answer = post(
+        egress,
+        what,
+        endpoint,
+        "application/x-www-form-urlencoded",
+        form.finish().into_bytes(),
+    )
+    .await?;
+    // The answer holds tokens: a parse error says where, never what.
+    let tokens: TokenResponse =
+        serde_json::from_slice(&answer).map_err(|_| OAuthError::InvalidDocument {
+            what,
+            url: endpoint.clone(),
+            reason: "it is not a token response".to_owned(),
+        })?;
+    Ok(TokenSet {
+        access_token: SecretString::from(tokens.access_token),
+        refresh_token: tokens.refresh_token.map(SecretString::from),
+        expires_in: tokens.expires_in,
+    })
+}
+
+/// Exchanges an authorization `code` for tokens, proving the PKCE verifier.
+pub async fn exchange_code(
+    egress: &EgressClient,
+    discovery: &AuthorizationDiscovery,
+    client: &ClientRegistration,
+    code: &SecretString,
+    redirect_uri: &str,
+    pkce: &Pkce,
+) -> Result<TokenSet, OAuthError> {
+    token_request(
+        egress,
+        discovery,
+        client,
+        "code exchange",
+        &[
+            ("grant_type", "authorization_code"),
+            ("code", code.expose_secret()),
+            ("redirect_uri", redirect_uri),
+            ("code_verifier", pkce.verifier().expose_secret()),
+        ],
+    )
+    .await
+}
+
+/// Refreshes the tokens; the answer may rotate the refresh token too.
+pub async fn refresh_tokens(
+    egress: &EgressClient,
+    discovery: &AuthorizationDiscovery,
+    client: &ClientRegistration,
+    refresh_token: &SecretString,
+) -> Result<TokenSet, OAuthError> {
+    token_request(
+        egress,
+        discovery,
+        client,
+        "token refresh",
+        &[
+            ("grant_type", "refresh_token"),
+            ("refresh_token", refresh_token.expose_secret()),
+        ],
+    )
+    .await
 }
 
 #[cfg(test)]

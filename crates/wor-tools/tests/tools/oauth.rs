@@ -8,9 +8,13 @@ use axum::Json;
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
+use secrecy::{ExposeSecret, SecretString};
 use serde_json::{Value, json};
 use wor_egress::EgressError;
-use wor_tools::oauth::{OAuthError, Pkce, authorization_url, discover, new_state};
+use wor_tools::oauth::{
+    OAuthError, Pkce, authorization_url, discover, exchange_code, new_state, refresh_tokens,
+    register_client,
+};
 
 use crate::{loopback_egress, serve};
 
@@ -214,4 +218,178 @@ async fn malicious_discovery_is_refused_with_a_clear_reason() {
         .await
         .unwrap_err();
     assert!(matches!(error, OAuthError::NoPkce { .. }), "{error}");
+}
+
+/// A token endpoint that checks the PKCE proof and `resource`, issues tokens and rotates the
+/// refresh token on every refresh (the old one is then revoked).
+#[derive(Default)]
+struct TokenDesk {
+    challenge: Mutex<String>,
+    resource: Mutex<String>,
+    live_refresh: Mutex<Option<String>>,
+    issued: Mutex<u32>,
+}
+
+async fn token_server(desk: Arc<TokenDesk>) -> SocketAddr {
+    use base64::Engine;
+    use sha2::Digest;
+    let register = axum::routing::post(|Json(body): Json<Value>| async move {
+        assert_eq!(body["token_endpoint_auth_method"], "none");
+        assert_eq!(
+            body["grant_types"],
+            json!(["authorization_code", "refresh_token"])
+        );
+        (
+            StatusCode::CREATED,
+            Json(json!({"client_id": "wor-client-1"})),
+        )
+    });
+    let token = axum::routing::post(move |body: String| {
+        let desk = desk.clone();
+        async move {
+            let form: std::collections::BTreeMap<String, String> =
+                url::form_urlencoded::parse(body.as_bytes())
+                    .into_owned()
+                    .collect();
+            let refuse = |error: &str| {
+                (
+                    StatusCode::BAD_REQUEST,
+                    Json(json!({"error": error,
+                    "error_description": format!("bad {}", form.get("refresh_token").cloned().unwrap_or_default())})),
+                )
+            };
+            if form["client_id"] != "wor-client-1"
+                || form.get("resource") != Some(&*desk.resource.lock().unwrap())
+            {
+                return refuse("invalid_client");
+            }
+            match form["grant_type"].as_str() {
+                "authorization_code" => {
+                    let proof = base64::engine::general_purpose::URL_SAFE_NO_PAD
+                        .encode(sha2::Sha256::digest(form["code_verifier"].as_bytes()));
+                    if form["code"] != "code-1" || proof != *desk.challenge.lock().unwrap() {
+                        return refuse("invalid_grant");
+                    }
+                }
+                "refresh_token" => {
+                    if desk.live_refresh.lock().unwrap().as_deref()
+                        != Some(form["refresh_token"].as_str())
+                    {
+                        return refuse("invalid_grant");
+                    }
+                }
+                _ => return refuse("unsupported_grant_type"),
+            }
+            let n = {
+                let mut issued = desk.issued.lock().unwrap();
+                *issued += 1;
+                *issued
+            };
+            let refresh = format!("refresh-canary-{n}");
+            *desk.live_refresh.lock().unwrap() = Some(refresh.clone());
+            (
+                StatusCode::OK,
+                Json(json!({"access_token": format!("access-canary-{n}"),
+                "token_type": "Bearer", "expires_in": 60, "refresh_token": refresh})),
+            )
+        }
+    });
+    serve(
+        axum::Router::new()
+            .route("/auth/register", register)
+            .route("/auth/token", token),
+    )
+    .await
+}
+
+#[tokio::test]
+async fn a_registered_client_exchanges_its_code_with_pkce_and_refresh_rotates_until_revoked() {
+    let (addr, documents) = authorization_fixture().await;
+    let desk = Arc::new(TokenDesk::default());
+    let tokens_at = token_server(desk.clone()).await;
+    // The metadata sends registration and tokens to the token desk.
+    documents.server.lock().unwrap()["registration_endpoint"] =
+        json!(format!("http://{tokens_at}/auth/register"));
+    documents.server.lock().unwrap()["token_endpoint"] =
+        json!(format!("http://{tokens_at}/auth/token"));
+    let egress = loopback_egress();
+    let mcp = format!("http://{addr}/mcp");
+    let found = discover(&egress, &mcp, None).await.unwrap();
+    let redirect = "http://127.0.0.1:8080/oauth/callback";
+    let client = register_client(&egress, &found, "wor", redirect)
+        .await
+        .unwrap();
+    assert_eq!(client.client_id, "wor-client-1");
+    let pkce = Pkce::new().unwrap();
+    *desk.challenge.lock().unwrap() = pkce.challenge.clone();
+    *desk.resource.lock().unwrap() = mcp.clone();
+
+    // A wrong code is refused with the server's error code only.
+    let error = exchange_code(
+        &egress,
+        &found,
+        &client,
+        &SecretString::from("code-2"),
+        redirect,
+        &pkce,
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(
+        error.to_string(),
+        "the authorization server refused the code exchange: `invalid_grant`"
+    );
+    // Another verifier does not prove the challenge.
+    let other = Pkce::new().unwrap();
+    assert!(
+        exchange_code(
+            &egress,
+            &found,
+            &client,
+            &SecretString::from("code-1"),
+            redirect,
+            &other
+        )
+        .await
+        .is_err()
+    );
+
+    let tokens = exchange_code(
+        &egress,
+        &found,
+        &client,
+        &SecretString::from("code-1"),
+        redirect,
+        &pkce,
+    )
+    .await
+    .unwrap();
+    assert_eq!(tokens.access_token.expose_secret(), "access-canary-1");
+    assert_eq!(tokens.expires_in, Some(60));
+    let first_refresh = tokens.refresh_token.clone().unwrap();
+    assert!(
+        !format!("{tokens:?}").contains("canary"),
+        "tokens stay out of Debug"
+    );
+
+    let rotated = refresh_tokens(&egress, &found, &client, &first_refresh)
+        .await
+        .unwrap();
+    assert_eq!(rotated.access_token.expose_secret(), "access-canary-2");
+    assert_eq!(
+        rotated.refresh_token.as_ref().unwrap().expose_secret(),
+        "refresh-canary-2"
+    );
+
+    // The rotated-out refresh token is revoked: refused, and the error quotes no token even
+    // though the server's description does.
+    let error = refresh_tokens(&egress, &found, &client, &first_refresh)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&error, OAuthError::Refused { error, .. } if error == "invalid_grant"),
+        "{error}"
+    );
+    assert!(!error.to_string().contains("canary"), "{error}");
+    assert!(!format!("{error:?}").contains("canary"), "{error:?}");
 }
