@@ -263,6 +263,32 @@ async fn canaries_in_secret_fields_appear_nowhere() {
         "nothing was pinned yet"
     );
     record(&replaced_tools);
+    let tools_json = dir.path().join("tools.json");
+    std::fs::write(
+        &tools_json,
+        r#"{"tools": [{"name": "list_notes", "method": "GET", "path": "/notes",
+            "inputSchema": {"type": "object"}}]}"#,
+    )
+    .unwrap();
+    let notes = server.client(
+        &owner,
+        &[
+            "connection",
+            "create",
+            "notes",
+            "--tools-file",
+            tools_json.to_str().unwrap(),
+            "--url",
+            "https://notes.example.com/v1",
+            "--allow",
+            "notes.example.com",
+            "--json",
+        ],
+    );
+    assert!(notes.status.success(), "{}", text(&notes.stderr));
+    let notes: serde_json::Value = serde_json::from_slice(&notes.stdout).unwrap();
+    assert_eq!(notes["kind"], "http_api");
+    assert_eq!(notes["status"], "pending_review");
     let missing = server.client(
         &owner,
         &[
