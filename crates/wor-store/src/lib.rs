@@ -16,6 +16,7 @@ mod memory;
 mod migrations;
 mod model_connections;
 mod notifications;
+mod oauth;
 mod projects;
 mod routines;
 mod run_tokens;
@@ -54,6 +55,11 @@ pub use notifications::{
     NOTIFICATION_ROUTES_TABLE, NewNotification, NewNotificationRoute, NotificationAction,
     NotificationDeliveryFilter, NotificationDeliveryRecord, NotificationRouteRecord, RouteChannel,
     RouteFilter, SLACK_LINK_TOKEN_PREFIX, SlackLinkRecord, SlackMessageRecord,
+};
+pub use oauth::{
+    ACCESS_TOKEN_FIELD, CLIENT_SECRET_FIELD, ConnectionOAuthRecord, NewOAuthAuthorization,
+    OAUTH_AUTHORIZATIONS_TABLE, OAuthAuthorizationRecord, PKCE_VERIFIER_FIELD, REFRESH_TOKEN_FIELD,
+    state_digest,
 };
 pub use projects::{CreatedProject, ProjectRecord, RecoveredOwner};
 pub use routines::{AppliedRoutine, RoutineRecord, RoutineVersionRecord};

@@ -167,6 +167,12 @@ const MIGRATIONS: &[SchemaMigration] = &[
         sqlite: include_str!("../migrations/0021_model_providers.sqlite.sql"),
         postgres: include_str!("../migrations/0021_model_providers.postgres.sql"),
     },
+    SchemaMigration {
+        version: 25,
+        description: "oauth connections",
+        sqlite: include_str!("../migrations/0025_oauth_connections.sql"),
+        postgres: include_str!("../migrations/0025_oauth_connections.sql"),
+    },
 ];
 
 pub(crate) async fn apply(store: &Store) -> Result<(), StoreError> {
