@@ -21,6 +21,7 @@ mod driver;
 mod live_text;
 mod nested;
 mod notifications;
+mod oauth_connections;
 mod output;
 mod pipeline;
 mod run_tools;
@@ -44,6 +45,10 @@ pub use notifications::{
     MAX_SLACK_INTERACTION_BYTES, NOTIFICATION_ROUTES_TABLE, SLACK_BOT_TOKEN_FIELD,
     SLACK_REPLAY_WINDOW_SECS, SLACK_SIGNING_SECRET_FIELD, SlackInteraction, SlackOutcome,
     SlackRejection, SlackSecrets,
+};
+pub use oauth_connections::{
+    AUTHORIZATION_LIFETIME_MS, FinishedAuthorization, OAUTH_CALLBACK_PATH, REFRESH_AHEAD_MS,
+    StartedAuthorization,
 };
 pub use start::{StartRun, Trigger};
 pub use tool_connection_spec::{

@@ -1480,7 +1480,7 @@ mod oauth_authorizations {
             member_id: created.owner.id,
             api_key_id: key.key_id,
             client_id: "client-1".to_owned(),
-            redirect_uri: "http://127.0.0.1:8080/v1/oauth/callback".to_owned(),
+            redirect_uri: "http://127.0.0.1:8080/hooks/oauth/callback".to_owned(),
             discovery: json!({"resource": "https://mcp.example.com/mcp"}),
             lifetime_ms,
         };

@@ -21,7 +21,7 @@ use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use reqwest::header::{ACCEPT, HeaderValue};
 use secrecy::{ExposeSecret, SecretString};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use url::Url;
 use wor_egress::{EgressClient, EgressError, EgressRequest, EgressUrl};
@@ -131,7 +131,7 @@ pub enum OAuthError {
 }
 
 /// The protected-resource metadata of an MCP server (RFC 9728), the fields used.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 pub struct ProtectedResourceMetadata {
     /// The resource identifier: the MCP server's URL.
     pub resource: String,
@@ -144,7 +144,7 @@ pub struct ProtectedResourceMetadata {
 }
 
 /// An authorization server's metadata (RFC 8414 / OpenID discovery), the fields used.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 pub struct AuthorizationServerMetadata {
     pub issuer: String,
     pub authorization_endpoint: String,
@@ -157,8 +157,8 @@ pub struct AuthorizationServerMetadata {
     pub scopes_supported: Vec<String>,
 }
 
-/// What discovery found.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// What discovery found; stored with a connection's authorization as JSON.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 pub struct AuthorizationDiscovery {
     /// The MCP server's resource identifier, sent as `resource` on every request.
     pub resource: String,
@@ -544,22 +544,26 @@ async fn token_request(
     what: &'static str,
     pairs: &[(&str, &str)],
 ) -> Result<TokenSet, OAuthError> {
-    let mut form = url::form_urlencoded::Serializer::new(String::new());
-    for (key, value) in pairs {
-        form.append_pair(key, value);
-    }
-    form.append_pair("client_id", &client.client_id);
-    if let Some(secret) = &client.client_secret {
-        form.append_pair("client_secret", secret.expose_secret());
-    }
-    form.append_pair("resource", &discovery.resource);
+    // The serializer is not `Send`: the body is finished before anything is awaited.
+    let body = {
+        let mut form = url::form_urlencoded::Serializer::new(String::new());
+        for (key, value) in pairs {
+            form.append_pair(key, value);
+        }
+        form.append_pair("client_id", &client.client_id);
+        if let Some(secret) = &client.client_secret {
+            form.append_pair("client_secret", secret.expose_secret());
+        }
+        form.append_pair("resource", &discovery.resource);
+        form.finish().into_bytes()
+    };
     let endpoint = &discovery.authorization_server.token_endpoint;
     let answer = post(
         egress,
         what,
         endpoint,
         "application/x-www-form-urlencoded",
-        form.finish().into_bytes(),
+        body,
     )
     .await?;
     // The answer holds tokens: a parse error says where, never what.
