@@ -196,6 +196,15 @@ async fn canaries_in_secret_fields_appear_nowhere() {
         assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
         record(&out);
     }
+    // MCP authorization needs the server's public URL for its callback, and says so.
+    let authorize = server.client(&owner, &["connection", "authorize", tool_id.as_str()]);
+    assert!(!authorize.status.success());
+    assert!(
+        text(&authorize.stderr).contains("public_url"),
+        "{}",
+        text(&authorize.stderr)
+    );
+    record(&authorize);
     // An HTTP API imported from an OpenAPI document (YAML), its schemes' secrets sealed; its
     // tools replaced from a hand-written tools file.
     let scheme_key = "key-canary-openapi-5a4b3c2d1e0f9988";

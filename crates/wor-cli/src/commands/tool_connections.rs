@@ -148,6 +148,15 @@ pub enum ToolConnectionCommand {
         #[command(flatten)]
         client: ClientArgs,
     },
+    /// Authorize an `mcp_http` connection whose server requires MCP authorization (OAuth
+    /// with PKCE): prints the URL to open in a browser; the browser comes back to `wor serve`
+    /// (its `public_url`), which seals the tokens. Needs a member's key.
+    Authorize {
+        /// A `con_…` id.
+        id: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
 }
 
 fn summary(c: &Value) -> String {
@@ -466,6 +475,30 @@ pub async fn run(cmd: ToolConnectionCommand) -> anyhow::Result<ExitCode> {
                 .post(&format!("/v1/tool-connections/{id}/disable"), &Value::Null)
                 .await?;
             show(&client, &disabled)?;
+        }
+        ToolConnectionCommand::Authorize { id, client } => {
+            let started = ApiClient::new(&client)?
+                .post(
+                    &format!("/v1/tool-connections/{id}/authorize"),
+                    &Value::Null,
+                )
+                .await?;
+            if client.json {
+                print_json(&started)?;
+            } else {
+                let url = started
+                    .get("authorization_url")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default();
+                let until = started
+                    .get("expires_at")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default();
+                println!(
+                    "open this URL in a browser to authorize the connection (before {until}):"
+                );
+                println!("{url}");
+            }
         }
     }
     Ok(ExitCode::SUCCESS)
