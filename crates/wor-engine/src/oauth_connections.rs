@@ -240,6 +240,7 @@ impl Engine {
                 discovery: pending.discovery.clone(),
                 access_expires_at: expires_at(now, &tokens),
                 authorized_by: pending.member_id,
+                authorized_key_id: pending.api_key_id,
                 authorized_at: now,
                 refreshed_at: None,
             })
@@ -311,18 +312,22 @@ impl Engine {
 
     /// The access token of an authorized connection, refreshed first when it expires within
     /// [`REFRESH_AHEAD_MS`] (the rotated refresh token is sealed in place of the old). `None`
-    /// when the connection was never authorized. `actor` is who the refresh is recorded as
-    /// (the run that needs the token). A failed refresh fails closed with a reason
+    /// when the connection was never authorized. A refresh is recorded as the member (and key)
+    /// who authorized the connection. A failed refresh fails closed with a reason
     /// that names the connection and says to authorize it again.
     pub async fn oauth_access_token(
         &self,
         project: ProjectId,
         id: ConnectionId,
         connection: &str,
-        actor: Actor,
     ) -> Result<Option<SecretString>, EngineError> {
         let Some(settled) = self.store.get_connection_oauth(project, id).await? else {
             return Ok(None);
+        };
+        // The refresh acts on the grant of the member who authorized the connection.
+        let actor = Actor::Member {
+            member_id: settled.authorized_by,
+            key_id: settled.authorized_key_id,
         };
         let slot = |field: &str| SecretSlot::new(project, TOOL_CONNECTIONS_TABLE, id, field);
         let now = now_millis();

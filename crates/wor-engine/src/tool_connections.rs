@@ -171,6 +171,16 @@ impl Engine {
                 .with_bearer(token)
                 .map_err(|e| format!("tool connection `{name}`: {e}"))?;
         }
+        if record.kind == ToolConnectionKind::McpHttp
+            && let Some(token) = self
+                .oauth_access_token(record.project_id, record.id, name)
+                .await
+                .map_err(|e| e.to_string())?
+        {
+            credentials = credentials
+                .with_bearer(token)
+                .map_err(|e| format!("tool connection `{name}`: {e}"))?;
+        }
         for header in &record.secret_headers {
             let value = self
                 .open_secret(&credential_slot(record, header_field(header)), name)

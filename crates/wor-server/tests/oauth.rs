@@ -22,7 +22,6 @@ use axum::routing::{get, post};
 use common::{Harness, serve};
 use secrecy::ExposeSecret;
 use serde_json::{Value, json};
-use wor_core::audit::Actor;
 
 const ACCESS_CANARY: &str = "access-canary-5d1e";
 const REFRESH_CANARY: &str = "refresh-canary-9b27";
@@ -206,20 +205,9 @@ async fn a_connection_is_authorized_refreshed_and_fails_closed_when_revoked() {
 
     let project = h.project.project.id;
     let connection: wor_core::ConnectionId = id.parse().unwrap();
-    let actor = Actor::Member {
-        member_id: h.project.owner.id,
-        key_id: h
-            .db
-            .store
-            .authenticate_api_key(h.owner())
-            .await
-            .unwrap()
-            .unwrap()
-            .key_id,
-    };
     let token = h
         .engine
-        .oauth_access_token(project, connection, "tracker", actor.clone())
+        .oauth_access_token(project, connection, "tracker")
         .await
         .unwrap()
         .unwrap();
@@ -232,7 +220,7 @@ async fn a_connection_is_authorized_refreshed_and_fails_closed_when_revoked() {
         .unwrap();
     let token = h
         .engine
-        .oauth_access_token(project, connection, "tracker", actor.clone())
+        .oauth_access_token(project, connection, "tracker")
         .await
         .unwrap()
         .unwrap();
@@ -247,7 +235,7 @@ async fn a_connection_is_authorized_refreshed_and_fails_closed_when_revoked() {
         .unwrap();
     let token = h
         .engine
-        .oauth_access_token(project, connection, "tracker", actor.clone())
+        .oauth_access_token(project, connection, "tracker")
         .await
         .unwrap()
         .unwrap();
@@ -261,7 +249,7 @@ async fn a_connection_is_authorized_refreshed_and_fails_closed_when_revoked() {
         .unwrap();
     let error = h
         .engine
-        .oauth_access_token(project, connection, "tracker", actor)
+        .oauth_access_token(project, connection, "tracker")
         .await
         .unwrap_err()
         .to_string();

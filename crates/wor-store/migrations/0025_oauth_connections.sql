@@ -28,6 +28,7 @@ CREATE TABLE tool_connection_oauth (
     discovery         TEXT NOT NULL,
     access_expires_at BIGINT,
     authorized_by     TEXT NOT NULL,
+    authorized_key_id TEXT NOT NULL,
     authorized_at     BIGINT NOT NULL,
     refreshed_at      BIGINT
 );

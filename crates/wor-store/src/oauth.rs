@@ -70,6 +70,8 @@ pub struct ConnectionOAuthRecord {
     /// When the access token expires (milliseconds), when the server said.
     pub access_expires_at: Option<i64>,
     pub authorized_by: MemberId,
+    /// The key they used; a refresh is recorded as theirs.
+    pub authorized_key_id: ApiKeyId,
     pub authorized_at: i64,
     pub refreshed_at: Option<i64>,
 }
@@ -108,6 +110,7 @@ fn connection_oauth_from_row(row: &sqlx::any::AnyRow) -> Result<ConnectionOAuthR
         discovery: from_json(&text("discovery")?, "discovery")?,
         access_expires_at: row.try_get("access_expires_at")?,
         authorized_by: parse_column(&text("authorized_by")?, "authorized_by")?,
+        authorized_key_id: parse_column(&text("authorized_key_id")?, "authorized_key_id")?,
         authorized_at: row.try_get("authorized_at")?,
         refreshed_at: row.try_get("refreshed_at")?,
     })
@@ -116,7 +119,7 @@ fn connection_oauth_from_row(row: &sqlx::any::AnyRow) -> Result<ConnectionOAuthR
 const AUTHORIZATION_COLUMNS: &str = "state_digest, project_id, connection_id, member_id, \
     api_key_id, client_id, redirect_uri, discovery, created_at, expires_at";
 const CONNECTION_COLUMNS: &str = "connection_id, project_id, client_id, discovery, \
-    access_expires_at, authorized_by, authorized_at, refreshed_at";
+    access_expires_at, authorized_by, authorized_key_id, authorized_at, refreshed_at";
 
 impl Store {
     /// Records a pending authorization under the digest of `state`.
@@ -191,8 +194,8 @@ impl Store {
         .await?;
         sqlx::query(
             "INSERT INTO tool_connection_oauth (connection_id, project_id, client_id, discovery, \
-             access_expires_at, authorized_by, authorized_at, refreshed_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+             access_expires_at, authorized_by, authorized_key_id, authorized_at, refreshed_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
         )
         .bind(record.connection_id.to_string())
         .bind(record.project_id.to_string())
@@ -200,6 +203,7 @@ impl Store {
         .bind(to_json(&record.discovery)?)
         .bind(record.access_expires_at)
         .bind(record.authorized_by.to_string())
+        .bind(record.authorized_key_id.to_string())
         .bind(record.authorized_at)
         .bind(record.refreshed_at)
         .execute(&mut *tx)

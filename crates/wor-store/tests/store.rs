@@ -1537,6 +1537,7 @@ mod oauth_authorizations {
             discovery: json!({"resource": "https://mcp.example.com/mcp"}),
             access_expires_at: Some(1_000),
             authorized_by: created.owner.id,
+            authorized_key_id: key.key_id,
             authorized_at: 500,
             refreshed_at: None,
         };
