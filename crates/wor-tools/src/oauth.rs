@@ -11,9 +11,8 @@
 //! The token requests are here too: dynamic client registration (RFC 7591, a public client
 //! using PKCE), the code exchange and the refresh grant, each with `resource`; tokens come back
 //! as [`SecretString`]s and an error names only the server's error code, never its text (which
-//! could quote a token). Not built yet: storing and binding `state`, sealing the tokens,
-//! refreshing them ahead of expiry for a session, the CLI and the callback; see
-//! `docs/tools.md`.
+//! could quote a token). Storing the pending authorization, sealing the tokens and refreshing
+//! them are the engine's (`wor-engine`'s `oauth_connections`); see `docs/tools.md`.
 
 use std::time::Duration;
 
