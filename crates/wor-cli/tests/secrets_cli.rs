@@ -196,6 +196,129 @@ async fn canaries_in_secret_fields_appear_nowhere() {
         assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
         record(&out);
     }
+    // MCP authorization needs the server's public URL for its callback, and says so.
+    let authorize = server.client(&owner, &["connection", "authorize", tool_id.as_str()]);
+    assert!(!authorize.status.success());
+    assert!(
+        text(&authorize.stderr).contains("public_url"),
+        "{}",
+        text(&authorize.stderr)
+    );
+    record(&authorize);
+    // An HTTP API imported from an OpenAPI document (YAML), its schemes' secrets sealed; its
+    // tools replaced from a hand-written tools file.
+    let scheme_key = "key-canary-openapi-5a4b3c2d1e0f9988";
+    let scheme_token = "tok-canary-openapi-1122aabbccddeeff";
+    let petstore = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../testdata/openapi/petstore.yaml"
+    );
+    let imported = run(wor(&[
+        "connection",
+        "create",
+        "pets",
+        "--openapi",
+        petstore,
+        "--url",
+        "https://petstore.example.com/v3",
+        "--allow",
+        "petstore.example.com",
+        "--operation",
+        "getPetById",
+        "--operation",
+        "addPet",
+        "--scheme-env",
+        "api_key=PET_KEY",
+        "--scheme-env",
+        "petstore_auth=PET_TOKEN",
+        "--json",
+    ])
+    .env("WOR_SERVER", &server.url)
+    .env("WOR_API_KEY", &owner)
+    .env("PET_KEY", scheme_key)
+    .env("PET_TOKEN", scheme_token));
+    assert!(imported.status.success(), "{}", text(&imported.stderr));
+    let pets: serde_json::Value = serde_json::from_slice(&imported.stdout).unwrap();
+    assert_eq!(pets["kind"], "http_api");
+    assert_eq!(pets["credentials"]["api_key"]["configured"], true);
+    assert_eq!(pets["credentials"]["authorization"]["configured"], true);
+    record(&imported);
+    let tools_file = dir.path().join("tools.yaml");
+    std::fs::write(
+        &tools_file,
+        "- name: get_pet\n  method: GET\n  path: /pet/{id}\n  inputSchema:\n    type: object\n    properties: {id: {type: integer}}\n",
+    )
+    .unwrap();
+    let pets_id = pets["id"].as_str().unwrap().to_owned();
+    let replaced_tools = server.client(
+        &owner,
+        &[
+            "connection",
+            "replace-tools",
+            &pets_id,
+            "--tools-file",
+            tools_file.to_str().unwrap(),
+            "--json",
+        ],
+    );
+    assert!(
+        replaced_tools.status.success(),
+        "{}",
+        text(&replaced_tools.stderr)
+    );
+    let replaced_view: serde_json::Value = serde_json::from_slice(&replaced_tools.stdout).unwrap();
+    assert_eq!(
+        replaced_view["quarantined"], false,
+        "nothing was pinned yet"
+    );
+    record(&replaced_tools);
+    let tools_json = dir.path().join("tools.json");
+    std::fs::write(
+        &tools_json,
+        r#"{"tools": [{"name": "list_notes", "method": "GET", "path": "/notes",
+            "inputSchema": {"type": "object"}}]}"#,
+    )
+    .unwrap();
+    let notes = server.client(
+        &owner,
+        &[
+            "connection",
+            "create",
+            "notes",
+            "--tools-file",
+            tools_json.to_str().unwrap(),
+            "--url",
+            "https://notes.example.com/v1",
+            "--allow",
+            "notes.example.com",
+            "--json",
+        ],
+    );
+    assert!(notes.status.success(), "{}", text(&notes.stderr));
+    let notes: serde_json::Value = serde_json::from_slice(&notes.stdout).unwrap();
+    assert_eq!(notes["kind"], "http_api");
+    assert_eq!(notes["status"], "pending_review");
+    let missing = server.client(
+        &owner,
+        &[
+            "connection",
+            "create",
+            "pets-2",
+            "--openapi",
+            petstore,
+            "--allow",
+            "petstore.example.com",
+            "--operation",
+            "getPetById",
+        ],
+    );
+    assert!(!missing.status.success());
+    assert!(
+        text(&missing.stderr)
+            .contains("`getPetById` needs one of: header `api_key` (scheme `api_key`)"),
+        "{}",
+        text(&missing.stderr)
+    );
     // A request that fails carrying a canary: the error must not echo it.
     let bad = with_stdin(
         &server,
@@ -222,6 +345,8 @@ async fn canaries_in_secret_fields_appear_nowhere() {
         "sk-canary-in-url-99887766",
         tool_token,
         tool_header,
+        scheme_key,
+        scheme_token,
     ];
     assert_absent(&responses, &canaries, "an API response or CLI output");
     assert_absent(&log, &canaries, "the server log");

@@ -71,8 +71,16 @@ pub enum AuditCategory {
     ToolConnectionCreate,
     ToolConnectionEnable,
     ToolConnectionDisable,
+    /// An `http_api` connection's tools were replaced (written again or imported again).
+    ToolConnectionUpdateTools,
     /// A tool connection's live tools changed from its pins (S9).
     ToolConnectionQuarantine,
+    /// A tool connection was authorized (MCP authorization); never carries a token.
+    ToolConnectionAuthorize,
+    /// A tool connection's access token was refreshed; never carries a token.
+    ToolConnectionTokenRefresh,
+    /// A tool connection's authorization or refresh failed.
+    ToolConnectionAuthorizeFailure,
     /// A run parked a tool call for a person's decision.
     ApprovalRequest,
     /// A person approved or denied a call.
@@ -127,7 +135,11 @@ impl AuditCategory {
             AuditCategory::ToolConnectionCreate => "connection.create",
             AuditCategory::ToolConnectionEnable => "connection.enable",
             AuditCategory::ToolConnectionDisable => "connection.disable",
+            AuditCategory::ToolConnectionUpdateTools => "connection.update_tools",
             AuditCategory::ToolConnectionQuarantine => "connection.quarantine",
+            AuditCategory::ToolConnectionAuthorize => "connection.authorize",
+            AuditCategory::ToolConnectionTokenRefresh => "connection.token_refresh",
+            AuditCategory::ToolConnectionAuthorizeFailure => "connection.authorize_failure",
             AuditCategory::ApprovalRequest => "approval.request",
             AuditCategory::ApprovalDecide => "approval.decide",
             AuditCategory::ApprovalExpire => "approval.expire",

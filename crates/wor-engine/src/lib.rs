@@ -24,11 +24,13 @@ pub mod metrics;
 mod nested;
 mod notice;
 mod notifications;
+mod oauth_connections;
 mod output;
 mod pipeline;
 mod run_tools;
 mod scheduler;
 mod start;
+mod tool_connection_spec;
 mod tool_connections;
 mod triggers;
 mod versions;
@@ -50,9 +52,18 @@ pub use notifications::{
     SLACK_REPLAY_WINDOW_SECS, SLACK_SIGNING_SECRET_FIELD, SlackInteraction, SlackOutcome,
     SlackRejection, SlackSecrets,
 };
+pub use oauth_connections::{
+    AUTHORIZATION_LIFETIME_MS, FinishedAuthorization, OAUTH_CALLBACK_PATH, REFRESH_AHEAD_MS,
+    StartedAuthorization,
+};
 pub use start::{StartRun, Trigger};
+pub use tool_connection_spec::{
+    CheckedHttpTools, CheckedToolConnection, HttpToolsSource, LocalCommandRules, OpenApiSource,
+    ToolConnectionSpec, ToolConnectionSpecError,
+};
 pub use tool_connections::{
-    BEARER_TOKEN_FIELD, ReviewDiff, ReviewedTool, ToolReview, check_stdio_spec, credential_slot,
+    BEARER_TOKEN_FIELD, ReplacedTools, ReviewDiff, ReviewedTool, ToolReview, check_stdio_spec,
+    credential_slot,
 };
 pub use triggers::{
     InboundWebhook, MAX_DELIVERY_ATTEMPTS, MAX_WEBHOOK_BYTES, REPLAY_WINDOW_SECS, SchedulerReport,

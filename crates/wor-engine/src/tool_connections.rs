@@ -18,8 +18,8 @@ use wor_store::{
     ToolConnectionStatus, header_field,
 };
 use wor_tools::{
-    ConnectionCredentials, McpLimits, McpSession, PinnedToolDefinition, StreamableHttpEndpoint,
-    ToolDefinition, ToolListDiff, ToolSession, compare,
+    ConnectionCredentials, CredentialSlot, McpLimits, McpSession, PinnedToolDefinition,
+    StreamableHttpEndpoint, ToolDefinition, ToolListDiff, ToolListVerdict, ToolSession, compare,
 };
 
 use crate::{Engine, EngineError};
@@ -56,6 +56,16 @@ pub struct ToolReview {
     pub connection: ToolConnectionRecord,
     pub tools: Vec<ReviewedTool>,
     pub diff: Option<ReviewDiff>,
+}
+
+/// What replacing an `http_api` connection's tools did.
+#[derive(Debug, Clone)]
+pub struct ReplacedTools {
+    pub connection: ToolConnectionRecord,
+    /// The difference from the pins; `None` when nothing is pinned.
+    pub diff: Option<ReviewDiff>,
+    /// Whether the replacement quarantined the connection (a changed or new tool).
+    pub quarantined: bool,
 }
 
 /// The slot of a connection's credential `field`.
@@ -157,6 +167,16 @@ impl Engine {
             .is_some()
         {
             let token = self.open_secret(&bearer, name).await?;
+            credentials = credentials
+                .with_bearer(token)
+                .map_err(|e| format!("tool connection `{name}`: {e}"))?;
+        }
+        if record.kind == ToolConnectionKind::McpHttp
+            && let Some(token) = self
+                .oauth_access_token(record.project_id, record.id, name)
+                .await
+                .map_err(|e| e.to_string())?
+        {
             credentials = credentials
                 .with_bearer(token)
                 .map_err(|e| format!("tool connection `{name}`: {e}"))?;
@@ -378,6 +398,110 @@ impl Engine {
             .store
             .enable_tool_connection(project, id, &pins, &classification)
             .await?)
+    }
+
+    /// The credentials a connection has sealed: its bearer token and secret headers.
+    pub async fn configured_credential_slots(
+        &self,
+        record: &ToolConnectionRecord,
+    ) -> Result<BTreeSet<CredentialSlot>, EngineError> {
+        let mut slots: BTreeSet<CredentialSlot> = record
+            .secret_headers
+            .iter()
+            .map(|h| CredentialSlot::Header(h.clone()))
+            .collect();
+        if self
+            .vault
+            .metadata(&credential_slot(record, BEARER_TOKEN_FIELD))
+            .await?
+            .is_some()
+        {
+            slots.insert(CredentialSlot::Bearer);
+        }
+        Ok(slots)
+    }
+
+    /// Replaces the tools of an `http_api` connection with `tools` (checked by
+    /// [`crate::HttpToolsSource::validate`]): written again, or imported again from a changed
+    /// document. Nothing is pinned here. If the connection is enabled and a tool changed or is
+    /// new, it is quarantined at once, recorded with `actor`, until an admin reviews the diff
+    /// and enables it again; a removed tool is just unavailable.
+    pub async fn replace_http_tools(
+        &self,
+        project: ProjectId,
+        id: wor_core::ConnectionId,
+        tools: &[Value],
+        actor: Actor,
+    ) -> Result<ReplacedTools, EngineError> {
+        let before = self.store.get_tool_connection(project, id).await?;
+        if before.kind != ToolConnectionKind::HttpApi {
+            return Err(EngineError::Invalid(format!(
+                "tool connection `{}` is `{}`: only an `http_api` connection's tools are replaced; other kinds list their own",
+                before.name, before.kind
+            )));
+        }
+        let record = self.store.replace_http_tools(project, id, tools).await?;
+        let live: Vec<ToolDefinition> = http_tool_definitions(&record)
+            .map_err(EngineError::Invalid)?
+            .iter()
+            .map(wor_tools::HttpToolDefinition::tool_definition)
+            .collect();
+        self.audit
+            .append(
+                AuditEvent::new(project, AuditCategory::ToolConnectionUpdateTools, actor.clone())
+                    .subject("connection_id", id)
+                    .payload(json!({
+                        "connection": record.name,
+                        "tools": live.iter().map(|t| json!({"name": t.name, "hash": t.hash()})).collect::<Vec<_>>(),
+                    })),
+            )
+            .await?;
+        if record.pinned_tools.is_empty() {
+            return Ok(ReplacedTools {
+                connection: record,
+                diff: None,
+                quarantined: false,
+            });
+        }
+        let pins = stored_pins(&record).map_err(EngineError::InvalidState)?;
+        let diff = compare(&pins, &live);
+        if diff.verdict() != ToolListVerdict::Quarantine
+            || record.status != ToolConnectionStatus::Enabled
+        {
+            return Ok(ReplacedTools {
+                connection: record,
+                diff: Some(review_diff(&diff)),
+                quarantined: false,
+            });
+        }
+        let seen = live
+            .iter()
+            .map(|tool| (tool.name.clone(), stored_from_definition(tool)))
+            .collect();
+        let record = self
+            .store
+            .quarantine_tool_connection(project, id, &seen)
+            .await?;
+        tracing::warn!(category = "tools", action = "connection.quarantine", project_id = %project,
+            connection_id = %id, "tool connection quarantined: its tools were replaced");
+        self.audit
+            .append(
+                AuditEvent::new(project, AuditCategory::ToolConnectionQuarantine, actor)
+                    .subject("connection_id", id)
+                    .payload(json!({
+                        "connection": record.name,
+                        "tools": quarantine_names(&diff),
+                        "changed": diff.changed.iter().map(|c| c.name.clone()).collect::<Vec<_>>(),
+                        "added": diff.added.iter().map(|t| t.name.clone()).collect::<Vec<_>>(),
+                        "duplicated": diff.duplicated,
+                    })),
+            )
+            .await?;
+        Ok(ReplacedTools {
+            connection: record,
+            diff: Some(review_diff(&diff)),
+            quarantined: true,
+        })
     }
 
     /// Quarantines `record` because its live list differs from its pins, and records why.

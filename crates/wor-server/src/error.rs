@@ -116,6 +116,12 @@ impl From<wor_store::VaultError> for ApiError {
     }
 }
 
+impl From<wor_engine::ToolConnectionSpecError> for ApiError {
+    fn from(err: wor_engine::ToolConnectionSpecError) -> Self {
+        ApiError::bad_request(err.code(), err.to_string())
+    }
+}
+
 impl From<wor_engine::EngineError> for ApiError {
     fn from(err: wor_engine::EngineError) -> Self {
         match err {

@@ -165,6 +165,10 @@ fn sample_body(method: &Method, path: &str) -> Option<Value> {
         })),
         ("POST", "/v1/tool-connections/{tool_connection_id}/enable") => Some(json!({"tools": {}})),
         ("POST", "/v1/tool-connections/{tool_connection_id}/disable") => None,
+        ("POST", "/v1/tool-connections/{tool_connection_id}/authorize") => None,
+        ("PUT", "/v1/tool-connections/{tool_connection_id}/tools") => Some(json!({"tools": [
+            {"name": "probe", "method": "GET", "path": "/probe", "inputSchema": {"type": "object"}}
+        ]})),
         ("POST", "/v1/routines") => Some(json!({"toml": REPLAY_ROUTINE})),
         ("POST", "/v1/routines/{routine_id}/runs") => Some(json!({"input": "probe"})),
         ("POST", "/v1/runs/{run_id}/cancel") => None,
@@ -434,6 +438,10 @@ async fn every_documented_route_exists_and_requires_a_key() {
         let reply = api.call(method.clone(), &path, None, None).await;
         if template.starts_with("/v1/") {
             assert_error(&reply, StatusCode::UNAUTHORIZED, "unauthenticated");
+        } else if template == "/hooks/oauth/callback" {
+            // The browser's return from an authorization server: its single-use `state` is
+            // its proof; without `code` and `state` it finishes nothing.
+            assert_error(&reply, StatusCode::BAD_REQUEST, "invalid_callback");
         } else if template.starts_with("/hooks/") {
             // Inbound webhooks prove themselves by signature; an unknown routine is not found.
             assert_error(&reply, StatusCode::NOT_FOUND, "not_found");

@@ -1616,3 +1616,216 @@ mode = "auto"
         .await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
 }
+
+const PETSTORE: &str = include_str!(concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../testdata/openapi/petstore.yaml"
+));
+
+#[tokio::test]
+async fn an_openapi_document_becomes_pinned_tools_and_a_changed_operation_quarantines() {
+    const KEY: &str = "petstore-key-7c1e0b9a55d3";
+    const TOKEN: &str = "petstore-token-0f9e8d7c6b5a";
+    type Seen = Arc<Mutex<Vec<(String, Option<String>, Option<String>)>>>;
+    let seen: Seen = Arc::default();
+    let sink = seen.clone();
+    let api = Router::new().fallback(
+        move |uri: axum::http::Uri, headers: axum::http::HeaderMap| {
+            let sink = sink.clone();
+            async move {
+                let header = |name: &str| headers.get(name).map(|v| v.to_str().unwrap().to_owned());
+                sink.lock().unwrap().push((
+                    uri.to_string(),
+                    header("api_key"),
+                    header("authorization"),
+                ));
+                axum::Json(json!({"id": 10, "name": "doggie", "status": "available"}))
+            }
+        },
+    );
+    let addr = serve(api).await;
+    let h = Harness::new().await;
+    let document: Value = serde_norway::from_str(PETSTORE).unwrap();
+    let operations = ["getPetById", "findPetsByStatus", "addPet"];
+    let create = |body: Value| {
+        let mut request = json!({"name": "pets", "kind": "http_api",
+            "allowlist": [addr.to_string()],
+            "openapi": {"document": document.clone(), "operations": operations}});
+        for (key, value) in body.as_object().unwrap() {
+            if key == "openapi" {
+                for (k, v) in value.as_object().unwrap() {
+                    request["openapi"][k] = v.clone();
+                }
+            } else {
+                request[key] = value.clone();
+            }
+        }
+        request
+    };
+    // A relative server (`/v3`) needs the base URL to be given.
+    let mut relative = document.clone();
+    relative["servers"] = json!([{"url": "/v3"}]);
+    let (status, body) = h
+        .call(
+            Method::POST,
+            "/v1/tool-connections",
+            Some(create(json!({"openapi": {"document": relative}}))),
+        )
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert_eq!(body["error"]["code"], "invalid_url", "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("`/v3` is not absolute"),
+        "{body}"
+    );
+    // `addPet` needs the oauth2 token; none was given.
+    let url = format!("http://{addr}/v3");
+    let (status, body) = h
+        .call(
+            Method::POST,
+            "/v1/tool-connections",
+            Some(create(
+                json!({"url": url, "openapi": {"credentials": {"api_key": KEY}}}),
+            )),
+        )
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert_eq!(body["error"]["code"], "invalid_openapi");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("operation `addPet` needs the bearer token (scheme `petstore_auth`)"),
+        "{message}"
+    );
+    assert!(!message.contains(KEY));
+    // A remote `$ref` is refused, never fetched.
+    let mut remote = document.clone();
+    remote["paths"]["/pet"]["post"]["requestBody"]["content"]["application/json"]["schema"] =
+        json!({"$ref": format!("http://{addr}/schemas/Pet.json")});
+    let (status, body) = h
+        .call(
+            Method::POST,
+            "/v1/tool-connections",
+            Some(create(json!({"url": url, "openapi": {"document": remote,
+                "credentials": {"api_key": KEY, "petstore_auth": TOKEN}}}))),
+        )
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("points outside the document; remote references are never fetched"),
+        "{body}"
+    );
+    assert!(seen.lock().unwrap().is_empty(), "nothing was fetched");
+
+    let (status, created) = h
+        .call(
+            Method::POST,
+            "/v1/tool-connections",
+            Some(create(json!({"url": url,
+                "openapi": {"credentials": {"api_key": KEY, "petstore_auth": TOKEN}}}))),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    assert_eq!(created["credentials"]["authorization"]["configured"], true);
+    assert_eq!(created["credentials"]["api_key"]["configured"], true);
+    let id = created["id"].as_str().unwrap().to_owned();
+    let (review, hashes) = h.review_and_enable(&id, &["get_pet_by_id"]).await;
+    let names: Vec<&str> = review["tools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["add_pet", "find_pets_by_status", "get_pet_by_id"]);
+    assert_eq!(hashes.len(), 3);
+
+    let routine = r#"
+name = "pet-reader"
+instructions = "Look up pet 10."
+[model]
+provider = "replay"
+model = "script"
+[[model.script.turns]]
+when = { last_tool_result_contains = "doggie" }
+text = "found it"
+[[model.script.turns]]
+tool_calls = [{ name = "pets__get_pet_by_id", arguments = { petId = 10 } }]
+[[tools]]
+tool = "pets/get_pet_by_id"
+mode = "auto"
+"#;
+    let run = h.run(routine).await;
+    assert_eq!(run["status"], "succeeded", "{run:#}");
+    {
+        let seen = seen.lock().unwrap();
+        assert_eq!(seen.len(), 1, "{seen:?}");
+        assert_eq!(seen[0].0, "/v3/pet/10");
+        assert_eq!(seen[0].1.as_deref(), Some(KEY));
+        assert_eq!(
+            seen[0].2.as_deref(),
+            Some(format!("Bearer {TOKEN}").as_str())
+        );
+    }
+
+    // The publisher changes `getPetById`; importing the document again quarantines at once.
+    let mut changed = document.clone();
+    changed["paths"]["/pet/{petId}"]["get"]["parameters"][0]["schema"] = json!({"type": "string"});
+    let (status, body) = h
+        .call(
+            Method::PUT,
+            &format!("/v1/tool-connections/{id}/tools"),
+            Some(
+                json!({"openapi": {"document": changed, "operations": operations,
+                "credentials": {"api_key": "another"}}}),
+            ),
+        )
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert_eq!(body["error"]["code"], "invalid_credential");
+    let (status, replaced) = h
+        .call(
+            Method::PUT,
+            &format!("/v1/tool-connections/{id}/tools"),
+            Some(json!({"openapi": {"document": changed, "operations": operations}})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{replaced}");
+    assert_eq!(replaced["quarantined"], true);
+    assert_eq!(replaced["connection"]["status"], "quarantined");
+    assert_eq!(replaced["diff"]["changed"], json!(["get_pet_by_id"]));
+    let (_, review) = h
+        .call(
+            Method::GET,
+            &format!("/v1/tool-connections/{id}/review"),
+            None,
+        )
+        .await;
+    assert!(
+        review["diff"]["text"]
+            .as_str()
+            .unwrap()
+            .contains("inputSchema/properties/petId/type: \"integer\" -> \"string\""),
+        "{review:#}"
+    );
+    let audit = h.audit_text().await;
+    assert!(audit.contains("connection.update_tools"));
+    assert!(audit.contains("connection.quarantine"));
+    for secret in [KEY, TOKEN] {
+        assert!(!audit.contains(secret), "a credential in the audit log");
+        assert!(!review.to_string().contains(secret));
+        assert!(!replaced.to_string().contains(secret));
+    }
+    // Runs fail closed until the admin enables the reviewed change.
+    let run = h.run(&routine.replace("pet-reader", "pet-reader-2")).await;
+    assert_eq!(run["status"], "failed", "{run:#}");
+    assert!(run.to_string().contains("quarantined"), "{run:#}");
+    assert_eq!(seen.lock().unwrap().len(), 1);
+    let (_, hashes_after) = h.review_and_enable(&id, &["get_pet_by_id"]).await;
+    assert_ne!(hashes_after["get_pet_by_id"], hashes["get_pet_by_id"]);
+    assert_eq!(hashes_after["add_pet"], hashes["add_pet"]);
+}

@@ -20,6 +20,7 @@ mod migrations;
 mod model_connections;
 mod notifications;
 mod probe;
+mod oauth;
 mod projects;
 mod routines;
 mod run_tokens;
@@ -62,6 +63,11 @@ pub use notifications::{
     RouteFilter, SLACK_LINK_TOKEN_PREFIX, SlackLinkRecord, SlackMessageRecord, SmtpTls,
 };
 pub use probe::{DatabaseProbe, probe};
+pub use oauth::{
+    ACCESS_TOKEN_FIELD, CLIENT_SECRET_FIELD, ConnectionOAuthRecord, NewOAuthAuthorization,
+    OAUTH_AUTHORIZATIONS_TABLE, OAuthAuthorizationRecord, PKCE_VERIFIER_FIELD, REFRESH_TOKEN_FIELD,
+    state_digest,
+};
 pub use projects::{CreatedProject, ProjectRecord, RecoveredOwner};
 pub use routines::{AppliedRoutine, RoutineRecord, RoutineVersionRecord};
 pub use run_tokens::{RUN_TOKEN_PREFIX, RunGrant, RunToken};

@@ -179,6 +179,12 @@ const MIGRATIONS: &[SchemaMigration] = &[
         sqlite: include_str!("../migrations/0024_approval_edits.sql"),
         postgres: include_str!("../migrations/0024_approval_edits.sql"),
     },
+    SchemaMigration {
+        version: 25,
+        description: "oauth connections",
+        sqlite: include_str!("../migrations/0025_oauth_connections.sql"),
+        postgres: include_str!("../migrations/0025_oauth_connections.sql"),
+    },
 ];
 
 /// The newest migration of this release.

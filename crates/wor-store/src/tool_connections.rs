@@ -372,6 +372,28 @@ impl Store {
             .await
     }
 
+    /// Replaces an `http_api` connection's configured tools (its live list); pins and status
+    /// are left as they are.
+    pub async fn replace_http_tools(
+        &self,
+        project: ProjectId,
+        id: ConnectionId,
+        tools: &[Value],
+    ) -> Result<ToolConnectionRecord, StoreError> {
+        let done = sqlx::query(
+            "UPDATE tool_connections SET http_tools = $1, updated_at = $2 \
+             WHERE project_id = $3 AND id = $4 AND kind = 'http_api'",
+        )
+        .bind(to_json(&tools)?)
+        .bind(now_millis())
+        .bind(project.to_string())
+        .bind(id.to_string())
+        .execute(self.pool())
+        .await?;
+        self.updated_tool_connection(project, id, done.rows_affected())
+            .await
+    }
+
     /// Disables the connection; its pins are kept for a later review.
     pub async fn disable_tool_connection(
         &self,

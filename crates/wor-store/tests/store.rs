@@ -1432,3 +1432,142 @@ async fn model_connections_keep_every_connection_provider_and_refuse_replay() {
         .await;
     assert!(refused.is_err(), "{refused:?}");
 }
+
+mod oauth_authorizations {
+    use serde_json::json;
+    use wor_store::testing::TestDatabase;
+    use wor_store::{
+        ConnectionOAuthRecord, NewOAuthAuthorization, NewToolConnection, ToolConnectionKind,
+        state_digest,
+    };
+
+    /// A pending authorization is taken once, only by its `state`, only before it expires,
+    /// and the state itself is not stored.
+    #[tokio::test]
+    async fn a_pending_authorization_is_taken_once_by_its_state_before_it_expires() {
+        let db = TestDatabase::new().await.unwrap();
+        let created = db
+            .store
+            .create_project(&TestDatabase::unique_name("oauth"), "alice")
+            .await
+            .unwrap();
+        let project = created.project.id;
+        let key = db
+            .store
+            .authenticate_api_key(created.owner_key.expose())
+            .await
+            .unwrap()
+            .unwrap();
+        let connection = db
+            .store
+            .create_tool_connection(
+                project,
+                NewToolConnection {
+                    name: "tracker".to_owned(),
+                    kind: ToolConnectionKind::McpHttp,
+                    url: "https://mcp.example.com/mcp".to_owned(),
+                    allowlist: vec!["mcp.example.com".to_owned()],
+                    secret_headers: Vec::new(),
+                    command: None,
+                    http_tools: Vec::new(),
+                    created_by: None,
+                },
+            )
+            .await
+            .unwrap();
+        let new = |lifetime_ms| NewOAuthAuthorization {
+            connection_id: connection.id,
+            member_id: created.owner.id,
+            api_key_id: key.key_id,
+            client_id: "client-1".to_owned(),
+            redirect_uri: "http://127.0.0.1:8080/hooks/oauth/callback".to_owned(),
+            discovery: json!({"resource": "https://mcp.example.com/mcp"}),
+            lifetime_ms,
+        };
+        let state = "state-canary-7f3a";
+        let pending = db
+            .store
+            .create_oauth_authorization(project, state, new(600_000))
+            .await
+            .unwrap();
+        assert_eq!(pending.state_digest, state_digest(state));
+        assert_ne!(pending.state_digest, state);
+
+        assert_eq!(
+            db.store.take_oauth_authorization("another").await.unwrap(),
+            None
+        );
+        let taken = db
+            .store
+            .take_oauth_authorization(state)
+            .await
+            .unwrap()
+            .expect("the first take finds it");
+        assert_eq!(taken, pending);
+        assert_eq!(
+            db.store.take_oauth_authorization(state).await.unwrap(),
+            None,
+            "a state is used once"
+        );
+
+        db.store
+            .create_oauth_authorization(project, "expired-state", new(-1))
+            .await
+            .unwrap();
+        assert_eq!(
+            db.store
+                .take_oauth_authorization("expired-state")
+                .await
+                .unwrap(),
+            None,
+            "an expired authorization cannot be finished"
+        );
+
+        assert_eq!(
+            db.store
+                .get_connection_oauth(project, connection.id)
+                .await
+                .unwrap(),
+            None
+        );
+        let settled = ConnectionOAuthRecord {
+            connection_id: connection.id,
+            project_id: project,
+            client_id: "client-1".to_owned(),
+            discovery: json!({"resource": "https://mcp.example.com/mcp"}),
+            access_expires_at: Some(1_000),
+            authorized_by: created.owner.id,
+            authorized_key_id: key.key_id,
+            authorized_at: 500,
+            refreshed_at: None,
+        };
+        db.store.put_connection_oauth(&settled).await.unwrap();
+        // Authorizing again replaces the record.
+        db.store.put_connection_oauth(&settled).await.unwrap();
+        db.store
+            .record_connection_oauth_refresh(project, connection.id, Some(2_000))
+            .await
+            .unwrap();
+        let after = db
+            .store
+            .get_connection_oauth(project, connection.id)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(after.access_expires_at, Some(2_000));
+        assert!(after.refreshed_at.is_some());
+        let other = db
+            .store
+            .create_project(&TestDatabase::unique_name("oauth"), "bob")
+            .await
+            .unwrap();
+        assert_eq!(
+            db.store
+                .get_connection_oauth(other.project.id, connection.id)
+                .await
+                .unwrap(),
+            None,
+            "another project does not see it"
+        );
+    }
+}

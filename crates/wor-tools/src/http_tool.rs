@@ -180,6 +180,16 @@ fn scalar_text(value: &Value) -> Option<String> {
     }
 }
 
+/// Whether `name` may name a tool (and a connection): 1 to 40 of `a-z`, `0-9`, `-` and `_`,
+/// starting with a letter, as rosters name tools `CONNECTION/TOOL`.
+pub fn is_valid_tool_name(name: &str) -> bool {
+    (1..=40).contains(&name.len())
+        && name.starts_with(|c: char| c.is_ascii_lowercase())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '_')
+}
+
 /// An HTTP API connection: where its tools send requests, and with what credentials.
 #[derive(Debug, Clone)]
 pub struct HttpApiConnection {

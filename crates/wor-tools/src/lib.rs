@@ -9,6 +9,9 @@
 //! - [`mcp`]: the MCP client ([`McpSession`]) over streamable HTTP through the egress guard,
 //!   or over stdio through a [`SandboxLauncher`].
 //! - [`http_tool`]: HTTP API tools, a method and a path template on an allowlisted host.
+//! - [`openapi`]: chosen operations of an OpenAPI 3.0/3.1 document as HTTP tools.
+//! - [`oauth`]: MCP authorization discovery (RFC 9728, RFC 8414) and the PKCE authorization
+//!   request, every document fetched through the egress guard.
 //! - [`result`]: [`ShapedResult`], redacted and capped (always untrusted).
 //! - [`credentials`]: a connection's secret headers, attached only at send time.
 //! - [`output`]: a routine's output schema and the check of a final answer against it.
@@ -21,6 +24,8 @@ pub mod credentials;
 pub mod definition;
 pub mod http_tool;
 pub mod mcp;
+pub mod oauth;
+pub mod openapi;
 pub mod output;
 pub mod result;
 pub mod roster;
@@ -33,6 +38,7 @@ pub use definition::{
 };
 pub use http_tool::{
     HttpApiConnection, HttpToolConfig, HttpToolDefinition, HttpToolError, PathTemplate,
+    is_valid_tool_name,
 };
 pub use mcp::egress_http::McpHttpError;
 pub use mcp::sandbox::{
@@ -42,6 +48,9 @@ pub use mcp::sandbox::{
 pub use mcp::sandboxed::Sandboxed;
 pub use mcp::{
     McpError, McpLimits, McpServerKind, McpSession, StreamableHttpEndpoint, ToolListChanged,
+};
+pub use openapi::{
+    CredentialSlot, ImportedOperation, OpenApiDocument, OpenApiError, OpenApiImport,
 };
 pub use output::{OutputSchema, OutputSchemaError, OutputViolation};
 pub use result::{ResultLimits, ShapedResult, ToolCallResult, ToolContent, Truncation};

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::io::Read;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::{Context, bail};
@@ -15,6 +15,10 @@ use super::{field, print_json};
 use crate::client::{ApiClient, ClientArgs};
 
 #[derive(Debug, clap::Subcommand)]
+#[expect(
+    clippy::large_enum_variant,
+    reason = "one command is parsed once per process"
+)]
 pub enum ToolConnectionCommand {
     /// Add a tool connection; it waits for review before any tool runs.
     #[command(group(clap::ArgGroup::new("local").args(["stdio", "wasm"])))]
@@ -25,8 +29,9 @@ pub enum ToolConnectionCommand {
         /// --wasm, else mcp_http].
         #[arg(long)]
         kind: Option<String>,
-        /// The MCP endpoint or API base URL.
-        #[arg(long, required_unless_present = "local")]
+        /// The MCP endpoint or API base URL (with --openapi, the document's first server when
+        /// it is absolute).
+        #[arg(long, required_unless_present_any = ["stdio", "wasm", "openapi"])]
         url: Option<String>,
         /// A host pattern the connection may reach (repeat for several); for a stdio server,
         /// the only hosts its sandbox may reach; for a Wasm component, the only hosts its
@@ -64,6 +69,39 @@ pub enum ToolConnectionCommand {
         /// A secret header, its value read from an environment variable (repeatable).
         #[arg(long = "header-env", value_name = "NAME=VAR")]
         headers: Vec<String>,
+        /// An HTTP API from an OpenAPI 3.0/3.1 document (JSON or YAML): its operations become
+        /// the connection's tools.
+        #[arg(long, value_name = "FILE", conflicts_with_all = ["stdio", "wasm", "tools_file"])]
+        openapi: Option<PathBuf>,
+        /// An operationId of the --openapi document to import (repeat); all when absent.
+        #[arg(long = "operation", value_name = "ID", requires = "openapi")]
+        operations: Vec<String>,
+        /// The secret of a security scheme of the --openapi document, read from an environment
+        /// variable (repeat): an api key header or the bearer token, as the scheme says.
+        #[arg(long = "scheme-env", value_name = "SCHEME=VAR", requires = "openapi")]
+        schemes: Vec<String>,
+        /// An HTTP API whose tools are written in this file (JSON or YAML): a list of
+        /// `{name, description, method, path, inputSchema}`.
+        #[arg(long, value_name = "FILE", conflicts_with_all = ["stdio", "wasm"])]
+        tools_file: Option<PathBuf>,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Replace the tools of an HTTP API connection (written or imported again). A changed or
+    /// new tool quarantines an enabled connection until it is reviewed and enabled again.
+    #[command(group(clap::ArgGroup::new("source").args(["openapi", "tools_file"]).required(true)))]
+    ReplaceTools {
+        /// A `con_…` id.
+        id: String,
+        /// The OpenAPI document (JSON or YAML) to import again.
+        #[arg(long, value_name = "FILE")]
+        openapi: Option<PathBuf>,
+        /// An operationId to import (repeat); all when absent.
+        #[arg(long = "operation", value_name = "ID", requires = "openapi")]
+        operations: Vec<String>,
+        /// The tools, written by hand (JSON or YAML).
+        #[arg(long, value_name = "FILE")]
+        tools_file: Option<PathBuf>,
         #[command(flatten)]
         client: ClientArgs,
     },
@@ -105,6 +143,15 @@ pub enum ToolConnectionCommand {
     },
     /// Disable the connection; runs that need it fail closed.
     Disable {
+        /// A `con_…` id.
+        id: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Authorize an `mcp_http` connection whose server requires MCP authorization (OAuth
+    /// with PKCE): prints the URL to open in a browser; the browser comes back to `wor serve`
+    /// (its `public_url`), which seals the tokens. Needs a member's key.
+    Authorize {
         /// A `con_…` id.
         id: String,
         #[command(flatten)]
@@ -157,13 +204,65 @@ fn read_headers(specs: &[String]) -> anyhow::Result<BTreeMap<String, String>> {
     let mut headers = BTreeMap::new();
     for spec in specs {
         let Some((name, var)) = spec.split_once('=') else {
-            bail!("--header-env and --env-from take NAME=VAR, got `{spec}`");
+            bail!("--header-env, --env-from and --scheme-env take NAME=VAR, got `{spec}`");
         };
         let value =
             std::env::var(var).with_context(|| format!("environment variable {var} is not set"))?;
         headers.insert(name.to_owned(), value.trim().to_owned());
     }
     Ok(headers)
+}
+
+/// The largest document or tools file read (the API takes bodies of 1 MiB).
+const MAX_DOCUMENT_BYTES: u64 = 1024 * 1024;
+
+/// A JSON or YAML file as JSON: `.yaml`/`.yml` as YAML, anything else as JSON.
+fn read_document(path: &Path) -> anyhow::Result<Value> {
+    let size = std::fs::metadata(path)
+        .with_context(|| format!("cannot read {}", path.display()))?
+        .len();
+    if size > MAX_DOCUMENT_BYTES {
+        bail!(
+            "{} is {size} bytes; the API takes documents of at most {MAX_DOCUMENT_BYTES}",
+            path.display()
+        );
+    }
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let yaml = path
+        .extension()
+        .and_then(|e| e.to_str())
+        .is_some_and(|e| e.eq_ignore_ascii_case("yaml") || e.eq_ignore_ascii_case("yml"));
+    if yaml {
+        serde_norway::from_str(&text)
+            .with_context(|| format!("{} is not a YAML document", path.display()))
+    } else {
+        serde_json::from_str(&text)
+            .with_context(|| format!("{} is not a JSON document", path.display()))
+    }
+}
+
+/// The tools of a `--tools-file`: a list, or an object with a `tools` list.
+fn read_tools_file(path: &Path) -> anyhow::Result<Value> {
+    match read_document(path)? {
+        Value::Array(tools) => Ok(Value::Array(tools)),
+        Value::Object(mut object) => match object.remove("tools") {
+            Some(Value::Array(tools)) => Ok(Value::Array(tools)),
+            _ => bail!("{} has no `tools` list", path.display()),
+        },
+        _ => bail!(
+            "{} holds neither a list of tools nor an object with `tools`",
+            path.display()
+        ),
+    }
+}
+
+/// The `openapi` part of a request body.
+fn openapi_body(path: &Path, operations: &[String], schemes: &[String]) -> anyhow::Result<Value> {
+    Ok(
+        json!({"document": read_document(path)?, "operations": operations,
+        "credentials": read_headers(schemes)?}),
+    )
 }
 
 /// The reviewed `name -> hash` set, from a saved review or from `NAME=HASH` flags.
@@ -244,9 +343,30 @@ pub async fn run(cmd: ToolConnectionCommand) -> anyhow::Result<ExitCode> {
             bearer_env,
             bearer_stdin,
             headers,
+            openapi,
+            operations,
+            schemes,
+            tools_file,
             client,
         } => {
             let body = match (stdio, wasm) {
+                (None, None) if openapi.is_some() || tools_file.is_some() => {
+                    let mut body = json!({"name": name,
+                        "kind": kind.as_deref().unwrap_or("http_api"),
+                        "url": url.unwrap_or_default(), "allowlist": allowlist,
+                        "headers": read_headers(&headers)?,
+                        "bearer_token": read_bearer(bearer_env.as_deref(), bearer_stdin)?});
+                    if let (Some(path), Some(object)) = (&openapi, body.as_object_mut()) {
+                        object.insert(
+                            "openapi".to_owned(),
+                            openapi_body(path, &operations, &schemes)?,
+                        );
+                    }
+                    if let (Some(path), Some(object)) = (&tools_file, body.as_object_mut()) {
+                        object.insert("tools".to_owned(), read_tools_file(path)?);
+                    }
+                    body
+                }
                 (Some(program), _) => {
                     json!({"name": name, "kind": kind.as_deref().unwrap_or("mcp_stdio"),
                     "allowlist": allowlist,
@@ -269,6 +389,44 @@ pub async fn run(cmd: ToolConnectionCommand) -> anyhow::Result<ExitCode> {
                 .post("/v1/tool-connections", &body)
                 .await?;
             show(&client, &created)?;
+        }
+        ToolConnectionCommand::ReplaceTools {
+            id,
+            openapi,
+            operations,
+            tools_file,
+            client,
+        } => {
+            let mut body = serde_json::Map::new();
+            if let Some(path) = &openapi {
+                body.insert("openapi".to_owned(), openapi_body(path, &operations, &[])?);
+            }
+            if let Some(path) = &tools_file {
+                body.insert("tools".to_owned(), read_tools_file(path)?);
+            }
+            let body = Value::Object(body);
+            let replaced = ApiClient::new(&client)?
+                .put(&format!("/v1/tool-connections/{id}/tools"), &body)
+                .await?;
+            if client.json {
+                print_json(&replaced)?;
+            } else {
+                println!(
+                    "{}",
+                    summary(replaced.get("connection").unwrap_or(&Value::Null))
+                );
+                if let Some(text) = replaced.pointer("/diff/text").and_then(Value::as_str) {
+                    println!();
+                    println!("difference from the pins:");
+                    print!("{text}");
+                }
+                if replaced.get("quarantined") == Some(&Value::Bool(true)) {
+                    println!();
+                    println!(
+                        "the connection is quarantined: review it (`wor connection review {id}`) and enable it again"
+                    );
+                }
+            }
         }
         ToolConnectionCommand::List(client) => {
             let list = ApiClient::new(&client)?.get("/v1/tool-connections").await?;
@@ -317,6 +475,30 @@ pub async fn run(cmd: ToolConnectionCommand) -> anyhow::Result<ExitCode> {
                 .post(&format!("/v1/tool-connections/{id}/disable"), &Value::Null)
                 .await?;
             show(&client, &disabled)?;
+        }
+        ToolConnectionCommand::Authorize { id, client } => {
+            let started = ApiClient::new(&client)?
+                .post(
+                    &format!("/v1/tool-connections/{id}/authorize"),
+                    &Value::Null,
+                )
+                .await?;
+            if client.json {
+                print_json(&started)?;
+            } else {
+                let url = started
+                    .get("authorization_url")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default();
+                let until = started
+                    .get("expires_at")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default();
+                println!(
+                    "open this URL in a browser to authorize the connection (before {until}):"
+                );
+                println!("{url}");
+            }
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -8,6 +8,7 @@ pub mod keys;
 pub mod members;
 pub mod model_connections;
 pub mod notifications;
+pub mod oauth;
 pub mod policy;
 pub mod project;
 pub mod routines;

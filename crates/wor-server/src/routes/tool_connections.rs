@@ -10,10 +10,14 @@ use std::collections::BTreeMap;
 use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
+use secrecy::{ExposeSecret, SecretString};
 use wor_core::ConnectionId;
 use wor_core::audit::{AuditCategory, AuditEvent};
-use wor_engine::{BEARER_TOKEN_FIELD, ReviewDiff, ReviewedTool, credential_slot};
-use wor_store::{NewToolConnection, ToolConnectionKind, ToolConnectionRecord, header_field};
+use wor_engine::{
+    BEARER_TOKEN_FIELD, HttpToolsSource, LocalCommandRules, OpenApiSource, ReviewDiff,
+    ReviewedTool, ToolConnectionSpec, credential_slot,
+};
+use wor_store::{ToolConnectionKind, ToolConnectionRecord, header_field};
 
 use crate::AppState;
 use crate::auth::Caller;
@@ -21,11 +25,6 @@ use crate::error::{ApiError, ErrorBody};
 use crate::extract::{ApiJson, ApiPath};
 use crate::routes::model_connections::SecretFieldView;
 use crate::views::rfc3339;
-
-/// The longest credential value accepted.
-const MAX_SECRET_LEN: usize = 8 * 1024;
-/// The most credential headers one connection holds.
-const MAX_HEADERS: usize = 16;
 
 #[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -56,16 +55,86 @@ pub struct CreateToolConnection {
     #[serde(default)]
     pub env: BTreeMap<String, String>,
     /// `http_api` only: its tools, each `{name, description, method, path, inputSchema}`; the
-    /// path template's `{params}` must be properties of the input schema.
+    /// path template's `{params}` must be properties of the input schema. Not with `openapi`.
     #[serde(default)]
     #[schema(value_type = Vec<Object>)]
     pub tools: Vec<serde_json::Value>,
+    /// `http_api` only: tools imported from an OpenAPI 3.0/3.1 document instead of `tools`
+    /// (`docs/tools.md`). Without `url`, the document's first server must be absolute.
+    #[serde(default)]
+    pub openapi: Option<OpenApiImportBody>,
     /// Sent as `Authorization: Bearer …`. Stored encrypted; never returned.
     #[serde(default)]
     pub bearer_token: Option<String>,
     /// Secret headers by name (`x-api-key`). Stored encrypted; never returned.
     #[serde(default)]
     pub headers: BTreeMap<String, String>,
+}
+
+/// Operations of an OpenAPI document to import as HTTP tools.
+#[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct OpenApiImportBody {
+    /// The OpenAPI 3.0 or 3.1 document, as JSON. Local `$ref`s are inlined; remote ones are
+    /// refused, never fetched.
+    #[schema(value_type = Object)]
+    pub document: serde_json::Value,
+    /// The `operationId`s to import (each becomes a tool named in snake case); all when empty.
+    #[serde(default)]
+    pub operations: Vec<String>,
+    /// A secret per security scheme of the document, by scheme name: an `apiKey` in a header
+    /// becomes that secret header; `http` bearer, `oauth2` and `openIdConnect` the bearer
+    /// token. Stored encrypted; never returned.
+    #[serde(default)]
+    pub credentials: BTreeMap<String, String>,
+}
+
+/// New tools for an `http_api` connection: `tools` or `openapi`, as when it was created.
+#[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReplaceTools {
+    #[serde(default)]
+    #[schema(value_type = Vec<Object>)]
+    pub tools: Vec<serde_json::Value>,
+    /// Without `credentials`: the connection keeps the ones it has.
+    #[serde(default)]
+    pub openapi: Option<OpenApiImportBody>,
+}
+
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct ReplacedToolsView {
+    pub connection: ToolConnectionView,
+    /// The difference from the pins; `null` when nothing is pinned.
+    pub diff: Option<ReviewDiffView>,
+    /// Whether a changed or new tool quarantined the connection.
+    pub quarantined: bool,
+}
+
+fn secret(value: String) -> SecretString {
+    SecretString::from(value)
+}
+
+fn tools_source(
+    tools: Vec<serde_json::Value>,
+    openapi: Option<OpenApiImportBody>,
+) -> Result<HttpToolsSource, ApiError> {
+    match (tools.is_empty(), openapi) {
+        (true, None) => Ok(HttpToolsSource::None),
+        (false, None) => Ok(HttpToolsSource::Written(tools)),
+        (true, Some(openapi)) => Ok(HttpToolsSource::OpenApi(OpenApiSource {
+            document: openapi.document,
+            operations: openapi.operations,
+            credentials: openapi
+                .credentials
+                .into_iter()
+                .map(|(k, v)| (k, secret(v)))
+                .collect(),
+        })),
+        (false, Some(_)) => Err(ApiError::bad_request(
+            "invalid_tools",
+            "give `tools` or `openapi`, not both",
+        )),
+    }
 }
 
 #[derive(Debug, serde::Serialize, utoipa::ToSchema)]
@@ -191,92 +260,6 @@ async fn view(
     })
 }
 
-fn check_connection_name(name: &str) -> Result<(), ApiError> {
-    let ok = (1..=40).contains(&name.len())
-        && name.starts_with(|c: char| c.is_ascii_lowercase())
-        && name
-            .chars()
-            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '_');
-    if ok {
-        Ok(())
-    } else {
-        Err(ApiError::bad_request(
-            "invalid_name",
-            "a tool connection name is 1 to 40 of a-z, 0-9, `-` and `_`, starting with a letter",
-        ))
-    }
-}
-
-fn check_secret(value: &str, what: &str) -> Result<(), ApiError> {
-    if value.trim().is_empty()
-        || value.len() > MAX_SECRET_LEN
-        || value.chars().any(char::is_control)
-    {
-        return Err(ApiError::bad_request(
-            "invalid_credential",
-            format!("{what} must be 1 to 8192 printable characters"),
-        ));
-    }
-    Ok(())
-}
-
-/// The credential headers of `body`, names lower-cased and checked the way they will be sent.
-fn check_credentials(body: &CreateToolConnection) -> Result<Vec<(String, String)>, ApiError> {
-    if body.headers.len() > MAX_HEADERS {
-        return Err(ApiError::bad_request(
-            "invalid_credential",
-            format!("a connection holds at most {MAX_HEADERS} credential headers"),
-        ));
-    }
-    let mut credentials = wor_tools_check::Credentials::default();
-    if let Some(token) = &body.bearer_token {
-        check_secret(token, "bearer_token")?;
-        credentials.bearer(token)?;
-    }
-    let mut headers = Vec::new();
-    for (name, value) in &body.headers {
-        check_secret(value, &format!("header `{name}`"))?;
-        let name = name.trim().to_ascii_lowercase();
-        credentials.header(&name, value)?;
-        headers.push((name, value.clone()));
-    }
-    Ok(headers)
-}
-
-/// Checks credentials the way `wor-tools` will attach them, so a bad header is refused at
-/// create time rather than at the first run.
-mod wor_tools_check {
-    use secrecy::SecretString;
-    use wor_tools::ConnectionCredentials;
-
-    use crate::error::ApiError;
-
-    #[derive(Default)]
-    pub struct Credentials(ConnectionCredentials);
-
-    fn invalid(error: wor_tools::CredentialError) -> ApiError {
-        ApiError::bad_request("invalid_credential", error.to_string())
-    }
-
-    impl Credentials {
-        pub fn bearer(&mut self, token: &str) -> Result<(), ApiError> {
-            let current = std::mem::take(&mut self.0);
-            self.0 = current
-                .with_bearer(SecretString::from(token.to_owned()))
-                .map_err(invalid)?;
-            Ok(())
-        }
-
-        pub fn header(&mut self, name: &str, value: &str) -> Result<(), ApiError> {
-            let current = std::mem::take(&mut self.0);
-            self.0 = current
-                .with_header(name, SecretString::from(value.to_owned()))
-                .map_err(invalid)?;
-            Ok(())
-        }
-    }
-}
-
 /// Lists the project's tool connections.
 #[utoipa::path(get, path = "/v1/tool-connections", tag = "tool-connections", security(("bearer" = [])),
     responses((status = 200, body = [ToolConnectionView]), (status = 401, body = ErrorBody)))]
@@ -302,109 +285,35 @@ pub async fn create(
     ApiJson(body): ApiJson<CreateToolConnection>,
 ) -> Result<(StatusCode, Json<ToolConnectionView>), ApiError> {
     caller.require_configure()?;
-    check_connection_name(&body.name)?;
-    if body.name == "routine" {
-        return Err(ApiError::bad_request(
-            "invalid_name",
-            "`routine` is reserved: rosters name routines used as tools `routine/NAME`",
-        ));
-    }
-    let kind: ToolConnectionKind = body
-        .kind
-        .parse()
-        .map_err(|e: String| ApiError::bad_request("invalid_kind", e))?;
-    let command = if kind.is_local() {
-        let Some(mut command) = body.command.clone() else {
-            return Err(ApiError::bad_request(
-                "invalid_command",
-                format!("a `{kind}` connection needs `command` (program, args, read_only_paths)"),
-            ));
-        };
-        if !body.url.is_empty() {
-            return Err(ApiError::bad_request(
-                "invalid_url",
-                format!("a `{kind}` connection has no `url`"),
-            ));
-        }
-        if !body.tools.is_empty() {
-            return Err(ApiError::bad_request(
-                "invalid_tools",
-                format!("a `{kind}` connection lists its own tools; it takes no `tools`"),
-            ));
-        }
-        command.env_names = body.env.keys().cloned().collect();
-        let config = state.engine.config();
-        wor_engine::check_stdio_spec(
-            &command,
-            &config.stdio_allowed_roots,
-            &config.protected_paths,
-        )
-        .map_err(|e| ApiError::bad_request("invalid_command", format!("command: {e}")))?;
-        // After the roots check: nothing is looked at outside the operator's paths.
-        if kind == ToolConnectionKind::Wasm {
-            check_wasm_command(&command, &body)?;
-        }
-        Some(command)
-    } else {
-        if (kind == ToolConnectionKind::HttpApi) == body.tools.is_empty() {
-            return Err(ApiError::bad_request(
-                "invalid_tools",
-                "an `http_api` connection lists its `tools`; other kinds do not",
-            ));
-        }
-        if body.command.is_some() || !body.env.is_empty() {
-            return Err(ApiError::bad_request(
-                "invalid_command",
-                "`command` and `env` are only for `mcp_stdio` and `wasm` connections",
-            ));
-        }
-        wor_egress::EgressUrl::parse(&body.url)
-            .map_err(|refusal| ApiError::bad_request("invalid_url", format!("url: {refusal}")))?;
-        if body.allowlist.is_empty() {
-            return Err(ApiError::bad_request(
-                "invalid_allowlist",
-                "allowlist must name at least the host of `url`",
-            ));
-        }
-        None
+    let config = state.engine.config();
+    let spec = ToolConnectionSpec {
+        name: body.name,
+        kind: body.kind,
+        url: body.url,
+        allowlist: body.allowlist,
+        command: body.command,
+        env: body.env.into_iter().map(|(k, v)| (k, secret(v))).collect(),
+        tools: tools_source(body.tools, body.openapi)?,
+        bearer_token: body.bearer_token.map(secret),
+        headers: body
+            .headers
+            .into_iter()
+            .map(|(k, v)| (k, secret(v)))
+            .collect(),
     };
-    let allowlist = wor_egress::HostAllowlist::parse(&body.allowlist)
-        .map_err(|e| ApiError::bad_request("invalid_allowlist", format!("allowlist: {e}")))?;
-    if kind == ToolConnectionKind::HttpApi {
-        check_http_tools(&body, allowlist)?;
-    }
-    let headers = check_credentials(&body)?;
+    let checked = spec.validate(LocalCommandRules {
+        allowed_roots: &config.stdio_allowed_roots,
+        protected: &config.protected_paths,
+    })?;
+    let mut new = checked.connection;
+    new.created_by = Some(caller.key_id);
     let record = state
         .store
-        .create_tool_connection(
-            caller.project_id,
-            NewToolConnection {
-                name: body.name,
-                kind,
-                url: body.url,
-                allowlist: body.allowlist,
-                secret_headers: headers.iter().map(|(name, _)| name.clone()).collect(),
-                command,
-                http_tools: body.tools.clone(),
-                created_by: Some(caller.key_id),
-            },
-        )
+        .create_tool_connection(caller.project_id, new)
         .await?;
-    let mut sealed = Vec::new();
-    if let Some(token) = &body.bearer_token {
-        sealed.push((credential_slot(&record, BEARER_TOKEN_FIELD), token.as_str()));
-    }
-    for (name, value) in &headers {
-        sealed.push((credential_slot(&record, header_field(name)), value.as_str()));
-    }
-    for (name, value) in &body.env {
-        sealed.push((
-            credential_slot(&record, wor_store::env_field(name)),
-            value.as_str(),
-        ));
-    }
-    for (slot, value) in sealed {
-        if let Err(err) = state.vault.put(&slot, value).await {
+    for (field, value) in &checked.secrets {
+        let slot = credential_slot(&record, field.clone());
+        if let Err(err) = state.vault.put(&slot, value.expose_secret()).await {
             // Never leave a connection that could be enabled without its credentials.
             state
                 .store
@@ -425,48 +334,14 @@ pub async fn create(
             .payload(serde_json::json!({
                 "name": record.name, "kind": record.kind, "url": record.url,
                 "allowlist": record.allowlist, "credential_headers": record.secret_headers,
-                "bearer_token": body.bearer_token.is_some(), "command": record.command,
+                "bearer_token": checked.has_bearer_token, "command": record.command,
+                "openapi_operations": checked.imported_operations,
             })),
         )
         .await?;
     tracing::info!(category = "config", action = "connection.create", project_id = %caller.project_id,
         connection_id = %record.id, actor_key_id = %caller.key_id, "tool connection created");
     Ok((StatusCode::CREATED, Json(view(&state, record).await?)))
-}
-
-/// Checks an `http_api` connection's base URL and tools: the URL's host on the allowlist, each
-/// tool a supported method with a valid template, names unique.
-fn check_http_tools(
-    body: &CreateToolConnection,
-    allowlist: wor_egress::HostAllowlist,
-) -> Result<(), ApiError> {
-    let bad = |message: String| ApiError::bad_request("invalid_tools", message);
-    wor_tools::HttpApiConnection::new(
-        &body.url,
-        allowlist,
-        wor_tools::ConnectionCredentials::none(),
-    )
-    .map_err(|e| bad(format!("url: {e}")))?;
-    let mut names = std::collections::BTreeSet::new();
-    for (index, tool) in body.tools.iter().enumerate() {
-        let config: wor_tools::HttpToolConfig = serde_json::from_value(tool.clone())
-            .map_err(|e| bad(format!("tools[{index}]: {e}")))?;
-        check_connection_name(&config.name).map_err(|_| {
-            bad(format!(
-                "tools[{index}]: `{}` is not a valid tool name",
-                config.name
-            ))
-        })?;
-        if !names.insert(config.name.clone()) {
-            return Err(bad(format!(
-                "tools[{index}]: `{}` is listed twice",
-                config.name
-            )));
-        }
-        wor_tools::HttpToolDefinition::new(config)
-            .map_err(|e| bad(format!("tools[{index}]: {e}")))?;
-    }
-    Ok(())
 }
 
 /// One tool connection.
@@ -635,33 +510,66 @@ pub async fn disable(
     Ok(Json(view(&state, record).await?))
 }
 
-/// What a `wasm` connection may not have: arguments (a component gets none), credentials other
-/// than its environment, read-only paths that are not directories.
-fn check_wasm_command(
-    command: &wor_store::StdioSpec,
-    body: &CreateToolConnection,
-) -> Result<(), ApiError> {
-    if !command.args.is_empty() {
+/// Replaces an `http_api` connection's tools: written again, or imported again from a changed
+/// document. Nothing is pinned; an enabled connection whose tools changed or grew is
+/// quarantined at once until an admin reviews the diff and enables it again.
+#[utoipa::path(put, path = "/v1/tool-connections/{tool_connection_id}/tools", tag = "tool-connections",
+    security(("bearer" = [])), request_body = ReplaceTools,
+    params(("tool_connection_id" = String, Path, description = "a `con_…` id", pattern = "^con_[0-9a-f]{32}$")),
+    responses((status = 200, body = ReplacedToolsView), (status = 400, body = ErrorBody),
+        (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)))]
+pub async fn replace_tools(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<ConnectionId>,
+    ApiJson(body): ApiJson<ReplaceTools>,
+) -> Result<Json<ReplacedToolsView>, ApiError> {
+    let record = state
+        .store
+        .get_tool_connection(caller.project_id, id)
+        .await?;
+    caller.require_configure()?;
+    if record.kind != ToolConnectionKind::HttpApi {
         return Err(ApiError::bad_request(
-            "invalid_command",
-            "a `wasm` connection takes no `args`",
+            "invalid_tools",
+            format!(
+                "`{}` is a `{}` connection, which lists its own tools; only `http_api` tools are replaced",
+                record.name, record.kind
+            ),
         ));
     }
-    if body.bearer_token.is_some() || !body.headers.is_empty() {
+    if body
+        .openapi
+        .as_ref()
+        .is_some_and(|o| !o.credentials.is_empty())
+    {
         return Err(ApiError::bad_request(
-            "invalid_credentials",
-            "a `wasm` connection has no headers; give it secrets through `env`",
+            "invalid_credential",
+            "replacing tools keeps the connection's credentials; `openapi.credentials` is not taken here",
         ));
     }
-    for path in &command.read_only_paths {
-        if !std::path::Path::new(path).is_dir() {
-            return Err(ApiError::bad_request(
-                "invalid_command",
-                format!(
-                    "command: the read-only path `{path}` of a `wasm` connection must be a directory"
-                ),
-            ));
-        }
-    }
-    Ok(())
+    let source = tools_source(body.tools, body.openapi)?;
+    let allowlist = wor_egress::HostAllowlist::parse(&record.allowlist)
+        .map_err(|e| ApiError::bad_request("invalid_allowlist", format!("allowlist: {e}")))?;
+    let configured = state.engine.configured_credential_slots(&record).await?;
+    let mut url = record.url.clone();
+    let checked = source.validate(
+        &mut url,
+        &allowlist,
+        &mut None,
+        &mut BTreeMap::new(),
+        &configured,
+    )?;
+    let replaced = state
+        .engine
+        .replace_http_tools(caller.project_id, id, &checked.tools, caller.actor())
+        .await?;
+    tracing::info!(category = "config", action = "connection.update_tools", project_id = %caller.project_id,
+        connection_id = %id, actor_key_id = %caller.key_id, tools = checked.tools.len(),
+        quarantined = replaced.quarantined, "tool connection's tools replaced");
+    Ok(Json(ReplacedToolsView {
+        connection: view(&state, replaced.connection).await?,
+        diff: replaced.diff.map(diff_view),
+        quarantined: replaced.quarantined,
+    }))
 }

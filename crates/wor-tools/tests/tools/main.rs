@@ -13,6 +13,8 @@
 mod everything;
 mod http_tools;
 mod mcp_fuzz;
+mod oauth;
+mod openapi;
 mod own_server;
 mod schemas;
 mod stdio;

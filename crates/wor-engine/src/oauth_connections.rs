@@ -1,0 +1,412 @@
+//! MCP authorization of `mcp_http` connections, from the server's side: starting an
+//! authorization for a member (discovery and client registration through the egress guard, a
+//! pending authorization with its `state` stored as a digest and its PKCE verifier sealed),
+//! finishing it when the person's browser lands on the callback (the code exchanged, the
+//! access and refresh tokens sealed under the connection), and the connection's current
+//! access token, refreshed ahead of its expiry with the refresh token the server rotates.
+//!
+//! Tokens go only into the vault and onto the wire: no return value, error or audit entry
+//! here holds one.
+
+use secrecy::{ExposeSecret, SecretString};
+use serde_json::json;
+use wor_core::audit::{Actor, AuditCategory, AuditEvent};
+use wor_core::{ApiKeyId, ConnectionId, MemberId, ProjectId};
+use wor_store::{
+    ACCESS_TOKEN_FIELD, CLIENT_SECRET_FIELD, ConnectionOAuthRecord, NewOAuthAuthorization,
+    OAUTH_AUTHORIZATIONS_TABLE, PKCE_VERIFIER_FIELD, REFRESH_TOKEN_FIELD, SecretSlot,
+    TOOL_CONNECTIONS_TABLE, ToolConnectionKind, now_millis,
+};
+use wor_tools::oauth::{self, AuthorizationDiscovery, ClientRegistration, Pkce, TokenSet};
+
+use crate::{Engine, EngineError};
+
+/// How long a person has to finish an authorization they started.
+pub const AUTHORIZATION_LIFETIME_MS: i64 = 10 * 60 * 1000;
+/// An access token is refreshed when it has less than this left.
+pub const REFRESH_AHEAD_MS: i64 = 60 * 1000;
+/// The path of the callback on `wor serve`.
+pub const OAUTH_CALLBACK_PATH: &str = "/hooks/oauth/callback";
+
+/// An authorization started: the URL the person opens.
+#[derive(Debug, Clone)]
+pub struct StartedAuthorization {
+    pub authorization_url: String,
+    /// When the pending authorization expires (milliseconds).
+    pub expires_at: i64,
+}
+
+/// An authorization finished.
+#[derive(Debug, Clone)]
+pub struct FinishedAuthorization {
+    pub project_id: ProjectId,
+    pub connection_id: ConnectionId,
+    pub connection: String,
+}
+
+fn unreachable(connection: &str, error: &oauth::OAuthError) -> EngineError {
+    EngineError::Unreachable(format!(
+        "authorizing tool connection `{connection}`: {error}"
+    ))
+}
+
+fn discovery_json(discovery: &AuthorizationDiscovery) -> Result<serde_json::Value, EngineError> {
+    serde_json::to_value(discovery)
+        .map_err(|e| EngineError::InvalidState(format!("the discovery cannot be stored: {e}")))
+}
+
+fn discovery_from(value: &serde_json::Value) -> Result<AuthorizationDiscovery, EngineError> {
+    serde_json::from_value(value.clone())
+        .map_err(|e| EngineError::InvalidState(format!("stored discovery: {e}")))
+}
+
+impl Engine {
+    /// Where the authorization server sends the person back: the server's `public_url` and
+    /// [`OAUTH_CALLBACK_PATH`].
+    pub fn oauth_redirect_uri(&self) -> Result<String, EngineError> {
+        let Some(base) = &self.config.console_url else {
+            return Err(EngineError::Invalid(
+                "MCP authorization needs the server's `public_url` (in the configuration) for its callback"
+                    .to_owned(),
+            ));
+        };
+        Ok(format!(
+            "{}{OAUTH_CALLBACK_PATH}",
+            base.trim_end_matches('/')
+        ))
+    }
+
+    /// Starts authorizing `mcp_http` connection `id` for `member` (using `key`): discovery and
+    /// (unless the connection has an operator-given client id) dynamic registration, through
+    /// the egress guard; a pending authorization bound to the member, key and connection.
+    pub async fn start_oauth_authorization(
+        &self,
+        project: ProjectId,
+        id: ConnectionId,
+        member: MemberId,
+        key: ApiKeyId,
+    ) -> Result<StartedAuthorization, EngineError> {
+        let record = self.store.get_tool_connection(project, id).await?;
+        if record.kind != ToolConnectionKind::McpHttp {
+            return Err(EngineError::Invalid(format!(
+                "tool connection `{}` is `{}`: only an `mcp_http` connection is authorized",
+                record.name, record.kind
+            )));
+        }
+        let redirect_uri = self.oauth_redirect_uri()?;
+        let discovery = oauth::discover(&self.egress, &record.url, None)
+            .await
+            .map_err(|e| unreachable(&record.name, &e))?;
+        let client = oauth::register_client(&self.egress, &discovery, "wor", &redirect_uri)
+            .await
+            .map_err(|e| unreachable(&record.name, &e))?;
+        let state = oauth::new_state().map_err(|e| unreachable(&record.name, &e))?;
+        let pkce = Pkce::new().map_err(|e| unreachable(&record.name, &e))?;
+        let url = oauth::authorization_url(
+            &discovery,
+            &client.client_id,
+            &redirect_uri,
+            &discovery.protected_resource.scopes_supported,
+            &state,
+            &pkce,
+        )
+        .map_err(|e| unreachable(&record.name, &e))?;
+        let pending = self
+            .store
+            .create_oauth_authorization(
+                project,
+                &state,
+                NewOAuthAuthorization {
+                    connection_id: id,
+                    member_id: member,
+                    api_key_id: key,
+                    client_id: client.client_id.clone(),
+                    redirect_uri,
+                    discovery: discovery_json(&discovery)?,
+                    lifetime_ms: AUTHORIZATION_LIFETIME_MS,
+                },
+            )
+            .await?;
+        let slot = |field: &str| {
+            SecretSlot::new(
+                project,
+                OAUTH_AUTHORIZATIONS_TABLE,
+                &pending.state_digest,
+                field,
+            )
+        };
+        self.vault
+            .put(&slot(PKCE_VERIFIER_FIELD), pkce.verifier().expose_secret())
+            .await
+            .map_err(EngineError::Vault)?;
+        if let Some(secret) = &client.client_secret {
+            self.vault
+                .put(&slot(CLIENT_SECRET_FIELD), secret.expose_secret())
+                .await
+                .map_err(EngineError::Vault)?;
+        }
+        Ok(StartedAuthorization {
+            authorization_url: url,
+            expires_at: pending.expires_at,
+        })
+    }
+
+    /// Finishes the authorization `state` names with `code`: once, before it expires; the
+    /// tokens are sealed under the connection and the audit chain records who authorized it.
+    pub async fn finish_oauth_authorization(
+        &self,
+        state: &str,
+        code: &SecretString,
+    ) -> Result<FinishedAuthorization, EngineError> {
+        let Some(pending) = self.store.take_oauth_authorization(state).await? else {
+            return Err(EngineError::Invalid(
+                "this authorization is unknown, was already used or has expired; run `wor connection authorize` again"
+                    .to_owned(),
+            ));
+        };
+        let project = pending.project_id;
+        let record = self
+            .store
+            .get_tool_connection(project, pending.connection_id)
+            .await?;
+        let actor = Actor::Member {
+            member_id: pending.member_id,
+            key_id: pending.api_key_id,
+        };
+        let slot = |field: &str| {
+            SecretSlot::new(
+                project,
+                OAUTH_AUTHORIZATIONS_TABLE,
+                &pending.state_digest,
+                field,
+            )
+        };
+        let verifier = self
+            .vault
+            .open(&slot(PKCE_VERIFIER_FIELD))
+            .await
+            .map_err(EngineError::Vault)?;
+        let client_secret = match self.vault.metadata(&slot(CLIENT_SECRET_FIELD)).await? {
+            Some(_) => Some(
+                self.vault
+                    .open(&slot(CLIENT_SECRET_FIELD))
+                    .await
+                    .map_err(EngineError::Vault)?,
+            ),
+            None => None,
+        };
+        self.vault.delete(&slot(PKCE_VERIFIER_FIELD)).await?;
+        self.vault.delete(&slot(CLIENT_SECRET_FIELD)).await?;
+        let discovery = discovery_from(&pending.discovery)?;
+        let client = ClientRegistration {
+            client_id: pending.client_id.clone(),
+            client_secret,
+        };
+        let tokens = match oauth::exchange_code(
+            &self.egress,
+            &discovery,
+            &client,
+            code,
+            &pending.redirect_uri,
+            &Pkce::from_verifier(verifier),
+        )
+        .await
+        {
+            Ok(tokens) => tokens,
+            Err(error) => {
+                self.audit_oauth_failure(project, &record.name, record.id, actor, &error)
+                    .await?;
+                return Err(unreachable(&record.name, &error));
+            }
+        };
+        let now = now_millis();
+        let connection_slot =
+            |field: &str| SecretSlot::new(project, TOOL_CONNECTIONS_TABLE, record.id, field);
+        self.seal_tokens(&connection_slot, &tokens).await?;
+        if let Some(secret) = &client.client_secret {
+            self.vault
+                .put(
+                    &connection_slot(CLIENT_SECRET_FIELD),
+                    secret.expose_secret(),
+                )
+                .await
+                .map_err(EngineError::Vault)?;
+        }
+        self.store
+            .put_connection_oauth(&ConnectionOAuthRecord {
+                connection_id: record.id,
+                project_id: project,
+                client_id: pending.client_id.clone(),
+                discovery: pending.discovery.clone(),
+                access_expires_at: expires_at(now, &tokens),
+                authorized_by: pending.member_id,
+                authorized_key_id: pending.api_key_id,
+                authorized_at: now,
+                refreshed_at: None,
+            })
+            .await?;
+        self.audit
+            .append(
+                AuditEvent::new(project, AuditCategory::ToolConnectionAuthorize, actor)
+                    .subject("connection_id", record.id)
+                    .payload(json!({
+                        "connection": record.name,
+                        "issuer": discovery.authorization_server.issuer,
+                        "resource": discovery.resource,
+                        "client_id": pending.client_id,
+                        "refresh_token": tokens.refresh_token.is_some(),
+                    })),
+            )
+            .await?;
+        tracing::info!(category = "config", action = "connection.authorize", project_id = %project,
+            connection_id = %record.id, "tool connection authorized");
+        Ok(FinishedAuthorization {
+            project_id: project,
+            connection_id: record.id,
+            connection: record.name,
+        })
+    }
+
+    async fn seal_tokens(
+        &self,
+        slot: &impl Fn(&str) -> SecretSlot,
+        tokens: &TokenSet,
+    ) -> Result<(), EngineError> {
+        self.vault
+            .put(
+                &slot(ACCESS_TOKEN_FIELD),
+                tokens.access_token.expose_secret(),
+            )
+            .await
+            .map_err(EngineError::Vault)?;
+        if let Some(refresh) = &tokens.refresh_token {
+            self.vault
+                .put(&slot(REFRESH_TOKEN_FIELD), refresh.expose_secret())
+                .await
+                .map_err(EngineError::Vault)?;
+        }
+        Ok(())
+    }
+
+    async fn audit_oauth_failure(
+        &self,
+        project: ProjectId,
+        connection: &str,
+        id: ConnectionId,
+        actor: Actor,
+        error: &oauth::OAuthError,
+    ) -> Result<(), EngineError> {
+        self.audit
+            .append(
+                AuditEvent::new(
+                    project,
+                    AuditCategory::ToolConnectionAuthorizeFailure,
+                    actor,
+                )
+                .subject("connection_id", id)
+                .payload(json!({"connection": connection, "reason": error.to_string()})),
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// The access token of an authorized connection, refreshed first when it expires within
+    /// [`REFRESH_AHEAD_MS`] (the rotated refresh token is sealed in place of the old). `None`
+    /// when the connection was never authorized. A refresh is recorded as the member (and key)
+    /// who authorized the connection. A failed refresh fails closed with a reason
+    /// that names the connection and says to authorize it again.
+    pub async fn oauth_access_token(
+        &self,
+        project: ProjectId,
+        id: ConnectionId,
+        connection: &str,
+    ) -> Result<Option<SecretString>, EngineError> {
+        let Some(settled) = self.store.get_connection_oauth(project, id).await? else {
+            return Ok(None);
+        };
+        // The refresh acts on the grant of the member who authorized the connection.
+        let actor = Actor::Member {
+            member_id: settled.authorized_by,
+            key_id: settled.authorized_key_id,
+        };
+        let slot = |field: &str| SecretSlot::new(project, TOOL_CONNECTIONS_TABLE, id, field);
+        let now = now_millis();
+        let fresh = settled
+            .access_expires_at
+            .is_none_or(|at| at.saturating_sub(now) > REFRESH_AHEAD_MS);
+        if fresh {
+            return self
+                .vault
+                .open(&slot(ACCESS_TOKEN_FIELD))
+                .await
+                .map(Some)
+                .map_err(EngineError::Vault);
+        }
+        let failed = |reason: String| {
+            EngineError::Refused(format!(
+                "tool connection `{connection}` is no longer authorized ({reason}); run `wor connection authorize {id}` again"
+            ))
+        };
+        if self
+            .vault
+            .metadata(&slot(REFRESH_TOKEN_FIELD))
+            .await?
+            .is_none()
+        {
+            return Err(failed(
+                "its access token expired and there is no refresh token".to_owned(),
+            ));
+        }
+        let refresh = self
+            .vault
+            .open(&slot(REFRESH_TOKEN_FIELD))
+            .await
+            .map_err(EngineError::Vault)?;
+        let client_secret = match self.vault.metadata(&slot(CLIENT_SECRET_FIELD)).await? {
+            Some(_) => Some(
+                self.vault
+                    .open(&slot(CLIENT_SECRET_FIELD))
+                    .await
+                    .map_err(EngineError::Vault)?,
+            ),
+            None => None,
+        };
+        let discovery = discovery_from(&settled.discovery)?;
+        let client = ClientRegistration {
+            client_id: settled.client_id.clone(),
+            client_secret,
+        };
+        let tokens = match oauth::refresh_tokens(&self.egress, &discovery, &client, &refresh).await
+        {
+            Ok(tokens) => tokens,
+            Err(error) => {
+                self.audit_oauth_failure(project, connection, id, actor, &error)
+                    .await?;
+                tracing::warn!(category = "tools", action = "connection.authorize_failure",
+                    project_id = %project, connection_id = %id, "tool connection's token refresh failed");
+                return Err(failed(error.to_string()));
+            }
+        };
+        self.seal_tokens(&slot, &tokens).await?;
+        self.store
+            .record_connection_oauth_refresh(project, id, expires_at(now_millis(), &tokens))
+            .await?;
+        self.audit
+            .append(
+                AuditEvent::new(project, AuditCategory::ToolConnectionTokenRefresh, actor)
+                    .subject("connection_id", id)
+                    .payload(json!({
+                        "connection": connection,
+                        "refresh_token_rotated": tokens.refresh_token.is_some(),
+                    })),
+            )
+            .await?;
+        Ok(Some(tokens.access_token))
+    }
+}
+
+fn expires_at(now: i64, tokens: &TokenSet) -> Option<i64> {
+    tokens.expires_in.map(|seconds| {
+        now.saturating_add(i64::try_from(seconds.saturating_mul(1000)).unwrap_or(i64::MAX))
+    })
+}

@@ -1,0 +1,139 @@
+//! MCP authorization of tool connections (`docs/tools.md`, "OAuth connections"): a member
+//! starts it and gets the URL to open; the person's browser comes back to the callback, which
+//! finishes it. The tokens are sealed in the vault and never returned (S3).
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::Uri;
+use secrecy::SecretString;
+use wor_core::ConnectionId;
+
+use crate::AppState;
+use crate::auth::Caller;
+use crate::error::{ApiError, ErrorBody};
+use crate::extract::ApiPath;
+use crate::views::rfc3339;
+
+/// An authorization started: the URL to open in a browser, and until when it may be finished.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct AuthorizationStartedView {
+    pub connection_id: String,
+    pub authorization_url: String,
+    pub expires_at: String,
+}
+
+/// An authorization finished.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct AuthorizationFinishedView {
+    pub connection_id: String,
+    pub connection: String,
+    pub authorized: bool,
+}
+
+/// What the authorization server sends the browser back with.
+#[derive(Debug, Default, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct CallbackQuery {
+    pub code: Option<String>,
+    pub state: Option<String>,
+    /// Set instead of `code` when the person or the server refused.
+    pub error: Option<String>,
+}
+
+impl CallbackQuery {
+    /// The first of each parameter; others are ignored.
+    fn parse(query: &str) -> Self {
+        let mut parsed = Self::default();
+        for (key, value) in url::form_urlencoded::parse(query.as_bytes()) {
+            let slot = match key.as_ref() {
+                "code" => &mut parsed.code,
+                "state" => &mut parsed.state,
+                "error" => &mut parsed.error,
+                _ => continue,
+            };
+            if slot.is_none() {
+                *slot = Some(value.into_owned());
+            }
+        }
+        parsed
+    }
+}
+
+/// Starts the MCP authorization of an `mcp_http` connection for the calling member: discovery
+/// and client registration through the egress guard, then a pending authorization bound to
+/// this member, key and connection (single use, 10 minutes). Needs the server's `public_url`.
+#[utoipa::path(post, path = "/v1/tool-connections/{tool_connection_id}/authorize", tag = "tool-connections",
+    security(("bearer" = [])),
+    params(("tool_connection_id" = String, Path, description = "a `con_…` id", pattern = "^con_[0-9a-f]{32}$")),
+    responses((status = 200, body = AuthorizationStartedView), (status = 400, body = ErrorBody),
+        (status = 403, body = ErrorBody), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
+pub async fn authorize(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<ConnectionId>,
+) -> Result<Json<AuthorizationStartedView>, ApiError> {
+    state
+        .store
+        .get_tool_connection(caller.project_id, id)
+        .await?;
+    caller.require_configure()?;
+    let Some(member) = caller.member_id else {
+        return Err(ApiError::Forbidden(
+            "a connection is authorized by a member, with a personal key; a service key cannot"
+                .to_owned(),
+        ));
+    };
+    let started = state
+        .engine
+        .start_oauth_authorization(caller.project_id, id, member, caller.key_id)
+        .await?;
+    tracing::info!(category = "config", action = "connection.authorize_start", project_id = %caller.project_id,
+        connection_id = %id, actor_key_id = %caller.key_id, "tool connection authorization started");
+    Ok(Json(AuthorizationStartedView {
+        connection_id: id.to_string(),
+        authorization_url: started.authorization_url,
+        expires_at: rfc3339(started.expires_at),
+    }))
+}
+
+/// Where the authorization server sends the person's browser back. No API key: the single-use
+/// `state` names the pending authorization, its member and connection. The code is exchanged
+/// (with the PKCE verifier) and the tokens sealed; nothing secret is returned.
+#[utoipa::path(get, path = "/hooks/oauth/callback", tag = "tool-connections",
+    params(CallbackQuery),
+    responses((status = 200, body = AuthorizationFinishedView), (status = 400, body = ErrorBody),
+        (status = 503, body = ErrorBody)))]
+pub async fn callback(
+    State(state): State<AppState>,
+    uri: Uri,
+) -> Result<Json<AuthorizationFinishedView>, ApiError> {
+    let query = CallbackQuery::parse(uri.query().unwrap_or_default());
+    if let Some(error) = query.error {
+        let code: String = error
+            .chars()
+            .filter(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .take(64)
+            .collect();
+        return Err(ApiError::bad_request(
+            "authorization_refused",
+            format!(
+                "the authorization server refused: `{code}`; run `wor connection authorize` again"
+            ),
+        ));
+    }
+    let (Some(code), Some(pending)) = (query.code, query.state) else {
+        return Err(ApiError::bad_request(
+            "invalid_callback",
+            "the callback needs `code` and `state`",
+        ));
+    };
+    let finished = state
+        .engine
+        .finish_oauth_authorization(&pending, &SecretString::from(code))
+        .await?;
+    Ok(Json(AuthorizationFinishedView {
+        connection_id: finished.connection_id.to_string(),
+        connection: finished.connection,
+        authorized: true,
+    }))
+}

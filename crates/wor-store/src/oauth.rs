@@ -1,0 +1,254 @@
+//! MCP authorization of tool connections: the authorizations members have started and not
+//! finished, and what a finished one settled on.
+//!
+//! Nothing secret is here. The `state` of a pending authorization is kept only as its SHA-256
+//! digest; its PKCE verifier is sealed in the vault under [`OAUTH_AUTHORIZATIONS_TABLE`] (owner
+//! id: the digest, field [`PKCE_VERIFIER_FIELD`]). A connection's access and refresh tokens and
+//! a client secret are sealed under the connection ([`ACCESS_TOKEN_FIELD`] and the others).
+//! The authorization server's metadata is kept as the JSON the tool library reads it from.
+
+use serde_json::Value;
+use sqlx::Row;
+use wor_core::canonical::sha256_hex;
+use wor_core::{ApiKeyId, ConnectionId, MemberId, ProjectId};
+
+use crate::{Store, StoreError, now_millis, parse_column};
+
+/// The vault table a pending authorization's PKCE verifier is filed under.
+pub const OAUTH_AUTHORIZATIONS_TABLE: &str = "oauth_authorizations";
+/// The vault field of a pending authorization's PKCE verifier.
+pub const PKCE_VERIFIER_FIELD: &str = "pkce_verifier";
+/// The vault field (under the connection) of its access token.
+pub const ACCESS_TOKEN_FIELD: &str = "oauth:access_token";
+/// The vault field (under the connection) of its refresh token.
+pub const REFRESH_TOKEN_FIELD: &str = "oauth:refresh_token";
+/// The vault field (under the connection) of an operator-supplied client secret.
+pub const CLIENT_SECRET_FIELD: &str = "oauth:client_secret";
+
+/// The digest a `state` value is stored and looked up by.
+pub fn state_digest(state: &str) -> String {
+    sha256_hex(state.as_bytes())
+}
+
+/// An authorization being started.
+#[derive(Debug, Clone)]
+pub struct NewOAuthAuthorization {
+    pub connection_id: ConnectionId,
+    /// The member who started it, and the key they used: the callback finishes it for them.
+    pub member_id: MemberId,
+    pub api_key_id: ApiKeyId,
+    pub client_id: String,
+    pub redirect_uri: String,
+    /// The discovered metadata, as the tool library wrote it.
+    pub discovery: Value,
+    /// How long the person has to come back, in milliseconds.
+    pub lifetime_ms: i64,
+}
+
+/// A pending authorization, as stored.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OAuthAuthorizationRecord {
+    pub state_digest: String,
+    pub project_id: ProjectId,
+    pub connection_id: ConnectionId,
+    pub member_id: MemberId,
+    pub api_key_id: ApiKeyId,
+    pub client_id: String,
+    pub redirect_uri: String,
+    pub discovery: Value,
+    pub created_at: i64,
+    pub expires_at: i64,
+}
+
+/// What a connection's finished authorization settled on.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConnectionOAuthRecord {
+    pub connection_id: ConnectionId,
+    pub project_id: ProjectId,
+    pub client_id: String,
+    pub discovery: Value,
+    /// When the access token expires (milliseconds), when the server said.
+    pub access_expires_at: Option<i64>,
+    pub authorized_by: MemberId,
+    /// The key they used; a refresh is recorded as theirs.
+    pub authorized_key_id: ApiKeyId,
+    pub authorized_at: i64,
+    pub refreshed_at: Option<i64>,
+}
+
+fn to_json(value: &Value) -> Result<String, StoreError> {
+    serde_json::to_string(value).map_err(|e| StoreError::Corrupt(format!("cannot encode: {e}")))
+}
+
+fn from_json(text: &str, column: &str) -> Result<Value, StoreError> {
+    serde_json::from_str(text)
+        .map_err(|e| StoreError::Corrupt(format!("column `{column}` is not json: {e}")))
+}
+
+fn authorization_from_row(row: &sqlx::any::AnyRow) -> Result<OAuthAuthorizationRecord, StoreError> {
+    let text = |c: &str| -> Result<String, StoreError> { Ok(row.try_get::<String, _>(c)?) };
+    Ok(OAuthAuthorizationRecord {
+        state_digest: text("state_digest")?,
+        project_id: parse_column(&text("project_id")?, "project_id")?,
+        connection_id: parse_column(&text("connection_id")?, "connection_id")?,
+        member_id: parse_column(&text("member_id")?, "member_id")?,
+        api_key_id: parse_column(&text("api_key_id")?, "api_key_id")?,
+        client_id: text("client_id")?,
+        redirect_uri: text("redirect_uri")?,
+        discovery: from_json(&text("discovery")?, "discovery")?,
+        created_at: row.try_get("created_at")?,
+        expires_at: row.try_get("expires_at")?,
+    })
+}
+
+fn connection_oauth_from_row(row: &sqlx::any::AnyRow) -> Result<ConnectionOAuthRecord, StoreError> {
+    let text = |c: &str| -> Result<String, StoreError> { Ok(row.try_get::<String, _>(c)?) };
+    Ok(ConnectionOAuthRecord {
+        connection_id: parse_column(&text("connection_id")?, "connection_id")?,
+        project_id: parse_column(&text("project_id")?, "project_id")?,
+        client_id: text("client_id")?,
+        discovery: from_json(&text("discovery")?, "discovery")?,
+        access_expires_at: row.try_get("access_expires_at")?,
+        authorized_by: parse_column(&text("authorized_by")?, "authorized_by")?,
+        authorized_key_id: parse_column(&text("authorized_key_id")?, "authorized_key_id")?,
+        authorized_at: row.try_get("authorized_at")?,
+        refreshed_at: row.try_get("refreshed_at")?,
+    })
+}
+
+const AUTHORIZATION_COLUMNS: &str = "state_digest, project_id, connection_id, member_id, \
+    api_key_id, client_id, redirect_uri, discovery, created_at, expires_at";
+const CONNECTION_COLUMNS: &str = "connection_id, project_id, client_id, discovery, \
+    access_expires_at, authorized_by, authorized_key_id, authorized_at, refreshed_at";
+
+impl Store {
+    /// Records a pending authorization under the digest of `state`.
+    pub async fn create_oauth_authorization(
+        &self,
+        project: ProjectId,
+        state: &str,
+        new: NewOAuthAuthorization,
+    ) -> Result<OAuthAuthorizationRecord, StoreError> {
+        let now = now_millis();
+        let record = OAuthAuthorizationRecord {
+            state_digest: state_digest(state),
+            project_id: project,
+            connection_id: new.connection_id,
+            member_id: new.member_id,
+            api_key_id: new.api_key_id,
+            client_id: new.client_id,
+            redirect_uri: new.redirect_uri,
+            discovery: new.discovery,
+            created_at: now,
+            expires_at: now.saturating_add(new.lifetime_ms),
+        };
+        sqlx::query(
+            "INSERT INTO oauth_authorizations (state_digest, project_id, connection_id, member_id, \
+             api_key_id, client_id, redirect_uri, discovery, created_at, expires_at, used_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, NULL)",
+        )
+        .bind(&record.state_digest)
+        .bind(project.to_string())
+        .bind(record.connection_id.to_string())
+        .bind(record.member_id.to_string())
+        .bind(record.api_key_id.to_string())
+        .bind(&record.client_id)
+        .bind(&record.redirect_uri)
+        .bind(to_json(&record.discovery)?)
+        .bind(record.created_at)
+        .bind(record.expires_at)
+        .execute(self.pool())
+        .await?;
+        Ok(record)
+    }
+
+    /// Takes the pending authorization `state` names, once: `None` when it is unknown, was
+    /// taken before or has expired.
+    pub async fn take_oauth_authorization(
+        &self,
+        state: &str,
+    ) -> Result<Option<OAuthAuthorizationRecord>, StoreError> {
+        let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE oauth_authorizations SET used_at = $1 WHERE state_digest = $2 \
+             AND used_at IS NULL AND expires_at > $1 RETURNING {AUTHORIZATION_COLUMNS}"
+        )))
+        .bind(now_millis())
+        .bind(state_digest(state))
+        .fetch_optional(self.pool())
+        .await?;
+        row.as_ref().map(authorization_from_row).transpose()
+    }
+
+    /// Records (or replaces) what a connection's authorization settled on.
+    pub async fn put_connection_oauth(
+        &self,
+        record: &ConnectionOAuthRecord,
+    ) -> Result<(), StoreError> {
+        let mut tx = self.begin_write().await?;
+        sqlx::query(
+            "DELETE FROM tool_connection_oauth WHERE project_id = $1 AND connection_id = $2",
+        )
+        .bind(record.project_id.to_string())
+        .bind(record.connection_id.to_string())
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(
+            "INSERT INTO tool_connection_oauth (connection_id, project_id, client_id, discovery, \
+             access_expires_at, authorized_by, authorized_key_id, authorized_at, refreshed_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+        )
+        .bind(record.connection_id.to_string())
+        .bind(record.project_id.to_string())
+        .bind(&record.client_id)
+        .bind(to_json(&record.discovery)?)
+        .bind(record.access_expires_at)
+        .bind(record.authorized_by.to_string())
+        .bind(record.authorized_key_id.to_string())
+        .bind(record.authorized_at)
+        .bind(record.refreshed_at)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Records a refresh: the new expiry and when it happened.
+    pub async fn record_connection_oauth_refresh(
+        &self,
+        project: ProjectId,
+        connection: ConnectionId,
+        access_expires_at: Option<i64>,
+    ) -> Result<(), StoreError> {
+        let done = sqlx::query(
+            "UPDATE tool_connection_oauth SET access_expires_at = $1, refreshed_at = $2 \
+             WHERE project_id = $3 AND connection_id = $4",
+        )
+        .bind(access_expires_at)
+        .bind(now_millis())
+        .bind(project.to_string())
+        .bind(connection.to_string())
+        .execute(self.pool())
+        .await?;
+        if done.rows_affected() == 0 {
+            return Err(StoreError::NotFound);
+        }
+        Ok(())
+    }
+
+    /// What a connection's authorization settled on, `None` when it was never authorized.
+    pub async fn get_connection_oauth(
+        &self,
+        project: ProjectId,
+        connection: ConnectionId,
+    ) -> Result<Option<ConnectionOAuthRecord>, StoreError> {
+        let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {CONNECTION_COLUMNS} FROM tool_connection_oauth \
+             WHERE project_id = $1 AND connection_id = $2"
+        )))
+        .bind(project.to_string())
+        .bind(connection.to_string())
+        .fetch_optional(self.pool())
+        .await?;
+        row.as_ref().map(connection_oauth_from_row).transpose()
+    }
+}
