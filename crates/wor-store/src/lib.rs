@@ -19,8 +19,8 @@ pub mod metrics;
 mod migrations;
 mod model_connections;
 mod notifications;
-mod probe;
 mod oauth;
+mod probe;
 mod projects;
 mod routines;
 mod run_tokens;
@@ -62,12 +62,12 @@ pub use notifications::{
     NotificationDeliveryFilter, NotificationDeliveryRecord, NotificationRouteRecord, RouteChannel,
     RouteFilter, SLACK_LINK_TOKEN_PREFIX, SlackLinkRecord, SlackMessageRecord, SmtpTls,
 };
-pub use probe::{DatabaseProbe, probe};
 pub use oauth::{
     ACCESS_TOKEN_FIELD, CLIENT_SECRET_FIELD, ConnectionOAuthRecord, NewOAuthAuthorization,
     OAUTH_AUTHORIZATIONS_TABLE, OAuthAuthorizationRecord, PKCE_VERIFIER_FIELD, REFRESH_TOKEN_FIELD,
     state_digest,
 };
+pub use probe::{DatabaseProbe, probe};
 pub use projects::{CreatedProject, ProjectRecord, RecoveredOwner};
 pub use routines::{AppliedRoutine, RoutineRecord, RoutineVersionRecord};
 pub use run_tokens::{RUN_TOKEN_PREFIX, RunGrant, RunToken};

@@ -63,7 +63,7 @@ pub enum Command {
     ModelConnection(model_connections::ModelConnectionCommand),
     /// Tool connections: MCP servers and HTTP APIs, reviewed and pinned before use.
     #[command(subcommand)]
-    Connection(tool_connections::ToolConnectionCommand),
+    Connection(Box<tool_connections::ToolConnectionCommand>),
     /// The encryption key ring (operator: works on the database directly).
     #[command(subcommand)]
     Secrets(secrets::SecretsCommand),
@@ -122,7 +122,7 @@ impl Command {
             Command::Routine(cmd) => routines::run(cmd).await,
             Command::Run(cmd) => runs::run(cmd).await,
             Command::ModelConnection(cmd) => model_connections::run(cmd).await,
-            Command::Connection(cmd) => tool_connections::run(cmd).await,
+            Command::Connection(cmd) => tool_connections::run(*cmd).await,
             Command::Secrets(cmd) => secrets::run(cmd).await,
             Command::Audit(cmd) => audit::run(cmd).await,
             Command::Sandbox(sandbox::SandboxCommand::Exec(args)) => sandbox::exec(args).await,
