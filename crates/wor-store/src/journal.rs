@@ -135,13 +135,14 @@ pub(crate) async fn write_run(
     now: i64,
 ) -> Result<RunWritten, StoreError> {
     let mut fence = Fence::default();
-    let mut sql = format!("UPDATE runs SET updated_at = {}", fence.int(now));
+    let at = fence.int(now);
+    let mut sql = format!("UPDATE runs SET updated_at = {at}");
     match &write.end {
         Some((status, outcome)) => {
             let status = fence.text(status.as_str());
             let outcome = fence.text(outcome);
             sql.push_str(&format!(
-                ", lease_owner = NULL, lease_expires_at = NULL, finished_at = updated_at, \
+                ", lease_owner = NULL, lease_expires_at = NULL, finished_at = {at}, \
                  status = {status}, outcome = {outcome}"
             ));
         }
@@ -170,7 +171,6 @@ pub(crate) async fn write_run(
     ));
     if let Some(credential) = &write.credential {
         let credential = fence.text(credential);
-        let at = fence.int(now);
         sql.push_str(&format!(
             " AND EXISTS (SELECT 1 FROM run_tokens t WHERE t.run_id = runs.id \
              AND t.sha256 = {credential} AND t.expires_at > {at} \

@@ -729,16 +729,26 @@ async fn an_ended_nested_run_always_releases_its_parked_parent() {
         .await
         .unwrap();
     assert!(store.park_run(project, parent.id, "w").await.unwrap());
-    store
+    let claimed = store
         .claim_run_by_id(project, child.id, "w", 60_000)
         .await
         .unwrap()
         .unwrap();
+    // Time passes between the claim and the end: the end is stamped when it is written.
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    let before_end = wor_store::now_millis();
     assert!(
         store
             .finish_run(project, child.id, "w", RunStatus::Succeeded, "done")
             .await
             .unwrap()
+    );
+    let ended = store.get_run(project, child.id).await.unwrap();
+    assert!(
+        ended.finished_at.unwrap() >= before_end,
+        "finished at {:?}, claimed at {:?}",
+        ended.finished_at,
+        claimed.started_at
     );
     assert_eq!(
         store.get_run(project, parent.id).await.unwrap().status,
@@ -1484,7 +1494,11 @@ mod oauth_authorizations {
             discovery: json!({"resource": "https://mcp.example.com/mcp"}),
             lifetime_ms,
         };
-        let state = "state-canary-7f3a";
+        // States are unique per run: the shared test database keeps earlier runs' rows.
+        let state = TestDatabase::unique_name("state-canary");
+        let state = state.as_str();
+        let expired = TestDatabase::unique_name("expired-state");
+        let expired = expired.as_str();
         let pending = db
             .store
             .create_oauth_authorization(project, state, new(600_000))
@@ -1511,14 +1525,11 @@ mod oauth_authorizations {
         );
 
         db.store
-            .create_oauth_authorization(project, "expired-state", new(-1))
+            .create_oauth_authorization(project, expired, new(-1))
             .await
             .unwrap();
         assert_eq!(
-            db.store
-                .take_oauth_authorization("expired-state")
-                .await
-                .unwrap(),
+            db.store.take_oauth_authorization(expired).await.unwrap(),
             None,
             "an expired authorization cannot be finished"
         );
