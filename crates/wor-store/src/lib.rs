@@ -174,8 +174,8 @@ const WORK_CHANNEL: &str = "wor_work";
 pub struct WorkListener(sqlx::postgres::PgListener);
 
 impl WorkListener {
-    /// Waits until a run is queued somewhere. After a lost connection it reconnects (and
-    /// answers at once, since what was queued meanwhile went unheard).
+    /// Waits until a run is queued somewhere. A lost connection is reconnected on the next
+    /// call, and what was queued while it was down goes unheard: the workers' poll finds it.
     pub async fn queued(&mut self) -> Result<(), StoreError> {
         self.0.recv().await?;
         Ok(())
