@@ -42,7 +42,12 @@ impl Engine {
             let Some(last) = due.last() else { break };
             after = Some((last.next_slot_at, last.routine_id));
             let full = due.len() == SCHEDULE_BATCH;
-            self.start_due(&due, now, &mut report).await?;
+            // A page that cannot be written is retried on the next pass; the pages after it
+            // still start now.
+            if let Err(error) = self.start_due(&due, now, &mut report).await {
+                tracing::error!(category = "schedule", error = %error, schedules = due.len(),
+                    "a page of due schedules could not be started; it is retried next pass");
+            }
             if !full {
                 break;
             }
