@@ -24,6 +24,14 @@ use crate::{Engine, EngineError, StartRun, Trigger};
 /// How many due schedules one statement takes.
 const SCHEDULE_BATCH: usize = 1_000;
 
+/// What a scheduler page read for one due schedule, together with the others'.
+struct Prefetched {
+    /// Its routine's version; `None` when the page's read did not find it.
+    version: Option<Arc<RoutineVersionRecord>>,
+    /// How many runs of its routine are active.
+    active: u64,
+}
+
 /// A slot that fires in this pass, as admitted.
 struct Firing {
     project: ProjectId,
@@ -65,10 +73,22 @@ impl Engine {
         let mut firings = Vec::new();
         let mut advances = Vec::new();
         let mut redactors: HashMap<ProjectId, Redactor> = HashMap::new();
-        for schedule in due {
+        // The page's versions and active-run counts are read together, not one each.
+        let keys: Vec<_> = due
+            .iter()
+            .map(|s| (s.project_id, s.routine_id, s.version))
+            .collect();
+        let versions = self.routine_versions(&keys).await;
+        let routines: Vec<_> = due.iter().map(|s| (s.project_id, s.routine_id)).collect();
+        let active = self.store.active_run_counts(&routines).await?;
+        for (schedule, key) in due.iter().zip(&keys) {
+            let page = Prefetched {
+                version: versions.get(key).cloned(),
+                active: active.get(&schedule.routine_id).copied().unwrap_or(0),
+            };
             // One schedule's trouble never holds up the others.
             match self
-                .plan_schedule(schedule, now, &mut redactors, &mut firings)
+                .plan_schedule(schedule, page, now, &mut redactors, &mut firings)
                 .await
             {
                 Ok(advance) => advances.extend(advance),
@@ -122,13 +142,18 @@ impl Engine {
     async fn plan_schedule(
         &self,
         schedule: &DueSchedule,
+        page: Prefetched,
         now: i64,
         redactors: &mut HashMap<ProjectId, Redactor>,
         firings: &mut Vec<Firing>,
     ) -> Result<Option<ScheduleAdvance>, EngineError> {
-        let version = self
-            .routine_version(schedule.project_id, schedule.routine_id, schedule.version)
-            .await?;
+        let version = match page.version {
+            Some(version) => version,
+            None => {
+                self.routine_version(schedule.project_id, schedule.routine_id, schedule.version)
+                    .await?
+            }
+        };
         let stop = ScheduleAdvance {
             routine: schedule.routine_id,
             from: schedule.next_slot_at,
@@ -152,11 +177,7 @@ impl Engine {
                     slot.insert(self.project_redactor(schedule.project_id).await?)
                 }
             };
-            let max = version.definition.concurrency.max_runs;
-            let mut active = self
-                .store
-                .active_run_count(schedule.project_id, schedule.routine_id, max)
-                .await?;
+            let mut active = page.active;
             for slot in &plan.fire {
                 let request = StartRun {
                     project: schedule.project_id,

@@ -234,6 +234,44 @@ impl Store {
         version_from_row(&row)
     }
 
+    /// The versions named by `wanted` (project, routine, version), read by one statement per
+    /// 200; a version that does not exist is absent from the answer.
+    pub async fn get_routine_versions(
+        &self,
+        wanted: &[(ProjectId, RoutineId, i64)],
+    ) -> Result<Vec<(ProjectId, RoutineVersionRecord)>, StoreError> {
+        const PER_STATEMENT: usize = 200;
+        let mut found = Vec::with_capacity(wanted.len());
+        for chunk in wanted.chunks(PER_STATEMENT) {
+            let rows: Vec<String> = (0..chunk.len())
+                .map(|i| {
+                    let n = i * 3;
+                    format!("(${}, ${}, CAST(${} AS BIGINT))", n + 1, n + 2, n + 3)
+                })
+                .collect();
+            let sql = format!(
+                "SELECT project_id, routine_id, version, source_toml, content_hash, created_by, created_at \
+                 FROM routine_versions WHERE (project_id, routine_id, version) IN (VALUES {})",
+                rows.join(", ")
+            );
+            let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
+            for (project, routine, version) in chunk {
+                query = query
+                    .bind(project.to_string())
+                    .bind(routine.to_string())
+                    .bind(*version);
+            }
+            for row in query.fetch_all(self.pool()).await? {
+                let project: String = row.try_get("project_id")?;
+                found.push((
+                    parse_column(&project, "routine_versions.project_id")?,
+                    version_from_row(&row)?,
+                ));
+            }
+        }
+        Ok(found)
+    }
+
     /// Every version of a routine, newest first, without their sources.
     pub async fn list_routine_versions(
         &self,
