@@ -28,7 +28,7 @@ use wor_core::canonical::to_canonical_json;
 use wor_secrets::{AuditSigningKey, redact_shapes};
 
 use crate::journal::{RunWrite, RunWritten};
-use crate::{Backend, Store, StoreError, now_millis, parse_column};
+use crate::{Backend, Durability, HeldConnection, Store, StoreError, now_millis, parse_column};
 
 /// When the writer signs checkpoints and how much it commits at once.
 #[derive(Debug, Clone)]
@@ -102,6 +102,7 @@ impl AuditLog {
             config,
             unsigned: BTreeSet::new(),
             signed: Vec::new(),
+            held: std::sync::Mutex::new(None),
         };
         tokio::spawn(writer.run(receiver));
         AuditLog {
@@ -178,6 +179,9 @@ struct Writer {
     unsigned: BTreeSet<ProjectId>,
     /// Projects whose head the batch being written signed.
     signed: Vec<ProjectId>,
+    /// The connection the writer commits its batches on (in a mutex only so that the writer
+    /// stays `Sync`; only the writer's own `&mut self` reaches it).
+    held: std::sync::Mutex<Option<HeldConnection>>,
 }
 
 type Replies = Vec<oneshot::Sender<Result<AuditReceipt, StoreError>>>;
@@ -279,18 +283,45 @@ impl Writer {
         writes: Vec<RunWrite>,
     ) -> Result<(Vec<AuditReceipt>, Vec<RunWritten>), StoreError> {
         let appended = events.len();
-        let mut tx = self.store.begin_write().await?;
-        let at = now_millis();
-        let mut written = Vec::with_capacity(writes.len());
-        for write in writes {
-            let outcome = crate::journal::write_run(&mut tx, &write, at).await?;
-            if matches!(outcome, RunWritten::Committed { .. }) {
-                events.extend(write.audit);
-            }
-            written.push(outcome);
-        }
-        let mut receipts = self.append_batch(&mut tx, events, at).await?;
-        tx.commit().await?;
+        // A batch is synced to disk before it is acknowledged when anything in it comes from
+        // outside a run's journal (an API action's entry) or permits an effect outside the
+        // database: a tool call about to run, a run's end that webhooks announce. Otherwise
+        // (a model turn, a tool's result, a refusal) it is deferred: it survives a crash of
+        // this process, and a power cut loses at most what followed the last synced commit,
+        // which a run resumes from as it would from a crash before those steps. The next
+        // synced commit flushes the deferred ones before it.
+        let durability = if appended > 0 || writes.iter().any(RunWrite::is_durable) {
+            Durability::Synced
+        } else {
+            Durability::Deferred
+        };
+        let store = self.store.clone();
+        let mut held = self
+            .held
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        let committed = store
+            .write_held(&mut held, durability, async |tx| {
+                let at = now_millis();
+                let mut written = Vec::with_capacity(writes.len());
+                for write in writes {
+                    let outcome = crate::journal::write_run(tx, &write, at).await?;
+                    if matches!(outcome, RunWritten::Committed { .. }) {
+                        events.extend(write.audit);
+                    }
+                    written.push(outcome);
+                }
+                let receipts = self.append_batch(tx, events, at).await?;
+                Ok((receipts, written))
+            })
+            .await;
+        *self
+            .held
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = held;
+        let (mut receipts, written) = committed?;
+        crate::metrics::audit_commit(durability);
         self.signed_committed();
         receipts.truncate(appended);
         Ok((receipts, written))

@@ -6,7 +6,9 @@
 //! which commits whatever is queued, from every run this process drives, in one transaction:
 //! a step and its audit entries are durable together, and concurrent runs share one commit.
 //! Nothing is acknowledged before its transaction has committed, so "every step is persisted
-//! before the next begins" holds for each run.
+//! before the next begins" holds for each run. A write that permits an effect outside the
+//! database (a call about to run, a run's end) is also on disk before it is acknowledged;
+//! the others reach the disk with the next such commit ([`RunWrite::is_durable`]).
 
 use sqlx::{Any, Row, Transaction};
 use wor_core::audit::AuditEvent;
@@ -37,6 +39,9 @@ pub struct RunWrite {
     pub audit: Vec<AuditEvent>,
     /// The run's end, when this write ends it.
     end: Option<(RunStatus, String)>,
+    /// Whether the write is on disk before it is acknowledged: set by what permits an effect
+    /// outside the database (a call reserved to run, a run's end).
+    durable: bool,
 }
 
 impl RunWrite {
@@ -51,6 +56,7 @@ impl RunWrite {
             usage: None,
             audit: Vec::new(),
             end: None,
+            durable: false,
         }
     }
 
@@ -78,6 +84,7 @@ impl RunWrite {
     #[must_use]
     pub fn end(mut self, status: RunStatus, outcome: &str) -> Self {
         self.end = Some((status, outcome.to_owned()));
+        self.durable = true;
         self
     }
 
@@ -86,7 +93,17 @@ impl RunWrite {
     #[must_use]
     pub fn presenting(mut self, credential: &RunToken) -> Self {
         self.credential = Some(sha256_hex(credential.expose().as_bytes()));
+        self.durable = true;
         self
+    }
+
+    /// Whether this write is synced to disk before it is acknowledged. A write that reserves
+    /// a call or ends the run is: the call runs, and the end is announced, only once their
+    /// record survives a power cut. Other writes (a model turn, a tool's result) may be lost
+    /// to a power cut, never to a crash of the process; the run then resumes from the
+    /// steps before them, as from a crash.
+    pub fn is_durable(&self) -> bool {
+        self.durable
     }
 }
 

@@ -319,6 +319,117 @@ impl Store {
     }
 }
 
+/// How a write transaction reaches the disk before its commit returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Durability {
+    /// On disk (SQLite `synchronous = FULL`, PostgreSQL `synchronous_commit = on`): it
+    /// survives a power cut.
+    Synced,
+    /// Handed to the database's log but not yet flushed to disk (SQLite `synchronous = NORMAL`
+    /// in WAL mode, PostgreSQL `synchronous_commit = off`): it survives the crash of this
+    /// process, and reaches the disk with the next synced commit of the same database, which
+    /// flushes the log up to itself.
+    Deferred,
+}
+
+/// A connection a task keeps for its own writes (the audit writer's), with what SQLite's
+/// `synchronous` is set to on it. Nothing else uses it, so setting that per transaction
+/// cannot leak into another task's writes.
+pub(crate) struct HeldConnection {
+    connection: sqlx::pool::PoolConnection<Any>,
+    synchronous: Option<Durability>,
+}
+
+impl Store {
+    /// Runs `body` in a write transaction on the connection `held` (taken from the pool when
+    /// there is none) and commits it with `durability`. A connection whose transaction failed
+    /// is closed rather than kept, so no half-known state outlives the failure.
+    pub(crate) async fn write_held<T>(
+        &self,
+        held: &mut Option<HeldConnection>,
+        durability: Durability,
+        body: impl AsyncFnOnce(&mut Transaction<'_, Any>) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let mut connection = match held.take() {
+            Some(connection) => connection,
+            None => HeldConnection {
+                connection: self.pool.acquire().await?,
+                synchronous: None,
+            },
+        };
+        match self.write_on(&mut connection, durability, body).await {
+            Ok(value) => {
+                *held = Some(connection);
+                Ok(value)
+            }
+            Err(err) => {
+                connection.connection.close_on_drop();
+                Err(err)
+            }
+        }
+    }
+
+    /// [`Store::write_held`] on a connection in hand; `BEGIN` is retried as in
+    /// [`Store::begin_write`].
+    #[expect(
+        clippy::disallowed_methods,
+        reason = "the held connection's transactions begin here (clippy.toml)"
+    )]
+    async fn write_on<T>(
+        &self,
+        held: &mut HeldConnection,
+        durability: Durability,
+        body: impl AsyncFnOnce(&mut Transaction<'_, Any>) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        use sqlx::Connection as _;
+        if self.backend == Backend::Sqlite && held.synchronous != Some(durability) {
+            // SQLite reads `synchronous` when a transaction begins, so it is set before.
+            held.synchronous = None;
+            held.connection
+                .execute(match durability {
+                    Durability::Synced => "PRAGMA synchronous = FULL",
+                    Durability::Deferred => "PRAGMA synchronous = NORMAL",
+                })
+                .await?;
+            held.synchronous = Some(durability);
+        }
+        let begin = match self.backend {
+            Backend::Sqlite => "BEGIN IMMEDIATE",
+            Backend::Postgres => "BEGIN",
+        };
+        let mut pause = WRITE_RETRY_PAUSE;
+        let mut attempt = 1;
+        let mut tx = loop {
+            match held.connection.begin_with(begin).await {
+                Ok(tx) => break tx,
+                Err(err)
+                    if self.backend == Backend::Sqlite
+                        && attempt < WRITE_BEGIN_ATTEMPTS
+                        && is_busy(&err) =>
+                {
+                    tracing::warn!(
+                        category = "store",
+                        attempt,
+                        "the database is busy; beginning the write again"
+                    );
+                    tokio::time::sleep(pause).await;
+                    pause = pause.saturating_mul(2);
+                    attempt += 1;
+                }
+                Err(err) => return Err(err.into()),
+            }
+        };
+        if self.backend == Backend::Postgres && durability == Durability::Deferred {
+            sqlx::query("SET LOCAL synchronous_commit = off")
+                .execute(&mut *tx)
+                .await?;
+        }
+        let value = body(&mut tx).await?;
+        tx.commit().await?;
+        Ok(value)
+    }
+}
+
 /// How many times a write transaction's `BEGIN` is tried while SQLite reports the database
 /// busy, and the pause before the second try (doubled before each further one).
 const WRITE_BEGIN_ATTEMPTS: u32 = 4;

@@ -8,6 +8,7 @@ use metrics::{counter, histogram};
 pub const AUDIT_APPEND: &str = "wor_audit_append_seconds";
 pub const AUDIT_BATCH: &str = "wor_audit_batch_entries";
 pub const AUDIT_APPEND_FAILURES: &str = "wor_audit_append_failures_total";
+pub const AUDIT_COMMITS: &str = "wor_audit_commits_total";
 
 /// Describes the store's metrics to the installed recorder (`# HELP` lines).
 pub fn describe() {
@@ -26,6 +27,20 @@ pub fn describe() {
         AUDIT_APPEND_FAILURES,
         "Audit batches whose transaction failed"
     );
+    describe_counter!(
+        AUDIT_COMMITS,
+        "Transactions the audit writer committed, by durability: synced to disk before they \
+         were acknowledged, or deferred to the next synced one"
+    );
+}
+
+/// The audit writer committed a batch with `durability`.
+pub(crate) fn audit_commit(durability: crate::Durability) {
+    let durability = match durability {
+        crate::Durability::Synced => "synced",
+        crate::Durability::Deferred => "deferred",
+    };
+    counter!(AUDIT_COMMITS, "durability" => durability).increment(1);
 }
 
 /// The audit writer wrote (or failed to write) a batch of `entries` in `took`.

@@ -1582,3 +1582,230 @@ mod oauth_authorizations {
         );
     }
 }
+
+/// A journal write that permits an effect outside the database — a call reserved to run, a
+/// run's end — and any API entry are synced to disk before they are acknowledged; a model
+/// turn's or a result's write is deferred to the next synced commit.
+#[test]
+fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    use wor_core::run::{Provenance, RunStatus};
+    use wor_store::{AuditLog, RunWrite, RunWritten};
+
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let commits = || {
+        let mut counts = (0, 0);
+        for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+            let key = key.key();
+            if key.name() != "wor_audit_commits_total" {
+                continue;
+            }
+            let DebugValue::Counter(n) = value else {
+                panic!("a counter")
+            };
+            match key.labels().next().map(|l| l.value().to_owned()).as_deref() {
+                Some("synced") => counts.0 += n,
+                Some("deferred") => counts.1 += n,
+                other => panic!("unexpected label {other:?}"),
+            }
+        }
+        counts
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    metrics::with_local_recorder(&recorder, || {
+        runtime.block_on(async {
+            let db = TestDatabase::isolated().await.unwrap();
+            let store = &db.store;
+            let project = store
+                .create_project(&TestDatabase::unique_name("durable"), "alice")
+                .await
+                .unwrap()
+                .project
+                .id;
+            let toml = "name = \"r\"\ninstructions = \"x\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\nscript = { turns = [{ text = \"hi\" }] }\n";
+            let definition = wor_core::routine::RoutineDefinition::from_toml(toml).unwrap();
+            let routine = store
+                .apply_routine(project, toml, &definition, None)
+                .await
+                .unwrap()
+                .routine
+                .id;
+            let run = store
+                .create_run(
+                    project,
+                    queued_run(routine, 1, None, 1),
+                    InputStep::requested(serde_json::json!("x")),
+                )
+                .await
+                .unwrap();
+            store
+                .claim_run_by_id(project, run.id, "w", 60_000)
+                .await
+                .unwrap()
+                .unwrap();
+            let token = store
+                .mint_run_token(project, run.id, "w", wor_store::now_millis() + 60_000)
+                .await
+                .unwrap()
+                .unwrap();
+            let log = AuditLog::start(store.clone(), signing_key(7), audit_config(1_000));
+            let turn = || {
+                Step::ModelTurn(ModelTurnStep {
+                    message: AssistantMessage {
+                        text: "hi".to_owned(),
+                        tool_calls: Vec::new(),
+                    },
+                    usage: Usage::default(),
+                    stop_reason: StopReason::EndTurn,
+                    identity: None,
+                    nul_replaced: false,
+                })
+            };
+            let write = || RunWrite::new(project, run.id, "w", 60_000);
+            let committed = |written: RunWritten| {
+                assert!(
+                    matches!(written, RunWritten::Committed { .. }),
+                    "{written:?}"
+                );
+            };
+
+            // Each snapshot counts what was recorded since the one before.
+            commits();
+            committed(log.record(write().step(Provenance::Engine, turn())).await.unwrap());
+            assert_eq!(commits(), (0, 1), "a model turn is deferred");
+
+            committed(
+                log.record(
+                    write()
+                        .step(Provenance::Engine, turn())
+                        .presenting(&token),
+                )
+                .await
+                .unwrap(),
+            );
+            assert_eq!(commits(), (1, 0), "a write that reserves a call is synced");
+
+            log.append(key_event(project, 1)).await.unwrap();
+            assert_eq!(commits(), (1, 0), "an API entry is synced");
+
+            committed(
+                log.record(write().end(RunStatus::Succeeded, "done"))
+                    .await
+                    .unwrap(),
+            );
+            assert_eq!(commits(), (1, 0), "a run's end is synced");
+            // Every step is there, in order, whatever its durability.
+            let steps = store.list_run_steps(project, run.id, 0).await.unwrap();
+            let kinds: Vec<_> = steps.iter().map(|s| s.step.kind()).collect();
+            assert_eq!(
+                kinds,
+                [
+                    StepKind::Input,
+                    StepKind::ModelTurn,
+                    StepKind::ModelTurn,
+                    StepKind::Outcome
+                ]
+            );
+        });
+    });
+}
+
+/// What a scheduler page reads together: the versions named, and the active runs of each
+/// routine, each confined to the project it was asked for.
+#[tokio::test]
+async fn versions_and_active_counts_are_read_together_within_their_projects() {
+    let db = TestDatabase::isolated().await.unwrap();
+    let store = &db.store;
+    let mut projects = Vec::new();
+    for name in ["pages-a", "pages-b"] {
+        projects.push(
+            store
+                .create_project(&TestDatabase::unique_name(name), "alice")
+                .await
+                .unwrap()
+                .project
+                .id,
+        );
+    }
+    let source = |text: &str| {
+        format!(
+            "name = \"r\"\ninstructions = \"{text}\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\nscript = {{ turns = [{{ text = \"hi\" }}] }}\n"
+        )
+    };
+    let mut routines = Vec::new();
+    for (n, project) in projects.iter().enumerate() {
+        for text in ["one", "two"] {
+            let toml = source(&format!("{text} {n}"));
+            let definition = wor_core::routine::RoutineDefinition::from_toml(&toml).unwrap();
+            let applied = store
+                .apply_routine(*project, &toml, &definition, None)
+                .await
+                .unwrap();
+            routines.push((*project, applied.routine.id, applied.version));
+        }
+    }
+    let (a, routine_a, _) = routines[0];
+    let (b, routine_b, latest_b) = routines[3];
+    // Versions 1 and 2 of each project's routine, a version that does not exist, and a
+    // routine asked for under the other project.
+    let wanted = [
+        (a, routine_a, 1),
+        (a, routine_a, 2),
+        (b, routine_b, latest_b),
+        (a, routine_a, 9),
+        (a, routine_b, latest_b),
+    ];
+    let mut found: Vec<_> = store
+        .get_routine_versions(&wanted)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(project, version)| {
+            assert_eq!(version.definition.name.as_str(), "r");
+            (project, version.routine_id, version.version)
+        })
+        .collect();
+    found.sort();
+    let mut expected = vec![
+        (a, routine_a, 1),
+        (a, routine_a, 2),
+        (b, routine_b, latest_b),
+    ];
+    expected.sort();
+    assert_eq!(found, expected);
+
+    for _ in 0..3 {
+        store
+            .create_run(
+                a,
+                queued_run(routine_a, 2, None, 10),
+                InputStep::requested(serde_json::json!("x")),
+            )
+            .await
+            .unwrap();
+    }
+    store
+        .create_run(
+            b,
+            queued_run(routine_b, latest_b, None, 10),
+            InputStep::requested(serde_json::json!("x")),
+        )
+        .await
+        .unwrap();
+    let counts = store
+        .active_run_counts(&[(a, routine_a), (a, routine_b)])
+        .await
+        .unwrap();
+    assert_eq!(counts.get(&routine_a), Some(&3));
+    assert_eq!(
+        counts.get(&routine_b),
+        None,
+        "another project's runs are not counted"
+    );
+    let counts = store.active_run_counts(&[(b, routine_b)]).await.unwrap();
+    assert_eq!(counts.get(&routine_b), Some(&1));
+}
