@@ -218,3 +218,71 @@ fn a_keyless_model_connection_needs_the_operators_model_range() {
     assert_eq!(checked.status.code(), Some(1), "{}", text(&checked.stdout));
     server.stop();
 }
+
+const STRUCTURED: &str = r#"
+name = "triage"
+instructions = "Classify the page."
+
+[model]
+provider = "replay"
+model = "script"
+
+[[model.script.turns]]
+text = '''{"severity": "high", "summary": "disk full"}'''
+repeat = true
+
+[output]
+schema = { type = "object", required = ["severity", "summary"], properties = { severity = { enum = ["low", "high"] }, summary = { type = "string" } } }
+"#;
+
+#[test]
+fn a_structured_result_is_shown_by_follow_and_get_and_is_json_with_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = database_args(dir.path());
+    let key = create_project(&db);
+    let server = Server::start(&db, &[]);
+    let file = dir.path().join("triage.toml");
+    std::fs::write(&file, STRUCTURED).unwrap();
+    let applied = server.client(
+        &key,
+        &["routine", "apply", "-f", &file.display().to_string()],
+    );
+    assert!(applied.status.success(), "{}", text(&applied.stderr));
+    let expected = serde_json::json!({"severity": "high", "summary": "disk full"});
+
+    // Followed live: the checked result is a step of its own.
+    let followed = server.client(&key, &["run", "start", "triage", "--follow"]);
+    let out = text(&followed.stdout);
+    assert!(followed.status.success(), "{out}");
+    assert!(
+        out.contains(r#"[model] result: {"severity":"high","summary":"disk full"}"#),
+        "{out}"
+    );
+
+    // Followed with --json: stdout is the ended run, its result a JSON value.
+    let followed = server.client(&key, &["run", "start", "triage", "--follow", "--json"]);
+    assert!(followed.status.success(), "{}", text(&followed.stderr));
+    let run: serde_json::Value = serde_json::from_slice(&followed.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", text(&followed.stdout)));
+    assert_eq!(run["status"], "succeeded");
+    assert_eq!(run["result"], expected);
+    assert!(
+        text(&followed.stderr).contains("[model] result:"),
+        "the live view goes to stderr: {}",
+        text(&followed.stderr)
+    );
+    let id = run["id"].as_str().unwrap();
+
+    // Shown: indented under the summary, and as JSON with --json.
+    let shown = server.client(&key, &["run", "get", id]);
+    assert!(
+        text(&shown.stdout)
+            .contains("result:\n{\n  \"severity\": \"high\",\n  \"summary\": \"disk full\"\n}"),
+        "{}",
+        text(&shown.stdout)
+    );
+    let shown = server.client(&key, &["run", "get", id, "--json"]);
+    let run: serde_json::Value = serde_json::from_slice(&shown.stdout).unwrap();
+    assert_eq!(run["result"], expected);
+    server.stop();
+}
