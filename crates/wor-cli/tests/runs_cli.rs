@@ -218,3 +218,178 @@ fn a_keyless_model_connection_needs_the_operators_model_range() {
     assert_eq!(checked.status.code(), Some(1), "{}", text(&checked.stdout));
     server.stop();
 }
+
+const STRUCTURED: &str = r#"
+name = "triage"
+instructions = "Classify the page."
+
+[model]
+provider = "replay"
+model = "script"
+
+[[model.script.turns]]
+text = '''{"severity": "high", "summary": "disk full"}'''
+repeat = true
+
+[output]
+schema = { type = "object", required = ["severity", "summary"], properties = { severity = { enum = ["low", "high"] }, summary = { type = "string" } } }
+"#;
+
+#[test]
+fn a_structured_result_is_shown_by_follow_and_get_and_is_json_with_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = database_args(dir.path());
+    let key = create_project(&db);
+    let server = Server::start(&db, &[]);
+    let file = dir.path().join("triage.toml");
+    std::fs::write(&file, STRUCTURED).unwrap();
+    let applied = server.client(
+        &key,
+        &["routine", "apply", "-f", &file.display().to_string()],
+    );
+    assert!(applied.status.success(), "{}", text(&applied.stderr));
+    let expected = serde_json::json!({"severity": "high", "summary": "disk full"});
+
+    // Followed live: the checked result is a step of its own.
+    let followed = server.client(&key, &["run", "start", "triage", "--follow"]);
+    let out = text(&followed.stdout);
+    assert!(followed.status.success(), "{out}");
+    assert!(
+        out.contains(r#"[model] result: {"severity":"high","summary":"disk full"}"#),
+        "{out}"
+    );
+
+    // Followed with --json: stdout is the ended run, its result a JSON value.
+    let followed = server.client(&key, &["run", "start", "triage", "--follow", "--json"]);
+    assert!(followed.status.success(), "{}", text(&followed.stderr));
+    let run: serde_json::Value = serde_json::from_slice(&followed.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", text(&followed.stdout)));
+    assert_eq!(run["status"], "succeeded");
+    assert_eq!(run["result"], expected);
+    assert!(
+        text(&followed.stderr).contains("[model] result:"),
+        "the live view goes to stderr: {}",
+        text(&followed.stderr)
+    );
+    let id = run["id"].as_str().unwrap();
+
+    // Shown: indented under the summary, and as JSON with --json.
+    let shown = server.client(&key, &["run", "get", id]);
+    assert!(
+        text(&shown.stdout)
+            .contains("result:\n{\n  \"severity\": \"high\",\n  \"summary\": \"disk full\"\n}"),
+        "{}",
+        text(&shown.stdout)
+    );
+    let shown = server.client(&key, &["run", "get", id, "--json"]);
+    let run: serde_json::Value = serde_json::from_slice(&shown.stdout).unwrap();
+    assert_eq!(run["result"], expected);
+    server.stop();
+}
+
+/// A streaming OpenAI-compatible model on loopback: text deltas 30 ms apart, a GitHub token
+/// split across three of them, then the finish.
+fn streaming_model() -> std::net::SocketAddr {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Runtime::new().unwrap();
+        runtime.block_on(async move {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            tx.send(listener.local_addr().unwrap()).unwrap();
+            let route = axum::routing::post(|| async {
+                let filler = "and then some more words. ".repeat(12);
+                let deltas = [
+                    "The token is ".to_owned(),
+                    "ghp_a1B2c3D4e5f6".to_owned(),
+                    "G7h8I9j0k1L2m3n4".to_owned(),
+                    "O5p6Q7r8".to_owned(),
+                    " and ".to_owned(),
+                    filler,
+                ];
+                let mut chunks: Vec<String> = deltas
+                    .iter()
+                    .map(|d| {
+                        let chunk = serde_json::json!({"choices": [{"index": 0, "delta": {"content": d}}]});
+                        format!("data: {chunk}\n\n")
+                    })
+                    .collect();
+                chunks.push(format!(
+                    "data: {}\n\ndata: [DONE]\n\n",
+                    serde_json::json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+                        "usage": {"prompt_tokens": 5, "completion_tokens": 40}})
+                ));
+                let stream = futures::stream::unfold(chunks.into_iter(), |mut chunks| async move {
+                    let chunk = chunks.next()?;
+                    tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+                    Some((Ok::<_, std::convert::Infallible>(chunk), chunks))
+                });
+                (
+                    [("content-type", "text/event-stream")],
+                    axum::body::Body::from_stream(stream),
+                )
+            });
+            let app = axum::Router::new().route("/v1/chat/completions", route);
+            axum::serve(listener, app).await.unwrap();
+        });
+    });
+    rx.recv().unwrap()
+}
+
+#[test]
+fn follow_prints_the_models_text_as_it_streams_with_a_split_token_redacted() {
+    let model = streaming_model();
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("wor.toml");
+    std::fs::write(&config, "[egress]\nmodel_cidrs = [\"127.0.0.1/32\"]\n").unwrap();
+    let mut db = database_args(dir.path());
+    db.extend(["--config".to_owned(), config.display().to_string()]);
+    let key = create_project(&db);
+    let server = Server::start(&db, &[]);
+    let created = server.client(
+        &key,
+        &[
+            "model-connection",
+            "create",
+            "local",
+            "--provider",
+            "openai_compatible",
+            "--base-url",
+            &format!("http://{model}/v1"),
+        ],
+    );
+    assert!(created.status.success(), "{}", text(&created.stderr));
+    let file = dir.path().join("talker.toml");
+    std::fs::write(
+        &file,
+        "name = \"talker\"\ninstructions = \"Talk.\"\n[model]\nprovider = \"openai_compatible\"\n\
+         connection = \"local\"\nmodel = \"m\"\n",
+    )
+    .unwrap();
+    let applied = server.client(
+        &key,
+        &["routine", "apply", "-f", &file.display().to_string()],
+    );
+    assert!(applied.status.success(), "{}", text(&applied.stderr));
+
+    let followed = server.client(&key, &["run", "start", "talker", "--follow"]);
+    let out = text(&followed.stdout);
+    assert!(
+        followed.status.success(),
+        "{out}\n{}",
+        text(&followed.stderr)
+    );
+    for part in ["ghp_", "a1B2c3D4", "G7h8I9j0", "O5p6Q7r8"] {
+        assert!(!out.contains(part), "`{part}` was printed: {out}");
+    }
+    // The streamed text, redacted, on its own line before the recorded turn.
+    let streamed = format!(
+        "The token is [REDACTED:github-pat] and {}",
+        "and then some more words. ".repeat(12)
+    );
+    let text_at = out
+        .find(&format!("{streamed}\n"))
+        .unwrap_or_else(|| panic!("no streamed line: {out}"));
+    let turn_at = out.find("[model] ").unwrap();
+    assert!(text_at < turn_at, "{out}");
+    server.stop();
+}

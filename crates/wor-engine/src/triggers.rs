@@ -413,6 +413,15 @@ impl Engine {
         {
             map.insert("approval".to_owned(), approval);
         }
+        // A routine with `[output] schema` ends `succeeded` only with a validated answer, whose
+        // compact JSON is the outcome: the receiver gets it as JSON too.
+        if event == RunEvent::Finished
+            && version.definition.output.is_some()
+            && let Some(result) = outcome.and_then(|o| serde_json::from_str::<Value>(o).ok())
+            && let Some(run) = body.get_mut("run").and_then(Value::as_object_mut)
+        {
+            run.insert("result".to_owned(), result);
+        }
         self.project_redactor(run.project_id)
             .await?
             .redact_json(&mut body);

@@ -8,6 +8,9 @@
 //! `input_json_delta`) / `content_block_stop`, `message_delta` (stop reason, usage) and
 //! `message_stop`; a stream that ends before `message_stop` is a
 //! [`ModelError::TruncatedStream`]. Input tokens include cache creation and cache reads.
+//! A routine's output schema is sent as `output_config.format` (JSON outputs) when it lies
+//! within what Anthropic documents it can constrain to; a model that refuses it with a 400 is
+//! asked once more without it.
 
 use std::collections::BTreeMap;
 
@@ -55,9 +58,36 @@ impl AnthropicProvider {
         request: &ModelRequest,
         sink: &mut dyn StreamSink,
     ) -> Result<ModelResponse, ModelError> {
+        let native = request
+            .output_schema
+            .as_ref()
+            .and_then(native_output_schema);
+        match self.send(request, native, sink).await {
+            // A model without JSON outputs refuses the request with a 400 (before any text
+            // was streamed): asked again without it, its answer is still checked by the engine.
+            Err(ModelError::HttpStatus { status: 400, .. }) if native.is_some() => {
+                self.send(request, None, sink).await
+            }
+            answer => answer,
+        }
+    }
+
+    async fn send(
+        &self,
+        request: &ModelRequest,
+        output_schema: Option<&Value>,
+        sink: &mut dyn StreamSink,
+    ) -> Result<ModelResponse, ModelError> {
         let streaming = self.options.streaming;
-        let body = serde_json::to_vec(&request_body(request, streaming))
-            .map_err(|e| ModelError::InvalidRequest(e.to_string()))?;
+        let mut body = request_body(request, streaming);
+        if let (Some(schema), Some(map)) = (output_schema, body.as_object_mut()) {
+            map.insert(
+                "output_config".into(),
+                json!({"format": {"type": "json_schema", "schema": schema}}),
+            );
+        }
+        let body =
+            serde_json::to_vec(&body).map_err(|e| ModelError::InvalidRequest(e.to_string()))?;
         let mut headers = json_headers(streaming);
         headers.insert(
             HeaderName::from_static("anthropic-version"),
@@ -100,7 +130,8 @@ impl ModelProvider for AnthropicProvider {
     }
 }
 
-/// The Messages request body for `request`.
+/// The Messages request body for `request`, without the output schema (which
+/// [`native_output_schema`] decides on, as `output_config`).
 pub fn request_body(request: &ModelRequest, streaming: bool) -> Value {
     let mut system = Vec::new();
     // (role, content blocks), consecutive same-role messages merged.
@@ -176,6 +207,78 @@ pub fn request_body(request: &ModelRequest, streaming: bool) -> Value {
         body.insert("stream".into(), Value::Bool(true));
     }
     Value::Object(body)
+}
+
+/// Keywords Anthropic's JSON outputs accept, from its documented JSON Schema limits
+/// (`additionalProperties` only as `false`, `minItems` only 0 or 1, `enum` of plain values).
+const NATIVE_KEYWORDS: &[&str] = &[
+    "type",
+    "title",
+    "description",
+    "enum",
+    "const",
+    "default",
+    "properties",
+    "required",
+    "additionalProperties",
+    "items",
+    "minItems",
+    "anyOf",
+    "allOf",
+    "format",
+    "pattern",
+];
+
+/// Bounds the walk over a schema; a larger schema is not sent natively.
+const NATIVE_SCHEMA_NODES: usize = 10_000;
+
+/// `schema` when Anthropic can constrain its answer to it: only [`NATIVE_KEYWORDS`], every
+/// object closed (`additionalProperties: false`), no `$ref` (its recursion is refused). A
+/// schema outside that is not sent: the engine's check of the answer holds either way.
+pub fn native_output_schema(schema: &Value) -> Option<&Value> {
+    let mut stack = vec![schema];
+    let mut seen = 0usize;
+    while let Some(node) = stack.pop() {
+        seen += 1;
+        if seen > NATIVE_SCHEMA_NODES {
+            return None;
+        }
+        let map = match node {
+            Value::Object(map) => map,
+            Value::Bool(true) => continue,
+            _ => return None,
+        };
+        let is_object = map.contains_key("properties")
+            || match map.get("type") {
+                Some(Value::String(t)) => t == "object",
+                Some(Value::Array(types)) => types.iter().any(|t| t == "object"),
+                _ => false,
+            };
+        if is_object && map.get("additionalProperties") != Some(&Value::Bool(false)) {
+            return None;
+        }
+        for (keyword, value) in map {
+            if !NATIVE_KEYWORDS.contains(&keyword.as_str()) {
+                return None;
+            }
+            match (keyword.as_str(), value) {
+                ("properties", Value::Object(properties)) => stack.extend(properties.values()),
+                ("items", items) => stack.push(items),
+                ("anyOf" | "allOf", Value::Array(branches)) => stack.extend(branches),
+                ("additionalProperties", Value::Bool(false)) => {}
+                ("minItems", n) if n.as_u64().is_some_and(|n| n <= 1) => {}
+                ("enum", Value::Array(values))
+                    if values.iter().all(|v| !v.is_object() && !v.is_array()) => {}
+                (
+                    "type" | "title" | "description" | "const" | "default" | "required" | "format"
+                    | "pattern",
+                    _,
+                ) => {}
+                _ => return None,
+            }
+        }
+    }
+    Some(schema)
 }
 
 fn stop_reason(reason: Option<&str>, has_tool_calls: bool) -> StopReason {
@@ -573,6 +676,49 @@ mod tests {
                 ]},
             ]))
         );
+    }
+
+    #[test]
+    fn only_a_schema_within_anthropics_limits_is_sent_natively() {
+        let closed = json!({
+            "type": "object",
+            "required": ["severity", "tags"],
+            "additionalProperties": false,
+            "properties": {
+                "severity": {"enum": ["low", "high"]},
+                "tags": {"type": "array", "minItems": 1, "items": {"type": "string", "format": "uuid"}},
+                "owner": {"anyOf": [{"type": "null"}, {
+                    "type": "object", "additionalProperties": false,
+                    "properties": {"name": {"type": "string", "description": "who"}},
+                }]},
+            },
+        });
+        assert_eq!(native_output_schema(&closed), Some(&closed));
+        assert_eq!(
+            native_output_schema(&json!({"type": "string"})),
+            Some(&json!({"type": "string"}))
+        );
+        for outside in [
+            // An object that may have other properties.
+            json!({"type": "object", "properties": {"a": {"type": "string"}}}),
+            json!({"type": "object", "additionalProperties": {"type": "string"}}),
+            // Nested, too.
+            json!({"type": "object", "additionalProperties": false, "properties": {
+                "inner": {"properties": {"b": {"type": "string"}}},
+            }}),
+            // Constraints it does not enforce.
+            json!({"type": "integer", "minimum": 1}),
+            json!({"type": "string", "maxLength": 10}),
+            json!({"type": "array", "minItems": 2}),
+            json!({"type": "array", "maxItems": 2}),
+            json!({"oneOf": [{"type": "string"}, {"type": "null"}]}),
+            // References (a recursive one is refused) and enums of objects.
+            json!({"$defs": {"n": {"type": "string"}}, "$ref": "#/$defs/n"}),
+            json!({"enum": [{"a": 1}]}),
+            json!({"not": {"type": "string"}}),
+        ] {
+            assert_eq!(native_output_schema(&outside), None, "{outside}");
+        }
     }
 
     #[test]

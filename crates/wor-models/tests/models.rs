@@ -1645,4 +1645,178 @@ async fn an_output_schema_is_asked_for_natively_where_the_provider_has_it() {
             .get("responseJsonSchema")
             .is_none()
     );
+
+    // Azure speaks OpenAI's body: `response_format` too.
+    let server = MockServer::start(vec![json_reply(
+        200,
+        &[],
+        r#"{"choices":[{"index":0,"message":{"role":"assistant","content":"{\"n\":1}"},"finish_reason":"stop"}]}"#,
+    )])
+    .await;
+    azure(&server, false)
+        .complete(&request, &mut DiscardStream)
+        .await
+        .unwrap();
+    assert_eq!(
+        server.requests()[0].json()["response_format"]["json_schema"]["schema"],
+        schema
+    );
+}
+
+fn anthropic_text_reply(text: &str) -> Reply {
+    json_reply(
+        200,
+        &[],
+        &json!({"id": "msg_1", "type": "message", "role": "assistant", "model": "m",
+            "content": [{"type": "text", "text": text}], "stop_reason": "end_turn",
+            "usage": {"input_tokens": 9, "output_tokens": 4}})
+        .to_string(),
+    )
+}
+
+#[tokio::test]
+async fn anthropic_is_asked_for_json_outputs_when_the_schema_is_within_its_limits() {
+    let closed = json!({"type": "object", "required": ["n"], "additionalProperties": false,
+        "properties": {"n": {"type": "integer"}}});
+    let server = MockServer::start(vec![
+        anthropic_text_reply(r#"{"n":1}"#),
+        anthropic_text_reply(r#"{"n":2}"#),
+        anthropic_text_reply(r#"{"n":3}"#),
+    ])
+    .await;
+    let mut request = simple_request();
+    request.output_schema = Some(closed.clone());
+    let answer = anthropic(&server, false)
+        .complete(&request, &mut DiscardStream)
+        .await
+        .unwrap();
+    assert_eq!(answer.message.text, r#"{"n":1}"#);
+    let body = server.requests()[0].json();
+    assert_eq!(
+        body["output_config"],
+        json!({"format": {"type": "json_schema", "schema": closed}})
+    );
+    // The generally available form: no beta header, no `output_format`.
+    assert_eq!(server.requests()[0].header("anthropic-beta"), None);
+    assert!(body.get("output_format").is_none());
+    // Tools may be offered beside it: a constrained turn can still call one.
+    let mut with_tools = request.clone();
+    with_tools.tools = vec![lookup_tool()];
+    anthropic(&server, false)
+        .complete(&with_tools, &mut DiscardStream)
+        .await
+        .unwrap();
+    let body = server.requests()[1].json();
+    assert_eq!(body["output_config"]["format"]["schema"], closed);
+    assert_eq!(body["tools"][0]["name"], "lookup");
+    // A schema outside its limits (an object open to other properties) is not sent.
+    let mut open = request.clone();
+    open.output_schema = Some(json!({"type": "object", "properties": {"n": {"type": "integer"}}}));
+    anthropic(&server, false)
+        .complete(&open, &mut DiscardStream)
+        .await
+        .unwrap();
+    assert!(server.requests()[2].json().get("output_config").is_none());
+}
+
+#[tokio::test]
+async fn a_model_that_refuses_anthropics_json_outputs_is_asked_again_without_them() {
+    let closed = json!({"type": "object", "additionalProperties": false,
+        "properties": {"n": {"type": "integer"}}});
+    let server = MockServer::start(vec![
+        json_reply(
+            400,
+            &[],
+            r#"{"type":"error","error":{"type":"invalid_request_error","message":"output_config.format: this model does not support structured outputs"}}"#,
+        ),
+        anthropic_text_reply(r#"{"n":1}"#),
+        json_reply(
+            400,
+            &[],
+            r#"{"type":"error","error":{"type":"invalid_request_error","message":"max_tokens: too large"}}"#,
+        ),
+    ])
+    .await;
+    let mut request = simple_request();
+    request.output_schema = Some(closed);
+    let answer = anthropic(&server, false)
+        .complete(&request, &mut DiscardStream)
+        .await
+        .unwrap();
+    assert_eq!(answer.message.text, r#"{"n":1}"#);
+    let requests = server.requests();
+    assert_eq!(requests.len(), 2);
+    assert!(requests[0].json().get("output_config").is_some());
+    assert!(requests[1].json().get("output_config").is_none());
+    // Without a native schema, a 400 is final at once.
+    let error = anthropic(&server, false)
+        .complete(&simple_request(), &mut DiscardStream)
+        .await
+        .unwrap_err();
+    assert_eq!(server.requests().len(), 3);
+    assert!(
+        error.to_string().contains("max_tokens: too large"),
+        "{error}"
+    );
+}
+
+#[tokio::test]
+async fn anthropic_and_gemini_wait_out_a_429_with_retry_after() {
+    // Anthropic's rate-limit answer: `rate_limit_error` with `retry-after` in seconds.
+    let server = MockServer::start(vec![
+        json_reply(
+            429,
+            &["retry-after: 1", "anthropic-ratelimit-requests-remaining: 0"],
+            r#"{"type":"error","error":{"type":"rate_limit_error","message":"Number of requests has exceeded your rate limit"}}"#,
+        ),
+        anthropic_text_reply("ok"),
+    ])
+    .await;
+    let answer = anthropic(&server, false)
+        .complete(&simple_request(), &mut DiscardStream)
+        .await
+        .unwrap();
+    assert_eq!(answer.message.text, "ok");
+    let requests = server.requests();
+    assert_eq!(requests.len(), 2);
+    let waited = requests[1].at.duration_since(requests[0].at);
+    assert!(waited >= Duration::from_millis(900), "waited {waited:?}");
+
+    // Gemini behind a proxy that sends the header rather than a RetryInfo: honoured alike.
+    let server = MockServer::start(vec![
+        json_reply(
+            429,
+            &["retry-after: 1"],
+            r#"{"error":{"code":429,"message":"Resource has been exhausted","status":"RESOURCE_EXHAUSTED"}}"#,
+        ),
+        json_reply(
+            200,
+            &[],
+            r#"{"candidates":[{"content":{"role":"model","parts":[{"text":"ok"}]},"finishReason":"STOP","index":0}]}"#,
+        ),
+    ])
+    .await;
+    let answer = gemini(&server, false)
+        .complete(&simple_request(), &mut DiscardStream)
+        .await
+        .unwrap();
+    assert_eq!(answer.message.text, "ok");
+    let requests = server.requests();
+    assert_eq!(requests.len(), 2);
+    let waited = requests[1].at.duration_since(requests[0].at);
+    assert!(waited >= Duration::from_millis(900), "waited {waited:?}");
+
+    // A wait beyond patience is not taken: the call fails naming the delay.
+    let server = MockServer::start(vec![json_reply(
+        429,
+        &["retry-after: 600"],
+        r#"{"type":"error","error":{"type":"rate_limit_error","message":"slow down"}}"#,
+    )])
+    .await;
+    let error = anthropic(&server, true)
+        .complete(&simple_request(), &mut DiscardStream)
+        .await
+        .unwrap_err();
+    assert_eq!(server.requests().len(), 1);
+    assert_eq!(error.retry_after(), Some(Duration::from_secs(600)));
 }

@@ -2194,3 +2194,39 @@ async fn a_key_made_in_the_console_is_shown_once_and_keeps_the_apis_role_rules()
     assert_eq!(page.status, StatusCode::CREATED, "{}", page.body);
     assert!(h.audit_text().await.contains("key.create"));
 }
+
+#[tokio::test]
+async fn a_structured_result_is_shown_on_the_run_page_and_in_its_timeline() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    let run = h
+        .run(
+            "name = \"triage\"\ninstructions = \"Classify.\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\n\
+             [[model.script.turns]]\ntext = '''Here: {\"severity\": \"high\", \"summary\": \"disk <full>\"}'''\n\
+             [[model.script.turns]]\ntext = '''{\"severity\": \"high\", \"summary\": \"disk <full>\"}'''\n\
+             [output]\nschema = { type = \"object\", required = [\"severity\"], properties = { severity = { enum = [\"low\", \"high\"] } } }\n",
+        )
+        .await;
+    assert_eq!(run["status"], "succeeded", "{run:#}");
+    let id = run["id"].as_str().unwrap();
+    let mut cho = signed_in(&h, addr, "cho", Some("viewer")).await;
+    let page = cho.get(&format!("/console/runs/{id}")).await;
+    assert_eq!(page.status, StatusCode::OK);
+    // The result, indented and escaped, in place of the outcome's one line of JSON.
+    let facts = &page.body[..page.body.find("<h2>Budgets</h2>").unwrap()];
+    assert!(facts.contains("<dt>Result</dt>"), "{facts}");
+    assert!(
+        facts.contains("  &#34;severity&#34;: &#34;high&#34;,")
+            && facts.contains("disk &#60;full&#62;"),
+        "{facts}"
+    );
+    assert!(!facts.contains("<dt>Outcome</dt>"), "{facts}");
+    // The timeline: the correction the engine asked for, then the checked answer.
+    let timeline = &page.body[page.body.find("<h2>Timeline</h2>").unwrap()..];
+    assert!(timeline.contains("from output_schema"), "{timeline}");
+    assert!(
+        timeline.contains("<strong>output</strong>")
+            && timeline.contains("from the model&#39;s answer, checked against the output schema"),
+        "{timeline}"
+    );
+}

@@ -702,3 +702,120 @@ async fn model_text_streams_to_run_events_redacted_before_the_turn_ends() {
     let turn = &steps_of(&run, "model_turn")[0]["payload"]["message"]["text"];
     assert_eq!(turn, &json!(expected));
 }
+
+#[tokio::test]
+async fn a_key_replaced_while_a_run_waits_stops_it_when_it_resumes() {
+    let h = Harness::new().await;
+    // The model asks for a note to be sent, which a person must approve first.
+    let call = [
+        json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+            "function": {"name": "notes__send_note", "arguments": "{\"text\":\"hi\"}"}}]}, "finish_reason": null}]}),
+        json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}),
+        json!({"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 5}}),
+    ];
+    let mut body: String = call.iter().map(|c| format!("data: {c}\n\n")).collect();
+    body.push_str("data: [DONE]\n\n");
+    let (model, seen) = cloud_model(body, "authorization").await;
+    let notes: Arc<Mutex<usize>> = Arc::default();
+    let counted = notes.clone();
+    let tool = common::serve(Router::new().route(
+        "/v1/notes",
+        axum::routing::post(move || {
+            let counted = counted.clone();
+            async move {
+                *counted.lock().unwrap() += 1;
+                axum::Json(json!({"status": "sent"}))
+            }
+        }),
+    ))
+    .await;
+    let (status, created) = h
+        .call(
+            Method::POST,
+            "/v1/tool-connections",
+            Some(json!({"name": "notes", "kind": "http_api", "url": format!("http://{tool}/v1"),
+                "allowlist": [tool.to_string()], "tools": [{"name": "send_note", "description": "Sends a note",
+                "method": "POST", "path": "/notes",
+                "inputSchema": {"type": "object", "properties": {"text": {"type": "string"}}}}]})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    h.review_and_enable(created["id"].as_str().unwrap(), &[])
+        .await;
+    let (status, connection) = h
+        .call(
+            Method::POST,
+            "/v1/model-connections",
+            Some(json!({"name": "cloud", "provider": "openai_compatible",
+                "base_url": format!("http://{model}/v1"), "api_key": "sk-first-0123456789abcdef"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{connection}");
+    let connection = connection["id"].as_str().unwrap().to_owned();
+    let toml = "name = \"noter\"\ninstructions = \"Send a note.\"\n[model]\nprovider = \"openai_compatible\"\n\
+                connection = \"cloud\"\nmodel = \"m\"\n[[tools]]\ntool = \"notes/send_note\"\nmode = \"confirm\"\n";
+    let (status, applied) = h
+        .call(Method::POST, "/v1/routines", Some(json!({ "toml": toml })))
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{applied}");
+    let routine = applied["routine"]["id"].as_str().unwrap();
+    let (_, run) = h
+        .call(
+            Method::POST,
+            &format!("/v1/routines/{routine}/runs"),
+            Some(json!({"input": "go"})),
+        )
+        .await;
+    let run_id = run["id"].as_str().unwrap().to_owned();
+    assert!(h.engine.run_next().await.unwrap());
+    let pending = h.pending_approvals(&run_id).await;
+    assert_eq!(
+        pending.len(),
+        1,
+        "the run waits for its call to be approved"
+    );
+    assert_eq!(
+        steps_of(&h.get_run(&run_id).await, "model_turn")[0]["payload"]["identity"]["credential_version"],
+        1
+    );
+
+    // The key is replaced while the run waits; then the call is approved.
+    let (status, replaced) = h
+        .call(
+            Method::PUT,
+            &format!("/v1/model-connections/{connection}/api-key"),
+            Some(json!({"api_key": "sk-second-0123456789abcdef"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{replaced}");
+    assert_eq!(replaced["credential_version"], 2);
+    let approver = h.member("approver").await;
+    let (status, decided) = h
+        .decide(
+            &approver,
+            pending[0]["id"].as_str().unwrap(),
+            "approve",
+            "fine",
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{decided}");
+    assert!(
+        h.engine.run_next().await.unwrap(),
+        "the approved run resumes"
+    );
+
+    let run = h.get_run(&run_id).await;
+    assert_eq!(run["status"], "failed", "{run:#}");
+    let outcome = run["outcome"].as_str().unwrap();
+    assert!(
+        outcome.contains("key was replaced") && outcome.contains("credential version 1, now 2"),
+        "{outcome}"
+    );
+    assert_eq!(*notes.lock().unwrap(), 0, "the approved call did not run");
+    let seen = seen.requests.lock().unwrap();
+    assert_eq!(seen.len(), 1, "no model call with the new key: {seen:?}");
+    assert_eq!(
+        seen[0].1.as_deref(),
+        Some("Bearer sk-first-0123456789abcdef")
+    );
+}

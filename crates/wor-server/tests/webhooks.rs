@@ -547,3 +547,70 @@ async fn a_notify_url_the_egress_guard_refuses_is_refused_when_applied() {
         assert!(reply.status.is_success(), "{url}: {}", reply.text);
     }
 }
+
+#[tokio::test]
+async fn a_structured_result_arrives_as_json_in_the_run_finished_webhook() {
+    let receiver = Receiver::default();
+    let addr = serve_receiver(receiver.clone()).await;
+    let h = Harness::new().await;
+    let toml = format!(
+        "name = \"triage\"\ninstructions = \"Classify.\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\n\
+         [[model.script.turns]]\ntext = '''{{\"severity\": \"high\", \"summary\": \"disk full\"}}'''\n\
+         [output]\nschema = {{ type = \"object\", required = [\"severity\"], properties = {{ severity = {{ enum = [\"low\", \"high\"] }} }} }}\n\
+         [notify]\nurl = \"http://{addr}/hook\"\nevents = [\"finished\"]\n"
+    );
+    let (routine, _) = h.apply(&toml).await;
+    let run = h
+        .reply(
+            Method::POST,
+            &format!("/v1/routines/{routine}/runs"),
+            Some(json!({"input": "go"})),
+        )
+        .await;
+    assert!(run.status.is_success(), "{}", run.text);
+    assert!(h.engine.run_next().await.unwrap());
+    assert_eq!(
+        h.engine
+            .deliver_webhooks(wor_store::now_millis())
+            .await
+            .unwrap(),
+        1
+    );
+    let got = receiver.got.lock().unwrap().clone();
+    let payload: Value = serde_json::from_slice(&got[0].1).unwrap();
+    assert_eq!(payload["event"], "run.finished");
+    assert_eq!(
+        payload["run"]["result"],
+        json!({"severity": "high", "summary": "disk full"}),
+        "{payload:#}"
+    );
+}
+
+#[tokio::test]
+async fn a_run_of_a_routine_without_an_output_schema_sends_no_result() {
+    let receiver = Receiver::default();
+    let addr = serve_receiver(receiver.clone()).await;
+    let h = Harness::new().await;
+    // An answer that happens to be JSON is still only text without `[output]`.
+    let toml = format!(
+        "name = \"plain\"\ninstructions = \"Say.\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\n\
+         [[model.script.turns]]\ntext = '''{{\"severity\": \"high\"}}'''\n\
+         [notify]\nurl = \"http://{addr}/hook\"\nevents = [\"finished\"]\n"
+    );
+    let (routine, _) = h.apply(&toml).await;
+    h.reply(
+        Method::POST,
+        &format!("/v1/routines/{routine}/runs"),
+        Some(json!({"input": "go"})),
+    )
+    .await;
+    assert!(h.engine.run_next().await.unwrap());
+    h.engine
+        .deliver_webhooks(wor_store::now_millis())
+        .await
+        .unwrap();
+    let got = receiver.got.lock().unwrap().clone();
+    let payload: Value = serde_json::from_slice(&got[0].1).unwrap();
+    assert_eq!(payload["run"]["outcome"], r#"{"severity": "high"}"#);
+    assert!(payload["run"].get("result").is_none(), "{payload:#}");
+}

@@ -21,7 +21,8 @@ pub enum RunCommand {
         /// The requester's input, as a JSON value.
         #[arg(long, value_name = "JSON")]
         input_json: Option<String>,
-        /// Show the run live until it ends; exit 0 only if it succeeded.
+        /// Show the run live until it ends; exit 0 only if it succeeded. With `--json`, the
+        /// live view goes to stderr and the ended run (with its `result`) to stdout.
         #[arg(long)]
         follow: bool,
         /// The memory thread, for routines with `[memory]` [default: default].
@@ -58,7 +59,7 @@ pub enum RunCommand {
         #[command(flatten)]
         client: ClientArgs,
     },
-    /// Show a run live until it ends; exit 0 only if it succeeded.
+    /// Show a run live until it ends; exit 0 only if it succeeded (`--json`: as for `start`).
     Follow {
         /// A `run_…` id.
         id: String,
@@ -94,7 +95,19 @@ pub(crate) fn describe_step(step: &Value) -> String {
     }
 }
 
-async fn follow(api: &ApiClient, id: &str) -> anyhow::Result<ExitCode> {
+/// Prints `line` for a person watching: on stdout, or on stderr when stdout is kept for JSON.
+fn watch_line(json: bool, line: &str) {
+    if json {
+        eprintln!("{line}");
+    } else {
+        println!("{line}");
+    }
+}
+
+/// Follows run `id` until it ends. With `json`, what is shown live goes to stderr and stdout
+/// gets the ended run as the API shows it (its steps and, for a routine with an output
+/// schema, its `result`).
+async fn follow(api: &ApiClient, id: &str, json: bool) -> anyhow::Result<ExitCode> {
     let mut last = Value::Null;
     // The model's text as it is written, on one line ended when the next step arrives.
     let mut in_text = false;
@@ -102,30 +115,46 @@ async fn follow(api: &ApiClient, id: &str) -> anyhow::Result<ExitCode> {
         &format!("/v1/runs/{id}/events"),
         |event, data| match event {
             "text" => {
-                print!("{}", field(&data, "/delta"));
-                let _ = std::io::Write::flush(&mut std::io::stdout());
+                let delta = field(&data, "/delta");
+                if json {
+                    eprint!("{delta}");
+                } else {
+                    print!("{delta}");
+                    let _ = std::io::Write::flush(&mut std::io::stdout());
+                }
                 in_text = true;
             }
             "step" => {
                 if std::mem::take(&mut in_text) {
-                    println!();
+                    watch_line(json, "");
                 }
-                println!("{}", describe_step(&data));
+                watch_line(json, &describe_step(&data));
             }
             "end" => last = data,
             _ => {}
         },
     )
     .await?;
-    if last.is_null() {
+    if last.is_null() || json {
         last = api.get(&format!("/v1/runs/{id}")).await?;
     }
     eprintln!("{}", summary(&last));
+    if json {
+        print_json(&last)?;
+    }
     Ok(if field(&last, "/status") == "succeeded" {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// A run's validated result (routines with `[output] schema`), indented, under its summary.
+fn print_result(run: &Value) -> anyhow::Result<()> {
+    if let Some(result) = run.get("result") {
+        println!("result:\n{}", serde_json::to_string_pretty(result)?);
+    }
+    Ok(())
 }
 
 pub async fn run(cmd: RunCommand) -> anyhow::Result<ExitCode> {
@@ -156,7 +185,7 @@ pub async fn run(cmd: RunCommand) -> anyhow::Result<ExitCode> {
             let run_id = field(&run, "/id").to_owned();
             if live {
                 eprintln!("run {run_id} started");
-                return follow(&api, &run_id).await;
+                return follow(&api, &run_id, client.json).await;
             }
             if client.json {
                 print_json(&run)?;
@@ -172,6 +201,7 @@ pub async fn run(cmd: RunCommand) -> anyhow::Result<ExitCode> {
                 print_json(&run)?;
             } else {
                 println!("{}", summary(&run));
+                print_result(&run)?;
                 for step in run
                     .get("steps")
                     .and_then(Value::as_array)
@@ -219,7 +249,7 @@ pub async fn run(cmd: RunCommand) -> anyhow::Result<ExitCode> {
             }
         }
         RunCommand::Follow { id, client } => {
-            return follow(&ApiClient::new(&client)?, &id).await;
+            return follow(&ApiClient::new(&client)?, &id, client.json).await;
         }
     }
     Ok(ExitCode::SUCCESS)

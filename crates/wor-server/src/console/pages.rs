@@ -802,7 +802,8 @@ fn step_source(step: &wor_store::RunStep) -> String {
             None => "the run's input".to_owned(),
         },
         Step::Memory(_) => "memory".to_owned(),
-        Step::ModelTurn(_) | Step::Output(_) => "the model".to_owned(),
+        Step::ModelTurn(_) => "the model".to_owned(),
+        Step::Output(_) => "the model's answer, checked against the output schema".to_owned(),
         Step::Outcome(_) => "the engine".to_owned(),
     }
 }
@@ -834,6 +835,8 @@ struct RunPage {
     status: String,
     trigger: String,
     outcome: String,
+    /// For a routine with `[output] schema`, the validated result, as indented JSON.
+    result: String,
     created_at: String,
     finished_at: String,
     turns: u64,
@@ -904,6 +907,14 @@ pub async fn run(
             },
         )
         .await?;
+    let result = steps
+        .iter()
+        .rev()
+        .find_map(|s| match &s.step {
+            Step::Output(output) => serde_json::to_string_pretty(&output.result).ok(),
+            _ => None,
+        })
+        .unwrap_or_default();
     let page = RunPage {
         banner: (&member).into(),
         id: run.id.to_string(),
@@ -912,6 +923,7 @@ pub async fn run(
         status: run.status.to_string(),
         trigger: run.trigger_kind.as_str().to_owned(),
         outcome: run.outcome.clone().unwrap_or_default(),
+        result,
         created_at: rfc3339(run.created_at),
         finished_at: run.finished_at.map(rfc3339).unwrap_or_default(),
         turns: run.usage.turns,
