@@ -350,17 +350,21 @@ impl Writer {
         for (project, events) in by_project {
             let head = lock_head(tx, self.store.backend, project).await?;
             let (mut seq, mut prev) = (head.seq, head.hash);
+            let mut entries = Vec::with_capacity(events.len());
             for (index, event) in events {
                 seq += 1;
                 let entry = event.into_entry(seq, at, prev, redact_payload);
-                insert_entry(tx, &entry).await?;
                 prev = entry.hash.clone();
                 if let Some(slot) = receipts.get_mut(index) {
                     *slot = Some(AuditReceipt {
                         seq,
-                        hash: entry.hash,
+                        hash: entry.hash.clone(),
                     });
                 }
+                entries.push(entry);
+            }
+            for chunk in entries.chunks(ENTRIES_PER_STATEMENT) {
+                insert_entries(tx, chunk).await?;
             }
             if seq - head.checkpoint_seq >= self.config.checkpoint_every {
                 self.insert_checkpoint(tx, project, seq, &prev, at).await?;
@@ -510,30 +514,48 @@ fn advisory_lock_key(project: ProjectId) -> i64 {
     i64::from_be_bytes(digest.first_chunk::<8>().copied().unwrap_or_default())
 }
 
-async fn insert_entry(tx: &mut Transaction<'_, Any>, entry: &AuditEntry) -> Result<(), StoreError> {
-    let actor = serde_json::to_value(&entry.actor)
-        .map_err(|e| StoreError::Corrupt(format!("audit actor: {e}")))?;
-    let subjects = serde_json::to_value(&entry.subjects)
-        .map_err(|e| StoreError::Corrupt(format!("audit subjects: {e}")))?;
-    sqlx::query(
-        "INSERT INTO audit_entries (project_id, seq, at, actor, category, subjects, root_run_id, \
-         parent_run_id, payload_digest, payload, prev_hash, hash) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
-    )
-    .bind(entry.project_id.to_string())
-    .bind(entry.seq)
-    .bind(entry.at)
-    .bind(to_canonical_json(&actor))
-    .bind(&entry.category)
-    .bind(to_canonical_json(&subjects))
-    .bind(entry.root_run_id.map(|r| r.to_string()))
-    .bind(entry.parent_run_id.map(|r| r.to_string()))
-    .bind(&entry.payload_digest)
-    .bind(to_canonical_json(&entry.payload))
-    .bind(&entry.prev_hash)
-    .bind(&entry.hash)
-    .execute(&mut **tx)
-    .await?;
+/// Entries inserted by one statement (12 values each).
+const ENTRIES_PER_STATEMENT: usize = 100;
+
+/// Inserts `entries` with one statement.
+async fn insert_entries(
+    tx: &mut Transaction<'_, Any>,
+    entries: &[AuditEntry],
+) -> Result<(), StoreError> {
+    const VALUES: usize = 12;
+    let rows: Vec<String> = (0..entries.len())
+        .map(|i| {
+            let row: Vec<String> = (i * VALUES + 1..=(i + 1) * VALUES)
+                .map(|n| format!("${n}"))
+                .collect();
+            format!("({})", row.join(", "))
+        })
+        .collect();
+    let sql = format!(
+        "INSERT INTO audit_entries ({ENTRY_COLUMNS}) VALUES {}",
+        rows.join(", ")
+    );
+    let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
+    for entry in entries {
+        let actor = serde_json::to_value(&entry.actor)
+            .map_err(|e| StoreError::Corrupt(format!("audit actor: {e}")))?;
+        let subjects = serde_json::to_value(&entry.subjects)
+            .map_err(|e| StoreError::Corrupt(format!("audit subjects: {e}")))?;
+        query = query
+            .bind(entry.project_id.to_string())
+            .bind(entry.seq)
+            .bind(entry.at)
+            .bind(to_canonical_json(&actor))
+            .bind(entry.category.clone())
+            .bind(to_canonical_json(&subjects))
+            .bind(entry.root_run_id.map(|r| r.to_string()))
+            .bind(entry.parent_run_id.map(|r| r.to_string()))
+            .bind(entry.payload_digest.clone())
+            .bind(to_canonical_json(&entry.payload))
+            .bind(entry.prev_hash.clone())
+            .bind(entry.hash.clone());
+    }
+    query.execute(&mut **tx).await?;
     Ok(())
 }
 
