@@ -148,7 +148,15 @@ impl Store {
         let id = RunId::new();
         let now = now_millis();
         let mut tx = self.begin_write().await?;
-        if !insert_run(&mut tx, project, id, &new, &input, now).await? {
+        let start = ScheduledStart {
+            project,
+            run: new,
+            input,
+        };
+        if insert_runs(&mut tx, &[id], std::slice::from_ref(&start), now)
+            .await?
+            .is_empty()
+        {
             return Err(StoreError::Conflict(
                 "this trigger (schedule slot or webhook delivery) already started a run".to_owned(),
             ));
@@ -174,7 +182,7 @@ impl Store {
             .chunks(ROWS_PER_STATEMENT)
             .zip(starts.chunks(ROWS_PER_STATEMENT))
         {
-            inserted.extend(insert_scheduled(&mut tx, ids, starts, now).await?);
+            inserted.extend(insert_runs(&mut tx, ids, starts, now).await?);
         }
         for advances in advances.chunks(ROWS_PER_STATEMENT) {
             crate::triggers::advance_schedules(&mut tx, advances, now).await?;
@@ -622,8 +630,9 @@ fn row_placeholders(first: usize, count: usize) -> String {
 }
 
 /// Inserts the runs of `starts` under `ids` (two statements: the runs, then their first
-/// steps), skipping any whose trigger key already started a run; returns the ids inserted.
-async fn insert_scheduled(
+/// steps: the input, and the memory a run replays), skipping any whose trigger key already
+/// started a run; returns the ids inserted. One run or a scheduler page alike.
+async fn insert_runs(
     tx: &mut sqlx::Transaction<'_, sqlx::Any>,
     ids: &[RunId],
     starts: &[ScheduledStart],
@@ -671,6 +680,9 @@ async fn insert_scheduled(
         .iter()
         .map(|row| parse_column(&row.try_get::<String, _>("id")?, "runs.id"))
         .collect::<Result<_, StoreError>>()?;
+    // Sequence numbers are bound as BIGINT, as `insert_step` binds them: a one-row statement
+    // here has the same text as its, and PostgreSQL keeps the types a statement was first
+    // prepared with on each connection.
     let mut steps = Vec::new();
     for (id, start) in ids.iter().zip(starts) {
         if !inserted.contains(id) {
@@ -679,7 +691,7 @@ async fn insert_scheduled(
         steps.push((
             *id,
             start.project,
-            1,
+            1_i64,
             start.run.input_provenance,
             Step::Input(start.input.clone()),
         ));
@@ -687,7 +699,7 @@ async fn insert_scheduled(
             steps.push((
                 *id,
                 start.project,
-                2,
+                2_i64,
                 *provenance,
                 Step::Memory(memory.clone()),
             ));
@@ -724,61 +736,6 @@ async fn insert_scheduled(
         .copied()
         .filter(|id| inserted.contains(id))
         .collect())
-}
-
-/// Inserts a new run with its input (and memory) as its first steps; false, with nothing
-/// written, when its trigger key already started a run.
-async fn insert_run(
-    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
-    project: ProjectId,
-    id: RunId,
-    new: &NewRun,
-    input: &InputStep,
-    now: i64,
-) -> Result<bool, StoreError> {
-    let inserted = sqlx::query(
-        "INSERT INTO runs (id, project_id, routine_id, routine_version, root_run_id, parent_run_id, depth, \
-         status, trigger_kind, started_by, max_concurrent, outcome, created_at, updated_at, finished_at, trigger_key, thread, budget_cap) \
-         VALUES ($1, $2, $3, $4, $14, $15, $16, $5, $6, $7, $8, $9, $10, $10, $11, $12, $13, $17) \
-         ON CONFLICT DO NOTHING",
-    )
-    .bind(id.to_string())
-    .bind(project.to_string())
-    .bind(new.routine_id.to_string())
-    .bind(new.routine_version)
-    .bind(new.status.as_str())
-    .bind(new.trigger_kind.as_str())
-    .bind(new.started_by.map(|k| k.to_string()))
-    .bind(to_i64(new.max_concurrent))
-    .bind(new.outcome.as_deref())
-    .bind(now)
-    .bind(new.status.is_terminal().then_some(now))
-    .bind(new.trigger_key.as_deref())
-    .bind(new.thread.as_deref())
-    .bind(new.parent.as_ref().map_or(id, |p| p.root).to_string())
-    .bind(new.parent.as_ref().map(|p| p.parent.to_string()))
-    .bind(new.parent.as_ref().map_or(0, |p| p.depth))
-    .bind(new.parent.as_ref().map(|p| p.budget_cap.to_string()))
-    .execute(&mut **tx)
-    .await?;
-    if inserted.rows_affected() != 1 {
-        return Ok(false);
-    }
-    insert_step(
-        tx,
-        project,
-        id,
-        1,
-        new.input_provenance,
-        &Step::Input(input.clone()),
-        now,
-    )
-    .await?;
-    if let Some((provenance, memory)) = &new.memory {
-        let memory = Step::Memory(memory.clone());
-        insert_step(tx, project, id, 2, *provenance, &memory, now).await?;
-    }
-    Ok(true)
 }
 
 /// Parks a run `worker` holds: status `waiting_for_approval`, lease released, `parked_at` set.
