@@ -45,7 +45,7 @@ use wor_core::budget::ModelPrice;
 use wor_egress::EgressClient;
 use wor_store::{AuditLog, Store, StoreError, Vault};
 
-pub use approvals::Approver;
+pub use approvals::{Approver, ArgumentViolation, EditRefusal};
 pub use email::{SMTP_PASSWORD_FIELD, SMTP_USERNAME_FIELD, SmtpSecrets};
 pub use notifications::{
     MAX_SLACK_INTERACTION_BYTES, NOTIFICATION_ROUTES_TABLE, SLACK_BOT_TOKEN_FIELD,
@@ -145,6 +145,9 @@ pub enum EngineError {
     /// The request itself is wrong (a bad argument).
     #[error("{0}")]
     Invalid(String),
+    /// An approver's edit of a held call is refused; nothing was decided.
+    #[error(transparent)]
+    EditRefused(#[from] EditRefusal),
     /// Something outside (a tool server) could not be reached or answered wrongly.
     #[error("{0}")]
     Unreachable(String),
@@ -177,6 +180,7 @@ impl EngineError {
             }
             EngineError::InvalidState(_) | EngineError::NestedTask(_) => Some(self.to_string()),
             EngineError::Forbidden(_)
+            | EngineError::EditRefused(_)
             | EngineError::Invalid(_)
             | EngineError::Unreachable(_)
             | EngineError::LeaseLost
