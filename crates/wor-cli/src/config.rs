@@ -71,6 +71,10 @@ struct NotificationsSection {
     /// onward itself). Off by default: every relay needs STARTTLS.
     #[serde(default)]
     smtp_plaintext_loopback: bool,
+    /// A PEM file of CA certificates trusted for SMTP relays besides the platform's roots (a
+    /// relay whose certificate a private CA issued).
+    #[serde(default)]
+    smtp_ca_file: Option<PathBuf>,
 }
 
 /// `[sandbox]`: host directories stdio tool servers may be started from and read. Only this
@@ -266,6 +270,8 @@ pub struct ServerConfig {
     pub behind_proxy: bool,
     /// `[notifications] smtp_plaintext_loopback`.
     pub smtp_plaintext_loopback: bool,
+    /// `[notifications] smtp_ca_file`: the certificates in it (DER), trusted for SMTP relays.
+    pub smtp_root_certificates: Vec<Vec<u8>>,
     encryption_key: Option<String>,
     audit_signing_key: Option<String>,
     encryption_key_retired: Option<String>,
@@ -379,7 +385,16 @@ impl ServerConfig {
             console: console_section.resolve(production)?,
             smtp_plaintext_loopback: file
                 .notifications
+                .as_ref()
                 .is_some_and(|n| n.smtp_plaintext_loopback),
+            smtp_root_certificates: match file
+                .notifications
+                .as_ref()
+                .and_then(|n| n.smtp_ca_file.as_ref())
+            {
+                Some(path) => smtp_roots(path)?,
+                None => Vec::new(),
+            },
             public_url: match file.public_url {
                 Some(url) => {
                     let parsed = url::Url::parse(&url)
@@ -521,6 +536,28 @@ impl ServerConfig {
     }
 }
 
+/// The CA certificates of `[notifications] smtp_ca_file`, as DER; a file without one, or
+/// with one that is not PEM, is refused at start.
+fn smtp_roots(path: &Path) -> anyhow::Result<Vec<Vec<u8>>> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject as _;
+    let certificates = CertificateDer::pem_file_iter(path)
+        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "`[notifications] smtp_ca_file` {} cannot be read as PEM certificates: {e}",
+                path.display()
+            )
+        })?;
+    if certificates.is_empty() {
+        bail!(
+            "`[notifications] smtp_ca_file` {} holds no certificate",
+            path.display()
+        );
+    }
+    Ok(certificates.into_iter().map(|c| c.to_vec()).collect())
+}
+
 fn read_file(path: &Path) -> anyhow::Result<FileConfig> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read configuration file `{}`", path.display()))?;
@@ -605,6 +642,7 @@ mod tests {
             tls: None,
             behind_proxy: false,
             smtp_plaintext_loopback: false,
+            smtp_root_certificates: Vec::new(),
             encryption_key: key.map(str::to_owned),
             encryption_key_retired: None,
             audit_signing_key: None,

@@ -107,6 +107,9 @@ pub struct EngineConfig {
     /// The operator allows email routes to speak SMTP without TLS to a loopback relay
     /// (`[notifications] smtp_plaintext_loopback`); otherwise every relay needs STARTTLS.
     pub smtp_plaintext_loopback: bool,
+    /// Certificates (DER) trusted for SMTP relays besides the platform's roots
+    /// (`[notifications] smtp_ca_file`): a relay with a private CA.
+    pub smtp_root_certificates: Vec<Vec<u8>>,
 }
 
 impl Default for EngineConfig {
@@ -127,6 +130,7 @@ impl Default for EngineConfig {
             protected_paths: Vec::new(),
             console_url: None,
             smtp_plaintext_loopback: false,
+            smtp_root_certificates: Vec::new(),
         }
     }
 }
