@@ -622,6 +622,26 @@ fn database_credential_problem(url: &str) -> Option<String> {
 mod tests {
     use super::*;
 
+    #[test]
+    fn smtp_ca_file_is_read_as_pem_certificates_and_one_without_any_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let made = rcgen::generate_simple_self_signed(vec!["relay.test".to_owned()]).unwrap();
+        let pem = dir.path().join("relay-ca.pem");
+        std::fs::write(&pem, made.cert.pem()).unwrap();
+        let file: FileConfig = toml::from_str(&format!(
+            "[notifications]\nsmtp_ca_file = {:?}\n",
+            pem.display().to_string()
+        ))
+        .unwrap();
+        let path = file.notifications.unwrap().smtp_ca_file.unwrap();
+        assert_eq!(smtp_roots(&path).unwrap(), vec![made.cert.der().to_vec()]);
+        let empty = dir.path().join("empty.pem");
+        std::fs::write(&empty, "not a certificate\n").unwrap();
+        let refused = smtp_roots(&empty).unwrap_err().to_string();
+        assert!(refused.contains("holds no certificate"), "{refused}");
+        assert!(smtp_roots(&dir.path().join("missing.pem")).is_err());
+    }
+
     fn config(production: bool, demo: bool, key: Option<&str>, db: Option<&str>) -> ServerConfig {
         ServerConfig {
             listen: DEFAULT_LISTEN.parse().unwrap(),
