@@ -942,7 +942,18 @@ async fn an_approver_edits_and_approves_a_held_call_on_its_page_under_the_apis_r
     let page = owner.get(&path).await;
     assert!(!page.body.contains(&edit), "{}", page.body);
     let mut viewer = signed_in(&h, addr, "vic", Some("viewer")).await;
-    assert!(!viewer.get(&path).await.body.contains(&edit));
+    let page = viewer.get(&path).await;
+    assert!(!page.body.contains(&edit));
+    // Posting the form anyway is refused before the edit is looked at.
+    let csrf = page.csrf();
+    let page = viewer
+        .post(
+            &edit,
+            &[("csrf", &csrf), ("arg.text", "x"), ("reason", "r")],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::FORBIDDEN, "{}", page.body);
+    assert!(page.body.contains("viewer"), "{}", page.body);
 
     let mut ann = signed_in(&h, addr, "ann", Some("approver")).await;
     let page = ann.get(&path).await;

@@ -724,6 +724,14 @@ pub async fn edit_and_approve(
         .map_err(|_| ConsoleError(ApiError::NotFound))?;
     let project = member.session.project_id;
     let approval = state.store.get_approval(project, id).await?;
+    // Who may edit is who may decide: anyone else learns nothing of their edit.
+    if let Some(refusal) = state
+        .engine
+        .approval_refusal(project, &approval, approver(&member))
+        .await?
+    {
+        return Err(ConsoleError(ApiError::Forbidden(refusal)));
+    }
     let mut shown = edit_form(&approval);
     let mut edits = serde_json::Map::new();
     for (key, text) in &fields {
