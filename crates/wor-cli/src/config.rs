@@ -71,6 +71,10 @@ struct NotificationsSection {
     /// onward itself). Off by default: every relay needs STARTTLS.
     #[serde(default)]
     smtp_plaintext_loopback: bool,
+    /// A PEM file of CA certificates trusted for SMTP relays besides the platform's roots (a
+    /// relay whose certificate a private CA issued).
+    #[serde(default)]
+    smtp_ca_file: Option<PathBuf>,
 }
 
 /// `[sandbox]`: host directories stdio tool servers may be started from and read. Only this
@@ -266,6 +270,8 @@ pub struct ServerConfig {
     pub behind_proxy: bool,
     /// `[notifications] smtp_plaintext_loopback`.
     pub smtp_plaintext_loopback: bool,
+    /// `[notifications] smtp_ca_file`: the certificates in it (DER), trusted for SMTP relays.
+    pub smtp_root_certificates: Vec<Vec<u8>>,
     encryption_key: Option<String>,
     audit_signing_key: Option<String>,
     encryption_key_retired: Option<String>,
@@ -379,7 +385,16 @@ impl ServerConfig {
             console: console_section.resolve(production)?,
             smtp_plaintext_loopback: file
                 .notifications
+                .as_ref()
                 .is_some_and(|n| n.smtp_plaintext_loopback),
+            smtp_root_certificates: match file
+                .notifications
+                .as_ref()
+                .and_then(|n| n.smtp_ca_file.as_ref())
+            {
+                Some(path) => smtp_roots(path)?,
+                None => Vec::new(),
+            },
             public_url: match file.public_url {
                 Some(url) => {
                     let parsed = url::Url::parse(&url)
@@ -521,6 +536,28 @@ impl ServerConfig {
     }
 }
 
+/// The CA certificates of `[notifications] smtp_ca_file`, as DER; a file without one, or
+/// with one that is not PEM, is refused at start.
+fn smtp_roots(path: &Path) -> anyhow::Result<Vec<Vec<u8>>> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject as _;
+    let certificates = CertificateDer::pem_file_iter(path)
+        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "`[notifications] smtp_ca_file` {} cannot be read as PEM certificates: {e}",
+                path.display()
+            )
+        })?;
+    if certificates.is_empty() {
+        bail!(
+            "`[notifications] smtp_ca_file` {} holds no certificate",
+            path.display()
+        );
+    }
+    Ok(certificates.into_iter().map(|c| c.to_vec()).collect())
+}
+
 fn read_file(path: &Path) -> anyhow::Result<FileConfig> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read configuration file `{}`", path.display()))?;
@@ -585,6 +622,26 @@ fn database_credential_problem(url: &str) -> Option<String> {
 mod tests {
     use super::*;
 
+    #[test]
+    fn smtp_ca_file_is_read_as_pem_certificates_and_one_without_any_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let made = rcgen::generate_simple_self_signed(vec!["relay.test".to_owned()]).unwrap();
+        let pem = dir.path().join("relay-ca.pem");
+        std::fs::write(&pem, made.cert.pem()).unwrap();
+        let file: FileConfig = toml::from_str(&format!(
+            "[notifications]\nsmtp_ca_file = {:?}\n",
+            pem.display().to_string()
+        ))
+        .unwrap();
+        let path = file.notifications.unwrap().smtp_ca_file.unwrap();
+        assert_eq!(smtp_roots(&path).unwrap(), vec![made.cert.der().to_vec()]);
+        let empty = dir.path().join("empty.pem");
+        std::fs::write(&empty, "not a certificate\n").unwrap();
+        let refused = smtp_roots(&empty).unwrap_err().to_string();
+        assert!(refused.contains("holds no certificate"), "{refused}");
+        assert!(smtp_roots(&dir.path().join("missing.pem")).is_err());
+    }
+
     fn config(production: bool, demo: bool, key: Option<&str>, db: Option<&str>) -> ServerConfig {
         ServerConfig {
             listen: DEFAULT_LISTEN.parse().unwrap(),
@@ -605,6 +662,7 @@ mod tests {
             tls: None,
             behind_proxy: false,
             smtp_plaintext_loopback: false,
+            smtp_root_certificates: Vec::new(),
             encryption_key: key.map(str::to_owned),
             encryption_key_retired: None,
             audit_signing_key: None,

@@ -13,7 +13,107 @@ use wor_store::{
     RunRecord, StoreError,
 };
 
+use wor_core::call::Verdict;
+use wor_core::routine::ROUTINE_CONNECTION;
+use wor_core::step::untrusted_sources;
+use wor_tools::{ArgumentError, CanonicalArguments, prepare_arguments};
+
+use crate::pipeline::decide_call;
+use crate::run_tools::OfferedTool;
+use crate::tool_connections::stored_pins;
 use crate::{Engine, EngineError};
+
+/// Why an approver's edit of a held call is refused when they decide: nothing is decided, and
+/// the call stays pending. Each names what to correct.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EditRefusal {
+    /// Only a call held by policy can be edited.
+    #[error(
+        "only a call held by policy can be edited; a call whose outcome is unknown is approved or denied as it ran"
+    )]
+    NotEditable,
+    /// The edit is not an object of arguments, or is empty.
+    #[error("`arguments` must be an object of the arguments to change and their new values")]
+    NotAnObject,
+    /// A pinned argument was given.
+    #[error("`{argument}` is pinned by the routine and cannot be edited")]
+    Pinned { argument: String },
+    /// The edit leaves the call as it was.
+    #[error("the edit changes nothing; approve the call as it is")]
+    Unchanged,
+    /// The edited arguments do not fit the tool's pinned input schema.
+    #[error("the edited arguments do not fit the tool's input schema: {}", describe(.violations))]
+    Schema { violations: Vec<ArgumentViolation> },
+    /// Policy denies the edited call.
+    #[error(
+        "policy denies the edited call ({}): {}; an edit cannot turn a denied call into an allowed one",
+        policies.join(", "),
+        reasons.join("; ")
+    )]
+    PolicyDenied {
+        policies: Vec<String>,
+        reasons: Vec<String>,
+    },
+    /// The tool cannot be checked any more (gone from the roster, its pin changed).
+    #[error("the edited call to `{tool}` cannot be checked: {why}")]
+    ToolUnavailable { tool: String, why: String },
+}
+
+/// One reason the edited arguments do not fit the tool's schema.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ArgumentViolation {
+    /// The top-level argument it is at; `None` for the arguments as a whole.
+    pub argument: Option<String>,
+    pub message: String,
+}
+
+fn describe(violations: &[ArgumentViolation]) -> String {
+    violations
+        .iter()
+        .map(|v| match &v.argument {
+            Some(argument) => format!("`{argument}`: {}", v.message),
+            None => v.message.clone(),
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+impl EditRefusal {
+    fn from_argument_error(error: &ArgumentError) -> Self {
+        let violations = match error {
+            ArgumentError::SchemaViolations { violations } => violations
+                .iter()
+                .map(|v| ArgumentViolation {
+                    argument: v
+                        .path
+                        .split('/')
+                        .nth(1)
+                        .filter(|first| !first.is_empty())
+                        .map(|first| first.replace("~1", "/").replace("~0", "~")),
+                    message: v.message.chars().take(300).collect(),
+                })
+                .collect(),
+            other => vec![ArgumentViolation {
+                argument: None,
+                message: other.to_string(),
+            }],
+        };
+        EditRefusal::Schema { violations }
+    }
+
+    /// The arguments each reason is about, for a form that shows them by field; `None` for
+    /// the edit as a whole.
+    pub fn by_argument(&self) -> Vec<(Option<String>, String)> {
+        match self {
+            EditRefusal::Pinned { argument } => vec![(Some(argument.clone()), self.to_string())],
+            EditRefusal::Schema { violations } => violations
+                .iter()
+                .map(|v| (v.argument.clone(), v.message.clone()))
+                .collect(),
+            other => vec![(None, other.to_string())],
+        }
+    }
+}
 
 /// What an `approval.decide` entry records: the decision, where it was made and, for Slack,
 /// the Slack identity that pressed (the member is the entry's actor).
@@ -107,10 +207,13 @@ impl Engine {
     }
 
     /// Approves approval `id` with some of its call's arguments corrected (`edits`: the
-    /// arguments to change and their new values; pinned ones cannot change). The approval is
-    /// bound to the edited call, so only the edited call can use it; the run checks it against
-    /// policy again when it resumes (an edit never turns a denied call into an allowed one) and
-    /// tells the model the call ran with edited arguments. Both calls are in the audit entry.
+    /// arguments to change and their new values; pinned ones cannot change). The edited call
+    /// is checked now as the run will check it when it resumes — the tool's pinned schema and
+    /// pins, then policy with the run's provenance — and refused ([`EditRefusal`]) if it does
+    /// not pass. The approval is bound to the edited call, so only the edited call can use it;
+    /// the run checks it again when it resumes (an edit never turns a denied call into an
+    /// allowed one) and tells the model the call ran with edited arguments. Both calls are in
+    /// the audit entry.
     pub async fn approve_edited(
         &self,
         project: ProjectId,
@@ -120,25 +223,24 @@ impl Engine {
         reason: &str,
     ) -> Result<ApprovalRecord, EngineError> {
         let approval = self.store.get_approval(project, id).await?;
+        let run = self.store.get_run(project, approval.run_id).await?;
+        // Who may edit is who may approve: a caller who may not decide learns nothing of
+        // whether their edit would pass.
+        if let Some(refusal) = self.approver_refusal(project, &run, approver).await? {
+            return Err(EngineError::Forbidden(refusal));
+        }
         if approval.kind != ApprovalKind::Policy {
-            return Err(EngineError::Refused(
-                "only a call held by policy can be edited; a call whose outcome is unknown is approved or denied as it ran".to_owned(),
-            ));
+            return Err(EditRefusal::NotEditable.into());
         }
         let edits = match edits.as_object() {
             Some(edits) if !edits.is_empty() => edits,
-            _ => {
-                return Err(EngineError::Invalid(
-                    "`arguments` must be an object of the arguments to change and their new values"
-                        .to_owned(),
-                ));
-            }
+            _ => return Err(EditRefusal::NotAnObject.into()),
         };
         if let Some(pinned) = edits.keys().find(|k| approval.pinned_keys.contains(k)) {
-            return Err(EngineError::Invalid(format!(
-                "`{}` is pinned by the routine and cannot be edited",
-                pinned.chars().take(100).collect::<String>()
-            )));
+            return Err(EditRefusal::Pinned {
+                argument: pinned.chars().take(100).collect(),
+            }
+            .into());
         }
         let mut edited = approval.arguments.as_object().cloned().unwrap_or_default();
         for (key, value) in edits {
@@ -146,18 +248,14 @@ impl Engine {
         }
         let edited = serde_json::Value::Object(edited);
         if edited == approval.arguments {
-            return Err(EngineError::Invalid(
-                "the edit changes nothing; approve the call as it is".to_owned(),
-            ));
+            return Err(EditRefusal::Unchanged.into());
         }
-        let hash = wor_core::canonical::sha256_hex(
-            wor_core::canonical::to_canonical_json(&edited).as_bytes(),
-        );
+        let arguments = self.check_edit(&approval, &run, &edited).await?;
         let binding = wor_core::approval::binding_hash(
             approval.run_id,
             &approval.call_id,
             &approval.pin_hash,
-            &hash,
+            &arguments.hash,
         );
         let via = if approver.key_id.is_some() {
             DecidedVia::Api
@@ -177,6 +275,98 @@ impl Engine {
             }),
         )
         .await
+    }
+
+    /// The edited arguments of a held call as the run will send them, checked now the way the
+    /// run checks them when it resumes: against the tool's pinned definition (the one the call
+    /// was held for) with the roster's pins applied, then by the run's policies with the run's
+    /// provenance. A refusal names the argument or the policies.
+    async fn check_edit(
+        &self,
+        approval: &ApprovalRecord,
+        run: &RunRecord,
+        edited: &serde_json::Value,
+    ) -> Result<CanonicalArguments, EngineError> {
+        let project = run.project_id;
+        let version = self
+            .routine_version(project, run.routine_id, run.routine_version)
+            .await?;
+        let definition = &version.definition;
+        let unavailable = |why: String| EditRefusal::ToolUnavailable {
+            tool: approval.tool.clone(),
+            why,
+        };
+        let Some(entry) = definition.tools.iter().find(|e| e.tool == approval.tool) else {
+            return Err(unavailable("it is not on the run's roster".to_owned()).into());
+        };
+        let Some((connection, tool)) = entry.tool.split_once('/') else {
+            return Err(unavailable("it is not CONNECTION/TOOL".to_owned()).into());
+        };
+        let offered = if connection == ROUTINE_CONNECTION {
+            match self.routine_tool(run, tool, entry).await {
+                Ok(offered) => offered,
+                Err(EngineError::Store(error)) => return Err(error.into()),
+                Err(other) => return Err(unavailable(other.to_string()).into()),
+            }
+        } else {
+            let record = match self
+                .store
+                .get_tool_connection_by_name(project, connection)
+                .await
+            {
+                Ok(record) => record,
+                Err(StoreError::NotFound) => {
+                    return Err(
+                        unavailable("its tool connection no longer exists".to_owned()).into(),
+                    );
+                }
+                Err(other) => return Err(other.into()),
+            };
+            let pins = stored_pins(&record).map_err(unavailable)?;
+            let Some(pin) = pins.into_iter().find(|p| p.name() == tool) else {
+                return Err(unavailable("its tool connection no longer pins it".to_owned()).into());
+            };
+            OfferedTool {
+                roster_name: entry.tool.clone(),
+                connection: connection.to_owned(),
+                tool: tool.to_owned(),
+                mode: entry.mode,
+                class: record.class_of(tool),
+                entry: entry.clone(),
+                pin,
+            }
+        };
+        if offered.pin.hash() != approval.pin_hash {
+            return Err(unavailable(
+                "its pinned definition changed since the call was held".to_owned(),
+            )
+            .into());
+        }
+        let arguments = prepare_arguments(edited, &offered.entry, &offered.pin.input_schema())
+            .map_err(|error| EditRefusal::from_argument_error(&error))?;
+        let policy = match self.run_policy(run, definition).await? {
+            Ok(policy) => policy,
+            Err(reason) => return Err(EngineError::Refused(reason)),
+        };
+        let steps = self.store.list_run_steps(project, run.id, 0).await?;
+        let untrusted = untrusted_sources(steps.iter().map(|s| (&s.step, s.provenance)));
+        let decision = decide_call(
+            &policy,
+            definition.name.as_str(),
+            run,
+            &offered,
+            &arguments,
+            run.usage,
+            &untrusted,
+        );
+        if decision.outcome == Verdict::Deny {
+            return Err(EditRefusal::PolicyDenied {
+                policies: decision.determining_policies,
+                reasons: decision.reasons,
+            }
+            .into());
+        }
+        Ok(arguments)
     }
 
     /// [`Self::decide_approval`], saying where the decision was made: every channel decides

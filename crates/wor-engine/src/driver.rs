@@ -248,7 +248,7 @@ impl Engine {
     /// default), the routine's own, and its roster modes. `Err` when they do not validate:
     /// the run fails closed with the reason. Built once per routine version and project
     /// policy text, then shared (see [`crate::versions`]).
-    async fn run_policy(
+    pub(crate) async fn run_policy(
         &self,
         run: &RunRecord,
         definition: &RoutineDefinition,

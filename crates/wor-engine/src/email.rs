@@ -11,13 +11,15 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use lettre::message::header::{ContentTransferEncoding, ContentType};
 use lettre::message::{Mailbox, SinglePart};
 use lettre::transport::smtp::authentication::{Credentials, Mechanism};
-use lettre::transport::smtp::client::{AsyncSmtpConnection, TlsParameters};
+use lettre::transport::smtp::client::{AsyncSmtpConnection, AsyncTokioStream, TlsParameters};
 use lettre::transport::smtp::extension::ClientId;
+use rustls::pki_types::{CertificateDer, ServerName};
 use secrecy::{ExposeSecret as _, SecretString};
 use serde_json::Value;
 use wor_core::audit::Actor;
@@ -27,6 +29,7 @@ use wor_store::{
     NotificationDeliveryRecord, NotificationRouteRecord, RouteChannel, SmtpTls, StoreError,
 };
 
+use crate::metrics::DeliveryResult;
 use crate::notice::{route_slot, shown_value};
 use crate::triggers::retry_at;
 use crate::{Engine, EngineError};
@@ -69,6 +72,12 @@ enum MailError {
     PlaintextNotLoopback { host: String, addr: SocketAddr },
     #[error("the relay does not offer STARTTLS; nothing was sent")]
     NoStarttls,
+    #[error("the STARTTLS handshake failed; nothing was sent: {0}")]
+    Starttls(#[source] lettre::transport::smtp::Error),
+    #[error("the TLS handshake failed; nothing was sent: {0}")]
+    ImplicitTls(#[source] std::io::Error),
+    #[error("TLS cannot be set up: {0}")]
+    TlsSetup(String),
     #[error("the SMTP exchange did not finish within {0:?}")]
     Timeout(Duration),
     #[error("the route's credentials cannot be opened: {0}")]
@@ -77,6 +86,29 @@ enum MailError {
     Message(String),
     #[error("SMTP: {0}")]
     Smtp(#[from] lettre::transport::smtp::Error),
+}
+
+impl MailError {
+    /// The class of the failure, for the delivery metric.
+    fn result(&self) -> DeliveryResult {
+        match self {
+            MailError::Egress(error) => DeliveryResult::of_egress(error),
+            MailError::NoStarttls
+            | MailError::Starttls(_)
+            | MailError::ImplicitTls(_)
+            | MailError::TlsSetup(_) => DeliveryResult::Tls,
+            MailError::Timeout(_) => DeliveryResult::Unreachable,
+            MailError::PlaintextNotAllowed
+            | MailError::PlaintextNotLoopback { .. }
+            | MailError::Credentials(_)
+            | MailError::Message(_) => DeliveryResult::Undeliverable,
+            MailError::Smtp(error) if error.is_transient() || error.is_permanent() => {
+                DeliveryResult::Refused
+            }
+            MailError::Smtp(error) if error.is_tls() => DeliveryResult::Tls,
+            MailError::Smtp(_) => DeliveryResult::Unreachable,
+        }
+    }
 }
 
 /// A host name or address an SMTP route may name: a DNS name of letters, digits, `-` and `.`,
@@ -193,7 +225,7 @@ impl Engine {
     pub(crate) async fn attempt_emails(
         &self,
         deliveries: &[NotificationDeliveryRecord],
-    ) -> Result<Vec<(String, AttemptOutcome)>, EngineError> {
+    ) -> Result<Vec<(String, AttemptOutcome, DeliveryResult)>, EngineError> {
         let Some(first) = deliveries.first() else {
             return Ok(Vec::new());
         };
@@ -202,10 +234,10 @@ impl Engine {
             error: error.to_owned(),
             retry_at: None,
         };
-        let every = |outcome: AttemptOutcome| -> Vec<(String, AttemptOutcome)> {
+        let every = |outcome: AttemptOutcome| -> Vec<(String, AttemptOutcome, DeliveryResult)> {
             deliveries
                 .iter()
-                .map(|d| (d.id.clone(), outcome.clone()))
+                .map(|d| (d.id.clone(), outcome.clone(), DeliveryResult::Undeliverable))
                 .collect()
         };
         let project = first.project_id;
@@ -243,16 +275,27 @@ impl Engine {
                         .await?,
                 );
             }
-            let outcome = match self.send_approval_email(&route, &approvals).await {
-                Ok(code) => AttemptOutcome::Delivered { status_code: code },
-                Err(error) => AttemptOutcome::Failed {
-                    status_code: None,
-                    error: wor_secrets::redact_shapes(&error.to_string()).into_owned(),
-                    // A digest's deliveries are retried together, on its first one's schedule.
-                    retry_at: retry_at(&lead.id, lead.attempts + 1),
-                },
+            let (outcome, result) = match self.send_approval_email(&route, &approvals).await {
+                Ok(code) => (
+                    AttemptOutcome::Delivered { status_code: code },
+                    DeliveryResult::Delivered,
+                ),
+                Err(error) => (
+                    AttemptOutcome::Failed {
+                        status_code: None,
+                        error: wor_secrets::redact_shapes(&error.to_string()).into_owned(),
+                        // A digest's deliveries are retried together, on its first one's
+                        // schedule.
+                        retry_at: retry_at(&lead.id, lead.attempts + 1),
+                    },
+                    error.result(),
+                ),
             };
-            outcomes.extend(group.iter().map(|d| (d.id.clone(), outcome.clone())));
+            outcomes.extend(
+                group
+                    .iter()
+                    .map(|d| (d.id.clone(), outcome.clone(), result)),
+            );
         }
         Ok(outcomes)
     }
@@ -374,16 +417,37 @@ impl Engine {
             });
         }
         let hello = self.hello_name();
-        let mut connection =
-            AsyncSmtpConnection::connect_with_transport(Box::new(stream), &hello).await?;
+        let mut connection = match tls {
+            SmtpTls::ImplicitTls => {
+                // TLS from the first byte (SMTPS): the handshake with the relay's certificate
+                // checked, then SMTP inside it.
+                let stream = self.smtps_handshake(host, stream).await?;
+                AsyncSmtpConnection::connect_with_transport(Box::new(stream), &hello).await?
+            }
+            SmtpTls::Starttls | SmtpTls::PlaintextLoopback => {
+                AsyncSmtpConnection::connect_with_transport(Box::new(stream), &hello).await?
+            }
+        };
         if tls == SmtpTls::Starttls {
             // Before any credential or message: a relay that cannot encrypt gets neither.
             if !connection.can_starttls() {
                 connection.abort().await;
                 return Err(MailError::NoStarttls);
             }
-            let parameters = TlsParameters::new(host.to_owned())?;
-            connection.starttls(parameters, &hello).await?;
+            let mut parameters = TlsParameters::builder(host.to_owned());
+            for der in &self.config.smtp_root_certificates {
+                parameters = parameters.add_root_certificate(
+                    lettre::transport::smtp::client::Certificate::from_der(der.clone())
+                        .map_err(|e| MailError::TlsSetup(e.to_string()))?,
+                );
+            }
+            let parameters = parameters
+                .build_rustls()
+                .map_err(|e| MailError::TlsSetup(e.to_string()))?;
+            connection
+                .starttls(parameters, &hello)
+                .await
+                .map_err(MailError::Starttls)?;
         }
         if let Some(credentials) = credentials {
             connection
@@ -395,6 +459,39 @@ impl Engine {
             .await?;
         let _ = connection.quit().await;
         Ok(u16::from(response.code()))
+    }
+
+    /// The TLS handshake of an implicit-TLS (SMTPS) relay over a connection the egress guard
+    /// opened: the certificate is checked by the platform's verifier, with the operator's
+    /// extra roots (`[notifications] smtp_ca_file`), for `host` — as STARTTLS checks it.
+    async fn smtps_handshake(
+        &self,
+        host: &str,
+        stream: tokio::net::TcpStream,
+    ) -> Result<SmtpsStream, MailError> {
+        let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+        let roots = self
+            .config
+            .smtp_root_certificates
+            .iter()
+            .map(|der| CertificateDer::from(der.clone()));
+        let verifier =
+            rustls_platform_verifier::Verifier::new_with_extra_roots(roots, provider.clone())
+                .map_err(|e| MailError::TlsSetup(e.to_string()))?;
+        let config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| MailError::TlsSetup(e.to_string()))?
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(verifier))
+            .with_no_client_auth();
+        let name = ServerName::try_from(host.to_owned())
+            .map_err(|_| MailError::TlsSetup(format!("`{host}` is not a TLS server name")))?;
+        let peer = stream.peer_addr().map_err(MailError::ImplicitTls)?;
+        let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+            .connect(name, stream)
+            .await
+            .map_err(MailError::ImplicitTls)?;
+        Ok(SmtpsStream { tls, peer })
     }
 
     /// The name this server greets a relay with: the public URL's host, else `localhost`.
@@ -492,6 +589,54 @@ impl Engine {
             )),
         }
         Ok(text)
+    }
+}
+
+/// An SMTPS connection: TLS over the TCP stream the egress guard opened, for lettre to speak
+/// SMTP over.
+#[derive(Debug)]
+struct SmtpsStream {
+    tls: tokio_rustls::client::TlsStream<tokio::net::TcpStream>,
+    peer: SocketAddr,
+}
+
+impl tokio::io::AsyncRead for SmtpsStream {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.tls).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for SmtpsStream {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.tls).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.tls).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.tls).poll_shutdown(cx)
+    }
+}
+
+impl AsyncTokioStream for SmtpsStream {
+    fn peer_addr(&self) -> std::io::Result<SocketAddr> {
+        Ok(self.peer)
     }
 }
 

@@ -45,7 +45,7 @@ use wor_core::budget::ModelPrice;
 use wor_egress::EgressClient;
 use wor_store::{AuditLog, Store, StoreError, Vault};
 
-pub use approvals::Approver;
+pub use approvals::{Approver, ArgumentViolation, EditRefusal};
 pub use email::{SMTP_PASSWORD_FIELD, SMTP_USERNAME_FIELD, SmtpSecrets};
 pub use notifications::{
     MAX_SLACK_INTERACTION_BYTES, NOTIFICATION_ROUTES_TABLE, SLACK_BOT_TOKEN_FIELD,
@@ -107,6 +107,9 @@ pub struct EngineConfig {
     /// The operator allows email routes to speak SMTP without TLS to a loopback relay
     /// (`[notifications] smtp_plaintext_loopback`); otherwise every relay needs STARTTLS.
     pub smtp_plaintext_loopback: bool,
+    /// Certificates (DER) trusted for SMTP relays besides the platform's roots
+    /// (`[notifications] smtp_ca_file`): a relay with a private CA.
+    pub smtp_root_certificates: Vec<Vec<u8>>,
 }
 
 impl Default for EngineConfig {
@@ -127,6 +130,7 @@ impl Default for EngineConfig {
             protected_paths: Vec::new(),
             console_url: None,
             smtp_plaintext_loopback: false,
+            smtp_root_certificates: Vec::new(),
         }
     }
 }
@@ -145,6 +149,9 @@ pub enum EngineError {
     /// The request itself is wrong (a bad argument).
     #[error("{0}")]
     Invalid(String),
+    /// An approver's edit of a held call is refused; nothing was decided.
+    #[error(transparent)]
+    EditRefused(#[from] EditRefusal),
     /// Something outside (a tool server) could not be reached or answered wrongly.
     #[error("{0}")]
     Unreachable(String),
@@ -177,6 +184,7 @@ impl EngineError {
             }
             EngineError::InvalidState(_) | EngineError::NestedTask(_) => Some(self.to_string()),
             EngineError::Forbidden(_)
+            | EngineError::EditRefused(_)
             | EngineError::Invalid(_)
             | EngineError::Unreachable(_)
             | EngineError::LeaseLost

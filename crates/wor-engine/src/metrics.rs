@@ -23,6 +23,7 @@ pub const MODEL_TOKENS: &str = "wor_model_tokens_total";
 pub const TOOL_CALLS: &str = "wor_tool_calls_total";
 pub const APPROVALS_DECIDED: &str = "wor_approvals_decided_total";
 pub const WEBHOOK_DELIVERIES: &str = "wor_webhook_deliveries_total";
+pub const NOTIFICATION_DELIVERIES: &str = "wor_notification_deliveries_total";
 
 /// Describes the engine's metrics to the installed recorder (`# HELP` lines).
 pub fn describe() {
@@ -61,6 +62,10 @@ pub fn describe() {
     describe_counter!(
         WEBHOOK_DELIVERIES,
         "Run webhook delivery attempts, by result (delivered, failed)"
+    );
+    describe_counter!(
+        NOTIFICATION_DELIVERIES,
+        "Approval notification delivery attempts, by channel (slack, email) and result (delivered, refused, egress_denied, unreachable, tls, waiting, undeliverable)"
     );
 }
 
@@ -131,4 +136,76 @@ pub(crate) fn webhook_attempted(outcome: &AttemptOutcome) {
         AttemptOutcome::Failed { .. } => "failed",
     };
     counter!(WEBHOOK_DELIVERIES, "result" => result).increment(1);
+}
+
+/// The channel a notification goes out on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum NotificationChannel {
+    Slack,
+    Email,
+}
+
+impl NotificationChannel {
+    fn as_str(self) -> &'static str {
+        match self {
+            NotificationChannel::Slack => "slack",
+            NotificationChannel::Email => "email",
+        }
+    }
+}
+
+/// What came of one attempt to deliver a notification, by class: the delivery log keeps the
+/// text of each failure, the metric only which kind it was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum DeliveryResult {
+    Delivered,
+    /// The service answered with an error: Slack's `ok: false` or an HTTP error status, or an
+    /// SMTP relay's negative reply (a refused login, `451 try again later`).
+    Refused,
+    /// The egress guard refused the destination.
+    EgressDenied,
+    /// The destination did not resolve, accept a connection or answer in time.
+    Unreachable,
+    /// Encryption could not be set up: no STARTTLS offered, or a failed TLS handshake.
+    Tls,
+    /// An update that waits for its message's post.
+    Waiting,
+    /// It cannot go out as it stands: its route is gone, its secrets cannot be opened, the
+    /// message cannot be built, or plaintext is not allowed to that relay.
+    Undeliverable,
+}
+
+impl DeliveryResult {
+    fn as_str(self) -> &'static str {
+        match self {
+            DeliveryResult::Delivered => "delivered",
+            DeliveryResult::Refused => "refused",
+            DeliveryResult::EgressDenied => "egress_denied",
+            DeliveryResult::Unreachable => "unreachable",
+            DeliveryResult::Tls => "tls",
+            DeliveryResult::Waiting => "waiting",
+            DeliveryResult::Undeliverable => "undeliverable",
+        }
+    }
+
+    /// The class of a request or connection the egress guard did not complete.
+    pub(crate) fn of_egress(error: &wor_egress::EgressError) -> Self {
+        use wor_egress::EgressError;
+        match error {
+            EgressError::Denied(_) => DeliveryResult::EgressDenied,
+            EgressError::Resolve { .. }
+            | EgressError::ResolverSetup(_)
+            | EgressError::Timeout(_)
+            | EgressError::Request(_)
+            | EgressError::Unreachable { .. } => DeliveryResult::Unreachable,
+            EgressError::ResponseTooLarge { .. } => DeliveryResult::Refused,
+            EgressError::Build(_) => DeliveryResult::Undeliverable,
+        }
+    }
+}
+
+/// One attempt to deliver an approval notification.
+pub(crate) fn notification_attempted(channel: NotificationChannel, result: DeliveryResult) {
+    counter!(NOTIFICATION_DELIVERIES, "channel" => channel.as_str(), "result" => result.as_str())
+        .increment(1);
 }

@@ -24,6 +24,7 @@ use wor_store::{
 };
 
 use crate::approvals::DecidedVia;
+use crate::metrics::{DeliveryResult, NotificationChannel};
 use crate::notice::{route_slot, shown_value};
 use crate::triggers::retry_at;
 use crate::{Approver, Engine, EngineError};
@@ -357,7 +358,8 @@ impl Engine {
             .partition(|d| d.action == NotificationAction::EmailSend);
         // Email deliveries go per route: a digest route sends its due ones as one message.
         for deliveries in crate::email::by_route(emails).into_values() {
-            for (id, outcome) in self.attempt_emails(&deliveries).await? {
+            for (id, outcome, result) in self.attempt_emails(&deliveries).await? {
+                crate::metrics::notification_attempted(NotificationChannel::Email, result);
                 tracing::info!(category = "notification", action = "email.send",
                     route_id = %deliveries.first().map(|d| d.route_id.to_string()).unwrap_or_default(),
                     delivered = matches!(outcome, AttemptOutcome::Delivered { .. }),
@@ -368,7 +370,8 @@ impl Engine {
             }
         }
         for delivery in &slack {
-            let outcome = self.attempt_notification(delivery).await?;
+            let (outcome, result) = self.attempt_notification(delivery).await?;
+            crate::metrics::notification_attempted(NotificationChannel::Slack, result);
             tracing::info!(category = "notification", action = delivery.action.as_str(),
                 project_id = %delivery.project_id, approval_id = %delivery.approval_id,
                 delivered = matches!(outcome, AttemptOutcome::Delivered { .. }),
@@ -383,11 +386,16 @@ impl Engine {
     async fn attempt_notification(
         &self,
         delivery: &NotificationDeliveryRecord,
-    ) -> Result<AttemptOutcome, EngineError> {
-        let give_up = |error: &str| AttemptOutcome::Failed {
-            status_code: None,
-            error: error.to_owned(),
-            retry_at: None,
+    ) -> Result<(AttemptOutcome, DeliveryResult), EngineError> {
+        let give_up = |error: &str| {
+            (
+                AttemptOutcome::Failed {
+                    status_code: None,
+                    error: error.to_owned(),
+                    retry_at: None,
+                },
+                DeliveryResult::Undeliverable,
+            )
         };
         let project = delivery.project_id;
         let route = match self
@@ -419,11 +427,14 @@ impl Engine {
                 let Some(posted) = posted.into_iter().find(|m| m.route_id == route.id) else {
                     // The post has not gone out yet: it will show the approval as it stands,
                     // and this update waits for it in case it goes out later.
-                    return Ok(AttemptOutcome::Failed {
-                        status_code: None,
-                        error: "the message to update has not been posted yet".to_owned(),
-                        retry_at: retry_at(&delivery.id, delivery.attempts + 1),
-                    });
+                    return Ok((
+                        AttemptOutcome::Failed {
+                            status_code: None,
+                            error: "the message to update has not been posted yet".to_owned(),
+                            retry_at: retry_at(&delivery.id, delivery.attempts + 1),
+                        },
+                        DeliveryResult::Waiting,
+                    ));
                 };
                 (
                     "chat.update",
@@ -468,18 +479,27 @@ impl Engine {
                         }
                     }
                 }
-                AttemptOutcome::Delivered { status_code: 200 }
+                (
+                    AttemptOutcome::Delivered { status_code: 200 },
+                    DeliveryResult::Delivered,
+                )
             }
-            Ok(SlackAnswer::Refused { status, error }) => AttemptOutcome::Failed {
-                status_code: Some(status),
-                error: format!("Slack answered `{error}`"),
-                retry_at: retry(),
-            },
-            Err(error) => AttemptOutcome::Failed {
-                status_code: None,
-                error: wor_secrets::redact_shapes(&error).into_owned(),
-                retry_at: retry(),
-            },
+            Ok(SlackAnswer::Refused { status, error }) => (
+                AttemptOutcome::Failed {
+                    status_code: Some(status),
+                    error: format!("Slack answered `{error}`"),
+                    retry_at: retry(),
+                },
+                DeliveryResult::Refused,
+            ),
+            Err(error) => (
+                AttemptOutcome::Failed {
+                    status_code: None,
+                    error: wor_secrets::redact_shapes(&error.to_string()).into_owned(),
+                    retry_at: retry(),
+                },
+                error.result(),
+            ),
         })
     }
 
@@ -490,7 +510,7 @@ impl Engine {
         method: &str,
         token: &SecretString,
         body: &Value,
-    ) -> Result<SlackAnswer, String> {
+    ) -> Result<SlackAnswer, SlackCallError> {
         let url = format!("{}/{method}", api_url.trim_end_matches('/'));
         let mut request = EgressRequest::webhook(&url, body.to_string().into_bytes());
         let mut headers = HeaderMap::new();
@@ -500,12 +520,12 @@ impl Engine {
         );
         let mut bearer =
             header::HeaderValue::from_str(&format!("Bearer {}", token.expose_secret()))
-                .map_err(|_| "the bot token cannot be sent as a header".to_owned())?;
+                .map_err(|_| SlackCallError::Token)?;
         bearer.set_sensitive(true);
         headers.insert(header::AUTHORIZATION, bearer);
         request.headers = headers;
         request.max_response_bytes = Some(wor_egress::EgressLimits::webhook().max_response_bytes);
-        let response = self.egress.send(request).await.map_err(|e| e.to_string())?;
+        let response = self.egress.send(request).await?;
         let status = response.status.as_u16();
         let reply: Value = serde_json::from_slice(&response.body).unwrap_or(Value::Null);
         if response.status.is_success() && reply.get("ok") == Some(&Value::Bool(true)) {
@@ -1058,7 +1078,7 @@ impl Engine {
             }
             Err(error) => {
                 tracing::warn!(category = "notification", project_id = %route.project_id,
-                    error = %wor_secrets::redact_shapes(&error), "the link could not be sent to the Slack user");
+                    error = %wor_secrets::redact_shapes(&error.to_string()), "the link could not be sent to the Slack user");
             }
         }
     }
@@ -1093,6 +1113,24 @@ impl Engine {
 }
 
 /// What Slack answered a Web API call.
+/// Why a Slack Web API call got no answer.
+#[derive(Debug, thiserror::Error)]
+enum SlackCallError {
+    #[error("the bot token cannot be sent as a header")]
+    Token,
+    #[error("{0}")]
+    Egress(#[from] wor_egress::EgressError),
+}
+
+impl SlackCallError {
+    fn result(&self) -> DeliveryResult {
+        match self {
+            SlackCallError::Token => DeliveryResult::Undeliverable,
+            SlackCallError::Egress(error) => DeliveryResult::of_egress(error),
+        }
+    }
+}
+
 enum SlackAnswer {
     Ok(Value),
     Refused { status: u16, error: String },

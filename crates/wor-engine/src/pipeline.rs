@@ -206,25 +206,15 @@ impl Engine {
         arguments: &CanonicalArguments,
         usage: BudgetUsage,
     ) -> Decision {
-        let mut request = DecisionRequest::builder(
+        decide_call(
+            scope.policy,
             scope.definition.name.as_str(),
-            scope.run.id.to_string(),
-            &offered.connection,
-            &offered.tool,
-            offered.class,
+            scope.run,
+            offered,
+            arguments,
+            usage,
+            scope.untrusted,
         )
-        .trigger(scope.run.trigger_kind)
-        .mode(offered.mode)
-        .arguments(arguments.value.clone())
-        .budget_used(BudgetUsed {
-            turns: usage.turns,
-            tool_calls: usage.tool_calls,
-            cost_microdollars: usage.cost_microdollars,
-        });
-        for source in scope.untrusted {
-            request = request.untrusted_source(source.clone());
-        }
-        scope.policy.decide(&request.build())
     }
 
     /// Files an approval request and parks the run.
@@ -392,6 +382,9 @@ impl Engine {
         usage: BudgetUsage,
     ) -> Result<CallOutcome, EngineError> {
         let call = &pending.call;
+        // The call as it ran: a retry is filed for the arguments a person edited, if they did.
+        let ran = self.call_as_ran(scope, recorded).await?;
+        let recorded = &ran;
         let unknown = |usage| {
             scope.refuse(
                 pending,
@@ -438,6 +431,36 @@ impl Engine {
             // Denied or expired: the model is told its outcome is unknown.
             Some(_) => Ok(unknown(usage)),
         }
+    }
+
+    /// A started call as it ran: as recorded, or, when a person edited it before approving it,
+    /// with the edited arguments (the pinned ones unchanged) and their hash.
+    async fn call_as_ran(
+        &self,
+        scope: &CallScope<'_>,
+        recorded: &ToolCallStep,
+    ) -> Result<ToolCallStep, EngineError> {
+        let held = self
+            .store
+            .approval_for_call(
+                scope.run.project_id,
+                scope.run.id,
+                &recorded.call_id,
+                ApprovalKind::Policy,
+            )
+            .await?;
+        let edited = held
+            .filter(|a| a.status == ApprovalStatus::Approved && a.used_at.is_some())
+            .and_then(|a| a.edited_arguments);
+        let Some(Value::Object(arguments)) = edited else {
+            return Ok(recorded.clone());
+        };
+        let mut ran = recorded.clone();
+        ran.arguments_hash = wor_core::canonical::sha256_hex(
+            wor_core::canonical::to_canonical_json(&Value::Object(arguments.clone())).as_bytes(),
+        );
+        ran.arguments = arguments;
+        Ok(ran)
     }
 
     /// Records that a started call's outcome is unknown (for the `attempt`-th time) and parks
@@ -532,18 +555,28 @@ impl Engine {
             return Ok(scope.refuse(pending, usage, &text));
         };
         // A call an approver edited runs with the edited arguments (pins applied again), and
-        // only if policy does not deny them.
-        let model_arguments = approval
-            .edited_arguments
-            .clone()
-            .unwrap_or_else(|| call.arguments.clone());
+        // only if policy does not deny them; so does the retry of an interrupted edited call,
+        // whose `outcome_unknown` approval is filed for the arguments that ran.
+        let replaced = match (&approval.edited_arguments, approval.kind) {
+            (Some(edited), _) => Some(edited.clone()),
+            (None, ApprovalKind::OutcomeUnknown)
+                if pending
+                    .recorded
+                    .as_ref()
+                    .is_some_and(|r| r.arguments_hash != approval.arguments_hash) =>
+            {
+                Some(approval.arguments.clone())
+            }
+            (None, _) => None,
+        };
+        let model_arguments = replaced.clone().unwrap_or_else(|| call.arguments.clone());
         let arguments = match prepare_arguments(
             &model_arguments,
             &offered.entry,
             &offered.pin.input_schema(),
         ) {
             Ok(arguments) => arguments,
-            Err(error) if approval.edited_arguments.is_some() => {
+            Err(error) if replaced.is_some() => {
                 let text = format!(
                     "the arguments a person edited for `{}` do not fit the tool: {error}; the call did not run",
                     approval.tool
@@ -552,7 +585,7 @@ impl Engine {
             }
             Err(_) => return Ok(mismatch(scope, usage)),
         };
-        if approval.edited_arguments.is_some() {
+        if replaced.is_some() {
             let decision = self.decide(scope, offered, &arguments, usage);
             if decision.outcome == wor_core::call::Verdict::Deny {
                 self.audit
@@ -637,7 +670,7 @@ impl Engine {
                     ),
             )
             .await?;
-        let edited = approval.edited_arguments.as_ref().map(|_| {
+        let edited = replaced.as_ref().map(|_| {
             // What the model may see of the call it ran: never the pinned values.
             let shown: serde_json::Map<String, Value> = arguments
                 .value
@@ -833,6 +866,38 @@ fn approval_attempt(approval: &ApprovalRecord) -> u64 {
         .get("attempt")
         .and_then(Value::as_u64)
         .unwrap_or(1)
+}
+
+/// Policy's decision on one call of `run`: the same request whether the run is asking or an
+/// approver's edit is checked when it is decided (`Engine::approve_edited`).
+pub(crate) fn decide_call(
+    policy: &wor_policy::PolicyEngine,
+    routine: &str,
+    run: &RunRecord,
+    offered: &OfferedTool,
+    arguments: &CanonicalArguments,
+    usage: BudgetUsage,
+    untrusted: &BTreeSet<String>,
+) -> Decision {
+    let mut request = DecisionRequest::builder(
+        routine,
+        run.id.to_string(),
+        &offered.connection,
+        &offered.tool,
+        offered.class,
+    )
+    .trigger(run.trigger_kind)
+    .mode(offered.mode)
+    .arguments(arguments.value.clone())
+    .budget_used(BudgetUsed {
+        turns: usage.turns,
+        tool_calls: usage.tool_calls,
+        cost_microdollars: usage.cost_microdollars,
+    });
+    for source in untrusted {
+        request = request.untrusted_source(source.clone());
+    }
+    policy.decide(&request.build())
 }
 
 /// Why a call needs a person, as its approval request shows it.

@@ -1300,6 +1300,79 @@ mode = "auto"
     assert_eq!(unknown, 2, "each unknown outcome is in the audit chain");
 }
 
+#[tokio::test]
+async fn an_interrupted_edited_call_is_retried_with_the_arguments_that_ran() {
+    let h = Harness::new().await;
+    // The edited call hangs until its worker dies; the approved retry is answered.
+    let api = RecordingApi::start(vec![None, Some(json!({"status": "created"}))]).await;
+    let engine = h.engine(EngineConfig::default());
+    h.items_connection(&engine, &api).await;
+    let script = r#"
+[[model.script.turns]]
+when = { last_tool_result_contains = "created" }
+text = "Filed."
+[[model.script.turns]]
+tool_calls = [{ id = "call_1", name = "items__create_item", arguments = { title = "reprot" } }]
+[[tools]]
+tool = "items/create_item"
+mode = "confirm"
+"#;
+    let routine = h.routine(&replay(script, "")).await;
+    let run = h.start(&engine, routine, "file the report").await;
+    assert!(engine.run_next().await.unwrap());
+    let held = h.approvals_of(run.id).await;
+    assert_eq!(held.len(), 1);
+    let approver = h.approver().await;
+    let edited = engine
+        .approve_edited(
+            h.project,
+            held[0].id,
+            approver,
+            &json!({"title": "report"}),
+            "typo in the title",
+        )
+        .await
+        .unwrap();
+
+    // The edited call starts, and its worker dies before its result is written.
+    die_during_call(&h, &api, 1).await;
+    assert_eq!(api.requests.lock().unwrap()[0], json!({"title": "report"}));
+    assert!(engine.run_next().await.unwrap());
+    assert_eq!(h.run(run.id).await.status, RunStatus::WaitingForApproval);
+    let approvals = h.approvals_of(run.id).await;
+    assert_eq!(approvals.len(), 2, "{approvals:?}");
+    let retry = &approvals[1];
+    assert_eq!(retry.kind, wor_store::ApprovalKind::OutcomeUnknown);
+    // The retry is filed for the call as it ran: the edited arguments and their binding.
+    assert_eq!(retry.arguments, json!({"title": "report"}));
+    assert_eq!(retry.binding_hash, edited.binding_hash);
+    assert_ne!(retry.binding_hash, held[0].binding_hash);
+
+    engine
+        .decide_approval(
+            h.project,
+            retry.id,
+            approver,
+            wor_store::ApprovalAnswer::Approve,
+            "it did not go out; run it again",
+        )
+        .await
+        .unwrap();
+    let ended = h.drive_to_end(&engine, run.id).await;
+    assert_eq!(ended.status, RunStatus::Succeeded, "{:?}", ended.outcome);
+    // Run again once, with the edited arguments: the model's were never sent.
+    assert_eq!(
+        *api.requests.lock().unwrap(),
+        vec![json!({"title": "report"}), json!({"title": "report"})]
+    );
+    let kinds: Vec<String> = h.steps(run.id).await.into_iter().map(|s| s.0).collect();
+    assert_eq!(
+        kinds.iter().filter(|k| *k == "approval_used").count(),
+        2,
+        "{kinds:?}"
+    );
+}
+
 /// An OpenAI-compatible model on loopback that holds every request until the test opens its
 /// gate, counting how many requests are in flight at once, in all and per tag (a word in the
 /// routine's instructions).

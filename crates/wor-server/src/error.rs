@@ -130,6 +130,21 @@ impl From<wor_engine::EngineError> for ApiError {
             wor_engine::EngineError::Invalid(reason) => {
                 ApiError::bad_request("invalid_request", reason)
             }
+            wor_engine::EngineError::EditRefused(refusal) => match refusal {
+                wor_engine::EditRefusal::NotEditable
+                | wor_engine::EditRefusal::ToolUnavailable { .. } => {
+                    ApiError::Conflict(refusal.to_string())
+                }
+                wor_engine::EditRefusal::PolicyDenied { .. } => {
+                    ApiError::Forbidden(refusal.to_string())
+                }
+                wor_engine::EditRefusal::NotAnObject
+                | wor_engine::EditRefusal::Pinned { .. }
+                | wor_engine::EditRefusal::Unchanged
+                | wor_engine::EditRefusal::Schema { .. } => {
+                    ApiError::bad_request("invalid_edit", refusal.to_string())
+                }
+            },
             wor_engine::EngineError::Unreachable(reason) => ApiError::Unavailable(reason),
             // Only a worker driving a run loses its lease; a request that meets it raced one.
             wor_engine::EngineError::LeaseLost => {

@@ -915,6 +915,175 @@ async fn an_approvals_own_page_opens_after_sign_in_and_sign_in_returns_only_insi
 }
 
 #[tokio::test]
+async fn an_approver_edits_and_approves_a_held_call_on_its_page_under_the_apis_rules() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    hostile_tools(&h).await;
+    let routine = note_sender(&h).await;
+    // The project forbids notes that mention a password, whoever wrote them.
+    let policy = format!(
+        "{}\n@id(\"no-passwords-in-notes\")\nforbid (principal, action, resource) when {{\n  context.arguments.hasTag(\"text\") && context.arguments.getTag(\"text\") like \"*password*\"\n}};\n",
+        wor_policy::DEFAULT_PROJECT_POLICY
+    );
+    let (status, saved) = h
+        .call(Method::PUT, "/v1/policy", Some(json!({"text": policy})))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{saved}");
+    let run = parked_run(&h, &routine).await;
+    let approval = h.pending_approvals(&run).await[0]["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let path = format!("/console/approvals/{approval}");
+    let edit = format!("{path}/edit");
+
+    // The starter sees no edit form (they may not decide); a viewer neither.
+    let mut owner = signed_in(&h, addr, "alice", None).await;
+    let page = owner.get(&path).await;
+    assert!(!page.body.contains(&edit), "{}", page.body);
+    let mut viewer = signed_in(&h, addr, "vic", Some("viewer")).await;
+    let page = viewer.get(&path).await;
+    assert!(!page.body.contains(&edit));
+    // Posting the form anyway is refused before the edit is looked at.
+    let csrf = page.csrf();
+    let page = viewer
+        .post(
+            &edit,
+            &[("csrf", &csrf), ("arg.text", "x"), ("reason", "r")],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::FORBIDDEN, "{}", page.body);
+    assert!(page.body.contains("viewer"), "{}", page.body);
+
+    let mut ann = signed_in(&h, addr, "ann", Some("approver")).await;
+    let page = ann.get(&path).await;
+    assert_eq!(page.status, StatusCode::OK);
+    assert!(
+        page.body.contains(&format!("action=\"{edit}\"")),
+        "{}",
+        page.body
+    );
+    // The model's text is editable, shown as text; the pinned recipient is shown read-only
+    // and never sent with the form.
+    assert!(page.body.contains("name=\"arg.text\""), "{}", page.body);
+    assert!(!page.body.contains("<script>alert(1)</script>"));
+    let area = page.body.split("name=\"arg.text\"").nth(1).unwrap();
+    let area = area.split("</textarea>").next().unwrap();
+    assert!(
+        area.contains("alert(1)") && !area.contains('<'),
+        "escaped: {area}"
+    );
+    assert!(!page.body.contains("name=\"arg.to\""), "{}", page.body);
+    assert!(
+        page.body.contains("value=\"team@example.com\" readonly"),
+        "{}",
+        page.body
+    );
+    let csrf = page.csrf();
+
+    // Without the session's token nothing is decided.
+    let page = ann
+        .post(&edit, &[("arg.text", "hello team"), ("reason", "r")])
+        .await;
+    assert_eq!(page.status, StatusCode::FORBIDDEN);
+    // A pinned argument sent anyway is refused, shown at its field.
+    let page = ann
+        .post(
+            &edit,
+            &[
+                ("csrf", &csrf),
+                ("arg.to", "me@evil.example"),
+                ("reason", "r"),
+            ],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::BAD_REQUEST, "{}", page.body);
+    assert!(
+        page.body
+            .contains("`to` is pinned by the routine and cannot be edited"),
+        "{}",
+        page.body
+    );
+    // An edit that changes nothing, or has no reason, is refused on the form.
+    let page = ann
+        .post(
+            &edit,
+            &[
+                ("csrf", &csrf),
+                ("arg.text", "<script>alert(1)</script>"),
+                ("reason", "r"),
+            ],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::BAD_REQUEST, "{}", page.body);
+    assert!(page.body.contains("changes nothing"), "{}", page.body);
+    let page = ann
+        .post(
+            &edit,
+            &[("csrf", &csrf), ("arg.text", "hello team"), ("reason", " ")],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::BAD_REQUEST, "{}", page.body);
+    assert!(page.body.contains("needs a reason"), "{}", page.body);
+    assert!(
+        page.body.contains(">hello team</textarea>"),
+        "kept: {}",
+        page.body
+    );
+    // An edit policy denies is refused when it is decided, naming the policy.
+    let page = ann
+        .post(
+            &edit,
+            &[
+                ("csrf", &csrf),
+                ("arg.text", "the password is hunter2"),
+                ("reason", "r"),
+            ],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::FORBIDDEN, "{}", page.body);
+    assert!(page.body.contains("no-passwords-in-notes"), "{}", page.body);
+    assert_eq!(
+        h.pending_approvals(&run).await.len(),
+        1,
+        "nothing was decided"
+    );
+
+    // A correct edit approves the edited call and goes to the run, which runs it once.
+    let page = ann
+        .post(
+            &edit,
+            &[
+                ("csrf", &csrf),
+                ("arg.text", "hello team"),
+                ("reason", "the model wrote markup"),
+            ],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::SEE_OTHER, "{}", page.body);
+    assert_eq!(page.location(), format!("/console/runs/{run}"));
+    let (_, decided) = h
+        .call(Method::GET, &format!("/v1/approvals/{approval}"), None)
+        .await;
+    assert_eq!(decided["status"], "approved");
+    assert_eq!(
+        decided["edited_arguments"],
+        json!({"text": "hello team", "to": "team@example.com"})
+    );
+    let page = ann.get(&path).await;
+    assert!(
+        !page.body.contains(&edit),
+        "a decided call has no edit form"
+    );
+    while h.engine.run_next().await.unwrap() {}
+    let run_view = h.get_run(&run).await;
+    assert_eq!(run_view["status"], "succeeded", "{run_view:#}");
+    let audit = h.audit_text().await;
+    assert!(audit.contains("\"via\":\"console\""), "{audit}");
+    assert!(audit.contains("edited_arguments"), "{audit}");
+}
+
+#[tokio::test]
 async fn another_projects_run_and_approval_are_a_404_page_in_the_console() {
     let h = Harness::new().await;
     let addr = serve_console(&h).await;

@@ -220,17 +220,58 @@ async fn an_edited_call_runs_once_with_its_edits_and_both_calls_are_audited() {
     assert_eq!(used.len(), 1, "used once");
     assert_eq!(used[0]["payload"]["binding_hash"], decided["binding_hash"]);
 
-    // An edit policy denies is approved by a person but never runs: the same policy check
-    // runs on the edited arguments, and the model is told it was refused.
+    // An edit policy denies is refused when the approver decides, naming the policy, and
+    // the call stays pending: an edit cannot turn a denied call into an allowed one.
     let (run, approval) = parked(&h, &routine).await;
-    let (status, decided) = edit(
+    let (status, refused) = edit(
         &h,
         &approver,
         &approval,
         json!({"arguments": {"text": "the password is hunter2"}, "reason": "sure"}),
     )
     .await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{refused}");
+    let message = refused["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("policy denies the edited call"),
+        "{message}"
+    );
+    assert!(message.contains("no-passwords-in-notes"), "{message}");
+    // Arguments that do not fit the tool's pinned schema are refused too, naming the argument.
+    let (status, refused) = edit(
+        &h,
+        &approver,
+        &approval,
+        json!({"arguments": {"text": 42}, "reason": "sure"}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{refused}");
+    let message = refused["error"]["message"].as_str().unwrap();
+    assert!(message.contains("`text`"), "{message}");
+    assert!(message.contains("schema"), "{message}");
+    let (_, still) = h
+        .call(Method::GET, &format!("/v1/approvals/{approval}"), None)
+        .await;
+    assert_eq!(still["status"], "pending", "nothing was decided: {still}");
+
+    // Checked again when the run resumes: an edit that passed when it was decided but that
+    // policy denies by then (the project's policy changed meanwhile) is not run.
+    let (status, decided) = edit(
+        &h,
+        &approver,
+        &approval,
+        json!({"arguments": {"text": "hello world"}, "reason": "fixed the typo"}),
+    )
+    .await;
     assert_eq!(status, StatusCode::OK, "{decided}");
+    let stricter = format!(
+        "{}\n@id(\"no-worlds\")\nforbid (principal, action, resource) when {{\n  context.arguments.hasTag(\"text\") && context.arguments.getTag(\"text\") like \"*world*\"\n}};\n",
+        wor_policy::DEFAULT_PROJECT_POLICY
+    );
+    let (status, saved) = h
+        .call(Method::PUT, "/v1/policy", Some(json!({"text": stricter})))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{saved}");
     while h.engine.run_next().await.unwrap() {}
     let run_view = h.get_run(&run).await;
     assert_eq!(sent.lock().unwrap().len(), 1, "the denied edit did not run");

@@ -1,8 +1,9 @@
 //! Approval requests by email, against a loopback SMTP relay written here: one message per
 //! request (or one digest per window) with the call's facts and the link to its console page,
 //! sent through the egress guard with retries; STARTTLS required unless the operator allows
-//! plaintext to a loopback relay; credentials sealed; the link asks for a sign-in and comes
-//! back to the approval.
+//! plaintext to a loopback relay; STARTTLS and implicit TLS (SMTPS) completed with a relay
+//! whose certificate the operator's configuration trusts; credentials sealed; the link asks
+//! for a sign-in and comes back to the approval; every attempt counted by channel and result.
 #![allow(
     clippy::disallowed_methods,
     reason = "the test hosts a loopback SMTP relay"
@@ -26,7 +27,7 @@ use axum::http::{Method, Request, StatusCode};
 use base64::Engine as _;
 use common::{Harness, serve};
 use serde_json::{Value, json};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
 use tower::ServiceExt;
 
 const CONSOLE_URL: &str = "https://wor.example.com";
@@ -158,6 +159,152 @@ async fn relay(options: Relay) -> (SocketAddr, Sessions) {
     (addr, sessions)
 }
 
+/// A certificate for `127.0.0.1` that only the test trusts, and the relay's TLS acceptor
+/// serving it.
+fn relay_certificate() -> (Vec<u8>, tokio_rustls::TlsAcceptor) {
+    let made = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_owned()]).unwrap();
+    let der = made.cert.der().clone();
+    let key = rustls::pki_types::PrivateKeyDer::try_from(made.signing_key.serialize_der()).unwrap();
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(vec![der.clone()], key)
+        .unwrap();
+    (
+        der.to_vec(),
+        tokio_rustls::TlsAcceptor::from(Arc::new(config)),
+    )
+}
+
+/// How the TLS relay encrypts.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum RelayTls {
+    /// Plain SMTP until `STARTTLS`, then TLS.
+    Starttls,
+    /// TLS from the first byte (SMTPS).
+    Implicit,
+}
+
+/// A loopback relay that completes TLS with `acceptor`'s certificate, then takes one message
+/// with `AUTH`. The commands it saw before TLS are kept apart from those inside it.
+async fn tls_relay(
+    mode: RelayTls,
+    acceptor: tokio_rustls::TlsAcceptor,
+) -> (SocketAddr, Sessions, Arc<Mutex<Vec<String>>>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let sessions: Sessions = Arc::default();
+    let before_tls: Arc<Mutex<Vec<String>>> = Arc::default();
+    let (sink, plain_sink) = (sessions.clone(), before_tls.clone());
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let (sink, plain_sink, acceptor) = (sink.clone(), plain_sink.clone(), acceptor.clone());
+            tokio::spawn(async move {
+                if mode == RelayTls::Starttls {
+                    stream.write_all(b"220 relay.test ESMTP\r\n").await.unwrap();
+                    let mut reader = BufReader::new(&mut stream);
+                    loop {
+                        let mut line = String::new();
+                        if reader.read_line(&mut line).await.unwrap_or(0) == 0 {
+                            return;
+                        }
+                        let line = line.trim_end().to_owned();
+                        plain_sink.lock().unwrap().push(line.clone());
+                        let verb = line.to_ascii_uppercase();
+                        let reply: &[u8] = if verb.starts_with("EHLO") {
+                            b"250-relay.test\r\n250-STARTTLS\r\n250 8BITMIME\r\n"
+                        } else if verb.starts_with("STARTTLS") {
+                            b"220 go ahead\r\n"
+                        } else {
+                            b"530 must issue STARTTLS first\r\n"
+                        };
+                        reader.get_mut().write_all(reply).await.unwrap();
+                        if verb.starts_with("STARTTLS") {
+                            break;
+                        }
+                    }
+                }
+                let Ok(tls) = acceptor.accept(stream).await else {
+                    return;
+                };
+                let index = {
+                    let mut all = sink.lock().unwrap();
+                    all.push(Session::default());
+                    all.len() - 1
+                };
+                smtp_inside_tls(tls, mode == RelayTls::Implicit, &sink, index).await;
+            });
+        }
+    });
+    (addr, sessions, before_tls)
+}
+
+/// The SMTP exchange inside TLS: `AUTH`, one message, `QUIT`.
+async fn smtp_inside_tls<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: S,
+    greet: bool,
+    sink: &Sessions,
+    index: usize,
+) {
+    let (read, mut write) = tokio::io::split(stream);
+    let mut lines = BufReader::new(read).lines();
+    if greet {
+        write.write_all(b"220 relay.test ESMTP\r\n").await.unwrap();
+    }
+    while let Ok(Some(line)) = lines.next_line().await {
+        sink.lock().unwrap()[index].commands.push(line.clone());
+        let verb = line.to_ascii_uppercase();
+        let reply = if verb.starts_with("EHLO") {
+            "250-relay.test\r\n250-AUTH PLAIN LOGIN\r\n250 8BITMIME\r\n".to_owned()
+        } else if verb.starts_with("AUTH") {
+            "235 accepted\r\n".to_owned()
+        } else if verb.starts_with("RCPT TO") {
+            sink.lock().unwrap()[index].rcpt.push(line.clone());
+            "250 ok\r\n".to_owned()
+        } else if verb.starts_with("DATA") {
+            write.write_all(b"354 go on\r\n").await.unwrap();
+            let mut data = Vec::new();
+            while let Ok(Some(line)) = lines.next_line().await {
+                if line == "." {
+                    break;
+                }
+                data.push(line);
+            }
+            sink.lock().unwrap()[index].data = Some(data.join("\r\n"));
+            "250 queued\r\n".to_owned()
+        } else if verb.starts_with("QUIT") {
+            write.write_all(b"221 bye\r\n").await.ok();
+            write.flush().await.ok();
+            return;
+        } else {
+            "250 ok\r\n".to_owned()
+        };
+        if write.write_all(reply.as_bytes()).await.is_err() {
+            return;
+        }
+        write.flush().await.ok();
+    }
+}
+
+/// The metrics this process recorded, installed once (each test runs in its own process).
+fn recorded_metrics() -> &'static metrics_exporter_prometheus::PrometheusHandle {
+    static HANDLE: std::sync::OnceLock<metrics_exporter_prometheus::PrometheusHandle> =
+        std::sync::OnceLock::new();
+    HANDLE.get_or_init(|| wor_server::metrics::install_recorder().unwrap())
+}
+
+/// The value of one series of the notification delivery counter; 0 when it has none yet.
+fn delivery_count(channel: &str, result: &str) -> f64 {
+    let text = recorded_metrics().render();
+    let series =
+        format!("wor_notification_deliveries_total{{channel=\"{channel}\",result=\"{result}\"}}");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&series))
+        .map_or(0.0, |v| v.trim().parse().unwrap())
+}
+
 /// An HTTP API tool server whose `send_note` is held for approval, with `to` pinned.
 async fn notes_tool(h: &Harness) {
     let api = Router::new().route(
@@ -268,8 +415,149 @@ fn config(plaintext: bool) -> wor_engine::EngineConfig {
     }
 }
 
+/// The configuration of a server whose operator trusts `root` for SMTP relays
+/// (`[notifications] smtp_ca_file`); plaintext is not allowed.
+fn trusting(root: Vec<u8>) -> wor_engine::EngineConfig {
+    wor_engine::EngineConfig {
+        smtp_root_certificates: vec![root],
+        ..config(false)
+    }
+}
+
+async fn tls_route(h: &Harness, name: &str, relay: SocketAddr, tls: &str) -> String {
+    let (status, route) = h
+        .call(
+            Method::POST,
+            "/v1/notification-routes",
+            Some(
+                json!({"name": name, "kind": "email", "smtp_host": "127.0.0.1",
+                "smtp_port": relay.port(), "smtp_tls": tls, "email_from": "wor@example.com",
+                "email_to": ["ann@example.com"], "smtp_username": SMTP_USER,
+                "smtp_password": SMTP_PASSWORD}),
+            ),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{route}");
+    assert_eq!(route["smtp_tls"], tls);
+    route["id"].as_str().unwrap().to_owned()
+}
+
+#[tokio::test]
+async fn starttls_with_a_trusted_certificate_carries_the_login_and_the_message_inside_tls() {
+    recorded_metrics();
+    let (root, acceptor) = relay_certificate();
+    let h = Harness::with_config(trusting(root)).await;
+    notes_tool(&h).await;
+    let routine = apply_routine(&h).await;
+    let (addr, sessions, before_tls) = tls_relay(RelayTls::Starttls, acceptor).await;
+    let route = tls_route(&h, "relay", addr, "starttls").await;
+    let approval = parked(&h, &routine).await;
+    assert_eq!(deliver(&h, 0).await, 1);
+    let log = deliveries(&h, &route).await;
+    assert_eq!(log[0]["status"], "delivered", "{log:?}");
+    assert_eq!(log[0]["last_status_code"], 250);
+    // In the clear: the greeting and STARTTLS only.
+    let plain = before_tls.lock().unwrap().clone();
+    assert_eq!(plain.len(), 2, "{plain:?}");
+    assert!(
+        plain[0].to_ascii_uppercase().starts_with("EHLO"),
+        "{plain:?}"
+    );
+    assert_eq!(plain[1].to_ascii_uppercase(), "STARTTLS");
+    assert!(
+        !plain
+            .iter()
+            .any(|l| l.contains("AUTH") || l.contains("MAIL"))
+    );
+    // Inside TLS: the login and the message, with its link.
+    let sessions = sessions.lock().unwrap().clone();
+    assert_eq!(sessions.len(), 1, "{sessions:?}");
+    assert!(
+        sessions[0].saw("AUTH") && sessions[0].saw("MAIL FROM"),
+        "{sessions:?}"
+    );
+    assert!(
+        sessions[0]
+            .body()
+            .contains(&format!("{CONSOLE_URL}/console/approvals/{approval}")),
+        "{:?}",
+        sessions[0]
+    );
+    assert_eq!(delivery_count("email", "delivered"), 1.0);
+}
+
+#[tokio::test]
+async fn implicit_tls_delivers_inside_tls_from_the_first_byte_and_an_untrusted_relay_gets_nothing()
+{
+    recorded_metrics();
+    let (root, acceptor) = relay_certificate();
+    let h = Harness::with_config(trusting(root)).await;
+    notes_tool(&h).await;
+    let routine = apply_routine(&h).await;
+    let (addr, sessions, before_tls) = tls_relay(RelayTls::Implicit, acceptor).await;
+    let route = tls_route(&h, "relay", addr, "implicit_tls").await;
+    let approval = parked(&h, &routine).await;
+    assert_eq!(deliver(&h, 0).await, 1);
+    let log = deliveries(&h, &route).await;
+    assert_eq!(log[0]["status"], "delivered", "{log:?}");
+    assert!(
+        before_tls.lock().unwrap().is_empty(),
+        "nothing in the clear"
+    );
+    {
+        let sessions = sessions.lock().unwrap();
+        assert_eq!(sessions.len(), 1, "{sessions:?}");
+        assert!(sessions[0].saw("AUTH"), "{sessions:?}");
+        assert!(
+            sessions[0]
+                .body()
+                .contains(&format!("/console/approvals/{approval}")),
+            "{:?}",
+            sessions[0]
+        );
+    }
+    assert_eq!(delivery_count("email", "delivered"), 1.0);
+
+    // A relay whose certificate the configuration does not trust: the handshake fails, so
+    // neither the login nor the message is sent, and the attempt counts as a TLS failure.
+    let (_, stranger) = relay_certificate();
+    for mode in [RelayTls::Implicit, RelayTls::Starttls] {
+        let (addr, sessions, _) = tls_relay(mode, stranger.clone()).await;
+        let (name, tls) = match mode {
+            RelayTls::Implicit => ("stranger-smtps", "implicit_tls"),
+            RelayTls::Starttls => ("stranger-starttls", "starttls"),
+        };
+        let route = tls_route(&h, name, addr, tls).await;
+        parked(&h, &routine).await;
+        deliver(&h, 0).await;
+        let log = deliveries(&h, &route).await;
+        assert_eq!(log[0]["status"], "pending", "{log:?}");
+        assert!(
+            log[0]["last_error"].as_str().unwrap().contains("handshake"),
+            "{log:?}"
+        );
+        assert!(sessions.lock().unwrap().is_empty(), "nothing inside TLS");
+    }
+    assert!(delivery_count("email", "tls") >= 2.0);
+    // An SMTPS route's port is 465 unless given.
+    let (status, route) = h
+        .call(
+            Method::POST,
+            "/v1/notification-routes",
+            Some(
+                json!({"name": "smtps-default", "kind": "email", "smtp_host": "127.0.0.1",
+                "smtp_tls": "implicit_tls", "email_from": "wor@example.com",
+                "email_to": ["ann@example.com"]}),
+            ),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{route}");
+    assert_eq!(route["smtp_port"], 465);
+}
+
 #[tokio::test]
 async fn each_request_is_mailed_with_its_facts_and_link_and_a_failure_is_retried() {
+    recorded_metrics();
     let h = Harness::with_config(config(true)).await;
     notes_tool(&h).await;
     let routine = apply_routine(&h).await;
@@ -317,10 +605,19 @@ async fn each_request_is_mailed_with_its_facts_and_link_and_a_failure_is_retried
     );
     // Not due again before its backoff.
     assert_eq!(deliver(&h, 0).await, 0);
+    // Counted by channel and class of result, never by its text.
+    assert_eq!(delivery_count("email", "refused"), 1.0);
+    assert_eq!(delivery_count("email", "delivered"), 0.0);
     assert_eq!(deliver(&h, 60_000).await, 1);
     let log = deliveries(&h, &route_id).await;
     assert_eq!(log[0]["status"], "delivered", "{log:?}");
     assert_eq!(log[0]["last_status_code"], 250);
+    assert_eq!(delivery_count("email", "delivered"), 1.0);
+    assert_eq!(delivery_count("email", "refused"), 1.0);
+    assert!(
+        !recorded_metrics().render().contains("451"),
+        "no free text in the labels"
+    );
 
     let sessions = sessions.lock().unwrap().clone();
     assert_eq!(sessions.len(), 2, "{sessions:?}");

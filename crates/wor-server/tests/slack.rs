@@ -430,6 +430,17 @@ fn config() -> wor_engine::EngineConfig {
 
 #[tokio::test]
 async fn slack_decides_through_the_engine_and_every_message_follows_the_approval() {
+    // Each test runs in a process of its own: this recorder sees only this test's attempts.
+    let metrics = wor_server::metrics::install_recorder().unwrap();
+    let count = |result: &str| -> f64 {
+        let series =
+            format!("wor_notification_deliveries_total{{channel=\"slack\",result=\"{result}\"}}");
+        metrics
+            .render()
+            .lines()
+            .find_map(|l| l.strip_prefix(&series))
+            .map_or(0.0, |v| v.trim().parse().unwrap())
+    };
     let h = Harness::with_config(config()).await;
     let addr = serve_console(&h).await;
     let (slack, calls) = fake_slack(1).await;
@@ -456,7 +467,10 @@ async fn slack_decides_through_the_engine_and_every_message_follows_the_approval
     assert_eq!(failing[0]["last_status_code"], 500);
     assert!(failing[0]["next_attempt_at"].is_string());
     assert_eq!(deliver(&h, 0).await, 0, "the retry waits for its backoff");
+    // Counted: one delivered, one refused (Slack's 500).
+    assert_eq!((count("delivered"), count("refused")), (1.0, 1.0));
     assert_eq!(deliver(&h, 60_000).await, 1);
+    assert_eq!((count("delivered"), count("refused")), (2.0, 1.0));
     let posts: Vec<(String, String, Value)> = calls
         .lock()
         .unwrap()

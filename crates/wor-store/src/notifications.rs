@@ -61,6 +61,8 @@ pub enum SmtpTls {
     Starttls,
     /// No TLS: only to a loopback relay, and only when the operator's configuration allows it.
     PlaintextLoopback,
+    /// TLS from the connection's first byte (SMTPS, port 465 by convention).
+    ImplicitTls,
 }
 
 impl SmtpTls {
@@ -68,6 +70,7 @@ impl SmtpTls {
         match self {
             SmtpTls::Starttls => "starttls",
             SmtpTls::PlaintextLoopback => "plaintext_loopback",
+            SmtpTls::ImplicitTls => "implicit_tls",
         }
     }
 }

@@ -74,13 +74,16 @@ pub struct CreateRoute {
     /// Email: the SMTP relay's host name or address.
     #[arg(long, requires = "email_to")]
     smtp_host: Option<String>,
-    /// Email: the relay's port [default: 587].
+    /// Email: the relay's port [default: 587, or 465 with `--smtp-implicit-tls`].
     #[arg(long, requires = "email_to")]
     smtp_port: Option<u16>,
     /// Email: speak SMTP without TLS to a loopback relay (the server's configuration must
     /// allow it); otherwise STARTTLS is required.
-    #[arg(long, requires = "email_to")]
+    #[arg(long, requires = "email_to", conflicts_with = "smtp_implicit_tls")]
     smtp_plaintext_loopback: bool,
+    /// Email: TLS from the first byte (SMTPS, port 465 by default) instead of STARTTLS.
+    #[arg(long, requires = "email_to")]
+    smtp_implicit_tls: bool,
     /// Email: the relay's user name (with `WOR_SMTP_PASSWORD`); sealed.
     #[arg(long, env = "WOR_SMTP_USERNAME", hide_env_values = true)]
     smtp_username: Option<String>,
@@ -165,6 +168,7 @@ pub async fn run(cmd: NotifyCommand) -> anyhow::Result<ExitCode> {
                 smtp_host,
                 smtp_port,
                 smtp_plaintext_loopback,
+                smtp_implicit_tls,
                 smtp_username,
                 smtp_password,
                 digest_minutes,
@@ -198,7 +202,13 @@ pub async fn run(cmd: NotifyCommand) -> anyhow::Result<ExitCode> {
                     "email_from": email_from,
                     "smtp_host": smtp_host,
                     "smtp_port": smtp_port,
-                    "smtp_tls": if smtp_plaintext_loopback { "plaintext_loopback" } else { "starttls" },
+                    "smtp_tls": if smtp_plaintext_loopback {
+                        "plaintext_loopback"
+                    } else if smtp_implicit_tls {
+                        "implicit_tls"
+                    } else {
+                        "starttls"
+                    },
                     "smtp_username": smtp_username,
                     "smtp_password": smtp_password,
                     "digest_minutes": digest_minutes,

@@ -184,6 +184,7 @@ pub(crate) async fn open_engine(config: &ServerConfig) -> anyhow::Result<(Engine
             prices: config.prices.clone(),
             console_url: config.public_url.clone(),
             smtp_plaintext_loopback: config.smtp_plaintext_loopback,
+            smtp_root_certificates: config.smtp_root_certificates.clone(),
             ..EngineConfig::default()
         },
     );

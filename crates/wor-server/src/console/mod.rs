@@ -115,6 +115,10 @@ pub fn router(state: AppState) -> Router<AppState> {
         .route("/approvals", get(pages::approvals))
         .route("/approvals/events", get(live::inbox))
         .route("/approvals/{approval_id}", get(pages::approval))
+        .route(
+            "/approvals/{approval_id}/edit",
+            post(pages::edit_and_approve),
+        )
         .route("/approvals/{approval_id}/{verdict}", post(pages::decide))
         .route("/runs", get(runs::list))
         .route("/runs/{run_id}", get(pages::run))

@@ -527,6 +527,65 @@ struct ApprovalsPage {
 struct ApprovalPage {
     banner: Banner,
     a: ApprovalCard,
+    /// The edit-and-approve form, for a pending call held by policy this member may decide.
+    edit: Option<EditForm>,
+}
+
+/// The form that corrects a held call's arguments and approves the edited call.
+struct EditForm {
+    fields: Vec<EditField>,
+    /// What is wrong with the edit as a whole (policy denies it, it changes nothing).
+    error: Option<String>,
+    reason: String,
+}
+
+/// One argument in the edit form: pinned ones are shown, never sent.
+struct EditField {
+    /// The field's position, for its element ids.
+    index: usize,
+    name: String,
+    /// The value as the approver edits it: a string as it is, anything else as JSON.
+    text: String,
+    /// Edited as JSON (the value is not a string).
+    json: bool,
+    pinned: bool,
+    error: Option<String>,
+}
+
+/// The form's name of argument `name`'s field.
+const ARGUMENT_FIELD: &str = "arg.";
+
+fn edit_form(approval: &ApprovalRecord) -> EditForm {
+    let fields = match &approval.arguments {
+        Value::Object(arguments) => arguments
+            .iter()
+            .enumerate()
+            .map(|(index, (name, value))| EditField {
+                index,
+                name: name.clone(),
+                text: match value {
+                    Value::String(text) => text.clone(),
+                    other => serde_json::to_string_pretty(other).unwrap_or_default(),
+                },
+                json: !value.is_string(),
+                pinned: approval.pinned_keys.contains(name),
+                error: None,
+            })
+            .collect(),
+        _ => Vec::new(),
+    };
+    EditForm {
+        fields,
+        error: None,
+        reason: String::new(),
+    }
+}
+
+/// Whether `member` gets the edit form for `approval` as the card shows it.
+fn editable(approval: &ApprovalRecord, card: &ApprovalCard) -> bool {
+    approval.status == ApprovalStatus::Pending
+        && approval.kind == wor_store::ApprovalKind::Policy
+        && card.refusal.is_none()
 }
 
 /// A JSON value as the text a person reads: strings as they are, the rest as JSON.
@@ -637,12 +696,142 @@ pub async fn approval(
         .store
         .get_approval(member.session.project_id, id)
         .await?;
-    let card = approval_card(&state, &member, approval).await?;
+    let card = approval_card(&state, &member, approval.clone()).await?;
+    let edit = editable(&approval, &card).then(|| edit_form(&approval));
     Ok(render(
         StatusCode::OK,
         &ApprovalPage {
             banner: (&member).into(),
             a: card,
+            edit,
+        },
+    ))
+}
+
+/// Edits a held call's arguments and approves the edited call, under the API's rules (the
+/// engine's [`wor_engine::Engine::approve_edited`]): a field that is not valid JSON, an
+/// argument the tool's schema refuses, or an edit policy denies is shown on the form again,
+/// by field, and nothing is decided.
+pub async fn edit_and_approve(
+    State(state): State<AppState>,
+    member: ConsoleMember,
+    Path(approval_id): Path<String>,
+    body: Result<Form<Vec<(String, String)>>, FormRejection>,
+) -> PageResult {
+    let fields = form(body)?;
+    let id: ApprovalId = approval_id
+        .parse()
+        .map_err(|_| ConsoleError(ApiError::NotFound))?;
+    let project = member.session.project_id;
+    let approval = state.store.get_approval(project, id).await?;
+    // Who may edit is who may decide: anyone else learns nothing of their edit.
+    if let Some(refusal) = state
+        .engine
+        .approval_refusal(project, &approval, approver(&member))
+        .await?
+    {
+        return Err(ConsoleError(ApiError::Forbidden(refusal)));
+    }
+    let mut shown = edit_form(&approval);
+    let mut edits = serde_json::Map::new();
+    for (key, text) in &fields {
+        if key == "reason" {
+            shown.reason.clone_from(text);
+            continue;
+        }
+        let Some(name) = key.strip_prefix(ARGUMENT_FIELD) else {
+            continue;
+        };
+        // Browsers send a text area's line breaks as CRLF.
+        let text = text.replace("\r\n", "\n");
+        let original = approval.arguments.get(name);
+        let value = if original.is_none_or(Value::is_string) {
+            Value::String(text.clone())
+        } else {
+            match serde_json::from_str::<Value>(&text) {
+                Ok(value) => value,
+                Err(error) => {
+                    if let Some(field) = shown
+                        .fields
+                        .iter_mut()
+                        .find(|f| f.name == name && !f.pinned)
+                    {
+                        field.text = text;
+                        field.error = Some(format!("not valid JSON: {error}"));
+                    }
+                    continue;
+                }
+            }
+        };
+        // A pinned argument keeps showing its value; one sent anyway is the engine's to refuse.
+        if let Some(field) = shown
+            .fields
+            .iter_mut()
+            .find(|f| f.name == name && !f.pinned)
+        {
+            field.text = text;
+        }
+        if original != Some(&value) {
+            edits.insert(name.to_owned(), value);
+        }
+    }
+    let (status, error) = if shown.fields.iter().any(|f| f.error.is_some()) {
+        (StatusCode::BAD_REQUEST, None)
+    } else if edits.is_empty() {
+        (
+            StatusCode::BAD_REQUEST,
+            Some(wor_engine::EditRefusal::Unchanged.to_string()),
+        )
+    } else {
+        match state
+            .engine
+            .approve_edited(
+                project,
+                id,
+                approver(&member),
+                &Value::Object(edits),
+                &shown.reason,
+            )
+            .await
+        {
+            Ok(decided) => {
+                return Ok(
+                    Redirect::to(&format!("/console/runs/{}", decided.run_id)).into_response()
+                );
+            }
+            Err(wor_engine::EngineError::EditRefused(refusal)) => {
+                let status = ApiError::from(wor_engine::EngineError::EditRefused(refusal.clone()))
+                    .status_and_code()
+                    .0;
+                let mut whole = Vec::new();
+                for (argument, message) in refusal.by_argument() {
+                    match argument.and_then(|name| shown.fields.iter_mut().find(|f| f.name == name))
+                    {
+                        Some(field) => field.error = Some(message),
+                        None => whole.push(message),
+                    }
+                }
+                if whole.is_empty() && !shown.fields.iter().any(|f| f.error.is_some()) {
+                    whole.push(refusal.to_string());
+                }
+                (status, (!whole.is_empty()).then(|| whole.join("; ")))
+            }
+            // A missing or overlong reason is the form's to show.
+            Err(wor_engine::EngineError::Invalid(message)) => {
+                (StatusCode::BAD_REQUEST, Some(message))
+            }
+            Err(other) => return Err(other.into()),
+        }
+    };
+    shown.error = error;
+    let approval = state.store.get_approval(project, id).await?;
+    let card = approval_card(&state, &member, approval).await?;
+    Ok(render(
+        status,
+        &ApprovalPage {
+            banner: (&member).into(),
+            a: card,
+            edit: Some(shown),
         },
     ))
 }

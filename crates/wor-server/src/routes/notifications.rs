@@ -44,6 +44,8 @@ pub enum SmtpTlsView {
     Starttls,
     /// No TLS, to a loopback relay only, when the operator's configuration allows it.
     PlaintextLoopback,
+    /// TLS from the first byte (SMTPS; port 465 by default).
+    ImplicitTls,
 }
 
 impl From<SmtpTlsView> for SmtpTls {
@@ -51,6 +53,7 @@ impl From<SmtpTlsView> for SmtpTls {
         match view {
             SmtpTlsView::Starttls => SmtpTls::Starttls,
             SmtpTlsView::PlaintextLoopback => SmtpTls::PlaintextLoopback,
+            SmtpTlsView::ImplicitTls => SmtpTls::ImplicitTls,
         }
     }
 }
@@ -60,6 +63,7 @@ impl From<SmtpTls> for SmtpTlsView {
         match tls {
             SmtpTls::Starttls => SmtpTlsView::Starttls,
             SmtpTls::PlaintextLoopback => SmtpTlsView::PlaintextLoopback,
+            SmtpTls::ImplicitTls => SmtpTlsView::ImplicitTls,
         }
     }
 }
@@ -82,7 +86,7 @@ pub struct CreateNotificationRoute {
     pub smtp_host: Option<String>,
     /// Email: the relay's port [default: 587].
     pub smtp_port: Option<u16>,
-    /// Email: `starttls` [default] or `plaintext_loopback`.
+    /// Email: `starttls` [default], `implicit_tls` (SMTPS) or `plaintext_loopback`.
     pub smtp_tls: Option<SmtpTlsView>,
     /// Email: the relay's user name, with `smtp_password` (both or neither). Sealed.
     pub smtp_username: Option<String>,
@@ -424,12 +428,17 @@ pub async fn create(
                     ));
                 }
             };
+            let tls: SmtpTls = body.smtp_tls.unwrap_or(SmtpTlsView::Starttls).into();
+            let default_port = match tls {
+                SmtpTls::ImplicitTls => 465,
+                SmtpTls::Starttls | SmtpTls::PlaintextLoopback => 587,
+            };
             let route = NewNotificationRoute {
                 name: body.name,
                 channel: RouteChannel::Email {
                     smtp_host: required(body.smtp_host, "smtp_host", "email")?,
-                    smtp_port: body.smtp_port.unwrap_or(587),
-                    tls: body.smtp_tls.unwrap_or(SmtpTlsView::Starttls).into(),
+                    smtp_port: body.smtp_port.unwrap_or(default_port),
+                    tls,
                     from: required(body.email_from, "email_from", "email")?,
                     to: required(body.email_to, "email_to", "email")?,
                     digest_minutes: body.digest_minutes,

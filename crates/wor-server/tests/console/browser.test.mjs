@@ -31,6 +31,8 @@ let mcpServer, mcpAddr;
 let rugPulled = false;
 let dir, server, serverUrl, toolServer, toolAddr, ownerKey, browser, project, otherProject, otherKey;
 const dialogs = [];
+// The bodies the tool server's send received, in order.
+const sentNotes = [];
 
 function flags() {
   const list = ['--config', path.join(dir, 'wor.toml'), '--data-dir', path.join(dir, 'data')];
@@ -54,8 +56,13 @@ before(async () => {
   // The HTTP API the routine's tools call: a read that returns hostile markup, and a send.
   toolServer = http.createServer((req, res) => {
     res.setHeader('content-type', 'application/json');
-    if (req.method === 'GET') res.end(JSON.stringify({ note: HOSTILE }));
-    else res.end(JSON.stringify({ status: 'sent' }));
+    if (req.method === 'GET') return res.end(JSON.stringify({ note: HOSTILE }));
+    let body = '';
+    req.on('data', (chunk) => (body += chunk));
+    req.on('end', () => {
+      sentNotes.push(JSON.parse(body));
+      res.end(JSON.stringify({ status: 'sent' }));
+    });
   });
   await new Promise((resolve) => toolServer.listen(0, '127.0.0.1', resolve));
   toolAddr = `127.0.0.1:${toolServer.address().port}`;
@@ -363,6 +370,47 @@ test('an approval\'s own page, as an email links to it, opens after sign-in and 
   await accessible(invited, 'approval (decided)');
   assert.deepEqual(dialogs, []);
   await invited.context().close();
+});
+
+test('an approver edits a held call on its page: pinned arguments read-only, errors by field, the edited call runs', async () => {
+  const runId = await parkedRun();
+  const [approval] = await api('GET', `/v1/approvals?run_id=${runId}&status=pending`);
+  const page = await memberPage('lou', 'approver');
+  await page.goto(`${serverUrl}/console/approvals/${approval.id}`);
+  const form = page.locator('form.edit');
+  // The pinned recipient is shown and cannot be changed; the model's text can.
+  const pinned = form.getByLabel(/^to \(pinned by the routine/);
+  assert.equal(await pinned.inputValue(), 'team@example.com');
+  assert.equal(await pinned.getAttribute('readonly'), '');
+  assert.equal(await pinned.getAttribute('name'), null, 'a pinned value is never sent');
+  const text = form.getByLabel('text', { exact: true });
+  assert.equal(await text.inputValue(), '<script>alert(2)</script>');
+  await accessible(page, 'approval (edit form)');
+
+  // Without a reason nothing is decided, and the form says why, keeping the edit.
+  await text.fill('hello team');
+  await form.getByRole('button', { name: 'Approve the edited call' }).click();
+  await page.locator('.edit-call [role=alert]').waitFor();
+  assert.match(await page.locator('.edit-call [role=alert]').innerText(), /needs a reason/);
+  assert.equal(await page.locator('form.edit').getByLabel('text', { exact: true }).inputValue(), 'hello team');
+  await accessible(page, 'approval (edit refused)');
+  let [still] = await api('GET', `/v1/approvals?run_id=${runId}`);
+  assert.equal(still.status, 'pending');
+
+  // With one, the edited call is approved and runs once, with the pinned recipient.
+  const before = sentNotes.length;
+  await page.locator('form.edit').getByLabel('Why you edited it').fill('the model wrote markup');
+  await page.locator('form.edit').getByRole('button', { name: 'Approve the edited call' }).click();
+  await page.waitForURL(new RegExp(`/console/runs/${runId}$`));
+  await page.locator('.status', { hasText: 'succeeded' }).waitFor({ timeout: 30000 });
+  const [decided] = await api('GET', `/v1/approvals?run_id=${runId}`);
+  assert.equal(decided.status, 'approved');
+  assert.deepEqual(decided.edited_arguments, { text: 'hello team', to: 'team@example.com' });
+  assert.deepEqual(sentNotes.slice(before), [{ text: 'hello team', to: 'team@example.com' }]);
+  await page.goto(`${serverUrl}/console/approvals/${approval.id}`);
+  assert.equal(await page.locator('form.edit').count(), 0, 'a decided call has no edit form');
+  assert.deepEqual(dialogs, []);
+  await page.context().close();
 });
 
 test('a form posted without its token is refused and decides nothing', async () => {
