@@ -1361,3 +1361,111 @@ mode = "confirm"
         "{log}"
     );
 }
+
+/// A routine held for approval that fails when the approval expires, one run at a time, the
+/// next skipped; a routine whose second turn is over its budget of turns; run webhooks to a
+/// receiver the test hosts.
+#[test]
+fn metrics_count_skipped_runs_expired_approvals_budgets_by_limit_and_webhooks_by_result() {
+    use std::io::{Read as _, Write as _};
+    let receiver = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let hook = receiver.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for stream in receiver.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let mut buf = [0u8; 65536];
+            let _ = stream.read(&mut buf);
+            let _ = stream.write_all(b"HTTP/1.1 204 No Content\r\nConnection: close\r\n\r\n");
+        }
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("wor.toml");
+    std::fs::write(
+        &config,
+        "approval_ttl_seconds = 1\n\n[egress]\nallowed_cidrs = [\"127.0.0.1/32\"]\n\n\
+         [metrics]\nlisten = \"127.0.0.1:0\"\n",
+    )
+    .unwrap();
+    let mut db = common::database_args(dir.path());
+    db.extend(["--config".to_owned(), config.display().to_string()]);
+    let owner = common::create_project(&db);
+    let server = Server::start(&db, &[]);
+    let metrics = metrics_addr(&server);
+    let held = CALLER.replace("name = \"caller\"", "name = \"held\"")
+        + "\n[approvals]\non_denial = \"fail\"\n\n[concurrency]\nmax_runs = 1\noverlap = \"skip\"\n";
+    let tight = CALLER
+        .replace("name = \"caller\"", "name = \"tight\"")
+        .replace("mode = \"confirm\"", "mode = \"auto\"")
+        + &format!(
+            "\n[budget]\nturns = 1\n\n[notify]\nurl = \"http://{hook}/hook\"\n\
+             events = [\"budget_exceeded\"]\n"
+        );
+    for (name, toml) in [
+        ("helper", helper_routine("helper")),
+        ("held", held),
+        ("tight", tight),
+    ] {
+        let file = dir.path().join(format!("{name}.toml"));
+        std::fs::write(&file, toml).unwrap();
+        let applied = server.client(
+            &owner,
+            &["routine", "apply", "-f", &file.display().to_string()],
+        );
+        assert!(applied.status.success(), "{}", text(&applied.stderr));
+    }
+    let secret = server.client(&owner, &["routine", "webhook-secret", "tight", "--notify"]);
+    assert!(secret.status.success(), "{}", text(&secret.stderr));
+    let before = scrape(&metrics);
+    let delta = |now: &std::collections::BTreeMap<String, f64>, series: &str| {
+        value(now, series) - value(&before, series)
+    };
+
+    let started = server.client(&owner, &["run", "start", "held", "--input", "go"]);
+    let held_run = text(&started.stdout).trim().to_owned();
+    wait_for_status(&server, &owner, &held_run, "waiting_for_approval");
+    let skipped = server.client(&owner, &["run", "start", "held", "--input", "again"]);
+    let skipped = text(&skipped.stdout).trim().to_owned();
+    wait_for_status(&server, &owner, &skipped, "skipped");
+    // Nobody decides: the approval expires and the run fails, as its routine says.
+    wait_for_status(&server, &owner, &held_run, "failed");
+    let tight = server.client(&owner, &["run", "start", "tight", "--input", "go"]);
+    let tight = text(&tight.stdout).trim().to_owned();
+    wait_for_status(&server, &owner, &tight, "budget_exceeded");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let after = loop {
+        let now = scrape(&metrics);
+        if delta(&now, r#"wor_webhook_deliveries_total{result="delivered"}"#) >= 1.0 {
+            break now;
+        }
+        assert!(std::time::Instant::now() < deadline, "no delivery counted");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    for (series, expected) in [
+        (
+            r#"wor_runs_finished_total{status="skipped",trigger="api"}"#,
+            1.0,
+        ),
+        (
+            r#"wor_runs_finished_total{status="failed",trigger="api"}"#,
+            1.0,
+        ),
+        (
+            r#"wor_runs_finished_total{status="budget_exceeded",trigger="api"}"#,
+            1.0,
+        ),
+        // The helper it called has only what is left of its root's turns: none.
+        (
+            r#"wor_runs_finished_total{status="budget_exceeded",trigger="routine"}"#,
+            1.0,
+        ),
+        (r#"wor_budget_exhausted_total{limit="turns"}"#, 2.0),
+        (r#"wor_budget_exhausted_total{limit="tool_calls"}"#, 0.0),
+        (r#"wor_approvals_decided_total{outcome="expired"}"#, 1.0),
+        (r#"wor_approvals_decided_total{outcome="approved"}"#, 0.0),
+        (r#"wor_webhook_deliveries_total{result="delivered"}"#, 1.0),
+        (r#"wor_webhook_deliveries_total{result="failed"}"#, 0.0),
+    ] {
+        assert_eq!(delta(&after, series), expected, "{series}");
+    }
+    server.stop();
+}
