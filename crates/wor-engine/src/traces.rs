@@ -173,7 +173,7 @@ fn run_span_id(run: RunId) -> [u8; 8] {
 
 /// The call id is text the model chose: it goes into the hash only, never into a span.
 fn call_span_id(run: RunId, call_id: &str) -> [u8; 8] {
-    derived_span_id(&[b"tool_call", run.uuid().as_bytes(), call_id.as_bytes()])
+    derived_span_id(&[b"call", run.uuid().as_bytes(), call_id.as_bytes()])
 }
 
 /// A fresh span id for a span no other span refers to by derivation.
