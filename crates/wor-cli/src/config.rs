@@ -43,6 +43,7 @@ struct FileConfig {
     sandbox: Option<SandboxSection>,
     console: Option<ConsoleSection>,
     metrics: Option<MetricsSection>,
+    traces: Option<TracesSection>,
     tls: Option<TlsSection>,
     /// Where people reach this server (`https://wor.example.com`), for links in notifications.
     public_url: Option<String>,
@@ -92,6 +93,26 @@ struct SandboxSection {
 struct MetricsSection {
     /// `IP:PORT` of the metrics listener; without it no metrics are recorded or served.
     listen: Option<String>,
+}
+
+/// The operator's trace collector: its URL and the special-use ranges it may be in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TracesConfig {
+    pub endpoint: String,
+    pub allowed_cidrs: Vec<String>,
+}
+
+/// `[traces]`: OpenTelemetry traces sent to the operator's collector over OTLP/HTTP.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TracesSection {
+    /// The collector's OTLP/HTTP traces URL (`http://10.0.0.5:4318/v1/traces`); without it no
+    /// spans are made or sent.
+    endpoint: Option<String>,
+    /// Special-use ranges the collector lives in (`10.0.0.5/32`), allowed for the exporter
+    /// only: tools, models and webhooks are not let into them.
+    #[serde(default)]
+    allowed_cidrs: Vec<String>,
 }
 
 /// `[tls]`: HTTPS on the listener, or the TLS-terminating proxy in front of it.
@@ -264,6 +285,8 @@ pub struct ServerConfig {
     pub public_url: Option<String>,
     /// Where `GET /metrics` is served (`[metrics] listen`); `None`: no metrics at all.
     pub metrics_listen: Option<SocketAddr>,
+    /// Where spans are sent (`[traces]`); `None`: no traces at all.
+    pub traces: Option<TracesConfig>,
     /// The certificate and key the listener serves HTTPS with (`[tls] cert`, `key`).
     pub tls: Option<wor_server::tls::TlsFiles>,
     /// `[tls] behind_proxy`: a proxy in front terminates TLS.
@@ -411,6 +434,22 @@ impl ServerConfig {
                     format!("`[metrics] listen` address `{text}` is not of the form `IP:PORT`")
                 })?),
                 None => None,
+            },
+            traces: match file.traces {
+                Some(TracesSection {
+                    endpoint: Some(endpoint),
+                    allowed_cidrs,
+                }) => Some(TracesConfig {
+                    endpoint,
+                    allowed_cidrs,
+                }),
+                Some(TracesSection {
+                    endpoint: None,
+                    allowed_cidrs,
+                }) if !allowed_cidrs.is_empty() => {
+                    bail!("`[traces] allowed_cidrs` is set without `[traces] endpoint`")
+                }
+                _ => None,
             },
             tls: tls_files,
             behind_proxy: tls.behind_proxy,
@@ -659,6 +698,7 @@ mod tests {
             console: Default::default(),
             public_url: None,
             metrics_listen: None,
+            traces: None,
             tls: None,
             behind_proxy: false,
             smtp_plaintext_loopback: false,

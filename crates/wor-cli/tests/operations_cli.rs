@@ -927,3 +927,545 @@ fn a_run_logged_at_trace_level_leaves_no_prompt_input_tool_content_or_secret_in_
         assert!(!log.contains(canary), "the log holds `{canary}`");
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Traces: OTLP/HTTP to the operator's collector, through the egress guard.
+
+mod traced {
+    //! A tool server and an OTLP collector, both the test's own on loopback: the tool server
+    //! keeps the headers of every request it is sent (so trace context passed to it shows),
+    //! the collector every body it receives, decoded as OTLP protobuf.
+
+    use std::sync::{Arc, Mutex};
+
+    use axum::Router;
+    use axum::body::Bytes;
+    use axum::http::HeaderMap;
+    use opentelemetry_proto::tonic::collector::trace::v1::{
+        ExportTraceServiceRequest, ExportTraceServiceResponse,
+    };
+    use prost::Message as _;
+    use rmcp::ServerHandler;
+    use rmcp::model::{
+        CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, ErrorData,
+        InitializeResult, ListToolsResult, PaginatedRequestParams, ServerCapabilities, Tool,
+    };
+    use rmcp::service::{RequestContext, RoleServer};
+    use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
+    use rmcp::transport::streamable_http_server::{
+        StreamableHttpServerConfig, StreamableHttpService,
+    };
+
+    pub const RESULT: &str = "result-canary-6a0d2e";
+
+    #[derive(Debug, Clone, Default)]
+    pub struct Desk;
+
+    impl ServerHandler for Desk {
+        fn get_info(&self) -> InitializeResult {
+            InitializeResult::new(ServerCapabilities::builder().enable_tools().build())
+        }
+
+        async fn list_tools(
+            &self,
+            _request: Option<PaginatedRequestParams>,
+            _context: RequestContext<RoleServer>,
+        ) -> Result<ListToolsResult, ErrorData> {
+            let schema = serde_json::json!({"type": "object",
+                "properties": {"q": {"type": "string"}}, "required": ["q"]});
+            Ok(ListToolsResult::with_all_items(vec![Tool::new(
+                "lookup",
+                "Looks a record up",
+                Arc::new(schema.as_object().unwrap().clone()),
+            )]))
+        }
+
+        async fn call_tool(
+            &self,
+            _request: CallToolRequestParams,
+            _context: RequestContext<RoleServer>,
+        ) -> Result<CallToolResponse, ErrorData> {
+            Ok(CallToolResult::success(vec![ContentBlock::text(format!("FOUND {RESULT}"))]).into())
+        }
+    }
+
+    /// Serves the tool server; returns its address and the headers of every request to it.
+    pub async fn serve_desk() -> (std::net::SocketAddr, Arc<Mutex<Vec<HeaderMap>>>) {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let service = StreamableHttpService::new(
+            || Ok(Desk),
+            Arc::new(LocalSessionManager::default()),
+            StreamableHttpServerConfig::default(),
+        );
+        let record = seen.clone();
+        let router = Router::new()
+            .nest_service("/mcp", service)
+            .layer(axum::middleware::from_fn(
+                move |request: axum::extract::Request, next: axum::middleware::Next| {
+                    record.lock().unwrap().push(request.headers().clone());
+                    next.run(request)
+                },
+            ));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+        (addr, seen)
+    }
+
+    /// What the collector received: each request's headers and raw body.
+    pub type Received = Arc<Mutex<Vec<(HeaderMap, Bytes)>>>;
+
+    pub async fn serve_collector() -> (std::net::SocketAddr, Received) {
+        let received: Received = Arc::default();
+        let keep = received.clone();
+        let router = Router::new().route(
+            "/v1/traces",
+            axum::routing::post(move |headers: HeaderMap, body: Bytes| {
+                let keep = keep.clone();
+                async move {
+                    keep.lock().unwrap().push((headers, body));
+                    (
+                        [("content-type", "application/x-protobuf")],
+                        ExportTraceServiceResponse::default().encode_to_vec(),
+                    )
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+        (addr, received)
+    }
+
+    /// Every span received so far.
+    pub fn spans(received: &Received) -> Vec<opentelemetry_proto::tonic::trace::v1::Span> {
+        received
+            .lock()
+            .unwrap()
+            .iter()
+            .flat_map(|(_, body)| {
+                ExportTraceServiceRequest::decode(body.as_ref())
+                    .unwrap()
+                    .resource_spans
+            })
+            .flat_map(|r| r.scope_spans)
+            .flat_map(|s| s.spans)
+            .collect()
+    }
+}
+
+/// A string attribute of `span`.
+fn attribute(span: &opentelemetry_proto::tonic::trace::v1::Span, key: &str) -> Option<String> {
+    use opentelemetry_proto::tonic::common::v1::any_value::Value;
+    span.attributes
+        .iter()
+        .find(|a| a.key == key)
+        .and_then(|a| a.value.as_ref()?.value.as_ref())
+        .map(|v| match v {
+            Value::StringValue(s) => s.clone(),
+            Value::IntValue(n) => n.to_string(),
+            other => format!("{other:?}"),
+        })
+}
+
+#[test]
+fn a_collector_receives_a_runs_spans_in_their_tree_and_no_content() {
+    const PROMPT: &str = "prompt-canary-0b7e44";
+    const INPUT: &str = "input-canary-c3d9a1";
+    const ARGUMENT: &str = "argument-canary-58f2b6";
+    const ANSWER: &str = "answer-canary-e17c05";
+    const REASON: &str = "reason-canary-9d4a23";
+    const TOOL_TOKEN: &str = "tok-trace-canary-1a2b3c4d5e6f7081";
+    const MODEL_SECRET: &str = "sk-trace-canary-90817263544536271";
+    // The test's own servers run on a runtime of their own (the test's database is set up on
+    // another, which cannot be nested in one).
+    let servers = tokio::runtime::Runtime::new().unwrap();
+    let (desk, desk_headers) = servers.block_on(traced::serve_desk());
+    let (collector, received) = servers.block_on(traced::serve_collector());
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("wor.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[egress]\nallowed_cidrs = [\"127.0.0.1/32\"]\n\n[traces]\n\
+             endpoint = \"http://{collector}/v1/traces\"\nallowed_cidrs = [\"127.0.0.1/32\"]\n"
+        ),
+    )
+    .unwrap();
+    let mut db = common::database_args(dir.path());
+    db.extend(["--config".to_owned(), config.display().to_string()]);
+    let owner = common::create_project(&db);
+    let server = Server::start(&db, &[("WOR_LOG", "trace")]);
+    let client = |key: &str, args: &[&str], envs: &[(&str, &str)]| {
+        run(wor(args)
+            .env("WOR_SERVER", &server.url)
+            .env("WOR_API_KEY", key)
+            .envs(envs.iter().copied()))
+    };
+    let created = client(
+        &owner,
+        &[
+            "model-connection",
+            "create",
+            "main",
+            "--provider",
+            "openai_compatible",
+            "--base-url",
+            "https://models.example.com/v1",
+            "--api-key-env",
+            "MODEL_KEY",
+        ],
+        &[("MODEL_KEY", MODEL_SECRET)],
+    );
+    assert!(created.status.success(), "{}", text(&created.stderr));
+    let connection = client(
+        &owner,
+        &[
+            "connection",
+            "create",
+            "desk",
+            "--url",
+            &format!("http://{desk}/mcp"),
+            "--allow",
+            &desk.to_string(),
+            "--bearer-env",
+            "TOOL_TOKEN",
+            "--json",
+        ],
+        &[("TOOL_TOKEN", TOOL_TOKEN)],
+    );
+    assert!(connection.status.success(), "{}", text(&connection.stderr));
+    let connection: serde_json::Value = serde_json::from_slice(&connection.stdout).unwrap();
+    let connection = connection["id"].as_str().unwrap().to_owned();
+    let review = client(
+        &owner,
+        &["connection", "review", &connection, "--json"],
+        &[],
+    );
+    assert!(review.status.success(), "{}", text(&review.stderr));
+    let review_file = dir.path().join("review.json");
+    std::fs::write(&review_file, &review.stdout).unwrap();
+    let enabled = client(
+        &owner,
+        &[
+            "connection",
+            "enable",
+            &connection,
+            "--from-review",
+            review_file.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(enabled.status.success(), "{}", text(&enabled.stderr));
+    let routine = format!(
+        r#"
+name = "traced"
+instructions = "Look it up. {PROMPT}"
+
+[model]
+provider = "replay"
+model = "script"
+
+[[model.script.turns]]
+when = {{ last_tool_result_contains = "{result}" }}
+text = "{ANSWER}"
+usage = {{ input_tokens = 7, output_tokens = 3 }}
+
+[[model.script.turns]]
+tool_calls = [{{ name = "desk__lookup", arguments = {{ q = "{ARGUMENT}" }} }}]
+usage = {{ input_tokens = 11, output_tokens = 4 }}
+
+[[tools]]
+tool = "desk/lookup"
+mode = "confirm"
+"#,
+        result = traced::RESULT
+    );
+    let file = dir.path().join("traced.toml");
+    std::fs::write(&file, routine).unwrap();
+    let applied = client(
+        &owner,
+        &["routine", "apply", "-f", file.to_str().unwrap()],
+        &[],
+    );
+    assert!(applied.status.success(), "{}", text(&applied.stderr));
+    let approver = client(
+        &owner,
+        &["member", "create", "pat", "--role", "approver"],
+        &[],
+    );
+    let approver = text(&approver.stdout).trim().to_owned();
+
+    let started = client(&owner, &["run", "start", "traced", "--input", INPUT], &[]);
+    assert!(started.status.success(), "{}", text(&started.stderr));
+    let run_id = text(&started.stdout).trim().to_owned();
+    wait_for_status(&server, &owner, &run_id, "waiting_for_approval");
+    let listed = client(&approver, &["approvals", "list", "--json"], &[]);
+    let approvals: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
+    let approval = approvals
+        .as_array()
+        .or_else(|| approvals["approvals"].as_array())
+        .unwrap()[0]["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let approved = client(
+        &approver,
+        &["approvals", "approve", &approval, "--reason", REASON],
+        &[],
+    );
+    assert!(approved.status.success(), "{}", text(&approved.stderr));
+    wait_for_status(&server, &owner, &run_id, "succeeded");
+    let shown = text(&client(&owner, &["run", "get", &run_id, "--json"], &[]).stdout);
+    assert!(
+        shown.contains(ANSWER) && shown.contains(traced::RESULT) && shown.contains(ARGUMENT),
+        "the run carried every canary: {shown}"
+    );
+
+    // The run's span is sent within the export interval of the run's end.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let spans = loop {
+        let spans = traced::spans(&received);
+        if spans.iter().any(|s| s.name == "wor.run") {
+            break spans;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no run span: {spans:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    let log = server.stop();
+
+    // One trace, the run's: its id is the run id's 128 bits.
+    let run_uuid = run_id.strip_prefix("run_").unwrap();
+    for span in &spans {
+        assert_eq!(
+            span.trace_id
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<String>(),
+            run_uuid,
+            "{span:?}"
+        );
+        assert_eq!(
+            attribute(span, "wor.run.id").as_deref(),
+            Some(run_id.as_str())
+        );
+        assert!(
+            span.end_time_unix_nano >= span.start_time_unix_nano,
+            "{span:?}"
+        );
+    }
+    let named = |name: &str| -> Vec<&opentelemetry_proto::tonic::trace::v1::Span> {
+        spans.iter().filter(|s| s.name == name).collect()
+    };
+    let [run_span] = named("wor.run")[..] else {
+        panic!("one run span: {spans:?}")
+    };
+    assert!(run_span.parent_span_id.is_empty(), "the run is the root");
+    assert_eq!(
+        attribute(run_span, "wor.run.status").as_deref(),
+        Some("succeeded")
+    );
+    assert_eq!(
+        attribute(run_span, "wor.run.trigger").as_deref(),
+        Some("api")
+    );
+    let turns = named("wor.model_turn");
+    assert_eq!(turns.len(), 2, "{spans:?}");
+    for turn in &turns {
+        assert_eq!(turn.parent_span_id, run_span.span_id);
+        assert_eq!(
+            attribute(turn, "wor.model.provider").as_deref(),
+            Some("replay")
+        );
+    }
+    let mut tokens: Vec<String> = turns
+        .iter()
+        .map(|t| attribute(t, "wor.model.input_tokens").unwrap())
+        .collect();
+    tokens.sort();
+    assert_eq!(tokens, ["11", "7"]);
+    let [call] = named("wor.tool_call")[..] else {
+        panic!("one tool call span: {spans:?}")
+    };
+    assert_eq!(call.parent_span_id, run_span.span_id);
+    assert_eq!(attribute(call, "wor.outcome").as_deref(), Some("held"));
+    for (child, outcome_key, outcome) in [
+        (
+            "wor.tool_call.decision",
+            "wor.tool_call.decision",
+            "confirm",
+        ),
+        ("wor.tool_call.approval_wait", "wor.outcome", "approved"),
+        ("wor.tool_call.execution", "wor.outcome", "ok"),
+    ] {
+        let [span] = named(child)[..] else {
+            panic!("one {child} span: {spans:?}")
+        };
+        assert_eq!(span.parent_span_id, call.span_id, "{child} is the call's");
+        assert_eq!(
+            attribute(span, outcome_key).as_deref(),
+            Some(outcome),
+            "{child}"
+        );
+    }
+    assert_eq!(
+        attribute(named("wor.tool_call.approval_wait")[0], "wor.approval.id").as_deref(),
+        Some(approval.as_str())
+    );
+    assert_eq!(spans.len(), 1 + 2 + 1 + 3, "{spans:?}");
+
+    // No content: not in any byte the collector received, nor in any header.
+    let bodies = received.lock().unwrap().clone();
+    for (headers, body) in &bodies {
+        assert_eq!(headers["content-type"], "application/x-protobuf");
+        let headers = format!("{headers:?}");
+        for canary in [
+            PROMPT,
+            INPUT,
+            ARGUMENT,
+            traced::RESULT,
+            ANSWER,
+            REASON,
+            TOOL_TOKEN,
+            MODEL_SECRET,
+            "traced",
+            "desk",
+            "lookup",
+        ] {
+            assert!(
+                !body.windows(canary.len()).any(|w| w == canary.as_bytes()),
+                "a span holds `{canary}`"
+            );
+            assert!(
+                !headers.contains(canary),
+                "an export header holds `{canary}`"
+            );
+        }
+    }
+    // Nothing of the trace went to the tool server.
+    let desk_headers = desk_headers.lock().unwrap();
+    assert!(!desk_headers.is_empty());
+    for headers in desk_headers.iter() {
+        for name in ["traceparent", "tracestate", "baggage"] {
+            assert!(
+                !headers.contains_key(name),
+                "the tool server was sent `{name}`"
+            );
+        }
+    }
+    assert!(
+        !log.contains("trace export to the collector failed"),
+        "{log}"
+    );
+}
+
+/// A routine held for approval that fails when the approval expires, one run at a time, the
+/// next skipped; a routine whose second turn is over its budget of turns; run webhooks to a
+/// receiver the test hosts.
+#[test]
+fn metrics_count_skipped_runs_expired_approvals_budgets_by_limit_and_webhooks_by_result() {
+    use std::io::{Read as _, Write as _};
+    let receiver = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let hook = receiver.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for stream in receiver.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let mut buf = [0u8; 65536];
+            let _ = stream.read(&mut buf);
+            let _ = stream.write_all(b"HTTP/1.1 204 No Content\r\nConnection: close\r\n\r\n");
+        }
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("wor.toml");
+    std::fs::write(
+        &config,
+        "approval_ttl_seconds = 1\n\n[egress]\nallowed_cidrs = [\"127.0.0.1/32\"]\n\n\
+         [metrics]\nlisten = \"127.0.0.1:0\"\n",
+    )
+    .unwrap();
+    let mut db = common::database_args(dir.path());
+    db.extend(["--config".to_owned(), config.display().to_string()]);
+    let owner = common::create_project(&db);
+    let server = Server::start(&db, &[]);
+    let metrics = metrics_addr(&server);
+    let held = CALLER.replace("name = \"caller\"", "name = \"held\"")
+        + "\n[approvals]\non_denial = \"fail\"\n\n[concurrency]\nmax_runs = 1\noverlap = \"skip\"\n";
+    let tight = CALLER
+        .replace("name = \"caller\"", "name = \"tight\"")
+        .replace("mode = \"confirm\"", "mode = \"auto\"")
+        + &format!(
+            "\n[budget]\nturns = 1\n\n[notify]\nurl = \"http://{hook}/hook\"\n\
+             events = [\"budget_exceeded\"]\n"
+        );
+    for (name, toml) in [
+        ("helper", helper_routine("helper")),
+        ("held", held),
+        ("tight", tight),
+    ] {
+        let file = dir.path().join(format!("{name}.toml"));
+        std::fs::write(&file, toml).unwrap();
+        let applied = server.client(
+            &owner,
+            &["routine", "apply", "-f", &file.display().to_string()],
+        );
+        assert!(applied.status.success(), "{}", text(&applied.stderr));
+    }
+    let secret = server.client(&owner, &["routine", "webhook-secret", "tight", "--notify"]);
+    assert!(secret.status.success(), "{}", text(&secret.stderr));
+    let before = scrape(&metrics);
+    let delta = |now: &std::collections::BTreeMap<String, f64>, series: &str| {
+        value(now, series) - value(&before, series)
+    };
+
+    let started = server.client(&owner, &["run", "start", "held", "--input", "go"]);
+    let held_run = text(&started.stdout).trim().to_owned();
+    wait_for_status(&server, &owner, &held_run, "waiting_for_approval");
+    let skipped = server.client(&owner, &["run", "start", "held", "--input", "again"]);
+    let skipped = text(&skipped.stdout).trim().to_owned();
+    wait_for_status(&server, &owner, &skipped, "skipped");
+    // Nobody decides: the approval expires and the run fails, as its routine says.
+    wait_for_status(&server, &owner, &held_run, "failed");
+    let tight = server.client(&owner, &["run", "start", "tight", "--input", "go"]);
+    let tight = text(&tight.stdout).trim().to_owned();
+    wait_for_status(&server, &owner, &tight, "budget_exceeded");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let after = loop {
+        let now = scrape(&metrics);
+        if delta(&now, r#"wor_webhook_deliveries_total{result="delivered"}"#) >= 1.0 {
+            break now;
+        }
+        assert!(std::time::Instant::now() < deadline, "no delivery counted");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    for (series, expected) in [
+        (
+            r#"wor_runs_finished_total{status="skipped",trigger="api"}"#,
+            1.0,
+        ),
+        (
+            r#"wor_runs_finished_total{status="failed",trigger="api"}"#,
+            1.0,
+        ),
+        (
+            r#"wor_runs_finished_total{status="budget_exceeded",trigger="api"}"#,
+            1.0,
+        ),
+        // The helper it called has only what is left of its root's turns: none.
+        (
+            r#"wor_runs_finished_total{status="budget_exceeded",trigger="routine"}"#,
+            1.0,
+        ),
+        (r#"wor_budget_exhausted_total{limit="turns"}"#, 2.0),
+        (r#"wor_budget_exhausted_total{limit="tool_calls"}"#, 0.0),
+        (r#"wor_approvals_decided_total{outcome="expired"}"#, 1.0),
+        (r#"wor_approvals_decided_total{outcome="approved"}"#, 0.0),
+        (r#"wor_webhook_deliveries_total{result="delivered"}"#, 1.0),
+        (r#"wor_webhook_deliveries_total{result="failed"}"#, 0.0),
+    ] {
+        assert_eq!(delta(&after, series), expected, "{series}");
+    }
+    server.stop();
+}

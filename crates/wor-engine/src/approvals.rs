@@ -443,6 +443,7 @@ impl Engine {
             )
             .await?;
         crate::metrics::approval_decided(decided.status);
+        crate::traces::approval_waited(&decided);
         self.wake_workers();
         self.notify_approval_changed_or_log(project, id, "decided", Some(via.as_note().to_owned()))
             .await;
@@ -523,6 +524,7 @@ impl Engine {
     pub async fn expire_approvals(&self) -> Result<usize, EngineError> {
         let expired = self.store.expire_approvals().await?;
         crate::metrics::approvals_expired(expired.len());
+        expired.iter().for_each(crate::traces::approval_waited);
         for approval in &expired {
             let run = self
                 .store

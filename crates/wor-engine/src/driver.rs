@@ -68,6 +68,16 @@ struct ModelCredential {
     credential_version: Option<i64>,
 }
 
+/// The tokens of a model call that was answered, for its trace span.
+fn turn_tokens(outcome: &Result<TurnOutcome, EngineError>) -> Option<(u64, u64)> {
+    match outcome {
+        Ok(TurnOutcome::Response(response)) => {
+            Some((response.usage.input_tokens, response.usage.output_tokens))
+        }
+        _ => None,
+    }
+}
+
 /// What a model call came to.
 enum TurnOutcome {
     Response(Box<ModelResponse>),
@@ -128,7 +138,8 @@ impl Engine {
         };
         let finished = cancelled.is_some();
         if let Some(cancelled) = cancelled {
-            crate::metrics::run_finished(&run, ending.status);
+            crate::metrics::run_finished(&run, ending.status, &ending.outcome);
+            crate::traces::run_finished(&run, ending.status);
             for cancelled in cancelled {
                 self.notify_approval_changed_or_log(run.project_id, cancelled, "cancelled", None)
                     .await;
@@ -359,10 +370,17 @@ impl Engine {
                     // The text goes out to watchers as it comes, redacted; the turn is
                     // recorded whole below.
                     let mut live = self.live_text.sink(run.id, redactor.stream());
+                    let began = std::time::SystemTime::now();
                     let outcome = self
                         .call_model(run, provider, &request, remaining, &limits, &mut live)
                         .await;
                     live.finish();
+                    crate::traces::model_turn(
+                        run,
+                        definition.model.provider,
+                        began,
+                        turn_tokens(&outcome),
+                    );
                     let mut response = match outcome? {
                         TurnOutcome::Response(response) => response,
                         TurnOutcome::End(ending) => {

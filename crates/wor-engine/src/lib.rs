@@ -32,6 +32,7 @@ mod scheduler;
 mod start;
 mod tool_connection_spec;
 mod tool_connections;
+pub mod traces;
 mod triggers;
 mod versions;
 mod wasm_tools;

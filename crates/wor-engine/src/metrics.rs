@@ -9,13 +9,15 @@
 use std::time::Duration;
 
 use metrics::{counter, histogram};
+use wor_core::budget::BudgetLimit;
 use wor_core::call::{TriggerKind, Verdict};
 use wor_core::model::ProviderKind;
 use wor_core::run::RunStatus;
 use wor_store::{ApprovalStatus, AttemptOutcome, RunRecord};
 
 pub const RUNS_STARTED: &str = "wor_runs_started_total";
-pub const RUNS_FINISHED: &str = "wor_runs_finished_total";
+pub const RUNS_FINISHED: &str = wor_store::metrics::RUNS_FINISHED;
+pub const BUDGET_EXHAUSTED: &str = "wor_budget_exhausted_total";
 pub const RUN_DURATION: &str = "wor_run_duration_seconds";
 pub const RUN_QUEUE_LAG: &str = "wor_run_queue_lag_seconds";
 pub const MODEL_CALLS: &str = "wor_model_calls_total";
@@ -34,7 +36,11 @@ pub fn describe() {
     );
     describe_counter!(
         RUNS_FINISHED,
-        "Runs a worker ended, by final status and trigger"
+        "Runs ended, by final status and trigger (cancelled while queued and skipped included)"
+    );
+    describe_counter!(
+        BUDGET_EXHAUSTED,
+        "Runs ended by an exhausted budget, by the limit (turns, tool_calls, input_tokens, output_tokens, cost_microdollars, wall_seconds)"
     );
     describe_histogram!(
         RUN_DURATION,
@@ -86,10 +92,31 @@ pub(crate) fn run_claimed(run: &RunRecord, claim_began_ms: i64) {
     histogram!(RUN_QUEUE_LAG).record(seconds_between(run.created_at, started));
 }
 
-/// A worker ended `run` with `status`.
-pub(crate) fn run_finished(run: &RunRecord, status: RunStatus) {
+/// The limit a `budget_exceeded` run's outcome names. The outcome is the engine's own text,
+/// `BudgetExceeded`'s one format (`budget `turns` exhausted: …`); anything else is `other`.
+fn exhausted_limit(outcome: &str) -> &'static str {
+    const LIMITS: [BudgetLimit; 6] = [
+        BudgetLimit::Turns,
+        BudgetLimit::ToolCalls,
+        BudgetLimit::InputTokens,
+        BudgetLimit::OutputTokens,
+        BudgetLimit::Cost,
+        BudgetLimit::WallTime,
+    ];
+    LIMITS
+        .into_iter()
+        .map(BudgetLimit::as_str)
+        .find(|limit| outcome.starts_with(&format!("budget `{limit}` exhausted")))
+        .unwrap_or("other")
+}
+
+/// A worker ended `run` with `status` and `outcome`.
+pub(crate) fn run_finished(run: &RunRecord, status: RunStatus, outcome: &str) {
     counter!(RUNS_FINISHED, "status" => status.as_str(), "trigger" => trigger(run.trigger_kind))
         .increment(1);
+    if status == RunStatus::BudgetExceeded {
+        counter!(BUDGET_EXHAUSTED, "limit" => exhausted_limit(outcome)).increment(1);
+    }
     if let Some(started) = run.started_at {
         let active = wor_store::now_millis()
             .saturating_sub(started)
@@ -208,4 +235,32 @@ impl DeliveryResult {
 pub(crate) fn notification_attempted(channel: NotificationChannel, result: DeliveryResult) {
     counter!(NOTIFICATION_DELIVERIES, "channel" => channel.as_str(), "result" => result.as_str())
         .increment(1);
+}
+#[cfg(test)]
+mod tests {
+    use wor_core::budget::{BudgetExceeded, BudgetLimit};
+    use wor_core::run_loop::Ending;
+
+    #[test]
+    fn a_budget_ending_is_counted_by_the_limit_it_names() {
+        for limit in [
+            BudgetLimit::Turns,
+            BudgetLimit::ToolCalls,
+            BudgetLimit::InputTokens,
+            BudgetLimit::OutputTokens,
+            BudgetLimit::Cost,
+            BudgetLimit::WallTime,
+        ] {
+            let ending = Ending::budget(BudgetExceeded {
+                limit,
+                used: 3,
+                allowed: 2,
+            });
+            assert_eq!(super::exhausted_limit(&ending.outcome), limit.as_str());
+        }
+        assert_eq!(
+            super::exhausted_limit("budget `routine name` exhausted"),
+            "other"
+        );
+    }
 }

@@ -55,7 +55,12 @@ impl Engine {
         match &pending.recorded {
             // A fresh call presents the run's credential with the write that records and
             // reserves it.
-            None => self.answer_fresh(scope, pending, usage).await,
+            None => {
+                let began = std::time::SystemTime::now();
+                let answered = self.answer_fresh(scope, pending, usage).await;
+                crate::traces::tool_call_answered(scope.run, &pending.call.id, began, &answered);
+                answered
+            }
             // A resumed call presents it first: nothing is recorded or used for a run whose
             // credential has ended.
             Some(recorded) => match self.present_credential(scope).await? {
@@ -121,8 +126,10 @@ impl Engine {
                 }
             };
         // 4. Decision.
+        let deciding = std::time::SystemTime::now();
         let decision = self.decide(scope, offered, &arguments, usage);
         crate::metrics::tool_call_decided(decision.outcome);
+        crate::traces::tool_call_decided(scope.run, &call.id, deciding, decision.outcome);
         let recorded = ToolCallStep {
             tool: offered.roster_name.clone(),
             model_name: call.name.clone(),
@@ -737,6 +744,7 @@ impl Engine {
         {
             return Ok(CallOutcome::Fail(refusal));
         }
+        let began = std::time::SystemTime::now();
         let outcome = match scope.tools.connections.get(&offered.connection) {
             Some(connection) => match self
                 .until_stopped(
@@ -776,6 +784,7 @@ impl Engine {
                 true,
             ),
         };
+        crate::traces::tool_executed(scope.run, &pending.call.id, began, is_error);
         tracing::info!(category = "tools", action = "tool.call", project_id = %scope.run.project_id,
             run_id = %scope.run.id, is_error, "tool call answered");
         let content = untrusted_envelope(&offered.roster_name, &new_boundary(), &text);

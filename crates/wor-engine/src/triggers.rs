@@ -448,6 +448,7 @@ impl Engine {
             .claim_due_deliveries(now, DELIVERY_LEASE_MS, 50)
             .await?;
         for delivery in &claimed {
+            let began = std::time::SystemTime::now();
             let outcome = match self
                 .open_webhook_secret(
                     delivery.project_id,
@@ -494,6 +495,13 @@ impl Engine {
                 run_id = %delivery.run_id, delivered = matches!(outcome, AttemptOutcome::Delivered { .. }),
                 attempt = delivery.attempts + 1, "run webhook attempted");
             crate::metrics::webhook_attempted(&outcome);
+            crate::traces::webhook_attempted(
+                delivery.project_id,
+                delivery.run_id,
+                began,
+                delivery.attempts + 1,
+                &outcome,
+            );
             self.store
                 .record_delivery_attempt(&delivery.id, &outcome)
                 .await?;

@@ -12,6 +12,7 @@ pub mod metrics;
 mod request_log;
 pub mod routes;
 pub mod tls;
+pub mod traces;
 pub mod views;
 
 use std::future::Future;

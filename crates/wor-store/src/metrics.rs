@@ -9,6 +9,18 @@ pub const AUDIT_APPEND: &str = "wor_audit_append_seconds";
 pub const AUDIT_BATCH: &str = "wor_audit_batch_entries";
 pub const AUDIT_APPEND_FAILURES: &str = "wor_audit_append_failures_total";
 pub const AUDIT_COMMITS: &str = "wor_audit_commits_total";
+/// Runs ended, by final status and trigger: counted here for runs that end without a worker
+/// (cancelled while queued, skipped by the overlap policy) and by the engine for the others.
+pub const RUNS_FINISHED: &str = "wor_runs_finished_total";
+
+/// A run ended where no worker drives it: cancelled while queued, or recorded as skipped.
+pub(crate) fn run_ended_unclaimed(
+    status: wor_core::run::RunStatus,
+    trigger: wor_core::call::TriggerKind,
+) {
+    counter!(RUNS_FINISHED, "status" => status.as_str(), "trigger" => trigger.as_str())
+        .increment(1);
+}
 
 /// Describes the store's metrics to the installed recorder (`# HELP` lines).
 pub fn describe() {

@@ -162,6 +162,9 @@ impl Store {
             ));
         }
         tx.commit().await?;
+        if start.run.status == RunStatus::Skipped {
+            crate::metrics::run_ended_unclaimed(start.run.status, start.run.trigger_kind);
+        }
         self.get_run(project, id).await
     }
 
@@ -188,6 +191,11 @@ impl Store {
             crate::triggers::advance_schedules(&mut tx, advances, now).await?;
         }
         tx.commit().await?;
+        for (id, start) in ids.iter().zip(&starts) {
+            if start.run.status == RunStatus::Skipped && inserted.contains(id) {
+                crate::metrics::run_ended_unclaimed(start.run.status, start.run.trigger_kind);
+            }
+        }
         Ok(ids
             .into_iter()
             .map(|id| inserted.contains(&id).then_some(id))
@@ -323,7 +331,8 @@ impl Store {
         .bind(id.to_string())
         .execute(&mut *tx)
         .await?;
-        if cancelled.rows_affected() == 1 {
+        let ended_queued = cancelled.rows_affected() == 1;
+        if ended_queued {
             requeue_parent(&mut tx, id, now).await?;
         }
         tx.commit().await?;
@@ -338,7 +347,11 @@ impl Store {
         .bind(id.to_string())
         .execute(self.pool())
         .await?;
-        self.get_run(project, id).await
+        let run = self.get_run(project, id).await?;
+        if ended_queued {
+            crate::metrics::run_ended_unclaimed(RunStatus::Cancelled, run.trigger_kind);
+        }
+        Ok(run)
     }
 
     /// Puts runs whose worker stopped renewing its lease back in the queue, to be resumed.

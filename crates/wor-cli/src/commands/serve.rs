@@ -46,6 +46,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         Some(addr) => Some((wor_server::metrics::install_recorder()?, addr)),
         None => None,
     };
+    let traces = match &config.traces {
+        Some(traces) => Some(trace_exporter(&config, traces)?),
+        None => None,
+    };
     let tls = match &config.tls {
         Some(files) => Some(
             wor_server::tls::ReloadableTls::load(files.clone())
@@ -79,6 +83,13 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         }
         None => None,
     };
+    let (stop_traces, traces_stopped) = tokio::sync::watch::channel(false);
+    let traces_sent = traces.map(|(exporter, spans)| {
+        let mut stopped = traces_stopped;
+        tokio::spawn(wor_server::traces::export(spans, exporter, async move {
+            let _ = stopped.changed().await;
+        }))
+    });
     let listener = TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("cannot listen on {}", config.listen))?;
@@ -111,6 +122,11 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let _ = worker.await;
     let _ = triggers.await;
     let _ = stop_metrics.send(true);
+    // The spans of the runs just given back are sent before the process ends.
+    let _ = stop_traces.send(true);
+    if let Some(sent) = traces_sent {
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(15), sent).await;
+    }
     if let Some(served) = metrics_served {
         let _ = served.await;
     }
@@ -242,6 +258,29 @@ fn spawn_tls_reloader(
             }
         }
     }))
+}
+
+/// The trace exporter of `[traces]` and the sink the engine's spans arrive on. The exporter
+/// sends through an egress client of its own: the server's production rules, the ranges
+/// listed for the collector only, and an allowlist of the collector's host alone.
+fn trace_exporter(
+    config: &ServerConfig,
+    traces: &crate::config::TracesConfig,
+) -> anyhow::Result<(
+    wor_server::traces::TraceExporter,
+    tokio::sync::mpsc::Receiver<wor_engine::traces::FinishedSpan>,
+)> {
+    let policy = wor_egress::EgressPolicy::from_config(&wor_egress::EgressConfig {
+        production: config.production,
+        allowed_cidrs: traces.allowed_cidrs.clone(),
+        model_cidrs: Vec::new(),
+    })
+    .context("invalid `[traces] allowed_cidrs`")?;
+    let egress = wor_egress::EgressClient::new(policy)
+        .context("cannot build the trace exporter's outbound client")?;
+    let exporter = wor_server::traces::exporter(&traces.endpoint, egress)?;
+    let spans = wor_engine::traces::install_sink()?;
+    Ok((exporter, spans))
 }
 
 /// The server-wide egress policy: production flag and the operator's CIDRs from the file.
