@@ -2194,3 +2194,90 @@ async fn a_key_made_in_the_console_is_shown_once_and_keeps_the_apis_role_rules()
     assert_eq!(page.status, StatusCode::CREATED, "{}", page.body);
     assert!(h.audit_text().await.contains("key.create"));
 }
+
+#[tokio::test]
+async fn a_sign_in_link_opens_one_session_for_its_member_and_is_refused_used_or_expired() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    let state = wor_server::AppState::new(h.engine.clone());
+    let project = h.project.project.id;
+    let owner = h.project.owner.id;
+    let (path, expires_at) = wor_server::console::issue_sign_in_link(
+        &state,
+        project,
+        owner,
+        wor_server::console::SIGN_IN_LINK_TTL,
+    )
+    .await
+    .unwrap();
+    assert!(path.starts_with("/console/sign-in-links/wrl_"), "{path}");
+    let minutes = (expires_at - wor_store::now_millis()) / 60_000;
+    assert!((9..=10).contains(&minutes), "expires in minutes: {minutes}");
+
+    let mut browser = Browser::new(addr);
+    let page = browser.get(&path).await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    assert!(page.body.contains(&h.project.owner.name), "{}", page.body);
+    // Opening the page used nothing: it opens again, and no session exists yet.
+    assert_eq!(browser.get(&path).await.status, StatusCode::OK);
+    assert!(!browser.cookies.contains_key("wor_session"));
+    let csrf = browser.get(&path).await.csrf();
+    // A form without its token is refused before the link is used.
+    let refused = browser.post(&path, &[("csrf", "forged")]).await;
+    assert_eq!(refused.status, StatusCode::FORBIDDEN);
+    let signed = browser.post(&path, &[("csrf", &csrf)]).await;
+    assert_eq!(signed.status, StatusCode::SEE_OTHER, "{}", signed.body);
+    assert_eq!(signed.location(), "/console/approvals");
+    let cookie = signed
+        .set_cookies()
+        .into_iter()
+        .find(|c| c.starts_with("wor_session=wrs_"))
+        .expect("a session cookie");
+    assert!(cookie.contains("HttpOnly") && cookie.contains("SameSite=Strict"));
+    let inbox = browser.get("/console/approvals").await;
+    assert_eq!(inbox.status, StatusCode::OK);
+    assert!(inbox.body.contains(&h.project.owner.name));
+
+    // Used once, the link is the 404 page, for this browser and any other.
+    let mut other = Browser::new(addr);
+    assert_eq!(other.get(&path).await.status, StatusCode::NOT_FOUND);
+    let fresh = other.get("/console/sign-in").await.csrf();
+    let again = other.post(&path, &[("csrf", &fresh)]).await;
+    assert_eq!(again.status, StatusCode::NOT_FOUND, "{}", again.body);
+    assert!(!other.cookies.contains_key("wor_session"));
+
+    // An expired link opens nothing.
+    let (expired, _) =
+        wor_server::console::issue_sign_in_link(&state, project, owner, std::time::Duration::ZERO)
+            .await
+            .unwrap();
+    let mut late = Browser::new(addr);
+    assert_eq!(late.get(&expired).await.status, StatusCode::NOT_FOUND);
+    let page = late.get("/console/sign-in").await;
+    let csrf = page.csrf();
+    let refused = late.post(&expired, &[("csrf", &csrf)]).await;
+    assert_eq!(refused.status, StatusCode::NOT_FOUND);
+    assert!(!late.cookies.contains_key("wor_session"));
+
+    // A member of another project gets no link.
+    let elsewhere = h
+        .engine
+        .store()
+        .create_project("elsewhere", "eve")
+        .await
+        .unwrap();
+    let refused = wor_server::console::issue_sign_in_link(
+        &state,
+        project,
+        elsewhere.owner.id,
+        wor_server::console::SIGN_IN_LINK_TTL,
+    )
+    .await;
+    assert!(refused.is_err());
+
+    // Making the link and signing in with it are audited; the token is not.
+    let audit = h.audit_text().await;
+    assert!(audit.contains("member.sign_in_link"), "{audit}");
+    assert!(audit.contains("\"via\":\"sign_in_link\""), "{audit}");
+    assert!(!audit.contains(path.trim_start_matches("/console/sign-in-links/")));
+}

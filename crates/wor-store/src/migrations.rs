@@ -185,6 +185,12 @@ const MIGRATIONS: &[SchemaMigration] = &[
         sqlite: include_str!("../migrations/0025_oauth_connections.sql"),
         postgres: include_str!("../migrations/0025_oauth_connections.sql"),
     },
+    SchemaMigration {
+        version: 29,
+        description: "sign-in links",
+        sqlite: include_str!("../migrations/0029_sign_in_links.sql"),
+        postgres: include_str!("../migrations/0029_sign_in_links.sql"),
+    },
 ];
 
 /// The newest migration of this release.

@@ -17,10 +17,12 @@ mod live;
 mod members;
 mod pages;
 pub mod password;
+pub use sign_in_link::{SIGN_IN_LINK_TTL, issue_sign_in_link};
 mod project;
 mod routines;
 mod runs;
 pub mod session;
+mod sign_in_link;
 mod slack_link;
 
 use std::time::Duration;
@@ -111,6 +113,10 @@ pub fn router(state: AppState) -> Router<AppState> {
         .route(
             "/invitations/{token}",
             get(pages::invitation_page).post(pages::accept_invitation),
+        )
+        .route(
+            "/sign-in-links/{token}",
+            get(sign_in_link::page).post(sign_in_link::sign_in),
         )
         .route("/approvals", get(pages::approvals))
         .route("/approvals/events", get(live::inbox))
