@@ -2281,3 +2281,135 @@ async fn a_sign_in_link_opens_one_session_for_its_member_and_is_refused_used_or_
     assert!(audit.contains("\"via\":\"sign_in_link\""), "{audit}");
     assert!(!audit.contains(path.trim_start_matches("/console/sign-in-links/")));
 }
+
+#[tokio::test]
+async fn a_member_starts_a_run_from_the_console_and_may_not_decide_its_approvals() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    hostile_tools(&h).await;
+    let routine = note_sender(&h).await;
+    let mut ann = signed_in(&h, addr, "ann", Some("approver")).await;
+    let page = ann.get(&format!("/console/routines/{routine}")).await;
+    assert_eq!(page.status, StatusCode::OK);
+    assert!(
+        page.body
+            .contains(&format!("action=\"/console/routines/{routine}/runs\""))
+    );
+    let csrf = page.csrf();
+    let start = format!("/console/routines/{routine}/runs");
+
+    // Without the form's token nothing starts.
+    let refused = ann.post(&start, &[("input", "send note 7")]).await;
+    assert_eq!(refused.status, StatusCode::FORBIDDEN);
+    // Input marked JSON that is not JSON is a 400 page, and nothing starts.
+    let refused = ann
+        .post(
+            &start,
+            &[("csrf", &csrf), ("input", "{oops"), ("json", "on")],
+        )
+        .await;
+    assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{}", refused.body);
+    assert!(refused.body.contains("not JSON"), "{}", refused.body);
+    let (_, runs) = h.call(Method::GET, "/v1/runs", None).await;
+    assert_eq!(runs.as_array().unwrap().len(), 0);
+
+    let started = ann
+        .post(&start, &[("csrf", &csrf), ("input", "send note 7")])
+        .await;
+    assert_eq!(started.status, StatusCode::SEE_OTHER, "{}", started.body);
+    let run_id = started
+        .location()
+        .strip_prefix("/console/runs/")
+        .unwrap()
+        .to_owned();
+    let run = h.get_run(&run_id).await;
+    assert_eq!(run["trigger"], "api", "{run:#}");
+    assert_eq!(
+        run["steps"][0]["payload"]["input"], "send note 7",
+        "{run:#}"
+    );
+    assert!(h.engine.run_next().await.unwrap());
+    assert_eq!(h.get_run(&run_id).await["status"], "waiting_for_approval");
+    let approval = h.pending_approvals(&run_id).await[0]["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+
+    // Ann started it from her session: she is told why she may not decide, and is refused.
+    let page = ann.get(&format!("/console/approvals/{approval}")).await;
+    assert!(
+        page.body
+            .contains("the member who started this run cannot decide its approvals"),
+        "{}",
+        page.body
+    );
+    let page = ann
+        .post(
+            &format!("/console/approvals/{approval}/approve"),
+            &[("csrf", &csrf), ("reason", "mine")],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::FORBIDDEN);
+    // Nor through the API with a key of her own.
+    let made = ann
+        .post(
+            "/console/keys",
+            &[("csrf", &csrf), ("name", "ann-cli"), ("role", "approver")],
+        )
+        .await;
+    assert_eq!(made.status, StatusCode::CREATED, "{}", made.body);
+    let at = made.body.find("wor_").unwrap();
+    let key: String = made.body[at..]
+        .chars()
+        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+        .collect();
+    let (status, body, _) = h
+        .call_as(
+            &key,
+            Method::POST,
+            &format!("/v1/approvals/{approval}/approve"),
+            Some(json!({"reason": "mine"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+    assert!(body.to_string().contains("started this run"), "{body}");
+    assert_eq!(h.pending_approvals(&run_id).await.len(), 1);
+
+    // Another approver decides it; the run finishes.
+    let mut bob = signed_in(&h, addr, "bob", Some("approver")).await;
+    let csrf_bob = page_csrf(&mut bob).await;
+    let page = bob
+        .post(
+            &format!("/console/approvals/{approval}/approve"),
+            &[("csrf", &csrf_bob), ("reason", "fine")],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::SEE_OTHER, "{}", page.body);
+
+    // A viewer has no form and is refused by the API's rule; another project's routine is the
+    // 404 page.
+    let mut cho = signed_in(&h, addr, "cho", Some("viewer")).await;
+    let page = cho.get(&format!("/console/routines/{routine}")).await;
+    assert!(!page.body.contains(&format!("action=\"{start}\"")));
+    let csrf_cho = page.csrf();
+    let refused = cho
+        .post(&start, &[("csrf", &csrf_cho), ("input", "x")])
+        .await;
+    assert_eq!(refused.status, StatusCode::FORBIDDEN, "{}", refused.body);
+    let other = Harness::new().await;
+    let theirs = note_sender(&other).await;
+    let refused = ann
+        .post(
+            &format!("/console/routines/{theirs}/runs"),
+            &[("csrf", &csrf), ("input", "x")],
+        )
+        .await;
+    assert_eq!(refused.status, StatusCode::NOT_FOUND);
+    let (_, runs) = h.call(Method::GET, "/v1/runs", None).await;
+    assert_eq!(runs.as_array().unwrap().len(), 1, "only ann's run started");
+
+    // The start is audited with the member as its actor.
+    let audit = h.audit_text().await;
+    assert!(audit.contains("run.start"), "{audit}");
+    assert!(audit.contains("console_member"), "{audit}");
+}

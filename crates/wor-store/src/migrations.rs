@@ -187,9 +187,9 @@ const MIGRATIONS: &[SchemaMigration] = &[
     },
     SchemaMigration {
         version: 29,
-        description: "sign-in links",
-        sqlite: include_str!("../migrations/0029_sign_in_links.sql"),
-        postgres: include_str!("../migrations/0029_sign_in_links.sql"),
+        description: "sign-in links and runs started by members",
+        sqlite: include_str!("../migrations/0029_console_members.sql"),
+        postgres: include_str!("../migrations/0029_console_members.sql"),
     },
 ];
 

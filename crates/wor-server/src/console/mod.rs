@@ -139,6 +139,7 @@ pub fn router(state: AppState) -> Router<AppState> {
         .route("/audit", get(project::audit))
         .route("/routines", get(routines::list))
         .route("/routines/{routine_id}", get(routines::show))
+        .route("/routines/{routine_id}/runs", post(routines::start))
         .route("/sessions", get(account::sessions))
         .route("/sessions/{session_id}/revoke", post(account::revoke))
         .route(

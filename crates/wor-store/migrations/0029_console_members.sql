@@ -9,3 +9,8 @@ CREATE TABLE member_sign_in_links (
     expires_at BIGINT NOT NULL,
     used_at    BIGINT
 );
+
+-- A run a member started from the console records that member: separation of duties keeps
+-- the person who started a run from deciding its approvals, whether they used a key or a
+-- session.
+ALTER TABLE runs ADD COLUMN started_by_member TEXT;
