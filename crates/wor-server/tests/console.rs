@@ -2413,3 +2413,130 @@ async fn a_member_starts_a_run_from_the_console_and_may_not_decide_its_approvals
     assert!(audit.contains("run.start"), "{audit}");
     assert!(audit.contains("console_member"), "{audit}");
 }
+
+/// Makes a personal key in the console; returns its secret and its id.
+async fn console_key(
+    h: &Harness,
+    browser: &mut Browser,
+    name: &str,
+    role: &str,
+) -> (String, String) {
+    let csrf = browser.get("/console/keys").await.csrf();
+    let made = browser
+        .post(
+            "/console/keys",
+            &[("csrf", &csrf), ("name", name), ("role", role)],
+        )
+        .await;
+    assert_eq!(made.status, StatusCode::CREATED, "{}", made.body);
+    let at = made.body.find("wor_").unwrap();
+    let secret: String = made.body[at..]
+        .chars()
+        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+        .collect();
+    let (_, keys) = h.call(Method::GET, "/v1/keys", None).await;
+    let id = keys
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|k| k["name"] == name)
+        .unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    (secret, id)
+}
+
+#[tokio::test]
+async fn keys_are_revoked_from_the_console_by_their_member_or_an_admin() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    let mut ann = signed_in(&h, addr, "ann", Some("approver")).await;
+    let mut cho = signed_in(&h, addr, "cho", Some("viewer")).await;
+    let mut dee = signed_in(&h, addr, "dee", Some("admin")).await;
+    let (ann_key, ann_id) = console_key(&h, &mut ann, "ann-laptop", "approver").await;
+    let (cho_key, cho_id) = console_key(&h, &mut cho, "cho-laptop", "viewer").await;
+    let works = |key: String| {
+        let h = &h;
+        async move {
+            let (status, _, _) = h.call_as(&key, Method::GET, "/v1/routines", None).await;
+            status
+        }
+    };
+    assert_eq!(works(ann_key.clone()).await, StatusCode::OK);
+
+    // A viewer sees no form for another member's key, and the API's rule refuses the post.
+    let page = cho.get("/console/keys").await;
+    assert!(
+        !page
+            .body
+            .contains(&format!("/console/keys/{ann_id}/revoke"))
+    );
+    assert!(
+        page.body
+            .contains(&format!("/console/keys/{cho_id}/revoke"))
+    );
+    let csrf = page.csrf();
+    let refused = cho
+        .post(
+            &format!("/console/keys/{ann_id}/revoke"),
+            &[("csrf", &csrf)],
+        )
+        .await;
+    assert_eq!(refused.status, StatusCode::FORBIDDEN, "{}", refused.body);
+    // Without the form's token nothing is revoked.
+    let refused = ann
+        .post(&format!("/console/keys/{ann_id}/revoke"), &[])
+        .await;
+    assert_eq!(refused.status, StatusCode::FORBIDDEN);
+    assert_eq!(works(ann_key.clone()).await, StatusCode::OK);
+
+    // Ann revokes her own key; the API refuses it from then on.
+    let csrf = ann.get("/console/keys").await.csrf();
+    let page = ann
+        .post(
+            &format!("/console/keys/{ann_id}/revoke"),
+            &[("csrf", &csrf)],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    assert!(
+        page.body.contains("Key ann-laptop is revoked"),
+        "{}",
+        page.body
+    );
+    assert!(
+        !page
+            .body
+            .contains(&format!("/console/keys/{ann_id}/revoke"))
+    );
+    assert_eq!(works(ann_key).await, StatusCode::UNAUTHORIZED);
+
+    // An admin revokes anyone's; another project's key is the 404 page.
+    let csrf = dee.get("/console/keys").await.csrf();
+    let page = dee
+        .post(
+            &format!("/console/keys/{cho_id}/revoke"),
+            &[("csrf", &csrf)],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    assert_eq!(works(cho_key).await, StatusCode::UNAUTHORIZED);
+    let other = Harness::new().await;
+    let (_, theirs) = other.call(Method::GET, "/v1/keys", None).await;
+    let theirs = theirs[0]["id"].as_str().unwrap().to_owned();
+    let page = dee
+        .post(
+            &format!("/console/keys/{theirs}/revoke"),
+            &[("csrf", &csrf)],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::NOT_FOUND);
+    let (status, _, _) = other
+        .call_as(other.owner(), Method::GET, "/v1/routines", None)
+        .await;
+    assert_eq!(status, StatusCode::OK, "their key still works");
+
+    let audit = h.audit_text().await;
+    assert_eq!(audit.matches("key.revoke").count(), 2, "{audit}");
+}

@@ -133,6 +133,7 @@ pub fn router(state: AppState) -> Router<AppState> {
             post(connections::enable),
         )
         .route("/keys", get(keys::list).post(keys::create))
+        .route("/keys/{key_id}/revoke", post(keys::revoke))
         .route("/members", get(members::list))
         .route("/members/invite", post(members::invite))
         .route("/policy", get(project::policy).post(project::set))
