@@ -2540,3 +2540,164 @@ async fn keys_are_revoked_from_the_console_by_their_member_or_an_admin() {
     let audit = h.audit_text().await;
     assert_eq!(audit.matches("key.revoke").count(), 2, "{audit}");
 }
+
+/// The model connection form's fields.
+fn model_form(
+    csrf: &str,
+    name: &str,
+    provider: &str,
+    url: &str,
+    key: &str,
+) -> [(&'static str, String); 5] {
+    [
+        ("csrf", csrf.to_owned()),
+        ("name", name.to_owned()),
+        ("provider", provider.to_owned()),
+        ("base_url", url.to_owned()),
+        ("api_key", key.to_owned()),
+    ]
+}
+
+async fn post_model_form(
+    browser: &mut Browser,
+    path: &str,
+    form: [(&'static str, String); 5],
+) -> Page {
+    let form: Vec<(String, String)> = form.into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
+    post_owned(browser, path, &form).await
+}
+
+#[tokio::test]
+async fn an_admin_adds_and_revokes_a_model_connection_whose_key_is_never_shown() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    // A viewer has no form, and the API's rule refuses the post.
+    let mut cho = signed_in(&h, addr, "cho", Some("viewer")).await;
+    let page = cho.get("/console/connections").await;
+    assert!(!page.body.contains("action=\"/console/model-connections\""));
+    let csrf = page.csrf();
+    let refused = post_model_form(
+        &mut cho,
+        "/console/model-connections",
+        model_form(
+            &csrf,
+            "m",
+            "anthropic",
+            "https://api.example.com",
+            "sk-viewer-canary-1",
+        ),
+    )
+    .await;
+    assert_eq!(refused.status, StatusCode::FORBIDDEN, "{}", refused.body);
+
+    let mut dee = signed_in(&h, addr, "dee", Some("admin")).await;
+    let page = dee.get("/console/connections").await;
+    assert!(page.body.contains("action=\"/console/model-connections\""));
+    let csrf = page.csrf();
+    // Refusals the API answers 400 come back as the form, without the key that was typed.
+    let refused = post_model_form(
+        &mut dee,
+        "/console/model-connections",
+        model_form(
+            &csrf,
+            "main",
+            "anthropic",
+            "ftp://api.example.com/v1",
+            "sk-refused-canary-2",
+        ),
+    )
+    .await;
+    assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{}", refused.body);
+    assert!(refused.body.contains("role=\"alert\""), "{}", refused.body);
+    assert!(
+        refused.body.contains("ftp://api.example.com/v1"),
+        "typed values come back"
+    );
+    assert!(!refused.body.contains("sk-refused-canary"));
+    let refused = post_model_form(
+        &mut dee,
+        "/console/model-connections",
+        model_form(
+            &csrf,
+            "main",
+            "replay",
+            "https://api.example.com",
+            "sk-refused-canary-3",
+        ),
+    )
+    .await;
+    assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{}", refused.body);
+    // Without the form's token nothing is added.
+    let mut tokenless = model_form("", "main", "anthropic", "https://api.example.com", "k");
+    tokenless[0].1 = "forged".to_owned();
+    let refused = post_model_form(&mut dee, "/console/model-connections", tokenless).await;
+    assert_eq!(refused.status, StatusCode::FORBIDDEN);
+    let (_, models) = h.call(Method::GET, "/v1/model-connections", None).await;
+    assert_eq!(models.as_array().unwrap().len(), 0, "{models}");
+
+    let added = post_model_form(
+        &mut dee,
+        "/console/model-connections",
+        model_form(
+            &csrf,
+            "main",
+            "anthropic",
+            "https://api.example.com",
+            "sk-console-canary-4",
+        ),
+    )
+    .await;
+    assert_eq!(added.status, StatusCode::CREATED, "{}", added.body);
+    assert!(added.body.contains("Model connection main was added"));
+    assert!(
+        !added.body.contains("sk-console-canary"),
+        "never shown back"
+    );
+    let (_, models) = h.call(Method::GET, "/v1/model-connections", None).await;
+    let model = &models[0];
+    assert_eq!(model["name"], "main");
+    assert_eq!(model["provider"], "anthropic");
+    assert!(!models.to_string().contains("sk-console-canary"));
+    let id = model["id"].as_str().unwrap().to_owned();
+
+    // A viewer cannot revoke it; another project's connection is the 404 page; the admin
+    // revokes it and its key is deleted.
+    let revoke = format!("/console/model-connections/{id}/revoke");
+    let csrf_cho = cho.get("/console/connections").await.csrf();
+    assert!(!cho.get("/console/connections").await.body.contains(&revoke));
+    let refused = cho.post(&revoke, &[("csrf", &csrf_cho)]).await;
+    assert_eq!(refused.status, StatusCode::FORBIDDEN);
+    let other = Harness::new().await;
+    let (status, theirs) = other
+        .call(
+            Method::POST,
+            "/v1/model-connections",
+            Some(json!({"name": "theirs", "provider": "anthropic",
+                "base_url": "https://api.example.com", "api_key": "sk-theirs-canary-5"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{theirs}");
+    let page = dee
+        .post(
+            &format!(
+                "/console/model-connections/{}/revoke",
+                theirs["id"].as_str().unwrap()
+            ),
+            &[("csrf", &csrf)],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::NOT_FOUND);
+    let page = dee.post(&revoke, &[("csrf", &csrf)]).await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    assert!(page.body.contains("is revoked"));
+    let (_, model) = h
+        .call(Method::GET, &format!("/v1/model-connections/{id}"), None)
+        .await;
+    assert_eq!(model["status"], "revoked", "{model}");
+    assert_eq!(model["api_key"]["configured"], false, "{model}");
+
+    let audit = h.audit_text().await;
+    assert!(audit.contains("model_connection.create"), "{audit}");
+    assert!(audit.contains("model_connection.revoke"), "{audit}");
+    assert!(!audit.contains("canary"));
+}

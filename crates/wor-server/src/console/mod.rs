@@ -132,6 +132,11 @@ pub fn router(state: AppState) -> Router<AppState> {
             "/connections/{connection_id}/enable",
             post(connections::enable),
         )
+        .route("/model-connections", post(connections::create_model))
+        .route(
+            "/model-connections/{connection_id}/revoke",
+            post(connections::revoke_model),
+        )
         .route("/keys", get(keys::list).post(keys::create))
         .route("/keys/{key_id}/revoke", post(keys::revoke))
         .route("/members", get(members::list))

@@ -185,10 +185,8 @@ pub(crate) async fn revoke_api_key(
     // Looked up first, inside the caller's project: a foreign key is a 404, not a 403.
     let key = state.store.get_api_key(project, key_id).await?;
     let own_key = key.member_id.is_some() && key.member_id == member;
-    if !own_key && !role.can_configure() {
-        return Err(ApiError::Forbidden(format!(
-            "role `{role}` cannot change configuration; `admin` or `owner` is required"
-        )));
+    if !own_key {
+        crate::auth::require_configure(role)?;
     }
     let revoked = state.store.revoke_api_key(project, key_id).await?;
     // Revoking a revoked key changes nothing and records nothing.
