@@ -1,5 +1,6 @@
 //! `wor demo`: the scenario to its end with `--no-wait`, and the interactive form decided by a
-//! person through `wor approvals` while the demo waits.
+//! person through `wor approvals` while the demo waits, after its console link signed the
+//! approver in once.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -10,7 +11,8 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::mpsc;
@@ -32,6 +34,78 @@ fn data_dir_of(stdout: &str) -> PathBuf {
         .find(|l| l.trim_start().starts_with("data dir"))
         .unwrap_or_else(|| panic!("no data dir line in:\n{stdout}"));
     PathBuf::from(line.trim_start().trim_start_matches("data dir").trim())
+}
+
+/// An HTTP/1.1 exchange over loopback: the status, the `Set-Cookie` values and the body.
+fn http(
+    server: &str,
+    method: &str,
+    path: &str,
+    cookie: &str,
+    form: &str,
+) -> (u16, Vec<String>, String) {
+    let addr = server.trim_start_matches("http://");
+    #[expect(
+        clippy::disallowed_methods,
+        reason = "the test talks to the demo's own server on loopback"
+    )]
+    let mut stream = TcpStream::connect(addr).unwrap();
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nCookie: {cookie}\r\n\
+         Content-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\n\r\n{form}",
+        form.len()
+    );
+    stream.write_all(request.as_bytes()).unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).unwrap();
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap();
+    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+    let cookies = head
+        .lines()
+        .filter_map(|l| l.strip_prefix("set-cookie: "))
+        .map(|c| c.split(';').next().unwrap().to_owned())
+        .collect();
+    (status, cookies, body.to_owned())
+}
+
+/// The hidden `csrf` field of a page's form.
+fn csrf_of(page: &str) -> String {
+    let at = page.find("name=\"csrf\" value=\"").unwrap() + "name=\"csrf\" value=\"".len();
+    page[at..].split('"').next().unwrap().to_owned()
+}
+
+/// The demo's console link signs its approver in once: the page names them, its form opens a
+/// session that shows the held call, and the same link is then refused.
+fn the_console_link_signs_in_once(link: &str, approval: &str) {
+    let (server, path) = link.split_at(link.find("/console/").unwrap());
+    let (status, cookies, page) = http(server, "GET", path, "", "");
+    assert_eq!(status, 200, "{page}");
+    assert!(page.contains("dana (approver)"), "{page}");
+    let form = cookies
+        .iter()
+        .find(|c| c.starts_with("wor_form="))
+        .unwrap()
+        .clone();
+    let csrf = csrf_of(&page);
+    // Without its form token the form is refused and the link stays unused.
+    let (status, _, _) = http(server, "POST", path, &form, "csrf=forged");
+    assert_eq!(status, 403);
+    let (status, cookies, _) = http(server, "POST", path, &form, &format!("csrf={csrf}"));
+    assert_eq!(status, 303);
+    let session = cookies
+        .iter()
+        .find(|c| c.starts_with("wor_session=wrs_"))
+        .unwrap()
+        .clone();
+    let (status, _, inbox) = http(server, "GET", "/console/approvals", &session, "");
+    assert_eq!(status, 200);
+    assert!(inbox.contains(approval), "the approver sees the held call");
+    assert!(inbox.contains("dana (approver)"));
+    // Used once, the link is refused, to a fresh form as to the old one.
+    let (status, _, _) = http(server, "POST", path, &form, &format!("csrf={csrf}"));
+    assert_eq!(status, 404);
+    let (status, _, _) = http(server, "GET", path, "", "");
+    assert_eq!(status, 404);
 }
 
 #[test]
@@ -82,6 +156,7 @@ fn a_person_decides_the_held_call_with_wor_approvals_while_the_demo_waits() {
             }
         }
     };
+    let link = read_until("/console/sign-in-links/wrl_").trim().to_owned();
     let export = read_until("export WOR_SERVER=");
     let deny = read_until("wor approvals deny");
     let mut vars = export.trim().trim_start_matches("export ").split(' ');
@@ -106,6 +181,8 @@ fn a_person_decides_the_held_call_with_wor_approvals_while_the_demo_waits() {
             .env("WOR_API_KEY", &approver_key);
         run(&mut cmd)
     };
+
+    the_console_link_signs_in_once(&link, &id);
 
     let listed = client(&["approvals", "list"]);
     assert!(listed.status.success(), "{}", text(&listed.stderr));

@@ -97,6 +97,8 @@ pub enum AuditCategory {
     MemberInvite,
     /// A member set their console password through an invitation.
     MemberSetPassword,
+    /// A single-use sign-in link was made for a member.
+    MemberSignInLink,
     /// A member signed in to the console.
     ConsoleSignIn,
     /// A console sign-in was refused (wrong name or password, or locked out).
@@ -148,6 +150,7 @@ impl AuditCategory {
             AuditCategory::WebhookSecretRotate => "routine.webhook_secret",
             AuditCategory::MemberInvite => "member.invite",
             AuditCategory::MemberSetPassword => "member.set_password",
+            AuditCategory::MemberSignInLink => "member.sign_in_link",
             AuditCategory::ConsoleSignIn => "console.sign_in",
             AuditCategory::ConsoleSignInFailure => "console.sign_in_failure",
             AuditCategory::ConsoleSignOut => "console.sign_out",

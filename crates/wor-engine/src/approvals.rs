@@ -479,6 +479,11 @@ impl Engine {
                 approver.role
             )));
         }
+        if run.started_by_member == Some(member_id) {
+            return Ok(Some(
+                "the member who started this run cannot decide its approvals".to_owned(),
+            ));
+        }
         if let Some(starter) = run.started_by {
             if Some(starter) == approver.key_id {
                 return Ok(Some(

@@ -178,6 +178,7 @@ impl Engine {
                             // Whoever started the root started this too: they still may not
                             // approve its calls.
                             started_by: parent.started_by,
+                            started_by_member: parent.started_by_member,
                             max_concurrent: u64::MAX / 2,
                             status: RunStatus::Queued,
                             outcome: None,

@@ -6,7 +6,7 @@ use wor_core::call::TriggerKind;
 use wor_core::routine::OverlapPolicy;
 use wor_core::run::{Provenance, RunStatus};
 use wor_core::step::{InputSource, InputStep, MemoryStep, new_boundary};
-use wor_core::{ApiKeyId, ProjectId, RoutineId, RunId};
+use wor_core::{ApiKeyId, MemberId, ProjectId, RoutineId, RunId};
 use wor_secrets::Redactor;
 use wor_store::{NewRun, RoutineVersionRecord, RunRecord};
 
@@ -17,6 +17,9 @@ use crate::{Engine, EngineError};
 pub enum Trigger {
     /// An API call, by this key.
     Api(ApiKeyId),
+    /// A member signed in to the console (no key involved). Recorded with trigger kind
+    /// `api`: a person asked for the run, as through the API.
+    Console(MemberId),
     /// The routine's schedule, for this slot (Unix ms); a slot starts at most one run.
     Schedule { slot: i64 },
     /// A signed inbound webhook; a delivery id starts at most one run. Its payload is
@@ -27,7 +30,7 @@ pub enum Trigger {
 impl Trigger {
     pub fn kind(&self) -> TriggerKind {
         match self {
-            Trigger::Api(_) => TriggerKind::Api,
+            Trigger::Api(_) | Trigger::Console(_) => TriggerKind::Api,
             Trigger::Schedule { .. } => TriggerKind::Schedule,
             Trigger::Webhook { .. } => TriggerKind::Webhook,
         }
@@ -140,12 +143,22 @@ impl Engine {
         };
         let cancel_oldest = full && definition.concurrency.overlap == OverlapPolicy::CancelPrevious;
         let routine_id = version.routine_id;
+        let started_by_member = match request.trigger {
+            Trigger::Console(member) => Some(member),
+            _ => None,
+        };
         let (started_by, trigger_key, provenance, default_actor) = match &request.trigger {
             Trigger::Api(key) => (
                 Some(*key),
                 None,
                 Provenance::Requester,
                 Actor::ApiKey { key_id: *key },
+            ),
+            Trigger::Console(member) => (
+                None,
+                None,
+                Provenance::Requester,
+                Actor::ConsoleMember { member_id: *member },
             ),
             Trigger::Schedule { slot } => (
                 None,
@@ -222,6 +235,7 @@ impl Engine {
                 routine_version: version.version,
                 trigger_kind: request.trigger.kind(),
                 started_by,
+                started_by_member,
                 max_concurrent: max,
                 status,
                 outcome,

@@ -44,14 +44,7 @@ impl From<AuthenticatedKey> for Caller {
 impl Caller {
     /// Configuration routes: routines, connections, policies, keys, members.
     pub fn require_configure(&self) -> Result<(), ApiError> {
-        if self.role.can_configure() {
-            Ok(())
-        } else {
-            Err(ApiError::Forbidden(format!(
-                "role `{}` cannot change configuration; `admin` or `owner` is required",
-                self.role
-            )))
-        }
+        require_configure(self.role)
     }
 
     /// Who the audit log records as having acted: the member behind a personal key, or the
@@ -151,5 +144,17 @@ impl FromRequestParts<AppState> for RunCaller {
             .await?
             .ok_or(ApiError::Unauthenticated)?;
         Ok(RunCaller(grant))
+    }
+}
+
+/// `Ok` when `role` may change the project's configuration (`admin` or `owner`), else the 403
+/// every configuration route answers.
+pub(crate) fn require_configure(role: Role) -> Result<(), ApiError> {
+    if role.can_configure() {
+        Ok(())
+    } else {
+        Err(ApiError::Forbidden(format!(
+            "role `{role}` cannot change configuration; `admin` or `owner` is required"
+        )))
     }
 }

@@ -2399,3 +2399,510 @@ async fn a_structured_result_is_shown_on_the_run_page_and_in_its_timeline() {
         "{timeline}"
     );
 }
+
+#[tokio::test]
+async fn a_sign_in_link_opens_one_session_for_its_member_and_is_refused_used_or_expired() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    let state = wor_server::AppState::new(h.engine.clone());
+    let project = h.project.project.id;
+    let owner = h.project.owner.id;
+    let (path, expires_at) = wor_server::console::issue_sign_in_link(
+        &state,
+        project,
+        owner,
+        wor_server::console::SIGN_IN_LINK_TTL,
+    )
+    .await
+    .unwrap();
+    assert!(path.starts_with("/console/sign-in-links/wrl_"), "{path}");
+    let minutes = (expires_at - wor_store::now_millis()) / 60_000;
+    assert!((9..=10).contains(&minutes), "expires in minutes: {minutes}");
+
+    let mut browser = Browser::new(addr);
+    let page = browser.get(&path).await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    assert!(page.body.contains(&h.project.owner.name), "{}", page.body);
+    // Opening the page used nothing: it opens again, and no session exists yet.
+    assert_eq!(browser.get(&path).await.status, StatusCode::OK);
+    assert!(!browser.cookies.contains_key("wor_session"));
+    let csrf = browser.get(&path).await.csrf();
+    // A form without its token is refused before the link is used.
+    let refused = browser.post(&path, &[("csrf", "forged")]).await;
+    assert_eq!(refused.status, StatusCode::FORBIDDEN);
+    let signed = browser.post(&path, &[("csrf", &csrf)]).await;
+    assert_eq!(signed.status, StatusCode::SEE_OTHER, "{}", signed.body);
+    assert_eq!(signed.location(), "/console/approvals");
+    let cookie = signed
+        .set_cookies()
+        .into_iter()
+        .find(|c| c.starts_with("wor_session=wrs_"))
+        .expect("a session cookie");
+    assert!(cookie.contains("HttpOnly") && cookie.contains("SameSite=Strict"));
+    let inbox = browser.get("/console/approvals").await;
+    assert_eq!(inbox.status, StatusCode::OK);
+    assert!(inbox.body.contains(&h.project.owner.name));
+
+    // Used once, the link is the 404 page, for this browser and any other.
+    let mut other = Browser::new(addr);
+    assert_eq!(other.get(&path).await.status, StatusCode::NOT_FOUND);
+    let fresh = other.get("/console/sign-in").await.csrf();
+    let again = other.post(&path, &[("csrf", &fresh)]).await;
+    assert_eq!(again.status, StatusCode::NOT_FOUND, "{}", again.body);
+    assert!(!other.cookies.contains_key("wor_session"));
+
+    // An expired link opens nothing.
+    let (expired, _) =
+        wor_server::console::issue_sign_in_link(&state, project, owner, std::time::Duration::ZERO)
+            .await
+            .unwrap();
+    let mut late = Browser::new(addr);
+    assert_eq!(late.get(&expired).await.status, StatusCode::NOT_FOUND);
+    let page = late.get("/console/sign-in").await;
+    let csrf = page.csrf();
+    let refused = late.post(&expired, &[("csrf", &csrf)]).await;
+    assert_eq!(refused.status, StatusCode::NOT_FOUND);
+    assert!(!late.cookies.contains_key("wor_session"));
+
+    // A member of another project gets no link.
+    let elsewhere = h
+        .engine
+        .store()
+        .create_project("elsewhere", "eve")
+        .await
+        .unwrap();
+    let refused = wor_server::console::issue_sign_in_link(
+        &state,
+        project,
+        elsewhere.owner.id,
+        wor_server::console::SIGN_IN_LINK_TTL,
+    )
+    .await;
+    assert!(refused.is_err());
+
+    // Making the link and signing in with it are audited; the token is not.
+    let audit = h.audit_text().await;
+    assert!(audit.contains("member.sign_in_link"), "{audit}");
+    assert!(audit.contains("\"via\":\"sign_in_link\""), "{audit}");
+    assert!(!audit.contains(path.trim_start_matches("/console/sign-in-links/")));
+}
+
+#[tokio::test]
+async fn a_member_starts_a_run_from_the_console_and_may_not_decide_its_approvals() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    hostile_tools(&h).await;
+    let routine = note_sender(&h).await;
+    let mut ann = signed_in(&h, addr, "ann", Some("approver")).await;
+    let page = ann.get(&format!("/console/routines/{routine}")).await;
+    assert_eq!(page.status, StatusCode::OK);
+    assert!(
+        page.body
+            .contains(&format!("action=\"/console/routines/{routine}/runs\""))
+    );
+    let csrf = page.csrf();
+    let start = format!("/console/routines/{routine}/runs");
+
+    // Without the form's token nothing starts.
+    let refused = ann.post(&start, &[("input", "send note 7")]).await;
+    assert_eq!(refused.status, StatusCode::FORBIDDEN);
+    // Input marked JSON that is not JSON is a 400 page, and nothing starts.
+    let refused = ann
+        .post(
+            &start,
+            &[("csrf", &csrf), ("input", "{oops"), ("json", "on")],
+        )
+        .await;
+    assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{}", refused.body);
+    assert!(refused.body.contains("not JSON"), "{}", refused.body);
+    let (_, runs) = h.call(Method::GET, "/v1/runs", None).await;
+    assert_eq!(runs.as_array().unwrap().len(), 0);
+
+    let started = ann
+        .post(&start, &[("csrf", &csrf), ("input", "send note 7")])
+        .await;
+    assert_eq!(started.status, StatusCode::SEE_OTHER, "{}", started.body);
+    let run_id = started
+        .location()
+        .strip_prefix("/console/runs/")
+        .unwrap()
+        .to_owned();
+    let run = h.get_run(&run_id).await;
+    assert_eq!(run["trigger"], "api", "{run:#}");
+    assert_eq!(
+        run["steps"][0]["payload"]["input"], "send note 7",
+        "{run:#}"
+    );
+    assert!(h.engine.run_next().await.unwrap());
+    assert_eq!(h.get_run(&run_id).await["status"], "waiting_for_approval");
+    let approval = h.pending_approvals(&run_id).await[0]["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+
+    // Ann started it from her session: she is told why she may not decide, and is refused.
+    let page = ann.get(&format!("/console/approvals/{approval}")).await;
+    assert!(
+        page.body
+            .contains("the member who started this run cannot decide its approvals"),
+        "{}",
+        page.body
+    );
+    let page = ann
+        .post(
+            &format!("/console/approvals/{approval}/approve"),
+            &[("csrf", &csrf), ("reason", "mine")],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::FORBIDDEN);
+    // Nor through the API with a key of her own.
+    let made = ann
+        .post(
+            "/console/keys",
+            &[("csrf", &csrf), ("name", "ann-cli"), ("role", "approver")],
+        )
+        .await;
+    assert_eq!(made.status, StatusCode::CREATED, "{}", made.body);
+    let at = made.body.find("wor_").unwrap();
+    let key: String = made.body[at..]
+        .chars()
+        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+        .collect();
+    let (status, body, _) = h
+        .call_as(
+            &key,
+            Method::POST,
+            &format!("/v1/approvals/{approval}/approve"),
+            Some(json!({"reason": "mine"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+    assert!(body.to_string().contains("started this run"), "{body}");
+    assert_eq!(h.pending_approvals(&run_id).await.len(), 1);
+
+    // Another approver decides it; the run finishes.
+    let mut bob = signed_in(&h, addr, "bob", Some("approver")).await;
+    let csrf_bob = page_csrf(&mut bob).await;
+    let page = bob
+        .post(
+            &format!("/console/approvals/{approval}/approve"),
+            &[("csrf", &csrf_bob), ("reason", "fine")],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::SEE_OTHER, "{}", page.body);
+
+    // A viewer has no form and is refused by the API's rule; another project's routine is the
+    // 404 page.
+    let mut cho = signed_in(&h, addr, "cho", Some("viewer")).await;
+    let page = cho.get(&format!("/console/routines/{routine}")).await;
+    assert!(!page.body.contains(&format!("action=\"{start}\"")));
+    let csrf_cho = page.csrf();
+    let refused = cho
+        .post(&start, &[("csrf", &csrf_cho), ("input", "x")])
+        .await;
+    assert_eq!(refused.status, StatusCode::FORBIDDEN, "{}", refused.body);
+    let other = Harness::new().await;
+    let theirs = note_sender(&other).await;
+    let refused = ann
+        .post(
+            &format!("/console/routines/{theirs}/runs"),
+            &[("csrf", &csrf), ("input", "x")],
+        )
+        .await;
+    assert_eq!(refused.status, StatusCode::NOT_FOUND);
+    let (_, runs) = h.call(Method::GET, "/v1/runs", None).await;
+    assert_eq!(runs.as_array().unwrap().len(), 1, "only ann's run started");
+
+    // The start is audited with the member as its actor.
+    let audit = h.audit_text().await;
+    assert!(audit.contains("run.start"), "{audit}");
+    assert!(audit.contains("console_member"), "{audit}");
+}
+
+/// Makes a personal key in the console; returns its secret and its id.
+async fn console_key(
+    h: &Harness,
+    browser: &mut Browser,
+    name: &str,
+    role: &str,
+) -> (String, String) {
+    let csrf = browser.get("/console/keys").await.csrf();
+    let made = browser
+        .post(
+            "/console/keys",
+            &[("csrf", &csrf), ("name", name), ("role", role)],
+        )
+        .await;
+    assert_eq!(made.status, StatusCode::CREATED, "{}", made.body);
+    let at = made.body.find("wor_").unwrap();
+    let secret: String = made.body[at..]
+        .chars()
+        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+        .collect();
+    let (_, keys) = h.call(Method::GET, "/v1/keys", None).await;
+    let id = keys
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|k| k["name"] == name)
+        .unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    (secret, id)
+}
+
+#[tokio::test]
+async fn keys_are_revoked_from_the_console_by_their_member_or_an_admin() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    let mut ann = signed_in(&h, addr, "ann", Some("approver")).await;
+    let mut cho = signed_in(&h, addr, "cho", Some("viewer")).await;
+    let mut dee = signed_in(&h, addr, "dee", Some("admin")).await;
+    let (ann_key, ann_id) = console_key(&h, &mut ann, "ann-laptop", "approver").await;
+    let (cho_key, cho_id) = console_key(&h, &mut cho, "cho-laptop", "viewer").await;
+    let works = |key: String| {
+        let h = &h;
+        async move {
+            let (status, _, _) = h.call_as(&key, Method::GET, "/v1/routines", None).await;
+            status
+        }
+    };
+    assert_eq!(works(ann_key.clone()).await, StatusCode::OK);
+
+    // A viewer sees no form for another member's key, and the API's rule refuses the post.
+    let page = cho.get("/console/keys").await;
+    assert!(
+        !page
+            .body
+            .contains(&format!("/console/keys/{ann_id}/revoke"))
+    );
+    assert!(
+        page.body
+            .contains(&format!("/console/keys/{cho_id}/revoke"))
+    );
+    let csrf = page.csrf();
+    let refused = cho
+        .post(
+            &format!("/console/keys/{ann_id}/revoke"),
+            &[("csrf", &csrf)],
+        )
+        .await;
+    assert_eq!(refused.status, StatusCode::FORBIDDEN, "{}", refused.body);
+    // Without the form's token nothing is revoked.
+    let refused = ann
+        .post(&format!("/console/keys/{ann_id}/revoke"), &[])
+        .await;
+    assert_eq!(refused.status, StatusCode::FORBIDDEN);
+    assert_eq!(works(ann_key.clone()).await, StatusCode::OK);
+
+    // Ann revokes her own key; the API refuses it from then on.
+    let csrf = ann.get("/console/keys").await.csrf();
+    let page = ann
+        .post(
+            &format!("/console/keys/{ann_id}/revoke"),
+            &[("csrf", &csrf)],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    assert!(
+        page.body.contains("Key ann-laptop is revoked"),
+        "{}",
+        page.body
+    );
+    assert!(
+        !page
+            .body
+            .contains(&format!("/console/keys/{ann_id}/revoke"))
+    );
+    assert_eq!(works(ann_key).await, StatusCode::UNAUTHORIZED);
+
+    // An admin revokes anyone's; another project's key is the 404 page.
+    let csrf = dee.get("/console/keys").await.csrf();
+    let page = dee
+        .post(
+            &format!("/console/keys/{cho_id}/revoke"),
+            &[("csrf", &csrf)],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    assert_eq!(works(cho_key).await, StatusCode::UNAUTHORIZED);
+    let other = Harness::new().await;
+    let (_, theirs) = other.call(Method::GET, "/v1/keys", None).await;
+    let theirs = theirs[0]["id"].as_str().unwrap().to_owned();
+    let page = dee
+        .post(
+            &format!("/console/keys/{theirs}/revoke"),
+            &[("csrf", &csrf)],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::NOT_FOUND);
+    let (status, _, _) = other
+        .call_as(other.owner(), Method::GET, "/v1/routines", None)
+        .await;
+    assert_eq!(status, StatusCode::OK, "their key still works");
+
+    let audit = h.audit_text().await;
+    assert_eq!(audit.matches("key.revoke").count(), 2, "{audit}");
+}
+
+/// The model connection form's fields.
+fn model_form(
+    csrf: &str,
+    name: &str,
+    provider: &str,
+    url: &str,
+    key: &str,
+) -> [(&'static str, String); 5] {
+    [
+        ("csrf", csrf.to_owned()),
+        ("name", name.to_owned()),
+        ("provider", provider.to_owned()),
+        ("base_url", url.to_owned()),
+        ("api_key", key.to_owned()),
+    ]
+}
+
+async fn post_model_form(
+    browser: &mut Browser,
+    path: &str,
+    form: [(&'static str, String); 5],
+) -> Page {
+    let form: Vec<(String, String)> = form.into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
+    post_owned(browser, path, &form).await
+}
+
+#[tokio::test]
+async fn an_admin_adds_and_revokes_a_model_connection_whose_key_is_never_shown() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    // A viewer has no form, and the API's rule refuses the post.
+    let mut cho = signed_in(&h, addr, "cho", Some("viewer")).await;
+    let page = cho.get("/console/connections").await;
+    assert!(!page.body.contains("action=\"/console/model-connections\""));
+    let csrf = page.csrf();
+    let refused = post_model_form(
+        &mut cho,
+        "/console/model-connections",
+        model_form(
+            &csrf,
+            "m",
+            "anthropic",
+            "https://api.example.com",
+            "sk-viewer-canary-1",
+        ),
+    )
+    .await;
+    assert_eq!(refused.status, StatusCode::FORBIDDEN, "{}", refused.body);
+
+    let mut dee = signed_in(&h, addr, "dee", Some("admin")).await;
+    let page = dee.get("/console/connections").await;
+    assert!(page.body.contains("action=\"/console/model-connections\""));
+    let csrf = page.csrf();
+    // Refusals the API answers 400 come back as the form, without the key that was typed.
+    let refused = post_model_form(
+        &mut dee,
+        "/console/model-connections",
+        model_form(
+            &csrf,
+            "main",
+            "anthropic",
+            "ftp://api.example.com/v1",
+            "sk-refused-canary-2",
+        ),
+    )
+    .await;
+    assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{}", refused.body);
+    assert!(refused.body.contains("role=\"alert\""), "{}", refused.body);
+    assert!(
+        refused.body.contains("ftp://api.example.com/v1"),
+        "typed values come back"
+    );
+    assert!(!refused.body.contains("sk-refused-canary"));
+    let refused = post_model_form(
+        &mut dee,
+        "/console/model-connections",
+        model_form(
+            &csrf,
+            "main",
+            "replay",
+            "https://api.example.com",
+            "sk-refused-canary-3",
+        ),
+    )
+    .await;
+    assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{}", refused.body);
+    // Without the form's token nothing is added.
+    let mut tokenless = model_form("", "main", "anthropic", "https://api.example.com", "k");
+    tokenless[0].1 = "forged".to_owned();
+    let refused = post_model_form(&mut dee, "/console/model-connections", tokenless).await;
+    assert_eq!(refused.status, StatusCode::FORBIDDEN);
+    let (_, models) = h.call(Method::GET, "/v1/model-connections", None).await;
+    assert_eq!(models.as_array().unwrap().len(), 0, "{models}");
+
+    let added = post_model_form(
+        &mut dee,
+        "/console/model-connections",
+        model_form(
+            &csrf,
+            "main",
+            "anthropic",
+            "https://api.example.com",
+            "sk-console-canary-4",
+        ),
+    )
+    .await;
+    assert_eq!(added.status, StatusCode::CREATED, "{}", added.body);
+    assert!(added.body.contains("Model connection main was added"));
+    assert!(
+        !added.body.contains("sk-console-canary"),
+        "never shown back"
+    );
+    let (_, models) = h.call(Method::GET, "/v1/model-connections", None).await;
+    let model = &models[0];
+    assert_eq!(model["name"], "main");
+    assert_eq!(model["provider"], "anthropic");
+    assert!(!models.to_string().contains("sk-console-canary"));
+    let id = model["id"].as_str().unwrap().to_owned();
+
+    // A viewer cannot revoke it; another project's connection is the 404 page; the admin
+    // revokes it and its key is deleted.
+    let revoke = format!("/console/model-connections/{id}/revoke");
+    let csrf_cho = cho.get("/console/connections").await.csrf();
+    assert!(!cho.get("/console/connections").await.body.contains(&revoke));
+    let refused = cho.post(&revoke, &[("csrf", &csrf_cho)]).await;
+    assert_eq!(refused.status, StatusCode::FORBIDDEN);
+    let other = Harness::new().await;
+    let (status, theirs) = other
+        .call(
+            Method::POST,
+            "/v1/model-connections",
+            Some(json!({"name": "theirs", "provider": "anthropic",
+                "base_url": "https://api.example.com", "api_key": "sk-theirs-canary-5"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{theirs}");
+    let page = dee
+        .post(
+            &format!(
+                "/console/model-connections/{}/revoke",
+                theirs["id"].as_str().unwrap()
+            ),
+            &[("csrf", &csrf)],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::NOT_FOUND);
+    let page = dee.post(&revoke, &[("csrf", &csrf)]).await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    assert!(page.body.contains("is revoked"));
+    let (_, model) = h
+        .call(Method::GET, &format!("/v1/model-connections/{id}"), None)
+        .await;
+    assert_eq!(model["status"], "revoked", "{model}");
+    assert_eq!(model["api_key"]["configured"], false, "{model}");
+
+    let audit = h.audit_text().await;
+    assert!(audit.contains("model_connection.create"), "{audit}");
+    assert!(audit.contains("model_connection.revoke"), "{audit}");
+    assert!(!audit.contains("canary"));
+}

@@ -57,6 +57,7 @@ async fn main() {
                     routine_version: routine.current_version,
                     trigger_kind: wor_core::call::TriggerKind::Api,
                     started_by: None,
+                    started_by_member: None,
                     max_concurrent: 1_000,
                     status: RunStatus::Queued,
                     outcome: None,

@@ -16,6 +16,8 @@ use crate::{Store, StoreError, now_millis, parse_column};
 
 /// The text every invitation token starts with.
 pub const INVITATION_TOKEN_PREFIX: &str = "wri_";
+/// The text every single-use sign-in link's token starts with.
+pub const SIGN_IN_LINK_TOKEN_PREFIX: &str = "wrl_";
 /// The text every console session token starts with.
 pub const SESSION_TOKEN_PREFIX: &str = "wrs_";
 
@@ -76,6 +78,7 @@ pub struct ConsoleSessionRecord {
 pub struct PurgedConsoleState {
     pub sessions: u64,
     pub invitations: u64,
+    pub sign_in_links: u64,
     pub sign_in_failures: u64,
 }
 
@@ -127,6 +130,11 @@ impl Store {
             .execute(&self.pool)
             .await?
             .rows_affected();
+        let sign_in_links = sqlx::query("DELETE FROM member_sign_in_links WHERE expires_at <= $1")
+            .bind(now)
+            .execute(&self.pool)
+            .await?
+            .rows_affected();
         let sign_in_failures = sqlx::query("DELETE FROM sign_in_failures WHERE at < $1")
             .bind(failures_before)
             .execute(&self.pool)
@@ -135,6 +143,7 @@ impl Store {
         Ok(PurgedConsoleState {
             sessions,
             invitations,
+            sign_in_links,
             sign_in_failures,
         })
     }
@@ -235,6 +244,81 @@ impl Store {
         .await?;
         tx.commit().await?;
         Ok(Some(invitation))
+    }
+
+    /// Makes a single-use link that signs `member` in without a password, valid for `ttl_ms`.
+    pub async fn create_sign_in_link(
+        &self,
+        project: ProjectId,
+        member: MemberId,
+        ttl_ms: i64,
+    ) -> Result<(ConsoleToken, i64), StoreError> {
+        let token = ConsoleToken::generate(SIGN_IN_LINK_TOKEN_PREFIX)?;
+        let now = now_millis();
+        let expires_at = now.saturating_add(ttl_ms);
+        let inserted = sqlx::query(
+            "INSERT INTO member_sign_in_links (sha256, project_id, member_id, created_at, \
+             expires_at) SELECT $1, project_id, id, $4, $5 FROM members \
+             WHERE project_id = $2 AND id = $3",
+        )
+        .bind(sha256_hex(token.expose().as_bytes()))
+        .bind(project.to_string())
+        .bind(member.to_string())
+        .bind(now)
+        .bind(expires_at)
+        .execute(&self.pool)
+        .await?;
+        // A member of another project, or none, gets no link.
+        if inserted.rows_affected() != 1 {
+            return Err(StoreError::NotFound);
+        }
+        Ok((token, expires_at))
+    }
+
+    /// The sign-in link `presented` names, if it is unused and unexpired.
+    pub async fn sign_in_link(
+        &self,
+        presented: &str,
+    ) -> Result<Option<InvitationRecord>, StoreError> {
+        let row = sqlx::query(
+            "SELECT l.project_id, l.member_id, l.expires_at, m.name FROM member_sign_in_links l \
+             JOIN members m ON m.id = l.member_id AND m.project_id = l.project_id \
+             WHERE l.sha256 = $1 AND l.used_at IS NULL AND l.expires_at > $2",
+        )
+        .bind(sha256_hex(presented.as_bytes()))
+        .bind(now_millis())
+        .fetch_optional(&self.pool)
+        .await?;
+        let Some(row) = row else { return Ok(None) };
+        let project_id: String = row.try_get("project_id")?;
+        let member_id: String = row.try_get("member_id")?;
+        Ok(Some(InvitationRecord {
+            project_id: parse_column(&project_id, "member_sign_in_links.project_id")?,
+            member_id: parse_column(&member_id, "member_sign_in_links.member_id")?,
+            member_name: row.try_get("name")?,
+            expires_at: row.try_get("expires_at")?,
+        }))
+    }
+
+    /// Uses sign-in link `presented`: `None` when it is unknown, used or expired, so it works
+    /// once, and only before it expires.
+    pub async fn use_sign_in_link(
+        &self,
+        presented: &str,
+    ) -> Result<Option<InvitationRecord>, StoreError> {
+        let Some(link) = self.sign_in_link(presented).await? else {
+            return Ok(None);
+        };
+        // INVARIANT: the update is the single-use check; of two concurrent uses one matches.
+        let used = sqlx::query(
+            "UPDATE member_sign_in_links SET used_at = $1 \
+             WHERE sha256 = $2 AND used_at IS NULL AND expires_at > $1",
+        )
+        .bind(now_millis())
+        .bind(sha256_hex(presented.as_bytes()))
+        .execute(&self.pool)
+        .await?;
+        Ok((used.rows_affected() == 1).then_some(link))
     }
 
     /// The member named `member` in the project named `project`, if they have a password.

@@ -49,7 +49,7 @@ pub use backup::{BackupError, discard_restored, restore_sqlite};
 pub use console::{
     ConsoleSessionRecord, ConsoleSessionSummary, ConsoleToken, INVITATION_TOKEN_PREFIX,
     InvitationRecord, MAX_USER_AGENT_CHARS, PurgedConsoleState, SESSION_TOKEN_PREFIX,
-    SessionOrigin, SignInAccount,
+    SIGN_IN_LINK_TOKEN_PREFIX, SessionOrigin, SignInAccount,
 };
 pub use journal::{RunWrite, RunWritten};
 pub use members::MemberRecord;

@@ -185,6 +185,12 @@ const MIGRATIONS: &[SchemaMigration] = &[
         sqlite: include_str!("../migrations/0025_oauth_connections.sql"),
         postgres: include_str!("../migrations/0025_oauth_connections.sql"),
     },
+    SchemaMigration {
+        version: 29,
+        description: "sign-in links and runs started by members",
+        sqlite: include_str!("../migrations/0029_console_members.sql"),
+        postgres: include_str!("../migrations/0029_console_members.sql"),
+    },
 ];
 
 /// The newest migration of this release.

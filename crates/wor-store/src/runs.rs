@@ -9,7 +9,7 @@ use wor_core::budget::BudgetUsage;
 use wor_core::call::TriggerKind;
 use wor_core::run::{Provenance, RunStatus};
 use wor_core::step::{InputStep, MemoryStep, Step};
-use wor_core::{ApiKeyId, ProjectId, RoutineId, RunId};
+use wor_core::{ApiKeyId, MemberId, ProjectId, RoutineId, RunId};
 
 use crate::{Store, StoreError, now_millis, parse_column};
 
@@ -25,6 +25,8 @@ pub struct RunRecord {
     pub status: RunStatus,
     pub trigger_kind: TriggerKind,
     pub started_by: Option<ApiKeyId>,
+    /// The member who started the run from the console (no key involved).
+    pub started_by_member: Option<MemberId>,
     pub trigger_key: Option<String>,
     pub thread: Option<String>,
     pub outcome: Option<String>,
@@ -45,6 +47,8 @@ pub struct NewRun {
     pub routine_version: i64,
     pub trigger_kind: TriggerKind,
     pub started_by: Option<ApiKeyId>,
+    /// The member who started the run from the console.
+    pub started_by_member: Option<MemberId>,
     pub max_concurrent: u64,
     /// `Skipped` for a run refused by the overlap policy, otherwise `Queued`.
     pub status: RunStatus,
@@ -125,7 +129,7 @@ pub struct RunFilter {
 }
 
 const COLUMNS: &str = "id, project_id, routine_id, routine_version, root_run_id, parent_run_id, depth, \
-    status, trigger_kind, started_by, trigger_key, thread, outcome, usage_turns, usage_tool_calls, usage_input_tokens, \
+    status, trigger_kind, started_by, started_by_member, trigger_key, thread, outcome, usage_turns, usage_tool_calls, usage_input_tokens, \
     usage_output_tokens, usage_cost_microdollars, cancel_requested, created_at, started_at, finished_at, parked_ms, budget_cap";
 
 pub(crate) fn to_i64(value: u64) -> i64 {
@@ -654,14 +658,14 @@ async fn insert_runs(
     if starts.is_empty() {
         return Ok(Vec::new());
     }
-    const RUN_VALUES: usize = 18;
+    const RUN_VALUES: usize = 19;
     let rows: Vec<String> = (0..starts.len())
         .map(|i| row_placeholders(i * RUN_VALUES + 1, RUN_VALUES))
         .collect();
     let sql = format!(
         "INSERT INTO runs (id, project_id, routine_id, routine_version, root_run_id, parent_run_id, depth, \
          status, trigger_kind, started_by, max_concurrent, outcome, created_at, updated_at, finished_at, \
-         trigger_key, thread, budget_cap) VALUES {} ON CONFLICT DO NOTHING RETURNING id",
+         trigger_key, thread, budget_cap, started_by_member) VALUES {} ON CONFLICT DO NOTHING RETURNING id",
         rows.join(", ")
     );
     let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
@@ -685,7 +689,8 @@ async fn insert_runs(
             .bind(new.status.is_terminal().then_some(now))
             .bind(new.trigger_key.clone())
             .bind(new.thread.clone())
-            .bind(new.parent.as_ref().map(|p| p.budget_cap.to_string()));
+            .bind(new.parent.as_ref().map(|p| p.budget_cap.to_string()))
+            .bind(new.started_by_member.map(|m| m.to_string()));
     }
     let inserted: std::collections::HashSet<RunId> = query
         .fetch_all(&mut **tx)
@@ -873,6 +878,7 @@ fn run_from_row(row: &sqlx::any::AnyRow) -> Result<RunRecord, StoreError> {
     let parent: Option<String> = row.try_get("parent_run_id")?;
     let status: String = row.try_get("status")?;
     let started_by: Option<String> = row.try_get("started_by")?;
+    let started_by_member: Option<String> = row.try_get("started_by_member")?;
     let cancel: i64 = row.try_get("cancel_requested")?;
     Ok(RunRecord {
         id: parse_column(&id, "runs.id")?,
@@ -891,6 +897,9 @@ fn run_from_row(row: &sqlx::any::AnyRow) -> Result<RunRecord, StoreError> {
         )?,
         started_by: started_by
             .map(|k| parse_column(&k, "runs.started_by"))
+            .transpose()?,
+        started_by_member: started_by_member
+            .map(|m| parse_column(&m, "runs.started_by_member"))
             .transpose()?,
         trigger_key: row.try_get("trigger_key")?,
         thread: row.try_get("thread")?,

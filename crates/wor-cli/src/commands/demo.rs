@@ -85,13 +85,14 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     let base = format!("http://{}", listener.local_addr()?);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let state = wor_server::AppState::new(engine.clone());
+    let console = state.clone();
     let server = tokio::spawn(wor_server::serve(listener, state, async {
         let _ = stopped.await;
     }));
     let (stop_workers, workers_stopped) = tokio::sync::watch::channel(false);
     let worker = engine.spawn_workers(workers_stopped);
 
-    let outcome = scenario(&args, &base, &store, &tools, &data_dir).await;
+    let outcome = scenario(&args, &base, &console, &tools, &data_dir).await;
 
     let _ = stop_workers.send(true);
     let _ = worker.await;
@@ -145,10 +146,11 @@ struct Scenario {
 async fn scenario(
     args: &DemoArgs,
     base: &str,
-    store: &wor_store::Store,
+    console: &wor_server::AppState,
     tools: &DemoToolServer,
     data_dir: &std::path::Path,
 ) -> anyhow::Result<Scenario> {
+    let store = &console.store;
     // Without --no-wait the demo waits for a person; Ctrl-C then ends it cleanly.
     let mut interrupted: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> =
         if args.no_wait {
@@ -175,6 +177,9 @@ async fn scenario(
         )
         .await?;
     let approver_key = field(&member, "/key/api_key").to_owned();
+    let approver_id: wor_core::MemberId = field(&member, "/member/id")
+        .parse()
+        .context("the server named the approver with a malformed id")?;
     let approver = ApiClient::with_key(base, approver_key.clone())?;
     println!(
         "  project       {} with owner olivia and approver dana",
@@ -307,7 +312,20 @@ async fn scenario(
             .await?;
     } else {
         let wor = invocation();
-        println!("5. Decide it yourself, as Dana, in another terminal:");
+        let (link, expires_at) = wor_server::console::issue_sign_in_link(
+            console,
+            created.project.id,
+            approver_id,
+            wor_server::console::SIGN_IN_LINK_TTL,
+        )
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot make the approver's sign-in link: {e}"))?;
+        println!("5. Decide it yourself, as Dana, in the web console (a link that signs in once,");
+        println!("   until {}):", wor_server::views::rfc3339(expires_at));
+        println!();
+        println!("   {base}{link}");
+        println!();
+        println!("   or in another terminal:");
         println!();
         println!("   export WOR_SERVER={base} WOR_API_KEY={approver_key}");
         println!("   {wor} approvals show {approval_id}");

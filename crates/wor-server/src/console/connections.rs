@@ -3,11 +3,17 @@
 //! read-only or consequential and enables exactly what was reviewed; for a quarantined
 //! connection the page shows the diff between the pinned and the offered definitions, and
 //! re-approving pins the offered ones. Enabling is the API's `enable_connection`.
+//!
+//! Model connections are listed on the same page; an admin or owner adds one (its key goes
+//! into the vault and is never shown back) or revokes one, through the API's
+//! `create_model_connection` and `revoke_model_connection`.
 
 use std::collections::BTreeMap;
 
 use askama::Template;
+use axum::Form;
 use axum::body::Bytes;
+use axum::extract::rejection::FormRejection;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Redirect};
@@ -15,11 +21,14 @@ use wor_core::ConnectionId;
 use wor_core::call::ToolClass;
 use wor_store::ToolConnectionStatus;
 
-use super::pages::{Banner, PageResult};
+use super::pages::{Banner, PageResult, form};
 use super::session::ConsoleMember;
 use super::{ConsoleError, render};
 use crate::AppState;
 use crate::error::ApiError;
+use crate::routes::model_connections::{
+    CreateModelConnection, create_model_connection, revoke_model_connection,
+};
 use crate::routes::tool_connections::{EnableToolConnection, enable_connection};
 use crate::views::rfc3339;
 
@@ -34,6 +43,7 @@ struct ConnectionRow {
 
 /// A model connection as listed: never its key.
 struct ModelRow {
+    id: String,
     name: String,
     provider: &'static str,
     base_url: String,
@@ -47,9 +57,45 @@ struct ConnectionsPage {
     banner: Banner,
     connections: Vec<ConnectionRow>,
     models: Vec<ModelRow>,
+    /// Whether the member may add and revoke model connections (admin or owner).
+    may_configure: bool,
+    /// The providers a model connection can be made for, and whether the form chose each.
+    providers: Vec<(&'static str, bool)>,
+    /// What the model connection form was sent with, never its key, when it is shown again.
+    model_form: ModelFormEcho,
+    model_error: Option<String>,
+    notice: Option<String>,
+}
+
+/// The model connection form's fields as sent, to show again after a refusal. The key is not
+/// among them: it is never written into a page.
+#[derive(Default)]
+struct ModelFormEcho {
+    name: String,
+    provider: String,
+    base_url: String,
 }
 
 pub async fn list(State(state): State<AppState>, member: ConsoleMember) -> PageResult {
+    connections_page(
+        &state,
+        &member,
+        StatusCode::OK,
+        ModelFormEcho::default(),
+        None,
+        None,
+    )
+    .await
+}
+
+async fn connections_page(
+    state: &AppState,
+    member: &ConsoleMember,
+    status: StatusCode,
+    model_form: ModelFormEcho,
+    model_error: Option<String>,
+    notice: Option<String>,
+) -> PageResult {
     let connections = state
         .store
         .list_tool_connections(member.session.project_id)
@@ -70,6 +116,7 @@ pub async fn list(State(state): State<AppState>, member: ConsoleMember) -> PageR
         .await?
         .into_iter()
         .map(|m| ModelRow {
+            id: m.id.to_string(),
             name: m.name,
             provider: m.provider.as_str(),
             base_url: m.base_url,
@@ -78,13 +125,119 @@ pub async fn list(State(state): State<AppState>, member: ConsoleMember) -> PageR
         })
         .collect();
     Ok(render(
-        StatusCode::OK,
+        status,
         &ConnectionsPage {
-            banner: (&member).into(),
+            banner: member.into(),
             connections,
             models,
+            may_configure: member.session.role.can_configure(),
+            providers: wor_core::model::ProviderKind::ALL
+                .into_iter()
+                .filter(|p| p.needs_connection())
+                .map(|p| (p.as_str(), p.as_str() == model_form.provider))
+                .collect(),
+            model_form,
+            model_error,
+            notice,
         },
     ))
+}
+
+#[derive(Debug, serde::Deserialize)]
+pub struct ModelConnectionForm {
+    name: String,
+    provider: String,
+    base_url: String,
+    /// Empty for a keyless local model server the operator allowed.
+    #[serde(default)]
+    api_key: String,
+}
+
+/// Adds a model connection through the API's path; the key is sealed and never shown back.
+/// A refusal the API answers with 400 shows the form again, without the key.
+pub async fn create_model(
+    State(state): State<AppState>,
+    member: ConsoleMember,
+    body: Result<Form<ModelConnectionForm>, FormRejection>,
+) -> PageResult {
+    let body = form(body)?;
+    let echo = ModelFormEcho {
+        name: body.name.clone(),
+        provider: body.provider.clone(),
+        base_url: body.base_url.clone(),
+    };
+    let session = &member.session;
+    let request = CreateModelConnection {
+        name: body.name,
+        provider: body.provider,
+        base_url: body.base_url,
+        api_key: Some(body.api_key).filter(|k| !k.is_empty()),
+    };
+    match create_model_connection(
+        &state,
+        session.project_id,
+        session.role,
+        Some(session.member_id),
+        None,
+        member.actor(),
+        request,
+    )
+    .await
+    {
+        Ok(record) => {
+            let notice = format!("Model connection {} was added.", record.name);
+            connections_page(
+                &state,
+                &member,
+                StatusCode::CREATED,
+                ModelFormEcho::default(),
+                None,
+                Some(notice),
+            )
+            .await
+        }
+        Err(ApiError::BadRequest { message, .. }) => {
+            connections_page(
+                &state,
+                &member,
+                StatusCode::BAD_REQUEST,
+                echo,
+                Some(message),
+                None,
+            )
+            .await
+        }
+        Err(other) => Err(ConsoleError(other)),
+    }
+}
+
+/// Revokes a model connection through the API's path: its key is deleted and runs using it
+/// fail closed.
+pub async fn revoke_model(
+    State(state): State<AppState>,
+    member: ConsoleMember,
+    Path(connection_id): Path<String>,
+) -> PageResult {
+    let id: ConnectionId = connection_id
+        .parse()
+        .map_err(|_| ConsoleError(ApiError::NotFound))?;
+    let session = &member.session;
+    let record =
+        revoke_model_connection(&state, session.project_id, session.role, member.actor(), id)
+            .await?;
+    let notice = format!(
+        "Model connection {} is revoked and its key deleted.",
+        record.name
+    );
+    connections_page(
+        &state,
+        &member,
+        StatusCode::OK,
+        ModelFormEcho::default(),
+        None,
+        Some(notice),
+    )
+    .await
 }
 
 /// A tool as the review shows it, all as text.

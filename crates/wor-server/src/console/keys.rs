@@ -1,29 +1,33 @@
 //! API keys: the project's keys by prefix, and creating one, shown once on the answer. Creating
 //! is the API's `create_api_key`: a personal key never above the member's role, a service key
-//! only by an admin and never above what they could grant.
+//! only by an admin and never above what they could grant. Revoking is the API's
+//! `revoke_api_key`: a member revokes their own keys, an admin or owner any key.
 
 use askama::Template;
 use axum::Form;
-use axum::extract::State;
 use axum::extract::rejection::FormRejection;
+use axum::extract::{Path, State};
 use axum::http::StatusCode;
-use wor_core::Role;
+use wor_core::{ApiKeyId, Role};
 
 use super::pages::{Banner, PageResult, form};
 use super::session::ConsoleMember;
 use super::{ConsoleError, render};
 use crate::AppState;
 use crate::error::ApiError;
-use crate::routes::keys::{CreateApiKey, create_api_key};
+use crate::routes::keys::{CreateApiKey, create_api_key, revoke_api_key};
 use crate::views::rfc3339;
 
 struct KeyRow {
+    id: String,
     name: String,
     prefix: String,
     role: String,
     kind: &'static str,
     created_at: String,
     revoked: bool,
+    /// Whether this member may revoke it (their own key, or any for an admin).
+    may_revoke: bool,
 }
 
 /// A key just made: shown this once.
@@ -41,6 +45,8 @@ struct KeysPage {
     may_make_service_keys: bool,
     created: Option<CreatedKey>,
     error: Option<String>,
+    /// The key just revoked, by name.
+    revoked: Option<String>,
 }
 
 async fn keys_page(
@@ -49,6 +55,7 @@ async fn keys_page(
     status: StatusCode,
     created: Option<CreatedKey>,
     error: Option<String>,
+    revoked: Option<String>,
 ) -> PageResult {
     let keys = state
         .store
@@ -56,6 +63,10 @@ async fn keys_page(
         .await?
         .into_iter()
         .map(|k| KeyRow {
+            may_revoke: k.revoked_at.is_none()
+                && (member.session.role.can_configure()
+                    || k.member_id == Some(member.session.member_id)),
+            id: k.id.to_string(),
             name: k.name,
             prefix: k.prefix,
             role: k.role.to_string(),
@@ -78,12 +89,13 @@ async fn keys_page(
             may_make_service_keys: role.can_configure(),
             created,
             error,
+            revoked,
         },
     ))
 }
 
 pub async fn list(State(state): State<AppState>, member: ConsoleMember) -> PageResult {
-    keys_page(&state, &member, StatusCode::OK, None, None).await
+    keys_page(&state, &member, StatusCode::OK, None, None, None).await
 }
 
 #[derive(Debug, serde::Deserialize)]
@@ -123,7 +135,15 @@ pub async fn create(
                 name: request.name,
                 secret: created.api_key,
             };
-            keys_page(&state, &member, StatusCode::CREATED, Some(shown), None).await
+            keys_page(
+                &state,
+                &member,
+                StatusCode::CREATED,
+                Some(shown),
+                None,
+                None,
+            )
+            .await
         }
         Err(ApiError::BadRequest { message, .. }) => {
             keys_page(
@@ -132,9 +152,40 @@ pub async fn create(
                 StatusCode::BAD_REQUEST,
                 None,
                 Some(message),
+                None,
             )
             .await
         }
         Err(other) => Err(ConsoleError(other)),
     }
+}
+
+/// Revokes a key through the API's path (the CSRF gate has checked the form token).
+pub async fn revoke(
+    State(state): State<AppState>,
+    member: ConsoleMember,
+    Path(key_id): Path<String>,
+) -> PageResult {
+    let key_id: ApiKeyId = key_id
+        .parse()
+        .map_err(|_| ConsoleError(ApiError::NotFound))?;
+    let session = &member.session;
+    let revoked = revoke_api_key(
+        &state,
+        session.project_id,
+        session.role,
+        Some(session.member_id),
+        member.actor(),
+        key_id,
+    )
+    .await?;
+    keys_page(
+        &state,
+        &member,
+        StatusCode::OK,
+        None,
+        None,
+        Some(revoked.name),
+    )
+    .await
 }

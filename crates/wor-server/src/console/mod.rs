@@ -17,10 +17,12 @@ mod live;
 mod members;
 mod pages;
 pub mod password;
+pub use sign_in_link::{SIGN_IN_LINK_TTL, issue_sign_in_link};
 mod project;
 mod routines;
 mod runs;
 pub mod session;
+mod sign_in_link;
 mod slack_link;
 
 use std::time::Duration;
@@ -112,6 +114,10 @@ pub fn router(state: AppState) -> Router<AppState> {
             "/invitations/{token}",
             get(pages::invitation_page).post(pages::accept_invitation),
         )
+        .route(
+            "/sign-in-links/{token}",
+            get(sign_in_link::page).post(sign_in_link::sign_in),
+        )
         .route("/approvals", get(pages::approvals))
         .route("/approvals/events", get(live::inbox))
         .route("/approvals/{approval_id}", get(pages::approval))
@@ -130,13 +136,20 @@ pub fn router(state: AppState) -> Router<AppState> {
             "/connections/{connection_id}/enable",
             post(connections::enable),
         )
+        .route("/model-connections", post(connections::create_model))
+        .route(
+            "/model-connections/{connection_id}/revoke",
+            post(connections::revoke_model),
+        )
         .route("/keys", get(keys::list).post(keys::create))
+        .route("/keys/{key_id}/revoke", post(keys::revoke))
         .route("/members", get(members::list))
         .route("/members/invite", post(members::invite))
         .route("/policy", get(project::policy).post(project::set))
         .route("/audit", get(project::audit))
         .route("/routines", get(routines::list))
         .route("/routines/{routine_id}", get(routines::show))
+        .route("/routines/{routine_id}/runs", post(routines::start))
         .route("/sessions", get(account::sessions))
         .route("/sessions/{session_id}/revoke", post(account::revoke))
         .route(

@@ -102,7 +102,7 @@ fn after_sign_in(next: &str) -> &str {
 
 /// A page with a form for someone not signed in (`csrf` picks the page's token field): a
 /// fresh form token, in the page and in its own cookie.
-fn form_page<T: askama::Template>(
+pub(super) fn form_page<T: askama::Template>(
     config: &ConsoleConfig,
     status: StatusCode,
     mut page: T,
@@ -291,6 +291,31 @@ pub async fn sign_in(
         .store
         .clear_sign_in_failures(&account_scope, since)
         .await?;
+    open_session(
+        &state,
+        &parts,
+        account.project_id,
+        account.member_id,
+        address,
+        None,
+        after_sign_in(&body.next),
+    )
+    .await
+}
+
+/// Opens a console session for `member` (whose credential the caller checked), audits the
+/// sign-in (`via` names a way other than the password), and sends the browser to `target`
+/// with the session cookie set and the form cookie cleared.
+pub(super) async fn open_session(
+    state: &AppState,
+    parts: &Parts,
+    project: wor_core::ProjectId,
+    member: wor_core::MemberId,
+    address: String,
+    via: Option<&'static str>,
+    target: &str,
+) -> PageResult {
+    let config = &state.console;
     let origin = SessionOrigin {
         address: address.clone(),
         user_agent: parts
@@ -302,30 +327,27 @@ pub async fn sign_in(
     };
     let token = state
         .store
-        .create_console_session(
-            account.project_id,
-            account.member_id,
-            millis(config.session_absolute),
-            &origin,
-        )
+        .create_console_session(project, member, millis(config.session_absolute), &origin)
         .await?;
+    let mut payload = json!({ "address": address });
+    if let (Some(via), Some(fields)) = (via, payload.as_object_mut()) {
+        fields.insert("via".to_owned(), Value::from(via));
+    }
     state
         .audit
         .append(
             AuditEvent::new(
-                account.project_id,
+                project,
                 AuditCategory::ConsoleSignIn,
-                Actor::ConsoleMember {
-                    member_id: account.member_id,
-                },
+                Actor::ConsoleMember { member_id: member },
             )
-            .subject("member_id", account.member_id)
-            .payload(json!({ "address": address })),
+            .subject("member_id", member)
+            .payload(payload),
         )
         .await?;
-    tracing::info!(category = "console", action = "sign_in", project_id = %account.project_id,
-        member_id = %account.member_id, "a member signed in to the console");
-    let mut response = Redirect::to(after_sign_in(&body.next)).into_response();
+    tracing::info!(category = "console", action = "sign_in", project_id = %project,
+        member_id = %member, "a member signed in to the console");
+    let mut response = Redirect::to(target).into_response();
     let headers = response.headers_mut();
     headers.append(
         header::SET_COOKIE,
@@ -339,7 +361,7 @@ pub async fn sign_in(
     );
     headers.append(
         header::SET_COOKIE,
-        set_cookie(&state.console, FORM_COOKIE, "", "/console", Some(0)),
+        set_cookie(config, FORM_COOKIE, "", "/console", Some(0)),
     );
     Ok(response)
 }

@@ -1,20 +1,24 @@
 //! Routines: the list, and a routine's page with its current TOML, its versions with a line
 //! diff between any two, its schedule's next firings and its webhook address. Everything comes
-//! from the functions `GET /v1/routines/{id}` calls.
+//! from the functions `GET /v1/routines/{id}` calls. A member who may operate runs starts one
+//! with an input, through the path `POST /v1/routines/{id}/runs` takes.
 
 use askama::Template;
-use axum::extract::rejection::QueryRejection;
+use axum::Form;
+use axum::extract::rejection::{FormRejection, QueryRejection};
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
+use axum::response::{IntoResponse, Redirect};
 use similar::{ChangeTag, TextDiff};
 use wor_core::RoutineId;
 use wor_engine::WebhookSecretKind;
 
-use super::pages::{Banner, PageResult};
+use super::pages::{Banner, PageResult, form};
 use super::session::ConsoleMember;
 use super::{ConsoleError, render};
 use crate::AppState;
 use crate::error::ApiError;
+use crate::routes::runs::{StartRunBody, start_run};
 use crate::views::rfc3339;
 
 /// How many of the schedule's next firings are shown.
@@ -97,6 +101,10 @@ struct RoutinePage {
     webhook_secret_configured: bool,
     /// The compared versions and their diff, when two were chosen.
     diff: Option<(i64, i64, Vec<DiffLine>)>,
+    /// Whether the member may start runs (not a viewer).
+    may_start: bool,
+    /// Whether the routine keeps memory, and so runs belong to threads.
+    memory: bool,
 }
 
 /// The lines of `old` and `new`, marked as removed, added or kept.
@@ -196,8 +204,66 @@ pub async fn show(
         .to_owned(),
         webhook_secret_configured,
         diff,
+        may_start: member.session.role.can_operate_runs(),
+        memory: current.definition.memory.enabled,
     };
     Ok(render(StatusCode::OK, &page))
+}
+
+/// A run's input as the start form sends it: text, or JSON when `json` is ticked.
+#[derive(Debug, serde::Deserialize)]
+pub struct StartForm {
+    input: String,
+    #[serde(default)]
+    json: Option<String>,
+    #[serde(default)]
+    thread: String,
+}
+
+impl StartForm {
+    /// The API's body for this form: the input as text, or parsed as JSON (a 400 naming the
+    /// parser's complaint when it is not), and the thread when one is named.
+    pub(super) fn body(self) -> Result<StartRunBody, ConsoleError> {
+        let input = if self.json.is_some() {
+            serde_json::from_str(&self.input).map_err(|e| {
+                ConsoleError(ApiError::bad_request(
+                    "invalid_input",
+                    format!("the input is not JSON: {e}"),
+                ))
+            })?
+        } else {
+            serde_json::Value::String(self.input)
+        };
+        let thread = Some(self.thread.trim().to_owned()).filter(|t| !t.is_empty());
+        Ok(StartRunBody { input, thread })
+    }
+}
+
+/// Starts a run of the routine's current version through the API's path (the same role check,
+/// engine start and `run.start` audit entry); its starter is the member, who therefore may not
+/// decide its approvals. Goes to the new run's page.
+pub async fn start(
+    State(state): State<AppState>,
+    member: ConsoleMember,
+    Path(routine_id): Path<String>,
+    body: Result<Form<StartForm>, FormRejection>,
+) -> PageResult {
+    let routine: RoutineId = routine_id
+        .parse()
+        .map_err(|_| ConsoleError(ApiError::NotFound))?;
+    let body = form(body)?.body()?;
+    let session = &member.session;
+    let run = start_run(
+        &state,
+        session.project_id,
+        session.role,
+        routine,
+        wor_engine::Trigger::Console(session.member_id),
+        member.actor(),
+        body,
+    )
+    .await?;
+    Ok(Redirect::to(&format!("/console/runs/{}", run.id)).into_response())
 }
 
 #[cfg(test)]

@@ -189,10 +189,11 @@ fn csrf_refused() -> Response {
 }
 
 /// Whether `path` (under `/console`) is a form used before sign-in, whose token is the form
-/// cookie's rather than a session's: a member may open an invitation while signed in.
+/// cookie's rather than a session's: a member may open an invitation or a sign-in link while
+/// signed in.
 fn is_pre_session_form(path: &str) -> bool {
     let path = path.strip_prefix("/console").unwrap_or(path);
-    path == "/sign-in" || path.starts_with("/invitations/")
+    path == "/sign-in" || path.starts_with("/invitations/") || path.starts_with("/sign-in-links/")
 }
 
 /// Refuses every POST under `/console` whose `csrf` field does not match the expected token,

@@ -159,28 +159,48 @@ pub async fn revoke_key(
     caller: Caller,
     ApiPath(key_id): ApiPath<ApiKeyId>,
 ) -> Result<Json<ApiKeyView>, ApiError> {
+    let revoked = revoke_api_key(
+        &state,
+        caller.project_id,
+        caller.role,
+        caller.member_id,
+        caller.actor(),
+        key_id,
+    )
+    .await?;
+    Ok(Json(revoked.into()))
+}
+
+/// Revokes `key_id` for a caller of `role` (the member `member`, if a person) in `project`: the
+/// API's and the console's one path. A key of another project is a 404; a key not the
+/// caller's own needs `admin` or `owner`; revoking a revoked key records nothing.
+pub(crate) async fn revoke_api_key(
+    state: &AppState,
+    project: ProjectId,
+    role: Role,
+    member: Option<MemberId>,
+    actor: Actor,
+    key_id: ApiKeyId,
+) -> Result<wor_store::ApiKeyRecord, ApiError> {
     // Looked up first, inside the caller's project: a foreign key is a 404, not a 403.
-    let key = state.store.get_api_key(caller.project_id, key_id).await?;
-    let own_key = key.member_id.is_some() && key.member_id == caller.member_id;
+    let key = state.store.get_api_key(project, key_id).await?;
+    let own_key = key.member_id.is_some() && key.member_id == member;
     if !own_key {
-        caller.require_configure()?;
+        crate::auth::require_configure(role)?;
     }
-    let revoked = state
-        .store
-        .revoke_api_key(caller.project_id, key_id)
-        .await?;
+    let revoked = state.store.revoke_api_key(project, key_id).await?;
     // Revoking a revoked key changes nothing and records nothing.
     if key.revoked_at.is_none() {
         state
             .audit
             .append(
-                AuditEvent::new(caller.project_id, AuditCategory::KeyRevoke, caller.actor())
+                AuditEvent::new(project, AuditCategory::KeyRevoke, actor)
                     .subject("key_id", key_id)
                     .payload(json!({ "name": revoked.name, "own_key": own_key })),
             )
             .await?;
     }
-    tracing::info!(category = "config", action = "key.revoke", project_id = %caller.project_id,
-        key_id = %key_id, actor_key_id = %caller.key_id, "api key revoked");
-    Ok(Json(revoked.into()))
+    tracing::info!(category = "config", action = "key.revoke", project_id = %project,
+        key_id = %key_id, "api key revoked");
+    Ok(revoked)
 }

@@ -7,15 +7,15 @@ use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
 use serde_json::json;
-use wor_core::ConnectionId;
-use wor_core::audit::{AuditCategory, AuditEvent};
+use wor_core::audit::{Actor, AuditCategory, AuditEvent};
 use wor_core::model::{ProviderKind, ProviderKindParseError};
+use wor_core::{ApiKeyId, ConnectionId, MemberId, ProjectId, Role};
 use wor_store::{
     API_KEY_FIELD, MODEL_CONNECTIONS_TABLE, ModelConnectionRecord, NewModelConnection, SecretSlot,
 };
 
 use crate::AppState;
-use crate::auth::Caller;
+use crate::auth::{Caller, require_configure};
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::{ApiJson, ApiPath};
 use crate::routes::members::check_name;
@@ -149,7 +149,32 @@ pub async fn create(
     caller: Caller,
     ApiJson(body): ApiJson<CreateModelConnection>,
 ) -> Result<(StatusCode, Json<ModelConnectionView>), ApiError> {
-    caller.require_configure()?;
+    let record = create_model_connection(
+        &state,
+        caller.project_id,
+        caller.role,
+        caller.member_id,
+        Some(caller.key_id),
+        caller.actor(),
+        body,
+    )
+    .await?;
+    Ok((StatusCode::CREATED, Json(view(&state, record).await?)))
+}
+
+/// Adds a model connection for a caller of `role` (the member `member`, through the key
+/// `created_by` when a key was used): the API's and the console's one path. The key is sealed
+/// at once and never returned.
+pub(crate) async fn create_model_connection(
+    state: &AppState,
+    project: ProjectId,
+    role: Role,
+    member: Option<MemberId>,
+    created_by: Option<ApiKeyId>,
+    actor: Actor,
+    body: CreateModelConnection,
+) -> Result<ModelConnectionRecord, ApiError> {
+    require_configure(role)?;
     check_name(&body.name, "connection")?;
     let provider: ProviderKind = body.provider.parse().map_err(|e: ProviderKindParseError| {
         ApiError::bad_request("invalid_provider", e.to_string())
@@ -172,13 +197,13 @@ pub async fn create(
     let record = state
         .store
         .create_model_connection(
-            caller.project_id,
+            project,
             NewModelConnection {
                 name: body.name,
                 provider,
                 base_url: body.base_url,
-                owner_member_id: caller.member_id,
-                created_by: Some(caller.key_id),
+                owner_member_id: member,
+                created_by,
             },
         )
         .await?;
@@ -188,21 +213,21 @@ pub async fn create(
         // Never leave a connection that looks configured but holds no key.
         state
             .store
-            .revoke_model_connection(caller.project_id, record.id)
+            .revoke_model_connection(project, record.id)
             .await?;
         return Err(err.into());
     }
     state
         .audit
         .append(
-            AuditEvent::new(caller.project_id, AuditCategory::ModelConnectionCreate, caller.actor())
+            AuditEvent::new(project, AuditCategory::ModelConnectionCreate, actor)
                 .subject("connection_id", record.id)
                 .payload(json!({ "name": record.name, "provider": record.provider, "base_url": record.base_url })),
         )
         .await?;
-    tracing::info!(category = "config", action = "model_connection.create", project_id = %caller.project_id,
-        connection_id = %record.id, actor_key_id = %caller.key_id, "model connection created");
-    Ok((StatusCode::CREATED, Json(view(&state, record).await?)))
+    tracing::info!(category = "config", action = "model_connection.create", project_id = %project,
+        connection_id = %record.id, "model connection created");
+    Ok(record)
 }
 
 /// One model connection.
@@ -278,28 +303,35 @@ pub async fn revoke(
     caller: Caller,
     ApiPath(id): ApiPath<ConnectionId>,
 ) -> Result<Json<ModelConnectionView>, ApiError> {
+    let record =
+        revoke_model_connection(&state, caller.project_id, caller.role, caller.actor(), id).await?;
+    Ok(Json(view(&state, record).await?))
+}
+
+/// Revokes connection `id` for a caller of `role` and deletes its key: the API's and the
+/// console's one path. Another project's connection is a 404, before the role check.
+pub(crate) async fn revoke_model_connection(
+    state: &AppState,
+    project: ProjectId,
+    role: Role,
+    actor: Actor,
+    id: ConnectionId,
+) -> Result<ModelConnectionRecord, ApiError> {
+    let record = state.store.get_model_connection(project, id).await?;
+    require_configure(role)?;
     let record = state
         .store
-        .get_model_connection(caller.project_id, id)
-        .await?;
-    caller.require_configure()?;
-    let record = state
-        .store
-        .revoke_model_connection(caller.project_id, record.id)
+        .revoke_model_connection(project, record.id)
         .await?;
     state.vault.delete(&slot(&record)).await?;
     state
         .audit
         .append(
-            AuditEvent::new(
-                caller.project_id,
-                AuditCategory::ModelConnectionRevoke,
-                caller.actor(),
-            )
-            .subject("connection_id", id),
+            AuditEvent::new(project, AuditCategory::ModelConnectionRevoke, actor)
+                .subject("connection_id", id),
         )
         .await?;
-    tracing::info!(category = "config", action = "model_connection.revoke", project_id = %caller.project_id,
-        connection_id = %id, actor_key_id = %caller.key_id, "model connection revoked");
-    Ok(Json(view(&state, record).await?))
+    tracing::info!(category = "config", action = "model_connection.revoke", project_id = %project,
+        connection_id = %id, "model connection revoked");
+    Ok(record)
 }

@@ -163,26 +163,49 @@ pub async fn start(
     ApiPath(routine): ApiPath<RoutineId>,
     ApiJson(body): ApiJson<StartRunBody>,
 ) -> Result<(StatusCode, Json<RunView>), ApiError> {
+    let run = start_run(
+        &state,
+        caller.project_id,
+        caller.role,
+        routine,
+        Trigger::Api(caller.key_id),
+        caller.actor(),
+        body,
+    )
+    .await?;
+    Ok((StatusCode::ACCEPTED, Json(run.into())))
+}
+
+/// Starts a run of `routine`'s current version for a caller of `role` in `project`: the API's
+/// and the console's one path (another project's routine is a 404, a role that cannot operate
+/// runs a 403).
+pub(crate) async fn start_run(
+    state: &AppState,
+    project: ProjectId,
+    role: Role,
+    routine: RoutineId,
+    trigger: Trigger,
+    actor: Actor,
+    body: StartRunBody,
+) -> Result<RunRecord, ApiError> {
     // Looked up before the role check: another project's routine is a 404, not a 403.
-    state.store.get_routine(caller.project_id, routine).await?;
-    if !caller.role.can_operate_runs() {
+    state.store.get_routine(project, routine).await?;
+    if !role.can_operate_runs() {
         return Err(ApiError::Forbidden(format!(
-            "role `{}` cannot start runs",
-            caller.role
+            "role `{role}` cannot start runs"
         )));
     }
-    let run = state
+    Ok(state
         .engine
         .start_run(StartRun {
-            project: caller.project_id,
+            project,
             routine,
             input: body.input,
-            trigger: Trigger::Api(caller.key_id),
-            actor: Some(caller.actor()),
+            trigger,
+            actor: Some(actor),
             thread: body.thread,
         })
-        .await?;
-    Ok((StatusCode::ACCEPTED, Json(run.into())))
+        .await?)
 }
 
 /// Lists runs, newest first.
