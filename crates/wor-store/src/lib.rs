@@ -336,14 +336,17 @@ pub(crate) enum Durability {
 /// `synchronous` is set to on it. Nothing else uses it, so setting that per transaction
 /// cannot leak into another task's writes.
 pub(crate) struct HeldConnection {
-    connection: sqlx::pool::PoolConnection<Any>,
+    /// Detached from the pool: closing the pool does not wait for it, and it is closed when
+    /// its holder drops it.
+    connection: sqlx::AnyConnection,
     synchronous: Option<Durability>,
 }
 
 impl Store {
-    /// Runs `body` in a write transaction on the connection `held` (taken from the pool when
-    /// there is none) and commits it with `durability`. A connection whose transaction failed
-    /// is closed rather than kept, so no half-known state outlives the failure.
+    /// Runs `body` in a write transaction on the connection `held` (taken from the pool and
+    /// detached from it when there is none) and commits it with `durability`. A connection
+    /// whose transaction failed is closed rather than kept, so no half-known state outlives
+    /// the failure.
     pub(crate) async fn write_held<T>(
         &self,
         held: &mut Option<HeldConnection>,
@@ -353,7 +356,7 @@ impl Store {
         let mut connection = match held.take() {
             Some(connection) => connection,
             None => HeldConnection {
-                connection: self.pool.acquire().await?,
+                connection: self.pool.acquire().await?.detach(),
                 synchronous: None,
             },
         };
@@ -362,10 +365,8 @@ impl Store {
                 *held = Some(connection);
                 Ok(value)
             }
-            Err(err) => {
-                connection.connection.close_on_drop();
-                Err(err)
-            }
+            // Dropped here, the connection closes.
+            Err(err) => Err(err),
         }
     }
 
