@@ -399,13 +399,19 @@ impl Store {
         lease_ms: i64,
         max_per_project: u64,
     ) -> Result<Option<RunRecord>, StoreError> {
+        // The active runs of each routine and the running runs of each project are counted
+        // once for the whole statement, not once for every queued run it looks at: with
+        // correlated counts a claim cost the queue's length times the active runs.
         let candidates = sqlx::query(
-            "SELECT r.id, r.project_id, r.routine_id FROM runs r WHERE r.status = 'queued' AND \
-             (SELECT COUNT(*) FROM runs x WHERE x.routine_id = r.routine_id \
-              AND x.status IN ('running', 'waiting_for_approval')) < r.max_concurrent AND \
-             (SELECT COUNT(*) FROM runs y WHERE y.project_id = r.project_id \
-              AND y.status = 'running') < $1 \
-             ORDER BY r.id LIMIT 16",
+            "WITH active AS (SELECT routine_id, COUNT(*) AS n FROM runs \
+              WHERE status IN ('running', 'waiting_for_approval') GROUP BY routine_id), \
+             busy AS (SELECT project_id, COUNT(*) AS n FROM runs WHERE status = 'running' \
+              GROUP BY project_id) \
+             SELECT r.id, r.project_id, r.routine_id FROM runs r \
+             LEFT JOIN active a ON a.routine_id = r.routine_id \
+             LEFT JOIN busy b ON b.project_id = r.project_id \
+             WHERE r.status = 'queued' AND COALESCE(a.n, 0) < r.max_concurrent \
+             AND COALESCE(b.n, 0) < $1 ORDER BY r.id LIMIT 16",
         )
         .bind(to_i64(max_per_project))
         .fetch_all(self.pool())
