@@ -269,8 +269,7 @@ impl Store {
         reason = "the one place a transaction begins (clippy.toml)"
     )]
     pub(crate) async fn begin_write(&self) -> Result<Transaction<'static, Any>, StoreError> {
-        let mut pause = WRITE_RETRY_PAUSE;
-        let mut attempt = 1;
+        let mut retry = BeginRetry::new(self.backend);
         loop {
             let begun = match self.backend {
                 Backend::Sqlite => self.pool.begin_with("BEGIN IMMEDIATE").await,
@@ -278,21 +277,7 @@ impl Store {
             };
             match begun {
                 Ok(tx) => return Ok(tx),
-                Err(err)
-                    if self.backend == Backend::Sqlite
-                        && attempt < WRITE_BEGIN_ATTEMPTS
-                        && is_busy(&err) =>
-                {
-                    tracing::warn!(
-                        category = "store",
-                        attempt,
-                        "the database is busy; beginning the write again"
-                    );
-                    tokio::time::sleep(pause).await;
-                    pause = pause.saturating_mul(2);
-                    attempt += 1;
-                }
-                Err(err) => return Err(err.into()),
+                Err(err) => retry.after(err).await?,
             }
         }
     }
@@ -398,26 +383,11 @@ impl Store {
             Backend::Sqlite => "BEGIN IMMEDIATE",
             Backend::Postgres => "BEGIN",
         };
-        let mut pause = WRITE_RETRY_PAUSE;
-        let mut attempt = 1;
+        let mut retry = BeginRetry::new(self.backend);
         let mut tx = loop {
             match held.connection.begin_with(begin).await {
                 Ok(tx) => break tx,
-                Err(err)
-                    if self.backend == Backend::Sqlite
-                        && attempt < WRITE_BEGIN_ATTEMPTS
-                        && is_busy(&err) =>
-                {
-                    tracing::warn!(
-                        category = "store",
-                        attempt,
-                        "the database is busy; beginning the write again"
-                    );
-                    tokio::time::sleep(pause).await;
-                    pause = pause.saturating_mul(2);
-                    attempt += 1;
-                }
-                Err(err) => return Err(err.into()),
+                Err(err) => retry.after(err).await?,
             }
         };
         if self.backend == Backend::Postgres && durability == Durability::Deferred {
@@ -428,6 +398,41 @@ impl Store {
         let value = body(&mut tx).await?;
         tx.commit().await?;
         Ok(value)
+    }
+}
+
+/// The retries of one write transaction's `BEGIN` (see [`Store::begin_write`]).
+struct BeginRetry {
+    backend: Backend,
+    attempt: u32,
+    pause: Duration,
+}
+
+impl BeginRetry {
+    fn new(backend: Backend) -> Self {
+        BeginRetry {
+            backend,
+            attempt: 1,
+            pause: WRITE_RETRY_PAUSE,
+        }
+    }
+
+    /// After `BEGIN` failed with `err`: waits and returns when it is to be tried again (SQLite
+    /// still busy, attempts left), or returns the error.
+    async fn after(&mut self, err: sqlx::Error) -> Result<(), StoreError> {
+        if self.backend != Backend::Sqlite || self.attempt >= WRITE_BEGIN_ATTEMPTS || !is_busy(&err)
+        {
+            return Err(err.into());
+        }
+        tracing::warn!(
+            category = "store",
+            attempt = self.attempt,
+            "the database is busy; beginning the write again"
+        );
+        tokio::time::sleep(self.pause).await;
+        self.pause = self.pause.saturating_mul(2);
+        self.attempt += 1;
+        Ok(())
     }
 }
 
