@@ -179,24 +179,8 @@ impl Store {
         &self,
         presented: &str,
     ) -> Result<Option<InvitationRecord>, StoreError> {
-        let row = sqlx::query(
-            "SELECT i.project_id, i.member_id, i.expires_at, m.name FROM member_invitations i \
-             JOIN members m ON m.id = i.member_id AND m.project_id = i.project_id \
-             WHERE i.sha256 = $1 AND i.used_at IS NULL AND i.expires_at > $2",
-        )
-        .bind(sha256_hex(presented.as_bytes()))
-        .bind(now_millis())
-        .fetch_optional(&self.pool)
-        .await?;
-        let Some(row) = row else { return Ok(None) };
-        let project_id: String = row.try_get("project_id")?;
-        let member_id: String = row.try_get("member_id")?;
-        Ok(Some(InvitationRecord {
-            project_id: parse_column(&project_id, "member_invitations.project_id")?,
-            member_id: parse_column(&member_id, "member_invitations.member_id")?,
-            member_name: row.try_get("name")?,
-            expires_at: row.try_get("expires_at")?,
-        }))
+        self.live_member_token("member_invitations", presented)
+            .await
     }
 
     /// Uses invitation `presented` to set its member's password hash. `None` when the
@@ -280,11 +264,22 @@ impl Store {
         &self,
         presented: &str,
     ) -> Result<Option<InvitationRecord>, StoreError> {
-        let row = sqlx::query(
-            "SELECT l.project_id, l.member_id, l.expires_at, m.name FROM member_sign_in_links l \
-             JOIN members m ON m.id = l.member_id AND m.project_id = l.project_id \
-             WHERE l.sha256 = $1 AND l.used_at IS NULL AND l.expires_at > $2",
-        )
+        self.live_member_token("member_sign_in_links", presented)
+            .await
+    }
+
+    /// The unused, unexpired row of `table` (one of the member token tables, named by this
+    /// module only) whose digest is `presented`'s, with its member's name.
+    async fn live_member_token(
+        &self,
+        table: &'static str,
+        presented: &str,
+    ) -> Result<Option<InvitationRecord>, StoreError> {
+        let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT t.project_id, t.member_id, t.expires_at, m.name FROM {table} t \
+             JOIN members m ON m.id = t.member_id AND m.project_id = t.project_id \
+             WHERE t.sha256 = $1 AND t.used_at IS NULL AND t.expires_at > $2"
+        )))
         .bind(sha256_hex(presented.as_bytes()))
         .bind(now_millis())
         .fetch_optional(&self.pool)
@@ -293,8 +288,8 @@ impl Store {
         let project_id: String = row.try_get("project_id")?;
         let member_id: String = row.try_get("member_id")?;
         Ok(Some(InvitationRecord {
-            project_id: parse_column(&project_id, "member_sign_in_links.project_id")?,
-            member_id: parse_column(&member_id, "member_sign_in_links.member_id")?,
+            project_id: parse_column(&project_id, &format!("{table}.project_id"))?,
+            member_id: parse_column(&member_id, &format!("{table}.member_id"))?,
             member_name: row.try_get("name")?,
             expires_at: row.try_get("expires_at")?,
         }))
