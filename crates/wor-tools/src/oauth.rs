@@ -8,8 +8,11 @@
 //! document names), with [`MAX_METADATA_BYTES`] as the size cap and a short timeout; a
 //! redirect is never followed (the guard does not follow them and a `3xx` here is an error).
 //!
-//! The token requests are here too: dynamic client registration (RFC 7591, a public client
-//! using PKCE), the code exchange and the refresh grant, each with `resource`; tokens come back
+//! The token requests are here too: dynamic client registration (RFC 7591: a public client
+//! using PKCE wherever the server allows one) or a client the operator registered, each
+//! authenticating at the token endpoint as the server's metadata allows (`none`,
+//! `client_secret_basic` or `client_secret_post`), the code exchange and the refresh grant,
+//! each with `resource`; tokens come back
 //! as [`SecretString`]s and an error names only the server's error code, never its text (which
 //! could quote a token). Storing the pending authorization, sealing the tokens and refreshing
 //! them are the engine's (`wor-engine`'s `oauth_connections`); see `docs/tools.md`.
@@ -23,7 +26,7 @@ use secrecy::{ExposeSecret, SecretString};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use url::Url;
-use wor_egress::{EgressClient, EgressError, EgressRequest, EgressUrl};
+use wor_egress::{EgressClient, EgressError, EgressRequest, EgressUrl, HostAllowlist};
 
 /// The largest metadata document accepted.
 pub const MAX_METADATA_BYTES: u64 = 64 * 1024;
@@ -124,6 +127,9 @@ pub enum OAuthError {
         /// The OAuth error code (RFC 6749 §5.2), or the status when there is none.
         error: String,
     },
+    /// The client's id and secret do not fit the request that carries them.
+    #[error("the client's credentials cannot be sent as {0}")]
+    ClientCredentials(&'static str),
     /// No randomness could be had.
     #[error("no randomness for pkce and state: {0}")]
     Random(String),
@@ -154,6 +160,10 @@ pub struct AuthorizationServerMetadata {
     pub code_challenge_methods_supported: Vec<String>,
     #[serde(default)]
     pub scopes_supported: Vec<String>,
+    /// How clients may authenticate at the token endpoint; empty means the RFC 8414 default,
+    /// `client_secret_basic`.
+    #[serde(default)]
+    pub token_endpoint_auth_methods_supported: Vec<String>,
 }
 
 /// What discovery found; stored with a connection's authorization as JSON.
@@ -165,16 +175,154 @@ pub struct AuthorizationDiscovery {
     pub authorization_server: AuthorizationServerMetadata,
 }
 
+/// What a server's `401` asked for: the `WWW-Authenticate: Bearer …` parameters discovery uses.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Challenge {
+    /// `resource_metadata`: where the protected-resource metadata is (RFC 9728 §5.1).
+    pub resource_metadata: Option<String>,
+    /// `scope`: the scopes the server wants for this resource, space-separated.
+    pub scope: Option<String>,
+}
+
+impl Challenge {
+    /// The parameters of a `Bearer` challenge; another scheme, or none, gives an empty one.
+    pub fn parse(www_authenticate: &str) -> Self {
+        let mut challenge = Self::default();
+        for (name, value) in bearer_params(www_authenticate) {
+            let slot = match name.as_str() {
+                "resource_metadata" => &mut challenge.resource_metadata,
+                "scope" => &mut challenge.scope,
+                _ => continue,
+            };
+            if slot.is_none() && !value.is_empty() {
+                *slot = Some(value);
+            }
+        }
+        challenge
+    }
+}
+
+/// The `name=value` parameters of a `Bearer` challenge (RFC 9110 §11.2: a token or a quoted
+/// string with `\` escapes), names lower-cased; parsing stops at the first malformed one.
+fn bearer_params(header: &str) -> Vec<(String, String)> {
+    let header = header.trim_start();
+    let Some((scheme, mut rest)) = header.split_once(char::is_whitespace) else {
+        return Vec::new();
+    };
+    if !scheme.eq_ignore_ascii_case("bearer") {
+        return Vec::new();
+    }
+    let mut params = Vec::new();
+    loop {
+        rest = rest.trim_start_matches(|c: char| c == ',' || c.is_whitespace());
+        let Some((name, after)) = rest.split_once('=') else {
+            break;
+        };
+        let name = name.trim().to_ascii_lowercase();
+        let after = after.trim_start();
+        let (value, remaining) = match after.strip_prefix('"') {
+            Some(quoted) => {
+                let mut value = String::new();
+                let mut escaped = false;
+                let mut end = None;
+                for (at, c) in quoted.char_indices() {
+                    match (escaped, c) {
+                        (true, _) => {
+                            value.push(c);
+                            escaped = false;
+                        }
+                        (false, '\\') => escaped = true,
+                        (false, '"') => {
+                            end = Some(at);
+                            break;
+                        }
+                        (false, _) => value.push(c),
+                    }
+                }
+                let Some(end) = end else {
+                    break;
+                };
+                (value, quoted.get(end + 1..).unwrap_or_default())
+            }
+            None => {
+                let end = after
+                    .find(|c: char| c == ',' || c.is_whitespace())
+                    .unwrap_or(after.len());
+                let (value, remaining) = after.split_at_checked(end).unwrap_or((after, ""));
+                (value.to_owned(), remaining)
+            }
+        };
+        params.push((name, value));
+        rest = remaining;
+    }
+    params
+}
+
 /// The `resource_metadata` parameter of a `WWW-Authenticate: Bearer …` challenge.
 pub fn resource_metadata_url(www_authenticate: &str) -> Option<String> {
-    let lower = www_authenticate.to_ascii_lowercase();
-    let start = lower.find("resource_metadata=")? + "resource_metadata=".len();
-    let rest = www_authenticate.get(start..)?;
-    let value = match rest.strip_prefix('"') {
-        Some(quoted) => quoted.split('"').next()?,
-        None => rest.split([',', ' ']).next()?,
-    };
-    (!value.is_empty()).then(|| value.to_owned())
+    Challenge::parse(www_authenticate).resource_metadata
+}
+
+/// Asks the MCP server at `mcp_url` to begin a session without credentials: its `401`'s
+/// challenge when it wants authorization, `None` when it answers anything else.
+pub async fn probe(
+    egress: &EgressClient,
+    mcp_url: &str,
+    allowlist: Option<&HostAllowlist>,
+) -> Result<Option<Challenge>, OAuthError> {
+    let initialize = serde_json::json!({
+        "jsonrpc": "2.0",
+        "id": 0,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": "2025-06-18",
+            "capabilities": {},
+            "clientInfo": {"name": "wor", "version": env!("CARGO_PKG_VERSION")},
+        },
+    });
+    let mut request = EgressRequest::post(mcp_url, initialize.to_string().into_bytes());
+    request.allowlist = allowlist;
+    request.timeout = Some(METADATA_TIMEOUT);
+    request.max_response_bytes = Some(MAX_METADATA_BYTES);
+    request.headers.insert(
+        reqwest::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    request.headers.insert(
+        ACCEPT,
+        HeaderValue::from_static("application/json, text/event-stream"),
+    );
+    let response = egress
+        .send(request)
+        .await
+        .map_err(|source| OAuthError::Fetch {
+            what: "the mcp server",
+            url: mcp_url.to_owned(),
+            source,
+        })?;
+    if response.status.as_u16() != 401 {
+        return Ok(None);
+    }
+    let header = response
+        .headers
+        .get(reqwest::header::WWW_AUTHENTICATE)
+        .and_then(|value| value.to_str().ok())
+        .unwrap_or_default();
+    Ok(Some(Challenge::parse(header)))
+}
+
+/// The scopes to ask for: those the server's challenge names, else those its
+/// protected-resource metadata lists, else none (the parameter is left out).
+pub fn requested_scopes(
+    challenge: Option<&Challenge>,
+    discovery: &AuthorizationDiscovery,
+) -> Vec<String> {
+    match challenge.and_then(|c| c.scope.as_deref()) {
+        Some(scope) if !scope.trim().is_empty() => {
+            scope.split_whitespace().map(str::to_owned).collect()
+        }
+        _ => discovery.protected_resource.scopes_supported.clone(),
+    }
 }
 
 fn parse_url(what: &'static str, url: &str) -> Result<Url, OAuthError> {
@@ -202,6 +350,30 @@ fn well_known(base: &Url, suffix: &str) -> String {
     url.set_query(None);
     url.set_path(&format!("/.well-known/{suffix}{path}"));
     url.to_string()
+}
+
+/// Whether `url` has a path beyond `/`.
+fn has_path(url: &Url) -> bool {
+    !url.path().trim_end_matches('/').is_empty()
+}
+
+/// Where an authorization server's metadata may be, in the order MCP asks clients to try:
+/// RFC 8414 with the issuer's path inserted, OpenID discovery with it inserted, then appended.
+fn authorization_server_metadata_urls(issuer: &Url) -> Vec<String> {
+    let mut urls = vec![
+        well_known(issuer, "oauth-authorization-server"),
+        well_known(issuer, "openid-configuration"),
+    ];
+    if has_path(issuer) {
+        let mut appended = issuer.clone();
+        appended.set_query(None);
+        appended.set_path(&format!(
+            "{}/.well-known/openid-configuration",
+            issuer.path().trim_end_matches('/')
+        ));
+        urls.push(appended.to_string());
+    }
+    urls
 }
 
 async fn fetch<T: for<'de> Deserialize<'de>>(
@@ -245,72 +417,162 @@ async fn fetch<T: for<'de> Deserialize<'de>>(
     })
 }
 
+/// The first of `urls` that answers with a document; only a `404` moves on to the next
+/// (anything else is an answer). `None` when every one is missing.
+async fn first_found<'u, T: for<'de> Deserialize<'de>>(
+    egress: &EgressClient,
+    what: &'static str,
+    urls: &'u [String],
+) -> Result<Option<(&'u str, T)>, OAuthError> {
+    for url in urls {
+        match fetch(egress, what, url).await {
+            Ok(document) => return Ok(Some((url, document))),
+            Err(OAuthError::Status { status: 404, .. }) => continue,
+            Err(error) => return Err(error),
+        }
+    }
+    Ok(None)
+}
+
 /// Discovers how to authorize with the MCP server at `mcp_url`: the protected-resource
-/// metadata named by the `401`'s challenge (or its well-known URL), then the first
-/// authorization server's metadata (RFC 8414, then OpenID discovery), which must offer
-/// `S256`.
+/// metadata its `401` names (else its well-known URL with the server's path, then at the
+/// root), then the first authorization server's metadata (RFC 8414, then OpenID discovery),
+/// which must offer `S256`.
+///
+/// A server with no protected-resource metadata at all is one written for the 2025-03-26
+/// revision of MCP: its own origin is then the authorization server, found through RFC 8414
+/// there, or at that revision's default endpoints (`/authorize`, `/token`, `/register`) when it
+/// has no metadata either.
 pub async fn discover(
     egress: &EgressClient,
     mcp_url: &str,
-    www_authenticate: Option<&str>,
+    challenge: Option<&Challenge>,
 ) -> Result<AuthorizationDiscovery, OAuthError> {
     let server = parse_url("the mcp server url", mcp_url)?;
-    let metadata_url = match www_authenticate.and_then(resource_metadata_url) {
-        Some(url) => parse_url("the protected-resource metadata url", &url)?.to_string(),
-        None => well_known(&server, "oauth-protected-resource"),
+    let named = challenge.and_then(|c| c.resource_metadata.as_deref());
+    let mut origin = server.clone();
+    origin.set_path("/");
+    origin.set_query(None);
+    let at_root = well_known(&origin, "oauth-protected-resource");
+    let candidates = match named {
+        Some(url) => vec![parse_url("the protected-resource metadata url", url)?.to_string()],
+        None if has_path(&server) => {
+            vec![
+                well_known(&server, "oauth-protected-resource"),
+                at_root.clone(),
+            ]
+        }
+        None => vec![at_root.clone()],
     };
-    let protected: ProtectedResourceMetadata =
-        fetch(egress, "the protected-resource metadata", &metadata_url).await?;
-    let named = parse_url("the protected resource", &protected.resource)?;
-    if named.as_str().trim_end_matches('/') != server.as_str().trim_end_matches('/') {
+    let what = "the protected-resource metadata";
+    let (found_at, protected): (&str, ProtectedResourceMetadata) =
+        match first_found(egress, what, &candidates).await? {
+            Some(found) => found,
+            // The server named its metadata and it is not there: that is an error, not an old server.
+            None if named.is_some() => {
+                return Err(OAuthError::Status {
+                    what,
+                    url: candidates.join(" or "),
+                    status: 404,
+                });
+            }
+            None => return legacy_discovery(egress, &server).await,
+        };
+    // RFC 9728 §3.3: the resource is the one whose URL the well-known suffix was put into, so
+    // metadata found at the root may name the server's origin; anything else must be the server.
+    let resource = parse_url("the protected resource", &protected.resource)?;
+    let same =
+        |a: &Url, b: &Url| a.as_str().trim_end_matches('/') == b.as_str().trim_end_matches('/');
+    let matches = same(&resource, &server) || (found_at == at_root && same(&resource, &origin));
+    if !matches {
         return Err(OAuthError::ResourceMismatch {
             named: protected.resource.clone(),
             expected: server.to_string(),
         });
     }
-    let Some(issuer) = protected.authorization_servers.first() else {
+    let Some(issuer) = protected.authorization_servers.first().cloned() else {
         return Err(OAuthError::InvalidDocument {
-            what: "the protected-resource metadata",
-            url: metadata_url,
+            what,
+            url: candidates.join(" or "),
             reason: "it names no authorization server".to_owned(),
         });
     };
-    let issuer_url = parse_url("the authorization server", issuer)?;
-    let mut last = None;
-    let mut found = None;
-    for suffix in ["oauth-authorization-server", "openid-configuration"] {
-        let url = well_known(&issuer_url, suffix);
-        match fetch::<AuthorizationServerMetadata>(
-            egress,
-            "the authorization server metadata",
-            &url,
-        )
-        .await
-        {
-            Ok(metadata) => {
-                found = Some(metadata);
-                break;
-            }
-            // Only a missing document moves on to the next form; anything else is an answer.
-            Err(error @ OAuthError::Status { status: 404, .. }) => last = Some(error),
-            Err(error) => return Err(error),
-        }
-    }
-    let metadata = match (found, last) {
-        (Some(metadata), _) => metadata,
-        (None, Some(error)) => return Err(error),
-        (None, None) => {
-            return Err(OAuthError::InvalidDocument {
-                what: "the authorization server metadata",
-                url: issuer.clone(),
-                reason: "none was found".to_owned(),
-            });
-        }
+    let issuer_url = parse_url("the authorization server", &issuer)?;
+    let what = "the authorization server metadata";
+    let urls = authorization_server_metadata_urls(&issuer_url);
+    let Some((_, metadata)) =
+        first_found::<AuthorizationServerMetadata>(egress, what, &urls).await?
+    else {
+        return Err(OAuthError::InvalidDocument {
+            what,
+            url: issuer,
+            reason: "none was found".to_owned(),
+        });
     };
+    checked(
+        AuthorizationDiscovery {
+            resource: server.to_string(),
+            protected_resource: protected,
+            authorization_server: metadata,
+        },
+        &issuer,
+    )
+}
+
+/// Discovery for a server of MCP's 2025-03-26 revision: its origin is the authorization server.
+async fn legacy_discovery(
+    egress: &EgressClient,
+    server: &Url,
+) -> Result<AuthorizationDiscovery, OAuthError> {
+    let mut origin = server.clone();
+    origin.set_path("");
+    origin.set_query(None);
+    let issuer = origin.as_str().trim_end_matches('/').to_owned();
+    let urls = [well_known(&origin, "oauth-authorization-server")];
+    let metadata = first_found::<AuthorizationServerMetadata>(
+        egress,
+        "the authorization server metadata",
+        &urls,
+    )
+    .await?;
+    let metadata = match metadata {
+        Some((_, metadata)) => metadata,
+        // That revision's default endpoints; it required PKCE of every client.
+        None => AuthorizationServerMetadata {
+            issuer: issuer.clone(),
+            authorization_endpoint: format!("{issuer}/authorize"),
+            token_endpoint: format!("{issuer}/token"),
+            registration_endpoint: Some(format!("{issuer}/register")),
+            code_challenge_methods_supported: vec!["S256".to_owned()],
+            scopes_supported: Vec::new(),
+            token_endpoint_auth_methods_supported: Vec::new(),
+        },
+    };
+    checked(
+        AuthorizationDiscovery {
+            resource: server.to_string(),
+            protected_resource: ProtectedResourceMetadata {
+                resource: server.to_string(),
+                authorization_servers: vec![issuer.clone()],
+                scopes_supported: Vec::new(),
+            },
+            authorization_server: metadata,
+        },
+        &issuer,
+    )
+}
+
+/// The checks every discovery passes: the metadata is the issuer's own, offers `S256`, and
+/// names usable endpoints.
+fn checked(
+    discovery: AuthorizationDiscovery,
+    issuer: &str,
+) -> Result<AuthorizationDiscovery, OAuthError> {
+    let metadata = &discovery.authorization_server;
     if metadata.issuer.trim_end_matches('/') != issuer.trim_end_matches('/') {
         return Err(OAuthError::IssuerMismatch {
-            named: metadata.issuer,
-            expected: issuer.clone(),
+            named: metadata.issuer.clone(),
+            expected: issuer.to_owned(),
         });
     }
     if !metadata
@@ -319,7 +581,7 @@ pub async fn discover(
         .any(|m| m == "S256")
     {
         return Err(OAuthError::NoPkce {
-            issuer: metadata.issuer,
+            issuer: metadata.issuer.clone(),
         });
     }
     parse_url(
@@ -330,11 +592,7 @@ pub async fn discover(
     if let Some(registration) = &metadata.registration_endpoint {
         parse_url("the registration endpoint", registration)?;
     }
-    Ok(AuthorizationDiscovery {
-        resource: server.to_string(),
-        protected_resource: protected,
-        authorization_server: metadata,
-    })
+    Ok(discovery)
 }
 
 /// A PKCE verifier (kept secret until the code exchange) and its `S256` challenge.
@@ -408,12 +666,109 @@ pub fn authorization_url(
     Ok(url.to_string())
 }
 
-/// A client registered with the authorization server.
+/// How a client authenticates at the token endpoint (RFC 7591 §2 names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TokenEndpointAuth {
+    /// A public client: its `client_id` in the form, no secret (PKCE protects the code).
+    None,
+    /// `Authorization: Basic` with the id and secret (RFC 6749 §2.3.1).
+    ClientSecretBasic,
+    /// The id and secret in the form.
+    ClientSecretPost,
+}
+
+impl TokenEndpointAuth {
+    fn from_wire(name: &str) -> Option<Self> {
+        match name {
+            "none" => Some(Self::None),
+            "client_secret_basic" => Some(Self::ClientSecretBasic),
+            "client_secret_post" => Some(Self::ClientSecretPost),
+            _ => None,
+        }
+    }
+
+    fn wire(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::ClientSecretBasic => "client_secret_basic",
+            Self::ClientSecretPost => "client_secret_post",
+        }
+    }
+
+    /// How a client with (or without) a secret authenticates at this server: no secret is a
+    /// public client; with one, `client_secret_basic` unless the server lists only
+    /// `client_secret_post` (an empty list means basic, RFC 8414 §2).
+    pub fn for_client(metadata: &AuthorizationServerMetadata, has_secret: bool) -> Self {
+        let listed = |name: &str| {
+            metadata
+                .token_endpoint_auth_methods_supported
+                .iter()
+                .any(|m| m == name)
+        };
+        match has_secret {
+            false => Self::None,
+            true if !listed("client_secret_basic") && listed("client_secret_post") => {
+                Self::ClientSecretPost
+            }
+            true => Self::ClientSecretBasic,
+        }
+    }
+
+    /// What a registering client asks for: a public client wherever the server allows one
+    /// (or lists nothing), else the first secret-based method it lists.
+    fn to_register(metadata: &AuthorizationServerMetadata) -> Self {
+        let methods = &metadata.token_endpoint_auth_methods_supported;
+        if methods.is_empty() || methods.iter().any(|m| m == "none") {
+            return Self::None;
+        }
+        methods
+            .iter()
+            .find_map(|m| Self::from_wire(m))
+            .unwrap_or(Self::None)
+    }
+}
+
+/// A client registered with the authorization server, or given by the operator.
 #[derive(Debug, Clone)]
 pub struct ClientRegistration {
     pub client_id: String,
     /// Only for a confidential client; a registered public client has none.
     pub client_secret: Option<SecretString>,
+    /// How it authenticates at the token endpoint.
+    pub auth: TokenEndpointAuth,
+}
+
+impl ClientRegistration {
+    /// A client known by its id, its secret (if it has one) and how it authenticated before;
+    /// a secret-based method without a secret leaves a public client.
+    pub fn known(
+        client_id: String,
+        client_secret: Option<SecretString>,
+        auth: Option<TokenEndpointAuth>,
+        metadata: &AuthorizationServerMetadata,
+    ) -> Self {
+        let auth = match (auth, &client_secret) {
+            (Some(TokenEndpointAuth::None), _) => TokenEndpointAuth::None,
+            (Some(method), Some(_)) => method,
+            _ => TokenEndpointAuth::for_client(metadata, client_secret.is_some()),
+        };
+        Self {
+            client_id,
+            client_secret,
+            auth,
+        }
+    }
+
+    /// A client whose id (and secret) the operator registered beforehand, authenticating as
+    /// [`TokenEndpointAuth::for_client`] chooses.
+    pub fn pre_registered(
+        client_id: String,
+        client_secret: Option<SecretString>,
+        metadata: &AuthorizationServerMetadata,
+    ) -> Self {
+        Self::known(client_id, client_secret, None, metadata)
+    }
 }
 
 /// Tokens from the token endpoint.
@@ -445,6 +800,8 @@ struct RegistrationResponse {
     client_id: String,
     #[serde(default)]
     client_secret: Option<String>,
+    #[serde(default)]
+    token_endpoint_auth_method: Option<String>,
 }
 
 /// The OAuth error code of a refusal, kept only when it is made of the characters RFC 6749
@@ -470,8 +827,15 @@ async fn post(
     url: &str,
     content_type: &'static str,
     body: Vec<u8>,
+    authorization: Option<HeaderValue>,
 ) -> Result<Vec<u8>, OAuthError> {
     let mut request = EgressRequest::post(url, body);
+    if let Some(mut value) = authorization {
+        value.set_sensitive(true);
+        request
+            .headers
+            .insert(reqwest::header::AUTHORIZATION, value);
+    }
     request.timeout = Some(METADATA_TIMEOUT);
     request.max_response_bytes = Some(MAX_METADATA_BYTES);
     request.headers.insert(
@@ -508,12 +872,13 @@ pub async fn register_client(
             issuer: metadata.issuer.clone(),
         });
     };
+    let requested = TokenEndpointAuth::to_register(metadata);
     let body = serde_json::json!({
         "client_name": client_name,
         "redirect_uris": [redirect_uri],
         "grant_types": ["authorization_code", "refresh_token"],
         "response_types": ["code"],
-        "token_endpoint_auth_method": "none",
+        "token_endpoint_auth_method": requested.wire(),
     });
     let what = "client registration";
     let answer = post(
@@ -522,6 +887,7 @@ pub async fn register_client(
         endpoint,
         "application/json",
         body.to_string().into_bytes(),
+        None,
     )
     .await?;
     let registered: RegistrationResponse =
@@ -530,9 +896,22 @@ pub async fn register_client(
             url: endpoint.clone(),
             reason: e.to_string(),
         })?;
+    let client_secret = registered.client_secret.map(SecretString::from);
+    // The server's answer says how the client it registered authenticates; a secret-based
+    // method without a secret cannot be used, so the client is then a public one.
+    let auth = match registered
+        .token_endpoint_auth_method
+        .as_deref()
+        .and_then(TokenEndpointAuth::from_wire)
+    {
+        Some(TokenEndpointAuth::None) => TokenEndpointAuth::None,
+        Some(method) if client_secret.is_some() => method,
+        _ => TokenEndpointAuth::for_client(metadata, client_secret.is_some()),
+    };
     Ok(ClientRegistration {
         client_id: registered.client_id,
-        client_secret: registered.client_secret.map(SecretString::from),
+        client_secret,
+        auth,
     })
 }
 
@@ -549,12 +928,39 @@ async fn token_request(
         for (key, value) in pairs {
             form.append_pair(key, value);
         }
-        form.append_pair("client_id", &client.client_id);
-        if let Some(secret) = &client.client_secret {
-            form.append_pair("client_secret", secret.expose_secret());
+        match (client.auth, &client.client_secret) {
+            (TokenEndpointAuth::ClientSecretPost, Some(secret)) => {
+                form.append_pair("client_id", &client.client_id);
+                form.append_pair("client_secret", secret.expose_secret());
+            }
+            (TokenEndpointAuth::ClientSecretBasic, Some(_)) => {}
+            _ => {
+                form.append_pair("client_id", &client.client_id);
+            }
         }
         form.append_pair("resource", &discovery.resource);
         form.finish().into_bytes()
+    };
+    let authorization = match (client.auth, &client.client_secret) {
+        (TokenEndpointAuth::ClientSecretBasic, Some(secret)) => {
+            let encode = |text: &str| {
+                url::form_urlencoded::byte_serialize(text.as_bytes()).collect::<String>()
+            };
+            let pair = format!(
+                "{}:{}",
+                encode(&client.client_id),
+                encode(secret.expose_secret())
+            );
+            let value = format!(
+                "Basic {}",
+                base64::engine::general_purpose::STANDARD.encode(pair)
+            );
+            Some(
+                HeaderValue::from_str(&value)
+                    .map_err(|_| OAuthError::ClientCredentials("a basic authorization header"))?,
+            )
+        }
+        _ => None,
     };
     let endpoint = &discovery.authorization_server.token_endpoint;
     let answer = post(
@@ -563,6 +969,7 @@ async fn token_request(
         endpoint,
         "application/x-www-form-urlencoded",
         body,
+        authorization,
     )
     .await?;
     // The answer holds tokens: a parse error says where, never what.
@@ -660,6 +1067,97 @@ mod tests {
             Some("https://a.example/x")
         );
         assert_eq!(resource_metadata_url("Bearer realm=\"x\""), None);
+    }
+
+    #[test]
+    fn a_challenge_gives_its_scope_and_metadata_quoted_or_not() {
+        let challenge = Challenge::parse(
+            r#"Bearer error="insufficient_scope", scope="files:read files:write", resource_metadata="https://a.example/m?scope=x""#,
+        );
+        assert_eq!(challenge.scope.as_deref(), Some("files:read files:write"));
+        assert_eq!(
+            challenge.resource_metadata.as_deref(),
+            Some("https://a.example/m?scope=x"),
+            "a parameter's name inside another's value is not a parameter"
+        );
+        let escaped = Challenge::parse(r#"bearer scope="a \"b\"""#);
+        assert_eq!(escaped.scope.as_deref(), Some(r#"a "b""#));
+        assert_eq!(
+            Challenge::parse(r#"Basic realm="x", scope="y""#),
+            Challenge::default(),
+            "only a Bearer challenge counts"
+        );
+        assert_eq!(
+            Challenge::parse(r#"Bearer scope="unterminated"#),
+            Challenge::default()
+        );
+    }
+
+    fn metadata(methods: &[&str]) -> AuthorizationServerMetadata {
+        AuthorizationServerMetadata {
+            issuer: "https://auth.example".to_owned(),
+            authorization_endpoint: "https://auth.example/authorize".to_owned(),
+            token_endpoint: "https://auth.example/token".to_owned(),
+            registration_endpoint: None,
+            code_challenge_methods_supported: vec!["S256".to_owned()],
+            scopes_supported: Vec::new(),
+            token_endpoint_auth_methods_supported: methods
+                .iter()
+                .map(|m| (*m).to_owned())
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn the_token_endpoint_authentication_follows_the_servers_metadata() {
+        use TokenEndpointAuth::*;
+        assert_eq!(TokenEndpointAuth::for_client(&metadata(&[]), false), None);
+        assert_eq!(
+            TokenEndpointAuth::for_client(&metadata(&[]), true),
+            ClientSecretBasic
+        );
+        assert_eq!(
+            TokenEndpointAuth::for_client(&metadata(&["client_secret_post"]), true),
+            ClientSecretPost
+        );
+        assert_eq!(
+            TokenEndpointAuth::for_client(
+                &metadata(&["client_secret_post", "client_secret_basic"]),
+                true
+            ),
+            ClientSecretBasic
+        );
+        assert_eq!(TokenEndpointAuth::to_register(&metadata(&[])), None);
+        assert_eq!(
+            TokenEndpointAuth::to_register(&metadata(&["client_secret_basic", "none"])),
+            None
+        );
+        assert_eq!(
+            TokenEndpointAuth::to_register(&metadata(&["client_secret_post"])),
+            ClientSecretPost
+        );
+        let known = ClientRegistration::known(
+            "c".to_owned(),
+            Option::None,
+            Some(ClientSecretBasic),
+            &metadata(&[]),
+        );
+        assert_eq!(known.auth, None, "a secret-based method needs a secret");
+    }
+
+    #[test]
+    fn authorization_server_metadata_is_looked_for_where_mcp_says() {
+        let issuer = Url::parse("https://auth.example/tenant1").unwrap();
+        assert_eq!(
+            authorization_server_metadata_urls(&issuer),
+            [
+                "https://auth.example/.well-known/oauth-authorization-server/tenant1",
+                "https://auth.example/.well-known/openid-configuration/tenant1",
+                "https://auth.example/tenant1/.well-known/openid-configuration",
+            ]
+        );
+        let root = Url::parse("https://auth.example").unwrap();
+        assert_eq!(authorization_server_metadata_urls(&root).len(), 2);
     }
 
     #[test]

@@ -76,8 +76,10 @@ async fn authorization_fixture() -> (SocketAddr, Documents) {
     (addr, documents)
 }
 
-fn challenge(addr: SocketAddr, path: &str) -> String {
-    format!(r#"Bearer error="invalid_token", resource_metadata="http://{addr}{path}""#)
+fn challenge(addr: SocketAddr, path: &str) -> wor_tools::oauth::Challenge {
+    wor_tools::oauth::Challenge::parse(&format!(
+        r#"Bearer error="invalid_token", resource_metadata="http://{addr}{path}""#
+    ))
 }
 
 #[tokio::test]
@@ -160,7 +162,9 @@ async fn malicious_discovery_is_refused_with_a_clear_reason() {
     let error = discover(
         &egress,
         &mcp,
-        Some(r#"Bearer resource_metadata="http://169.254.169.254/latest/meta-data""#),
+        Some(&wor_tools::oauth::Challenge::parse(
+            r#"Bearer resource_metadata="http://169.254.169.254/latest/meta-data""#,
+        )),
     )
     .await
     .unwrap_err();
