@@ -194,6 +194,10 @@ impl EngineError {
     }
 }
 
+/// The refresh lock of each MCP connection this process has refreshed.
+type OAuthRefreshLocks =
+    std::collections::HashMap<wor_core::ConnectionId, Arc<tokio::sync::Mutex<()>>>;
+
 /// The engine: cheap to clone, shared by the API and the workers.
 #[derive(Debug, Clone)]
 pub struct Engine {
@@ -216,6 +220,8 @@ pub struct Engine {
     live_text: live_text::LiveText,
     /// Routine versions read so far (they never change).
     versions: Arc<versions::VersionCache>,
+    /// One lock per MCP connection whose token this process refreshes.
+    oauth_refreshes: Arc<std::sync::Mutex<OAuthRefreshLocks>>,
 }
 
 impl Engine {
@@ -238,6 +244,7 @@ impl Engine {
             work: Arc::new(tokio::sync::Notify::new()),
             live_text: live_text::LiveText::default(),
             versions: Arc::default(),
+            oauth_refreshes: Arc::default(),
         }
     }
 

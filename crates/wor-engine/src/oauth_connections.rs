@@ -8,7 +8,10 @@
 //! Tokens go only into the vault and onto the wire: no return value, error or audit entry
 //! here holds one.
 
+use std::sync::Arc;
+
 use secrecy::{ExposeSecret, SecretString};
+use serde::{Deserialize, Serialize};
 use serde_json::json;
 use wor_core::audit::{Actor, AuditCategory, AuditEvent};
 use wor_core::{ApiKeyId, ConnectionId, MemberId, ProjectId};
@@ -17,7 +20,9 @@ use wor_store::{
     OAUTH_AUTHORIZATIONS_TABLE, PKCE_VERIFIER_FIELD, REFRESH_TOKEN_FIELD, SecretSlot,
     TOOL_CONNECTIONS_TABLE, ToolConnectionKind, now_millis,
 };
-use wor_tools::oauth::{self, AuthorizationDiscovery, ClientRegistration, Pkce, TokenSet};
+use wor_tools::oauth::{
+    self, AuthorizationDiscovery, ClientRegistration, Pkce, TokenEndpointAuth, TokenSet,
+};
 
 use crate::{Engine, EngineError};
 
@@ -25,6 +30,12 @@ use crate::{Engine, EngineError};
 pub const AUTHORIZATION_LIFETIME_MS: i64 = 10 * 60 * 1000;
 /// An access token is refreshed when it has less than this left.
 pub const REFRESH_AHEAD_MS: i64 = 60 * 1000;
+/// How long a process's claim on a connection's refresh lasts if it never records one.
+const REFRESH_CLAIM_MS: i64 = 30 * 1000;
+/// How long a caller waits for another process's refresh before giving up.
+const REFRESH_WAIT: std::time::Duration = std::time::Duration::from_secs(15);
+/// How often it looks whether that refresh is done.
+const REFRESH_POLL: std::time::Duration = std::time::Duration::from_millis(100);
 /// The path of the callback on `wor serve`.
 pub const OAUTH_CALLBACK_PATH: &str = "/hooks/oauth/callback";
 
@@ -50,12 +61,29 @@ fn unreachable(connection: &str, error: &oauth::OAuthError) -> EngineError {
     ))
 }
 
-fn discovery_json(discovery: &AuthorizationDiscovery) -> Result<serde_json::Value, EngineError> {
-    serde_json::to_value(discovery)
-        .map_err(|e| EngineError::InvalidState(format!("the discovery cannot be stored: {e}")))
+/// What is stored beside a pending or settled authorization: the discovery, and how the
+/// registered client authenticates at the token endpoint (absent in rows written before it
+/// was kept, when it is derived from the server's metadata again).
+#[derive(Serialize, Deserialize)]
+struct StoredDiscovery {
+    #[serde(flatten)]
+    discovery: AuthorizationDiscovery,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    token_endpoint_auth: Option<TokenEndpointAuth>,
 }
 
-fn discovery_from(value: &serde_json::Value) -> Result<AuthorizationDiscovery, EngineError> {
+fn discovery_json(
+    discovery: &AuthorizationDiscovery,
+    client: &ClientRegistration,
+) -> Result<serde_json::Value, EngineError> {
+    serde_json::to_value(StoredDiscovery {
+        discovery: discovery.clone(),
+        token_endpoint_auth: Some(client.auth),
+    })
+    .map_err(|e| EngineError::InvalidState(format!("the discovery cannot be stored: {e}")))
+}
+
+fn discovery_from(value: &serde_json::Value) -> Result<StoredDiscovery, EngineError> {
     serde_json::from_value(value.clone())
         .map_err(|e| EngineError::InvalidState(format!("stored discovery: {e}")))
 }
@@ -76,9 +104,10 @@ impl Engine {
         ))
     }
 
-    /// Starts authorizing `mcp_http` connection `id` for `member` (using `key`): discovery and
-    /// (unless the connection has an operator-given client id) dynamic registration, through
-    /// the egress guard; a pending authorization bound to the member, key and connection.
+    /// Starts authorizing `mcp_http` connection `id` for `member` (using `key`): the server's
+    /// own `401` challenge (where its metadata is, which scopes it wants), discovery and dynamic
+    /// registration, all through the egress guard; a pending authorization bound to the member,
+    /// key and connection. Lapsed pending authorizations of the project are purged first.
     pub async fn start_oauth_authorization(
         &self,
         project: ProjectId,
@@ -94,7 +123,18 @@ impl Engine {
             )));
         }
         let redirect_uri = self.oauth_redirect_uri()?;
-        let discovery = oauth::discover(&self.egress, &record.url, None)
+        self.purge_lapsed_oauth_authorizations(project).await?;
+        let allowlist = wor_egress::HostAllowlist::parse(&record.allowlist).map_err(|e| {
+            EngineError::InvalidState(format!(
+                "tool connection `{}` has an invalid allowlist: {e}",
+                record.name
+            ))
+        })?;
+        // The server's own challenge names its metadata and the scopes it wants.
+        let challenge = oauth::probe(&self.egress, &record.url, Some(&allowlist))
+            .await
+            .map_err(|e| unreachable(&record.name, &e))?;
+        let discovery = oauth::discover(&self.egress, &record.url, challenge.as_ref())
             .await
             .map_err(|e| unreachable(&record.name, &e))?;
         let client = oauth::register_client(&self.egress, &discovery, "wor", &redirect_uri)
@@ -106,7 +146,7 @@ impl Engine {
             &discovery,
             &client.client_id,
             &redirect_uri,
-            &discovery.protected_resource.scopes_supported,
+            &oauth::requested_scopes(challenge.as_ref(), &discovery),
             &state,
             &pkce,
         )
@@ -122,7 +162,7 @@ impl Engine {
                     api_key_id: key,
                     client_id: client.client_id.clone(),
                     redirect_uri,
-                    discovery: discovery_json(&discovery)?,
+                    discovery: discovery_json(&discovery, &client)?,
                     lifetime_ms: AUTHORIZATION_LIFETIME_MS,
                 },
             )
@@ -149,6 +189,36 @@ impl Engine {
             authorization_url: url,
             expires_at: pending.expires_at,
         })
+    }
+
+    /// Deletes the project's pending authorizations that can no longer finish, with the PKCE
+    /// verifier and client secret sealed for each (the vault's copies first, so a crash part
+    /// way leaves the row for the next purge).
+    async fn purge_lapsed_oauth_authorizations(
+        &self,
+        project: ProjectId,
+    ) -> Result<(), EngineError> {
+        const PURGED_PER_START: i64 = 100;
+        let lapsed = self
+            .store
+            .lapsed_oauth_authorizations(project, now_millis(), PURGED_PER_START)
+            .await?;
+        for digest in lapsed {
+            for field in [PKCE_VERIFIER_FIELD, CLIENT_SECRET_FIELD] {
+                self.vault
+                    .delete(&SecretSlot::new(
+                        project,
+                        OAUTH_AUTHORIZATIONS_TABLE,
+                        &digest,
+                        field,
+                    ))
+                    .await?;
+            }
+            self.store
+                .delete_oauth_authorization(project, &digest)
+                .await?;
+        }
+        Ok(())
     }
 
     /// Finishes the authorization `state` names with `code`: once, before it expires; the
@@ -197,11 +267,14 @@ impl Engine {
         };
         self.vault.delete(&slot(PKCE_VERIFIER_FIELD)).await?;
         self.vault.delete(&slot(CLIENT_SECRET_FIELD)).await?;
-        let discovery = discovery_from(&pending.discovery)?;
-        let client = ClientRegistration {
-            client_id: pending.client_id.clone(),
+        let stored = discovery_from(&pending.discovery)?;
+        let discovery = stored.discovery;
+        let client = ClientRegistration::known(
+            pending.client_id.clone(),
             client_secret,
-        };
+            stored.token_endpoint_auth,
+            &discovery.authorization_server,
+        );
         let tokens = match oauth::exchange_code(
             &self.egress,
             &discovery,
@@ -321,20 +394,50 @@ impl Engine {
         id: ConnectionId,
         connection: &str,
     ) -> Result<Option<SecretString>, EngineError> {
-        let Some(settled) = self.store.get_connection_oauth(project, id).await? else {
-            return Ok(None);
-        };
-        // The refresh acts on the grant of the member who authorized the connection.
-        let actor = Actor::Member {
-            member_id: settled.authorized_by,
-            key_id: settled.authorized_key_id,
-        };
         let slot = |field: &str| SecretSlot::new(project, TOOL_CONNECTIONS_TABLE, id, field);
-        let now = now_millis();
-        let fresh = settled
-            .access_expires_at
-            .is_none_or(|at| at.saturating_sub(now) > REFRESH_AHEAD_MS);
-        if fresh {
+        let fresh = |settled: &ConnectionOAuthRecord| {
+            settled
+                .access_expires_at
+                .is_none_or(|at| at.saturating_sub(now_millis()) > REFRESH_AHEAD_MS)
+        };
+        let deadline = tokio::time::Instant::now() + REFRESH_WAIT;
+        loop {
+            let Some(settled) = self.store.get_connection_oauth(project, id).await? else {
+                return Ok(None);
+            };
+            if !fresh(&settled) {
+                // One refresh of a connection at a time: a lock per connection in this process,
+                // a claim in the database across processes. Whoever waited finds it fresh.
+                let lock = self.oauth_refresh_lock(id);
+                let held = lock.lock().await;
+                let Some(settled) = self.store.get_connection_oauth(project, id).await? else {
+                    return Ok(None);
+                };
+                if !fresh(&settled) {
+                    let until = now_millis().saturating_add(REFRESH_CLAIM_MS);
+                    if self
+                        .store
+                        .claim_connection_oauth_refresh(project, id, until)
+                        .await?
+                    {
+                        let refreshed = self.refresh_oauth(project, id, connection, &settled).await;
+                        if refreshed.is_err() {
+                            self.store
+                                .release_connection_oauth_refresh(project, id)
+                                .await?;
+                        }
+                        return refreshed.map(Some);
+                    }
+                    drop(held);
+                    if tokio::time::Instant::now() >= deadline {
+                        return Err(EngineError::Unreachable(format!(
+                            "the token of tool connection `{connection}` is being refreshed by another process; try again"
+                        )));
+                    }
+                    tokio::time::sleep(REFRESH_POLL).await;
+                    continue;
+                }
+            }
             return self
                 .vault
                 .open(&slot(ACCESS_TOKEN_FIELD))
@@ -342,6 +445,31 @@ impl Engine {
                 .map(Some)
                 .map_err(EngineError::Vault);
         }
+    }
+
+    /// The lock this process takes to refresh connection `id`'s token.
+    fn oauth_refresh_lock(&self, id: ConnectionId) -> Arc<tokio::sync::Mutex<()>> {
+        let mut locks = self
+            .oauth_refreshes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        locks.entry(id).or_default().clone()
+    }
+
+    /// Refreshes connection `id`'s tokens with its refresh token, under this process's claim.
+    async fn refresh_oauth(
+        &self,
+        project: ProjectId,
+        id: ConnectionId,
+        connection: &str,
+        settled: &ConnectionOAuthRecord,
+    ) -> Result<SecretString, EngineError> {
+        // The refresh acts on the grant of the member who authorized the connection.
+        let actor = Actor::Member {
+            member_id: settled.authorized_by,
+            key_id: settled.authorized_key_id,
+        };
+        let slot = |field: &str| SecretSlot::new(project, TOOL_CONNECTIONS_TABLE, id, field);
         let failed = |reason: String| {
             EngineError::Refused(format!(
                 "tool connection `{connection}` is no longer authorized ({reason}); run `wor connection authorize {id}` again"
@@ -371,11 +499,14 @@ impl Engine {
             ),
             None => None,
         };
-        let discovery = discovery_from(&settled.discovery)?;
-        let client = ClientRegistration {
-            client_id: settled.client_id.clone(),
+        let stored = discovery_from(&settled.discovery)?;
+        let discovery = stored.discovery;
+        let client = ClientRegistration::known(
+            settled.client_id.clone(),
             client_secret,
-        };
+            stored.token_endpoint_auth,
+            &discovery.authorization_server,
+        );
         let tokens = match oauth::refresh_tokens(&self.egress, &discovery, &client, &refresh).await
         {
             Ok(tokens) => tokens,
@@ -401,7 +532,7 @@ impl Engine {
                     })),
             )
             .await?;
-        Ok(Some(tokens.access_token))
+        Ok(tokens.access_token)
     }
 }
 

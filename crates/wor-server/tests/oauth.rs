@@ -1,7 +1,9 @@
 //! MCP authorization of a tool connection through the API, loopback only: an in-test
 //! authorization server (discovery, dynamic registration, PKCE code exchange, refresh with
-//! rotation, revocation); the test plays the person's browser. Canary tokens never appear in
-//! an API response or the audit chain.
+//! rotation, revocation) and an MCP server that answers only its current access token; the
+//! test plays the person's browser. Runs call the server across a refresh and fail closed once
+//! the grant is revoked; concurrent refreshes of one connection refresh once. Canary tokens
+//! never appear in an API response, a run's record or the audit chain.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -31,7 +33,11 @@ struct AuthServer {
     base: String,
     challenge: Option<String>,
     issued: u32,
+    /// Refresh grants answered.
+    refreshes: u32,
     refresh: Option<String>,
+    /// The one access token the MCP server accepts: the last one issued.
+    access: Option<String>,
     revoked: bool,
 }
 
@@ -115,14 +121,17 @@ async fn token(State(s): State<Shared>, body: String) -> Response {
             if s.revoked || s.refresh.as_deref() != Some(&param(&pairs, "refresh_token")) {
                 return refused();
             }
+            s.refreshes += 1;
         }
         _ => return refused(),
     }
     s.issued += 1;
     let refresh = format!("{REFRESH_CANARY}-{}", s.issued);
     s.refresh = Some(refresh.clone());
+    let access = format!("{ACCESS_CANARY}-{}", s.issued);
+    s.access = Some(access.clone());
     axum::Json(json!({
-        "access_token": format!("{ACCESS_CANARY}-{}", s.issued),
+        "access_token": access,
         "refresh_token": refresh,
         "token_type": "Bearer",
         "expires_in": 3600,
@@ -278,4 +287,286 @@ async fn a_connection_is_authorized_refreshed_and_fails_closed_when_revoked() {
         );
     }
     let _: Value = finished;
+}
+
+/// The tracker's MCP tools: `lookup` answers what it was asked.
+#[derive(Clone)]
+struct Tracker;
+
+impl rmcp::ServerHandler for Tracker {
+    fn get_info(&self) -> rmcp::model::InitializeResult {
+        rmcp::model::InitializeResult::new(
+            rmcp::model::ServerCapabilities::builder()
+                .enable_tools()
+                .build(),
+        )
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<rmcp::model::PaginatedRequestParams>,
+        _context: rmcp::service::RequestContext<rmcp::service::RoleServer>,
+    ) -> Result<rmcp::model::ListToolsResult, rmcp::model::ErrorData> {
+        let schema = json!({"type": "object", "properties": {"issue": {"type": "string"}}});
+        Ok(rmcp::model::ListToolsResult::with_all_items(vec![
+            rmcp::model::Tool::new(
+                "lookup",
+                "Looks an issue up",
+                Arc::new(schema.as_object().unwrap().clone()),
+            ),
+        ]))
+    }
+
+    async fn call_tool(
+        &self,
+        _request: rmcp::model::CallToolRequestParams,
+        _context: rmcp::service::RequestContext<rmcp::service::RoleServer>,
+    ) -> Result<rmcp::model::CallToolResponse, rmcp::model::ErrorData> {
+        Ok(
+            rmcp::model::CallToolResult::success(vec![rmcp::model::ContentBlock::text(
+                "issue 7 is open",
+            )])
+            .into(),
+        )
+    }
+}
+
+/// Lets a request reach the MCP server only with the access token issued last; anything else
+/// is the `401` whose challenge names the protected-resource metadata.
+async fn bearer_only(
+    State(s): State<Shared>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let (base, access) = {
+        let s = s.lock().unwrap();
+        (s.base.clone(), s.access.clone())
+    };
+    let presented = request
+        .headers()
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::to_owned);
+    if presented.is_some() && presented == access {
+        return next.run(request).await;
+    }
+    let challenge =
+        format!("Bearer resource_metadata=\"{base}/.well-known/oauth-protected-resource/mcp\"");
+    (StatusCode::UNAUTHORIZED, [("www-authenticate", challenge)]).into_response()
+}
+
+/// The authorization server and, behind `bearer_only`, the tracker's MCP server, on one
+/// loopback address.
+async fn start_servers() -> (Shared, std::net::SocketAddr) {
+    use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
+    use rmcp::transport::streamable_http_server::{
+        StreamableHttpServerConfig, StreamableHttpService,
+    };
+    let shared: Shared = Arc::default();
+    let mcp = StreamableHttpService::new(
+        || Ok(Tracker),
+        Arc::new(LocalSessionManager::default()),
+        StreamableHttpServerConfig::default(),
+    );
+    let protected_mcp =
+        Router::new()
+            .nest_service("/mcp", mcp)
+            .layer(axum::middleware::from_fn_with_state(
+                shared.clone(),
+                bearer_only,
+            ));
+    let app = Router::new()
+        .route("/.well-known/oauth-protected-resource/mcp", get(protected))
+        .route("/.well-known/oauth-authorization-server", get(metadata))
+        .route("/register", post(register))
+        .route("/authorize", get(authorize))
+        .route("/token", post(token))
+        .with_state(shared.clone())
+        .merge(protected_mcp);
+    let addr = serve(app).await;
+    shared.lock().unwrap().base = format!("http://{addr}");
+    (shared, addr)
+}
+
+/// Creates the `tracker` connection and authorizes it, the test playing the browser.
+async fn authorized_tracker(h: &Harness, addr: std::net::SocketAddr) -> String {
+    let (status, created) = h
+        .call(
+            Method::POST,
+            "/v1/tool-connections",
+            Some(
+                json!({"name": "tracker", "kind": "mcp_http", "url": format!("http://{addr}/mcp"),
+                "allowlist": [addr.to_string()]}),
+            ),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    let id = created["id"].as_str().unwrap().to_owned();
+    let (status, started) = h
+        .call(
+            Method::POST,
+            &format!("/v1/tool-connections/{id}/authorize"),
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{started}");
+    let answer = common::loopback_egress()
+        .send(wor_egress::EgressRequest::get(
+            started["authorization_url"].as_str().unwrap(),
+        ))
+        .await
+        .unwrap();
+    let location = answer.headers["location"].to_str().unwrap().to_owned();
+    let callback = location.strip_prefix("http://wor.test").unwrap().to_owned();
+    let (status, finished) = h.call(Method::GET, &callback, None).await;
+    assert_eq!(status, StatusCode::OK, "{finished}");
+    id
+}
+
+fn oauth_harness_config() -> wor_engine::EngineConfig {
+    wor_engine::EngineConfig {
+        console_url: Some("http://wor.test".to_owned()),
+        ..wor_engine::EngineConfig::default()
+    }
+}
+
+const LOOKUP_ROUTINE: &str = r#"
+name = "triage"
+instructions = "Look issue 7 up."
+[model]
+provider = "replay"
+model = "script"
+[[model.script.turns]]
+when = { last_tool_result_contains = "issue 7 is open" }
+text = "issue 7 is still open"
+[[model.script.turns]]
+tool_calls = [{ name = "tracker__lookup", arguments = { issue = "7" } }]
+[[tools]]
+tool = "tracker/lookup"
+mode = "auto"
+"#;
+
+#[tokio::test]
+async fn runs_call_an_authorized_server_across_a_refresh_and_fail_closed_once_revoked() {
+    let (shared, addr) = start_servers().await;
+    let h = Harness::with_config(oauth_harness_config()).await;
+    let id = authorized_tracker(&h, addr).await;
+    // Reviewing lists the tools: the session already carries the access token.
+    h.review_and_enable(&id, &["lookup"]).await;
+
+    let first = h.run(LOOKUP_ROUTINE).await;
+    assert_eq!(first["status"], "succeeded", "{first:#}");
+    assert_eq!(shared.lock().unwrap().refreshes, 0);
+
+    // The access token is about to expire: the next run's session refreshes it first, and the
+    // server, which now accepts only the new token, answers the run as before.
+    let project = h.project.project.id;
+    let connection: wor_core::ConnectionId = id.parse().unwrap();
+    h.db.store
+        .record_connection_oauth_refresh(project, connection, Some(0))
+        .await
+        .unwrap();
+    let second = h.run(LOOKUP_ROUTINE).await;
+    assert_eq!(second["status"], "succeeded", "{second:#}");
+    assert_eq!(shared.lock().unwrap().refreshes, 1);
+    assert_eq!(
+        shared.lock().unwrap().access.as_deref(),
+        Some(format!("{ACCESS_CANARY}-2").as_str())
+    );
+
+    // Revoked: the next run cannot refresh, and it fails closed naming the connection and the
+    // command that authorizes it again; no call reaches the server without a token.
+    shared.lock().unwrap().revoked = true;
+    h.db.store
+        .record_connection_oauth_refresh(project, connection, Some(0))
+        .await
+        .unwrap();
+    let third = h.run(LOOKUP_ROUTINE).await;
+    assert_eq!(third["status"], "failed", "{third:#}");
+    let outcome = third["outcome"].as_str().unwrap_or_default();
+    assert!(
+        outcome.contains("tool connection `tracker` is no longer authorized")
+            && outcome.contains(&format!("wor connection authorize {id}")),
+        "{third:#}"
+    );
+    assert!(
+        common::steps_of(&third, "tool_call").is_empty(),
+        "{third:#}"
+    );
+
+    let audit = h.audit_text().await;
+    for text in [
+        first.to_string(),
+        second.to_string(),
+        third.to_string(),
+        audit,
+    ] {
+        assert!(
+            !text.contains(ACCESS_CANARY) && !text.contains(REFRESH_CANARY),
+            "a token leaked: {text}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn concurrent_refreshes_of_one_connection_refresh_once() {
+    let (shared, addr) = start_servers().await;
+    let h = Harness::with_config(oauth_harness_config()).await;
+    let id = authorized_tracker(&h, addr).await;
+    let project = h.project.project.id;
+    let connection: wor_core::ConnectionId = id.parse().unwrap();
+    h.db.store
+        .record_connection_oauth_refresh(project, connection, Some(0))
+        .await
+        .unwrap();
+
+    // Eight sessions open at once on an expired token. With rotation, a second refresh with
+    // the same refresh token is refused, so every one of them must wait for a single refresh.
+    let tokens = futures_util::future::join_all(
+        (0..8).map(|_| h.engine.oauth_access_token(project, connection, "tracker")),
+    )
+    .await;
+    for token in &tokens {
+        let token = token.as_ref().expect("every caller gets a token");
+        assert_eq!(
+            token.as_ref().unwrap().expose_secret(),
+            format!("{ACCESS_CANARY}-2")
+        );
+    }
+    assert_eq!(shared.lock().unwrap().refreshes, 1);
+
+    // Another process's claim on the refresh holds this one off until it lapses or the
+    // refresh is recorded.
+    h.db.store
+        .record_connection_oauth_refresh(project, connection, Some(0))
+        .await
+        .unwrap();
+    let until = wor_store::now_millis() + 60_000;
+    assert!(
+        h.db.store
+            .claim_connection_oauth_refresh(project, connection, until)
+            .await
+            .unwrap()
+    );
+    assert!(
+        !h.db
+            .store
+            .claim_connection_oauth_refresh(project, connection, until)
+            .await
+            .unwrap(),
+        "a claim that has not lapsed is not taken twice"
+    );
+    h.db.store
+        .release_connection_oauth_refresh(project, connection)
+        .await
+        .unwrap();
+    let token = h
+        .engine
+        .oauth_access_token(project, connection, "tracker")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(token.expose_secret(), format!("{ACCESS_CANARY}-3"));
+    assert_eq!(shared.lock().unwrap().refreshes, 2);
 }

@@ -191,6 +191,12 @@ const MIGRATIONS: &[SchemaMigration] = &[
         sqlite: include_str!("../migrations/0029_console_members.sql"),
         postgres: include_str!("../migrations/0029_console_members.sql"),
     },
+    SchemaMigration {
+        version: 34,
+        description: "oauth refresh claims",
+        sqlite: include_str!("../migrations/0034_oauth_refresh_claims.sql"),
+        postgres: include_str!("../migrations/0034_oauth_refresh_claims.sql"),
+    },
 ];
 
 /// The newest migration of this release.

@@ -179,6 +179,45 @@ impl Store {
         row.as_ref().map(authorization_from_row).transpose()
     }
 
+    /// The state digests of `project`'s pending authorizations that can no longer finish (taken,
+    /// or past their expiry at `now`), oldest first, at most `limit`.
+    pub async fn lapsed_oauth_authorizations(
+        &self,
+        project: ProjectId,
+        now: i64,
+        limit: i64,
+    ) -> Result<Vec<String>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT state_digest FROM oauth_authorizations WHERE project_id = $1 \
+             AND (used_at IS NOT NULL OR expires_at <= $2) ORDER BY created_at LIMIT $3",
+        )
+        .bind(project.to_string())
+        .bind(now)
+        .bind(limit)
+        .fetch_all(self.pool())
+        .await?;
+        rows.iter()
+            .map(|row| {
+                row.try_get::<String, _>("state_digest")
+                    .map_err(StoreError::from)
+            })
+            .collect()
+    }
+
+    /// Deletes a pending authorization (its sealed secrets are the vault's to delete first).
+    pub async fn delete_oauth_authorization(
+        &self,
+        project: ProjectId,
+        state_digest: &str,
+    ) -> Result<(), StoreError> {
+        sqlx::query("DELETE FROM oauth_authorizations WHERE project_id = $1 AND state_digest = $2")
+            .bind(project.to_string())
+            .bind(state_digest)
+            .execute(self.pool())
+            .await?;
+        Ok(())
+    }
+
     /// Records (or replaces) what a connection's authorization settled on.
     pub async fn put_connection_oauth(
         &self,
@@ -212,7 +251,46 @@ impl Store {
         Ok(())
     }
 
-    /// Records a refresh: the new expiry and when it happened.
+    /// Claims the connection's token refresh for this process until `until` (milliseconds),
+    /// unless another process holds a claim that has not lapsed: `true` when this one holds it.
+    pub async fn claim_connection_oauth_refresh(
+        &self,
+        project: ProjectId,
+        connection: ConnectionId,
+        until: i64,
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query(
+            "UPDATE tool_connection_oauth SET refreshing_until = $1 \
+             WHERE project_id = $2 AND connection_id = $3 \
+             AND (refreshing_until IS NULL OR refreshing_until < $4)",
+        )
+        .bind(until)
+        .bind(project.to_string())
+        .bind(connection.to_string())
+        .bind(now_millis())
+        .execute(self.pool())
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    /// Ends this process's refresh claim without a refresh recorded (it failed).
+    pub async fn release_connection_oauth_refresh(
+        &self,
+        project: ProjectId,
+        connection: ConnectionId,
+    ) -> Result<(), StoreError> {
+        sqlx::query(
+            "UPDATE tool_connection_oauth SET refreshing_until = NULL \
+             WHERE project_id = $1 AND connection_id = $2",
+        )
+        .bind(project.to_string())
+        .bind(connection.to_string())
+        .execute(self.pool())
+        .await?;
+        Ok(())
+    }
+
+    /// Records a refresh: the new expiry and when it happened; the refresh claim ends.
     pub async fn record_connection_oauth_refresh(
         &self,
         project: ProjectId,
@@ -220,8 +298,8 @@ impl Store {
         access_expires_at: Option<i64>,
     ) -> Result<(), StoreError> {
         let done = sqlx::query(
-            "UPDATE tool_connection_oauth SET access_expires_at = $1, refreshed_at = $2 \
-             WHERE project_id = $3 AND connection_id = $4",
+            "UPDATE tool_connection_oauth SET access_expires_at = $1, refreshed_at = $2, \
+             refreshing_until = NULL WHERE project_id = $3 AND connection_id = $4",
         )
         .bind(access_expires_at)
         .bind(now_millis())

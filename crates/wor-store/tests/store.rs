@@ -1535,6 +1535,34 @@ mod oauth_authorizations {
             None,
             "an expired authorization cannot be finished"
         );
+        // The taken and the expired one can be purged; a live one cannot.
+        let live = TestDatabase::unique_name("live-state");
+        let live = db
+            .store
+            .create_oauth_authorization(project, &live, new(600_000))
+            .await
+            .unwrap();
+        let lapsed = db
+            .store
+            .lapsed_oauth_authorizations(project, wor_store::now_millis(), 100)
+            .await
+            .unwrap();
+        assert!(lapsed.contains(&state_digest(state)), "{lapsed:?}");
+        assert!(lapsed.contains(&state_digest(expired)), "{lapsed:?}");
+        assert!(!lapsed.contains(&live.state_digest), "{lapsed:?}");
+        for digest in &lapsed {
+            db.store
+                .delete_oauth_authorization(project, digest)
+                .await
+                .unwrap();
+        }
+        assert_eq!(
+            db.store
+                .lapsed_oauth_authorizations(project, wor_store::now_millis(), 100)
+                .await
+                .unwrap(),
+            Vec::<String>::new()
+        );
 
         assert_eq!(
             db.store
