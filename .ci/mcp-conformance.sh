@@ -13,7 +13,7 @@
 # call `fs.globSync`, which arrived in Node.js 22. Installs into "$WOR_NPM_CONFORMANCE_PREFIX"
 # (default "$HOME/.cache/wor-npm-conformance"); an install of the pinned version is reused.
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "$0")/.."
 
 version="0.1.13"
 package="@modelcontextprotocol/conformance"
