@@ -55,7 +55,7 @@ pub use notifications::{
 };
 pub use oauth_connections::{
     AUTHORIZATION_LIFETIME_MS, FinishedAuthorization, OAUTH_CALLBACK_PATH, REFRESH_AHEAD_MS,
-    StartedAuthorization,
+    RegisteredClient, StartedAuthorization,
 };
 pub use start::{StartRun, Trigger};
 pub use tool_connection_spec::{

@@ -39,6 +39,15 @@ const REFRESH_POLL: std::time::Duration = std::time::Duration::from_millis(100);
 /// The path of the callback on `wor serve`.
 pub const OAUTH_CALLBACK_PATH: &str = "/hooks/oauth/callback";
 
+/// A client the operator registered with the connection's authorization server beforehand,
+/// used instead of dynamic registration (a server that offers none needs one).
+#[derive(Debug, Clone)]
+pub struct RegisteredClient {
+    pub client_id: String,
+    /// A confidential client's secret; sealed with the pending authorization, never returned.
+    pub client_secret: Option<SecretString>,
+}
+
 /// An authorization started: the URL the person opens.
 #[derive(Debug, Clone)]
 pub struct StartedAuthorization {
@@ -106,14 +115,16 @@ impl Engine {
 
     /// Starts authorizing `mcp_http` connection `id` for `member` (using `key`): the server's
     /// own `401` challenge (where its metadata is, which scopes it wants), discovery and dynamic
-    /// registration, all through the egress guard; a pending authorization bound to the member,
-    /// key and connection. Lapsed pending authorizations of the project are purged first.
+    /// registration (or the client the operator `registered`), all through the egress guard; a
+    /// pending authorization bound to the member, key and connection. Lapsed pending
+    /// authorizations of the project are purged first.
     pub async fn start_oauth_authorization(
         &self,
         project: ProjectId,
         id: ConnectionId,
         member: MemberId,
         key: ApiKeyId,
+        registered: Option<RegisteredClient>,
     ) -> Result<StartedAuthorization, EngineError> {
         let record = self.store.get_tool_connection(project, id).await?;
         if record.kind != ToolConnectionKind::McpHttp {
@@ -137,9 +148,25 @@ impl Engine {
         let discovery = oauth::discover(&self.egress, &record.url, challenge.as_ref())
             .await
             .map_err(|e| unreachable(&record.name, &e))?;
-        let client = oauth::register_client(&self.egress, &discovery, "wor", &redirect_uri)
-            .await
-            .map_err(|e| unreachable(&record.name, &e))?;
+        let client = match registered {
+            Some(registered) => ClientRegistration::pre_registered(
+                registered.client_id,
+                registered.client_secret,
+                &discovery.authorization_server,
+            ),
+            None => oauth::register_client(&self.egress, &discovery, "wor", &redirect_uri)
+                .await
+                .map_err(|e| match e {
+                    // Not the server's failure: this authorization needs a registered client.
+                    oauth::OAuthError::NoRegistration { .. } => EngineError::Invalid(format!(
+                        "authorizing tool connection `{}`: {e}: register a client with it and \
+                         run `wor connection authorize {id} --client-id ID` (with \
+                         `--client-secret-env VAR` for a confidential client)",
+                        record.name
+                    )),
+                    other => unreachable(&record.name, &other),
+                })?,
+        };
         let state = oauth::new_state().map_err(|e| unreachable(&record.name, &e))?;
         let pkce = Pkce::new().map_err(|e| unreachable(&record.name, &e))?;
         let url = oauth::authorization_url(

@@ -55,6 +55,34 @@ where
     }
 }
 
+/// A JSON body that may be left out: no body (and no `Content-Type`) or a JSON `null` is
+/// `None`; anything else is read exactly as [`ApiJson`] reads it.
+#[derive(Debug)]
+pub struct OptionalApiJson<T>(pub Option<T>);
+
+impl<S, T> FromRequest<S> for OptionalApiJson<T>
+where
+    T: DeserializeOwned,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        if req.headers().contains_key(header::CONTENT_TYPE) {
+            let ApiJson(value) = ApiJson::<Option<T>>::from_request(req, state).await?;
+            return Ok(OptionalApiJson(value));
+        }
+        let bytes = Bytes::from_request(req, state)
+            .await
+            .map_err(|rejection| ApiError::bad_request("invalid_body", rejection.body_text()))?;
+        if bytes.is_empty() {
+            Ok(OptionalApiJson(None))
+        } else {
+            Err(ApiError::UnsupportedMediaType)
+        }
+    }
+}
+
 /// `application/json`, or any `application/…+json`, as axum's own `Json` accepts.
 fn json_content_type(headers: &HeaderMap) -> bool {
     let Some(value) = headers

@@ -39,6 +39,9 @@ struct AuthServer {
     /// The one access token the MCP server accepts: the last one issued.
     access: Option<String>,
     revoked: bool,
+    /// A client registered beforehand (id, secret): the server then offers no dynamic
+    /// registration and takes only `client_secret_basic`.
+    preregistered: Option<(String, String)>,
 }
 
 type Shared = Arc<Mutex<AuthServer>>;
@@ -64,15 +67,26 @@ async fn protected(State(s): State<Shared>) -> Response {
 }
 
 async fn metadata(State(s): State<Shared>) -> Response {
-    let base = s.lock().unwrap().base.clone();
-    axum::Json(json!({
+    let (base, preregistered) = {
+        let s = s.lock().unwrap();
+        (s.base.clone(), s.preregistered.is_some())
+    };
+    let mut metadata = json!({
         "issuer": base,
         "authorization_endpoint": format!("{base}/authorize"),
         "token_endpoint": format!("{base}/token"),
         "registration_endpoint": format!("{base}/register"),
         "code_challenge_methods_supported": ["S256"],
-    }))
-    .into_response()
+    });
+    if preregistered {
+        let object = metadata.as_object_mut().unwrap();
+        object.remove("registration_endpoint");
+        object.insert(
+            "token_endpoint_auth_methods_supported".to_owned(),
+            json!(["client_secret_basic"]),
+        );
+    }
+    axum::Json(metadata).into_response()
 }
 
 async fn register() -> Response {
@@ -81,8 +95,15 @@ async fn register() -> Response {
 
 async fn authorize(State(s): State<Shared>, uri: Uri) -> Response {
     let pairs = query(&uri);
-    let base = s.lock().unwrap().base.clone();
-    assert_eq!(param(&pairs, "client_id"), "client-7");
+    let (base, client_id) = {
+        let s = s.lock().unwrap();
+        let client_id = s
+            .preregistered
+            .as_ref()
+            .map_or("client-7".to_owned(), |(id, _)| id.clone());
+        (s.base.clone(), client_id)
+    };
+    assert_eq!(param(&pairs, "client_id"), client_id);
     assert_eq!(param(&pairs, "code_challenge_method"), "S256");
     assert_eq!(param(&pairs, "resource"), format!("{base}/mcp"));
     s.lock().unwrap().challenge = Some(param(&pairs, "code_challenge"));
@@ -94,7 +115,7 @@ async fn authorize(State(s): State<Shared>, uri: Uri) -> Response {
     (StatusCode::FOUND, [("location", location)]).into_response()
 }
 
-async fn token(State(s): State<Shared>, body: String) -> Response {
+async fn token(State(s): State<Shared>, headers: axum::http::HeaderMap, body: String) -> Response {
     let pairs: Vec<(String, String)> = url::form_urlencoded::parse(body.as_bytes())
         .into_owned()
         .collect();
@@ -107,6 +128,21 @@ async fn token(State(s): State<Shared>, body: String) -> Response {
         )
             .into_response()
     };
+    if let Some((id, secret)) = &s.preregistered {
+        use base64::Engine as _;
+        let expected = format!(
+            "Basic {}",
+            base64::engine::general_purpose::STANDARD.encode(format!("{id}:{secret}"))
+        );
+        let presented = headers.get("authorization").and_then(|v| v.to_str().ok());
+        if presented != Some(expected.as_str()) || body.contains("client_secret") {
+            return (
+                StatusCode::UNAUTHORIZED,
+                axum::Json(json!({"error": "invalid_client"})),
+            )
+                .into_response();
+        }
+    }
     match param(&pairs, "grant_type").as_str() {
         "authorization_code" => {
             let verifier = param(&pairs, "code_verifier");
@@ -569,4 +605,90 @@ async fn concurrent_refreshes_of_one_connection_refresh_once() {
         .unwrap();
     assert_eq!(token.expose_secret(), format!("{ACCESS_CANARY}-3"));
     assert_eq!(shared.lock().unwrap().refreshes, 2);
+}
+
+#[tokio::test]
+async fn a_client_registered_beforehand_authorizes_a_server_without_dynamic_registration() {
+    const SECRET_CANARY: &str = "client-secret-canary-61f0";
+    let (shared, addr) = start_servers().await;
+    shared.lock().unwrap().preregistered = Some(("client-9".to_owned(), SECRET_CANARY.to_owned()));
+    let h = Harness::with_config(oauth_harness_config()).await;
+    let (status, created) = h
+        .call(
+            Method::POST,
+            "/v1/tool-connections",
+            Some(
+                json!({"name": "tracker", "kind": "mcp_http", "url": format!("http://{addr}/mcp"),
+                "allowlist": [addr.to_string()]}),
+            ),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    let id = created["id"].as_str().unwrap().to_owned();
+    let path = format!("/v1/tool-connections/{id}/authorize");
+
+    // Without a client, a server that offers no registration is refused, saying what to do.
+    let (status, refused) = h.call(Method::POST, &path, None).await;
+    assert!(
+        status.is_client_error()
+            || status == StatusCode::SERVICE_UNAVAILABLE
+            || status == StatusCode::BAD_GATEWAY,
+        "{status} {refused}"
+    );
+    assert!(
+        refused
+            .to_string()
+            .contains("offers no dynamic client registration"),
+        "{refused}"
+    );
+    // A secret alone, or an empty id, is a bad request.
+    let (status, _) = h
+        .call(Method::POST, &path, Some(json!({"client_secret": "x"})))
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let (status, _) = h
+        .call(Method::POST, &path, Some(json!({"client_id": " "})))
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+
+    let (status, started, started_text) = h
+        .call_as(
+            h.owner(),
+            Method::POST,
+            &path,
+            Some(json!({"client_id": "client-9", "client_secret": SECRET_CANARY})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{started}");
+    let answer = common::loopback_egress()
+        .send(wor_egress::EgressRequest::get(
+            started["authorization_url"].as_str().unwrap(),
+        ))
+        .await
+        .unwrap();
+    let location = answer.headers["location"].to_str().unwrap().to_owned();
+    let callback = location.strip_prefix("http://wor.test").unwrap().to_owned();
+    // The code is exchanged with the client's id and secret in `Authorization: Basic`.
+    let (status, finished, finished_text) = h.call_as("none", Method::GET, &callback, None).await;
+    assert_eq!(status, StatusCode::OK, "{finished}");
+
+    // The refresh authenticates the same way, with the secret sealed under the connection.
+    h.review_and_enable(&id, &["lookup"]).await;
+    let project = h.project.project.id;
+    let connection: wor_core::ConnectionId = id.parse().unwrap();
+    h.db.store
+        .record_connection_oauth_refresh(project, connection, Some(0))
+        .await
+        .unwrap();
+    let run = h.run(LOOKUP_ROUTINE).await;
+    assert_eq!(run["status"], "succeeded", "{run:#}");
+    assert_eq!(shared.lock().unwrap().refreshes, 1);
+
+    let audit = h.audit_text().await;
+    for text in [started_text, finished_text, run.to_string(), audit] {
+        assert!(
+            !text.contains(SECRET_CANARY),
+            "the client secret leaked: {text}"
+        );
+    }
 }

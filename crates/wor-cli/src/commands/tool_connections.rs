@@ -154,6 +154,13 @@ pub enum ToolConnectionCommand {
     Authorize {
         /// A `con_…` id.
         id: String,
+        /// A client you registered with the authorization server beforehand (a server without
+        /// dynamic registration needs one); without it, a client is registered dynamically.
+        #[arg(long, value_name = "ID")]
+        client_id: Option<String>,
+        /// Read that client's secret (a confidential client) from this environment variable.
+        #[arg(long, value_name = "VAR", requires = "client_id")]
+        client_secret_env: Option<String>,
         #[command(flatten)]
         client: ClientArgs,
     },
@@ -476,12 +483,28 @@ pub async fn run(cmd: ToolConnectionCommand) -> anyhow::Result<ExitCode> {
                 .await?;
             show(&client, &disabled)?;
         }
-        ToolConnectionCommand::Authorize { id, client } => {
+        ToolConnectionCommand::Authorize {
+            id,
+            client_id,
+            client_secret_env,
+            client,
+        } => {
+            let secret = match &client_secret_env {
+                Some(var) => Some(
+                    std::env::var(var)
+                        .map_err(|_| anyhow::anyhow!("environment variable {var} is not set"))?,
+                ),
+                None => None,
+            };
+            let body = match client_id {
+                Some(client_id) => serde_json::json!({
+                    "client_id": client_id,
+                    "client_secret": secret,
+                }),
+                None => Value::Null,
+            };
             let started = ApiClient::new(&client)?
-                .post(
-                    &format!("/v1/tool-connections/{id}/authorize"),
-                    &Value::Null,
-                )
+                .post(&format!("/v1/tool-connections/{id}/authorize"), &body)
                 .await?;
             if client.json {
                 print_json(&started)?;

@@ -11,7 +11,7 @@ use wor_core::ConnectionId;
 use crate::AppState;
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
-use crate::extract::ApiPath;
+use crate::extract::{ApiPath, OptionalApiJson};
 use crate::views::rfc3339;
 
 /// An authorization started: the URL to open in a browser, and until when it may be finished.
@@ -59,18 +59,60 @@ impl CallbackQuery {
     }
 }
 
+/// The client to authorize with, when the operator registered one with the authorization server
+/// beforehand; without a body, wor registers a client dynamically.
+#[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AuthorizeRequest {
+    /// The registered client's id.
+    #[schema(min_length = 1, max_length = 512)]
+    pub client_id: String,
+    /// A confidential client's secret: sealed with the pending authorization and then under the
+    /// connection, sent only to the token endpoint, never returned.
+    #[schema(min_length = 1, max_length = 4096)]
+    pub client_secret: Option<String>,
+}
+
+impl AuthorizeRequest {
+    fn checked(self) -> Result<wor_engine::RegisteredClient, ApiError> {
+        let id = self.client_id.trim();
+        if id.is_empty() || id.len() > 512 || id.chars().any(char::is_control) {
+            return Err(ApiError::bad_request(
+                "invalid_client_id",
+                "`client_id` must be 1 to 512 characters, none of them control characters",
+            ));
+        }
+        let secret = match self.client_secret {
+            Some(secret) if secret.is_empty() || secret.len() > 4096 => {
+                return Err(ApiError::bad_request(
+                    "invalid_client_secret",
+                    "`client_secret` must be 1 to 4096 bytes; leave it out for a public client",
+                ));
+            }
+            secret => secret.map(SecretString::from),
+        };
+        Ok(wor_engine::RegisteredClient {
+            client_id: id.to_owned(),
+            client_secret: secret,
+        })
+    }
+}
+
 /// Starts the MCP authorization of an `mcp_http` connection for the calling member: discovery
-/// and client registration through the egress guard, then a pending authorization bound to
-/// this member, key and connection (single use, 10 minutes). Needs the server's `public_url`.
+/// and client registration (or the registered client the body names) through the egress
+/// guard, then a pending authorization bound to this member, key and connection (single use,
+/// 10 minutes). Needs the server's `public_url`.
 #[utoipa::path(post, path = "/v1/tool-connections/{tool_connection_id}/authorize", tag = "tool-connections",
     security(("bearer" = [])),
     params(("tool_connection_id" = String, Path, description = "a `con_…` id", pattern = "^con_[0-9a-f]{32}$")),
+    request_body(content = Option<AuthorizeRequest>, description = "a client registered beforehand; leave the body out to register one dynamically"),
     responses((status = 200, body = AuthorizationStartedView), (status = 400, body = ErrorBody),
         (status = 403, body = ErrorBody), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
 pub async fn authorize(
     State(state): State<AppState>,
     caller: Caller,
     ApiPath(id): ApiPath<ConnectionId>,
+    OptionalApiJson(body): OptionalApiJson<AuthorizeRequest>,
 ) -> Result<Json<AuthorizationStartedView>, ApiError> {
     state
         .store
@@ -83,9 +125,10 @@ pub async fn authorize(
                 .to_owned(),
         ));
     };
+    let registered = body.map(AuthorizeRequest::checked).transpose()?;
     let started = state
         .engine
-        .start_oauth_authorization(caller.project_id, id, member, caller.key_id)
+        .start_oauth_authorization(caller.project_id, id, member, caller.key_id, registered)
         .await?;
     tracing::info!(category = "config", action = "connection.authorize_start", project_id = %caller.project_id,
         connection_id = %id, actor_key_id = %caller.key_id, "tool connection authorization started");
