@@ -191,6 +191,12 @@ const MIGRATIONS: &[SchemaMigration] = &[
         sqlite: include_str!("../migrations/0029_console_members.sql"),
         postgres: include_str!("../migrations/0029_console_members.sql"),
     },
+    SchemaMigration {
+        version: 32,
+        description: "workers and enrolment tokens",
+        sqlite: include_str!("../migrations/0032_workers.sql"),
+        postgres: include_str!("../migrations/0032_workers.sql"),
+    },
 ];
 
 /// The newest migration of this release.
