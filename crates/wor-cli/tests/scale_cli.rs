@@ -340,3 +340,129 @@ fn api_scheduler_and_all_processes_share_one_database_and_each_slot_runs_once() 
         2
     );
 }
+
+/// A raw POST with extra headers; returns the whole response.
+fn post_signed(server: &Server, path: &str, headers: &[(&str, String)], body: &str) -> String {
+    let extra: String = headers
+        .iter()
+        .map(|(name, value)| format!("{name}: {value}\r\n"))
+        .collect();
+    server.raw(&format!(
+        "POST {path} HTTP/1.1\r\nHost: x\r\n{extra}Content-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    ))
+}
+
+#[test]
+fn a_workers_request_opens_the_internal_api_only_signed_fresh_and_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = database_args(dir.path());
+    let key = create_project(&db);
+    let server = Server::start(&db, &[]);
+    let worker_dir = dir.path().join("worker");
+    let out = enroll(&server.url, &create_token(&db), &worker_dir);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let worker_id = text(&out.stdout).trim().to_owned();
+    let identity = wor_secrets::WorkerIdentity::load(&worker_dir)
+        .unwrap()
+        .unwrap();
+    let path = "/internal/v1/workers/heartbeat";
+    let sign = |body: &str, timestamp: i64| {
+        identity
+            .sign_request(
+                &worker_id,
+                &wor_secrets::RequestToSign {
+                    method: "POST",
+                    path_and_query: path,
+                    body: body.as_bytes(),
+                },
+                timestamp,
+            )
+            .unwrap()
+            .to_header_values()
+            .to_vec()
+    };
+    let now = || wor_store::now_millis() / 1000;
+
+    let headers = sign("{}", now());
+    let answer = post_signed(&server, path, &headers, "{}");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.contains(&worker_id), "{answer}");
+    // The same request again, to this or any other API process, is a replay.
+    let replayed = post_signed(&server, path, &headers, "{}");
+    assert!(replayed.starts_with("HTTP/1.1 401"), "{replayed}");
+    assert!(replayed.contains("a replay"), "{replayed}");
+    // A body other than the one signed.
+    let altered = post_signed(&server, path, &sign("{}", now()), "{\"x\":1}");
+    assert!(altered.contains("signature does not verify"), "{altered}");
+    // Signed too long ago.
+    let stale = post_signed(&server, path, &sign("{}", now() - 120), "{}");
+    assert!(stale.contains("more than 30 s from now"), "{stale}");
+    // Signed by a worker that is not enrolled.
+    let (stranger, _) = wor_secrets::WorkerIdentity::generate().unwrap();
+    let forged = stranger
+        .sign_request(
+            "wkr_unknown",
+            &wor_secrets::RequestToSign {
+                method: "POST",
+                path_and_query: path,
+                body: b"{}",
+            },
+            now(),
+        )
+        .unwrap()
+        .to_header_values()
+        .to_vec();
+    let answer = post_signed(&server, path, &forged, "{}");
+    assert!(answer.contains("worker is not enrolled"), "{answer}");
+    // A stranger's signature under the enrolled worker's id.
+    let mut impostor = forged.clone();
+    impostor[0].1 = worker_id.clone();
+    let answer = post_signed(&server, path, &impostor, "{}");
+    assert!(answer.contains("signature does not verify"), "{answer}");
+    // No signature headers at all.
+    let answer = post_signed(&server, path, &[], "{}");
+    assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+    assert!(answer.contains("x-wor-worker"), "{answer}");
+    // An API key beside a valid signature still does not open the internal API, and a
+    // worker's signature opens no public route.
+    let mut with_key = sign("{}", now());
+    with_key.push(("authorization", format!("Bearer {key}")));
+    let answer = post_signed(&server, path, &with_key, "{}");
+    assert!(answer.contains("bearer_refused"), "{answer}");
+    let signed_get: String = sign("", now())
+        .iter()
+        .map(|(name, value)| format!("{name}: {value}\r\n"))
+        .collect();
+    let answer = server.raw(&format!(
+        "GET /v1/whoami HTTP/1.1\r\nHost: x\r\n{signed_get}Connection: close\r\n\r\n"
+    ));
+    assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let store = runtime
+        .block_on(wor_store::Store::open(
+            Some(&database_url(&db, dir.path())),
+            dir.path(),
+        ))
+        .unwrap();
+    let worker = runtime.block_on(store.worker(&worker_id)).unwrap().unwrap();
+    assert!(worker.last_seen_at.is_some());
+    // A revoked worker is refused, signature and all.
+    runtime
+        .block_on(wor_store::testing::tamper(
+            &store,
+            &[format!(
+                "UPDATE workers SET status = 'revoked' WHERE id = '{worker_id}'"
+            )],
+        ))
+        .unwrap();
+    let answer = post_signed(&server, path, &sign("{}", now()), "{}");
+    assert!(answer.contains("worker is revoked"), "{answer}");
+    server.stop();
+    runtime.block_on(store.close());
+}

@@ -13,6 +13,7 @@ pub mod run_envelope;
 pub mod slack_signature;
 pub mod webhook_signature;
 pub mod worker_keys;
+pub mod worker_request;
 
 pub use aead::{
     DEV_KEY_FILE_NAME, DevKeyOrigin, KeyId, KeyRing, SealedSecret, SecretBinding, SecretsError,
@@ -29,3 +30,4 @@ pub use run_envelope::{
 };
 pub use webhook_signature::{SignatureError, StandardWebhookSecret};
 pub use worker_keys::{ControlPlaneSigningKey, WorkerIdentity, WorkerPublicKeys};
+pub use worker_request::{RequestToSign, WorkerRequestError, WorkerRequestHeaders};

@@ -188,6 +188,10 @@ impl WorkerIdentity {
         }
     }
 
+    pub(crate) fn signing_key(&self) -> &SigningKey {
+        &self.signing
+    }
+
     /// The X25519 shared secret with `their_public`.
     pub(crate) fn exchange_with(&self, their_public: &[u8; 32]) -> Zeroizing<[u8; 32]> {
         Zeroizing::new(

@@ -40,6 +40,8 @@ pub enum ApiError {
         "the internal API takes no bearer credential: an API key or run credential never opens it"
     )]
     InternalCredentialRefused,
+    #[error("{0}")]
+    WorkerUnauthenticated(String),
     #[error("internal error")]
     Internal,
 }
@@ -83,6 +85,9 @@ impl ApiError {
                 (StatusCode::CONFLICT, "keys_in_use")
             }
             ApiError::EnrolmentRefused(_) => (StatusCode::UNAUTHORIZED, "enrolment_refused"),
+            ApiError::WorkerUnauthenticated(_) => {
+                (StatusCode::UNAUTHORIZED, "worker_unauthenticated")
+            }
             ApiError::InternalCredentialRefused => (StatusCode::UNAUTHORIZED, "bearer_refused"),
             ApiError::Internal => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         }

@@ -1,7 +1,7 @@
-//! The internal API workers call, under `/internal/v1`: so far only enrolment.
+//! The internal API workers call, under `/internal/v1`: so far enrolment and a heartbeat.
 //!
-//! It has its own authentication, apart from the public API's: an enrolment token in the body
-//! (later, requests signed with the worker's key). A bearer credential of any kind is refused
+//! It has its own authentication, apart from the public API's: an enrolment token in the body,
+//! then requests signed with the worker's key ([`authenticate_worker`]). A bearer credential of any kind is refused
 //! here before anything is read, so an API key never opens the internal API; an enrolment token
 //! or a worker key is no API key, so neither opens the public one. These routes are not in the
 //! public OpenAPI document; `docs/deployment.md` describes them.
@@ -24,6 +24,12 @@ use crate::extract::ApiJson;
 
 /// The path of worker enrolment.
 pub const ENROLL_PATH: &str = "/internal/v1/workers/enroll";
+/// The path of a worker's heartbeat, its first signed request.
+pub const HEARTBEAT_PATH: &str = "/internal/v1/workers/heartbeat";
+/// How far a worker's request timestamp may be from this server's clock, in seconds.
+pub const WORKER_REQUEST_SKEW_SECS: i64 = 30;
+/// The largest body of a worker's signed request.
+const MAX_WORKER_BODY_BYTES: usize = 1024 * 1024;
 
 /// What a worker sends to enrol.
 #[derive(Debug, serde::Deserialize)]
@@ -49,6 +55,7 @@ pub struct EnrollResponse {
 pub(crate) fn router() -> Router<AppState> {
     Router::new()
         .route(ENROLL_PATH, post(enroll))
+        .route(HEARTBEAT_PATH, post(heartbeat))
         .layer(axum::middleware::from_fn(refuse_bearer_credentials))
 }
 
@@ -119,4 +126,104 @@ async fn enroll(
             ),
         }),
     ))
+}
+
+/// What a worker's heartbeat answers.
+#[derive(Debug, serde::Serialize)]
+pub struct HeartbeatResponse {
+    pub worker_id: String,
+}
+
+/// Why a worker's signed request was refused; logged, and named in the 401 it answers.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WorkerAuthError {
+    #[error("{0}")]
+    Request(#[from] wor_secrets::WorkerRequestError),
+    #[error("worker is not enrolled")]
+    UnknownWorker,
+    #[error("worker is revoked")]
+    Revoked,
+    #[error("request nonce was already used: a replay")]
+    Replayed,
+}
+
+/// The enrolled, active worker that signed `parts` and `body`: the signature under its stored
+/// key, the timestamp within [`WORKER_REQUEST_SKEW_SECS`], and a nonce no API process has seen.
+///
+/// # Errors
+/// [`ApiError::WorkerUnauthenticated`] naming the reason, or a store error.
+pub async fn authenticate_worker(
+    state: &AppState,
+    parts: &axum::http::request::Parts,
+    body: &[u8],
+) -> Result<wor_store::WorkerRecord, ApiError> {
+    let refused = |reason: WorkerAuthError| {
+        tracing::warn!(category = "auth", action = "worker.request_refused",
+            reason = %reason, "a worker request was refused");
+        ApiError::WorkerUnauthenticated(reason.to_string())
+    };
+    let headers = wor_secrets::WorkerRequestHeaders::parse(|name| {
+        parts.headers.get(name).and_then(|v| v.to_str().ok())
+    })
+    .map_err(|e| refused(e.into()))?;
+    let worker = state
+        .store
+        .worker(&headers.worker_id)
+        .await?
+        .ok_or_else(|| refused(WorkerAuthError::UnknownWorker))?;
+    if worker.status != wor_store::WorkerStatus::Active {
+        return Err(refused(WorkerAuthError::Revoked));
+    }
+    let keys =
+        WorkerPublicKeys::from_base64(&worker.signing_public_key, &worker.exchange_public_key)
+            .map_err(|_| {
+                tracing::error!(category = "auth", worker_id = %worker.id,
+                "a stored worker key does not parse");
+                ApiError::Internal
+            })?;
+    let path = parts
+        .uri
+        .path_and_query()
+        .map_or_else(|| parts.uri.path(), |p| p.as_str());
+    let now = wor_store::now_millis() / 1000;
+    headers
+        .verify(
+            &keys,
+            &wor_secrets::RequestToSign {
+                method: parts.method.as_str(),
+                path_and_query: path,
+                body,
+            },
+            now,
+            WORKER_REQUEST_SKEW_SECS,
+        )
+        .map_err(|e| refused(e.into()))?;
+    let fresh = state
+        .store
+        .remember_worker_request_nonce(
+            &worker.id,
+            &headers.nonce_hex(),
+            headers.timestamp.saturating_add(WORKER_REQUEST_SKEW_SECS),
+        )
+        .await?;
+    if !fresh {
+        return Err(refused(WorkerAuthError::Replayed));
+    }
+    state.store.touch_worker(&worker.id).await?;
+    Ok(worker)
+}
+
+/// A worker says it is alive; the first building block of the signed internal API.
+async fn heartbeat(
+    State(state): State<AppState>,
+    request: Request,
+) -> Result<Json<HeartbeatResponse>, ApiError> {
+    let (parts, body) = request.into_parts();
+    let body = axum::body::to_bytes(body, MAX_WORKER_BODY_BYTES)
+        .await
+        .map_err(|_| ApiError::PayloadTooLarge)?;
+    let worker = authenticate_worker(&state, &parts, &body).await?;
+    Ok(Json(HeartbeatResponse {
+        worker_id: worker.id,
+    }))
 }

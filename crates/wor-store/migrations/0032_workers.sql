@@ -19,3 +19,12 @@ CREATE TABLE workers (
     enrolled_at         BIGINT NOT NULL,
     last_seen_at        BIGINT
 );
+
+-- Nonces of workers' signed requests, kept until their timestamp leaves the accepted window,
+-- so a request replayed to any API process is refused.
+CREATE TABLE worker_request_nonces (
+    worker_id  TEXT NOT NULL,
+    nonce      TEXT NOT NULL,
+    keep_until BIGINT NOT NULL,
+    PRIMARY KEY (worker_id, nonce)
+);

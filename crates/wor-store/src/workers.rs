@@ -217,6 +217,33 @@ impl Store {
         rows.iter().map(worker_from_row).collect()
     }
 
+    /// Remembers the nonce of a worker's signed request until `keep_until` (Unix seconds);
+    /// `false` when it was already remembered: a replay. Forgets nonces whose time is past.
+    pub async fn remember_worker_request_nonce(
+        &self,
+        worker_id: &str,
+        nonce: &str,
+        keep_until: i64,
+    ) -> Result<bool, StoreError> {
+        let now_secs = now_millis() / 1000;
+        let mut tx = self.begin_write().await?;
+        sqlx::query("DELETE FROM worker_request_nonces WHERE keep_until < $1")
+            .bind(now_secs)
+            .execute(&mut *tx)
+            .await?;
+        let inserted = sqlx::query(
+            "INSERT INTO worker_request_nonces (worker_id, nonce, keep_until) VALUES ($1, $2, $3) \
+             ON CONFLICT (worker_id, nonce) DO NOTHING",
+        )
+        .bind(worker_id)
+        .bind(nonce)
+        .bind(keep_until)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(inserted.rows_affected() == 1)
+    }
+
     /// Records that `id` was heard from now.
     pub async fn touch_worker(&self, id: &str) -> Result<(), StoreError> {
         sqlx::query("UPDATE workers SET last_seen_at = $1 WHERE id = $2")
