@@ -20,7 +20,8 @@ pub struct ClientArgs {
 #[derive(Debug)]
 pub struct ApiClient {
     base: url::Url,
-    api_key: String,
+    /// `None` for the internal API, which takes no bearer credential.
+    api_key: Option<String>,
     http: reqwest::Client,
 }
 
@@ -37,6 +38,15 @@ impl ApiClient {
 
     /// A client of the server at `server` presenting `api_key`.
     pub fn with_key(server: &str, api_key: String) -> anyhow::Result<Self> {
+        Self::build(server, Some(api_key))
+    }
+
+    /// A client that sends no key: for the internal API's enrolment, proven by its token.
+    pub fn without_key(server: &str) -> anyhow::Result<Self> {
+        Self::build(server, None)
+    }
+
+    fn build(server: &str, api_key: Option<String>) -> anyhow::Result<Self> {
         let base =
             url::Url::parse(server).with_context(|| format!("--server `{server}` is not a URL"))?;
         if !matches!(base.scheme(), "http" | "https") {
@@ -99,9 +109,11 @@ impl ApiClient {
             .connect_timeout(std::time::Duration::from_secs(10))
             .build()
             .context("cannot build the HTTP client")?;
-        let mut response = http
-            .get(url)
-            .bearer_auth(&self.api_key)
+        let mut request = http.get(url);
+        if let Some(key) = &self.api_key {
+            request = request.bearer_auth(key);
+        }
+        let mut response = request
             .send()
             .await
             .with_context(|| format!("cannot reach the server at {}", self.base))?;
@@ -149,10 +161,10 @@ impl ApiClient {
             .base
             .join(path)
             .with_context(|| format!("cannot form a URL from `{path}`"))?;
-        let mut request = self
-            .http
-            .request(method, url.clone())
-            .bearer_auth(&self.api_key);
+        let mut request = self.http.request(method, url.clone());
+        if let Some(key) = &self.api_key {
+            request = request.bearer_auth(key);
+        }
         if let Some(body) = body.filter(|b| !b.is_null()) {
             request = request.json(body);
         }

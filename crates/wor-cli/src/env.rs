@@ -33,3 +33,9 @@ pub const API_KEY: &str = "WOR_API_KEY";
 pub const SANDBOX_DIR: &str = "WOR_SANDBOX_DIR";
 /// Where `wor sandbox exec` looks commands up (the shell's search path).
 pub const PATH: &str = "PATH";
+/// The control plane's run-envelope signing key: 32 bytes, base64. Without it the key lives in
+/// `control-plane-signing.key` in the data dir. Every API process of one deployment needs the
+/// same key, as workers pin it at enrolment.
+pub const CONTROL_PLANE_SIGNING_KEY: &str = "WOR_CONTROL_PLANE_SIGNING_KEY";
+/// What a `wor serve` process does: `all` (default), `api` or `scheduler`.
+pub const ROLE: &str = "WOR_ROLE";

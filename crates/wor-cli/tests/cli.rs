@@ -482,6 +482,8 @@ const NO_JSON: &[(&str, &str)] = &[
     ("project create", "prints the new key alone"),
     ("project recover-owner", "prints the new key alone"),
     ("secrets generate-key", "prints the new key alone"),
+    ("worker token create", "prints the new token alone"),
+    ("worker enroll", "prints the new worker id alone"),
     ("secrets rotate", "progress and a summary on stderr"),
     ("backup", "writes a file; a line on stderr"),
     (

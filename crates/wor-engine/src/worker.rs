@@ -38,6 +38,13 @@ impl Engine {
         }
     }
 
+    /// Starts the sweeps alone (runs of dead workers put back, expired approvals decided as
+    /// denied) until `shutdown`: for a process that drives no runs itself, such as
+    /// `wor serve --role scheduler`. [`Engine::spawn_workers`] runs them with its pool.
+    pub fn spawn_sweeps(&self, shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
+        tokio::spawn(self.clone().sweep(shutdown))
+    }
+
     /// Claims the oldest queued run the limits allow, leased to this process.
     async fn claim_next(&self) -> Result<Option<wor_store::RunRecord>, EngineError> {
         let lease = i64::try_from(self.config.lease.as_millis()).unwrap_or(i64::MAX);

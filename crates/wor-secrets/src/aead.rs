@@ -26,9 +26,9 @@ pub const KEY_LEN: usize = 32;
 /// Length in bytes of a key id.
 pub const KEY_ID_LEN: usize = 8;
 /// Length in bytes of an XChaCha20-Poly1305 nonce.
-const NONCE_LEN: usize = 24;
+pub(crate) const NONCE_LEN: usize = 24;
 /// Length in bytes of the Poly1305 tag appended to every ciphertext.
-const TAG_LEN: usize = 16;
+pub(crate) const TAG_LEN: usize = 16;
 
 /// First bytes of every [`SealedSecret`] in its byte form.
 const SEALED_MAGIC: &[u8; 3] = b"wse";
@@ -117,6 +117,14 @@ pub enum SecretsError {
     #[error("audit {which} key {reason}")]
     InvalidAuditKey {
         /// `signing` or `verifying`.
+        which: &'static str,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// A control plane or worker key is malformed (the key itself is not echoed).
+    #[error("{which} key {reason}")]
+    InvalidKey {
+        /// Which key.
         which: &'static str,
         /// What is wrong with it.
         reason: &'static str,
@@ -508,6 +516,47 @@ impl KeyRing {
     pub fn needs_rotation(&self, sealed: &SealedSecret) -> bool {
         sealed.key_id != self.primary.id
     }
+}
+
+/// Seals `plaintext` under a single-use key (one derived for one run envelope), with a random
+/// nonce; the nonce is returned beside the ciphertext. The same cipher as the key ring, so the
+/// crate keeps one AEAD.
+pub(crate) fn seal_with_single_use_key(
+    key: &Zeroizing<[u8; KEY_LEN]>,
+    aad: &[u8],
+    plaintext: &[u8],
+) -> Result<([u8; NONCE_LEN], Vec<u8>), SecretsError> {
+    let mut nonce = [0u8; NONCE_LEN];
+    getrandom::fill(&mut nonce).map_err(|_| SecretsError::RandomnessUnavailable)?;
+    let ciphertext = XChaCha20Poly1305::new((&**key).into())
+        .encrypt(
+            &XNonce::from(nonce),
+            Payload {
+                msg: plaintext,
+                aad,
+            },
+        )
+        .map_err(|_| SecretsError::EncryptionFailed)?;
+    Ok((nonce, ciphertext))
+}
+
+/// Opens what [`seal_with_single_use_key`] sealed.
+pub(crate) fn open_with_single_use_key(
+    key: &Zeroizing<[u8; KEY_LEN]>,
+    nonce: &[u8; NONCE_LEN],
+    aad: &[u8],
+    ciphertext: &[u8],
+) -> Result<Zeroizing<Vec<u8>>, SecretsError> {
+    XChaCha20Poly1305::new((&**key).into())
+        .decrypt(
+            &XNonce::from(*nonce),
+            Payload {
+                msg: ciphertext,
+                aad,
+            },
+        )
+        .map(Zeroizing::new)
+        .map_err(|_| SecretsError::DecryptionFailed)
 }
 
 /// Whether [`load_or_create_dev_key`] found an existing key or made a new one.

@@ -1,5 +1,6 @@
 //! Secrets of Work on Repeat: the single AEAD seam, the key ring, HMAC signing, the audit
-//! signing key, private key files and redaction.
+//! signing key, private key files, redaction, and the keys and run envelopes of a scaled-out
+//! deployment.
 //!
 //! Everything that encrypts, decrypts, signs or redacts goes through this crate. It never logs,
 //! prints or formats (through `Debug` or `Display`) any key or secret value it holds.
@@ -8,8 +9,11 @@ pub mod aead;
 pub mod audit_signing;
 mod key_file;
 pub mod redaction;
+pub mod run_envelope;
 pub mod slack_signature;
 pub mod webhook_signature;
+pub mod worker_keys;
+pub mod worker_request;
 
 pub use aead::{
     DEV_KEY_FILE_NAME, DevKeyOrigin, KeyId, KeyRing, SealedSecret, SecretBinding, SecretsError,
@@ -20,4 +24,10 @@ pub use audit_signing::{
 };
 pub use key_file::KeyFileOrigin;
 pub use redaction::{REDACTED_MARKER, RedactionError, Redactor, StreamRedactor, redact_shapes};
+pub use run_envelope::{
+    EnvelopeClaims, EnvelopeError, EnvelopeLimits, EnvelopeOpener, OpenedEnvelope, RunSecrets,
+    SealedEnvelope, ToolCredential,
+};
 pub use webhook_signature::{SignatureError, StandardWebhookSecret};
+pub use worker_keys::{ControlPlaneSigningKey, WorkerIdentity, WorkerPublicKeys};
+pub use worker_request::{RequestToSign, WorkerRequestError, WorkerRequestHeaders};

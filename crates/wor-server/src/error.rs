@@ -34,8 +34,27 @@ pub enum ApiError {
     LastOwnerKey(String),
     #[error("{0}")]
     Unavailable(String),
+    #[error("{}", enrolment_refusal_message(*.0))]
+    EnrolmentRefused(wor_store::EnrolmentRefusal),
+    #[error(
+        "the internal API takes no bearer credential: an API key or run credential never opens it"
+    )]
+    InternalCredentialRefused,
+    #[error("{0}")]
+    WorkerUnauthenticated(String),
     #[error("internal error")]
     Internal,
+}
+
+fn enrolment_refusal_message(refusal: wor_store::EnrolmentRefusal) -> &'static str {
+    match refusal {
+        wor_store::EnrolmentRefusal::Unknown => "enrolment token is not known",
+        wor_store::EnrolmentRefusal::AlreadyUsed => "enrolment token was already used",
+        wor_store::EnrolmentRefusal::Expired => "enrolment token has expired",
+        wor_store::EnrolmentRefusal::KeysInUse => {
+            "another worker already enrolled with these public keys"
+        }
+    }
 }
 
 impl ApiError {
@@ -62,6 +81,14 @@ impl ApiError {
             ApiError::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
             ApiError::LastOwnerKey(_) => (StatusCode::CONFLICT, "last_owner_key"),
             ApiError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
+            ApiError::EnrolmentRefused(wor_store::EnrolmentRefusal::KeysInUse) => {
+                (StatusCode::CONFLICT, "keys_in_use")
+            }
+            ApiError::EnrolmentRefused(_) => (StatusCode::UNAUTHORIZED, "enrolment_refused"),
+            ApiError::WorkerUnauthenticated(_) => {
+                (StatusCode::UNAUTHORIZED, "worker_unauthenticated")
+            }
+            ApiError::InternalCredentialRefused => (StatusCode::UNAUTHORIZED, "bearer_refused"),
             ApiError::Internal => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         }
     }

@@ -8,6 +8,7 @@ pub mod auth;
 pub mod console;
 pub mod error;
 pub mod extract;
+pub mod internal;
 pub mod metrics;
 mod request_log;
 pub mod routes;
@@ -48,6 +49,8 @@ pub struct AppState {
     pub audit: AuditLog,
     /// Sign-in settings of the web console.
     pub console: console::ConsoleConfig,
+    /// The key that signs run envelopes; workers enrol only where it is set.
+    pub control_plane: Option<std::sync::Arc<wor_secrets::ControlPlaneSigningKey>>,
 }
 
 impl AppState {
@@ -59,8 +62,18 @@ impl AppState {
             production: engine.config().production,
             audit: engine.audit().clone(),
             console: console::ConsoleConfig::default(),
+            control_plane: None,
             engine,
         }
+    }
+
+    /// The same state with the control plane's envelope signing key: workers may enrol.
+    pub fn with_control_plane(
+        mut self,
+        key: std::sync::Arc<wor_secrets::ControlPlaneSigningKey>,
+    ) -> Self {
+        self.control_plane = Some(key);
+        self
     }
 
     /// The same state with the console's settings from the server configuration.
@@ -230,6 +243,7 @@ pub fn router(state: AppState) -> Router {
     let doc = finish_document(doc);
     routes
         .merge(console::router(state.clone()))
+        .merge(internal::router())
         .route(
             "/v1/openapi.json",
             get(move || {
@@ -243,6 +257,32 @@ pub fn router(state: AppState) -> Router {
         .layer(axum::middleware::from_fn(auth::run_credential_gate))
         .layer(axum::middleware::from_fn(request_log::log_request))
         .with_state(state)
+}
+
+/// Only the liveness and readiness probes, for a process that serves no API (`wor serve
+/// --role scheduler`); every other path is 404.
+pub fn health_router(state: AppState) -> Router {
+    Router::new()
+        .route("/healthz", get(routes::health::healthz))
+        .route("/readyz", get(routes::health::readyz))
+        .fallback(|| async { ApiError::NoRoute })
+        .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
+        .layer(axum::middleware::from_fn(request_log::log_request))
+        .with_state(state)
+}
+
+/// Serves [`health_router`] on `listener` until `shutdown` completes.
+pub async fn serve_health(
+    listener: TcpListener,
+    state: AppState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(
+        listener,
+        health_router(state).into_make_service_with_connect_info::<std::net::SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown)
+    .await
 }
 
 /// Serves the API and the console on `listener` until `shutdown` completes, then drains open

@@ -30,6 +30,7 @@ pub mod testing;
 mod tool_connections;
 mod triggers;
 mod vault;
+mod workers;
 
 use std::path::Path;
 use std::str::FromStr;
@@ -81,6 +82,9 @@ pub use tool_connections::{
 };
 pub use triggers::{AttemptOutcome, DeliveryFilter, DeliveryRecord, DueSchedule, NewDelivery};
 pub use vault::{RotationReport, SecretMetadata, SecretSlot, Vault, VaultError};
+pub use workers::{
+    EnrolmentRefusal, NewEnrolmentToken, WORKER_ENROLMENT_TOKEN_PREFIX, WorkerRecord, WorkerStatus,
+};
 
 /// Which database a [`Store`] runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

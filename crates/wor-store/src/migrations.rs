@@ -192,6 +192,12 @@ const MIGRATIONS: &[SchemaMigration] = &[
         postgres: include_str!("../migrations/0029_console_members.sql"),
     },
     SchemaMigration {
+        version: 32,
+        description: "workers and enrolment tokens",
+        sqlite: include_str!("../migrations/0032_workers.sql"),
+        postgres: include_str!("../migrations/0032_workers.sql"),
+    },
+    SchemaMigration {
         version: 34,
         description: "oauth refresh claims",
         sqlite: include_str!("../migrations/0034_oauth_refresh_claims.sql"),

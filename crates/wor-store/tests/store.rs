@@ -1839,3 +1839,56 @@ async fn versions_and_active_counts_are_read_together_within_their_projects() {
     let counts = store.active_run_counts(&[(b, routine_b)]).await.unwrap();
     assert_eq!(counts.get(&routine_b), Some(&1));
 }
+
+#[tokio::test]
+async fn an_enrolment_token_enrols_one_worker_even_when_raced_and_is_kept_as_a_digest() {
+    let db = TestDatabase::isolated().await.unwrap();
+    let token = db
+        .store
+        .create_worker_enrolment_token(60_000)
+        .await
+        .unwrap();
+    assert!(!format!("{token:?}").contains(token.expose()));
+    let attempts = (0..8).map(|i| {
+        let store = db.store.clone();
+        let token = token.expose().to_owned();
+        tokio::spawn(async move {
+            store
+                .enroll_worker(
+                    &token,
+                    "w",
+                    &format!("signing-{i}"),
+                    &format!("exchange-{i}"),
+                )
+                .await
+        })
+    });
+    let mut enrolled = 0;
+    for attempt in attempts {
+        match attempt.await.unwrap().unwrap() {
+            Ok(_) => enrolled += 1,
+            Err(refusal) => assert_eq!(refusal, wor_store::EnrolmentRefusal::AlreadyUsed),
+        }
+    }
+    assert_eq!(enrolled, 1);
+    assert_eq!(db.store.list_workers().await.unwrap().len(), 1);
+    // The token is stored as its digest only.
+    let rows: Vec<(String, String)> =
+        sqlx::query_as("SELECT id, sha256 FROM worker_enrolment_tokens")
+            .fetch_all(db.store.pool())
+            .await
+            .unwrap();
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].0, token.id);
+    assert_eq!(
+        rows[0].1,
+        wor_core::canonical::sha256_hex(token.expose().as_bytes())
+    );
+    assert_eq!(
+        db.store
+            .enroll_worker("wet_unknown", "w", "s", "e")
+            .await
+            .unwrap(),
+        Err(wor_store::EnrolmentRefusal::Unknown)
+    );
+}

@@ -21,6 +21,7 @@ mod serve;
 mod shell;
 mod tool_connections;
 mod webhooks;
+mod worker;
 
 use std::process::ExitCode;
 
@@ -88,6 +89,9 @@ pub enum Command {
     /// Webhooks: sign and verify bodies (local), and the delivery log of run webhooks.
     #[command(subcommand)]
     Webhook(webhooks::WebhookCommand),
+    /// Workers of a scaled-out deployment: enrolment tokens (operator) and enrolling a worker.
+    #[command(subcommand)]
+    Worker(worker::WorkerCommand),
     /// Notification routes: approval requests sent to Slack, and their delivery log.
     #[command(subcommand)]
     Notify(notify::NotifyCommand),
@@ -131,6 +135,7 @@ impl Command {
             Command::Approvals(cmd) => approvals::run(cmd).await,
             Command::Webhook(cmd) => webhooks::run(cmd).await,
             Command::Notify(cmd) => notify::run(cmd).await,
+            Command::Worker(cmd) => worker::run(cmd).await,
             Command::Completions(args) => Ok(shell::completions(&args)),
             Command::Manpages(args) => shell::manpages(&args),
         }

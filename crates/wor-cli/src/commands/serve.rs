@@ -6,6 +6,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use tokio::net::TcpListener;
 use wor_engine::{Engine, EngineConfig};
+use wor_secrets::ControlPlaneSigningKey;
 use wor_server::AppState;
 use wor_store::{AuditConfig, AuditLog, Store};
 
@@ -26,9 +27,48 @@ pub struct ServeArgs {
     #[arg(long, env = env::WORKERS, value_name = "N",
           value_parser = clap::value_parser!(u16).range(1..))]
     workers: Option<u16>,
+    /// What this process does: `all` (the API, the console, the scheduler and a worker pool:
+    /// the embedded default), `api` (the API and the console only), `scheduler` (schedules,
+    /// outboxes, expired leases and approvals; serves only /healthz and /readyz). `worker` is
+    /// not built yet and is refused.
+    #[arg(long, env = env::ROLE, value_enum, default_value_t = Role::All)]
+    role: Role,
+}
+
+/// What one `wor serve` process does; several processes with different roles share one
+/// PostgreSQL database (docs/deployment.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Role {
+    /// Everything in one process.
+    All,
+    /// The HTTP API and the console, without the scheduler or a worker pool.
+    Api,
+    /// Schedules, webhook and notification outboxes, sweeps of expired leases and approvals.
+    Scheduler,
+    /// A runtime worker that talks only to the control plane (not built yet).
+    Worker,
+}
+
+impl Role {
+    fn as_str(self) -> &'static str {
+        match self {
+            Role::All => "all",
+            Role::Api => "api",
+            Role::Scheduler => "scheduler",
+            Role::Worker => "worker",
+        }
+    }
 }
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
+    if args.role == Role::Worker {
+        eprintln!(
+            "error: `--role worker` is not built yet: a worker must talk only to the control \
+             plane's internal API, never to the database, and that API does not drive runs yet; \
+             run `--role all` for a process that drives runs (docs/deployment.md)"
+        );
+        return Ok(ExitCode::from(2));
+    }
     let mut config = ServerConfig::resolve(&args.flags, args.listen.as_deref(), args.production)?;
     if let Some(workers) = args.workers {
         config.workers = usize::from(workers);
@@ -99,15 +139,34 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         listen = %local,
         database = store.backend().as_str(),
         production = config.production,
+        role = args.role.as_str(),
         "server started"
     );
-    let scheme = if tls.is_some() { "https" } else { "http" };
+    let scheme = if tls.is_some() && args.role != Role::Scheduler {
+        "https"
+    } else {
+        "http"
+    };
     eprintln!("wor: listening on {scheme}://{local}");
+    eprintln!("wor: role {}", args.role.as_str());
     let (stop_workers, workers_stopped) = tokio::sync::watch::channel(false);
-    let triggers = engine.spawn_triggers(workers_stopped.clone());
-    let worker = engine.spawn_workers(workers_stopped);
-    let state = AppState::new(engine.clone()).with_console(config.console.clone());
+    // The scheduler, outboxes and sweeps run wherever runs are fired or driven; the pool only
+    // under `all`. An `api` process starts none of them.
+    let triggers = matches!(args.role, Role::All | Role::Scheduler)
+        .then(|| engine.spawn_triggers(workers_stopped.clone()));
+    let worker = match args.role {
+        Role::All => Some(engine.spawn_workers(workers_stopped)),
+        Role::Scheduler => Some(engine.spawn_sweeps(workers_stopped)),
+        Role::Api | Role::Worker => None,
+    };
+    let mut state = AppState::new(engine.clone()).with_console(config.console.clone());
+    if matches!(args.role, Role::All | Role::Api) {
+        state = state.with_control_plane(Arc::new(control_plane_key(&config)?));
+    }
     let served = match tls {
+        _ if args.role == Role::Scheduler => {
+            wor_server::serve_health(listener, state, shutdown).await
+        }
         Some(tls) => {
             let reloader = spawn_tls_reloader(tls.clone())?;
             let served = wor_server::serve_tls(listener, tls, state, shutdown).await;
@@ -119,8 +178,12 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     // Runs in flight are given back, to be resumed at the next start rather than after
     // their lease runs out.
     let _ = stop_workers.send(true);
-    let _ = worker.await;
-    let _ = triggers.await;
+    if let Some(worker) = worker {
+        let _ = worker.await;
+    }
+    if let Some(triggers) = triggers {
+        let _ = triggers.await;
+    }
     let _ = stop_metrics.send(true);
     // The spans of the runs just given back are sent before the process ends.
     let _ = stop_traces.send(true);
@@ -146,6 +209,24 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     store.close().await;
     tracing::info!(category = "lifecycle", "server stopped");
     Ok(ExitCode::SUCCESS)
+}
+
+/// The key that signs run envelopes and that workers pin at enrolment: from the environment,
+/// else from (or created in) the data dir.
+fn control_plane_key(config: &ServerConfig) -> anyhow::Result<ControlPlaneSigningKey> {
+    match std::env::var(env::CONTROL_PLANE_SIGNING_KEY)
+        .ok()
+        .filter(|v| !v.trim().is_empty())
+    {
+        Some(text) => ControlPlaneSigningKey::from_base64(&text),
+        None => ControlPlaneSigningKey::load_or_create(&config.data_dir).map(|(key, _)| key),
+    }
+    .with_context(|| {
+        format!(
+            "cannot load the control plane signing key ({})",
+            env::CONTROL_PLANE_SIGNING_KEY
+        )
+    })
 }
 
 /// Opens the database, the key ring, the audit log and the egress client of `config`, and

@@ -1,0 +1,167 @@
+//! `wor worker`: enrolment tokens (operator, on the database directly) and enrolling a worker
+//! with the control plane (on the worker's machine).
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{Context, bail};
+use serde_json::json;
+use wor_secrets::{WorkerIdentity, WorkerPublicKeys};
+
+use crate::client::ApiClient;
+use crate::config::{ServerConfig, ServerFlags};
+
+/// File in a worker's data dir naming its id, its control plane and the key it pinned there.
+const ENROLMENT_FILE_NAME: &str = "worker-enrolment.json";
+
+#[derive(Debug, clap::Subcommand)]
+pub enum WorkerCommand {
+    /// Enrolment tokens for new workers (operator: works on the database directly).
+    #[command(subcommand)]
+    Token(TokenCommand),
+    /// Enrol this machine as a worker: make its key pair here (the private keys stay in a 0600
+    /// file in --data-dir) and register the public keys with the control plane.
+    Enroll(EnrollArgs),
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum TokenCommand {
+    /// Make a single-use enrolment token and print it once, alone on stdout.
+    Create {
+        /// Minutes until the token expires.
+        #[arg(long, default_value_t = 60,
+              value_parser = clap::value_parser!(u32).range(1..=10_080))]
+        ttl_minutes: u32,
+        #[command(flatten)]
+        flags: ServerFlags,
+    },
+}
+
+#[derive(Debug, clap::Args)]
+pub struct EnrollArgs {
+    /// Base URL of the control plane (an API process). Plain http only to a loopback address.
+    #[arg(long, value_name = "URL")]
+    control_plane: String,
+    /// The enrolment token `wor worker token create` printed.
+    #[arg(long, value_name = "TOKEN", hide_env_values = true)]
+    token: String,
+    /// The worker's own data directory, where its identity is kept.
+    #[arg(long, value_name = "DIR")]
+    data_dir: PathBuf,
+    /// A name for this worker, shown to operators [default: the host name, else `worker`].
+    #[arg(long)]
+    name: Option<String>,
+}
+
+pub async fn run(command: WorkerCommand) -> anyhow::Result<ExitCode> {
+    match command {
+        WorkerCommand::Token(TokenCommand::Create { ttl_minutes, flags }) => {
+            create_token(&flags, ttl_minutes).await
+        }
+        WorkerCommand::Enroll(args) => enroll(args).await,
+    }
+}
+
+async fn create_token(flags: &ServerFlags, ttl_minutes: u32) -> anyhow::Result<ExitCode> {
+    let config = ServerConfig::resolve(flags, None, false)?;
+    let store = wor_store::Store::open(config.database.as_deref(), &config.data_dir)
+        .await
+        .context("cannot open the database")?;
+    let token = store
+        .create_worker_enrolment_token(i64::from(ttl_minutes) * 60_000)
+        .await?;
+    store.close().await;
+    eprintln!(
+        "created worker enrolment token {} (single use, expires in {ttl_minutes} min)",
+        token.id
+    );
+    println!("{}", token.expose());
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Plain http carries the enrolment token in clear: only to this machine.
+fn check_transport(control_plane: &str) -> anyhow::Result<()> {
+    let url = url::Url::parse(control_plane)
+        .with_context(|| format!("--control-plane `{control_plane}` is not a URL"))?;
+    let loopback = match url.host() {
+        Some(url::Host::Ipv4(ip)) => ip.is_loopback(),
+        Some(url::Host::Ipv6(ip)) => ip.is_loopback(),
+        Some(url::Host::Domain(name)) => name == "localhost",
+        None => false,
+    };
+    match url.scheme() {
+        "https" => Ok(()),
+        "http" if loopback => Ok(()),
+        "http" => bail!(
+            "--control-plane must be https:// unless it is on loopback: the enrolment token would cross the network in clear"
+        ),
+        other => bail!("--control-plane must be an https:// URL, not `{other}:`"),
+    }
+}
+
+async fn enroll(args: EnrollArgs) -> anyhow::Result<ExitCode> {
+    check_transport(&args.control_plane)?;
+    let enrolment_file = args.data_dir.join(ENROLMENT_FILE_NAME);
+    if enrolment_file.exists() {
+        bail!(
+            "this data dir already belongs to an enrolled worker ({}); use a new data dir to enrol another",
+            enrolment_file.display()
+        );
+    }
+    // A retry after a failed registration keeps the key pair already made.
+    let (identity, _) = WorkerIdentity::load_or_create(&args.data_dir)
+        .context("cannot make or read the worker identity")?;
+    let public: WorkerPublicKeys = identity.public_keys();
+    let name = args.name.unwrap_or_else(default_name);
+    let client = ApiClient::without_key(&args.control_plane)?;
+    let answer = client
+        .post(
+            wor_server::internal::ENROLL_PATH,
+            &json!({
+                "token": args.token,
+                "name": name,
+                "signing_public_key": public.signing_base64(),
+                "exchange_public_key": public.exchange_base64(),
+            }),
+        )
+        .await
+        .context("the control plane refused the enrolment")?;
+    let worker_id = answer
+        .get("worker_id")
+        .and_then(|v| v.as_str())
+        .context("the control plane's answer names no worker id")?;
+    let pinned = answer
+        .get("control_plane_verifying_key")
+        .and_then(|v| v.as_str())
+        .context("the control plane's answer has no verifying key")?;
+    wor_secrets::parse_verifying_key(pinned)
+        .context("the control plane's verifying key is malformed")?;
+    write_enrolment(
+        &enrolment_file,
+        &json!({
+            "worker_id": worker_id,
+            "control_plane": args.control_plane,
+            "control_plane_verifying_key": pinned,
+        }),
+    )?;
+    eprintln!(
+        "enrolled as worker {worker_id}; identity in {}",
+        args.data_dir.display()
+    );
+    println!("{worker_id}");
+    Ok(ExitCode::SUCCESS)
+}
+
+fn write_enrolment(path: &Path, value: &serde_json::Value) -> anyhow::Result<()> {
+    let text = serde_json::to_string_pretty(value)?;
+    std::fs::write(path, format!("{text}\n"))
+        .with_context(|| format!("cannot write {}", path.display()))
+}
+
+fn default_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty() && h.len() <= 100)
+        .unwrap_or_else(|| "worker".to_owned())
+}

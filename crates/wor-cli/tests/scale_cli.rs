@@ -1,0 +1,468 @@
+//! Scale-out through the real binary: workers enrol once with a single-use token over the
+//! internal API, which no API key opens; `wor serve --role api|scheduler|all` processes share
+//! one database, and a schedule fires exactly once per slot while runs started on either API
+//! process finish on the process with the pool.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic,
+    reason = "tests fail loudly"
+)]
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::io::{BufRead as _, BufReader};
+use std::os::unix::fs::PermissionsExt as _;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::{Server, create_project, database_args, database_url, run, text, wor};
+use serde_json::Value;
+
+fn create_token(db: &[String]) -> String {
+    let mut args = vec!["worker", "token", "create"];
+    args.extend(db.iter().map(String::as_str));
+    let out = run(&mut wor(&args));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let token = text(&out.stdout).trim().to_owned();
+    assert!(token.starts_with("wet_") && token.len() == 68, "{token}");
+    token
+}
+
+fn enroll(control_plane: &str, token: &str, data_dir: &std::path::Path) -> std::process::Output {
+    run(&mut wor(&[
+        "worker",
+        "enroll",
+        "--control-plane",
+        control_plane,
+        "--token",
+        token,
+        "--data-dir",
+        data_dir.to_str().unwrap(),
+        "--name",
+        "test-worker",
+    ]))
+}
+
+#[test]
+fn a_worker_enrols_once_with_a_single_use_token_and_keeps_its_private_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = database_args(dir.path());
+    let key = create_project(&db);
+    let server = Server::start(&db, &[]);
+
+    let token = create_token(&db);
+    let worker_dir = dir.path().join("worker-a");
+    let out = enroll(&server.url, &token, &worker_dir);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let worker_id = text(&out.stdout).trim().to_owned();
+    assert!(worker_id.starts_with("wkr_"), "{worker_id}");
+
+    // The private keys stay on the worker's machine in a 0600 file; the control plane has the
+    // public halves only.
+    let identity = worker_dir.join("worker-identity.key");
+    let mode = std::fs::metadata(&identity).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+    let private_text = std::fs::read_to_string(&identity).unwrap();
+    let enrolment: Value = serde_json::from_str(
+        &std::fs::read_to_string(worker_dir.join("worker-enrolment.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(enrolment["worker_id"], worker_id.as_str());
+    let pinned = enrolment["control_plane_verifying_key"].as_str().unwrap();
+    let control_plane_key =
+        std::fs::read_to_string(dir.path().join("control-plane-signing.key")).unwrap();
+    let signing = wor_secrets::ControlPlaneSigningKey::from_base64(&control_plane_key).unwrap();
+    assert_eq!(
+        pinned,
+        wor_secrets::verifying_key_to_base64(&signing.verifying_key())
+    );
+
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let store = runtime
+        .block_on(wor_store::Store::open(
+            Some(&database_url(&db, dir.path())),
+            dir.path(),
+        ))
+        .unwrap();
+    let workers = runtime.block_on(store.list_workers()).unwrap();
+    assert_eq!(workers.len(), 1);
+    assert_eq!(workers[0].id, worker_id);
+    assert_eq!(workers[0].name, "test-worker");
+    let identity = wor_secrets::WorkerIdentity::from_base64(&private_text).unwrap();
+    assert_eq!(
+        workers[0].signing_public_key,
+        identity.public_keys().signing_base64()
+    );
+    assert!(!private_text.contains(&workers[0].signing_public_key));
+
+    // The token is spent: a second worker cannot use it.
+    let out = enroll(&server.url, &token, &dir.path().join("worker-b"));
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("enrolment token was already used"),
+        "{}",
+        text(&out.stderr)
+    );
+    // An expired token is refused.
+    let expired = create_token(&db);
+    runtime
+        .block_on(wor_store::testing::tamper(
+            &store,
+            &[
+                "UPDATE worker_enrolment_tokens SET expires_at = 1 WHERE used_at IS NULL"
+                    .to_owned(),
+            ],
+        ))
+        .unwrap();
+    let out = enroll(&server.url, &expired, &dir.path().join("worker-c"));
+    assert!(
+        text(&out.stderr).contains("enrolment token has expired"),
+        "{}",
+        text(&out.stderr)
+    );
+    // An unknown token too; the same data dir cannot enrol twice.
+    let out = enroll(
+        &server.url,
+        &format!("wet_{}", "0".repeat(64)),
+        &dir.path().join("d"),
+    );
+    assert!(text(&out.stderr).contains("enrolment token is not known"));
+    let out = enroll(&server.url, &create_token(&db), &worker_dir);
+    assert!(text(&out.stderr).contains("already belongs to an enrolled worker"));
+    assert_eq!(runtime.block_on(store.list_workers()).unwrap().len(), 1);
+
+    // The enrolment token travels in clear only to loopback.
+    let out = enroll(
+        "http://192.0.2.1:8080",
+        &create_token(&db),
+        &dir.path().join("e"),
+    );
+    assert!(
+        text(&out.stderr).contains("must be https:// unless it is on loopback"),
+        "{}",
+        text(&out.stderr)
+    );
+
+    // An API key never opens the internal API, and an enrolment token never opens the public one.
+    let fresh = create_token(&db);
+    let body = format!(
+        "{{\"token\":\"{fresh}\",\"name\":\"x\",\"signing_public_key\":\"{}\",\"exchange_public_key\":\"{}\"}}",
+        identity.public_keys().signing_base64(),
+        identity.public_keys().exchange_base64()
+    );
+    let response = server.raw(&format!(
+        "POST /internal/v1/workers/enroll HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    ));
+    assert!(response.starts_with("HTTP/1.1 401"), "{response}");
+    assert!(response.contains("bearer_refused"), "{response}");
+    let response = server.raw(&format!(
+        "GET /v1/whoami HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {fresh}\r\nConnection: close\r\n\r\n"
+    ));
+    assert!(response.starts_with("HTTP/1.1 401"), "{response}");
+    // Refused requests spent nothing: the token still enrols, once (these keys are taken).
+    let out = enroll(&server.url, &fresh, &dir.path().join("worker-f"));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    server.stop();
+    runtime.block_on(store.close());
+}
+
+#[test]
+fn the_worker_role_is_refused_until_it_is_built() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(&mut wor(&[
+        "serve",
+        "--role",
+        "worker",
+        "--data-dir",
+        dir.path().to_str().unwrap(),
+    ]));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("`--role worker` is not built yet"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+/// A `wor serve` with a role; its log is collected.
+fn start_role(db: &[String], role: &str) -> Server {
+    let mut args = vec!["serve", "--listen", "127.0.0.1:0", "--role", role];
+    args.extend(db.iter().map(String::as_str));
+    let mut child = wor(&args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let log = Arc::new(Mutex::new(String::new()));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let sink = log.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if let Some(url) = line.strip_prefix("wor: listening on ") {
+                let _ = tx.send(url.to_owned());
+            }
+            let mut log = sink.lock().unwrap();
+            log.push_str(&line);
+            log.push('\n');
+        }
+    });
+    let url = rx
+        .recv_timeout(Duration::from_secs(30))
+        .unwrap_or_else(|_| panic!("{role} did not start: {}", log.lock().unwrap()));
+    Server { child, url, log }
+}
+
+fn runs(server: &Server, key: &str) -> Vec<Value> {
+    let out = server.client(key, &["run", "list", "--limit", "200", "--json"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    serde_json::from_slice::<Value>(&out.stdout)
+        .unwrap()
+        .as_array()
+        .unwrap()
+        .clone()
+}
+
+fn wait_for(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn api_scheduler_and_all_processes_share_one_database_and_each_slot_runs_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = database_args(dir.path());
+    let key = create_project(&db);
+    let routine = dir.path().join("tick.toml");
+    std::fs::write(
+        &routine,
+        "name = \"tick\"\ninstructions = \"Tick.\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\n\
+         [[model.script.turns]]\ntext = \"tock\"\n[concurrency]\nmax_runs = 50\n\
+         [schedule]\ncron = \"*/2 * * * * *\"\n",
+    )
+    .unwrap();
+
+    let api_a = start_role(&db, "api");
+    let api_b = start_role(&db, "api");
+    let scheduler = start_role(&db, "scheduler");
+    let applied = api_a.client(&key, &["routine", "apply", "-f", routine.to_str().unwrap()]);
+    assert!(applied.status.success(), "{}", text(&applied.stderr));
+
+    // The scheduler serves its probes and nothing else.
+    let ready = scheduler.raw("GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    assert!(ready.starts_with("HTTP/1.1 200"), "{ready}");
+    let whoami = scheduler.raw(&format!(
+        "GET /v1/whoami HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nConnection: close\r\n\r\n"
+    ));
+    assert!(whoami.starts_with("HTTP/1.1 404"), "{whoami}");
+    for api in [&api_a, &api_b] {
+        let ready = api.raw("GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        assert!(ready.starts_with("HTTP/1.1 200"), "{ready}");
+    }
+
+    // Runs started on either API process, and the scheduler's, wait: no process so far
+    // drives runs.
+    for api in [&api_a, &api_b] {
+        let out = api.client(&key, &["run", "start", "tick"]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+    }
+    wait_for("scheduled runs", Duration::from_secs(30), || {
+        runs(&api_b, &key)
+            .iter()
+            .filter(|r| r["trigger_key"].is_string())
+            .count()
+            >= 2
+    });
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(
+        runs(&api_a, &key).iter().all(|r| r["status"] == "queued"),
+        "{:?}",
+        runs(&api_a, &key)
+    );
+
+    // A process with the pool (and a second scheduler) finishes them all.
+    let all = start_role(&db, "all");
+    wait_for(
+        "six scheduled runs and both started ones finished",
+        Duration::from_secs(60),
+        || {
+            let listed = runs(&api_a, &key);
+            let scheduled = listed
+                .iter()
+                .filter(|r| r["trigger_key"].is_string() && r["status"] == "succeeded")
+                .count();
+            scheduled >= 6
+                && listed
+                    .iter()
+                    .filter(|r| !r["trigger_key"].is_string())
+                    .all(|r| r["status"] == "succeeded")
+        },
+    );
+    for server in [api_a, scheduler, all] {
+        server.stop();
+    }
+    let listed = runs(&api_b, &key);
+    api_b.stop();
+
+    // Two schedulers (the `scheduler` and the `all` process) fired each slot once, and the
+    // slots are consecutive.
+    let slots: Vec<i64> = listed
+        .iter()
+        .filter_map(|r| r["trigger_key"].as_str())
+        .map(|k| k.strip_prefix("slot:").unwrap().parse().unwrap())
+        .collect();
+    let unique: BTreeSet<i64> = slots.iter().copied().collect();
+    assert_eq!(unique.len(), slots.len(), "a slot ran twice: {slots:?}");
+    let first = *unique.first().unwrap();
+    let last = *unique.last().unwrap();
+    let expected: BTreeSet<i64> = (0..)
+        .map(|i| first + i * 2_000)
+        .take_while(|s| *s <= last)
+        .collect();
+    assert_eq!(unique, expected, "a slot was skipped");
+    assert_eq!(
+        listed
+            .iter()
+            .filter(|r| !r["trigger_key"].is_string())
+            .count(),
+        2
+    );
+}
+
+/// A raw POST with extra headers; returns the whole response.
+fn post_signed(server: &Server, path: &str, headers: &[(&str, String)], body: &str) -> String {
+    let extra: String = headers
+        .iter()
+        .map(|(name, value)| format!("{name}: {value}\r\n"))
+        .collect();
+    server.raw(&format!(
+        "POST {path} HTTP/1.1\r\nHost: x\r\n{extra}Content-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    ))
+}
+
+#[test]
+fn a_workers_request_opens_the_internal_api_only_signed_fresh_and_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = database_args(dir.path());
+    let key = create_project(&db);
+    let server = Server::start(&db, &[]);
+    let worker_dir = dir.path().join("worker");
+    let out = enroll(&server.url, &create_token(&db), &worker_dir);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let worker_id = text(&out.stdout).trim().to_owned();
+    let identity = wor_secrets::WorkerIdentity::load(&worker_dir)
+        .unwrap()
+        .unwrap();
+    let path = "/internal/v1/workers/heartbeat";
+    let sign = |body: &str, timestamp: i64| {
+        identity
+            .sign_request(
+                &worker_id,
+                &wor_secrets::RequestToSign {
+                    method: "POST",
+                    path_and_query: path,
+                    body: body.as_bytes(),
+                },
+                timestamp,
+            )
+            .unwrap()
+            .to_header_values()
+            .to_vec()
+    };
+    let now = || wor_store::now_millis() / 1000;
+
+    let headers = sign("{}", now());
+    let answer = post_signed(&server, path, &headers, "{}");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.contains(&worker_id), "{answer}");
+    // The same request again, to this or any other API process, is a replay.
+    let replayed = post_signed(&server, path, &headers, "{}");
+    assert!(replayed.starts_with("HTTP/1.1 401"), "{replayed}");
+    assert!(replayed.contains("a replay"), "{replayed}");
+    // A body other than the one signed.
+    let altered = post_signed(&server, path, &sign("{}", now()), "{\"x\":1}");
+    assert!(altered.contains("signature does not verify"), "{altered}");
+    // Signed too long ago.
+    let stale = post_signed(&server, path, &sign("{}", now() - 120), "{}");
+    assert!(stale.contains("more than 30 s from now"), "{stale}");
+    // Signed by a worker that is not enrolled.
+    let (stranger, _) = wor_secrets::WorkerIdentity::generate().unwrap();
+    let forged = stranger
+        .sign_request(
+            "wkr_unknown",
+            &wor_secrets::RequestToSign {
+                method: "POST",
+                path_and_query: path,
+                body: b"{}",
+            },
+            now(),
+        )
+        .unwrap()
+        .to_header_values()
+        .to_vec();
+    let answer = post_signed(&server, path, &forged, "{}");
+    assert!(answer.contains("worker is not enrolled"), "{answer}");
+    // A stranger's signature under the enrolled worker's id.
+    let mut impostor = forged.clone();
+    impostor[0].1 = worker_id.clone();
+    let answer = post_signed(&server, path, &impostor, "{}");
+    assert!(answer.contains("signature does not verify"), "{answer}");
+    // No signature headers at all.
+    let answer = post_signed(&server, path, &[], "{}");
+    assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+    assert!(answer.contains("x-wor-worker"), "{answer}");
+    // An API key beside a valid signature still does not open the internal API, and a
+    // worker's signature opens no public route.
+    let mut with_key = sign("{}", now());
+    with_key.push(("authorization", format!("Bearer {key}")));
+    let answer = post_signed(&server, path, &with_key, "{}");
+    assert!(answer.contains("bearer_refused"), "{answer}");
+    let signed_get: String = sign("", now())
+        .iter()
+        .map(|(name, value)| format!("{name}: {value}\r\n"))
+        .collect();
+    let answer = server.raw(&format!(
+        "GET /v1/whoami HTTP/1.1\r\nHost: x\r\n{signed_get}Connection: close\r\n\r\n"
+    ));
+    assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let store = runtime
+        .block_on(wor_store::Store::open(
+            Some(&database_url(&db, dir.path())),
+            dir.path(),
+        ))
+        .unwrap();
+    let worker = runtime.block_on(store.worker(&worker_id)).unwrap().unwrap();
+    assert!(worker.last_seen_at.is_some());
+    // A revoked worker is refused, signature and all.
+    runtime
+        .block_on(wor_store::testing::tamper(
+            &store,
+            &[format!(
+                "UPDATE workers SET status = 'revoked' WHERE id = '{worker_id}'"
+            )],
+        ))
+        .unwrap();
+    let answer = post_signed(&server, path, &sign("{}", now()), "{}");
+    assert!(answer.contains("worker is revoked"), "{answer}");
+    server.stop();
+    runtime.block_on(store.close());
+}
