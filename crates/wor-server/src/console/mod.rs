@@ -24,6 +24,7 @@ mod runs;
 pub mod session;
 mod sign_in_link;
 mod slack_link;
+mod threads;
 
 use std::time::Duration;
 
@@ -150,6 +151,12 @@ pub fn router(state: AppState) -> Router<AppState> {
         .route("/routines", get(routines::list))
         .route("/routines/{routine_id}", get(routines::show))
         .route("/routines/{routine_id}/runs", post(routines::start))
+        .route("/routines/{routine_id}/threads", get(threads::list))
+        .route(
+            "/routines/{routine_id}/thread",
+            get(threads::show).post(threads::write),
+        )
+        .route("/routines/{routine_id}/thread/events", get(threads::events))
         .route("/sessions", get(account::sessions))
         .route("/sessions/{session_id}/revoke", post(account::revoke))
         .route(
