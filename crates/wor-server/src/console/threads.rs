@@ -466,8 +466,8 @@ impl Follow {
     }
 }
 
-/// `changed` each time a turn of the thread takes a step or changes status (and when a new
-/// turn starts), `text` with `{"run", "delta"}` for the model's redacted text as it is
+/// `changed` once the thread is first read, then each time a turn of the thread takes a step or
+/// changes status (and when a new turn starts), `text` with `{"run", "delta"}` for the model's redacted text as it is
 /// written (only while this server drives the run), and `end` once no turn is active.
 pub async fn events(
     State(state): State<AppState>,
@@ -479,21 +479,24 @@ pub async fn events(
     let project = member.session.project_id;
     // Another project's routine, or one without memory, is not found, as its page is not.
     let (routine, _) = memory_routine(&state, project, &routine_id).await?;
-    let store = state.store.clone();
-    let seen = fingerprint(&store, project, routine, &thread).await;
+    // No baseline: the first read counts as a change, so a turn that moved between the
+    // page's rendering and this stream's start is not missed (one extra fetch of the page).
     let mut follow = Follow {
-        store,
+        store: state.store.clone(),
         engine: state.engine.clone(),
         project,
         routine,
         thread,
-        seen,
+        seen: None,
         text: Vec::new(),
         pending: VecDeque::new(),
         ticks: 0,
         ended: false,
     };
+    // The text of turns already being answered is watched from the start.
+    follow.seen = fingerprint(&follow.store, project, routine, &follow.thread).await;
     follow.watch();
+    follow.seen = None;
     let stream = futures_util::stream::unfold(follow, |mut f| async move {
         loop {
             if let Some(event) = f.pending.pop_front() {

@@ -666,6 +666,8 @@ enabled = true
 tool = "notes/send_note"
 mode = "confirm"
 pinned = { to = "team@example.com" }
+[concurrency]
+max_runs = 10
 ` });
   return applied.routine.id;
 }
@@ -694,8 +696,8 @@ test('a thread: a message starts a run whose answer appears in place, and a held
   // A message that makes a held call: the call shows inline, with the page that decides it.
   await page.getByLabel('Message', { exact: true }).fill('please send it');
   await page.getByRole('button', { name: 'Send' }).click();
-  await page.waitForURL(/#turn-run_/);
   const second = page.locator('li.turn').nth(1);
+  await second.waitFor();
   await second.locator('ul.held', { hasText: 'held for approval' }).waitFor({ timeout: 30000 });
   assert.match(await second.locator('ul.held').innerText(), /notes\/send_note: held for approval/);
   const href = await second.getByRole('link', { name: 'decide it' }).getAttribute('href');
@@ -757,4 +759,78 @@ test('another project\'s thread is a 404, and a viewer reads a thread but cannot
   assert.equal(await viewer.getByLabel('Message', { exact: true }).count(), 0);
   await accessible(viewer, 'thread (viewer)');
   await viewer.context().close();
+});
+
+test('the sign-in link `wor demo` prints opens the inbox for its approver', async () => {
+  const demo = spawn(WOR, ['demo'], { stdio: ['ignore', 'pipe', 'pipe'] });
+  try {
+    const link = await new Promise((resolve, reject) => {
+      let seen = '';
+      demo.stdout.on('data', (chunk) => {
+        seen += chunk;
+        const match = seen.match(/(http:\/\/[0-9.:]+\/console\/sign-in-links\/wrl_[0-9a-f]+)\s/);
+        if (match) resolve(match[1]);
+      });
+      demo.on('exit', (code) => reject(new Error(`wor demo exited with ${code}: ${seen}`)));
+    });
+    const page = await newPage();
+    await page.goto(link);
+    assert.match(await page.locator('main').innerText(), /signs you in as Dana/i);
+    await accessible(page, 'sign-in link');
+    await page.getByRole('button', { name: /^Sign in as / }).click();
+    await page.waitForURL(/\/console\/approvals$/);
+    assert.equal(await page.locator('section.card').count(), 1, 'the demo\'s held call');
+    await accessible(page, 'approvals (demo)');
+    // The link works once.
+    await page.goto(link);
+    assert.notEqual(await page.getByRole('button', { name: /^Sign in as / }).count(), 1);
+    await page.context().close();
+  } finally {
+    demo.kill('SIGINT');
+    await new Promise((resolve) => demo.on('exit', resolve));
+  }
+});
+
+test('an admin adds and revokes a model connection, starts a run from a routine and revokes a key', async () => {
+  routineId ??= await noteSender();
+  const page = await memberPage('quin', 'admin');
+  await page.goto(`${serverUrl}/console/connections`);
+  await page.getByLabel('Name', { exact: true }).fill('local-llm');
+  await page.getByLabel('Provider').selectOption('openai_compatible');
+  await page.getByLabel('Base URL').fill(`http://${toolAddr}/v1`);
+  await page.getByLabel(/^API key/).fill('sk-console-test-key-0123456789');
+  await page.getByRole('button', { name: 'Add connection' }).click();
+  await page.waitForLoadState();
+  assert.match(await page.locator('main').innerText(), /Model connection local-llm was added/);
+  assert.ok(!(await page.content()).includes('sk-console-test-key'), 'the key is never shown');
+  await accessible(page, 'connections (model added)');
+  await page.getByRole('button', { name: 'Revoke model connection local-llm' }).click();
+  await page.waitForLoadState();
+  const models = await api('GET', '/v1/model-connections');
+  assert.equal(models.find((m) => m.name === 'local-llm').status, 'revoked');
+  await accessible(page, 'connections (model revoked)');
+
+  // The start-run form: the member starts a run, and lands on its page.
+  await page.goto(`${serverUrl}/console/routines/${routineId}`);
+  await page.getByLabel('Input', { exact: true }).fill('please send note 7');
+  await page.getByRole('button', { name: 'Start the run' }).click();
+  await page.waitForURL(/\/console\/runs\/run_[0-9a-f]{32}$/);
+  const runId = page.url().split('/').pop();
+  const run = await api('GET', `/v1/runs/${runId}`);
+  assert.match(run.started_by_member, /^mem_/);
+  await accessible(page, 'run (started in the console)');
+
+  // A key made and revoked in the console.
+  await page.goto(`${serverUrl}/console/keys`);
+  await page.getByLabel('Name').fill('quin-laptop');
+  await page.getByRole('button', { name: 'Create key' }).click();
+  await page.waitForLoadState();
+  const key = (await page.locator('pre.created-key').innerText()).trim();
+  await page.getByRole('button', { name: 'Revoke key quin-laptop' }).click();
+  await page.waitForLoadState();
+  assert.match(await page.locator('[role=status]').innerText(), /Key quin-laptop is revoked/);
+  const refused = await fetch(`${serverUrl}/v1/runs`, { headers: { authorization: `Bearer ${key}` } });
+  assert.equal(refused.status, 401);
+  await accessible(page, 'keys (revoked)');
+  await page.context().close();
 });
