@@ -2865,6 +2865,53 @@ async fn an_admin_adds_and_revokes_a_model_connection_whose_key_is_never_shown()
     assert!(!models.to_string().contains("sk-console-canary"));
     let id = model["id"].as_str().unwrap().to_owned();
 
+    // Its key is replaced in the console through the API's path: a viewer is refused, the
+    // credential version rises, and the new key is shown nowhere.
+    let replace = format!("/console/model-connections/{id}/key");
+    let csrf_cho = cho.get("/console/connections").await.csrf();
+    assert!(
+        !cho.get("/console/connections")
+            .await
+            .body
+            .contains(&replace)
+    );
+    let refused = cho
+        .post(
+            &replace,
+            &[("csrf", &csrf_cho), ("api_key", "sk-viewer-canary-6")],
+        )
+        .await;
+    assert_eq!(refused.status, StatusCode::FORBIDDEN);
+    assert!(
+        dee.get("/console/connections")
+            .await
+            .body
+            .contains(&replace)
+    );
+    let refused = dee
+        .post(&replace, &[("csrf", &csrf), ("api_key", "")])
+        .await;
+    assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{}", refused.body);
+    let page = dee
+        .post(
+            &replace,
+            &[("csrf", &csrf), ("api_key", "sk-replaced-canary-7")],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    assert!(
+        page.body
+            .contains("The key of model connection main is replaced (credential version 2)"),
+        "{}",
+        page.body
+    );
+    assert!(!page.body.contains("sk-replaced-canary"));
+    let (_, model) = h
+        .call(Method::GET, &format!("/v1/model-connections/{id}"), None)
+        .await;
+    assert_eq!(model["credential_version"], 2, "{model}");
+    assert!(!model.to_string().contains("sk-replaced-canary"));
+
     // A viewer cannot revoke it; another project's connection is the 404 page; the admin
     // revokes it and its key is deleted.
     let revoke = format!("/console/model-connections/{id}/revoke");
@@ -2904,6 +2951,16 @@ async fn an_admin_adds_and_revokes_a_model_connection_whose_key_is_never_shown()
     let audit = h.audit_text().await;
     assert!(audit.contains("model_connection.create"), "{audit}");
     assert!(audit.contains("model_connection.revoke"), "{audit}");
+    assert!(audit.contains("model_connection.set_key"), "{audit}");
+    assert!(!audit.contains("sk-replaced-canary"), "{audit}");
+    // A revoked connection's key cannot be replaced.
+    let page = dee
+        .post(
+            &replace,
+            &[("csrf", &csrf), ("api_key", "sk-late-canary-8")],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::CONFLICT, "{}", page.body);
     assert!(!audit.contains("canary"));
 }
 
@@ -3086,4 +3143,46 @@ async fn a_thread_starts_runs_from_messages_and_shows_each_turn_with_its_provena
         )
         .await;
     assert_eq!(page.status, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn the_inbox_shows_fifty_held_calls_a_page_newest_first_with_a_link_to_older_ones() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    hostile_tools(&h).await;
+    let (status, applied) = h
+        .call(
+            Method::POST,
+            "/v1/routines",
+            Some(json!({"toml": ROUTINE.replace("max_runs = 5", "max_runs = 60")})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{applied}");
+    let routine = applied["routine"]["id"].as_str().unwrap().to_owned();
+    let mut runs = Vec::new();
+    for _ in 0..52 {
+        runs.push(parked_run(&h, &routine).await);
+    }
+    let mut ann = signed_in(&h, addr, "ann", Some("approver")).await;
+    let page = ann.get("/console/approvals").await;
+    assert_eq!(page.status, StatusCode::OK);
+    assert_eq!(page.body.matches("<section class=\"card\"").count(), 50);
+    // Newest first: the last run started is on the first page, the first two are not.
+    assert!(page.body.contains(&runs[51]));
+    assert!(!page.body.contains(&runs[0]) && !page.body.contains(&runs[1]));
+    assert!(!page.body.contains("The newest held calls"));
+    let start = page
+        .body
+        .find("/console/approvals?before=")
+        .expect("a link to older calls");
+    let link = &page.body[start..];
+    let link = link[..link.find('"').unwrap()].to_owned();
+    let older = ann.get(&link).await;
+    assert_eq!(older.status, StatusCode::OK);
+    assert_eq!(older.body.matches("<section class=\"card\"").count(), 2);
+    assert!(older.body.contains(&runs[0]) && older.body.contains(&runs[1]));
+    assert!(older.body.contains("The newest held calls"));
+    assert!(!older.body.contains("/console/approvals?before="));
+    let refused = ann.get("/console/approvals?before=not-an-id").await;
+    assert_eq!(refused.status, StatusCode::BAD_REQUEST);
 }
