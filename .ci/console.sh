@@ -23,7 +23,8 @@ if ! grep -qs "\"version\": \"$CONSOLE_PLAYWRIGHT_CORE\"" "$CONSOLE_NPM_DIR/node
     "playwright-core@$CONSOLE_PLAYWRIGHT_CORE" "@axe-core/playwright@$CONSOLE_AXE_PLAYWRIGHT")
 fi
 
+# The timeout bounds the whole test file (node runs each file as one test), not one test.
 WOR_BIN="$CARGO_TARGET_DIR/debug/wor" \
   WOR_NPM_CONSOLE="$CONSOLE_NPM_DIR" \
   WOR_TEST_DATABASE_URL="${CONSOLE_DATABASE_URL:-}" \
-  node --test --test-timeout=120000 crates/wor-server/tests/console/
+  node --test --test-timeout=300000 crates/wor-server/tests/console/

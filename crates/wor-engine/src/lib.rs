@@ -57,7 +57,7 @@ pub use oauth_connections::{
     AUTHORIZATION_LIFETIME_MS, FinishedAuthorization, OAUTH_CALLBACK_PATH, REFRESH_AHEAD_MS,
     RegisteredClient, StartedAuthorization,
 };
-pub use start::{StartRun, Trigger};
+pub use start::{DEFAULT_THREAD, StartRun, Trigger};
 pub use tool_connection_spec::{
     CheckedHttpTools, CheckedToolConnection, HttpToolsSource, LocalCommandRules, OpenApiSource,
     ToolConnectionSpec, ToolConnectionSpecError,

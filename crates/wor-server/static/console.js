@@ -1,5 +1,6 @@
 // The console's only script, served from the binary. Pages work without it: it adds live
-// updates (server-sent events) to the approvals inbox and an active run's page, and keyboard
+// updates (server-sent events) to the approvals inbox, an active run's page and a thread being
+// answered (with the model's text as it is written), and keyboard
 // shortcuts on the inbox (j/k move between held calls, a/d approve or deny with the reason).
 'use strict';
 
@@ -35,6 +36,20 @@
   if (live && window.EventSource) {
     const source = new EventSource(live);
     source.addEventListener('changed', () => refresh());
+    // The model's text as it is written, appended as text (never markup) to the answer being
+    // written; the next refresh replaces it with the server's rendering.
+    source.addEventListener('text', (event) => {
+      let data;
+      try {
+        data = JSON.parse(event.data);
+      } catch {
+        return;
+      }
+      const answer = document.getElementById('answer-' + data.run);
+      if (answer && answer.classList.contains('streaming') && typeof data.delta === 'string') {
+        answer.textContent += data.delta;
+      }
+    });
     source.addEventListener('end', () => {
       source.close();
       refresh();

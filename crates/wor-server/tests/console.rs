@@ -2865,6 +2865,53 @@ async fn an_admin_adds_and_revokes_a_model_connection_whose_key_is_never_shown()
     assert!(!models.to_string().contains("sk-console-canary"));
     let id = model["id"].as_str().unwrap().to_owned();
 
+    // Its key is replaced in the console through the API's path: a viewer is refused, the
+    // credential version rises, and the new key is shown nowhere.
+    let replace = format!("/console/model-connections/{id}/key");
+    let csrf_cho = cho.get("/console/connections").await.csrf();
+    assert!(
+        !cho.get("/console/connections")
+            .await
+            .body
+            .contains(&replace)
+    );
+    let refused = cho
+        .post(
+            &replace,
+            &[("csrf", &csrf_cho), ("api_key", "sk-viewer-canary-6")],
+        )
+        .await;
+    assert_eq!(refused.status, StatusCode::FORBIDDEN);
+    assert!(
+        dee.get("/console/connections")
+            .await
+            .body
+            .contains(&replace)
+    );
+    let refused = dee
+        .post(&replace, &[("csrf", &csrf), ("api_key", "")])
+        .await;
+    assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{}", refused.body);
+    let page = dee
+        .post(
+            &replace,
+            &[("csrf", &csrf), ("api_key", "sk-replaced-canary-7")],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    assert!(
+        page.body
+            .contains("The key of model connection main is replaced (credential version 2)"),
+        "{}",
+        page.body
+    );
+    assert!(!page.body.contains("sk-replaced-canary"));
+    let (_, model) = h
+        .call(Method::GET, &format!("/v1/model-connections/{id}"), None)
+        .await;
+    assert_eq!(model["credential_version"], 2, "{model}");
+    assert!(!model.to_string().contains("sk-replaced-canary"));
+
     // A viewer cannot revoke it; another project's connection is the 404 page; the admin
     // revokes it and its key is deleted.
     let revoke = format!("/console/model-connections/{id}/revoke");
@@ -2904,5 +2951,238 @@ async fn an_admin_adds_and_revokes_a_model_connection_whose_key_is_never_shown()
     let audit = h.audit_text().await;
     assert!(audit.contains("model_connection.create"), "{audit}");
     assert!(audit.contains("model_connection.revoke"), "{audit}");
+    assert!(audit.contains("model_connection.set_key"), "{audit}");
+    assert!(!audit.contains("sk-replaced-canary"), "{audit}");
+    // A revoked connection's key cannot be replaced.
+    let page = dee
+        .post(
+            &replace,
+            &[("csrf", &csrf), ("api_key", "sk-late-canary-8")],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::CONFLICT, "{}", page.body);
     assert!(!audit.contains("canary"));
+}
+
+/// A routine with memory that reads a note (untrusted: it carries [`HOSTILE`]) and says what
+/// it says.
+const READER: &str = r#"
+name = "reader"
+instructions = "Read note 7 and say what it says."
+[model]
+provider = "replay"
+model = "script"
+[[model.script.turns]]
+when = { last_tool_result_contains = "onerror" }
+text = "the note says <script>alert(1)</script>"
+[[model.script.turns]]
+tool_calls = [{ name = "notes__get_note", arguments = { id = "7" } }]
+[memory]
+enabled = true
+[[tools]]
+tool = "notes/get_note"
+mode = "auto"
+"#;
+
+#[tokio::test]
+async fn a_thread_starts_runs_from_messages_and_shows_each_turn_with_its_provenance() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    hostile_tools(&h).await;
+    let (status, applied) = h
+        .call(Method::POST, "/v1/routines", Some(json!({"toml": READER})))
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{applied}");
+    let routine = applied["routine"]["id"].as_str().unwrap().to_owned();
+    let mut ann = signed_in(&h, addr, "ann", Some("approver")).await;
+    let thread = format!("/console/routines/{routine}/thread");
+
+    let page = ann.get(&format!("{thread}?name=desk")).await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    assert!(
+        page.body
+            .contains("Nothing has been said in this thread yet")
+    );
+    let csrf = page.csrf();
+
+    // A message starts a run on the thread, started by the member, and comes back to it.
+    let page = ann
+        .post(
+            &thread,
+            &[
+                ("csrf", &csrf),
+                ("thread", "desk"),
+                ("message", "what does note 7 say?"),
+            ],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::SEE_OTHER, "{}", page.body);
+    let (back, turn) = page.location().split_once("#turn-").unwrap();
+    assert_eq!(back, format!("{thread}?name=desk"));
+    let run = h.get_run(turn).await;
+    assert_eq!(run["thread"], "desk");
+    assert_eq!(run["trigger"], "api");
+    assert!(
+        run["started_by_member"]
+            .as_str()
+            .unwrap()
+            .starts_with("mem_")
+    );
+    assert_eq!(run["started_by"], Value::Null);
+    while h.engine.run_next().await.unwrap() {}
+
+    // The answer was given with a tool's output in context: it is untrusted, says from where,
+    // and everything in it is text.
+    let page = ann.get(back).await;
+    assert_eq!(page.status, StatusCode::OK);
+    assert!(page.body.contains("what does note 7 say?"));
+    assert!(
+        page.body
+            .contains("the note says &#60;script&#62;alert(1)&#60;/script&#62;")
+            || page
+                .body
+                .contains("the note says &lt;script&gt;alert(1)&lt;/script&gt;"),
+        "{}",
+        page.body
+    );
+    assert!(!page.body.contains("<script>alert"));
+    assert!(
+        page.body
+            .contains("<section class=\"answer prov-untrusted\" aria-label=\"Answer\">")
+    );
+    assert!(
+        page.body
+            .contains("Untrusted content was in context, from:")
+    );
+    assert!(
+        page.body
+            .contains(&format!("<a href=\"/console/runs/{turn}#step-"))
+    );
+    assert!(page.body.contains(">tool:notes/get_note</a>"));
+    assert!(
+        !page.body.contains("data-live"),
+        "a thread with no turn being answered is not followed"
+    );
+
+    // The next message's run is told the first turn, still labelled untrusted.
+    let page = ann
+        .post(
+            &thread,
+            &[("csrf", &csrf), ("thread", "desk"), ("message", "and now?")],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::SEE_OTHER, "{}", page.body);
+    let second = page.location().split_once("#turn-").unwrap().1.to_owned();
+    let page = ann.get(back).await;
+    assert!(page.body.contains(&format!(
+        "data-live=\"/console/routines/{routine}/thread/events?name=desk\""
+    )));
+    assert!(page.body.contains(&format!("id=\"answer-{second}\"")));
+    // The live stream passes on the model's text as it is written, then ends with the turn.
+    let cookie = format!("wor_session={}", ann.cookies["wor_session"]);
+    let mut follow = ann
+        .client
+        .get(format!(
+            "{}/console/routines/{routine}/thread/events?name=desk",
+            ann.base
+        ))
+        .header("cookie", cookie)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(follow.status().as_u16(), 200);
+    while h.engine.run_next().await.unwrap() {}
+    let seen = stream_until(&mut follow, "event: end").await;
+    assert!(seen.contains("event: text"), "{seen}");
+    assert!(seen.contains(&format!("\"run\":\"{second}\"")), "{seen}");
+    let run = h.get_run(&second).await;
+    let memory = run["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["kind"] == "memory")
+        .expect("a memory step");
+    assert_eq!(memory["provenance"], "untrusted", "{memory:#}");
+    let page = ann.get(back).await;
+    assert_eq!(page.body.matches("<li class=\"turn\"").count(), 2);
+
+    // The routine's threads list it.
+    let page = ann
+        .get(&format!("/console/routines/{routine}/threads"))
+        .await;
+    assert_eq!(page.status, StatusCode::OK);
+    assert!(page.body.contains(&format!(
+        "<a href=\"{thread}?name=desk\">desk</a></td><td>2</td>"
+    )));
+
+    // An empty message starts nothing; a form without its token is refused.
+    let page = ann
+        .post(
+            &thread,
+            &[("csrf", &csrf), ("thread", "desk"), ("message", " ")],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::BAD_REQUEST);
+    let page = ann
+        .post(&thread, &[("thread", "desk"), ("message", "forged")])
+        .await;
+    assert_eq!(page.status, StatusCode::FORBIDDEN);
+    let (_, runs) = h
+        .call(Method::GET, &format!("/v1/runs?routine_id={routine}"), None)
+        .await;
+    assert_eq!(runs.as_array().unwrap().len(), 2);
+
+    // A routine without memory has no threads.
+    let plain = note_sender(&h).await;
+    let page = ann.get(&format!("/console/routines/{plain}/threads")).await;
+    assert_eq!(page.status, StatusCode::NOT_FOUND);
+    let page = ann
+        .post(
+            &format!("/console/routines/{plain}/thread"),
+            &[("csrf", &csrf), ("message", "hello")],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn the_inbox_shows_fifty_held_calls_a_page_newest_first_with_a_link_to_older_ones() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    hostile_tools(&h).await;
+    let (status, applied) = h
+        .call(
+            Method::POST,
+            "/v1/routines",
+            Some(json!({"toml": ROUTINE.replace("max_runs = 5", "max_runs = 60")})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{applied}");
+    let routine = applied["routine"]["id"].as_str().unwrap().to_owned();
+    let mut runs = Vec::new();
+    for _ in 0..52 {
+        runs.push(parked_run(&h, &routine).await);
+    }
+    let mut ann = signed_in(&h, addr, "ann", Some("approver")).await;
+    let page = ann.get("/console/approvals").await;
+    assert_eq!(page.status, StatusCode::OK);
+    assert_eq!(page.body.matches("<section class=\"card\"").count(), 50);
+    // Newest first: the last run started is on the first page, the first two are not.
+    assert!(page.body.contains(&runs[51]));
+    assert!(!page.body.contains(&runs[0]) && !page.body.contains(&runs[1]));
+    assert!(!page.body.contains("The newest held calls"));
+    let start = page
+        .body
+        .find("/console/approvals?before=")
+        .expect("a link to older calls");
+    let link = &page.body[start..];
+    let link = link[..link.find('"').unwrap()].to_owned();
+    let older = ann.get(&link).await;
+    assert_eq!(older.status, StatusCode::OK);
+    assert_eq!(older.body.matches("<section class=\"card\"").count(), 2);
+    assert!(older.body.contains(&runs[0]) && older.body.contains(&runs[1]));
+    assert!(older.body.contains("The newest held calls"));
+    assert!(!older.body.contains("/console/approvals?before="));
+    let refused = ann.get("/console/approvals?before=not-an-id").await;
+    assert_eq!(refused.status, StatusCode::BAD_REQUEST);
 }

@@ -74,6 +74,7 @@ pub use routines::{AppliedRoutine, RoutineRecord, RoutineVersionRecord};
 pub use run_tokens::{RUN_TOKEN_PREFIX, RunGrant, RunToken};
 pub use runs::{
     NewRun, ParentLink, RunFilter, RunRecord, RunStep, ScheduleAdvance, ScheduledStart,
+    ThreadSummary,
 };
 pub use sqlx::Error as SqlxError;
 pub use tool_connections::{

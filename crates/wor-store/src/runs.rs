@@ -112,6 +112,15 @@ pub struct RunStep {
     pub created_at: i64,
 }
 
+/// One memory thread of a routine: its name, how many runs it has had and when the last
+/// started (milliseconds since the epoch).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ThreadSummary {
+    pub thread: String,
+    pub runs: u64,
+    pub last_at: i64,
+}
+
 /// Filters and page of a run listing, newest first.
 #[derive(Debug, Clone, Default)]
 pub struct RunFilter {
@@ -241,6 +250,62 @@ impl Store {
         .fetch_all(self.pool())
         .await?;
         rows.iter().map(run_from_row).collect()
+    }
+
+    /// The latest `limit` runs of `routine`'s memory thread `thread`, oldest first: the turns
+    /// of a conversation.
+    pub async fn thread_runs(
+        &self,
+        project: ProjectId,
+        routine: RoutineId,
+        thread: &str,
+        limit: u32,
+    ) -> Result<Vec<RunRecord>, StoreError> {
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {COLUMNS} FROM runs WHERE project_id = $1 AND routine_id = $2 AND thread = $3 \
+             ORDER BY id DESC LIMIT $4"
+        )))
+        .bind(project.to_string())
+        .bind(routine.to_string())
+        .bind(thread)
+        .bind(i64::from(limit.clamp(1, 200)))
+        .fetch_all(self.pool())
+        .await?;
+        let mut runs = rows
+            .iter()
+            .map(run_from_row)
+            .collect::<Result<Vec<_>, _>>()?;
+        runs.reverse();
+        Ok(runs)
+    }
+
+    /// The memory threads of `routine` that have runs, the most recently used first, at most
+    /// `limit`.
+    pub async fn list_threads(
+        &self,
+        project: ProjectId,
+        routine: RoutineId,
+        limit: u32,
+    ) -> Result<Vec<ThreadSummary>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT thread, COUNT(*) AS runs, MAX(created_at) AS last_at FROM runs \
+             WHERE project_id = $1 AND routine_id = $2 AND thread IS NOT NULL \
+             GROUP BY thread ORDER BY MAX(created_at) DESC, thread LIMIT $3",
+        )
+        .bind(project.to_string())
+        .bind(routine.to_string())
+        .bind(i64::from(limit.clamp(1, 200)))
+        .fetch_all(self.pool())
+        .await?;
+        rows.iter()
+            .map(|row| {
+                Ok(ThreadSummary {
+                    thread: row.try_get("thread")?,
+                    runs: to_u64(row.try_get("runs")?),
+                    last_at: row.try_get("last_at")?,
+                })
+            })
+            .collect()
     }
 
     /// How many runs of a routine are active (queued, running or waiting), counted up to

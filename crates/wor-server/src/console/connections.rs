@@ -240,6 +240,49 @@ pub async fn revoke_model(
     .await
 }
 
+/// A model connection's new key, as its form sends it.
+#[derive(Debug, serde::Deserialize)]
+pub struct ModelKeyForm {
+    api_key: String,
+}
+
+/// Replaces a model connection's key through the API's path; the key is sealed and never
+/// shown back.
+pub async fn replace_model_key(
+    State(state): State<AppState>,
+    member: ConsoleMember,
+    Path(connection_id): Path<String>,
+    body: Result<Form<ModelKeyForm>, FormRejection>,
+) -> PageResult {
+    let id: ConnectionId = connection_id
+        .parse()
+        .map_err(|_| ConsoleError(ApiError::NotFound))?;
+    let body = form(body)?;
+    let session = &member.session;
+    let record = crate::routes::model_connections::replace_model_key(
+        &state,
+        session.project_id,
+        session.role,
+        member.actor(),
+        id,
+        &body.api_key,
+    )
+    .await?;
+    let notice = format!(
+        "The key of model connection {} is replaced (credential version {}).",
+        record.name, record.credential_version
+    );
+    connections_page(
+        &state,
+        &member,
+        StatusCode::OK,
+        ModelFormEcho::default(),
+        None,
+        Some(notice),
+    )
+    .await
+}
+
 /// A tool as the review shows it, all as text.
 struct ToolRow {
     name: String,

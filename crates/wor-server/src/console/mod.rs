@@ -24,6 +24,7 @@ mod runs;
 pub mod session;
 mod sign_in_link;
 mod slack_link;
+mod threads;
 
 use std::time::Duration;
 
@@ -101,8 +102,12 @@ pub const CONTENT_SECURITY_POLICY: &str = "default-src 'none'; script-src 'self'
 const STYLESHEET: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/static/console.css"));
 const SCRIPT: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/static/console.js"));
 
-/// At most this many pending approvals are shown, newest first.
+/// At most this many approvals are read for a run's page, a thread's turn or the inbox's
+/// live fingerprint.
 pub(crate) const INBOX_LIMIT: u32 = 200;
+
+/// Pending approvals on one page of the inbox, newest first; older ones on the next pages.
+pub(crate) const INBOX_PAGE: u32 = 50;
 
 /// The console's routes, under `/console`.
 pub fn router(state: AppState) -> Router<AppState> {
@@ -141,6 +146,10 @@ pub fn router(state: AppState) -> Router<AppState> {
             "/model-connections/{connection_id}/revoke",
             post(connections::revoke_model),
         )
+        .route(
+            "/model-connections/{connection_id}/key",
+            post(connections::replace_model_key),
+        )
         .route("/keys", get(keys::list).post(keys::create))
         .route("/keys/{key_id}/revoke", post(keys::revoke))
         .route("/members", get(members::list))
@@ -150,6 +159,12 @@ pub fn router(state: AppState) -> Router<AppState> {
         .route("/routines", get(routines::list))
         .route("/routines/{routine_id}", get(routines::show))
         .route("/routines/{routine_id}/runs", post(routines::start))
+        .route("/routines/{routine_id}/threads", get(threads::list))
+        .route(
+            "/routines/{routine_id}/thread",
+            get(threads::show).post(threads::write),
+        )
+        .route("/routines/{routine_id}/thread/events", get(threads::events))
         .route("/sessions", get(account::sessions))
         .route("/sessions/{session_id}/revoke", post(account::revoke))
         .route(

@@ -1,6 +1,8 @@
 //! The console's pages and forms. Handlers parse, call the same store and engine functions
 //! the API calls, and render; the separation-of-duties rules live in the engine only.
 
+use std::collections::HashMap;
+
 use askama::Template;
 use axum::Form;
 use axum::extract::rejection::FormRejection;
@@ -12,7 +14,7 @@ use rand::TryRngCore;
 use serde_json::{Value, json};
 use wor_core::audit::{Actor, AuditCategory, AuditEvent};
 use wor_core::step::Step;
-use wor_core::{ApprovalId, RunId};
+use wor_core::{ApprovalId, RoutineId, RunId};
 use wor_engine::Approver;
 use wor_store::{ApprovalAnswer, ApprovalFilter, ApprovalRecord, ApprovalStatus, SessionOrigin};
 
@@ -21,7 +23,7 @@ use super::password::{check_new_password, hash_password, verify_password};
 use super::session::{
     ConsoleMember, FORM_COOKIE, MaybeConsoleMember, SESSION_COOKIE, safe_next, set_cookie,
 };
-use super::{ConsoleConfig, ConsoleError, INBOX_LIMIT, millis, render};
+use super::{ConsoleConfig, ConsoleError, INBOX_LIMIT, INBOX_PAGE, millis, render};
 use crate::AppState;
 use crate::error::ApiError;
 use crate::views::rfc3339;
@@ -541,6 +543,10 @@ struct ApprovalCard {
 struct ApprovalsPage {
     banner: Banner,
     approvals: Vec<ApprovalCard>,
+    /// The `before` of the next, older page, when there is one.
+    older: Option<String>,
+    /// This is not the newest page.
+    paged: bool,
 }
 
 /// One approval on a page of its own: where an email's link leads.
@@ -678,29 +684,60 @@ fn approver(member: &ConsoleMember) -> Approver {
     }
 }
 
-pub async fn approvals(State(state): State<AppState>, member: ConsoleMember) -> PageResult {
+/// Which page of the inbox: the held calls older than `before` (an `apr_…` id), or the newest.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InboxQuery {
+    #[serde(default)]
+    before: String,
+}
+
+pub async fn approvals(
+    State(state): State<AppState>,
+    member: ConsoleMember,
+    query: Result<Query<InboxQuery>, axum::extract::rejection::QueryRejection>,
+) -> PageResult {
+    let Query(query) =
+        query.map_err(|e| ConsoleError(ApiError::bad_request("invalid_query", e.body_text())))?;
+    let before = match query.before.trim() {
+        "" => None,
+        id => Some(id.parse::<ApprovalId>().map_err(|_| {
+            ConsoleError(ApiError::bad_request(
+                "invalid_query",
+                "`before` is not an approval id",
+            ))
+        })?),
+    };
     let project = member.session.project_id;
-    let pending = state
+    // One more than a page, to know whether an older page exists.
+    let mut pending = state
         .store
         .list_approvals(
             project,
             &ApprovalFilter {
                 status: Some(ApprovalStatus::Pending),
                 run_id: None,
-                before: None,
-                limit: INBOX_LIMIT,
+                before,
+                limit: INBOX_PAGE + 1,
             },
         )
         .await?;
+    let older = (pending.len() > INBOX_PAGE as usize).then(|| {
+        pending.truncate(INBOX_PAGE as usize);
+        pending.last().map(|a| a.id.to_string()).unwrap_or_default()
+    });
     let mut cards = Vec::with_capacity(pending.len());
+    let mut routines = HashMap::new();
     for approval in pending {
-        cards.push(approval_card(&state, &member, approval).await?);
+        cards.push(approval_card(&state, &member, approval, &mut routines).await?);
     }
     Ok(render(
         StatusCode::OK,
         &ApprovalsPage {
             banner: (&member).into(),
             approvals: cards,
+            older,
+            paged: before.is_some(),
         },
     ))
 }
@@ -718,7 +755,7 @@ pub async fn approval(
         .store
         .get_approval(member.session.project_id, id)
         .await?;
-    let card = approval_card(&state, &member, approval.clone()).await?;
+    let card = approval_card(&state, &member, approval.clone(), &mut HashMap::new()).await?;
     let edit = editable(&approval, &card).then(|| edit_form(&approval));
     Ok(render(
         StatusCode::OK,
@@ -847,7 +884,7 @@ pub async fn edit_and_approve(
     };
     shown.error = error;
     let approval = state.store.get_approval(project, id).await?;
-    let card = approval_card(&state, &member, approval).await?;
+    let card = approval_card(&state, &member, approval, &mut HashMap::new()).await?;
     Ok(render(
         status,
         &ApprovalPage {
@@ -858,15 +895,24 @@ pub async fn edit_and_approve(
     ))
 }
 
-/// What the console shows of one approval, for `member`.
+/// What the console shows of one approval, for `member`; `routines` keeps the names of the
+/// routines already looked up for the same page.
 async fn approval_card(
     state: &AppState,
     member: &ConsoleMember,
     approval: ApprovalRecord,
+    routines: &mut HashMap<RoutineId, String>,
 ) -> Result<ApprovalCard, ConsoleError> {
     let project = member.session.project_id;
     let run = state.store.get_run(project, approval.run_id).await?;
-    let routine = state.store.get_routine(project, run.routine_id).await?;
+    let routine = match routines.get(&run.routine_id) {
+        Some(name) => name.clone(),
+        None => {
+            let name = state.store.get_routine(project, run.routine_id).await?.name;
+            routines.insert(run.routine_id, name.clone());
+            name
+        }
+    };
     let steps = state.store.list_run_steps(project, run.id, 0).await?;
     let refusal = state
         .engine
@@ -916,7 +962,7 @@ async fn approval_card(
                 name,
             })
             .collect(),
-        routine: routine.name,
+        routine,
         routine_version: run.routine_version,
         run_input: run_input(&steps),
         requested_at: rfc3339(approval.requested_at),

@@ -251,7 +251,8 @@ pub async fn get(
 #[utoipa::path(put, path = "/v1/model-connections/{connection_id}/api-key", tag = "model-connections",
     security(("bearer" = [])), request_body = SetApiKey,
     params(("connection_id" = String, Path, description = "a `con_…` id", pattern = "^con_[0-9a-f]{32}$")),
-    responses((status = 200, body = ModelConnectionView), (status = 404, body = ErrorBody),
+    responses((status = 200, body = ModelConnectionView), (status = 400, body = ErrorBody),
+        (status = 403, body = ErrorBody), (status = 404, body = ErrorBody),
         (status = 409, body = ErrorBody)))]
 pub async fn set_api_key(
     State(state): State<AppState>,
@@ -259,38 +260,54 @@ pub async fn set_api_key(
     ApiPath(id): ApiPath<ConnectionId>,
     ApiJson(body): ApiJson<SetApiKey>,
 ) -> Result<Json<ModelConnectionView>, ApiError> {
-    let record = state
-        .store
-        .get_model_connection(caller.project_id, id)
-        .await?;
-    caller.require_configure()?;
-    check_api_key(&body.api_key)?;
+    let record = replace_model_key(
+        &state,
+        caller.project_id,
+        caller.role,
+        caller.actor(),
+        id,
+        &body.api_key,
+    )
+    .await?;
+    Ok(Json(view(&state, record).await?))
+}
+
+/// Replaces connection `id`'s key for a caller of `role`, sealing the new one and raising the
+/// credential version: the API's and the console's one path. Another project's connection is
+/// a 404, before the role check; a revoked one is a 409.
+pub(crate) async fn replace_model_key(
+    state: &AppState,
+    project: ProjectId,
+    role: Role,
+    actor: Actor,
+    id: ConnectionId,
+    api_key: &str,
+) -> Result<ModelConnectionRecord, ApiError> {
+    let record = state.store.get_model_connection(project, id).await?;
+    require_configure(role)?;
+    check_api_key(api_key)?;
     if record.status == wor_store::ConnectionStatus::Revoked {
         return Err(ApiError::Conflict(format!(
             "model connection `{id}` is revoked"
         )));
     }
-    state.vault.put(&slot(&record), &body.api_key).await?;
+    state.vault.put(&slot(&record), api_key).await?;
     let record = state
         .store
-        .bump_model_credential_version(caller.project_id, id)
+        .bump_model_credential_version(project, id)
         .await?;
     state
         .audit
         .append(
-            AuditEvent::new(
-                caller.project_id,
-                AuditCategory::ModelConnectionSetKey,
-                caller.actor(),
-            )
-            .subject("connection_id", id)
-            .payload(json!({ "credential_version": record.credential_version })),
+            AuditEvent::new(project, AuditCategory::ModelConnectionSetKey, actor)
+                .subject("connection_id", id)
+                .payload(json!({ "credential_version": record.credential_version })),
         )
         .await?;
-    tracing::info!(category = "config", action = "model_connection.set_key", project_id = %caller.project_id,
-        connection_id = %id, credential_version = record.credential_version, actor_key_id = %caller.key_id,
+    tracing::info!(category = "config", action = "model_connection.set_key", project_id = %project,
+        connection_id = %id, credential_version = record.credential_version,
         "model connection key replaced");
-    Ok(Json(view(&state, record).await?))
+    Ok(record)
 }
 
 /// Revokes the connection and deletes its key; runs using it fail closed.

@@ -59,7 +59,10 @@ pub struct RunView {
     pub trigger_key: Option<String>,
     /// The memory thread, for routines with `[memory]`.
     pub thread: Option<String>,
+    /// The API key that started the run (`key_…`), when one did.
     pub started_by: Option<String>,
+    /// The member who started the run from the console (`mem_…`), when one did.
+    pub started_by_member: Option<String>,
     /// The final answer, or why the run ended.
     pub outcome: Option<String>,
     pub usage: UsageView,
@@ -82,6 +85,7 @@ impl From<RunRecord> for RunView {
             trigger_key: r.trigger_key,
             thread: r.thread,
             started_by: r.started_by.map(|k| k.to_string()),
+            started_by_member: r.started_by_member.map(|m| m.to_string()),
             outcome: r.outcome,
             usage: UsageView {
                 turns: r.usage.turns,

@@ -147,8 +147,8 @@ after(async () => {
   if (dir) fs.rmSync(dir, { recursive: true, force: true });
 });
 
-async function newPage() {
-  const context = await browser.newContext();
+async function newPage(options = {}) {
+  const context = await browser.newContext(options);
   const page = await context.newPage();
   // A dialog would mean that text from a tool ran as script.
   page.on('dialog', async (dialog) => {
@@ -301,7 +301,7 @@ test('the member who started a run is told why they cannot decide it', async () 
 
 /// Invites `name` (with `role`, in the project of `key`), sets their password and signs them
 /// in; returns the signed-in page.
-async function memberPage(name, role, key = ownerKey, projectName = project) {
+async function memberPage(name, role, key = ownerKey, projectName = project, options = {}) {
   const args = ['member', 'invite', name, '--server', serverUrl];
   if (role) args.push('--role', role);
   const link = execFileSync(WOR, args, {
@@ -309,7 +309,7 @@ async function memberPage(name, role, key = ownerKey, projectName = project) {
     env: { ...process.env, WOR_API_KEY: key },
     stdio: ['ignore', 'pipe', 'inherit'],
   }).trim();
-  const page = await newPage();
+  const page = await newPage(options);
   await page.goto(link);
   await page.getByLabel('New password').fill(PASSWORD);
   await page.getByLabel('The same password again').fill(PASSWORD);
@@ -639,5 +639,198 @@ test('the inbox shows a new held call live, and j then d denies it with a reason
   assert.equal(approvals[0].status, 'denied');
   assert.equal(approvals[0].decision_reason, 'not from the keyboard of a stranger');
   assert.deepEqual(dialogs, []);
+  await page.context().close();
+});
+
+/// A routine with memory: it greets (in markup that must stay text), and a message asking it to
+/// send something makes a call held for approval.
+async function helper() {
+  routineId ??= await noteSender();
+  const applied = await api('POST', '/v1/routines', { toml: `
+name = "helper"
+instructions = "Answer the member."
+[model]
+provider = "replay"
+model = "script"
+[[model.script.turns]]
+when = { last_tool_result_contains = "sent" }
+text = "sent it"
+[[model.script.turns]]
+when = { context_contains = "send it" }
+tool_calls = [{ name = "notes__send_note", arguments = { text = "from the thread" } }]
+[[model.script.turns]]
+text = "<b>hello</b> <img src=x onerror=alert(4)> from the helper"
+[memory]
+enabled = true
+[[tools]]
+tool = "notes/send_note"
+mode = "confirm"
+pinned = { to = "team@example.com" }
+[concurrency]
+max_runs = 10
+` });
+  return applied.routine.id;
+}
+
+test('a thread: a message starts a run whose answer appears in place, and a held call shows inline', async () => {
+  const helperId = await helper();
+  const page = await memberPage('max', 'approver');
+  await page.goto(`${serverUrl}/console/routines/${helperId}`);
+  await page.getByRole('link', { name: 'its threads, as conversations' }).click();
+  await page.waitForURL(new RegExp(`/console/routines/${helperId}/threads$`));
+  await accessible(page, 'threads');
+  await page.getByLabel('Thread (empty for default)').fill('support desk');
+  await page.getByLabel('Message', { exact: true }).fill('hello there');
+  await page.getByRole('button', { name: 'Send' }).click();
+  await page.waitForURL(/\/thread\?name=support\+desk#turn-run_/);
+  // The answer arrives without a reload, as text.
+  const first = page.locator('li.turn').first();
+  await first.locator('section.answer p.said', { hasText: 'from the helper' }).waitFor({ timeout: 30000 });
+  assert.equal(await first.locator('section.answer p.said').innerText(), '<b>hello</b> <img src=x onerror=alert(4)> from the helper');
+  assert.equal(await page.locator('main b').count(), 0);
+  assert.equal(await page.locator('main img').count(), 0);
+  assert.match(await first.locator('section.message').innerText(), /max\s+requester/);
+  assert.match(await first.locator('section.answer .badge.prov').innerText(), /^model$/);
+  await accessible(page, 'thread');
+
+  // A message that makes a held call: the call shows inline, with the page that decides it.
+  await page.getByLabel('Message', { exact: true }).fill('please send it');
+  await page.getByRole('button', { name: 'Send' }).click();
+  const second = page.locator('li.turn').nth(1);
+  await second.waitFor();
+  await second.locator('ul.held', { hasText: 'held for approval' }).waitFor({ timeout: 30000 });
+  assert.match(await second.locator('ul.held').innerText(), /notes\/send_note: held for approval/);
+  const href = await second.getByRole('link', { name: 'decide it' }).getAttribute('href');
+  assert.match(href, /^\/console\/approvals\/apr_[0-9a-f]{32}$/);
+  // The earlier turn is shown with its provenance, as the run that follows remembered it.
+  assert.match(await first.locator('section.answer .badge.prov').innerText(), /^model$/);
+  const runId = (await second.getAttribute('id')).replace('turn-', '');
+  const run = await api('GET', `/v1/runs/${runId}`);
+  assert.equal(run.thread, 'support desk');
+  assert.equal(run.status, 'waiting_for_approval');
+  assert.deepEqual(run.steps.filter((s) => s.kind === 'memory').length, 1, 'the run remembered the first turn');
+  await accessible(page, 'thread (held call)');
+  if (SHOTS) await page.screenshot({ path: path.join(SHOTS, 'thread.png'), fullPage: true });
+
+  // Another member decides it; the answer then appears in place.
+  const approvalId = href.split('/').pop();
+  await api('POST', `/v1/approvals/${approvalId}/approve`, { reason: 'asked for in the thread' });
+  // The text may first arrive as it is written; the turn is done once the server renders it.
+  await second.locator('section.answer p.said:not(.streaming)', { hasText: 'sent it' }).waitFor({ timeout: 30000 });
+  assert.match(await second.locator('ul.held').innerText(), /notes\/send_note: approved/);
+  assert.deepEqual(dialogs, []);
+  await page.context().close();
+});
+
+test('a thread works without script: the form posts, and a reload shows the answer', async () => {
+  const helperId = await helper();
+  const page = await memberPage('nia', 'approver', ownerKey, project, { javaScriptEnabled: false });
+  await page.goto(`${serverUrl}/console/routines/${helperId}/thread?name=quiet`);
+  assert.match(await page.locator('main').innerText(), /Nothing has been said in this thread yet/);
+  await page.getByLabel('Message', { exact: true }).fill('hello without script');
+  await page.getByRole('button', { name: 'Send' }).click();
+  await page.waitForURL(/\/thread\?name=quiet#turn-run_/);
+  const answer = page.locator('li.turn section.answer p.said', { hasText: 'from the helper' });
+  for (let i = 0; i < 100 && (await answer.count()) === 0; i++) {
+    await new Promise((r) => setTimeout(r, 200));
+    await page.reload();
+  }
+  assert.equal(await answer.count(), 1);
+  assert.match(await page.locator('li.turn section.message').innerText(), /hello without script/);
+  // axe needs script in the page: the same page is checked with script above.
+  await page.context().close();
+});
+
+test('another project\'s thread is a 404, and a viewer reads a thread but cannot write', async () => {
+  const helperId = await helper();
+  const other = await memberPage('oona', 'viewer', otherKey, otherProject);
+  for (const route of [`/console/routines/${helperId}/threads`, `/console/routines/${helperId}/thread?name=support+desk`,
+    `/console/routines/${helperId}/thread/events?name=support+desk`]) {
+    const response = await other.goto(`${serverUrl}${route}`);
+    assert.equal(response.status(), 404, route);
+  }
+  await other.context().close();
+  // A routine without memory has no threads.
+  routineId ??= await noteSender();
+  const viewer = await memberPage('pat', 'viewer');
+  assert.equal((await viewer.goto(`${serverUrl}/console/routines/${routineId}/threads`)).status(), 404);
+  await viewer.goto(`${serverUrl}/console/routines/${helperId}/thread?name=support+desk`);
+  assert.match(await viewer.locator('main').innerText(), /Your role cannot start runs/);
+  assert.equal(await viewer.getByLabel('Message', { exact: true }).count(), 0);
+  await accessible(viewer, 'thread (viewer)');
+  await viewer.context().close();
+});
+
+test('the sign-in link `wor demo` prints opens the inbox for its approver', async () => {
+  const demo = spawn(WOR, ['demo'], { stdio: ['ignore', 'pipe', 'pipe'] });
+  try {
+    const link = await new Promise((resolve, reject) => {
+      let seen = '';
+      demo.stdout.on('data', (chunk) => {
+        seen += chunk;
+        const match = seen.match(/(http:\/\/[0-9.:]+\/console\/sign-in-links\/wrl_[0-9a-f]+)\s/);
+        if (match) resolve(match[1]);
+      });
+      demo.on('exit', (code) => reject(new Error(`wor demo exited with ${code}: ${seen}`)));
+    });
+    const page = await newPage();
+    await page.goto(link);
+    assert.match(await page.locator('main').innerText(), /signs you in as Dana/i);
+    await accessible(page, 'sign-in link');
+    await page.getByRole('button', { name: /^Sign in as / }).click();
+    await page.waitForURL(/\/console\/approvals$/);
+    assert.equal(await page.locator('section.card').count(), 1, 'the demo\'s held call');
+    await accessible(page, 'approvals (demo)');
+    // The link works once.
+    await page.goto(link);
+    assert.notEqual(await page.getByRole('button', { name: /^Sign in as / }).count(), 1);
+    await page.context().close();
+  } finally {
+    demo.kill('SIGINT');
+    await new Promise((resolve) => demo.on('exit', resolve));
+  }
+});
+
+test('an admin adds and revokes a model connection, starts a run from a routine and revokes a key', async () => {
+  routineId ??= await noteSender();
+  const page = await memberPage('quin', 'admin');
+  await page.goto(`${serverUrl}/console/connections`);
+  await page.getByLabel('Name', { exact: true }).fill('local-llm');
+  await page.getByLabel('Provider').selectOption('openai_compatible');
+  await page.getByLabel('Base URL').fill(`http://${toolAddr}/v1`);
+  await page.getByLabel(/^API key/).fill('sk-console-test-key-0123456789');
+  await page.getByRole('button', { name: 'Add connection' }).click();
+  await page.waitForLoadState();
+  assert.match(await page.locator('main').innerText(), /Model connection local-llm was added/);
+  assert.ok(!(await page.content()).includes('sk-console-test-key'), 'the key is never shown');
+  await accessible(page, 'connections (model added)');
+  await page.getByRole('button', { name: 'Revoke model connection local-llm' }).click();
+  await page.waitForLoadState();
+  const models = await api('GET', '/v1/model-connections');
+  assert.equal(models.find((m) => m.name === 'local-llm').status, 'revoked');
+  await accessible(page, 'connections (model revoked)');
+
+  // The start-run form: the member starts a run, and lands on its page.
+  await page.goto(`${serverUrl}/console/routines/${routineId}`);
+  await page.getByLabel('Input', { exact: true }).fill('please send note 7');
+  await page.getByRole('button', { name: 'Start the run' }).click();
+  await page.waitForURL(/\/console\/runs\/run_[0-9a-f]{32}$/);
+  const runId = page.url().split('/').pop();
+  const run = await api('GET', `/v1/runs/${runId}`);
+  assert.match(run.started_by_member, /^mem_/);
+  await accessible(page, 'run (started in the console)');
+
+  // A key made and revoked in the console.
+  await page.goto(`${serverUrl}/console/keys`);
+  await page.getByLabel('Name').fill('quin-laptop');
+  await page.getByRole('button', { name: 'Create key' }).click();
+  await page.waitForLoadState();
+  const key = (await page.locator('pre.created-key').innerText()).trim();
+  await page.getByRole('button', { name: 'Revoke key quin-laptop' }).click();
+  await page.waitForLoadState();
+  assert.match(await page.locator('[role=status]').innerText(), /Key quin-laptop is revoked/);
+  const refused = await fetch(`${serverUrl}/v1/runs`, { headers: { authorization: `Bearer ${key}` } });
+  assert.equal(refused.status, 401);
+  await accessible(page, 'keys (revoked)');
   await page.context().close();
 });
