@@ -1077,6 +1077,8 @@ fn a_collector_receives_a_runs_spans_in_their_tree_and_no_content() {
     const REASON: &str = "reason-canary-9d4a23";
     const TOOL_TOKEN: &str = "tok-trace-canary-1a2b3c4d5e6f7081";
     const MODEL_SECRET: &str = "sk-trace-canary-90817263544536271";
+    // The collector's own credential, from the standard OTLP variable.
+    const COLLECTOR_TOKEN: &str = "collector-canary-6b5a4f3e2d1c";
     // The test's own servers run on a runtime of their own (the test's database is set up on
     // another, which cannot be nested in one).
     let servers = tokio::runtime::Runtime::new().unwrap();
@@ -1095,7 +1097,17 @@ fn a_collector_receives_a_runs_spans_in_their_tree_and_no_content() {
     let mut db = common::database_args(dir.path());
     db.extend(["--config".to_owned(), config.display().to_string()]);
     let owner = common::create_project(&db);
-    let server = Server::start(&db, &[("WOR_LOG", "trace")]);
+    let collector_headers = format!("x-collector-token={COLLECTOR_TOKEN}");
+    let server = Server::start(
+        &db,
+        &[
+            ("WOR_LOG", "trace"),
+            (
+                "OTEL_EXPORTER_OTLP_TRACES_HEADERS",
+                collector_headers.as_str(),
+            ),
+        ],
+    );
     let client = |key: &str, args: &[&str], envs: &[(&str, &str)]| {
         run(wor(args)
             .env("WOR_SERVER", &server.url)
@@ -1236,6 +1248,21 @@ mode = "confirm"
         std::thread::sleep(std::time::Duration::from_millis(200));
     };
     let log = server.stop();
+
+    // Every export carries the collector's header; the log never shows its value.
+    for (headers, _) in received.lock().unwrap().iter() {
+        assert_eq!(
+            headers
+                .get("x-collector-token")
+                .and_then(|v| v.to_str().ok()),
+            Some(COLLECTOR_TOKEN),
+            "{headers:?}"
+        );
+    }
+    assert!(
+        !log.contains(COLLECTOR_TOKEN),
+        "the collector's token is in the log"
+    );
 
     // One trace, the run's: its id is the run id's 128 bits.
     let run_uuid = run_id.strip_prefix("run_").unwrap();

@@ -172,9 +172,15 @@ impl Lane {
         }
         let mut seen: HashSet<LazyStateID> = HashSet::new();
         let mut unknown = false;
-        self.runs.retain(|run| match run.state {
-            None => !std::mem::replace(&mut unknown, true),
-            Some(state) => !state.is_quit() && seen.insert(state),
+        self.runs.retain_mut(|run| {
+            // A DFA that gave up (it has no word boundaries to give up on) knows nothing.
+            if run.state.is_some_and(|state| state.is_quit()) {
+                run.state = None;
+            }
+            match run.state {
+                None => !std::mem::replace(&mut unknown, true),
+                Some(state) => seen.insert(state),
+            }
         });
     }
 }
