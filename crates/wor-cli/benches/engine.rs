@@ -10,7 +10,9 @@
 //!
 //! Figures (`WOR_BENCH_ONLY` picks some): `call` — added latency of a tool call through a
 //! routine (replay model, read-only echo tool on a loopback MCP server) against a direct
-//! JSON-RPC call to the same server; `throughput` — tool calls per second with 32 runs at
+//! JSON-RPC call to the same server; `observed` — the same call through a routine with
+//! `[metrics] listen` and `[traces] endpoint` (an in-bench loopback collector that accepts and
+//! discards) against the same server without them, alternating in one run; `throughput` — tool calls per second with 32 runs at
 //! once against 32 direct callers; `trivial` — runs of one model turn per second with 1, 8
 //! and 32 concurrent starters, and enqueue → start; `cron` — routines whose schedule fires in
 //! the same minute, dispatch lag against inserting as many rows in one transaction; `parked` —
@@ -237,6 +239,96 @@ async fn figure_call(backend: &str, base: &Option<String>) {
         ms(i99),
         ms(i50.saturating_sub(d50)),
         ms(i99.saturating_sub(d99)),
+    );
+}
+
+/// A loopback OTLP/HTTP collector that answers every export with an empty success and keeps
+/// nothing; counts the requests it got.
+async fn serve_collector(requests: Arc<AtomicUsize>) -> std::net::SocketAddr {
+    let app = axum::Router::new().route(
+        "/v1/traces",
+        axum::routing::post(move |_body: axum::body::Bytes| {
+            let requests = requests.clone();
+            async move {
+                requests.fetch_add(1, Ordering::SeqCst);
+                (
+                    [("content-type", "application/x-protobuf")],
+                    Vec::<u8>::new(),
+                )
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    addr
+}
+
+/// The call-to-call intervals of one routine run of `calls` echo calls on a fresh server
+/// started with `config`.
+async fn call_intervals(
+    base: &Option<String>,
+    config: &str,
+    echo: &Echo,
+    addr: std::net::SocketAddr,
+    calls: usize,
+) -> Vec<Duration> {
+    let (server, key) = Server::start(database_for(base).await.as_deref(), config);
+    let api = Api::new(&server, key);
+    api.mcp_tools("echo", addr, &["echo"]).await;
+    echo.calls.store(0, Ordering::SeqCst);
+    let warm = api.apply(&echo_routine("warm", 10)).await;
+    start_and_follow(&api, &warm).await;
+    echo.calls.store(0, Ordering::SeqCst);
+    echo.arrivals.lock().unwrap().clear();
+    let routine = api.apply(&echo_routine("echo", calls)).await;
+    let run = start_and_follow(&api, &routine).await;
+    let arrivals = echo.arrivals.lock().unwrap().clone();
+    assert_eq!(arrivals.len(), calls, "run {run} made every call");
+    drop(server);
+    let mut intervals: Vec<Duration> = arrivals.windows(2).map(|w| w[1] - w[0]).collect();
+    intervals.sort();
+    intervals
+}
+
+/// A governed tool call with metrics and tracing on against off: rounds alternate between a
+/// server with neither and one with `[metrics] listen` and `[traces] endpoint` at a loopback
+/// collector, so drift in the machine's load falls on both.
+async fn figure_observed(backend: &str, base: &Option<String>) {
+    let calls = env_number("WOR_BENCH_CALLS", 200);
+    let rounds = env_number("WOR_BENCH_OBSERVED_ROUNDS", 3);
+    let echo = Echo::default();
+    let addr = serve_echo(echo.clone()).await;
+    let exports = Arc::new(AtomicUsize::new(0));
+    let collector = serve_collector(exports.clone()).await;
+    let observed = format!(
+        "{LOOPBACK_CONFIG}\n[metrics]\nlisten = \"127.0.0.1:0\"\n\n[traces]\n\
+         endpoint = \"http://{collector}/v1/traces\"\nallowed_cidrs = [\"127.0.0.1/32\"]\n"
+    );
+    let (mut off, mut on) = (Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        off.extend(call_intervals(base, LOOPBACK_CONFIG, &echo, addr, calls).await);
+        on.extend(call_intervals(base, &observed, &echo, addr, calls).await);
+    }
+    assert!(
+        exports.load(Ordering::SeqCst) > 0,
+        "the collector got no export: tracing was not on"
+    );
+    off.sort();
+    on.sort();
+    let (off50, off99) = (percentile(&off, 0.5), percentile(&off, 0.99));
+    let (on50, on99) = (percentile(&on, 0.5), percentile(&on, 0.99));
+    println!(
+        "{backend:<8} observed    call to call, off p50={:.3}ms p99={:.3}ms | metrics and traces on \
+         p50={:.3}ms p99={:.3}ms | difference p50 {:+.1}% p99 {:+.1}% ({rounds} rounds of {calls} \
+         calls each, alternating; {} exports)",
+        ms(off50),
+        ms(off99),
+        ms(on50),
+        ms(on99),
+        (on50.as_secs_f64() / off50.as_secs_f64() - 1.0) * 100.0,
+        (on99.as_secs_f64() / off99.as_secs_f64() - 1.0) * 100.0,
+        exports.load(Ordering::SeqCst),
     );
 }
 
@@ -549,6 +641,9 @@ async fn main() {
     for (backend, base) in backends() {
         if wanted("call") {
             figure_call(backend, &base).await;
+        }
+        if wanted("observed") {
+            figure_observed(backend, &base).await;
         }
         if wanted("throughput") {
             figure_throughput(backend, &base).await;

@@ -1077,6 +1077,8 @@ fn a_collector_receives_a_runs_spans_in_their_tree_and_no_content() {
     const REASON: &str = "reason-canary-9d4a23";
     const TOOL_TOKEN: &str = "tok-trace-canary-1a2b3c4d5e6f7081";
     const MODEL_SECRET: &str = "sk-trace-canary-90817263544536271";
+    // The collector's own credential, from the standard OTLP variable.
+    const COLLECTOR_TOKEN: &str = "collector-canary-6b5a4f3e2d1c";
     // The test's own servers run on a runtime of their own (the test's database is set up on
     // another, which cannot be nested in one).
     let servers = tokio::runtime::Runtime::new().unwrap();
@@ -1095,7 +1097,17 @@ fn a_collector_receives_a_runs_spans_in_their_tree_and_no_content() {
     let mut db = common::database_args(dir.path());
     db.extend(["--config".to_owned(), config.display().to_string()]);
     let owner = common::create_project(&db);
-    let server = Server::start(&db, &[("WOR_LOG", "trace")]);
+    let collector_headers = format!("x-collector-token={COLLECTOR_TOKEN}");
+    let server = Server::start(
+        &db,
+        &[
+            ("WOR_LOG", "trace"),
+            (
+                "OTEL_EXPORTER_OTLP_TRACES_HEADERS",
+                collector_headers.as_str(),
+            ),
+        ],
+    );
     let client = |key: &str, args: &[&str], envs: &[(&str, &str)]| {
         run(wor(args)
             .env("WOR_SERVER", &server.url)
@@ -1236,6 +1248,21 @@ mode = "confirm"
         std::thread::sleep(std::time::Duration::from_millis(200));
     };
     let log = server.stop();
+
+    // Every export carries the collector's header; the log never shows its value.
+    for (headers, _) in received.lock().unwrap().iter() {
+        assert_eq!(
+            headers
+                .get("x-collector-token")
+                .and_then(|v| v.to_str().ok()),
+            Some(COLLECTOR_TOKEN),
+            "{headers:?}"
+        );
+    }
+    assert!(
+        !log.contains(COLLECTOR_TOKEN),
+        "the collector's token is in the log"
+    );
 
     // One trace, the run's: its id is the run id's 128 bits.
     let run_uuid = run_id.strip_prefix("run_").unwrap();
@@ -1467,5 +1494,133 @@ fn metrics_count_skipped_runs_expired_approvals_budgets_by_limit_and_webhooks_by
     ] {
         assert_eq!(delta(&after, series), expected, "{series}");
     }
+    server.stop();
+}
+
+/// An HTTP tool whose API is on loopback, which the egress guard refuses (no
+/// `[egress] allowed_cidrs`): the call is allowed by policy, then refused by egress. And a
+/// queued run cancelled before any worker took it.
+#[test]
+fn metrics_count_a_tool_call_refused_by_egress_and_a_cancelled_queued_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("wor.toml");
+    std::fs::write(&config, "[metrics]\nlisten = \"127.0.0.1:0\"\n").unwrap();
+    let mut db = common::database_args(dir.path());
+    db.extend(["--config".to_owned(), config.display().to_string()]);
+    let owner = common::create_project(&db);
+    let server = Server::start(&db, &[]);
+    let metrics = metrics_addr(&server);
+
+    let tools = dir.path().join("tools.json");
+    std::fs::write(
+        &tools,
+        r#"{"tools": [{"name": "ping", "method": "GET", "path": "/ping",
+            "inputSchema": {"type": "object"}}]}"#,
+    )
+    .unwrap();
+    let created = server.client(
+        &owner,
+        &[
+            "connection",
+            "create",
+            "api",
+            "--tools-file",
+            tools.to_str().unwrap(),
+            "--url",
+            "http://127.0.0.1:9/v1",
+            "--allow",
+            "127.0.0.1",
+            "--json",
+        ],
+    );
+    assert!(created.status.success(), "{}", text(&created.stderr));
+    let created: serde_json::Value = serde_json::from_slice(&created.stdout).unwrap();
+    let id = created["id"].as_str().unwrap().to_owned();
+    let review = server.client(&owner, &["connection", "review", &id, "--json"]);
+    assert!(review.status.success(), "{}", text(&review.stderr));
+    let review_file = dir.path().join("review.json");
+    std::fs::write(&review_file, &review.stdout).unwrap();
+    let enabled = server.client(
+        &owner,
+        &[
+            "connection",
+            "enable",
+            &id,
+            "--from-review",
+            review_file.to_str().unwrap(),
+        ],
+    );
+    assert!(enabled.status.success(), "{}", text(&enabled.stderr));
+
+    let pinger = "name = \"pinger\"\ninstructions = \"Ping.\"\n\n[model]\nprovider = \"replay\"\n\
+                  model = \"script\"\n\n[[model.script.turns]]\n\
+                  when = { last_tool_result_contains = \"egress\" }\ntext = \"refused\"\n\n\
+                  [[model.script.turns]]\ntool_calls = [{ name = \"api__ping\" }]\n\n\
+                  [[tools]]\ntool = \"api/ping\"\nmode = \"auto\"\n";
+    let queued = CALLER.replace("name = \"caller\"", "name = \"queued\"")
+        + "\n[concurrency]\nmax_runs = 1\noverlap = \"queue\"\n";
+    for (name, toml) in [
+        ("helper", helper_routine("helper")),
+        ("pinger", pinger.to_owned()),
+        ("queued", queued),
+    ] {
+        let file = dir.path().join(format!("{name}.toml"));
+        std::fs::write(&file, toml).unwrap();
+        let applied = server.client(
+            &owner,
+            &["routine", "apply", "-f", &file.display().to_string()],
+        );
+        assert!(applied.status.success(), "{}", text(&applied.stderr));
+    }
+    let before = scrape(&metrics);
+    let delta = |now: &std::collections::BTreeMap<String, f64>, series: &str| {
+        value(now, series) - value(&before, series)
+    };
+
+    let pinged = server.client(
+        &owner,
+        &["run", "start", "pinger", "--input", "go", "--follow"],
+    );
+    let shown = text(&pinged.stdout);
+    assert!(pinged.status.success(), "{shown}\n{}", text(&pinged.stderr));
+    assert!(shown.contains("refused"), "{shown}");
+
+    let first = server.client(&owner, &["run", "start", "queued", "--input", "one"]);
+    let first = text(&first.stdout).trim().to_owned();
+    wait_for_status(&server, &owner, &first, "waiting_for_approval");
+    let second = server.client(&owner, &["run", "start", "queued", "--input", "two"]);
+    let second = text(&second.stdout).trim().to_owned();
+    wait_for_status(&server, &owner, &second, "queued");
+    let cancelled = server.client(&owner, &["run", "cancel", &second]);
+    assert!(cancelled.status.success(), "{}", text(&cancelled.stderr));
+    wait_for_status(&server, &owner, &second, "cancelled");
+
+    let after = scrape(&metrics);
+    for (series, expected) in [
+        (r#"wor_tool_calls_total{decision="allow"}"#, 1.0),
+        (r#"wor_tool_calls_total{decision="egress_refused"}"#, 1.0),
+        // The queued routine's first run asks for its helper.
+        (r#"wor_tool_calls_total{decision="confirm"}"#, 1.0),
+        (r#"wor_tool_calls_total{decision="deny"}"#, 0.0),
+        (r#"wor_egress_denials_total{reason="address"}"#, 1.0),
+        (
+            r#"wor_egress_denials_total{reason="host_not_allowed"}"#,
+            0.0,
+        ),
+        (
+            r#"wor_runs_finished_total{status="succeeded",trigger="api"}"#,
+            1.0,
+        ),
+        (
+            r#"wor_runs_finished_total{status="cancelled",trigger="api"}"#,
+            1.0,
+        ),
+        // The pinger and the first queued run; the cancelled one never started.
+        (r#"wor_runs_started_total{trigger="api"}"#, 2.0),
+        ("wor_run_queue_lag_seconds_count", 2.0),
+    ] {
+        assert_eq!(delta(&after, series), expected, "{series}");
+    }
+    assert_eq!(value(&after, "wor_approvals_pending"), 1.0);
     server.stop();
 }

@@ -284,6 +284,24 @@ fn a_structured_result_is_shown_by_follow_and_get_and_is_json_with_json() {
     let shown = server.client(&key, &["run", "get", id, "--json"]);
     let run: serde_json::Value = serde_json::from_slice(&shown.stdout).unwrap();
     assert_eq!(run["result"], expected);
+
+    // Listed: each run's result, compact in the table and a JSON value with --json.
+    let listed = server.client(&key, &["run", "list"]);
+    let table = text(&listed.stdout);
+    assert!(listed.status.success(), "{}", text(&listed.stderr));
+    assert_eq!(
+        table
+            .lines()
+            .filter(|l| l.contains(r#"result {"severity":"high","summary":"disk full"}"#))
+            .count(),
+        2,
+        "{table}"
+    );
+    let listed = server.client(&key, &["run", "list", "--json"]);
+    let runs: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
+    let runs = runs.as_array().unwrap();
+    assert_eq!(runs.len(), 2);
+    assert!(runs.iter().all(|r| r["result"] == expected), "{runs:?}");
     server.stop();
 }
 

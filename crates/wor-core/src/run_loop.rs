@@ -17,7 +17,7 @@
 
 use std::collections::{BTreeSet, VecDeque};
 
-use crate::budget::{BudgetExceeded, BudgetUsage, ModelPrice};
+use crate::budget::{BudgetExceeded, BudgetLimit, BudgetUsage, ModelPrice};
 use crate::call::Verdict;
 use crate::model::ToolCallRequest;
 use crate::routine::BudgetLimits;
@@ -29,6 +29,8 @@ use crate::step::{PendingCall, ToolResultStep, tool_source};
 pub struct Ending {
     pub status: RunStatus,
     pub outcome: String,
+    /// The limit that ran out, when a budget ended the run.
+    pub exhausted: Option<BudgetLimit>,
 }
 
 impl Ending {
@@ -40,12 +42,19 @@ impl Ending {
             std::borrow::Cow::Owned(clean) => clean,
             std::borrow::Cow::Borrowed(_) => outcome,
         };
-        Ending { status, outcome }
+        Ending {
+            status,
+            outcome,
+            exhausted: None,
+        }
     }
 
     /// A run that went over a budget, naming the limit.
     pub fn budget(exceeded: BudgetExceeded) -> Self {
-        Ending::new(RunStatus::BudgetExceeded, exceeded.to_string())
+        Ending {
+            exhausted: Some(exceeded.limit),
+            ..Ending::new(RunStatus::BudgetExceeded, exceeded.to_string())
+        }
     }
 }
 

@@ -138,7 +138,7 @@ impl Engine {
         };
         let finished = cancelled.is_some();
         if let Some(cancelled) = cancelled {
-            crate::metrics::run_finished(&run, ending.status, &ending.outcome);
+            crate::metrics::run_finished(&run, &ending);
             crate::traces::run_finished(&run, ending.status);
             for cancelled in cancelled {
                 self.notify_approval_changed_or_log(run.project_id, cancelled, "cancelled", None)

@@ -13,6 +13,7 @@ use wor_core::budget::BudgetLimit;
 use wor_core::call::{TriggerKind, Verdict};
 use wor_core::model::ProviderKind;
 use wor_core::run::RunStatus;
+use wor_core::run_loop::Ending;
 use wor_store::{ApprovalStatus, AttemptOutcome, RunRecord};
 
 pub const RUNS_STARTED: &str = "wor_runs_started_total";
@@ -27,9 +28,12 @@ pub const APPROVALS_DECIDED: &str = "wor_approvals_decided_total";
 pub const WEBHOOK_DELIVERIES: &str = "wor_webhook_deliveries_total";
 pub const NOTIFICATION_DELIVERIES: &str = "wor_notification_deliveries_total";
 
-/// Describes the engine's metrics to the installed recorder (`# HELP` lines).
+/// Describes the engine's metrics to the installed recorder (`# HELP` lines), with those of
+/// the sandbox and the Wasm runtime it starts tools in.
 pub fn describe() {
     use metrics::{Unit, describe_counter, describe_histogram};
+    wor_sandbox::metrics::describe();
+    wor_wasm::metrics::describe();
     describe_counter!(
         RUNS_STARTED,
         "Runs claimed by a worker for the first time, by trigger"
@@ -59,7 +63,7 @@ pub fn describe() {
     );
     describe_counter!(
         TOOL_CALLS,
-        "Tool calls decided, by decision (allow, confirm, deny)"
+        "Tool calls decided, by decision (allow, confirm, deny), and allowed calls whose request the egress guard then refused (egress_refused; also counted as decided)"
     );
     describe_counter!(
         APPROVALS_DECIDED,
@@ -92,30 +96,19 @@ pub(crate) fn run_claimed(run: &RunRecord, claim_began_ms: i64) {
     histogram!(RUN_QUEUE_LAG).record(seconds_between(run.created_at, started));
 }
 
-/// The limit a `budget_exceeded` run's outcome names. The outcome is the engine's own text,
-/// `BudgetExceeded`'s one format (`budget `turns` exhausted: …`); anything else is `other`.
-fn exhausted_limit(outcome: &str) -> &'static str {
-    const LIMITS: [BudgetLimit; 6] = [
-        BudgetLimit::Turns,
-        BudgetLimit::ToolCalls,
-        BudgetLimit::InputTokens,
-        BudgetLimit::OutputTokens,
-        BudgetLimit::Cost,
-        BudgetLimit::WallTime,
-    ];
-    LIMITS
-        .into_iter()
-        .map(BudgetLimit::as_str)
-        .find(|limit| outcome.starts_with(&format!("budget `{limit}` exhausted")))
-        .unwrap_or("other")
+/// The limit that ended a `budget_exceeded` run, as the run loop typed it; `other` for an
+/// ending that carries none.
+fn exhausted_limit(ending: &Ending) -> &'static str {
+    ending.exhausted.map_or("other", BudgetLimit::as_str)
 }
 
-/// A worker ended `run` with `status` and `outcome`.
-pub(crate) fn run_finished(run: &RunRecord, status: RunStatus, outcome: &str) {
+/// A worker ended `run` as `ending` says.
+pub(crate) fn run_finished(run: &RunRecord, ending: &Ending) {
+    let status = ending.status;
     counter!(RUNS_FINISHED, "status" => status.as_str(), "trigger" => trigger(run.trigger_kind))
         .increment(1);
     if status == RunStatus::BudgetExceeded {
-        counter!(BUDGET_EXHAUSTED, "limit" => exhausted_limit(outcome)).increment(1);
+        counter!(BUDGET_EXHAUSTED, "limit" => exhausted_limit(ending)).increment(1);
     }
     if let Some(started) = run.started_at {
         let active = wor_store::now_millis()
@@ -141,6 +134,11 @@ pub(crate) fn model_called(provider: ProviderKind, input_tokens: u64, output_tok
 /// Policy decided a proposed tool call.
 pub(crate) fn tool_call_decided(verdict: Verdict) {
     counter!(TOOL_CALLS, "decision" => verdict.as_str()).increment(1);
+}
+
+/// The egress guard refused the request of an allowed (or approved) tool call.
+pub(crate) fn tool_call_refused_by_egress() {
+    counter!(TOOL_CALLS, "decision" => "egress_refused").increment(1);
 }
 
 /// A person decided an approval (`approved` or `denied`).
@@ -239,10 +237,11 @@ pub(crate) fn notification_attempted(channel: NotificationChannel, result: Deliv
 #[cfg(test)]
 mod tests {
     use wor_core::budget::{BudgetExceeded, BudgetLimit};
+    use wor_core::run::RunStatus;
     use wor_core::run_loop::Ending;
 
     #[test]
-    fn a_budget_ending_is_counted_by_the_limit_it_names() {
+    fn a_budget_ending_carries_the_limit_that_ran_out() {
         for limit in [
             BudgetLimit::Turns,
             BudgetLimit::ToolCalls,
@@ -256,11 +255,13 @@ mod tests {
                 used: 3,
                 allowed: 2,
             });
-            assert_eq!(super::exhausted_limit(&ending.outcome), limit.as_str());
+            assert_eq!(super::exhausted_limit(&ending), limit.as_str());
         }
-        assert_eq!(
-            super::exhausted_limit("budget `routine name` exhausted"),
-            "other"
+        // An outcome that merely reads like one names no limit.
+        let text = Ending::new(
+            RunStatus::BudgetExceeded,
+            "budget `turns` exhausted: 3 of 2",
         );
+        assert_eq!(super::exhausted_limit(&text), "other");
     }
 }

@@ -755,7 +755,12 @@ impl Engine {
                 .await?
             {
                 // What the model is told of a failed call: the error's text (redacted below).
-                Ok(outcome) => outcome.map_err(|e| e.to_string()),
+                Ok(outcome) => outcome.map_err(|e| {
+                    if e.egress_refused() {
+                        crate::metrics::tool_call_refused_by_egress();
+                    }
+                    e.to_string()
+                }),
                 // The call is dropped (aborted); the next step ends the run on its wall time.
                 Err(Stopped::Deadline) => Err(
                     "it was stopped when the run's wall time ran out; its outcome is unknown"

@@ -102,7 +102,20 @@ impl Sandbox {
 
     /// Starts `profile` in the sandbox. Returns only once every layer is applied and the tool
     /// was executed; any layer that cannot be applied is an error naming it, and nothing ran.
+    /// A failure is counted in [`crate::metrics::SANDBOX_START_FAILURES`].
     pub async fn spawn(
+        &self,
+        profile: &SandboxProfile,
+        stdio: SandboxStdio,
+    ) -> Result<SandboxedProcess, SandboxError> {
+        let started = self.start(profile, stdio).await;
+        if let Err(error) = &started {
+            crate::metrics::start_failed(error);
+        }
+        started
+    }
+
+    async fn start(
         &self,
         profile: &SandboxProfile,
         stdio: SandboxStdio,

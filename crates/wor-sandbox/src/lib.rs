@@ -24,6 +24,7 @@ pub mod doctor;
 pub mod helper;
 pub mod launch;
 pub mod layer;
+pub mod metrics;
 pub mod profile;
 mod protocol;
 mod seccomp;

@@ -27,8 +27,10 @@ use base64::engine::general_purpose::{STANDARD, STANDARD_NO_PAD, URL_SAFE, URL_S
 use regex::Regex;
 
 mod rules;
+mod stream;
 
 use rules::{SHAPE_RULES, ShapeRule};
+pub use stream::StreamRedactor;
 
 /// Marker that replaces a live secret (or overlapping hits of different kinds).
 pub const REDACTED_MARKER: &str = "[REDACTED]";
@@ -56,6 +58,8 @@ pub struct Redactor {
     live_pattern_count: usize,
     /// The longest live pattern, in bytes.
     longest_live: usize,
+    /// Every live pattern, sorted: which text could still grow into one of them.
+    live_sorted: Vec<String>,
 }
 
 /// Bits in the fingerprint table of a [`LiveSecretMatcher`] (128 KiB).
@@ -111,9 +115,9 @@ impl LiveSecretMatcher {
             .is_some_and(|word| word & (1 << (bit % 64)) != 0)
     }
 
-    fn find(&self, text: &str, spans: &mut Vec<Span>) {
+    fn find(&self, text: &str, from: usize, spans: &mut Vec<Span>) {
         let bytes = text.as_bytes();
-        let mut at = 0;
+        let mut at = from;
         while let Some(prefix) = bytes.get(at..).and_then(|rest| rest.first_chunk()) {
             if self.may_start(prefix) {
                 let input = Input::new(text)
@@ -123,6 +127,7 @@ impl LiveSecretMatcher {
                     spans.push(Span {
                         start: found.start(),
                         end: found.end(),
+                        reach: (found.start(), found.end()),
                         marker: Marker::LiveSecret,
                     });
                     at = found.end();
@@ -169,6 +174,7 @@ impl Redactor {
             live,
             live_pattern_count,
             longest_live,
+            live_sorted: patterns.into_iter().collect(),
         })
     }
 
@@ -178,22 +184,48 @@ impl Redactor {
     }
 
     fn spans(&self, text: &str) -> Vec<Span> {
+        self.spans_from(text, 0)
+    }
+
+    /// The matches in `text` that start at or after `from` (a char boundary), as a scan of
+    /// the whole text finds them when no match crosses `from`.
+    fn spans_from(&self, text: &str, from: usize) -> Vec<Span> {
         let mut spans = Vec::new();
         if let Some(live) = &self.live {
-            live.find(text, &mut spans);
+            live.find(text, from, &mut spans);
         }
-        shape_scanner().find(text, &mut spans);
+        shape_scanner().find(text, from, &mut spans);
         spans
+    }
+
+    /// Where the longest tail of `text` after `from` that is still the start of a live
+    /// pattern (a proper prefix of one) begins; `None` when no tail is.
+    fn live_prefix_start(&self, text: &str, from: usize) -> Option<usize> {
+        let bytes = text.as_bytes();
+        let earliest = from.max(
+            bytes
+                .len()
+                .saturating_sub(self.longest_live.saturating_sub(1)),
+        );
+        (earliest..bytes.len()).find(|&at| {
+            let tail = bytes.get(at..).unwrap_or_default();
+            let first = self
+                .live_sorted
+                .partition_point(|pattern| pattern.as_bytes() < tail);
+            // Patterns that start with `tail` sort together from `first`; `tail` itself (a
+            // whole pattern) sorts first among them and a longer one right after it.
+            self.live_sorted
+                .get(first..)
+                .unwrap_or_default()
+                .iter()
+                .take(2)
+                .any(|pattern| pattern.len() > tail.len() && pattern.as_bytes().starts_with(tail))
+        })
     }
 
     /// A redactor for text that arrives in pieces (a model's streamed deltas).
     pub fn stream(&self) -> StreamRedactor<'_> {
-        StreamRedactor {
-            redactor: self,
-            text: String::new(),
-            emitted: 0,
-            hold: self.longest_live.max(STREAM_SHAPE_HOLD),
-        }
+        StreamRedactor::new(self)
     }
 
     /// Redacts every string in `value` in place: string values at any depth and object keys.
@@ -204,103 +236,10 @@ impl Redactor {
     }
 }
 
-/// Bytes of a stream always held back for secret shapes, whose matches have no fixed length
-/// (the longest live secret is held back too, when longer).
-const STREAM_SHAPE_HOLD: usize = 256;
-
-/// Redacts text that arrives in pieces: each piece is added to everything before it, and
-/// only text that no secret can still be spanning is let out, redacted.
-///
-/// INVARIANT: the text let out ends where no match (live or shape) over everything seen so far
-/// crosses, and at least `hold` bytes before the end; a live secret is at most `hold` bytes
-/// long, so one split across any number of pieces is whole in the text before it is let out.
-pub struct StreamRedactor<'r> {
-    redactor: &'r Redactor,
-    text: String,
-    /// Bytes of `text` already let out.
-    emitted: usize,
-    hold: usize,
-}
-
-impl fmt::Debug for StreamRedactor<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("StreamRedactor")
-            .field("seen", &self.text.len())
-            .field("emitted", &self.emitted)
-            .finish()
-    }
-}
-
-impl StreamRedactor<'_> {
-    /// Adds `piece`; returns the redacted text that may be let out now (often empty).
-    pub fn push(&mut self, piece: &str) -> String {
-        self.text.push_str(piece);
-        let mut cut = self.text.len().saturating_sub(self.hold);
-        while !self.text.is_char_boundary(cut) {
-            cut = cut.saturating_sub(1);
-        }
-        self.let_out(cut)
-    }
-
-    /// The rest, redacted, once the stream has ended.
-    pub fn finish(mut self) -> String {
-        let end = self.text.len();
-        self.let_out(end)
-    }
-
-    fn let_out(&mut self, cut: usize) -> String {
-        if cut <= self.emitted {
-            return String::new();
-        }
-        // Only the text near what is not yet out can hold a match that matters.
-        let mut base = self.emitted.saturating_sub(self.hold);
-        while !self.text.is_char_boundary(base) {
-            base = base.saturating_sub(1);
-        }
-        let window = self.text.get(base..).unwrap_or_default();
-        let spans: Vec<Span> = self
-            .redactor
-            .spans(window)
-            .into_iter()
-            .map(|s| Span {
-                start: s.start + base,
-                end: s.end + base,
-                marker: s.marker,
-            })
-            .collect();
-        // Never cut inside a match: the whole match goes out (redacted) or waits.
-        let mut cut = cut;
-        loop {
-            let crossing = spans
-                .iter()
-                .filter(|s| s.start < cut && s.end > cut)
-                .map(|s| s.end)
-                .max();
-            match crossing {
-                Some(end) => cut = end,
-                None => break,
-            }
-        }
-        let inside: Vec<Span> = spans
-            .into_iter()
-            .filter(|s| s.start >= self.emitted && s.end <= cut)
-            .map(|s| Span {
-                start: s.start - self.emitted,
-                end: s.end - self.emitted,
-                marker: s.marker,
-            })
-            .collect();
-        let piece = self.text.get(self.emitted..cut).unwrap_or_default();
-        let out = apply(piece, inside).into_owned();
-        self.emitted = cut;
-        out
-    }
-}
-
 /// Redacts secret shapes only (no live secrets), for logs and other text with no project.
 pub fn redact_shapes(text: &str) -> Cow<'_, str> {
     let mut spans = Vec::new();
-    shape_scanner().find(text, &mut spans);
+    shape_scanner().find(text, 0, &mut spans);
     apply(text, spans)
 }
 
@@ -380,8 +319,12 @@ enum Marker {
 
 #[derive(Debug, Clone, Copy)]
 struct Span {
+    /// The part to replace.
     start: usize,
     end: usize,
+    /// The whole match around it (a credential's name, a URL's user), which a stream must
+    /// not cut either.
+    reach: (usize, usize),
     marker: Marker,
 }
 
@@ -476,11 +419,15 @@ impl ShapeScanner {
         }
     }
 
-    fn find(&self, text: &str, spans: &mut Vec<Span>) {
+    /// Finds the matches that start at or after `from`.
+    fn find(&self, text: &str, from: usize, spans: &mut Vec<Span>) {
         // Per rule, the merged windows around its keyword hits.
         let mut windows: Vec<Vec<(usize, usize)>> = vec![Vec::new(); SHAPE_RULES.len()];
         let mut any = false;
-        for hit in self.keywords.find_overlapping_iter(text) {
+        // A keyword lies inside its match, so one that starts before `from` is in no match
+        // that starts at or after it.
+        let input = Input::new(text).span(from.min(text.len())..text.len());
+        for hit in self.keywords.find_overlapping_iter(input) {
             let Some(rule_keywords) = self.keyword_rules.get(hit.pattern().as_usize()) else {
                 continue;
             };
@@ -495,7 +442,7 @@ impl ShapeScanner {
                     continue;
                 }
                 any = true;
-                let start = hit.start().saturating_sub(rule.before);
+                let start = hit.start().saturating_sub(rule.before).max(from);
                 let end = hit.end().saturating_add(rule.after).min(text.len());
                 match list.last_mut() {
                     Some(last) if start <= last.1 => {
@@ -536,20 +483,22 @@ fn find_in_window(
     let mut at = start;
     while at < haystack.len() {
         let found = if rule.secret_group == 0 {
-            regex.find_at(haystack, at).map(|m| (m.end(), m.range()))
+            regex.find_at(haystack, at).map(|m| (m.range(), m.range()))
         } else {
             regex.captures_at(haystack, at).and_then(|caps| {
-                let whole_end = caps.get(0)?.end();
-                Some((whole_end, caps.get(rule.secret_group)?.range()))
+                let whole = caps.get(0)?.range();
+                Some((whole, caps.get(rule.secret_group)?.range()))
             })
         };
-        let Some((match_end, secret)) = found else {
+        let Some((whole, secret)) = found else {
             break;
         };
+        let match_end = whole.end;
         if !secret.is_empty() {
             spans.push(Span {
                 start: secret.start,
                 end: secret.end,
+                reach: (whole.start, whole.end),
                 marker,
             });
         }

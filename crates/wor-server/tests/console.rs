@@ -2398,6 +2398,17 @@ async fn a_structured_result_is_shown_on_the_run_page_and_in_its_timeline() {
             && timeline.contains("from the model&#39;s answer, checked against the output schema"),
         "{timeline}"
     );
+    // The runs list: the result, compact and escaped, where other runs show their outcome.
+    let list = cho.get("/console/runs").await;
+    assert_eq!(list.status, StatusCode::OK);
+    let row = &list.body[list.body.find(id).unwrap()..];
+    let row = &row[..row.find("</tr>").unwrap()];
+    assert!(
+        row.contains(
+            "<code class=\"run-result\">{&#34;severity&#34;:&#34;high&#34;,&#34;summary&#34;:&#34;disk &#60;full&#62;&#34;}</code>"
+        ),
+        "{row}"
+    );
 }
 
 #[tokio::test]

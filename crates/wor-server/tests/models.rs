@@ -514,6 +514,21 @@ async fn an_answer_that_stays_invalid_fails_the_run_naming_the_violation() {
         "{outcome}"
     );
     assert!(run.get("result").is_none(), "{run:#}");
+
+    // In the list, a succeeded run carries its result and the failed one none.
+    let valid = structured_routine(&[r#"{"severity": "high", "summary": "ok"}"#], 2)
+        .replace("name = \"triage\"", "name = \"triage-valid\"");
+    let succeeded = h.run(&valid).await;
+    assert_eq!(succeeded["status"], "succeeded", "{succeeded:#}");
+    let (status, listed) = h.call(Method::GET, "/v1/runs", None).await;
+    assert_eq!(status, StatusCode::OK, "{listed}");
+    let listed = listed.as_array().unwrap();
+    let item = |id: &Value| listed.iter().find(|r| r["id"] == *id).unwrap();
+    assert_eq!(
+        item(&succeeded["id"])["result"],
+        json!({"severity": "high", "summary": "ok"})
+    );
+    assert!(item(&run["id"]).get("result").is_none(), "{listed:?}");
 }
 
 #[tokio::test]

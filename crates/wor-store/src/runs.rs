@@ -708,6 +708,44 @@ impl Store {
     }
 }
 
+impl Store {
+    /// The validated results of `runs` (routines with `[output] schema`): each run's last
+    /// `output` step, by run. Runs of another project and runs without one are absent.
+    pub async fn run_results(
+        &self,
+        project: ProjectId,
+        runs: &[RunId],
+    ) -> Result<std::collections::HashMap<RunId, serde_json::Value>, StoreError> {
+        const PER_STATEMENT: usize = 200;
+        let mut results = std::collections::HashMap::new();
+        for chunk in runs.chunks(PER_STATEMENT) {
+            let places: Vec<String> = (2..chunk.len() + 2).map(|n| format!("${n}")).collect();
+            let sql = format!(
+                "SELECT run_id, payload FROM run_steps WHERE project_id = $1 AND kind = 'output' \
+                 AND run_id IN ({}) ORDER BY run_id, seq",
+                places.join(", ")
+            );
+            let mut query = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(project.to_string());
+            for run in chunk {
+                query = query.bind(run.to_string());
+            }
+            for row in query.fetch_all(self.pool()).await? {
+                let run: RunId =
+                    parse_column(&row.try_get::<String, _>("run_id")?, "run_steps.run_id")?;
+                let payload: String = row.try_get("payload")?;
+                let payload = serde_json::from_str(&payload)
+                    .map_err(|_| StoreError::Corrupt("run_steps.payload is not JSON".to_owned()))?;
+                if let Step::Output(output) = Step::from_stored("output", payload)
+                    .map_err(|e| StoreError::Corrupt(format!("run_steps: {e}")))?
+                {
+                    results.insert(run, output.result);
+                }
+            }
+        }
+        Ok(results)
+    }
+}
+
 /// How many rows one statement of a scheduler pass writes (each run's row binds 18 values).
 const ROWS_PER_STATEMENT: usize = 200;
 

@@ -25,7 +25,7 @@ use rmcp::service::{
     NotificationContext, PeerRequestOptions, RoleClient, RunningService, ServiceError,
 };
 use rmcp::transport::streamable_http_client::{
-    StreamableHttpClientTransport, StreamableHttpClientTransportConfig,
+    StreamableHttpClientTransport, StreamableHttpClientTransportConfig, StreamableHttpError,
 };
 use rmcp::{ClientHandler, ServiceExt};
 use serde_json::{Map, Value};
@@ -36,7 +36,7 @@ use wor_secrets::{RedactionError, Redactor};
 use crate::credentials::ConnectionCredentials;
 use crate::definition::ToolDefinition;
 use crate::result::{ToolCallResult, ToolContent};
-use egress_http::EgressStreamableHttp;
+use egress_http::{EgressStreamableHttp, McpHttpError};
 use sandbox::{LaunchError, ProcessGuard, SandboxLauncher, StdioCommand};
 
 /// Timeouts and caps of one MCP session.
@@ -118,6 +118,22 @@ pub enum McpError {
     /// The tool list did not end within [`McpLimits::max_tool_pages`].
     #[error("the tool list has more than {0} pages")]
     TooManyPages(usize),
+}
+
+/// The egress guard's refusal behind a failed exchange over streamable HTTP, if that is what
+/// it was: the transport error keeps it typed, the service error only as its source.
+fn guard_refusal(error: &ServiceError) -> Option<wor_egress::EgressDenial> {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(current) = source {
+        if let Some(StreamableHttpError::Client(McpHttpError::Egress(EgressError::Denied(
+            denial,
+        )))) = current.downcast_ref::<StreamableHttpError<McpHttpError>>()
+        {
+            return Some((**denial).clone());
+        }
+        source = current.source();
+    }
+    None
 }
 
 /// Set when the server sends `notifications/tools/list_changed`. Cheap to clone; clones share
@@ -301,7 +317,10 @@ impl McpSession {
             ServiceError::UnexpectedResponse => {
                 McpError::UnexpectedResponse("a result of the wrong type")
             }
-            other => McpError::Transport(self.redactor.redact(&other.to_string()).into_owned()),
+            other => match guard_refusal(&other) {
+                Some(denial) => McpError::Egress(EgressError::Denied(Box::new(denial))),
+                None => McpError::Transport(self.redactor.redact(&other.to_string()).into_owned()),
+            },
         }
     }
 

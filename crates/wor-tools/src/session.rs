@@ -51,6 +51,18 @@ pub enum ToolSessionError {
     WasmListing(String),
 }
 
+impl ToolSessionError {
+    /// Whether the egress guard refused the request the call made (an HTTP tool's request,
+    /// or an MCP server's endpoint over streamable HTTP).
+    pub fn egress_refused(&self) -> bool {
+        matches!(
+            self,
+            ToolSessionError::Mcp(McpError::Egress(wor_egress::EgressError::Denied(_)))
+                | ToolSessionError::Http(HttpToolError::Egress(wor_egress::EgressError::Denied(_)))
+        )
+    }
+}
+
 impl ToolSession {
     /// The live tool list: what the MCP server lists, or the configured HTTP tools.
     pub async fn list_tools(&self) -> Result<Vec<ToolDefinition>, ToolSessionError> {

@@ -13,6 +13,7 @@
 //! INVARIANT: nothing a component does reaches the network except through [`EgressClient`].
 
 mod http;
+pub mod metrics;
 #[cfg(feature = "testing")]
 pub mod testing;
 
@@ -165,6 +166,14 @@ impl WasmRuntime {
     /// Compiles a component and resolves its imports once, so each call only instantiates.
     /// A component importing anything the host does not provide is refused here.
     pub fn load(&self, bytes: &[u8]) -> Result<WasmComponent, WasmError> {
+        let loaded = self.compile(bytes);
+        if let Err(error) = &loaded {
+            metrics::start_failed(error);
+        }
+        loaded
+    }
+
+    fn compile(&self, bytes: &[u8]) -> Result<WasmComponent, WasmError> {
         let component = Component::new(&self.engine, bytes)
             .map_err(|e| WasmError::Component(format!("{e:#}")))?;
         let pre = self
@@ -180,9 +189,13 @@ impl WasmRuntime {
 
     /// [`WasmRuntime::load`] of a file.
     pub fn load_file(&self, path: &Path) -> Result<WasmComponent, WasmError> {
-        let bytes = std::fs::read(path).map_err(|source| WasmError::Read {
-            path: path.to_owned(),
-            source,
+        let bytes = std::fs::read(path).map_err(|source| {
+            let error = WasmError::Read {
+                path: path.to_owned(),
+                source,
+            };
+            metrics::start_failed(&error);
+            error
         })?;
         self.load(&bytes)
     }
@@ -326,15 +339,27 @@ impl WasmTool {
             }
             Ok(Ok(permits)) => permits,
         };
-        let mut store = self.store()?;
+        let mut store = self.store().inspect_err(metrics::start_failed)?;
+        // Whether the failure came while instantiating, before the tool's own code was called.
         let run = async {
-            let tool = self.component.pre.instantiate_async(&mut store).await?;
-            call(&tool, &mut store).await
+            let tool = match self.component.pre.instantiate_async(&mut store).await {
+                Ok(tool) => tool,
+                Err(error) => return Err((true, error)),
+            };
+            call(&tool, &mut store)
+                .await
+                .map_err(|error| (false, error))
         };
         match tokio::time::timeout_at(deadline, run).await {
             Err(_) => Err(WasmError::Deadline(limits.timeout)),
             Ok(Ok(value)) => Ok(value),
-            Ok(Err(error)) => Err(classify(&error, &store, limits)),
+            Ok(Err((instantiating, error))) => {
+                let error = classify(&error, &store, limits);
+                if instantiating {
+                    metrics::start_failed(&error);
+                }
+                Err(error)
+            }
         }
     }
 

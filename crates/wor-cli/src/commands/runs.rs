@@ -68,9 +68,14 @@ pub enum RunCommand {
     },
 }
 
+/// A run's `result` (routines with `[output] schema`), compact, takes the place of its outcome.
 pub(crate) fn summary(run: &Value) -> String {
     let usage = run.get("usage").cloned().unwrap_or(Value::Null);
     let n = |k: &str| usage.get(k).and_then(Value::as_u64).unwrap_or(0);
+    let ended = match run.get("result") {
+        Some(result) => format!("result {result}"),
+        None => field(run, "/outcome").to_owned(),
+    };
     format!(
         "{}  {:<20}  turns {} tools {} tokens {}/{}  {}",
         field(run, "/id"),
@@ -79,7 +84,7 @@ pub(crate) fn summary(run: &Value) -> String {
         n("tool_calls"),
         n("input_tokens"),
         n("output_tokens"),
-        field(run, "/outcome"),
+        ended,
     )
 }
 

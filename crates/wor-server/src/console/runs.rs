@@ -109,6 +109,8 @@ struct RunRow {
     created_at: String,
     cost_microdollars: u64,
     outcome: String,
+    /// The validated result (routines with `[output] schema`), compact and cut to fit.
+    result: Option<String>,
 }
 
 struct Choice {
@@ -155,6 +157,12 @@ pub async fn list(
     let names: BTreeMap<RoutineId, String> =
         routines.iter().map(|r| (r.id, r.name.clone())).collect();
     let runs = state.store.list_runs(project, &filter).await?;
+    let succeeded: Vec<RunId> = runs
+        .iter()
+        .filter(|r| r.status == RunStatus::Succeeded)
+        .map(|r| r.id)
+        .collect();
+    let mut results = state.store.run_results(project, &succeeded).await?;
     let next = (runs.len() == PAGE as usize)
         .then(|| runs.last())
         .flatten()
@@ -194,6 +202,9 @@ pub async fn list(
                 trigger: run.trigger_kind.as_str().to_owned(),
                 created_at: rfc3339(run.created_at),
                 cost_microdollars: run.usage.cost_microdollars,
+                result: results
+                    .remove(&run.id)
+                    .map(|result| result.to_string().chars().take(120).collect()),
                 outcome: run.outcome.unwrap_or_default().chars().take(120).collect(),
             })
             .collect(),

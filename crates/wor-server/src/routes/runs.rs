@@ -141,6 +141,17 @@ pub struct RunDetail {
     pub steps: Vec<RunStepView>,
 }
 
+/// A run in a list: the run, and its validated result when it has one.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct RunListItem {
+    #[serde(flatten)]
+    pub run: RunView,
+    /// For a routine with `[output] schema`, the validated JSON result of a succeeded run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    pub result: Option<serde_json::Value>,
+}
+
 #[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
@@ -214,12 +225,12 @@ pub(crate) async fn start_run(
 
 /// Lists runs, newest first.
 #[utoipa::path(get, path = "/v1/runs", tag = "runs", security(("bearer" = [])), params(RunListQuery),
-    responses((status = 200, body = [RunView]), (status = 400, body = ErrorBody)))]
+    responses((status = 200, body = [RunListItem]), (status = 400, body = ErrorBody)))]
 pub async fn list(
     State(state): State<AppState>,
     caller: Caller,
     query: Result<Query<RunListQuery>, axum::extract::rejection::QueryRejection>,
-) -> Result<Json<Vec<RunView>>, ApiError> {
+) -> Result<Json<Vec<RunListItem>>, ApiError> {
     let Query(query) = query.map_err(|e| ApiError::bad_request("invalid_query", e.body_text()))?;
     let filter = RunFilter {
         routine_id: query_id(query.routine_id.as_deref())?,
@@ -234,7 +245,23 @@ pub async fn list(
         ..RunFilter::default()
     };
     let runs = state.store.list_runs(caller.project_id, &filter).await?;
-    Ok(Json(runs.into_iter().map(Into::into).collect()))
+    let succeeded: Vec<RunId> = runs
+        .iter()
+        .filter(|r| r.status == RunStatus::Succeeded)
+        .map(|r| r.id)
+        .collect();
+    let mut results = state
+        .store
+        .run_results(caller.project_id, &succeeded)
+        .await?;
+    Ok(Json(
+        runs.into_iter()
+            .map(|run| RunListItem {
+                result: results.remove(&run.id),
+                run: run.into(),
+            })
+            .collect(),
+    ))
 }
 
 /// One run with every step it took.
