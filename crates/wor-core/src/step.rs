@@ -19,6 +19,7 @@ use crate::call::Verdict;
 use crate::model::{
     AssistantMessage, ChatMessage, ProviderKind, StopReason, ToolCallRequest, ToolResult, Usage,
 };
+use crate::provenance::ArgumentLabels;
 use crate::routine::ROUTINE_CONNECTION;
 use crate::run::{Provenance, RunStatus};
 use crate::{ApprovalId, ConnectionId};
@@ -254,6 +255,10 @@ pub struct ToolCallStep {
     /// takes its untrusted sources from the labels of its steps, never from this list).
     #[serde(default)]
     pub untrusted_sources: BTreeSet<String>,
+    /// Where each argument's values can have come from, as the decision saw it; none in rows
+    /// written before arguments were labelled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub argument_labels: Option<ArgumentLabels>,
 }
 
 impl ToolCallStep {
@@ -651,6 +656,7 @@ mod tests {
             determining_policies: vec!["wor.default".to_owned()],
             reasons: Vec::new(),
             untrusted_sources: BTreeSet::new(),
+            argument_labels: None,
         })
     }
 
