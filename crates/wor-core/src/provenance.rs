@@ -3,8 +3,8 @@
 //! requester's input), a named untrusted source (a tool's result, a webhook payload, memory),
 //! both, or nowhere (the model wrote it).
 //!
-//! A [`ContentIndex`] is built from a run's steps and grows as results arrive, so a decision
-//! only looks values up. Matching is on normalised values (docs/policies.md, "Argument
+//! A [`ContentIndex`] is built from a run's steps (`step::content_index`) and grows as results
+//! arrive, so a decision only looks values up. Matching is on normalised values (docs/policies.md, "Argument
 //! provenance"): URLs by scheme-free host, non-default port, percent-decoded path without a
 //! trailing slash and query; e-mail addresses and hosts case-insensitively; any other text as a
 //! run of words (case folded, punctuation and whitespace between words ignored) that must
@@ -20,10 +20,6 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
-
-use crate::model::ToolResult;
-use crate::run::Provenance;
-use crate::step::{Step, tool_source, untrusted_source};
 
 /// Most values (strings and numbers, nested ones included) labelled in one call; the rest are
 /// [`ValueOrigin::Unexamined`].
@@ -300,24 +296,6 @@ impl ContentIndex {
         ContentIndex::default()
     }
 
-    /// A run's context: its routine's instructions and pinned argument values (trusted), then
-    /// what each of its steps added.
-    pub fn of_run<'a>(
-        instructions: &str,
-        pinned: impl IntoIterator<Item = &'a Value>,
-        steps: impl IntoIterator<Item = (&'a Step, Provenance)>,
-    ) -> Self {
-        let mut index = ContentIndex::new();
-        index.add_trusted(instructions);
-        for value in pinned {
-            index.add_value(TRUSTED, value);
-        }
-        for (step, provenance) in steps {
-            index.add_step(step, provenance);
-        }
-        index
-    }
-
     /// Adds trusted text (instructions, the requester's input).
     pub fn add_trusted(&mut self, text: &str) {
         self.add(TRUSTED, text);
@@ -329,50 +307,15 @@ impl ContentIndex {
         self.add(origin, text);
     }
 
-    /// Adds what a recorded step put in the context: the requester's input and remembered
-    /// requests as trusted; untrusted input, results and memory under their source. Model
-    /// turns and the engine's own notices are no source of either.
-    pub fn add_step(&mut self, step: &Step, provenance: Provenance) {
-        match step {
-            Step::Input(input) => match provenance {
-                Provenance::Trusted | Provenance::Requester => {
-                    self.add_value(TRUSTED, &input.input);
-                }
-                Provenance::Untrusted => {
-                    if let Some(source) = untrusted_source(step, provenance) {
-                        let origin = self.origin(&source);
-                        self.add_value(origin, &input.input);
-                    }
-                }
-                Provenance::Model | Provenance::Engine => {}
-            },
-            Step::Memory(memory) => {
-                for entry in &memory.entries {
-                    match entry.provenance {
-                        Provenance::Trusted | Provenance::Requester => {
-                            self.add(TRUSTED, &entry.text);
-                        }
-                        Provenance::Untrusted => self.add_untrusted("memory", &entry.text),
-                        Provenance::Model | Provenance::Engine => {}
-                    }
-                }
-            }
-            Step::ToolResult(result) => self.add_result(&result.tool, &result.result, provenance),
-            Step::ModelTurn(_)
-            | Step::ToolCall(_)
-            | Step::ApprovalUsed(_)
-            | Step::Output(_)
-            | Step::Outcome(_) => {}
-        }
+    /// Adds a trusted value: a string as it is, anything else as its JSON text.
+    pub fn add_trusted_value(&mut self, value: &Value) {
+        self.add_value(TRUSTED, value);
     }
 
-    /// Adds a tool's result as recorded, when it is labelled untrusted (an engine's refusal
-    /// is no source).
-    pub fn add_result(&mut self, tool: &str, result: &ToolResult, provenance: Provenance) {
-        if provenance == Provenance::Untrusted {
-            let origin = self.origin(&tool_source(tool));
-            self.add(origin, without_envelope(&result.content));
-        }
+    /// Adds an untrusted value from `source`: a string as it is, anything else as its JSON text.
+    pub fn add_untrusted_value(&mut self, source: &str, value: &Value) {
+        let origin = self.origin(source);
+        self.add_value(origin, value);
     }
 
     fn origin(&mut self, source: &str) -> OriginId {
@@ -626,24 +569,6 @@ struct Budget {
     steps: usize,
 }
 
-/// A tool's result as recorded is wrapped in its envelope (`step::untrusted_envelope`); the
-/// envelope's own words are no content.
-fn without_envelope(content: &str) -> &str {
-    if !content.starts_with("<untrusted-data ") {
-        return content;
-    }
-    let Some((_, rest)) = content.split_once('\n') else {
-        return content;
-    };
-    let Some((_, rest)) = rest.split_once('\n') else {
-        return rest;
-    };
-    match rest.rsplit_once('\n') {
-        Some((body, last)) if last.starts_with("</untrusted-data") => body,
-        _ => rest,
-    }
-}
-
 fn is_chunk_break(c: char) -> bool {
     c.is_whitespace() || "\"'<>()[]{}`|\\,".contains(c)
 }
@@ -794,7 +719,11 @@ mod tests {
     use serde_json::json;
 
     use super::*;
-    use crate::step::{InputSource, InputStep, ToolResultStep, untrusted_envelope};
+    use crate::model::ToolResult;
+    use crate::run::Provenance;
+    use crate::step::{
+        InputSource, InputStep, Step, ToolResultStep, content_index, untrusted_envelope,
+    };
 
     fn result(tool: &str, text: &str) -> Step {
         Step::ToolResult(ToolResultStep {
@@ -820,7 +749,7 @@ mod tests {
             json!({"host": "evil.test", "note": "quarterly report"}),
             InputSource::Webhook,
         ));
-        ContentIndex::of_run(
+        content_index(
             "You are the reporting routine.",
             [&json!("reports@example.com")],
             [

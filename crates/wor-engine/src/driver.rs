@@ -465,7 +465,7 @@ impl Engine {
                             .record_tool_result(run, answer, provenance, redactor)
                             .await?;
                         // Later calls are labelled against this result too.
-                        content.add_result(&tool, &recorded, provenance);
+                        wor_core::step::index_result(&mut content, &tool, &recorded, provenance);
                         cancel_known = Some(cancel);
                         messages.push(ChatMessage::Tool(recorded));
                     }

@@ -930,7 +930,7 @@ pub(crate) fn run_content<'a>(
     definition: &'a wor_core::routine::RoutineDefinition,
     steps: impl IntoIterator<Item = (&'a Step, Provenance)>,
 ) -> ContentIndex {
-    ContentIndex::of_run(
+    wor_core::step::content_index(
         &definition.instructions,
         definition.tools.iter().flat_map(|t| t.pinned.values()),
         steps,
