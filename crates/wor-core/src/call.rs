@@ -51,6 +51,10 @@ pub enum ToolClass {
     /// May change something: needs approval once untrusted content is in the context.
     #[default]
     Consequential,
+    /// Reads, but contacts destinations its arguments name (URLs, hosts, addresses, channels):
+    /// the visit itself can carry data out. Needs approval when a destination-like argument
+    /// is not trusted-only while untrusted content is in the context.
+    OpenWorld,
 }
 
 impl ToolClass {
@@ -58,14 +62,19 @@ impl ToolClass {
         match self {
             ToolClass::ReadOnly => "read_only",
             ToolClass::Consequential => "consequential",
+            ToolClass::OpenWorld => "open_world",
         }
     }
 
-    /// The class `text` names (`read_only`, `consequential`).
+    pub const ALL: [ToolClass; 3] = [
+        ToolClass::ReadOnly,
+        ToolClass::Consequential,
+        ToolClass::OpenWorld,
+    ];
+
+    /// The class `text` names (`read_only`, `consequential`, `open_world`).
     pub fn parse(text: &str) -> Option<ToolClass> {
-        [ToolClass::ReadOnly, ToolClass::Consequential]
-            .into_iter()
-            .find(|c| c.as_str() == text)
+        ToolClass::ALL.into_iter().find(|c| c.as_str() == text)
     }
 }
 
@@ -140,6 +149,7 @@ mod tests {
         assert!("".parse::<TriggerKind>().is_err());
         assert_eq!(ToolClass::parse("read_only"), Some(ToolClass::ReadOnly));
         assert_eq!(ToolClass::parse("readonly"), None);
+        assert_eq!(ToolClass::parse("open_world"), Some(ToolClass::OpenWorld));
         assert_eq!(ToolClass::default(), ToolClass::Consequential);
         assert!(Verdict::Deny > Verdict::Confirm && Verdict::Confirm > Verdict::Allow);
     }

@@ -13,6 +13,7 @@ pub mod canonical;
 pub mod ids;
 pub mod json_depth;
 pub mod model;
+pub mod provenance;
 pub mod replay;
 pub mod role;
 pub mod routine;

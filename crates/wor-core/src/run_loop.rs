@@ -485,6 +485,7 @@ mod tests {
                     determining_policies: Vec::new(),
                     reasons: Vec::new(),
                     untrusted_sources: BTreeSet::new(),
+                    argument_labels: None,
                 }),
                 started_with_approval,
             };

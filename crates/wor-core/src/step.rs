@@ -19,6 +19,7 @@ use crate::call::Verdict;
 use crate::model::{
     AssistantMessage, ChatMessage, ProviderKind, StopReason, ToolCallRequest, ToolResult, Usage,
 };
+use crate::provenance::{ArgumentLabels, ContentIndex};
 use crate::routine::ROUTINE_CONNECTION;
 use crate::run::{Provenance, RunStatus};
 use crate::{ApprovalId, ConnectionId};
@@ -254,6 +255,10 @@ pub struct ToolCallStep {
     /// takes its untrusted sources from the labels of its steps, never from this list).
     #[serde(default)]
     pub untrusted_sources: BTreeSet<String>,
+    /// Where each argument's values can have come from, as the decision saw it; none in rows
+    /// written before arguments were labelled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub argument_labels: Option<ArgumentLabels>,
 }
 
 impl ToolCallStep {
@@ -543,6 +548,86 @@ pub fn untrusted_sources<'a>(
         .collect()
 }
 
+/// A run's context indexed for labelling arguments (`provenance.rs`): its routine's
+/// instructions and pinned argument values (trusted), then what each of its steps added.
+pub fn content_index<'a>(
+    instructions: &str,
+    pinned: impl IntoIterator<Item = &'a serde_json::Value>,
+    steps: impl IntoIterator<Item = (&'a Step, Provenance)>,
+) -> ContentIndex {
+    let mut index = ContentIndex::new();
+    index.add_trusted(instructions);
+    for value in pinned {
+        index.add_trusted_value(value);
+    }
+    for (step, provenance) in steps {
+        index_step(&mut index, step, provenance);
+    }
+    index
+}
+
+/// Adds what a recorded step put in the context: the requester's input and remembered
+/// requests as trusted; untrusted input, results and memory under their source. Model turns
+/// and the engine's own notices are no source of either.
+pub fn index_step(index: &mut ContentIndex, step: &Step, provenance: Provenance) {
+    match step {
+        Step::Input(input) => match provenance {
+            Provenance::Trusted | Provenance::Requester => index.add_trusted_value(&input.input),
+            Provenance::Untrusted => {
+                if let Some(source) = untrusted_source(step, provenance) {
+                    index.add_untrusted_value(&source, &input.input);
+                }
+            }
+            Provenance::Model | Provenance::Engine => {}
+        },
+        Step::Memory(memory) => {
+            for entry in &memory.entries {
+                match entry.provenance {
+                    Provenance::Trusted | Provenance::Requester => index.add_trusted(&entry.text),
+                    Provenance::Untrusted => index.add_untrusted("memory", &entry.text),
+                    Provenance::Model | Provenance::Engine => {}
+                }
+            }
+        }
+        Step::ToolResult(result) => index_result(index, &result.tool, &result.result, provenance),
+        Step::ModelTurn(_)
+        | Step::ToolCall(_)
+        | Step::ApprovalUsed(_)
+        | Step::Output(_)
+        | Step::Outcome(_) => {}
+    }
+}
+
+/// Adds a tool's result as recorded, when it is labelled untrusted (an engine's refusal is no
+/// source), without its envelope: the envelope's own words are no content.
+pub fn index_result(
+    index: &mut ContentIndex,
+    tool: &str,
+    result: &ToolResult,
+    provenance: Provenance,
+) {
+    if provenance == Provenance::Untrusted {
+        index.add_untrusted(&tool_source(tool), without_envelope(&result.content));
+    }
+}
+
+/// The text inside an envelope made by [`untrusted_envelope`].
+fn without_envelope(content: &str) -> &str {
+    if !content.starts_with("<untrusted-data ") {
+        return content;
+    }
+    let Some((_, rest)) = content.split_once('\n') else {
+        return content;
+    };
+    let Some((_, rest)) = rest.split_once('\n') else {
+        return rest;
+    };
+    match rest.rsplit_once('\n') {
+        Some((body, last)) if last.starts_with("</untrusted-data") => body,
+        _ => rest,
+    }
+}
+
 /// The conversation so far: the routine's instructions (trusted), the thread's memory, the
 /// requester's input, then each recorded model turn and tool result in order. Anything
 /// untrusted is shown inside its envelope.
@@ -651,6 +736,7 @@ mod tests {
             determining_policies: vec!["wor.default".to_owned()],
             reasons: Vec::new(),
             untrusted_sources: BTreeSet::new(),
+            argument_labels: None,
         })
     }
 

@@ -350,7 +350,9 @@ impl Engine {
         };
         let steps = self.store.list_run_steps(project, run.id, 0).await?;
         let untrusted = untrusted_sources(steps.iter().map(|s| (&s.step, s.provenance)));
-        let decision = decide_call(
+        let content =
+            crate::pipeline::run_content(definition, steps.iter().map(|s| (&s.step, s.provenance)));
+        let (decision, _) = decide_call(
             &policy,
             definition.name.as_str(),
             run,
@@ -358,6 +360,7 @@ impl Engine {
             &arguments,
             run.usage,
             &untrusted,
+            &content,
         );
         if decision.outcome == Verdict::Deny {
             return Err(EditRefusal::PolicyDenied {

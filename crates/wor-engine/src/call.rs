@@ -8,6 +8,7 @@ use std::time::Duration;
 use wor_core::audit::{Actor, AuditCategory, AuditEvent};
 use wor_core::budget::BudgetUsage;
 use wor_core::model::ToolResult;
+use wor_core::provenance::ContentIndex;
 use wor_core::routine::{BudgetLimits, RoutineDefinition};
 use wor_core::run::Provenance;
 use wor_core::run_loop::CallOutcome;
@@ -38,6 +39,8 @@ pub(crate) struct CallScope<'a> {
     pub policy: &'a PolicyEngine,
     /// Untrusted sources in the context so far (`tool:CONNECTION/TOOL`, `webhook`, …).
     pub untrusted: &'a BTreeSet<String>,
+    /// The run's context indexed for labelling each call's arguments.
+    pub content: &'a ContentIndex,
     /// The run's limits: its routine's, capped for a nested run by what its parent had left.
     pub limits: BudgetLimits,
     /// Wall time the run has used so far, in seconds.

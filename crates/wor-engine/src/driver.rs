@@ -16,6 +16,7 @@ use wor_core::audit::AuditCategory;
 use wor_core::budget::{BudgetExceeded, BudgetLimit, BudgetUsage};
 use wor_core::json_depth::{MAX_JSON_NESTING, value_nesting};
 use wor_core::model::{AssistantMessage, ChatMessage, ModelRequest, ModelResponse, ProviderKind};
+use wor_core::provenance::ContentIndex;
 use wor_core::routine::RoutineDefinition;
 use wor_core::run::{Provenance, RunStatus};
 use wor_core::run_loop::{AfterCall, CallOutcome, Ending, Next, RunLoop};
@@ -167,6 +168,7 @@ impl Engine {
         let pending = pending_calls(steps.iter().map(|s| &s.step));
         let call_ids = recorded_call_ids(steps.iter().map(|s| &s.step));
         let untrusted = untrusted_sources(labelled());
+        let content = crate::pipeline::run_content(definition, labelled());
         let (provider, connection) = match self.provider(run, definition, &messages).await {
             Ok(provider) => provider,
             Err(reason) => return Ok(Flow::End(Ending::new(RunStatus::Failed, reason))),
@@ -203,7 +205,7 @@ impl Engine {
             policy: &policy,
         };
         let flow = self
-            .turns(&context, messages, pending, untrusted, call_ids)
+            .turns(&context, messages, pending, untrusted, content, call_ids)
             .await;
         tools.close().await;
         flow
@@ -298,6 +300,7 @@ impl Engine {
         mut messages: Vec<ChatMessage>,
         pending: Vec<PendingCall>,
         untrusted: BTreeSet<String>,
+        mut content: ContentIndex,
         call_ids: BTreeSet<String>,
     ) -> Result<Flow, EngineError> {
         let RunContext {
@@ -437,6 +440,7 @@ impl Engine {
                         redactor,
                         policy,
                         untrusted: machine.untrusted(),
+                        content: &content,
                         limits,
                         wall_spent: elapsed(),
                         authority: &authority,
@@ -456,9 +460,12 @@ impl Engine {
                         answer, provenance, ..
                     } = outcome
                     {
+                        let tool = answer.tool.clone();
                         let (recorded, cancel) = self
                             .record_tool_result(run, answer, provenance, redactor)
                             .await?;
+                        // Later calls are labelled against this result too.
+                        wor_core::step::index_result(&mut content, &tool, &recorded, provenance);
                         cancel_known = Some(cancel);
                         messages.push(ChatMessage::Tool(recorded));
                     }

@@ -13,6 +13,7 @@ use std::collections::BTreeSet;
 use serde_json::{Value, json};
 use wor_core::audit::AuditCategory;
 use wor_core::budget::{BudgetExceeded, BudgetLimit, BudgetUsage};
+use wor_core::provenance::{ArgumentLabels, ContentIndex};
 use wor_core::routine::{OnDenial, ROUTINE_CONNECTION, ToolMode};
 use wor_core::run::Provenance;
 use wor_core::run_loop::{AfterDecision, CallOutcome, CallResume};
@@ -127,7 +128,7 @@ impl Engine {
             };
         // 4. Decision.
         let deciding = std::time::SystemTime::now();
-        let decision = self.decide(scope, offered, &arguments, usage);
+        let (decision, labels) = self.decide(scope, offered, &arguments, usage);
         crate::metrics::tool_call_decided(decision.outcome);
         crate::traces::tool_call_decided(scope.run, &call.id, deciding, decision.outcome);
         let recorded = ToolCallStep {
@@ -142,6 +143,7 @@ impl Engine {
             determining_policies: decision.determining_policies.clone(),
             reasons: decision.reasons.clone(),
             untrusted_sources: scope.untrusted.clone(),
+            argument_labels: Some(labels),
         };
         let Step::ToolCall(recorded) = redacted(Step::ToolCall(recorded), scope)? else {
             return Err(EngineError::InvalidState(
@@ -174,7 +176,11 @@ impl Engine {
                 Ok(scope.refuse(pending, usage, &text))
             }
             AfterDecision::RecordAndPark => {
-                let why = why_json(&decision, scope.untrusted);
+                let why = why_json(
+                    &decision,
+                    scope.untrusted,
+                    recorded.argument_labels.as_ref(),
+                );
                 self.record(record).await?;
                 self.park(
                     scope,
@@ -212,7 +218,7 @@ impl Engine {
         offered: &OfferedTool,
         arguments: &CanonicalArguments,
         usage: BudgetUsage,
-    ) -> Decision {
+    ) -> (Decision, ArgumentLabels) {
         decide_call(
             scope.policy,
             scope.definition.name.as_str(),
@@ -221,6 +227,7 @@ impl Engine {
             arguments,
             usage,
             scope.untrusted,
+            scope.content,
         )
     }
 
@@ -593,7 +600,7 @@ impl Engine {
             Err(_) => return Ok(mismatch(scope, usage)),
         };
         if replaced.is_some() {
-            let decision = self.decide(scope, offered, &arguments, usage);
+            let (decision, _) = self.decide(scope, offered, &arguments, usage);
             if decision.outcome == wor_core::call::Verdict::Deny {
                 self.audit
                     .append(
@@ -882,8 +889,13 @@ fn approval_attempt(approval: &ApprovalRecord) -> u64 {
         .unwrap_or(1)
 }
 
-/// Policy's decision on one call of `run`: the same request whether the run is asking or an
-/// approver's edit is checked when it is decided (`Engine::approve_edited`).
+/// Policy's decision on one call of `run`, and the labels of its arguments it decided on: the
+/// same request whether the run is asking or an approver's edit is checked when it is decided
+/// (`Engine::approve_edited`).
+#[expect(
+    clippy::too_many_arguments,
+    reason = "each is one input of the decision; a struct would only rename them"
+)]
 pub(crate) fn decide_call(
     policy: &wor_policy::PolicyEngine,
     routine: &str,
@@ -892,7 +904,9 @@ pub(crate) fn decide_call(
     arguments: &CanonicalArguments,
     usage: BudgetUsage,
     untrusted: &BTreeSet<String>,
-) -> Decision {
+    content: &ContentIndex,
+) -> (Decision, ArgumentLabels) {
+    let labels = content.label(&arguments.value, &arguments.pinned_keys);
     let mut request = DecisionRequest::builder(
         routine,
         run.id.to_string(),
@@ -903,6 +917,7 @@ pub(crate) fn decide_call(
     .trigger(run.trigger_kind)
     .mode(offered.mode)
     .arguments(arguments.value.clone())
+    .argument_labels(labels.clone())
     .budget_used(BudgetUsed {
         turns: usage.turns,
         tool_calls: usage.tool_calls,
@@ -911,15 +926,33 @@ pub(crate) fn decide_call(
     for source in untrusted {
         request = request.untrusted_source(source.clone());
     }
-    policy.decide(&request.build())
+    (policy.decide(&request.build()), labels)
+}
+
+/// A run's context indexed for labelling arguments: its routine's instructions and pinned
+/// values, then what its steps added.
+pub(crate) fn run_content<'a>(
+    definition: &'a wor_core::routine::RoutineDefinition,
+    steps: impl IntoIterator<Item = (&'a Step, Provenance)>,
+) -> ContentIndex {
+    wor_core::step::content_index(
+        &definition.instructions,
+        definition.tools.iter().flat_map(|t| t.pinned.values()),
+        steps,
+    )
 }
 
 /// Why a call needs a person, as its approval request shows it.
-fn why_json(decision: &Decision, untrusted: &BTreeSet<String>) -> Value {
+fn why_json(
+    decision: &Decision,
+    untrusted: &BTreeSet<String>,
+    labels: Option<&ArgumentLabels>,
+) -> Value {
     json!({
         "determining_policies": decision.determining_policies,
         "reasons": decision.reasons,
         "untrusted_sources": untrusted,
+        "argument_sources": labels,
     })
 }
 
@@ -929,5 +962,6 @@ fn why_recorded(recorded: &ToolCallStep) -> Value {
         "determining_policies": recorded.determining_policies,
         "reasons": recorded.reasons,
         "untrusted_sources": recorded.untrusted_sources,
+        "argument_sources": recorded.argument_labels,
     })
 }

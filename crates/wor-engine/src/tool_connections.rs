@@ -340,14 +340,22 @@ impl Engine {
         id: wor_core::ConnectionId,
         reviewed: &BTreeMap<String, String>,
         read_only: &[String],
+        open_world: &[String],
     ) -> Result<ToolConnectionRecord, EngineError> {
         let record = self.store.get_tool_connection(project, id).await?;
-        for tool in read_only {
-            if !reviewed.contains_key(tool) {
-                return Err(EngineError::Invalid(format!(
-                    "`read_only` names `{tool}`, which is not among the reviewed tools"
-                )));
+        for (field, tools) in [("read_only", read_only), ("open_world", open_world)] {
+            for tool in tools {
+                if !reviewed.contains_key(tool) {
+                    return Err(EngineError::Invalid(format!(
+                        "`{field}` names `{tool}`, which is not among the reviewed tools"
+                    )));
+                }
             }
+        }
+        if let Some(tool) = read_only.iter().find(|t| open_world.contains(t)) {
+            return Err(EngineError::Invalid(format!(
+                "`{tool}` is classified both read-only and open-world; a tool has one class"
+            )));
         }
         let live = self.live_tools(&record).await?;
         let mut pins = BTreeMap::new();
@@ -388,6 +396,8 @@ impl Engine {
             .map(|name| {
                 let class = if read_only.contains(name) {
                     ToolClass::ReadOnly
+                } else if open_world.contains(name) {
+                    ToolClass::OpenWorld
                 } else {
                     ToolClass::Consequential
                 };

@@ -1159,7 +1159,7 @@ impl Harness {
             .map(|t| (t.name.clone(), t.hash.clone()))
             .collect();
         engine
-            .enable_tool_connection(self.project, created.id, &reviewed, &[])
+            .enable_tool_connection(self.project, created.id, &reviewed, &[], &[])
             .await
             .unwrap();
     }

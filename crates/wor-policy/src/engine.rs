@@ -36,6 +36,7 @@ struct CedarNames {
     run: EntityTypeName,
     tool: EntityTypeName,
     arguments: EntityTypeName,
+    argument_sources: EntityTypeName,
     call_tool: EntityUid,
 }
 
@@ -239,6 +240,57 @@ impl PolicyEngine {
         )
         .map_err(|e| bad(&e))?;
 
+        let sources_uid = uid(&names.argument_sources, "call");
+        let mut source_tags = Vec::with_capacity(request.argument_labels.0.len());
+        for (name, label) in &request.argument_labels.0 {
+            let record = RestrictedExpression::new_record([
+                (
+                    "trusted".to_owned(),
+                    RestrictedExpression::new_bool(label.trusted()),
+                ),
+                (
+                    "untrusted".to_owned(),
+                    RestrictedExpression::new_bool(label.untrusted()),
+                ),
+                (
+                    "generated".to_owned(),
+                    RestrictedExpression::new_bool(label.generated()),
+                ),
+                (
+                    "destination".to_owned(),
+                    RestrictedExpression::new_bool(label.destination),
+                ),
+                (
+                    "sources".to_owned(),
+                    RestrictedExpression::new_set(label.sources().iter().map(|s| string(s))),
+                ),
+            ])
+            .map_err(|e| bad(&e))?;
+            source_tags.push((name.clone(), record));
+        }
+        let argument_sources =
+            Entity::new_with_tags(sources_uid.clone(), [], [], source_tags).map_err(|e| bad(&e))?;
+        let summary = request.argument_summary;
+        let provenance = RestrictedExpression::new_record([
+            (
+                "all_trusted".to_owned(),
+                RestrictedExpression::new_bool(summary.all_trusted),
+            ),
+            (
+                "any_untrusted".to_owned(),
+                RestrictedExpression::new_bool(summary.any_untrusted),
+            ),
+            (
+                "destination_untrusted".to_owned(),
+                RestrictedExpression::new_bool(summary.destination_untrusted),
+            ),
+            (
+                "destination_not_trusted".to_owned(),
+                RestrictedExpression::new_bool(summary.destination_not_trusted),
+            ),
+        ])
+        .map_err(|e| bad(&e))?;
+
         let budget = RestrictedExpression::new_record([
             ("turns".to_owned(), long(request.budget_used.turns)),
             (
@@ -259,6 +311,11 @@ impl PolicyEngine {
             // Computed once, when the request was built.
             ("arguments_json".to_owned(), string(&request.arguments_json)),
             (
+                "argument_sources".to_owned(),
+                RestrictedExpression::new_entity_uid(sources_uid),
+            ),
+            ("arguments_provenance".to_owned(), provenance),
+            (
                 "untrusted_in_context".to_owned(),
                 RestrictedExpression::new_bool(request.untrusted_in_context),
             ),
@@ -273,7 +330,7 @@ impl PolicyEngine {
         .map_err(|e| bad(&e))?;
 
         let entities = fixed
-            .add_entities([arguments], schema)
+            .add_entities([arguments, argument_sources], schema)
             .map_err(|e| bad(&e))?;
         let cedar_request =
             Request::new(run_uid, names.call_tool.clone(), tool_uid, context, schema)
@@ -344,6 +401,14 @@ impl PolicyEngine {
             }
         };
         if request.untrusted_in_context {
+            for (name, label) in &request.argument_labels.0 {
+                if label.destination && !label.trusted_only() {
+                    decision.reasons.push(format!(
+                        "destination argument `{name}` is {}",
+                        label.describe()
+                    ));
+                }
+            }
             let sources: Vec<&str> = request
                 .untrusted_sources
                 .iter()
@@ -448,6 +513,7 @@ fn cedar_names() -> Result<CedarNames, String> {
         run: ty("Run")?,
         tool: ty("Tool")?,
         arguments: ty("Arguments")?,
+        argument_sources: ty("ArgumentSources")?,
         call_tool: EntityUid::from_str(r#"Action::"call_tool""#).map_err(|e| e.to_string())?,
     })
 }

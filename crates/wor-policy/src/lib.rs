@@ -13,6 +13,7 @@ mod depth;
 mod engine;
 mod error;
 mod request;
+mod template;
 
 pub use decision::Decision;
 pub use depth::{MAX_EXPRESSION_DEPTH, MAX_POLICY_NESTING};
@@ -22,6 +23,7 @@ pub use request::{
     BudgetUsed, DecisionRequest, DecisionRequestBuilder, ProvenanceDescription, ToolAnnotations,
     ToolCallDescription,
 };
+pub use template::{TEMPLATE_NAMES, TRUSTED_ARGUMENTS_TEMPLATE, TemplateError, fill_template};
 
 /// The Cedar schema every policy is validated against (Cedar's human-readable schema syntax).
 pub const SCHEMA: &str = include_str!("../policies/schema.cedarschema");

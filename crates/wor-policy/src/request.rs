@@ -1,11 +1,14 @@
 //! What the engine knows about a proposed tool call, gathered into one value for policy.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use wor_core::call::{ToolClass, TriggerKind};
 use wor_core::canonical::to_canonical_json;
+use wor_core::provenance::{
+    ArgumentLabel, ArgumentLabels, ArgumentSummary, ContentIndex, ValueLabel, ValueOrigin,
+};
 use wor_core::routine::ToolMode;
 
 /// What a tool says about itself (MCP annotations): hints for display only.
@@ -51,6 +54,11 @@ pub struct DecisionRequest {
     pub(crate) arguments_json: String,
     pub(crate) untrusted_in_context: bool,
     pub(crate) untrusted_sources: BTreeSet<String>,
+    /// Where each argument's values can have come from; an argument the caller did not label
+    /// is labelled unexamined and destination-like by [`DecisionRequestBuilder::build`].
+    pub(crate) argument_labels: ArgumentLabels,
+    /// Computed once from `argument_labels` by [`DecisionRequestBuilder::build`].
+    pub(crate) argument_summary: ArgumentSummary,
     pub(crate) budget_used: BudgetUsed,
 }
 
@@ -78,6 +86,8 @@ impl DecisionRequest {
             arguments_json: String::new(),
             untrusted_in_context: false,
             untrusted_sources: BTreeSet::new(),
+            argument_labels: ArgumentLabels::default(),
+            argument_summary: ArgumentSummary::default(),
             budget_used: BudgetUsed::default(),
         })
     }
@@ -97,6 +107,11 @@ impl DecisionRequest {
 
     pub fn untrusted_in_context(&self) -> bool {
         self.untrusted_in_context
+    }
+
+    /// The labels policy decided on (every argument has one).
+    pub fn argument_labels(&self) -> &ArgumentLabels {
+        &self.argument_labels
     }
 }
 
@@ -146,7 +161,29 @@ impl DecisionRequestBuilder {
         self
     }
 
+    /// Where each argument's values can have come from (`wor_core::provenance`).
+    pub fn argument_labels(mut self, labels: ArgumentLabels) -> Self {
+        self.0.argument_labels = labels;
+        self
+    }
+
     pub fn build(mut self) -> DecisionRequest {
+        // Fail closed: an argument nobody labelled is neither trusted nor safe as a destination.
+        for name in self.0.arguments.keys() {
+            if !self.0.argument_labels.0.contains_key(name) {
+                self.0.argument_labels.0.insert(
+                    name.clone(),
+                    ArgumentLabel {
+                        destination: true,
+                        values: vec![ValueLabel {
+                            path: name.clone(),
+                            origin: ValueOrigin::Unexamined,
+                        }],
+                    },
+                );
+            }
+        }
+        self.0.argument_summary = self.0.argument_labels.summary();
         // The map is moved out and back to encode it without a copy.
         let arguments = Value::Object(std::mem::take(&mut self.0.arguments));
         self.0.arguments_json = to_canonical_json(&arguments);
@@ -182,7 +219,10 @@ pub struct ToolCallDescription {
     pub mode: ToolMode,
 }
 
-/// The run's provenance state in a [`ToolCallDescription`].
+/// The run's provenance state in a [`ToolCallDescription`]: the flag and sources, and the
+/// content the call's arguments are labelled against — trusted texts (instructions, the
+/// requester's input) and untrusted texts by source. A source named in `untrusted` is in the
+/// context too.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ProvenanceDescription {
@@ -190,6 +230,13 @@ pub struct ProvenanceDescription {
     pub untrusted_in_context: bool,
     #[serde(default)]
     pub untrusted_sources: BTreeSet<String>,
+    #[serde(default)]
+    pub trusted: Vec<String>,
+    #[serde(default)]
+    pub untrusted: BTreeMap<String, String>,
+    /// Arguments the routine's author pinned.
+    #[serde(default)]
+    pub pinned_keys: Vec<String>,
 }
 
 fn default_routine() -> String {
@@ -220,13 +267,24 @@ impl ToolCallDescription {
         )
         .trigger(self.trigger)
         .mode(self.mode)
-        .annotations(self.annotations)
-        .arguments(self.arguments)
-        .budget_used(self.budget_used);
-        if self.provenance.untrusted_in_context {
+        .annotations(self.annotations);
+        let provenance = self.provenance;
+        let mut content = ContentIndex::new();
+        for text in &provenance.trusted {
+            content.add_trusted(text);
+        }
+        for (source, text) in &provenance.untrusted {
+            content.add_untrusted(source, text);
+            builder = builder.untrusted_source(source.clone());
+        }
+        builder = builder
+            .argument_labels(content.label(&self.arguments, &provenance.pinned_keys))
+            .arguments(self.arguments)
+            .budget_used(self.budget_used);
+        if provenance.untrusted_in_context {
             builder = builder.untrusted_in_context();
         }
-        for source in self.provenance.untrusted_sources {
+        for source in provenance.untrusted_sources {
             builder = builder.untrusted_source(source);
         }
         Ok(builder.build())

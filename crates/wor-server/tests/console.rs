@@ -654,6 +654,15 @@ async fn the_inbox_decides_through_the_engine_and_tells_the_starter_why_they_can
     );
     assert!(page.body.contains("pinned by the routine"));
     assert!(page.body.contains("team@example.com"));
+    // Where each argument comes from, as the decision labelled it.
+    assert!(
+        page.body.contains("<th scope=\"col\">Comes from</th>")
+            && page
+                .body
+                .contains("<td class=\"source\">pinned, destination</td>"),
+        "{}",
+        page.body
+    );
     assert!(page.body.contains("note-sender (version 1)"));
     assert!(
         page.body

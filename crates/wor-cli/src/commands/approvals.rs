@@ -102,6 +102,19 @@ pub(crate) fn show(approval: &Value) {
             println!("  {key} = {value}{mark}");
         }
     }
+    // Labels recorded since arguments were labelled; older approvals have none.
+    if let Some(labels) = approval
+        .pointer("/why/argument_sources")
+        .filter(|v| !v.is_null())
+        .and_then(|v| {
+            serde_json::from_value::<wor_core::provenance::ArgumentLabels>(v.clone()).ok()
+        })
+    {
+        println!("where the arguments come from:");
+        for line in labels.describe() {
+            println!("  {line}");
+        }
+    }
     let list = |pointer: &str| -> Vec<&str> {
         approval
             .pointer(pointer)

@@ -31,10 +31,23 @@ pub enum PolicyCommand {
     },
     /// Show the project's policy (the built-in default until one is set).
     Show(ClientArgs),
-    /// Replace the project's policy with a Cedar file; it is validated first.
+    /// Replace the project's policy with a Cedar file, or with a template filled with the
+    /// tools it names (docs/policies.md); it is validated first.
     Set {
-        #[arg(short = 'f', long = "file", value_name = "POLICY.cedar")]
-        file: PathBuf,
+        #[arg(
+            short = 'f',
+            long = "file",
+            value_name = "POLICY.cedar",
+            required_unless_present = "template",
+            conflicts_with = "template"
+        )]
+        file: Option<PathBuf>,
+        /// A project policy template: `trusted-arguments`.
+        #[arg(long, value_name = "NAME", requires = "tools")]
+        template: Option<String>,
+        /// A tool the template lists, `CONNECTION/TOOL` (repeat).
+        #[arg(long = "tool", value_name = "CONNECTION/TOOL", requires = "template")]
+        tools: Vec<String>,
         #[command(flatten)]
         client: ClientArgs,
     },
@@ -55,9 +68,18 @@ pub async fn run(cmd: PolicyCommand) -> anyhow::Result<ExitCode> {
             json,
         } => return test(file, call, project, json),
         PolicyCommand::Show(client) => (ApiClient::new(&client)?.get("/v1/policy").await?, client),
-        PolicyCommand::Set { file, client } => {
-            let text = std::fs::read_to_string(&file)
-                .map_err(|e| anyhow::anyhow!("cannot read `{}`: {e}", file.display()))?;
+        PolicyCommand::Set {
+            file,
+            template,
+            tools,
+            client,
+        } => {
+            let text = match (file, template) {
+                (Some(file), _) => std::fs::read_to_string(&file)
+                    .map_err(|e| anyhow::anyhow!("cannot read `{}`: {e}", file.display()))?,
+                (None, Some(template)) => wor_policy::fill_template(&template, &tools)?,
+                (None, None) => anyhow::bail!("give --file or --template"),
+            };
             let view = ApiClient::new(&client)?
                 .put("/v1/policy", &json!({ "text": text }))
                 .await?;
@@ -126,8 +148,13 @@ fn test(
         Err(e) => return usage(e.to_string()),
     };
     let decision = engine.decide(&request);
+    let labels = request.argument_labels();
     if json {
-        super::print_json(&serde_json::to_value(&decision)?)?;
+        let mut value = serde_json::to_value(&decision)?;
+        if let Some(object) = value.as_object_mut() {
+            object.insert("argument_sources".to_owned(), serde_json::to_value(labels)?);
+        }
+        super::print_json(&value)?;
     } else {
         println!("{}", decision.outcome);
         println!(
@@ -136,6 +163,12 @@ fn test(
         );
         for reason in &decision.reasons {
             println!("  {reason}");
+        }
+        if !labels.0.is_empty() {
+            println!("argument sources:");
+            for line in labels.describe() {
+                println!("  {line}");
+            }
         }
     }
     Ok(match decision.outcome {

@@ -135,9 +135,14 @@ pub enum ToolConnectionCommand {
             conflicts_with = "from_review"
         )]
         tools: Vec<String>,
-        /// A tool to classify read-only (repeatable); every other tool is consequential.
+        /// A tool to classify read-only (repeatable); every other tool is consequential
+        /// unless classified open-world.
         #[arg(long = "read-only", value_name = "TOOL")]
         read_only: Vec<String>,
+        /// A tool to classify open-world (repeatable): a read that contacts destinations its
+        /// arguments name (URLs, hosts, addresses, channels).
+        #[arg(long = "open-world", value_name = "TOOL")]
+        open_world: Vec<String>,
         #[command(flatten)]
         client: ClientArgs,
     },
@@ -327,6 +332,12 @@ fn print_review(review: &Value) {
             "  annotations (hints, not trusted): {}",
             tool.get("annotations").unwrap_or(&Value::Null)
         );
+        if tool.pointer("/annotations/openWorldHint") == Some(&Value::Bool(true)) {
+            println!(
+                "  suggestion: the server hints it is open-world; classify it with --open-world {} if it contacts destinations its arguments name",
+                field(tool, "/name")
+            );
+        }
     }
     if let Some(text) = review.pointer("/diff/text").and_then(Value::as_str) {
         println!();
@@ -466,13 +477,14 @@ pub async fn run(cmd: ToolConnectionCommand) -> anyhow::Result<ExitCode> {
             from_review,
             tools,
             read_only,
+            open_world,
             client,
         } => {
             let reviewed = reviewed_tools(from_review.as_ref(), &tools)?;
             let enabled = ApiClient::new(&client)?
                 .post(
                     &format!("/v1/tool-connections/{id}/enable"),
-                    &json!({"tools": reviewed, "read_only": read_only}),
+                    &json!({"tools": reviewed, "read_only": read_only, "open_world": open_world}),
                 )
                 .await?;
             show(&client, &enabled)?;

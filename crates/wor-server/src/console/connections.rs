@@ -290,7 +290,10 @@ struct ToolRow {
     input_schema: String,
     annotations: String,
     hash: String,
-    read_only: bool,
+    /// The operator's class of it (`read_only`, `open_world`, `consequential`).
+    class: &'static str,
+    /// The server's `openWorldHint`, shown as a suggestion only.
+    open_world_hint: bool,
     /// The field value that pins it: `HASH:NAME`.
     pin: String,
 }
@@ -327,6 +330,7 @@ fn class_name(class: ToolClass) -> &'static str {
     match class {
         ToolClass::ReadOnly => "read-only",
         ToolClass::Consequential => "consequential",
+        ToolClass::OpenWorld => "open-world",
     }
 }
 
@@ -350,7 +354,13 @@ pub async fn show(
             .tools
             .into_iter()
             .map(|tool| ToolRow {
-                read_only: record.class_of(&tool.name) == ToolClass::ReadOnly,
+                class: record.class_of(&tool.name).as_str(),
+                open_world_hint: tool
+                    .annotations
+                    .as_ref()
+                    .and_then(|a| a.get("openWorldHint"))
+                    .and_then(serde_json::Value::as_bool)
+                    .unwrap_or(false),
                 pin: format!("{}:{}", tool.hash, tool.name),
                 description: tool.description.unwrap_or_default(),
                 input_schema: pretty(&tool.input_schema),
@@ -399,6 +409,7 @@ pub async fn show(
 fn enable_body(bytes: &[u8]) -> Result<EnableToolConnection, ConsoleError> {
     let mut tools = BTreeMap::new();
     let mut read_only = Vec::new();
+    let mut open_world = Vec::new();
     for (key, value) in url::form_urlencoded::parse(bytes) {
         match key.as_ref() {
             "pin" => {
@@ -410,7 +421,23 @@ fn enable_body(bytes: &[u8]) -> Result<EnableToolConnection, ConsoleError> {
                 })?;
                 tools.insert(name.to_owned(), hash.to_owned());
             }
+            // One select per tool: `class.NAME` = `read_only`, `open_world` or
+            // `consequential`; the older `read_only` checkbox field still reads.
             "read_only" => read_only.push(value.into_owned()),
+            class if class.starts_with("class.") => {
+                let tool = class.trim_start_matches("class.").to_owned();
+                match value.as_ref() {
+                    "read_only" => read_only.push(tool),
+                    "open_world" => open_world.push(tool),
+                    "consequential" => {}
+                    _ => {
+                        return Err(ConsoleError(ApiError::bad_request(
+                            "invalid_form",
+                            "a tool's class is `read_only`, `open_world` or `consequential`",
+                        )));
+                    }
+                }
+            }
             "csrf" => {}
             other => {
                 return Err(ConsoleError(ApiError::bad_request(
@@ -423,7 +450,11 @@ fn enable_body(bytes: &[u8]) -> Result<EnableToolConnection, ConsoleError> {
             }
         }
     }
-    Ok(EnableToolConnection { tools, read_only })
+    Ok(EnableToolConnection {
+        tools,
+        read_only,
+        open_world,
+    })
 }
 
 pub async fn enable(

@@ -512,6 +512,11 @@ struct ArgumentRow {
     name: String,
     value: String,
     pinned: bool,
+    /// Where its values can have come from, as the decision labelled them; `None` for calls
+    /// held before arguments were labelled.
+    source: Option<String>,
+    /// Some value of it appears in untrusted content.
+    untrusted: bool,
 }
 
 struct ApprovalCard {
@@ -633,19 +638,34 @@ fn texts(value: Option<&Value>) -> Vec<String> {
 }
 
 fn argument_rows(approval: &ApprovalRecord) -> Vec<ArgumentRow> {
+    let labels = approval
+        .why
+        .get("argument_sources")
+        .filter(|v| !v.is_null())
+        .and_then(|v| {
+            serde_json::from_value::<wor_core::provenance::ArgumentLabels>(v.clone()).ok()
+        })
+        .unwrap_or_default();
     match &approval.arguments {
         Value::Object(fields) => fields
             .iter()
-            .map(|(name, value)| ArgumentRow {
-                name: name.clone(),
-                value: serde_json::to_string_pretty(value).unwrap_or_default(),
-                pinned: approval.pinned_keys.contains(name),
+            .map(|(name, value)| {
+                let label = labels.0.get(name);
+                ArgumentRow {
+                    name: name.clone(),
+                    value: serde_json::to_string_pretty(value).unwrap_or_default(),
+                    pinned: approval.pinned_keys.contains(name),
+                    source: label.map(wor_core::provenance::ArgumentLabel::describe),
+                    untrusted: label.is_some_and(wor_core::provenance::ArgumentLabel::untrusted),
+                }
             })
             .collect(),
         other => vec![ArgumentRow {
             name: "(arguments)".to_owned(),
             value: serde_json::to_string_pretty(other).unwrap_or_default(),
             pinned: false,
+            source: None,
+            untrusted: false,
         }],
     }
 }

@@ -199,9 +199,14 @@ pub struct EnableToolConnection {
     /// Tool name to the hash shown by `review`: exactly the tools to pin. If the live list
     /// differs in any way, nothing is pinned.
     pub tools: BTreeMap<String, String>,
-    /// Tools the admin classifies read-only; every other tool is consequential.
+    /// Tools the admin classifies read-only; every other tool is consequential unless
+    /// classified open-world.
     #[serde(default)]
     pub read_only: Vec<String>,
+    /// Tools the admin classifies open-world: reads that contact destinations their arguments
+    /// name (URLs, hosts, addresses, channels). A tool's `openWorldHint` only suggests it.
+    #[serde(default)]
+    pub open_world: Vec<String>,
 }
 
 async fn view(
@@ -457,7 +462,7 @@ pub(crate) async fn enable_connection(
     }
     let record = state
         .engine
-        .enable_tool_connection(project, id, &body.tools, &body.read_only)
+        .enable_tool_connection(project, id, &body.tools, &body.read_only, &body.open_world)
         .await?;
     state
         .audit
@@ -468,6 +473,7 @@ pub(crate) async fn enable_connection(
                     "previous_status": before.status,
                     "pinned": body.tools,
                     "read_only": body.read_only,
+                    "open_world": body.open_world,
                 })),
         )
         .await?;

@@ -205,12 +205,43 @@ impl Harness {
         (id, hashes)
     }
 
+    /// Creates an MCP connection to `addr` and enables every tool it lists, `read_only`
+    /// classified read-only and `open_world` open-world.
+    pub async fn connect_and_classify(
+        &self,
+        name: &str,
+        addr: SocketAddr,
+        read_only: &[&str],
+        open_world: &[&str],
+    ) -> String {
+        let body = json!({"name": name, "kind": "mcp_http", "url": format!("http://{addr}/mcp"),
+            "allowlist": [addr.to_string()]});
+        let (status, created) = self
+            .call(Method::POST, "/v1/tool-connections", Some(body))
+            .await;
+        assert_eq!(status, StatusCode::CREATED, "{created}");
+        let id = created["id"].as_str().unwrap().to_owned();
+        self.review_and_enable_classified(&id, read_only, open_world)
+            .await;
+        id
+    }
+
     /// Reviews connection `id` and enables every tool the review lists, `read_only`
     /// classified read-only. Returns the review and the hashes it pinned.
     pub async fn review_and_enable(
         &self,
         id: &str,
         read_only: &[&str],
+    ) -> (Value, BTreeMap<String, String>) {
+        self.review_and_enable_classified(id, read_only, &[]).await
+    }
+
+    /// [`Self::review_and_enable`], with `open_world` classified open-world too.
+    pub async fn review_and_enable_classified(
+        &self,
+        id: &str,
+        read_only: &[&str],
+        open_world: &[&str],
     ) -> (Value, BTreeMap<String, String>) {
         let (status, review) = self
             .call(
@@ -225,7 +256,7 @@ impl Harness {
             .call(
                 Method::POST,
                 &format!("/v1/tool-connections/{id}/enable"),
-                Some(json!({"tools": hashes, "read_only": read_only})),
+                Some(json!({"tools": hashes, "read_only": read_only, "open_world": open_world})),
             )
             .await;
         assert_eq!(status, StatusCode::OK, "{enabled}");

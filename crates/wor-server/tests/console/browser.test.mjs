@@ -540,7 +540,7 @@ test('a new connection is reviewed and enabled, and its quarantine diff reviewed
   await accessible(page, 'connections');
   await page.getByRole('link', { name: 'mail' }).click();
   await page.waitForURL(new RegExp(`/console/connections/${connection.id}$`));
-  await page.locator('section.tool', { hasText: 'lookup' }).getByLabel(/Read-only/).check();
+  await page.locator('section.tool', { hasText: 'lookup' }).getByLabel('Class').selectOption('read_only');
   await accessible(page, 'connection review');
   await page.getByRole('button', { name: 'Enable with these tools' }).click();
   await page.waitForURL(new RegExp(`/console/connections/${connection.id}$`));
