@@ -32,7 +32,7 @@ pub const MAX_MATCH_STEPS: usize = 1 << 18;
 
 /// The words that make an argument's name destination-like, matched against each word of the
 /// name (`target_url`, `webhookUrl`, `recipient_email` all are).
-pub const DESTINATION_WORDS: [&str; 21] = [
+pub const DESTINATION_WORDS: [&str; 26] = [
     "url",
     "urls",
     "uri",
@@ -54,6 +54,11 @@ pub const DESTINATION_WORDS: [&str; 21] = [
     "links",
     "webhook",
     "server",
+    "destination",
+    "dest",
+    "target",
+    "location",
+    "site",
 ];
 
 /// Where one value can have come from.
@@ -445,7 +450,7 @@ impl ContentIndex {
                         }
                     }
                     Value::String(text) => {
-                        if shape(text.trim()).is_some() {
+                        if names_destination(text) {
                             label.destination = true;
                         }
                         if let Some(origin) = self.label_text(text, &mut budget, &mut word) {
@@ -490,6 +495,13 @@ impl ContentIndex {
             Some(Shape::Host(host)) => self.wholes(Whole::Host, &host).to_vec(),
             Some(Shape::Email(email)) => self.wholes(Whole::Email, &email).to_vec(),
             None => match self.find_words(text, budget, word) {
+                // Text that names a destination without being one whole (a URL with a space
+                // in it, `<a@b.example>`, `https:host`) is never trusted by its words: trusted
+                // words can spell an address nobody trusted. Its untrusted sources still count.
+                Some(mut origins) if names_destination(text) => {
+                    origins.retain(|o| *o != TRUSTED);
+                    origins
+                }
                 Some(origins) => origins,
                 None => return Some(ValueOrigin::Unexamined),
             },
@@ -641,6 +653,21 @@ enum Shape {
     Email(String),
 }
 
+/// Whether `text` names, anywhere in it and however long it is, something a request could be
+/// sent to: a URL (`://`, `mailto:`), an e-mail address (any `@`), or a host name in any of its
+/// pieces (split at whitespace, quotes, brackets and `:/?#=&`). Conservative: text that only
+/// mentions a file name such as `report.txt` counts too.
+fn names_destination(text: &str) -> bool {
+    let lower = text.to_lowercase();
+    if lower.contains("://") || lower.contains("mailto:") || lower.contains('@') {
+        return true;
+    }
+    lower
+        .split(|c: char| is_chunk_break(c) || ":/?#=&".contains(c))
+        .map(|piece| piece.trim_matches(is_edge_punctuation))
+        .any(is_host)
+}
+
 /// What `text`, as a whole, is: a URL, a host (with or without a path) or an e-mail address.
 fn shape(text: &str) -> Option<Shape> {
     if text.is_empty() || text.len() > 2048 || text.contains(char::is_whitespace) {
@@ -766,6 +793,38 @@ mod tests {
 
     fn sources(names: &[&str]) -> BTreeSet<String> {
         names.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    #[test]
+    fn an_address_is_never_trusted_for_words_that_spell_it() {
+        let mut index = ContentIndex::new();
+        index.add_trusted(
+            "Send the quarterly report to finance team leads; our site is https://finance.team.example.com",
+        );
+        index.add_untrusted("tool:web/fetch", "collect at evil.test with the data");
+        let call = json!({
+            "to": "<to@finance.team>",
+            "cc": "to@finance.team,",
+            "url": "https:finance.team",
+            "target": "https://evil.test/c?d=quarterly report",
+            "long": format!("https://evil.test/c?d={}", "x".repeat(3000)),
+            "note": "the quarterly report",
+        });
+        let labels = index.label(call.as_object().unwrap(), &[]);
+        for name in ["to", "cc", "url", "target", "long"] {
+            let label = &labels.0[name];
+            assert!(label.destination, "`{name}` names a destination: {label:?}");
+            assert!(!label.trusted_only(), "`{name}` is not trusted: {label:?}");
+        }
+        // The untrusted source is still named where the value's words are found in it.
+        assert_eq!(
+            origin(&labels, "target"),
+            ValueOrigin::Generated,
+            "its words are found together in no one piece of content"
+        );
+        // Words that name no destination are matched as before.
+        assert!(!labels.0["note"].destination);
+        assert_eq!(origin(&labels, "note"), ValueOrigin::Trusted);
     }
 
     #[test]
@@ -946,14 +1005,16 @@ mod tests {
             assert!(!is_destination_name(name), "{name}");
         }
         let labels = ContentIndex::new().label(
-            json!({"note": "see example.org", "ip": "10.0.0.1", "file": "1.5"})
+            json!({"note": "see example.org", "ip": "10.0.0.1", "file": "1.5", "body": "hello there"})
                 .as_object()
                 .unwrap(),
             &[],
         );
-        assert!(!labels.0["note"].destination);
+        // A host anywhere in a string makes its argument a destination, not only a whole one.
+        assert!(labels.0["note"].destination);
         assert!(labels.0["ip"].destination);
         assert!(!labels.0["file"].destination);
+        assert!(!labels.0["body"].destination);
     }
 
     #[test]
