@@ -226,9 +226,11 @@ impl Engine {
         project: ProjectId,
     ) -> Result<(), EngineError> {
         const PURGED_PER_START: i64 = 100;
+        // Taken or expired a whole lifetime ago: no finish is still reading its verifier.
+        let before = now_millis().saturating_sub(AUTHORIZATION_LIFETIME_MS);
         let lapsed = self
             .store
-            .lapsed_oauth_authorizations(project, now_millis(), PURGED_PER_START)
+            .lapsed_oauth_authorizations(project, before, PURGED_PER_START)
             .await?;
         for digest in lapsed {
             for field in [PKCE_VERIFIER_FIELD, CLIENT_SECRET_FIELD] {
@@ -435,25 +437,43 @@ impl Engine {
             if !fresh(&settled) {
                 // One refresh of a connection at a time: a lock per connection in this process,
                 // a claim in the database across processes. Whoever waited finds it fresh.
-                let lock = self.oauth_refresh_lock(id);
-                let held = lock.lock().await;
+                let held = self.oauth_refresh_lock(id).lock_owned().await;
                 let Some(settled) = self.store.get_connection_oauth(project, id).await? else {
                     return Ok(None);
                 };
                 if !fresh(&settled) {
                     let until = now_millis().saturating_add(REFRESH_CLAIM_MS);
-                    if self
+                    if let Some(claim) = self
                         .store
                         .claim_connection_oauth_refresh(project, id, until)
                         .await?
                     {
-                        let refreshed = self.refresh_oauth(project, id, connection, &settled).await;
-                        if refreshed.is_err() {
-                            self.store
-                                .release_connection_oauth_refresh(project, id)
-                                .await?;
-                        }
-                        return refreshed.map(Some);
+                        // The refresh runs to its end on a task of its own, holding the lock:
+                        // once the server has rotated the refresh token, the new one must be
+                        // sealed even if this caller is cancelled meanwhile.
+                        let engine = self.clone();
+                        let connection = connection.to_owned();
+                        let refresh = tokio::spawn(async move {
+                            let _held = held;
+                            let refreshed = engine
+                                .refresh_oauth(project, id, &connection, &settled)
+                                .await;
+                            if refreshed.is_err() {
+                                engine
+                                    .store
+                                    .release_connection_oauth_refresh(project, id, &claim)
+                                    .await?;
+                            }
+                            refreshed
+                        });
+                        return refresh
+                            .await
+                            .map_err(|e| {
+                                EngineError::InvalidState(format!(
+                                    "the token refresh of tool connection `{id}` stopped: {e}"
+                                ))
+                            })?
+                            .map(Some);
                     }
                     drop(held);
                     if tokio::time::Instant::now() >= deadline {

@@ -579,22 +579,34 @@ async fn concurrent_refreshes_of_one_connection_refresh_once() {
         .await
         .unwrap();
     let until = wor_store::now_millis() + 60_000;
-    assert!(
+    let claim =
         h.db.store
             .claim_connection_oauth_refresh(project, connection, until)
             .await
             .unwrap()
-    );
-    assert!(
-        !h.db
-            .store
+            .expect("an unclaimed refresh is claimed");
+    assert_eq!(
+        h.db.store
             .claim_connection_oauth_refresh(project, connection, until)
             .await
             .unwrap(),
+        None,
         "a claim that has not lapsed is not taken twice"
     );
+    // Only the claim's holder releases it.
     h.db.store
-        .release_connection_oauth_refresh(project, connection)
+        .release_connection_oauth_refresh(project, connection, "another-claim")
+        .await
+        .unwrap();
+    assert_eq!(
+        h.db.store
+            .claim_connection_oauth_refresh(project, connection, until)
+            .await
+            .unwrap(),
+        None
+    );
+    h.db.store
+        .release_connection_oauth_refresh(project, connection, &claim)
         .await
         .unwrap();
     let token = h

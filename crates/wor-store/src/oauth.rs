@@ -179,20 +179,21 @@ impl Store {
         row.as_ref().map(authorization_from_row).transpose()
     }
 
-    /// The state digests of `project`'s pending authorizations that can no longer finish (taken,
-    /// or past their expiry at `now`), oldest first, at most `limit`.
+    /// The state digests of `project`'s pending authorizations that were taken or expired at
+    /// or before `before` (a time far enough back that no finish is still reading one), oldest
+    /// first, at most `limit`.
     pub async fn lapsed_oauth_authorizations(
         &self,
         project: ProjectId,
-        now: i64,
+        before: i64,
         limit: i64,
     ) -> Result<Vec<String>, StoreError> {
         let rows = sqlx::query(
             "SELECT state_digest FROM oauth_authorizations WHERE project_id = $1 \
-             AND (used_at IS NOT NULL OR expires_at <= $2) ORDER BY created_at LIMIT $3",
+             AND (used_at <= $2 OR expires_at <= $2) ORDER BY created_at LIMIT $3",
         )
         .bind(project.to_string())
-        .bind(now)
+        .bind(before)
         .bind(limit)
         .fetch_all(self.pool())
         .await?;
@@ -252,39 +253,45 @@ impl Store {
     }
 
     /// Claims the connection's token refresh for this process until `until` (milliseconds),
-    /// unless another process holds a claim that has not lapsed: `true` when this one holds it.
+    /// unless another process holds a claim that has not lapsed: the claim's id when this one
+    /// holds it, `None` otherwise.
     pub async fn claim_connection_oauth_refresh(
         &self,
         project: ProjectId,
         connection: ConnectionId,
         until: i64,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Option<String>, StoreError> {
+        let claim = wor_core::ids::request_id();
         let done = sqlx::query(
-            "UPDATE tool_connection_oauth SET refreshing_until = $1 \
-             WHERE project_id = $2 AND connection_id = $3 \
-             AND (refreshing_until IS NULL OR refreshing_until < $4)",
+            "UPDATE tool_connection_oauth SET refreshing_until = $1, refresh_claim = $2 \
+             WHERE project_id = $3 AND connection_id = $4 \
+             AND (refreshing_until IS NULL OR refreshing_until < $5)",
         )
         .bind(until)
+        .bind(&claim)
         .bind(project.to_string())
         .bind(connection.to_string())
         .bind(now_millis())
         .execute(self.pool())
         .await?;
-        Ok(done.rows_affected() == 1)
+        Ok((done.rows_affected() == 1).then_some(claim))
     }
 
-    /// Ends this process's refresh claim without a refresh recorded (it failed).
+    /// Ends refresh claim `claim` without a refresh recorded (it failed); a claim another
+    /// process took after this one lapsed is left alone.
     pub async fn release_connection_oauth_refresh(
         &self,
         project: ProjectId,
         connection: ConnectionId,
+        claim: &str,
     ) -> Result<(), StoreError> {
         sqlx::query(
-            "UPDATE tool_connection_oauth SET refreshing_until = NULL \
-             WHERE project_id = $1 AND connection_id = $2",
+            "UPDATE tool_connection_oauth SET refreshing_until = NULL, refresh_claim = NULL \
+             WHERE project_id = $1 AND connection_id = $2 AND refresh_claim = $3",
         )
         .bind(project.to_string())
         .bind(connection.to_string())
+        .bind(claim)
         .execute(self.pool())
         .await?;
         Ok(())
@@ -299,7 +306,8 @@ impl Store {
     ) -> Result<(), StoreError> {
         let done = sqlx::query(
             "UPDATE tool_connection_oauth SET access_expires_at = $1, refreshed_at = $2, \
-             refreshing_until = NULL WHERE project_id = $3 AND connection_id = $4",
+             refreshing_until = NULL, refresh_claim = NULL \
+             WHERE project_id = $3 AND connection_id = $4",
         )
         .bind(access_expires_at)
         .bind(now_millis())

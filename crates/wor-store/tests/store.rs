@@ -1544,7 +1544,7 @@ mod oauth_authorizations {
             .unwrap();
         let lapsed = db
             .store
-            .lapsed_oauth_authorizations(project, wor_store::now_millis(), 100)
+            .lapsed_oauth_authorizations(project, wor_store::now_millis() + 1, 100)
             .await
             .unwrap();
         assert!(lapsed.contains(&state_digest(state)), "{lapsed:?}");
@@ -1558,7 +1558,7 @@ mod oauth_authorizations {
         }
         assert_eq!(
             db.store
-                .lapsed_oauth_authorizations(project, wor_store::now_millis(), 100)
+                .lapsed_oauth_authorizations(project, wor_store::now_millis() + 1, 100)
                 .await
                 .unwrap(),
             Vec::<String>::new()
