@@ -203,7 +203,11 @@ pub async fn authenticate_worker(
         .remember_worker_request_nonce(
             &worker.id,
             &headers.nonce_hex(),
-            headers.timestamp.saturating_add(WORKER_REQUEST_SKEW_SECS),
+            // Kept for twice the window: another process whose clock runs ahead by up to the
+            // window forgets nonces by its own clock, and this one still accepts the request.
+            headers
+                .timestamp
+                .saturating_add(WORKER_REQUEST_SKEW_SECS.saturating_mul(2)),
         )
         .await?;
     if !fresh {

@@ -42,8 +42,14 @@ pub struct EnrollArgs {
     /// Base URL of the control plane (an API process). Plain http only to a loopback address.
     #[arg(long, value_name = "URL")]
     control_plane: String,
-    /// The enrolment token `wor worker token create` printed.
-    #[arg(long, value_name = "TOKEN", hide_env_values = true)]
+    /// The enrolment token `wor worker token create` printed; best given in the environment
+    /// (`WOR_WORKER_ENROLMENT_TOKEN`), which keeps it out of the process list and shell history.
+    #[arg(
+        long,
+        value_name = "TOKEN",
+        env = "WOR_WORKER_ENROLMENT_TOKEN",
+        hide_env_values = true
+    )]
     token: String,
     /// The worker's own data directory, where its identity is kept.
     #[arg(long, value_name = "DIR")]
