@@ -221,13 +221,7 @@ async fn a_connection_is_authorized_refreshed_and_fails_closed_when_revoked() {
     assert!(url.contains("redirect_uri=http%3A%2F%2Fwor.test%2Fhooks%2Foauth%2Fcallback"));
 
     // The browser: the authorization server answers with a redirect to the callback.
-    let answer = common::loopback_egress()
-        .send(wor_egress::EgressRequest::get(url))
-        .await
-        .unwrap();
-    assert_eq!(answer.status, StatusCode::FOUND);
-    let location = answer.headers["location"].to_str().unwrap().to_owned();
-    let callback = location.strip_prefix("http://wor.test").unwrap().to_owned();
+    let callback = browse_to_callback(url).await;
 
     // A wrong state finishes nothing; the right one finishes it once.
     let (status, _) = h
@@ -425,6 +419,18 @@ async fn start_servers() -> (Shared, std::net::SocketAddr) {
     (shared, addr)
 }
 
+/// The person's browser: opens `url` at the authorization server, which redirects (302) to
+/// the callback on `wor serve`; returns the callback's path and query.
+async fn browse_to_callback(url: &str) -> String {
+    let answer = common::loopback_egress()
+        .send(wor_egress::EgressRequest::get(url))
+        .await
+        .unwrap();
+    assert_eq!(answer.status, StatusCode::FOUND);
+    let location = answer.headers["location"].to_str().unwrap();
+    location.strip_prefix("http://wor.test").unwrap().to_owned()
+}
+
 /// Creates the `tracker` connection, an `mcp_http` connection to the server at `addr`.
 async fn create_tracker(h: &Harness, addr: std::net::SocketAddr) -> String {
     let (status, created) = h
@@ -452,14 +458,7 @@ async fn authorized_tracker(h: &Harness, addr: std::net::SocketAddr) -> String {
         )
         .await;
     assert_eq!(status, StatusCode::OK, "{started}");
-    let answer = common::loopback_egress()
-        .send(wor_egress::EgressRequest::get(
-            started["authorization_url"].as_str().unwrap(),
-        ))
-        .await
-        .unwrap();
-    let location = answer.headers["location"].to_str().unwrap().to_owned();
-    let callback = location.strip_prefix("http://wor.test").unwrap().to_owned();
+    let callback = browse_to_callback(started["authorization_url"].as_str().unwrap()).await;
     let (status, finished) = h.call(Method::GET, &callback, None).await;
     assert_eq!(status, StatusCode::OK, "{finished}");
     id
@@ -661,14 +660,7 @@ async fn a_client_registered_beforehand_authorizes_a_server_without_dynamic_regi
         )
         .await;
     assert_eq!(status, StatusCode::OK, "{started}");
-    let answer = common::loopback_egress()
-        .send(wor_egress::EgressRequest::get(
-            started["authorization_url"].as_str().unwrap(),
-        ))
-        .await
-        .unwrap();
-    let location = answer.headers["location"].to_str().unwrap().to_owned();
-    let callback = location.strip_prefix("http://wor.test").unwrap().to_owned();
+    let callback = browse_to_callback(started["authorization_url"].as_str().unwrap()).await;
     // The code is exchanged with the client's id and secret in `Authorization: Basic`.
     let (status, finished, finished_text) = h.call_as("none", Method::GET, &callback, None).await;
     assert_eq!(status, StatusCode::OK, "{finished}");
