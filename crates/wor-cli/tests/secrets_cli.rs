@@ -539,3 +539,418 @@ async fn ciphertexts_swapped_between_rows_do_not_decrypt() {
     }
     assert!(!stderr.contains("sk-swap-"), "{stderr}");
 }
+
+/// An authorization server, the MCP server it guards and an OpenAI-compatible model, on
+/// loopback, for the MCP authorization canary test below.
+mod authorized {
+    use std::sync::{Arc, Mutex};
+
+    use axum::Router;
+    use axum::extract::State;
+    use axum::http::StatusCode;
+    use axum::response::{IntoResponse, Response};
+    use axum::routing::{get, post};
+    use rmcp::model::{
+        CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, ErrorData,
+        InitializeResult, ListToolsResult, PaginatedRequestParams, ServerCapabilities, Tool,
+        ToolAnnotations,
+    };
+    use rmcp::service::{RequestContext, RoleServer};
+    use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
+    use rmcp::transport::streamable_http_server::{
+        StreamableHttpServerConfig, StreamableHttpService,
+    };
+    use serde_json::{Value, json};
+
+    #[derive(Default)]
+    pub struct Realm {
+        pub base: String,
+        /// The PKCE challenge of the authorization request the person consented to.
+        pub challenge: Option<String>,
+        /// Every secret the authorization server issued or received: tokens and the verifier.
+        pub secrets: Vec<String>,
+        pub refresh: Option<String>,
+        pub access: Option<String>,
+        /// The current access token has expired: each lasts for one tool call.
+        pub expired: bool,
+        pub refreshes: u32,
+    }
+
+    pub type Shared = Arc<Mutex<Realm>>;
+
+    fn form(body: &str) -> Vec<(String, String)> {
+        url::form_urlencoded::parse(body.as_bytes())
+            .into_owned()
+            .collect()
+    }
+
+    fn param(pairs: &[(String, String)], key: &str) -> String {
+        pairs
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.clone())
+            .unwrap_or_default()
+    }
+
+    async fn protected(State(s): State<Shared>) -> Response {
+        let base = s.lock().unwrap().base.clone();
+        axum::Json(json!({"resource": format!("{base}/mcp"), "authorization_servers": [base]}))
+            .into_response()
+    }
+
+    async fn metadata(State(s): State<Shared>) -> Response {
+        let base = s.lock().unwrap().base.clone();
+        axum::Json(json!({
+            "issuer": base,
+            "authorization_endpoint": format!("{base}/authorize"),
+            "token_endpoint": format!("{base}/token"),
+            "registration_endpoint": format!("{base}/register"),
+            "code_challenge_methods_supported": ["S256"],
+        }))
+        .into_response()
+    }
+
+    async fn register() -> Response {
+        axum::Json(json!({"client_id": "client-canary"})).into_response()
+    }
+
+    async fn token(State(s): State<Shared>, body: String) -> Response {
+        use secrecy::SecretString;
+        let pairs = form(&body);
+        let mut s = s.lock().unwrap();
+        let refused = (
+            StatusCode::BAD_REQUEST,
+            axum::Json(json!({"error": "invalid_grant"})),
+        )
+            .into_response();
+        match param(&pairs, "grant_type").as_str() {
+            "authorization_code" => {
+                let verifier = param(&pairs, "code_verifier");
+                let challenge =
+                    wor_tools::oauth::Pkce::from_verifier(SecretString::from(verifier.clone()))
+                        .challenge;
+                s.secrets.push(verifier);
+                if param(&pairs, "code") != "code-canary-3e1f"
+                    || s.challenge.as_deref() != Some(&challenge)
+                {
+                    return refused;
+                }
+            }
+            "refresh_token" => {
+                if s.refresh.as_deref() != Some(&param(&pairs, "refresh_token")) {
+                    return refused;
+                }
+                s.refreshes += 1;
+            }
+            _ => return refused,
+        }
+        let n = s.secrets.len();
+        let access = format!("oat-canary-access-{n}-7f3e91c2a4b6d8e0");
+        let refresh = format!("ort-canary-refresh-{n}-1b2c3d4e5f607182");
+        s.secrets.push(access.clone());
+        s.secrets.push(refresh.clone());
+        s.access = Some(access.clone());
+        s.refresh = Some(refresh.clone());
+        s.expired = false;
+        axum::Json(json!({"access_token": access, "refresh_token": refresh,
+            "token_type": "Bearer", "expires_in": 3600}))
+        .into_response()
+    }
+
+    /// The tracker: `lookup` answers, and echoes the `Authorization` header it received as a
+    /// careless or hostile server might; each access token expires once a call has used it.
+    #[derive(Clone)]
+    struct Tracker(Shared);
+
+    impl rmcp::ServerHandler for Tracker {
+        fn get_info(&self) -> InitializeResult {
+            InitializeResult::new(ServerCapabilities::builder().enable_tools().build())
+        }
+
+        async fn list_tools(
+            &self,
+            _request: Option<PaginatedRequestParams>,
+            _context: RequestContext<RoleServer>,
+        ) -> Result<ListToolsResult, ErrorData> {
+            let schema = json!({"type": "object", "properties": {"issue": {"type": "string"}}});
+            let mut tool = Tool::new(
+                "lookup",
+                "Looks an issue up",
+                Arc::new(schema.as_object().unwrap().clone()),
+            );
+            tool.annotations = Some(ToolAnnotations::new().read_only(true));
+            Ok(ListToolsResult::with_all_items(vec![tool]))
+        }
+
+        async fn call_tool(
+            &self,
+            request: CallToolRequestParams,
+            context: RequestContext<RoleServer>,
+        ) -> Result<CallToolResponse, ErrorData> {
+            let issue = request
+                .arguments
+                .as_ref()
+                .and_then(|a| a.get("issue"))
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_owned();
+            let presented = context
+                .extensions
+                .get::<axum::http::request::Parts>()
+                .and_then(|parts| parts.headers.get("authorization"))
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default()
+                .to_owned();
+            self.0.lock().unwrap().expired = true;
+            Ok(CallToolResult::success(vec![ContentBlock::text(format!(
+                "issue {issue} is open (you sent: {presented})"
+            ))])
+            .into())
+        }
+    }
+
+    async fn bearer_only(
+        State(s): State<Shared>,
+        request: axum::extract::Request,
+        next: axum::middleware::Next,
+    ) -> Response {
+        let (base, access) = {
+            let s = s.lock().unwrap();
+            (s.base.clone(), s.access.clone().filter(|_| !s.expired))
+        };
+        let presented = request
+            .headers()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::to_owned);
+        if presented.is_some() && presented == access {
+            return next.run(request).await;
+        }
+        let challenge =
+            format!("Bearer resource_metadata=\"{base}/.well-known/oauth-protected-resource/mcp\"");
+        (StatusCode::UNAUTHORIZED, [("www-authenticate", challenge)]).into_response()
+    }
+
+    /// The model: calls `lookup` for issue 7, then for issue 8, then answers; every request
+    /// body it receives (the model's whole input) is kept.
+    async fn model(State(seen): State<Arc<Mutex<Vec<String>>>>, body: String) -> Response {
+        let answered = body.matches("\"role\":\"tool\"").count();
+        seen.lock().unwrap().push(body);
+        let delta = match answered {
+            0 | 1 => {
+                let issue = if answered == 0 { "7" } else { "8" };
+                json!({"role": "assistant", "tool_calls": [{"index": 0, "id": format!("call_{issue}"),
+                    "type": "function", "function": {"name": "tracker__lookup",
+                    "arguments": json!({"issue": issue}).to_string()}}]})
+            }
+            _ => json!({"role": "assistant", "content": "issues 7 and 8 are open"}),
+        };
+        let finish = if answered < 2 { "tool_calls" } else { "stop" };
+        let body = format!(
+            "data: {}\n\ndata: {}\n\ndata: [DONE]\n\n",
+            json!({"choices": [{"index": 0, "delta": delta}]}),
+            json!({"choices": [{"index": 0, "delta": {}, "finish_reason": finish}],
+                "usage": {"prompt_tokens": 9, "completion_tokens": 4}})
+        );
+        ([("content-type", "text/event-stream")], body).into_response()
+    }
+
+    /// Starts the servers on a runtime of their own; returns their address and what they saw.
+    pub fn start() -> (std::net::SocketAddr, Shared, Arc<Mutex<Vec<String>>>) {
+        let shared: Shared = Arc::default();
+        let seen: Arc<Mutex<Vec<String>>> = Arc::default();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (state, inputs) = (shared.clone(), seen.clone());
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Runtime::new().unwrap();
+            runtime.block_on(async move {
+                let tracker = Tracker(state.clone());
+                let mcp = StreamableHttpService::new(
+                    move || Ok(tracker.clone()),
+                    Arc::new(LocalSessionManager::default()),
+                    StreamableHttpServerConfig::default(),
+                );
+                let protected_mcp = Router::new().nest_service("/mcp", mcp).layer(
+                    axum::middleware::from_fn_with_state(state.clone(), bearer_only),
+                );
+                let app = Router::new()
+                    .route("/.well-known/oauth-protected-resource/mcp", get(protected))
+                    .route("/.well-known/oauth-authorization-server", get(metadata))
+                    .route("/register", post(register))
+                    .route("/token", post(token))
+                    .with_state(state.clone())
+                    .merge(protected_mcp)
+                    .merge(
+                        Router::new()
+                            .route("/v1/chat/completions", post(model))
+                            .with_state(inputs),
+                    );
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+                let addr = listener.local_addr().unwrap();
+                state.lock().unwrap().base = format!("http://{addr}");
+                tx.send(addr).unwrap();
+                axum::serve(listener, app).await.unwrap();
+            });
+        });
+        (rx.recv().unwrap(), shared, seen)
+    }
+}
+
+/// MCP authorization through the binary, at the most verbose log level: a connection is
+/// authorized (the test plays the person's browser), reviewed and used by a run whose access
+/// token expires between its two calls and is refreshed on the server's `401`. The server
+/// echoes the token it receives in its results. No access token, refresh token or PKCE
+/// verifier, in any common encoding, reaches an API response or CLI output, the server's log,
+/// the database (run records included) or anything the model was sent.
+#[tokio::test(flavor = "multi_thread")]
+async fn mcp_authorization_tokens_appear_nowhere() {
+    let (addr, realm, model_inputs) = authorized::start();
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("wor.toml");
+    std::fs::write(
+        &config,
+        "public_url = \"http://wor.test\"\n[egress]\nallowed_cidrs = [\"127.0.0.1/32\"]\n\
+         model_cidrs = [\"127.0.0.1/32\"]\n",
+    )
+    .unwrap();
+    let mut db = own_database_args(dir.path()).await;
+    db.extend(["--config".to_owned(), config.display().to_string()]);
+    let owner = create_project(&db);
+    let server = Server::start(&db, &[("WOR_LOG", "trace")]);
+    let responses = std::cell::RefCell::new(String::new());
+    let client = |args: &[&str]| {
+        let out = server.client(&owner, args);
+        assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
+        let mut responses = responses.borrow_mut();
+        responses.push_str(&text(&out.stdout));
+        responses.push_str(&text(&out.stderr));
+        text(&out.stdout)
+    };
+
+    client(&[
+        "model-connection",
+        "create",
+        "local",
+        "--provider",
+        "openai_compatible",
+        "--base-url",
+        &format!("http://{addr}/v1"),
+    ]);
+    let created = client(&[
+        "connection",
+        "create",
+        "tracker",
+        "--url",
+        &format!("http://{addr}/mcp"),
+        "--allow",
+        &addr.to_string(),
+        "--json",
+    ]);
+    let id = serde_json::from_str::<serde_json::Value>(&created).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+
+    // The person opens the printed URL and consents; the authorization server sends the
+    // browser back to `wor serve` with a code and the state.
+    let printed = client(&["connection", "authorize", &id]);
+    let url = printed
+        .lines()
+        .find(|l| l.starts_with("http://"))
+        .unwrap()
+        .to_owned();
+    let query: Vec<(String, String)> = url::Url::parse(&url)
+        .unwrap()
+        .query_pairs()
+        .into_owned()
+        .collect();
+    let get = |key: &str| {
+        query
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.clone())
+            .unwrap()
+    };
+    assert_eq!(get("code_challenge_method"), "S256");
+    realm.lock().unwrap().challenge = Some(get("code_challenge"));
+    let callback = server.raw(&format!(
+        "GET /hooks/oauth/callback?code=code-canary-3e1f&state={} HTTP/1.1\r\nHost: wor.test\r\n\
+         Connection: close\r\n\r\n",
+        get("state")
+    ));
+    assert!(callback.starts_with("HTTP/1.1 200"), "{callback}");
+    responses.borrow_mut().push_str(&callback);
+
+    let review = client(&["connection", "review", &id, "--json"]);
+    let review_file = dir.path().join("review.json");
+    std::fs::write(&review_file, review).unwrap();
+    client(&[
+        "connection",
+        "enable",
+        &id,
+        "--from-review",
+        review_file.to_str().unwrap(),
+        "--read-only",
+        "lookup",
+    ]);
+    let routine = dir.path().join("triage.toml");
+    std::fs::write(
+        &routine,
+        "name = \"triage\"\ninstructions = \"Look issues 7 and 8 up.\"\n[model]\n\
+         provider = \"openai_compatible\"\nconnection = \"local\"\nmodel = \"m\"\n\
+         [[tools]]\ntool = \"tracker/lookup\"\nmode = \"auto\"\n",
+    )
+    .unwrap();
+    client(&["routine", "apply", "-f", routine.to_str().unwrap()]);
+    let run_id = client(&["run", "start", "triage"]).trim().to_owned();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let shown = loop {
+        let shown = client(&["run", "get", &run_id, "--json"]);
+        let status = serde_json::from_str::<serde_json::Value>(&shown).unwrap()["status"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        if !matches!(status.as_str(), "queued" | "running") {
+            assert_eq!(status, "succeeded", "{shown}");
+            break shown;
+        }
+        assert!(std::time::Instant::now() < deadline, "{shown}");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    assert!(
+        shown.contains("issues 7 and 8 are open")
+            && shown.contains("issue 8 is open (you sent: [REDACTED])"),
+        "{shown}"
+    );
+    // The first call used the token up: the second was refused once, refreshed and resent.
+    assert_eq!(realm.lock().unwrap().refreshes, 1);
+    for args in [
+        vec!["connection", "show", id.as_str(), "--json"],
+        vec!["connection", "list", "--json"],
+        vec!["run", "list", "--json"],
+        vec!["audit", "export"],
+    ] {
+        client(&args);
+    }
+    let log = server.stop();
+
+    let secrets = realm.lock().unwrap().secrets.clone();
+    assert_eq!(secrets.len(), 5, "a verifier and two pairs of tokens");
+    let canaries: Vec<&str> = secrets.iter().map(String::as_str).collect();
+    let inputs = model_inputs.lock().unwrap().join("\n");
+    assert_eq!(model_inputs.lock().unwrap().len(), 3);
+    assert!(inputs.contains("issue 8 is open"), "{inputs}");
+    assert_absent(&inputs, &canaries, "what the model was sent");
+    assert_absent(
+        &responses.borrow(),
+        &canaries,
+        "an API response or CLI output",
+    );
+    assert_absent(&log, &canaries, "the server log");
+    assert_absent(
+        &database_text(&db, dir.path()).await,
+        &canaries,
+        "the database",
+    );
+}

@@ -62,6 +62,16 @@ pub struct FinishedAuthorization {
     pub project_id: ProjectId,
     pub connection_id: ConnectionId,
     pub connection: String,
+    /// It was started in the console, where the callback sends the person back.
+    pub started_in_console: bool,
+}
+
+/// Who acts for an authorization: the member with their key, or signed in to the console.
+fn authorizing_actor(member_id: MemberId, key: Option<ApiKeyId>) -> Actor {
+    match key {
+        Some(key_id) => Actor::Member { member_id, key_id },
+        None => Actor::ConsoleMember { member_id },
+    }
 }
 
 fn unreachable(connection: &str, error: &oauth::OAuthError) -> EngineError {
@@ -116,14 +126,14 @@ impl Engine {
     /// Starts authorizing `mcp_http` connection `id` for `member` (using `key`): the server's
     /// own `401` challenge (where its metadata is, which scopes it wants), discovery and dynamic
     /// registration (or the client the operator `registered`), all through the egress guard; a
-    /// pending authorization bound to the member, key and connection. Lapsed pending
-    /// authorizations of the project are purged first.
+    /// pending authorization bound to the member, key and connection (no key: started in the
+    /// console, signed in). Lapsed pending authorizations of the project are purged first.
     pub async fn start_oauth_authorization(
         &self,
         project: ProjectId,
         id: ConnectionId,
         member: MemberId,
-        key: ApiKeyId,
+        key: Option<ApiKeyId>,
         registered: Option<RegisteredClient>,
     ) -> Result<StartedAuthorization, EngineError> {
         let record = self.store.get_tool_connection(project, id).await?;
@@ -218,6 +228,29 @@ impl Engine {
         })
     }
 
+    /// Whether `mcp_http` connection `id`'s server asks for authorization: it answers a
+    /// session begun without credentials with a `401` challenge (through the egress guard).
+    pub async fn oauth_challenged(
+        &self,
+        project: ProjectId,
+        id: ConnectionId,
+    ) -> Result<bool, EngineError> {
+        let record = self.store.get_tool_connection(project, id).await?;
+        if record.kind != ToolConnectionKind::McpHttp {
+            return Ok(false);
+        }
+        let allowlist = wor_egress::HostAllowlist::parse(&record.allowlist).map_err(|e| {
+            EngineError::InvalidState(format!(
+                "tool connection `{}` has an invalid allowlist: {e}",
+                record.name
+            ))
+        })?;
+        let challenge = oauth::probe(&self.egress, &record.url, Some(&allowlist))
+            .await
+            .map_err(|e| unreachable(&record.name, &e))?;
+        Ok(challenge.is_some())
+    }
+
     /// Deletes the project's pending authorizations that can no longer finish, with the PKCE
     /// verifier and client secret sealed for each (the vault's copies first, so a crash part
     /// way leaves the row for the next purge).
@@ -268,10 +301,7 @@ impl Engine {
             .store
             .get_tool_connection(project, pending.connection_id)
             .await?;
-        let actor = Actor::Member {
-            member_id: pending.member_id,
-            key_id: pending.api_key_id,
-        };
+        let actor = authorizing_actor(pending.member_id, pending.api_key_id);
         let slot = |field: &str| {
             SecretSlot::new(
                 project,
@@ -366,6 +396,7 @@ impl Engine {
             project_id: project,
             connection_id: record.id,
             connection: record.name,
+            started_in_console: pending.api_key_id.is_none(),
         })
     }
 
@@ -494,6 +525,35 @@ impl Engine {
         }
     }
 
+    /// The access token to send instead of `rejected`, which connection `id`'s server refused
+    /// (`401`) before its recorded expiry: when the sealed token is still `rejected`, it is
+    /// marked expired and refreshed through [`Engine::oauth_access_token`] (the same lock and
+    /// claim, so concurrent sessions refresh once); when another caller refreshed it already,
+    /// the current one. A failed refresh fails closed with the reason that names the
+    /// connection and the command that authorizes it again.
+    pub async fn oauth_access_token_after_rejection(
+        &self,
+        project: ProjectId,
+        id: ConnectionId,
+        connection: &str,
+        rejected: &SecretString,
+    ) -> Result<SecretString, EngineError> {
+        let slot = SecretSlot::new(project, TOOL_CONNECTIONS_TABLE, id, ACCESS_TOKEN_FIELD);
+        {
+            let _held = self.oauth_refresh_lock(id).lock_owned().await;
+            let current = self.vault.open(&slot).await.map_err(EngineError::Vault)?;
+            if current.expose_secret() != rejected.expose_secret() {
+                return Ok(current);
+            }
+            self.store
+                .expire_connection_oauth_access(project, id)
+                .await?;
+        }
+        self.oauth_access_token(project, id, connection)
+            .await?
+            .ok_or_else(|| not_authorized(connection, id, "it was never authorized"))
+    }
+
     /// The lock this process takes to refresh connection `id`'s token.
     fn oauth_refresh_lock(&self, id: ConnectionId) -> Arc<tokio::sync::Mutex<()>> {
         let mut locks = self
@@ -512,16 +572,9 @@ impl Engine {
         settled: &ConnectionOAuthRecord,
     ) -> Result<SecretString, EngineError> {
         // The refresh acts on the grant of the member who authorized the connection.
-        let actor = Actor::Member {
-            member_id: settled.authorized_by,
-            key_id: settled.authorized_key_id,
-        };
+        let actor = authorizing_actor(settled.authorized_by, settled.authorized_key_id);
         let slot = |field: &str| SecretSlot::new(project, TOOL_CONNECTIONS_TABLE, id, field);
-        let failed = |reason: String| {
-            EngineError::Refused(format!(
-                "tool connection `{connection}` is no longer authorized ({reason}); run `wor connection authorize {id}` again"
-            ))
-        };
+        let failed = |reason: String| not_authorized(connection, id, &reason);
         if self
             .vault
             .metadata(&slot(REFRESH_TOKEN_FIELD))
@@ -580,6 +633,60 @@ impl Engine {
             )
             .await?;
         Ok(tokens.access_token)
+    }
+}
+
+/// The documented failure of a connection that lost its authorization: it names the connection
+/// and the command that authorizes it again.
+fn not_authorized(connection: &str, id: ConnectionId, reason: &str) -> EngineError {
+    EngineError::Refused(format!(
+        "tool connection `{connection}` is no longer authorized ({reason}); run `wor connection authorize {id}` again"
+    ))
+}
+
+/// How an MCP session of an authorized connection replaces an access token its server refused.
+pub(crate) struct OAuthRenewal {
+    pub(crate) engine: Engine,
+    pub(crate) project: ProjectId,
+    pub(crate) id: ConnectionId,
+    pub(crate) connection: String,
+}
+
+impl wor_tools::BearerRenewal for OAuthRenewal {
+    fn renew<'a>(
+        &'a self,
+        rejected: &'a SecretString,
+    ) -> std::pin::Pin<
+        Box<
+            dyn std::future::Future<Output = Result<SecretString, wor_tools::BearerRenewalError>>
+                + Send
+                + 'a,
+        >,
+    > {
+        Box::pin(async move {
+            self.engine
+                .oauth_access_token_after_rejection(
+                    self.project,
+                    self.id,
+                    &self.connection,
+                    rejected,
+                )
+                .await
+                .map_err(|e| wor_tools::BearerRenewalError {
+                    reason: e.to_string(),
+                })
+        })
+    }
+
+    fn refused_after_renewal(&self) -> wor_tools::BearerRenewalError {
+        wor_tools::BearerRenewalError {
+            reason: not_authorized(
+                &self.connection,
+                self.id,
+                "its server refused a freshly refreshed access token",
+            )
+            .to_string(),
+        }
     }
 }
 

@@ -143,7 +143,21 @@ impl Engine {
             allowlist,
             credentials: self.connection_credentials(record).await?,
         };
-        McpSession::connect_http(&self.egress, endpoint, McpLimits::default())
+        // An authorized connection's access token is renewed when its server refuses it.
+        let renewal = self
+            .store
+            .get_connection_oauth(record.project_id, record.id)
+            .await
+            .map_err(|e| format!("tool connection `{name}`: {e}"))?
+            .map(|_| {
+                std::sync::Arc::new(crate::oauth_connections::OAuthRenewal {
+                    engine: self.clone(),
+                    project: record.project_id,
+                    id: record.id,
+                    connection: name.clone(),
+                }) as std::sync::Arc<dyn wor_tools::BearerRenewal>
+            });
+        McpSession::connect_http_renewing(&self.egress, endpoint, renewal, McpLimits::default())
             .await
             .map(ToolSession::Mcp)
             .map_err(|e| format!("tool connection `{name}` cannot be reached: {e}"))

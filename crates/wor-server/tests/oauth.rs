@@ -12,6 +12,8 @@
     reason = "tests fail loudly"
 )]
 
+#[path = "common/browser.rs"]
+mod browser;
 mod common;
 
 use std::sync::{Arc, Mutex};
@@ -42,6 +44,11 @@ struct AuthServer {
     /// A client registered beforehand (id, secret): the server then offers no dynamic
     /// registration and takes only `client_secret_basic`.
     preregistered: Option<(String, String)>,
+    /// Each access token expires once a tool call has used it (a lifetime shorter than a
+    /// run, though the token endpoint said an hour).
+    expire_after_call: bool,
+    /// The current access token has expired: the MCP server refuses it.
+    expired: bool,
 }
 
 type Shared = Arc<Mutex<AuthServer>>;
@@ -162,6 +169,7 @@ async fn token(State(s): State<Shared>, headers: axum::http::HeaderMap, body: St
         _ => return refused(),
     }
     s.issued += 1;
+    s.expired = false;
     let refresh = format!("{REFRESH_CANARY}-{}", s.issued);
     s.refresh = Some(refresh.clone());
     let access = format!("{ACCESS_CANARY}-{}", s.issued);
@@ -319,9 +327,10 @@ async fn a_connection_is_authorized_refreshed_and_fails_closed_when_revoked() {
     let _: Value = finished;
 }
 
-/// The tracker's MCP tools: `lookup` answers what it was asked.
+/// The tracker's MCP tools: `lookup` answers what it was asked and, as a careless or hostile
+/// server might, echoes the `Authorization` header it received.
 #[derive(Clone)]
-struct Tracker;
+struct Tracker(Shared);
 
 impl rmcp::ServerHandler for Tracker {
     fn get_info(&self) -> rmcp::model::InitializeResult {
@@ -349,13 +358,33 @@ impl rmcp::ServerHandler for Tracker {
 
     async fn call_tool(
         &self,
-        _request: rmcp::model::CallToolRequestParams,
-        _context: rmcp::service::RequestContext<rmcp::service::RoleServer>,
+        request: rmcp::model::CallToolRequestParams,
+        context: rmcp::service::RequestContext<rmcp::service::RoleServer>,
     ) -> Result<rmcp::model::CallToolResponse, rmcp::model::ErrorData> {
+        let issue = request
+            .arguments
+            .as_ref()
+            .and_then(|a| a.get("issue"))
+            .and_then(Value::as_str)
+            .unwrap_or("7")
+            .to_owned();
+        let presented = context
+            .extensions
+            .get::<axum::http::request::Parts>()
+            .and_then(|parts| parts.headers.get("authorization"))
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned();
+        {
+            let mut s = self.0.lock().unwrap();
+            if s.expire_after_call {
+                s.expired = true;
+            }
+        }
         Ok(
-            rmcp::model::CallToolResult::success(vec![rmcp::model::ContentBlock::text(
-                "issue 7 is open",
-            )])
+            rmcp::model::CallToolResult::success(vec![rmcp::model::ContentBlock::text(format!(
+                "issue {issue} is open (you sent: {presented})"
+            ))])
             .into(),
         )
     }
@@ -370,7 +399,7 @@ async fn bearer_only(
 ) -> Response {
     let (base, access) = {
         let s = s.lock().unwrap();
-        (s.base.clone(), s.access.clone())
+        (s.base.clone(), s.access.clone().filter(|_| !s.expired))
     };
     let presented = request
         .headers()
@@ -394,8 +423,9 @@ async fn start_servers() -> (Shared, std::net::SocketAddr) {
         StreamableHttpServerConfig, StreamableHttpService,
     };
     let shared: Shared = Arc::default();
+    let tracker = Tracker(shared.clone());
     let mcp = StreamableHttpService::new(
-        || Ok(Tracker),
+        move || Ok(tracker.clone()),
         Arc::new(LocalSessionManager::default()),
         StreamableHttpServerConfig::default(),
     );
@@ -682,6 +712,178 @@ async fn a_client_registered_beforehand_authorizes_a_server_without_dynamic_regi
         assert!(
             !text.contains(SECRET_CANARY),
             "the client secret leaked: {text}"
+        );
+    }
+}
+
+const TWO_LOOKUPS_ROUTINE: &str = r#"
+name = "triage-two"
+instructions = "Look issues 7 and 8 up."
+[model]
+provider = "replay"
+model = "script"
+[[model.script.turns]]
+when = { last_tool_result_contains = "no longer authorized" }
+text = "the tracker needs authorizing again"
+[[model.script.turns]]
+when = { last_tool_result_contains = "issue 8 is open" }
+text = "issues 7 and 8 are open"
+[[model.script.turns]]
+when = { last_tool_result_contains = "issue 7 is open" }
+tool_calls = [{ name = "tracker__lookup", arguments = { issue = "8" } }]
+[[model.script.turns]]
+tool_calls = [{ name = "tracker__lookup", arguments = { issue = "7" } }]
+[[tools]]
+tool = "tracker/lookup"
+mode = "auto"
+"#;
+
+#[tokio::test]
+async fn a_token_that_expires_mid_run_is_refreshed_unnoticed_and_a_revoked_grant_fails_the_call_closed()
+ {
+    let (shared, addr) = start_servers().await;
+    let h = Harness::with_config(oauth_harness_config()).await;
+    let id = authorized_tracker(&h, addr).await;
+    h.review_and_enable(&id, &["lookup"]).await;
+    // The token endpoint says an hour, so no session refreshes ahead of time; the server ends
+    // each token once a call has used it, in the middle of the run.
+    shared.lock().unwrap().expire_after_call = true;
+
+    let run = h.run(TWO_LOOKUPS_ROUTINE).await;
+    assert_eq!(run["status"], "succeeded", "{run:#}");
+    let results = common::steps_of(&run, "tool_result");
+    assert_eq!(results.len(), 2, "{run:#}");
+    assert!(
+        results.iter().all(|r| !r.to_string().contains("failed")),
+        "{run:#}"
+    );
+    assert!(
+        run.to_string().contains("issues 7 and 8 are open"),
+        "{run:#}"
+    );
+    // The second call was refused once, the token refreshed and the call sent again.
+    assert_eq!(shared.lock().unwrap().refreshes, 1);
+    // What the server echoed back of its tokens, the refreshed one included, is redacted.
+    assert!(
+        run.to_string()
+            .contains("issue 8 is open (you sent: [REDACTED])"),
+        "{run:#}"
+    );
+
+    // The grant is revoked: the first call still has a live token, the second cannot refresh
+    // and fails closed, naming the connection and the command; the server never ran it.
+    {
+        let mut s = shared.lock().unwrap();
+        s.expired = false;
+        s.revoked = true;
+    }
+    let revoked = h.run(TWO_LOOKUPS_ROUTINE).await;
+    let results = common::steps_of(&revoked, "tool_result");
+    assert_eq!(results.len(), 2, "{revoked:#}");
+    let second = results[1].to_string();
+    assert!(
+        second.contains("tool connection `tracker` is no longer authorized")
+            && second.contains(&format!("run `wor connection authorize {id}` again")),
+        "{revoked:#}"
+    );
+    assert!(
+        revoked
+            .to_string()
+            .contains("the tracker needs authorizing again"),
+        "{revoked:#}"
+    );
+    assert!(
+        !revoked.to_string().contains("issue 8 is open"),
+        "{revoked:#}"
+    );
+    assert_eq!(shared.lock().unwrap().refreshes, 1);
+
+    let audit = h.audit_text().await;
+    assert!(audit.contains("connection.token_refresh"));
+    assert!(audit.contains("connection.authorize_failure"));
+    for text in [run.to_string(), revoked.to_string(), audit] {
+        assert!(
+            !text.contains(ACCESS_CANARY) && !text.contains(REFRESH_CANARY),
+            "a token leaked: {text}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn an_admin_authorizes_a_connection_from_the_console_and_comes_back_to_it() {
+    let (shared, addr) = start_servers().await;
+    let h = Harness::with_config(oauth_harness_config()).await;
+    let id = create_tracker(&h, addr).await;
+    let console = browser::serve_console(&h).await;
+    let page_path = format!("/console/connections/{id}");
+    let authorize_path = format!("{page_path}/authorize");
+
+    // Its server refuses the connection: the page says why and offers to authorize it.
+    let mut admin = browser::signed_in(&h, console, "ada", Some("admin")).await;
+    let page = admin.get(&page_path).await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    assert!(
+        page.body.contains("The live tools cannot be listed")
+            && page.body.contains(&format!("action=\"{authorize_path}\""))
+            && page.body.contains(">Authorize<"),
+        "{}",
+        page.body
+    );
+    // Someone who may not configure is offered nothing and refused.
+    let mut approver = browser::signed_in(&h, console, "pat", Some("approver")).await;
+    let theirs = approver.get(&page_path).await;
+    assert!(!theirs.body.contains(&authorize_path), "{}", theirs.body);
+    let csrf = theirs.csrf();
+    let refused = approver.post(&authorize_path, &[("csrf", &csrf)]).await;
+    assert_eq!(refused.status, StatusCode::FORBIDDEN, "{}", refused.body);
+    // Without its CSRF token the form does nothing.
+    let forged = admin.post(&authorize_path, &[]).await;
+    assert!(forged.status.is_client_error(), "{}", forged.status);
+
+    // The button sends the browser to the authorization server; its redirect brings it back
+    // to `wor serve`, which seals the tokens and returns the person to the connection's page.
+    let csrf = page.csrf();
+    let started = admin.post(&authorize_path, &[("csrf", &csrf)]).await;
+    assert_eq!(started.status, StatusCode::SEE_OTHER, "{}", started.body);
+    assert!(
+        started
+            .location()
+            .starts_with(&format!("http://{addr}/authorize?")),
+        "{}",
+        started.location()
+    );
+    let callback = browse_to_callback(started.location()).await;
+    let back = admin.get(&callback).await;
+    assert_eq!(back.status, StatusCode::SEE_OTHER, "{}", back.body);
+    assert_eq!(back.location(), page_path);
+    let page = admin.get(&page_path).await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    assert!(
+        page.body.contains("Authorize again")
+            && page.body.contains("<code>lookup</code>")
+            && !page.body.contains("cannot be listed"),
+        "{}",
+        page.body
+    );
+    assert_eq!(shared.lock().unwrap().issued, 1);
+
+    // The connection now works for runs; the audit chain records who authorized it, with no
+    // key, and no token anywhere.
+    h.review_and_enable(&id, &["lookup"]).await;
+    let run = h.run(LOOKUP_ROUTINE).await;
+    assert_eq!(run["status"], "succeeded", "{run:#}");
+    let audit = h.audit_text().await;
+    assert!(audit.contains("connection.authorize"), "{audit}");
+    for text in [
+        &page.body,
+        &back.body,
+        &started.body,
+        &run.to_string(),
+        &audit,
+    ] {
+        assert!(
+            !text.contains(ACCESS_CANARY) && !text.contains(REFRESH_CANARY),
+            "a token leaked: {text}"
         );
     }
 }

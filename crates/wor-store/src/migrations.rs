@@ -203,6 +203,12 @@ const MIGRATIONS: &[SchemaMigration] = &[
         sqlite: include_str!("../migrations/0034_oauth_refresh_claims.sql"),
         postgres: include_str!("../migrations/0034_oauth_refresh_claims.sql"),
     },
+    SchemaMigration {
+        version: 35,
+        description: "oauth authorizations started in the console",
+        sqlite: include_str!("../migrations/0035_console_oauth.sqlite.sql"),
+        postgres: include_str!("../migrations/0035_console_oauth.postgres.sql"),
+    },
 ];
 
 /// The newest migration of this release.

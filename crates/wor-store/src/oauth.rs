@@ -35,8 +35,10 @@ pub fn state_digest(state: &str) -> String {
 pub struct NewOAuthAuthorization {
     pub connection_id: ConnectionId,
     /// The member who started it, and the key they used: the callback finishes it for them.
+    /// No key when they started it signed in to the console, where the callback sends them
+    /// back.
     pub member_id: MemberId,
-    pub api_key_id: ApiKeyId,
+    pub api_key_id: Option<ApiKeyId>,
     pub client_id: String,
     pub redirect_uri: String,
     /// The discovered metadata, as the tool library wrote it.
@@ -52,7 +54,8 @@ pub struct OAuthAuthorizationRecord {
     pub project_id: ProjectId,
     pub connection_id: ConnectionId,
     pub member_id: MemberId,
-    pub api_key_id: ApiKeyId,
+    /// `None`: started in the console.
+    pub api_key_id: Option<ApiKeyId>,
     pub client_id: String,
     pub redirect_uri: String,
     pub discovery: Value,
@@ -70,8 +73,8 @@ pub struct ConnectionOAuthRecord {
     /// When the access token expires (milliseconds), when the server said.
     pub access_expires_at: Option<i64>,
     pub authorized_by: MemberId,
-    /// The key they used; a refresh is recorded as theirs.
-    pub authorized_key_id: ApiKeyId,
+    /// The key they used (`None` in the console); a refresh is recorded as theirs.
+    pub authorized_key_id: Option<ApiKeyId>,
     pub authorized_at: i64,
     pub refreshed_at: Option<i64>,
 }
@@ -85,6 +88,12 @@ fn from_json(text: &str, column: &str) -> Result<Value, StoreError> {
         .map_err(|e| StoreError::Corrupt(format!("column `{column}` is not json: {e}")))
 }
 
+fn optional_id(row: &sqlx::any::AnyRow, column: &str) -> Result<Option<ApiKeyId>, StoreError> {
+    row.try_get::<Option<String>, _>(column)?
+        .map(|text| parse_column(&text, column))
+        .transpose()
+}
+
 fn authorization_from_row(row: &sqlx::any::AnyRow) -> Result<OAuthAuthorizationRecord, StoreError> {
     let text = |c: &str| -> Result<String, StoreError> { Ok(row.try_get::<String, _>(c)?) };
     Ok(OAuthAuthorizationRecord {
@@ -92,7 +101,7 @@ fn authorization_from_row(row: &sqlx::any::AnyRow) -> Result<OAuthAuthorizationR
         project_id: parse_column(&text("project_id")?, "project_id")?,
         connection_id: parse_column(&text("connection_id")?, "connection_id")?,
         member_id: parse_column(&text("member_id")?, "member_id")?,
-        api_key_id: parse_column(&text("api_key_id")?, "api_key_id")?,
+        api_key_id: optional_id(row, "api_key_id")?,
         client_id: text("client_id")?,
         redirect_uri: text("redirect_uri")?,
         discovery: from_json(&text("discovery")?, "discovery")?,
@@ -110,7 +119,7 @@ fn connection_oauth_from_row(row: &sqlx::any::AnyRow) -> Result<ConnectionOAuthR
         discovery: from_json(&text("discovery")?, "discovery")?,
         access_expires_at: row.try_get("access_expires_at")?,
         authorized_by: parse_column(&text("authorized_by")?, "authorized_by")?,
-        authorized_key_id: parse_column(&text("authorized_key_id")?, "authorized_key_id")?,
+        authorized_key_id: optional_id(row, "authorized_key_id")?,
         authorized_at: row.try_get("authorized_at")?,
         refreshed_at: row.try_get("refreshed_at")?,
     })
@@ -151,7 +160,7 @@ impl Store {
         .bind(project.to_string())
         .bind(record.connection_id.to_string())
         .bind(record.member_id.to_string())
-        .bind(record.api_key_id.to_string())
+        .bind(record.api_key_id.map(|key| key.to_string()))
         .bind(&record.client_id)
         .bind(&record.redirect_uri)
         .bind(to_json(&record.discovery)?)
@@ -243,7 +252,7 @@ impl Store {
         .bind(to_json(&record.discovery)?)
         .bind(record.access_expires_at)
         .bind(record.authorized_by.to_string())
-        .bind(record.authorized_key_id.to_string())
+        .bind(record.authorized_key_id.map(|key| key.to_string()))
         .bind(record.authorized_at)
         .bind(record.refreshed_at)
         .execute(&mut *tx)
@@ -311,6 +320,27 @@ impl Store {
         )
         .bind(access_expires_at)
         .bind(now_millis())
+        .bind(project.to_string())
+        .bind(connection.to_string())
+        .execute(self.pool())
+        .await?;
+        if done.rows_affected() == 0 {
+            return Err(StoreError::NotFound);
+        }
+        Ok(())
+    }
+
+    /// Marks the connection's access token expired, so the next caller refreshes it: the
+    /// server refused it before its recorded expiry.
+    pub async fn expire_connection_oauth_access(
+        &self,
+        project: ProjectId,
+        connection: ConnectionId,
+    ) -> Result<(), StoreError> {
+        let done = sqlx::query(
+            "UPDATE tool_connection_oauth SET access_expires_at = 0 \
+             WHERE project_id = $1 AND connection_id = $2",
+        )
         .bind(project.to_string())
         .bind(connection.to_string())
         .execute(self.pool())

@@ -1490,7 +1490,7 @@ mod oauth_authorizations {
         let new = |lifetime_ms| NewOAuthAuthorization {
             connection_id: connection.id,
             member_id: created.owner.id,
-            api_key_id: key.key_id,
+            api_key_id: Some(key.key_id),
             client_id: "client-1".to_owned(),
             redirect_uri: "http://127.0.0.1:8080/hooks/oauth/callback".to_owned(),
             discovery: json!({"resource": "https://mcp.example.com/mcp"}),
@@ -1578,7 +1578,7 @@ mod oauth_authorizations {
             discovery: json!({"resource": "https://mcp.example.com/mcp"}),
             access_expires_at: Some(1_000),
             authorized_by: created.owner.id,
-            authorized_key_id: key.key_id,
+            authorized_key_id: Some(key.key_id),
             authorized_at: 500,
             refreshed_at: None,
         };

@@ -23,6 +23,28 @@ const RESERVED_HEADERS: &[&str] = &[
     "transfer-encoding",
 ];
 
+/// Replaces an access token the MCP server refused (`401`) in the middle of a session: the
+/// engine refreshes an authorized connection's token through the connection's refresh claim.
+pub trait BearerRenewal: Send + Sync {
+    /// A token to send instead of `rejected`, which the server just refused (another caller
+    /// may have renewed it already; then the current one).
+    fn renew<'a>(
+        &'a self,
+        rejected: &'a SecretString,
+    ) -> futures::future::BoxFuture<'a, Result<SecretString, BearerRenewalError>>;
+
+    /// Why the session stops when the server refuses the renewed token too.
+    fn refused_after_renewal(&self) -> BearerRenewalError;
+}
+
+/// A refused token could not be renewed. The reason is for people: it names the connection
+/// and what to do, never a token.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{reason}")]
+pub struct BearerRenewalError {
+    pub reason: String,
+}
+
 /// A credential could not be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CredentialError {
@@ -115,10 +137,39 @@ impl ConnectionCredentials {
         map
     }
 
+    /// The bearer token sent in `Authorization: Bearer …`, if any.
+    pub(crate) fn bearer_token(&self) -> Option<SecretString> {
+        self.headers.iter().find_map(|(name, value)| {
+            (*name == AUTHORIZATION)
+                .then(|| value.expose_secret().strip_prefix("Bearer "))
+                .flatten()
+                .map(|token| SecretString::from(token.to_owned()))
+        })
+    }
+
+    /// These credentials with `token` in place of the bearer token.
+    pub(crate) fn with_bearer_replaced(
+        &self,
+        token: SecretString,
+    ) -> Result<Self, CredentialError> {
+        let mut replaced = self.clone();
+        replaced.headers.retain(|(name, _)| *name != AUTHORIZATION);
+        replaced.with_bearer(token)
+    }
+
     /// A redactor for this connection's live secret values (the bare bearer token included)
     /// plus every secret shape.
     pub fn redactor(&self) -> Result<Redactor, RedactionError> {
-        let mut values: Vec<&str> = Vec::new();
+        self.redactor_with(&[])
+    }
+
+    /// [`ConnectionCredentials::redactor`], also knowing `retired` values (the access tokens a
+    /// session used before it renewed them).
+    pub(crate) fn redactor_with(
+        &self,
+        retired: &[SecretString],
+    ) -> Result<Redactor, RedactionError> {
+        let mut values: Vec<&str> = retired.iter().map(|s| s.expose_secret()).collect();
         for (name, secret) in &self.headers {
             let value = secret.expose_secret();
             values.push(value);
@@ -168,6 +219,29 @@ mod tests {
                 .with_header("Authorization", SecretString::from("Basic b"))
                 .unwrap_err(),
             CredentialError::DuplicateAuthorization
+        );
+    }
+
+    #[test]
+    fn a_replaced_bearer_keeps_the_other_headers_and_the_old_token_stays_redacted() {
+        let credentials = ConnectionCredentials::bearer(SecretString::from("tok-old-1234567"))
+            .unwrap()
+            .with_header("X-Api-Key", SecretString::from("key-0987654321"))
+            .unwrap();
+        let replaced = credentials
+            .with_bearer_replaced(SecretString::from("tok-new-7654321"))
+            .unwrap();
+        assert_eq!(
+            replaced.bearer_token().unwrap().expose_secret(),
+            "tok-new-7654321"
+        );
+        assert_eq!(replaced.header_map().len(), 2);
+        let redactor = replaced
+            .redactor_with(&[credentials.bearer_token().unwrap()])
+            .unwrap();
+        assert_eq!(
+            redactor.redact("tok-old-1234567 tok-new-7654321 key-0987654321"),
+            "[REDACTED] [REDACTED] [REDACTED]"
         );
     }
 

@@ -31,7 +31,7 @@ pub mod result;
 pub mod roster;
 pub mod session;
 
-pub use credentials::{ConnectionCredentials, CredentialError};
+pub use credentials::{BearerRenewal, BearerRenewalError, ConnectionCredentials, CredentialError};
 pub use definition::{
     Change, ChangedTool, Difference, PinError, PinnedToolDefinition, ToolDefinition, ToolListDiff,
     ToolListVerdict, compare, pin_all,

@@ -33,7 +33,7 @@ use tokio::sync::Notify;
 use wor_egress::{EgressClient, EgressError, HostAllowlist};
 use wor_secrets::{RedactionError, Redactor};
 
-use crate::credentials::ConnectionCredentials;
+use crate::credentials::{BearerRenewal, BearerRenewalError, ConnectionCredentials};
 use crate::definition::ToolDefinition;
 use crate::result::{ToolCallResult, ToolContent};
 use egress_http::{EgressStreamableHttp, McpHttpError};
@@ -118,6 +118,48 @@ pub enum McpError {
     /// The tool list did not end within [`McpLimits::max_tool_pages`].
     #[error("the tool list has more than {0} pages")]
     TooManyPages(usize),
+    /// The server refused the connection's access token and it could not be renewed, or it
+    /// refused the renewed one too: the reason names the connection and what to do.
+    #[error(transparent)]
+    Unauthorized(BearerRenewalError),
+}
+
+/// The redactor of a session's live secrets, replaced when the session renews its token.
+#[derive(Debug)]
+pub(crate) struct LiveRedactor(std::sync::RwLock<Arc<Redactor>>);
+
+impl LiveRedactor {
+    fn new(redactor: Redactor) -> Self {
+        Self(std::sync::RwLock::new(Arc::new(redactor)))
+    }
+
+    fn current(&self) -> Arc<Redactor> {
+        self.0
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    pub(crate) fn replace(&self, redactor: Redactor) {
+        *self
+            .0
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(redactor);
+    }
+}
+
+/// The renewal that failed behind an exchange over streamable HTTP, if that is what it was.
+fn renewal_failure(error: &ServiceError) -> Option<BearerRenewalError> {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(current) = source {
+        if let Some(StreamableHttpError::Client(McpHttpError::Unauthorized(failure))) =
+            current.downcast_ref::<StreamableHttpError<McpHttpError>>()
+        {
+            return Some(failure.clone());
+        }
+        source = current.source();
+    }
+    None
 }
 
 /// The egress guard's refusal behind a failed exchange over streamable HTTP, if that is what
@@ -196,7 +238,9 @@ pub struct McpSession {
     service: RunningService<RoleClient, WorClientHandler>,
     tools_changed: ToolListChanged,
     limits: McpLimits,
-    redactor: Arc<Redactor>,
+    /// Redacts error text and tool results: the connection's secrets, and every access token
+    /// the session has used (a renewed one is not yet known to the run's own redactor).
+    redactor: Arc<LiveRedactor>,
     /// Keeps a sandboxed stdio server alive for as long as the session.
     _process: Option<Box<dyn ProcessGuard>>,
 }
@@ -233,12 +277,26 @@ impl McpSession {
         endpoint: StreamableHttpEndpoint,
         limits: McpLimits,
     ) -> Result<Self, McpError> {
+        Self::connect_http_renewing(egress, endpoint, None, limits).await
+    }
+
+    /// [`McpSession::connect_http`] for a connection whose bearer token is an OAuth access
+    /// token: when the server refuses it (`401`) mid-session, `renewal` replaces it once and
+    /// the request is sent again (see `egress_http`).
+    pub async fn connect_http_renewing(
+        egress: &EgressClient,
+        endpoint: StreamableHttpEndpoint,
+        renewal: Option<Arc<dyn BearerRenewal>>,
+        limits: McpLimits,
+    ) -> Result<Self, McpError> {
         egress.vet(&endpoint.url, Some(&endpoint.allowlist)).await?;
-        let redactor = Arc::new(endpoint.credentials.redactor()?);
+        let redactor = Arc::new(LiveRedactor::new(endpoint.credentials.redactor()?));
         let http = EgressStreamableHttp::new(
             egress.clone(),
             endpoint.allowlist,
             endpoint.credentials,
+            renewal,
+            redactor.clone(),
             limits.max_message_bytes,
         );
         let config = StreamableHttpClientTransportConfig::with_uri(endpoint.url)
@@ -260,7 +318,9 @@ impl McpSession {
             use secrecy::ExposeSecret as _;
             value.expose_secret().to_owned()
         });
-        let redactor = Arc::new(Redactor::new(secrets.collect::<Vec<_>>())?);
+        let redactor = Arc::new(LiveRedactor::new(Redactor::new(
+            secrets.collect::<Vec<_>>(),
+        )?));
         let process = tokio::time::timeout(limits.initialize_timeout, launcher.launch(command))
             .await
             .map_err(|_| McpError::Timeout(limits.initialize_timeout))??;
@@ -270,7 +330,7 @@ impl McpSession {
 
     async fn initialize<T, E, A>(
         transport: T,
-        redactor: Arc<Redactor>,
+        redactor: Arc<LiveRedactor>,
         limits: McpLimits,
         process: Option<Box<dyn ProcessGuard>>,
     ) -> Result<Self, McpError>
@@ -286,7 +346,7 @@ impl McpSession {
             .await
             .map_err(|_| McpError::Timeout(limits.initialize_timeout))?
             .map_err(|error| {
-                McpError::Initialize(redactor.redact(&error.to_string()).into_owned())
+                McpError::Initialize(redactor.current().redact(&error.to_string()).into_owned())
             })?;
         Ok(Self {
             service,
@@ -308,10 +368,14 @@ impl McpSession {
     }
 
     fn service_error(&self, error: ServiceError) -> McpError {
+        let redactor = self.redactor.current();
+        if let Some(failure) = renewal_failure(&error) {
+            return McpError::Unauthorized(failure);
+        }
         match error {
             ServiceError::McpError(data) => McpError::Protocol {
                 code: data.code.0,
-                message: self.redactor.redact(&data.message).into_owned(),
+                message: redactor.redact(&data.message).into_owned(),
             },
             ServiceError::Timeout { timeout } => McpError::Timeout(timeout),
             ServiceError::UnexpectedResponse => {
@@ -319,7 +383,7 @@ impl McpSession {
             }
             other => match guard_refusal(&other) {
                 Some(denial) => McpError::Egress(EgressError::Denied(Box::new(denial))),
-                None => McpError::Transport(self.redactor.redact(&other.to_string()).into_owned()),
+                None => McpError::Transport(redactor.redact(&other.to_string()).into_owned()),
             },
         }
     }
@@ -396,17 +460,25 @@ impl McpSession {
                 ));
             }
         };
+        // The session's own secrets out first: a token renewed mid-run is not yet known to
+        // the redactor the run applies next.
+        let redactor = self.redactor.current();
         let mut content = Vec::new();
         for block in result.content {
             content.push(match block {
-                ContentBlock::Text(text) => ToolContent::Text(text.text),
-                other => ToolContent::Json(
-                    serde_json::to_value(&other)
-                        .map_err(|_| McpError::UnexpectedResponse("unencodable content"))?,
-                ),
+                ContentBlock::Text(text) => {
+                    ToolContent::Text(redactor.redact(&text.text).into_owned())
+                }
+                other => {
+                    let mut value = serde_json::to_value(&other)
+                        .map_err(|_| McpError::UnexpectedResponse("unencodable content"))?;
+                    redactor.redact_json(&mut value);
+                    ToolContent::Json(value)
+                }
             });
         }
-        if let Some(structured) = result.structured_content {
+        if let Some(mut structured) = result.structured_content {
+            redactor.redact_json(&mut structured);
             content.push(ToolContent::Json(structured));
         }
         Ok(ToolCallResult {

@@ -19,7 +19,8 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Redirect};
 use wor_core::ConnectionId;
 use wor_core::call::ToolClass;
-use wor_store::ToolConnectionStatus;
+use wor_engine::EngineError;
+use wor_store::{ToolConnectionKind, ToolConnectionStatus};
 
 use super::pages::{Banner, PageResult, form};
 use super::session::ConsoleMember;
@@ -322,8 +323,18 @@ struct ConnectionPage {
     pinned: Vec<PinnedRow>,
     /// The live tools, for a member who may configure; `None` for everyone else.
     review: Option<Vec<ToolRow>>,
+    /// Why the live tools could not be listed, for a member who may configure.
+    review_error: Option<String>,
+    /// The offer to authorize an `mcp_http` connection whose server asks for it.
+    authorize: Option<AuthorizeOffer>,
     diff: Option<DiffView>,
     quarantined: bool,
+}
+
+/// An OAuth connection's authorization, as the page offers it.
+struct AuthorizeOffer {
+    /// It was authorized before: the button says "Authorize again".
+    authorized: bool,
 }
 
 fn class_name(class: ToolClass) -> &'static str {
@@ -348,39 +359,34 @@ pub async fn show(
         .parse()
         .map_err(|_| ConsoleError(ApiError::NotFound))?;
     let record = state.store.get_tool_connection(project, id).await?;
-    let (review, diff) = if member.session.role.can_configure() {
-        let review = state.engine.review_tool_connection(project, id).await?;
-        let tools = review
-            .tools
-            .into_iter()
-            .map(|tool| ToolRow {
-                class: record.class_of(&tool.name).as_str(),
-                open_world_hint: tool
-                    .annotations
-                    .as_ref()
-                    .and_then(|a| a.get("openWorldHint"))
-                    .and_then(serde_json::Value::as_bool)
-                    .unwrap_or(false),
-                pin: format!("{}:{}", tool.hash, tool.name),
-                description: tool.description.unwrap_or_default(),
-                input_schema: pretty(&tool.input_schema),
-                annotations: tool.annotations.as_ref().map(pretty).unwrap_or_default(),
-                name: tool.name,
-                hash: tool.hash,
-            })
-            .collect();
-        let diff = review
-            .diff
-            .filter(|d| !(d.changed.is_empty() && d.added.is_empty() && d.removed.is_empty()))
-            .map(|d| DiffView {
-                changed: d.changed,
-                added: d.added,
-                removed: d.removed,
-                text: d.text,
-            });
-        (Some(tools), diff)
+    let configure = member.session.role.can_configure();
+    let mcp_http = record.kind == ToolConnectionKind::McpHttp;
+    let settled = if configure && mcp_http {
+        state.store.get_connection_oauth(project, id).await?
+    } else {
+        None
+    };
+    let mut review_error = None;
+    let (review, diff) = if configure {
+        match state.engine.review_tool_connection(project, id).await {
+            Ok(review) => review_rows(&record, review),
+            // An MCP server that refuses the connection (not, or no longer, authorized):
+            // the page says why, and offers to authorize it when the server asks for it.
+            Err(error @ EngineError::Unreachable(_)) if mcp_http => {
+                review_error = Some(error.to_string());
+                (None, None)
+            }
+            Err(error) => return Err(error.into()),
+        }
     } else {
         (None, None)
+    };
+    let authorize = if settled.is_some() {
+        Some(AuthorizeOffer { authorized: true })
+    } else if review_error.is_some() && state.engine.oauth_challenged(project, id).await? {
+        Some(AuthorizeOffer { authorized: false })
+    } else {
+        None
     };
     let page = ConnectionPage {
         banner: (&member).into(),
@@ -399,9 +405,75 @@ pub async fn show(
             })
             .collect(),
         review,
+        review_error,
+        authorize,
         diff,
     };
     Ok(render(StatusCode::OK, &page))
+}
+
+/// The live tools and the diff against the pins, as the page shows them.
+fn review_rows(
+    record: &wor_store::ToolConnectionRecord,
+    review: wor_engine::ToolReview,
+) -> (Option<Vec<ToolRow>>, Option<DiffView>) {
+    let tools = review
+        .tools
+        .into_iter()
+        .map(|tool| ToolRow {
+            class: record.class_of(&tool.name).as_str(),
+            open_world_hint: tool
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get("openWorldHint"))
+                .and_then(serde_json::Value::as_bool)
+                .unwrap_or(false),
+            pin: format!("{}:{}", tool.hash, tool.name),
+            description: tool.description.unwrap_or_default(),
+            input_schema: pretty(&tool.input_schema),
+            annotations: tool.annotations.as_ref().map(pretty).unwrap_or_default(),
+            name: tool.name,
+            hash: tool.hash,
+        })
+        .collect();
+    let diff = review
+        .diff
+        .filter(|d| !(d.changed.is_empty() && d.added.is_empty() && d.removed.is_empty()))
+        .map(|d| DiffView {
+            changed: d.changed,
+            added: d.added,
+            removed: d.removed,
+            text: d.text,
+        });
+    (Some(tools), diff)
+}
+
+/// Starts the MCP authorization of an `mcp_http` connection for the member signed in, as the
+/// API's does but with no API key, and sends the browser to the authorization server; its
+/// callback brings the person back to the connection's page.
+pub async fn authorize(
+    State(state): State<AppState>,
+    member: ConsoleMember,
+    Path(connection_id): Path<String>,
+) -> PageResult {
+    let project = member.session.project_id;
+    let id: ConnectionId = connection_id
+        .parse()
+        .map_err(|_| ConsoleError(ApiError::NotFound))?;
+    state.store.get_tool_connection(project, id).await?;
+    if !member.session.role.can_configure() {
+        return Err(ConsoleError(ApiError::Forbidden(
+            "only an admin or owner authorizes a connection".to_owned(),
+        )));
+    }
+    let started = state
+        .engine
+        .start_oauth_authorization(project, id, member.session.member_id, None, None)
+        .await?;
+    tracing::info!(category = "config", action = "connection.authorize_start", project_id = %project,
+        connection_id = %id, member_id = %member.session.member_id,
+        "tool connection authorization started in the console");
+    Ok(Redirect::to(&started.authorization_url).into_response())
 }
 
 /// The enable form: `pin` fields (`HASH:NAME`, one per reviewed tool) and `read_only` fields

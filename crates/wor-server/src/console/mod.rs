@@ -141,6 +141,10 @@ pub fn router(state: AppState) -> Router<AppState> {
             "/connections/{connection_id}/enable",
             post(connections::enable),
         )
+        .route(
+            "/connections/{connection_id}/authorize",
+            post(connections::authorize),
+        )
         .route("/model-connections", post(connections::create_model))
         .route(
             "/model-connections/{connection_id}/revoke",

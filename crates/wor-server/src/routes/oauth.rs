@@ -5,6 +5,7 @@
 use axum::Json;
 use axum::extract::State;
 use axum::http::Uri;
+use axum::response::{IntoResponse, Redirect, Response};
 use secrecy::SecretString;
 use wor_core::ConnectionId;
 
@@ -128,7 +129,13 @@ pub async fn authorize(
     let registered = body.map(AuthorizeRequest::checked).transpose()?;
     let started = state
         .engine
-        .start_oauth_authorization(caller.project_id, id, member, caller.key_id, registered)
+        .start_oauth_authorization(
+            caller.project_id,
+            id,
+            member,
+            Some(caller.key_id),
+            registered,
+        )
         .await?;
     tracing::info!(category = "config", action = "connection.authorize_start", project_id = %caller.project_id,
         connection_id = %id, actor_key_id = %caller.key_id, "tool connection authorization started");
@@ -141,15 +148,14 @@ pub async fn authorize(
 
 /// Where the authorization server sends the person's browser back. No API key: the single-use
 /// `state` names the pending authorization, its member and connection. The code is exchanged
-/// (with the PKCE verifier) and the tokens sealed; nothing secret is returned.
+/// (with the PKCE verifier) and the tokens sealed; nothing secret is returned. An
+/// authorization started in the console sends the person back to the connection's page.
 #[utoipa::path(get, path = "/hooks/oauth/callback", tag = "tool-connections",
     params(CallbackQuery),
-    responses((status = 200, body = AuthorizationFinishedView), (status = 400, body = ErrorBody),
-        (status = 503, body = ErrorBody)))]
-pub async fn callback(
-    State(state): State<AppState>,
-    uri: Uri,
-) -> Result<Json<AuthorizationFinishedView>, ApiError> {
+    responses((status = 200, body = AuthorizationFinishedView),
+        (status = 303, description = "started in the console: back to the connection's page there"),
+        (status = 400, body = ErrorBody), (status = 503, body = ErrorBody)))]
+pub async fn callback(State(state): State<AppState>, uri: Uri) -> Result<Response, ApiError> {
     let query = CallbackQuery::parse(uri.query().unwrap_or_default());
     if let Some(error) = query.error {
         let code: String = error
@@ -174,9 +180,16 @@ pub async fn callback(
         .engine
         .finish_oauth_authorization(&pending, &SecretString::from(code))
         .await?;
+    if finished.started_in_console {
+        return Ok(
+            Redirect::to(&format!("/console/connections/{}", finished.connection_id))
+                .into_response(),
+        );
+    }
     Ok(Json(AuthorizationFinishedView {
         connection_id: finished.connection_id.to_string(),
         connection: finished.connection,
         authorized: true,
-    }))
+    })
+    .into_response())
 }

@@ -21,7 +21,10 @@ use rmcp::transport::streamable_http_client::{
 use sse_stream::{Sse, SseStream};
 use wor_egress::{EgressClient, EgressError, GuardedLookupError, HostAllowlist, Method};
 
-use crate::credentials::ConnectionCredentials;
+use secrecy::{ExposeSecret, SecretString};
+
+use super::LiveRedactor;
+use crate::credentials::{BearerRenewal, BearerRenewalError, ConnectionCredentials};
 
 const SESSION_ID: &str = "mcp-session-id";
 const LAST_EVENT_ID: &str = "last-event-id";
@@ -56,6 +59,10 @@ pub enum McpHttpError {
     /// A message nested deeper than [`MAX_MESSAGE_NESTING`].
     #[error("mcp server sent a message nested deeper than {0} levels")]
     TooDeep(usize),
+    /// The server refused the connection's access token and it could not be renewed, or
+    /// refused the renewed one too.
+    #[error(transparent)]
+    Unauthorized(BearerRenewalError),
     /// A message could not be encoded.
     #[error("could not encode the message: {0}")]
     Encode(#[source] serde_json::Error),
@@ -67,42 +74,76 @@ pub(crate) struct EgressStreamableHttp {
     inner: Arc<Inner>,
 }
 
-#[derive(Debug)]
 struct Inner {
     egress: EgressClient,
     allowlist: HostAllowlist,
-    credentials: ConnectionCredentials,
+    /// Replaced only when a refused access token is renewed.
+    credentials: std::sync::RwLock<ConnectionCredentials>,
+    renewal: Option<Arc<dyn BearerRenewal>>,
+    /// One renewal at a time per session: a request refused meanwhile retries with its result.
+    renewing: tokio::sync::Mutex<()>,
+    /// The access tokens the session used before renewing them, still redacted.
+    retired: std::sync::Mutex<Vec<SecretString>>,
+    redactor: Arc<LiveRedactor>,
     max_message_bytes: usize,
 }
 
+impl std::fmt::Debug for Inner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EgressStreamableHttp")
+            .field("allowlist", &self.allowlist)
+            .field("renews", &self.renewal.is_some())
+            .field("max_message_bytes", &self.max_message_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
 type HttpResult<T> = Result<T, StreamableHttpError<McpHttpError>>;
+
+fn unauthorized(error: BearerRenewalError) -> StreamableHttpError<McpHttpError> {
+    StreamableHttpError::Client(McpHttpError::Unauthorized(error))
+}
 
 impl EgressStreamableHttp {
     pub(crate) fn new(
         egress: EgressClient,
         allowlist: HostAllowlist,
         credentials: ConnectionCredentials,
+        renewal: Option<Arc<dyn BearerRenewal>>,
+        redactor: Arc<LiveRedactor>,
         max_message_bytes: usize,
     ) -> Self {
         Self {
             inner: Arc::new(Inner {
                 egress,
                 allowlist,
-                credentials,
+                credentials: std::sync::RwLock::new(credentials),
+                renewal,
+                renewing: tokio::sync::Mutex::new(()),
+                retired: std::sync::Mutex::new(Vec::new()),
+                redactor,
                 max_message_bytes,
             }),
         }
     }
 
+    fn credentials(&self) -> ConnectionCredentials {
+        self.inner
+            .credentials
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
     /// A vetted request with rmcp's protocol headers, then the credentials (last, so nothing
-    /// can replace them).
+    /// can replace them); also the credentials it carries.
     async fn request(
         &self,
         method: Method,
         uri: &str,
         session_id: Option<&str>,
         custom_headers: HashMap<HeaderName, HeaderValue>,
-    ) -> HttpResult<reqwest::RequestBuilder> {
+    ) -> HttpResult<(reqwest::RequestBuilder, ConnectionCredentials)> {
         let mut builder = self
             .inner
             .egress
@@ -115,12 +156,96 @@ impl EgressStreamableHttp {
         if let Some(session_id) = session_id {
             builder = builder.header(SESSION_ID, session_id);
         }
-        builder = builder.headers(self.inner.credentials.header_map());
-        Ok(builder)
+        let credentials = self.credentials();
+        builder = builder.headers(credentials.header_map());
+        Ok((builder, credentials))
     }
 
     async fn send(&self, builder: reqwest::RequestBuilder) -> HttpResult<reqwest::Response> {
         builder.send().await.map_err(client_error)
+    }
+
+    /// Sends a request built by `finish` on [`Self::request`]. When the server refuses the
+    /// session's access token (`401`) and the session can renew it, the token is renewed once
+    /// and the request sent again. A `401` means the server refused the request before acting
+    /// on it, so sending it again cannot run a tool call twice. A renewal that fails, or a
+    /// renewed token refused too, ends the request with the renewal's reason.
+    async fn send_authorized(
+        &self,
+        method: Method,
+        uri: &str,
+        session_id: Option<&str>,
+        custom_headers: &HashMap<HeaderName, HeaderValue>,
+        finish: impl Fn(reqwest::RequestBuilder) -> reqwest::RequestBuilder,
+    ) -> HttpResult<reqwest::Response> {
+        let (builder, presented) = self
+            .request(method.clone(), uri, session_id, custom_headers.clone())
+            .await?;
+        let response = self.send(finish(builder)).await?;
+        let Some(renewal) = &self.inner.renewal else {
+            return Ok(response);
+        };
+        if response.status() != reqwest::StatusCode::UNAUTHORIZED {
+            return Ok(response);
+        }
+        drop(response);
+        self.renew(renewal.as_ref(), &presented).await?;
+        let (builder, _) = self
+            .request(method, uri, session_id, custom_headers.clone())
+            .await?;
+        let response = self.send(finish(builder)).await?;
+        if response.status() == reqwest::StatusCode::UNAUTHORIZED {
+            return Err(unauthorized(renewal.refused_after_renewal()));
+        }
+        Ok(response)
+    }
+
+    /// Replaces the bearer token `presented` carried, unless another request of the session
+    /// already did. The session's redactor learns the new token before any answer sent with
+    /// it is read, and keeps the old one.
+    async fn renew(
+        &self,
+        renewal: &dyn BearerRenewal,
+        presented: &ConnectionCredentials,
+    ) -> HttpResult<()> {
+        let _one = self.inner.renewing.lock().await;
+        let current = self.credentials();
+        let rejected = presented
+            .bearer_token()
+            .unwrap_or_else(|| SecretString::from(String::new()));
+        if current
+            .bearer_token()
+            .is_some_and(|token| token.expose_secret() != rejected.expose_secret())
+        {
+            return Ok(());
+        }
+        let token = renewal.renew(&rejected).await.map_err(unauthorized)?;
+        let cannot_use = |what: String| {
+            unauthorized(BearerRenewalError {
+                reason: format!("the renewed access token cannot be used: {what}"),
+            })
+        };
+        let renewed = current
+            .with_bearer_replaced(token)
+            .map_err(|e| cannot_use(e.to_string()))?;
+        let redactor = {
+            let mut retired = self
+                .inner
+                .retired
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            retired.push(rejected);
+            renewed
+                .redactor_with(&retired)
+                .map_err(|e| cannot_use(e.to_string()))?
+        };
+        self.inner.redactor.replace(redactor);
+        *self
+            .inner
+            .credentials
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = renewed;
+        Ok(())
     }
 }
 
@@ -352,13 +477,20 @@ impl StreamableHttpClient for EgressStreamableHttp {
         let body = serde_json::to_vec(&message)
             .map_err(|e| StreamableHttpError::Client(McpHttpError::Encode(e)))?;
         let had_session = session_id.is_some();
-        let builder = self
-            .request(Method::POST, &uri, session_id.as_deref(), custom_headers)
-            .await?
-            .header(ACCEPT, format!("{JSON}, {EVENT_STREAM}"))
-            .header(CONTENT_TYPE, JSON)
-            .body(body);
-        let response = self.send(builder).await?;
+        let response = self
+            .send_authorized(
+                Method::POST,
+                &uri,
+                session_id.as_deref(),
+                &custom_headers,
+                |builder| {
+                    builder
+                        .header(ACCEPT, format!("{JSON}, {EVENT_STREAM}"))
+                        .header(CONTENT_TYPE, JSON)
+                        .body(body.clone())
+                },
+            )
+            .await?;
         let status = response.status();
         if status == reqwest::StatusCode::ACCEPTED || status == reqwest::StatusCode::NO_CONTENT {
             return Ok(StreamableHttpPostResponse::Accepted);
@@ -425,7 +557,7 @@ impl StreamableHttpClient for EgressStreamableHttp {
         _auth_header: Option<String>,
         custom_headers: HashMap<HeaderName, HeaderValue>,
     ) -> HttpResult<()> {
-        let builder = self
+        let (builder, _) = self
             .request(Method::DELETE, &uri, Some(&session_id), custom_headers)
             .await?;
         let response = self.send(builder).await?;
@@ -463,14 +595,21 @@ impl StreamableHttpClient for EgressStreamableHttp {
         custom_headers: HashMap<HeaderName, HeaderValue>,
         max_sse_event_size: usize,
     ) -> HttpResult<BoxStream<'static, Result<Sse, SseError>>> {
-        let mut builder = self
-            .request(Method::GET, &uri, session_id.as_deref(), custom_headers)
-            .await?
-            .header(ACCEPT, EVENT_STREAM);
-        if let Some(last_event_id) = last_event_id {
-            builder = builder.header(LAST_EVENT_ID, last_event_id);
-        }
-        let response = self.send(builder).await?;
+        let response = self
+            .send_authorized(
+                Method::GET,
+                &uri,
+                session_id.as_deref(),
+                &custom_headers,
+                |builder| {
+                    let builder = builder.header(ACCEPT, EVENT_STREAM);
+                    match &last_event_id {
+                        Some(last_event_id) => builder.header(LAST_EVENT_ID, last_event_id),
+                        None => builder,
+                    }
+                },
+            )
+            .await?;
         if response.status() == reqwest::StatusCode::METHOD_NOT_ALLOWED {
             return Err(StreamableHttpError::ServerDoesNotSupportSse);
         }
