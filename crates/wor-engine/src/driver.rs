@@ -341,6 +341,24 @@ impl Engine {
             .copied()
             .unwrap_or_default();
         let mut machine = RunLoop::resume(limits, run.usage, pending, call_ids, untrusted);
+        // A run that stopped after recording its final answer (a crash before its end was
+        // written) ends with that answer: asking the model again would pay for a turn it has
+        // and could answer differently.
+        if let Some(ChatMessage::Assistant(last)) = messages.last()
+            && last.tool_calls.is_empty()
+        {
+            let answer = last.text.clone();
+            if let Some(ending) = machine.turn_recorded(Vec::new(), elapsed(), || answer) {
+                let usage = machine.usage();
+                match self
+                    .final_answer(run, definition, usage, &limits, ending, &mut messages)
+                    .await?
+                {
+                    FinalAnswer::End(ending) => return Ok(Flow::End(ending, None)),
+                    FinalAnswer::Correct => {}
+                }
+            }
+        }
         // Whether a cancel was requested, as the last journal write found it: a step that
         // follows a write need not ask again.
         let mut cancel_known: Option<bool> = None;
