@@ -16,6 +16,7 @@ use wor_core::RunId;
 use wor_core::routine::RoutineDefinition;
 use wor_store::{RunRecord, RunToken};
 
+use crate::call::Recorded;
 use crate::{Engine, EngineError};
 
 /// The credential of the run being driven, its deadline, and the roster it may act on.
@@ -70,13 +71,20 @@ impl Engine {
     ) -> Result<RunAuthority, EngineError> {
         let remaining_ms = i64::try_from(remaining.as_millis()).unwrap_or(i64::MAX);
         let expires_at = wor_store::now_millis().saturating_add(remaining_ms);
-        let token = self
-            .store
-            .mint_run_token(run.project_id, run.id, &self.config.worker_id, expires_at)
+        let token = RunToken::generate()?;
+        // A journal write: fenced by the lease (a worker that lost the run mints nothing) and
+        // committed with the other runs' writes, not on a transaction of its own.
+        match self
+            .record(self.journal(run).minting(&token, expires_at))
             .await?
-            .ok_or_else(|| {
-                EngineError::Refused("the run's lease was lost to another worker".to_owned())
-            })?;
+        {
+            Recorded::Committed { .. } => {}
+            Recorded::CredentialEnded => {
+                return Err(EngineError::InvalidState(
+                    "a write that presents no credential found one ended".to_owned(),
+                ));
+            }
+        }
         Ok(RunAuthority {
             run: run.id,
             token,

@@ -44,7 +44,9 @@ const DEFAULT_MAX_OUTPUT_TOKENS: u32 = 1024;
 
 /// Where driving a run stopped.
 enum Flow {
-    End(Ending),
+    /// The run ends; with its usage when that changed since its last journal write, so the
+    /// end's write records it.
+    End(Ending, Option<BudgetUsage>),
     /// A call waits for a person; the run holds no worker until it is queued again.
     Parked,
 }
@@ -105,7 +107,7 @@ impl Engine {
     /// the lease is lost.
     pub(crate) async fn drive(&self, run: RunRecord) -> Result<(), EngineError> {
         let ending = match self.drive_loop(&run).await {
-            Ok(Flow::End(ending)) => ending,
+            Ok(Flow::End(ending, usage)) => (ending, usage),
             Ok(Flow::Parked) => return Ok(()),
             // Another worker drives the run now: it is theirs to end.
             Err(EngineError::LeaseLost) => {
@@ -114,22 +116,22 @@ impl Engine {
                 return Ok(());
             }
             Err(error) => match error.run_failure() {
-                Some(reason) => Ending::new(RunStatus::Failed, reason),
+                Some(reason) => (Ending::new(RunStatus::Failed, reason), None),
                 None => return Err(error),
             },
         };
+        let (ending, usage) = ending;
         // The end, its outcome step and its audit entry are one write: nothing after it can
         // keep the run's end off the chain.
-        let end = self
-            .journal(&run)
-            .end(ending.status, &ending.outcome)
-            .audit(
-                run_event(&run, AuditCategory::RunEnd)
-                    .subject("routine_id", run.routine_id)
-                    .payload(
-                        json!({ "status": ending.status.as_str(), "outcome": ending.outcome }),
-                    ),
-            );
+        let mut end = self.journal(&run);
+        if let Some(usage) = usage {
+            end = end.usage(usage);
+        }
+        let end = end.end(ending.status, &ending.outcome).audit(
+            run_event(&run, AuditCategory::RunEnd)
+                .subject("routine_id", run.routine_id)
+                .payload(json!({ "status": ending.status.as_str(), "outcome": ending.outcome })),
+        );
         let cancelled = match self.audit.record(end).await? {
             RunWritten::Committed {
                 cancelled_approvals,
@@ -171,27 +173,27 @@ impl Engine {
         let content = crate::pipeline::run_content(definition, labelled());
         let (provider, connection) = match self.provider(run, definition, &messages).await {
             Ok(provider) => provider,
-            Err(reason) => return Ok(Flow::End(Ending::new(RunStatus::Failed, reason))),
+            Err(reason) => return Ok(Flow::End(Ending::new(RunStatus::Failed, reason), None)),
         };
         // A key replaced since the run's last model call is another credential: fail closed.
         if let Some(reason) = credential_changed(
             last_model_identity(steps.iter().map(|s| &s.step)),
             &connection,
         ) {
-            return Ok(Flow::End(Ending::new(RunStatus::Failed, reason)));
+            return Ok(Flow::End(Ending::new(RunStatus::Failed, reason), None));
         }
         let policy = match self.run_policy(run, definition).await? {
             Ok(policy) => policy,
-            Err(reason) => return Ok(Flow::End(Ending::new(RunStatus::Failed, reason))),
+            Err(reason) => return Ok(Flow::End(Ending::new(RunStatus::Failed, reason), None)),
         };
         let redactor = self.project_redactor(run.project_id).await?;
         let tools = match self.prepare_tools(run, definition).await {
             Ok(tools) => tools,
             Err(ToolsUnavailable::Refused(reason)) => {
-                return Ok(Flow::End(Ending::new(
-                    RunStatus::Failed,
-                    redactor.redact(&reason).into_owned(),
-                )));
+                return Ok(Flow::End(
+                    Ending::new(RunStatus::Failed, redactor.redact(&reason).into_owned()),
+                    None,
+                ));
             }
             Err(ToolsUnavailable::Store(error)) => return Err(error.into()),
         };
@@ -341,6 +343,24 @@ impl Engine {
             .copied()
             .unwrap_or_default();
         let mut machine = RunLoop::resume(limits, run.usage, pending, call_ids, untrusted);
+        // A run that stopped after recording its final answer (a crash before its end was
+        // written) ends with that answer: asking the model again would pay for a turn it has
+        // and could answer differently.
+        if let Some(ChatMessage::Assistant(last)) = messages.last()
+            && last.tool_calls.is_empty()
+        {
+            let answer = last.text.clone();
+            if let Some(ending) = machine.turn_recorded(Vec::new(), elapsed(), || answer) {
+                let usage = machine.usage();
+                match self
+                    .final_answer(run, definition, usage, &limits, ending, &mut messages)
+                    .await?
+                {
+                    FinalAnswer::End(ending) => return Ok(Flow::End(ending, None)),
+                    FinalAnswer::Correct => {}
+                }
+            }
+        }
         // Whether a cancel was requested, as the last journal write found it: a step that
         // follows a write need not ask again.
         let mut cancel_known: Option<bool> = None;
@@ -351,10 +371,7 @@ impl Engine {
             };
             match machine.next(cancel_requested, elapsed()) {
                 Next::End(ending) => {
-                    self.store
-                        .save_usage(run.id, &self.config.worker_id, &machine.usage())
-                        .await?;
-                    return Ok(Flow::End(ending));
+                    return Ok(Flow::End(ending, Some(machine.usage())));
                 }
                 Next::CallModel => {
                     let request = ModelRequest {
@@ -387,10 +404,7 @@ impl Engine {
                     let mut response = match outcome? {
                         TurnOutcome::Response(response) => response,
                         TurnOutcome::End(ending) => {
-                            self.store
-                                .save_usage(run.id, &self.config.worker_id, &machine.usage())
-                                .await?;
-                            return Ok(Flow::End(ending));
+                            return Ok(Flow::End(ending, Some(machine.usage())));
                         }
                     };
                     // Call ids key steps and approvals: the loop makes each unique in the run,
@@ -427,7 +441,7 @@ impl Engine {
                             .final_answer(run, definition, usage, &limits, ending, &mut messages)
                             .await?
                         {
-                            FinalAnswer::End(ending) => return Ok(Flow::End(ending)),
+                            FinalAnswer::End(ending) => return Ok(Flow::End(ending, None)),
                             FinalAnswer::Correct => {}
                         }
                     }
@@ -450,42 +464,41 @@ impl Engine {
                         AfterCall::Continue => {}
                         AfterCall::Park => return Ok(Flow::Parked),
                         AfterCall::End(ending) => {
-                            self.store
-                                .save_usage(run.id, &self.config.worker_id, &machine.usage())
-                                .await?;
-                            return Ok(Flow::End(ending));
+                            return Ok(Flow::End(ending, Some(machine.usage())));
                         }
                     }
-                    if let CallOutcome::Answered {
+                    // The loop goes on only after an answer: its step carries the run's usage
+                    // and renews the lease in the same write.
+                    let CallOutcome::Answered {
                         answer, provenance, ..
                     } = outcome
-                    {
-                        let tool = answer.tool.clone();
-                        let (recorded, cancel) = self
-                            .record_tool_result(run, answer, provenance, redactor)
-                            .await?;
-                        // Later calls are labelled against this result too.
-                        wor_core::step::index_result(&mut content, &tool, &recorded, provenance);
-                        cancel_known = Some(cancel);
-                        messages.push(ChatMessage::Tool(recorded));
-                    }
-                    self.store
-                        .save_usage(run.id, &self.config.worker_id, &machine.usage())
+                    else {
+                        return Err(EngineError::InvalidState(
+                            "a call the run went on after had no answer".to_owned(),
+                        ));
+                    };
+                    let tool = answer.tool.clone();
+                    let (recorded, cancel) = self
+                        .record_tool_result(run, answer, provenance, machine.usage(), redactor)
                         .await?;
-                    self.renew_lease(run).await?;
+                    // Later calls are labelled against this result too.
+                    wor_core::step::index_result(&mut content, &tool, &recorded, provenance);
+                    cancel_known = Some(cancel);
+                    messages.push(ChatMessage::Tool(recorded));
                 }
             }
         }
     }
 
-    /// Records a call's answer (redacted) as a `tool_result` step with its audit entry; returns
-    /// the result as recorded, which is what the model gets, as it will after a resume, and
-    /// whether a cancel of the run has been requested.
+    /// Records a call's answer (redacted) as a `tool_result` step with its audit entry and the
+    /// run's usage after it; returns the result as recorded, which is what the model gets, as
+    /// it will after a resume, and whether a cancel of the run has been requested.
     async fn record_tool_result(
         &self,
         run: &RunRecord,
         answer: ToolResultStep,
         provenance: Provenance,
+        usage: BudgetUsage,
         redactor: &Redactor,
     ) -> Result<(wor_core::model::ToolResult, bool), EngineError> {
         let Step::ToolResult(recorded) = as_recorded(Step::ToolResult(answer), redactor)? else {
@@ -504,7 +517,8 @@ impl Engine {
             .record(
                 self.journal(run)
                     .step(provenance, Step::ToolResult(recorded.clone()))
-                    .audit(answered),
+                    .audit(answered)
+                    .usage(usage),
             )
             .await?;
         Ok((recorded.result, cancel_seen(written)))

@@ -55,14 +55,12 @@ impl Engine {
         let violation = match schema.check(&ending.outcome) {
             Ok(value) => {
                 let result = serde_json::to_string(&value).unwrap_or_default();
-                self.store
-                    .append_run_step(
-                        run.project_id,
-                        run.id,
-                        Provenance::Model,
-                        &Step::Output(OutputStep { result: value }),
-                    )
-                    .await?;
+                // Fenced by the lease like every step the driver writes.
+                self.record(self.journal(run).step(
+                    Provenance::Model,
+                    Step::Output(OutputStep { result: value }),
+                ))
+                .await?;
                 return Ok(FinalAnswer::End(Ending::new(RunStatus::Succeeded, result)));
             }
             Err(violation) => violation,
@@ -78,18 +76,15 @@ impl Engine {
              matches this JSON Schema, and nothing else: {}",
             output.schema
         );
-        self.store
-            .append_run_step(
-                run.project_id,
-                run.id,
-                Provenance::Engine,
-                &Step::Input(InputStep {
-                    input: Value::from(request.clone()),
-                    source: Some(InputSource::OutputSchema),
-                    boundary: None,
-                }),
-            )
-            .await?;
+        self.record(self.journal(run).step(
+            Provenance::Engine,
+            Step::Input(InputStep {
+                input: Value::from(request.clone()),
+                source: Some(InputSource::OutputSchema),
+                boundary: None,
+            }),
+        ))
+        .await?;
         messages.push(ChatMessage::user(request));
         Ok(FinalAnswer::Correct)
     }

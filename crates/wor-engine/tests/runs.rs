@@ -907,6 +907,54 @@ tool_calls = [{ id = "call_9", name = "mail__send", arguments = { to = "a@exampl
 }
 
 #[tokio::test]
+async fn a_run_that_crashed_after_its_final_answer_ends_with_it_without_asking_again() {
+    let h = Harness::new().await;
+    // One turn only: a second request of the model would exhaust the script and fail the run.
+    let script = r#"
+[[model.script.turns]]
+text = "The answer, once."
+"#;
+    let routine = h.routine(&replay(script, "")).await;
+    let engine = h.engine(EngineConfig::default());
+    let run = h.start(&engine, routine, "answer once").await;
+    // A worker claimed the run and recorded the model's final answer, then died before the
+    // run's end was written.
+    let claimed =
+        h.db.store
+            .claim_run("dead", 60_000, 16)
+            .await
+            .unwrap()
+            .unwrap();
+    let turn = Step::from_stored(
+        "model_turn",
+        json!({"message": {"text": "The answer, once.", "tool_calls": []},
+               "usage": {"input_tokens": 1, "output_tokens": 1}, "stop_reason": "end_turn"}),
+    )
+    .unwrap();
+    h.db.store
+        .append_run_step(
+            h.project,
+            claimed.id,
+            wor_core::run::Provenance::Model,
+            &turn,
+        )
+        .await
+        .unwrap();
+    h.db.store.release_leases("dead").await.unwrap();
+
+    let run = h.drive_to_end(&engine, run.id).await;
+    assert_eq!(run.status, RunStatus::Succeeded, "{:?}", run.outcome);
+    assert_eq!(run.outcome.as_deref(), Some("The answer, once."));
+    let steps = h.steps(run.id).await;
+    let kinds: Vec<&str> = steps.iter().map(|(k, _, _)| k.as_str()).collect();
+    assert_eq!(
+        kinds,
+        ["input", "model_turn", "outcome"],
+        "no second model turn"
+    );
+}
+
+#[tokio::test]
 async fn a_routine_used_as_a_tool_runs_nested_on_the_root_budget_and_depth_is_capped() {
     let h = Harness::new().await;
     // The helper answers once; the caller asks it and reports what it said.

@@ -103,6 +103,7 @@ impl AuditLog {
             unsigned: BTreeSet::new(),
             signed: Vec::new(),
             held: std::sync::Mutex::new(None),
+            wal: None,
         };
         tokio::spawn(writer.run(receiver));
         AuditLog {
@@ -182,12 +183,94 @@ struct Writer {
     /// The connection the writer commits its batches on (in a mutex only so that the writer
     /// stays `Sync`; only the writer's own `&mut self` reaches it).
     held: std::sync::Mutex<Option<HeldConnection>>,
+    /// On SQLite with a database file: where synced batches wait for the write-ahead log to
+    /// reach the disk, outside the database's write lock (see [`sync_wal`]).
+    wal: Option<mpsc::UnboundedSender<Acknowledgement>>,
+}
+
+/// What a committed batch's callers are told once it is on disk, or that it could not be.
+type Acknowledgement = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
+
+/// Syncs SQLite's write-ahead log for batches that must be on disk before they are
+/// acknowledged, so that the writer does not hold the database's write lock while the disk
+/// flushes.
+///
+/// Such a batch is committed with `synchronous = NORMAL`: its pages are in the log file (in
+/// the operating system's cache) when its commit returns, and the lock is free for the next
+/// batch at once. The batch's acknowledgement then waits here for a `fdatasync` of the log
+/// file that began after the commit: that flushes every page written to the file before it,
+/// so the batch — and every deferred batch before it — survives a power cut once it is
+/// acknowledged, as with `synchronous = FULL`. Batches that commit while a sync runs share the
+/// next one. SQLite syncs the log itself before a checkpoint copies it into the database file
+/// and when it starts reusing the file, also with `NORMAL`.
+async fn sync_wal(path: std::path::PathBuf, mut waiting: mpsc::UnboundedReceiver<Acknowledgement>) {
+    while let Some(first) = waiting.recv().await {
+        let mut acknowledgements = vec![first];
+        while let Ok(next) = waiting.try_recv() {
+            acknowledgements.push(next);
+        }
+        let file = path.clone();
+        let synced = tokio::task::spawn_blocking(move || {
+            std::fs::File::open(&file).and_then(|log| log.sync_data())
+        })
+        .await;
+        let failed = match synced {
+            Ok(Ok(())) => {
+                crate::metrics::audit_log_synced();
+                false
+            }
+            Ok(Err(err)) => {
+                tracing::error!(category = "audit", kind = ?err.kind(), "syncing the write-ahead log failed");
+                true
+            }
+            Err(_) => {
+                tracing::error!(
+                    category = "audit",
+                    "the write-ahead log sync did not finish"
+                );
+                true
+            }
+        };
+        for acknowledgement in acknowledgements {
+            acknowledgement(if failed {
+                Err(StoreError::AuditWrite("wal_sync"))
+            } else {
+                Ok(())
+            });
+        }
+    }
+}
+
+/// The write-ahead log of the SQLite database `store` writes to, when it is a file.
+async fn wal_path(store: &Store) -> Option<std::path::PathBuf> {
+    if store.backend != Backend::Sqlite {
+        return None;
+    }
+    let row = sqlx::query("SELECT file FROM pragma_database_list WHERE name = 'main'")
+        .fetch_optional(store.pool())
+        .await
+        .ok()??;
+    let file: String = row.try_get("file").ok()?;
+    (!file.is_empty()).then(|| std::path::PathBuf::from(format!("{file}-wal")))
 }
 
 type Replies = Vec<oneshot::Sender<Result<AuditReceipt, StoreError>>>;
 
+/// A batch the writer committed: the receipts of its appends, what became of its run writes,
+/// and whether it is acknowledged only once the log syncer has it on disk.
+struct Committed {
+    receipts: Vec<AuditReceipt>,
+    written: Vec<RunWritten>,
+    awaits_sync: bool,
+}
+
 impl Writer {
     async fn run(mut self, mut receiver: mpsc::Receiver<Command>) {
+        if let Some(path) = wal_path(&self.store).await {
+            let (sender, waiting) = mpsc::unbounded_channel();
+            tokio::spawn(sync_wal(path, waiting));
+            self.wal = Some(sender);
+        }
         let mut ticker = tokio::time::interval(self.config.checkpoint_interval);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         ticker.tick().await;
@@ -237,12 +320,36 @@ impl Writer {
             let committed = self.commit_batch(events, writes).await;
             crate::metrics::audit_batch(count, began.elapsed(), committed.is_ok());
             match committed {
-                Ok((receipts, written)) => {
-                    for (reply, receipt) in replies.into_iter().zip(receipts) {
-                        let _ = reply.send(Ok(receipt));
-                    }
-                    for (reply, written) in record_replies.into_iter().zip(written) {
-                        let _ = reply.send(Ok(written));
+                Ok(Committed {
+                    receipts,
+                    written,
+                    awaits_sync,
+                }) => {
+                    let acknowledge: Acknowledgement = Box::new(move |synced| match synced {
+                        Ok(()) => {
+                            for (reply, receipt) in replies.into_iter().zip(receipts) {
+                                let _ = reply.send(Ok(receipt));
+                            }
+                            for (reply, written) in record_replies.into_iter().zip(written) {
+                                let _ = reply.send(Ok(written));
+                            }
+                        }
+                        Err(err) => {
+                            for reply in replies {
+                                let _ = reply.send(Err(StoreError::AuditWrite(err.kind())));
+                            }
+                            for reply in record_replies {
+                                let _ = reply.send(Err(StoreError::AuditWrite(err.kind())));
+                            }
+                        }
+                    });
+                    match (&self.wal, awaits_sync) {
+                        (Some(wal), true) => {
+                            if let Err(unsent) = wal.send(acknowledge) {
+                                (unsent.0)(Err(StoreError::AuditWrite("wal_sync")));
+                            }
+                        }
+                        _ => acknowledge(Ok(())),
                     }
                 }
                 Err(err) => {
@@ -281,7 +388,7 @@ impl Writer {
         &mut self,
         mut events: Vec<AuditEvent>,
         writes: Vec<RunWrite>,
-    ) -> Result<(Vec<AuditReceipt>, Vec<RunWritten>), StoreError> {
+    ) -> Result<Committed, StoreError> {
         let appended = events.len();
         // A batch is synced to disk before it is acknowledged when anything in it comes from
         // outside a run's journal (an API action's entry) or permits an effect outside the
@@ -295,6 +402,14 @@ impl Writer {
         } else {
             Durability::Deferred
         };
+        // With a log syncer, a synced batch commits as a deferred one and reaches the disk
+        // through the syncer before it is acknowledged.
+        let awaits_sync = durability == Durability::Synced && self.wal.is_some();
+        let committing = if awaits_sync {
+            Durability::Deferred
+        } else {
+            durability
+        };
         let store = self.store.clone();
         let mut held = self
             .held
@@ -302,7 +417,7 @@ impl Writer {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .take();
         let committed = store
-            .write_held(&mut held, durability, async |tx| {
+            .write_held(&mut held, committing, async |tx| {
                 let at = now_millis();
                 let mut written = Vec::with_capacity(writes.len());
                 for write in writes {
@@ -324,7 +439,11 @@ impl Writer {
         crate::metrics::audit_commit(durability);
         self.signed_committed();
         receipts.truncate(appended);
-        Ok((receipts, written))
+        Ok(Committed {
+            receipts,
+            written,
+            awaits_sync,
+        })
     }
 
     /// Appends `events` in `tx`, in order, and returns their receipts in order. The projects
@@ -481,30 +600,33 @@ async fn lock_head(
             .execute(&mut **tx)
             .await?;
     }
-    let head = sqlx::query(
-        "SELECT seq, hash FROM audit_entries WHERE project_id = $1 ORDER BY seq DESC LIMIT 1",
+    // The head and the last checkpoint in one statement: one round trip on the writer's path.
+    let row = sqlx::query(
+        "SELECT \
+           (SELECT seq FROM audit_entries WHERE project_id = $1 ORDER BY seq DESC LIMIT 1) AS seq, \
+           (SELECT hash FROM audit_entries WHERE project_id = $1 ORDER BY seq DESC LIMIT 1) AS hash, \
+           (SELECT seq FROM audit_checkpoints WHERE project_id = $1 ORDER BY seq DESC LIMIT 1) \
+             AS checkpoint_seq",
     )
     .bind(project.to_string())
-    .fetch_optional(&mut **tx)
+    .fetch_one(&mut **tx)
     .await?;
-    let checkpoint = sqlx::query(
-        "SELECT seq FROM audit_checkpoints WHERE project_id = $1 ORDER BY seq DESC LIMIT 1",
-    )
-    .bind(project.to_string())
-    .fetch_optional(&mut **tx)
-    .await?;
-    let (seq, hash) = match head {
-        Some(row) => (row.try_get("seq")?, row.try_get("hash")?),
-        None => (0, GENESIS_HASH.to_owned()),
+    let seq: Option<i64> = row.try_get("seq")?;
+    let hash: Option<String> = row.try_get("hash")?;
+    let (seq, hash) = match (seq, hash) {
+        (Some(seq), Some(hash)) => (seq, hash),
+        (None, None) => (0, GENESIS_HASH.to_owned()),
+        _ => {
+            return Err(StoreError::Corrupt(
+                "audit chain head without its hash".to_owned(),
+            ));
+        }
     };
-    let checkpoint_seq = match checkpoint {
-        Some(row) => row.try_get("seq")?,
-        None => 0,
-    };
+    let checkpoint_seq: Option<i64> = row.try_get("checkpoint_seq")?;
     Ok(ChainHead {
         seq,
         hash,
-        checkpoint_seq,
+        checkpoint_seq: checkpoint_seq.unwrap_or(0),
     })
 }
 

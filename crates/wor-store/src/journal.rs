@@ -32,6 +32,8 @@ pub struct RunWrite {
     /// The SHA-256 digest of the run's credential, when the write reserves a call: the
     /// credential must still be live, or nothing is written.
     credential: Option<String>,
+    /// A new credential for the run (its digest and expiry), replacing any earlier one.
+    mint: Option<(String, i64)>,
     pub steps: Vec<(Provenance, Step)>,
     /// The run's usage after this step, when it changed.
     pub usage: Option<BudgetUsage>,
@@ -52,6 +54,7 @@ impl RunWrite {
             worker: worker.to_owned(),
             lease_ms,
             credential: None,
+            mint: None,
             steps: Vec::new(),
             usage: None,
             audit: Vec::new(),
@@ -94,6 +97,16 @@ impl RunWrite {
     pub fn presenting(mut self, credential: &RunToken) -> Self {
         self.credential = Some(sha256_hex(credential.expose().as_bytes()));
         self.durable = true;
+        self
+    }
+
+    /// Stores `token` as the run's credential until `expires_at` (unix milliseconds),
+    /// replacing any earlier one. Not synced by itself: a credential lost to a power cut is
+    /// minted again when the run resumes, and the write that reserves a call with it is synced
+    /// after it.
+    #[must_use]
+    pub fn minting(mut self, token: &RunToken, expires_at: i64) -> Self {
+        self.mint = Some((token.digest(), expires_at));
         self
     }
 
@@ -194,7 +207,11 @@ pub(crate) async fn write_run(
              AND t.lease_owner = runs.lease_owner)"
         ));
     }
-    sql.push_str(" RETURNING cancel_requested");
+    // The run's last step number comes back with the fence, saving the writer a round trip.
+    sql.push_str(
+        " RETURNING cancel_requested, \
+         (SELECT COALESCE(MAX(s.seq), 0) FROM run_steps s WHERE s.run_id = runs.id) AS last_seq",
+    );
     let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
     for value in fence.values {
         query = match value {
@@ -206,6 +223,7 @@ pub(crate) async fn write_run(
         return fenced_out(tx, write).await;
     };
     let cancel_requested: i64 = row.try_get("cancel_requested")?;
+    let mut seq: i64 = row.try_get("last_seq")?;
     let outcome = write.end.as_ref().map(|(status, outcome)| {
         Step::Outcome(OutcomeStep {
             status: *status,
@@ -217,14 +235,21 @@ pub(crate) async fn write_run(
         .iter()
         .map(|(provenance, step)| (*provenance, step))
         .chain(outcome.as_ref().map(|step| (Provenance::Engine, step)));
-    let mut seq: Option<i64> = None;
     for (provenance, step) in steps {
-        let next = match seq {
-            Some(last) => last + 1,
-            None => last_seq(tx, write.run).await? + 1,
-        };
-        insert_step(tx, write.project, write.run, next, provenance, step, now).await?;
-        seq = Some(next);
+        seq += 1;
+        insert_step(tx, write.project, write.run, seq, provenance, step, now).await?;
+    }
+    if let Some((digest, expires_at)) = &write.mint {
+        crate::run_tokens::store(
+            tx,
+            write.project,
+            write.run,
+            &write.worker,
+            digest,
+            *expires_at,
+            now,
+        )
+        .await?;
     }
     let mut cancelled_approvals = Vec::new();
     if write.end.is_some() {
@@ -238,17 +263,6 @@ pub(crate) async fn write_run(
         cancel_requested: cancel_requested != 0,
         cancelled_approvals,
     })
-}
-
-/// The sequence number of the run's last step (0 before the first).
-async fn last_seq(tx: &mut Transaction<'_, Any>, run: RunId) -> Result<i64, StoreError> {
-    Ok(
-        sqlx::query("SELECT COALESCE(MAX(seq), 0) AS last FROM run_steps WHERE run_id = $1")
-            .bind(run.to_string())
-            .fetch_one(&mut **tx)
-            .await?
-            .try_get("last")?,
-    )
 }
 
 /// The values of a fence statement in the order of their placeholders.

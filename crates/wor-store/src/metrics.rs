@@ -9,6 +9,7 @@ pub const AUDIT_APPEND: &str = "wor_audit_append_seconds";
 pub const AUDIT_BATCH: &str = "wor_audit_batch_entries";
 pub const AUDIT_APPEND_FAILURES: &str = "wor_audit_append_failures_total";
 pub const AUDIT_COMMITS: &str = "wor_audit_commits_total";
+pub const AUDIT_LOG_SYNCS: &str = "wor_audit_log_syncs_total";
 /// Runs ended, by final status and trigger: counted here for runs that end without a worker
 /// (cancelled while queued, skipped by the overlap policy) and by the engine for the others.
 pub const RUNS_FINISHED: &str = "wor_runs_finished_total";
@@ -40,10 +41,19 @@ pub fn describe() {
         "Audit batches whose transaction failed"
     );
     describe_counter!(
+        AUDIT_LOG_SYNCS,
+        "Flushes of SQLite's write-ahead log to disk that synced audit batches waited for"
+    );
+    describe_counter!(
         AUDIT_COMMITS,
         "Transactions the audit writer committed, by durability: synced to disk before they \
          were acknowledged, or deferred to the next synced one"
     );
+}
+
+/// The log syncer flushed SQLite's write-ahead log for the synced batches waiting on it.
+pub(crate) fn audit_log_synced() {
+    counter!(AUDIT_LOG_SYNCS).increment(1);
 }
 
 /// The audit writer committed a batch with `durability`.

@@ -22,9 +22,57 @@ pub const RUN_TOKEN_PREFIX: &str = "wrt_";
 pub struct RunToken(String);
 
 impl RunToken {
+    /// A new token from the operating system's random source, not yet stored: a journal
+    /// write that mints it ([`RunWrite::minting`](crate::RunWrite::minting)) stores its digest.
+    pub fn generate() -> Result<RunToken, StoreError> {
+        let mut bytes = [0u8; 32];
+        rand::rngs::OsRng
+            .try_fill_bytes(&mut bytes)
+            .map_err(|e| StoreError::Corrupt(format!("random source failed: {e}")))?;
+        Ok(RunToken(format!(
+            "{RUN_TOKEN_PREFIX}{}",
+            hex::encode(bytes)
+        )))
+    }
+
     pub fn expose(&self) -> &str {
         &self.0
     }
+
+    /// The digest that is stored of it.
+    pub(crate) fn digest(&self) -> String {
+        sha256_hex(self.0.as_bytes())
+    }
+}
+
+/// Stores `token` (its digest) as the credential of `run`, replacing any earlier one, under
+/// the lease of `worker`, which the caller has just checked in `tx`.
+pub(crate) async fn store(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    project: ProjectId,
+    run: RunId,
+    worker: &str,
+    digest: &str,
+    expires_at: i64,
+    now: i64,
+) -> Result<(), StoreError> {
+    sqlx::query("DELETE FROM run_tokens WHERE run_id = $1")
+        .bind(run.to_string())
+        .execute(&mut **tx)
+        .await?;
+    sqlx::query(
+        "INSERT INTO run_tokens (run_id, project_id, sha256, lease_owner, expires_at, created_at) \
+         VALUES ($1, $2, $3, $4, $5, $6)",
+    )
+    .bind(run.to_string())
+    .bind(project.to_string())
+    .bind(digest)
+    .bind(worker)
+    .bind(expires_at)
+    .bind(now)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
 }
 
 impl fmt::Debug for RunToken {
@@ -55,11 +103,7 @@ impl Store {
         worker: &str,
         expires_at: i64,
     ) -> Result<Option<RunToken>, StoreError> {
-        let mut bytes = [0u8; 32];
-        rand::rngs::OsRng
-            .try_fill_bytes(&mut bytes)
-            .map_err(|e| StoreError::Corrupt(format!("random source failed: {e}")))?;
-        let token = RunToken(format!("{RUN_TOKEN_PREFIX}{}", hex::encode(bytes)));
+        let token = RunToken::generate()?;
         let mut tx = self.begin_write().await?;
         sqlx::query("DELETE FROM run_tokens WHERE run_id = $1")
             .bind(run.to_string())
@@ -70,7 +114,7 @@ impl Store {
              SELECT id, project_id, $1, lease_owner, $2, $3 FROM runs \
              WHERE id = $4 AND project_id = $5 AND lease_owner = $6 AND status = 'running'",
         )
-        .bind(sha256_hex(token.expose().as_bytes()))
+        .bind(token.digest())
         .bind(expires_at)
         .bind(now_millis())
         .bind(run.to_string())

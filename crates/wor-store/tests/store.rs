@@ -1624,10 +1624,19 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
 
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
+    // Flushes of SQLite's log for synced batches (PostgreSQL syncs its own), over the whole
+    // test: a snapshot counts only what came since the one before.
+    let log_syncs = std::cell::Cell::new(0u64);
     let commits = || {
         let mut counts = (0, 0);
         for (key, _, _, value) in snapshotter.snapshot().into_vec() {
             let key = key.key();
+            if key.name() == "wor_audit_log_syncs_total"
+                && let DebugValue::Counter(n) = value
+            {
+                log_syncs.set(log_syncs.get() + n);
+                continue;
+            }
             if key.name() != "wor_audit_commits_total" {
                 continue;
             }
@@ -1650,6 +1659,7 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
         runtime.block_on(async {
             let db = TestDatabase::isolated().await.unwrap();
             let store = &db.store;
+            let sqlite = store.backend() == wor_store::Backend::Sqlite;
             let project = store
                 .create_project(&TestDatabase::unique_name("durable"), "alice")
                 .await
@@ -1708,6 +1718,29 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
             committed(log.record(write().step(Provenance::Engine, turn())).await.unwrap());
             assert_eq!(commits(), (0, 1), "a model turn is deferred");
 
+            // A credential minted by a journal write replaces the one before, is deferred, and
+            // is fenced by the lease like any step.
+            let minted = wor_store::RunToken::generate().unwrap();
+            let expires = wor_store::now_millis() + 60_000;
+            committed(log.record(write().minting(&minted, expires)).await.unwrap());
+            assert_eq!(commits(), (0, 1), "a new credential is deferred");
+            assert!(
+                store.authenticate_run_token(token.expose()).await.unwrap().is_none(),
+                "the credential minted before is replaced"
+            );
+            let grant = store.authenticate_run_token(minted.expose()).await.unwrap();
+            assert_eq!(grant.map(|g| g.run_id), Some(run.id));
+            let stolen = wor_store::RunToken::generate().unwrap();
+            assert_eq!(
+                log.record(RunWrite::new(project, run.id, "other", 60_000).minting(&stolen, expires))
+                    .await
+                    .unwrap(),
+                RunWritten::LeaseLost
+            );
+            assert!(store.authenticate_run_token(stolen.expose()).await.unwrap().is_none());
+            commits();
+            let token = minted;
+
             committed(
                 log.record(
                     write()
@@ -1718,6 +1751,17 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
                 .unwrap(),
             );
             assert_eq!(commits(), (1, 0), "a write that reserves a call is synced");
+            // On SQLite it was acknowledged only after a flush of the log that began after it
+            // committed; the deferred writes before it waited for none.
+            let synced_so_far = log_syncs.get();
+            assert_eq!(synced_so_far > 0, sqlite, "{synced_so_far} flushes");
+            committed(log.record(write().step(Provenance::Engine, turn())).await.unwrap());
+            assert_eq!(commits(), (0, 1));
+            assert_eq!(
+                log_syncs.get(),
+                synced_so_far,
+                "a deferred write waits for no flush"
+            );
 
             log.append(key_event(project, 1)).await.unwrap();
             assert_eq!(commits(), (1, 0), "an API entry is synced");
@@ -1735,6 +1779,7 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
                 kinds,
                 [
                     StepKind::Input,
+                    StepKind::ModelTurn,
                     StepKind::ModelTurn,
                     StepKind::ModelTurn,
                     StepKind::Outcome

@@ -145,7 +145,8 @@ impl Server {
         response
     }
 
-    /// Stops the server with SIGTERM and returns everything it logged.
+    /// Stops the server with SIGTERM and returns everything it logged; a server a test does
+    /// not stop is killed when it is dropped.
     pub fn stop(mut self) -> String {
         let _ = Command::new("kill")
             .arg(self.child.id().to_string())
@@ -161,5 +162,15 @@ impl Server {
         }
         let _ = self.child.kill();
         panic!("server did not stop on SIGTERM");
+    }
+}
+
+/// A test that ends, passing or failing, without stopping its server leaves no process behind.
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
     }
 }
