@@ -555,7 +555,7 @@ impl RoutineDefinition {
             Some(section) => {
                 let span = section.span();
                 let section = section.into_inner();
-                section.compile().map_err(|e| at(span, e))?;
+                section.compile().map_err(|e| at(span, e.to_string()))?;
                 Some(section)
             }
             None => None,

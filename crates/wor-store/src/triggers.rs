@@ -112,7 +112,7 @@ pub(crate) async fn sync_schedule(
     }
     let next = schedule
         .compile()
-        .map_err(StoreError::Corrupt)?
+        .map_err(|e| StoreError::Corrupt(e.to_string()))?
         .next_after(now);
     sqlx::query("DELETE FROM routine_schedules WHERE routine_id = $1")
         .bind(routine.to_string())
