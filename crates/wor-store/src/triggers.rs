@@ -9,6 +9,7 @@ use sqlx::Row;
 use wor_core::schedule::ScheduleSection;
 use wor_core::{ProjectId, RoutineId, RunId};
 
+use crate::outbox::{Outbox, OutboxItem};
 use crate::{ScheduleAdvance, Store, StoreError, now_millis, parse_column};
 
 /// A scheduled routine whose next slot is due.
@@ -255,32 +256,7 @@ impl Store {
         lease_ms: i64,
         limit: u32,
     ) -> Result<Vec<DeliveryRecord>, StoreError> {
-        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "SELECT {DELIVERY_COLUMNS} FROM webhook_deliveries \
-             WHERE status = 'pending' AND next_attempt_at <= $1 ORDER BY next_attempt_at LIMIT $2"
-        )))
-        .bind(now)
-        .bind(i64::from(limit))
-        .fetch_all(self.pool())
-        .await?;
-        let mut claimed = Vec::new();
-        for row in &rows {
-            let delivery = delivery_from_row(row)?;
-            let done = sqlx::query(
-                "UPDATE webhook_deliveries SET next_attempt_at = $1, updated_at = $2 \
-                 WHERE id = $3 AND status = 'pending' AND next_attempt_at = $4",
-            )
-            .bind(now + lease_ms)
-            .bind(now)
-            .bind(&delivery.id)
-            .bind(delivery.next_attempt_at)
-            .execute(self.pool())
-            .await?;
-            if done.rows_affected() == 1 {
-                claimed.push(delivery);
-            }
-        }
-        Ok(claimed)
+        self.claim_due(Outbox::Webhooks, now, lease_ms, limit).await
     }
 
     /// Records one attempt of a claimed delivery.
@@ -289,39 +265,7 @@ impl Store {
         id: &str,
         outcome: &AttemptOutcome,
     ) -> Result<(), StoreError> {
-        let now = now_millis();
-        let (status, code, error, next) = match outcome {
-            AttemptOutcome::Delivered { status_code } => {
-                ("delivered", Some(i64::from(*status_code)), None, now)
-            }
-            AttemptOutcome::Failed {
-                status_code,
-                error,
-                retry_at,
-            } => (
-                if retry_at.is_some() {
-                    "pending"
-                } else {
-                    "failed"
-                },
-                status_code.map(i64::from),
-                Some(error.as_str()),
-                retry_at.unwrap_or(now),
-            ),
-        };
-        sqlx::query(
-            "UPDATE webhook_deliveries SET status = $1, attempts = attempts + 1, last_status_code = $2, \
-             last_error = $3, next_attempt_at = $4, updated_at = $5 WHERE id = $6",
-        )
-        .bind(status)
-        .bind(code)
-        .bind(error)
-        .bind(next)
-        .bind(now)
-        .bind(id)
-        .execute(self.pool())
-        .await?;
-        Ok(())
+        self.record_attempt(Outbox::Webhooks, id, outcome).await
     }
 
     pub async fn list_deliveries(
@@ -342,6 +286,22 @@ impl Store {
         .fetch_all(self.pool())
         .await?;
         rows.iter().map(delivery_from_row).collect()
+    }
+}
+
+impl OutboxItem for DeliveryRecord {
+    const COLUMNS: &'static str = DELIVERY_COLUMNS;
+
+    fn from_row(row: &sqlx::any::AnyRow) -> Result<Self, StoreError> {
+        delivery_from_row(row)
+    }
+
+    fn id(&self) -> &str {
+        &self.id
+    }
+
+    fn next_attempt_at(&self) -> i64 {
+        self.next_attempt_at
     }
 }
 
