@@ -16,7 +16,7 @@ use wor_core::canonical::sha256_hex;
 use wor_core::{ApiKeyId, ApprovalId, MemberId, NotificationRouteId, ProjectId, RoutineId};
 
 use crate::console::ConsoleToken;
-use crate::outbox::{Outbox, OutboxItem};
+use crate::outbox::Outbox;
 use crate::{AttemptOutcome, Store, StoreError, conflict_or, now_millis, parse_column};
 
 /// The vault's owner table of a route's secrets.
@@ -355,8 +355,15 @@ impl Store {
         lease_ms: i64,
         limit: u32,
     ) -> Result<Vec<NotificationDeliveryRecord>, StoreError> {
-        self.claim_due(Outbox::Notifications, now, lease_ms, limit)
-            .await
+        self.claim_due(
+            Outbox::Notifications,
+            DELIVERY_COLUMNS,
+            notification_from_row,
+            now,
+            lease_ms,
+            limit,
+        )
+        .await
     }
 
     /// Records one attempt of a claimed notification.
@@ -614,22 +621,6 @@ fn route_from_row(row: &sqlx::any::AnyRow) -> Result<NotificationRouteRecord, St
         created_by,
         created_at: row.try_get("created_at")?,
     })
-}
-
-impl OutboxItem for NotificationDeliveryRecord {
-    const COLUMNS: &'static str = DELIVERY_COLUMNS;
-
-    fn from_row(row: &sqlx::any::AnyRow) -> Result<Self, StoreError> {
-        notification_from_row(row)
-    }
-
-    fn id(&self) -> &str {
-        &self.id
-    }
-
-    fn next_attempt_at(&self) -> i64 {
-        self.next_attempt_at
-    }
 }
 
 fn notification_from_row(

@@ -2,6 +2,7 @@
 //! (`notification_deliveries`): the same columns for when an item is due and how its attempts
 //! went, so one claim and one record of an attempt serve both.
 
+use sqlx::Row;
 use sqlx::any::AnyRow;
 
 use crate::{AttemptOutcome, Store, StoreError, now_millis};
@@ -22,31 +23,23 @@ impl Outbox {
     }
 }
 
-/// An item of an outbox as its claim needs it.
-pub(crate) trait OutboxItem: Sized {
-    /// The columns `from_row` reads.
-    const COLUMNS: &'static str;
-    fn from_row(row: &AnyRow) -> Result<Self, StoreError>;
-    fn id(&self) -> &str;
-    fn next_attempt_at(&self) -> i64;
-}
-
 impl Store {
-    /// Claims up to `limit` pending items of `outbox` due at `now` for `lease_ms`: each is
-    /// returned to exactly one caller until its lease runs out (an item is taken only if it is
-    /// still due at the time it was read as).
-    pub(crate) async fn claim_due<T: OutboxItem>(
+    /// Claims up to `limit` pending items of `outbox` due at `now` for `lease_ms`, each read
+    /// as `columns` by `from_row`: each is returned to exactly one caller until its lease runs
+    /// out (an item is taken only if it is still due at the time it was read as).
+    pub(crate) async fn claim_due<T>(
         &self,
         outbox: Outbox,
+        columns: &str,
+        from_row: fn(&AnyRow) -> Result<T, StoreError>,
         now: i64,
         lease_ms: i64,
         limit: u32,
     ) -> Result<Vec<T>, StoreError> {
         let table = outbox.table();
         let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "SELECT {} FROM {table} WHERE status = 'pending' AND next_attempt_at <= $1 \
-             ORDER BY next_attempt_at, id LIMIT $2",
-            T::COLUMNS
+            "SELECT {columns} FROM {table} WHERE status = 'pending' AND next_attempt_at <= $1 \
+             ORDER BY next_attempt_at, id LIMIT $2"
         )))
         .bind(now)
         .bind(i64::from(limit))
@@ -54,15 +47,17 @@ impl Store {
         .await?;
         let mut claimed = Vec::new();
         for row in &rows {
-            let item = T::from_row(row)?;
+            let id: String = row.try_get("id")?;
+            let due: i64 = row.try_get("next_attempt_at")?;
+            let item = from_row(row)?;
             let done = sqlx::query(sqlx::AssertSqlSafe(format!(
                 "UPDATE {table} SET next_attempt_at = $1, updated_at = $2 \
                  WHERE id = $3 AND status = 'pending' AND next_attempt_at = $4"
             )))
             .bind(now.saturating_add(lease_ms))
             .bind(now)
-            .bind(item.id())
-            .bind(item.next_attempt_at())
+            .bind(id)
+            .bind(due)
             .execute(self.pool())
             .await?;
             if done.rows_affected() == 1 {

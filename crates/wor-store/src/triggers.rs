@@ -9,7 +9,7 @@ use sqlx::Row;
 use wor_core::schedule::ScheduleSection;
 use wor_core::{ProjectId, RoutineId, RunId};
 
-use crate::outbox::{Outbox, OutboxItem};
+use crate::outbox::Outbox;
 use crate::{ScheduleAdvance, Store, StoreError, now_millis, parse_column};
 
 /// A scheduled routine whose next slot is due.
@@ -256,7 +256,15 @@ impl Store {
         lease_ms: i64,
         limit: u32,
     ) -> Result<Vec<DeliveryRecord>, StoreError> {
-        self.claim_due(Outbox::Webhooks, now, lease_ms, limit).await
+        self.claim_due(
+            Outbox::Webhooks,
+            DELIVERY_COLUMNS,
+            delivery_from_row,
+            now,
+            lease_ms,
+            limit,
+        )
+        .await
     }
 
     /// Records one attempt of a claimed delivery.
@@ -286,22 +294,6 @@ impl Store {
         .fetch_all(self.pool())
         .await?;
         rows.iter().map(delivery_from_row).collect()
-    }
-}
-
-impl OutboxItem for DeliveryRecord {
-    const COLUMNS: &'static str = DELIVERY_COLUMNS;
-
-    fn from_row(row: &sqlx::any::AnyRow) -> Result<Self, StoreError> {
-        delivery_from_row(row)
-    }
-
-    fn id(&self) -> &str {
-        &self.id
-    }
-
-    fn next_attempt_at(&self) -> i64 {
-        self.next_attempt_at
     }
 }
 
