@@ -31,8 +31,13 @@ pub struct RoutineError {
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 pub struct RoutineName(String);
 
+/// A text that is not a routine name; the message quotes at most 80 characters of it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{0}` is not a routine name: use 1 to 64 of a-z, 0-9 and `-`, starting with a letter")]
+pub struct RoutineNameError(String);
+
 impl RoutineName {
-    pub fn parse(text: &str) -> Result<Self, String> {
+    pub fn parse(text: &str) -> Result<Self, RoutineNameError> {
         let ok = (1..=64).contains(&text.len())
             && text.starts_with(|c: char| c.is_ascii_lowercase())
             && text
@@ -41,10 +46,7 @@ impl RoutineName {
         if ok {
             Ok(RoutineName(text.to_owned()))
         } else {
-            Err(format!(
-                "`{}` is not a routine name: use 1 to 64 of a-z, 0-9 and `-`, starting with a letter",
-                text.chars().take(80).collect::<String>()
-            ))
+            Err(RoutineNameError(text.chars().take(80).collect()))
         }
     }
 
@@ -555,7 +557,7 @@ impl RoutineDefinition {
             Some(section) => {
                 let span = section.span();
                 let section = section.into_inner();
-                section.compile().map_err(|e| at(span, e))?;
+                section.compile().map_err(|e| at(span, e.to_string()))?;
                 Some(section)
             }
             None => None,

@@ -65,29 +65,39 @@ pub struct Schedule {
     jitter_ms: i64,
 }
 
+/// Why a `[schedule]` does not compile.
+#[derive(Debug, thiserror::Error)]
+pub enum ScheduleError {
+    #[error("`schedule.cron` `{cron}` is not a cron expression: {source}")]
+    Cron {
+        cron: String,
+        #[source]
+        source: croner::errors::CronError,
+    },
+    #[error("`schedule.timezone` `{0}` is not an IANA time zone (e.g. `Europe/Berlin`, `UTC`)")]
+    TimeZone(String),
+    #[error("`schedule.jitter_seconds` must be at most {MAX_JITTER_SECONDS}")]
+    Jitter,
+    /// A pattern that matches no time (30 February).
+    #[error("`schedule.cron` `{0}` never fires")]
+    NeverFires(String),
+}
+
 impl ScheduleSection {
     /// Parses the expression and the time zone.
-    pub fn compile(&self) -> Result<Schedule, String> {
+    pub fn compile(&self) -> Result<Schedule, ScheduleError> {
         let cron = CronParser::builder()
             .seconds(Seconds::Optional)
             .build()
             .parse(&self.cron)
-            .map_err(|e| {
-                format!(
-                    "`schedule.cron` `{}` is not a cron expression: {e}",
-                    self.cron
-                )
+            .map_err(|source| ScheduleError::Cron {
+                cron: self.cron.clone(),
+                source,
             })?;
-        let tz = Tz::from_str(&self.timezone).map_err(|_| {
-            format!(
-                "`schedule.timezone` `{}` is not an IANA time zone (e.g. `Europe/Berlin`, `UTC`)",
-                self.timezone
-            )
-        })?;
+        let tz = Tz::from_str(&self.timezone)
+            .map_err(|_| ScheduleError::TimeZone(self.timezone.clone()))?;
         if self.jitter_seconds > MAX_JITTER_SECONDS {
-            return Err(format!(
-                "`schedule.jitter_seconds` must be at most {MAX_JITTER_SECONDS}"
-            ));
+            return Err(ScheduleError::Jitter);
         }
         let schedule = Schedule {
             cron,
@@ -97,7 +107,7 @@ impl ScheduleSection {
         };
         // A pattern that never matches (e.g. 30 February) is refused now, not at run time.
         if schedule.next_after(Utc::now().timestamp_millis()).is_none() {
-            return Err(format!("`schedule.cron` `{}` never fires", self.cron));
+            return Err(ScheduleError::NeverFires(self.cron.clone()));
         }
         Ok(schedule)
     }
@@ -261,14 +271,17 @@ mod tests {
             jitter_seconds: 0,
         };
         let err = section("61 * * * *", "UTC").compile().unwrap_err();
-        assert!(err.contains("`schedule.cron`"), "{err}");
+        assert!(matches!(err, ScheduleError::Cron { .. }), "{err}");
+        assert!(err.to_string().contains("`schedule.cron`"), "{err}");
         let err = section("* * * * *", "Mars/Olympus").compile().unwrap_err();
-        assert!(err.contains("`schedule.timezone`"), "{err}");
+        assert!(matches!(err, ScheduleError::TimeZone(_)), "{err}");
+        assert!(err.to_string().contains("`schedule.timezone`"), "{err}");
         let err = section("0 0 30 2 *", "UTC").compile().unwrap_err();
-        assert!(err.contains("never fires"), "{err}");
+        assert!(matches!(err, ScheduleError::NeverFires(_)), "{err}");
+        assert!(err.to_string().contains("never fires"), "{err}");
         let mut jittery = section("* * * * *", "UTC");
         jittery.jitter_seconds = MAX_JITTER_SECONDS + 1;
-        assert!(jittery.compile().is_err());
+        assert!(matches!(jittery.compile(), Err(ScheduleError::Jitter)));
     }
 
     #[test]

@@ -322,7 +322,7 @@ impl Engine {
                 }
                 Err(other) => return Err(other.into()),
             };
-            let pins = stored_pins(&record).map_err(unavailable)?;
+            let pins = stored_pins(&record).map_err(|e| unavailable(e.to_string()))?;
             let Some(pin) = pins.into_iter().find(|p| p.name() == tool) else {
                 return Err(unavailable("its tool connection no longer pins it".to_owned()).into());
             };

@@ -63,8 +63,8 @@ pub use tool_connection_spec::{
     ToolConnectionSpec, ToolConnectionSpecError,
 };
 pub use tool_connections::{
-    BEARER_TOKEN_FIELD, ReplacedTools, ReviewDiff, ReviewedTool, ToolReview, check_stdio_spec,
-    credential_slot,
+    BEARER_TOKEN_FIELD, CommandRefusal, ConnectionError, ReplacedTools, ReviewDiff, ReviewedTool,
+    StoredConnectionError, ToolReview, check_stdio_spec, credential_slot,
 };
 pub use triggers::{
     InboundWebhook, MAX_DELIVERY_ATTEMPTS, MAX_WEBHOOK_BYTES, REPLAY_WINDOW_SECS, SchedulerReport,
@@ -153,9 +153,22 @@ pub enum EngineError {
     /// An approver's edit of a held call is refused; nothing was decided.
     #[error(transparent)]
     EditRefused(#[from] EditRefusal),
-    /// Something outside (a tool server) could not be reached or answered wrongly.
-    #[error("{0}")]
-    Unreachable(String),
+    /// A tool connection cannot be used, with the reason and its source.
+    #[error(transparent)]
+    Connection(Box<ConnectionError>),
+    /// An authorization server could not be reached or answered wrongly while authorizing a
+    /// tool connection or refreshing its token.
+    #[error("authorizing tool connection `{connection}`: {source}")]
+    Authorization {
+        connection: String,
+        #[source]
+        source: Box<wor_tools::oauth::OAuthError>,
+    },
+    /// Another process is refreshing the connection's token and did not finish in time.
+    #[error(
+        "the token of tool connection `{connection}` is being refreshed by another process; try again"
+    )]
+    RefreshInProgress { connection: String },
     /// Another worker holds the run now (this one's lease expired): this worker stops driving
     /// it and leaves its end to the holder.
     #[error("the run's lease was lost to another worker")]
@@ -174,6 +187,12 @@ pub enum EngineError {
     Store(#[from] StoreError),
 }
 
+impl From<ConnectionError> for EngineError {
+    fn from(error: ConnectionError) -> Self {
+        EngineError::Connection(Box::new(error))
+    }
+}
+
 impl EngineError {
     /// The reason a run being driven ends as failed because of this error; `None` for an error
     /// that must not end the run (the store is unavailable: the run resumes later).
@@ -183,11 +202,15 @@ impl EngineError {
             EngineError::Vault(_) => {
                 Some("the project's secrets cannot be opened; the run cannot go on".to_owned())
             }
-            EngineError::InvalidState(_) | EngineError::NestedTask(_) => Some(self.to_string()),
+            // A run cannot go on without a tool its roster names: it fails closed.
+            EngineError::InvalidState(_)
+            | EngineError::NestedTask(_)
+            | EngineError::Connection(_)
+            | EngineError::Authorization { .. } => Some(self.to_string()),
             EngineError::Forbidden(_)
             | EngineError::EditRefused(_)
             | EngineError::Invalid(_)
-            | EngineError::Unreachable(_)
+            | EngineError::RefreshInProgress { .. }
             | EngineError::LeaseLost
             | EngineError::Store(_) => None,
         }
@@ -213,7 +236,7 @@ pub struct Engine {
     /// Starts stdio tool servers; without it, stdio connections are refused.
     sandbox: Option<wor_sandbox::Sandbox>,
     /// Runs Wasm tool components.
-    wasm: wasm_tools::WasmHost,
+    wasm: wor_wasm::WasmHost<wor_core::ProjectId>,
     /// Wakes this process's idle worker pool: a run was queued or one ended.
     work: Arc<tokio::sync::Notify>,
     /// The model text of runs driven here, redacted, for people watching them.
@@ -240,7 +263,7 @@ impl Engine {
             audit,
             config: Arc::new(config),
             sandbox: None,
-            wasm: wasm_tools::WasmHost::default(),
+            wasm: wor_wasm::WasmHost::default(),
             work: Arc::new(tokio::sync::Notify::new()),
             live_text: live_text::LiveText::default(),
             versions: Arc::default(),

@@ -229,9 +229,18 @@ impl Engine {
             // On a task of its own: polled inside the parent's poll, each level of nesting
             // would deepen the stack Cedar evaluates on, until it refuses ("recursion limit").
             let mut driving = tokio::spawn(self.clone().drive_owned(claimed));
-            // Unlike a model or tool call, a cancel of the parent does not drop the child's
-            // task: it is passed on, and the child ends itself at its next step.
+            // Not `Engine::until_stopped`, the guard of a model or tool call: it polls the same
+            // things on the same ticks (`cancel_poll`, `renew_lease`), but it stops its wait on
+            // a cancel or at the deadline by dropping the work, and the work here is another
+            // run. Dropping the child's task would not stop it (a dropped `JoinHandle`
+            // detaches) and aborting it would cut it off mid-step, holding its lease until it
+            // expires and another worker resumes it from its steps. So a
+            // cancel of the parent is passed on once and the wait goes on: the child ends
+            // itself at its next step, as `cancelled`. There is no deadline of the wait's own:
+            // the child's wall time is capped by what the parent had left, so it ends by then,
+            // and its end is the answer the parent records (its usage included).
             let mut poll = cancel_poll();
+            let mut cancel_passed_on = false;
             loop {
                 tokio::select! {
                     driven = &mut driving => {
@@ -240,8 +249,9 @@ impl Engine {
                     }
                     _ = poll.tick() => {
                         self.renew_lease(parent).await?;
-                        if self.store.is_cancel_requested(parent.id).await? {
+                        if !cancel_passed_on && self.store.is_cancel_requested(parent.id).await? {
                             self.store.request_cancel(parent.project_id, child.id).await?;
+                            cancel_passed_on = true;
                         }
                     }
                 }

@@ -74,10 +74,11 @@ fn authorizing_actor(member_id: MemberId, key: Option<ApiKeyId>) -> Actor {
     }
 }
 
-fn unreachable(connection: &str, error: &oauth::OAuthError) -> EngineError {
-    EngineError::Unreachable(format!(
-        "authorizing tool connection `{connection}`: {error}"
-    ))
+fn unreachable(connection: &str, error: oauth::OAuthError) -> EngineError {
+    EngineError::Authorization {
+        connection: connection.to_owned(),
+        source: Box::new(error),
+    }
 }
 
 /// What is stored beside a pending or settled authorization: the discovery, and how the
@@ -154,10 +155,10 @@ impl Engine {
         // The server's own challenge names its metadata and the scopes it wants.
         let challenge = oauth::probe(&self.egress, &record.url, Some(&allowlist))
             .await
-            .map_err(|e| unreachable(&record.name, &e))?;
+            .map_err(|e| unreachable(&record.name, e))?;
         let discovery = oauth::discover(&self.egress, &record.url, challenge.as_ref())
             .await
-            .map_err(|e| unreachable(&record.name, &e))?;
+            .map_err(|e| unreachable(&record.name, e))?;
         let client = match registered {
             Some(registered) => ClientRegistration::pre_registered(
                 registered.client_id,
@@ -174,11 +175,11 @@ impl Engine {
                          `--client-secret-env VAR` for a confidential client)",
                         record.name
                     )),
-                    other => unreachable(&record.name, &other),
+                    other => unreachable(&record.name, other),
                 })?,
         };
-        let state = oauth::new_state().map_err(|e| unreachable(&record.name, &e))?;
-        let pkce = Pkce::new().map_err(|e| unreachable(&record.name, &e))?;
+        let state = oauth::new_state().map_err(|e| unreachable(&record.name, e))?;
+        let pkce = Pkce::new().map_err(|e| unreachable(&record.name, e))?;
         let url = oauth::authorization_url(
             &discovery,
             &client.client_id,
@@ -187,7 +188,7 @@ impl Engine {
             &state,
             &pkce,
         )
-        .map_err(|e| unreachable(&record.name, &e))?;
+        .map_err(|e| unreachable(&record.name, e))?;
         let pending = self
             .store
             .create_oauth_authorization(
@@ -348,7 +349,7 @@ impl Engine {
             Err(error) => {
                 self.audit_oauth_failure(project, &record.name, record.id, actor, &error)
                     .await?;
-                return Err(unreachable(&record.name, &error));
+                return Err(unreachable(&record.name, error));
             }
         };
         let now = now_millis();
@@ -508,9 +509,9 @@ impl Engine {
                     }
                     drop(held);
                     if tokio::time::Instant::now() >= deadline {
-                        return Err(EngineError::Unreachable(format!(
-                            "the token of tool connection `{connection}` is being refreshed by another process; try again"
-                        )));
+                        return Err(EngineError::RefreshInProgress {
+                            connection: connection.to_owned(),
+                        });
                     }
                     tokio::time::sleep(REFRESH_POLL).await;
                     continue;

@@ -827,8 +827,7 @@ impl Engine {
                 )));
             }
         };
-        let pins =
-            crate::tool_connections::stored_pins(record).map_err(EngineError::InvalidState)?;
+        let pins = crate::tool_connections::stored_pins(record)?;
         let diff = wor_tools::compare(&pins, &live);
         if diff.verdict() != wor_tools::ToolListVerdict::Quarantine {
             return Ok(None);

@@ -53,6 +53,13 @@ pub(crate) enum ToolsUnavailable {
     Store(StoreError),
 }
 
+impl ToolsUnavailable {
+    /// A connection the roster names cannot be used: the run fails closed, saying why.
+    fn connection(error: crate::tool_connections::ConnectionError) -> Self {
+        ToolsUnavailable::Refused(error.to_string())
+    }
+}
+
 /// The name the model calls a roster tool by: letters, digits, `_` and `-` only.
 pub(crate) fn model_name(connection: &str, tool: &str) -> String {
     format!("{connection}__{tool}")
@@ -153,17 +160,17 @@ impl Engine {
                 }
                 Err(other) => return Err(ToolsUnavailable::Store(other)),
             };
-            Engine::check_enabled(&record).map_err(ToolsUnavailable::Refused)?;
+            Engine::check_enabled(&record).map_err(ToolsUnavailable::connection)?;
             let session = self
                 .open_tool_session(&record)
                 .await
-                .map_err(ToolsUnavailable::Refused)?;
+                .map_err(ToolsUnavailable::connection)?;
             let live = session.list_tools().await.map_err(|e| {
                 ToolsUnavailable::Refused(format!(
                     "the tools of tool connection `{connection}` cannot be listed: {e}"
                 ))
             })?;
-            let pins = stored_pins(&record).map_err(ToolsUnavailable::Refused)?;
+            let pins = stored_pins(&record).map_err(ToolsUnavailable::connection)?;
             let diff = compare(&pins, &live);
             if diff.verdict() == ToolListVerdict::Quarantine {
                 session.close().await;

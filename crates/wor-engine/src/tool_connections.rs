@@ -18,8 +18,9 @@ use wor_store::{
     ToolConnectionStatus, header_field,
 };
 use wor_tools::{
-    ConnectionCredentials, CredentialSlot, McpLimits, McpSession, PinnedToolDefinition,
-    StreamableHttpEndpoint, ToolDefinition, ToolListDiff, ToolListVerdict, ToolSession, compare,
+    ConnectionCredentials, CredentialError, CredentialSlot, HttpToolError, McpError, McpLimits,
+    McpSession, PinError, PinnedToolDefinition, StreamableHttpEndpoint, ToolDefinition,
+    ToolListDiff, ToolListVerdict, ToolSession, ToolSessionError, compare,
 };
 
 use crate::{Engine, EngineError};
@@ -68,16 +69,158 @@ pub struct ReplacedTools {
     pub quarantined: bool,
 }
 
+/// Why a tool connection cannot be used. Each names the connection (never a secret value) and
+/// keeps its source, so the API and a run's outcome are decided from the kind of failure.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectionError {
+    /// Its status does not let runs use it.
+    #[error("{}", not_enabled(connection, *status))]
+    NotEnabled {
+        connection: String,
+        status: ToolConnectionStatus,
+    },
+    /// What is stored for it does not have the shape it was checked into when created.
+    #[error("tool connection `{connection}`: {reason}")]
+    InvalidStored {
+        connection: String,
+        reason: StoredConnectionError,
+    },
+    /// Its command is not (or no longer) allowed by the operator's rules for local programs.
+    #[error("tool connection `{connection}`: {source}")]
+    Command {
+        connection: String,
+        #[source]
+        source: CommandRefusal,
+    },
+    /// A stdio MCP server runs only in the sandbox, and this server has none.
+    #[error(
+        "tool connection `{connection}` is a stdio MCP server, which runs only in the sandbox; this server has no sandbox"
+    )]
+    NoSandbox { connection: String },
+    /// A credential of it cannot be read from or opened by the vault.
+    #[error("a credential of tool connection `{connection}` cannot be opened: {source}")]
+    Vault {
+        connection: String,
+        #[source]
+        source: wor_store::VaultError,
+    },
+    /// A credential does not fit where it is attached (a header name or value).
+    #[error("tool connection `{connection}`: {source}")]
+    Credential {
+        connection: String,
+        #[source]
+        source: CredentialError,
+    },
+    /// Its OAuth access token could not be had (refused, refreshing elsewhere, not stored).
+    #[error(transparent)]
+    Authorization(Box<EngineError>),
+    /// Its MCP server over HTTP could not be reached or answered wrongly.
+    #[error("tool connection `{connection}` cannot be reached: {source}")]
+    Connect {
+        connection: String,
+        #[source]
+        source: McpError,
+    },
+    /// Its stdio MCP server could not be started or answered wrongly.
+    #[error("tool connection `{connection}` cannot be started: {source}")]
+    Start {
+        connection: String,
+        #[source]
+        source: McpError,
+    },
+    /// Its HTTP API cannot be set up on its base URL.
+    #[error("tool connection `{connection}`: {source}")]
+    HttpApi {
+        connection: String,
+        #[source]
+        source: HttpToolError,
+    },
+    /// Its Wasm component cannot be loaded or given what it declares.
+    #[error("tool connection `{connection}`: {source}")]
+    Wasm {
+        connection: String,
+        #[source]
+        source: wor_wasm::WasmError,
+    },
+    /// Its session is open, and its tools cannot be listed.
+    #[error("the tools of tool connection `{connection}` cannot be listed: {source}")]
+    List {
+        connection: String,
+        #[source]
+        source: ToolSessionError,
+    },
+}
+
+fn not_enabled(connection: &str, status: ToolConnectionStatus) -> String {
+    match status {
+        ToolConnectionStatus::Enabled => format!("tool connection `{connection}` is enabled"),
+        ToolConnectionStatus::Quarantined => format!(
+            "tool connection `{connection}` is quarantined: its tools changed since they were pinned; an admin must review the diff and enable it again"
+        ),
+        ToolConnectionStatus::PendingReview => format!(
+            "tool connection `{connection}` is waiting for review; an admin must review and enable it"
+        ),
+        ToolConnectionStatus::Disabled => format!("tool connection `{connection}` is disabled"),
+    }
+}
+
+/// A stored part of a tool connection that is not what was checked when it was written.
+#[derive(Debug, thiserror::Error)]
+pub enum StoredConnectionError {
+    #[error("its allowlist is invalid: {0}")]
+    Allowlist(#[source] wor_egress::AllowlistError),
+    #[error("it has no command")]
+    NoCommand,
+    #[error("a stored pin is not a tool definition: {0}")]
+    PinShape(#[source] serde_json::Error),
+    #[error(transparent)]
+    Pin(#[from] PinError),
+    #[error("an http tool is not valid: {0}")]
+    HttpToolShape(#[source] serde_json::Error),
+    #[error(transparent)]
+    HttpTool(#[from] HttpToolError),
+}
+
+/// Why a local program's command (`mcp_stdio`, `wasm`) is refused by the operator's rules.
+#[derive(Debug, thiserror::Error)]
+pub enum CommandRefusal {
+    #[error("{what} `{path}` must be an absolute path without `.` or `..`")]
+    NotNormal { what: &'static str, path: String },
+    #[error(
+        "the program `{program}` is neither in the system runtime ({}) nor under a path the operator allows (`[sandbox] allowed_paths`)",
+        SYSTEM_PROGRAM_ROOTS.join(", ")
+    )]
+    ProgramOutsideRoots { program: String },
+    #[error(
+        "the read-only path `{path}` is not under a path the operator allows (`[sandbox] allowed_paths` in the server configuration), once links are resolved"
+    )]
+    PathOutsideRoots { path: String },
+    #[error("the read-only path `{path}` cannot be resolved: {source}")]
+    PathUnresolved {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the read-only path `{path}` overlaps the server's data directory")]
+    PathProtected { path: String },
+    #[error(
+        "environment variable `{variable}` must be upper-case letters, digits and `_`, not starting with a digit or `LD_`"
+    )]
+    EnvName { variable: String },
+}
+
 /// The slot of a connection's credential `field`.
 pub fn credential_slot(record: &ToolConnectionRecord, field: impl Into<String>) -> SecretSlot {
     SecretSlot::new(record.project_id, TOOL_CONNECTIONS_TABLE, record.id, field)
 }
 
 /// A stored pin as the tool library's checked pin.
-pub(crate) fn pin_from_stored(stored: &StoredPin) -> Result<PinnedToolDefinition, String> {
+pub(crate) fn pin_from_stored(
+    stored: &StoredPin,
+) -> Result<PinnedToolDefinition, StoredConnectionError> {
     let definition: ToolDefinition = serde_json::from_value(stored.definition.clone())
-        .map_err(|e| format!("a stored pin is not a tool definition: {e}"))?;
-    PinnedToolDefinition::from_stored(definition, &stored.hash).map_err(|e| e.to_string())
+        .map_err(StoredConnectionError::PinShape)?;
+    Ok(PinnedToolDefinition::from_stored(definition, &stored.hash)?)
 }
 
 pub(crate) fn stored_from_definition(definition: &ToolDefinition) -> StoredPin {
@@ -87,10 +230,19 @@ pub(crate) fn stored_from_definition(definition: &ToolDefinition) -> StoredPin {
     }
 }
 
+/// A connection's pins; a pin that does not read back is stored state the run cannot use.
 pub(crate) fn stored_pins(
     record: &ToolConnectionRecord,
-) -> Result<Vec<PinnedToolDefinition>, String> {
-    record.pinned_tools.values().map(pin_from_stored).collect()
+) -> Result<Vec<PinnedToolDefinition>, ConnectionError> {
+    record
+        .pinned_tools
+        .values()
+        .map(pin_from_stored)
+        .collect::<Result<_, _>>()
+        .map_err(|reason| ConnectionError::InvalidStored {
+            connection: record.name.clone(),
+            reason,
+        })
 }
 
 /// The names a diff makes a quarantine of: changed, new and duplicated tools.
@@ -113,16 +265,20 @@ fn review_diff(diff: &ToolListDiff) -> ReviewDiff {
 
 impl Engine {
     /// Opens a session with a tool connection of any kind: an MCP session over HTTP or stdio
-    /// (in the sandbox), or the configured tools of an HTTP API. Credentials are attached by
-    /// `wor-tools` at send time. Errors are for people: they name the connection, never a value.
+    /// (in the sandbox), the configured tools of an HTTP API, or a Wasm component. Credentials
+    /// are attached by `wor-tools` at send time.
     pub(crate) async fn open_tool_session(
         &self,
         record: &ToolConnectionRecord,
-    ) -> Result<ToolSession, String> {
-        let name = &record.name;
+    ) -> Result<ToolSession, ConnectionError> {
+        let connection = || record.name.clone();
         // Parsed once here, for whichever kind of session needs it.
-        let allowlist = wor_egress::HostAllowlist::parse(&record.allowlist)
-            .map_err(|e| format!("the allowlist of tool connection `{name}` is invalid: {e}"))?;
+        let allowlist = wor_egress::HostAllowlist::parse(&record.allowlist).map_err(|e| {
+            ConnectionError::InvalidStored {
+                connection: connection(),
+                reason: StoredConnectionError::Allowlist(e),
+            }
+        })?;
         match record.kind {
             ToolConnectionKind::McpStdio => {
                 return self
@@ -160,48 +316,50 @@ impl Engine {
         McpSession::connect_http_renewing(&self.egress, endpoint, renewal, McpLimits::default())
             .await
             .map(ToolSession::Mcp)
-            .map_err(|e| format!("tool connection `{name}` cannot be reached: {e}"))
+            .map_err(|source| ConnectionError::Connect {
+                connection: connection(),
+                source,
+            })
     }
 
     /// The bearer token and secret headers of a connection, opened from the vault.
     async fn connection_credentials(
         &self,
         record: &ToolConnectionRecord,
-    ) -> Result<ConnectionCredentials, String> {
+    ) -> Result<ConnectionCredentials, ConnectionError> {
         let name = &record.name;
+        let credential = |source| ConnectionError::Credential {
+            connection: name.clone(),
+            source,
+        };
         let mut credentials = ConnectionCredentials::none();
         let bearer = credential_slot(record, BEARER_TOKEN_FIELD);
         if self
             .vault
             .metadata(&bearer)
             .await
-            .map_err(|e| {
-                format!("the credentials of tool connection `{name}` cannot be read: {e}")
+            .map_err(|e| ConnectionError::Vault {
+                connection: name.clone(),
+                source: e.into(),
             })?
             .is_some()
         {
             let token = self.open_secret(&bearer, name).await?;
-            credentials = credentials
-                .with_bearer(token)
-                .map_err(|e| format!("tool connection `{name}`: {e}"))?;
+            credentials = credentials.with_bearer(token).map_err(credential)?;
         }
         if record.kind == ToolConnectionKind::McpHttp
             && let Some(token) = self
                 .oauth_access_token(record.project_id, record.id, name)
                 .await
-                .map_err(|e| e.to_string())?
+                .map_err(|e| ConnectionError::Authorization(Box::new(e)))?
         {
-            credentials = credentials
-                .with_bearer(token)
-                .map_err(|e| format!("tool connection `{name}`: {e}"))?;
+            credentials = credentials.with_bearer(token).map_err(credential)?;
         }
         for header in &record.secret_headers {
             let value = self
                 .open_secret(&credential_slot(record, header_field(header)), name)
                 .await?;
-            credentials = credentials
-                .with_header(header, value)
-                .map_err(|e| format!("tool connection `{name}`: {e}"))?;
+            credentials = credentials.with_header(header, value).map_err(credential)?;
         }
         Ok(credentials)
     }
@@ -211,16 +369,21 @@ impl Engine {
         &self,
         record: &ToolConnectionRecord,
         allowlist: wor_egress::HostAllowlist,
-    ) -> Result<ToolSession, String> {
-        let name = &record.name;
+    ) -> Result<ToolSession, ConnectionError> {
         let connection = wor_tools::HttpApiConnection::new(
             &record.url,
             allowlist,
             self.connection_credentials(record).await?,
         )
-        .map_err(|e| format!("tool connection `{name}`: {e}"))?;
+        .map_err(|source| ConnectionError::HttpApi {
+            connection: record.name.clone(),
+            source,
+        })?;
         let tools = http_tool_definitions(record)
-            .map_err(|e| format!("tool connection `{name}`: {e}"))?
+            .map_err(|reason| ConnectionError::InvalidStored {
+                connection: record.name.clone(),
+                reason,
+            })?
             .into_iter()
             .map(|tool| (tool.tool_definition().name, tool))
             .collect();
@@ -238,12 +401,11 @@ impl Engine {
         &self,
         record: &ToolConnectionRecord,
         allowlist: wor_egress::HostAllowlist,
-    ) -> Result<McpSession, String> {
-        let name = &record.name;
+    ) -> Result<McpSession, ConnectionError> {
         let Some(sandbox) = &self.sandbox else {
-            return Err(format!(
-                "tool connection `{name}` is a stdio MCP server, which runs only in the sandbox; this server has no sandbox"
-            ));
+            return Err(ConnectionError::NoSandbox {
+                connection: record.name.clone(),
+            });
         };
         let (spec, env) = self.local_command(record).await?;
         let command = wor_tools::StdioCommand {
@@ -259,7 +421,10 @@ impl Engine {
             McpLimits::default(),
         )
         .await
-        .map_err(|e| format!("tool connection `{name}` cannot be started: {e}"))
+        .map_err(|source| ConnectionError::Start {
+            connection: record.name.clone(),
+            source,
+        })
     }
 
     /// A local connection's (`mcp_stdio`, `wasm`) command, checked against the operator's
@@ -267,18 +432,24 @@ impl Engine {
     pub(crate) async fn local_command<'a>(
         &self,
         record: &'a ToolConnectionRecord,
-    ) -> Result<(&'a StdioSpec, Vec<(String, SecretString)>), String> {
+    ) -> Result<(&'a StdioSpec, Vec<(String, SecretString)>), ConnectionError> {
         let name = &record.name;
         let spec = record
             .command
             .as_ref()
-            .ok_or_else(|| format!("tool connection `{name}` has no command"))?;
+            .ok_or_else(|| ConnectionError::InvalidStored {
+                connection: name.clone(),
+                reason: StoredConnectionError::NoCommand,
+            })?;
         check_stdio_spec(
             spec,
             &self.config.stdio_allowed_roots,
             &self.config.protected_paths,
         )
-        .map_err(|e| format!("tool connection `{name}`: {e}"))?;
+        .map_err(|source| ConnectionError::Command {
+            connection: name.clone(),
+            source,
+        })?;
         let mut env = Vec::with_capacity(spec.env_names.len());
         for variable in &spec.env_names {
             let value = self
@@ -289,29 +460,31 @@ impl Engine {
         Ok((spec, env))
     }
 
-    async fn open_secret(&self, slot: &SecretSlot, name: &str) -> Result<SecretString, String> {
+    async fn open_secret(
+        &self,
+        slot: &SecretSlot,
+        name: &str,
+    ) -> Result<SecretString, ConnectionError> {
         self.vault
             .open(slot)
             .await
-            .map_err(|e| format!("a credential of tool connection `{name}` cannot be opened: {e}"))
+            .map_err(|source| ConnectionError::Vault {
+                connection: name.to_owned(),
+                source,
+            })
     }
 
     async fn live_tools(
         &self,
         record: &ToolConnectionRecord,
     ) -> Result<Vec<ToolDefinition>, EngineError> {
-        let session = self
-            .open_tool_session(record)
-            .await
-            .map_err(EngineError::Unreachable)?;
+        let session = self.open_tool_session(record).await?;
         let listed = session.list_tools().await;
         session.close().await;
-        listed.map_err(|e| {
-            EngineError::Unreachable(format!(
-                "the tools of tool connection `{}` cannot be listed: {e}",
-                record.name
-            ))
-        })
+        Ok(listed.map_err(|source| ConnectionError::List {
+            connection: record.name.clone(),
+            source,
+        })?)
     }
 
     /// Connects to the connection, lists its live tools, and compares them with its pins.
@@ -325,7 +498,7 @@ impl Engine {
         let diff = if record.pinned_tools.is_empty() {
             None
         } else {
-            let pins = stored_pins(&record).map_err(EngineError::Refused)?;
+            let pins = stored_pins(&record)?;
             Some(review_diff(&compare(&pins, &live)))
         };
         let tools = live
@@ -466,7 +639,7 @@ impl Engine {
         }
         let record = self.store.replace_http_tools(project, id, tools).await?;
         let live: Vec<ToolDefinition> = http_tool_definitions(&record)
-            .map_err(EngineError::Invalid)?
+            .map_err(|e| EngineError::Invalid(e.to_string()))?
             .iter()
             .map(wor_tools::HttpToolDefinition::tool_definition)
             .collect();
@@ -487,7 +660,7 @@ impl Engine {
                 quarantined: false,
             });
         }
-        let pins = stored_pins(&record).map_err(EngineError::InvalidState)?;
+        let pins = stored_pins(&record)?;
         let diff = compare(&pins, &live);
         if diff.verdict() != ToolListVerdict::Quarantine
             || record.status != ToolConnectionStatus::Enabled
@@ -564,17 +737,13 @@ impl Engine {
     }
 
     /// Whether `status` lets runs use the connection, and why not.
-    pub(crate) fn check_enabled(record: &ToolConnectionRecord) -> Result<(), String> {
-        let name = &record.name;
+    pub(crate) fn check_enabled(record: &ToolConnectionRecord) -> Result<(), ConnectionError> {
         match record.status {
             ToolConnectionStatus::Enabled => Ok(()),
-            ToolConnectionStatus::Quarantined => Err(format!(
-                "tool connection `{name}` is quarantined: its tools changed since they were pinned; an admin must review the diff and enable it again"
-            )),
-            ToolConnectionStatus::PendingReview => Err(format!(
-                "tool connection `{name}` is waiting for review; an admin must review and enable it"
-            )),
-            ToolConnectionStatus::Disabled => Err(format!("tool connection `{name}` is disabled")),
+            status => Err(ConnectionError::NotEnabled {
+                connection: record.name.clone(),
+                status,
+            }),
         }
     }
 }
@@ -591,17 +760,18 @@ pub fn check_stdio_spec(
     spec: &StdioSpec,
     allowed_roots: &[PathBuf],
     protected: &[PathBuf],
-) -> Result<(), String> {
-    let normal = |text: &str, what: &str| -> Result<PathBuf, String> {
+) -> Result<(), CommandRefusal> {
+    let normal = |text: &str, what: &'static str| -> Result<PathBuf, CommandRefusal> {
         let path = Path::new(text);
         if !path.is_absolute()
             || path
                 .components()
                 .any(|c| matches!(c, Component::ParentDir | Component::CurDir))
         {
-            return Err(format!(
-                "{what} `{text}` must be an absolute path without `.` or `..`"
-            ));
+            return Err(CommandRefusal::NotNormal {
+                what,
+                path: text.to_owned(),
+            });
         }
         Ok(path.to_path_buf())
     };
@@ -619,25 +789,22 @@ pub fn check_stdio_spec(
     program_roots.extend(allowed.iter().cloned());
     let program = normal(&spec.program, "the program")?;
     if !under(&resolve(&program), &program_roots) {
-        return Err(format!(
-            "the program `{}` is neither in the system runtime ({}) nor under a path the operator allows (`[sandbox] allowed_paths`)",
-            spec.program,
-            SYSTEM_PROGRAM_ROOTS.join(", ")
-        ));
+        return Err(CommandRefusal::ProgramOutsideRoots {
+            program: spec.program.clone(),
+        });
     }
     let protected: Vec<PathBuf> = protected.iter().map(|p| resolve(p)).collect();
     for text in &spec.read_only_paths {
         let path = normal(text, "a read-only path")?;
-        let outside = || {
-            format!(
-                "the read-only path `{text}` is not under a path the operator allows (`[sandbox] allowed_paths` in the server configuration), once links are resolved"
-            )
-        };
+        let outside = || CommandRefusal::PathOutsideRoots { path: text.clone() };
         if !under(&path, &allowed) {
             return Err(outside());
         }
-        let real = std::fs::canonicalize(&path)
-            .map_err(|e| format!("the read-only path `{text}` cannot be resolved: {e}"))?;
+        let real =
+            std::fs::canonicalize(&path).map_err(|source| CommandRefusal::PathUnresolved {
+                path: text.clone(),
+                source,
+            })?;
         if !under(&real, &allowed) {
             return Err(outside());
         }
@@ -645,9 +812,7 @@ pub fn check_stdio_spec(
             .iter()
             .any(|p| real.starts_with(p) || p.starts_with(&real))
         {
-            return Err(format!(
-                "the read-only path `{text}` overlaps the server's data directory"
-            ));
+            return Err(CommandRefusal::PathProtected { path: text.clone() });
         }
     }
     for variable in &spec.env_names {
@@ -658,9 +823,9 @@ pub fn check_stdio_spec(
                 .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')
             && !variable.starts_with(|c: char| c.is_ascii_digit());
         if !valid || variable.starts_with("LD_") {
-            return Err(format!(
-                "environment variable `{variable}` must be upper-case letters, digits and `_`, not starting with a digit or `LD_`"
-            ));
+            return Err(CommandRefusal::EnvName {
+                variable: variable.clone(),
+            });
         }
     }
     Ok(())
@@ -669,14 +834,14 @@ pub fn check_stdio_spec(
 /// The HTTP tools configured on an `http_api` connection, checked.
 pub fn http_tool_definitions(
     record: &ToolConnectionRecord,
-) -> Result<Vec<wor_tools::HttpToolDefinition>, String> {
+) -> Result<Vec<wor_tools::HttpToolDefinition>, StoredConnectionError> {
     record
         .http_tools
         .iter()
         .map(|config| {
             let config: wor_tools::HttpToolConfig = serde_json::from_value(config.clone())
-                .map_err(|e| format!("an http tool is not valid: {e}"))?;
-            wor_tools::HttpToolDefinition::new(config).map_err(|e| e.to_string())
+                .map_err(StoredConnectionError::HttpToolShape)?;
+            Ok(wor_tools::HttpToolDefinition::new(config)?)
         })
         .collect()
 }

@@ -113,7 +113,9 @@ impl Engine {
         let Some(section) = &definition.schedule else {
             return Ok(Vec::new());
         };
-        let schedule = section.compile().map_err(EngineError::Invalid)?;
+        let schedule = section
+            .compile()
+            .map_err(|e| EngineError::Invalid(e.to_string()))?;
         let from = match self.store.schedule_next_slot(project, routine).await? {
             // The stored next slot is the first one to fire (it may be due right now).
             Some(next) => next.saturating_sub(1),

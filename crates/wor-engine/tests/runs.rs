@@ -313,64 +313,87 @@ enum Reply {
     Hang,
 }
 
-impl MockModel {
-    async fn start(replies: Vec<Reply>) -> MockModel {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}/v1", listener.local_addr().unwrap());
-        let requests = Arc::new(Mutex::new(Vec::new()));
-        let queue = Arc::new(Mutex::new(VecDeque::from(replies)));
-        let seen = requests.clone();
-        tokio::spawn(async move {
-            loop {
-                let Ok((mut stream, _)) = listener.accept().await else {
+/// A loopback HTTP server that records the JSON body of each request and answers requests in
+/// turn with `respond(the next answer)`: `Some((content_type, body))` is sent, `None` (also
+/// once the answers run out) holds the request open for good.
+async fn scripted_server<A, F, Fut>(
+    answers: Vec<A>,
+    respond: F,
+) -> (std::net::SocketAddr, Arc<Mutex<Vec<Value>>>)
+where
+    A: Send + 'static,
+    F: Fn(Option<A>) -> Fut + Send + Sync + Copy + 'static,
+    Fut: std::future::Future<Output = Option<(&'static str, String)>> + Send,
+{
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let requests = Arc::new(Mutex::new(Vec::new()));
+    let answers = Arc::new(Mutex::new(VecDeque::from(answers)));
+    let seen = requests.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut stream, _)) = listener.accept().await else {
+                return;
+            };
+            let seen = seen.clone();
+            let answers = answers.clone();
+            tokio::spawn(async move {
+                let Some(body) = read_request(&mut stream).await else {
                     return;
                 };
-                let seen = seen.clone();
-                let queue = queue.clone();
-                tokio::spawn(async move {
-                    let Some(body) = read_request(&mut stream).await else {
-                        return;
-                    };
-                    seen.lock()
-                        .unwrap()
-                        .push(serde_json::from_slice(&body).unwrap_or(Value::Null));
-                    let reply = queue.lock().unwrap().pop_front().unwrap_or(Reply::Hang);
-                    let events = match reply {
-                        Reply::Hang => {
-                            tokio::time::sleep(Duration::from_secs(600)).await;
-                            return;
-                        }
-                        Reply::Text(text) => vec![
-                            json!({"choices":[{"index":0,"delta":{"role":"assistant","content":text},"finish_reason":null}]}),
-                            json!({"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}),
-                        ],
-                        Reply::ToolCall(name) => tool_call_events(name, "{}"),
-                        Reply::Held {
-                            name,
-                            arguments,
-                            arrived,
-                            release,
-                        } => {
-                            arrived.notify_one();
-                            release.notified().await;
-                            tool_call_events(name, arguments)
-                        }
-                    };
-                    let mut sse = String::new();
-                    for event in events {
-                        sse.push_str(&format!("data: {event}\n\n"));
-                    }
-                    sse.push_str("data: {\"choices\":[],\"usage\":{\"prompt_tokens\":12,\"completion_tokens\":3}}\n\ndata: [DONE]\n\n");
-                    let head = format!(
-                        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-                        sse.len()
-                    );
-                    let _ = stream.write_all(head.as_bytes()).await;
-                    let _ = stream.write_all(sse.as_bytes()).await;
-                });
+                seen.lock()
+                    .unwrap()
+                    .push(serde_json::from_slice(&body).unwrap_or(Value::Null));
+                let next = answers.lock().unwrap().pop_front();
+                let Some((content_type, body)) = respond(next).await else {
+                    tokio::time::sleep(Duration::from_secs(600)).await;
+                    return;
+                };
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                    body.len()
+                );
+                let _ = stream.write_all(head.as_bytes()).await;
+                let _ = stream.write_all(body.as_bytes()).await;
+            });
+        }
+    });
+    (addr, requests)
+}
+
+impl MockModel {
+    async fn start(replies: Vec<Reply>) -> MockModel {
+        let (addr, requests) = scripted_server(replies, |reply| async move {
+            let events = match reply? {
+                Reply::Hang => return None,
+                Reply::Text(text) => vec![
+                    json!({"choices":[{"index":0,"delta":{"role":"assistant","content":text},"finish_reason":null}]}),
+                    json!({"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}),
+                ],
+                Reply::ToolCall(name) => tool_call_events(name, "{}"),
+                Reply::Held {
+                    name,
+                    arguments,
+                    arrived,
+                    release,
+                } => {
+                    arrived.notify_one();
+                    release.notified().await;
+                    tool_call_events(name, arguments)
+                }
+            };
+            let mut sse = String::new();
+            for event in events {
+                sse.push_str(&format!("data: {event}\n\n"));
             }
-        });
-        MockModel { url, requests }
+            sse.push_str("data: {\"choices\":[],\"usage\":{\"prompt_tokens\":12,\"completion_tokens\":3}}\n\ndata: [DONE]\n\n");
+            Some(("text/event-stream", sse))
+        })
+        .await;
+        MockModel {
+            url: format!("http://{addr}/v1"),
+            requests,
+        }
     }
 
     fn request_count(&self) -> usize {
@@ -1120,39 +1143,12 @@ struct RecordingApi {
 
 impl RecordingApi {
     async fn start(answers: Vec<Option<Value>>) -> RecordingApi {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let requests = Arc::new(Mutex::new(Vec::new()));
-        let answers = Arc::new(Mutex::new(VecDeque::from(answers)));
-        let seen = requests.clone();
-        tokio::spawn(async move {
-            loop {
-                let Ok((mut stream, _)) = listener.accept().await else {
-                    return;
-                };
-                let seen = seen.clone();
-                let answers = answers.clone();
-                tokio::spawn(async move {
-                    let Some(body) = read_request(&mut stream).await else {
-                        return;
-                    };
-                    seen.lock()
-                        .unwrap()
-                        .push(serde_json::from_slice(&body).unwrap_or(Value::Null));
-                    let Some(answer) = answers.lock().unwrap().pop_front().flatten() else {
-                        tokio::time::sleep(Duration::from_secs(600)).await;
-                        return;
-                    };
-                    let body = answer.to_string();
-                    let head = format!(
-                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-                        body.len()
-                    );
-                    let _ = stream.write_all(head.as_bytes()).await;
-                    let _ = stream.write_all(body.as_bytes()).await;
-                });
-            }
-        });
+        let (addr, requests) = scripted_server(answers, |answer| async move {
+            answer
+                .flatten()
+                .map(|body| ("application/json", body.to_string()))
+        })
+        .await;
         RecordingApi { addr, requests }
     }
 

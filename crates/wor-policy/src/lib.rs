@@ -20,8 +20,8 @@ pub use depth::{MAX_EXPRESSION_DEPTH, MAX_POLICY_NESTING};
 pub use engine::{PolicyEngine, PolicyEngineBuilder};
 pub use error::{PolicyError, PolicyLocation, PolicySource};
 pub use request::{
-    BudgetUsed, DecisionRequest, DecisionRequestBuilder, ProvenanceDescription, ToolAnnotations,
-    ToolCallDescription,
+    BudgetUsed, CallDescriptionError, DecisionRequest, DecisionRequestBuilder,
+    ProvenanceDescription, ToolAnnotations, ToolCallDescription,
 };
 pub use template::{TEMPLATE_NAMES, TRUSTED_ARGUMENTS_TEMPLATE, TemplateError, fill_template};
 

@@ -252,11 +252,18 @@ fn default_mode() -> ToolMode {
     ToolMode::Auto
 }
 
+/// Why a described call is not a request policy can decide.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CallDescriptionError {
+    #[error("`{0}` is not CONNECTION/TOOL")]
+    NotConnectionTool(String),
+}
+
 impl ToolCallDescription {
     /// The request, or why `tool` is not `CONNECTION/TOOL`.
-    pub fn into_request(self) -> Result<DecisionRequest, String> {
+    pub fn into_request(self) -> Result<DecisionRequest, CallDescriptionError> {
         let Some((connection, tool)) = self.tool.split_once('/') else {
-            return Err(format!("`{}` is not CONNECTION/TOOL", self.tool));
+            return Err(CallDescriptionError::NotConnectionTool(self.tool));
         };
         let mut builder = DecisionRequest::builder(
             self.routine,

@@ -172,7 +172,11 @@ impl From<wor_engine::EngineError> for ApiError {
                     ApiError::bad_request("invalid_edit", refusal.to_string())
                 }
             },
-            wor_engine::EngineError::Unreachable(reason) => ApiError::Unavailable(reason),
+            wor_engine::EngineError::Connection(error) => (*error).into(),
+            error @ (wor_engine::EngineError::Authorization { .. }
+            | wor_engine::EngineError::RefreshInProgress { .. }) => {
+                ApiError::Unavailable(error.to_string())
+            }
             // Only a worker driving a run loses its lease; a request that meets it raced one.
             wor_engine::EngineError::LeaseLost => {
                 ApiError::Conflict("the run is being driven by another worker".to_owned())
@@ -184,6 +188,36 @@ impl From<wor_engine::EngineError> for ApiError {
                 ApiError::Internal
             }
             wor_engine::EngineError::Store(store) => store.into(),
+        }
+    }
+}
+
+impl From<wor_engine::ConnectionError> for ApiError {
+    fn from(err: wor_engine::ConnectionError) -> Self {
+        use wor_engine::ConnectionError;
+        match err {
+            // What people can change: the connection's status, the operator's rules for local
+            // programs or the server's sandbox, a credential that does not fit its header.
+            ConnectionError::NotEnabled { .. }
+            | ConnectionError::Command { .. }
+            | ConnectionError::NoSandbox { .. }
+            | ConnectionError::Credential { .. } => ApiError::Conflict(err.to_string()),
+            ConnectionError::Vault { source, .. } => source.into(),
+            ConnectionError::Authorization(error) => (*error).into(),
+            // Logged by kind only, like any stored state the engine cannot use.
+            ConnectionError::InvalidStored { .. } => {
+                tracing::error!(
+                    category = "engine",
+                    "a stored tool connection the engine cannot use"
+                );
+                ApiError::Internal
+            }
+            // The tool side: a server, an API or a component that cannot be used now.
+            ConnectionError::Connect { .. }
+            | ConnectionError::Start { .. }
+            | ConnectionError::HttpApi { .. }
+            | ConnectionError::Wasm { .. }
+            | ConnectionError::List { .. } => ApiError::Unavailable(err.to_string()),
         }
     }
 }

@@ -903,7 +903,8 @@ async fn stdio_connections_never_start_without_the_sandbox() {
     assert_eq!(status, StatusCode::CREATED, "{created}");
     assert_eq!(created["credentials"]["env:API_TOKEN"]["configured"], true);
     assert!(!created.to_string().contains("tok-stdio-0123456789abcdef"));
-    // This engine has no sandbox: reviewing (which starts the server) is refused, naming why.
+    // This engine has no sandbox: reviewing (which starts the server) is refused, naming why,
+    // as a conflict with the server's configuration, not as the tool server's failure.
     let id = created["id"].as_str().unwrap();
     let (status, body) = h
         .call(
@@ -912,7 +913,7 @@ async fn stdio_connections_never_start_without_the_sandbox() {
             None,
         )
         .await;
-    assert!(!status.is_success(), "{body}");
+    assert_eq!(status, StatusCode::CONFLICT, "{body}");
     assert!(
         body["error"]["message"]
             .as_str()

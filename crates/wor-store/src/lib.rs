@@ -20,6 +20,7 @@ mod migrations;
 mod model_connections;
 mod notifications;
 mod oauth;
+mod outbox;
 mod probe;
 mod projects;
 mod routines;

@@ -16,6 +16,7 @@ use wor_core::canonical::sha256_hex;
 use wor_core::{ApiKeyId, ApprovalId, MemberId, NotificationRouteId, ProjectId, RoutineId};
 
 use crate::console::ConsoleToken;
+use crate::outbox::Outbox;
 use crate::{AttemptOutcome, Store, StoreError, conflict_or, now_millis, parse_column};
 
 /// The vault's owner table of a route's secrets.
@@ -354,32 +355,15 @@ impl Store {
         lease_ms: i64,
         limit: u32,
     ) -> Result<Vec<NotificationDeliveryRecord>, StoreError> {
-        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "SELECT {DELIVERY_COLUMNS} FROM notification_deliveries \
-             WHERE status = 'pending' AND next_attempt_at <= $1 ORDER BY next_attempt_at, id LIMIT $2"
-        )))
-        .bind(now)
-        .bind(i64::from(limit))
-        .fetch_all(self.pool())
-        .await?;
-        let mut claimed = Vec::new();
-        for row in &rows {
-            let delivery = notification_from_row(row)?;
-            let done = sqlx::query(
-                "UPDATE notification_deliveries SET next_attempt_at = $1, updated_at = $2 \
-                 WHERE id = $3 AND status = 'pending' AND next_attempt_at = $4",
-            )
-            .bind(now.saturating_add(lease_ms))
-            .bind(now)
-            .bind(&delivery.id)
-            .bind(delivery.next_attempt_at)
-            .execute(self.pool())
-            .await?;
-            if done.rows_affected() == 1 {
-                claimed.push(delivery);
-            }
-        }
-        Ok(claimed)
+        self.claim_due(
+            Outbox::Notifications,
+            DELIVERY_COLUMNS,
+            notification_from_row,
+            now,
+            lease_ms,
+            limit,
+        )
+        .await
     }
 
     /// Records one attempt of a claimed notification.
@@ -388,39 +372,8 @@ impl Store {
         id: &str,
         outcome: &AttemptOutcome,
     ) -> Result<(), StoreError> {
-        let now = now_millis();
-        let (status, code, error, next) = match outcome {
-            AttemptOutcome::Delivered { status_code } => {
-                ("delivered", Some(i64::from(*status_code)), None, now)
-            }
-            AttemptOutcome::Failed {
-                status_code,
-                error,
-                retry_at,
-            } => (
-                if retry_at.is_some() {
-                    "pending"
-                } else {
-                    "failed"
-                },
-                status_code.map(i64::from),
-                Some(error.as_str()),
-                retry_at.unwrap_or(now),
-            ),
-        };
-        sqlx::query(
-            "UPDATE notification_deliveries SET status = $1, attempts = attempts + 1, \
-             last_status_code = $2, last_error = $3, next_attempt_at = $4, updated_at = $5 WHERE id = $6",
-        )
-        .bind(status)
-        .bind(code)
-        .bind(error)
-        .bind(next)
-        .bind(now)
-        .bind(id)
-        .execute(self.pool())
-        .await?;
-        Ok(())
+        self.record_attempt(Outbox::Notifications, id, outcome)
+            .await
     }
 
     pub async fn list_notification_deliveries(

@@ -9,6 +9,7 @@ use sqlx::Row;
 use wor_core::schedule::ScheduleSection;
 use wor_core::{ProjectId, RoutineId, RunId};
 
+use crate::outbox::Outbox;
 use crate::{ScheduleAdvance, Store, StoreError, now_millis, parse_column};
 
 /// A scheduled routine whose next slot is due.
@@ -112,7 +113,7 @@ pub(crate) async fn sync_schedule(
     }
     let next = schedule
         .compile()
-        .map_err(StoreError::Corrupt)?
+        .map_err(|e| StoreError::Corrupt(e.to_string()))?
         .next_after(now);
     sqlx::query("DELETE FROM routine_schedules WHERE routine_id = $1")
         .bind(routine.to_string())
@@ -255,32 +256,15 @@ impl Store {
         lease_ms: i64,
         limit: u32,
     ) -> Result<Vec<DeliveryRecord>, StoreError> {
-        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "SELECT {DELIVERY_COLUMNS} FROM webhook_deliveries \
-             WHERE status = 'pending' AND next_attempt_at <= $1 ORDER BY next_attempt_at LIMIT $2"
-        )))
-        .bind(now)
-        .bind(i64::from(limit))
-        .fetch_all(self.pool())
-        .await?;
-        let mut claimed = Vec::new();
-        for row in &rows {
-            let delivery = delivery_from_row(row)?;
-            let done = sqlx::query(
-                "UPDATE webhook_deliveries SET next_attempt_at = $1, updated_at = $2 \
-                 WHERE id = $3 AND status = 'pending' AND next_attempt_at = $4",
-            )
-            .bind(now + lease_ms)
-            .bind(now)
-            .bind(&delivery.id)
-            .bind(delivery.next_attempt_at)
-            .execute(self.pool())
-            .await?;
-            if done.rows_affected() == 1 {
-                claimed.push(delivery);
-            }
-        }
-        Ok(claimed)
+        self.claim_due(
+            Outbox::Webhooks,
+            DELIVERY_COLUMNS,
+            delivery_from_row,
+            now,
+            lease_ms,
+            limit,
+        )
+        .await
     }
 
     /// Records one attempt of a claimed delivery.
@@ -289,39 +273,7 @@ impl Store {
         id: &str,
         outcome: &AttemptOutcome,
     ) -> Result<(), StoreError> {
-        let now = now_millis();
-        let (status, code, error, next) = match outcome {
-            AttemptOutcome::Delivered { status_code } => {
-                ("delivered", Some(i64::from(*status_code)), None, now)
-            }
-            AttemptOutcome::Failed {
-                status_code,
-                error,
-                retry_at,
-            } => (
-                if retry_at.is_some() {
-                    "pending"
-                } else {
-                    "failed"
-                },
-                status_code.map(i64::from),
-                Some(error.as_str()),
-                retry_at.unwrap_or(now),
-            ),
-        };
-        sqlx::query(
-            "UPDATE webhook_deliveries SET status = $1, attempts = attempts + 1, last_status_code = $2, \
-             last_error = $3, next_attempt_at = $4, updated_at = $5 WHERE id = $6",
-        )
-        .bind(status)
-        .bind(code)
-        .bind(error)
-        .bind(next)
-        .bind(now)
-        .bind(id)
-        .execute(self.pool())
-        .await?;
-        Ok(())
+        self.record_attempt(Outbox::Webhooks, id, outcome).await
     }
 
     pub async fn list_deliveries(

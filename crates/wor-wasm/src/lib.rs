@@ -12,6 +12,7 @@
 //!
 //! INVARIANT: nothing a component does reaches the network except through [`EgressClient`].
 
+mod host;
 mod http;
 pub mod metrics;
 #[cfg(feature = "testing")]
@@ -41,6 +42,7 @@ mod bindings {
 }
 
 use bindings::ToolPre;
+pub use host::{HostedTool, MAX_COMPONENT_BYTES, WasmHost};
 
 /// How often the epoch advances: the resolution of the wall-time deadline.
 const EPOCH_TICK: Duration = Duration::from_millis(10);
@@ -87,6 +89,26 @@ pub struct WasmGrants {
     pub allowlist: Option<HostAllowlist>,
 }
 
+impl WasmGrants {
+    /// Each declared directory at its real path, seen by the guest under the path declared,
+    /// so a link swapped in after this check is not followed.
+    pub fn resolve_read_only_dirs(
+        declared: &[String],
+    ) -> Result<Vec<(PathBuf, String)>, WasmError> {
+        declared
+            .iter()
+            .map(|path| {
+                std::fs::canonicalize(path)
+                    .map(|real| (real, path.clone()))
+                    .map_err(|source| WasmError::Directory {
+                        path: path.clone(),
+                        source,
+                    })
+            })
+            .collect()
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum WasmError {
     #[error("the Wasm runtime cannot be set up: {0}")]
@@ -111,6 +133,20 @@ pub enum WasmError {
         #[source]
         source: std::io::Error,
     },
+    #[error("the component at {path} is not a regular file")]
+    NotAFile { path: PathBuf },
+    #[error("the component at {path} is larger than {limit} bytes")]
+    TooLarge { path: PathBuf, limit: u64 },
+    /// A declared read-only directory that cannot be resolved to a real path.
+    #[error("`{path}` cannot be resolved: {source}")]
+    Directory {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The host's state was left half-changed by a panic elsewhere.
+    #[error("the Wasm runtime is unusable")]
+    Unusable,
 }
 
 /// The engine every Wasm tool of the process runs on: one pooling allocator, one epoch

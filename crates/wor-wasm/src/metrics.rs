@@ -20,7 +20,7 @@ pub fn describe() {
 /// The kind of a failure: a fixed word.
 pub fn reason(error: &WasmError) -> &'static str {
     match error {
-        WasmError::Setup(_) => "setup",
+        WasmError::Setup(_) | WasmError::Unusable => "setup",
         WasmError::Component(_) => "component",
         WasmError::Instantiate(_) => "instantiate",
         WasmError::OutOfFuel(_) => "out_of_fuel",
@@ -28,7 +28,10 @@ pub fn reason(error: &WasmError) -> &'static str {
         WasmError::MemoryLimit(_) => "memory_limit",
         WasmError::Trap(_) => "trap",
         WasmError::ToolList(_) => "tool_list",
-        WasmError::Read { .. } => "read",
+        WasmError::Read { .. }
+        | WasmError::NotAFile { .. }
+        | WasmError::TooLarge { .. }
+        | WasmError::Directory { .. } => "read",
     }
 }
 

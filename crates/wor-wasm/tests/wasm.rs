@@ -17,7 +17,9 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use wor_egress::testing::loopback_egress;
 use wor_egress::{EgressClient, EgressLimits, EgressPolicy, HostAllowlist, StaticResolver};
-use wor_wasm::{WasmError, WasmGrants, WasmLimits, WasmRuntime, WasmTool};
+use wor_wasm::{
+    MAX_COMPONENT_BYTES, WasmError, WasmGrants, WasmHost, WasmLimits, WasmRuntime, WasmTool,
+};
 
 fn probe_path() -> PathBuf {
     wor_wasm::testing::probe_component()
@@ -288,6 +290,81 @@ async fn what_is_not_a_tool_component_is_refused_when_loaded() {
         .load_file(std::path::Path::new("/nonexistent/tool.wasm"))
         .unwrap_err();
     assert!(matches!(missing, WasmError::Read { .. }), "{missing}");
+}
+
+#[tokio::test]
+async fn the_host_names_a_component_by_the_digest_of_its_file_and_refuses_what_is_not_one() {
+    let host = WasmHost::<u32>::default();
+    let first = host
+        .open(1, &probe_path(), WasmGrants::default(), loopback_egress())
+        .await
+        .unwrap();
+    assert_eq!(first.digest.len(), 64, "{}", first.digest);
+    // The same bytes elsewhere are the same component, for any owner.
+    let dir = tempfile::tempdir().unwrap();
+    let copy = dir.path().join("copy.wasm");
+    std::fs::copy(probe_path(), &copy).unwrap();
+    let same = host
+        .open(2, &copy, WasmGrants::default(), loopback_egress())
+        .await
+        .unwrap();
+    assert_eq!(same.digest, first.digest);
+    // One byte of difference (a custom section appended) is another digest, and it runs.
+    let mut bytes = std::fs::read(probe_path()).unwrap();
+    bytes.extend_from_slice(&[0x00, 0x05, 0x04, b'n', b'o', b't', b'e']);
+    let changed = dir.path().join("changed.wasm");
+    std::fs::write(&changed, &bytes).unwrap();
+    let other = host
+        .open(1, &changed, WasmGrants::default(), loopback_egress())
+        .await
+        .unwrap();
+    assert_ne!(other.digest, first.digest);
+    assert!(!other.tool.list_tools().await.unwrap().is_empty());
+
+    let error = host
+        .open(1, dir.path(), WasmGrants::default(), loopback_egress())
+        .await
+        .unwrap_err();
+    assert!(matches!(error, WasmError::NotAFile { .. }), "{error}");
+    let missing = host
+        .open(
+            1,
+            &dir.path().join("missing.wasm"),
+            WasmGrants::default(),
+            loopback_egress(),
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(missing, WasmError::Read { .. }), "{missing}");
+    let large = dir.path().join("large.wasm");
+    std::fs::File::create(&large)
+        .unwrap()
+        .set_len(MAX_COMPONENT_BYTES + 1)
+        .unwrap();
+    let error = host
+        .open(1, &large, WasmGrants::default(), loopback_egress())
+        .await
+        .unwrap_err();
+    assert!(matches!(error, WasmError::TooLarge { .. }), "{error}");
+    let error = host
+        .open(1, &copy, WasmGrants::default(), loopback_egress())
+        .await
+        .map(drop);
+    assert!(error.is_ok(), "a refusal leaves the host usable");
+}
+
+#[test]
+fn declared_directories_are_seen_at_their_real_path_and_a_missing_one_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let declared = dir.path().to_str().unwrap().to_owned();
+    let resolved = WasmGrants::resolve_read_only_dirs(std::slice::from_ref(&declared)).unwrap();
+    assert_eq!(
+        resolved,
+        [(std::fs::canonicalize(dir.path()).unwrap(), declared.clone())]
+    );
+    let missing = format!("{declared}/missing");
+    let error = WasmGrants::resolve_read_only_dirs(&[missing]).unwrap_err();
+    assert!(matches!(error, WasmError::Directory { .. }), "{error}");
 }
 
 #[tokio::test]

@@ -1,0 +1,113 @@
+//! The two outboxes, run webhooks (`webhook_deliveries`) and approval notifications
+//! (`notification_deliveries`): the same columns for when an item is due and how its attempts
+//! went, so one claim and one record of an attempt serve both.
+
+use sqlx::Row;
+use sqlx::any::AnyRow;
+
+use crate::{AttemptOutcome, Store, StoreError, now_millis};
+
+/// Which outbox.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Outbox {
+    Webhooks,
+    Notifications,
+}
+
+impl Outbox {
+    fn table(self) -> &'static str {
+        match self {
+            Outbox::Webhooks => "webhook_deliveries",
+            Outbox::Notifications => "notification_deliveries",
+        }
+    }
+}
+
+impl Store {
+    /// Claims up to `limit` pending items of `outbox` due at `now` for `lease_ms`, each read
+    /// as `columns` by `from_row`: each is returned to exactly one caller until its lease runs
+    /// out (an item is taken only if it is still due at the time it was read as).
+    pub(crate) async fn claim_due<T>(
+        &self,
+        outbox: Outbox,
+        columns: &str,
+        from_row: fn(&AnyRow) -> Result<T, StoreError>,
+        now: i64,
+        lease_ms: i64,
+        limit: u32,
+    ) -> Result<Vec<T>, StoreError> {
+        let table = outbox.table();
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {columns} FROM {table} WHERE status = 'pending' AND next_attempt_at <= $1 \
+             ORDER BY next_attempt_at, id LIMIT $2"
+        )))
+        .bind(now)
+        .bind(i64::from(limit))
+        .fetch_all(self.pool())
+        .await?;
+        let mut claimed = Vec::new();
+        for row in &rows {
+            let id: String = row.try_get("id")?;
+            let due: i64 = row.try_get("next_attempt_at")?;
+            let item = from_row(row)?;
+            let done = sqlx::query(sqlx::AssertSqlSafe(format!(
+                "UPDATE {table} SET next_attempt_at = $1, updated_at = $2 \
+                 WHERE id = $3 AND status = 'pending' AND next_attempt_at = $4"
+            )))
+            .bind(now.saturating_add(lease_ms))
+            .bind(now)
+            .bind(id)
+            .bind(due)
+            .execute(self.pool())
+            .await?;
+            if done.rows_affected() == 1 {
+                claimed.push(item);
+            }
+        }
+        Ok(claimed)
+    }
+
+    /// Records one attempt of a claimed item of `outbox`: delivered, to be retried at a time,
+    /// or failed for good.
+    pub(crate) async fn record_attempt(
+        &self,
+        outbox: Outbox,
+        id: &str,
+        outcome: &AttemptOutcome,
+    ) -> Result<(), StoreError> {
+        let now = now_millis();
+        let (status, code, error, next) = match outcome {
+            AttemptOutcome::Delivered { status_code } => {
+                ("delivered", Some(i64::from(*status_code)), None, now)
+            }
+            AttemptOutcome::Failed {
+                status_code,
+                error,
+                retry_at,
+            } => (
+                if retry_at.is_some() {
+                    "pending"
+                } else {
+                    "failed"
+                },
+                status_code.map(i64::from),
+                Some(error.as_str()),
+                retry_at.unwrap_or(now),
+            ),
+        };
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE {} SET status = $1, attempts = attempts + 1, last_status_code = $2, \
+             last_error = $3, next_attempt_at = $4, updated_at = $5 WHERE id = $6",
+            outbox.table()
+        )))
+        .bind(status)
+        .bind(code)
+        .bind(error)
+        .bind(next)
+        .bind(now)
+        .bind(id)
+        .execute(self.pool())
+        .await?;
+        Ok(())
+    }
+}
