@@ -93,7 +93,11 @@ pub(crate) fn run_claimed(run: &RunRecord, claim_began_ms: i64) {
         return;
     }
     counter!(RUNS_STARTED, "trigger" => run.trigger_kind.as_str()).increment(1);
-    histogram!(RUN_QUEUE_LAG).record(seconds_between(run.created_at, started));
+    // A run recorded ahead of its slot waits from the slot, not from when it was recorded.
+    let queued = run
+        .not_before
+        .map_or(run.created_at, |at| at.max(run.created_at));
+    histogram!(RUN_QUEUE_LAG).record(seconds_between(queued, started));
 }
 
 /// The limit that ended a `budget_exceeded` run, as the run loop typed it; `other` for an

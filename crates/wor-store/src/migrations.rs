@@ -203,6 +203,12 @@ const MIGRATIONS: &[SchemaMigration] = &[
         sqlite: include_str!("../migrations/0034_oauth_refresh_claims.sql"),
         postgres: include_str!("../migrations/0034_oauth_refresh_claims.sql"),
     },
+    SchemaMigration {
+        version: 37,
+        description: "scheduled runs recorded ahead of their slot",
+        sqlite: include_str!("../migrations/0037_run_not_before.sql"),
+        postgres: include_str!("../migrations/0037_run_not_before.sql"),
+    },
 ];
 
 /// The newest migration of this release.
