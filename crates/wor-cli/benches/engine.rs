@@ -627,6 +627,7 @@ async fn figure_parked(backend: &str, base: &Option<String>) {
     let empty_start = start_latency(api.clone(), routine.clone()).await;
     wait_parked(api.clone(), 30).await;
     let rss_before = server.rss_kib();
+    let data_before = server.data_kib();
     let next = Arc::new(AtomicUsize::new(0));
     let starters: Vec<_> = (0..16)
         .map(|_| {
@@ -647,14 +648,16 @@ async fn figure_parked(backend: &str, base: &Option<String>) {
     }
     let waiting = wait_parked(api.clone(), parked + 30).await;
     let rss_after = server.rss_kib();
+    let data_after = server.data_kib();
     let full_start = start_latency(api.clone(), routine.clone()).await;
     println!(
         "{backend:<8} parked      {waiting} runs waiting for approval: server memory {:.2} KB \
          per parked run (RSS {rss_before} → {rss_after} KiB) | start with 30 parked p50={:.1}ms, \
-         with {waiting} parked p50={:.1}ms",
+         with {waiting} parked p50={:.1}ms | data dir {:.2} KB per parked run",
         (rss_after.saturating_sub(rss_before)) as f64 * 1.024 / parked as f64,
         ms(empty_start),
         ms(full_start),
+        (data_after.saturating_sub(data_before)) as f64 * 1.024 / parked as f64,
     );
 }
 

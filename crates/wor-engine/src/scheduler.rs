@@ -51,8 +51,9 @@ struct Firing {
     project: ProjectId,
     version: Arc<RoutineVersionRecord>,
     admission: Admission,
-    /// For a run recorded ahead of its slot: the slot plus its jitter, before which no
-    /// worker claims it.
+    /// When the slot is due: its time plus its jitter.
+    due_at: i64,
+    /// For a run recorded ahead of its slot: `due_at`, before which no worker claims it.
     not_before: Option<i64>,
 }
 
@@ -135,6 +136,7 @@ impl Engine {
             .collect();
         let mut release = None::<i64>;
         let started = self.store.start_scheduled(starts, &advances).await?;
+        let recorded = wor_store::now_millis();
         let mut entries = Vec::new();
         for (firing, id) in firings.into_iter().zip(started) {
             let Some(id) = id else {
@@ -146,8 +148,10 @@ impl Engine {
                 project,
                 version,
                 admission,
+                due_at,
                 not_before,
             } = firing;
+            crate::metrics::slot_started(due_at, recorded);
             if let Some(at) = not_before {
                 release = Some(release.map_or(at, |r| r.min(at)));
             }
@@ -233,16 +237,16 @@ impl Engine {
                 plan.next_slot = compiled.next_after(slot);
             }
         }
-        let slots: Vec<(i64, Option<i64>)> = plan
+        // Each slot with when it is due, and whether it is recorded ahead of that.
+        let slots: Vec<(i64, i64, bool)> = plan
             .fire
             .iter()
-            .map(|slot| (*slot, None))
-            .chain(ahead.iter().map(|slot| {
-                (
-                    *slot,
-                    Some(slot.saturating_add(compiled.jitter_of(&routine, *slot))),
-                )
-            }))
+            .map(|slot| (*slot, false))
+            .chain(ahead.iter().map(|slot| (*slot, true)))
+            .map(|(slot, ahead)| {
+                let due_at = slot.saturating_add(compiled.jitter_of(&routine, slot));
+                (slot, due_at, ahead)
+            })
             .collect();
         if !slots.is_empty() {
             let redactor = match redactors.entry(schedule.project_id) {
@@ -252,7 +256,7 @@ impl Engine {
                 }
             };
             let mut active = page.active;
-            for (slot, not_before) in slots {
+            for (slot, due_at, ahead) in slots {
                 let request = StartRun {
                     project: schedule.project_id,
                     routine: schedule.routine_id,
@@ -282,7 +286,8 @@ impl Engine {
                             project: schedule.project_id,
                             version: version.clone(),
                             admission,
-                            not_before,
+                            due_at,
+                            not_before: ahead.then_some(due_at),
                         });
                     }
                     Err(error) => {

@@ -373,6 +373,68 @@ async fn a_run_recorded_ahead_is_claimed_once_its_slot_comes() {
     }
 }
 
+/// Each slot's lag is recorded: from its time to its run's being recorded, 0 for a run
+/// recorded ahead of its slot.
+#[test]
+fn the_lag_of_each_slot_is_a_metric() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    metrics::with_local_recorder(&recorder, || {
+        runtime.block_on(async {
+            let h = Harness::new().await;
+            // `skip` is started at its slot, never ahead: its two slots are 1.5 s and 0.5 s
+            // late when the pass comes.
+            let late = h
+                .apply_named(
+                    "late",
+                    "overlap = \"skip\"\n[schedule]\ncron = \"* * * * * *\"",
+                )
+                .await;
+            let first = h.next_slot(late).await.unwrap();
+            let wait = first + 1_500 - wor_store::now_millis();
+            tokio::time::sleep(std::time::Duration::from_millis(
+                u64::try_from(wait).unwrap_or(0),
+            ))
+            .await;
+            let report = h
+                .engine()
+                .schedule_tick(wor_store::now_millis())
+                .await
+                .unwrap();
+            assert_eq!(report.started, 2, "{report:?}");
+            // A yearly `queue` routine (of another database) is recorded ahead: no lag.
+            let other = Harness::new().await;
+            let ahead = other
+                .apply_named("ahead", "[schedule]\ncron = \"0 0 1 1 *\"")
+                .await;
+            let slot = other.next_slot(ahead).await.unwrap();
+            let report = other.engine().schedule_tick(slot - 1_000).await.unwrap();
+            assert_eq!(report.started, 1, "{report:?}");
+        });
+    });
+    let mut lags: Vec<f64> = snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .filter(|(key, _, _, _)| key.key().name() == "wor_schedule_lag_seconds")
+        .flat_map(|(_, _, _, value)| match value {
+            DebugValue::Histogram(values) => values.into_iter().map(|v| v.into_inner()),
+            other => panic!("a histogram: {other:?}"),
+        })
+        .collect();
+    lags.sort_by(f64::total_cmp);
+    assert_eq!(lags.len(), 3, "{lags:?}");
+    assert!(lags[0] == 0.0, "{lags:?}");
+    assert!((0.5..5.0).contains(&lags[1]), "{lags:?}");
+    assert!((1.5..6.0).contains(&lags[2]), "{lags:?}");
+}
+
 #[tokio::test]
 async fn missed_slots_are_caught_up_as_the_routine_says() {
     for (policy, expected_missed) in [("skip", 0), ("one", 1), ("all", 5)] {
