@@ -134,7 +134,9 @@ impl Engine {
                 not_before: f.not_before,
             })
             .collect();
+        // When the runs recorded ahead become claimable, and whether any is claimable now.
         let mut release = None::<i64>;
+        let mut claimable_now = false;
         let started = self.store.start_scheduled(starts, &advances).await?;
         let recorded = wor_store::now_millis();
         let mut entries = Vec::new();
@@ -152,8 +154,9 @@ impl Engine {
                 not_before,
             } = firing;
             crate::metrics::slot_started(due_at, recorded);
-            if let Some(at) = not_before {
-                release = Some(release.map_or(at, |r| r.min(at)));
+            match not_before {
+                Some(at) => release = Some(release.map_or(at, |r| r.min(at))),
+                None => claimable_now = true,
             }
             tracing::info!(category = "run", action = "run.start", project_id = %project,
                 run_id = %id, routine_id = %admission.run.routine_id, version = version.version,
@@ -163,7 +166,7 @@ impl Engine {
         // The start entries go to the audit writer together, which commits them in as few
         // transactions as its batch allows.
         self.audit.append_all(entries).await?;
-        if report.started > 0 {
+        if claimable_now {
             self.wake_workers();
         }
         // Runs recorded ahead become claimable at their slot: the pool looks then rather than
