@@ -16,7 +16,9 @@
 //! once against 32 direct callers; `trivial` — runs of one model turn per second with 1, 8
 //! and 32 concurrent starters, and enqueue → start; `cron` — routines whose schedule fires in
 //! the same minute, dispatch lag (a run recorded ahead of its slot counts as dispatched at the
-//! slot, when it becomes claimable) against inserting as many rows in one transaction; `parked` —
+//! slot, when it becomes claimable) against inserting as many rows in one transaction
+//! (`WOR_BENCH_CRON_OVERLAP=skip` gives the routines an overlap policy whose slots start at
+//! their time, never ahead); `parked` —
 //! server memory per run waiting for approval, and starting a run with none and with many
 //! parked.
 #![allow(
@@ -437,6 +439,14 @@ async fn figure_trivial(backend: &str, base: &Option<String>) {
 
 async fn figure_cron(backend: &str, base: &Option<String>) {
     let count = env_number("WOR_BENCH_CRON_ROUTINES", 10_000);
+    // `skip` (never full here: each routine allows 1,000 runs) makes every slot start at its
+    // time, as before runs were recorded ahead of their slot; `queue` (the default) lets the
+    // scheduler record them ahead.
+    let overlap = std::env::var("WOR_BENCH_CRON_OVERLAP").unwrap_or_else(|_| "queue".to_owned());
+    assert!(
+        overlap == "queue" || overlap == "skip",
+        "WOR_BENCH_CRON_OVERLAP is queue or skip"
+    );
     // Baseline: as many rows inserted in one transaction, on the same kind of database.
     let baseline = {
         sqlx::any::install_default_drivers();
@@ -482,7 +492,7 @@ async fn figure_cron(backend: &str, base: &Option<String>) {
     let next = Arc::new(AtomicUsize::new(0));
     let appliers: Vec<_> = (0..8)
         .map(|_| {
-            let (api, next) = (api.clone(), next.clone());
+            let (api, next, overlap) = (api.clone(), next.clone(), overlap.clone());
             tokio::spawn(async move {
                 loop {
                     let i = next.fetch_add(1, Ordering::SeqCst);
@@ -490,7 +500,7 @@ async fn figure_cron(backend: &str, base: &Option<String>) {
                         return;
                     }
                     api.apply(&format!(
-                        "{}\n[schedule]\ncron = \"* * * * *\"\n",
+                        "{}overlap = \"{overlap}\"\n[schedule]\ncron = \"* * * * *\"\n",
                         TRIVIAL.replace("name = \"trivial\"", &format!("name = \"cron-{i}\""))
                     ))
                     .await;
@@ -561,7 +571,7 @@ async fn figure_cron(backend: &str, base: &Option<String>) {
     let early = started.iter().filter(|ms| **ms < 0).count();
     assert_eq!(early, 0, "{early} runs of the slot started before it");
     println!(
-        "{backend:<8} cron        {count} routines due in one slot: baseline {count} inserts in \
+        "{backend:<8} cron        {count} routines (overlap {overlap}) due in one slot: baseline {count} inserts in \
          one transaction {:.0}ms | dispatched {}/{count}, p50={:.0}ms p99={:.0}ms, {within_1s} \
          within 1 s; {ahead} recorded ahead, from {earliest}ms to {latest:+}ms of the slot; first \
          claimed at {:+}ms, none before the slot (applying them took {:.1}s, the last {}s \
