@@ -15,7 +15,10 @@
 //! discards) against the same server without them, alternating in one run; `throughput` — tool calls per second with 32 runs at
 //! once against 32 direct callers; `trivial` — runs of one model turn per second with 1, 8
 //! and 32 concurrent starters, and enqueue → start; `cron` — routines whose schedule fires in
-//! the same minute, dispatch lag against inserting as many rows in one transaction; `parked` —
+//! the same minute, dispatch lag (a run recorded ahead of its slot counts as dispatched at the
+//! slot, when it becomes claimable) against inserting as many rows in one transaction
+//! (`WOR_BENCH_CRON_OVERLAP=skip` gives the routines an overlap policy whose slots start at
+//! their time, never ahead); `parked` —
 //! server memory per run waiting for approval, and starting a run with none and with many
 //! parked.
 #![allow(
@@ -436,6 +439,14 @@ async fn figure_trivial(backend: &str, base: &Option<String>) {
 
 async fn figure_cron(backend: &str, base: &Option<String>) {
     let count = env_number("WOR_BENCH_CRON_ROUTINES", 10_000);
+    // `skip` (never full here: each routine allows 1,000 runs) makes every slot start at its
+    // time, as before runs were recorded ahead of their slot; `queue` (the default) lets the
+    // scheduler record them ahead.
+    let overlap = std::env::var("WOR_BENCH_CRON_OVERLAP").unwrap_or_else(|_| "queue".to_owned());
+    assert!(
+        overlap == "queue" || overlap == "skip",
+        "WOR_BENCH_CRON_OVERLAP is queue or skip"
+    );
     // Baseline: as many rows inserted in one transaction, on the same kind of database.
     let baseline = {
         sqlx::any::install_default_drivers();
@@ -481,7 +492,7 @@ async fn figure_cron(backend: &str, base: &Option<String>) {
     let next = Arc::new(AtomicUsize::new(0));
     let appliers: Vec<_> = (0..8)
         .map(|_| {
-            let (api, next) = (api.clone(), next.clone());
+            let (api, next, overlap) = (api.clone(), next.clone(), overlap.clone());
             tokio::spawn(async move {
                 loop {
                     let i = next.fetch_add(1, Ordering::SeqCst);
@@ -489,7 +500,7 @@ async fn figure_cron(backend: &str, base: &Option<String>) {
                         return;
                     }
                     api.apply(&format!(
-                        "{}\n[schedule]\ncron = \"* * * * *\"\n",
+                        "{}overlap = \"{overlap}\"\n[schedule]\ncron = \"* * * * *\"\n",
                         TRIVIAL.replace("name = \"trivial\"", &format!("name = \"cron-{i}\""))
                     ))
                     .await;
@@ -510,8 +521,11 @@ async fn figure_cron(backend: &str, base: &Option<String>) {
         .saturating_add(1)
         * 60;
     let slot_at = chrono::DateTime::from_timestamp(slot, 0).unwrap();
+    // Only the runs of this slot: a run of the next minute's slot (or, recorded ahead, of the
+    // one after) is not one of them.
+    let key = format!("slot:{}", slot * 1000);
     let deadline = Instant::now() + Duration::from_secs(180);
-    let mut created: Vec<chrono::DateTime<chrono::FixedOffset>> = Vec::new();
+    let mut runs: Vec<serde_json::Value> = Vec::new();
     while Instant::now() < deadline {
         tokio::time::sleep(Duration::from_secs(2)).await;
         if chrono::Utc::now() < slot_at + chrono::Duration::seconds(2) {
@@ -521,34 +535,54 @@ async fn figure_cron(backend: &str, base: &Option<String>) {
         for status in ["queued", "running", "succeeded", "failed"] {
             all.extend(api.runs_with_status(status).await);
         }
-        created = all
-            .iter()
-            .filter(|r| r["trigger"] == "schedule")
-            .filter_map(|r| chrono::DateTime::parse_from_rfc3339(r["created_at"].as_str()?).ok())
-            .filter(|t| t.timestamp() >= slot)
+        runs = all
+            .into_iter()
+            .filter(|r| r["trigger"] == "schedule" && r["trigger_key"] == key.as_str())
             .collect();
-        if created.len() >= count || chrono::Utc::now() > slot_at + chrono::Duration::seconds(60) {
+        if runs.len() >= count || chrono::Utc::now() > slot_at + chrono::Duration::seconds(60) {
             break;
         }
     }
-    let mut lags: Vec<Duration> = created
+    let at = |run: &serde_json::Value, field: &str| {
+        run[field]
+            .as_str()
+            .and_then(|t| chrono::DateTime::parse_from_rfc3339(t).ok())
+            .map(|t| (t - slot_at.fixed_offset()).num_milliseconds())
+    };
+    // When each run was recorded, from the slot (negative: ahead of it). A run recorded ahead
+    // is claimable from its slot on, so it counts as dispatched at the slot.
+    let recorded: Vec<i64> = runs.iter().filter_map(|r| at(r, "created_at")).collect();
+    let ahead = recorded.iter().filter(|ms| **ms < 0).count();
+    let (earliest, latest) = (
+        recorded.iter().copied().min().unwrap_or(0),
+        recorded.iter().copied().max().unwrap_or(0),
+    );
+    let mut lags: Vec<Duration> = recorded
         .iter()
-        .filter_map(|t| (*t - slot_at.fixed_offset()).to_std().ok())
+        .map(|ms| Duration::from_millis(u64::try_from(*ms).unwrap_or(0)))
         .collect();
     lags.sort();
     let within_1s = lags
         .iter()
         .filter(|l| **l <= Duration::from_secs(1))
         .count();
+    // No run of the slot may start before it.
+    let started: Vec<i64> = runs.iter().filter_map(|r| at(r, "started_at")).collect();
+    let early = started.iter().filter(|ms| **ms < 0).count();
+    assert_eq!(early, 0, "{early} runs of the slot started before it");
     println!(
-        "{backend:<8} cron        {count} routines due in one slot: baseline {count} inserts in \
+        "{backend:<8} cron        {count} routines (overlap {overlap}) due in one slot: baseline {count} inserts in \
          one transaction {:.0}ms | dispatched {}/{count}, p50={:.0}ms p99={:.0}ms, {within_1s} \
-         within 1 s (applying them took {:.1}s)",
+         within 1 s; {ahead} recorded ahead, from {earliest}ms to {latest:+}ms of the slot; first \
+         claimed at {:+}ms, none before the slot (applying them took {:.1}s, the last {}s \
+         before the slot)",
         ms(baseline),
         lags.len(),
         ms(percentile(&lags, 0.5)),
         ms(percentile(&lags, 0.99)),
+        started.iter().copied().min().unwrap_or(0),
         apply_took.as_secs_f64(),
+        slot - now.timestamp(),
     );
 }
 
@@ -603,6 +637,7 @@ async fn figure_parked(backend: &str, base: &Option<String>) {
     let empty_start = start_latency(api.clone(), routine.clone()).await;
     wait_parked(api.clone(), 30).await;
     let rss_before = server.rss_kib();
+    let data_before = server.data_kib();
     let next = Arc::new(AtomicUsize::new(0));
     let starters: Vec<_> = (0..16)
         .map(|_| {
@@ -623,14 +658,16 @@ async fn figure_parked(backend: &str, base: &Option<String>) {
     }
     let waiting = wait_parked(api.clone(), parked + 30).await;
     let rss_after = server.rss_kib();
+    let data_after = server.data_kib();
     let full_start = start_latency(api.clone(), routine.clone()).await;
     println!(
         "{backend:<8} parked      {waiting} runs waiting for approval: server memory {:.2} KB \
          per parked run (RSS {rss_before} → {rss_after} KiB) | start with 30 parked p50={:.1}ms, \
-         with {waiting} parked p50={:.1}ms",
+         with {waiting} parked p50={:.1}ms | data dir {:.2} KB per parked run",
         (rss_after.saturating_sub(rss_before)) as f64 * 1.024 / parked as f64,
         ms(empty_start),
         ms(full_start),
+        (data_after.saturating_sub(data_before)) as f64 * 1.024 / parked as f64,
     );
 }
 

@@ -172,7 +172,8 @@ fn start_receiver() -> (String, Received) {
 }
 
 /// The schedule slots (Unix ms) of the routine's runs, with each run's status and creation.
-fn scheduled_runs(server: &Server, key: &str) -> Vec<(i64, String, String)> {
+/// Each scheduled run's slot, status, and when it was recorded and claimed (Unix ms).
+fn scheduled_runs(server: &Server, key: &str) -> Vec<(i64, String, i64, Option<i64>)> {
     let out = server.client(key, &["run", "list", "--limit", "200", "--json"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let runs: Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -187,10 +188,18 @@ fn scheduled_runs(server: &Server, key: &str) -> Vec<(i64, String, String)> {
                 .unwrap()
                 .parse()
                 .unwrap();
+            let millis = |field: &str| {
+                r[field].as_str().map(|t| {
+                    chrono::DateTime::parse_from_rfc3339(t)
+                        .unwrap()
+                        .timestamp_millis()
+                })
+            };
             (
                 slot,
                 r["status"].as_str().unwrap().to_owned(),
-                r["created_at"].as_str().unwrap().to_owned(),
+                millis("created_at").unwrap(),
+                millis("started_at"),
             )
         })
         .collect()
@@ -245,7 +254,7 @@ fn a_scheduled_routine_runs_on_time_across_a_restart_and_its_webhooks_verify() {
         || {
             scheduled_runs(&server, &key)
                 .iter()
-                .filter(|(_, status, _)| status == "succeeded")
+                .filter(|(_, status, _, _)| status == "succeeded")
                 .count()
                 >= 2
         },
@@ -261,7 +270,7 @@ fn a_scheduled_routine_runs_on_time_across_a_restart_and_its_webhooks_verify() {
         || {
             scheduled_runs(&server, &key)
                 .iter()
-                .any(|(slot, status, _)| *slot > restarted_at && status == "succeeded")
+                .any(|(slot, status, _, _)| *slot > restarted_at && status == "succeeded")
         },
     );
     let runs = scheduled_runs(&server, &key);
@@ -272,7 +281,7 @@ fn a_scheduled_routine_runs_on_time_across_a_restart_and_its_webhooks_verify() {
 
     // Every two-second slot from the first to the last ran exactly once: the slots missed
     // while the server was down (well within the on-time grace) ran after the restart.
-    let slots: Vec<i64> = runs.iter().map(|(slot, _, _)| *slot).collect();
+    let slots: Vec<i64> = runs.iter().map(|(slot, _, _, _)| *slot).collect();
     let unique: BTreeSet<i64> = slots.iter().copied().collect();
     assert_eq!(unique.len(), slots.len(), "a slot ran twice: {slots:?}");
     let first = *unique.first().unwrap();
@@ -287,15 +296,18 @@ fn a_scheduled_routine_runs_on_time_across_a_restart_and_its_webhooks_verify() {
         "slots of the downtime ran after the restart: {unique:?}"
     );
     // While a server was up, each slot's run started on time (within the scheduler's tick).
-    for (slot, _, created_at) in &runs {
-        let created = chrono::DateTime::parse_from_rfc3339(created_at)
-            .unwrap()
-            .timestamp_millis();
+    // A run may be recorded up to the scheduler's lead ahead of its slot, but none is claimed
+    // before its slot.
+    let ahead = wor_engine::DISPATCH_AHEAD_MS;
+    for (slot, _, created, started) in &runs {
         if *slot < stopped_at || *slot > restarted_at + 2_000 {
             assert!(
-                (0..3_000).contains(&(created - slot)),
+                (-ahead..3_000).contains(&(created - slot)),
                 "slot {slot} started at {created}"
             );
+        }
+        if let Some(started) = started {
+            assert!(started >= slot, "slot {slot} was claimed at {started}");
         }
     }
 

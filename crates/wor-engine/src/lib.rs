@@ -57,6 +57,7 @@ pub use oauth_connections::{
     AUTHORIZATION_LIFETIME_MS, FinishedAuthorization, OAUTH_CALLBACK_PATH, REFRESH_AHEAD_MS,
     RegisteredClient, StartedAuthorization,
 };
+pub use scheduler::DISPATCH_AHEAD_MS;
 pub use start::{DEFAULT_THREAD, StartRun, Trigger};
 pub use tool_connection_spec::{
     CheckedHttpTools, CheckedToolConnection, HttpToolsSource, LocalCommandRules, OpenApiSource,

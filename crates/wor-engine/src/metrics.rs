@@ -21,6 +21,7 @@ pub const RUNS_FINISHED: &str = wor_store::metrics::RUNS_FINISHED;
 pub const BUDGET_EXHAUSTED: &str = "wor_budget_exhausted_total";
 pub const RUN_DURATION: &str = "wor_run_duration_seconds";
 pub const RUN_QUEUE_LAG: &str = "wor_run_queue_lag_seconds";
+pub const SCHEDULE_LAG: &str = "wor_schedule_lag_seconds";
 pub const MODEL_CALLS: &str = "wor_model_calls_total";
 pub const MODEL_TOKENS: &str = "wor_model_tokens_total";
 pub const TOOL_CALLS: &str = "wor_tool_calls_total";
@@ -50,6 +51,11 @@ pub fn describe() {
         RUN_DURATION,
         Unit::Seconds,
         "From a run's first start to its end, without time parked for approvals"
+    );
+    describe_histogram!(
+        SCHEDULE_LAG,
+        Unit::Seconds,
+        "From a schedule slot's time (plus jitter) to its run's being claimable: 0 for a run recorded ahead"
     );
     describe_histogram!(
         RUN_QUEUE_LAG,
@@ -83,6 +89,12 @@ fn seconds_between(from_ms: i64, to_ms: i64) -> f64 {
     Duration::from_millis(u64::try_from(to_ms.saturating_sub(from_ms)).unwrap_or(0)).as_secs_f64()
 }
 
+/// The scheduler recorded the run of a slot due at `due_ms` (its time plus jitter) at
+/// `recorded_ms`; a run recorded ahead of its slot is claimable from it on, a lag of 0.
+pub(crate) fn slot_started(due_ms: i64, recorded_ms: i64) {
+    histogram!(SCHEDULE_LAG).record(seconds_between(due_ms, recorded_ms));
+}
+
 /// A worker claimed `run`; `claim_began_ms` is when the claim was asked for. Only a first
 /// claim (its `started_at` written by this claim) counts as a start.
 pub(crate) fn run_claimed(run: &RunRecord, claim_began_ms: i64) {
@@ -93,7 +105,11 @@ pub(crate) fn run_claimed(run: &RunRecord, claim_began_ms: i64) {
         return;
     }
     counter!(RUNS_STARTED, "trigger" => run.trigger_kind.as_str()).increment(1);
-    histogram!(RUN_QUEUE_LAG).record(seconds_between(run.created_at, started));
+    // A run recorded ahead of its slot waits from the slot, not from when it was recorded.
+    let queued = run
+        .not_before
+        .map_or(run.created_at, |at| at.max(run.created_at));
+    histogram!(RUN_QUEUE_LAG).record(seconds_between(queued, started));
 }
 
 /// The limit that ended a `budget_exceeded` run, as the run loop typed it; `other` for an

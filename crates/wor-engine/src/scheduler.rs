@@ -6,12 +6,19 @@
 //! input and moves every schedule on, and the runs' start entries join the audit chain
 //! together. A slot starts at most one run whichever process gets there (its trigger key is
 //! unique), and a schedule only moves forward by compare-and-set.
+//!
+//! A routine whose start cannot depend on when it is decided — overlap policy `queue`, no
+//! memory — has the run of its next slot recorded up to [`DISPATCH_AHEAD_MS`] before the
+//! slot, with `not_before` set to the slot plus its jitter: no worker claims it earlier, and
+//! when thousands of routines share a slot their rows are all written when it comes. Every
+//! other routine's slot is started at its time, as its overlap policy and memory then say.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use serde_json::Value;
 use wor_core::ProjectId;
+use wor_core::routine::{OverlapPolicy, RoutineDefinition};
 use wor_core::run::RunStatus;
 use wor_core::schedule::slot_rfc3339;
 use wor_secrets::Redactor;
@@ -23,6 +30,13 @@ use crate::{Engine, EngineError, StartRun, Trigger};
 
 /// How many due schedules one statement takes.
 const SCHEDULE_BATCH: usize = 1_000;
+
+/// How long before its slot (plus jitter) a run may be recorded, to be claimed from then on.
+pub const DISPATCH_AHEAD_MS: i64 = 5_000;
+
+/// At most this many slots of one schedule are recorded ahead in one pass (a schedule that
+/// fires every second has several inside [`DISPATCH_AHEAD_MS`]).
+const MAX_AHEAD_SLOTS: usize = 8;
 
 /// What a scheduler page read for one due schedule, together with the others'.
 struct Prefetched {
@@ -37,16 +51,26 @@ struct Firing {
     project: ProjectId,
     version: Arc<RoutineVersionRecord>,
     admission: Admission,
+    /// When the slot is due: its time plus its jitter.
+    due_at: i64,
+    /// For a run recorded ahead of its slot: `due_at`, before which no worker claims it.
+    not_before: Option<i64>,
 }
 
 impl Engine {
     /// One scheduler pass at `now` (Unix ms): every scheduled routine whose next slot is due
-    /// starts its slots as its catch-up and jitter settings say.
+    /// starts its slots as its catch-up and jitter settings say, and the routines that may
+    /// have their next slot's run recorded ahead of it ([`DISPATCH_AHEAD_MS`]) have it
+    /// recorded, claimable from the slot on.
     pub async fn schedule_tick(&self, now: i64) -> Result<SchedulerReport, EngineError> {
         let mut report = SchedulerReport::default();
         let mut after = None;
+        let horizon = now.saturating_add(DISPATCH_AHEAD_MS);
         loop {
-            let due = self.store.due_schedules(now, after, SCHEDULE_BATCH).await?;
+            let due = self
+                .store
+                .due_schedules(horizon, after, SCHEDULE_BATCH)
+                .await?;
             let Some(last) = due.last() else { break };
             after = Some((last.next_slot_at, last.routine_id));
             let full = due.len() == SCHEDULE_BATCH;
@@ -107,9 +131,14 @@ impl Engine {
                 project: f.project,
                 run: f.admission.run.clone(),
                 input: f.admission.input.clone(),
+                not_before: f.not_before,
             })
             .collect();
+        // When the runs recorded ahead become claimable, and whether any is claimable now.
+        let mut release = None::<i64>;
+        let mut claimable_now = false;
         let started = self.store.start_scheduled(starts, &advances).await?;
+        let recorded = wor_store::now_millis();
         let mut entries = Vec::new();
         for (firing, id) in firings.into_iter().zip(started) {
             let Some(id) = id else {
@@ -121,19 +150,42 @@ impl Engine {
                 project,
                 version,
                 admission,
+                due_at,
+                not_before,
             } = firing;
+            crate::metrics::slot_started(due_at, recorded);
+            match not_before {
+                Some(at) => release = Some(release.map_or(at, |r| r.min(at))),
+                None => claimable_now = true,
+            }
             tracing::info!(category = "run", action = "run.start", project_id = %project,
                 run_id = %id, routine_id = %admission.run.routine_id, version = version.version,
-                status = admission.run.status.as_str(), "run started");
+                status = admission.run.status.as_str(), not_before = ?not_before, "run started");
             entries.push(run_started(project, id, &admission.run, admission.actor));
         }
         // The start entries go to the audit writer together, which commits them in as few
         // transactions as its batch allows.
         self.audit.append_all(entries).await?;
-        if report.started > 0 {
+        if claimable_now {
             self.wake_workers();
         }
+        // Runs recorded ahead become claimable at their slot: the pool looks then rather than
+        // at its next poll.
+        if let Some(at) = release {
+            self.wake_workers_at(at);
+        }
         Ok(())
+    }
+
+    /// Wakes this process's worker pool at `at` (Unix ms), when runs recorded ahead of their
+    /// slot become claimable.
+    fn wake_workers_at(&self, at: i64) {
+        let wait = u64::try_from(at.saturating_sub(wor_store::now_millis())).unwrap_or(0);
+        let engine = self.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(std::time::Duration::from_millis(wait)).await;
+            engine.wake_workers();
+        });
     }
 
     /// Plans one due schedule: admits the runs of its slots that fire now into `firings`, and
@@ -159,10 +211,12 @@ impl Engine {
             from: schedule.next_slot_at,
             to: None,
         };
-        let plan = match version.definition.schedule.as_ref().map(|s| s.compile()) {
-            Some(Ok(compiled)) => {
-                compiled.plan(&schedule.routine_id.to_string(), schedule.next_slot_at, now)
-            }
+        let routine = schedule.routine_id.to_string();
+        let (mut plan, compiled) = match version.definition.schedule.as_ref().map(|s| s.compile()) {
+            Some(Ok(compiled)) => (
+                compiled.plan(&routine, schedule.next_slot_at, now),
+                compiled,
+            ),
             Some(Err(reason)) => {
                 tracing::error!(category = "schedule", routine_id = %schedule.routine_id, reason = %reason,
                     "a stored schedule does not compile; it is stopped");
@@ -170,7 +224,34 @@ impl Engine {
             }
             None => return Ok(Some(stop)),
         };
-        if !plan.fire.is_empty() {
+        // The slots after those due now whose time comes within the lead, for a routine whose
+        // start is the same whenever it is decided.
+        let mut ahead = Vec::new();
+        if may_dispatch_ahead(&version.definition) {
+            while let Some(slot) = plan.next_slot {
+                let at = slot.saturating_add(compiled.jitter_of(&routine, slot));
+                if at <= now
+                    || at > now.saturating_add(DISPATCH_AHEAD_MS)
+                    || ahead.len() >= MAX_AHEAD_SLOTS
+                {
+                    break;
+                }
+                ahead.push(slot);
+                plan.next_slot = compiled.next_after(slot);
+            }
+        }
+        // Each slot with when it is due, and whether it is recorded ahead of that.
+        let slots: Vec<(i64, i64, bool)> = plan
+            .fire
+            .iter()
+            .map(|slot| (*slot, false))
+            .chain(ahead.iter().map(|slot| (*slot, true)))
+            .map(|(slot, ahead)| {
+                let due_at = slot.saturating_add(compiled.jitter_of(&routine, slot));
+                (slot, due_at, ahead)
+            })
+            .collect();
+        if !slots.is_empty() {
             let redactor = match redactors.entry(schedule.project_id) {
                 std::collections::hash_map::Entry::Occupied(found) => found.into_mut(),
                 std::collections::hash_map::Entry::Vacant(slot) => {
@@ -178,15 +259,12 @@ impl Engine {
                 }
             };
             let mut active = page.active;
-            for slot in &plan.fire {
+            for (slot, due_at, ahead) in slots {
                 let request = StartRun {
                     project: schedule.project_id,
                     routine: schedule.routine_id,
-                    input: Value::String(format!(
-                        "Scheduled run for slot {}.",
-                        slot_rfc3339(*slot)
-                    )),
-                    trigger: Trigger::Schedule { slot: *slot },
+                    input: Value::String(format!("Scheduled run for slot {}.", slot_rfc3339(slot))),
+                    trigger: Trigger::Schedule { slot },
                     actor: None,
                     thread: None,
                 };
@@ -211,11 +289,13 @@ impl Engine {
                             project: schedule.project_id,
                             version: version.clone(),
                             admission,
+                            due_at,
+                            not_before: ahead.then_some(due_at),
                         });
                     }
                     Err(error) => {
                         tracing::error!(category = "schedule", routine_id = %schedule.routine_id,
-                            slot = %slot_rfc3339(*slot), error = %error,
+                            slot = %slot_rfc3339(slot), error = %error,
                             "a scheduled run could not start; the slot is passed");
                     }
                 }
@@ -228,4 +308,12 @@ impl Engine {
             }),
         )
     }
+}
+
+/// Whether a routine's scheduled runs may be recorded ahead of their slot: only when what the
+/// start decides cannot change before the slot. Overlap `queue` queues the run whatever is
+/// active (the claim holds `max_runs`); `skip` and `cancel_previous` look at the runs active
+/// at the slot, and `[memory]` replays the thread as it stands at the slot.
+fn may_dispatch_ahead(definition: &RoutineDefinition) -> bool {
+    definition.concurrency.overlap == OverlapPolicy::Queue && !definition.memory.enabled
 }

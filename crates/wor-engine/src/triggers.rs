@@ -157,8 +157,9 @@ impl Engine {
         })
     }
 
-    /// When the scheduler looks again: just after the earliest schedule's next slot still
-    /// ahead, if that is within a tick, else a tick from now (a slot already past — inside
+    /// When the scheduler looks again: when the lead of the earliest schedule's next slot
+    /// still ahead begins (its run may be recorded then), or just after that slot once inside
+    /// the lead, if that is within a tick; else a tick from now (a slot already past — inside
     /// its jitter, or one that could not start — is looked at again then).
     async fn next_scheduler_wake(&self) -> tokio::time::Instant {
         let tick = tokio::time::Instant::now() + TICK;
@@ -171,8 +172,16 @@ impl Engine {
             }
         };
         let Some(next) = next else { return tick };
-        // A millisecond past the slot, so that the pass finds it due.
-        let wait = next.saturating_sub(now).saturating_add(1);
+        // At the start of the slot's lead, for the runs recorded ahead of it; once inside the
+        // lead, a millisecond past the slot, so that the pass finds due what could not be
+        // recorded ahead.
+        let ahead = next.saturating_sub(crate::scheduler::DISPATCH_AHEAD_MS);
+        let at = if ahead > now {
+            ahead
+        } else {
+            next.saturating_add(1)
+        };
+        let wait = at.saturating_sub(now);
         match u64::try_from(wait) {
             Ok(wait) => (tokio::time::Instant::now() + Duration::from_millis(wait)).min(tick),
             Err(_) => tick,

@@ -1,6 +1,6 @@
 //! The scheduler on the configured database: slots start runs on time, exactly once across
-//! restarts and concurrent schedulers, missed slots are caught up as the routine says, and an
-//! unscheduled routine stops firing.
+//! restarts and concurrent schedulers, missed slots are caught up as the routine says, a run
+//! recorded ahead of its slot is claimed only from it, and an unscheduled routine stops firing.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use wor_core::run::Provenance;
 use wor_core::{ProjectId, RoutineId};
-use wor_engine::{Engine, EngineConfig};
+use wor_engine::{DISPATCH_AHEAD_MS, Engine, EngineConfig};
 use wor_store::testing::TestDatabase;
 use wor_store::{AuditConfig, AuditLog, RunFilter, Vault};
 
@@ -183,7 +183,10 @@ async fn each_slot_starts_one_run_across_restarts_and_concurrent_schedulers() {
 
     let a = h.engine();
     assert_eq!(
-        a.schedule_tick(first - 1).await.unwrap().started,
+        a.schedule_tick(first - DISPATCH_AHEAD_MS - 1)
+            .await
+            .unwrap()
+            .started,
         0,
         "not yet"
     );
@@ -237,6 +240,199 @@ async fn each_slot_starts_one_run_across_restarts_and_concurrent_schedulers() {
             && matches!(e.actor, wor_core::audit::Actor::Schedule { .. })),
         "the audit log names the schedule as the actor"
     );
+}
+
+/// A routine whose start cannot change before its slot (overlap `queue`, no memory) has the
+/// slot's run recorded ahead of it, which no worker claims before the slot; a routine whose
+/// overlap policy or memory depends on the moment starts at its slot. Either way a slot
+/// starts one run, across schedulers.
+#[tokio::test]
+async fn runs_recorded_ahead_of_their_slot_are_claimed_only_from_it() {
+    let h = Harness::new().await;
+    // A yearly slot: far ahead of the real clock whenever the test runs.
+    const YEARLY: &str = "[schedule]\ncron = \"0 0 1 1 *\"";
+    let queued = h.apply_named("queued", YEARLY).await;
+    let skipping = h
+        .apply_named("skipping", &format!("overlap = \"skip\"\n{YEARLY}"))
+        .await;
+    let remembering = h
+        .apply_named(
+            "remembering",
+            &format!("{YEARLY}\n[memory]\nenabled = true"),
+        )
+        .await;
+    let first = h.next_slot(queued).await.unwrap();
+    assert_eq!(h.next_slot(skipping).await, Some(first));
+    assert_eq!(h.next_slot(remembering).await, Some(first));
+
+    let a = h.engine();
+    let before_lead = a
+        .schedule_tick(first - DISPATCH_AHEAD_MS - 1)
+        .await
+        .unwrap();
+    assert_eq!(
+        before_lead.started, 0,
+        "before the lead nothing is recorded"
+    );
+    let ahead = a.schedule_tick(first - 1_000).await.unwrap();
+    assert_eq!(
+        ahead.started, 1,
+        "only the queueing routine is recorded ahead"
+    );
+    assert_eq!(h.slots(queued).await, [first]);
+    assert!(h.slots(skipping).await.is_empty());
+    assert!(h.slots(remembering).await.is_empty());
+    assert!(
+        h.next_slot(queued).await > Some(first),
+        "its schedule moved on"
+    );
+    assert_eq!(h.next_slot(skipping).await, Some(first));
+
+    let run =
+        h.db.store
+            .run_by_trigger_key(h.project, queued, &format!("slot:{first}"))
+            .await
+            .unwrap()
+            .unwrap();
+    assert_eq!(run.status, wor_core::run::RunStatus::Queued);
+    assert_eq!(run.not_before, Some(first));
+    // The slot is months away on the real clock: no worker takes the run now.
+    assert!(!a.run_next().await.unwrap(), "claimed before its slot");
+    assert!(
+        h.db.store
+            .claim_run("another-worker", 30_000, 100)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    let again = h.db.store.get_run(h.project, run.id).await.unwrap();
+    assert_eq!(again.status, wor_core::run::RunStatus::Queued);
+    assert_eq!(again.started_at, None);
+
+    // Another scheduler inside the lead and both at the slot: each slot still has one run.
+    let b = h.engine();
+    assert_eq!(b.schedule_tick(first - 500).await.unwrap().started, 0);
+    let now = first + 300;
+    let (x, y) = tokio::join!(a.schedule_tick(now), b.schedule_tick(now));
+    let (x, y) = (x.unwrap(), y.unwrap());
+    assert_eq!(x.started + y.started, 2, "{x:?} {y:?}");
+    for routine in [queued, skipping, remembering] {
+        assert_eq!(h.slots(routine).await, [first]);
+    }
+    let at_slot =
+        h.db.store
+            .run_by_trigger_key(h.project, skipping, &format!("slot:{first}"))
+            .await
+            .unwrap()
+            .unwrap();
+    assert_eq!(
+        at_slot.not_before, None,
+        "started at its slot, claimable at once"
+    );
+}
+
+/// On the real clock: a schedule that fires every second has the runs of its next slots
+/// recorded at once, and each is claimed no earlier than its slot.
+#[tokio::test]
+async fn a_run_recorded_ahead_is_claimed_once_its_slot_comes() {
+    let h = Harness::new().await;
+    let routine = h
+        .apply_named("every-second", "[schedule]\ncron = \"* * * * * *\"")
+        .await;
+    let first = h.next_slot(routine).await.unwrap();
+    let report = h.engine().schedule_tick(first - 1).await.unwrap();
+    let recorded = usize::try_from(report.started).unwrap();
+    assert!(recorded >= 2, "{report:?}");
+    assert_eq!(h.slots(routine).await.len(), recorded);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let mut claimed = 0;
+    while claimed < recorded {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{claimed} of {recorded} claimed"
+        );
+        let Some(run) = h.db.store.claim_run("worker", 30_000, 100).await.unwrap() else {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            continue;
+        };
+        let slot: i64 = run
+            .trigger_key
+            .as_deref()
+            .and_then(|k| k.strip_prefix("slot:"))
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert_eq!(run.not_before, Some(slot));
+        let started = run.started_at.unwrap();
+        assert!(
+            started >= slot,
+            "claimed {} ms before its slot",
+            slot - started
+        );
+        claimed += 1;
+    }
+}
+
+/// Each slot's lag is recorded: from its time to its run's being recorded, 0 for a run
+/// recorded ahead of its slot.
+#[test]
+fn the_lag_of_each_slot_is_a_metric() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    metrics::with_local_recorder(&recorder, || {
+        runtime.block_on(async {
+            let h = Harness::new().await;
+            // `skip` is started at its slot, never ahead: its two slots are 1.5 s and 0.5 s
+            // late when the pass comes.
+            let late = h
+                .apply_named(
+                    "late",
+                    "overlap = \"skip\"\n[schedule]\ncron = \"* * * * * *\"",
+                )
+                .await;
+            let first = h.next_slot(late).await.unwrap();
+            let wait = first + 1_500 - wor_store::now_millis();
+            tokio::time::sleep(std::time::Duration::from_millis(
+                u64::try_from(wait).unwrap_or(0),
+            ))
+            .await;
+            let report = h
+                .engine()
+                .schedule_tick(wor_store::now_millis())
+                .await
+                .unwrap();
+            assert_eq!(report.started, 2, "{report:?}");
+            // A yearly `queue` routine (of another database) is recorded ahead: no lag.
+            let other = Harness::new().await;
+            let ahead = other
+                .apply_named("ahead", "[schedule]\ncron = \"0 0 1 1 *\"")
+                .await;
+            let slot = other.next_slot(ahead).await.unwrap();
+            let report = other.engine().schedule_tick(slot - 1_000).await.unwrap();
+            assert_eq!(report.started, 1, "{report:?}");
+        });
+    });
+    let mut lags: Vec<f64> = snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .filter(|(key, _, _, _)| key.key().name() == "wor_schedule_lag_seconds")
+        .flat_map(|(_, _, _, value)| match value {
+            DebugValue::Histogram(values) => values.into_iter().map(|v| v.into_inner()),
+            other => panic!("a histogram: {other:?}"),
+        })
+        .collect();
+    lags.sort_by(f64::total_cmp);
+    assert_eq!(lags.len(), 3, "{lags:?}");
+    assert!(lags[0] == 0.0, "{lags:?}");
+    assert!((0.5..5.0).contains(&lags[1]), "{lags:?}");
+    assert!((1.5..6.0).contains(&lags[2]), "{lags:?}");
 }
 
 #[tokio::test]

@@ -209,6 +209,12 @@ const MIGRATIONS: &[SchemaMigration] = &[
         sqlite: include_str!("../migrations/0035_console_oauth.sqlite.sql"),
         postgres: include_str!("../migrations/0035_console_oauth.postgres.sql"),
     },
+    SchemaMigration {
+        version: 37,
+        description: "scheduled runs recorded ahead of their slot",
+        sqlite: include_str!("../migrations/0037_run_not_before.sql"),
+        postgres: include_str!("../migrations/0037_run_not_before.sql"),
+    },
 ];
 
 /// The newest migration of this release.

@@ -37,6 +37,9 @@ pub struct RunRecord {
     pub budget_cap: Option<serde_json::Value>,
     pub cancel_requested: bool,
     pub created_at: i64,
+    /// A scheduled run recorded ahead of its slot is not claimed before this time (its slot
+    /// plus jitter, milliseconds); `None` for every other run.
+    pub not_before: Option<i64>,
     pub started_at: Option<i64>,
     pub finished_at: Option<i64>,
 }
@@ -73,6 +76,9 @@ pub struct ScheduledStart {
     pub project: ProjectId,
     pub run: NewRun,
     pub input: InputStep,
+    /// For a run recorded ahead of its slot: no worker claims it before this time
+    /// (milliseconds). `None`: claimable at once.
+    pub not_before: Option<i64>,
 }
 
 /// A schedule's next slot moved from `from` to `to` (`None`: it fires no more), by
@@ -139,7 +145,7 @@ pub struct RunFilter {
 
 const COLUMNS: &str = "id, project_id, routine_id, routine_version, root_run_id, parent_run_id, depth, \
     status, trigger_kind, started_by, started_by_member, trigger_key, thread, outcome, usage_turns, usage_tool_calls, usage_input_tokens, \
-    usage_output_tokens, usage_cost_microdollars, cancel_requested, created_at, started_at, finished_at, parked_ms, budget_cap";
+    usage_output_tokens, usage_cost_microdollars, cancel_requested, created_at, started_at, finished_at, parked_ms, budget_cap, not_before";
 
 pub(crate) fn to_i64(value: u64) -> i64 {
     i64::try_from(value).unwrap_or(i64::MAX)
@@ -165,6 +171,7 @@ impl Store {
             project,
             run: new,
             input,
+            not_before: None,
         };
         if insert_runs(&mut tx, &[id], std::slice::from_ref(&start), now)
             .await?
@@ -457,7 +464,7 @@ impl Store {
     /// Claims the oldest queued run whose routine and project both have a free slot (at most
     /// `max_per_project` running runs per project; a run waiting for approval holds no worker
     /// and does not count there, but does count against its routine's limit), leasing it to
-    /// `worker`.
+    /// `worker`. A run recorded ahead of its slot is not claimed before it (`not_before`).
     pub async fn claim_run(
         &self,
         worker: &str,
@@ -475,10 +482,12 @@ impl Store {
              SELECT r.id, r.project_id, r.routine_id FROM runs r \
              LEFT JOIN active a ON a.routine_id = r.routine_id \
              LEFT JOIN busy b ON b.project_id = r.project_id \
-             WHERE r.status = 'queued' AND COALESCE(a.n, 0) < r.max_concurrent \
+             WHERE r.status = 'queued' AND (r.not_before IS NULL OR r.not_before <= $2) \
+             AND COALESCE(a.n, 0) < r.max_concurrent \
              AND COALESCE(b.n, 0) < $1 ORDER BY r.id LIMIT 16",
         )
         .bind(to_i64(max_per_project))
+        .bind(now_millis())
         .fetch_all(self.pool())
         .await?;
         for row in candidates {
@@ -544,7 +553,8 @@ impl Store {
             "UPDATE runs SET status = 'running', lease_owner = $1, lease_expires_at = $2, \
              started_at = COALESCE(started_at, $3), updated_at = $3, \
              parked_ms = parked_ms + COALESCE($3 - parked_at, 0), parked_at = NULL \
-             WHERE project_id = $4 AND id = $5 AND status = 'queued'{within_limits}"
+             WHERE project_id = $4 AND id = $5 AND status = 'queued' \
+             AND (not_before IS NULL OR not_before <= $3){within_limits}"
         );
         let mut query = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(worker)
@@ -767,14 +777,14 @@ async fn insert_runs(
     if starts.is_empty() {
         return Ok(Vec::new());
     }
-    const RUN_VALUES: usize = 19;
+    const RUN_VALUES: usize = 20;
     let rows: Vec<String> = (0..starts.len())
         .map(|i| row_placeholders(i * RUN_VALUES + 1, RUN_VALUES))
         .collect();
     let sql = format!(
         "INSERT INTO runs (id, project_id, routine_id, routine_version, root_run_id, parent_run_id, depth, \
          status, trigger_kind, started_by, max_concurrent, outcome, created_at, updated_at, finished_at, \
-         trigger_key, thread, budget_cap, started_by_member) VALUES {} ON CONFLICT DO NOTHING RETURNING id",
+         trigger_key, thread, budget_cap, started_by_member, not_before) VALUES {} ON CONFLICT DO NOTHING RETURNING id",
         rows.join(", ")
     );
     let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
@@ -799,7 +809,8 @@ async fn insert_runs(
             .bind(new.trigger_key.clone())
             .bind(new.thread.clone())
             .bind(new.parent.as_ref().map(|p| p.budget_cap.to_string()))
-            .bind(new.started_by_member.map(|m| m.to_string()));
+            .bind(new.started_by_member.map(|m| m.to_string()))
+            .bind(start.not_before);
     }
     let inserted: std::collections::HashSet<RunId> = query
         .fetch_all(&mut **tx)
@@ -1022,6 +1033,7 @@ fn run_from_row(row: &sqlx::any::AnyRow) -> Result<RunRecord, StoreError> {
         },
         cancel_requested: cancel != 0,
         created_at: row.try_get("created_at")?,
+        not_before: row.try_get("not_before")?,
         started_at: row.try_get("started_at")?,
         finished_at: row.try_get("finished_at")?,
         parked_ms: row.try_get("parked_ms")?,

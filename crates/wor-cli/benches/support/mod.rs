@@ -84,6 +84,21 @@ impl Server {
         )
     }
 
+    /// The size of the files in the server's data dir (the SQLite database and its WAL), in
+    /// KiB.
+    pub fn data_kib(&self) -> u64 {
+        fn size(path: &std::path::Path) -> u64 {
+            match std::fs::metadata(path) {
+                Ok(meta) if meta.is_dir() => std::fs::read_dir(path)
+                    .map(|entries| entries.flatten().map(|e| size(&e.path())).sum())
+                    .unwrap_or(0),
+                Ok(meta) => meta.len(),
+                Err(_) => 0,
+            }
+        }
+        size(&self._dir.path().join("data")) / 1024
+    }
+
     /// The server process's resident memory, in KiB.
     pub fn rss_kib(&self) -> u64 {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
