@@ -14,9 +14,8 @@ use std::time::Duration;
 
 use wor_core::RunId;
 use wor_core::routine::RoutineDefinition;
-use wor_store::{RunRecord, RunToken};
+use wor_store::{RunRecord, RunToken, RunWritten};
 
-use crate::call::Recorded;
 use crate::{Engine, EngineError};
 
 /// The credential of the run being driven, its deadline, and the roster it may act on.
@@ -75,11 +74,13 @@ impl Engine {
         // A journal write: fenced by the lease (a worker that lost the run mints nothing) and
         // committed with the other runs' writes, not on a transaction of its own.
         match self
+            .audit
             .record(self.journal(run).minting(&token, expires_at))
             .await?
         {
-            Recorded::Committed { .. } => {}
-            Recorded::CredentialEnded => {
+            RunWritten::Committed { .. } => {}
+            RunWritten::LeaseLost => return Err(EngineError::LeaseLost),
+            RunWritten::CredentialEnded => {
                 return Err(EngineError::InvalidState(
                     "a write that presents no credential found one ended".to_owned(),
                 ));

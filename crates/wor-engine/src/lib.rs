@@ -57,7 +57,7 @@ pub use oauth_connections::{
     AUTHORIZATION_LIFETIME_MS, FinishedAuthorization, OAUTH_CALLBACK_PATH, REFRESH_AHEAD_MS,
     RegisteredClient, StartedAuthorization,
 };
-pub use scheduler::DISPATCH_AHEAD_MS;
+pub use scheduler::{DISPATCH_AHEAD_MS, SchedulerReport};
 pub use start::{DEFAULT_THREAD, StartRun, Trigger};
 pub use tool_connection_spec::{
     CheckedHttpTools, CheckedToolConnection, HttpToolsSource, LocalCommandRules, OpenApiSource,
@@ -68,8 +68,8 @@ pub use tool_connections::{
     StoredConnectionError, ToolReview, check_stdio_spec, credential_slot,
 };
 pub use triggers::{
-    InboundWebhook, MAX_DELIVERY_ATTEMPTS, MAX_WEBHOOK_BYTES, REPLAY_WINDOW_SECS, SchedulerReport,
-    WebhookRejection, WebhookSecretKind,
+    InboundWebhook, MAX_DELIVERY_ATTEMPTS, MAX_WEBHOOK_BYTES, REPLAY_WINDOW_SECS, WebhookRejection,
+    WebhookSecretKind,
 };
 
 /// How long an approval waits for a decision unless configured otherwise: 24 hours.

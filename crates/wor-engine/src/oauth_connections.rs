@@ -248,7 +248,7 @@ impl Engine {
         })?;
         let challenge = oauth::probe(&self.egress, &record.url, Some(&allowlist))
             .await
-            .map_err(|e| unreachable(&record.name, &e))?;
+            .map_err(|e| unreachable(&record.name, e))?;
         Ok(challenge.is_some())
     }
 

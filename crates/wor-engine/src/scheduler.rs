@@ -25,7 +25,6 @@ use wor_secrets::Redactor;
 use wor_store::{DueSchedule, RoutineVersionRecord, ScheduleAdvance, ScheduledStart};
 
 use crate::start::{Admission, run_started};
-use crate::triggers::SchedulerReport;
 use crate::{Engine, EngineError, StartRun, Trigger};
 
 /// How many due schedules one statement takes.
@@ -33,6 +32,15 @@ const SCHEDULE_BATCH: usize = 1_000;
 
 /// How long before its slot (plus jitter) a run may be recorded, to be claimed from then on.
 pub const DISPATCH_AHEAD_MS: i64 = 5_000;
+
+/// What one scheduler pass did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SchedulerReport {
+    /// Runs started (including ones recorded as skipped by the overlap policy).
+    pub started: u64,
+    /// Slots another scheduler process had already started.
+    pub already_started: u64,
+}
 
 /// At most this many slots of one schedule are recorded ahead in one pass (a schedule that
 /// fires every second has several inside [`DISPATCH_AHEAD_MS`]).

@@ -304,13 +304,13 @@ impl Engine {
             .store
             .get_connection_oauth(record.project_id, record.id)
             .await
-            .map_err(|e| format!("tool connection `{name}`: {e}"))?
+            .map_err(|e| ConnectionError::Authorization(Box::new(EngineError::Store(e))))?
             .map(|_| {
                 std::sync::Arc::new(crate::oauth_connections::OAuthRenewal {
                     engine: self.clone(),
                     project: record.project_id,
                     id: record.id,
-                    connection: name.clone(),
+                    connection: connection(),
                 }) as std::sync::Arc<dyn wor_tools::BearerRenewal>
             });
         McpSession::connect_http_renewing(&self.egress, endpoint, renewal, McpLimits::default())

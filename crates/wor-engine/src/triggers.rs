@@ -64,15 +64,6 @@ pub const MAX_DELIVERY_ATTEMPTS: i64 = 6;
 /// A claimed delivery is retried by another process after this long.
 const DELIVERY_LEASE_MS: i64 = 30_000;
 
-/// What one scheduler pass did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct SchedulerReport {
-    /// Runs started (including ones recorded as skipped by the overlap policy).
-    pub started: u64,
-    /// Slots another scheduler process had already started.
-    pub already_started: u64,
-}
-
 /// Headers of an inbound webhook, as received.
 #[derive(Debug, Clone, Default)]
 pub struct InboundWebhook {

@@ -372,7 +372,14 @@ pub async fn show(
             Ok(review) => review_rows(&record, review),
             // An MCP server that refuses the connection (not, or no longer, authorized):
             // the page says why, and offers to authorize it when the server asks for it.
-            Err(error @ EngineError::Unreachable(_)) if mcp_http => {
+            Err(EngineError::Connection(error))
+                if mcp_http
+                    && matches!(
+                        *error,
+                        wor_engine::ConnectionError::Connect { .. }
+                            | wor_engine::ConnectionError::Authorization(_)
+                    ) =>
+            {
                 review_error = Some(error.to_string());
                 (None, None)
             }
