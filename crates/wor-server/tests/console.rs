@@ -2256,9 +2256,15 @@ async fn the_inbox_and_an_active_run_send_live_change_events() {
         .text()
         .await
         .unwrap();
-    assert!(page.contains(&format!("data-live=\"/console/runs/{run}/events\"")));
-    let mut follow = open(format!("/console/runs/{run}/events")).await;
-    assert_eq!(follow.status().as_u16(), 200);
+    // The page's stream link carries the run as the page showed it.
+    let start = page.find("data-live=\"").unwrap() + 11;
+    let live = page[start..start + page[start..].find('"').unwrap()].replace("&amp;", "&");
+    let shown = format!("/console/runs/{run}/events?status=waiting_for_approval&step=");
+    assert!(live.starts_with(&shown), "{live}");
+    // The run moves after the page was rendered and before its stream connects (the call is
+    // approved, the run queued again; no worker runs it, so nothing moves after): the page's
+    // stream says `changed` at once, where a stream that starts from the run as it is now
+    // has nothing to say.
     let approval = h.pending_approvals(&run).await[0]["id"]
         .as_str()
         .unwrap()
@@ -2266,8 +2272,37 @@ async fn the_inbox_and_an_active_run_send_live_change_events() {
     let approver = h.member("approver").await;
     let (status, _) = h.decide(&approver, &approval, "approve", "fine").await;
     assert_eq!(status, StatusCode::OK);
+    let mut follow = open(live.clone()).await;
+    assert_eq!(follow.status().as_u16(), 200);
+    let mut unanchored = open(format!("/console/runs/{run}/events")).await;
+    assert_eq!(unanchored.status().as_u16(), 200);
+    let seen = stream_until(&mut follow, "event: changed").await;
+    assert!(!seen.contains("event: end"), "{seen}");
+    let quiet = tokio::time::timeout(Duration::from_millis(1500), unanchored.chunk()).await;
+    assert!(
+        quiet.is_err(),
+        "a stream with no page to compare with saw a change: {quiet:?}"
+    );
+    // The page as it is now: its stream is quiet until the run moves again.
+    let page = open(format!("/console/runs/{run}"))
+        .await
+        .text()
+        .await
+        .unwrap();
+    assert!(page.contains("?status=queued&amp;step="), "{page}");
+    for bad in [
+        "?status=queued",
+        "?step=1",
+        "?status=lost&step=1",
+        "?status=queued&step=x",
+        "?other=1",
+    ] {
+        let reply = open(format!("/console/runs/{run}/events{bad}")).await;
+        assert_eq!(reply.status().as_u16(), 400, "{bad}");
+    }
     while h.engine.run_next().await.unwrap() {}
     stream_until(&mut follow, "event: end").await;
+    stream_until(&mut unanchored, "event: end").await;
     let page = open(format!("/console/runs/{run}"))
         .await
         .text()

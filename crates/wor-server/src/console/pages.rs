@@ -1169,6 +1169,9 @@ struct RunPage {
     cancel_requested: bool,
     /// The run has not ended: the page follows it live.
     active: bool,
+    /// The last step shown (0 before the first): the live stream says `changed` at once if
+    /// the run has moved on since this page was rendered.
+    last_step: i64,
     approvals: Vec<RunApprovalRow>,
     steps: Vec<StepRow>,
 }
@@ -1259,6 +1262,7 @@ pub async fn run(
             && member.session.role.can_operate_runs(),
         cancel_requested: run.cancel_requested,
         active: !run.status.is_terminal(),
+        last_step: steps.last().map_or(0, |s| s.seq),
         approvals: approvals
             .into_iter()
             .map(|a| RunApprovalRow {
