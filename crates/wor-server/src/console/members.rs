@@ -223,7 +223,6 @@ pub async fn change_role(
         role: session.role,
         member: Some(session.member_id),
     };
-    let before = state.store.get_member(session.project_id, id).await?;
     match change_member_role(
         &state,
         session.project_id,
@@ -234,16 +233,16 @@ pub async fn change_role(
     )
     .await
     {
-        Ok(changed) => {
+        Ok(change) => {
             // A member who changed their own role sees the page their new role gives them.
             let mut member = member;
-            if changed.id == member.session.member_id {
-                member.session.role = changed.role;
+            if change.member.id == member.session.member_id {
+                member.session.role = change.member.role;
             }
             let outcome = Outcome::RoleChanged {
-                changed: changed.role != before.role,
-                name: changed.name,
-                role: changed.role,
+                changed: change.changed(),
+                name: change.member.name,
+                role: change.member.role,
             };
             members_page(&state, &member, StatusCode::OK, outcome).await
         }

@@ -949,10 +949,7 @@ async fn approval_cards(
         .await?;
     let mut routines: HashMap<RoutineId, String> = HashMap::new();
     let mut cards = Vec::with_capacity(approvals.len());
-    for (approval, refusal) in approvals.into_iter().zip(refusals) {
-        let run = runs
-            .get(&approval.run_id)
-            .ok_or(ConsoleError(ApiError::NotFound))?;
+    for ((approval, run), refusal) in approvals.into_iter().zip(page_runs).zip(refusals) {
         let routine = match routines.get(&run.routine_id) {
             Some(name) => name.clone(),
             None => {

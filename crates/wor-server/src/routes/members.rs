@@ -6,7 +6,7 @@ use axum::http::StatusCode;
 use serde_json::json;
 use wor_core::audit::{Actor, AuditCategory, AuditEvent};
 use wor_core::{MemberId, ProjectId, Role};
-use wor_store::{ApiKeyKind, MemberRecord, NewApiKey, RoleChanger};
+use wor_store::{ApiKeyKind, NewApiKey, RoleChange, RoleChanger};
 
 use crate::AppState;
 use crate::auth::Caller;
@@ -175,7 +175,7 @@ pub async fn change_role(
         role: caller.role,
         member: caller.member_id,
     };
-    let member = change_member_role(
+    let change = change_member_role(
         &state,
         caller.project_id,
         changer,
@@ -184,7 +184,7 @@ pub async fn change_role(
         &body.role,
     )
     .await?;
-    Ok(Json(member.into()))
+    Ok(Json(change.member.into()))
 }
 
 /// Gives member `member_id` of `project` the role named `role`, for `changer`, audited as
@@ -198,7 +198,7 @@ pub(crate) async fn change_member_role(
     actor: Actor,
     member_id: MemberId,
     role: &str,
-) -> Result<MemberRecord, ApiError> {
+) -> Result<RoleChange, ApiError> {
     let role = parse_role(role)?;
     let change = state
         .store
@@ -220,5 +220,5 @@ pub(crate) async fn change_member_role(
         tracing::info!(category = "config", action = "member.role_change", project_id = %project,
             member_id = %member_id, "member role changed");
     }
-    Ok(change.member)
+    Ok(change)
 }
