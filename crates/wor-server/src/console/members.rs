@@ -114,7 +114,7 @@ async fn members_page(
         } => {
             role_notice = Some(if changed {
                 format!(
-                    "{name} is now {role}. The new role holds from their next request, for all of their keys and sessions."
+                    "{name} is now {role}, from their next request: in their console sessions, and for each of their keys up to the role the key was made with."
                 )
             } else {
                 format!("{name} already has role {role}; nothing changed.")
