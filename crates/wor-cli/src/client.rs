@@ -83,6 +83,10 @@ impl ApiClient {
         self.send(Method::PUT, path, Some(body)).await
     }
 
+    pub async fn patch(&self, path: &str, body: &Value) -> anyhow::Result<Value> {
+        self.send(Method::PATCH, path, Some(body)).await
+    }
+
     pub async fn delete(&self, path: &str) -> anyhow::Result<Value> {
         self.send(Method::DELETE, path, None).await
     }

@@ -129,6 +129,80 @@ fn serve_and_client_commands_work_end_to_end() {
 }
 
 #[test]
+fn member_role_changes_a_role_by_name_or_id_and_refuses_the_last_owner() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = database_args(dir.path());
+    let key = create_project(&db);
+    let server = Server::start(&db, &[]);
+    let created = server.client(&key, &["member", "create", "pat", "--role", "viewer"]);
+    assert!(created.status.success(), "{}", text(&created.stderr));
+    let pat_key = text(&created.stdout).trim().to_owned();
+
+    let changed = server.client(&key, &["member", "role", "pat", "approver"]);
+    assert!(changed.status.success(), "{}", text(&changed.stderr));
+    assert!(
+        text(&changed.stdout).contains("member `pat`")
+            && text(&changed.stdout).contains("is now approver (was viewer)"),
+        "{}",
+        text(&changed.stdout)
+    );
+    // By id, as JSON; the member's key acts with at most the member's role.
+    let members: serde_json::Value =
+        serde_json::from_slice(&server.client(&key, &["member", "list", "--json"]).stdout).unwrap();
+    let pat = members
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == "pat")
+        .unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let json = server.client(&key, &["member", "role", &pat, "viewer", "--json"]);
+    assert!(json.status.success(), "{}", text(&json.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(
+        (json["id"].as_str(), json["role"].as_str()),
+        (Some(pat.as_str()), Some("viewer"))
+    );
+    let same = server.client(&key, &["member", "role", "pat", "viewer"]);
+    assert!(
+        text(&same.stdout).contains("nothing changed"),
+        "{}",
+        text(&same.stdout)
+    );
+
+    // A viewer changes no one; the last owner stays; an unknown name is named.
+    let refused = server.client(&pat_key, &["member", "role", "pat", "admin"]);
+    assert!(!refused.status.success());
+    assert!(
+        text(&refused.stderr).contains("HTTP 403"),
+        "{}",
+        text(&refused.stderr)
+    );
+    let me: serde_json::Value =
+        serde_json::from_slice(&server.client(&key, &["whoami", "--json"]).stdout).unwrap();
+    let owner = me["member_id"].as_str().unwrap();
+    let last = server.client(&key, &["member", "role", owner, "admin"]);
+    assert_eq!(last.status.code(), Some(1));
+    assert!(
+        text(&last.stderr).contains("last_owner, HTTP 409")
+            && text(&last.stderr).contains("recover-owner"),
+        "{}",
+        text(&last.stderr)
+    );
+    let unknown = server.client(&key, &["member", "role", "nobody", "admin"]);
+    assert!(
+        text(&unknown.stderr).contains("no member named `nobody`"),
+        "{}",
+        text(&unknown.stderr)
+    );
+    let log = text(&server.client(&key, &["audit", "export"]).stdout);
+    assert_eq!(log.matches("member.role_change").count(), 2, "{log}");
+    server.stop();
+}
+
+#[test]
 fn logs_hold_neither_request_bodies_nor_authorization_headers() {
     let dir = tempfile::tempdir().unwrap();
     let db = database_args(dir.path());

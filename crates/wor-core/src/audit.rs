@@ -93,6 +93,8 @@ pub enum AuditCategory {
     PolicySet,
     /// A routine's webhook secret was made or replaced.
     WebhookSecretRotate,
+    /// A member's role was changed.
+    MemberRoleChange,
     /// A member was invited to set a console password.
     MemberInvite,
     /// A member set their console password through an invitation.
@@ -148,6 +150,7 @@ impl AuditCategory {
             AuditCategory::ApprovalUse => "approval.use",
             AuditCategory::PolicySet => "policy.set",
             AuditCategory::WebhookSecretRotate => "routine.webhook_secret",
+            AuditCategory::MemberRoleChange => "member.role_change",
             AuditCategory::MemberInvite => "member.invite",
             AuditCategory::MemberSetPassword => "member.set_password",
             AuditCategory::MemberSignInLink => "member.sign_in_link",

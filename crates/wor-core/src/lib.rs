@@ -27,4 +27,4 @@ pub use ids::{
     ApiKeyId, ApprovalId, ConnectionId, ConsoleSessionId, IdError, MemberId, NotificationRouteId,
     ProjectId, RoutineId, RunId,
 };
-pub use role::{Role, RoleParseError};
+pub use role::{Role, RoleChangeRefusal, RoleParseError};

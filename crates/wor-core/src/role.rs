@@ -22,6 +22,17 @@ pub enum Role {
 #[error("`{0}` is not a role: expected owner, admin, approver or viewer")]
 pub struct RoleParseError(pub String);
 
+/// Why a caller may not change a member's role.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum RoleChangeRefusal {
+    #[error("role `{caller}` cannot change configuration; `admin` or `owner` is required")]
+    CannotConfigure { caller: Role },
+    #[error("role `{caller}` cannot change the role of a member who is `{member}`")]
+    Outranked { caller: Role, member: Role },
+    #[error("role `{caller}` cannot grant role `{role}`")]
+    CannotGrant { caller: Role, role: Role },
+}
+
 impl Role {
     pub const ALL: [Role; 4] = [Role::Owner, Role::Admin, Role::Approver, Role::Viewer];
 
@@ -68,6 +79,38 @@ impl Role {
     pub fn can_grant(self, other: Role) -> bool {
         self.can_configure() && self.includes(other)
     }
+
+    /// The less powerful of the two: what a personal key made with role `self` may do while
+    /// its member holds `ceiling`.
+    pub fn at_most(self, ceiling: Role) -> Role {
+        if ceiling.includes(self) {
+            self
+        } else {
+            ceiling
+        }
+    }
+
+    /// Whether a caller with this role may change a member's role from `from` to `to`: a
+    /// caller who may configure, whose role includes both the member's current role and the
+    /// new one. Nobody grants above themselves, nor changes someone who outranks them.
+    pub fn may_change_role(self, from: Role, to: Role) -> Result<(), RoleChangeRefusal> {
+        if !self.can_configure() {
+            return Err(RoleChangeRefusal::CannotConfigure { caller: self });
+        }
+        if !self.includes(from) {
+            return Err(RoleChangeRefusal::Outranked {
+                caller: self,
+                member: from,
+            });
+        }
+        if !self.can_grant(to) {
+            return Err(RoleChangeRefusal::CannotGrant {
+                caller: self,
+                role: to,
+            });
+        }
+        Ok(())
+    }
 }
 
 impl fmt::Display for Role {
@@ -97,6 +140,35 @@ mod tests {
         assert!(Role::Approver.can_approve() && !Role::Viewer.can_approve());
         assert!(Role::Admin.can_grant(Role::Admin) && !Role::Admin.can_grant(Role::Owner));
         assert!(!Role::Approver.can_grant(Role::Viewer));
+    }
+
+    #[test]
+    fn a_role_change_stays_within_the_callers_own_role() {
+        use RoleChangeRefusal::*;
+        let (o, a, p, v) = (Role::Owner, Role::Admin, Role::Approver, Role::Viewer);
+        assert_eq!(o.may_change_role(o, v), Ok(()));
+        assert_eq!(o.may_change_role(v, o), Ok(()));
+        assert_eq!(a.may_change_role(v, a), Ok(()));
+        assert_eq!(a.may_change_role(a, p), Ok(()));
+        assert_eq!(
+            a.may_change_role(v, o),
+            Err(CannotGrant { caller: a, role: o })
+        );
+        assert_eq!(
+            a.may_change_role(o, v),
+            Err(Outranked {
+                caller: a,
+                member: o
+            })
+        );
+        assert_eq!(p.may_change_role(v, v), Err(CannotConfigure { caller: p }));
+        for key in Role::ALL {
+            for member in Role::ALL {
+                let acting = key.at_most(member);
+                assert!(key.includes(acting) && member.includes(acting));
+                assert!(acting == key || acting == member);
+            }
+        }
     }
 
     #[test]

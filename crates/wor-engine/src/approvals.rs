@@ -5,6 +5,8 @@
 //! routine with `[approvals] separate_from_author = true` also excludes the member who applied
 //! the run's routine version.
 
+use std::collections::HashMap;
+
 use serde_json::json;
 use wor_core::audit::{Actor, AuditCategory, AuditEvent};
 use wor_core::{ApiKeyId, ApprovalId, MemberId, ProjectId, Role};
@@ -226,7 +228,10 @@ impl Engine {
         let run = self.store.get_run(project, approval.run_id).await?;
         // Who may edit is who may approve: a caller who may not decide learns nothing of
         // whether their edit would pass.
-        if let Some(refusal) = self.approver_refusal(project, &run, approver).await? {
+        if let Some(refusal) = self
+            .approver_refusal(project, &run, approver, &mut HashMap::new())
+            .await?
+        {
             return Err(EngineError::Forbidden(refusal));
         }
         if approval.kind != ApprovalKind::Policy {
@@ -402,7 +407,10 @@ impl Engine {
                 "the reason is longer than {MAX_REASON_CHARS} characters"
             )));
         }
-        if let Some(refusal) = self.approver_refusal(project, &run, approver).await? {
+        if let Some(refusal) = self
+            .approver_refusal(project, &run, approver, &mut HashMap::new())
+            .await?
+        {
             return Err(EngineError::Forbidden(refusal));
         }
         let reason = wor_secrets::redact_shapes(reason).into_owned();
@@ -464,14 +472,37 @@ impl Engine {
         approver: Approver,
     ) -> Result<Option<String>, EngineError> {
         let run = self.store.get_run(project, approval.run_id).await?;
-        self.approver_refusal(project, &run, approver).await
+        self.approver_refusal(project, &run, approver, &mut HashMap::new())
+            .await
     }
 
+    /// [`Engine::approval_refusal`] for the approvals of each of `runs` at once (a page of the
+    /// console's inbox), in their order: each key the runs name is read once.
+    pub async fn approval_refusals(
+        &self,
+        project: ProjectId,
+        runs: &[&RunRecord],
+        approver: Approver,
+    ) -> Result<Vec<Option<String>>, EngineError> {
+        let mut key_members = HashMap::new();
+        let mut refusals = Vec::with_capacity(runs.len());
+        for run in runs {
+            refusals.push(
+                self.approver_refusal(project, run, approver, &mut key_members)
+                    .await?,
+            );
+        }
+        Ok(refusals)
+    }
+
+    /// Why `approver` may not decide approvals of `run`; `key_members` keeps the members of
+    /// the keys already looked up.
     async fn approver_refusal(
         &self,
         project: ProjectId,
         run: &RunRecord,
         approver: Approver,
+        key_members: &mut HashMap<ApiKeyId, Option<MemberId>>,
     ) -> Result<Option<String>, EngineError> {
         let Some(member_id) = approver.member_id else {
             return Ok(Some(NO_PERSON.to_owned()));
@@ -493,7 +524,7 @@ impl Engine {
                     "the API key that started this run cannot decide its approvals".to_owned(),
                 ));
             }
-            if self.key_member(project, starter).await? == Some(member_id) {
+            if self.key_member(project, starter, key_members).await? == Some(member_id) {
                 return Ok(Some(
                     "the member who started this run cannot decide its approvals".to_owned(),
                 ));
@@ -505,7 +536,7 @@ impl Engine {
         if version.definition.approvals.separate_from_author
             && let Some(author_key) = version.created_by
             && (Some(author_key) == approver.key_id
-                || self.key_member(project, author_key).await? == Some(member_id))
+                || self.key_member(project, author_key, key_members).await? == Some(member_id))
         {
             return Ok(Some(
                 "this routine asks that its author not decide its approvals".to_owned(),
@@ -514,17 +545,24 @@ impl Engine {
         Ok(None)
     }
 
-    /// The member a key belongs to; `None` for a service key or a key no longer there.
+    /// The member a key belongs to; `None` for a service key or a key no longer there. Read
+    /// once per `known`.
     async fn key_member(
         &self,
         project: ProjectId,
         key: ApiKeyId,
+        known: &mut HashMap<ApiKeyId, Option<MemberId>>,
     ) -> Result<Option<MemberId>, EngineError> {
-        match self.store.get_api_key(project, key).await {
-            Ok(key) => Ok(key.member_id),
-            Err(StoreError::NotFound) => Ok(None),
-            Err(other) => Err(other.into()),
+        if let Some(member) = known.get(&key) {
+            return Ok(*member);
         }
+        let member = match self.store.get_api_key(project, key).await {
+            Ok(key) => key.member_id,
+            Err(StoreError::NotFound) => None,
+            Err(other) => return Err(other.into()),
+        };
+        known.insert(key, member);
+        Ok(member)
     }
 
     /// Expires every pending approval whose time ran out; their runs go on as their routines

@@ -32,6 +32,9 @@ pub enum ApiError {
     /// The change would leave the project without an owner who can manage it.
     #[error("{0}")]
     LastOwnerKey(String),
+    /// The role change would leave the project without an owner who can manage it.
+    #[error("{0}")]
+    LastOwner(String),
     #[error("{0}")]
     Unavailable(String),
     #[error("{}", enrolment_refusal_message(*.0))]
@@ -80,6 +83,7 @@ impl ApiError {
             }
             ApiError::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
             ApiError::LastOwnerKey(_) => (StatusCode::CONFLICT, "last_owner_key"),
+            ApiError::LastOwner(_) => (StatusCode::CONFLICT, "last_owner"),
             ApiError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
             ApiError::EnrolmentRefused(wor_store::EnrolmentRefusal::KeysInUse) => {
                 (StatusCode::CONFLICT, "keys_in_use")
@@ -228,6 +232,8 @@ impl From<StoreError> for ApiError {
             StoreError::NotFound => ApiError::NotFound,
             StoreError::Conflict(message) => ApiError::Conflict(message),
             last @ StoreError::LastOwnerKey { .. } => ApiError::LastOwnerKey(last.to_string()),
+            last @ StoreError::LastOwner { .. } => ApiError::LastOwner(last.to_string()),
+            StoreError::RoleChange(refusal) => ApiError::Forbidden(refusal.to_string()),
             other => {
                 // The variant is logged, not the message: database messages can quote data.
                 tracing::error!(category = "store", kind = other.kind(), "store error");

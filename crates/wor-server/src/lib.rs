@@ -95,7 +95,10 @@ fn api() -> OpenApiRouter<AppState> {
             routes::members::list_members,
             routes::members::create_member
         ))
-        .routes(routes!(routes::members::get_member))
+        .routes(routes!(
+            routes::members::get_member,
+            routes::members::change_role
+        ))
         .routes(routes!(routes::invitations::invite))
         .routes(routes!(routes::keys::list_keys, routes::keys::create_key))
         .routes(routes!(routes::keys::get_key, routes::keys::revoke_key))

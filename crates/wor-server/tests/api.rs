@@ -149,6 +149,7 @@ fn documented_operations() -> Vec<(Method, String)> {
 fn sample_body(method: &Method, path: &str) -> Option<Value> {
     match (method.as_str(), path) {
         ("POST", "/v1/members") => Some(json!({"name": "probe", "role": "viewer"})),
+        ("PATCH", "/v1/members/{member_id}") => Some(json!({"role": "viewer"})),
         ("POST", "/v1/invitations") => Some(json!({"name": "probe-invited", "role": "viewer"})),
         ("POST", "/v1/keys") => Some(json!({"name": "probe", "role": "viewer", "service": true})),
         ("POST", "/v1/model-connections") => Some(json!({
@@ -1585,6 +1586,180 @@ async fn the_last_owner_key_cannot_be_revoked_through_the_api() {
         .await,
         StatusCode::CONFLICT,
         "last_owner_key",
+    );
+}
+
+/// Adds member `name` with `role` through the API; returns their id and first key.
+async fn add_member(api: &TestApi, owner: &str, name: &str, role: &str) -> (String, String) {
+    let created = api
+        .call(
+            Method::POST,
+            "/v1/members",
+            Some(owner),
+            Some(json!({"name": name, "role": role})),
+        )
+        .await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.text);
+    (
+        created.body["member"]["id"].as_str().unwrap().to_owned(),
+        created.body["key"]["api_key"].as_str().unwrap().to_owned(),
+    )
+}
+
+#[tokio::test]
+async fn a_members_role_changes_within_the_callers_own_and_the_last_owner_stays() {
+    let api = TestApi::new().await;
+    let p = api.project("alice").await;
+    let owner = p.owner_key.expose();
+    let alice = p.owner.id.to_string();
+    let (adam, adam_key) = add_member(&api, owner, "adam", "admin").await;
+    let (pia, pia_key) = add_member(&api, owner, "pia", "approver").await;
+    let (vera, vera_key) = add_member(&api, owner, "vera", "viewer").await;
+    let patch = |id: &str, key: &str, role: &str| {
+        let (path, key, body) = (
+            format!("/v1/members/{id}"),
+            key.to_owned(),
+            json!({ "role": role }),
+        );
+        let api = &api;
+        async move { api.call(Method::PATCH, &path, Some(&key), Some(body)).await }
+    };
+    let role_of = |key: &str| {
+        let (key, api) = (key.to_owned(), &api);
+        async move {
+            let reply = api.call(Method::GET, "/v1/whoami", Some(&key), None).await;
+            reply.body["role"].as_str().unwrap().to_owned()
+        }
+    };
+
+    // Only admins and owners change roles, never above their own nor of someone above them.
+    assert_error(
+        &patch(&pia, &vera_key, "viewer").await,
+        StatusCode::FORBIDDEN,
+        "forbidden",
+    );
+    assert_error(
+        &patch(&vera, &pia_key, "viewer").await,
+        StatusCode::FORBIDDEN,
+        "forbidden",
+    );
+    let refused = patch(&pia, &adam_key, "owner").await;
+    assert_error(&refused, StatusCode::FORBIDDEN, "forbidden");
+    assert!(
+        refused.text.contains("cannot grant role `owner`"),
+        "{}",
+        refused.text
+    );
+    let refused = patch(&alice, &adam_key, "viewer").await;
+    assert_error(&refused, StatusCode::FORBIDDEN, "forbidden");
+    assert!(refused.text.contains("who is `owner`"), "{}", refused.text);
+    // Unknown members are 404; bad roles and bodies 400.
+    let nobody = wor_core::MemberId::new().to_string();
+    assert_error(
+        &patch(&nobody, owner, "viewer").await,
+        StatusCode::NOT_FOUND,
+        "not_found",
+    );
+    assert_error(
+        &patch(&pia, owner, "root").await,
+        StatusCode::BAD_REQUEST,
+        "invalid_role",
+    );
+    assert_error(
+        &api.call(
+            Method::PATCH,
+            &format!("/v1/members/{pia}"),
+            Some(owner),
+            Some(json!({"role": "viewer", "name": "x"})),
+        )
+        .await,
+        StatusCode::BAD_REQUEST,
+        "invalid_body",
+    );
+    // The last owner cannot step down; nothing changed.
+    let refused = patch(&alice, owner, "admin").await;
+    assert_error(&refused, StatusCode::CONFLICT, "last_owner");
+    assert!(
+        refused.text.contains(&alice) && refused.text.contains("recover-owner"),
+        "{}",
+        refused.text
+    );
+    assert_eq!(role_of(owner).await, "owner");
+
+    // An admin promotes an approver to admin: the member is admin; their key, made as an
+    // approver, still acts as one (a promotion raises no key).
+    let promoted = patch(&pia, &adam_key, "admin").await;
+    assert_eq!(promoted.status, StatusCode::OK, "{}", promoted.text);
+    assert_eq!(promoted.body["role"], "admin");
+    assert_eq!(promoted.body["id"], pia.as_str());
+    assert_eq!(role_of(&pia_key).await, "approver");
+    // The role a member has already: nothing changes, nothing is recorded.
+    let same = patch(&vera, &adam_key, "viewer").await;
+    assert_eq!(same.status, StatusCode::OK, "{}", same.text);
+
+    // A demotion holds for the member's keys from their next request.
+    let demoted = patch(&adam, owner, "viewer").await;
+    assert_eq!(demoted.status, StatusCode::OK, "{}", demoted.text);
+    assert_eq!(role_of(&adam_key).await, "viewer");
+    assert_error(
+        &api.call(
+            Method::POST,
+            "/v1/members",
+            Some(&adam_key),
+            Some(json!({"name": "x", "role": "viewer"})),
+        )
+        .await,
+        StatusCode::FORBIDDEN,
+        "forbidden",
+    );
+    assert_error(
+        &patch(&vera, &adam_key, "viewer").await,
+        StatusCode::FORBIDDEN,
+        "forbidden",
+    );
+
+    // A second owner with an owner key: now the first may step down, and then is an admin
+    // who cannot touch the owner who remains, who is the last one.
+    let (bob, bob_key) = add_member(&api, owner, "bob", "owner").await;
+    let stepped = patch(&alice, owner, "admin").await;
+    assert_eq!(stepped.status, StatusCode::OK, "{}", stepped.text);
+    assert_eq!(role_of(owner).await, "admin");
+    assert_error(
+        &patch(&bob, owner, "admin").await,
+        StatusCode::FORBIDDEN,
+        "forbidden",
+    );
+    assert_error(
+        &patch(&bob, &bob_key, "admin").await,
+        StatusCode::CONFLICT,
+        "last_owner",
+    );
+
+    // Each change is one audit entry naming the member, the old role and the new.
+    let log = api
+        .call(Method::GET, "/v1/audit?limit=1000", Some(&bob_key), None)
+        .await;
+    let changes: Vec<(String, String, String)> = log.body["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["category"] == "member.role_change")
+        .map(|e| {
+            (
+                e["subjects"]["member_id"].as_str().unwrap().to_owned(),
+                e["payload"]["from"].as_str().unwrap().to_owned(),
+                e["payload"]["to"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    let change = |id: &str, from: &str, to: &str| (id.to_owned(), from.to_owned(), to.to_owned());
+    assert_eq!(
+        changes,
+        [
+            change(&pia, "approver", "admin"),
+            change(&adam, "admin", "viewer"),
+            change(&alice, "owner", "admin"),
+        ]
     );
 }
 

@@ -2009,6 +2009,132 @@ async fn an_admin_invites_from_the_console_under_the_apis_rules_and_the_link_sho
     assert!(audit.contains("member.invite") && audit.contains("member.create"));
 }
 
+/// The id of member `name`, through the API.
+async fn member_id(h: &Harness, name: &str) -> String {
+    let (_, members) = h.call(Method::GET, "/v1/members", None).await;
+    members
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == name)
+        .unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
+#[tokio::test]
+async fn an_admin_changes_roles_in_the_console_and_a_signed_in_member_has_the_new_one_at_once() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    let mut ann = signed_in(&h, addr, "ann", Some("admin")).await;
+    let mut vic = signed_in(&h, addr, "vic", Some("viewer")).await;
+    let (vic_id, alice_id) = (member_id(&h, "vic").await, member_id(&h, "alice").await);
+    let vic_form = format!("/console/members/{vic_id}/role");
+    let alice_form = format!("/console/members/{alice_id}/role");
+
+    // A viewer sees roles and no form; an admin gets one for each member they may change,
+    // never for the owner above them, and never offering owner.
+    let page = vic.get("/console/members").await;
+    assert!(!page.body.contains("/role\""), "{}", page.body);
+    let page = ann.get("/console/members").await;
+    assert!(
+        page.body.contains(&format!("action=\"{vic_form}\"")),
+        "{}",
+        page.body
+    );
+    assert!(!page.body.contains(&alice_form), "{}", page.body);
+    assert!(
+        !page.body.contains("<option value=\"owner\""),
+        "{}",
+        page.body
+    );
+    let csrf = page.csrf();
+
+    // Without its token the form is refused and nothing changes.
+    let page = ann.post(&vic_form, &[("role", "admin")]).await;
+    assert_eq!(page.status, StatusCode::FORBIDDEN);
+    let page = ann
+        .post(&vic_form, &[("csrf", "x"), ("role", "admin")])
+        .await;
+    assert_eq!(page.status, StatusCode::FORBIDDEN);
+    assert!(
+        !vic.get("/console/members")
+            .await
+            .body
+            .contains("Invite a member")
+    );
+
+    // Promoted, vic's open session has the new role on its next page.
+    let page = ann
+        .post(&vic_form, &[("csrf", &csrf), ("role", "admin")])
+        .await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    assert!(page.body.contains("vic is now admin"), "{}", page.body);
+    let page = vic.get("/console/members").await;
+    assert_eq!(page.status, StatusCode::OK);
+    assert!(page.body.contains("Invite a member"), "{}", page.body);
+    let vic_csrf = page.csrf();
+    // Demoted, the same session keeps going, as a viewer: a form it was shown is refused.
+    let page = ann
+        .post(&vic_form, &[("csrf", &csrf), ("role", "viewer")])
+        .await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    let page = vic
+        .post(
+            "/console/members/invite",
+            &[("csrf", &vic_csrf), ("name", "zed"), ("role", "viewer")],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::FORBIDDEN, "{}", page.body);
+    let page = vic.get("/console/members").await;
+    assert_eq!(page.status, StatusCode::OK);
+    assert!(!page.body.contains("Invite a member"));
+
+    // Above one's own role, or of a member above it: refused, said on the page.
+    let page = ann
+        .post(&vic_form, &[("csrf", &csrf), ("role", "owner")])
+        .await;
+    assert_eq!(page.status, StatusCode::FORBIDDEN, "{}", page.body);
+    assert!(
+        page.body.contains("cannot grant role `owner`"),
+        "{}",
+        page.body
+    );
+    let page = ann
+        .post(&alice_form, &[("csrf", &csrf), ("role", "viewer")])
+        .await;
+    assert_eq!(page.status, StatusCode::FORBIDDEN, "{}", page.body);
+    assert!(page.body.contains("who is `owner`"), "{}", page.body);
+    let page = ann
+        .post(&vic_form, &[("csrf", &csrf), ("role", "root")])
+        .await;
+    assert_eq!(page.status, StatusCode::BAD_REQUEST, "{}", page.body);
+    let nobody = format!("/console/members/{}/role", wor_core::MemberId::new());
+    let page = ann
+        .post(&nobody, &[("csrf", &csrf), ("role", "viewer")])
+        .await;
+    assert_eq!(page.status, StatusCode::NOT_FOUND);
+
+    // The last owner cannot step down from the console either.
+    let mut alice = signed_in(&h, addr, "alice", None).await;
+    let page = alice.get("/console/members").await;
+    assert!(page.body.contains(&alice_form), "{}", page.body);
+    let alice_csrf = page.csrf();
+    let page = alice
+        .post(&alice_form, &[("csrf", &alice_csrf), ("role", "admin")])
+        .await;
+    assert_eq!(page.status, StatusCode::CONFLICT, "{}", page.body);
+    assert!(page.body.contains("last owner"), "{}", page.body);
+    assert_eq!(
+        h.call(Method::GET, "/v1/whoami", None).await.1["role"],
+        "owner"
+    );
+
+    let audit = h.audit_text().await;
+    assert_eq!(audit.matches("member.role_change").count(), 2, "{audit}");
+}
+
 /// Reads the event stream `response` until it carries `needle`, for at most ten seconds.
 async fn stream_until(response: &mut reqwest::Response, needle: &str) -> String {
     let mut seen = String::new();
@@ -2071,9 +2197,15 @@ async fn the_inbox_and_an_active_run_send_live_change_events() {
         .text()
         .await
         .unwrap();
-    assert!(page.contains(&format!("data-live=\"/console/runs/{run}/events\"")));
-    let mut follow = open(format!("/console/runs/{run}/events")).await;
-    assert_eq!(follow.status().as_u16(), 200);
+    // The page's stream link carries the run as the page showed it.
+    let start = page.find("data-live=\"").unwrap() + 11;
+    let live = page[start..start + page[start..].find('"').unwrap()].replace("&amp;", "&");
+    let shown = format!("/console/runs/{run}/events?status=waiting_for_approval&step=");
+    assert!(live.starts_with(&shown), "{live}");
+    // The run moves after the page was rendered and before its stream connects (the call is
+    // approved, the run queued again; no worker runs it, so nothing moves after): the page's
+    // stream says `changed` at once, where a stream that starts from the run as it is now
+    // has nothing to say.
     let approval = h.pending_approvals(&run).await[0]["id"]
         .as_str()
         .unwrap()
@@ -2081,8 +2213,37 @@ async fn the_inbox_and_an_active_run_send_live_change_events() {
     let approver = h.member("approver").await;
     let (status, _) = h.decide(&approver, &approval, "approve", "fine").await;
     assert_eq!(status, StatusCode::OK);
+    let mut follow = open(live.clone()).await;
+    assert_eq!(follow.status().as_u16(), 200);
+    let mut unanchored = open(format!("/console/runs/{run}/events")).await;
+    assert_eq!(unanchored.status().as_u16(), 200);
+    let seen = stream_until(&mut follow, "event: changed").await;
+    assert!(!seen.contains("event: end"), "{seen}");
+    let quiet = tokio::time::timeout(Duration::from_millis(1500), unanchored.chunk()).await;
+    assert!(
+        quiet.is_err(),
+        "a stream with no page to compare with saw a change: {quiet:?}"
+    );
+    // The page as it is now: its stream is quiet until the run moves again.
+    let page = open(format!("/console/runs/{run}"))
+        .await
+        .text()
+        .await
+        .unwrap();
+    assert!(page.contains("?status=queued&amp;step="), "{page}");
+    for bad in [
+        "?status=queued",
+        "?step=1",
+        "?status=lost&step=1",
+        "?status=queued&step=x",
+        "?other=1",
+    ] {
+        let reply = open(format!("/console/runs/{run}/events{bad}")).await;
+        assert_eq!(reply.status().as_u16(), 400, "{bad}");
+    }
     while h.engine.run_next().await.unwrap() {}
     stream_until(&mut follow, "event: end").await;
+    stream_until(&mut unanchored, "event: end").await;
     let page = open(format!("/console/runs/{run}"))
         .await
         .text()

@@ -166,6 +166,10 @@ impl Store {
 
     /// Resolves a presented key. Unknown and revoked keys are both `None`: the caller
     /// learns nothing about which.
+    ///
+    /// INVARIANT: a personal key acts with the lower of its own role and its member's role as
+    /// it is now, read with the key on every request: a member's new role holds for all of
+    /// their keys from the next request, and no key acts above the person it belongs to.
     pub async fn authenticate_api_key(
         &self,
         presented: &str,
@@ -174,8 +178,10 @@ impl Store {
             return Ok(None);
         }
         let row = sqlx::query(
-            "SELECT id, project_id, member_id, role, last_used_at FROM api_keys \
-             WHERE sha256 = $1 AND revoked_at IS NULL",
+            "SELECT k.id, k.project_id, k.member_id, k.role, k.last_used_at, \
+             m.role AS member_role FROM api_keys k \
+             LEFT JOIN members m ON m.id = k.member_id AND m.project_id = k.project_id \
+             WHERE k.sha256 = $1 AND k.revoked_at IS NULL",
         )
         .bind(api_key_digest(presented))
         .fetch_optional(&self.pool)
@@ -185,14 +191,24 @@ impl Store {
         let project_id: String = row.try_get("project_id")?;
         let member_id: Option<String> = row.try_get("member_id")?;
         let role: String = row.try_get("role")?;
+        let member_role: Option<String> = row.try_get("member_role")?;
         let last_used_at: Option<i64> = row.try_get("last_used_at")?;
+        let key_role: Role = parse_column(&role, "api_keys.role")?;
+        let role = match (&member_id, member_role) {
+            (None, _) => key_role,
+            (Some(_), Some(member_role)) => {
+                key_role.at_most(parse_column(&member_role, "members.role")?)
+            }
+            // A personal key whose member is gone opens nothing.
+            (Some(_), None) => return Ok(None),
+        };
         let key = AuthenticatedKey {
             key_id: parse_column(&id, "api_keys.id")?,
             project_id: parse_column(&project_id, "api_keys.project_id")?,
             member_id: member_id
                 .map(|m| parse_column(&m, "api_keys.member_id"))
                 .transpose()?,
-            role: parse_column(&role, "api_keys.role")?,
+            role,
         };
         let now = now_millis();
         if last_used_at.is_none_or(|t| now - t >= LAST_USED_RESOLUTION_MS) {

@@ -54,7 +54,7 @@ pub use console::{
     SIGN_IN_LINK_TOKEN_PREFIX, SessionOrigin, SignInAccount,
 };
 pub use journal::{RunWrite, RunWritten};
-pub use members::MemberRecord;
+pub use members::{MemberRecord, RoleChange, RoleChanger};
 pub use model_connections::{
     API_KEY_FIELD, ConnectionStatus, MODEL_CONNECTIONS_TABLE, ModelConnectionRecord,
     NewModelConnection,
@@ -118,6 +118,15 @@ pub enum StoreError {
          owner key first (an operator can run `wor project recover-owner`)"
     )]
     LastOwnerKey { key_id: wor_core::ApiKeyId },
+    /// The change would leave the project without an owner who can manage it.
+    #[error(
+        "member `{member_id}` is the project's last owner with a live owner key; make another \
+         member owner first (an operator can run `wor project recover-owner`)"
+    )]
+    LastOwner { member_id: wor_core::MemberId },
+    /// The caller may not make this role change.
+    #[error("{0}")]
+    RoleChange(wor_core::RoleChangeRefusal),
     #[error("unsupported database url `{0}`: expected `sqlite://…` or `postgres://…`")]
     UnsupportedUrl(String),
     #[error("cannot create data directory `{path}`: {source}")]
@@ -146,6 +155,8 @@ impl StoreError {
             StoreError::NotFound => "not_found",
             StoreError::Conflict(_) => "conflict",
             StoreError::LastOwnerKey { .. } => "last_owner_key",
+            StoreError::LastOwner { .. } => "last_owner",
+            StoreError::RoleChange(_) => "role_change",
             StoreError::UnsupportedUrl(_) => "unsupported_url",
             StoreError::DataDir { .. } => "data_dir",
             StoreError::NoDatabase { .. } => "no_database",

@@ -3,6 +3,7 @@
 use sqlx::{Any, Row, Transaction};
 use wor_core::{MemberId, ProjectId, Role};
 
+use crate::api_keys::{live_owner_keys, lock_project};
 use crate::{Store, StoreError, conflict_or, now_millis, parse_column};
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -12,6 +13,28 @@ pub struct MemberRecord {
     pub name: String,
     pub role: Role,
     pub created_at: i64,
+}
+
+/// Who asks for a role change: the role they act with, and the member they are (`None` for a
+/// service key).
+#[derive(Debug, Clone, Copy)]
+pub struct RoleChanger {
+    pub role: Role,
+    pub member: Option<MemberId>,
+}
+
+/// A member after a role change, and the role they had before it.
+#[derive(Debug, Clone)]
+pub struct RoleChange {
+    pub member: MemberRecord,
+    pub previous: Role,
+}
+
+impl RoleChange {
+    /// Whether the role is different now: asking for the role a member has changes nothing.
+    pub fn changed(&self) -> bool {
+        self.member.role != self.previous
+    }
 }
 
 const COLUMNS: &str = "id, project_id, name, role, created_at";
@@ -74,6 +97,57 @@ impl Store {
         member_from_row(&row)
     }
 
+    /// Gives member `id` of `project` role `role`, for `by`.
+    ///
+    /// INVARIANT: checked in the transaction that changes it, under the project's lock, with
+    /// the member's role and the changer's own role as they are then: the changer may
+    /// configure and their role includes both the member's role and the new one
+    /// ([`Role::may_change_role`], refused as [`StoreError::RoleChange`]); and the project
+    /// keeps an `owner` member with a live personal `owner` key, so demoting the last one is
+    /// refused with [`StoreError::LastOwner`] (two demotions at once cannot both pass).
+    pub async fn change_member_role(
+        &self,
+        project: ProjectId,
+        id: MemberId,
+        role: Role,
+        by: RoleChanger,
+    ) -> Result<RoleChange, StoreError> {
+        let mut tx = self.begin_write().await?;
+        lock_project(&mut tx, project).await?;
+        let member = fetch_member(&mut tx, project, id).await?;
+        // The changer's own membership as it is now: a demotion that committed after they
+        // were authenticated holds here.
+        let acting = match by.member {
+            Some(changer) => by
+                .role
+                .at_most(fetch_member(&mut tx, project, changer).await?.role),
+            None => by.role,
+        };
+        acting
+            .may_change_role(member.role, role)
+            .map_err(StoreError::RoleChange)?;
+        let previous = member.role;
+        if previous == role {
+            tx.rollback().await?;
+            return Ok(RoleChange { member, previous });
+        }
+        sqlx::query("UPDATE members SET role = $1 WHERE project_id = $2 AND id = $3")
+            .bind(role.as_str())
+            .bind(project.to_string())
+            .bind(id.to_string())
+            .execute(&mut *tx)
+            .await?;
+        if previous == Role::Owner && live_owner_keys(&mut tx, project).await? == 0 {
+            tx.rollback().await?;
+            return Err(StoreError::LastOwner { member_id: id });
+        }
+        tx.commit().await?;
+        Ok(RoleChange {
+            member: MemberRecord { role, ..member },
+            previous,
+        })
+    }
+
     pub async fn list_members(&self, project: ProjectId) -> Result<Vec<MemberRecord>, StoreError> {
         let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
             "SELECT {COLUMNS} FROM members WHERE project_id = $1 ORDER BY id"
@@ -83,6 +157,22 @@ impl Store {
         .await?;
         rows.iter().map(member_from_row).collect()
     }
+}
+
+async fn fetch_member(
+    tx: &mut Transaction<'_, Any>,
+    project: ProjectId,
+    id: MemberId,
+) -> Result<MemberRecord, StoreError> {
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {COLUMNS} FROM members WHERE project_id = $1 AND id = $2"
+    )))
+    .bind(project.to_string())
+    .bind(id.to_string())
+    .fetch_optional(&mut **tx)
+    .await?
+    .ok_or(StoreError::NotFound)?;
+    member_from_row(&row)
 }
 
 fn member_from_row(row: &sqlx::any::AnyRow) -> Result<MemberRecord, StoreError> {

@@ -699,26 +699,85 @@ impl Store {
         .bind(after_seq)
         .fetch_all(self.pool())
         .await?;
-        rows.iter()
-            .map(|row| {
-                let provenance: String = row.try_get("provenance")?;
-                let kind: String = row.try_get("kind")?;
-                let payload: String = row.try_get("payload")?;
-                let payload = serde_json::from_str(&payload)
-                    .map_err(|_| StoreError::Corrupt("run_steps.payload is not JSON".to_owned()))?;
-                Ok(RunStep {
-                    seq: row.try_get("seq")?,
-                    provenance: parse_column(&provenance, "run_steps.provenance")?,
-                    step: Step::from_stored(&kind, payload)
-                        .map_err(|e| StoreError::Corrupt(format!("run_steps: {e}")))?,
-                    created_at: row.try_get("created_at")?,
-                })
-            })
-            .collect()
+        rows.iter().map(step_from_row).collect()
     }
 }
 
+fn step_from_row(row: &sqlx::any::AnyRow) -> Result<RunStep, StoreError> {
+    let provenance: String = row.try_get("provenance")?;
+    let kind: String = row.try_get("kind")?;
+    let payload: String = row.try_get("payload")?;
+    let payload = serde_json::from_str(&payload)
+        .map_err(|_| StoreError::Corrupt("run_steps.payload is not JSON".to_owned()))?;
+    Ok(RunStep {
+        seq: row.try_get("seq")?,
+        provenance: parse_column(&provenance, "run_steps.provenance")?,
+        step: Step::from_stored(&kind, payload)
+            .map_err(|e| StoreError::Corrupt(format!("run_steps: {e}")))?,
+        created_at: row.try_get("created_at")?,
+    })
+}
+
 impl Store {
+    /// The runs of `ids` in `project`, by id, in one statement per 200: a page's runs read
+    /// together. Runs of another project and unknown ids are absent.
+    pub async fn get_runs(
+        &self,
+        project: ProjectId,
+        ids: &[RunId],
+    ) -> Result<std::collections::HashMap<RunId, RunRecord>, StoreError> {
+        const PER_STATEMENT: usize = 200;
+        let mut runs = std::collections::HashMap::with_capacity(ids.len());
+        for chunk in ids.chunks(PER_STATEMENT) {
+            let places: Vec<String> = (2..chunk.len() + 2).map(|n| format!("${n}")).collect();
+            let sql = format!(
+                "SELECT {COLUMNS} FROM runs WHERE project_id = $1 AND id IN ({})",
+                places.join(", ")
+            );
+            let mut query = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(project.to_string());
+            for id in chunk {
+                query = query.bind(id.to_string());
+            }
+            for row in query.fetch_all(self.pool()).await? {
+                let run = run_from_row(&row)?;
+                runs.insert(run.id, run);
+            }
+        }
+        Ok(runs)
+    }
+
+    /// The steps of `runs` that say what a held call came from: each run's input steps and its
+    /// untrusted steps, in order, by run, in one statement per 200 runs. Model turns and tool
+    /// calls, the bulk of a run's log, are not read.
+    pub async fn input_and_untrusted_steps(
+        &self,
+        project: ProjectId,
+        runs: &[RunId],
+    ) -> Result<std::collections::HashMap<RunId, Vec<RunStep>>, StoreError> {
+        const PER_STATEMENT: usize = 200;
+        let mut steps: std::collections::HashMap<RunId, Vec<RunStep>> =
+            std::collections::HashMap::with_capacity(runs.len());
+        for chunk in runs.chunks(PER_STATEMENT) {
+            let places: Vec<String> = (2..chunk.len() + 2).map(|n| format!("${n}")).collect();
+            let sql = format!(
+                "SELECT run_id, seq, kind, provenance, payload, created_at FROM run_steps \
+                 WHERE project_id = $1 AND run_id IN ({}) \
+                 AND (kind = 'input' OR provenance = 'untrusted') ORDER BY run_id, seq",
+                places.join(", ")
+            );
+            let mut query = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(project.to_string());
+            for run in chunk {
+                query = query.bind(run.to_string());
+            }
+            for row in query.fetch_all(self.pool()).await? {
+                let run: RunId =
+                    parse_column(&row.try_get::<String, _>("run_id")?, "run_steps.run_id")?;
+                steps.entry(run).or_default().push(step_from_row(&row)?);
+            }
+        }
+        Ok(steps)
+    }
+
     /// The validated results of `runs` (routines with `[output] schema`): each run's last
     /// `output` step, by run. Runs of another project and runs without one are absent.
     pub async fn run_results(

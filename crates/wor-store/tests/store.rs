@@ -1005,6 +1005,152 @@ async fn two_concurrent_revocations_cannot_both_remove_the_last_owner() {
 }
 
 #[tokio::test]
+async fn two_owners_demoting_themselves_at_once_leave_one_owner() {
+    let db = TestDatabase::new().await.unwrap();
+    for _ in 0..5 {
+        let p = db
+            .store
+            .create_project(&TestDatabase::unique_name("p"), "alice")
+            .await
+            .unwrap();
+        let project = p.project.id;
+        let bob = db
+            .store
+            .create_member(project, "bob", Role::Owner)
+            .await
+            .unwrap();
+        owner_key(&db, project, bob.id).await;
+        let demote = |member: wor_core::MemberId| {
+            let store = db.store.clone();
+            tokio::spawn(async move {
+                store
+                    .change_member_role(
+                        project,
+                        member,
+                        Role::Admin,
+                        wor_store::RoleChanger {
+                            role: Role::Owner,
+                            member: Some(member),
+                        },
+                    )
+                    .await
+            })
+        };
+        let (a, b) = tokio::join!(demote(p.owner.id), demote(bob.id));
+        let outcomes = [a.unwrap(), b.unwrap()];
+        let demoted = outcomes.iter().filter(|o| o.is_ok()).count();
+        let refused = outcomes
+            .iter()
+            .filter(|o| matches!(o, Err(StoreError::LastOwner { .. })))
+            .count();
+        assert_eq!((demoted, refused), (1, 1), "{outcomes:?}");
+        let owners = db
+            .store
+            .list_members(project)
+            .await
+            .unwrap()
+            .into_iter()
+            .filter(|m| m.role == Role::Owner)
+            .count();
+        assert_eq!(owners, 1);
+    }
+}
+
+#[tokio::test]
+async fn a_demoted_members_keys_act_with_their_new_role_and_a_changer_is_read_as_they_are_now() {
+    let db = TestDatabase::new().await.unwrap();
+    let p = db
+        .store
+        .create_project(&TestDatabase::unique_name("p"), "alice")
+        .await
+        .unwrap();
+    let project = p.project.id;
+    let adam = db
+        .store
+        .create_member(project, "adam", Role::Admin)
+        .await
+        .unwrap();
+    let (_, adam_key) = db
+        .store
+        .create_api_key(
+            project,
+            NewApiKey {
+                name: "adam".into(),
+                role: Role::Admin,
+                kind: ApiKeyKind::Personal(adam.id),
+                created_by: None,
+            },
+        )
+        .await
+        .unwrap();
+    let acting = |key: &str| {
+        let store = db.store.clone();
+        let key = key.to_owned();
+        async move {
+            store
+                .authenticate_api_key(&key)
+                .await
+                .unwrap()
+                .unwrap()
+                .role
+        }
+    };
+    assert_eq!(acting(adam_key.expose()).await, Role::Admin);
+    let owner = wor_store::RoleChanger {
+        role: Role::Owner,
+        member: Some(p.owner.id),
+    };
+    let change = db
+        .store
+        .change_member_role(project, adam.id, Role::Viewer, owner)
+        .await
+        .unwrap();
+    assert!(change.changed() && change.previous == Role::Admin);
+    assert_eq!(acting(adam_key.expose()).await, Role::Viewer);
+    // Promoted again, the key acts with the role it was made with, never above it.
+    db.store
+        .change_member_role(project, adam.id, Role::Owner, owner)
+        .await
+        .unwrap();
+    assert_eq!(acting(adam_key.expose()).await, Role::Admin);
+    // A changer authenticated as admin but demoted since is refused as the viewer they are.
+    db.store
+        .change_member_role(project, adam.id, Role::Viewer, owner)
+        .await
+        .unwrap();
+    let stale = wor_store::RoleChanger {
+        role: Role::Admin,
+        member: Some(adam.id),
+    };
+    let err = db
+        .store
+        .change_member_role(project, p.owner.id, Role::Viewer, stale)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            StoreError::RoleChange(wor_core::RoleChangeRefusal::CannotConfigure {
+                caller: Role::Viewer
+            })
+        ),
+        "{err:?}"
+    );
+    // Another project's member is not found.
+    let q = db
+        .store
+        .create_project(&TestDatabase::unique_name("q"), "olga")
+        .await
+        .unwrap();
+    assert!(matches!(
+        db.store
+            .change_member_role(project, q.owner.id, Role::Viewer, owner)
+            .await,
+        Err(StoreError::NotFound)
+    ));
+}
+
+#[tokio::test]
 async fn recovering_an_owner_makes_a_working_owner_key() {
     let db = TestDatabase::new().await.unwrap();
     let p = db

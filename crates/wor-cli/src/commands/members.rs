@@ -24,6 +24,17 @@ pub enum MemberCommand {
     /// Invite a member to the web console: print a single-use link where they set their
     /// password. A new name adds the member with `--role`.
     Invite(super::member_invite::InviteArgs),
+    /// Change a member's role. Nobody grants a role above their own or changes a member who
+    /// outranks them, and the project's last owner cannot be demoted. The new role holds from
+    /// the member's next request, for all of their keys and console sessions.
+    Role {
+        /// A `mem_…` id, or the member's name.
+        member: String,
+        /// owner, admin, approver or viewer.
+        role: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
     /// Show one member.
     Show {
         /// A `mem_…` id.
@@ -31,6 +42,21 @@ pub enum MemberCommand {
         #[command(flatten)]
         client: ClientArgs,
     },
+}
+
+/// The id of `member`: a `mem_…` id as it is, or the id of the member of that name.
+async fn member_id(api: &ApiClient, member: &str) -> anyhow::Result<String> {
+    if member.starts_with("mem_") {
+        return Ok(member.to_owned());
+    }
+    let members = api.get("/v1/members").await?;
+    members
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|m| m.pointer("/name").and_then(|n| n.as_str()) == Some(member))
+        .map(|m| field(m, "/id").to_owned())
+        .ok_or_else(|| anyhow::anyhow!("there is no member named `{member}` in the project"))
 }
 
 pub async fn whoami(args: ClientArgs) -> anyhow::Result<ExitCode> {
@@ -84,6 +110,36 @@ pub async fn run(cmd: MemberCommand) -> anyhow::Result<ExitCode> {
             }
         }
         MemberCommand::Invite(args) => return super::member_invite::run(args).await,
+        MemberCommand::Role {
+            member,
+            role,
+            client,
+        } => {
+            let api = ApiClient::new(&client)?;
+            let id = member_id(&api, &member).await?;
+            let before = api.get(&format!("/v1/members/{id}")).await?;
+            let after = api
+                .patch(&format!("/v1/members/{id}"), &json!({ "role": role }))
+                .await?;
+            if client.json {
+                print_json(&after)?;
+            } else if field(&before, "/role") == field(&after, "/role") {
+                println!(
+                    "member `{}` ({}) already has role {}; nothing changed",
+                    field(&after, "/name"),
+                    field(&after, "/id"),
+                    field(&after, "/role"),
+                );
+            } else {
+                println!(
+                    "member `{}` ({}) is now {} (was {})",
+                    field(&after, "/name"),
+                    field(&after, "/id"),
+                    field(&after, "/role"),
+                    field(&before, "/role"),
+                );
+            }
+        }
         MemberCommand::Show { id, client } => {
             let member = ApiClient::new(&client)?
                 .get(&format!("/v1/members/{id}"))

@@ -6,9 +6,11 @@
 use std::convert::Infallible;
 use std::time::Duration;
 
-use axum::extract::{Path, State};
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Path, Query, State};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use futures_util::Stream;
+use wor_core::run::RunStatus;
 use wor_core::{ProjectId, RunId};
 use wor_store::{ApprovalFilter, ApprovalStatus, Store};
 
@@ -62,22 +64,68 @@ pub async fn inbox(
 }
 
 /// A run's fingerprint: its status and its last step.
-async fn run_state(store: &Store, project: ProjectId, run: RunId) -> Option<(String, i64, bool)> {
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct RunSeen {
+    status: RunStatus,
+    step: i64,
+}
+
+/// The run as it is now, read from the steps after `seen`'s last one only.
+async fn run_state(
+    store: &Store,
+    project: ProjectId,
+    run: RunId,
+    seen: Option<RunSeen>,
+) -> Option<RunSeen> {
     let record = store.get_run(project, run).await.ok()?;
-    let last = store
-        .list_run_steps(project, run, 0)
+    let after = seen.map_or(0, |s| s.step);
+    let step = store
+        .list_run_steps(project, run, after)
         .await
         .ok()?
         .last()
-        .map_or(0, |s| s.seq);
-    Some((record.status.to_string(), last, record.status.is_terminal()))
+        .map_or(after, |s| s.seq);
+    Some(RunSeen {
+        status: record.status,
+        step,
+    })
 }
 
-/// `changed` each time the run takes a step or changes status; `end` once it has ended.
+/// What the run's page showed when it was rendered (its `data-live` link carries it), so a
+/// step written before the stream connects is not missed: the stream compares with it, and
+/// says `changed` at once if the run has moved since.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunPageSeen {
+    status: Option<String>,
+    step: Option<i64>,
+}
+
+impl RunPageSeen {
+    fn parse(self) -> Result<Option<RunSeen>, ApiError> {
+        match (self.status, self.step) {
+            (None, None) => Ok(None),
+            (Some(status), Some(step)) => {
+                let status = status
+                    .parse::<RunStatus>()
+                    .map_err(|e| ApiError::bad_request("invalid_query", e.to_string()))?;
+                Ok(Some(RunSeen { status, step }))
+            }
+            _ => Err(ApiError::bad_request(
+                "invalid_query",
+                "`status` and `step` go together: the run's status and last step as the page showed them",
+            )),
+        }
+    }
+}
+
+/// `changed` each time the run takes a step or changes status, and at once if it has since
+/// the page (`?status=…&step=…`) was rendered; `end` once it has ended.
 pub async fn run(
     State(state): State<AppState>,
     member: ConsoleMember,
     Path(run_id): Path<String>,
+    query: Result<Query<RunPageSeen>, QueryRejection>,
 ) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ConsoleError> {
     let project = member.session.project_id;
     let id: RunId = run_id
@@ -85,8 +133,13 @@ pub async fn run(
         .map_err(|_| ConsoleError(ApiError::NotFound))?;
     // Another project's run is not found, as its page is not.
     state.store.get_run(project, id).await?;
+    let Query(page) =
+        query.map_err(|e| ConsoleError(ApiError::bad_request("invalid_query", e.body_text())))?;
     let store = state.store.clone();
-    let baseline = run_state(&store, project, id).await;
+    let baseline = match page.parse()? {
+        Some(seen) => Some(seen),
+        None => run_state(&store, project, id, None).await,
+    };
     let stream = futures_util::stream::unfold((baseline, false), move |(mut seen, ended)| {
         let store = store.clone();
         async move {
@@ -94,19 +147,20 @@ pub async fn run(
                 return None;
             }
             loop {
-                if let Some((_, _, true)) = &seen {
+                if seen.is_some_and(|s| s.status.is_terminal()) {
                     let end = Event::default().event("end").data("run");
                     return Some((Ok(end), (seen, true)));
                 }
-                tokio::time::sleep(POLL).await;
-                let now = run_state(&store, project, id).await;
+                let now = run_state(&store, project, id, seen).await;
                 if now.is_some() && now != seen {
                     seen = now;
-                    if !matches!(seen, Some((_, _, true))) {
+                    if !seen.is_some_and(|s| s.status.is_terminal()) {
                         let changed = Event::default().event("changed").data("run");
                         return Some((Ok(changed), (seen, false)));
                     }
+                    continue;
                 }
+                tokio::time::sleep(POLL).await;
             }
         }
     });

@@ -158,6 +158,7 @@ pub fn router(state: AppState) -> Router<AppState> {
         .route("/keys/{key_id}/revoke", post(keys::revoke))
         .route("/members", get(members::list))
         .route("/members/invite", post(members::invite))
+        .route("/members/{member_id}/role", post(members::change_role))
         .route("/policy", get(project::policy).post(project::set))
         .route("/audit", get(project::audit))
         .route("/routines", get(routines::list))

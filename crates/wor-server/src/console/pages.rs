@@ -746,11 +746,7 @@ pub async fn approvals(
         pending.truncate(INBOX_PAGE as usize);
         pending.last().map(|a| a.id.to_string()).unwrap_or_default()
     });
-    let mut cards = Vec::with_capacity(pending.len());
-    let mut routines = HashMap::new();
-    for approval in pending {
-        cards.push(approval_card(&state, &member, approval, &mut routines).await?);
-    }
+    let cards = approval_cards(&state, &member, pending).await?;
     Ok(render(
         StatusCode::OK,
         &ApprovalsPage {
@@ -775,7 +771,7 @@ pub async fn approval(
         .store
         .get_approval(member.session.project_id, id)
         .await?;
-    let card = approval_card(&state, &member, approval.clone(), &mut HashMap::new()).await?;
+    let card = approval_card(&state, &member, approval.clone()).await?;
     let edit = editable(&approval, &card).then(|| edit_form(&approval));
     Ok(render(
         StatusCode::OK,
@@ -904,7 +900,7 @@ pub async fn edit_and_approve(
     };
     shown.error = error;
     let approval = state.store.get_approval(project, id).await?;
-    let card = approval_card(&state, &member, approval, &mut HashMap::new()).await?;
+    let card = approval_card(&state, &member, approval).await?;
     Ok(render(
         status,
         &ApprovalPage {
@@ -915,29 +911,70 @@ pub async fn edit_and_approve(
     ))
 }
 
-/// What the console shows of one approval, for `member`; `routines` keeps the names of the
-/// routines already looked up for the same page.
+/// What the console shows of one approval, for `member`.
 async fn approval_card(
     state: &AppState,
     member: &ConsoleMember,
     approval: ApprovalRecord,
-    routines: &mut HashMap<RoutineId, String>,
+) -> Result<ApprovalCard, ConsoleError> {
+    approval_cards(state, member, vec![approval])
+        .await?
+        .pop()
+        .ok_or(ConsoleError(ApiError::NotFound))
+}
+
+/// What the console shows of each of `approvals`, for `member`, in their order. What the
+/// cards need is read for the page at once: their runs in one statement, the runs' input and
+/// untrusted steps in another, each routine's name and each starter's key once.
+async fn approval_cards(
+    state: &AppState,
+    member: &ConsoleMember,
+    approvals: Vec<ApprovalRecord>,
+) -> Result<Vec<ApprovalCard>, ConsoleError> {
+    let project = member.session.project_id;
+    let run_ids: Vec<RunId> = approvals.iter().map(|a| a.run_id).collect();
+    let runs = state.store.get_runs(project, &run_ids).await?;
+    let steps = state
+        .store
+        .input_and_untrusted_steps(project, &run_ids)
+        .await?;
+    // An approval's run is in its project: one missing was deleted under the page.
+    let page_runs = approvals
+        .iter()
+        .map(|a| runs.get(&a.run_id).ok_or(ConsoleError(ApiError::NotFound)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let refusals = state
+        .engine
+        .approval_refusals(project, &page_runs, approver(member))
+        .await?;
+    let mut routines: HashMap<RoutineId, String> = HashMap::new();
+    let mut cards = Vec::with_capacity(approvals.len());
+    for ((approval, run), refusal) in approvals.into_iter().zip(page_runs).zip(refusals) {
+        let routine = match routines.get(&run.routine_id) {
+            Some(name) => name.clone(),
+            None => {
+                let name = state.store.get_routine(project, run.routine_id).await?.name;
+                routines.insert(run.routine_id, name.clone());
+                name
+            }
+        };
+        let run_steps = steps.get(&run.id).map(Vec::as_slice).unwrap_or_default();
+        cards.push(card_of(state, member, approval, run, routine, run_steps, refusal).await?);
+    }
+    Ok(cards)
+}
+
+/// One card from what [`approval_cards`] read for it.
+async fn card_of(
+    state: &AppState,
+    member: &ConsoleMember,
+    approval: ApprovalRecord,
+    run: &wor_store::RunRecord,
+    routine: String,
+    steps: &[wor_store::RunStep],
+    refusal: Option<String>,
 ) -> Result<ApprovalCard, ConsoleError> {
     let project = member.session.project_id;
-    let run = state.store.get_run(project, approval.run_id).await?;
-    let routine = match routines.get(&run.routine_id) {
-        Some(name) => name.clone(),
-        None => {
-            let name = state.store.get_routine(project, run.routine_id).await?.name;
-            routines.insert(run.routine_id, name.clone());
-            name
-        }
-    };
-    let steps = state.store.list_run_steps(project, run.id, 0).await?;
-    let refusal = state
-        .engine
-        .approval_refusal(project, &approval, approver(member))
-        .await?;
     let decision = match approval.status {
         ApprovalStatus::Pending => None,
         ApprovalStatus::Approved | ApprovalStatus::Denied => {
@@ -978,13 +1015,13 @@ async fn approval_card(
         untrusted_sources: texts(approval.why.get("untrusted_sources"))
             .into_iter()
             .map(|name| SourceLink {
-                step: untrusted_step_of(&steps, &name),
+                step: untrusted_step_of(steps, &name),
                 name,
             })
             .collect(),
         routine,
         routine_version: run.routine_version,
-        run_input: run_input(&steps),
+        run_input: run_input(steps),
         requested_at: rfc3339(approval.requested_at),
         expires_at: rfc3339(approval.expires_at),
         expires_in: time_left(approval.expires_at),
@@ -1129,6 +1166,9 @@ struct RunPage {
     cancel_requested: bool,
     /// The run has not ended: the page follows it live.
     active: bool,
+    /// The last step shown (0 before the first): the live stream says `changed` at once if
+    /// the run has moved on since this page was rendered.
+    last_step: i64,
     approvals: Vec<RunApprovalRow>,
     steps: Vec<StepRow>,
 }
@@ -1219,6 +1259,7 @@ pub async fn run(
             && member.session.role.can_operate_runs(),
         cancel_requested: run.cancel_requested,
         active: !run.status.is_terminal(),
+        last_step: steps.last().map_or(0, |s| s.seq),
         approvals: approvals
             .into_iter()
             .map(|a| RunApprovalRow {

@@ -4,9 +4,9 @@ use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
 use serde_json::json;
-use wor_core::audit::{AuditCategory, AuditEvent};
-use wor_core::{MemberId, Role};
-use wor_store::{ApiKeyKind, NewApiKey};
+use wor_core::audit::{Actor, AuditCategory, AuditEvent};
+use wor_core::{MemberId, ProjectId, Role};
+use wor_store::{ApiKeyKind, NewApiKey, RoleChange, RoleChanger};
 
 use crate::AppState;
 use crate::auth::Caller;
@@ -19,6 +19,14 @@ use crate::views::{CreatedApiKey, MemberView};
 pub struct CreateMember {
     pub name: String,
     /// One of `owner`, `admin`, `approver`, `viewer`; never above the caller's own role.
+    pub role: String,
+}
+
+#[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ChangeMemberRole {
+    /// The member's new role: one of `owner`, `admin`, `approver`, `viewer`; never above the
+    /// caller's own role.
     pub role: String,
 }
 
@@ -145,4 +153,72 @@ pub async fn get_member(
             .await?
             .into(),
     ))
+}
+
+/// Changes a member's role. The caller must be an admin or owner whose role includes both the
+/// member's role and the new one (403); the project's last owner with a live owner key cannot
+/// be demoted (409 `last_owner`). The new role holds from the member's next request, for all
+/// of their keys (never above the role each key was made with) and console sessions.
+#[utoipa::path(patch, path = "/v1/members/{member_id}", tag = "members", security(("bearer" = [])),
+    params(("member_id" = String, Path, description = "a `mem_…` id", pattern = "^mem_[0-9a-f]{32}$")),
+    request_body = ChangeMemberRole,
+    responses((status = 200, body = MemberView), (status = 400, body = ErrorBody),
+        (status = 403, body = ErrorBody), (status = 404, body = ErrorBody),
+        (status = 409, body = ErrorBody)))]
+pub async fn change_role(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiPath(member_id): ApiPath<MemberId>,
+    ApiJson(body): ApiJson<ChangeMemberRole>,
+) -> Result<Json<MemberView>, ApiError> {
+    let changer = RoleChanger {
+        role: caller.role,
+        member: caller.member_id,
+    };
+    let change = change_member_role(
+        &state,
+        caller.project_id,
+        changer,
+        caller.actor(),
+        member_id,
+        &body.role,
+    )
+    .await?;
+    Ok(Json(change.member.into()))
+}
+
+/// Gives member `member_id` of `project` the role named `role`, for `changer`, audited as
+/// `actor`: the API's and the console's one path. The rules are the store's, checked under
+/// the project's lock ([`wor_store::Store::change_member_role`]); a change is audited, asking
+/// for the role a member already has records nothing.
+pub(crate) async fn change_member_role(
+    state: &AppState,
+    project: ProjectId,
+    changer: RoleChanger,
+    actor: Actor,
+    member_id: MemberId,
+    role: &str,
+) -> Result<RoleChange, ApiError> {
+    let role = parse_role(role)?;
+    let change = state
+        .store
+        .change_member_role(project, member_id, role, changer)
+        .await?;
+    if change.changed() {
+        state
+            .audit
+            .append(
+                AuditEvent::new(project, AuditCategory::MemberRoleChange, actor)
+                    .subject("member_id", member_id)
+                    .payload(json!({
+                        "name": change.member.name,
+                        "from": change.previous,
+                        "to": change.member.role,
+                    })),
+            )
+            .await?;
+        tracing::info!(category = "config", action = "member.role_change", project_id = %project,
+            member_id = %member_id, "member role changed");
+    }
+    Ok(change)
 }

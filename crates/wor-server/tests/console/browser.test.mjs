@@ -620,6 +620,33 @@ test('a policy that does not validate is refused with its line, and the audit lo
   await page.context().close();
 });
 
+test('an admin changes a member\'s role on the members page, and the member\'s open session has it at once', async () => {
+  const admin = await memberPage('rex', 'admin');
+  const member = await memberPage('sol', 'viewer');
+  await admin.getByRole('link', { name: 'Members' }).click();
+  await admin.waitForURL(/\/console\/members$/);
+  await accessible(admin, 'members (an admin\'s, with role forms)');
+  // The owner outranks an admin: no form for alice, and owner is never offered.
+  assert.equal(await admin.getByLabel('Role of alice', { exact: true }).count(), 0);
+  assert.equal(await admin.getByLabel('Role of sol', { exact: true }).locator('option[value=owner]').count(), 0);
+  await member.goto(`${serverUrl}/console/members`);
+  assert.equal(await member.getByRole('button', { name: 'Invite' }).count(), 0, 'a viewer gets no form');
+
+  await admin.getByLabel('Role of sol', { exact: true }).selectOption('admin');
+  await admin.getByRole('button', { name: 'Change the role of sol' }).click();
+  await admin.waitForLoadState();
+  assert.match(await admin.locator('[role=status]').innerText(), /sol is now admin/);
+  await accessible(admin, 'members (after a role change)');
+  const members = await api('GET', '/v1/members');
+  assert.equal(members.find((m) => m.name === 'sol').role, 'admin');
+  // The member's session, signed in as a viewer, is an admin's on its next page.
+  await member.reload();
+  assert.equal(await member.getByRole('button', { name: 'Invite' }).count(), 1);
+  assert.equal(await member.getByLabel('Role of rex', { exact: true }).count(), 1);
+  await admin.context().close();
+  await member.context().close();
+});
+
 test('the inbox shows a new held call live, and j then d denies it with a reason', async () => {
   const page = await memberPage('kit', 'approver');
   await accessible(page, 'approvals');
