@@ -100,6 +100,9 @@ struct MetricsSection {
 pub struct TracesConfig {
     pub endpoint: String,
     pub allowed_cidrs: Vec<String>,
+    /// Tool servers (host patterns, as in a connection's allowlist) a run's trace context is
+    /// passed to; no other tool server gets it.
+    pub propagate_to: wor_egress::HostAllowlist,
 }
 
 /// `[traces]`: OpenTelemetry traces sent to the operator's collector over OTLP/HTTP.
@@ -113,6 +116,10 @@ struct TracesSection {
     /// only: tools, models and webhooks are not let into them.
     #[serde(default)]
     allowed_cidrs: Vec<String>,
+    /// Tool servers that get a run's trace context (`traceparent`), by host pattern
+    /// (`tracker.internal.example`, `*.corp.example:8443`); none unless listed.
+    #[serde(default)]
+    propagate_to: Vec<String>,
 }
 
 /// `[tls]`: HTTPS on the listener, or the TLS-terminating proxy in front of it.
@@ -439,15 +446,21 @@ impl ServerConfig {
                 Some(TracesSection {
                     endpoint: Some(endpoint),
                     allowed_cidrs,
+                    propagate_to,
                 }) => Some(TracesConfig {
                     endpoint,
                     allowed_cidrs,
+                    propagate_to: wor_egress::HostAllowlist::parse(&propagate_to)
+                        .map_err(|e| anyhow::anyhow!("`[traces] propagate_to`: {e}"))?,
                 }),
                 Some(TracesSection {
                     endpoint: None,
                     allowed_cidrs,
-                }) if !allowed_cidrs.is_empty() => {
-                    bail!("`[traces] allowed_cidrs` is set without `[traces] endpoint`")
+                    propagate_to,
+                }) if !allowed_cidrs.is_empty() || !propagate_to.is_empty() => {
+                    bail!(
+                        "`[traces] allowed_cidrs` and `propagate_to` are set without `[traces] endpoint`"
+                    )
                 }
                 _ => None,
             },
@@ -729,6 +742,33 @@ mod tests {
         std::fs::write(&path, "[prices.\"m\"]\ninput_per_mtok = 3\n").unwrap();
         let error = ServerConfig::resolve(&flags, Some("127.0.0.1:0"), false).unwrap_err();
         assert!(format!("{error:#}").contains("input_per_mtok"), "{error:#}");
+    }
+
+    #[test]
+    fn trace_context_goes_only_to_listed_tool_servers_and_a_bad_entry_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("wor.toml");
+        let flags = ServerFlags {
+            config: Some(path.clone()),
+            ..ServerFlags::default()
+        };
+        let resolve = |text: &str| {
+            std::fs::write(&path, text).unwrap();
+            ServerConfig::resolve(&flags, Some("127.0.0.1:0"), false)
+        };
+        let endpoint = "[traces]\nendpoint = \"http://10.0.0.5:4318/v1/traces\"\n";
+        let none = resolve(endpoint).unwrap();
+        assert!(none.traces.unwrap().propagate_to.patterns().is_empty());
+        let listed = resolve(&format!("{endpoint}propagate_to = [\"tracker.example\"]\n")).unwrap();
+        let propagate_to = listed.traces.unwrap().propagate_to;
+        let url = wor_egress::EgressUrl::parse("https://tracker.example/mcp").unwrap();
+        assert!(propagate_to.allows(url.host(), url.port()));
+        let other = wor_egress::EgressUrl::parse("https://other.example/mcp").unwrap();
+        assert!(!propagate_to.allows(other.host(), other.port()));
+        let bad = resolve(&format!("{endpoint}propagate_to = [\"https://x/\"]\n")).unwrap_err();
+        assert!(format!("{bad:#}").contains("propagate_to"), "{bad:#}");
+        let alone = resolve("[traces]\npropagate_to = [\"tracker.example\"]\n").unwrap_err();
+        assert!(format!("{alone:#}").contains("without"), "{alone:#}");
     }
 
     #[test]

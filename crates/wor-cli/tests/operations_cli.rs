@@ -1012,6 +1012,56 @@ mod traced {
         (addr, seen)
     }
 
+    /// Runs a CLI command as a key (`key`, `args`, extra environment) against the server.
+    pub type Client<'a> = dyn Fn(&str, &[&str], &[(&str, &str)]) -> std::process::Output + 'a;
+
+    /// Creates the tool connection `desk` on `desk`'s MCP server with `token` as its bearer,
+    /// reviews it and enables it, through the CLI (`client` runs it against the server).
+    pub fn enable_desk(
+        client: &Client<'_>,
+        owner: &str,
+        desk: std::net::SocketAddr,
+        token: &str,
+        dir: &std::path::Path,
+    ) {
+        let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
+        let created = client(
+            owner,
+            &[
+                "connection",
+                "create",
+                "desk",
+                "--url",
+                &format!("http://{desk}/mcp"),
+                "--allow",
+                &desk.to_string(),
+                "--bearer-env",
+                "TOOL_TOKEN",
+                "--json",
+            ],
+            &[("TOOL_TOKEN", token)],
+        );
+        assert!(created.status.success(), "{}", text(&created.stderr));
+        let created: serde_json::Value = serde_json::from_slice(&created.stdout).unwrap();
+        let connection = created["id"].as_str().unwrap().to_owned();
+        let review = client(owner, &["connection", "review", &connection, "--json"], &[]);
+        assert!(review.status.success(), "{}", text(&review.stderr));
+        let review_file = dir.join("review.json");
+        std::fs::write(&review_file, &review.stdout).unwrap();
+        let enabled = client(
+            owner,
+            &[
+                "connection",
+                "enable",
+                &connection,
+                "--from-review",
+                review_file.to_str().unwrap(),
+            ],
+            &[],
+        );
+        assert!(enabled.status.success(), "{}", text(&enabled.stderr));
+    }
+
     /// What the collector received: each request's headers and raw body.
     pub type Received = Arc<Mutex<Vec<(HeaderMap, Bytes)>>>;
 
@@ -1130,45 +1180,7 @@ fn a_collector_receives_a_runs_spans_in_their_tree_and_no_content() {
         &[("MODEL_KEY", MODEL_SECRET)],
     );
     assert!(created.status.success(), "{}", text(&created.stderr));
-    let connection = client(
-        &owner,
-        &[
-            "connection",
-            "create",
-            "desk",
-            "--url",
-            &format!("http://{desk}/mcp"),
-            "--allow",
-            &desk.to_string(),
-            "--bearer-env",
-            "TOOL_TOKEN",
-            "--json",
-        ],
-        &[("TOOL_TOKEN", TOOL_TOKEN)],
-    );
-    assert!(connection.status.success(), "{}", text(&connection.stderr));
-    let connection: serde_json::Value = serde_json::from_slice(&connection.stdout).unwrap();
-    let connection = connection["id"].as_str().unwrap().to_owned();
-    let review = client(
-        &owner,
-        &["connection", "review", &connection, "--json"],
-        &[],
-    );
-    assert!(review.status.success(), "{}", text(&review.stderr));
-    let review_file = dir.path().join("review.json");
-    std::fs::write(&review_file, &review.stdout).unwrap();
-    let enabled = client(
-        &owner,
-        &[
-            "connection",
-            "enable",
-            &connection,
-            "--from-review",
-            review_file.to_str().unwrap(),
-        ],
-        &[],
-    );
-    assert!(enabled.status.success(), "{}", text(&enabled.stderr));
+    traced::enable_desk(&client, &owner, desk, TOOL_TOKEN, dir.path());
     let routine = format!(
         r#"
 name = "traced"
@@ -1387,6 +1399,109 @@ mode = "confirm"
         !log.contains("trace export to the collector failed"),
         "{log}"
     );
+}
+
+/// A tool server the operator names in `[traces] propagate_to` gets the run's trace context,
+/// and the spans its own work makes hang under the run's span.
+#[test]
+fn a_tool_server_named_by_the_operator_gets_the_runs_trace_context() {
+    let servers = tokio::runtime::Runtime::new().unwrap();
+    let (desk, desk_headers) = servers.block_on(traced::serve_desk());
+    let (collector, received) = servers.block_on(traced::serve_collector());
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("wor.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[egress]\nallowed_cidrs = [\"127.0.0.1/32\"]\n\n[traces]\n\
+             endpoint = \"http://{collector}/v1/traces\"\nallowed_cidrs = [\"127.0.0.1/32\"]\n\
+             propagate_to = [\"{desk}\"]\n"
+        ),
+    )
+    .unwrap();
+    let mut db = common::database_args(dir.path());
+    db.extend(["--config".to_owned(), config.display().to_string()]);
+    let owner = common::create_project(&db);
+    let server = Server::start(&db, &[]);
+    let client = |key: &str, args: &[&str], envs: &[(&str, &str)]| {
+        run(wor(args)
+            .env("WOR_SERVER", &server.url)
+            .env("WOR_API_KEY", key)
+            .envs(envs.iter().copied()))
+    };
+    traced::enable_desk(&client, &owner, desk, "tok-propagated-0c1d2e3f", dir.path());
+    let routine = format!(
+        r#"
+name = "propagated"
+instructions = "Look it up."
+
+[model]
+provider = "replay"
+model = "script"
+
+[[model.script.turns]]
+when = {{ last_tool_result_contains = "{result}" }}
+text = "Done."
+
+[[model.script.turns]]
+tool_calls = [{{ name = "desk__lookup", arguments = {{ q = "x" }} }}]
+
+[[tools]]
+tool = "desk/lookup"
+mode = "auto"
+"#,
+        result = traced::RESULT
+    );
+    let file = dir.path().join("propagated.toml");
+    std::fs::write(&file, routine).unwrap();
+    let applied = client(
+        &owner,
+        &["routine", "apply", "-f", file.to_str().unwrap()],
+        &[],
+    );
+    assert!(applied.status.success(), "{}", text(&applied.stderr));
+    let started = client(
+        &owner,
+        &["run", "start", "propagated", "--input", "go"],
+        &[],
+    );
+    assert!(started.status.success(), "{}", text(&started.stderr));
+    let run_id = text(&started.stdout).trim().to_owned();
+    wait_for_status(&server, &owner, &run_id, "succeeded");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let run_span = loop {
+        if let Some(span) = traced::spans(&received)
+            .into_iter()
+            .find(|s| s.name == "wor.run")
+        {
+            break span;
+        }
+        assert!(std::time::Instant::now() < deadline, "no run span");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    server.stop();
+    let hex = |bytes: &[u8]| bytes.iter().map(|b| format!("{b:02x}")).collect::<String>();
+    let expected = format!(
+        "00-{}-{}-01",
+        hex(&run_span.trace_id),
+        hex(&run_span.span_id)
+    );
+    assert_eq!(
+        hex(&run_span.trace_id),
+        run_id.strip_prefix("run_").unwrap(),
+        "the trace is the run's"
+    );
+    // Every request of the run's session carried it: the server's spans are the run's.
+    let run_requests: Vec<_> = desk_headers
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(|headers| headers.get("traceparent").cloned())
+        .collect();
+    assert!(!run_requests.is_empty(), "no request carried a traceparent");
+    for value in run_requests {
+        assert_eq!(value.to_str().unwrap(), expected);
+    }
 }
 
 /// A routine held for approval that fails when the approval expires, one run at a time, the

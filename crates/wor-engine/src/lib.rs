@@ -112,6 +112,10 @@ pub struct EngineConfig {
     /// Certificates (DER) trusted for SMTP relays besides the platform's roots
     /// (`[notifications] smtp_ca_file`): a relay with a private CA.
     pub smtp_root_certificates: Vec<Vec<u8>>,
+    /// The tool servers a run's trace context is passed to (`[traces] propagate_to`): an
+    /// MCP-over-HTTP or HTTP API connection whose URL's host matches gets a `traceparent`
+    /// header naming the run's trace while traces are on. Empty: no tool server learns it.
+    pub trace_context_to: wor_egress::HostAllowlist,
 }
 
 impl Default for EngineConfig {
@@ -133,6 +137,7 @@ impl Default for EngineConfig {
             console_url: None,
             smtp_plaintext_loopback: false,
             smtp_root_certificates: Vec::new(),
+            trace_context_to: wor_egress::HostAllowlist::default(),
         }
     }
 }

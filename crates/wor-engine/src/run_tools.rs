@@ -162,7 +162,7 @@ impl Engine {
             };
             Engine::check_enabled(&record).map_err(ToolsUnavailable::connection)?;
             let session = self
-                .open_tool_session(&record)
+                .open_tool_session(&record, Some(run))
                 .await
                 .map_err(ToolsUnavailable::connection)?;
             let live = session.list_tools().await.map_err(|e| {

@@ -267,9 +267,12 @@ impl Engine {
     /// Opens a session with a tool connection of any kind: an MCP session over HTTP or stdio
     /// (in the sandbox), the configured tools of an HTTP API, or a Wasm component. Credentials
     /// are attached by `wor-tools` at send time.
+    /// Opens a session on `record`'s server, for `run` when a run will call it (its trace
+    /// context goes to servers the operator named, `EngineConfig::trace_context_to`).
     pub(crate) async fn open_tool_session(
         &self,
         record: &ToolConnectionRecord,
+        run: Option<&wor_store::RunRecord>,
     ) -> Result<ToolSession, ConnectionError> {
         let connection = || record.name.clone();
         // Parsed once here, for whichever kind of session needs it.
@@ -286,7 +289,9 @@ impl Engine {
                     .await
                     .map(ToolSession::Mcp);
             }
-            ToolConnectionKind::HttpApi => return self.open_http_api(record, allowlist).await,
+            ToolConnectionKind::HttpApi => {
+                return self.open_http_api(record, allowlist, run).await;
+            }
             ToolConnectionKind::Wasm => {
                 // No allowlist means no network at all for a component.
                 let allowlist = (!record.allowlist.is_empty()).then_some(allowlist);
@@ -297,7 +302,7 @@ impl Engine {
         let endpoint = StreamableHttpEndpoint {
             url: record.url.clone(),
             allowlist,
-            credentials: self.connection_credentials(record).await?,
+            credentials: self.traced(self.connection_credentials(record).await?, record, run)?,
         };
         // An authorized connection's access token is renewed when its server refuses it.
         let renewal = self
@@ -318,6 +323,31 @@ impl Engine {
             .map(ToolSession::Mcp)
             .map_err(|source| ConnectionError::Connect {
                 connection: connection(),
+                source,
+            })
+    }
+
+    /// `credentials` with the run's trace context (`traceparent`) when traces are on and the
+    /// operator named the connection's server in `[traces] propagate_to`; otherwise as they
+    /// are. Nothing a tool server answers is read as trace context.
+    fn traced(
+        &self,
+        credentials: ConnectionCredentials,
+        record: &ToolConnectionRecord,
+        run: Option<&wor_store::RunRecord>,
+    ) -> Result<ConnectionCredentials, ConnectionError> {
+        let Some(traceparent) = run.and_then(crate::traces::traceparent) else {
+            return Ok(credentials);
+        };
+        let named = wor_egress::EgressUrl::parse(&record.url)
+            .is_ok_and(|url| self.config.trace_context_to.allows(url.host(), url.port()));
+        if !named {
+            return Ok(credentials);
+        }
+        credentials
+            .with_header("traceparent", SecretString::from(traceparent))
+            .map_err(|source| ConnectionError::Credential {
+                connection: record.name.clone(),
                 source,
             })
     }
@@ -369,11 +399,12 @@ impl Engine {
         &self,
         record: &ToolConnectionRecord,
         allowlist: wor_egress::HostAllowlist,
+        run: Option<&wor_store::RunRecord>,
     ) -> Result<ToolSession, ConnectionError> {
         let connection = wor_tools::HttpApiConnection::new(
             &record.url,
             allowlist,
-            self.connection_credentials(record).await?,
+            self.traced(self.connection_credentials(record).await?, record, run)?,
         )
         .map_err(|source| ConnectionError::HttpApi {
             connection: record.name.clone(),
@@ -478,7 +509,7 @@ impl Engine {
         &self,
         record: &ToolConnectionRecord,
     ) -> Result<Vec<ToolDefinition>, EngineError> {
-        let session = self.open_tool_session(record).await?;
+        let session = self.open_tool_session(record, None).await?;
         let listed = session.list_tools().await;
         session.close().await;
         Ok(listed.map_err(|source| ConnectionError::List {

@@ -167,6 +167,25 @@ fn derived_span_id(parts: &[&[u8]]) -> [u8; 8] {
     value.to_be_bytes()
 }
 
+/// The W3C `traceparent` of `run`'s span while traces are on: what a tool server the operator
+/// named may parent its own spans to (`EngineConfig::trace_context_to`). Ids only.
+pub(crate) fn traceparent(run: &RunRecord) -> Option<String> {
+    if !enabled() {
+        return None;
+    }
+    let hex = |bytes: &[u8]| {
+        bytes.iter().fold(String::new(), |mut text, byte| {
+            text.push_str(&format!("{byte:02x}"));
+            text
+        })
+    };
+    Some(format!(
+        "00-{}-{}-01",
+        hex(&trace_id(run.id)),
+        hex(&run_span_id(run.id))
+    ))
+}
+
 fn run_span_id(run: RunId) -> [u8; 8] {
     derived_span_id(&[b"run", run.uuid().as_bytes()])
 }

@@ -282,6 +282,11 @@ pub(crate) async fn open_engine(config: &ServerConfig) -> anyhow::Result<(Engine
             console_url: config.public_url.clone(),
             smtp_plaintext_loopback: config.smtp_plaintext_loopback,
             smtp_root_certificates: config.smtp_root_certificates.clone(),
+            trace_context_to: config
+                .traces
+                .as_ref()
+                .map(|t| t.propagate_to.clone())
+                .unwrap_or_default(),
             ..EngineConfig::default()
         },
     );
