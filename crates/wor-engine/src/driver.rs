@@ -349,6 +349,13 @@ impl Engine {
         if let Some(ChatMessage::Assistant(last)) = messages.last()
             && last.tool_calls.is_empty()
         {
+            // A cancel requested since still wins, as it would have before the next step.
+            if self.store.is_cancel_requested(run.id).await? {
+                return Ok(Flow::End(
+                    Ending::new(RunStatus::Cancelled, "cancelled on request"),
+                    None,
+                ));
+            }
             let answer = last.text.clone();
             if let Some(ending) = machine.turn_recorded(Vec::new(), elapsed(), || answer) {
                 let usage = machine.usage();

@@ -341,7 +341,12 @@ impl Engine {
         };
         let named = wor_egress::EgressUrl::parse(&record.url)
             .is_ok_and(|url| self.config.trace_context_to.allows(url.host(), url.port()));
-        if !named {
+        // A `traceparent` the connection's own credentials set is left as it is.
+        let own = record
+            .secret_headers
+            .iter()
+            .any(|h| h.eq_ignore_ascii_case("traceparent"));
+        if !named || own {
             return Ok(credentials);
         }
         credentials

@@ -975,6 +975,38 @@ text = "The answer, once."
         ["input", "model_turn", "outcome"],
         "no second model turn"
     );
+
+    // A run in the same state whose cancel was requested before it resumed: the cancel wins
+    // over the recorded answer.
+    let cancelled = h.start(&engine, routine, "answer once, then cancel").await;
+    let claimed =
+        h.db.store
+            .claim_run("dead", 60_000, 16)
+            .await
+            .unwrap()
+            .unwrap();
+    assert_eq!(claimed.id, cancelled.id);
+    h.db.store
+        .append_run_step(
+            h.project,
+            cancelled.id,
+            wor_core::run::Provenance::Model,
+            &turn,
+        )
+        .await
+        .unwrap();
+    h.db.store
+        .request_cancel(h.project, cancelled.id)
+        .await
+        .unwrap();
+    h.db.store.release_leases("dead").await.unwrap();
+    let cancelled = h.drive_to_end(&engine, cancelled.id).await;
+    assert_eq!(
+        cancelled.status,
+        RunStatus::Cancelled,
+        "{:?}",
+        cancelled.outcome
+    );
 }
 
 #[tokio::test]

@@ -2175,7 +2175,34 @@ async fn the_inbox_and_an_active_run_send_live_change_events() {
         .text()
         .await
         .unwrap();
-    assert!(page.contains("data-live=\"/console/approvals/events\""));
+    // The newest page's stream link carries what the page showed.
+    let start = page.find("data-live=\"").unwrap() + 11;
+    let live = page[start..start + page[start..].find('"').unwrap()].to_owned();
+    assert!(
+        live.starts_with("/console/approvals/events?seen="),
+        "{live}"
+    );
+    // A call is held after the page was rendered and before its stream connects: the page's
+    // stream says `changed` at once, where a stream with nothing to compare with is quiet.
+    let held = parked_run(&h, &routine).await;
+    let mut anchored = open(live.clone()).await;
+    assert_eq!(anchored.status().as_u16(), 200);
+    let mut unanchored = open("/console/approvals/events".to_owned()).await;
+    let seen = stream_until(&mut anchored, "event: changed").await;
+    assert!(
+        !seen.contains(&held),
+        "the event says only that the inbox changed"
+    );
+    let quiet = tokio::time::timeout(Duration::from_millis(1500), unanchored.chunk()).await;
+    assert!(
+        quiet.is_err(),
+        "a stream with no page to compare with saw a change: {quiet:?}"
+    );
+    drop(unanchored);
+    for bad in ["?other=1", "?seen=1&seen=2"] {
+        let reply = open(format!("/console/approvals/events{bad}")).await;
+        assert_eq!(reply.status().as_u16(), 400, "{bad}");
+    }
 
     let mut inbox = open("/console/approvals/events".to_owned()).await;
     assert_eq!(inbox.status().as_u16(), 200);

@@ -188,8 +188,8 @@ struct Writer {
     wal: Option<mpsc::UnboundedSender<Acknowledgement>>,
 }
 
-/// What a committed batch's callers are told once it is on disk, or that it could not be.
-type Acknowledgement = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
+/// What a committed batch's callers are told once it is on disk, or why it could not be.
+type Acknowledgement = Box<dyn FnOnce(Result<(), &'static str>) + Send>;
 
 /// Syncs SQLite's write-ahead log for batches that must be on disk before they are
 /// acknowledged, so that the writer does not hold the database's write lock while the disk
@@ -203,47 +203,92 @@ type Acknowledgement = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
 /// acknowledged, as with `synchronous = FULL`. Batches that commit while a sync runs share the
 /// next one. SQLite syncs the log itself before a checkpoint copies it into the database file
 /// and when it starts reusing the file, also with `NORMAL`.
-async fn sync_wal(path: std::path::PathBuf, mut waiting: mpsc::UnboundedReceiver<Acknowledgement>) {
+async fn sync_wal(log: WalLog, mut waiting: mpsc::UnboundedReceiver<Acknowledgement>) {
+    let mut log = Some(log);
     while let Some(first) = waiting.recv().await {
         let mut acknowledgements = vec![first];
         while let Ok(next) = waiting.try_recv() {
             acknowledgements.push(next);
         }
-        let file = path.clone();
-        let synced = tokio::task::spawn_blocking(move || {
-            std::fs::File::open(&file).and_then(|log| log.sync_data())
-        })
-        .await;
-        let failed = match synced {
-            Ok(Ok(())) => {
+        // After a failed flush the kernel may have dropped the pages it could not write and
+        // marked them clean, so a later flush could succeed over a hole in the log: nothing
+        // is acknowledged as on disk again until the process restarts (and SQLite recovers
+        // the log from what is really there).
+        let synced = match log.take() {
+            Some(mut open) => tokio::task::spawn_blocking(move || open.sync().map(|()| open))
+                .await
+                .map_err(|_| std::io::ErrorKind::Other)
+                .and_then(|flushed| flushed.map_err(|e| e.kind())),
+            None => Err(std::io::ErrorKind::Other),
+        };
+        let result = match synced {
+            Ok(open) => {
                 crate::metrics::audit_log_synced();
-                false
+                log = Some(open);
+                Ok(())
             }
-            Ok(Err(err)) => {
-                tracing::error!(category = "audit", kind = ?err.kind(), "syncing the write-ahead log failed");
-                true
-            }
-            Err(_) => {
+            Err(kind) => {
                 tracing::error!(
                     category = "audit",
-                    "the write-ahead log sync did not finish"
+                    kind = ?kind,
+                    "the write-ahead log could not be synced: no synced write is acknowledged until the server restarts"
                 );
-                true
+                Err(WAL_SYNC)
             }
         };
         for acknowledgement in acknowledgements {
-            acknowledgement(if failed {
-                Err(StoreError::AuditWrite("wal_sync"))
-            } else {
-                Ok(())
-            });
+            acknowledgement(result);
         }
     }
 }
 
-/// The write-ahead log of the SQLite database `store` writes to, when it is a file.
-async fn wal_path(store: &Store) -> Option<std::path::PathBuf> {
+/// The kind of error a synced write gets when the log could not be flushed.
+const WAL_SYNC: &str = "wal_sync";
+
+/// SQLite's write-ahead log file, held open by the log syncer: a flush through a handle held
+/// across flushes reports a write error the kernel saw since the previous one, where a fresh
+/// handle may not. The file is opened again only when the one at its path is another.
+struct WalLog {
+    path: std::path::PathBuf,
+    file: std::fs::File,
+}
+
+impl WalLog {
+    fn open(path: std::path::PathBuf) -> std::io::Result<WalLog> {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)?;
+        Ok(WalLog { path, file })
+    }
+
+    /// Flushes the log file at its path to disk.
+    fn sync(&mut self) -> std::io::Result<()> {
+        use std::os::unix::fs::MetadataExt as _;
+        let at_path = std::fs::metadata(&self.path)?;
+        let held = self.file.metadata()?;
+        if (at_path.dev(), at_path.ino()) != (held.dev(), held.ino()) {
+            // SQLite deletes the log only when its last connection closes, after copying it
+            // into the database file and syncing that; what was committed since is in the
+            // new file, which is the one to flush from now on.
+            *self = WalLog::open(self.path.clone())?;
+        }
+        self.file.sync_data()
+    }
+}
+
+/// The write-ahead log of the SQLite database `store` writes to, opened, when the database is
+/// a file in WAL mode; otherwise batches are synced by SQLite itself (`synchronous = FULL`).
+async fn wal_log(store: &Store) -> Option<WalLog> {
     if store.backend != Backend::Sqlite {
+        return None;
+    }
+    let mode = sqlx::query("PRAGMA journal_mode")
+        .fetch_one(store.pool())
+        .await
+        .ok()?;
+    let mode: String = mode.try_get(0).ok()?;
+    if !mode.eq_ignore_ascii_case("wal") {
         return None;
     }
     let row = sqlx::query("SELECT file FROM pragma_database_list WHERE name = 'main'")
@@ -251,7 +296,20 @@ async fn wal_path(store: &Store) -> Option<std::path::PathBuf> {
         .await
         .ok()??;
     let file: String = row.try_get("file").ok()?;
-    (!file.is_empty()).then(|| std::path::PathBuf::from(format!("{file}-wal")))
+    if file.is_empty() {
+        return None;
+    }
+    let path = std::path::PathBuf::from(format!("{file}-wal"));
+    match tokio::task::spawn_blocking(move || WalLog::open(path)).await {
+        Ok(Ok(log)) => Some(log),
+        _ => {
+            tracing::warn!(
+                category = "audit",
+                "the write-ahead log cannot be opened for syncing; SQLite syncs each synced batch itself"
+            );
+            None
+        }
+    }
 }
 
 type Replies = Vec<oneshot::Sender<Result<AuditReceipt, StoreError>>>;
@@ -266,9 +324,9 @@ struct Committed {
 
 impl Writer {
     async fn run(mut self, mut receiver: mpsc::Receiver<Command>) {
-        if let Some(path) = wal_path(&self.store).await {
+        if let Some(log) = wal_log(&self.store).await {
             let (sender, waiting) = mpsc::unbounded_channel();
-            tokio::spawn(sync_wal(path, waiting));
+            tokio::spawn(sync_wal(log, waiting));
             self.wal = Some(sender);
         }
         let mut ticker = tokio::time::interval(self.config.checkpoint_interval);
@@ -334,19 +392,19 @@ impl Writer {
                                 let _ = reply.send(Ok(written));
                             }
                         }
-                        Err(err) => {
+                        Err(kind) => {
                             for reply in replies {
-                                let _ = reply.send(Err(StoreError::AuditWrite(err.kind())));
+                                let _ = reply.send(Err(StoreError::AuditWrite(kind)));
                             }
                             for reply in record_replies {
-                                let _ = reply.send(Err(StoreError::AuditWrite(err.kind())));
+                                let _ = reply.send(Err(StoreError::AuditWrite(kind)));
                             }
                         }
                     });
                     match (&self.wal, awaits_sync) {
                         (Some(wal), true) => {
                             if let Err(unsent) = wal.send(acknowledge) {
-                                (unsent.0)(Err(StoreError::AuditWrite("wal_sync")));
+                                (unsent.0)(Err(WAL_SYNC));
                             }
                         }
                         _ => acknowledge(Ok(())),

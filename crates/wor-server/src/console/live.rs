@@ -10,12 +10,13 @@ use axum::extract::rejection::QueryRejection;
 use axum::extract::{Path, Query, State};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use futures_util::Stream;
+use wor_core::canonical::sha256_hex;
 use wor_core::run::RunStatus;
-use wor_core::{ProjectId, RunId};
+use wor_core::{ApprovalId, ProjectId, RunId};
 use wor_store::{ApprovalFilter, ApprovalStatus, Store};
 
 use super::session::ConsoleMember;
-use super::{ConsoleError, INBOX_LIMIT};
+use super::{ConsoleError, INBOX_LIMIT, INBOX_PAGE};
 use crate::AppState;
 use crate::error::ApiError;
 
@@ -39,28 +40,79 @@ async fn pending(store: &Store, project: ProjectId) -> Option<Vec<String>> {
         .map(|list| list.into_iter().map(|a| a.id.to_string()).collect())
 }
 
-/// `changed` each time the set of pending approvals changes.
+/// A short digest of the newest page of pending approvals (`ids`, newest first): what the
+/// inbox's newest page showed, which its stream compares with when it connects.
+pub(crate) fn inbox_fingerprint<'a>(ids: impl IntoIterator<Item = &'a ApprovalId>) -> String {
+    let joined = ids
+        .into_iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("\n");
+    let digest = sha256_hex(joined.as_bytes());
+    digest.get(..16).unwrap_or(&digest).to_owned()
+}
+
+/// What the inbox's newest page showed (its `data-live` link carries it): the stream says
+/// `changed` at once when the pending approvals moved before it connected.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InboxPageSeen {
+    seen: Option<String>,
+}
+
+/// `changed` each time the set of pending approvals changes, and at once if the newest page
+/// (`?seen=…`, [`inbox_fingerprint`]) is no longer what is pending.
 pub async fn inbox(
     State(state): State<AppState>,
     member: ConsoleMember,
-) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
+    query: Result<Query<InboxPageSeen>, QueryRejection>,
+) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ConsoleError> {
     let project = member.session.project_id;
+    let Query(page) =
+        query.map_err(|e| ConsoleError(ApiError::bad_request("invalid_query", e.body_text())))?;
     let store = state.store.clone();
+    let moved = match page.seen {
+        Some(seen) => {
+            let newest = store
+                .list_approvals(
+                    project,
+                    &ApprovalFilter {
+                        status: Some(ApprovalStatus::Pending),
+                        run_id: None,
+                        before: None,
+                        limit: INBOX_PAGE + 1,
+                    },
+                )
+                .await
+                .map_err(|e| ConsoleError(e.into()))?;
+            inbox_fingerprint(newest.iter().map(|a| &a.id)) != seen
+        }
+        None => false,
+    };
     let baseline = pending(&store, project).await;
-    let stream = futures_util::stream::unfold(baseline, move |mut seen| {
+    let stream = futures_util::stream::unfold((baseline, moved), move |(mut seen, moved)| {
         let store = store.clone();
         async move {
+            if moved {
+                return Some((
+                    Ok(Event::default().event("changed").data("inbox")),
+                    (seen, false),
+                ));
+            }
             loop {
                 tokio::time::sleep(POLL).await;
                 let now = pending(&store, project).await;
                 if now.is_some() && now != seen {
                     seen = now;
-                    return Some((Ok(Event::default().event("changed").data("inbox")), seen));
+                    return Some((
+                        Ok(Event::default().event("changed").data("inbox")),
+                        (seen, false),
+                    ));
                 }
             }
         }
     });
-    Sse::new(stream).keep_alive(KeepAlive::default())
+    Ok(Sse::new(stream).keep_alive(KeepAlive::default()))
 }
 
 /// A run's fingerprint: its status and its last step.

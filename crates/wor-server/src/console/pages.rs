@@ -552,6 +552,8 @@ struct ApprovalsPage {
     older: Option<String>,
     /// This is not the newest page.
     paged: bool,
+    /// On the newest page, what it showed, for its event stream to compare with.
+    seen: Option<String>,
 }
 
 /// One approval on a page of its own: where an email's link leads.
@@ -742,6 +744,9 @@ pub async fn approvals(
             },
         )
         .await?;
+    let seen = before
+        .is_none()
+        .then(|| super::live::inbox_fingerprint(pending.iter().map(|a| &a.id)));
     let older = (pending.len() > INBOX_PAGE as usize).then(|| {
         pending.truncate(INBOX_PAGE as usize);
         pending.last().map(|a| a.id.to_string()).unwrap_or_default()
@@ -754,6 +759,7 @@ pub async fn approvals(
             approvals: cards,
             older,
             paged: before.is_some(),
+            seen,
         },
     ))
 }
