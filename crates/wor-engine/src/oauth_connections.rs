@@ -18,7 +18,7 @@ use wor_core::{ApiKeyId, ConnectionId, MemberId, ProjectId};
 use wor_store::{
     ACCESS_TOKEN_FIELD, CLIENT_SECRET_FIELD, ConnectionOAuthRecord, NewOAuthAuthorization,
     OAUTH_AUTHORIZATIONS_TABLE, PKCE_VERIFIER_FIELD, REFRESH_TOKEN_FIELD, SecretSlot,
-    TOOL_CONNECTIONS_TABLE, ToolConnectionKind, now_millis,
+    TOOL_CONNECTIONS_TABLE, ToolConnectionKind, ToolConnectionRecord, now_millis,
 };
 use wor_tools::oauth::{
     self, AuthorizationDiscovery, ClientRegistration, Pkce, TokenEndpointAuth, TokenSet,
@@ -146,16 +146,8 @@ impl Engine {
         }
         let redirect_uri = self.oauth_redirect_uri()?;
         self.purge_lapsed_oauth_authorizations(project).await?;
-        let allowlist = wor_egress::HostAllowlist::parse(&record.allowlist).map_err(|e| {
-            EngineError::InvalidState(format!(
-                "tool connection `{}` has an invalid allowlist: {e}",
-                record.name
-            ))
-        })?;
         // The server's own challenge names its metadata and the scopes it wants.
-        let challenge = oauth::probe(&self.egress, &record.url, Some(&allowlist))
-            .await
-            .map_err(|e| unreachable(&record.name, e))?;
+        let challenge = self.oauth_probe(&record).await?;
         let discovery = oauth::discover(&self.egress, &record.url, challenge.as_ref())
             .await
             .map_err(|e| unreachable(&record.name, e))?;
@@ -229,6 +221,23 @@ impl Engine {
         })
     }
 
+    /// The `401` challenge `record`'s server answers a session begun without credentials
+    /// with, if any, asked within the connection's allowlist.
+    async fn oauth_probe(
+        &self,
+        record: &ToolConnectionRecord,
+    ) -> Result<Option<oauth::Challenge>, EngineError> {
+        let allowlist = wor_egress::HostAllowlist::parse(&record.allowlist).map_err(|e| {
+            EngineError::InvalidState(format!(
+                "tool connection `{}` has an invalid allowlist: {e}",
+                record.name
+            ))
+        })?;
+        oauth::probe(&self.egress, &record.url, Some(&allowlist))
+            .await
+            .map_err(|e| unreachable(&record.name, e))
+    }
+
     /// Whether `mcp_http` connection `id`'s server asks for authorization: it answers a
     /// session begun without credentials with a `401` challenge (through the egress guard).
     pub async fn oauth_challenged(
@@ -240,16 +249,7 @@ impl Engine {
         if record.kind != ToolConnectionKind::McpHttp {
             return Ok(false);
         }
-        let allowlist = wor_egress::HostAllowlist::parse(&record.allowlist).map_err(|e| {
-            EngineError::InvalidState(format!(
-                "tool connection `{}` has an invalid allowlist: {e}",
-                record.name
-            ))
-        })?;
-        let challenge = oauth::probe(&self.egress, &record.url, Some(&allowlist))
-            .await
-            .map_err(|e| unreachable(&record.name, e))?;
-        Ok(challenge.is_some())
+        Ok(self.oauth_probe(&record).await?.is_some())
     }
 
     /// Deletes the project's pending authorizations that can no longer finish, with the PKCE

@@ -219,9 +219,7 @@ pub async fn revoke_model(
     member: ConsoleMember,
     Path(connection_id): Path<String>,
 ) -> PageResult {
-    let id: ConnectionId = connection_id
-        .parse()
-        .map_err(|_| ConsoleError(ApiError::NotFound))?;
+    let id = parse_connection_id(&connection_id)?;
     let session = &member.session;
     let record =
         revoke_model_connection(&state, session.project_id, session.role, member.actor(), id)
@@ -255,9 +253,7 @@ pub async fn replace_model_key(
     Path(connection_id): Path<String>,
     body: Result<Form<ModelKeyForm>, FormRejection>,
 ) -> PageResult {
-    let id: ConnectionId = connection_id
-        .parse()
-        .map_err(|_| ConsoleError(ApiError::NotFound))?;
+    let id = parse_connection_id(&connection_id)?;
     let body = form(body)?;
     let session = &member.session;
     let record = crate::routes::model_connections::replace_model_key(
@@ -345,6 +341,12 @@ fn class_name(class: ToolClass) -> &'static str {
     }
 }
 
+/// The connection a console URL names; text that is not a connection id is a page not found,
+/// as another project's connection is.
+fn parse_connection_id(text: &str) -> Result<ConnectionId, ConsoleError> {
+    text.parse().map_err(|_| ConsoleError(ApiError::NotFound))
+}
+
 fn pretty(value: &serde_json::Value) -> String {
     serde_json::to_string_pretty(value).unwrap_or_default()
 }
@@ -355,9 +357,7 @@ pub async fn show(
     Path(connection_id): Path<String>,
 ) -> PageResult {
     let project = member.session.project_id;
-    let id: ConnectionId = connection_id
-        .parse()
-        .map_err(|_| ConsoleError(ApiError::NotFound))?;
+    let id = parse_connection_id(&connection_id)?;
     let record = state.store.get_tool_connection(project, id).await?;
     let configure = member.session.role.can_configure();
     let mcp_http = record.kind == ToolConnectionKind::McpHttp;
@@ -464,9 +464,7 @@ pub async fn authorize(
     Path(connection_id): Path<String>,
 ) -> PageResult {
     let project = member.session.project_id;
-    let id: ConnectionId = connection_id
-        .parse()
-        .map_err(|_| ConsoleError(ApiError::NotFound))?;
+    let id = parse_connection_id(&connection_id)?;
     state.store.get_tool_connection(project, id).await?;
     if !member.session.role.can_configure() {
         return Err(ConsoleError(ApiError::Forbidden(
@@ -542,9 +540,7 @@ pub async fn enable(
     Path(connection_id): Path<String>,
     body: Bytes,
 ) -> PageResult {
-    let id: ConnectionId = connection_id
-        .parse()
-        .map_err(|_| ConsoleError(ApiError::NotFound))?;
+    let id = parse_connection_id(&connection_id)?;
     let body = enable_body(&body)?;
     let record = enable_connection(
         &state,
