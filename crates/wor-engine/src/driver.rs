@@ -35,7 +35,7 @@ use wor_store::{
 };
 
 use crate::call::{CallScope, Recorded, Stopped, run_event};
-use crate::output::FinalAnswer;
+use crate::output::AfterTurn;
 use crate::run_tools::{RunTools, ToolsUnavailable};
 use crate::{Engine, EngineError};
 
@@ -357,15 +357,12 @@ impl Engine {
                 ));
             }
             let answer = last.text.clone();
-            if let Some(ending) = machine.turn_recorded(Vec::new(), elapsed(), || answer) {
-                let usage = machine.usage();
-                match self
-                    .final_answer(run, definition, usage, &limits, ending, &mut messages)
-                    .await?
-                {
-                    FinalAnswer::End(ending) => return Ok(Flow::End(ending, None)),
-                    FinalAnswer::Correct => {}
-                }
+            let ended = machine.turn_recorded(Vec::new(), elapsed(), || answer);
+            if let AfterTurn::End(ending) = self
+                .after_turn(run, definition, &machine, ended, &mut messages)
+                .await?
+            {
+                return Ok(Flow::End(ending, None));
             }
         }
         // Whether a cancel was requested, as the last journal write found it: a step that
@@ -440,17 +437,14 @@ impl Engine {
                         .map(PendingCall::fresh)
                         .collect();
                     messages.push(ChatMessage::Assistant(message));
-                    if let Some(ending) = machine.turn_recorded(calls, elapsed(), || {
+                    let ended = machine.turn_recorded(calls, elapsed(), || {
                         redactor.redact(&response.message.text).into_owned()
-                    }) {
-                        let usage = machine.usage();
-                        match self
-                            .final_answer(run, definition, usage, &limits, ending, &mut messages)
-                            .await?
-                        {
-                            FinalAnswer::End(ending) => return Ok(Flow::End(ending, None)),
-                            FinalAnswer::Correct => {}
-                        }
+                    });
+                    if let AfterTurn::End(ending) = self
+                        .after_turn(run, definition, &machine, ended, &mut messages)
+                        .await?
+                    {
+                        return Ok(Flow::End(ending, None));
                     }
                 }
                 Next::Answer(call) => {
