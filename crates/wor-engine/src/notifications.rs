@@ -247,13 +247,8 @@ impl Engine {
         run_routine: wor_core::RoutineId,
         id: ApprovalId,
         tool: &str,
-        why: &Value,
+        policies: &[String],
     ) -> Result<(), EngineError> {
-        let policies: Vec<&str> = why
-            .get("determining_policies")
-            .and_then(Value::as_array)
-            .map(|list| list.iter().filter_map(Value::as_str).collect())
-            .unwrap_or_default();
         for route in self.store.list_notification_routes(project).await? {
             let filter = &route.filter;
             let wanted = filter.routine_id.is_none_or(|r| r == run_routine)
@@ -261,7 +256,7 @@ impl Engine {
                 && filter
                     .policy
                     .as_deref()
-                    .is_none_or(|p| policies.contains(&p));
+                    .is_none_or(|p| policies.iter().any(|held| held == p));
             if !wanted {
                 continue;
             }
