@@ -23,7 +23,7 @@ use wor_store::{
     NotificationDeliveryRecord, NotificationRouteRecord, RouteChannel, StoreError,
 };
 
-use crate::approvals::DecidedVia;
+use crate::approvals::{DecidedVia, DecisionRefusal};
 use crate::metrics::{DeliveryResult, NotificationChannel};
 use crate::notice::{route_slot, shown_value};
 use crate::triggers::retry_at;
@@ -49,6 +49,49 @@ const SLACK_LINK_TTL_MS: i64 = 15 * 60 * 1000;
 const NOTIFICATION_LEASE_MS: i64 = 30_000;
 /// Longest route name.
 const MAX_ROUTE_NAME_CHARS: usize = 100;
+
+/// Why a new notification route is refused: each names the field to correct.
+#[derive(Debug, thiserror::Error)]
+pub enum RouteError {
+    #[error("`name` must be 1 to {MAX_ROUTE_NAME_CHARS} characters")]
+    Name,
+    /// A secret (a token, a password) that is empty, too long or has control characters.
+    #[error("`{field}` must be 1 to 512 printable characters")]
+    Secret { field: &'static str },
+    /// A destination the egress policy does not let deliveries reach.
+    #[error("`{field}`: {denial}")]
+    Destination {
+        field: &'static str,
+        denial: Box<wor_egress::EgressDenial>,
+    },
+    #[error("a Slack route needs a Slack channel")]
+    NotSlack,
+    #[error("`channel` must be a Slack channel id (letters and digits, such as `C0123ABCD`)")]
+    SlackChannel,
+    #[error("an email route needs an email channel")]
+    NotEmail,
+    #[error("`smtp_host` must be a host name (letters, digits, `-` and `.`) or an IP address")]
+    SmtpHost,
+    #[error("`smtp_port` must be 1 to 65535")]
+    SmtpPort,
+    #[error(
+        "`tls = plaintext_loopback` needs the operator's `[notifications] smtp_plaintext_loopback = true`; otherwise STARTTLS is required"
+    )]
+    PlaintextNotAllowed,
+    #[error(
+        "`tls = plaintext_loopback` goes only to a loopback relay (`127.0.0.1`, `::1` or `localhost`)"
+    )]
+    PlaintextNotLoopback,
+    #[error("`email_from` is not an email address")]
+    From,
+    #[error("`email_to` must list 1 to {} addresses", crate::email::MAX_RECIPIENTS)]
+    RecipientCount,
+    /// A recipient that is not an address (its first 100 characters).
+    #[error("`email_to`: `{address}` is not an email address")]
+    Recipient { address: String },
+    #[error("`digest_minutes` must be 1 to {}", crate::email::MAX_DIGEST_MINUTES)]
+    DigestMinutes,
+}
 
 /// A Slack route's secrets, as an admin gives them; sealed at once, never shown again.
 pub struct SlackSecrets {
@@ -126,22 +169,20 @@ impl Engine {
         actor: Actor,
     ) -> Result<NotificationRouteRecord, EngineError> {
         let RouteChannel::Slack { channel, api_url } = &route.channel else {
-            return Err(EngineError::Invalid(
-                "a Slack route needs a Slack channel".to_owned(),
-            ));
+            return Err(RouteError::NotSlack.into());
         };
         if !is_slack_id(channel) {
-            return Err(EngineError::Invalid(
-                "`channel` must be a Slack channel id (letters and digits, such as `C0123ABCD`)"
-                    .to_owned(),
-            ));
+            return Err(RouteError::SlackChannel.into());
         }
         self.egress
             .vet_destination(&format!(
                 "{}/chat.postMessage",
                 api_url.trim_end_matches('/')
             ))
-            .map_err(|denial| EngineError::Invalid(format!("`slack_api_url`: {denial}")))?;
+            .map_err(|denial| RouteError::Destination {
+                field: "slack_api_url",
+                denial,
+            })?;
         self.create_route(
             project,
             route,
@@ -164,16 +205,12 @@ impl Engine {
     ) -> Result<NotificationRouteRecord, EngineError> {
         let name = route.name.trim();
         if name.is_empty() || name.chars().count() > MAX_ROUTE_NAME_CHARS {
-            return Err(EngineError::Invalid(format!(
-                "`name` must be 1 to {MAX_ROUTE_NAME_CHARS} characters"
-            )));
+            return Err(RouteError::Name.into());
         }
         for (field, value) in &secrets {
             let value = value.expose_secret();
             if value.trim().is_empty() || value.len() > 512 || value.chars().any(char::is_control) {
-                return Err(EngineError::Invalid(format!(
-                    "`{field}` must be 1 to 512 printable characters"
-                )));
+                return Err(RouteError::Secret { field }.into());
             }
         }
         if let Some(routine) = route.filter.routine_id {
@@ -190,7 +227,7 @@ impl Engine {
                     value.expose_secret(),
                 )
                 .await
-                .map_err(|e| EngineError::Refused(format!("cannot seal `{field}`: {e}")))?;
+                .map_err(EngineError::Vault)?;
         }
         let mut payload = json!({
             "name": created.name,
@@ -904,7 +941,14 @@ impl Engine {
             .await
         {
             Ok(decided) => Ok(SlackOutcome::Decided(decided.status)),
-            Err(EngineError::Forbidden(refusal) | EngineError::Refused(refusal)) => {
+            // Refusals the person in Slack is told of; anything else is the request's failure.
+            Err(
+                refused @ (EngineError::ApproverRefused(_)
+                | EngineError::Decision(
+                    DecisionRefusal::NotPending(_) | DecisionRefusal::Expired,
+                )),
+            ) => {
+                let refusal = refused.to_string();
                 self.refuse_in_messages(approval, member, identity, &refusal, event_key)
                     .await?;
                 Ok(SlackOutcome::Refused(refusal))
@@ -953,9 +997,11 @@ impl Engine {
                 member_id: Some(member.id),
                 role: member.role,
             };
-            self.approval_refusal(project, approval, approver).await?
+            self.approval_refusal(project, approval, approver)
+                .await?
+                .map(|refusal| refusal.to_string())
         } else {
-            Some(format!("the approval is already {}", approval.status))
+            Some(DecisionRefusal::NotPending(approval.status).to_string())
         };
         if let Some(refusal) = refusal {
             self.refuse_in_messages(approval, member, &press.identity, &refusal, event_key)

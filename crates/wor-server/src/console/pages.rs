@@ -805,7 +805,7 @@ pub async fn edit_and_approve(
         .approval_refusal(project, &approval, approver(&member))
         .await?
     {
-        return Err(ConsoleError(ApiError::Forbidden(refusal)));
+        return Err(ConsoleError(refusal.into()));
     }
     let mut shown = edit_form(&approval);
     let mut edits = serde_json::Map::new();
@@ -892,9 +892,10 @@ pub async fn edit_and_approve(
                 (status, (!whole.is_empty()).then(|| whole.join("; ")))
             }
             // A missing or overlong reason is the form's to show.
-            Err(wor_engine::EngineError::Invalid(message)) => {
-                (StatusCode::BAD_REQUEST, Some(message))
-            }
+            Err(wor_engine::EngineError::Decision(
+                refusal @ (wor_engine::DecisionRefusal::NoReason
+                | wor_engine::DecisionRefusal::ReasonTooLong),
+            )) => (StatusCode::BAD_REQUEST, Some(refusal.to_string())),
             Err(other) => return Err(other.into()),
         }
     };
@@ -972,7 +973,7 @@ async fn card_of(
     run: &wor_store::RunRecord,
     routine: String,
     steps: &[wor_store::RunStep],
-    refusal: Option<String>,
+    refusal: Option<wor_engine::ApproverRefusal>,
 ) -> Result<ApprovalCard, ConsoleError> {
     let project = member.session.project_id;
     let decision = match approval.status {
@@ -1026,7 +1027,7 @@ async fn card_of(
         expires_at: rfc3339(approval.expires_at),
         expires_in: time_left(approval.expires_at),
         binding_hash: approval.binding_hash,
-        refusal,
+        refusal: refusal.map(|refusal| refusal.to_string()),
         status: approval.status.as_str().to_owned(),
         decision,
     })
