@@ -30,8 +30,7 @@ use wor_store::{
 };
 
 use crate::metrics::DeliveryResult;
-use crate::notice::{route_slot, shown_value};
-use crate::notifications::RouteError;
+use crate::notice::{MAX_DIGEST_MINUTES, MAX_RECIPIENTS, RouteError, route_slot, shown_value};
 use crate::triggers::retry_at;
 use crate::{Engine, EngineError};
 
@@ -40,10 +39,6 @@ pub const SMTP_USERNAME_FIELD: &str = "smtp_username";
 /// The vault field of a route's SMTP password.
 pub const SMTP_PASSWORD_FIELD: &str = "smtp_password";
 
-/// At most this many recipients per route.
-pub(crate) const MAX_RECIPIENTS: usize = 20;
-/// The longest digest period, in minutes (a day).
-pub(crate) const MAX_DIGEST_MINUTES: u32 = 24 * 60;
 /// Time allowed for one whole SMTP exchange, from the greeting to `QUIT`.
 const SMTP_TIMEOUT: Duration = Duration::from_secs(60);
 

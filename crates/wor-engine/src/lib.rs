@@ -48,8 +48,9 @@ use wor_store::{AuditLog, Store, StoreError, Vault};
 
 pub use approvals::{Approver, ApproverRefusal, ArgumentViolation, DecisionRefusal, EditRefusal};
 pub use email::{SMTP_PASSWORD_FIELD, SMTP_USERNAME_FIELD, SmtpSecrets};
+pub use notice::RouteError;
 pub use notifications::{
-    MAX_SLACK_INTERACTION_BYTES, NOTIFICATION_ROUTES_TABLE, RouteError, SLACK_BOT_TOKEN_FIELD,
+    MAX_SLACK_INTERACTION_BYTES, NOTIFICATION_ROUTES_TABLE, SLACK_BOT_TOKEN_FIELD,
     SLACK_REPLAY_WINDOW_SECS, SLACK_SIGNING_SECRET_FIELD, SlackInteraction, SlackOutcome,
     SlackRejection, SlackSecrets,
 };

@@ -25,7 +25,7 @@ use wor_store::{
 
 use crate::approvals::{DecidedVia, DecisionRefusal};
 use crate::metrics::{DeliveryResult, NotificationChannel};
-use crate::notice::{route_slot, shown_value};
+use crate::notice::{MAX_ROUTE_NAME_CHARS, RouteError, route_slot, shown_value};
 use crate::triggers::retry_at;
 use crate::{Approver, Engine, EngineError};
 
@@ -47,51 +47,6 @@ const DENY_FORM: &str = "wor_deny";
 const SLACK_LINK_TTL_MS: i64 = 15 * 60 * 1000;
 /// A claimed notification is retried by another process after this long.
 const NOTIFICATION_LEASE_MS: i64 = 30_000;
-/// Longest route name.
-const MAX_ROUTE_NAME_CHARS: usize = 100;
-
-/// Why a new notification route is refused: each names the field to correct.
-#[derive(Debug, thiserror::Error)]
-pub enum RouteError {
-    #[error("`name` must be 1 to {MAX_ROUTE_NAME_CHARS} characters")]
-    Name,
-    /// A secret (a token, a password) that is empty, too long or has control characters.
-    #[error("`{field}` must be 1 to 512 printable characters")]
-    Secret { field: &'static str },
-    /// A destination the egress policy does not let deliveries reach.
-    #[error("`{field}`: {denial}")]
-    Destination {
-        field: &'static str,
-        denial: Box<wor_egress::EgressDenial>,
-    },
-    #[error("a Slack route needs a Slack channel")]
-    NotSlack,
-    #[error("`channel` must be a Slack channel id (letters and digits, such as `C0123ABCD`)")]
-    SlackChannel,
-    #[error("an email route needs an email channel")]
-    NotEmail,
-    #[error("`smtp_host` must be a host name (letters, digits, `-` and `.`) or an IP address")]
-    SmtpHost,
-    #[error("`smtp_port` must be 1 to 65535")]
-    SmtpPort,
-    #[error(
-        "`tls = plaintext_loopback` needs the operator's `[notifications] smtp_plaintext_loopback = true`; otherwise STARTTLS is required"
-    )]
-    PlaintextNotAllowed,
-    #[error(
-        "`tls = plaintext_loopback` goes only to a loopback relay (`127.0.0.1`, `::1` or `localhost`)"
-    )]
-    PlaintextNotLoopback,
-    #[error("`email_from` is not an email address")]
-    From,
-    #[error("`email_to` must list 1 to {} addresses", crate::email::MAX_RECIPIENTS)]
-    RecipientCount,
-    /// A recipient that is not an address (its first 100 characters).
-    #[error("`email_to`: `{address}` is not an email address")]
-    Recipient { address: String },
-    #[error("`digest_minutes` must be 1 to {}", crate::email::MAX_DIGEST_MINUTES)]
-    DigestMinutes,
-}
 
 /// A Slack route's secrets, as an admin gives them; sealed at once, never shown again.
 pub struct SlackSecrets {
