@@ -11,8 +11,8 @@ use serde_json::json;
 use wor_core::audit::{Actor, AuditCategory, AuditEvent};
 use wor_core::{ApiKeyId, ApprovalId, MemberId, ProjectId, Role};
 use wor_store::{
-    ApprovalAnswer, ApprovalDecision, ApprovalEdit, ApprovalKind, ApprovalRecord, DecideError,
-    RunRecord, StoreError,
+    ApprovalAnswer, ApprovalDecision, ApprovalEdit, ApprovalKind, ApprovalRecord, ApprovalStatus,
+    DecideError, RunRecord, StoreError,
 };
 
 use wor_core::call::Verdict;
@@ -148,8 +148,43 @@ fn decision_payload(
 /// Longest reason accepted with a decision.
 const MAX_REASON_CHARS: usize = 2000;
 
-/// Why a decision without a person is refused.
-const NO_PERSON: &str = "a service key cannot decide approvals; use a member's key";
+/// Why a caller may not decide the approvals of a run: a role or separation-of-duties rule.
+/// Nothing is decided.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ApproverRefusal {
+    /// A service key (no person behind it) decides nothing.
+    #[error("a service key cannot decide approvals; use a member's key")]
+    NoPerson,
+    /// The caller's role does not decide approvals.
+    #[error("deciding approvals needs the approver, admin or owner role; this caller has `{0}`")]
+    Role(Role),
+    /// The member who started the run (with any of their keys, or signed in).
+    #[error("the member who started this run cannot decide its approvals")]
+    StarterMember,
+    /// The API key that started the run.
+    #[error("the API key that started this run cannot decide its approvals")]
+    StarterKey,
+    /// The routine's author, when the routine asks for `separate_from_author`.
+    #[error("this routine asks that its author not decide its approvals")]
+    Author,
+}
+
+/// Why a decision is not taken as it was sent.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DecisionRefusal {
+    /// The decision has no reason.
+    #[error("a decision needs a reason (`reason`)")]
+    NoReason,
+    /// The reason is longer than [`MAX_REASON_CHARS`].
+    #[error("the reason is longer than {MAX_REASON_CHARS} characters")]
+    ReasonTooLong,
+    /// The approval was decided before.
+    #[error("the approval is already {0}")]
+    NotPending(ApprovalStatus),
+    /// The approval expired before it was decided.
+    #[error("the approval expired before it was decided")]
+    Expired,
+}
 
 /// Who is deciding: the authenticated caller.
 #[derive(Debug, Clone, Copy)]
@@ -232,7 +267,7 @@ impl Engine {
             .approver_refusal(project, &run, approver, &mut HashMap::new())
             .await?
         {
-            return Err(EngineError::Forbidden(refusal));
+            return Err(refusal.into());
         }
         if approval.kind != ApprovalKind::Policy {
             return Err(EditRefusal::NotEditable.into());
@@ -349,10 +384,7 @@ impl Engine {
         }
         let arguments = prepare_arguments(edited, &offered.entry, &offered.pin.input_schema())
             .map_err(|error| EditRefusal::from_argument_error(&error))?;
-        let policy = match self.run_policy(run, definition).await? {
-            Ok(policy) => policy,
-            Err(reason) => return Err(EngineError::Refused(reason)),
-        };
+        let policy = self.run_policy(run, definition).await?;
         let steps = self.store.list_run_steps(project, run.id, 0).await?;
         let untrusted = untrusted_sources(steps.iter().map(|s| (&s.step, s.provenance)));
         let content =
@@ -398,20 +430,16 @@ impl Engine {
         let run = self.store.get_run(project, approval.run_id).await?;
         let reason = reason.trim();
         if reason.is_empty() {
-            return Err(EngineError::Invalid(
-                "a decision needs a reason (`reason`)".to_owned(),
-            ));
+            return Err(DecisionRefusal::NoReason.into());
         }
         if reason.chars().count() > MAX_REASON_CHARS {
-            return Err(EngineError::Invalid(format!(
-                "the reason is longer than {MAX_REASON_CHARS} characters"
-            )));
+            return Err(DecisionRefusal::ReasonTooLong.into());
         }
         if let Some(refusal) = self
             .approver_refusal(project, &run, approver, &mut HashMap::new())
             .await?
         {
-            return Err(EngineError::Forbidden(refusal));
+            return Err(refusal.into());
         }
         let reason = wor_secrets::redact_shapes(reason).into_owned();
         let decision = ApprovalDecision {
@@ -433,16 +461,17 @@ impl Engine {
             Ok(decided) => decided,
             Err(DecideError::NotFound) => return Err(StoreError::NotFound.into()),
             Err(DecideError::Store(error)) => return Err(error.into()),
-            Err(other @ (DecideError::NotPending(_) | DecideError::Expired)) => {
-                return Err(EngineError::Refused(other.to_string()));
+            Err(DecideError::NotPending(status)) => {
+                return Err(DecisionRefusal::NotPending(status).into());
             }
+            Err(DecideError::Expired) => return Err(DecisionRefusal::Expired.into()),
         };
         let actor = match (approver.member_id, approver.key_id) {
             (Some(member_id), Some(key_id)) => Actor::Member { member_id, key_id },
             (Some(member_id), None) => Actor::ConsoleMember { member_id },
             (None, Some(key_id)) => Actor::ApiKey { key_id },
             // Refused by `approver_refusal` above: a decision always has a person.
-            (None, None) => return Err(EngineError::Forbidden(NO_PERSON.to_owned())),
+            (None, None) => return Err(ApproverRefusal::NoPerson.into()),
         };
         self.audit
             .append(
@@ -470,7 +499,7 @@ impl Engine {
         project: ProjectId,
         approval: &ApprovalRecord,
         approver: Approver,
-    ) -> Result<Option<String>, EngineError> {
+    ) -> Result<Option<ApproverRefusal>, EngineError> {
         let run = self.store.get_run(project, approval.run_id).await?;
         self.approver_refusal(project, &run, approver, &mut HashMap::new())
             .await
@@ -483,7 +512,7 @@ impl Engine {
         project: ProjectId,
         runs: &[&RunRecord],
         approver: Approver,
-    ) -> Result<Vec<Option<String>>, EngineError> {
+    ) -> Result<Vec<Option<ApproverRefusal>>, EngineError> {
         let mut key_members = HashMap::new();
         let mut refusals = Vec::with_capacity(runs.len());
         for run in runs {
@@ -503,31 +532,22 @@ impl Engine {
         run: &RunRecord,
         approver: Approver,
         key_members: &mut HashMap<ApiKeyId, Option<MemberId>>,
-    ) -> Result<Option<String>, EngineError> {
+    ) -> Result<Option<ApproverRefusal>, EngineError> {
         let Some(member_id) = approver.member_id else {
-            return Ok(Some(NO_PERSON.to_owned()));
+            return Ok(Some(ApproverRefusal::NoPerson));
         };
         if !approver.role.can_approve() {
-            return Ok(Some(format!(
-                "deciding approvals needs the approver, admin or owner role; this caller has `{}`",
-                approver.role
-            )));
+            return Ok(Some(ApproverRefusal::Role(approver.role)));
         }
         if run.started_by_member == Some(member_id) {
-            return Ok(Some(
-                "the member who started this run cannot decide its approvals".to_owned(),
-            ));
+            return Ok(Some(ApproverRefusal::StarterMember));
         }
         if let Some(starter) = run.started_by {
             if Some(starter) == approver.key_id {
-                return Ok(Some(
-                    "the API key that started this run cannot decide its approvals".to_owned(),
-                ));
+                return Ok(Some(ApproverRefusal::StarterKey));
             }
             if self.key_member(project, starter, key_members).await? == Some(member_id) {
-                return Ok(Some(
-                    "the member who started this run cannot decide its approvals".to_owned(),
-                ));
+                return Ok(Some(ApproverRefusal::StarterMember));
             }
         }
         let version = self
@@ -538,9 +558,7 @@ impl Engine {
             && (Some(author_key) == approver.key_id
                 || self.key_member(project, author_key, key_members).await? == Some(member_id))
         {
-            return Ok(Some(
-                "this routine asks that its author not decide its approvals".to_owned(),
-            ));
+            return Ok(Some(ApproverRefusal::Author));
         }
         Ok(None)
     }

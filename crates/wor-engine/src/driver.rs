@@ -35,7 +35,7 @@ use wor_store::{
 };
 
 use crate::call::{CallScope, Recorded, Stopped, run_event};
-use crate::output::FinalAnswer;
+use crate::output::AfterTurn;
 use crate::run_tools::{RunTools, ToolsUnavailable};
 use crate::{Engine, EngineError};
 
@@ -79,6 +79,51 @@ fn turn_tokens(outcome: &Result<TurnOutcome, EngineError>) -> Option<(u64, u64)>
         }
         _ => None,
     }
+}
+
+/// Why a run has no model to call: it fails closed with this reason.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ModelUnavailable {
+    #[error("provider `replay` is refused in production")]
+    ReplayInProduction,
+    #[error("the replay routine has no script")]
+    NoScript,
+    #[error("the replay script cannot resume this run: {0}")]
+    ReplayResume(#[source] wor_models::ModelError),
+    #[error("provider `replay` takes no model connection")]
+    ReplayConnection,
+    #[error("the routine names no model connection")]
+    NoConnection,
+    #[error("model connections cannot be read: {0}")]
+    Connections(#[source] wor_store::StoreError),
+    #[error("model connection `{name}` is missing or revoked")]
+    Missing { name: String },
+    #[error("model connection `{name}` speaks `{speaks}`, the routine's model `{routine}`")]
+    OtherProvider {
+        name: String,
+        speaks: ProviderKind,
+        routine: ProviderKind,
+    },
+    #[error("the key of model connection `{name}` cannot be opened: {source}")]
+    KeyUnopened {
+        name: String,
+        #[source]
+        source: wor_store::VaultError,
+    },
+    #[error("the key of model connection `{name}` cannot be read: {source}")]
+    KeyUnread {
+        name: String,
+        #[source]
+        source: wor_store::StoreError,
+    },
+    #[error("model connection `{name}` has no API key: {source}")]
+    Keyless {
+        name: String,
+        #[source]
+        source: wor_egress::KeylessModelRefusal,
+    },
+    #[error("the use of a secret cannot be recorded: {0}")]
+    SecretUseUnrecorded(#[source] wor_store::StoreError),
 }
 
 /// What a model call came to.
@@ -173,7 +218,12 @@ impl Engine {
         let content = crate::pipeline::run_content(definition, labelled());
         let (provider, connection) = match self.provider(run, definition, &messages).await {
             Ok(provider) => provider,
-            Err(reason) => return Ok(Flow::End(Ending::new(RunStatus::Failed, reason), None)),
+            Err(unavailable) => {
+                return Ok(Flow::End(
+                    Ending::new(RunStatus::Failed, unavailable.to_string()),
+                    None,
+                ));
+            }
         };
         // A key replaced since the run's last model call is another credential: fail closed.
         if let Some(reason) = credential_changed(
@@ -182,10 +232,8 @@ impl Engine {
         ) {
             return Ok(Flow::End(Ending::new(RunStatus::Failed, reason), None));
         }
-        let policy = match self.run_policy(run, definition).await? {
-            Ok(policy) => policy,
-            Err(reason) => return Ok(Flow::End(Ending::new(RunStatus::Failed, reason), None)),
-        };
+        // Policies that do not validate fail the run (`EngineError::run_failure`).
+        let policy = self.run_policy(run, definition).await?;
         let redactor = self.project_redactor(run.project_id).await?;
         let tools = match self.prepare_tools(run, definition).await {
             Ok(tools) => tools,
@@ -260,14 +308,14 @@ impl Engine {
     }
 
     /// The policy a run's calls are decided by: the project's policy (or the built-in
-    /// default), the routine's own, and its roster modes. `Err` when they do not validate:
-    /// the run fails closed with the reason. Built once per routine version and project
-    /// policy text, then shared (see [`crate::versions`]).
+    /// default), the routine's own, and its roster modes. [`EngineError::InvalidPolicies`]
+    /// when they do not validate: a run being driven fails closed with it. Built once per
+    /// routine version and project policy text, then shared (see [`crate::versions`]).
     pub(crate) async fn run_policy(
         &self,
         run: &RunRecord,
         definition: &RoutineDefinition,
-    ) -> Result<Result<Arc<PolicyEngine>, String>, EngineError> {
+    ) -> Result<Arc<PolicyEngine>, EngineError> {
         let project = self
             .store
             .project_policy(run.project_id)
@@ -275,7 +323,7 @@ impl Engine {
             .map(|p| p.text);
         let key = crate::versions::PolicyKey::new(run, project.as_deref());
         if let Some(built) = self.versions.policy(&key) {
-            return Ok(Ok(built));
+            return Ok(built);
         }
         let mut builder = PolicyEngine::builder().roster(&definition.tools);
         if let Some(text) = project {
@@ -284,14 +332,9 @@ impl Engine {
         if let Some(policy) = &definition.policy {
             builder = builder.routine_policy(policy.clone());
         }
-        Ok(match builder.build() {
-            Ok(built) => {
-                let built = Arc::new(built);
-                self.versions.keep_policy(key, built.clone());
-                Ok(built)
-            }
-            Err(e) => Err(format!("the run's policies do not validate: {e}")),
-        })
+        let built = Arc::new(builder.build().map_err(EngineError::InvalidPolicies)?);
+        self.versions.keep_policy(key, built.clone());
+        Ok(built)
     }
 
     /// Drives the run's loop (`wor_core::run_loop`): does each step it hands out — a model
@@ -357,15 +400,12 @@ impl Engine {
                 ));
             }
             let answer = last.text.clone();
-            if let Some(ending) = machine.turn_recorded(Vec::new(), elapsed(), || answer) {
-                let usage = machine.usage();
-                match self
-                    .final_answer(run, definition, usage, &limits, ending, &mut messages)
-                    .await?
-                {
-                    FinalAnswer::End(ending) => return Ok(Flow::End(ending, None)),
-                    FinalAnswer::Correct => {}
-                }
+            let ended = machine.turn_recorded(Vec::new(), elapsed(), || answer);
+            if let AfterTurn::End(ending) = self
+                .after_turn(run, definition, &machine, ended, &mut messages)
+                .await?
+            {
+                return Ok(Flow::End(ending, None));
             }
         }
         // Whether a cancel was requested, as the last journal write found it: a step that
@@ -440,17 +480,14 @@ impl Engine {
                         .map(PendingCall::fresh)
                         .collect();
                     messages.push(ChatMessage::Assistant(message));
-                    if let Some(ending) = machine.turn_recorded(calls, elapsed(), || {
+                    let ended = machine.turn_recorded(calls, elapsed(), || {
                         redactor.redact(&response.message.text).into_owned()
-                    }) {
-                        let usage = machine.usage();
-                        match self
-                            .final_answer(run, definition, usage, &limits, ending, &mut messages)
-                            .await?
-                        {
-                            FinalAnswer::End(ending) => return Ok(Flow::End(ending, None)),
-                            FinalAnswer::Correct => {}
-                        }
+                    });
+                    if let AfterTurn::End(ending) = self
+                        .after_turn(run, definition, &machine, ended, &mut messages)
+                        .await?
+                    {
+                        return Ok(Flow::End(ending, None));
                     }
                 }
                 Next::Answer(call) => {
@@ -628,17 +665,14 @@ impl Engine {
         run: &RunRecord,
         definition: &RoutineDefinition,
         history: &[ChatMessage],
-    ) -> Result<(Box<dyn ModelProvider>, ModelCredential), String> {
+    ) -> Result<(Box<dyn ModelProvider>, ModelCredential), ModelUnavailable> {
         let model = &definition.model;
         if model.provider == ProviderKind::Replay {
             if self.config.production {
-                return Err("provider `replay` is refused in production".to_owned());
+                return Err(ModelUnavailable::ReplayInProduction);
             }
             // Checked when the routine was applied (and again whenever it is read back).
-            let script = model
-                .script
-                .clone()
-                .ok_or("the replay routine has no script")?;
+            let script = model.script.clone().ok_or(ModelUnavailable::NoScript)?;
             return ReplayProvider::resuming(script, history)
                 .map(|p| {
                     (
@@ -646,26 +680,29 @@ impl Engine {
                         ModelCredential::default(),
                     )
                 })
-                .map_err(|e| format!("the replay script cannot resume this run: {e}"));
+                .map_err(ModelUnavailable::ReplayResume);
         }
         let name = model
             .connection
             .as_deref()
-            .ok_or("the routine names no model connection")?;
+            .ok_or(ModelUnavailable::NoConnection)?;
         let connections = self
             .store
             .list_model_connections(run.project_id)
             .await
-            .map_err(|e| format!("model connections cannot be read: {e}"))?;
+            .map_err(ModelUnavailable::Connections)?;
         let connection = connections
             .into_iter()
             .find(|c| c.name == name && c.status == ConnectionStatus::Active)
-            .ok_or_else(|| format!("model connection `{name}` is missing or revoked"))?;
+            .ok_or_else(|| ModelUnavailable::Missing {
+                name: name.to_owned(),
+            })?;
         if connection.provider != model.provider {
-            return Err(format!(
-                "model connection `{name}` speaks `{}`, the routine's model `{}`",
-                connection.provider, model.provider
-            ));
+            return Err(ModelUnavailable::OtherProvider {
+                name: name.to_owned(),
+                speaks: connection.provider,
+                routine: model.provider,
+            });
         }
         let slot = SecretSlot::new(
             run.project_id,
@@ -676,20 +713,27 @@ impl Engine {
         // A connection without a key is a local model server: allowed only while its address
         // is in the operator's model ranges, rechecked at every (re)start.
         let key = match self.vault.metadata(&slot).await {
-            Ok(Some(_)) => Some(self.vault.open(&slot).await.map_err(|e| {
-                format!("the key of model connection `{name}` cannot be opened: {e}")
+            Ok(Some(_)) => Some(self.vault.open(&slot).await.map_err(|source| {
+                ModelUnavailable::KeyUnopened {
+                    name: name.to_owned(),
+                    source,
+                }
             })?),
             Ok(None) => {
                 self.model_egress
                     .vet_keyless_model(&connection.base_url)
                     .await
-                    .map_err(|e| format!("model connection `{name}` has no API key: {e}"))?;
+                    .map_err(|source| ModelUnavailable::Keyless {
+                        name: name.to_owned(),
+                        source,
+                    })?;
                 None
             }
-            Err(e) => {
-                return Err(format!(
-                    "the key of model connection `{name}` cannot be read: {e}"
-                ));
+            Err(source) => {
+                return Err(ModelUnavailable::KeyUnread {
+                    name: name.to_owned(),
+                    source,
+                });
             }
         };
         if key.is_some() {
@@ -700,7 +744,7 @@ impl Engine {
                         .payload(json!({ "slot": slot.to_string(), "credential_version": connection.credential_version })),
                 )
                 .await
-                .map_err(|e| format!("the use of a secret cannot be recorded: {e}"))?;
+                .map_err(ModelUnavailable::SecretUseUnrecorded)?;
         }
         let credential = ModelCredential {
             connection_id: Some(connection.id),
@@ -729,9 +773,7 @@ impl Engine {
                 endpoint,
                 options,
             )),
-            ProviderKind::Replay => {
-                return Err("provider `replay` takes no model connection".to_owned());
-            }
+            ProviderKind::Replay => return Err(ModelUnavailable::ReplayConnection),
         };
         Ok((provider, credential))
     }

@@ -30,7 +30,7 @@ use wor_store::{
 };
 
 use crate::metrics::DeliveryResult;
-use crate::notice::{route_slot, shown_value};
+use crate::notice::{MAX_DIGEST_MINUTES, MAX_RECIPIENTS, RouteError, route_slot, shown_value};
 use crate::triggers::retry_at;
 use crate::{Engine, EngineError};
 
@@ -39,10 +39,6 @@ pub const SMTP_USERNAME_FIELD: &str = "smtp_username";
 /// The vault field of a route's SMTP password.
 pub const SMTP_PASSWORD_FIELD: &str = "smtp_password";
 
-/// At most this many recipients per route.
-const MAX_RECIPIENTS: usize = 20;
-/// The longest digest period, in minutes (a day).
-const MAX_DIGEST_MINUTES: u32 = 24 * 60;
 /// Time allowed for one whole SMTP exchange, from the greeting to `QUIT`.
 const SMTP_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -156,59 +152,45 @@ impl Engine {
             digest_minutes,
         } = &route.channel
         else {
-            return Err(EngineError::Invalid(
-                "an email route needs an email channel".to_owned(),
-            ));
+            return Err(RouteError::NotEmail.into());
         };
         if !is_smtp_host(smtp_host) {
-            return Err(EngineError::Invalid(
-                "`smtp_host` must be a host name (letters, digits, `-` and `.`) or an IP address"
-                    .to_owned(),
-            ));
+            return Err(RouteError::SmtpHost.into());
         }
         if *smtp_port == 0 {
-            return Err(EngineError::Invalid(
-                "`smtp_port` must be 1 to 65535".to_owned(),
-            ));
+            return Err(RouteError::SmtpPort.into());
         }
         self.egress
             .vet_destination(&format!("https://{}/", authority(smtp_host, *smtp_port)))
-            .map_err(|denial| EngineError::Invalid(format!("`smtp_host`: {denial}")))?;
+            .map_err(|denial| RouteError::Destination {
+                field: "smtp_host",
+                denial,
+            })?;
         if *tls == SmtpTls::PlaintextLoopback {
             if !self.config.smtp_plaintext_loopback {
-                return Err(EngineError::Invalid(
-                    "`tls = plaintext_loopback` needs the operator's `[notifications] smtp_plaintext_loopback = true`; otherwise STARTTLS is required".to_owned(),
-                ));
+                return Err(RouteError::PlaintextNotAllowed.into());
             }
             let loopback = smtp_host == "localhost"
                 || smtp_host
                     .parse::<std::net::IpAddr>()
                     .is_ok_and(|ip| ip.is_loopback());
             if !loopback {
-                return Err(EngineError::Invalid(
-                    "`tls = plaintext_loopback` goes only to a loopback relay (`127.0.0.1`, `::1` or `localhost`)".to_owned(),
-                ));
+                return Err(RouteError::PlaintextNotLoopback.into());
             }
         }
-        from.parse::<Mailbox>()
-            .map_err(|_| EngineError::Invalid("`email_from` is not an email address".to_owned()))?;
+        from.parse::<Mailbox>().map_err(|_| RouteError::From)?;
         if to.is_empty() || to.len() > MAX_RECIPIENTS {
-            return Err(EngineError::Invalid(format!(
-                "`email_to` must list 1 to {MAX_RECIPIENTS} addresses"
-            )));
+            return Err(RouteError::RecipientCount.into());
         }
         for address in to {
-            address.parse::<Mailbox>().map_err(|_| {
-                EngineError::Invalid(format!(
-                    "`email_to`: `{}` is not an email address",
-                    address.chars().take(100).collect::<String>()
-                ))
-            })?;
+            address
+                .parse::<Mailbox>()
+                .map_err(|_| RouteError::Recipient {
+                    address: address.chars().take(100).collect(),
+                })?;
         }
         if digest_minutes.is_some_and(|m| m == 0 || m > MAX_DIGEST_MINUTES) {
-            return Err(EngineError::Invalid(format!(
-                "`digest_minutes` must be 1 to {MAX_DIGEST_MINUTES}"
-            )));
+            return Err(RouteError::DigestMinutes.into());
         }
         let sealed = match secrets {
             Some(secrets) => vec![

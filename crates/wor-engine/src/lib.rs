@@ -46,16 +46,17 @@ use wor_core::budget::ModelPrice;
 use wor_egress::EgressClient;
 use wor_store::{AuditLog, Store, StoreError, Vault};
 
-pub use approvals::{Approver, ArgumentViolation, EditRefusal};
+pub use approvals::{Approver, ApproverRefusal, ArgumentViolation, DecisionRefusal, EditRefusal};
 pub use email::{SMTP_PASSWORD_FIELD, SMTP_USERNAME_FIELD, SmtpSecrets};
+pub use notice::RouteError;
 pub use notifications::{
     MAX_SLACK_INTERACTION_BYTES, NOTIFICATION_ROUTES_TABLE, SLACK_BOT_TOKEN_FIELD,
     SLACK_REPLAY_WINDOW_SECS, SLACK_SIGNING_SECRET_FIELD, SlackInteraction, SlackOutcome,
     SlackRejection, SlackSecrets,
 };
 pub use oauth_connections::{
-    AUTHORIZATION_LIFETIME_MS, FinishedAuthorization, OAUTH_CALLBACK_PATH, REFRESH_AHEAD_MS,
-    RegisteredClient, StartedAuthorization,
+    AUTHORIZATION_LIFETIME_MS, FinishedAuthorization, LostAuthorization, OAUTH_CALLBACK_PATH,
+    OAuthRefusal, REFRESH_AHEAD_MS, RegisteredClient, StartedAuthorization,
 };
 pub use scheduler::{DISPATCH_AHEAD_MS, SchedulerReport};
 pub use start::{DEFAULT_THREAD, StartRun, Trigger};
@@ -65,7 +66,7 @@ pub use tool_connection_spec::{
 };
 pub use tool_connections::{
     BEARER_TOKEN_FIELD, CommandRefusal, ConnectionError, ReplacedTools, ReviewDiff, ReviewedTool,
-    StoredConnectionError, ToolReview, check_stdio_spec, credential_slot,
+    StoredConnectionError, ToolConnectionRefusal, ToolReview, check_stdio_spec, credential_slot,
 };
 pub use triggers::{
     InboundWebhook, MAX_DELIVERY_ATTEMPTS, MAX_WEBHOOK_BYTES, REPLAY_WINDOW_SECS, WebhookRejection,
@@ -146,19 +147,46 @@ impl Default for EngineConfig {
 /// it ends with status `failed` and its reason.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
-    /// The run fails closed with this reason (a policy that does not validate, a connection
-    /// that cannot be used, a rule of the pipeline); over the API, a conflict.
-    #[error("{0}")]
-    Refused(String),
-    /// The caller may not do this (a role or separation-of-duties rule).
-    #[error("{0}")]
-    Forbidden(String),
-    /// The request itself is wrong (a bad argument).
-    #[error("{0}")]
-    Invalid(String),
+    /// The caller may not decide this run's approvals (a role or separation-of-duties rule).
+    #[error(transparent)]
+    ApproverRefused(#[from] ApproverRefusal),
+    /// A decision is not taken as sent: no reason, or the approval is no longer pending.
+    #[error(transparent)]
+    Decision(#[from] DecisionRefusal),
     /// An approver's edit of a held call is refused; nothing was decided.
     #[error(transparent)]
     EditRefused(#[from] EditRefusal),
+    /// The run's policies (the project's, the routine's, its roster modes) do not validate:
+    /// its calls cannot be decided, so it fails closed.
+    #[error("the run's policies do not validate: {0}")]
+    InvalidPolicies(#[source] wor_policy::PolicyError),
+    /// Production refuses what the routine asks for (the scripted replay model).
+    #[error("{0}")]
+    RefusedInProduction(&'static str),
+    /// A run's `thread` that is empty, too long or not printable.
+    #[error(
+        "`thread` must be 1 to {} printable characters",
+        start::MAX_THREAD_CHARS
+    )]
+    InvalidThread,
+    /// A roster entry `routine/NAME` names a routine the project does not have.
+    #[error("routine `{name}` named by the roster does not exist")]
+    MissingRosterRoutine { name: String },
+    /// The routine's schedule does not compile (checked when it was applied).
+    #[error(transparent)]
+    Schedule(wor_core::schedule::ScheduleError),
+    /// A webhook secret could not be made (the system's randomness failed).
+    #[error("cannot make a webhook secret: {0}")]
+    WebhookSecret(#[source] wor_secrets::SecretsError),
+    /// A notification route that is not valid.
+    #[error(transparent)]
+    Route(#[from] RouteError),
+    /// A change an admin asked of a tool connection is refused.
+    #[error(transparent)]
+    ToolConnection(#[from] ToolConnectionRefusal),
+    /// An MCP authorization cannot be started or finished, or is no longer usable.
+    #[error(transparent)]
+    OAuth(#[from] OAuthRefusal),
     /// A tool connection cannot be used, with the reason and its source.
     #[error(transparent)]
     Connection(Box<ConnectionError>),
@@ -204,18 +232,30 @@ impl EngineError {
     /// that must not end the run (the store is unavailable: the run resumes later).
     pub(crate) fn run_failure(&self) -> Option<String> {
         match self {
-            EngineError::Refused(reason) => Some(reason.clone()),
             EngineError::Vault(_) => {
                 Some("the project's secrets cannot be opened; the run cannot go on".to_owned())
             }
-            // A run cannot go on without a tool its roster names: it fails closed.
-            EngineError::InvalidState(_)
+            // A run cannot go on without its policies, a tool its roster names or the
+            // authorization of its connection: it fails closed.
+            EngineError::InvalidPolicies(_)
+            | EngineError::RefusedInProduction(_)
+            | EngineError::MissingRosterRoutine { .. }
+            | EngineError::OAuth(OAuthRefusal::NotAuthorized { .. })
+            | EngineError::InvalidState(_)
             | EngineError::NestedTask(_)
             | EngineError::Connection(_)
             | EngineError::Authorization { .. } => Some(self.to_string()),
-            EngineError::Forbidden(_)
+            // What a request asked: nothing a run being driven meets.
+            EngineError::ApproverRefused(_)
+            | EngineError::Decision(_)
             | EngineError::EditRefused(_)
-            | EngineError::Invalid(_)
+            | EngineError::InvalidThread
+            | EngineError::Schedule(_)
+            | EngineError::WebhookSecret(_)
+            | EngineError::Route(_)
+            | EngineError::ToolConnection(_)
+            | EngineError::OAuth(_)
+            // The run resumes later: another worker holds it, or the store is unavailable.
             | EngineError::RefreshInProgress { .. }
             | EngineError::LeaseLost
             | EngineError::Store(_) => None,

@@ -92,9 +92,9 @@ impl Engine {
         let routine = match self.store.find_routine_by_name(run.project_id, name).await {
             Ok(routine) => routine,
             Err(StoreError::NotFound) => {
-                return Err(EngineError::Refused(format!(
-                    "routine `{name}` named by the roster does not exist"
-                )));
+                return Err(EngineError::MissingRosterRoutine {
+                    name: name.to_owned(),
+                });
             }
             Err(other) => return Err(other.into()),
         };

@@ -23,9 +23,9 @@ use wor_store::{
     NotificationDeliveryRecord, NotificationRouteRecord, RouteChannel, StoreError,
 };
 
-use crate::approvals::DecidedVia;
+use crate::approvals::{DecidedVia, DecisionRefusal};
 use crate::metrics::{DeliveryResult, NotificationChannel};
-use crate::notice::{route_slot, shown_value};
+use crate::notice::{MAX_ROUTE_NAME_CHARS, RouteError, route_slot, shown_value};
 use crate::triggers::retry_at;
 use crate::{Approver, Engine, EngineError};
 
@@ -47,8 +47,6 @@ const DENY_FORM: &str = "wor_deny";
 const SLACK_LINK_TTL_MS: i64 = 15 * 60 * 1000;
 /// A claimed notification is retried by another process after this long.
 const NOTIFICATION_LEASE_MS: i64 = 30_000;
-/// Longest route name.
-const MAX_ROUTE_NAME_CHARS: usize = 100;
 
 /// A Slack route's secrets, as an admin gives them; sealed at once, never shown again.
 pub struct SlackSecrets {
@@ -126,22 +124,20 @@ impl Engine {
         actor: Actor,
     ) -> Result<NotificationRouteRecord, EngineError> {
         let RouteChannel::Slack { channel, api_url } = &route.channel else {
-            return Err(EngineError::Invalid(
-                "a Slack route needs a Slack channel".to_owned(),
-            ));
+            return Err(RouteError::NotSlack.into());
         };
         if !is_slack_id(channel) {
-            return Err(EngineError::Invalid(
-                "`channel` must be a Slack channel id (letters and digits, such as `C0123ABCD`)"
-                    .to_owned(),
-            ));
+            return Err(RouteError::SlackChannel.into());
         }
         self.egress
             .vet_destination(&format!(
                 "{}/chat.postMessage",
                 api_url.trim_end_matches('/')
             ))
-            .map_err(|denial| EngineError::Invalid(format!("`slack_api_url`: {denial}")))?;
+            .map_err(|denial| RouteError::Destination {
+                field: "slack_api_url",
+                denial,
+            })?;
         self.create_route(
             project,
             route,
@@ -164,16 +160,12 @@ impl Engine {
     ) -> Result<NotificationRouteRecord, EngineError> {
         let name = route.name.trim();
         if name.is_empty() || name.chars().count() > MAX_ROUTE_NAME_CHARS {
-            return Err(EngineError::Invalid(format!(
-                "`name` must be 1 to {MAX_ROUTE_NAME_CHARS} characters"
-            )));
+            return Err(RouteError::Name.into());
         }
         for (field, value) in &secrets {
             let value = value.expose_secret();
             if value.trim().is_empty() || value.len() > 512 || value.chars().any(char::is_control) {
-                return Err(EngineError::Invalid(format!(
-                    "`{field}` must be 1 to 512 printable characters"
-                )));
+                return Err(RouteError::Secret { field }.into());
             }
         }
         if let Some(routine) = route.filter.routine_id {
@@ -190,7 +182,7 @@ impl Engine {
                     value.expose_secret(),
                 )
                 .await
-                .map_err(|e| EngineError::Refused(format!("cannot seal `{field}`: {e}")))?;
+                .map_err(EngineError::Vault)?;
         }
         let mut payload = json!({
             "name": created.name,
@@ -247,13 +239,8 @@ impl Engine {
         run_routine: wor_core::RoutineId,
         id: ApprovalId,
         tool: &str,
-        why: &Value,
+        policies: &[String],
     ) -> Result<(), EngineError> {
-        let policies: Vec<&str> = why
-            .get("determining_policies")
-            .and_then(Value::as_array)
-            .map(|list| list.iter().filter_map(Value::as_str).collect())
-            .unwrap_or_default();
         for route in self.store.list_notification_routes(project).await? {
             let filter = &route.filter;
             let wanted = filter.routine_id.is_none_or(|r| r == run_routine)
@@ -261,7 +248,7 @@ impl Engine {
                 && filter
                     .policy
                     .as_deref()
-                    .is_none_or(|p| policies.contains(&p));
+                    .is_none_or(|p| policies.iter().any(|held| held == p));
             if !wanted {
                 continue;
             }
@@ -909,7 +896,14 @@ impl Engine {
             .await
         {
             Ok(decided) => Ok(SlackOutcome::Decided(decided.status)),
-            Err(EngineError::Forbidden(refusal) | EngineError::Refused(refusal)) => {
+            // Refusals the person in Slack is told of; anything else is the request's failure.
+            Err(
+                refused @ (EngineError::ApproverRefused(_)
+                | EngineError::Decision(
+                    DecisionRefusal::NotPending(_) | DecisionRefusal::Expired,
+                )),
+            ) => {
+                let refusal = refused.to_string();
                 self.refuse_in_messages(approval, member, identity, &refusal, event_key)
                     .await?;
                 Ok(SlackOutcome::Refused(refusal))
@@ -958,9 +952,11 @@ impl Engine {
                 member_id: Some(member.id),
                 role: member.role,
             };
-            self.approval_refusal(project, approval, approver).await?
+            self.approval_refusal(project, approval, approver)
+                .await?
+                .map(|refusal| refusal.to_string())
         } else {
-            Some(format!("the approval is already {}", approval.status))
+            Some(DecisionRefusal::NotPending(approval.status).to_string())
         };
         if let Some(refusal) = refusal {
             self.refuse_in_messages(approval, member, &press.identity, &refusal, event_key)

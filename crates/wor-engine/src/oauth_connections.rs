@@ -74,6 +74,64 @@ fn authorizing_actor(member_id: MemberId, key: Option<ApiKeyId>) -> Actor {
     }
 }
 
+/// Why an MCP authorization cannot be started or finished, or a connection's authorization
+/// cannot be used: each says what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum OAuthRefusal {
+    /// The authorization server sends the person back to the server's `public_url`.
+    #[error(
+        "MCP authorization needs the server's `public_url` (in the configuration) for its callback"
+    )]
+    NoCallback,
+    /// Only an MCP server over HTTP is authorized.
+    #[error(
+        "tool connection `{connection}` is `{kind}`: only an `mcp_http` connection is authorized"
+    )]
+    NotMcpHttp {
+        connection: String,
+        kind: wor_store::ToolConnectionKind,
+    },
+    /// The authorization server registers no client: the operator registers one.
+    #[error(
+        "authorizing tool connection `{connection}`: {source}: register a client with it and \
+         run `wor connection authorize {id} --client-id ID` (with `--client-secret-env VAR` \
+         for a confidential client)"
+    )]
+    NeedsClient {
+        connection: String,
+        id: ConnectionId,
+        #[source]
+        source: Box<oauth::OAuthError>,
+    },
+    /// The callback's `state` names no pending authorization.
+    #[error(
+        "this authorization is unknown, was already used or has expired; run `wor connection authorize` again"
+    )]
+    UnknownState,
+    /// The connection's authorization cannot be used any more: it is authorized again.
+    #[error(
+        "tool connection `{connection}` is no longer authorized ({reason}); run `wor connection authorize {id}` again"
+    )]
+    NotAuthorized {
+        connection: String,
+        id: ConnectionId,
+        reason: LostAuthorization,
+    },
+}
+
+/// Why a connection's authorization cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum LostAuthorization {
+    #[error("it was never authorized")]
+    Never,
+    #[error("its access token expired and there is no refresh token")]
+    NoRefreshToken,
+    #[error("{0}")]
+    RefreshRefused(Box<oauth::OAuthError>),
+    #[error("its server refused a freshly refreshed access token")]
+    RefusedAfterRefresh,
+}
+
 fn unreachable(connection: &str, error: oauth::OAuthError) -> EngineError {
     EngineError::Authorization {
         connection: connection.to_owned(),
@@ -113,10 +171,7 @@ impl Engine {
     /// [`OAUTH_CALLBACK_PATH`].
     pub fn oauth_redirect_uri(&self) -> Result<String, EngineError> {
         let Some(base) = &self.config.console_url else {
-            return Err(EngineError::Invalid(
-                "MCP authorization needs the server's `public_url` (in the configuration) for its callback"
-                    .to_owned(),
-            ));
+            return Err(OAuthRefusal::NoCallback.into());
         };
         Ok(format!(
             "{}{OAUTH_CALLBACK_PATH}",
@@ -139,10 +194,11 @@ impl Engine {
     ) -> Result<StartedAuthorization, EngineError> {
         let record = self.store.get_tool_connection(project, id).await?;
         if record.kind != ToolConnectionKind::McpHttp {
-            return Err(EngineError::Invalid(format!(
-                "tool connection `{}` is `{}`: only an `mcp_http` connection is authorized",
-                record.name, record.kind
-            )));
+            return Err(OAuthRefusal::NotMcpHttp {
+                connection: record.name,
+                kind: record.kind,
+            }
+            .into());
         }
         let redirect_uri = self.oauth_redirect_uri()?;
         self.purge_lapsed_oauth_authorizations(project).await?;
@@ -161,12 +217,12 @@ impl Engine {
                 .await
                 .map_err(|e| match e {
                     // Not the server's failure: this authorization needs a registered client.
-                    oauth::OAuthError::NoRegistration { .. } => EngineError::Invalid(format!(
-                        "authorizing tool connection `{}`: {e}: register a client with it and \
-                         run `wor connection authorize {id} --client-id ID` (with \
-                         `--client-secret-env VAR` for a confidential client)",
-                        record.name
-                    )),
+                    e @ oauth::OAuthError::NoRegistration { .. } => OAuthRefusal::NeedsClient {
+                        connection: record.name.clone(),
+                        id,
+                        source: Box::new(e),
+                    }
+                    .into(),
                     other => unreachable(&record.name, other),
                 })?,
         };
@@ -292,10 +348,7 @@ impl Engine {
         code: &SecretString,
     ) -> Result<FinishedAuthorization, EngineError> {
         let Some(pending) = self.store.take_oauth_authorization(state).await? else {
-            return Err(EngineError::Invalid(
-                "this authorization is unknown, was already used or has expired; run `wor connection authorize` again"
-                    .to_owned(),
-            ));
+            return Err(OAuthRefusal::UnknownState.into());
         };
         let project = pending.project_id;
         let record = self
@@ -552,7 +605,7 @@ impl Engine {
         }
         self.oauth_access_token(project, id, connection)
             .await?
-            .ok_or_else(|| not_authorized(connection, id, "it was never authorized"))
+            .ok_or_else(|| not_authorized(connection, id, LostAuthorization::Never))
     }
 
     /// The lock this process takes to refresh connection `id`'s token.
@@ -575,16 +628,14 @@ impl Engine {
         // The refresh acts on the grant of the member who authorized the connection.
         let actor = authorizing_actor(settled.authorized_by, settled.authorized_key_id);
         let slot = |field: &str| SecretSlot::new(project, TOOL_CONNECTIONS_TABLE, id, field);
-        let failed = |reason: String| not_authorized(connection, id, &reason);
+        let failed = |reason| not_authorized(connection, id, reason);
         if self
             .vault
             .metadata(&slot(REFRESH_TOKEN_FIELD))
             .await?
             .is_none()
         {
-            return Err(failed(
-                "its access token expired and there is no refresh token".to_owned(),
-            ));
+            return Err(failed(LostAuthorization::NoRefreshToken));
         }
         let refresh = self
             .vault
@@ -616,7 +667,7 @@ impl Engine {
                     .await?;
                 tracing::warn!(category = "tools", action = "connection.authorize_failure",
                     project_id = %project, connection_id = %id, "tool connection's token refresh failed");
-                return Err(failed(error.to_string()));
+                return Err(failed(LostAuthorization::RefreshRefused(Box::new(error))));
             }
         };
         self.seal_tokens(&slot, &tokens).await?;
@@ -639,10 +690,13 @@ impl Engine {
 
 /// The documented failure of a connection that lost its authorization: it names the connection
 /// and the command that authorizes it again.
-fn not_authorized(connection: &str, id: ConnectionId, reason: &str) -> EngineError {
-    EngineError::Refused(format!(
-        "tool connection `{connection}` is no longer authorized ({reason}); run `wor connection authorize {id}` again"
-    ))
+fn not_authorized(connection: &str, id: ConnectionId, reason: LostAuthorization) -> EngineError {
+    OAuthRefusal::NotAuthorized {
+        connection: connection.to_owned(),
+        id,
+        reason,
+    }
+    .into()
 }
 
 /// How an MCP session of an authorized connection replaces an access token its server refused.
@@ -684,7 +738,7 @@ impl wor_tools::BearerRenewal for OAuthRenewal {
             reason: not_authorized(
                 &self.connection,
                 self.id,
-                "its server refused a freshly refreshed access token",
+                LostAuthorization::RefusedAfterRefresh,
             )
             .to_string(),
         }

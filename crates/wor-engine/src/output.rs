@@ -4,49 +4,52 @@
 //! violation while turns remain, and fails the run naming it when none do.
 
 use serde_json::Value;
-use wor_core::budget::BudgetUsage;
 use wor_core::model::ChatMessage;
-use wor_core::routine::{BudgetLimits, RoutineDefinition};
+use wor_core::routine::RoutineDefinition;
 use wor_core::run::{Provenance, RunStatus};
-use wor_core::run_loop::Ending;
-use wor_core::step::{InputSource, InputStep, OutputStep, Step};
+use wor_core::run_loop::{Ending, RunLoop};
+use wor_core::step::{InputSource, InputStep, OutputStep, PendingCall, Step};
 use wor_store::RunRecord;
 use wor_tools::OutputSchema;
 
 use crate::{Engine, EngineError};
 
-/// What follows a final answer.
-pub(crate) enum FinalAnswer {
+/// What follows a recorded model turn.
+pub(crate) enum AfterTurn {
     /// The run ends (with the validated JSON as its result when the routine has a schema).
     End(Ending),
-    /// The model was asked to correct its answer; the loop goes on.
-    Correct,
+    /// The loop goes on: with the turn's calls, or after asking the model to correct its
+    /// final answer.
+    Continue,
 }
 
 impl Engine {
-    /// Checks `ending` (a run the loop ended with the model's answer) against the routine's
-    /// output schema. A request to correct is recorded as an `input` step by the engine, so a
+    /// What follows a model turn the loop has recorded, `ended` being what the loop made of
+    /// it (`RunLoop::turn_recorded`). A final answer is checked against the routine's output
+    /// schema; a request to correct it is recorded as an `input` step by the engine, so a
     /// resumed run sends it again, and pushed onto `messages`.
-    pub(crate) async fn final_answer(
+    pub(crate) async fn after_turn(
         &self,
         run: &RunRecord,
         definition: &RoutineDefinition,
-        usage: BudgetUsage,
-        limits: &BudgetLimits,
-        ending: Ending,
+        machine: &RunLoop<PendingCall>,
+        ended: Option<Ending>,
         messages: &mut Vec<ChatMessage>,
-    ) -> Result<FinalAnswer, EngineError> {
+    ) -> Result<AfterTurn, EngineError> {
+        let Some(ending) = ended else {
+            return Ok(AfterTurn::Continue);
+        };
         let Some(output) = &definition.output else {
-            return Ok(FinalAnswer::End(ending));
+            return Ok(AfterTurn::End(ending));
         };
         if ending.status != RunStatus::Succeeded {
-            return Ok(FinalAnswer::End(ending));
+            return Ok(AfterTurn::End(ending));
         }
         // Compiled when the routine was applied; a failure here is a stored routine gone bad.
         let schema = match OutputSchema::compile(&output.schema) {
             Ok(schema) => schema,
             Err(e) => {
-                return Ok(FinalAnswer::End(Ending::new(
+                return Ok(AfterTurn::End(Ending::new(
                     RunStatus::Failed,
                     e.to_string(),
                 )));
@@ -61,12 +64,12 @@ impl Engine {
                     Step::Output(OutputStep { result: value }),
                 ))
                 .await?;
-                return Ok(FinalAnswer::End(Ending::new(RunStatus::Succeeded, result)));
+                return Ok(AfterTurn::End(Ending::new(RunStatus::Succeeded, result)));
             }
             Err(violation) => violation,
         };
-        if usage.turns >= limits.turns {
-            return Ok(FinalAnswer::End(Ending::new(
+        if machine.usage().turns >= machine.limits().turns {
+            return Ok(AfterTurn::End(Ending::new(
                 RunStatus::Failed,
                 format!("the final answer was not accepted: {violation}"),
             )));
@@ -86,6 +89,6 @@ impl Engine {
         ))
         .await?;
         messages.push(ChatMessage::user(request));
-        Ok(FinalAnswer::Correct)
+        Ok(AfterTurn::Continue)
     }
 }

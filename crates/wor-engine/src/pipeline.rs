@@ -239,6 +239,9 @@ impl Engine {
     ) -> Result<CallOutcome, EngineError> {
         let run = scope.run;
         let call = request.call;
+        // Read before anything is written: the routes that want this approval are chosen by
+        // them.
+        let policies = why_policies(&request.why)?;
         let binding = wor_core::approval::binding_hash(
             run.id,
             &call.call_id,
@@ -299,7 +302,7 @@ impl Engine {
                 run.routine_id,
                 id,
                 &approval.tool,
-                &approval.why,
+                &policies,
             )
             .await?;
         }
@@ -423,7 +426,7 @@ impl Engine {
             Some(approval)
                 if approval.status == ApprovalStatus::Approved && approval.used_at.is_some() =>
             {
-                let retries = approval_attempt(&approval) + 1;
+                let retries = approval_attempt(&approval.why)?.saturating_add(1);
                 self.ask_outcome_unknown(scope, recorded, retries).await
             }
             Some(approval) if approval.status == ApprovalStatus::Pending => {
@@ -880,12 +883,36 @@ fn routine_input(arguments: &CanonicalArguments) -> String {
 }
 
 /// Which time of asking an `outcome_unknown` approval is (1 for the first), from its `why`.
-fn approval_attempt(approval: &ApprovalRecord) -> u64 {
-    approval
-        .why
-        .get("attempt")
-        .and_then(Value::as_u64)
-        .unwrap_or(1)
+/// A count that is there but is not one is stored state gone bad, never taken as 1.
+fn approval_attempt(why: &Value) -> Result<u64, EngineError> {
+    match why.get("attempt") {
+        // Releases before the count was kept asked once per call and wrote no `attempt`:
+        // such an approval was the first time of asking.
+        None => Ok(1),
+        Some(attempt) => attempt.as_u64().filter(|n| *n >= 1).ok_or_else(|| {
+            EngineError::InvalidState(
+                "an approval's `why.attempt` is not a count of times asked".to_owned(),
+            )
+        }),
+    }
+}
+
+/// The policies that held a call, from the `why` of its approval request. Every `why` the
+/// engine writes names them (policy, or `wor.outcome-unknown`): one that does not is not a
+/// request the engine made, and is refused rather than filed with none.
+fn why_policies(why: &Value) -> Result<Vec<String>, EngineError> {
+    why.get("determining_policies")
+        .and_then(Value::as_array)
+        .and_then(|list| {
+            list.iter()
+                .map(|p| p.as_str().map(str::to_owned))
+                .collect::<Option<Vec<_>>>()
+        })
+        .ok_or_else(|| {
+            EngineError::InvalidState(
+                "an approval's `why` does not list its determining policies".to_owned(),
+            )
+        })
 }
 
 /// Policy's decision on one call of `run`, and the labels of its arguments it decided on: the
@@ -963,4 +990,49 @@ fn why_recorded(recorded: &ToolCallStep) -> Value {
         "untrusted_sources": recorded.untrusted_sources,
         "argument_sources": recorded.argument_labels,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::{approval_attempt, why_policies};
+    use crate::EngineError;
+
+    #[test]
+    fn an_approval_without_a_count_was_the_first_time_of_asking() {
+        assert_eq!(approval_attempt(&json!({ "reasons": [] })).unwrap(), 1);
+        assert_eq!(approval_attempt(&json!({ "attempt": 3 })).unwrap(), 3);
+    }
+
+    #[test]
+    fn a_count_that_is_not_one_is_invalid_stored_state() {
+        for attempt in [json!("2"), json!(0), json!(-1), json!(1.5), json!(null)] {
+            assert!(matches!(
+                approval_attempt(&json!({ "attempt": attempt })),
+                Err(EngineError::InvalidState(_))
+            ));
+        }
+    }
+
+    #[test]
+    fn the_policies_of_a_request_are_read_as_written_or_refused() {
+        let why = json!({ "determining_policies": ["wor.roster-confirm", "p1"] });
+        assert_eq!(why_policies(&why).unwrap(), ["wor.roster-confirm", "p1"]);
+        assert!(
+            why_policies(&json!({ "determining_policies": [] }))
+                .unwrap()
+                .is_empty()
+        );
+        for why in [
+            json!({}),
+            json!({ "determining_policies": "p1" }),
+            json!({ "determining_policies": ["p1", 2] }),
+        ] {
+            assert!(matches!(
+                why_policies(&why),
+                Err(EngineError::InvalidState(_))
+            ));
+        }
+    }
 }

@@ -54,7 +54,7 @@ pub struct StartRun {
 /// The thread a run without one belongs to.
 pub const DEFAULT_THREAD: &str = "default";
 /// Longest thread name accepted.
-const MAX_THREAD_CHARS: usize = 128;
+pub(crate) const MAX_THREAD_CHARS: usize = 128;
 
 /// What a start decided before anything is written: the run to record, its input, who the
 /// audit log names as starting it, and whether the routine's oldest active run is to be
@@ -128,7 +128,7 @@ impl Engine {
             .production_refusal()
             .filter(|_| self.config.production)
         {
-            return Err(EngineError::Refused(refusal.to_owned()));
+            return Err(EngineError::RefusedInProduction(refusal));
         }
         let max = definition.concurrency.max_runs;
         let full = active >= max;
@@ -190,9 +190,7 @@ impl Engine {
                     || thread.chars().count() > MAX_THREAD_CHARS
                     || thread.chars().any(char::is_control)
                 {
-                    return Err(EngineError::Invalid(format!(
-                        "`thread` must be 1 to {MAX_THREAD_CHARS} printable characters"
-                    )));
+                    return Err(EngineError::InvalidThread);
                 }
                 thread.to_owned()
             }

@@ -164,6 +164,43 @@ fn not_enabled(connection: &str, status: ToolConnectionStatus) -> String {
     }
 }
 
+/// Why a change an admin asked of a tool connection (enabling it with their review, replacing
+/// its tools) is refused: nothing changed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ToolConnectionRefusal {
+    /// A tool classified read-only or open-world is not among the reviewed tools.
+    #[error("`{field}` names `{tool}`, which is not among the reviewed tools")]
+    UnreviewedClass { field: &'static str, tool: String },
+    /// A tool classified both read-only and open-world.
+    #[error("`{tool}` is classified both read-only and open-world; a tool has one class")]
+    TwoClasses { tool: String },
+    /// The server lists a tool twice: there is no one definition to pin.
+    #[error("the server lists tool `{tool}` twice; it cannot be pinned")]
+    DuplicateTool { tool: String },
+    /// The live tool list is not the one reviewed (these tools differ).
+    #[error(
+        "the live tool list changed since it was reviewed ({}); review it again",
+        quoted(.tools)
+    )]
+    ChangedSinceReview { tools: Vec<String> },
+    /// Only an `http_api` connection's tools are replaced through the API.
+    #[error(
+        "tool connection `{connection}` is `{kind}`: only an `http_api` connection's tools are replaced; other kinds list their own"
+    )]
+    NotHttpApi {
+        connection: String,
+        kind: ToolConnectionKind,
+    },
+}
+
+fn quoted(names: &[String]) -> String {
+    names
+        .iter()
+        .map(|n| format!("`{n}`"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// A stored part of a tool connection that is not what was checked when it was written.
 #[derive(Debug, thiserror::Error)]
 pub enum StoredConnectionError {
@@ -569,16 +606,16 @@ impl Engine {
         for (field, tools) in [("read_only", read_only), ("open_world", open_world)] {
             for tool in tools {
                 if !reviewed.contains_key(tool) {
-                    return Err(EngineError::Invalid(format!(
-                        "`{field}` names `{tool}`, which is not among the reviewed tools"
-                    )));
+                    return Err(ToolConnectionRefusal::UnreviewedClass {
+                        field,
+                        tool: tool.clone(),
+                    }
+                    .into());
                 }
             }
         }
         if let Some(tool) = read_only.iter().find(|t| open_world.contains(t)) {
-            return Err(EngineError::Invalid(format!(
-                "`{tool}` is classified both read-only and open-world; a tool has one class"
-            )));
+            return Err(ToolConnectionRefusal::TwoClasses { tool: tool.clone() }.into());
         }
         let live = self.live_tools(&record).await?;
         let mut pins = BTreeMap::new();
@@ -587,10 +624,10 @@ impl Engine {
                 .insert(tool.name.clone(), stored_from_definition(tool))
                 .is_some()
             {
-                return Err(EngineError::Refused(format!(
-                    "the server lists tool `{}` twice; it cannot be pinned",
-                    tool.name
-                )));
+                return Err(ToolConnectionRefusal::DuplicateTool {
+                    tool: tool.name.clone(),
+                }
+                .into());
             }
         }
         let live_hashes: BTreeMap<&String, &String> =
@@ -608,11 +645,10 @@ impl Engine {
                     .keys()
                     .filter(|name| !live_hashes.contains_key(*name)),
             );
-            let names: Vec<String> = differing.iter().map(|n| format!("`{n}`")).collect();
-            return Err(EngineError::Refused(format!(
-                "the live tool list changed since it was reviewed ({}); review it again",
-                names.join(", ")
-            )));
+            return Err(ToolConnectionRefusal::ChangedSinceReview {
+                tools: differing.into_iter().cloned().collect(),
+            }
+            .into());
         }
         let classification: BTreeMap<String, ToolClass> = pins
             .keys()
@@ -668,14 +704,20 @@ impl Engine {
     ) -> Result<ReplacedTools, EngineError> {
         let before = self.store.get_tool_connection(project, id).await?;
         if before.kind != ToolConnectionKind::HttpApi {
-            return Err(EngineError::Invalid(format!(
-                "tool connection `{}` is `{}`: only an `http_api` connection's tools are replaced; other kinds list their own",
-                before.name, before.kind
-            )));
+            return Err(ToolConnectionRefusal::NotHttpApi {
+                connection: before.name,
+                kind: before.kind,
+            }
+            .into());
         }
         let record = self.store.replace_http_tools(project, id, tools).await?;
+        // Checked before they were written (`HttpToolsSource::validate`): tools that do not read
+        // back are stored state gone bad.
         let live: Vec<ToolDefinition> = http_tool_definitions(&record)
-            .map_err(|e| EngineError::Invalid(e.to_string()))?
+            .map_err(|reason| ConnectionError::InvalidStored {
+                connection: record.name.clone(),
+                reason,
+            })?
             .iter()
             .map(wor_tools::HttpToolDefinition::tool_definition)
             .collect();

@@ -104,9 +104,7 @@ impl Engine {
         let Some(section) = &definition.schedule else {
             return Ok(Vec::new());
         };
-        let schedule = section
-            .compile()
-            .map_err(|e| EngineError::Invalid(e.to_string()))?;
+        let schedule = section.compile().map_err(EngineError::Schedule)?;
         let from = match self.store.schedule_next_slot(project, routine).await? {
             // The stored next slot is the first one to fire (it may be due right now).
             Some(next) => next.saturating_sub(1),
@@ -207,13 +205,12 @@ impl Engine {
         kind: WebhookSecretKind,
         actor: Actor,
     ) -> Result<SecretString, EngineError> {
-        let secret = webhook_signature::generate_secret()
-            .map_err(|e| EngineError::Refused(format!("cannot make a webhook secret: {e}")))?;
+        let secret = webhook_signature::generate_secret().map_err(EngineError::WebhookSecret)?;
         let slot = Self::webhook_slot(project, routine, kind);
         self.vault
             .put(&slot, secret.expose_secret())
             .await
-            .map_err(|e| EngineError::Refused(format!("cannot seal the webhook secret: {e}")))?;
+            .map_err(EngineError::Vault)?;
         self.audit
             .append(
                 AuditEvent::new(project, AuditCategory::WebhookSecretRotate, actor)
@@ -238,7 +235,7 @@ impl Engine {
             .open(&slot)
             .await
             .map(Some)
-            .map_err(|e| EngineError::Refused(format!("cannot open the webhook secret: {e}")))
+            .map_err(EngineError::Vault)
     }
 
     /// Checks an inbound webhook for `routine` and starts a run with its payload as untrusted
@@ -359,7 +356,9 @@ impl Engine {
         {
             Ok(run) => Ok(run),
             Err(EngineError::Store(StoreError::Conflict(_))) => Err(WebhookRejection::Replayed),
-            Err(EngineError::Refused(reason)) => Err(WebhookRejection::Refused(reason)),
+            Err(refused @ EngineError::RefusedInProduction(_)) => {
+                Err(WebhookRejection::Refused(refused.to_string()))
+            }
             Err(other) => Err(other.into()),
         }
     }

@@ -156,10 +156,53 @@ impl From<wor_engine::ToolConnectionSpecError> for ApiError {
 impl From<wor_engine::EngineError> for ApiError {
     fn from(err: wor_engine::EngineError) -> Self {
         match err {
-            wor_engine::EngineError::Refused(reason) => ApiError::Conflict(reason),
-            wor_engine::EngineError::Forbidden(reason) => ApiError::Forbidden(reason),
-            wor_engine::EngineError::Invalid(reason) => {
-                ApiError::bad_request("invalid_request", reason)
+            wor_engine::EngineError::ApproverRefused(refusal) => refusal.into(),
+            wor_engine::EngineError::Decision(refusal) => match refusal {
+                wor_engine::DecisionRefusal::NoReason
+                | wor_engine::DecisionRefusal::ReasonTooLong => {
+                    ApiError::bad_request("invalid_request", refusal.to_string())
+                }
+                wor_engine::DecisionRefusal::NotPending(_)
+                | wor_engine::DecisionRefusal::Expired => ApiError::Conflict(refusal.to_string()),
+            },
+            // A routine whose policies, model or roster cannot be used: what is stored is
+            // the conflict, not the request.
+            error @ (wor_engine::EngineError::InvalidPolicies(_)
+            | wor_engine::EngineError::RefusedInProduction(_)
+            | wor_engine::EngineError::MissingRosterRoutine { .. }) => {
+                ApiError::Conflict(error.to_string())
+            }
+            error @ (wor_engine::EngineError::InvalidThread
+            | wor_engine::EngineError::Schedule(_)
+            | wor_engine::EngineError::Route(_)) => {
+                ApiError::bad_request("invalid_request", error.to_string())
+            }
+            wor_engine::EngineError::ToolConnection(refusal) => match refusal {
+                wor_engine::ToolConnectionRefusal::UnreviewedClass { .. }
+                | wor_engine::ToolConnectionRefusal::TwoClasses { .. }
+                | wor_engine::ToolConnectionRefusal::NotHttpApi { .. } => {
+                    ApiError::bad_request("invalid_request", refusal.to_string())
+                }
+                // The server's list, not the request: review it again.
+                wor_engine::ToolConnectionRefusal::DuplicateTool { .. }
+                | wor_engine::ToolConnectionRefusal::ChangedSinceReview { .. } => {
+                    ApiError::Conflict(refusal.to_string())
+                }
+            },
+            wor_engine::EngineError::OAuth(refusal) => match refusal {
+                wor_engine::OAuthRefusal::NoCallback
+                | wor_engine::OAuthRefusal::NotMcpHttp { .. }
+                | wor_engine::OAuthRefusal::NeedsClient { .. }
+                | wor_engine::OAuthRefusal::UnknownState => {
+                    ApiError::bad_request("invalid_request", refusal.to_string())
+                }
+                wor_engine::OAuthRefusal::NotAuthorized { .. } => {
+                    ApiError::Conflict(refusal.to_string())
+                }
+            },
+            wor_engine::EngineError::WebhookSecret(_) => {
+                tracing::error!(category = "engine", "a webhook secret could not be made");
+                ApiError::Internal
             }
             wor_engine::EngineError::EditRefused(refusal) => match refusal {
                 wor_engine::EditRefusal::NotEditable
@@ -193,6 +236,12 @@ impl From<wor_engine::EngineError> for ApiError {
             }
             wor_engine::EngineError::Store(store) => store.into(),
         }
+    }
+}
+
+impl From<wor_engine::ApproverRefusal> for ApiError {
+    fn from(refusal: wor_engine::ApproverRefusal) -> Self {
+        ApiError::Forbidden(refusal.to_string())
     }
 }
 

@@ -492,6 +492,16 @@ fn parse_column<T: FromStr>(value: &str, column: &str) -> Result<T, StoreError> 
         .map_err(|_| StoreError::Corrupt(format!("column `{column}` holds `{value}`")))
 }
 
+/// `Ok` when a statement that names one row by its key changed it; one that changed none
+/// named a row that is not there (or is another project's): [`StoreError::NotFound`].
+fn changed_one(done: &sqlx::any::AnyQueryResult) -> Result<(), StoreError> {
+    if done.rows_affected() == 0 {
+        Err(StoreError::NotFound)
+    } else {
+        Ok(())
+    }
+}
+
 /// Maps a unique-constraint violation to [`StoreError::Conflict`] with `message`.
 fn conflict_or(err: sqlx::Error, message: impl FnOnce() -> String) -> StoreError {
     match &err {

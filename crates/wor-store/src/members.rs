@@ -86,15 +86,7 @@ impl Store {
         project: ProjectId,
         id: MemberId,
     ) -> Result<MemberRecord, StoreError> {
-        let row = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "SELECT {COLUMNS} FROM members WHERE project_id = $1 AND id = $2"
-        )))
-        .bind(project.to_string())
-        .bind(id.to_string())
-        .fetch_optional(&self.pool)
-        .await?
-        .ok_or(StoreError::NotFound)?;
-        member_from_row(&row)
+        fetch_member(&self.pool, project, id).await
     }
 
     /// Gives member `id` of `project` role `role`, for `by`.
@@ -114,13 +106,13 @@ impl Store {
     ) -> Result<RoleChange, StoreError> {
         let mut tx = self.begin_write().await?;
         lock_project(&mut tx, project).await?;
-        let member = fetch_member(&mut tx, project, id).await?;
+        let member = fetch_member(&mut *tx, project, id).await?;
         // The changer's own membership as it is now: a demotion that committed after they
         // were authenticated holds here.
         let acting = match by.member {
             Some(changer) => by
                 .role
-                .at_most(fetch_member(&mut tx, project, changer).await?.role),
+                .at_most(fetch_member(&mut *tx, project, changer).await?.role),
             None => by.role,
         };
         acting
@@ -159,8 +151,10 @@ impl Store {
     }
 }
 
-async fn fetch_member(
-    tx: &mut Transaction<'_, Any>,
+/// Member `id` of `project`, read through `db`: the pool, or a transaction that must see it
+/// as it is then.
+async fn fetch_member<'c>(
+    db: impl sqlx::Executor<'c, Database = Any>,
     project: ProjectId,
     id: MemberId,
 ) -> Result<MemberRecord, StoreError> {
@@ -169,7 +163,7 @@ async fn fetch_member(
     )))
     .bind(project.to_string())
     .bind(id.to_string())
-    .fetch_optional(&mut **tx)
+    .fetch_optional(db)
     .await?
     .ok_or(StoreError::NotFound)?;
     member_from_row(&row)

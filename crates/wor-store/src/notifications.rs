@@ -17,7 +17,9 @@ use wor_core::{ApiKeyId, ApprovalId, MemberId, NotificationRouteId, ProjectId, R
 
 use crate::console::ConsoleToken;
 use crate::outbox::Outbox;
-use crate::{AttemptOutcome, Store, StoreError, conflict_or, now_millis, parse_column};
+use crate::{
+    AttemptOutcome, Store, StoreError, changed_one, conflict_or, now_millis, parse_column,
+};
 
 /// The vault's owner table of a route's secrets.
 pub const NOTIFICATION_ROUTES_TABLE: &str = "notification_routes";
@@ -305,9 +307,7 @@ impl Store {
             .bind(id.to_string())
             .execute(&mut *tx)
             .await?;
-        if done.rows_affected() == 0 {
-            return Err(StoreError::NotFound);
-        }
+        changed_one(&done)?;
         sqlx::query(
             "UPDATE notification_deliveries SET status = 'failed', last_error = 'the route was deleted', \
              updated_at = $1 WHERE project_id = $2 AND route_id = $3 AND status = 'pending'",

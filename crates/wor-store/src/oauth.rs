@@ -12,7 +12,7 @@ use sqlx::Row;
 use wor_core::canonical::sha256_hex;
 use wor_core::{ApiKeyId, ConnectionId, MemberId, ProjectId};
 
-use crate::{Store, StoreError, now_millis, parse_column};
+use crate::{Store, StoreError, changed_one, now_millis, parse_column};
 
 /// The vault table a pending authorization's PKCE verifier is filed under.
 pub const OAUTH_AUTHORIZATIONS_TABLE: &str = "oauth_authorizations";
@@ -324,10 +324,7 @@ impl Store {
         .bind(connection.to_string())
         .execute(self.pool())
         .await?;
-        if done.rows_affected() == 0 {
-            return Err(StoreError::NotFound);
-        }
-        Ok(())
+        changed_one(&done)
     }
 
     /// Marks the connection's access token expired, so the next caller refreshes it: the
@@ -345,10 +342,7 @@ impl Store {
         .bind(connection.to_string())
         .execute(self.pool())
         .await?;
-        if done.rows_affected() == 0 {
-            return Err(StoreError::NotFound);
-        }
-        Ok(())
+        changed_one(&done)
     }
 
     /// What a connection's authorization settled on, `None` when it was never authorized.

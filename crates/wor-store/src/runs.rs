@@ -726,24 +726,39 @@ impl Store {
         project: ProjectId,
         ids: &[RunId],
     ) -> Result<std::collections::HashMap<RunId, RunRecord>, StoreError> {
-        const PER_STATEMENT: usize = 200;
-        let mut runs = std::collections::HashMap::with_capacity(ids.len());
-        for chunk in ids.chunks(PER_STATEMENT) {
-            let places: Vec<String> = (2..chunk.len() + 2).map(|n| format!("${n}")).collect();
-            let sql = format!(
-                "SELECT {COLUMNS} FROM runs WHERE project_id = $1 AND id IN ({})",
-                places.join(", ")
-            );
-            let mut query = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(project.to_string());
-            for id in chunk {
-                query = query.bind(id.to_string());
-            }
-            for row in query.fetch_all(self.pool()).await? {
-                let run = run_from_row(&row)?;
-                runs.insert(run.id, run);
-            }
+        let rows = self
+            .select_by_runs(project, ids, |places| {
+                format!("SELECT {COLUMNS} FROM runs WHERE project_id = $1 AND id IN ({places})")
+            })
+            .await?;
+        let mut runs = std::collections::HashMap::with_capacity(rows.len());
+        for row in rows {
+            let run = run_from_row(&row)?;
+            runs.insert(run.id, run);
         }
         Ok(runs)
+    }
+
+    /// The rows `sql` selects for `runs` of `project`, by one statement per 200 runs: `sql` is
+    /// given the placeholders the run ids are bound to (`$2, $3, …`; `$1` is the project).
+    async fn select_by_runs(
+        &self,
+        project: ProjectId,
+        runs: &[RunId],
+        sql: impl Fn(&str) -> String,
+    ) -> Result<Vec<sqlx::any::AnyRow>, StoreError> {
+        const PER_STATEMENT: usize = 200;
+        let mut rows = Vec::new();
+        for chunk in runs.chunks(PER_STATEMENT) {
+            let places: Vec<String> = (2..chunk.len() + 2).map(|n| format!("${n}")).collect();
+            let mut query =
+                sqlx::query(sqlx::AssertSqlSafe(sql(&places.join(", ")))).bind(project.to_string());
+            for run in chunk {
+                query = query.bind(run.to_string());
+            }
+            rows.extend(query.fetch_all(self.pool()).await?);
+        }
+        Ok(rows)
     }
 
     /// The steps of `runs` that say what a held call came from: each run's input steps and its
@@ -754,26 +769,21 @@ impl Store {
         project: ProjectId,
         runs: &[RunId],
     ) -> Result<std::collections::HashMap<RunId, Vec<RunStep>>, StoreError> {
-        const PER_STATEMENT: usize = 200;
+        let rows = self
+            .select_by_runs(project, runs, |places| {
+                format!(
+                    "SELECT run_id, seq, kind, provenance, payload, created_at FROM run_steps \
+                     WHERE project_id = $1 AND run_id IN ({places}) \
+                     AND (kind = 'input' OR provenance = 'untrusted') ORDER BY run_id, seq"
+                )
+            })
+            .await?;
         let mut steps: std::collections::HashMap<RunId, Vec<RunStep>> =
             std::collections::HashMap::with_capacity(runs.len());
-        for chunk in runs.chunks(PER_STATEMENT) {
-            let places: Vec<String> = (2..chunk.len() + 2).map(|n| format!("${n}")).collect();
-            let sql = format!(
-                "SELECT run_id, seq, kind, provenance, payload, created_at FROM run_steps \
-                 WHERE project_id = $1 AND run_id IN ({}) \
-                 AND (kind = 'input' OR provenance = 'untrusted') ORDER BY run_id, seq",
-                places.join(", ")
-            );
-            let mut query = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(project.to_string());
-            for run in chunk {
-                query = query.bind(run.to_string());
-            }
-            for row in query.fetch_all(self.pool()).await? {
-                let run: RunId =
-                    parse_column(&row.try_get::<String, _>("run_id")?, "run_steps.run_id")?;
-                steps.entry(run).or_default().push(step_from_row(&row)?);
-            }
+        for row in rows {
+            let run: RunId =
+                parse_column(&row.try_get::<String, _>("run_id")?, "run_steps.run_id")?;
+            steps.entry(run).or_default().push(step_from_row(&row)?);
         }
         Ok(steps)
     }
@@ -785,30 +795,21 @@ impl Store {
         project: ProjectId,
         runs: &[RunId],
     ) -> Result<std::collections::HashMap<RunId, serde_json::Value>, StoreError> {
-        const PER_STATEMENT: usize = 200;
+        let rows = self
+            .select_by_runs(project, runs, |places| {
+                format!(
+                    "SELECT run_id, seq, kind, provenance, payload, created_at FROM run_steps \
+                     WHERE project_id = $1 AND kind = 'output' AND run_id IN ({places}) \
+                     ORDER BY run_id, seq"
+                )
+            })
+            .await?;
         let mut results = std::collections::HashMap::new();
-        for chunk in runs.chunks(PER_STATEMENT) {
-            let places: Vec<String> = (2..chunk.len() + 2).map(|n| format!("${n}")).collect();
-            let sql = format!(
-                "SELECT run_id, payload FROM run_steps WHERE project_id = $1 AND kind = 'output' \
-                 AND run_id IN ({}) ORDER BY run_id, seq",
-                places.join(", ")
-            );
-            let mut query = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(project.to_string());
-            for run in chunk {
-                query = query.bind(run.to_string());
-            }
-            for row in query.fetch_all(self.pool()).await? {
-                let run: RunId =
-                    parse_column(&row.try_get::<String, _>("run_id")?, "run_steps.run_id")?;
-                let payload: String = row.try_get("payload")?;
-                let payload = serde_json::from_str(&payload)
-                    .map_err(|_| StoreError::Corrupt("run_steps.payload is not JSON".to_owned()))?;
-                if let Step::Output(output) = Step::from_stored("output", payload)
-                    .map_err(|e| StoreError::Corrupt(format!("run_steps: {e}")))?
-                {
-                    results.insert(run, output.result);
-                }
+        for row in rows {
+            let run: RunId =
+                parse_column(&row.try_get::<String, _>("run_id")?, "run_steps.run_id")?;
+            if let Step::Output(output) = step_from_row(&row)?.step {
+                results.insert(run, output.result);
             }
         }
         Ok(results)

@@ -2,7 +2,7 @@
 //! also sees and ends every member's in the project. Each end is in the audit chain.
 
 use askama::Template;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Redirect};
 use serde_json::json;
@@ -11,7 +11,7 @@ use wor_core::audit::{AuditCategory, AuditEvent};
 
 use super::pages::{Banner, PageResult};
 use super::session::{ConsoleMember, SESSION_COOKIE, set_cookie};
-use super::{ConsoleError, millis, render};
+use super::{ConsoleError, PagePath, millis, render};
 use crate::AppState;
 use crate::error::ApiError;
 use crate::views::rfc3339;
@@ -83,12 +83,9 @@ pub async fn sessions(State(state): State<AppState>, member: ConsoleMember) -> P
 pub async fn revoke(
     State(state): State<AppState>,
     member: ConsoleMember,
-    Path(session_id): Path<String>,
+    PagePath(id): PagePath<ConsoleSessionId>,
 ) -> PageResult {
     let me = &member.session;
-    let id: ConsoleSessionId = session_id
-        .parse()
-        .map_err(|_| ConsoleError(ApiError::NotFound))?;
     let only = (!me.role.can_configure()).then_some(me.member_id);
     let owner = state
         .store

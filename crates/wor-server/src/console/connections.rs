@@ -13,8 +13,8 @@ use std::collections::BTreeMap;
 use askama::Template;
 use axum::Form;
 use axum::body::Bytes;
+use axum::extract::State;
 use axum::extract::rejection::FormRejection;
-use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Redirect};
 use wor_core::ConnectionId;
@@ -24,7 +24,7 @@ use wor_store::{ToolConnectionKind, ToolConnectionStatus};
 
 use super::pages::{Banner, PageResult, form};
 use super::session::ConsoleMember;
-use super::{ConsoleError, render};
+use super::{ConsoleError, PagePath, render};
 use crate::AppState;
 use crate::error::ApiError;
 use crate::routes::model_connections::{
@@ -217,9 +217,8 @@ pub async fn create_model(
 pub async fn revoke_model(
     State(state): State<AppState>,
     member: ConsoleMember,
-    Path(connection_id): Path<String>,
+    PagePath(id): PagePath<ConnectionId>,
 ) -> PageResult {
-    let id = parse_connection_id(&connection_id)?;
     let session = &member.session;
     let record =
         revoke_model_connection(&state, session.project_id, session.role, member.actor(), id)
@@ -250,10 +249,9 @@ pub struct ModelKeyForm {
 pub async fn replace_model_key(
     State(state): State<AppState>,
     member: ConsoleMember,
-    Path(connection_id): Path<String>,
+    PagePath(id): PagePath<ConnectionId>,
     body: Result<Form<ModelKeyForm>, FormRejection>,
 ) -> PageResult {
-    let id = parse_connection_id(&connection_id)?;
     let body = form(body)?;
     let session = &member.session;
     let record = crate::routes::model_connections::replace_model_key(
@@ -341,12 +339,6 @@ fn class_name(class: ToolClass) -> &'static str {
     }
 }
 
-/// The connection a console URL names; text that is not a connection id is a page not found,
-/// as another project's connection is.
-fn parse_connection_id(text: &str) -> Result<ConnectionId, ConsoleError> {
-    text.parse().map_err(|_| ConsoleError(ApiError::NotFound))
-}
-
 fn pretty(value: &serde_json::Value) -> String {
     serde_json::to_string_pretty(value).unwrap_or_default()
 }
@@ -354,10 +346,9 @@ fn pretty(value: &serde_json::Value) -> String {
 pub async fn show(
     State(state): State<AppState>,
     member: ConsoleMember,
-    Path(connection_id): Path<String>,
+    PagePath(id): PagePath<ConnectionId>,
 ) -> PageResult {
     let project = member.session.project_id;
-    let id = parse_connection_id(&connection_id)?;
     let record = state.store.get_tool_connection(project, id).await?;
     let configure = member.session.role.can_configure();
     let mcp_http = record.kind == ToolConnectionKind::McpHttp;
@@ -461,10 +452,9 @@ fn review_rows(
 pub async fn authorize(
     State(state): State<AppState>,
     member: ConsoleMember,
-    Path(connection_id): Path<String>,
+    PagePath(id): PagePath<ConnectionId>,
 ) -> PageResult {
     let project = member.session.project_id;
-    let id = parse_connection_id(&connection_id)?;
     state.store.get_tool_connection(project, id).await?;
     if !member.session.role.can_configure() {
         return Err(ConsoleError(ApiError::Forbidden(
@@ -537,10 +527,9 @@ fn enable_body(bytes: &[u8]) -> Result<EnableToolConnection, ConsoleError> {
 pub async fn enable(
     State(state): State<AppState>,
     member: ConsoleMember,
-    Path(connection_id): Path<String>,
+    PagePath(id): PagePath<ConnectionId>,
     body: Bytes,
 ) -> PageResult {
-    let id = parse_connection_id(&connection_id)?;
     let body = enable_body(&body)?;
     let record = enable_connection(
         &state,

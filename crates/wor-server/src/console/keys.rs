@@ -5,14 +5,14 @@
 
 use askama::Template;
 use axum::Form;
+use axum::extract::State;
 use axum::extract::rejection::FormRejection;
-use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use wor_core::{ApiKeyId, Role};
 
 use super::pages::{Banner, PageResult, form};
 use super::session::ConsoleMember;
-use super::{ConsoleError, render};
+use super::{ConsoleError, PagePath, render};
 use crate::AppState;
 use crate::error::ApiError;
 use crate::routes::keys::{CreateApiKey, create_api_key, revoke_api_key};
@@ -164,11 +164,8 @@ pub async fn create(
 pub async fn revoke(
     State(state): State<AppState>,
     member: ConsoleMember,
-    Path(key_id): Path<String>,
+    PagePath(key_id): PagePath<ApiKeyId>,
 ) -> PageResult {
-    let key_id: ApiKeyId = key_id
-        .parse()
-        .map_err(|_| ConsoleError(ApiError::NotFound))?;
     let session = &member.session;
     let revoked = revoke_api_key(
         &state,

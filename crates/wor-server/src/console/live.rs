@@ -7,37 +7,40 @@ use std::convert::Infallible;
 use std::time::Duration;
 
 use axum::extract::rejection::QueryRejection;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Query, State};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use futures_util::Stream;
 use wor_core::canonical::sha256_hex;
 use wor_core::run::RunStatus;
 use wor_core::{ApprovalId, ProjectId, RunId};
-use wor_store::{ApprovalFilter, ApprovalStatus, Store};
+use wor_store::{ApprovalFilter, ApprovalStatus, Store, StoreError};
 
 use super::session::ConsoleMember;
-use super::{ConsoleError, INBOX_LIMIT, INBOX_PAGE};
+use super::{ConsoleError, INBOX_LIMIT, INBOX_PAGE, PagePath};
 use crate::AppState;
 use crate::error::ApiError;
 
 /// How often a stream looks at the store.
 const POLL: Duration = Duration::from_millis(500);
 
-/// The ids of the project's pending approvals, newest first: the inbox's fingerprint.
-async fn pending(store: &Store, project: ProjectId) -> Option<Vec<String>> {
-    store
+/// The ids of the project's newest `limit` pending approvals, newest first.
+async fn pending(
+    store: &Store,
+    project: ProjectId,
+    limit: u32,
+) -> Result<Vec<ApprovalId>, StoreError> {
+    let approvals = store
         .list_approvals(
             project,
             &ApprovalFilter {
                 status: Some(ApprovalStatus::Pending),
                 run_id: None,
                 before: None,
-                limit: INBOX_LIMIT,
+                limit,
             },
         )
-        .await
-        .ok()
-        .map(|list| list.into_iter().map(|a| a.id.to_string()).collect())
+        .await?;
+    Ok(approvals.into_iter().map(|a| a.id).collect())
 }
 
 /// A short digest of the newest page of pending approvals (`ids`, newest first): what the
@@ -72,24 +75,10 @@ pub async fn inbox(
         query.map_err(|e| ConsoleError(ApiError::bad_request("invalid_query", e.body_text())))?;
     let store = state.store.clone();
     let moved = match page.seen {
-        Some(seen) => {
-            let newest = store
-                .list_approvals(
-                    project,
-                    &ApprovalFilter {
-                        status: Some(ApprovalStatus::Pending),
-                        run_id: None,
-                        before: None,
-                        limit: INBOX_PAGE + 1,
-                    },
-                )
-                .await
-                .map_err(|e| ConsoleError(e.into()))?;
-            inbox_fingerprint(newest.iter().map(|a| &a.id)) != seen
-        }
+        Some(seen) => inbox_fingerprint(&pending(&store, project, INBOX_PAGE + 1).await?) != seen,
         None => false,
     };
-    let baseline = pending(&store, project).await;
+    let baseline = pending(&store, project, INBOX_LIMIT).await.ok();
     let stream = futures_util::stream::unfold((baseline, moved), move |(mut seen, moved)| {
         let store = store.clone();
         async move {
@@ -101,7 +90,7 @@ pub async fn inbox(
             }
             loop {
                 tokio::time::sleep(POLL).await;
-                let now = pending(&store, project).await;
+                let now = pending(&store, project, INBOX_LIMIT).await.ok();
                 if now.is_some() && now != seen {
                     seen = now;
                     return Some((
@@ -176,13 +165,10 @@ impl RunPageSeen {
 pub async fn run(
     State(state): State<AppState>,
     member: ConsoleMember,
-    Path(run_id): Path<String>,
+    PagePath(id): PagePath<RunId>,
     query: Result<Query<RunPageSeen>, QueryRejection>,
 ) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ConsoleError> {
     let project = member.session.project_id;
-    let id: RunId = run_id
-        .parse()
-        .map_err(|_| ConsoleError(ApiError::NotFound))?;
     // Another project's run is not found, as its page is not.
     state.store.get_run(project, id).await?;
     let Query(page) =

@@ -4,15 +4,15 @@
 
 use askama::Template;
 use axum::Form;
+use axum::extract::State;
 use axum::extract::rejection::FormRejection;
-use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use wor_core::{MemberId, Role};
 use wor_store::RoleChanger;
 
 use super::pages::{Banner, PageResult, form};
 use super::session::ConsoleMember;
-use super::{ConsoleError, render};
+use super::{ConsoleError, PagePath, render};
 use crate::AppState;
 use crate::error::ApiError;
 use crate::routes::invitations::{CreateInvitation, invite_member};
@@ -211,13 +211,10 @@ pub struct RoleForm {
 pub async fn change_role(
     State(state): State<AppState>,
     member: ConsoleMember,
-    Path(member_id): Path<String>,
+    PagePath(id): PagePath<MemberId>,
     body: Result<Form<RoleForm>, FormRejection>,
 ) -> PageResult {
     let body = form(body)?;
-    let id: MemberId = member_id
-        .parse()
-        .map_err(|_| ConsoleError(ApiError::NotFound))?;
     let session = member.session.clone();
     let changer = RoleChanger {
         role: session.role,

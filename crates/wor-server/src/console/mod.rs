@@ -30,14 +30,18 @@ use std::time::Duration;
 
 use askama::Template;
 use axum::Router;
-use axum::extract::Request;
+use axum::extract::{FromRequestParts, Request};
+use axum::http::request::Parts;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 
+use serde::de::DeserializeOwned;
+
 use crate::AppState;
 use crate::error::ApiError;
+use crate::extract::ApiPath;
 
 /// The console's settings, from the server's configuration file.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -231,6 +235,27 @@ async fn security_headers(request: Request, next: Next) -> Response {
         headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     }
     response
+}
+
+/// A console URL's path parameter, such as a typed id. Text that is not one is a page not
+/// found, as another project's resource is: a URL names nothing but what exists.
+#[derive(Debug)]
+pub struct PagePath<T>(pub T);
+
+impl<S, T> FromRequestParts<S> for PagePath<T>
+where
+    T: DeserializeOwned + Send,
+    S: Send + Sync,
+{
+    type Rejection = ConsoleError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        // The API's extractor, with the console's answer to a path that names nothing.
+        let ApiPath(value) = ApiPath::<T>::from_request_parts(parts, state)
+            .await
+            .map_err(|_| ConsoleError(ApiError::NotFound))?;
+        Ok(PagePath(value))
+    }
 }
 
 /// A page's failure, shown as an HTML page with the status the API would answer.

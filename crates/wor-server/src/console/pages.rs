@@ -23,7 +23,7 @@ use super::password::{check_new_password, hash_password, verify_password};
 use super::session::{
     ConsoleMember, FORM_COOKIE, MaybeConsoleMember, SESSION_COOKIE, safe_next, set_cookie,
 };
-use super::{ConsoleConfig, ConsoleError, INBOX_LIMIT, INBOX_PAGE, millis, render};
+use super::{ConsoleConfig, ConsoleError, INBOX_LIMIT, INBOX_PAGE, PagePath, millis, render};
 use crate::AppState;
 use crate::error::ApiError;
 use crate::views::rfc3339;
@@ -768,11 +768,8 @@ pub async fn approvals(
 pub async fn approval(
     State(state): State<AppState>,
     member: ConsoleMember,
-    Path(approval_id): Path<String>,
+    PagePath(id): PagePath<ApprovalId>,
 ) -> PageResult {
-    let id: ApprovalId = approval_id
-        .parse()
-        .map_err(|_| ConsoleError(ApiError::NotFound))?;
     let approval = state
         .store
         .get_approval(member.session.project_id, id)
@@ -796,13 +793,10 @@ pub async fn approval(
 pub async fn edit_and_approve(
     State(state): State<AppState>,
     member: ConsoleMember,
-    Path(approval_id): Path<String>,
+    PagePath(id): PagePath<ApprovalId>,
     body: Result<Form<Vec<(String, String)>>, FormRejection>,
 ) -> PageResult {
     let fields = form(body)?;
-    let id: ApprovalId = approval_id
-        .parse()
-        .map_err(|_| ConsoleError(ApiError::NotFound))?;
     let project = member.session.project_id;
     let approval = state.store.get_approval(project, id).await?;
     // Who may edit is who may decide: anyone else learns nothing of their edit.
@@ -811,7 +805,7 @@ pub async fn edit_and_approve(
         .approval_refusal(project, &approval, approver(&member))
         .await?
     {
-        return Err(ConsoleError(ApiError::Forbidden(refusal)));
+        return Err(ConsoleError(refusal.into()));
     }
     let mut shown = edit_form(&approval);
     let mut edits = serde_json::Map::new();
@@ -898,9 +892,10 @@ pub async fn edit_and_approve(
                 (status, (!whole.is_empty()).then(|| whole.join("; ")))
             }
             // A missing or overlong reason is the form's to show.
-            Err(wor_engine::EngineError::Invalid(message)) => {
-                (StatusCode::BAD_REQUEST, Some(message))
-            }
+            Err(wor_engine::EngineError::Decision(
+                refusal @ (wor_engine::DecisionRefusal::NoReason
+                | wor_engine::DecisionRefusal::ReasonTooLong),
+            )) => (StatusCode::BAD_REQUEST, Some(refusal.to_string())),
             Err(other) => return Err(other.into()),
         }
     };
@@ -978,7 +973,7 @@ async fn card_of(
     run: &wor_store::RunRecord,
     routine: String,
     steps: &[wor_store::RunStep],
-    refusal: Option<String>,
+    refusal: Option<wor_engine::ApproverRefusal>,
 ) -> Result<ApprovalCard, ConsoleError> {
     let project = member.session.project_id;
     let decision = match approval.status {
@@ -1032,7 +1027,7 @@ async fn card_of(
         expires_at: rfc3339(approval.expires_at),
         expires_in: time_left(approval.expires_at),
         binding_hash: approval.binding_hash,
-        refusal,
+        refusal: refusal.map(|refusal| refusal.to_string()),
         status: approval.status.as_str().to_owned(),
         decision,
     })
@@ -1046,7 +1041,7 @@ pub struct DecideForm {
 pub async fn decide(
     State(state): State<AppState>,
     member: ConsoleMember,
-    Path((approval_id, verdict)): Path<(String, String)>,
+    PagePath((id, verdict)): PagePath<(ApprovalId, String)>,
     body: Result<Form<DecideForm>, FormRejection>,
 ) -> PageResult {
     let body = form(body)?;
@@ -1055,9 +1050,6 @@ pub async fn decide(
         "deny" => ApprovalAnswer::Deny,
         _ => return Err(ConsoleError(ApiError::NotFound)),
     };
-    let id: ApprovalId = approval_id
-        .parse()
-        .map_err(|_| ConsoleError(ApiError::NotFound))?;
     // The API's own path: the engine looks the approval up in the session's project and
     // applies separation of duties.
     let decided = state
@@ -1182,12 +1174,9 @@ struct RunPage {
 pub async fn run(
     State(state): State<AppState>,
     member: ConsoleMember,
-    Path(run_id): Path<String>,
+    PagePath(id): PagePath<RunId>,
 ) -> PageResult {
     let project = member.session.project_id;
-    let id: RunId = run_id
-        .parse()
-        .map_err(|_| ConsoleError(ApiError::NotFound))?;
     let run = state.store.get_run(project, id).await?;
     let routine = state.store.get_routine(project, run.routine_id).await?;
     let version = state

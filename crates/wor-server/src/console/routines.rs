@@ -6,7 +6,7 @@
 use askama::Template;
 use axum::Form;
 use axum::extract::rejection::{FormRejection, QueryRejection};
-use axum::extract::{Path, Query, State};
+use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Redirect};
 use similar::{ChangeTag, TextDiff};
@@ -15,7 +15,7 @@ use wor_engine::WebhookSecretKind;
 
 use super::pages::{Banner, PageResult, form};
 use super::session::ConsoleMember;
-use super::{ConsoleError, render};
+use super::{ConsoleError, PagePath, render};
 use crate::AppState;
 use crate::error::ApiError;
 use crate::routes::runs::{StartRunBody, start_run};
@@ -129,15 +129,12 @@ fn line_diff(old: &str, new: &str) -> Vec<DiffLine> {
 pub async fn show(
     State(state): State<AppState>,
     member: ConsoleMember,
-    Path(routine_id): Path<String>,
+    PagePath(id): PagePath<RoutineId>,
     query: Result<Query<DiffQuery>, QueryRejection>,
 ) -> PageResult {
     let Query(query) =
         query.map_err(|e| ConsoleError(ApiError::bad_request("invalid_query", e.body_text())))?;
     let project = member.session.project_id;
-    let id: RoutineId = routine_id
-        .parse()
-        .map_err(|_| ConsoleError(ApiError::NotFound))?;
     let routine = state.store.get_routine(project, id).await?;
     let current = state
         .store
@@ -245,12 +242,9 @@ impl StartForm {
 pub async fn start(
     State(state): State<AppState>,
     member: ConsoleMember,
-    Path(routine_id): Path<String>,
+    PagePath(routine): PagePath<RoutineId>,
     body: Result<Form<StartForm>, FormRejection>,
 ) -> PageResult {
-    let routine: RoutineId = routine_id
-        .parse()
-        .map_err(|_| ConsoleError(ApiError::NotFound))?;
     let body = form(body)?.body()?;
     let session = &member.session;
     let run = start_run(

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use askama::Template;
 use axum::extract::rejection::QueryRejection;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Redirect};
 use wor_core::call::TriggerKind;
@@ -15,7 +15,7 @@ use wor_store::RunFilter;
 
 use super::pages::{Banner, PageResult};
 use super::session::ConsoleMember;
-use super::{ConsoleError, render};
+use super::{ConsoleError, PagePath, render};
 use crate::AppState;
 use crate::error::ApiError;
 use crate::views::rfc3339;
@@ -217,11 +217,8 @@ pub async fn list(
 pub async fn cancel(
     State(state): State<AppState>,
     member: ConsoleMember,
-    Path(run_id): Path<String>,
+    PagePath(id): PagePath<RunId>,
 ) -> PageResult {
-    let id: RunId = run_id
-        .parse()
-        .map_err(|_| ConsoleError(ApiError::NotFound))?;
     crate::routes::runs::cancel_run(
         &state,
         member.session.project_id,

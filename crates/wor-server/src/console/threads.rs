@@ -17,7 +17,7 @@ use std::time::Duration;
 use askama::Template;
 use axum::Form;
 use axum::extract::rejection::{FormRejection, QueryRejection};
-use axum::extract::{Path, Query, State};
+use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Redirect};
@@ -30,7 +30,7 @@ use wor_store::{ApprovalFilter, RunRecord, Store};
 
 use super::pages::{Banner, PageResult, form};
 use super::session::ConsoleMember;
-use super::{ConsoleError, INBOX_LIMIT, render};
+use super::{ConsoleError, INBOX_LIMIT, PagePath, render};
 use crate::AppState;
 use crate::error::ApiError;
 use crate::routes::runs::{StartRunBody, start_run};
@@ -55,11 +55,8 @@ fn thread_href(routine: RoutineId, thread: &str) -> String {
 async fn memory_routine(
     state: &AppState,
     project: ProjectId,
-    routine_id: &str,
+    id: RoutineId,
 ) -> Result<(RoutineId, String), ConsoleError> {
-    let id: RoutineId = routine_id
-        .parse()
-        .map_err(|_| ConsoleError(ApiError::NotFound))?;
     let routine = state.store.get_routine(project, id).await?;
     let current = state
         .store
@@ -92,10 +89,10 @@ struct ThreadsPage {
 pub async fn list(
     State(state): State<AppState>,
     member: ConsoleMember,
-    Path(routine_id): Path<String>,
+    PagePath(routine_id): PagePath<RoutineId>,
 ) -> PageResult {
     let project = member.session.project_id;
-    let (id, routine) = memory_routine(&state, project, &routine_id).await?;
+    let (id, routine) = memory_routine(&state, project, routine_id).await?;
     let threads = state
         .store
         .list_threads(project, id, THREADS)
@@ -300,13 +297,13 @@ async fn turn(
 pub async fn show(
     State(state): State<AppState>,
     member: ConsoleMember,
-    Path(routine_id): Path<String>,
+    PagePath(routine_id): PagePath<RoutineId>,
     thread: Result<Query<ThreadQuery>, QueryRejection>,
 ) -> PageResult {
     let thread = query(thread)?;
     let thread = thread.thread();
     let project = member.session.project_id;
-    let (id, routine) = memory_routine(&state, project, &routine_id).await?;
+    let (id, routine) = memory_routine(&state, project, routine_id).await?;
     let runs = state.store.thread_runs(project, id, thread, TURNS).await?;
     let mut names = HashMap::new();
     let mut turns = Vec::with_capacity(runs.len());
@@ -344,12 +341,12 @@ pub struct MessageForm {
 pub async fn write(
     State(state): State<AppState>,
     member: ConsoleMember,
-    Path(routine_id): Path<String>,
+    PagePath(routine_id): PagePath<RoutineId>,
     body: Result<Form<MessageForm>, FormRejection>,
 ) -> PageResult {
     let body = form(body)?;
     let session = &member.session;
-    let (id, _) = memory_routine(&state, session.project_id, &routine_id).await?;
+    let (id, _) = memory_routine(&state, session.project_id, routine_id).await?;
     if body.message.trim().is_empty() {
         return Err(ConsoleError(ApiError::bad_request(
             "invalid_message",
@@ -472,13 +469,13 @@ impl Follow {
 pub async fn events(
     State(state): State<AppState>,
     member: ConsoleMember,
-    Path(routine_id): Path<String>,
+    PagePath(routine_id): PagePath<RoutineId>,
     thread: Result<Query<ThreadQuery>, QueryRejection>,
 ) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ConsoleError> {
     let thread = query(thread)?.thread().to_owned();
     let project = member.session.project_id;
     // Another project's routine, or one without memory, is not found, as its page is not.
-    let (routine, _) = memory_routine(&state, project, &routine_id).await?;
+    let (routine, _) = memory_routine(&state, project, routine_id).await?;
     // No baseline: the first read counts as a change, so a turn that moved between the
     // page's rendering and this stream's start is not missed (one extra fetch of the page).
     let mut follow = Follow {
