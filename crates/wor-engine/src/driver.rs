@@ -319,15 +319,7 @@ impl Engine {
         let started = Instant::now();
         // Wall time already spent before a restart counts too; time parked for a person does
         // not.
-        let spent_before = run
-            .started_at
-            .map(|s| {
-                let spent = wor_store::now_millis()
-                    .saturating_sub(s)
-                    .saturating_sub(run.parked_ms);
-                u64::try_from(spent / 1000).unwrap_or(0)
-            })
-            .unwrap_or(0);
+        let spent_before = crate::authority::wall_spent_before(run);
         let elapsed = || spent_before.saturating_add(started.elapsed().as_secs());
         let authority = self
             .mint_authority(

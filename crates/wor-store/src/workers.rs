@@ -49,7 +49,8 @@ pub enum WorkerStatus {
 }
 
 impl WorkerStatus {
-    fn as_str(self) -> &'static str {
+    /// How it is stored and shown: `active` or `revoked`.
+    pub fn as_str(self) -> &'static str {
         match self {
             WorkerStatus::Active => "active",
             WorkerStatus::Revoked => "revoked",
@@ -79,6 +80,17 @@ pub struct WorkerRecord {
     pub status: WorkerStatus,
     pub enrolled_at: i64,
     pub last_seen_at: Option<i64>,
+}
+
+/// What revoking a worker came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkerRevocation {
+    /// Revoked now; the runs it held went back to the queue, to be resumed from their steps.
+    Revoked { runs_released: u64 },
+    /// It had been revoked already.
+    AlreadyRevoked,
+    /// No worker has this id.
+    Unknown,
 }
 
 /// Why an enrolment token was not accepted. A value, not an error: the caller answers 401.
@@ -242,6 +254,38 @@ impl Store {
         .await?;
         tx.commit().await?;
         Ok(inserted.rows_affected() == 1)
+    }
+
+    /// Revokes worker `id`: from this moment every request it signs is refused, and in the
+    /// same transaction the runs it holds go back to the queue and their credentials end, so
+    /// nothing it still has in memory can act for them.
+    pub async fn revoke_worker(&self, id: &str) -> Result<WorkerRevocation, StoreError> {
+        let now = now_millis();
+        let mut tx = self.begin_write().await?;
+        let revoked = sqlx::query(
+            "UPDATE workers SET status = 'revoked' WHERE id = $1 AND status = 'active'",
+        )
+        .bind(id)
+        .execute(&mut *tx)
+        .await?;
+        if revoked.rows_affected() == 0 {
+            let known = sqlx::query("SELECT 1 AS known FROM workers WHERE id = $1")
+                .bind(id)
+                .fetch_optional(&mut *tx)
+                .await?
+                .is_some();
+            tx.rollback().await?;
+            return Ok(if known {
+                WorkerRevocation::AlreadyRevoked
+            } else {
+                WorkerRevocation::Unknown
+            });
+        }
+        let released = crate::runs::release_held(&mut tx, id, None, now).await?;
+        tx.commit().await?;
+        Ok(WorkerRevocation::Revoked {
+            runs_released: released,
+        })
     }
 
     /// Records that `id` was heard from now.
