@@ -146,9 +146,32 @@ impl Store {
         signing_public_key: &str,
         exchange_public_key: &str,
     ) -> Result<Result<WorkerRecord, EnrolmentRefusal>, StoreError> {
+        // Anyone may knock: a token of the wrong shape, or one no usable row has, is refused
+        // on a read, without ever waiting for the write lock.
+        if !is_enrolment_token_shape(token) {
+            return Ok(Err(EnrolmentRefusal::Unknown));
+        }
         let digest = sha256_hex(token.as_bytes());
         let now = now_millis();
+        let row = sqlx::query(
+            "SELECT used_at, expires_at FROM worker_enrolment_tokens WHERE sha256 = $1",
+        )
+        .bind(&digest)
+        .fetch_optional(self.pool())
+        .await?;
+        match row {
+            None => return Ok(Err(EnrolmentRefusal::Unknown)),
+            Some(row) if row.try_get::<Option<i64>, _>("used_at")?.is_some() => {
+                return Ok(Err(EnrolmentRefusal::AlreadyUsed));
+            }
+            Some(row) if row.try_get::<i64, _>("expires_at")? <= now => {
+                return Ok(Err(EnrolmentRefusal::Expired));
+            }
+            Some(_) => {}
+        }
         let worker_id = format!("wkr_{}", uuid::Uuid::now_v7().simple());
+        // Spent in the write transaction, which checks again: two workers racing with one
+        // token cannot both enrol.
         let mut tx = self.begin_write().await?;
         let spent = sqlx::query(
             "UPDATE worker_enrolment_tokens SET used_at = $1, worker_id = $2 \
@@ -309,4 +332,37 @@ fn worker_from_row(row: &sqlx::any::AnyRow) -> Result<WorkerRecord, StoreError> 
         enrolled_at: row.try_get("enrolled_at")?,
         last_seen_at: row.try_get("last_seen_at")?,
     })
+}
+
+/// Whether `token` has the shape of an enrolment token: the prefix and 64 lower-case hex
+/// digits.
+fn is_enrolment_token_shape(token: &str) -> bool {
+    token
+        .strip_prefix(WORKER_ENROLMENT_TOKEN_PREFIX)
+        .is_some_and(|hex| {
+            hex.len() == 64 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_prefix_and_64_lower_case_hex_digits_are_a_token_shape() {
+        let hex = "0123456789abcdef".repeat(4);
+        let short = "123456789abcdef".to_owned() + &"0123456789abcdef".repeat(3);
+        assert!(is_enrolment_token_shape(&format!("wet_{hex}")));
+        for bad in [
+            String::new(),
+            "wet_".to_owned(),
+            format!("wet_{}", hex.to_uppercase()),
+            format!("wet_{hex}0"),
+            format!("wet_{short}"),
+            format!("wek_{hex}"),
+            format!("wet_{short}g"),
+        ] {
+            assert!(!is_enrolment_token_shape(&bad), "{bad}");
+        }
+    }
 }
