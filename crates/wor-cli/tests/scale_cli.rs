@@ -560,50 +560,108 @@ fn a_worker_claims_a_run_with_an_envelope_only_it_opens_and_holds_it_only_under_
         ],
         &[("MODEL_KEY", WORKER_MODEL_KEY)],
     );
-    let created = client(
-        &[
-            "connection",
-            "create",
-            "desk",
-            "--url",
-            "http://127.0.0.1:9/mcp",
-            "--allow",
-            "127.0.0.1:9",
-            "--bearer-env",
-            "TOOL_TOKEN",
-            "--json",
-        ],
-        &[("TOOL_TOKEN", WORKER_TOOL_TOKEN)],
-    );
-    let desk: Value = serde_json::from_slice(&created.stdout).unwrap();
-    // A second connection the routine does not use: its credential never leaves.
-    client(
-        &[
-            "connection",
-            "create",
-            "other",
-            "--url",
-            "http://127.0.0.1:10/mcp",
-            "--allow",
-            "127.0.0.1:10",
-            "--bearer-env",
-            "TOOL_TOKEN",
-        ],
-        &[("TOOL_TOKEN", "tool-unrelated-canary-0c4")],
-    );
-    let routine = dir.path().join("desk.toml");
+    // HTTP API connections whose tools are written here, reviewed and enabled without a
+    // server; `enable: false` leaves one waiting for review.
+    let tools = dir.path().join("tools.json");
     std::fs::write(
-        &routine,
-        "name = \"desk\"\ninstructions = \"Look it up.\"\n[model]\nprovider = \"openai_compatible\"\n\
-         connection = \"main\"\nmodel = \"m\"\n[[tools]]\ntool = \"desk/lookup\"\nmode = \"auto\"\n",
+        &tools,
+        r#"{"tools": [{"name": "lookup", "method": "GET", "path": "/lookup",
+            "inputSchema": {"type": "object"}}]}"#,
     )
     .unwrap();
-    client(&["routine", "apply", "-f", routine.to_str().unwrap()], &[]);
-    let started = client(&["run", "start", "desk", "--json"], &[]);
-    let run_id = serde_json::from_slice::<Value>(&started.stdout).unwrap()["id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let connection = |name: &str, token: &str, enable: bool| -> String {
+        let created = client(
+            &[
+                "connection",
+                "create",
+                name,
+                "--tools-file",
+                tools.to_str().unwrap(),
+                "--url",
+                "http://127.0.0.1:9/v1",
+                "--allow",
+                "127.0.0.1",
+                "--bearer-env",
+                "TOOL_TOKEN",
+                "--json",
+            ],
+            &[("TOOL_TOKEN", token)],
+        );
+        let id = serde_json::from_slice::<Value>(&created.stdout).unwrap()["id"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        if enable {
+            let review = client(&["connection", "review", &id, "--json"], &[]);
+            let review_file = dir.path().join(format!("{name}-review.json"));
+            std::fs::write(&review_file, &review.stdout).unwrap();
+            client(
+                &[
+                    "connection",
+                    "enable",
+                    &id,
+                    "--from-review",
+                    review_file.to_str().unwrap(),
+                ],
+                &[],
+            );
+        }
+        id
+    };
+    let desk = connection("desk", WORKER_TOOL_TOKEN, true);
+    // On the roster but not enabled: its record goes, its credential never leaves.
+    connection("pending", "tool-pending-canary-9a1", false);
+    // Not on the roster at all.
+    connection("other", "tool-unrelated-canary-0c4", true);
+    // A connection whose sealed token no longer opens: another connection's ciphertext, which
+    // is bound to that connection's slot.
+    let cracked = connection("cracked", "tool-cracked-canary-3b8", true);
+    let routine = |name: &str, tools: &[&str]| {
+        let roster: String = tools
+            .iter()
+            .map(|t| format!("[[tools]]\ntool = \"{t}\"\nmode = \"auto\"\n"))
+            .collect();
+        let file = dir.path().join(format!("{name}.toml"));
+        std::fs::write(
+            &file,
+            format!(
+                "name = \"{name}\"\ninstructions = \"Look it up.\"\n[model]\n\
+                 provider = \"openai_compatible\"\nconnection = \"main\"\nmodel = \"m\"\n{roster}"
+            ),
+        )
+        .unwrap();
+        client(&["routine", "apply", "-f", file.to_str().unwrap()], &[]);
+    };
+    routine("broken", &["cracked/lookup"]);
+    routine("desk", &["desk/lookup", "pending/lookup"]);
+    let start = |name: &str| {
+        let started = client(&["run", "start", name, "--json"], &[]);
+        serde_json::from_slice::<Value>(&started.stdout).unwrap()["id"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    let broken_run = start("broken");
+    let run_id = start("desk");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let store = runtime
+        .block_on(wor_store::Store::open(
+            Some(&database_url(&db, dir.path())),
+            dir.path(),
+        ))
+        .unwrap();
+    runtime
+        .block_on(wor_store::testing::tamper(
+            &store,
+            &[format!(
+                "UPDATE sealed_secrets SET sealed = (SELECT s.sealed FROM sealed_secrets s \
+                 WHERE s.owner_id = '{desk}') WHERE owner_id = '{cracked}'"
+            )],
+        ))
+        .unwrap();
 
     let mut a = enrolled_worker(&api, &db, &dir.path().join("worker-a"));
     let mut b = enrolled_worker(&api, &db, &dir.path().join("worker-b"));
@@ -615,6 +673,8 @@ fn a_worker_claims_a_run_with_an_envelope_only_it_opens_and_holds_it_only_under_
         WORKER_MODEL_KEY,
         WORKER_TOOL_TOKEN,
         "tool-unrelated-canary-0c4",
+        "tool-pending-canary-9a1",
+        "tool-cracked-canary-3b8",
     ] {
         assert!(
             !answer.contains(canary),
@@ -632,8 +692,24 @@ fn a_worker_claims_a_run_with_an_envelope_only_it_opens_and_holds_it_only_under_
     );
     assert_eq!(claimed["steps"][0]["kind"], "input");
     assert_eq!(claimed["model_connection"]["name"], "main");
-    assert_eq!(claimed["tool_connections"].as_array().unwrap().len(), 1);
-    assert_eq!(claimed["tool_connections"][0]["name"], "desk");
+    let names: Vec<&str> = claimed["tool_connections"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["desk", "pending"]);
+    // The run claimed first could not be driven (its connection's token does not open): it
+    // failed closed, as a local driver fails it, and the claim went on to the next run.
+    let broken = runs(&api, &key)
+        .into_iter()
+        .find(|r| r["id"] == broken_run.as_str())
+        .unwrap();
+    assert_eq!(broken["status"], "failed", "{broken}");
+    assert!(
+        broken["outcome"].as_str().unwrap().contains("cracked"),
+        "{broken}"
+    );
     let envelope = envelope_of(&claimed);
     let now = wor_store::now_millis() / 1000;
 
@@ -666,14 +742,7 @@ fn a_worker_claims_a_run_with_an_envelope_only_it_opens_and_holds_it_only_under_
             )
         })
         .collect();
-    assert_eq!(
-        tools,
-        [(
-            desk["id"].as_str().unwrap(),
-            "bearer_token",
-            WORKER_TOOL_TOKEN
-        )]
-    );
+    assert_eq!(tools, [(desk.as_str(), "bearer_token", WORKER_TOOL_TOKEN)]);
     let replayed = a.opener.open(&envelope, now).unwrap_err();
     assert!(
         matches!(replayed, wor_secrets::EnvelopeError::Replayed),
@@ -689,6 +758,7 @@ fn a_worker_claims_a_run_with_an_envelope_only_it_opens_and_holds_it_only_under_
     );
     // The run's credential is live while A holds the run.
     let credential = secrets.run_credential.expose_secret().to_owned();
+    assert!(!answer.contains(&credential), "{answer}");
     let whoami_run = |credential: &str| {
         api.raw(&format!(
             "GET /v1/run HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {credential}\r\nConnection: close\r\n\r\n"
@@ -781,9 +851,11 @@ fn a_worker_claims_a_run_with_an_envelope_only_it_opens_and_holds_it_only_under_
         statuses,
         [(a.id.as_str(), "active"), (b.id.as_str(), "revoked")]
     );
-    let runs = runs(&api, &key);
-    assert_eq!(runs[0]["status"], "queued", "{runs:?}");
+    let listed = runs(&api, &key);
+    let desk_run = listed.iter().find(|r| r["id"] == run_id.as_str()).unwrap();
+    assert_eq!(desk_run["status"], "queued", "{listed:?}");
     api.stop();
+    runtime.block_on(store.close());
 }
 
 /// A fresh opener for the worker enrolled in `dir`.

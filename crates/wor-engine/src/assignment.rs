@@ -66,30 +66,63 @@ pub enum LeaseRenewal {
 
 impl Engine {
     /// Claims the oldest queued run the limits allow for remote worker `worker` and gathers
-    /// what it is driven from. `None` when nothing is claimable. If gathering fails after the
-    /// claim, the run goes back to the queue before the error is returned.
+    /// what it is driven from. `None` when nothing is claimable.
+    ///
+    /// A run that cannot be driven as it stands — its secrets cannot be opened, a connection's
+    /// authorization or credentials fail — is failed closed with the reason, as a local driver
+    /// fails it, and the next run is claimed. On any other error the run goes back to the queue
+    /// before the error is returned.
     ///
     /// # Errors
-    /// A store, vault or credential error; [`EngineError::LeaseLost`] if the lease was lost
-    /// while the credential was minted.
+    /// A store error; [`EngineError::LeaseLost`] if the lease was lost while the credential
+    /// was minted.
     pub async fn claim_for_worker(&self, worker: &str) -> Result<Option<WorkerClaim>, EngineError> {
-        let Some(run) = self.claim_for(worker).await? else {
-            return Ok(None);
-        };
-        match self.gather_claim(run.clone(), worker).await {
-            Ok(claim) => {
-                tracing::info!(category = "run", action = "run.claimed_remote",
-                    project_id = %run.project_id, run_id = %run.id, worker_id = %worker,
-                    "a remote worker claimed a run");
-                Ok(Some(claim))
-            }
-            Err(error) => {
-                if let Err(release) = self.store.release_run(run.id, worker).await {
-                    tracing::error!(category = "run", run_id = %run.id, error = %release,
-                        "a run whose claim failed could not be given back; its lease will expire");
+        loop {
+            let Some(run) = self.claim_for(worker).await? else {
+                return Ok(None);
+            };
+            match self.gather_claim(run.clone(), worker).await {
+                Ok(claim) => {
+                    tracing::info!(category = "run", action = "run.claimed_remote",
+                        project_id = %run.project_id, run_id = %run.id, worker_id = %worker,
+                        "a remote worker claimed a run");
+                    return Ok(Some(claim));
                 }
-                Err(error)
+                Err(error) => match error.run_failure() {
+                    Some(reason) => {
+                        self.fail_claimed_run(&run, worker, reason).await?;
+                    }
+                    None => {
+                        self.give_back(&run, worker).await;
+                        return Err(error);
+                    }
+                },
             }
+        }
+    }
+
+    /// Fails a run claimed for `worker` closed with `reason`, before the worker saw it.
+    ///
+    /// # Errors
+    /// A store error.
+    pub async fn fail_claimed_run(
+        &self,
+        run: &RunRecord,
+        worker: &str,
+        reason: String,
+    ) -> Result<(), EngineError> {
+        tracing::warn!(category = "run", action = "run.claim_failed", project_id = %run.project_id,
+            run_id = %run.id, worker_id = %worker, "a run claimed for a worker cannot be driven; it fails closed");
+        let ending = wor_core::run_loop::Ending::new(wor_core::run::RunStatus::Failed, reason);
+        self.end_run(run, worker, ending, None).await
+    }
+
+    /// Gives a run claimed for `worker` back to the queue, logging (not returning) a failure:
+    /// its lease expires then instead.
+    pub async fn give_back(&self, run: &RunRecord, worker: &str) {
+        if let Err(error) = self.store.release_run(run.id, worker).await {
+            tracing::error!(category = "run", run_id = %run.id, error = %error,
+                "a claimed run could not be given back; its lease will expire");
         }
     }
 
@@ -113,9 +146,13 @@ impl Engine {
                 .find(|c| &c.name == name && c.status == ConnectionStatus::Active),
             _ => None,
         };
+        // A connection of another provider is refused by the driver (as a local one refuses
+        // it): its key is not opened for it.
         let model_key = match &model_connection {
-            Some(connection) => self.model_key_for_worker(&run, connection, worker).await?,
-            None => None,
+            Some(connection) if connection.provider == definition.model.provider => {
+                self.model_key_for_worker(&run, connection, worker).await?
+            }
+            _ => None,
         };
         let mut tool_connections = Vec::new();
         let mut tool_credentials = Vec::new();
@@ -200,32 +237,39 @@ impl Engine {
         Ok(Some(key))
     }
 
-    /// The credentials of one tool connection, each under the field that says where it goes.
+    /// The credentials of one tool connection, each under the field that says where it goes;
+    /// none for a connection a driver may not use as it stands (not enabled, or a command the
+    /// operator's rules refuse): the worker's driver finds it so and fails the run closed, and
+    /// its secrets never leave. The credentials are checked as a local session checks them.
     async fn tool_credentials_for_worker(
         &self,
         record: &ToolConnectionRecord,
     ) -> Result<Vec<ToolCredential>, EngineError> {
-        let unavailable = |error: ConnectionError| EngineError::Connection(Box::new(error));
-        let mut fields: Vec<(String, SecretString)> = self
-            .request_secrets(record)
-            .await
-            .map_err(unavailable)?
-            .into_iter()
-            .map(|(secret, value)| (secret.field(), value))
-            .collect();
-        if matches!(
-            record.kind,
-            ToolConnectionKind::McpStdio | ToolConnectionKind::Wasm
-        ) && let Some(spec) = &record.command
-        {
-            fields.extend(
-                self.environment_secrets(record, spec)
-                    .await
-                    .map_err(unavailable)?
-                    .into_iter()
-                    .map(|(variable, value)| (wor_store::env_field(&variable), value)),
-            );
+        if Engine::check_enabled(record).is_err() {
+            return Ok(Vec::new());
         }
+        let fields: Vec<(String, SecretString)> = match record.kind {
+            ToolConnectionKind::McpStdio | ToolConnectionKind::Wasm => {
+                match self.local_command(record).await {
+                    Ok((_, env)) => env
+                        .into_iter()
+                        .map(|(variable, value)| (wor_store::env_field(&variable), value))
+                        .collect(),
+                    Err(ConnectionError::Command { .. }) => return Ok(Vec::new()),
+                    Err(error) => return Err(error.into()),
+                }
+            }
+            ToolConnectionKind::McpHttp | ToolConnectionKind::HttpApi => {
+                let secrets = self.request_secrets(record).await?;
+                // The same checks a local session's credentials pass (header names, values,
+                // one `authorization`).
+                Engine::credentials_from(record, secrets.iter().map(|(s, v)| (*s, v.clone())))?;
+                secrets
+                    .into_iter()
+                    .map(|(secret, value)| (secret.field(), value))
+                    .collect()
+            }
+        };
         Ok(fields
             .into_iter()
             .map(|(field, value)| ToolCredential {

@@ -387,8 +387,17 @@ impl Engine {
         &self,
         record: &ToolConnectionRecord,
     ) -> Result<ConnectionCredentials, ConnectionError> {
+        Engine::credentials_from(record, self.request_secrets(record).await?)
+    }
+
+    /// `secrets` as the credentials a session attaches, checked (header names and values, at
+    /// most one `authorization`).
+    pub(crate) fn credentials_from<'a>(
+        record: &ToolConnectionRecord,
+        secrets: impl IntoIterator<Item = (RequestSecret<'a>, SecretString)>,
+    ) -> Result<ConnectionCredentials, ConnectionError> {
         let mut credentials = ConnectionCredentials::none();
-        for (field, value) in self.request_secrets(record).await? {
+        for (field, value) in secrets {
             credentials = match field {
                 RequestSecret::Bearer | RequestSecret::OAuthAccessToken => {
                     credentials.with_bearer(value)
@@ -405,7 +414,7 @@ impl Engine {
 
     /// What a connection's requests carry, opened from the vault: its bearer token, the
     /// access token of its authorization (refreshed first when it is about to expire), and
-    /// its secret headers, in the order they are attached (a later bearer wins).
+    /// its secret headers, in the order they are attached.
     pub(crate) async fn request_secrets<'a>(
         &self,
         record: &'a ToolConnectionRecord,

@@ -301,19 +301,35 @@ async fn claim(State(state): State<AppState>, request: Request) -> Result<Respon
     let Some(claimed) = state.engine.claim_for_worker(&worker.id).await? else {
         return Ok(StatusCode::NO_CONTENT.into_response());
     };
+    let run = claimed.run.clone();
+    let give_back = |error: ApiError| {
+        let engine = state.engine.clone();
+        let (run, worker) = (run.clone(), worker.id.clone());
+        async move {
+            engine.give_back(&run, &worker).await;
+            error
+        }
+    };
+    let steps = match claimed
+        .steps
+        .into_iter()
+        .map(crate::routes::runs::RunStepView::try_from)
+        .collect::<Result<Vec<_>, _>>()
+    {
+        Ok(steps) => steps,
+        Err(error) => return Err(give_back(error).await),
+    };
     let lease_id = format!(
         "lse_{}",
         wor_core::ids::request_id().trim_start_matches("req_")
     );
     let issued_at = wor_store::now_millis() / 1000;
+    let limits = wor_secrets::EnvelopeLimits::default();
     let lifetime = i64::try_from(state.engine.config().lease.as_secs())
         .unwrap_or(i64::MAX)
-        .clamp(
-            MIN_ENVELOPE_LIFETIME_SECS,
-            wor_secrets::EnvelopeLimits::default().max_lifetime_secs,
-        );
+        .clamp(MIN_ENVELOPE_LIFETIME_SECS, limits.max_lifetime_secs);
     let envelope_claims = wor_secrets::EnvelopeClaims {
-        run_id: claimed.run.id.to_string(),
+        run_id: run.id.to_string(),
         lease_id: lease_id.clone(),
         worker_id: worker.id.clone(),
         issued_at,
@@ -327,23 +343,41 @@ async fn claim(State(state): State<AppState>, request: Request) -> Result<Respon
     ) {
         Ok(sealed) => sealed,
         Err(error) => {
-            // Nothing of it left this process: the run goes back for the next claim.
-            let _ = state
-                .engine
-                .release_for_worker(claimed.run.id, &worker.id)
-                .await;
-            tracing::error!(category = "run", run_id = %claimed.run.id, error = %error,
+            tracing::error!(category = "run", run_id = %run.id, error = %error,
                 "a run's envelope could not be sealed; the run went back to the queue");
-            return Err(ApiError::Internal);
+            return Err(give_back(ApiError::Internal).await);
         }
     };
+    // An envelope no worker would open (its secrets are too large) fails the run closed, as a
+    // secret that cannot be opened does: claiming it again would fail the same way.
+    if sealed.as_bytes().len() > limits.max_bytes {
+        state
+            .engine
+            .fail_claimed_run(
+                &run,
+                &worker.id,
+                format!(
+                    "the run's secrets do not fit a worker's envelope ({} bytes sealed, at most {})",
+                    sealed.as_bytes().len(),
+                    limits.max_bytes
+                ),
+            )
+            .await?;
+        return Ok(StatusCode::NO_CONTENT.into_response());
+    }
+    // Last, before anything of the claim leaves: the worker still holds the run and is still
+    // active (a revocation that committed meanwhile wins).
+    if !state.store.worker_holds_run(&worker.id, run.id).await? {
+        let refused = match state.store.worker(&worker.id).await? {
+            Some(w) if w.status == wor_store::WorkerStatus::Active => {
+                lease_not_held(&worker.id, run.id)
+            }
+            _ => ApiError::WorkerUnauthenticated(WorkerAuthError::Revoked.to_string()),
+        };
+        return Err(give_back(refused).await);
+    }
     tracing::info!(category = "run", action = "worker.claimed", worker_id = %worker.id,
-        run_id = %claimed.run.id, lease_id = %lease_id, "a worker claimed a run");
-    let steps = claimed
-        .steps
-        .into_iter()
-        .map(crate::routes::runs::RunStepView::try_from)
-        .collect::<Result<Vec<_>, _>>()?;
+        run_id = %run.id, lease_id = %lease_id, "a worker claimed a run");
     let version = &claimed.version;
     Ok(Json(ClaimedRun {
         lease_id,

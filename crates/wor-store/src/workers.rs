@@ -311,6 +311,25 @@ impl Store {
         })
     }
 
+    /// Whether `worker` holds `run` (running, under its lease) and is still active: checked
+    /// last before anything of a claim leaves, so a worker revoked meanwhile gets nothing.
+    pub async fn worker_holds_run(
+        &self,
+        worker: &str,
+        run: wor_core::RunId,
+    ) -> Result<bool, StoreError> {
+        let row = sqlx::query(
+            "SELECT 1 AS held FROM runs r JOIN workers w ON w.id = r.lease_owner \
+             WHERE r.id = $1 AND r.lease_owner = $2 AND r.status = 'running' \
+             AND w.status = 'active'",
+        )
+        .bind(run.to_string())
+        .bind(worker)
+        .fetch_optional(self.pool())
+        .await?;
+        Ok(row.is_some())
+    }
+
     /// Records that `id` was heard from now.
     pub async fn touch_worker(&self, id: &str) -> Result<(), StoreError> {
         sqlx::query("UPDATE workers SET last_seen_at = $1 WHERE id = $2")
