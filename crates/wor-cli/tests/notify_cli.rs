@@ -374,7 +374,7 @@ fn deciding_with_the_cli_updates_the_slack_message_and_attempts_are_counted() {
         .and_then(|rest| rest.strip_suffix("/metrics"))
         .unwrap_or_else(|| panic!("no metrics listener: {log}"))
         .to_owned();
-    let scraped = {
+    let scrape = || {
         use std::io::{Read as _, Write as _};
         #[expect(
             clippy::disallowed_methods,
@@ -388,15 +388,24 @@ fn deciding_with_the_cli_updates_the_slack_message_and_attempts_are_counted() {
         stream.read_to_string(&mut response).unwrap();
         response
     };
-    let delivered = scraped
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix(
-                r#"wor_notification_deliveries_total{channel="slack",result="delivered"} "#,
-            )
-        })
-        .unwrap_or_else(|| panic!("{scraped}"));
-    assert_eq!(delivered.trim(), "2", "{scraped}");
+    let delivered = |scraped: &str| {
+        scraped
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix(
+                    r#"wor_notification_deliveries_total{channel="slack",result="delivered"} "#,
+                )
+            })
+            .map(|n| n.trim().to_owned())
+    };
+    // The update's attempt is counted when its answer is read, a moment after Slack saw it.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut scraped = scrape();
+    while delivered(&scraped).as_deref() != Some("2") && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        scraped = scrape();
+    }
+    assert_eq!(delivered(&scraped).as_deref(), Some("2"), "{scraped}");
     let log = server.stop();
     assert!(!log.contains(BOT_TOKEN) && !log.contains(SIGNING_SECRET));
 }

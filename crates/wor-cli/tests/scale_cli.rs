@@ -466,3 +466,410 @@ fn a_workers_request_opens_the_internal_api_only_signed_fresh_and_once() {
     server.stop();
     runtime.block_on(store.close());
 }
+
+/// A worker's signed POST to `path`: the whole response.
+fn post_as(
+    server: &Server,
+    identity: &wor_secrets::WorkerIdentity,
+    worker_id: &str,
+    path: &str,
+) -> String {
+    let headers = identity
+        .sign_request(
+            worker_id,
+            &wor_secrets::RequestToSign {
+                method: "POST",
+                path_and_query: path,
+                body: b"{}",
+            },
+            wor_store::now_millis() / 1000,
+        )
+        .unwrap()
+        .to_header_values()
+        .to_vec();
+    post_signed(server, path, &headers, "{}")
+}
+
+/// The JSON body of an HTTP response.
+fn body_json(response: &str) -> Value {
+    let (_, body) = response.split_once("\r\n\r\n").unwrap();
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {response}"))
+}
+
+/// An enrolled worker as the test plays it: its id, its keys, and an opener of envelopes
+/// addressed to it that trusts the control plane key it pinned.
+struct TestWorker {
+    id: String,
+    identity: wor_secrets::WorkerIdentity,
+    opener: wor_secrets::EnvelopeOpener,
+}
+
+fn enrolled_worker(server: &Server, db: &[String], dir: &std::path::Path) -> TestWorker {
+    let out = enroll(&server.url, &create_token(db), dir);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let id = text(&out.stdout).trim().to_owned();
+    TestWorker {
+        opener: enrolled_opener(dir, &id),
+        identity: wor_secrets::WorkerIdentity::load(dir).unwrap().unwrap(),
+        id,
+    }
+}
+
+impl TestWorker {
+    fn post(&self, server: &Server, path: &str) -> String {
+        post_as(server, &self.identity, &self.id, path)
+    }
+}
+
+fn envelope_of(claimed: &Value) -> wor_secrets::SealedEnvelope {
+    wor_secrets::SealedEnvelope::from_base64(claimed["envelope"].as_str().unwrap()).unwrap()
+}
+
+const WORKER_MODEL_KEY: &str = "sk-worker-canary-5f1e0a9c";
+const WORKER_TOOL_TOKEN: &str = "tool-worker-canary-77d2b";
+
+#[test]
+fn a_worker_claims_a_run_with_an_envelope_only_it_opens_and_holds_it_only_under_its_lease() {
+    use secrecy::ExposeSecret as _;
+    let dir = tempfile::tempdir().unwrap();
+    let db = database_args(dir.path());
+    let key = create_project(&db);
+    // An `api` process drives no run: only the workers below claim.
+    let api = start_role(&db, "api");
+    let client = |args: &[&str], env: &[(&str, &str)]| {
+        let mut command = wor(args);
+        command.env("WOR_SERVER", &api.url).env("WOR_API_KEY", &key);
+        for (name, value) in env {
+            command.env(name, value);
+        }
+        let out = run(&mut command);
+        assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
+        out
+    };
+    client(
+        &[
+            "model-connection",
+            "create",
+            "main",
+            "--provider",
+            "openai_compatible",
+            "--base-url",
+            "https://models.example.com/v1",
+            "--api-key-env",
+            "MODEL_KEY",
+        ],
+        &[("MODEL_KEY", WORKER_MODEL_KEY)],
+    );
+    // HTTP API connections whose tools are written here, reviewed and enabled without a
+    // server; `enable: false` leaves one waiting for review.
+    let tools = dir.path().join("tools.json");
+    std::fs::write(
+        &tools,
+        r#"{"tools": [{"name": "lookup", "method": "GET", "path": "/lookup",
+            "inputSchema": {"type": "object"}}]}"#,
+    )
+    .unwrap();
+    let connection = |name: &str, token: &str, enable: bool| -> String {
+        let created = client(
+            &[
+                "connection",
+                "create",
+                name,
+                "--tools-file",
+                tools.to_str().unwrap(),
+                "--url",
+                "http://127.0.0.1:9/v1",
+                "--allow",
+                "127.0.0.1",
+                "--bearer-env",
+                "TOOL_TOKEN",
+                "--json",
+            ],
+            &[("TOOL_TOKEN", token)],
+        );
+        let id = serde_json::from_slice::<Value>(&created.stdout).unwrap()["id"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        if enable {
+            let review = client(&["connection", "review", &id, "--json"], &[]);
+            let review_file = dir.path().join(format!("{name}-review.json"));
+            std::fs::write(&review_file, &review.stdout).unwrap();
+            client(
+                &[
+                    "connection",
+                    "enable",
+                    &id,
+                    "--from-review",
+                    review_file.to_str().unwrap(),
+                ],
+                &[],
+            );
+        }
+        id
+    };
+    let desk = connection("desk", WORKER_TOOL_TOKEN, true);
+    // On the roster but not enabled: its record goes, its credential never leaves.
+    connection("pending", "tool-pending-canary-9a1", false);
+    // Not on the roster at all.
+    connection("other", "tool-unrelated-canary-0c4", true);
+    // A connection whose sealed token no longer opens: another connection's ciphertext, which
+    // is bound to that connection's slot.
+    let cracked = connection("cracked", "tool-cracked-canary-3b8", true);
+    let routine = |name: &str, tools: &[&str]| {
+        let roster: String = tools
+            .iter()
+            .map(|t| format!("[[tools]]\ntool = \"{t}\"\nmode = \"auto\"\n"))
+            .collect();
+        let file = dir.path().join(format!("{name}.toml"));
+        std::fs::write(
+            &file,
+            format!(
+                "name = \"{name}\"\ninstructions = \"Look it up.\"\n[model]\n\
+                 provider = \"openai_compatible\"\nconnection = \"main\"\nmodel = \"m\"\n{roster}"
+            ),
+        )
+        .unwrap();
+        client(&["routine", "apply", "-f", file.to_str().unwrap()], &[]);
+    };
+    routine("broken", &["cracked/lookup"]);
+    routine("desk", &["desk/lookup", "pending/lookup"]);
+    let start = |name: &str| {
+        let started = client(&["run", "start", name, "--json"], &[]);
+        serde_json::from_slice::<Value>(&started.stdout).unwrap()["id"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    let broken_run = start("broken");
+    let run_id = start("desk");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let store = runtime
+        .block_on(wor_store::Store::open(
+            Some(&database_url(&db, dir.path())),
+            dir.path(),
+        ))
+        .unwrap();
+    runtime
+        .block_on(wor_store::testing::tamper(
+            &store,
+            &[format!(
+                "UPDATE sealed_secrets SET sealed = (SELECT s.sealed FROM sealed_secrets s \
+                 WHERE s.owner_id = '{desk}') WHERE owner_id = '{cracked}'"
+            )],
+        ))
+        .unwrap();
+
+    let mut a = enrolled_worker(&api, &db, &dir.path().join("worker-a"));
+    let mut b = enrolled_worker(&api, &db, &dir.path().join("worker-b"));
+
+    // Worker A claims the run: what it is driven from in the clear, its secrets sealed.
+    let answer = a.post(&api, "/internal/v1/runs/claim");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    for canary in [
+        WORKER_MODEL_KEY,
+        WORKER_TOOL_TOKEN,
+        "tool-unrelated-canary-0c4",
+        "tool-pending-canary-9a1",
+        "tool-cracked-canary-3b8",
+    ] {
+        assert!(
+            !answer.contains(canary),
+            "a secret outside the envelope: {answer}"
+        );
+    }
+    let claimed = body_json(&answer);
+    assert_eq!(claimed["run"]["id"], run_id.as_str());
+    assert_eq!(claimed["run"]["status"], "running");
+    assert!(
+        claimed["routine_version"]["source_toml"]
+            .as_str()
+            .unwrap()
+            .contains("desk/lookup")
+    );
+    assert_eq!(claimed["steps"][0]["kind"], "input");
+    assert_eq!(claimed["model_connection"]["name"], "main");
+    let names: Vec<&str> = claimed["tool_connections"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["desk", "pending"]);
+    // The run claimed first could not be driven (its connection's token does not open): it
+    // failed closed, as a local driver fails it, and the claim went on to the next run.
+    let broken = runs(&api, &key)
+        .into_iter()
+        .find(|r| r["id"] == broken_run.as_str())
+        .unwrap();
+    assert_eq!(broken["status"], "failed", "{broken}");
+    assert!(
+        broken["outcome"].as_str().unwrap().contains("cracked"),
+        "{broken}"
+    );
+    let envelope = envelope_of(&claimed);
+    let now = wor_store::now_millis() / 1000;
+
+    // In worker B's hands the envelope is useless, and A opens it exactly once.
+    let stolen = b.opener.open(&envelope, now).unwrap_err();
+    assert!(
+        matches!(stolen, wor_secrets::EnvelopeError::WrongAudience { .. }),
+        "{stolen:?}"
+    );
+    let opened = a.opener.open(&envelope, now).unwrap();
+    assert_eq!(opened.claims.run_id, run_id);
+    assert_eq!(opened.claims.worker_id, a.id);
+    assert_eq!(
+        opened.claims.lease_id,
+        claimed["lease_id"].as_str().unwrap()
+    );
+    let secrets = &opened.secrets;
+    assert_eq!(
+        secrets.model_key.as_ref().unwrap().expose_secret(),
+        WORKER_MODEL_KEY
+    );
+    let tools: Vec<(&str, &str, &str)> = secrets
+        .tool_credentials
+        .iter()
+        .map(|c| {
+            (
+                c.connection_id.as_str(),
+                c.field.as_str(),
+                c.value.expose_secret(),
+            )
+        })
+        .collect();
+    assert_eq!(tools, [(desk.as_str(), "bearer_token", WORKER_TOOL_TOKEN)]);
+    let replayed = a.opener.open(&envelope, now).unwrap_err();
+    assert!(
+        matches!(replayed, wor_secrets::EnvelopeError::Replayed),
+        "{replayed:?}"
+    );
+    // After its expiry, even a fresh opener of the right worker refuses it.
+    let expired = enrolled_opener(&dir.path().join("worker-a"), &a.id)
+        .open(&envelope, opened.claims.expires_at + 31)
+        .unwrap_err();
+    assert!(
+        matches!(expired, wor_secrets::EnvelopeError::Expired { .. }),
+        "{expired:?}"
+    );
+    // The run's credential is live while A holds the run.
+    let credential = secrets.run_credential.expose_secret().to_owned();
+    assert!(!answer.contains(&credential), "{answer}");
+    let whoami_run = |credential: &str| {
+        api.raw(&format!(
+            "GET /v1/run HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {credential}\r\nConnection: close\r\n\r\n"
+        ))
+    };
+    let held = whoami_run(&credential);
+    assert!(held.starts_with("HTTP/1.1 200"), "{held}");
+    assert!(held.contains(&run_id), "{held}");
+
+    // Only the holder renews or gives back the run; another worker learns nothing of it.
+    let lease = format!("/internal/v1/runs/{run_id}/lease");
+    let release = format!("/internal/v1/runs/{run_id}/release");
+    for path in [&lease, &release] {
+        let refused = b.post(&api, path);
+        assert!(refused.starts_with("HTTP/1.1 409"), "{refused}");
+        assert!(refused.contains("lease_not_held"), "{refused}");
+    }
+    let nothing = b.post(&api, "/internal/v1/runs/claim");
+    assert!(nothing.starts_with("HTTP/1.1 204"), "{nothing}");
+    let renewed = a.post(&api, &lease);
+    assert!(renewed.starts_with("HTTP/1.1 200"), "{renewed}");
+    assert_eq!(body_json(&renewed)["cancel_requested"], false);
+    let bad = a.post(&api, "/internal/v1/runs/not-a-run/lease");
+    assert!(bad.starts_with("HTTP/1.1 400"), "{bad}");
+
+    // A gives the run back: its credential ends with the claim, and B's claim gets a new one.
+    let given = a.post(&api, &release);
+    assert!(given.starts_with("HTTP/1.1 204"), "{given}");
+    let ended = whoami_run(&credential);
+    assert!(ended.starts_with("HTTP/1.1 401"), "{ended}");
+    let answer = b.post(&api, "/internal/v1/runs/claim");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let reclaimed = body_json(&answer);
+    assert_eq!(reclaimed["run"]["id"], run_id.as_str());
+    let b_secrets = b
+        .opener
+        .open(&envelope_of(&reclaimed), wor_store::now_millis() / 1000)
+        .unwrap()
+        .secrets;
+    assert_ne!(b_secrets.run_credential.expose_secret(), credential);
+    let lost = a.post(&api, &lease);
+    assert!(lost.contains("lease_not_held"), "{lost}");
+
+    // A cancel reaches the holder with its next renewal.
+    client(&["run", "cancel", &run_id], &[]);
+    let renewed = b.post(&api, &lease);
+    assert_eq!(body_json(&renewed)["cancel_requested"], true, "{renewed}");
+
+    // Revoking B puts the run back in the queue at once, ends its credential and refuses B.
+    let mut revoke = vec!["worker", "revoke", b.id.as_str()];
+    revoke.extend(db.iter().map(String::as_str));
+    let out = run(&mut wor(&revoke));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("1 run(s) it held went back to the queue"),
+        "{}",
+        text(&out.stderr)
+    );
+    let refused = b.post(&api, &lease);
+    assert!(refused.contains("worker is revoked"), "{refused}");
+    let ended = whoami_run(b_secrets.run_credential.expose_secret());
+    assert!(ended.starts_with("HTTP/1.1 401"), "{ended}");
+    let out = run(&mut wor(&revoke));
+    assert!(
+        text(&out.stderr).contains("already revoked"),
+        "{}",
+        text(&out.stderr)
+    );
+    let mut unknown = vec!["worker", "revoke", "wkr_nobody"];
+    unknown.extend(db.iter().map(String::as_str));
+    let out = run(&mut wor(&unknown));
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("no worker has the id"),
+        "{}",
+        text(&out.stderr)
+    );
+    let mut list = vec!["worker", "list", "--json"];
+    list.extend(db.iter().map(String::as_str));
+    let out = run(&mut wor(&list));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let listed: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let statuses: Vec<(&str, &str)> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| (w["id"].as_str().unwrap(), w["status"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        statuses,
+        [(a.id.as_str(), "active"), (b.id.as_str(), "revoked")]
+    );
+    let listed = runs(&api, &key);
+    let desk_run = listed.iter().find(|r| r["id"] == run_id.as_str()).unwrap();
+    assert_eq!(desk_run["status"], "queued", "{listed:?}");
+    api.stop();
+    runtime.block_on(store.close());
+}
+
+/// A fresh opener for the worker enrolled in `dir`.
+fn enrolled_opener(dir: &std::path::Path, id: &str) -> wor_secrets::EnvelopeOpener {
+    let enrolment: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("worker-enrolment.json")).unwrap())
+            .unwrap();
+    wor_secrets::EnvelopeOpener::new(
+        wor_secrets::WorkerIdentity::load(dir).unwrap().unwrap(),
+        id,
+        wor_secrets::parse_verifying_key(
+            enrolment["control_plane_verifying_key"].as_str().unwrap(),
+        )
+        .unwrap(),
+        wor_secrets::EnvelopeLimits::default(),
+    )
+}

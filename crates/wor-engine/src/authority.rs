@@ -68,30 +68,41 @@ impl Engine {
         definition: &RoutineDefinition,
         remaining: Duration,
     ) -> Result<RunAuthority, EngineError> {
-        let remaining_ms = i64::try_from(remaining.as_millis()).unwrap_or(i64::MAX);
-        let expires_at = wor_store::now_millis().saturating_add(remaining_ms);
-        let token = RunToken::generate()?;
-        // A journal write: fenced by the lease (a worker that lost the run mints nothing) and
-        // committed with the other runs' writes, not on a transaction of its own.
-        match self
-            .audit
-            .record(self.journal(run).minting(&token, expires_at))
-            .await?
-        {
-            RunWritten::Committed { .. } => {}
-            RunWritten::LeaseLost => return Err(EngineError::LeaseLost),
-            RunWritten::CredentialEnded => {
-                return Err(EngineError::InvalidState(
-                    "a write that presents no credential found one ended".to_owned(),
-                ));
-            }
-        }
+        let (token, expires_at) = self
+            .mint_credential(run, &self.config.worker_id, remaining)
+            .await?;
         Ok(RunAuthority {
             run: run.id,
             token,
             expires_at,
             roster: definition.tools.iter().map(|e| e.tool.clone()).collect(),
         })
+    }
+
+    /// Mints a credential for `run`, held by `holder` (this process, or a remote worker the
+    /// run was just claimed for), valid for `remaining`; returns it and its expiry (Unix
+    /// milliseconds). A journal write: fenced by the lease, so a holder that lost the run gets
+    /// nothing, and committed with the other runs' writes, not on a transaction of its own.
+    pub(crate) async fn mint_credential(
+        &self,
+        run: &RunRecord,
+        holder: &str,
+        remaining: Duration,
+    ) -> Result<(RunToken, i64), EngineError> {
+        let remaining_ms = i64::try_from(remaining.as_millis()).unwrap_or(i64::MAX);
+        let expires_at = wor_store::now_millis().saturating_add(remaining_ms);
+        let token = RunToken::generate()?;
+        match self
+            .audit
+            .record(self.journal_for(run, holder).minting(&token, expires_at))
+            .await?
+        {
+            RunWritten::Committed { .. } => Ok((token, expires_at)),
+            RunWritten::LeaseLost => Err(EngineError::LeaseLost),
+            RunWritten::CredentialEnded => Err(EngineError::InvalidState(
+                "a write that presents no credential found one ended".to_owned(),
+            )),
+        }
     }
 
     /// Presents the run's credential: live, past its deadline, or ended.
@@ -111,4 +122,17 @@ impl Engine {
             _ => Standing::Ended,
         })
     }
+}
+
+/// The wall time `run` spent running before this claim, in seconds: from its first start,
+/// less the time it was parked for a person.
+pub(crate) fn wall_spent_before(run: &RunRecord) -> u64 {
+    run.started_at
+        .map(|s| {
+            let spent = wor_store::now_millis()
+                .saturating_sub(s)
+                .saturating_sub(run.parked_ms);
+            u64::try_from(spent / 1000).unwrap_or(0)
+        })
+        .unwrap_or(0)
 }

@@ -170,8 +170,17 @@ impl Engine {
 
     /// The start of a journal write for `run`, fenced by this worker's lease (which it renews).
     pub(crate) fn journal(&self, run: &RunRecord) -> RunWrite {
-        let lease = i64::try_from(self.config.lease.as_millis()).unwrap_or(i64::MAX);
-        RunWrite::new(run.project_id, run.id, &self.config.worker_id, lease)
+        self.journal_for(run, &self.config.worker_id)
+    }
+
+    /// The start of a journal write for `run`, fenced by `holder`'s lease (which it renews).
+    pub(crate) fn journal_for(&self, run: &RunRecord, holder: &str) -> RunWrite {
+        RunWrite::new(run.project_id, run.id, holder, self.lease_ms())
+    }
+
+    /// The lease a claim or a renewal gives, in milliseconds.
+    pub(crate) fn lease_ms(&self) -> i64 {
+        i64::try_from(self.config.lease.as_millis()).unwrap_or(i64::MAX)
     }
 
     /// Commits `write` (with whatever else is queued from other runs) and returns whether a
@@ -190,10 +199,9 @@ impl Engine {
     /// Renews the lease of a run this worker drives; [`EngineError::LeaseLost`] when another
     /// worker holds it now.
     pub(crate) async fn renew_lease(&self, run: &RunRecord) -> Result<(), EngineError> {
-        let lease = i64::try_from(self.config.lease.as_millis()).unwrap_or(i64::MAX);
         if self
             .store
-            .renew_lease(run.id, &self.config.worker_id, lease)
+            .renew_lease(run.id, &self.config.worker_id, self.lease_ms())
             .await?
         {
             Ok(())

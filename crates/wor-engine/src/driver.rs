@@ -166,14 +166,28 @@ impl Engine {
             },
         };
         let (ending, usage) = ending;
+        self.end_run(&run, &self.config.worker_id, ending, usage)
+            .await
+    }
+
+    /// Ends a run `holder` holds the lease of: its end, outcome step and audit entry in one
+    /// write, then what follows an end (approvals it left cancelled, memory, run webhooks).
+    /// Nothing is written when `holder` no longer holds the run.
+    pub(crate) async fn end_run(
+        &self,
+        run: &RunRecord,
+        holder: &str,
+        ending: Ending,
+        usage: Option<BudgetUsage>,
+    ) -> Result<(), EngineError> {
         // The end, its outcome step and its audit entry are one write: nothing after it can
         // keep the run's end off the chain.
-        let mut end = self.journal(&run);
+        let mut end = self.journal_for(run, holder);
         if let Some(usage) = usage {
             end = end.usage(usage);
         }
         let end = end.end(ending.status, &ending.outcome).audit(
-            run_event(&run, AuditCategory::RunEnd)
+            run_event(run, AuditCategory::RunEnd)
                 .subject("routine_id", run.routine_id)
                 .payload(json!({ "status": ending.status.as_str(), "outcome": ending.outcome })),
         );
@@ -186,16 +200,16 @@ impl Engine {
         };
         let finished = cancelled.is_some();
         if let Some(cancelled) = cancelled {
-            crate::metrics::run_finished(&run, &ending);
-            crate::traces::run_finished(&run, ending.status);
+            crate::metrics::run_finished(run, &ending);
+            crate::traces::run_finished(run, ending.status);
             for cancelled in cancelled {
                 self.notify_approval_changed_or_log(run.project_id, cancelled, "cancelled", None)
                     .await;
             }
             if ending.status == RunStatus::Succeeded {
-                self.remember(&run, &ending.outcome).await?;
+                self.remember(run, &ending.outcome).await?;
             }
-            self.enqueue_run_webhook(&run, ending.status, Some(&ending.outcome), None)
+            self.enqueue_run_webhook(run, ending.status, Some(&ending.outcome), None)
                 .await?;
         }
         self.live_text.close(run.id);
@@ -362,15 +376,7 @@ impl Engine {
         let started = Instant::now();
         // Wall time already spent before a restart counts too; time parked for a person does
         // not.
-        let spent_before = run
-            .started_at
-            .map(|s| {
-                let spent = wor_store::now_millis()
-                    .saturating_sub(s)
-                    .saturating_sub(run.parked_ms);
-                u64::try_from(spent / 1000).unwrap_or(0)
-            })
-            .unwrap_or(0);
+        let spent_before = crate::authority::wall_spent_before(run);
         let elapsed = || spent_before.saturating_add(started.elapsed().as_secs());
         let authority = self
             .mint_authority(

@@ -15,6 +15,7 @@
 //! credential, minted at claim and expiring at the run's deadline (`authority.rs`).
 
 mod approvals;
+mod assignment;
 mod authority;
 mod call;
 mod driver;
@@ -47,6 +48,7 @@ use wor_egress::EgressClient;
 use wor_store::{AuditLog, Store, StoreError, Vault};
 
 pub use approvals::{Approver, ApproverRefusal, ArgumentViolation, DecisionRefusal, EditRefusal};
+pub use assignment::{LeaseRenewal, WorkerClaim};
 pub use email::{SMTP_PASSWORD_FIELD, SMTP_USERNAME_FIELD, SmtpSecrets};
 pub use notice::RouteError;
 pub use notifications::{
@@ -65,8 +67,9 @@ pub use tool_connection_spec::{
     ToolConnectionSpec, ToolConnectionSpecError,
 };
 pub use tool_connections::{
-    BEARER_TOKEN_FIELD, CommandRefusal, ConnectionError, ReplacedTools, ReviewDiff, ReviewedTool,
-    StoredConnectionError, ToolConnectionRefusal, ToolReview, check_stdio_spec, credential_slot,
+    BEARER_TOKEN_FIELD, CommandRefusal, ConnectionError, OAUTH_ACCESS_TOKEN_FIELD, ReplacedTools,
+    ReviewDiff, ReviewedTool, StoredConnectionError, ToolConnectionRefusal, ToolReview,
+    check_stdio_spec, credential_slot,
 };
 pub use triggers::{
     InboundWebhook, MAX_DELIVERY_ATTEMPTS, MAX_WEBHOOK_BYTES, REPLAY_WINDOW_SECS, WebhookRejection,

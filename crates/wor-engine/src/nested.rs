@@ -217,11 +217,15 @@ impl Engine {
             }
         };
         // Driven here, by the parent's worker, while the parent holds its lease.
-        let lease = i64::try_from(self.config.lease.as_millis()).unwrap_or(i64::MAX);
         let began = wor_store::now_millis();
         if let Some(claimed) = self
             .store
-            .claim_run_by_id(parent.project_id, child.id, &self.config.worker_id, lease)
+            .claim_run_by_id(
+                parent.project_id,
+                child.id,
+                &self.config.worker_id,
+                self.lease_ms(),
+            )
             .await?
         {
             crate::metrics::run_claimed(&claimed, began);

@@ -28,6 +28,31 @@ use crate::{Engine, EngineError};
 /// The vault field of a connection's bearer token.
 pub const BEARER_TOKEN_FIELD: &str = "bearer_token";
 
+/// One secret a connection's requests carry, by where it goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RequestSecret<'a> {
+    /// Its static bearer token (`Authorization: Bearer`).
+    Bearer,
+    /// The access token of its MCP authorization (`Authorization: Bearer`).
+    OAuthAccessToken,
+    /// A secret header, by name.
+    Header(&'a str),
+}
+
+impl RequestSecret<'_> {
+    /// The field it is known by: its vault field, or `oauth_access_token`.
+    pub(crate) fn field(self) -> String {
+        match self {
+            RequestSecret::Bearer => BEARER_TOKEN_FIELD.to_owned(),
+            RequestSecret::OAuthAccessToken => OAUTH_ACCESS_TOKEN_FIELD.to_owned(),
+            RequestSecret::Header(name) => header_field(name),
+        }
+    }
+}
+
+/// The field a run envelope names an MCP authorization's access token by.
+pub const OAUTH_ACCESS_TOKEN_FIELD: &str = "oauth_access_token";
+
 /// One live tool as an admin reviews it.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct ReviewedTool {
@@ -399,12 +424,40 @@ impl Engine {
         &self,
         record: &ToolConnectionRecord,
     ) -> Result<ConnectionCredentials, ConnectionError> {
-        let name = &record.name;
-        let credential = |source| ConnectionError::Credential {
-            connection: name.clone(),
-            source,
-        };
+        Engine::credentials_from(record, self.request_secrets(record).await?)
+    }
+
+    /// `secrets` as the credentials a session attaches, checked (header names and values, at
+    /// most one `authorization`).
+    pub(crate) fn credentials_from<'a>(
+        record: &ToolConnectionRecord,
+        secrets: impl IntoIterator<Item = (RequestSecret<'a>, SecretString)>,
+    ) -> Result<ConnectionCredentials, ConnectionError> {
         let mut credentials = ConnectionCredentials::none();
+        for (field, value) in secrets {
+            credentials = match field {
+                RequestSecret::Bearer | RequestSecret::OAuthAccessToken => {
+                    credentials.with_bearer(value)
+                }
+                RequestSecret::Header(header) => credentials.with_header(header, value),
+            }
+            .map_err(|source| ConnectionError::Credential {
+                connection: record.name.clone(),
+                source,
+            })?;
+        }
+        Ok(credentials)
+    }
+
+    /// What a connection's requests carry, opened from the vault: its bearer token, the
+    /// access token of its authorization (refreshed first when it is about to expire), and
+    /// its secret headers, in the order they are attached.
+    pub(crate) async fn request_secrets<'a>(
+        &self,
+        record: &'a ToolConnectionRecord,
+    ) -> Result<Vec<(RequestSecret<'a>, SecretString)>, ConnectionError> {
+        let name = &record.name;
+        let mut secrets = Vec::new();
         let bearer = credential_slot(record, BEARER_TOKEN_FIELD);
         if self
             .vault
@@ -416,8 +469,10 @@ impl Engine {
             })?
             .is_some()
         {
-            let token = self.open_secret(&bearer, name).await?;
-            credentials = credentials.with_bearer(token).map_err(credential)?;
+            secrets.push((
+                RequestSecret::Bearer,
+                self.open_secret(&bearer, name).await?,
+            ));
         }
         if record.kind == ToolConnectionKind::McpHttp
             && let Some(token) = self
@@ -425,15 +480,15 @@ impl Engine {
                 .await
                 .map_err(|e| ConnectionError::Authorization(Box::new(e)))?
         {
-            credentials = credentials.with_bearer(token).map_err(credential)?;
+            secrets.push((RequestSecret::OAuthAccessToken, token));
         }
         for header in &record.secret_headers {
             let value = self
                 .open_secret(&credential_slot(record, header_field(header)), name)
                 .await?;
-            credentials = credentials.with_header(header, value).map_err(credential)?;
+            secrets.push((RequestSecret::Header(header), value));
         }
-        Ok(credentials)
+        Ok(secrets)
     }
 
     /// The configured tools of an `http_api` connection on its base URL.
@@ -523,14 +578,23 @@ impl Engine {
             connection: name.clone(),
             source,
         })?;
+        Ok((spec, self.environment_secrets(record, spec).await?))
+    }
+
+    /// The values of a local connection's environment variables, opened from the vault.
+    pub(crate) async fn environment_secrets(
+        &self,
+        record: &ToolConnectionRecord,
+        spec: &StdioSpec,
+    ) -> Result<Vec<(String, SecretString)>, ConnectionError> {
         let mut env = Vec::with_capacity(spec.env_names.len());
         for variable in &spec.env_names {
             let value = self
-                .open_secret(&credential_slot(record, env_field(variable)), name)
+                .open_secret(&credential_slot(record, env_field(variable)), &record.name)
                 .await?;
             env.push((variable.clone(), value));
         }
-        Ok((spec, env))
+        Ok(env)
     }
 
     async fn open_secret(

@@ -47,15 +47,18 @@ impl Engine {
 
     /// Claims the oldest queued run the limits allow, leased to this process.
     async fn claim_next(&self) -> Result<Option<wor_store::RunRecord>, EngineError> {
-        let lease = i64::try_from(self.config.lease.as_millis()).unwrap_or(i64::MAX);
+        self.claim_for(&self.config.worker_id).await
+    }
+
+    /// Claims the oldest queued run the limits allow, leased to `holder`.
+    pub(crate) async fn claim_for(
+        &self,
+        holder: &str,
+    ) -> Result<Option<wor_store::RunRecord>, EngineError> {
         let began = wor_store::now_millis();
         let claimed = self
             .store
-            .claim_run(
-                &self.config.worker_id,
-                lease,
-                self.config.max_running_per_project,
-            )
+            .claim_run(holder, self.lease_ms(), self.config.max_running_per_project)
             .await?;
         if let Some(run) = &claimed {
             crate::metrics::run_claimed(run, began);

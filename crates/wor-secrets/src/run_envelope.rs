@@ -161,13 +161,16 @@ pub struct EnvelopeClaims {
     pub expires_at: i64,
 }
 
-/// One credential of a tool connection, attached by the worker as a request header.
+/// One credential of a tool connection: the value of one of its sealed fields, which the
+/// worker attaches as the connection's kind says (a request header, a bearer token, a stdio
+/// server's environment variable).
 #[derive(Debug)]
 pub struct ToolCredential {
     /// The tool connection it belongs to.
     pub connection_id: String,
-    /// The header it is sent in.
-    pub header: String,
+    /// The field it is sealed under on the control plane (for example `bearer_token`,
+    /// `header:X-Api-Key` or `env:API_TOKEN`), which says where it goes.
+    pub field: String,
     /// Its value; zeroised on drop, `[REDACTED]` in `Debug`.
     pub value: SecretString,
 }
@@ -205,6 +208,24 @@ impl SealedEnvelope {
     /// The byte form.
     pub fn as_bytes(&self) -> &[u8] {
         &self.0
+    }
+
+    /// Standard base64 of the bytes, as the internal API carries an envelope.
+    pub fn to_base64(&self) -> String {
+        base64::Engine::encode(&base64::engine::general_purpose::STANDARD, &self.0)
+    }
+
+    /// An envelope from its standard base64 form; [`EnvelopeError::Malformed`] when it is not
+    /// base64. [`EnvelopeOpener::open`] checks the rest.
+    ///
+    /// # Errors
+    /// [`EnvelopeError::Malformed`].
+    pub fn from_base64(text: &str) -> Result<Self, EnvelopeError> {
+        base64::Engine::decode(&base64::engine::general_purpose::STANDARD, text)
+            .map(Self)
+            .map_err(|_| EnvelopeError::Malformed {
+                reason: "not standard base64",
+            })
     }
 }
 
@@ -300,7 +321,7 @@ fn encode_secrets(secrets: &RunSecrets) -> Result<Zeroizing<Vec<u8>>, EnvelopeEr
         + secrets
             .tool_credentials
             .iter()
-            .map(|c| c.connection_id.len() + c.header.len() + c.value.expose_secret().len() + 8)
+            .map(|c| c.connection_id.len() + c.field.len() + c.value.expose_secret().len() + 8)
             .sum::<usize>();
     let mut out = Zeroizing::new(Vec::with_capacity(capacity));
     out.push(PLAINTEXT_VERSION);
@@ -323,7 +344,7 @@ fn encode_secrets(secrets: &RunSecrets) -> Result<Zeroizing<Vec<u8>>, EnvelopeEr
     out.extend_from_slice(&count.to_be_bytes());
     for credential in &secrets.tool_credentials {
         put_str::<false>(&mut out, &credential.connection_id, "connection_id")?;
-        put_str::<false>(&mut out, &credential.header, "header")?;
+        put_str::<false>(&mut out, &credential.field, "field")?;
         put_str::<true>(
             &mut out,
             credential.value.expose_secret(),
@@ -356,7 +377,7 @@ fn decode_secrets(plaintext: &[u8]) -> Result<RunSecrets, EnvelopeError> {
     for _ in 0..count {
         tool_credentials.push(ToolCredential {
             connection_id: reader.str16()?.to_owned(),
-            header: reader.str16()?.to_owned(),
+            field: reader.str16()?.to_owned(),
             value: SecretString::from(reader.str32()?),
         });
     }

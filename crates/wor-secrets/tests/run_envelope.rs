@@ -17,7 +17,7 @@ use wor_secrets::{
 const NOW: i64 = 1_800_000_000;
 const RUN_CREDENTIAL: &str = "wor_run_canary_3f9a1c";
 const MODEL_KEY: &str = "sk-model-canary-77d2";
-const TOOL_TOKEN: &str = "Bearer tool-canary-1b5e";
+const TOOL_TOKEN: &str = "tool-canary-1b5e";
 
 fn secrets() -> RunSecrets {
     RunSecrets {
@@ -25,7 +25,7 @@ fn secrets() -> RunSecrets {
         model_key: Some(SecretString::from(MODEL_KEY)),
         tool_credentials: vec![ToolCredential {
             connection_id: "con_1".into(),
-            header: "authorization".into(),
+            field: "bearer_token".into(),
             value: SecretString::from(TOOL_TOKEN),
         }],
     }
@@ -93,8 +93,8 @@ fn the_addressed_worker_opens_its_envelope_and_reads_every_secret() {
     );
     let tool = &opened.secrets.tool_credentials[0];
     assert_eq!(
-        (tool.connection_id.as_str(), tool.header.as_str()),
-        ("con_1", "authorization")
+        (tool.connection_id.as_str(), tool.field.as_str()),
+        ("con_1", "bearer_token")
     );
     assert_eq!(tool.value.expose_secret(), TOOL_TOKEN);
     // Debug output never shows a secret.

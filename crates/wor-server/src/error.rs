@@ -45,6 +45,9 @@ pub enum ApiError {
     InternalCredentialRefused,
     #[error("{0}")]
     WorkerUnauthenticated(String),
+    /// A worker asked to act on a run whose lease it does not hold.
+    #[error("this worker does not hold the run's lease; it must stop driving the run")]
+    LeaseNotHeld,
     #[error("internal error")]
     Internal,
 }
@@ -93,6 +96,7 @@ impl ApiError {
                 (StatusCode::UNAUTHORIZED, "worker_unauthenticated")
             }
             ApiError::InternalCredentialRefused => (StatusCode::UNAUTHORIZED, "bearer_refused"),
+            ApiError::LeaseNotHeld => (StatusCode::CONFLICT, "lease_not_held"),
             ApiError::Internal => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         }
     }

@@ -1,4 +1,5 @@
-//! The internal API workers call, under `/internal/v1`: so far enrolment and a heartbeat.
+//! The internal API workers call, under `/internal/v1`: enrolment, a heartbeat, and the
+//! lease of a run — claiming one (with its envelope), renewing it and giving it back.
 //!
 //! It has its own authentication, apart from the public API's: an enrolment token in the body,
 //! then requests signed with the worker's key ([`authenticate_worker`]). A bearer credential of any kind is refused
@@ -26,6 +27,11 @@ use crate::extract::ApiJson;
 pub const ENROLL_PATH: &str = "/internal/v1/workers/enroll";
 /// The path of a worker's heartbeat, its first signed request.
 pub const HEARTBEAT_PATH: &str = "/internal/v1/workers/heartbeat";
+/// The path where a worker claims a run.
+pub const CLAIM_PATH: &str = "/internal/v1/runs/claim";
+/// How long an envelope may be opened after it is issued, at least: a worker opens it as it
+/// arrives, so this only covers clock skew and a slow network.
+const MIN_ENVELOPE_LIFETIME_SECS: i64 = 60;
 /// How far a worker's request timestamp may be from this server's clock, in seconds.
 pub const WORKER_REQUEST_SKEW_SECS: i64 = 30;
 /// The largest body of a worker's signed request.
@@ -56,6 +62,9 @@ pub(crate) fn router() -> Router<AppState> {
     Router::new()
         .route(ENROLL_PATH, post(enroll))
         .route(HEARTBEAT_PATH, post(heartbeat))
+        .route(CLAIM_PATH, post(claim))
+        .route("/internal/v1/runs/{run_id}/lease", post(renew))
+        .route("/internal/v1/runs/{run_id}/release", post(release))
         .layer(axum::middleware::from_fn(refuse_bearer_credentials))
 }
 
@@ -217,17 +226,235 @@ pub async fn authenticate_worker(
     Ok(worker)
 }
 
-/// A worker says it is alive; the first building block of the signed internal API.
-async fn heartbeat(
-    State(state): State<AppState>,
+/// The worker that signed `request`, read whole (at most [`MAX_WORKER_BODY_BYTES`]).
+async fn signed_by(
+    state: &AppState,
     request: Request,
-) -> Result<Json<HeartbeatResponse>, ApiError> {
+) -> Result<wor_store::WorkerRecord, ApiError> {
     let (parts, body) = request.into_parts();
     let body = axum::body::to_bytes(body, MAX_WORKER_BODY_BYTES)
         .await
         .map_err(|_| ApiError::PayloadTooLarge)?;
-    let worker = authenticate_worker(&state, &parts, &body).await?;
+    authenticate_worker(state, &parts, &body).await
+}
+
+/// A worker says it is alive.
+async fn heartbeat(
+    State(state): State<AppState>,
+    request: Request,
+) -> Result<Json<HeartbeatResponse>, ApiError> {
+    let worker = signed_by(&state, request).await?;
     Ok(Json(HeartbeatResponse {
         worker_id: worker.id,
     }))
+}
+
+/// A run claimed by a worker: what it is driven from, and its secrets in an envelope sealed to
+/// that worker alone.
+#[derive(Debug, serde::Serialize)]
+pub struct ClaimedRun {
+    /// Names this claim in the envelope and in both sides' logs.
+    pub lease_id: String,
+    pub project_id: String,
+    pub run: crate::routes::runs::RunView,
+    /// A nested run's cap: what was left of its root's budget when it started.
+    pub budget_cap: Option<serde_json::Value>,
+    pub routine_version: ClaimedVersion,
+    /// The project's policy text; `null`: the built-in default.
+    pub project_policy: Option<String>,
+    /// The steps recorded so far, in order.
+    pub steps: Vec<crate::routes::runs::RunStepView>,
+    pub model_connection: Option<wor_store::ModelConnectionRecord>,
+    /// The roster's tool connections with their pins (no secrets).
+    pub tool_connections: Vec<wor_store::ToolConnectionRecord>,
+    /// The run's deadline: its credential expires then (Unix milliseconds).
+    pub credential_expires_at: i64,
+    /// When the lease runs out unless renewed (Unix milliseconds).
+    pub lease_expires_at: i64,
+    /// Standard base64 of the run envelope (`wor_secrets::run_envelope`).
+    pub envelope: String,
+}
+
+/// The routine version a claimed run runs.
+#[derive(Debug, serde::Serialize)]
+pub struct ClaimedVersion {
+    pub version: i64,
+    pub content_hash: String,
+    pub source_toml: String,
+}
+
+/// Claims the oldest queued run the limits allow for the signing worker. `204` when there is
+/// none.
+async fn claim(State(state): State<AppState>, request: Request) -> Result<Response, ApiError> {
+    let worker = signed_by(&state, request).await?;
+    let control_plane = state
+        .control_plane
+        .clone()
+        .ok_or_else(|| ApiError::Unavailable("this server does not serve workers".to_owned()))?;
+    let keys =
+        WorkerPublicKeys::from_base64(&worker.signing_public_key, &worker.exchange_public_key)
+            .map_err(|_| {
+                tracing::error!(category = "auth", worker_id = %worker.id,
+                    "a stored worker key does not parse");
+                ApiError::Internal
+            })?;
+    let Some(claimed) = state.engine.claim_for_worker(&worker.id).await? else {
+        return Ok(StatusCode::NO_CONTENT.into_response());
+    };
+    let run = claimed.run.clone();
+    let give_back = |error: ApiError| {
+        let engine = state.engine.clone();
+        let (run, worker) = (run.clone(), worker.id.clone());
+        async move {
+            engine.give_back(&run, &worker).await;
+            error
+        }
+    };
+    let steps = match claimed
+        .steps
+        .into_iter()
+        .map(crate::routes::runs::RunStepView::try_from)
+        .collect::<Result<Vec<_>, _>>()
+    {
+        Ok(steps) => steps,
+        Err(error) => return Err(give_back(error).await),
+    };
+    let lease_id = format!(
+        "lse_{}",
+        wor_core::ids::request_id().trim_start_matches("req_")
+    );
+    let issued_at = wor_store::now_millis() / 1000;
+    let limits = wor_secrets::EnvelopeLimits::default();
+    let lifetime = i64::try_from(state.engine.config().lease.as_secs())
+        .unwrap_or(i64::MAX)
+        .clamp(MIN_ENVELOPE_LIFETIME_SECS, limits.max_lifetime_secs);
+    let envelope_claims = wor_secrets::EnvelopeClaims {
+        run_id: run.id.to_string(),
+        lease_id: lease_id.clone(),
+        worker_id: worker.id.clone(),
+        issued_at,
+        expires_at: issued_at.saturating_add(lifetime),
+    };
+    let sealed = match wor_secrets::run_envelope::seal(
+        &control_plane,
+        &keys,
+        &envelope_claims,
+        &claimed.secrets,
+    ) {
+        Ok(sealed) => sealed,
+        Err(error) => {
+            tracing::error!(category = "run", run_id = %run.id, error = %error,
+                "a run's envelope could not be sealed; the run went back to the queue");
+            return Err(give_back(ApiError::Internal).await);
+        }
+    };
+    // An envelope no worker would open (its secrets are too large) fails the run closed, as a
+    // secret that cannot be opened does: claiming it again would fail the same way.
+    if sealed.as_bytes().len() > limits.max_bytes {
+        state
+            .engine
+            .fail_claimed_run(
+                &run,
+                &worker.id,
+                format!(
+                    "the run's secrets do not fit a worker's envelope ({} bytes sealed, at most {})",
+                    sealed.as_bytes().len(),
+                    limits.max_bytes
+                ),
+            )
+            .await?;
+        return Ok(StatusCode::NO_CONTENT.into_response());
+    }
+    // Last, before anything of the claim leaves: the worker still holds the run and is still
+    // active (a revocation that committed meanwhile wins).
+    if !state.store.worker_holds_run(&worker.id, run.id).await? {
+        let refused = match state.store.worker(&worker.id).await? {
+            Some(w) if w.status == wor_store::WorkerStatus::Active => {
+                lease_not_held(&worker.id, run.id)
+            }
+            _ => ApiError::WorkerUnauthenticated(WorkerAuthError::Revoked.to_string()),
+        };
+        return Err(give_back(refused).await);
+    }
+    tracing::info!(category = "run", action = "worker.claimed", worker_id = %worker.id,
+        run_id = %run.id, lease_id = %lease_id, "a worker claimed a run");
+    let version = &claimed.version;
+    Ok(Json(ClaimedRun {
+        lease_id,
+        project_id: claimed.run.project_id.to_string(),
+        budget_cap: claimed.run.budget_cap.clone(),
+        run: claimed.run.into(),
+        routine_version: ClaimedVersion {
+            version: version.version,
+            content_hash: version.content_hash.clone(),
+            source_toml: version.source_toml.clone(),
+        },
+        project_policy: claimed.project_policy,
+        steps,
+        model_connection: claimed.model_connection,
+        tool_connections: claimed.tool_connections,
+        credential_expires_at: claimed.credential_expires_at,
+        lease_expires_at: claimed.lease_expires_at,
+        envelope: sealed.to_base64(),
+    })
+    .into_response())
+}
+
+/// A renewed lease.
+#[derive(Debug, serde::Serialize)]
+pub struct LeaseView {
+    /// Unix milliseconds.
+    pub lease_expires_at: i64,
+    /// A cancel was requested: the worker stops the run before its next step.
+    pub cancel_requested: bool,
+}
+
+fn run_id(text: &str) -> Result<wor_core::RunId, ApiError> {
+    text.parse()
+        .map_err(|_| ApiError::bad_request("invalid_id", format!("`{text}` is not a run id")))
+}
+
+/// Renews the signing worker's lease of a run it holds.
+async fn renew(
+    State(state): State<AppState>,
+    axum::extract::Path(run): axum::extract::Path<String>,
+    request: Request,
+) -> Result<Json<LeaseView>, ApiError> {
+    let worker = signed_by(&state, request).await?;
+    let run = run_id(&run)?;
+    match state.engine.renew_for_worker(run, &worker.id).await? {
+        wor_engine::LeaseRenewal::Renewed {
+            expires_at,
+            cancel_requested,
+        } => Ok(Json(LeaseView {
+            lease_expires_at: expires_at,
+            cancel_requested,
+        })),
+        wor_engine::LeaseRenewal::NotHeld => Err(lease_not_held(&worker.id, run)),
+    }
+}
+
+/// Gives back a run the signing worker holds, to be resumed by the next claim.
+async fn release(
+    State(state): State<AppState>,
+    axum::extract::Path(run): axum::extract::Path<String>,
+    request: Request,
+) -> Result<StatusCode, ApiError> {
+    let worker = signed_by(&state, request).await?;
+    let run = run_id(&run)?;
+    if state.engine.release_for_worker(run, &worker.id).await? {
+        tracing::info!(category = "run", action = "worker.released", worker_id = %worker.id,
+            run_id = %run, "a worker gave a run back");
+        Ok(StatusCode::NO_CONTENT)
+    } else {
+        Err(lease_not_held(&worker.id, run))
+    }
+}
+
+/// A worker asked about a run it does not hold: the same answer whether the run exists, is
+/// another worker's or has ended, so nothing about other runs is learnt from it.
+fn lease_not_held(worker: &str, run: wor_core::RunId) -> ApiError {
+    tracing::warn!(category = "auth", action = "worker.lease_not_held", worker_id = %worker,
+        run_id = %run, "a worker asked about a run it does not hold");
+    ApiError::LeaseNotHeld
 }

@@ -59,7 +59,11 @@ impl From<MemberRecord> for MemberView {
 pub struct ApiKeyView {
     pub id: String,
     pub name: String,
+    /// The role the key was made with.
     pub role: String,
+    /// The role it acts with now: `role`, lowered to its member's current role for a personal
+    /// key whose member was demoted.
+    pub acts_as: String,
     /// A service key acts with its role and no person; it can never approve.
     pub service: bool,
     pub member_id: Option<String>,
@@ -77,6 +81,7 @@ impl From<ApiKeyRecord> for ApiKeyView {
             id: k.id.to_string(),
             name: k.name,
             role: k.role.to_string(),
+            acts_as: k.acts_as.to_string(),
             service: k.service,
             member_id: k.member_id.map(|m| m.to_string()),
             prefix: k.prefix,

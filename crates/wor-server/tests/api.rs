@@ -1701,6 +1701,29 @@ async fn a_members_role_changes_within_the_callers_own_and_the_last_owner_stays(
     let demoted = patch(&adam, owner, "viewer").await;
     assert_eq!(demoted.status, StatusCode::OK, "{}", demoted.text);
     assert_eq!(role_of(&adam_key).await, "viewer");
+    // The key list says so: made as admin, acting as viewer; a promotion raises no key.
+    let keys = api.call(Method::GET, "/v1/keys", Some(owner), None).await;
+    let listed = keys.body.as_array();
+    let roles = |member: &str| {
+        listed
+            .unwrap()
+            .iter()
+            .find(|k| k["member_id"] == member)
+            .map(|k| (k["role"].clone(), k["acts_as"].clone()))
+            .unwrap()
+    };
+    assert_eq!(
+        roles(&adam),
+        (json!("admin"), json!("viewer")),
+        "{}",
+        keys.text
+    );
+    assert_eq!(
+        roles(&pia),
+        (json!("approver"), json!("approver")),
+        "{}",
+        keys.text
+    );
     assert_error(
         &api.call(
             Method::POST,

@@ -70,7 +70,11 @@ pub struct ApiKeyRecord {
     pub project_id: ProjectId,
     pub member_id: Option<MemberId>,
     pub name: String,
+    /// The role the key was made with.
     pub role: Role,
+    /// The role it acts with now: its own, lowered to its member's current role for a
+    /// personal key (what authenticating it gives).
+    pub acts_as: Role,
     pub service: bool,
     pub prefix: String,
     pub created_at: i64,
@@ -95,7 +99,9 @@ impl AuthenticatedKey {
 }
 
 const COLUMNS: &str = "id, project_id, member_id, kind, name, role, prefix, created_at, \
-                       created_by, last_used_at, revoked_at";
+                       created_by, last_used_at, revoked_at, (SELECT m.role FROM members m \
+                       WHERE m.id = api_keys.member_id AND m.project_id = api_keys.project_id) \
+                       AS member_role";
 
 pub(crate) async fn insert(
     tx: &mut Transaction<'_, Any>,
@@ -114,6 +120,9 @@ pub(crate) async fn insert(
         member_id,
         name: new.name,
         role: new.role,
+        // A personal key is never made above its member's role (every caller checks it with
+        // the creator's role as it is now).
+        acts_as: new.role,
         service: member_id.is_none(),
         prefix,
         created_at: now_millis(),
@@ -342,7 +351,12 @@ fn key_from_row(row: &sqlx::any::AnyRow) -> Result<ApiKeyRecord, StoreError> {
     let project_id: String = row.try_get("project_id")?;
     let member_id: Option<String> = row.try_get("member_id")?;
     let kind: String = row.try_get("kind")?;
-    let role: String = row.try_get("role")?;
+    let role: Role = parse_column(&row.try_get::<String, _>("role")?, "api_keys.role")?;
+    let member_role: Option<String> = row.try_get("member_role")?;
+    let acts_as = match member_role {
+        Some(member_role) => role.at_most(parse_column(&member_role, "members.role")?),
+        None => role,
+    };
     let created_by: Option<String> = row.try_get("created_by")?;
     Ok(ApiKeyRecord {
         id: parse_column(&id, "api_keys.id")?,
@@ -351,7 +365,8 @@ fn key_from_row(row: &sqlx::any::AnyRow) -> Result<ApiKeyRecord, StoreError> {
             .map(|m| parse_column(&m, "api_keys.member_id"))
             .transpose()?,
         name: row.try_get("name")?,
-        role: parse_column(&role, "api_keys.role")?,
+        role,
+        acts_as,
         service: kind == "service",
         prefix: row.try_get("prefix")?,
         created_at: row.try_get("created_at")?,

@@ -85,7 +85,8 @@ pub use tool_connections::{
 pub use triggers::{AttemptOutcome, DeliveryFilter, DeliveryRecord, DueSchedule, NewDelivery};
 pub use vault::{RotationReport, SecretMetadata, SecretSlot, Vault, VaultError};
 pub use workers::{
-    EnrolmentRefusal, NewEnrolmentToken, WORKER_ENROLMENT_TOKEN_PREFIX, WorkerRecord, WorkerStatus,
+    EnrolmentRefusal, NewEnrolmentToken, WORKER_ENROLMENT_TOKEN_PREFIX, WorkerRecord,
+    WorkerRevocation, WorkerStatus,
 };
 
 /// Which database a [`Store`] runs on.

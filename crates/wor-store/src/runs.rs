@@ -448,17 +448,19 @@ impl Store {
     /// Gives back every run `worker` holds, for another worker (or this process after its
     /// restart) to resume at once rather than after the lease runs out.
     pub async fn release_leases(&self, worker: &str) -> Result<u64, StoreError> {
-        let done = sqlx::query(
-            "UPDATE runs SET status = 'queued', lease_owner = NULL, lease_expires_at = NULL, updated_at = $1 \
-             WHERE lease_owner = $2 AND status = 'running'",
-        )
-        .bind(now_millis())
-        .bind(worker)
-        .execute(self.pool())
-        .await?;
-        let mut connection = self.pool().acquire().await?;
-        crate::run_tokens::sweep(&mut connection).await?;
-        Ok(done.rows_affected())
+        let mut tx = self.begin_write().await?;
+        let released = release_held(&mut tx, worker, None, now_millis()).await?;
+        tx.commit().await?;
+        Ok(released)
+    }
+
+    /// Gives back run `run` if `worker` holds it, to be resumed from its steps by whoever
+    /// claims it next; false when `worker` does not hold it (nothing changes).
+    pub async fn release_run(&self, run: RunId, worker: &str) -> Result<bool, StoreError> {
+        let mut tx = self.begin_write().await?;
+        let released = release_held(&mut tx, worker, Some(run), now_millis()).await?;
+        tx.commit().await?;
+        Ok(released == 1)
     }
 
     /// Claims the oldest queued run whose routine and project both have a free slot (at most
@@ -1105,4 +1107,26 @@ fn run_from_row(row: &sqlx::any::AnyRow) -> Result<RunRecord, StoreError> {
             })
             .transpose()?,
     })
+}
+
+/// Puts the running runs `worker` holds (only `run`, when given) back in the queue and ends
+/// their credentials, in `tx`. Returns how many.
+pub(crate) async fn release_held(
+    connection: &mut sqlx::AnyConnection,
+    worker: &str,
+    run: Option<RunId>,
+    now: i64,
+) -> Result<u64, StoreError> {
+    let one = if run.is_some() { " AND id = $3" } else { "" };
+    let sql = format!(
+        "UPDATE runs SET status = 'queued', lease_owner = NULL, lease_expires_at = NULL, \
+         updated_at = $1 WHERE lease_owner = $2 AND status = 'running'{one}"
+    );
+    let mut query = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(now).bind(worker);
+    if let Some(run) = run {
+        query = query.bind(run.to_string());
+    }
+    let done = query.execute(&mut *connection).await?;
+    crate::run_tokens::sweep(connection).await?;
+    Ok(done.rows_affected())
 }

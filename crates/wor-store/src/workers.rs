@@ -49,7 +49,8 @@ pub enum WorkerStatus {
 }
 
 impl WorkerStatus {
-    fn as_str(self) -> &'static str {
+    /// How it is stored and shown: `active` or `revoked`.
+    pub fn as_str(self) -> &'static str {
         match self {
             WorkerStatus::Active => "active",
             WorkerStatus::Revoked => "revoked",
@@ -79,6 +80,17 @@ pub struct WorkerRecord {
     pub status: WorkerStatus,
     pub enrolled_at: i64,
     pub last_seen_at: Option<i64>,
+}
+
+/// What revoking a worker came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkerRevocation {
+    /// Revoked now; the runs it held went back to the queue, to be resumed from their steps.
+    Revoked { runs_released: u64 },
+    /// It had been revoked already.
+    AlreadyRevoked,
+    /// No worker has this id.
+    Unknown,
 }
 
 /// Why an enrolment token was not accepted. A value, not an error: the caller answers 401.
@@ -134,9 +146,32 @@ impl Store {
         signing_public_key: &str,
         exchange_public_key: &str,
     ) -> Result<Result<WorkerRecord, EnrolmentRefusal>, StoreError> {
+        // Anyone may knock: a token of the wrong shape, or one no usable row has, is refused
+        // on a read, without ever waiting for the write lock.
+        if !is_enrolment_token_shape(token) {
+            return Ok(Err(EnrolmentRefusal::Unknown));
+        }
         let digest = sha256_hex(token.as_bytes());
         let now = now_millis();
+        let row = sqlx::query(
+            "SELECT used_at, expires_at FROM worker_enrolment_tokens WHERE sha256 = $1",
+        )
+        .bind(&digest)
+        .fetch_optional(self.pool())
+        .await?;
+        match row {
+            None => return Ok(Err(EnrolmentRefusal::Unknown)),
+            Some(row) if row.try_get::<Option<i64>, _>("used_at")?.is_some() => {
+                return Ok(Err(EnrolmentRefusal::AlreadyUsed));
+            }
+            Some(row) if row.try_get::<i64, _>("expires_at")? <= now => {
+                return Ok(Err(EnrolmentRefusal::Expired));
+            }
+            Some(_) => {}
+        }
         let worker_id = format!("wkr_{}", uuid::Uuid::now_v7().simple());
+        // Spent in the write transaction, which checks again: two workers racing with one
+        // token cannot both enrol.
         let mut tx = self.begin_write().await?;
         let spent = sqlx::query(
             "UPDATE worker_enrolment_tokens SET used_at = $1, worker_id = $2 \
@@ -244,6 +279,57 @@ impl Store {
         Ok(inserted.rows_affected() == 1)
     }
 
+    /// Revokes worker `id`: from this moment every request it signs is refused, and in the
+    /// same transaction the runs it holds go back to the queue and their credentials end, so
+    /// nothing it still has in memory can act for them.
+    pub async fn revoke_worker(&self, id: &str) -> Result<WorkerRevocation, StoreError> {
+        let now = now_millis();
+        let mut tx = self.begin_write().await?;
+        let revoked = sqlx::query(
+            "UPDATE workers SET status = 'revoked' WHERE id = $1 AND status = 'active'",
+        )
+        .bind(id)
+        .execute(&mut *tx)
+        .await?;
+        if revoked.rows_affected() == 0 {
+            let known = sqlx::query("SELECT 1 AS known FROM workers WHERE id = $1")
+                .bind(id)
+                .fetch_optional(&mut *tx)
+                .await?
+                .is_some();
+            tx.rollback().await?;
+            return Ok(if known {
+                WorkerRevocation::AlreadyRevoked
+            } else {
+                WorkerRevocation::Unknown
+            });
+        }
+        let released = crate::runs::release_held(&mut tx, id, None, now).await?;
+        tx.commit().await?;
+        Ok(WorkerRevocation::Revoked {
+            runs_released: released,
+        })
+    }
+
+    /// Whether `worker` holds `run` (running, under its lease) and is still active: checked
+    /// last before anything of a claim leaves, so a worker revoked meanwhile gets nothing.
+    pub async fn worker_holds_run(
+        &self,
+        worker: &str,
+        run: wor_core::RunId,
+    ) -> Result<bool, StoreError> {
+        let row = sqlx::query(
+            "SELECT 1 AS held FROM runs r JOIN workers w ON w.id = r.lease_owner \
+             WHERE r.id = $1 AND r.lease_owner = $2 AND r.status = 'running' \
+             AND w.status = 'active'",
+        )
+        .bind(run.to_string())
+        .bind(worker)
+        .fetch_optional(self.pool())
+        .await?;
+        Ok(row.is_some())
+    }
+
     /// Records that `id` was heard from now.
     pub async fn touch_worker(&self, id: &str) -> Result<(), StoreError> {
         sqlx::query("UPDATE workers SET last_seen_at = $1 WHERE id = $2")
@@ -265,4 +351,37 @@ fn worker_from_row(row: &sqlx::any::AnyRow) -> Result<WorkerRecord, StoreError> 
         enrolled_at: row.try_get("enrolled_at")?,
         last_seen_at: row.try_get("last_seen_at")?,
     })
+}
+
+/// Whether `token` has the shape of an enrolment token: the prefix and 64 lower-case hex
+/// digits.
+fn is_enrolment_token_shape(token: &str) -> bool {
+    token
+        .strip_prefix(WORKER_ENROLMENT_TOKEN_PREFIX)
+        .is_some_and(|hex| {
+            hex.len() == 64 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_prefix_and_64_lower_case_hex_digits_are_a_token_shape() {
+        let hex = "0123456789abcdef".repeat(4);
+        let short = "123456789abcdef".to_owned() + &"0123456789abcdef".repeat(3);
+        assert!(is_enrolment_token_shape(&format!("wet_{hex}")));
+        for bad in [
+            String::new(),
+            "wet_".to_owned(),
+            format!("wet_{}", hex.to_uppercase()),
+            format!("wet_{hex}0"),
+            format!("wet_{short}"),
+            format!("wek_{hex}"),
+            format!("wet_{short}g"),
+        ] {
+            assert!(!is_enrolment_token_shape(&bad), "{bad}");
+        }
+    }
 }

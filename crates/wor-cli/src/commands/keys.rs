@@ -77,11 +77,20 @@ pub async fn run(cmd: KeyCommand) -> anyhow::Result<ExitCode> {
                     } else {
                         "personal"
                     };
+                    // The role it acts with; the one it was made with beside it when a
+                    // member's demotion lowered it.
+                    let made = field(k, "/role");
+                    let acts = field(k, "/acts_as");
+                    let note = if acts == made {
+                        String::new()
+                    } else {
+                        format!("  (made as {made}; its member's role is now lower)")
+                    };
                     println!(
-                        "{}  {}…  {:<8}  {:<8}  {:<7}  {}",
+                        "{}  {}…  {:<8}  {:<8}  {:<7}  {}{note}",
                         field(k, "/id"),
                         field(k, "/prefix"),
-                        field(k, "/role"),
+                        acts,
                         kind,
                         state,
                         field(k, "/name")

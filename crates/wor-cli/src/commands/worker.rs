@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use anyhow::{Context, bail};
 use serde_json::json;
 use wor_secrets::{WorkerIdentity, WorkerPublicKeys};
+use wor_store::WorkerRevocation;
 
 use crate::client::ApiClient;
 use crate::config::{ServerConfig, ServerFlags};
@@ -22,6 +23,24 @@ pub enum WorkerCommand {
     /// Enrol this machine as a worker: make its key pair here (the private keys stay in a 0600
     /// file in --data-dir) and register the public keys with the control plane.
     Enroll(EnrollArgs),
+    /// List enrolled workers: id, status, when last heard from, name (operator: works on the
+    /// database directly).
+    List {
+        /// Print the workers as a JSON array.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        flags: ServerFlags,
+    },
+    /// Revoke a worker: every request it signs is refused from now on, and the runs it holds
+    /// go back to the queue at once, their credentials ended (operator: works on the database
+    /// directly).
+    Revoke {
+        /// The worker's `wkr_…` id, as `wor worker list` shows it.
+        worker_id: String,
+        #[command(flatten)]
+        flags: ServerFlags,
+    },
 }
 
 #[derive(Debug, clap::Subcommand)]
@@ -65,14 +84,79 @@ pub async fn run(command: WorkerCommand) -> anyhow::Result<ExitCode> {
             create_token(&flags, ttl_minutes).await
         }
         WorkerCommand::Enroll(args) => enroll(args).await,
+        WorkerCommand::List { json, flags } => list(&flags, json).await,
+        WorkerCommand::Revoke { worker_id, flags } => revoke(&flags, &worker_id).await,
+    }
+}
+
+async fn open_store(flags: &ServerFlags) -> anyhow::Result<wor_store::Store> {
+    let config = ServerConfig::resolve(flags, None, false)?;
+    wor_store::Store::open(config.database.as_deref(), &config.data_dir)
+        .await
+        .context("cannot open the database")
+}
+
+async fn list(flags: &ServerFlags, json: bool) -> anyhow::Result<ExitCode> {
+    let store = open_store(flags).await?;
+    let workers = store.list_workers().await;
+    store.close().await;
+    let workers = workers?;
+    if json {
+        super::print_json(&serde_json::Value::Array(
+            workers
+                .iter()
+                .map(|w| {
+                    json!({
+                        "id": w.id,
+                        "name": w.name,
+                        "status": w.status.as_str(),
+                        "enrolled_at": wor_server::views::rfc3339(w.enrolled_at),
+                        "last_seen_at": w.last_seen_at.map(wor_server::views::rfc3339),
+                    })
+                })
+                .collect(),
+        ))?;
+    } else if workers.is_empty() {
+        eprintln!("no worker is enrolled");
+    } else {
+        for w in &workers {
+            let seen = w
+                .last_seen_at
+                .map_or_else(|| "never".to_owned(), wor_server::views::rfc3339);
+            println!(
+                "{}  {:<7}  last seen {seen}  {}",
+                w.id,
+                w.status.as_str(),
+                w.name
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn revoke(flags: &ServerFlags, worker_id: &str) -> anyhow::Result<ExitCode> {
+    let store = open_store(flags).await?;
+    let revoked = store.revoke_worker(worker_id).await;
+    store.close().await;
+    match revoked? {
+        WorkerRevocation::Revoked { runs_released } => {
+            eprintln!(
+                "revoked worker {worker_id}; {runs_released} run(s) it held went back to the queue"
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        WorkerRevocation::AlreadyRevoked => {
+            eprintln!("worker {worker_id} was already revoked");
+            Ok(ExitCode::SUCCESS)
+        }
+        WorkerRevocation::Unknown => {
+            bail!("no worker has the id `{worker_id}` (see `wor worker list`)")
+        }
     }
 }
 
 async fn create_token(flags: &ServerFlags, ttl_minutes: u32) -> anyhow::Result<ExitCode> {
-    let config = ServerConfig::resolve(flags, None, false)?;
-    let store = wor_store::Store::open(config.database.as_deref(), &config.data_dir)
-        .await
-        .context("cannot open the database")?;
+    let store = open_store(flags).await?;
     let token = store
         .create_worker_enrolment_token(i64::from(ttl_minutes) * 60_000)
         .await?;

@@ -23,6 +23,8 @@ struct KeyRow {
     name: String,
     prefix: String,
     role: String,
+    /// The role a personal key acts with now, when its member's demotion lowered it.
+    lowered_to: Option<String>,
     kind: &'static str,
     created_at: String,
     revoked: bool,
@@ -70,6 +72,7 @@ async fn keys_page(
             name: k.name,
             prefix: k.prefix,
             role: k.role.to_string(),
+            lowered_to: (k.acts_as != k.role).then(|| k.acts_as.to_string()),
             kind: if k.service { "service" } else { "personal" },
             created_at: rfc3339(k.created_at),
             revoked: k.revoked_at.is_some(),

@@ -1,0 +1,314 @@
+//! Runs claimed for remote workers (docs/deployment.md): what the control plane hands a worker
+//! that claims a run, and the run's lease as that worker keeps it.
+//!
+//! A claim is the same atomic claim a local pool makes, leased to the worker's id. The worker
+//! gets the run, its routine version, the project's policy text, the steps recorded so far and
+//! the connections the run uses (no secrets in any of them), and, apart from those, the
+//! secrets of that run alone — its freshly minted credential (S14), its model connection's key
+//! and its tool connections' credentials — which `wor-server` seals into an envelope only that
+//! worker opens. No other run's secret and no key of the vault leaves the control plane.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use secrecy::SecretString;
+use serde_json::json;
+use wor_core::RunId;
+use wor_core::audit::AuditCategory;
+use wor_core::model::ProviderKind;
+use wor_core::routine::{ROUTINE_CONNECTION, ToolMode};
+use wor_secrets::{RunSecrets, ToolCredential};
+use wor_store::{
+    API_KEY_FIELD, ConnectionStatus, MODEL_CONNECTIONS_TABLE, ModelConnectionRecord,
+    RoutineVersionRecord, RunRecord, RunStep, SecretSlot, StoreError, ToolConnectionKind,
+    ToolConnectionRecord,
+};
+
+use crate::call::run_event;
+use crate::tool_connections::ConnectionError;
+use crate::{Engine, EngineError};
+
+/// A run claimed for a remote worker, with everything it is driven from.
+#[derive(Debug)]
+pub struct WorkerClaim {
+    pub run: RunRecord,
+    /// Its routine version, as written when the routine was applied.
+    pub version: Arc<RoutineVersionRecord>,
+    /// The project's policy text; `None`: the built-in default.
+    pub project_policy: Option<String>,
+    /// The steps recorded so far, in order: the run resumes from them.
+    pub steps: Vec<RunStep>,
+    /// The routine's model connection, when it names one that is active.
+    pub model_connection: Option<ModelConnectionRecord>,
+    /// The tool connections the roster names (not `deny` entries), as stored.
+    pub tool_connections: Vec<ToolConnectionRecord>,
+    /// The run's secrets, for the worker's envelope alone.
+    pub secrets: RunSecrets,
+    /// When the run's credential expires: its deadline (Unix milliseconds).
+    pub credential_expires_at: i64,
+    /// When the lease runs out unless the worker renews it (Unix milliseconds).
+    pub lease_expires_at: i64,
+}
+
+/// Where a remote worker's lease of a run stands after a renewal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseRenewal {
+    /// Renewed until `expires_at` (Unix milliseconds); whether a cancel of the run was
+    /// requested, which the worker must act on before its next step.
+    Renewed {
+        expires_at: i64,
+        cancel_requested: bool,
+    },
+    /// The worker does not hold the run (its lease expired and another took it, or the run
+    /// parked or ended): it must stop driving it at once.
+    NotHeld,
+}
+
+impl Engine {
+    /// Claims the oldest queued run the limits allow for remote worker `worker` and gathers
+    /// what it is driven from. `None` when nothing is claimable.
+    ///
+    /// A run that cannot be driven as it stands — its secrets cannot be opened, a connection's
+    /// authorization or credentials fail — is failed closed with the reason, as a local driver
+    /// fails it, and the next run is claimed. On any other error the run goes back to the queue
+    /// before the error is returned.
+    ///
+    /// # Errors
+    /// A store error; [`EngineError::LeaseLost`] if the lease was lost while the credential
+    /// was minted.
+    pub async fn claim_for_worker(&self, worker: &str) -> Result<Option<WorkerClaim>, EngineError> {
+        loop {
+            let Some(run) = self.claim_for(worker).await? else {
+                return Ok(None);
+            };
+            match self.gather_claim(run.clone(), worker).await {
+                Ok(claim) => {
+                    tracing::info!(category = "run", action = "run.claimed_remote",
+                        project_id = %run.project_id, run_id = %run.id, worker_id = %worker,
+                        "a remote worker claimed a run");
+                    return Ok(Some(claim));
+                }
+                Err(error) => match error.run_failure() {
+                    Some(reason) => {
+                        self.fail_claimed_run(&run, worker, reason).await?;
+                    }
+                    None => {
+                        self.give_back(&run, worker).await;
+                        return Err(error);
+                    }
+                },
+            }
+        }
+    }
+
+    /// Fails a run claimed for `worker` closed with `reason`, before the worker saw it.
+    ///
+    /// # Errors
+    /// A store error.
+    pub async fn fail_claimed_run(
+        &self,
+        run: &RunRecord,
+        worker: &str,
+        reason: String,
+    ) -> Result<(), EngineError> {
+        tracing::warn!(category = "run", action = "run.claim_failed", project_id = %run.project_id,
+            run_id = %run.id, worker_id = %worker, "a run claimed for a worker cannot be driven; it fails closed");
+        let ending = wor_core::run_loop::Ending::new(wor_core::run::RunStatus::Failed, reason);
+        self.end_run(run, worker, ending, None).await
+    }
+
+    /// Gives a run claimed for `worker` back to the queue, logging (not returning) a failure:
+    /// its lease expires then instead.
+    pub async fn give_back(&self, run: &RunRecord, worker: &str) {
+        if let Err(error) = self.store.release_run(run.id, worker).await {
+            tracing::error!(category = "run", run_id = %run.id, error = %error,
+                "a claimed run could not be given back; its lease will expire");
+        }
+    }
+
+    async fn gather_claim(&self, run: RunRecord, worker: &str) -> Result<WorkerClaim, EngineError> {
+        let version = self
+            .routine_version(run.project_id, run.routine_id, run.routine_version)
+            .await?;
+        let definition = &version.definition;
+        let project_policy = self
+            .store
+            .project_policy(run.project_id)
+            .await?
+            .map(|p| p.text);
+        let steps = self.store.list_run_steps(run.project_id, run.id, 0).await?;
+        let model_connection = match &definition.model.connection {
+            Some(name) if definition.model.provider != ProviderKind::Replay => self
+                .store
+                .list_model_connections(run.project_id)
+                .await?
+                .into_iter()
+                .find(|c| &c.name == name && c.status == ConnectionStatus::Active),
+            _ => None,
+        };
+        // A connection of another provider is refused by the driver (as a local one refuses
+        // it): its key is not opened for it.
+        let model_key = match &model_connection {
+            Some(connection) if connection.provider == definition.model.provider => {
+                self.model_key_for_worker(&run, connection, worker).await?
+            }
+            _ => None,
+        };
+        let mut tool_connections = Vec::new();
+        let mut tool_credentials = Vec::new();
+        let mut names: Vec<&str> = definition
+            .tools
+            .iter()
+            .filter(|entry| entry.mode != ToolMode::Deny)
+            .filter_map(|entry| entry.tool.split_once('/').map(|(connection, _)| connection))
+            .filter(|connection| *connection != ROUTINE_CONNECTION)
+            .collect();
+        names.sort_unstable();
+        names.dedup();
+        for name in names {
+            let record = match self
+                .store
+                .get_tool_connection_by_name(run.project_id, name)
+                .await
+            {
+                Ok(record) => record,
+                // The worker's driver finds it missing and fails the run closed, as a local
+                // driver does.
+                Err(StoreError::NotFound) => continue,
+                Err(other) => return Err(other.into()),
+            };
+            tool_credentials.extend(self.tool_credentials_for_worker(&record).await?);
+            tool_connections.push(record);
+        }
+        let limits = crate::nested::capped(definition.budget, run.budget_cap.as_ref());
+        let remaining = Duration::from_secs(
+            limits
+                .wall_seconds
+                .saturating_sub(crate::authority::wall_spent_before(&run)),
+        );
+        let (token, credential_expires_at) = self.mint_credential(&run, worker, remaining).await?;
+        let lease_expires_at = wor_store::now_millis().saturating_add(self.lease_ms());
+        Ok(WorkerClaim {
+            secrets: RunSecrets {
+                run_credential: SecretString::from(token.expose().to_owned()),
+                model_key,
+                tool_credentials,
+            },
+            run,
+            project_policy,
+            steps,
+            model_connection,
+            tool_connections,
+            credential_expires_at,
+            lease_expires_at,
+            version,
+        })
+    }
+
+    /// The key of the run's model connection, if it has one; its use is recorded on the
+    /// audit chain with the worker it is sealed for, as a local driver records its own use.
+    async fn model_key_for_worker(
+        &self,
+        run: &RunRecord,
+        connection: &ModelConnectionRecord,
+        worker: &str,
+    ) -> Result<Option<SecretString>, EngineError> {
+        let slot = SecretSlot::new(
+            run.project_id,
+            MODEL_CONNECTIONS_TABLE,
+            connection.id,
+            API_KEY_FIELD,
+        );
+        if self.vault.metadata(&slot).await?.is_none() {
+            return Ok(None);
+        }
+        let key = self.vault.open(&slot).await.map_err(EngineError::Vault)?;
+        self.audit
+            .append(
+                run_event(run, AuditCategory::SecretUse)
+                    .subject("connection_id", connection.id)
+                    .payload(json!({
+                        "slot": slot.to_string(),
+                        "credential_version": connection.credential_version,
+                        "worker_id": worker,
+                    })),
+            )
+            .await?;
+        Ok(Some(key))
+    }
+
+    /// The credentials of one tool connection, each under the field that says where it goes;
+    /// none for a connection a driver may not use as it stands (not enabled, or a command the
+    /// operator's rules refuse): the worker's driver finds it so and fails the run closed, and
+    /// its secrets never leave. The credentials are checked as a local session checks them.
+    async fn tool_credentials_for_worker(
+        &self,
+        record: &ToolConnectionRecord,
+    ) -> Result<Vec<ToolCredential>, EngineError> {
+        if Engine::check_enabled(record).is_err() {
+            return Ok(Vec::new());
+        }
+        let fields: Vec<(String, SecretString)> = match record.kind {
+            ToolConnectionKind::McpStdio | ToolConnectionKind::Wasm => {
+                match self.local_command(record).await {
+                    Ok((_, env)) => env
+                        .into_iter()
+                        .map(|(variable, value)| (wor_store::env_field(&variable), value))
+                        .collect(),
+                    Err(ConnectionError::Command { .. }) => return Ok(Vec::new()),
+                    Err(error) => return Err(error.into()),
+                }
+            }
+            ToolConnectionKind::McpHttp | ToolConnectionKind::HttpApi => {
+                let secrets = self.request_secrets(record).await?;
+                // The same checks a local session's credentials pass (header names, values,
+                // one `authorization`).
+                Engine::credentials_from(record, secrets.iter().map(|(s, v)| (*s, v.clone())))?;
+                secrets
+                    .into_iter()
+                    .map(|(secret, value)| (secret.field(), value))
+                    .collect()
+            }
+        };
+        Ok(fields
+            .into_iter()
+            .map(|(field, value)| ToolCredential {
+                connection_id: record.id.to_string(),
+                field,
+                value,
+            })
+            .collect())
+    }
+
+    /// Renews remote worker `worker`'s lease of `run` and says whether a cancel was requested.
+    ///
+    /// # Errors
+    /// A store error.
+    pub async fn renew_for_worker(
+        &self,
+        run: RunId,
+        worker: &str,
+    ) -> Result<LeaseRenewal, EngineError> {
+        if !self.store.renew_lease(run, worker, self.lease_ms()).await? {
+            return Ok(LeaseRenewal::NotHeld);
+        }
+        let expires_at = wor_store::now_millis().saturating_add(self.lease_ms());
+        Ok(LeaseRenewal::Renewed {
+            expires_at,
+            cancel_requested: self.store.is_cancel_requested(run).await?,
+        })
+    }
+
+    /// Gives back a run remote worker `worker` holds, to be resumed from its steps by the next
+    /// claim; false when it does not hold it.
+    ///
+    /// # Errors
+    /// A store error.
+    pub async fn release_for_worker(&self, run: RunId, worker: &str) -> Result<bool, EngineError> {
+        let released = self.store.release_run(run, worker).await?;
+        if released {
+            self.wake_workers();
+        }
+        Ok(released)
+    }
+}
