@@ -54,8 +54,8 @@ pub use notifications::{
     SlackRejection, SlackSecrets,
 };
 pub use oauth_connections::{
-    AUTHORIZATION_LIFETIME_MS, FinishedAuthorization, OAUTH_CALLBACK_PATH, REFRESH_AHEAD_MS,
-    RegisteredClient, StartedAuthorization,
+    AUTHORIZATION_LIFETIME_MS, FinishedAuthorization, OAUTH_CALLBACK_PATH,
+    OAUTH_CLIENT_METADATA_PATH, REFRESH_AHEAD_MS, RegisteredClient, StartedAuthorization,
 };
 pub use scheduler::{DISPATCH_AHEAD_MS, SchedulerReport};
 pub use start::{DEFAULT_THREAD, StartRun, Trigger};
