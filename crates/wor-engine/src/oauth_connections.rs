@@ -715,10 +715,11 @@ impl Engine {
     /// is there to authorize during a run, so the call fails closed, naming the connection,
     /// the scope and the command. An authorized connection remembers the wider scope (what it
     /// was authorized for united with what the server asked), which its next authorization,
-    /// from the CLI or the console, asks for; the audit chain records the step-up the run met.
+    /// from the CLI or the console, asks for; the audit chain records the step-up the run met,
+    /// as `event` (the run's `connection.scope_step_up`).
     pub(crate) async fn oauth_scope_step_up(
         &self,
-        run: &wor_store::RunRecord,
+        event: AuditEvent,
         record: &ToolConnectionRecord,
         challenge: &oauth::Challenge,
     ) -> Result<String, EngineError> {
@@ -748,18 +749,14 @@ impl Engine {
             }
         };
         self.audit
-            .append(
-                crate::call::run_event(run, AuditCategory::ToolConnectionScopeStepUp)
-                    .subject("connection_id", id)
-                    .payload(json!({
-                        "connection": record.name,
-                        "scope_needed": needed,
-                        "scope_next_authorization": next,
-                    })),
-            )
+            .append(event.subject("connection_id", id).payload(json!({
+                "connection": record.name,
+                "scope_needed": needed,
+                "scope_next_authorization": next,
+            })))
             .await?;
         tracing::info!(category = "tools", action = "connection.scope_step_up", project_id = %project,
-            run_id = %run.id, connection_id = %id, "tool connection needs a wider scope");
+            connection_id = %id, "tool connection needs a wider scope");
         let wants = match needed.as_str() {
             "" => "a scope it did not name".to_owned(),
             scope => format!("scope `{scope}`"),

@@ -768,7 +768,11 @@ impl Engine {
                 Ok(Err(wor_tools::ToolSessionError::Mcp(
                     wor_tools::McpError::InsufficientScope(challenge),
                 ))) => Err(self
-                    .oauth_scope_step_up(scope.run, &connection.record, &challenge)
+                    .oauth_scope_step_up(
+                        run_event(scope.run, AuditCategory::ToolConnectionScopeStepUp),
+                        &connection.record,
+                        &challenge,
+                    )
                     .await?),
                 Ok(Err(e)) => {
                     if e.egress_refused() {
