@@ -81,6 +81,9 @@ pub enum AuditCategory {
     ToolConnectionTokenRefresh,
     /// A tool connection's authorization or refresh failed.
     ToolConnectionAuthorizeFailure,
+    /// A tool connection's server refused a run's call for its access token's scope: the
+    /// connection's next authorization asks for the wider scope. Never carries a token.
+    ToolConnectionScopeStepUp,
     /// A run parked a tool call for a person's decision.
     ApprovalRequest,
     /// A person approved or denied a call.
@@ -144,6 +147,7 @@ impl AuditCategory {
             AuditCategory::ToolConnectionAuthorize => "connection.authorize",
             AuditCategory::ToolConnectionTokenRefresh => "connection.token_refresh",
             AuditCategory::ToolConnectionAuthorizeFailure => "connection.authorize_failure",
+            AuditCategory::ToolConnectionScopeStepUp => "connection.scope_step_up",
             AuditCategory::ApprovalRequest => "approval.request",
             AuditCategory::ApprovalDecide => "approval.decide",
             AuditCategory::ApprovalExpire => "approval.expire",

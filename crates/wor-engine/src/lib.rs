@@ -58,7 +58,8 @@ pub use notifications::{
 };
 pub use oauth_connections::{
     AUTHORIZATION_LIFETIME_MS, FinishedAuthorization, LostAuthorization, OAUTH_CALLBACK_PATH,
-    OAuthRefusal, REFRESH_AHEAD_MS, RegisteredClient, StartedAuthorization,
+    OAUTH_CLIENT_METADATA_PATH, OAuthRefusal, REFRESH_AHEAD_MS, RegisteredClient,
+    StartedAuthorization,
 };
 pub use scheduler::{DISPATCH_AHEAD_MS, SchedulerReport};
 pub use start::{DEFAULT_THREAD, StartRun, Trigger};

@@ -4,6 +4,9 @@
 //! finishing it when the person's browser lands on the callback (the code exchanged, the
 //! access and refresh tokens sealed under the connection), and the connection's current
 //! access token, refreshed ahead of its expiry with the refresh token the server rotates.
+//! Also wor's client ID metadata document (published by `wor serve` when its `public_url` is
+//! `https`), and the scope step-up a run's call meets: it fails closed, and the connection
+//! remembers the wider scope for its next authorization.
 //!
 //! Tokens go only into the vault and onto the wire: no return value, error or audit entry
 //! here holds one.
@@ -21,7 +24,8 @@ use wor_store::{
     TOOL_CONNECTIONS_TABLE, ToolConnectionKind, ToolConnectionRecord, now_millis,
 };
 use wor_tools::oauth::{
-    self, AuthorizationDiscovery, ClientRegistration, Pkce, TokenEndpointAuth, TokenSet,
+    self, AuthorizationDiscovery, ClientMetadata, ClientMetadataUrl, ClientRegistration,
+    ClientSource, MetadataDocumentUnusable, Pkce, TokenEndpointAuth, TokenSet,
 };
 
 use crate::{Engine, EngineError};
@@ -38,6 +42,11 @@ const REFRESH_WAIT: std::time::Duration = std::time::Duration::from_secs(15);
 const REFRESH_POLL: std::time::Duration = std::time::Duration::from_millis(100);
 /// The path of the callback on `wor serve`.
 pub const OAUTH_CALLBACK_PATH: &str = "/hooks/oauth/callback";
+/// The path on `wor serve` of its client ID metadata document: with an `https` `public_url`,
+/// that URL is wor's `client_id` at an authorization server that accepts such documents.
+pub const OAUTH_CLIENT_METADATA_PATH: &str = "/hooks/oauth/client-metadata.json";
+/// The `client_name` wor registers, and names in its client ID metadata document.
+const CLIENT_NAME: &str = "wor";
 
 /// A client the operator registered with the connection's authorization server beforehand,
 /// used instead of dynamic registration (a server that offers none needs one).
@@ -54,6 +63,12 @@ pub struct StartedAuthorization {
     pub authorization_url: String,
     /// When the pending authorization expires (milliseconds).
     pub expires_at: i64,
+    /// How the authorization server knows wor's client.
+    pub client: ClientSource,
+    /// The scopes asked for.
+    pub scopes: Vec<String>,
+    /// Why the server's offer of client ID metadata documents was not taken, when it was not.
+    pub notice: Option<String>,
 }
 
 /// An authorization finished.
@@ -179,11 +194,35 @@ impl Engine {
         ))
     }
 
+    /// The URL of wor's client ID metadata document: the server's `public_url` and
+    /// [`OAUTH_CLIENT_METADATA_PATH`], usable only when that is `https`.
+    fn oauth_client_metadata_url(&self) -> Result<ClientMetadataUrl, MetadataDocumentUnusable> {
+        let base = self.config.console_url.as_deref().unwrap_or_default();
+        ClientMetadataUrl::parse(&format!(
+            "{}{OAUTH_CLIENT_METADATA_PATH}",
+            base.trim_end_matches('/')
+        ))
+    }
+
+    /// The client ID metadata document `wor serve` publishes at
+    /// [`OAUTH_CLIENT_METADATA_PATH`]: its `client_id` is that URL, its one redirect URI the
+    /// callback. `None` when the server's `public_url` is not an `https` URL (no authorization
+    /// server would fetch it; authorizations then register a client dynamically).
+    pub fn oauth_client_metadata_document(&self) -> Option<ClientMetadata> {
+        let url = self.oauth_client_metadata_url().ok()?;
+        let redirect_uri = self.oauth_redirect_uri().ok()?;
+        Some(ClientMetadata::document(&url, CLIENT_NAME, &redirect_uri))
+    }
+
     /// Starts authorizing `mcp_http` connection `id` for `member` (using `key`): the server's
-    /// own `401` challenge (where its metadata is, which scopes it wants), discovery and dynamic
-    /// registration (or the client the operator `registered`), all through the egress guard; a
-    /// pending authorization bound to the member, key and connection (no key: started in the
-    /// console, signed in). Lapsed pending authorizations of the project are purged first.
+    /// own `401` challenge (where its metadata is, which scopes it wants), discovery and the
+    /// client (the one the operator `registered`, else wor's client ID metadata document when
+    /// the server accepts one and `public_url` is `https`, else dynamic registration), all
+    /// through the egress guard; a pending authorization bound to the member, key and
+    /// connection (no key: started in the console, signed in). It asks for the scopes the
+    /// server wants united with those the connection's last authorization asked for and its
+    /// server later said it needs. Lapsed pending authorizations of the project are purged
+    /// first.
     pub async fn start_oauth_authorization(
         &self,
         project: ProjectId,
@@ -207,32 +246,59 @@ impl Engine {
         let discovery = oauth::discover(&self.egress, &record.url, challenge.as_ref())
             .await
             .map_err(|e| unreachable(&record.name, e))?;
-        let client = match registered {
-            Some(registered) => ClientRegistration::pre_registered(
+        let given = registered.map(|registered| {
+            ClientRegistration::pre_registered(
                 registered.client_id,
                 registered.client_secret,
                 &discovery.authorization_server,
-            ),
-            None => oauth::register_client(&self.egress, &discovery, "wor", &redirect_uri)
-                .await
-                .map_err(|e| match e {
-                    // Not the server's failure: this authorization needs a registered client.
-                    e @ oauth::OAuthError::NoRegistration { .. } => OAuthRefusal::NeedsClient {
-                        connection: record.name.clone(),
-                        id,
-                        source: Box::new(e),
-                    }
-                    .into(),
-                    other => unreachable(&record.name, other),
-                })?,
-        };
+            )
+        });
+        let document_url = self.oauth_client_metadata_url();
+        let chosen = oauth::choose_client(
+            &self.egress,
+            &discovery,
+            given,
+            document_url.as_ref(),
+            CLIENT_NAME,
+            &redirect_uri,
+        )
+        .await
+        .map_err(|e| match e {
+            // Not the server's failure: this authorization needs a registered client.
+            e @ oauth::OAuthError::NoRegistration { .. } => OAuthRefusal::NeedsClient {
+                connection: record.name.clone(),
+                id,
+                source: Box::new(e),
+            }
+            .into(),
+            other => unreachable(&record.name, other),
+        })?;
+        let notice = chosen.metadata_document_declined.as_ref().map(|why| {
+            format!(
+                "the authorization server accepts a client ID metadata document, but {why}; \
+                 a client was registered dynamically instead"
+            )
+        });
+        let client = chosen.registration;
+        let remembered = self
+            .store
+            .get_connection_oauth(project, id)
+            .await?
+            .and_then(|settled| settled.scope);
+        let asked = oauth::requested_scopes(challenge.as_ref(), &discovery);
+        let scopes = oauth::union_scopes(
+            remembered
+                .as_deref()
+                .into_iter()
+                .chain(asked.iter().map(String::as_str)),
+        );
         let state = oauth::new_state().map_err(|e| unreachable(&record.name, e))?;
         let pkce = Pkce::new().map_err(|e| unreachable(&record.name, e))?;
         let url = oauth::authorization_url(
             &discovery,
             &client.client_id,
             &redirect_uri,
-            &oauth::requested_scopes(challenge.as_ref(), &discovery),
+            &scopes,
             &state,
             &pkce,
         )
@@ -249,6 +315,7 @@ impl Engine {
                     client_id: client.client_id.clone(),
                     redirect_uri,
                     discovery: discovery_json(&discovery, &client)?,
+                    scope: (!scopes.is_empty()).then(|| scopes.join(" ")),
                     lifetime_ms: AUTHORIZATION_LIFETIME_MS,
                 },
             )
@@ -274,6 +341,9 @@ impl Engine {
         Ok(StartedAuthorization {
             authorization_url: url,
             expires_at: pending.expires_at,
+            client: chosen.source,
+            scopes,
+            notice,
         })
     }
 
@@ -429,6 +499,7 @@ impl Engine {
                 authorized_key_id: pending.api_key_id,
                 authorized_at: now,
                 refreshed_at: None,
+                scope: pending.scope.clone(),
             })
             .await?;
         self.audit
@@ -440,6 +511,7 @@ impl Engine {
                         "issuer": discovery.authorization_server.issuer,
                         "resource": discovery.resource,
                         "client_id": pending.client_id,
+                        "scope": pending.scope,
                         "refresh_token": tokens.refresh_token.is_some(),
                     })),
             )
@@ -685,6 +757,80 @@ impl Engine {
             )
             .await?;
         Ok(tokens.access_token)
+    }
+}
+
+impl Engine {
+    /// What a run's call fails with when connection `record`'s server refused it for the
+    /// access token's scope (`403` with `insufficient_scope`; the server ran nothing). Nobody
+    /// is there to authorize during a run, so the call fails closed, naming the connection,
+    /// the scope and the command. An authorized connection remembers the wider scope (what it
+    /// was authorized for united with what the server asked), which its next authorization,
+    /// from the CLI or the console, asks for; the audit chain records the step-up the run met,
+    /// as `event` (the run's `connection.scope_step_up`).
+    pub(crate) async fn oauth_scope_step_up(
+        &self,
+        event: AuditEvent,
+        record: &ToolConnectionRecord,
+        challenge: &oauth::Challenge,
+    ) -> Result<String, EngineError> {
+        let (project, id) = (record.project_id, record.id);
+        let needed = challenge.scopes().join(" ");
+        let next = {
+            // The lock of the connection's refresh: two calls widening at once keep both.
+            let _held = self.oauth_refresh_lock(id).lock_owned().await;
+            match self.store.get_connection_oauth(project, id).await? {
+                Some(settled) => {
+                    let next = oauth::union_scopes(
+                        settled
+                            .scope
+                            .as_deref()
+                            .into_iter()
+                            .chain([needed.as_str()]),
+                    )
+                    .join(" ");
+                    if settled.scope.as_deref() != Some(next.as_str()) && !next.is_empty() {
+                        self.store
+                            .set_connection_oauth_scope(project, id, &next)
+                            .await?;
+                    }
+                    Some(next)
+                }
+                None => None,
+            }
+        };
+        self.audit
+            .append(event.subject("connection_id", id).payload(json!({
+                "connection": record.name,
+                "scope_needed": needed,
+                "scope_next_authorization": next,
+            })))
+            .await?;
+        tracing::info!(category = "tools", action = "connection.scope_step_up", project_id = %project,
+            connection_id = %id, "tool connection needs a wider scope");
+        let wants = match needed.as_str() {
+            "" => "a scope it did not name".to_owned(),
+            scope => format!("scope `{scope}`"),
+        };
+        Ok(match next {
+            Some(next) => {
+                let asks = match next.as_str() {
+                    "" => String::new(),
+                    next => format!(" (it will ask for `{next}`)"),
+                };
+                format!(
+                    "tool connection `{}`'s server refused its access token: it needs {wants}, \
+                     more than the connection's authorization grants; run \
+                     `wor connection authorize {id}` again{asks}",
+                    record.name
+                )
+            }
+            None => format!(
+                "tool connection `{}`'s server refused its credentials: it needs {wants}; give \
+                 the connection credentials with that scope, or authorize it with `wor connection authorize {id}`",
+                record.name
+            ),
+        })
     }
 }
 

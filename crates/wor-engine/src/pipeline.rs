@@ -765,12 +765,24 @@ impl Engine {
                 .await?
             {
                 // What the model is told of a failed call: the error's text (redacted below).
-                Ok(outcome) => outcome.map_err(|e| {
+                Ok(Ok(result)) => Ok(result),
+                // The server wants more scope than the connection's authorization grants: the
+                // call fails closed, saying what to authorize; the connection remembers it.
+                Ok(Err(wor_tools::ToolSessionError::Mcp(
+                    wor_tools::McpError::InsufficientScope(challenge),
+                ))) => Err(self
+                    .oauth_scope_step_up(
+                        run_event(scope.run, AuditCategory::ToolConnectionScopeStepUp),
+                        &connection.record,
+                        &challenge,
+                    )
+                    .await?),
+                Ok(Err(e)) => {
                     if e.egress_refused() {
                         crate::metrics::tool_call_refused_by_egress();
                     }
-                    e.to_string()
-                }),
+                    Err(e.to_string())
+                }
                 // The call is dropped (aborted); the next step ends the run on its wall time.
                 Err(Stopped::Deadline) => Err(
                     "it was stopped when the run's wall time ran out; its outcome is unknown"

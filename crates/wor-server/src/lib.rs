@@ -120,6 +120,7 @@ fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(routes::tool_connections::replace_tools))
         .routes(routes!(routes::oauth::authorize))
         .routes(routes!(routes::oauth::callback))
+        .routes(routes!(routes::oauth::client_metadata))
         .routes(routes!(routes::routines::list, routes::routines::apply))
         .routes(routes!(routes::routines::get))
         .routes(routes!(routes::runs::start))

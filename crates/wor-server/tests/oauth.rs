@@ -49,6 +49,19 @@ struct AuthServer {
     expire_after_call: bool,
     /// The current access token has expired: the MCP server refuses it.
     expired: bool,
+    /// The server accepts client ID metadata documents: a client's id is this URL.
+    metadata_document_client: Option<String>,
+    /// Dynamic registrations answered.
+    registrations: u32,
+    /// The MCP server asks for scope `issues:read` in its challenge, and a tool call needs
+    /// `issues:write` too (a `403` with `insufficient_scope` otherwise).
+    step_up: bool,
+    /// The `scope` of the last authorization request.
+    last_scope: String,
+    /// The scope the current access token was granted.
+    access_scope: String,
+    /// Tool calls the MCP server ran.
+    calls: u32,
 }
 
 type Shared = Arc<Mutex<AuthServer>>;
@@ -74,9 +87,13 @@ async fn protected(State(s): State<Shared>) -> Response {
 }
 
 async fn metadata(State(s): State<Shared>) -> Response {
-    let (base, preregistered) = {
+    let (base, preregistered, metadata_document) = {
         let s = s.lock().unwrap();
-        (s.base.clone(), s.preregistered.is_some())
+        (
+            s.base.clone(),
+            s.preregistered.is_some(),
+            s.metadata_document_client.is_some(),
+        )
     };
     let mut metadata = json!({
         "issuer": base,
@@ -93,27 +110,41 @@ async fn metadata(State(s): State<Shared>) -> Response {
             json!(["client_secret_basic"]),
         );
     }
+    if metadata_document {
+        metadata["client_id_metadata_document_supported"] = json!(true);
+    }
     axum::Json(metadata).into_response()
 }
 
-async fn register() -> Response {
+async fn register(State(s): State<Shared>) -> Response {
+    s.lock().unwrap().registrations += 1;
     axum::Json(json!({"client_id": "client-7"})).into_response()
+}
+
+/// The client id the authorization server knows wor by: the one registered beforehand, else
+/// the metadata document's URL where it accepts one and no client registered dynamically.
+fn expected_client_id(s: &AuthServer) -> String {
+    match (&s.preregistered, &s.metadata_document_client) {
+        (Some((id, _)), _) => id.clone(),
+        (None, Some(url)) if s.registrations == 0 => url.clone(),
+        _ => "client-7".to_owned(),
+    }
 }
 
 async fn authorize(State(s): State<Shared>, uri: Uri) -> Response {
     let pairs = query(&uri);
     let (base, client_id) = {
         let s = s.lock().unwrap();
-        let client_id = s
-            .preregistered
-            .as_ref()
-            .map_or("client-7".to_owned(), |(id, _)| id.clone());
-        (s.base.clone(), client_id)
+        (s.base.clone(), expected_client_id(&s))
     };
     assert_eq!(param(&pairs, "client_id"), client_id);
     assert_eq!(param(&pairs, "code_challenge_method"), "S256");
     assert_eq!(param(&pairs, "resource"), format!("{base}/mcp"));
-    s.lock().unwrap().challenge = Some(param(&pairs, "code_challenge"));
+    {
+        let mut s = s.lock().unwrap();
+        s.challenge = Some(param(&pairs, "code_challenge"));
+        s.last_scope = param(&pairs, "scope");
+    }
     let location = format!(
         "{}?code=the-code&state={}",
         param(&pairs, "redirect_uri"),
@@ -150,6 +181,9 @@ async fn token(State(s): State<Shared>, headers: axum::http::HeaderMap, body: St
                 .into_response();
         }
     }
+    if s.preregistered.is_none() && param(&pairs, "client_id") != expected_client_id(&s) {
+        return refused();
+    }
     match param(&pairs, "grant_type").as_str() {
         "authorization_code" => {
             let verifier = param(&pairs, "code_verifier");
@@ -159,6 +193,7 @@ async fn token(State(s): State<Shared>, headers: axum::http::HeaderMap, body: St
             if param(&pairs, "code") != "the-code" || s.challenge.as_deref() != Some(&challenge) {
                 return refused();
             }
+            s.access_scope = s.last_scope.clone();
         }
         "refresh_token" => {
             if s.revoked || s.refresh.as_deref() != Some(&param(&pairs, "refresh_token")) {
@@ -377,6 +412,7 @@ impl rmcp::ServerHandler for Tracker {
             .to_owned();
         {
             let mut s = self.0.lock().unwrap();
+            s.calls += 1;
             if s.expire_after_call {
                 s.expired = true;
             }
@@ -391,15 +427,22 @@ impl rmcp::ServerHandler for Tracker {
 }
 
 /// Lets a request reach the MCP server only with the access token issued last; anything else
-/// is the `401` whose challenge names the protected-resource metadata.
+/// is the `401` whose challenge names the protected-resource metadata (and, with `step_up`,
+/// scope `issues:read`). With `step_up`, a tool call whose token was not granted
+/// `issues:write` is a `403` with `insufficient_scope` naming `issues:read issues:write`.
 async fn bearer_only(
     State(s): State<Shared>,
     request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    let (base, access) = {
+    let (base, access, step_up, access_scope) = {
         let s = s.lock().unwrap();
-        (s.base.clone(), s.access.clone().filter(|_| !s.expired))
+        (
+            s.base.clone(),
+            s.access.clone().filter(|_| !s.expired),
+            s.step_up,
+            s.access_scope.clone(),
+        )
     };
     let presented = request
         .headers()
@@ -407,11 +450,32 @@ async fn bearer_only(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .map(str::to_owned);
+    let metadata = format!("resource_metadata=\"{base}/.well-known/oauth-protected-resource/mcp\"");
     if presented.is_some() && presented == access {
-        return next.run(request).await;
+        if !step_up {
+            return next.run(request).await;
+        }
+        let (parts, body) = request.into_parts();
+        let bytes = axum::body::to_bytes(body, 1 << 20).await.unwrap();
+        let is_call = serde_json::from_slice::<Value>(&bytes)
+            .is_ok_and(|message| message["method"] == "tools/call");
+        if is_call && !access_scope.split(' ').any(|scope| scope == "issues:write") {
+            let challenge = format!(
+                "Bearer error=\"insufficient_scope\", scope=\"issues:read issues:write\", {metadata}"
+            );
+            return (StatusCode::FORBIDDEN, [("www-authenticate", challenge)]).into_response();
+        }
+        return next
+            .run(axum::extract::Request::from_parts(
+                parts,
+                axum::body::Body::from(bytes),
+            ))
+            .await;
     }
-    let challenge =
-        format!("Bearer resource_metadata=\"{base}/.well-known/oauth-protected-resource/mcp\"");
+    let challenge = match step_up {
+        true => format!("Bearer scope=\"issues:read\", {metadata}"),
+        false => format!("Bearer {metadata}"),
+    };
     (StatusCode::UNAUTHORIZED, [("www-authenticate", challenge)]).into_response()
 }
 
@@ -458,7 +522,11 @@ async fn browse_to_callback(url: &str) -> String {
         .unwrap();
     assert_eq!(answer.status, StatusCode::FOUND);
     let location = answer.headers["location"].to_str().unwrap();
-    location.strip_prefix("http://wor.test").unwrap().to_owned()
+    location
+        .strip_prefix("http://wor.test")
+        .or_else(|| location.strip_prefix("https://wor.test"))
+        .unwrap()
+        .to_owned()
 }
 
 /// Creates the `tracker` connection, an `mcp_http` connection to the server at `addr`.
@@ -480,6 +548,12 @@ async fn create_tracker(h: &Harness, addr: std::net::SocketAddr) -> String {
 /// Creates the `tracker` connection and authorizes it, the test playing the browser.
 async fn authorized_tracker(h: &Harness, addr: std::net::SocketAddr) -> String {
     let id = create_tracker(h, addr).await;
+    authorize_again(h, &id).await;
+    id
+}
+
+/// Authorizes connection `id`, the test playing the browser; the start's answer.
+async fn authorize_again(h: &Harness, id: &str) -> Value {
     let (status, started) = h
         .call(
             Method::POST,
@@ -491,7 +565,7 @@ async fn authorized_tracker(h: &Harness, addr: std::net::SocketAddr) -> String {
     let callback = browse_to_callback(started["authorization_url"].as_str().unwrap()).await;
     let (status, finished) = h.call(Method::GET, &callback, None).await;
     assert_eq!(status, StatusCode::OK, "{finished}");
-    id
+    started
 }
 
 fn oauth_harness_config() -> wor_engine::EngineConfig {
@@ -881,6 +955,188 @@ async fn an_admin_authorizes_a_connection_from_the_console_and_comes_back_to_it(
         &run.to_string(),
         &audit,
     ] {
+        assert!(
+            !text.contains(ACCESS_CANARY) && !text.contains(REFRESH_CANARY),
+            "a token leaked: {text}"
+        );
+    }
+}
+
+const METADATA_DOCUMENT_URL: &str = "https://wor.test/hooks/oauth/client-metadata.json";
+
+#[tokio::test]
+async fn a_server_that_accepts_client_metadata_documents_knows_wor_by_its_document_url() {
+    let (shared, addr) = start_servers().await;
+    shared.lock().unwrap().metadata_document_client = Some(METADATA_DOCUMENT_URL.to_owned());
+    let h = Harness::with_config(wor_engine::EngineConfig {
+        console_url: Some("https://wor.test/".to_owned()),
+        ..wor_engine::EngineConfig::default()
+    })
+    .await;
+
+    // What the authorization server fetches from the client id it is given: wor's document,
+    // public (no API key), naming itself and the callback the authorization sends back to.
+    let (status, document, _) = h
+        .call_as(
+            "none",
+            Method::GET,
+            "/hooks/oauth/client-metadata.json",
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{document}");
+    assert_eq!(
+        document,
+        json!({
+            "client_id": METADATA_DOCUMENT_URL,
+            "client_name": "wor",
+            "redirect_uris": ["https://wor.test/hooks/oauth/callback"],
+            "grant_types": ["authorization_code", "refresh_token"],
+            "response_types": ["code"],
+            "token_endpoint_auth_method": "none",
+        })
+    );
+
+    let id = create_tracker(&h, addr).await;
+    let started = authorize_again(&h, &id).await;
+    assert_eq!(started["client"], "metadata_document", "{started}");
+    assert!(started.get("notice").is_none(), "{started}");
+    let url = url::Url::parse(started["authorization_url"].as_str().unwrap()).unwrap();
+    let pairs: Vec<(String, String)> = url.query_pairs().into_owned().collect();
+    assert_eq!(param(&pairs, "client_id"), METADATA_DOCUMENT_URL);
+    assert!(
+        document["redirect_uris"]
+            .as_array()
+            .unwrap()
+            .contains(&json!(param(&pairs, "redirect_uri"))),
+        "the document names the redirect the authorization uses"
+    );
+    assert_eq!(
+        shared.lock().unwrap().registrations,
+        0,
+        "no client was registered"
+    );
+
+    // The code was exchanged, and the token refreshes, as that public client.
+    let project = h.project.project.id;
+    let connection: wor_core::ConnectionId = id.parse().unwrap();
+    h.db.store
+        .record_connection_oauth_refresh(project, connection, Some(0))
+        .await
+        .unwrap();
+    let token = h
+        .engine
+        .oauth_access_token(project, connection, "tracker")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(token.expose_secret(), format!("{ACCESS_CANARY}-2"));
+    let audit = h.audit_text().await;
+    assert!(audit.contains(METADATA_DOCUMENT_URL), "{audit}");
+}
+
+#[tokio::test]
+async fn with_an_http_public_url_a_server_offering_client_metadata_documents_gets_a_registered_client()
+ {
+    let (shared, addr) = start_servers().await;
+    shared.lock().unwrap().metadata_document_client = Some(METADATA_DOCUMENT_URL.to_owned());
+    let h = Harness::with_config(oauth_harness_config()).await;
+    // No document is served from an `http` public URL: no authorization server would take it.
+    let (status, _, _) = h
+        .call_as(
+            "none",
+            Method::GET,
+            "/hooks/oauth/client-metadata.json",
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+
+    // The server would accept the document; wor registers a client instead and says why.
+    let id = create_tracker(&h, addr).await;
+    let started = authorize_again(&h, &id).await;
+    assert_eq!(started["client"], "dynamic_registration", "{started}");
+    let notice = started["notice"].as_str().unwrap_or_default();
+    assert!(
+        notice.contains("accepts a client ID metadata document")
+            && notice
+                .contains("`http://wor.test/hooks/oauth/client-metadata.json` is not an https url"),
+        "{started}"
+    );
+    assert_eq!(shared.lock().unwrap().registrations, 1);
+    let url = started["authorization_url"].as_str().unwrap();
+    assert!(url.contains("client_id=client-7"), "{url}");
+}
+
+const STEP_UP_ROUTINE: &str = r#"
+name = "triage-step-up"
+instructions = "Look issue 7 up."
+[model]
+provider = "replay"
+model = "script"
+[[model.script.turns]]
+when = { last_tool_result_contains = "more than the connection's authorization grants" }
+text = "the tracker needs a wider authorization"
+[[model.script.turns]]
+when = { last_tool_result_contains = "issue 7 is open" }
+text = "issue 7 is still open"
+[[model.script.turns]]
+tool_calls = [{ name = "tracker__lookup", arguments = { issue = "7" } }]
+[[tools]]
+tool = "tracker/lookup"
+mode = "auto"
+"#;
+
+#[tokio::test]
+async fn a_call_refused_for_its_scope_fails_closed_and_the_next_authorization_asks_for_more() {
+    let (shared, addr) = start_servers().await;
+    shared.lock().unwrap().step_up = true;
+    let h = Harness::with_config(oauth_harness_config()).await;
+    let id = create_tracker(&h, addr).await;
+    // The first authorization asks for the scope the server's challenge names.
+    let started = authorize_again(&h, &id).await;
+    assert_eq!(started["scopes"], json!(["issues:read"]), "{started}");
+    assert_eq!(shared.lock().unwrap().access_scope, "issues:read");
+    // Listing the tools needs no more than that.
+    h.review_and_enable(&id, &["lookup"]).await;
+
+    // A call needs `issues:write` too: it fails closed, naming the connection, the scope and
+    // the command; the server ran nothing, and the run goes on to its answer.
+    let run = h.run(STEP_UP_ROUTINE).await;
+    assert_eq!(run["status"], "succeeded", "{run:#}");
+    let results = common::steps_of(&run, "tool_result");
+    assert_eq!(results.len(), 1, "{run:#}");
+    let said = results[0].to_string();
+    assert!(
+        said.contains(&format!(
+            "tool connection `tracker`'s server refused its access token: it needs scope \
+             `issues:read issues:write`, more than the connection's authorization grants; run \
+             `wor connection authorize {id}` again (it will ask for `issues:read issues:write`)"
+        )),
+        "{run:#}"
+    );
+    assert_eq!(shared.lock().unwrap().calls, 0, "the server ran nothing");
+    let audit = h.audit_text().await;
+    assert!(audit.contains("connection.scope_step_up"), "{audit}");
+    assert!(audit.contains("issues:read issues:write"), "{audit}");
+
+    // The connection remembers: authorizing again asks for the union of the scopes, and with
+    // them the call runs.
+    let started = authorize_again(&h, &id).await;
+    assert_eq!(
+        started["scopes"],
+        json!(["issues:read", "issues:write"]),
+        "{started}"
+    );
+    let url = started["authorization_url"].as_str().unwrap();
+    assert!(url.contains("scope=issues%3Aread+issues%3Awrite"), "{url}");
+    let run = h.run(STEP_UP_ROUTINE).await;
+    assert_eq!(run["status"], "succeeded", "{run:#}");
+    assert!(run.to_string().contains("issue 7 is still open"), "{run:#}");
+    assert_eq!(shared.lock().unwrap().calls, 1);
+
+    let audit = h.audit_text().await;
+    for text in [run.to_string(), audit] {
         assert!(
             !text.contains(ACCESS_CANARY) && !text.contains(REFRESH_CANARY),
             "a token leaked: {text}"

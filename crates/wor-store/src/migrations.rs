@@ -215,6 +215,12 @@ const MIGRATIONS: &[SchemaMigration] = &[
         sqlite: include_str!("../migrations/0037_run_not_before.sql"),
         postgres: include_str!("../migrations/0037_run_not_before.sql"),
     },
+    SchemaMigration {
+        version: 38,
+        description: "oauth scopes",
+        sqlite: include_str!("../migrations/0038_oauth_scopes.sql"),
+        postgres: include_str!("../migrations/0038_oauth_scopes.sql"),
+    },
 ];
 
 /// The newest migration of this release.

@@ -43,6 +43,8 @@ pub struct NewOAuthAuthorization {
     pub redirect_uri: String,
     /// The discovered metadata, as the tool library wrote it.
     pub discovery: Value,
+    /// The scopes asked for, space-separated; `None`: none.
+    pub scope: Option<String>,
     /// How long the person has to come back, in milliseconds.
     pub lifetime_ms: i64,
 }
@@ -59,6 +61,8 @@ pub struct OAuthAuthorizationRecord {
     pub client_id: String,
     pub redirect_uri: String,
     pub discovery: Value,
+    /// The scopes asked for, space-separated.
+    pub scope: Option<String>,
     pub created_at: i64,
     pub expires_at: i64,
 }
@@ -77,6 +81,9 @@ pub struct ConnectionOAuthRecord {
     pub authorized_key_id: Option<ApiKeyId>,
     pub authorized_at: i64,
     pub refreshed_at: Option<i64>,
+    /// The scopes the authorization asked for, widened by those the server later said a
+    /// request needs (space-separated): the next authorization asks for these.
+    pub scope: Option<String>,
 }
 
 fn to_json(value: &Value) -> Result<String, StoreError> {
@@ -105,6 +112,7 @@ fn authorization_from_row(row: &sqlx::any::AnyRow) -> Result<OAuthAuthorizationR
         client_id: text("client_id")?,
         redirect_uri: text("redirect_uri")?,
         discovery: from_json(&text("discovery")?, "discovery")?,
+        scope: row.try_get("scope")?,
         created_at: row.try_get("created_at")?,
         expires_at: row.try_get("expires_at")?,
     })
@@ -122,13 +130,14 @@ fn connection_oauth_from_row(row: &sqlx::any::AnyRow) -> Result<ConnectionOAuthR
         authorized_key_id: optional_id(row, "authorized_key_id")?,
         authorized_at: row.try_get("authorized_at")?,
         refreshed_at: row.try_get("refreshed_at")?,
+        scope: row.try_get("scope")?,
     })
 }
 
 const AUTHORIZATION_COLUMNS: &str = "state_digest, project_id, connection_id, member_id, \
-    api_key_id, client_id, redirect_uri, discovery, created_at, expires_at";
+    api_key_id, client_id, redirect_uri, discovery, scope, created_at, expires_at";
 const CONNECTION_COLUMNS: &str = "connection_id, project_id, client_id, discovery, \
-    access_expires_at, authorized_by, authorized_key_id, authorized_at, refreshed_at";
+    access_expires_at, authorized_by, authorized_key_id, authorized_at, refreshed_at, scope";
 
 impl Store {
     /// Records a pending authorization under the digest of `state`.
@@ -148,13 +157,14 @@ impl Store {
             client_id: new.client_id,
             redirect_uri: new.redirect_uri,
             discovery: new.discovery,
+            scope: new.scope,
             created_at: now,
             expires_at: now.saturating_add(new.lifetime_ms),
         };
         sqlx::query(
             "INSERT INTO oauth_authorizations (state_digest, project_id, connection_id, member_id, \
-             api_key_id, client_id, redirect_uri, discovery, created_at, expires_at, used_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, NULL)",
+             api_key_id, client_id, redirect_uri, discovery, scope, created_at, expires_at, used_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, NULL)",
         )
         .bind(&record.state_digest)
         .bind(project.to_string())
@@ -164,6 +174,7 @@ impl Store {
         .bind(&record.client_id)
         .bind(&record.redirect_uri)
         .bind(to_json(&record.discovery)?)
+        .bind(record.scope.as_deref())
         .bind(record.created_at)
         .bind(record.expires_at)
         .execute(self.pool())
@@ -243,8 +254,8 @@ impl Store {
         .await?;
         sqlx::query(
             "INSERT INTO tool_connection_oauth (connection_id, project_id, client_id, discovery, \
-             access_expires_at, authorized_by, authorized_key_id, authorized_at, refreshed_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+             access_expires_at, authorized_by, authorized_key_id, authorized_at, refreshed_at, \
+             scope) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
         )
         .bind(record.connection_id.to_string())
         .bind(record.project_id.to_string())
@@ -255,6 +266,7 @@ impl Store {
         .bind(record.authorized_key_id.map(|key| key.to_string()))
         .bind(record.authorized_at)
         .bind(record.refreshed_at)
+        .bind(record.scope.as_deref())
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;
@@ -343,6 +355,28 @@ impl Store {
         .execute(self.pool())
         .await?;
         changed_one(&done)
+    }
+
+    /// Records the scopes the connection's next authorization asks for (the ones it has, widened
+    /// by what its server said a request needs).
+    pub async fn set_connection_oauth_scope(
+        &self,
+        project: ProjectId,
+        connection: ConnectionId,
+        scope: &str,
+    ) -> Result<(), StoreError> {
+        let done = sqlx::query(
+            "UPDATE tool_connection_oauth SET scope = $1 WHERE project_id = $2 AND connection_id = $3",
+        )
+        .bind(scope)
+        .bind(project.to_string())
+        .bind(connection.to_string())
+        .execute(self.pool())
+        .await?;
+        if done.rows_affected() == 0 {
+            return Err(StoreError::NotFound);
+        }
+        Ok(())
     }
 
     /// What a connection's authorization settled on, `None` when it was never authorized.

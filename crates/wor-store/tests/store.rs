@@ -1640,6 +1640,7 @@ mod oauth_authorizations {
             client_id: "client-1".to_owned(),
             redirect_uri: "http://127.0.0.1:8080/hooks/oauth/callback".to_owned(),
             discovery: json!({"resource": "https://mcp.example.com/mcp"}),
+            scope: Some("files:read".to_owned()),
             lifetime_ms,
         };
         // States are unique per run: the shared test database keeps earlier runs' rows.
@@ -1727,6 +1728,7 @@ mod oauth_authorizations {
             authorized_key_id: Some(key.key_id),
             authorized_at: 500,
             refreshed_at: None,
+            scope: Some("files:read".to_owned()),
         };
         db.store.put_connection_oauth(&settled).await.unwrap();
         // Authorizing again replaces the record.
@@ -1743,6 +1745,24 @@ mod oauth_authorizations {
             .unwrap();
         assert_eq!(after.access_expires_at, Some(2_000));
         assert!(after.refreshed_at.is_some());
+        assert_eq!(after.scope.as_deref(), Some("files:read"));
+        // A server that asks for more scope widens what the next authorization asks for.
+        db.store
+            .set_connection_oauth_scope(project, connection.id, "files:read files:write")
+            .await
+            .unwrap();
+        let widened = db
+            .store
+            .get_connection_oauth(project, connection.id)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(widened.scope.as_deref(), Some("files:read files:write"));
+        assert_eq!(
+            widened.access_expires_at,
+            Some(2_000),
+            "nothing else changes"
+        );
         let other = db
             .store
             .create_project(&TestDatabase::unique_name("oauth"), "bob")
@@ -1755,6 +1775,15 @@ mod oauth_authorizations {
                 .unwrap(),
             None,
             "another project does not see it"
+        );
+        assert!(
+            matches!(
+                db.store
+                    .set_connection_oauth_scope(other.project.id, connection.id, "x")
+                    .await,
+                Err(wor_store::StoreError::NotFound)
+            ),
+            "nor widens it"
         );
     }
 }

@@ -35,6 +35,7 @@ use wor_secrets::{RedactionError, Redactor};
 
 use crate::credentials::{BearerRenewal, BearerRenewalError, ConnectionCredentials};
 use crate::definition::ToolDefinition;
+use crate::oauth::Challenge;
 use crate::result::{ToolCallResult, ToolContent};
 use egress_http::{EgressStreamableHttp, McpHttpError};
 use sandbox::{LaunchError, ProcessGuard, SandboxLauncher, StdioCommand};
@@ -122,6 +123,23 @@ pub enum McpError {
     /// refused the renewed one too: the reason names the connection and what to do.
     #[error(transparent)]
     Unauthorized(BearerRenewalError),
+    /// The server asks for authorization (`401`) on a session that has no token it can renew;
+    /// the challenge says where its metadata is and which scopes it wants.
+    #[error("the mcp server asks for authorization (http 401)")]
+    AuthorizationRequired(Challenge),
+    /// The server refused the access token for its scope (`403`, `insufficient_scope`): the
+    /// challenge names the scopes the request needs. Nothing ran.
+    #[error("the mcp server refused the access token: it needs {}", needed_scope(.0))]
+    InsufficientScope(Challenge),
+}
+
+fn needed_scope(challenge: &Challenge) -> String {
+    let scopes = challenge.scopes();
+    if scopes.is_empty() {
+        "a scope it did not name".to_owned()
+    } else {
+        format!("scope `{}`", scopes.join(" "))
+    }
 }
 
 /// The redactor of a session's live secrets, replaced when the session renews its token.
@@ -148,14 +166,26 @@ impl LiveRedactor {
     }
 }
 
-/// The renewal that failed behind an exchange over streamable HTTP, if that is what it was.
-fn renewal_failure(error: &ServiceError) -> Option<BearerRenewalError> {
+/// The authorization failure behind an exchange over streamable HTTP, if that is what it was:
+/// a renewal that failed, a `401` with nothing to renew, or a `403` for the token's scope.
+fn authorization_failure(error: &ServiceError) -> Option<McpError> {
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
     while let Some(current) = source {
-        if let Some(StreamableHttpError::Client(McpHttpError::Unauthorized(failure))) =
+        if let Some(StreamableHttpError::Client(failure)) =
             current.downcast_ref::<StreamableHttpError<McpHttpError>>()
         {
-            return Some(failure.clone());
+            match failure {
+                McpHttpError::Unauthorized(failure) => {
+                    return Some(McpError::Unauthorized(failure.clone()));
+                }
+                McpHttpError::AuthorizationRequired(challenge) => {
+                    return Some(McpError::AuthorizationRequired(challenge.clone()));
+                }
+                McpHttpError::InsufficientScope(challenge) => {
+                    return Some(McpError::InsufficientScope(challenge.clone()));
+                }
+                _ => {}
+            }
         }
         source = current.source();
     }
@@ -369,8 +399,8 @@ impl McpSession {
 
     fn service_error(&self, error: ServiceError) -> McpError {
         let redactor = self.redactor.current();
-        if let Some(failure) = renewal_failure(&error) {
-            return McpError::Unauthorized(failure);
+        if let Some(failure) = authorization_failure(&error) {
+            return failure;
         }
         match error {
             ServiceError::McpError(data) => McpError::Protocol {

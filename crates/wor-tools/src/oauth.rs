@@ -8,6 +8,13 @@
 //! document names), with [`MAX_METADATA_BYTES`] as the size cap and a short timeout; a
 //! redirect is never followed (the guard does not follow them and a `3xx` here is an error).
 //!
+//! The client is chosen here too ([`choose_client`]), in the order of MCP's authorization
+//! specification: a client the operator registered; else, where the server accepts them, a
+//! client ID metadata document (draft-ietf-oauth-client-id-metadata-document: the `client_id`
+//! is the HTTPS URL of a [`ClientMetadata`] document the server fetches); else dynamic
+//! registration. A `403` whose challenge says `insufficient_scope` names the scopes a request
+//! needs ([`Challenge::scopes`]); [`union_scopes`] adds them to those asked for before.
+//!
 //! The token requests are here too: dynamic client registration (RFC 7591: a public client
 //! using PKCE wherever the server allows one) or a client the operator registered, each
 //! authenticating at the token endpoint as the server's metadata allows (`none`,
@@ -111,13 +118,17 @@ pub enum OAuthError {
         /// The issuer.
         issuer: String,
     },
-    /// The connection's authorization server offers no dynamic registration.
+    /// The connection's authorization server offers no dynamic registration (and no client
+    /// ID metadata document wor can use).
     #[error(
-        "authorization server `{issuer}` offers no dynamic client registration; give the connection a client id"
+        "authorization server `{issuer}` offers no dynamic client registration{}; give the connection a client id",
+        declined_document(.metadata_document.as_ref())
     )]
     NoRegistration {
         /// The issuer.
         issuer: String,
+        /// Why a client ID metadata document the server would accept cannot be used instead.
+        metadata_document: Option<MetadataDocumentUnusable>,
     },
     /// The authorization server refused a registration or token request.
     #[error("the authorization server refused the {what}: `{error}`")]
@@ -133,6 +144,12 @@ pub enum OAuthError {
     /// No randomness could be had.
     #[error("no randomness for pkce and state: {0}")]
     Random(String),
+}
+
+fn declined_document(declined: Option<&MetadataDocumentUnusable>) -> String {
+    declined.map_or_else(String::new, |why| {
+        format!(", and it accepts a client ID metadata document but {why}")
+    })
 }
 
 /// The protected-resource metadata of an MCP server (RFC 9728), the fields used.
@@ -164,6 +181,10 @@ pub struct AuthorizationServerMetadata {
     /// `client_secret_basic`.
     #[serde(default)]
     pub token_endpoint_auth_methods_supported: Vec<String>,
+    /// The server accepts an HTTPS URL as a `client_id`, fetching the client's metadata
+    /// document from it (draft-ietf-oauth-client-id-metadata-document).
+    #[serde(default)]
+    pub client_id_metadata_document_supported: bool,
 }
 
 /// What discovery found; stored with a connection's authorization as JSON.
@@ -175,13 +196,16 @@ pub struct AuthorizationDiscovery {
     pub authorization_server: AuthorizationServerMetadata,
 }
 
-/// What a server's `401` asked for: the `WWW-Authenticate: Bearer …` parameters discovery uses.
+/// What a server's `401` (or `403`) asked for: the `WWW-Authenticate: Bearer …` parameters
+/// discovery and a scope step-up use.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Challenge {
     /// `resource_metadata`: where the protected-resource metadata is (RFC 9728 §5.1).
     pub resource_metadata: Option<String>,
     /// `scope`: the scopes the server wants for this resource, space-separated.
     pub scope: Option<String>,
+    /// `error`: why the token was refused (RFC 6750 §3.1), e.g. `insufficient_scope`.
+    pub error: Option<String>,
 }
 
 impl Challenge {
@@ -192,6 +216,7 @@ impl Challenge {
             let slot = match name.as_str() {
                 "resource_metadata" => &mut challenge.resource_metadata,
                 "scope" => &mut challenge.scope,
+                "error" => &mut challenge.error,
                 _ => continue,
             };
             if slot.is_none() && !value.is_empty() {
@@ -200,6 +225,51 @@ impl Challenge {
         }
         challenge
     }
+
+    /// Whether the server refused the token for its scope (RFC 6750 §3.1 `insufficient_scope`):
+    /// the scopes it needs are in [`Challenge::scopes`].
+    pub fn is_insufficient_scope(&self) -> bool {
+        self.error.as_deref() == Some("insufficient_scope")
+    }
+
+    /// The scopes the challenge names, each a valid scope token (see [`scope_tokens`]).
+    pub fn scopes(&self) -> Vec<String> {
+        scope_tokens(self.scope.as_deref().unwrap_or_default())
+    }
+}
+
+/// The most scope tokens taken from one `scope` value.
+pub const MAX_SCOPE_TOKENS: usize = 32;
+/// The longest scope token taken.
+pub const MAX_SCOPE_TOKEN_BYTES: usize = 256;
+
+/// The scope tokens of a space-separated `scope` value (RFC 6749 §3.3), in order, without
+/// repeats. A token with a character RFC 6749 does not allow (a server's text, not a scope),
+/// or longer than [`MAX_SCOPE_TOKEN_BYTES`], is dropped; at most [`MAX_SCOPE_TOKENS`] are kept.
+pub fn scope_tokens(scope: &str) -> Vec<String> {
+    union_scopes([scope])
+}
+
+/// The union of space-separated `scope` values: each valid token once, in the order first met
+/// (the scopes asked for before come first), at most [`MAX_SCOPE_TOKENS`].
+pub fn union_scopes<'a>(scopes: impl IntoIterator<Item = &'a str>) -> Vec<String> {
+    let valid = |token: &str| {
+        token.len() <= MAX_SCOPE_TOKEN_BYTES
+            && token
+                .bytes()
+                .all(|b| b == 0x21 || (0x23..=0x5b).contains(&b) || (0x5d..=0x7e).contains(&b))
+    };
+    let mut union: Vec<String> = Vec::new();
+    for token in scopes.into_iter().flat_map(str::split_ascii_whitespace) {
+        if token.is_empty() || !valid(token) || union.iter().any(|known| known == token) {
+            continue;
+        }
+        if union.len() == MAX_SCOPE_TOKENS {
+            break;
+        }
+        union.push(token.to_owned());
+    }
+    union
 }
 
 /// The `name=value` parameters of a `Bearer` challenge (RFC 9110 §11.2: a token or a quoted
@@ -317,11 +387,15 @@ pub fn requested_scopes(
     challenge: Option<&Challenge>,
     discovery: &AuthorizationDiscovery,
 ) -> Vec<String> {
-    match challenge.and_then(|c| c.scope.as_deref()) {
-        Some(scope) if !scope.trim().is_empty() => {
-            scope.split_whitespace().map(str::to_owned).collect()
-        }
-        _ => discovery.protected_resource.scopes_supported.clone(),
+    match challenge.map(Challenge::scopes) {
+        Some(scopes) if !scopes.is_empty() => scopes,
+        _ => union_scopes(
+            discovery
+                .protected_resource
+                .scopes_supported
+                .iter()
+                .map(String::as_str),
+        ),
     }
 }
 
@@ -546,6 +620,7 @@ async fn legacy_discovery(
             code_challenge_methods_supported: vec!["S256".to_owned()],
             scopes_supported: Vec::new(),
             token_endpoint_auth_methods_supported: Vec::new(),
+            client_id_metadata_document_supported: false,
         },
     };
     checked(
@@ -688,14 +763,6 @@ impl TokenEndpointAuth {
         }
     }
 
-    fn wire(self) -> &'static str {
-        match self {
-            Self::None => "none",
-            Self::ClientSecretBasic => "client_secret_basic",
-            Self::ClientSecretPost => "client_secret_post",
-        }
-    }
-
     /// How a client with (or without) a secret authenticates at this server: no secret is a
     /// public client; with one, `client_secret_basic` unless the server lists only
     /// `client_secret_post` (an empty list means basic, RFC 8414 §2).
@@ -769,6 +836,201 @@ impl ClientRegistration {
     ) -> Self {
         Self::known(client_id, client_secret, None, metadata)
     }
+}
+
+/// Why wor's client ID metadata document URL cannot be a `client_id`
+/// (draft-ietf-oauth-client-id-metadata-document §3).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MetadataDocumentUnusable {
+    /// An authorization server fetches the document only over HTTPS: wor's `public_url` is
+    /// `http` (a loopback or development address).
+    #[error("`{url}` is not an https url (the server's `public_url` must be https for it)")]
+    NotHttps {
+        /// The URL.
+        url: String,
+    },
+    /// Not a URL a `client_id` may be: no path, a fragment, credentials, or a `.`/`..` segment.
+    #[error("`{url}` cannot be a client id: {reason}")]
+    Invalid {
+        /// The URL.
+        url: String,
+        /// Why.
+        reason: &'static str,
+    },
+}
+
+/// An HTTPS URL that can be a `client_id` naming the client ID metadata document served there:
+/// `https`, a path, no fragment, no credentials, no `.` or `..` path segment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientMetadataUrl(String);
+
+impl ClientMetadataUrl {
+    /// Checks `url` as the draft requires of a client ID metadata document's URL.
+    pub fn parse(url: &str) -> Result<Self, MetadataDocumentUnusable> {
+        let invalid = |reason| MetadataDocumentUnusable::Invalid {
+            url: url.to_owned(),
+            reason,
+        };
+        let parsed = Url::parse(url).map_err(|_| invalid("it is not a url"))?;
+        if parsed.scheme() != "https" {
+            return Err(MetadataDocumentUnusable::NotHttps {
+                url: url.to_owned(),
+            });
+        }
+        // The parser resolves dot segments away, so they are looked for in the text.
+        let raw_path = url
+            .split_once("://")
+            .map(|(_, rest)| rest)
+            .and_then(|rest| rest.find('/').and_then(|at| rest.get(at..)))
+            .unwrap_or_default();
+        let raw_path = raw_path.split(['?', '#']).next().unwrap_or_default();
+        if raw_path.split('/').any(|segment| {
+            matches!(
+                segment.to_ascii_lowercase().as_str(),
+                "." | ".." | "%2e" | "%2e%2e" | ".%2e" | "%2e."
+            )
+        }) {
+            return Err(invalid("its path has a `.` or `..` segment"));
+        }
+        if parsed.fragment().is_some() {
+            return Err(invalid("it has a fragment"));
+        }
+        if !parsed.username().is_empty() || parsed.password().is_some() {
+            return Err(invalid("it carries credentials"));
+        }
+        if !has_path(&parsed) {
+            return Err(invalid("it has no path"));
+        }
+        Ok(Self(url.to_owned()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// A client's metadata (RFC 7591 §2): the body of a dynamic registration and, with its
+/// `client_id`, the client ID metadata document `wor serve` publishes at that URL.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
+pub struct ClientMetadata {
+    /// In a metadata document: the document's own URL. Absent from a registration.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_id: Option<String>,
+    pub client_name: String,
+    pub redirect_uris: Vec<String>,
+    pub grant_types: Vec<String>,
+    pub response_types: Vec<String>,
+    pub token_endpoint_auth_method: TokenEndpointAuth,
+}
+
+impl ClientMetadata {
+    /// A client of the authorization-code grant (with refresh) for the one `redirect_uri`.
+    fn new(
+        client_id: Option<String>,
+        client_name: &str,
+        redirect_uri: &str,
+        auth: TokenEndpointAuth,
+    ) -> Self {
+        Self {
+            client_id,
+            client_name: client_name.to_owned(),
+            redirect_uris: vec![redirect_uri.to_owned()],
+            grant_types: vec!["authorization_code".to_owned(), "refresh_token".to_owned()],
+            response_types: vec!["code".to_owned()],
+            token_endpoint_auth_method: auth,
+        }
+    }
+
+    /// The client ID metadata document served at `url`: a public client (`none`; PKCE
+    /// protects its codes), its `client_id` the URL itself.
+    pub fn document(url: &ClientMetadataUrl, client_name: &str, redirect_uri: &str) -> Self {
+        Self::new(
+            Some(url.as_str().to_owned()),
+            client_name,
+            redirect_uri,
+            TokenEndpointAuth::None,
+        )
+    }
+}
+
+/// How the authorization server knows the client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ClientSource {
+    /// The operator registered it beforehand and gave its id (and secret).
+    Registered,
+    /// Its id is the URL of its client ID metadata document.
+    MetadataDocument,
+    /// It was registered dynamically (RFC 7591) just now.
+    DynamicRegistration,
+}
+
+/// The client an authorization uses, and how it came to be.
+#[derive(Debug, Clone)]
+pub struct ChosenClient {
+    pub registration: ClientRegistration,
+    pub source: ClientSource,
+    /// The server accepts a client ID metadata document, but this one could not be used, so
+    /// the client was registered dynamically instead.
+    pub metadata_document_declined: Option<MetadataDocumentUnusable>,
+}
+
+/// The client to authorize with, in the order of MCP's authorization specification: one the
+/// operator registered beforehand (`given`); else, when the server's metadata says
+/// `client_id_metadata_document_supported`, the URL of wor's client ID metadata document as
+/// the `client_id` (a public client; the server fetches the document itself); else dynamic
+/// registration for `redirect_uri`. A metadata document the server would accept but which is
+/// unusable (`metadata_document` is `Err`, e.g. an `http` public URL) falls back to dynamic
+/// registration and says why.
+pub async fn choose_client(
+    egress: &EgressClient,
+    discovery: &AuthorizationDiscovery,
+    given: Option<ClientRegistration>,
+    metadata_document: Result<&ClientMetadataUrl, &MetadataDocumentUnusable>,
+    client_name: &str,
+    redirect_uri: &str,
+) -> Result<ChosenClient, OAuthError> {
+    if let Some(registration) = given {
+        return Ok(ChosenClient {
+            registration,
+            source: ClientSource::Registered,
+            metadata_document_declined: None,
+        });
+    }
+    let declined = match (
+        discovery
+            .authorization_server
+            .client_id_metadata_document_supported,
+        metadata_document,
+    ) {
+        (true, Ok(url)) => {
+            return Ok(ChosenClient {
+                registration: ClientRegistration {
+                    client_id: url.as_str().to_owned(),
+                    client_secret: None,
+                    auth: TokenEndpointAuth::None,
+                },
+                source: ClientSource::MetadataDocument,
+                metadata_document_declined: None,
+            });
+        }
+        (true, Err(why)) => Some(why.clone()),
+        (false, _) => None,
+    };
+    let registration = register_client(egress, discovery, client_name, redirect_uri)
+        .await
+        .map_err(|error| match error {
+            OAuthError::NoRegistration { issuer, .. } => OAuthError::NoRegistration {
+                issuer,
+                metadata_document: declined.clone(),
+            },
+            other => other,
+        })?;
+    Ok(ChosenClient {
+        registration,
+        source: ClientSource::DynamicRegistration,
+        metadata_document_declined: declined,
+    })
 }
 
 /// Tokens from the token endpoint.
@@ -870,26 +1132,18 @@ pub async fn register_client(
     let Some(endpoint) = &metadata.registration_endpoint else {
         return Err(OAuthError::NoRegistration {
             issuer: metadata.issuer.clone(),
+            metadata_document: None,
         });
     };
     let requested = TokenEndpointAuth::to_register(metadata);
-    let body = serde_json::json!({
-        "client_name": client_name,
-        "redirect_uris": [redirect_uri],
-        "grant_types": ["authorization_code", "refresh_token"],
-        "response_types": ["code"],
-        "token_endpoint_auth_method": requested.wire(),
-    });
+    let body = ClientMetadata::new(None, client_name, redirect_uri, requested);
     let what = "client registration";
-    let answer = post(
-        egress,
+    let body = serde_json::to_vec(&body).map_err(|e| OAuthError::InvalidDocument {
         what,
-        endpoint,
-        "application/json",
-        body.to_string().into_bytes(),
-        None,
-    )
-    .await?;
+        url: endpoint.clone(),
+        reason: e.to_string(),
+    })?;
+    let answer = post(egress, what, endpoint, "application/json", body, None).await?;
     let registered: RegistrationResponse =
         serde_json::from_slice(&answer).map_err(|e| OAuthError::InvalidDocument {
             what,
@@ -1105,7 +1359,125 @@ mod tests {
                 .iter()
                 .map(|m| (*m).to_owned())
                 .collect(),
+            client_id_metadata_document_supported: false,
         }
+    }
+
+    #[test]
+    fn an_insufficient_scope_challenge_names_the_scopes_needed() {
+        let challenge = Challenge::parse(
+            r#"Bearer error="insufficient_scope", scope="files:read files:write files:read", resource_metadata="https://a.example/m""#,
+        );
+        assert!(challenge.is_insufficient_scope());
+        assert_eq!(challenge.scopes(), ["files:read", "files:write"]);
+        assert!(!Challenge::parse(r#"Bearer error="invalid_token""#).is_insufficient_scope());
+        assert_eq!(Challenge::parse("Bearer scope=x").scopes(), ["x"]);
+    }
+
+    #[test]
+    fn scopes_are_united_in_order_and_only_valid_tokens_kept() {
+        assert_eq!(
+            union_scopes(["mcp:basic", "mcp:basic  mcp:write", ""]),
+            ["mcp:basic", "mcp:write"]
+        );
+        // A double quote, a backslash or a control character is no scope token.
+        assert_eq!(scope_tokens("a \"b c\\d e\u{7}f g"), ["a", "g"]);
+        assert_eq!(
+            scope_tokens(&"x".repeat(MAX_SCOPE_TOKEN_BYTES + 1)),
+            Vec::<String>::new()
+        );
+        let many: Vec<String> = (0..100).map(|n| format!("s{n}")).collect();
+        assert_eq!(
+            scope_tokens(&many.join(" ")).len(),
+            MAX_SCOPE_TOKENS,
+            "the count is capped"
+        );
+    }
+
+    #[test]
+    fn a_client_metadata_url_is_https_with_a_clean_path() {
+        let url =
+            ClientMetadataUrl::parse("https://wor.example.com/hooks/oauth/client-metadata.json")
+                .unwrap();
+        assert_eq!(
+            url.as_str(),
+            "https://wor.example.com/hooks/oauth/client-metadata.json"
+        );
+        assert!(matches!(
+            ClientMetadataUrl::parse("http://127.0.0.1:8080/hooks/oauth/client-metadata.json"),
+            Err(MetadataDocumentUnusable::NotHttps { .. })
+        ));
+        for (bad, reason) in [
+            ("https://wor.example.com", "it has no path"),
+            ("https://wor.example.com/", "it has no path"),
+            (
+                "https://wor.example.com/a/../b.json",
+                "its path has a `.` or `..` segment",
+            ),
+            (
+                "https://wor.example.com/a/%2E/b.json",
+                "its path has a `.` or `..` segment",
+            ),
+            ("https://wor.example.com/a.json#x", "it has a fragment"),
+            (
+                "https://u:p@wor.example.com/a.json",
+                "it carries credentials",
+            ),
+            ("not a url", "it is not a url"),
+        ] {
+            assert_eq!(
+                ClientMetadataUrl::parse(bad),
+                Err(MetadataDocumentUnusable::Invalid {
+                    url: bad.to_owned(),
+                    reason
+                }),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_client_metadata_document_is_a_public_client_named_by_its_url() {
+        let url =
+            ClientMetadataUrl::parse("https://wor.example.com/hooks/oauth/client-metadata.json")
+                .unwrap();
+        let document =
+            ClientMetadata::document(&url, "wor", "https://wor.example.com/hooks/oauth/callback");
+        assert_eq!(
+            serde_json::to_value(&document).unwrap(),
+            serde_json::json!({
+                "client_id": "https://wor.example.com/hooks/oauth/client-metadata.json",
+                "client_name": "wor",
+                "redirect_uris": ["https://wor.example.com/hooks/oauth/callback"],
+                "grant_types": ["authorization_code", "refresh_token"],
+                "response_types": ["code"],
+                "token_endpoint_auth_method": "none",
+            })
+        );
+        let registration = ClientMetadata::new(None, "wor", "http://x/cb", TokenEndpointAuth::None);
+        assert!(
+            serde_json::to_value(&registration)
+                .unwrap()
+                .get("client_id")
+                .is_none(),
+            "a registration request names no client id"
+        );
+    }
+
+    #[test]
+    fn a_declined_metadata_document_is_said_when_no_registration_is_offered() {
+        let error = OAuthError::NoRegistration {
+            issuer: "http://auth.example".to_owned(),
+            metadata_document: Some(MetadataDocumentUnusable::NotHttps {
+                url: "http://wor.test/hooks/oauth/client-metadata.json".to_owned(),
+            }),
+        };
+        assert_eq!(
+            error.to_string(),
+            "authorization server `http://auth.example` offers no dynamic client registration, \
+             and it accepts a client ID metadata document but `http://wor.test/hooks/oauth/client-metadata.json` \
+             is not an https url (the server's `public_url` must be https for it); give the connection a client id"
+        );
     }
 
     #[test]

@@ -529,6 +529,9 @@ pub async fn run(cmd: ToolConnectionCommand) -> anyhow::Result<ExitCode> {
                     .get("expires_at")
                     .and_then(Value::as_str)
                     .unwrap_or_default();
+                if let Some(notice) = started.get("notice").and_then(Value::as_str) {
+                    eprintln!("note: {notice}");
+                }
                 println!(
                     "open this URL in a browser to authorize the connection (before {until}):"
                 );

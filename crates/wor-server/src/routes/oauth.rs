@@ -21,6 +21,18 @@ pub struct AuthorizationStartedView {
     pub connection_id: String,
     pub authorization_url: String,
     pub expires_at: String,
+    /// How the authorization server knows wor's client: `registered` (the body's client),
+    /// `metadata_document` (its id is the URL of the client ID metadata document `wor serve`
+    /// publishes) or `dynamic_registration`.
+    #[schema(value_type = String)]
+    pub client: wor_tools::oauth::ClientSource,
+    /// The scopes asked for: what the server wants, with those the connection's last
+    /// authorization asked for and its server later said it needs.
+    pub scopes: Vec<String>,
+    /// Why the server's offer of client ID metadata documents was not taken, when it was not
+    /// (an `http` `public_url`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub notice: Option<String>,
 }
 
 /// An authorization finished.
@@ -143,7 +155,30 @@ pub async fn authorize(
         connection_id: id.to_string(),
         authorization_url: started.authorization_url,
         expires_at: rfc3339(started.expires_at),
+        client: started.client,
+        scopes: started.scopes,
+        notice: started.notice,
     }))
+}
+
+/// wor's client ID metadata document (draft-ietf-oauth-client-id-metadata-document), which an
+/// authorization server that accepts such documents fetches from the URL wor gives as its
+/// `client_id`: that URL (`{public_url}/hooks/oauth/client-metadata.json`), the name `wor`, the
+/// callback as its one redirect URI, the authorization-code and refresh grants, and no secret
+/// (`token_endpoint_auth_method` `none`; PKCE protects the codes). No API key: it is public. A
+/// 404 when the server's `public_url` is not `https` (authorizations then register a client
+/// dynamically).
+#[utoipa::path(get, path = "/hooks/oauth/client-metadata.json", tag = "tool-connections",
+    responses((status = 200, body = Object, description = "the client ID metadata document: `client_id`, `client_name`, `redirect_uris`, `grant_types`, `response_types`, `token_endpoint_auth_method`"),
+        (status = 404, body = ErrorBody)))]
+pub async fn client_metadata(
+    State(state): State<AppState>,
+) -> Result<Json<wor_tools::oauth::ClientMetadata>, ApiError> {
+    state
+        .engine
+        .oauth_client_metadata_document()
+        .map(Json)
+        .ok_or(ApiError::NotFound)
 }
 
 /// Where the authorization server sends the person's browser back. No API key: the single-use

@@ -25,6 +25,7 @@ use secrecy::{ExposeSecret, SecretString};
 
 use super::LiveRedactor;
 use crate::credentials::{BearerRenewal, BearerRenewalError, ConnectionCredentials};
+use crate::oauth::Challenge;
 
 const SESSION_ID: &str = "mcp-session-id";
 const LAST_EVENT_ID: &str = "last-event-id";
@@ -63,6 +64,14 @@ pub enum McpHttpError {
     /// refused the renewed one too.
     #[error(transparent)]
     Unauthorized(BearerRenewalError),
+    /// The server asks for authorization (`401`) and the session has no token to renew: its
+    /// challenge says where the metadata is and which scopes it wants.
+    #[error("mcp server asks for authorization (http 401)")]
+    AuthorizationRequired(Challenge),
+    /// The server refused the access token for its scope (`403` with
+    /// `WWW-Authenticate: Bearer error="insufficient_scope"`): the challenge names the scopes.
+    #[error("mcp server refused the access token's scope (http 403 insufficient_scope)")]
+    InsufficientScope(Challenge),
     /// A message could not be encoded.
     #[error("could not encode the message: {0}")]
     Encode(#[source] serde_json::Error),
@@ -280,11 +289,30 @@ fn media_type(response: &reqwest::Response) -> Option<String> {
 }
 
 /// The error for a non-success status: rate limits and server errors keep only the status and
-/// `Retry-After` (rmcp may retry them); anything else is [`McpHttpError::Status`].
+/// `Retry-After` (rmcp may retry them); a `401` is [`McpHttpError::AuthorizationRequired`] and a
+/// `403` whose Bearer challenge says `insufficient_scope` is [`McpHttpError::InsufficientScope`],
+/// each with the challenge; anything else is [`McpHttpError::Status`].
 fn status_failure(
     status: reqwest::StatusCode,
     headers: &reqwest::header::HeaderMap,
 ) -> StreamableHttpError<McpHttpError> {
+    let challenge = || {
+        Challenge::parse(
+            headers
+                .get(reqwest::header::WWW_AUTHENTICATE)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default(),
+        )
+    };
+    if status == reqwest::StatusCode::UNAUTHORIZED {
+        return StreamableHttpError::Client(McpHttpError::AuthorizationRequired(challenge()));
+    }
+    if status == reqwest::StatusCode::FORBIDDEN {
+        let challenge = challenge();
+        if challenge.is_insufficient_scope() {
+            return StreamableHttpError::Client(McpHttpError::InsufficientScope(challenge));
+        }
+    }
     if status == reqwest::StatusCode::TOO_MANY_REQUESTS || status.is_server_error() {
         let retry_after = headers
             .get(RETRY_AFTER)

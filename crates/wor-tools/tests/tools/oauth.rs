@@ -397,3 +397,161 @@ async fn a_registered_client_exchanges_its_code_with_pkce_and_refresh_rotates_un
     assert!(!error.to_string().contains("canary"), "{error}");
     assert!(!format!("{error:?}").contains("canary"), "{error:?}");
 }
+
+/// Before `shifty`'s MCP server: `initialize` and notifications pass without a token (as the
+/// conformance suite's step-up server does); any other request without one is a `401` naming
+/// scope `mcp:basic`; with the `basic-token` a tool call is a `403` for scope
+/// `mcp:basic mcp:write`; with the `write-token` everything passes.
+async fn step_up_gate(
+    axum::extract::State(addr): axum::extract::State<Arc<Mutex<String>>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let (parts, body) = request.into_parts();
+    let bytes = axum::body::to_bytes(body, 1 << 20).await.unwrap();
+    let method = serde_json::from_slice::<Value>(&bytes)
+        .ok()
+        .and_then(|message| {
+            message
+                .get("method")
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+        })
+        .unwrap_or_default();
+    let token = parts
+        .headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::to_owned);
+    let metadata = format!(
+        "http://{}/.well-known/oauth-protected-resource/mcp",
+        addr.lock().unwrap()
+    );
+    let open = method == "initialize" || method.starts_with("notifications/");
+    match token.as_deref() {
+        _ if open || parts.method != axum::http::Method::POST => {}
+        None => {
+            return (
+                StatusCode::UNAUTHORIZED,
+                [(
+                    header::WWW_AUTHENTICATE,
+                    format!(r#"Bearer scope="mcp:basic", resource_metadata="{metadata}""#),
+                )],
+            )
+                .into_response();
+        }
+        Some("basic-token") if method == "tools/call" => {
+            return (
+                StatusCode::FORBIDDEN,
+                [(
+                    header::WWW_AUTHENTICATE,
+                    format!(
+                        r#"Bearer error="insufficient_scope", scope="mcp:basic mcp:write", resource_metadata="{metadata}", error_description="needs write""#
+                    ),
+                )],
+                Json(json!({"error": "insufficient_scope"})),
+            )
+                .into_response();
+        }
+        Some(_) => {}
+    }
+    next.run(axum::extract::Request::from_parts(
+        parts,
+        axum::body::Body::from(bytes),
+    ))
+    .await
+}
+
+#[tokio::test]
+async fn a_401_after_initialize_and_a_403_for_scope_are_typed_with_their_challenges() {
+    use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
+    use rmcp::transport::streamable_http_server::{
+        StreamableHttpServerConfig, StreamableHttpService,
+    };
+    use wor_tools::{
+        ConnectionCredentials, McpError, McpLimits, McpSession, StreamableHttpEndpoint,
+    };
+
+    let server = crate::own_server::ShiftyServer::default();
+    let state = server.state.clone();
+    let service = StreamableHttpService::new(
+        move || Ok(server.clone()),
+        Arc::new(LocalSessionManager::default()),
+        StreamableHttpServerConfig::default(),
+    );
+    let own_addr = Arc::new(Mutex::new(String::new()));
+    let router = axum::Router::new().nest_service("/mcp", service).layer(
+        axum::middleware::from_fn_with_state(own_addr.clone(), step_up_gate),
+    );
+    let addr = serve(router).await;
+    *own_addr.lock().unwrap() = addr.to_string();
+    let egress = loopback_egress();
+    let session = |credentials| {
+        McpSession::connect_http(
+            &egress,
+            StreamableHttpEndpoint {
+                url: format!("http://{addr}/mcp"),
+                allowlist: crate::allow(addr),
+                credentials,
+            },
+            McpLimits::default(),
+        )
+    };
+
+    // The server lets the session begin and asks for authorization on the next request.
+    let anonymous = session(ConnectionCredentials::none()).await.unwrap();
+    let Err(McpError::AuthorizationRequired(challenge)) = anonymous.list_tools().await else {
+        panic!("a 401 after initialize is a typed authorization request");
+    };
+    assert_eq!(challenge.scope.as_deref(), Some("mcp:basic"));
+    assert_eq!(
+        challenge.resource_metadata,
+        Some(format!(
+            "http://{addr}/.well-known/oauth-protected-resource/mcp"
+        ))
+    );
+    anonymous.close().await;
+
+    // With the basic scope the tools list, and a call is refused for its scope: nothing ran.
+    let basic = session(ConnectionCredentials::bearer(SecretString::from("basic-token")).unwrap())
+        .await
+        .unwrap();
+    assert!(!basic.list_tools().await.unwrap().is_empty());
+    let seen = state.seen.lock().unwrap().len();
+    let error = basic
+        .call_tool("echo", serde_json::Map::new())
+        .await
+        .unwrap_err();
+    assert_eq!(
+        error.to_string(),
+        "the mcp server refused the access token: it needs scope `mcp:basic mcp:write`"
+    );
+    let McpError::InsufficientScope(challenge) = error else {
+        panic!("a 403 with insufficient_scope is typed: {error}");
+    };
+    assert!(challenge.is_insufficient_scope());
+    assert_eq!(challenge.scopes(), ["mcp:basic", "mcp:write"]);
+    assert_eq!(
+        state.seen.lock().unwrap().len(),
+        seen,
+        "the call never reached the tool"
+    );
+    // The next authorization asks for what was asked before and what the server now needs.
+    assert_eq!(
+        wor_tools::oauth::union_scopes(["mcp:basic", challenge.scope.as_deref().unwrap()]),
+        ["mcp:basic", "mcp:write"]
+    );
+    basic.close().await;
+
+    // With the wider scope the call runs.
+    let write = session(ConnectionCredentials::bearer(SecretString::from("write-token")).unwrap())
+        .await
+        .unwrap();
+    let result = write
+        .call_tool("echo", serde_json::Map::new())
+        .await
+        .unwrap();
+    assert!(!result.is_error);
+    write.close().await;
+}
