@@ -12,11 +12,11 @@
 //! result, header, URL, routine name, model-chosen call id or secret can be put in one.
 
 use std::fmt;
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use tokio::sync::mpsc;
+use tokio::sync::Notify;
 use wor_core::call::Verdict;
 use wor_core::ids::{ApprovalId, ProjectId, RoutineId, RunId};
 use wor_core::model::ProviderKind;
@@ -113,7 +113,20 @@ pub struct FinishedSpan {
 /// counted) rather than slowing a run down.
 pub const SINK_CAPACITY: usize = 4096;
 
-static SINK: OnceLock<mpsc::Sender<FinishedSpan>> = OnceLock::new();
+/// How many waiting spans make a full batch: the exporter is woken to send them without
+/// waiting for its next tick.
+pub const SINK_BATCH: usize = 512;
+
+/// Where finished spans wait for the exporter. Finishing a span takes this lock for one push
+/// and wakes no one (only a span that fills a batch does), so a run's path never waits for
+/// the exporter or hands its work to another thread; the exporter takes what waits in one go.
+#[derive(Debug, Default)]
+struct Sink {
+    waiting: Mutex<Vec<FinishedSpan>>,
+    batch_full: Notify,
+}
+
+static SINK: OnceLock<Sink> = OnceLock::new();
 static DROPPED: AtomicU64 = AtomicU64::new(0);
 
 /// The sink was installed already.
@@ -121,12 +134,43 @@ static DROPPED: AtomicU64 = AtomicU64::new(0);
 #[error("a trace sink is installed already")]
 pub struct SinkInstalled;
 
+/// The exporter's end of the sink.
+#[derive(Debug, Clone, Copy)]
+pub struct SpanReceiver {
+    sink: &'static Sink,
+}
+
+impl SpanReceiver {
+    /// Completes when a full batch ([`SINK_BATCH`] spans) waits, or at once when one filled
+    /// since the last call.
+    pub async fn batch_full(&self) {
+        self.sink.batch_full.notified().await;
+    }
+
+    /// Every span waiting, oldest first; the sink is left empty.
+    pub fn take(&self) -> Vec<FinishedSpan> {
+        let mut waiting = self
+            .sink
+            .waiting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        std::mem::take(&mut *waiting)
+    }
+}
+
 /// Installs the process's trace sink and returns the receiving end: from now on, every span
-/// the engine finishes is sent there. Only the first call succeeds.
-pub fn install_sink() -> Result<mpsc::Receiver<FinishedSpan>, SinkInstalled> {
-    let (sender, receiver) = mpsc::channel(SINK_CAPACITY);
-    SINK.set(sender).map_err(|_| SinkInstalled)?;
-    Ok(receiver)
+/// the engine finishes waits there. Only the first call succeeds.
+pub fn install_sink() -> Result<SpanReceiver, SinkInstalled> {
+    let mut installed = false;
+    let sink = SINK.get_or_init(|| {
+        installed = true;
+        Sink::default()
+    });
+    if installed {
+        Ok(SpanReceiver { sink })
+    } else {
+        Err(SinkInstalled)
+    }
 }
 
 /// Spans dropped because the exporter fell behind.
@@ -139,10 +183,20 @@ fn enabled() -> bool {
 }
 
 fn emit(span: FinishedSpan) {
-    if let Some(sink) = SINK.get()
-        && sink.try_send(span).is_err()
-    {
-        DROPPED.fetch_add(1, Ordering::Relaxed);
+    let Some(sink) = SINK.get() else {
+        return;
+    };
+    let waiting = {
+        let mut waiting = sink.waiting.lock().unwrap_or_else(PoisonError::into_inner);
+        if waiting.len() >= SINK_CAPACITY {
+            DROPPED.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        waiting.push(span);
+        waiting.len()
+    };
+    if waiting == SINK_BATCH {
+        sink.batch_full.notify_one();
     }
 }
 
@@ -153,18 +207,17 @@ fn trace_id(run: RunId) -> [u8; 16] {
 /// A span id from the SHA-256 of `parts` (the first 8 bytes; never all zero, which OTLP
 /// reads as no id).
 fn derived_span_id(parts: &[&[u8]]) -> [u8; 8] {
-    let mut bytes = Vec::new();
+    use sha2::{Digest as _, Sha256};
+    let mut hasher = Sha256::new();
     for part in parts {
-        bytes.extend_from_slice(&u64::try_from(part.len()).unwrap_or(0).to_be_bytes());
-        bytes.extend_from_slice(part);
+        hasher.update(u64::try_from(part.len()).unwrap_or(0).to_be_bytes());
+        hasher.update(part);
     }
-    let hex = wor_core::canonical::sha256_hex(&bytes);
-    let value = hex
-        .get(..16)
-        .and_then(|h| u64::from_str_radix(h, 16).ok())
-        .unwrap_or(1);
-    let value = if value == 0 { 1 } else { value };
-    value.to_be_bytes()
+    let digest = hasher.finalize();
+    match digest.first_chunk::<8>() {
+        Some(id) if *id != [0; 8] => *id,
+        _ => 1_u64.to_be_bytes(),
+    }
 }
 
 /// The W3C `traceparent` of `run`'s span while traces are on: what a tool server the operator
@@ -471,4 +524,16 @@ pub(crate) fn webhook_attempted(
         ok: result == "delivered",
         attributes,
     });
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_derived_span_id_is_the_first_eight_bytes_of_the_sha256_of_its_length_prefixed_parts() {
+        // Fixed across versions: a run parked by one version and resumed by the next keeps
+        // the span ids its children name as their parent.
+        let uuid: Vec<u8> = (0..16).collect();
+        let id = super::derived_span_id(&[b"call", &uuid, b"call_1"]);
+        assert_eq!(id, 0xc3bf_0272_1339_4e3b_u64.to_be_bytes());
+    }
 }

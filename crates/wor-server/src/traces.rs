@@ -18,17 +18,14 @@ use opentelemetry_http::{HttpClient, HttpError, Request, Response};
 use opentelemetry_otlp::{Protocol, WithExportConfig, WithHttpConfig};
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::trace::{SpanData, SpanEvents, SpanExporter as _, SpanLinks};
-use tokio::sync::mpsc;
 use wor_egress::{EgressClient, EgressRequest, HostAllowlist};
-use wor_engine::traces::{AttributeValue, FinishedSpan};
+use wor_engine::traces::{AttributeValue, FinishedSpan, SINK_BATCH, SpanReceiver};
 
 /// The OTLP/HTTP span exporter.
 pub use opentelemetry_otlp::SpanExporter as TraceExporter;
 
 /// How often finished spans are sent.
 pub const EXPORT_INTERVAL: Duration = Duration::from_secs(1);
-/// Most spans in one export request.
-const MAX_BATCH: usize = 512;
 /// How long one export request may take.
 const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
 /// The collector's answer is read up to this size (an OTLP answer is a few bytes).
@@ -101,53 +98,44 @@ pub fn exporter(endpoint: &str, egress: EgressClient) -> Result<TraceExporter, T
     Ok(exporter)
 }
 
-/// Sends what arrives on `spans` every [`EXPORT_INTERVAL`] (or sooner, a full batch) until
-/// `stop` completes; then sends what is left and returns.
-pub async fn export(
-    mut spans: mpsc::Receiver<FinishedSpan>,
-    exporter: TraceExporter,
-    stop: impl Future<Output = ()>,
-) {
+/// Sends the spans waiting in `spans` every [`EXPORT_INTERVAL`], or sooner when a full batch
+/// waits, until `stop` completes; then sends what is left and returns. Spans are converted
+/// and encoded here, a batch at a time, never on the path of the run that finished them.
+pub async fn export(spans: SpanReceiver, exporter: TraceExporter, stop: impl Future<Output = ()>) {
     let scope = InstrumentationScope::builder("wor")
         .with_version(env!("CARGO_PKG_VERSION"))
         .build();
-    let mut batch = Vec::new();
     let mut tick = tokio::time::interval(EXPORT_INTERVAL);
     tokio::pin!(stop);
     loop {
         tokio::select! {
             () = &mut stop => break,
-            received = spans.recv() => match received {
-                Some(span) => {
-                    batch.push(span_data(span, &scope));
-                    if batch.len() >= MAX_BATCH {
-                        send(&exporter, &mut batch).await;
-                    }
-                }
-                None => break,
-            },
-            _ = tick.tick() => send(&exporter, &mut batch).await,
+            () = spans.batch_full() => {}
+            _ = tick.tick() => {}
         }
+        send(&exporter, spans.take(), &scope).await;
     }
-    while let Ok(span) = spans.try_recv() {
-        batch.push(span_data(span, &scope));
-    }
-    send(&exporter, &mut batch).await;
+    send(&exporter, spans.take(), &scope).await;
 }
 
-async fn send(exporter: &TraceExporter, batch: &mut Vec<SpanData>) {
-    if batch.is_empty() {
-        return;
-    }
-    let spans = std::mem::take(batch);
-    let count = spans.len();
-    // The error's text may quote the collector's answer: only the count is logged.
-    if exporter.export(spans).await.is_err() {
-        tracing::warn!(
-            category = "traces",
-            spans = count,
-            "trace export to the collector failed"
-        );
+/// Sends `spans` in requests of at most [`SINK_BATCH`] spans.
+async fn send(exporter: &TraceExporter, spans: Vec<FinishedSpan>, scope: &InstrumentationScope) {
+    let mut spans = spans.into_iter().peekable();
+    while spans.peek().is_some() {
+        let batch: Vec<SpanData> = spans
+            .by_ref()
+            .take(SINK_BATCH)
+            .map(|span| span_data(span, scope))
+            .collect();
+        let count = batch.len();
+        // The error's text may quote the collector's answer: only the count is logged.
+        if exporter.export(batch).await.is_err() {
+            tracing::warn!(
+                category = "traces",
+                spans = count,
+                "trace export to the collector failed"
+            );
+        }
     }
 }
 

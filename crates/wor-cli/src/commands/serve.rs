@@ -354,7 +354,7 @@ fn trace_exporter(
     traces: &crate::config::TracesConfig,
 ) -> anyhow::Result<(
     wor_server::traces::TraceExporter,
-    tokio::sync::mpsc::Receiver<wor_engine::traces::FinishedSpan>,
+    wor_engine::traces::SpanReceiver,
 )> {
     let policy = wor_egress::EgressPolicy::from_config(&wor_egress::EgressConfig {
         production: config.production,
