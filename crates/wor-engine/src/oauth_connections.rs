@@ -123,6 +123,13 @@ pub enum OAuthRefusal {
         "this authorization is unknown, was already used or has expired; run `wor connection authorize` again"
     )]
     UnknownState,
+    /// The callback's `iss` (RFC 9207) is not the authorization server this authorization was
+    /// sent to, or is missing where that server promised it: a mix-up, and the code is not
+    /// exchanged anywhere.
+    #[error(
+        "the answer came from another authorization server than this authorization was sent to ({found}); nothing was exchanged; run `wor connection authorize` again"
+    )]
+    IssuerMismatch { found: String },
     /// The connection's authorization cannot be used any more: it is authorized again.
     #[error(
         "tool connection `{connection}` is no longer authorized ({reason}); run `wor connection authorize {id}` again"
@@ -286,11 +293,13 @@ impl Engine {
             .await?
             .and_then(|settled| settled.scope);
         let asked = oauth::requested_scopes(challenge.as_ref(), &discovery);
+        // What the server asks for now comes first: within the bound on scopes, a remembered
+        // step-up never crowds it out.
         let scopes = oauth::union_scopes(
-            remembered
-                .as_deref()
-                .into_iter()
-                .chain(asked.iter().map(String::as_str)),
+            asked
+                .iter()
+                .map(String::as_str)
+                .chain(remembered.as_deref()),
         );
         let state = oauth::new_state().map_err(|e| unreachable(&record.name, e))?;
         let pkce = Pkce::new().map_err(|e| unreachable(&record.name, e))?;
@@ -416,6 +425,7 @@ impl Engine {
         &self,
         state: &str,
         code: &SecretString,
+        issuer: Option<&str>,
     ) -> Result<FinishedAuthorization, EngineError> {
         let Some(pending) = self.store.take_oauth_authorization(state).await? else {
             return Err(OAuthRefusal::UnknownState.into());
@@ -452,6 +462,24 @@ impl Engine {
         self.vault.delete(&slot(CLIENT_SECRET_FIELD)).await?;
         let stored = discovery_from(&pending.discovery)?;
         let discovery = stored.discovery;
+        // RFC 9207: the answer must come from the server the person was sent to. The pending
+        // authorization is spent already, so a mixed-up code is exchanged nowhere.
+        let sent_to = &discovery.authorization_server;
+        match issuer {
+            Some(found) if found != sent_to.issuer => {
+                return Err(OAuthRefusal::IssuerMismatch {
+                    found: format!("`iss` is `{}`", found.chars().take(200).collect::<String>()),
+                }
+                .into());
+            }
+            None if sent_to.authorization_response_iss_parameter_supported => {
+                return Err(OAuthRefusal::IssuerMismatch {
+                    found: "no `iss`, which that server promised".to_owned(),
+                }
+                .into());
+            }
+            _ => {}
+        }
         let client = ClientRegistration::known(
             pending.client_id.clone(),
             client_secret,

@@ -197,7 +197,8 @@ impl From<wor_engine::EngineError> for ApiError {
                 wor_engine::OAuthRefusal::NoCallback
                 | wor_engine::OAuthRefusal::NotMcpHttp { .. }
                 | wor_engine::OAuthRefusal::NeedsClient { .. }
-                | wor_engine::OAuthRefusal::UnknownState => {
+                | wor_engine::OAuthRefusal::UnknownState
+                | wor_engine::OAuthRefusal::IssuerMismatch { .. } => {
                     ApiError::bad_request("invalid_request", refusal.to_string())
                 }
                 wor_engine::OAuthRefusal::NotAuthorized { .. } => {

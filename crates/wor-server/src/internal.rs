@@ -156,6 +156,18 @@ pub enum WorkerAuthError {
     Replayed,
 }
 
+/// The public keys the control plane stored for `worker`; one that no longer parses is the
+/// server's fault, logged.
+fn stored_keys(worker: &wor_store::WorkerRecord) -> Result<WorkerPublicKeys, ApiError> {
+    WorkerPublicKeys::from_base64(&worker.signing_public_key, &worker.exchange_public_key).map_err(
+        |_| {
+            tracing::error!(category = "auth", worker_id = %worker.id,
+                "a stored worker key does not parse");
+            ApiError::Internal
+        },
+    )
+}
+
 /// The enrolled, active worker that signed `parts` and `body`: the signature under its stored
 /// key, the timestamp within [`WORKER_REQUEST_SKEW_SECS`], and a nonce no API process has seen.
 ///
@@ -183,13 +195,7 @@ pub async fn authenticate_worker(
     if worker.status != wor_store::WorkerStatus::Active {
         return Err(refused(WorkerAuthError::Revoked));
     }
-    let keys =
-        WorkerPublicKeys::from_base64(&worker.signing_public_key, &worker.exchange_public_key)
-            .map_err(|_| {
-                tracing::error!(category = "auth", worker_id = %worker.id,
-                "a stored worker key does not parse");
-                ApiError::Internal
-            })?;
+    let keys = stored_keys(&worker)?;
     let path = parts
         .uri
         .path_and_query()
@@ -291,13 +297,7 @@ async fn claim(State(state): State<AppState>, request: Request) -> Result<Respon
         .control_plane
         .clone()
         .ok_or_else(|| ApiError::Unavailable("this server does not serve workers".to_owned()))?;
-    let keys =
-        WorkerPublicKeys::from_base64(&worker.signing_public_key, &worker.exchange_public_key)
-            .map_err(|_| {
-                tracing::error!(category = "auth", worker_id = %worker.id,
-                    "a stored worker key does not parse");
-                ApiError::Internal
-            })?;
+    let keys = stored_keys(&worker)?;
     let Some(claimed) = state.engine.claim_for_worker(&worker.id).await? else {
         return Ok(StatusCode::NO_CONTENT.into_response());
     };

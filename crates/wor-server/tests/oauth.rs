@@ -62,6 +62,10 @@ struct AuthServer {
     access_scope: String,
     /// Tool calls the MCP server ran.
     calls: u32,
+    /// The server promises `iss` in its answers (RFC 9207) …
+    promises_iss: bool,
+    /// … and sends this one (`None`: none at all).
+    sends_iss: Option<String>,
 }
 
 type Shared = Arc<Mutex<AuthServer>>;
@@ -113,6 +117,9 @@ async fn metadata(State(s): State<Shared>) -> Response {
     if metadata_document {
         metadata["client_id_metadata_document_supported"] = json!(true);
     }
+    if s.lock().unwrap().promises_iss {
+        metadata["authorization_response_iss_parameter_supported"] = json!(true);
+    }
     axum::Json(metadata).into_response()
 }
 
@@ -145,8 +152,20 @@ async fn authorize(State(s): State<Shared>, uri: Uri) -> Response {
         s.challenge = Some(param(&pairs, "code_challenge"));
         s.last_scope = param(&pairs, "scope");
     }
+    let iss = s
+        .lock()
+        .unwrap()
+        .sends_iss
+        .as_ref()
+        .map(|iss| {
+            format!(
+                "&iss={}",
+                url::form_urlencoded::byte_serialize(iss.as_bytes()).collect::<String>()
+            )
+        })
+        .unwrap_or_default();
     let location = format!(
-        "{}?code=the-code&state={}",
+        "{}?code=the-code&state={}{iss}",
         param(&pairs, "redirect_uri"),
         param(&pairs, "state")
     );
@@ -967,7 +986,13 @@ const METADATA_DOCUMENT_URL: &str = "https://wor.test/hooks/oauth/client-metadat
 #[tokio::test]
 async fn a_server_that_accepts_client_metadata_documents_knows_wor_by_its_document_url() {
     let (shared, addr) = start_servers().await;
-    shared.lock().unwrap().metadata_document_client = Some(METADATA_DOCUMENT_URL.to_owned());
+    {
+        let mut s = shared.lock().unwrap();
+        s.metadata_document_client = Some(METADATA_DOCUMENT_URL.to_owned());
+        // Only a server that names itself in its answers is given the shared client id.
+        s.promises_iss = true;
+        s.sends_iss = Some(s.base.clone());
+    }
     let h = Harness::with_config(wor_engine::EngineConfig {
         console_url: Some("https://wor.test/".to_owned()),
         ..wor_engine::EngineConfig::default()
@@ -1142,4 +1167,74 @@ async fn a_call_refused_for_its_scope_fails_closed_and_the_next_authorization_as
             "a token leaked: {text}"
         );
     }
+}
+
+#[tokio::test]
+async fn an_answer_from_another_authorization_server_is_exchanged_nowhere() {
+    let (shared, addr) = start_servers().await;
+    {
+        let mut s = shared.lock().unwrap();
+        s.metadata_document_client = Some(METADATA_DOCUMENT_URL.to_owned());
+        s.promises_iss = true;
+        // A mix-up: the answer names a server other than the one the person was sent to.
+        s.sends_iss = Some("https://honest.example".to_owned());
+    }
+    let h = Harness::with_config(wor_engine::EngineConfig {
+        console_url: Some("https://wor.test/".to_owned()),
+        ..wor_engine::EngineConfig::default()
+    })
+    .await;
+    let id = create_tracker(&h, addr).await;
+    let mut refused = Vec::new();
+    for sends in [Some("https://honest.example".to_owned()), None] {
+        shared.lock().unwrap().sends_iss = sends;
+        let (status, started) = h
+            .call(
+                Method::POST,
+                &format!("/v1/tool-connections/{id}/authorize"),
+                None,
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{started}");
+        let callback = browse_to_callback(started["authorization_url"].as_str().unwrap()).await;
+        let (status, answer) = h.call(Method::GET, &callback, None).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{answer}");
+        refused.push(answer["error"]["message"].as_str().unwrap().to_owned());
+    }
+    assert!(
+        refused[0].contains("another authorization server")
+            && refused[0].contains("honest.example"),
+        "{refused:?}"
+    );
+    assert!(refused[1].contains("no `iss`"), "{refused:?}");
+    // Nothing was exchanged: no token was asked for, none is stored.
+    assert_eq!(shared.lock().unwrap().issued, 0);
+    let connection: wor_core::ConnectionId = id.parse().unwrap();
+    assert!(
+        h.db.store
+            .get_connection_oauth(h.project.project.id, connection)
+            .await
+            .unwrap()
+            .is_none()
+    );
+}
+
+#[tokio::test]
+async fn a_server_offering_client_metadata_documents_without_naming_itself_gets_a_registered_client()
+ {
+    let (shared, addr) = start_servers().await;
+    shared.lock().unwrap().metadata_document_client = Some(METADATA_DOCUMENT_URL.to_owned());
+    let h = Harness::with_config(wor_engine::EngineConfig {
+        console_url: Some("https://wor.test/".to_owned()),
+        ..wor_engine::EngineConfig::default()
+    })
+    .await;
+    let id = create_tracker(&h, addr).await;
+    let started = authorize_again(&h, &id).await;
+    assert_eq!(started["client"], "dynamic_registration", "{started}");
+    assert!(
+        started["notice"].as_str().unwrap().contains("RFC 9207"),
+        "{started}"
+    );
+    assert_eq!(shared.lock().unwrap().registrations, 1);
 }

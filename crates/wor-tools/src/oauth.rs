@@ -185,6 +185,10 @@ pub struct AuthorizationServerMetadata {
     /// document from it (draft-ietf-oauth-client-id-metadata-document).
     #[serde(default)]
     pub client_id_metadata_document_supported: bool,
+    /// The server names itself (`iss`) in every authorization response (RFC 9207), which the
+    /// callback then checks: the defence against an authorization-server mix-up.
+    #[serde(default)]
+    pub authorization_response_iss_parameter_supported: bool,
 }
 
 /// What discovery found; stored with a connection's authorization as JSON.
@@ -621,6 +625,7 @@ async fn legacy_discovery(
             scopes_supported: Vec::new(),
             token_endpoint_auth_methods_supported: Vec::new(),
             client_id_metadata_document_supported: false,
+            authorization_response_iss_parameter_supported: false,
         },
     };
     checked(
@@ -849,6 +854,13 @@ pub enum MetadataDocumentUnusable {
         /// The URL.
         url: String,
     },
+    /// The authorization server does not name itself in its answers (RFC 9207 `iss`): a
+    /// `client_id` that is the same at every server would let a malicious server relay a
+    /// code meant for another without the person seeing a different client.
+    #[error(
+        "the authorization server does not send `iss` with its answers (RFC 9207), which a client id shared by every server needs against a mix-up"
+    )]
+    NoIssuerInResponses,
     /// Not a URL a `client_id` may be: no path, a fragment, credentials, or a `.`/`..` segment.
     #[error("`{url}` cannot be a client id: {reason}")]
     Invalid {
@@ -1003,6 +1015,13 @@ pub async fn choose_client(
             .client_id_metadata_document_supported,
         metadata_document,
     ) {
+        (true, Ok(_))
+            if !discovery
+                .authorization_server
+                .authorization_response_iss_parameter_supported =>
+        {
+            Some(MetadataDocumentUnusable::NoIssuerInResponses)
+        }
         (true, Ok(url)) => {
             return Ok(ChosenClient {
                 registration: ClientRegistration {
@@ -1360,6 +1379,7 @@ mod tests {
                 .map(|m| (*m).to_owned())
                 .collect(),
             client_id_metadata_document_supported: false,
+            authorization_response_iss_parameter_supported: false,
         }
     }
 

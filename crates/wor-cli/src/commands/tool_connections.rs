@@ -532,6 +532,16 @@ pub async fn run(cmd: ToolConnectionCommand) -> anyhow::Result<ExitCode> {
                 if let Some(notice) = started.get("notice").and_then(Value::as_str) {
                     eprintln!("note: {notice}");
                 }
+                // What the person is about to grant, including scopes a server asked for
+                // later (a step-up), before they open the page.
+                let scopes: Vec<&str> = started
+                    .get("scopes")
+                    .and_then(Value::as_array)
+                    .map(|s| s.iter().filter_map(Value::as_str).collect())
+                    .unwrap_or_default();
+                if !scopes.is_empty() {
+                    eprintln!("asks for scopes: {}", scopes.join(" "));
+                }
                 println!(
                     "open this URL in a browser to authorize the connection (before {until}):"
                 );

@@ -242,14 +242,13 @@ async fn security_headers(request: Request, next: Next) -> Response {
 #[derive(Debug)]
 pub struct PagePath<T>(pub T);
 
-impl<S, T> FromRequestParts<S> for PagePath<T>
-where
-    T: DeserializeOwned + Send,
-    S: Send + Sync,
-{
+impl<T: DeserializeOwned + Send> FromRequestParts<AppState> for PagePath<T> {
     type Rejection = ConsoleError;
 
-    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+    async fn from_request_parts(
+        parts: &mut Parts,
+        state: &AppState,
+    ) -> Result<Self, Self::Rejection> {
         // The API's extractor, with the console's answer to a path that names nothing.
         let ApiPath(value) = ApiPath::<T>::from_request_parts(parts, state)
             .await

@@ -51,6 +51,9 @@ pub struct CallbackQuery {
     pub state: Option<String>,
     /// Set instead of `code` when the person or the server refused.
     pub error: Option<String>,
+    /// The authorization server that answered (RFC 9207), checked against the one the
+    /// authorization was sent to.
+    pub iss: Option<String>,
 }
 
 impl CallbackQuery {
@@ -62,6 +65,7 @@ impl CallbackQuery {
                 "code" => &mut parsed.code,
                 "state" => &mut parsed.state,
                 "error" => &mut parsed.error,
+                "iss" => &mut parsed.iss,
                 _ => continue,
             };
             if slot.is_none() {
@@ -213,7 +217,7 @@ pub async fn callback(State(state): State<AppState>, uri: Uri) -> Result<Respons
     };
     let finished = state
         .engine
-        .finish_oauth_authorization(&pending, &SecretString::from(code))
+        .finish_oauth_authorization(&pending, &SecretString::from(code), query.iss.as_deref())
         .await?;
     if finished.started_in_console {
         return Ok(
