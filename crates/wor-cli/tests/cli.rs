@@ -558,6 +558,10 @@ const NO_JSON: &[(&str, &str)] = &[
     ("secrets generate-key", "prints the new key alone"),
     ("worker token create", "prints the new token alone"),
     ("worker enroll", "prints the new worker id alone"),
+    (
+        "worker revoke",
+        "a line on stderr; the exit status says whether it was revoked",
+    ),
     ("secrets rotate", "progress and a summary on stderr"),
     ("backup", "writes a file; a line on stderr"),
     (

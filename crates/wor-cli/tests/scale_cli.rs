@@ -467,12 +467,13 @@ fn a_workers_request_opens_the_internal_api_only_signed_fresh_and_once() {
     runtime.block_on(store.close());
 }
 
-/// A worker's signed POST to `path`: the whole response.
+/// A worker's signed POST of `body` to `path`: the whole response.
 fn post_as(
     server: &Server,
     identity: &wor_secrets::WorkerIdentity,
     worker_id: &str,
     path: &str,
+    body: &str,
 ) -> String {
     let headers = identity
         .sign_request(
@@ -480,14 +481,19 @@ fn post_as(
             &wor_secrets::RequestToSign {
                 method: "POST",
                 path_and_query: path,
-                body: b"{}",
+                body: body.as_bytes(),
             },
             wor_store::now_millis() / 1000,
         )
         .unwrap()
         .to_header_values()
         .to_vec();
-    post_signed(server, path, &headers, "{}")
+    post_signed(server, path, &headers, body)
+}
+
+/// The body that presents a claim's credential.
+fn held(credential: &str) -> String {
+    serde_json::json!({ "run_credential": credential }).to_string()
 }
 
 /// The JSON body of an HTTP response.
@@ -517,7 +523,12 @@ fn enrolled_worker(server: &Server, db: &[String], dir: &std::path::Path) -> Tes
 
 impl TestWorker {
     fn post(&self, server: &Server, path: &str) -> String {
-        post_as(server, &self.identity, &self.id, path)
+        post_as(server, &self.identity, &self.id, path, "{}")
+    }
+
+    /// A request about a run, presenting the claim's credential.
+    fn post_held(&self, server: &Server, path: &str, credential: &str) -> String {
+        post_as(server, &self.identity, &self.id, path, &held(credential))
     }
 }
 
@@ -768,24 +779,30 @@ fn a_worker_claims_a_run_with_an_envelope_only_it_opens_and_holds_it_only_under_
     assert!(held.starts_with("HTTP/1.1 200"), "{held}");
     assert!(held.contains(&run_id), "{held}");
 
-    // Only the holder renews or gives back the run; another worker learns nothing of it.
+    // Only the holder renews or gives back the run, presenting its claim's credential; another
+    // worker learns nothing of it, even holding that credential.
     let lease = format!("/internal/v1/runs/{run_id}/lease");
     let release = format!("/internal/v1/runs/{run_id}/release");
     for path in [&lease, &release] {
-        let refused = b.post(&api, path);
+        let refused = b.post_held(&api, path, &credential);
         assert!(refused.starts_with("HTTP/1.1 409"), "{refused}");
         assert!(refused.contains("lease_not_held"), "{refused}");
+        let forged = a.post_held(&api, path, "wrt_not-the-claims");
+        assert!(forged.contains("lease_not_held"), "{forged}");
+        let bare = a.post(&api, path);
+        assert!(bare.starts_with("HTTP/1.1 400"), "{bare}");
+        assert!(bare.contains("run_credential"), "{bare}");
     }
     let nothing = b.post(&api, "/internal/v1/runs/claim");
     assert!(nothing.starts_with("HTTP/1.1 204"), "{nothing}");
-    let renewed = a.post(&api, &lease);
+    let renewed = a.post_held(&api, &lease, &credential);
     assert!(renewed.starts_with("HTTP/1.1 200"), "{renewed}");
     assert_eq!(body_json(&renewed)["cancel_requested"], false);
-    let bad = a.post(&api, "/internal/v1/runs/not-a-run/lease");
+    let bad = a.post_held(&api, "/internal/v1/runs/not-a-run/lease", &credential);
     assert!(bad.starts_with("HTTP/1.1 400"), "{bad}");
 
     // A gives the run back: its credential ends with the claim, and B's claim gets a new one.
-    let given = a.post(&api, &release);
+    let given = a.post_held(&api, &release, &credential);
     assert!(given.starts_with("HTTP/1.1 204"), "{given}");
     let ended = whoami_run(&credential);
     assert!(ended.starts_with("HTTP/1.1 401"), "{ended}");
@@ -798,13 +815,14 @@ fn a_worker_claims_a_run_with_an_envelope_only_it_opens_and_holds_it_only_under_
         .open(&envelope_of(&reclaimed), wor_store::now_millis() / 1000)
         .unwrap()
         .secrets;
-    assert_ne!(b_secrets.run_credential.expose_secret(), credential);
-    let lost = a.post(&api, &lease);
+    let b_credential = b_secrets.run_credential.expose_secret().to_owned();
+    assert_ne!(b_credential, credential);
+    let lost = a.post_held(&api, &lease, &credential);
     assert!(lost.contains("lease_not_held"), "{lost}");
 
     // A cancel reaches the holder with its next renewal.
     client(&["run", "cancel", &run_id], &[]);
-    let renewed = b.post(&api, &lease);
+    let renewed = b.post_held(&api, &lease, &b_credential);
     assert_eq!(body_json(&renewed)["cancel_requested"], true, "{renewed}");
 
     // Revoking B puts the run back in the queue at once, ends its credential and refuses B.
@@ -817,9 +835,9 @@ fn a_worker_claims_a_run_with_an_envelope_only_it_opens_and_holds_it_only_under_
         "{}",
         text(&out.stderr)
     );
-    let refused = b.post(&api, &lease);
+    let refused = b.post_held(&api, &lease, &b_credential);
     assert!(refused.contains("worker is revoked"), "{refused}");
-    let ended = whoami_run(b_secrets.run_credential.expose_secret());
+    let ended = whoami_run(&b_credential);
     assert!(ended.starts_with("HTTP/1.1 401"), "{ended}");
     let out = run(&mut wor(&revoke));
     assert!(

@@ -280,7 +280,27 @@ impl Engine {
             .collect())
     }
 
-    /// Renews remote worker `worker`'s lease of `run` and says whether a cancel was requested.
+    /// Whether `credential` is the live credential of `worker`'s claim of `run`: minted for
+    /// this claim (a stale driver of an earlier claim holds an ended one) and before the run's
+    /// deadline.
+    async fn holds_claim(
+        &self,
+        run: RunId,
+        worker: &str,
+        credential: &str,
+    ) -> Result<bool, EngineError> {
+        Ok(self
+            .store
+            .authenticate_run_token(credential)
+            .await?
+            .is_some_and(|grant| grant.run_id == run)
+            && self.store.worker_holds_run(worker, run).await?)
+    }
+
+    /// Renews remote worker `worker`'s lease of `run`, presenting the claim's `credential`,
+    /// and says whether a cancel was requested. Past the run's deadline the credential has
+    /// ended and so has the renewal: the lease runs out and the run is resumed elsewhere,
+    /// where it ends over its wall time.
     ///
     /// # Errors
     /// A store error.
@@ -288,8 +308,11 @@ impl Engine {
         &self,
         run: RunId,
         worker: &str,
+        credential: &str,
     ) -> Result<LeaseRenewal, EngineError> {
-        if !self.store.renew_lease(run, worker, self.lease_ms()).await? {
+        if !self.holds_claim(run, worker, credential).await?
+            || !self.store.renew_lease(run, worker, self.lease_ms()).await?
+        {
             return Ok(LeaseRenewal::NotHeld);
         }
         let expires_at = wor_store::now_millis().saturating_add(self.lease_ms());
@@ -299,12 +322,20 @@ impl Engine {
         })
     }
 
-    /// Gives back a run remote worker `worker` holds, to be resumed from its steps by the next
-    /// claim; false when it does not hold it.
+    /// Gives back a run remote worker `worker` holds under the claim whose `credential` it
+    /// presents, to be resumed from its steps by the next claim; false when it does not.
     ///
     /// # Errors
     /// A store error.
-    pub async fn release_for_worker(&self, run: RunId, worker: &str) -> Result<bool, EngineError> {
+    pub async fn release_for_worker(
+        &self,
+        run: RunId,
+        worker: &str,
+        credential: &str,
+    ) -> Result<bool, EngineError> {
+        if !self.holds_claim(run, worker, credential).await? {
+            return Ok(false);
+        }
         let released = self.store.release_run(run, worker).await?;
         if released {
             self.wake_workers();

@@ -809,14 +809,24 @@ impl Engine {
             let _held = self.oauth_refresh_lock(id).lock_owned().await;
             match self.store.get_connection_oauth(project, id).await? {
                 Some(settled) => {
-                    let next = oauth::union_scopes(
-                        settled
-                            .scope
-                            .as_deref()
-                            .into_iter()
-                            .chain([needed.as_str()]),
-                    )
-                    .join(" ");
+                    // Only scopes the server's metadata says it understands are remembered,
+                    // when it lists any: a server's 403 cannot make the next authorization ask
+                    // for arbitrary grants. The scopes it asks for now come first.
+                    let discovery = discovery_from(&settled.discovery)?.discovery;
+                    let known: Vec<&str> = discovery
+                        .protected_resource
+                        .scopes_supported
+                        .iter()
+                        .chain(&discovery.authorization_server.scopes_supported)
+                        .map(String::as_str)
+                        .collect();
+                    let asked = challenge.scopes();
+                    let wanted = asked
+                        .iter()
+                        .map(String::as_str)
+                        .filter(|scope| known.is_empty() || known.contains(scope));
+                    let next =
+                        oauth::union_scopes(wanted.chain(settled.scope.as_deref())).join(" ");
                     if settled.scope.as_deref() != Some(next.as_str()) && !next.is_empty() {
                         self.store
                             .set_connection_oauth_scope(project, id, &next)

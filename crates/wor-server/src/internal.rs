@@ -237,11 +237,42 @@ async fn signed_by(
     state: &AppState,
     request: Request,
 ) -> Result<wor_store::WorkerRecord, ApiError> {
+    signed_with_body(state, request)
+        .await
+        .map(|(worker, _)| worker)
+}
+
+/// The worker that signed `request`, and the body it signed.
+async fn signed_with_body(
+    state: &AppState,
+    request: Request,
+) -> Result<(wor_store::WorkerRecord, axum::body::Bytes), ApiError> {
     let (parts, body) = request.into_parts();
     let body = axum::body::to_bytes(body, MAX_WORKER_BODY_BYTES)
         .await
         .map_err(|_| ApiError::PayloadTooLarge)?;
-    authenticate_worker(state, &parts, &body).await
+    let worker = authenticate_worker(state, &parts, &body).await?;
+    Ok((worker, body))
+}
+
+/// What a worker presents to act on a run it holds: the credential minted for its claim, which
+/// binds the request to that claim (an earlier claim's has ended) and to the run's deadline.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HeldRun {
+    pub run_credential: String,
+}
+
+/// The signing worker and the claim credential it presents.
+async fn held_run(state: &AppState, request: Request) -> Result<(String, String), ApiError> {
+    let (worker, body) = signed_with_body(state, request).await?;
+    let held: HeldRun = serde_json::from_slice(&body).map_err(|e| {
+        ApiError::bad_request(
+            "invalid_body",
+            format!("expected {{\"run_credential\": \"wrt_…\"}}: {e}"),
+        )
+    })?;
+    Ok((worker.id, held.run_credential))
 }
 
 /// A worker says it is alive.
@@ -420,9 +451,13 @@ async fn renew(
     axum::extract::Path(run): axum::extract::Path<String>,
     request: Request,
 ) -> Result<Json<LeaseView>, ApiError> {
-    let worker = signed_by(&state, request).await?;
+    let (worker, credential) = held_run(&state, request).await?;
     let run = run_id(&run)?;
-    match state.engine.renew_for_worker(run, &worker.id).await? {
+    match state
+        .engine
+        .renew_for_worker(run, &worker, &credential)
+        .await?
+    {
         wor_engine::LeaseRenewal::Renewed {
             expires_at,
             cancel_requested,
@@ -430,7 +465,7 @@ async fn renew(
             lease_expires_at: expires_at,
             cancel_requested,
         })),
-        wor_engine::LeaseRenewal::NotHeld => Err(lease_not_held(&worker.id, run)),
+        wor_engine::LeaseRenewal::NotHeld => Err(lease_not_held(&worker, run)),
     }
 }
 
@@ -440,19 +475,24 @@ async fn release(
     axum::extract::Path(run): axum::extract::Path<String>,
     request: Request,
 ) -> Result<StatusCode, ApiError> {
-    let worker = signed_by(&state, request).await?;
+    let (worker, credential) = held_run(&state, request).await?;
     let run = run_id(&run)?;
-    if state.engine.release_for_worker(run, &worker.id).await? {
-        tracing::info!(category = "run", action = "worker.released", worker_id = %worker.id,
+    if state
+        .engine
+        .release_for_worker(run, &worker, &credential)
+        .await?
+    {
+        tracing::info!(category = "run", action = "worker.released", worker_id = %worker,
             run_id = %run, "a worker gave a run back");
         Ok(StatusCode::NO_CONTENT)
     } else {
-        Err(lease_not_held(&worker.id, run))
+        Err(lease_not_held(&worker, run))
     }
 }
 
-/// A worker asked about a run it does not hold: the same answer whether the run exists, is
-/// another worker's or has ended, so nothing about other runs is learnt from it.
+/// A worker asked about a run it does not hold under the claim whose credential it presents:
+/// the same answer whether the run exists, is another worker's, was claimed again or has ended
+/// (or passed its deadline), so nothing about other runs is learnt from it.
 fn lease_not_held(worker: &str, run: wor_core::RunId) -> ApiError {
     tracing::warn!(category = "auth", action = "worker.lease_not_held", worker_id = %worker,
         run_id = %run, "a worker asked about a run it does not hold");

@@ -85,9 +85,16 @@ fn param(pairs: &[(String, String)], key: &str) -> String {
 }
 
 async fn protected(State(s): State<Shared>) -> Response {
-    let base = s.lock().unwrap().base.clone();
-    axum::Json(json!({"resource": format!("{base}/mcp"), "authorization_servers": [base]}))
-        .into_response()
+    let (base, step_up) = {
+        let s = s.lock().unwrap();
+        (s.base.clone(), s.step_up)
+    };
+    let mut metadata = json!({"resource": format!("{base}/mcp"), "authorization_servers": [base]});
+    if step_up {
+        // The scopes it understands: a step-up asking for more is not remembered.
+        metadata["scopes_supported"] = json!(["issues:read", "issues:write"]);
+    }
+    axum::Json(metadata).into_response()
 }
 
 async fn metadata(State(s): State<Shared>) -> Response {
@@ -448,7 +455,8 @@ impl rmcp::ServerHandler for Tracker {
 /// Lets a request reach the MCP server only with the access token issued last; anything else
 /// is the `401` whose challenge names the protected-resource metadata (and, with `step_up`,
 /// scope `issues:read`). With `step_up`, a tool call whose token was not granted
-/// `issues:write` is a `403` with `insufficient_scope` naming `issues:read issues:write`.
+/// `issues:write` is a `403` with `insufficient_scope` naming `issues:read issues:write` and
+/// `admin:org`, which its metadata does not list.
 async fn bearer_only(
     State(s): State<Shared>,
     request: axum::extract::Request,
@@ -480,7 +488,7 @@ async fn bearer_only(
             .is_ok_and(|message| message["method"] == "tools/call");
         if is_call && !access_scope.split(' ').any(|scope| scope == "issues:write") {
             let challenge = format!(
-                "Bearer error=\"insufficient_scope\", scope=\"issues:read issues:write\", {metadata}"
+                "Bearer error=\"insufficient_scope\", scope=\"issues:read issues:write admin:org\", {metadata}"
             );
             return (StatusCode::FORBIDDEN, [("www-authenticate", challenge)]).into_response();
         }
@@ -1135,7 +1143,7 @@ async fn a_call_refused_for_its_scope_fails_closed_and_the_next_authorization_as
     assert!(
         said.contains(&format!(
             "tool connection `tracker`'s server refused its access token: it needs scope \
-             `issues:read issues:write`, more than the connection's authorization grants; run \
+             `issues:read issues:write admin:org`, more than the connection's authorization grants; run \
              `wor connection authorize {id}` again (it will ask for `issues:read issues:write`)"
         )),
         "{run:#}"
@@ -1145,8 +1153,8 @@ async fn a_call_refused_for_its_scope_fails_closed_and_the_next_authorization_as
     assert!(audit.contains("connection.scope_step_up"), "{audit}");
     assert!(audit.contains("issues:read issues:write"), "{audit}");
 
-    // The connection remembers: authorizing again asks for the union of the scopes, and with
-    // them the call runs.
+    // The connection remembers: authorizing again asks for the union of the scopes the server
+    // understands (not `admin:org`), and with them the call runs.
     let started = authorize_again(&h, &id).await;
     assert_eq!(
         started["scopes"],
