@@ -28,6 +28,9 @@ use crate::call::run_event;
 use crate::tool_connections::ConnectionError;
 use crate::{Engine, EngineError};
 
+/// How many runs one claim request may fail closed before it answers that it found none.
+const MAX_FAILED_CLAIMS_PER_REQUEST: usize = 16;
+
 /// A run claimed for a remote worker, with everything it is driven from.
 #[derive(Debug)]
 pub struct WorkerClaim {
@@ -77,7 +80,9 @@ impl Engine {
     /// A store error; [`EngineError::LeaseLost`] if the lease was lost while the credential
     /// was minted.
     pub async fn claim_for_worker(&self, worker: &str) -> Result<Option<WorkerClaim>, EngineError> {
-        loop {
+        // Bounded: a request never spends itself failing an unending line of runs; the worker
+        // asks again.
+        for _ in 0..MAX_FAILED_CLAIMS_PER_REQUEST {
             let Some(run) = self.claim_for(worker).await? else {
                 return Ok(None);
             };
@@ -99,6 +104,7 @@ impl Engine {
                 },
             }
         }
+        Ok(None)
     }
 
     /// Fails a run claimed for `worker` closed with `reason`, before the worker saw it.
