@@ -22,6 +22,18 @@ use std::time::{Duration, Instant};
 use common::{Server, create_project, database_args, database_url, run, text, wor};
 use serde_json::Value;
 
+/// The test's database, opened directly beside the processes under test.
+fn open_store(db: &[String], dir: &std::path::Path) -> (tokio::runtime::Runtime, wor_store::Store) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let store = runtime
+        .block_on(wor_store::Store::open(Some(&database_url(db, dir)), dir))
+        .unwrap();
+    (runtime, store)
+}
+
 fn create_token(db: &[String]) -> String {
     let mut args = vec!["worker", "token", "create"];
     args.extend(db.iter().map(String::as_str));
@@ -81,16 +93,7 @@ fn a_worker_enrols_once_with_a_single_use_token_and_keeps_its_private_keys() {
         wor_secrets::verifying_key_to_base64(&signing.verifying_key())
     );
 
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let store = runtime
-        .block_on(wor_store::Store::open(
-            Some(&database_url(&db, dir.path())),
-            dir.path(),
-        ))
-        .unwrap();
+    let (runtime, store) = open_store(&db, dir.path());
     let workers = runtime.block_on(store.list_workers()).unwrap();
     assert_eq!(workers.len(), 1);
     assert_eq!(workers[0].id, worker_id);
@@ -440,16 +443,7 @@ fn a_workers_request_opens_the_internal_api_only_signed_fresh_and_once() {
     ));
     assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
 
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let store = runtime
-        .block_on(wor_store::Store::open(
-            Some(&database_url(&db, dir.path())),
-            dir.path(),
-        ))
-        .unwrap();
+    let (runtime, store) = open_store(&db, dir.path());
     let worker = runtime.block_on(store.worker(&worker_id)).unwrap().unwrap();
     assert!(worker.last_seen_at.is_some());
     // A revoked worker is refused, signature and all.
@@ -654,16 +648,7 @@ fn a_worker_claims_a_run_with_an_envelope_only_it_opens_and_holds_it_only_under_
     };
     let broken_run = start("broken");
     let run_id = start("desk");
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let store = runtime
-        .block_on(wor_store::Store::open(
-            Some(&database_url(&db, dir.path())),
-            dir.path(),
-        ))
-        .unwrap();
+    let (runtime, store) = open_store(&db, dir.path());
     runtime
         .block_on(wor_store::testing::tamper(
             &store,

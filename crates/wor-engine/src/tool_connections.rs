@@ -578,23 +578,14 @@ impl Engine {
             connection: name.clone(),
             source,
         })?;
-        Ok((spec, self.environment_secrets(record, spec).await?))
-    }
-
-    /// The values of a local connection's environment variables, opened from the vault.
-    pub(crate) async fn environment_secrets(
-        &self,
-        record: &ToolConnectionRecord,
-        spec: &StdioSpec,
-    ) -> Result<Vec<(String, SecretString)>, ConnectionError> {
         let mut env = Vec::with_capacity(spec.env_names.len());
         for variable in &spec.env_names {
             let value = self
-                .open_secret(&credential_slot(record, env_field(variable)), &record.name)
+                .open_secret(&credential_slot(record, env_field(variable)), name)
                 .await?;
             env.push((variable.clone(), value));
         }
-        Ok(env)
+        Ok((spec, env))
     }
 
     async fn open_secret(
