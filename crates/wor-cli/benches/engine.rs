@@ -268,14 +268,16 @@ async fn serve_collector(requests: Arc<AtomicUsize>) -> std::net::SocketAddr {
 }
 
 /// The call-to-call intervals of one routine run of `calls` echo calls on a fresh server
-/// started with `config`.
+/// started with `config`, and the server's CPU time during that run. With `together`, the run
+/// starts only once every other party of the barrier is ready to start its own.
 async fn call_intervals(
     base: &Option<String>,
     config: &str,
     echo: &Echo,
     addr: std::net::SocketAddr,
     calls: usize,
-) -> Vec<Duration> {
+    together: Option<&tokio::sync::Barrier>,
+) -> (Vec<Duration>, Duration) {
     let (server, key) = Server::start(database_for(base).await.as_deref(), config);
     let api = Api::new(&server, key);
     api.mcp_tools("echo", addr, &["echo"]).await;
@@ -285,23 +287,30 @@ async fn call_intervals(
     echo.calls.store(0, Ordering::SeqCst);
     echo.arrivals.lock().unwrap().clear();
     let routine = api.apply(&echo_routine("echo", calls)).await;
+    if let Some(barrier) = together {
+        barrier.wait().await;
+    }
+    let cpu_before = server.cpu_time();
     let run = start_and_follow(&api, &routine).await;
+    let cpu = server.cpu_time().saturating_sub(cpu_before);
     let arrivals = echo.arrivals.lock().unwrap().clone();
     assert_eq!(arrivals.len(), calls, "run {run} made every call");
     drop(server);
     let mut intervals: Vec<Duration> = arrivals.windows(2).map(|w| w[1] - w[0]).collect();
     intervals.sort();
-    intervals
+    (intervals, cpu)
 }
 
-/// A governed tool call with metrics and tracing on against off: rounds alternate between a
-/// server with neither and one with `[metrics] listen` and `[traces] endpoint` at a loopback
-/// collector, so drift in the machine's load falls on both.
+/// A governed tool call with metrics and tracing on against off. In each round two servers
+/// run side by side, one with neither and one with `[metrics] listen` and `[traces] endpoint`
+/// at a loopback collector, each calling its own echo server, their runs released together:
+/// whatever else the machine does in that second falls on both alike.
 async fn figure_observed(backend: &str, base: &Option<String>) {
     let calls = env_number("WOR_BENCH_CALLS", 200);
     let rounds = env_number("WOR_BENCH_OBSERVED_ROUNDS", 3);
-    let echo = Echo::default();
-    let addr = serve_echo(echo.clone()).await;
+    let (echo_off, echo_on) = (Echo::default(), Echo::default());
+    let addr_off = serve_echo(echo_off.clone()).await;
+    let addr_on = serve_echo(echo_on.clone()).await;
     let exports = Arc::new(AtomicUsize::new(0));
     let collector = serve_collector(exports.clone()).await;
     let observed = format!(
@@ -309,10 +318,30 @@ async fn figure_observed(backend: &str, base: &Option<String>) {
          endpoint = \"http://{collector}/v1/traces\"\nallowed_cidrs = [\"127.0.0.1/32\"]\n"
     );
     let (mut off, mut on) = (Vec::new(), Vec::new());
+    let (mut off_cpu, mut on_cpu) = (Duration::ZERO, Duration::ZERO);
     for _ in 0..rounds {
-        off.extend(call_intervals(base, LOOPBACK_CONFIG, &echo, addr, calls).await);
-        on.extend(call_intervals(base, &observed, &echo, addr, calls).await);
+        let together = tokio::sync::Barrier::new(2);
+        let ((off_round, off_round_cpu), (on_round, on_round_cpu)) = tokio::join!(
+            call_intervals(
+                base,
+                LOOPBACK_CONFIG,
+                &echo_off,
+                addr_off,
+                calls,
+                Some(&together)
+            ),
+            call_intervals(base, &observed, &echo_on, addr_on, calls, Some(&together)),
+        );
+        off.extend(off_round);
+        off_cpu += off_round_cpu;
+        on.extend(on_round);
+        on_cpu += on_round_cpu;
     }
+    // The server's CPU time per call, its whole run included (model turns, journal writes,
+    // and with observation on, every metric, span and export): what observation costs the
+    // machine, less swayed than latency by how one server's disk writes happened to fall.
+    let per_call = |cpu: Duration| cpu.as_secs_f64() * 1e6 / (rounds * calls) as f64;
+    let (off_us, on_us) = (per_call(off_cpu), per_call(on_cpu));
     assert!(
         exports.load(Ordering::SeqCst) > 0,
         "the collector got no export: tracing was not on"
@@ -324,7 +353,8 @@ async fn figure_observed(backend: &str, base: &Option<String>) {
     println!(
         "{backend:<8} observed    call to call, off p50={:.3}ms p99={:.3}ms | metrics and traces on \
          p50={:.3}ms p99={:.3}ms | difference p50 {:+.1}% p99 {:+.1}% ({rounds} rounds of {calls} \
-         calls each, alternating; {} exports)",
+         calls each, side by side; {} exports) | server CPU per call off {off_us:.0}us, on \
+         {on_us:.0}us, difference {:+.1}%",
         ms(off50),
         ms(off99),
         ms(on50),
@@ -332,6 +362,7 @@ async fn figure_observed(backend: &str, base: &Option<String>) {
         (on50.as_secs_f64() / off50.as_secs_f64() - 1.0) * 100.0,
         (on99.as_secs_f64() / off99.as_secs_f64() - 1.0) * 100.0,
         exports.load(Ordering::SeqCst),
+        (on_us / off_us - 1.0) * 100.0,
     );
 }
 

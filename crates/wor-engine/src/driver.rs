@@ -356,7 +356,7 @@ impl Engine {
     async fn turns(
         &self,
         context: &RunContext<'_>,
-        mut messages: Vec<ChatMessage>,
+        messages: Vec<ChatMessage>,
         pending: Vec<PendingCall>,
         untrusted: BTreeSet<String>,
         mut content: ContentIndex,
@@ -392,10 +392,23 @@ impl Engine {
             .copied()
             .unwrap_or_default();
         let mut machine = RunLoop::resume(limits, run.usage, pending, call_ids, untrusted);
+        // One request for the whole loop: each turn appends to its conversation rather than
+        // copying it, so a turn costs the same however long the run has been going.
+        let mut request = ModelRequest {
+            model: definition.model.model.clone(),
+            messages,
+            tools: tools.specs(),
+            max_output_tokens: definition
+                .model
+                .max_output_tokens
+                .unwrap_or(DEFAULT_MAX_OUTPUT_TOKENS),
+            temperature: None,
+            output_schema: definition.output.as_ref().map(|o| o.schema.clone()),
+        };
         // A run that stopped after recording its final answer (a crash before its end was
         // written) ends with that answer: asking the model again would pay for a turn it has
         // and could answer differently.
-        if let Some(ChatMessage::Assistant(last)) = messages.last()
+        if let Some(ChatMessage::Assistant(last)) = request.messages.last()
             && last.tool_calls.is_empty()
         {
             // A cancel requested since still wins, as it would have before the next step.
@@ -408,7 +421,7 @@ impl Engine {
             let answer = last.text.clone();
             let ended = machine.turn_recorded(Vec::new(), elapsed(), || answer);
             if let AfterTurn::End(ending) = self
-                .after_turn(run, definition, &machine, ended, &mut messages)
+                .after_turn(run, definition, &machine, ended, &mut request.messages)
                 .await?
             {
                 return Ok(Flow::End(ending, None));
@@ -427,17 +440,6 @@ impl Engine {
                     return Ok(Flow::End(ending, Some(machine.usage())));
                 }
                 Next::CallModel => {
-                    let request = ModelRequest {
-                        model: definition.model.model.clone(),
-                        messages: messages.clone(),
-                        tools: tools.specs(),
-                        max_output_tokens: definition
-                            .model
-                            .max_output_tokens
-                            .unwrap_or(DEFAULT_MAX_OUTPUT_TOKENS),
-                        temperature: None,
-                        output_schema: definition.output.as_ref().map(|o| o.schema.clone()),
-                    };
                     let remaining =
                         Duration::from_secs(limits.wall_seconds.saturating_sub(elapsed()));
                     // The text goes out to watchers as it comes, redacted; the turn is
@@ -485,12 +487,12 @@ impl Engine {
                         .cloned()
                         .map(PendingCall::fresh)
                         .collect();
-                    messages.push(ChatMessage::Assistant(message));
+                    request.messages.push(ChatMessage::Assistant(message));
                     let ended = machine.turn_recorded(calls, elapsed(), || {
                         redactor.redact(&response.message.text).into_owned()
                     });
                     if let AfterTurn::End(ending) = self
-                        .after_turn(run, definition, &machine, ended, &mut messages)
+                        .after_turn(run, definition, &machine, ended, &mut request.messages)
                         .await?
                     {
                         return Ok(Flow::End(ending, None));
@@ -534,7 +536,7 @@ impl Engine {
                     // Later calls are labelled against this result too.
                     wor_core::step::index_result(&mut content, &tool, &recorded, provenance);
                     cancel_known = Some(cancel);
-                    messages.push(ChatMessage::Tool(recorded));
+                    request.messages.push(ChatMessage::Tool(recorded));
                 }
             }
         }

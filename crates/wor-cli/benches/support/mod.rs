@@ -99,6 +99,19 @@ impl Server {
         size(&self._dir.path().join("data")) / 1024
     }
 
+    /// The CPU time the server process has used so far, every thread's, user and system
+    /// (`/proc/PID/stat`, counted in the kernel's 1/100 s ticks).
+    pub fn cpu_time(&self) -> Duration {
+        const TICKS_PER_SECOND: u64 = 100;
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).unwrap();
+        // The command name (field 2) may hold spaces; the fields after it follow its `)`.
+        let after_name = &stat[stat.rfind(')').unwrap() + 2..];
+        let fields: Vec<&str> = after_name.split(' ').collect();
+        // utime and stime are fields 14 and 15 of the whole line: 12 and 13 after the name.
+        let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+        Duration::from_millis(ticks * 1000 / TICKS_PER_SECOND)
+    }
+
     /// The server process's resident memory, in KiB.
     pub fn rss_kib(&self) -> u64 {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
