@@ -12,8 +12,9 @@
 //! routine (replay model, read-only echo tool on a loopback MCP server) against a direct
 //! JSON-RPC call to the same server; `observed` — the same call through a routine with
 //! `[metrics] listen` and `[traces] endpoint` (an in-bench loopback collector that accepts and
-//! discards) against the same server without them, alternating in one run; `throughput` — tool calls per second with 32 runs at
-//! once against 32 direct callers; `trivial` — runs of one model turn per second with 1, 8
+//! discards) against the same server without them, the two side by side in each round;
+//! `throughput` — tool calls per second with 32 runs at once (a pool of 32) against 32 direct
+//! callers; `trivial` — runs of one model turn per second with 1, 8
 //! and 32 concurrent starters, and enqueue → start; `cron` — routines whose schedule fires in
 //! the same minute, dispatch lag (a run recorded ahead of its slot counts as dispatched at the
 //! slot, when it becomes claimable) against inserting as many rows in one transaction
@@ -390,7 +391,9 @@ async fn figure_throughput(backend: &str, base: &Option<String>) {
 
     let (server, key) = Server::start(
         database_for(base).await.as_deref(),
-        &format!("max_running_per_project = {AT_ONCE}\n{LOOPBACK_CONFIG}"),
+        // As many runs at once as there are callers: the project's limit and the process's
+        // pool both allow them.
+        &format!("max_running_per_project = {AT_ONCE}\nworkers = {AT_ONCE}\n{LOOPBACK_CONFIG}"),
     );
     let api = Api::new(&server, key);
     api.mcp_tools("echo", addr, &["echo"]).await;
@@ -424,9 +427,11 @@ async fn figure_throughput(backend: &str, base: &Option<String>) {
 async fn figure_trivial(backend: &str, base: &Option<String>) {
     let total = env_number("WOR_BENCH_TRIVIAL_RUNS", 200);
     for starters in [1usize, 8, 32] {
+        // The pool has a slot for every starter's run (the default of 16 would queue half of
+        // 32 starters' runs behind the others, whatever the engine's own latency).
         let (server, key) = Server::start(
             database_for(base).await.as_deref(),
-            "max_running_per_project = 64\n",
+            "max_running_per_project = 64\nworkers = 64\n",
         );
         let api = Api::new(&server, key);
         let routine = api.apply(TRIVIAL).await;

@@ -162,7 +162,7 @@ impl Store {
                 sqlx::query("SELECT 1 AS one FROM members WHERE project_id = $1 AND id = $2")
                     .bind(project.to_string())
                     .bind(member.to_string())
-                    .fetch_optional(&mut *tx)
+                    .fetch_optional(&mut **tx)
                     .await?;
             if found.is_none() {
                 return Err(StoreError::NotFound);
@@ -277,7 +277,7 @@ impl Store {
         .bind(now_millis())
         .bind(project.to_string())
         .bind(id.to_string())
-        .execute(&mut *tx)
+        .execute(&mut **tx)
         .await?
         .rows_affected();
         if revoked > 0 && is_owner_key(&key) && live_owner_keys(&mut tx, project).await? == 0 {

@@ -267,7 +267,7 @@ impl Store {
         .bind(approval.run_id.to_string())
         .bind(&approval.call_id)
         .bind(approval.kind.as_str())
-        .fetch_optional(&mut *tx)
+        .fetch_optional(&mut **tx)
         .await?;
         // A used approval was spent on an attempt that started: the call may be asked about
         // again (its outcome is unknown once more), with a request of its own.
@@ -309,7 +309,7 @@ impl Store {
                 .bind(approval.why.to_string())
                 .bind(now)
                 .bind(approval.expires_at)
-                .execute(&mut *tx)
+                .execute(&mut **tx)
                 .await?;
                 (id, true)
             }
@@ -428,7 +428,7 @@ impl Store {
         .bind(id.to_string())
         .bind(edit.map(|e| e.arguments.to_string()))
         .bind(edit.map(|e| e.binding_hash.clone()))
-        .execute(&mut *tx)
+        .execute(&mut **tx)
         .await?;
         if done.rows_affected() != 1 {
             tx.rollback().await?;
@@ -484,7 +484,7 @@ impl Store {
             )
             .bind(now)
             .bind(id.to_string())
-            .execute(&mut *tx)
+            .execute(&mut **tx)
             .await?;
             if done.rows_affected() == 1 {
                 requeue_parked(&mut tx, project, id, now).await?;
@@ -518,7 +518,7 @@ impl Store {
         .bind(run.to_string())
         .bind(call.approval.to_string())
         .bind(call.binding_hash)
-        .execute(&mut *tx)
+        .execute(&mut **tx)
         .await?;
         if used.rows_affected() != 1 {
             tx.rollback().await?;
@@ -575,7 +575,7 @@ impl Store {
         let mut tx = self.begin_write().await?;
         sqlx::query("DELETE FROM project_policies WHERE project_id = $1")
             .bind(project.to_string())
-            .execute(&mut *tx)
+            .execute(&mut **tx)
             .await?;
         if let Some(text) = text {
             sqlx::query(
@@ -585,7 +585,7 @@ impl Store {
             .bind(text)
             .bind(by.map(|k| k.to_string()))
             .bind(now_millis())
-            .execute(&mut *tx)
+            .execute(&mut **tx)
             .await?;
         }
         tx.commit().await?;

@@ -202,19 +202,19 @@ impl Store {
         )
         .bind(now)
         .bind(sha256_hex(presented.as_bytes()))
-        .execute(&mut *tx)
+        .execute(&mut **tx)
         .await?;
         if used.rows_affected() != 1 {
             return Ok(None);
         }
         sqlx::query("DELETE FROM member_passwords WHERE member_id = $1")
             .bind(invitation.member_id.to_string())
-            .execute(&mut *tx)
+            .execute(&mut **tx)
             .await?;
         // A new password ends every session opened with the old one.
         sqlx::query("DELETE FROM console_sessions WHERE member_id = $1")
             .bind(invitation.member_id.to_string())
-            .execute(&mut *tx)
+            .execute(&mut **tx)
             .await?;
         sqlx::query(
             "INSERT INTO member_passwords (member_id, project_id, phc, set_at) \
@@ -224,7 +224,7 @@ impl Store {
         .bind(invitation.project_id.to_string())
         .bind(phc)
         .bind(now)
-        .execute(&mut *tx)
+        .execute(&mut **tx)
         .await?;
         tx.commit().await?;
         Ok(Some(invitation))
@@ -523,7 +523,7 @@ impl Store {
                     "SELECT 1 AS locked FROM (SELECT pg_advisory_xact_lock(hashtext($1))) AS l",
                 )
                 .bind(scope)
-                .fetch_one(&mut *tx)
+                .fetch_one(&mut **tx)
                 .await?;
             }
         }
@@ -533,7 +533,7 @@ impl Store {
             )
             .bind(*scope)
             .bind(since)
-            .fetch_one(&mut *tx)
+            .fetch_one(&mut **tx)
             .await?;
             if failures >= *limit {
                 return Ok(None);
@@ -543,7 +543,7 @@ impl Store {
             sqlx::query("INSERT INTO sign_in_failures (scope, at) VALUES ($1, $2)")
                 .bind(*scope)
                 .bind(now)
-                .execute(&mut *tx)
+                .execute(&mut **tx)
                 .await?;
         }
         tx.commit().await?;

@@ -143,6 +143,10 @@ pub enum StoreError {
     Database(#[from] sqlx::Error),
     #[error("migration failed: {0}")]
     Migration(#[from] sqlx::migrate::MigrateError),
+    /// Other writes of this process kept the database for longer than a write waits
+    /// (`busy_timeout`, 10 s).
+    #[error("the database stayed busy with other writes; try again")]
+    WriteTurnTimedOut,
     #[error("the audit writer has stopped")]
     AuditStopped,
     #[error("audit append failed ({0})")]
@@ -169,6 +173,7 @@ impl StoreError {
                 _ => "other",
             },
             StoreError::Migration(_) => "migration",
+            StoreError::WriteTurnTimedOut => "write_turn_timed_out",
             StoreError::AuditStopped => "audit_stopped",
             StoreError::AuditWrite(_) => "audit_write",
         }
@@ -182,6 +187,45 @@ pub struct Store {
     backend: Backend,
     /// The PostgreSQL URL, for the connection that listens for queued runs.
     listen_url: Option<std::sync::Arc<str>>,
+    /// On SQLite, this process's turn to write: every write transaction holds it from `BEGIN`
+    /// to its end ([`WriteTx`]). SQLite has one writer at a time, and one waiting for its lock
+    /// sleeps in growing steps (up to 100 ms) however soon the lock is free, while a writer
+    /// that just committed takes it again at once; waiting here instead, in order, a writer is
+    /// woken as soon as the one before it is done. `None` on PostgreSQL, whose row locks order
+    /// its writers.
+    write_turn: Option<std::sync::Arc<tokio::sync::Mutex<()>>>,
+}
+
+/// A write transaction ([`Store::begin_write`]) with this process's turn to write, which it
+/// gives up when it ends (committed, rolled back or dropped).
+pub(crate) struct WriteTx {
+    // Declared first, so dropped first: the transaction ends before the turn passes on.
+    tx: Transaction<'static, Any>,
+    _turn: Option<tokio::sync::OwnedMutexGuard<()>>,
+}
+
+impl WriteTx {
+    pub(crate) async fn commit(self) -> Result<(), sqlx::Error> {
+        self.tx.commit().await
+    }
+
+    pub(crate) async fn rollback(self) -> Result<(), sqlx::Error> {
+        self.tx.rollback().await
+    }
+}
+
+impl std::ops::Deref for WriteTx {
+    type Target = Transaction<'static, Any>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.tx
+    }
+}
+
+impl std::ops::DerefMut for WriteTx {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.tx
+    }
 }
 
 /// The channel PostgreSQL notifies when a run is queued (migration 0022).
@@ -257,6 +301,8 @@ impl Store {
             pool,
             backend,
             listen_url,
+            write_turn: (backend == Backend::Sqlite)
+                .then(|| std::sync::Arc::new(tokio::sync::Mutex::new(()))),
         };
         migrations::apply(&store).await?;
         Ok(store)
@@ -286,7 +332,8 @@ impl Store {
         clippy::disallowed_methods,
         reason = "the one place a transaction begins (clippy.toml)"
     )]
-    pub(crate) async fn begin_write(&self) -> Result<Transaction<'static, Any>, StoreError> {
+    pub(crate) async fn begin_write(&self) -> Result<WriteTx, StoreError> {
+        let turn = self.write_turn().await?;
         let mut retry = BeginRetry::new(self.backend);
         loop {
             let begun = match self.backend {
@@ -294,9 +341,22 @@ impl Store {
                 Backend::Postgres => self.pool.begin().await,
             };
             match begun {
-                Ok(tx) => return Ok(tx),
+                Ok(tx) => return Ok(WriteTx { tx, _turn: turn }),
                 Err(err) => retry.after(err).await?,
             }
+        }
+    }
+
+    /// Waits for this process's turn to write, on SQLite (see `Store::write_turn`). A wait
+    /// longer than SQLite's own `busy_timeout` fails as busy, as waiting for its lock would:
+    /// a task that asked for a second write while holding the first never hangs.
+    async fn write_turn(&self) -> Result<Option<tokio::sync::OwnedMutexGuard<()>>, StoreError> {
+        let Some(turn) = &self.write_turn else {
+            return Ok(None);
+        };
+        match tokio::time::timeout(WRITE_TURN_TIMEOUT, turn.clone().lock_owned()).await {
+            Ok(guard) => Ok(Some(guard)),
+            Err(_) => Err(StoreError::WriteTurnTimedOut),
         }
     }
 
@@ -401,6 +461,8 @@ impl Store {
             Backend::Sqlite => "BEGIN IMMEDIATE",
             Backend::Postgres => "BEGIN",
         };
+        // Held until the transaction below has ended.
+        let _turn = self.write_turn().await?;
         let mut retry = BeginRetry::new(self.backend);
         let mut tx = loop {
             match held.connection.begin_with(begin).await {
@@ -457,6 +519,8 @@ impl BeginRetry {
 /// How many times a write transaction's `BEGIN` is tried while SQLite reports the database
 /// busy, and the pause before the second try (doubled before each further one).
 const WRITE_BEGIN_ATTEMPTS: u32 = 4;
+/// How long a write waits for this process's turn: SQLite's `busy_timeout` (set on connect).
+const WRITE_TURN_TIMEOUT: Duration = Duration::from_secs(10);
 const WRITE_RETRY_PAUSE: Duration = Duration::from_millis(50);
 
 /// Whether `err` is SQLite's `SQLITE_BUSY` or `SQLITE_LOCKED`, in any extended form (the

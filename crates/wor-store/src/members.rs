@@ -106,13 +106,13 @@ impl Store {
     ) -> Result<RoleChange, StoreError> {
         let mut tx = self.begin_write().await?;
         lock_project(&mut tx, project).await?;
-        let member = fetch_member(&mut *tx, project, id).await?;
+        let member = fetch_member(&mut **tx, project, id).await?;
         // The changer's own membership as it is now: a demotion that committed after they
         // were authenticated holds here.
         let acting = match by.member {
             Some(changer) => by
                 .role
-                .at_most(fetch_member(&mut *tx, project, changer).await?.role),
+                .at_most(fetch_member(&mut **tx, project, changer).await?.role),
             None => by.role,
         };
         acting
@@ -127,7 +127,7 @@ impl Store {
             .bind(role.as_str())
             .bind(project.to_string())
             .bind(id.to_string())
-            .execute(&mut *tx)
+            .execute(&mut **tx)
             .await?;
         if previous == Role::Owner && live_owner_keys(&mut tx, project).await? == 0 {
             tx.rollback().await?;

@@ -30,7 +30,7 @@ impl Store {
             .bind(entry.provenance.as_str())
             .bind(&entry.text)
             .bind(now_millis())
-            .execute(&mut *tx)
+            .execute(&mut **tx)
             .await?;
         }
         tx.commit().await?;

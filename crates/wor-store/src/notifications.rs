@@ -305,7 +305,7 @@ impl Store {
         let done = sqlx::query("DELETE FROM notification_routes WHERE project_id = $1 AND id = $2")
             .bind(project.to_string())
             .bind(id.to_string())
-            .execute(&mut *tx)
+            .execute(&mut **tx)
             .await?;
         changed_one(&done)?;
         sqlx::query(
@@ -315,7 +315,7 @@ impl Store {
         .bind(now_millis())
         .bind(project.to_string())
         .bind(id.to_string())
-        .execute(&mut *tx)
+        .execute(&mut **tx)
         .await?;
         tx.commit().await?;
         Ok(())
@@ -560,7 +560,7 @@ impl Store {
         .bind(now)
         .bind(&digest)
         .bind(project.to_string())
-        .fetch_optional(&mut *tx)
+        .fetch_optional(&mut **tx)
         .await?;
         let Some(row) = row else {
             return Ok(None);
@@ -575,7 +575,7 @@ impl Store {
         .bind(project.to_string())
         .bind(&link.team_id)
         .bind(&link.slack_user_id)
-        .execute(&mut *tx)
+        .execute(&mut **tx)
         .await?;
         sqlx::query(
             "INSERT INTO slack_identities (project_id, team_id, slack_user_id, member_id, linked_at) \
@@ -586,7 +586,7 @@ impl Store {
         .bind(&link.slack_user_id)
         .bind(member.to_string())
         .bind(now)
-        .execute(&mut *tx)
+        .execute(&mut **tx)
         .await?;
         tx.commit().await?;
         Ok(Some(link))

@@ -250,7 +250,7 @@ impl Store {
         )
         .bind(record.project_id.to_string())
         .bind(record.connection_id.to_string())
-        .execute(&mut *tx)
+        .execute(&mut **tx)
         .await?;
         sqlx::query(
             "INSERT INTO tool_connection_oauth (connection_id, project_id, client_id, discovery, \
@@ -267,7 +267,7 @@ impl Store {
         .bind(record.authorized_at)
         .bind(record.refreshed_at)
         .bind(record.scope.as_deref())
-        .execute(&mut *tx)
+        .execute(&mut **tx)
         .await?;
         tx.commit().await?;
         Ok(())

@@ -51,7 +51,7 @@ impl Store {
             .bind(project.id.to_string())
             .bind(name)
             .bind(now)
-            .execute(&mut *tx)
+            .execute(&mut **tx)
             .await
             .map_err(|e| conflict_or(e, || format!("a project named `{name}` already exists")))?;
         let owner = crate::MemberRecord {
@@ -97,7 +97,7 @@ impl Store {
         )
         .bind(project.to_string())
         .bind(owner_name)
-        .fetch_optional(&mut *tx)
+        .fetch_optional(&mut **tx)
         .await?;
         let (owner, owner_created) = match existing {
             Some(row) => {

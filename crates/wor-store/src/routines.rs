@@ -55,7 +55,7 @@ impl Store {
         )))
         .bind(project.to_string())
         .bind(definition.name.as_str())
-        .fetch_optional(&mut *tx)
+        .fetch_optional(&mut **tx)
         .await?;
         let (routine, version) = match existing {
             None => {
@@ -75,7 +75,7 @@ impl Store {
                 .bind(project.to_string())
                 .bind(&routine.name)
                 .bind(now)
-                .execute(&mut *tx)
+                .execute(&mut **tx)
                 .await
                 .map_err(|e| {
                     crate::conflict_or(e, || "the routine was created concurrently; apply again".to_owned())
@@ -89,7 +89,7 @@ impl Store {
                 )
                 .bind(routine.id.to_string())
                 .bind(routine.current_version)
-                .fetch_one(&mut *tx)
+                .fetch_one(&mut **tx)
                 .await?
                 .try_get("content_hash")?;
                 if current_hash == hash {
@@ -112,7 +112,7 @@ impl Store {
                 .bind(now)
                 .bind(routine.id.to_string())
                 .bind(routine.current_version)
-                .execute(&mut *tx)
+                .execute(&mut **tx)
                 .await?;
                 routine.current_version = next;
                 routine.updated_at = now;
@@ -130,7 +130,7 @@ impl Store {
         .bind(&hash)
         .bind(created_by.map(|k| k.to_string()))
         .bind(now)
-        .execute(&mut *tx)
+        .execute(&mut **tx)
         .await
         .map_err(|e| {
             crate::conflict_or(e, || {

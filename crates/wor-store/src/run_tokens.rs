@@ -107,7 +107,7 @@ impl Store {
         let mut tx = self.begin_write().await?;
         sqlx::query("DELETE FROM run_tokens WHERE run_id = $1")
             .bind(run.to_string())
-            .execute(&mut *tx)
+            .execute(&mut **tx)
             .await?;
         let inserted = sqlx::query(
             "INSERT INTO run_tokens (run_id, project_id, sha256, lease_owner, expires_at, created_at) \
@@ -120,7 +120,7 @@ impl Store {
         .bind(run.to_string())
         .bind(project.to_string())
         .bind(worker)
-        .execute(&mut *tx)
+        .execute(&mut **tx)
         .await?;
         if inserted.rows_affected() != 1 {
             tx.rollback().await?;

@@ -405,7 +405,7 @@ impl Store {
         .bind(now)
         .bind(project.to_string())
         .bind(id.to_string())
-        .execute(&mut *tx)
+        .execute(&mut **tx)
         .await?;
         let ended_queued = cancelled.rows_affected() == 1;
         if ended_queued {
@@ -541,7 +541,7 @@ impl Store {
         if limits.is_some() && self.backend() == crate::Backend::Postgres {
             sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
                 .bind(project.to_string())
-                .execute(&mut *tx)
+                .execute(&mut **tx)
                 .await?;
         }
         let within_limits = if limits.is_some() {
@@ -569,7 +569,7 @@ impl Store {
                 .bind(limits.routine.to_owned())
                 .bind(to_i64(limits.max_per_project));
         }
-        let claimed = query.execute(&mut *tx).await?;
+        let claimed = query.execute(&mut **tx).await?;
         if claimed.rows_affected() != 1 {
             tx.rollback().await?;
             return Ok(None);

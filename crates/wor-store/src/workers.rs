@@ -180,12 +180,12 @@ impl Store {
         .bind(now)
         .bind(&worker_id)
         .bind(&digest)
-        .execute(&mut *tx)
+        .execute(&mut **tx)
         .await?;
         if spent.rows_affected() != 1 {
             let row = sqlx::query("SELECT used_at FROM worker_enrolment_tokens WHERE sha256 = $1")
                 .bind(&digest)
-                .fetch_optional(&mut *tx)
+                .fetch_optional(&mut **tx)
                 .await?;
             tx.rollback().await?;
             let refusal = match row {
@@ -199,7 +199,7 @@ impl Store {
         }
         let taken = sqlx::query("SELECT COUNT(*) AS n FROM workers WHERE signing_public_key = $1")
             .bind(signing_public_key)
-            .fetch_one(&mut *tx)
+            .fetch_one(&mut **tx)
             .await?;
         if taken.try_get::<i64, _>("n")? > 0 {
             tx.rollback().await?;
@@ -215,7 +215,7 @@ impl Store {
         .bind(exchange_public_key)
         .bind(WorkerStatus::Active.as_str())
         .bind(now)
-        .execute(&mut *tx)
+        .execute(&mut **tx)
         .await?;
         tx.commit().await?;
         Ok(Ok(WorkerRecord {
@@ -264,7 +264,7 @@ impl Store {
         let mut tx = self.begin_write().await?;
         sqlx::query("DELETE FROM worker_request_nonces WHERE keep_until < $1")
             .bind(now_secs)
-            .execute(&mut *tx)
+            .execute(&mut **tx)
             .await?;
         let inserted = sqlx::query(
             "INSERT INTO worker_request_nonces (worker_id, nonce, keep_until) VALUES ($1, $2, $3) \
@@ -273,7 +273,7 @@ impl Store {
         .bind(worker_id)
         .bind(nonce)
         .bind(keep_until)
-        .execute(&mut *tx)
+        .execute(&mut **tx)
         .await?;
         tx.commit().await?;
         Ok(inserted.rows_affected() == 1)
@@ -289,12 +289,12 @@ impl Store {
             "UPDATE workers SET status = 'revoked' WHERE id = $1 AND status = 'active'",
         )
         .bind(id)
-        .execute(&mut *tx)
+        .execute(&mut **tx)
         .await?;
         if revoked.rows_affected() == 0 {
             let known = sqlx::query("SELECT 1 AS known FROM workers WHERE id = $1")
                 .bind(id)
-                .fetch_optional(&mut *tx)
+                .fetch_optional(&mut **tx)
                 .await?
                 .is_some();
             tx.rollback().await?;
