@@ -288,6 +288,12 @@ impl From<StoreError> for ApiError {
             last @ StoreError::LastOwnerKey { .. } => ApiError::LastOwnerKey(last.to_string()),
             last @ StoreError::LastOwner { .. } => ApiError::LastOwner(last.to_string()),
             StoreError::RoleChange(refusal) => ApiError::Forbidden(refusal.to_string()),
+            // Other writes held the database for longer than a write waits: nothing was
+            // written, and the same request may succeed in a moment.
+            busy @ StoreError::WriteTurnTimedOut => {
+                tracing::warn!(category = "store", kind = busy.kind(), "store busy");
+                ApiError::Unavailable(busy.to_string())
+            }
             other => {
                 // The variant is logged, not the message: database messages can quote data.
                 tracing::error!(category = "store", kind = other.kind(), "store error");

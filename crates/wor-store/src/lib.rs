@@ -188,7 +188,8 @@ pub struct Store {
     /// The PostgreSQL URL, for the connection that listens for queued runs.
     listen_url: Option<std::sync::Arc<str>>,
     /// On SQLite, this process's turn to write: every write transaction holds it from `BEGIN`
-    /// to its end ([`WriteTx`]). SQLite has one writer at a time, and one waiting for its lock
+    /// to its end ([`WriteTx`]), and so do the single-statement writes a run's life depends on
+    /// (its lease renewal, its requeues). SQLite has one writer at a time, and one waiting for its lock
     /// sleeps in growing steps (up to 100 ms) however soon the lock is free, while a writer
     /// that just committed takes it again at once; waiting here instead, in order, a writer is
     /// woken as soon as the one before it is done. `None` on PostgreSQL, whose row locks order
@@ -199,7 +200,9 @@ pub struct Store {
 /// A write transaction ([`Store::begin_write`]) with this process's turn to write, which it
 /// gives up when it ends (committed, rolled back or dropped).
 pub(crate) struct WriteTx {
-    // Declared first, so dropped first: the transaction ends before the turn passes on.
+    // Declared first, so dropped first. A commit or rollback ends the transaction before the
+    // turn passes on; a transaction only dropped has its rollback queued on its connection,
+    // which the next writer's `busy_timeout` waits for in the rare case it has not run yet.
     tx: Transaction<'static, Any>,
     _turn: Option<tokio::sync::OwnedMutexGuard<()>>,
 }
@@ -350,7 +353,9 @@ impl Store {
     /// Waits for this process's turn to write, on SQLite (see `Store::write_turn`). A wait
     /// longer than SQLite's own `busy_timeout` fails as busy, as waiting for its lock would:
     /// a task that asked for a second write while holding the first never hangs.
-    async fn write_turn(&self) -> Result<Option<tokio::sync::OwnedMutexGuard<()>>, StoreError> {
+    pub(crate) async fn write_turn(
+        &self,
+    ) -> Result<Option<tokio::sync::OwnedMutexGuard<()>>, StoreError> {
         let Some(turn) = &self.write_turn else {
             return Ok(None);
         };

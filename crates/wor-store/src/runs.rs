@@ -413,6 +413,7 @@ impl Store {
         }
         tx.commit().await?;
         // A parked run has no worker: it goes back in the queue, flagged, for one to end it.
+        let turn = self.write_turn().await?;
         sqlx::query(
             "UPDATE runs SET cancel_requested = 1, updated_at = $1, \
              status = CASE WHEN status = 'waiting_for_approval' THEN 'queued' ELSE status END \
@@ -423,6 +424,7 @@ impl Store {
         .bind(id.to_string())
         .execute(self.pool())
         .await?;
+        drop(turn);
         let run = self.get_run(project, id).await?;
         if ended_queued {
             crate::metrics::run_ended_unclaimed(RunStatus::Cancelled, run.trigger_kind);
@@ -432,6 +434,8 @@ impl Store {
 
     /// Puts runs whose worker stopped renewing its lease back in the queue, to be resumed.
     pub async fn requeue_expired_runs(&self) -> Result<u64, StoreError> {
+        // Takes this process's turn to write, as a transaction would (`Store::write_turn`).
+        let _turn = self.write_turn().await?;
         let done = sqlx::query(
             "UPDATE runs SET status = 'queued', lease_owner = NULL, lease_expires_at = NULL, updated_at = $1 \
              WHERE status = 'running' AND lease_expires_at < $1",
@@ -619,6 +623,8 @@ impl Store {
         project: ProjectId,
         id: RunId,
     ) -> Result<(), StoreError> {
+        // Takes this process's turn to write, as a transaction would (`Store::write_turn`).
+        let _turn = self.write_turn().await?;
         sqlx::query(
             "UPDATE runs SET status = 'queued', updated_at = $1 \
              WHERE project_id = $2 AND id = $3 AND status = 'waiting_for_approval'",
@@ -638,6 +644,8 @@ impl Store {
         worker: &str,
         lease_ms: i64,
     ) -> Result<bool, StoreError> {
+        // Takes this process's turn to write, as a transaction would (`Store::write_turn`).
+        let _turn = self.write_turn().await?;
         let now = now_millis();
         let done = sqlx::query(
             "UPDATE runs SET lease_expires_at = $1 WHERE id = $2 AND lease_owner = $3 AND status = 'running'",
