@@ -269,15 +269,15 @@ async fn serve_collector(requests: Arc<AtomicUsize>) -> std::net::SocketAddr {
 }
 
 /// The call-to-call intervals of one routine run of `calls` echo calls on a fresh server
-/// started with `config`, and the server's CPU time during that run. With `together`, the run
-/// starts only once every other party of the barrier is ready to start its own.
+/// started with `config`, and the server's CPU time during that run. The run starts only once
+/// every other party of `together` is ready to start its own.
 async fn call_intervals(
     base: &Option<String>,
     config: &str,
     echo: &Echo,
     addr: std::net::SocketAddr,
     calls: usize,
-    together: Option<&tokio::sync::Barrier>,
+    together: &tokio::sync::Barrier,
 ) -> (Vec<Duration>, Duration) {
     let (server, key) = Server::start(database_for(base).await.as_deref(), config);
     let api = Api::new(&server, key);
@@ -288,9 +288,7 @@ async fn call_intervals(
     echo.calls.store(0, Ordering::SeqCst);
     echo.arrivals.lock().unwrap().clear();
     let routine = api.apply(&echo_routine("echo", calls)).await;
-    if let Some(barrier) = together {
-        barrier.wait().await;
-    }
+    together.wait().await;
     let cpu_before = server.cpu_time();
     let run = start_and_follow(&api, &routine).await;
     let cpu = server.cpu_time().saturating_sub(cpu_before);
@@ -323,15 +321,8 @@ async fn figure_observed(backend: &str, base: &Option<String>) {
     for _ in 0..rounds {
         let together = tokio::sync::Barrier::new(2);
         let ((off_round, off_round_cpu), (on_round, on_round_cpu)) = tokio::join!(
-            call_intervals(
-                base,
-                LOOPBACK_CONFIG,
-                &echo_off,
-                addr_off,
-                calls,
-                Some(&together)
-            ),
-            call_intervals(base, &observed, &echo_on, addr_on, calls, Some(&together)),
+            call_intervals(base, LOOPBACK_CONFIG, &echo_off, addr_off, calls, &together),
+            call_intervals(base, &observed, &echo_on, addr_on, calls, &together),
         );
         off.extend(off_round);
         off_cpu += off_round_cpu;
