@@ -289,6 +289,8 @@ pub struct Engine {
     wasm: wor_wasm::WasmHost<wor_core::ProjectId>,
     /// Wakes this process's idle worker pool: a run was queued or one ended.
     work: Arc<tokio::sync::Notify>,
+    /// This process's worker pool: its slots, and the way in for runs started here.
+    pool: Arc<worker::Pool>,
     /// The model text of runs driven here, redacted, for people watching them.
     live_text: live_text::LiveText,
     /// Routine versions read so far (they never change).
@@ -305,6 +307,7 @@ impl Engine {
         audit: AuditLog,
         config: EngineConfig,
     ) -> Self {
+        let pool = Arc::new(worker::Pool::new(config.workers));
         Engine {
             store,
             vault,
@@ -315,6 +318,7 @@ impl Engine {
             sandbox: None,
             wasm: wor_wasm::WasmHost::default(),
             work: Arc::new(tokio::sync::Notify::new()),
+            pool,
             live_text: live_text::LiveText::default(),
             versions: Arc::default(),
             oauth_refreshes: Arc::default(),

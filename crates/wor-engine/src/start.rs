@@ -97,15 +97,45 @@ impl Engine {
             actor,
             ..
         } = admission;
-        let run = self
-            .store
-            .create_run(request.project, new.clone(), input)
-            .await?;
-        self.audit
+        // With a slot of this process's pool free, the run is claimed as it is created and
+        // driven here at once; otherwise it waits in the queue for any worker.
+        let slot = if new.status == RunStatus::Queued {
+            self.pool.free_slot()
+        } else {
+            None
+        };
+        let run = match &slot {
+            Some(_) => {
+                self.store
+                    .create_and_claim_run(request.project, new.clone(), input, self.claim_terms())
+                    .await?
+            }
+            None => {
+                self.store
+                    .create_run(request.project, new.clone(), input)
+                    .await?
+            }
+        };
+        if let Err(error) = self
+            .audit
             .append(run_started(request.project, run.id, &new, actor))
-            .await?;
-        if run.status == RunStatus::Queued {
-            self.wake_workers();
+            .await
+        {
+            // Claimed here but not to be driven here: back to the queue, not left to its lease.
+            if slot.is_some() && run.status == RunStatus::Running {
+                drop(slot);
+                self.give_back(&run, &self.config.worker_id).await;
+                self.wake_workers();
+            }
+            return Err(error.into());
+        }
+        match (run.status, slot) {
+            (RunStatus::Running, Some(slot)) => {
+                crate::metrics::run_claimed(&run, run.created_at);
+                self.drive_started(run.clone(), slot).await;
+            }
+            (RunStatus::Queued, _) => self.wake_workers(),
+            _ => {}
         }
         tracing::info!(category = "run", action = "run.start", project_id = %request.project,
             run_id = %run.id, routine_id = %routine.id, version = version.version,

@@ -1,19 +1,76 @@
 //! Workers: a pool that claims queued runs and drives up to `workers` of them at once; put
 //! back runs whose worker died; expire approvals nobody decided.
 //!
-//! One dispatcher claims and hands each claimed run to a driver task of its own, while a slot
-//! is free. The limits are not counted here: every claim checks the routine's
-//! `max_concurrent` and the project's running limit as it is written (`wor-store`), so they
-//! hold across slots and processes alike. An idle pool asks the database for work once per
-//! poll interval, whatever its size; it is woken sooner when this process queues a run or a
-//! driver ends one, and on PostgreSQL when any process queues one (LISTEN/NOTIFY). The sweeps (expired leases, expired approvals) run once per process.
+//! One dispatcher claims runs, as many at once as there are free slots (one write for them
+//! all), and hands each claimed run to a driver task of its own. The limits are not counted
+//! here: every claim checks the routine's `max_concurrent` and the project's running limit as
+//! it is written (`wor-store`), so they hold across slots and processes alike. An idle pool
+//! asks the database for work once per poll interval, whatever its size; it is woken sooner
+//! when this process queues a run or a driver ends one, and on PostgreSQL when any process
+//! queues one (LISTEN/NOTIFY). The sweeps (expired leases, expired approvals) run once per
+//! process.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio::task::{JoinHandle, JoinSet};
 
 use crate::{Engine, EngineError};
+
+/// A run claimed with the slot it is to be driven in.
+type Claimed = (wor_store::RunRecord, OwnedSemaphorePermit);
+
+/// This process's worker pool as the rest of the engine sees it: its slots, and while its
+/// dispatcher runs, the way a run started here and claimed as it was created reaches it.
+#[derive(Debug)]
+pub(crate) struct Pool {
+    slots: Arc<Semaphore>,
+    started: Mutex<Option<mpsc::UnboundedSender<Claimed>>>,
+}
+
+impl Pool {
+    pub(crate) fn new(workers: usize) -> Self {
+        Pool {
+            slots: Arc::new(Semaphore::new(workers.max(1))),
+            started: Mutex::new(None),
+        }
+    }
+
+    /// A free slot of a running pool, for a run about to be started here; `None` when every
+    /// slot is taken or no pool runs in this process.
+    pub(crate) fn free_slot(&self) -> Option<OwnedSemaphorePermit> {
+        let open = self
+            .started
+            .lock()
+            .is_ok_and(|started| started.as_ref().is_some_and(|tx| !tx.is_closed()));
+        if !open {
+            return None;
+        }
+        self.slots.clone().try_acquire_owned().ok()
+    }
+
+    /// Hands a run claimed as it was started to the dispatcher; returns it when the
+    /// dispatcher has stopped and no one will drive it here.
+    fn hand_over(&self, claimed: Claimed) -> Option<Claimed> {
+        let sender = match self.started.lock() {
+            Ok(started) => started.clone(),
+            Err(_) => None,
+        };
+        match sender {
+            Some(sender) => sender.send(claimed).err().map(|returned| returned.0),
+            None => Some(claimed),
+        }
+    }
+
+    /// Opens the way in for runs claimed as they are started; closed when the receiver drops.
+    fn open(&self) -> mpsc::UnboundedReceiver<Claimed> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        if let Ok(mut started) = self.started.lock() {
+            *started = Some(tx);
+        }
+        rx
+    }
+}
 
 /// How long the queued-run listener waits before reconnecting after an error.
 const LISTEN_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
@@ -50,6 +107,26 @@ impl Engine {
         self.claim_for(&self.config.worker_id).await
     }
 
+    /// Claims up to `max` of the oldest queued runs the limits allow, leased to this process,
+    /// in one write.
+    async fn claim_several(&self, max: usize) -> Result<Vec<wor_store::RunRecord>, EngineError> {
+        let began = wor_store::now_millis();
+        let claimed = self.store.claim_runs(self.claim_terms(), max).await?;
+        for run in &claimed {
+            crate::metrics::run_claimed(run, began);
+        }
+        Ok(claimed)
+    }
+
+    /// The terms this process's pool claims runs on: leased to it, under the project limit.
+    pub(crate) fn claim_terms(&self) -> wor_store::ClaimTerms<'_> {
+        wor_store::ClaimTerms {
+            worker: &self.config.worker_id,
+            lease_ms: self.lease_ms(),
+            max_per_project: self.config.max_running_per_project,
+        }
+    }
+
     /// Claims the oldest queued run the limits allow, leased to `holder`.
     pub(crate) async fn claim_for(
         &self,
@@ -64,6 +141,21 @@ impl Engine {
             crate::metrics::run_claimed(run, began);
         }
         Ok(claimed)
+    }
+
+    /// Drives `run`, claimed by this process as it was started, in `slot` of the pool. When
+    /// the pool has stopped meanwhile, gives the run back to the queue at once (or, should
+    /// that fail, when its lease runs out).
+    pub(crate) async fn drive_started(
+        &self,
+        run: wor_store::RunRecord,
+        slot: OwnedSemaphorePermit,
+    ) {
+        if let Some((run, slot)) = self.pool.hand_over((run, slot)) {
+            drop(slot);
+            self.give_back(&run, &self.config.worker_id).await;
+            self.wake_workers();
+        }
     }
 
     /// Tells an idle pool of this process that there may be work: a run was queued or a
@@ -89,9 +181,13 @@ impl Engine {
 
     /// Claims runs while a slot is free and drives each on a task of its own.
     async fn dispatch(&self, mut shutdown: watch::Receiver<bool>) {
-        let slots = Arc::new(Semaphore::new(self.config.workers.max(1)));
+        let slots = self.pool.slots.clone();
+        let mut started = self.pool.open();
         let mut drivers = JoinSet::new();
         loop {
+            while let Ok((run, slot)) = started.try_recv() {
+                self.spawn_driver(&mut drivers, run, slot);
+            }
             while let Some(ended) = drivers.try_join_next() {
                 if let Err(error) = ended
                     && error.is_panic()
@@ -105,39 +201,67 @@ impl Engine {
             if *shutdown.borrow() {
                 break;
             }
-            let slot = tokio::select! {
+            let first = tokio::select! {
                 slot = slots.clone().acquire_owned() => match slot {
                     Ok(slot) => slot,
                     Err(_) => break,
                 },
-                _ = shutdown.changed() => break,
-            };
-            match self.claim_next().await {
-                Ok(Some(run)) => {
-                    let engine = self.clone();
-                    drivers.spawn(async move {
-                        if let Err(error) = engine.drive(run).await {
-                            tracing::error!(category = "run", error = %error, "worker step failed");
-                        }
-                        drop(slot);
-                        engine.wake_workers();
-                    });
+                Some((run, slot)) = started.recv() => {
+                    self.spawn_driver(&mut drivers, run, slot);
                     continue;
                 }
-                Ok(None) => {}
+                _ = shutdown.changed() => break,
+            };
+            // Every free slot is offered to one claim: runs queued together start together.
+            let mut free = vec![first];
+            while let Ok(slot) = slots.clone().try_acquire_owned() {
+                free.push(slot);
+            }
+            match self.claim_several(free.len()).await {
+                Ok(runs) if !runs.is_empty() => {
+                    for (run, slot) in runs.into_iter().zip(free) {
+                        self.spawn_driver(&mut drivers, run, slot);
+                    }
+                    continue;
+                }
+                Ok(_) => {}
                 Err(error) => {
                     tracing::error!(category = "run", error = %error, "claiming a run failed");
                 }
             }
-            drop(slot);
+            drop(free);
             tokio::select! {
                 () = tokio::time::sleep(self.config.poll_interval) => {}
                 () = self.work.notified() => {}
+                Some((run, slot)) = started.recv() => self.spawn_driver(&mut drivers, run, slot),
                 _ = shutdown.changed() => break,
             }
         }
+        // Runs handed over but not yet driven go back to the queue with the rest.
+        started.close();
+        while let Ok((run, slot)) = started.try_recv() {
+            drop(slot);
+            self.give_back(&run, &self.config.worker_id).await;
+        }
         drivers.abort_all();
         while drivers.join_next().await.is_some() {}
+    }
+
+    /// Drives `run` in `slot` on a task of its own; the slot is freed when the run stops.
+    fn spawn_driver(
+        &self,
+        drivers: &mut JoinSet<()>,
+        run: wor_store::RunRecord,
+        slot: OwnedSemaphorePermit,
+    ) {
+        let engine = self.clone();
+        drivers.spawn(async move {
+            if let Err(error) = engine.drive(run).await {
+                tracing::error!(category = "run", error = %error, "worker step failed");
+            }
+            drop(slot);
+            engine.wake_workers();
+        });
     }
 
     /// On PostgreSQL, wakes the pool whenever any process queues a run (LISTEN/NOTIFY), so

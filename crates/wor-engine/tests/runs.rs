@@ -1653,6 +1653,53 @@ async fn a_worker_pool_drives_many_runs_at_once() {
         ended.iter().map(|r| &r.outcome).collect::<Vec<_>>()
     );
     assert_eq!(model.most_in_total(), 10);
+    // Queued before the pool started, they were all claimed by its first claim, one write.
+    let starts: std::collections::BTreeSet<_> = ended.iter().map(|r| r.started_at).collect();
+    assert_eq!(starts.len(), 1, "started together: {starts:?}");
+    stop.send(true).unwrap();
+    tokio::time::timeout(Duration::from_secs(10), pool)
+        .await
+        .expect("the pool stops on shutdown")
+        .unwrap();
+}
+
+/// A run started in a process whose pool has a free slot is claimed as it is created and
+/// driven there at once, with no wait in the queue; with every slot taken it is queued, and
+/// started when a slot frees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_run_started_beside_a_free_slot_starts_as_it_is_created() {
+    let h = Harness::new().await;
+    let model = GatedModel::start(&["tag-a"]).await;
+    let routine = h.gated_routine(&model, "held", "tag-a", 10).await;
+    // Two slots, and a poll too slow to matter.
+    let engine = h.engine(EngineConfig {
+        workers: 2,
+        poll_interval: Duration::from_secs(60),
+        ..EngineConfig::default()
+    });
+    let first = h.start(&engine, routine, "before the pool").await;
+    assert_eq!(first.status, RunStatus::Queued, "no pool runs yet");
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let pool = engine.spawn_workers(stopped);
+    model.wait_for_in_flight(1).await;
+    // Let the pool finish its look for more work and settle into its wait.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // One slot is free: the start claims it in the write that creates the run.
+    let second = h.start(&engine, routine, "with a slot free").await;
+    assert_eq!(second.status, RunStatus::Running);
+    assert_eq!(second.started_at, Some(second.created_at));
+    model.wait_for_in_flight(2).await;
+    // Both slots are taken: the next start queues.
+    let third = h.start(&engine, routine, "with both slots taken").await;
+    assert_eq!(third.status, RunStatus::Queued);
+    model.open.send(true).unwrap();
+    let ended = h.wait_for_ends(&[first.id, second.id, third.id]).await;
+    assert!(
+        ended.iter().all(|r| r.status == RunStatus::Succeeded),
+        "{:?}",
+        ended.iter().map(|r| &r.outcome).collect::<Vec<_>>()
+    );
+    assert_eq!(model.most_in_total(), 2, "never more runs than slots");
     stop.send(true).unwrap();
     tokio::time::timeout(Duration::from_secs(10), pool)
         .await

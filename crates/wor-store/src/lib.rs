@@ -74,7 +74,7 @@ pub use projects::{CreatedProject, ProjectRecord, RecoveredOwner};
 pub use routines::{AppliedRoutine, RoutineRecord, RoutineVersionRecord};
 pub use run_tokens::{RUN_TOKEN_PREFIX, RunGrant, RunToken};
 pub use runs::{
-    NewRun, ParentLink, RunFilter, RunRecord, RunStep, ScheduleAdvance, ScheduledStart,
+    ClaimTerms, NewRun, ParentLink, RunFilter, RunRecord, RunStep, ScheduleAdvance, ScheduledStart,
     ThreadSummary,
 };
 pub use sqlx::Error as SqlxError;

@@ -90,6 +90,15 @@ pub struct ScheduleAdvance {
     pub to: Option<i64>,
 }
 
+/// Who claims a run and on what terms: the worker the lease is for, the lease's length and the
+/// most runs of one project running at once.
+#[derive(Debug, Clone, Copy)]
+pub struct ClaimTerms<'a> {
+    pub worker: &'a str,
+    pub lease_ms: i64,
+    pub max_per_project: u64,
+}
+
 /// The limits a claim of the queue checks as it is written.
 #[derive(Debug, Clone, Copy)]
 struct ClaimLimits<'a> {
@@ -164,6 +173,31 @@ impl Store {
         new: NewRun,
         input: InputStep,
     ) -> Result<RunRecord, StoreError> {
+        self.create_run_claimed_by(project, new, input, None).await
+    }
+
+    /// Creates a run as [`Store::create_run`] does and, when it is queued and the limits
+    /// allow it, claims it for `claim`'s worker in the same transaction, as
+    /// [`Store::claim_runs`] would claim it: the run is `running` from the moment it exists.
+    /// Otherwise it stays queued for any worker.
+    pub async fn create_and_claim_run(
+        &self,
+        project: ProjectId,
+        new: NewRun,
+        input: InputStep,
+        claim: ClaimTerms<'_>,
+    ) -> Result<RunRecord, StoreError> {
+        self.create_run_claimed_by(project, new, input, Some(claim))
+            .await
+    }
+
+    async fn create_run_claimed_by(
+        &self,
+        project: ProjectId,
+        new: NewRun,
+        input: InputStep,
+        claim: Option<ClaimTerms<'_>>,
+    ) -> Result<RunRecord, StoreError> {
         let id = RunId::new();
         let now = now_millis();
         let mut tx = self.begin_write().await?;
@@ -180,6 +214,31 @@ impl Store {
             return Err(StoreError::Conflict(
                 "this trigger (schedule slot or webhook delivery) already started a run".to_owned(),
             ));
+        }
+        if let Some(claim) = claim
+            && start.run.status == RunStatus::Queued
+        {
+            if self.backend() == crate::Backend::Postgres {
+                sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
+                    .bind(project.to_string())
+                    .execute(&mut **tx)
+                    .await?;
+            }
+            let routine = start.run.routine_id.to_string();
+            let limits = ClaimLimits {
+                routine: &routine,
+                max_per_project: claim.max_per_project,
+            };
+            claim_in(
+                &mut tx,
+                project,
+                id,
+                claim.worker,
+                claim.lease_ms,
+                now,
+                Some(limits),
+            )
+            .await?;
         }
         tx.commit().await?;
         if start.run.status == RunStatus::Skipped {
@@ -467,20 +526,55 @@ impl Store {
         Ok(released == 1)
     }
 
-    /// Claims the oldest queued run whose routine and project both have a free slot (at most
-    /// `max_per_project` running runs per project; a run waiting for approval holds no worker
-    /// and does not count there, but does count against its routine's limit), leasing it to
-    /// `worker`. A run recorded ahead of its slot is not claimed before it (`not_before`).
+    /// Claims the oldest queued run whose routine and project both have a free slot, leasing
+    /// it to `worker`: [`Store::claim_runs`] for one run.
     pub async fn claim_run(
         &self,
         worker: &str,
         lease_ms: i64,
         max_per_project: u64,
     ) -> Result<Option<RunRecord>, StoreError> {
+        let terms = ClaimTerms {
+            worker,
+            lease_ms,
+            max_per_project,
+        };
+        let mut claimed = self.claim_runs(terms, 1).await?;
+        Ok(claimed.pop())
+    }
+
+    /// Claims up to `max` of the oldest queued runs whose routine and project both have a
+    /// free slot (at most `terms.max_per_project` running runs per project; a run waiting for
+    /// approval holds no worker and does not count there, but does count against its
+    /// routine's limit), leasing them to `terms.worker`, oldest first. A run recorded ahead of its
+    /// slot is not claimed before it (`not_before`).
+    ///
+    /// One write transaction claims them all, each claim checking the limits as it is
+    /// written, so they hold however many workers claim at once: every claim in the
+    /// transaction sees the ones before it; on PostgreSQL the claims of a project take turns
+    /// (an advisory lock per candidate project for the transaction, taken in the order of
+    /// the projects' ids, so two batches never wait on each other in a cycle) and each sees
+    /// the others' committed claims; SQLite has one writer at a time already.
+    pub async fn claim_runs(
+        &self,
+        terms: ClaimTerms<'_>,
+        max: usize,
+    ) -> Result<Vec<RunRecord>, StoreError> {
+        let ClaimTerms {
+            worker,
+            lease_ms,
+            max_per_project,
+        } = terms;
+        if max == 0 {
+            return Ok(Vec::new());
+        }
+        // Runs the limits turn away stay queued ahead of ones they allow: looking past them,
+        // up to a bound, keeps one busy routine from holding up the rest of the queue.
+        let look_at = max.saturating_add(16).min(CLAIM_CANDIDATES_MAX);
         // The active runs of each routine and the running runs of each project are counted
         // once for the whole statement, not once for every queued run it looks at: with
         // correlated counts a claim cost the queue's length times the active runs.
-        let candidates = sqlx::query(
+        let rows = sqlx::query(
             "WITH active AS (SELECT routine_id, COUNT(*) AS n FROM runs \
               WHERE status IN ('running', 'waiting_for_approval') GROUP BY routine_id), \
              busy AS (SELECT project_id, COUNT(*) AS n FROM runs WHERE status = 'running' \
@@ -490,29 +584,76 @@ impl Store {
              LEFT JOIN busy b ON b.project_id = r.project_id \
              WHERE r.status = 'queued' AND (r.not_before IS NULL OR r.not_before <= $2) \
              AND COALESCE(a.n, 0) < r.max_concurrent \
-             AND COALESCE(b.n, 0) < $1 ORDER BY r.id LIMIT 16",
+             AND COALESCE(b.n, 0) < $1 ORDER BY r.id LIMIT $3",
         )
         .bind(to_i64(max_per_project))
         .bind(now_millis())
+        .bind(to_i64(look_at as u64))
         .fetch_all(self.pool())
         .await?;
-        for row in candidates {
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut candidates = Vec::with_capacity(rows.len());
+        for row in rows {
             let project: ProjectId =
                 parse_column(&row.try_get::<String, _>("project_id")?, "runs.project_id")?;
             let routine: String = row.try_get("routine_id")?;
             let id: RunId = parse_column(&row.try_get::<String, _>("id")?, "runs.id")?;
-            let limits = ClaimLimits {
-                routine: &routine,
-                max_per_project,
-            };
-            if let Some(run) = self
-                .claim(project, id, worker, lease_ms, Some(limits))
-                .await?
-            {
-                return Ok(Some(run));
+            candidates.push((project, routine, id));
+        }
+        let now = now_millis();
+        let mut tx = self.begin_write().await?;
+        if self.backend() == crate::Backend::Postgres {
+            let mut projects: Vec<String> = candidates
+                .iter()
+                .map(|(project, _, _)| project.to_string())
+                .collect();
+            projects.sort_unstable();
+            projects.dedup();
+            for project in projects {
+                sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
+                    .bind(project)
+                    .execute(&mut **tx)
+                    .await?;
             }
         }
-        Ok(None)
+        let mut claimed: Vec<(ProjectId, RunId)> = Vec::with_capacity(max.min(candidates.len()));
+        for (project, routine, id) in &candidates {
+            let limits = ClaimLimits {
+                routine,
+                max_per_project,
+            };
+            if claim_in(&mut tx, *project, *id, worker, lease_ms, now, Some(limits)).await? {
+                claimed.push((*project, *id));
+                if claimed.len() == max {
+                    break;
+                }
+            }
+        }
+        if claimed.is_empty() {
+            tx.rollback().await?;
+            return Ok(Vec::new());
+        }
+        tx.commit().await?;
+        // Read back together, by project, and returned in the order they were claimed.
+        let mut by_project: std::collections::BTreeMap<ProjectId, Vec<RunId>> =
+            std::collections::BTreeMap::new();
+        for (project, id) in &claimed {
+            by_project.entry(*project).or_default().push(*id);
+        }
+        let mut read = std::collections::HashMap::with_capacity(claimed.len());
+        for (project, ids) in by_project {
+            read.extend(self.get_runs(project, &ids).await?);
+        }
+        claimed
+            .iter()
+            .map(|(_, id)| {
+                read.remove(id).ok_or_else(|| {
+                    StoreError::Corrupt(format!("claimed run {id} does not read back"))
+                })
+            })
+            .collect()
     }
 
     /// Claims one queued run by id for `worker`, whatever the limits: a parent driving its
@@ -524,63 +665,11 @@ impl Store {
         worker: &str,
         lease_ms: i64,
     ) -> Result<Option<RunRecord>, StoreError> {
-        self.claim(project, id, worker, lease_ms, None).await
-    }
-
-    /// Claims queued run `id` for `worker`. With `limits`, only if its routine and project
-    /// still have a free slot when the claim is written, so the limits hold however many
-    /// workers claim at once: on PostgreSQL the claims of one project take turns (an advisory
-    /// lock for the transaction) and each sees the others' committed claims; SQLite has one
-    /// writer at a time already.
-    async fn claim(
-        &self,
-        project: ProjectId,
-        id: RunId,
-        worker: &str,
-        lease_ms: i64,
-        limits: Option<ClaimLimits<'_>>,
-    ) -> Result<Option<RunRecord>, StoreError> {
-        let now = now_millis();
         let mut tx = self.begin_write().await?;
-        if limits.is_some() && self.backend() == crate::Backend::Postgres {
-            sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
-                .bind(project.to_string())
-                .execute(&mut **tx)
-                .await?;
-        }
-        let within_limits = if limits.is_some() {
-            " AND (SELECT COUNT(*) FROM runs x WHERE x.routine_id = $6 \
-             AND x.status IN ('running', 'waiting_for_approval')) < max_concurrent \
-             AND (SELECT COUNT(*) FROM runs y WHERE y.project_id = $4 AND y.status = 'running') < $7"
-        } else {
-            ""
-        };
-        let sql = format!(
-            "UPDATE runs SET status = 'running', lease_owner = $1, lease_expires_at = $2, \
-             started_at = COALESCE(started_at, $3), updated_at = $3, \
-             parked_ms = parked_ms + COALESCE($3 - parked_at, 0), parked_at = NULL \
-             WHERE project_id = $4 AND id = $5 AND status = 'queued' \
-             AND (not_before IS NULL OR not_before <= $3){within_limits}"
-        );
-        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql))
-            .bind(worker)
-            .bind(now + lease_ms)
-            .bind(now)
-            .bind(project.to_string())
-            .bind(id.to_string());
-        if let Some(limits) = limits {
-            query = query
-                .bind(limits.routine.to_owned())
-                .bind(to_i64(limits.max_per_project));
-        }
-        let claimed = query.execute(&mut **tx).await?;
-        if claimed.rows_affected() != 1 {
+        if !claim_in(&mut tx, project, id, worker, lease_ms, now_millis(), None).await? {
             tx.rollback().await?;
             return Ok(None);
         }
-        // A credential minted under an earlier claim (whose lease expired) ends with it; the
-        // new holder mints its own.
-        crate::run_tokens::revoke(&mut tx, id).await?;
         tx.commit().await?;
         self.get_run(project, id).await.map(Some)
     }
@@ -711,6 +800,54 @@ impl Store {
         .await?;
         rows.iter().map(step_from_row).collect()
     }
+}
+
+/// At most this many queued runs are looked at by one claim of several.
+const CLAIM_CANDIDATES_MAX: usize = 256;
+
+/// Claims queued run `id` for `worker` on `connection` (a write transaction), as of `now`. With `limits`, only if its
+/// routine and project still have a free slot as the claim is written. Time spent parked is
+/// added to `parked_ms`. A credential minted under an earlier claim (whose lease expired) ends
+/// with it; the new holder mints its own. False when the run was not claimable.
+async fn claim_in(
+    connection: &mut sqlx::AnyConnection,
+    project: ProjectId,
+    id: RunId,
+    worker: &str,
+    lease_ms: i64,
+    now: i64,
+    limits: Option<ClaimLimits<'_>>,
+) -> Result<bool, StoreError> {
+    let within_limits = if limits.is_some() {
+        " AND (SELECT COUNT(*) FROM runs x WHERE x.routine_id = $6 \
+         AND x.status IN ('running', 'waiting_for_approval')) < max_concurrent \
+         AND (SELECT COUNT(*) FROM runs y WHERE y.project_id = $4 AND y.status = 'running') < $7"
+    } else {
+        ""
+    };
+    let sql = format!(
+        "UPDATE runs SET status = 'running', lease_owner = $1, lease_expires_at = $2, \
+         started_at = COALESCE(started_at, $3), updated_at = $3, \
+         parked_ms = parked_ms + COALESCE($3 - parked_at, 0), parked_at = NULL \
+         WHERE project_id = $4 AND id = $5 AND status = 'queued' \
+         AND (not_before IS NULL OR not_before <= $3){within_limits}"
+    );
+    let mut query = sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(worker)
+        .bind(now + lease_ms)
+        .bind(now)
+        .bind(project.to_string())
+        .bind(id.to_string());
+    if let Some(limits) = limits {
+        query = query
+            .bind(limits.routine.to_owned())
+            .bind(to_i64(limits.max_per_project));
+    }
+    if query.execute(&mut *connection).await?.rows_affected() != 1 {
+        return Ok(false);
+    }
+    crate::run_tokens::revoke(connection, id).await?;
+    Ok(true)
 }
 
 fn step_from_row(row: &sqlx::any::AnyRow) -> Result<RunStep, StoreError> {

@@ -801,8 +801,17 @@ async fn concurrent_claims_keep_the_routine_and_project_limits() {
         workers.push(tokio::spawn(async move {
             let worker = format!("worker-{w}");
             let mut claimed = 0;
-            while store.claim_run(&worker, 60_000, 5).await.unwrap().is_some() {
-                claimed += 1;
+            // Half the workers claim one run at a time, half several in one write.
+            loop {
+                let got = if w % 2 == 0 {
+                    usize::from(store.claim_run(&worker, 60_000, 5).await.unwrap().is_some())
+                } else {
+                    store.claim_runs(terms(&worker, 5), 3).await.unwrap().len()
+                };
+                if got == 0 {
+                    break;
+                }
+                claimed += got;
             }
             claimed
         }));
@@ -840,7 +849,93 @@ async fn concurrent_claims_keep_the_routine_and_project_limits() {
     );
 }
 
-/// A personal `owner` key for `member`, as an owner would create one.
+/// One claim of several takes the oldest runs the limits allow, oldest first, passing over
+/// the runs they turn away; the claims it has made count against the limits as it goes on,
+/// and its runs may belong to several projects.
+#[tokio::test]
+async fn a_claim_of_several_runs_keeps_the_limits_among_its_own_claims() {
+    use wor_core::run::RunStatus;
+    let db = TestDatabase::isolated().await.unwrap();
+    let store = db.store.clone();
+    let mut queued = Vec::new();
+    for (project_runs, names) in [(4, ["narrow", "wide"]), (3, ["other", "unused"])] {
+        let project = new_project(&db).await;
+        let mut routines = Vec::new();
+        for name in names {
+            let toml = format!(
+                "name = \"{name}\"\ninstructions = \"x\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\nscript = {{ turns = [{{ text = \"hi\" }}] }}\n"
+            );
+            let definition = wor_core::routine::RoutineDefinition::from_toml(&toml).unwrap();
+            let routine = store
+                .apply_routine(project, &toml, &definition, None)
+                .await
+                .unwrap()
+                .routine
+                .id;
+            routines.push(routine);
+        }
+        // The first routine of the first project runs at most 2 at once.
+        let limits = [if queued.is_empty() { 2 } else { 100 }, 100];
+        for (routine, max_concurrent) in routines.iter().zip(limits) {
+            for _ in 0..project_runs {
+                let new = queued_run(*routine, 1, None, max_concurrent);
+                let run = store
+                    .create_run(project, new, InputStep::requested(serde_json::json!("x")))
+                    .await
+                    .unwrap();
+                queued.push(run);
+            }
+        }
+    }
+    // Queued, oldest first: narrow ×4, wide ×4 (project one); other ×3, unused ×3 (two).
+    // At most 5 running per project: narrow 0 and 1, wide 0, 1 and 2; then other 0, 1, 2.
+    let expected: Vec<_> = [0, 1, 4, 5, 6, 8, 9, 10]
+        .iter()
+        .map(|&i| queued[i].id)
+        .collect();
+    let claimed = store.claim_runs(terms("batch", 5), 8).await.unwrap();
+    let ids: Vec<_> = claimed.iter().map(|run| run.id).collect();
+    assert_eq!(ids, expected, "the oldest runs the limits allow, in order");
+    for run in &claimed {
+        assert_eq!(run.status, RunStatus::Running);
+        assert!(run.started_at.is_some());
+        assert!(
+            store.renew_lease(run.id, "batch", 60_000).await.unwrap(),
+            "leased to the claimer"
+        );
+    }
+    // The second project has two places left (5 − 3 running); the first has none.
+    let rest = store.claim_runs(terms("batch", 5), 8).await.unwrap();
+    assert_eq!(
+        rest.iter().map(|run| run.id).collect::<Vec<_>>(),
+        vec![queued[11].id, queued[12].id]
+    );
+    assert!(
+        store
+            .claim_runs(terms("batch", 5), 8)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert!(
+        store
+            .claim_runs(terms("batch", 100), 0)
+            .await
+            .unwrap()
+            .is_empty(),
+        "a claim of no runs claims none"
+    );
+}
+
+/// The terms of a claim for `worker`: a minute's lease, `max_per_project` running at once.
+fn terms(worker: &str, max_per_project: u64) -> wor_store::ClaimTerms<'_> {
+    wor_store::ClaimTerms {
+        worker,
+        lease_ms: 60_000,
+        max_per_project,
+    }
+}
+
 /// A run of `routine` started through the API by `started_by`, queued with the routine's
 /// `max_concurrent`.
 fn queued_run(
