@@ -213,14 +213,19 @@ impl Engine {
                 _ = shutdown.changed() => break,
             };
             // Every free slot is offered to one claim: runs queued together start together.
-            let mut free = vec![first];
-            while let Ok(slot) = slots.clone().try_acquire_owned() {
-                free.push(slot);
-            }
-            match self.claim_several(free.len()).await {
+            // Only one slot is held while claiming, so a run started here meanwhile can still
+            // take a free one; a claimed run that finds no slot left goes back to the queue.
+            let mut first = Some(first);
+            match self.claim_several(1 + slots.available_permits()).await {
                 Ok(runs) if !runs.is_empty() => {
-                    for (run, slot) in runs.into_iter().zip(free) {
-                        self.spawn_driver(&mut drivers, run, slot);
+                    for run in runs {
+                        match first
+                            .take()
+                            .or_else(|| slots.clone().try_acquire_owned().ok())
+                        {
+                            Some(slot) => self.spawn_driver(&mut drivers, run, slot),
+                            None => self.give_back(&run, &self.config.worker_id).await,
+                        }
                     }
                     continue;
                 }
@@ -229,7 +234,7 @@ impl Engine {
                     tracing::error!(category = "run", error = %error, "claiming a run failed");
                 }
             }
-            drop(free);
+            drop(first);
             tokio::select! {
                 () = tokio::time::sleep(self.config.poll_interval) => {}
                 () = self.work.notified() => {}
