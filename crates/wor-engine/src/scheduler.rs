@@ -278,7 +278,7 @@ impl Engine {
                 };
                 // A slot whose run cannot start (the routine is refused, say) is logged and
                 // passed, not retried forever.
-                match self.admit(&request, &version, active, redactor).await {
+                match self.admit(&request, &version, Some(active), redactor).await {
                     Ok(admission) => {
                         if admission.cancel_oldest
                             && let Some(oldest) = self

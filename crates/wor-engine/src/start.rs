@@ -77,10 +77,17 @@ impl Engine {
             .routine_version(request.project, routine.id, routine.current_version)
             .await?;
         let definition = &version.definition;
-        let active = self
-            .store
-            .active_run_count(request.project, routine.id, definition.concurrency.max_runs)
-            .await?;
+        // Only the policies that look at the routine's active runs count them: `queue` queues
+        // the run whatever is active (its claim holds `max_runs`), so a start of such a
+        // routine costs the same however many of its runs are parked.
+        let active = match definition.concurrency.overlap {
+            OverlapPolicy::Queue => None,
+            OverlapPolicy::Skip | OverlapPolicy::CancelPrevious => Some(
+                self.store
+                    .active_run_count(request.project, routine.id, definition.concurrency.max_runs)
+                    .await?,
+            ),
+        };
         let redactor = self.project_redactor(request.project).await?;
         let admission = self.admit(&request, &version, active, &redactor).await?;
         if admission.cancel_oldest
@@ -144,13 +151,14 @@ impl Engine {
     }
 
     /// Decides how `request` starts a run of `version` with `active` runs of the routine
-    /// active: queued, or skipped by the overlap policy; its input redacted with `redactor`
-    /// and its memory replayed.
+    /// active (`None`: not counted, as overlap policy `queue` needs no count): queued, or
+    /// skipped by the overlap policy; its input redacted with `redactor` and its memory
+    /// replayed.
     pub(crate) async fn admit(
         &self,
         request: &StartRun,
         version: &RoutineVersionRecord,
-        active: u64,
+        active: Option<u64>,
         redactor: &Redactor,
     ) -> Result<Admission, EngineError> {
         let definition = &version.definition;
@@ -161,9 +169,9 @@ impl Engine {
             return Err(EngineError::RefusedInProduction(refusal));
         }
         let max = definition.concurrency.max_runs;
-        let full = active >= max;
+        let full = active.filter(|active| *active >= max);
         let (status, outcome) = match (full, definition.concurrency.overlap) {
-            (true, OverlapPolicy::Skip) => (
+            (Some(active), OverlapPolicy::Skip) => (
                 RunStatus::Skipped,
                 Some(format!(
                     "skipped: {active} run(s) of this routine active, at most {max}"
@@ -171,7 +179,8 @@ impl Engine {
             ),
             _ => (RunStatus::Queued, None),
         };
-        let cancel_oldest = full && definition.concurrency.overlap == OverlapPolicy::CancelPrevious;
+        let cancel_oldest =
+            full.is_some() && definition.concurrency.overlap == OverlapPolicy::CancelPrevious;
         let routine_id = version.routine_id;
         let started_by_member = match request.trigger {
             Trigger::Console(member) => Some(member),

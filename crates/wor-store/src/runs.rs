@@ -573,10 +573,14 @@ impl Store {
         let look_at = max.saturating_add(16).min(CLAIM_CANDIDATES_MAX);
         // The active runs of each routine and the running runs of each project are counted
         // once for the whole statement, not once for every queued run it looks at: with
-        // correlated counts a claim cost the queue's length times the active runs.
+        // correlated counts a claim cost the queue's length times the active runs. Only
+        // routines with a queued run have their active runs counted, so a look at an empty
+        // queue does not count every parked run.
         let rows = sqlx::query(
             "WITH active AS (SELECT routine_id, COUNT(*) AS n FROM runs \
-              WHERE status IN ('running', 'waiting_for_approval') GROUP BY routine_id), \
+              WHERE status IN ('running', 'waiting_for_approval') \
+              AND routine_id IN (SELECT routine_id FROM runs WHERE status = 'queued') \
+              GROUP BY routine_id), \
              busy AS (SELECT project_id, COUNT(*) AS n FROM runs WHERE status = 'running' \
               GROUP BY project_id) \
              SELECT r.id, r.project_id, r.routine_id FROM runs r \
