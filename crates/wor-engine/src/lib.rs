@@ -221,6 +221,10 @@ pub enum EngineError {
     /// A nested run's task ended without an answer (it panicked or was aborted).
     #[error("the nested run's task ended abnormally: {0}")]
     NestedTask(String),
+    /// The task that creates a run claimed by this process and hands it to the pool ended
+    /// without an answer (it panicked, or the process is shutting down).
+    #[error("the task starting the run ended abnormally: {0}")]
+    StartTask(String),
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -259,6 +263,7 @@ impl EngineError {
             | EngineError::Route(_)
             | EngineError::ToolConnection(_)
             | EngineError::OAuth(_)
+            | EngineError::StartTask(_)
             // The run resumes later: another worker holds it, or the store is unavailable.
             | EngineError::RefreshInProgress { .. }
             | EngineError::LeaseLost

@@ -67,7 +67,8 @@ pub(crate) struct Admission {
 }
 
 impl Engine {
-    /// Queues a run of the routine's current version, applying its overlap policy.
+    /// Starts a run of the routine's current version, applying its overlap policy: queued,
+    /// or claimed at once when this process's pool has a free slot (`running`), or skipped.
     pub async fn start_run(&self, request: StartRun) -> Result<RunRecord, EngineError> {
         let routine = self
             .store
@@ -111,42 +112,78 @@ impl Engine {
         } else {
             None
         };
-        let run = match &slot {
-            Some(_) => {
-                self.store
-                    .create_and_claim_run(request.project, new.clone(), input, self.claim_terms())
-                    .await?
+        let run = match slot {
+            // On a task of its own from the claim to the hand-over, so a caller that goes away
+            // meanwhile (a client hanging up) cannot leave the run claimed with no driver.
+            Some(slot) => {
+                let engine = self.clone();
+                let project = request.project;
+                tokio::spawn(async move {
+                    engine
+                        .create_claimed(project, new, input, actor, slot)
+                        .await
+                })
+                .await
+                .map_err(|error| EngineError::StartTask(error.to_string()))??
             }
             None => {
-                self.store
+                let run = self
+                    .store
                     .create_run(request.project, new.clone(), input)
-                    .await?
+                    .await?;
+                self.audit
+                    .append(run_started(request.project, run.id, &new, actor))
+                    .await?;
+                if run.status == RunStatus::Queued {
+                    self.wake_workers();
+                }
+                run
             }
         };
-        if let Err(error) = self
-            .audit
-            .append(run_started(request.project, run.id, &new, actor))
-            .await
-        {
-            // Claimed here but not to be driven here: back to the queue, not left to its lease.
-            if slot.is_some() && run.status == RunStatus::Running {
-                drop(slot);
-                self.give_back(&run, &self.config.worker_id).await;
-                self.wake_workers();
-            }
-            return Err(error.into());
-        }
-        match (run.status, slot) {
-            (RunStatus::Running, Some(slot)) => {
-                crate::metrics::run_claimed(&run, run.created_at);
-                self.drive_started(run.clone(), slot).await;
-            }
-            (RunStatus::Queued, _) => self.wake_workers(),
-            _ => {}
-        }
         tracing::info!(category = "run", action = "run.start", project_id = %request.project,
             run_id = %run.id, routine_id = %routine.id, version = version.version,
             status = run.status.as_str(), "run started");
+        Ok(run)
+    }
+
+    /// Creates run `new` of `project` claimed for this process when the limits and the queue
+    /// allow it, records its start, and hands it to the pool in `slot`; queued otherwise. A
+    /// run claimed here whose start cannot be recorded goes back to the queue.
+    async fn create_claimed(
+        &self,
+        project: ProjectId,
+        new: NewRun,
+        input: InputStep,
+        actor: Actor,
+        slot: tokio::sync::OwnedSemaphorePermit,
+    ) -> Result<RunRecord, EngineError> {
+        let run = self
+            .store
+            .create_and_claim_run(project, new.clone(), input, self.claim_terms())
+            .await?;
+        let recorded = self
+            .audit
+            .append(run_started(project, run.id, &new, actor))
+            .await;
+        match (run.status, recorded) {
+            (RunStatus::Running, Ok(_)) => {
+                crate::metrics::run_claimed(&run, run.created_at);
+                self.drive_started(run.clone(), slot).await;
+            }
+            (RunStatus::Running, Err(error)) => {
+                drop(slot);
+                self.give_back(&run, &self.config.worker_id).await;
+                self.wake_workers();
+                return Err(error.into());
+            }
+            (_, recorded) => {
+                drop(slot);
+                recorded?;
+                if run.status == RunStatus::Queued {
+                    self.wake_workers();
+                }
+            }
+        }
         Ok(run)
     }
 

@@ -176,10 +176,10 @@ impl Store {
         self.create_run_claimed_by(project, new, input, None).await
     }
 
-    /// Creates a run as [`Store::create_run`] does and, when it is queued and the limits
-    /// allow it, claims it for `claim`'s worker in the same transaction, as
-    /// [`Store::claim_runs`] would claim it: the run is `running` from the moment it exists.
-    /// Otherwise it stays queued for any worker.
+    /// Creates a run as [`Store::create_run`] does and, when it is queued, no run of its
+    /// project queued before it is due, and the limits allow it, claims it for `claim`'s
+    /// worker in the same transaction, checking the limits as [`Store::claim_runs`] does: the
+    /// run is `running` from the moment it exists. Otherwise it stays queued for any worker.
     pub async fn create_and_claim_run(
         &self,
         project: ProjectId,
@@ -224,27 +224,49 @@ impl Store {
                     .execute(&mut **tx)
                     .await?;
             }
-            let routine = start.run.routine_id.to_string();
-            let limits = ClaimLimits {
-                routine: &routine,
-                max_per_project: claim.max_per_project,
-            };
-            claim_in(
-                &mut tx,
-                project,
-                id,
-                claim.worker,
-                claim.lease_ms,
-                now,
-                Some(limits),
+            // Runs of the project queued before this one, due now, go first: the new run does
+            // not take a place they wait for.
+            let older: Option<String> = sqlx::query_scalar(
+                "SELECT id FROM runs WHERE status = 'queued' AND id < $1 AND project_id = $2 \
+                 AND (not_before IS NULL OR not_before <= $3) LIMIT 1",
             )
+            .bind(id.to_string())
+            .bind(project.to_string())
+            .bind(now)
+            .fetch_optional(&mut **tx)
             .await?;
+            if older.is_none() {
+                let routine = start.run.routine_id.to_string();
+                let limits = ClaimLimits {
+                    routine: &routine,
+                    max_per_project: claim.max_per_project,
+                };
+                claim_in(
+                    &mut tx,
+                    project,
+                    id,
+                    claim.worker,
+                    claim.lease_ms,
+                    now,
+                    Some(limits),
+                )
+                .await?;
+            }
         }
+        // Read in the transaction: a run this write claimed is never committed unread.
+        let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {COLUMNS} FROM runs WHERE project_id = $1 AND id = $2"
+        )))
+        .bind(project.to_string())
+        .bind(id.to_string())
+        .fetch_one(&mut **tx)
+        .await?;
+        let run = run_from_row(&row)?;
         tx.commit().await?;
         if start.run.status == RunStatus::Skipped {
             crate::metrics::run_ended_unclaimed(start.run.status, start.run.trigger_kind);
         }
-        self.get_run(project, id).await
+        Ok(run)
     }
 
     /// Records the runs a scheduler pass starts and moves the schedules on, in one
@@ -553,7 +575,8 @@ impl Store {
     /// written, so they hold however many workers claim at once: every claim in the
     /// transaction sees the ones before it; on PostgreSQL the claims of a project take turns
     /// (an advisory lock per candidate project for the transaction, taken in the order of
-    /// the projects' ids, so two batches never wait on each other in a cycle) and each sees
+    /// the projects' ids; two projects whose lock keys collide can still meet in a cycle,
+    /// which PostgreSQL breaks by failing one claim, retried at the next look) and each sees
     /// the others' committed claims; SQLite has one writer at a time already.
     pub async fn claim_runs(
         &self,
@@ -622,14 +645,14 @@ impl Store {
                     .await?;
             }
         }
-        let mut claimed: Vec<(ProjectId, RunId)> = Vec::with_capacity(max.min(candidates.len()));
+        let mut claimed: Vec<RunId> = Vec::with_capacity(max.min(candidates.len()));
         for (project, routine, id) in &candidates {
             let limits = ClaimLimits {
                 routine,
                 max_per_project,
             };
             if claim_in(&mut tx, *project, *id, worker, lease_ms, now, Some(limits)).await? {
-                claimed.push((*project, *id));
+                claimed.push(*id);
                 if claimed.len() == max {
                     break;
                 }
@@ -639,25 +662,31 @@ impl Store {
             tx.rollback().await?;
             return Ok(Vec::new());
         }
-        tx.commit().await?;
-        // Read back together, by project, and returned in the order they were claimed.
-        let mut by_project: std::collections::BTreeMap<ProjectId, Vec<RunId>> =
-            std::collections::BTreeMap::new();
-        for (project, id) in &claimed {
-            by_project.entry(*project).or_default().push(*id);
+        // Read back in the transaction, in one statement (at most `CLAIM_CANDIDATES_MAX`
+        // runs), so no claim is committed that is not returned.
+        let places: Vec<String> = (1..=claimed.len()).map(|n| format!("${n}")).collect();
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {COLUMNS} FROM runs WHERE id IN ({})",
+            places.join(", ")
+        )));
+        for id in &claimed {
+            query = query.bind(id.to_string());
         }
         let mut read = std::collections::HashMap::with_capacity(claimed.len());
-        for (project, ids) in by_project {
-            read.extend(self.get_runs(project, &ids).await?);
+        for row in query.fetch_all(&mut **tx).await? {
+            let run = run_from_row(&row)?;
+            read.insert(run.id, run);
         }
-        claimed
+        let runs = claimed
             .iter()
-            .map(|(_, id)| {
+            .map(|id| {
                 read.remove(id).ok_or_else(|| {
                     StoreError::Corrupt(format!("claimed run {id} does not read back"))
                 })
             })
-            .collect()
+            .collect::<Result<Vec<_>, _>>()?;
+        tx.commit().await?;
+        Ok(runs)
     }
 
     /// Claims one queued run by id for `worker`, whatever the limits: a parent driving its

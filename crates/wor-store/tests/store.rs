@@ -927,6 +927,57 @@ async fn a_claim_of_several_runs_keeps_the_limits_among_its_own_claims() {
     );
 }
 
+/// A run created with a claim is claimed in the write that creates it only when no run of
+/// its project queued before it is due and the limits allow it; otherwise it is queued.
+#[tokio::test]
+async fn a_run_is_claimed_as_it_is_created_only_when_nothing_older_waits() {
+    use wor_core::run::RunStatus;
+    let db = TestDatabase::isolated().await.unwrap();
+    let store = db.store.clone();
+    let project = new_project(&db).await;
+    let toml = "name = \"r\"\ninstructions = \"x\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\nscript = { turns = [{ text = \"hi\" }] }\n";
+    let definition = wor_core::routine::RoutineDefinition::from_toml(toml).unwrap();
+    let routine = store
+        .apply_routine(project, toml, &definition, None)
+        .await
+        .unwrap()
+        .routine
+        .id;
+    let input = || InputStep::requested(serde_json::json!("x"));
+    let new = || queued_run(routine, 1, None, 100);
+    let first = store.create_run(project, new(), input()).await.unwrap();
+    let second = store
+        .create_and_claim_run(project, new(), input(), terms("here", 3))
+        .await
+        .unwrap();
+    assert_eq!(
+        second.status,
+        RunStatus::Queued,
+        "behind an older queued run"
+    );
+    let claimed = store.claim_runs(terms("pool", 3), 2).await.unwrap();
+    assert_eq!(
+        claimed.iter().map(|run| run.id).collect::<Vec<_>>(),
+        vec![first.id, second.id]
+    );
+    let third = store
+        .create_and_claim_run(project, new(), input(), terms("here", 3))
+        .await
+        .unwrap();
+    assert_eq!(third.status, RunStatus::Running, "nothing older waits");
+    assert_eq!(third.started_at, Some(third.created_at));
+    assert!(store.renew_lease(third.id, "here", 60_000).await.unwrap());
+    let fourth = store
+        .create_and_claim_run(project, new(), input(), terms("here", 3))
+        .await
+        .unwrap();
+    assert_eq!(
+        fourth.status,
+        RunStatus::Queued,
+        "the project's limit is reached"
+    );
+}
+
 /// The terms of a claim for `worker`: a minute's lease, `max_per_project` running at once.
 fn terms(worker: &str, max_per_project: u64) -> wor_store::ClaimTerms<'_> {
     wor_store::ClaimTerms {
@@ -962,6 +1013,7 @@ fn queued_run(
     }
 }
 
+/// A personal `owner` key for `member`, as an owner would create one.
 async fn owner_key(
     db: &TestDatabase,
     project: wor_core::ProjectId,
