@@ -222,7 +222,7 @@ pub enum EngineError {
     #[error("the nested run's task ended abnormally: {0}")]
     NestedTask(String),
     /// The task that creates a run claimed by this process and hands it to the pool ended
-    /// without an answer (it panicked, or the process is shutting down).
+    /// without an answer (it panicked, or its runtime shut down under it).
     #[error("the task starting the run ended abnormally: {0}")]
     StartTask(String),
     #[error(transparent)]
@@ -263,6 +263,7 @@ impl EngineError {
             | EngineError::Route(_)
             | EngineError::ToolConnection(_)
             | EngineError::OAuth(_)
+            // Only a start meets it, before any driver holds the run.
             | EngineError::StartTask(_)
             // The run resumes later: another worker holds it, or the store is unavailable.
             | EngineError::RefreshInProgress { .. }

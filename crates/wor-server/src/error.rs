@@ -239,9 +239,12 @@ impl From<wor_engine::EngineError> for ApiError {
                 tracing::error!(category = "engine", "stored state the engine cannot use");
                 ApiError::Internal
             }
-            wor_engine::EngineError::StartTask(reason) => {
-                tracing::error!(category = "run", reason = %reason,
-                    "the task starting a run ended without an answer");
+            // Logged by kind only: a panic's message can quote stored data.
+            wor_engine::EngineError::StartTask(_) => {
+                tracing::error!(
+                    category = "run",
+                    "the task starting a run ended without an answer"
+                );
                 ApiError::Internal
             }
             wor_engine::EngineError::Store(store) => store.into(),

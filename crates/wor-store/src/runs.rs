@@ -180,6 +180,9 @@ impl Store {
     /// project queued before it is due, and the limits allow it, claims it for `claim`'s
     /// worker in the same transaction, checking the limits as [`Store::claim_runs`] does: the
     /// run is `running` from the moment it exists. Otherwise it stays queued for any worker.
+    /// The check for older runs is stricter than a claim of the queue: an older run its own
+    /// routine's limit holds back still keeps a new run of the project from being claimed
+    /// here (the pool's next look claims it, passing over the held one).
     pub async fn create_and_claim_run(
         &self,
         project: ProjectId,
