@@ -120,24 +120,15 @@ impl Engine {
                 let project = request.project;
                 tokio::spawn(async move {
                     engine
-                        .create_claimed(project, new, input, actor, slot)
+                        .create_started(project, new, input, actor, Some(slot))
                         .await
                 })
                 .await
                 .map_err(|error| EngineError::StartTask(error.to_string()))??
             }
             None => {
-                let run = self
-                    .store
-                    .create_run(request.project, new.clone(), input)
-                    .await?;
-                self.audit
-                    .append(run_started(request.project, run.id, &new, actor))
-                    .await?;
-                if run.status == RunStatus::Queued {
-                    self.wake_workers();
-                }
-                run
+                self.create_started(request.project, new, input, actor, None)
+                    .await?
             }
         };
         tracing::info!(category = "run", action = "run.start", project_id = %request.project,
@@ -146,37 +137,43 @@ impl Engine {
         Ok(run)
     }
 
-    /// Creates run `new` of `project` claimed for this process when the limits and the queue
-    /// allow it, records its start, and hands it to the pool in `slot`; queued otherwise. A
-    /// run claimed here whose start cannot be recorded goes back to the queue.
-    async fn create_claimed(
+    /// Creates run `new` of `project` and records its start. With a `slot` of this process's
+    /// pool, the run is claimed as it is created when the limits and the queue allow it and
+    /// handed to the pool in that slot; a run claimed here whose start cannot be recorded goes
+    /// back to the queue. Otherwise the run is queued (or skipped) for any worker.
+    async fn create_started(
         &self,
         project: ProjectId,
         new: NewRun,
         input: InputStep,
         actor: Actor,
-        slot: tokio::sync::OwnedSemaphorePermit,
+        slot: Option<tokio::sync::OwnedSemaphorePermit>,
     ) -> Result<RunRecord, EngineError> {
-        let run = self
-            .store
-            .create_and_claim_run(project, new.clone(), input, self.claim_terms())
-            .await?;
+        let run = match slot {
+            Some(_) => {
+                let terms = self.claim_terms(&self.config.worker_id);
+                self.store
+                    .create_and_claim_run(project, new.clone(), input, terms)
+                    .await?
+            }
+            None => self.store.create_run(project, new.clone(), input).await?,
+        };
         let recorded = self
             .audit
             .append(run_started(project, run.id, &new, actor))
             .await;
-        match (run.status, recorded) {
-            (RunStatus::Running, Ok(_)) => {
+        match (run.status, slot, recorded) {
+            (RunStatus::Running, Some(slot), Ok(_)) => {
                 crate::metrics::run_claimed(&run, run.created_at);
                 self.drive_started(run.clone(), slot).await;
             }
-            (RunStatus::Running, Err(error)) => {
+            (RunStatus::Running, Some(slot), Err(error)) => {
                 drop(slot);
                 self.give_back(&run, &self.config.worker_id).await;
                 self.wake_workers();
                 return Err(error.into());
             }
-            (_, recorded) => {
+            (_, slot, recorded) => {
                 drop(slot);
                 recorded?;
                 if run.status == RunStatus::Queued {

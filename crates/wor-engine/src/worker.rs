@@ -107,21 +107,26 @@ impl Engine {
         self.claim_for(&self.config.worker_id).await
     }
 
-    /// Claims up to `max` of the oldest queued runs the limits allow, leased to this process,
-    /// in one write.
-    async fn claim_several(&self, max: usize) -> Result<Vec<wor_store::RunRecord>, EngineError> {
+    /// Claims up to `max` of the oldest queued runs the limits allow, leased to `holder`, in
+    /// one write.
+    async fn claim_as(
+        &self,
+        holder: &str,
+        max: usize,
+    ) -> Result<Vec<wor_store::RunRecord>, EngineError> {
         let began = wor_store::now_millis();
-        let claimed = self.store.claim_runs(self.claim_terms(), max).await?;
+        let claimed = self.store.claim_runs(self.claim_terms(holder), max).await?;
         for run in &claimed {
             crate::metrics::run_claimed(run, began);
         }
         Ok(claimed)
     }
 
-    /// The terms this process's pool claims runs on: leased to it, under the project limit.
-    pub(crate) fn claim_terms(&self) -> wor_store::ClaimTerms<'_> {
+    /// The terms runs are claimed on for `holder`: this process's lease, under the project
+    /// limit.
+    pub(crate) fn claim_terms<'a>(&self, holder: &'a str) -> wor_store::ClaimTerms<'a> {
         wor_store::ClaimTerms {
-            worker: &self.config.worker_id,
+            worker: holder,
             lease_ms: self.lease_ms(),
             max_per_project: self.config.max_running_per_project,
         }
@@ -132,15 +137,7 @@ impl Engine {
         &self,
         holder: &str,
     ) -> Result<Option<wor_store::RunRecord>, EngineError> {
-        let began = wor_store::now_millis();
-        let claimed = self
-            .store
-            .claim_run(holder, self.lease_ms(), self.config.max_running_per_project)
-            .await?;
-        if let Some(run) = &claimed {
-            crate::metrics::run_claimed(run, began);
-        }
-        Ok(claimed)
+        Ok(self.claim_as(holder, 1).await?.pop())
     }
 
     /// Drives `run`, claimed by this process as it was started, in `slot` of the pool. When
@@ -216,7 +213,10 @@ impl Engine {
             // Only one slot is held while claiming, so a run started here meanwhile can still
             // take a free one; a claimed run that finds no slot left goes back to the queue.
             let mut first = Some(first);
-            match self.claim_several(1 + slots.available_permits()).await {
+            match self
+                .claim_as(&self.config.worker_id, 1 + slots.available_permits())
+                .await
+            {
                 Ok(runs) if !runs.is_empty() => {
                     for run in runs {
                         match first

@@ -1628,6 +1628,16 @@ impl Harness {
     }
 }
 
+/// Tells the pools started on `stop`'s channel to stop and waits (up to 10 s) until `pool`
+/// has.
+async fn stop_pool(stop: &tokio::sync::watch::Sender<bool>, pool: tokio::task::JoinHandle<()>) {
+    stop.send_replace(true);
+    tokio::time::timeout(Duration::from_secs(10), pool)
+        .await
+        .expect("the pool stops on shutdown")
+        .unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_worker_pool_drives_many_runs_at_once() {
     let h = Harness::new().await;
@@ -1656,11 +1666,7 @@ async fn a_worker_pool_drives_many_runs_at_once() {
     // Queued before the pool started, they were all claimed by its first claim, one write.
     let starts: std::collections::BTreeSet<_> = ended.iter().map(|r| r.started_at).collect();
     assert_eq!(starts.len(), 1, "started together: {starts:?}");
-    stop.send(true).unwrap();
-    tokio::time::timeout(Duration::from_secs(10), pool)
-        .await
-        .expect("the pool stops on shutdown")
-        .unwrap();
+    stop_pool(&stop, pool).await;
 }
 
 /// A run started in a process whose pool has a free slot is claimed as it is created and
@@ -1700,11 +1706,7 @@ async fn a_run_started_beside_a_free_slot_starts_as_it_is_created() {
         ended.iter().map(|r| &r.outcome).collect::<Vec<_>>()
     );
     assert_eq!(model.most_in_total(), 2, "never more runs than slots");
-    stop.send(true).unwrap();
-    tokio::time::timeout(Duration::from_secs(10), pool)
-        .await
-        .expect("the pool stops on shutdown")
-        .unwrap();
+    stop_pool(&stop, pool).await;
 }
 
 /// A run queued by another process reaches this one's idle workers at once on PostgreSQL
@@ -1749,11 +1751,7 @@ async fn a_run_queued_by_another_process_wakes_idle_workers() {
         "{:?}",
         ended[0].outcome
     );
-    stop.send(true).unwrap();
-    tokio::time::timeout(Duration::from_secs(10), pool)
-        .await
-        .expect("the pool stops on shutdown")
-        .unwrap();
+    stop_pool(&stop, pool).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -1804,12 +1802,8 @@ async fn a_worker_pool_keeps_the_routine_and_project_limits() {
         model.most_of("tag-narrow") <= 2,
         "never more than the routine's limit"
     );
-    stop.send(true).unwrap();
     for pool in pools {
-        tokio::time::timeout(Duration::from_secs(10), pool)
-            .await
-            .expect("the pool stops on shutdown")
-            .unwrap();
+        stop_pool(&stop, pool).await;
     }
 }
 

@@ -221,12 +221,7 @@ impl Store {
         if let Some(claim) = claim
             && start.run.status == RunStatus::Queued
         {
-            if self.backend() == crate::Backend::Postgres {
-                sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
-                    .bind(project.to_string())
-                    .execute(&mut **tx)
-                    .await?;
-            }
+            self.take_claim_locks(&mut tx, &[project]).await?;
             // Runs of the project queued before this one, due now, go first: the new run does
             // not take a place they wait for.
             let older: Option<String> = sqlx::query_scalar(
@@ -257,14 +252,7 @@ impl Store {
             }
         }
         // Read in the transaction: a run this write claimed is never committed unread.
-        let row = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "SELECT {COLUMNS} FROM runs WHERE project_id = $1 AND id = $2"
-        )))
-        .bind(project.to_string())
-        .bind(id.to_string())
-        .fetch_one(&mut **tx)
-        .await?;
-        let run = run_from_row(&row)?;
+        let run = select_run(&mut **tx, project, id).await?;
         tx.commit().await?;
         if start.run.status == RunStatus::Skipped {
             crate::metrics::run_ended_unclaimed(start.run.status, start.run.trigger_kind);
@@ -307,15 +295,7 @@ impl Store {
     }
 
     pub async fn get_run(&self, project: ProjectId, id: RunId) -> Result<RunRecord, StoreError> {
-        let row = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "SELECT {COLUMNS} FROM runs WHERE project_id = $1 AND id = $2"
-        )))
-        .bind(project.to_string())
-        .bind(id.to_string())
-        .fetch_optional(self.pool())
-        .await?
-        .ok_or(StoreError::NotFound)?;
-        run_from_row(&row)
+        select_run(self.pool(), project, id).await
     }
 
     pub async fn list_runs(
@@ -571,8 +551,8 @@ impl Store {
     /// Claims up to `max` of the oldest queued runs whose routine and project both have a
     /// free slot (at most `terms.max_per_project` running runs per project; a run waiting for
     /// approval holds no worker and does not count there, but does count against its
-    /// routine's limit), leasing them to `terms.worker`, oldest first. A run recorded ahead of its
-    /// slot is not claimed before it (`not_before`).
+    /// routine's limit), leasing them to `terms.worker`, oldest first. A run recorded ahead of
+    /// its slot is not claimed before it (`not_before`).
     ///
     /// One write transaction claims them all, each claim checking the limits as it is
     /// written, so they hold however many workers claim at once: every claim in the
@@ -634,20 +614,8 @@ impl Store {
         }
         let now = now_millis();
         let mut tx = self.begin_write().await?;
-        if self.backend() == crate::Backend::Postgres {
-            let mut projects: Vec<String> = candidates
-                .iter()
-                .map(|(project, _, _)| project.to_string())
-                .collect();
-            projects.sort_unstable();
-            projects.dedup();
-            for project in projects {
-                sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
-                    .bind(project)
-                    .execute(&mut **tx)
-                    .await?;
-            }
-        }
+        let projects: Vec<ProjectId> = candidates.iter().map(|(project, _, _)| *project).collect();
+        self.take_claim_locks(&mut tx, &projects).await?;
         let mut claimed: Vec<RunId> = Vec::with_capacity(max.min(candidates.len()));
         for (project, routine, id) in &candidates {
             let limits = ClaimLimits {
@@ -690,6 +658,29 @@ impl Store {
             .collect::<Result<Vec<_>, _>>()?;
         tx.commit().await?;
         Ok(runs)
+    }
+
+    /// On PostgreSQL, makes the claims of `projects` in `tx` take turns with every other
+    /// claim of them: one advisory lock per project for the transaction, taken in the order
+    /// of the projects' ids. SQLite has one writer at a time already.
+    async fn take_claim_locks(
+        &self,
+        tx: &mut crate::WriteTx,
+        projects: &[ProjectId],
+    ) -> Result<(), StoreError> {
+        if self.backend() != crate::Backend::Postgres {
+            return Ok(());
+        }
+        let mut ids: Vec<String> = projects.iter().map(ToString::to_string).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        for id in ids {
+            sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
+                .bind(id)
+                .execute(&mut ***tx)
+                .await?;
+        }
+        Ok(())
     }
 
     /// Claims one queued run by id for `worker`, whatever the limits: a parent driving its
@@ -838,11 +829,32 @@ impl Store {
     }
 }
 
+/// Run `id` of `project`, read on `executor` (the pool, or a transaction that just wrote it).
+async fn select_run<'c, E>(
+    executor: E,
+    project: ProjectId,
+    id: RunId,
+) -> Result<RunRecord, StoreError>
+where
+    E: sqlx::Executor<'c, Database = sqlx::Any>,
+{
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {COLUMNS} FROM runs WHERE project_id = $1 AND id = $2"
+    )))
+    .bind(project.to_string())
+    .bind(id.to_string())
+    .fetch_optional(executor)
+    .await?
+    .ok_or(StoreError::NotFound)?;
+    run_from_row(&row)
+}
+
 /// At most this many queued runs are looked at by one claim of several.
 const CLAIM_CANDIDATES_MAX: usize = 256;
 
-/// Claims queued run `id` for `worker` on `connection` (a write transaction), as of `now`. With `limits`, only if its
-/// routine and project still have a free slot as the claim is written. Time spent parked is
+/// Claims queued run `id` for `worker` on `connection` (a write transaction), as of `now`.
+/// With `limits`, only if its routine and project still have a free slot as the claim is
+/// written. Time spent parked is
 /// added to `parked_ms`. A credential minted under an earlier claim (whose lease expired) ends
 /// with it; the new holder mints its own. False when the run was not claimable.
 async fn claim_in(

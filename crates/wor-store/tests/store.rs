@@ -665,15 +665,7 @@ async fn an_ended_nested_run_always_releases_its_parked_parent() {
     // Claims pick any queued run of the database: this test needs one of its own.
     let db = TestDatabase::isolated().await.unwrap();
     let project = new_project(&db).await;
-    let toml = "name = \"r\"\ninstructions = \"x\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\nscript = { turns = [{ text = \"hi\" }] }\n";
-    let definition = wor_core::routine::RoutineDefinition::from_toml(toml).unwrap();
-    let routine = db
-        .store
-        .apply_routine(project, toml, &definition, None)
-        .await
-        .unwrap()
-        .routine
-        .id;
+    let routine = replay_routine(&db.store, project, "r").await;
     let new = |parent: Option<ParentLink>, key: &str| NewRun {
         routine_id: routine,
         routine_version: 1,
@@ -768,17 +760,7 @@ async fn concurrent_claims_keep_the_routine_and_project_limits() {
     let store = db.store.clone();
     let mut routines = Vec::new();
     for name in ["narrow", "wide"] {
-        let toml = format!(
-            "name = \"{name}\"\ninstructions = \"x\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\nscript = {{ turns = [{{ text = \"hi\" }}] }}\n"
-        );
-        let definition = wor_core::routine::RoutineDefinition::from_toml(&toml).unwrap();
-        let routine = store
-            .apply_routine(project, &toml, &definition, None)
-            .await
-            .unwrap()
-            .routine
-            .id;
-        routines.push(routine);
+        routines.push(replay_routine(&store, project, name).await);
     }
     let queue = |routine, max_concurrent, count| {
         let store = store.clone();
@@ -862,17 +844,7 @@ async fn a_claim_of_several_runs_keeps_the_limits_among_its_own_claims() {
         let project = new_project(&db).await;
         let mut routines = Vec::new();
         for name in names {
-            let toml = format!(
-                "name = \"{name}\"\ninstructions = \"x\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\nscript = {{ turns = [{{ text = \"hi\" }}] }}\n"
-            );
-            let definition = wor_core::routine::RoutineDefinition::from_toml(&toml).unwrap();
-            let routine = store
-                .apply_routine(project, &toml, &definition, None)
-                .await
-                .unwrap()
-                .routine
-                .id;
-            routines.push(routine);
+            routines.push(replay_routine(&store, project, name).await);
         }
         // The first routine of the first project runs at most 2 at once.
         let limits = [if queued.is_empty() { 2 } else { 100 }, 100];
@@ -935,14 +907,7 @@ async fn a_run_is_claimed_as_it_is_created_only_when_nothing_older_waits() {
     let db = TestDatabase::isolated().await.unwrap();
     let store = db.store.clone();
     let project = new_project(&db).await;
-    let toml = "name = \"r\"\ninstructions = \"x\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\nscript = { turns = [{ text = \"hi\" }] }\n";
-    let definition = wor_core::routine::RoutineDefinition::from_toml(toml).unwrap();
-    let routine = store
-        .apply_routine(project, toml, &definition, None)
-        .await
-        .unwrap()
-        .routine
-        .id;
+    let routine = replay_routine(&store, project, "r").await;
     let input = || InputStep::requested(serde_json::json!("x"));
     let new = || queued_run(routine, 1, None, 100);
     let first = store.create_run(project, new(), input()).await.unwrap();
@@ -976,6 +941,24 @@ async fn a_run_is_claimed_as_it_is_created_only_when_nothing_older_waits() {
         RunStatus::Queued,
         "the project's limit is reached"
     );
+}
+
+/// A routine `name` of `project` on a one-turn replay model, applied as its first version.
+async fn replay_routine(
+    store: &wor_store::Store,
+    project: wor_core::ProjectId,
+    name: &str,
+) -> wor_core::RoutineId {
+    let toml = format!(
+        "name = \"{name}\"\ninstructions = \"x\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\nscript = {{ turns = [{{ text = \"hi\" }}] }}\n"
+    );
+    let definition = wor_core::routine::RoutineDefinition::from_toml(&toml).unwrap();
+    store
+        .apply_routine(project, &toml, &definition, None)
+        .await
+        .unwrap()
+        .routine
+        .id
 }
 
 /// The terms of a claim for `worker`: a minute's lease, `max_per_project` running at once.
@@ -1548,14 +1531,7 @@ async fn an_approval_is_never_used_without_its_call_recorded_as_started() {
     let project = created.project.id;
     let key = db.store.list_api_keys(project).await.unwrap()[0].id;
     let store = &db.store;
-    let toml = "name = \"r\"\ninstructions = \"x\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\nscript = { turns = [{ text = \"hi\" }] }\n";
-    let definition = wor_core::routine::RoutineDefinition::from_toml(toml).unwrap();
-    let routine = store
-        .apply_routine(project, toml, &definition, None)
-        .await
-        .unwrap()
-        .routine
-        .id;
+    let routine = replay_routine(store, project, "r").await;
     let new = queued_run(routine, 1, Some(key), 1);
     let run = store
         .create_run(project, new, InputStep::requested(serde_json::json!("x")))
