@@ -29,6 +29,17 @@ async fn previous_release() -> (Store, tempfile::TempDir) {
     let store = Store::connect(&format!("sqlite://{}?mode=rw", file.display()))
         .await
         .unwrap();
+    // That release filed its pending approvals with a lifetime that has since run out: they
+    // are given a day from now, so the test does not depend on the date it runs on.
+    let later = wor_store::now_millis() + 86_400_000;
+    wor_store::testing::tamper(
+        &store,
+        &[format!(
+            "UPDATE approvals SET expires_at = {later} WHERE status = 'pending'"
+        )],
+    )
+    .await
+    .unwrap();
     (store, dir)
 }
 
