@@ -537,7 +537,7 @@ impl Store {
     /// returns which.
     pub async fn cancel_approvals(&self, run: RunId) -> Result<Vec<ApprovalId>, StoreError> {
         let mut connection = self.pool().acquire().await?;
-        cancel_pending(&mut connection, run, now_millis()).await
+        cancel_pending(&mut *connection, run, now_millis()).await
     }
 
     /// The project's own policy, when one was set.
@@ -665,19 +665,18 @@ fn approval_from_row(row: &sqlx::any::AnyRow) -> Result<ApprovalRecord, StoreErr
 
 /// Cancels the pending approvals of `run` (it ended); returns their ids.
 pub(crate) async fn cancel_pending(
-    connection: &mut sqlx::AnyConnection,
+    connection: &mut impl crate::exec::Exec,
     run: RunId,
     now: i64,
 ) -> Result<Vec<ApprovalId>, StoreError> {
-    let rows = sqlx::query(
-        "UPDATE approvals SET status = 'cancelled', decided_at = $1 WHERE run_id = $2 AND status = 'pending' \
-         RETURNING id",
-    )
-    .bind(now)
-    .bind(run.to_string())
-    .fetch_all(connection)
-    .await?;
+    let rows = connection
+        .fetch_all(
+            "UPDATE approvals SET status = 'cancelled', decided_at = $1 WHERE run_id = $2 \
+             AND status = 'pending' RETURNING id",
+            vec![now.into(), run.to_string().into()],
+        )
+        .await?;
     rows.iter()
-        .map(|row| parse_column(&row.try_get::<String, _>("id")?, "approvals.id"))
+        .map(|row| parse_column(&row.text("id")?, "approvals.id"))
         .collect()
 }

@@ -17,7 +17,7 @@ use std::time::Duration;
 use ed25519_dalek::VerifyingKey;
 use serde_json::Value;
 use sha2::{Digest as _, Sha256};
-use sqlx::{Any, Row, Transaction};
+use sqlx::Row;
 use tokio::sync::{mpsc, oneshot};
 use wor_core::ProjectId;
 use wor_core::audit::{
@@ -27,6 +27,7 @@ use wor_core::audit::{
 use wor_core::canonical::to_canonical_json;
 use wor_secrets::{AuditSigningKey, redact_shapes};
 
+use crate::exec::{EmbeddedWriter, Exec};
 use crate::journal::{RunWrite, RunWritten};
 use crate::{Backend, Durability, HeldConnection, Store, StoreError, now_millis, parse_column};
 
@@ -96,16 +97,20 @@ impl AuditLog {
         let (sender, receiver) = mpsc::channel(config.max_batch.max(1) * 4);
         let verifying_key = key.verifying_key();
         let writer = Writer {
+            chain: Chain {
+                backend: store.backend,
+                key_id: key_id(&verifying_key),
+                key,
+                checkpoint_every: config.checkpoint_every,
+                unsigned: BTreeSet::new(),
+                signed: Vec::new(),
+            },
             store,
-            key_id: key_id(&verifying_key),
-            key,
             config,
-            unsigned: BTreeSet::new(),
-            signed: Vec::new(),
-            held: std::sync::Mutex::new(None),
+            connection: std::sync::Mutex::new(Connection::Pool(None)),
             wal: None,
         };
-        tokio::spawn(writer.run(receiver));
+        writer.spawn(receiver);
         AuditLog {
             sender,
             verifying_key,
@@ -173,19 +178,96 @@ impl AuditLog {
 
 struct Writer {
     store: Store,
+    config: AuditConfig,
+    chain: Chain,
+    /// The connection the writer commits its batches on (in a mutex only so that the writer
+    /// stays `Sync`; only the writer's own `&mut self` reaches it).
+    connection: std::sync::Mutex<Connection>,
+    /// On SQLite with a database file: where synced batches wait for the write-ahead log to
+    /// reach the disk, outside the database's write lock (see [`sync_wal`]).
+    wal: Option<mpsc::UnboundedSender<Acknowledgement>>,
+}
+
+/// The connection the writer commits on.
+enum Connection {
+    /// A connection of the store's pool, kept from one batch to the next (`None` before the
+    /// first batch and after a failed one).
+    Pool(Option<HeldConnection>),
+    /// On SQLite with a database file in WAL mode, when the writer runs on a thread of its
+    /// own: the writer's own connection, on which a batch runs without a hand-off to another
+    /// thread per statement.
+    Embedded(EmbeddedWriter),
+}
+
+/// The audit chain as this writer keeps it: how it signs, and which projects' heads are
+/// still unsigned.
+struct Chain {
+    backend: Backend,
     key: AuditSigningKey,
     key_id: String,
-    config: AuditConfig,
+    /// Sign a project's head once this many entries follow its last checkpoint.
+    checkpoint_every: i64,
     /// Projects with entries this writer appended after their last checkpoint.
     unsigned: BTreeSet<ProjectId>,
     /// Projects whose head the batch being written signed.
     signed: Vec<ProjectId>,
-    /// The connection the writer commits its batches on (in a mutex only so that the writer
-    /// stays `Sync`; only the writer's own `&mut self` reaches it).
-    held: std::sync::Mutex<Option<HeldConnection>>,
-    /// On SQLite with a database file: where synced batches wait for the write-ahead log to
-    /// reach the disk, outside the database's write lock (see [`sync_wal`]).
-    wal: Option<mpsc::UnboundedSender<Acknowledgement>>,
+}
+
+/// What the writer does in one transaction, on whichever connection it has.
+trait Work {
+    type Output;
+    async fn run(self, chain: &mut Chain, exec: &mut impl Exec)
+    -> Result<Self::Output, StoreError>;
+}
+
+/// A batch: the run writes (each fenced) and then every audit entry, `events` and those of
+/// the run writes that passed their fence.
+struct BatchWork {
+    events: Vec<AuditEvent>,
+    writes: Vec<RunWrite>,
+}
+
+impl Work for BatchWork {
+    type Output = (Vec<AuditReceipt>, Vec<RunWritten>);
+
+    async fn run(
+        self,
+        chain: &mut Chain,
+        exec: &mut impl Exec,
+    ) -> Result<Self::Output, StoreError> {
+        let BatchWork { mut events, writes } = self;
+        let at = now_millis();
+        let mut written = Vec::with_capacity(writes.len());
+        for write in writes {
+            let outcome = crate::journal::write_run(exec, &write, at).await?;
+            if matches!(outcome, RunWritten::Committed { .. }) {
+                events.extend(write.audit);
+            }
+            written.push(outcome);
+        }
+        let receipts = chain.append_batch(exec, events, at).await?;
+        Ok((receipts, written))
+    }
+}
+
+/// Signs the head of every project with entries after its last checkpoint.
+struct CheckpointWork;
+
+impl Work for CheckpointWork {
+    type Output = ();
+
+    async fn run(self, chain: &mut Chain, exec: &mut impl Exec) -> Result<(), StoreError> {
+        let at = now_millis();
+        for project in chain.unsigned.clone() {
+            let head = lock_head(exec, chain.backend, project).await?;
+            if head.seq > head.checkpoint_seq {
+                chain
+                    .insert_checkpoint(exec, project, head.seq, &head.hash, at)
+                    .await?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// What a committed batch's callers are told once it is on disk, or why it could not be.
@@ -249,17 +331,26 @@ const WAL_SYNC: &str = "wal_sync";
 /// across flushes reports a write error the kernel saw since the previous one, where a fresh
 /// handle may not. The file is opened again only when the one at its path is another.
 struct WalLog {
+    /// The database file whose log this is.
+    database: std::path::PathBuf,
     path: std::path::PathBuf,
     file: std::fs::File,
 }
 
 impl WalLog {
-    fn open(path: std::path::PathBuf) -> std::io::Result<WalLog> {
+    fn open(database: std::path::PathBuf) -> std::io::Result<WalLog> {
+        let mut path = database.clone().into_os_string();
+        path.push("-wal");
+        let path = std::path::PathBuf::from(path);
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
             .open(&path)?;
-        Ok(WalLog { path, file })
+        Ok(WalLog {
+            database,
+            path,
+            file,
+        })
     }
 
     /// Flushes the log file at its path to disk.
@@ -271,7 +362,7 @@ impl WalLog {
             // SQLite deletes the log only when its last connection closes, after copying it
             // into the database file and syncing that; what was committed since is in the
             // new file, which is the one to flush from now on.
-            *self = WalLog::open(self.path.clone())?;
+            *self = WalLog::open(self.database.clone())?;
         }
         self.file.sync_data()
     }
@@ -299,8 +390,8 @@ async fn wal_log(store: &Store) -> Option<WalLog> {
     if file.is_empty() {
         return None;
     }
-    let path = std::path::PathBuf::from(format!("{file}-wal"));
-    match tokio::task::spawn_blocking(move || WalLog::open(path)).await {
+    let database = std::path::PathBuf::from(file);
+    match tokio::task::spawn_blocking(move || WalLog::open(database)).await {
         Ok(Ok(log)) => Some(log),
         _ => {
             tracing::warn!(
@@ -323,10 +414,83 @@ struct Committed {
 }
 
 impl Writer {
-    async fn run(mut self, mut receiver: mpsc::Receiver<Command>) {
+    /// Starts the writer: on SQLite on a thread of its own, where it may drive its own
+    /// connection synchronously ([`Connection::Embedded`]); on PostgreSQL, or when that thread
+    /// cannot start, as a task of the current runtime on a connection of the pool.
+    fn spawn(self, receiver: mpsc::Receiver<Command>) {
+        let runtime = tokio::runtime::Handle::current();
+        if self.store.backend != Backend::Sqlite {
+            runtime.spawn(self.run(receiver, runtime.clone(), false));
+            return;
+        }
+        let (sender, start) = std::sync::mpsc::channel::<(Writer, mpsc::Receiver<Command>)>();
+        let shared = runtime.clone();
+        let thread = std::thread::Builder::new()
+            .name("wor-audit-log".to_owned())
+            .spawn(move || {
+                let Ok((writer, receiver)) = start.recv() else {
+                    return;
+                };
+                match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(own) => own.block_on(writer.run(receiver, shared, true)),
+                    Err(_) => {
+                        tracing::warn!(
+                            category = "audit",
+                            "the audit writer's runtime cannot start; it runs as a task"
+                        );
+                        let on = shared.clone();
+                        on.spawn(writer.run(receiver, shared, false));
+                    }
+                }
+            });
+        match thread {
+            Ok(_) => {
+                if let Err(unsent) = sender.send((self, receiver)) {
+                    let (writer, receiver) = unsent.0;
+                    runtime.spawn(writer.run(receiver, runtime.clone(), false));
+                }
+            }
+            Err(_) => {
+                tracing::warn!(
+                    category = "audit",
+                    "the audit writer's thread cannot start; it runs as a task"
+                );
+                runtime.spawn(self.run(receiver, runtime.clone(), false));
+            }
+        }
+    }
+
+    /// The writer's loop. `shared` is the process's runtime, where the log syncer runs;
+    /// `own_thread` says whether this loop has a thread to itself, which it may then block
+    /// on its own connection's statements.
+    async fn run(
+        mut self,
+        mut receiver: mpsc::Receiver<Command>,
+        shared: tokio::runtime::Handle,
+        own_thread: bool,
+    ) {
         if let Some(log) = wal_log(&self.store).await {
+            if own_thread {
+                match EmbeddedWriter::open(&log.database) {
+                    Ok(embedded) => {
+                        *self
+                            .connection
+                            .get_mut()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner) =
+                            Connection::Embedded(embedded);
+                    }
+                    Err(err) => tracing::warn!(
+                        category = "audit",
+                        kind = err.kind(),
+                        "the audit writer cannot open its own connection; it writes through the pool"
+                    ),
+                }
+            }
             let (sender, waiting) = mpsc::unbounded_channel();
-            tokio::spawn(sync_wal(log, waiting));
+            shared.spawn(sync_wal(log, waiting));
             self.wal = Some(sender);
         }
         let mut ticker = tokio::time::interval(self.config.checkpoint_interval);
@@ -444,7 +608,7 @@ impl Writer {
     /// `events` and what became of each write, in order.
     async fn commit_batch(
         &mut self,
-        mut events: Vec<AuditEvent>,
+        events: Vec<AuditEvent>,
         writes: Vec<RunWrite>,
     ) -> Result<Committed, StoreError> {
         let appended = events.len();
@@ -468,34 +632,11 @@ impl Writer {
         } else {
             durability
         };
-        let store = self.store.clone();
-        let mut held = self
-            .held
-            .get_mut()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .take();
-        let committed = store
-            .write_held(&mut held, committing, async |tx| {
-                let at = now_millis();
-                let mut written = Vec::with_capacity(writes.len());
-                for write in writes {
-                    let outcome = crate::journal::write_run(tx, &write, at).await?;
-                    if matches!(outcome, RunWritten::Committed { .. }) {
-                        events.extend(write.audit);
-                    }
-                    written.push(outcome);
-                }
-                let receipts = self.append_batch(tx, events, at).await?;
-                Ok((receipts, written))
-            })
-            .await;
-        *self
-            .held
-            .get_mut()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = held;
-        let (mut receipts, written) = committed?;
+        let (mut receipts, written) = self
+            .transact(committing, BatchWork { events, writes })
+            .await?;
         crate::metrics::audit_commit(durability);
-        self.signed_committed();
+        self.chain.signed_committed();
         receipts.truncate(appended);
         Ok(Committed {
             receipts,
@@ -504,12 +645,45 @@ impl Writer {
         })
     }
 
+    /// Does `work` in one transaction on the writer's connection, committed with
+    /// `durability`.
+    async fn transact<W: Work>(
+        &mut self,
+        durability: Durability,
+        work: W,
+    ) -> Result<W::Output, StoreError> {
+        let store = self.store.clone();
+        let chain = &mut self.chain;
+        let connection = self
+            .connection
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match connection {
+            Connection::Pool(held) => {
+                store
+                    .write_held(held, durability, async |tx| {
+                        work.run(chain, &mut **tx).await
+                    })
+                    .await
+            }
+            Connection::Embedded(embedded) => {
+                // Held until the transaction has ended, as by every writer of the store.
+                let _turn = store.write_turn().await?;
+                embedded
+                    .transaction(durability, async |exec| work.run(chain, exec).await)
+                    .await
+            }
+        }
+    }
+}
+
+impl Chain {
     /// Appends `events` in `tx`, in order, and returns their receipts in order. The projects
     /// whose head it signed are forgotten as unsigned once `tx` commits
-    /// ([`Writer::signed_committed`]).
+    /// ([`Chain::signed_committed`]).
     async fn append_batch(
         &mut self,
-        tx: &mut Transaction<'_, Any>,
+        tx: &mut impl Exec,
         events: Vec<AuditEvent>,
         at: i64,
     ) -> Result<Vec<AuditReceipt>, StoreError> {
@@ -525,7 +699,7 @@ impl Writer {
         self.signed.clear();
         // Projects are locked in id order, so two processes never wait on each other in a cycle.
         for (project, events) in by_project {
-            let head = lock_head(tx, self.store.backend, project).await?;
+            let head = lock_head(tx, self.backend, project).await?;
             let (mut seq, mut prev) = (head.seq, head.hash);
             let mut entries = Vec::with_capacity(events.len());
             for (index, event) in events {
@@ -543,7 +717,7 @@ impl Writer {
             for chunk in entries.chunks(ENTRIES_PER_STATEMENT) {
                 insert_entries(tx, chunk).await?;
             }
-            if seq - head.checkpoint_seq >= self.config.checkpoint_every {
+            if seq - head.checkpoint_seq >= self.checkpoint_every {
                 self.insert_checkpoint(tx, project, seq, &prev, at).await?;
                 self.signed.push(project);
             } else {
@@ -562,12 +736,17 @@ impl Writer {
             self.unsigned.remove(&project);
         }
     }
+}
 
+impl Writer {
     async fn checkpoint_unsigned(&mut self) -> Result<(), StoreError> {
-        if self.unsigned.is_empty() {
+        if self.chain.unsigned.is_empty() {
             return Ok(());
         }
-        let result = self.checkpoint_projects().await;
+        let result = self.transact(Durability::Synced, CheckpointWork).await;
+        if result.is_ok() {
+            self.chain.unsigned.clear();
+        }
         if let Err(err) = &result {
             tracing::error!(
                 category = "audit",
@@ -577,25 +756,12 @@ impl Writer {
         }
         result
     }
+}
 
-    async fn checkpoint_projects(&mut self) -> Result<(), StoreError> {
-        let mut tx = self.store.begin_write().await?;
-        let at = now_millis();
-        for project in &self.unsigned {
-            let head = lock_head(&mut tx, self.store.backend, *project).await?;
-            if head.seq > head.checkpoint_seq {
-                self.insert_checkpoint(&mut tx, *project, head.seq, &head.hash, at)
-                    .await?;
-            }
-        }
-        tx.commit().await?;
-        self.unsigned.clear();
-        Ok(())
-    }
-
+impl Chain {
     async fn insert_checkpoint(
         &self,
-        tx: &mut Transaction<'_, Any>,
+        tx: &mut impl Exec,
         project: ProjectId,
         seq: i64,
         entry_hash: &str,
@@ -603,17 +769,18 @@ impl Writer {
     ) -> Result<(), StoreError> {
         let message = checkpoint_message(project, seq, entry_hash, at, &self.key_id);
         let signature = hex::encode(self.key.sign(&message));
-        sqlx::query(
+        tx.execute(
             "INSERT INTO audit_checkpoints (project_id, seq, entry_hash, at, key_id, signature) \
              VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (project_id, seq) DO NOTHING",
+            vec![
+                project.to_string().into(),
+                seq.into(),
+                entry_hash.into(),
+                at.into(),
+                self.key_id.as_str().into(),
+                signature.into(),
+            ],
         )
-        .bind(project.to_string())
-        .bind(seq)
-        .bind(entry_hash)
-        .bind(at)
-        .bind(&self.key_id)
-        .bind(signature)
-        .execute(&mut **tx)
         .await?;
         Ok(())
     }
@@ -648,29 +815,30 @@ struct ChainHead {
 
 /// Takes `project`'s chain lock for the rest of the transaction and reads its head.
 async fn lock_head(
-    tx: &mut Transaction<'_, Any>,
+    tx: &mut impl Exec,
     backend: Backend,
     project: ProjectId,
 ) -> Result<ChainHead, StoreError> {
     if backend == Backend::Postgres {
-        sqlx::query("SELECT 1 AS locked FROM (SELECT pg_advisory_xact_lock($1)) AS l")
-            .bind(advisory_lock_key(project))
-            .execute(&mut **tx)
-            .await?;
+        tx.execute(
+            "SELECT 1 AS locked FROM (SELECT pg_advisory_xact_lock($1)) AS l",
+            vec![advisory_lock_key(project).into()],
+        )
+        .await?;
     }
     // The head and the last checkpoint in one statement: one round trip on the writer's path.
-    let row = sqlx::query(
+    let row = tx.fetch_optional(
         "SELECT \
            (SELECT seq FROM audit_entries WHERE project_id = $1 ORDER BY seq DESC LIMIT 1) AS seq, \
            (SELECT hash FROM audit_entries WHERE project_id = $1 ORDER BY seq DESC LIMIT 1) AS hash, \
            (SELECT seq FROM audit_checkpoints WHERE project_id = $1 ORDER BY seq DESC LIMIT 1) \
              AS checkpoint_seq",
+        vec![project.to_string().into()],
     )
-    .bind(project.to_string())
-    .fetch_one(&mut **tx)
-    .await?;
-    let seq: Option<i64> = row.try_get("seq")?;
-    let hash: Option<String> = row.try_get("hash")?;
+    .await?
+    .ok_or_else(|| StoreError::Corrupt("the audit chain's head read no row".to_owned()))?;
+    let seq = row.opt_int("seq")?;
+    let hash = row.opt_text("hash")?;
     let (seq, hash) = match (seq, hash) {
         (Some(seq), Some(hash)) => (seq, hash),
         (None, None) => (0, GENESIS_HASH.to_owned()),
@@ -680,7 +848,7 @@ async fn lock_head(
             ));
         }
     };
-    let checkpoint_seq: Option<i64> = row.try_get("checkpoint_seq")?;
+    let checkpoint_seq = row.opt_int("checkpoint_seq")?;
     Ok(ChainHead {
         seq,
         hash,
@@ -698,10 +866,7 @@ fn advisory_lock_key(project: ProjectId) -> i64 {
 const ENTRIES_PER_STATEMENT: usize = 100;
 
 /// Inserts `entries` with one statement.
-async fn insert_entries(
-    tx: &mut Transaction<'_, Any>,
-    entries: &[AuditEntry],
-) -> Result<(), StoreError> {
+async fn insert_entries(tx: &mut impl Exec, entries: &[AuditEntry]) -> Result<(), StoreError> {
     const VALUES: usize = 12;
     let rows: Vec<String> = (0..entries.len())
         .map(|i| {
@@ -715,27 +880,28 @@ async fn insert_entries(
         "INSERT INTO audit_entries ({ENTRY_COLUMNS}) VALUES {}",
         rows.join(", ")
     );
-    let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
+    let mut params = Vec::with_capacity(entries.len() * VALUES);
     for entry in entries {
         let actor = serde_json::to_value(&entry.actor)
             .map_err(|e| StoreError::Corrupt(format!("audit actor: {e}")))?;
         let subjects = serde_json::to_value(&entry.subjects)
             .map_err(|e| StoreError::Corrupt(format!("audit subjects: {e}")))?;
-        query = query
-            .bind(entry.project_id.to_string())
-            .bind(entry.seq)
-            .bind(entry.at)
-            .bind(to_canonical_json(&actor))
-            .bind(entry.category.clone())
-            .bind(to_canonical_json(&subjects))
-            .bind(entry.root_run_id.map(|r| r.to_string()))
-            .bind(entry.parent_run_id.map(|r| r.to_string()))
-            .bind(entry.payload_digest.clone())
-            .bind(to_canonical_json(&entry.payload))
-            .bind(entry.prev_hash.clone())
-            .bind(entry.hash.clone());
+        params.extend([
+            entry.project_id.to_string().into(),
+            entry.seq.into(),
+            entry.at.into(),
+            to_canonical_json(&actor).into(),
+            entry.category.clone().into(),
+            to_canonical_json(&subjects).into(),
+            entry.root_run_id.map(|r| r.to_string()).into(),
+            entry.parent_run_id.map(|r| r.to_string()).into(),
+            entry.payload_digest.clone().into(),
+            to_canonical_json(&entry.payload).into(),
+            entry.prev_hash.clone().into(),
+            entry.hash.clone().into(),
+        ]);
     }
-    query.execute(&mut **tx).await?;
+    tx.execute(&sql, params).await?;
     Ok(())
 }
 

@@ -10,7 +10,6 @@
 //! database (a call about to run, a run's end) is also on disk before it is acknowledged;
 //! the others reach the disk with the next such commit ([`RunWrite::is_durable`]).
 
-use sqlx::{Any, Row, Transaction};
 use wor_core::audit::AuditEvent;
 use wor_core::budget::BudgetUsage;
 use wor_core::canonical::sha256_hex;
@@ -18,6 +17,7 @@ use wor_core::run::{Provenance, RunStatus};
 use wor_core::step::{OutcomeStep, Step};
 use wor_core::{ApprovalId, ProjectId, RunId};
 
+use crate::exec::{Exec, Param};
 use crate::runs::{insert_step, requeue_parent, to_i64};
 use crate::{RunToken, Store, StoreError, now_millis};
 
@@ -134,7 +134,7 @@ impl Store {
     ) -> Result<bool, StoreError> {
         let write = RunWrite::new(project, run, worker, 0).end(status, outcome);
         let mut tx = self.begin_write().await?;
-        let written = write_run(&mut tx, &write, now_millis()).await?;
+        let written = write_run(&mut *tx, &write, now_millis()).await?;
         tx.commit().await?;
         Ok(matches!(written, RunWritten::Committed { .. }))
     }
@@ -160,7 +160,7 @@ pub enum RunWritten {
 /// usage and the steps. Its audit entries are the caller's to append in the same transaction
 /// when this answers [`RunWritten::Committed`].
 pub(crate) async fn write_run(
-    tx: &mut Transaction<'_, Any>,
+    tx: &mut impl Exec,
     write: &RunWrite,
     now: i64,
 ) -> Result<RunWritten, StoreError> {
@@ -212,18 +212,11 @@ pub(crate) async fn write_run(
         " RETURNING cancel_requested, \
          (SELECT COALESCE(MAX(s.seq), 0) FROM run_steps s WHERE s.run_id = runs.id) AS last_seq",
     );
-    let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
-    for value in fence.values {
-        query = match value {
-            Bound::Int(value) => query.bind(value),
-            Bound::Text(value) => query.bind(value),
-        };
-    }
-    let Some(row) = query.fetch_optional(&mut **tx).await? else {
+    let Some(row) = tx.fetch_optional(&sql, fence.values).await? else {
         return fenced_out(tx, write).await;
     };
-    let cancel_requested: i64 = row.try_get("cancel_requested")?;
-    let mut seq: i64 = row.try_get("last_seq")?;
+    let cancel_requested = row.int("cancel_requested")?;
+    let mut seq = row.int("last_seq")?;
     let outcome = write.end.as_ref().map(|(status, outcome)| {
         Step::Outcome(OutcomeStep {
             status: *status,
@@ -268,42 +261,33 @@ pub(crate) async fn write_run(
 /// The values of a fence statement in the order of their placeholders.
 #[derive(Default)]
 struct Fence {
-    values: Vec<Bound>,
-}
-
-enum Bound {
-    Int(i64),
-    Text(String),
+    values: Vec<Param>,
 }
 
 impl Fence {
     /// The placeholder of the next value, `value`.
     fn int(&mut self, value: i64) -> String {
-        self.values.push(Bound::Int(value));
+        self.values.push(Param::Int(value));
         format!("${}", self.values.len())
     }
 
     fn text(&mut self, value: &str) -> String {
-        self.values.push(Bound::Text(value.to_owned()));
+        self.values.push(Param::from(value));
         format!("${}", self.values.len())
     }
 }
 
 /// Why a fenced write matched no row: the lease, or only the credential.
-async fn fenced_out(
-    tx: &mut Transaction<'_, Any>,
-    write: &RunWrite,
-) -> Result<RunWritten, StoreError> {
+async fn fenced_out(tx: &mut impl Exec, write: &RunWrite) -> Result<RunWritten, StoreError> {
     if write.credential.is_none() {
         return Ok(RunWritten::LeaseLost);
     }
-    let held = sqlx::query(
-        "SELECT 1 AS held FROM runs WHERE id = $1 AND lease_owner = $2 AND status = 'running'",
-    )
-    .bind(write.run.to_string())
-    .bind(write.worker.clone())
-    .fetch_optional(&mut **tx)
-    .await?;
+    let held = tx
+        .fetch_optional(
+            "SELECT 1 AS held FROM runs WHERE id = $1 AND lease_owner = $2 AND status = 'running'",
+            vec![write.run.to_string().into(), write.worker.as_str().into()],
+        )
+        .await?;
     Ok(if held.is_some() {
         RunWritten::CredentialEnded
     } else {

@@ -12,6 +12,7 @@ mod approvals;
 mod audit;
 mod backup;
 mod console;
+mod exec;
 mod journal;
 mod members;
 mod memory;
@@ -141,6 +142,9 @@ pub enum StoreError {
     Corrupt(String),
     #[error("database error: {0}")]
     Database(#[from] sqlx::Error),
+    /// From the audit writer's own connection to the embedded database.
+    #[error("database error: {0}")]
+    Embedded(#[from] rusqlite::Error),
     #[error("migration failed: {0}")]
     Migration(#[from] sqlx::migrate::MigrateError),
     /// Other writes of this process kept the database for longer than a write waits
@@ -172,6 +176,7 @@ impl StoreError {
                 sqlx::Error::Io(_) => "io",
                 _ => "other",
             },
+            StoreError::Embedded(_) => "database",
             StoreError::Migration(_) => "migration",
             StoreError::WriteTurnTimedOut => "write_turn_timed_out",
             StoreError::AuditStopped => "audit_stopped",

@@ -13,6 +13,7 @@ use sqlx::Row;
 use wor_core::canonical::sha256_hex;
 use wor_core::{ProjectId, RoutineId, RunId};
 
+use crate::exec::Exec;
 use crate::{Store, StoreError, now_millis, parse_column};
 
 /// The text every run token starts with; the API refuses it everywhere but its own routes.
@@ -48,7 +49,7 @@ impl RunToken {
 /// Stores `token` (its digest) as the credential of `run`, replacing any earlier one, under
 /// the lease of `worker`, which the caller has just checked in `tx`.
 pub(crate) async fn store(
-    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    tx: &mut impl Exec,
     project: ProjectId,
     run: RunId,
     worker: &str,
@@ -56,21 +57,19 @@ pub(crate) async fn store(
     expires_at: i64,
     now: i64,
 ) -> Result<(), StoreError> {
-    sqlx::query("DELETE FROM run_tokens WHERE run_id = $1")
-        .bind(run.to_string())
-        .execute(&mut **tx)
-        .await?;
-    sqlx::query(
+    revoke(tx, run).await?;
+    tx.execute(
         "INSERT INTO run_tokens (run_id, project_id, sha256, lease_owner, expires_at, created_at) \
          VALUES ($1, $2, $3, $4, $5, $6)",
+        vec![
+            run.to_string().into(),
+            project.to_string().into(),
+            digest.into(),
+            worker.into(),
+            expires_at.into(),
+            now.into(),
+        ],
     )
-    .bind(run.to_string())
-    .bind(project.to_string())
-    .bind(digest)
-    .bind(worker)
-    .bind(expires_at)
-    .bind(now)
-    .execute(&mut **tx)
     .await?;
     Ok(())
 }
@@ -167,7 +166,7 @@ impl Store {
     /// Ends `run`'s credential at once: the engine refuses the run's next call and fails it.
     pub async fn revoke_run_token(&self, run: RunId) -> Result<(), StoreError> {
         let mut connection = self.pool().acquire().await?;
-        revoke(&mut connection, run).await
+        revoke(&mut *connection, run).await
     }
 
     /// Whether `run` holds a stored credential (live or not): what tests and operators check
@@ -193,13 +192,12 @@ pub(crate) async fn sweep(connection: &mut sqlx::AnyConnection) -> Result<u64, S
 }
 
 /// Deletes a run's credential, inside the transaction that parks, ends or claims it.
-pub(crate) async fn revoke(
-    connection: &mut sqlx::AnyConnection,
-    run: RunId,
-) -> Result<(), StoreError> {
-    sqlx::query("DELETE FROM run_tokens WHERE run_id = $1")
-        .bind(run.to_string())
-        .execute(connection)
+pub(crate) async fn revoke(connection: &mut impl Exec, run: RunId) -> Result<(), StoreError> {
+    connection
+        .execute(
+            "DELETE FROM run_tokens WHERE run_id = $1",
+            vec![run.to_string().into()],
+        )
         .await?;
     Ok(())
 }

@@ -11,6 +11,7 @@ use wor_core::run::{Provenance, RunStatus};
 use wor_core::step::{InputStep, MemoryStep, Step};
 use wor_core::{ApiKeyId, MemberId, ProjectId, RoutineId, RunId};
 
+use crate::exec::Exec;
 use crate::{Store, StoreError, now_millis, parse_column};
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -473,7 +474,7 @@ impl Store {
         .await?;
         let ended_queued = cancelled.rows_affected() == 1;
         if ended_queued {
-            requeue_parent(&mut tx, id, now).await?;
+            requeue_parent(&mut *tx, id, now).await?;
         }
         tx.commit().await?;
         // A parked run has no worker: it goes back in the queue, flagged, for one to end it.
@@ -1202,23 +1203,21 @@ pub(crate) async fn append_step(
 
 /// Queues the parent of `child` again if it is parked waiting for it.
 pub(crate) async fn requeue_parent(
-    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    tx: &mut impl Exec,
     child: RunId,
     now: i64,
 ) -> Result<(), StoreError> {
-    sqlx::query(
+    tx.execute(
         "UPDATE runs SET status = 'queued', updated_at = $1 WHERE status = 'waiting_for_approval' \
          AND id = (SELECT parent_run_id FROM runs WHERE id = $2)",
+        vec![now.into(), child.to_string().into()],
     )
-    .bind(now)
-    .bind(child.to_string())
-    .execute(&mut **tx)
     .await?;
     Ok(())
 }
 
 pub(crate) async fn insert_step(
-    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    tx: &mut impl Exec,
     project: ProjectId,
     run: RunId,
     seq: i64,
@@ -1229,18 +1228,19 @@ pub(crate) async fn insert_step(
     let payload = step
         .to_stored()
         .map_err(|e| StoreError::Corrupt(format!("a step to record: {e}")))?;
-    sqlx::query(
+    tx.execute(
         "INSERT INTO run_steps (run_id, seq, project_id, kind, provenance, payload, created_at) \
          VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        vec![
+            run.to_string().into(),
+            seq.into(),
+            project.to_string().into(),
+            step.kind().as_str().into(),
+            provenance.as_str().into(),
+            payload.to_string().into(),
+            now.into(),
+        ],
     )
-    .bind(run.to_string())
-    .bind(seq)
-    .bind(project.to_string())
-    .bind(step.kind().as_str())
-    .bind(provenance.as_str())
-    .bind(payload.to_string())
-    .bind(now)
-    .execute(&mut **tx)
     .await?;
     Ok(())
 }

@@ -14,6 +14,9 @@ use wor_core::step::{ApprovalUsedStep, InputStep, ModelTurnStep, Step, StepKind,
 use wor_store::testing::TestDatabase;
 use wor_store::{ApiKeyKind, NewApiKey, StoreError};
 
+mod support;
+use support::{audit_config, key_event, queued_run, signing_key};
+
 #[tokio::test]
 async fn project_creation_makes_an_owner_with_a_working_key() {
     let db = TestDatabase::new().await.unwrap();
@@ -195,35 +198,12 @@ async fn migrations_are_idempotent() {
 
 // ---- The audit chain ----
 
-use std::time::Duration;
-
 use wor_core::ProjectId;
 use wor_core::audit::{
     Actor, Anchor, AuditCategory, AuditEvent, BreakReason, ChainBreak, GENESIS_HASH, Verification,
 };
 use wor_core::canonical::canonical_hash;
-use wor_secrets::AuditSigningKey;
-use wor_store::{AuditConfig, AuditLog, Store};
-
-fn audit_config(checkpoint_every: i64) -> AuditConfig {
-    AuditConfig {
-        checkpoint_every,
-        checkpoint_interval: Duration::from_secs(3600),
-        max_batch: 64,
-    }
-}
-
-fn signing_key(byte: u8) -> AuditSigningKey {
-    use base64::Engine as _;
-    AuditSigningKey::from_base64(&base64::engine::general_purpose::STANDARD.encode([byte; 32]))
-        .unwrap()
-}
-
-fn key_event(project: ProjectId, i: usize) -> AuditEvent {
-    AuditEvent::new(project, AuditCategory::KeyCreate, Actor::Operator)
-        .subject("key_id", wor_core::ApiKeyId::new())
-        .payload(serde_json::json!({ "name": format!("key {i}") }))
-}
+use wor_store::{AuditLog, Store};
 
 async fn new_project(db: &TestDatabase) -> ProjectId {
     db.store
@@ -967,32 +947,6 @@ fn terms(worker: &str, max_per_project: u64) -> wor_store::ClaimTerms<'_> {
         worker,
         lease_ms: 60_000,
         max_per_project,
-    }
-}
-
-/// A run of `routine` started through the API by `started_by`, queued with the routine's
-/// `max_concurrent`.
-fn queued_run(
-    routine: wor_core::RoutineId,
-    routine_version: i64,
-    started_by: Option<wor_core::ApiKeyId>,
-    max_concurrent: u64,
-) -> wor_store::NewRun {
-    use wor_core::run::{Provenance, RunStatus};
-    wor_store::NewRun {
-        routine_id: routine,
-        routine_version,
-        trigger_kind: wor_core::call::TriggerKind::Api,
-        started_by,
-        started_by_member: None,
-        max_concurrent,
-        status: RunStatus::Queued,
-        outcome: None,
-        trigger_key: None,
-        input_provenance: Provenance::Requester,
-        thread: None,
-        memory: None,
-        parent: None,
     }
 }
 
@@ -1909,182 +1863,6 @@ mod oauth_authorizations {
             "nor widens it"
         );
     }
-}
-
-/// A journal write that permits an effect outside the database — a call reserved to run, a
-/// run's end — and any API entry are synced to disk before they are acknowledged; a model
-/// turn's or a result's write is deferred to the next synced commit.
-#[test]
-fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
-    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
-    use wor_core::run::{Provenance, RunStatus};
-    use wor_store::{AuditLog, RunWrite, RunWritten};
-
-    let recorder = DebuggingRecorder::new();
-    let snapshotter = recorder.snapshotter();
-    // Flushes of SQLite's log for synced batches (PostgreSQL syncs its own), over the whole
-    // test: a snapshot counts only what came since the one before.
-    let log_syncs = std::cell::Cell::new(0u64);
-    let commits = || {
-        let mut counts = (0, 0);
-        for (key, _, _, value) in snapshotter.snapshot().into_vec() {
-            let key = key.key();
-            if key.name() == "wor_audit_log_syncs_total"
-                && let DebugValue::Counter(n) = value
-            {
-                log_syncs.set(log_syncs.get() + n);
-                continue;
-            }
-            if key.name() != "wor_audit_commits_total" {
-                continue;
-            }
-            let DebugValue::Counter(n) = value else {
-                panic!("a counter")
-            };
-            match key.labels().next().map(|l| l.value().to_owned()).as_deref() {
-                Some("synced") => counts.0 += n,
-                Some("deferred") => counts.1 += n,
-                other => panic!("unexpected label {other:?}"),
-            }
-        }
-        counts
-    };
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    metrics::with_local_recorder(&recorder, || {
-        runtime.block_on(async {
-            let db = TestDatabase::isolated().await.unwrap();
-            let store = &db.store;
-            let sqlite = store.backend() == wor_store::Backend::Sqlite;
-            let project = store
-                .create_project(&TestDatabase::unique_name("durable"), "alice")
-                .await
-                .unwrap()
-                .project
-                .id;
-            let toml = "name = \"r\"\ninstructions = \"x\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\nscript = { turns = [{ text = \"hi\" }] }\n";
-            let definition = wor_core::routine::RoutineDefinition::from_toml(toml).unwrap();
-            let routine = store
-                .apply_routine(project, toml, &definition, None)
-                .await
-                .unwrap()
-                .routine
-                .id;
-            let run = store
-                .create_run(
-                    project,
-                    queued_run(routine, 1, None, 1),
-                    InputStep::requested(serde_json::json!("x")),
-                )
-                .await
-                .unwrap();
-            store
-                .claim_run_by_id(project, run.id, "w", 60_000)
-                .await
-                .unwrap()
-                .unwrap();
-            let token = store
-                .mint_run_token(project, run.id, "w", wor_store::now_millis() + 60_000)
-                .await
-                .unwrap()
-                .unwrap();
-            let log = AuditLog::start(store.clone(), signing_key(7), audit_config(1_000));
-            let turn = || {
-                Step::ModelTurn(ModelTurnStep {
-                    message: AssistantMessage {
-                        text: "hi".to_owned(),
-                        tool_calls: Vec::new(),
-                    },
-                    usage: Usage::default(),
-                    stop_reason: StopReason::EndTurn,
-                    identity: None,
-                    nul_replaced: false,
-                })
-            };
-            let write = || RunWrite::new(project, run.id, "w", 60_000);
-            let committed = |written: RunWritten| {
-                assert!(
-                    matches!(written, RunWritten::Committed { .. }),
-                    "{written:?}"
-                );
-            };
-
-            // Each snapshot counts what was recorded since the one before.
-            commits();
-            committed(log.record(write().step(Provenance::Engine, turn())).await.unwrap());
-            assert_eq!(commits(), (0, 1), "a model turn is deferred");
-
-            // A credential minted by a journal write replaces the one before, is deferred, and
-            // is fenced by the lease like any step.
-            let minted = wor_store::RunToken::generate().unwrap();
-            let expires = wor_store::now_millis() + 60_000;
-            committed(log.record(write().minting(&minted, expires)).await.unwrap());
-            assert_eq!(commits(), (0, 1), "a new credential is deferred");
-            assert!(
-                store.authenticate_run_token(token.expose()).await.unwrap().is_none(),
-                "the credential minted before is replaced"
-            );
-            let grant = store.authenticate_run_token(minted.expose()).await.unwrap();
-            assert_eq!(grant.map(|g| g.run_id), Some(run.id));
-            let stolen = wor_store::RunToken::generate().unwrap();
-            assert_eq!(
-                log.record(RunWrite::new(project, run.id, "other", 60_000).minting(&stolen, expires))
-                    .await
-                    .unwrap(),
-                RunWritten::LeaseLost
-            );
-            assert!(store.authenticate_run_token(stolen.expose()).await.unwrap().is_none());
-            commits();
-            let token = minted;
-
-            committed(
-                log.record(
-                    write()
-                        .step(Provenance::Engine, turn())
-                        .presenting(&token),
-                )
-                .await
-                .unwrap(),
-            );
-            assert_eq!(commits(), (1, 0), "a write that reserves a call is synced");
-            // On SQLite it was acknowledged only after a flush of the log that began after it
-            // committed; the deferred writes before it waited for none.
-            let synced_so_far = log_syncs.get();
-            assert_eq!(synced_so_far > 0, sqlite, "{synced_so_far} flushes");
-            committed(log.record(write().step(Provenance::Engine, turn())).await.unwrap());
-            assert_eq!(commits(), (0, 1));
-            assert_eq!(
-                log_syncs.get(),
-                synced_so_far,
-                "a deferred write waits for no flush"
-            );
-
-            log.append(key_event(project, 1)).await.unwrap();
-            assert_eq!(commits(), (1, 0), "an API entry is synced");
-
-            committed(
-                log.record(write().end(RunStatus::Succeeded, "done"))
-                    .await
-                    .unwrap(),
-            );
-            assert_eq!(commits(), (1, 0), "a run's end is synced");
-            // Every step is there, in order, whatever its durability.
-            let steps = store.list_run_steps(project, run.id, 0).await.unwrap();
-            let kinds: Vec<_> = steps.iter().map(|s| s.step.kind()).collect();
-            assert_eq!(
-                kinds,
-                [
-                    StepKind::Input,
-                    StepKind::ModelTurn,
-                    StepKind::ModelTurn,
-                    StepKind::ModelTurn,
-                    StepKind::Outcome
-                ]
-            );
-        });
-    });
 }
 
 /// What a scheduler page reads together: the versions named, and the active runs of each

@@ -1,0 +1,323 @@
+//! The statements of the audit writer's transactions, on either of its two kinds of
+//! connection: sqlx's, on any backend, or the embedded database's own writer connection
+//! ([`EmbeddedWriter`]), which the writer drives synchronously on its thread so that a
+//! statement costs no hand-off to another thread and back.
+//!
+//! The writer's statements (a run's journal write, the audit chain's head and entries,
+//! checkpoints) are written once, against [`Exec`], and run on both.
+
+use sqlx::{Any, Row as _};
+
+use crate::{Durability, StoreError};
+
+/// A value bound to a statement's placeholder (`$1`, `$2`, … in order).
+#[derive(Debug, Clone)]
+pub(crate) enum Param {
+    Int(i64),
+    Text(String),
+    Null,
+}
+
+impl From<i64> for Param {
+    fn from(value: i64) -> Self {
+        Param::Int(value)
+    }
+}
+
+impl From<String> for Param {
+    fn from(value: String) -> Self {
+        Param::Text(value)
+    }
+}
+
+impl From<&str> for Param {
+    fn from(value: &str) -> Self {
+        Param::Text(value.to_owned())
+    }
+}
+
+impl From<Option<String>> for Param {
+    fn from(value: Option<String>) -> Self {
+        value.map_or(Param::Null, Param::Text)
+    }
+}
+
+/// A row a statement returned, read by column name.
+pub(crate) enum Row {
+    Any(sqlx::any::AnyRow),
+    Embedded(Vec<(String, Param)>),
+}
+
+impl Row {
+    fn embedded(&self, column: &str) -> Result<&Param, StoreError> {
+        match self {
+            Row::Embedded(values) => values
+                .iter()
+                .find(|(name, _)| name == column)
+                .map(|(_, value)| value)
+                .ok_or_else(|| StoreError::Corrupt(format!("no column `{column}` in a row"))),
+            Row::Any(_) => Err(StoreError::Corrupt("a row read the wrong way".to_owned())),
+        }
+    }
+
+    pub(crate) fn int(&self, column: &str) -> Result<i64, StoreError> {
+        self.opt_int(column)?
+            .ok_or_else(|| StoreError::Corrupt(format!("column `{column}` is null")))
+    }
+
+    pub(crate) fn opt_int(&self, column: &str) -> Result<Option<i64>, StoreError> {
+        match self {
+            Row::Any(row) => Ok(row.try_get(column)?),
+            Row::Embedded(_) => match self.embedded(column)? {
+                Param::Int(value) => Ok(Some(*value)),
+                Param::Null => Ok(None),
+                Param::Text(_) => Err(StoreError::Corrupt(format!(
+                    "column `{column}` holds text where a number belongs"
+                ))),
+            },
+        }
+    }
+
+    pub(crate) fn text(&self, column: &str) -> Result<String, StoreError> {
+        self.opt_text(column)?
+            .ok_or_else(|| StoreError::Corrupt(format!("column `{column}` is null")))
+    }
+
+    pub(crate) fn opt_text(&self, column: &str) -> Result<Option<String>, StoreError> {
+        match self {
+            Row::Any(row) => Ok(row.try_get(column)?),
+            Row::Embedded(_) => match self.embedded(column)? {
+                Param::Text(value) => Ok(Some(value.clone())),
+                Param::Null => Ok(None),
+                Param::Int(_) => Err(StoreError::Corrupt(format!(
+                    "column `{column}` holds a number where text belongs"
+                ))),
+            },
+        }
+    }
+}
+
+/// Where the writer's statements run.
+pub(crate) trait Exec: Send {
+    /// Runs `sql`, returning how many rows it changed.
+    async fn execute(&mut self, sql: &str, params: Vec<Param>) -> Result<u64, StoreError>;
+
+    /// Runs `sql`, returning every row.
+    async fn fetch_all(&mut self, sql: &str, params: Vec<Param>) -> Result<Vec<Row>, StoreError>;
+
+    /// Runs `sql`, returning its first row, if any.
+    async fn fetch_optional(
+        &mut self,
+        sql: &str,
+        params: Vec<Param>,
+    ) -> Result<Option<Row>, StoreError> {
+        Ok(self.fetch_all(sql, params).await?.into_iter().next())
+    }
+}
+
+fn any_query(
+    sql: &str,
+    params: Vec<Param>,
+) -> sqlx::query::Query<'static, Any, sqlx::any::AnyArguments> {
+    let mut query = sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()));
+    for param in params {
+        query = match param {
+            Param::Int(value) => query.bind(value),
+            Param::Text(value) => query.bind(value),
+            Param::Null => query.bind(None::<String>),
+        };
+    }
+    query
+}
+
+impl Exec for sqlx::AnyConnection {
+    async fn execute(&mut self, sql: &str, params: Vec<Param>) -> Result<u64, StoreError> {
+        Ok(any_query(sql, params)
+            .execute(&mut *self)
+            .await?
+            .rows_affected())
+    }
+
+    async fn fetch_all(&mut self, sql: &str, params: Vec<Param>) -> Result<Vec<Row>, StoreError> {
+        Ok(any_query(sql, params)
+            .fetch_all(&mut *self)
+            .await?
+            .into_iter()
+            .map(Row::Any)
+            .collect())
+    }
+
+    async fn fetch_optional(
+        &mut self,
+        sql: &str,
+        params: Vec<Param>,
+    ) -> Result<Option<Row>, StoreError> {
+        Ok(any_query(sql, params)
+            .fetch_optional(&mut *self)
+            .await?
+            .map(Row::Any))
+    }
+}
+
+impl Exec for sqlx::Transaction<'_, Any> {
+    async fn execute(&mut self, sql: &str, params: Vec<Param>) -> Result<u64, StoreError> {
+        (**self).execute(sql, params).await
+    }
+
+    async fn fetch_all(&mut self, sql: &str, params: Vec<Param>) -> Result<Vec<Row>, StoreError> {
+        (**self).fetch_all(sql, params).await
+    }
+
+    async fn fetch_optional(
+        &mut self,
+        sql: &str,
+        params: Vec<Param>,
+    ) -> Result<Option<Row>, StoreError> {
+        (**self).fetch_optional(sql, params).await
+    }
+}
+
+/// The audit writer's own connection to the embedded database, driven synchronously on the
+/// writer's thread (see [`crate::AuditLog`]): every statement of a batch runs without leaving
+/// that thread. Opened on the database file the store uses, with the store's settings
+/// (`busy_timeout`, foreign keys, WAL).
+pub(crate) struct EmbeddedWriter {
+    path: std::path::PathBuf,
+    connection: rusqlite::Connection,
+    /// What `synchronous` is set to on the connection.
+    synchronous: Option<Durability>,
+}
+
+impl EmbeddedWriter {
+    pub(crate) fn open(path: &std::path::Path) -> Result<EmbeddedWriter, StoreError> {
+        let connection = rusqlite::Connection::open_with_flags(
+            path,
+            rusqlite::OpenFlags::SQLITE_OPEN_READ_WRITE | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )?;
+        connection.execute_batch("PRAGMA busy_timeout = 10000; PRAGMA foreign_keys = ON;")?;
+        // A batch's statements differ with the number of its steps and entries.
+        connection.set_prepared_statement_cache_capacity(64);
+        let mode: String = connection.query_row("PRAGMA journal_mode", [], |row| row.get(0))?;
+        if !mode.eq_ignore_ascii_case("wal") {
+            return Err(StoreError::Corrupt(format!(
+                "the database is in journal mode `{mode}`, not WAL"
+            )));
+        }
+        Ok(EmbeddedWriter {
+            path: path.to_owned(),
+            connection,
+            synchronous: None,
+        })
+    }
+
+    /// Runs `body` in one transaction that takes the database's write lock up front
+    /// (`BEGIN IMMEDIATE`, waiting for `busy_timeout`), and commits it with `durability`;
+    /// rolls it back when `body` fails.
+    pub(crate) async fn transaction<T>(
+        &mut self,
+        durability: Durability,
+        body: impl AsyncFnOnce(&mut EmbeddedWriter) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        if self.synchronous != Some(durability) {
+            // SQLite reads `synchronous` when a transaction begins, so it is set before.
+            self.synchronous = None;
+            self.connection.execute_batch(match durability {
+                Durability::Synced => "PRAGMA synchronous = FULL",
+                Durability::Deferred => "PRAGMA synchronous = NORMAL",
+            })?;
+            self.synchronous = Some(durability);
+        }
+        self.connection.execute_batch("BEGIN IMMEDIATE")?;
+        match body(self).await {
+            Ok(value) => match self.connection.execute_batch("COMMIT") {
+                Ok(()) => Ok(value),
+                Err(err) => {
+                    self.roll_back();
+                    Err(err.into())
+                }
+            },
+            Err(err) => {
+                self.roll_back();
+                Err(err)
+            }
+        }
+    }
+
+    fn roll_back(&mut self) {
+        if self.connection.is_autocommit() {
+            return;
+        }
+        if self.connection.execute_batch("ROLLBACK").is_err() {
+            // Closing a connection rolls back what it left open; the next batch runs on a
+            // fresh one (or fails to begin, with its error, while none opens).
+            if let Ok(fresh) = EmbeddedWriter::open(&self.path) {
+                *self = fresh;
+            }
+        }
+    }
+
+    /// A statement of `sql` with `params` bound to its `$N` placeholders.
+    fn prepare(
+        &self,
+        sql: &str,
+        params: Vec<Param>,
+    ) -> Result<rusqlite::CachedStatement<'_>, StoreError> {
+        let mut statement = self.connection.prepare_cached(sql)?;
+        for (index, param) in params.into_iter().enumerate() {
+            let name = format!("${}", index + 1);
+            // A placeholder the statement does not use is not bound.
+            let Some(at) = statement.parameter_index(&name)? else {
+                continue;
+            };
+            match param {
+                Param::Int(value) => statement.raw_bind_parameter(at, value)?,
+                Param::Text(value) => statement.raw_bind_parameter(at, value)?,
+                Param::Null => statement.raw_bind_parameter(at, rusqlite::types::Null)?,
+            }
+        }
+        Ok(statement)
+    }
+}
+
+impl Exec for EmbeddedWriter {
+    async fn execute(&mut self, sql: &str, params: Vec<Param>) -> Result<u64, StoreError> {
+        let mut statement = self.prepare(sql, params)?;
+        let changed = statement.raw_execute()?;
+        Ok(u64::try_from(changed).unwrap_or(u64::MAX))
+    }
+
+    async fn fetch_all(&mut self, sql: &str, params: Vec<Param>) -> Result<Vec<Row>, StoreError> {
+        let mut statement = self.prepare(sql, params)?;
+        let names: Vec<String> = statement
+            .column_names()
+            .into_iter()
+            .map(str::to_owned)
+            .collect();
+        let mut rows = statement.raw_query();
+        let mut read = Vec::new();
+        while let Some(row) = rows.next()? {
+            let mut values = Vec::with_capacity(names.len());
+            for (index, name) in names.iter().enumerate() {
+                let value = match row.get_ref(index)? {
+                    rusqlite::types::ValueRef::Null => Param::Null,
+                    rusqlite::types::ValueRef::Integer(value) => Param::Int(value),
+                    rusqlite::types::ValueRef::Text(text) => {
+                        Param::Text(String::from_utf8(text.to_vec()).map_err(|_| {
+                            StoreError::Corrupt(format!(
+                                "column `{name}` holds text that is not UTF-8"
+                            ))
+                        })?)
+                    }
+                    rusqlite::types::ValueRef::Real(_) | rusqlite::types::ValueRef::Blob(_) => {
+                        return Err(StoreError::Corrupt(format!(
+                            "column `{name}` holds a value of a type the writer never stores"
+                        )));
+                    }
+                };
+                values.push((name.clone(), value));
+            }
+            read.push(Row::Embedded(values));
+        }
+        Ok(read)
+    }
+}

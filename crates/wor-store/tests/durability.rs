@@ -1,0 +1,206 @@
+//! How durable each journal write is: the audit writer's commits, counted by the metrics it
+//! records (SQLite by default, PostgreSQL in CI).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic,
+    reason = "tests fail loudly"
+)]
+
+use wor_core::model::{AssistantMessage, StopReason, Usage};
+use wor_core::step::{InputStep, ModelTurnStep, Step, StepKind};
+use wor_store::testing::TestDatabase;
+
+mod support;
+use support::{audit_config, key_event, queued_run, signing_key};
+
+/// A journal write that permits an effect outside the database — a call reserved to run, a
+/// run's end — and any API entry are synced to disk before they are acknowledged; a model
+/// turn's or a result's write is deferred to the next synced commit.
+#[test]
+fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    use wor_core::run::{Provenance, RunStatus};
+    use wor_store::{AuditLog, RunWrite, RunWritten};
+
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    // Flushes of SQLite's log for synced batches (PostgreSQL syncs its own), over the whole
+    // test: a snapshot counts only what came since the one before.
+    let log_syncs = std::cell::Cell::new(0u64);
+    let commits = || {
+        let mut counts = (0, 0);
+        for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+            let key = key.key();
+            if key.name() == "wor_audit_log_syncs_total"
+                && let DebugValue::Counter(n) = value
+            {
+                log_syncs.set(log_syncs.get() + n);
+                continue;
+            }
+            if key.name() != "wor_audit_commits_total" {
+                continue;
+            }
+            let DebugValue::Counter(n) = value else {
+                panic!("a counter")
+            };
+            match key.labels().next().map(|l| l.value().to_owned()).as_deref() {
+                Some("synced") => counts.0 += n,
+                Some("deferred") => counts.1 += n,
+                other => panic!("unexpected label {other:?}"),
+            }
+        }
+        counts
+    };
+    // The audit writer records from a thread of its own: the recorder is the process's (this
+    // binary holds no other test).
+    metrics::set_global_recorder(recorder).unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    {
+        runtime.block_on(async {
+            let db = TestDatabase::isolated().await.unwrap();
+            let store = &db.store;
+            let sqlite = store.backend() == wor_store::Backend::Sqlite;
+            let project = store
+                .create_project(&TestDatabase::unique_name("durable"), "alice")
+                .await
+                .unwrap()
+                .project
+                .id;
+            let toml = "name = \"r\"\ninstructions = \"x\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\nscript = { turns = [{ text = \"hi\" }] }\n";
+            let definition = wor_core::routine::RoutineDefinition::from_toml(toml).unwrap();
+            let routine = store
+                .apply_routine(project, toml, &definition, None)
+                .await
+                .unwrap()
+                .routine
+                .id;
+            let run = store
+                .create_run(
+                    project,
+                    queued_run(routine, 1, None, 1),
+                    InputStep::requested(serde_json::json!("x")),
+                )
+                .await
+                .unwrap();
+            store
+                .claim_run_by_id(project, run.id, "w", 60_000)
+                .await
+                .unwrap()
+                .unwrap();
+            let token = store
+                .mint_run_token(project, run.id, "w", wor_store::now_millis() + 60_000)
+                .await
+                .unwrap()
+                .unwrap();
+            let log = AuditLog::start(store.clone(), signing_key(7), audit_config(1_000));
+            let turn = || {
+                Step::ModelTurn(ModelTurnStep {
+                    message: AssistantMessage {
+                        text: "hi".to_owned(),
+                        tool_calls: Vec::new(),
+                    },
+                    usage: Usage::default(),
+                    stop_reason: StopReason::EndTurn,
+                    identity: None,
+                    nul_replaced: false,
+                })
+            };
+            let write = || RunWrite::new(project, run.id, "w", 60_000);
+            let committed = |written: RunWritten| {
+                assert!(
+                    matches!(written, RunWritten::Committed { .. }),
+                    "{written:?}"
+                );
+            };
+
+            // Each snapshot counts what was recorded since the one before.
+            commits();
+            committed(log.record(write().step(Provenance::Engine, turn())).await.unwrap());
+            assert_eq!(commits(), (0, 1), "a model turn is deferred");
+            // On SQLite the writer drives its own connection on a thread of its own.
+            assert_eq!(writer_threads(), usize::from(sqlite));
+
+            // A credential minted by a journal write replaces the one before, is deferred, and
+            // is fenced by the lease like any step.
+            let minted = wor_store::RunToken::generate().unwrap();
+            let expires = wor_store::now_millis() + 60_000;
+            committed(log.record(write().minting(&minted, expires)).await.unwrap());
+            assert_eq!(commits(), (0, 1), "a new credential is deferred");
+            assert!(
+                store.authenticate_run_token(token.expose()).await.unwrap().is_none(),
+                "the credential minted before is replaced"
+            );
+            let grant = store.authenticate_run_token(minted.expose()).await.unwrap();
+            assert_eq!(grant.map(|g| g.run_id), Some(run.id));
+            let stolen = wor_store::RunToken::generate().unwrap();
+            assert_eq!(
+                log.record(RunWrite::new(project, run.id, "other", 60_000).minting(&stolen, expires))
+                    .await
+                    .unwrap(),
+                RunWritten::LeaseLost
+            );
+            assert!(store.authenticate_run_token(stolen.expose()).await.unwrap().is_none());
+            commits();
+            let token = minted;
+
+            committed(
+                log.record(
+                    write()
+                        .step(Provenance::Engine, turn())
+                        .presenting(&token),
+                )
+                .await
+                .unwrap(),
+            );
+            assert_eq!(commits(), (1, 0), "a write that reserves a call is synced");
+            // On SQLite it was acknowledged only after a flush of the log that began after it
+            // committed; the deferred writes before it waited for none.
+            let synced_so_far = log_syncs.get();
+            assert_eq!(synced_so_far > 0, sqlite, "{synced_so_far} flushes");
+            committed(log.record(write().step(Provenance::Engine, turn())).await.unwrap());
+            assert_eq!(commits(), (0, 1));
+            assert_eq!(
+                log_syncs.get(),
+                synced_so_far,
+                "a deferred write waits for no flush"
+            );
+
+            log.append(key_event(project, 1)).await.unwrap();
+            assert_eq!(commits(), (1, 0), "an API entry is synced");
+
+            committed(
+                log.record(write().end(RunStatus::Succeeded, "done"))
+                    .await
+                    .unwrap(),
+            );
+            assert_eq!(commits(), (1, 0), "a run's end is synced");
+            // Every step is there, in order, whatever its durability.
+            let steps = store.list_run_steps(project, run.id, 0).await.unwrap();
+            let kinds: Vec<_> = steps.iter().map(|s| s.step.kind()).collect();
+            assert_eq!(
+                kinds,
+                [
+                    StepKind::Input,
+                    StepKind::ModelTurn,
+                    StepKind::ModelTurn,
+                    StepKind::ModelTurn,
+                    StepKind::Outcome
+                ]
+            );
+        });
+    }
+}
+
+/// How many threads of this process are the audit writer's.
+fn writer_threads() -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|task| std::fs::read_to_string(task.unwrap().path().join("comm")).ok())
+        .filter(|name| name.trim() == "wor-audit-log")
+        .count()
+}
