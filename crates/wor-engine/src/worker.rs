@@ -116,10 +116,55 @@ impl Engine {
     ) -> Result<Vec<wor_store::RunRecord>, EngineError> {
         let began = wor_store::now_millis();
         let claimed = self.store.claim_runs(self.claim_terms(holder), max).await?;
-        for run in &claimed {
+        for run in &claimed.runs {
             crate::metrics::run_claimed(run, began);
         }
-        Ok(claimed)
+        for run in &claimed.unreadable {
+            self.end_unreadable(holder, run).await;
+        }
+        Ok(claimed.runs)
+    }
+
+    /// Ends a claimed run whose stored row does not read as a run: failed, saying why, in one
+    /// journal write with its audit entry, so that it leaves the queue instead of heading
+    /// every claim. Nothing else of the run can be read, so no webhook announces it; a failure
+    /// here is logged, and the run's lease then expires and it is claimed again.
+    async fn end_unreadable(&self, holder: &str, run: &wor_store::UnreadableRun) {
+        use wor_core::audit::{Actor, AuditCategory, AuditEvent};
+        use wor_core::run::RunStatus;
+        tracing::error!(category = "run", action = "run.unreadable", project_id = %run.project,
+            run_id = %run.id, "a claimed run's stored row does not read as a run; it fails");
+        let outcome = wor_secrets::redact_shapes(&format!(
+            "its stored record cannot be read: {}",
+            run.reason
+        ))
+        .into_owned();
+        let event = AuditEvent::new(
+            run.project,
+            AuditCategory::RunEnd,
+            Actor::Run { run_id: run.id },
+        )
+        .subject("run_id", run.id)
+        .payload(serde_json::json!({ "status": RunStatus::Failed.as_str(), "outcome": outcome }));
+        let end = wor_store::RunWrite::new(run.project, run.id, holder, self.lease_ms())
+            .end(RunStatus::Failed, &outcome)
+            .audit(event);
+        match self.audit.record(end).await {
+            Ok(wor_store::RunWritten::Committed {
+                cancelled_approvals,
+                ..
+            }) => {
+                for cancelled in cancelled_approvals {
+                    self.notify_approval_changed_or_log(run.project, cancelled, "cancelled", None)
+                        .await;
+                }
+            }
+            Ok(wor_store::RunWritten::LeaseLost | wor_store::RunWritten::CredentialEnded) => {}
+            Err(error) => {
+                tracing::error!(category = "run", project_id = %run.project, run_id = %run.id,
+                    kind = error.kind(), "an unreadable run could not be ended; its lease will expire");
+            }
+        }
     }
 
     /// The terms runs are claimed on for `holder`: this process's lease, under the project

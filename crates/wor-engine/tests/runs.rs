@@ -196,6 +196,50 @@ async fn a_run_succeeds_and_its_steps_tell_the_story() {
     assert_eq!(steps[2].2["status"], "succeeded");
 }
 
+/// A queued run whose stored row no longer reads as a run fails when it is claimed, with its
+/// end on the audit chain, and the runs queued behind it go on.
+#[tokio::test]
+async fn a_run_whose_row_does_not_read_back_fails_when_claimed_and_holds_up_nothing() {
+    let h = Harness::new().await;
+    let engine = h.engine(EngineConfig::default());
+    let routine = h
+        .routine(&replay("[[model.script.turns]]\ntext = \"All done.\"", ""))
+        .await;
+    let damaged = h.start(&engine, routine, "first").await;
+    let sound = h.start(&engine, routine, "second").await;
+    h.db.tamper(&[format!(
+        "UPDATE runs SET trigger_kind = 'carrier_pigeon' WHERE id = '{}'",
+        damaged.id
+    )])
+    .await
+    .unwrap();
+    let sound = h.drive_to_end(&engine, sound.id).await;
+    assert_eq!(sound.status, RunStatus::Succeeded);
+    // Its row still does not read as a run; its steps do, and end it.
+    let steps = h.steps(damaged.id).await;
+    let (kind, _, outcome) = steps.last().unwrap();
+    assert_eq!(kind, "outcome");
+    assert_eq!(outcome["status"], "failed");
+    let message = outcome["message"].as_str().unwrap();
+    assert!(message.contains("cannot be read"), "{message}");
+    let ends: Vec<_> =
+        h.db.store
+            .audit_entries(h.project, 0, 1000)
+            .await
+            .unwrap()
+            .into_iter()
+            .filter(|e| {
+                e.category == "run.end" && e.subjects.get("run_id") == Some(&damaged.id.to_string())
+            })
+            .collect();
+    assert_eq!(ends.len(), 1, "its end is on the audit chain");
+    assert_eq!(ends[0].payload["status"], "failed");
+    // Nothing is left to claim.
+    engine.requeue_expired().await.unwrap();
+    engine.run_next().await.unwrap();
+    assert_eq!(h.steps(damaged.id).await.len(), steps.len());
+}
+
 #[tokio::test]
 async fn tool_calls_off_the_roster_are_refused_and_a_missing_connection_fails_closed() {
     let h = Harness::new().await;

@@ -75,8 +75,8 @@ pub use projects::{CreatedProject, ProjectRecord, RecoveredOwner};
 pub use routines::{AppliedRoutine, RoutineRecord, RoutineVersionRecord};
 pub use run_tokens::{RUN_TOKEN_PREFIX, RunGrant, RunToken};
 pub use runs::{
-    ClaimTerms, NewRun, ParentLink, RunFilter, RunRecord, RunStep, ScheduleAdvance, ScheduledStart,
-    ThreadSummary,
+    ClaimTerms, Claimed, NewRun, ParentLink, RunFilter, RunRecord, RunStep, ScheduleAdvance,
+    ScheduledStart, ThreadSummary, UnreadableRun,
 };
 pub use sqlx::Error as SqlxError;
 pub use tool_connections::{

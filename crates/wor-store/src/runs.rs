@@ -100,6 +100,25 @@ pub struct ClaimTerms<'a> {
     pub max_per_project: u64,
 }
 
+/// What one claim of the queue took, leased to its claimer.
+#[derive(Debug, Default)]
+pub struct Claimed {
+    /// The runs claimed, oldest first.
+    pub runs: Vec<RunRecord>,
+    /// Runs claimed whose stored row does not read as a run, with why: their claimer ends
+    /// them, so one damaged row never holds up the queue behind it.
+    pub unreadable: Vec<UnreadableRun>,
+}
+
+/// A claimed run whose stored row does not read as a run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnreadableRun {
+    pub project: ProjectId,
+    pub id: RunId,
+    /// What could not be read.
+    pub reason: String,
+}
+
 /// The limits a claim of the queue checks as it is written.
 #[derive(Debug, Clone, Copy)]
 struct ClaimLimits<'a> {
@@ -533,7 +552,8 @@ impl Store {
     }
 
     /// Claims the oldest queued run whose routine and project both have a free slot, leasing
-    /// it to `worker`: [`Store::claim_runs`] for one run.
+    /// it to `worker`: [`Store::claim_runs`] for one run. A claimed run that does not read
+    /// back is [`StoreError::Corrupt`], and stays leased to `worker` until its lease expires.
     pub async fn claim_run(
         &self,
         worker: &str,
@@ -545,8 +565,17 @@ impl Store {
             lease_ms,
             max_per_project,
         };
-        let mut claimed = self.claim_runs(terms, 1).await?;
-        Ok(claimed.pop())
+        let Claimed {
+            mut runs,
+            unreadable,
+        } = self.claim_runs(terms, 1).await?;
+        if let Some(unreadable) = unreadable.into_iter().next() {
+            return Err(StoreError::Corrupt(format!(
+                "claimed run {}: {}",
+                unreadable.id, unreadable.reason
+            )));
+        }
+        Ok(runs.pop())
     }
 
     /// Claims up to `max` of the oldest queued runs whose routine and project both have a
@@ -562,18 +591,21 @@ impl Store {
     /// the projects' ids; two projects whose lock keys collide can still meet in a cycle,
     /// which PostgreSQL breaks by failing one claim, retried at the next look) and each sees
     /// the others' committed claims; SQLite has one writer at a time already.
+    ///
+    /// A claimed run whose row does not read as a run is claimed all the same and returned
+    /// apart ([`Claimed::unreadable`]), for the claimer to end.
     pub async fn claim_runs(
         &self,
         terms: ClaimTerms<'_>,
         max: usize,
-    ) -> Result<Vec<RunRecord>, StoreError> {
+    ) -> Result<Claimed, StoreError> {
         let ClaimTerms {
             worker,
             lease_ms,
             max_per_project,
         } = terms;
         if max == 0 {
-            return Ok(Vec::new());
+            return Ok(Claimed::default());
         }
         // Runs the limits turn away stay queued ahead of ones they allow: looking past them,
         // up to a bound, keeps one busy routine from holding up the rest of the queue.
@@ -603,7 +635,7 @@ impl Store {
         .fetch_all(self.pool())
         .await?;
         if rows.is_empty() {
-            return Ok(Vec::new());
+            return Ok(Claimed::default());
         }
         let mut candidates = Vec::with_capacity(rows.len());
         for row in rows {
@@ -617,14 +649,14 @@ impl Store {
         let mut tx = self.begin_write().await?;
         let projects: Vec<ProjectId> = candidates.iter().map(|(project, _, _)| *project).collect();
         self.take_claim_locks(&mut tx, &projects).await?;
-        let mut claimed: Vec<RunId> = Vec::with_capacity(max.min(candidates.len()));
+        let mut claimed: Vec<(ProjectId, RunId)> = Vec::with_capacity(max.min(candidates.len()));
         for (project, routine, id) in &candidates {
             let limits = ClaimLimits {
                 routine,
                 max_per_project,
             };
             if claim_in(&mut tx, *project, *id, worker, lease_ms, now, Some(limits)).await? {
-                claimed.push(*id);
+                claimed.push((*project, *id));
                 if claimed.len() == max {
                     break;
                 }
@@ -632,7 +664,7 @@ impl Store {
         }
         if claimed.is_empty() {
             tx.rollback().await?;
-            return Ok(Vec::new());
+            return Ok(Claimed::default());
         }
         // Read back in the transaction, in one statement (at most `CLAIM_CANDIDATES_MAX`
         // runs), so no claim is committed that is not returned.
@@ -641,24 +673,34 @@ impl Store {
             "SELECT {COLUMNS} FROM runs WHERE id IN ({})",
             places.join(", ")
         )));
-        for id in &claimed {
+        for (_, id) in &claimed {
             query = query.bind(id.to_string());
         }
+        // Each row read by its id as text, so a row that does not read as a run is still
+        // told apart.
         let mut read = std::collections::HashMap::with_capacity(claimed.len());
         for row in query.fetch_all(&mut **tx).await? {
-            let run = run_from_row(&row)?;
-            read.insert(run.id, run);
+            let id: String = row.try_get("id")?;
+            read.insert(id, run_from_row(&row));
         }
-        let runs = claimed
-            .iter()
-            .map(|id| {
-                read.remove(id).ok_or_else(|| {
-                    StoreError::Corrupt(format!("claimed run {id} does not read back"))
-                })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        let mut taken = Claimed::default();
+        for (project, id) in claimed {
+            match read.remove(&id.to_string()) {
+                Some(Ok(run)) => taken.runs.push(run),
+                Some(Err(error)) => taken.unreadable.push(UnreadableRun {
+                    project,
+                    id,
+                    reason: error.to_string(),
+                }),
+                None => {
+                    return Err(StoreError::Corrupt(format!(
+                        "claimed run {id} does not read back"
+                    )));
+                }
+            }
+        }
         tx.commit().await?;
-        Ok(runs)
+        Ok(taken)
     }
 
     /// On PostgreSQL, makes the claims of `projects` in `tx` take turns with every other

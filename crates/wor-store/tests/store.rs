@@ -768,7 +768,12 @@ async fn concurrent_claims_keep_the_routine_and_project_limits() {
                 let got = if w % 2 == 0 {
                     usize::from(store.claim_run(&worker, 60_000, 5).await.unwrap().is_some())
                 } else {
-                    store.claim_runs(terms(&worker, 5), 3).await.unwrap().len()
+                    store
+                        .claim_runs(terms(&worker, 5), 3)
+                        .await
+                        .unwrap()
+                        .runs
+                        .len()
                 };
                 if got == 0 {
                     break;
@@ -845,7 +850,7 @@ async fn a_claim_of_several_runs_keeps_the_limits_among_its_own_claims() {
         .iter()
         .map(|&i| queued[i].id)
         .collect();
-    let claimed = store.claim_runs(terms("batch", 5), 8).await.unwrap();
+    let claimed = store.claim_runs(terms("batch", 5), 8).await.unwrap().runs;
     let ids: Vec<_> = claimed.iter().map(|run| run.id).collect();
     assert_eq!(ids, expected, "the oldest runs the limits allow, in order");
     for run in &claimed {
@@ -857,7 +862,7 @@ async fn a_claim_of_several_runs_keeps_the_limits_among_its_own_claims() {
         );
     }
     // The second project has two places left (5 − 3 running); the first has none.
-    let rest = store.claim_runs(terms("batch", 5), 8).await.unwrap();
+    let rest = store.claim_runs(terms("batch", 5), 8).await.unwrap().runs;
     assert_eq!(
         rest.iter().map(|run| run.id).collect::<Vec<_>>(),
         vec![queued[11].id, queued[12].id]
@@ -867,6 +872,7 @@ async fn a_claim_of_several_runs_keeps_the_limits_among_its_own_claims() {
             .claim_runs(terms("batch", 5), 8)
             .await
             .unwrap()
+            .runs
             .is_empty()
     );
     assert!(
@@ -874,9 +880,68 @@ async fn a_claim_of_several_runs_keeps_the_limits_among_its_own_claims() {
             .claim_runs(terms("batch", 100), 0)
             .await
             .unwrap()
+            .runs
             .is_empty(),
         "a claim of no runs claims none"
     );
+}
+
+/// A claimed run whose stored row does not read as a run is returned apart, for its claimer
+/// to end, and the runs behind it are claimed in the same write: one damaged row does not
+/// hold up the queue.
+#[tokio::test]
+async fn a_claimed_run_that_does_not_read_back_is_returned_apart() {
+    let db = TestDatabase::isolated().await.unwrap();
+    let store = db.store.clone();
+    let project = new_project(&db).await;
+    let routine = replay_routine(&store, project, "r").await;
+    let input = || InputStep::requested(serde_json::json!("x"));
+    let damaged = store
+        .create_run(project, queued_run(routine, 1, None, 100), input())
+        .await
+        .unwrap();
+    let sound = store
+        .create_run(project, queued_run(routine, 1, None, 100), input())
+        .await
+        .unwrap();
+    db.tamper(&[format!(
+        "UPDATE runs SET trigger_kind = 'carrier_pigeon' WHERE id = '{}'",
+        damaged.id
+    )])
+    .await
+    .unwrap();
+    let claimed = store.claim_runs(terms("pool", 5), 2).await.unwrap();
+    assert_eq!(
+        claimed.runs.iter().map(|run| run.id).collect::<Vec<_>>(),
+        vec![sound.id]
+    );
+    assert_eq!(claimed.unreadable.len(), 1, "{:?}", claimed.unreadable);
+    let unreadable = &claimed.unreadable[0];
+    assert_eq!((unreadable.project, unreadable.id), (project, damaged.id));
+    assert!(
+        unreadable.reason.contains("trigger_kind"),
+        "{}",
+        unreadable.reason
+    );
+    // Both are leased to the claimer; nothing is left to claim.
+    assert!(store.renew_lease(damaged.id, "pool", 60_000).await.unwrap());
+    let again = store.claim_runs(terms("pool", 5), 2).await.unwrap();
+    assert!(again.runs.is_empty() && again.unreadable.is_empty());
+    // The one-run claim says what it could not read.
+    let third = store
+        .create_run(project, queued_run(routine, 1, None, 100), input())
+        .await
+        .unwrap();
+    db.tamper(&[format!(
+        "UPDATE runs SET trigger_kind = 'carrier_pigeon' WHERE id = '{}'",
+        third.id
+    )])
+    .await
+    .unwrap();
+    assert!(matches!(
+        store.claim_run("pool", 60_000, 5).await,
+        Err(StoreError::Corrupt(_))
+    ));
 }
 
 /// A run created with a claim is claimed in the write that creates it only when no run of
@@ -900,7 +965,7 @@ async fn a_run_is_claimed_as_it_is_created_only_when_nothing_older_waits() {
         RunStatus::Queued,
         "behind an older queued run"
     );
-    let claimed = store.claim_runs(terms("pool", 3), 2).await.unwrap();
+    let claimed = store.claim_runs(terms("pool", 3), 2).await.unwrap().runs;
     assert_eq!(
         claimed.iter().map(|run| run.id).collect::<Vec<_>>(),
         vec![first.id, second.id]
