@@ -1,7 +1,7 @@
 //! The audit chain's storage: the one writer, with group commit and signed checkpoints, and
 //! the reads that export and verify it.
 //!
-//! [`AuditLog`] is a handle to a writer task. Every append goes through its channel; the task
+//! [`AuditLog`] is a handle to the writer. Every append goes through its channel; the writer
 //! takes whatever is queued (up to a batch size), writes it in one transaction in arrival
 //! order and answers each caller once that transaction has committed. The chain's head is read
 //! inside the transaction, after taking the project's lock — the database's write lock on
@@ -91,8 +91,8 @@ impl std::fmt::Debug for Command {
 }
 
 impl AuditLog {
-    /// Starts the writer task on the current tokio runtime. It runs until every handle is
-    /// dropped.
+    /// Starts the writer: on SQLite on a thread of its own, otherwise as a task of the current
+    /// tokio runtime. It runs until every handle is dropped.
     pub fn start(store: Store, key: AuditSigningKey, config: AuditConfig) -> AuditLog {
         let (sender, receiver) = mpsc::channel(config.max_batch.max(1) * 4);
         let verifying_key = key.verifying_key();
@@ -472,7 +472,14 @@ impl Writer {
         shared: tokio::runtime::Handle,
         own_thread: bool,
     ) {
-        if let Some(log) = wal_log(&self.store).await {
+        // Read on the process's runtime, whose tasks the pool's connections go back to.
+        let store = self.store.clone();
+        let log = shared
+            .spawn(async move { wal_log(&store).await })
+            .await
+            .ok()
+            .flatten();
+        if let Some(log) = log {
             if own_thread {
                 match EmbeddedWriter::open(&log.database) {
                     Ok(embedded) => {
@@ -820,7 +827,7 @@ async fn lock_head(
     project: ProjectId,
 ) -> Result<ChainHead, StoreError> {
     if backend == Backend::Postgres {
-        tx.execute(
+        tx.fetch_optional(
             "SELECT 1 AS locked FROM (SELECT pg_advisory_xact_lock($1)) AS l",
             vec![advisory_lock_key(project).into()],
         )

@@ -8,7 +8,7 @@
 
 use sqlx::{Any, Row as _};
 
-use crate::{Durability, StoreError};
+use crate::{Backend, BeginRetry, Durability, StoreError};
 
 /// A value bound to a statement's placeholder (`$1`, `$2`, … in order).
 #[derive(Debug, Clone)]
@@ -196,7 +196,7 @@ impl EmbeddedWriter {
         )?;
         connection.execute_batch("PRAGMA busy_timeout = 10000; PRAGMA foreign_keys = ON;")?;
         // A batch's statements differ with the number of its steps and entries.
-        connection.set_prepared_statement_cache_capacity(64);
+        connection.set_prepared_statement_cache_capacity(128);
         let mode: String = connection.query_row("PRAGMA journal_mode", [], |row| row.get(0))?;
         if !mode.eq_ignore_ascii_case("wal") {
             return Err(StoreError::Corrupt(format!(
@@ -218,6 +218,9 @@ impl EmbeddedWriter {
         durability: Durability,
         body: impl AsyncFnOnce(&mut EmbeddedWriter) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
+        // A transaction a failed rollback left open is ended first (or the connection
+        // replaced), so it cannot keep the database's write lock.
+        self.roll_back();
         if self.synchronous != Some(durability) {
             // SQLite reads `synchronous` when a transaction begins, so it is set before.
             self.synchronous = None;
@@ -227,7 +230,13 @@ impl EmbeddedWriter {
             })?;
             self.synchronous = Some(durability);
         }
-        self.connection.execute_batch("BEGIN IMMEDIATE")?;
+        let mut retry = BeginRetry::new(Backend::Sqlite);
+        loop {
+            match self.connection.execute_batch("BEGIN IMMEDIATE") {
+                Ok(()) => break,
+                Err(err) => retry.after(err.into()).await?,
+            }
+        }
         match body(self).await {
             Ok(value) => match self.connection.execute_batch("COMMIT") {
                 Ok(()) => Ok(value),
@@ -263,11 +272,21 @@ impl EmbeddedWriter {
         params: Vec<Param>,
     ) -> Result<rusqlite::CachedStatement<'_>, StoreError> {
         let mut statement = self.connection.prepare_cached(sql)?;
+        // Every value is bound to its own placeholder, as sqlx insists: a statement and its
+        // values that disagree are an error here too, not a silent NULL.
+        if statement.parameter_count() != params.len() {
+            return Err(StoreError::Corrupt(format!(
+                "a statement with {} placeholders was given {} values",
+                statement.parameter_count(),
+                params.len()
+            )));
+        }
         for (index, param) in params.into_iter().enumerate() {
             let name = format!("${}", index + 1);
-            // A placeholder the statement does not use is not bound.
             let Some(at) = statement.parameter_index(&name)? else {
-                continue;
+                return Err(StoreError::Corrupt(format!(
+                    "a statement has no placeholder {name}"
+                )));
             };
             match param {
                 Param::Int(value) => statement.raw_bind_parameter(at, value)?,

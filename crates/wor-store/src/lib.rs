@@ -350,7 +350,7 @@ impl Store {
             };
             match begun {
                 Ok(tx) => return Ok(WriteTx { tx, _turn: turn }),
-                Err(err) => retry.after(err).await?,
+                Err(err) => retry.after(err.into()).await?,
             }
         }
     }
@@ -477,7 +477,7 @@ impl Store {
         let mut tx = loop {
             match held.connection.begin_with(begin).await {
                 Ok(tx) => break tx,
-                Err(err) => retry.after(err).await?,
+                Err(err) => retry.after(err.into()).await?,
             }
         };
         if self.backend == Backend::Postgres && durability == Durability::Deferred {
@@ -491,15 +491,16 @@ impl Store {
     }
 }
 
-/// The retries of one write transaction's `BEGIN` (see [`Store::begin_write`]).
-struct BeginRetry {
+/// The retries of one write transaction's `BEGIN` (see [`Store::begin_write`]), on a
+/// connection of the pool or the audit writer's own.
+pub(crate) struct BeginRetry {
     backend: Backend,
     attempt: u32,
     pause: Duration,
 }
 
 impl BeginRetry {
-    fn new(backend: Backend) -> Self {
+    pub(crate) fn new(backend: Backend) -> Self {
         BeginRetry {
             backend,
             attempt: 1,
@@ -509,10 +510,10 @@ impl BeginRetry {
 
     /// After `BEGIN` failed with `err`: waits and returns when it is to be tried again (SQLite
     /// still busy, attempts left), or returns the error.
-    async fn after(&mut self, err: sqlx::Error) -> Result<(), StoreError> {
+    pub(crate) async fn after(&mut self, err: StoreError) -> Result<(), StoreError> {
         if self.backend != Backend::Sqlite || self.attempt >= WRITE_BEGIN_ATTEMPTS || !is_busy(&err)
         {
-            return Err(err.into());
+            return Err(err);
         }
         tracing::warn!(
             category = "store",
@@ -535,13 +536,17 @@ const WRITE_RETRY_PAUSE: Duration = Duration::from_millis(50);
 
 /// Whether `err` is SQLite's `SQLITE_BUSY` or `SQLITE_LOCKED`, in any extended form (the
 /// primary code is the low byte of the extended one).
-fn is_busy(err: &sqlx::Error) -> bool {
-    let sqlx::Error::Database(db) = err else {
-        return false;
+fn is_busy(err: &StoreError) -> bool {
+    let code = match err {
+        StoreError::Database(sqlx::Error::Database(db)) => {
+            db.code().and_then(|code| code.parse::<i64>().ok())
+        }
+        StoreError::Embedded(rusqlite::Error::SqliteFailure(failure, _)) => {
+            Some(i64::from(failure.extended_code))
+        }
+        _ => None,
     };
-    db.code()
-        .and_then(|code| code.parse::<i64>().ok())
-        .is_some_and(|code| matches!(code & 0xff, 5 | 6))
+    code.is_some_and(|code| matches!(code & 0xff, 5 | 6))
 }
 
 /// The URL with any password replaced, for error messages.
