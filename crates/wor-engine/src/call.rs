@@ -5,7 +5,6 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use wor_core::RunId;
 use wor_core::audit::{Actor, AuditCategory, AuditEvent};
 use wor_core::budget::BudgetUsage;
 use wor_core::model::ToolResult;
@@ -188,58 +187,13 @@ impl Engine {
     /// cancel of the run has been requested; [`EngineError::LeaseLost`] when this worker no
     /// longer holds the run, and nothing was written.
     pub(crate) async fn record(&self, write: RunWrite) -> Result<Recorded, EngineError> {
-        match self.record_carried(write).await? {
+        match self.audit.record(write).await? {
             RunWritten::Committed {
                 cancel_requested, ..
             } => Ok(Recorded::Committed { cancel_requested }),
             RunWritten::CredentialEnded => Ok(Recorded::CredentialEnded),
             RunWritten::LeaseLost => Err(EngineError::LeaseLost),
         }
-    }
-
-    /// Commits `write` after what its run carried ([`Engine::carry`]). When the write is
-    /// refused for the run's credential, nothing was written and what was carried is carried
-    /// on, to the write that ends the run.
-    pub(crate) async fn record_carried(&self, write: RunWrite) -> Result<RunWritten, EngineError> {
-        let run = write.run;
-        let earlier = self.carried().remove(&run);
-        let Some(earlier) = earlier else {
-            return Ok(self.audit.record(write).await?);
-        };
-        let written = self
-            .audit
-            .record(write.preceded_by(earlier.clone()))
-            .await?;
-        if matches!(written, RunWritten::CredentialEnded) {
-            self.carried().insert(run, earlier);
-        }
-        Ok(written)
-    }
-
-    /// Keeps `write` — a model turn that asked for tool calls — for the run's next journal
-    /// write, which commits it first, in its transaction. Nothing happens between the two
-    /// that reaches outside the process but the listing of a connection's changed tools, so
-    /// the turn is on record before anything it asked for runs, and a crash before it loses
-    /// it as a crash just after the model answered would.
-    pub(crate) fn carry(&self, write: RunWrite) {
-        let mut carried = self.carried();
-        let write = match carried.remove(&write.run) {
-            Some(earlier) => write.preceded_by(earlier),
-            None => write,
-        };
-        carried.insert(write.run, write);
-    }
-
-    /// Forgets what `run` carried: its drive here is over, and a turn it carried to a write
-    /// that never came is lost, as in a crash before that write.
-    pub(crate) fn drop_carried(&self, run: RunId) {
-        self.carried().remove(&run);
-    }
-
-    fn carried(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<RunId, RunWrite>> {
-        self.carried
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Renews the lease of a run this worker drives; [`EngineError::LeaseLost`] when another

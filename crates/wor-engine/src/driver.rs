@@ -151,13 +151,7 @@ impl Engine {
     /// Drives a run this worker holds the lease of, until it ends, parks for an approval or
     /// the lease is lost.
     pub(crate) async fn drive(&self, run: RunRecord) -> Result<(), EngineError> {
-        let driven = self.drive_to_end(&run).await;
-        self.drop_carried(run.id);
-        driven
-    }
-
-    async fn drive_to_end(&self, run: &RunRecord) -> Result<(), EngineError> {
-        let ending = match self.drive_loop(run).await {
+        let ending = match self.drive_loop(&run).await {
             Ok(Flow::End(ending, usage)) => (ending, usage),
             Ok(Flow::Parked) => return Ok(()),
             // Another worker drives the run now: it is theirs to end.
@@ -172,7 +166,7 @@ impl Engine {
             },
         };
         let (ending, usage) = ending;
-        self.end_run(run, &self.config.worker_id, ending, usage)
+        self.end_run(&run, &self.config.worker_id, ending, usage)
             .await
     }
 
@@ -197,7 +191,7 @@ impl Engine {
                 .subject("routine_id", run.routine_id)
                 .payload(json!({ "status": ending.status.as_str(), "outcome": ending.outcome })),
         );
-        let cancelled = match self.record_carried(end).await? {
+        let cancelled = match self.audit.record(end).await? {
             RunWritten::Committed {
                 cancelled_approvals,
                 ..
@@ -484,7 +478,7 @@ impl Engine {
                     let (message, cancel) = self
                         .record_model_turn(run, turn, machine.usage(), redactor)
                         .await?;
-                    cancel_known = cancel;
+                    cancel_known = Some(cancel);
                     // The recorded (redacted) calls are answered, as they will be after a
                     // resume.
                     let calls = message
@@ -584,17 +578,14 @@ impl Engine {
 
     /// Records a model turn (redacted) with its audit entry and the run's usage after it;
     /// returns the turn as recorded, which is what the conversation goes on with, as it will
-    /// after a resume, and whether a cancel of the run has been requested. A turn that asks
-    /// for tool calls is carried to the write that records the first of them
-    /// ([`Engine::carry`]) rather than committed alone; whether a cancel was requested is then
-    /// not known (`None`).
+    /// after a resume, and whether a cancel of the run has been requested.
     async fn record_model_turn(
         &self,
         run: &RunRecord,
         turn: ModelTurn<'_>,
         usage: BudgetUsage,
         redactor: &Redactor,
-    ) -> Result<(AssistantMessage, Option<bool>), EngineError> {
+    ) -> Result<(AssistantMessage, bool), EngineError> {
         let ModelTurn {
             definition,
             connection,
@@ -628,23 +619,20 @@ impl Engine {
             "output_tokens": response.usage.output_tokens,
             "tool_calls": response.message.tool_calls.len(),
         }));
-        let write = self
-            .journal(run)
-            .step(Provenance::Model, Step::ModelTurn(recorded.clone()))
-            .audit(called)
-            .usage(usage);
+        let written = self
+            .record(
+                self.journal(run)
+                    .step(Provenance::Model, Step::ModelTurn(recorded.clone()))
+                    .audit(called)
+                    .usage(usage),
+            )
+            .await?;
         crate::metrics::model_called(
             definition.model.provider,
             response.usage.input_tokens,
             response.usage.output_tokens,
         );
-        if recorded.message.tool_calls.is_empty() {
-            let written = self.record(write).await?;
-            Ok((recorded.message, Some(cancel_seen(written))))
-        } else {
-            self.carry(write);
-            Ok((recorded.message, None))
-        }
+        Ok((recorded.message, cancel_seen(written)))
     }
 
     /// One model call, stopped early by a cancel request or the wall-time deadline.

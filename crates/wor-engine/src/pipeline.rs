@@ -194,7 +194,7 @@ impl Engine {
             }
             // 5. Budget, before the call is on record as started.
             AfterDecision::Budget(exceeded) => {
-                self.record(self.journal(scope.run).audit(decided)).await?;
+                self.audit.append(decided).await?;
                 Ok(CallOutcome::Budget(exceeded))
             }
             // The record, the reservation and the check of the run's credential are one

@@ -22,7 +22,7 @@ use crate::runs::{insert_step, requeue_parent, to_i64};
 use crate::{RunToken, Store, StoreError, now_millis};
 
 /// What the worker driving a run records at one step, in one transaction.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct RunWrite {
     pub project: ProjectId,
     pub run: RunId,
@@ -64,20 +64,6 @@ impl RunWrite {
     }
 
     #[must_use]
-    /// This write with `earlier`'s steps and audit entries before its own, in the same
-    /// transaction: what the worker recorded and had no reason to commit alone. `earlier`
-    /// carries steps, usage and audit entries only; the later usage is the run's.
-    pub fn preceded_by(mut self, earlier: RunWrite) -> Self {
-        let mut steps = earlier.steps;
-        steps.append(&mut self.steps);
-        self.steps = steps;
-        let mut audit = earlier.audit;
-        audit.append(&mut self.audit);
-        self.audit = audit;
-        self.usage = self.usage.or(earlier.usage);
-        self
-    }
-
     pub fn step(mut self, provenance: Provenance, step: Step) -> Self {
         self.steps.push((provenance, step));
         self
