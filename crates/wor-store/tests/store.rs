@@ -904,12 +904,15 @@ async fn a_claimed_run_that_does_not_read_back_is_returned_apart() {
         .create_run(project, queued_run(routine, 1, None, 100), input())
         .await
         .unwrap();
-    db.tamper(&[format!(
-        "UPDATE runs SET trigger_kind = 'carrier_pigeon' WHERE id = '{}'",
-        damaged.id
-    )])
-    .await
-    .unwrap();
+    // A trigger kind no release ever wrote: the row no longer reads as a run.
+    let damage = async |run: wor_core::RunId| {
+        db.tamper(&[format!(
+            "UPDATE runs SET trigger_kind = 'carrier_pigeon' WHERE id = '{run}'"
+        )])
+        .await
+        .unwrap();
+    };
+    damage(damaged.id).await;
     let claimed = store.claim_runs(terms("pool", 5), 2).await.unwrap();
     assert_eq!(
         claimed.runs.iter().map(|run| run.id).collect::<Vec<_>>(),
@@ -932,12 +935,7 @@ async fn a_claimed_run_that_does_not_read_back_is_returned_apart() {
         .create_run(project, queued_run(routine, 1, None, 100), input())
         .await
         .unwrap();
-    db.tamper(&[format!(
-        "UPDATE runs SET trigger_kind = 'carrier_pigeon' WHERE id = '{}'",
-        third.id
-    )])
-    .await
-    .unwrap();
+    damage(third.id).await;
     assert!(matches!(
         store.claim_run("pool", 60_000, 5).await,
         Err(StoreError::Corrupt(_))
