@@ -194,7 +194,7 @@ impl EmbeddedWriter {
             path,
             rusqlite::OpenFlags::SQLITE_OPEN_READ_WRITE | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
         )?;
-        connection.execute_batch("PRAGMA busy_timeout = 10000; PRAGMA foreign_keys = ON;")?;
+        connection.execute_batch(crate::SQLITE_CONNECTION_SETTINGS)?;
         // A batch's statements differ with the number of its steps and entries.
         connection.set_prepared_statement_cache_capacity(128);
         let mode: String = connection.query_row("PRAGMA journal_mode", [], |row| row.get(0))?;
@@ -224,10 +224,7 @@ impl EmbeddedWriter {
         if self.synchronous != Some(durability) {
             // SQLite reads `synchronous` when a transaction begins, so it is set before.
             self.synchronous = None;
-            self.connection.execute_batch(match durability {
-                Durability::Synced => "PRAGMA synchronous = FULL",
-                Durability::Deferred => "PRAGMA synchronous = NORMAL",
-            })?;
+            self.connection.execute_batch(durability.sqlite_pragma())?;
             self.synchronous = Some(durability);
         }
         let mut retry = BeginRetry::new(Backend::Sqlite);

@@ -291,11 +291,9 @@ impl Store {
                     .max_connections(8)
                     .after_connect(|conn, _meta| {
                         Box::pin(async move {
-                            conn.execute(
-                                "PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL; \
-                                 PRAGMA busy_timeout = 10000; PRAGMA foreign_keys = ON;",
-                            )
-                            .await?;
+                            conn.execute("PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL;")
+                                .await?;
+                            conn.execute(SQLITE_CONNECTION_SETTINGS).await?;
                             Ok(())
                         })
                     })
@@ -405,6 +403,21 @@ pub(crate) enum Durability {
     Deferred,
 }
 
+impl Durability {
+    /// The SQLite setting a transaction of this durability begins under.
+    pub(crate) fn sqlite_pragma(self) -> &'static str {
+        match self {
+            Durability::Synced => "PRAGMA synchronous = FULL",
+            Durability::Deferred => "PRAGMA synchronous = NORMAL",
+        }
+    }
+}
+
+/// What every connection to the embedded database is set to, the pool's and the audit
+/// writer's own alike: how long a writer waits for SQLite's lock, and foreign keys.
+pub(crate) const SQLITE_CONNECTION_SETTINGS: &str =
+    "PRAGMA busy_timeout = 10000; PRAGMA foreign_keys = ON;";
+
 /// A connection a task keeps for its own writes (the audit writer's), with what SQLite's
 /// `synchronous` is set to on it. Nothing else uses it, so setting that per transaction
 /// cannot leak into another task's writes.
@@ -459,12 +472,7 @@ impl Store {
         if self.backend == Backend::Sqlite && held.synchronous != Some(durability) {
             // SQLite reads `synchronous` when a transaction begins, so it is set before.
             held.synchronous = None;
-            held.connection
-                .execute(match durability {
-                    Durability::Synced => "PRAGMA synchronous = FULL",
-                    Durability::Deferred => "PRAGMA synchronous = NORMAL",
-                })
-                .await?;
+            held.connection.execute(durability.sqlite_pragma()).await?;
             held.synchronous = Some(durability);
         }
         let begin = match self.backend {
