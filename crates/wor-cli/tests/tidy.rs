@@ -632,3 +632,174 @@ fn test_data_named_by_the_sources_is_in_git() {
         missing.join("\n")
     );
 }
+
+/// The names the sources define with `fn` or `mod`, by the directory of the file defining them.
+struct Definitions {
+    by_directory: BTreeMap<std::path::PathBuf, std::collections::BTreeSet<String>>,
+}
+
+impl Definitions {
+    fn read(root: &std::path::Path) -> Definitions {
+        let mut files = Vec::new();
+        files_below(
+            &root.join("crates"),
+            &|p| p.extension().is_some_and(|e| e == "rs"),
+            &mut files,
+        );
+        let mut by_directory: BTreeMap<_, std::collections::BTreeSet<String>> = BTreeMap::new();
+        for file in files {
+            let text = std::fs::read_to_string(&file).unwrap();
+            let names = by_directory
+                .entry(file.parent().unwrap().to_path_buf())
+                .or_default();
+            for line in text.lines() {
+                let mut words = line.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'));
+                while let Some(word) = words.next() {
+                    if word == "fn" || word == "mod" {
+                        match words.next() {
+                            Some(name) if !name.is_empty() => {
+                                names.insert(name.to_owned());
+                            }
+                            _ => {}
+                        }
+                    }
+                }
+            }
+        }
+        Definitions { by_directory }
+    }
+
+    /// Whether a file in `dir` or below it defines `name`.
+    fn below(&self, dir: &std::path::Path, name: &str) -> bool {
+        self.by_directory
+            .iter()
+            .any(|(at, names)| at.starts_with(dir) && names.contains(name))
+    }
+}
+
+/// The references to tests and test files in `doc` that name nothing in the sources: a
+/// `` `wor-x/tests/file.rs::name` `` (the file must exist and its directory define `name`), a
+/// `` `wor-x/tests/file.rs` ``, a `` `wor-x` `module::tests::name` `` (defined in the crate's
+/// `src`), and when `bare_names_are_tests` a bare `` `long_snake_case_name` `` of five words or
+/// more (defined anywhere).
+fn unresolved_test_references(
+    root: &std::path::Path,
+    definitions: &Definitions,
+    doc: &str,
+    bare_names_are_tests: bool,
+) -> Vec<String> {
+    let crates = root.join("crates");
+    let pieces: Vec<&str> = doc.split('`').collect();
+    let mut unresolved = Vec::new();
+    // The module path after a crate's name is read with the name, not again on its own.
+    let mut read_with_crate = None;
+    for (at, span) in pieces.iter().enumerate().skip(1).step_by(2) {
+        if read_with_crate == Some(at) {
+            continue;
+        }
+        let span = span.trim();
+        let is_name = |text: &str| {
+            !text.is_empty()
+                && text
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+        };
+        if let Some((file, names)) = span.split_once(".rs::") {
+            let file = crates.join(format!("{}.rs", file.trim_start_matches("crates/")));
+            let name = names.rsplit("::").next().unwrap_or_default();
+            let found =
+                file.is_file() && is_name(name) && definitions.below(file.parent().unwrap(), name);
+            if !found {
+                unresolved.push(span.to_owned());
+            }
+        } else if span.ends_with(".rs")
+            && (span.starts_with("wor-") || span.starts_with("crates/wor-"))
+        {
+            if !crates.join(span.trim_start_matches("crates/")).is_file() {
+                unresolved.push(span.to_owned());
+            }
+        } else if span.starts_with("wor-")
+            && is_name(&span.replace('-', "_"))
+            && pieces.get(at + 1) == Some(&" ")
+            && let Some(path) = pieces.get(at + 2)
+            && path.split("::").all(is_name)
+        {
+            read_with_crate = Some(at + 2);
+            let name = path.rsplit("::").next().unwrap_or_default();
+            if !definitions.below(&crates.join(span).join("src"), name) {
+                unresolved.push(format!("{span} {path}"));
+            }
+        } else if bare_names_are_tests
+            && is_name(span)
+            && span.split('_').count() >= 5
+            && !definitions.below(&crates, span)
+        {
+            unresolved.push(span.to_owned());
+        }
+    }
+    unresolved
+}
+
+/// Every test and test file the documents cite exists: a renamed or moved test fails here
+/// rather than leaving docs/SECURITY.md pointing at nothing.
+#[test]
+fn the_tests_the_documents_cite_exist() {
+    let root = repository_root();
+    let definitions = Definitions::read(&root);
+    let mut docs = vec![
+        root.join("ARCHITECTURE.md"),
+        root.join("README.md"),
+        root.join("BENCHMARKS.md"),
+    ];
+    files_below(
+        &root.join("docs"),
+        &|p| p.extension().is_some_and(|e| e == "md"),
+        &mut docs,
+    );
+    let mut problems = Vec::new();
+    for doc in docs {
+        let text = std::fs::read_to_string(&doc).unwrap();
+        let bare_names_are_tests = doc.ends_with("docs/SECURITY.md");
+        for reference in
+            unresolved_test_references(&root, &definitions, &text, bare_names_are_tests)
+        {
+            problems.push(format!("{}: `{reference}`", doc.display()));
+        }
+    }
+    assert!(
+        problems.is_empty(),
+        "cited but not found in the sources:\n{}",
+        problems.join("\n")
+    );
+}
+
+#[test]
+fn the_citation_rule_finds_what_is_missing() {
+    let root = repository_root();
+    let definitions = Definitions::read(&root);
+    let doc = "`wor-cli/tests/tidy.rs::dependency_directions_hold`, \
+               `wor-cli/tests/tidy.rs::no_test_is_called_this`, `wor-cli/tests/nowhere.rs`, \
+               `wor-cli/tests/tidy.rs`, `wor-store` `audit`, `wor-store` `no_module_is_called_this`, \
+               `the_citation_rule_finds_what_is_missing`, `no_test_is_called_this_either`, \
+               `wor_audit_log_syncs_total`";
+    assert_eq!(
+        unresolved_test_references(&root, &definitions, doc, true),
+        [
+            "wor-cli/tests/tidy.rs::no_test_is_called_this",
+            "wor-cli/tests/nowhere.rs",
+            "wor-store no_module_is_called_this",
+            "no_test_is_called_this_either",
+            "wor_audit_log_syncs_total",
+        ]
+    );
+    // Outside docs/SECURITY.md a bare name is a word of prose (a metric, a setting).
+    assert_eq!(
+        unresolved_test_references(
+            &root,
+            &definitions,
+            "`no_test_is_called_this_either`",
+            false
+        ),
+        Vec::<String>::new()
+    );
+}
