@@ -17,6 +17,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use serde_json::Value;
+use tokio::task::JoinHandle;
 use wor_core::ProjectId;
 use wor_core::routine::{OverlapPolicy, RoutineDefinition};
 use wor_core::run::RunStatus;
@@ -72,6 +73,8 @@ impl Engine {
     /// recorded, claimable from the slot on.
     pub async fn schedule_tick(&self, now: i64) -> Result<SchedulerReport, EngineError> {
         let mut report = SchedulerReport::default();
+        // The start entries of each page, being appended while the next page is written.
+        let mut appending = Vec::new();
         let mut after = None;
         let horizon = now.saturating_add(DISPATCH_AHEAD_MS);
         loop {
@@ -84,24 +87,38 @@ impl Engine {
             let full = due.len() == SCHEDULE_BATCH;
             // A page that cannot be written is retried on the next pass; the pages after it
             // still start now.
-            if let Err(error) = self.start_due(&due, now, &mut report).await {
-                tracing::error!(category = "schedule", error = %error, schedules = due.len(),
-                    "a page of due schedules could not be started; it is retried next pass");
+            match self.start_due(&due, now, &mut report).await {
+                Ok(appended) => appending.extend(appended),
+                Err(error) => {
+                    tracing::error!(category = "schedule", error = %error, schedules = due.len(),
+                        "a page of due schedules could not be started; it is retried next pass");
+                }
             }
             if !full {
                 break;
             }
         }
+        for appended in appending {
+            let failure = match appended.await {
+                Ok(Ok(())) => continue,
+                Ok(Err(error)) => error.to_string(),
+                Err(error) => error.to_string(),
+            };
+            tracing::error!(category = "schedule", error = %failure,
+                "the start entries of a page of scheduled runs could not be appended");
+        }
         Ok(report)
     }
 
-    /// Starts the due slots of one batch of schedules and moves the schedules on.
+    /// Starts the due slots of one batch of schedules and moves the schedules on; returns the
+    /// task appending the runs' start entries to the audit chain, which wakes the worker pool
+    /// when they are appended (the next page is written meanwhile).
     async fn start_due(
         &self,
         due: &[DueSchedule],
         now: i64,
         report: &mut SchedulerReport,
-    ) -> Result<(), EngineError> {
+    ) -> Result<Option<JoinHandle<Result<(), wor_store::StoreError>>>, EngineError> {
         let mut firings = Vec::new();
         let mut advances = Vec::new();
         let mut redactors: HashMap<ProjectId, Redactor> = HashMap::new();
@@ -131,7 +148,7 @@ impl Engine {
             }
         }
         if firings.is_empty() && advances.is_empty() {
-            return Ok(());
+            return Ok(None);
         }
         let starts = firings
             .iter()
@@ -173,16 +190,19 @@ impl Engine {
         }
         // The start entries go to the audit writer together, which commits them in as few
         // transactions as its batch allows.
-        self.audit.append_all(entries).await?;
-        if claimable_now {
-            self.wake_workers();
-        }
-        // Runs recorded ahead become claimable at their slot: the pool looks then rather than
-        // at its next poll.
-        if let Some(at) = release {
-            self.wake_workers_at(at);
-        }
-        Ok(())
+        let engine = self.clone();
+        Ok(Some(tokio::spawn(async move {
+            let appended = engine.audit.append_all(entries).await;
+            if claimable_now {
+                engine.wake_workers();
+            }
+            // Runs recorded ahead become claimable at their slot: the pool looks then rather
+            // than at its next poll.
+            if let Some(at) = release {
+                engine.wake_workers_at(at);
+            }
+            appended
+        })))
     }
 
     /// Wakes this process's worker pool at `at` (Unix ms), when runs recorded ahead of their
@@ -220,7 +240,8 @@ impl Engine {
             to: None,
         };
         let routine = schedule.routine_id.to_string();
-        let (mut plan, compiled) = match version.definition.schedule.as_ref().map(|s| s.compile()) {
+        let key = (schedule.project_id, schedule.routine_id, version.version);
+        let (mut plan, compiled) = match self.versions.schedule(key, &version) {
             Some(Ok(compiled)) => (
                 compiled.plan(&routine, schedule.next_slot_at, now),
                 compiled,

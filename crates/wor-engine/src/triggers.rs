@@ -137,7 +137,7 @@ impl Engine {
                     }
                     outboxes_at = tokio::time::Instant::now() + TICK;
                 }
-                let wake = engine.next_scheduler_wake().await.min(outboxes_at);
+                let wake = engine.next_scheduler_wake(now).await.min(outboxes_at);
                 tokio::select! {
                     () = tokio::time::sleep_until(wake) => {},
                     _ = shutdown.changed() => return,
@@ -146,35 +146,17 @@ impl Engine {
         })
     }
 
-    /// When the scheduler looks again: when the lead of the earliest schedule's next slot
-    /// still ahead begins (its run may be recorded then), or just after that slot once inside
-    /// the lead, if that is within a tick; else a tick from now (a slot already past — inside
-    /// its jitter, or one that could not start — is looked at again then).
-    async fn next_scheduler_wake(&self) -> tokio::time::Instant {
-        let tick = tokio::time::Instant::now() + TICK;
-        let now = wor_store::now_millis();
-        let next = match self.store.next_due_slot(now).await {
+    /// When the scheduler looks again after a pass that looked at `looked_at` (Unix ms); see
+    /// [`scheduler_wait`].
+    async fn next_scheduler_wake(&self, looked_at: i64) -> tokio::time::Instant {
+        let next = match self.store.next_due_slot(looked_at).await {
             Ok(next) => next,
             Err(error) => {
                 tracing::error!(category = "schedule", error = %error, "reading the next due slot failed");
                 None
             }
         };
-        let Some(next) = next else { return tick };
-        // At the start of the slot's lead, for the runs recorded ahead of it; once inside the
-        // lead, a millisecond past the slot, so that the pass finds due what could not be
-        // recorded ahead.
-        let ahead = next.saturating_sub(crate::scheduler::DISPATCH_AHEAD_MS);
-        let at = if ahead > now {
-            ahead
-        } else {
-            next.saturating_add(1)
-        };
-        let wait = at.saturating_sub(now);
-        match u64::try_from(wait) {
-            Ok(wait) => (tokio::time::Instant::now() + Duration::from_millis(wait)).min(tick),
-            Err(_) => tick,
-        }
+        tokio::time::Instant::now() + scheduler_wait(next, looked_at, wor_store::now_millis())
     }
 
     /// The slot of one of a routine's webhook secrets.
@@ -550,6 +532,24 @@ pub(crate) fn retry_at(id: &str, attempt: i64) -> Option<i64> {
     Some(wor_store::now_millis() + base + spread)
 }
 
+/// How long the scheduler waits at `now` after a pass that looked at `looked_at`, when `next`
+/// is the earliest slot after `looked_at` (Unix ms): until that slot's lead begins (its run
+/// may be recorded then), or, when the pass looked inside the lead, until a millisecond past
+/// the slot, so that the next pass finds due what could not be recorded ahead — not at all
+/// when that moment came while the pass ran, and at most a tick (a slot the pass saw due and
+/// left, inside its jitter or unable to start, is looked at again then).
+fn scheduler_wait(next: Option<i64>, looked_at: i64, now: i64) -> Duration {
+    let Some(next) = next else { return TICK };
+    let ahead = next.saturating_sub(crate::scheduler::DISPATCH_AHEAD_MS);
+    let at = if ahead > looked_at {
+        ahead
+    } else {
+        next.saturating_add(1)
+    };
+    let wait = u64::try_from(at.saturating_sub(now)).unwrap_or(0);
+    Duration::from_millis(wait).min(TICK)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -562,5 +562,33 @@ mod tests {
         assert!((2_000..=2_500).contains(&first), "{first}");
         assert!((8_000..=9_700).contains(&third), "{third}");
         assert_eq!(retry_at("dlv_1", MAX_DELIVERY_ATTEMPTS), None);
+    }
+
+    #[test]
+    fn the_scheduler_wakes_for_a_lead_or_a_slot_and_at_once_for_one_that_came_during_its_pass() {
+        use crate::scheduler::DISPATCH_AHEAD_MS as LEAD;
+        let ms = Duration::from_millis;
+        let slot = 1_800_000_000_000_i64;
+        // Nothing scheduled: a tick.
+        assert_eq!(scheduler_wait(None, slot, slot), TICK);
+        // Before the lead: when it begins, at most a tick away.
+        assert_eq!(
+            scheduler_wait(Some(slot), slot - LEAD - 300, slot - LEAD - 300),
+            ms(300)
+        );
+        assert_eq!(
+            scheduler_wait(Some(slot), slot - LEAD - 9_000, slot - LEAD - 9_000),
+            TICK
+        );
+        // The lead began while the pass ran: at once, to record the runs ahead.
+        assert_eq!(
+            scheduler_wait(Some(slot), slot - LEAD - 50, slot - LEAD + 20),
+            ms(0)
+        );
+        // The pass looked inside the lead: a millisecond past the slot.
+        assert_eq!(scheduler_wait(Some(slot), slot - 400, slot - 300), ms(301));
+        // The slot came while the pass ran (it looked before it, and it is past now): at once,
+        // not a tick late.
+        assert_eq!(scheduler_wait(Some(slot), slot - 80, slot + 150), ms(0));
     }
 }

@@ -1,14 +1,17 @@
-//! Routine versions as the engine reads them, and the policies built from them. A version
-//! never changes once written, so each is read and parsed once and then kept, up to a bound:
-//! starting, scheduling and resuming runs of the same routine do not parse its TOML again.
+//! Routine versions as the engine reads them, and the policies and schedules built from them.
+//! A version never changes once written, so each is read and parsed once and then kept, up
+//! to a bound: starting, scheduling and resuming runs of the same routine do not parse its
+//! TOML again, and a scheduler pass does not compile its cron expression and time zone again.
 //! The policy a run is decided by is built from its version and the project's policy text,
 //! so it is kept under both (a changed project policy is another key) and its Cedar text is
 //! not parsed and validated again for every run.
 
 use std::collections::HashMap;
+use std::hash::Hash;
 use std::sync::{Arc, Mutex};
 
 use wor_core::canonical::sha256_hex;
+use wor_core::schedule::{Schedule, ScheduleError};
 use wor_core::{ProjectId, RoutineId};
 use wor_policy::PolicyEngine;
 use wor_store::{RoutineVersionRecord, RunRecord};
@@ -19,6 +22,8 @@ use crate::{Engine, EngineError};
 const MAX_CACHED_VERSIONS: usize = 16_384;
 /// At most this many built policies are kept; past it the cache starts again empty.
 const MAX_CACHED_POLICIES: usize = 1_024;
+/// At most this many compiled schedules are kept; past it the cache starts again empty.
+const MAX_CACHED_SCHEDULES: usize = 16_384;
 
 pub(crate) type Key = (ProjectId, RoutineId, i64);
 
@@ -39,50 +44,85 @@ impl PolicyKey {
     }
 }
 
-/// The versions read and the policies built so far.
-#[derive(Debug, Default)]
+/// Values kept under their keys, up to `max` of them: past it the map starts again empty
+/// (what it holds is rebuilt on demand, so forgetting it costs only the rebuilding).
+#[derive(Debug)]
+struct Bounded<K, V> {
+    map: Mutex<HashMap<K, Arc<V>>>,
+    max: usize,
+}
+
+impl<K: Eq + Hash, V> Bounded<K, V> {
+    fn new(max: usize) -> Self {
+        Bounded {
+            map: Mutex::new(HashMap::new()),
+            max,
+        }
+    }
+
+    fn get(&self, key: &K) -> Option<Arc<V>> {
+        self.map
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(key)
+            .cloned()
+    }
+
+    fn keep(&self, key: K, value: Arc<V>) {
+        let mut map = self
+            .map
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if map.len() >= self.max {
+            map.clear();
+        }
+        map.insert(key, value);
+    }
+}
+
+/// The versions read, and the policies and schedules built, so far.
+#[derive(Debug)]
 pub(crate) struct VersionCache {
-    entries: Mutex<HashMap<Key, Arc<RoutineVersionRecord>>>,
-    policies: Mutex<HashMap<PolicyKey, Arc<PolicyEngine>>>,
+    entries: Bounded<Key, RoutineVersionRecord>,
+    policies: Bounded<PolicyKey, PolicyEngine>,
+    schedules: Bounded<Key, Schedule>,
+}
+
+impl Default for VersionCache {
+    fn default() -> Self {
+        VersionCache {
+            entries: Bounded::new(MAX_CACHED_VERSIONS),
+            policies: Bounded::new(MAX_CACHED_POLICIES),
+            schedules: Bounded::new(MAX_CACHED_SCHEDULES),
+        }
+    }
 }
 
 impl VersionCache {
     pub(crate) fn policy(&self, key: &PolicyKey) -> Option<Arc<PolicyEngine>> {
-        self.policies
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .get(key)
-            .cloned()
+        self.policies.get(key)
     }
 
     pub(crate) fn keep_policy(&self, key: PolicyKey, policy: Arc<PolicyEngine>) {
-        let mut policies = self
-            .policies
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if policies.len() >= MAX_CACHED_POLICIES {
-            policies.clear();
-        }
-        policies.insert(key, policy);
+        self.policies.keep(key, policy);
     }
 
-    fn get(&self, key: &Key) -> Option<Arc<RoutineVersionRecord>> {
-        self.entries
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .get(key)
-            .cloned()
-    }
-
-    fn keep(&self, key: Key, version: Arc<RoutineVersionRecord>) {
-        let mut entries = self
-            .entries
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if entries.len() >= MAX_CACHED_VERSIONS {
-            entries.clear();
+    /// The compiled `[schedule]` of version `key`, `version`; `None` when it has none. A
+    /// schedule that does not compile is not kept: the scheduler stops it when it is refused.
+    pub(crate) fn schedule(
+        &self,
+        key: Key,
+        version: &RoutineVersionRecord,
+    ) -> Option<Result<Arc<Schedule>, ScheduleError>> {
+        let section = version.definition.schedule.as_ref()?;
+        if let Some(compiled) = self.schedules.get(&key) {
+            return Some(Ok(compiled));
         }
-        entries.insert(key, version);
+        Some(section.compile().map(|compiled| {
+            let compiled = Arc::new(compiled);
+            self.schedules.keep(key, compiled.clone());
+            compiled
+        }))
     }
 }
 
@@ -99,7 +139,7 @@ impl Engine {
         let mut found = HashMap::with_capacity(wanted.len());
         let mut missing = Vec::new();
         for key in wanted {
-            match self.versions.get(key) {
+            match self.versions.entries.get(key) {
                 Some(version) => {
                     found.insert(*key, version);
                 }
@@ -114,7 +154,7 @@ impl Engine {
                 for (project, version) in read {
                     let key = (project, version.routine_id, version.version);
                     let version = Arc::new(version);
-                    self.versions.keep(key, version.clone());
+                    self.versions.entries.keep(key, version.clone());
                     found.insert(key, version);
                 }
             }
@@ -134,7 +174,7 @@ impl Engine {
         version: i64,
     ) -> Result<Arc<RoutineVersionRecord>, EngineError> {
         let key = (project, routine, version);
-        if let Some(found) = self.versions.get(&key) {
+        if let Some(found) = self.versions.entries.get(&key) {
             return Ok(found);
         }
         let read = Arc::new(
@@ -142,7 +182,7 @@ impl Engine {
                 .get_routine_version(project, routine, version)
                 .await?,
         );
-        self.versions.keep(key, read.clone());
+        self.versions.entries.keep(key, read.clone());
         Ok(read)
     }
 }
