@@ -230,9 +230,15 @@ impl Store {
             input,
             not_before: None,
         };
-        if insert_runs(&mut tx, &[id], std::slice::from_ref(&start), now)
-            .await?
-            .is_empty()
+        if insert_runs(
+            &mut tx,
+            &[id],
+            std::slice::from_ref(&start),
+            now,
+            values_per_statement(self.backend()),
+        )
+        .await?
+        .is_empty()
         {
             return Err(StoreError::Conflict(
                 "this trigger (schedule slot or webhook delivery) already started a run".to_owned(),
@@ -293,14 +299,14 @@ impl Store {
         let ids: Vec<RunId> = starts.iter().map(|_| RunId::new()).collect();
         let mut tx = self.begin_write().await?;
         let mut inserted = std::collections::HashSet::new();
-        let runs_per_statement = VALUES_PER_STATEMENT / RUN_VALUES;
+        let values = values_per_statement(self.backend());
         for (ids, starts) in ids
-            .chunks(runs_per_statement)
-            .zip(starts.chunks(runs_per_statement))
+            .chunks(values / RUN_VALUES)
+            .zip(starts.chunks(values / RUN_VALUES))
         {
-            inserted.extend(insert_runs(&mut tx, ids, starts, now).await?);
+            inserted.extend(insert_runs(&mut tx, ids, starts, now, values).await?);
         }
-        for advances in advances.chunks(VALUES_PER_STATEMENT / ADVANCE_VALUES) {
+        for advances in advances.chunks(values / ADVANCE_VALUES) {
             crate::triggers::advance_schedules(&mut tx, advances, now).await?;
         }
         tx.commit().await?;
@@ -1058,8 +1064,14 @@ impl Store {
 /// At most this many values are bound to one statement of a scheduler pass. SQLite finds the
 /// name of a `$N` placeholder by a linear search, and sqlx asks it for every value it binds,
 /// so binding a statement costs the square of its values: 200 runs' rows (4,000 values) took
-/// 19 ms a statement, 20 rows (400 values) under half a millisecond.
-const VALUES_PER_STATEMENT: usize = 400;
+/// 19 ms a statement, 20 rows (400 values) under half a millisecond. PostgreSQL binds in
+/// linear time, and each statement is a round trip: it takes larger ones.
+fn values_per_statement(backend: crate::Backend) -> usize {
+    match backend {
+        crate::Backend::Sqlite => 400,
+        crate::Backend::Postgres => 4_000,
+    }
+}
 /// The values of one run's row.
 const RUN_VALUES: usize = 20;
 /// The values of one step's row.
@@ -1081,6 +1093,7 @@ async fn insert_runs(
     ids: &[RunId],
     starts: &[ScheduledStart],
     now: i64,
+    values_per_statement: usize,
 ) -> Result<Vec<RunId>, StoreError> {
     if starts.is_empty() {
         return Ok(Vec::new());
@@ -1150,7 +1163,7 @@ async fn insert_runs(
             ));
         }
     }
-    for chunk in steps.chunks(VALUES_PER_STATEMENT / STEP_VALUES) {
+    for chunk in steps.chunks(values_per_statement / STEP_VALUES) {
         let rows: Vec<String> = (0..chunk.len())
             .map(|i| row_placeholders(i * STEP_VALUES + 1, STEP_VALUES))
             .collect();
