@@ -49,6 +49,11 @@ impl Ending {
         }
     }
 
+    /// A run whose cancel was requested.
+    pub fn cancelled() -> Self {
+        Ending::new(RunStatus::Cancelled, "cancelled on request")
+    }
+
     /// A run that went over a budget, naming the limit.
     pub fn budget(exceeded: BudgetExceeded) -> Self {
         Ending {
@@ -86,6 +91,9 @@ pub enum CallOutcome {
     Fail(String),
     /// The call waits for a person; the run parks.
     Parked,
+    /// A cancel of the run was requested before the call could be reserved or parked: it did
+    /// not run, and the run ends cancelled.
+    Cancelled,
 }
 
 /// After a call: go on, end, or park.
@@ -142,7 +150,7 @@ impl<C> RunLoop<C> {
     /// The next step, given whether a cancel was requested and the wall time used so far.
     pub fn next(&mut self, cancel_requested: bool, elapsed_seconds: u64) -> Next<C> {
         if cancel_requested {
-            return Next::End(Ending::new(RunStatus::Cancelled, "cancelled on request"));
+            return Next::End(Ending::cancelled());
         }
         if let Err(exceeded) = self.usage.check(&self.limits, elapsed_seconds) {
             return Next::End(Ending::budget(exceeded));
@@ -227,6 +235,7 @@ impl<C> RunLoop<C> {
                 AfterCall::End(Ending::new(RunStatus::Failed, reason.clone()))
             }
             CallOutcome::Parked => AfterCall::Park,
+            CallOutcome::Cancelled => AfterCall::End(Ending::cancelled()),
         }
     }
 }
@@ -423,6 +432,10 @@ mod tests {
             AfterCall::End(Ending::new(RunStatus::Failed, "quarantined"))
         );
         assert_eq!(run.call_answered(&CallOutcome::Parked), AfterCall::Park);
+        assert_eq!(
+            run.call_answered(&CallOutcome::Cancelled),
+            AfterCall::End(Ending::new(RunStatus::Cancelled, "cancelled on request"))
+        );
     }
 
     #[test]

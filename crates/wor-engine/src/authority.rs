@@ -99,9 +99,12 @@ impl Engine {
         {
             RunWritten::Committed { .. } => Ok((token, expires_at)),
             RunWritten::LeaseLost => Err(EngineError::LeaseLost),
-            RunWritten::CredentialEnded => Err(EngineError::InvalidState(
-                "a write that presents no credential found one ended".to_owned(),
-            )),
+            RunWritten::CredentialEnded | RunWritten::CancelRequested => {
+                Err(EngineError::InvalidState(
+                    "a write made whatever the credential and the cancel was refused for one"
+                        .to_owned(),
+                ))
+            }
         }
     }
 

@@ -5,6 +5,7 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
+use wor_core::RunId;
 use wor_core::audit::{Actor, AuditCategory, AuditEvent};
 use wor_core::budget::BudgetUsage;
 use wor_core::model::ToolResult;
@@ -130,6 +131,21 @@ pub(crate) enum Recorded {
     Committed { cancel_requested: bool },
     /// The presented credential is no longer live: nothing was written.
     CredentialEnded,
+    /// A cancel of the run was requested, and the write was to be made only unless one was:
+    /// nothing was written.
+    CancelRequested,
+}
+
+impl Recorded {
+    /// Whether the write found a cancel of the run requested; a write that presented no
+    /// credential cannot find it ended.
+    pub(crate) fn cancel_seen(self) -> bool {
+        match self {
+            Recorded::Committed { cancel_requested } => cancel_requested,
+            Recorded::CredentialEnded => false,
+            Recorded::CancelRequested => true,
+        }
+    }
 }
 
 /// Why a guarded wait stopped before its work finished.
@@ -187,13 +203,69 @@ impl Engine {
     /// cancel of the run has been requested; [`EngineError::LeaseLost`] when this worker no
     /// longer holds the run, and nothing was written.
     pub(crate) async fn record(&self, write: RunWrite) -> Result<Recorded, EngineError> {
-        match self.audit.record(write).await? {
+        match self.record_carried(write).await? {
             RunWritten::Committed {
                 cancel_requested, ..
             } => Ok(Recorded::Committed { cancel_requested }),
             RunWritten::CredentialEnded => Ok(Recorded::CredentialEnded),
+            RunWritten::CancelRequested => Ok(Recorded::CancelRequested),
             RunWritten::LeaseLost => Err(EngineError::LeaseLost),
         }
+    }
+
+    /// Commits `write` after what its run carried ([`Engine::carry`]). When nothing was
+    /// written (a credential that ended, a cancel requested), what was carried is carried on,
+    /// to the write that ends the run.
+    pub(crate) async fn record_carried(&self, write: RunWrite) -> Result<RunWritten, EngineError> {
+        let run = write.run;
+        // Only a write by the worker that carried the turn takes it along.
+        let earlier = {
+            let mut carried = self.carried();
+            match carried.get(&run) {
+                Some(earlier) if earlier.worker == write.worker => carried.remove(&run),
+                _ => None,
+            }
+        };
+        let Some(earlier) = earlier else {
+            return Ok(self.audit.record(write).await?);
+        };
+        let written = self
+            .audit
+            .record(write.preceded_by(earlier.clone()))
+            .await?;
+        if matches!(
+            written,
+            RunWritten::CredentialEnded | RunWritten::CancelRequested
+        ) {
+            self.carried().insert(run, earlier);
+        }
+        Ok(written)
+    }
+
+    /// Keeps `write` — a model turn that asked for tool calls — for the run's next journal
+    /// write, which commits it first, in its transaction. Nothing that reaches outside the
+    /// process happens between the two but the listing of a connection's changed tools, so
+    /// the turn is on record before anything it asked for runs, and a crash before it loses
+    /// the turn as a crash just after the model answered would.
+    pub(crate) fn carry(&self, write: RunWrite) {
+        let mut carried = self.carried();
+        let write = match carried.remove(&write.run) {
+            Some(earlier) => write.preceded_by(earlier),
+            None => write,
+        };
+        carried.insert(write.run, write);
+    }
+
+    /// Forgets what `run` carried: its drive here is over, and a turn it carried to a write
+    /// that never came is lost, as in a crash before that write.
+    pub(crate) fn drop_carried(&self, run: RunId) {
+        self.carried().remove(&run);
+    }
+
+    fn carried(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<RunId, RunWrite>> {
+        self.carried
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Renews the lease of a run this worker drives; [`EngineError::LeaseLost`] when another

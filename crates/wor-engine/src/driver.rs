@@ -34,7 +34,7 @@ use wor_store::{
     API_KEY_FIELD, ConnectionStatus, MODEL_CONNECTIONS_TABLE, RunRecord, RunWritten, SecretSlot,
 };
 
-use crate::call::{CallScope, Recorded, Stopped, run_event};
+use crate::call::{CallScope, Stopped, run_event};
 use crate::output::AfterTurn;
 use crate::run_tools::{RunTools, ToolsUnavailable};
 use crate::{Engine, EngineError};
@@ -151,7 +151,13 @@ impl Engine {
     /// Drives a run this worker holds the lease of, until it ends, parks for an approval or
     /// the lease is lost.
     pub(crate) async fn drive(&self, run: RunRecord) -> Result<(), EngineError> {
-        let ending = match self.drive_loop(&run).await {
+        let driven = self.drive_to_end(&run).await;
+        self.drop_carried(run.id);
+        driven
+    }
+
+    async fn drive_to_end(&self, run: &RunRecord) -> Result<(), EngineError> {
+        let ending = match self.drive_loop(run).await {
             Ok(Flow::End(ending, usage)) => (ending, usage),
             Ok(Flow::Parked) => return Ok(()),
             // Another worker drives the run now: it is theirs to end.
@@ -166,7 +172,7 @@ impl Engine {
             },
         };
         let (ending, usage) = ending;
-        self.end_run(&run, &self.config.worker_id, ending, usage)
+        self.end_run(run, &self.config.worker_id, ending, usage)
             .await
     }
 
@@ -191,12 +197,14 @@ impl Engine {
                 .subject("routine_id", run.routine_id)
                 .payload(json!({ "status": ending.status.as_str(), "outcome": ending.outcome })),
         );
-        let cancelled = match self.audit.record(end).await? {
+        let cancelled = match self.record_carried(end).await? {
             RunWritten::Committed {
                 cancelled_approvals,
                 ..
             } => Some(cancelled_approvals),
-            RunWritten::LeaseLost | RunWritten::CredentialEnded => None,
+            RunWritten::LeaseLost | RunWritten::CredentialEnded | RunWritten::CancelRequested => {
+                None
+            }
         };
         let finished = cancelled.is_some();
         if let Some(cancelled) = cancelled {
@@ -573,12 +581,13 @@ impl Engine {
                     .usage(usage),
             )
             .await?;
-        Ok((recorded.result, cancel_seen(written)))
+        Ok((recorded.result, written.cancel_seen()))
     }
 
     /// Records a model turn (redacted) with its audit entry and the run's usage after it;
     /// returns the turn as recorded, which is what the conversation goes on with, as it will
-    /// after a resume, and whether a cancel of the run has been requested.
+    /// after a resume, and whether a cancel of the run has been requested (for a turn that
+    /// asks for calls, whether the write that records the first of them must find out).
     async fn record_model_turn(
         &self,
         run: &RunRecord,
@@ -619,20 +628,26 @@ impl Engine {
             "output_tokens": response.usage.output_tokens,
             "tool_calls": response.message.tool_calls.len(),
         }));
-        let written = self
-            .record(
-                self.journal(run)
-                    .step(Provenance::Model, Step::ModelTurn(recorded.clone()))
-                    .audit(called)
-                    .usage(usage),
-            )
-            .await?;
+        let write = self
+            .journal(run)
+            .step(Provenance::Model, Step::ModelTurn(recorded.clone()))
+            .audit(called)
+            .usage(usage);
         crate::metrics::model_called(
             definition.model.provider,
             response.usage.input_tokens,
             response.usage.output_tokens,
         );
-        Ok((recorded.message, cancel_seen(written)))
+        if recorded.message.tool_calls.is_empty() {
+            let written = self.record(write).await?;
+            return Ok((recorded.message, written.cancel_seen()));
+        }
+        // A turn that asks for calls is committed with the write that records the first of
+        // them. That write reserves the call or parks the run only unless a cancel has been
+        // requested, and every other write after it reports one: the loop goes on as if none
+        // had been, without asking.
+        self.carry(write);
+        Ok((recorded.message, false))
     }
 
     /// One model call, stopped early by a cancel request or the wall-time deadline.
@@ -848,15 +863,6 @@ struct ModelTurn<'a> {
     definition: &'a RoutineDefinition,
     connection: &'a ModelCredential,
     response: &'a ModelResponse,
-}
-
-/// Whether a journal write found a cancel requested; a write that presented no credential
-/// cannot find it ended.
-fn cancel_seen(written: Recorded) -> bool {
-    match written {
-        Recorded::Committed { cancel_requested } => cancel_requested,
-        Recorded::CredentialEnded => false,
-    }
 }
 
 #[cfg(test)]

@@ -45,7 +45,7 @@ use std::time::Duration;
 
 use wor_core::budget::ModelPrice;
 use wor_egress::EgressClient;
-use wor_store::{AuditLog, Store, StoreError, Vault};
+use wor_store::{AuditLog, RunWrite, Store, StoreError, Vault};
 
 pub use approvals::{Approver, ApproverRefusal, ArgumentViolation, DecisionRefusal, EditRefusal};
 pub use assignment::{LeaseRenewal, WorkerClaim};
@@ -303,6 +303,9 @@ pub struct Engine {
     versions: Arc<versions::VersionCache>,
     /// One lock per MCP connection whose token this process refreshes.
     oauth_refreshes: Arc<std::sync::Mutex<OAuthRefreshLocks>>,
+    /// Per run driven here: a model turn recorded but not yet committed, which the run's next
+    /// journal write carries ([`Engine::carry`]).
+    carried: Arc<std::sync::Mutex<std::collections::HashMap<wor_core::RunId, RunWrite>>>,
 }
 
 impl Engine {
@@ -328,6 +331,7 @@ impl Engine {
             live_text: live_text::LiveText::default(),
             versions: Arc::default(),
             oauth_refreshes: Arc::default(),
+            carried: Arc::default(),
         }
     }
 

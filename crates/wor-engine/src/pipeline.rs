@@ -181,7 +181,10 @@ impl Engine {
                     scope.untrusted,
                     recorded.argument_labels.as_ref(),
                 );
-                self.record(record).await?;
+                // A run whose cancel was requested ends rather than waits for a person.
+                if self.record(record).await?.cancel_seen() {
+                    return Ok(CallOutcome::Cancelled);
+                }
                 self.park(
                     scope,
                     ApprovalRequest {
@@ -194,16 +197,20 @@ impl Engine {
             }
             // 5. Budget, before the call is on record as started.
             AfterDecision::Budget(exceeded) => {
-                self.audit.append(decided).await?;
+                self.record(self.journal(scope.run).audit(decided)).await?;
                 Ok(CallOutcome::Budget(exceeded))
             }
             // The record, the reservation and the check of the run's credential are one
             // write: nothing is recorded or reserved for a call whose credential has ended.
             AfterDecision::RecordAndExecute(usage) => {
-                let reserved = record.usage(usage).presenting(scope.authority.token());
+                let reserved = record
+                    .usage(usage)
+                    .presenting(scope.authority.token())
+                    .unless_cancelled();
                 match self.record(reserved).await? {
                     Recorded::Committed { .. } => {}
                     Recorded::CredentialEnded => return Ok(credential_ended()),
+                    Recorded::CancelRequested => return Ok(CallOutcome::Cancelled),
                 }
                 self.execute(scope, offered, pending, arguments, usage)
                     .await

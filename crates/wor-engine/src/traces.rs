@@ -429,6 +429,7 @@ pub(crate) fn tool_call_answered<E>(
         Ok(CallOutcome::Parked) => ("held", true),
         Ok(CallOutcome::Budget(_)) => ("budget_exceeded", false),
         Ok(CallOutcome::Fail(_)) => ("failed_run", false),
+        Ok(CallOutcome::Cancelled) => ("cancelled", false),
         Err(_) => ("error", false),
     };
     let mut attributes = run_ids(run);

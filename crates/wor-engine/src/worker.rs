@@ -159,7 +159,11 @@ impl Engine {
                         .await;
                 }
             }
-            Ok(wor_store::RunWritten::LeaseLost | wor_store::RunWritten::CredentialEnded) => {}
+            Ok(
+                wor_store::RunWritten::LeaseLost
+                | wor_store::RunWritten::CredentialEnded
+                | wor_store::RunWritten::CancelRequested,
+            ) => {}
             Err(error) => {
                 tracing::error!(category = "run", project_id = %run.project, run_id = %run.id,
                     kind = error.kind(), "an unreadable run could not be ended; its lease will expire");

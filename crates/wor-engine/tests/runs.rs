@@ -1138,31 +1138,74 @@ async fn a_routine_used_as_a_tool_runs_nested_on_the_root_budget_and_depth_is_ca
     assert!(all.iter().all(|r| r.root_run_id == run.id));
 }
 
+/// A routine whose model, once asked, says so on `arrived`, waits for `release`, then asks
+/// for the routine `helper` (a replay routine answering "forty-two") under roster `mode`.
+struct HeldHelperCall {
+    helper: RoutineId,
+    routine: RoutineId,
+    arrived: Arc<tokio::sync::Notify>,
+    release: Arc<tokio::sync::Notify>,
+    _model: MockModel,
+}
+
+impl Harness {
+    /// How many runs the project has (at most 10).
+    async fn run_count(&self) -> usize {
+        let filter = wor_store::RunFilter {
+            limit: 10,
+            ..Default::default()
+        };
+        self.db
+            .store
+            .list_runs(self.project, &filter)
+            .await
+            .unwrap()
+            .len()
+    }
+
+    async fn held_helper_call(&self, mode: &str) -> HeldHelperCall {
+        let helper = self
+            .routine(
+                "name = \"helper\"\ninstructions = \"Answer.\"\n\
+                 [model]\nprovider = \"replay\"\nmodel = \"m\"\n\
+                 [[model.script.turns]]\ntext = \"forty-two\"\n",
+            )
+            .await;
+        let arrived = Arc::new(tokio::sync::Notify::new());
+        let release = Arc::new(tokio::sync::Notify::new());
+        let model = MockModel::start(vec![Reply::Held {
+            name: "routine__helper",
+            arguments: r#"{"input":"what is the answer?"}"#,
+            arrived: arrived.clone(),
+            release: release.clone(),
+        }])
+        .await;
+        let routine = self
+            .openai_routine(
+                &model,
+                &format!("[[tools]]\ntool = \"routine/helper\"\nmode = \"{mode}\"\n"),
+            )
+            .await;
+        HeldHelperCall {
+            helper,
+            routine,
+            arrived,
+            release,
+            _model: model,
+        }
+    }
+}
+
 #[tokio::test]
 async fn a_run_acts_only_with_its_own_live_credential() {
     let h = Harness::new().await;
-    let helper = h
-        .routine(
-            "name = \"helper\"\ninstructions = \"Answer.\"\n\
-         [model]\nprovider = \"replay\"\nmodel = \"m\"\n\
-         [[model.script.turns]]\ntext = \"forty-two\"\n",
-        )
-        .await;
-    let arrived = Arc::new(tokio::sync::Notify::new());
-    let release = Arc::new(tokio::sync::Notify::new());
-    let model = MockModel::start(vec![Reply::Held {
-        name: "routine__helper",
-        arguments: r#"{"input":"what is the answer?"}"#,
-        arrived: arrived.clone(),
-        release: release.clone(),
-    }])
-    .await;
-    let routine = h
-        .openai_routine(
-            &model,
-            "[[tools]]\ntool = \"routine/helper\"\nmode = \"auto\"\n",
-        )
-        .await;
+    let HeldHelperCall {
+        helper,
+        routine,
+        arrived,
+        release,
+        _model,
+    } = h.held_helper_call("auto").await;
     let engine = h.engine(EngineConfig::default());
     let run = h.start(&engine, routine, "go").await;
     assert!(!h.db.store.run_token_exists(run.id).await.unwrap());
@@ -1187,18 +1230,7 @@ async fn a_run_acts_only_with_its_own_live_credential() {
         "{:?}",
         run.outcome
     );
-    let runs =
-        h.db.store
-            .list_runs(
-                h.project,
-                &wor_store::RunFilter {
-                    limit: 10,
-                    ..Default::default()
-                },
-            )
-            .await
-            .unwrap();
-    assert_eq!(runs.len(), 1, "the nested run never started");
+    assert_eq!(h.run_count().await, 1, "the nested run never started");
 
     assert!(!h.db.store.run_token_exists(run.id).await.unwrap());
 
@@ -1207,6 +1239,68 @@ async fn a_run_acts_only_with_its_own_live_credential() {
     let done = h.drive_to_end(&engine, done.id).await;
     assert_eq!(done.status, RunStatus::Succeeded, "{:?}", done.outcome);
     assert!(!h.db.store.run_token_exists(done.id).await.unwrap());
+}
+
+/// A cancel requested while the model answers with a call, after the wait's last look for
+/// one: the call is neither reserved nor put to a person, and the run ends cancelled with the
+/// turn on record (it is committed with the write that records the call).
+#[tokio::test]
+async fn a_cancel_requested_while_the_model_answers_stops_the_call_it_asks_for() {
+    // `auto`: the call would be reserved and run; `confirm`: it would wait for a person.
+    for (mode, kinds) in [
+        ("auto", &["input", "model_turn", "outcome"][..]),
+        (
+            "confirm",
+            &["input", "model_turn", "tool_call", "outcome"][..],
+        ),
+    ] {
+        let h = Harness::new().await;
+        let engine = h.engine(EngineConfig::default());
+        let HeldHelperCall {
+            routine,
+            arrived,
+            release,
+            _model,
+            ..
+        } = h.held_helper_call(mode).await;
+        let run = h.start(&engine, routine, "go").await;
+        let driving = tokio::spawn({
+            let engine = engine.clone();
+            async move { engine.run_next().await.unwrap() }
+        });
+        // The cancel lands well before the wait's first look (a quarter of a second after
+        // the request went out), and the model answers at once after it.
+        arrived.notified().await;
+        h.db.store.request_cancel(h.project, run.id).await.unwrap();
+        release.notify_one();
+        assert!(driving.await.unwrap());
+        let run = h.run(run.id).await;
+        assert_eq!(
+            run.status,
+            RunStatus::Cancelled,
+            "{mode}: {:?}",
+            run.outcome
+        );
+        assert_eq!(run.outcome.as_deref(), Some("cancelled on request"));
+        let steps = h.steps(run.id).await;
+        let found: Vec<&str> = steps.iter().map(|(k, _, _)| k.as_str()).collect();
+        assert_eq!(found, kinds, "{mode}");
+        let approvals =
+            h.db.store
+                .list_approvals(
+                    h.project,
+                    &wor_store::ApprovalFilter {
+                        run_id: Some(run.id),
+                        limit: 10,
+                        ..Default::default()
+                    },
+                )
+                .await
+                .unwrap();
+        assert!(approvals.is_empty(), "{mode}: nobody is asked");
+        assert!(!h.db.store.run_token_exists(run.id).await.unwrap());
+        assert_eq!(h.run_count().await, 1, "{mode}: no nested run started");
+    }
 }
 
 /// An HTTP API on loopback that records every request it receives and answers them in turn:

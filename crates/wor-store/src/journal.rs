@@ -22,7 +22,7 @@ use crate::runs::{insert_step, requeue_parent, to_i64};
 use crate::{RunToken, Store, StoreError, now_millis};
 
 /// What the worker driving a run records at one step, in one transaction.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct RunWrite {
     pub project: ProjectId,
     pub run: RunId,
@@ -34,6 +34,8 @@ pub struct RunWrite {
     credential: Option<String>,
     /// A new credential for the run (its digest and expiry), replacing any earlier one.
     mint: Option<(String, i64)>,
+    /// Whether nothing is written once a cancel of the run has been requested.
+    unless_cancelled: bool,
     pub steps: Vec<(Provenance, Step)>,
     /// The run's usage after this step, when it changed.
     pub usage: Option<BudgetUsage>,
@@ -55,12 +57,28 @@ impl RunWrite {
             lease_ms,
             credential: None,
             mint: None,
+            unless_cancelled: false,
             steps: Vec::new(),
             usage: None,
             audit: Vec::new(),
             end: None,
             durable: false,
         }
+    }
+
+    /// This write with `earlier`'s steps and audit entries before its own, in the same
+    /// transaction: what the worker recorded and had no reason to commit alone. `earlier`
+    /// carries steps, usage and audit entries only; the later usage is the run's.
+    #[must_use]
+    pub fn preceded_by(mut self, earlier: RunWrite) -> Self {
+        let mut steps = earlier.steps;
+        steps.append(&mut self.steps);
+        self.steps = steps;
+        let mut audit = earlier.audit;
+        audit.append(&mut self.audit);
+        self.audit = audit;
+        self.usage = self.usage.or(earlier.usage);
+        self
     }
 
     #[must_use]
@@ -97,6 +115,14 @@ impl RunWrite {
     pub fn presenting(mut self, credential: &RunToken) -> Self {
         self.credential = Some(sha256_hex(credential.expose().as_bytes()));
         self.durable = true;
+        self
+    }
+
+    /// Writes only while no cancel of the run has been requested: a call is reserved, or a
+    /// run parked for a person, only for a run that is to go on.
+    #[must_use]
+    pub fn unless_cancelled(mut self) -> Self {
+        self.unless_cancelled = true;
         self
     }
 
@@ -154,6 +180,9 @@ pub enum RunWritten {
     /// The worker holds the run but the presented credential is no longer live: nothing was
     /// written.
     CredentialEnded,
+    /// The worker holds the run but a cancel of it was requested, and the write was to be
+    /// made only unless one was ([`RunWrite::unless_cancelled`]): nothing was written.
+    CancelRequested,
 }
 
 /// Writes `write`'s run part in `tx`: the fence (lease, credential), the lease renewal, the
@@ -199,6 +228,9 @@ pub(crate) async fn write_run(
         " WHERE id = {id} AND project_id = {project} AND lease_owner = {worker} \
          AND status = 'running'"
     ));
+    if write.unless_cancelled {
+        sql.push_str(" AND cancel_requested = 0");
+    }
     if let Some(credential) = &write.credential {
         let credential = fence.text(credential);
         sql.push_str(&format!(
@@ -277,20 +309,28 @@ impl Fence {
     }
 }
 
-/// Why a fenced write matched no row: the lease, or only the credential.
+/// Why a fenced write matched no row: the lease, a requested cancel, or the credential.
 async fn fenced_out(tx: &mut impl Exec, write: &RunWrite) -> Result<RunWritten, StoreError> {
-    if write.credential.is_none() {
+    if write.credential.is_none() && !write.unless_cancelled {
         return Ok(RunWritten::LeaseLost);
     }
     let held = tx
         .fetch_optional(
-            "SELECT 1 AS held FROM runs WHERE id = $1 AND lease_owner = $2 AND status = 'running'",
+            "SELECT cancel_requested FROM runs WHERE id = $1 AND lease_owner = $2 \
+             AND status = 'running'",
             vec![write.run.to_string().into(), write.worker.as_str().into()],
         )
         .await?;
-    Ok(if held.is_some() {
-        RunWritten::CredentialEnded
-    } else {
-        RunWritten::LeaseLost
-    })
+    let Some(held) = held else {
+        return Ok(RunWritten::LeaseLost);
+    };
+    Ok(
+        if write.unless_cancelled && held.int("cancel_requested")? != 0 {
+            RunWritten::CancelRequested
+        } else if write.credential.is_some() {
+            RunWritten::CredentialEnded
+        } else {
+            RunWritten::LeaseLost
+        },
+    )
 }

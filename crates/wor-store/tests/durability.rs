@@ -173,6 +173,31 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
             log.append(key_event(project, 1)).await.unwrap();
             assert_eq!(commits(), (1, 0), "an API entry is synced");
 
+            // Once a cancel is requested, a write to be made only unless one was (a call's
+            // reservation) writes nothing; any other write goes in and reports the cancel.
+            store.request_cancel(project, run.id).await.unwrap();
+            assert_eq!(
+                log.record(
+                    write()
+                        .step(Provenance::Engine, turn())
+                        .presenting(&token)
+                        .unless_cancelled(),
+                )
+                .await
+                .unwrap(),
+                RunWritten::CancelRequested
+            );
+            assert_eq!(
+                log.record(write().step(Provenance::Engine, turn()))
+                    .await
+                    .unwrap(),
+                RunWritten::Committed {
+                    cancel_requested: true,
+                    cancelled_approvals: Vec::new()
+                }
+            );
+            commits();
+
             committed(
                 log.record(write().end(RunStatus::Succeeded, "done"))
                     .await
@@ -186,6 +211,7 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
                 kinds,
                 [
                     StepKind::Input,
+                    StepKind::ModelTurn,
                     StepKind::ModelTurn,
                     StepKind::ModelTurn,
                     StepKind::ModelTurn,
