@@ -256,8 +256,8 @@ impl Engine {
         carried.insert(write.run, write);
     }
 
-    /// Forgets what `run` carried: its drive here is over, and a turn it carried to a write
-    /// that never came is lost, as in a crash before that write.
+    /// Forgets what `run` carried: its drive here is over (or begins), and a turn it carried
+    /// to a write that never came is lost, as in a crash before that write.
     pub(crate) fn drop_carried(&self, run: RunId) {
         self.carried().remove(&run);
     }

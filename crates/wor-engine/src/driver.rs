@@ -151,9 +151,14 @@ impl Engine {
     /// Drives a run this worker holds the lease of, until it ends, parks for an approval or
     /// the lease is lost.
     pub(crate) async fn drive(&self, run: RunRecord) -> Result<(), EngineError> {
-        let driven = self.drive_to_end(&run).await;
+        // A turn an earlier drive of this run carried and never wrote (its task panicked or
+        // was aborted) is not this drive's: the run resumes from its stored steps.
         self.drop_carried(run.id);
-        driven
+        let _forget = ForgetCarried {
+            engine: self,
+            run: run.id,
+        };
+        self.drive_to_end(&run).await
     }
 
     async fn drive_to_end(&self, run: &RunRecord) -> Result<(), EngineError> {
@@ -856,6 +861,19 @@ fn too_deep_call(response: &ModelResponse) -> Option<Ending> {
             call.name
         ),
     ))
+}
+
+/// Forgets what a run carried when its drive is over, however it ends: returned, failed,
+/// panicked or aborted.
+struct ForgetCarried<'a> {
+    engine: &'a Engine,
+    run: wor_core::RunId,
+}
+
+impl Drop for ForgetCarried<'_> {
+    fn drop(&mut self) {
+        self.engine.drop_carried(self.run);
+    }
 }
 
 /// A model's answer and what it was asked under, as a turn records them.
