@@ -524,6 +524,25 @@ impl TestWorker {
     fn post_held(&self, server: &Server, path: &str, credential: &str) -> String {
         post_as(server, &self.identity, &self.id, path, &held(credential))
     }
+
+    /// A signed POST of `body`.
+    fn post_json(&self, server: &Server, path: &str, body: &Value) -> String {
+        post_as(server, &self.identity, &self.id, path, &body.to_string())
+    }
+
+    /// Claims a run; the claim and the run's credential from its envelope.
+    fn claim(&mut self, server: &Server) -> (Value, String) {
+        use secrecy::ExposeSecret as _;
+        let answer = self.post(server, "/internal/v1/runs/claim");
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        let claimed = body_json(&answer);
+        let opened = self
+            .opener
+            .open(&envelope_of(&claimed), wor_store::now_millis() / 1000)
+            .unwrap();
+        let credential = opened.secrets.run_credential.expose_secret().to_owned();
+        (claimed, credential)
+    }
 }
 
 fn envelope_of(claimed: &Value) -> wor_secrets::SealedEnvelope {
@@ -533,49 +552,57 @@ fn envelope_of(claimed: &Value) -> wor_secrets::SealedEnvelope {
 const WORKER_MODEL_KEY: &str = "sk-worker-canary-5f1e0a9c";
 const WORKER_TOOL_TOKEN: &str = "tool-worker-canary-77d2b";
 
-#[test]
-fn a_worker_claims_a_run_with_an_envelope_only_it_opens_and_holds_it_only_under_its_lease() {
-    use secrecy::ExposeSecret as _;
-    let dir = tempfile::tempdir().unwrap();
-    let db = database_args(dir.path());
-    let key = create_project(&db);
-    // An `api` process drives no run: only the workers below claim.
-    let api = start_role(&db, "api");
-    let client = |args: &[&str], env: &[(&str, &str)]| {
+/// A project on an `api` process, set up through the CLI as its people would.
+struct Project<'a> {
+    api: &'a Server,
+    key: String,
+    dir: &'a std::path::Path,
+}
+
+impl Project<'_> {
+    /// Runs `wor ARGS` as a client of the `api` process with `env`; it must succeed.
+    fn client(&self, args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
         let mut command = wor(args);
-        command.env("WOR_SERVER", &api.url).env("WOR_API_KEY", &key);
+        command
+            .env("WOR_SERVER", &self.api.url)
+            .env("WOR_API_KEY", &self.key);
         for (name, value) in env {
             command.env(name, value);
         }
         let out = run(&mut command);
         assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
         out
-    };
-    client(
-        &[
-            "model-connection",
-            "create",
-            "main",
-            "--provider",
-            "openai_compatible",
-            "--base-url",
-            "https://models.example.com/v1",
-            "--api-key-env",
-            "MODEL_KEY",
-        ],
-        &[("MODEL_KEY", WORKER_MODEL_KEY)],
-    );
-    // HTTP API connections whose tools are written here, reviewed and enabled without a
-    // server; `enable: false` leaves one waiting for review.
-    let tools = dir.path().join("tools.json");
-    std::fs::write(
-        &tools,
-        r#"{"tools": [{"name": "lookup", "method": "GET", "path": "/lookup",
-            "inputSchema": {"type": "object"}}]}"#,
-    )
-    .unwrap();
-    let connection = |name: &str, token: &str, enable: bool| -> String {
-        let created = client(
+    }
+
+    /// The model connection `main`, with `key` sealed as its API key.
+    fn model_connection(&self, key: &str) {
+        self.client(
+            &[
+                "model-connection",
+                "create",
+                "main",
+                "--provider",
+                "openai_compatible",
+                "--base-url",
+                "https://models.example.com/v1",
+                "--api-key-env",
+                "MODEL_KEY",
+            ],
+            &[("MODEL_KEY", key)],
+        );
+    }
+
+    /// An HTTP API connection `name` with one tool, `lookup`, written here and, when
+    /// `enable`, reviewed and enabled without a server; its bearer token is `token`.
+    fn http_connection(&self, name: &str, token: &str, enable: bool) -> String {
+        let tools = self.dir.join("tools.json");
+        std::fs::write(
+            &tools,
+            r#"{"tools": [{"name": "lookup", "method": "GET", "path": "/lookup",
+                "inputSchema": {"type": "object"}}]}"#,
+        )
+        .unwrap();
+        let created = self.client(
             &[
                 "connection",
                 "create",
@@ -597,10 +624,10 @@ fn a_worker_claims_a_run_with_an_envelope_only_it_opens_and_holds_it_only_under_
             .unwrap()
             .to_owned();
         if enable {
-            let review = client(&["connection", "review", &id, "--json"], &[]);
-            let review_file = dir.path().join(format!("{name}-review.json"));
+            let review = self.client(&["connection", "review", &id, "--json"], &[]);
+            let review_file = self.dir.join(format!("{name}-review.json"));
             std::fs::write(&review_file, &review.stdout).unwrap();
-            client(
+            self.client(
                 &[
                     "connection",
                     "enable",
@@ -612,21 +639,16 @@ fn a_worker_claims_a_run_with_an_envelope_only_it_opens_and_holds_it_only_under_
             );
         }
         id
-    };
-    let desk = connection("desk", WORKER_TOOL_TOKEN, true);
-    // On the roster but not enabled: its record goes, its credential never leaves.
-    connection("pending", "tool-pending-canary-9a1", false);
-    // Not on the roster at all.
-    connection("other", "tool-unrelated-canary-0c4", true);
-    // A connection whose sealed token no longer opens: another connection's ciphertext, which
-    // is bound to that connection's slot.
-    let cracked = connection("cracked", "tool-cracked-canary-3b8", true);
-    let routine = |name: &str, tools: &[&str]| {
+    }
+
+    /// Routine `name` on model `m` of connection `main`, with `tools` on its roster in mode
+    /// `auto`.
+    fn routine(&self, name: &str, tools: &[&str]) {
         let roster: String = tools
             .iter()
             .map(|t| format!("[[tools]]\ntool = \"{t}\"\nmode = \"auto\"\n"))
             .collect();
-        let file = dir.path().join(format!("{name}.toml"));
+        let file = self.dir.join(format!("{name}.toml"));
         std::fs::write(
             &file,
             format!(
@@ -635,17 +657,46 @@ fn a_worker_claims_a_run_with_an_envelope_only_it_opens_and_holds_it_only_under_
             ),
         )
         .unwrap();
-        client(&["routine", "apply", "-f", file.to_str().unwrap()], &[]);
-    };
-    routine("broken", &["cracked/lookup"]);
-    routine("desk", &["desk/lookup", "pending/lookup"]);
-    let start = |name: &str| {
-        let started = client(&["run", "start", name, "--json"], &[]);
+        self.client(&["routine", "apply", "-f", file.to_str().unwrap()], &[]);
+    }
+
+    /// Starts a run of routine `name`; its id.
+    fn start(&self, name: &str) -> String {
+        let started = self.client(&["run", "start", name, "--json"], &[]);
         serde_json::from_slice::<Value>(&started.stdout).unwrap()["id"]
             .as_str()
             .unwrap()
             .to_owned()
+    }
+}
+
+#[test]
+fn a_worker_claims_a_run_with_an_envelope_only_it_opens_and_holds_it_only_under_its_lease() {
+    use secrecy::ExposeSecret as _;
+    let dir = tempfile::tempdir().unwrap();
+    let db = database_args(dir.path());
+    let key = create_project(&db);
+    // An `api` process drives no run: only the workers below claim.
+    let api = start_role(&db, "api");
+    let project = Project {
+        api: &api,
+        key: key.clone(),
+        dir: dir.path(),
     };
+    let client = |args: &[&str], env: &[(&str, &str)]| project.client(args, env);
+    project.model_connection(WORKER_MODEL_KEY);
+    // HTTP API connections; one left waiting for review.
+    let desk = project.http_connection("desk", WORKER_TOOL_TOKEN, true);
+    // On the roster but not enabled: its record goes, its credential never leaves.
+    project.http_connection("pending", "tool-pending-canary-9a1", false);
+    // Not on the roster at all.
+    project.http_connection("other", "tool-unrelated-canary-0c4", true);
+    // A connection whose sealed token no longer opens: another connection's ciphertext, which
+    // is bound to that connection's slot.
+    let cracked = project.http_connection("cracked", "tool-cracked-canary-3b8", true);
+    project.routine("broken", &["cracked/lookup"]);
+    project.routine("desk", &["desk/lookup", "pending/lookup"]);
+    let start = |name: &str| project.start(name);
     let broken_run = start("broken");
     let run_id = start("desk");
     let (runtime, store) = open_store(&db, dir.path());
@@ -859,6 +910,334 @@ fn a_worker_claims_a_run_with_an_envelope_only_it_opens_and_holds_it_only_under_
     assert_eq!(desk_run["status"], "queued", "{listed:?}");
     api.stop();
     runtime.block_on(store.close());
+}
+
+/// The steps of a worker's write, each `(kind, provenance, payload)`, with the run's usage
+/// after them, presenting `credential`.
+fn steps_body(credential: &str, steps: &[(&str, &str, Value)], usage: &Value) -> Value {
+    let steps: Vec<Value> = steps
+        .iter()
+        .map(|(kind, provenance, payload)| {
+            serde_json::json!({ "kind": kind, "provenance": provenance, "payload": payload })
+        })
+        .collect();
+    serde_json::json!({ "run_credential": credential, "steps": steps, "usage": usage })
+}
+
+/// A run's usage as a worker reports it.
+fn usage(turns: u64, tool_calls: u64) -> Value {
+    serde_json::json!({ "turns": turns, "tool_calls": tool_calls, "input_tokens": 10 * turns,
+        "output_tokens": 5 * turns, "cost_microdollars": 0 })
+}
+
+/// A model turn of the routine's model (`openai_compatible`, `m`) saying `text` and asking for
+/// `calls` (`(id, tool, arguments)`).
+fn model_turn(text: &str, calls: &[(&str, &str, Value)]) -> Value {
+    let calls: Vec<Value> = calls
+        .iter()
+        .map(|(id, name, arguments)| {
+            serde_json::json!({ "id": id, "name": name, "arguments": arguments })
+        })
+        .collect();
+    serde_json::json!({
+        "message": { "text": text, "tool_calls": calls },
+        "usage": { "input_tokens": 10, "output_tokens": 5 },
+        "stop_reason": "tool_use",
+        "identity": { "provider": "openai_compatible", "connection_id": null, "model_id": "m",
+            "credential_version": null },
+    })
+}
+
+/// The decision a worker's driver recorded on a call.
+fn tool_call(call_id: &str, decision: &str) -> Value {
+    serde_json::json!({
+        "tool": "desk/lookup", "model_name": "desk__lookup", "call_id": call_id,
+        "arguments": { "q": "status" }, "arguments_hash": "a".repeat(64), "pinned_keys": [],
+        "pin_hash": "b".repeat(64), "decision": decision,
+        "determining_policies": ["policy0"], "reasons": ["allowed"],
+    })
+}
+
+#[test]
+fn a_worker_records_its_runs_steps_and_end_through_the_control_plane_which_writes_the_audit() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = database_args(dir.path());
+    let key = create_project(&db);
+    let api = start_role(&db, "api");
+    let project = Project {
+        api: &api,
+        key: key.clone(),
+        dir: dir.path(),
+    };
+    project.model_connection(WORKER_MODEL_KEY);
+    project.http_connection("desk", WORKER_TOOL_TOKEN, true);
+    project.routine("desk", &["desk/lookup"]);
+    let run_id = project.start("desk");
+    let mut a = enrolled_worker(&api, &db, &dir.path().join("worker-a"));
+    let b = enrolled_worker(&api, &db, &dir.path().join("worker-b"));
+    let (claimed, credential) = a.claim(&api);
+    assert_eq!(claimed["run"]["id"], run_id.as_str());
+    let steps = format!("/internal/v1/runs/{run_id}/steps");
+    let end = format!("/internal/v1/runs/{run_id}/end");
+    let recorded_kinds = || -> Vec<String> {
+        let shown = project.client(&["run", "get", &run_id, "--json"], &[]);
+        serde_json::from_slice::<Value>(&shown.stdout).unwrap()["steps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["kind"].as_str().unwrap().to_owned())
+            .collect()
+    };
+
+    // The model's turn, carried to the write of the call it asked for, which the worker's
+    // decision allowed: one write. The turn repeats the model key, which the control plane
+    // redacts again whatever the worker sent.
+    let turn = model_turn(
+        &format!("looking it up with {WORKER_MODEL_KEY}"),
+        &[(
+            "call_1",
+            "desk__lookup",
+            serde_json::json!({ "q": "status" }),
+        )],
+    );
+    let first = steps_body(
+        &credential,
+        &[
+            ("model_turn", "model", turn.clone()),
+            ("tool_call", "engine", tool_call("call_1", "allow")),
+        ],
+        &usage(1, 1),
+    );
+    // Worker B, even holding A's credential, and A with a credential not its claim's, write
+    // nothing.
+    let refused = b.post_json(&api, &steps, &first);
+    assert!(refused.contains("lease_not_held"), "{refused}");
+    let mut forged = first.clone();
+    forged["run_credential"] = Value::from("wrt_not-the-claims");
+    let refused = a.post_json(&api, &steps, &forged);
+    assert!(refused.contains("lease_not_held"), "{refused}");
+    let answer = a.post_json(&api, &steps, &first);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert_eq!(body_json(&answer)["recorded"], true, "{answer}");
+    assert_eq!(body_json(&answer)["cancel_requested"], false, "{answer}");
+    let answered = serde_json::json!({
+        "tool": "desk/lookup",
+        "result": { "tool_call_id": "call_1", "content": "all green", "is_error": false },
+    });
+    let answer = a.post_json(
+        &api,
+        &steps,
+        &steps_body(
+            &credential,
+            &[("tool_result", "untrusted", answered.clone())],
+            &usage(1, 1),
+        ),
+    );
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert_eq!(
+        recorded_kinds(),
+        ["input", "model_turn", "tool_call", "tool_result"]
+    );
+
+    // What a worker may not write is refused, with the reason, and nothing is written.
+    let outcome = serde_json::json!({ "status": "succeeded", "message": "done" });
+    let other_model = {
+        let mut turn = turn.clone();
+        turn["identity"]["model_id"] = Value::from("another-model");
+        turn
+    };
+    for (body, reason) in [
+        (
+            steps_body(&credential, &[("outcome", "engine", outcome)], &usage(1, 1)),
+            "the control plane's to record",
+        ),
+        (
+            steps_body(
+                &credential,
+                &[("model_turn", "engine", turn.clone())],
+                &usage(2, 1),
+            ),
+            "recorded as `model`, not `engine`",
+        ),
+        (
+            steps_body(
+                &credential,
+                &[("model_turn", "model", other_model)],
+                &usage(2, 1),
+            ),
+            "does not name the routine's model",
+        ),
+        (
+            steps_body(
+                &credential,
+                &[("tool_result", "untrusted", answered.clone())],
+                &usage(1, 0),
+            ),
+            "`tool_calls` is below what is recorded",
+        ),
+        (
+            steps_body(&credential, &[], &usage(1, 1)),
+            "at least one step",
+        ),
+        (
+            steps_body(
+                &credential,
+                &[("tool_call", "engine", serde_json::json!({}))],
+                &usage(1, 1),
+            ),
+            "does not have the recorded shape",
+        ),
+    ] {
+        let answer = a.post_json(&api, &steps, &body);
+        assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+        assert!(answer.contains("invalid_step"), "{answer}");
+        assert!(answer.contains(reason), "{reason}: {answer}");
+    }
+    assert_eq!(
+        recorded_kinds(),
+        ["input", "model_turn", "tool_call", "tool_result"]
+    );
+
+    // Past the run's deadline its credential has ended: no call is reserved with it, but the
+    // claim still records what reserves nothing, and it ends the run (below).
+    let (runtime, store) = open_store(&db, dir.path());
+    runtime
+        .block_on(wor_store::testing::tamper(
+            &store,
+            &[format!(
+                "UPDATE run_tokens SET expires_at = 1 WHERE run_id = '{run_id}'"
+            )],
+        ))
+        .unwrap();
+    runtime.block_on(store.close());
+    let reserve = |call_id: &str| {
+        steps_body(
+            &credential,
+            &[
+                (
+                    "model_turn",
+                    "model",
+                    model_turn(
+                        "again",
+                        &[(
+                            call_id,
+                            "desk__lookup",
+                            serde_json::json!({ "q": "status" }),
+                        )],
+                    ),
+                ),
+                ("tool_call", "engine", tool_call(call_id, "allow")),
+            ],
+            &usage(2, 2),
+        )
+    };
+    let refused = a.post_json(&api, &steps, &reserve("call_2"));
+    assert!(refused.contains("lease_not_held"), "{refused}");
+    let thinking = steps_body(
+        &credential,
+        &[("model_turn", "model", model_turn("thinking", &[]))],
+        &usage(2, 1),
+    );
+    let answer = a.post_json(&api, &steps, &thinking);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let mut recorded = vec![
+        "input",
+        "model_turn",
+        "tool_call",
+        "tool_result",
+        "model_turn",
+    ];
+    assert_eq!(recorded_kinds(), recorded);
+
+    // Once a cancel is requested, a call is not reserved: nothing is written and the worker is
+    // told to end the run.
+    project.client(&["run", "cancel", &run_id], &[]);
+    let answer = a.post_json(&api, &steps, &reserve("call_3"));
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert_eq!(body_json(&answer)["recorded"], false, "{answer}");
+    assert_eq!(body_json(&answer)["cancel_requested"], true, "{answer}");
+    assert_eq!(recorded_kinds(), recorded);
+
+    // The worker ends the run: its outcome (redacted here too) and its `run.end` entry.
+    let ending = |status: &str| {
+        serde_json::json!({ "run_credential": credential, "status": status,
+            "outcome": format!("cancelled before {WORKER_MODEL_KEY} was used again"),
+            "usage": usage(2, 1) })
+    };
+    for (status, code, reason) in [
+        ("running", "invalid_step", "not `running`"),
+        (
+            "finished",
+            "invalid_status",
+            "`finished` is not a run status",
+        ),
+    ] {
+        let answer = a.post_json(&api, &end, &ending(status));
+        assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+        assert!(answer.contains(code) && answer.contains(reason), "{answer}");
+    }
+    let refused = b.post_json(&api, &end, &ending("cancelled"));
+    assert!(refused.contains("lease_not_held"), "{refused}");
+    let answer = a.post_json(&api, &end, &ending("cancelled"));
+    assert!(answer.starts_with("HTTP/1.1 204"), "{answer}");
+    // The run is over: nothing more is written by its claim.
+    for (path, body) in [(&steps, &first), (&end, &ending("succeeded"))] {
+        let refused = a.post_json(&api, path, body);
+        assert!(refused.contains("lease_not_held"), "{refused}");
+    }
+    let shown = project.client(&["run", "get", &run_id, "--json"], &[]);
+    let shown_text = text(&shown.stdout);
+    assert!(!shown_text.contains(WORKER_MODEL_KEY), "{shown_text}");
+    let shown: Value = serde_json::from_str(&shown_text).unwrap();
+    assert_eq!(shown["status"], "cancelled", "{shown}");
+    let said = shown["steps"][1]["payload"]["message"]["text"]
+        .as_str()
+        .unwrap();
+    assert!(said.starts_with("looking it up with "), "{said}");
+    let outcome = shown["outcome"].as_str().unwrap();
+    assert!(outcome.starts_with("cancelled before "), "{outcome}");
+    recorded.push("outcome");
+    assert_eq!(recorded_kinds(), recorded);
+
+    // The audit entries are the control plane's, derived from the steps it recorded.
+    let log = text(&project.client(&["audit", "export"], &[]).stdout);
+    assert!(!log.contains(WORKER_MODEL_KEY), "{log}");
+    let run_entries: Vec<(String, String)> = log
+        .lines()
+        .map(|line| serde_json::from_str::<Value>(line).unwrap())
+        .filter(|entry| entry["actor"]["run_id"] == run_id.as_str())
+        .map(|entry| {
+            (
+                entry["category"].as_str().unwrap_or_default().to_owned(),
+                entry["payload"]["transition"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned(),
+            )
+        })
+        .collect();
+    let expected: Vec<(String, String)> = [
+        ("secret.use", ""),
+        ("model.call", ""),
+        ("tool.call", "decided"),
+        ("tool.call", "answered"),
+        ("model.call", ""),
+        ("run.end", ""),
+    ]
+    .iter()
+    .map(|(c, t)| ((*c).to_owned(), (*t).to_owned()))
+    .collect();
+    assert_eq!(run_entries, expected, "{log}");
+    let mut verify = vec!["audit", "verify", "--json"];
+    verify.extend(db.iter().map(String::as_str));
+    let out = run(&mut wor(&verify));
+    assert!(
+        out.status.success(),
+        "{}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    api.stop();
 }
 
 /// A fresh opener for the worker enrolled in `dir`.

@@ -15,16 +15,23 @@ use secrecy::SecretString;
 use serde_json::json;
 use wor_core::RunId;
 use wor_core::audit::AuditCategory;
+use wor_core::budget::BudgetUsage;
+use wor_core::call::Verdict;
+use wor_core::json_depth::{MAX_JSON_NESTING, value_nesting};
 use wor_core::model::ProviderKind;
+use wor_core::routine::RoutineDefinition;
 use wor_core::routine::{ROUTINE_CONNECTION, ToolMode};
+use wor_core::run::{Provenance, RunStatus};
+use wor_core::run_loop::Ending;
+use wor_core::step::{InputSource, Step};
 use wor_secrets::{RunSecrets, ToolCredential};
 use wor_store::{
     API_KEY_FIELD, ConnectionStatus, MODEL_CONNECTIONS_TABLE, ModelConnectionRecord,
-    RoutineVersionRecord, RunRecord, RunStep, SecretSlot, StoreError, ToolConnectionKind,
-    ToolConnectionRecord,
+    RoutineVersionRecord, RunRecord, RunStep, RunWritten, SecretSlot, StoreError,
+    ToolConnectionKind, ToolConnectionRecord,
 };
 
-use crate::call::run_event;
+use crate::call::{as_recorded, run_event, with_step};
 use crate::tool_connections::ConnectionError;
 use crate::{Engine, EngineError};
 
@@ -51,6 +58,85 @@ pub struct WorkerClaim {
     pub credential_expires_at: i64,
     /// When the lease runs out unless the worker renews it (Unix milliseconds).
     pub lease_expires_at: i64,
+}
+
+/// At most this many steps in one write of a remote worker: a model turn, and the call it
+/// asked for first, or a call's answer, and some room.
+pub const MAX_WORKER_STEPS_PER_WRITE: usize = 16;
+
+/// What a remote worker records at one step of a run it holds: the steps (its first may be a
+/// model turn carried to the write of the call it asked for first) and the run's usage after
+/// them.
+#[derive(Debug, Clone)]
+pub struct WorkerSteps {
+    pub steps: Vec<(Provenance, Step)>,
+    pub usage: BudgetUsage,
+}
+
+/// Why a remote worker's write was refused before anything was written.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WorkerStepRefusal {
+    #[error("a write records at least one step")]
+    NoSteps,
+    #[error("a write records at most {MAX_WORKER_STEPS_PER_WRITE} steps, not {0}")]
+    TooManySteps(usize),
+    #[error(
+        "step {index}: a worker records input, model turns, tool calls, tool results and \
+         output; `{kind}` is the control plane's to record"
+    )]
+    NotAWorkersStep { index: usize, kind: &'static str },
+    #[error("step {index}: a worker's input step asks for an output correction and nothing else")]
+    NotAnOutputCorrection { index: usize },
+    #[error("step {index}: a `{kind}` step is recorded as `{expected}`, not `{given}`")]
+    Provenance {
+        index: usize,
+        kind: &'static str,
+        expected: String,
+        given: &'static str,
+    },
+    #[error("step {index}: the model turn does not name the routine's model and connection")]
+    NotTheRoutinesModel { index: usize },
+    #[error("step {index}: nested deeper than {MAX_JSON_NESTING} levels")]
+    TooDeep { index: usize },
+    #[error("a run ends `succeeded`, `failed` or `cancelled`, not `{0}`")]
+    NotAnEnd(&'static str),
+    #[error("a run's usage never goes down: `{0}` is below what is recorded")]
+    UsageDecreased(&'static str),
+}
+
+/// Whether `after` is no less than `before` in every measure; the first that is less if not.
+fn usage_not_lowered(before: &BudgetUsage, after: &BudgetUsage) -> Result<(), WorkerStepRefusal> {
+    let measures = [
+        ("turns", before.turns, after.turns),
+        ("tool_calls", before.tool_calls, after.tool_calls),
+        ("input_tokens", before.input_tokens, after.input_tokens),
+        ("output_tokens", before.output_tokens, after.output_tokens),
+        (
+            "cost_microdollars",
+            before.cost_microdollars,
+            after.cost_microdollars,
+        ),
+    ];
+    match measures
+        .into_iter()
+        .find(|(_, before, after)| after < before)
+    {
+        Some((name, _, _)) => Err(WorkerStepRefusal::UsageDecreased(name)),
+        None => Ok(()),
+    }
+}
+
+/// What became of a remote worker's write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkerRecorded {
+    /// Committed, with its audit entries; whether a cancel of the run had been requested.
+    Committed { cancel_requested: bool },
+    /// The write reserves a call and a cancel of the run was requested: nothing was written,
+    /// and the worker ends the run as cancelled.
+    CancelRequested,
+    /// The worker does not hold the run under the claim it presented (or, for a write that
+    /// reserves a call, the run's deadline has passed): nothing was written.
+    NotHeld,
 }
 
 /// Where a remote worker's lease of a run stands after a renewal.
@@ -328,6 +414,92 @@ impl Engine {
         })
     }
 
+    /// Records what remote worker `worker` sends of a run it holds under the claim whose
+    /// `credential` it presents: the steps, redacted again here with the project's live
+    /// secrets, with the audit entries this process derives from them (a worker never writes
+    /// the chain), in one journal write fenced by the worker's lease and claim. A write with a
+    /// call the worker's decision allowed reserves it: it presents the credential live and is
+    /// made only unless a cancel was requested, as a local driver's reservation is.
+    ///
+    /// # Errors
+    /// A store error; stored state that does not read back.
+    pub async fn record_for_worker(
+        &self,
+        run: RunId,
+        worker: &str,
+        credential: &str,
+        write: WorkerSteps,
+    ) -> Result<Result<WorkerRecorded, WorkerStepRefusal>, EngineError> {
+        let Some(run) = self.store.claimed_run(worker, run, credential).await? else {
+            return Ok(Ok(WorkerRecorded::NotHeld));
+        };
+        let version = self
+            .routine_version(run.project_id, run.routine_id, run.routine_version)
+            .await?;
+        let checked = worker_steps(&write.steps, &version.definition)
+            .and_then(|()| usage_not_lowered(&run.usage, &write.usage));
+        if let Err(refusal) = checked {
+            tracing::warn!(category = "run", action = "worker.write_refused", worker_id = %worker,
+                run_id = %run.id, reason = %refusal, "a worker's write was refused");
+            return Ok(Err(refusal));
+        }
+        let redactor = self.project_redactor(run.project_id).await?;
+        let mut journal = self.journal_for(&run, worker).usage(write.usage);
+        let mut reserves = false;
+        for (provenance, step) in write.steps {
+            let step = as_recorded(step, &redactor)?;
+            reserves |= matches!(&step, Step::ToolCall(call) if call.decision == Verdict::Allow);
+            journal = with_step(journal, &run, provenance, step);
+        }
+        let journal = if reserves {
+            journal.presenting(credential).unless_cancelled()
+        } else {
+            journal.under_claim(credential)
+        };
+        Ok(Ok(match self.audit.record(journal).await? {
+            RunWritten::Committed {
+                cancel_requested, ..
+            } => WorkerRecorded::Committed { cancel_requested },
+            RunWritten::CancelRequested => WorkerRecorded::CancelRequested,
+            RunWritten::LeaseLost | RunWritten::CredentialEnded => WorkerRecorded::NotHeld,
+        }))
+    }
+
+    /// Ends a run remote worker `worker` holds under the claim whose `credential` it presents,
+    /// with `status` and `outcome` (redacted here) and the run's usage, as a local driver ends
+    /// one: its outcome step and `run.end` entry in one write, then what follows an end
+    /// (approvals cancelled, memory, run webhooks). Past the run's deadline too: the claim,
+    /// not its deadline, is what the end is bound to. False when the worker does not hold it.
+    ///
+    /// # Errors
+    /// A store error.
+    pub async fn end_for_worker(
+        &self,
+        run: RunId,
+        worker: &str,
+        credential: &str,
+        status: RunStatus,
+        outcome: &str,
+        usage: BudgetUsage,
+    ) -> Result<Result<bool, WorkerStepRefusal>, EngineError> {
+        if !status.is_terminal() {
+            return Ok(Err(WorkerStepRefusal::NotAnEnd(status.as_str())));
+        }
+        let Some(run) = self.store.claimed_run(worker, run, credential).await? else {
+            return Ok(Ok(false));
+        };
+        if let Err(refusal) = usage_not_lowered(&run.usage, &usage) {
+            return Ok(Err(refusal));
+        }
+        let redactor = self.project_redactor(run.project_id).await?;
+        let outcome = wor_core::text::replace_nul(&redactor.redact(outcome)).into_owned();
+        let end = self.journal_for(&run, worker).under_claim(credential);
+        let ending = Ending::new(status, outcome);
+        Ok(Ok(self
+            .end_run_with(&run, end, ending, Some(usage))
+            .await?))
+    }
+
     /// Gives back a run remote worker `worker` holds under the claim whose `credential` it
     /// presents, to be resumed from its steps by the next claim; false when it does not.
     ///
@@ -348,4 +520,64 @@ impl Engine {
         }
         Ok(released)
     }
+}
+
+/// Whether `steps` are steps a worker records for a run of `definition`, each with the
+/// provenance a driver gives it.
+fn worker_steps(
+    steps: &[(Provenance, Step)],
+    definition: &RoutineDefinition,
+) -> Result<(), WorkerStepRefusal> {
+    if steps.is_empty() {
+        return Err(WorkerStepRefusal::NoSteps);
+    }
+    if steps.len() > MAX_WORKER_STEPS_PER_WRITE {
+        return Err(WorkerStepRefusal::TooManySteps(steps.len()));
+    }
+    for (index, (provenance, step)) in steps.iter().enumerate() {
+        let kind = step.kind().as_str();
+        let expected: &[Provenance] = match step {
+            Step::Input(input) => {
+                if input.source != Some(InputSource::OutputSchema) {
+                    return Err(WorkerStepRefusal::NotAnOutputCorrection { index });
+                }
+                &[Provenance::Engine]
+            }
+            Step::ModelTurn(turn) => {
+                let named = turn.identity.as_ref().is_some_and(|identity| {
+                    identity.provider == definition.model.provider
+                        && identity.model_id == definition.model.model
+                });
+                if !named {
+                    return Err(WorkerStepRefusal::NotTheRoutinesModel { index });
+                }
+                &[Provenance::Model]
+            }
+            Step::ToolCall(_) => &[Provenance::Engine],
+            Step::ToolResult(_) => &[Provenance::Untrusted, Provenance::Engine],
+            Step::Output(_) => &[Provenance::Model],
+            Step::Memory(_) | Step::ApprovalUsed(_) | Step::Outcome(_) => {
+                return Err(WorkerStepRefusal::NotAWorkersStep { index, kind });
+            }
+        };
+        if !expected.contains(provenance) {
+            return Err(WorkerStepRefusal::Provenance {
+                index,
+                kind,
+                expected: expected
+                    .iter()
+                    .map(|p| p.as_str())
+                    .collect::<Vec<_>>()
+                    .join("` or `"),
+                given: provenance.as_str(),
+            });
+        }
+        let nesting = step
+            .to_stored()
+            .map_or(usize::MAX, |payload| value_nesting(&payload));
+        if nesting > MAX_JSON_NESTING {
+            return Err(WorkerStepRefusal::TooDeep { index });
+        }
+    }
+    Ok(())
 }

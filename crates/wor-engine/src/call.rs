@@ -5,6 +5,7 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
+use serde_json::json;
 use wor_core::RunId;
 use wor_core::audit::{Actor, AuditCategory, AuditEvent};
 use wor_core::budget::BudgetUsage;
@@ -13,7 +14,7 @@ use wor_core::provenance::ContentIndex;
 use wor_core::routine::{BudgetLimits, RoutineDefinition};
 use wor_core::run::Provenance;
 use wor_core::run_loop::CallOutcome;
-use wor_core::step::{PendingCall, ToolResultStep};
+use wor_core::step::{ModelTurnStep, PendingCall, Step, ToolCallStep, ToolResultStep};
 use wor_policy::PolicyEngine;
 use wor_secrets::Redactor;
 use wor_store::{RunRecord, RunWrite, RunWritten};
@@ -122,6 +123,104 @@ pub(crate) fn run_event(run: &RunRecord, category: AuditCategory) -> AuditEvent 
     AuditEvent::new(run.project_id, category, Actor::Run { run_id: run.id })
         .subject("run_id", run.id)
         .runs(run.root_run_id, run.parent_run_id)
+}
+
+/// The audit entry a step is recorded with, derived from the step as recorded (redacted): a
+/// model turn's `model.call`, a call's decision and a call's answer. Other steps have no
+/// entry of their own. The control plane derives a remote worker's entries with it too, so
+/// the chain says the same of a step whichever process drove the run, and a step and its
+/// entry never disagree.
+pub(crate) fn step_event(
+    run: &RunRecord,
+    provenance: Provenance,
+    step: &Step,
+) -> Option<AuditEvent> {
+    match step {
+        Step::ModelTurn(turn) => Some(model_call_event(run, turn)),
+        Step::ToolCall(call) => Some(decided_event(run, call)),
+        Step::ToolResult(answer) => Some(answered_event(run, answer, provenance)),
+        Step::Input(_)
+        | Step::Memory(_)
+        | Step::ApprovalUsed(_)
+        | Step::Output(_)
+        | Step::Outcome(_) => None,
+    }
+}
+
+/// `write` with `step` (as recorded) and its audit entry ([`step_event`]) after what it has.
+pub(crate) fn with_step(
+    write: RunWrite,
+    run: &RunRecord,
+    provenance: Provenance,
+    step: Step,
+) -> RunWrite {
+    let event = step_event(run, provenance, &step);
+    let write = write.step(provenance, step);
+    match event {
+        Some(event) => write.audit(event),
+        None => write,
+    }
+}
+
+/// A model turn's `model.call` entry: who answered (provider, connection and the key's
+/// version, model), its tokens and how many calls it asked for.
+fn model_call_event(run: &RunRecord, turn: &ModelTurnStep) -> AuditEvent {
+    let identity = turn.identity.as_ref();
+    run_event(run, AuditCategory::ModelCall).payload(json!({
+        "provider": identity.map(|i| i.provider.as_str()),
+        "model": identity.map(|i| i.model_id.as_str()),
+        "connection_id": identity.and_then(|i| i.connection_id).map(|c| c.to_string()),
+        "credential_version": identity.and_then(|i| i.credential_version),
+        "input_tokens": turn.usage.input_tokens,
+        "output_tokens": turn.usage.output_tokens,
+        "tool_calls": turn.message.tool_calls.len(),
+    }))
+}
+
+/// A call's `decided` entry: the verdict, the policies that reached it, and the hashes its
+/// approval (if any) binds to.
+pub(crate) fn decided_event(run: &RunRecord, call: &ToolCallStep) -> AuditEvent {
+    run_event(run, AuditCategory::ToolCall).payload(json!({
+        "transition": "decided",
+        "tool": call.tool,
+        "call_id": call.call_id,
+        "decision": call.decision.as_str(),
+        "determining_policies": call.determining_policies,
+        "arguments_hash": call.arguments_hash,
+        "pin_hash": call.pin_hash,
+        "untrusted_sources": call.untrusted_sources,
+    }))
+}
+
+/// A call's `answered` entry: where its answer came from and whether it was an error.
+fn answered_event(run: &RunRecord, answer: &ToolResultStep, provenance: Provenance) -> AuditEvent {
+    run_event(run, AuditCategory::ToolCall).payload(json!({
+        "transition": "answered",
+        "tool": answer.tool,
+        "call_id": answer.result.tool_call_id,
+        "provenance": provenance.as_str(),
+        "is_error": answer.result.is_error,
+    }))
+}
+
+/// `step` as it is recorded: redacted with the project's secrets and the common secret shapes,
+/// U+0000 replaced (and so marked, on the steps that say so).
+pub(crate) fn as_recorded(step: Step, redactor: &Redactor) -> Result<Step, EngineError> {
+    let mut replaced = false;
+    let mut step = step
+        .rewritten(|payload| {
+            redactor.redact_json(payload);
+            replaced = wor_core::text::replace_nul_in_json(payload);
+        })
+        .map_err(|e| EngineError::InvalidState(e.to_string()))?;
+    if replaced {
+        match &mut step {
+            Step::ModelTurn(turn) => turn.nul_replaced = true,
+            Step::ToolResult(result) => result.nul_replaced = true,
+            _ => {}
+        }
+    }
+    Ok(step)
 }
 
 /// What a journal write came to, for a worker that still holds its run.

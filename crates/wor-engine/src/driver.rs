@@ -31,10 +31,11 @@ use wor_models::{
 use wor_policy::PolicyEngine;
 use wor_secrets::Redactor;
 use wor_store::{
-    API_KEY_FIELD, ConnectionStatus, MODEL_CONNECTIONS_TABLE, RunRecord, RunWritten, SecretSlot,
+    API_KEY_FIELD, ConnectionStatus, MODEL_CONNECTIONS_TABLE, RunRecord, RunWrite, RunWritten,
+    SecretSlot,
 };
 
-use crate::call::{CallScope, Stopped, run_event};
+use crate::call::{CallScope, Stopped, as_recorded, run_event, with_step};
 use crate::output::AfterTurn;
 use crate::run_tools::{RunTools, ToolsUnavailable};
 use crate::{Engine, EngineError};
@@ -191,9 +192,22 @@ impl Engine {
         ending: Ending,
         usage: Option<BudgetUsage>,
     ) -> Result<(), EngineError> {
+        self.end_run_with(run, self.journal_for(run, holder), ending, usage)
+            .await
+            .map(|_| ())
+    }
+
+    /// Ends a run with `end`, a journal write of its holder that may carry fences of its own
+    /// (a remote worker's claim): see [`Engine::end_run`]. Whether the run ended by it.
+    pub(crate) async fn end_run_with(
+        &self,
+        run: &RunRecord,
+        mut end: RunWrite,
+        ending: Ending,
+        usage: Option<BudgetUsage>,
+    ) -> Result<bool, EngineError> {
         // The end, its outcome step and its audit entry are one write: nothing after it can
         // keep the run's end off the chain.
-        let mut end = self.journal_for(run, holder);
         if let Some(usage) = usage {
             end = end.usage(usage);
         }
@@ -228,7 +242,7 @@ impl Engine {
         self.live_text.close(run.id);
         tracing::info!(category = "run", action = "run.end", project_id = %run.project_id,
             run_id = %run.id, status = ending.status.as_str(), lease_held = finished, "run ended");
-        Ok(())
+        Ok(finished)
     }
 
     async fn drive_loop(&self, run: &RunRecord) -> Result<Flow, EngineError> {
@@ -571,19 +585,15 @@ impl Engine {
                 "a recorded tool result changed kind".to_owned(),
             ));
         };
-        let answered = run_event(run, AuditCategory::ToolCall).payload(json!({
-            "transition": "answered",
-            "tool": recorded.tool,
-            "call_id": recorded.result.tool_call_id,
-            "provenance": provenance.as_str(),
-            "is_error": recorded.result.is_error,
-        }));
         let written = self
             .record(
-                self.journal(run)
-                    .step(provenance, Step::ToolResult(recorded.clone()))
-                    .audit(answered)
-                    .usage(usage),
+                with_step(
+                    self.journal(run),
+                    run,
+                    provenance,
+                    Step::ToolResult(recorded.clone()),
+                )
+                .usage(usage),
             )
             .await?;
         Ok((recorded.result, written.cancel_seen()))
@@ -624,20 +634,13 @@ impl Engine {
                 "a recorded model turn changed kind".to_owned(),
             ));
         };
-        let called = run_event(run, AuditCategory::ModelCall).payload(json!({
-            "provider": definition.model.provider.as_str(),
-            "model": definition.model.model,
-            "connection_id": connection.connection_id.map(|c| c.to_string()),
-            "credential_version": connection.credential_version,
-            "input_tokens": response.usage.input_tokens,
-            "output_tokens": response.usage.output_tokens,
-            "tool_calls": response.message.tool_calls.len(),
-        }));
-        let write = self
-            .journal(run)
-            .step(Provenance::Model, Step::ModelTurn(recorded.clone()))
-            .audit(called)
-            .usage(usage);
+        let write = with_step(
+            self.journal(run),
+            run,
+            Provenance::Model,
+            Step::ModelTurn(recorded.clone()),
+        )
+        .usage(usage);
         crate::metrics::model_called(
             definition.model.provider,
             response.usage.input_tokens,
@@ -828,24 +831,6 @@ fn credential_changed(then: Option<&ModelIdentity>, now: &ModelCredential) -> Op
 /// A step as it is recorded: the project's secrets and common secret shapes redacted, and
 /// U+0000 replaced (`wor_core::text`), which the step then says (`nul_replaced`). The run goes
 /// on with the step as recorded.
-fn as_recorded(step: Step, redactor: &Redactor) -> Result<Step, EngineError> {
-    let mut replaced = false;
-    let mut step = step
-        .rewritten(|payload| {
-            redactor.redact_json(payload);
-            replaced = wor_core::text::replace_nul_in_json(payload);
-        })
-        .map_err(|e| EngineError::InvalidState(e.to_string()))?;
-    if replaced {
-        match &mut step {
-            Step::ModelTurn(turn) => turn.nul_replaced = true,
-            Step::ToolResult(result) => result.nul_replaced = true,
-            _ => {}
-        }
-    }
-    Ok(step)
-}
-
 /// A tool call whose arguments nest deeper than [`MAX_JSON_NESTING`] ends the run, before
 /// anything records or validates them (`wor_core::json_depth`).
 fn too_deep_call(response: &ModelResponse) -> Option<Ending> {

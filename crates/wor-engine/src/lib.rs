@@ -48,7 +48,10 @@ use wor_egress::EgressClient;
 use wor_store::{AuditLog, RunWrite, Store, StoreError, Vault};
 
 pub use approvals::{Approver, ApproverRefusal, ArgumentViolation, DecisionRefusal, EditRefusal};
-pub use assignment::{LeaseRenewal, WorkerClaim};
+pub use assignment::{
+    LeaseRenewal, MAX_WORKER_STEPS_PER_WRITE, WorkerClaim, WorkerRecorded, WorkerStepRefusal,
+    WorkerSteps,
+};
 pub use email::{SMTP_PASSWORD_FIELD, SMTP_USERNAME_FIELD, SmtpSecrets};
 pub use notice::RouteError;
 pub use notifications::{

@@ -28,7 +28,7 @@ use wor_store::{
 use wor_tools::{CanonicalArguments, ResultLimits, prepare_arguments};
 
 use crate::authority::Standing;
-use crate::call::{CallScope, Recorded, Stopped, run_event};
+use crate::call::{CallScope, Recorded, Stopped, decided_event, run_event, with_step};
 use crate::run_tools::{OfferedTool, model_name};
 use crate::{Engine, EngineError};
 
@@ -150,21 +150,13 @@ impl Engine {
                 "a redacted tool call changed kind".to_owned(),
             ));
         };
-        let decided = run_event(scope.run, AuditCategory::ToolCall).payload(json!({
-            "transition": "decided",
-            "tool": offered.roster_name,
-            "call_id": call.id,
-            "decision": decision.outcome.as_str(),
-            "determining_policies": decision.determining_policies,
-            "arguments_hash": arguments.hash,
-            "pin_hash": offered.pin.hash(),
-            "untrusted_sources": scope.untrusted,
-        }));
         // The decision's audit entry is committed with the step that records the call.
-        let record = self
-            .journal(scope.run)
-            .step(Provenance::Engine, Step::ToolCall(recorded.clone()))
-            .audit(decided.clone());
+        let record = with_step(
+            self.journal(scope.run),
+            scope.run,
+            Provenance::Engine,
+            Step::ToolCall(recorded.clone()),
+        );
         match decision.outcome.then(usage, &scope.limits) {
             AfterDecision::RecordRefusal => {
                 self.record(record).await?;
@@ -197,7 +189,11 @@ impl Engine {
             }
             // 5. Budget, before the call is on record as started.
             AfterDecision::Budget(exceeded) => {
-                self.record(self.journal(scope.run).audit(decided)).await?;
+                self.record(
+                    self.journal(scope.run)
+                        .audit(decided_event(scope.run, &recorded)),
+                )
+                .await?;
                 Ok(CallOutcome::Budget(exceeded))
             }
             // The record, the reservation and the check of the run's credential are one
@@ -205,7 +201,7 @@ impl Engine {
             AfterDecision::RecordAndExecute(usage) => {
                 let reserved = record
                     .usage(usage)
-                    .presenting(scope.authority.token())
+                    .presenting(scope.authority.token().expose())
                     .unless_cancelled();
                 match self.record(reserved).await? {
                     Recorded::Committed { .. } => {}

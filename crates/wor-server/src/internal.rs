@@ -65,6 +65,8 @@ pub(crate) fn router() -> Router<AppState> {
         .route(CLAIM_PATH, post(claim))
         .route("/internal/v1/runs/{run_id}/lease", post(renew))
         .route("/internal/v1/runs/{run_id}/release", post(release))
+        .route("/internal/v1/runs/{run_id}/steps", post(record_steps))
+        .route("/internal/v1/runs/{run_id}/end", post(end))
         .layer(axum::middleware::from_fn(refuse_bearer_credentials))
 }
 
@@ -266,12 +268,7 @@ pub struct HeldRun {
 /// The signing worker and the claim credential it presents.
 async fn held_run(state: &AppState, request: Request) -> Result<(String, String), ApiError> {
     let (worker, body) = signed_with_body(state, request).await?;
-    let held: HeldRun = serde_json::from_slice(&body).map_err(|e| {
-        ApiError::bad_request(
-            "invalid_body",
-            format!("expected {{\"run_credential\": \"wrt_…\"}}: {e}"),
-        )
-    })?;
+    let held: HeldRun = signed_body(&body, "{\"run_credential\": \"wrt_…\"}")?;
     Ok((worker.id, held.run_credential))
 }
 
@@ -487,6 +484,153 @@ async fn release(
         Ok(StatusCode::NO_CONTENT)
     } else {
         Err(lease_not_held(&worker, run))
+    }
+}
+
+/// One step a worker records, in the shape a run's steps are read in.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerStep {
+    /// `input`, `model_turn`, `tool_call`, `tool_result` or `output`.
+    pub kind: String,
+    /// `model`, `engine` or `untrusted`, as a driver labels the step.
+    pub provenance: String,
+    pub payload: serde_json::Value,
+}
+
+/// What a worker records at one step of a run it holds.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StepsRequest {
+    pub run_credential: String,
+    pub steps: Vec<WorkerStep>,
+    /// The run's usage after these steps.
+    pub usage: wor_core::budget::BudgetUsage,
+}
+
+/// What a worker's write came to.
+#[derive(Debug, serde::Serialize)]
+pub struct StepsRecorded {
+    /// False only for a write that reserves a call when a cancel was requested: the worker
+    /// ends the run as cancelled instead.
+    pub recorded: bool,
+    /// A cancel of the run was requested: the worker stops before its next step.
+    pub cancel_requested: bool,
+}
+
+/// How a worker ends a run it holds.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EndRequest {
+    pub run_credential: String,
+    /// `succeeded`, `failed` or `cancelled`.
+    pub status: String,
+    pub outcome: String,
+    pub usage: wor_core::budget::BudgetUsage,
+}
+
+/// The body of a signed request, as `T`; a body of another shape is a 400 that says so.
+fn signed_body<T: serde::de::DeserializeOwned>(body: &[u8], shape: &str) -> Result<T, ApiError> {
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request("invalid_body", format!("expected {shape}: {e}")))
+}
+
+fn refused_write(refusal: wor_engine::WorkerStepRefusal) -> ApiError {
+    ApiError::bad_request("invalid_step", refusal.to_string())
+}
+
+/// Records steps of a run the signing worker holds: the control plane redacts them again and
+/// writes their audit entries itself.
+async fn record_steps(
+    State(state): State<AppState>,
+    axum::extract::Path(run): axum::extract::Path<String>,
+    request: Request,
+) -> Result<Json<StepsRecorded>, ApiError> {
+    let (worker, body) = signed_with_body(&state, request).await?;
+    let run = run_id(&run)?;
+    let request: StepsRequest = signed_body(
+        &body,
+        "{\"run_credential\", \"steps\": [{\"kind\", \"provenance\", \"payload\"}], \"usage\"}",
+    )?;
+    if request.steps.len() > wor_engine::MAX_WORKER_STEPS_PER_WRITE {
+        return Err(refused_write(wor_engine::WorkerStepRefusal::TooManySteps(
+            request.steps.len(),
+        )));
+    }
+    let steps = request
+        .steps
+        .into_iter()
+        .enumerate()
+        .map(|(index, step)| {
+            let provenance = step.provenance.parse().map_err(|_| {
+                ApiError::bad_request(
+                    "invalid_step",
+                    format!("step {index}: `{}` is not a provenance", step.provenance),
+                )
+            })?;
+            let parsed = wor_core::step::Step::from_stored(&step.kind, step.payload)
+                .map_err(|e| ApiError::bad_request("invalid_step", format!("step {index}: {e}")))?;
+            Ok((provenance, parsed))
+        })
+        .collect::<Result<Vec<_>, ApiError>>()?;
+    let write = wor_engine::WorkerSteps {
+        steps,
+        usage: request.usage,
+    };
+    let recorded = state
+        .engine
+        .record_for_worker(run, &worker.id, &request.run_credential, write)
+        .await?
+        .map_err(refused_write)?;
+    match recorded {
+        wor_engine::WorkerRecorded::Committed { cancel_requested } => Ok(Json(StepsRecorded {
+            recorded: true,
+            cancel_requested,
+        })),
+        wor_engine::WorkerRecorded::CancelRequested => Ok(Json(StepsRecorded {
+            recorded: false,
+            cancel_requested: true,
+        })),
+        wor_engine::WorkerRecorded::NotHeld => Err(lease_not_held(&worker.id, run)),
+    }
+}
+
+/// Ends a run the signing worker holds, as a local driver ends one.
+async fn end(
+    State(state): State<AppState>,
+    axum::extract::Path(run): axum::extract::Path<String>,
+    request: Request,
+) -> Result<StatusCode, ApiError> {
+    let (worker, body) = signed_with_body(&state, request).await?;
+    let run = run_id(&run)?;
+    let request: EndRequest = signed_body(
+        &body,
+        "{\"run_credential\", \"status\", \"outcome\", \"usage\"}",
+    )?;
+    let status: wor_core::run::RunStatus = request.status.parse().map_err(|_| {
+        ApiError::bad_request(
+            "invalid_status",
+            format!("`{}` is not a run status", request.status),
+        )
+    })?;
+    let ended = state
+        .engine
+        .end_for_worker(
+            run,
+            &worker.id,
+            &request.run_credential,
+            status,
+            &request.outcome,
+            request.usage,
+        )
+        .await?
+        .map_err(refused_write)?;
+    if ended {
+        tracing::info!(category = "run", action = "worker.ended", worker_id = %worker.id,
+            run_id = %run, status = status.as_str(), "a worker ended a run");
+        Ok(StatusCode::NO_CONTENT)
+    } else {
+        Err(lease_not_held(&worker.id, run))
     }
 }
 

@@ -29,9 +29,10 @@ pub struct RunWrite {
     /// The worker that must hold the run's lease; the write renews the lease for `lease_ms`.
     pub worker: String,
     pub lease_ms: i64,
-    /// The SHA-256 digest of the run's credential, when the write reserves a call: the
-    /// credential must still be live, or nothing is written.
-    credential: Option<String>,
+    /// The run's credential the write presents, when it reserves a call or comes from a
+    /// remote worker: nothing is written unless it is the credential of the worker's claim
+    /// (and, for a reservation, still live).
+    credential: Option<Presented>,
     /// A new credential for the run (its digest and expiry), replacing any earlier one.
     mint: Option<(String, i64)>,
     /// Whether nothing is written once a cancel of the run has been requested.
@@ -112,9 +113,25 @@ impl RunWrite {
     /// Writes only while `credential` is the run's live credential: the check and the
     /// reservation of a call are one statement.
     #[must_use]
-    pub fn presenting(mut self, credential: &RunToken) -> Self {
-        self.credential = Some(sha256_hex(credential.expose().as_bytes()));
+    pub fn presenting(mut self, credential: &str) -> Self {
+        self.credential = Some(Presented {
+            digest: sha256_hex(credential.as_bytes()),
+            live: true,
+        });
         self.durable = true;
+        self
+    }
+
+    /// Writes only under the claim `credential` was minted for, whether or not the run's
+    /// deadline has ended it: a remote worker's write is bound to its claim, so a stale driver
+    /// of an earlier claim by the same worker writes nothing. A write that also reserves a
+    /// call presents it live ([`RunWrite::presenting`]) instead.
+    #[must_use]
+    pub fn under_claim(mut self, credential: &str) -> Self {
+        self.credential = Some(Presented {
+            digest: sha256_hex(credential.as_bytes()),
+            live: false,
+        });
         self
     }
 
@@ -164,6 +181,13 @@ impl Store {
         tx.commit().await?;
         Ok(matches!(written, RunWritten::Committed { .. }))
     }
+}
+
+/// A credential a write presents: its SHA-256 digest, and whether it must still be live.
+#[derive(Debug, Clone)]
+struct Presented {
+    digest: String,
+    live: bool,
 }
 
 /// What became of a [`RunWrite`].
@@ -232,11 +256,15 @@ pub(crate) async fn write_run(
         sql.push_str(" AND cancel_requested = 0");
     }
     if let Some(credential) = &write.credential {
-        let credential = fence.text(credential);
+        let digest = fence.text(&credential.digest);
+        let live = if credential.live {
+            format!(" AND t.expires_at > {at}")
+        } else {
+            String::new()
+        };
         sql.push_str(&format!(
             " AND EXISTS (SELECT 1 FROM run_tokens t WHERE t.run_id = runs.id \
-             AND t.sha256 = {credential} AND t.expires_at > {at} \
-             AND t.lease_owner = runs.lease_owner)"
+             AND t.sha256 = {digest}{live} AND t.lease_owner = runs.lease_owner)"
         ));
     }
     // The run's last step number comes back with the fence, saving the writer a round trip.

@@ -7,6 +7,7 @@
 use sqlx::Row;
 use wor_core::budget::BudgetUsage;
 use wor_core::call::TriggerKind;
+use wor_core::canonical::sha256_hex;
 use wor_core::run::{Provenance, RunStatus};
 use wor_core::step::{InputStep, MemoryStep, Step};
 use wor_core::{ApiKeyId, MemberId, ProjectId, RoutineId, RunId};
@@ -323,6 +324,30 @@ impl Store {
 
     pub async fn get_run(&self, project: ProjectId, id: RunId) -> Result<RunRecord, StoreError> {
         select_run(self.pool(), project, id).await
+    }
+
+    /// The run `worker` holds under the claim `credential` was minted for, deadline passed or
+    /// not, while that worker is active; `None` otherwise, alike whether the run exists, is
+    /// another worker's, was claimed again, parked or ended.
+    pub async fn claimed_run(
+        &self,
+        worker: &str,
+        id: RunId,
+        credential: &str,
+    ) -> Result<Option<RunRecord>, StoreError> {
+        let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {COLUMNS} FROM runs WHERE id = $1 AND lease_owner = $2 AND status = 'running' \
+             AND EXISTS (SELECT 1 FROM run_tokens t WHERE t.run_id = runs.id \
+             AND t.lease_owner = runs.lease_owner AND t.sha256 = $3) \
+             AND EXISTS (SELECT 1 FROM workers w WHERE w.id = runs.lease_owner \
+             AND w.status = 'active')"
+        )))
+        .bind(id.to_string())
+        .bind(worker)
+        .bind(sha256_hex(credential.as_bytes()))
+        .fetch_optional(self.pool())
+        .await?;
+        row.as_ref().map(run_from_row).transpose()
     }
 
     pub async fn list_runs(

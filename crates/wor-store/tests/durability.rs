@@ -152,7 +152,7 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
                 log.record(
                     write()
                         .step(Provenance::Engine, turn())
-                        .presenting(&token),
+                        .presenting(token.expose()),
                 )
                 .await
                 .unwrap(),
@@ -180,7 +180,7 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
                 log.record(
                     write()
                         .step(Provenance::Engine, turn())
-                        .presenting(&token)
+                        .presenting(token.expose())
                         .unless_cancelled(),
                 )
                 .await
