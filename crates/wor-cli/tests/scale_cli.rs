@@ -644,9 +644,14 @@ impl Project<'_> {
     /// Routine `name` on model `m` of connection `main`, with `tools` on its roster in mode
     /// `auto`.
     fn routine(&self, name: &str, tools: &[&str]) {
+        self.routine_in_mode(name, tools, "auto");
+    }
+
+    /// Routine `name` on model `m` of connection `main`, with `tools` on its roster in `mode`.
+    fn routine_in_mode(&self, name: &str, tools: &[&str], mode: &str) {
         let roster: String = tools
             .iter()
-            .map(|t| format!("[[tools]]\ntool = \"{t}\"\nmode = \"auto\"\n"))
+            .map(|t| format!("[[tools]]\ntool = \"{t}\"\nmode = \"{mode}\"\n"))
             .collect();
         let file = self.dir.join(format!("{name}.toml"));
         std::fs::write(
@@ -1237,6 +1242,110 @@ fn a_worker_records_its_runs_steps_and_end_through_the_control_plane_which_write
         text(&out.stdout),
         text(&out.stderr)
     );
+    api.stop();
+}
+
+#[test]
+fn a_worker_parks_its_run_on_a_held_call_and_the_control_plane_files_the_approval() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = database_args(dir.path());
+    let key = create_project(&db);
+    let api = start_role(&db, "api");
+    let project = Project {
+        api: &api,
+        key: key.clone(),
+        dir: dir.path(),
+    };
+    project.model_connection(WORKER_MODEL_KEY);
+    project.http_connection("desk", WORKER_TOOL_TOKEN, true);
+    project.routine_in_mode("desk", &["desk/lookup"], "confirm");
+    let run_id = project.start("desk");
+    let mut a = enrolled_worker(&api, &db, &dir.path().join("worker-a"));
+    let b = enrolled_worker(&api, &db, &dir.path().join("worker-b"));
+    let (_, credential) = a.claim(&api);
+    let steps = format!("/internal/v1/runs/{run_id}/steps");
+    let park = format!("/internal/v1/runs/{run_id}/park");
+    let parking =
+        |call_id: &str| serde_json::json!({ "run_credential": credential, "call_id": call_id });
+
+    // The worker's decision held the call: the turn and the decision are recorded first.
+    let turn = model_turn(
+        "let me look",
+        &[
+            (
+                "call_1",
+                "desk__lookup",
+                serde_json::json!({ "q": "status" }),
+            ),
+            (
+                "call_2",
+                "desk__lookup",
+                serde_json::json!({ "q": "later" }),
+            ),
+        ],
+    );
+    let answer = a.post_json(
+        &api,
+        &steps,
+        &steps_body(
+            &credential,
+            &[
+                ("model_turn", "model", turn),
+                ("tool_call", "engine", tool_call("call_1", "confirm")),
+            ],
+            &usage(1, 0),
+        ),
+    );
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    // A call it did not record as held (one not decided yet, one the model never asked for)
+    // is no reason to park; another worker parks nothing.
+    for call_id in ["call_2", "call_9"] {
+        let refused = a.post_json(&api, &park, &parking(call_id));
+        assert!(refused.starts_with("HTTP/1.1 400"), "{refused}");
+        assert!(refused.contains("no_held_call"), "{refused}");
+    }
+    let refused = b.post_json(&api, &park, &parking("call_1"));
+    assert!(refused.contains("lease_not_held"), "{refused}");
+
+    let answer = a.post_json(&api, &park, &parking("call_1"));
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let approval_id = body_json(&answer)["approval_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    // The approval is the call as the run recorded it, and the run waits for it holding no
+    // worker: the claim has ended.
+    let shown = project.client(&["approvals", "show", &approval_id, "--json"], &[]);
+    let approval: Value = serde_json::from_slice(&shown.stdout).unwrap();
+    assert_eq!(approval["status"], "pending", "{approval}");
+    assert_eq!(approval["tool"], "desk/lookup", "{approval}");
+    assert_eq!(approval["call_id"], "call_1", "{approval}");
+    assert_eq!(approval["run_id"], run_id.as_str(), "{approval}");
+    let run_shown = project.client(&["run", "get", &run_id, "--json"], &[]);
+    let run_shown: Value = serde_json::from_slice(&run_shown.stdout).unwrap();
+    assert_eq!(run_shown["status"], "waiting_for_approval", "{run_shown}");
+    for (path, body) in [
+        (&park, parking("call_1")),
+        (
+            &steps,
+            steps_body(
+                &credential,
+                &[("model_turn", "model", model_turn("still here", &[]))],
+                &usage(2, 0),
+            ),
+        ),
+    ] {
+        let refused = a.post_json(&api, path, &body);
+        assert!(refused.contains("lease_not_held"), "{refused}");
+    }
+    let log = text(&project.client(&["audit", "export"], &[]).stdout);
+    let requested: Vec<Value> = log
+        .lines()
+        .map(|line| serde_json::from_str::<Value>(line).unwrap())
+        .filter(|entry| entry["category"] == "approval.request")
+        .collect();
+    assert_eq!(requested.len(), 1, "{log}");
+    assert_eq!(requested[0]["payload"]["call_id"], "call_1", "{log}");
     api.stop();
 }
 

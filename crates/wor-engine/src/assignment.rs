@@ -13,7 +13,6 @@ use std::time::Duration;
 
 use secrecy::SecretString;
 use serde_json::json;
-use wor_core::RunId;
 use wor_core::audit::AuditCategory;
 use wor_core::budget::BudgetUsage;
 use wor_core::call::Verdict;
@@ -23,15 +22,17 @@ use wor_core::routine::RoutineDefinition;
 use wor_core::routine::{ROUTINE_CONNECTION, ToolMode};
 use wor_core::run::{Provenance, RunStatus};
 use wor_core::run_loop::Ending;
-use wor_core::step::{InputSource, Step};
+use wor_core::step::{InputSource, Step, pending_calls};
+use wor_core::{ApprovalId, RunId};
 use wor_secrets::{RunSecrets, ToolCredential};
 use wor_store::{
-    API_KEY_FIELD, ConnectionStatus, MODEL_CONNECTIONS_TABLE, ModelConnectionRecord,
+    API_KEY_FIELD, ApprovalKind, ConnectionStatus, MODEL_CONNECTIONS_TABLE, ModelConnectionRecord,
     RoutineVersionRecord, RunRecord, RunStep, RunWritten, SecretSlot, StoreError,
     ToolConnectionKind, ToolConnectionRecord,
 };
 
 use crate::call::{as_recorded, run_event, with_step};
+use crate::pipeline::{ApprovalRequest, why_recorded};
 use crate::tool_connections::ConnectionError;
 use crate::{Engine, EngineError};
 
@@ -102,6 +103,8 @@ pub enum WorkerStepRefusal {
     NotAnEnd(&'static str),
     #[error("a run's usage never goes down: `{0}` is below what is recorded")]
     UsageDecreased(&'static str),
+    #[error("no call `{0}` is recorded as held for a person and still unanswered")]
+    NoHeldCall(String),
 }
 
 /// Whether `after` is no less than `before` in every measure; the first that is less if not.
@@ -497,6 +500,46 @@ impl Engine {
         let ending = Ending::new(status, outcome);
         Ok(Ok(self
             .end_run_with(&run, end, ending, Some(usage))
+            .await?))
+    }
+
+    /// Parks a run remote worker `worker` holds under the claim whose `credential` it presents,
+    /// for a person's decision on call `call_id`: a call of its last model turn that it
+    /// recorded as held (`confirm`) and that has no answer. The approval is filed from that
+    /// recorded step — the call, its arguments and why it was held, as a local driver files it
+    /// — and announced by this process (its audit entry, run webhook and notifications). The
+    /// approval's id; `None` when the worker does not hold the run under that claim.
+    ///
+    /// # Errors
+    /// A store error; a decided approval for that call.
+    pub async fn park_for_worker(
+        &self,
+        run: RunId,
+        worker: &str,
+        credential: &str,
+        call_id: &str,
+    ) -> Result<Result<Option<ApprovalId>, WorkerStepRefusal>, EngineError> {
+        let Some(run) = self.store.claimed_run(worker, run, credential).await? else {
+            return Ok(Ok(None));
+        };
+        let steps = self.store.list_run_steps(run.project_id, run.id, 0).await?;
+        let held = pending_calls(steps.iter().map(|s| &s.step))
+            .into_iter()
+            .filter(|pending| pending.call.id == call_id && !pending.started_with_approval)
+            .find_map(|pending| pending.recorded)
+            .filter(|recorded| recorded.decision == Verdict::Confirm);
+        let Some(held) = held else {
+            return Ok(Err(WorkerStepRefusal::NoHeldCall(
+                call_id.chars().take(80).collect(),
+            )));
+        };
+        let request = ApprovalRequest {
+            kind: ApprovalKind::Policy,
+            call: &held,
+            why: why_recorded(&held),
+        };
+        Ok(Ok(self
+            .park_run(&run, worker, Some(credential), request)
             .await?))
     }
 

@@ -11,6 +11,7 @@
 use std::collections::BTreeSet;
 
 use serde_json::{Value, json};
+use wor_core::ApprovalId;
 use wor_core::audit::AuditCategory;
 use wor_core::budget::{BudgetExceeded, BudgetLimit, BudgetUsage};
 use wor_core::provenance::{ArgumentLabels, ContentIndex};
@@ -34,10 +35,10 @@ use crate::{Engine, EngineError};
 
 /// A call that waits for a person, described for its approval request: the call as its
 /// decision recorded it, the kind of approval, and why it is asked.
-struct ApprovalRequest<'a> {
-    kind: ApprovalKind,
-    call: &'a ToolCallStep,
-    why: Value,
+pub(crate) struct ApprovalRequest<'a> {
+    pub kind: ApprovalKind,
+    pub call: &'a ToolCallStep,
+    pub why: Value,
 }
 
 impl Engine {
@@ -240,7 +241,26 @@ impl Engine {
         scope: &CallScope<'_>,
         request: ApprovalRequest<'_>,
     ) -> Result<CallOutcome, EngineError> {
-        let run = scope.run;
+        match self
+            .park_run(scope.run, &self.config.worker_id, None, request)
+            .await?
+        {
+            Some(_) => Ok(CallOutcome::Parked),
+            None => Err(EngineError::LeaseLost),
+        }
+    }
+
+    /// Files an approval request and parks `run`, which `holder` holds (under the claim whose
+    /// credential is `claim`, for a remote worker), then announces the request: its audit
+    /// entry, run webhook and notifications. The approval's id; `None` when `holder` does not
+    /// hold the run (nothing changed).
+    pub(crate) async fn park_run(
+        &self,
+        run: &RunRecord,
+        holder: &str,
+        claim: Option<&str>,
+        request: ApprovalRequest<'_>,
+    ) -> Result<Option<ApprovalId>, EngineError> {
         let call = request.call;
         // Read before anything is written: the routes that want this approval are chosen by
         // them.
@@ -265,12 +285,20 @@ impl Engine {
             why: request.why,
             expires_at: wor_store::now_millis().saturating_add(ttl),
         };
-        let Some((id, created)) = self
-            .store
-            .park_for_approval(run.project_id, &self.config.worker_id, &approval)
-            .await?
-        else {
-            return Err(EngineError::LeaseLost);
+        let parked = match claim {
+            None => {
+                self.store
+                    .park_for_approval(run.project_id, holder, &approval)
+                    .await?
+            }
+            Some(credential) => {
+                self.store
+                    .park_for_approval_under_claim(run.project_id, holder, credential, &approval)
+                    .await?
+            }
+        };
+        let Some((id, created)) = parked else {
+            return Ok(None);
         };
         if created {
             self.audit
@@ -311,7 +339,7 @@ impl Engine {
         }
         tracing::info!(category = "approval", action = "approval.request", project_id = %run.project_id,
             run_id = %run.id, approval_id = %id, "run parked for approval");
-        Ok(CallOutcome::Parked)
+        Ok(Some(id))
     }
 
     /// Picks a call up where the run's steps left it.
@@ -998,7 +1026,7 @@ fn why_json(
 }
 
 /// Why a call recorded as held needs a person, from what its decision recorded.
-fn why_recorded(recorded: &ToolCallStep) -> Value {
+pub(crate) fn why_recorded(recorded: &ToolCallStep) -> Value {
     json!({
         "determining_policies": recorded.determining_policies,
         "reasons": recorded.reasons,

@@ -67,6 +67,7 @@ pub(crate) fn router() -> Router<AppState> {
         .route("/internal/v1/runs/{run_id}/release", post(release))
         .route("/internal/v1/runs/{run_id}/steps", post(record_steps))
         .route("/internal/v1/runs/{run_id}/end", post(end))
+        .route("/internal/v1/runs/{run_id}/park", post(park))
         .layer(axum::middleware::from_fn(refuse_bearer_credentials))
 }
 
@@ -536,7 +537,11 @@ fn signed_body<T: serde::de::DeserializeOwned>(body: &[u8], shape: &str) -> Resu
 }
 
 fn refused_write(refusal: wor_engine::WorkerStepRefusal) -> ApiError {
-    ApiError::bad_request("invalid_step", refusal.to_string())
+    let code = match refusal {
+        wor_engine::WorkerStepRefusal::NoHeldCall(_) => "no_held_call",
+        _ => "invalid_step",
+    };
+    ApiError::bad_request(code, refusal.to_string())
 }
 
 /// Records steps of a run the signing worker holds: the control plane redacts them again and
@@ -631,6 +636,47 @@ async fn end(
         Ok(StatusCode::NO_CONTENT)
     } else {
         Err(lease_not_held(&worker.id, run))
+    }
+}
+
+/// How a worker parks a run it holds for a person's decision on a call it recorded as held.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ParkRequest {
+    pub run_credential: String,
+    pub call_id: String,
+}
+
+/// The approval a parked run waits for.
+#[derive(Debug, serde::Serialize)]
+pub struct Parked {
+    pub approval_id: String,
+}
+
+/// Parks a run the signing worker holds: the control plane files the approval from the call
+/// as the run recorded it, and announces it.
+async fn park(
+    State(state): State<AppState>,
+    axum::extract::Path(run): axum::extract::Path<String>,
+    request: Request,
+) -> Result<Json<Parked>, ApiError> {
+    let (worker, body) = signed_with_body(&state, request).await?;
+    let run = run_id(&run)?;
+    let request: ParkRequest = signed_body(&body, "{\"run_credential\", \"call_id\"}")?;
+    let parked = state
+        .engine
+        .park_for_worker(run, &worker.id, &request.run_credential, &request.call_id)
+        .await?
+        .map_err(refused_write)?;
+    match parked {
+        Some(approval) => {
+            tracing::info!(category = "run", action = "worker.parked", worker_id = %worker.id,
+                run_id = %run, approval_id = %approval, "a worker parked a run for approval");
+            Ok(Json(Parked {
+                approval_id: approval.to_string(),
+            }))
+        }
+        None => Err(lease_not_held(&worker.id, run)),
     }
 }
 

@@ -254,9 +254,32 @@ impl Store {
         worker: &str,
         approval: &NewApproval,
     ) -> Result<Option<(ApprovalId, bool)>, StoreError> {
+        self.park_filing(project, worker, None, approval).await
+    }
+
+    /// [`Store::park_for_approval`] for remote worker `worker`, only under the claim whose
+    /// `credential` it presents (a stale driver of an earlier claim parks nothing).
+    pub async fn park_for_approval_under_claim(
+        &self,
+        project: ProjectId,
+        worker: &str,
+        credential: &str,
+        approval: &NewApproval,
+    ) -> Result<Option<(ApprovalId, bool)>, StoreError> {
+        self.park_filing(project, worker, Some(credential), approval)
+            .await
+    }
+
+    async fn park_filing(
+        &self,
+        project: ProjectId,
+        worker: &str,
+        claim: Option<&str>,
+        approval: &NewApproval,
+    ) -> Result<Option<(ApprovalId, bool)>, StoreError> {
         let now = now_millis();
         let mut tx = self.begin_write().await?;
-        if !crate::runs::park(&mut tx, project, approval.run_id, worker).await? {
+        if !crate::runs::park(&mut tx, project, approval.run_id, worker, claim).await? {
             tx.rollback().await?;
             return Ok(None);
         }

@@ -803,7 +803,7 @@ impl Store {
         worker: &str,
     ) -> Result<bool, StoreError> {
         let mut tx = self.begin_write().await?;
-        let parked = park(&mut tx, project, id, worker).await?;
+        let parked = park(&mut tx, project, id, worker, None).await?;
         tx.commit().await?;
         Ok(parked)
     }
@@ -1227,18 +1227,29 @@ pub(crate) async fn park(
     project: ProjectId,
     id: RunId,
     worker: &str,
+    claim: Option<&str>,
 ) -> Result<bool, StoreError> {
     let now = now_millis();
-    let done = sqlx::query(
+    // A remote worker parks only under the claim whose credential it presents.
+    let under_claim = if claim.is_some() {
+        " AND EXISTS (SELECT 1 FROM run_tokens t WHERE t.run_id = runs.id \
+         AND t.lease_owner = runs.lease_owner AND t.sha256 = $5)"
+    } else {
+        ""
+    };
+    let mut query = sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE runs SET status = 'waiting_for_approval', lease_owner = NULL, lease_expires_at = NULL, \
-         updated_at = $1, parked_at = $1 WHERE project_id = $2 AND id = $3 AND lease_owner = $4 AND status = 'running'",
-    )
+         updated_at = $1, parked_at = $1 WHERE project_id = $2 AND id = $3 AND lease_owner = $4 \
+         AND status = 'running'{under_claim}"
+    )))
     .bind(now)
     .bind(project.to_string())
     .bind(id.to_string())
-    .bind(worker)
-    .execute(&mut *connection)
-    .await?;
+    .bind(worker);
+    if let Some(credential) = claim {
+        query = query.bind(sha256_hex(credential.as_bytes()));
+    }
+    let done = query.execute(&mut *connection).await?;
     if done.rows_affected() != 1 {
         return Ok(false);
     }
