@@ -1246,7 +1246,7 @@ fn a_worker_records_its_runs_steps_and_end_through_the_control_plane_which_write
 }
 
 #[test]
-fn a_worker_parks_its_run_on_a_held_call_and_the_control_plane_files_the_approval() {
+fn a_worker_parks_on_a_held_call_and_starts_it_only_with_the_approval_a_person_gave() {
     let dir = tempfile::tempdir().unwrap();
     let db = database_args(dir.path());
     let key = create_project(&db);
@@ -1346,6 +1346,79 @@ fn a_worker_parks_its_run_on_a_held_call_and_the_control_plane_files_the_approva
         .collect();
     assert_eq!(requested.len(), 1, "{log}");
     assert_eq!(requested[0]["payload"]["call_id"], "call_1", "{log}");
+
+    // A person approves; the run is queued again and the next claim carries the approval.
+    let approver = project.client(&["member", "create", "pat", "--role", "approver"], &[]);
+    let approver = Project {
+        api: &api,
+        key: text(&approver.stdout).trim().to_owned(),
+        dir: dir.path(),
+    };
+    approver.client(
+        &["approvals", "approve", &approval_id, "--reason", "expected"],
+        &[],
+    );
+    let (claimed, credential) = a.claim(&api);
+    assert_eq!(claimed["run"]["id"], run_id.as_str());
+    assert_eq!(
+        claimed["approvals"][0]["id"],
+        approval_id.as_str(),
+        "{claimed}"
+    );
+    assert_eq!(claimed["approvals"][0]["status"], "approved", "{claimed}");
+    let using = format!("/internal/v1/runs/{run_id}/approvals/{approval_id}/use");
+    let bound = |arguments_hash: String| {
+        serde_json::json!({ "run_credential": credential, "pin_hash": "b".repeat(64),
+            "arguments_hash": arguments_hash, "usage": usage(1, 1) })
+    };
+    // Another worker uses nothing; a call the approval does not bind to (other arguments)
+    // does not start, and the approval stays unused for the call it does bind to, which
+    // starts once.
+    let refused = b.post_json(&api, &using, &bound("a".repeat(64)));
+    assert!(refused.contains("lease_not_held"), "{refused}");
+    let mut started = Vec::new();
+    for arguments_hash in ["c".repeat(64), "a".repeat(64), "a".repeat(64)] {
+        let answer = a.post_json(&api, &using, &bound(arguments_hash));
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        started.push(body_json(&answer)["started"].as_bool().unwrap());
+    }
+    assert_eq!(started, [false, true, false]);
+    let unknown = a.post_json(
+        &api,
+        &format!("/internal/v1/runs/{run_id}/approvals/apr_0190a1b2c3d47e8f9a0b1c2d3e4f5a6b/use"),
+        &bound("a".repeat(64)),
+    );
+    assert!(unknown.contains("no_such_approval"), "{unknown}");
+    let shown = project.client(&["run", "get", &run_id, "--json"], &[]);
+    let shown: Value = serde_json::from_slice(&shown.stdout).unwrap();
+    let kinds: Vec<&str> = shown["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["kind"].as_str().unwrap())
+        .collect();
+    assert_eq!(kinds, ["input", "model_turn", "tool_call", "approval_used"]);
+    assert_eq!(shown["usage"]["tool_calls"], 1, "{shown}");
+    let log = text(&project.client(&["audit", "export"], &[]).stdout);
+    let transitions: Vec<String> = log
+        .lines()
+        .map(|line| serde_json::from_str::<Value>(line).unwrap())
+        .filter(|entry| {
+            entry["category"] == "approval.use"
+                || entry["payload"]["transition"] == "approval_mismatch"
+        })
+        .map(|entry| {
+            entry["payload"]["transition"]
+                .as_str()
+                .unwrap_or("used")
+                .to_owned()
+        })
+        .collect();
+    assert_eq!(
+        transitions,
+        ["approval_mismatch", "used", "approval_mismatch"],
+        "{log}"
+    );
     api.stop();
 }
 

@@ -26,9 +26,9 @@ use wor_core::step::{InputSource, Step, pending_calls};
 use wor_core::{ApprovalId, RunId};
 use wor_secrets::{RunSecrets, ToolCredential};
 use wor_store::{
-    API_KEY_FIELD, ApprovalKind, ConnectionStatus, MODEL_CONNECTIONS_TABLE, ModelConnectionRecord,
-    RoutineVersionRecord, RunRecord, RunStep, RunWritten, SecretSlot, StoreError,
-    ToolConnectionKind, ToolConnectionRecord,
+    API_KEY_FIELD, ApprovalFilter, ApprovalKind, ApprovalRecord, ApprovedStart, ConnectionStatus,
+    MODEL_CONNECTIONS_TABLE, ModelConnectionRecord, RoutineVersionRecord, RunRecord, RunStep,
+    RunWritten, SecretSlot, StoreError, ToolConnectionKind, ToolConnectionRecord,
 };
 
 use crate::call::{as_recorded, run_event, with_step};
@@ -53,6 +53,8 @@ pub struct WorkerClaim {
     pub model_connection: Option<ModelConnectionRecord>,
     /// The tool connections the roster names (not `deny` entries), as stored.
     pub tool_connections: Vec<ToolConnectionRecord>,
+    /// The run's approvals, oldest first: what a resumed run's held calls were decided.
+    pub approvals: Vec<ApprovalRecord>,
     /// The run's secrets, for the worker's envelope alone.
     pub secrets: RunSecrets,
     /// When the run's credential expires: its deadline (Unix milliseconds).
@@ -105,6 +107,8 @@ pub enum WorkerStepRefusal {
     UsageDecreased(&'static str),
     #[error("no call `{0}` is recorded as held for a person and still unanswered")]
     NoHeldCall(String),
+    #[error("the run has no approval `{0}`")]
+    NoSuchApproval(String),
 }
 
 /// Whether `after` is no less than `before` in every measure; the first that is less if not.
@@ -140,6 +144,15 @@ pub enum WorkerRecorded {
     /// The worker does not hold the run under the claim it presented (or, for a write that
     /// reserves a call, the run's deadline has passed): nothing was written.
     NotHeld,
+}
+
+/// A call as a remote worker is about to run it with an approval: what the approval must
+/// bind to, and the run's usage with the call reserved.
+#[derive(Debug, Clone)]
+pub struct BoundCall {
+    pub pin_hash: String,
+    pub arguments_hash: String,
+    pub usage: BudgetUsage,
 }
 
 /// Where a remote worker's lease of a run stands after a renewal.
@@ -232,6 +245,19 @@ impl Engine {
             .await?
             .map(|p| p.text);
         let steps = self.store.list_run_steps(run.project_id, run.id, 0).await?;
+        let mut approvals = self
+            .store
+            .list_approvals(
+                run.project_id,
+                &ApprovalFilter {
+                    status: None,
+                    run_id: Some(run.id),
+                    before: None,
+                    limit: u32::MAX,
+                },
+            )
+            .await?;
+        approvals.reverse();
         let model_connection = match &definition.model.connection {
             Some(name) if definition.model.provider != ProviderKind::Replay => self
                 .store
@@ -294,6 +320,7 @@ impl Engine {
             steps,
             model_connection,
             tool_connections,
+            approvals,
             credential_expires_at,
             lease_expires_at,
             version,
@@ -541,6 +568,61 @@ impl Engine {
         Ok(Ok(self
             .park_run(&run, worker, Some(credential), request)
             .await?))
+    }
+
+    /// Uses approval `approval` of a run remote worker `worker` holds under the claim whose
+    /// `credential` it presents, to start the call it approved as the worker is about to run
+    /// it — the tool definition `pin_hash` and the arguments `arguments_hash` (the approver's
+    /// edit, if any, applied) — with the run's usage after its reservation. As for a local
+    /// run: only an approved, unused approval whose binding is that call's is used, in one
+    /// transaction with the call recorded as started, and the chain says which it was
+    /// (`approval.use` or `approval_mismatch`). `None` when the worker does not hold the run
+    /// under that claim.
+    ///
+    /// # Errors
+    /// A store error.
+    pub async fn use_approval_for_worker(
+        &self,
+        run: RunId,
+        worker: &str,
+        credential: &str,
+        approval: ApprovalId,
+        call: &BoundCall,
+    ) -> Result<Result<Option<bool>, WorkerStepRefusal>, EngineError> {
+        let Some(run) = self.store.claimed_run(worker, run, credential).await? else {
+            return Ok(Ok(None));
+        };
+        if let Err(refusal) = usage_not_lowered(&run.usage, &call.usage) {
+            return Ok(Err(refusal));
+        }
+        let approval = match self.store.get_approval(run.project_id, approval).await {
+            Ok(record) if record.run_id == run.id => record,
+            Ok(_) | Err(StoreError::NotFound) => {
+                return Ok(Err(WorkerStepRefusal::NoSuchApproval(approval.to_string())));
+            }
+            Err(other) => return Err(other.into()),
+        };
+        let binding = wor_core::approval::binding_hash(
+            run.id,
+            &approval.call_id,
+            &call.pin_hash,
+            &call.arguments_hash,
+        );
+        let started = self
+            .start_approved(
+                &run,
+                worker,
+                Some(credential),
+                &approval,
+                &binding,
+                &call.usage,
+            )
+            .await?;
+        Ok(Ok(match started {
+            ApprovedStart::Started => Some(true),
+            ApprovedStart::NotUsable => Some(false),
+            ApprovedStart::RunNotHeld => None,
+        }))
     }
 
     /// Gives back a run remote worker `worker` holds under the claim whose `credential` it

@@ -342,6 +342,64 @@ impl Engine {
         Ok(Some(id))
     }
 
+    /// Uses `approval` to start its call in `run`, which `holder` holds (under the claim whose
+    /// credential is `claim`, for a remote worker), when `binding` — the call as it is about to
+    /// run — is what the approval binds to: the approval used, the call recorded as started
+    /// and the run's `usage` saved in one transaction (a crash leaves both or neither, never a
+    /// spent approval whose call did not start), then its `approval.use` entry; an approval
+    /// that is not usable for it is an `approval_mismatch` entry instead.
+    pub(crate) async fn start_approved(
+        &self,
+        run: &RunRecord,
+        holder: &str,
+        claim: Option<&str>,
+        approval: &ApprovalRecord,
+        binding: &str,
+        usage: &BudgetUsage,
+    ) -> Result<ApprovedStart, EngineError> {
+        let started = if binding == approval.binding_hash {
+            let step = Step::ApprovalUsed(ApprovalUsedStep {
+                call_id: approval.call_id.clone(),
+                approval_id: approval.id,
+                tool: approval.tool.clone(),
+            });
+            self.store
+                .start_approved_call(
+                    run.project_id,
+                    run.id,
+                    holder,
+                    &ApprovedCall {
+                        approval: approval.id,
+                        binding_hash: binding,
+                        step: &step,
+                        usage,
+                        claim,
+                    },
+                )
+                .await?
+        } else {
+            ApprovedStart::NotUsable
+        };
+        let event = match started {
+            ApprovedStart::Started => run_event(run, AuditCategory::ApprovalUse)
+                .subject("approval_id", approval.id)
+                .payload(json!({
+                    "tool": approval.tool,
+                    "call_id": approval.call_id,
+                    "binding_hash": binding,
+                })),
+            ApprovedStart::NotUsable => run_event(run, AuditCategory::ToolCall).payload(json!({
+                "transition": "approval_mismatch",
+                "tool": approval.tool,
+                "call_id": approval.call_id,
+                "approval_id": approval.id.to_string(),
+            })),
+            ApprovedStart::RunNotHeld => return Ok(started),
+        };
+        self.audit.append(event).await?;
+        Ok(started)
+    }
+
     /// Picks a call up where the run's steps left it.
     async fn resume_call(
         &self,
@@ -667,57 +725,22 @@ impl Engine {
             Ok(reserved) => reserved,
             Err(exceeded) => return Ok(CallOutcome::Budget(exceeded)),
         };
-        // The approval is used and the call recorded as started in one transaction: a crash
-        // can leave both or neither, never a spent approval whose call did not start.
-        let started = if binding == approval.binding_hash {
-            let step = Step::ApprovalUsed(ApprovalUsedStep {
-                call_id: call.id.clone(),
-                approval_id: approval.id,
-                tool: approval.tool.clone(),
-            });
-            self.store
-                .start_approved_call(
-                    scope.run.project_id,
-                    scope.run.id,
-                    &self.config.worker_id,
-                    &ApprovedCall {
-                        approval: approval.id,
-                        binding_hash: &binding,
-                        step: &step,
-                        usage: &reserved,
-                    },
-                )
-                .await?
-        } else {
-            ApprovedStart::NotUsable
-        };
+        let started = self
+            .start_approved(
+                scope.run,
+                &self.config.worker_id,
+                None,
+                approval,
+                &binding,
+                &reserved,
+            )
+            .await?;
         match started {
             ApprovedStart::Started => {}
             ApprovedStart::RunNotHeld => return Err(EngineError::LeaseLost),
-            ApprovedStart::NotUsable => {
-                self.audit
-                    .append(
-                        run_event(scope.run, AuditCategory::ToolCall).payload(json!({
-                            "transition": "approval_mismatch",
-                            "tool": approval.tool,
-                            "call_id": call.id,
-                            "approval_id": approval.id.to_string(),
-                        })),
-                    )
-                    .await?;
-                return Ok(mismatch(scope, usage));
-            }
+            ApprovedStart::NotUsable => return Ok(mismatch(scope, usage)),
         }
         let usage = reserved;
-        self.audit
-            .append(
-                run_event(scope.run, AuditCategory::ApprovalUse)
-                    .subject("approval_id", approval.id)
-                    .payload(
-                        json!({ "tool": approval.tool, "call_id": call.id, "binding_hash": binding }),
-                    ),
-            )
-            .await?;
         let edited = replaced.as_ref().map(|_| {
             // What the model may see of the call it ran: never the pinned values.
             let shown: serde_json::Map<String, Value> = arguments

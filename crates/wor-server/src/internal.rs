@@ -68,6 +68,10 @@ pub(crate) fn router() -> Router<AppState> {
         .route("/internal/v1/runs/{run_id}/steps", post(record_steps))
         .route("/internal/v1/runs/{run_id}/end", post(end))
         .route("/internal/v1/runs/{run_id}/park", post(park))
+        .route(
+            "/internal/v1/runs/{run_id}/approvals/{approval_id}/use",
+            post(use_approval),
+        )
         .layer(axum::middleware::from_fn(refuse_bearer_credentials))
 }
 
@@ -302,6 +306,8 @@ pub struct ClaimedRun {
     pub model_connection: Option<wor_store::ModelConnectionRecord>,
     /// The roster's tool connections with their pins (no secrets).
     pub tool_connections: Vec<wor_store::ToolConnectionRecord>,
+    /// The run's approvals, oldest first, as `GET /v1/approvals/{id}` shows them.
+    pub approvals: Vec<crate::routes::approvals::ApprovalView>,
     /// The run's deadline: its credential expires then (Unix milliseconds).
     pub credential_expires_at: i64,
     /// When the lease runs out unless renewed (Unix milliseconds).
@@ -422,6 +428,7 @@ async fn claim(State(state): State<AppState>, request: Request) -> Result<Respon
         steps,
         model_connection: claimed.model_connection,
         tool_connections: claimed.tool_connections,
+        approvals: claimed.approvals.into_iter().map(Into::into).collect(),
         credential_expires_at: claimed.credential_expires_at,
         lease_expires_at: claimed.lease_expires_at,
         envelope: sealed.to_base64(),
@@ -539,6 +546,7 @@ fn signed_body<T: serde::de::DeserializeOwned>(body: &[u8], shape: &str) -> Resu
 fn refused_write(refusal: wor_engine::WorkerStepRefusal) -> ApiError {
     let code = match refusal {
         wor_engine::WorkerStepRefusal::NoHeldCall(_) => "no_held_call",
+        wor_engine::WorkerStepRefusal::NoSuchApproval(_) => "no_such_approval",
         _ => "invalid_step",
     };
     ApiError::bad_request(code, refusal.to_string())
@@ -676,6 +684,58 @@ async fn park(
                 approval_id: approval.to_string(),
             }))
         }
+        None => Err(lease_not_held(&worker.id, run)),
+    }
+}
+
+/// How a worker starts a call with the approval a person gave it.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UseApprovalRequest {
+    pub run_credential: String,
+    /// The hash of the tool definition the call runs against.
+    pub pin_hash: String,
+    /// The hash of the arguments it runs with (an approver's edit applied).
+    pub arguments_hash: String,
+    /// The run's usage with the call reserved.
+    pub usage: wor_core::budget::BudgetUsage,
+}
+
+/// Whether the approval started its call.
+#[derive(Debug, serde::Serialize)]
+pub struct ApprovalUsed {
+    /// True: the call is recorded as started and runs now. False: the approval is not usable
+    /// for this call (not approved, used already, or bound to another call); it does not run.
+    pub started: bool,
+}
+
+/// Uses an approval of a run the signing worker holds to start the call it approved.
+async fn use_approval(
+    State(state): State<AppState>,
+    axum::extract::Path((run, approval)): axum::extract::Path<(String, String)>,
+    request: Request,
+) -> Result<Json<ApprovalUsed>, ApiError> {
+    let (worker, body) = signed_with_body(&state, request).await?;
+    let run = run_id(&run)?;
+    let approval: wor_core::ApprovalId = approval.parse().map_err(|_| {
+        ApiError::bad_request("invalid_id", format!("`{approval}` is not an approval id"))
+    })?;
+    let request: UseApprovalRequest = signed_body(
+        &body,
+        "{\"run_credential\", \"pin_hash\", \"arguments_hash\", \"usage\"}",
+    )?;
+    let call = wor_engine::BoundCall {
+        pin_hash: request.pin_hash,
+        arguments_hash: request.arguments_hash,
+        usage: request.usage,
+    };
+    let used = state
+        .engine
+        .use_approval_for_worker(run, &worker.id, &request.run_credential, approval, &call)
+        .await?
+        .map_err(refused_write)?;
+    match used {
+        Some(started) => Ok(Json(ApprovalUsed { started })),
         None => Err(lease_not_held(&worker.id, run)),
     }
 }

@@ -1064,6 +1064,7 @@ async fn a_consequential_call_after_untrusted_content_waits_for_exactly_one_appr
                     tool: "mail/send".to_owned(),
                 }),
                 usage: &wor_core::budget::BudgetUsage::default(),
+                claim: None,
             },
         )
         .await

@@ -16,6 +16,7 @@ use std::str::FromStr;
 
 use sqlx::Row;
 use wor_core::budget::BudgetUsage;
+use wor_core::canonical::sha256_hex;
 use wor_core::run::Provenance;
 use wor_core::step::Step;
 use wor_core::{ApiKeyId, ApprovalId, MemberId, ProjectId, RunId};
@@ -171,6 +172,9 @@ pub struct ApprovedCall<'a> {
     pub binding_hash: &'a str,
     pub step: &'a Step,
     pub usage: &'a BudgetUsage,
+    /// For a remote worker, the credential of its claim: the call starts only under that
+    /// claim.
+    pub claim: Option<&'a str>,
 }
 
 /// What came of starting an approved call.
@@ -532,6 +536,21 @@ impl Store {
         call: &ApprovedCall<'_>,
     ) -> Result<ApprovedStart, StoreError> {
         let mut tx = self.begin_write().await?;
+        if let Some(credential) = call.claim {
+            let claimed = sqlx::query(
+                "SELECT 1 AS held FROM run_tokens WHERE run_id = $1 AND lease_owner = $2 \
+                 AND sha256 = $3",
+            )
+            .bind(run.to_string())
+            .bind(worker)
+            .bind(sha256_hex(credential.as_bytes()))
+            .fetch_optional(&mut **tx)
+            .await?;
+            if claimed.is_none() {
+                tx.rollback().await?;
+                return Ok(ApprovedStart::RunNotHeld);
+            }
+        }
         let used = sqlx::query(
             "UPDATE approvals SET used_at = $1 WHERE project_id = $2 AND run_id = $3 AND id = $4 \
              AND status = 'approved' AND used_at IS NULL AND binding_hash = $5",

@@ -1480,6 +1480,7 @@ async fn many_concurrent_writers_all_succeed() {
                                 tool: "mail/send".to_owned(),
                             }),
                             usage: &usage,
+                            claim: None,
                         },
                     )
                     .await
@@ -1606,6 +1607,7 @@ async fn an_approval_is_never_used_without_its_call_recorded_as_started() {
         binding_hash: "binding",
         step: &step,
         usage: &usage,
+        claim: None,
     };
     let (inject, remove) = match store.backend() {
         Backend::Sqlite => (
