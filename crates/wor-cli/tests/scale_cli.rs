@@ -644,11 +644,12 @@ impl Project<'_> {
     /// Routine `name` on model `m` of connection `main`, with `tools` on its roster in mode
     /// `auto`.
     fn routine(&self, name: &str, tools: &[&str]) {
-        self.routine_in_mode(name, tools, "auto");
+        self.routine_in_mode(name, tools, "auto", "");
     }
 
-    /// Routine `name` on model `m` of connection `main`, with `tools` on its roster in `mode`.
-    fn routine_in_mode(&self, name: &str, tools: &[&str], mode: &str) {
+    /// Routine `name` on model `m` of connection `main`, with `tools` on its roster in `mode`,
+    /// and `more` (TOML) after them.
+    fn routine_in_mode(&self, name: &str, tools: &[&str], mode: &str, more: &str) {
         let roster: String = tools
             .iter()
             .map(|t| format!("[[tools]]\ntool = \"{t}\"\nmode = \"{mode}\"\n"))
@@ -658,7 +659,7 @@ impl Project<'_> {
             &file,
             format!(
                 "name = \"{name}\"\ninstructions = \"Look it up.\"\n[model]\n\
-                 provider = \"openai_compatible\"\nconnection = \"main\"\nmodel = \"m\"\n{roster}"
+                 provider = \"openai_compatible\"\nconnection = \"main\"\nmodel = \"m\"\n{roster}{more}"
             ),
         )
         .unwrap();
@@ -1087,6 +1088,25 @@ fn a_worker_records_its_runs_steps_and_end_through_the_control_plane_which_write
         (
             steps_body(
                 &credential,
+                &[("tool_call", "engine", tool_call("call_5", "allow"))],
+                &usage(1, 1),
+            ),
+            "counts one tool call",
+        ),
+        (
+            steps_body(
+                &credential,
+                &[
+                    ("tool_call", "engine", tool_call("call_5", "allow")),
+                    ("tool_call", "engine", tool_call("call_6", "allow")),
+                ],
+                &usage(1, 3),
+            ),
+            "one call at most",
+        ),
+        (
+            steps_body(
+                &credential,
                 &[("tool_call", "engine", serde_json::json!({}))],
                 &usage(1, 1),
             ),
@@ -1258,7 +1278,12 @@ fn a_worker_parks_on_a_held_call_and_starts_it_only_with_the_approval_a_person_g
     };
     project.model_connection(WORKER_MODEL_KEY);
     project.http_connection("desk", WORKER_TOOL_TOKEN, true);
-    project.routine_in_mode("desk", &["desk/lookup"], "confirm");
+    project.routine_in_mode(
+        "desk",
+        &["desk/lookup"],
+        "confirm",
+        "[budget]\ntool_calls = 1\n",
+    );
     let run_id = project.start("desk");
     let mut a = enrolled_worker(&api, &db, &dir.path().join("worker-a"));
     let b = enrolled_worker(&api, &db, &dir.path().join("worker-b"));
@@ -1376,19 +1401,22 @@ fn a_worker_parks_on_a_held_call_and_starts_it_only_with_the_approval_a_person_g
     // starts once.
     let refused = b.post_json(&api, &using, &bound("a".repeat(64)));
     assert!(refused.contains("lease_not_held"), "{refused}");
-    let mut started = Vec::new();
-    for arguments_hash in ["c".repeat(64), "a".repeat(64), "a".repeat(64)] {
-        let answer = a.post_json(&api, &using, &bound(arguments_hash));
-        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
-        started.push(body_json(&answer)["started"].as_bool().unwrap());
-    }
-    assert_eq!(started, [false, true, false]);
     let unknown = a.post_json(
         &api,
         &format!("/internal/v1/runs/{run_id}/approvals/apr_0190a1b2c3d47e8f9a0b1c2d3e4f5a6b/use"),
         &bound("a".repeat(64)),
     );
     assert!(unknown.contains("no_such_approval"), "{unknown}");
+    let mut started = Vec::new();
+    for arguments_hash in ["c".repeat(64), "a".repeat(64)] {
+        let answer = a.post_json(&api, &using, &bound(arguments_hash));
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        started.push(body_json(&answer)["started"].as_bool().unwrap());
+    }
+    assert_eq!(started, [false, true]);
+    // Used once: the call is counted, and starting it again would count nothing.
+    let again = a.post_json(&api, &using, &bound("a".repeat(64)));
+    assert!(again.contains("counts one tool call"), "{again}");
     let shown = project.client(&["run", "get", &run_id, "--json"], &[]);
     let shown: Value = serde_json::from_slice(&shown.stdout).unwrap();
     let kinds: Vec<&str> = shown["steps"]
@@ -1414,11 +1442,19 @@ fn a_worker_parks_on_a_held_call_and_starts_it_only_with_the_approval_a_person_g
                 .to_owned()
         })
         .collect();
-    assert_eq!(
-        transitions,
-        ["approval_mismatch", "used", "approval_mismatch"],
-        "{log}"
+    assert_eq!(transitions, ["approval_mismatch", "used"], "{log}");
+    // The run's one tool call is spent: a worker's decision cannot reserve another.
+    let over = a.post_json(
+        &api,
+        &steps,
+        &steps_body(
+            &credential,
+            &[("tool_call", "engine", tool_call("call_2", "allow"))],
+            &usage(1, 2),
+        ),
     );
+    assert!(over.starts_with("HTTP/1.1 400"), "{over}");
+    assert!(over.contains("allows 1 tool calls"), "{over}");
     api.stop();
 }
 

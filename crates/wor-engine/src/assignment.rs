@@ -18,7 +18,7 @@ use wor_core::budget::BudgetUsage;
 use wor_core::call::Verdict;
 use wor_core::json_depth::{MAX_JSON_NESTING, value_nesting};
 use wor_core::model::ProviderKind;
-use wor_core::routine::RoutineDefinition;
+use wor_core::routine::{BudgetLimits, RoutineDefinition};
 use wor_core::routine::{ROUTINE_CONNECTION, ToolMode};
 use wor_core::run::{Provenance, RunStatus};
 use wor_core::run_loop::Ending;
@@ -109,6 +109,46 @@ pub enum WorkerStepRefusal {
     NoHeldCall(String),
     #[error("the run has no approval `{0}`")]
     NoSuchApproval(String),
+    #[error("a write reserves one call at most, not {0}")]
+    SeveralReservations(usize),
+    #[error("a reserved call counts one tool call in the run's usage")]
+    ReservationUncounted,
+    #[error("the run's budget allows {0} tool calls; the reservation would exceed it")]
+    OverBudget(u64),
+}
+
+/// Whether a write's reservation is counted as a local driver counts one: at most one call
+/// allowed per write, its usage one tool call more than recorded, within the run's limit.
+fn reservation_counted(
+    write: &WorkerSteps,
+    before: &BudgetUsage,
+    limits: &BudgetLimits,
+) -> Result<(), WorkerStepRefusal> {
+    let allowed = write
+        .steps
+        .iter()
+        .filter(|(_, step)| matches!(step, Step::ToolCall(call) if call.decision == Verdict::Allow))
+        .count();
+    match allowed {
+        0 => Ok(()),
+        1 => one_call_reserved(before, &write.usage, limits),
+        more => Err(WorkerStepRefusal::SeveralReservations(more)),
+    }
+}
+
+/// Whether `after` is `before` with one tool call reserved, within the run's limit.
+fn one_call_reserved(
+    before: &BudgetUsage,
+    after: &BudgetUsage,
+    limits: &BudgetLimits,
+) -> Result<(), WorkerStepRefusal> {
+    if after.tool_calls != before.tool_calls.saturating_add(1) {
+        Err(WorkerStepRefusal::ReservationUncounted)
+    } else if after.tool_calls > limits.tool_calls {
+        Err(WorkerStepRefusal::OverBudget(limits.tool_calls))
+    } else {
+        Ok(())
+    }
 }
 
 /// Whether `after` is no less than `before` in every measure; the first that is less if not.
@@ -466,8 +506,10 @@ impl Engine {
         let version = self
             .routine_version(run.project_id, run.routine_id, run.routine_version)
             .await?;
+        let limits = crate::nested::capped(version.definition.budget, run.budget_cap.as_ref());
         let checked = worker_steps(&write.steps, &version.definition)
-            .and_then(|()| usage_not_lowered(&run.usage, &write.usage));
+            .and_then(|()| usage_not_lowered(&run.usage, &write.usage))
+            .and_then(|()| reservation_counted(&write, &run.usage, &limits));
         if let Err(refusal) = checked {
             tracing::warn!(category = "run", action = "worker.write_refused", worker_id = %worker,
                 run_id = %run.id, reason = %refusal, "a worker's write was refused");
@@ -592,7 +634,13 @@ impl Engine {
         let Some(run) = self.store.claimed_run(worker, run, credential).await? else {
             return Ok(Ok(None));
         };
-        if let Err(refusal) = usage_not_lowered(&run.usage, &call.usage) {
+        let version = self
+            .routine_version(run.project_id, run.routine_id, run.routine_version)
+            .await?;
+        let limits = crate::nested::capped(version.definition.budget, run.budget_cap.as_ref());
+        let counted = usage_not_lowered(&run.usage, &call.usage)
+            .and_then(|()| one_call_reserved(&run.usage, &call.usage, &limits));
+        if let Err(refusal) = counted {
             return Ok(Err(refusal));
         }
         let approval = match self.store.get_approval(run.project_id, approval).await {
