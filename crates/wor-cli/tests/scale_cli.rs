@@ -1391,6 +1391,8 @@ fn a_worker_parks_on_a_held_call_and_starts_it_only_with_the_approval_a_person_g
         "{claimed}"
     );
     assert_eq!(claimed["approvals"][0]["status"], "approved", "{claimed}");
+    let parking =
+        |call_id: &str| serde_json::json!({ "run_credential": credential, "call_id": call_id });
     let using = format!("/internal/v1/runs/{run_id}/approvals/{approval_id}/use");
     let bound = |arguments_hash: String| {
         serde_json::json!({ "run_credential": credential, "pin_hash": "b".repeat(64),
@@ -1455,6 +1457,29 @@ fn a_worker_parks_on_a_held_call_and_starts_it_only_with_the_approval_a_person_g
     );
     assert!(over.starts_with("HTTP/1.1 400"), "{over}");
     assert!(over.contains("allows 1 tool calls"), "{over}");
+
+    // The worker stops before the started call's result is recorded: its outcome is unknown,
+    // and the run parks for a person to say whether it runs again.
+    let answer = a.post_json(&api, &park, &parking("call_1"));
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let retry_id = body_json(&answer)["approval_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_ne!(retry_id, approval_id);
+    let shown = project.client(&["approvals", "show", &retry_id, "--json"], &[]);
+    let retry: Value = serde_json::from_slice(&shown.stdout).unwrap();
+    assert_eq!(retry["kind"], "outcome_unknown", "{retry}");
+    assert_eq!(retry["status"], "pending", "{retry}");
+    assert_eq!(retry["why"]["attempt"], 1, "{retry}");
+    let log = text(&project.client(&["audit", "export"], &[]).stdout);
+    assert_eq!(
+        log.matches("\"transition\":\"outcome_unknown\"").count(),
+        1,
+        "{log}"
+    );
+    let refused = a.post_json(&api, &park, &parking("call_1"));
+    assert!(refused.contains("lease_not_held"), "{refused}");
     api.stop();
 }
 

@@ -21,8 +21,9 @@ use wor_core::model::ProviderKind;
 use wor_core::routine::{BudgetLimits, RoutineDefinition};
 use wor_core::routine::{ROUTINE_CONNECTION, ToolMode};
 use wor_core::run::{Provenance, RunStatus};
+use wor_core::run_loop::CallResume;
 use wor_core::run_loop::Ending;
-use wor_core::step::{InputSource, Step, pending_calls};
+use wor_core::step::{InputSource, Step, pending_calls, untrusted_sources};
 use wor_core::{ApprovalId, RunId};
 use wor_secrets::{RunSecrets, ToolCredential};
 use wor_store::{
@@ -32,7 +33,7 @@ use wor_store::{
 };
 
 use crate::call::{as_recorded, run_event, with_step};
-use crate::pipeline::{ApprovalRequest, why_recorded};
+use crate::pipeline::{ApprovalRequest, UnknownOutcome, unknown_outcome, why_recorded};
 use crate::tool_connections::ConnectionError;
 use crate::{Engine, EngineError};
 
@@ -109,6 +110,11 @@ pub enum WorkerStepRefusal {
     NoHeldCall(String),
     #[error("the run has no approval `{0}`")]
     NoSuchApproval(String),
+    #[error(
+        "a person already decided whether call `{0}` runs again: use its approval, or answer \
+         the call with its outcome unknown"
+    )]
+    OutcomeUnknownDecided(String),
     #[error("a write reserves one call at most, not {0}")]
     SeveralReservations(usize),
     #[error("a reserved call counts one tool call in the run's usage")]
@@ -573,11 +579,14 @@ impl Engine {
     }
 
     /// Parks a run remote worker `worker` holds under the claim whose `credential` it presents,
-    /// for a person's decision on call `call_id`: a call of its last model turn that it
-    /// recorded as held (`confirm`) and that has no answer. The approval is filed from that
-    /// recorded step — the call, its arguments and why it was held, as a local driver files it
-    /// — and announced by this process (its audit entry, run webhook and notifications). The
-    /// approval's id; `None` when the worker does not hold the run under that claim.
+    /// for a person's decision on call `call_id`, a call of its last model turn that has no
+    /// answer: one it recorded as held (`confirm`), or one that started and whose outcome is
+    /// unknown (the worker that ran it stopped before its result was recorded; a person is
+    /// asked before it runs again, anew for each interrupted retry). The approval is filed
+    /// from the recorded step — the call as it ran, its arguments and why, as a local driver
+    /// files it — and announced by this process (its audit entries, run webhook and
+    /// notifications). The approval's id; `None` when the worker does not hold the run under
+    /// that claim.
     ///
     /// # Errors
     /// A store error; a decided approval for that call.
@@ -592,24 +601,57 @@ impl Engine {
             return Ok(Ok(None));
         };
         let steps = self.store.list_run_steps(run.project_id, run.id, 0).await?;
-        let held = pending_calls(steps.iter().map(|s| &s.step))
+        let pending = pending_calls(steps.iter().map(|s| &s.step))
             .into_iter()
-            .filter(|pending| pending.call.id == call_id && !pending.started_with_approval)
-            .find_map(|pending| pending.recorded)
-            .filter(|recorded| recorded.decision == Verdict::Confirm);
-        let Some(held) = held else {
-            return Ok(Err(WorkerStepRefusal::NoHeldCall(
-                call_id.chars().take(80).collect(),
-            )));
+            .find(|pending| pending.call.id == call_id);
+        let no_held_call = || WorkerStepRefusal::NoHeldCall(call_id.chars().take(80).collect());
+        let Some(pending) = pending else {
+            return Ok(Err(no_held_call()));
         };
-        let request = ApprovalRequest {
-            kind: ApprovalKind::Policy,
-            call: &held,
-            why: why_recorded(&held),
+        let resume = CallResume::of(&pending);
+        let Some(recorded) = pending.recorded else {
+            return Ok(Err(no_held_call()));
         };
-        Ok(Ok(self
-            .park_run(&run, worker, Some(credential), request)
-            .await?))
+        match resume {
+            CallResume::Held => {
+                let request = ApprovalRequest {
+                    kind: ApprovalKind::Policy,
+                    call: &recorded,
+                    why: why_recorded(&recorded),
+                };
+                Ok(Ok(self
+                    .park_run(&run, worker, Some(credential), request)
+                    .await?))
+            }
+            // A call that started and has no result: its outcome is unknown, and a person is
+            // asked before it runs again, as a local driver asks.
+            CallResume::Started { routine: false } => {
+                let ran = self.call_as_ran(&run, &recorded).await?;
+                let approval = self
+                    .store
+                    .approval_for_call(
+                        run.project_id,
+                        run.id,
+                        call_id,
+                        ApprovalKind::OutcomeUnknown,
+                    )
+                    .await?;
+                let untrusted = untrusted_sources(steps.iter().map(|s| (&s.step, s.provenance)));
+                match unknown_outcome(approval, &untrusted)? {
+                    UnknownOutcome::Ask { why, attempt } => Ok(Ok(self
+                        .ask_outcome_unknown(&run, worker, Some(credential), &ran, why, attempt)
+                        .await?)),
+                    UnknownOutcome::Retry(_) | UnknownOutcome::Unknown => {
+                        Ok(Err(WorkerStepRefusal::OutcomeUnknownDecided(
+                            call_id.chars().take(80).collect(),
+                        )))
+                    }
+                }
+            }
+            CallResume::Started { routine: true } | CallResume::Fresh | CallResume::Refused => {
+                Ok(Err(no_held_call()))
+            }
+        }
     }
 
     /// Uses approval `approval` of a run remote worker `worker` holds under the claim whose

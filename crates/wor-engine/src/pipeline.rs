@@ -489,16 +489,7 @@ impl Engine {
     ) -> Result<CallOutcome, EngineError> {
         let call = &pending.call;
         // The call as it ran: a retry is filed for the arguments a person edited, if they did.
-        let ran = self.call_as_ran(scope, recorded).await?;
-        let recorded = &ran;
-        let unknown = |usage| {
-            scope.refuse(
-                pending,
-                usage,
-                "outcome_unknown: this call started before the run was interrupted and its outcome \
-                 was not recorded; it was not repeated. Check its effect before calling it again.",
-            )
-        };
+        let ran = self.call_as_ran(scope.run, recorded).await?;
         let approval = self
             .store
             .approval_for_call(
@@ -508,49 +499,49 @@ impl Engine {
                 ApprovalKind::OutcomeUnknown,
             )
             .await?;
-        match approval {
-            // Not asked yet, or the approved retry started and was interrupted too: its outcome
-            // is unknown again, and a person is asked again (a new, single-use approval).
-            None => self.ask_outcome_unknown(scope, recorded, 1).await,
-            Some(approval)
-                if approval.status == ApprovalStatus::Approved && approval.used_at.is_some() =>
-            {
-                let retries = approval_attempt(&approval.why)?.saturating_add(1);
-                self.ask_outcome_unknown(scope, recorded, retries).await
-            }
-            Some(approval) if approval.status == ApprovalStatus::Pending => {
-                let why = approval.why.clone();
-                self.park(
-                    scope,
-                    ApprovalRequest {
-                        kind: ApprovalKind::OutcomeUnknown,
-                        call: recorded,
+        match unknown_outcome(approval, scope.untrusted)? {
+            UnknownOutcome::Ask { why, attempt } => {
+                match self
+                    .ask_outcome_unknown(
+                        scope.run,
+                        &self.config.worker_id,
+                        None,
+                        &ran,
                         why,
-                    },
-                )
-                .await
+                        attempt,
+                    )
+                    .await?
+                {
+                    Some(_) => Ok(CallOutcome::Parked),
+                    None => Err(EngineError::LeaseLost),
+                }
             }
-            Some(approval) if approval.status == ApprovalStatus::Approved => {
+            UnknownOutcome::Retry(approval) => {
                 self.execute_approved(scope, pending, &approval, usage)
                     .await
             }
             // Denied or expired: the model is told its outcome is unknown.
-            Some(_) => Ok(unknown(usage)),
+            UnknownOutcome::Unknown => Ok(scope.refuse(
+                pending,
+                usage,
+                "outcome_unknown: this call started before the run was interrupted and its outcome \
+                 was not recorded; it was not repeated. Check its effect before calling it again.",
+            )),
         }
     }
 
     /// A started call as it ran: as recorded, or, when a person edited it before approving it,
     /// with the edited arguments (the pinned ones unchanged) and their hash.
-    async fn call_as_ran(
+    pub(crate) async fn call_as_ran(
         &self,
-        scope: &CallScope<'_>,
+        run: &RunRecord,
         recorded: &ToolCallStep,
     ) -> Result<ToolCallStep, EngineError> {
         let held = self
             .store
             .approval_for_call(
-                scope.run.project_id,
-                scope.run.id,
+                run.project_id,
+                run.id,
                 &recorded.call_id,
                 ApprovalKind::Policy,
             )
@@ -569,46 +560,35 @@ impl Engine {
         Ok(ran)
     }
 
-    /// Records that a started call's outcome is unknown (for the `attempt`-th time) and parks
-    /// the run on a new `outcome_unknown` approval for it.
-    async fn ask_outcome_unknown(
+    /// Parks `run`, which `holder` holds (under the claim whose credential is `claim`, for a
+    /// remote worker), on the `outcome_unknown` approval for started call `ran`, recording first
+    /// that its outcome is unknown for the `attempt`-th time when a person is asked anew. The
+    /// approval's id; `None` when `holder` does not hold the run.
+    pub(crate) async fn ask_outcome_unknown(
         &self,
-        scope: &CallScope<'_>,
-        recorded: &ToolCallStep,
-        attempt: u64,
-    ) -> Result<CallOutcome, EngineError> {
-        self.audit
-            .append(
-                run_event(scope.run, AuditCategory::ToolCall).payload(json!({
+        run: &RunRecord,
+        holder: &str,
+        claim: Option<&str>,
+        ran: &ToolCallStep,
+        why: Value,
+        attempt: Option<u64>,
+    ) -> Result<Option<ApprovalId>, EngineError> {
+        if let Some(attempt) = attempt {
+            self.audit
+                .append(run_event(run, AuditCategory::ToolCall).payload(json!({
                     "transition": "outcome_unknown",
-                    "tool": recorded.tool,
-                    "call_id": recorded.call_id,
+                    "tool": ran.tool,
+                    "call_id": ran.call_id,
                     "attempt": attempt,
-                })),
-            )
-            .await?;
-        let reason = if attempt == 1 {
-            "this call started before the run was interrupted and its outcome was not recorded; approving runs it again, denying tells the model its outcome is unknown".to_owned()
-        } else {
-            format!(
-                "this call started before the run was interrupted and its outcome was not recorded, {attempt} times (the earlier approved retries were interrupted too); approving runs it again, denying tells the model its outcome is unknown"
-            )
+                })))
+                .await?;
+        }
+        let request = ApprovalRequest {
+            kind: ApprovalKind::OutcomeUnknown,
+            call: ran,
+            why,
         };
-        let why = json!({
-            "determining_policies": ["wor.outcome-unknown"],
-            "reasons": [reason],
-            "untrusted_sources": scope.untrusted,
-            "attempt": attempt,
-        });
-        self.park(
-            scope,
-            ApprovalRequest {
-                kind: ApprovalKind::OutcomeUnknown,
-                call: recorded,
-                why,
-            },
-        )
-        .await
+        self.park_run(run, holder, claim, request).await
     }
 
     /// The answer to a call a person denied, or nobody decided in time.
@@ -950,6 +930,59 @@ fn routine_input(arguments: &CanonicalArguments) -> String {
 
 /// Which time of asking an `outcome_unknown` approval is (1 for the first), from its `why`.
 /// A count that is there but is not one is stored state gone bad, never taken as 1.
+/// What a started call whose outcome is unknown comes to, by its `outcome_unknown` approval.
+pub(crate) enum UnknownOutcome {
+    /// A person is asked: anew for the `attempt`-th time (not asked yet, or the approved retry
+    /// was interrupted too), or, with no attempt, again on the pending request.
+    Ask { why: Value, attempt: Option<u64> },
+    /// A person approved a retry: the call runs again with this approval.
+    Retry(Box<ApprovalRecord>),
+    /// Denied, expired or cancelled: the model is told its outcome is unknown.
+    Unknown,
+}
+
+/// What a started call whose outcome is unknown comes to, given its latest `outcome_unknown`
+/// approval and the untrusted sources in the run's context.
+pub(crate) fn unknown_outcome(
+    approval: Option<ApprovalRecord>,
+    untrusted: &BTreeSet<String>,
+) -> Result<UnknownOutcome, EngineError> {
+    let ask = |attempt: u64| {
+        let reason = if attempt == 1 {
+            "this call started before the run was interrupted and its outcome was not recorded; approving runs it again, denying tells the model its outcome is unknown".to_owned()
+        } else {
+            format!(
+                "this call started before the run was interrupted and its outcome was not recorded, {attempt} times (the earlier approved retries were interrupted too); approving runs it again, denying tells the model its outcome is unknown"
+            )
+        };
+        UnknownOutcome::Ask {
+            why: json!({
+                "determining_policies": ["wor.outcome-unknown"],
+                "reasons": [reason],
+                "untrusted_sources": untrusted,
+                "attempt": attempt,
+            }),
+            attempt: Some(attempt),
+        }
+    };
+    Ok(match approval {
+        None => ask(1),
+        Some(approval)
+            if approval.status == ApprovalStatus::Approved && approval.used_at.is_some() =>
+        {
+            ask(approval_attempt(&approval.why)?.saturating_add(1))
+        }
+        Some(approval) if approval.status == ApprovalStatus::Pending => UnknownOutcome::Ask {
+            why: approval.why,
+            attempt: None,
+        },
+        Some(approval) if approval.status == ApprovalStatus::Approved => {
+            UnknownOutcome::Retry(Box::new(approval))
+        }
+        Some(_) => UnknownOutcome::Unknown,
+    })
+}
+
 fn approval_attempt(why: &Value) -> Result<u64, EngineError> {
     match why.get("attempt") {
         // Releases before the count was kept asked once per call and wrote no `attempt`:

@@ -547,6 +547,7 @@ fn refused_write(refusal: wor_engine::WorkerStepRefusal) -> ApiError {
     let code = match refusal {
         wor_engine::WorkerStepRefusal::NoHeldCall(_) => "no_held_call",
         wor_engine::WorkerStepRefusal::NoSuchApproval(_) => "no_such_approval",
+        wor_engine::WorkerStepRefusal::OutcomeUnknownDecided(_) => "approval_decided",
         _ => "invalid_step",
     };
     ApiError::bad_request(code, refusal.to_string())
@@ -647,7 +648,8 @@ async fn end(
     }
 }
 
-/// How a worker parks a run it holds for a person's decision on a call it recorded as held.
+/// How a worker parks a run it holds for a person's decision on a call: one it recorded as
+/// held, or one that started and whose outcome is unknown.
 #[derive(Debug, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ParkRequest {
