@@ -936,9 +936,9 @@ fn usage(turns: u64, tool_calls: u64) -> Value {
         "output_tokens": 5 * turns, "cost_microdollars": 0 })
 }
 
-/// A model turn of the routine's model (`openai_compatible`, `m`) saying `text` and asking for
-/// `calls` (`(id, tool, arguments)`).
-fn model_turn(text: &str, calls: &[(&str, &str, Value)]) -> Value {
+/// A model turn of the routine's model (`openai_compatible`, `m`, through the connection and
+/// key version the claim named) saying `text` and asking for `calls` (`(id, tool, arguments)`).
+fn model_turn(claimed: &Value, text: &str, calls: &[(&str, &str, Value)]) -> Value {
     let calls: Vec<Value> = calls
         .iter()
         .map(|(id, name, arguments)| {
@@ -949,8 +949,9 @@ fn model_turn(text: &str, calls: &[(&str, &str, Value)]) -> Value {
         "message": { "text": text, "tool_calls": calls },
         "usage": { "input_tokens": 10, "output_tokens": 5 },
         "stop_reason": "tool_use",
-        "identity": { "provider": "openai_compatible", "connection_id": null, "model_id": "m",
-            "credential_version": null },
+        "identity": { "provider": "openai_compatible",
+            "connection_id": claimed["model_connection"]["id"], "model_id": "m",
+            "credential_version": claimed["model_connection"]["credential_version"] },
     })
 }
 
@@ -999,6 +1000,7 @@ fn a_worker_records_its_runs_steps_and_end_through_the_control_plane_which_write
     // decision allowed: one write. The turn repeats the model key, which the control plane
     // redacts again whatever the worker sent.
     let turn = model_turn(
+        &claimed,
         &format!("looking it up with {WORKER_MODEL_KEY}"),
         &[(
             "call_1",
@@ -1047,12 +1049,39 @@ fn a_worker_records_its_runs_steps_and_end_through_the_control_plane_which_write
 
     // What a worker may not write is refused, with the reason, and nothing is written.
     let outcome = serde_json::json!({ "status": "succeeded", "message": "done" });
-    let other_model = {
+    let other_identity = |field: &str, value: Value| {
         let mut turn = turn.clone();
-        turn["identity"]["model_id"] = Value::from("another-model");
+        turn["identity"][field] = value;
         turn
     };
+    let other_model = other_identity("model_id", Value::from("another-model"));
+    let no_connection = other_identity("connection_id", Value::Null);
+    let old_key = other_identity("credential_version", Value::from(0));
     for (body, reason) in [
+        (
+            steps_body(
+                &credential,
+                &[("model_turn", "model", no_connection)],
+                &usage(2, 1),
+            ),
+            "does not name the routine's model",
+        ),
+        (
+            steps_body(
+                &credential,
+                &[("model_turn", "model", old_key)],
+                &usage(2, 1),
+            ),
+            "does not name the routine's model",
+        ),
+        (
+            steps_body(
+                &credential,
+                &[("model_turn", "model", turn.clone())],
+                &usage(1, 1),
+            ),
+            "counts one turn",
+        ),
         (
             steps_body(&credential, &[("outcome", "engine", outcome)], &usage(1, 1)),
             "the control plane's to record",
@@ -1123,18 +1152,9 @@ fn a_worker_records_its_runs_steps_and_end_through_the_control_plane_which_write
         ["input", "model_turn", "tool_call", "tool_result"]
     );
 
-    // Past the run's deadline its credential has ended: no call is reserved with it, but the
-    // claim still records what reserves nothing, and it ends the run (below).
-    let (runtime, store) = open_store(&db, dir.path());
-    runtime
-        .block_on(wor_store::testing::tamper(
-            &store,
-            &[format!(
-                "UPDATE run_tokens SET expires_at = 1 WHERE run_id = '{run_id}'"
-            )],
-        ))
-        .unwrap();
-    runtime.block_on(store.close());
+    // Once a cancel is requested, a call is not reserved and the run is not parked: nothing
+    // is written and the worker is told to end the run.
+    project.client(&["run", "cancel", &run_id], &[]);
     let reserve = |call_id: &str| {
         steps_body(
             &credential,
@@ -1143,6 +1163,7 @@ fn a_worker_records_its_runs_steps_and_end_through_the_control_plane_which_write
                     "model_turn",
                     "model",
                     model_turn(
+                        &claimed,
                         "again",
                         &[(
                             call_id,
@@ -1156,31 +1177,37 @@ fn a_worker_records_its_runs_steps_and_end_through_the_control_plane_which_write
             &usage(2, 2),
         )
     };
-    let refused = a.post_json(&api, &steps, &reserve("call_2"));
-    assert!(refused.contains("lease_not_held"), "{refused}");
-    let thinking = steps_body(
-        &credential,
-        &[("model_turn", "model", model_turn("thinking", &[]))],
-        &usage(2, 1),
-    );
-    let answer = a.post_json(&api, &steps, &thinking);
-    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
-    let mut recorded = vec![
-        "input",
-        "model_turn",
-        "tool_call",
-        "tool_result",
-        "model_turn",
-    ];
-    assert_eq!(recorded_kinds(), recorded);
-
-    // Once a cancel is requested, a call is not reserved: nothing is written and the worker is
-    // told to end the run.
-    project.client(&["run", "cancel", &run_id], &[]);
-    let answer = a.post_json(&api, &steps, &reserve("call_3"));
+    let answer = a.post_json(&api, &steps, &reserve("call_2"));
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     assert_eq!(body_json(&answer)["recorded"], false, "{answer}");
     assert_eq!(body_json(&answer)["cancel_requested"], true, "{answer}");
+    let parking = serde_json::json!({ "run_credential": credential, "call_id": "call_1" });
+    let answer = a.post_json(&api, &format!("/internal/v1/runs/{run_id}/park"), &parking);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert_eq!(body_json(&answer)["cancel_requested"], true, "{answer}");
+    assert_eq!(body_json(&answer)["approval_id"], Value::Null, "{answer}");
+    let mut recorded = vec!["input", "model_turn", "tool_call", "tool_result"];
+    assert_eq!(recorded_kinds(), recorded);
+
+    // Past the run's deadline its credential has ended: the claim writes nothing more (a
+    // write would renew the lease it must let run out) but the run's end, below.
+    let (runtime, store) = open_store(&db, dir.path());
+    runtime
+        .block_on(wor_store::testing::tamper(
+            &store,
+            &[format!(
+                "UPDATE run_tokens SET expires_at = 1 WHERE run_id = '{run_id}'"
+            )],
+        ))
+        .unwrap();
+    runtime.block_on(store.close());
+    let thinking = steps_body(
+        &credential,
+        &[("model_turn", "model", model_turn(&claimed, "thinking", &[]))],
+        &usage(2, 1),
+    );
+    let refused = a.post_json(&api, &steps, &thinking);
+    assert!(refused.contains("lease_not_held"), "{refused}");
     assert_eq!(recorded_kinds(), recorded);
 
     // The worker ends the run: its outcome (redacted here too) and its `run.end` entry.
@@ -1246,7 +1273,6 @@ fn a_worker_records_its_runs_steps_and_end_through_the_control_plane_which_write
         ("model.call", ""),
         ("tool.call", "decided"),
         ("tool.call", "answered"),
-        ("model.call", ""),
         ("run.end", ""),
     ]
     .iter()
@@ -1282,12 +1308,12 @@ fn a_worker_parks_on_a_held_call_and_starts_it_only_with_the_approval_a_person_g
         "desk",
         &["desk/lookup"],
         "confirm",
-        "[budget]\ntool_calls = 1\n",
+        "[budget]\ntool_calls = 2\n",
     );
     let run_id = project.start("desk");
     let mut a = enrolled_worker(&api, &db, &dir.path().join("worker-a"));
     let b = enrolled_worker(&api, &db, &dir.path().join("worker-b"));
-    let (_, credential) = a.claim(&api);
+    let (claimed, credential) = a.claim(&api);
     let steps = format!("/internal/v1/runs/{run_id}/steps");
     let park = format!("/internal/v1/runs/{run_id}/park");
     let parking =
@@ -1295,6 +1321,7 @@ fn a_worker_parks_on_a_held_call_and_starts_it_only_with_the_approval_a_person_g
 
     // The worker's decision held the call: the turn and the decision are recorded first.
     let turn = model_turn(
+        &claimed,
         "let me look",
         &[
             (
@@ -1355,7 +1382,11 @@ fn a_worker_parks_on_a_held_call_and_starts_it_only_with_the_approval_a_person_g
             &steps,
             steps_body(
                 &credential,
-                &[("model_turn", "model", model_turn("still here", &[]))],
+                &[(
+                    "model_turn",
+                    "model",
+                    model_turn(&claimed, "still here", &[]),
+                )],
                 &usage(2, 0),
             ),
         ),
@@ -1416,9 +1447,15 @@ fn a_worker_parks_on_a_held_call_and_starts_it_only_with_the_approval_a_person_g
         started.push(body_json(&answer)["started"].as_bool().unwrap());
     }
     assert_eq!(started, [false, true]);
-    // Used once: the call is counted, and starting it again would count nothing.
-    let again = a.post_json(&api, &using, &bound("a".repeat(64)));
-    assert!(again.contains("counts one tool call"), "{again}");
+    // Used once: starting the call again with it, counted as a call of its own, does not.
+    let mut again = bound("a".repeat(64));
+    again["usage"] = usage(1, 2);
+    let answer = a.post_json(&api, &using, &again);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert_eq!(body_json(&answer)["started"], false, "{answer}");
+    // Counted as no call at all, it is refused before that.
+    let uncounted = a.post_json(&api, &using, &bound("a".repeat(64)));
+    assert!(uncounted.contains("counts one tool call"), "{uncounted}");
     let shown = project.client(&["run", "get", &run_id, "--json"], &[]);
     let shown: Value = serde_json::from_slice(&shown.stdout).unwrap();
     let kinds: Vec<&str> = shown["steps"]
@@ -1444,19 +1481,38 @@ fn a_worker_parks_on_a_held_call_and_starts_it_only_with_the_approval_a_person_g
                 .to_owned()
         })
         .collect();
-    assert_eq!(transitions, ["approval_mismatch", "used"], "{log}");
-    // The run's one tool call is spent: a worker's decision cannot reserve another.
+    assert_eq!(
+        transitions,
+        ["approval_mismatch", "used", "approval_mismatch"],
+        "{log}"
+    );
+    // The run's second and last tool call, allowed by the worker's decision, is reserved; a
+    // third is not.
+    for (call_id, tool_calls, answer) in [("call_2", 2, "200"), ("call_3", 3, "400")] {
+        let reserved = a.post_json(
+            &api,
+            &steps,
+            &steps_body(
+                &credential,
+                &[("tool_call", "engine", tool_call(call_id, "allow"))],
+                &usage(1, tool_calls),
+            ),
+        );
+        assert!(
+            reserved.starts_with(&format!("HTTP/1.1 {answer}")),
+            "{reserved}"
+        );
+    }
     let over = a.post_json(
         &api,
         &steps,
         &steps_body(
             &credential,
-            &[("tool_call", "engine", tool_call("call_2", "allow"))],
-            &usage(1, 2),
+            &[("tool_call", "engine", tool_call("call_3", "allow"))],
+            &usage(1, 3),
         ),
     );
-    assert!(over.starts_with("HTTP/1.1 400"), "{over}");
-    assert!(over.contains("allows 1 tool calls"), "{over}");
+    assert!(over.contains("allows 2 tool calls"), "{over}");
 
     // The worker stops before the started call's result is recorded: its outcome is unknown,
     // and the run parks for a person to say whether it runs again.

@@ -23,13 +23,14 @@ use wor_core::routine::{ROUTINE_CONNECTION, ToolMode};
 use wor_core::run::{Provenance, RunStatus};
 use wor_core::run_loop::CallResume;
 use wor_core::run_loop::Ending;
-use wor_core::step::{InputSource, Step, pending_calls, untrusted_sources};
+use wor_core::step::{InputSource, ModelIdentity, Step, pending_calls, untrusted_sources};
 use wor_core::{ApprovalId, RunId};
 use wor_secrets::{RunSecrets, ToolCredential};
 use wor_store::{
-    API_KEY_FIELD, ApprovalFilter, ApprovalKind, ApprovalRecord, ApprovedStart, ConnectionStatus,
-    MODEL_CONNECTIONS_TABLE, ModelConnectionRecord, RoutineVersionRecord, RunRecord, RunStep,
-    RunWritten, SecretSlot, StoreError, ToolConnectionKind, ToolConnectionRecord,
+    API_KEY_FIELD, ApprovalFilter, ApprovalKind, ApprovalRecord, ApprovedClaim, ApprovedStart,
+    ConnectionStatus, MODEL_CONNECTIONS_TABLE, ModelConnectionRecord, RoutineVersionRecord,
+    RunRecord, RunStep, RunWritten, SecretSlot, StoreError, ToolConnectionKind,
+    ToolConnectionRecord,
 };
 
 use crate::call::{as_recorded, run_event, with_step};
@@ -98,7 +99,10 @@ pub enum WorkerStepRefusal {
         expected: String,
         given: &'static str,
     },
-    #[error("step {index}: the model turn does not name the routine's model and connection")]
+    #[error(
+        "step {index}: the model turn does not name the routine's model, its connection and \
+         the connection's key version"
+    )]
     NotTheRoutinesModel { index: usize },
     #[error("step {index}: nested deeper than {MAX_JSON_NESTING} levels")]
     TooDeep { index: usize },
@@ -121,6 +125,33 @@ pub enum WorkerStepRefusal {
     ReservationUncounted,
     #[error("the run's budget allows {0} tool calls; the reservation would exceed it")]
     OverBudget(u64),
+    #[error("each model turn counts one turn in the run's usage, within its limit of {0}")]
+    TurnsUncounted(u64),
+    #[error("the routine's output schema asks for an `output` step before the run succeeds")]
+    NoOutput,
+}
+
+/// Whether a write's model turns are counted: one turn each in the usage, within the run's
+/// limit.
+fn turns_counted(
+    write: &WorkerSteps,
+    before: &BudgetUsage,
+    limits: &BudgetLimits,
+) -> Result<(), WorkerStepRefusal> {
+    let turns = write
+        .steps
+        .iter()
+        .filter(|(_, step)| matches!(step, Step::ModelTurn(_)))
+        .count();
+    let turns = u64::try_from(turns).unwrap_or(u64::MAX);
+    if turns == 0 {
+        return Ok(());
+    }
+    let expected = before.turns.saturating_add(turns);
+    if write.usage.turns != expected || expected > limits.turns {
+        return Err(WorkerStepRefusal::TurnsUncounted(limits.turns));
+    }
+    Ok(())
 }
 
 /// Whether a write's reservation is counted as a local driver counts one: at most one call
@@ -189,6 +220,38 @@ pub enum WorkerRecorded {
     CancelRequested,
     /// The worker does not hold the run under the claim it presented (or, for a write that
     /// reserves a call, the run's deadline has passed): nothing was written.
+    NotHeld,
+}
+
+/// What became of a remote worker's request to park its run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkerParked {
+    /// Parked on this approval; the claim has ended.
+    Parked(ApprovalId),
+    /// A cancel of the run was requested: it is not parked, and the worker ends it.
+    CancelRequested,
+    /// The worker does not hold the run under the claim it presented.
+    NotHeld,
+}
+
+impl From<Option<ApprovalId>> for WorkerParked {
+    fn from(parked: Option<ApprovalId>) -> Self {
+        parked.map_or(WorkerParked::NotHeld, WorkerParked::Parked)
+    }
+}
+
+/// What became of a remote worker's use of an approval.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkerApprovalUse {
+    /// The call is recorded as started and runs now.
+    Started,
+    /// The approval is not usable for this call (not approved, used, or bound to another
+    /// call): it does not run.
+    NotUsable,
+    /// A cancel of the run was requested: the call does not run, and the worker ends the run.
+    CancelRequested,
+    /// The worker does not hold the run under the claim it presented, the run's deadline has
+    /// passed, or its usage changed since the worker counted from it.
     NotHeld,
 }
 
@@ -493,9 +556,10 @@ impl Engine {
     /// Records what remote worker `worker` sends of a run it holds under the claim whose
     /// `credential` it presents: the steps, redacted again here with the project's live
     /// secrets, with the audit entries this process derives from them (a worker never writes
-    /// the chain), in one journal write fenced by the worker's lease and claim. A write with a
-    /// call the worker's decision allowed reserves it: it presents the credential live and is
-    /// made only unless a cancel was requested, as a local driver's reservation is.
+    /// the chain), in one journal write fenced by the worker's lease and claim, before the
+    /// run's deadline, and only while the run's usage is the one the worker counted from. A
+    /// write with a call the worker's decision allowed reserves it, and is made only unless a
+    /// cancel was requested, as a local driver's reservation is.
     ///
     /// # Errors
     /// A store error; stored state that does not read back.
@@ -513,8 +577,18 @@ impl Engine {
             .routine_version(run.project_id, run.routine_id, run.routine_version)
             .await?;
         let limits = crate::nested::capped(version.definition.budget, run.budget_cap.as_ref());
-        let checked = worker_steps(&write.steps, &version.definition)
+        let model = if write
+            .steps
+            .iter()
+            .any(|(_, step)| matches!(step, Step::ModelTurn(_)))
+        {
+            self.routine_model(&run, &version.definition).await?
+        } else {
+            None
+        };
+        let checked = worker_steps(&write.steps, model)
             .and_then(|()| usage_not_lowered(&run.usage, &write.usage))
+            .and_then(|()| turns_counted(&write, &run.usage, &limits))
             .and_then(|()| reservation_counted(&write, &run.usage, &limits));
         if let Err(refusal) = checked {
             tracing::warn!(category = "run", action = "worker.write_refused", worker_id = %worker,
@@ -522,17 +596,22 @@ impl Engine {
             return Ok(Err(refusal));
         }
         let redactor = self.project_redactor(run.project_id).await?;
-        let mut journal = self.journal_for(&run, worker).usage(write.usage);
+        let mut journal = self
+            .journal_for(&run, worker)
+            .usage(write.usage)
+            .counted_from(run.usage);
         let mut reserves = false;
         for (provenance, step) in write.steps {
             let step = as_recorded(step, &redactor)?;
             reserves |= matches!(&step, Step::ToolCall(call) if call.decision == Verdict::Allow);
             journal = with_step(journal, &run, provenance, step);
         }
+        // Before the run's deadline only: past it, the worker ends the run (`end_for_worker`),
+        // and a write that renewed the lease would keep it from running out.
         let journal = if reserves {
             journal.presenting(credential).unless_cancelled()
         } else {
-            journal.under_claim(credential)
+            journal.under_live_claim(credential)
         };
         Ok(Ok(match self.audit.record(journal).await? {
             RunWritten::Committed {
@@ -569,6 +648,17 @@ impl Engine {
         if let Err(refusal) = usage_not_lowered(&run.usage, &usage) {
             return Ok(Err(refusal));
         }
+        if status == RunStatus::Succeeded {
+            let version = self
+                .routine_version(run.project_id, run.routine_id, run.routine_version)
+                .await?;
+            if version.definition.output.is_some() {
+                let steps = self.store.list_run_steps(run.project_id, run.id, 0).await?;
+                if !matches!(steps.last().map(|s| &s.step), Some(Step::Output(_))) {
+                    return Ok(Err(WorkerStepRefusal::NoOutput));
+                }
+            }
+        }
         let redactor = self.project_redactor(run.project_id).await?;
         let outcome = wor_core::text::replace_nul(&redactor.redact(outcome)).into_owned();
         let end = self.journal_for(&run, worker).under_claim(credential);
@@ -585,8 +675,7 @@ impl Engine {
     /// asked before it runs again, anew for each interrupted retry). The approval is filed
     /// from the recorded step — the call as it ran, its arguments and why, as a local driver
     /// files it — and announced by this process (its audit entries, run webhook and
-    /// notifications). The approval's id; `None` when the worker does not hold the run under
-    /// that claim.
+    /// notifications). A run whose cancel was requested is not parked: the worker ends it.
     ///
     /// # Errors
     /// A store error; a decided approval for that call.
@@ -596,10 +685,14 @@ impl Engine {
         worker: &str,
         credential: &str,
         call_id: &str,
-    ) -> Result<Result<Option<ApprovalId>, WorkerStepRefusal>, EngineError> {
+    ) -> Result<Result<WorkerParked, WorkerStepRefusal>, EngineError> {
         let Some(run) = self.store.claimed_run(worker, run, credential).await? else {
-            return Ok(Ok(None));
+            return Ok(Ok(WorkerParked::NotHeld));
         };
+        // A run whose cancel was requested ends rather than waits for a person.
+        if run.cancel_requested {
+            return Ok(Ok(WorkerParked::CancelRequested));
+        }
         let steps = self.store.list_run_steps(run.project_id, run.id, 0).await?;
         let pending = pending_calls(steps.iter().map(|s| &s.step))
             .into_iter()
@@ -619,9 +712,10 @@ impl Engine {
                     call: &recorded,
                     why: why_recorded(&recorded),
                 };
-                Ok(Ok(self
+                let parked = self
                     .park_run(&run, worker, Some(credential), request)
-                    .await?))
+                    .await?;
+                Ok(Ok(WorkerParked::from(parked)))
             }
             // A call that started and has no result: its outcome is unknown, and a person is
             // asked before it runs again, as a local driver asks.
@@ -638,9 +732,12 @@ impl Engine {
                     .await?;
                 let untrusted = untrusted_sources(steps.iter().map(|s| (&s.step, s.provenance)));
                 match unknown_outcome(approval, &untrusted)? {
-                    UnknownOutcome::Ask { why, attempt } => Ok(Ok(self
-                        .ask_outcome_unknown(&run, worker, Some(credential), &ran, why, attempt)
-                        .await?)),
+                    UnknownOutcome::Ask { why, attempt } => {
+                        let parked = self
+                            .ask_outcome_unknown(&run, worker, Some(credential), &ran, why, attempt)
+                            .await?;
+                        Ok(Ok(WorkerParked::from(parked)))
+                    }
                     UnknownOutcome::Retry(_) | UnknownOutcome::Unknown => {
                         Ok(Err(WorkerStepRefusal::OutcomeUnknownDecided(
                             call_id.chars().take(80).collect(),
@@ -660,8 +757,9 @@ impl Engine {
     /// edit, if any, applied) — with the run's usage after its reservation. As for a local
     /// run: only an approved, unused approval whose binding is that call's is used, in one
     /// transaction with the call recorded as started, and the chain says which it was
-    /// (`approval.use` or `approval_mismatch`). `None` when the worker does not hold the run
-    /// under that claim.
+    /// (`approval.use` or `approval_mismatch`). Like a reservation, only before the run's
+    /// deadline, unless a cancel was requested, and only while the run's usage is the one the
+    /// worker counted the call from.
     ///
     /// # Errors
     /// A store error.
@@ -672,9 +770,9 @@ impl Engine {
         credential: &str,
         approval: ApprovalId,
         call: &BoundCall,
-    ) -> Result<Result<Option<bool>, WorkerStepRefusal>, EngineError> {
+    ) -> Result<Result<WorkerApprovalUse, WorkerStepRefusal>, EngineError> {
         let Some(run) = self.store.claimed_run(worker, run, credential).await? else {
-            return Ok(Ok(None));
+            return Ok(Ok(WorkerApprovalUse::NotHeld));
         };
         let version = self
             .routine_version(run.project_id, run.routine_id, run.routine_version)
@@ -702,17 +800,52 @@ impl Engine {
             .start_approved(
                 &run,
                 worker,
-                Some(credential),
+                Some(ApprovedClaim {
+                    credential,
+                    usage_before: &run.usage,
+                }),
                 &approval,
                 &binding,
                 &call.usage,
             )
             .await?;
         Ok(Ok(match started {
-            ApprovedStart::Started => Some(true),
-            ApprovedStart::NotUsable => Some(false),
-            ApprovedStart::RunNotHeld => None,
+            ApprovedStart::Started => WorkerApprovalUse::Started,
+            ApprovedStart::NotUsable => WorkerApprovalUse::NotUsable,
+            ApprovedStart::CancelRequested => WorkerApprovalUse::CancelRequested,
+            ApprovedStart::RunNotHeld => WorkerApprovalUse::NotHeld,
         }))
+    }
+
+    /// Who answers the model calls of a run of `definition`, as its model turns must name it:
+    /// the routine's provider and model, and its active model connection with its key's
+    /// version (none for the replay model). `None` when the routine names no connection that
+    /// is active, so no model turn of it is taken.
+    async fn routine_model(
+        &self,
+        run: &RunRecord,
+        definition: &RoutineDefinition,
+    ) -> Result<Option<ModelIdentity>, EngineError> {
+        let model = &definition.model;
+        let identity = |connection_id, credential_version| ModelIdentity {
+            provider: model.provider,
+            connection_id,
+            model_id: model.model.clone(),
+            credential_version,
+        };
+        if model.provider == ProviderKind::Replay {
+            return Ok(Some(identity(None, None)));
+        }
+        let Some(name) = &model.connection else {
+            return Ok(None);
+        };
+        Ok(self
+            .store
+            .list_model_connections(run.project_id)
+            .await?
+            .into_iter()
+            .find(|c| &c.name == name && c.status == ConnectionStatus::Active)
+            .map(|c| identity(Some(c.id), Some(c.credential_version))))
     }
 
     /// Gives back a run remote worker `worker` holds under the claim whose `credential` it
@@ -737,11 +870,11 @@ impl Engine {
     }
 }
 
-/// Whether `steps` are steps a worker records for a run of `definition`, each with the
-/// provenance a driver gives it.
+/// Whether `steps` are steps a worker records, each with the provenance a driver gives it,
+/// its model turns answered by `model` (the routine's; `None`: no model turn is taken).
 fn worker_steps(
     steps: &[(Provenance, Step)],
-    definition: &RoutineDefinition,
+    model: Option<ModelIdentity>,
 ) -> Result<(), WorkerStepRefusal> {
     if steps.is_empty() {
         return Err(WorkerStepRefusal::NoSteps);
@@ -759,10 +892,7 @@ fn worker_steps(
                 &[Provenance::Engine]
             }
             Step::ModelTurn(turn) => {
-                let named = turn.identity.as_ref().is_some_and(|identity| {
-                    identity.provider == definition.model.provider
-                        && identity.model_id == definition.model.model
-                });
+                let named = model.is_some() && turn.identity == model;
                 if !named {
                     return Err(WorkerStepRefusal::NotTheRoutinesModel { index });
                 }

@@ -203,8 +203,9 @@ fn answered_event(run: &RunRecord, answer: &ToolResultStep, provenance: Provenan
     }))
 }
 
-/// `step` as it is recorded: redacted with the project's secrets and the common secret shapes,
-/// U+0000 replaced (and so marked, on the steps that say so).
+/// A step as it is recorded: the project's secrets and common secret shapes redacted, and
+/// U+0000 replaced (`wor_core::text`), which the step then says (`nul_replaced`). The run goes
+/// on with the step as recorded.
 pub(crate) fn as_recorded(step: Step, redactor: &Redactor) -> Result<Step, EngineError> {
     let mut replaced = false;
     let mut step = step

@@ -828,9 +828,6 @@ fn credential_changed(then: Option<&ModelIdentity>, now: &ModelCredential) -> Op
     }
 }
 
-/// A step as it is recorded: the project's secrets and common secret shapes redacted, and
-/// U+0000 replaced (`wor_core::text`), which the step then says (`nul_replaced`). The run goes
-/// on with the step as recorded.
 /// A tool call whose arguments nest deeper than [`MAX_JSON_NESTING`] ends the run, before
 /// anything records or validates them (`wor_core::json_depth`).
 fn too_deep_call(response: &ModelResponse) -> Option<Ending> {

@@ -49,8 +49,8 @@ use wor_store::{AuditLog, RunWrite, Store, StoreError, Vault};
 
 pub use approvals::{Approver, ApproverRefusal, ArgumentViolation, DecisionRefusal, EditRefusal};
 pub use assignment::{
-    BoundCall, LeaseRenewal, MAX_WORKER_STEPS_PER_WRITE, WorkerClaim, WorkerRecorded,
-    WorkerStepRefusal, WorkerSteps,
+    BoundCall, LeaseRenewal, MAX_WORKER_STEPS_PER_WRITE, WorkerApprovalUse, WorkerClaim,
+    WorkerParked, WorkerRecorded, WorkerStepRefusal, WorkerSteps,
 };
 pub use email::{SMTP_PASSWORD_FIELD, SMTP_USERNAME_FIELD, SmtpSecrets};
 pub use notice::RouteError;

@@ -23,8 +23,8 @@ use wor_core::step::{
 };
 use wor_policy::{BudgetUsed, Decision, DecisionRequest};
 use wor_store::{
-    ApprovalKind, ApprovalRecord, ApprovalStatus, ApprovedCall, ApprovedStart, NewApproval,
-    RunRecord,
+    ApprovalKind, ApprovalRecord, ApprovalStatus, ApprovedCall, ApprovedClaim, ApprovedStart,
+    NewApproval, RunRecord,
 };
 use wor_tools::{CanonicalArguments, ResultLimits, prepare_arguments};
 
@@ -342,8 +342,8 @@ impl Engine {
         Ok(Some(id))
     }
 
-    /// Uses `approval` to start its call in `run`, which `holder` holds (under the claim whose
-    /// credential is `claim`, for a remote worker), when `binding` — the call as it is about to
+    /// Uses `approval` to start its call in `run`, which `holder` holds (under `claim`, for a
+    /// remote worker), when `binding` — the call as it is about to
     /// run — is what the approval binds to: the approval used, the call recorded as started
     /// and the run's `usage` saved in one transaction (a crash leaves both or neither, never a
     /// spent approval whose call did not start), then its `approval.use` entry; an approval
@@ -352,7 +352,7 @@ impl Engine {
         &self,
         run: &RunRecord,
         holder: &str,
-        claim: Option<&str>,
+        claim: Option<ApprovedClaim<'_>>,
         approval: &ApprovalRecord,
         binding: &str,
         usage: &BudgetUsage,
@@ -394,7 +394,7 @@ impl Engine {
                 "call_id": approval.call_id,
                 "approval_id": approval.id.to_string(),
             })),
-            ApprovedStart::RunNotHeld => return Ok(started),
+            ApprovedStart::RunNotHeld | ApprovedStart::CancelRequested => return Ok(started),
         };
         self.audit.append(event).await?;
         Ok(started)
@@ -573,7 +573,14 @@ impl Engine {
         why: Value,
         attempt: Option<u64>,
     ) -> Result<Option<ApprovalId>, EngineError> {
-        if let Some(attempt) = attempt {
+        let request = ApprovalRequest {
+            kind: ApprovalKind::OutcomeUnknown,
+            call: ran,
+            why,
+        };
+        let parked = self.park_run(run, holder, claim, request).await?;
+        // Recorded once the run is parked on it: a park that lost its lease records nothing.
+        if let (Some(_), Some(attempt)) = (parked, attempt) {
             self.audit
                 .append(run_event(run, AuditCategory::ToolCall).payload(json!({
                     "transition": "outcome_unknown",
@@ -583,12 +590,7 @@ impl Engine {
                 })))
                 .await?;
         }
-        let request = ApprovalRequest {
-            kind: ApprovalKind::OutcomeUnknown,
-            call: ran,
-            why,
-        };
-        self.park_run(run, holder, claim, request).await
+        Ok(parked)
     }
 
     /// The answer to a call a person denied, or nobody decided in time.
@@ -718,6 +720,7 @@ impl Engine {
         match started {
             ApprovedStart::Started => {}
             ApprovedStart::RunNotHeld => return Err(EngineError::LeaseLost),
+            ApprovedStart::CancelRequested => return Ok(CallOutcome::Cancelled),
             ApprovedStart::NotUsable => return Ok(mismatch(scope, usage)),
         }
         let usage = reserved;
@@ -928,8 +931,6 @@ fn routine_input(arguments: &CanonicalArguments) -> String {
         .to_owned()
 }
 
-/// Which time of asking an `outcome_unknown` approval is (1 for the first), from its `why`.
-/// A count that is there but is not one is stored state gone bad, never taken as 1.
 /// What a started call whose outcome is unknown comes to, by its `outcome_unknown` approval.
 pub(crate) enum UnknownOutcome {
     /// A person is asked: anew for the `attempt`-th time (not asked yet, or the approved retry
@@ -983,6 +984,8 @@ pub(crate) fn unknown_outcome(
     })
 }
 
+/// Which time of asking an `outcome_unknown` approval is (1 for the first), from its `why`.
+/// A count that is there but is not one is stored state gone bad, never taken as 1.
 fn approval_attempt(why: &Value) -> Result<u64, EngineError> {
     match why.get("attempt") {
         // Releases before the count was kept asked once per call and wrote no `attempt`:

@@ -657,10 +657,13 @@ pub struct ParkRequest {
     pub call_id: String,
 }
 
-/// The approval a parked run waits for.
+/// What a worker's park came to.
 #[derive(Debug, serde::Serialize)]
 pub struct Parked {
-    pub approval_id: String,
+    /// The approval the run now waits for; `null` when a cancel was requested instead.
+    pub approval_id: Option<String>,
+    /// A cancel of the run was requested: it is not parked, and the worker ends it.
+    pub cancel_requested: bool,
 }
 
 /// Parks a run the signing worker holds: the control plane files the approval from the call
@@ -679,14 +682,19 @@ async fn park(
         .await?
         .map_err(refused_write)?;
     match parked {
-        Some(approval) => {
+        wor_engine::WorkerParked::Parked(approval) => {
             tracing::info!(category = "run", action = "worker.parked", worker_id = %worker.id,
                 run_id = %run, approval_id = %approval, "a worker parked a run for approval");
             Ok(Json(Parked {
-                approval_id: approval.to_string(),
+                approval_id: Some(approval.to_string()),
+                cancel_requested: false,
             }))
         }
-        None => Err(lease_not_held(&worker.id, run)),
+        wor_engine::WorkerParked::CancelRequested => Ok(Json(Parked {
+            approval_id: None,
+            cancel_requested: true,
+        })),
+        wor_engine::WorkerParked::NotHeld => Err(lease_not_held(&worker.id, run)),
     }
 }
 
@@ -706,9 +714,12 @@ pub struct UseApprovalRequest {
 /// Whether the approval started its call.
 #[derive(Debug, serde::Serialize)]
 pub struct ApprovalUsed {
-    /// True: the call is recorded as started and runs now. False: the approval is not usable
-    /// for this call (not approved, used already, or bound to another call); it does not run.
+    /// True: the call is recorded as started and runs now. False: it does not run — the
+    /// approval is not usable for this call (not approved, used already, or bound to another
+    /// call), or a cancel was requested.
     pub started: bool,
+    /// A cancel of the run was requested: the worker ends it.
+    pub cancel_requested: bool,
 }
 
 /// Uses an approval of a run the signing worker holds to start the call it approved.
@@ -736,10 +747,16 @@ async fn use_approval(
         .use_approval_for_worker(run, &worker.id, &request.run_credential, approval, &call)
         .await?
         .map_err(refused_write)?;
-    match used {
-        Some(started) => Ok(Json(ApprovalUsed { started })),
-        None => Err(lease_not_held(&worker.id, run)),
-    }
+    let (started, cancel_requested) = match used {
+        wor_engine::WorkerApprovalUse::Started => (true, false),
+        wor_engine::WorkerApprovalUse::NotUsable => (false, false),
+        wor_engine::WorkerApprovalUse::CancelRequested => (false, true),
+        wor_engine::WorkerApprovalUse::NotHeld => return Err(lease_not_held(&worker.id, run)),
+    };
+    Ok(Json(ApprovalUsed {
+        started,
+        cancel_requested,
+    }))
 }
 
 /// A worker asked about a run it does not hold under the claim whose credential it presents:

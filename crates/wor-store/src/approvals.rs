@@ -172,9 +172,17 @@ pub struct ApprovedCall<'a> {
     pub binding_hash: &'a str,
     pub step: &'a Step,
     pub usage: &'a BudgetUsage,
-    /// For a remote worker, the credential of its claim: the call starts only under that
-    /// claim.
-    pub claim: Option<&'a str>,
+    /// For a remote worker, its claim: the call starts only under it.
+    pub claim: Option<ApprovedClaim<'a>>,
+}
+
+/// The claim of a remote worker an approved call starts under: the claim's credential, which
+/// must still be live, and the run's usage the worker counted the call from, which must not
+/// have changed since.
+#[derive(Debug, Clone, Copy)]
+pub struct ApprovedClaim<'a> {
+    pub credential: &'a str,
+    pub usage_before: &'a BudgetUsage,
 }
 
 /// What came of starting an approved call.
@@ -186,6 +194,9 @@ pub enum ApprovedStart {
     RunNotHeld,
     /// The approval is not approved, already used, or bound to another call; nothing changed.
     NotUsable,
+    /// A cancel of the run was requested (checked for a remote worker's claim, whose call
+    /// would run next); nothing changed.
+    CancelRequested,
 }
 
 /// A person's answer to an approval request (the call's own verdict, by policy, is
@@ -536,21 +547,6 @@ impl Store {
         call: &ApprovedCall<'_>,
     ) -> Result<ApprovedStart, StoreError> {
         let mut tx = self.begin_write().await?;
-        if let Some(credential) = call.claim {
-            let claimed = sqlx::query(
-                "SELECT 1 AS held FROM run_tokens WHERE run_id = $1 AND lease_owner = $2 \
-                 AND sha256 = $3",
-            )
-            .bind(run.to_string())
-            .bind(worker)
-            .bind(sha256_hex(credential.as_bytes()))
-            .fetch_optional(&mut **tx)
-            .await?;
-            if claimed.is_none() {
-                tx.rollback().await?;
-                return Ok(ApprovedStart::RunNotHeld);
-            }
-        }
         let used = sqlx::query(
             "UPDATE approvals SET used_at = $1 WHERE project_id = $2 AND run_id = $3 AND id = $4 \
              AND status = 'approved' AND used_at IS NULL AND binding_hash = $5",
@@ -566,9 +562,19 @@ impl Store {
             tx.rollback().await?;
             return Ok(ApprovedStart::NotUsable);
         }
-        if !crate::runs::write_usage(&mut tx, run, worker, call.usage).await? {
+        let held = match call.claim {
+            None => {
+                if crate::runs::write_usage(&mut tx, run, worker, call.usage).await? {
+                    ApprovedStart::Started
+                } else {
+                    ApprovedStart::RunNotHeld
+                }
+            }
+            Some(claim) => claimed_usage(&mut tx, run, worker, claim, call.usage).await?,
+        };
+        if held != ApprovedStart::Started {
             tx.rollback().await?;
-            return Ok(ApprovedStart::RunNotHeld);
+            return Ok(held);
         }
         crate::runs::append_step(&mut tx, project, run, Provenance::Engine, call.step).await?;
         tx.commit().await?;
@@ -721,4 +727,60 @@ pub(crate) async fn cancel_pending(
     rows.iter()
         .map(|row| parse_column(&row.text("id")?, "approvals.id"))
         .collect()
+}
+
+/// Saves `usage` for a run `worker` holds under `claim`, in `tx`: only while the claim's
+/// credential is live, no cancel has been requested and the run's usage is still the one the
+/// worker counted from, all in the one statement that writes it.
+async fn claimed_usage(
+    tx: &mut sqlx::AnyConnection,
+    run: RunId,
+    worker: &str,
+    claim: ApprovedClaim<'_>,
+    usage: &BudgetUsage,
+) -> Result<ApprovedStart, StoreError> {
+    let now = now_millis();
+    let before = claim.usage_before;
+    let count = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+    let done = sqlx::query(
+        "UPDATE runs SET usage_turns = $1, usage_tool_calls = $2, usage_input_tokens = $3, \
+         usage_output_tokens = $4, usage_cost_microdollars = $5, updated_at = $6 \
+         WHERE id = $7 AND lease_owner = $8 AND status = 'running' AND cancel_requested = 0 \
+         AND usage_turns = $9 AND usage_tool_calls = $10 AND usage_input_tokens = $11 \
+         AND usage_output_tokens = $12 AND usage_cost_microdollars = $13 \
+         AND EXISTS (SELECT 1 FROM run_tokens t WHERE t.run_id = runs.id \
+         AND t.lease_owner = runs.lease_owner AND t.sha256 = $14 AND t.expires_at > $6)",
+    )
+    .bind(count(usage.turns))
+    .bind(count(usage.tool_calls))
+    .bind(count(usage.input_tokens))
+    .bind(count(usage.output_tokens))
+    .bind(count(usage.cost_microdollars))
+    .bind(now)
+    .bind(run.to_string())
+    .bind(worker)
+    .bind(count(before.turns))
+    .bind(count(before.tool_calls))
+    .bind(count(before.input_tokens))
+    .bind(count(before.output_tokens))
+    .bind(count(before.cost_microdollars))
+    .bind(sha256_hex(claim.credential.as_bytes()))
+    .execute(&mut *tx)
+    .await?;
+    if done.rows_affected() == 1 {
+        return Ok(ApprovedStart::Started);
+    }
+    let cancelled = sqlx::query(
+        "SELECT 1 AS cancelled FROM runs WHERE id = $1 AND lease_owner = $2 \
+         AND status = 'running' AND cancel_requested <> 0",
+    )
+    .bind(run.to_string())
+    .bind(worker)
+    .fetch_optional(&mut *tx)
+    .await?;
+    Ok(if cancelled.is_some() {
+        ApprovedStart::CancelRequested
+    } else {
+        ApprovedStart::RunNotHeld
+    })
 }

@@ -37,6 +37,8 @@ pub struct RunWrite {
     mint: Option<(String, i64)>,
     /// Whether nothing is written once a cancel of the run has been requested.
     unless_cancelled: bool,
+    /// The run's usage the writer last saw: nothing is written if it changed since.
+    usage_before: Option<BudgetUsage>,
     pub steps: Vec<(Provenance, Step)>,
     /// The run's usage after this step, when it changed.
     pub usage: Option<BudgetUsage>,
@@ -59,6 +61,7 @@ impl RunWrite {
             credential: None,
             mint: None,
             unless_cancelled: false,
+            usage_before: None,
             steps: Vec::new(),
             usage: None,
             audit: Vec::new(),
@@ -119,6 +122,27 @@ impl RunWrite {
             live: true,
         });
         self.durable = true;
+        self
+    }
+
+    /// Writes only under the claim `credential` was minted for, before the run's deadline,
+    /// without being synced for it: a remote worker's step that reserves nothing.
+    #[must_use]
+    pub fn under_live_claim(mut self, credential: &str) -> Self {
+        self.credential = Some(Presented {
+            digest: sha256_hex(credential.as_bytes()),
+            live: true,
+        });
+        self
+    }
+
+    /// Writes only while the run's usage is still `before`, what the writer counted from: two
+    /// writes counted from the same usage cannot both commit, so neither can lower the usage
+    /// or count two reservations as one. A write that finds it changed writes nothing and is
+    /// reported as [`RunWritten::LeaseLost`]: its writer's view of the run is stale.
+    #[must_use]
+    pub fn counted_from(mut self, before: BudgetUsage) -> Self {
+        self.usage_before = Some(before);
         self
     }
 
@@ -254,6 +278,18 @@ pub(crate) async fn write_run(
     ));
     if write.unless_cancelled {
         sql.push_str(" AND cancel_requested = 0");
+    }
+    if let Some(before) = &write.usage_before {
+        let turns = fence.int(to_i64(before.turns));
+        let calls = fence.int(to_i64(before.tool_calls));
+        let input = fence.int(to_i64(before.input_tokens));
+        let output = fence.int(to_i64(before.output_tokens));
+        let cost = fence.int(to_i64(before.cost_microdollars));
+        sql.push_str(&format!(
+            " AND usage_turns = {turns} AND usage_tool_calls = {calls} \
+             AND usage_input_tokens = {input} AND usage_output_tokens = {output} \
+             AND usage_cost_microdollars = {cost}"
+        ));
     }
     if let Some(credential) = &write.credential {
         let digest = fence.text(&credential.digest);

@@ -45,7 +45,8 @@ pub use api_keys::{API_KEY_PREFIX, api_key_digest};
 pub use api_keys::{ApiKeyKind, ApiKeyRecord, AuthenticatedKey, NewApiKey, PlaintextApiKey};
 pub use approvals::{
     ApprovalAnswer, ApprovalDecision, ApprovalEdit, ApprovalFilter, ApprovalKind, ApprovalRecord,
-    ApprovalStatus, ApprovedCall, ApprovedStart, DecideError, NewApproval, ProjectPolicyRecord,
+    ApprovalStatus, ApprovedCall, ApprovedClaim, ApprovedStart, DecideError, NewApproval,
+    ProjectPolicyRecord,
 };
 pub use audit::{AuditConfig, AuditLog, AuditReceipt};
 pub use backup::{BackupError, discard_restored, restore_sqlite};

@@ -198,6 +198,54 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
             );
             commits();
 
+            // A write counted from the run's usage commits once: another counted from the same
+            // usage finds it changed, and writes nothing.
+            let before = store.get_run(project, run.id).await.unwrap().usage;
+            let counted = wor_core::budget::BudgetUsage {
+                tool_calls: before.tool_calls + 1,
+                ..before
+            };
+            committed(
+                log.record(write().usage(counted).counted_from(before))
+                    .await
+                    .unwrap(),
+            );
+            assert_eq!(
+                log.record(write().usage(counted).counted_from(before))
+                    .await
+                    .unwrap(),
+                RunWritten::LeaseLost
+            );
+            // Past the run's deadline its claim's credential has ended: a write under the live
+            // claim writes nothing, one bound to the claim alone still goes in, and another
+            // credential opens neither.
+            wor_store::testing::tamper(
+                store,
+                &[format!(
+                    "UPDATE run_tokens SET expires_at = 1 WHERE run_id = '{}'",
+                    run.id
+                )],
+            )
+            .await
+            .unwrap();
+            assert_eq!(
+                log.record(write().under_live_claim(token.expose()))
+                    .await
+                    .unwrap(),
+                RunWritten::CredentialEnded
+            );
+            committed(
+                log.record(write().under_claim(token.expose()))
+                    .await
+                    .unwrap(),
+            );
+            let other = wor_store::RunToken::generate().unwrap();
+            assert_eq!(
+                log.record(write().under_claim(other.expose())).await.unwrap(),
+                RunWritten::CredentialEnded
+            );
+            commits();
+
             committed(
                 log.record(write().end(RunStatus::Succeeded, "done"))
                     .await
