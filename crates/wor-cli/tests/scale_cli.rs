@@ -1057,91 +1057,63 @@ fn a_worker_records_its_runs_steps_and_end_through_the_control_plane_which_write
     let other_model = other_identity("model_id", Value::from("another-model"));
     let no_connection = other_identity("connection_id", Value::Null);
     let old_key = other_identity("credential_version", Value::from(0));
-    for (body, reason) in [
+    for (written, used, reason) in [
         (
-            steps_body(
-                &credential,
-                &[("model_turn", "model", no_connection)],
-                &usage(2, 1),
-            ),
+            vec![("model_turn", "model", no_connection)],
+            usage(2, 1),
             "does not name the routine's model",
         ),
         (
-            steps_body(
-                &credential,
-                &[("model_turn", "model", old_key)],
-                &usage(2, 1),
-            ),
+            vec![("model_turn", "model", old_key)],
+            usage(2, 1),
             "does not name the routine's model",
         ),
         (
-            steps_body(
-                &credential,
-                &[("model_turn", "model", turn.clone())],
-                &usage(1, 1),
-            ),
+            vec![("model_turn", "model", turn.clone())],
+            usage(1, 1),
             "counts one turn",
         ),
         (
-            steps_body(&credential, &[("outcome", "engine", outcome)], &usage(1, 1)),
+            vec![("outcome", "engine", outcome)],
+            usage(1, 1),
             "the control plane's to record",
         ),
         (
-            steps_body(
-                &credential,
-                &[("model_turn", "engine", turn.clone())],
-                &usage(2, 1),
-            ),
+            vec![("model_turn", "engine", turn.clone())],
+            usage(2, 1),
             "recorded as `model`, not `engine`",
         ),
         (
-            steps_body(
-                &credential,
-                &[("model_turn", "model", other_model)],
-                &usage(2, 1),
-            ),
+            vec![("model_turn", "model", other_model)],
+            usage(2, 1),
             "does not name the routine's model",
         ),
         (
-            steps_body(
-                &credential,
-                &[("tool_result", "untrusted", answered.clone())],
-                &usage(1, 0),
-            ),
+            vec![("tool_result", "untrusted", answered.clone())],
+            usage(1, 0),
             "`tool_calls` is below what is recorded",
         ),
+        (vec![], usage(1, 1), "at least one step"),
         (
-            steps_body(&credential, &[], &usage(1, 1)),
-            "at least one step",
-        ),
-        (
-            steps_body(
-                &credential,
-                &[("tool_call", "engine", tool_call("call_5", "allow"))],
-                &usage(1, 1),
-            ),
+            vec![("tool_call", "engine", tool_call("call_5", "allow"))],
+            usage(1, 1),
             "counts one tool call",
         ),
         (
-            steps_body(
-                &credential,
-                &[
-                    ("tool_call", "engine", tool_call("call_5", "allow")),
-                    ("tool_call", "engine", tool_call("call_6", "allow")),
-                ],
-                &usage(1, 3),
-            ),
+            vec![
+                ("tool_call", "engine", tool_call("call_5", "allow")),
+                ("tool_call", "engine", tool_call("call_6", "allow")),
+            ],
+            usage(1, 3),
             "one call at most",
         ),
         (
-            steps_body(
-                &credential,
-                &[("tool_call", "engine", serde_json::json!({}))],
-                &usage(1, 1),
-            ),
+            vec![("tool_call", "engine", serde_json::json!({}))],
+            usage(1, 1),
             "does not have the recorded shape",
         ),
     ] {
+        let body = steps_body(&credential, &written, &used);
         let answer = a.post_json(&api, &steps, &body);
         assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
         assert!(answer.contains("invalid_step"), "{answer}");
