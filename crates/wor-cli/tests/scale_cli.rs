@@ -1059,6 +1059,11 @@ fn a_worker_records_its_runs_steps_and_end_through_the_control_plane_which_write
     let old_key = other_identity("credential_version", Value::from(0));
     for (written, used, reason) in [
         (
+            vec![("output", "model", serde_json::json!({ "result": 1 }))],
+            usage(1, 1),
+            "the control plane's to record",
+        ),
+        (
             vec![("model_turn", "model", no_connection)],
             usage(2, 1),
             "does not name the routine's model",
@@ -1158,6 +1163,17 @@ fn a_worker_records_its_runs_steps_and_end_through_the_control_plane_which_write
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     assert_eq!(body_json(&answer)["cancel_requested"], true, "{answer}");
     assert_eq!(body_json(&answer)["approval_id"], Value::Null, "{answer}");
+    let using =
+        format!("/internal/v1/runs/{run_id}/approvals/apr_0190a1b2c3d47e8f9a0b1c2d3e4f5a6b/use");
+    let answer = a.post_json(
+        &api,
+        &using,
+        &serde_json::json!({ "run_credential": credential, "pin_hash": "b".repeat(64),
+            "arguments_hash": "a".repeat(64), "usage": usage(1, 2) }),
+    );
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert_eq!(body_json(&answer)["started"], false, "{answer}");
+    assert_eq!(body_json(&answer)["cancel_requested"], true, "{answer}");
     let mut recorded = vec!["input", "model_turn", "tool_call", "tool_result"];
     assert_eq!(recorded_kinds(), recorded);
 
@@ -1508,6 +1524,57 @@ fn a_worker_parks_on_a_held_call_and_starts_it_only_with_the_approval_a_person_g
     );
     let refused = a.post_json(&api, &park, &parking("call_1"));
     assert!(refused.contains("lease_not_held"), "{refused}");
+    api.stop();
+}
+
+#[test]
+fn a_workers_answer_ends_a_run_only_when_it_matches_the_routines_output_schema() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = database_args(dir.path());
+    let key = create_project(&db);
+    let api = start_role(&db, "api");
+    let project = Project {
+        api: &api,
+        key: key.clone(),
+        dir: dir.path(),
+    };
+    project.model_connection(WORKER_MODEL_KEY);
+    project.routine_in_mode(
+        "answer",
+        &[],
+        "auto",
+        "[output]\nschema = { type = \"object\", required = [\"answer\"], \
+         properties = { answer = { type = \"integer\" } } }\n",
+    );
+    let run_id = project.start("answer");
+    let mut a = enrolled_worker(&api, &db, &dir.path().join("worker-a"));
+    let (_, credential) = a.claim(&api);
+    let end = format!("/internal/v1/runs/{run_id}/end");
+    let ending = |outcome: &str| {
+        serde_json::json!({ "run_credential": credential, "status": "succeeded",
+            "outcome": outcome, "usage": usage(0, 0) })
+    };
+    let refused = a.post_json(&api, &end, &ending(r#"{"answer": "forty-two"}"#));
+    assert!(refused.starts_with("HTTP/1.1 400"), "{refused}");
+    assert!(refused.contains("output_rejected"), "{refused}");
+    let answer = a.post_json(&api, &end, &ending(r#"{ "answer": 42 }"#));
+    assert!(answer.starts_with("HTTP/1.1 204"), "{answer}");
+    let shown = project.client(&["run", "get", &run_id, "--json"], &[]);
+    let shown: Value = serde_json::from_slice(&shown.stdout).unwrap();
+    assert_eq!(shown["status"], "succeeded", "{shown}");
+    assert_eq!(
+        shown["result"],
+        serde_json::json!({ "answer": 42 }),
+        "{shown}"
+    );
+    assert_eq!(shown["outcome"], r#"{"answer":42}"#, "{shown}");
+    let kinds: Vec<&str> = shown["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["kind"].as_str().unwrap())
+        .collect();
+    assert_eq!(kinds, ["input", "output", "outcome"]);
     api.stop();
 }
 

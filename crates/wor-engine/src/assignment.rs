@@ -23,7 +23,9 @@ use wor_core::routine::{ROUTINE_CONNECTION, ToolMode};
 use wor_core::run::{Provenance, RunStatus};
 use wor_core::run_loop::CallResume;
 use wor_core::run_loop::Ending;
-use wor_core::step::{InputSource, ModelIdentity, Step, pending_calls, untrusted_sources};
+use wor_core::step::{
+    InputSource, ModelIdentity, OutputStep, Step, pending_calls, untrusted_sources,
+};
 use wor_core::{ApprovalId, RunId};
 use wor_secrets::{RunSecrets, ToolCredential};
 use wor_store::{
@@ -86,8 +88,8 @@ pub enum WorkerStepRefusal {
     #[error("a write records at most {MAX_WORKER_STEPS_PER_WRITE} steps, not {0}")]
     TooManySteps(usize),
     #[error(
-        "step {index}: a worker records input, model turns, tool calls, tool results and \
-         output; `{kind}` is the control plane's to record"
+        "step {index}: a worker records input, model turns, tool calls and tool results; \
+         `{kind}` is the control plane's to record"
     )]
     NotAWorkersStep { index: usize, kind: &'static str },
     #[error("step {index}: a worker's input step asks for an output correction and nothing else")]
@@ -127,8 +129,8 @@ pub enum WorkerStepRefusal {
     OverBudget(u64),
     #[error("each model turn counts one turn in the run's usage, within its limit of {0}")]
     TurnsUncounted(u64),
-    #[error("the routine's output schema asks for an `output` step before the run succeeds")]
-    NoOutput,
+    #[error("the outcome does not match the routine's output schema: {0}")]
+    OutputRejected(String),
 }
 
 /// Whether a write's model turns are counted: one turn each in the usage, within the run's
@@ -648,20 +650,34 @@ impl Engine {
         if let Err(refusal) = usage_not_lowered(&run.usage, &usage) {
             return Ok(Err(refusal));
         }
+        let redactor = self.project_redactor(run.project_id).await?;
+        let mut outcome = wor_core::text::replace_nul(&redactor.redact(outcome)).into_owned();
+        let mut end = self
+            .journal_for(&run, worker)
+            .under_claim(credential)
+            .never_lowering_usage();
+        // A routine with an output schema succeeds only with an answer that matches it, which
+        // this process checks and records as its `output` step, as a local driver does.
         if status == RunStatus::Succeeded {
             let version = self
                 .routine_version(run.project_id, run.routine_id, run.routine_version)
                 .await?;
-            if version.definition.output.is_some() {
-                let steps = self.store.list_run_steps(run.project_id, run.id, 0).await?;
-                if !matches!(steps.last().map(|s| &s.step), Some(Step::Output(_))) {
-                    return Ok(Err(WorkerStepRefusal::NoOutput));
-                }
+            if let Some(output) = &version.definition.output {
+                let schema = wor_tools::OutputSchema::compile(&output.schema)
+                    .map_err(|e| EngineError::InvalidState(e.to_string()))?;
+                let result = match schema.check(&outcome) {
+                    Ok(result) => result,
+                    Err(violation) => {
+                        return Ok(Err(WorkerStepRefusal::OutputRejected(
+                            violation.to_string(),
+                        )));
+                    }
+                };
+                outcome = serde_json::to_string(&result)
+                    .map_err(|e| EngineError::InvalidState(e.to_string()))?;
+                end = end.step(Provenance::Model, Step::Output(OutputStep { result }));
             }
         }
-        let redactor = self.project_redactor(run.project_id).await?;
-        let outcome = wor_core::text::replace_nul(&redactor.redact(outcome)).into_owned();
-        let end = self.journal_for(&run, worker).under_claim(credential);
         let ending = Ending::new(status, outcome);
         Ok(Ok(self
             .end_run_with(&run, end, ending, Some(usage))
@@ -774,6 +790,10 @@ impl Engine {
         let Some(run) = self.store.claimed_run(worker, run, credential).await? else {
             return Ok(Ok(WorkerApprovalUse::NotHeld));
         };
+        // A cancelled run ends rather than tries its approval.
+        if run.cancel_requested {
+            return Ok(Ok(WorkerApprovalUse::CancelRequested));
+        }
         let version = self
             .routine_version(run.project_id, run.routine_id, run.routine_version)
             .await?;
@@ -819,8 +839,9 @@ impl Engine {
 
     /// Who answers the model calls of a run of `definition`, as its model turns must name it:
     /// the routine's provider and model, and its active model connection with its key's
-    /// version (none for the replay model). `None` when the routine names no connection that
-    /// is active, so no model turn of it is taken.
+    /// version (none for the replay model). `None` when the routine names no active
+    /// connection of its provider, or the replay model in production: no model turn of it is
+    /// taken.
     async fn routine_model(
         &self,
         run: &RunRecord,
@@ -834,7 +855,8 @@ impl Engine {
             credential_version,
         };
         if model.provider == ProviderKind::Replay {
-            return Ok(Some(identity(None, None)));
+            // Refused in production, as a local driver refuses it.
+            return Ok((!self.config.production).then(|| identity(None, None)));
         }
         let Some(name) = &model.connection else {
             return Ok(None);
@@ -844,7 +866,11 @@ impl Engine {
             .list_model_connections(run.project_id)
             .await?
             .into_iter()
-            .find(|c| &c.name == name && c.status == ConnectionStatus::Active)
+            .find(|c| {
+                &c.name == name
+                    && c.status == ConnectionStatus::Active
+                    && c.provider == model.provider
+            })
             .map(|c| identity(Some(c.id), Some(c.credential_version))))
     }
 
@@ -900,8 +926,7 @@ fn worker_steps(
             }
             Step::ToolCall(_) => &[Provenance::Engine],
             Step::ToolResult(_) => &[Provenance::Untrusted, Provenance::Engine],
-            Step::Output(_) => &[Provenance::Model],
-            Step::Memory(_) | Step::ApprovalUsed(_) | Step::Outcome(_) => {
+            Step::Output(_) | Step::Memory(_) | Step::ApprovalUsed(_) | Step::Outcome(_) => {
                 return Err(WorkerStepRefusal::NotAWorkersStep { index, kind });
             }
         };

@@ -357,7 +357,9 @@ impl Engine {
         binding: &str,
         usage: &BudgetUsage,
     ) -> Result<ApprovedStart, EngineError> {
-        let started = if binding == approval.binding_hash {
+        // The store checks the binding in the statement that uses the approval, after a
+        // remote worker's claim: a cancel or the deadline is what such a worker is told first.
+        let started = if claim.is_some() || binding == approval.binding_hash {
             let step = Step::ApprovalUsed(ApprovalUsedStep {
                 call_id: approval.call_id.clone(),
                 approval_id: approval.id,
@@ -561,7 +563,7 @@ impl Engine {
     }
 
     /// Parks `run`, which `holder` holds (under the claim whose credential is `claim`, for a
-    /// remote worker), on the `outcome_unknown` approval for started call `ran`, recording first
+    /// remote worker), on the `outcome_unknown` approval for started call `ran`, then records
     /// that its outcome is unknown for the `attempt`-th time when a person is asked anew. The
     /// approval's id; `None` when `holder` does not hold the run.
     pub(crate) async fn ask_outcome_unknown(

@@ -548,6 +548,7 @@ fn refused_write(refusal: wor_engine::WorkerStepRefusal) -> ApiError {
         wor_engine::WorkerStepRefusal::NoHeldCall(_) => "no_held_call",
         wor_engine::WorkerStepRefusal::NoSuchApproval(_) => "no_such_approval",
         wor_engine::WorkerStepRefusal::OutcomeUnknownDecided(_) => "approval_decided",
+        wor_engine::WorkerStepRefusal::OutputRejected(_) => "output_rejected",
         _ => "invalid_step",
     };
     ApiError::bad_request(code, refusal.to_string())

@@ -547,6 +547,15 @@ impl Store {
         call: &ApprovedCall<'_>,
     ) -> Result<ApprovedStart, StoreError> {
         let mut tx = self.begin_write().await?;
+        // A remote worker's claim is checked first: a cancel, the deadline or a stale claim
+        // is what it is told, whatever the approval.
+        if let Some(claim) = call.claim {
+            let held = claimed_usage(&mut tx, run, worker, claim, call.usage).await?;
+            if held != ApprovedStart::Started {
+                tx.rollback().await?;
+                return Ok(held);
+            }
+        }
         let used = sqlx::query(
             "UPDATE approvals SET used_at = $1 WHERE project_id = $2 AND run_id = $3 AND id = $4 \
              AND status = 'approved' AND used_at IS NULL AND binding_hash = $5",
@@ -562,19 +571,11 @@ impl Store {
             tx.rollback().await?;
             return Ok(ApprovedStart::NotUsable);
         }
-        let held = match call.claim {
-            None => {
-                if crate::runs::write_usage(&mut tx, run, worker, call.usage).await? {
-                    ApprovedStart::Started
-                } else {
-                    ApprovedStart::RunNotHeld
-                }
-            }
-            Some(claim) => claimed_usage(&mut tx, run, worker, claim, call.usage).await?,
-        };
-        if held != ApprovedStart::Started {
+        if call.claim.is_none()
+            && !crate::runs::write_usage(&mut tx, run, worker, call.usage).await?
+        {
             tx.rollback().await?;
-            return Ok(held);
+            return Ok(ApprovedStart::RunNotHeld);
         }
         crate::runs::append_step(&mut tx, project, run, Provenance::Engine, call.step).await?;
         tx.commit().await?;

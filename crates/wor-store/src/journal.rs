@@ -39,6 +39,8 @@ pub struct RunWrite {
     unless_cancelled: bool,
     /// The run's usage the writer last saw: nothing is written if it changed since.
     usage_before: Option<BudgetUsage>,
+    /// Whether nothing is written when the write's usage is below the run's in any measure.
+    usage_not_lower: bool,
     pub steps: Vec<(Provenance, Step)>,
     /// The run's usage after this step, when it changed.
     pub usage: Option<BudgetUsage>,
@@ -62,6 +64,7 @@ impl RunWrite {
             mint: None,
             unless_cancelled: false,
             usage_before: None,
+            usage_not_lower: false,
             steps: Vec::new(),
             usage: None,
             audit: Vec::new(),
@@ -136,10 +139,19 @@ impl RunWrite {
         self
     }
 
+    /// Writes only when its usage is no lower than the run's in any measure: a remote
+    /// worker's end never undoes what a write that committed before it counted.
+    #[must_use]
+    pub fn never_lowering_usage(mut self) -> Self {
+        self.usage_not_lower = true;
+        self
+    }
+
     /// Writes only while the run's usage is still `before`, what the writer counted from: two
     /// writes counted from the same usage cannot both commit, so neither can lower the usage
     /// or count two reservations as one. A write that finds it changed writes nothing and is
-    /// reported as [`RunWritten::LeaseLost`]: its writer's view of the run is stale.
+    /// reported as not held ([`RunWritten::LeaseLost`], or [`RunWritten::CredentialEnded`]
+    /// when it presents a credential): its writer's view of the run is stale.
     #[must_use]
     pub fn counted_from(mut self, before: BudgetUsage) -> Self {
         self.usage_before = Some(before);
@@ -278,6 +290,18 @@ pub(crate) async fn write_run(
     ));
     if write.unless_cancelled {
         sql.push_str(" AND cancel_requested = 0");
+    }
+    if let (true, Some(usage)) = (write.usage_not_lower, &write.usage) {
+        let turns = fence.int(to_i64(usage.turns));
+        let calls = fence.int(to_i64(usage.tool_calls));
+        let input = fence.int(to_i64(usage.input_tokens));
+        let output = fence.int(to_i64(usage.output_tokens));
+        let cost = fence.int(to_i64(usage.cost_microdollars));
+        sql.push_str(&format!(
+            " AND usage_turns <= {turns} AND usage_tool_calls <= {calls} \
+             AND usage_input_tokens <= {input} AND usage_output_tokens <= {output} \
+             AND usage_cost_microdollars <= {cost}"
+        ));
     }
     if let Some(before) = &write.usage_before {
         let turns = fence.int(to_i64(before.turns));

@@ -1230,10 +1230,12 @@ pub(crate) async fn park(
     claim: Option<&str>,
 ) -> Result<bool, StoreError> {
     let now = now_millis();
-    // A remote worker parks only under the claim whose credential it presents.
+    // A remote worker parks only under the claim whose credential it presents, before the
+    // run's deadline and while no cancel was requested.
     let under_claim = if claim.is_some() {
-        " AND EXISTS (SELECT 1 FROM run_tokens t WHERE t.run_id = runs.id \
-         AND t.lease_owner = runs.lease_owner AND t.sha256 = $5)"
+        " AND cancel_requested = 0 AND EXISTS (SELECT 1 FROM run_tokens t \
+         WHERE t.run_id = runs.id AND t.lease_owner = runs.lease_owner AND t.sha256 = $5 \
+         AND t.expires_at > $1)"
     } else {
         ""
     };
