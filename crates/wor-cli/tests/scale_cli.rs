@@ -1422,6 +1422,23 @@ fn a_worker_parks_on_a_held_call_and_starts_it_only_with_the_approval_a_person_g
     // starts once.
     let refused = b.post_json(&api, &using, &bound("a".repeat(64)));
     assert!(refused.contains("lease_not_held"), "{refused}");
+    // Past the run's deadline the claim starts nothing, the approval however good.
+    let expire = |at: i64| {
+        let (runtime, store) = open_store(&db, dir.path());
+        runtime
+            .block_on(wor_store::testing::tamper(
+                &store,
+                &[format!(
+                    "UPDATE run_tokens SET expires_at = {at} WHERE run_id = '{run_id}'"
+                )],
+            ))
+            .unwrap();
+        runtime.block_on(store.close());
+    };
+    expire(1);
+    let late = a.post_json(&api, &using, &bound("a".repeat(64)));
+    assert!(late.contains("lease_not_held"), "{late}");
+    expire(wor_store::now_millis() + 600_000);
     let unknown = a.post_json(
         &api,
         &format!("/internal/v1/runs/{run_id}/approvals/apr_0190a1b2c3d47e8f9a0b1c2d3e4f5a6b/use"),
