@@ -120,10 +120,7 @@ impl RunWrite {
     /// reservation of a call are one statement.
     #[must_use]
     pub fn presenting(mut self, credential: &str) -> Self {
-        self.credential = Some(Presented {
-            digest: sha256_hex(credential.as_bytes()),
-            live: true,
-        });
+        self.credential = Some(Presented::new(credential, true));
         self.durable = true;
         self
     }
@@ -132,10 +129,7 @@ impl RunWrite {
     /// without being synced for it: a remote worker's step that reserves nothing.
     #[must_use]
     pub fn under_live_claim(mut self, credential: &str) -> Self {
-        self.credential = Some(Presented {
-            digest: sha256_hex(credential.as_bytes()),
-            live: true,
-        });
+        self.credential = Some(Presented::new(credential, true));
         self
     }
 
@@ -164,10 +158,7 @@ impl RunWrite {
     /// call presents it live ([`RunWrite::presenting`]) instead.
     #[must_use]
     pub fn under_claim(mut self, credential: &str) -> Self {
-        self.credential = Some(Presented {
-            digest: sha256_hex(credential.as_bytes()),
-            live: false,
-        });
+        self.credential = Some(Presented::new(credential, false));
         self
     }
 
@@ -226,6 +217,15 @@ struct Presented {
     live: bool,
 }
 
+impl Presented {
+    fn new(credential: &str, live: bool) -> Self {
+        Presented {
+            digest: sha256_hex(credential.as_bytes()),
+            live,
+        }
+    }
+}
+
 /// What became of a [`RunWrite`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RunWritten {
@@ -271,15 +271,8 @@ pub(crate) async fn write_run(
         }
     }
     if let Some(usage) = &write.usage {
-        let turns = fence.int(to_i64(usage.turns));
-        let calls = fence.int(to_i64(usage.tool_calls));
-        let input = fence.int(to_i64(usage.input_tokens));
-        let output = fence.int(to_i64(usage.output_tokens));
-        let cost = fence.int(to_i64(usage.cost_microdollars));
-        sql.push_str(&format!(
-            ", usage_turns = {turns}, usage_tool_calls = {calls}, usage_input_tokens = {input}, \
-             usage_output_tokens = {output}, usage_cost_microdollars = {cost}"
-        ));
+        sql.push_str(", ");
+        sql.push_str(&fence.usage(usage, "=", ", "));
     }
     let id = fence.text(&write.run.to_string());
     let project = fence.text(&write.project.to_string());
@@ -292,28 +285,12 @@ pub(crate) async fn write_run(
         sql.push_str(" AND cancel_requested = 0");
     }
     if let (true, Some(usage)) = (write.usage_not_lower, &write.usage) {
-        let turns = fence.int(to_i64(usage.turns));
-        let calls = fence.int(to_i64(usage.tool_calls));
-        let input = fence.int(to_i64(usage.input_tokens));
-        let output = fence.int(to_i64(usage.output_tokens));
-        let cost = fence.int(to_i64(usage.cost_microdollars));
-        sql.push_str(&format!(
-            " AND usage_turns <= {turns} AND usage_tool_calls <= {calls} \
-             AND usage_input_tokens <= {input} AND usage_output_tokens <= {output} \
-             AND usage_cost_microdollars <= {cost}"
-        ));
+        sql.push_str(" AND ");
+        sql.push_str(&fence.usage(usage, "<=", " AND "));
     }
     if let Some(before) = &write.usage_before {
-        let turns = fence.int(to_i64(before.turns));
-        let calls = fence.int(to_i64(before.tool_calls));
-        let input = fence.int(to_i64(before.input_tokens));
-        let output = fence.int(to_i64(before.output_tokens));
-        let cost = fence.int(to_i64(before.cost_microdollars));
-        sql.push_str(&format!(
-            " AND usage_turns = {turns} AND usage_tool_calls = {calls} \
-             AND usage_input_tokens = {input} AND usage_output_tokens = {output} \
-             AND usage_cost_microdollars = {cost}"
-        ));
+        sql.push_str(" AND ");
+        sql.push_str(&fence.usage(before, "=", " AND "));
     }
     if let Some(credential) = &write.credential {
         let digest = fence.text(&credential.digest);
@@ -394,6 +371,22 @@ impl Fence {
     fn text(&mut self, value: &str) -> String {
         self.values.push(Param::from(value));
         format!("${}", self.values.len())
+    }
+
+    /// Each usage column of a run compared with (`op`) its measure in `usage`, joined by
+    /// `joiner`: `usage_turns = $n, …` to set them, `usage_turns <= $n AND …` to fence on them.
+    fn usage(&mut self, usage: &BudgetUsage, op: &str, joiner: &str) -> String {
+        [
+            ("usage_turns", usage.turns),
+            ("usage_tool_calls", usage.tool_calls),
+            ("usage_input_tokens", usage.input_tokens),
+            ("usage_output_tokens", usage.output_tokens),
+            ("usage_cost_microdollars", usage.cost_microdollars),
+        ]
+        .into_iter()
+        .map(|(column, value)| format!("{column} {op} {}", self.int(to_i64(value))))
+        .collect::<Vec<_>>()
+        .join(joiner)
     }
 }
 
