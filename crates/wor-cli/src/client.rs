@@ -79,6 +79,38 @@ impl ApiClient {
         self.send(Method::POST, path, Some(body)).await
     }
 
+    /// POSTs `body` as JSON to `path` with `headers` (a worker's signature) and returns the
+    /// answer's status and body as they are, for the caller to read.
+    pub async fn post_bytes(
+        &self,
+        path: &str,
+        body: Vec<u8>,
+        headers: &[(&'static str, String)],
+    ) -> anyhow::Result<(u16, Vec<u8>)> {
+        let url = self
+            .base
+            .join(path)
+            .with_context(|| format!("cannot form a URL from `{path}`"))?;
+        let mut request = self
+            .http
+            .post(url)
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(body);
+        for (name, value) in headers {
+            request = request.header(*name, value);
+        }
+        let response = request
+            .send()
+            .await
+            .with_context(|| format!("cannot reach the server at {}", self.base))?;
+        let status = response.status().as_u16();
+        let body = response
+            .bytes()
+            .await
+            .with_context(|| format!("the answer of {} broke off", self.base))?;
+        Ok((status, body.to_vec()))
+    }
+
     pub async fn put(&self, path: &str, body: &Value) -> anyhow::Result<Value> {
         self.send(Method::PUT, path, Some(body)).await
     }

@@ -179,20 +179,49 @@ fn a_worker_enrols_once_with_a_single_use_token_and_keeps_its_private_keys() {
 }
 
 #[test]
-fn the_worker_role_is_refused_until_it_is_built() {
+fn a_worker_refuses_to_start_with_a_database_or_the_encryption_key() {
     let dir = tempfile::tempdir().unwrap();
-    let out = run(&mut wor(&[
+    let data_dir = dir.path().to_str().unwrap();
+    let with_database = run(&mut wor(&[
         "serve",
         "--role",
         "worker",
         "--data-dir",
-        dir.path().to_str().unwrap(),
+        data_dir,
+        "--database",
+        "postgres://wor@127.0.0.1:1/wor",
     ]));
-    assert_eq!(out.status.code(), Some(2));
+    assert!(!with_database.status.success());
     assert!(
-        text(&out.stderr).contains("`--role worker` is not built yet"),
+        text(&with_database.stderr).contains("a worker takes no database URL"),
         "{}",
-        text(&out.stderr)
+        text(&with_database.stderr)
+    );
+    let with_key = run(
+        wor(&["serve", "--role", "worker", "--data-dir", data_dir]).env(
+            "WOR_ENCRYPTION_KEY",
+            "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=",
+        ),
+    );
+    assert!(!with_key.status.success());
+    assert!(
+        text(&with_key.stderr).contains("a worker holds no encryption key"),
+        "{}",
+        text(&with_key.stderr)
+    );
+    // Not enrolled: it says how to enrol.
+    let unenrolled = run(&mut wor(&[
+        "serve",
+        "--role",
+        "worker",
+        "--data-dir",
+        data_dir,
+    ]));
+    assert!(!unenrolled.status.success());
+    assert!(
+        text(&unenrolled.stderr).contains("wor worker enroll"),
+        "{}",
+        text(&unenrolled.stderr)
     );
 }
 
@@ -595,6 +624,11 @@ impl Project<'_> {
     /// An HTTP API connection `name` with one tool, `lookup`, written here and, when
     /// `enable`, reviewed and enabled without a server; its bearer token is `token`.
     fn http_connection(&self, name: &str, token: &str, enable: bool) -> String {
+        self.http_connection_at(name, "http://127.0.0.1:9/v1", token, enable)
+    }
+
+    /// [`Project::http_connection`] on the server at `url`.
+    fn http_connection_at(&self, name: &str, url: &str, token: &str, enable: bool) -> String {
         let tools = self.dir.join("tools.json");
         std::fs::write(
             &tools,
@@ -610,7 +644,7 @@ impl Project<'_> {
                 "--tools-file",
                 tools.to_str().unwrap(),
                 "--url",
-                "http://127.0.0.1:9/v1",
+                url,
                 "--allow",
                 "127.0.0.1",
                 "--bearer-env",
@@ -1609,4 +1643,339 @@ fn enrolled_opener(dir: &std::path::Path, id: &str) -> wor_secrets::EnvelopeOpen
         .unwrap(),
         wor_secrets::EnvelopeLimits::default(),
     )
+}
+
+/// A tool server for an `http_api` connection on loopback: it answers every request with a
+/// record found, and keeps each request's first line and `authorization` header.
+struct ToolServer {
+    port: u16,
+    seen: Arc<Mutex<Vec<(String, String)>>>,
+}
+
+fn tool_server() -> ToolServer {
+    use std::io::Write as _;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let sink = seen.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let mut reader = BufReader::new(stream.try_clone().unwrap());
+            let mut first = String::new();
+            if reader.read_line(&mut first).is_err() {
+                continue;
+            }
+            let mut authorization = String::new();
+            loop {
+                let mut line = String::new();
+                if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                    break;
+                }
+                let line = line.trim_end();
+                if line.is_empty() {
+                    break;
+                }
+                if let Some((name, value)) = line.split_once(':')
+                    && name.eq_ignore_ascii_case("authorization")
+                {
+                    value.trim().clone_into(&mut authorization);
+                }
+            }
+            sink.lock()
+                .unwrap()
+                .push((first.trim_end().to_owned(), authorization));
+            let body = r#"{"found": "FOUND-record"}"#;
+            let _ = write!(
+                stream,
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    ToolServer { port, seen }
+}
+
+/// A replay routine `name` that looks a record up with `desk/lookup` in `mode`, then answers.
+fn replay_routine(project: &Project<'_>, name: &str, mode: &str) {
+    let file = project.dir.join(format!("{name}.toml"));
+    std::fs::write(
+        &file,
+        format!(
+            r#"name = "{name}"
+instructions = "Look it up."
+
+[model]
+provider = "replay"
+model = "script"
+
+[[model.script.turns]]
+when = {{ last_tool_result_contains = "FOUND-record" }}
+text = "Found it."
+
+[[model.script.turns]]
+tool_calls = [{{ id = "call_1", name = "desk__lookup", arguments = {{}} }}]
+
+[[tools]]
+tool = "desk/lookup"
+mode = "{mode}"
+"#
+        ),
+    )
+    .unwrap();
+    project.client(&["routine", "apply", "-f", file.to_str().unwrap()], &[]);
+}
+
+/// `wor serve --role worker` on `data_dir`, with `config`; its log is collected.
+fn start_worker(data_dir: &std::path::Path, config: &std::path::Path) -> Server {
+    let mut child = wor(&[
+        "serve",
+        "--role",
+        "worker",
+        "--data-dir",
+        data_dir.to_str().unwrap(),
+        "--config",
+        config.to_str().unwrap(),
+        "--workers",
+        "4",
+    ])
+    .stdout(Stdio::null())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let log = Arc::new(Mutex::new(String::new()));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let sink = log.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if line.starts_with("wor: worker ") {
+                let _ = tx.send(());
+            }
+            let mut log = sink.lock().unwrap();
+            log.push_str(&line);
+            log.push('\n');
+        }
+    });
+    rx.recv_timeout(Duration::from_secs(30))
+        .unwrap_or_else(|_| panic!("the worker did not start: {}", log.lock().unwrap()));
+    Server {
+        child,
+        url: String::new(),
+        log,
+    }
+}
+
+/// The run `id` as `wor run show` prints it.
+fn shown_run(project: &Project<'_>, id: &str) -> Value {
+    serde_json::from_slice(&project.client(&["run", "get", id, "--json"], &[]).stdout).unwrap()
+}
+
+/// Whether the memory of process `pid` holds `needle` anywhere it can be read.
+fn memory_holds(pid: u32, needle: &[u8]) -> bool {
+    use std::io::{Read as _, Seek as _, SeekFrom};
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    let mut memory = std::fs::File::open(format!("/proc/{pid}/mem")).unwrap();
+    let mut scanned = 0usize;
+    for line in maps.lines() {
+        let mut fields = line.split_whitespace();
+        let (Some(range), Some(perms)) = (fields.next(), fields.next()) else {
+            continue;
+        };
+        if !perms.starts_with('r') {
+            continue;
+        }
+        let (start, end) = range.split_once('-').unwrap();
+        let start = u64::from_str_radix(start, 16).unwrap();
+        let end = u64::from_str_radix(end, 16).unwrap();
+        let Ok(len) = usize::try_from(end - start) else {
+            continue;
+        };
+        let mut region = vec![0u8; len];
+        if memory.seek(SeekFrom::Start(start)).is_err() || memory.read_exact(&mut region).is_err() {
+            continue;
+        }
+        scanned += len;
+        if region.windows(needle.len()).any(|w| w == needle) {
+            return true;
+        }
+    }
+    assert!(
+        scanned > 0,
+        "nothing of process {pid}'s memory could be read"
+    );
+    false
+}
+
+#[test]
+fn a_worker_process_drives_the_runs_it_claims_without_a_database_or_the_encryption_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = database_args(dir.path());
+    let key = create_project(&db);
+    let api = start_role(&db, "api");
+    let project = Project {
+        api: &api,
+        key: key.clone(),
+        dir: dir.path(),
+    };
+    let tools = tool_server();
+    project.http_connection_at(
+        "desk",
+        &format!("http://127.0.0.1:{}/v1", tools.port),
+        WORKER_TOOL_TOKEN,
+        true,
+    );
+    replay_routine(&project, "desk", "auto");
+    replay_routine(&project, "held-desk", "confirm");
+
+    // The worker enrols on its own machine (its own data dir) and starts with nothing of the
+    // control plane's: no database URL, no encryption key.
+    let worker_dir = dir.path().join("worker");
+    let out = enroll(&api.url, &create_token(&db), &worker_dir);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let config = worker_dir.join("worker.toml");
+    std::fs::write(&config, "[egress]\nallowed_cidrs = [\"127.0.0.1/32\"]\n").unwrap();
+    let worker = start_worker(&worker_dir, &config);
+
+    // A run started on the API finishes on the worker: the tool got the connection's token
+    // from the run's envelope, and the steps are on the control plane.
+    let run_id = project.start("desk");
+    wait_for(
+        "the worker to finish the run",
+        Duration::from_secs(60),
+        || {
+            shown_run(&project, &run_id)["status"] != "queued"
+                && shown_run(&project, &run_id)["status"] != "running"
+        },
+    );
+    let shown = shown_run(&project, &run_id);
+    assert_eq!(
+        shown["status"],
+        "succeeded",
+        "{shown}\n{}",
+        worker.log.lock().unwrap()
+    );
+    assert_eq!(shown["outcome"], "Found it.", "{shown}");
+    let kinds: Vec<&str> = shown["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["kind"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            "input",
+            "model_turn",
+            "tool_call",
+            "tool_result",
+            "model_turn",
+            "outcome"
+        ],
+        "{shown}"
+    );
+    {
+        let seen = tools.seen.lock().unwrap();
+        assert_eq!(seen.len(), 1, "{seen:?}");
+        assert!(seen[0].0.starts_with("GET /v1/lookup"), "{seen:?}");
+        assert_eq!(seen[0].1, format!("Bearer {WORKER_TOOL_TOKEN}"), "{seen:?}");
+    }
+
+    // A held call parks the run on the control plane; a person approves it there, and a
+    // claim of the worker's runs the call with the approval and finishes the run.
+    let held_id = project.start("held-desk");
+    wait_for(
+        "the run to wait for a person",
+        Duration::from_secs(60),
+        || shown_run(&project, &held_id)["status"] == "waiting_for_approval",
+    );
+    assert_eq!(tools.seen.lock().unwrap().len(), 1, "the held call ran");
+    let listed: Value =
+        serde_json::from_slice(&project.client(&["approvals", "list", "--json"], &[]).stdout)
+            .unwrap();
+    let approval_id = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["run_id"] == held_id.as_str())
+        .unwrap_or_else(|| panic!("{listed}"))["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let approver = project.client(&["member", "create", "pat", "--role", "approver"], &[]);
+    let approver = Project {
+        api: &api,
+        key: text(&approver.stdout).trim().to_owned(),
+        dir: dir.path(),
+    };
+    approver.client(
+        &["approvals", "approve", &approval_id, "--reason", "expected"],
+        &[],
+    );
+    wait_for(
+        "the approved run to finish",
+        Duration::from_secs(60),
+        || {
+            let status = shown_run(&project, &held_id)["status"].clone();
+            status != "queued" && status != "running" && status != "waiting_for_approval"
+        },
+    );
+    let shown = shown_run(&project, &held_id);
+    assert_eq!(
+        shown["status"],
+        "succeeded",
+        "{shown}\n{}",
+        worker.log.lock().unwrap()
+    );
+    assert!(
+        shown["steps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|s| s["kind"] == "approval_used"),
+        "{shown}"
+    );
+    assert_eq!(
+        tools.seen.lock().unwrap().len(),
+        2,
+        "the approved call ran once"
+    );
+
+    // The worker's environment and memory never held the control plane's encryption key.
+    let pid = worker.child.id();
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+    let environ = String::from_utf8_lossy(&environ);
+    assert!(!environ.contains("WOR_ENCRYPTION_KEY"), "{environ}");
+    assert!(!environ.contains("WOR_DATABASE_URL"), "{environ}");
+    let key_text = std::fs::read_to_string(dir.path().join("encryption.key")).unwrap();
+    let key_text = key_text.trim();
+    use base64::Engine as _;
+    let key_bytes = base64::engine::general_purpose::STANDARD
+        .decode(key_text)
+        .unwrap();
+    assert!(!memory_holds(pid, key_text.as_bytes()));
+    assert!(!memory_holds(pid, &key_bytes));
+    // The scan finds what the worker does hold: the control plane's address.
+    assert!(memory_holds(pid, api.url.as_bytes()));
+
+    // Everything the worker did is on the control plane's audit chain, which verifies.
+    let log = text(&project.client(&["audit", "export"], &[]).stdout);
+    for category in ["run.start", "tool.call", "approval.use", "run.end"] {
+        assert!(
+            log.contains(&format!("\"{category}\"")),
+            "{category}: {log}"
+        );
+    }
+    let mut verify = vec!["audit", "verify", "--json"];
+    verify.extend(db.iter().map(String::as_str));
+    let out = run(&mut wor(&verify));
+    assert!(
+        out.status.success(),
+        "{}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    let log = worker.stop();
+    assert!(!log.contains("panicked"), "{log}");
+    api.stop();
 }

@@ -275,7 +275,7 @@ impl Engine {
                 done = &mut work => return Ok(Ok(done)),
                 () = &mut deadline => return Ok(Err(Stopped::Deadline)),
                 _ = poll.tick() => {
-                    if self.store.is_cancel_requested(run.id).await? {
+                    if self.cancel_requested(run.id).await? {
                         return Ok(Err(Stopped::Cancelled));
                     }
                     self.renew_lease(run).await?;
@@ -327,12 +327,9 @@ impl Engine {
             }
         };
         let Some(earlier) = earlier else {
-            return Ok(self.audit.record(write).await?);
+            return self.commit(write).await;
         };
-        let written = self
-            .audit
-            .record(write.preceded_by(earlier.clone()))
-            .await?;
+        let written = self.commit(write.preceded_by(earlier.clone())).await?;
         if matches!(
             written,
             RunWritten::CredentialEnded | RunWritten::CancelRequested
@@ -340,6 +337,31 @@ impl Engine {
             self.carried().insert(run, earlier);
         }
         Ok(written)
+    }
+
+    /// Commits `write`: with the audit writer, or, for a remote worker, as a `steps` request
+    /// to the control plane (which derives the audit entries from the steps).
+    async fn commit(&self, write: RunWrite) -> Result<RunWritten, EngineError> {
+        if self.is_remote() {
+            return self
+                .record_remote(write.run, &write.steps, write.usage)
+                .await;
+        }
+        Ok(self.audit.record(write).await?)
+    }
+
+    /// Whether a cancel of `run` has been requested: as the store has it, or, for a remote
+    /// worker, as the control plane last reported it.
+    pub(crate) async fn cancel_requested(&self, run: RunId) -> Result<bool, EngineError> {
+        match self.remote_claim(run) {
+            Some(claim) => Ok(Engine::claimed_cancel(&*claim?)),
+            None => Ok(self.store.is_cancel_requested(run).await?),
+        }
+    }
+
+    /// Takes what `run` carried, to be written by the caller.
+    pub(crate) fn take_carried(&self, run: RunId) -> Option<RunWrite> {
+        self.carried().remove(&run)
     }
 
     /// Keeps `write` — a model turn that asked for tool calls — for the run's next journal
@@ -371,6 +393,12 @@ impl Engine {
     /// Renews the lease of a run this worker drives; [`EngineError::LeaseLost`] when another
     /// worker holds it now.
     pub(crate) async fn renew_lease(&self, run: &RunRecord) -> Result<(), EngineError> {
+        if self.is_remote() {
+            return match self.renew_remote(run.id).await? {
+                true => Ok(()),
+                false => Err(EngineError::LeaseLost),
+            };
+        }
         if self
             .store
             .renew_lease(run.id, &self.config.worker_id, self.lease_ms())

@@ -149,6 +149,22 @@ impl Engine {
             .map_err(|e| EngineError::InvalidState(format!("cannot build the redactor: {e}")))
     }
 
+    /// The redactor for everything `run` records or sends: for a remote worker, the secrets
+    /// its envelope brought (the control plane redacts with all of the project's again);
+    /// otherwise the project's ([`Engine::project_redactor`]).
+    async fn run_redactor(&self, run: &RunRecord) -> Result<Redactor, EngineError> {
+        match self.remote_claim(run.id) {
+            Some(claim) => {
+                let claim = claim?;
+                let values = Engine::claimed_secret_values(&claim);
+                Redactor::new(values.iter().map(|s| s.expose_secret())).map_err(|e| {
+                    EngineError::InvalidState(format!("cannot build the redactor: {e}"))
+                })
+            }
+            None => self.project_redactor(run.project_id).await,
+        }
+    }
+
     /// Drives a run this worker holds the lease of, until it ends, parks for an approval or
     /// the lease is lost.
     pub(crate) async fn drive(&self, run: RunRecord) -> Result<(), EngineError> {
@@ -206,6 +222,9 @@ impl Engine {
         ending: Ending,
         usage: Option<BudgetUsage>,
     ) -> Result<bool, EngineError> {
+        if self.is_remote() {
+            return self.end_claimed(run, ending, usage).await;
+        }
         // The end, its outcome step and its audit entry are one write: nothing after it can
         // keep the run's end off the chain.
         if let Some(usage) = usage {
@@ -250,7 +269,10 @@ impl Engine {
             .routine_version(run.project_id, run.routine_id, run.routine_version)
             .await?;
         let definition = &version.definition;
-        let steps = self.store.list_run_steps(run.project_id, run.id, 0).await?;
+        let steps = match self.remote_claim(run.id) {
+            Some(claim) => Engine::claimed_steps(&*claim?),
+            None => self.store.list_run_steps(run.project_id, run.id, 0).await?,
+        };
         let labelled = || steps.iter().map(|s| (&s.step, s.provenance));
         let messages = conversation(&definition.instructions, labelled());
         let pending = pending_calls(steps.iter().map(|s| &s.step));
@@ -275,7 +297,7 @@ impl Engine {
         }
         // Policies that do not validate fail the run (`EngineError::run_failure`).
         let policy = self.run_policy(run, definition).await?;
-        let redactor = self.project_redactor(run.project_id).await?;
+        let redactor = self.run_redactor(run).await?;
         let tools = match self.prepare_tools(run, definition).await {
             Ok(tools) => tools,
             Err(ToolsUnavailable::Refused(reason)) => {
@@ -357,11 +379,14 @@ impl Engine {
         run: &RunRecord,
         definition: &RoutineDefinition,
     ) -> Result<Arc<PolicyEngine>, EngineError> {
-        let project = self
-            .store
-            .project_policy(run.project_id)
-            .await?
-            .map(|p| p.text);
+        let project = match self.remote_claim(run.id) {
+            Some(claim) => Engine::claimed_policy(&*claim?),
+            None => self
+                .store
+                .project_policy(run.project_id)
+                .await?
+                .map(|p| p.text),
+        };
         let key = crate::versions::PolicyKey::new(run, project.as_deref());
         if let Some(built) = self.versions.policy(&key) {
             return Ok(built);
@@ -439,7 +464,7 @@ impl Engine {
             && last.tool_calls.is_empty()
         {
             // A cancel requested since still wins, as it would have before the next step.
-            if self.store.is_cancel_requested(run.id).await? {
+            if self.cancel_requested(run.id).await? {
                 return Ok(Flow::End(
                     Ending::new(RunStatus::Cancelled, "cancelled on request"),
                     None,
@@ -460,7 +485,7 @@ impl Engine {
         loop {
             let cancel_requested = match cancel_known.take() {
                 Some(known) => known,
-                None => self.store.is_cancel_requested(run.id).await?,
+                None => self.cancel_requested(run.id).await?,
             };
             match machine.next(cancel_requested, elapsed()) {
                 Next::End(ending) => {
@@ -717,11 +742,18 @@ impl Engine {
             .connection
             .as_deref()
             .ok_or(ModelUnavailable::NoConnection)?;
-        let connections = self
-            .store
-            .list_model_connections(run.project_id)
-            .await
-            .map_err(ModelUnavailable::Connections)?;
+        let claim = self
+            .remote_claim(run.id)
+            .transpose()
+            .map_err(|_| ModelUnavailable::Connections(wor_store::StoreError::NotFound))?;
+        let connections = match &claim {
+            Some(claim) => Engine::claimed_model_connection(claim),
+            None => self
+                .store
+                .list_model_connections(run.project_id)
+                .await
+                .map_err(ModelUnavailable::Connections)?,
+        };
         let connection = connections
             .into_iter()
             .find(|c| c.name == name && c.status == ConnectionStatus::Active)
@@ -743,31 +775,36 @@ impl Engine {
         );
         // A connection without a key is a local model server: allowed only while its address
         // is in the operator's model ranges, rechecked at every (re)start.
-        let key = match self.vault.metadata(&slot).await {
-            Ok(Some(_)) => Some(self.vault.open(&slot).await.map_err(|source| {
-                ModelUnavailable::KeyUnopened {
-                    name: name.to_owned(),
-                    source,
-                }
-            })?),
-            Ok(None) => {
-                self.model_egress
-                    .vet_keyless_model(&connection.base_url)
-                    .await
-                    .map_err(|source| ModelUnavailable::Keyless {
+        // A remote worker's key is the one its envelope brought, if any; the control plane
+        // recorded its use when it sealed it.
+        let key = match &claim {
+            Some(claim) => Engine::claimed_model_key(claim),
+            None => match self.vault.metadata(&slot).await {
+                Ok(Some(_)) => Some(self.vault.open(&slot).await.map_err(|source| {
+                    ModelUnavailable::KeyUnopened {
                         name: name.to_owned(),
                         source,
-                    })?;
-                None
-            }
-            Err(source) => {
-                return Err(ModelUnavailable::KeyUnread {
+                    }
+                })?),
+                Ok(None) => None,
+                Err(source) => {
+                    return Err(ModelUnavailable::KeyUnread {
+                        name: name.to_owned(),
+                        source,
+                    });
+                }
+            },
+        };
+        if key.is_none() {
+            self.model_egress
+                .vet_keyless_model(&connection.base_url)
+                .await
+                .map_err(|source| ModelUnavailable::Keyless {
                     name: name.to_owned(),
                     source,
-                });
-            }
-        };
-        if key.is_some() {
+                })?;
+        }
+        if key.is_some() && claim.is_none() {
             self.audit
                 .append(
                     run_event(run, AuditCategory::SecretUse)

@@ -28,6 +28,7 @@ mod notifications;
 mod oauth_connections;
 mod output;
 mod pipeline;
+mod remote;
 mod run_tools;
 mod scheduler;
 mod start;
@@ -38,6 +39,7 @@ mod triggers;
 mod versions;
 mod wasm_tools;
 mod worker;
+pub mod worker_wire;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -64,6 +66,7 @@ pub use oauth_connections::{
     OAUTH_CLIENT_METADATA_PATH, OAuthRefusal, REFRESH_AHEAD_MS, RegisteredClient,
     StartedAuthorization,
 };
+pub use remote::{ClaimError, ControlPlaneLink, LinkAnswer, LinkError, LinkFuture};
 pub use scheduler::{DISPATCH_AHEAD_MS, SchedulerReport};
 pub use start::{DEFAULT_THREAD, StartRun, Trigger};
 pub use tool_connection_spec::{
@@ -230,6 +233,8 @@ pub enum EngineError {
     StartTask(String),
     #[error(transparent)]
     Store(#[from] StoreError),
+    #[error("{0}")]
+    ControlPlane(String),
 }
 
 impl From<ConnectionError> for EngineError {
@@ -271,6 +276,7 @@ impl EngineError {
             // The run resumes later: another worker holds it, or the store is unavailable.
             | EngineError::RefreshInProgress { .. }
             | EngineError::LeaseLost
+            | EngineError::ControlPlane(_)
             | EngineError::Store(_) => None,
         }
     }
@@ -309,6 +315,9 @@ pub struct Engine {
     /// Per run driven here: a model turn recorded but not yet committed, which the run's next
     /// journal write carries ([`Engine::carry`]).
     carried: Arc<std::sync::Mutex<std::collections::HashMap<wor_core::RunId, RunWrite>>>,
+    /// Set for a remote worker's engine: the runs it claimed and how it reaches the control
+    /// plane (`remote.rs`).
+    remote: Option<Arc<remote::RemoteRuns>>,
 }
 
 impl Engine {
@@ -335,6 +344,7 @@ impl Engine {
             versions: Arc::default(),
             oauth_refreshes: Arc::default(),
             carried: Arc::default(),
+            remote: None,
         }
     }
 

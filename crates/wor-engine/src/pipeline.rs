@@ -241,12 +241,44 @@ impl Engine {
         scope: &CallScope<'_>,
         request: ApprovalRequest<'_>,
     ) -> Result<CallOutcome, EngineError> {
-        match self
-            .park_run(scope.run, &self.config.worker_id, None, request)
-            .await?
-        {
-            Some(_) => Ok(CallOutcome::Parked),
+        let parked = match self.remote_claim(scope.run.id) {
+            Some(claim) => {
+                let claim = claim?;
+                match self
+                    .park_remote(scope.run.id, &request.call.call_id)
+                    .await?
+                {
+                    Some(_) => Some(()),
+                    // A cancel requested instead: the run ends rather than waits.
+                    None if Engine::claimed_cancel(&claim) => return Ok(CallOutcome::Cancelled),
+                    None => None,
+                }
+            }
+            None => self
+                .park_run(scope.run, &self.config.worker_id, None, request)
+                .await?
+                .map(|_| ()),
+        };
+        match parked {
+            Some(()) => Ok(CallOutcome::Parked),
             None => Err(EngineError::LeaseLost),
+        }
+    }
+
+    /// The latest approval of `kind` for `call` of `run`: from the store, or from a remote
+    /// worker's claim.
+    async fn call_approval(
+        &self,
+        run: &RunRecord,
+        call: &str,
+        kind: ApprovalKind,
+    ) -> Result<Option<ApprovalRecord>, EngineError> {
+        match self.remote_claim(run.id) {
+            Some(claim) => Ok(Engine::claimed_approval(&*claim?, call, kind)),
+            None => Ok(self
+                .store
+                .approval_for_call(run.project_id, run.id, call, kind)
+                .await?),
         }
     }
 
@@ -443,13 +475,7 @@ impl Engine {
             CallResume::Held => {}
         }
         let approval = self
-            .store
-            .approval_for_call(
-                scope.run.project_id,
-                scope.run.id,
-                &call.id,
-                ApprovalKind::Policy,
-            )
+            .call_approval(scope.run, &call.id, ApprovalKind::Policy)
             .await?;
         let ask_again = || ApprovalRequest {
             kind: ApprovalKind::Policy,
@@ -493,15 +519,22 @@ impl Engine {
         // The call as it ran: a retry is filed for the arguments a person edited, if they did.
         let ran = self.call_as_ran(scope.run, recorded).await?;
         let approval = self
-            .store
-            .approval_for_call(
-                scope.run.project_id,
-                scope.run.id,
-                &call.id,
-                ApprovalKind::OutcomeUnknown,
-            )
+            .call_approval(scope.run, &call.id, ApprovalKind::OutcomeUnknown)
             .await?;
         match unknown_outcome(approval, scope.untrusted)? {
+            // A remote worker's control plane files the question from the recorded steps,
+            // as it does for a held call.
+            UnknownOutcome::Ask { .. } if self.is_remote() => {
+                self.park(
+                    scope,
+                    ApprovalRequest {
+                        kind: ApprovalKind::OutcomeUnknown,
+                        call: &ran,
+                        why: Value::Null,
+                    },
+                )
+                .await
+            }
             UnknownOutcome::Ask { why, attempt } => {
                 match self
                     .ask_outcome_unknown(
@@ -540,13 +573,7 @@ impl Engine {
         recorded: &ToolCallStep,
     ) -> Result<ToolCallStep, EngineError> {
         let held = self
-            .store
-            .approval_for_call(
-                run.project_id,
-                run.id,
-                &recorded.call_id,
-                ApprovalKind::Policy,
-            )
+            .call_approval(run, &recorded.call_id, ApprovalKind::Policy)
             .await?;
         let edited = held
             .filter(|a| a.status == ApprovalStatus::Approved && a.used_at.is_some())
@@ -678,17 +705,21 @@ impl Engine {
         if replaced.is_some() {
             let (decision, _) = self.decide(scope, offered, &arguments, usage);
             if decision.outcome == wor_core::call::Verdict::Deny {
-                self.audit
-                    .append(
-                        run_event(scope.run, AuditCategory::ToolCall).payload(json!({
-                            "transition": "edit_denied",
-                            "tool": approval.tool,
-                            "call_id": call.id,
-                            "approval_id": approval.id.to_string(),
-                            "determining_policies": decision.determining_policies,
-                        })),
-                    )
-                    .await?;
+                // Not yet on the chain for a remote worker's run: its steps say the call
+                // was refused, without this entry.
+                if !self.is_remote() {
+                    self.audit
+                        .append(
+                            run_event(scope.run, AuditCategory::ToolCall).payload(json!({
+                                "transition": "edit_denied",
+                                "tool": approval.tool,
+                                "call_id": call.id,
+                                "approval_id": approval.id.to_string(),
+                                "determining_policies": decision.determining_policies,
+                            })),
+                        )
+                        .await?;
+                }
                 let text = format!(
                     "tool `{}` was refused by policy with the arguments a person edited: {}",
                     approval.tool,
@@ -709,8 +740,17 @@ impl Engine {
             Ok(reserved) => reserved,
             Err(exceeded) => return Ok(CallOutcome::Budget(exceeded)),
         };
-        let started = self
-            .start_approved(
+        let started = if self.is_remote() {
+            self.start_approved_remote(
+                scope.run.id,
+                approval.id,
+                offered.pin.hash(),
+                &arguments.hash,
+                reserved,
+            )
+            .await?
+        } else {
+            self.start_approved(
                 scope.run,
                 &self.config.worker_id,
                 None,
@@ -718,7 +758,8 @@ impl Engine {
                 &binding,
                 &reserved,
             )
-            .await?;
+            .await?
+        };
         match started {
             ApprovedStart::Started => {}
             ApprovedStart::RunNotHeld => return Err(EngineError::LeaseLost),
@@ -886,12 +927,18 @@ impl Engine {
         if diff.verdict() != wor_tools::ToolListVerdict::Quarantine {
             return Ok(None);
         }
-        self.quarantine_tool_connection(record, &live, &diff, run)
-            .await?;
         let names: Vec<String> = crate::tool_connections::quarantine_names(&diff)
             .iter()
             .map(|n| format!("`{n}`"))
             .collect();
+        if self.is_remote() {
+            return Ok(Some(crate::run_tools::changed_on_remote(
+                &record.name,
+                &names,
+            )));
+        }
+        self.quarantine_tool_connection(record, &live, &diff, run)
+            .await?;
         Ok(Some(format!(
             "tool connection `{}` is quarantined: its tools changed during the run: {}; an admin must review the diff and enable it again",
             record.name,

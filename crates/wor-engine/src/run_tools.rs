@@ -75,6 +75,18 @@ pub(crate) fn model_name(connection: &str, tool: &str) -> String {
         .collect()
 }
 
+/// Why a remote worker's run stops at a connection whose tools changed since they were
+/// pinned: it does not quarantine the connection (that is the control plane's to record), it
+/// fails the run closed, naming the tools.
+pub(crate) fn changed_on_remote(connection: &str, names: &[String]) -> String {
+    format!(
+        "tool connection `{connection}` lists tools that changed since they were pinned: {}; \
+         the run fails closed (a remote worker does not quarantine it: an admin should review \
+         the connection)",
+        names.join(", ")
+    )
+}
+
 impl RunTools {
     /// The tools as the model sees them: pinned arguments removed.
     pub fn specs(&self) -> Vec<ToolSpec> {
@@ -130,6 +142,14 @@ impl Engine {
         }
         for (connection, entries) in wanted {
             if connection == ROUTINE_CONNECTION {
+                if self.is_remote() {
+                    return Err(ToolsUnavailable::Refused(
+                        "a routine used as a tool runs as a nested run, which a remote worker \
+                         does not start yet; run this routine on a `wor serve --role all` \
+                         deployment"
+                            .to_owned(),
+                    ));
+                }
                 for (routine, entry) in entries {
                     let offered =
                         self.routine_tool(run, routine, entry)
@@ -147,11 +167,20 @@ impl Engine {
                 }
                 continue;
             }
-            let record = match self
-                .store
-                .get_tool_connection_by_name(run.project_id, connection)
-                .await
-            {
+            let found = match self.remote_claim(run.id) {
+                Some(claim) => {
+                    let claim = claim.map_err(|_| {
+                        ToolsUnavailable::Refused("the run's claim is no longer held".to_owned())
+                    })?;
+                    Engine::claimed_tool_connection(&claim, connection).ok_or(StoreError::NotFound)
+                }
+                None => {
+                    self.store
+                        .get_tool_connection_by_name(run.project_id, connection)
+                        .await
+                }
+            };
+            let record = match found {
                 Ok(record) => record,
                 Err(StoreError::NotFound) => {
                     return Err(ToolsUnavailable::Refused(format!(
@@ -174,19 +203,24 @@ impl Engine {
             let diff = compare(&pins, &live);
             if diff.verdict() == ToolListVerdict::Quarantine {
                 session.close().await;
-                self.quarantine_tool_connection(&record, &live, &diff, run)
-                    .await
-                    .map_err(ToolsUnavailable::Store)?;
                 let names: Vec<String> = quarantine_names(&diff)
                     .iter()
                     .map(|n| format!("`{n}`"))
                     .collect();
+                if self.is_remote() {
+                    return Err(ToolsUnavailable::Refused(changed_on_remote(
+                        connection, &names,
+                    )));
+                }
+                self.quarantine_tool_connection(&record, &live, &diff, run)
+                    .await
+                    .map_err(ToolsUnavailable::Store)?;
                 return Err(ToolsUnavailable::Refused(format!(
                     "tool connection `{connection}` is quarantined: tools changed since they were pinned: {}; an admin must review the diff and enable it again",
                     names.join(", ")
                 )));
             }
-            if diff.verdict() == ToolListVerdict::ToolsRemoved {
+            if diff.verdict() == ToolListVerdict::ToolsRemoved && !self.is_remote() {
                 let seen = live
                     .iter()
                     .map(|t| (t.name.clone(), stored_from_definition(t)))

@@ -366,20 +366,24 @@ impl Engine {
             allowlist,
             credentials: self.traced(self.connection_credentials(record).await?, record, run)?,
         };
-        // An authorized connection's access token is renewed when its server refuses it.
-        let renewal = self
-            .store
-            .get_connection_oauth(record.project_id, record.id)
-            .await
-            .map_err(|e| ConnectionError::Authorization(Box::new(EngineError::Store(e))))?
-            .map(|_| {
-                std::sync::Arc::new(crate::oauth_connections::OAuthRenewal {
-                    engine: self.clone(),
-                    project: record.project_id,
-                    id: record.id,
-                    connection: connection(),
-                }) as std::sync::Arc<dyn wor_tools::BearerRenewal>
-            });
+        // An authorized connection's access token is renewed when its server refuses it (not
+        // by a remote worker, which uses the token its envelope brought).
+        let renewal = if self.is_remote() {
+            None
+        } else {
+            self.store
+                .get_connection_oauth(record.project_id, record.id)
+                .await
+                .map_err(|e| ConnectionError::Authorization(Box::new(EngineError::Store(e))))?
+                .map(|_| {
+                    std::sync::Arc::new(crate::oauth_connections::OAuthRenewal {
+                        engine: self.clone(),
+                        project: record.project_id,
+                        id: record.id,
+                        connection: connection(),
+                    }) as std::sync::Arc<dyn wor_tools::BearerRenewal>
+                })
+        };
         McpSession::connect_http_renewing(&self.egress, endpoint, renewal, McpLimits::default())
             .await
             .map(ToolSession::Mcp)
@@ -458,6 +462,23 @@ impl Engine {
     ) -> Result<Vec<(RequestSecret<'a>, SecretString)>, ConnectionError> {
         let name = &record.name;
         let mut secrets = Vec::new();
+        // A remote worker's are the ones its envelope brought.
+        if self.is_remote() {
+            for secret in [RequestSecret::Bearer, RequestSecret::OAuthAccessToken]
+                .into_iter()
+                .chain(
+                    record
+                        .secret_headers
+                        .iter()
+                        .map(|h| RequestSecret::Header(h)),
+                )
+            {
+                if let Some(Some(value)) = self.remote_tool_credential(record.id, &secret.field()) {
+                    secrets.push((secret, value));
+                }
+            }
+            return Ok(secrets);
+        }
         let bearer = credential_slot(record, BEARER_TOKEN_FIELD);
         if self
             .vault
@@ -593,6 +614,19 @@ impl Engine {
         slot: &SecretSlot,
         name: &str,
     ) -> Result<SecretString, ConnectionError> {
+        // A remote worker opens nothing: the secret is in a held run's envelope, or missing.
+        if self.is_remote() {
+            return self
+                .remote
+                .as_ref()
+                .and_then(|remote| remote.tool_credential(&slot.owner_id, &slot.field))
+                .ok_or_else(|| ConnectionError::Vault {
+                    connection: name.to_owned(),
+                    source: wor_store::VaultError::Missing {
+                        slot: slot.to_string(),
+                    },
+                });
+        }
         self.vault
             .open(slot)
             .await

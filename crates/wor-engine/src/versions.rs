@@ -177,6 +177,12 @@ impl Engine {
         if let Some(found) = self.versions.entries.get(&key) {
             return Ok(found);
         }
+        // A remote worker reads the versions of the runs it holds from their claims.
+        if let Some(remote) = &self.remote {
+            return remote
+                .version(routine, version)
+                .ok_or(EngineError::LeaseLost);
+        }
         let read = Arc::new(
             self.store
                 .get_routine_version(project, routine, version)

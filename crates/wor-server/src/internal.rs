@@ -23,12 +23,12 @@ use crate::AppState;
 use crate::error::ApiError;
 use crate::extract::ApiJson;
 
-/// The path of worker enrolment.
-pub const ENROLL_PATH: &str = "/internal/v1/workers/enroll";
-/// The path of a worker's heartbeat, its first signed request.
-pub const HEARTBEAT_PATH: &str = "/internal/v1/workers/heartbeat";
-/// The path where a worker claims a run.
-pub const CLAIM_PATH: &str = "/internal/v1/runs/claim";
+use wor_engine::worker_wire::{
+    ApprovalUseAnswer, ClaimedRun, ClaimedStep, ClaimedVersion, EndRequest, HeartbeatAnswer,
+    HeldRunRequest, LeaseAnswer, ParkAnswer, ParkRequest, StepsAnswer, StepsRequest,
+    UseApprovalRequest,
+};
+pub use wor_engine::worker_wire::{CLAIM_PATH, ENROLL_PATH, HEARTBEAT_PATH};
 /// How long an envelope may be opened after it is issued, at least: a worker opens it as it
 /// arrives, so this only covers clock skew and a slow network.
 const MIN_ENVELOPE_LIFETIME_SECS: i64 = 60;
@@ -144,12 +144,6 @@ async fn enroll(
     ))
 }
 
-/// What a worker's heartbeat answers.
-#[derive(Debug, serde::Serialize)]
-pub struct HeartbeatResponse {
-    pub worker_id: String,
-}
-
 /// Why a worker's signed request was refused; logged, and named in the 401 it answers.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum WorkerAuthError {
@@ -262,18 +256,10 @@ async fn signed_with_body(
     Ok((worker, body))
 }
 
-/// What a worker presents to act on a run it holds: the credential minted for its claim, which
-/// binds the request to that claim (an earlier claim's has ended) and to the run's deadline.
-#[derive(Debug, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct HeldRun {
-    pub run_credential: String,
-}
-
 /// The signing worker and the claim credential it presents.
 async fn held_run(state: &AppState, request: Request) -> Result<(String, String), ApiError> {
     let (worker, body) = signed_with_body(state, request).await?;
-    let held: HeldRun = signed_body(&body, "{\"run_credential\": \"wrt_…\"}")?;
+    let held: HeldRunRequest = signed_body(&body, "{\"run_credential\": \"wrt_…\"}")?;
     Ok((worker.id, held.run_credential))
 }
 
@@ -281,47 +267,11 @@ async fn held_run(state: &AppState, request: Request) -> Result<(String, String)
 async fn heartbeat(
     State(state): State<AppState>,
     request: Request,
-) -> Result<Json<HeartbeatResponse>, ApiError> {
+) -> Result<Json<HeartbeatAnswer>, ApiError> {
     let worker = signed_by(&state, request).await?;
-    Ok(Json(HeartbeatResponse {
+    Ok(Json(HeartbeatAnswer {
         worker_id: worker.id,
     }))
-}
-
-/// A run claimed by a worker: what it is driven from, and its secrets in an envelope sealed to
-/// that worker alone.
-#[derive(Debug, serde::Serialize)]
-pub struct ClaimedRun {
-    /// Names this claim in the envelope and in both sides' logs.
-    pub lease_id: String,
-    pub project_id: String,
-    pub run: crate::routes::runs::RunView,
-    /// A nested run's cap: what was left of its root's budget when it started.
-    pub budget_cap: Option<serde_json::Value>,
-    pub routine_version: ClaimedVersion,
-    /// The project's policy text; `null`: the built-in default.
-    pub project_policy: Option<String>,
-    /// The steps recorded so far, in order.
-    pub steps: Vec<crate::routes::runs::RunStepView>,
-    pub model_connection: Option<wor_store::ModelConnectionRecord>,
-    /// The roster's tool connections with their pins (no secrets).
-    pub tool_connections: Vec<wor_store::ToolConnectionRecord>,
-    /// The run's approvals, oldest first, as `GET /v1/approvals/{id}` shows them.
-    pub approvals: Vec<crate::routes::approvals::ApprovalView>,
-    /// The run's deadline: its credential expires then (Unix milliseconds).
-    pub credential_expires_at: i64,
-    /// When the lease runs out unless renewed (Unix milliseconds).
-    pub lease_expires_at: i64,
-    /// Standard base64 of the run envelope (`wor_secrets::run_envelope`).
-    pub envelope: String,
-}
-
-/// The routine version a claimed run runs.
-#[derive(Debug, serde::Serialize)]
-pub struct ClaimedVersion {
-    pub version: i64,
-    pub content_hash: String,
-    pub source_toml: String,
 }
 
 /// Claims the oldest queued run the limits allow for the signing worker. `204` when there is
@@ -347,12 +297,15 @@ async fn claim(State(state): State<AppState>, request: Request) -> Result<Respon
     };
     let steps = match claimed
         .steps
-        .into_iter()
-        .map(crate::routes::runs::RunStepView::try_from)
+        .iter()
+        .map(ClaimedStep::recorded)
         .collect::<Result<Vec<_>, _>>()
     {
         Ok(steps) => steps,
-        Err(error) => return Err(give_back(error).await),
+        Err(error) => {
+            tracing::error!(category = "run", %error, "a run step does not serialise");
+            return Err(give_back(ApiError::Internal).await);
+        }
     };
     let lease_id = format!(
         "lse_{}",
@@ -416,9 +369,7 @@ async fn claim(State(state): State<AppState>, request: Request) -> Result<Respon
     let version = &claimed.version;
     Ok(Json(ClaimedRun {
         lease_id,
-        project_id: claimed.run.project_id.to_string(),
-        budget_cap: claimed.run.budget_cap.clone(),
-        run: claimed.run.into(),
+        run: claimed.run,
         routine_version: ClaimedVersion {
             version: version.version,
             content_hash: version.content_hash.clone(),
@@ -428,21 +379,12 @@ async fn claim(State(state): State<AppState>, request: Request) -> Result<Respon
         steps,
         model_connection: claimed.model_connection,
         tool_connections: claimed.tool_connections,
-        approvals: claimed.approvals.into_iter().map(Into::into).collect(),
+        approvals: claimed.approvals,
         credential_expires_at: claimed.credential_expires_at,
         lease_expires_at: claimed.lease_expires_at,
         envelope: sealed.to_base64(),
     })
     .into_response())
-}
-
-/// A renewed lease.
-#[derive(Debug, serde::Serialize)]
-pub struct LeaseView {
-    /// Unix milliseconds.
-    pub lease_expires_at: i64,
-    /// A cancel was requested: the worker stops the run before its next step.
-    pub cancel_requested: bool,
 }
 
 fn run_id(text: &str) -> Result<wor_core::RunId, ApiError> {
@@ -455,7 +397,7 @@ async fn renew(
     State(state): State<AppState>,
     axum::extract::Path(run): axum::extract::Path<String>,
     request: Request,
-) -> Result<Json<LeaseView>, ApiError> {
+) -> Result<Json<LeaseAnswer>, ApiError> {
     let (worker, credential) = held_run(&state, request).await?;
     let run = run_id(&run)?;
     match state
@@ -466,7 +408,7 @@ async fn renew(
         wor_engine::LeaseRenewal::Renewed {
             expires_at,
             cancel_requested,
-        } => Ok(Json(LeaseView {
+        } => Ok(Json(LeaseAnswer {
             lease_expires_at: expires_at,
             cancel_requested,
         })),
@@ -495,48 +437,6 @@ async fn release(
     }
 }
 
-/// One step a worker records, in the shape a run's steps are read in.
-#[derive(Debug, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct WorkerStep {
-    /// `input`, `model_turn`, `tool_call`, `tool_result` or `output`.
-    pub kind: String,
-    /// `model`, `engine` or `untrusted`, as a driver labels the step.
-    pub provenance: String,
-    pub payload: serde_json::Value,
-}
-
-/// What a worker records at one step of a run it holds.
-#[derive(Debug, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct StepsRequest {
-    pub run_credential: String,
-    pub steps: Vec<WorkerStep>,
-    /// The run's usage after these steps.
-    pub usage: wor_core::budget::BudgetUsage,
-}
-
-/// What a worker's write came to.
-#[derive(Debug, serde::Serialize)]
-pub struct StepsRecorded {
-    /// False only for a write that reserves a call when a cancel was requested: the worker
-    /// ends the run as cancelled instead.
-    pub recorded: bool,
-    /// A cancel of the run was requested: the worker stops before its next step.
-    pub cancel_requested: bool,
-}
-
-/// How a worker ends a run it holds.
-#[derive(Debug, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct EndRequest {
-    pub run_credential: String,
-    /// `succeeded`, `failed` or `cancelled`.
-    pub status: String,
-    pub outcome: String,
-    pub usage: wor_core::budget::BudgetUsage,
-}
-
 /// The body of a signed request, as `T`; a body of another shape is a 400 that says so.
 fn signed_body<T: serde::de::DeserializeOwned>(body: &[u8], shape: &str) -> Result<T, ApiError> {
     serde_json::from_slice(body)
@@ -560,7 +460,7 @@ async fn record_steps(
     State(state): State<AppState>,
     axum::extract::Path(run): axum::extract::Path<String>,
     request: Request,
-) -> Result<Json<StepsRecorded>, ApiError> {
+) -> Result<Json<StepsAnswer>, ApiError> {
     let (worker, body) = signed_with_body(&state, request).await?;
     let run = run_id(&run)?;
     let request: StepsRequest = signed_body(
@@ -598,11 +498,11 @@ async fn record_steps(
         .await?
         .map_err(refused_write)?;
     match recorded {
-        wor_engine::WorkerRecorded::Committed { cancel_requested } => Ok(Json(StepsRecorded {
+        wor_engine::WorkerRecorded::Committed { cancel_requested } => Ok(Json(StepsAnswer {
             recorded: true,
             cancel_requested,
         })),
-        wor_engine::WorkerRecorded::CancelRequested => Ok(Json(StepsRecorded {
+        wor_engine::WorkerRecorded::CancelRequested => Ok(Json(StepsAnswer {
             recorded: false,
             cancel_requested: true,
         })),
@@ -649,31 +549,13 @@ async fn end(
     }
 }
 
-/// How a worker parks a run it holds for a person's decision on a call: one it recorded as
-/// held, or one that started and whose outcome is unknown.
-#[derive(Debug, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ParkRequest {
-    pub run_credential: String,
-    pub call_id: String,
-}
-
-/// What a worker's park came to.
-#[derive(Debug, serde::Serialize)]
-pub struct Parked {
-    /// The approval the run now waits for; `null` when a cancel was requested instead.
-    pub approval_id: Option<String>,
-    /// A cancel of the run was requested: it is not parked, and the worker ends it.
-    pub cancel_requested: bool,
-}
-
 /// Parks a run the signing worker holds: the control plane files the approval from the call
 /// as the run recorded it, and announces it.
 async fn park(
     State(state): State<AppState>,
     axum::extract::Path(run): axum::extract::Path<String>,
     request: Request,
-) -> Result<Json<Parked>, ApiError> {
+) -> Result<Json<ParkAnswer>, ApiError> {
     let (worker, body) = signed_with_body(&state, request).await?;
     let run = run_id(&run)?;
     let request: ParkRequest = signed_body(&body, "{\"run_credential\", \"call_id\"}")?;
@@ -686,12 +568,12 @@ async fn park(
         wor_engine::WorkerParked::Parked(approval) => {
             tracing::info!(category = "run", action = "worker.parked", worker_id = %worker.id,
                 run_id = %run, approval_id = %approval, "a worker parked a run for approval");
-            Ok(Json(Parked {
+            Ok(Json(ParkAnswer {
                 approval_id: Some(approval.to_string()),
                 cancel_requested: false,
             }))
         }
-        wor_engine::WorkerParked::CancelRequested => Ok(Json(Parked {
+        wor_engine::WorkerParked::CancelRequested => Ok(Json(ParkAnswer {
             approval_id: None,
             cancel_requested: true,
         })),
@@ -699,36 +581,12 @@ async fn park(
     }
 }
 
-/// How a worker starts a call with the approval a person gave it.
-#[derive(Debug, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct UseApprovalRequest {
-    pub run_credential: String,
-    /// The hash of the tool definition the call runs against.
-    pub pin_hash: String,
-    /// The hash of the arguments it runs with (an approver's edit applied).
-    pub arguments_hash: String,
-    /// The run's usage with the call reserved.
-    pub usage: wor_core::budget::BudgetUsage,
-}
-
-/// Whether the approval started its call.
-#[derive(Debug, serde::Serialize)]
-pub struct ApprovalUsed {
-    /// True: the call is recorded as started and runs now. False: it does not run — the
-    /// approval is not usable for this call (not approved, used already, or bound to another
-    /// call), or a cancel was requested.
-    pub started: bool,
-    /// A cancel of the run was requested: the worker ends it.
-    pub cancel_requested: bool,
-}
-
 /// Uses an approval of a run the signing worker holds to start the call it approved.
 async fn use_approval(
     State(state): State<AppState>,
     axum::extract::Path((run, approval)): axum::extract::Path<(String, String)>,
     request: Request,
-) -> Result<Json<ApprovalUsed>, ApiError> {
+) -> Result<Json<ApprovalUseAnswer>, ApiError> {
     let (worker, body) = signed_with_body(&state, request).await?;
     let run = run_id(&run)?;
     let approval: wor_core::ApprovalId = approval.parse().map_err(|_| {
@@ -754,7 +612,7 @@ async fn use_approval(
         wor_engine::WorkerApprovalUse::CancelRequested => (false, true),
         wor_engine::WorkerApprovalUse::NotHeld => return Err(lease_not_held(&worker.id, run)),
     };
-    Ok(Json(ApprovalUsed {
+    Ok(Json(ApprovalUseAnswer {
         started,
         cancel_requested,
     }))

@@ -128,7 +128,7 @@ pub struct NewApproval {
     pub expires_at: i64,
 }
 
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct ApprovalRecord {
     pub id: ApprovalId,
     pub project_id: ProjectId,

@@ -12,7 +12,7 @@ use wor_core::{ApiKeyId, ConnectionId, MemberId, ProjectId};
 
 use crate::{Store, StoreError, conflict_or, now_millis, parse_column};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ConnectionStatus {
     Active,
@@ -44,7 +44,7 @@ pub struct NewModelConnection {
     pub created_by: Option<ApiKeyId>,
 }
 
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct ModelConnectionRecord {
     pub id: ConnectionId,
     pub project_id: ProjectId,

@@ -36,6 +36,11 @@ impl RunToken {
         )))
     }
 
+    /// A token received from the control plane, for a remote worker to present.
+    pub fn presented(token: String) -> RunToken {
+        RunToken(token)
+    }
+
     pub fn expose(&self) -> &str {
         &self.0
     }

@@ -15,7 +15,7 @@ use wor_core::{ApiKeyId, MemberId, ProjectId, RoutineId, RunId};
 use crate::exec::Exec;
 use crate::{Store, StoreError, now_millis, parse_column};
 
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct RunRecord {
     pub id: RunId,
     pub project_id: ProjectId,

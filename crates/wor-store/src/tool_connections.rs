@@ -172,7 +172,7 @@ pub struct NewToolConnection {
     pub created_by: Option<ApiKeyId>,
 }
 
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct ToolConnectionRecord {
     pub id: ConnectionId,
     pub project_id: ProjectId,

@@ -18,6 +18,7 @@ mod runs;
 mod sandbox;
 mod secrets;
 mod serve;
+mod serve_worker;
 mod shell;
 mod tool_connections;
 mod webhooks;

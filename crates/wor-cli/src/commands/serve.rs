@@ -29,8 +29,9 @@ pub struct ServeArgs {
     workers: Option<u16>,
     /// What this process does: `all` (the API, the console, the scheduler and a worker pool:
     /// the embedded default), `api` (the API and the console only), `scheduler` (schedules,
-    /// outboxes, expired leases and approvals; serves only /healthz and /readyz). `worker` is
-    /// not built yet and is refused.
+    /// outboxes, expired leases and approvals; serves only /healthz and /readyz), `worker`
+    /// (drives runs it claims from the control plane it enrolled with, `wor worker enroll`;
+    /// no database, no encryption key).
     #[arg(long, env = env::ROLE, value_enum, default_value_t = Role::All)]
     role: Role,
 }
@@ -45,7 +46,7 @@ pub enum Role {
     Api,
     /// Schedules, webhook and notification outboxes, sweeps of expired leases and approvals.
     Scheduler,
-    /// A runtime worker that talks only to the control plane (not built yet).
+    /// A runtime worker that talks only to the control plane.
     Worker,
 }
 
@@ -61,17 +62,12 @@ impl Role {
 }
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
-    if args.role == Role::Worker {
-        eprintln!(
-            "error: `--role worker` is not built yet: a worker must talk only to the control \
-             plane's internal API, never to the database, and that API does not drive runs yet; \
-             run `--role all` for a process that drives runs (docs/deployment.md)"
-        );
-        return Ok(ExitCode::from(2));
-    }
     let mut config = ServerConfig::resolve(&args.flags, args.listen.as_deref(), args.production)?;
     if let Some(workers) = args.workers {
         config.workers = usize::from(workers);
+    }
+    if args.role == Role::Worker {
+        return super::serve_worker::run(&config).await;
     }
     let problems = config.production_problems();
     if !problems.is_empty() {
@@ -370,7 +366,7 @@ fn trace_exporter(
 }
 
 /// The server-wide egress policy: production flag and the operator's CIDRs from the file.
-fn egress_policy(config: &ServerConfig) -> anyhow::Result<wor_egress::EgressPolicy> {
+pub(crate) fn egress_policy(config: &ServerConfig) -> anyhow::Result<wor_egress::EgressPolicy> {
     wor_egress::EgressPolicy::from_config(&wor_egress::EgressConfig {
         production: config.production,
         allowed_cidrs: config.egress_allowed_cidrs.clone(),

@@ -13,7 +13,7 @@ use crate::client::ApiClient;
 use crate::config::{ServerConfig, ServerFlags};
 
 /// File in a worker's data dir naming its id, its control plane and the key it pinned there.
-const ENROLMENT_FILE_NAME: &str = "worker-enrolment.json";
+pub(crate) const ENROLMENT_FILE_NAME: &str = "worker-enrolment.json";
 
 #[derive(Debug, clap::Subcommand)]
 pub enum WorkerCommand {
@@ -170,7 +170,7 @@ async fn create_token(flags: &ServerFlags, ttl_minutes: u32) -> anyhow::Result<E
 }
 
 /// Plain http carries the enrolment token in clear: only to this machine.
-fn check_transport(control_plane: &str) -> anyhow::Result<()> {
+pub(crate) fn check_transport(control_plane: &str) -> anyhow::Result<()> {
     let url = url::Url::parse(control_plane)
         .with_context(|| format!("--control-plane `{control_plane}` is not a URL"))?;
     let loopback = match url.host() {

@@ -1,0 +1,201 @@
+//! `wor serve --role worker`: a runtime worker of a scaled-out deployment.
+//!
+//! It talks only to the control plane it enrolled with (`wor worker enroll`), with requests
+//! signed by its own key, and drives the runs it claims there (`wor_engine`'s `remote.rs`).
+//! It takes no database URL and no encryption key, and refuses to start with either.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use wor_engine::{ControlPlaneLink, Engine, EngineConfig, LinkAnswer, LinkError, LinkFuture};
+use wor_secrets::{EnvelopeLimits, EnvelopeOpener, RequestToSign, WorkerIdentity};
+use wor_store::{AuditConfig, AuditLog, Store};
+
+use crate::client::ApiClient;
+use crate::config::ServerConfig;
+use crate::env;
+
+/// How often an idle worker says it is alive.
+const HEARTBEAT: Duration = Duration::from_secs(10);
+/// How long a stopping worker lets its runs reach their next stop before giving them back.
+const DRAIN: Duration = Duration::from_secs(20);
+
+/// What `wor worker enroll` left in the data dir.
+#[derive(Debug, serde::Deserialize)]
+struct Enrolment {
+    worker_id: String,
+    control_plane: String,
+    control_plane_verifying_key: String,
+}
+
+/// Requests to the control plane, signed with the worker's key.
+struct SignedLink {
+    client: ApiClient,
+    identity: WorkerIdentity,
+    worker_id: String,
+}
+
+impl ControlPlaneLink for SignedLink {
+    fn post<'a>(
+        &'a self,
+        path: &'a str,
+        body: Vec<u8>,
+    ) -> LinkFuture<'a, Result<LinkAnswer, LinkError>> {
+        Box::pin(async move {
+            let headers = self
+                .identity
+                .sign_request(
+                    &self.worker_id,
+                    &RequestToSign {
+                        method: "POST",
+                        path_and_query: path,
+                        body: &body,
+                    },
+                    wor_store::now_millis() / 1000,
+                )
+                .map_err(|e| LinkError(e.to_string()))?
+                .to_header_values();
+            let (status, body) = self
+                .client
+                .post_bytes(path, body, &headers)
+                .await
+                .map_err(|e| LinkError(format!("{e:#}")))?;
+            Ok(LinkAnswer { status, body })
+        })
+    }
+}
+
+pub async fn run(config: &ServerConfig) -> anyhow::Result<ExitCode> {
+    // A worker holds the secrets of the runs it drives and nothing more.
+    if config.database.is_some() {
+        bail!(
+            "a worker takes no database URL: it talks only to the control plane; unset {} and --database",
+            env::DATABASE_URL
+        );
+    }
+    if std::env::var_os(env::ENCRYPTION_KEY).is_some() {
+        bail!(
+            "a worker holds no encryption key: unset {} (the control plane sends each run's secrets in its envelope)",
+            env::ENCRYPTION_KEY
+        );
+    }
+    let enrolment_file = config.data_dir.join(super::worker::ENROLMENT_FILE_NAME);
+    let text = std::fs::read_to_string(&enrolment_file).with_context(|| {
+        format!(
+            "cannot read {}: enrol this worker first with `wor worker enroll`",
+            enrolment_file.display()
+        )
+    })?;
+    let enrolment: Enrolment = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not an enrolment", enrolment_file.display()))?;
+    super::worker::check_transport(&enrolment.control_plane)?;
+    let identity = WorkerIdentity::load(&config.data_dir)
+        .context("cannot read the worker identity")?
+        .with_context(|| {
+            format!(
+                "no worker identity in {}: enrol with `wor worker enroll`",
+                config.data_dir.display()
+            )
+        })?;
+    let pinned = wor_secrets::parse_verifying_key(&enrolment.control_plane_verifying_key)
+        .context("the enrolment's control plane key is malformed")?;
+    let opener = EnvelopeOpener::new(
+        WorkerIdentity::load(&config.data_dir)?.context("the worker identity went away")?,
+        enrolment.worker_id.clone(),
+        pinned,
+        EnvelopeLimits::default(),
+    );
+    let link = SignedLink {
+        client: ApiClient::without_key(&enrolment.control_plane)?,
+        identity,
+        worker_id: enrolment.worker_id.clone(),
+    };
+    let (engine, audit, scratch) = worker_engine(config, &enrolment.worker_id).await?;
+    let engine = engine.with_control_plane(Arc::new(link), opener);
+    let answered = engine
+        .heartbeat()
+        .await
+        .context("the control plane refused this worker")?;
+    if answered != enrolment.worker_id {
+        bail!(
+            "the control plane knows this worker as `{answered}`, the enrolment says `{}`",
+            enrolment.worker_id
+        );
+    }
+    let shutdown = super::serve::shutdown_signal()?;
+    tracing::info!(category = "lifecycle", role = "worker", worker_id = %enrolment.worker_id,
+        "worker started");
+    eprintln!("wor: role worker");
+    eprintln!(
+        "wor: worker {} driving runs of {}",
+        enrolment.worker_id, enrolment.control_plane
+    );
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let worker = engine.spawn_remote_worker(stopped, HEARTBEAT, DRAIN);
+    shutdown.await;
+    eprintln!("wor: stopping: runs in flight finish their step or are given back");
+    let _ = stop.send(true);
+    let _ = worker.await;
+    drop(audit);
+    engine.store().close().await;
+    drop(scratch);
+    tracing::info!(category = "lifecycle", "worker stopped");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The engine a worker drives runs with: the server's egress rules, sandbox and limits, and —
+/// because the engine type is built on a store — an empty scratch database in a private
+/// temporary directory, removed on exit. Nothing of a run is written to it: a remote worker's
+/// reads come from its claims and its writes go to the control plane, and its vault's key is
+/// made here and never leaves the process.
+async fn worker_engine(
+    config: &ServerConfig,
+    worker_id: &str,
+) -> anyhow::Result<(Engine, AuditLog, tempfile::TempDir)> {
+    let scratch = tempfile::Builder::new()
+        .prefix("wor-worker-")
+        .tempdir()
+        .context("cannot make the worker's scratch directory")?;
+    let store = Store::open(None, scratch.path())
+        .await
+        .context("cannot open the worker's scratch database")?;
+    let (keys, _) = wor_secrets::KeyRing::generate()?;
+    let (signing, _) = wor_secrets::AuditSigningKey::generate()?;
+    let audit = AuditLog::start(store.clone(), signing, AuditConfig::default());
+    let policy = super::serve::egress_policy(config)?;
+    let model_egress = wor_egress::EgressClient::new(policy.for_models())
+        .context("cannot build the outbound client for models")?;
+    let egress =
+        wor_egress::EgressClient::new(policy).context("cannot build the outbound client")?;
+    let resolver = egress.resolver().clone();
+    let vault = wor_store::Vault::new(store.clone(), Arc::new(keys));
+    let engine = Engine::new(
+        store,
+        vault,
+        egress,
+        audit.clone(),
+        EngineConfig {
+            worker_id: worker_id.to_owned(),
+            production: config.production,
+            workers: config.workers,
+            stdio_allowed_roots: config.stdio_allowed_roots.clone(),
+            protected_paths: vec![config.data_dir.clone()],
+            prices: config.prices.clone(),
+            ..EngineConfig::default()
+        },
+    );
+    let sandbox = wor_sandbox::Sandbox::new(wor_sandbox::SandboxConfig {
+        helper: std::env::current_exe().context("cannot find the wor binary")?,
+        state_dir: config.data_dir.join("sandbox"),
+        resolver,
+        startup_timeout: Duration::from_secs(30),
+    })
+    .context("cannot prepare the sandbox's state directory")?;
+    Ok((
+        engine.with_sandbox(sandbox).with_model_egress(model_egress),
+        audit,
+        scratch,
+    ))
+}

@@ -1,0 +1,822 @@
+//! A remote worker's side of a scaled-out deployment: runs claimed from the control plane and
+//! driven here by the same driver and pipeline as a local run, with everything a run reads
+//! taken from its claim and everything it writes sent to the control plane.
+//!
+//! A worker has no database and no encryption key. It claims a run over the internal API
+//! ([`crate::worker_wire`]), opens the run's envelope (signature, audience, lifetime, skew,
+//! expiry, replay: `wor_secrets::run_envelope`), and holds the claim — the run, its routine
+//! version, the project's policy, its steps, approvals and connections, and the secrets of that
+//! run alone — in memory for as long as it drives the run; the secrets are zeroised when the
+//! claim is dropped. The driver's reads of run state come from the claim; its journal writes
+//! become `steps` and `end` requests, parking and the use of an approval become `park` and
+//! `use` requests, and the lease is renewed by `lease` requests, each presenting the claim's
+//! credential. The control plane checks each against the run's state and the worker's lease,
+//! redacts again and derives the audit entries itself; nothing here writes the audit chain.
+//!
+//! What a remote worker does not do yet, and refuses rather than does elsewhere: run a routine
+//! used as a tool (a nested run is started on the control plane's database), quarantine a
+//! connection whose tools changed (the run fails closed naming it instead) and renew an MCP
+//! authorization's access token (the one in the envelope is used as it is).
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use secrecy::{ExposeSecret as _, SecretString};
+use wor_core::budget::BudgetUsage;
+use wor_core::run::{Provenance, RunStatus};
+use wor_core::step::Step;
+use wor_core::{ApprovalId, ConnectionId, RunId};
+use wor_secrets::{EnvelopeOpener, SealedEnvelope, ToolCredential};
+use wor_store::{
+    ApprovalKind, ApprovalRecord, ModelConnectionRecord, RoutineVersionRecord, RunRecord, RunStep,
+    RunWritten, ToolConnectionRecord,
+};
+
+use crate::worker_wire::{
+    self, ApprovalUseAnswer, ClaimedRun, EndRequest, HeldRunRequest, LeaseAnswer, ParkAnswer,
+    ParkRequest, StepsAnswer, StepsRequest, UseApprovalRequest, WorkerStep,
+};
+use crate::{Engine, EngineError};
+
+/// A boxed future, as a [`ControlPlaneLink`] returns one.
+pub type LinkFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// How a worker reaches its control plane: one signed `POST` of a JSON body to a path of the
+/// internal API. The composition root provides it (signing with the worker's key, over TLS
+/// when the control plane is not on loopback).
+pub trait ControlPlaneLink: Send + Sync {
+    /// Sends `body` to `path` and returns the answer's status and body.
+    fn post<'a>(
+        &'a self,
+        path: &'a str,
+        body: Vec<u8>,
+    ) -> LinkFuture<'a, Result<LinkAnswer, LinkError>>;
+}
+
+/// The control plane's answer to one request.
+#[derive(Debug, Clone)]
+pub struct LinkAnswer {
+    pub status: u16,
+    pub body: Vec<u8>,
+}
+
+/// The request did not reach the control plane, or its answer did not come back.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("the control plane cannot be reached: {0}")]
+pub struct LinkError(pub String);
+
+/// Why a claim could not be taken up; the run is given back, or left to its lease.
+#[derive(Debug, thiserror::Error)]
+pub enum ClaimError {
+    #[error(transparent)]
+    Link(#[from] LinkError),
+    #[error("the control plane answered the claim with status {status}: {message}")]
+    Refused { status: u16, message: String },
+    #[error("the claim does not read: {0}")]
+    Malformed(String),
+    #[error("the run's envelope is refused: {0}")]
+    Envelope(#[from] wor_secrets::EnvelopeError),
+    #[error("the envelope is for run {envelope}, the claim for run {claim}")]
+    OtherRun { envelope: String, claim: RunId },
+}
+
+/// The runs this worker holds and how it reaches the control plane.
+pub(crate) struct RemoteRuns {
+    link: Arc<dyn ControlPlaneLink>,
+    opener: Mutex<EnvelopeOpener>,
+    held: Mutex<HashMap<RunId, Arc<HeldClaim>>>,
+}
+
+impl std::fmt::Debug for RemoteRuns {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteRuns").finish_non_exhaustive()
+    }
+}
+
+/// One claim this worker holds: what its run is driven from, kept until the drive is over.
+pub(crate) struct HeldClaim {
+    lease_id: String,
+    version: Arc<RoutineVersionRecord>,
+    project_policy: Option<String>,
+    steps: Vec<RunStep>,
+    model_connection: Option<ModelConnectionRecord>,
+    tool_connections: Vec<ToolConnectionRecord>,
+    approvals: Vec<ApprovalRecord>,
+    credential: SecretString,
+    credential_expires_at: i64,
+    model_key: Option<SecretString>,
+    tool_credentials: Vec<ToolCredential>,
+    /// A cancel the control plane reported at the last request that could say so.
+    cancel_requested: AtomicBool,
+    /// The usage last recorded on the control plane, for a write that does not change it.
+    usage: Mutex<BudgetUsage>,
+}
+
+impl HeldClaim {
+    fn credential(&self) -> String {
+        self.credential.expose_secret().to_owned()
+    }
+
+    fn usage(&self) -> BudgetUsage {
+        *self
+            .usage
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn set_usage(&self, usage: BudgetUsage) {
+        *self
+            .usage
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = usage;
+    }
+
+    fn saw_cancel(&self, cancel_requested: bool) {
+        if cancel_requested {
+            self.cancel_requested.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
+/// How the control plane answered a request about a held run.
+enum Answer<T> {
+    Ok(T),
+    /// `409 lease_not_held`: the run is not this worker's under this claim (any more).
+    NotHeld,
+}
+
+impl RemoteRuns {
+    pub(crate) fn new(link: Arc<dyn ControlPlaneLink>, opener: EnvelopeOpener) -> Self {
+        RemoteRuns {
+            link,
+            opener: Mutex::new(opener),
+            held: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn held_map(&self) -> std::sync::MutexGuard<'_, HashMap<RunId, Arc<HeldClaim>>> {
+        self.held
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The claim of `run`; a run this worker does not hold is a lost lease.
+    pub(crate) fn held(&self, run: RunId) -> Result<Arc<HeldClaim>, EngineError> {
+        self.held_map()
+            .get(&run)
+            .cloned()
+            .ok_or(EngineError::LeaseLost)
+    }
+
+    /// The runs held now.
+    pub(crate) fn held_runs(&self) -> Vec<RunId> {
+        self.held_map().keys().copied().collect()
+    }
+
+    /// Version `version` of `routine`, from the claim of a run held now that runs it.
+    pub(crate) fn version(
+        &self,
+        routine: wor_core::RoutineId,
+        version: i64,
+    ) -> Option<Arc<RoutineVersionRecord>> {
+        self.held_map()
+            .values()
+            .find(|c| c.version.routine_id == routine && c.version.version == version)
+            .map(|c| c.version.clone())
+    }
+
+    /// The credential `field` of tool connection `connection`, from the envelope of a run
+    /// held now (every run of a project carries the same credentials of a connection).
+    pub(crate) fn tool_credential(&self, connection: &str, field: &str) -> Option<SecretString> {
+        self.held_map().values().find_map(|claim| {
+            claim
+                .tool_credentials
+                .iter()
+                .find(|c| c.connection_id == connection && c.field == field)
+                .map(|c| c.value.clone())
+        })
+    }
+
+    /// Sends `body` to `path` and reads the answer as `T`.
+    async fn call<T: serde::de::DeserializeOwned>(
+        &self,
+        path: &str,
+        body: &impl serde::Serialize,
+    ) -> Result<Answer<T>, EngineError> {
+        let body = serde_json::to_vec(body)
+            .map_err(|e| EngineError::InvalidState(format!("a request does not encode: {e}")))?;
+        let answer = self
+            .link
+            .post(path, body)
+            .await
+            .map_err(|e| EngineError::ControlPlane(e.to_string()))?;
+        match answer.status {
+            200 => serde_json::from_slice(&answer.body)
+                .map(Answer::Ok)
+                .map_err(|e| {
+                    EngineError::ControlPlane(format!("the answer to {path} does not read: {e}"))
+                }),
+            409 => Ok(Answer::NotHeld),
+            // What the control plane refused is the run's to fail with, in its words.
+            400 => Err(EngineError::InvalidState(format!(
+                "the control plane refused the run's write: {}",
+                error_message(&answer.body)
+            ))),
+            status => Err(EngineError::ControlPlane(format!(
+                "{path} answered {status}: {}",
+                error_message(&answer.body)
+            ))),
+        }
+    }
+}
+
+/// The message of an error answer, or its first bytes.
+fn error_message(body: &[u8]) -> String {
+    serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| {
+            v.pointer("/error/message")
+                .and_then(|m| m.as_str())
+                .map(str::to_owned)
+        })
+        .unwrap_or_else(|| String::from_utf8_lossy(body.get(..200).unwrap_or(body)).into_owned())
+}
+
+/// Reads a claim's answer into what the engine drives a run from.
+fn read_claim(
+    claimed: ClaimedRun,
+    secrets: wor_secrets::RunSecrets,
+) -> Result<(RunRecord, HeldClaim), ClaimError> {
+    let run = claimed.run;
+    let definition =
+        wor_core::routine::RoutineDefinition::from_toml(&claimed.routine_version.source_toml)
+            .map_err(|e| {
+                ClaimError::Malformed(format!("the routine version does not parse: {e}"))
+            })?;
+    let version = Arc::new(RoutineVersionRecord {
+        routine_id: run.routine_id,
+        version: claimed.routine_version.version,
+        source_toml: claimed.routine_version.source_toml,
+        definition,
+        content_hash: claimed.routine_version.content_hash,
+        created_by: None,
+        created_at: run.created_at,
+    });
+    if version.version != run.routine_version {
+        return Err(ClaimError::Malformed(format!(
+            "the claim carries version {} of the routine, the run runs version {}",
+            version.version, run.routine_version
+        )));
+    }
+    let steps = claimed
+        .steps
+        .into_iter()
+        .map(worker_wire::ClaimedStep::read)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(ClaimError::Malformed)?;
+    let held = HeldClaim {
+        lease_id: claimed.lease_id,
+        version: version.clone(),
+        project_policy: claimed.project_policy,
+        steps,
+        model_connection: claimed.model_connection,
+        tool_connections: claimed.tool_connections,
+        approvals: claimed.approvals,
+        credential: secrets.run_credential,
+        credential_expires_at: claimed.credential_expires_at,
+        model_key: secrets.model_key,
+        tool_credentials: secrets.tool_credentials,
+        cancel_requested: AtomicBool::new(run.cancel_requested),
+        usage: Mutex::new(run.usage),
+    };
+    Ok((run, held))
+}
+
+impl Engine {
+    /// This engine as a remote worker's: it drives only runs it claims through `link`, opening
+    /// their envelopes with `opener`.
+    pub fn with_control_plane(
+        mut self,
+        link: Arc<dyn ControlPlaneLink>,
+        opener: EnvelopeOpener,
+    ) -> Self {
+        self.remote = Some(Arc::new(RemoteRuns::new(link, opener)));
+        self
+    }
+
+    /// Claims a run from the control plane and holds its claim; `None` when none is queued.
+    pub async fn claim_remote(&self) -> Result<Option<RunRecord>, ClaimError> {
+        let Some(remote) = &self.remote else {
+            return Err(ClaimError::Malformed(
+                "this engine is not a remote worker's".to_owned(),
+            ));
+        };
+        let answer = remote
+            .link
+            .post(worker_wire::CLAIM_PATH, b"{}".to_vec())
+            .await?;
+        match answer.status {
+            200 => {}
+            204 => return Ok(None),
+            status => {
+                return Err(ClaimError::Refused {
+                    status,
+                    message: error_message(&answer.body),
+                });
+            }
+        }
+        let claimed: ClaimedRun = serde_json::from_slice(&answer.body)
+            .map_err(|e| ClaimError::Malformed(e.to_string()))?;
+        let sealed = SealedEnvelope::from_base64(&claimed.envelope)?;
+        let opened = remote
+            .opener
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .open(&sealed, wor_store::now_millis() / 1000);
+        let opened = match opened {
+            Ok(opened) => opened,
+            Err(error) => {
+                tracing::warn!(category = "run", action = "worker.envelope_refused",
+                    run_id = %claimed.run.id, reason = %error, "a run's envelope was refused");
+                return Err(error.into());
+            }
+        };
+        if opened.claims.run_id != claimed.run.id.to_string()
+            || opened.claims.lease_id != claimed.lease_id
+        {
+            return Err(ClaimError::OtherRun {
+                envelope: opened.claims.run_id,
+                claim: claimed.run.id,
+            });
+        }
+        let (run, held) = read_claim(claimed, opened.secrets)?;
+        tracing::info!(category = "run", action = "worker.claimed", run_id = %run.id,
+            lease_id = %held.lease_id, "claimed a run from the control plane");
+        remote.held_map().insert(run.id, Arc::new(held));
+        Ok(Some(run))
+    }
+
+    /// Drives a run this worker claimed until it ends, parks or is lost, then lets its claim
+    /// and secrets go.
+    pub async fn drive_claimed(&self, run: RunRecord) -> Result<(), EngineError> {
+        let id = run.id;
+        let driven = self.drive(run).await;
+        if let Some(remote) = &self.remote {
+            remote.held_map().remove(&id);
+        }
+        driven
+    }
+
+    /// Gives back every run this worker holds, to be resumed by another claim.
+    pub async fn release_claimed(&self) {
+        let Some(remote) = &self.remote else {
+            return;
+        };
+        for run in remote.held_runs() {
+            let Ok(held) = remote.held(run) else {
+                continue;
+            };
+            let body = HeldRunRequest {
+                run_credential: held.credential(),
+            };
+            match remote
+                .call::<serde_json::Value>(&worker_wire::run_path(run, "release"), &body)
+                .await
+            {
+                Ok(_) => {
+                    tracing::info!(category = "run", action = "worker.released", run_id = %run,
+                    "gave a run back to the control plane")
+                }
+                Err(error) => tracing::warn!(category = "run", run_id = %run, error = %error,
+                    "a run could not be given back; its lease will expire"),
+            }
+            remote.held_map().remove(&run);
+        }
+    }
+
+    /// Tells the control plane this worker is alive; the worker id it answered with.
+    pub async fn heartbeat(&self) -> Result<String, ClaimError> {
+        let Some(remote) = &self.remote else {
+            return Err(ClaimError::Malformed(
+                "this engine is not a remote worker's".to_owned(),
+            ));
+        };
+        let answer = remote
+            .link
+            .post(worker_wire::HEARTBEAT_PATH, b"{}".to_vec())
+            .await?;
+        if answer.status != 200 {
+            return Err(ClaimError::Refused {
+                status: answer.status,
+                message: error_message(&answer.body),
+            });
+        }
+        serde_json::from_slice::<worker_wire::HeartbeatAnswer>(&answer.body)
+            .map(|a| a.worker_id)
+            .map_err(|e| ClaimError::Malformed(e.to_string()))
+    }
+
+    /// The held claim of `run`, when this engine is a remote worker's.
+    pub(crate) fn remote_claim(&self, run: RunId) -> Option<Result<Arc<HeldClaim>, EngineError>> {
+        self.remote.as_ref().map(|remote| remote.held(run))
+    }
+
+    /// The steps a remote run was claimed with.
+    pub(crate) fn claimed_steps(claim: &HeldClaim) -> Vec<RunStep> {
+        claim.steps.clone()
+    }
+
+    /// The project policy text a remote run was claimed with.
+    pub(crate) fn claimed_policy(claim: &HeldClaim) -> Option<String> {
+        claim.project_policy.clone()
+    }
+
+    /// The active model connection a remote run was claimed with, if any.
+    pub(crate) fn claimed_model_connection(claim: &HeldClaim) -> Vec<ModelConnectionRecord> {
+        claim.model_connection.iter().cloned().collect()
+    }
+
+    /// The model key from a remote run's envelope.
+    pub(crate) fn claimed_model_key(claim: &HeldClaim) -> Option<SecretString> {
+        claim.model_key.clone()
+    }
+
+    /// The tool connection `name` a remote run was claimed with.
+    pub(crate) fn claimed_tool_connection(
+        claim: &HeldClaim,
+        name: &str,
+    ) -> Option<ToolConnectionRecord> {
+        claim
+            .tool_connections
+            .iter()
+            .find(|c| c.name == name)
+            .cloned()
+    }
+
+    /// The approval of `kind` for `call` that a remote run was claimed with, the latest first.
+    pub(crate) fn claimed_approval(
+        claim: &HeldClaim,
+        call: &str,
+        kind: ApprovalKind,
+    ) -> Option<ApprovalRecord> {
+        claim
+            .approvals
+            .iter()
+            .rev()
+            .find(|a| a.call_id == call && a.kind == kind)
+            .cloned()
+    }
+
+    /// A secret of a tool connection from the envelope of a run this worker holds.
+    pub(crate) fn remote_tool_credential(
+        &self,
+        connection: ConnectionId,
+        field: &str,
+    ) -> Option<Option<SecretString>> {
+        self.remote
+            .as_ref()
+            .map(|remote| remote.tool_credential(&connection.to_string(), field))
+    }
+
+    /// Every secret value a remote run's envelope brought.
+    pub(crate) fn claimed_secret_values(claim: &HeldClaim) -> Vec<SecretString> {
+        let mut values = vec![claim.credential.clone()];
+        values.extend(claim.model_key.clone());
+        values.extend(claim.tool_credentials.iter().map(|c| c.value.clone()));
+        values
+    }
+
+    /// Ends a remote run on the control plane, with the turn it carried, if any: whether it
+    /// ended under this claim. What follows an end there (approvals cancelled, memory, run
+    /// webhooks) is the control plane's.
+    pub(crate) async fn end_claimed(
+        &self,
+        run: &RunRecord,
+        ending: wor_core::run_loop::Ending,
+        usage: Option<BudgetUsage>,
+    ) -> Result<bool, EngineError> {
+        let carried = self.take_carried(run.id);
+        let usage = usage.or_else(|| carried.as_ref().and_then(|c| c.usage));
+        let steps = carried.map(|c| c.steps).unwrap_or_default();
+        let ended = self
+            .end_remote(run.id, &steps, ending.status, &ending.outcome, usage)
+            .await?;
+        self.live_text.close(run.id);
+        tracing::info!(category = "run", action = "run.end", project_id = %run.project_id,
+            run_id = %run.id, status = ending.status.as_str(), lease_held = ended, "run ended");
+        Ok(ended)
+    }
+
+    /// The credential and deadline of a remote run's claim.
+    pub(crate) fn claimed_credential(claim: &HeldClaim) -> (String, i64) {
+        (claim.credential(), claim.credential_expires_at)
+    }
+
+    /// Whether a cancel of a remote run was reported.
+    pub(crate) fn claimed_cancel(claim: &HeldClaim) -> bool {
+        claim.cancel_requested.load(Ordering::Relaxed)
+    }
+
+    /// Renews the lease of a remote run: whether it is still held.
+    pub(crate) async fn renew_remote(&self, run: RunId) -> Result<bool, EngineError> {
+        let (remote, claim) = self.remote_parts(run)?;
+        let body = HeldRunRequest {
+            run_credential: claim.credential(),
+        };
+        match remote
+            .call::<LeaseAnswer>(&worker_wire::run_path(run, "lease"), &body)
+            .await?
+        {
+            Answer::Ok(lease) => {
+                claim.saw_cancel(lease.cancel_requested);
+                Ok(true)
+            }
+            Answer::NotHeld => Ok(false),
+        }
+    }
+
+    fn remote_parts(&self, run: RunId) -> Result<(&RemoteRuns, Arc<HeldClaim>), EngineError> {
+        let remote = self
+            .remote
+            .as_deref()
+            .ok_or_else(|| EngineError::InvalidState("not a remote worker".to_owned()))?;
+        Ok((remote, remote.held(run)?))
+    }
+
+    /// A journal write of a remote run, sent as a `steps` request: its steps and usage (the
+    /// control plane derives the audit entries). A write with no step records nothing there.
+    pub(crate) async fn record_remote(
+        &self,
+        run: RunId,
+        steps: &[(Provenance, Step)],
+        usage: Option<BudgetUsage>,
+    ) -> Result<RunWritten, EngineError> {
+        let (remote, claim) = self.remote_parts(run)?;
+        if steps.is_empty() {
+            return Ok(RunWritten::Committed {
+                cancel_requested: Engine::claimed_cancel(&claim),
+                cancelled_approvals: Vec::new(),
+            });
+        }
+        let usage = usage.unwrap_or_else(|| claim.usage());
+        let steps = steps
+            .iter()
+            .map(|(provenance, step)| {
+                Ok(WorkerStep {
+                    kind: step.kind().as_str().to_owned(),
+                    provenance: provenance.as_str().to_owned(),
+                    payload: step.to_stored().map_err(|e| {
+                        EngineError::InvalidState(format!("a step does not encode: {e}"))
+                    })?,
+                })
+            })
+            .collect::<Result<Vec<_>, EngineError>>()?;
+        // At most so many steps in one request: a longer write goes in order, in parts.
+        for part in steps.chunks(crate::MAX_WORKER_STEPS_PER_WRITE) {
+            let body = StepsRequest {
+                run_credential: claim.credential(),
+                steps: part
+                    .iter()
+                    .map(|s| WorkerStep {
+                        kind: s.kind.clone(),
+                        provenance: s.provenance.clone(),
+                        payload: s.payload.clone(),
+                    })
+                    .collect(),
+                usage,
+            };
+            match remote
+                .call::<StepsAnswer>(&worker_wire::run_path(run, "steps"), &body)
+                .await?
+            {
+                Answer::Ok(answer) if answer.recorded => claim.saw_cancel(answer.cancel_requested),
+                Answer::Ok(_) => {
+                    claim.saw_cancel(true);
+                    return Ok(RunWritten::CancelRequested);
+                }
+                Answer::NotHeld => return Ok(RunWritten::LeaseLost),
+            }
+        }
+        claim.set_usage(usage);
+        Ok(RunWritten::Committed {
+            cancel_requested: Engine::claimed_cancel(&claim),
+            cancelled_approvals: Vec::new(),
+        })
+    }
+
+    /// Ends a remote run: whether the control plane ended it under this claim.
+    pub(crate) async fn end_remote(
+        &self,
+        run: RunId,
+        steps: &[(Provenance, Step)],
+        status: RunStatus,
+        outcome: &str,
+        usage: Option<BudgetUsage>,
+    ) -> Result<bool, EngineError> {
+        // What the end carries (a turn carried to it) is recorded first.
+        if !steps.is_empty() {
+            match self.record_remote(run, steps, usage).await? {
+                RunWritten::Committed { .. } | RunWritten::CancelRequested => {}
+                RunWritten::LeaseLost | RunWritten::CredentialEnded => return Ok(false),
+            }
+        }
+        let (remote, claim) = self.remote_parts(run)?;
+        let body = EndRequest {
+            run_credential: claim.credential(),
+            status: status.as_str().to_owned(),
+            outcome: outcome.to_owned(),
+            usage: usage.unwrap_or_else(|| claim.usage()),
+        };
+        let path = worker_wire::run_path(run, "end");
+        let body = serde_json::to_vec(&body)
+            .map_err(|e| EngineError::InvalidState(format!("a request does not encode: {e}")))?;
+        let answer = remote
+            .link
+            .post(&path, body)
+            .await
+            .map_err(|e| EngineError::ControlPlane(e.to_string()))?;
+        match answer.status {
+            204 | 200 => Ok(true),
+            409 => Ok(false),
+            400 => Err(EngineError::InvalidState(format!(
+                "the control plane refused the run's end: {}",
+                error_message(&answer.body)
+            ))),
+            status => Err(EngineError::ControlPlane(format!(
+                "{path} answered {status}: {}",
+                error_message(&answer.body)
+            ))),
+        }
+    }
+
+    /// Parks a remote run on the approval of `call`, which its steps record as held or as
+    /// started with an unknown outcome: the approval's id, `None` when the run is not held
+    /// (any more) or a cancel was requested instead (then reported on the claim).
+    pub(crate) async fn park_remote(
+        &self,
+        run: RunId,
+        call: &str,
+    ) -> Result<Option<ApprovalId>, EngineError> {
+        let (remote, claim) = self.remote_parts(run)?;
+        let body = ParkRequest {
+            run_credential: claim.credential(),
+            call_id: call.to_owned(),
+        };
+        match remote
+            .call::<ParkAnswer>(&worker_wire::run_path(run, "park"), &body)
+            .await?
+        {
+            Answer::Ok(ParkAnswer {
+                approval_id: Some(id),
+                ..
+            }) => id
+                .parse()
+                .map(Some)
+                .map_err(|_| EngineError::ControlPlane(format!("`{id}` is not an approval id"))),
+            Answer::Ok(_) => {
+                claim.saw_cancel(true);
+                Ok(None)
+            }
+            Answer::NotHeld => Ok(None),
+        }
+    }
+
+    /// Starts the call `approval` approved for a remote run: whether it started, `None` when
+    /// the run is not held (any more).
+    pub(crate) async fn use_approval_remote(
+        &self,
+        run: RunId,
+        approval: ApprovalId,
+        pin_hash: &str,
+        arguments_hash: &str,
+        usage: BudgetUsage,
+    ) -> Result<Option<ApprovalUseAnswer>, EngineError> {
+        let (remote, claim) = self.remote_parts(run)?;
+        let body = UseApprovalRequest {
+            run_credential: claim.credential(),
+            pin_hash: pin_hash.to_owned(),
+            arguments_hash: arguments_hash.to_owned(),
+            usage,
+        };
+        match remote
+            .call::<ApprovalUseAnswer>(&worker_wire::approval_use_path(run, approval), &body)
+            .await?
+        {
+            Answer::Ok(answer) => {
+                claim.saw_cancel(answer.cancel_requested);
+                if answer.started {
+                    claim.set_usage(usage);
+                }
+                Ok(Some(answer))
+            }
+            Answer::NotHeld => Ok(None),
+        }
+    }
+
+    /// [`Engine::use_approval_remote`] as the pipeline reads a start.
+    pub(crate) async fn start_approved_remote(
+        &self,
+        run: RunId,
+        approval: ApprovalId,
+        pin_hash: &str,
+        arguments_hash: &str,
+        usage: BudgetUsage,
+    ) -> Result<wor_store::ApprovedStart, EngineError> {
+        Ok(
+            match self
+                .use_approval_remote(run, approval, pin_hash, arguments_hash, usage)
+                .await?
+            {
+                None => wor_store::ApprovedStart::RunNotHeld,
+                Some(answer) if answer.started => wor_store::ApprovedStart::Started,
+                Some(answer) if answer.cancel_requested => {
+                    wor_store::ApprovedStart::CancelRequested
+                }
+                Some(_) => wor_store::ApprovedStart::NotUsable,
+            },
+        )
+    }
+
+    /// Whether this engine is a remote worker's.
+    pub(crate) fn is_remote(&self) -> bool {
+        self.remote.is_some()
+    }
+
+    /// Runs a remote worker until `stop` turns true: claims runs while it has a free slot of
+    /// `workers`, drives each on a task of its own, says it is alive every `heartbeat`, and on
+    /// stop waits up to `drain` for the runs in flight before giving back the rest.
+    pub fn spawn_remote_worker(
+        &self,
+        mut stop: tokio::sync::watch::Receiver<bool>,
+        heartbeat: Duration,
+        drain: Duration,
+    ) -> tokio::task::JoinHandle<()> {
+        let engine = self.clone();
+        tokio::spawn(async move {
+            let slots = Arc::new(tokio::sync::Semaphore::new(engine.config.workers.max(1)));
+            let mut drives = tokio::task::JoinSet::new();
+            let mut beat = tokio::time::interval(heartbeat);
+            beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let poll = engine.config.poll_interval;
+            loop {
+                if *stop.borrow() {
+                    break;
+                }
+                while drives.try_join_next().is_some() {}
+                let permit = tokio::select! {
+                    permit = slots.clone().acquire_owned() => permit,
+                    _ = stop.changed() => break,
+                };
+                let Ok(permit) = permit else { break };
+                let claimed = tokio::select! {
+                    claimed = engine.claim_remote() => claimed,
+                    _ = stop.changed() => break,
+                };
+                match claimed {
+                    Ok(Some(run)) => {
+                        let engine = engine.clone();
+                        drives.spawn(async move {
+                            let id = run.id;
+                            if let Err(error) = engine.drive_claimed(run).await {
+                                tracing::warn!(category = "run", run_id = %id, error = %error,
+                                    "a claimed run stopped without an end; its lease will expire");
+                            }
+                            drop(permit);
+                        });
+                        continue;
+                    }
+                    Ok(None) => {}
+                    Err(error) => {
+                        tracing::warn!(category = "run", action = "worker.claim_failed",
+                            error = %error, "claiming a run failed");
+                    }
+                }
+                drop(permit);
+                tokio::select! {
+                    _ = tokio::time::sleep(poll) => {}
+                    _ = beat.tick() => {
+                        if let Err(error) = engine.heartbeat().await {
+                            tracing::warn!(category = "lifecycle", action = "worker.heartbeat_failed",
+                                error = %error, "the control plane did not take the heartbeat");
+                        }
+                    }
+                    _ = stop.changed() => break,
+                }
+            }
+            // Draining: the runs in flight get `drain` to reach their next stop, then the
+            // rest are given back to be resumed elsewhere from their recorded steps.
+            let drained =
+                tokio::time::timeout(drain, async { while drives.join_next().await.is_some() {} })
+                    .await;
+            if drained.is_err() {
+                drives.abort_all();
+                while drives.join_next().await.is_some() {}
+            }
+            engine.release_claimed().await;
+        })
+    }
+}
