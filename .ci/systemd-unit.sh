@@ -4,7 +4,7 @@
 # systemd-analyze is not installed.
 if command -v systemd-analyze >/dev/null; then
   unit_dir=$(mktemp -d)
-  for role in all api scheduler; do
+  for role in all api scheduler worker; do
     sed "s|/usr/local/bin/wor|$CARGO_TARGET_DIR/debug/wor|" deploy/wor@.service > "$unit_dir/wor@$role.service"
     complaints=$(systemd-analyze verify "$unit_dir/wor@$role.service" 2>&1) || { echo "$complaints"; exit 1; }
     if [ -n "$complaints" ]; then

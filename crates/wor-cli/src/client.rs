@@ -17,6 +17,9 @@ pub struct ClientArgs {
     pub json: bool,
 }
 
+/// How long a request waits for its answer.
+const REQUEST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
 #[derive(Debug)]
 pub struct ApiClient {
     base: url::Url,
@@ -38,15 +41,25 @@ impl ApiClient {
 
     /// A client of the server at `server` presenting `api_key`.
     pub fn with_key(server: &str, api_key: String) -> anyhow::Result<Self> {
-        Self::build(server, Some(api_key))
+        Self::build(server, Some(api_key), REQUEST_TIMEOUT)
     }
 
     /// A client that sends no key: for the internal API's enrolment, proven by its token.
     pub fn without_key(server: &str) -> anyhow::Result<Self> {
-        Self::build(server, None)
+        Self::build(server, None, REQUEST_TIMEOUT)
     }
 
-    fn build(server: &str, api_key: Option<String>) -> anyhow::Result<Self> {
+    /// A client for a worker's signed requests: no key, and answers awaited for `timeout`, well
+    /// within a run's lease.
+    pub fn for_worker(server: &str, timeout: std::time::Duration) -> anyhow::Result<Self> {
+        Self::build(server, None, timeout)
+    }
+
+    fn build(
+        server: &str,
+        api_key: Option<String>,
+        timeout: std::time::Duration,
+    ) -> anyhow::Result<Self> {
         let base =
             url::Url::parse(server).with_context(|| format!("--server `{server}` is not a URL"))?;
         if !matches!(base.scheme(), "http" | "https") {
@@ -61,7 +74,7 @@ impl ApiClient {
         let http = reqwest::Client::builder()
             .no_proxy()
             .redirect(reqwest::redirect::Policy::none())
-            .timeout(std::time::Duration::from_secs(30))
+            .timeout(timeout)
             .build()
             .context("cannot build the HTTP client")?;
         Ok(ApiClient {

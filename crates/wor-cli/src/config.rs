@@ -24,6 +24,13 @@ const DEFAULT_PASSWORDS: &[&str] = &[
     "", "postgres", "password", "admin", "root", "changeme", "secret", "wor", "example", "test",
 ];
 
+/// A claim of a run lasts this long unless its driver renews it (seconds): long enough for the
+/// renewal every second to miss a few times, short enough that a run whose driver died is
+/// resumed soon.
+const DEFAULT_LEASE_SECONDS: u64 = 30;
+const MIN_LEASE_SECONDS: u64 = 5;
+const MAX_LEASE_SECONDS: u64 = 3600;
+
 /// The configuration file's keys. Unknown keys are errors, so a typo never silently becomes a
 /// default.
 #[derive(Debug, Default, serde::Deserialize)]
@@ -39,6 +46,8 @@ struct FileConfig {
     workers: Option<usize>,
     /// How long an approval request waits for a decision, in seconds (default 24 hours).
     approval_ttl_seconds: Option<u64>,
+    /// How long a claim of a run lasts unless its driver renews it, in seconds (default 30).
+    lease_seconds: Option<u64>,
     egress: Option<EgressSection>,
     sandbox: Option<SandboxSection>,
     console: Option<ConsoleSection>,
@@ -282,6 +291,9 @@ pub struct ServerConfig {
     pub workers: usize,
     /// How long an approval request waits for a decision before it counts as denied.
     pub approval_ttl: std::time::Duration,
+    /// How long a claim of a run lasts unless renewed: a run whose driver died waits this long
+    /// before another resumes it.
+    pub lease: std::time::Duration,
     /// The operator's `[sandbox] allowed_paths`.
     pub stdio_allowed_roots: Vec<PathBuf>,
     /// What each model costs; a model without a price costs nothing against budgets.
@@ -396,6 +408,15 @@ impl ServerConfig {
                 Some(0) => bail!("`approval_ttl_seconds` must be at least 1"),
                 Some(n) => std::time::Duration::from_secs(n),
                 None => wor_engine::DEFAULT_APPROVAL_TTL,
+            },
+            lease: match file.lease_seconds {
+                Some(n @ MIN_LEASE_SECONDS..=MAX_LEASE_SECONDS) => {
+                    std::time::Duration::from_secs(n)
+                }
+                Some(n) => bail!(
+                    "`lease_seconds` must be {MIN_LEASE_SECONDS} to {MAX_LEASE_SECONDS}, not {n}"
+                ),
+                None => std::time::Duration::from_secs(DEFAULT_LEASE_SECONDS),
             },
             stdio_allowed_roots: match file.sandbox {
                 Some(section) => {
@@ -706,6 +727,7 @@ mod tests {
             max_running_per_project: DEFAULT_MAX_RUNNING_PER_PROJECT,
             workers: wor_engine::DEFAULT_WORKERS,
             approval_ttl: wor_engine::DEFAULT_APPROVAL_TTL,
+            lease: std::time::Duration::from_secs(DEFAULT_LEASE_SECONDS),
             stdio_allowed_roots: Vec::new(),
             prices: Default::default(),
             console: Default::default(),
@@ -723,6 +745,30 @@ mod tests {
     }
 
     const GOOD_KEY: &str = "q6mZ2k0kq3c7b1pY8Jx0M1yJc4pN9rO2vW6tU5sR3aE=";
+
+    #[test]
+    fn the_lease_comes_from_the_file_within_its_bounds() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("wor.toml");
+        let flags = ServerFlags {
+            config: Some(path.clone()),
+            ..ServerFlags::default()
+        };
+        std::fs::write(&path, "").unwrap();
+        let config = ServerConfig::resolve(&flags, Some("127.0.0.1:0"), false).unwrap();
+        assert_eq!(config.lease, std::time::Duration::from_secs(30));
+        std::fs::write(&path, "lease_seconds = 5\n").unwrap();
+        let config = ServerConfig::resolve(&flags, Some("127.0.0.1:0"), false).unwrap();
+        assert_eq!(config.lease, std::time::Duration::from_secs(5));
+        for refused in ["4", "3601"] {
+            std::fs::write(&path, format!("lease_seconds = {refused}\n")).unwrap();
+            let error = ServerConfig::resolve(&flags, Some("127.0.0.1:0"), false).unwrap_err();
+            assert!(
+                format!("{error:#}").contains("`lease_seconds` must be 5 to 3600"),
+                "{error:#}"
+            );
+        }
+    }
 
     #[test]
     fn prices_come_from_the_file_and_typos_are_errors() {

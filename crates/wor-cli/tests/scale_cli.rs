@@ -15,7 +15,6 @@ mod common;
 use std::collections::BTreeSet;
 use std::io::{BufRead as _, BufReader};
 use std::os::unix::fs::PermissionsExt as _;
-use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -229,29 +228,7 @@ fn a_worker_refuses_to_start_with_a_database_or_the_encryption_key() {
 fn start_role(db: &[String], role: &str) -> Server {
     let mut args = vec!["serve", "--listen", "127.0.0.1:0", "--role", role];
     args.extend(db.iter().map(String::as_str));
-    let mut child = wor(&args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = child.stderr.take().unwrap();
-    let log = Arc::new(Mutex::new(String::new()));
-    let (tx, rx) = std::sync::mpsc::channel();
-    let sink = log.clone();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            if let Some(url) = line.strip_prefix("wor: listening on ") {
-                let _ = tx.send(url.to_owned());
-            }
-            let mut log = sink.lock().unwrap();
-            log.push_str(&line);
-            log.push('\n');
-        }
-    });
-    let url = rx
-        .recv_timeout(Duration::from_secs(30))
-        .unwrap_or_else(|_| panic!("{role} did not start: {}", log.lock().unwrap()));
-    Server { child, url, log }
+    Server::spawn(&args, "wor: listening on ")
 }
 
 fn runs(server: &Server, key: &str) -> Vec<Value> {
@@ -1728,45 +1705,23 @@ mode = "{mode}"
 
 /// `wor serve --role worker` on `data_dir`, with `config`; its log is collected.
 fn start_worker(data_dir: &std::path::Path, config: &std::path::Path) -> Server {
-    let mut child = wor(&[
-        "serve",
-        "--role",
-        "worker",
-        "--data-dir",
-        data_dir.to_str().unwrap(),
-        "--config",
-        config.to_str().unwrap(),
-        "--workers",
-        "4",
-    ])
-    .stdout(Stdio::null())
-    .stderr(Stdio::piped())
-    .spawn()
-    .unwrap();
-    let stderr = child.stderr.take().unwrap();
-    let log = Arc::new(Mutex::new(String::new()));
-    let (tx, rx) = std::sync::mpsc::channel();
-    let sink = log.clone();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            if line.starts_with("wor: worker ") {
-                let _ = tx.send(());
-            }
-            let mut log = sink.lock().unwrap();
-            log.push_str(&line);
-            log.push('\n');
-        }
-    });
-    rx.recv_timeout(Duration::from_secs(30))
-        .unwrap_or_else(|_| panic!("the worker did not start: {}", log.lock().unwrap()));
-    Server {
-        child,
-        url: String::new(),
-        log,
-    }
+    Server::spawn(
+        &[
+            "serve",
+            "--role",
+            "worker",
+            "--data-dir",
+            data_dir.to_str().unwrap(),
+            "--config",
+            config.to_str().unwrap(),
+            "--workers",
+            "4",
+        ],
+        "wor: worker ",
+    )
 }
 
-/// The run `id` as `wor run show` prints it.
+/// The run `id` as `wor run get` prints it.
 fn shown_run(project: &Project<'_>, id: &str) -> Value {
     serde_json::from_slice(&project.client(&["run", "get", id, "--json"], &[]).stdout).unwrap()
 }
@@ -1880,6 +1835,35 @@ fn a_worker_process_drives_the_runs_it_claims_without_a_database_or_the_encrypti
         assert!(seen[0].0.starts_with("GET /v1/lookup"), "{seen:?}");
         assert_eq!(seen[0].1, format!("Bearer {WORKER_TOOL_TOKEN}"), "{seen:?}");
     }
+
+    // A routine with an output schema: the control plane checks the worker's answer and
+    // records it with the end.
+    let file = dir.path().join("answer.toml");
+    std::fs::write(
+        &file,
+        "name = \"answer\"\ninstructions = \"Answer.\"\n[model]\nprovider = \"replay\"\n\
+         model = \"script\"\n[[model.script.turns]]\ntext = '{\"found\": true}'\n\
+         [output]\nschema = { type = \"object\", required = [\"found\"] }\n",
+    )
+    .unwrap();
+    project.client(&["routine", "apply", "-f", file.to_str().unwrap()], &[]);
+    let answered = project.start("answer");
+    wait_for("the answer", Duration::from_secs(60), || {
+        !matches!(
+            shown_run(&project, &answered)["status"].as_str(),
+            Some("queued" | "running")
+        )
+    });
+    let shown = shown_run(&project, &answered);
+    assert_eq!(shown["status"], "succeeded", "{shown}");
+    assert!(
+        shown["steps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|s| s["kind"] == "output" && s["payload"]["result"]["found"] == true),
+        "{shown}"
+    );
 
     // A held call parks the run on the control plane; a person approves it there, and a
     // claim of the worker's runs the call with the approval and finishes the run.

@@ -804,7 +804,11 @@ impl Engine {
     ) -> Result<String, EngineError> {
         let (project, id) = (record.project_id, record.id);
         let needed = challenge.scopes().join(" ");
-        let next = {
+        // A remote worker cannot widen what the connection's next authorization asks for (the
+        // control plane keeps it): the call fails closed saying what to authorize.
+        let next = if self.is_remote() {
+            None
+        } else {
             // The lock of the connection's refresh: two calls widening at once keep both.
             let _held = self.oauth_refresh_lock(id).lock_owned().await;
             match self.store.get_connection_oauth(project, id).await? {
@@ -837,13 +841,15 @@ impl Engine {
                 None => None,
             }
         };
-        self.audit
-            .append(event.subject("connection_id", id).payload(json!({
-                "connection": record.name,
-                "scope_needed": needed,
-                "scope_next_authorization": next,
-            })))
-            .await?;
+        if !self.is_remote() {
+            self.audit
+                .append(event.subject("connection_id", id).payload(json!({
+                    "connection": record.name,
+                    "scope_needed": needed,
+                    "scope_next_authorization": next,
+                })))
+                .await?;
+        }
         tracing::info!(category = "tools", action = "connection.scope_step_up", project_id = %project,
             connection_id = %id, "tool connection needs a wider scope");
         let wants = match needed.as_str() {

@@ -58,12 +58,15 @@ impl Engine {
         let violation = match schema.check(&ending.outcome) {
             Ok(value) => {
                 let result = serde_json::to_string(&value).unwrap_or_default();
-                // Fenced by the lease like every step the driver writes.
-                self.record(self.journal(run).step(
-                    Provenance::Model,
-                    Step::Output(OutputStep { result: value }),
-                ))
-                .await?;
+                // Fenced by the lease like every step the driver writes. A remote worker's
+                // control plane checks the answer again and writes this step with the end.
+                if !self.is_remote() {
+                    self.record(self.journal(run).step(
+                        Provenance::Model,
+                        Step::Output(OutputStep { result: value }),
+                    ))
+                    .await?;
+                }
                 return Ok(AfterTurn::End(Ending::new(RunStatus::Succeeded, result)));
             }
             Err(violation) => violation,

@@ -21,7 +21,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -29,7 +29,7 @@ use secrecy::{ExposeSecret as _, SecretString};
 use wor_core::budget::BudgetUsage;
 use wor_core::run::{Provenance, RunStatus};
 use wor_core::step::Step;
-use wor_core::{ApprovalId, ConnectionId, RunId};
+use wor_core::{ApprovalId, RunId};
 use wor_secrets::{EnvelopeOpener, SealedEnvelope, ToolCredential};
 use wor_store::{
     ApprovalKind, ApprovalRecord, ModelConnectionRecord, RoutineVersionRecord, RunRecord, RunStep,
@@ -97,8 +97,23 @@ impl std::fmt::Debug for RemoteRuns {
     }
 }
 
+tokio::task_local! {
+    /// The claim the current task drives its run under: every read and write of that drive
+    /// goes through this claim, and no other (a claim of the same run taken later, or another
+    /// run's, is never used by mistake).
+    static DRIVEN: Arc<HeldClaim>;
+}
+
+/// Renewals of a lease during a long model or tool call are at most this often (ms); a step's
+/// write renews it too.
+const RENEW_EVERY_MS: i64 = 1_000;
+
+/// How long a stalled idle worker waits at most between claims, after failures.
+const MAX_CLAIM_BACKOFF: Duration = Duration::from_secs(5);
+
 /// One claim this worker holds: what its run is driven from, kept until the drive is over.
 pub(crate) struct HeldClaim {
+    run: RunId,
     lease_id: String,
     version: Arc<RoutineVersionRecord>,
     project_policy: Option<String>,
@@ -114,6 +129,10 @@ pub(crate) struct HeldClaim {
     cancel_requested: AtomicBool,
     /// The usage last recorded on the control plane, for a write that does not change it.
     usage: Mutex<BudgetUsage>,
+    /// When the lease runs out unless renewed, as the control plane last said (Unix ms).
+    lease_expires_at: AtomicI64,
+    /// When this worker last renewed the lease (Unix ms).
+    renewed_at: AtomicI64,
 }
 
 impl HeldClaim {
@@ -164,41 +183,62 @@ impl RemoteRuns {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// The claim of `run`; a run this worker does not hold is a lost lease.
-    pub(crate) fn held(&self, run: RunId) -> Result<Arc<HeldClaim>, EngineError> {
-        self.held_map()
-            .get(&run)
-            .cloned()
+    /// The claim the current task drives `run` under; any other run, or no drive, is a lost
+    /// lease.
+    pub(crate) fn held(run: RunId) -> Result<Arc<HeldClaim>, EngineError> {
+        DRIVEN
+            .try_with(Arc::clone)
+            .ok()
+            .filter(|claim| claim.run == run)
             .ok_or(EngineError::LeaseLost)
     }
 
-    /// The runs held now.
-    pub(crate) fn held_runs(&self) -> Vec<RunId> {
-        self.held_map().keys().copied().collect()
+    /// The claims held now.
+    fn held_claims(&self) -> Vec<Arc<HeldClaim>> {
+        self.held_map().values().cloned().collect()
     }
 
-    /// Version `version` of `routine`, from the claim of a run held now that runs it.
+    /// Version `version` of `routine`, from the claim the current task drives under.
     pub(crate) fn version(
-        &self,
         routine: wor_core::RoutineId,
         version: i64,
     ) -> Option<Arc<RoutineVersionRecord>> {
-        self.held_map()
-            .values()
-            .find(|c| c.version.routine_id == routine && c.version.version == version)
-            .map(|c| c.version.clone())
+        DRIVEN
+            .try_with(|c| {
+                (c.version.routine_id == routine && c.version.version == version)
+                    .then(|| c.version.clone())
+            })
+            .ok()
+            .flatten()
     }
 
-    /// The credential `field` of tool connection `connection`, from the envelope of a run
-    /// held now (every run of a project carries the same credentials of a connection).
-    pub(crate) fn tool_credential(&self, connection: &str, field: &str) -> Option<SecretString> {
-        self.held_map().values().find_map(|claim| {
-            claim
-                .tool_credentials
-                .iter()
-                .find(|c| c.connection_id == connection && c.field == field)
-                .map(|c| c.value.clone())
-        })
+    /// The credential `field` of tool connection `connection`, from the envelope of the claim
+    /// the current task drives under: that run's secrets alone.
+    pub(crate) fn tool_credential(connection: &str, field: &str) -> Option<SecretString> {
+        DRIVEN
+            .try_with(|claim| {
+                claim
+                    .tool_credentials
+                    .iter()
+                    .find(|c| c.connection_id == connection && c.field == field)
+                    .map(|c| c.value.clone())
+            })
+            .ok()
+            .flatten()
+    }
+
+    /// Sends `body` to `path`: the answer's status and body.
+    async fn post(
+        &self,
+        path: &str,
+        body: &impl serde::Serialize,
+    ) -> Result<LinkAnswer, EngineError> {
+        let body = serde_json::to_vec(body)
+            .map_err(|e| EngineError::InvalidState(format!("a request does not encode: {e}")))?;
+        self.link
+            .post(path, body)
+            .await
+            .map_err(|e| EngineError::ControlPlane(e.to_string()))
     }
 
     /// Sends `body` to `path` and reads the answer as `T`.
@@ -207,20 +247,16 @@ impl RemoteRuns {
         path: &str,
         body: &impl serde::Serialize,
     ) -> Result<Answer<T>, EngineError> {
-        let body = serde_json::to_vec(body)
-            .map_err(|e| EngineError::InvalidState(format!("a request does not encode: {e}")))?;
-        let answer = self
-            .link
-            .post(path, body)
-            .await
-            .map_err(|e| EngineError::ControlPlane(e.to_string()))?;
+        let answer = self.post(path, body).await?;
         match answer.status {
             200 => serde_json::from_slice(&answer.body)
                 .map(Answer::Ok)
                 .map_err(|e| {
                     EngineError::ControlPlane(format!("the answer to {path} does not read: {e}"))
                 }),
-            409 => Ok(Answer::NotHeld),
+            409 if error_code(&answer.body).as_deref() == Some("lease_not_held") => {
+                Ok(Answer::NotHeld)
+            }
             // What the control plane refused is the run's to fail with, in its words.
             400 => Err(EngineError::InvalidState(format!(
                 "the control plane refused the run's write: {}",
@@ -232,6 +268,15 @@ impl RemoteRuns {
             ))),
         }
     }
+}
+
+/// The code of an error answer.
+fn error_code(body: &[u8]) -> Option<String> {
+    serde_json::from_slice::<serde_json::Value>(body)
+        .ok()?
+        .pointer("/error/code")?
+        .as_str()
+        .map(str::to_owned)
 }
 
 /// The message of an error answer, or its first bytes.
@@ -279,6 +324,7 @@ fn read_claim(
         .collect::<Result<Vec<_>, _>>()
         .map_err(ClaimError::Malformed)?;
     let held = HeldClaim {
+        run: run.id,
         lease_id: claimed.lease_id,
         version: version.clone(),
         project_policy: claimed.project_policy,
@@ -292,6 +338,8 @@ fn read_claim(
         tool_credentials: secrets.tool_credentials,
         cancel_requested: AtomicBool::new(run.cancel_requested),
         usage: Mutex::new(run.usage),
+        lease_expires_at: AtomicI64::new(claimed.lease_expires_at),
+        renewed_at: AtomicI64::new(wor_store::now_millis()),
     };
     Ok((run, held))
 }
@@ -354,21 +402,72 @@ impl Engine {
             });
         }
         let (run, held) = read_claim(claimed, opened.secrets)?;
+        let held = Arc::new(held);
+        // A drive of this run from an earlier claim is still going here (it outlived its
+        // lease): the new claim is given back; the old drive's writes are refused under its
+        // ended credential, it stops, and the run is claimed again.
+        let earlier = {
+            let mut map = remote.held_map();
+            let earlier = map.contains_key(&run.id);
+            if !earlier {
+                map.insert(run.id, held.clone());
+            }
+            earlier
+        };
+        if earlier {
+            self.give_back_claim(remote, &held).await;
+            return Ok(None);
+        }
         tracing::info!(category = "run", action = "worker.claimed", run_id = %run.id,
             lease_id = %held.lease_id, "claimed a run from the control plane");
-        remote.held_map().insert(run.id, Arc::new(held));
         Ok(Some(run))
     }
 
     /// Drives a run this worker claimed until it ends, parks or is lost, then lets its claim
-    /// and secrets go.
+    /// and secrets go; a drive that stopped for any other reason gives the run back first.
     pub async fn drive_claimed(&self, run: RunRecord) -> Result<(), EngineError> {
-        let id = run.id;
-        let driven = self.drive(run).await;
-        if let Some(remote) = &self.remote {
-            remote.held_map().remove(&id);
+        let Some(remote) = &self.remote else {
+            return self.drive(run).await;
+        };
+        let Some(claim) = remote.held_map().get(&run.id).cloned() else {
+            return Err(EngineError::LeaseLost);
+        };
+        // Forgets the claim however the drive ends (an abort or a panic included), and only
+        // this drive's claim.
+        let _forget = ForgetClaim {
+            remote,
+            claim: claim.clone(),
+        };
+        let driven = DRIVEN.scope(claim.clone(), self.drive(run)).await;
+        if let Err(error) = &driven
+            && !matches!(error, EngineError::LeaseLost)
+        {
+            self.give_back_claim(remote, &claim).await;
         }
         driven
+    }
+
+    /// Gives the run of `claim` back to the queue, logging what happens.
+    async fn give_back_claim(&self, remote: &RemoteRuns, claim: &HeldClaim) {
+        let body = HeldRunRequest {
+            run_credential: claim.credential(),
+        };
+        let run = claim.run;
+        match remote
+            .post(&worker_wire::run_path(run, "release"), &body)
+            .await
+        {
+            Ok(LinkAnswer { status: 204, .. }) => {
+                tracing::info!(category = "run", action = "worker.released", run_id = %run,
+                    "gave a run back to the control plane");
+            }
+            Ok(LinkAnswer { status, body }) => {
+                tracing::warn!(category = "run", run_id = %run, status,
+                    reason = %error_message(&body), "a run could not be given back; its lease will expire");
+            }
+            Err(error) => tracing::warn!(category = "run", run_id = %run, error = %error,
+                "a run could not be given back; its lease will expire"),
+        }
     }
 
     /// Gives back every run this worker holds, to be resumed by another claim.
@@ -376,25 +475,9 @@ impl Engine {
         let Some(remote) = &self.remote else {
             return;
         };
-        for run in remote.held_runs() {
-            let Ok(held) = remote.held(run) else {
-                continue;
-            };
-            let body = HeldRunRequest {
-                run_credential: held.credential(),
-            };
-            match remote
-                .call::<serde_json::Value>(&worker_wire::run_path(run, "release"), &body)
-                .await
-            {
-                Ok(_) => {
-                    tracing::info!(category = "run", action = "worker.released", run_id = %run,
-                    "gave a run back to the control plane")
-                }
-                Err(error) => tracing::warn!(category = "run", run_id = %run, error = %error,
-                    "a run could not be given back; its lease will expire"),
-            }
-            remote.held_map().remove(&run);
+        for claim in remote.held_claims() {
+            self.give_back_claim(remote, &claim).await;
+            remote.held_map().remove(&claim.run);
         }
     }
 
@@ -420,9 +503,9 @@ impl Engine {
             .map_err(|e| ClaimError::Malformed(e.to_string()))
     }
 
-    /// The held claim of `run`, when this engine is a remote worker's.
+    /// The claim this task drives `run` under, when this engine is a remote worker's.
     pub(crate) fn remote_claim(&self, run: RunId) -> Option<Result<Arc<HeldClaim>, EngineError>> {
-        self.remote.as_ref().map(|remote| remote.held(run))
+        self.remote.as_ref().map(|_| RemoteRuns::held(run))
     }
 
     /// The steps a remote run was claimed with.
@@ -471,15 +554,16 @@ impl Engine {
             .cloned()
     }
 
-    /// A secret of a tool connection from the envelope of a run this worker holds.
+    /// A secret of a tool connection from the envelope of the run this task drives, when
+    /// this engine is a remote worker's.
     pub(crate) fn remote_tool_credential(
         &self,
-        connection: ConnectionId,
+        connection: &str,
         field: &str,
     ) -> Option<Option<SecretString>> {
         self.remote
             .as_ref()
-            .map(|remote| remote.tool_credential(&connection.to_string(), field))
+            .map(|_| RemoteRuns::tool_credential(connection, field))
     }
 
     /// Every secret value a remote run's envelope brought.
@@ -502,9 +586,18 @@ impl Engine {
         let carried = self.take_carried(run.id);
         let usage = usage.or_else(|| carried.as_ref().and_then(|c| c.usage));
         let steps = carried.map(|c| c.steps).unwrap_or_default();
-        let ended = self
+        let ended = match self
             .end_remote(run.id, &steps, ending.status, &ending.outcome, usage)
-            .await?;
+            .await
+        {
+            // The control plane refused this end (an answer its output schema does not take,
+            // say): the run fails with its reason instead.
+            Err(EngineError::InvalidState(reason)) if ending.status != RunStatus::Failed => {
+                self.end_remote(run.id, &[], RunStatus::Failed, &reason, usage)
+                    .await?
+            }
+            other => other?,
+        };
         self.live_text.close(run.id);
         tracing::info!(category = "run", action = "run.end", project_id = %run.project_id,
             run_id = %run.id, status = ending.status.as_str(), lease_held = ended, "run ended");
@@ -522,20 +615,38 @@ impl Engine {
     }
 
     /// Renews the lease of a remote run: whether it is still held.
+    /// At most once a second; a request that fails before the lease it renews runs out is
+    /// tried again at the next renewal.
     pub(crate) async fn renew_remote(&self, run: RunId) -> Result<bool, EngineError> {
         let (remote, claim) = self.remote_parts(run)?;
+        let now = wor_store::now_millis();
+        if now.saturating_sub(claim.renewed_at.load(Ordering::Relaxed)) < RENEW_EVERY_MS {
+            return Ok(true);
+        }
         let body = HeldRunRequest {
             run_credential: claim.credential(),
         };
         match remote
             .call::<LeaseAnswer>(&worker_wire::run_path(run, "lease"), &body)
-            .await?
+            .await
         {
-            Answer::Ok(lease) => {
+            Ok(Answer::Ok(lease)) => {
                 claim.saw_cancel(lease.cancel_requested);
+                claim
+                    .lease_expires_at
+                    .store(lease.lease_expires_at, Ordering::Relaxed);
+                claim.renewed_at.store(now, Ordering::Relaxed);
                 Ok(true)
             }
-            Answer::NotHeld => Ok(false),
+            Ok(Answer::NotHeld) => Ok(false),
+            Err(EngineError::ControlPlane(reason))
+                if wor_store::now_millis() < claim.lease_expires_at.load(Ordering::Relaxed) =>
+            {
+                tracing::warn!(category = "run", run_id = %run, reason = %reason,
+                    "a lease renewal failed; tried again while the lease lasts");
+                Ok(true)
+            }
+            Err(error) => Err(error),
         }
     }
 
@@ -544,7 +655,7 @@ impl Engine {
             .remote
             .as_deref()
             .ok_or_else(|| EngineError::InvalidState("not a remote worker".to_owned()))?;
-        Ok((remote, remote.held(run)?))
+        Ok((remote, RemoteRuns::held(run)?))
     }
 
     /// A journal write of a remote run, sent as a `steps` request: its steps and usage (the
@@ -575,32 +686,32 @@ impl Engine {
                 })
             })
             .collect::<Result<Vec<_>, EngineError>>()?;
-        // At most so many steps in one request: a longer write goes in order, in parts.
-        for part in steps.chunks(crate::MAX_WORKER_STEPS_PER_WRITE) {
-            let body = StepsRequest {
-                run_credential: claim.credential(),
-                steps: part
-                    .iter()
-                    .map(|s| WorkerStep {
-                        kind: s.kind.clone(),
-                        provenance: s.provenance.clone(),
-                        payload: s.payload.clone(),
-                    })
-                    .collect(),
-                usage,
-            };
-            match remote
-                .call::<StepsAnswer>(&worker_wire::run_path(run, "steps"), &body)
-                .await?
-            {
-                Answer::Ok(answer) if answer.recorded => claim.saw_cancel(answer.cancel_requested),
-                Answer::Ok(_) => {
-                    claim.saw_cancel(true);
-                    return Ok(RunWritten::CancelRequested);
-                }
-                Answer::NotHeld => return Ok(RunWritten::LeaseLost),
-            }
+        // One write is one request, as it is one transaction on the control plane.
+        if steps.len() > crate::MAX_WORKER_STEPS_PER_WRITE {
+            return Err(EngineError::InvalidState(format!(
+                "a write of {} steps is more than a worker may send at once",
+                steps.len()
+            )));
         }
+        let body = StepsRequest {
+            run_credential: claim.credential(),
+            steps,
+            usage,
+        };
+        match remote
+            .call::<StepsAnswer>(&worker_wire::run_path(run, "steps"), &body)
+            .await?
+        {
+            Answer::Ok(answer) if answer.recorded => claim.saw_cancel(answer.cancel_requested),
+            Answer::Ok(_) => {
+                claim.saw_cancel(true);
+                return Ok(RunWritten::CancelRequested);
+            }
+            Answer::NotHeld => return Ok(RunWritten::LeaseLost),
+        }
+        claim
+            .renewed_at
+            .store(wor_store::now_millis(), Ordering::Relaxed);
         claim.set_usage(usage);
         Ok(RunWritten::Committed {
             cancel_requested: Engine::claimed_cancel(&claim),
@@ -632,16 +743,10 @@ impl Engine {
             usage: usage.unwrap_or_else(|| claim.usage()),
         };
         let path = worker_wire::run_path(run, "end");
-        let body = serde_json::to_vec(&body)
-            .map_err(|e| EngineError::InvalidState(format!("a request does not encode: {e}")))?;
-        let answer = remote
-            .link
-            .post(&path, body)
-            .await
-            .map_err(|e| EngineError::ControlPlane(e.to_string()))?;
+        let answer = remote.post(&path, &body).await?;
         match answer.status {
             204 | 200 => Ok(true),
-            409 => Ok(false),
+            409 if error_code(&answer.body).as_deref() == Some("lease_not_held") => Ok(false),
             400 => Err(EngineError::InvalidState(format!(
                 "the control plane refused the run's end: {}",
                 error_message(&answer.body)
@@ -762,6 +867,7 @@ impl Engine {
             let mut beat = tokio::time::interval(heartbeat);
             beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let poll = engine.config.poll_interval;
+            let mut backoff = poll;
             loop {
                 if *stop.borrow() {
                     break;
@@ -772,10 +878,9 @@ impl Engine {
                     _ = stop.changed() => break,
                 };
                 let Ok(permit) = permit else { break };
-                let claimed = tokio::select! {
-                    claimed = engine.claim_remote() => claimed,
-                    _ = stop.changed() => break,
-                };
+                // Not raced with the stop: a claim the control plane made is driven or given
+                // back, never dropped.
+                let claimed = engine.claim_remote().await;
                 match claimed {
                     Ok(Some(run)) => {
                         let engine = engine.clone();
@@ -787,17 +892,19 @@ impl Engine {
                             }
                             drop(permit);
                         });
+                        backoff = poll;
                         continue;
                     }
-                    Ok(None) => {}
+                    Ok(None) => backoff = poll,
                     Err(error) => {
                         tracing::warn!(category = "run", action = "worker.claim_failed",
                             error = %error, "claiming a run failed");
+                        backoff = backoff.saturating_mul(2).min(MAX_CLAIM_BACKOFF);
                     }
                 }
                 drop(permit);
                 tokio::select! {
-                    _ = tokio::time::sleep(poll) => {}
+                    _ = tokio::time::sleep(backoff) => {}
                     _ = beat.tick() => {
                         if let Err(error) = engine.heartbeat().await {
                             tracing::warn!(category = "lifecycle", action = "worker.heartbeat_failed",
@@ -818,5 +925,24 @@ impl Engine {
             }
             engine.release_claimed().await;
         })
+    }
+}
+
+/// Forgets a drive's claim when the drive ends, however it ends: the claim and its secrets are
+/// dropped (zeroised) unless a later claim of the run replaced it.
+struct ForgetClaim<'a> {
+    remote: &'a RemoteRuns,
+    claim: Arc<HeldClaim>,
+}
+
+impl Drop for ForgetClaim<'_> {
+    fn drop(&mut self) {
+        let mut map = self.remote.held_map();
+        if map
+            .get(&self.claim.run)
+            .is_some_and(|held| Arc::ptr_eq(held, &self.claim))
+        {
+            map.remove(&self.claim.run);
+        }
     }
 }

@@ -473,7 +473,9 @@ impl Engine {
                         .map(|h| RequestSecret::Header(h)),
                 )
             {
-                if let Some(Some(value)) = self.remote_tool_credential(record.id, &secret.field()) {
+                if let Some(Some(value)) =
+                    self.remote_tool_credential(&record.id.to_string(), &secret.field())
+                {
                     secrets.push((secret, value));
                 }
             }
@@ -614,12 +616,12 @@ impl Engine {
         slot: &SecretSlot,
         name: &str,
     ) -> Result<SecretString, ConnectionError> {
-        // A remote worker opens nothing: the secret is in a held run's envelope, or missing.
+        // A remote worker opens nothing: the secret is in the envelope of the run it drives,
+        // or missing.
         if self.is_remote() {
             return self
-                .remote
-                .as_ref()
-                .and_then(|remote| remote.tool_credential(&slot.owner_id, &slot.field))
+                .remote_tool_credential(&slot.owner_id, &slot.field)
+                .flatten()
                 .ok_or_else(|| ConnectionError::Vault {
                     connection: name.to_owned(),
                     source: wor_store::VaultError::Missing {

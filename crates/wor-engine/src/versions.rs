@@ -177,10 +177,9 @@ impl Engine {
         if let Some(found) = self.versions.entries.get(&key) {
             return Ok(found);
         }
-        // A remote worker reads the versions of the runs it holds from their claims.
-        if let Some(remote) = &self.remote {
-            return remote
-                .version(routine, version)
+        // A remote worker reads the version of the run it drives from its claim.
+        if self.remote.is_some() {
+            return crate::remote::RemoteRuns::version(routine, version)
                 .ok_or(EngineError::LeaseLost);
         }
         let read = Arc::new(

@@ -272,6 +272,7 @@ pub(crate) async fn open_engine(config: &ServerConfig) -> anyhow::Result<(Engine
             max_running_per_project: config.max_running_per_project,
             workers: config.workers,
             approval_ttl: config.approval_ttl,
+            lease: config.lease,
             stdio_allowed_roots: config.stdio_allowed_roots.clone(),
             protected_paths: vec![config.data_dir.clone()],
             prices: config.prices.clone(),

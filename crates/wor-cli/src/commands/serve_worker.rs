@@ -19,6 +19,9 @@ use crate::env;
 
 /// How often an idle worker says it is alive.
 const HEARTBEAT: Duration = Duration::from_secs(10);
+/// How long a request to the control plane waits for its answer: a lease renewal that fails
+/// is tried again while the lease lasts.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a stopping worker lets its runs reach their next stop before giving them back.
 const DRAIN: Duration = Duration::from_secs(20);
 
@@ -108,7 +111,7 @@ pub async fn run(config: &ServerConfig) -> anyhow::Result<ExitCode> {
         EnvelopeLimits::default(),
     );
     let link = SignedLink {
-        client: ApiClient::without_key(&enrolment.control_plane)?,
+        client: ApiClient::for_worker(&enrolment.control_plane, REQUEST_TIMEOUT)?,
         identity,
         worker_id: enrolment.worker_id.clone(),
     };
@@ -180,6 +183,7 @@ async fn worker_engine(
             worker_id: worker_id.to_owned(),
             production: config.production,
             workers: config.workers,
+            lease: config.lease,
             stdio_allowed_roots: config.stdio_allowed_roots.clone(),
             protected_paths: vec![config.data_dir.clone()],
             prices: config.prices.clone(),

@@ -125,6 +125,35 @@ impl Server {
         Server { child, url, log }
     }
 
+    /// Spawns `wor ARGS` with a clean environment and waits until it logs a line that starts
+    /// with `ready`; the rest of that line is the server's URL (empty when there is none).
+    pub fn spawn(args: &[&str], ready: &str) -> Server {
+        let mut child = wor(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let log = Arc::new(Mutex::new(String::new()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let sink = log.clone();
+        let ready = ready.to_owned();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Some(rest) = line.strip_prefix(&ready) {
+                    let _ = tx.send(rest.to_owned());
+                }
+                let mut log = sink.lock().unwrap();
+                log.push_str(&line);
+                log.push('\n');
+            }
+        });
+        let url = rx
+            .recv_timeout(Duration::from_secs(30))
+            .unwrap_or_else(|_| panic!("{args:?} did not start: {}", log.lock().unwrap()));
+        Server { child, url, log }
+    }
+
     pub fn client(&self, key: &str, args: &[&str]) -> Output {
         run(wor(args)
             .env("WOR_SERVER", &self.url)
