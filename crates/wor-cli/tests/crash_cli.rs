@@ -38,7 +38,7 @@ use rmcp::transport::streamable_http_server::session::local::LocalSessionManager
 use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
 use serde_json::{Value, json};
 
-use common::{Server, create_project, database_args, run, text, wor};
+use common::{Server, create_project, create_token, database_args, enroll, run, text, wor};
 
 /// Kills of `wor serve`; the issue asks for at least 30.
 const KILLS: usize = 32;
@@ -817,4 +817,236 @@ fn runs_survive_repeated_sigkill_of_the_server_without_lost_or_repeated_calls() 
                 .join("\n  ")
         );
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The same desk, driven by remote workers: two `api` processes and a scheduler on one database,
+// three `worker` processes (no database, no encryption key) killed with SIGKILL at random and
+// started again, while a person decides what comes up.
+
+/// Kills of a worker; the scale-out issue asks for at least 20.
+const WORKER_KILLS: usize = 24;
+/// Runs started, all at once, across the two `api` processes.
+const WORKER_RUNS: usize = 300;
+/// How long a worker lives between kills, in milliseconds.
+const WORKER_UPTIME_MS: std::ops::Range<u64> = 300..1500;
+/// The lease of a run: a killed worker's runs are claimed again after it.
+const WORKER_LEASE: &str = "lease_seconds = 5\n";
+
+/// `wor serve --role worker` on `data_dir`.
+fn start_desk_worker(data_dir: &std::path::Path, config: &std::path::Path) -> Server {
+    Server::spawn(
+        &[
+            "serve",
+            "--role",
+            "worker",
+            "--data-dir",
+            data_dir.to_str().unwrap(),
+            "--config",
+            config.to_str().unwrap(),
+            "--workers",
+            "4",
+        ],
+        "wor: worker ",
+    )
+}
+
+#[test]
+fn runs_survive_repeated_sigkill_of_remote_workers_without_lost_or_repeated_calls() {
+    let started = Instant::now();
+    let seed = std::env::var("WOR_CRASH_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(DEFAULT_SEED);
+    eprintln!("worker crash test seed {seed} (set WOR_CRASH_SEED to replay)");
+    let mut rng = StdRng::seed_from_u64(seed);
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let desk = Desk::default();
+    let desk_addr = runtime.block_on(serve_desk(desk.clone()));
+
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("wor.toml");
+    let egress = "[egress]\nallowed_cidrs = [\"127.0.0.1/32\"]\n";
+    std::fs::write(&config, format!("{WORKER_LEASE}{egress}")).unwrap();
+    let mut db = database_args(dir.path());
+    db.extend(["--config".to_owned(), config.display().to_string()]);
+    let owner = create_project(&db);
+    let role = |role: &str| {
+        let mut args = vec!["serve", "--listen", "127.0.0.1:0", "--role", role];
+        args.extend(db.iter().map(String::as_str));
+        Server::spawn(&args, "wor: listening on ")
+    };
+    let apis = [role("api"), role("api")];
+    let scheduler = role("scheduler");
+    let mut logs: Vec<Arc<Mutex<String>>> = apis.iter().map(|a| a.log.clone()).collect();
+    logs.push(scheduler.log.clone());
+
+    let api = Api::new(runtime.handle().clone());
+    api.set_base(Some(apis[0].url.clone()));
+    let other_api = Api::new(runtime.handle().clone());
+    other_api.set_base(Some(apis[1].url.clone()));
+    let (approver, routine) = set_up(&api, &owner, desk_addr);
+
+    // Three workers, each enrolled on its own data dir, with the egress its runs need.
+    let worker_config = dir.path().join("worker.toml");
+    std::fs::write(&worker_config, egress).unwrap();
+    let worker_dirs: Vec<std::path::PathBuf> = (0..3)
+        .map(|n| {
+            let data_dir = dir.path().join(format!("worker-{n}"));
+            let enrolled = enroll(&apis[n % 2].url, &create_token(&db), &data_dir);
+            assert!(enrolled.status.success(), "{}", text(&enrolled.stderr));
+            data_dir
+        })
+        .collect();
+    let mut workers: Vec<Server> = worker_dirs
+        .iter()
+        .map(|d| start_desk_worker(d, &worker_config))
+        .collect();
+    logs.extend(workers.iter().map(|w| w.log.clone()));
+
+    let decisions = Arc::new(Mutex::new(BTreeMap::new()));
+    let stop_approver = Arc::new(AtomicBool::new(false));
+    let approver_thread = spawn_approver(
+        other_api.clone(),
+        approver.clone(),
+        desk.state.clone(),
+        decisions.clone(),
+        stop_approver.clone(),
+    );
+
+    // Every run is started at once, half on each `api` process.
+    let path = format!("/v1/routines/{routine}/runs");
+    let starters: Vec<_> = (0..2)
+        .map(|half| {
+            let (api, owner, path) = (
+                if half == 0 {
+                    api.clone()
+                } else {
+                    other_api.clone()
+                },
+                owner.clone(),
+                path.clone(),
+            );
+            std::thread::spawn(move || {
+                for n in (half..WORKER_RUNS).step_by(2) {
+                    api.call(
+                        &owner,
+                        reqwest::Method::POST,
+                        &path,
+                        Some(&json!({"input": input_for(&format!("w{n:03}"))})),
+                        202,
+                    );
+                }
+            })
+        })
+        .collect();
+
+    // Kill a worker at random, start it again on its data dir, repeat.
+    let mut exited_on_its_own = Vec::new();
+    for kill in 0..WORKER_KILLS {
+        std::thread::sleep(Duration::from_millis(rng.random_range(WORKER_UPTIME_MS)));
+        let n = rng.random_range(0..workers.len());
+        let worker = &mut workers[n];
+        if let Some(status) = worker.child.try_wait().unwrap() {
+            exited_on_its_own.push(format!(
+                "worker {n} exited on its own with {status} before kill {kill}"
+            ));
+        }
+        worker.child.kill().unwrap();
+        worker.child.wait().unwrap();
+        *worker = start_desk_worker(&worker_dirs[n], &worker_config);
+        logs.push(worker.log.clone());
+    }
+    let kill_phase = started.elapsed();
+    for starter in starters {
+        starter.join().unwrap();
+    }
+
+    let settle_deadline = Instant::now() + SETTLE;
+    let runs_path = format!("/v1/runs?routine_id={routine}&");
+    let mut list_failures = Vec::new();
+    while Instant::now() < settle_deadline {
+        match api.try_list_all(&owner, &runs_path) {
+            Ok(runs)
+                if runs.len() == WORKER_RUNS
+                    && runs
+                        .iter()
+                        .all(|r| is_terminal(r["status"].as_str().unwrap())) =>
+            {
+                break;
+            }
+            Ok(_) => {}
+            Err(error) => list_failures.push(format!("while settling, {error}")),
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    stop_approver.store(true, Ordering::SeqCst);
+    approver_thread.join().unwrap();
+    let settled = started.elapsed();
+    let runs = api.list_all(&owner, &runs_path);
+    let approvals = api.list_all(&owner, "/v1/approvals?");
+    let mut problems: Vec<String> = exited_on_its_own;
+    problems.extend(list_failures);
+    problems.extend(run_problems(&runs, &approvals));
+    for worker in workers {
+        worker.stop();
+    }
+    scheduler.stop();
+    for api in apis {
+        api.stop();
+    }
+    let executions = desk.state.executions.lock().unwrap().clone();
+    let decisions = decisions.lock().unwrap().clone();
+    problems.extend(call_problems(&executions, &approvals, &decisions));
+
+    let mut verify = vec!["audit", "verify"];
+    verify.extend(db.iter().map(String::as_str));
+    let verified = run(&mut wor(&verify));
+    if !verified.status.success() {
+        problems.push(format!(
+            "`wor audit verify` failed: {}{}",
+            text(&verified.stdout),
+            text(&verified.stderr)
+        ));
+    }
+    let mut statuses: BTreeMap<&str, usize> = BTreeMap::new();
+    for run in &runs {
+        *statuses.entry(run["status"].as_str().unwrap()).or_default() += 1;
+    }
+    let summary = format!(
+        "seed {seed}; {WORKER_KILLS} worker kills in {kill_phase:.1?}, settled at {settled:.1?}; \
+         {} runs {statuses:?}, {} executions, {} approvals ({} outcome_unknown)",
+        runs.len(),
+        executions.len(),
+        approvals.len(),
+        approvals
+            .iter()
+            .filter(|a| a["kind"] == "outcome_unknown")
+            .count(),
+    );
+    eprintln!("worker crash test: {summary}");
+    let notable = notable_log_lines(&logs);
+    for line in notable.iter().filter(|l| l.contains("\"level\":\"ERROR\"")) {
+        problems.push(format!("a process logged an error: {line}"));
+    }
+    assert_eq!(runs.len(), WORKER_RUNS, "{summary}");
+    assert!(
+        executions.iter().any(|e| e.tool == "send"),
+        "the consequential tool should have run: {summary}"
+    );
+    assert!(
+        problems.is_empty(),
+        "{} problem(s) ({summary}):\n  {}\n\nfirst warning lines:\n  {}",
+        problems.len(),
+        problems.join("\n  "),
+        notable
+            .get(..notable.len().min(20))
+            .unwrap_or_default()
+            .join("\n  ")
+    );
 }

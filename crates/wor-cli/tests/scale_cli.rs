@@ -18,7 +18,9 @@ use std::os::unix::fs::PermissionsExt as _;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{Server, create_project, database_args, database_url, run, text, wor};
+use common::{
+    Server, create_project, create_token, database_args, database_url, enroll, run, text, wor,
+};
 use serde_json::Value;
 
 /// The test's database, opened directly beside the processes under test.
@@ -31,31 +33,6 @@ fn open_store(db: &[String], dir: &std::path::Path) -> (tokio::runtime::Runtime,
         .block_on(wor_store::Store::open(Some(&database_url(db, dir)), dir))
         .unwrap();
     (runtime, store)
-}
-
-fn create_token(db: &[String]) -> String {
-    let mut args = vec!["worker", "token", "create"];
-    args.extend(db.iter().map(String::as_str));
-    let out = run(&mut wor(&args));
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    let token = text(&out.stdout).trim().to_owned();
-    assert!(token.starts_with("wet_") && token.len() == 68, "{token}");
-    token
-}
-
-fn enroll(control_plane: &str, token: &str, data_dir: &std::path::Path) -> std::process::Output {
-    run(&mut wor(&[
-        "worker",
-        "enroll",
-        "--control-plane",
-        control_plane,
-        "--token",
-        token,
-        "--data-dir",
-        data_dir.to_str().unwrap(),
-        "--name",
-        "test-worker",
-    ]))
 }
 
 #[test]

@@ -203,3 +203,34 @@ impl Drop for Server {
         }
     }
 }
+
+/// A single-use worker enrolment token, made on the database directly.
+pub fn create_token(db: &[String]) -> String {
+    let mut args = vec!["worker", "token", "create"];
+    args.extend(db.iter().map(String::as_str));
+    let out = run(&mut wor(&args));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let token = text(&out.stdout).trim().to_owned();
+    assert!(token.starts_with("wet_") && token.len() == 68, "{token}");
+    token
+}
+
+/// `wor worker enroll` of a worker whose data dir is `data_dir`.
+pub fn enroll(
+    control_plane: &str,
+    token: &str,
+    data_dir: &std::path::Path,
+) -> std::process::Output {
+    run(&mut wor(&[
+        "worker",
+        "enroll",
+        "--control-plane",
+        control_plane,
+        "--token",
+        token,
+        "--data-dir",
+        data_dir.to_str().unwrap(),
+        "--name",
+        "test-worker",
+    ]))
+}
