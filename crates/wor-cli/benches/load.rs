@@ -29,7 +29,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use support::{Api, Server, backends, database_for, env_number, ms, percentile};
+use support::{Api, Server, backends, database_for, env_number, ms, percentile, start_runs};
 
 /// How long the tool takes to answer each call.
 const TOOL_LATENCY: Duration = Duration::from_millis(100);
@@ -130,23 +130,7 @@ async fn measure(database: Option<String>, workers: usize, runs: usize) -> Figur
     };
 
     let started = Instant::now();
-    let next = Arc::new(AtomicUsize::new(0));
-    let mut starters = Vec::new();
-    for _ in 0..STARTERS {
-        let (api, next, routine) = (api.clone(), next.clone(), routine.clone());
-        starters.push(tokio::spawn(async move {
-            while next.fetch_add(1, Ordering::SeqCst) < runs {
-                api.post(
-                    &format!("/v1/routines/{routine}/runs"),
-                    json!({"input": "go"}),
-                )
-                .await;
-            }
-        }));
-    }
-    for starter in starters {
-        starter.await.unwrap();
-    }
+    start_runs(&api, &routine, runs, STARTERS).await;
     let deadline = Instant::now() + Duration::from_secs(900);
     loop {
         let active = api.get("/v1/runs?status=queued&limit=1").await;

@@ -605,16 +605,16 @@ fn call_problems(
     problems
 }
 
-#[test]
-fn runs_survive_repeated_sigkill_of_the_server_without_lost_or_repeated_calls() {
-    let started = Instant::now();
-    let seed = std::env::var("WOR_CRASH_SEED")
+/// The seed of a crash test: `WOR_CRASH_SEED`, else the default.
+fn crash_seed() -> u64 {
+    std::env::var("WOR_CRASH_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(DEFAULT_SEED);
-    eprintln!("crash test seed {seed} (set WOR_CRASH_SEED to replay)");
-    let mut rng = StdRng::seed_from_u64(seed);
+        .unwrap_or(DEFAULT_SEED)
+}
 
+/// A runtime of two threads with the desk served on it.
+fn desk_runtime() -> (tokio::runtime::Runtime, Desk, SocketAddr) {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -622,6 +622,55 @@ fn runs_survive_repeated_sigkill_of_the_server_without_lost_or_repeated_calls() 
         .unwrap();
     let desk = Desk::default();
     let desk_addr = runtime.block_on(serve_desk(desk.clone()));
+    (runtime, desk, desk_addr)
+}
+
+/// Waits up to [`SETTLE`] until `expected` runs of `routine` (any number, for `None`) exist and
+/// all have ended; what went wrong listing them meanwhile.
+fn settle(api: &Api, owner: &str, routine: &str, expected: Option<usize>) -> Vec<String> {
+    let settle_deadline = Instant::now() + SETTLE;
+    let runs_path = format!("/v1/runs?routine_id={routine}&");
+    let mut list_failures = Vec::new();
+    while Instant::now() < settle_deadline {
+        match api.try_list_all(owner, &runs_path) {
+            Ok(runs)
+                if expected.is_none_or(|n| runs.len() == n)
+                    && runs
+                        .iter()
+                        .all(|r| is_terminal(r["status"].as_str().unwrap())) =>
+            {
+                break;
+            }
+            Ok(_) => {}
+            // The server is up and nothing is being killed: an error answer is a finding.
+            Err(error) => list_failures.push(format!("while settling, {error}")),
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    list_failures
+}
+
+/// `wor audit verify` on `db`, with every server stopped: what it said when it failed.
+fn audit_problem(db: &[String]) -> Option<String> {
+    let mut verify = vec!["audit", "verify"];
+    verify.extend(db.iter().map(String::as_str));
+    let verified = run(&mut wor(&verify));
+    (!verified.status.success()).then(|| {
+        format!(
+            "`wor audit verify` failed: {}{}",
+            text(&verified.stdout),
+            text(&verified.stderr)
+        )
+    })
+}
+
+#[test]
+fn runs_survive_repeated_sigkill_of_the_server_without_lost_or_repeated_calls() {
+    let started = Instant::now();
+    let seed = crash_seed();
+    eprintln!("crash test seed {seed} (set WOR_CRASH_SEED to replay)");
+    let mut rng = StdRng::seed_from_u64(seed);
+    let (runtime, desk, desk_addr) = desk_runtime();
 
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("wor.toml");
@@ -704,24 +753,8 @@ fn runs_survive_repeated_sigkill_of_the_server_without_lost_or_repeated_calls() 
     }
 
     // No more kills: everything should settle, the approver deciding what comes up.
-    let settle_deadline = Instant::now() + SETTLE;
+    let list_failures = settle(&api, &owner, &routine, None);
     let runs_path = format!("/v1/runs?routine_id={routine}&");
-    let mut list_failures = Vec::new();
-    while Instant::now() < settle_deadline {
-        match api.try_list_all(&owner, &runs_path) {
-            Ok(runs)
-                if runs
-                    .iter()
-                    .all(|r| is_terminal(r["status"].as_str().unwrap())) =>
-            {
-                break;
-            }
-            Ok(_) => {}
-            // The server is up and nothing is being killed: an error answer is a finding.
-            Err(error) => list_failures.push(format!("while settling, {error}")),
-        }
-        std::thread::sleep(Duration::from_millis(250));
-    }
     stop_approver.store(true, Ordering::SeqCst);
     approver_thread.join().unwrap();
     let settled = started.elapsed();
@@ -737,16 +770,7 @@ fn runs_survive_repeated_sigkill_of_the_server_without_lost_or_repeated_calls() 
     problems.extend(call_problems(&executions, &approvals, &decisions));
 
     // The audit chain, with the server stopped.
-    let mut verify = vec!["audit", "verify"];
-    verify.extend(db.iter().map(String::as_str));
-    let verified = run(&mut wor(&verify));
-    if !verified.status.success() {
-        problems.push(format!(
-            "`wor audit verify` failed: {}{}",
-            text(&verified.stdout),
-            text(&verified.stderr)
-        ));
-    }
+    problems.extend(audit_problem(&db));
 
     let summary = format!(
         "seed {seed}; {kills} kills in {kill_phase:.1?}, settled at {settled:.1?}; {} runs \
@@ -833,41 +857,13 @@ const WORKER_UPTIME_MS: std::ops::Range<u64> = 300..1500;
 /// The lease of a run: a killed worker's runs are claimed again after it.
 const WORKER_LEASE: &str = "lease_seconds = 5\n";
 
-/// `wor serve --role worker` on `data_dir`.
-fn start_desk_worker(data_dir: &std::path::Path, config: &std::path::Path) -> Server {
-    Server::spawn(
-        &[
-            "serve",
-            "--role",
-            "worker",
-            "--data-dir",
-            data_dir.to_str().unwrap(),
-            "--config",
-            config.to_str().unwrap(),
-            "--workers",
-            "4",
-        ],
-        "wor: worker ",
-    )
-}
-
 #[test]
 fn runs_survive_repeated_sigkill_of_remote_workers_without_lost_or_repeated_calls() {
     let started = Instant::now();
-    let seed = std::env::var("WOR_CRASH_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(DEFAULT_SEED);
+    let seed = crash_seed();
     eprintln!("worker crash test seed {seed} (set WOR_CRASH_SEED to replay)");
     let mut rng = StdRng::seed_from_u64(seed);
-
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let desk = Desk::default();
-    let desk_addr = runtime.block_on(serve_desk(desk.clone()));
+    let (runtime, desk, desk_addr) = desk_runtime();
 
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("wor.toml");
@@ -905,7 +901,7 @@ fn runs_survive_repeated_sigkill_of_remote_workers_without_lost_or_repeated_call
         .collect();
     let mut workers: Vec<Server> = worker_dirs
         .iter()
-        .map(|d| start_desk_worker(d, &worker_config))
+        .map(|d| Server::worker(d, &worker_config))
         .collect();
     logs.extend(workers.iter().map(|w| w.log.clone()));
 
@@ -959,7 +955,7 @@ fn runs_survive_repeated_sigkill_of_remote_workers_without_lost_or_repeated_call
         }
         worker.child.kill().unwrap();
         worker.child.wait().unwrap();
-        *worker = start_desk_worker(&worker_dirs[n], &worker_config);
+        *worker = Server::worker(&worker_dirs[n], &worker_config);
         logs.push(worker.log.clone());
     }
     let kill_phase = started.elapsed();
@@ -967,24 +963,8 @@ fn runs_survive_repeated_sigkill_of_remote_workers_without_lost_or_repeated_call
         starter.join().unwrap();
     }
 
-    let settle_deadline = Instant::now() + SETTLE;
+    let list_failures = settle(&api, &owner, &routine, Some(WORKER_RUNS));
     let runs_path = format!("/v1/runs?routine_id={routine}&");
-    let mut list_failures = Vec::new();
-    while Instant::now() < settle_deadline {
-        match api.try_list_all(&owner, &runs_path) {
-            Ok(runs)
-                if runs.len() == WORKER_RUNS
-                    && runs
-                        .iter()
-                        .all(|r| is_terminal(r["status"].as_str().unwrap())) =>
-            {
-                break;
-            }
-            Ok(_) => {}
-            Err(error) => list_failures.push(format!("while settling, {error}")),
-        }
-        std::thread::sleep(Duration::from_millis(250));
-    }
     stop_approver.store(true, Ordering::SeqCst);
     approver_thread.join().unwrap();
     let settled = started.elapsed();
@@ -1004,16 +984,7 @@ fn runs_survive_repeated_sigkill_of_remote_workers_without_lost_or_repeated_call
     let decisions = decisions.lock().unwrap().clone();
     problems.extend(call_problems(&executions, &approvals, &decisions));
 
-    let mut verify = vec!["audit", "verify"];
-    verify.extend(db.iter().map(String::as_str));
-    let verified = run(&mut wor(&verify));
-    if !verified.status.success() {
-        problems.push(format!(
-            "`wor audit verify` failed: {}{}",
-            text(&verified.stdout),
-            text(&verified.stderr)
-        ));
-    }
+    problems.extend(audit_problem(&db));
     let mut statuses: BTreeMap<&str, usize> = BTreeMap::new();
     for run in &runs {
         *statuses.entry(run["status"].as_str().unwrap()).or_default() += 1;

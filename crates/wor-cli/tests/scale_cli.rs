@@ -1680,24 +1680,6 @@ mode = "{mode}"
     project.client(&["routine", "apply", "-f", file.to_str().unwrap()], &[]);
 }
 
-/// `wor serve --role worker` on `data_dir`, with `config`; its log is collected.
-fn start_worker(data_dir: &std::path::Path, config: &std::path::Path) -> Server {
-    Server::spawn(
-        &[
-            "serve",
-            "--role",
-            "worker",
-            "--data-dir",
-            data_dir.to_str().unwrap(),
-            "--config",
-            config.to_str().unwrap(),
-            "--workers",
-            "4",
-        ],
-        "wor: worker ",
-    )
-}
-
 /// The run `id` as `wor run get` prints it.
 fn shown_run(project: &Project<'_>, id: &str) -> Value {
     serde_json::from_slice(&project.client(&["run", "get", id, "--json"], &[]).stdout).unwrap()
@@ -1767,7 +1749,7 @@ fn a_worker_process_drives_the_runs_it_claims_without_a_database_or_the_encrypti
     assert!(out.status.success(), "{}", text(&out.stderr));
     let config = worker_dir.join("worker.toml");
     std::fs::write(&config, "[egress]\nallowed_cidrs = [\"127.0.0.1/32\"]\n").unwrap();
-    let worker = start_worker(&worker_dir, &config);
+    let worker = Server::worker(&worker_dir, &config);
 
     // A run started on the API finishes on the worker: the tool got the connection's token
     // from the run's envelope, and the steps are on the control plane.

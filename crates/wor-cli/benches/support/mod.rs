@@ -34,6 +34,11 @@ impl Server {
     /// `wor init` then `wor serve` on a fresh data dir (and `database` when given), with
     /// `config` as its configuration file. Returns the server and the owner's key.
     pub fn start(database: Option<&str>, config: &str) -> (Server, String) {
+        Self::start_as(database, config, "all")
+    }
+
+    /// [`Server::start`] with `--role role`.
+    pub fn start_as(database: Option<&str>, config: &str, role: &str) -> (Server, String) {
         let dir = tempfile::tempdir().unwrap();
         let config_file = dir.path().join("wor.toml");
         std::fs::write(&config_file, config).unwrap();
@@ -53,27 +58,11 @@ impl Server {
             String::from_utf8_lossy(&init.stderr)
         );
         let key = String::from_utf8(init.stdout).unwrap().trim().to_owned();
-        let mut child = wor()
-            .args(["serve", "--listen", "127.0.0.1:0"])
-            .args(&flags)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let stderr = child.stderr.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if let Some(url) = line.strip_prefix("wor: listening on ") {
-                    let _ = tx.send(url.to_owned());
-                } else if line.contains("\"level\":\"ERROR\"") {
-                    eprintln!("server: {line}");
-                }
-            }
-        });
-        let url = rx
-            .recv_timeout(Duration::from_secs(60))
-            .expect("the server did not start");
+        let mut serve = wor();
+        serve
+            .args(["serve", "--listen", "127.0.0.1:0", "--role", role])
+            .args(&flags);
+        let (child, url) = spawn_until(serve, "wor: listening on ");
         (
             Server {
                 child,
@@ -82,6 +71,77 @@ impl Server {
             },
             key,
         )
+    }
+
+    /// The flags that name this server's data dir, configuration and `database`, for operator
+    /// commands on its database.
+    pub fn flags(&self, database: Option<&str>) -> Vec<String> {
+        let mut flags = vec![
+            "--data-dir".to_owned(),
+            self._dir.path().join("data").display().to_string(),
+            "--config".to_owned(),
+            self._dir.path().join("wor.toml").display().to_string(),
+        ];
+        if let Some(url) = database {
+            flags.extend(["--database".to_owned(), url.to_owned()]);
+        }
+        flags
+    }
+
+    /// A `wor serve --role worker` enrolled with this server (on `database`), driving up to
+    /// `slots` runs at once; killed when dropped.
+    pub fn worker(&self, database: Option<&str>, slots: usize) -> Server {
+        let token = wor()
+            .args(["worker", "token", "create"])
+            .args(self.flags(database))
+            .output()
+            .unwrap();
+        assert!(
+            token.status.success(),
+            "{}",
+            String::from_utf8_lossy(&token.stderr)
+        );
+        let token = String::from_utf8(token.stdout).unwrap().trim().to_owned();
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data").display().to_string();
+        let enrolled = wor()
+            .args([
+                "worker",
+                "enroll",
+                "--control-plane",
+                &self.url,
+                "--token",
+                &token,
+            ])
+            .args(["--data-dir", &data])
+            .output()
+            .unwrap();
+        assert!(
+            enrolled.status.success(),
+            "{}",
+            String::from_utf8_lossy(&enrolled.stderr)
+        );
+        let config = dir.path().join("worker.toml");
+        std::fs::write(&config, "[egress]\nallowed_cidrs = [\"127.0.0.1/32\"]\n").unwrap();
+        let mut serve = wor();
+        serve
+            .args([
+                "serve",
+                "--role",
+                "worker",
+                "--data-dir",
+                &data,
+                "--workers",
+            ])
+            .arg(slots.to_string())
+            .arg("--config")
+            .arg(&config);
+        let (child, _) = spawn_until(serve, "wor: worker ");
+        Server {
+            child,
+            url: String::new(),
+            _dir: dir,
+        }
     }
 
     /// The size of the files in the server's data dir (the SQLite database and its WAL), in
@@ -120,6 +180,53 @@ impl Server {
             .find_map(|l| l.strip_prefix("VmRSS:"))
             .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
             .unwrap()
+    }
+}
+
+/// Spawns `command` and waits until it logs a line starting with `ready`: the child and the
+/// rest of that line. Lines logged as errors are passed on to stderr.
+fn spawn_until(mut command: Command, ready: &str) -> (Child, String) {
+    let mut child = command
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let wanted = ready.to_owned();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if let Some(rest) = line.strip_prefix(&wanted) {
+                let _ = tx.send(rest.to_owned());
+            } else if line.contains("\"level\":\"ERROR\"") {
+                eprintln!("wor: {line}");
+            }
+        }
+    });
+    let rest = rx
+        .recv_timeout(Duration::from_secs(60))
+        .unwrap_or_else(|_| panic!("`wor` did not log `{ready}`"));
+    (child, rest)
+}
+
+/// Starts `runs` runs of `routine`, `starters` at a time.
+pub async fn start_runs(api: &Api, routine: &str, runs: usize, starters: usize) {
+    let next = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..starters {
+        let (api, next, path) = (
+            api.clone(),
+            next.clone(),
+            format!("/v1/routines/{routine}/runs"),
+        );
+        tasks.push(tokio::spawn(async move {
+            while next.fetch_add(1, std::sync::atomic::Ordering::SeqCst) < runs {
+                api.post(&path, serde_json::json!({"input": "go"})).await;
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
     }
 }
 

@@ -100,35 +100,19 @@ impl Server {
     pub fn start(db: &[String], envs: &[(&str, &str)]) -> Server {
         let mut args = vec!["serve", "--listen", "127.0.0.1:0"];
         args.extend(db.iter().map(String::as_str));
-        let mut cmd = wor(&args);
-        cmd.envs(envs.iter().copied())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
-        let mut child = cmd.spawn().unwrap();
-        let stderr = child.stderr.take().unwrap();
-        let log = Arc::new(Mutex::new(String::new()));
-        let (tx, rx) = std::sync::mpsc::channel();
-        let sink = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if let Some(url) = line.strip_prefix("wor: listening on ") {
-                    let _ = tx.send(url.to_owned());
-                }
-                let mut log = sink.lock().unwrap();
-                log.push_str(&line);
-                log.push('\n');
-            }
-        });
-        let url = rx
-            .recv_timeout(Duration::from_secs(30))
-            .unwrap_or_else(|_| panic!("server did not start: {}", log.lock().unwrap()));
-        Server { child, url, log }
+        Server::spawn_with(&args, envs, "wor: listening on ")
     }
 
     /// Spawns `wor ARGS` with a clean environment and waits until it logs a line that starts
     /// with `ready`; the rest of that line is the server's URL (empty when there is none).
     pub fn spawn(args: &[&str], ready: &str) -> Server {
+        Server::spawn_with(args, &[], ready)
+    }
+
+    /// [`Server::spawn`] with `envs` added to the clean environment.
+    pub fn spawn_with(args: &[&str], envs: &[(&str, &str)], ready: &str) -> Server {
         let mut child = wor(args)
+            .envs(envs.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -152,6 +136,24 @@ impl Server {
             .recv_timeout(Duration::from_secs(30))
             .unwrap_or_else(|_| panic!("{args:?} did not start: {}", log.lock().unwrap()));
         Server { child, url, log }
+    }
+
+    /// `wor serve --role worker` on `data_dir` with `config`, driving up to four runs at once.
+    pub fn worker(data_dir: &Path, config: &Path) -> Server {
+        Server::spawn(
+            &[
+                "serve",
+                "--role",
+                "worker",
+                "--data-dir",
+                data_dir.to_str().unwrap(),
+                "--config",
+                config.to_str().unwrap(),
+                "--workers",
+                "4",
+            ],
+            "wor: worker ",
+        )
     }
 
     pub fn client(&self, key: &str, args: &[&str]) -> Output {
