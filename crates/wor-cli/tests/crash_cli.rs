@@ -973,6 +973,19 @@ fn runs_survive_repeated_sigkill_of_remote_workers_without_lost_or_repeated_call
     let mut problems: Vec<String> = exited_on_its_own;
     problems.extend(list_failures);
     problems.extend(run_problems(&runs, &approvals));
+    // A run that did not finish its work is one a person stopped: every call went through
+    // unless an approval of the run was denied.
+    for run in runs.iter().filter(|r| r["status"] == "succeeded") {
+        let denied = approvals
+            .iter()
+            .any(|a| a["run_id"] == run["id"] && a["status"] == "denied");
+        if run["outcome"] != "Done." && !denied {
+            problems.push(format!(
+                "run {} ended `{}` with no denied approval: a call did not go through",
+                run["id"], run["outcome"]
+            ));
+        }
+    }
     for worker in workers {
         worker.stop();
     }
@@ -1006,6 +1019,11 @@ fn runs_survive_repeated_sigkill_of_remote_workers_without_lost_or_repeated_call
         problems.push(format!("a process logged an error: {line}"));
     }
     assert_eq!(runs.len(), WORKER_RUNS, "{summary}");
+    // Not vacuous: kills landed while calls were in flight.
+    assert!(
+        approvals.iter().any(|a| a["kind"] == "outcome_unknown"),
+        "no kill interrupted a call: {summary}"
+    );
     assert!(
         executions.iter().any(|e| e.tool == "send"),
         "the consequential tool should have run: {summary}"

@@ -21,9 +21,9 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use secrecy::{ExposeSecret as _, SecretString};
 use wor_core::budget::BudgetUsage;
@@ -82,6 +82,10 @@ pub enum ClaimError {
     Envelope(#[from] wor_secrets::EnvelopeError),
     #[error("the envelope is for run {envelope}, the claim for run {claim}")]
     OtherRun { envelope: String, claim: RunId },
+    #[error(
+        "run {0} was claimed again while an earlier drive of it is still going here; the new claim was given back"
+    )]
+    StillDriving(RunId),
 }
 
 /// The runs this worker holds and how it reaches the control plane.
@@ -104,9 +108,9 @@ tokio::task_local! {
     static DRIVEN: Arc<HeldClaim>;
 }
 
-/// Renewals of a lease during a long model or tool call are at most this often (ms); a step's
+/// Renewals of a lease during a long model or tool call are at most this often; a step's
 /// write renews it too.
-const RENEW_EVERY_MS: i64 = 1_000;
+const RENEW_EVERY: Duration = Duration::from_secs(1);
 
 /// How long a stalled idle worker waits at most between claims, after failures.
 const MAX_CLAIM_BACKOFF: Duration = Duration::from_secs(5);
@@ -129,10 +133,30 @@ pub(crate) struct HeldClaim {
     cancel_requested: AtomicBool,
     /// The usage last recorded on the control plane, for a write that does not change it.
     usage: Mutex<BudgetUsage>,
-    /// When the lease runs out unless renewed, as the control plane last said (Unix ms).
-    lease_expires_at: AtomicI64,
-    /// When this worker last renewed the lease (Unix ms).
-    renewed_at: AtomicI64,
+    /// How long the lease lasts from a claim, renewal or write (ms).
+    lease_ms: i64,
+    /// When this worker last renewed the lease, and until when it surely holds it, on this
+    /// machine's monotonic clock (the control plane's wall clock may differ from ours).
+    lease: Mutex<LeaseClock>,
+}
+
+/// The lease of a held claim as this worker times it.
+#[derive(Clone, Copy)]
+struct LeaseClock {
+    renewed: Instant,
+    held_until: Instant,
+}
+
+impl LeaseClock {
+    /// A lease of `lease_ms` renewed by a request sent at `sent`: held until then, less a
+    /// margin of a fifth for the request's own time.
+    fn renewed_at(sent: Instant, lease_ms: i64) -> Self {
+        let lease = Duration::from_millis(u64::try_from(lease_ms).unwrap_or(0));
+        LeaseClock {
+            renewed: sent,
+            held_until: sent + lease.saturating_sub(lease / 5),
+        }
+    }
 }
 
 impl HeldClaim {
@@ -152,6 +176,22 @@ impl HeldClaim {
             .usage
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = usage;
+    }
+
+    fn lease(&self) -> LeaseClock {
+        *self
+            .lease
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The control plane renewed the lease with a request sent at `sent`.
+    fn renewed(&self, sent: Instant) {
+        *self
+            .lease
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) =
+            LeaseClock::renewed_at(sent, self.lease_ms);
     }
 
     fn saw_cancel(&self, cancel_requested: bool) {
@@ -338,8 +378,8 @@ fn read_claim(
         tool_credentials: secrets.tool_credentials,
         cancel_requested: AtomicBool::new(run.cancel_requested),
         usage: Mutex::new(run.usage),
-        lease_expires_at: AtomicI64::new(claimed.lease_expires_at),
-        renewed_at: AtomicI64::new(wor_store::now_millis()),
+        lease_ms: claimed.lease_ms,
+        lease: Mutex::new(LeaseClock::renewed_at(Instant::now(), claimed.lease_ms)),
     };
     Ok((run, held))
 }
@@ -416,7 +456,7 @@ impl Engine {
         };
         if earlier {
             self.give_back_claim(remote, &held).await;
-            return Ok(None);
+            return Err(ClaimError::StillDriving(run.id));
         }
         tracing::info!(category = "run", action = "worker.claimed", run_id = %run.id,
             lease_id = %held.lease_id, "claimed a run from the control plane");
@@ -583,6 +623,7 @@ impl Engine {
         ending: wor_core::run_loop::Ending,
         usage: Option<BudgetUsage>,
     ) -> Result<bool, EngineError> {
+        let mut status = ending.status;
         let carried = self.take_carried(run.id);
         let usage = usage.or_else(|| carried.as_ref().and_then(|c| c.usage));
         let steps = carried.map(|c| c.steps).unwrap_or_default();
@@ -592,15 +633,20 @@ impl Engine {
         {
             // The control plane refused this end (an answer its output schema does not take,
             // say): the run fails with its reason instead.
+            // With the usage last recorded there, which it took (the refusal may have been of
+            // the usage sent, or of steps carried to the end, which are left out).
             Err(EngineError::InvalidState(reason)) if ending.status != RunStatus::Failed => {
-                self.end_remote(run.id, &[], RunStatus::Failed, &reason, usage)
+                tracing::warn!(category = "run", run_id = %run.id, status = ending.status.as_str(),
+                    "the control plane refused the run's end; it fails with the reason");
+                status = RunStatus::Failed;
+                self.end_remote(run.id, &[], RunStatus::Failed, &reason, None)
                     .await?
             }
             other => other?,
         };
         self.live_text.close(run.id);
         tracing::info!(category = "run", action = "run.end", project_id = %run.project_id,
-            run_id = %run.id, status = ending.status.as_str(), lease_held = ended, "run ended");
+            run_id = %run.id, status = status.as_str(), lease_held = ended, "run ended");
         Ok(ended)
     }
 
@@ -619,8 +665,8 @@ impl Engine {
     /// tried again at the next renewal.
     pub(crate) async fn renew_remote(&self, run: RunId) -> Result<bool, EngineError> {
         let (remote, claim) = self.remote_parts(run)?;
-        let now = wor_store::now_millis();
-        if now.saturating_sub(claim.renewed_at.load(Ordering::Relaxed)) < RENEW_EVERY_MS {
+        let sent = Instant::now();
+        if sent.duration_since(claim.lease().renewed) < RENEW_EVERY {
             return Ok(true);
         }
         let body = HeldRunRequest {
@@ -632,16 +678,11 @@ impl Engine {
         {
             Ok(Answer::Ok(lease)) => {
                 claim.saw_cancel(lease.cancel_requested);
-                claim
-                    .lease_expires_at
-                    .store(lease.lease_expires_at, Ordering::Relaxed);
-                claim.renewed_at.store(now, Ordering::Relaxed);
+                claim.renewed(sent);
                 Ok(true)
             }
             Ok(Answer::NotHeld) => Ok(false),
-            Err(EngineError::ControlPlane(reason))
-                if wor_store::now_millis() < claim.lease_expires_at.load(Ordering::Relaxed) =>
-            {
+            Err(EngineError::ControlPlane(reason)) if Instant::now() < claim.lease().held_until => {
                 tracing::warn!(category = "run", run_id = %run, reason = %reason,
                     "a lease renewal failed; tried again while the lease lasts");
                 Ok(true)
@@ -698,6 +739,7 @@ impl Engine {
             steps,
             usage,
         };
+        let sent = Instant::now();
         match remote
             .call::<StepsAnswer>(&worker_wire::run_path(run, "steps"), &body)
             .await?
@@ -709,9 +751,8 @@ impl Engine {
             }
             Answer::NotHeld => return Ok(RunWritten::LeaseLost),
         }
-        claim
-            .renewed_at
-            .store(wor_store::now_millis(), Ordering::Relaxed);
+        // The write renewed the lease on the control plane.
+        claim.renewed(sent);
         claim.set_usage(usage);
         Ok(RunWritten::Committed {
             cancel_requested: Engine::claimed_cancel(&claim),
@@ -888,7 +929,7 @@ impl Engine {
                             let id = run.id;
                             if let Err(error) = engine.drive_claimed(run).await {
                                 tracing::warn!(category = "run", run_id = %id, error = %error,
-                                    "a claimed run stopped without an end; its lease will expire");
+                                    "a claimed run stopped without an end");
                             }
                             drop(permit);
                         });
@@ -920,8 +961,21 @@ impl Engine {
                 tokio::time::timeout(drain, async { while drives.join_next().await.is_some() {} })
                     .await;
             if drained.is_err() {
+                // An aborted drive forgets its claim as it is dropped: the claims are taken
+                // first, and each given back (a run that ended meanwhile answers that it is
+                // not held, which is only logged).
+                let in_flight = engine
+                    .remote
+                    .as_deref()
+                    .map(RemoteRuns::held_claims)
+                    .unwrap_or_default();
                 drives.abort_all();
                 while drives.join_next().await.is_some() {}
+                if let Some(remote) = engine.remote.as_deref() {
+                    for claim in in_flight {
+                        engine.give_back_claim(remote, &claim).await;
+                    }
+                }
             }
             engine.release_claimed().await;
         })

@@ -50,8 +50,11 @@ pub struct ClaimedRun {
     pub approvals: Vec<ApprovalRecord>,
     /// The run's deadline: its credential expires then (Unix milliseconds).
     pub credential_expires_at: i64,
-    /// When the lease runs out unless renewed (Unix milliseconds).
+    /// When the lease runs out unless renewed (Unix milliseconds, the control plane's clock).
     pub lease_expires_at: i64,
+    /// How long the lease lasts from the claim and from each renewal or write (milliseconds):
+    /// what a worker times its lease by, on its own clock.
+    pub lease_ms: i64,
     /// Standard base64 of the run envelope (`wor_secrets::run_envelope`).
     pub envelope: String,
 }

@@ -382,6 +382,7 @@ async fn claim(State(state): State<AppState>, request: Request) -> Result<Respon
         approvals: claimed.approvals,
         credential_expires_at: claimed.credential_expires_at,
         lease_expires_at: claimed.lease_expires_at,
+        lease_ms: i64::try_from(state.engine.config().lease.as_millis()).unwrap_or(i64::MAX),
         envelope: sealed.to_base64(),
     })
     .into_response())

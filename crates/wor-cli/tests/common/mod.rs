@@ -132,9 +132,25 @@ impl Server {
                 log.push('\n');
             }
         });
-        let url = rx
-            .recv_timeout(Duration::from_secs(30))
-            .unwrap_or_else(|_| panic!("{args:?} did not start: {}", log.lock().unwrap()));
+        // Waits for the line, or for the process to end without it.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let url = loop {
+            match rx.recv_timeout(Duration::from_millis(100)) {
+                Ok(url) => break url,
+                Err(_) if Instant::now() >= deadline => {
+                    panic!("{args:?} did not start: {}", log.lock().unwrap())
+                }
+                Err(_) => {
+                    if let Ok(Some(status)) = child.try_wait() {
+                        std::thread::sleep(Duration::from_millis(200));
+                        panic!(
+                            "{args:?} exited with {status} before it started: {}",
+                            log.lock().unwrap()
+                        );
+                    }
+                }
+            }
+        };
         Server { child, url, log }
     }
 
