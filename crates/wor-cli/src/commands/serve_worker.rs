@@ -117,10 +117,26 @@ pub async fn run(config: &ServerConfig) -> anyhow::Result<ExitCode> {
     };
     let (engine, audit, scratch) = worker_engine(config, &enrolment.worker_id).await?;
     let engine = engine.with_control_plane(Arc::new(link), opener);
-    let answered = engine
-        .heartbeat()
-        .await
-        .context("the control plane refused this worker")?;
+    // A control plane that cannot be reached yet (starting, or too busy to answer) is asked
+    // again; one that answers with a refusal ends the start.
+    let mut wait = Duration::from_millis(500);
+    let answered = loop {
+        match engine.heartbeat().await {
+            Ok(answered) => break answered,
+            Err(
+                error @ (wor_engine::ClaimError::Link(_)
+                | wor_engine::ClaimError::Refused { status: 500.., .. }),
+            ) => {
+                eprintln!("wor: {error}; trying again in {} ms", wait.as_millis());
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(5));
+            }
+            Err(refused) => {
+                return Err(anyhow::Error::new(refused))
+                    .context("the control plane refused this worker");
+            }
+        }
+    };
     if answered != enrolment.worker_id {
         bail!(
             "the control plane knows this worker as `{answered}`, the enrolment says `{}`",
