@@ -165,33 +165,20 @@ impl HeldClaim {
     }
 
     fn usage(&self) -> BudgetUsage {
-        *self
-            .usage
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        *locked(&self.usage)
     }
 
     fn set_usage(&self, usage: BudgetUsage) {
-        *self
-            .usage
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = usage;
+        *locked(&self.usage) = usage;
     }
 
     fn lease(&self) -> LeaseClock {
-        *self
-            .lease
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        *locked(&self.lease)
     }
 
     /// The control plane renewed the lease with a request sent at `sent`.
     fn renewed(&self, sent: Instant) {
-        *self
-            .lease
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) =
-            LeaseClock::renewed_at(sent, self.lease_ms);
+        *locked(&self.lease) = LeaseClock::renewed_at(sent, self.lease_ms);
     }
 
     fn saw_cancel(&self, cancel_requested: bool) {
@@ -218,9 +205,7 @@ impl RemoteRuns {
     }
 
     fn held_map(&self) -> std::sync::MutexGuard<'_, HashMap<RunId, Arc<HeldClaim>>> {
-        self.held
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        locked(&self.held)
     }
 
     /// The claim the current task drives `run` under; any other run, or no drive, is a lost
@@ -287,27 +272,38 @@ impl RemoteRuns {
         path: &str,
         body: &impl serde::Serialize,
     ) -> Result<Answer<T>, EngineError> {
-        let answer = self.post(path, body).await?;
-        match answer.status {
-            200 => serde_json::from_slice(&answer.body)
-                .map(Answer::Ok)
-                .map_err(|e| {
-                    EngineError::ControlPlane(format!("the answer to {path} does not read: {e}"))
-                }),
-            409 if error_code(&answer.body).as_deref() == Some("lease_not_held") => {
-                Ok(Answer::NotHeld)
-            }
-            // What the control plane refused is the run's to fail with, in its words.
-            400 => Err(EngineError::InvalidState(format!(
-                "the control plane refused the run's write: {}",
-                error_message(&answer.body)
-            ))),
-            status => Err(EngineError::ControlPlane(format!(
-                "{path} answered {status}: {}",
-                error_message(&answer.body)
-            ))),
+        match answered(path, "write", self.post(path, body).await?)? {
+            Answer::Ok(body) => serde_json::from_slice(&body).map(Answer::Ok).map_err(|e| {
+                EngineError::ControlPlane(format!("the answer to {path} does not read: {e}"))
+            }),
+            Answer::NotHeld => Ok(Answer::NotHeld),
         }
     }
+}
+
+/// What the control plane's answer to `path` (the run's `what`) says: its body when it took
+/// the request (200 or 204), a lost lease, or an error — a refusal (400) being the run's to
+/// fail with, in the control plane's words.
+fn answered(path: &str, what: &str, answer: LinkAnswer) -> Result<Answer<Vec<u8>>, EngineError> {
+    match answer.status {
+        200 | 204 => Ok(Answer::Ok(answer.body)),
+        409 if error_code(&answer.body).as_deref() == Some("lease_not_held") => Ok(Answer::NotHeld),
+        400 => Err(EngineError::InvalidState(format!(
+            "the control plane refused the run's {what}: {}",
+            error_message(&answer.body)
+        ))),
+        status => Err(EngineError::ControlPlane(format!(
+            "{path} answered {status}: {}",
+            error_message(&answer.body)
+        ))),
+    }
+}
+
+/// `mutex` locked; one a panicking holder left poisoned holds plain data and is used as it is.
+fn locked<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The code of an error answer.
@@ -420,11 +416,7 @@ impl Engine {
         let claimed: ClaimedRun = serde_json::from_slice(&answer.body)
             .map_err(|e| ClaimError::Malformed(e.to_string()))?;
         let sealed = SealedEnvelope::from_base64(&claimed.envelope)?;
-        let opened = remote
-            .opener
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .open(&sealed, wor_store::now_millis() / 1000);
+        let opened = locked(&remote.opener).open(&sealed, wor_store::now_millis() / 1000);
         let opened = match opened {
             Ok(opened) => opened,
             Err(error) => {
@@ -784,19 +776,10 @@ impl Engine {
             usage: usage.unwrap_or_else(|| claim.usage()),
         };
         let path = worker_wire::run_path(run, "end");
-        let answer = remote.post(&path, &body).await?;
-        match answer.status {
-            204 | 200 => Ok(true),
-            409 if error_code(&answer.body).as_deref() == Some("lease_not_held") => Ok(false),
-            400 => Err(EngineError::InvalidState(format!(
-                "the control plane refused the run's end: {}",
-                error_message(&answer.body)
-            ))),
-            status => Err(EngineError::ControlPlane(format!(
-                "{path} answered {status}: {}",
-                error_message(&answer.body)
-            ))),
-        }
+        Ok(matches!(
+            answered(&path, "end", remote.post(&path, &body).await?)?,
+            Answer::Ok(_)
+        ))
     }
 
     /// Parks a remote run on the approval of `call`, which its steps record as held or as
