@@ -277,6 +277,9 @@ pub struct ServerFlags {
 #[derive(Debug)]
 pub struct ServerConfig {
     pub listen: SocketAddr,
+    /// Whether `listen` was given (flag, environment or file) rather than the default: a
+    /// worker serves its probes only then.
+    pub listen_given: bool,
     pub data_dir: PathBuf,
     pub database: Option<String>,
     pub production: bool,
@@ -339,6 +342,7 @@ impl ServerConfig {
             Some(path) => read_file(path)?,
             None => FileConfig::default(),
         };
+        let listen_given = listen.is_some() || file.listen.is_some();
         let listen_text = listen
             .map(str::to_owned)
             .or(file.listen)
@@ -380,6 +384,7 @@ impl ServerConfig {
             .filter(|k| !k.trim().is_empty());
         Ok(ServerConfig {
             listen,
+            listen_given,
             data_dir: flags
                 .data_dir
                 .clone()
@@ -718,6 +723,7 @@ mod tests {
     fn config(production: bool, demo: bool, key: Option<&str>, db: Option<&str>) -> ServerConfig {
         ServerConfig {
             listen: DEFAULT_LISTEN.parse().unwrap(),
+            listen_given: false,
             data_dir: PathBuf::from("x"),
             database: db.map(str::to_owned),
             production,

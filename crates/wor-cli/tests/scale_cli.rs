@@ -513,12 +513,23 @@ impl TestWorker {
         post_as(server, &self.identity, &self.id, path, &body.to_string())
     }
 
+    /// Claims a run without waiting: its claim and credential, or `None` when there is none.
+    fn claim_or_nothing(&mut self, server: &Server) -> Option<(Value, String)> {
+        let answer = self.post(server, "/internal/v1/runs/claim");
+        (!answer.starts_with("HTTP/1.1 204")).then(|| self.claim_answered(&answer))
+    }
+
     /// Claims a run; the claim and the run's credential from its envelope.
     fn claim(&mut self, server: &Server) -> (Value, String) {
-        use secrecy::ExposeSecret as _;
         let answer = self.post(server, "/internal/v1/runs/claim");
+        self.claim_answered(&answer)
+    }
+
+    /// The claim `answer` gives, and the run's credential from its envelope.
+    fn claim_answered(&mut self, answer: &str) -> (Value, String) {
+        use secrecy::ExposeSecret as _;
         assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
-        let claimed = body_json(&answer);
+        let claimed = body_json(answer);
         let opened = self
             .opener
             .open(&envelope_of(&claimed), wor_store::now_millis() / 1000)
@@ -1607,6 +1618,11 @@ struct ToolServer {
 }
 
 fn tool_server() -> ToolServer {
+    tool_server_answering_after(Duration::ZERO)
+}
+
+/// [`tool_server`] that answers each request `delay` after it has read it.
+fn tool_server_answering_after(delay: Duration) -> ToolServer {
     use std::io::Write as _;
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
@@ -1639,6 +1655,7 @@ fn tool_server() -> ToolServer {
             sink.lock()
                 .unwrap()
                 .push((first.trim_end().to_owned(), authorization));
+            std::thread::sleep(delay);
             let body = r#"{"found": "FOUND-record"}"#;
             let _ = write!(
                 stream,
@@ -1918,6 +1935,400 @@ fn a_worker_process_drives_the_runs_it_claims_without_a_database_or_the_encrypti
         text(&out.stdout),
         text(&out.stderr)
     );
+    let log = worker.stop();
+    assert!(!log.contains("panicked"), "{log}");
+    api.stop();
+}
+
+#[test]
+fn a_claim_waits_for_a_run_and_a_claim_the_worker_cannot_take_up_goes_back_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = database_args(dir.path());
+    let key = create_project(&db);
+    let api = start_role(&db, "api");
+    let project = Project {
+        api: &api,
+        key,
+        dir: dir.path(),
+    };
+    project.model_connection(WORKER_MODEL_KEY);
+    project.http_connection("desk", WORKER_TOOL_TOKEN, true);
+    project.routine("desk", &["desk/lookup"]);
+    let mut a = enrolled_worker(&api, &db, &dir.path().join("worker-a"));
+    let b = enrolled_worker(&api, &db, &dir.path().join("worker-b"));
+
+    // Nothing is queued when A asks: its claim waits at the control plane and takes the run
+    // queued meanwhile, rather than answering that there is none.
+    let (answer, run_id) = std::thread::scope(|scope| {
+        let waiting = scope.spawn(|| {
+            a.post_json(
+                &api,
+                "/internal/v1/runs/claim",
+                &serde_json::json!({ "wait_ms": 8000 }),
+            )
+        });
+        std::thread::sleep(Duration::from_millis(500));
+        let run_id = project.start("desk");
+        (waiting.join().unwrap(), run_id)
+    });
+    let (claimed, credential) = a.claim_answered(&answer);
+    assert_eq!(claimed["run"]["id"], run_id.as_str(), "{claimed}");
+    let lease_id = claimed["lease_id"].as_str().unwrap().to_owned();
+
+    // A nested run is started only for a routine call the run recorded as started, and only
+    // for its holder.
+    let nested = format!("/internal/v1/runs/{run_id}/nested");
+    let call = serde_json::json!({
+        "run_credential": credential,
+        "call_id": "call_1",
+        "usage": claimed["run"]["usage"],
+    });
+    let unrecorded = a.post_json(&api, &nested, &call);
+    assert!(unrecorded.starts_with("HTTP/1.1 400"), "{unrecorded}");
+    assert!(unrecorded.contains("no_routine_call"), "{unrecorded}");
+    let not_holder = b.post_json(&api, &nested, &call);
+    assert!(not_holder.starts_with("HTTP/1.1 409"), "{not_holder}");
+    let bad = b.post_json(
+        &api,
+        "/internal/v1/runs/claim",
+        &serde_json::json!({ "wait_ms": "soon" }),
+    );
+    assert!(bad.starts_with("HTTP/1.1 400"), "{bad}");
+    assert!(bad.contains("wait_ms"), "{bad}");
+
+    // A worker that cannot open a claim's envelope gives the run back with its reason; only
+    // the holder can, and only with the claim's lease id.
+    let refuse = format!("/internal/v1/runs/{run_id}/refuse");
+    let reason = serde_json::json!({ "lease_id": lease_id, "reason": "the envelope expired" });
+    let not_held = b.post_json(&api, &refuse, &reason);
+    assert!(not_held.starts_with("HTTP/1.1 409"), "{not_held}");
+    assert!(not_held.contains("lease_not_held"), "{not_held}");
+    let forged = a.post_json(
+        &api,
+        &refuse,
+        &serde_json::json!({ "lease_id": "lse_\nforged", "reason": "x" }),
+    );
+    assert!(forged.starts_with("HTTP/1.1 400"), "{forged}");
+    let given = a.post_json(&api, &refuse, &reason);
+    assert!(given.starts_with("HTTP/1.1 204"), "{given}");
+    wait_for("the reason to be logged", Duration::from_secs(10), || {
+        api.log.lock().unwrap().contains("the envelope expired")
+    });
+    // The run is queued again at once, not after its lease: B claims it now.
+    let answer = b.post(&api, "/internal/v1/runs/claim");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert_eq!(body_json(&answer)["run"]["id"], run_id.as_str());
+    assert!(a.claim_or_nothing(&api).is_none(), "the run is B's now");
+    api.stop();
+}
+
+#[test]
+fn a_stopping_worker_finishes_the_call_in_flight_and_gives_its_run_back_at_the_step_boundary() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = database_args(dir.path());
+    let key = create_project(&db);
+    let api = start_role(&db, "api");
+    let project = Project {
+        api: &api,
+        key,
+        dir: dir.path(),
+    };
+    // The tool answers three seconds after the call reaches it: the worker is told to stop
+    // while the call is in flight.
+    let tools = tool_server_answering_after(Duration::from_secs(3));
+    project.http_connection_at(
+        "desk",
+        &format!("http://127.0.0.1:{}/v1", tools.port),
+        WORKER_TOOL_TOKEN,
+        true,
+    );
+    replay_routine(&project, "desk", "auto");
+    let config = dir.path().join("worker.toml");
+    std::fs::write(&config, "[egress]\nallowed_cidrs = [\"127.0.0.1/32\"]\n").unwrap();
+    // Each worker serves its probes on a listener of its own.
+    let start_worker = |name: &str| {
+        let worker_dir = dir.path().join(name);
+        let out = enroll(&api.url, &create_token(&db), &worker_dir);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let worker = Server::spawn(
+            &[
+                "serve",
+                "--role",
+                "worker",
+                "--data-dir",
+                worker_dir.to_str().unwrap(),
+                "--config",
+                config.to_str().unwrap(),
+                "--listen",
+                "127.0.0.1:0",
+            ],
+            "wor: worker ",
+        );
+        let probes = worker
+            .log
+            .lock()
+            .unwrap()
+            .lines()
+            .find_map(|l| l.strip_prefix("wor: probes on http://"))
+            .and_then(|rest| rest.split_once('/'))
+            .map(|(addr, _)| addr.to_owned())
+            .expect("the worker names its probe listener");
+        (worker, probes)
+    };
+    let (first, first_probes) = start_worker("worker-a");
+    assert!(probe(&first_probes, "/healthz").starts_with("HTTP/1.1 200"));
+    let ready = probe(&first_probes, "/readyz");
+    assert!(ready.starts_with("HTTP/1.1 200"), "{ready}");
+    let run_id = project.start("desk");
+    wait_for(
+        "the call to reach the tool",
+        Duration::from_secs(60),
+        || !tools.seen.lock().unwrap().is_empty(),
+    );
+    // SIGTERM: the worker is no longer ready; the call finishes and its result is recorded,
+    // then the run is given back before the next model turn, and the worker exits.
+    let _ = std::process::Command::new("kill")
+        .arg(first.child.id().to_string())
+        .status();
+    wait_for(
+        "the stopping worker to say so",
+        Duration::from_secs(3),
+        || {
+            let ready = probe(&first_probes, "/readyz");
+            ready.starts_with("HTTP/1.1 503") && ready.contains("stopping")
+        },
+    );
+    let log = first.stop();
+    assert!(log.contains("worker.handed_back"), "{log}");
+    assert!(!log.contains("panicked"), "{log}");
+    let shown = shown_run(&project, &run_id);
+    assert_eq!(shown["status"], "queued", "{shown}\n{log}");
+    let kinds = |shown: &Value| -> Vec<String> {
+        shown["steps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["kind"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert_eq!(
+        kinds(&shown),
+        ["input", "model_turn", "tool_call", "tool_result"],
+        "{shown}"
+    );
+
+    // Another worker resumes from the recorded steps: the call is not made again, and no
+    // person is asked about an outcome that is known.
+    let (second, second_probes) = start_worker("worker-b");
+    wait_for("the run to finish", Duration::from_secs(60), || {
+        !matches!(
+            shown_run(&project, &run_id)["status"].as_str(),
+            Some("queued" | "running")
+        )
+    });
+    let shown = shown_run(&project, &run_id);
+    assert_eq!(
+        shown["status"],
+        "succeeded",
+        "{shown}\n{}",
+        second.log.lock().unwrap()
+    );
+    assert_eq!(
+        kinds(&shown),
+        [
+            "input",
+            "model_turn",
+            "tool_call",
+            "tool_result",
+            "model_turn",
+            "outcome"
+        ],
+        "{shown}"
+    );
+    assert_eq!(tools.seen.lock().unwrap().len(), 1, "the call ran once");
+    let listed: Value =
+        serde_json::from_slice(&project.client(&["approvals", "list", "--json"], &[]).stdout)
+            .unwrap();
+    assert_eq!(listed, serde_json::json!([]), "{listed}");
+
+    // A worker whose control plane is gone is alive but not ready, and says why.
+    api.stop();
+    wait_for(
+        "the worker to lose its control plane",
+        Duration::from_secs(30),
+        || probe(&second_probes, "/readyz").starts_with("HTTP/1.1 503"),
+    );
+    let unready = probe(&second_probes, "/readyz");
+    assert!(unready.contains("control plane"), "{unready}");
+    assert!(probe(&second_probes, "/healthz").starts_with("HTTP/1.1 200"));
+    second.stop();
+}
+
+/// `GET path` of a worker's probe listener at `addr`: the whole response.
+fn probe(addr: &str, path: &str) -> String {
+    use std::io::{Read as _, Write as _};
+    #[expect(
+        clippy::disallowed_methods,
+        reason = "the test talks to its own worker on loopback"
+    )]
+    let Ok(mut stream) = std::net::TcpStream::connect(addr) else {
+        return String::new();
+    };
+    let _ = write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    );
+    let mut response = String::new();
+    let _ = stream.read_to_string(&mut response);
+    response
+}
+
+#[test]
+fn a_routine_used_as_a_tool_runs_as_a_nested_run_on_workers_and_its_parent_waits_for_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = database_args(dir.path());
+    let key = create_project(&db);
+    let api = start_role(&db, "api");
+    let project = Project {
+        api: &api,
+        key,
+        dir: dir.path(),
+    };
+    let tools = tool_server();
+    project.http_connection_at(
+        "desk",
+        &format!("http://127.0.0.1:{}/v1", tools.port),
+        WORKER_TOOL_TOKEN,
+        true,
+    );
+    // The nested routine's lookup waits for a person; its parent asks it and answers with
+    // what it found.
+    replay_routine(&project, "finder", "confirm");
+    let file = dir.path().join("boss.toml");
+    std::fs::write(
+        &file,
+        r#"name = "boss"
+instructions = "Delegate."
+
+[model]
+provider = "replay"
+model = "script"
+
+[[model.script.turns]]
+when = { last_tool_result_contains = "Found it." }
+text = "The finder found it."
+
+[[model.script.turns]]
+tool_calls = [{ id = "call_1", name = "routine__finder", arguments = { input = "find the record" } }]
+
+[[tools]]
+tool = "routine/finder"
+mode = "auto"
+"#,
+    )
+    .unwrap();
+    project.client(&["routine", "apply", "-f", file.to_str().unwrap()], &[]);
+    let worker_dir = dir.path().join("worker");
+    let out = enroll(&api.url, &create_token(&db), &worker_dir);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let config = worker_dir.join("worker.toml");
+    std::fs::write(&config, "[egress]\nallowed_cidrs = [\"127.0.0.1/32\"]\n").unwrap();
+    let worker = Server::worker(&worker_dir, &config);
+
+    // The parent's call starts the nested run on the control plane; the parent waits while
+    // the nested run waits for a person.
+    let boss = project.start("boss");
+    let nested_of = |parent: &str| -> Option<Value> {
+        let listed: Value = serde_json::from_slice(
+            &project
+                .client(&["run", "list", "--routine", "finder", "--json"], &[])
+                .stdout,
+        )
+        .unwrap();
+        listed
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["parent_run_id"] == parent)
+            .cloned()
+    };
+    wait_for(
+        "the nested run to wait for a person",
+        Duration::from_secs(60),
+        || {
+            nested_of(&boss).is_some_and(|r| r["status"] == "waiting_for_approval")
+                && shown_run(&project, &boss)["status"] == "waiting_for_approval"
+        },
+    );
+    let nested = nested_of(&boss).unwrap();
+    let nested_id = nested["id"].as_str().unwrap().to_owned();
+    assert_eq!(nested["root_run_id"], boss.as_str(), "{nested}");
+    assert_eq!(nested["trigger"], "routine", "{nested}");
+    assert!(tools.seen.lock().unwrap().is_empty(), "the held call ran");
+    let listed: Value =
+        serde_json::from_slice(&project.client(&["approvals", "list", "--json"], &[]).stdout)
+            .unwrap();
+    let pending: Vec<&Value> = listed.as_array().unwrap().iter().collect();
+    assert_eq!(pending.len(), 1, "{listed}");
+    assert_eq!(pending[0]["run_id"], nested_id.as_str(), "{listed}");
+    let approval_id = pending[0]["id"].as_str().unwrap().to_owned();
+    let approver = project.client(&["member", "create", "pat", "--role", "approver"], &[]);
+    let approver = Project {
+        api: &api,
+        key: text(&approver.stdout).trim().to_owned(),
+        dir: dir.path(),
+    };
+    approver.client(
+        &["approvals", "approve", &approval_id, "--reason", "expected"],
+        &[],
+    );
+
+    // Approved, the nested run finishes; its end puts the parent back in the queue, and the
+    // parent's call is answered with the nested run's answer.
+    wait_for("the parent to finish", Duration::from_secs(60), || {
+        !matches!(
+            shown_run(&project, &boss)["status"].as_str(),
+            Some("queued" | "running" | "waiting_for_approval")
+        )
+    });
+    let shown = shown_run(&project, &boss);
+    assert_eq!(
+        shown["status"],
+        "succeeded",
+        "{shown}\n{}",
+        worker.log.lock().unwrap()
+    );
+    assert_eq!(shown["outcome"], "The finder found it.", "{shown}");
+    let answer = shown["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["kind"] == "tool_result")
+        .unwrap_or_else(|| panic!("{shown}"));
+    let answer_text = answer.to_string();
+    assert!(
+        answer_text.contains(&format!("succeeded ({nested_id}): Found it.")),
+        "{answer}"
+    );
+    assert_eq!(answer["provenance"], "untrusted", "{answer}");
+    let nested = shown_run(&project, &nested_id);
+    assert_eq!(nested["status"], "succeeded", "{nested}");
+    assert_eq!(
+        tools.seen.lock().unwrap().len(),
+        1,
+        "the approved call ran once"
+    );
+    // The nested run's usage is counted in its parent's: two turns of its own, one call.
+    assert!(
+        shown["usage"]["turns"].as_u64().unwrap() >= 4,
+        "{}",
+        shown["usage"]
+    );
+
+    let mut verify = vec!["audit", "verify", "--json"];
+    verify.extend(db.iter().map(String::as_str));
+    let out = run(&mut wor(&verify));
+    assert!(out.status.success(), "{}", text(&out.stdout));
     let log = worker.stop();
     assert!(!log.contains("panicked"), "{log}");
     api.stop();

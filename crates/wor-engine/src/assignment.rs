@@ -38,6 +38,7 @@ use wor_store::{
 use crate::call::{as_recorded, run_event, with_step};
 use crate::pipeline::{ApprovalRequest, UnknownOutcome, unknown_outcome, why_recorded};
 use crate::tool_connections::ConnectionError;
+use crate::worker_wire::NestedAnswer;
 use crate::{Engine, EngineError};
 
 /// How many runs one claim request may fail closed before it answers that it found none.
@@ -59,6 +60,8 @@ pub struct WorkerClaim {
     pub tool_connections: Vec<ToolConnectionRecord>,
     /// The run's approvals, oldest first: what a resumed run's held calls were decided.
     pub approvals: Vec<ApprovalRecord>,
+    /// The routines the roster offers as tools that exist, as they are now.
+    pub routine_tools: Vec<crate::worker_wire::RoutineTool>,
     /// The run's secrets, for the worker's envelope alone.
     pub secrets: RunSecrets,
     /// When the run's credential expires: its deadline (Unix milliseconds).
@@ -131,6 +134,10 @@ pub enum WorkerStepRefusal {
     TurnsUncounted(u64),
     #[error("the outcome does not match the routine's output schema: {0}")]
     OutputRejected(String),
+    #[error("no call `{0}` to a routine on the run's roster is recorded as started and unanswered")]
+    NoRoutineCall(String),
+    #[error("routines may nest at most {0} deep")]
+    NestedTooDeep(i64),
 }
 
 /// Whether a write's model turns are counted: one turn each in the usage, within the run's
@@ -320,6 +327,36 @@ impl Engine {
         Ok(None)
     }
 
+    /// Claims a run for `worker` as [`Engine::claim_for_worker`] does, waiting up to `wait`
+    /// for one when none is queued: woken when a run is queued or ends here, or (PostgreSQL)
+    /// is queued anywhere, and trying again each poll interval besides.
+    ///
+    /// # Errors
+    /// As [`Engine::claim_for_worker`].
+    pub async fn claim_for_worker_within(
+        &self,
+        worker: &str,
+        wait: std::time::Duration,
+    ) -> Result<Option<WorkerClaim>, EngineError> {
+        let deadline = tokio::time::Instant::now() + wait;
+        let mut news = self.work_seen.subscribe();
+        loop {
+            // Seen before the claim: news that comes while it looks is not missed.
+            news.borrow_and_update();
+            if let Some(claim) = self.claim_for_worker(worker).await? {
+                return Ok(Some(claim));
+            }
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if left.is_zero() {
+                return Ok(None);
+            }
+            tokio::select! {
+                _ = news.changed() => {}
+                () = tokio::time::sleep(left.min(self.config.poll_interval)) => {}
+            }
+        }
+    }
+
     /// Fails a run claimed for `worker` closed with `reason`, before the worker saw it.
     ///
     /// # Errors
@@ -339,9 +376,10 @@ impl Engine {
     /// Gives a run claimed for `worker` back to the queue, logging (not returning) a failure:
     /// its lease expires then instead.
     pub async fn give_back(&self, run: &RunRecord, worker: &str) {
-        if let Err(error) = self.store.release_run(run.id, worker).await {
-            tracing::error!(category = "run", run_id = %run.id, error = %error,
-                "a claimed run could not be given back; its lease will expire");
+        match self.store.release_run(run.id, worker).await {
+            Ok(_) => self.wake_workers(),
+            Err(error) => tracing::error!(category = "run", run_id = %run.id, error = %error,
+                "a claimed run could not be given back; its lease will expire"),
         }
     }
 
@@ -412,6 +450,29 @@ impl Engine {
             tool_credentials.extend(self.tool_credentials_for_worker(&record).await?);
             tool_connections.push(record);
         }
+        let mut routine_tools = Vec::new();
+        for entry in &definition.tools {
+            let Some((ROUTINE_CONNECTION, name)) = entry.tool.split_once('/') else {
+                continue;
+            };
+            if entry.mode == ToolMode::Deny {
+                continue;
+            }
+            let routine = match self.store.find_routine_by_name(run.project_id, name).await {
+                Ok(routine) => routine,
+                // The worker's driver finds it missing and fails the run closed.
+                Err(StoreError::NotFound) => continue,
+                Err(other) => return Err(other.into()),
+            };
+            let current = self
+                .routine_version(run.project_id, routine.id, routine.current_version)
+                .await?;
+            routine_tools.push(crate::worker_wire::RoutineTool {
+                name: name.to_owned(),
+                description: current.definition.description.clone(),
+                content_hash: current.content_hash.clone(),
+            });
+        }
         let limits = crate::nested::capped(definition.budget, run.budget_cap.as_ref());
         let remaining = Duration::from_secs(
             limits
@@ -432,6 +493,7 @@ impl Engine {
             model_connection,
             tool_connections,
             approvals,
+            routine_tools,
             credential_expires_at,
             lease_expires_at,
             version,
@@ -679,9 +741,12 @@ impl Engine {
             }
         }
         let ending = Ending::new(status, outcome);
-        Ok(Ok(self
-            .end_run_with(&run, end, ending, Some(usage))
-            .await?))
+        let ended = self.end_run_with(&run, end, ending, Some(usage)).await?;
+        if ended {
+            // A place under the routine's and the project's limits is free.
+            self.wake_workers();
+        }
+        Ok(Ok(ended))
     }
 
     /// Parks a run remote worker `worker` holds under the claim whose `credential` it presents,
@@ -872,6 +937,123 @@ impl Engine {
                     && c.provider == model.provider
             })
             .map(|c| identity(Some(c.id), Some(c.credential_version))))
+    }
+
+    /// Answers a routine call of a run remote worker `worker` holds under the claim whose
+    /// `credential` it presents: call `call_id` of its last model turn, recorded as started,
+    /// to a routine its roster offers. Its nested run is the one an earlier attempt started,
+    /// or a new one — its input from the recorded call, its budget what is left of the run's
+    /// after `usage` — queued for any worker (a local driver drives it at once instead). When
+    /// the nested run has ended, its usage is added to the run's and recorded, and the call
+    /// is answered with it; until then the run parks under the claim (its credential ends)
+    /// and is queued again when the nested run ends. `None` when the worker does not hold the
+    /// run under this claim.
+    ///
+    /// # Errors
+    /// A store error.
+    pub async fn nested_for_worker(
+        &self,
+        run: RunId,
+        worker: &str,
+        credential: &str,
+        call_id: &str,
+        usage: BudgetUsage,
+    ) -> Result<Result<Option<NestedAnswer>, WorkerStepRefusal>, EngineError> {
+        let Some(parent) = self.store.claimed_run(worker, run, credential).await? else {
+            return Ok(Ok(None));
+        };
+        if parent.cancel_requested {
+            return Ok(Ok(Some(NestedAnswer::CancelRequested)));
+        }
+        if let Err(refusal) = usage_not_lowered(&parent.usage, &usage) {
+            return Ok(Err(refusal));
+        }
+        let no_routine_call =
+            || WorkerStepRefusal::NoRoutineCall(call_id.chars().take(80).collect());
+        let steps = self
+            .store
+            .list_run_steps(parent.project_id, parent.id, 0)
+            .await?;
+        let Some(pending) = pending_calls(steps.iter().map(|s| &s.step))
+            .into_iter()
+            .find(|pending| pending.call.id == call_id)
+        else {
+            return Ok(Err(no_routine_call()));
+        };
+        let (CallResume::Started { routine: true }, Some(recorded)) =
+            (CallResume::of(&pending), &pending.recorded)
+        else {
+            return Ok(Err(no_routine_call()));
+        };
+        let version = self
+            .routine_version(parent.project_id, parent.routine_id, parent.routine_version)
+            .await?;
+        let on_roster = version
+            .definition
+            .tools
+            .iter()
+            .any(|entry| entry.tool == recorded.tool && entry.mode != ToolMode::Deny);
+        let Some((ROUTINE_CONNECTION, name)) = recorded.tool.split_once('/') else {
+            return Ok(Err(no_routine_call()));
+        };
+        if !on_roster {
+            return Ok(Err(no_routine_call()));
+        }
+        if parent.depth + 1 > crate::nested::MAX_NESTING_DEPTH {
+            return Ok(Err(WorkerStepRefusal::NestedTooDeep(
+                crate::nested::MAX_NESTING_DEPTH,
+            )));
+        }
+        let limits = crate::nested::capped(version.definition.budget, parent.budget_cap.as_ref());
+        let mut left = crate::nested::remaining(&limits, &usage);
+        left.wall_seconds = limits
+            .wall_seconds
+            .saturating_sub(crate::authority::wall_spent_before(&parent));
+        // The input as the call recorded it (redacted when it was stored).
+        let input = recorded
+            .arguments
+            .get("input")
+            .and_then(serde_json::Value::as_str)
+            .unwrap_or_default();
+        let untrusted =
+            !untrusted_sources(steps.iter().map(|s| (&s.step, s.provenance))).is_empty();
+        let child = self
+            .nested_child(&parent, name, call_id, input, untrusted, left)
+            .await?;
+        if child.status.is_terminal() {
+            let usage = crate::nested::with_child_usage(usage, &child.usage);
+            // Recorded now: once the call has its answer, nothing would add it again.
+            self.store.save_usage(parent.id, worker, &usage).await?;
+            return Ok(Ok(Some(NestedAnswer::Ended {
+                nested: crate::nested::NestedEnd::of(&child),
+                usage,
+            })));
+        }
+        // Queued for any worker, this one's waiting claims included.
+        self.wake_workers();
+        if !self
+            .park_for_nested(&parent, child.id, worker, Some(credential))
+            .await?
+        {
+            return Ok(Ok(None));
+        }
+        tracing::info!(category = "run", action = "worker.nested_parked", worker_id = %worker,
+            run_id = %parent.id, nested_run_id = %child.id,
+            "a worker's run waits for its nested run");
+        Ok(Ok(Some(NestedAnswer::Parked)))
+    }
+
+    /// Gives back a run remote worker `worker` holds and could not take up (it refused the
+    /// claim's envelope, which holds the claim's credential); false when it does not hold it.
+    ///
+    /// # Errors
+    /// A store error.
+    pub async fn refuse_for_worker(&self, run: RunId, worker: &str) -> Result<bool, EngineError> {
+        let released = self.store.release_run(run, worker).await?;
+        if released {
+            self.wake_workers();
+        }
+        Ok(released)
     }
 
     /// Gives back a run remote worker `worker` holds under the claim whose `credential` it

@@ -378,6 +378,11 @@ impl Engine {
         carried.insert(write.run, write);
     }
 
+    /// Whether `run` carries a model turn not yet written.
+    pub(crate) fn carries(&self, run: RunId) -> bool {
+        self.carried().contains_key(&run)
+    }
+
     /// Forgets what `run` carried: its drive here is over (or begins), and a turn it carried
     /// to a write that never came is lost, as in a crash before that write.
     pub(crate) fn drop_carried(&self, run: RunId) {

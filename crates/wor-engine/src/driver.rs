@@ -483,6 +483,10 @@ impl Engine {
         // follows a write need not ask again.
         let mut cancel_known: Option<bool> = None;
         loop {
+            // A stopping worker gives the run back between steps, never inside one.
+            if self.stops_here(run.id) {
+                return Err(EngineError::Stopping);
+            }
             let cancel_requested = match cancel_known.take() {
                 Some(known) => known,
                 None => self.cancel_requested(run.id).await?,

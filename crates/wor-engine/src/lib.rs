@@ -66,7 +66,7 @@ pub use oauth_connections::{
     OAUTH_CLIENT_METADATA_PATH, OAuthRefusal, REFRESH_AHEAD_MS, RegisteredClient,
     StartedAuthorization,
 };
-pub use remote::{ClaimError, ControlPlaneLink, LinkAnswer, LinkError, LinkFuture};
+pub use remote::{ClaimError, ControlPlaneLink, LinkAnswer, LinkError, LinkFuture, WorkerTimings};
 pub use scheduler::{DISPATCH_AHEAD_MS, SchedulerReport};
 pub use start::{DEFAULT_THREAD, StartRun, Trigger};
 pub use tool_connection_spec::{
@@ -217,6 +217,10 @@ pub enum EngineError {
     /// it and leaves its end to the holder.
     #[error("the run's lease was lost to another worker")]
     LeaseLost,
+    /// This remote worker is stopping: the run stopped at a step boundary, to be given back
+    /// and resumed from its steps by another claim.
+    #[error("the worker is stopping; the run is given back at a step boundary")]
+    Stopping,
     /// A secret could not be sealed or opened.
     #[error("the vault: {0}")]
     Vault(#[source] wor_store::VaultError),
@@ -276,6 +280,7 @@ impl EngineError {
             // The run resumes later: another worker holds it, or the store is unavailable.
             | EngineError::RefreshInProgress { .. }
             | EngineError::LeaseLost
+            | EngineError::Stopping
             | EngineError::ControlPlane(_)
             | EngineError::Store(_) => None,
         }
@@ -304,6 +309,8 @@ pub struct Engine {
     wasm: wor_wasm::WasmHost<wor_core::ProjectId>,
     /// Wakes this process's idle worker pool: a run was queued or one ended.
     work: Arc<tokio::sync::Notify>,
+    /// The same news for every remote worker's claim waiting here (`claim_for_worker_within`).
+    work_seen: Arc<tokio::sync::watch::Sender<()>>,
     /// This process's worker pool: its slots, and the way in for runs started here.
     pool: Arc<worker::Pool>,
     /// The model text of runs driven here, redacted, for people watching them.
@@ -339,6 +346,7 @@ impl Engine {
             sandbox: None,
             wasm: wor_wasm::WasmHost::default(),
             work: Arc::new(tokio::sync::Notify::new()),
+            work_seen: Arc::new(tokio::sync::watch::Sender::new(())),
             pool,
             live_text: live_text::LiveText::default(),
             versions: Arc::default(),

@@ -89,23 +89,33 @@ impl Engine {
         name: &str,
         entry: &RosterEntry,
     ) -> Result<OfferedTool, EngineError> {
-        let routine = match self.store.find_routine_by_name(run.project_id, name).await {
-            Ok(routine) => routine,
-            Err(StoreError::NotFound) => {
-                return Err(EngineError::MissingRosterRoutine {
-                    name: name.to_owned(),
-                });
-            }
-            Err(other) => return Err(other.into()),
+        let missing = || EngineError::MissingRosterRoutine {
+            name: name.to_owned(),
         };
-        let version = self
-            .routine_version(run.project_id, routine.id, routine.current_version)
-            .await?;
+        let (description, content_hash) = match self.remote_claim(run.id) {
+            Some(claim) => {
+                let routine = Engine::claimed_routine_tool(&*claim?, name).ok_or_else(missing)?;
+                (routine.description, routine.content_hash)
+            }
+            None => {
+                let routine = match self.store.find_routine_by_name(run.project_id, name).await {
+                    Ok(routine) => routine,
+                    Err(StoreError::NotFound) => return Err(missing()),
+                    Err(other) => return Err(other.into()),
+                };
+                let version = self
+                    .routine_version(run.project_id, routine.id, routine.current_version)
+                    .await?;
+                (
+                    version.definition.description.clone(),
+                    version.content_hash.clone(),
+                )
+            }
+        };
         // The routine's content hash is part of the pinned definition, so an approval of a
         // call binds to the routine exactly as it was when the call was approved.
-        let mut definition = routine_tool_definition(name, &version.definition.description);
-        definition.annotations =
-            Some(json!({"routine": name, "content_hash": version.content_hash}));
+        let mut definition = routine_tool_definition(name, &description);
+        definition.annotations = Some(json!({"routine": name, "content_hash": content_hash}));
         let pin = PinnedToolDefinition::pin(definition);
         Ok(OfferedTool {
             roster_name: entry.tool.clone(),
@@ -138,84 +148,26 @@ impl Engine {
             );
             return Ok(scope.refuse(pending, usage, &text));
         }
-        let routine = self
-            .store
-            .find_routine_by_name(parent.project_id, &offered.tool)
+        // A remote worker's control plane starts the nested run, which any worker drives.
+        if self.is_remote() {
+            return self
+                .call_routine_remote(scope, offered, pending, usage)
+                .await;
+        }
+        // The child's budget is what is left of its parent's, whose own limits were capped
+        // the same way: so, transitively, of the root's.
+        let mut left = remaining(&scope.limits, &usage);
+        left.wall_seconds = scope.limits.wall_seconds.saturating_sub(scope.wall_spent);
+        let child = self
+            .nested_child(
+                parent,
+                &offered.tool,
+                &call.id,
+                &scope.redactor.redact(input),
+                !scope.untrusted.is_empty(),
+                left,
+            )
             .await?;
-        let key = format!("parent:{}:{}", parent.id, call.id);
-        let child = match self
-            .store
-            .run_by_trigger_key(parent.project_id, routine.id, &key)
-            .await?
-        {
-            Some(child) => child,
-            None => {
-                let version = self
-                    .routine_version(parent.project_id, routine.id, routine.current_version)
-                    .await?;
-                // The child's budget is what is left of its parent's, whose own limits were
-                // capped the same way: so, transitively, of the root's.
-                let mut left = remaining(&scope.limits, &usage);
-                left.wall_seconds = scope.limits.wall_seconds.saturating_sub(scope.wall_spent);
-                let input = Value::from(scope.redactor.redact(input).into_owned());
-                let (input_step, provenance) = if scope.untrusted.is_empty() {
-                    (InputStep::requested(input), Provenance::Requester)
-                } else {
-                    // Written by a model that had untrusted content in front of it.
-                    (
-                        InputStep::untrusted(input, InputSource::Parent),
-                        Provenance::Untrusted,
-                    )
-                };
-                let created = self
-                    .store
-                    .create_run(
-                        parent.project_id,
-                        NewRun {
-                            routine_id: routine.id,
-                            routine_version: version.version,
-                            trigger_kind: TriggerKind::Routine,
-                            // Whoever started the root started this too: they still may not
-                            // approve its calls.
-                            started_by: parent.started_by,
-                            started_by_member: parent.started_by_member,
-                            max_concurrent: u64::MAX / 2,
-                            status: RunStatus::Queued,
-                            outcome: None,
-                            trigger_key: Some(key.clone()),
-                            input_provenance: provenance,
-                            thread: None,
-                            memory: None,
-                            parent: Some(ParentLink {
-                                root: parent.root_run_id,
-                                parent: parent.id,
-                                depth: parent.depth + 1,
-                                budget_cap: serde_json::to_value(left).unwrap_or(Value::Null),
-                            }),
-                        },
-                        input_step,
-                    )
-                    .await?;
-                self.audit
-                    .append(
-                        AuditEvent::new(
-                            parent.project_id,
-                            AuditCategory::RunStart,
-                            Actor::Run { run_id: parent.id },
-                        )
-                        .subject("run_id", created.id)
-                        .subject("routine_id", routine.id)
-                        .runs(created.root_run_id, created.parent_run_id)
-                        .payload(json!({
-                            "routine_version": version.version,
-                            "trigger": "routine",
-                            "depth": created.depth,
-                        })),
-                    )
-                    .await?;
-                created
-            }
-        };
         // Driven here, by the parent's worker, while the parent holds its lease.
         let began = wor_store::now_millis();
         if let Some(claimed) = self
@@ -266,55 +218,209 @@ impl Engine {
             // It waits for a person (or another worker has it): the parent waits too, holding
             // nothing, and is queued again when the child ends.
             if !self
-                .store
-                .park_run(parent.project_id, parent.id, &self.config.worker_id)
+                .park_for_nested(parent, child.id, &self.config.worker_id, None)
                 .await?
             {
                 return Err(EngineError::LeaseLost);
             }
-            // The child may have ended between the read and the park.
-            if self
-                .store
-                .get_run(parent.project_id, child.id)
-                .await?
-                .status
-                .is_terminal()
-            {
-                self.store
-                    .requeue_parked_run(parent.project_id, parent.id)
-                    .await?;
-            }
             return Ok(CallOutcome::Parked);
         }
-        let usage = BudgetUsage {
-            turns: usage.turns.saturating_add(child.usage.turns),
-            tool_calls: usage.tool_calls.saturating_add(child.usage.tool_calls),
-            input_tokens: usage.input_tokens.saturating_add(child.usage.input_tokens),
-            output_tokens: usage
-                .output_tokens
-                .saturating_add(child.usage.output_tokens),
-            cost_microdollars: usage
-                .cost_microdollars
-                .saturating_add(child.usage.cost_microdollars),
-        };
+        let usage = with_child_usage(usage, &child.usage);
         // Saved now: once the call has its answer, nothing would add the child's usage again.
         self.store
             .save_usage(parent.id, &self.config.worker_id, &usage)
             .await?;
-        let text = format!(
-            "{} ({}): {}",
-            child.status,
-            child.id,
-            child.outcome.as_deref().unwrap_or_default()
-        );
-        let content = untrusted_envelope(&offered.roster_name, &new_boundary(), &text);
-        Ok(scope
-            .answer(
-                pending,
-                usage,
-                content,
-                child.status != RunStatus::Succeeded,
-            )
-            .with_provenance(Provenance::Untrusted))
+        Ok(nested_answer(
+            scope,
+            offered,
+            pending,
+            usage,
+            &NestedEnd::of(&child),
+        ))
     }
+
+    /// Parks `parent`, which `holder` holds (under the claim whose credential is `claim`, for a
+    /// remote worker), until its nested run `child` ends; false when it is not held. The end
+    /// of a nested run queues its parked parent again; one that came between the caller's
+    /// read and the park does so here.
+    pub(crate) async fn park_for_nested(
+        &self,
+        parent: &RunRecord,
+        child: wor_core::RunId,
+        holder: &str,
+        claim: Option<&str>,
+    ) -> Result<bool, EngineError> {
+        if !self
+            .store
+            .park_run(parent.project_id, parent.id, holder, claim)
+            .await?
+        {
+            return Ok(false);
+        }
+        if self
+            .store
+            .get_run(parent.project_id, child)
+            .await?
+            .status
+            .is_terminal()
+        {
+            self.store
+                .requeue_parked_run(parent.project_id, parent.id)
+                .await?;
+            self.wake_workers();
+        }
+        Ok(true)
+    }
+
+    /// The nested run of `parent`'s call `call_id` to routine `name`: the one a previous
+    /// attempt started, or a new one, queued, with `input` (redacted already; `untrusted`
+    /// when a model with untrusted content in front of it wrote it) and a budget of `left`.
+    pub(crate) async fn nested_child(
+        &self,
+        parent: &RunRecord,
+        name: &str,
+        call_id: &str,
+        input: &str,
+        untrusted: bool,
+        left: BudgetLimits,
+    ) -> Result<RunRecord, EngineError> {
+        let routine = match self
+            .store
+            .find_routine_by_name(parent.project_id, name)
+            .await
+        {
+            Ok(routine) => routine,
+            Err(StoreError::NotFound) => {
+                return Err(EngineError::MissingRosterRoutine {
+                    name: name.to_owned(),
+                });
+            }
+            Err(other) => return Err(other.into()),
+        };
+        let key = format!("parent:{}:{}", parent.id, call_id);
+        if let Some(child) = self
+            .store
+            .run_by_trigger_key(parent.project_id, routine.id, &key)
+            .await?
+        {
+            return Ok(child);
+        }
+        let version = self
+            .routine_version(parent.project_id, routine.id, routine.current_version)
+            .await?;
+        let input = Value::from(input);
+        let (input_step, provenance) = if untrusted {
+            // Written by a model that had untrusted content in front of it.
+            (
+                InputStep::untrusted(input, InputSource::Parent),
+                Provenance::Untrusted,
+            )
+        } else {
+            (InputStep::requested(input), Provenance::Requester)
+        };
+        let created = self
+            .store
+            .create_run(
+                parent.project_id,
+                NewRun {
+                    routine_id: routine.id,
+                    routine_version: version.version,
+                    trigger_kind: TriggerKind::Routine,
+                    // Whoever started the root started this too: they still may not approve
+                    // its calls.
+                    started_by: parent.started_by,
+                    started_by_member: parent.started_by_member,
+                    max_concurrent: u64::MAX / 2,
+                    status: RunStatus::Queued,
+                    outcome: None,
+                    trigger_key: Some(key),
+                    input_provenance: provenance,
+                    thread: None,
+                    memory: None,
+                    parent: Some(ParentLink {
+                        root: parent.root_run_id,
+                        parent: parent.id,
+                        depth: parent.depth + 1,
+                        budget_cap: serde_json::to_value(left).unwrap_or(Value::Null),
+                    }),
+                },
+                input_step,
+            )
+            .await?;
+        self.audit
+            .append(
+                AuditEvent::new(
+                    parent.project_id,
+                    AuditCategory::RunStart,
+                    Actor::Run { run_id: parent.id },
+                )
+                .subject("run_id", created.id)
+                .subject("routine_id", routine.id)
+                .runs(created.root_run_id, created.parent_run_id)
+                .payload(json!({
+                    "routine_version": version.version,
+                    "trigger": "routine",
+                    "depth": created.depth,
+                })),
+            )
+            .await?;
+        Ok(created)
+    }
+}
+
+/// How a nested run ended, as its parent's call is answered with it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct NestedEnd {
+    pub run_id: wor_core::RunId,
+    pub status: RunStatus,
+    pub outcome: Option<String>,
+}
+
+impl NestedEnd {
+    pub(crate) fn of(child: &RunRecord) -> Self {
+        NestedEnd {
+            run_id: child.id,
+            status: child.status,
+            outcome: child.outcome.clone(),
+        }
+    }
+}
+
+/// The parent's usage with its ended child's added.
+pub(crate) fn with_child_usage(usage: BudgetUsage, child: &BudgetUsage) -> BudgetUsage {
+    BudgetUsage {
+        turns: usage.turns.saturating_add(child.turns),
+        tool_calls: usage.tool_calls.saturating_add(child.tool_calls),
+        input_tokens: usage.input_tokens.saturating_add(child.input_tokens),
+        output_tokens: usage.output_tokens.saturating_add(child.output_tokens),
+        cost_microdollars: usage
+            .cost_microdollars
+            .saturating_add(child.cost_microdollars),
+    }
+}
+
+/// The answer of a routine call whose nested run ended: its status, id and outcome, untrusted
+/// for the parent like any tool result.
+pub(crate) fn nested_answer(
+    scope: &CallScope<'_>,
+    offered: &OfferedTool,
+    pending: &PendingCall,
+    usage: BudgetUsage,
+    child: &NestedEnd,
+) -> CallOutcome {
+    let text = format!(
+        "{} ({}): {}",
+        child.status,
+        child.run_id,
+        child.outcome.as_deref().unwrap_or_default()
+    );
+    let content = untrusted_envelope(&offered.roster_name, &new_boundary(), &text);
+    scope
+        .answer(
+            pending,
+            usage,
+            content,
+            child.status != RunStatus::Succeeded,
+        )
+        .with_provenance(Provenance::Untrusted)
 }

@@ -13,8 +13,10 @@
 //! credential. The control plane checks each against the run's state and the worker's lease,
 //! redacts again and derives the audit entries itself; nothing here writes the audit chain.
 //!
-//! What a remote worker does not do yet, and refuses rather than does elsewhere: run a routine
-//! used as a tool (a nested run is started on the control plane's database), quarantine a
+//! A routine used as a tool starts its nested run on the control plane (`nested` requests),
+//! where any worker claims it; the calling run parks until it ends.
+//!
+//! What a remote worker does not do yet, and refuses rather than does elsewhere: quarantine a
 //! connection whose tools changed (the run fails closed naming it instead) and renew an MCP
 //! authorization's access token (the one in the envelope is used as it is).
 
@@ -93,6 +95,11 @@ pub(crate) struct RemoteRuns {
     link: Arc<dyn ControlPlaneLink>,
     opener: Mutex<EnvelopeOpener>,
     held: Mutex<HashMap<RunId, Arc<HeldClaim>>>,
+    /// The worker is stopping: each drive gives its run back at its next step boundary.
+    draining: AtomicBool,
+    /// Why this worker cannot take work now, from the last claim or heartbeat: the control
+    /// plane could not be reached or refused it. `None` while it answers.
+    unready: Mutex<Option<String>>,
 }
 
 impl std::fmt::Debug for RemoteRuns {
@@ -115,6 +122,19 @@ const RENEW_EVERY: Duration = Duration::from_secs(1);
 /// How long a stalled idle worker waits at most between claims, after failures.
 const MAX_CLAIM_BACKOFF: Duration = Duration::from_secs(5);
 
+/// How a remote worker paces itself ([`Engine::spawn_remote_worker`]).
+#[derive(Debug, Clone, Copy)]
+pub struct WorkerTimings {
+    /// How often an idle worker tells the control plane it is alive.
+    pub heartbeat: Duration,
+    /// How long a stopping worker lets its drives reach a step boundary before it aborts
+    /// them and gives their runs back.
+    pub drain: Duration,
+    /// How long a claim waits at the control plane for a run when none is queued (at most
+    /// [`worker_wire::MAX_CLAIM_WAIT_MS`]); a stop waits for the claim in flight.
+    pub claim_wait: Duration,
+}
+
 /// One claim this worker holds: what its run is driven from, kept until the drive is over.
 pub(crate) struct HeldClaim {
     run: RunId,
@@ -125,6 +145,7 @@ pub(crate) struct HeldClaim {
     model_connection: Option<ModelConnectionRecord>,
     tool_connections: Vec<ToolConnectionRecord>,
     approvals: Vec<ApprovalRecord>,
+    routine_tools: Vec<worker_wire::RoutineTool>,
     credential: SecretString,
     credential_expires_at: i64,
     model_key: Option<SecretString>,
@@ -201,7 +222,23 @@ impl RemoteRuns {
             link,
             opener: Mutex::new(opener),
             held: Mutex::new(HashMap::new()),
+            draining: AtomicBool::new(false),
+            unready: Mutex::new(Some("the control plane has not answered yet".to_owned())),
         }
+    }
+
+    /// Notes whether the control plane took a claim or heartbeat (for readiness), and passes
+    /// the answer on.
+    fn answered(&self, answer: Result<LinkAnswer, LinkError>) -> Result<LinkAnswer, LinkError> {
+        *locked(&self.unready) = match &answer {
+            Ok(LinkAnswer { status, .. }) if *status < 300 => None,
+            Ok(LinkAnswer { status, body }) => Some(format!(
+                "the control plane answered with status {status}: {}",
+                error_message(body)
+            )),
+            Err(error) => Some(error.to_string()),
+        };
+        answer
     }
 
     fn held_map(&self) -> std::sync::MutexGuard<'_, HashMap<RunId, Arc<HeldClaim>>> {
@@ -327,6 +364,21 @@ fn error_message(body: &[u8]) -> String {
         .unwrap_or_else(|| String::from_utf8_lossy(body.get(..200).unwrap_or(body)).into_owned())
 }
 
+/// Opens a claim's envelope and reads the claim: its run, and what that run is driven from.
+fn take_up(remote: &RemoteRuns, claimed: ClaimedRun) -> Result<(RunRecord, HeldClaim), ClaimError> {
+    let sealed = SealedEnvelope::from_base64(&claimed.envelope)?;
+    let opened = locked(&remote.opener).open(&sealed, wor_store::now_millis() / 1000)?;
+    if opened.claims.run_id != claimed.run.id.to_string()
+        || opened.claims.lease_id != claimed.lease_id
+    {
+        return Err(ClaimError::OtherRun {
+            envelope: opened.claims.run_id,
+            claim: claimed.run.id,
+        });
+    }
+    read_claim(claimed, opened.secrets)
+}
+
 /// Reads a claim's answer into what the engine drives a run from.
 fn read_claim(
     claimed: ClaimedRun,
@@ -368,6 +420,7 @@ fn read_claim(
         model_connection: claimed.model_connection,
         tool_connections: claimed.tool_connections,
         approvals: claimed.approvals,
+        routine_tools: claimed.routine_tools,
         credential: secrets.run_credential,
         credential_expires_at: claimed.credential_expires_at,
         model_key: secrets.model_key,
@@ -392,17 +445,21 @@ impl Engine {
         self
     }
 
-    /// Claims a run from the control plane and holds its claim; `None` when none is queued.
-    pub async fn claim_remote(&self) -> Result<Option<RunRecord>, ClaimError> {
+    /// Claims a run from the control plane and holds its claim, waiting there up to `wait`
+    /// for one; `None` when none was queued. A claim this worker cannot take up (its envelope
+    /// is refused) is given back with the reason.
+    pub async fn claim_remote(&self, wait: Duration) -> Result<Option<RunRecord>, ClaimError> {
         let Some(remote) = &self.remote else {
             return Err(ClaimError::Malformed(
                 "this engine is not a remote worker's".to_owned(),
             ));
         };
-        let answer = remote
-            .link
-            .post(worker_wire::CLAIM_PATH, b"{}".to_vec())
-            .await?;
+        let asked = worker_wire::ClaimRequest {
+            wait_ms: u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),
+        };
+        let body = serde_json::to_vec(&asked).map_err(|e| ClaimError::Malformed(e.to_string()))?;
+        let answer = remote.link.post(worker_wire::CLAIM_PATH, body).await;
+        let answer = remote.answered(answer)?;
         match answer.status {
             200 => {}
             204 => return Ok(None),
@@ -415,25 +472,17 @@ impl Engine {
         }
         let claimed: ClaimedRun = serde_json::from_slice(&answer.body)
             .map_err(|e| ClaimError::Malformed(e.to_string()))?;
-        let sealed = SealedEnvelope::from_base64(&claimed.envelope)?;
-        let opened = locked(&remote.opener).open(&sealed, wor_store::now_millis() / 1000);
-        let opened = match opened {
-            Ok(opened) => opened,
+        let (run_id, lease_id) = (claimed.run.id, claimed.lease_id.clone());
+        let (run, held) = match take_up(remote, claimed) {
+            Ok(taken) => taken,
             Err(error) => {
                 tracing::warn!(category = "run", action = "worker.envelope_refused",
-                    run_id = %claimed.run.id, reason = %error, "a run's envelope was refused");
-                return Err(error.into());
+                    run_id = %run_id, lease_id = %lease_id, reason = %error,
+                    "a claimed run cannot be taken up; it is given back");
+                self.refuse_claim(remote, run_id, &lease_id, &error).await;
+                return Err(error);
             }
         };
-        if opened.claims.run_id != claimed.run.id.to_string()
-            || opened.claims.lease_id != claimed.lease_id
-        {
-            return Err(ClaimError::OtherRun {
-                envelope: opened.claims.run_id,
-                claim: claimed.run.id,
-            });
-        }
-        let (run, held) = read_claim(claimed, opened.secrets)?;
         let held = Arc::new(held);
         // A drive of this run from an earlier claim is still going here (it outlived its
         // lease): the new claim is given back; the old drive's writes are refused under its
@@ -477,6 +526,60 @@ impl Engine {
             self.give_back_claim(remote, &claim).await;
         }
         driven
+    }
+
+    /// Gives back a run whose claim this worker cannot take up, saying why.
+    async fn refuse_claim(
+        &self,
+        remote: &RemoteRuns,
+        run: RunId,
+        lease_id: &str,
+        error: &ClaimError,
+    ) {
+        let body = worker_wire::RefuseRequest {
+            lease_id: lease_id.to_owned(),
+            reason: error.to_string(),
+        };
+        match remote
+            .post(&worker_wire::run_path(run, "refuse"), &body)
+            .await
+        {
+            Ok(LinkAnswer { status: 204, .. }) => {}
+            Ok(LinkAnswer { status, body }) => {
+                tracing::warn!(category = "run", run_id = %run, status,
+                    reason = %error_message(&body), "a refused claim could not be given back; its lease will expire");
+            }
+            Err(error) => tracing::warn!(category = "run", run_id = %run, error = %error,
+                "a refused claim could not be given back; its lease will expire"),
+        }
+    }
+
+    /// Whether this remote worker can take work: `Err` says why not (it is stopping, or its
+    /// last claim or heartbeat did not reach the control plane or was refused).
+    ///
+    /// # Errors
+    /// The reason it is not ready.
+    pub fn remote_ready(&self) -> Result<(), String> {
+        let Some(remote) = &self.remote else {
+            return Err("this engine is not a remote worker's".to_owned());
+        };
+        if remote.draining.load(Ordering::Relaxed) {
+            return Err("the worker is stopping".to_owned());
+        }
+        match locked(&remote.unready).clone() {
+            Some(reason) => Err(reason),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether the drive of `run` stops here, at a step boundary, to be given back: this
+    /// worker is stopping, and nothing of the run waits to be written (a model turn carried
+    /// to its first call's write is written before the run stops).
+    pub(crate) fn stops_here(&self, run: RunId) -> bool {
+        self.remote
+            .as_ref()
+            .is_some_and(|remote| remote.draining.load(Ordering::Relaxed))
+            && !self.carries(run)
     }
 
     /// Gives the run of `claim` back to the queue, logging what happens.
@@ -523,7 +626,8 @@ impl Engine {
         let answer = remote
             .link
             .post(worker_wire::HEARTBEAT_PATH, b"{}".to_vec())
-            .await?;
+            .await;
+        let answer = remote.answered(answer)?;
         if answer.status != 200 {
             return Err(ClaimError::Refused {
                 status: answer.status,
@@ -814,6 +918,53 @@ impl Engine {
         }
     }
 
+    /// Answers a remote run's routine call, which started: the control plane starts its nested
+    /// run (or finds the one an earlier attempt started), which any worker drives. The call is
+    /// answered when that run has ended; until then this run parks, and is queued again when
+    /// it ends.
+    pub(crate) async fn call_routine_remote(
+        &self,
+        scope: &crate::call::CallScope<'_>,
+        offered: &crate::run_tools::OfferedTool,
+        pending: &wor_core::step::PendingCall,
+        usage: BudgetUsage,
+    ) -> Result<wor_core::run_loop::CallOutcome, EngineError> {
+        let run = scope.run.id;
+        let (remote, claim) = self.remote_parts(run)?;
+        let body = worker_wire::NestedRequest {
+            run_credential: claim.credential(),
+            call_id: pending.call.id.clone(),
+            usage,
+        };
+        match remote
+            .call::<worker_wire::NestedAnswer>(&worker_wire::run_path(run, "nested"), &body)
+            .await?
+        {
+            Answer::Ok(worker_wire::NestedAnswer::Ended { nested, usage }) => {
+                claim.set_usage(usage);
+                Ok(crate::nested::nested_answer(
+                    scope, offered, pending, usage, &nested,
+                ))
+            }
+            Answer::Ok(worker_wire::NestedAnswer::Parked) => {
+                Ok(wor_core::run_loop::CallOutcome::Parked)
+            }
+            Answer::Ok(worker_wire::NestedAnswer::CancelRequested) => {
+                claim.saw_cancel(true);
+                Ok(wor_core::run_loop::CallOutcome::Cancelled)
+            }
+            Answer::NotHeld => Err(EngineError::LeaseLost),
+        }
+    }
+
+    /// The routine `name` a remote run's roster offers as a tool, from its claim.
+    pub(crate) fn claimed_routine_tool(
+        claim: &HeldClaim,
+        name: &str,
+    ) -> Option<worker_wire::RoutineTool> {
+        claim.routine_tools.iter().find(|r| r.name == name).cloned()
+    }
+
     /// Starts the call `approval` approved for a remote run: whether it started, `None` when
     /// the run is not held (any more).
     pub(crate) async fn use_approval_remote(
@@ -875,23 +1026,33 @@ impl Engine {
         self.remote.is_some()
     }
 
-    /// Runs a remote worker until `stop` turns true: claims runs while it has a free slot of
-    /// `workers`, drives each on a task of its own, says it is alive every `heartbeat`, and on
-    /// stop waits up to `drain` for the runs in flight before giving back the rest.
+    /// Runs this worker: claims runs while a slot of `workers` is free, each waiting up to
+    /// `timings.claim_wait` at the control plane, and drives each on a task of its own; says
+    /// it is alive every `timings.heartbeat` while idle. When `stop` turns true it claims no
+    /// more: each drive gives its run back at its next step boundary, and drives still going
+    /// after `timings.drain` are aborted and their runs given back.
     pub fn spawn_remote_worker(
         &self,
         mut stop: tokio::sync::watch::Receiver<bool>,
-        heartbeat: Duration,
-        drain: Duration,
+        timings: WorkerTimings,
     ) -> tokio::task::JoinHandle<()> {
         let engine = self.clone();
         tokio::spawn(async move {
             let slots = Arc::new(tokio::sync::Semaphore::new(engine.config.workers.max(1)));
             let mut drives = tokio::task::JoinSet::new();
-            let mut beat = tokio::time::interval(heartbeat);
+            let mut beat = tokio::time::interval(timings.heartbeat);
             beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let poll = engine.config.poll_interval;
             let mut backoff = poll;
+            // Drives stop at their next step boundary from the moment the stop comes, even
+            // while a claim is still waiting at the control plane.
+            if let Some(remote) = engine.remote.clone() {
+                let mut stopping = stop.clone();
+                tokio::spawn(async move {
+                    let _ = stopping.wait_for(|stop| *stop).await;
+                    remote.draining.store(true, Ordering::Relaxed);
+                });
+            }
             loop {
                 if *stop.borrow() {
                     break;
@@ -904,15 +1065,23 @@ impl Engine {
                 let Ok(permit) = permit else { break };
                 // Not raced with the stop: a claim the control plane made is driven or given
                 // back, never dropped.
-                let claimed = engine.claim_remote().await;
+                let asked = Instant::now();
+                let claimed = engine.claim_remote(timings.claim_wait).await;
                 match claimed {
                     Ok(Some(run)) => {
                         let engine = engine.clone();
                         drives.spawn(async move {
                             let id = run.id;
-                            if let Err(error) = engine.drive_claimed(run).await {
-                                tracing::warn!(category = "run", run_id = %id, error = %error,
-                                    "a claimed run stopped without an end");
+                            match engine.drive_claimed(run).await {
+                                Ok(()) => {}
+                                Err(EngineError::Stopping) => {
+                                    tracing::info!(category = "run", action = "worker.handed_back",
+                                        run_id = %id, "a run was given back at a step boundary");
+                                }
+                                Err(error) => {
+                                    tracing::warn!(category = "run", run_id = %id, error = %error,
+                                        "a claimed run stopped without an end");
+                                }
                             }
                             drop(permit);
                         });
@@ -927,22 +1096,32 @@ impl Engine {
                     }
                 }
                 drop(permit);
+                // A claim that waited at the control plane needs no pause of its own; one
+                // answered at once (a control plane that does not wait, or a failure) waits
+                // out the rest of the poll interval or the backoff.
+                let pause = backoff.saturating_sub(asked.elapsed());
                 tokio::select! {
-                    _ = tokio::time::sleep(backoff) => {}
+                    biased;
+                    _ = stop.changed() => break,
                     _ = beat.tick() => {
                         if let Err(error) = engine.heartbeat().await {
                             tracing::warn!(category = "lifecycle", action = "worker.heartbeat_failed",
                                 error = %error, "the control plane did not take the heartbeat");
                         }
                     }
-                    _ = stop.changed() => break,
+                    () = tokio::time::sleep(pause) => {}
                 }
             }
-            // Draining: the runs in flight get `drain` to reach their next stop, then the
-            // rest are given back to be resumed elsewhere from their recorded steps.
-            let drained =
-                tokio::time::timeout(drain, async { while drives.join_next().await.is_some() {} })
-                    .await;
+            // Draining: each drive gives its run back at its next step boundary; those still
+            // going after `drain` are aborted and their runs given back, to be resumed
+            // elsewhere from their recorded steps.
+            if let Some(remote) = engine.remote.as_deref() {
+                remote.draining.store(true, Ordering::Relaxed);
+            }
+            let drained = tokio::time::timeout(timings.drain, async {
+                while drives.join_next().await.is_some() {}
+            })
+            .await;
             if drained.is_err() {
                 // An aborted drive forgets its claim as it is dropped: the claims are taken
                 // first, and each given back (a run that ended meanwhile answers that it is

@@ -142,14 +142,6 @@ impl Engine {
         }
         for (connection, entries) in wanted {
             if connection == ROUTINE_CONNECTION {
-                if self.is_remote() {
-                    return Err(ToolsUnavailable::Refused(
-                        "a routine used as a tool runs as a nested run, which a remote worker \
-                         does not start yet; run this routine on a `wor serve --role all` \
-                         deployment"
-                            .to_owned(),
-                    ));
-                }
                 for (routine, entry) in entries {
                     let offered =
                         self.routine_tool(run, routine, entry)

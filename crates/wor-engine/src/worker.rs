@@ -204,10 +204,19 @@ impl Engine {
         }
     }
 
-    /// Tells an idle pool of this process that there may be work: a run was queued or a
-    /// running one ended (freeing a place under the limits).
+    /// Tells an idle pool of this process, and the remote workers' claims waiting here, that
+    /// there may be work: a run was queued or a running one ended (freeing a place under the
+    /// limits).
     pub(crate) fn wake_workers(&self) {
         self.work.notify_one();
+        self.work_seen.send_replace(());
+    }
+
+    /// Listens for runs queued by other processes (PostgreSQL's LISTEN/NOTIFY) until
+    /// `shutdown`, for a process without a worker pool whose remote workers' claims wait
+    /// for work (`wor serve --role api`); [`Engine::spawn_workers`] listens for its pool.
+    pub fn spawn_work_listener(&self, shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
+        tokio::spawn(self.clone().listen(shutdown))
     }
 
     /// Starts the worker pool: up to `workers` runs driven at once (at least one), until

@@ -15,7 +15,7 @@ pub const HEARTBEAT_PATH: &str = "/internal/v1/workers/heartbeat";
 /// The path where a worker claims a run.
 pub const CLAIM_PATH: &str = "/internal/v1/runs/claim";
 
-/// The path of `what` (`lease`, `release`, `steps`, `end`, `park`) for `run`.
+/// The path of `what` (`lease`, `release`, `refuse`, `steps`, `end`, `park`) for `run`.
 pub fn run_path(run: RunId, what: &str) -> String {
     format!("/internal/v1/runs/{run}/{what}")
 }
@@ -23,6 +23,28 @@ pub fn run_path(run: RunId, what: &str) -> String {
 /// The path where a worker uses `approval` of `run`.
 pub fn approval_use_path(run: RunId, approval: wor_core::ApprovalId) -> String {
     format!("/internal/v1/runs/{run}/approvals/{approval}/use")
+}
+
+/// The longest a claim waits for a run when none is queued, whatever the worker asks.
+pub const MAX_CLAIM_WAIT_MS: u64 = 10_000;
+
+/// A worker's claim: how long it will wait for a run when none is queued (at most
+/// [`MAX_CLAIM_WAIT_MS`]; `0`, the default, answers at once).
+#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClaimRequest {
+    #[serde(default)]
+    pub wait_ms: u64,
+}
+
+/// Why a worker gives back a claim it cannot take up (its envelope was refused): the
+/// control plane logs it and puts the run back in the queue. The claim's credential is in
+/// the envelope it could not open, so the signed request alone names the holder.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RefuseRequest {
+    pub lease_id: String,
+    pub reason: String,
 }
 
 /// What a worker's heartbeat answers.
@@ -48,6 +70,9 @@ pub struct ClaimedRun {
     pub tool_connections: Vec<ToolConnectionRecord>,
     /// The run's approvals, oldest first.
     pub approvals: Vec<ApprovalRecord>,
+    /// The routines the roster offers as tools (`routine/NAME`), as they are now.
+    #[serde(default)]
+    pub routine_tools: Vec<RoutineTool>,
     /// The run's deadline: its credential expires then (Unix milliseconds).
     pub credential_expires_at: i64,
     /// When the lease runs out unless renewed (Unix milliseconds, the control plane's clock).
@@ -57,6 +82,43 @@ pub struct ClaimedRun {
     pub lease_ms: i64,
     /// Standard base64 of the run envelope (`wor_secrets::run_envelope`).
     pub envelope: String,
+}
+
+/// A routine a roster offers as a tool: what the model is shown of it and the hash of its
+/// current version, which the tool's pin binds.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct RoutineTool {
+    pub name: String,
+    pub description: String,
+    pub content_hash: String,
+}
+
+/// A worker's routine call that started (recorded as started): the control plane starts its
+/// nested run, or finds the one an earlier attempt started.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NestedRequest {
+    pub run_credential: String,
+    pub call_id: String,
+    /// The run's usage as the worker counts it; never below what is recorded.
+    pub usage: BudgetUsage,
+}
+
+/// What came of a routine call.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum NestedAnswer {
+    /// The nested run ended: the call is answered with it, and the run's usage (the nested
+    /// run's added, and recorded) is this.
+    Ended {
+        nested: crate::nested::NestedEnd,
+        usage: BudgetUsage,
+    },
+    /// The nested run is queued or waits for a person: the run is parked until it ends, and
+    /// the claim has ended.
+    Parked,
+    /// A cancel of the run was requested: nothing was started, and the worker ends the run.
+    CancelRequested,
 }
 
 /// The routine version a claimed run runs.

@@ -227,7 +227,9 @@ impl From<wor_engine::EngineError> for ApiError {
             wor_engine::EngineError::Connection(error) => (*error).into(),
             error @ (wor_engine::EngineError::Authorization { .. }
             | wor_engine::EngineError::RefreshInProgress { .. }
-            | wor_engine::EngineError::ControlPlane(_)) => ApiError::Unavailable(error.to_string()),
+            | wor_engine::EngineError::ControlPlane(_)
+            // Only a remote worker's drive stops so; no request of the API meets it.
+            | wor_engine::EngineError::Stopping) => ApiError::Unavailable(error.to_string()),
             // Only a worker driving a run loses its lease; a request that meets it raced one.
             wor_engine::EngineError::LeaseLost => {
                 ApiError::Conflict("the run is being driven by another worker".to_owned())

@@ -24,9 +24,9 @@ use crate::error::ApiError;
 use crate::extract::ApiJson;
 
 use wor_engine::worker_wire::{
-    ApprovalUseAnswer, ClaimedRun, ClaimedStep, ClaimedVersion, EndRequest, HeartbeatAnswer,
-    HeldRunRequest, LeaseAnswer, ParkAnswer, ParkRequest, StepsAnswer, StepsRequest,
-    UseApprovalRequest,
+    ApprovalUseAnswer, ClaimRequest, ClaimedRun, ClaimedStep, ClaimedVersion, EndRequest,
+    HeartbeatAnswer, HeldRunRequest, LeaseAnswer, MAX_CLAIM_WAIT_MS, NestedAnswer, NestedRequest,
+    ParkAnswer, ParkRequest, RefuseRequest, StepsAnswer, StepsRequest, UseApprovalRequest,
 };
 pub use wor_engine::worker_wire::{CLAIM_PATH, ENROLL_PATH, HEARTBEAT_PATH};
 /// How long an envelope may be opened after it is issued, at least: a worker opens it as it
@@ -65,9 +65,11 @@ pub(crate) fn router() -> Router<AppState> {
         .route(CLAIM_PATH, post(claim))
         .route("/internal/v1/runs/{run_id}/lease", post(renew))
         .route("/internal/v1/runs/{run_id}/release", post(release))
+        .route("/internal/v1/runs/{run_id}/refuse", post(refuse))
         .route("/internal/v1/runs/{run_id}/steps", post(record_steps))
         .route("/internal/v1/runs/{run_id}/end", post(end))
         .route("/internal/v1/runs/{run_id}/park", post(park))
+        .route("/internal/v1/runs/{run_id}/nested", post(nested))
         .route(
             "/internal/v1/runs/{run_id}/approvals/{approval_id}/use",
             post(use_approval),
@@ -274,16 +276,22 @@ async fn heartbeat(
     }))
 }
 
-/// Claims the oldest queued run the limits allow for the signing worker. `204` when there is
-/// none.
+/// Claims the oldest queued run the limits allow for the signing worker, waiting for one up
+/// to the `wait_ms` it asks for (at most [`MAX_CLAIM_WAIT_MS`]). `204` when there is none.
 async fn claim(State(state): State<AppState>, request: Request) -> Result<Response, ApiError> {
-    let worker = signed_by(&state, request).await?;
+    let (worker, body) = signed_with_body(&state, request).await?;
+    let asked: ClaimRequest = signed_body(&body, "{\"wait_ms\": 0..}")?;
     let control_plane = state
         .control_plane
         .clone()
         .ok_or_else(|| ApiError::Unavailable("this server does not serve workers".to_owned()))?;
     let keys = stored_keys(&worker)?;
-    let Some(claimed) = state.engine.claim_for_worker(&worker.id).await? else {
+    let wait = std::time::Duration::from_millis(asked.wait_ms.min(MAX_CLAIM_WAIT_MS));
+    let Some(claimed) = state
+        .engine
+        .claim_for_worker_within(&worker.id, wait)
+        .await?
+    else {
         return Ok(StatusCode::NO_CONTENT.into_response());
     };
     let run = claimed.run.clone();
@@ -380,6 +388,7 @@ async fn claim(State(state): State<AppState>, request: Request) -> Result<Respon
         model_connection: claimed.model_connection,
         tool_connections: claimed.tool_connections,
         approvals: claimed.approvals,
+        routine_tools: claimed.routine_tools,
         credential_expires_at: claimed.credential_expires_at,
         lease_expires_at: claimed.lease_expires_at,
         lease_ms: i64::try_from(state.engine.config().lease.as_millis()).unwrap_or(i64::MAX),
@@ -438,6 +447,73 @@ async fn release(
     }
 }
 
+/// Answers a routine call of a run the signing worker holds: its nested run's end, or the run
+/// parked until that run ends.
+async fn nested(
+    State(state): State<AppState>,
+    axum::extract::Path(run): axum::extract::Path<String>,
+    request: Request,
+) -> Result<Json<NestedAnswer>, ApiError> {
+    let (worker, body) = signed_with_body(&state, request).await?;
+    let run = run_id(&run)?;
+    let request: NestedRequest =
+        signed_body(&body, "{\"run_credential\", \"call_id\", \"usage\"}")?;
+    match state
+        .engine
+        .nested_for_worker(
+            run,
+            &worker.id,
+            &request.run_credential,
+            &request.call_id,
+            request.usage,
+        )
+        .await?
+        .map_err(refused_write)?
+    {
+        Some(answer) => Ok(Json(answer)),
+        None => Err(lease_not_held(&worker.id, run)),
+    }
+}
+
+/// Gives back a run the signing worker holds and could not take up (it refused the claim's
+/// envelope), logging the worker's reason. The claim's credential is inside that envelope, so
+/// holding the run's lease is what is checked.
+async fn refuse(
+    State(state): State<AppState>,
+    axum::extract::Path(run): axum::extract::Path<String>,
+    request: Request,
+) -> Result<StatusCode, ApiError> {
+    let (worker, body) = signed_with_body(&state, request).await?;
+    let run = run_id(&run)?;
+    let refused: RefuseRequest = signed_body(&body, "{\"lease_id\", \"reason\"}")?;
+    if !refused.lease_id.starts_with("lse_")
+        || refused.lease_id.len() > 64
+        || !refused
+            .lease_id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_')
+    {
+        return Err(ApiError::bad_request(
+            "invalid_body",
+            "lease_id must be the `lse_…` id the claim named",
+        ));
+    }
+    // What the worker says is logged, not trusted: one line, bounded.
+    let reason: String = refused
+        .reason
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .take(500)
+        .collect();
+    if !state.engine.refuse_for_worker(run, &worker.id).await? {
+        return Err(lease_not_held(&worker.id, run));
+    }
+    tracing::warn!(category = "run", action = "worker.envelope_refused", worker_id = %worker.id,
+        run_id = %run, lease_id = %refused.lease_id, reason = %reason,
+        "a worker refused a run's envelope; the run went back to the queue");
+    Ok(StatusCode::NO_CONTENT)
+}
+
 /// The body of a signed request, as `T`; a body of another shape is a 400 that says so.
 fn signed_body<T: serde::de::DeserializeOwned>(body: &[u8], shape: &str) -> Result<T, ApiError> {
     serde_json::from_slice(body)
@@ -450,6 +526,7 @@ fn refused_write(refusal: wor_engine::WorkerStepRefusal) -> ApiError {
         wor_engine::WorkerStepRefusal::NoSuchApproval(_) => "no_such_approval",
         wor_engine::WorkerStepRefusal::OutcomeUnknownDecided(_) => "approval_decided",
         wor_engine::WorkerStepRefusal::OutputRejected(_) => "output_rejected",
+        wor_engine::WorkerStepRefusal::NoRoutineCall(_) => "no_routine_call",
         _ => "invalid_step",
     };
     ApiError::bad_request(code, refusal.to_string())

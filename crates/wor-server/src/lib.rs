@@ -275,6 +275,39 @@ pub fn health_router(state: AppState) -> Router {
         .with_state(state)
 }
 
+/// The probes of a process without a database (`wor serve --role worker`): `/healthz` while
+/// it is up, `/readyz` while `ready` says it can take work (`Err` says why not, as a 503).
+pub fn probe_router(
+    ready: impl Fn() -> Result<(), String> + Clone + Send + Sync + 'static,
+) -> Router {
+    Router::new()
+        .route("/healthz", get(routes::health::healthz))
+        .route(
+            "/readyz",
+            get(move || {
+                let ready = ready.clone();
+                async move {
+                    ready()
+                        .map(|()| axum::Json(routes::health::HealthStatus { status: "ready" }))
+                        .map_err(ApiError::Unavailable)
+                }
+            }),
+        )
+        .fallback(|| async { ApiError::NoRoute })
+        .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
+}
+
+/// Serves [`probe_router`] on `listener` until `shutdown` completes.
+pub async fn serve_probes(
+    listener: TcpListener,
+    ready: impl Fn() -> Result<(), String> + Clone + Send + Sync + 'static,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, probe_router(ready))
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
 /// Serves [`health_router`] on `listener` until `shutdown` completes.
 pub async fn serve_health(
     listener: TcpListener,

@@ -801,9 +801,10 @@ impl Store {
         project: ProjectId,
         id: RunId,
         worker: &str,
+        claim: Option<&str>,
     ) -> Result<bool, StoreError> {
         let mut tx = self.begin_write().await?;
-        let parked = park(&mut tx, project, id, worker, None).await?;
+        let parked = park(&mut tx, project, id, worker, claim).await?;
         tx.commit().await?;
         Ok(parked)
     }

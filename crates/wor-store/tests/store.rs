@@ -685,7 +685,7 @@ async fn an_ended_nested_run_always_releases_its_parked_parent() {
         .unwrap();
     assert_eq!(child.depth, 1);
     assert_eq!(child.budget_cap.as_ref().unwrap()["turns"], 1);
-    assert!(store.park_run(project, parent.id, "w").await.unwrap());
+    assert!(store.park_run(project, parent.id, "w", None).await.unwrap());
     store.request_cancel(project, child.id).await.unwrap();
     assert_eq!(
         store.get_run(project, parent.id).await.unwrap().status,
@@ -701,7 +701,7 @@ async fn an_ended_nested_run_always_releases_its_parked_parent() {
         .create_run(project, new(Some(link()), "c2"), input.clone())
         .await
         .unwrap();
-    assert!(store.park_run(project, parent.id, "w").await.unwrap());
+    assert!(store.park_run(project, parent.id, "w", None).await.unwrap());
     let claimed = store
         .claim_run_by_id(project, child.id, "w", 60_000)
         .await

@@ -150,10 +150,13 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     // under `all`. An `api` process starts none of them.
     let triggers = matches!(args.role, Role::All | Role::Scheduler)
         .then(|| engine.spawn_triggers(workers_stopped.clone()));
+    // An `api` process listens for runs queued elsewhere: its remote workers' claims wait
+    // for them.
     let worker = match args.role {
         Role::All => Some(engine.spawn_workers(workers_stopped)),
         Role::Scheduler => Some(engine.spawn_sweeps(workers_stopped)),
-        Role::Api | Role::Worker => None,
+        Role::Api => Some(engine.spawn_work_listener(workers_stopped)),
+        Role::Worker => None,
     };
     let mut state = AppState::new(engine.clone()).with_console(config.console.clone());
     if matches!(args.role, Role::All | Role::Api) {

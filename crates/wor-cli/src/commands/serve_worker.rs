@@ -9,7 +9,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use wor_engine::{ControlPlaneLink, Engine, EngineConfig, LinkAnswer, LinkError, LinkFuture};
+use wor_engine::{
+    ControlPlaneLink, Engine, EngineConfig, LinkAnswer, LinkError, LinkFuture, WorkerTimings,
+};
 use wor_secrets::{EnvelopeLimits, EnvelopeOpener, RequestToSign, WorkerIdentity};
 use wor_store::{AuditConfig, AuditLog, Store};
 
@@ -22,8 +24,10 @@ const HEARTBEAT: Duration = Duration::from_secs(10);
 /// How long a request to the control plane waits for its answer: a lease renewal that fails
 /// is tried again while the lease lasts.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long a stopping worker lets its runs reach their next stop before giving them back.
+/// How long a stopping worker lets its runs reach a step boundary before giving them back.
 const DRAIN: Duration = Duration::from_secs(20);
+/// How long a claim waits at the control plane for a run: well inside `REQUEST_TIMEOUT`.
+const CLAIM_WAIT: Duration = Duration::from_secs(5);
 
 /// What `wor worker enroll` left in the data dir.
 #[derive(Debug, serde::Deserialize)]
@@ -144,6 +148,29 @@ pub async fn run(config: &ServerConfig) -> anyhow::Result<ExitCode> {
         );
     }
     let shutdown = super::serve::shutdown_signal()?;
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    // Answered until the drain is over: a stopping worker is not ready.
+    let (probes_stop, probes_stopped) = tokio::sync::watch::channel(false);
+    // Probes only where the operator asked for a listener: a worker beside an `api` process
+    // on one machine would otherwise take its default port.
+    let probes = if config.listen_given {
+        let listener = tokio::net::TcpListener::bind(config.listen)
+            .await
+            .with_context(|| format!("cannot listen for probes on {}", config.listen))?;
+        let local = listener.local_addr()?;
+        let probed = engine.clone();
+        let mut stopping = probes_stopped;
+        eprintln!("wor: probes on http://{local}/healthz and /readyz");
+        Some(tokio::spawn(wor_server::serve_probes(
+            listener,
+            move || probed.remote_ready(),
+            async move {
+                let _ = stopping.wait_for(|stop| *stop).await;
+            },
+        )))
+    } else {
+        None
+    };
     tracing::info!(category = "lifecycle", role = "worker", worker_id = %enrolment.worker_id,
         "worker started");
     eprintln!("wor: role worker");
@@ -151,12 +178,22 @@ pub async fn run(config: &ServerConfig) -> anyhow::Result<ExitCode> {
         "wor: worker {} driving runs of {}",
         enrolment.worker_id, enrolment.control_plane
     );
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    let worker = engine.spawn_remote_worker(stopped, HEARTBEAT, DRAIN);
+    let worker = engine.spawn_remote_worker(
+        stopped,
+        WorkerTimings {
+            heartbeat: HEARTBEAT,
+            drain: DRAIN,
+            claim_wait: CLAIM_WAIT,
+        },
+    );
     shutdown.await;
-    eprintln!("wor: stopping: runs in flight finish their step or are given back");
+    eprintln!("wor: stopping: runs in flight are given back at their next step boundary");
     let _ = stop.send(true);
     let _ = worker.await;
+    let _ = probes_stop.send(true);
+    if let Some(probes) = probes {
+        let _ = probes.await;
+    }
     drop(audit);
     engine.store().close().await;
     drop(scratch);
