@@ -25,7 +25,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use axum::Router;
 use rand::rngs::StdRng;
 use rand::{Rng as _, SeedableRng as _};
 use rmcp::ServerHandler;
@@ -34,11 +33,11 @@ use rmcp::model::{
     InitializeResult, ListToolsResult, PaginatedRequestParams, ServerCapabilities, Tool,
 };
 use rmcp::service::{RequestContext, RoleServer};
-use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
-use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
 use serde_json::{Value, json};
 
-use common::{Server, create_project, create_token, database_args, enroll, run, text, wor};
+use common::{
+    Server, create_project, create_token, database_args, enroll, run, serve_mcp, text, wor,
+};
 
 /// Kills of `wor serve`; the issue asks for at least 30.
 const KILLS: usize = 32;
@@ -176,19 +175,6 @@ impl ServerHandler for Desk {
         };
         Ok(CallToolResult::success(vec![ContentBlock::text(answer)]).into())
     }
-}
-
-async fn serve_desk(desk: Desk) -> SocketAddr {
-    let service = StreamableHttpService::new(
-        move || Ok(desk.clone()),
-        Arc::new(LocalSessionManager::default()),
-        StreamableHttpServerConfig::default(),
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let router = Router::new().nest_service("/mcp", service);
-    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
-    addr
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -621,7 +607,7 @@ fn desk_runtime() -> (tokio::runtime::Runtime, Desk, SocketAddr) {
         .build()
         .unwrap();
     let desk = Desk::default();
-    let desk_addr = runtime.block_on(serve_desk(desk.clone()));
+    let desk_addr = runtime.block_on(serve_mcp(desk.clone()));
     (runtime, desk, desk_addr)
 }
 

@@ -1043,6 +1043,79 @@ impl Engine {
         Ok(Ok(Some(NestedAnswer::Parked)))
     }
 
+    /// Checks a remote worker's report that tool connection `connection`, which the run it
+    /// holds under the claim whose `credential` it presents uses, lists tools that changed
+    /// since they were pinned. The worker's word is not taken: this process lists the tools
+    /// itself and quarantines the connection only when it sees the change too (with the same
+    /// audit entry a local driver writes). Whether the connection is quarantined now; `None`
+    /// when the worker does not hold the run under this claim.
+    ///
+    /// # Errors
+    /// A store error.
+    pub async fn quarantine_for_worker(
+        &self,
+        run: RunId,
+        worker: &str,
+        credential: &str,
+        connection: &str,
+    ) -> Result<Option<bool>, EngineError> {
+        let Some(run) = self.store.claimed_run(worker, run, credential).await? else {
+            return Ok(None);
+        };
+        let version = self
+            .routine_version(run.project_id, run.routine_id, run.routine_version)
+            .await?;
+        let on_roster = connection != ROUTINE_CONNECTION
+            && version.definition.tools.iter().any(|entry| {
+                entry.mode != ToolMode::Deny
+                    && entry
+                        .tool
+                        .split_once('/')
+                        .is_some_and(|(name, _)| name == connection)
+            });
+        let not_seen = |why: &str| {
+            tracing::warn!(category = "tools", action = "worker.change_not_seen", worker_id = %worker,
+                run_id = %run.id, connection = %connection.chars().take(100).collect::<String>(),
+                why, "a worker reported changed tools this process does not find");
+            Ok(Some(false))
+        };
+        if !on_roster {
+            return not_seen("the connection is not on the run's roster");
+        }
+        let record = match self
+            .store
+            .get_tool_connection_by_name(run.project_id, connection)
+            .await
+        {
+            Ok(record) => record,
+            Err(StoreError::NotFound) => return not_seen("no such connection"),
+            Err(other) => return Err(other.into()),
+        };
+        if record.status == wor_store::ToolConnectionStatus::Quarantined {
+            return Ok(Some(true));
+        }
+        if Engine::check_enabled(&record).is_err() {
+            return not_seen("the connection is not enabled");
+        }
+        let session = match self.open_tool_session(&record, Some(&run)).await {
+            Ok(session) => session,
+            Err(_) => return not_seen("the connection cannot be reached from here"),
+        };
+        let listed = session.list_tools().await;
+        session.close().await;
+        let Ok(live) = listed else {
+            return not_seen("its tools cannot be listed from here");
+        };
+        let pins = crate::tool_connections::stored_pins(&record)?;
+        let diff = wor_tools::compare(&pins, &live);
+        if diff.verdict() != wor_tools::ToolListVerdict::Quarantine {
+            return not_seen("its tools are as pinned");
+        }
+        self.quarantine_tool_connection(&record, &live, &diff, &run)
+            .await?;
+        Ok(Some(true))
+    }
+
     /// Gives back a run remote worker `worker` holds and could not take up (it refused the
     /// claim's envelope, which holds the claim's credential); false when it does not hold it.
     ///

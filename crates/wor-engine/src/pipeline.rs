@@ -932,10 +932,10 @@ impl Engine {
             .map(|n| format!("`{n}`"))
             .collect();
         if self.is_remote() {
-            return Ok(Some(crate::run_tools::changed_on_remote(
-                &record.name,
-                &names,
-            )));
+            return self
+                .changed_on_remote(run.id, &record.name, &names)
+                .await
+                .map(Some);
         }
         self.quarantine_tool_connection(record, &live, &diff, run)
             .await?;

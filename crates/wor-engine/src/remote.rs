@@ -14,10 +14,11 @@
 //! redacts again and derives the audit entries itself; nothing here writes the audit chain.
 //!
 //! A routine used as a tool starts its nested run on the control plane (`nested` requests),
-//! where any worker claims it; the calling run parks until it ends.
+//! where any worker claims it; the calling run parks until it ends. A connection whose tools
+//! changed fails the run closed and is reported (`quarantine` requests): the control plane
+//! lists the tools itself and quarantines what it sees changed.
 //!
-//! What a remote worker does not do yet, and refuses rather than does elsewhere: quarantine a
-//! connection whose tools changed (the run fails closed naming it instead) and renew an MCP
+//! What a remote worker does not do yet, and refuses rather than does elsewhere: renew an MCP
 //! authorization's access token (the one in the envelope is used as it is).
 
 use std::collections::HashMap;
@@ -955,6 +956,47 @@ impl Engine {
             }
             Answer::NotHeld => Err(EngineError::LeaseLost),
         }
+    }
+
+    /// Why a remote run stops at tool connection `connection`, which lists tools that changed
+    /// since they were pinned (`names`): the control plane is told, lists the tools itself
+    /// and quarantines the connection when it sees the change too. The run fails closed
+    /// either way.
+    pub(crate) async fn changed_on_remote(
+        &self,
+        run: RunId,
+        connection: &str,
+        names: &[String],
+    ) -> Result<String, EngineError> {
+        let (remote, claim) = self.remote_parts(run)?;
+        let body = worker_wire::QuarantineRequest {
+            run_credential: claim.credential(),
+            connection: connection.to_owned(),
+        };
+        let quarantined = match remote
+            .call::<worker_wire::QuarantineAnswer>(&worker_wire::run_path(run, "quarantine"), &body)
+            .await
+        {
+            Ok(Answer::Ok(answer)) => answer.quarantined,
+            Ok(Answer::NotHeld) => return Err(EngineError::LeaseLost),
+            // The run fails closed all the same.
+            Err(error) => {
+                tracing::warn!(category = "tools", run_id = %run, error = %error,
+                    "the control plane was not told of a connection's changed tools");
+                false
+            }
+        };
+        Ok(if quarantined {
+            format!(
+                "tool connection `{connection}` is quarantined: tools changed since they were pinned: {}; an admin must review the diff and enable it again",
+                names.join(", ")
+            )
+        } else {
+            format!(
+                "tool connection `{connection}` lists tools that changed since they were pinned: {}; the run fails closed (the control plane did not find the change itself, so the connection is not quarantined: an admin should review it)",
+                names.join(", ")
+            )
+        })
     }
 
     /// The routine `name` a remote run's roster offers as a tool, from its claim.

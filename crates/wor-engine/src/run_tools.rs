@@ -75,18 +75,6 @@ pub(crate) fn model_name(connection: &str, tool: &str) -> String {
         .collect()
 }
 
-/// Why a remote worker's run stops at a connection whose tools changed since they were
-/// pinned: it does not quarantine the connection (that is the control plane's to record), it
-/// fails the run closed, naming the tools.
-pub(crate) fn changed_on_remote(connection: &str, names: &[String]) -> String {
-    format!(
-        "tool connection `{connection}` lists tools that changed since they were pinned: {}; \
-         the run fails closed (a remote worker does not quarantine it: an admin should review \
-         the connection)",
-        names.join(", ")
-    )
-}
-
 impl RunTools {
     /// The tools as the model sees them: pinned arguments removed.
     pub fn specs(&self) -> Vec<ToolSpec> {
@@ -200,9 +188,14 @@ impl Engine {
                     .map(|n| format!("`{n}`"))
                     .collect();
                 if self.is_remote() {
-                    return Err(ToolsUnavailable::Refused(changed_on_remote(
-                        connection, &names,
-                    )));
+                    let reason = match self.changed_on_remote(run.id, connection, &names).await {
+                        Ok(reason) => reason,
+                        Err(crate::EngineError::Store(store)) => {
+                            return Err(ToolsUnavailable::Store(store));
+                        }
+                        Err(other) => other.to_string(),
+                    };
+                    return Err(ToolsUnavailable::Refused(reason));
                 }
                 self.quarantine_tool_connection(&record, &live, &diff, run)
                     .await

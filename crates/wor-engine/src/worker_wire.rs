@@ -15,7 +15,8 @@ pub const HEARTBEAT_PATH: &str = "/internal/v1/workers/heartbeat";
 /// The path where a worker claims a run.
 pub const CLAIM_PATH: &str = "/internal/v1/runs/claim";
 
-/// The path of `what` (`lease`, `release`, `refuse`, `steps`, `end`, `park`) for `run`.
+/// The path of `what` (`lease`, `release`, `refuse`, `steps`, `end`, `park`, `nested`,
+/// `quarantine`) for `run`.
 pub fn run_path(run: RunId, what: &str) -> String {
     format!("/internal/v1/runs/{run}/{what}")
 }
@@ -119,6 +120,23 @@ pub enum NestedAnswer {
     Parked,
     /// A cancel of the run was requested: nothing was started, and the worker ends the run.
     CancelRequested,
+}
+
+/// A worker found that a connection its run uses lists tools that changed since they were
+/// pinned: the control plane lists them itself, and quarantines the connection if it sees the
+/// change too.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QuarantineRequest {
+    pub run_credential: String,
+    /// The connection's name, as the roster names it.
+    pub connection: String,
+}
+
+/// Whether the connection is quarantined now (by this report or an earlier one).
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct QuarantineAnswer {
+    pub quarantined: bool,
 }
 
 /// The routine version a claimed run runs.

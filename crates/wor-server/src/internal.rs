@@ -26,7 +26,8 @@ use crate::extract::ApiJson;
 use wor_engine::worker_wire::{
     ApprovalUseAnswer, ClaimRequest, ClaimedRun, ClaimedStep, ClaimedVersion, EndRequest,
     HeartbeatAnswer, HeldRunRequest, LeaseAnswer, MAX_CLAIM_WAIT_MS, NestedAnswer, NestedRequest,
-    ParkAnswer, ParkRequest, RefuseRequest, StepsAnswer, StepsRequest, UseApprovalRequest,
+    ParkAnswer, ParkRequest, QuarantineAnswer, QuarantineRequest, RefuseRequest, StepsAnswer,
+    StepsRequest, UseApprovalRequest,
 };
 pub use wor_engine::worker_wire::{CLAIM_PATH, ENROLL_PATH, HEARTBEAT_PATH};
 /// How long an envelope may be opened after it is issued, at least: a worker opens it as it
@@ -70,6 +71,7 @@ pub(crate) fn router() -> Router<AppState> {
         .route("/internal/v1/runs/{run_id}/end", post(end))
         .route("/internal/v1/runs/{run_id}/park", post(park))
         .route("/internal/v1/runs/{run_id}/nested", post(nested))
+        .route("/internal/v1/runs/{run_id}/quarantine", post(quarantine))
         .route(
             "/internal/v1/runs/{run_id}/approvals/{approval_id}/use",
             post(use_approval),
@@ -471,6 +473,31 @@ async fn nested(
         .map_err(refused_write)?
     {
         Some(answer) => Ok(Json(answer)),
+        None => Err(lease_not_held(&worker.id, run)),
+    }
+}
+
+/// A worker's report that a connection its run uses lists changed tools: checked here, and
+/// the connection quarantined only when this process sees the change too.
+async fn quarantine(
+    State(state): State<AppState>,
+    axum::extract::Path(run): axum::extract::Path<String>,
+    request: Request,
+) -> Result<Json<QuarantineAnswer>, ApiError> {
+    let (worker, body) = signed_with_body(&state, request).await?;
+    let run = run_id(&run)?;
+    let request: QuarantineRequest = signed_body(&body, "{\"run_credential\", \"connection\"}")?;
+    match state
+        .engine
+        .quarantine_for_worker(
+            run,
+            &worker.id,
+            &request.run_credential,
+            &request.connection,
+        )
+        .await?
+    {
+        Some(quarantined) => Ok(Json(QuarantineAnswer { quarantined })),
         None => Err(lease_not_held(&worker.id, run)),
     }
 }

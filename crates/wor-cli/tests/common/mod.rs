@@ -252,3 +252,25 @@ pub fn enroll(
         "test-worker",
     ]))
 }
+
+/// Serves `handler` as an MCP server (streamable HTTP at `/mcp`) on a loopback port, on the
+/// current tokio runtime; its address.
+pub async fn serve_mcp<H>(handler: H) -> std::net::SocketAddr
+where
+    H: rmcp::ServerHandler + Clone + Send + Sync + 'static,
+{
+    use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
+    use rmcp::transport::streamable_http_server::{
+        StreamableHttpServerConfig, StreamableHttpService,
+    };
+    let service = StreamableHttpService::new(
+        move || Ok(handler.clone()),
+        Arc::new(LocalSessionManager::default()),
+        StreamableHttpServerConfig::default(),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let router = axum::Router::new().nest_service("/mcp", service);
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    addr
+}
