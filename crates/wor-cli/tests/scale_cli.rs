@@ -2009,7 +2009,7 @@ fn a_claim_waits_for_a_run_and_a_claim_the_worker_cannot_take_up_goes_back_at_on
     assert!(bad.contains("wait_ms"), "{bad}");
 
     // A worker that cannot open a claim's envelope gives the run back with its reason; only
-    // the holder can, and only with the claim's lease id.
+    // the holder can, and only with a lease id of the claim's shape.
     let refuse = format!("/internal/v1/runs/{run_id}/refuse");
     let reason = serde_json::json!({ "lease_id": lease_id, "reason": "the envelope expired" });
     let not_held = b.post_json(&api, &refuse, &reason);
@@ -2335,6 +2335,35 @@ mode = "auto"
         shown["usage"]["turns"].as_u64().unwrap() >= 4,
         "{}",
         shown["usage"]
+    );
+
+    // Cancelling a parent whose nested run waits for a person cancels the nested run too.
+    let cancelled = project.start("boss");
+    wait_for(
+        "the second nested run to wait for a person",
+        Duration::from_secs(60),
+        || {
+            nested_of(&cancelled).is_some_and(|r| r["status"] == "waiting_for_approval")
+                && shown_run(&project, &cancelled)["status"] == "waiting_for_approval"
+        },
+    );
+    let second_nested = nested_of(&cancelled).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    project.client(&["run", "cancel", &cancelled], &[]);
+    wait_for(
+        "both runs to end cancelled",
+        Duration::from_secs(60),
+        || {
+            shown_run(&project, &cancelled)["status"] == "cancelled"
+                && shown_run(&project, &second_nested)["status"] == "cancelled"
+        },
+    );
+    assert_eq!(
+        tools.seen.lock().unwrap().len(),
+        1,
+        "the cancelled call never ran"
     );
 
     let mut verify = vec!["audit", "verify", "--json"];

@@ -988,11 +988,17 @@ impl Engine {
         let version = self
             .routine_version(parent.project_id, parent.routine_id, parent.routine_version)
             .await?;
-        let on_roster = version
-            .definition
-            .tools
-            .iter()
-            .any(|entry| entry.tool == recorded.tool && entry.mode != ToolMode::Deny);
+        // On the roster, and — where the roster has every call of it wait for a person —
+        // started with a person's approval: a worker's word that it was allowed starts
+        // nothing the roster holds.
+        let on_roster = version.definition.tools.iter().any(|entry| {
+            entry.tool == recorded.tool
+                && match entry.mode {
+                    ToolMode::Auto => true,
+                    ToolMode::Confirm => pending.started_with_approval,
+                    ToolMode::Deny => false,
+                }
+        });
         let Some((ROUTINE_CONNECTION, name)) = recorded.tool.split_once('/') else {
             return Ok(Err(no_routine_call()));
         };
@@ -1022,21 +1028,35 @@ impl Engine {
             .await?;
         if child.status.is_terminal() {
             let usage = crate::nested::with_child_usage(usage, &child.usage);
+            // The run was parked while its nested run ran, and time parked is not wall time:
+            // the nested run's own wall time is counted as the run's, as it is when a local
+            // driver drives the nested run while its parent waits, and the claim's deadline
+            // comes that much sooner.
+            let nested_wall_ms = match (child.started_at, child.finished_at) {
+                (Some(started), Some(finished)) => finished
+                    .saturating_sub(started)
+                    .saturating_sub(child.parked_ms)
+                    .max(0),
+                _ => 0,
+            };
             // Recorded now: once the call has its answer, nothing would add it again.
-            self.store.save_usage(parent.id, worker, &usage).await?;
+            self.store
+                .record_nested_end(parent.id, worker, &usage, nested_wall_ms)
+                .await?;
             return Ok(Ok(Some(NestedAnswer::Ended {
                 nested: crate::nested::NestedEnd::of(&child),
                 usage,
             })));
         }
-        // Queued for any worker, this one's waiting claims included.
-        self.wake_workers();
         if !self
             .park_for_nested(&parent, child.id, worker, Some(credential))
             .await?
         {
             return Ok(Ok(None));
         }
+        // Queued for any worker, this one's waiting claims included, and the parked run's
+        // place under the limits is free.
+        self.wake_workers();
         tracing::info!(category = "run", action = "worker.nested_parked", worker_id = %worker,
             run_id = %parent.id, nested_run_id = %child.id,
             "a worker's run waits for its nested run");

@@ -3,7 +3,9 @@
 //! depth recorded, its budget capped by what is left of the root run's, nesting at most
 //! [`MAX_NESTING_DEPTH`] deep — which the parent's worker drives at once, on a task of its own. A nested run that
 //! waits for a person parks its parent too; when it ends, the parent is queued again and takes
-//! its answer. Its output is untrusted for the parent, like any tool result.
+//! its answer. Its output is untrusted for the parent, like any tool result. A remote worker's
+//! parent asks the control plane for its nested run instead and parks until it ends
+//! (`Engine::nested_for_worker`); any worker drives the nested run.
 
 use serde_json::{Value, json};
 use wor_core::audit::{Actor, AuditCategory, AuditEvent};

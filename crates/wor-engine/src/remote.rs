@@ -233,11 +233,12 @@ impl RemoteRuns {
     fn answered(&self, answer: Result<LinkAnswer, LinkError>) -> Result<LinkAnswer, LinkError> {
         *locked(&self.unready) = match &answer {
             Ok(LinkAnswer { status, .. }) if *status < 300 => None,
-            Ok(LinkAnswer { status, body }) => Some(format!(
-                "the control plane answered with status {status}: {}",
-                error_message(body)
-            )),
-            Err(error) => Some(error.to_string()),
+            // The status alone: the probe is served over plain HTTP, and the body is the
+            // control plane's to say.
+            Ok(LinkAnswer { status, .. }) => {
+                Some(format!("the control plane answered with status {status}"))
+            }
+            Err(_) => Some("the control plane cannot be reached".to_owned()),
         };
         answer
     }
@@ -476,11 +477,22 @@ impl Engine {
         let (run_id, lease_id) = (claimed.run.id, claimed.lease_id.clone());
         let (run, held) = match take_up(remote, claimed) {
             Ok(taken) => taken,
-            Err(error) => {
+            // An envelope this worker refuses (expired, replayed, not its own) is given back
+            // at once: another claim gets another envelope.
+            Err(error @ ClaimError::Envelope(_)) => {
                 tracing::warn!(category = "run", action = "worker.envelope_refused",
                     run_id = %run_id, lease_id = %lease_id, reason = %error,
-                    "a claimed run cannot be taken up; it is given back");
+                    "a run's envelope was refused; the run is given back");
                 self.refuse_claim(remote, run_id, &lease_id, &error).await;
+                return Err(error);
+            }
+            // A claim this worker cannot read would be as unreadable to the next claim of
+            // any worker like it: given back at once it would be claimed first again and
+            // hold up the queue, so it waits out its lease.
+            Err(error) => {
+                tracing::warn!(category = "run", action = "worker.claim_unreadable",
+                    run_id = %run_id, lease_id = %lease_id, reason = %error,
+                    "a claimed run cannot be taken up; it waits out its lease");
                 return Err(error);
             }
         };

@@ -512,6 +512,35 @@ impl Store {
         project: ProjectId,
         id: RunId,
     ) -> Result<RunRecord, StoreError> {
+        let run = self.request_cancel_of(project, id).await?;
+        // Its nested runs are cancelled with it, however deep, wherever they are driven: a
+        // nested run does not go on for a parent nobody waits for.
+        let mut parents = vec![id];
+        while let Some(parent) = parents.pop() {
+            let children: Vec<String> = sqlx::query_scalar(
+                "SELECT id FROM runs WHERE project_id = $1 AND parent_run_id = $2 \
+                 AND status IN ('queued', 'running', 'waiting_for_approval') \
+                 AND cancel_requested = 0",
+            )
+            .bind(project.to_string())
+            .bind(parent.to_string())
+            .fetch_all(self.pool())
+            .await?;
+            for child in children {
+                let child: RunId = parse_column(&child, "runs.id")?;
+                self.request_cancel_of(project, child).await?;
+                parents.push(child);
+            }
+        }
+        Ok(run)
+    }
+
+    /// Requests the cancel of run `id` alone ([`Store::request_cancel`]).
+    async fn request_cancel_of(
+        &self,
+        project: ProjectId,
+        id: RunId,
+    ) -> Result<RunRecord, StoreError> {
         let now = now_millis();
         let mut tx = self.begin_write().await?;
         let cancelled = sqlx::query(
@@ -860,6 +889,37 @@ impl Store {
     }
 
     /// Records the run's usage so far.
+    /// Records the usage of a run `worker` holds whose nested run ended while it was parked,
+    /// and counts the nested run's `wall_ms` as the run's wall time: taken off its parked
+    /// time, and off its live credential's expiry (its deadline).
+    pub async fn record_nested_end(
+        &self,
+        run: RunId,
+        worker: &str,
+        usage: &BudgetUsage,
+        wall_ms: i64,
+    ) -> Result<(), StoreError> {
+        let mut tx = self.begin_write().await?;
+        if write_usage(&mut tx, run, worker, usage).await? && wall_ms > 0 {
+            sqlx::query(
+                "UPDATE runs SET parked_ms = CASE WHEN parked_ms > $1 THEN parked_ms - $1 \
+                 ELSE 0 END WHERE id = $2 AND lease_owner = $3 AND status = 'running'",
+            )
+            .bind(wall_ms)
+            .bind(run.to_string())
+            .bind(worker)
+            .execute(&mut **tx)
+            .await?;
+            sqlx::query("UPDATE run_tokens SET expires_at = expires_at - $1 WHERE run_id = $2")
+                .bind(wall_ms)
+                .bind(run.to_string())
+                .execute(&mut **tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
     pub async fn save_usage(
         &self,
         run: RunId,

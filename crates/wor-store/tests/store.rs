@@ -727,6 +727,93 @@ async fn an_ended_nested_run_always_releases_its_parked_parent() {
         store.get_run(project, parent.id).await.unwrap().status,
         RunStatus::Queued
     );
+
+    // Resumed, the parent records its ended child's usage, and the child's wall time counts
+    // as its own: off its parked time and off its credential's expiry.
+    tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+    let parent = store
+        .claim_run_by_id(project, parent.id, "w", 60_000)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(parent.parked_ms >= 30, "{}", parent.parked_ms);
+    let deadline = wor_store::now_millis() + 100_000;
+    let token = store
+        .mint_run_token(project, parent.id, "w", deadline)
+        .await
+        .unwrap()
+        .unwrap();
+    let usage = wor_core::budget::BudgetUsage {
+        turns: 3,
+        ..Default::default()
+    };
+    store
+        .record_nested_end(parent.id, "w", &usage, 10)
+        .await
+        .unwrap();
+    let resumed = store.get_run(project, parent.id).await.unwrap();
+    assert_eq!(resumed.usage.turns, 3);
+    assert_eq!(resumed.parked_ms, parent.parked_ms - 10);
+    let grant = store
+        .authenticate_run_token(token.expose())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(grant.expires_at, deadline - 10);
+    // More than it was parked: its parked time goes to zero, never below.
+    store
+        .record_nested_end(parent.id, "w", &usage, 1_000_000)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.get_run(project, parent.id).await.unwrap().parked_ms,
+        0
+    );
+    // Another worker records nothing.
+    store
+        .record_nested_end(parent.id, "x", &usage, 5)
+        .await
+        .unwrap();
+    assert_eq!(
+        store
+            .authenticate_run_token(token.expose())
+            .await
+            .unwrap()
+            .map(|g| g.expires_at),
+        None,
+        "the deadline passed: 1,000 s came off it"
+    );
+
+    // Cancelling a run cancels its nested runs, however deep.
+    let child = store
+        .create_run(project, new(Some(link()), "c3"), input.clone())
+        .await
+        .unwrap();
+    let grandchild_link = ParentLink {
+        root: parent.id,
+        parent: child.id,
+        depth: 2,
+        budget_cap: serde_json::json!({"turns": 1}),
+    };
+    // The child runs; its own child waits in the queue.
+    store
+        .claim_run_by_id(project, child.id, "w", 60_000)
+        .await
+        .unwrap()
+        .unwrap();
+    let grandchild = store
+        .create_run(project, new(Some(grandchild_link), "c4"), input.clone())
+        .await
+        .unwrap();
+    store.request_cancel(project, parent.id).await.unwrap();
+    let child = store.get_run(project, child.id).await.unwrap();
+    assert!(child.cancel_requested, "{child:?}");
+    let grandchild = store.get_run(project, grandchild.id).await.unwrap();
+    assert_eq!(
+        grandchild.status,
+        RunStatus::Cancelled,
+        "cancelled while queued"
+    );
 }
 
 /// Many workers claiming the queue at once never run more of a routine than its
