@@ -30,9 +30,9 @@ use wor_core::{ApprovalId, RunId};
 use wor_secrets::{RunSecrets, ToolCredential};
 use wor_store::{
     API_KEY_FIELD, ApprovalFilter, ApprovalKind, ApprovalRecord, ApprovedClaim, ApprovedStart,
-    ConnectionStatus, MODEL_CONNECTIONS_TABLE, ModelConnectionRecord, RoutineVersionRecord,
-    RunRecord, RunStep, RunWritten, SecretSlot, StoreError, ToolConnectionKind,
-    ToolConnectionRecord,
+    ConnectionStatus, MODEL_CONNECTIONS_TABLE, ModelConnectionRecord, NestedPark,
+    RoutineVersionRecord, RunRecord, RunStep, RunWritten, SecretSlot, StoreError,
+    ToolConnectionKind, ToolConnectionRecord,
 };
 
 use crate::call::{as_recorded, run_event, with_step};
@@ -1023,44 +1023,57 @@ impl Engine {
             .unwrap_or_default();
         let untrusted =
             !untrusted_sources(steps.iter().map(|s| (&s.step, s.provenance))).is_empty();
-        let child = self
+        let (mut child, started_now) = self
             .nested_child(&parent, name, call_id, input, untrusted, left)
             .await?;
-        if child.status.is_terminal() {
-            let usage = crate::nested::with_child_usage(usage, &child.usage);
-            // The run was parked while its nested run ran, and time parked is not wall time:
-            // the nested run's own wall time is counted as the run's, as it is when a local
-            // driver drives the nested run while its parent waits, and the claim's deadline
-            // comes that much sooner.
-            let nested_wall_ms = match (child.started_at, child.finished_at) {
-                (Some(started), Some(finished)) => finished
-                    .saturating_sub(started)
-                    .saturating_sub(child.parked_ms)
-                    .max(0),
-                _ => 0,
-            };
-            // Recorded now: once the call has its answer, nothing would add it again.
-            self.store
-                .record_nested_end(parent.id, worker, &usage, nested_wall_ms)
-                .await?;
-            return Ok(Ok(Some(NestedAnswer::Ended {
-                nested: crate::nested::NestedEnd::of(&child),
-                usage,
-            })));
+        if !child.status.is_terminal() {
+            match self
+                .store
+                .park_for_nested(
+                    parent.project_id,
+                    parent.id,
+                    child.id,
+                    worker,
+                    Some(credential),
+                )
+                .await?
+            {
+                NestedPark::NotHeld => return Ok(Ok(None)),
+                NestedPark::Parked => {
+                    // Queued for any worker, this one's waiting claims included, and the
+                    // parked run's place under the limits is free.
+                    self.wake_workers();
+                    tracing::info!(category = "run", action = "worker.nested_parked",
+                        worker_id = %worker, run_id = %parent.id, nested_run_id = %child.id,
+                        "a worker's run waits for its nested run");
+                    return Ok(Ok(Some(NestedAnswer::Parked)));
+                }
+                NestedPark::ChildEnded => {
+                    child = self.store.get_run(parent.project_id, child.id).await?;
+                }
+            }
         }
-        if !self
-            .park_for_nested(&parent, child.id, worker, Some(credential))
-            .await?
-        {
-            return Ok(Ok(None));
-        }
-        // Queued for any worker, this one's waiting claims included, and the parked run's
-        // place under the limits is free.
-        self.wake_workers();
-        tracing::info!(category = "run", action = "worker.nested_parked", worker_id = %worker,
-            run_id = %parent.id, nested_run_id = %child.id,
-            "a worker's run waits for its nested run");
-        Ok(Ok(Some(NestedAnswer::Parked)))
+        let usage = crate::nested::with_child_usage(usage, &child.usage);
+        // A run that was parked while its nested run ran (one an earlier call started) did
+        // not count that time as wall time: the nested run's own wall time is counted as the
+        // run's, as it is when a local driver drives the nested run while its parent waits,
+        // and the claim's deadline comes that much sooner. A nested run started and ended
+        // within this call ran on the run's own clock.
+        let nested_wall_ms = match (started_now, child.started_at, child.finished_at) {
+            (false, Some(started), Some(finished)) => finished
+                .saturating_sub(started)
+                .saturating_sub(child.parked_ms)
+                .max(0),
+            _ => 0,
+        };
+        // Recorded now: once the call has its answer, nothing would add it again.
+        self.store
+            .record_nested_end(parent.id, worker, &usage, nested_wall_ms)
+            .await?;
+        Ok(Ok(Some(NestedAnswer::Ended {
+            nested: crate::nested::NestedEnd::of(&child),
+            usage,
+        })))
     }
 
     /// Checks a remote worker's report that tool connection `connection`, which the run it

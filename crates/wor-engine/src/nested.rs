@@ -15,7 +15,7 @@ use wor_core::routine::{BudgetLimits, ROUTINE_CONNECTION, RosterEntry};
 use wor_core::run::{Provenance, RunStatus};
 use wor_core::run_loop::CallOutcome;
 use wor_core::step::{InputSource, InputStep, PendingCall, new_boundary, untrusted_envelope};
-use wor_store::{NewRun, ParentLink, RunRecord, StoreError};
+use wor_store::{NestedPark, NewRun, ParentLink, RunRecord, StoreError};
 use wor_tools::{PinnedToolDefinition, ToolDefinition};
 
 use crate::call::{CallScope, cancel_poll};
@@ -160,7 +160,7 @@ impl Engine {
         // the same way: so, transitively, of the root's.
         let mut left = remaining(&scope.limits, &usage);
         left.wall_seconds = scope.limits.wall_seconds.saturating_sub(scope.wall_spent);
-        let child = self
+        let (child, _) = self
             .nested_child(
                 parent,
                 &offered.tool,
@@ -215,17 +215,27 @@ impl Engine {
                 }
             }
         }
-        let child = self.store.get_run(parent.project_id, child.id).await?;
+        let mut child = self.store.get_run(parent.project_id, child.id).await?;
         if !child.status.is_terminal() {
             // It waits for a person (or another worker has it): the parent waits too, holding
             // nothing, and is queued again when the child ends.
-            if !self
-                .park_for_nested(parent, child.id, &self.config.worker_id, None)
+            match self
+                .store
+                .park_for_nested(
+                    parent.project_id,
+                    parent.id,
+                    child.id,
+                    &self.config.worker_id,
+                    None,
+                )
                 .await?
             {
-                return Err(EngineError::LeaseLost);
+                NestedPark::Parked => return Ok(CallOutcome::Parked),
+                NestedPark::NotHeld => return Err(EngineError::LeaseLost),
+                NestedPark::ChildEnded => {
+                    child = self.store.get_run(parent.project_id, child.id).await?;
+                }
             }
-            return Ok(CallOutcome::Parked);
         }
         let usage = with_child_usage(usage, &child.usage);
         // Saved now: once the call has its answer, nothing would add the child's usage again.
@@ -241,42 +251,10 @@ impl Engine {
         ))
     }
 
-    /// Parks `parent`, which `holder` holds (under the claim whose credential is `claim`, for a
-    /// remote worker), until its nested run `child` ends; false when it is not held. The end
-    /// of a nested run queues its parked parent again; one that came between the caller's
-    /// read and the park does so here.
-    pub(crate) async fn park_for_nested(
-        &self,
-        parent: &RunRecord,
-        child: wor_core::RunId,
-        holder: &str,
-        claim: Option<&str>,
-    ) -> Result<bool, EngineError> {
-        if !self
-            .store
-            .park_run(parent.project_id, parent.id, holder, claim)
-            .await?
-        {
-            return Ok(false);
-        }
-        if self
-            .store
-            .get_run(parent.project_id, child)
-            .await?
-            .status
-            .is_terminal()
-        {
-            self.store
-                .requeue_parked_run(parent.project_id, parent.id)
-                .await?;
-            self.wake_workers();
-        }
-        Ok(true)
-    }
-
     /// The nested run of `parent`'s call `call_id` to routine `name`: the one a previous
     /// attempt started, or a new one, queued, with `input` (redacted already; `untrusted`
-    /// when a model with untrusted content in front of it wrote it) and a budget of `left`.
+    /// when a model with untrusted content in front of it wrote it) and a budget of `left`;
+    /// and whether it was started now.
     pub(crate) async fn nested_child(
         &self,
         parent: &RunRecord,
@@ -285,7 +263,7 @@ impl Engine {
         input: &str,
         untrusted: bool,
         left: BudgetLimits,
-    ) -> Result<RunRecord, EngineError> {
+    ) -> Result<(RunRecord, bool), EngineError> {
         let routine = match self
             .store
             .find_routine_by_name(parent.project_id, name)
@@ -305,7 +283,7 @@ impl Engine {
             .run_by_trigger_key(parent.project_id, routine.id, &key)
             .await?
         {
-            return Ok(child);
+            return Ok((child, false));
         }
         let version = self
             .routine_version(parent.project_id, routine.id, routine.current_version)
@@ -366,7 +344,7 @@ impl Engine {
                 })),
             )
             .await?;
-        Ok(created)
+        Ok((created, true))
     }
 }
 

@@ -46,6 +46,17 @@ pub struct RunRecord {
     pub finished_at: Option<i64>,
 }
 
+/// What [`Store::park_for_nested`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NestedPark {
+    /// Parked until the nested run ends.
+    Parked,
+    /// The nested run had ended: nothing was parked.
+    ChildEnded,
+    /// The worker does not hold the run (under this claim): nothing was parked.
+    NotHeld,
+}
+
 #[derive(Debug, Clone)]
 pub struct NewRun {
     pub routine_id: RoutineId,
@@ -823,39 +834,48 @@ impl Store {
         row.as_ref().map(run_from_row).transpose()
     }
 
-    /// Parks a run `worker` holds while something else (a nested run) finishes: it gives up
-    /// its lease and waits as `waiting_for_approval`. False when the lease was lost.
-    pub async fn park_run(
+    /// Parks run `id`, which `worker` holds (under the claim whose credential is `claim`, for
+    /// a remote worker), until its nested run `child` ends: it gives up its lease and waits as
+    /// `waiting_for_approval`, and the end of `child` queues it again (`requeue_parent`).
+    /// Unless `child` has ended already: its row is read in the same transaction, after an end
+    /// being written to it has committed (on PostgreSQL the row is locked first, so that end
+    /// is waited for; SQLite has one writer at a time), so no end can come between the read
+    /// and the park and leave the run parked for good.
+    pub async fn park_for_nested(
         &self,
         project: ProjectId,
         id: RunId,
+        child: RunId,
         worker: &str,
         claim: Option<&str>,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<NestedPark, StoreError> {
+        let lock = match self.backend() {
+            crate::Backend::Postgres => " FOR UPDATE",
+            crate::Backend::Sqlite => "",
+        };
         let mut tx = self.begin_write().await?;
+        let status: Option<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT status FROM runs WHERE project_id = $1 AND id = $2{lock}"
+        )))
+        .bind(project.to_string())
+        .bind(child.to_string())
+        .fetch_optional(&mut **tx)
+        .await?;
+        let status: RunStatus = match status {
+            Some(status) => parse_column(&status, "runs.status")?,
+            None => return Err(StoreError::NotFound),
+        };
+        if status.is_terminal() {
+            tx.rollback().await?;
+            return Ok(NestedPark::ChildEnded);
+        }
         let parked = park(&mut tx, project, id, worker, claim).await?;
         tx.commit().await?;
-        Ok(parked)
-    }
-
-    /// Puts a parked run back in the queue (its nested run ended).
-    pub async fn requeue_parked_run(
-        &self,
-        project: ProjectId,
-        id: RunId,
-    ) -> Result<(), StoreError> {
-        // Takes this process's turn to write, as a transaction would (`Store::write_turn`).
-        let _turn = self.write_turn().await?;
-        sqlx::query(
-            "UPDATE runs SET status = 'queued', updated_at = $1 \
-             WHERE project_id = $2 AND id = $3 AND status = 'waiting_for_approval'",
-        )
-        .bind(now_millis())
-        .bind(project.to_string())
-        .bind(id.to_string())
-        .execute(self.pool())
-        .await?;
-        Ok(())
+        Ok(if parked {
+            NestedPark::Parked
+        } else {
+            NestedPark::NotHeld
+        })
     }
 
     /// Extends `worker`'s lease; false when the lease was lost (the run must not go on here).

@@ -685,7 +685,13 @@ async fn an_ended_nested_run_always_releases_its_parked_parent() {
         .unwrap();
     assert_eq!(child.depth, 1);
     assert_eq!(child.budget_cap.as_ref().unwrap()["turns"], 1);
-    assert!(store.park_run(project, parent.id, "w", None).await.unwrap());
+    assert_eq!(
+        store
+            .park_for_nested(project, parent.id, child.id, "w", None)
+            .await
+            .unwrap(),
+        wor_store::NestedPark::Parked
+    );
     store.request_cancel(project, child.id).await.unwrap();
     assert_eq!(
         store.get_run(project, parent.id).await.unwrap().status,
@@ -701,7 +707,13 @@ async fn an_ended_nested_run_always_releases_its_parked_parent() {
         .create_run(project, new(Some(link()), "c2"), input.clone())
         .await
         .unwrap();
-    assert!(store.park_run(project, parent.id, "w", None).await.unwrap());
+    assert_eq!(
+        store
+            .park_for_nested(project, parent.id, child.id, "w", None)
+            .await
+            .unwrap(),
+        wor_store::NestedPark::Parked
+    );
     let claimed = store
         .claim_run_by_id(project, child.id, "w", 60_000)
         .await
@@ -736,6 +748,18 @@ async fn an_ended_nested_run_always_releases_its_parked_parent() {
         .await
         .unwrap()
         .unwrap();
+    // Its child has ended: nothing is parked.
+    assert_eq!(
+        store
+            .park_for_nested(project, parent.id, child.id, "w", None)
+            .await
+            .unwrap(),
+        wor_store::NestedPark::ChildEnded
+    );
+    assert_eq!(
+        store.get_run(project, parent.id).await.unwrap().status,
+        RunStatus::Running
+    );
     assert!(parent.parked_ms >= 30, "{}", parent.parked_ms);
     let deadline = wor_store::now_millis() + 100_000;
     let token = store
@@ -795,6 +819,14 @@ async fn an_ended_nested_run_always_releases_its_parked_parent() {
         depth: 2,
         budget_cap: serde_json::json!({"turns": 1}),
     };
+    // Another worker parks nothing.
+    assert_eq!(
+        store
+            .park_for_nested(project, parent.id, child.id, "x", None)
+            .await
+            .unwrap(),
+        wor_store::NestedPark::NotHeld
+    );
     // The child runs; its own child waits in the queue.
     store
         .claim_run_by_id(project, child.id, "w", 60_000)
@@ -814,6 +846,76 @@ async fn an_ended_nested_run_always_releases_its_parked_parent() {
         RunStatus::Cancelled,
         "cancelled while queued"
     );
+}
+
+/// A parent parking for its nested run while that run's end is being written is never left
+/// parked with the nested run over: the park waits for the end, or the end queues the parent.
+#[tokio::test]
+async fn a_parent_parking_as_its_nested_run_ends_is_never_left_parked() {
+    use wor_core::run::{Provenance, RunStatus};
+    use wor_store::{NestedPark, NewRun, ParentLink};
+    let db = TestDatabase::isolated().await.unwrap();
+    let project = new_project(&db).await;
+    let routine = replay_routine(&db.store, project, "r").await;
+    let store = db.store.clone();
+    for round in 0..20 {
+        let new = |parent: Option<ParentLink>, key: String| NewRun {
+            routine_id: routine,
+            routine_version: 1,
+            trigger_kind: wor_core::call::TriggerKind::Api,
+            started_by: None,
+            started_by_member: None,
+            max_concurrent: 100,
+            status: RunStatus::Queued,
+            outcome: None,
+            trigger_key: Some(key),
+            input_provenance: Provenance::Requester,
+            thread: None,
+            memory: None,
+            parent,
+        };
+        let input = InputStep::requested(serde_json::json!("x"));
+        let parent = store
+            .create_run(project, new(None, format!("p{round}")), input.clone())
+            .await
+            .unwrap();
+        store
+            .claim_run_by_id(project, parent.id, "w", 60_000)
+            .await
+            .unwrap()
+            .unwrap();
+        let link = ParentLink {
+            root: parent.id,
+            parent: parent.id,
+            depth: 1,
+            budget_cap: serde_json::json!({"turns": 1}),
+        };
+        let child = store
+            .create_run(project, new(Some(link), format!("c{round}")), input)
+            .await
+            .unwrap();
+        store
+            .claim_run_by_id(project, child.id, "v", 60_000)
+            .await
+            .unwrap()
+            .unwrap();
+        let (ended, parked) = tokio::join!(
+            store.finish_run(project, child.id, "v", RunStatus::Succeeded, "done"),
+            store.park_for_nested(project, parent.id, child.id, "w", None),
+        );
+        assert!(ended.unwrap());
+        let parked = parked.unwrap();
+        let parent = store.get_run(project, parent.id).await.unwrap();
+        match parked {
+            // Parked first: the end queued it again.
+            NestedPark::Parked => assert_eq!(parent.status, RunStatus::Queued, "round {round}"),
+            // The end first: the parent goes on.
+            NestedPark::ChildEnded => {
+                assert_eq!(parent.status, RunStatus::Running, "round {round}");
+            }
+            NestedPark::NotHeld => panic!("round {round}: the parent was held"),
+        }
+    }
 }
 
 /// Many workers claiming the queue at once never run more of a routine than its
