@@ -2536,3 +2536,89 @@ fn a_worker_that_finds_changed_tools_fails_its_run_and_the_control_plane_quarant
     assert_eq!(connection["status"], "enabled", "{connection}");
     api.stop();
 }
+
+#[test]
+fn a_nested_run_starts_only_for_a_routine_call_the_roster_lets_run_without_a_person() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = database_args(dir.path());
+    let key = create_project(&db);
+    let api = start_role(&db, "api");
+    let project = Project {
+        api: &api,
+        key,
+        dir: dir.path(),
+    };
+    project.model_connection(WORKER_MODEL_KEY);
+    project.routine("finder", &[]);
+    let mut worker = enrolled_worker(&api, &db, &dir.path().join("worker"));
+    // The worker says each call was allowed; the roster says whether a person must approve.
+    for (mode, answer) in [("confirm", "400"), ("auto", "200")] {
+        let name = format!("boss-{mode}");
+        project.routine_in_mode(&name, &["routine/finder"], mode, "");
+        let run_id = project.start(&name);
+        let (claimed, credential) = worker.claim(&api);
+        assert_eq!(claimed["run"]["id"], run_id.as_str());
+        let turn = model_turn(
+            &claimed,
+            "asking the finder",
+            &[(
+                "call_1",
+                "routine__finder",
+                serde_json::json!({ "input": "find it" }),
+            )],
+        );
+        let call = serde_json::json!({
+            "tool": "routine/finder", "model_name": "routine__finder", "call_id": "call_1",
+            "arguments": { "input": "find it" }, "arguments_hash": "a".repeat(64),
+            "pinned_keys": [], "pin_hash": "b".repeat(64), "decision": "allow",
+            "determining_policies": ["policy0"], "reasons": ["allowed"],
+        });
+        let recorded = worker.post_json(
+            &api,
+            &format!("/internal/v1/runs/{run_id}/steps"),
+            &steps_body(
+                &credential,
+                &[("model_turn", "model", turn), ("tool_call", "engine", call)],
+                &usage(1, 1),
+            ),
+        );
+        assert!(recorded.starts_with("HTTP/1.1 200"), "{recorded}");
+        let nested = worker.post_json(
+            &api,
+            &format!("/internal/v1/runs/{run_id}/nested"),
+            &serde_json::json!({
+                "run_credential": credential, "call_id": "call_1", "usage": usage(1, 1),
+            }),
+        );
+        assert!(
+            nested.starts_with(&format!("HTTP/1.1 {answer}")),
+            "{mode}: {nested}"
+        );
+        let listed: Value = serde_json::from_slice(
+            &project
+                .client(&["run", "list", "--routine", "finder", "--json"], &[])
+                .stdout,
+        )
+        .unwrap();
+        let started = listed
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r["parent_run_id"] == run_id.as_str());
+        if mode == "confirm" {
+            assert!(nested.contains("no_routine_call"), "{nested}");
+            assert!(
+                !started,
+                "a held routine call started a nested run: {listed}"
+            );
+        } else {
+            assert_eq!(body_json(&nested)["state"], "parked", "{nested}");
+            assert!(started, "{listed}");
+            assert_eq!(
+                shown_run(&project, &run_id)["status"],
+                "waiting_for_approval"
+            );
+        }
+    }
+    api.stop();
+}

@@ -1038,7 +1038,12 @@ impl Engine {
                 )
                 .await?
             {
-                NestedPark::NotHeld => return Ok(Ok(None)),
+                NestedPark::NotHeld => {
+                    if started_now {
+                        self.wake_workers();
+                    }
+                    return Ok(Ok(None));
+                }
                 NestedPark::Parked => {
                     // Queued for any worker, this one's waiting claims included, and the
                     // parked run's place under the limits is free.

@@ -517,7 +517,9 @@ impl Store {
     }
 
     /// Asks a run to stop. A queued run is cancelled at once; a running one is flagged and its
-    /// worker stops it; a parked one is flagged and queued, for a worker to end it. Cancelling a finished run changes nothing.
+    /// worker stops it; a parked one is flagged and queued, for a worker to end it. Its nested
+    /// runs still going, however deep, are asked alike, even when the run itself has ended;
+    /// of a finished run with none, nothing changes.
     pub async fn request_cancel(
         &self,
         project: ProjectId,
@@ -526,21 +528,25 @@ impl Store {
         let run = self.request_cancel_of(project, id).await?;
         // Its nested runs are cancelled with it, however deep, wherever they are driven: a
         // nested run does not go on for a parent nobody waits for.
+        // Every child is looked under (an ended one may have a live child of its own); only
+        // those still going are asked. Parent links form a tree, so each run is met once.
         let mut parents = vec![id];
         while let Some(parent) = parents.pop() {
-            let children: Vec<String> = sqlx::query_scalar(
-                "SELECT id FROM runs WHERE project_id = $1 AND parent_run_id = $2 \
-                 AND status IN ('queued', 'running', 'waiting_for_approval') \
-                 AND cancel_requested = 0",
+            let children = sqlx::query(
+                "SELECT id, status FROM runs WHERE project_id = $1 AND parent_run_id = $2",
             )
             .bind(project.to_string())
             .bind(parent.to_string())
             .fetch_all(self.pool())
             .await?;
             for child in children {
-                let child: RunId = parse_column(&child, "runs.id")?;
-                self.request_cancel_of(project, child).await?;
-                parents.push(child);
+                let id: RunId = parse_column(&child.try_get::<String, _>("id")?, "runs.id")?;
+                let status: RunStatus =
+                    parse_column(&child.try_get::<String, _>("status")?, "runs.status")?;
+                if !status.is_terminal() {
+                    self.request_cancel_of(project, id).await?;
+                }
+                parents.push(id);
             }
         }
         Ok(run)
@@ -850,7 +856,8 @@ impl Store {
         claim: Option<&str>,
     ) -> Result<NestedPark, StoreError> {
         let lock = match self.backend() {
-            crate::Backend::Postgres => " FOR UPDATE",
+            // Conflicts with the update an end makes, not with rows that refer to the run.
+            crate::Backend::Postgres => " FOR NO KEY UPDATE",
             crate::Backend::Sqlite => "",
         };
         let mut tx = self.begin_write().await?;
@@ -908,7 +915,6 @@ impl Store {
         Ok(flag != 0)
     }
 
-    /// Records the run's usage so far.
     /// Records the usage of a run `worker` holds whose nested run ended while it was parked,
     /// and counts the nested run's `wall_ms` as the run's wall time: taken off its parked
     /// time, and off its live credential's expiry (its deadline).
@@ -940,6 +946,7 @@ impl Store {
         Ok(())
     }
 
+    /// Records the run's usage so far.
     pub async fn save_usage(
         &self,
         run: RunId,

@@ -784,6 +784,24 @@ async fn an_ended_nested_run_always_releases_its_parked_parent() {
         .unwrap()
         .unwrap();
     assert_eq!(grant.expires_at, deadline - 10);
+    // Another worker records nothing: not the usage, not the parked time, not the deadline.
+    let more = wor_core::budget::BudgetUsage {
+        turns: 7,
+        ..Default::default()
+    };
+    store
+        .record_nested_end(parent.id, "x", &more, 5)
+        .await
+        .unwrap();
+    let unchanged = store.get_run(project, parent.id).await.unwrap();
+    assert_eq!(unchanged.usage.turns, 3);
+    assert_eq!(unchanged.parked_ms, resumed.parked_ms);
+    let grant = store
+        .authenticate_run_token(token.expose())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(grant.expires_at, deadline - 10);
     // More than it was parked: its parked time goes to zero, never below.
     store
         .record_nested_end(parent.id, "w", &usage, 1_000_000)
@@ -793,11 +811,6 @@ async fn an_ended_nested_run_always_releases_its_parked_parent() {
         store.get_run(project, parent.id).await.unwrap().parked_ms,
         0
     );
-    // Another worker records nothing.
-    store
-        .record_nested_end(parent.id, "x", &usage, 5)
-        .await
-        .unwrap();
     assert_eq!(
         store
             .authenticate_run_token(token.expose())
