@@ -260,6 +260,20 @@ async fn signed_with_body(
     Ok((worker, body))
 }
 
+/// The worker that signed a request about run `run` (a path segment), the run's id, and the
+/// body it signed as `T` (a body of another shape is a 400 naming `shape`).
+async fn signed_about_run<T: serde::de::DeserializeOwned>(
+    state: &AppState,
+    run: &str,
+    request: Request,
+    shape: &str,
+) -> Result<(wor_store::WorkerRecord, wor_core::RunId, T), ApiError> {
+    let (worker, body) = signed_with_body(state, request).await?;
+    let run = run_id(run)?;
+    let asked = signed_body(&body, shape)?;
+    Ok((worker, run, asked))
+}
+
 /// The signing worker and the claim credential it presents.
 async fn held_run(state: &AppState, request: Request) -> Result<(String, String), ApiError> {
     let (worker, body) = signed_with_body(state, request).await?;
@@ -456,10 +470,13 @@ async fn nested(
     axum::extract::Path(run): axum::extract::Path<String>,
     request: Request,
 ) -> Result<Json<NestedAnswer>, ApiError> {
-    let (worker, body) = signed_with_body(&state, request).await?;
-    let run = run_id(&run)?;
-    let request: NestedRequest =
-        signed_body(&body, "{\"run_credential\", \"call_id\", \"usage\"}")?;
+    let (worker, run, request): (_, _, NestedRequest) = signed_about_run(
+        &state,
+        &run,
+        request,
+        "{\"run_credential\", \"call_id\", \"usage\"}",
+    )
+    .await?;
     match state
         .engine
         .nested_for_worker(
@@ -484,9 +501,13 @@ async fn quarantine(
     axum::extract::Path(run): axum::extract::Path<String>,
     request: Request,
 ) -> Result<Json<QuarantineAnswer>, ApiError> {
-    let (worker, body) = signed_with_body(&state, request).await?;
-    let run = run_id(&run)?;
-    let request: QuarantineRequest = signed_body(&body, "{\"run_credential\", \"connection\"}")?;
+    let (worker, run, request): (_, _, QuarantineRequest) = signed_about_run(
+        &state,
+        &run,
+        request,
+        "{\"run_credential\", \"connection\"}",
+    )
+    .await?;
     match state
         .engine
         .quarantine_for_worker(
@@ -510,9 +531,8 @@ async fn refuse(
     axum::extract::Path(run): axum::extract::Path<String>,
     request: Request,
 ) -> Result<StatusCode, ApiError> {
-    let (worker, body) = signed_with_body(&state, request).await?;
-    let run = run_id(&run)?;
-    let refused: RefuseRequest = signed_body(&body, "{\"lease_id\", \"reason\"}")?;
+    let (worker, run, refused): (_, _, RefuseRequest) =
+        signed_about_run(&state, &run, request, "{\"lease_id\", \"reason\"}").await?;
     if !refused.lease_id.starts_with("lse_")
         || refused.lease_id.len() > 64
         || !refused
@@ -566,12 +586,13 @@ async fn record_steps(
     axum::extract::Path(run): axum::extract::Path<String>,
     request: Request,
 ) -> Result<Json<StepsAnswer>, ApiError> {
-    let (worker, body) = signed_with_body(&state, request).await?;
-    let run = run_id(&run)?;
-    let request: StepsRequest = signed_body(
-        &body,
+    let (worker, run, request): (_, _, StepsRequest) = signed_about_run(
+        &state,
+        &run,
+        request,
         "{\"run_credential\", \"steps\": [{\"kind\", \"provenance\", \"payload\"}], \"usage\"}",
-    )?;
+    )
+    .await?;
     if request.steps.len() > wor_engine::MAX_WORKER_STEPS_PER_WRITE {
         return Err(refused_write(wor_engine::WorkerStepRefusal::TooManySteps(
             request.steps.len(),
@@ -621,12 +642,13 @@ async fn end(
     axum::extract::Path(run): axum::extract::Path<String>,
     request: Request,
 ) -> Result<StatusCode, ApiError> {
-    let (worker, body) = signed_with_body(&state, request).await?;
-    let run = run_id(&run)?;
-    let request: EndRequest = signed_body(
-        &body,
+    let (worker, run, request): (_, _, EndRequest) = signed_about_run(
+        &state,
+        &run,
+        request,
         "{\"run_credential\", \"status\", \"outcome\", \"usage\"}",
-    )?;
+    )
+    .await?;
     let status: wor_core::run::RunStatus = request.status.parse().map_err(|_| {
         ApiError::bad_request(
             "invalid_status",
@@ -661,9 +683,8 @@ async fn park(
     axum::extract::Path(run): axum::extract::Path<String>,
     request: Request,
 ) -> Result<Json<ParkAnswer>, ApiError> {
-    let (worker, body) = signed_with_body(&state, request).await?;
-    let run = run_id(&run)?;
-    let request: ParkRequest = signed_body(&body, "{\"run_credential\", \"call_id\"}")?;
+    let (worker, run, request): (_, _, ParkRequest) =
+        signed_about_run(&state, &run, request, "{\"run_credential\", \"call_id\"}").await?;
     let parked = state
         .engine
         .park_for_worker(run, &worker.id, &request.run_credential, &request.call_id)
