@@ -1622,6 +1622,20 @@ fn enrolled_opener(dir: &std::path::Path, id: &str) -> wor_secrets::EnvelopeOpen
     )
 }
 
+/// Enrols a worker whose data dir is `worker_dir` with `api`, and writes it a configuration
+/// whose egress reaches loopback (where the tests' tool servers are); that file's path.
+fn enrol_loopback_worker(
+    api: &Server,
+    db: &[String],
+    worker_dir: &std::path::Path,
+) -> std::path::PathBuf {
+    let out = enroll(&api.url, &create_token(db), worker_dir);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let config = worker_dir.join("worker.toml");
+    std::fs::write(&config, "[egress]\nallowed_cidrs = [\"127.0.0.1/32\"]\n").unwrap();
+    config
+}
+
 /// A tool server for an `http_api` connection on loopback: it answers every request with a
 /// record found, and keeps each request's first line and `authorization` header.
 struct ToolServer {
@@ -1774,11 +1788,7 @@ fn a_worker_process_drives_the_runs_it_claims_without_a_database_or_the_encrypti
     // The worker enrols on its own machine (its own data dir) and starts with nothing of the
     // control plane's: no database URL, no encryption key.
     let worker_dir = dir.path().join("worker");
-    let out = enroll(&api.url, &create_token(&db), &worker_dir);
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    let config = worker_dir.join("worker.toml");
-    std::fs::write(&config, "[egress]\nallowed_cidrs = [\"127.0.0.1/32\"]\n").unwrap();
-    let worker = Server::worker(&worker_dir, &config);
+    let worker = Server::worker(&worker_dir, &enrol_loopback_worker(&api, &db, &worker_dir));
 
     // A run started on the API finishes on the worker: the tool got the connection's token
     // from the run's envelope, and the steps are on the control plane.
@@ -2055,13 +2065,10 @@ fn a_stopping_worker_finishes_the_call_in_flight_and_gives_its_run_back_at_the_s
         true,
     );
     replay_routine(&project, "desk", "auto");
-    let config = dir.path().join("worker.toml");
-    std::fs::write(&config, "[egress]\nallowed_cidrs = [\"127.0.0.1/32\"]\n").unwrap();
     // Each worker serves its probes on a listener of its own.
     let start_worker = |name: &str| {
         let worker_dir = dir.path().join(name);
-        let out = enroll(&api.url, &create_token(&db), &worker_dir);
-        assert!(out.status.success(), "{}", text(&out.stderr));
+        let config = enrol_loopback_worker(&api, &db, &worker_dir);
         let worker = Server::spawn(
             &[
                 "serve",
@@ -2241,11 +2248,7 @@ mode = "auto"
     .unwrap();
     project.client(&["routine", "apply", "-f", file.to_str().unwrap()], &[]);
     let worker_dir = dir.path().join("worker");
-    let out = enroll(&api.url, &create_token(&db), &worker_dir);
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    let config = worker_dir.join("worker.toml");
-    std::fs::write(&config, "[egress]\nallowed_cidrs = [\"127.0.0.1/32\"]\n").unwrap();
-    let worker = Server::worker(&worker_dir, &config);
+    let worker = Server::worker(&worker_dir, &enrol_loopback_worker(&api, &db, &worker_dir));
 
     // The parent's call starts the nested run on the control plane; the parent waits while
     // the nested run waits for a person.
@@ -2466,11 +2469,7 @@ fn a_worker_that_finds_changed_tools_fails_its_run_and_the_control_plane_quarant
     project.review_and_enable("desk", &id);
     replay_routine(&project, "desk", "auto");
     let worker_dir = dir.path().join("worker");
-    let out = enroll(&api.url, &create_token(&db), &worker_dir);
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    let config = worker_dir.join("worker.toml");
-    std::fs::write(&config, "[egress]\nallowed_cidrs = [\"127.0.0.1/32\"]\n").unwrap();
-    let worker = Server::worker(&worker_dir, &config);
+    let worker = Server::worker(&worker_dir, &enrol_loopback_worker(&api, &db, &worker_dir));
     let finished = |run: &str| {
         !matches!(
             shown_run(&project, run)["status"].as_str(),

@@ -69,6 +69,69 @@ impl ControlPlaneLink for FakeLink {
     }
 }
 
+/// The control plane's side: an engine on a database of its own, with a project and the
+/// routine [`ROUTINE`] to start runs of.
+struct ControlPlane {
+    engine: Engine,
+    project: wor_core::ProjectId,
+    key: wor_core::ApiKeyId,
+    routine: wor_core::RoutineId,
+    /// Kept for as long as the engine uses it.
+    _db: TestDatabase,
+}
+
+impl ControlPlane {
+    async fn new(config: EngineConfig) -> Self {
+        let db = TestDatabase::isolated().await.unwrap();
+        let created = db
+            .store
+            .create_project(&TestDatabase::unique_name("remote"), "owner")
+            .await
+            .unwrap();
+        let project = created.project.id;
+        let key = db.store.list_api_keys(project).await.unwrap()[0].id;
+        let (keys, _) = wor_secrets::KeyRing::generate().unwrap();
+        let (signing, _) = wor_secrets::AuditSigningKey::generate().unwrap();
+        let engine = Engine::new(
+            db.store.clone(),
+            Vault::new(db.store.clone(), Arc::new(keys)),
+            wor_egress::EgressClient::new(wor_egress::EgressPolicy::development()).unwrap(),
+            AuditLog::start(db.store.clone(), signing, AuditConfig::default()),
+            config,
+        );
+        let definition = wor_core::routine::RoutineDefinition::from_toml(ROUTINE).unwrap();
+        let routine = db
+            .store
+            .apply_routine(project, ROUTINE, &definition, None)
+            .await
+            .unwrap()
+            .routine
+            .id;
+        ControlPlane {
+            engine,
+            project,
+            key,
+            routine,
+            _db: db,
+        }
+    }
+
+    /// Starts (queues) a run of the routine.
+    async fn start(&self) -> RunRecord {
+        self.engine
+            .start_run(StartRun {
+                project: self.project,
+                routine: self.routine,
+                input: json!("hello"),
+                trigger: Trigger::Api(self.key),
+                actor: None,
+                thread: None,
+            })
+            .await
+            .unwrap()
+    }
+}
+
 /// A worker's engine on `link`, the control plane's key, the worker's public keys, and a run
 /// of the control plane's database to claim.
 struct Setup {
@@ -77,49 +140,12 @@ struct Setup {
     control_plane: ControlPlaneSigningKey,
     worker_keys: wor_secrets::WorkerPublicKeys,
     run: RunRecord,
-    _db: TestDatabase,
+    _plane: ControlPlane,
 }
 
 async fn setup() -> Setup {
-    let db = TestDatabase::isolated().await.unwrap();
-    let created = db
-        .store
-        .create_project(&TestDatabase::unique_name("remote"), "owner")
-        .await
-        .unwrap();
-    let project = created.project.id;
-    let key = db.store.list_api_keys(project).await.unwrap()[0].id;
-    let (keys, _) = wor_secrets::KeyRing::generate().unwrap();
-    let vault = Vault::new(db.store.clone(), Arc::new(keys));
-    let (signing, _) = wor_secrets::AuditSigningKey::generate().unwrap();
-    let audit = AuditLog::start(db.store.clone(), signing, AuditConfig::default());
-    let egress = wor_egress::EgressClient::new(wor_egress::EgressPolicy::development()).unwrap();
-    let local = Engine::new(
-        db.store.clone(),
-        vault.clone(),
-        egress.clone(),
-        audit.clone(),
-        EngineConfig::default(),
-    );
-    let definition = wor_core::routine::RoutineDefinition::from_toml(ROUTINE).unwrap();
-    let routine = db
-        .store
-        .apply_routine(project, ROUTINE, &definition, None)
-        .await
-        .unwrap()
-        .routine
-        .id;
-    let run = local
-        .start_run(StartRun {
-            project,
-            routine,
-            input: json!("hello"),
-            trigger: Trigger::Api(key),
-            actor: None,
-            thread: None,
-        })
-        .await
-        .unwrap();
+    let plane = ControlPlane::new(EngineConfig::default()).await;
+    let run = plane.start().await;
     let (control_plane, _) = ControlPlaneSigningKey::generate().unwrap();
     let (identity, _) = WorkerIdentity::generate().unwrap();
     let worker_keys = identity.public_keys();
@@ -130,11 +156,13 @@ async fn setup() -> Setup {
         EnvelopeLimits::default(),
     );
     let link = Arc::new(FakeLink::default());
+    // A worker's engine is built on a store too (a scratch one in `wor serve --role
+    // worker`); nothing of a claimed run is read from it or written to it.
     let engine = Engine::new(
-        db.store.clone(),
-        vault,
-        egress,
-        audit,
+        plane.engine.store().clone(),
+        plane.engine.vault().clone(),
+        wor_egress::EgressClient::new(wor_egress::EgressPolicy::development()).unwrap(),
+        plane.engine.audit().clone(),
         EngineConfig {
             worker_id: WORKER.to_owned(),
             ..EngineConfig::default()
@@ -147,7 +175,7 @@ async fn setup() -> Setup {
         control_plane,
         worker_keys,
         run,
-        _db: db,
+        _plane: plane,
     }
 }
 
@@ -305,36 +333,14 @@ async fn a_refused_envelope_goes_back_at_once_and_an_unreadable_claim_waits_out_
 
 #[tokio::test]
 async fn a_waiting_claim_is_answered_when_a_run_is_queued_not_at_the_next_poll() {
-    let db = TestDatabase::isolated().await.unwrap();
-    let created = db
-        .store
-        .create_project(&TestDatabase::unique_name("remote"), "owner")
-        .await
-        .unwrap();
-    let project = created.project.id;
-    let key = db.store.list_api_keys(project).await.unwrap()[0].id;
-    let (keys, _) = wor_secrets::KeyRing::generate().unwrap();
-    let (signing, _) = wor_secrets::AuditSigningKey::generate().unwrap();
     // The control plane looks again only once a minute: only the wake-up of a run queued
     // here can answer the claim within its wait.
-    let control_plane = Engine::new(
-        db.store.clone(),
-        Vault::new(db.store.clone(), Arc::new(keys)),
-        wor_egress::EgressClient::new(wor_egress::EgressPolicy::development()).unwrap(),
-        AuditLog::start(db.store.clone(), signing, AuditConfig::default()),
-        EngineConfig {
-            poll_interval: Duration::from_secs(60),
-            ..EngineConfig::default()
-        },
-    );
-    let definition = wor_core::routine::RoutineDefinition::from_toml(ROUTINE).unwrap();
-    let routine = db
-        .store
-        .apply_routine(project, ROUTINE, &definition, None)
-        .await
-        .unwrap()
-        .routine
-        .id;
+    let plane = ControlPlane::new(EngineConfig {
+        poll_interval: Duration::from_secs(60),
+        ..EngineConfig::default()
+    })
+    .await;
+    let control_plane = &plane.engine;
     let waiting = {
         let control_plane = control_plane.clone();
         tokio::spawn(async move {
@@ -345,17 +351,7 @@ async fn a_waiting_claim_is_answered_when_a_run_is_queued_not_at_the_next_poll()
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!waiting.is_finished(), "nothing was queued yet");
-    let run = control_plane
-        .start_run(StartRun {
-            project,
-            routine,
-            input: json!("hello"),
-            trigger: Trigger::Api(key),
-            actor: None,
-            thread: None,
-        })
-        .await
-        .unwrap();
+    let run = plane.start().await;
     let claimed = tokio::time::timeout(Duration::from_secs(10), waiting)
         .await
         .expect("the claim was answered before the next poll")
