@@ -1015,14 +1015,17 @@ mod traced {
     /// Runs a CLI command as a key (`key`, `args`, extra environment) against the server.
     pub type Client<'a> = dyn Fn(&str, &[&str], &[(&str, &str)]) -> std::process::Output + 'a;
 
-    /// Creates the tool connection `desk` on `desk`'s MCP server with `token` as its bearer,
-    /// reviews it and enables it, through the CLI (`client` runs it against the server).
+    /// Creates the tool connection `name` on `desk`'s MCP server with `token` as its bearer,
+    /// reviews it and enables it with `read_only` classified read-only, through the CLI
+    /// (`client` runs it against the server).
     pub fn enable_desk(
         client: &Client<'_>,
         owner: &str,
         desk: std::net::SocketAddr,
         token: &str,
         dir: &std::path::Path,
+        name: &str,
+        read_only: &[&str],
     ) {
         let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
         let created = client(
@@ -1030,7 +1033,7 @@ mod traced {
             &[
                 "connection",
                 "create",
-                "desk",
+                name,
                 "--url",
                 &format!("http://{desk}/mcp"),
                 "--allow",
@@ -1046,19 +1049,19 @@ mod traced {
         let connection = created["id"].as_str().unwrap().to_owned();
         let review = client(owner, &["connection", "review", &connection, "--json"], &[]);
         assert!(review.status.success(), "{}", text(&review.stderr));
-        let review_file = dir.join("review.json");
+        let review_file = dir.join(format!("{name}-review.json"));
         std::fs::write(&review_file, &review.stdout).unwrap();
-        let enabled = client(
-            owner,
-            &[
-                "connection",
-                "enable",
-                &connection,
-                "--from-review",
-                review_file.to_str().unwrap(),
-            ],
-            &[],
-        );
+        let mut enable = vec![
+            "connection",
+            "enable",
+            &connection,
+            "--from-review",
+            review_file.to_str().unwrap(),
+        ];
+        for tool in read_only {
+            enable.extend(["--read-only", tool]);
+        }
+        let enabled = client(owner, &enable, &[]);
         assert!(enabled.status.success(), "{}", text(&enabled.stderr));
     }
 
@@ -1180,7 +1183,7 @@ fn a_collector_receives_a_runs_spans_in_their_tree_and_no_content() {
         &[("MODEL_KEY", MODEL_SECRET)],
     );
     assert!(created.status.success(), "{}", text(&created.stderr));
-    traced::enable_desk(&client, &owner, desk, TOOL_TOKEN, dir.path());
+    traced::enable_desk(&client, &owner, desk, TOOL_TOKEN, dir.path(), "desk", &[]);
     let routine = format!(
         r#"
 name = "traced"
@@ -1429,7 +1432,15 @@ fn a_tool_server_named_by_the_operator_gets_the_runs_trace_context() {
             .env("WOR_API_KEY", key)
             .envs(envs.iter().copied()))
     };
-    traced::enable_desk(&client, &owner, desk, "tok-propagated-0c1d2e3f", dir.path());
+    traced::enable_desk(
+        &client,
+        &owner,
+        desk,
+        "tok-propagated-0c1d2e3f",
+        dir.path(),
+        "desk",
+        &[],
+    );
     let routine = format!(
         r#"
 name = "propagated"
@@ -1502,6 +1513,106 @@ mode = "auto"
     for value in run_requests {
         assert_eq!(value.to_str().unwrap(), expected);
     }
+}
+
+/// The write that reserves a tool call reaches the disk before the call runs when the call can
+/// change something; a call to a tool the admin classified read-only waits for no flush (a
+/// power cut may make the read again, a crash of the process cannot). Counted by the audit
+/// writer's synced commits, over runs that each make one call, to one tool classified both
+/// ways.
+#[test]
+fn only_a_call_that_can_change_something_waits_for_its_reservation_to_reach_the_disk() {
+    let servers = tokio::runtime::Runtime::new().unwrap();
+    let (desk, _) = servers.block_on(traced::serve_desk());
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("wor.toml");
+    std::fs::write(
+        &config,
+        "[egress]\nallowed_cidrs = [\"127.0.0.1/32\"]\n\n[metrics]\nlisten = \"127.0.0.1:0\"\n",
+    )
+    .unwrap();
+    let mut db = common::database_args(dir.path());
+    db.extend(["--config".to_owned(), config.display().to_string()]);
+    let owner = common::create_project(&db);
+    let server = Server::start(&db, &[]);
+    let metrics = metrics_addr(&server);
+    let client = |key: &str, args: &[&str], envs: &[(&str, &str)]| {
+        run(wor(args)
+            .env("WOR_SERVER", &server.url)
+            .env("WOR_API_KEY", key)
+            .envs(envs.iter().copied()))
+    };
+    let token = "tok-durable-5b6c7d8e";
+    traced::enable_desk(
+        &client,
+        &owner,
+        desk,
+        token,
+        dir.path(),
+        "reads",
+        &["lookup"],
+    );
+    traced::enable_desk(&client, &owner, desk, token, dir.path(), "writes", &[]);
+    for connection in ["reads", "writes"] {
+        let routine = format!(
+            r#"
+name = "{connection}"
+instructions = "Look it up."
+
+[model]
+provider = "replay"
+model = "script"
+
+[[model.script.turns]]
+when = {{ last_tool_result_contains = "{result}" }}
+text = "Done."
+
+[[model.script.turns]]
+tool_calls = [{{ name = "{connection}__lookup", arguments = {{ q = "x" }} }}]
+
+[[tools]]
+tool = "{connection}/lookup"
+mode = "auto"
+"#,
+            result = traced::RESULT
+        );
+        let file = dir.path().join(format!("{connection}.toml"));
+        std::fs::write(&file, routine).unwrap();
+        let applied = client(
+            &owner,
+            &["routine", "apply", "-f", file.to_str().unwrap()],
+            &[],
+        );
+        assert!(applied.status.success(), "{}", text(&applied.stderr));
+    }
+    const RUNS: u32 = 4;
+    let synced = |routine: &str| {
+        let series = r#"wor_audit_commits_total{durability="synced"}"#;
+        let before = value(&scrape(&metrics), series);
+        for _ in 0..RUNS {
+            let ran = client(
+                &owner,
+                &["run", "start", routine, "--input", "go", "--follow"],
+                &[],
+            );
+            assert!(ran.status.success(), "{}", text(&ran.stderr));
+            assert!(text(&ran.stdout).contains("Done."), "{}", text(&ran.stdout));
+        }
+        value(&scrape(&metrics), series) - before
+    };
+    let reads = synced("reads");
+    let writes = synced("writes");
+    server.stop();
+    // Each run's start and end are synced either way (and two writes of one run never share a
+    // commit: a run waits for each of its writes); a reservation only for `writes`.
+    assert!(
+        reads >= f64::from(2 * RUNS),
+        "{reads} synced commits for the reads"
+    );
+    assert!(
+        writes >= reads + f64::from(RUNS),
+        "{writes} synced commits for the writes, {reads} for the reads"
+    );
 }
 
 /// A routine held for approval that fails when the approval expires, one run at a time, the

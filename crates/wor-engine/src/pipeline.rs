@@ -14,6 +14,7 @@ use serde_json::{Value, json};
 use wor_core::ApprovalId;
 use wor_core::audit::AuditCategory;
 use wor_core::budget::{BudgetExceeded, BudgetLimit, BudgetUsage};
+use wor_core::call::ToolClass;
 use wor_core::provenance::{ArgumentLabels, ContentIndex};
 use wor_core::routine::{OnDenial, ROUTINE_CONNECTION, ToolMode};
 use wor_core::run::Provenance;
@@ -199,11 +200,16 @@ impl Engine {
             }
             // The record, the reservation and the check of the run's credential are one
             // write: nothing is recorded or reserved for a call whose credential has ended.
+            // It is on disk before the call runs, unless the call only reads: see
+            // `RunWrite::under_live_claim`.
             AfterDecision::RecordAndExecute(usage) => {
-                let reserved = record
-                    .usage(usage)
-                    .presenting(scope.authority.token().expose())
-                    .unless_cancelled();
+                let credential = scope.authority.token().expose();
+                let reserved = record.usage(usage).unless_cancelled();
+                let reserved = if offered.class == ToolClass::ReadOnly {
+                    reserved.under_live_claim(credential)
+                } else {
+                    reserved.presenting(credential)
+                };
                 match self.record(reserved).await? {
                     Recorded::Committed { .. } => {}
                     Recorded::CredentialEnded => return Ok(credential_ended()),

@@ -29,6 +29,7 @@ use wor_secrets::{AuditSigningKey, redact_shapes};
 
 use crate::exec::{EmbeddedWriter, Exec};
 use crate::journal::{RunWrite, RunWritten};
+use crate::wal::{Acknowledgement, WAL_SYNC, WalCheckpointer, sync_wal, wal_log};
 use crate::{Backend, Durability, HeldConnection, Store, StoreError, now_millis, parse_column};
 
 /// When the writer signs checkpoints and how much it commits at once.
@@ -109,6 +110,7 @@ impl AuditLog {
             config,
             connection: std::sync::Mutex::new(Connection::Pool(None)),
             wal: None,
+            checkpoints: None,
         };
         writer.spawn(receiver);
         AuditLog {
@@ -186,6 +188,9 @@ struct Writer {
     /// On SQLite with a database file: where synced batches wait for the write-ahead log to
     /// reach the disk, outside the database's write lock (see [`sync_wal`]).
     wal: Option<mpsc::UnboundedSender<Acknowledgement>>,
+    /// On SQLite with a database file: what copies the log into the database file, told of
+    /// each commit.
+    checkpoints: Option<WalCheckpointer>,
 }
 
 /// The connection the writer commits on.
@@ -270,139 +275,6 @@ impl Work for CheckpointWork {
     }
 }
 
-/// What a committed batch's callers are told once it is on disk, or why it could not be.
-type Acknowledgement = Box<dyn FnOnce(Result<(), &'static str>) + Send>;
-
-/// Syncs SQLite's write-ahead log for batches that must be on disk before they are
-/// acknowledged, so that the writer does not hold the database's write lock while the disk
-/// flushes.
-///
-/// Such a batch is committed with `synchronous = NORMAL`: its pages are in the log file (in
-/// the operating system's cache) when its commit returns, and the lock is free for the next
-/// batch at once. The batch's acknowledgement then waits here for a `fdatasync` of the log
-/// file that began after the commit: that flushes every page written to the file before it,
-/// so the batch — and every deferred batch before it — survives a power cut once it is
-/// acknowledged, as with `synchronous = FULL`. Batches that commit while a sync runs share the
-/// next one. SQLite syncs the log itself before a checkpoint copies it into the database file
-/// and when it starts reusing the file, also with `NORMAL`.
-async fn sync_wal(log: WalLog, mut waiting: mpsc::UnboundedReceiver<Acknowledgement>) {
-    let mut log = Some(log);
-    while let Some(first) = waiting.recv().await {
-        let mut acknowledgements = vec![first];
-        while let Ok(next) = waiting.try_recv() {
-            acknowledgements.push(next);
-        }
-        // After a failed flush the kernel may have dropped the pages it could not write and
-        // marked them clean, so a later flush could succeed over a hole in the log: nothing
-        // is acknowledged as on disk again until the process restarts (and SQLite recovers
-        // the log from what is really there).
-        let synced = match log.take() {
-            Some(mut open) => tokio::task::spawn_blocking(move || open.sync().map(|()| open))
-                .await
-                .map_err(|_| std::io::ErrorKind::Other)
-                .and_then(|flushed| flushed.map_err(|e| e.kind())),
-            None => Err(std::io::ErrorKind::Other),
-        };
-        let result = match synced {
-            Ok(open) => {
-                crate::metrics::audit_log_synced();
-                log = Some(open);
-                Ok(())
-            }
-            Err(kind) => {
-                tracing::error!(
-                    category = "audit",
-                    kind = ?kind,
-                    "the write-ahead log could not be synced: no synced write is acknowledged until the server restarts"
-                );
-                Err(WAL_SYNC)
-            }
-        };
-        for acknowledgement in acknowledgements {
-            acknowledgement(result);
-        }
-    }
-}
-
-/// The kind of error a synced write gets when the log could not be flushed.
-const WAL_SYNC: &str = "wal_sync";
-
-/// SQLite's write-ahead log file, held open by the log syncer: a flush through a handle held
-/// across flushes reports a write error the kernel saw since the previous one, where a fresh
-/// handle may not. The file is opened again only when the one at its path is another.
-struct WalLog {
-    /// The database file whose log this is.
-    database: std::path::PathBuf,
-    path: std::path::PathBuf,
-    file: std::fs::File,
-}
-
-impl WalLog {
-    fn open(database: std::path::PathBuf) -> std::io::Result<WalLog> {
-        let mut path = database.clone().into_os_string();
-        path.push("-wal");
-        let path = std::path::PathBuf::from(path);
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&path)?;
-        Ok(WalLog {
-            database,
-            path,
-            file,
-        })
-    }
-
-    /// Flushes the log file at its path to disk.
-    fn sync(&mut self) -> std::io::Result<()> {
-        use std::os::unix::fs::MetadataExt as _;
-        let at_path = std::fs::metadata(&self.path)?;
-        let held = self.file.metadata()?;
-        if (at_path.dev(), at_path.ino()) != (held.dev(), held.ino()) {
-            // SQLite deletes the log only when its last connection closes, after copying it
-            // into the database file and syncing that; what was committed since is in the
-            // new file, which is the one to flush from now on.
-            *self = WalLog::open(self.database.clone())?;
-        }
-        self.file.sync_data()
-    }
-}
-
-/// The write-ahead log of the SQLite database `store` writes to, opened, when the database is
-/// a file in WAL mode; otherwise batches are synced by SQLite itself (`synchronous = FULL`).
-async fn wal_log(store: &Store) -> Option<WalLog> {
-    if store.backend != Backend::Sqlite {
-        return None;
-    }
-    let mode = sqlx::query("PRAGMA journal_mode")
-        .fetch_one(store.pool())
-        .await
-        .ok()?;
-    let mode: String = mode.try_get(0).ok()?;
-    if !mode.eq_ignore_ascii_case("wal") {
-        return None;
-    }
-    let row = sqlx::query("SELECT file FROM pragma_database_list WHERE name = 'main'")
-        .fetch_optional(store.pool())
-        .await
-        .ok()??;
-    let file: String = row.try_get("file").ok()?;
-    if file.is_empty() {
-        return None;
-    }
-    let database = std::path::PathBuf::from(file);
-    match tokio::task::spawn_blocking(move || WalLog::open(database)).await {
-        Ok(Ok(log)) => Some(log),
-        _ => {
-            tracing::warn!(
-                category = "audit",
-                "the write-ahead log cannot be opened for syncing; SQLite syncs each synced batch itself"
-            );
-            None
-        }
-    }
-}
-
 type Replies = Vec<oneshot::Sender<Result<AuditReceipt, StoreError>>>;
 
 /// A batch the writer committed: the receipts of its appends, what became of its run writes,
@@ -480,8 +352,22 @@ impl Writer {
             .ok()
             .flatten();
         if let Some(log) = log {
+            match WalCheckpointer::start(&log.database) {
+                Ok(checkpoints) => self.checkpoints = Some(checkpoints),
+                Err(err) => tracing::warn!(
+                    category = "audit",
+                    kind = err.kind(),
+                    "the write-ahead log's checkpointer cannot start; SQLite checkpoints it as it commits"
+                ),
+            }
             if own_thread {
-                match EmbeddedWriter::open(&log.database) {
+                let opened = EmbeddedWriter::open(&log.database).and_then(|mut embedded| {
+                    if self.checkpoints.is_some() {
+                        embedded.leave_checkpoints_to_checkpointer()?;
+                    }
+                    Ok(embedded)
+                });
+                match opened {
                     Ok(embedded) => {
                         *self
                             .connection
@@ -548,6 +434,9 @@ impl Writer {
             let began = std::time::Instant::now();
             let committed = self.commit_batch(events, writes).await;
             crate::metrics::audit_batch(count, began.elapsed(), committed.is_ok());
+            if let (Ok(_), Some(checkpoints)) = (&committed, &self.checkpoints) {
+                checkpoints.committed();
+            }
             match committed {
                 Ok(Committed {
                     receipts,

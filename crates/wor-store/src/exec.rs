@@ -210,6 +210,14 @@ impl EmbeddedWriter {
         })
     }
 
+    /// Leaves copying the write-ahead log into the database file to the checkpointer
+    /// ([`crate::wal::WalCheckpointer`]): no commit on this connection does it.
+    pub(crate) fn leave_checkpoints_to_checkpointer(&mut self) -> Result<(), StoreError> {
+        self.connection
+            .execute_batch("PRAGMA wal_autocheckpoint = 0")?;
+        Ok(())
+    }
+
     /// Runs `body` in one transaction that takes the database's write lock up front
     /// (`BEGIN IMMEDIATE`, waiting for `busy_timeout`), and commits it with `durability`;
     /// rolls it back when `body` fails.

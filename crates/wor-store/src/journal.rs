@@ -7,8 +7,9 @@
 //! a step and its audit entries are durable together, and concurrent runs share one commit.
 //! Nothing is acknowledged before its transaction has committed, so "every step is persisted
 //! before the next begins" holds for each run. A write that permits an effect outside the
-//! database (a call about to run, a run's end) is also on disk before it is acknowledged;
-//! the others reach the disk with the next such commit ([`RunWrite::is_durable`]).
+//! database (a call about to run that can change something, a run's end) is also on disk
+//! before it is acknowledged; the others reach the disk with the next such commit
+//! ([`RunWrite::is_durable`]).
 
 use wor_core::audit::AuditEvent;
 use wor_core::budget::BudgetUsage;
@@ -125,8 +126,13 @@ impl RunWrite {
         self
     }
 
-    /// Writes only under the claim `credential` was minted for, before the run's deadline,
-    /// without being synced for it: a remote worker's step that reserves nothing.
+    /// Writes only under the claim `credential` was minted for, before the run's deadline
+    /// (while it is the run's live credential), without being synced for it: a remote
+    /// worker's step that reserves nothing, or the reservation of a call that changes nothing
+    /// outside — to a tool an admin classified read-only, let run by an auto decision, using
+    /// no approval. If a power cut loses that reservation, the run resumes from the steps
+    /// before it and may make the read again, as after a crash before it; a crash of the
+    /// process loses nothing, the write being committed before it is acknowledged.
     #[must_use]
     pub fn under_live_claim(mut self, credential: &str) -> Self {
         self.credential = Some(Presented::new(credential, true));

@@ -32,6 +32,7 @@ pub mod testing;
 mod tool_connections;
 mod triggers;
 mod vault;
+mod wal;
 mod workers;
 
 use std::path::Path;

@@ -10,6 +10,7 @@ pub const AUDIT_BATCH: &str = "wor_audit_batch_entries";
 pub const AUDIT_APPEND_FAILURES: &str = "wor_audit_append_failures_total";
 pub const AUDIT_COMMITS: &str = "wor_audit_commits_total";
 pub const AUDIT_LOG_SYNCS: &str = "wor_audit_log_syncs_total";
+pub const WAL_CHECKPOINTS: &str = "wor_sqlite_wal_checkpoints_total";
 /// Runs ended, by final status and trigger: counted here for runs that end without a worker
 /// (cancelled while queued, skipped by the overlap policy) and by the engine for the others.
 pub const RUNS_FINISHED: &str = "wor_runs_finished_total";
@@ -45,6 +46,11 @@ pub fn describe() {
         "Flushes of SQLite's write-ahead log to disk that synced audit batches waited for"
     );
     describe_counter!(
+        WAL_CHECKPOINTS,
+        "Checkpoints that copied SQLite's write-ahead log into the database file, off the \
+         writer's thread"
+    );
+    describe_counter!(
         AUDIT_COMMITS,
         "Transactions the audit writer committed, by durability: synced to disk before they \
          were acknowledged, or deferred to the next synced one"
@@ -54,6 +60,11 @@ pub fn describe() {
 /// The log syncer flushed SQLite's write-ahead log for the synced batches waiting on it.
 pub(crate) fn audit_log_synced() {
     counter!(AUDIT_LOG_SYNCS).increment(1);
+}
+
+/// The checkpointer copied SQLite's write-ahead log into the database file.
+pub(crate) fn wal_checkpointed() {
+    counter!(WAL_CHECKPOINTS).increment(1);
 }
 
 /// The audit writer committed a batch with `durability`.

@@ -29,6 +29,8 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
     // Flushes of SQLite's log for synced batches (PostgreSQL syncs its own), over the whole
     // test: a snapshot counts only what came since the one before.
     let log_syncs = std::cell::Cell::new(0u64);
+    // Checkpoints that copied SQLite's log into the database file, off the writer's thread.
+    let wal_checkpoints = std::cell::Cell::new(0u64);
     let commits = || {
         let mut counts = (0, 0);
         for (key, _, _, value) in snapshotter.snapshot().into_vec() {
@@ -37,6 +39,12 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
                 && let DebugValue::Counter(n) = value
             {
                 log_syncs.set(log_syncs.get() + n);
+                continue;
+            }
+            if key.name() == "wor_sqlite_wal_checkpoints_total"
+                && let DebugValue::Counter(n) = value
+            {
+                wal_checkpoints.set(wal_checkpoints.get() + n);
                 continue;
             }
             if key.name() != "wor_audit_commits_total" {
@@ -170,6 +178,20 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
                 "a deferred write waits for no flush"
             );
 
+            // The reservation of a read (a write under the live credential) is committed but
+            // deferred: it waits for no flush either.
+            committed(
+                log.record(
+                    write()
+                        .step(Provenance::Engine, turn())
+                        .under_live_claim(token.expose()),
+                )
+                .await
+                .unwrap(),
+            );
+            assert_eq!(commits(), (0, 1), "a reservation of a read is deferred");
+            assert_eq!(log_syncs.get(), synced_so_far);
+
             log.append(key_event(project, 1)).await.unwrap();
             assert_eq!(commits(), (1, 0), "an API entry is synced");
 
@@ -252,6 +274,18 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
                     .unwrap(),
             );
             assert_eq!(commits(), (1, 0), "a run's end is synced");
+            // On SQLite, what the writer committed is copied into the database file by the
+            // checkpointer, soon after.
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while sqlite && wal_checkpoints.get() == 0 {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "no checkpoint copied the log"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                commits();
+            }
+            assert_eq!(wal_checkpoints.get() > 0, sqlite);
             // Every step is there, in order, whatever its durability.
             let steps = store.list_run_steps(project, run.id, 0).await.unwrap();
             let kinds: Vec<_> = steps.iter().map(|s| s.step.kind()).collect();
@@ -259,6 +293,7 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
                 kinds,
                 [
                     StepKind::Input,
+                    StepKind::ModelTurn,
                     StepKind::ModelTurn,
                     StepKind::ModelTurn,
                     StepKind::ModelTurn,
