@@ -352,18 +352,20 @@ impl Writer {
             .ok()
             .flatten();
         if let Some(log) = log {
-            match WalCheckpointer::start(&log.database) {
-                Ok(checkpoints) => self.checkpoints = Some(checkpoints),
-                Err(err) => tracing::warn!(
-                    category = "audit",
-                    kind = err.kind(),
-                    "the write-ahead log's checkpointer cannot start; SQLite checkpoints it as it commits"
-                ),
-            }
             if own_thread {
+                // The writer's own connection leaves checkpoints to the checkpointer; a pool
+                // connection checkpoints as it commits, as SQLite does by default.
                 let opened = EmbeddedWriter::open(&log.database).and_then(|mut embedded| {
-                    if self.checkpoints.is_some() {
-                        embedded.leave_checkpoints_to_checkpointer()?;
+                    match WalCheckpointer::start(&log.database) {
+                        Ok(checkpoints) => {
+                            embedded.leave_checkpoints_to_checkpointer()?;
+                            self.checkpoints = Some(checkpoints);
+                        }
+                        Err(err) => tracing::warn!(
+                            category = "audit",
+                            kind = err.kind(),
+                            "the write-ahead log's checkpointer cannot start; SQLite checkpoints it as the writer commits"
+                        ),
                     }
                     Ok(embedded)
                 });
@@ -425,6 +427,7 @@ impl Writer {
                 Command::Checkpoint { reply } => checkpoint_replies.push(reply),
             }
         }
+        let mut restart_log = false;
         if !events.is_empty() || !records.is_empty() {
             let count = events.len() + records.len();
             let (writes, record_replies): (Vec<_>, Vec<_>) = records
@@ -434,9 +437,10 @@ impl Writer {
             let began = std::time::Instant::now();
             let committed = self.commit_batch(events, writes).await;
             crate::metrics::audit_batch(count, began.elapsed(), committed.is_ok());
-            if let (Ok(_), Some(checkpoints)) = (&committed, &self.checkpoints) {
-                checkpoints.committed();
-            }
+            restart_log = match (&committed, &self.checkpoints) {
+                (Ok(_), Some(checkpoints)) => checkpoints.committed(),
+                _ => false,
+            };
             match committed {
                 Ok(Committed {
                     receipts,
@@ -486,6 +490,9 @@ impl Writer {
                 }
             }
         }
+        if restart_log {
+            self.restart_log();
+        }
         if !checkpoint_replies.is_empty() {
             let result = self.checkpoint_unsigned().await;
             for reply in checkpoint_replies {
@@ -496,6 +503,24 @@ impl Writer {
                         .map_err(|e| StoreError::AuditWrite(e.kind())),
                 );
             }
+        }
+    }
+
+    /// Restarts SQLite's log on the writer's own connection, as the checkpointer asked
+    /// ([`crate::wal::WalCheckpointer`]); a failure leaves it to the next request.
+    fn restart_log(&mut self) {
+        let mut connection = self
+            .connection
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Connection::Embedded(embedded) = &mut *connection
+            && let Err(err) = embedded.restart_log()
+        {
+            tracing::warn!(
+                category = "audit",
+                kind = err.kind(),
+                "the write-ahead log could not be restarted; it is tried again"
+            );
         }
     }
 

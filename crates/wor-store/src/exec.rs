@@ -218,6 +218,14 @@ impl EmbeddedWriter {
         Ok(())
     }
 
+    /// Copies all of the log into the database file and has the next write reuse it from its
+    /// start ([`crate::wal::restart_log`]), between two transactions.
+    pub(crate) fn restart_log(&mut self) -> Result<(), StoreError> {
+        self.roll_back();
+        crate::wal::restart_log(&self.connection)?;
+        Ok(())
+    }
+
     /// Runs `body` in one transaction that takes the database's write lock up front
     /// (`BEGIN IMMEDIATE`, waiting for `busy_timeout`), and commits it with `durability`;
     /// rolls it back when `body` fails.

@@ -47,8 +47,8 @@ pub fn describe() {
     );
     describe_counter!(
         WAL_CHECKPOINTS,
-        "Checkpoints that copied SQLite's write-ahead log into the database file, off the \
-         writer's thread"
+        "Checkpoints that copied SQLite's write-ahead log into the database file: off the \
+         writer's thread (passive), or by the writer restarting a long log (restart)"
     );
     describe_counter!(
         AUDIT_COMMITS,
@@ -62,9 +62,10 @@ pub(crate) fn audit_log_synced() {
     counter!(AUDIT_LOG_SYNCS).increment(1);
 }
 
-/// The checkpointer copied SQLite's write-ahead log into the database file.
-pub(crate) fn wal_checkpointed() {
-    counter!(WAL_CHECKPOINTS).increment(1);
+/// SQLite's write-ahead log was copied into the database file: by the checkpointer
+/// (`passive`), or by the writer restarting the log (`restart`).
+pub(crate) fn wal_checkpointed(mode: &'static str) {
+    counter!(WAL_CHECKPOINTS, "mode" => mode).increment(1);
 }
 
 /// The audit writer committed a batch with `durability`.

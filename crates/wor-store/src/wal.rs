@@ -151,6 +151,14 @@ const CHECKPOINT_SPACING: Duration = Duration::from_millis(100);
 /// process's other connections commit too (leases, claims, API changes).
 const CHECKPOINT_IDLE: Duration = Duration::from_secs(1);
 
+/// The log's length, in pages, past which the writer is asked to restart it (16 MiB of
+/// 4 KiB pages).
+const RESTART_AT_PAGES: i64 = 4096;
+
+/// How long the writer's restart of the log waits for readers still on it before giving up
+/// until the next request.
+const RESTART_WAIT: &str = "PRAGMA busy_timeout = 50";
+
 /// Copies SQLite's write-ahead log into the database file, on a thread and a connection of
 /// its own, after the writer commits (at most every [`CHECKPOINT_SPACING`]) and every
 /// [`CHECKPOINT_IDLE`] otherwise.
@@ -158,12 +166,19 @@ const CHECKPOINT_IDLE: Duration = Duration::from_secs(1);
 /// SQLite would otherwise do it inside the commit that takes the log past 1,000 pages, on
 /// the committing connection, with the write lock held: a flush of the log and one of the
 /// database file, several milliseconds in which no run could write. The writer's own
-/// connection leaves it to this thread (`wal_autocheckpoint = 0`). A checkpoint is `PASSIVE`:
-/// it copies what no reader still needs and waits for no one; SQLite flushes the log before
-/// copying it and the database file after. Dropping the handle stops the thread after a last
-/// checkpoint.
+/// connection leaves it to this thread (`wal_autocheckpoint = 0`). A checkpoint here is
+/// `PASSIVE`: it copies what no reader still needs and waits for no one; SQLite flushes the
+/// log before copying it and the database file after.
+///
+/// The log is reused from its start only by a writer that begins once all of it is copied,
+/// which under a steady stream of commits never happens after a checkpoint that let them go
+/// on. So once the log is longer than [`RESTART_AT_PAGES`], the writer is asked (through
+/// [`WalCheckpointer::committed`]) to restart it between two batches: a `RESTART` checkpoint
+/// on its own connection, holding the write lock, which copies only what came since the last
+/// checkpoint here. Dropping the handle stops the thread after a last checkpoint.
 pub(crate) struct WalCheckpointer {
     wake: std::sync::mpsc::SyncSender<()>,
+    restart: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl WalCheckpointer {
@@ -175,22 +190,47 @@ impl WalCheckpointer {
         )?;
         connection.execute_batch(crate::SQLITE_CONNECTION_SETTINGS)?;
         let (wake, woken) = std::sync::mpsc::sync_channel(1);
+        let restart = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let asks = restart.clone();
         std::thread::Builder::new()
             .name("wor-wal-checkpoint".to_owned())
-            .spawn(move || checkpoint_loop(&connection, &woken))
+            .spawn(move || checkpoint_loop(&connection, &woken, &asks))
             .map_err(|error| {
                 StoreError::Corrupt(format!("the log's checkpointer cannot start: {error}"))
             })?;
-        Ok(WalCheckpointer { wake })
+        Ok(WalCheckpointer { wake, restart })
     }
 
-    /// The writer committed: the checkpointer copies it soon. Never blocks.
-    pub(crate) fn committed(&self) {
+    /// The writer committed: the checkpointer copies it soon. True when the writer is to
+    /// restart the log now ([`restart_log`]). Never blocks.
+    pub(crate) fn committed(&self) -> bool {
         let _ = self.wake.try_send(());
+        self.restart
+            .swap(false, std::sync::atomic::Ordering::AcqRel)
     }
 }
 
-fn checkpoint_loop(connection: &rusqlite::Connection, woken: &std::sync::mpsc::Receiver<()>) {
+/// Copies all of the log into the database file on `connection`, the writer's, and has the
+/// next write reuse it from its start: a `RESTART` checkpoint, waiting at most
+/// [`RESTART_WAIT`] for readers still on the log (it is asked again if they were).
+pub(crate) fn restart_log(connection: &rusqlite::Connection) -> Result<(), rusqlite::Error> {
+    let busy_timeout: i64 = connection.query_row("PRAGMA busy_timeout", [], |row| row.get(0))?;
+    connection.execute_batch(RESTART_WAIT)?;
+    let restarted = connection.query_row("PRAGMA wal_checkpoint(RESTART)", [], |row| {
+        row.get::<_, i64>(0)
+    });
+    connection.execute_batch(&format!("PRAGMA busy_timeout = {busy_timeout}"))?;
+    if restarted? == 0 {
+        crate::metrics::wal_checkpointed("restart");
+    }
+    Ok(())
+}
+
+fn checkpoint_loop(
+    connection: &rusqlite::Connection,
+    woken: &std::sync::mpsc::Receiver<()>,
+    restart: &std::sync::atomic::AtomicBool,
+) {
     let mut last = None;
     loop {
         let stopping = matches!(
@@ -202,7 +242,10 @@ fn checkpoint_loop(connection: &rusqlite::Connection, woken: &std::sync::mpsc::R
             // not what this call copied: a log already copied reports the same pair again.
             Ok(now) => {
                 if now.copied > 0 && last != Some(now) {
-                    crate::metrics::wal_checkpointed();
+                    crate::metrics::wal_checkpointed("passive");
+                }
+                if now.log > RESTART_AT_PAGES {
+                    restart.store(true, std::sync::atomic::Ordering::Release);
                 }
                 last = Some(now);
             }

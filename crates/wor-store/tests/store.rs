@@ -2280,3 +2280,94 @@ async fn an_enrolment_token_enrols_one_worker_even_when_raced_and_is_kept_as_a_d
         Err(wor_store::EnrolmentRefusal::Unknown)
     );
 }
+
+/// On SQLite the audit writer's commits never checkpoint the write-ahead log themselves; the
+/// checkpointer does it beside them, and once the log is past its limit the writer has it
+/// reused from its start. Under writes that never pause, the log stays near that limit
+/// (16 MiB) instead of growing with everything written (here 48 MiB).
+#[tokio::test]
+async fn the_write_ahead_log_is_reused_under_writes_that_never_pause() {
+    use wor_core::run::Provenance;
+    use wor_store::{AuditLog, RunWrite, RunWritten};
+
+    let db = TestDatabase::isolated().await.unwrap();
+    let store = &db.store;
+    if store.backend() != wor_store::Backend::Sqlite {
+        eprintln!("PostgreSQL keeps its own log: nothing of this test applies");
+        return;
+    }
+    let project = store
+        .create_project(&TestDatabase::unique_name("wal"), "alice")
+        .await
+        .unwrap()
+        .project
+        .id;
+    let toml = "name = \"r\"\ninstructions = \"x\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\nscript = { turns = [{ text = \"hi\" }] }\n[concurrency]\nmax_runs = 8\n";
+    let definition = wor_core::routine::RoutineDefinition::from_toml(toml).unwrap();
+    let routine = store
+        .apply_routine(project, toml, &definition, None)
+        .await
+        .unwrap()
+        .routine
+        .id;
+    let log = AuditLog::start(store.clone(), signing_key(9), audit_config(1_000));
+    let database: String =
+        sqlx::query_scalar("SELECT file FROM pragma_database_list WHERE name = 'main'")
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+    let wal = std::path::PathBuf::from(format!("{database}-wal"));
+    // Four runs write 64 KiB turns back to back, 48 MiB in all.
+    let mut writers = Vec::new();
+    for n in 0..4 {
+        let run = store
+            .create_run(
+                project,
+                queued_run(routine, 1, None, 1),
+                InputStep::requested(serde_json::json!("x")),
+            )
+            .await
+            .unwrap();
+        let worker = format!("w{n}");
+        store
+            .claim_run_by_id(project, run.id, &worker, 600_000)
+            .await
+            .unwrap()
+            .unwrap();
+        let log = log.clone();
+        writers.push(tokio::spawn(async move {
+            for _ in 0..192 {
+                let turn = Step::ModelTurn(ModelTurnStep {
+                    message: AssistantMessage {
+                        text: "x".repeat(64 * 1024),
+                        tool_calls: Vec::new(),
+                    },
+                    usage: Usage::default(),
+                    stop_reason: StopReason::EndTurn,
+                    identity: None,
+                    nul_replaced: false,
+                });
+                let written = log
+                    .record(
+                        RunWrite::new(project, run.id, &worker, 600_000)
+                            .step(Provenance::Engine, turn),
+                    )
+                    .await
+                    .unwrap();
+                assert!(
+                    matches!(written, RunWritten::Committed { .. }),
+                    "{written:?}"
+                );
+            }
+        }));
+    }
+    for writer in writers {
+        writer.await.unwrap();
+    }
+    let length = std::fs::metadata(&wal).unwrap().len();
+    assert!(
+        length < 32 * 1024 * 1024,
+        "the log grew to {} MiB",
+        length / (1024 * 1024)
+    );
+}
