@@ -187,12 +187,25 @@ impl Store {
 
 /// Deletes the credentials of runs no worker is driving (requeued after a lost lease, cancelled
 /// while queued, or left by a crash); returns how many.
-pub(crate) async fn sweep(connection: &mut sqlx::AnyConnection) -> Result<u64, StoreError> {
-    let done = sqlx::query(
-        "DELETE FROM run_tokens WHERE run_id NOT IN (SELECT id FROM runs WHERE status = 'running')",
-    )
-    .execute(connection)
-    .await?;
+///
+/// On PostgreSQL a credential another transaction holds is skipped, not waited for: that
+/// transaction mints or revokes it, and a sweep that waited for it while holding the rows it
+/// had already taken could deadlock with it. The next sweep finds what this one left.
+pub(crate) async fn sweep(
+    connection: &mut sqlx::AnyConnection,
+    backend: crate::Backend,
+) -> Result<u64, StoreError> {
+    let sql = match backend {
+        crate::Backend::Postgres => {
+            "DELETE FROM run_tokens WHERE run_id IN (SELECT run_id FROM run_tokens \
+             WHERE run_id NOT IN (SELECT id FROM runs WHERE status = 'running') \
+             FOR UPDATE SKIP LOCKED)"
+        }
+        crate::Backend::Sqlite => {
+            "DELETE FROM run_tokens WHERE run_id NOT IN (SELECT id FROM runs WHERE status = 'running')"
+        }
+    };
+    let done = sqlx::query(sql).execute(connection).await?;
     Ok(done.rows_affected())
 }
 

@@ -607,7 +607,7 @@ impl Store {
         .await?;
         // Their credentials, and any other left by a run no worker drives, end here.
         let mut connection = self.pool().acquire().await?;
-        crate::run_tokens::sweep(&mut connection).await?;
+        crate::run_tokens::sweep(&mut connection, self.backend).await?;
         Ok(done.rows_affected())
     }
 
@@ -615,7 +615,7 @@ impl Store {
     /// restart) to resume at once rather than after the lease runs out.
     pub async fn release_leases(&self, worker: &str) -> Result<u64, StoreError> {
         let mut tx = self.begin_write().await?;
-        let released = release_held(&mut tx, worker, None, now_millis()).await?;
+        let released = release_held(&mut tx, self.backend, worker, None, now_millis()).await?;
         tx.commit().await?;
         Ok(released)
     }
@@ -624,7 +624,7 @@ impl Store {
     /// claims it next; false when `worker` does not hold it (nothing changes).
     pub async fn release_run(&self, run: RunId, worker: &str) -> Result<bool, StoreError> {
         let mut tx = self.begin_write().await?;
-        let released = release_held(&mut tx, worker, Some(run), now_millis()).await?;
+        let released = release_held(&mut tx, self.backend, worker, Some(run), now_millis()).await?;
         tx.commit().await?;
         Ok(released == 1)
     }
@@ -1492,9 +1492,10 @@ fn run_from_row(row: &sqlx::any::AnyRow) -> Result<RunRecord, StoreError> {
 }
 
 /// Puts the running runs `worker` holds (only `run`, when given) back in the queue and ends
-/// their credentials, in `tx`. Returns how many.
+/// their credentials, in `tx` (on `backend`). Returns how many.
 pub(crate) async fn release_held(
     connection: &mut sqlx::AnyConnection,
+    backend: crate::Backend,
     worker: &str,
     run: Option<RunId>,
     now: i64,
@@ -1509,6 +1510,6 @@ pub(crate) async fn release_held(
         query = query.bind(run.to_string());
     }
     let done = query.execute(&mut *connection).await?;
-    crate::run_tokens::sweep(connection).await?;
+    crate::run_tokens::sweep(connection, backend).await?;
     Ok(done.rows_affected())
 }

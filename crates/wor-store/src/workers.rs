@@ -304,7 +304,7 @@ impl Store {
                 WorkerRevocation::Unknown
             });
         }
-        let released = crate::runs::release_held(&mut tx, id, None, now).await?;
+        let released = crate::runs::release_held(&mut tx, self.backend, id, None, now).await?;
         tx.commit().await?;
         Ok(WorkerRevocation::Revoked {
             runs_released: released,

@@ -2371,3 +2371,81 @@ async fn the_write_ahead_log_is_reused_under_writes_that_never_pause() {
         length / (1024 * 1024)
     );
 }
+
+/// On PostgreSQL a sweep of the credentials of runs no worker drives skips one that another
+/// transaction holds rather than waiting for it (a wait could deadlock with that
+/// transaction); the next sweep ends it.
+#[tokio::test]
+async fn a_sweep_of_stale_credentials_skips_one_another_transaction_holds() {
+    let db = TestDatabase::isolated().await.unwrap();
+    let store = &db.store;
+    if store.backend() != wor_store::Backend::Postgres {
+        eprintln!("SQLite has no row locks: nothing of this test applies");
+        return;
+    }
+    let project = store
+        .create_project(&TestDatabase::unique_name("sweep"), "alice")
+        .await
+        .unwrap()
+        .project
+        .id;
+    let toml = "name = \"r\"\ninstructions = \"x\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\nscript = { turns = [{ text = \"hi\" }] }\n";
+    let definition = wor_core::routine::RoutineDefinition::from_toml(toml).unwrap();
+    let routine = store
+        .apply_routine(project, toml, &definition, None)
+        .await
+        .unwrap()
+        .routine
+        .id;
+    let run = store
+        .create_run(
+            project,
+            queued_run(routine, 1, None, 1),
+            InputStep::requested(serde_json::json!("x")),
+        )
+        .await
+        .unwrap();
+    store
+        .claim_run_by_id(project, run.id, "w", 60_000)
+        .await
+        .unwrap()
+        .unwrap();
+    store
+        .mint_run_token(project, run.id, "w", wor_store::now_millis() + 60_000)
+        .await
+        .unwrap()
+        .unwrap();
+    // The run is no longer driven, its credential not yet ended, and another transaction
+    // holds it.
+    wor_store::testing::tamper(
+        store,
+        &[format!(
+            "UPDATE runs SET status = 'queued', lease_owner = NULL, lease_expires_at = NULL \
+             WHERE id = '{}'",
+            run.id
+        )],
+    )
+    .await
+    .unwrap();
+    #[expect(
+        clippy::disallowed_methods,
+        reason = "another writer's transaction, holding a row lock on PostgreSQL"
+    )]
+    let mut holder = store.pool().begin().await.unwrap();
+    sqlx::query("SELECT run_id FROM run_tokens WHERE run_id = $1 FOR UPDATE")
+        .bind(run.id.to_string())
+        .fetch_all(&mut *holder)
+        .await
+        .unwrap();
+    tokio::time::timeout(
+        std::time::Duration::from_secs(5),
+        store.requeue_expired_runs(),
+    )
+    .await
+    .expect("the sweep waited for the held credential")
+    .unwrap();
+    assert!(store.run_token_exists(run.id).await.unwrap());
+    holder.rollback().await.unwrap();
+    store.requeue_expired_runs().await.unwrap();
+    assert!(!store.run_token_exists(run.id).await.unwrap());
+}
