@@ -1016,8 +1016,8 @@ mod traced {
     pub type Client<'a> = dyn Fn(&str, &[&str], &[(&str, &str)]) -> std::process::Output + 'a;
 
     /// Creates the tool connection `name` on `desk`'s MCP server with `token` as its bearer,
-    /// reviews it and enables it with `read_only` classified read-only, through the CLI
-    /// (`client` runs it against the server).
+    /// reviews it and enables it with `classified` after `connection enable` (say
+    /// `--read-only lookup`), through the CLI (`client` runs it against the server).
     pub fn enable_desk(
         client: &Client<'_>,
         owner: &str,
@@ -1025,7 +1025,7 @@ mod traced {
         token: &str,
         dir: &std::path::Path,
         name: &str,
-        read_only: &[&str],
+        classified: &[&str],
     ) {
         let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
         let created = client(
@@ -1058,9 +1058,7 @@ mod traced {
             "--from-review",
             review_file.to_str().unwrap(),
         ];
-        for tool in read_only {
-            enable.extend(["--read-only", tool]);
-        }
+        enable.extend_from_slice(classified);
         let enabled = client(owner, &enable, &[]);
         assert!(enabled.status.success(), "{}", text(&enabled.stderr));
     }
@@ -1518,8 +1516,8 @@ mode = "auto"
 /// The write that reserves a tool call reaches the disk before the call runs when the call can
 /// change something; a call to a tool the admin classified read-only waits for no flush (a
 /// power cut may make the read again, a crash of the process cannot). Counted by the audit
-/// writer's synced commits, over runs that each make one call, to one tool classified both
-/// ways.
+/// writer's synced commits, over runs that each make one call, to one tool classified
+/// read-only, consequential and open-world.
 #[test]
 fn only_a_call_that_can_change_something_waits_for_its_reservation_to_reach_the_disk() {
     let servers = tokio::runtime::Runtime::new().unwrap();
@@ -1543,17 +1541,20 @@ fn only_a_call_that_can_change_something_waits_for_its_reservation_to_reach_the_
             .envs(envs.iter().copied()))
     };
     let token = "tok-durable-5b6c7d8e";
-    traced::enable_desk(
-        &client,
-        &owner,
-        desk,
-        token,
-        dir.path(),
-        "reads",
-        &["lookup"],
-    );
-    traced::enable_desk(&client, &owner, desk, token, dir.path(), "writes", &[]);
-    for connection in ["reads", "writes"] {
+    for (connection, classified) in [
+        ("reads", &["--read-only", "lookup"][..]),
+        ("writes", &[][..]),
+        ("visits", &["--open-world", "lookup"][..]),
+    ] {
+        traced::enable_desk(
+            &client,
+            &owner,
+            desk,
+            token,
+            dir.path(),
+            connection,
+            classified,
+        );
         let routine = format!(
             r#"
 name = "{connection}"
@@ -1602,17 +1603,21 @@ mode = "auto"
     };
     let reads = synced("reads");
     let writes = synced("writes");
+    let visits = synced("visits");
     server.stop();
     // Each run's start and end are synced either way (and two writes of one run never share a
-    // commit: a run waits for each of its writes); a reservation only for `writes`.
+    // commit: a run waits for each of its writes); a reservation only for a call that can
+    // change something, or carry data out.
     assert!(
         reads >= f64::from(2 * RUNS),
         "{reads} synced commits for the reads"
     );
-    assert!(
-        writes >= reads + f64::from(RUNS),
-        "{writes} synced commits for the writes, {reads} for the reads"
-    );
+    for (what, count) in [("writes", writes), ("open-world visits", visits)] {
+        assert!(
+            count >= reads + f64::from(RUNS),
+            "{count} synced commits for the {what}, {reads} for the reads"
+        );
+    }
 }
 
 /// A routine held for approval that fails when the approval expires, one run at a time, the

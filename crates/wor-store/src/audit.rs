@@ -29,7 +29,7 @@ use wor_secrets::{AuditSigningKey, redact_shapes};
 
 use crate::exec::{EmbeddedWriter, Exec};
 use crate::journal::{RunWrite, RunWritten};
-use crate::wal::{Acknowledgement, WAL_SYNC, WalCheckpointer, sync_wal, wal_log};
+use crate::wal::{Acknowledgement, AfterCommit, WAL_SYNC, WalCheckpointer, sync_wal, wal_log};
 use crate::{Backend, Durability, HeldConnection, Store, StoreError, now_millis, parse_column};
 
 /// When the writer signs checkpoints and how much it commits at once.
@@ -111,6 +111,7 @@ impl AuditLog {
             connection: std::sync::Mutex::new(Connection::Pool(None)),
             wal: None,
             checkpoints: None,
+            restart_not_before: None,
         };
         writer.spawn(receiver);
         AuditLog {
@@ -191,6 +192,8 @@ struct Writer {
     /// On SQLite with a database file: what copies the log into the database file, told of
     /// each commit.
     checkpoints: Option<WalCheckpointer>,
+    /// No restart of the log is tried before this: readers kept the last one.
+    restart_not_before: Option<std::time::Instant>,
 }
 
 /// The connection the writer commits on.
@@ -355,19 +358,24 @@ impl Writer {
             if own_thread {
                 // The writer's own connection leaves checkpoints to the checkpointer; a pool
                 // connection checkpoints as it commits, as SQLite does by default.
-                let opened = EmbeddedWriter::open(&log.database).and_then(|mut embedded| {
-                    match WalCheckpointer::start(&log.database) {
-                        Ok(checkpoints) => {
-                            embedded.leave_checkpoints_to_checkpointer()?;
-                            self.checkpoints = Some(checkpoints);
-                        }
-                        Err(err) => tracing::warn!(
+                let opened = EmbeddedWriter::open(&log.database).map(|mut embedded| {
+                    let checkpoints = WalCheckpointer::start(&log.database)
+                        .map_err(|err| err.kind())
+                        .and_then(|checkpoints| {
+                            embedded
+                                .leave_checkpoints_to_checkpointer()
+                                .map(|()| checkpoints)
+                                .map_err(|err| err.kind())
+                        });
+                    match checkpoints {
+                        Ok(checkpoints) => self.checkpoints = Some(checkpoints),
+                        Err(kind) => tracing::warn!(
                             category = "audit",
-                            kind = err.kind(),
+                            kind,
                             "the write-ahead log's checkpointer cannot start; SQLite checkpoints it as the writer commits"
                         ),
                     }
-                    Ok(embedded)
+                    embedded
                 });
                 match opened {
                     Ok(embedded) => {
@@ -427,7 +435,7 @@ impl Writer {
                 Command::Checkpoint { reply } => checkpoint_replies.push(reply),
             }
         }
-        let mut restart_log = false;
+        let mut after_commit = AfterCommit::Nothing;
         if !events.is_empty() || !records.is_empty() {
             let count = events.len() + records.len();
             let (writes, record_replies): (Vec<_>, Vec<_>) = records
@@ -437,9 +445,9 @@ impl Writer {
             let began = std::time::Instant::now();
             let committed = self.commit_batch(events, writes).await;
             crate::metrics::audit_batch(count, began.elapsed(), committed.is_ok());
-            restart_log = match (&committed, &self.checkpoints) {
+            after_commit = match (&committed, &self.checkpoints) {
                 (Ok(_), Some(checkpoints)) => checkpoints.committed(),
-                _ => false,
+                _ => AfterCommit::Nothing,
             };
             match committed {
                 Ok(Committed {
@@ -490,8 +498,10 @@ impl Writer {
                 }
             }
         }
-        if restart_log {
-            self.restart_log();
+        match after_commit {
+            AfterCommit::Nothing => {}
+            AfterCommit::RestartLog => self.restart_log(),
+            AfterCommit::Stopped => self.checkpoint_as_it_commits(),
         }
         if !checkpoint_replies.is_empty() {
             let result = self.checkpoint_unsigned().await;
@@ -507,19 +517,55 @@ impl Writer {
     }
 
     /// Restarts SQLite's log on the writer's own connection, as the checkpointer asked
-    /// ([`crate::wal::WalCheckpointer`]); a failure leaves it to the next request.
+    /// ([`crate::wal::WalCheckpointer`]); one that readers kept, or that failed, is left to
+    /// the next request.
     fn restart_log(&mut self) {
+        let now = std::time::Instant::now();
+        if self.restart_not_before.is_some_and(|at| now < at) {
+            return;
+        }
+        let mut connection = self
+            .connection
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Connection::Embedded(embedded) = &mut *connection {
+            match embedded.restart_log() {
+                Ok(true) => self.restart_not_before = None,
+                Ok(false) => {
+                    self.restart_not_before = Some(now + crate::wal::RESTART_BACKOFF);
+                    tracing::debug!(
+                        category = "audit",
+                        "readers kept the write-ahead log; its restart is tried again"
+                    );
+                }
+                Err(err) => tracing::warn!(
+                    category = "audit",
+                    kind = err.kind(),
+                    "the write-ahead log could not be restarted; it is tried again"
+                ),
+            }
+        }
+    }
+
+    /// The checkpointer's thread has ended: the writer's own connection checkpoints the log
+    /// as it commits again, so that the log cannot grow without end.
+    fn checkpoint_as_it_commits(&mut self) {
+        self.checkpoints = None;
+        tracing::error!(
+            category = "audit",
+            "the write-ahead log's checkpointer stopped; SQLite checkpoints it as the writer commits"
+        );
         let mut connection = self
             .connection
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Connection::Embedded(embedded) = &mut *connection
-            && let Err(err) = embedded.restart_log()
+            && let Err(err) = embedded.checkpoint_as_it_commits()
         {
-            tracing::warn!(
+            tracing::error!(
                 category = "audit",
                 kind = err.kind(),
-                "the write-ahead log could not be restarted; it is tried again"
+                "the writer's connection cannot checkpoint the log either"
             );
         }
     }

@@ -186,6 +186,8 @@ pub(crate) struct EmbeddedWriter {
     connection: rusqlite::Connection,
     /// What `synchronous` is set to on the connection.
     synchronous: Option<Durability>,
+    /// Whether the checkpointer copies the log, so that no commit here does.
+    checkpoints_elsewhere: bool,
 }
 
 impl EmbeddedWriter {
@@ -207,6 +209,7 @@ impl EmbeddedWriter {
             path: path.to_owned(),
             connection,
             synchronous: None,
+            checkpoints_elsewhere: false,
         })
     }
 
@@ -215,15 +218,24 @@ impl EmbeddedWriter {
     pub(crate) fn leave_checkpoints_to_checkpointer(&mut self) -> Result<(), StoreError> {
         self.connection
             .execute_batch("PRAGMA wal_autocheckpoint = 0")?;
+        self.checkpoints_elsewhere = true;
+        Ok(())
+    }
+
+    /// Checkpoints the log as it commits again, as SQLite does by default: the checkpointer
+    /// has stopped.
+    pub(crate) fn checkpoint_as_it_commits(&mut self) -> Result<(), StoreError> {
+        self.checkpoints_elsewhere = false;
+        self.connection
+            .execute_batch("PRAGMA wal_autocheckpoint = 1000")?;
         Ok(())
     }
 
     /// Copies all of the log into the database file and has the next write reuse it from its
     /// start ([`crate::wal::restart_log`]), between two transactions.
-    pub(crate) fn restart_log(&mut self) -> Result<(), StoreError> {
+    pub(crate) fn restart_log(&mut self) -> Result<bool, StoreError> {
         self.roll_back();
-        crate::wal::restart_log(&self.connection)?;
-        Ok(())
+        Ok(crate::wal::restart_log(&self.connection)?)
     }
 
     /// Runs `body` in one transaction that takes the database's write lock up front
@@ -272,7 +284,10 @@ impl EmbeddedWriter {
         if self.connection.execute_batch("ROLLBACK").is_err() {
             // Closing a connection rolls back what it left open; the next batch runs on a
             // fresh one (or fails to begin, with its error, while none opens).
-            if let Ok(fresh) = EmbeddedWriter::open(&self.path) {
+            if let Ok(mut fresh) = EmbeddedWriter::open(&self.path)
+                && (!self.checkpoints_elsewhere
+                    || fresh.leave_checkpoints_to_checkpointer().is_ok())
+            {
                 *self = fresh;
             }
         }

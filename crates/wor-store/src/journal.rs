@@ -50,7 +50,7 @@ pub struct RunWrite {
     /// The run's end, when this write ends it.
     end: Option<(RunStatus, String)>,
     /// Whether the write is on disk before it is acknowledged: set by what permits an effect
-    /// outside the database (a call reserved to run, a run's end).
+    /// outside the database (a call reserved to run that can change something, a run's end).
     durable: bool,
 }
 
@@ -161,7 +161,8 @@ impl RunWrite {
     /// Writes only under the claim `credential` was minted for, whether or not the run's
     /// deadline has ended it: a remote worker's write is bound to its claim, so a stale driver
     /// of an earlier claim by the same worker writes nothing. A write that also reserves a
-    /// call presents it live ([`RunWrite::presenting`]) instead.
+    /// call presents it live ([`RunWrite::presenting`], or [`RunWrite::under_live_claim`]
+    /// for a read) instead.
     #[must_use]
     pub fn under_claim(mut self, credential: &str) -> Self {
         self.credential = Some(Presented::new(credential, false));
@@ -178,8 +179,8 @@ impl RunWrite {
 
     /// Stores `token` as the run's credential until `expires_at` (unix milliseconds),
     /// replacing any earlier one. Not synced by itself: a credential lost to a power cut is
-    /// minted again when the run resumes, and the write that reserves a call with it is synced
-    /// after it.
+    /// minted again when the run resumes, and the write that reserves a call with it fails
+    /// its check then.
     #[must_use]
     pub fn minting(mut self, token: &RunToken, expires_at: i64) -> Self {
         self.mint = Some((token.digest(), expires_at));
@@ -187,10 +188,11 @@ impl RunWrite {
     }
 
     /// Whether this write is synced to disk before it is acknowledged. A write that reserves
-    /// a call or ends the run is: the call runs, and the end is announced, only once their
-    /// record survives a power cut. Other writes (a model turn, a tool's result) may be lost
-    /// to a power cut, never to a crash of the process; the run then resumes from the
-    /// steps before them, as from a crash.
+    /// a call that can change something ([`RunWrite::presenting`]) or ends the run is: the
+    /// call runs, and the end is announced, only once their record survives a power cut.
+    /// Other writes (a model turn, a tool's result, the reservation of a read) may be lost to
+    /// a power cut, never to a crash of the process; the run then resumes from the steps
+    /// before them, as from a crash.
     pub fn is_durable(&self) -> bool {
         self.durable
     }

@@ -293,8 +293,15 @@ impl Store {
                     .max_connections(8)
                     .after_connect(|conn, _meta| {
                         Box::pin(async move {
-                            conn.execute("PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL;")
-                                .await?;
+                            // The audit writer's checkpointer copies the log beside the writer
+                            // and has it restarted past 4,096 pages (`wal.rs`); the pool's
+                            // connections checkpoint as they commit only past twice that, as a
+                            // backstop, and in a process without the writer.
+                            conn.execute(
+                                "PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL; \
+                                 PRAGMA wal_autocheckpoint = 8192;",
+                            )
+                            .await?;
                             conn.execute(SQLITE_CONNECTION_SETTINGS).await?;
                             Ok(())
                         })
@@ -419,6 +426,9 @@ impl Durability {
 /// writer's own alike: how long a writer waits for SQLite's lock, and foreign keys.
 pub(crate) const SQLITE_CONNECTION_SETTINGS: &str =
     "PRAGMA busy_timeout = 10000; PRAGMA foreign_keys = ON;";
+
+/// The `busy_timeout` of [`SQLITE_CONNECTION_SETTINGS`].
+pub(crate) const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A connection a task keeps for its own writes (the audit writer's), with what SQLite's
 /// `synchronous` is set to on it. Nothing else uses it, so setting that per transaction

@@ -157,15 +157,20 @@ const RESTART_AT_PAGES: i64 = 4096;
 
 /// How long the writer's restart of the log waits for readers still on it before giving up
 /// until the next request.
-const RESTART_WAIT: &str = "PRAGMA busy_timeout = 50";
+const RESTART_WAIT: Duration = Duration::from_millis(50);
+
+/// How long the writer waits before trying a restart again after readers kept the log: a
+/// reader that keeps it (a backup, an export) holds up the writer for at most
+/// [`RESTART_WAIT`] per this.
+pub(crate) const RESTART_BACKOFF: Duration = Duration::from_secs(1);
 
 /// Copies SQLite's write-ahead log into the database file, on a thread and a connection of
 /// its own, after the writer commits (at most every [`CHECKPOINT_SPACING`]) and every
 /// [`CHECKPOINT_IDLE`] otherwise.
 ///
-/// SQLite would otherwise do it inside the commit that takes the log past 1,000 pages, on
-/// the committing connection, with the write lock held: a flush of the log and one of the
-/// database file, several milliseconds in which no run could write. The writer's own
+/// SQLite would otherwise do it right after the commit that takes the log past 1,000 pages,
+/// on the committing connection: the writer's thread would wait for a flush of the log and
+/// one of the database file, several milliseconds in which no run's write was committed. The writer's own
 /// connection leaves it to this thread (`wal_autocheckpoint = 0`). A checkpoint here is
 /// `PASSIVE`: it copies what no reader still needs and waits for no one; SQLite flushes the
 /// log before copying it and the database file after.
@@ -174,8 +179,9 @@ const RESTART_WAIT: &str = "PRAGMA busy_timeout = 50";
 /// which under a steady stream of commits never happens after a checkpoint that let them go
 /// on. So once the log is longer than [`RESTART_AT_PAGES`], the writer is asked (through
 /// [`WalCheckpointer::committed`]) to restart it between two batches: a `RESTART` checkpoint
-/// on its own connection, holding the write lock, which copies only what came since the last
-/// checkpoint here. Dropping the handle stops the thread after a last checkpoint.
+/// on its own connection, which copies only what came since the last checkpoint here (after
+/// one that readers kept, not again for [`RESTART_BACKOFF`]). Dropping the handle stops the
+/// thread after a last checkpoint.
 pub(crate) struct WalCheckpointer {
     wake: std::sync::mpsc::SyncSender<()>,
     restart: std::sync::Arc<std::sync::atomic::AtomicBool>,
@@ -183,7 +189,9 @@ pub(crate) struct WalCheckpointer {
 
 impl WalCheckpointer {
     /// Starts the checkpointer of `database`'s log.
-    pub(crate) fn start(database: &std::path::Path) -> Result<WalCheckpointer, StoreError> {
+    pub(crate) fn start(
+        database: &std::path::Path,
+    ) -> Result<WalCheckpointer, CheckpointerUnavailable> {
         let connection = rusqlite::Connection::open_with_flags(
             database,
             rusqlite::OpenFlags::SQLITE_OPEN_READ_WRITE | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
@@ -194,36 +202,73 @@ impl WalCheckpointer {
         let asks = restart.clone();
         std::thread::Builder::new()
             .name("wor-wal-checkpoint".to_owned())
-            .spawn(move || checkpoint_loop(&connection, &woken, &asks))
-            .map_err(|error| {
-                StoreError::Corrupt(format!("the log's checkpointer cannot start: {error}"))
-            })?;
+            .spawn(move || checkpoint_loop(&connection, &woken, &asks))?;
         Ok(WalCheckpointer { wake, restart })
     }
 
-    /// The writer committed: the checkpointer copies it soon. True when the writer is to
-    /// restart the log now ([`restart_log`]). Never blocks.
-    pub(crate) fn committed(&self) -> bool {
-        let _ = self.wake.try_send(());
-        self.restart
-            .swap(false, std::sync::atomic::Ordering::AcqRel)
+    /// The writer committed: the checkpointer copies it soon. Never blocks.
+    pub(crate) fn committed(&self) -> AfterCommit {
+        match self.wake.try_send(()) {
+            Err(std::sync::mpsc::TrySendError::Disconnected(())) => AfterCommit::Stopped,
+            Ok(()) | Err(std::sync::mpsc::TrySendError::Full(())) => {
+                if self
+                    .restart
+                    .swap(false, std::sync::atomic::Ordering::AcqRel)
+                {
+                    AfterCommit::RestartLog
+                } else {
+                    AfterCommit::Nothing
+                }
+            }
+        }
+    }
+}
+
+/// What the writer is to do after a commit, as the checkpointer says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum AfterCommit {
+    Nothing,
+    /// Restart the log ([`restart_log`]).
+    RestartLog,
+    /// The checkpointer's thread has ended: the writer's connection checkpoints again as it
+    /// commits.
+    Stopped,
+}
+
+/// Why the checkpointer could not start.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum CheckpointerUnavailable {
+    #[error("its connection cannot open: {0}")]
+    Connection(#[from] rusqlite::Error),
+    #[error("its thread cannot start: {0}")]
+    Thread(#[from] std::io::Error),
+}
+
+impl CheckpointerUnavailable {
+    pub(crate) fn kind(&self) -> &'static str {
+        match self {
+            CheckpointerUnavailable::Connection(_) => "connection",
+            CheckpointerUnavailable::Thread(_) => "thread",
+        }
     }
 }
 
 /// Copies all of the log into the database file on `connection`, the writer's, and has the
 /// next write reuse it from its start: a `RESTART` checkpoint, waiting at most
-/// [`RESTART_WAIT`] for readers still on the log (it is asked again if they were).
-pub(crate) fn restart_log(connection: &rusqlite::Connection) -> Result<(), rusqlite::Error> {
-    let busy_timeout: i64 = connection.query_row("PRAGMA busy_timeout", [], |row| row.get(0))?;
-    connection.execute_batch(RESTART_WAIT)?;
-    let restarted = connection.query_row("PRAGMA wal_checkpoint(RESTART)", [], |row| {
+/// [`RESTART_WAIT`] for readers still on the log (it is asked again if they were). Whether
+/// the log was restarted.
+pub(crate) fn restart_log(connection: &rusqlite::Connection) -> Result<bool, rusqlite::Error> {
+    connection.busy_timeout(RESTART_WAIT)?;
+    let busy = connection.query_row("PRAGMA wal_checkpoint(RESTART)", [], |row| {
         row.get::<_, i64>(0)
     });
-    connection.execute_batch(&format!("PRAGMA busy_timeout = {busy_timeout}"))?;
-    if restarted? == 0 {
+    // The connection's own wait, as every connection of the store has it.
+    connection.busy_timeout(crate::BUSY_TIMEOUT)?;
+    let restarted = busy? == 0;
+    if restarted {
         crate::metrics::wal_checkpointed("restart");
     }
-    Ok(())
+    Ok(restarted)
 }
 
 fn checkpoint_loop(
@@ -232,6 +277,8 @@ fn checkpoint_loop(
     restart: &std::sync::atomic::AtomicBool,
 ) {
     let mut last = None;
+    // Said once when checkpoints begin to fail, and once when they work again.
+    let mut failing = false;
     loop {
         let stopping = matches!(
             woken.recv_timeout(CHECKPOINT_IDLE),
@@ -248,12 +295,22 @@ fn checkpoint_loop(
                     restart.store(true, std::sync::atomic::Ordering::Release);
                 }
                 last = Some(now);
+                if std::mem::take(&mut failing) {
+                    tracing::info!(
+                        category = "store",
+                        "the write-ahead log is copied into the database file again"
+                    );
+                }
             }
-            Err(error) => tracing::warn!(
-                category = "store",
-                kind = StoreError::from(error).kind(),
-                "the write-ahead log could not be copied into the database file; it is tried again"
-            ),
+            Err(error) => {
+                if !std::mem::replace(&mut failing, true) {
+                    tracing::warn!(
+                        category = "store",
+                        kind = StoreError::from(error).kind(),
+                        "the write-ahead log could not be copied into the database file; it is tried again"
+                    );
+                }
+            }
         }
         if stopping {
             return;
