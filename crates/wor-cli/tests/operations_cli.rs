@@ -1063,6 +1063,50 @@ mod traced {
         assert!(enabled.status.success(), "{}", text(&enabled.stderr));
     }
 
+    /// Applies routine `name`, which looks `x` up once with `connection`'s `lookup`, then
+    /// answers "Done.", through the CLI.
+    pub fn apply_lookup_routine(
+        client: &Client<'_>,
+        owner: &str,
+        dir: &std::path::Path,
+        name: &str,
+        connection: &str,
+    ) {
+        let routine = format!(
+            r#"
+name = "{name}"
+instructions = "Look it up."
+
+[model]
+provider = "replay"
+model = "script"
+
+[[model.script.turns]]
+when = {{ last_tool_result_contains = "{RESULT}" }}
+text = "Done."
+
+[[model.script.turns]]
+tool_calls = [{{ name = "{connection}__lookup", arguments = {{ q = "x" }} }}]
+
+[[tools]]
+tool = "{connection}/lookup"
+mode = "auto"
+"#
+        );
+        let file = dir.join(format!("{name}.toml"));
+        std::fs::write(&file, routine).unwrap();
+        let applied = client(
+            owner,
+            &["routine", "apply", "-f", file.to_str().unwrap()],
+            &[],
+        );
+        assert!(
+            applied.status.success(),
+            "{}",
+            String::from_utf8_lossy(&applied.stderr)
+        );
+    }
+
     /// What the collector received: each request's headers and raw body.
     pub type Received = Arc<Mutex<Vec<(HeaderMap, Bytes)>>>;
 
@@ -1439,36 +1483,7 @@ fn a_tool_server_named_by_the_operator_gets_the_runs_trace_context() {
         "desk",
         &[],
     );
-    let routine = format!(
-        r#"
-name = "propagated"
-instructions = "Look it up."
-
-[model]
-provider = "replay"
-model = "script"
-
-[[model.script.turns]]
-when = {{ last_tool_result_contains = "{result}" }}
-text = "Done."
-
-[[model.script.turns]]
-tool_calls = [{{ name = "desk__lookup", arguments = {{ q = "x" }} }}]
-
-[[tools]]
-tool = "desk/lookup"
-mode = "auto"
-"#,
-        result = traced::RESULT
-    );
-    let file = dir.path().join("propagated.toml");
-    std::fs::write(&file, routine).unwrap();
-    let applied = client(
-        &owner,
-        &["routine", "apply", "-f", file.to_str().unwrap()],
-        &[],
-    );
-    assert!(applied.status.success(), "{}", text(&applied.stderr));
+    traced::apply_lookup_routine(&client, &owner, dir.path(), "propagated", "desk");
     let started = client(
         &owner,
         &["run", "start", "propagated", "--input", "go"],
@@ -1555,36 +1570,7 @@ fn only_a_call_that_can_change_something_waits_for_its_reservation_to_reach_the_
             connection,
             classified,
         );
-        let routine = format!(
-            r#"
-name = "{connection}"
-instructions = "Look it up."
-
-[model]
-provider = "replay"
-model = "script"
-
-[[model.script.turns]]
-when = {{ last_tool_result_contains = "{result}" }}
-text = "Done."
-
-[[model.script.turns]]
-tool_calls = [{{ name = "{connection}__lookup", arguments = {{ q = "x" }} }}]
-
-[[tools]]
-tool = "{connection}/lookup"
-mode = "auto"
-"#,
-            result = traced::RESULT
-        );
-        let file = dir.path().join(format!("{connection}.toml"));
-        std::fs::write(&file, routine).unwrap();
-        let applied = client(
-            &owner,
-            &["routine", "apply", "-f", file.to_str().unwrap()],
-            &[],
-        );
-        assert!(applied.status.success(), "{}", text(&applied.stderr));
+        traced::apply_lookup_routine(&client, &owner, dir.path(), connection, connection);
     }
     const RUNS: u32 = 4;
     let synced = |routine: &str| {

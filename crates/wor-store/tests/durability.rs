@@ -9,11 +9,11 @@
 )]
 
 use wor_core::model::{AssistantMessage, StopReason, Usage};
-use wor_core::step::{InputStep, ModelTurnStep, Step, StepKind};
+use wor_core::step::{ModelTurnStep, Step, StepKind};
 use wor_store::testing::TestDatabase;
 
 mod support;
-use support::{audit_config, key_event, queued_run, signing_key};
+use support::{audit_config, claimed_run, key_event, project_with_routine, signing_key};
 
 /// A journal write that permits an effect outside the database — a call reserved to run, a
 /// run's end — and any API entry are synced to disk before they are acknowledged; a model
@@ -73,35 +73,10 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
             let db = TestDatabase::isolated().await.unwrap();
             let store = &db.store;
             let sqlite = store.backend() == wor_store::Backend::Sqlite;
-            let project = store
-                .create_project(&TestDatabase::unique_name("durable"), "alice")
-                .await
-                .unwrap()
-                .project
-                .id;
-            let toml = "name = \"r\"\ninstructions = \"x\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\nscript = { turns = [{ text = \"hi\" }] }\n";
-            let definition = wor_core::routine::RoutineDefinition::from_toml(toml).unwrap();
-            let routine = store
-                .apply_routine(project, toml, &definition, None)
-                .await
-                .unwrap()
-                .routine
-                .id;
-            let run = store
-                .create_run(
-                    project,
-                    queued_run(routine, 1, None, 1),
-                    InputStep::requested(serde_json::json!("x")),
-                )
-                .await
-                .unwrap();
-            store
-                .claim_run_by_id(project, run.id, "w", 60_000)
-                .await
-                .unwrap()
-                .unwrap();
+            let (project, routine) = project_with_routine(store, "durable", 1).await;
+            let run = claimed_run(store, project, routine, "w", 60_000).await;
             let token = store
-                .mint_run_token(project, run.id, "w", wor_store::now_millis() + 60_000)
+                .mint_run_token(project, run, "w", wor_store::now_millis() + 60_000)
                 .await
                 .unwrap()
                 .unwrap();
@@ -118,7 +93,7 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
                     nul_replaced: false,
                 })
             };
-            let write = || RunWrite::new(project, run.id, "w", 60_000);
+            let write = || RunWrite::new(project, run, "w", 60_000);
             let committed = |written: RunWritten| {
                 assert!(
                     matches!(written, RunWritten::Committed { .. }),
@@ -128,7 +103,11 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
 
             // Each snapshot counts what was recorded since the one before.
             commits();
-            committed(log.record(write().step(Provenance::Engine, turn())).await.unwrap());
+            committed(
+                log.record(write().step(Provenance::Engine, turn()))
+                    .await
+                    .unwrap(),
+            );
             assert_eq!(commits(), (0, 1), "a model turn is deferred");
             // On SQLite the writer drives its own connection on a thread of its own.
             assert_eq!(writer_threads(), usize::from(sqlite));
@@ -140,19 +119,29 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
             committed(log.record(write().minting(&minted, expires)).await.unwrap());
             assert_eq!(commits(), (0, 1), "a new credential is deferred");
             assert!(
-                store.authenticate_run_token(token.expose()).await.unwrap().is_none(),
+                store
+                    .authenticate_run_token(token.expose())
+                    .await
+                    .unwrap()
+                    .is_none(),
                 "the credential minted before is replaced"
             );
             let grant = store.authenticate_run_token(minted.expose()).await.unwrap();
-            assert_eq!(grant.map(|g| g.run_id), Some(run.id));
+            assert_eq!(grant.map(|g| g.run_id), Some(run));
             let stolen = wor_store::RunToken::generate().unwrap();
             assert_eq!(
-                log.record(RunWrite::new(project, run.id, "other", 60_000).minting(&stolen, expires))
+                log.record(RunWrite::new(project, run, "other", 60_000).minting(&stolen, expires))
                     .await
                     .unwrap(),
                 RunWritten::LeaseLost
             );
-            assert!(store.authenticate_run_token(stolen.expose()).await.unwrap().is_none());
+            assert!(
+                store
+                    .authenticate_run_token(stolen.expose())
+                    .await
+                    .unwrap()
+                    .is_none()
+            );
             commits();
             let token = minted;
 
@@ -170,7 +159,11 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
             // committed; the deferred writes before it waited for none.
             let synced_so_far = log_syncs.get();
             assert_eq!(synced_so_far > 0, sqlite, "{synced_so_far} flushes");
-            committed(log.record(write().step(Provenance::Engine, turn())).await.unwrap());
+            committed(
+                log.record(write().step(Provenance::Engine, turn()))
+                    .await
+                    .unwrap(),
+            );
             assert_eq!(commits(), (0, 1));
             assert_eq!(
                 log_syncs.get(),
@@ -197,7 +190,7 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
 
             // Once a cancel is requested, a write to be made only unless one was (a call's
             // reservation) writes nothing; any other write goes in and reports the cancel.
-            store.request_cancel(project, run.id).await.unwrap();
+            store.request_cancel(project, run).await.unwrap();
             assert_eq!(
                 log.record(
                     write()
@@ -222,7 +215,7 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
 
             // A write counted from the run's usage commits once: another counted from the same
             // usage finds it changed, and writes nothing.
-            let before = store.get_run(project, run.id).await.unwrap().usage;
+            let before = store.get_run(project, run).await.unwrap().usage;
             let counted = wor_core::budget::BudgetUsage {
                 tool_calls: before.tool_calls + 1,
                 ..before
@@ -245,7 +238,7 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
                 store,
                 &[format!(
                     "UPDATE run_tokens SET expires_at = 1 WHERE run_id = '{}'",
-                    run.id
+                    run
                 )],
             )
             .await
@@ -263,7 +256,9 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
             );
             let other = wor_store::RunToken::generate().unwrap();
             assert_eq!(
-                log.record(write().under_claim(other.expose())).await.unwrap(),
+                log.record(write().under_claim(other.expose()))
+                    .await
+                    .unwrap(),
                 RunWritten::CredentialEnded
             );
             commits();
@@ -287,7 +282,7 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
             }
             assert_eq!(wal_checkpoints.get() > 0, sqlite);
             // Every step is there, in order, whatever its durability.
-            let steps = store.list_run_steps(project, run.id, 0).await.unwrap();
+            let steps = store.list_run_steps(project, run, 0).await.unwrap();
             let kinds: Vec<_> = steps.iter().map(|s| s.step.kind()).collect();
             assert_eq!(
                 kinds,

@@ -15,7 +15,9 @@ use wor_store::testing::TestDatabase;
 use wor_store::{ApiKeyKind, NewApiKey, StoreError};
 
 mod support;
-use support::{audit_config, key_event, queued_run, signing_key};
+use support::{
+    audit_config, claimed_run, key_event, project_with_routine, queued_run, signing_key,
+};
 
 #[tokio::test]
 async fn project_creation_makes_an_owner_with_a_working_key() {
@@ -2296,20 +2298,7 @@ async fn the_write_ahead_log_is_reused_under_writes_that_never_pause() {
         eprintln!("PostgreSQL keeps its own log: nothing of this test applies");
         return;
     }
-    let project = store
-        .create_project(&TestDatabase::unique_name("wal"), "alice")
-        .await
-        .unwrap()
-        .project
-        .id;
-    let toml = "name = \"r\"\ninstructions = \"x\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\nscript = { turns = [{ text = \"hi\" }] }\n[concurrency]\nmax_runs = 8\n";
-    let definition = wor_core::routine::RoutineDefinition::from_toml(toml).unwrap();
-    let routine = store
-        .apply_routine(project, toml, &definition, None)
-        .await
-        .unwrap()
-        .routine
-        .id;
+    let (project, routine) = project_with_routine(store, "wal", 8).await;
     let log = AuditLog::start(store.clone(), signing_key(9), audit_config(1_000));
     let database: String =
         sqlx::query_scalar("SELECT file FROM pragma_database_list WHERE name = 'main'")
@@ -2320,20 +2309,8 @@ async fn the_write_ahead_log_is_reused_under_writes_that_never_pause() {
     // Four runs write 64 KiB turns back to back, 48 MiB in all.
     let mut writers = Vec::new();
     for n in 0..4 {
-        let run = store
-            .create_run(
-                project,
-                queued_run(routine, 1, None, 1),
-                InputStep::requested(serde_json::json!("x")),
-            )
-            .await
-            .unwrap();
         let worker = format!("w{n}");
-        store
-            .claim_run_by_id(project, run.id, &worker, 600_000)
-            .await
-            .unwrap()
-            .unwrap();
+        let run = claimed_run(store, project, routine, &worker, 600_000).await;
         let log = log.clone();
         writers.push(tokio::spawn(async move {
             for _ in 0..192 {
@@ -2349,7 +2326,7 @@ async fn the_write_ahead_log_is_reused_under_writes_that_never_pause() {
                 });
                 let written = log
                     .record(
-                        RunWrite::new(project, run.id, &worker, 600_000)
+                        RunWrite::new(project, run, &worker, 600_000)
                             .step(Provenance::Engine, turn),
                     )
                     .await
@@ -2383,35 +2360,10 @@ async fn a_sweep_of_stale_credentials_skips_one_another_transaction_holds() {
         eprintln!("SQLite has no row locks: nothing of this test applies");
         return;
     }
-    let project = store
-        .create_project(&TestDatabase::unique_name("sweep"), "alice")
-        .await
-        .unwrap()
-        .project
-        .id;
-    let toml = "name = \"r\"\ninstructions = \"x\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\nscript = { turns = [{ text = \"hi\" }] }\n";
-    let definition = wor_core::routine::RoutineDefinition::from_toml(toml).unwrap();
-    let routine = store
-        .apply_routine(project, toml, &definition, None)
-        .await
-        .unwrap()
-        .routine
-        .id;
-    let run = store
-        .create_run(
-            project,
-            queued_run(routine, 1, None, 1),
-            InputStep::requested(serde_json::json!("x")),
-        )
-        .await
-        .unwrap();
+    let (project, routine) = project_with_routine(store, "sweep", 1).await;
+    let run = claimed_run(store, project, routine, "w", 60_000).await;
     store
-        .claim_run_by_id(project, run.id, "w", 60_000)
-        .await
-        .unwrap()
-        .unwrap();
-    store
-        .mint_run_token(project, run.id, "w", wor_store::now_millis() + 60_000)
+        .mint_run_token(project, run, "w", wor_store::now_millis() + 60_000)
         .await
         .unwrap()
         .unwrap();
@@ -2422,7 +2374,7 @@ async fn a_sweep_of_stale_credentials_skips_one_another_transaction_holds() {
         &[format!(
             "UPDATE runs SET status = 'queued', lease_owner = NULL, lease_expires_at = NULL \
              WHERE id = '{}'",
-            run.id
+            run
         )],
     )
     .await
@@ -2433,7 +2385,7 @@ async fn a_sweep_of_stale_credentials_skips_one_another_transaction_holds() {
     )]
     let mut holder = store.pool().begin().await.unwrap();
     sqlx::query("SELECT run_id FROM run_tokens WHERE run_id = $1 FOR UPDATE")
-        .bind(run.id.to_string())
+        .bind(run.to_string())
         .fetch_all(&mut *holder)
         .await
         .unwrap();
@@ -2444,8 +2396,8 @@ async fn a_sweep_of_stale_credentials_skips_one_another_transaction_holds() {
     .await
     .expect("the sweep waited for the held credential")
     .unwrap();
-    assert!(store.run_token_exists(run.id).await.unwrap());
+    assert!(store.run_token_exists(run).await.unwrap());
     holder.rollback().await.unwrap();
     store.requeue_expired_runs().await.unwrap();
-    assert!(!store.run_token_exists(run.id).await.unwrap());
+    assert!(!store.run_token_exists(run).await.unwrap());
 }

@@ -53,3 +53,57 @@ pub fn queued_run(
         parent: None,
     }
 }
+
+/// A new project (its name `name`, made unique) with one replay routine `r` that allows
+/// `max_runs` runs at once.
+pub async fn project_with_routine(
+    store: &wor_store::Store,
+    name: &str,
+    max_runs: u64,
+) -> (ProjectId, wor_core::RoutineId) {
+    let project = store
+        .create_project(
+            &wor_store::testing::TestDatabase::unique_name(name),
+            "alice",
+        )
+        .await
+        .unwrap()
+        .project
+        .id;
+    let toml = format!(
+        "name = \"r\"\ninstructions = \"x\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\n\
+         script = {{ turns = [{{ text = \"hi\" }}] }}\n[concurrency]\nmax_runs = {max_runs}\n"
+    );
+    let definition = wor_core::routine::RoutineDefinition::from_toml(&toml).unwrap();
+    let routine = store
+        .apply_routine(project, &toml, &definition, None)
+        .await
+        .unwrap()
+        .routine
+        .id;
+    (project, routine)
+}
+
+/// A run of `routine`, created and claimed by `worker` for `lease_ms`.
+pub async fn claimed_run(
+    store: &wor_store::Store,
+    project: ProjectId,
+    routine: wor_core::RoutineId,
+    worker: &str,
+    lease_ms: i64,
+) -> wor_core::RunId {
+    let run = store
+        .create_run(
+            project,
+            queued_run(routine, 1, None, 1),
+            wor_core::step::InputStep::requested(serde_json::json!("x")),
+        )
+        .await
+        .unwrap();
+    store
+        .claim_run_by_id(project, run.id, worker, lease_ms)
+        .await
+        .unwrap()
+        .unwrap();
+    run.id
+}
