@@ -170,10 +170,10 @@ pub(crate) const RESTART_BACKOFF: Duration = Duration::from_secs(1);
 ///
 /// SQLite would otherwise do it right after the commit that takes the log past 1,000 pages,
 /// on the committing connection: the writer's thread would wait for a flush of the log and
-/// one of the database file, several milliseconds in which no run's write was committed. The writer's own
-/// connection leaves it to this thread (`wal_autocheckpoint = 0`). A checkpoint here is
-/// `PASSIVE`: it copies what no reader still needs and waits for no one; SQLite flushes the
-/// log before copying it and the database file after.
+/// one of the database file, several milliseconds in which no run's write was committed.
+/// The writer's own connection leaves it to this thread (`wal_autocheckpoint = 0`). A
+/// checkpoint here is `PASSIVE`: it copies what no reader still needs and waits for no one;
+/// SQLite flushes the log before copying it and the database file after.
 ///
 /// The log is reused from its start only by a writer that begins once all of it is copied,
 /// which under a steady stream of commits never happens after a checkpoint that let them go
