@@ -1093,8 +1093,19 @@ tool = "{connection}/lookup"
 mode = "auto"
 "#
         );
+        apply_routine(client, owner, dir, name, &routine);
+    }
+
+    /// Writes `toml` as routine `name`'s file in `dir` and applies it, through the CLI.
+    pub fn apply_routine(
+        client: &Client<'_>,
+        owner: &str,
+        dir: &std::path::Path,
+        name: &str,
+        toml: &str,
+    ) {
         let file = dir.join(format!("{name}.toml"));
-        std::fs::write(&file, routine).unwrap();
+        std::fs::write(&file, toml).unwrap();
         let applied = client(
             owner,
             &["routine", "apply", "-f", file.to_str().unwrap()],
@@ -1250,14 +1261,7 @@ mode = "confirm"
 "#,
         result = traced::RESULT
     );
-    let file = dir.path().join("traced.toml");
-    std::fs::write(&file, routine).unwrap();
-    let applied = client(
-        &owner,
-        &["routine", "apply", "-f", file.to_str().unwrap()],
-        &[],
-    );
-    assert!(applied.status.success(), "{}", text(&applied.stderr));
+    traced::apply_routine(&client, &owner, dir.path(), "traced", &routine);
     let approver = client(
         &owner,
         &["member", "create", "pat", "--role", "approver"],
