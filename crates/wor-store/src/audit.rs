@@ -1,9 +1,12 @@
 //! The audit chain's storage: the one writer, with group commit and signed checkpoints, and
 //! the reads that export and verify it.
 //!
-//! [`AuditLog`] is a handle to the writer. Every append goes through its channel; the writer
+//! [`AuditLog`] is a handle to the writer. An append goes through its channel; the writer
 //! takes whatever is queued (up to a batch size), writes it in one transaction in arrival
-//! order and answers each caller once that transaction has committed. The chain's head is read
+//! order and answers each caller once that transaction has committed. On SQLite, a caller
+//! that finds the writer idle commits its own append instead, on its own thread, with the
+//! writer's connection and under the same lock: a lone write then costs no hand-off to the
+//! writer's thread and back (see [`AuditLog::record`]). The chain's head is read
 //! inside the transaction, after taking the project's lock — the database's write lock on
 //! SQLite (`BEGIN IMMEDIATE`), a transaction-scoped advisory lock on PostgreSQL — so the chain
 //! stays correct across restarts and across several server processes sharing one database.
@@ -12,13 +15,14 @@
 //! `audit_checkpoints`, and nothing updates or deletes them (triggers refuse it).
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use std::time::Duration;
 
 use ed25519_dalek::VerifyingKey;
 use serde_json::Value;
 use sha2::{Digest as _, Sha256};
 use sqlx::Row;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{Mutex, Notify, mpsc, oneshot};
 use wor_core::ProjectId;
 use wor_core::audit::{
     Anchor, AuditCheckpoint, AuditEntry, AuditEvent, ChainVerifier, GENESIS_HASH, Verification,
@@ -75,10 +79,21 @@ enum Command {
 }
 
 /// The handle through which everything is appended to the audit log. Cheap to clone.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct AuditLog {
     sender: mpsc::Sender<Command>,
+    /// The writer, locked by whoever commits a batch: its own loop, or a caller that found it
+    /// idle.
+    writer: Arc<tokio::sync::Mutex<Writer>>,
     verifying_key: VerifyingKey,
+}
+
+impl std::fmt::Debug for AuditLog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AuditLog")
+            .field("verifying_key", &self.verifying_key)
+            .finish_non_exhaustive()
+    }
 }
 
 impl std::fmt::Debug for Command {
@@ -112,21 +127,42 @@ impl AuditLog {
             wal: None,
             checkpoints: None,
             restart_not_before: None,
+            restart_wanted: Arc::new(Notify::new()),
         };
-        writer.spawn(receiver);
+        let backend = writer.store.backend;
+        let writer = Arc::new(Mutex::new(writer));
+        Writer::spawn(writer.clone(), backend, receiver);
         AuditLog {
             sender,
+            writer,
             verifying_key,
         }
+    }
+
+    /// Hands `command` to the writer, or, when the writer is idle and commits on its own
+    /// connection to SQLite, does it here: the batch of this one command is written on the
+    /// caller's thread, which it blocks for that transaction (its statements run
+    /// synchronously, and none of them waits for anything once the transaction has begun).
+    /// Its reply is sent before this returns. A writer that is busy, or that writes through
+    /// the pool (PostgreSQL, where a statement awaits the server and a caller's future could
+    /// be dropped mid-transaction), gets it through its channel, in order with the rest.
+    async fn submit(&self, command: Command) -> Result<(), StoreError> {
+        if let Ok(mut writer) = self.writer.try_lock()
+            && writer.commits_on_own_connection()
+        {
+            writer.handle(vec![command], Committer::Caller).await;
+            return Ok(());
+        }
+        self.sender
+            .send(command)
+            .await
+            .map_err(|_| StoreError::AuditStopped)
     }
 
     /// Appends `event` to its project's chain and returns once it is committed.
     pub async fn append(&self, event: AuditEvent) -> Result<AuditReceipt, StoreError> {
         let (reply, answer) = oneshot::channel();
-        self.sender
-            .send(Command::Append { event, reply })
-            .await
-            .map_err(|_| StoreError::AuditStopped)?;
+        self.submit(Command::Append { event, reply }).await?;
         answer.await.map_err(|_| StoreError::AuditStopped)?
     }
 
@@ -149,16 +185,15 @@ impl AuditLog {
     }
 
     /// Records a run's step (steps, usage, audit entries) in one transaction, shared with
-    /// whatever else is queued, and returns once it is committed; see [`RunWrite`].
+    /// whatever else is queued, and returns once it is committed; see [`RunWrite`]. On
+    /// SQLite, a write that finds the writer idle is committed by its caller.
     pub async fn record(&self, write: RunWrite) -> Result<RunWritten, StoreError> {
         let (reply, answer) = oneshot::channel();
-        self.sender
-            .send(Command::Record {
-                write: Box::new(write),
-                reply,
-            })
-            .await
-            .map_err(|_| StoreError::AuditStopped)?;
+        self.submit(Command::Record {
+            write: Box::new(write),
+            reply,
+        })
+        .await?;
         answer.await.map_err(|_| StoreError::AuditStopped)?
     }
 
@@ -194,6 +229,26 @@ struct Writer {
     checkpoints: Option<WalCheckpointer>,
     /// No restart of the log is tried before this: readers kept the last one.
     restart_not_before: Option<std::time::Instant>,
+    /// A caller's commit found the log due for a restart, which the writer's loop does: it
+    /// may wait for readers, and a caller's thread is not blocked for that.
+    restart_wanted: Arc<Notify>,
+}
+
+/// Who commits a batch: the writer's loop, on a thread (or task) of its own, or a caller
+/// that found the writer idle ([`AuditLog::submit`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Committer {
+    Writer,
+    Caller,
+}
+
+impl Committer {
+    fn as_str(self) -> &'static str {
+        match self {
+            Committer::Writer => "writer",
+            Committer::Caller => "caller",
+        }
+    }
 }
 
 /// The connection the writer commits on.
@@ -292,13 +347,14 @@ impl Writer {
     /// Starts the writer: on SQLite on a thread of its own, where it may drive its own
     /// connection synchronously ([`Connection::Embedded`]); on PostgreSQL, or when that thread
     /// cannot start, as a task of the current runtime on a connection of the pool.
-    fn spawn(self, receiver: mpsc::Receiver<Command>) {
+    fn spawn(this: Arc<Mutex<Writer>>, backend: Backend, receiver: mpsc::Receiver<Command>) {
         let runtime = tokio::runtime::Handle::current();
-        if self.store.backend != Backend::Sqlite {
-            runtime.spawn(self.run(receiver, runtime.clone(), false));
+        if backend != Backend::Sqlite {
+            runtime.spawn(Writer::run(this, receiver, runtime.clone(), false));
             return;
         }
-        let (sender, start) = std::sync::mpsc::channel::<(Writer, mpsc::Receiver<Command>)>();
+        let (sender, start) =
+            std::sync::mpsc::channel::<(Arc<Mutex<Writer>>, mpsc::Receiver<Command>)>();
         let shared = runtime.clone();
         let thread = std::thread::Builder::new()
             .name("wor-audit-log".to_owned())
@@ -310,22 +366,22 @@ impl Writer {
                     .enable_all()
                     .build()
                 {
-                    Ok(own) => own.block_on(writer.run(receiver, shared, true)),
+                    Ok(own) => own.block_on(Writer::run(writer, receiver, shared, true)),
                     Err(_) => {
                         tracing::warn!(
                             category = "audit",
                             "the audit writer's runtime cannot start; it runs as a task"
                         );
                         let on = shared.clone();
-                        on.spawn(writer.run(receiver, shared, false));
+                        on.spawn(Writer::run(writer, receiver, shared, false));
                     }
                 }
             });
         match thread {
             Ok(_) => {
-                if let Err(unsent) = sender.send((self, receiver)) {
+                if let Err(unsent) = sender.send((this, receiver)) {
                     let (writer, receiver) = unsent.0;
-                    runtime.spawn(writer.run(receiver, runtime.clone(), false));
+                    runtime.spawn(Writer::run(writer, receiver, runtime.clone(), false));
                 }
             }
             Err(_) => {
@@ -333,22 +389,24 @@ impl Writer {
                     category = "audit",
                     "the audit writer's thread cannot start; it runs as a task"
                 );
-                runtime.spawn(self.run(receiver, runtime.clone(), false));
+                runtime.spawn(Writer::run(this, receiver, runtime.clone(), false));
             }
         }
     }
 
     /// The writer's loop. `shared` is the process's runtime, where the log syncer runs;
     /// `own_thread` says whether this loop has a thread to itself, which it may then block
-    /// on its own connection's statements.
+    /// on its own connection's statements. The loop holds the writer while it opens its
+    /// connection: until then a caller's write goes through the channel.
     async fn run(
-        mut self,
+        writer: Arc<Mutex<Writer>>,
         mut receiver: mpsc::Receiver<Command>,
         shared: tokio::runtime::Handle,
         own_thread: bool,
     ) {
+        let mut this = writer.clone().lock_owned().await;
         // Read on the process's runtime, whose tasks the pool's connections go back to.
-        let store = self.store.clone();
+        let store = this.store.clone();
         let log = shared
             .spawn(async move { wal_log(&store).await })
             .await
@@ -368,7 +426,7 @@ impl Writer {
                                 .map_err(|err| err.kind())
                         });
                     match checkpoints {
-                        Ok(checkpoints) => self.checkpoints = Some(checkpoints),
+                        Ok(checkpoints) => this.checkpoints = Some(checkpoints),
                         Err(kind) => tracing::warn!(
                             category = "audit",
                             kind,
@@ -379,7 +437,7 @@ impl Writer {
                 });
                 match opened {
                     Ok(embedded) => {
-                        *self
+                        *this
                             .connection
                             .get_mut()
                             .unwrap_or_else(std::sync::PoisonError::into_inner) =
@@ -394,33 +452,53 @@ impl Writer {
             }
             let (sender, waiting) = mpsc::unbounded_channel();
             shared.spawn(sync_wal(log, waiting));
-            self.wal = Some(sender);
+            this.wal = Some(sender);
         }
-        let mut ticker = tokio::time::interval(self.config.checkpoint_interval);
+        let mut ticker = tokio::time::interval(this.config.checkpoint_interval);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         ticker.tick().await;
+        let restart_wanted = this.restart_wanted.clone();
+        drop(this);
         loop {
             tokio::select! {
                 command = receiver.recv() => {
                     let Some(command) = command else { break };
+                    // Waiting here, the loop is next to get the writer: a caller's attempt to
+                    // commit its own write fails meanwhile, and its write queues behind.
+                    let mut this = writer.lock().await;
                     let mut batch = vec![command];
-                    while batch.len() < self.config.max_batch {
+                    while batch.len() < this.config.max_batch {
                         match receiver.try_recv() {
                             Ok(command) => batch.push(command),
                             Err(_) => break,
                         }
                     }
-                    self.handle(batch).await;
+                    this.handle(batch, Committer::Writer).await;
                 }
                 _ = ticker.tick() => {
-                    let _ = self.checkpoint_unsigned().await;
+                    let _ = writer.lock().await.checkpoint_unsigned().await;
+                }
+                () = restart_wanted.notified() => {
+                    writer.lock().await.restart_log();
                 }
             }
         }
-        let _ = self.checkpoint_unsigned().await;
+        let _ = writer.lock().await.checkpoint_unsigned().await;
     }
 
-    async fn handle(&mut self, batch: Vec<Command>) {
+    /// Whether batches commit on the writer's own connection to SQLite, whose statements run
+    /// synchronously: only then may a caller commit its own ([`AuditLog::submit`]).
+    fn commits_on_own_connection(&mut self) -> bool {
+        matches!(
+            *self
+                .connection
+                .get_mut()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+            Connection::Embedded(_)
+        )
+    }
+
+    async fn handle(&mut self, batch: Vec<Command>, committer: Committer) {
         let mut events = Vec::new();
         let mut replies: Replies = Vec::new();
         let mut records = Vec::new();
@@ -445,6 +523,9 @@ impl Writer {
             let began = std::time::Instant::now();
             let committed = self.commit_batch(events, writes).await;
             crate::metrics::audit_batch(count, began.elapsed(), committed.is_ok());
+            if committed.is_ok() {
+                crate::metrics::audit_batch_committed_by(committer.as_str());
+            }
             after_commit = match (&committed, &self.checkpoints) {
                 (Ok(_), Some(checkpoints)) => checkpoints.committed(),
                 _ => AfterCommit::Nothing,
@@ -500,7 +581,8 @@ impl Writer {
         }
         match after_commit {
             AfterCommit::Nothing => {}
-            AfterCommit::RestartLog => self.restart_log(),
+            AfterCommit::RestartLog if committer == Committer::Writer => self.restart_log(),
+            AfterCommit::RestartLog => self.restart_wanted.notify_one(),
             AfterCommit::Stopped => self.checkpoint_as_it_commits(),
         }
         if !checkpoint_replies.is_empty() {

@@ -9,6 +9,7 @@ pub const AUDIT_APPEND: &str = "wor_audit_append_seconds";
 pub const AUDIT_BATCH: &str = "wor_audit_batch_entries";
 pub const AUDIT_APPEND_FAILURES: &str = "wor_audit_append_failures_total";
 pub const AUDIT_COMMITS: &str = "wor_audit_commits_total";
+pub const AUDIT_BATCHES: &str = "wor_audit_batches_total";
 pub const AUDIT_LOG_SYNCS: &str = "wor_audit_log_syncs_total";
 pub const WAL_CHECKPOINTS: &str = "wor_sqlite_wal_checkpoints_total";
 /// Runs ended, by final status and trigger: counted here for runs that end without a worker
@@ -51,6 +52,11 @@ pub fn describe() {
          writer's thread (passive), or by the writer restarting a long log (restart)"
     );
     describe_counter!(
+        AUDIT_BATCHES,
+        "Batches of audit entries and journal writes committed, by who committed them: the \
+         audit writer, or on SQLite a caller that found the writer idle"
+    );
+    describe_counter!(
         AUDIT_COMMITS,
         "Transactions the audit writer committed, by durability: synced to disk before they \
          were acknowledged, or deferred to the next synced one"
@@ -75,6 +81,12 @@ pub(crate) fn audit_commit(durability: crate::Durability) {
         crate::Durability::Deferred => "deferred",
     };
     counter!(AUDIT_COMMITS, "durability" => durability).increment(1);
+}
+
+/// A batch committed, by `committer`: the audit writer's loop (`writer`) or, on SQLite, the
+/// caller that found the writer idle (`caller`).
+pub(crate) fn audit_batch_committed_by(committer: &'static str) {
+    counter!(AUDIT_BATCHES, "committed_by" => committer).increment(1);
 }
 
 /// The audit writer wrote (or failed to write) a batch of `entries` in `took`.

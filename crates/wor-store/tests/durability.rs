@@ -31,6 +31,9 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
     let log_syncs = std::cell::Cell::new(0u64);
     // Checkpoints that copied SQLite's log into the database file, off the writer's thread.
     let wal_checkpoints = std::cell::Cell::new(0u64);
+    // Batches committed by a caller that found the writer idle, and by the writer's loop.
+    let by_caller = std::cell::Cell::new(0u64);
+    let by_writer = std::cell::Cell::new(0u64);
     let commits = || {
         let mut counts = (0, 0);
         for (key, _, _, value) in snapshotter.snapshot().into_vec() {
@@ -45,6 +48,16 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
                 && let DebugValue::Counter(n) = value
             {
                 wal_checkpoints.set(wal_checkpoints.get() + n);
+                continue;
+            }
+            if key.name() == "wor_audit_batches_total"
+                && let DebugValue::Counter(n) = value
+            {
+                match key.labels().next().map(|l| l.value().to_owned()).as_deref() {
+                    Some("caller") => by_caller.set(by_caller.get() + n),
+                    Some("writer") => by_writer.set(by_writer.get() + n),
+                    other => panic!("unexpected label {other:?}"),
+                }
                 continue;
             }
             if key.name() != "wor_audit_commits_total" {
@@ -170,6 +183,20 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
                 synced_so_far,
                 "a deferred write waits for no flush"
             );
+            // On SQLite a write that finds the writer idle is committed by its caller, with no
+            // hand-off to the writer's thread; on PostgreSQL the writer commits every batch.
+            let (callers, writers) = (by_caller.get(), by_writer.get());
+            committed(
+                log.record(write().step(Provenance::Engine, turn()))
+                    .await
+                    .unwrap(),
+            );
+            commits();
+            assert_eq!(
+                (by_caller.get() - callers, by_writer.get() - writers),
+                if sqlite { (1, 0) } else { (0, 1) },
+                "who committed a lone write"
+            );
 
             // The reservation of a read (a write under the live credential) is committed but
             // deferred: it waits for no flush either.
@@ -288,6 +315,7 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
                 kinds,
                 [
                     StepKind::Input,
+                    StepKind::ModelTurn,
                     StepKind::ModelTurn,
                     StepKind::ModelTurn,
                     StepKind::ModelTurn,
