@@ -18,7 +18,7 @@ use wor_store::{
 use wor_core::call::Verdict;
 use wor_core::routine::ROUTINE_CONNECTION;
 use wor_core::step::untrusted_sources;
-use wor_tools::{ArgumentError, CanonicalArguments, prepare_arguments};
+use wor_tools::{ArgumentError, CanonicalArguments};
 
 use crate::pipeline::decide_call;
 use crate::run_tools::OfferedTool;
@@ -366,15 +366,7 @@ impl Engine {
             let Some(pin) = pins.into_iter().find(|p| p.name() == tool) else {
                 return Err(unavailable("its tool connection no longer pins it".to_owned()).into());
             };
-            OfferedTool {
-                roster_name: entry.tool.clone(),
-                connection: connection.to_owned(),
-                tool: tool.to_owned(),
-                mode: entry.mode,
-                class: record.class_of(tool),
-                entry: entry.clone(),
-                pin,
-            }
+            OfferedTool::new(entry, connection, tool, pin, record.class_of(tool))
         };
         if offered.pin.hash() != approval.pin_hash {
             return Err(unavailable(
@@ -382,7 +374,8 @@ impl Engine {
             )
             .into());
         }
-        let arguments = prepare_arguments(edited, &offered.entry, &offered.pin.input_schema())
+        let arguments = offered
+            .prepare_arguments(edited)
             .map_err(|error| EditRefusal::from_argument_error(&error))?;
         let policy = self.run_policy(run, definition).await?;
         let steps = self.store.list_run_steps(project, run.id, 0).await?;

@@ -119,16 +119,14 @@ impl Engine {
         let mut definition = routine_tool_definition(name, &description);
         definition.annotations = Some(json!({"routine": name, "content_hash": content_hash}));
         let pin = PinnedToolDefinition::pin(definition);
-        Ok(OfferedTool {
-            roster_name: entry.tool.clone(),
-            connection: ROUTINE_CONNECTION.to_owned(),
-            tool: name.to_owned(),
-            mode: entry.mode,
+        // A routine can do anything its own roster lets it: never read-only by default.
+        Ok(OfferedTool::new(
+            entry,
+            ROUTINE_CONNECTION,
+            name,
             pin,
-            entry: entry.clone(),
-            // A routine can do anything its own roster lets it: never read-only by default.
-            class: ToolClass::Consequential,
-        })
+            ToolClass::Consequential,
+        ))
     }
 
     /// Runs the nested routine of a call (or picks up the one a previous attempt started) and

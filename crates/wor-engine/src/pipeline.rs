@@ -27,7 +27,7 @@ use wor_store::{
     ApprovalKind, ApprovalRecord, ApprovalStatus, ApprovedCall, ApprovedClaim, ApprovedStart,
     NewApproval, RunRecord,
 };
-use wor_tools::{CanonicalArguments, ResultLimits, prepare_arguments};
+use wor_tools::{CanonicalArguments, ResultLimits};
 
 use crate::authority::Standing;
 use crate::call::{CallScope, Recorded, Stopped, decided_event, run_event, with_step};
@@ -120,14 +120,13 @@ impl Engine {
             return Ok(CallOutcome::Fail(refusal));
         }
         // 2-3. Schema and pinned arguments: failures go back to the model.
-        let arguments =
-            match prepare_arguments(&call.arguments, &offered.entry, &offered.pin.input_schema()) {
-                Ok(arguments) => arguments,
-                Err(error) => {
-                    let text = format!("tool `{}`: {error}", offered.roster_name);
-                    return Ok(scope.refuse(pending, usage, &text));
-                }
-            };
+        let arguments = match offered.prepare_arguments(&call.arguments) {
+            Ok(arguments) => arguments,
+            Err(error) => {
+                let text = format!("tool `{}`: {error}", offered.roster_name);
+                return Ok(scope.refuse(pending, usage, &text));
+            }
+        };
         // 4. Decision.
         let deciding = std::time::SystemTime::now();
         let (decision, labels) = self.decide(scope, offered, &arguments, usage);
@@ -459,11 +458,11 @@ impl Engine {
                 return Ok(scope.refuse(pending, usage, &text));
             };
             // The same arguments as the first attempt: pinned values applied, schema checked.
-            let input =
-                prepare_arguments(&call.arguments, &offered.entry, &offered.pin.input_schema())
-                    .ok()
-                    .map(|a| routine_input(&a))
-                    .unwrap_or_default();
+            let input = offered
+                .prepare_arguments(&call.arguments)
+                .ok()
+                .map(|a| routine_input(&a))
+                .unwrap_or_default();
             return self
                 .call_routine(scope, offered, pending, &input, usage)
                 .await;
@@ -693,11 +692,7 @@ impl Engine {
             (None, _) => None,
         };
         let model_arguments = replaced.clone().unwrap_or_else(|| call.arguments.clone());
-        let arguments = match prepare_arguments(
-            &model_arguments,
-            &offered.entry,
-            &offered.pin.input_schema(),
-        ) {
+        let arguments = match offered.prepare_arguments(&model_arguments) {
             Ok(arguments) => arguments,
             Err(error) if replaced.is_some() => {
                 let text = format!(

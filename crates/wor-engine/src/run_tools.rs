@@ -29,6 +29,40 @@ pub(crate) struct OfferedTool {
     pub pin: PinnedToolDefinition,
     pub entry: wor_core::routine::RosterEntry,
     pub class: ToolClass,
+    /// The pin's input schema, compiled at the first call and kept for the run's others.
+    schema: wor_tools::ArgumentSchema,
+}
+
+impl OfferedTool {
+    /// `connection/tool` as the roster `entry` offers it, under `pin`, of `class`.
+    pub(crate) fn new(
+        entry: &wor_core::routine::RosterEntry,
+        connection: &str,
+        tool: &str,
+        pin: PinnedToolDefinition,
+        class: ToolClass,
+    ) -> Self {
+        let schema = wor_tools::ArgumentSchema::new(pin.input_schema());
+        OfferedTool {
+            roster_name: entry.tool.clone(),
+            connection: connection.to_owned(),
+            tool: tool.to_owned(),
+            mode: entry.mode,
+            pin,
+            entry: entry.clone(),
+            class,
+            schema,
+        }
+    }
+
+    /// The arguments to send for `model_arguments`: pipeline steps 2 and 3
+    /// ([`wor_tools::ArgumentSchema::prepare`]).
+    pub(crate) fn prepare_arguments(
+        &self,
+        model_arguments: &serde_json::Value,
+    ) -> Result<wor_tools::CanonicalArguments, wor_tools::ArgumentError> {
+        self.schema.prepare(model_arguments, &self.entry)
+    }
 }
 
 /// An open connection of the run, with the record its pins were checked against.
@@ -242,15 +276,7 @@ impl Engine {
         pin: PinnedToolDefinition,
     ) -> Result<(), ToolsUnavailable> {
         let name = model_name(connection, tool);
-        let offered = OfferedTool {
-            roster_name: entry.tool.clone(),
-            connection: connection.to_owned(),
-            tool: tool.to_owned(),
-            mode: entry.mode,
-            pin,
-            entry: entry.clone(),
-            class: record.class_of(tool),
-        };
+        let offered = OfferedTool::new(entry, connection, tool, pin, record.class_of(tool));
         if tools.offered.insert(name.clone(), offered).is_some() {
             return Err(ToolsUnavailable::Refused(format!(
                 "two roster tools are offered to the model as `{name}`; rename one connection"

@@ -55,7 +55,7 @@ pub use openapi::{
 pub use output::{OutputSchema, OutputSchemaError, OutputViolation};
 pub use result::{ResultLimits, ShapedResult, ToolCallResult, ToolContent, Truncation};
 pub use roster::{
-    ArgumentError, CanonicalArguments, ModelToolSpec, SchemaViolation, model_view,
+    ArgumentError, ArgumentSchema, CanonicalArguments, ModelToolSpec, SchemaViolation, model_view,
     prepare_arguments,
 };
 pub use session::{ToolSession, ToolSessionError};

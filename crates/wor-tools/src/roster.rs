@@ -6,6 +6,7 @@
 //! Every [`ArgumentError`] is a message for the model (a tool error), not a server failure.
 
 use std::collections::BTreeSet;
+use std::sync::OnceLock;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -119,66 +120,108 @@ fn json_type(value: &Value) -> &'static str {
     }
 }
 
-/// Builds the arguments to send: the model's object (`null` counts as `{}`), with every pinned
-/// value written over it, validated against `pinned_schema`.
-///
-/// A violation at a pinned key names the key but never shows its value: pinned values are
-/// hidden from the model.
+/// A tool's pinned input schema, compiled the first time arguments are checked against it and
+/// kept for every later call (a run holds one per tool it offers). A schema that cannot be
+/// compiled refuses every call, each with the same reason.
+pub struct ArgumentSchema {
+    schema: Value,
+    compiled: OnceLock<Result<jsonschema::Validator, String>>,
+}
+
+impl std::fmt::Debug for ArgumentSchema {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ArgumentSchema")
+            .field("schema", &self.schema)
+            .field("compiled", &self.compiled.get().map(Result::is_ok))
+            .finish()
+    }
+}
+
+impl ArgumentSchema {
+    /// `pinned_schema`, compiled when first used.
+    pub fn new(pinned_schema: Value) -> Self {
+        ArgumentSchema {
+            schema: pinned_schema,
+            compiled: OnceLock::new(),
+        }
+    }
+
+    /// Builds the arguments to send: the model's object (`null` counts as `{}`), with every
+    /// pinned value written over it, validated against the schema.
+    ///
+    /// A violation at a pinned key names the key but never shows its value: pinned values are
+    /// hidden from the model.
+    pub fn prepare(
+        &self,
+        model_arguments: &Value,
+        entry: &RosterEntry,
+    ) -> Result<CanonicalArguments, ArgumentError> {
+        let mut arguments = match model_arguments {
+            Value::Object(map) => map.clone(),
+            Value::Null => Map::new(),
+            other => {
+                return Err(ArgumentError::NotAnObject {
+                    found: json_type(other),
+                });
+            }
+        };
+        for (key, value) in &entry.pinned {
+            arguments.insert(key.clone(), value.clone());
+        }
+        let instance = Value::Object(arguments);
+
+        let validator = self
+            .compiled
+            .get_or_init(|| {
+                jsonschema::options()
+                    .offline()
+                    .build(&self.schema)
+                    .map_err(|error| error.to_string())
+            })
+            .as_ref()
+            .map_err(|reason| ArgumentError::UnusableSchema {
+                reason: reason.clone(),
+            })?;
+        let pinned_keys: BTreeSet<&String> = entry.pinned.keys().collect();
+        let violations: Vec<SchemaViolation> = validator
+            .iter_errors(&instance)
+            .map(|error| {
+                let path = error.instance_path().as_str().to_owned();
+                let first = path.split('/').nth(1).map(unescape_pointer);
+                let at_pinned = first.is_some_and(|key| pinned_keys.contains(&key));
+                let message = if at_pinned {
+                    error.masked().to_string()
+                } else {
+                    error.to_string()
+                };
+                SchemaViolation { path, message }
+            })
+            .collect();
+        if !violations.is_empty() {
+            return Err(ArgumentError::SchemaViolations { violations });
+        }
+
+        let Value::Object(value) = instance else {
+            return Err(ArgumentError::NotAnObject { found: "unknown" });
+        };
+        let canonical_json = wor_core::canonical::to_canonical_json(&Value::Object(value.clone()));
+        let hash = wor_core::canonical::sha256_hex(canonical_json.as_bytes());
+        Ok(CanonicalArguments {
+            value,
+            canonical_json,
+            hash,
+            pinned_keys: pinned_keys.into_iter().cloned().collect(),
+        })
+    }
+}
+
+/// [`ArgumentSchema::prepare`] against `pinned_schema`, compiled for this one call.
 pub fn prepare_arguments(
     model_arguments: &Value,
     entry: &RosterEntry,
     pinned_schema: &Value,
 ) -> Result<CanonicalArguments, ArgumentError> {
-    let mut arguments = match model_arguments {
-        Value::Object(map) => map.clone(),
-        Value::Null => Map::new(),
-        other => {
-            return Err(ArgumentError::NotAnObject {
-                found: json_type(other),
-            });
-        }
-    };
-    for (key, value) in &entry.pinned {
-        arguments.insert(key.clone(), value.clone());
-    }
-    let instance = Value::Object(arguments);
-
-    let validator = jsonschema::options()
-        .offline()
-        .build(pinned_schema)
-        .map_err(|error| ArgumentError::UnusableSchema {
-            reason: error.to_string(),
-        })?;
-    let pinned_keys: BTreeSet<&String> = entry.pinned.keys().collect();
-    let violations: Vec<SchemaViolation> = validator
-        .iter_errors(&instance)
-        .map(|error| {
-            let path = error.instance_path().as_str().to_owned();
-            let first = path.split('/').nth(1).map(unescape_pointer);
-            let at_pinned = first.is_some_and(|key| pinned_keys.contains(&key));
-            let message = if at_pinned {
-                error.masked().to_string()
-            } else {
-                error.to_string()
-            };
-            SchemaViolation { path, message }
-        })
-        .collect();
-    if !violations.is_empty() {
-        return Err(ArgumentError::SchemaViolations { violations });
-    }
-
-    let Value::Object(value) = instance else {
-        return Err(ArgumentError::NotAnObject { found: "unknown" });
-    };
-    let canonical_json = wor_core::canonical::to_canonical_json(&Value::Object(value.clone()));
-    let hash = wor_core::canonical::sha256_hex(canonical_json.as_bytes());
-    Ok(CanonicalArguments {
-        value,
-        canonical_json,
-        hash,
-        pinned_keys: pinned_keys.into_iter().cloned().collect(),
-    })
+    ArgumentSchema::new(pinned_schema.clone()).prepare(model_arguments, entry)
 }
 
 fn unescape_pointer(segment: &str) -> String {
@@ -293,6 +336,36 @@ mod tests {
                 .to_string(),
             "arguments must be a json object, got an array"
         );
+    }
+
+    #[test]
+    fn a_schema_is_compiled_at_its_first_call_and_checks_every_later_one() {
+        let checker = ArgumentSchema::new(schema());
+        assert!(
+            checker.compiled.get().is_none(),
+            "nothing is compiled up front"
+        );
+        let good = json!({"owner": "o", "repo": "r", "title": "t"});
+        assert_eq!(
+            checker.prepare(&good, &entry()).unwrap(),
+            prepare_arguments(&good, &entry(), &schema()).unwrap()
+        );
+        assert!(matches!(checker.compiled.get(), Some(Ok(_))));
+        // The compiled schema still refuses what breaks it, call after call.
+        for _ in 0..2 {
+            assert!(matches!(
+                checker.prepare(&json!({"title": 5}), &entry()),
+                Err(ArgumentError::SchemaViolations { .. })
+            ));
+        }
+        // One that cannot compile refuses every call with the same reason.
+        let unusable = ArgumentSchema::new(json!({"$ref": "https://example.invalid/s.json"}));
+        let first = unusable.prepare(&json!({}), &entry()).unwrap_err();
+        assert!(
+            matches!(first, ArgumentError::UnusableSchema { .. }),
+            "{first:?}"
+        );
+        assert_eq!(unusable.prepare(&json!({}), &entry()).unwrap_err(), first);
     }
 
     #[test]
