@@ -1957,8 +1957,22 @@ fn a_worker_process_drives_the_runs_it_claims_without_a_database_or_the_encrypti
         text(&out.stdout),
         text(&out.stderr)
     );
+    // Its scratch database is in a directory of its own under its data dir while it runs,
+    // and gone once it stops.
+    let scratch = || {
+        std::fs::read_dir(&worker_dir)
+            .unwrap()
+            .filter(|entry| {
+                let entry = entry.as_ref().unwrap();
+                entry.file_name().to_string_lossy().starts_with("scratch-")
+                    && entry.path().join("wor.db").exists()
+            })
+            .count()
+    };
+    assert_eq!(scratch(), 1);
     let log = worker.stop();
     assert!(!log.contains("panicked"), "{log}");
+    assert_eq!(scratch(), 0, "the scratch directory is removed on exit");
     api.stop();
 }
 

@@ -203,7 +203,8 @@ pub async fn run(config: &ServerConfig) -> anyhow::Result<ExitCode> {
 
 /// The engine a worker drives runs with: the server's egress rules, sandbox and limits, and —
 /// because the engine type is built on a store — an empty scratch database in a private
-/// temporary directory, removed on exit. Nothing of a run is written to it: a remote worker's
+/// directory of its own under the worker's data dir, removed on exit (one a killed worker
+/// left stays there, not in the system's temporary directory). Nothing of a run is written to it: a remote worker's
 /// reads come from its claims and its writes go to the control plane, and its vault's key is
 /// made here and never leaves the process.
 async fn worker_engine(
@@ -211,8 +212,8 @@ async fn worker_engine(
     worker_id: &str,
 ) -> anyhow::Result<(Engine, AuditLog, tempfile::TempDir)> {
     let scratch = tempfile::Builder::new()
-        .prefix("wor-worker-")
-        .tempdir()
+        .prefix("scratch-")
+        .tempdir_in(&config.data_dir)
         .context("cannot make the worker's scratch directory")?;
     let store = Store::open(None, scratch.path())
         .await
