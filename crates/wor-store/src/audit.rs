@@ -3,10 +3,10 @@
 //!
 //! [`AuditLog`] is a handle to the writer. An append goes through its channel; the writer
 //! takes whatever is queued (up to a batch size), writes it in one transaction in arrival
-//! order and answers each caller once that transaction has committed. On SQLite, a caller
-//! that finds the writer idle commits its own append instead, on its own thread, with the
-//! writer's connection and under the same lock: a lone write then costs no hand-off to the
-//! writer's thread and back (see [`AuditLog::record`]). The chain's head is read
+//! order and answers each caller once that transaction has committed. On SQLite, a run's
+//! journal write that finds the writer idle is committed by its caller instead, on its own
+//! thread, with the writer's connection and under the same lock: a lone write then costs no
+//! hand-off to the writer's thread and back (see [`AuditLog::record`]). The chain's head is read
 //! inside the transaction, after taking the project's lock — the database's write lock on
 //! SQLite (`BEGIN IMMEDIATE`), a transaction-scoped advisory lock on PostgreSQL — so the chain
 //! stays correct across restarts and across several server processes sharing one database.
@@ -139,18 +139,25 @@ impl AuditLog {
         }
     }
 
-    /// Hands `command` to the writer, or, when the writer is idle and commits on its own
-    /// connection to SQLite, does it here: the batch of this one command is written on the
-    /// caller's thread, which it blocks for that transaction (its statements run
-    /// synchronously, and none of them waits for anything once the transaction has begun).
-    /// Its reply is sent before this returns. A writer that is busy, or that writes through
-    /// the pool (PostgreSQL, where a statement awaits the server and a caller's future could
-    /// be dropped mid-transaction), gets it through its channel, in order with the rest.
+    /// Hands `command` to the writer or, when it can be committed here without waiting for
+    /// anything, commits it: when the writer is idle, commits on its own connection to SQLite,
+    /// and this process's turn to write is free. The batch of this one command is then
+    /// written on the caller's thread, which it blocks for that transaction: its statements
+    /// run synchronously and never yield, so a caller's future dropped meanwhile cannot leave
+    /// a transaction or the writer half done. The one wait left is SQLite's own, for a write
+    /// lock another connection holds (another process on the same file, or a write of this
+    /// process outside its turn): up to `busy_timeout` on this thread, then `BEGIN` is tried
+    /// again after a pause. Otherwise — a busy writer, a taken turn, or a writer on the pool
+    /// (PostgreSQL, where a statement awaits the server) — the command goes through the
+    /// writer's channel, in order with the rest.
     async fn submit(&self, command: Command) -> Result<(), StoreError> {
         if let Ok(mut writer) = self.writer.try_lock()
             && writer.commits_on_own_connection()
+            && let Some(turn) = writer.store.try_write_turn()
         {
-            writer.handle(vec![command], Committer::Caller).await;
+            writer
+                .handle(vec![command], Committer::Caller, Some(HeldTurn(turn)))
+                .await;
             return Ok(());
         }
         self.sender
@@ -159,10 +166,15 @@ impl AuditLog {
             .map_err(|_| StoreError::AuditStopped)
     }
 
-    /// Appends `event` to its project's chain and returns once it is committed.
+    /// Appends `event` to its project's chain and returns once it is committed. It always
+    /// goes through the writer's channel: once queued, it is committed even when the caller
+    /// (an API request whose client hung up) is dropped.
     pub async fn append(&self, event: AuditEvent) -> Result<AuditReceipt, StoreError> {
         let (reply, answer) = oneshot::channel();
-        self.submit(Command::Append { event, reply }).await?;
+        self.sender
+            .send(Command::Append { event, reply })
+            .await
+            .map_err(|_| StoreError::AuditStopped)?;
         answer.await.map_err(|_| StoreError::AuditStopped)?
     }
 
@@ -186,7 +198,9 @@ impl AuditLog {
 
     /// Records a run's step (steps, usage, audit entries) in one transaction, shared with
     /// whatever else is queued, and returns once it is committed; see [`RunWrite`]. On
-    /// SQLite, a write that finds the writer idle is committed by its caller.
+    /// SQLite, a write that finds the writer idle is committed by its caller
+    /// ([`AuditLog::submit`]). A write whose caller is dropped before it committed is not
+    /// made, as after a crash before it: the run resumes from the steps before it.
     pub async fn record(&self, write: RunWrite) -> Result<RunWritten, StoreError> {
         let (reply, answer) = oneshot::channel();
         self.submit(Command::Record {
@@ -218,8 +232,8 @@ struct Writer {
     store: Store,
     config: AuditConfig,
     chain: Chain,
-    /// The connection the writer commits its batches on (in a mutex only so that the writer
-    /// stays `Sync`; only the writer's own `&mut self` reaches it).
+    /// The connection the writer commits its batches on (behind a mutex, which keeps `Writer`
+    /// `Sync` though a rusqlite connection is not; only whoever holds the writer reaches it).
     connection: std::sync::Mutex<Connection>,
     /// On SQLite with a database file: where synced batches wait for the write-ahead log to
     /// reach the disk, outside the database's write lock (see [`sync_wal`]).
@@ -233,6 +247,10 @@ struct Writer {
     /// may wait for readers, and a caller's thread is not blocked for that.
     restart_wanted: Arc<Notify>,
 }
+
+/// This process's turn to write ([`Store::try_write_turn`]), taken by a caller that commits
+/// its own write, for the transaction it commits in.
+struct HeldTurn(Option<tokio::sync::OwnedMutexGuard<()>>);
 
 /// Who commits a batch: the writer's loop, on a thread (or task) of its own, or a caller
 /// that found the writer idle ([`AuditLog::submit`]).
@@ -473,7 +491,7 @@ impl Writer {
                             Err(_) => break,
                         }
                     }
-                    this.handle(batch, Committer::Writer).await;
+                    this.handle(batch, Committer::Writer, None).await;
                 }
                 _ = ticker.tick() => {
                     let _ = writer.lock().await.checkpoint_unsigned().await;
@@ -498,7 +516,8 @@ impl Writer {
         )
     }
 
-    async fn handle(&mut self, batch: Vec<Command>, committer: Committer) {
+    /// Commits `batch`, by `committer`, which may hold this process's turn to write already.
+    async fn handle(&mut self, batch: Vec<Command>, committer: Committer, turn: Option<HeldTurn>) {
         let mut events = Vec::new();
         let mut replies: Replies = Vec::new();
         let mut records = Vec::new();
@@ -521,7 +540,7 @@ impl Writer {
                 .map(|(write, reply)| (*write, reply))
                 .unzip();
             let began = std::time::Instant::now();
-            let committed = self.commit_batch(events, writes).await;
+            let committed = self.commit_batch(events, writes, turn).await;
             crate::metrics::audit_batch(count, began.elapsed(), committed.is_ok());
             if committed.is_ok() {
                 crate::metrics::audit_batch_committed_by(committer.as_str());
@@ -659,6 +678,7 @@ impl Writer {
         &mut self,
         events: Vec<AuditEvent>,
         writes: Vec<RunWrite>,
+        turn: Option<HeldTurn>,
     ) -> Result<Committed, StoreError> {
         let appended = events.len();
         // A batch is synced to disk before it is acknowledged when anything in it comes from
@@ -682,7 +702,7 @@ impl Writer {
             durability
         };
         let (mut receipts, written) = self
-            .transact(committing, BatchWork { events, writes })
+            .transact(committing, BatchWork { events, writes }, turn)
             .await?;
         crate::metrics::audit_commit(durability);
         self.chain.signed_committed();
@@ -695,11 +715,13 @@ impl Writer {
     }
 
     /// Does `work` in one transaction on the writer's connection, committed with
-    /// `durability`.
+    /// `durability`, under this process's turn to write: `turn` when the committer holds it
+    /// already, else waited for.
     async fn transact<W: Work>(
         &mut self,
         durability: Durability,
         work: W,
+        turn: Option<HeldTurn>,
     ) -> Result<W::Output, StoreError> {
         let store = self.store.clone();
         let chain = &mut self.chain;
@@ -709,6 +731,8 @@ impl Writer {
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         match connection {
             Connection::Pool(held) => {
+                // The pool's write takes the turn itself.
+                drop(turn);
                 store
                     .write_held(held, durability, async |tx| {
                         work.run(chain, &mut **tx).await
@@ -717,7 +741,10 @@ impl Writer {
             }
             Connection::Embedded(embedded) => {
                 // Held until the transaction has ended, as by every writer of the store.
-                let _turn = store.write_turn().await?;
+                let _turn = match turn {
+                    Some(HeldTurn(held)) => held,
+                    None => store.write_turn().await?,
+                };
                 embedded
                     .transaction(durability, async |exec| work.run(chain, exec).await)
                     .await
@@ -792,7 +819,9 @@ impl Writer {
         if self.chain.unsigned.is_empty() {
             return Ok(());
         }
-        let result = self.transact(Durability::Synced, CheckpointWork).await;
+        let result = self
+            .transact(Durability::Synced, CheckpointWork, None)
+            .await;
         if result.is_ok() {
             self.chain.unsigned.clear();
         }

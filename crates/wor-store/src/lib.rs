@@ -377,6 +377,15 @@ impl Store {
         }
     }
 
+    /// This process's turn to write if no one has it now (holding nothing on PostgreSQL, which
+    /// has no turn), or `None` when it is taken.
+    pub(crate) fn try_write_turn(&self) -> Option<Option<tokio::sync::OwnedMutexGuard<()>>> {
+        match &self.write_turn {
+            None => Some(None),
+            Some(turn) => turn.clone().try_lock_owned().ok().map(Some),
+        }
+    }
+
     /// On PostgreSQL, a listener that hears whenever any process queues a run; `None` on
     /// SQLite, where only this process writes and wakes its own workers.
     pub async fn work_listener(&self) -> Result<Option<WorkListener>, StoreError> {

@@ -230,9 +230,7 @@ fn intact_entries(v: &Verification) -> i64 {
     }
 }
 
-/// On several threads, so that callers committing their own appends (on SQLite, when they
-/// find the writer idle) and the writer's loop committing queued ones take turns.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[tokio::test]
 async fn concurrent_appends_form_one_chain_that_survives_a_restart() {
     let db = TestDatabase::new().await.unwrap();
     let project = new_project(&db).await;
