@@ -263,8 +263,8 @@ enum Committer {
 impl Committer {
     fn as_str(self) -> &'static str {
         match self {
-            Committer::Writer => "writer",
-            Committer::Caller => "caller",
+            Committer::Writer => "queued",
+            Committer::Caller => "direct",
         }
     }
 }
@@ -543,7 +543,7 @@ impl Writer {
             let committed = self.commit_batch(events, writes, turn).await;
             crate::metrics::audit_batch(count, began.elapsed(), committed.is_ok());
             if committed.is_ok() {
-                crate::metrics::audit_batch_committed_by(committer.as_str());
+                crate::metrics::audit_batch_committed(committer.as_str());
             }
             after_commit = match (&committed, &self.checkpoints) {
                 (Ok(_), Some(checkpoints)) => checkpoints.committed(),

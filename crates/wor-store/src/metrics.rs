@@ -53,8 +53,8 @@ pub fn describe() {
     );
     describe_counter!(
         AUDIT_BATCHES,
-        "Batches of audit entries and journal writes committed, by who committed them: the \
-         audit writer, or on SQLite a caller that found the writer idle"
+        "Batches of audit entries and journal writes committed, by path: queued for the audit \
+         writer, or on SQLite committed directly by a run's write that found the writer idle"
     );
     describe_counter!(
         AUDIT_COMMITS,
@@ -83,10 +83,10 @@ pub(crate) fn audit_commit(durability: crate::Durability) {
     counter!(AUDIT_COMMITS, "durability" => durability).increment(1);
 }
 
-/// A batch committed, by `committer`: the audit writer's loop (`writer`) or, on SQLite, the
-/// caller that found the writer idle (`caller`).
-pub(crate) fn audit_batch_committed_by(committer: &'static str) {
-    counter!(AUDIT_BATCHES, "committed_by" => committer).increment(1);
+/// A batch committed, by the audit writer's loop from its queue (`queued`) or, on SQLite, by
+/// the caller of a write that found the writer idle (`direct`).
+pub(crate) fn audit_batch_committed(path: &'static str) {
+    counter!(AUDIT_BATCHES, "path" => path).increment(1);
 }
 
 /// The audit writer wrote (or failed to write) a batch of `entries` in `took`.

@@ -54,8 +54,8 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
                 && let DebugValue::Counter(n) = value
             {
                 match key.labels().next().map(|l| l.value().to_owned()).as_deref() {
-                    Some("caller") => by_caller.set(by_caller.get() + n),
-                    Some("writer") => by_writer.set(by_writer.get() + n),
+                    Some("direct") => by_caller.set(by_caller.get() + n),
+                    Some("queued") => by_writer.set(by_writer.get() + n),
                     other => panic!("unexpected label {other:?}"),
                 }
                 continue;
