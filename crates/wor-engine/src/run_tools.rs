@@ -30,6 +30,7 @@ pub(crate) struct OfferedTool {
     pub entry: wor_core::routine::RosterEntry,
     pub class: ToolClass,
     /// The pin's input schema, compiled at the first call and kept for the run's others.
+    /// INVARIANT: made from `pin` by [`OfferedTool::new`]; `pin` is never replaced after.
     schema: wor_tools::ArgumentSchema,
 }
 
