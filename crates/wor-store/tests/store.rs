@@ -16,7 +16,8 @@ use wor_store::{ApiKeyKind, NewApiKey, StoreError};
 
 mod support;
 use support::{
-    audit_config, claimed_run, key_event, project_with_routine, queued_run, signing_key,
+    audit_config, claimed_run, isolated_on, key_event, project_with_routine, queued_run,
+    signing_key,
 };
 
 #[tokio::test]
@@ -2292,12 +2293,15 @@ async fn the_write_ahead_log_is_reused_under_writes_that_never_pause() {
     use wor_core::run::Provenance;
     use wor_store::{AuditLog, RunWrite, RunWritten};
 
-    let db = TestDatabase::isolated().await.unwrap();
-    let store = &db.store;
-    if store.backend() != wor_store::Backend::Sqlite {
-        eprintln!("PostgreSQL keeps its own log: nothing of this test applies");
+    let Some(db) = isolated_on(
+        wor_store::Backend::Sqlite,
+        "PostgreSQL keeps its own log: nothing of this test applies",
+    )
+    .await
+    else {
         return;
-    }
+    };
+    let store = &db.store;
     let (project, routine) = project_with_routine(store, "wal", 8).await;
     let log = AuditLog::start(store.clone(), signing_key(9), audit_config(1_000));
     let database: String =
@@ -2354,12 +2358,15 @@ async fn the_write_ahead_log_is_reused_under_writes_that_never_pause() {
 /// transaction); the next sweep ends it.
 #[tokio::test]
 async fn a_sweep_of_stale_credentials_skips_one_another_transaction_holds() {
-    let db = TestDatabase::isolated().await.unwrap();
-    let store = &db.store;
-    if store.backend() != wor_store::Backend::Postgres {
-        eprintln!("SQLite has no row locks: nothing of this test applies");
+    let Some(db) = isolated_on(
+        wor_store::Backend::Postgres,
+        "SQLite has no row locks: nothing of this test applies",
+    )
+    .await
+    else {
         return;
-    }
+    };
+    let store = &db.store;
     let (project, routine) = project_with_routine(store, "sweep", 1).await;
     let run = claimed_run(store, project, routine, "w", 60_000).await;
     store

@@ -8,6 +8,24 @@ use wor_core::audit::{Actor, AuditCategory, AuditEvent};
 use wor_secrets::AuditSigningKey;
 use wor_store::AuditConfig;
 
+/// An isolated database for a test that applies only to `backend`: `None`, having said `why`
+/// on stderr, when the suite runs on the other one (CI runs it on both).
+#[expect(
+    clippy::print_stderr,
+    reason = "a test says why it checks nothing on this backend"
+)]
+pub async fn isolated_on(
+    backend: wor_store::Backend,
+    why: &str,
+) -> Option<wor_store::testing::TestDatabase> {
+    let db = wor_store::testing::TestDatabase::isolated().await.unwrap();
+    if db.store.backend() != backend {
+        eprintln!("{why}");
+        return None;
+    }
+    Some(db)
+}
+
 pub fn audit_config(checkpoint_every: i64) -> AuditConfig {
     AuditConfig {
         checkpoint_every,
