@@ -14,7 +14,7 @@ pub use ed25519_dalek::VerifyingKey;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use crate::canonical::{canonical_hash, sha256_hex, to_canonical_json};
+use crate::canonical::{canonical_hash, canonical_object, sha256_hex, to_canonical_json};
 use crate::{ApiKeyId, MemberId, ProjectId, RoutineId, RunId};
 
 /// The `prev_hash` of a chain's first entry.
@@ -294,7 +294,9 @@ impl AuditEntry {
     /// The canonical JSON text the entry's hash is taken over: every field but `hash`, plus
     /// `format`.
     pub fn canonical_body(&self) -> String {
-        to_canonical_json(&json!({
+        // The small fields are built into a value; the payload, which may be a tool's whole
+        // result, is borrowed.
+        let head = json!({
             "format": ENTRY_FORMAT,
             "project_id": self.project_id,
             "seq": self.seq,
@@ -305,9 +307,16 @@ impl AuditEntry {
             "root_run_id": self.root_run_id,
             "parent_run_id": self.parent_run_id,
             "payload_digest": self.payload_digest,
-            "payload": self.payload,
             "prev_hash": self.prev_hash,
-        }))
+        });
+        let mut members: Vec<(&str, &Value)> = head
+            .as_object()
+            .into_iter()
+            .flatten()
+            .map(|(name, value)| (name.as_str(), value))
+            .chain([("payload", &self.payload)])
+            .collect();
+        canonical_object(&mut members)
     }
 
     /// The hash this entry should carry.

@@ -6,48 +6,25 @@
 //! whatever order their keys arrived in. Pinned tool definitions, approval bindings and audit
 //! entries are all hashed over this form.
 
+use std::io::{self, Write};
+
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 /// The canonical JSON text of `value`.
 pub fn to_canonical_json(value: &Value) -> String {
-    let mut out = String::new();
+    let mut out = Vec::new();
     write_value(&mut out, value);
-    out
+    into_text(out)
 }
 
-fn write_value(out: &mut String, value: &Value) {
-    match value {
-        Value::Object(map) => {
-            let mut entries: Vec<(&String, &Value)> = map.iter().collect();
-            entries.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
-            out.push('{');
-            for (i, (key, val)) in entries.into_iter().enumerate() {
-                if i > 0 {
-                    out.push(',');
-                }
-                write_string(out, key);
-                out.push(':');
-                write_value(out, val);
-            }
-            out.push('}');
-        }
-        Value::Array(items) => {
-            out.push('[');
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push(',');
-                }
-                write_value(out, item);
-            }
-            out.push(']');
-        }
-        scalar => out.push_str(&scalar.to_string()),
-    }
-}
-
-fn write_string(out: &mut String, s: &str) {
-    out.push_str(&Value::String(s.to_owned()).to_string());
+/// The canonical JSON text of an object given as its members, borrowed: the same text as
+/// [`to_canonical_json`] of the object they make, without copying them into one. A name given
+/// twice is written twice (no JSON object has that); callers name each member once.
+pub fn canonical_object(members: &mut [(&str, &Value)]) -> String {
+    let mut out = Vec::new();
+    write_members(&mut out, members);
+    into_text(out)
 }
 
 /// Lower-case hex SHA-256 of `bytes`.
@@ -55,9 +32,87 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
     hex::encode(Sha256::digest(bytes))
 }
 
-/// Lower-case hex SHA-256 of the canonical JSON of `value`.
+/// Lower-case hex SHA-256 of the canonical JSON of `value`, hashed as it is written rather than
+/// built as a text first.
 pub fn canonical_hash(value: &Value) -> String {
-    sha256_hex(to_canonical_json(value).as_bytes())
+    let mut hasher = Hashing(Sha256::new());
+    write_value(&mut hasher, value);
+    hex::encode(hasher.0.finalize())
+}
+
+/// Where canonical JSON is written: a buffer, or a hash taking it in as it comes.
+trait Sink: Write {}
+
+impl Sink for Vec<u8> {}
+
+/// A SHA-256 hash written to as a byte stream.
+struct Hashing(Sha256);
+
+impl Write for Hashing {
+    fn write(&mut self, bytes: &[u8]) -> io::Result<usize> {
+        self.0.update(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Sink for Hashing {}
+
+/// The buffer as text. `serde_json` writes only UTF-8 and the punctuation between its pieces is
+/// ASCII, so the check cannot fail; were it to, an invalid byte would become U+FFFD.
+fn into_text(bytes: Vec<u8>) -> String {
+    String::from_utf8(bytes)
+        .unwrap_or_else(|invalid| String::from_utf8_lossy(invalid.as_bytes()).into_owned())
+}
+
+fn write_value(out: &mut impl Sink, value: &Value) {
+    match value {
+        Value::Object(map) => {
+            let mut members: Vec<(&str, &Value)> =
+                map.iter().map(|(name, val)| (name.as_str(), val)).collect();
+            write_members(out, &mut members);
+        }
+        Value::Array(items) => {
+            put(out, b"[");
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    put(out, b",");
+                }
+                write_value(out, item);
+            }
+            put(out, b"]");
+        }
+        scalar => write_json(out, scalar),
+    }
+}
+
+fn write_members(out: &mut impl Sink, members: &mut [(&str, &Value)]) {
+    members.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+    put(out, b"{");
+    for (i, (name, val)) in members.iter().enumerate() {
+        if i > 0 {
+            put(out, b",");
+        }
+        write_json(out, name);
+        put(out, b":");
+        write_value(out, val);
+    }
+    put(out, b"}");
+}
+
+/// A string or a scalar, escaped and formatted as `serde_json` does.
+fn write_json(out: &mut impl Sink, value: &(impl serde::Serialize + ?Sized)) {
+    // Writing a string or a scalar to a buffer or a hash cannot fail: neither sink returns an
+    // error and neither value has anything `serde_json` refuses.
+    let _infallible = serde_json::to_writer(&mut *out, value);
+}
+
+fn put(out: &mut impl Sink, bytes: &[u8]) {
+    // As above: neither sink returns an error.
+    let _infallible = out.write_all(bytes);
 }
 
 #[cfg(test)]
@@ -82,6 +137,25 @@ mod tests {
         assert_ne!(
             canonical_hash(&json!([1, 2])),
             canonical_hash(&json!([2, 1]))
+        );
+    }
+
+    #[test]
+    fn hashing_as_written_and_borrowed_members_give_the_text_of_the_whole() {
+        let payload = json!({
+            "z": [1.5, -0.0, 1e300, null, true, "\u{1}\u{7f}\u{2028}\\\"é😀"],
+            "a": {"\t": {}, "": []},
+        });
+        let text = to_canonical_json(&payload);
+        assert_eq!(canonical_hash(&payload), sha256_hex(text.as_bytes()));
+        let whole = json!({"payload": payload, "format": "f", "seq": 3});
+        let (format, seq) = (json!("f"), json!(3));
+        let mut members = [("seq", &seq), ("payload", &payload), ("format", &format)];
+        assert_eq!(canonical_object(&mut members), to_canonical_json(&whole));
+        assert_eq!(
+            text,
+            "{\"a\":{\"\":[],\"\\t\":{}},\"z\":[1.5,-0.0,1e+300,null,true,\
+             \"\\u0001\u{7f}\u{2028}\\\\\\\"é😀\"]}"
         );
     }
 

@@ -23,7 +23,9 @@ pub use audit_signing::{
     AUDIT_SIGNING_KEY_FILE_NAME, AuditSigningKey, parse_verifying_key, verifying_key_to_base64,
 };
 pub use key_file::KeyFileOrigin;
-pub use redaction::{REDACTED_MARKER, RedactionError, Redactor, StreamRedactor, redact_shapes};
+pub use redaction::{
+    REDACTED_MARKER, RedactionError, Redactor, StreamRedactor, redact_shapes, redact_shapes_json,
+};
 pub use run_envelope::{
     EnvelopeClaims, EnvelopeError, EnvelopeLimits, EnvelopeOpener, OpenedEnvelope, RunSecrets,
     SealedEnvelope, ToolCredential,

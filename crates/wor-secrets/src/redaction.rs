@@ -243,6 +243,12 @@ pub fn redact_shapes(text: &str) -> Cow<'_, str> {
     apply(text, spans)
 }
 
+/// Redacts secret shapes only (no live secrets) from every string in `value` in place, as
+/// [`Redactor::redact_json`] does with a project's secrets.
+pub fn redact_shapes_json(value: &mut serde_json::Value) {
+    redact_json_with(value, &redact_shapes);
+}
+
 fn redact_json_with(value: &mut serde_json::Value, redact: &dyn Fn(&str) -> Cow<'_, str>) {
     use serde_json::Value;
     match value {

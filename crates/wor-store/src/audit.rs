@@ -19,7 +19,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ed25519_dalek::VerifyingKey;
-use serde_json::Value;
 use sha2::{Digest as _, Sha256};
 use sqlx::Row;
 use tokio::sync::{Mutex, Notify, mpsc, oneshot};
@@ -29,7 +28,7 @@ use wor_core::audit::{
     checkpoint_message, key_id,
 };
 use wor_core::canonical::to_canonical_json;
-use wor_secrets::{AuditSigningKey, redact_shapes};
+use wor_secrets::{AuditSigningKey, redact_shapes_json};
 
 use crate::exec::{EmbeddedWriter, Exec};
 use crate::journal::{RunWrite, RunWritten};
@@ -780,7 +779,10 @@ impl Chain {
             let mut entries = Vec::with_capacity(events.len());
             for (index, event) in events {
                 seq += 1;
-                let entry = event.into_entry(seq, at, prev, redact_payload);
+                // The stored payload has secret shapes redacted from every string and key.
+                // Live secrets are not known here yet; when connections hold secrets, their
+                // redactor joins this one.
+                let entry = event.into_entry(seq, at, prev, redact_shapes_json);
                 prev = entry.hash.clone();
                 if let Some(slot) = receipts.get_mut(index) {
                     *slot = Some(AuditReceipt {
@@ -861,27 +863,6 @@ impl Chain {
         )
         .await?;
         Ok(())
-    }
-}
-
-/// The stored payload: secret shapes redacted from every string and key. Live secrets are
-/// not known here yet; when connections hold secrets, their redactor joins this one.
-fn redact_payload(value: &mut Value) {
-    match value {
-        Value::String(text) => {
-            if let std::borrow::Cow::Owned(redacted) = redact_shapes(text) {
-                *text = redacted;
-            }
-        }
-        Value::Array(items) => items.iter_mut().for_each(redact_payload),
-        Value::Object(map) => {
-            let entries = std::mem::take(map);
-            for (key, mut item) in entries {
-                redact_payload(&mut item);
-                map.insert(redact_shapes(&key).into_owned(), item);
-            }
-        }
-        Value::Null | Value::Bool(_) | Value::Number(_) => {}
     }
 }
 
