@@ -206,7 +206,9 @@ pub struct StreamRedactor<'r> {
     emitted: usize,
     /// Bytes of `text` the shape probe has read.
     probed: usize,
-    lanes: Vec<Lane>,
+    /// The probe's lanes, made when the first text arrives: a stream that carries none (a
+    /// model turn that only asks for calls) never sets up a DFA cache.
+    lanes: Option<Vec<Lane>>,
 }
 
 impl fmt::Debug for StreamRedactor<'_> {
@@ -216,7 +218,12 @@ impl fmt::Debug for StreamRedactor<'_> {
             .field("emitted", &self.emitted)
             .field(
                 "runs",
-                &self.lanes.iter().map(|l| l.runs.len()).sum::<usize>(),
+                &self
+                    .lanes
+                    .iter()
+                    .flatten()
+                    .map(|l| l.runs.len())
+                    .sum::<usize>(),
             )
             .finish()
     }
@@ -229,15 +236,7 @@ impl<'r> StreamRedactor<'r> {
             text: String::new(),
             emitted: 0,
             probed: 0,
-            lanes: shape_probe()
-                .lanes
-                .iter()
-                .map(|dfa| Lane {
-                    dfa,
-                    cache: dfa.create_cache(),
-                    runs: Vec::new(),
-                })
-                .collect(),
+            lanes: None,
         }
     }
 
@@ -247,7 +246,7 @@ impl<'r> StreamRedactor<'r> {
         self.text.push_str(piece);
         self.probe();
         let mut cut = self.text.len();
-        for lane in &self.lanes {
+        for lane in self.lanes.iter().flatten() {
             if let Some(run) = lane.runs.first() {
                 cut = cut.min(run.start);
             }
@@ -264,6 +263,12 @@ impl<'r> StreamRedactor<'r> {
         self.let_out(end, true)
     }
 
+    /// Whether the shape probe has been set up (it is, at the first text).
+    #[cfg(test)]
+    pub(super) fn probing(&self) -> bool {
+        self.lanes.is_some()
+    }
+
     /// Bytes received and not let out yet.
     pub fn held_back(&self) -> usize {
         self.text.len() - self.emitted
@@ -273,10 +278,24 @@ impl<'r> StreamRedactor<'r> {
     /// that die or reach past [`SHAPE_REACH`] end, and runs that meet in one state merge.
     fn probe(&mut self) {
         let reach = *SHAPE_REACH;
+        if self.probed == self.text.len() {
+            return;
+        }
+        let lanes = self.lanes.get_or_insert_with(|| {
+            shape_probe()
+                .lanes
+                .iter()
+                .map(|dfa| Lane {
+                    dfa,
+                    cache: dfa.create_cache(),
+                    runs: Vec::new(),
+                })
+                .collect()
+        });
         while let Some(&byte) = self.text.as_bytes().get(self.probed) {
             let at = self.probed;
             let starts = self.text.is_char_boundary(at);
-            for lane in &mut self.lanes {
+            for lane in lanes.iter_mut() {
                 lane.read(at, starts, byte, reach);
             }
             self.probed = at + 1;

@@ -824,3 +824,26 @@ fn the_shape_probe_builds_from_every_rule() {
         "a private key's body fits in the reach"
     );
 }
+
+#[test]
+fn a_stream_sets_up_its_shape_probe_only_when_text_arrives() {
+    let redactor = Redactor::new([LIVE]).unwrap();
+    let mut stream = redactor.stream();
+    assert_eq!(stream.push(""), "");
+    assert!(!stream.probing());
+    let mut out = stream.push("key ghp_");
+    assert!(stream.probing());
+    out.push_str(&stream.push("0123456789abcdefghijklmnopqrstuvwxyz and more"));
+    out.push_str(&stream.finish());
+    assert_eq!(
+        out,
+        redactor
+            .redact("key ghp_0123456789abcdefghijklmnopqrstuvwxyz and more")
+            .into_owned()
+    );
+    assert!(!out.contains("ghp_0123"));
+
+    let empty = redactor.stream();
+    assert!(!empty.probing());
+    assert_eq!(empty.finish(), "");
+}
