@@ -8,6 +8,9 @@
 //! WOR_BENCH_ONLY=call,parked WOR_BENCH_PARKED=200 cargo bench -p wor-cli --bench engine
 //! ```
 //!
+//! `WOR_BENCH_INTERVALS=PATH` writes the `call` figure's intervals, in call order and in µs, to
+//! `PATH.sqlite` (and, with `WOR_BENCH_PG_URL`, `PATH.postgres`).
+//!
 //! Figures (`WOR_BENCH_ONLY` picks some): `call` — added latency of a tool call through a
 //! routine (replay model, read-only echo tool on a loopback MCP server) against a direct
 //! JSON-RPC call to the same server; `observed` — the same call through a routine with
@@ -231,6 +234,14 @@ async fn figure_call(backend: &str, base: &Option<String>) {
     let arrivals = echo.arrivals.lock().unwrap().clone();
     assert_eq!(arrivals.len(), calls, "run {run} made every call");
     let mut intervals: Vec<Duration> = arrivals.windows(2).map(|w| w[1] - w[0]).collect();
+    if let Ok(path) = std::env::var("WOR_BENCH_INTERVALS") {
+        // Each interval in call order, in µs, for finding where the slow ones fall.
+        let lines: Vec<String> = intervals
+            .iter()
+            .map(|i| i.as_micros().to_string())
+            .collect();
+        std::fs::write(format!("{path}.{backend}"), lines.join("\n") + "\n").unwrap();
+    }
     intervals.sort();
     let (d50, d99) = (percentile(&direct, 0.5), percentile(&direct, 0.99));
     let (i50, i99) = (percentile(&intervals, 0.5), percentile(&intervals, 0.99));
