@@ -144,10 +144,8 @@ pub(crate) async fn wal_log(store: &Store) -> Option<WalLog> {
 }
 
 /// How long the checkpointer rests after a checkpoint: what is committed meanwhile is copied
-/// by the next one, together. Each checkpoint flushes the log and the database file, and the
-/// runs committing while it does are slowed by it, so they are few: a page written again and
-/// again (a run's row, the chain's head) is copied once per checkpoint.
-const CHECKPOINT_SPACING: Duration = Duration::from_secs(1);
+/// by the next one, together.
+const CHECKPOINT_SPACING: Duration = Duration::from_millis(100);
 
 /// How often the checkpointer looks at the log when no commit of the writer woke it: the
 /// process's other connections commit too (leases, claims, API changes).
