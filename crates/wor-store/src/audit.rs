@@ -159,6 +159,12 @@ impl AuditLog {
                 .await;
             return Ok(());
         }
+        self.queue(command).await
+    }
+
+    /// Hands `command` to the writer's channel: once queued, it is committed even if the
+    /// caller is dropped.
+    async fn queue(&self, command: Command) -> Result<(), StoreError> {
         self.sender
             .send(command)
             .await
@@ -170,10 +176,7 @@ impl AuditLog {
     /// (an API request whose client hung up) is dropped.
     pub async fn append(&self, event: AuditEvent) -> Result<AuditReceipt, StoreError> {
         let (reply, answer) = oneshot::channel();
-        self.sender
-            .send(Command::Append { event, reply })
-            .await
-            .map_err(|_| StoreError::AuditStopped)?;
+        self.queue(Command::Append { event, reply }).await?;
         answer.await.map_err(|_| StoreError::AuditStopped)?
     }
 
@@ -183,10 +186,7 @@ impl AuditLog {
         let mut answers = Vec::with_capacity(events.len());
         for event in events {
             let (reply, answer) = oneshot::channel();
-            self.sender
-                .send(Command::Append { event, reply })
-                .await
-                .map_err(|_| StoreError::AuditStopped)?;
+            self.queue(Command::Append { event, reply }).await?;
             answers.push(answer);
         }
         for answer in answers {
@@ -214,10 +214,7 @@ impl AuditLog {
     /// Called before a process exits, so what it wrote does not stay unsigned.
     pub async fn checkpoint(&self) -> Result<(), StoreError> {
         let (reply, answer) = oneshot::channel();
-        self.sender
-            .send(Command::Checkpoint { reply })
-            .await
-            .map_err(|_| StoreError::AuditStopped)?;
+        self.queue(Command::Checkpoint { reply }).await?;
         answer.await.map_err(|_| StoreError::AuditStopped)?
     }
 

@@ -204,9 +204,9 @@ pub async fn run(config: &ServerConfig) -> anyhow::Result<ExitCode> {
 /// The engine a worker drives runs with: the server's egress rules, sandbox and limits, and —
 /// because the engine type is built on a store — an empty scratch database in a private
 /// directory of its own under the worker's data dir, removed on exit (one a killed worker
-/// left stays there, not in the system's temporary directory). Nothing of a run is written to it: a remote worker's
-/// reads come from its claims and its writes go to the control plane, and its vault's key is
-/// made here and never leaves the process.
+/// left stays there, not in the system's temporary directory). Nothing of a run is written
+/// to it: a remote worker's reads come from its claims and its writes go to the control
+/// plane, and its vault's key is made here and never leaves the process.
 async fn worker_engine(
     config: &ServerConfig,
     worker_id: &str,
