@@ -330,11 +330,34 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     axum::serve(
-        listener,
+        sending_at_once(listener),
         router(state).into_make_service_with_connect_info::<std::net::SocketAddr>(),
     )
     .with_graceful_shutdown(shutdown)
     .await
+}
+
+/// `listener`, its connections sending what is written at once ([`send_at_once`]).
+pub fn sending_at_once(
+    listener: TcpListener,
+) -> axum::serve::TapIo<TcpListener, fn(&mut tokio::net::TcpStream)> {
+    use axum::serve::ListenerExt as _;
+    let tap: fn(&mut tokio::net::TcpStream) = |connection| send_at_once(connection);
+    listener.tap_io(tap)
+}
+
+/// Has `connection` send each write at once (`TCP_NODELAY`). Otherwise a response written in
+/// pieces (an event stream's events; headers, then a body) waits on a connection kept alive:
+/// a small piece is held until the client acknowledges the one before, and a client delays
+/// that acknowledgement by up to 40 ms.
+pub(crate) fn send_at_once(connection: &tokio::net::TcpStream) {
+    if let Err(error) = connection.set_nodelay(true) {
+        tracing::debug!(
+            category = "http",
+            kind = ?error.kind(),
+            "a connection's writes cannot be sent at once; they may wait for acknowledgements"
+        );
+    }
 }
 
 /// [`serve`] over TLS: connections are accepted under `tls`'s current certificate, which

@@ -129,6 +129,7 @@ impl TlsListener {
                 if sender.is_closed() {
                     break;
                 }
+                crate::send_at_once(&stream);
                 let acceptor = TlsAcceptor::from(tls.config());
                 let sender = sender.clone();
                 tokio::spawn(async move {

@@ -1908,3 +1908,22 @@ fn json_type(value: &Value) -> &'static str {
         Value::Object(_) => "object",
     }
 }
+
+/// The API's connections send each write at once (`TCP_NODELAY`): on a connection kept alive,
+/// an event stream's next event would otherwise wait for the client's delayed acknowledgement
+/// of the one before (about 40 ms on Linux).
+#[tokio::test]
+async fn the_apis_connections_send_each_write_at_once() {
+    use axum::serve::Listener as _;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let mut listener = wor_server::sending_at_once(listener);
+    #[expect(
+        clippy::disallowed_methods,
+        reason = "the test's own client of the loopback listener it bound"
+    )]
+    let client = tokio::spawn(tokio::net::TcpStream::connect(address));
+    let (connection, _) = listener.accept().await;
+    assert!(connection.nodelay().unwrap());
+    client.await.unwrap().unwrap();
+}
