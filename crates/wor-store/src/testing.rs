@@ -87,6 +87,15 @@ impl TestDatabase {
     }
 }
 
+/// Holds `store`'s turn to write until the guard is dropped, as a write of this process in
+/// progress does: the process's other writes wait for it meanwhile. `None` on PostgreSQL,
+/// which has no such turn.
+pub async fn hold_write_turn(
+    store: &Store,
+) -> Result<Option<tokio::sync::OwnedMutexGuard<()>>, StoreError> {
+    store.write_turn().await
+}
+
 /// [`TestDatabase::tamper`] on any store, for tests that open the database a binary used.
 pub async fn tamper(store: &Store, statements: &[String]) -> Result<(), StoreError> {
     {
