@@ -1927,3 +1927,44 @@ async fn the_apis_connections_send_each_write_at_once() {
     assert!(connection.nodelay().unwrap());
     client.await.unwrap().unwrap();
 }
+
+/// A connection accepted over TLS sends each write at once too; it is set before the
+/// handshake, whose messages go out at once as well.
+#[tokio::test]
+async fn the_apis_tls_connections_send_each_write_at_once() {
+    use axum::serve::Listener as _;
+    let made = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let files = wor_server::tls::TlsFiles {
+        cert: dir.path().join("cert.pem"),
+        key: dir.path().join("key.pem"),
+    };
+    std::fs::write(&files.cert, made.cert.pem()).unwrap();
+    std::fs::write(&files.key, made.signing_key.serialize_pem()).unwrap();
+    let tls = wor_server::tls::ReloadableTls::load(files).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let mut listener = wor_server::tls::TlsListener::new(listener, tls).unwrap();
+
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(made.cert.der().clone()).unwrap();
+    let provider = std::sync::Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let client = tokio::spawn(async move {
+        #[expect(
+            clippy::disallowed_methods,
+            reason = "the test's own client of the loopback listener it bound"
+        )]
+        let tcp = tokio::net::TcpStream::connect(address).await?;
+        let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+        connector.connect(name, tcp).await
+    });
+    let (connection, _) = listener.accept().await;
+    assert!(connection.get_ref().0.nodelay().unwrap());
+    client.await.unwrap().unwrap();
+}
