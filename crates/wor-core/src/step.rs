@@ -3,7 +3,8 @@
 //!
 //! A step is stored as its kind (`input`, `memory`, `model_turn`, `tool_call`, `approval_used`,
 //! `tool_result`, `outcome`) beside its payload, a JSON object; [`Step`] is that pair as one
-//! type, and [`Step::from_stored`] / [`Step::to_stored`] cross between them. An unknown kind or
+//! type, and [`Step::from_stored`] / [`Step::to_stored`] cross between them (the `_text` forms
+//! read and write the payload's JSON text directly, as the store keeps it). An unknown kind or
 //! a payload of the wrong shape is refused, never guessed at: what the engine resumes from and
 //! decides on is exactly what it wrote.
 //!
@@ -73,6 +74,14 @@ impl StepKind {
         StepKind::Output,
         StepKind::Outcome,
     ];
+
+    /// The kind stored as `kind`.
+    pub fn from_stored(kind: &str) -> Result<StepKind, StepError> {
+        StepKind::ALL
+            .into_iter()
+            .find(|k| k.as_str() == kind)
+            .ok_or_else(|| StepError::UnknownKind(kind.chars().take(40).collect()))
+    }
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -313,6 +322,15 @@ pub enum StepError {
     Serialise(String),
 }
 
+impl StepError {
+    fn shape(kind: StepKind, error: &impl std::fmt::Display) -> StepError {
+        StepError::Shape {
+            kind: kind.as_str(),
+            reason: error.to_string(),
+        }
+    }
+}
+
 impl Step {
     pub fn kind(&self) -> StepKind {
         match self {
@@ -329,25 +347,62 @@ impl Step {
 
     /// The step from its stored kind and payload.
     pub fn from_stored(kind: &str, payload: serde_json::Value) -> Result<Step, StepError> {
-        let kind = StepKind::ALL
-            .into_iter()
-            .find(|k| k.as_str() == kind)
-            .ok_or_else(|| StepError::UnknownKind(kind.chars().take(40).collect()))?;
-        let tagged = serde_json::json!({ "kind": kind.as_str(), "payload": payload });
-        serde_json::from_value(tagged).map_err(|e| StepError::Shape {
-            kind: kind.as_str(),
-            reason: e.to_string(),
+        let kind = StepKind::from_stored(kind)?;
+        Step::read(kind, payload).map_err(|e| StepError::shape(kind, &e))
+    }
+
+    /// The step from its stored kind and its payload's JSON text, read straight into the
+    /// kind's shape (no JSON value in between).
+    pub fn from_stored_text(kind: &str, payload: &str) -> Result<Step, StepError> {
+        let kind = StepKind::from_stored(kind)?;
+        let mut text = serde_json::Deserializer::from_str(payload);
+        Step::read(kind, &mut text)
+            .and_then(|step| text.end().map(|()| step))
+            .map_err(|e| StepError::shape(kind, &e))
+    }
+
+    /// The payload of a `kind` step, in that kind's shape.
+    fn read<'de, D: serde::Deserializer<'de>>(
+        kind: StepKind,
+        payload: D,
+    ) -> Result<Step, D::Error> {
+        Ok(match kind {
+            StepKind::Input => Step::Input(InputStep::deserialize(payload)?),
+            StepKind::Memory => Step::Memory(MemoryStep::deserialize(payload)?),
+            StepKind::ModelTurn => Step::ModelTurn(ModelTurnStep::deserialize(payload)?),
+            StepKind::ToolCall => Step::ToolCall(ToolCallStep::deserialize(payload)?),
+            StepKind::ApprovalUsed => Step::ApprovalUsed(ApprovalUsedStep::deserialize(payload)?),
+            StepKind::ToolResult => Step::ToolResult(ToolResultStep::deserialize(payload)?),
+            StepKind::Output => Step::Output(OutputStep::deserialize(payload)?),
+            StepKind::Outcome => Step::Outcome(OutcomeStep::deserialize(payload)?),
         })
     }
 
     /// The payload stored beside [`Step::kind`].
     pub fn to_stored(&self) -> Result<serde_json::Value, StepError> {
-        let tagged = serde_json::to_value(self).map_err(|e| StepError::Serialise(e.to_string()))?;
-        match tagged {
-            serde_json::Value::Object(mut map) => map
-                .remove("payload")
-                .ok_or_else(|| StepError::Serialise("no payload".to_owned())),
-            _ => Err(StepError::Serialise("not an object".to_owned())),
+        self.write(serde_json::value::Serializer)
+            .map_err(|e| StepError::Serialise(e.to_string()))
+    }
+
+    /// [`Step::to_stored`] as JSON text, written straight from the step.
+    pub fn to_stored_text(&self) -> Result<String, StepError> {
+        let mut text = Vec::new();
+        self.write(&mut serde_json::Serializer::new(&mut text))
+            .map_err(|e| StepError::Serialise(e.to_string()))?;
+        String::from_utf8(text).map_err(|e| StepError::Serialise(e.to_string()))
+    }
+
+    /// The step's payload, given to `to`.
+    fn write<S: serde::Serializer>(&self, to: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Step::Input(payload) => payload.serialize(to),
+            Step::Memory(payload) => payload.serialize(to),
+            Step::ModelTurn(payload) => payload.serialize(to),
+            Step::ToolCall(payload) => payload.serialize(to),
+            Step::ApprovalUsed(payload) => payload.serialize(to),
+            Step::ToolResult(payload) => payload.serialize(to),
+            Step::Output(payload) => payload.serialize(to),
+            Step::Outcome(payload) => payload.serialize(to),
         }
     }
 
@@ -796,6 +851,21 @@ mod tests {
                 Step::from_stored(kind, payload.clone()).unwrap_or_else(|e| panic!("{kind}: {e}"));
             assert_eq!(step.kind().as_str(), kind);
             let again = step.to_stored().expect("serialises");
+            // The text the store writes and reads holds the same value, read the same way.
+            let text = step.to_stored_text().expect("serialises as text");
+            assert_eq!(
+                serde_json::from_str::<serde_json::Value>(&text)
+                    .ok()
+                    .as_ref(),
+                Some(&again),
+                "{kind}"
+            );
+            assert_eq!(
+                Step::from_stored_text(kind, &payload.to_string()).as_ref(),
+                Ok(&step),
+                "{kind}"
+            );
+            assert_eq!(Step::from_stored_text(kind, &text).as_ref(), Ok(&step));
             let reread = Step::from_stored(kind, again).expect("reads back");
             assert_eq!(reread, step, "{kind}");
         }
@@ -834,6 +904,25 @@ mod tests {
             Step::from_stored("input", json!({"input": "x", "source": "email"})),
             Err(StepError::Shape { kind: "input", .. })
         ));
+        // Read from text: the same refusals, and text that is not one JSON value.
+        assert_eq!(
+            Step::from_stored_text("tool_cal", "{}"),
+            Err(StepError::UnknownKind("tool_cal".to_owned()))
+        );
+        for text in [
+            r#"{"input": "x", "source": "email"}"#,
+            r#"{"input": "x"} {"input": "y"}"#,
+            r#"{"input": "x""#,
+            "not json",
+        ] {
+            assert!(
+                matches!(
+                    Step::from_stored_text("input", text),
+                    Err(StepError::Shape { kind: "input", .. })
+                ),
+                "{text}"
+            );
+        }
     }
 
     #[test]

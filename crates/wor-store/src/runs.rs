@@ -1065,12 +1065,10 @@ fn step_from_row(row: &sqlx::any::AnyRow) -> Result<RunStep, StoreError> {
     let provenance: String = row.try_get("provenance")?;
     let kind: String = row.try_get("kind")?;
     let payload: String = row.try_get("payload")?;
-    let payload = serde_json::from_str(&payload)
-        .map_err(|_| StoreError::Corrupt("run_steps.payload is not JSON".to_owned()))?;
     Ok(RunStep {
         seq: row.try_get("seq")?,
         provenance: parse_column(&provenance, "run_steps.provenance")?,
-        step: Step::from_stored(&kind, payload)
+        step: Step::from_stored_text(&kind, &payload)
             .map_err(|e| StoreError::Corrupt(format!("run_steps: {e}")))?,
         created_at: row.try_get("created_at")?,
     })
@@ -1288,7 +1286,7 @@ async fn insert_runs(
         let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
         for (run, project, seq, provenance, step) in chunk {
             let payload = step
-                .to_stored()
+                .to_stored_text()
                 .map_err(|e| StoreError::Corrupt(format!("a step to record: {e}")))?;
             query = query
                 .bind(run.to_string())
@@ -1296,7 +1294,7 @@ async fn insert_runs(
                 .bind(project.to_string())
                 .bind(step.kind().as_str())
                 .bind(provenance.as_str())
-                .bind(payload.to_string())
+                .bind(payload)
                 .bind(now);
         }
         query.execute(&mut **tx).await?;
@@ -1415,7 +1413,7 @@ pub(crate) async fn insert_step(
     now: i64,
 ) -> Result<(), StoreError> {
     let payload = step
-        .to_stored()
+        .to_stored_text()
         .map_err(|e| StoreError::Corrupt(format!("a step to record: {e}")))?;
     tx.execute(
         "INSERT INTO run_steps (run_id, seq, project_id, kind, provenance, payload, created_at) \
@@ -1426,7 +1424,7 @@ pub(crate) async fn insert_step(
             project.to_string().into(),
             step.kind().as_str().into(),
             provenance.as_str().into(),
-            payload.to_string().into(),
+            payload.into(),
             now.into(),
         ],
     )
