@@ -844,13 +844,28 @@ mod tests {
                 "tool_result",
                 json!({"tool": "mail/send", "result": {"tool_call_id": "c", "content": "ok", "is_error": false}}),
             ),
+            ("output", json!({"result": {"a": [1, 2.5, null]}})),
             ("outcome", json!({"status": "succeeded", "message": "done"})),
         ];
         for (kind, payload) in rows {
             let step =
                 Step::from_stored(kind, payload.clone()).unwrap_or_else(|e| panic!("{kind}: {e}"));
             assert_eq!(step.kind().as_str(), kind);
+            // The same step as the tagged form `{kind, payload}` reads and writes it.
+            let tagged = json!({"kind": kind, "payload": payload});
+            assert_eq!(
+                serde_json::from_value::<Step>(tagged).ok().as_ref(),
+                Some(&step),
+                "{kind}"
+            );
             let again = step.to_stored().expect("serialises");
+            assert_eq!(
+                serde_json::to_value(&step)
+                    .ok()
+                    .and_then(|v| v.get("payload").cloned()),
+                Some(again.clone()),
+                "{kind}"
+            );
             // The text the store writes and reads holds the same value, read the same way.
             let text = step.to_stored_text().expect("serialises as text");
             assert_eq!(
