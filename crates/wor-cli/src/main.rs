@@ -21,6 +21,9 @@ use clap::Parser;
 
 use crate::commands::Command;
 
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Debug, Parser)]
 #[command(
     name = "wor",
