@@ -380,20 +380,21 @@ impl Step {
 
     /// The payload stored beside [`Step::kind`].
     pub fn to_stored(&self) -> Result<serde_json::Value, StepError> {
-        self.write(serde_json::value::Serializer)
+        self.write_payload(serde_json::value::Serializer)
             .map_err(|e| StepError::Serialise(e.to_string()))
     }
 
     /// [`Step::to_stored`] as JSON text, written straight from the step.
     pub fn to_stored_text(&self) -> Result<String, StepError> {
         let mut text = Vec::new();
-        self.write(&mut serde_json::Serializer::new(&mut text))
+        self.write_payload(&mut serde_json::Serializer::new(&mut text))
             .map_err(|e| StepError::Serialise(e.to_string()))?;
         String::from_utf8(text).map_err(|e| StepError::Serialise(e.to_string()))
     }
 
-    /// The step's payload, given to `to`.
-    fn write<S: serde::Serializer>(&self, to: S) -> Result<S::Ok, S::Error> {
+    /// The step's payload, the form [`Step::to_stored`] gives, written straight to `to` (the
+    /// API writes a step out from here, with no JSON value in between).
+    pub fn write_payload<S: serde::Serializer>(&self, to: S) -> Result<S::Ok, S::Error> {
         match self {
             Step::Input(payload) => payload.serialize(to),
             Step::Memory(payload) => payload.serialize(to),

@@ -732,6 +732,117 @@ mode = "auto"
     );
 }
 
+/// The `step` and `end` events of `GET /v1/runs/{run_id}/events`, read until the end.
+async fn run_events(h: &Harness, run_id: &str) -> (Vec<Value>, Value) {
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+
+    let request = axum::http::Request::builder()
+        .uri(format!("/v1/runs/{run_id}/events"))
+        .header("authorization", format!("Bearer {}", h.owner()))
+        .body(axum::body::Body::empty())
+        .unwrap();
+    let response = h.router.clone().oneshot(request).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let mut body = response.into_body();
+    let (mut text, mut steps) = (String::new(), Vec::new());
+    loop {
+        let frame = tokio::time::timeout(Duration::from_secs(20), body.frame())
+            .await
+            .expect("the stream goes on to its end")
+            .expect("the stream ends with `end`")
+            .unwrap();
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        text.push_str(std::str::from_utf8(&data).unwrap());
+        while let Some(at) = text.find("\n\n") {
+            let event: String = text.drain(..at + 2).collect();
+            let data = event.lines().find_map(|l| l.strip_prefix("data: "));
+            match (event.lines().next(), data) {
+                (Some("event: step"), Some(data)) => {
+                    steps.push(serde_json::from_str(data).unwrap())
+                }
+                (Some("event: end"), Some(data)) => {
+                    return (steps, serde_json::from_str(data).unwrap());
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_runs_events_carry_every_step_once_in_order_however_long_the_run() {
+    let desk = Desk::default();
+    let addr = serve_desk(desk.clone()).await;
+    let h = Harness::new().await;
+    h.connect_and_enable("desk", addr, json!({}), &["lookup"])
+        .await;
+    // Three steps a call: far more than the stream reads at a time.
+    let routine = r#"
+name = "long"
+instructions = "Look up, many times."
+[budget]
+tool_calls = 80
+turns = 100
+[model]
+provider = "replay"
+model = "script"
+[[model.script.turns]]
+repeat = true
+tool_calls = [{ name = "desk__lookup", arguments = { q = "again" } }]
+[[tools]]
+tool = "desk/lookup"
+mode = "auto"
+"#;
+    let (status, applied) = h
+        .call(
+            Method::POST,
+            "/v1/routines",
+            Some(json!({ "toml": routine })),
+        )
+        .await;
+    assert!(status.is_success(), "{applied}");
+    let routine_id = applied["routine"]["id"].as_str().unwrap();
+    let (status, run) = h
+        .call(
+            Method::POST,
+            &format!("/v1/routines/{routine_id}/runs"),
+            Some(json!({"input": "go"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{run}");
+    let run_id = run["id"].as_str().unwrap().to_owned();
+
+    // One watcher from before the run starts, one after it has ended.
+    let during = run_events(&h, &run_id);
+    let drive = async { assert!(h.engine.run_next().await.unwrap()) };
+    let ((during, during_end), ()) = tokio::join!(during, drive);
+    let (after, after_end) = run_events(&h, &run_id).await;
+
+    let run = h.get_run(&run_id).await;
+    assert_eq!(run["status"], "budget_exceeded", "{run:#}");
+    let recorded = run["steps"].as_array().unwrap();
+    assert!(recorded.len() > 200, "{} steps", recorded.len());
+    assert!(
+        recorded
+            .windows(2)
+            .all(|w| w[0]["seq"].as_i64() < w[1]["seq"].as_i64()),
+        "the run's steps are in order"
+    );
+    for (watcher, steps, end) in [
+        ("during", &during, &during_end),
+        ("after", &after, &after_end),
+    ] {
+        assert_eq!(
+            steps, recorded,
+            "the watcher {watcher} the run saw every step once, in order, as the run shows them"
+        );
+        assert_eq!(end["status"], "budget_exceeded", "{watcher}: {end:#}");
+    }
+}
+
 #[tokio::test]
 async fn a_removed_tool_is_unavailable_but_not_a_quarantine() {
     let desk = Desk::default();

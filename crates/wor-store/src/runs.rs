@@ -979,15 +979,56 @@ impl Store {
         run: RunId,
         after_seq: i64,
     ) -> Result<Vec<RunStep>, StoreError> {
-        let rows = sqlx::query(
-            "SELECT seq, kind, provenance, payload, created_at FROM run_steps \
-             WHERE project_id = $1 AND run_id = $2 AND seq > $3 ORDER BY seq",
-        )
-        .bind(project.to_string())
-        .bind(run.to_string())
-        .bind(after_seq)
-        .fetch_all(self.pool())
-        .await?;
+        self.select_run_steps(project, run, after_seq, None).await
+    }
+
+    /// The first `limit` steps of `run` after `after_seq`, in order: one page of a run read as
+    /// it goes, so that a long run is read in bounded pieces.
+    pub async fn list_run_steps_page(
+        &self,
+        project: ProjectId,
+        run: RunId,
+        after_seq: i64,
+        limit: u16,
+    ) -> Result<Vec<RunStep>, StoreError> {
+        self.select_run_steps(project, run, after_seq, Some(limit))
+            .await
+    }
+
+    /// The sequence number of `run`'s last step, 0 before its first.
+    pub async fn last_run_step_seq(
+        &self,
+        project: ProjectId,
+        run: RunId,
+    ) -> Result<i64, StoreError> {
+        let row =
+            sqlx::query("SELECT MAX(seq) FROM run_steps WHERE project_id = $1 AND run_id = $2")
+                .bind(project.to_string())
+                .bind(run.to_string())
+                .fetch_one(self.pool())
+                .await?;
+        Ok(row.try_get::<Option<i64>, _>(0)?.unwrap_or(0))
+    }
+
+    async fn select_run_steps(
+        &self,
+        project: ProjectId,
+        run: RunId,
+        after_seq: i64,
+        limit: Option<u16>,
+    ) -> Result<Vec<RunStep>, StoreError> {
+        const SELECT: &str = "SELECT seq, kind, provenance, payload, created_at FROM run_steps \
+             WHERE project_id = $1 AND run_id = $2 AND seq > $3 ORDER BY seq";
+        let query = match limit {
+            None => sqlx::query(SELECT),
+            Some(limit) => sqlx::query(sqlx::AssertSqlSafe(format!("{SELECT} LIMIT {limit}"))),
+        };
+        let rows = query
+            .bind(project.to_string())
+            .bind(run.to_string())
+            .bind(after_seq)
+            .fetch_all(self.pool())
+            .await?;
         rows.iter().map(step_from_row).collect()
     }
 }

@@ -111,21 +111,10 @@ struct RunSeen {
     step: i64,
 }
 
-/// The run as it is now, read from the steps after `seen`'s last one only.
-async fn run_state(
-    store: &Store,
-    project: ProjectId,
-    run: RunId,
-    seen: Option<RunSeen>,
-) -> Option<RunSeen> {
+/// The run as it is now: its status and the number of its last step.
+async fn run_state(store: &Store, project: ProjectId, run: RunId) -> Option<RunSeen> {
     let record = store.get_run(project, run).await.ok()?;
-    let after = seen.map_or(0, |s| s.step);
-    let step = store
-        .list_run_steps(project, run, after)
-        .await
-        .ok()?
-        .last()
-        .map_or(after, |s| s.seq);
+    let step = store.last_run_step_seq(project, run).await.ok()?;
     Some(RunSeen {
         status: record.status,
         step,
@@ -176,7 +165,7 @@ pub async fn run(
     let store = state.store.clone();
     let baseline = match page.parse()? {
         Some(seen) => Some(seen),
-        None => run_state(&store, project, id, None).await,
+        None => run_state(&store, project, id).await,
     };
     let stream = futures_util::stream::unfold((baseline, false), move |(mut seen, ended)| {
         let store = store.clone();
@@ -189,7 +178,7 @@ pub async fn run(
                     let end = Event::default().event("end").data("run");
                     return Some((Ok(end), (seen, true)));
                 }
-                let now = run_state(&store, project, id, seen).await;
+                let now = run_state(&store, project, id).await;
                 if now.is_some() && now != seen {
                     seen = now;
                     if !seen.is_some_and(|s| s.status.is_terminal()) {

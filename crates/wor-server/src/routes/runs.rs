@@ -23,6 +23,9 @@ use crate::views::rfc3339;
 
 /// How often an events stream looks for new steps.
 const EVENTS_POLL: Duration = Duration::from_millis(200);
+/// At most this many steps are read, and turned into events, at a time: a long run's backlog
+/// goes out in pieces, each one read after the last is sent.
+const EVENTS_PAGE: u16 = 64;
 
 #[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -106,28 +109,25 @@ impl From<RunRecord> for RunView {
 pub struct RunStepView {
     pub seq: i64,
     /// input, memory, model_turn, tool_call, approval_used, tool_result or outcome.
-    pub kind: String,
+    pub kind: &'static str,
     /// Where the content came from: trusted, requester, untrusted, model or engine.
-    pub provenance: String,
+    pub provenance: &'static str,
+    /// The step's payload, in its kind's shape.
     #[schema(value_type = Object)]
-    pub payload: serde_json::Value,
+    #[serde(serialize_with = "Step::write_payload")]
+    pub payload: Step,
     pub created_at: String,
 }
 
-impl TryFrom<RunStep> for RunStepView {
-    type Error = ApiError;
-    fn try_from(s: RunStep) -> Result<Self, ApiError> {
-        let payload = s.step.to_stored().map_err(|error| {
-            tracing::error!(category = "run", %error, "a run step does not serialise");
-            ApiError::Internal
-        })?;
-        Ok(RunStepView {
+impl From<RunStep> for RunStepView {
+    fn from(s: RunStep) -> Self {
+        RunStepView {
             seq: s.seq,
-            kind: s.step.kind().as_str().to_owned(),
-            provenance: s.provenance.as_str().to_owned(),
-            payload,
+            kind: s.step.kind().as_str(),
+            provenance: s.provenance.as_str(),
+            payload: s.step,
             created_at: rfc3339(s.created_at),
-        })
+        }
     }
 }
 
@@ -282,10 +282,7 @@ pub async fn get(
     Ok(Json(RunDetail {
         run: run.into(),
         result,
-        steps: steps
-            .into_iter()
-            .map(RunStepView::try_from)
-            .collect::<Result<_, _>>()?,
+        steps: steps.into_iter().map(RunStepView::from).collect(),
     }))
 }
 
@@ -477,19 +474,22 @@ fn step_stream(
             let record = f.store.get_run(f.project, f.run).await.ok();
             let steps = f
                 .store
-                .list_run_steps(f.project, f.run, f.last_seq)
+                .list_run_steps_page(f.project, f.run, f.last_seq, EVENTS_PAGE)
                 .await
                 .unwrap_or_default();
+            // A full page may have more behind it: read on once it is out, without waiting.
+            let more = steps.len() == usize::from(EVENTS_PAGE);
             for step in steps {
                 f.last_seq = step.seq;
-                let Ok(view) = RunStepView::try_from(step) else {
-                    continue;
-                };
-                if let Ok(event) = Event::default().event("step").json_data(&view) {
+                if let Ok(event) = Event::default()
+                    .event("step")
+                    .json_data(RunStepView::from(step))
+                {
                     f.pending.push_back(event);
                 }
             }
             match record {
+                Some(_) if more => {}
                 Some(run) if run.status.is_terminal() => {
                     if let Ok(event) = Event::default().event("end").json_data(RunView::from(run)) {
                         f.pending.push_back(event);
