@@ -187,6 +187,9 @@ impl DemoToolServer {
         );
         let router = axum::Router::new().nest_service("/mcp", service);
         let task = tokio::spawn(async move {
+            // Each answer's event goes out at once, not after the client's delayed
+            // acknowledgement of the headers (about 40 ms a call otherwise).
+            let listener = wor_server::sending_at_once(listener);
             if let Err(error) = axum::serve(listener, router).await {
                 tracing::error!(category = "demo", error = %error, "the demo tool server stopped");
             }
