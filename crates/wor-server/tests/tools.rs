@@ -796,24 +796,7 @@ tool_calls = [{ name = "desk__lookup", arguments = { q = "again" } }]
 tool = "desk/lookup"
 mode = "auto"
 "#;
-    let (status, applied) = h
-        .call(
-            Method::POST,
-            "/v1/routines",
-            Some(json!({ "toml": routine })),
-        )
-        .await;
-    assert!(status.is_success(), "{applied}");
-    let routine_id = applied["routine"]["id"].as_str().unwrap();
-    let (status, run) = h
-        .call(
-            Method::POST,
-            &format!("/v1/routines/{routine_id}/runs"),
-            Some(json!({"input": "go"})),
-        )
-        .await;
-    assert_eq!(status, StatusCode::ACCEPTED, "{run}");
-    let run_id = run["id"].as_str().unwrap().to_owned();
+    let run_id = h.apply_and_start(routine).await;
 
     // One watcher from before the run starts, one after it has ended.
     let during = run_events(&h, &run_id);

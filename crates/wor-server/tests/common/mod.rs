@@ -266,6 +266,17 @@ impl Harness {
 
     /// Applies `routine`, starts a run, drives it to its end, and returns it with its steps.
     pub async fn run(&self, routine: &str) -> Value {
+        let run_id = self.apply_and_start(routine).await;
+        assert!(self.engine.run_next().await.unwrap(), "no run was queued");
+        let (status, run) = self
+            .call(Method::GET, &format!("/v1/runs/{run_id}"), None)
+            .await;
+        assert_eq!(status, StatusCode::OK);
+        run
+    }
+
+    /// Applies `routine` and starts a run of it, not yet driven; returns the run's id.
+    pub async fn apply_and_start(&self, routine: &str) -> String {
         let (status, applied) = self
             .call(Method::POST, "/v1/routines", Some(json!({"toml": routine})))
             .await;
@@ -279,13 +290,7 @@ impl Harness {
             )
             .await;
         assert_eq!(status, StatusCode::ACCEPTED, "{run}");
-        let run_id = run["id"].as_str().unwrap().to_owned();
-        assert!(self.engine.run_next().await.unwrap(), "no run was queued");
-        let (status, run) = self
-            .call(Method::GET, &format!("/v1/runs/{run_id}"), None)
-            .await;
-        assert_eq!(status, StatusCode::OK);
-        run
+        run["id"].as_str().unwrap().to_owned()
     }
 
     /// Adds a member with `role` and returns their personal API key.
