@@ -349,7 +349,7 @@ pub fn sending_at_once(
 /// Has `connection` send each write at once (`TCP_NODELAY`). Otherwise a response written in
 /// pieces (an event stream's events; headers, then a body) waits on a connection kept alive:
 /// a small piece is held until the client acknowledges the one before, and a client delays
-/// that acknowledgement by up to 40 ms.
+/// that acknowledgement (40 ms or more on Linux).
 pub(crate) fn send_at_once(connection: &tokio::net::TcpStream) {
     if let Err(error) = connection.set_nodelay(true) {
         tracing::debug!(

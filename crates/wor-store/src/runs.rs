@@ -1017,18 +1017,25 @@ impl Store {
         after_seq: i64,
         limit: Option<u16>,
     ) -> Result<Vec<RunStep>, StoreError> {
-        const SELECT: &str = "SELECT seq, kind, provenance, payload, created_at FROM run_steps \
-             WHERE project_id = $1 AND run_id = $2 AND seq > $3 ORDER BY seq";
         let query = match limit {
-            None => sqlx::query(SELECT),
-            Some(limit) => sqlx::query(sqlx::AssertSqlSafe(format!("{SELECT} LIMIT {limit}"))),
+            None => sqlx::query(
+                "SELECT seq, kind, provenance, payload, created_at FROM run_steps \
+                 WHERE project_id = $1 AND run_id = $2 AND seq > $3 ORDER BY seq",
+            ),
+            Some(_) => sqlx::query(
+                "SELECT seq, kind, provenance, payload, created_at FROM run_steps \
+                 WHERE project_id = $1 AND run_id = $2 AND seq > $3 ORDER BY seq LIMIT $4",
+            ),
         };
-        let rows = query
+        let query = query
             .bind(project.to_string())
             .bind(run.to_string())
-            .bind(after_seq)
-            .fetch_all(self.pool())
-            .await?;
+            .bind(after_seq);
+        let query = match limit {
+            None => query,
+            Some(limit) => query.bind(i64::from(limit)),
+        };
+        let rows = query.fetch_all(self.pool()).await?;
         rows.iter().map(step_from_row).collect()
     }
 }

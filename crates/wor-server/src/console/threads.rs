@@ -392,12 +392,7 @@ async fn fingerprint(
         let last = if run.status.is_terminal() {
             0
         } else {
-            store
-                .list_run_steps(project, run.id, 0)
-                .await
-                .ok()?
-                .last()
-                .map_or(0, |s| s.seq)
+            store.last_run_step_seq(project, run.id).await.ok()?
         };
         seen.push((run.id, run.status, last));
     }

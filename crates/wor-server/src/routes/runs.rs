@@ -26,6 +26,8 @@ const EVENTS_POLL: Duration = Duration::from_millis(200);
 /// At most this many steps are read, and turned into events, at a time: a long run's backlog
 /// goes out in pieces, each one read after the last is sent.
 const EVENTS_PAGE: u16 = 64;
+// A full page is read on from without waiting: an empty one would never end.
+const _: () = assert!(EVENTS_PAGE > 0);
 
 #[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -481,11 +483,15 @@ fn step_stream(
             let more = steps.len() == usize::from(EVENTS_PAGE);
             for step in steps {
                 f.last_seq = step.seq;
-                if let Ok(event) = Event::default()
+                match Event::default()
                     .event("step")
                     .json_data(RunStepView::from(step))
                 {
-                    f.pending.push_back(event);
+                    Ok(event) => f.pending.push_back(event),
+                    Err(error) => {
+                        tracing::error!(category = "run", %error, seq = f.last_seq,
+                            "a run step does not serialise; it is left out of the events");
+                    }
                 }
             }
             match record {
