@@ -59,7 +59,7 @@ fn main() -> ExitCode {
     // Before anything else: the sandbox helper is this binary re-executed, and it forks.
     wor_sandbox::main_if_helper();
     // The allocator commits its arenas up front. Where the kernel backs anonymous memory with
-    // transparent huge pages, each touched piece of an arena then holds 2 MiB: about 30 MiB
+    // transparent huge pages, each touched piece of an arena then holds 2 MiB: about 20 MiB
     // more at rest. They are turned off for this process and those it starts; where the kernel
     // cannot, that costs memory only, so the answer is not needed.
     let _ = rustix::thread::disable_transparent_huge_pages(true);
