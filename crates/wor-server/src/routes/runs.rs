@@ -13,7 +13,7 @@ use wor_core::run::RunStatus;
 use wor_core::step::Step;
 use wor_core::{ProjectId, Role, RoutineId, RunId};
 use wor_engine::{StartRun, Trigger};
-use wor_store::{RunFilter, RunRecord, RunStep, Store};
+use wor_store::{RunFilter, RunRecord, RunStep, Store, StoreError};
 
 use crate::AppState;
 use crate::auth::{Caller, RunCaller};
@@ -473,12 +473,30 @@ fn step_stream(
             // Text already written goes out before the steps that follow it.
             f.drain_text();
             // Read the status first: steps written before a run ends are all seen below.
-            let record = f.store.get_run(f.project, f.run).await.ok();
-            let steps = f
-                .store
-                .list_run_steps_page(f.project, f.run, f.last_seq, EVENTS_PAGE)
-                .await
-                .unwrap_or_default();
+            let read = async {
+                let record = f.store.get_run(f.project, f.run).await?;
+                let steps = f
+                    .store
+                    .list_run_steps_page(f.project, f.run, f.last_seq, EVENTS_PAGE)
+                    .await?;
+                Ok::<_, StoreError>((record, steps))
+            };
+            let (record, steps) = match read.await {
+                Ok(read) => read,
+                // The run is gone: nothing more will come.
+                Err(StoreError::NotFound) => {
+                    f.ended = true;
+                    continue;
+                }
+                // Read again at the next poll: a step is never skipped, nor the end sent ahead
+                // of steps a failed read did not return.
+                Err(error) => {
+                    tracing::warn!(category = "run", %error,
+                        "a followed run could not be read; it is read again at the next poll");
+                    f.wait().await;
+                    continue;
+                }
+            };
             // A full page may have more behind it: read on once it is out, without waiting.
             let more = steps.len() == usize::from(EVENTS_PAGE);
             for step in steps {
@@ -494,17 +512,19 @@ fn step_stream(
                     }
                 }
             }
-            match record {
-                Some(_) if more => {}
-                Some(run) if run.status.is_terminal() => {
-                    if let Ok(event) = Event::default().event("end").json_data(RunView::from(run)) {
-                        f.pending.push_back(event);
-                    }
-                    f.ended = true;
+            if more {
+                continue;
+            }
+            if record.status.is_terminal() {
+                if let Ok(event) = Event::default()
+                    .event("end")
+                    .json_data(RunView::from(record))
+                {
+                    f.pending.push_back(event);
                 }
-                None => f.ended = true,
-                Some(_) if f.pending.is_empty() => f.wait().await,
-                Some(_) => {}
+                f.ended = true;
+            } else if f.pending.is_empty() {
+                f.wait().await;
             }
         }
     })
