@@ -1001,13 +1001,7 @@ impl Store {
         project: ProjectId,
         run: RunId,
     ) -> Result<i64, StoreError> {
-        let row =
-            sqlx::query("SELECT MAX(seq) FROM run_steps WHERE project_id = $1 AND run_id = $2")
-                .bind(project.to_string())
-                .bind(run.to_string())
-                .fetch_one(self.pool())
-                .await?;
-        Ok(row.try_get::<Option<i64>, _>(0)?.unwrap_or(0))
+        last_step_seq(self.pool(), project, run).await
     }
 
     async fn select_run_steps(
@@ -1418,6 +1412,25 @@ pub(crate) async fn write_usage(
     Ok(done.rows_affected() == 1)
 }
 
+/// The sequence number of `run`'s last step, 0 before its first, read on `executor`.
+async fn last_step_seq<'c, E>(
+    executor: E,
+    project: ProjectId,
+    run: RunId,
+) -> Result<i64, StoreError>
+where
+    E: sqlx::Executor<'c, Database = sqlx::Any>,
+{
+    Ok(sqlx::query(
+        "SELECT COALESCE(MAX(seq), 0) AS last FROM run_steps WHERE project_id = $1 AND run_id = $2",
+    )
+    .bind(project.to_string())
+    .bind(run.to_string())
+    .fetch_one(executor)
+    .await?
+    .try_get("last")?)
+}
+
 /// Appends a step after the run's last one, in `tx`; returns its sequence number.
 pub(crate) async fn append_step(
     tx: &mut sqlx::Transaction<'_, sqlx::Any>,
@@ -1426,12 +1439,7 @@ pub(crate) async fn append_step(
     provenance: Provenance,
     step: &Step,
 ) -> Result<i64, StoreError> {
-    let last: i64 =
-        sqlx::query("SELECT COALESCE(MAX(seq), 0) AS last FROM run_steps WHERE run_id = $1")
-            .bind(run.to_string())
-            .fetch_one(&mut **tx)
-            .await?
-            .try_get("last")?;
+    let last = last_step_seq(&mut **tx, project, run).await?;
     insert_step(tx, project, run, last + 1, provenance, step, now_millis()).await?;
     Ok(last + 1)
 }
