@@ -34,8 +34,12 @@ if ! "$venv/bin/schemathesis" --version 2>/dev/null | grep -qF "version $SCHEMAT
   "$venv/bin/pip" install --quiet --disable-pip-version-check "schemathesis==$SCHEMATHESIS_VERSION"
 fi
 
-cargo build --locked --quiet -p wor-cli --bin wor
-wor="$CARGO_TARGET_DIR/debug/wor"
+# .ci/run passes the binary its test build linked (WOR_BIN); alone, this builds one.
+wor="${WOR_BIN:-}"
+if [ -z "$wor" ]; then
+  cargo build --locked --quiet -p wor-cli --bin wor
+  wor="$CARGO_TARGET_DIR/debug/wor"
+fi
 
 work=$(mktemp -d /tmp/wor-schemathesis.XXXXXX)
 server_pid=

@@ -47,8 +47,11 @@ const INCARNATIONS_STARTING_RUNS: usize = 18;
 /// How long one incarnation lives before its SIGKILL, in milliseconds after it listens.
 const UPTIME_MS: std::ops::Range<u64> = 200..2500;
 /// How long the last incarnation has to finish everything. Runs whose worker was killed wait
-/// for their lease (30 s) to run out before another worker resumes them.
+/// for their lease ([`LEASE`]) to run out before another worker resumes them.
 const SETTLE: Duration = Duration::from_secs(150);
+/// The shortest lease a configuration may set: a killed incarnation's runs are resumed after
+/// it, and the runs of a live one are renewed often, as under a slow disk.
+const LEASE: &str = "lease_seconds = 5\n";
 const DEFAULT_SEED: u64 = 0x5eed_0016;
 
 /// Reads a record (`q`), then sends (`to`, needs a person's approval), then reads again. Each
@@ -660,7 +663,11 @@ fn runs_survive_repeated_sigkill_of_the_server_without_lost_or_repeated_calls() 
 
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("wor.toml");
-    std::fs::write(&config, "[egress]\nallowed_cidrs = [\"127.0.0.1/32\"]\n").unwrap();
+    std::fs::write(
+        &config,
+        format!("{LEASE}[egress]\nallowed_cidrs = [\"127.0.0.1/32\"]\n"),
+    )
+    .unwrap();
     let mut db = database_args(dir.path());
     db.extend(["--config".to_owned(), config.display().to_string()]);
     let owner = create_project(&db);
@@ -840,8 +847,6 @@ const WORKER_KILLS: usize = 24;
 const WORKER_RUNS: usize = 300;
 /// How long a worker lives between kills, in milliseconds.
 const WORKER_UPTIME_MS: std::ops::Range<u64> = 300..1500;
-/// The lease of a run: a killed worker's runs are claimed again after it.
-const WORKER_LEASE: &str = "lease_seconds = 5\n";
 
 #[test]
 fn runs_survive_repeated_sigkill_of_remote_workers_without_lost_or_repeated_calls() {
@@ -854,7 +859,7 @@ fn runs_survive_repeated_sigkill_of_remote_workers_without_lost_or_repeated_call
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("wor.toml");
     let egress = "[egress]\nallowed_cidrs = [\"127.0.0.1/32\"]\n";
-    std::fs::write(&config, format!("{WORKER_LEASE}{egress}")).unwrap();
+    std::fs::write(&config, format!("{LEASE}{egress}")).unwrap();
     let mut db = database_args(dir.path());
     db.extend(["--config".to_owned(), config.display().to_string()]);
     let owner = create_project(&db);

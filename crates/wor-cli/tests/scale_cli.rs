@@ -1728,12 +1728,18 @@ fn shown_run(project: &Project<'_>, id: &str) -> Value {
     serde_json::from_slice(&project.client(&["run", "get", id, "--json"], &[]).stdout).unwrap()
 }
 
-/// Whether the memory of process `pid` holds `needle` anywhere it can be read.
+/// Whether the memory of process `pid` holds `needle` anywhere it can be read. Read a piece at
+/// a time: an allocator's reserved arena is readable and as large as a gigabyte.
 fn memory_holds(pid: u32, needle: &[u8]) -> bool {
     use std::io::{Read as _, Seek as _, SeekFrom};
+    const PIECE: u64 = 4 << 20;
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
     let mut memory = std::fs::File::open(format!("/proc/{pid}/mem")).unwrap();
-    let mut scanned = 0usize;
+    let finder = memchr::memmem::Finder::new(needle);
+    // Each piece is read with the end of the one before, so a needle across the seam is found.
+    let overlap = needle.len().saturating_sub(1);
+    let mut buffer = Vec::new();
+    let mut scanned = 0u64;
     for line in maps.lines() {
         let mut fields = line.split_whitespace();
         let (Some(range), Some(perms)) = (fields.next(), fields.next()) else {
@@ -1745,16 +1751,23 @@ fn memory_holds(pid: u32, needle: &[u8]) -> bool {
         let (start, end) = range.split_once('-').unwrap();
         let start = u64::from_str_radix(start, 16).unwrap();
         let end = u64::from_str_radix(end, 16).unwrap();
-        let Ok(len) = usize::try_from(end - start) else {
-            continue;
-        };
-        let mut region = vec![0u8; len];
-        if memory.seek(SeekFrom::Start(start)).is_err() || memory.read_exact(&mut region).is_err() {
-            continue;
-        }
-        scanned += len;
-        if region.windows(needle.len()).any(|w| w == needle) {
-            return true;
+        buffer.clear();
+        let mut at = start;
+        while at < end {
+            let len = PIECE.min(end - at) as usize;
+            let kept = buffer.len().min(overlap);
+            buffer.drain(..buffer.len() - kept);
+            buffer.resize(kept + len, 0);
+            if memory.seek(SeekFrom::Start(at)).is_err()
+                || memory.read_exact(&mut buffer[kept..]).is_err()
+            {
+                break;
+            }
+            scanned += len as u64;
+            if finder.find(&buffer).is_some() {
+                return true;
+            }
+            at += len as u64;
         }
     }
     assert!(
