@@ -33,8 +33,14 @@ if [ "$installed" != "$version" ]; then
   npm install --prefix "$prefix" --no-audit --no-fund --loglevel=error "$package@$version" >&2
 fi
 
-cargo build --locked -p wor-tools --example mcp_conformance_client
-client="$(realpath "${CARGO_TARGET_DIR:-target}/debug/examples/mcp_conformance_client")"
+# .ci/run passes the client its test build linked (WOR_CONFORMANCE_CLIENT); alone, this builds
+# one.
+client="${WOR_CONFORMANCE_CLIENT:-}"
+if [ -z "$client" ]; then
+  cargo build --locked -p wor-tools --example mcp_conformance_client
+  client="${CARGO_TARGET_DIR:-target}/debug/examples/mcp_conformance_client"
+fi
+client="$(realpath "$client")"
 baseline="$PWD/testdata/mcp-conformance/expected-failures.yml"
 
 suite=(node "$prefix/node_modules/$package/dist/index.js")
