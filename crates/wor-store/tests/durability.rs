@@ -123,7 +123,7 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
             );
             assert_eq!(commits(), (0, 1), "a model turn is deferred");
             // On SQLite the writer drives its own connection on a thread of its own.
-            assert_eq!(writer_threads(), usize::from(sqlite));
+            assert_eq!(writer_threads(usize::from(sqlite)), usize::from(sqlite));
 
             // A credential minted by a journal write replaces the one before, is deferred, and
             // is fenced by the lease like any step.
@@ -342,11 +342,24 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
     }
 }
 
-/// How many threads of this process are the audit writer's.
-fn writer_threads() -> usize {
-    std::fs::read_dir("/proc/self/task")
-        .unwrap()
-        .filter_map(|task| std::fs::read_to_string(task.unwrap().path().join("comm")).ok())
-        .filter(|name| name.trim() == "wor-audit-log")
-        .count()
+/// How many threads of this process are the audit writer's, once the count is `expected` or
+/// after a second. A thread the writer starts (its log's checkpointer, a blocking task's
+/// thread) carries the writer's name until it sets its own, so one moment's count can be one
+/// too many.
+fn writer_threads(expected: usize) -> usize {
+    let count = || {
+        std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("comm")).ok())
+            .filter(|name| name.trim() == "wor-audit-log")
+            .count()
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
+    loop {
+        let now = count();
+        if now == expected || std::time::Instant::now() >= deadline {
+            return now;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
 }
