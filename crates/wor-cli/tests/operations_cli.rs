@@ -1006,10 +1006,7 @@ mod traced {
                     next.run(request)
                 },
             ));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
-        (addr, seen)
+        (crate::common::serve_router(router).await, seen)
     }
 
     /// Runs a CLI command as a key (`key`, `args`, extra environment) against the server.

@@ -939,11 +939,7 @@ async fn serve_suite(suite: Suite) -> SocketAddr {
         Arc::new(LocalSessionManager::default()),
         StreamableHttpServerConfig::default(),
     );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let app = Router::new().nest_service("/mcp", service);
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    addr
+    common::serve(Router::new().nest_service("/mcp", service)).await
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -123,6 +123,9 @@ impl ServerHandler for Desk {
         if request.name == "wait" {
             tokio::time::sleep(Duration::from_secs(60)).await;
         }
+        if request.name == "lookup" && arguments["q"] == "slowly" {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         // The rug pull mid-run: change `send` and tell the client its tool list changed.
         if request.name == "lookup" && arguments["q"] == "pull-the-rug" {
             self.state.rug_pulled.store(true, Ordering::SeqCst);
@@ -779,7 +782,8 @@ async fn a_runs_events_carry_every_step_once_in_order_however_long_the_run() {
     let h = Harness::new().await;
     h.connect_and_enable("desk", addr, json!({}), &["lookup"])
         .await;
-    // Three steps a call: far more than the stream reads at a time.
+    // Three steps a call: far more than the stream reads at a time. Each call takes 10 ms, so
+    // the watcher who comes first follows the run while it goes on.
     let routine = r#"
 name = "long"
 instructions = "Look up, many times."
@@ -791,7 +795,7 @@ provider = "replay"
 model = "script"
 [[model.script.turns]]
 repeat = true
-tool_calls = [{ name = "desk__lookup", arguments = { q = "again" } }]
+tool_calls = [{ name = "desk__lookup", arguments = { q = "slowly" } }]
 [[tools]]
 tool = "desk/lookup"
 mode = "auto"

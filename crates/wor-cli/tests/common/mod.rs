@@ -268,9 +268,20 @@ where
         Arc::new(LocalSessionManager::default()),
         StreamableHttpServerConfig::default(),
     );
+    serve_router(axum::Router::new().nest_service("/mcp", service)).await
+}
+
+/// Serves `router` on a loopback port, on the current tokio runtime; its address. Its
+/// connections send each write at once (`TCP_NODELAY`), as `wor`'s own servers do: with
+/// Nagle's algorithm on, an MCP answer sent as server-sent events waits about 40 ms for the
+/// client's delayed acknowledgement.
+pub async fn serve_router(router: axum::Router) -> std::net::SocketAddr {
+    use axum::serve::ListenerExt as _;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let router = axum::Router::new().nest_service("/mcp", service);
+    let listener = listener.tap_io(|connection: &mut tokio::net::TcpStream| {
+        connection.set_nodelay(true).unwrap();
+    });
     tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
     addr
 }

@@ -31,10 +31,15 @@ pub fn allow(addr: SocketAddr) -> HostAllowlist {
     HostAllowlist::parse([addr.to_string()]).unwrap()
 }
 
-/// Serves `router` on a fresh loopback port.
+/// Serves `router` on a fresh loopback port, its connections sending each write at once
+/// (`TCP_NODELAY`), as `wor`'s own servers do.
 pub async fn serve(router: axum::Router) -> SocketAddr {
+    use axum::serve::ListenerExt as _;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
+    let listener = listener.tap_io(|connection: &mut tokio::net::TcpStream| {
+        connection.set_nodelay(true).unwrap();
+    });
     tokio::spawn(async move {
         axum::serve(listener, router).await.unwrap();
     });
