@@ -19,7 +19,7 @@ use wor_core::step::{OutcomeStep, Step};
 use wor_core::{ApprovalId, ProjectId, RunId};
 
 use crate::exec::{Exec, Param};
-use crate::runs::{insert_step, requeue_parent, to_i64};
+use crate::runs::{STEPS_PER_WRITE_STATEMENT, StepRow, insert_steps, requeue_parent, to_i64};
 use crate::{RunToken, Store, StoreError, now_millis};
 
 /// What the worker driving a run records at one step, in one transaction.
@@ -333,10 +333,19 @@ pub(crate) async fn write_run(
         .iter()
         .map(|(provenance, step)| (*provenance, step))
         .chain(outcome.as_ref().map(|step| (Provenance::Engine, step)));
-    for (provenance, step) in steps {
-        seq += 1;
-        insert_step(tx, write.project, write.run, seq, provenance, step, now).await?;
-    }
+    let rows: Vec<StepRow<'_>> = steps
+        .map(|(provenance, step)| {
+            seq += 1;
+            StepRow {
+                run: write.run,
+                project: write.project,
+                seq,
+                provenance,
+                step,
+            }
+        })
+        .collect();
+    insert_steps(tx, &rows, now, STEPS_PER_WRITE_STATEMENT).await?;
     if let Some((digest, expires_at)) = &write.mint {
         crate::run_tokens::store(
             tx,

@@ -1291,9 +1291,6 @@ async fn insert_runs(
         .iter()
         .map(|row| parse_column(&row.try_get::<String, _>("id")?, "runs.id"))
         .collect::<Result<_, StoreError>>()?;
-    // Sequence numbers are bound as BIGINT, as `insert_step` binds them: a one-row statement
-    // here has the same text as its, and PostgreSQL keeps the types a statement was first
-    // prepared with on each connection.
     let mut steps = Vec::new();
     for (id, start) in ids.iter().zip(starts) {
         if !inserted.contains(id) {
@@ -1316,31 +1313,23 @@ async fn insert_runs(
             ));
         }
     }
-    for chunk in steps.chunks(values_per_statement / STEP_VALUES) {
-        let rows: Vec<String> = (0..chunk.len())
-            .map(|i| row_placeholders(i * STEP_VALUES + 1, STEP_VALUES))
-            .collect();
-        let sql = format!(
-            "INSERT INTO run_steps (run_id, seq, project_id, kind, provenance, payload, created_at) \
-             VALUES {}",
-            rows.join(", ")
-        );
-        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
-        for (run, project, seq, provenance, step) in chunk {
-            let payload = step
-                .to_stored_text()
-                .map_err(|e| StoreError::Corrupt(format!("a step to record: {e}")))?;
-            query = query
-                .bind(run.to_string())
-                .bind(*seq)
-                .bind(project.to_string())
-                .bind(step.kind().as_str())
-                .bind(provenance.as_str())
-                .bind(payload)
-                .bind(now);
-        }
-        query.execute(&mut **tx).await?;
-    }
+    let step_rows: Vec<StepRow<'_>> = steps
+        .iter()
+        .map(|(run, project, seq, provenance, step)| StepRow {
+            run: *run,
+            project: *project,
+            seq: *seq,
+            provenance: *provenance,
+            step,
+        })
+        .collect();
+    insert_steps(
+        &mut **tx,
+        &step_rows,
+        now,
+        values_per_statement / STEP_VALUES,
+    )
+    .await?;
     Ok(ids
         .iter()
         .copied()
@@ -1440,7 +1429,14 @@ pub(crate) async fn append_step(
     step: &Step,
 ) -> Result<i64, StoreError> {
     let last = last_step_seq(&mut **tx, project, run).await?;
-    insert_step(tx, project, run, last + 1, provenance, step, now_millis()).await?;
+    let row = StepRow {
+        run,
+        project,
+        seq: last + 1,
+        provenance,
+        step,
+    };
+    insert_steps(tx, &[row], now_millis(), 1).await?;
     Ok(last + 1)
 }
 
@@ -1459,32 +1455,56 @@ pub(crate) async fn requeue_parent(
     Ok(())
 }
 
-pub(crate) async fn insert_step(
+/// One step of a run to insert: the run, its project, the step's number and provenance.
+pub(crate) struct StepRow<'a> {
+    pub run: RunId,
+    pub project: ProjectId,
+    pub seq: i64,
+    pub provenance: Provenance,
+    pub step: &'a Step,
+}
+
+/// The most steps one statement of a run's journal write inserts: far more than a write
+/// holds, and within SQLite's default bound on a statement's values.
+pub(crate) const STEPS_PER_WRITE_STATEMENT: usize = 50;
+
+/// Inserts `rows`, all created at `now`, in `tx`: one statement for every `per_statement`
+/// rows, so a write's steps, or a scheduler page's first steps, cost one round trip.
+/// Sequence numbers are bound as BIGINT in every statement: PostgreSQL keeps the types a
+/// statement was first prepared with on each connection.
+pub(crate) async fn insert_steps(
     tx: &mut impl Exec,
-    project: ProjectId,
-    run: RunId,
-    seq: i64,
-    provenance: Provenance,
-    step: &Step,
+    rows: &[StepRow<'_>],
     now: i64,
+    per_statement: usize,
 ) -> Result<(), StoreError> {
-    let payload = step
-        .to_stored_text()
-        .map_err(|e| StoreError::Corrupt(format!("a step to record: {e}")))?;
-    tx.execute(
-        "INSERT INTO run_steps (run_id, seq, project_id, kind, provenance, payload, created_at) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7)",
-        vec![
-            run.to_string().into(),
-            seq.into(),
-            project.to_string().into(),
-            step.kind().as_str().into(),
-            provenance.as_str().into(),
-            payload.into(),
-            now.into(),
-        ],
-    )
-    .await?;
+    for chunk in rows.chunks(per_statement.max(1)) {
+        let places: Vec<String> = (0..chunk.len())
+            .map(|i| row_placeholders(i * STEP_VALUES + 1, STEP_VALUES))
+            .collect();
+        let sql = format!(
+            "INSERT INTO run_steps (run_id, seq, project_id, kind, provenance, payload, created_at) \
+             VALUES {}",
+            places.join(", ")
+        );
+        let mut params = Vec::with_capacity(chunk.len() * STEP_VALUES);
+        for row in chunk {
+            let payload = row
+                .step
+                .to_stored_text()
+                .map_err(|e| StoreError::Corrupt(format!("a step to record: {e}")))?;
+            params.extend([
+                row.run.to_string().into(),
+                row.seq.into(),
+                row.project.to_string().into(),
+                row.step.kind().as_str().into(),
+                row.provenance.as_str().into(),
+                payload.into(),
+                now.into(),
+            ]);
+        }
+        tx.execute(&sql, params).await?;
+    }
     Ok(())
 }
 
