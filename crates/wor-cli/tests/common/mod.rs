@@ -276,12 +276,9 @@ where
 /// Nagle's algorithm on, an MCP answer sent as server-sent events waits about 40 ms for the
 /// client's delayed acknowledgement.
 pub async fn serve_router(router: axum::Router) -> std::net::SocketAddr {
-    use axum::serve::ListenerExt as _;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let listener = listener.tap_io(|connection: &mut tokio::net::TcpStream| {
-        connection.set_nodelay(true).unwrap();
-    });
+    let listener = wor_server::sending_at_once(listener);
     tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
     addr
 }

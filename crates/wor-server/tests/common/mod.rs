@@ -342,12 +342,9 @@ pub fn steps_of<'a>(run: &'a Value, kind: &str) -> Vec<&'a Value> {
 /// (`TCP_NODELAY`), as `wor`'s own servers do: with Nagle's algorithm on, an MCP answer sent
 /// as server-sent events waits about 40 ms for the client's delayed acknowledgement.
 pub async fn serve(router: Router) -> SocketAddr {
-    use axum::serve::ListenerExt as _;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let listener = listener.tap_io(|connection: &mut tokio::net::TcpStream| {
-        connection.set_nodelay(true).unwrap();
-    });
+    let listener = wor_server::sending_at_once(listener);
     tokio::spawn(async move {
         axum::serve(listener, router).await.unwrap();
     });

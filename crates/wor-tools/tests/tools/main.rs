@@ -34,14 +34,30 @@ pub fn allow(addr: SocketAddr) -> HostAllowlist {
 /// Serves `router` on a fresh loopback port, its connections sending each write at once
 /// (`TCP_NODELAY`), as `wor`'s own servers do.
 pub async fn serve(router: axum::Router) -> SocketAddr {
-    use axum::serve::ListenerExt as _;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let listener = listener.tap_io(|connection: &mut tokio::net::TcpStream| {
-        connection.set_nodelay(true).unwrap();
-    });
     tokio::spawn(async move {
-        axum::serve(listener, router).await.unwrap();
+        axum::serve(sending_at_once(listener), router)
+            .await
+            .unwrap();
     });
     addr
+}
+
+/// `listener`, its connections sending each write at once. A connection that cannot (its
+/// peer already gone) is served all the same: a panic here would end the whole server.
+#[expect(
+    clippy::print_stderr,
+    reason = "the test's output says why a connection may be slow"
+)]
+pub fn sending_at_once(
+    listener: tokio::net::TcpListener,
+) -> axum::serve::TapIo<tokio::net::TcpListener, fn(&mut tokio::net::TcpStream)> {
+    use axum::serve::ListenerExt as _;
+    let tap: fn(&mut tokio::net::TcpStream) = |connection| {
+        if let Err(error) = connection.set_nodelay(true) {
+            eprintln!("a test server's connection cannot send at once: {error}");
+        }
+    };
+    listener.tap_io(tap)
 }

@@ -120,7 +120,9 @@ fn start_server(script: Arc<Script>) -> SocketAddr {
                 .with_state(script);
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             tx.send(listener.local_addr().unwrap()).unwrap();
-            axum::serve(listener, router).await.unwrap();
+            axum::serve(crate::sending_at_once(listener), router)
+                .await
+                .unwrap();
         });
     });
     rx.recv().unwrap()
