@@ -306,7 +306,9 @@ fn a_structured_result_is_shown_by_follow_and_get_and_is_json_with_json() {
 }
 
 /// A streaming OpenAI-compatible model on loopback: text deltas 30 ms apart, a GitHub token
-/// split across three of them, then the finish.
+/// split across three of them, then the finish. The first waits 500 ms: a watcher sees a
+/// run's text from when it subscribes, and `run start --follow` subscribes only once the
+/// start has answered, which a busy machine can delay past 30 ms.
 fn streaming_model() -> std::net::SocketAddr {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -336,11 +338,14 @@ fn streaming_model() -> std::net::SocketAddr {
                     serde_json::json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
                         "usage": {"prompt_tokens": 5, "completion_tokens": 40}})
                 ));
-                let stream = futures::stream::unfold(chunks.into_iter(), |mut chunks| async move {
-                    let chunk = chunks.next()?;
-                    tokio::time::sleep(std::time::Duration::from_millis(30)).await;
-                    Some((Ok::<_, std::convert::Infallible>(chunk), chunks))
-                });
+                let stream = futures::stream::unfold(
+                    (chunks.into_iter(), 500),
+                    |(mut chunks, wait_ms)| async move {
+                        let chunk = chunks.next()?;
+                        tokio::time::sleep(std::time::Duration::from_millis(wait_ms)).await;
+                        Some((Ok::<_, std::convert::Infallible>(chunk), (chunks, 30)))
+                    },
+                );
                 (
                     [("content-type", "text/event-stream")],
                     axum::body::Body::from_stream(stream),
