@@ -143,12 +143,12 @@ impl AuditLog {
     /// and this process's turn to write is free. The batch of this one command is then
     /// written on the caller's thread, which it blocks for that transaction: its statements
     /// run synchronously and never yield, so a caller's future dropped meanwhile cannot leave
-    /// a transaction or the writer half done. The one wait left is SQLite's own, for a write
-    /// lock another connection holds (another process on the same file, or a write of this
-    /// process outside its turn): up to `busy_timeout` on this thread, then `BEGIN` is tried
-    /// again after a pause. Otherwise — a busy writer, a taken turn, or a writer on the pool
-    /// (PostgreSQL, where a statement awaits the server) — the command goes through the
-    /// writer's channel, in order with the rest.
+    /// a transaction or the writer half done. The one wait left is for a write lock another
+    /// connection holds (another process on the same file, or a write of this process
+    /// outside its turn), before `BEGIN`: awaited between tries, so it blocks no thread, and
+    /// a caller dropped meanwhile has begun nothing. Otherwise — a busy writer, a taken
+    /// turn, or a writer on the pool (PostgreSQL, where a statement awaits the server) — the
+    /// command goes through the writer's channel, in order with the rest.
     async fn submit(&self, command: Command) -> Result<(), StoreError> {
         if let Ok(mut writer) = self.writer.try_lock()
             && writer.commits_on_own_connection()

@@ -8,7 +8,66 @@
 
 use sqlx::{Any, Row as _};
 
-use crate::{Backend, BeginRetry, Durability, StoreError};
+use crate::{Durability, StoreError};
+
+/// How the embedded writer's `BEGIN IMMEDIATE` waits for the database's write lock that
+/// another connection holds (another process on the same file, or a write of this process
+/// on the pool outside its turn). Its connection has no `busy_timeout`, so `BEGIN` fails at
+/// once; it is tried again after a pause that is awaited, growing from [`FIRST_LOCK_PAUSE`]
+/// to [`LONGEST_LOCK_PAUSE`].
+///
+/// Awaited, the wait blocks no thread: a caller's write is committed on a thread of the
+/// process's runtime ([`crate::AuditLog`]), which SQLite's own wait would hold for as long
+/// as the lock is held elsewhere. And the lock is asked for often: SQLite's own wait asks
+/// every 100 ms after its first few tries, so another process that commits back to back
+/// could keep it from the lock. It gives up, with the busy error, after as long as a write
+/// on the pool waits ([`LOCK_WAIT_LIMIT`]).
+struct LockWait {
+    began: std::time::Instant,
+    pause: std::time::Duration,
+    /// Whether a long wait has been logged.
+    told: bool,
+}
+
+/// The first pause of a [`LockWait`]; each next one is twice as long, up to
+/// [`LONGEST_LOCK_PAUSE`].
+const FIRST_LOCK_PAUSE: std::time::Duration = std::time::Duration::from_millis(1);
+const LONGEST_LOCK_PAUSE: std::time::Duration = std::time::Duration::from_millis(8);
+/// How long a [`LockWait`] lasts in all: what a write on the pool waits, `busy_timeout` for
+/// each of its tries of `BEGIN`.
+const LOCK_WAIT_LIMIT: std::time::Duration =
+    crate::BUSY_TIMEOUT.saturating_mul(crate::WRITE_BEGIN_ATTEMPTS);
+/// A wait longer than this is logged, once.
+const LONG_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+impl LockWait {
+    fn new() -> Self {
+        LockWait {
+            began: std::time::Instant::now(),
+            pause: FIRST_LOCK_PAUSE,
+            told: false,
+        }
+    }
+
+    /// After `BEGIN` failed with `err`: waits and returns when it is to be tried again (the
+    /// database busy, time left), or returns the error.
+    async fn after(&mut self, err: StoreError) -> Result<(), StoreError> {
+        let waited = self.began.elapsed();
+        if !crate::is_busy(&err) || waited >= LOCK_WAIT_LIMIT {
+            return Err(err);
+        }
+        if waited >= LONG_LOCK_WAIT && !std::mem::replace(&mut self.told, true) {
+            tracing::warn!(
+                category = "store",
+                waited_ms = u64::try_from(waited.as_millis()).unwrap_or(u64::MAX),
+                "the database's write lock is held by another connection; the write waits for it"
+            );
+        }
+        tokio::time::sleep(self.pause).await;
+        self.pause = self.pause.saturating_mul(2).min(LONGEST_LOCK_PAUSE);
+        Ok(())
+    }
+}
 
 /// A value bound to a statement's placeholder (`$1`, `$2`, … in order).
 #[derive(Debug, Clone)]
@@ -197,6 +256,9 @@ impl EmbeddedWriter {
             rusqlite::OpenFlags::SQLITE_OPEN_READ_WRITE | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
         )?;
         connection.execute_batch(crate::SQLITE_CONNECTION_SETTINGS)?;
+        // Never waits inside SQLite for a lock: `BEGIN` waits for the write lock by trying
+        // again ([`LockWait`]), without blocking its thread.
+        connection.busy_timeout(std::time::Duration::ZERO)?;
         // A batch's statements differ with the number of its steps and entries.
         connection.set_prepared_statement_cache_capacity(128);
         let mode: String = connection.query_row("PRAGMA journal_mode", [], |row| row.get(0))?;
@@ -239,8 +301,8 @@ impl EmbeddedWriter {
     }
 
     /// Runs `body` in one transaction that takes the database's write lock up front
-    /// (`BEGIN IMMEDIATE`, waiting for `busy_timeout`), and commits it with `durability`;
-    /// rolls it back when `body` fails.
+    /// (`BEGIN IMMEDIATE`, waiting for it as [`LockWait`] says), and commits it with
+    /// `durability`; rolls it back when `body` fails.
     pub(crate) async fn transaction<T>(
         &mut self,
         durability: Durability,
@@ -255,11 +317,11 @@ impl EmbeddedWriter {
             self.connection.execute_batch(durability.sqlite_pragma())?;
             self.synchronous = Some(durability);
         }
-        let mut retry = BeginRetry::new(Backend::Sqlite);
+        let mut wait = LockWait::new();
         loop {
             match self.connection.execute_batch("BEGIN IMMEDIATE") {
                 Ok(()) => break,
-                Err(err) => retry.after(err.into()).await?,
+                Err(err) => wait.after(err.into()).await?,
             }
         }
         match body(self).await {

@@ -558,14 +558,14 @@ impl BeginRetry {
 
 /// How many times a write transaction's `BEGIN` is tried while SQLite reports the database
 /// busy, and the pause before the second try (doubled before each further one).
-const WRITE_BEGIN_ATTEMPTS: u32 = 4;
+pub(crate) const WRITE_BEGIN_ATTEMPTS: u32 = 4;
 /// How long a write waits for this process's turn: SQLite's `busy_timeout` (set on connect).
 const WRITE_TURN_TIMEOUT: Duration = Duration::from_secs(10);
 const WRITE_RETRY_PAUSE: Duration = Duration::from_millis(50);
 
 /// Whether `err` is SQLite's `SQLITE_BUSY` or `SQLITE_LOCKED`, in any extended form (the
 /// primary code is the low byte of the extended one).
-fn is_busy(err: &StoreError) -> bool {
+pub(crate) fn is_busy(err: &StoreError) -> bool {
     let code = match err {
         StoreError::Database(sqlx::Error::Database(db)) => {
             db.code().and_then(|code| code.parse::<i64>().ok())

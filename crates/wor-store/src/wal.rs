@@ -262,8 +262,8 @@ pub(crate) fn restart_log(connection: &rusqlite::Connection) -> Result<bool, rus
     let busy = connection.query_row("PRAGMA wal_checkpoint(RESTART)", [], |row| {
         row.get::<_, i64>(0)
     });
-    // The connection's own wait, as every connection of the store has it.
-    connection.busy_timeout(crate::BUSY_TIMEOUT)?;
+    // The writer's connection waits inside SQLite for no lock (`EmbeddedWriter::open`).
+    connection.busy_timeout(Duration::ZERO)?;
     let restarted = busy? == 0;
     if restarted {
         crate::metrics::wal_checkpointed("restart");

@@ -2353,6 +2353,88 @@ async fn the_write_ahead_log_is_reused_under_writes_that_never_pause() {
     );
 }
 
+/// On SQLite a run's write that finds the writer idle is committed on its caller's thread.
+/// When another connection holds the database's write lock (here a transaction on a second
+/// store, as another process would), the write waits for it without blocking that thread:
+/// the runtime's other tasks go on, and the write commits once the lock is free. It used to
+/// wait inside SQLite, holding the thread for `busy_timeout` (10 s) before its next try.
+#[tokio::test(flavor = "current_thread")]
+async fn a_write_waiting_for_the_database_lock_leaves_its_thread_to_other_tasks() {
+    use wor_core::run::Provenance;
+    use wor_store::{AuditLog, RunWrite, RunWritten};
+
+    let Some(db) = isolated_on(
+        wor_store::Backend::Sqlite,
+        "PostgreSQL has no database-wide write lock: nothing of this test applies",
+    )
+    .await
+    else {
+        return;
+    };
+    let store = &db.store;
+    let (project, routine) = project_with_routine(store, "lock", 1).await;
+    let run = claimed_run(store, project, routine, "w", 600_000).await;
+    let log = AuditLog::start(store.clone(), signing_key(10), audit_config(1_000));
+    let turn = |text: &str| {
+        Step::ModelTurn(ModelTurnStep {
+            message: AssistantMessage {
+                text: text.to_owned(),
+                tool_calls: Vec::new(),
+            },
+            usage: Usage::default(),
+            stop_reason: StopReason::EndTurn,
+            identity: None,
+            nul_replaced: false,
+        })
+    };
+    // A first write, so the writer has its own connection open and is idle again.
+    let first = log
+        .record(RunWrite::new(project, run, "w", 600_000).step(Provenance::Engine, turn("one")))
+        .await
+        .unwrap();
+    assert!(matches!(first, RunWritten::Committed { .. }), "{first:?}");
+
+    let other = Store::connect(&db.url).await.unwrap();
+    #[expect(
+        clippy::disallowed_methods,
+        reason = "another writer's transaction, holding SQLite's write lock"
+    )]
+    let holder = other.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
+    let write = tokio::spawn({
+        let log = log.clone();
+        async move {
+            log.record(
+                RunWrite::new(project, run, "w", 600_000).step(Provenance::Engine, turn("two")),
+            )
+            .await
+        }
+    });
+    // On this runtime's one thread: a write that held it would keep this short sleep from
+    // ending until SQLite's own wait gave up.
+    let asleep = std::time::Instant::now();
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    let slept = asleep.elapsed();
+    assert!(
+        slept < std::time::Duration::from_secs(5),
+        "a 50 ms sleep beside the waiting write took {slept:?}"
+    );
+    assert!(!write.is_finished(), "the write went on without the lock");
+    holder.rollback().await.unwrap();
+    let second = write.await.unwrap().unwrap();
+    assert!(matches!(second, RunWritten::Committed { .. }), "{second:?}");
+    let turns: Vec<String> = store
+        .list_run_steps(project, run, 0)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter_map(|s| match s.step {
+            Step::ModelTurn(turn) => Some(turn.message.text),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(turns, ["one", "two"]);
+}
+
 /// On PostgreSQL a sweep of the credentials of runs no worker drives skips one that another
 /// transaction holds rather than waiting for it (a wait could deadlock with that
 /// transaction); the next sweep ends it.
