@@ -384,6 +384,33 @@ fn is_terminal(status: &str) -> bool {
 }
 
 /// Lines of the servers' logs worth showing next to a failure.
+/// The processes' notable lines ([`notable_log_lines`], the last 20) and their requests
+/// that took a second or more (a worker's claim, which waits for a run, aside), for a
+/// failure's message.
+fn log_report(logs: &[Arc<Mutex<String>>]) -> String {
+    let notable = notable_log_lines(logs);
+    let mut lines: Vec<String> = notable
+        .get(notable.len().saturating_sub(20)..)
+        .unwrap_or_default()
+        .to_vec();
+    for log in logs {
+        for line in log.lock().unwrap().lines() {
+            let took = line
+                .split_once("\"duration_us\":")
+                .and_then(|(_, rest)| rest.split(|c: char| !c.is_ascii_digit()).next())
+                .and_then(|digits| digits.parse::<u64>().ok());
+            if took.is_some_and(|us| us >= 1_000_000) && !line.contains("/runs/claim") {
+                lines.push(line.to_owned());
+            }
+        }
+    }
+    if lines.is_empty() {
+        "nothing".to_owned()
+    } else {
+        lines.join("\n  ")
+    }
+}
+
 fn notable_log_lines(logs: &[Arc<Mutex<String>>]) -> Vec<String> {
     let mut lines = Vec::new();
     for log in logs {
@@ -847,6 +874,12 @@ const WORKER_KILLS: usize = 24;
 const WORKER_RUNS: usize = 300;
 /// How long a worker lives between kills, in milliseconds.
 const WORKER_UPTIME_MS: std::ops::Range<u64> = 300..1500;
+/// How long a worker started again may take to start. It starts once its control plane has
+/// answered its first heartbeat, which it asks again while the control plane does not answer
+/// (each try waits up to 10 s); on a machine this busy a first try has timed out. A start
+/// slower than [`SLOW_WORKER_START`] is reported with what the other processes logged.
+const WORKER_START: Duration = Duration::from_secs(90);
+const SLOW_WORKER_START: Duration = Duration::from_secs(10);
 
 #[test]
 fn runs_survive_repeated_sigkill_of_remote_workers_without_lost_or_repeated_calls() {
@@ -935,6 +968,7 @@ fn runs_survive_repeated_sigkill_of_remote_workers_without_lost_or_repeated_call
 
     // Kill a worker at random, start it again on its data dir, repeat.
     let mut exited_on_its_own = Vec::new();
+    let mut slow_starts: Vec<String> = Vec::new();
     for kill in 0..WORKER_KILLS {
         std::thread::sleep(Duration::from_millis(rng.random_range(WORKER_UPTIME_MS)));
         let n = rng.random_range(0..workers.len());
@@ -946,7 +980,25 @@ fn runs_survive_repeated_sigkill_of_remote_workers_without_lost_or_repeated_call
         }
         worker.child.kill().unwrap();
         worker.child.wait().unwrap();
-        *worker = Server::worker(&worker_dirs[n], &worker_config);
+        let starting = Instant::now();
+        *worker = Server::try_worker(&worker_dirs[n], &worker_config, WORKER_START).unwrap_or_else(
+            |why| {
+                panic!(
+                    "{why}\n\nwhat the other processes logged of note:\n  {}",
+                    log_report(&logs)
+                )
+            },
+        );
+        let took = starting.elapsed();
+        if took > SLOW_WORKER_START {
+            slow_starts.push(format!(
+                "worker {n} took {took:.1?} to start at kill {kill}"
+            ));
+            eprintln!(
+                "worker {n} took {took:.1?} to start; what the other processes logged of note:\n  {}",
+                log_report(&logs)
+            );
+        }
         logs.push(worker.log.clone());
     }
     let kill_phase = started.elapsed();
@@ -995,7 +1047,8 @@ fn runs_survive_repeated_sigkill_of_remote_workers_without_lost_or_repeated_call
     }
     let summary = format!(
         "seed {seed}; {WORKER_KILLS} worker kills in {kill_phase:.1?}, settled at {settled:.1?}; \
-         {} runs {statuses:?}, {} executions, {} approvals ({} outcome_unknown)",
+         {} runs {statuses:?}, {} executions, {} approvals ({} outcome_unknown); \
+         slow worker starts: {slow_starts:?}",
         runs.len(),
         executions.len(),
         approvals.len(),

@@ -111,6 +111,18 @@ impl Server {
 
     /// [`Server::spawn`] with `envs` added to the clean environment.
     pub fn spawn_with(args: &[&str], envs: &[(&str, &str)], ready: &str) -> Server {
+        Server::try_spawn_within(args, envs, ready, Duration::from_secs(30))
+            .unwrap_or_else(|why| panic!("{why}"))
+    }
+
+    /// [`Server::spawn_with`], waiting `within` for the line; what went wrong when the
+    /// process did not start (it is killed then).
+    pub fn try_spawn_within(
+        args: &[&str],
+        envs: &[(&str, &str)],
+        ready: &str,
+        within: Duration,
+    ) -> Result<Server, String> {
         let mut child = wor(args)
             .envs(envs.iter().copied())
             .stdout(Stdio::null())
@@ -133,30 +145,41 @@ impl Server {
             }
         });
         // Waits for the line, or for the process to end without it.
-        let deadline = Instant::now() + Duration::from_secs(30);
+        let deadline = Instant::now() + within;
         let url = loop {
             match rx.recv_timeout(Duration::from_millis(100)) {
                 Ok(url) => break url,
                 Err(_) if Instant::now() >= deadline => {
-                    panic!("{args:?} did not start: {}", log.lock().unwrap())
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return Err(format!(
+                        "{args:?} did not start within {within:?}: {}",
+                        log.lock().unwrap()
+                    ));
                 }
                 Err(_) => {
                     if let Ok(Some(status)) = child.try_wait() {
                         std::thread::sleep(Duration::from_millis(200));
-                        panic!(
+                        return Err(format!(
                             "{args:?} exited with {status} before it started: {}",
                             log.lock().unwrap()
-                        );
+                        ));
                     }
                 }
             }
         };
-        Server { child, url, log }
+        Ok(Server { child, url, log })
     }
 
     /// `wor serve --role worker` on `data_dir` with `config`, driving up to four runs at once.
     pub fn worker(data_dir: &Path, config: &Path) -> Server {
-        Server::spawn(
+        Server::try_worker(data_dir, config, Duration::from_secs(30))
+            .unwrap_or_else(|why| panic!("{why}"))
+    }
+
+    /// [`Server::worker`], waiting `within` for it to start.
+    pub fn try_worker(data_dir: &Path, config: &Path, within: Duration) -> Result<Server, String> {
+        Server::try_spawn_within(
             &[
                 "serve",
                 "--role",
@@ -168,7 +191,9 @@ impl Server {
                 "--workers",
                 "4",
             ],
+            &[],
             "wor: worker ",
+            within,
         )
     }
 
