@@ -305,10 +305,10 @@ fn a_structured_result_is_shown_by_follow_and_get_and_is_json_with_json() {
     server.stop();
 }
 
-/// A streaming OpenAI-compatible model on loopback: text deltas 30 ms apart, a GitHub token
-/// split across three of them, then the finish. The first waits 500 ms: a watcher sees a
-/// run's text from when it subscribes, and `run start --follow` subscribes only once the
-/// start has answered, which a busy machine can delay past 30 ms.
+/// A streaming OpenAI-compatible model on loopback: text deltas, a GitHub token split across
+/// three of them, then the finish. The first comes at once and the second 500 ms later, the
+/// rest 30 ms apart: `run start --follow` subscribes once the start has answered, most often
+/// after the first, which it is given as the text so far.
 fn streaming_model() -> std::net::SocketAddr {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -339,11 +339,16 @@ fn streaming_model() -> std::net::SocketAddr {
                         "usage": {"prompt_tokens": 5, "completion_tokens": 40}})
                 ));
                 let stream = futures::stream::unfold(
-                    (chunks.into_iter(), 500),
-                    |(mut chunks, wait_ms)| async move {
+                    (chunks.into_iter(), 0),
+                    |(mut chunks, sent)| async move {
                         let chunk = chunks.next()?;
+                        let wait_ms = match sent {
+                            0 => 0,
+                            1 => 500,
+                            _ => 30,
+                        };
                         tokio::time::sleep(std::time::Duration::from_millis(wait_ms)).await;
-                        Some((Ok::<_, std::convert::Infallible>(chunk), (chunks, 30)))
+                        Some((Ok::<_, std::convert::Infallible>(chunk), (chunks, sent + 1)))
                     },
                 );
                 (

@@ -55,6 +55,7 @@ pub use assignment::{
     WorkerParked, WorkerRecorded, WorkerStepRefusal, WorkerSteps,
 };
 pub use email::{SMTP_PASSWORD_FIELD, SMTP_USERNAME_FIELD, SmtpSecrets};
+pub use live_text::TextWatch;
 pub use notice::RouteError;
 pub use notifications::{
     MAX_SLACK_INTERACTION_BYTES, NOTIFICATION_ROUTES_TABLE, SLACK_BOT_TOKEN_FIELD,
@@ -380,9 +381,10 @@ impl Engine {
         self.model_egress.vet_keyless_model(url).await.map(|_| ())
     }
 
-    /// The redacted text deltas of `run`'s model calls from now on, while this process
-    /// drives it; the channel closes when the run ends here.
-    pub fn watch_text(&self, run: wor_core::RunId) -> tokio::sync::broadcast::Receiver<String> {
+    /// The redacted text of `run`'s model calls while this process drives it: what the call
+    /// under way has written so far, then each delta; the channel closes when the run ends
+    /// here.
+    pub fn watch_text(&self, run: wor_core::RunId) -> TextWatch {
         self.live_text.subscribe(run)
     }
 

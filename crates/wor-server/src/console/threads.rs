@@ -426,27 +426,40 @@ impl Follow {
         self.text.retain(|(run, _)| active.contains(run));
         for run in active {
             if !self.text.iter().any(|(r, _)| *r == run) {
-                self.text.push((run, self.engine.watch_text(run)));
+                let watch = self.engine.watch_text(run);
+                // What the turn's model call wrote before the watch began comes first.
+                self.push_text(run, watch.so_far);
+                self.text.push((run, watch.deltas));
             }
+        }
+    }
+
+    /// Queues `delta` of `run`'s text as a `text` event naming its run.
+    fn push_text(&mut self, run: RunId, delta: String) {
+        if delta.is_empty() {
+            return;
+        }
+        let data = serde_json::json!({ "run": run.to_string(), "delta": delta });
+        if let Ok(event) = Event::default().event("text").json_data(data) {
+            self.pending.push_back(event);
         }
     }
 
     /// Queues the text that has arrived, as `text` events naming their run.
     fn drain_text(&mut self) {
         use tokio::sync::broadcast::error::TryRecvError;
+        let mut arrived = Vec::new();
         for (run, receiver) in &mut self.text {
             loop {
                 match receiver.try_recv() {
-                    Ok(delta) => {
-                        let data = serde_json::json!({ "run": run.to_string(), "delta": delta });
-                        if let Ok(event) = Event::default().event("text").json_data(data) {
-                            self.pending.push_back(event);
-                        }
-                    }
+                    Ok(delta) => arrived.push((*run, delta)),
                     Err(TryRecvError::Lagged(_)) => {}
                     Err(TryRecvError::Empty | TryRecvError::Closed) => break,
                 }
             }
+        }
+        for (run, delta) in arrived {
+            self.push_text(run, delta);
         }
     }
 

@@ -378,7 +378,8 @@ pub async fn events(
     ApiPath(id): ApiPath<RunId>,
 ) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ApiError> {
     state.store.get_run(caller.project_id, id).await?;
-    // Subscribed before the first read, so no text written after it is missed.
+    // Subscribed before the first read, so no text written after it is missed; the text
+    // written before it by the model call under way comes with it.
     let text = state.engine.watch_text(id);
     let stream = step_stream(state.store.clone(), caller.project_id, id, text);
     Ok(Sse::new(stream).keep_alive(KeepAlive::default()))
@@ -393,12 +394,19 @@ struct Follow {
     ended: bool,
     /// The model's redacted text deltas; `None` once the run ended in this process.
     text: Option<tokio::sync::broadcast::Receiver<String>>,
+    /// The text the model call under way had written when the watch began: sent once the
+    /// steps recorded before it are out, ahead of the deltas that follow it.
+    so_far: Option<String>,
 }
 
 impl Follow {
-    /// Queues every text delta that has already arrived.
+    /// Queues every text delta that has already arrived, once the steps recorded before the
+    /// watch began are out (the text so far first).
     fn drain_text(&mut self) {
         use tokio::sync::broadcast::error::TryRecvError;
+        if self.so_far.is_some() {
+            return;
+        }
         while let Some(text) = self.text.as_mut() {
             match text.try_recv() {
                 Ok(delta) => self.push_text(delta),
@@ -421,7 +429,8 @@ impl Follow {
     /// Waits for the next poll of the steps, passing on text deltas that arrive meanwhile.
     async fn wait(&mut self) {
         use tokio::sync::broadcast::error::RecvError;
-        let Some(text) = self.text.as_mut() else {
+        // Before the first steps are out, deltas wait in the channel (see `drain_text`).
+        let Some(text) = self.text.as_mut().filter(|_| self.so_far.is_none()) else {
             tokio::time::sleep(EVENTS_POLL).await;
             return;
         };
@@ -451,7 +460,7 @@ fn step_stream(
     store: Store,
     project: ProjectId,
     run: RunId,
-    text: tokio::sync::broadcast::Receiver<String>,
+    text: wor_engine::TextWatch,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
     let follow = Follow {
         store,
@@ -460,7 +469,8 @@ fn step_stream(
         last_seq: 0,
         pending: Default::default(),
         ended: false,
-        text: Some(text),
+        text: Some(text.deltas),
+        so_far: Some(text.so_far),
     };
     futures_util::stream::unfold(follow, |mut f| async move {
         loop {
@@ -514,6 +524,12 @@ fn step_stream(
             }
             if more {
                 continue;
+            }
+            // The steps recorded before the watch began are queued: the text after them next.
+            if let Some(so_far) = f.so_far.take()
+                && !so_far.is_empty()
+            {
+                f.push_text(so_far);
             }
             if record.status.is_terminal() {
                 if let Ok(event) = Event::default()
