@@ -1032,6 +1032,18 @@ fn runs_survive_repeated_sigkill_of_remote_workers_without_lost_or_repeated_call
     for worker in workers {
         worker.stop();
     }
+    // A killed worker's scratch directory goes when the worker starts again on its data dir,
+    // and a stopped worker's when it stops.
+    for data_dir in &worker_dirs {
+        let left: Vec<String> = std::fs::read_dir(data_dir)
+            .unwrap()
+            .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|name| name.starts_with("scratch-"))
+            .collect();
+        if !left.is_empty() {
+            problems.push(format!("{} still holds {left:?}", data_dir.display()));
+        }
+    }
     scheduler.stop();
     for api in apis {
         api.stop();

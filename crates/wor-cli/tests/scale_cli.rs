@@ -1801,7 +1801,21 @@ fn a_worker_process_drives_the_runs_it_claims_without_a_database_or_the_encrypti
     // The worker enrols on its own machine (its own data dir) and starts with nothing of the
     // control plane's: no database URL, no encryption key.
     let worker_dir = dir.path().join("worker");
-    let worker = Server::worker(&worker_dir, &enrol_loopback_worker(&api, &db, &worker_dir));
+    let worker_config = enrol_loopback_worker(&api, &db, &worker_dir);
+    // What a killed worker left on this data dir is removed when the next one starts.
+    let left = worker_dir.join("scratch-left");
+    std::fs::create_dir(&left).unwrap();
+    std::fs::write(left.join("wor.db"), b"").unwrap();
+    let worker = Server::worker(&worker_dir, &worker_config);
+    assert!(!left.exists(), "{}", worker.log.lock().unwrap());
+    // A second worker on the same data dir, with the same identity, is refused.
+    match Server::try_worker(&worker_dir, &worker_config, Duration::from_secs(30)) {
+        Ok(_) => panic!("a second worker started on one data dir"),
+        Err(why) => assert!(
+            why.contains("exited with") && why.contains("another worker runs on the data dir"),
+            "{why}"
+        ),
+    }
 
     // A run started on the API finishes on the worker: the tool got the connection's token
     // from the run's envelope, and the steps are on the control plane.

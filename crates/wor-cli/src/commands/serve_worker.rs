@@ -119,6 +119,7 @@ pub async fn run(config: &ServerConfig) -> anyhow::Result<ExitCode> {
         identity,
         worker_id: enrolment.worker_id.clone(),
     };
+    let data_dir_held = hold_data_dir(&config.data_dir)?;
     let (engine, audit, scratch) = worker_engine(config, &enrolment.worker_id).await?;
     let engine = engine.with_control_plane(Arc::new(link), opener);
     // A control plane that cannot be reached yet (starting, or too busy to answer) is asked
@@ -197,14 +198,72 @@ pub async fn run(config: &ServerConfig) -> anyhow::Result<ExitCode> {
     drop(audit);
     engine.store().close().await;
     drop(scratch);
+    drop(data_dir_held);
     tracing::info!(category = "lifecycle", "worker stopped");
     Ok(ExitCode::SUCCESS)
+}
+
+/// The file in a worker's data dir that the running worker holds a lock on.
+const DATA_DIR_LOCK: &str = "worker.lock";
+/// How the names of the worker's scratch directories begin.
+const SCRATCH_PREFIX: &str = "scratch-";
+
+/// Takes the data dir for this process, which holds it until it exits (the lock goes with
+/// the process, however it ends): a data dir holds one worker's identity, so a second worker
+/// on it is refused. What is left of a worker's scratch directories there was then left by
+/// one that was killed, and is removed.
+fn hold_data_dir(data_dir: &std::path::Path) -> anyhow::Result<std::fs::File> {
+    let path = data_dir.join(DATA_DIR_LOCK);
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("cannot open {}", path.display()))?;
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => bail!(
+            "another worker runs on the data dir {}: each worker needs a data dir of its own, enrolled with `wor worker enroll`",
+            data_dir.display()
+        ),
+        Err(std::fs::TryLockError::Error(error)) => {
+            return Err(error).with_context(|| format!("cannot lock {}", path.display()));
+        }
+    }
+    remove_left_scratch(data_dir)?;
+    Ok(file)
+}
+
+/// Removes the scratch directories that workers killed on this data dir left behind.
+fn remove_left_scratch(data_dir: &std::path::Path) -> anyhow::Result<()> {
+    let entries = std::fs::read_dir(data_dir)
+        .with_context(|| format!("cannot list the data dir {}", data_dir.display()))?;
+    for entry in entries {
+        let entry = entry.with_context(|| format!("cannot list {}", data_dir.display()))?;
+        let left = entry
+            .file_name()
+            .to_string_lossy()
+            .starts_with(SCRATCH_PREFIX)
+            && entry.file_type().is_ok_and(|kind| kind.is_dir());
+        if !left {
+            continue;
+        }
+        let path = entry.path();
+        match std::fs::remove_dir_all(&path) {
+            Ok(()) => tracing::info!(category = "lifecycle", path = %path.display(),
+                "removed the scratch directory a stopped worker left"),
+            Err(error) => tracing::warn!(category = "lifecycle", path = %path.display(),
+                %error, "cannot remove the scratch directory a stopped worker left"),
+        }
+    }
+    Ok(())
 }
 
 /// The engine a worker drives runs with: the server's egress rules, sandbox and limits, and —
 /// because the engine type is built on a store — an empty scratch database in a private
 /// directory of its own under the worker's data dir, removed on exit (one a killed worker
-/// left stays there, not in the system's temporary directory). Nothing of a run is written
+/// left stays there, not in the system's temporary directory, until the next worker on that
+/// data dir starts). Nothing of a run is written
 /// to it: a remote worker's reads come from its claims and its writes go to the control
 /// plane, and its vault's key is made here and never leaves the process.
 async fn worker_engine(
@@ -212,7 +271,7 @@ async fn worker_engine(
     worker_id: &str,
 ) -> anyhow::Result<(Engine, AuditLog, tempfile::TempDir)> {
     let scratch = tempfile::Builder::new()
-        .prefix("scratch-")
+        .prefix(SCRATCH_PREFIX)
         .tempdir_in(&config.data_dir)
         .context("cannot make the worker's scratch directory")?;
     let store = Store::open(None, scratch.path())
