@@ -220,7 +220,7 @@ pub async fn authenticate_worker(
         .map_err(|e| refused(e.into()))?;
     let fresh = state
         .store
-        .remember_worker_request_nonce(
+        .accept_worker_request(
             &worker.id,
             &headers.nonce_hex(),
             // Kept for twice the window: another process whose clock runs ahead by up to the
@@ -233,7 +233,6 @@ pub async fn authenticate_worker(
     if !fresh {
         return Err(refused(WorkerAuthError::Replayed));
     }
-    state.store.touch_worker(&worker.id).await?;
     Ok(worker)
 }
 

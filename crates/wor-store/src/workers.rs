@@ -252,15 +252,18 @@ impl Store {
         rows.iter().map(worker_from_row).collect()
     }
 
-    /// Remembers the nonce of a worker's signed request until `keep_until` (Unix seconds);
-    /// `false` when it was already remembered: a replay. Forgets nonces whose time is past.
-    pub async fn remember_worker_request_nonce(
+    /// Takes a worker's signed request whose signature was checked: remembers its nonce until
+    /// `keep_until` (Unix seconds) and records that the worker was heard from now, in one
+    /// transaction; `false`, with nothing recorded, when the nonce was already remembered: a
+    /// replay. Forgets nonces whose time is past.
+    pub async fn accept_worker_request(
         &self,
         worker_id: &str,
         nonce: &str,
         keep_until: i64,
     ) -> Result<bool, StoreError> {
-        let now_secs = now_millis() / 1000;
+        let now = now_millis();
+        let now_secs = now / 1000;
         let mut tx = self.begin_write().await?;
         sqlx::query("DELETE FROM worker_request_nonces WHERE keep_until < $1")
             .bind(now_secs)
@@ -275,8 +278,16 @@ impl Store {
         .bind(keep_until)
         .execute(&mut **tx)
         .await?;
+        let fresh = inserted.rows_affected() == 1;
+        if fresh {
+            sqlx::query("UPDATE workers SET last_seen_at = $1 WHERE id = $2")
+                .bind(now)
+                .bind(worker_id)
+                .execute(&mut **tx)
+                .await?;
+        }
         tx.commit().await?;
-        Ok(inserted.rows_affected() == 1)
+        Ok(fresh)
     }
 
     /// Revokes worker `id`: from this moment every request it signs is refused, and in the
@@ -328,16 +339,6 @@ impl Store {
         .fetch_optional(self.pool())
         .await?;
         Ok(row.is_some())
-    }
-
-    /// Records that `id` was heard from now.
-    pub async fn touch_worker(&self, id: &str) -> Result<(), StoreError> {
-        sqlx::query("UPDATE workers SET last_seen_at = $1 WHERE id = $2")
-            .bind(now_millis())
-            .bind(id)
-            .execute(self.pool())
-            .await?;
-        Ok(())
     }
 }
 

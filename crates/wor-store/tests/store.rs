@@ -2284,6 +2284,75 @@ async fn an_enrolment_token_enrols_one_worker_even_when_raced_and_is_kept_as_a_d
     );
 }
 
+#[tokio::test]
+async fn a_workers_request_is_taken_once_and_marks_the_worker_seen_in_one_write() {
+    let db = TestDatabase::isolated().await.unwrap();
+    let token = db
+        .store
+        .create_worker_enrolment_token(60_000)
+        .await
+        .unwrap();
+    let worker = db
+        .store
+        .enroll_worker(token.expose(), "w", "signing", "exchange")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(worker.last_seen_at, None);
+    let keep_until = wor_store::now_millis() / 1000 + 600;
+    let before = wor_store::now_millis();
+    assert!(
+        db.store
+            .accept_worker_request(&worker.id, "nonce-1", keep_until)
+            .await
+            .unwrap()
+    );
+    let seen = db
+        .store
+        .worker(&worker.id)
+        .await
+        .unwrap()
+        .unwrap()
+        .last_seen_at
+        .unwrap();
+    assert!(seen >= before, "{seen} < {before}");
+    // The same nonce again is a replay: refused, and the worker is not marked seen by it.
+    sqlx::query("UPDATE workers SET last_seen_at = 1 WHERE id = $1")
+        .bind(&worker.id)
+        .execute(db.store.pool())
+        .await
+        .unwrap();
+    assert!(
+        !db.store
+            .accept_worker_request(&worker.id, "nonce-1", keep_until)
+            .await
+            .unwrap()
+    );
+    let shown = db.store.worker(&worker.id).await.unwrap().unwrap();
+    assert_eq!(shown.last_seen_at, Some(1));
+    // Another nonce is taken; one whose time is past is forgotten by the next request.
+    assert!(
+        db.store
+            .accept_worker_request(&worker.id, "nonce-2", 0)
+            .await
+            .unwrap()
+    );
+    assert!(
+        db.store
+            .accept_worker_request(&worker.id, "nonce-3", keep_until)
+            .await
+            .unwrap()
+    );
+    let kept: Vec<String> = sqlx::query_scalar(
+        "SELECT nonce FROM worker_request_nonces WHERE worker_id = $1 ORDER BY nonce",
+    )
+    .bind(&worker.id)
+    .fetch_all(db.store.pool())
+    .await
+    .unwrap();
+    assert_eq!(kept, ["nonce-1", "nonce-3"]);
+}
+
 /// On SQLite the audit writer's commits never checkpoint the write-ahead log themselves; the
 /// checkpointer does it beside them, and once the log is past its limit the writer has it
 /// reused from its start. Under writes that never pause, the log stays near that limit
