@@ -1802,12 +1802,24 @@ fn a_worker_process_drives_the_runs_it_claims_without_a_database_or_the_encrypti
     // control plane's: no database URL, no encryption key.
     let worker_dir = dir.path().join("worker");
     let worker_config = enrol_loopback_worker(&api, &db, &worker_dir);
-    // What a killed worker left on this data dir is removed when the next one starts.
-    let left = worker_dir.join("scratch-left");
-    std::fs::create_dir(&left).unwrap();
-    std::fs::write(left.join("wor.db"), b"").unwrap();
+    // What a killed worker left on this data dir is removed when the next one starts;
+    // directories that only look like it are kept.
+    let made = |name: &str, files: &[&str]| {
+        let path = worker_dir.join(name);
+        std::fs::create_dir(&path).unwrap();
+        for file in files {
+            std::fs::write(path.join(file), b"").unwrap();
+        }
+        path
+    };
+    let left = made("scratch-Lf7x2q", &["wor.db", "wor.db-wal", "wor.db-shm"]);
+    let named_otherwise = made("scratch-notes", &["wor.db"]);
+    let holding_more = made("scratch-Ab3d9Z", &["wor.db", "notes.txt"]);
     let worker = Server::worker(&worker_dir, &worker_config);
     assert!(!left.exists(), "{}", worker.log.lock().unwrap());
+    assert!(named_otherwise.exists() && holding_more.exists());
+    std::fs::remove_dir_all(named_otherwise).unwrap();
+    std::fs::remove_dir_all(holding_more).unwrap();
     // A second worker on the same data dir, with the same identity, is refused.
     match Server::try_worker(&worker_dir, &worker_config, Duration::from_secs(30)) {
         Ok(_) => panic!("a second worker started on one data dir"),

@@ -205,8 +205,10 @@ pub async fn run(config: &ServerConfig) -> anyhow::Result<ExitCode> {
 
 /// The file in a worker's data dir that the running worker holds a lock on.
 const DATA_DIR_LOCK: &str = "worker.lock";
-/// How the names of the worker's scratch directories begin.
+/// How the names of the worker's scratch directories begin; the random letters and digits
+/// that end them, and how many there are.
 const SCRATCH_PREFIX: &str = "scratch-";
+const SCRATCH_RANDOM_CHARS: usize = 6;
 
 /// Takes the data dir for this process, which holds it until it exits (the lock goes with
 /// the process, however it ends): a data dir holds one worker's identity, so a second worker
@@ -234,44 +236,71 @@ fn hold_data_dir(data_dir: &std::path::Path) -> anyhow::Result<std::fs::File> {
     Ok(file)
 }
 
-/// Removes the scratch directories that workers killed on this data dir left behind.
+/// Removes the scratch directories that workers killed on this data dir left behind: those
+/// named as a worker names them and holding only its scratch database's files. Anything else,
+/// an operator's own files included, is left alone.
 fn remove_left_scratch(data_dir: &std::path::Path) -> anyhow::Result<()> {
     let entries = std::fs::read_dir(data_dir)
         .with_context(|| format!("cannot list the data dir {}", data_dir.display()))?;
     for entry in entries {
         let entry = entry.with_context(|| format!("cannot list {}", data_dir.display()))?;
-        let left = entry
-            .file_name()
-            .to_string_lossy()
-            .starts_with(SCRATCH_PREFIX)
-            && entry.file_type().is_ok_and(|kind| kind.is_dir());
-        if !left {
+        if !is_left_scratch(&entry) {
             continue;
         }
         let path = entry.path();
         match std::fs::remove_dir_all(&path) {
             Ok(()) => tracing::info!(category = "lifecycle", path = %path.display(),
-                "removed the scratch directory a stopped worker left"),
+                "removed the scratch directory a killed worker left"),
             Err(error) => tracing::warn!(category = "lifecycle", path = %path.display(),
-                %error, "cannot remove the scratch directory a stopped worker left"),
+                %error, "cannot remove the scratch directory a killed worker left"),
         }
     }
     Ok(())
+}
+
+/// Whether `entry` is a worker's scratch directory: a directory (not a link to one) named
+/// [`SCRATCH_PREFIX`] and [`SCRATCH_RANDOM_CHARS`] letters or digits, holding nothing but
+/// files of the scratch database.
+fn is_left_scratch(entry: &std::fs::DirEntry) -> bool {
+    let name = entry.file_name();
+    let named = name
+        .to_str()
+        .and_then(|name| name.strip_prefix(SCRATCH_PREFIX))
+        .is_some_and(|random| {
+            random.len() == SCRATCH_RANDOM_CHARS
+                && random.bytes().all(|b| b.is_ascii_alphanumeric())
+        });
+    if !named || !entry.file_type().is_ok_and(|kind| kind.is_dir()) {
+        return false;
+    }
+    let Ok(mut inside) = std::fs::read_dir(entry.path()) else {
+        return false;
+    };
+    inside.all(|held| {
+        held.is_ok_and(|held| {
+            held.file_type().is_ok_and(|kind| kind.is_file())
+                && held
+                    .file_name()
+                    .to_str()
+                    .is_some_and(|name| name.starts_with(wor_store::SQLITE_FILE))
+        })
+    })
 }
 
 /// The engine a worker drives runs with: the server's egress rules, sandbox and limits, and —
 /// because the engine type is built on a store — an empty scratch database in a private
 /// directory of its own under the worker's data dir, removed on exit (one a killed worker
 /// left stays there, not in the system's temporary directory, until the next worker on that
-/// data dir starts). Nothing of a run is written
-/// to it: a remote worker's reads come from its claims and its writes go to the control
-/// plane, and its vault's key is made here and never leaves the process.
+/// data dir starts). Nothing of a run is written to it: a remote worker's reads come from its
+/// claims and its writes go to the control plane, and its vault's key is made here and never
+/// leaves the process.
 async fn worker_engine(
     config: &ServerConfig,
     worker_id: &str,
 ) -> anyhow::Result<(Engine, AuditLog, tempfile::TempDir)> {
     let scratch = tempfile::Builder::new()
         .prefix(SCRATCH_PREFIX)
+        .rand_bytes(SCRATCH_RANDOM_CHARS)
         .tempdir_in(&config.data_dir)
         .context("cannot make the worker's scratch directory")?;
     let store = Store::open(None, scratch.path())
