@@ -218,7 +218,7 @@ pub async fn authenticate_worker(
             WORKER_REQUEST_SKEW_SECS,
         )
         .map_err(|e| refused(e.into()))?;
-    let fresh = state
+    let taken = state
         .store
         .accept_worker_request(
             &worker.id,
@@ -230,10 +230,11 @@ pub async fn authenticate_worker(
                 .saturating_add(WORKER_REQUEST_SKEW_SECS.saturating_mul(2)),
         )
         .await?;
-    if !fresh {
-        return Err(refused(WorkerAuthError::Replayed));
+    match taken {
+        Ok(()) => Ok(worker),
+        Err(wor_store::WorkerRequestRefusal::Replayed) => Err(refused(WorkerAuthError::Replayed)),
+        Err(wor_store::WorkerRequestRefusal::NotActive) => Err(refused(WorkerAuthError::Revoked)),
     }
-    Ok(worker)
 }
 
 /// The worker that signed `request`, read whole (at most [`MAX_WORKER_BODY_BYTES`]).

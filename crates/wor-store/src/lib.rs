@@ -89,7 +89,7 @@ pub use triggers::{AttemptOutcome, DeliveryFilter, DeliveryRecord, DueSchedule, 
 pub use vault::{RotationReport, SecretMetadata, SecretSlot, Vault, VaultError};
 pub use workers::{
     EnrolmentRefusal, NewEnrolmentToken, WORKER_ENROLMENT_TOKEN_PREFIX, WorkerRecord,
-    WorkerRevocation, WorkerStatus,
+    WorkerRequestRefusal, WorkerRevocation, WorkerStatus,
 };
 
 /// Which database a [`Store`] runs on.

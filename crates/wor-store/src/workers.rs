@@ -93,6 +93,16 @@ pub enum WorkerRevocation {
     Unknown,
 }
 
+/// Why a worker's signed request, its signature checked, was not taken. A value, not an
+/// error: the caller answers 401.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkerRequestRefusal {
+    /// Its nonce was taken before: a replay.
+    Replayed,
+    /// The worker is no longer active (revoked since its record was read).
+    NotActive,
+}
+
 /// Why an enrolment token was not accepted. A value, not an error: the caller answers 401.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EnrolmentRefusal {
@@ -252,21 +262,31 @@ impl Store {
         rows.iter().map(worker_from_row).collect()
     }
 
-    /// Takes a worker's signed request whose signature was checked: remembers its nonce until
-    /// `keep_until` (Unix seconds) and records that the worker was heard from now, in one
-    /// transaction; `false`, with nothing recorded, when the nonce was already remembered: a
-    /// replay. Forgets nonces whose time is past.
+    /// Takes a worker's signed request whose signature was checked: records that the worker,
+    /// still active, was heard from now, and remembers the request's nonce until `keep_until`
+    /// (Unix seconds), in one transaction. A replay or a worker no longer active is refused
+    /// with nothing recorded. Forgets nonces whose time is past.
     pub async fn accept_worker_request(
         &self,
         worker_id: &str,
         nonce: &str,
         keep_until: i64,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Result<(), WorkerRequestRefusal>, StoreError> {
         let now = now_millis();
-        let now_secs = now / 1000;
         let mut tx = self.begin_write().await?;
+        // First, so that a revocation committed since the worker's record was read refuses it.
+        let seen =
+            sqlx::query("UPDATE workers SET last_seen_at = $1 WHERE id = $2 AND status = 'active'")
+                .bind(now)
+                .bind(worker_id)
+                .execute(&mut **tx)
+                .await?;
+        if seen.rows_affected() == 0 {
+            tx.rollback().await?;
+            return Ok(Err(WorkerRequestRefusal::NotActive));
+        }
         sqlx::query("DELETE FROM worker_request_nonces WHERE keep_until < $1")
-            .bind(now_secs)
+            .bind(now / 1000)
             .execute(&mut **tx)
             .await?;
         let inserted = sqlx::query(
@@ -278,16 +298,12 @@ impl Store {
         .bind(keep_until)
         .execute(&mut **tx)
         .await?;
-        let fresh = inserted.rows_affected() == 1;
-        if fresh {
-            sqlx::query("UPDATE workers SET last_seen_at = $1 WHERE id = $2")
-                .bind(now)
-                .bind(worker_id)
-                .execute(&mut **tx)
-                .await?;
+        if inserted.rows_affected() == 0 {
+            tx.rollback().await?;
+            return Ok(Err(WorkerRequestRefusal::Replayed));
         }
         tx.commit().await?;
-        Ok(fresh)
+        Ok(Ok(()))
     }
 
     /// Revokes worker `id`: from this moment every request it signs is refused, and in the

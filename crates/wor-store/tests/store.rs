@@ -2286,6 +2286,7 @@ async fn an_enrolment_token_enrols_one_worker_even_when_raced_and_is_kept_as_a_d
 
 #[tokio::test]
 async fn a_workers_request_is_taken_once_marks_the_worker_seen_and_a_replay_records_nothing() {
+    use wor_store::WorkerRequestRefusal;
     let db = TestDatabase::isolated().await.unwrap();
     let token = db
         .store
@@ -2300,22 +2301,36 @@ async fn a_workers_request_is_taken_once_marks_the_worker_seen_and_a_replay_reco
         .unwrap();
     assert_eq!(worker.last_seen_at, None);
     let keep_until = wor_store::now_millis() / 1000 + 600;
-    let before = wor_store::now_millis();
-    assert!(
-        db.store
-            .accept_worker_request(&worker.id, "nonce-1", keep_until)
-            .await
-            .unwrap()
-    );
-    let seen = db
-        .store
-        .worker(&worker.id)
+    let take = |nonce: &'static str, keep_until: i64| {
+        let (store, id) = (db.store.clone(), worker.id.clone());
+        async move {
+            store
+                .accept_worker_request(&id, nonce, keep_until)
+                .await
+                .unwrap()
+        }
+    };
+    let nonces = || async {
+        sqlx::query_scalar::<_, String>(
+            "SELECT nonce FROM worker_request_nonces WHERE worker_id = $1 ORDER BY nonce",
+        )
+        .bind(&worker.id)
+        .fetch_all(db.store.pool())
         .await
         .unwrap()
-        .unwrap()
-        .last_seen_at
-        .unwrap();
+    };
+    let last_seen = || async {
+        db.store
+            .worker(&worker.id)
+            .await
+            .unwrap()
+            .unwrap()
+            .last_seen_at
+    };
+    let before = wor_store::now_millis();
+    assert_eq!(take("nonce-1", keep_until).await, Ok(()));
     let after = wor_store::now_millis();
+    let seen = last_seen().await.unwrap();
     assert!(before <= seen && seen <= after, "{before} {seen} {after}");
     // The same nonce again is a replay: refused, and the worker is not marked seen by it.
     sqlx::query("UPDATE workers SET last_seen_at = 1 WHERE id = $1")
@@ -2323,35 +2338,24 @@ async fn a_workers_request_is_taken_once_marks_the_worker_seen_and_a_replay_reco
         .execute(db.store.pool())
         .await
         .unwrap();
-    assert!(
-        !db.store
-            .accept_worker_request(&worker.id, "nonce-1", keep_until)
-            .await
-            .unwrap()
+    assert_eq!(
+        take("nonce-1", keep_until).await,
+        Err(WorkerRequestRefusal::Replayed)
     );
-    let shown = db.store.worker(&worker.id).await.unwrap().unwrap();
-    assert_eq!(shown.last_seen_at, Some(1));
+    assert_eq!(last_seen().await, Some(1));
     // Another nonce is taken; one whose time is past is forgotten by the next request.
-    assert!(
-        db.store
-            .accept_worker_request(&worker.id, "nonce-2", 0)
-            .await
-            .unwrap()
+    assert_eq!(take("nonce-2", 0).await, Ok(()));
+    assert_eq!(take("nonce-3", keep_until).await, Ok(()));
+    assert_eq!(nonces().await, ["nonce-1", "nonce-3"]);
+    // A worker revoked after its record was read is refused, and nothing of the request kept.
+    db.store.revoke_worker(&worker.id).await.unwrap();
+    let seen = last_seen().await;
+    assert_eq!(
+        take("nonce-4", keep_until).await,
+        Err(WorkerRequestRefusal::NotActive)
     );
-    assert!(
-        db.store
-            .accept_worker_request(&worker.id, "nonce-3", keep_until)
-            .await
-            .unwrap()
-    );
-    let kept: Vec<String> = sqlx::query_scalar(
-        "SELECT nonce FROM worker_request_nonces WHERE worker_id = $1 ORDER BY nonce",
-    )
-    .bind(&worker.id)
-    .fetch_all(db.store.pool())
-    .await
-    .unwrap();
-    assert_eq!(kept, ["nonce-1", "nonce-3"]);
+    assert_eq!(last_seen().await, seen);
+    assert_eq!(nonces().await, ["nonce-1", "nonce-3"]);
 }
 
 /// On SQLite the audit writer's commits never checkpoint the write-ahead log themselves; the
