@@ -8,12 +8,13 @@
     reason = "tests fail loudly"
 )]
 
-use wor_core::model::{AssistantMessage, StopReason, Usage};
-use wor_core::step::{ModelTurnStep, Step, StepKind};
+use wor_core::step::StepKind;
 use wor_store::testing::TestDatabase;
 
 mod support;
-use support::{audit_config, claimed_run, key_event, project_with_routine, signing_key};
+use support::{
+    audit_config, claimed_run, key_event, model_turn, project_with_routine, signing_key,
+};
 
 /// A journal write that permits an effect outside the database — a call reserved to run, a
 /// run's end — and any API entry are synced to disk before they are acknowledged; a model
@@ -94,18 +95,7 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
                 .unwrap()
                 .unwrap();
             let log = AuditLog::start(store.clone(), signing_key(7), audit_config(1_000));
-            let turn = || {
-                Step::ModelTurn(ModelTurnStep {
-                    message: AssistantMessage {
-                        text: "hi".to_owned(),
-                        tool_calls: Vec::new(),
-                    },
-                    usage: Usage::default(),
-                    stop_reason: StopReason::EndTurn,
-                    identity: None,
-                    nul_replaced: false,
-                })
-            };
+            let turn = || model_turn("hi");
             let write = || RunWrite::new(project, run, "w", 60_000);
             let committed = |written: RunWritten| {
                 assert!(

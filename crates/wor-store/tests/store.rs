@@ -9,15 +9,15 @@
 
 use wor_core::Role;
 use wor_core::call::ToolClass;
-use wor_core::model::{AssistantMessage, StopReason, ToolResult, Usage};
-use wor_core::step::{ApprovalUsedStep, InputStep, ModelTurnStep, Step, StepKind, ToolResultStep};
+use wor_core::model::ToolResult;
+use wor_core::step::{ApprovalUsedStep, InputStep, Step, StepKind, ToolResultStep};
 use wor_store::testing::TestDatabase;
 use wor_store::{ApiKeyKind, NewApiKey, StoreError};
 
 mod support;
 use support::{
-    audit_config, claimed_run, isolated_on, key_event, project_with_routine, queued_run,
-    signing_key,
+    audit_config, claimed_run, isolated_on, key_event, model_turn, project_with_routine,
+    queued_run, signing_key,
 };
 
 #[tokio::test]
@@ -1619,16 +1619,7 @@ async fn many_concurrent_writers_all_succeed() {
                             project,
                             run.id,
                             Provenance::Model,
-                            &Step::ModelTurn(ModelTurnStep {
-                                message: AssistantMessage {
-                                    text: format!("round {round}"),
-                                    tool_calls: Vec::new(),
-                                },
-                                usage: Usage::default(),
-                                stop_reason: StopReason::EndTurn,
-                                identity: None,
-                                nul_replaced: false,
-                            }),
+                            &model_turn(format!("round {round}")),
                         )
                         .await
                         .unwrap();
@@ -2392,16 +2383,7 @@ async fn the_write_ahead_log_is_reused_under_writes_that_never_pause() {
         let log = log.clone();
         writers.push(tokio::spawn(async move {
             for _ in 0..192 {
-                let turn = Step::ModelTurn(ModelTurnStep {
-                    message: AssistantMessage {
-                        text: "x".repeat(64 * 1024),
-                        tool_calls: Vec::new(),
-                    },
-                    usage: Usage::default(),
-                    stop_reason: StopReason::EndTurn,
-                    identity: None,
-                    nul_replaced: false,
-                });
+                let turn = model_turn("x".repeat(64 * 1024));
                 let written = log
                     .record(
                         RunWrite::new(project, run, &worker, 600_000)
@@ -2449,21 +2431,11 @@ async fn a_write_waiting_for_the_database_lock_leaves_its_thread_to_other_tasks(
     let (project, routine) = project_with_routine(store, "lock", 1).await;
     let run = claimed_run(store, project, routine, "w", 600_000).await;
     let log = AuditLog::start(store.clone(), signing_key(10), audit_config(1_000));
-    let turn = |text: &str| {
-        Step::ModelTurn(ModelTurnStep {
-            message: AssistantMessage {
-                text: text.to_owned(),
-                tool_calls: Vec::new(),
-            },
-            usage: Usage::default(),
-            stop_reason: StopReason::EndTurn,
-            identity: None,
-            nul_replaced: false,
-        })
-    };
     // A first write, so the writer has its own connection open and is idle again.
     let first = log
-        .record(RunWrite::new(project, run, "w", 600_000).step(Provenance::Engine, turn("one")))
+        .record(
+            RunWrite::new(project, run, "w", 600_000).step(Provenance::Engine, model_turn("one")),
+        )
         .await
         .unwrap();
     assert!(matches!(first, RunWritten::Committed { .. }), "{first:?}");
@@ -2478,7 +2450,8 @@ async fn a_write_waiting_for_the_database_lock_leaves_its_thread_to_other_tasks(
         let log = log.clone();
         async move {
             log.record(
-                RunWrite::new(project, run, "w", 600_000).step(Provenance::Engine, turn("two")),
+                RunWrite::new(project, run, "w", 600_000)
+                    .step(Provenance::Engine, model_turn("two")),
             )
             .await
         }

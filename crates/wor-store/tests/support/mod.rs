@@ -26,6 +26,20 @@ pub async fn isolated_on(
     Some(db)
 }
 
+/// A model turn that says `text` and calls no tool.
+pub fn model_turn(text: impl Into<String>) -> wor_core::step::Step {
+    wor_core::step::Step::ModelTurn(wor_core::step::ModelTurnStep {
+        message: wor_core::model::AssistantMessage {
+            text: text.into(),
+            tool_calls: Vec::new(),
+        },
+        usage: wor_core::model::Usage::default(),
+        stop_reason: wor_core::model::StopReason::EndTurn,
+        identity: None,
+        nul_replaced: false,
+    })
+}
+
 pub fn audit_config(checkpoint_every: i64) -> AuditConfig {
     AuditConfig {
         checkpoint_every,
