@@ -1,7 +1,9 @@
 //! Decision latency: `PolicyEngine::decide` (building the Cedar request and entities, checking
 //! them against the schema, evaluating, reading the decisions) against a bare
 //! `Authorizer::is_authorized` on the same policies with the request built beforehand; and, for
-//! reference, building the request with the schema check that `decide` leaves out.
+//! reference, building the request with the schema check that `decide` leaves out. Then what
+//! building an engine of those policies costs (what a routine's apply and a new routine
+//! version pay), beside parsing the built-in schema alone.
 //!
 //! `cargo bench -p wor-policy --bench decision`
 #![allow(
@@ -46,11 +48,18 @@ fn percentiles(mut samples: Vec<Duration>) -> (Duration, Duration) {
     (at(0.50), at(0.99))
 }
 
-fn measure(mut f: impl FnMut()) -> (Duration, Duration) {
-    for _ in 0..ITERATIONS / 10 {
+/// Builds of an engine timed: each takes about a thousand times as long as a decision.
+const BUILD_ITERATIONS: usize = 2_000;
+
+fn measure(f: impl FnMut()) -> (Duration, Duration) {
+    measure_n(ITERATIONS, f)
+}
+
+fn measure_n(iterations: usize, mut f: impl FnMut()) -> (Duration, Duration) {
+    for _ in 0..iterations / 10 {
         f();
     }
-    let samples = (0..ITERATIONS)
+    let samples = (0..iterations)
         .map(|_| {
             let start = Instant::now();
             f();
@@ -60,14 +69,16 @@ fn measure(mut f: impl FnMut()) -> (Duration, Duration) {
     percentiles(samples)
 }
 
-fn main() {
-    let engine = PolicyEngine::builder()
+fn builder() -> wor_policy::PolicyEngineBuilder {
+    PolicyEngine::builder()
         .routine_policy(ROUTINE_POLICY)
         .roster_tool("mail/send", ToolMode::Auto)
         .roster_tool("web/fetch", ToolMode::Confirm)
         .roster_tool("shell/run", ToolMode::Deny)
-        .build()
-        .expect("the benchmark policies load");
+}
+
+fn main() {
+    let engine = builder().build().expect("the benchmark policies load");
     let request = DecisionRequest::builder(
         "triage",
         "run_0190",
@@ -126,5 +137,28 @@ fn main() {
         "ratio decide/raw                p50 {:>8.2}  p99 {:>8.2}",
         ours.0.as_secs_f64() / raw.0.as_secs_f64(),
         ours.1.as_secs_f64() / raw.1.as_secs_f64()
+    );
+
+    let schema = measure_n(BUILD_ITERATIONS, || {
+        let (schema, _warnings) =
+            cedar_policy::Schema::from_cedarschema_str(black_box(wor_policy::SCHEMA)).unwrap();
+        black_box(schema);
+    });
+    let build = measure_n(BUILD_ITERATIONS, || {
+        black_box(builder().build().unwrap());
+    });
+    println!("{BUILD_ITERATIONS} iterations each");
+    println!(
+        "parse the built-in schema       p50 {:>8.2?}  p99 {:>8.2?}",
+        schema.0, schema.1
+    );
+    println!(
+        "PolicyEngineBuilder::build      p50 {:>8.2?}  p99 {:>8.2?}",
+        build.0, build.1
+    );
+    println!(
+        "ratio build/schema              p50 {:>8.2}  p99 {:>8.2}",
+        build.0.as_secs_f64() / schema.0.as_secs_f64(),
+        build.1.as_secs_f64() / schema.1.as_secs_f64()
     );
 }
