@@ -16,8 +16,8 @@
 //! JSON-RPC call to the same server; `observed` — the same call through a routine with
 //! `[metrics] listen` and `[traces] endpoint` (an in-bench loopback collector that accepts and
 //! discards) against the same server without them, the two side by side in each round;
-//! `throughput` — tool calls per second with 32 runs at once (a pool of 32) against 32 direct
-//! callers; `trivial` — runs of one model turn per second with 1, 8
+//! `throughput` — tool calls per second with 32 runs at once (a pool of 32), each followed,
+//! against 32 direct callers, and again with no one following the runs; `trivial` — runs of one model turn per second with 1, 8
 //! and 32 concurrent starters, and enqueue → start; `cron` — routines whose schedule fires in
 //! the same minute, dispatch lag (a run recorded ahead of its slot counts as dispatched at the
 //! slot, when it becomes claimable) against inserting as many rows in one transaction
@@ -424,10 +424,43 @@ async fn figure_throughput(backend: &str, base: &Option<String>) {
     }
     let made = echo.calls.load(Ordering::SeqCst);
     let rate = made as f64 / started.elapsed().as_secs_f64();
+
+    // The same runs again, started without a watcher: what following each run's events costs
+    // the server, which shares the cores with the runs. The figure ends when the tool server
+    // has had every run's calls.
+    echo.calls.store(0, Ordering::SeqCst);
+    let started = Instant::now();
+    let starts: Vec<_> = (0..AT_ONCE)
+        .map(|_| {
+            let (api, routine) = (api.clone(), routine.clone());
+            tokio::spawn(async move {
+                api.post(
+                    &format!("/v1/routines/{routine}/runs"),
+                    json!({"input": "go"}),
+                )
+                .await
+            })
+        })
+        .collect();
+    for start in starts {
+        start.await.unwrap();
+    }
+    let expected = AT_ONCE * per_run;
+    while echo.calls.load(Ordering::SeqCst) < expected {
+        assert!(
+            started.elapsed() < Duration::from_secs(300),
+            "the runs that no one follows made {} of {expected} calls in 300 s",
+            echo.calls.load(Ordering::SeqCst)
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let unfollowed = expected as f64 / started.elapsed().as_secs_f64();
     println!(
         "{backend:<8} throughput  {AT_ONCE} at once: direct {direct_rate:.0} calls/s | through \
-         routines {rate:.0} calls/s ({made} calls) | ratio {:.3}x",
-        rate / direct_rate
+         routines {rate:.0} calls/s ({made} calls) | ratio {:.3}x | runs not followed \
+         {unfollowed:.0} calls/s, ratio {:.3}x",
+        rate / direct_rate,
+        unfollowed / direct_rate
     );
 }
 
