@@ -107,6 +107,12 @@ pub struct ConsoleSessionSummary {
     pub expires_at: i64,
 }
 
+/// How stale a session's idle clock may grow before a use of it is written down: a minute, or
+/// a tenth of the idle limit when that is shorter.
+fn session_seen_resolution_ms(idle_ms: i64) -> i64 {
+    (idle_ms / 10).clamp(0, 60_000)
+}
+
 impl Store {
     /// Deletes what can no longer be used at `now`: sessions past their absolute expiry or
     /// unused for `idle_ms`, invitations past their expiry (used or not), and failed sign-ins
@@ -451,7 +457,10 @@ impl Store {
     }
 
     /// The live session `presented` names: not past its absolute expiry, and used within the
-    /// last `idle_ms`. Using it refreshes its idle clock.
+    /// last `idle_ms`. Using it refreshes its idle clock once the clock is a minute old (or a
+    /// tenth of `idle_ms`, when that is shorter): a session in steady use is written on one
+    /// request a minute, not on every one, and ends after between nine tenths of `idle_ms` and
+    /// all of it unused.
     pub async fn console_session(
         &self,
         presented: &str,
@@ -463,8 +472,8 @@ impl Store {
         let digest = sha256_hex(presented.as_bytes());
         let now = now_millis();
         let row = sqlx::query(
-            "SELECT s.id, s.project_id, s.member_id, s.csrf_token, m.name, m.role \
-             FROM console_sessions s \
+            "SELECT s.id, s.project_id, s.member_id, s.csrf_token, s.last_seen_at, m.name, \
+             m.role FROM console_sessions s \
              JOIN members m ON m.id = s.member_id AND m.project_id = s.project_id \
              WHERE s.sha256 = $1 AND s.expires_at > $2 AND s.last_seen_at > $3",
         )
@@ -474,11 +483,16 @@ impl Store {
         .fetch_optional(&self.pool)
         .await?;
         let Some(row) = row else { return Ok(None) };
-        sqlx::query("UPDATE console_sessions SET last_seen_at = $1 WHERE sha256 = $2")
-            .bind(now)
-            .bind(&digest)
-            .execute(&self.pool)
-            .await?;
+        let last_seen_at: i64 = row.try_get("last_seen_at")?;
+        if now.saturating_sub(last_seen_at) >= session_seen_resolution_ms(idle_ms) {
+            // Takes this process's turn to write, as a transaction would (`Store::write_turn`).
+            let _turn = self.write_turn().await?;
+            sqlx::query("UPDATE console_sessions SET last_seen_at = $1 WHERE sha256 = $2")
+                .bind(now)
+                .bind(&digest)
+                .execute(&self.pool)
+                .await?;
+        }
         let id: String = row.try_get("id")?;
         let project_id: String = row.try_get("project_id")?;
         let member_id: String = row.try_get("member_id")?;
