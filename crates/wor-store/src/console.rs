@@ -487,11 +487,15 @@ impl Store {
         if now.saturating_sub(last_seen_at) >= session_seen_resolution_ms(idle_ms) {
             // Takes this process's turn to write, as a transaction would (`Store::write_turn`).
             let _turn = self.write_turn().await?;
-            sqlx::query("UPDATE console_sessions SET last_seen_at = $1 WHERE sha256 = $2")
-                .bind(now)
-                .bind(&digest)
-                .execute(&self.pool)
-                .await?;
+            // Never moved back by a request that read the session before another's refresh.
+            sqlx::query(
+                "UPDATE console_sessions SET last_seen_at = $1 \
+                 WHERE sha256 = $2 AND last_seen_at < $1",
+            )
+            .bind(now)
+            .bind(&digest)
+            .execute(&self.pool)
+            .await?;
         }
         let id: String = row.try_get("id")?;
         let project_id: String = row.try_get("project_id")?;

@@ -1409,6 +1409,79 @@ async fn two_owners_demoting_themselves_at_once_leave_one_owner() {
 }
 
 #[tokio::test]
+async fn a_session_in_steady_use_is_written_down_once_its_idle_clock_is_a_tenth_of_the_limit_old() {
+    let db = TestDatabase::new().await.unwrap();
+    let p = db
+        .store
+        .create_project(&TestDatabase::unique_name("p"), "alice")
+        .await
+        .unwrap();
+    let (project, member) = (p.project.id, p.owner.id);
+    // An idle limit of 20 s: a use is written down once the recorded one is 2 s old.
+    let idle_ms = 20_000;
+    let session = db
+        .store
+        .create_console_session(project, member, 60_000, &Default::default())
+        .await
+        .unwrap();
+    let recorded_at = async |at: i64| {
+        sqlx::query("UPDATE console_sessions SET last_seen_at = $1 WHERE project_id = $2")
+            .bind(at)
+            .bind(project.to_string())
+            .execute(db.store.pool())
+            .await
+            .unwrap();
+    };
+    let last_seen = async || {
+        let sessions = db
+            .store
+            .list_console_sessions(project, Some(member), idle_ms)
+            .await
+            .unwrap();
+        assert_eq!(sessions.len(), 1, "{sessions:?}");
+        sessions[0].last_seen_at
+    };
+    let use_it = async || {
+        assert!(
+            db.store
+                .console_session(session.expose(), idle_ms)
+                .await
+                .unwrap()
+                .is_some(),
+            "the session is live"
+        );
+    };
+
+    // Last recorded a second ago: a use writes nothing.
+    let a_second_ago = wor_store::now_millis() - 1_000;
+    recorded_at(a_second_ago).await;
+    use_it().await;
+    assert_eq!(last_seen().await, a_second_ago);
+
+    // Last recorded 19 s ago, a second before it would idle out: a use is written down, and
+    // the session has its whole idle limit again.
+    recorded_at(wor_store::now_millis() - 19_000).await;
+    let before = wor_store::now_millis();
+    use_it().await;
+    let refreshed = last_seen().await;
+    assert!(refreshed >= before, "{refreshed} against {before}");
+
+    // And the next use at once is not written.
+    use_it().await;
+    assert_eq!(last_seen().await, refreshed);
+
+    // Past the idle limit, the session is gone.
+    recorded_at(wor_store::now_millis() - 20_001).await;
+    assert!(
+        db.store
+            .console_session(session.expose(), idle_ms)
+            .await
+            .unwrap()
+            .is_none()
+    );
+}
+
+#[tokio::test]
 async fn a_demoted_members_keys_act_with_their_new_role_and_a_changer_is_read_as_they_are_now() {
     let db = TestDatabase::new().await.unwrap();
     let p = db
