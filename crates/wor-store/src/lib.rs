@@ -196,10 +196,11 @@ pub struct Store {
     listen_url: Option<std::sync::Arc<str>>,
     /// On SQLite, this process's turn to write: every write transaction holds it from `BEGIN`
     /// to its end ([`WriteTx`]), and so do the single-statement writes a run's life depends on
-    /// (its lease renewal, its requeues) and a console session's refreshed idle clock. SQLite has one writer at a time, and one waiting for
-    /// its lock sleeps in growing steps (up to 100 ms) however soon the lock is free, while a
-    /// writer that just committed takes it again at once; waiting here instead, in order, a
-    /// writer is woken as soon as the one before it is done. `None` on PostgreSQL, whose row
+    /// (its lease renewal, its requeues) and a console session's refreshed idle clock. SQLite
+    /// has one writer at a time, and one waiting for its lock sleeps in growing steps (up to
+    /// 100 ms) however soon the lock is free, while a writer that just committed takes it again
+    /// at once; waiting here instead, in order, a writer is woken as soon as the one before it
+    /// is done. `None` on PostgreSQL, whose row
     /// locks order its writers.
     write_turn: Option<std::sync::Arc<tokio::sync::Mutex<()>>>,
 }
