@@ -46,11 +46,11 @@ struct CedarNames {
 /// cheap and cannot fail.
 #[derive(Debug)]
 pub struct PolicyEngine {
-    schema: Schema,
+    /// The schema and names every engine shares.
+    built_in: &'static BuiltIn,
     policies: PolicySet,
     // INVARIANT: holds an entry for every policy id in `policies`.
     meanings: HashMap<PolicyId, PolicyMeaning>,
-    names: CedarNames,
     authorizer: Authorizer,
     /// The routine, run and tool entities of recent calls, which are the same for every call of
     /// one run to one tool: built once, then cloned. Bounded; cleared when full.
@@ -102,7 +102,7 @@ impl PolicyEngine {
     }
 
     pub fn schema(&self) -> &Schema {
-        &self.schema
+        &self.built_in.schema
     }
 
     /// The Cedar request and entities [`PolicyEngine::decide`] evaluates for `request`,
@@ -111,7 +111,7 @@ impl PolicyEngine {
         &self,
         request: &DecisionRequest,
     ) -> Result<(Request, Entities), PolicyError> {
-        self.build_cedar_request(request, Some(&self.schema))
+        self.build_cedar_request(request, Some(&self.built_in.schema))
     }
 
     /// `decide` builds without checking against the schema: every value here comes from a
@@ -123,7 +123,7 @@ impl PolicyEngine {
         schema: Option<&Schema>,
     ) -> Result<(Request, Entities), PolicyError> {
         let bad = |e: &dyn std::fmt::Display| PolicyError::Request(e.to_string());
-        let names = &self.names;
+        let names = &self.built_in.names;
         let uid = |ty: &EntityTypeName, id: &str| {
             EntityUid::from_type_name_and_id(ty.clone(), EntityId::new(id))
         };
@@ -494,10 +494,9 @@ impl PolicyEngineBuilder {
             &mut meanings,
         )?;
         Ok(PolicyEngine {
-            schema: built_in.schema.clone(),
+            built_in,
             policies,
             meanings,
-            names: built_in.names.clone(),
             authorizer: Authorizer::new(),
             fixed_entities: std::sync::Mutex::new(HashMap::new()),
         })
@@ -505,6 +504,7 @@ impl PolicyEngineBuilder {
 }
 
 /// What every engine shares: the built-in schema, its validator and the Cedar names.
+#[derive(Debug)]
 struct BuiltIn {
     schema: Schema,
     validator: Validator,
