@@ -200,8 +200,7 @@ pub struct Store {
     /// has one writer at a time, and one waiting for its lock sleeps in growing steps (up to
     /// 100 ms) however soon the lock is free, while a writer that just committed takes it again
     /// at once; waiting here instead, in order, a writer is woken as soon as the one before it
-    /// is done. `None` on PostgreSQL, whose row
-    /// locks order its writers.
+    /// is done. `None` on PostgreSQL, whose row locks order its writers.
     write_turn: Option<std::sync::Arc<tokio::sync::Mutex<()>>>,
 }
 
