@@ -182,14 +182,19 @@ max_runs = 1000
 "#;
 
 /// Starts a run and follows its events to the end; returns the run's id.
-async fn start_and_follow(api: &Api, routine: &str) -> String {
+/// Starts a run of `routine`; its id.
+async fn start_run(api: &Api, routine: &str) -> String {
     let run = api
         .post(
             &format!("/v1/routines/{routine}/runs"),
             json!({"input": "go"}),
         )
         .await;
-    let id = run["id"].as_str().unwrap().to_owned();
+    run["id"].as_str().unwrap().to_owned()
+}
+
+async fn start_and_follow(api: &Api, routine: &str) -> String {
+    let id = start_run(api, routine).await;
     let mut response = api
         .http
         .get(format!("{}/v1/runs/{id}/events", api.base))
@@ -435,15 +440,7 @@ async fn figure_throughput(backend: &str, base: &Option<String>) {
     let starts: Vec<_> = (0..AT_ONCE)
         .map(|_| {
             let (api, routine) = (api.clone(), routine.clone());
-            tokio::spawn(async move {
-                let run = api
-                    .post(
-                        &format!("/v1/routines/{routine}/runs"),
-                        json!({"input": "go"}),
-                    )
-                    .await;
-                run["id"].as_str().unwrap().to_owned()
-            })
+            tokio::spawn(async move { start_run(&api, &routine).await })
         })
         .collect();
     let mut pending = Vec::with_capacity(AT_ONCE);
@@ -711,11 +708,7 @@ async fn figure_parked(backend: &str, base: &Option<String>) {
         let mut times = Vec::new();
         for _ in 0..30 {
             let started = Instant::now();
-            api.post(
-                &format!("/v1/routines/{routine}/runs"),
-                json!({"input": "go"}),
-            )
-            .await;
+            start_run(&api, &routine).await;
             times.push(started.elapsed());
         }
         times.sort();
@@ -748,11 +741,7 @@ async fn figure_parked(backend: &str, base: &Option<String>) {
             let (api, routine, next) = (api.clone(), routine.clone(), next.clone());
             tokio::spawn(async move {
                 while next.fetch_add(1, Ordering::SeqCst) < parked {
-                    api.post(
-                        &format!("/v1/routines/{routine}/runs"),
-                        json!({"input": "go"}),
-                    )
-                    .await;
+                    start_run(&api, &routine).await;
                 }
             })
         })
