@@ -500,6 +500,83 @@ fn steps_are_typed_outside_the_step_module() {
     );
 }
 
+/// The writes in `source` (a file of `wor-store`) made on the pool without this process's
+/// turn to write: a statement that inserts, updates or deletes run on `pool()` rather than on
+/// `write_pool()` or a transaction, and a connection taken from `pool()` (only writes take
+/// one). Each as `line: text` of the line where its statement begins.
+fn writes_outside_the_turn(source: &str) -> Vec<String> {
+    let library = source.split("#[cfg(test)]").next().unwrap_or_default();
+    let line_of = |at: usize| library[..at].lines().count().max(1);
+    let mut found = Vec::new();
+    for (at, _) in library.match_indices("sqlx::query") {
+        let statement = library[at..].split(".await").next().unwrap_or_default();
+        let writes = ["INSERT INTO", "DELETE FROM", "UPDATE "]
+            .iter()
+            .any(|w| statement.contains(w));
+        let on_pool = ["self.pool()", "&self.pool)", "self.store.pool()"]
+            .iter()
+            .any(|p| statement.contains(p));
+        if writes && on_pool {
+            found.push(format!(
+                "{}: {}",
+                line_of(at),
+                statement.lines().next().unwrap_or_default().trim()
+            ));
+        }
+    }
+    for (at, _) in library.match_indices("pool().acquire()") {
+        found.push(format!("{}: a connection taken from the pool", line_of(at)));
+    }
+    found
+}
+
+/// On SQLite, every write of the process waits for its turn to write (`Store::write_pool`,
+/// `Store::begin_write`), in order, instead of for the database's lock in SQLite's busy
+/// handler, which a steady stream of transactions can keep from it until it fails.
+#[test]
+fn the_store_writes_only_in_its_turn() {
+    let mut files = Vec::new();
+    files_below(
+        &repository_root().join("crates/wor-store/src"),
+        &|p| p.extension().is_some_and(|e| e == "rs"),
+        &mut files,
+    );
+    let found: Vec<String> = files
+        .iter()
+        .flat_map(|file| {
+            let source = std::fs::read_to_string(file).unwrap();
+            writes_outside_the_turn(&source)
+                .into_iter()
+                .map(move |f| format!("{}:{f}", file.display()))
+        })
+        .collect();
+    assert!(
+        found.is_empty(),
+        "writes outside the turn to write:\n{}",
+        found.join("\n")
+    );
+}
+
+#[test]
+fn the_turn_rule_finds_a_write_on_the_pool() {
+    let source = r#"
+        let n = sqlx::query("SELECT 1").fetch_one(self.pool()).await?;
+        sqlx::query("UPDATE runs SET x = 1 WHERE id = $1")
+            .bind(id)
+            .execute(self.pool())
+            .await?;
+        sqlx::query("DELETE FROM t").execute(&*self.write_pool().await?).await?;
+        let mut connection = self.pool().acquire().await?;
+    "#;
+    assert_eq!(
+        writes_outside_the_turn(source),
+        [
+            "3: sqlx::query(\"UPDATE runs SET x = 1 WHERE id = $1\")",
+            "8: a connection taken from the pool"
+        ]
+    );
+}
+
 /// The dependency diagram of ARCHITECTURE.md, as `cargo metadata` has it: each crate, the
 /// crates it depends on (normal dependencies only), those that depend on nothing last.
 fn dependency_diagram() -> String {

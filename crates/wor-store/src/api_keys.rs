@@ -224,7 +224,7 @@ impl Store {
             sqlx::query("UPDATE api_keys SET last_used_at = $1 WHERE id = $2")
                 .bind(now)
                 .bind(&id)
-                .execute(&self.pool)
+                .execute(&*self.write_pool().await?)
                 .await?;
         }
         Ok(Some(key))

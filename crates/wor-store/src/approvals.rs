@@ -585,7 +585,8 @@ impl Store {
     /// Marks the pending approvals of `run` cancelled (its run ended without a decision);
     /// returns which.
     pub async fn cancel_approvals(&self, run: RunId) -> Result<Vec<ApprovalId>, StoreError> {
-        let mut connection = self.pool().acquire().await?;
+        let pool = self.write_pool().await?;
+        let mut connection = pool.acquire().await?;
         cancel_pending(&mut *connection, run, now_millis()).await
     }
 

@@ -128,22 +128,22 @@ impl Store {
         )
         .bind(now)
         .bind(now.saturating_sub(idle_ms))
-        .execute(&self.pool)
+        .execute(&*self.write_pool().await?)
         .await?
         .rows_affected();
         let invitations = sqlx::query("DELETE FROM member_invitations WHERE expires_at <= $1")
             .bind(now)
-            .execute(&self.pool)
+            .execute(&*self.write_pool().await?)
             .await?
             .rows_affected();
         let sign_in_links = sqlx::query("DELETE FROM member_sign_in_links WHERE expires_at <= $1")
             .bind(now)
-            .execute(&self.pool)
+            .execute(&*self.write_pool().await?)
             .await?
             .rows_affected();
         let sign_in_failures = sqlx::query("DELETE FROM sign_in_failures WHERE at < $1")
             .bind(failures_before)
-            .execute(&self.pool)
+            .execute(&*self.write_pool().await?)
             .await?
             .rows_affected();
         Ok(PurgedConsoleState {
@@ -175,7 +175,7 @@ impl Store {
         .bind(created_by.map(|k| k.to_string()))
         .bind(now)
         .bind(expires_at)
-        .execute(&self.pool)
+        .execute(&*self.write_pool().await?)
         .await?;
         Ok((token, expires_at))
     }
@@ -256,7 +256,7 @@ impl Store {
         .bind(member.to_string())
         .bind(now)
         .bind(expires_at)
-        .execute(&self.pool)
+        .execute(&*self.write_pool().await?)
         .await?;
         // A member of another project, or none, gets no link.
         if inserted.rows_affected() != 1 {
@@ -317,7 +317,7 @@ impl Store {
         )
         .bind(now_millis())
         .bind(sha256_hex(presented.as_bytes()))
-        .execute(&self.pool)
+        .execute(&*self.write_pool().await?)
         .await?;
         Ok((used.rows_affected() == 1).then_some(link))
     }
@@ -389,7 +389,7 @@ impl Store {
                 .take(MAX_USER_AGENT_CHARS)
                 .collect::<String>(),
         )
-        .execute(&self.pool)
+        .execute(&*self.write_pool().await?)
         .await?;
         Ok(token)
     }
@@ -449,7 +449,7 @@ impl Store {
         .bind(project.to_string())
         .bind(id.to_string())
         .bind(member.map(|m| m.to_string()))
-        .fetch_optional(&self.pool)
+        .fetch_optional(&*self.write_pool().await?)
         .await?;
         owner
             .map(|m| parse_column(&m, "console_sessions.member_id"))
@@ -485,8 +485,6 @@ impl Store {
         let Some(row) = row else { return Ok(None) };
         let last_seen_at: i64 = row.try_get("last_seen_at")?;
         if now.saturating_sub(last_seen_at) >= session_seen_resolution_ms(idle_ms) {
-            // Takes this process's turn to write, as a transaction would (`Store::write_turn`).
-            let _turn = self.write_turn().await?;
             // Never moved back by a request that read the session before another's refresh.
             sqlx::query(
                 "UPDATE console_sessions SET last_seen_at = $1 \
@@ -494,7 +492,7 @@ impl Store {
             )
             .bind(now)
             .bind(&digest)
-            .execute(&self.pool)
+            .execute(&*self.write_pool().await?)
             .await?;
         }
         let id: String = row.try_get("id")?;
@@ -515,7 +513,7 @@ impl Store {
     pub async fn end_console_session(&self, presented: &str) -> Result<(), StoreError> {
         sqlx::query("DELETE FROM console_sessions WHERE sha256 = $1")
             .bind(sha256_hex(presented.as_bytes()))
-            .execute(&self.pool)
+            .execute(&*self.write_pool().await?)
             .await?;
         Ok(())
     }
@@ -579,7 +577,7 @@ impl Store {
             sqlx::query("DELETE FROM sign_in_failures WHERE scope = $1 AND at = $2")
                 .bind(*scope)
                 .bind(at)
-                .execute(&self.pool)
+                .execute(&*self.write_pool().await?)
                 .await?;
         }
         Ok(())
@@ -604,7 +602,7 @@ impl Store {
         sqlx::query("DELETE FROM sign_in_failures WHERE scope = $1 OR at < $2")
             .bind(scope)
             .bind(before)
-            .execute(&self.pool)
+            .execute(&*self.write_pool().await?)
             .await?;
         Ok(())
     }

@@ -11,10 +11,10 @@ use sqlx::{Any, Row as _};
 use crate::{Durability, StoreError};
 
 /// How the embedded writer's `BEGIN IMMEDIATE` waits for the database's write lock that
-/// another connection holds (another process on the same file, or a write of this process
-/// on the pool outside its turn). Its connection has no `busy_timeout`, so `BEGIN` fails at
-/// once; it is tried again after a pause that is awaited, growing from [`FIRST_LOCK_PAUSE`]
-/// to [`LONGEST_LOCK_PAUSE`].
+/// another process on the same file holds (the process's own writes all wait for its turn
+/// to write first). Its connection has no `busy_timeout`, so `BEGIN` fails at once; it is
+/// tried again after a pause that is awaited, growing from [`FIRST_LOCK_PAUSE`] to
+/// [`LONGEST_LOCK_PAUSE`].
 ///
 /// Awaited, the wait blocks no thread: a caller's write is committed on a thread of the
 /// process's runtime ([`crate::AuditLog`]), which SQLite's own wait would hold for as long
@@ -33,8 +33,8 @@ struct LockWait {
 /// [`LONGEST_LOCK_PAUSE`].
 const FIRST_LOCK_PAUSE: std::time::Duration = std::time::Duration::from_millis(1);
 const LONGEST_LOCK_PAUSE: std::time::Duration = std::time::Duration::from_millis(8);
-/// How long a [`LockWait`] lasts in all: what a write on the pool waits, `busy_timeout` for
-/// each of its tries of `BEGIN`.
+/// How long a [`LockWait`] lasts in all: what a transaction on the pool waits,
+/// `busy_timeout` for each of its tries of `BEGIN`.
 const LOCK_WAIT_LIMIT: std::time::Duration =
     crate::BUSY_TIMEOUT.saturating_mul(crate::WRITE_BEGIN_ATTEMPTS);
 /// A wait longer than this is logged, once.

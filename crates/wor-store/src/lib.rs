@@ -195,12 +195,11 @@ pub struct Store {
     /// The PostgreSQL URL, for the connection that listens for queued runs.
     listen_url: Option<std::sync::Arc<str>>,
     /// On SQLite, this process's turn to write: every write transaction holds it from `BEGIN`
-    /// to its end ([`WriteTx`]), and so do the single-statement writes a run's life depends on
-    /// (its lease renewal, its requeues) and a console session's refreshed idle clock. SQLite
-    /// has one writer at a time, and one waiting for its lock sleeps in growing steps (up to
-    /// 100 ms) however soon the lock is free, while a writer that just committed takes it again
-    /// at once; waiting here instead, in order, a writer is woken as soon as the one before it
-    /// is done. `None` on PostgreSQL, whose row locks order its writers.
+    /// to its end ([`WriteTx`]), and every write outside a transaction for its statement
+    /// ([`WritePool`]). SQLite has one writer at a time, and one waiting for its lock sleeps
+    /// in growing steps (up to 100 ms) however soon the lock is free, while a writer that just
+    /// committed takes it again at once; waiting here instead, in order, a writer is woken as
+    /// soon as the one before it is done. `None` on PostgreSQL, whose row locks order its writers.
     write_turn: Option<std::sync::Arc<tokio::sync::Mutex<()>>>,
 }
 
@@ -235,6 +234,22 @@ impl std::ops::Deref for WriteTx {
 impl std::ops::DerefMut for WriteTx {
     fn deref_mut(&mut self) -> &mut Self::Target {
         &mut self.tx
+    }
+}
+
+/// The pool for a write outside a transaction ([`Store::write_pool`]), with this process's
+/// turn to write held until it is dropped: for one statement, pass it to the statement
+/// (`.execute(&*store.write_pool().await?)`), which keeps it to the statement's end.
+pub(crate) struct WritePool<'a> {
+    pool: &'a AnyPool,
+    _turn: Option<tokio::sync::OwnedMutexGuard<()>>,
+}
+
+impl std::ops::Deref for WritePool<'_> {
+    type Target = AnyPool;
+
+    fn deref(&self) -> &Self::Target {
+        self.pool
     }
 }
 
@@ -360,6 +375,19 @@ impl Store {
                 Err(err) => retry.after(err.into()).await?,
             }
         }
+    }
+
+    /// The pool, once this process's turn to write is taken, for a write that is not part of
+    /// a transaction. On SQLite such a write otherwise waits for the database's lock in its
+    /// busy handler, whose sleeps grow to 100 ms, while the process's transactions (the audit
+    /// writer's among them) pass the lock from one to the next: under a steady stream of them
+    /// it could wait out `busy_timeout` and fail as "database is locked". Every write the
+    /// process makes thus waits in one line, in order.
+    pub(crate) async fn write_pool(&self) -> Result<WritePool<'_>, StoreError> {
+        Ok(WritePool {
+            pool: &self.pool,
+            _turn: self.write_turn().await?,
+        })
     }
 
     /// Waits for this process's turn to write, on SQLite (see `Store::write_turn`). A wait

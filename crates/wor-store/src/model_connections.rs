@@ -95,7 +95,7 @@ impl Store {
         .bind(record.owner_member_id.map(|m| m.to_string()))
         .bind(record.created_by.map(|k| k.to_string()))
         .bind(now)
-        .execute(self.pool())
+        .execute(&*self.write_pool().await?)
         .await
         .map_err(|e| {
             conflict_or(e, || {
@@ -147,7 +147,7 @@ impl Store {
         .bind(now_millis())
         .bind(project.to_string())
         .bind(id.to_string())
-        .execute(self.pool())
+        .execute(&*self.write_pool().await?)
         .await?;
         if done.rows_affected() == 0 {
             // Either absent (404) or revoked (409): tell which without revealing anything foreign.
@@ -173,7 +173,7 @@ impl Store {
         .bind(now_millis())
         .bind(project.to_string())
         .bind(id.to_string())
-        .execute(self.pool())
+        .execute(&*self.write_pool().await?)
         .await?;
         self.get_model_connection(project, id).await
     }

@@ -255,7 +255,7 @@ impl Store {
         .bind(settings)
         .bind(route.created_by.map(|k| k.to_string()))
         .bind(now)
-        .execute(self.pool())
+        .execute(&*self.write_pool().await?)
         .await
         .map_err(|e| {
             conflict_or(e, || {
@@ -342,7 +342,7 @@ impl Store {
         .bind(notification.note.clone())
         .bind(notification.not_before.unwrap_or(now).max(now))
         .bind(now)
-        .execute(self.pool())
+        .execute(&*self.write_pool().await?)
         .await?;
         Ok(())
     }
@@ -416,7 +416,7 @@ impl Store {
         .bind(channel)
         .bind(ts)
         .bind(now_millis())
-        .execute(self.pool())
+        .execute(&*self.write_pool().await?)
         .await?;
         Ok(())
     }
@@ -462,7 +462,7 @@ impl Store {
         .bind(route.to_string())
         .bind(trigger_id)
         .bind(now_millis())
-        .execute(self.pool())
+        .execute(&*self.write_pool().await?)
         .await?;
         Ok(done.rows_affected() == 1)
     }
@@ -512,7 +512,7 @@ impl Store {
         .bind(slack_user_id)
         .bind(now)
         .bind(now.saturating_add(ttl_ms))
-        .execute(self.pool())
+        .execute(&*self.write_pool().await?)
         .await?;
         Ok(token)
     }

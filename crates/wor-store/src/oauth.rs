@@ -177,7 +177,7 @@ impl Store {
         .bind(record.scope.as_deref())
         .bind(record.created_at)
         .bind(record.expires_at)
-        .execute(self.pool())
+        .execute(&*self.write_pool().await?)
         .await?;
         Ok(record)
     }
@@ -194,7 +194,7 @@ impl Store {
         )))
         .bind(now_millis())
         .bind(state_digest(state))
-        .fetch_optional(self.pool())
+        .fetch_optional(&*self.write_pool().await?)
         .await?;
         row.as_ref().map(authorization_from_row).transpose()
     }
@@ -234,7 +234,7 @@ impl Store {
         sqlx::query("DELETE FROM oauth_authorizations WHERE project_id = $1 AND state_digest = $2")
             .bind(project.to_string())
             .bind(state_digest)
-            .execute(self.pool())
+            .execute(&*self.write_pool().await?)
             .await?;
         Ok(())
     }
@@ -293,7 +293,7 @@ impl Store {
         .bind(project.to_string())
         .bind(connection.to_string())
         .bind(now_millis())
-        .execute(self.pool())
+        .execute(&*self.write_pool().await?)
         .await?;
         Ok((done.rows_affected() == 1).then_some(claim))
     }
@@ -313,7 +313,7 @@ impl Store {
         .bind(project.to_string())
         .bind(connection.to_string())
         .bind(claim)
-        .execute(self.pool())
+        .execute(&*self.write_pool().await?)
         .await?;
         Ok(())
     }
@@ -334,7 +334,7 @@ impl Store {
         .bind(now_millis())
         .bind(project.to_string())
         .bind(connection.to_string())
-        .execute(self.pool())
+        .execute(&*self.write_pool().await?)
         .await?;
         changed_one(&done)
     }
@@ -352,7 +352,7 @@ impl Store {
         )
         .bind(project.to_string())
         .bind(connection.to_string())
-        .execute(self.pool())
+        .execute(&*self.write_pool().await?)
         .await?;
         changed_one(&done)
     }
@@ -371,7 +371,7 @@ impl Store {
         .bind(scope)
         .bind(project.to_string())
         .bind(connection.to_string())
-        .execute(self.pool())
+        .execute(&*self.write_pool().await?)
         .await?;
         if done.rows_affected() == 0 {
             return Err(StoreError::NotFound);

@@ -58,7 +58,7 @@ impl Store {
             .bind(now)
             .bind(id)
             .bind(due)
-            .execute(self.pool())
+            .execute(&*self.write_pool().await?)
             .await?;
             if done.rows_affected() == 1 {
                 claimed.push(item);
@@ -106,7 +106,7 @@ impl Store {
         .bind(next)
         .bind(now)
         .bind(id)
-        .execute(self.pool())
+        .execute(&*self.write_pool().await?)
         .await?;
         Ok(())
     }

@@ -170,7 +170,8 @@ impl Store {
 
     /// Ends `run`'s credential at once: the engine refuses the run's next call and fails it.
     pub async fn revoke_run_token(&self, run: RunId) -> Result<(), StoreError> {
-        let mut connection = self.pool().acquire().await?;
+        let pool = self.write_pool().await?;
+        let mut connection = pool.acquire().await?;
         revoke(&mut *connection, run).await
     }
 

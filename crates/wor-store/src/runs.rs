@@ -575,7 +575,6 @@ impl Store {
         }
         tx.commit().await?;
         // A parked run has no worker: it goes back in the queue, flagged, for one to end it.
-        let turn = self.write_turn().await?;
         sqlx::query(
             "UPDATE runs SET cancel_requested = 1, updated_at = $1, \
              status = CASE WHEN status = 'waiting_for_approval' THEN 'queued' ELSE status END \
@@ -584,9 +583,8 @@ impl Store {
         .bind(now)
         .bind(project.to_string())
         .bind(id.to_string())
-        .execute(self.pool())
+        .execute(&*self.write_pool().await?)
         .await?;
-        drop(turn);
         let run = self.get_run(project, id).await?;
         if ended_queued {
             crate::metrics::run_ended_unclaimed(RunStatus::Cancelled, run.trigger_kind);
@@ -596,17 +594,17 @@ impl Store {
 
     /// Puts runs whose worker stopped renewing its lease back in the queue, to be resumed.
     pub async fn requeue_expired_runs(&self) -> Result<u64, StoreError> {
-        // Takes this process's turn to write, as a transaction would (`Store::write_turn`).
-        let _turn = self.write_turn().await?;
+        // The turn to write is held for the sweep too.
+        let pool = self.write_pool().await?;
         let done = sqlx::query(
             "UPDATE runs SET status = 'queued', lease_owner = NULL, lease_expires_at = NULL, updated_at = $1 \
              WHERE status = 'running' AND lease_expires_at < $1",
         )
         .bind(now_millis())
-        .execute(self.pool())
+        .execute(&*pool)
         .await?;
         // Their credentials, and any other left by a run no worker drives, end here.
-        let mut connection = self.pool().acquire().await?;
+        let mut connection = pool.acquire().await?;
         crate::run_tokens::sweep(&mut connection, self.backend).await?;
         Ok(done.rows_affected())
     }
@@ -892,8 +890,6 @@ impl Store {
         worker: &str,
         lease_ms: i64,
     ) -> Result<bool, StoreError> {
-        // Takes this process's turn to write, as a transaction would (`Store::write_turn`).
-        let _turn = self.write_turn().await?;
         let now = now_millis();
         let done = sqlx::query(
             "UPDATE runs SET lease_expires_at = $1 WHERE id = $2 AND lease_owner = $3 AND status = 'running'",
@@ -901,7 +897,7 @@ impl Store {
         .bind(now + lease_ms)
         .bind(run.to_string())
         .bind(worker)
-        .execute(self.pool())
+        .execute(&*self.write_pool().await?)
         .await?;
         Ok(done.rows_affected() == 1)
     }
@@ -953,7 +949,8 @@ impl Store {
         worker: &str,
         usage: &BudgetUsage,
     ) -> Result<(), StoreError> {
-        let mut connection = self.pool().acquire().await?;
+        let pool = self.write_pool().await?;
+        let mut connection = pool.acquire().await?;
         write_usage(&mut connection, run, worker, usage).await?;
         Ok(())
     }

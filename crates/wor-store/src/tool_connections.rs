@@ -252,7 +252,7 @@ impl Store {
         .bind(now)
         .bind(record.command.as_ref().map(to_json).transpose()?)
         .bind((!record.http_tools.is_empty()).then(|| to_json(&record.http_tools)).transpose()?)
-        .execute(self.pool())
+        .execute(&*self.write_pool().await?)
         .await
         .map_err(|e| {
             conflict_or(e, || {
@@ -326,7 +326,7 @@ impl Store {
         .bind(now_millis())
         .bind(project.to_string())
         .bind(id.to_string())
-        .execute(self.pool())
+        .execute(&*self.write_pool().await?)
         .await?;
         self.updated_tool_connection(project, id, done.rows_affected())
             .await
@@ -347,7 +347,7 @@ impl Store {
         .bind(now_millis())
         .bind(project.to_string())
         .bind(id.to_string())
-        .execute(self.pool())
+        .execute(&*self.write_pool().await?)
         .await?;
         self.updated_tool_connection(project, id, done.rows_affected())
             .await
@@ -366,7 +366,7 @@ impl Store {
         .bind(to_json(live)?)
         .bind(project.to_string())
         .bind(id.to_string())
-        .execute(self.pool())
+        .execute(&*self.write_pool().await?)
         .await?;
         self.updated_tool_connection(project, id, done.rows_affected())
             .await
@@ -388,7 +388,7 @@ impl Store {
         .bind(now_millis())
         .bind(project.to_string())
         .bind(id.to_string())
-        .execute(self.pool())
+        .execute(&*self.write_pool().await?)
         .await?;
         self.updated_tool_connection(project, id, done.rows_affected())
             .await
@@ -407,7 +407,7 @@ impl Store {
         .bind(now_millis())
         .bind(project.to_string())
         .bind(id.to_string())
-        .execute(self.pool())
+        .execute(&*self.write_pool().await?)
         .await?;
         self.updated_tool_connection(project, id, done.rows_affected())
             .await

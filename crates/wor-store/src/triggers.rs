@@ -216,7 +216,8 @@ impl Store {
         from: i64,
         to: Option<i64>,
     ) -> Result<bool, StoreError> {
-        let mut connection = self.pool().acquire().await?;
+        let pool = self.write_pool().await?;
+        let mut connection = pool.acquire().await?;
         advance_schedule(
             &mut connection,
             &ScheduleAdvance { routine, from, to },
@@ -243,7 +244,7 @@ impl Store {
         .bind(&delivery.url)
         .bind(&delivery.body)
         .bind(now)
-        .execute(self.pool())
+        .execute(&*self.write_pool().await?)
         .await?;
         Ok(())
     }

@@ -160,7 +160,7 @@ impl Vault {
             .bind(sealed.key_id().to_string())
             .bind(sealed.to_bytes())
             .bind(now)
-            .execute(self.store.pool())
+            .execute(&*self.store.write_pool().await?)
             .await
             .map_err(StoreError::from)?;
         Ok(SecretMetadata { updated_at: now })
@@ -203,7 +203,9 @@ impl Vault {
         let query = sqlx::query(AssertSqlSafe(format!(
             "DELETE FROM sealed_secrets WHERE {SLOT_WHERE}"
         )));
-        bind_slot(query, slot).execute(self.store.pool()).await?;
+        bind_slot(query, slot)
+            .execute(&*self.store.write_pool().await?)
+            .await?;
         Ok(())
     }
 
@@ -302,7 +304,7 @@ impl Vault {
                 .bind(&slot.owner_id)
                 .bind(&slot.field)
                 .bind(&old_key)
-                .execute(self.store.pool())
+                .execute(&*self.store.write_pool().await?)
                 .await?;
                 report.rotated += 1;
                 progress(&report);

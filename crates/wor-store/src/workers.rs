@@ -138,7 +138,7 @@ impl Store {
         .bind(sha256_hex(token.as_bytes()))
         .bind(now)
         .bind(expires_at)
-        .execute(self.pool())
+        .execute(&*self.write_pool().await?)
         .await?;
         Ok(NewEnrolmentToken {
             id,

@@ -2610,3 +2610,61 @@ async fn a_sweep_of_stale_credentials_skips_one_another_transaction_holds() {
     store.requeue_expired_runs().await.unwrap();
     assert!(!store.run_token_exists(run).await.unwrap());
 }
+
+/// On SQLite, a write outside a transaction waits for the process's turn to write, in line
+/// with its transactions and the audit writer's batches, rather than for the database's lock
+/// in SQLite's busy handler: under a steady stream of transactions that handler's sleeps
+/// missed the moments the lock was free, and such a write waited for seconds or failed as
+/// "database is locked".
+#[tokio::test]
+async fn a_write_outside_a_transaction_waits_its_turn_with_the_process_writes() {
+    use wor_store::{NewToolConnection, ToolConnectionKind, ToolConnectionStatus};
+
+    let db = TestDatabase::new().await.unwrap();
+    let project = new_project(&db).await;
+    let connection = |name: &str| NewToolConnection {
+        name: name.to_owned(),
+        kind: ToolConnectionKind::McpHttp,
+        url: "https://mcp.example.com/mcp".to_owned(),
+        allowlist: vec!["mcp.example.com".to_owned()],
+        secret_headers: Vec::new(),
+        command: None,
+        http_tools: Vec::new(),
+        created_by: None,
+    };
+    // PostgreSQL has no such turn: its row locks order its writers.
+    let Some(held) = wor_store::testing::hold_write_turn(&db.store)
+        .await
+        .unwrap()
+    else {
+        return;
+    };
+    let mut created = Box::pin(db.store.create_tool_connection(project, connection("desk")));
+    assert!(
+        tokio::time::timeout(std::time::Duration::from_millis(200), &mut created)
+            .await
+            .is_err(),
+        "a write outside a transaction went in while the turn to write was held"
+    );
+    drop(held);
+    let created = created.await.unwrap();
+    assert_eq!(created.status, ToolConnectionStatus::PendingReview);
+
+    // The same for a statement that returns what it changed.
+    let held = wor_store::testing::hold_write_turn(&db.store)
+        .await
+        .unwrap();
+    let mut revoked = Box::pin(db.store.revoke_console_session(
+        project,
+        wor_core::ConsoleSessionId::new(),
+        None,
+    ));
+    assert!(
+        tokio::time::timeout(std::time::Duration::from_millis(200), &mut revoked)
+            .await
+            .is_err(),
+        "a delete went in while the turn to write was held"
+    );
+    drop(held);
+    assert_eq!(revoked.await.unwrap(), None, "there was no such session");
+}
