@@ -1,6 +1,8 @@
 //! Audit appends per second on the embedded SQLite database: group commit (many callers,
 //! one transaction per batch) against one commit per append, and against a bare `fdatasync`
 //! loop on the same disk, which bounds what any durable one-commit-per-append scheme can do.
+//! And how long a write outside a transaction takes while the log is appended to without
+//! pause, against the same writes alone.
 //!
 //! `cargo bench -p wor-store --bench audit` (no harness, plain `Instant`).
 #![allow(
@@ -62,6 +64,62 @@ async fn concurrent_appends(log: &AuditLog, project: wor_core::ProjectId) -> f64
     APPENDS as f64 / started.elapsed().as_secs_f64()
 }
 
+/// How long `WRITES` writes outside a transaction take (creating a tool connection, one
+/// statement on the pool), one after the other, while `appenders` tasks append to the audit
+/// log without pause: the median, the longest, and how many failed.
+async fn writes_beside_appends(
+    store: &Store,
+    log: &AuditLog,
+    project: wor_core::ProjectId,
+    appenders: usize,
+    round: &str,
+) -> (Duration, Duration, usize) {
+    const WRITES: usize = 30;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for caller in 0..appenders {
+        let (log, stop) = (log.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut i = caller;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                log.append(event(project, i)).await.unwrap();
+                i += appenders;
+            }
+        }));
+    }
+    // Let the appends reach their pace first.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut took = Vec::with_capacity(WRITES);
+    let mut failed = 0;
+    for i in 0..WRITES {
+        let connection = wor_store::NewToolConnection {
+            name: format!("{round}-{i}"),
+            kind: wor_store::ToolConnectionKind::McpHttp,
+            url: "https://mcp.example.com/mcp".to_owned(),
+            allowlist: vec!["mcp.example.com".to_owned()],
+            secret_headers: Vec::new(),
+            command: None,
+            http_tools: Vec::new(),
+            created_by: None,
+        };
+        let started = Instant::now();
+        if store
+            .create_tool_connection(project, connection)
+            .await
+            .is_err()
+        {
+            failed += 1;
+        }
+        took.push(started.elapsed());
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for task in tasks {
+        task.await.unwrap();
+    }
+    took.sort();
+    (took[WRITES / 2], took[WRITES - 1], failed)
+}
+
 fn fdatasync_loop(dir: &std::path::Path) -> f64 {
     let mut file = std::fs::File::create(dir.join("fdatasync.bin")).unwrap();
     let record = [0x5au8; 512];
@@ -94,6 +152,21 @@ async fn main() {
     let (_, log, project) = open(dir.path(), 1).await;
     let single = concurrent_appends(&log, project).await;
     println!("one commit per append (batch = 1): {single:>9.0} appends/s");
+
+    let dir = tempfile::tempdir_in(&base).unwrap();
+    let (store, log, project) = open(dir.path(), 512).await;
+    let (alone_p50, alone_max, alone_failed) =
+        writes_beside_appends(&store, &log, project, 0, "alone").await;
+    let (busy_p50, busy_max, busy_failed) =
+        writes_beside_appends(&store, &log, project, CALLERS, "busy").await;
+    println!(
+        "a write outside a transaction: alone p50={:.2}ms max={:.2}ms failed={alone_failed} | \
+         beside {CALLERS} appenders p50={:.2}ms max={:.2}ms failed={busy_failed}",
+        alone_p50.as_secs_f64() * 1e3,
+        alone_max.as_secs_f64() * 1e3,
+        busy_p50.as_secs_f64() * 1e3,
+        busy_max.as_secs_f64() * 1e3,
+    );
 
     let dir = tempfile::tempdir_in(&base).unwrap();
     let bare = fdatasync_loop(dir.path());
