@@ -117,7 +117,8 @@ async fn writes_beside_appends(
         task.await.unwrap();
     }
     took.sort();
-    (took[WRITES / 2], took[WRITES - 1], failed)
+    let at = |i: usize| took.get(i).copied().unwrap();
+    (at(WRITES / 2), at(WRITES - 1), failed)
 }
 
 fn fdatasync_loop(dir: &std::path::Path) -> f64 {
