@@ -260,6 +260,12 @@ impl Engine {
     /// Waits for `work`, at most `remaining`, polling for a cancel request and renewing the
     /// run's lease meanwhile. On a cancel or at the deadline, `work` is dropped (which aborts
     /// it); a lost lease is an error.
+    ///
+    /// `work` is polled while the lease is renewed, not only between renewals: it may itself
+    /// write (a tool call whose server rejected its token records the rejection and claims a
+    /// refresh), and a write left unpolled once the process's turn to write passed to it would
+    /// hold up the renewal behind it, and every other write of the process, until the turn's
+    /// wait timed out.
     pub(crate) async fn until_stopped<T>(
         &self,
         run: &RunRecord,
@@ -269,18 +275,21 @@ impl Engine {
         tokio::pin!(work);
         let deadline = tokio::time::sleep(remaining);
         tokio::pin!(deadline);
-        let mut poll = cancel_poll();
-        loop {
-            tokio::select! {
-                done = &mut work => return Ok(Ok(done)),
-                () = &mut deadline => return Ok(Err(Stopped::Deadline)),
-                _ = poll.tick() => {
-                    if self.cancel_requested(run.id).await? {
-                        return Ok(Err(Stopped::Cancelled));
-                    }
-                    self.renew_lease(run).await?;
+        let watch = async {
+            let mut poll = cancel_poll();
+            loop {
+                poll.tick().await;
+                if self.cancel_requested(run.id).await? {
+                    return Ok::<_, EngineError>(Stopped::Cancelled);
                 }
+                self.renew_lease(run).await?;
             }
+        };
+        tokio::pin!(watch);
+        tokio::select! {
+            done = &mut work => Ok(Ok(done)),
+            () = &mut deadline => Ok(Err(Stopped::Deadline)),
+            stopped = &mut watch => stopped.map(Err),
         }
     }
 
@@ -413,5 +422,109 @@ impl Engine {
         } else {
             Err(EngineError::LeaseLost)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests fail loudly")]
+
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use wor_store::testing::{TestDatabase, hold_write_turn};
+
+    use super::CANCEL_POLL;
+    use crate::{Engine, EngineConfig, StartRun, Trigger};
+
+    /// On SQLite: a guarded call whose work waits for the process's turn to write while the
+    /// lease's renewal comes due. The turn passes to the work first (it asked first); the
+    /// renewal, queued behind it, must not keep the work from being polled, or neither could
+    /// go on until the turn's wait timed out and the run failed.
+    #[tokio::test]
+    async fn work_waiting_for_the_turn_to_write_goes_on_while_the_lease_is_renewed() {
+        let db = TestDatabase::isolated().await.unwrap();
+        let created = db
+            .store
+            .create_project(&TestDatabase::unique_name("guard"), "owner")
+            .await
+            .unwrap();
+        let project = created.project.id;
+        let key = db.store.list_api_keys(project).await.unwrap()[0].id;
+        let (keys, _) = wor_secrets::KeyRing::generate().unwrap();
+        let vault = wor_store::Vault::new(db.store.clone(), Arc::new(keys));
+        let (signing, _) = wor_secrets::AuditSigningKey::generate().unwrap();
+        let audit = wor_store::AuditLog::start(
+            db.store.clone(),
+            signing,
+            wor_store::AuditConfig::default(),
+        );
+        let egress =
+            wor_egress::EgressClient::new(wor_egress::EgressPolicy::development()).unwrap();
+        let engine = Engine::new(
+            db.store.clone(),
+            vault,
+            egress,
+            audit,
+            EngineConfig::default(),
+        );
+        let toml = "name = \"r\"\ninstructions = \"Be brief.\"\n[model]\nprovider = \"replay\"\n\
+                    model = \"m\"\n[model.script]\n[[model.script.turns]]\ntext = \"done\"\n";
+        let definition = wor_core::routine::RoutineDefinition::from_toml(toml).unwrap();
+        let routine = db
+            .store
+            .apply_routine(project, toml, &definition, None)
+            .await
+            .unwrap()
+            .routine
+            .id;
+        engine
+            .start_run(StartRun {
+                project,
+                routine,
+                input: serde_json::json!("go"),
+                trigger: Trigger::Api(key),
+                actor: None,
+                thread: None,
+            })
+            .await
+            .unwrap();
+        let run = db
+            .store
+            .claim_run(&engine.config().worker_id, engine.lease_ms(), 10)
+            .await
+            .unwrap()
+            .unwrap();
+
+        // PostgreSQL has no such turn.
+        let Some(held) = hold_write_turn(&db.store).await.unwrap() else {
+            return;
+        };
+        let store = db.store.clone();
+        let work = async move {
+            drop(hold_write_turn(&store).await.unwrap());
+            "answered"
+        };
+        // Given up after the first renewal has queued for the turn behind the work.
+        let release = async move {
+            tokio::time::sleep(CANCEL_POLL + Duration::from_millis(150)).await;
+            drop(held);
+        };
+        let (guarded, ()) = tokio::join!(
+            engine.until_stopped(&run, Duration::from_secs(60), work),
+            release
+        );
+        assert!(
+            matches!(guarded, Ok(Ok("answered"))),
+            "the guarded work did not finish: {:?}",
+            guarded.map(|r| r.is_ok())
+        );
+        // The lease was renewed or is still held: the run goes on here.
+        assert!(
+            db.store
+                .renew_lease(run.id, &engine.config().worker_id, engine.lease_ms())
+                .await
+                .unwrap()
+        );
     }
 }

@@ -144,8 +144,8 @@ impl AuditLog {
     /// written on the caller's thread, which it blocks for that transaction: its statements
     /// run synchronously and never yield, so a caller's future dropped meanwhile cannot leave
     /// a transaction or the writer half done. The one wait left is for a write lock another
-    /// process on the same file holds, before `BEGIN`: awaited between tries, so it blocks no thread, and
-    /// a caller dropped meanwhile has begun nothing. Otherwise — a busy writer, a taken
+    /// process on the same file holds, before `BEGIN`: awaited between tries, so it blocks
+    /// no thread, and a caller dropped meanwhile has begun nothing. Otherwise — a busy writer, a taken
     /// turn, or a writer on the pool (PostgreSQL, where a statement awaits the server) — the
     /// command goes through the writer's channel, in order with the rest.
     async fn submit(&self, command: Command) -> Result<(), StoreError> {

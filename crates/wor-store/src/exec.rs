@@ -20,8 +20,8 @@ use crate::{Durability, StoreError};
 /// process's runtime ([`crate::AuditLog`]), which SQLite's own wait would hold for as long
 /// as the lock is held elsewhere. And the lock is asked for often: SQLite's own wait asks
 /// every 100 ms after its first few tries, so another process that commits back to back
-/// could keep it from the lock. It gives up, with the busy error, after as long as a write
-/// on the pool waits ([`LOCK_WAIT_LIMIT`]).
+/// could keep it from the lock. It gives up, with the busy error, after as long as a
+/// transaction on the pool waits ([`LOCK_WAIT_LIMIT`]).
 struct LockWait {
     began: std::time::Instant,
     pause: std::time::Duration,

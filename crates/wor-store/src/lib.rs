@@ -240,6 +240,11 @@ impl std::ops::DerefMut for WriteTx {
 /// The pool for a write outside a transaction ([`Store::write_pool`]), with this process's
 /// turn to write held until it is dropped: for one statement, pass it to the statement
 /// (`.execute(&*store.write_pool().await?)`), which keeps it to the statement's end.
+///
+/// The turn passes to the next task in line even if that task is not being polled, so a
+/// store write must be polled to its end once begun: one left waiting in a `select!` branch
+/// while another branch's body runs holds up every write of the process.
+#[must_use = "the turn to write is given up when this is dropped"]
 pub(crate) struct WritePool<'a> {
     pool: &'a AnyPool,
     _turn: Option<tokio::sync::OwnedMutexGuard<()>>,
