@@ -510,10 +510,10 @@ fn writes_outside_the_turn(source: &str) -> Vec<String> {
     let mut found = Vec::new();
     for (at, _) in library.match_indices("sqlx::query") {
         let statement = library[at..].split(".await").next().unwrap_or_default();
-        let writes = ["INSERT INTO", "DELETE FROM", "UPDATE "]
+        let writes = ["INSERT ", "REPLACE INTO", "DELETE FROM", "UPDATE "]
             .iter()
             .any(|w| statement.contains(w));
-        let on_pool = ["self.pool()", "&self.pool)", "self.store.pool()"]
+        let on_pool = ["self.pool()", "&self.pool)", "store.pool()"]
             .iter()
             .any(|p| statement.contains(p));
         if writes && on_pool {
@@ -567,11 +567,15 @@ fn the_turn_rule_finds_a_write_on_the_pool() {
             .await?;
         sqlx::query("DELETE FROM t").execute(&*self.write_pool().await?).await?;
         let mut connection = self.pool().acquire().await?;
+        sqlx::query("INSERT OR IGNORE INTO t VALUES (1)").execute(store.pool()).await?;
+        sqlx::query("DELETE FROM t").fetch_optional(&self.pool).await?;
     "#;
     assert_eq!(
         writes_outside_the_turn(source),
         [
             "3: sqlx::query(\"UPDATE runs SET x = 1 WHERE id = $1\")",
+            "9: sqlx::query(\"INSERT OR IGNORE INTO t VALUES (1)\").execute(store.pool())",
+            "10: sqlx::query(\"DELETE FROM t\").fetch_optional(&self.pool)",
             "8: a connection taken from the pool"
         ]
     );
