@@ -554,7 +554,7 @@ async fn a_rewritten_chain_is_caught_by_its_checkpoints_and_a_cut_tail_by_an_anc
 #[tokio::test]
 async fn tool_connections_are_confined_to_their_project_and_keep_their_pins() {
     use std::collections::BTreeMap;
-    use wor_store::{NewToolConnection, StoredPin, ToolConnectionKind, ToolConnectionStatus};
+    use wor_store::{NewToolConnection, StoredPin, ToolConnectionStatus};
 
     let db = TestDatabase::new().await.unwrap();
     let a = db
@@ -568,14 +568,8 @@ async fn tool_connections_are_confined_to_their_project_and_keep_their_pins() {
         .await
         .unwrap();
     let new = || NewToolConnection {
-        name: "desk".to_owned(),
-        kind: ToolConnectionKind::McpHttp,
-        url: "https://mcp.example.com/mcp".to_owned(),
-        allowlist: vec!["mcp.example.com".to_owned()],
         secret_headers: vec!["x-api-key".to_owned()],
-        command: None,
-        http_tools: Vec::new(),
-        created_by: None,
+        ..support::mcp_connection("desk")
     };
     let created = db
         .store
@@ -2005,10 +1999,7 @@ async fn model_connections_keep_every_connection_provider_and_refuse_replay() {
 mod oauth_authorizations {
     use serde_json::json;
     use wor_store::testing::TestDatabase;
-    use wor_store::{
-        ConnectionOAuthRecord, NewOAuthAuthorization, NewToolConnection, ToolConnectionKind,
-        state_digest,
-    };
+    use wor_store::{ConnectionOAuthRecord, NewOAuthAuthorization, state_digest};
 
     /// A pending authorization is taken once, only by its `state`, only before it expires,
     /// and the state itself is not stored.
@@ -2029,19 +2020,7 @@ mod oauth_authorizations {
             .unwrap();
         let connection = db
             .store
-            .create_tool_connection(
-                project,
-                NewToolConnection {
-                    name: "tracker".to_owned(),
-                    kind: ToolConnectionKind::McpHttp,
-                    url: "https://mcp.example.com/mcp".to_owned(),
-                    allowlist: vec!["mcp.example.com".to_owned()],
-                    secret_headers: Vec::new(),
-                    command: None,
-                    http_tools: Vec::new(),
-                    created_by: None,
-                },
-            )
+            .create_tool_connection(project, super::support::mcp_connection("tracker"))
             .await
             .unwrap();
         let new = |lifetime_ms| NewOAuthAuthorization {
@@ -2618,20 +2597,10 @@ async fn a_sweep_of_stale_credentials_skips_one_another_transaction_holds() {
 /// "database is locked".
 #[tokio::test]
 async fn a_write_outside_a_transaction_waits_its_turn_with_the_process_writes() {
-    use wor_store::{NewToolConnection, ToolConnectionKind, ToolConnectionStatus};
+    use wor_store::ToolConnectionStatus;
 
     let db = TestDatabase::new().await.unwrap();
     let project = new_project(&db).await;
-    let connection = |name: &str| NewToolConnection {
-        name: name.to_owned(),
-        kind: ToolConnectionKind::McpHttp,
-        url: "https://mcp.example.com/mcp".to_owned(),
-        allowlist: vec!["mcp.example.com".to_owned()],
-        secret_headers: Vec::new(),
-        command: None,
-        http_tools: Vec::new(),
-        created_by: None,
-    };
     // PostgreSQL has no such turn: its row locks order its writers.
     let Some(held) = wor_store::testing::hold_write_turn(&db.store)
         .await
@@ -2639,7 +2608,10 @@ async fn a_write_outside_a_transaction_waits_its_turn_with_the_process_writes() 
     else {
         return;
     };
-    let mut created = Box::pin(db.store.create_tool_connection(project, connection("desk")));
+    let mut created = Box::pin(
+        db.store
+            .create_tool_connection(project, support::mcp_connection("desk")),
+    );
     assert!(
         tokio::time::timeout(std::time::Duration::from_millis(200), &mut created)
             .await

@@ -139,3 +139,18 @@ pub async fn claimed_run(
         .unwrap();
     run.id
 }
+
+/// A new MCP connection named `name` to a server at `mcp.example.com`, with no secret
+/// headers.
+pub fn mcp_connection(name: &str) -> wor_store::NewToolConnection {
+    wor_store::NewToolConnection {
+        name: name.to_owned(),
+        kind: wor_store::ToolConnectionKind::McpHttp,
+        url: "https://mcp.example.com/mcp".to_owned(),
+        allowlist: vec!["mcp.example.com".to_owned()],
+        secret_headers: Vec::new(),
+        command: None,
+        http_tools: Vec::new(),
+        created_by: None,
+    }
+}
