@@ -12,6 +12,9 @@
     reason = "a benchmark's output is its result"
 )]
 
+#[path = "../tests/support/mod.rs"]
+mod support;
+
 use std::io::Write as _;
 use std::time::{Duration, Instant};
 
@@ -92,16 +95,7 @@ async fn writes_beside_appends(
     let mut took = Vec::with_capacity(WRITES);
     let mut failed = 0;
     for i in 0..WRITES {
-        let connection = wor_store::NewToolConnection {
-            name: format!("{round}-{i}"),
-            kind: wor_store::ToolConnectionKind::McpHttp,
-            url: "https://mcp.example.com/mcp".to_owned(),
-            allowlist: vec!["mcp.example.com".to_owned()],
-            secret_headers: Vec::new(),
-            command: None,
-            http_tools: Vec::new(),
-            created_by: None,
-        };
+        let connection = support::mcp_connection(&format!("{round}-{i}"));
         let started = Instant::now();
         if store
             .create_tool_connection(project, connection)
