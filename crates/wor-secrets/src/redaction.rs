@@ -427,9 +427,9 @@ impl ShapeScanner {
 
     /// Finds the matches that start at or after `from`.
     fn find(&self, text: &str, from: usize, spans: &mut Vec<Span>) {
-        // Per rule, the merged windows around its keyword hits.
-        let mut windows: Vec<Vec<(usize, usize)>> = vec![Vec::new(); SHAPE_RULES.len()];
-        let mut any = false;
+        // Per rule, the merged windows around its keyword hits; made at the first hit, as
+        // most strings have none.
+        let mut windows: Vec<Vec<(usize, usize)>> = Vec::new();
         // A keyword lies inside its match, so one that starts before `from` is in no match
         // that starts at or after it.
         let input = Input::new(text).span(from.min(text.len())..text.len());
@@ -438,8 +438,7 @@ impl ShapeScanner {
                 continue;
             };
             for &(index, keyword) in rule_keywords {
-                let (Some(rule), Some(list)) = (SHAPE_RULES.get(index), windows.get_mut(index))
-                else {
+                let Some(rule) = SHAPE_RULES.get(index) else {
                     continue;
                 };
                 if !rule.ignores_case()
@@ -447,7 +446,12 @@ impl ShapeScanner {
                 {
                     continue;
                 }
-                any = true;
+                if windows.is_empty() {
+                    windows = vec![Vec::new(); SHAPE_RULES.len()];
+                }
+                let Some(list) = windows.get_mut(index) else {
+                    continue;
+                };
                 let start = hit.start().saturating_sub(rule.before).max(from);
                 let end = hit.end().saturating_add(rule.after).min(text.len());
                 match list.last_mut() {
@@ -458,9 +462,6 @@ impl ShapeScanner {
                     _ => list.push((start, end)),
                 }
             }
-        }
-        if !any {
-            return;
         }
         for ((rule, regex), list) in SHAPE_RULES.iter().zip(&self.regexes).zip(&windows) {
             for &(start, end) in list {
