@@ -311,6 +311,10 @@ impl Store {
             Backend::Sqlite => {
                 options
                     .max_connections(8)
+                    // A connection to a file in this process cannot have gone away; the check
+                    // sqlx makes by default on every acquire is a round trip to the
+                    // connection's thread for nothing.
+                    .test_before_acquire(false)
                     .after_connect(|conn, _meta| {
                         Box::pin(async move {
                             // The audit writer's checkpointer copies the log beside the writer
@@ -468,6 +472,15 @@ impl Durability {
 /// writer's own alike: how long a writer waits for SQLite's lock, and foreign keys.
 pub(crate) const SQLITE_CONNECTION_SETTINGS: &str =
     "PRAGMA busy_timeout = 10000; PRAGMA foreign_keys = ON;";
+
+/// `LIMIT n`, written into a statement's text. SQLite plans a statement whose `LIMIT` is a
+/// bound parameter for the value bound, and marks it to be prepared again whenever that
+/// parameter is bound anew, which is every time it runs: a statement run on every call or
+/// every tick carries its limit in its text instead, one prepared statement per value.
+pub(crate) fn limit_clause(n: u64) -> String {
+    // Both databases take a limit as a signed 64-bit integer.
+    format!("LIMIT {}", i64::try_from(n).unwrap_or(i64::MAX))
+}
 
 /// The `busy_timeout` of [`SQLITE_CONNECTION_SETTINGS`].
 pub(crate) const BUSY_TIMEOUT: Duration = Duration::from_secs(10);

@@ -39,10 +39,10 @@ impl Store {
         let table = outbox.table();
         let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
             "SELECT {columns} FROM {table} WHERE status = 'pending' AND next_attempt_at <= $1 \
-             ORDER BY next_attempt_at, id LIMIT $2"
+             ORDER BY next_attempt_at, id {}",
+            crate::limit_clause(u64::from(limit))
         )))
         .bind(now)
-        .bind(i64::from(limit))
         .fetch_all(self.pool())
         .await?;
         let mut claimed = Vec::new();

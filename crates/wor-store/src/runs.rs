@@ -451,6 +451,8 @@ impl Store {
         routine: RoutineId,
         up_to: u64,
     ) -> Result<u64, StoreError> {
+        // The limit stays bound: it is a routine's own `max_runs`, whose every value would be
+        // a statement of its own in each connection's cache.
         let row = sqlx::query(
             "SELECT COUNT(*) AS n FROM (SELECT 1 AS one FROM runs WHERE routine_id = $1 \
              AND project_id = $2 AND status IN ('queued', 'running', 'waiting_for_approval') \
@@ -685,13 +687,19 @@ impl Store {
         }
         // Runs the limits turn away stay queued ahead of ones they allow: looking past them,
         // up to a bound, keeps one busy routine from holding up the rest of the queue.
-        let look_at = max.saturating_add(16).min(CLAIM_CANDIDATES_MAX);
+        // Rounded up to a multiple of 16, so the statement, whose limit is written in its
+        // text, takes few forms.
+        let look_at = max
+            .div_ceil(16)
+            .saturating_add(1)
+            .saturating_mul(16)
+            .min(CLAIM_CANDIDATES_MAX);
         // The active runs of each routine and the running runs of each project are counted
         // once for the whole statement, not once for every queued run it looks at: with
         // correlated counts a claim cost the queue's length times the active runs. Only
         // routines with a queued run have their active runs counted, so a look at an empty
         // queue does not count every parked run.
-        let rows = sqlx::query(
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
             "WITH active AS (SELECT routine_id, COUNT(*) AS n FROM runs \
               WHERE status IN ('running', 'waiting_for_approval') \
               AND routine_id IN (SELECT routine_id FROM runs WHERE status = 'queued') \
@@ -703,11 +711,11 @@ impl Store {
              LEFT JOIN busy b ON b.project_id = r.project_id \
              WHERE r.status = 'queued' AND (r.not_before IS NULL OR r.not_before <= $2) \
              AND COALESCE(a.n, 0) < r.max_concurrent \
-             AND COALESCE(b.n, 0) < $1 ORDER BY r.id LIMIT $3",
-        )
+             AND COALESCE(b.n, 0) < $1 ORDER BY r.id {}",
+            crate::limit_clause(look_at as u64)
+        )))
         .bind(to_i64(max_per_project))
         .bind(now_millis())
-        .bind(to_i64(look_at as u64))
         .fetch_all(self.pool())
         .await?;
         if rows.is_empty() {
@@ -1013,20 +1021,18 @@ impl Store {
                 "SELECT seq, kind, provenance, payload, created_at FROM run_steps \
                  WHERE project_id = $1 AND run_id = $2 AND seq > $3 ORDER BY seq",
             ),
-            Some(_) => sqlx::query(
+            Some(limit) => sqlx::query(sqlx::AssertSqlSafe(format!(
                 "SELECT seq, kind, provenance, payload, created_at FROM run_steps \
-                 WHERE project_id = $1 AND run_id = $2 AND seq > $3 ORDER BY seq LIMIT $4",
-            ),
+                 WHERE project_id = $1 AND run_id = $2 AND seq > $3 ORDER BY seq {}",
+                crate::limit_clause(u64::from(limit))
+            ))),
         };
-        let query = query
+        let rows = query
             .bind(project.to_string())
             .bind(run.to_string())
-            .bind(after_seq);
-        let query = match limit {
-            None => query,
-            Some(limit) => query.bind(i64::from(limit)),
-        };
-        let rows = query.fetch_all(self.pool()).await?;
+            .bind(after_seq)
+            .fetch_all(self.pool())
+            .await?;
         rows.iter().map(step_from_row).collect()
     }
 }

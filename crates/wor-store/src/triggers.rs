@@ -147,17 +147,17 @@ impl Store {
             Some((slot, routine)) => (slot, routine.to_string()),
             None => (i64::MIN, String::new()),
         };
-        let rows = sqlx::query(
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
             "SELECT s.routine_id, s.project_id, s.next_slot_at, r.current_version \
              FROM routine_schedules s JOIN routines r ON r.id = s.routine_id \
              WHERE s.next_slot_at IS NOT NULL AND s.next_slot_at <= $1 \
              AND (s.next_slot_at > $2 OR (s.next_slot_at = $2 AND s.routine_id > $3)) \
-             ORDER BY s.next_slot_at, s.routine_id LIMIT $4",
-        )
+             ORDER BY s.next_slot_at, s.routine_id {}",
+            crate::limit_clause(u64::try_from(limit).unwrap_or(u64::MAX))
+        )))
         .bind(now)
         .bind(after_slot)
         .bind(after_routine)
-        .bind(i64::try_from(limit).unwrap_or(i64::MAX))
         .fetch_all(self.pool())
         .await?;
         rows.iter()
