@@ -4,9 +4,10 @@
 //! [`AuditLog`] is a handle to the writer. An append goes through its channel; the writer
 //! takes whatever is queued (up to a batch size), writes it in one transaction in arrival
 //! order and answers each caller once that transaction has committed. On SQLite, a run's
-//! journal write that finds the writer idle is committed by its caller instead, on its own
-//! thread, with the writer's connection and under the same lock: a lone write then costs no
-//! hand-off to the writer's thread and back (see [`AuditLog::record`]). The chain's head is read
+//! journal write that is the only one under way and finds the writer idle is committed by its
+//! caller instead, on its own thread, with the writer's connection and under the same lock: a
+//! lone write then costs no hand-off to the writer's thread and back (see
+//! [`AuditLog::record`]). The chain's head is read
 //! inside the transaction, after taking the project's lock — the database's write lock on
 //! SQLite (`BEGIN IMMEDIATE`), a transaction-scoped advisory lock on PostgreSQL — so the chain
 //! stays correct across restarts and across several server processes sharing one database.
@@ -16,6 +17,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use ed25519_dalek::VerifyingKey;
@@ -81,9 +83,13 @@ enum Command {
 #[derive(Clone)]
 pub struct AuditLog {
     sender: mpsc::Sender<Command>,
-    /// The writer, locked by whoever commits a batch: its own loop, or a caller that found it
-    /// idle.
+    /// The writer, locked by whoever commits a batch: its own loop, or a caller whose write
+    /// was alone and found it idle.
     writer: Arc<tokio::sync::Mutex<Writer>>,
+    /// Journal writes submitted and not yet answered (a synced one until its flush), from
+    /// every handle: a write commits itself only when it is the one alone
+    /// ([`AuditLog::submit`]).
+    in_flight: Arc<AtomicUsize>,
     verifying_key: VerifyingKey,
 }
 
@@ -134,22 +140,28 @@ impl AuditLog {
         AuditLog {
             sender,
             writer,
+            in_flight: Arc::new(AtomicUsize::new(0)),
             verifying_key,
         }
     }
 
     /// Hands `command` to the writer or, when it can be committed here without waiting for
-    /// anything, commits it: when the writer is idle, commits on its own connection to SQLite,
-    /// and this process's turn to write is free. The batch of this one command is then
-    /// written on the caller's thread, which it blocks for that transaction: its statements
-    /// run synchronously and never yield, so a caller's future dropped meanwhile cannot leave
-    /// a transaction or the writer half done. The one wait left is for a write lock another
-    /// process on the same file holds, before `BEGIN`: awaited between tries, so it blocks
-    /// no thread, and a caller dropped meanwhile has begun nothing. Otherwise — a busy writer, a taken
+    /// anything, commits it: when it is the only journal write under way (`alone`), the writer is
+    /// idle, commits on its own connection to SQLite, and this process's turn to write is free. A
+    /// write beside others goes to the writer even when it is idle: the writer commits the writes
+    /// that queue meanwhile in one transaction, where each committing alone on its caller's thread
+    /// would cost a commit apiece and hold a thread of the runtime for each (under 32 runs at once,
+    /// about a sixth of the server's CPU per call; BENCHMARKS.md). A lone write is written on the
+    /// caller's thread, which it blocks for that transaction: its statements run synchronously and
+    /// never yield, so a caller's future dropped meanwhile cannot leave a transaction or the writer
+    /// half done. The one wait left is for a write lock another process on the same file holds,
+    /// before `BEGIN`: awaited between tries, so it blocks no thread, and a caller dropped
+    /// meanwhile has begun nothing. Otherwise — another write under way, a busy writer, a taken
     /// turn, or a writer on the pool (PostgreSQL, where a statement awaits the server) — the
     /// command goes through the writer's channel, in order with the rest.
-    async fn submit(&self, command: Command) -> Result<(), StoreError> {
-        if let Ok(mut writer) = self.writer.try_lock()
+    async fn submit(&self, command: Command, alone: bool) -> Result<(), StoreError> {
+        if alone
+            && let Ok(mut writer) = self.writer.try_lock()
             && writer.commits_on_own_connection()
             && let Some(turn) = writer.store.try_write_turn()
         {
@@ -196,15 +208,21 @@ impl AuditLog {
 
     /// Records a run's step (steps, usage, audit entries) in one transaction, shared with
     /// whatever else is queued, and returns once it is committed; see [`RunWrite`]. On
-    /// SQLite, a write that finds the writer idle is committed by its caller
-    /// ([`AuditLog::submit`]). A write whose caller is dropped before it committed is not
-    /// made, as after a crash before it: the run resumes from the steps before it.
+    /// SQLite, a write that is alone and finds the writer idle is committed by its caller
+    /// ([`AuditLog::submit`]). A write is under way, for that rule, until it is answered: a
+    /// synced one until the log's flush. A write committed by its caller is made whole or not
+    /// at all; a queued one is committed even if its caller is dropped meanwhile. Either way
+    /// a run resumed goes on from the steps on record, as after a crash.
     pub async fn record(&self, write: RunWrite) -> Result<RunWritten, StoreError> {
+        let (_under_way, others) = UnderWay::enter(&self.in_flight);
         let (reply, answer) = oneshot::channel();
-        self.submit(Command::Record {
-            write: Box::new(write),
-            reply,
-        })
+        self.submit(
+            Command::Record {
+                write: Box::new(write),
+                reply,
+            },
+            others == 0,
+        )
         .await?;
         answer.await.map_err(|_| StoreError::AuditStopped)?
     }
@@ -220,6 +238,23 @@ impl AuditLog {
     /// The public key that verifies this writer's checkpoints.
     pub fn verifying_key(&self) -> VerifyingKey {
         self.verifying_key
+    }
+}
+
+/// A journal write counted as under way until it is answered or its caller is dropped.
+struct UnderWay<'a>(&'a AtomicUsize);
+
+impl<'a> UnderWay<'a> {
+    /// Counts one more write under way, and says how many others were.
+    fn enter(count: &'a AtomicUsize) -> (Self, usize) {
+        let others = count.fetch_add(1, Ordering::AcqRel);
+        (UnderWay(count), others)
+    }
+}
+
+impl Drop for UnderWay<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -248,7 +283,7 @@ struct Writer {
 struct HeldTurn(Option<tokio::sync::OwnedMutexGuard<()>>);
 
 /// Who commits a batch: the writer's loop, on a thread (or task) of its own, or a caller
-/// that found the writer idle ([`AuditLog::submit`]).
+/// whose write was alone and found the writer idle ([`AuditLog::submit`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Committer {
     Writer,

@@ -222,6 +222,31 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
             );
             assert_eq!(commits(), (0, 1), "a reservation of a read is deferred");
             assert_eq!(log_syncs.get(), synced_so_far);
+            // A write beside another under way is left to the writer, even an idle one, which
+            // commits what queues meanwhile together. The first write here awaits the flush of
+            // the log (by a task of this runtime, so not before both writes are polled) when
+            // the second comes. (The first is committed by its caller only if the writer's
+            // loop is not busy then, as with a checkpoint of the log it was asked for; if it
+            // is, the loop commits both.)
+            let (callers, writers) = (by_caller.get(), by_writer.get());
+            let (first, second) = tokio::join!(
+                log.record(
+                    write()
+                        .step(Provenance::Engine, turn())
+                        .presenting(token.expose())
+                ),
+                log.record(write().step(Provenance::Engine, turn())),
+            );
+            committed(first.unwrap());
+            committed(second.unwrap());
+            let synced = commits().0;
+            assert_eq!(synced, 1, "the reservation is synced");
+            let (by_callers, by_loop) = (by_caller.get() - callers, by_writer.get() - writers);
+            assert!(
+                by_callers <= u64::from(sqlite) && by_loop >= 1,
+                "the second write was committed by its caller: {by_callers} batches by callers, \
+                 {by_loop} by the writer's loop"
+            );
 
             log.append(key_event(project, 1)).await.unwrap();
             assert_eq!(commits(), (1, 0), "an API entry is synced");
@@ -323,7 +348,7 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
             let steps = store.list_run_steps(project, run, 0).await.unwrap();
             let kinds: Vec<_> = steps.iter().map(|s| s.step.kind()).collect();
             // One turn more on SQLite: the write that found the turn to write taken.
-            let turns = if sqlite { 7 } else { 6 };
+            let turns = if sqlite { 9 } else { 8 };
             let mut expected = vec![StepKind::Input];
             expected.extend(std::iter::repeat_n(StepKind::ModelTurn, turns));
             expected.push(StepKind::Outcome);
