@@ -430,3 +430,61 @@ impl Exec for EmbeddedWriter {
         Ok(read)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A writer on a fresh database file in WAL mode, and the directory that holds it.
+    fn writer() -> (tempfile::TempDir, EmbeddedWriter) {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let path = dir.path().join("wor.db");
+        let setup = rusqlite::Connection::open(&path).expect("a new database");
+        setup
+            .query_row("PRAGMA journal_mode = WAL", [], |_| Ok(()))
+            .expect("WAL mode");
+        drop(setup);
+        let writer = EmbeddedWriter::open(&path).expect("the writer's connection");
+        (dir, writer)
+    }
+
+    #[tokio::test]
+    async fn each_placeholder_takes_the_value_its_number_names() {
+        let (_dir, mut writer) = writer();
+        // `$2` appears first and `$1` twice: SQLite numbers them 1 and 2 in that order.
+        let rows = writer
+            .fetch_all(
+                "SELECT $2 AS second, $1 AS first, $1 || $3 AS again",
+                vec![Param::from("one"), Param::Int(2), Param::from("three")],
+            )
+            .await
+            .expect("the statement runs");
+        let [row] = rows.as_slice() else {
+            panic!("one row, not {}", rows.len())
+        };
+        assert_eq!(row.int("second").expect("an integer"), 2);
+        assert_eq!(row.text("first").expect("text"), "one");
+        assert_eq!(row.text("again").expect("text"), "onethree");
+    }
+
+    #[tokio::test]
+    async fn a_statement_and_its_values_that_disagree_are_refused() {
+        let (_dir, mut writer) = writer();
+        for (sql, values) in [
+            ("SELECT $1 AS a", 2),
+            ("SELECT $1 AS a, $2 AS b", 1),
+            ("SELECT $1 AS a, $3 AS b", 2),
+            ("SELECT $1 AS a, $01 AS b", 2),
+            ("SELECT $1 AS a, :b AS b", 2),
+            ("SELECT $0 AS a", 1),
+        ] {
+            let params = (0..values).map(Param::Int).collect();
+            let refused = writer.fetch_all(sql, params).await;
+            match refused {
+                Err(StoreError::Corrupt(_)) => {}
+                Err(other) => panic!("{sql} with {values} values: {other:?}"),
+                Ok(rows) => panic!("{sql} with {values} values ran: {} rows", rows.len()),
+            }
+        }
+    }
+}
