@@ -1,16 +1,16 @@
 //! The audit chain's storage: the one writer, with group commit and signed checkpoints, and
 //! the reads that export and verify it.
 //!
-//! [`AuditLog`] is a handle to the writer. An append goes through its channel; the writer
-//! takes whatever is queued (up to a batch size), writes it in one transaction in arrival
-//! order and answers each caller once that transaction has committed. On SQLite, a run's
-//! journal write that is the only one under way and finds the writer idle is committed by its
-//! caller instead, on its own thread, with the writer's connection and under the same lock: a
-//! lone write then costs no hand-off to the writer's thread and back (see
-//! [`AuditLog::record`]). The chain's head is read
-//! inside the transaction, after taking the project's lock — the database's write lock on
-//! SQLite (`BEGIN IMMEDIATE`), a transaction-scoped advisory lock on PostgreSQL — so the chain
-//! stays correct across restarts and across several server processes sharing one database.
+//! [`AuditLog`] is a handle to the writer. An append goes through its channel; the writer takes
+//! whatever is queued (up to a batch size), writes it in one transaction in arrival order and
+//! answers each caller once that transaction has committed. On SQLite, a run's journal write
+//! that is the only one under way and finds the writer idle is committed by its caller instead,
+//! on its own thread, with the writer's connection and under the same lock: a lone write then
+//! costs no hand-off to the writer's thread and back (see [`AuditLog::record`]). The chain's
+//! head is read inside the transaction, after taking the project's lock — the database's write
+//! lock on SQLite (`BEGIN IMMEDIATE`), a transaction-scoped advisory lock on PostgreSQL — so
+//! the chain stays correct across restarts and across several server processes sharing one
+//! database.
 //!
 //! INVARIANT: nothing else in the workspace inserts into `audit_entries` or
 //! `audit_checkpoints`, and nothing updates or deletes them (triggers refuse it).
