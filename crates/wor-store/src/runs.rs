@@ -1016,23 +1016,18 @@ impl Store {
         after_seq: i64,
         limit: Option<u16>,
     ) -> Result<Vec<RunStep>, StoreError> {
-        let query = match limit {
-            None => sqlx::query(
-                "SELECT seq, kind, provenance, payload, created_at FROM run_steps \
-                 WHERE project_id = $1 AND run_id = $2 AND seq > $3 ORDER BY seq",
-            ),
-            Some(limit) => sqlx::query(sqlx::AssertSqlSafe(format!(
-                "SELECT seq, kind, provenance, payload, created_at FROM run_steps \
-                 WHERE project_id = $1 AND run_id = $2 AND seq > $3 ORDER BY seq {}",
-                crate::limit_clause(u64::from(limit))
-            ))),
-        };
-        let rows = query
-            .bind(project.to_string())
-            .bind(run.to_string())
-            .bind(after_seq)
-            .fetch_all(self.pool())
-            .await?;
+        let limit = limit
+            .map(|limit| crate::limit_clause(u64::from(limit)))
+            .unwrap_or_default();
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT seq, kind, provenance, payload, created_at FROM run_steps \
+             WHERE project_id = $1 AND run_id = $2 AND seq > $3 ORDER BY seq {limit}"
+        )))
+        .bind(project.to_string())
+        .bind(run.to_string())
+        .bind(after_seq)
+        .fetch_all(self.pool())
+        .await?;
         rows.iter().map(step_from_row).collect()
     }
 }

@@ -190,17 +190,10 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
             // A write that finds the process's turn to write taken (held here, as another
             // write of the process holds it) is not committed by its caller: it queues, and the
             // writer commits it once the turn is free.
-            if let Some(held) = wor_store::testing::hold_write_turn(store).await.unwrap() {
+            if sqlite {
                 let (callers, writers) = (by_caller.get(), by_writer.get());
-                let mut queued = Box::pin(log.record(write().step(Provenance::Engine, turn())));
-                assert!(
-                    tokio::time::timeout(std::time::Duration::from_millis(100), &mut queued)
-                        .await
-                        .is_err(),
-                    "a write committed while the turn to write was held"
-                );
-                drop(held);
-                committed(queued.await.unwrap());
+                let queued = log.record(write().step(Provenance::Engine, turn()));
+                committed(support::held_up(store, queued).await.unwrap());
                 commits();
                 assert_eq!(
                     (by_caller.get() - callers, by_writer.get() - writers),

@@ -2605,21 +2605,7 @@ async fn a_write_outside_a_transaction_waits_its_turn_with_the_process_writes() 
     if db.store.backend() != wor_store::Backend::Sqlite {
         return;
     }
-    // `write` goes in only once the turn it waits for is given up; returns what it returned.
-    async fn held_up<T>(store: &wor_store::Store, write: impl Future<Output = T>) -> T {
-        let held = wor_store::testing::hold_write_turn(store).await.unwrap();
-        let mut write = Box::pin(write);
-        assert!(
-            tokio::time::timeout(std::time::Duration::from_millis(200), &mut write)
-                .await
-                .is_err(),
-            "a write outside a transaction went in while the turn to write was held"
-        );
-        drop(held);
-        write.await
-    }
-
-    let created = held_up(
+    let created = support::held_up(
         &db.store,
         db.store
             .create_tool_connection(project, support::mcp_connection("desk")),
@@ -2628,7 +2614,7 @@ async fn a_write_outside_a_transaction_waits_its_turn_with_the_process_writes() 
     .unwrap();
     assert_eq!(created.status, ToolConnectionStatus::PendingReview);
     // The same for a statement that returns what it changed.
-    let revoked = held_up(
+    let revoked = support::held_up(
         &db.store,
         db.store
             .revoke_console_session(project, wor_core::ConsoleSessionId::new(), None),

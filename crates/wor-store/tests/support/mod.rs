@@ -26,6 +26,22 @@ pub async fn isolated_on(
     Some(db)
 }
 
+/// Runs `write` while this test holds the process's turn to write (SQLite's; the caller
+/// checks the backend): it must not go in within 200 ms, and goes in once the turn is given
+/// up. Returns what `write` returned.
+pub async fn held_up<T>(store: &wor_store::Store, write: impl Future<Output = T>) -> T {
+    let held = wor_store::testing::hold_write_turn(store).await.unwrap();
+    let mut write = Box::pin(write);
+    assert!(
+        tokio::time::timeout(Duration::from_millis(200), &mut write)
+            .await
+            .is_err(),
+        "a write went in while the turn to write was held"
+    );
+    drop(held);
+    write.await
+}
+
 /// A model turn that says `text` and calls no tool.
 pub fn model_turn(text: impl Into<String>) -> wor_core::step::Step {
     wor_core::step::Step::ModelTurn(wor_core::step::ModelTurnStep {
