@@ -958,17 +958,9 @@ const ENTRIES_PER_STATEMENT: usize = 100;
 /// Inserts `entries` with one statement.
 async fn insert_entries(tx: &mut impl Exec, entries: &[AuditEntry]) -> Result<(), StoreError> {
     const VALUES: usize = 12;
-    let rows: Vec<String> = (0..entries.len())
-        .map(|i| {
-            let row: Vec<String> = (i * VALUES + 1..=(i + 1) * VALUES)
-                .map(|n| format!("${n}"))
-                .collect();
-            format!("({})", row.join(", "))
-        })
-        .collect();
     let sql = format!(
         "INSERT INTO audit_entries ({ENTRY_COLUMNS}) VALUES {}",
-        rows.join(", ")
+        crate::value_rows(entries.len(), VALUES)
     );
     let mut params = Vec::with_capacity(entries.len() * VALUES);
     for entry in entries {

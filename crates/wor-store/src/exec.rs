@@ -356,14 +356,27 @@ impl EmbeddedWriter {
     }
 
     /// A statement of `sql` with `params` bound to its `$N` placeholders.
+    ///
+    /// SQLite numbers named placeholders such as `$3` in the order they first appear, and
+    /// finds one by its name only by walking the statement's list of names. The text is
+    /// therefore prepared with each `$N` written `?N`, which SQLite binds at index `N`, and
+    /// each value is bound by its position: no name is looked up.
     fn prepare(
         &self,
         sql: &str,
         params: Vec<Param>,
     ) -> Result<rusqlite::CachedStatement<'_>, StoreError> {
-        let mut statement = self.connection.prepare_cached(sql)?;
+        let numbered = numbered_placeholders(sql)?;
         // Every value is bound to its own placeholder, as sqlx insists: a statement and its
         // values that disagree are an error here too, not a silent NULL.
+        if numbered.count != params.len() {
+            return Err(StoreError::Corrupt(format!(
+                "a statement with {} placeholders was given {} values",
+                numbered.count,
+                params.len()
+            )));
+        }
+        let mut statement = self.connection.prepare_cached(&numbered.text)?;
         if statement.parameter_count() != params.len() {
             return Err(StoreError::Corrupt(format!(
                 "a statement with {} placeholders was given {} values",
@@ -372,12 +385,7 @@ impl EmbeddedWriter {
             )));
         }
         for (index, param) in params.into_iter().enumerate() {
-            let name = format!("${}", index + 1);
-            let Some(at) = statement.parameter_index(&name)? else {
-                return Err(StoreError::Corrupt(format!(
-                    "a statement has no placeholder {name}"
-                )));
-            };
+            let at = index + 1;
             match param {
                 Param::Int(value) => statement.raw_bind_parameter(at, value)?,
                 Param::Text(value) => statement.raw_bind_parameter(at, value)?,
@@ -386,6 +394,81 @@ impl EmbeddedWriter {
         }
         Ok(statement)
     }
+}
+
+/// A statement's text with its `$N` placeholders written `?N`, and how many there are.
+struct Numbered {
+    text: String,
+    count: usize,
+}
+
+/// Rewrites each `$N` of `sql` outside its string literals and quoted names as `?N`, and
+/// checks that the placeholders are exactly `$1` to `$count`, each used at least once: a
+/// number skipped, written with a leading zero or past SQLite's bound, or a placeholder of
+/// another kind, is refused.
+fn numbered_placeholders(sql: &str) -> Result<Numbered, StoreError> {
+    /// The most placeholders a statement may have (SQLite's default bound).
+    const MOST: usize = 32_766;
+    let refuse = |what: String| Err(StoreError::Corrupt(format!("a statement has {what}")));
+    let mut text = String::with_capacity(sql.len());
+    let mut used: Vec<bool> = Vec::new();
+    let mut quote: Option<char> = None;
+    // The text up to `copied` is in `text` already.
+    let mut copied = 0;
+    let mut chars = sql.char_indices().peekable();
+    while let Some((at, c)) = chars.next() {
+        if let Some(open) = quote {
+            // A quote doubled inside a literal closes it and opens it again: the same state.
+            if c == open {
+                quote = None;
+            }
+            continue;
+        }
+        match c {
+            '\'' | '"' => quote = Some(c),
+            '$' => {
+                let mut end = at + 1;
+                while let Some((digit, _)) = chars.next_if(|(_, d)| d.is_ascii_digit()) {
+                    end = digit + 1;
+                }
+                let number = sql.get(at + 1..end).unwrap_or_default();
+                let Some(n) = number
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|n| (1..=MOST).contains(n) && !number.starts_with('0'))
+                else {
+                    return refuse(format!(
+                        "a placeholder `${number}` that is not $1 to ${MOST}"
+                    ));
+                };
+                if used.len() < n {
+                    used.resize(n, false);
+                }
+                if let Some(slot) = used.get_mut(n - 1) {
+                    *slot = true;
+                }
+                text.push_str(sql.get(copied..at).unwrap_or_default());
+                text.push('?');
+                text.push_str(number);
+                copied = end;
+            }
+            '?' | ':' | '@' => {
+                return refuse(format!("a placeholder that is not `$N` at byte {at}"));
+            }
+            _ => {}
+        }
+    }
+    text.push_str(sql.get(copied..).unwrap_or_default());
+    if let Some(open) = quote {
+        return refuse(format!("an unclosed `{open}`"));
+    }
+    if let Some(skipped) = used.iter().position(|used| !used) {
+        return refuse(format!("no placeholder ${}", skipped + 1));
+    }
+    Ok(Numbered {
+        text,
+        count: used.len(),
+    })
 }
 
 impl Exec for EmbeddedWriter {
@@ -468,6 +551,23 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_dollar_sign_in_a_string_literal_or_a_quoted_name_is_text() {
+        let (_dir, mut writer) = writer();
+        let rows = writer
+            .fetch_all(
+                r#"SELECT '$2 it''s ?3' AS "$1", $1 AS b"#,
+                vec![Param::from("one")],
+            )
+            .await
+            .expect("the statement runs");
+        let [row] = rows.as_slice() else {
+            panic!("one row, not {}", rows.len())
+        };
+        assert_eq!(row.text("$1").expect("text"), "$2 it's ?3");
+        assert_eq!(row.text("b").expect("text"), "one");
+    }
+
+    #[tokio::test]
     async fn a_statement_and_its_values_that_disagree_are_refused() {
         let (_dir, mut writer) = writer();
         for (sql, values) in [
@@ -477,6 +577,12 @@ mod tests {
             ("SELECT $1 AS a, $01 AS b", 2),
             ("SELECT $1 AS a, :b AS b", 2),
             ("SELECT $0 AS a", 1),
+            ("SELECT $1 AS a, ? AS b", 2),
+            ("SELECT $1 AS a, ?2 AS b", 2),
+            ("SELECT $1 AS a, @b AS b", 2),
+            ("SELECT $ AS a", 1),
+            ("SELECT $1 AS a, $32767 AS b", 2),
+            ("SELECT 'a $1 AS a", 1),
         ] {
             let params = (0..values).map(Param::Int).collect();
             let refused = writer.fetch_all(sql, params).await;

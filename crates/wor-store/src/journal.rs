@@ -11,6 +11,8 @@
 //! before it is acknowledged; the others reach the disk with the next such commit
 //! ([`RunWrite::is_durable`]).
 
+use std::fmt::Write as _;
+
 use wor_core::audit::AuditEvent;
 use wor_core::budget::BudgetUsage;
 use wor_core::canonical::sha256_hex;
@@ -263,54 +265,58 @@ pub(crate) async fn write_run(
 ) -> Result<RunWritten, StoreError> {
     let mut fence = Fence::default();
     let at = fence.int(now);
-    let mut sql = format!("UPDATE runs SET updated_at = {at}");
+    // Written into one text as it is built: `write!` to a `String` cannot fail.
+    let mut sql = String::with_capacity(1024);
+    let _ = write!(sql, "UPDATE runs SET updated_at = {at}");
     match &write.end {
         Some((status, outcome)) => {
             let status = fence.text(status.as_str());
             let outcome = fence.text(outcome);
-            sql.push_str(&format!(
+            let _ = write!(
+                sql,
                 ", lease_owner = NULL, lease_expires_at = NULL, finished_at = {at}, \
                  status = {status}, outcome = {outcome}"
-            ));
+            );
         }
         None => {
             let lease = fence.int(now.saturating_add(write.lease_ms));
-            sql.push_str(&format!(", lease_expires_at = {lease}"));
+            let _ = write!(sql, ", lease_expires_at = {lease}");
         }
     }
     if let Some(usage) = &write.usage {
         sql.push_str(", ");
-        sql.push_str(&fence.usage(usage, "=", ", "));
+        fence.usage(&mut sql, usage, "=", ", ");
     }
-    let id = fence.text(&write.run.to_string());
-    let project = fence.text(&write.project.to_string());
-    let worker = fence.text(&write.worker);
-    sql.push_str(&format!(
+    let id = fence.text(write.run.to_string());
+    let project = fence.text(write.project.to_string());
+    let worker = fence.text(write.worker.as_str());
+    let _ = write!(
+        sql,
         " WHERE id = {id} AND project_id = {project} AND lease_owner = {worker} \
          AND status = 'running'"
-    ));
+    );
     if write.unless_cancelled {
         sql.push_str(" AND cancel_requested = 0");
     }
     if let (true, Some(usage)) = (write.usage_not_lower, &write.usage) {
         sql.push_str(" AND ");
-        sql.push_str(&fence.usage(usage, "<=", " AND "));
+        fence.usage(&mut sql, usage, "<=", " AND ");
     }
     if let Some(before) = &write.usage_before {
         sql.push_str(" AND ");
-        sql.push_str(&fence.usage(before, "=", " AND "));
+        fence.usage(&mut sql, before, "=", " AND ");
     }
     if let Some(credential) = &write.credential {
-        let digest = fence.text(&credential.digest);
-        let live = if credential.live {
-            format!(" AND t.expires_at > {at}")
-        } else {
-            String::new()
-        };
-        sql.push_str(&format!(
+        let digest = fence.text(credential.digest.as_str());
+        let _ = write!(
+            sql,
             " AND EXISTS (SELECT 1 FROM run_tokens t WHERE t.run_id = runs.id \
-             AND t.sha256 = {digest}{live} AND t.lease_owner = runs.lease_owner)"
-        ));
+             AND t.sha256 = {digest}"
+        );
+        if credential.live {
+            let _ = write!(sql, " AND t.expires_at > {at}");
+        }
+        sql.push_str(" AND t.lease_owner = runs.lease_owner)");
     }
     // The run's last step number comes back with the fence, saving the writer a round trip.
     sql.push_str(
@@ -378,32 +384,46 @@ struct Fence {
     values: Vec<Param>,
 }
 
+/// The placeholder of one of a [`Fence`]'s values: `$N`, written where it is used.
+#[derive(Clone, Copy)]
+struct Placeholder(usize);
+
+impl std::fmt::Display for Placeholder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "${}", self.0)
+    }
+}
+
 impl Fence {
     /// The placeholder of the next value, `value`.
-    fn int(&mut self, value: i64) -> String {
+    fn int(&mut self, value: i64) -> Placeholder {
         self.values.push(Param::Int(value));
-        format!("${}", self.values.len())
+        Placeholder(self.values.len())
     }
 
-    fn text(&mut self, value: &str) -> String {
-        self.values.push(Param::from(value));
-        format!("${}", self.values.len())
+    fn text(&mut self, value: impl Into<String>) -> Placeholder {
+        self.values.push(Param::Text(value.into()));
+        Placeholder(self.values.len())
     }
 
-    /// Each usage column of a run compared with (`op`) its measure in `usage`, joined by
-    /// `joiner`: `usage_turns = $n, …` to set them, `usage_turns <= $n AND …` to fence on them.
-    fn usage(&mut self, usage: &BudgetUsage, op: &str, joiner: &str) -> String {
-        [
+    /// Writes each usage column of a run compared with (`op`) its measure in `usage` to
+    /// `sql`, joined by `joiner`: `usage_turns = $n, …` to set them, `usage_turns <= $n AND
+    /// …` to fence on them.
+    fn usage(&mut self, sql: &mut String, usage: &BudgetUsage, op: &str, joiner: &str) {
+        let columns = [
             ("usage_turns", usage.turns),
             ("usage_tool_calls", usage.tool_calls),
             ("usage_input_tokens", usage.input_tokens),
             ("usage_output_tokens", usage.output_tokens),
             ("usage_cost_microdollars", usage.cost_microdollars),
-        ]
-        .into_iter()
-        .map(|(column, value)| format!("{column} {op} {}", self.int(to_i64(value))))
-        .collect::<Vec<_>>()
-        .join(joiner)
+        ];
+        for (i, (column, value)) in columns.into_iter().enumerate() {
+            if i > 0 {
+                sql.push_str(joiner);
+            }
+            let value = self.int(to_i64(value));
+            let _ = write!(sql, "{column} {op} {value}");
+        }
     }
 }
 

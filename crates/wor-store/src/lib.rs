@@ -482,6 +482,25 @@ pub(crate) fn limit_clause(n: u64) -> String {
     format!("LIMIT {}", i64::try_from(n).unwrap_or(i64::MAX))
 }
 
+/// The placeholders of a multi-row `VALUES` list: `rows` rows of `per_row` values each,
+/// numbered from `$1`: `($1, $2), ($3, $4)` for two rows of two.
+pub(crate) fn value_rows(rows: usize, per_row: usize) -> String {
+    use std::fmt::Write as _;
+    let mut text = String::with_capacity(rows * per_row * 6);
+    for row in 0..rows {
+        text.push_str(if row == 0 { "(" } else { ", (" });
+        for column in 0..per_row {
+            if column > 0 {
+                text.push_str(", ");
+            }
+            // Writing to a `String` cannot fail.
+            let _ = write!(text, "${}", row * per_row + column + 1);
+        }
+        text.push(')');
+    }
+    text
+}
+
 /// The `busy_timeout` of [`SQLITE_CONNECTION_SETTINGS`].
 pub(crate) const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -662,5 +681,15 @@ fn conflict_or(err: sqlx::Error, message: impl FnOnce() -> String) -> StoreError
     match &err {
         sqlx::Error::Database(db) if db.is_unique_violation() => StoreError::Conflict(message()),
         _ => StoreError::Database(err),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn value_rows_number_every_value_once_row_by_row() {
+        assert_eq!(super::value_rows(1, 1), "($1)");
+        assert_eq!(super::value_rows(2, 3), "($1, $2, $3), ($4, $5, $6)");
+        assert_eq!(super::value_rows(0, 3), "");
     }
 }

@@ -1230,12 +1230,6 @@ const STEP_VALUES: usize = 7;
 /// The values of one schedule's advance (`triggers::advance_schedules`).
 const ADVANCE_VALUES: usize = 3;
 
-/// The placeholders `$first`, `$first+1`, … of one row of `count` values, in parentheses.
-fn row_placeholders(first: usize, count: usize) -> String {
-    let row: Vec<String> = (first..first + count).map(|n| format!("${n}")).collect();
-    format!("({})", row.join(", "))
-}
-
 /// Inserts the runs of `starts` under `ids` (two statements: the runs, then their first
 /// steps: the input, and the memory a run replays), skipping any whose trigger key already
 /// started a run; returns the ids inserted. One run or a scheduler page alike.
@@ -1249,14 +1243,11 @@ async fn insert_runs(
     if starts.is_empty() {
         return Ok(Vec::new());
     }
-    let rows: Vec<String> = (0..starts.len())
-        .map(|i| row_placeholders(i * RUN_VALUES + 1, RUN_VALUES))
-        .collect();
+    let rows = crate::value_rows(starts.len(), RUN_VALUES);
     let sql = format!(
         "INSERT INTO runs (id, project_id, routine_id, routine_version, root_run_id, parent_run_id, depth, \
          status, trigger_kind, started_by, max_concurrent, outcome, created_at, updated_at, finished_at, \
-         trigger_key, thread, budget_cap, started_by_member, not_before) VALUES {} ON CONFLICT DO NOTHING RETURNING id",
-        rows.join(", ")
+         trigger_key, thread, budget_cap, started_by_member, not_before) VALUES {rows} ON CONFLICT DO NOTHING RETURNING id"
     );
     let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
     for (id, start) in ids.iter().zip(starts) {
@@ -1477,13 +1468,10 @@ pub(crate) async fn insert_steps(
     per_statement: usize,
 ) -> Result<(), StoreError> {
     for chunk in rows.chunks(per_statement.max(1)) {
-        let places: Vec<String> = (0..chunk.len())
-            .map(|i| row_placeholders(i * STEP_VALUES + 1, STEP_VALUES))
-            .collect();
         let sql = format!(
             "INSERT INTO run_steps (run_id, seq, project_id, kind, provenance, payload, created_at) \
              VALUES {}",
-            places.join(", ")
+            crate::value_rows(chunk.len(), STEP_VALUES)
         );
         let mut params = Vec::with_capacity(chunk.len() * STEP_VALUES);
         for row in chunk {
