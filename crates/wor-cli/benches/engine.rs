@@ -17,7 +17,8 @@
 //! `[metrics] listen` and `[traces] endpoint` (an in-bench loopback collector that accepts and
 //! discards) against the same server without them, the two side by side in each round;
 //! `throughput` — tool calls per second with 32 runs at once (a pool of 32), each followed,
-//! against 32 direct callers, and again with no one following the runs; `trivial` — runs of one model turn per second with 1, 8
+//! against 32 direct callers, and again with no one following the runs
+//! (`WOR_BENCH_AT_ONCE` sets another number of runs and callers); `trivial` — runs of one model turn per second with 1, 8
 //! and 32 concurrent starters, and enqueue → start; `cron` — routines whose schedule fires in
 //! the same minute, dispatch lag (a run recorded ahead of its slot counts as dispatched at the
 //! slot, when it becomes claimable) against inserting as many rows in one transaction
@@ -380,13 +381,13 @@ async fn figure_observed(backend: &str, base: &Option<String>) {
 }
 
 async fn figure_throughput(backend: &str, base: &Option<String>) {
-    const AT_ONCE: usize = 32;
+    let at_once = env_number("WOR_BENCH_AT_ONCE", 32);
     let per_run = env_number("WOR_BENCH_CALLS_PER_RUN", 50);
     let echo = Echo::default();
     let addr = serve_echo(echo.clone()).await;
     let http = client();
     let started = Instant::now();
-    let callers: Vec<_> = (0..AT_ONCE)
+    let callers: Vec<_> = (0..at_once)
         .map(|_| {
             let http = http.clone();
             tokio::spawn(async move {
@@ -399,13 +400,13 @@ async fn figure_throughput(backend: &str, base: &Option<String>) {
     for caller in callers {
         caller.await.unwrap();
     }
-    let direct_rate = (AT_ONCE * per_run) as f64 / started.elapsed().as_secs_f64();
+    let direct_rate = (at_once * per_run) as f64 / started.elapsed().as_secs_f64();
 
     let (server, key) = Server::start(
         database_for(base).await.as_deref(),
         // As many runs at once as there are callers: the project's limit and the process's
         // pool both allow them.
-        &format!("max_running_per_project = {AT_ONCE}\nworkers = {AT_ONCE}\n{LOOPBACK_CONFIG}"),
+        &format!("max_running_per_project = {at_once}\nworkers = {at_once}\n{LOOPBACK_CONFIG}"),
     );
     let api = Api::new(&server, key);
     api.mcp_tools("echo", addr, &["echo"]).await;
@@ -418,7 +419,7 @@ async fn figure_throughput(backend: &str, base: &Option<String>) {
         .await;
     echo.calls.store(0, Ordering::SeqCst);
     let started = Instant::now();
-    let runs: Vec<_> = (0..AT_ONCE)
+    let runs: Vec<_> = (0..at_once)
         .map(|_| {
             let (api, routine) = (api.clone(), routine.clone());
             tokio::spawn(async move { start_and_follow(&api, &routine).await })
@@ -437,17 +438,17 @@ async fn figure_throughput(backend: &str, base: &Option<String>) {
     // status is read until it is final.
     echo.calls.store(0, Ordering::SeqCst);
     let started = Instant::now();
-    let starts: Vec<_> = (0..AT_ONCE)
+    let starts: Vec<_> = (0..at_once)
         .map(|_| {
             let (api, routine) = (api.clone(), routine.clone());
             tokio::spawn(async move { start_run(&api, &routine).await })
         })
         .collect();
-    let mut pending = Vec::with_capacity(AT_ONCE);
+    let mut pending = Vec::with_capacity(at_once);
     for start in starts {
         pending.push(start.await.unwrap());
     }
-    let expected = AT_ONCE * per_run;
+    let expected = at_once * per_run;
     let deadline = Duration::from_secs(300);
     while echo.calls.load(Ordering::SeqCst) < expected {
         assert!(
@@ -478,7 +479,7 @@ async fn figure_throughput(backend: &str, base: &Option<String>) {
     }
     let unfollowed = expected as f64 / started.elapsed().as_secs_f64();
     println!(
-        "{backend:<8} throughput  {AT_ONCE} at once: direct {direct_rate:.0} calls/s | through \
+        "{backend:<8} throughput  {at_once} at once: direct {direct_rate:.0} calls/s | through \
          routines {rate:.0} calls/s ({made} calls) | ratio {:.3}x | runs not followed \
          {unfollowed:.0} calls/s, ratio {:.3}x",
         rate / direct_rate,
