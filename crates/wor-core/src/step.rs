@@ -408,14 +408,17 @@ impl Step {
     }
 
     /// The step with every string passed through `rewrite` (redaction, U+0000 replacement),
-    /// read back into its shape. A rewrite that changed a string the shape depends on (a kind,
-    /// an id) is refused.
+    /// read back into its shape. `rewrite` says whether it changed anything; a step it left
+    /// as it was is the step itself, not read back. A rewrite that changed a string the shape
+    /// depends on (a kind, an id) is refused.
     pub fn rewritten(
         &self,
-        rewrite: impl FnOnce(&mut serde_json::Value),
+        rewrite: impl FnOnce(&mut serde_json::Value) -> bool,
     ) -> Result<Step, StepError> {
         let mut payload = self.to_stored()?;
-        rewrite(&mut payload);
+        if !rewrite(&mut payload) {
+            return Ok(self.clone());
+        }
         Step::from_stored(self.kind().as_str(), payload)
     }
 }
@@ -777,6 +780,34 @@ mod tests {
             identity: None,
             nul_replaced: false,
         })
+    }
+
+    #[test]
+    fn a_rewrite_is_read_back_into_the_step_only_when_it_changed_something() {
+        let step = turn(&["c1"]);
+        let unchanged = step.rewritten(|_| false).expect("the step as it was");
+        assert_eq!(unchanged.to_stored().ok(), step.to_stored().ok());
+        let changed = step
+            .rewritten(|payload| {
+                let arguments = payload
+                    .pointer_mut("/message/tool_calls/0/arguments/to")
+                    .expect("the call's argument");
+                *arguments = json!("[REDACTED]");
+                true
+            })
+            .expect("the step rewritten");
+        let Step::ModelTurn(changed) = changed else {
+            panic!("a model turn")
+        };
+        assert_eq!(
+            changed.message.tool_calls[0].arguments,
+            json!({"to": "[REDACTED]"})
+        );
+        let refused = step.rewritten(|payload| {
+            *payload = json!({"kind": "not a step"});
+            true
+        });
+        assert!(refused.is_err(), "{refused:?}");
     }
 
     fn decided(id: &str, decision: Verdict) -> Step {

@@ -210,8 +210,9 @@ pub(crate) fn as_recorded(step: Step, redactor: &Redactor) -> Result<Step, Engin
     let mut replaced = false;
     let mut step = step
         .rewritten(|payload| {
-            redactor.redact_json(payload);
+            let redacted = redactor.redact_json(payload);
             replaced = wor_core::text::replace_nul_in_json(payload);
+            redacted || replaced
         })
         .map_err(|e| EngineError::InvalidState(e.to_string()))?;
     if replaced {

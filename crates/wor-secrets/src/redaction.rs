@@ -230,9 +230,10 @@ impl Redactor {
 
     /// Redacts every string in `value` in place: string values at any depth and object keys.
     ///
-    /// Keys that redact to the same text collapse into one entry (the last one wins).
-    pub fn redact_json(&self, value: &mut serde_json::Value) {
-        redact_json_with(value, &|text| self.redact(text));
+    /// Keys that redact to the same text collapse into one entry (the last one wins). Returns
+    /// whether anything was redacted: `false` only when no string or key changed.
+    pub fn redact_json(&self, value: &mut serde_json::Value) -> bool {
+        redact_json_with(value, &|text| self.redact(text))
     }
 }
 
@@ -244,23 +245,29 @@ pub fn redact_shapes(text: &str) -> Cow<'_, str> {
 }
 
 /// Redacts secret shapes only (no live secrets) from every string in `value` in place, as
-/// [`Redactor::redact_json`] does with a project's secrets.
-pub fn redact_shapes_json(value: &mut serde_json::Value) {
-    redact_json_with(value, &redact_shapes);
+/// [`Redactor::redact_json`] does with a project's secrets, and says whether anything was.
+pub fn redact_shapes_json(value: &mut serde_json::Value) -> bool {
+    redact_json_with(value, &redact_shapes)
 }
 
-fn redact_json_with(value: &mut serde_json::Value, redact: &dyn Fn(&str) -> Cow<'_, str>) {
+/// Replaces each string and key of `value` that `redact` gives anew; whether any was.
+fn redact_json_with(value: &mut serde_json::Value, redact: &dyn Fn(&str) -> Cow<'_, str>) -> bool {
     use serde_json::Value;
     match value {
-        Value::String(text) => {
-            if let Cow::Owned(redacted) = redact(text) {
+        Value::String(text) => match redact(text) {
+            Cow::Owned(redacted) => {
                 *text = redacted;
+                true
             }
-        }
+            Cow::Borrowed(_) => false,
+        },
         Value::Array(items) => {
+            // Every item is redacted: no shortcut once one has changed.
+            let mut changed = false;
             for item in items {
-                redact_json_with(item, redact);
+                changed |= redact_json_with(item, redact);
             }
+            changed
         }
         Value::Object(map) => {
             let keys_change = map.keys().any(|k| matches!(redact(k), Cow::Owned(_)));
@@ -270,13 +277,16 @@ fn redact_json_with(value: &mut serde_json::Value, redact: &dyn Fn(&str) -> Cow<
                     redact_json_with(&mut item, redact);
                     map.insert(redact(&key).into_owned(), item);
                 }
+                true
             } else {
+                let mut changed = false;
                 for item in map.values_mut() {
-                    redact_json_with(item, redact);
+                    changed |= redact_json_with(item, redact);
                 }
+                changed
             }
         }
-        Value::Null | Value::Bool(_) | Value::Number(_) => {}
+        Value::Null | Value::Bool(_) | Value::Number(_) => false,
     }
 }
 

@@ -813,7 +813,9 @@ impl Chain {
                 // The stored payload has secret shapes redacted from every string and key.
                 // Live secrets are not known here yet; when connections hold secrets, their
                 // redactor joins this one.
-                let entry = event.into_entry(seq, at, prev, redact_shapes_json);
+                let entry = event.into_entry(seq, at, prev, |payload| {
+                    redact_shapes_json(payload);
+                });
                 prev = entry.hash.clone();
                 if let Some(slot) = receipts.get_mut(index) {
                     *slot = Some(AuditReceipt {

@@ -540,7 +540,7 @@ fn json_strings_and_keys_are_redacted() {
         LIVE: "key was a secret",
         "jwt": "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U",
     });
-    redactor.redact_json(&mut value);
+    assert!(redactor.redact_json(&mut value), "it says it redacted");
     let rendered = value.to_string();
     assert!(!rendered.contains(LIVE), "{rendered}");
     assert!(!rendered.contains("dozjgNryP4J3"), "{rendered}");
@@ -846,4 +846,31 @@ fn a_stream_sets_up_its_shape_probe_only_when_text_arrives() {
     let empty = redactor.stream();
     assert!(!empty.probing());
     assert_eq!(empty.finish(), "");
+}
+
+#[test]
+fn redacting_json_says_whether_anything_changed() {
+    let redactor = Redactor::new([LIVE]).unwrap();
+    let mut clean = serde_json::json!({"ok": ["fine", 1, {"still": "fine"}]});
+    let before = clean.clone();
+    assert!(!redactor.redact_json(&mut clean));
+    assert_eq!(clean, before);
+    // A change anywhere, however deep and whatever comes after it, is reported.
+    for mut value in [
+        serde_json::json!([format!("{LIVE}"), "fine"]),
+        serde_json::json!(["fine", {"a": [{"b": format!("x{LIVE}")}]}, "fine"]),
+        serde_json::json!({ LIVE: "a key" }),
+        serde_json::json!({"shape": "ghp_0123456789abcdefghijklmnopqrstuvwxyz"}),
+    ] {
+        let before = value.clone();
+        assert!(redactor.redact_json(&mut value), "{before}");
+        assert_ne!(value, before);
+    }
+    // Each string is redacted, not only the first that changes.
+    let mut twice = serde_json::json!([LIVE, {"a": LIVE, "b": LIVE}, LIVE]);
+    assert!(redactor.redact_json(&mut twice));
+    assert!(!twice.to_string().contains(LIVE), "{twice}");
+    let mut shaped = serde_json::json!(["ghp_0123456789abcdefghijklmnopqrstuvwxyz"]);
+    assert!(super::redact_shapes_json(&mut shaped));
+    assert!(!super::redact_shapes_json(&mut serde_json::json!(["fine"])));
 }
