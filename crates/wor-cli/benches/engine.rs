@@ -381,7 +381,7 @@ async fn figure_observed(backend: &str, base: &Option<String>) {
 }
 
 async fn figure_throughput(backend: &str, base: &Option<String>) {
-    let at_once = env_number("WOR_BENCH_AT_ONCE", 32);
+    let at_once = env_number("WOR_BENCH_AT_ONCE", 32).max(1);
     let per_run = env_number("WOR_BENCH_CALLS_PER_RUN", 50);
     let echo = Echo::default();
     let addr = serve_echo(echo.clone()).await;

@@ -412,12 +412,12 @@ impl Step {
     /// as it was is the step itself, not read back. A rewrite that changed a string the shape
     /// depends on (a kind, an id) is refused.
     pub fn rewritten(
-        &self,
+        self,
         rewrite: impl FnOnce(&mut serde_json::Value) -> bool,
     ) -> Result<Step, StepError> {
         let mut payload = self.to_stored()?;
         if !rewrite(&mut payload) {
-            return Ok(self.clone());
+            return Ok(self);
         }
         Step::from_stored(self.kind().as_str(), payload)
     }
@@ -784,10 +784,22 @@ mod tests {
 
     #[test]
     fn a_rewrite_is_read_back_into_the_step_only_when_it_changed_something() {
-        let step = turn(&["c1"]);
-        let unchanged = step.rewritten(|_| false).expect("the step as it was");
-        assert_eq!(unchanged.to_stored().ok(), step.to_stored().ok());
+        // A stop reason read back from its stored form becomes the named one it spells: a
+        // step left as it was keeps the one it had.
+        let mut step = turn(&["c1"]);
+        if let Step::ModelTurn(turn) = &mut step {
+            turn.stop_reason = StopReason::Other("tool_use".to_owned());
+        }
+        let Step::ModelTurn(unchanged) = step.clone().rewritten(|_| false).expect("the step")
+        else {
+            panic!("a model turn")
+        };
+        assert_eq!(
+            unchanged.stop_reason,
+            StopReason::Other("tool_use".to_owned())
+        );
         let changed = step
+            .clone()
             .rewritten(|payload| {
                 let arguments = payload
                     .pointer_mut("/message/tool_calls/0/arguments/to")
@@ -803,6 +815,7 @@ mod tests {
             changed.message.tool_calls[0].arguments,
             json!({"to": "[REDACTED]"})
         );
+        assert_eq!(changed.stop_reason, StopReason::ToolUse);
         let refused = step.rewritten(|payload| {
             *payload = json!({"kind": "not a step"});
             true

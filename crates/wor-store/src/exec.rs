@@ -402,10 +402,11 @@ struct Numbered {
     count: usize,
 }
 
-/// Rewrites each `$N` of `sql` outside its string literals and quoted names as `?N`, and
-/// checks that the placeholders are exactly `$1` to `$count`, each used at least once: a
-/// number skipped, written with a leading zero or past SQLite's bound, or a placeholder of
-/// another kind, is refused.
+/// Rewrites each `$N` of `sql` outside its string literals (`'…'`) and quoted names (`"…"`)
+/// as `?N`, and checks that the placeholders are exactly `$1` to `$count`, each used at least
+/// once: a number skipped, written with a leading zero or past SQLite's bound, run into a
+/// name (`$1abc`), or a placeholder of another kind, is refused. So is a comment or a name
+/// quoted with backticks or brackets, whose contents the rewrite does not read as SQLite does.
 fn numbered_placeholders(sql: &str) -> Result<Numbered, StoreError> {
     /// The most placeholders a statement may have (SQLite's default bound).
     const MOST: usize = 32_766;
@@ -431,6 +432,13 @@ fn numbered_placeholders(sql: &str) -> Result<Numbered, StoreError> {
                 while let Some((digit, _)) = chars.next_if(|(_, d)| d.is_ascii_digit()) {
                     end = digit + 1;
                 }
+                // `$1abc` is one name to SQLite, where `?1abc` would be `?1` named `abc`.
+                if chars
+                    .peek()
+                    .is_some_and(|(_, next)| next.is_alphanumeric() || "_$:(".contains(*next))
+                {
+                    return refuse(format!("a placeholder run into a name at byte {at}"));
+                }
                 let number = sql.get(at + 1..end).unwrap_or_default();
                 let Some(n) = number
                     .parse::<usize>()
@@ -454,6 +462,16 @@ fn numbered_placeholders(sql: &str) -> Result<Numbered, StoreError> {
             }
             '?' | ':' | '@' => {
                 return refuse(format!("a placeholder that is not `$N` at byte {at}"));
+            }
+            // What these open (comments, names quoted SQLite's other ways) is not scanned for
+            // its quotes: a statement that has one is refused rather than misread.
+            '`' | '[' => return refuse(format!("a quoted name not in `\"` at byte {at}")),
+            '-' | '/'
+                if chars.peek().is_some_and(|(_, next)| {
+                    (c, *next) == ('-', '-') || (c, *next) == ('/', '*')
+                }) =>
+            {
+                return refuse(format!("a comment at byte {at}"));
             }
             _ => {}
         }
@@ -583,6 +601,15 @@ mod tests {
             ("SELECT $ AS a", 1),
             ("SELECT $1 AS a, $32767 AS b", 2),
             ("SELECT 'a $1 AS a", 1),
+            ("SELECT $1 AS a, ?1 AS b", 1),
+            ("SELECT $1 AS a, $01 AS b", 1),
+            ("SELECT $1abc", 1),
+            // Quotes inside these comments pair up so that `'$1'` would be read as outside a
+            // literal: only the refusal of comments stops them.
+            ("SELECT $1 -- don't\n, '$1' -- it's\n", 1),
+            ("SELECT $1 /* don't */, '$1' /* it's */", 1),
+            ("SELECT $1 AS [a$1]", 1),
+            ("SELECT $1 AS `a$1`", 1),
         ] {
             let params = (0..values).map(Param::Int).collect();
             let refused = writer.fetch_all(sql, params).await;
