@@ -460,7 +460,9 @@ impl Store {
     /// last `idle_ms`. Using it refreshes its idle clock once the clock is a minute old (or a
     /// tenth of `idle_ms`, when that is shorter): a session in steady use is written on one
     /// request a minute, not on every one, and ends after between nine tenths of `idle_ms` and
-    /// all of it unused.
+    /// all of it unused. The refresh is not a condition of the answer: when the database is too
+    /// busy to take it (this process's turn to write, or SQLite's lock, not had in time), the
+    /// live session is answered all the same and a later use refreshes it.
     pub async fn console_session(
         &self,
         presented: &str,
@@ -486,14 +488,29 @@ impl Store {
         let last_seen_at: i64 = row.try_get("last_seen_at")?;
         if now.saturating_sub(last_seen_at) >= session_seen_resolution_ms(idle_ms) {
             // Never moved back by a request that read the session before another's refresh.
-            sqlx::query(
-                "UPDATE console_sessions SET last_seen_at = $1 \
-                 WHERE sha256 = $2 AND last_seen_at < $1",
-            )
-            .bind(now)
-            .bind(&digest)
-            .execute(&*self.write_pool().await?)
-            .await?;
+            let refreshed = async {
+                sqlx::query(
+                    "UPDATE console_sessions SET last_seen_at = $1 \
+                     WHERE sha256 = $2 AND last_seen_at < $1",
+                )
+                .bind(now)
+                .bind(&digest)
+                .execute(&*self.write_pool().await?)
+                .await?;
+                Ok::<(), StoreError>(())
+            };
+            match refreshed.await {
+                Ok(()) => {}
+                Err(err)
+                    if matches!(err, StoreError::WriteTurnTimedOut) || crate::is_busy(&err) =>
+                {
+                    tracing::warn!(
+                        category = "store",
+                        "a console session's idle clock was not refreshed: the database was busy"
+                    );
+                }
+                Err(err) => return Err(err),
+            }
         }
         let id: String = row.try_get("id")?;
         let project_id: String = row.try_get("project_id")?;

@@ -1476,6 +1476,61 @@ async fn a_session_in_steady_use_is_written_down_once_its_idle_clock_is_a_tenth_
 }
 
 #[tokio::test]
+async fn a_live_session_is_answered_when_its_refresh_cannot_get_the_turn_to_write() {
+    let db = TestDatabase::new().await.unwrap();
+    let p = db
+        .store
+        .create_project(&TestDatabase::unique_name("p"), "alice")
+        .await
+        .unwrap();
+    let project = p.project.id;
+    let idle_ms = 600_000;
+    let session = db
+        .store
+        .create_console_session(project, p.owner.id, 3_600_000, &Default::default())
+        .await
+        .unwrap();
+    // Last recorded two minutes ago: the next use refreshes it.
+    let two_minutes_ago = wor_store::now_millis() - 120_000;
+    sqlx::query("UPDATE console_sessions SET last_seen_at = $1 WHERE project_id = $2")
+        .bind(two_minutes_ago)
+        .bind(project.to_string())
+        .execute(db.store.pool())
+        .await
+        .unwrap();
+    let last_seen = async || {
+        db.store
+            .list_console_sessions(project, Some(p.owner.id), idle_ms)
+            .await
+            .unwrap()[0]
+            .last_seen_at
+    };
+    let held = wor_store::testing::hold_write_turn(&db.store)
+        .await
+        .unwrap();
+    let used = db
+        .store
+        .console_session(session.expose(), idle_ms)
+        .await
+        .expect("a live session is answered, refreshed or not");
+    assert!(used.is_some(), "the session is live");
+    if held.is_some() {
+        // SQLite: the refresh waited for the turn as long as any write does, then gave way.
+        assert_eq!(last_seen().await, two_minutes_ago);
+        drop(held);
+        assert!(
+            db.store
+                .console_session(session.expose(), idle_ms)
+                .await
+                .unwrap()
+                .is_some()
+        );
+    }
+    // With the turn free (PostgreSQL has none to hold), the use is written down.
+    assert!(last_seen().await > two_minutes_ago);
+}
+
+#[tokio::test]
 async fn a_demoted_members_keys_act_with_their_new_role_and_a_changer_is_read_as_they_are_now() {
     let db = TestDatabase::new().await.unwrap();
     let p = db
