@@ -221,11 +221,16 @@ impl Store {
         };
         let now = now_millis();
         if last_used_at.is_none_or(|t| now - t >= LAST_USED_RESOLUTION_MS) {
-            sqlx::query("UPDATE api_keys SET last_used_at = $1 WHERE id = $2")
-                .bind(now)
-                .bind(&id)
-                .execute(&*self.write_pool().await?)
-                .await?;
+            // The key is live whether or not its use is written down now: a later use does it.
+            self.write_if_not_busy("api_key.last_used_at", async {
+                sqlx::query("UPDATE api_keys SET last_used_at = $1 WHERE id = $2")
+                    .bind(now)
+                    .bind(&id)
+                    .execute(&*self.write_pool().await?)
+                    .await?;
+                Ok(())
+            })
+            .await?;
         }
         Ok(Some(key))
     }

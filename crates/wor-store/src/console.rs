@@ -488,7 +488,7 @@ impl Store {
         let last_seen_at: i64 = row.try_get("last_seen_at")?;
         if now.saturating_sub(last_seen_at) >= session_seen_resolution_ms(idle_ms) {
             // Never moved back by a request that read the session before another's refresh.
-            let refreshed = async {
+            self.write_if_not_busy("console_session.last_seen_at", async {
                 sqlx::query(
                     "UPDATE console_sessions SET last_seen_at = $1 \
                      WHERE sha256 = $2 AND last_seen_at < $1",
@@ -497,20 +497,9 @@ impl Store {
                 .bind(&digest)
                 .execute(&*self.write_pool().await?)
                 .await?;
-                Ok::<(), StoreError>(())
-            };
-            match refreshed.await {
-                Ok(()) => {}
-                Err(err)
-                    if matches!(err, StoreError::WriteTurnTimedOut) || crate::is_busy(&err) =>
-                {
-                    tracing::warn!(
-                        category = "store",
-                        "a console session's idle clock was not refreshed: the database was busy"
-                    );
-                }
-                Err(err) => return Err(err),
-            }
+                Ok(())
+            })
+            .await?;
         }
         let id: String = row.try_get("id")?;
         let project_id: String = row.try_get("project_id")?;

@@ -399,6 +399,28 @@ impl Store {
         })
     }
 
+    /// Runs `write`, a write no answer depends on (a key's or a session's last use, kept to
+    /// the minute), and gives it up with a warning naming `what` when the database is too busy
+    /// to take it: this process's turn to write, or SQLite's lock, not had in time. Any other
+    /// failure is returned.
+    pub(crate) async fn write_if_not_busy(
+        &self,
+        what: &'static str,
+        write: impl Future<Output = Result<(), StoreError>>,
+    ) -> Result<(), StoreError> {
+        match write.await {
+            Err(err) if matches!(err, StoreError::WriteTurnTimedOut) || is_busy(&err) => {
+                tracing::warn!(
+                    category = "store",
+                    what,
+                    "a write no answer depends on was given up: the database was busy"
+                );
+                Ok(())
+            }
+            other => other,
+        }
+    }
+
     /// Waits for this process's turn to write, on SQLite (see `Store::write_turn`). A wait
     /// longer than SQLite's own `busy_timeout` fails as busy, as waiting for its lock would:
     /// a task that asked for a second write while holding the first never hangs.

@@ -1531,6 +1531,45 @@ async fn a_live_session_is_answered_when_its_refresh_cannot_get_the_turn_to_writ
 }
 
 #[tokio::test]
+async fn a_live_key_authenticates_when_its_last_use_cannot_get_the_turn_to_write() {
+    let db = TestDatabase::new().await.unwrap();
+    let p = db
+        .store
+        .create_project(&TestDatabase::unique_name("p"), "alice")
+        .await
+        .unwrap();
+    let project = p.project.id;
+    let last_used = async || db.store.list_api_keys(project).await.unwrap()[0].last_used_at;
+    assert_eq!(last_used().await, None, "a new key was never used");
+    let held = wor_store::testing::hold_write_turn(&db.store)
+        .await
+        .unwrap();
+    let key = db
+        .store
+        .authenticate_api_key(p.owner_key.expose())
+        .await
+        .expect("a live key authenticates, its use written down or not");
+    assert_eq!(key.map(|k| k.project_id), Some(project));
+    if held.is_some() {
+        // SQLite: the write of its use waited for the turn as long as any write does, then
+        // gave way.
+        assert_eq!(last_used().await, None);
+        drop(held);
+        assert!(
+            db.store
+                .authenticate_api_key(p.owner_key.expose())
+                .await
+                .unwrap()
+                .is_some()
+        );
+    }
+    assert!(
+        last_used().await.is_some(),
+        "a use with the turn free is written down"
+    );
+}
+
+#[tokio::test]
 async fn a_demoted_members_keys_act_with_their_new_role_and_a_changer_is_read_as_they_are_now() {
     let db = TestDatabase::new().await.unwrap();
     let p = db
