@@ -962,7 +962,7 @@ async fn insert_entries(tx: &mut impl Exec, entries: &[AuditEntry]) -> Result<()
     const VALUES: usize = 12;
     let sql = format!(
         "INSERT INTO audit_entries ({ENTRY_COLUMNS}) VALUES {}",
-        crate::value_rows(entries.len(), VALUES)
+        crate::value_rows(1, entries.len(), VALUES)
     );
     let mut params = Vec::with_capacity(entries.len() * VALUES);
     for entry in entries {

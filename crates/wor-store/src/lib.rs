@@ -504,23 +504,35 @@ pub(crate) fn limit_clause(n: u64) -> String {
     format!("LIMIT {}", i64::try_from(n).unwrap_or(i64::MAX))
 }
 
+/// `count` placeholders numbered from `$first`, comma-separated: `$2, $3, $4` for three from
+/// `$2`; for an `IN` list.
+pub(crate) fn placeholders(first: usize, count: usize) -> String {
+    let mut text = String::with_capacity(count * 5);
+    push_placeholders(&mut text, first, count);
+    text
+}
+
 /// The placeholders of a multi-row `VALUES` list: `rows` rows of `per_row` values each,
-/// numbered from `$1`: `($1, $2), ($3, $4)` for two rows of two.
-pub(crate) fn value_rows(rows: usize, per_row: usize) -> String {
-    use std::fmt::Write as _;
-    let mut text = String::with_capacity(rows * per_row * 6);
+/// numbered from `$first`: `($1, $2), ($3, $4)` for two rows of two from `$1`.
+pub(crate) fn value_rows(first: usize, rows: usize, per_row: usize) -> String {
+    let mut text = String::with_capacity(rows * (per_row * 6 + 4));
     for row in 0..rows {
         text.push_str(if row == 0 { "(" } else { ", (" });
-        for column in 0..per_row {
-            if column > 0 {
-                text.push_str(", ");
-            }
-            // Writing to a `String` cannot fail.
-            let _ = write!(text, "${}", row * per_row + column + 1);
-        }
+        push_placeholders(&mut text, first + row * per_row, per_row);
         text.push(')');
     }
     text
+}
+
+fn push_placeholders(text: &mut String, first: usize, count: usize) {
+    use std::fmt::Write as _;
+    for n in first..first + count {
+        if n > first {
+            text.push_str(", ");
+        }
+        // Writing to a `String` cannot fail.
+        let _ = write!(text, "${n}");
+    }
 }
 
 /// The `busy_timeout` of [`SQLITE_CONNECTION_SETTINGS`].
@@ -709,9 +721,12 @@ fn conflict_or(err: sqlx::Error, message: impl FnOnce() -> String) -> StoreError
 #[cfg(test)]
 mod tests {
     #[test]
-    fn value_rows_number_every_value_once_row_by_row() {
-        assert_eq!(super::value_rows(1, 1), "($1)");
-        assert_eq!(super::value_rows(2, 3), "($1, $2, $3), ($4, $5, $6)");
-        assert_eq!(super::value_rows(0, 3), "");
+    fn placeholders_number_every_value_once_row_by_row() {
+        assert_eq!(super::value_rows(1, 1, 1), "($1)");
+        assert_eq!(super::value_rows(1, 2, 3), "($1, $2, $3), ($4, $5, $6)");
+        assert_eq!(super::value_rows(2, 2, 3), "($2, $3, $4), ($5, $6, $7)");
+        assert_eq!(super::value_rows(1, 0, 3), "");
+        assert_eq!(super::placeholders(1, 1), "$1");
+        assert_eq!(super::placeholders(2, 3), "$2, $3, $4");
     }
 }

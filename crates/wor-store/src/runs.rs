@@ -475,12 +475,11 @@ impl Store {
         const PER_STATEMENT: usize = 200;
         let mut counts = std::collections::HashMap::new();
         for chunk in routines.chunks(PER_STATEMENT) {
-            let places: Vec<String> = (1..=chunk.len()).map(|n| format!("${n}")).collect();
             let sql = format!(
                 "SELECT routine_id, project_id, COUNT(*) AS n FROM runs WHERE routine_id IN ({}) \
                  AND status IN ('queued', 'running', 'waiting_for_approval') \
                  GROUP BY routine_id, project_id",
-                places.join(", ")
+                crate::placeholders(1, chunk.len())
             );
             let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
             for (_, routine) in chunk {
@@ -752,10 +751,9 @@ impl Store {
         }
         // Read back in the transaction, in one statement (at most `CLAIM_CANDIDATES_MAX`
         // runs), so no claim is committed that is not returned.
-        let places: Vec<String> = (1..=claimed.len()).map(|n| format!("${n}")).collect();
         let mut query = sqlx::query(sqlx::AssertSqlSafe(format!(
             "SELECT {COLUMNS} FROM runs WHERE id IN ({})",
-            places.join(", ")
+            crate::placeholders(1, claimed.len())
         )));
         for (_, id) in &claimed {
             query = query.bind(id.to_string());
@@ -1146,9 +1144,11 @@ impl Store {
         const PER_STATEMENT: usize = 200;
         let mut rows = Vec::new();
         for chunk in runs.chunks(PER_STATEMENT) {
-            let places: Vec<String> = (2..chunk.len() + 2).map(|n| format!("${n}")).collect();
-            let mut query =
-                sqlx::query(sqlx::AssertSqlSafe(sql(&places.join(", ")))).bind(project.to_string());
+            let mut query = sqlx::query(sqlx::AssertSqlSafe(sql(&crate::placeholders(
+                2,
+                chunk.len(),
+            ))))
+            .bind(project.to_string());
             for run in chunk {
                 query = query.bind(run.to_string());
             }
@@ -1243,7 +1243,7 @@ async fn insert_runs(
     if starts.is_empty() {
         return Ok(Vec::new());
     }
-    let rows = crate::value_rows(starts.len(), RUN_VALUES);
+    let rows = crate::value_rows(1, starts.len(), RUN_VALUES);
     let sql = format!(
         "INSERT INTO runs (id, project_id, routine_id, routine_version, root_run_id, parent_run_id, depth, \
          status, trigger_kind, started_by, max_concurrent, outcome, created_at, updated_at, finished_at, \
@@ -1471,7 +1471,7 @@ pub(crate) async fn insert_steps(
         let sql = format!(
             "INSERT INTO run_steps (run_id, seq, project_id, kind, provenance, payload, created_at) \
              VALUES {}",
-            crate::value_rows(chunk.len(), STEP_VALUES)
+            crate::value_rows(1, chunk.len(), STEP_VALUES)
         );
         let mut params = Vec::with_capacity(chunk.len() * STEP_VALUES);
         for row in chunk {

@@ -355,18 +355,12 @@ pub(crate) async fn advance_schedules(
     if advances.is_empty() {
         return Ok(());
     }
-    let rows: Vec<String> = (0..advances.len())
-        .map(|i| {
-            let first = i * 3 + 2;
-            format!("(${first}, ${}, ${})", first + 1, first + 2)
-        })
-        .collect();
     let sql = format!(
         "UPDATE routine_schedules SET next_slot_at = CAST(v.column3 AS BIGINT), updated_at = $1 \
          FROM (VALUES {}) AS v \
          WHERE routine_schedules.routine_id = v.column1 \
          AND routine_schedules.next_slot_at = CAST(v.column2 AS BIGINT)",
-        rows.join(", ")
+        crate::value_rows(2, advances.len(), 3)
     );
     let mut query = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(now);
     for advance in advances {
