@@ -14,7 +14,7 @@ pub use ed25519_dalek::VerifyingKey;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use crate::canonical::{canonical_hash, canonical_object, sha256_hex, to_canonical_json};
+use crate::canonical::{Member, canonical_object, sha256_hex, to_canonical_json};
 use crate::{ApiKeyId, MemberId, ProjectId, RoutineId, RunId};
 
 /// The `prev_hash` of a chain's first entry.
@@ -237,18 +237,25 @@ impl AuditEvent {
         self.category
     }
 
-    /// Turns the event into the entry that follows `prev_hash` at `seq`, with `redacted` as the
-    /// stored payload (the digest is taken over the full payload first).
+    /// Turns the event into the entry that follows `prev_hash` at `seq`, and the canonical
+    /// JSON text of its payload as stored. The digest is taken over the full payload first;
+    /// `redact` then redacts the payload to be stored and says whether it replaced anything,
+    /// so that a payload left as it was is written as canonical text once, not three times.
     pub fn into_entry(
         self,
         seq: i64,
         at: i64,
         prev_hash: String,
-        redact: impl FnOnce(&mut Value),
-    ) -> AuditEntry {
-        let payload_digest = canonical_hash(&self.payload);
+        redact: impl FnOnce(&mut Value) -> bool,
+    ) -> (AuditEntry, String) {
+        let full = to_canonical_json(&self.payload);
+        let payload_digest = sha256_hex(full.as_bytes());
         let mut payload = self.payload;
-        redact(&mut payload);
+        let stored = if redact(&mut payload) {
+            to_canonical_json(&payload)
+        } else {
+            full
+        };
         let mut entry = AuditEntry {
             project_id: self.project_id,
             seq,
@@ -263,8 +270,12 @@ impl AuditEvent {
             prev_hash,
             hash: String::new(),
         };
-        entry.hash = entry.compute_hash();
-        entry
+        entry.hash = sha256_hex(
+            entry
+                .body_with_payload(Member::Canonical(&stored))
+                .as_bytes(),
+        );
+        (entry, stored)
     }
 }
 
@@ -294,6 +305,12 @@ impl AuditEntry {
     /// The canonical JSON text the entry's hash is taken over: every field but `hash`, plus
     /// `format`.
     pub fn canonical_body(&self) -> String {
+        self.body_with_payload(Member::Json(&self.payload))
+    }
+
+    /// [`AuditEntry::canonical_body`] with the payload given as a value or as its canonical
+    /// text.
+    fn body_with_payload(&self, payload: Member<'_>) -> String {
         // The small fields are built into a value; the payload, which may be a tool's whole
         // result, is borrowed.
         let head = json!({
@@ -309,12 +326,12 @@ impl AuditEntry {
             "payload_digest": self.payload_digest,
             "prev_hash": self.prev_hash,
         });
-        let mut members: Vec<(&str, &Value)> = head
+        let mut members: Vec<(&str, Member<'_>)> = head
             .as_object()
             .into_iter()
             .flatten()
-            .map(|(name, value)| (name.as_str(), value))
-            .chain([("payload", &self.payload)])
+            .map(|(name, value)| (name.as_str(), Member::Json(value)))
+            .chain([("payload", payload)])
             .collect();
         canonical_object(&mut members)
     }

@@ -18,10 +18,19 @@ pub fn to_canonical_json(value: &Value) -> String {
     into_text(out)
 }
 
+/// The value of one member given to [`canonical_object`].
+#[derive(Debug, Clone, Copy)]
+pub enum Member<'a> {
+    /// A value, written in canonical form.
+    Json(&'a Value),
+    /// The canonical text of a value (as [`to_canonical_json`] wrote it), written as it is.
+    Canonical(&'a str),
+}
+
 /// The canonical JSON text of an object given as its members, borrowed: the same text as
 /// [`to_canonical_json`] of the object they make, without copying them into one. A name given
 /// twice is written twice (no JSON object has that); callers name each member once.
-pub fn canonical_object(members: &mut [(&str, &Value)]) -> String {
+pub fn canonical_object(members: &mut [(&str, Member<'_>)]) -> String {
     let mut out = Vec::new();
     write_members(&mut out, members);
     into_text(out)
@@ -71,8 +80,10 @@ fn into_text(bytes: Vec<u8>) -> String {
 fn write_value(out: &mut impl Sink, value: &Value) {
     match value {
         Value::Object(map) => {
-            let mut members: Vec<(&str, &Value)> =
-                map.iter().map(|(name, val)| (name.as_str(), val)).collect();
+            let mut members: Vec<(&str, Member<'_>)> = map
+                .iter()
+                .map(|(name, val)| (name.as_str(), Member::Json(val)))
+                .collect();
             write_members(out, &mut members);
         }
         Value::Array(items) => {
@@ -89,16 +100,19 @@ fn write_value(out: &mut impl Sink, value: &Value) {
     }
 }
 
-fn write_members(out: &mut impl Sink, members: &mut [(&str, &Value)]) {
+fn write_members(out: &mut impl Sink, members: &mut [(&str, Member<'_>)]) {
     members.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
     put(out, b"{");
-    for (i, (name, val)) in members.iter().enumerate() {
+    for (i, (name, value)) in members.iter().enumerate() {
         if i > 0 {
             put(out, b",");
         }
         write_json(out, name);
         put(out, b":");
-        write_value(out, val);
+        match value {
+            Member::Json(value) => write_value(out, value),
+            Member::Canonical(text) => put(out, text.as_bytes()),
+        }
     }
     put(out, b"}");
 }
@@ -150,7 +164,18 @@ mod tests {
         assert_eq!(canonical_hash(&payload), sha256_hex(text.as_bytes()));
         let whole = json!({"payload": payload, "format": "f", "seq": 3});
         let (format, seq) = (json!("f"), json!(3));
-        let mut members = [("seq", &seq), ("payload", &payload), ("format", &format)];
+        let mut members = [
+            ("seq", Member::Json(&seq)),
+            ("payload", Member::Json(&payload)),
+            ("format", Member::Json(&format)),
+        ];
+        assert_eq!(canonical_object(&mut members), to_canonical_json(&whole));
+        // A member given as its canonical text is written as it is, in its place.
+        let mut members = [
+            ("seq", Member::Json(&seq)),
+            ("payload", Member::Canonical(&text)),
+            ("format", Member::Json(&format)),
+        ];
         assert_eq!(canonical_object(&mut members), to_canonical_json(&whole));
         assert_eq!(
             text,

@@ -813,9 +813,7 @@ impl Chain {
                 // The stored payload has secret shapes redacted from every string and key.
                 // Live secrets are not known here yet; when connections hold secrets, their
                 // redactor joins this one.
-                let entry = event.into_entry(seq, at, prev, |payload| {
-                    redact_shapes_json(payload);
-                });
+                let (entry, payload) = event.into_entry(seq, at, prev, redact_shapes_json);
                 prev = entry.hash.clone();
                 if let Some(slot) = receipts.get_mut(index) {
                     *slot = Some(AuditReceipt {
@@ -823,7 +821,7 @@ impl Chain {
                         hash: entry.hash.clone(),
                     });
                 }
-                entries.push(entry);
+                entries.push((entry, payload));
             }
             for chunk in entries.chunks(ENTRIES_PER_STATEMENT) {
                 insert_entries(tx, chunk).await?;
@@ -957,15 +955,18 @@ fn advisory_lock_key(project: ProjectId) -> i64 {
 /// Entries inserted by one statement (12 values each).
 const ENTRIES_PER_STATEMENT: usize = 100;
 
-/// Inserts `entries` with one statement.
-async fn insert_entries(tx: &mut impl Exec, entries: &[AuditEntry]) -> Result<(), StoreError> {
+/// Inserts `entries`, each with its payload's canonical text, with one statement.
+async fn insert_entries(
+    tx: &mut impl Exec,
+    entries: &[(AuditEntry, String)],
+) -> Result<(), StoreError> {
     const VALUES: usize = 12;
     let sql = format!(
         "INSERT INTO audit_entries ({ENTRY_COLUMNS}) VALUES {}",
         crate::value_rows(1, entries.len(), VALUES)
     );
     let mut params = Vec::with_capacity(entries.len() * VALUES);
-    for entry in entries {
+    for (entry, payload) in entries {
         let actor = serde_json::to_value(&entry.actor)
             .map_err(|e| StoreError::Corrupt(format!("audit actor: {e}")))?;
         let subjects = serde_json::to_value(&entry.subjects)
@@ -980,7 +981,7 @@ async fn insert_entries(tx: &mut impl Exec, entries: &[AuditEntry]) -> Result<()
             entry.root_run_id.map(|r| r.to_string()).into(),
             entry.parent_run_id.map(|r| r.to_string()).into(),
             entry.payload_digest.clone().into(),
-            to_canonical_json(&entry.payload).into(),
+            payload.clone().into(),
             entry.prev_hash.clone().into(),
             entry.hash.clone().into(),
         ]);

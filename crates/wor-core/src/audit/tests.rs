@@ -4,6 +4,7 @@ use ed25519_dalek::{Signer, SigningKey};
 use serde_json::json;
 
 use super::*;
+use crate::canonical::canonical_hash;
 
 fn signing_key(byte: u8) -> SigningKey {
     SigningKey::from_bytes(&[byte; 32])
@@ -33,9 +34,11 @@ fn chain(project: ProjectId, n: i64) -> Vec<AuditEntry> {
         let event = AuditEvent::new(project, AuditCategory::KeyCreate, Actor::Operator)
             .subject("key_id", ApiKeyId::new())
             .payload(json!({"name": format!("key {seq}"), "token": "sk-secret"}));
-        entries.push(event.into_entry(seq, 1_700_000_000_000 + seq, prev, |p| {
+        let (entry, _) = event.into_entry(seq, 1_700_000_000_000 + seq, prev, |p| {
             p["token"] = json!("[REDACTED]");
-        }));
+            true
+        });
+        entries.push(entry);
     }
     entries
 }
@@ -116,6 +119,28 @@ fn the_digest_covers_the_full_payload_and_the_entry_the_redacted_one() {
         canonical_hash(&json!({"name": "key 1", "token": "sk-secret"}))
     );
     assert!(!entries[0].canonical_body().contains("sk-secret"));
+}
+
+#[test]
+fn the_stored_text_is_the_canonical_payload_whether_or_not_redaction_replaced_anything() {
+    let full = json!({"z": 1, "a": "sk-secret"});
+    let event = || {
+        AuditEvent::new(ProjectId::new(), AuditCategory::KeyCreate, Actor::Operator)
+            .payload(full.clone())
+    };
+    let (kept, text) = event().into_entry(1, 1_700_000_000_000, GENESIS_HASH.to_owned(), |_| false);
+    assert_eq!(text, r#"{"a":"sk-secret","z":1}"#);
+    assert_eq!(kept.hash, kept.compute_hash());
+    assert_eq!(kept.payload_digest, canonical_hash(&full));
+
+    let (redacted, text) = event().into_entry(1, 1_700_000_000_000, GENESIS_HASH.to_owned(), |p| {
+        p["a"] = json!("[REDACTED]");
+        true
+    });
+    assert_eq!(text, r#"{"a":"[REDACTED]","z":1}"#);
+    assert_eq!(redacted.hash, redacted.compute_hash());
+    assert_eq!(redacted.payload_digest, canonical_hash(&full));
+    assert!(!redacted.canonical_body().contains("sk-secret"));
 }
 
 #[test]
@@ -288,7 +313,8 @@ fn the_encoding_is_pinned() {
     )
     .subject("member_id", "mem_0193b0c4d5e67f8091a2b3c4d5e6f70b")
     .payload(json!({"role": "viewer", "name": "pat"}))
-    .into_entry(1, 1_700_000_000_000, GENESIS_HASH.to_owned(), |_| {});
+    .into_entry(1, 1_700_000_000_000, GENESIS_HASH.to_owned(), |_| false)
+    .0;
     assert_eq!(
         entry.canonical_body(),
         concat!(
