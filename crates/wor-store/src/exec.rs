@@ -413,30 +413,37 @@ fn numbered_placeholders(sql: &str) -> Result<Numbered, StoreError> {
     let refuse = |what: String| Err(StoreError::Corrupt(format!("a statement has {what}")));
     let mut text = String::with_capacity(sql.len());
     let mut used: Vec<bool> = Vec::new();
-    let mut quote: Option<char> = None;
-    // The text up to `copied` is in `text` already.
+    let mut quote: Option<u8> = None;
+    // The text up to `copied` is in `text` already. Every byte the scan acts on is ASCII, so
+    // it reads bytes: a byte of a character beyond ASCII is never one of them.
     let mut copied = 0;
-    let mut chars = sql.char_indices().peekable();
-    while let Some((at, c)) = chars.next() {
+    let bytes = sql.as_bytes();
+    let mut at = 0;
+    while let Some(&c) = bytes.get(at) {
+        let next = bytes.get(at + 1).copied();
         if let Some(open) = quote {
             // A quote doubled inside a literal closes it and opens it again: the same state.
             if c == open {
                 quote = None;
             }
+            at += 1;
             continue;
         }
         match c {
-            '\'' | '"' => quote = Some(c),
-            '$' => {
-                let mut end = at + 1;
-                while let Some((digit, _)) = chars.next_if(|(_, d)| d.is_ascii_digit()) {
-                    end = digit + 1;
-                }
-                // `$1abc` is one name to SQLite, where `?1abc` would be `?1` named `abc`.
-                if chars
-                    .peek()
-                    .is_some_and(|(_, next)| next.is_alphanumeric() || "_$:(".contains(*next))
-                {
+            b'\'' | b'"' => quote = Some(c),
+            b'$' => {
+                let digits = bytes
+                    .get(at + 1..)
+                    .unwrap_or_default()
+                    .iter()
+                    .take_while(|d| d.is_ascii_digit())
+                    .count();
+                let end = at + 1 + digits;
+                // `$1abc` is one name to SQLite, where `?1abc` would be `?1` named `abc`; a
+                // character beyond ASCII is part of a name to SQLite too.
+                if bytes.get(end).is_some_and(|next| {
+                    next.is_ascii_alphanumeric() || !next.is_ascii() || b"_$:(".contains(next)
+                }) {
                     return refuse(format!("a placeholder run into a name at byte {at}"));
                 }
                 let number = sql.get(at + 1..end).unwrap_or_default();
@@ -459,26 +466,25 @@ fn numbered_placeholders(sql: &str) -> Result<Numbered, StoreError> {
                 text.push('?');
                 text.push_str(number);
                 copied = end;
+                at = end;
+                continue;
             }
-            '?' | ':' | '@' => {
+            b'?' | b':' | b'@' => {
                 return refuse(format!("a placeholder that is not `$N` at byte {at}"));
             }
             // What these open (comments, names quoted SQLite's other ways) is not scanned for
             // its quotes: a statement that has one is refused rather than misread.
-            '`' | '[' => return refuse(format!("a quoted name not in `\"` at byte {at}")),
-            '-' | '/'
-                if chars.peek().is_some_and(|(_, next)| {
-                    (c, *next) == ('-', '-') || (c, *next) == ('/', '*')
-                }) =>
-            {
+            b'`' | b'[' => return refuse(format!("a quoted name not in `\"` at byte {at}")),
+            b'-' | b'/' if (c, next) == (b'-', Some(b'-')) || (c, next) == (b'/', Some(b'*')) => {
                 return refuse(format!("a comment at byte {at}"));
             }
             _ => {}
         }
+        at += 1;
     }
     text.push_str(sql.get(copied..).unwrap_or_default());
     if let Some(open) = quote {
-        return refuse(format!("an unclosed `{open}`"));
+        return refuse(format!("an unclosed `{}`", char::from(open)));
     }
     if let Some(skipped) = used.iter().position(|used| !used) {
         return refuse(format!("no placeholder ${}", skipped + 1));
@@ -573,7 +579,7 @@ mod tests {
         let (_dir, mut writer) = writer();
         let rows = writer
             .fetch_all(
-                r#"SELECT '$2 it''s ?3' AS "$1", $1 AS b"#,
+                r#"SELECT '$2 it''s ?3 é' AS "$1é", $1 AS b"#,
                 vec![Param::from("one")],
             )
             .await
@@ -581,7 +587,7 @@ mod tests {
         let [row] = rows.as_slice() else {
             panic!("one row, not {}", rows.len())
         };
-        assert_eq!(row.text("$1").expect("text"), "$2 it's ?3");
+        assert_eq!(row.text("$1é").expect("text"), "$2 it's ?3 é");
         assert_eq!(row.text("b").expect("text"), "one");
     }
 
@@ -604,6 +610,7 @@ mod tests {
             ("SELECT $1 AS a, ?1 AS b", 1),
             ("SELECT $1 AS a, $01 AS b", 1),
             ("SELECT $1abc", 1),
+            ("SELECT $1é", 1),
             // Quotes inside these comments pair up so that `'$1'` would be read as outside a
             // literal: only the refusal of comments stops them.
             ("SELECT $1 -- don't\n, '$1' -- it's\n", 1),
