@@ -8,8 +8,9 @@
 //! WOR_BENCH_ONLY=call,parked WOR_BENCH_PARKED=200 cargo bench -p wor-cli --bench engine
 //! ```
 //!
-//! `WOR_BENCH_INTERVALS=PATH` writes the `call` figure's intervals, in call order and in µs, to
-//! `PATH.sqlite` (and, with `WOR_BENCH_PG_URL`, `PATH.postgres`).
+//! `WOR_BENCH_SERVER_LOG=PATH` appends every line the servers log to `PATH` (with `WOR_LOG`
+//! setting what they log). `WOR_BENCH_INTERVALS=PATH` writes the `call` figure's intervals, in
+//! call order and in µs, to `PATH.sqlite` (and, with `WOR_BENCH_PG_URL`, `PATH.postgres`).
 //!
 //! Figures (`WOR_BENCH_ONLY` picks some): `call` — added latency of a tool call through a
 //! routine (replay model, read-only echo tool on a loopback MCP server) against a direct
@@ -18,14 +19,14 @@
 //! discards) against the same server without them, the two side by side in each round;
 //! `throughput` — tool calls per second with 32 runs at once (a pool of 32), each followed,
 //! against 32 direct callers, and again with no one following the runs
-//! (`WOR_BENCH_AT_ONCE` sets another number of runs and callers); `trivial` — runs of one model turn per second with 1, 8
-//! and 32 concurrent starters, and enqueue → start; `cron` — routines whose schedule fires in
-//! the same minute, dispatch lag (a run recorded ahead of its slot counts as dispatched at the
-//! slot, when it becomes claimable) against inserting as many rows in one transaction
-//! (`WOR_BENCH_CRON_OVERLAP=skip` gives the routines an overlap policy whose slots start at
-//! their time, never ahead); `parked` —
-//! server memory per run waiting for approval, and starting a run with none and with many
-//! parked.
+//! (`WOR_BENCH_AT_ONCE` sets another number of runs and callers, `WOR_BENCH_TOOL_MS` a time
+//! the echo tool takes to answer each call, for the direct callers and the runs alike);
+//! `trivial` — runs of one model turn per second with 1, 8 and 32 concurrent starters, and
+//! enqueue → start; `cron` — routines whose schedule fires in the same minute, dispatch lag (a
+//! run recorded ahead of its slot counts as dispatched at the slot, when it becomes claimable)
+//! against inserting as many rows in one transaction (`WOR_BENCH_CRON_OVERLAP=skip` gives the
+//! routines an overlap policy whose slots start at their time, never ahead); `parked` — server
+//! memory per run waiting for approval, and starting a run with none and with many parked.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -61,6 +62,8 @@ const LOOPBACK_CONFIG: &str = "[egress]\nallowed_cidrs = [\"127.0.0.1/32\"]\n";
 struct Echo {
     calls: Arc<AtomicUsize>,
     arrivals: Arc<std::sync::Mutex<Vec<Instant>>>,
+    /// How long each call takes before it is answered: none unless a figure sets it.
+    takes: Duration,
 }
 
 impl ServerHandler for Echo {
@@ -90,6 +93,9 @@ impl ServerHandler for Echo {
         _context: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, ErrorData> {
         self.arrivals.lock().unwrap().push(Instant::now());
+        if !self.takes.is_zero() {
+            tokio::time::sleep(self.takes).await;
+        }
         let n = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
         Ok(CallToolResult::success(vec![ContentBlock::text(format!("#{n}#"))]).into())
     }
@@ -383,7 +389,11 @@ async fn figure_observed(backend: &str, base: &Option<String>) {
 async fn figure_throughput(backend: &str, base: &Option<String>) {
     let at_once = env_number("WOR_BENCH_AT_ONCE", 32).max(1);
     let per_run = env_number("WOR_BENCH_CALLS_PER_RUN", 50);
-    let echo = Echo::default();
+    let takes = env_number("WOR_BENCH_TOOL_MS", 0);
+    let echo = Echo {
+        takes: Duration::from_millis(takes as u64),
+        ..Echo::default()
+    };
     let addr = serve_echo(echo.clone()).await;
     let http = client();
     let started = Instant::now();
@@ -478,8 +488,13 @@ async fn figure_throughput(backend: &str, base: &Option<String>) {
         }
     }
     let unfollowed = expected as f64 / started.elapsed().as_secs_f64();
+    let tool = if takes == 0 {
+        String::new()
+    } else {
+        format!(", each call taking the tool {takes} ms")
+    };
     println!(
-        "{backend:<8} throughput  {at_once} at once: direct {direct_rate:.0} calls/s | through \
+        "{backend:<8} throughput  {at_once} at once{tool}: direct {direct_rate:.0} calls/s | through \
          routines {rate:.0} calls/s ({made} calls) | ratio {:.3}x | runs not followed \
          {unfollowed:.0} calls/s, ratio {:.3}x",
         rate / direct_rate,

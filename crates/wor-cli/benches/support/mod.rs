@@ -194,8 +194,20 @@ fn spawn_until(mut command: Command, ready: &str) -> (Child, String) {
     let stderr = child.stderr.take().unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
     let wanted = ready.to_owned();
+    // `WOR_BENCH_SERVER_LOG=PATH` keeps every line the servers log, appended to `PATH`.
+    let mut kept = std::env::var_os("WOR_BENCH_SERVER_LOG").map(|path| {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .unwrap_or_else(|e| panic!("WOR_BENCH_SERVER_LOG {}: {e}", path.display()))
+    });
     std::thread::spawn(move || {
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if let Some(file) = kept.as_mut() {
+                use std::io::Write as _;
+                let _ = writeln!(file, "{line}");
+            }
             if let Some(rest) = line.strip_prefix(&wanted) {
                 let _ = tx.send(rest.to_owned());
             } else if line.contains("\"level\":\"ERROR\"") {
@@ -422,10 +434,14 @@ pub fn between(run: &Value, from: &str, to: &str) -> Option<Duration> {
     (b - a).to_std().ok()
 }
 
-/// A number from the environment, or `default`.
+/// A number from the environment, or `default` when it is not set. A value that is not a
+/// whole number stops the benchmark rather than measuring something else than was asked.
 pub fn env_number(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
+    match std::env::var(name) {
+        Err(_) => default,
+        Ok(value) => value
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("{name} is a whole number, not `{value}`")),
+    }
 }
