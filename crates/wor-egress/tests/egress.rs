@@ -32,7 +32,11 @@ struct TestServer {
 }
 
 async fn serve(bind: SocketAddr, response: Option<Vec<u8>>) -> TestServer {
-    let listener = TcpListener::bind(bind).await.unwrap();
+    serve_on(TcpListener::bind(bind).await.unwrap(), response)
+}
+
+/// [`serve`] on a listener already bound.
+fn serve_on(listener: TcpListener, response: Option<Vec<u8>>) -> TestServer {
     let addr = listener.local_addr().unwrap();
     let connections = Arc::new(AtomicUsize::new(0));
     let count = Arc::clone(&connections);
@@ -288,14 +292,25 @@ async fn a_name_resolved_to_a_listed_address_works() {
 
 #[tokio::test]
 async fn a_pinned_answer_survives_rebinding() {
-    // Same port on both addresses: the server on 127.0.0.2, the canary on 127.0.0.1.
-    let server = allowed_server("pinned").await;
+    // Same port on both addresses: the server on 127.0.0.2, the canary on 127.0.0.1. A port
+    // free on the one may be another process's on the other: then another port is tried.
+    let mut pair = None;
+    for _ in 0..50 {
+        let listener = TcpListener::bind((ALLOWED_IP, 0)).await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        match TcpListener::bind(("127.0.0.1", port)).await {
+            Ok(beside) => {
+                pair = Some((listener, beside));
+                break;
+            }
+            Err(taken) if taken.kind() == std::io::ErrorKind::AddrInUse => {}
+            Err(other) => panic!("binding 127.0.0.1:{port}: {other}"),
+        }
+    }
+    let (listener, beside) = pair.expect("a port free on both 127.0.0.1 and 127.0.0.2 in 50 tries");
+    let server = serve_on(listener, Some(ok_response("pinned")));
     let port = server.addr.port();
-    let canary = serve(
-        SocketAddr::new("127.0.0.1".parse().unwrap(), port),
-        Some(ok_response("canary")),
-    )
-    .await;
+    let canary = serve_on(beside, Some(ok_response("canary")));
     let dns = Scripted {
         answers: vec![ALLOWED_IP.parse().unwrap(), "127.0.0.1".parse().unwrap()],
         calls: AtomicUsize::new(0),
