@@ -275,6 +275,10 @@ impl AuditEvent {
                 .body_with_payload(Member::Canonical(&stored))
                 .as_bytes(),
         );
+        // INVARIANT: `redact` says whether it replaced anything; one that changed the payload
+        // and said it did not would have the full payload stored and hashed. Every test build
+        // checks the stored text against the entry.
+        debug_assert_eq!(stored, to_canonical_json(&entry.payload));
         (entry, stored)
     }
 }

@@ -20,7 +20,7 @@ pub fn to_canonical_json(value: &Value) -> String {
 
 /// The value of one member given to [`canonical_object`].
 #[derive(Debug, Clone, Copy)]
-pub enum Member<'a> {
+pub(crate) enum Member<'a> {
     /// A value, written in canonical form.
     Json(&'a Value),
     /// The canonical text of a value (as [`to_canonical_json`] wrote it), written as it is.
@@ -30,7 +30,7 @@ pub enum Member<'a> {
 /// The canonical JSON text of an object given as its members, borrowed: the same text as
 /// [`to_canonical_json`] of the object they make, without copying them into one. A name given
 /// twice is written twice (no JSON object has that); callers name each member once.
-pub fn canonical_object(members: &mut [(&str, Member<'_>)]) -> String {
+pub(crate) fn canonical_object(members: &mut [(&str, Member<'_>)]) -> String {
     let mut out = Vec::new();
     write_members(&mut out, members);
     into_text(out)

@@ -823,8 +823,10 @@ impl Chain {
                 }
                 entries.push((entry, payload));
             }
-            for chunk in entries.chunks(ENTRIES_PER_STATEMENT) {
-                insert_entries(tx, chunk).await?;
+            let mut entries = entries.into_iter().peekable();
+            while entries.peek().is_some() {
+                let statement = entries.by_ref().take(ENTRIES_PER_STATEMENT).collect();
+                insert_entries(tx, statement).await?;
             }
             if seq - head.checkpoint_seq >= self.checkpoint_every {
                 self.insert_checkpoint(tx, project, seq, &prev, at).await?;
@@ -958,7 +960,7 @@ const ENTRIES_PER_STATEMENT: usize = 100;
 /// Inserts `entries`, each with its payload's canonical text, with one statement.
 async fn insert_entries(
     tx: &mut impl Exec,
-    entries: &[(AuditEntry, String)],
+    entries: Vec<(AuditEntry, String)>,
 ) -> Result<(), StoreError> {
     const VALUES: usize = 12;
     let sql = format!(
@@ -976,14 +978,14 @@ async fn insert_entries(
             entry.seq.into(),
             entry.at.into(),
             to_canonical_json(&actor).into(),
-            entry.category.clone().into(),
+            entry.category.into(),
             to_canonical_json(&subjects).into(),
             entry.root_run_id.map(|r| r.to_string()).into(),
             entry.parent_run_id.map(|r| r.to_string()).into(),
-            entry.payload_digest.clone().into(),
-            payload.clone().into(),
-            entry.prev_hash.clone().into(),
-            entry.hash.clone().into(),
+            entry.payload_digest.into(),
+            payload.into(),
+            entry.prev_hash.into(),
+            entry.hash.into(),
         ]);
     }
     tx.execute(&sql, params).await?;

@@ -405,7 +405,8 @@ struct Numbered {
 /// Rewrites each `$N` of `sql` outside its string literals (`'…'`) and quoted names (`"…"`)
 /// as `?N`, and checks that the placeholders are exactly `$1` to `$count`, each used at least
 /// once: a number skipped, written with a leading zero or past SQLite's bound, run into a
-/// name (`$1abc`), or a placeholder of another kind, is refused. So is a comment or a name
+/// name (`$1abc`, or any character beyond ASCII, which SQLite reads as part of a name), or a
+/// placeholder of another kind, is refused. So is a comment or a name
 /// quoted with backticks or brackets, whose contents the rewrite does not read as SQLite does.
 fn numbered_placeholders(sql: &str) -> Result<Numbered, StoreError> {
     /// The most placeholders a statement may have (SQLite's default bound).
@@ -610,7 +611,7 @@ mod tests {
             ("SELECT $1 AS a, ?1 AS b", 1),
             ("SELECT $1 AS a, $01 AS b", 1),
             ("SELECT $1abc", 1),
-            ("SELECT $1é", 1),
+            ("SELECT $1—", 1),
             // Quotes inside these comments pair up so that `'$1'` would be read as outside a
             // literal: only the refusal of comments stops them.
             ("SELECT $1 -- don't\n, '$1' -- it's\n", 1),
