@@ -8,8 +8,8 @@
 //! WOR_BENCH_ONLY=call,parked WOR_BENCH_PARKED=200 cargo bench -p wor-cli --bench engine
 //! ```
 //!
-//! `WOR_BENCH_SERVER_LOG=PATH` appends every line the servers log to `PATH` (with `WOR_LOG`
-//! setting what they log). `WOR_BENCH_INTERVALS=PATH` writes the `call` figure's intervals, in
+//! `WOR_BENCH_SERVER_LOG=PATH` appends every line the servers log to `PATH` (at `warn`, or at
+//! the level `WOR_LOG` sets). `WOR_BENCH_INTERVALS=PATH` writes the `call` figure's intervals, in
 //! call order and in µs, to `PATH.sqlite` (and, with `WOR_BENCH_PG_URL`, `PATH.postgres`).
 //!
 //! Figures (`WOR_BENCH_ONLY` picks some): `call` — added latency of a tool call through a

@@ -7,12 +7,14 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-/// The `wor` binary of this build, with a clean environment.
+/// The `wor` binary of this build, with a clean environment: logging at `warn`, or at the
+/// bench's own `WOR_LOG` when it is set.
 pub fn wor() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_wor"));
+    let log = std::env::var("WOR_LOG").unwrap_or_else(|_| "warn".to_owned());
     cmd.env_clear()
         .env("PATH", "/usr/bin:/bin")
-        .env("WOR_LOG", "warn");
+        .env("WOR_LOG", log);
     cmd
 }
 
@@ -206,7 +208,8 @@ fn spawn_until(mut command: Command, ready: &str) -> (Child, String) {
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {
             if let Some(file) = kept.as_mut() {
                 use std::io::Write as _;
-                let _ = writeln!(file, "{line}");
+                // One write a line: several servers append to the same file.
+                let _ = file.write_all(format!("{line}\n").as_bytes());
             }
             if let Some(rest) = line.strip_prefix(&wanted) {
                 let _ = tx.send(rest.to_owned());
@@ -434,14 +437,18 @@ pub fn between(run: &Value, from: &str, to: &str) -> Option<Duration> {
     (b - a).to_std().ok()
 }
 
-/// A number from the environment, or `default` when it is not set. A value that is not a
-/// whole number stops the benchmark rather than measuring something else than was asked.
+/// A number from the environment, or `default` when it is not set or set empty. Any other
+/// value that is not a whole number stops the benchmark rather than measuring something else
+/// than was asked.
 pub fn env_number(name: &str, default: usize) -> usize {
-    match std::env::var(name) {
-        Err(_) => default,
-        Ok(value) => value
-            .trim()
-            .parse()
-            .unwrap_or_else(|_| panic!("{name} is a whole number, not `{value}`")),
+    let Some(value) = std::env::var_os(name) else {
+        return default;
+    };
+    let text = value.to_string_lossy();
+    if text.trim().is_empty() {
+        return default;
     }
+    text.trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("{name} is a whole number, not `{text}`"))
 }
