@@ -16,8 +16,8 @@ use wor_store::{ApiKeyKind, NewApiKey, StoreError};
 
 mod support;
 use support::{
-    audit_config, claimed_run, isolated_on, key_event, model_turn, project_with_routine,
-    queued_run, signing_key,
+    audit_config, claimed_run, created_project, isolated_on, key_event, model_turn,
+    project_with_routine, queued_run, signing_key,
 };
 
 #[tokio::test]
@@ -44,11 +44,7 @@ async fn project_creation_makes_an_owner_with_a_working_key() {
 #[tokio::test]
 async fn unknown_and_revoked_keys_do_not_authenticate() {
     let db = TestDatabase::new().await.unwrap();
-    let created = db
-        .store
-        .create_project(&TestDatabase::unique_name("p"), "alice")
-        .await
-        .unwrap();
+    let created = created_project(&db.store, "p").await;
     let project = created.project.id;
     let (record, key) = db
         .store
@@ -102,11 +98,7 @@ async fn unknown_and_revoked_keys_do_not_authenticate() {
 #[tokio::test]
 async fn every_lookup_is_confined_to_its_project() {
     let db = TestDatabase::new().await.unwrap();
-    let a = db
-        .store
-        .create_project(&TestDatabase::unique_name("a"), "alice")
-        .await
-        .unwrap();
+    let a = created_project(&db.store, "a").await;
     let b = db
         .store
         .create_project(&TestDatabase::unique_name("b"), "bob")
@@ -162,11 +154,7 @@ async fn every_lookup_is_confined_to_its_project() {
 #[tokio::test]
 async fn keys_are_stored_only_as_digests() {
     let db = TestDatabase::new().await.unwrap();
-    let created = db
-        .store
-        .create_project(&TestDatabase::unique_name("p"), "alice")
-        .await
-        .unwrap();
+    let created = created_project(&db.store, "p").await;
     let key = created.owner_key.expose().to_owned();
     let rows: Vec<(String, String)> = sqlx::query_as("SELECT prefix, sha256 FROM api_keys")
         .fetch_all(db.store.pool())
@@ -209,12 +197,7 @@ use wor_core::canonical::canonical_hash;
 use wor_store::{AuditLog, Store};
 
 async fn new_project(db: &TestDatabase) -> ProjectId {
-    db.store
-        .create_project(&TestDatabase::unique_name("audit"), "alice")
-        .await
-        .unwrap()
-        .project
-        .id
+    created_project(&db.store, "audit").await.project.id
 }
 
 async fn verify(store: &Store, project: ProjectId, log: &AuditLog) -> Verification {
@@ -557,11 +540,7 @@ async fn tool_connections_are_confined_to_their_project_and_keep_their_pins() {
     use wor_store::{NewToolConnection, StoredPin, ToolConnectionStatus};
 
     let db = TestDatabase::new().await.unwrap();
-    let a = db
-        .store
-        .create_project(&TestDatabase::unique_name("a"), "alice")
-        .await
-        .unwrap();
+    let a = created_project(&db.store, "a").await;
     let b = db
         .store
         .create_project(&TestDatabase::unique_name("b"), "bob")
@@ -1237,11 +1216,7 @@ async fn owner_key(
 #[tokio::test]
 async fn the_last_owner_key_cannot_be_revoked() {
     let db = TestDatabase::new().await.unwrap();
-    let p = db
-        .store
-        .create_project(&TestDatabase::unique_name("p"), "alice")
-        .await
-        .unwrap();
+    let p = created_project(&db.store, "p").await;
     let project = p.project.id;
     let first = db.store.list_api_keys(project).await.unwrap()[0].id;
     // A service key with role owner is no person: it does not keep the project manageable.
@@ -1313,11 +1288,7 @@ async fn the_last_owner_key_cannot_be_revoked() {
 async fn two_concurrent_revocations_cannot_both_remove_the_last_owner() {
     let db = TestDatabase::new().await.unwrap();
     for _ in 0..5 {
-        let p = db
-            .store
-            .create_project(&TestDatabase::unique_name("p"), "alice")
-            .await
-            .unwrap();
+        let p = created_project(&db.store, "p").await;
         let project = p.project.id;
         let first = db.store.list_api_keys(project).await.unwrap()[0].id;
         let second = owner_key(&db, project, p.owner.id).await;
@@ -1354,11 +1325,7 @@ async fn two_concurrent_revocations_cannot_both_remove_the_last_owner() {
 async fn two_owners_demoting_themselves_at_once_leave_one_owner() {
     let db = TestDatabase::new().await.unwrap();
     for _ in 0..5 {
-        let p = db
-            .store
-            .create_project(&TestDatabase::unique_name("p"), "alice")
-            .await
-            .unwrap();
+        let p = created_project(&db.store, "p").await;
         let project = p.project.id;
         let bob = db
             .store
@@ -1402,14 +1369,20 @@ async fn two_owners_demoting_themselves_at_once_leave_one_owner() {
     }
 }
 
+/// Sets when `project`'s console sessions were last seen, as a use at `at` would have.
+async fn sessions_last_seen_at(store: &Store, project: ProjectId, at: i64) {
+    sqlx::query("UPDATE console_sessions SET last_seen_at = $1 WHERE project_id = $2")
+        .bind(at)
+        .bind(project.to_string())
+        .execute(store.pool())
+        .await
+        .unwrap();
+}
+
 #[tokio::test]
 async fn a_session_in_steady_use_is_written_down_once_its_idle_clock_is_a_tenth_of_the_limit_old() {
     let db = TestDatabase::new().await.unwrap();
-    let p = db
-        .store
-        .create_project(&TestDatabase::unique_name("p"), "alice")
-        .await
-        .unwrap();
+    let p = created_project(&db.store, "p").await;
     let (project, member) = (p.project.id, p.owner.id);
     // An idle limit of 20 s: a use is written down once the recorded one is 2 s old.
     let idle_ms = 20_000;
@@ -1418,14 +1391,7 @@ async fn a_session_in_steady_use_is_written_down_once_its_idle_clock_is_a_tenth_
         .create_console_session(project, member, 60_000, &Default::default())
         .await
         .unwrap();
-    let recorded_at = async |at: i64| {
-        sqlx::query("UPDATE console_sessions SET last_seen_at = $1 WHERE project_id = $2")
-            .bind(at)
-            .bind(project.to_string())
-            .execute(db.store.pool())
-            .await
-            .unwrap();
-    };
+    let recorded_at = async |at: i64| sessions_last_seen_at(&db.store, project, at).await;
     let last_seen = async || {
         let sessions = db
             .store
@@ -1478,11 +1444,7 @@ async fn a_session_in_steady_use_is_written_down_once_its_idle_clock_is_a_tenth_
 #[tokio::test]
 async fn a_live_session_is_answered_when_its_refresh_cannot_get_the_turn_to_write() {
     let db = TestDatabase::new().await.unwrap();
-    let p = db
-        .store
-        .create_project(&TestDatabase::unique_name("p"), "alice")
-        .await
-        .unwrap();
+    let p = created_project(&db.store, "p").await;
     let project = p.project.id;
     let idle_ms = 600_000;
     let session = db
@@ -1492,12 +1454,7 @@ async fn a_live_session_is_answered_when_its_refresh_cannot_get_the_turn_to_writ
         .unwrap();
     // Last recorded two minutes ago: the next use refreshes it.
     let two_minutes_ago = wor_store::now_millis() - 120_000;
-    sqlx::query("UPDATE console_sessions SET last_seen_at = $1 WHERE project_id = $2")
-        .bind(two_minutes_ago)
-        .bind(project.to_string())
-        .execute(db.store.pool())
-        .await
-        .unwrap();
+    sessions_last_seen_at(&db.store, project, two_minutes_ago).await;
     let last_seen = async || {
         db.store
             .list_console_sessions(project, Some(p.owner.id), idle_ms)
@@ -1533,11 +1490,7 @@ async fn a_live_session_is_answered_when_its_refresh_cannot_get_the_turn_to_writ
 #[tokio::test]
 async fn a_live_key_authenticates_when_its_last_use_cannot_get_the_turn_to_write() {
     let db = TestDatabase::new().await.unwrap();
-    let p = db
-        .store
-        .create_project(&TestDatabase::unique_name("p"), "alice")
-        .await
-        .unwrap();
+    let p = created_project(&db.store, "p").await;
     let project = p.project.id;
     let last_used = async || db.store.list_api_keys(project).await.unwrap()[0].last_used_at;
     assert_eq!(last_used().await, None, "a new key was never used");
@@ -1572,11 +1525,7 @@ async fn a_live_key_authenticates_when_its_last_use_cannot_get_the_turn_to_write
 #[tokio::test]
 async fn a_demoted_members_keys_act_with_their_new_role_and_a_changer_is_read_as_they_are_now() {
     let db = TestDatabase::new().await.unwrap();
-    let p = db
-        .store
-        .create_project(&TestDatabase::unique_name("p"), "alice")
-        .await
-        .unwrap();
+    let p = created_project(&db.store, "p").await;
     let project = p.project.id;
     let adam = db
         .store
@@ -1666,11 +1615,7 @@ async fn a_demoted_members_keys_act_with_their_new_role_and_a_changer_is_read_as
 #[tokio::test]
 async fn recovering_an_owner_makes_a_working_owner_key() {
     let db = TestDatabase::new().await.unwrap();
-    let p = db
-        .store
-        .create_project(&TestDatabase::unique_name("p"), "alice")
-        .await
-        .unwrap();
+    let p = created_project(&db.store, "p").await;
     let project = p.project.id;
     assert_eq!(
         db.store.find_project(&p.project.name).await.unwrap().id,
@@ -1741,11 +1686,7 @@ async fn many_concurrent_writers_all_succeed() {
         ApprovalAnswer, ApprovalDecision, ApprovalKind, ApprovedCall, ApprovedStart, NewApproval,
     };
     let db = TestDatabase::isolated().await.unwrap();
-    let created = db
-        .store
-        .create_project(&TestDatabase::unique_name("busy"), "alice")
-        .await
-        .unwrap();
+    let created = created_project(&db.store, "busy").await;
     let project = created.project.id;
     let key = db.store.list_api_keys(project).await.unwrap()[0].id;
     let mut tasks = Vec::new();
@@ -1898,11 +1839,7 @@ async fn an_approval_is_never_used_without_its_call_recorded_as_started() {
         NewApproval,
     };
     let db = TestDatabase::isolated().await.unwrap();
-    let created = db
-        .store
-        .create_project(&TestDatabase::unique_name("atomic"), "alice")
-        .await
-        .unwrap();
+    let created = created_project(&db.store, "atomic").await;
     let project = created.project.id;
     let key = db.store.list_api_keys(project).await.unwrap()[0].id;
     let store = &db.store;
@@ -2053,11 +1990,7 @@ async fn model_connections_keep_every_connection_provider_and_refuse_replay() {
     use wor_store::NewModelConnection;
 
     let db = TestDatabase::new().await.unwrap();
-    let created = db
-        .store
-        .create_project(&TestDatabase::unique_name("p"), "alice")
-        .await
-        .unwrap();
+    let created = created_project(&db.store, "p").await;
     let project = created.project.id;
     let new = |name: &str, provider| NewModelConnection {
         name: name.to_owned(),
@@ -2091,6 +2024,7 @@ async fn model_connections_keep_every_connection_provider_and_refuse_replay() {
 }
 
 mod oauth_authorizations {
+    use super::created_project;
     use serde_json::json;
     use wor_store::testing::TestDatabase;
     use wor_store::{ConnectionOAuthRecord, NewOAuthAuthorization, state_digest};
@@ -2100,11 +2034,7 @@ mod oauth_authorizations {
     #[tokio::test]
     async fn a_pending_authorization_is_taken_once_by_its_state_before_it_expires() {
         let db = TestDatabase::new().await.unwrap();
-        let created = db
-            .store
-            .create_project(&TestDatabase::unique_name("oauth"), "alice")
-            .await
-            .unwrap();
+        let created = created_project(&db.store, "oauth").await;
         let project = created.project.id;
         let key = db
             .store

@@ -102,6 +102,17 @@ pub fn queued_run(
     }
 }
 
+/// A new project, its name `name` made unique, owned by `alice`.
+pub async fn created_project(store: &wor_store::Store, name: &str) -> wor_store::CreatedProject {
+    store
+        .create_project(
+            &wor_store::testing::TestDatabase::unique_name(name),
+            "alice",
+        )
+        .await
+        .unwrap()
+}
+
 /// A new project (its name `name`, made unique) with one replay routine `r` that allows
 /// `max_runs` runs at once.
 pub async fn project_with_routine(
@@ -109,15 +120,7 @@ pub async fn project_with_routine(
     name: &str,
     max_runs: u64,
 ) -> (ProjectId, wor_core::RoutineId) {
-    let project = store
-        .create_project(
-            &wor_store::testing::TestDatabase::unique_name(name),
-            "alice",
-        )
-        .await
-        .unwrap()
-        .project
-        .id;
+    let project = created_project(store, name).await.project.id;
     let toml = format!(
         "name = \"r\"\ninstructions = \"x\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\n\
          script = {{ turns = [{{ text = \"hi\" }}] }}\n[concurrency]\nmax_runs = {max_runs}\n"
