@@ -350,7 +350,7 @@ impl Work for BatchWork {
         let at = now_millis();
         let mut written = Vec::with_capacity(writes.len());
         for write in writes {
-            let outcome = crate::journal::write_run(exec, &write, at).await?;
+            let outcome = crate::journal::write_run(exec, chain.backend, &write, at).await?;
             if matches!(outcome, RunWritten::Committed { .. }) {
                 events.extend(write.audit);
             }

@@ -22,7 +22,7 @@ use wor_core::{ApprovalId, ProjectId, RunId};
 
 use crate::exec::{Exec, Param};
 use crate::runs::{STEPS_PER_WRITE_STATEMENT, StepRow, insert_steps, requeue_parent, to_i64};
-use crate::{RunToken, Store, StoreError, now_millis};
+use crate::{Backend, RunToken, Store, StoreError, now_millis};
 
 /// What the worker driving a run records at one step, in one transaction.
 #[derive(Debug, Clone)]
@@ -214,7 +214,7 @@ impl Store {
     ) -> Result<bool, StoreError> {
         let write = RunWrite::new(project, run, worker, 0).end(status, outcome);
         let mut tx = self.begin_write().await?;
-        let written = write_run(&mut *tx, &write, now_millis()).await?;
+        let written = write_run(&mut *tx, self.backend, &write, now_millis()).await?;
         tx.commit().await?;
         Ok(matches!(written, RunWritten::Committed { .. }))
     }
@@ -260,6 +260,7 @@ pub enum RunWritten {
 /// when this answers [`RunWritten::Committed`].
 pub(crate) async fn write_run(
     tx: &mut impl Exec,
+    backend: Backend,
     write: &RunWrite,
     now: i64,
 ) -> Result<RunWritten, StoreError> {
@@ -320,38 +321,51 @@ pub(crate) async fn write_run(
     }
     // The run's last step number comes back with the fence, saving the writer a round trip.
     sql.push_str(
-        " RETURNING cancel_requested, \
+        " RETURNING runs.id, cancel_requested, \
          (SELECT COALESCE(MAX(s.seq), 0) FROM run_steps s WHERE s.run_id = runs.id) AS last_seq",
     );
-    let Some(row) = tx.fetch_optional(&sql, fence.values).await? else {
-        return fenced_out(tx, write).await;
-    };
-    let cancel_requested = row.int("cancel_requested")?;
-    let mut seq = row.int("last_seq")?;
     let outcome = write.end.as_ref().map(|(status, outcome)| {
         Step::Outcome(OutcomeStep {
             status: *status,
             message: outcome.clone(),
         })
     });
-    let steps = write
+    let steps: Vec<(Provenance, &Step)> = write
         .steps
         .iter()
         .map(|(provenance, step)| (*provenance, step))
-        .chain(outcome.as_ref().map(|step| (Provenance::Engine, step)));
-    let rows: Vec<StepRow<'_>> = steps
-        .map(|(provenance, step)| {
-            seq += 1;
-            StepRow {
-                run: write.run,
-                project: write.project,
-                seq,
-                provenance,
-                step,
-            }
-        })
+        .chain(outcome.as_ref().map(|step| (Provenance::Engine, step)))
         .collect();
-    insert_steps(tx, &rows, now, STEPS_PER_WRITE_STATEMENT).await?;
+    // On PostgreSQL, each statement is a round trip on the one connection every journal write
+    // of this process takes its turn on: the steps are inserted by the fence's own statement,
+    // numbered from the last step it returns, and only if it matched the run.
+    let inserted_with_fence = backend == Backend::Postgres
+        && !steps.is_empty()
+        && steps.len() <= STEPS_PER_WRITE_STATEMENT;
+    if inserted_with_fence {
+        sql = fence.with_steps(&sql, &steps, at, project)?;
+    }
+    let Some(row) = tx.fetch_optional(&sql, fence.values).await? else {
+        return fenced_out(tx, write).await;
+    };
+    let cancel_requested = row.int("cancel_requested")?;
+    if !inserted_with_fence {
+        let mut seq = row.int("last_seq")?;
+        let rows: Vec<StepRow<'_>> = steps
+            .into_iter()
+            .map(|(provenance, step)| {
+                seq += 1;
+                StepRow {
+                    run: write.run,
+                    project: write.project,
+                    seq,
+                    provenance,
+                    step,
+                }
+            })
+            .collect();
+        insert_steps(tx, &rows, now, STEPS_PER_WRITE_STATEMENT).await?;
+    }
     if let Some((digest, expires_at)) = &write.mint {
         crate::run_tokens::store(
             tx,
@@ -397,12 +411,53 @@ impl std::fmt::Display for Placeholder {
 impl Fence {
     /// The placeholder of the next value, `value`.
     fn int(&mut self, value: i64) -> Placeholder {
-        self.values.push(Param::Int(value));
-        Placeholder(self.values.len())
+        self.push(Param::Int(value))
     }
 
     fn text(&mut self, value: impl Into<String>) -> Placeholder {
-        self.values.push(Param::Text(value.into()));
+        self.push(Param::Text(value.into()))
+    }
+
+    /// The fence statement `update` (an `UPDATE runs … RETURNING runs.id, cancel_requested,
+    /// … AS last_seq`) as one PostgreSQL statement that also inserts `steps` into the run
+    /// fenced, numbered after its `last_seq`, created at `at`, in `project`; it returns what
+    /// `update` returns. When the fence matches no row, no step is inserted.
+    fn with_steps(
+        &mut self,
+        update: &str,
+        steps: &[(Provenance, &Step)],
+        at: Placeholder,
+        project: Placeholder,
+    ) -> Result<String, StoreError> {
+        let mut sql = String::with_capacity(update.len() + 320 + steps.len() * 24);
+        let _ = write!(
+            sql,
+            "WITH fenced AS ({update}), steps AS (INSERT INTO run_steps \
+             (run_id, seq, project_id, kind, provenance, payload, created_at) \
+             SELECT fenced.id, fenced.last_seq + step.n, {project}, step.kind, step.provenance, \
+             step.payload, {at} FROM fenced CROSS JOIN (VALUES "
+        );
+        for (n, (provenance, step)) in steps.iter().enumerate() {
+            let [kind, provenance, payload] = crate::runs::step_values(*provenance, step)?;
+            let (kind, provenance, payload) =
+                (self.push(kind), self.push(provenance), self.push(payload));
+            let separator = if n == 0 { "" } else { ", " };
+            let _ = write!(
+                sql,
+                "{separator}({}, {kind}, {provenance}, {payload})",
+                n + 1
+            );
+        }
+        sql.push_str(
+            ") AS step (n, kind, provenance, payload)) \
+             SELECT cancel_requested, last_seq FROM fenced",
+        );
+        Ok(sql)
+    }
+
+    /// The placeholder of the next value, `value`, of any type.
+    fn push(&mut self, value: Param) -> Placeholder {
+        self.values.push(value);
         Placeholder(self.values.len())
     }
 

@@ -595,9 +595,13 @@ impl Store {
             held.connection.execute(durability.sqlite_pragma()).await?;
             held.synchronous = Some(durability);
         }
-        let begin = match self.backend {
-            Backend::Sqlite => "BEGIN IMMEDIATE",
-            Backend::Postgres => "BEGIN",
+        // PostgreSQL takes a deferred commit's setting with its `BEGIN`: one round trip.
+        let begin = match (self.backend, durability) {
+            (Backend::Sqlite, _) => "BEGIN IMMEDIATE",
+            (Backend::Postgres, Durability::Synced) => "BEGIN",
+            (Backend::Postgres, Durability::Deferred) => {
+                "BEGIN; SET LOCAL synchronous_commit = off"
+            }
         };
         // Held until the transaction below has ended.
         let _turn = self.write_turn().await?;
@@ -608,11 +612,6 @@ impl Store {
                 Err(err) => retry.after(err.into()).await?,
             }
         };
-        if self.backend == Backend::Postgres && durability == Durability::Deferred {
-            sqlx::query("SET LOCAL synchronous_commit = off")
-                .execute(&mut *tx)
-                .await?;
-        }
         let value = body(&mut tx).await?;
         tx.commit().await?;
         Ok(value)
@@ -720,6 +719,49 @@ fn conflict_or(err: sqlx::Error, message: impl FnOnce() -> String) -> StoreError
 
 #[cfg(test)]
 mod tests {
+    use super::{Backend, Durability};
+
+    /// A write transaction runs under its durability's setting, on a connection a deferred
+    /// write held before as on a new one: PostgreSQL's `synchronous_commit` (set with the
+    /// `BEGIN`, for that transaction only), SQLite's `synchronous` (2 is `FULL`, 1 `NORMAL`).
+    #[tokio::test]
+    async fn a_write_runs_under_its_durabilitys_setting_and_leaves_none_behind() {
+        let db = crate::testing::TestDatabase::new().await.unwrap();
+        let store = &db.store;
+        let mut held = None;
+        for durability in [
+            Durability::Deferred,
+            Durability::Synced,
+            Durability::Deferred,
+            Durability::Deferred,
+            Durability::Synced,
+        ] {
+            let setting = store
+                .write_held(&mut held, durability, async |tx| {
+                    Ok(match store.backend() {
+                        Backend::Postgres => {
+                            sqlx::query_scalar::<_, String>("SHOW synchronous_commit")
+                                .fetch_one(&mut **tx)
+                                .await?
+                        }
+                        Backend::Sqlite => sqlx::query_scalar::<_, i64>("PRAGMA synchronous")
+                            .fetch_one(&mut **tx)
+                            .await?
+                            .to_string(),
+                    })
+                })
+                .await
+                .unwrap();
+            let expected = match (store.backend(), durability) {
+                (Backend::Postgres, Durability::Synced) => "on",
+                (Backend::Postgres, Durability::Deferred) => "off",
+                (Backend::Sqlite, Durability::Synced) => "2",
+                (Backend::Sqlite, Durability::Deferred) => "1",
+            };
+            assert_eq!(setting, expected, "{durability:?}");
+        }
+    }
+
     #[test]
     fn placeholders_number_every_value_once_row_by_row() {
         assert_eq!(super::value_rows(1, 1, 1), "($1)");

@@ -12,7 +12,7 @@ use wor_core::run::{Provenance, RunStatus};
 use wor_core::step::{InputStep, MemoryStep, Step};
 use wor_core::{ApiKeyId, MemberId, ProjectId, RoutineId, RunId};
 
-use crate::exec::Exec;
+use crate::exec::{Exec, Param};
 use crate::{Store, StoreError, now_millis, parse_column};
 
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -1475,23 +1475,32 @@ pub(crate) async fn insert_steps(
         );
         let mut params = Vec::with_capacity(chunk.len() * STEP_VALUES);
         for row in chunk {
-            let payload = row
-                .step
-                .to_stored_text()
-                .map_err(|e| StoreError::Corrupt(format!("a step to record: {e}")))?;
+            let [kind, provenance, payload] = step_values(row.provenance, row.step)?;
             params.extend([
                 row.run.to_string().into(),
                 row.seq.into(),
                 row.project.to_string().into(),
-                row.step.kind().as_str().into(),
-                row.provenance.as_str().into(),
-                payload.into(),
+                kind,
+                provenance,
+                payload,
                 now.into(),
             ]);
         }
         tx.execute(&sql, params).await?;
     }
     Ok(())
+}
+
+/// A step's `kind`, `provenance` and `payload` columns, as stored.
+pub(crate) fn step_values(provenance: Provenance, step: &Step) -> Result<[Param; 3], StoreError> {
+    let payload = step
+        .to_stored_text()
+        .map_err(|e| StoreError::Corrupt(format!("a step to record: {e}")))?;
+    Ok([
+        step.kind().as_str().into(),
+        provenance.as_str().into(),
+        payload.into(),
+    ])
 }
 
 fn run_from_row(row: &sqlx::any::AnyRow) -> Result<RunRecord, StoreError> {

@@ -2558,6 +2558,113 @@ async fn a_write_waiting_for_the_database_lock_leaves_its_thread_to_other_tasks(
     assert_eq!(turns, ["one", "two"]);
 }
 
+/// A run's journal write inserts its steps numbered after the run's last, its end's outcome
+/// step after them, and a write that is refused (another worker's, or one to be made only
+/// unless a cancel was requested) inserts none. On PostgreSQL the fence inserts a write's
+/// steps in its own statement, up to the most one statement takes; beyond that they follow
+/// in statements of their own.
+#[tokio::test]
+async fn a_journal_write_numbers_its_steps_after_the_runs_last_and_a_refused_one_writes_none() {
+    use wor_core::run::{Provenance, RunStatus};
+    use wor_store::{AuditLog, RunWrite, RunWritten};
+
+    let db = TestDatabase::isolated().await.unwrap();
+    let store = &db.store;
+    let (project, routine) = project_with_routine(store, "numbered", 1).await;
+    let run = claimed_run(store, project, routine, "w", 600_000).await;
+    let log = AuditLog::start(store.clone(), signing_key(11), audit_config(1_000));
+    let write = || RunWrite::new(project, run, "w", 600_000);
+    let steps = async || -> Vec<(i64, String)> {
+        store
+            .list_run_steps(project, run, 0)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|s| {
+                let text = match s.step {
+                    Step::ModelTurn(turn) => turn.message.text,
+                    Step::Outcome(outcome) => format!("outcome {}", outcome.message),
+                    other => other.kind().as_str().to_owned(),
+                };
+                (s.seq, text)
+            })
+            .collect()
+    };
+    let committed = |written: RunWritten| {
+        assert!(
+            matches!(written, RunWritten::Committed { .. }),
+            "{written:?}"
+        );
+    };
+    let before = steps().await;
+    let last = before.last().map_or(0, |(seq, _)| *seq);
+
+    committed(
+        log.record(
+            write()
+                .step(Provenance::Engine, model_turn("a"))
+                .step(Provenance::Engine, model_turn("b")),
+        )
+        .await
+        .unwrap(),
+    );
+    // A write with no step inserts none and numbers nothing.
+    committed(log.record(write()).await.unwrap());
+    assert_eq!(
+        log.record(
+            RunWrite::new(project, run, "other", 600_000).step(Provenance::Engine, model_turn("x"))
+        )
+        .await
+        .unwrap(),
+        RunWritten::LeaseLost
+    );
+    // More steps than one statement inserts.
+    let many: Vec<String> = (0..120).map(|n| format!("m{n}")).collect();
+    let mut long = write();
+    for text in &many {
+        long = long.step(Provenance::Engine, model_turn(text.as_str()));
+    }
+    committed(log.record(long).await.unwrap());
+    store.request_cancel(project, run).await.unwrap();
+    assert_eq!(
+        log.record(
+            write()
+                .step(Provenance::Engine, model_turn("y"))
+                .unless_cancelled()
+        )
+        .await
+        .unwrap(),
+        RunWritten::CancelRequested
+    );
+    committed(
+        log.record(
+            write()
+                .step(Provenance::Engine, model_turn("c"))
+                .end(RunStatus::Cancelled, "stopped"),
+        )
+        .await
+        .unwrap(),
+    );
+
+    let after = steps().await;
+    assert_eq!(after[..before.len()], before[..]);
+    let added: Vec<(i64, String)> = after[before.len()..].to_vec();
+    let expected: Vec<String> = ["a", "b"]
+        .into_iter()
+        .map(str::to_owned)
+        .chain(many)
+        .chain(["c".to_owned(), "outcome stopped".to_owned()])
+        .collect();
+    assert_eq!(
+        added,
+        expected
+            .into_iter()
+            .zip(last + 1..)
+            .map(|(text, seq)| (seq, text))
+            .collect::<Vec<_>>()
+    );
+}
+
 /// On PostgreSQL a sweep of the credentials of runs no worker drives skips one that another
 /// transaction holds rather than waiting for it (a wait could deadlock with that
 /// transaction); the next sweep ends it.
