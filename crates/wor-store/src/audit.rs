@@ -125,6 +125,7 @@ impl AuditLog {
                 checkpoint_every: config.checkpoint_every,
                 unsigned: BTreeSet::new(),
                 signed: Vec::new(),
+                locked: BTreeSet::new(),
             },
             store,
             config,
@@ -322,11 +323,19 @@ struct Chain {
     unsigned: BTreeSet<ProjectId>,
     /// Projects whose head the batch being written signed.
     signed: Vec<ProjectId>,
+    /// On PostgreSQL, the projects whose chain lock the transaction being written took with
+    /// its `BEGIN`.
+    locked: BTreeSet<ProjectId>,
 }
 
 /// What the writer does in one transaction, on whichever connection it has.
 trait Work {
     type Output;
+
+    /// The projects whose chain the work may append to or sign, in id order: on PostgreSQL
+    /// their chain locks are taken with the transaction's `BEGIN`.
+    fn chains(&self, chain: &Chain) -> BTreeSet<ProjectId>;
+
     async fn run(self, chain: &mut Chain, exec: &mut impl Exec)
     -> Result<Self::Output, StoreError>;
 }
@@ -340,6 +349,14 @@ struct BatchWork {
 
 impl Work for BatchWork {
     type Output = (Vec<AuditReceipt>, Vec<RunWritten>);
+
+    fn chains(&self, _: &Chain) -> BTreeSet<ProjectId> {
+        self.events
+            .iter()
+            .chain(self.writes.iter().flat_map(|write| &write.audit))
+            .map(AuditEvent::project_id)
+            .collect()
+    }
 
     async fn run(
         self,
@@ -367,10 +384,14 @@ struct CheckpointWork;
 impl Work for CheckpointWork {
     type Output = ();
 
+    fn chains(&self, chain: &Chain) -> BTreeSet<ProjectId> {
+        chain.unsigned.clone()
+    }
+
     async fn run(self, chain: &mut Chain, exec: &mut impl Exec) -> Result<(), StoreError> {
         let at = now_millis();
         for project in chain.unsigned.clone() {
-            let head = lock_head(exec, chain.backend, project).await?;
+            let head = lock_head(exec, chain, project).await?;
             if head.seq > head.checkpoint_seq {
                 chain
                     .insert_checkpoint(exec, project, head.seq, &head.hash, at)
@@ -763,11 +784,19 @@ impl Writer {
             Connection::Pool(held) => {
                 // The pool's write takes the turn itself.
                 drop(turn);
-                store
-                    .write_held(held, durability, async |tx| {
+                let projects = work.chains(chain);
+                let locks: Vec<i64> = match chain.backend {
+                    Backend::Postgres => projects.iter().copied().map(advisory_lock_key).collect(),
+                    Backend::Sqlite => Vec::new(),
+                };
+                chain.locked = projects;
+                let result = store
+                    .write_held(held, durability, &locks, async |tx| {
                         work.run(chain, &mut **tx).await
                     })
-                    .await
+                    .await;
+                chain.locked.clear();
+                result
             }
             Connection::Embedded(embedded) => {
                 // Held until the transaction has ended, as by every writer of the store.
@@ -805,7 +834,7 @@ impl Chain {
         self.signed.clear();
         // Projects are locked in id order, so two processes never wait on each other in a cycle.
         for (project, events) in by_project {
-            let head = lock_head(tx, self.backend, project).await?;
+            let head = lock_head(tx, self, project).await?;
             let (mut seq, mut prev) = (head.seq, head.hash);
             let mut entries = Vec::with_capacity(events.len());
             for (index, event) in events {
@@ -905,13 +934,14 @@ struct ChainHead {
     checkpoint_seq: i64,
 }
 
-/// Takes `project`'s chain lock for the rest of the transaction and reads its head.
+/// Takes `project`'s chain lock for the rest of the transaction, unless the transaction took it
+/// with its `BEGIN`, and reads its head.
 async fn lock_head(
     tx: &mut impl Exec,
-    backend: Backend,
+    chain: &Chain,
     project: ProjectId,
 ) -> Result<ChainHead, StoreError> {
-    if backend == Backend::Postgres {
+    if chain.backend == Backend::Postgres && !chain.locked.contains(&project) {
         tx.fetch_optional(
             "SELECT 1 AS locked FROM (SELECT pg_advisory_xact_lock($1)) AS l",
             vec![advisory_lock_key(project).into()],

@@ -550,13 +550,15 @@ pub(crate) struct HeldConnection {
 
 impl Store {
     /// Runs `body` in a write transaction on the connection `held` (taken from the pool and
-    /// detached from it when there is none) and commits it with `durability`. A connection
-    /// whose transaction failed is closed rather than kept, so no half-known state outlives
-    /// the failure.
+    /// detached from it when there is none) and commits it with `durability`. On PostgreSQL
+    /// the transaction takes the advisory locks `locks`, in their order, with its `BEGIN`
+    /// (SQLite has none; they are not taken there). A connection whose transaction failed is
+    /// closed rather than kept, so no half-known state outlives the failure.
     pub(crate) async fn write_held<T>(
         &self,
         held: &mut Option<HeldConnection>,
         durability: Durability,
+        locks: &[i64],
         body: impl AsyncFnOnce(&mut Transaction<'_, Any>) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
         let mut connection = match held.take() {
@@ -566,7 +568,10 @@ impl Store {
                 synchronous: None,
             },
         };
-        match self.write_on(&mut connection, durability, body).await {
+        match self
+            .write_on(&mut connection, durability, locks, body)
+            .await
+        {
             Ok(value) => {
                 *held = Some(connection);
                 Ok(value)
@@ -586,6 +591,7 @@ impl Store {
         &self,
         held: &mut HeldConnection,
         durability: Durability,
+        locks: &[i64],
         body: impl AsyncFnOnce(&mut Transaction<'_, Any>) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
         use sqlx::Connection as _;
@@ -595,19 +601,32 @@ impl Store {
             held.connection.execute(durability.sqlite_pragma()).await?;
             held.synchronous = Some(durability);
         }
-        // PostgreSQL takes a deferred commit's setting with its `BEGIN`: one round trip.
-        let begin = match (self.backend, durability) {
-            (Backend::Sqlite, _) => "BEGIN IMMEDIATE",
-            (Backend::Postgres, Durability::Synced) => "BEGIN",
-            (Backend::Postgres, Durability::Deferred) => {
-                "BEGIN; SET LOCAL synchronous_commit = off"
+        // PostgreSQL takes a deferred commit's setting and the locks with its `BEGIN`, in one
+        // round trip: its statements run in order, each lock taken before the next statement.
+        let begin = match self.backend {
+            Backend::Sqlite => "BEGIN IMMEDIATE".to_owned(),
+            Backend::Postgres => {
+                use std::fmt::Write as _;
+                let mut begin = String::from("BEGIN");
+                if durability == Durability::Deferred {
+                    begin.push_str("; SET LOCAL synchronous_commit = off");
+                }
+                for key in locks {
+                    // A number written into the text: nothing else is.
+                    let _ = write!(begin, "; SELECT pg_advisory_xact_lock({key})");
+                }
+                begin
             }
         };
         // Held until the transaction below has ended.
         let _turn = self.write_turn().await?;
         let mut retry = BeginRetry::new(self.backend);
         let mut tx = loop {
-            match held.connection.begin_with(begin).await {
+            match held
+                .connection
+                .begin_with(sqlx::AssertSqlSafe(begin.clone()))
+                .await
+            {
                 Ok(tx) => break tx,
                 Err(err) => retry.after(err.into()).await?,
             }
@@ -724,30 +743,45 @@ mod tests {
     /// A write transaction runs under its durability's setting, on a connection a deferred
     /// write held before as on a new one: PostgreSQL's `synchronous_commit` (set with the
     /// `BEGIN`, for that transaction only), SQLite's `synchronous` (2 is `FULL`, 1 `NORMAL`).
+    /// On PostgreSQL it holds the advisory locks it was given, and only those, from its first
+    /// statement to its end.
     #[tokio::test]
-    async fn a_write_runs_under_its_durabilitys_setting_and_leaves_none_behind() {
+    async fn a_write_runs_under_its_durabilitys_setting_and_locks_and_leaves_none_behind() {
         let db = crate::testing::TestDatabase::new().await.unwrap();
         let store = &db.store;
         let mut held = None;
-        for durability in [
-            Durability::Deferred,
-            Durability::Synced,
-            Durability::Deferred,
-            Durability::Deferred,
-            Durability::Synced,
+        for (durability, locks) in [
+            (Durability::Deferred, &[7_i64, -3][..]),
+            (Durability::Synced, &[][..]),
+            (Durability::Deferred, &[][..]),
+            (Durability::Deferred, &[11][..]),
+            (Durability::Synced, &[i64::MIN, i64::MAX][..]),
         ] {
-            let setting = store
-                .write_held(&mut held, durability, async |tx| {
+            let (setting, held_locks) = store
+                .write_held(&mut held, durability, locks, async |tx| {
                     Ok(match store.backend() {
                         Backend::Postgres => {
-                            sqlx::query_scalar::<_, String>("SHOW synchronous_commit")
-                                .fetch_one(&mut **tx)
-                                .await?
+                            let setting =
+                                sqlx::query_scalar::<_, String>("SHOW synchronous_commit")
+                                    .fetch_one(&mut **tx)
+                                    .await?;
+                            // An advisory lock on a 64-bit key names its high half `classid`
+                            // and its low half `objid`.
+                            let held_locks: Vec<i64> = sqlx::query_scalar(
+                                "SELECT (classid::bigint << 32) | objid::bigint FROM pg_locks \
+                                 WHERE locktype = 'advisory' AND pid = pg_backend_pid() \
+                                 AND granted ORDER BY 1",
+                            )
+                            .fetch_all(&mut **tx)
+                            .await?;
+                            (setting, held_locks)
                         }
-                        Backend::Sqlite => sqlx::query_scalar::<_, i64>("PRAGMA synchronous")
-                            .fetch_one(&mut **tx)
-                            .await?
-                            .to_string(),
+                        Backend::Sqlite => {
+                            let setting = sqlx::query_scalar::<_, i64>("PRAGMA synchronous")
+                                .fetch_one(&mut **tx)
+                                .await?;
+                            (setting.to_string(), Vec::new())
+                        }
                     })
                 })
                 .await
@@ -759,6 +793,11 @@ mod tests {
                 (Backend::Sqlite, Durability::Deferred) => "1",
             };
             assert_eq!(setting, expected, "{durability:?}");
+            if store.backend() == Backend::Postgres {
+                let mut locks = locks.to_vec();
+                locks.sort_unstable();
+                assert_eq!(held_locks, locks, "{durability:?}");
+            }
         }
     }
 
