@@ -125,7 +125,6 @@ impl AuditLog {
                 checkpoint_every: config.checkpoint_every,
                 unsigned: BTreeSet::new(),
                 signed: Vec::new(),
-                locked: BTreeSet::new(),
             },
             store,
             config,
@@ -323,9 +322,6 @@ struct Chain {
     unsigned: BTreeSet<ProjectId>,
     /// Projects whose head the batch being written signed.
     signed: Vec<ProjectId>,
-    /// On PostgreSQL, the projects whose chain lock the transaction being written took with
-    /// its `BEGIN`.
-    locked: BTreeSet<ProjectId>,
 }
 
 /// What the writer does in one transaction, on whichever connection it has.
@@ -336,8 +332,14 @@ trait Work {
     /// their chain locks are taken with the transaction's `BEGIN`.
     fn chains(&self, chain: &Chain) -> BTreeSet<ProjectId>;
 
-    async fn run(self, chain: &mut Chain, exec: &mut impl Exec)
-    -> Result<Self::Output, StoreError>;
+    /// Does the work in `exec`'s transaction, which took the chain locks of `locked` with its
+    /// `BEGIN` (on PostgreSQL; none on SQLite, whose write lock is every chain's).
+    async fn run(
+        self,
+        chain: &mut Chain,
+        exec: &mut impl Exec,
+        locked: &BTreeSet<ProjectId>,
+    ) -> Result<Self::Output, StoreError>;
 }
 
 /// A batch: the run writes (each fenced) and then every audit entry, `events` and those of
@@ -362,6 +364,7 @@ impl Work for BatchWork {
         self,
         chain: &mut Chain,
         exec: &mut impl Exec,
+        locked: &BTreeSet<ProjectId>,
     ) -> Result<Self::Output, StoreError> {
         let BatchWork { mut events, writes } = self;
         let at = now_millis();
@@ -373,7 +376,7 @@ impl Work for BatchWork {
             }
             written.push(outcome);
         }
-        let receipts = chain.append_batch(exec, events, at).await?;
+        let receipts = chain.append_batch(exec, events, at, locked).await?;
         Ok((receipts, written))
     }
 }
@@ -388,10 +391,15 @@ impl Work for CheckpointWork {
         chain.unsigned.clone()
     }
 
-    async fn run(self, chain: &mut Chain, exec: &mut impl Exec) -> Result<(), StoreError> {
+    async fn run(
+        self,
+        chain: &mut Chain,
+        exec: &mut impl Exec,
+        locked: &BTreeSet<ProjectId>,
+    ) -> Result<(), StoreError> {
         let at = now_millis();
         for project in chain.unsigned.clone() {
-            let head = lock_head(exec, chain, project).await?;
+            let head = lock_head(exec, chain.backend, project, locked).await?;
             if head.seq > head.checkpoint_seq {
                 chain
                     .insert_checkpoint(exec, project, head.seq, &head.hash, at)
@@ -784,19 +792,16 @@ impl Writer {
             Connection::Pool(held) => {
                 // The pool's write takes the turn itself.
                 drop(turn);
-                let projects = work.chains(chain);
-                let locks: Vec<i64> = match chain.backend {
-                    Backend::Postgres => projects.iter().copied().map(advisory_lock_key).collect(),
-                    Backend::Sqlite => Vec::new(),
+                let locked = match chain.backend {
+                    Backend::Postgres => work.chains(chain),
+                    Backend::Sqlite => BTreeSet::new(),
                 };
-                chain.locked = projects;
-                let result = store
-                    .write_held(held, durability, &locks, async |tx| {
-                        work.run(chain, &mut **tx).await
+                let keys: Vec<i64> = locked.iter().copied().map(advisory_lock_key).collect();
+                store
+                    .write_held(held, durability, &keys, async |tx| {
+                        work.run(chain, &mut **tx, &locked).await
                     })
-                    .await;
-                chain.locked.clear();
-                result
+                    .await
             }
             Connection::Embedded(embedded) => {
                 // Held until the transaction has ended, as by every writer of the store.
@@ -804,8 +809,11 @@ impl Writer {
                     Some(HeldTurn(held)) => held,
                     None => store.write_turn().await?,
                 };
+                // SQLite's write lock is every chain's lock.
                 embedded
-                    .transaction(durability, async |exec| work.run(chain, exec).await)
+                    .transaction(durability, async |exec| {
+                        work.run(chain, exec, &BTreeSet::new()).await
+                    })
                     .await
             }
         }
@@ -821,6 +829,7 @@ impl Chain {
         tx: &mut impl Exec,
         events: Vec<AuditEvent>,
         at: i64,
+        locked: &BTreeSet<ProjectId>,
     ) -> Result<Vec<AuditReceipt>, StoreError> {
         let mut by_project: BTreeMap<ProjectId, Vec<(usize, AuditEvent)>> = BTreeMap::new();
         let count = events.len();
@@ -834,7 +843,7 @@ impl Chain {
         self.signed.clear();
         // Projects are locked in id order, so two processes never wait on each other in a cycle.
         for (project, events) in by_project {
-            let head = lock_head(tx, self, project).await?;
+            let head = lock_head(tx, self.backend, project, locked).await?;
             let (mut seq, mut prev) = (head.seq, head.hash);
             let mut entries = Vec::with_capacity(events.len());
             for (index, event) in events {
@@ -935,13 +944,14 @@ struct ChainHead {
 }
 
 /// Takes `project`'s chain lock for the rest of the transaction, unless the transaction took it
-/// with its `BEGIN`, and reads its head.
+/// with its `BEGIN` (`locked`), and reads its head.
 async fn lock_head(
     tx: &mut impl Exec,
-    chain: &Chain,
+    backend: Backend,
     project: ProjectId,
+    locked: &BTreeSet<ProjectId>,
 ) -> Result<ChainHead, StoreError> {
-    if chain.backend == Backend::Postgres && !chain.locked.contains(&project) {
+    if backend == Backend::Postgres && !locked.contains(&project) {
         tx.fetch_optional(
             "SELECT 1 AS locked FROM (SELECT pg_advisory_xact_lock($1)) AS l",
             vec![advisory_lock_key(project).into()],
@@ -979,7 +989,7 @@ async fn lock_head(
 }
 
 /// A 64-bit advisory-lock key for a project's chain, from a labelled hash of its id.
-fn advisory_lock_key(project: ProjectId) -> i64 {
+pub(crate) fn advisory_lock_key(project: ProjectId) -> i64 {
     let digest = Sha256::digest(format!("wor-audit-chain\0{project}").as_bytes());
     i64::from_be_bytes(digest.first_chunk::<8>().copied().unwrap_or_default())
 }

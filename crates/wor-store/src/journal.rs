@@ -420,8 +420,9 @@ impl Fence {
 
     /// The fence statement `update` (an `UPDATE runs … RETURNING runs.id, cancel_requested,
     /// … AS last_seq`) as one PostgreSQL statement that also inserts `steps` into the run
-    /// fenced, numbered after its `last_seq`, created at `at`, in `project`; it returns what
-    /// `update` returns. When the fence matches no row, no step is inserted.
+    /// fenced, numbered after its `last_seq`, created at `at`, in `project`; it returns the
+    /// fence's `cancel_requested` and `last_seq`. When the fence matches no row, no step is
+    /// inserted and no row is returned.
     fn with_steps(
         &mut self,
         update: &str,
@@ -429,6 +430,8 @@ impl Fence {
         at: Placeholder,
         project: Placeholder,
     ) -> Result<String, StoreError> {
+        // The text around the fence, and each step's row of placeholders: a guess at the
+        // length, so the text is seldom grown. `write!` to a `String` cannot fail.
         let mut sql = String::with_capacity(update.len() + 320 + steps.len() * 24);
         let _ = write!(
             sql,

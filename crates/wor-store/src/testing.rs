@@ -130,3 +130,13 @@ fn uuid_hex() -> String {
         .trim_start_matches("req_")
         .to_owned()
 }
+
+/// The key of `project`'s audit chain lock on PostgreSQL (a transaction-scoped advisory lock),
+/// for a test that holds it as another process's writer would.
+pub fn audit_chain_lock_key(project: wor_core::ProjectId) -> i64 {
+    crate::audit::advisory_lock_key(project)
+}
+
+/// The most steps of a run's journal write that its fence inserts in its own statement on
+/// PostgreSQL; a write with more inserts them in statements of their own.
+pub const STEPS_PER_WRITE_STATEMENT: usize = crate::runs::STEPS_PER_WRITE_STATEMENT;

@@ -2608,6 +2608,11 @@ async fn a_journal_write_numbers_its_steps_after_the_runs_last_and_a_refused_one
         .await
         .unwrap(),
     );
+    committed(
+        log.record(write().step(Provenance::Engine, model_turn("one")))
+            .await
+            .unwrap(),
+    );
     // A write with no step inserts none and numbers nothing.
     committed(log.record(write()).await.unwrap());
     assert_eq!(
@@ -2618,13 +2623,18 @@ async fn a_journal_write_numbers_its_steps_after_the_runs_last_and_a_refused_one
         .unwrap(),
         RunWritten::LeaseLost
     );
-    // More steps than one statement inserts.
-    let many: Vec<String> = (0..120).map(|n| format!("m{n}")).collect();
-    let mut long = write();
-    for text in &many {
-        long = long.step(Provenance::Engine, model_turn(text.as_str()));
+    // As many steps as the fence's statement inserts, and more.
+    let most = wor_store::testing::STEPS_PER_WRITE_STATEMENT;
+    let mut many = Vec::new();
+    for (count, prefix) in [(most, "f"), (most * 2 + 7, "m")] {
+        let texts: Vec<String> = (0..count).map(|n| format!("{prefix}{n}")).collect();
+        let mut long = write();
+        for text in &texts {
+            long = long.step(Provenance::Engine, model_turn(text.as_str()));
+        }
+        committed(log.record(long).await.unwrap());
+        many.extend(texts);
     }
-    committed(log.record(long).await.unwrap());
     store.request_cancel(project, run).await.unwrap();
     assert_eq!(
         log.record(
@@ -2649,7 +2659,7 @@ async fn a_journal_write_numbers_its_steps_after_the_runs_last_and_a_refused_one
     let after = steps().await;
     assert_eq!(after[..before.len()], before[..]);
     let added: Vec<(i64, String)> = after[before.len()..].to_vec();
-    let expected: Vec<String> = ["a", "b"]
+    let expected: Vec<String> = ["a", "b", "one"]
         .into_iter()
         .map(str::to_owned)
         .chain(many)
@@ -2662,6 +2672,101 @@ async fn a_journal_write_numbers_its_steps_after_the_runs_last_and_a_refused_one
             .zip(last + 1..)
             .map(|(text, seq)| (seq, text))
             .collect::<Vec<_>>()
+    );
+}
+
+/// On PostgreSQL the audit writer takes the chain locks of a batch's projects with its
+/// `BEGIN`, before it touches a run: while another process's writer holds a project's chain
+/// lock, a run's write of that project waits for it without holding the run's row, which
+/// another transaction may then lock at once.
+#[tokio::test]
+async fn a_journal_write_waits_for_its_chain_lock_before_it_touches_the_run() {
+    use wor_core::run::Provenance;
+    use wor_store::{AuditLog, RunWrite, RunWritten};
+
+    let Some(db) = isolated_on(
+        wor_store::Backend::Postgres,
+        "SQLite's write lock is every chain's lock: nothing of this test applies",
+    )
+    .await
+    else {
+        return;
+    };
+    let store = &db.store;
+    let (project, routine) = project_with_routine(store, "locked", 1).await;
+    let run = claimed_run(store, project, routine, "w", 600_000).await;
+    let log = AuditLog::start(store.clone(), signing_key(12), audit_config(1_000));
+    let key = wor_store::testing::audit_chain_lock_key(project);
+
+    let other = Store::connect(&db.url).await.unwrap();
+    #[expect(
+        clippy::disallowed_methods,
+        reason = "another process's writer, holding the project's chain lock"
+    )]
+    let mut holder = other.pool().begin().await.unwrap();
+    sqlx::query("SELECT 1 AS locked FROM (SELECT pg_advisory_xact_lock($1)) AS l")
+        .bind(key)
+        .fetch_one(&mut *holder)
+        .await
+        .unwrap();
+    let write = tokio::spawn({
+        let log = log.clone();
+        async move {
+            log.record(
+                RunWrite::new(project, run, "w", 600_000)
+                    .step(Provenance::Engine, model_turn("waited"))
+                    .audit(key_event(project, 1)),
+            )
+            .await
+        }
+    });
+    // Until the writer's transaction waits for the lock.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+             AND ((classid::bigint << 32) | objid::bigint) = $1",
+        )
+        .bind(key)
+        .fetch_one(other.pool())
+        .await
+        .unwrap();
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the write never waited for the chain lock"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    #[expect(
+        clippy::disallowed_methods,
+        reason = "a transaction that locks the run's row, and must not wait for it"
+    )]
+    let mut row = other.pool().begin().await.unwrap();
+    let locked: Result<Option<String>, sqlx::Error> =
+        sqlx::query_scalar("SELECT id FROM runs WHERE id = $1 FOR UPDATE NOWAIT")
+            .bind(run.to_string())
+            .fetch_optional(&mut *row)
+            .await;
+    assert_eq!(
+        locked.expect("the run's row is free while its write waits for the chain lock"),
+        Some(run.to_string())
+    );
+    row.rollback().await.unwrap();
+    assert!(!write.is_finished(), "the write went on without the lock");
+    holder.rollback().await.unwrap();
+    let written = write.await.unwrap().unwrap();
+    assert!(
+        matches!(written, RunWritten::Committed { .. }),
+        "{written:?}"
+    );
+    let steps = store.list_run_steps(project, run, 0).await.unwrap();
+    let last = steps.last().map(|s| &s.step);
+    assert!(
+        matches!(last, Some(Step::ModelTurn(turn)) if turn.message.text == "waited"),
+        "{last:?}"
     );
 }
 
