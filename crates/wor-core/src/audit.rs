@@ -14,7 +14,9 @@ pub use ed25519_dalek::VerifyingKey;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use crate::canonical::{Member, canonical_object, sha256_hex, to_canonical_json};
+use crate::canonical::{
+    Member, canonical_object, canonical_object_hash, sha256_hex, to_canonical_json,
+};
 use crate::{ApiKeyId, MemberId, ProjectId, RoutineId, RunId};
 
 /// The `prev_hash` of a chain's first entry.
@@ -270,11 +272,7 @@ impl AuditEvent {
             prev_hash,
             hash: String::new(),
         };
-        entry.hash = sha256_hex(
-            entry
-                .body_with_payload(Member::Canonical(&stored))
-                .as_bytes(),
-        );
+        entry.hash = entry.hash_with_payload(Member::Canonical(&stored));
         // INVARIANT: `redact` says whether it replaced anything; one that changed the payload
         // and said it did not would have the full payload stored and hashed. Every test build
         // checks the stored text against the entry.
@@ -309,41 +307,58 @@ impl AuditEntry {
     /// The canonical JSON text the entry's hash is taken over: every field but `hash`, plus
     /// `format`.
     pub fn canonical_body(&self) -> String {
-        self.body_with_payload(Member::Json(&self.payload))
-    }
-
-    /// [`AuditEntry::canonical_body`] with the payload given as a value or as its canonical
-    /// text.
-    fn body_with_payload(&self, payload: Member<'_>) -> String {
-        // The small fields are built into a value; the payload, which may be a tool's whole
-        // result, is borrowed.
-        let head = json!({
-            "format": ENTRY_FORMAT,
-            "project_id": self.project_id,
-            "seq": self.seq,
-            "at": self.at,
-            "actor": self.actor,
-            "category": self.category,
-            "subjects": self.subjects,
-            "root_run_id": self.root_run_id,
-            "parent_run_id": self.parent_run_id,
-            "payload_digest": self.payload_digest,
-            "prev_hash": self.prev_hash,
-        });
-        let mut members: Vec<(&str, Member<'_>)> = head
-            .as_object()
-            .into_iter()
-            .flatten()
-            .map(|(name, value)| (name.as_str(), Member::Json(value)))
-            .chain([("payload", payload)])
-            .collect();
-        canonical_object(&mut members)
+        self.with_body(Member::Json(&self.payload), canonical_object)
     }
 
     /// The hash this entry should carry.
     pub fn compute_hash(&self) -> String {
-        sha256_hex(self.canonical_body().as_bytes())
+        self.hash_with_payload(Member::Json(&self.payload))
     }
+
+    /// [`AuditEntry::compute_hash`] with the payload given as a value or as its canonical text,
+    /// hashed as the body is written.
+    fn hash_with_payload(&self, payload: Member<'_>) -> String {
+        self.with_body(payload, canonical_object_hash)
+    }
+
+    /// `write` given the members of [`AuditEntry::canonical_body`], the payload as given. Each
+    /// field is borrowed as it is, except the actor and the subjects, which are written through
+    /// their JSON values, and the ids, written as their text.
+    fn with_body(
+        &self,
+        payload: Member<'_>,
+        write: impl FnOnce(&mut [(&str, Member<'_>)]) -> String,
+    ) -> String {
+        // Their keys are written sorted through their values. Neither can fail to become one:
+        // serde_json refuses only a map whose keys are not strings and a value whose own
+        // serializer reports an error, and an actor (a tagged enum of ids) and the subjects
+        // (a map of strings) are neither.
+        let actor = serde_json::to_value(&self.actor).unwrap_or(Value::Null);
+        let subjects = serde_json::to_value(&self.subjects).unwrap_or(Value::Null);
+        let project_id = self.project_id.to_string();
+        let root_run_id = self.root_run_id.map(|id| id.to_string());
+        let parent_run_id = self.parent_run_id.map(|id| id.to_string());
+        let mut members = [
+            ("format", Member::Text(ENTRY_FORMAT)),
+            ("project_id", Member::Text(&project_id)),
+            ("seq", Member::Int(self.seq)),
+            ("at", Member::Int(self.at)),
+            ("actor", Member::Json(&actor)),
+            ("category", Member::Text(&self.category)),
+            ("subjects", Member::Json(&subjects)),
+            ("root_run_id", text_or_null(root_run_id.as_deref())),
+            ("parent_run_id", text_or_null(parent_run_id.as_deref())),
+            ("payload_digest", Member::Text(&self.payload_digest)),
+            ("prev_hash", Member::Text(&self.prev_hash)),
+            ("payload", payload),
+        ];
+        write(&mut members)
+    }
+}
+
+/// A text member, or `null` when there is none.
+fn text_or_null(text: Option<&str>) -> Member<'_> {
+    text.map_or(Member::Null, Member::Text)
 }
 
 /// A signed statement that entry `seq` of a project's chain has hash `entry_hash`. Since each

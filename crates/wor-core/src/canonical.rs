@@ -25,6 +25,12 @@ pub(crate) enum Member<'a> {
     Json(&'a Value),
     /// The canonical text of a value (as [`to_canonical_json`] wrote it), written as it is.
     Canonical(&'a str),
+    /// A string, written as a JSON string.
+    Text(&'a str),
+    /// A whole number.
+    Int(i64),
+    /// `null`.
+    Null,
 }
 
 /// The canonical JSON text of an object given as its members, borrowed: the same text as
@@ -34,6 +40,13 @@ pub(crate) fn canonical_object(members: &mut [(&str, Member<'_>)]) -> String {
     let mut out = Vec::new();
     write_members(&mut out, members);
     into_text(out)
+}
+
+/// Lower-case hex SHA-256 of [`canonical_object`]'s text, hashed as it is written.
+pub(crate) fn canonical_object_hash(members: &mut [(&str, Member<'_>)]) -> String {
+    let mut hasher = Hashing(Sha256::new());
+    write_members(&mut hasher, members);
+    hex::encode(hasher.0.finalize())
 }
 
 /// Lower-case hex SHA-256 of `bytes`.
@@ -112,6 +125,9 @@ fn write_members(out: &mut impl Sink, members: &mut [(&str, Member<'_>)]) {
         match value {
             Member::Json(value) => write_value(out, value),
             Member::Canonical(text) => put(out, text.as_bytes()),
+            Member::Text(text) => write_json(out, *text),
+            Member::Int(number) => write_json(out, number),
+            Member::Null => put(out, b"null"),
         }
     }
     put(out, b"}");
@@ -177,6 +193,19 @@ mod tests {
             ("format", Member::Json(&format)),
         ];
         assert_eq!(canonical_object(&mut members), to_canonical_json(&whole));
+        // Strings, whole numbers and `null` given as they are write as their values do, and
+        // hash as the text does.
+        let quoted = "\u{1}\"é\u{2028}\\";
+        let whole = json!({"t": quoted, "n": i64::MIN, "m": -1, "z": null, "p": payload});
+        let mut members = [
+            ("z", Member::Null),
+            ("t", Member::Text(quoted)),
+            ("n", Member::Int(i64::MIN)),
+            ("p", Member::Canonical(&text)),
+            ("m", Member::Int(-1)),
+        ];
+        assert_eq!(canonical_object(&mut members), to_canonical_json(&whole));
+        assert_eq!(canonical_object_hash(&mut members), canonical_hash(&whole));
         assert_eq!(
             text,
             "{\"a\":{\"\":[],\"\\t\":{}},\"z\":[1.5,-0.0,1e+300,null,true,\

@@ -333,3 +333,53 @@ fn the_encoding_is_pinned() {
     );
     assert_eq!(entry.hash, sha256_hex(entry.canonical_body().as_bytes()));
 }
+
+#[test]
+fn the_body_is_the_canonical_text_of_every_field_but_the_hash() {
+    // The body as the entry's fields make it, each through its JSON value, whatever the
+    // actor, the runs it names and the text in it.
+    let project: ProjectId = "prj_0193b0c4d5e67f8091a2b3c4d5e6f708".parse().unwrap();
+    let run: RunId = "run_0193b0c4d5e67f8091a2b3c4d5e6f70c".parse().unwrap();
+    let parent: RunId = "run_0193b0c4d5e67f8091a2b3c4d5e6f70d".parse().unwrap();
+    let actors = [
+        Actor::Operator,
+        Actor::ConsoleVisitor,
+        Actor::Run { run_id: run },
+        Actor::ApiKey {
+            key_id: "key_0193b0c4d5e67f8091a2b3c4d5e6f70a".parse().unwrap(),
+        },
+    ];
+    for (n, actor) in actors.into_iter().enumerate() {
+        let mut event = AuditEvent::new(project, AuditCategory::MemberCreate, actor)
+            .payload(json!({"text": "\"quoted\" \\ \u{1} é 😀", "n": n}));
+        if n % 2 == 1 {
+            event = event
+                .subject("name", "tab\there \u{2028} \"q\"")
+                .subject("member_id", "mem_1")
+                .runs(run, Some(parent));
+        }
+        let (entry, _) = event.into_entry(
+            i64::try_from(n).unwrap() + i64::MAX / 2,
+            -1,
+            "ab".repeat(32),
+            |_| false,
+        );
+        let whole = json!({
+            "format": ENTRY_FORMAT,
+            "project_id": entry.project_id,
+            "seq": entry.seq,
+            "at": entry.at,
+            "actor": entry.actor,
+            "category": entry.category,
+            "subjects": entry.subjects,
+            "root_run_id": entry.root_run_id,
+            "parent_run_id": entry.parent_run_id,
+            "payload_digest": entry.payload_digest,
+            "prev_hash": entry.prev_hash,
+            "payload": entry.payload,
+        });
+        assert_eq!(entry.canonical_body(), to_canonical_json(&whole), "{n}");
+        assert_eq!(entry.hash, canonical_hash(&whole), "{n}");
+        assert_eq!(entry.compute_hash(), entry.hash, "{n}");
+    }
+}
