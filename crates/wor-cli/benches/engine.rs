@@ -53,7 +53,9 @@ use rmcp::service::{RequestContext, RoleServer};
 use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
 use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
 use serde_json::json;
-use support::{Api, Server, backends, between, database_for, env_number, ms, percentile};
+use support::{
+    Api, Server, backends, between, database_for, drop_fresh_databases, env_number, ms, percentile,
+};
 
 const LOOPBACK_CONFIG: &str = "[egress]\nallowed_cidrs = [\"127.0.0.1/32\"]\n";
 
@@ -803,5 +805,6 @@ async fn main() {
         if wanted("cron") {
             figure_cron(backend, &base).await;
         }
+        drop_fresh_databases(&base).await;
     }
 }

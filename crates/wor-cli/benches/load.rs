@@ -29,7 +29,10 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use support::{Api, Server, backends, database_for, env_number, ms, percentile, start_runs};
+use support::{
+    Api, Server, backends, database_for, drop_fresh_databases, env_number, ms, percentile,
+    start_runs,
+};
 
 /// How long the tool takes to answer each call.
 const TOOL_LATENCY: Duration = Duration::from_millis(100);
@@ -189,5 +192,6 @@ async fn main() {
                 figure.succeeded,
             );
         }
+        drop_fresh_databases(&base).await;
     }
 }

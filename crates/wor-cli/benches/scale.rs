@@ -31,7 +31,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use support::{
-    Api, Server, backends, between, database_for, env_number, ms, percentile, start_runs,
+    Api, Server, backends, between, database_for, drop_fresh_databases, env_number, ms, percentile,
+    start_runs,
 };
 
 /// Run starts in flight at once from the load generator.
@@ -195,5 +196,6 @@ async fn main() {
                 figure.succeeded,
             );
         }
+        drop_fresh_databases(&base).await;
     }
 }

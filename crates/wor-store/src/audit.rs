@@ -951,6 +951,13 @@ async fn lock_head(
     project: ProjectId,
     locked: &BTreeSet<ProjectId>,
 ) -> Result<ChainHead, StoreError> {
+    // INVARIANT: on PostgreSQL every project a transaction appends to or signs is in
+    // `locked` (`Work::chains`), so its lock was taken with the `BEGIN`, before any run row.
+    // A lock taken here would come after them, and out of the projects' order.
+    debug_assert!(
+        backend != Backend::Postgres || locked.contains(&project),
+        "a chain lock the transaction's BEGIN did not take"
+    );
     if backend == Backend::Postgres && !locked.contains(&project) {
         tx.fetch_optional(
             "SELECT 1 AS locked FROM (SELECT pg_advisory_xact_lock($1)) AS l",

@@ -2561,8 +2561,8 @@ async fn a_write_waiting_for_the_database_lock_leaves_its_thread_to_other_tasks(
 /// A run's journal write inserts its steps numbered after the run's last, its end's outcome
 /// step after them, and a write that is refused (another worker's, or one to be made only
 /// unless a cancel was requested) inserts none. On PostgreSQL the fence inserts a write's
-/// steps in its own statement, up to the most one statement takes; beyond that they follow
-/// in statements of their own.
+/// steps in its own statement when there are no more than one statement takes; a write with
+/// more inserts them all in statements of their own.
 #[tokio::test]
 async fn a_journal_write_numbers_its_steps_after_the_runs_last_and_a_refused_one_writes_none() {
     use wor_core::run::{Provenance, RunStatus};

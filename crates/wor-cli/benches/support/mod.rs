@@ -375,7 +375,11 @@ impl Api {
     }
 }
 
-/// A fresh PostgreSQL database on the server of `base`, for one measurement.
+/// The databases [`fresh_postgres`] made and [`drop_fresh_databases`] has not dropped yet.
+static FRESH_DATABASES: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+/// A fresh PostgreSQL database on the server of `base`, for one measurement; dropped by
+/// [`drop_fresh_databases`].
 pub async fn fresh_postgres(base: &str) -> String {
     sqlx::any::install_default_drivers();
     let name = format!(
@@ -391,9 +395,33 @@ pub async fn fresh_postgres(base: &str) -> String {
         .await
         .unwrap();
     admin.close().await;
+    FRESH_DATABASES.lock().unwrap().push(name.clone());
     let mut url = url::Url::parse(base).unwrap();
     url.set_path(&format!("/{name}"));
     url.to_string()
+}
+
+/// Drops every database [`fresh_postgres`] made on the server of `base` (None: SQLite, whose
+/// files go with their data dirs), once the servers that used them have stopped; one a server
+/// left connected is dropped all the same.
+pub async fn drop_fresh_databases(base: &Option<String>) {
+    let Some(base) = base else {
+        return;
+    };
+    let names = std::mem::take(&mut *FRESH_DATABASES.lock().unwrap());
+    if names.is_empty() {
+        return;
+    }
+    let admin = sqlx::AnyPool::connect(base).await.unwrap();
+    for name in names {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+        )))
+        .execute(&admin)
+        .await
+        .unwrap();
+    }
+    admin.close().await;
 }
 
 /// The backends to measure: SQLite always, PostgreSQL when `WOR_BENCH_PG_URL` names a server.
