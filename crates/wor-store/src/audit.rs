@@ -841,7 +841,8 @@ impl Chain {
         }
         let mut receipts: Vec<Option<AuditReceipt>> = vec![None; count];
         self.signed.clear();
-        // Projects are locked in id order, so two processes never wait on each other in a cycle.
+        // Projects' chains are locked in id order, so two processes never wait on each other in
+        // a cycle: on PostgreSQL all of them with the transaction's `BEGIN` (`Work::chains`).
         for (project, events) in by_project {
             let head = lock_head(tx, self.backend, project, locked).await?;
             let (mut seq, mut prev) = (head.seq, head.hash);
