@@ -24,7 +24,10 @@ if ! grep -qs "\"version\": \"$CONSOLE_PLAYWRIGHT_CORE\"" "$CONSOLE_NPM_DIR/node
 fi
 
 # The timeout bounds the whole test file (node runs each file as one test), not one test.
+# The SQLite run takes docs/console.md's screenshots into the target dir, so CI leaves the
+# checkout as it was; `WOR_CONSOLE_SCREENSHOTS=docs/console bash .ci/run` refreshes them.
 WOR_BIN="$CARGO_TARGET_DIR/debug/wor" \
+  WOR_CONSOLE_SCREENSHOTS="${WOR_CONSOLE_SCREENSHOTS:-$CARGO_TARGET_DIR/console-screenshots}" \
   WOR_NPM_CONSOLE="$CONSOLE_NPM_DIR" \
   WOR_TEST_DATABASE_URL="${CONSOLE_DATABASE_URL:-}" \
   node --test --test-timeout=300000 crates/wor-server/tests/console/

@@ -21,8 +21,13 @@ const { AxeBuilder } = require('@axe-core/playwright');
 const WOR = process.env.WOR_BIN;
 const DATABASE = process.env.WOR_TEST_DATABASE_URL || '';
 const REPO = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '../../../..');
-// Screenshots for docs/console.md come from the SQLite run, so each CI run writes them once.
-const SHOTS = DATABASE ? null : path.join(REPO, 'docs', 'console');
+// Screenshots for docs/console.md come from the SQLite run, into the folder
+// WOR_CONSOLE_SCREENSHOTS names (relative to the repository); CI names one under its target
+// dir, so a run leaves the checkout as it was.
+const SHOTS = DATABASE || !process.env.WOR_CONSOLE_SCREENSHOTS
+  ? null
+  : path.resolve(REPO, process.env.WOR_CONSOLE_SCREENSHOTS);
+if (SHOTS) fs.mkdirSync(SHOTS, { recursive: true });
 const HOSTILE = '<script>alert(1)</script> <img src=x onerror=alert(1)> <a href="javascript:alert(1)">click</a>';
 const PASSWORD = 'a long and quiet passphrase';
 
