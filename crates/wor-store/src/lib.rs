@@ -142,6 +142,9 @@ pub enum StoreError {
     NoDatabase { path: String },
     #[error("stored row is corrupt: {0}")]
     Corrupt(String),
+    /// A step to record could not be written as JSON; nothing was recorded.
+    #[error("a step to record could not be encoded: {0}")]
+    StepEncoding(#[source] wor_core::step::StepError),
     #[error("database error: {0}")]
     Database(#[from] sqlx::Error),
     /// From the audit writer's own connection to the embedded database.
@@ -172,6 +175,7 @@ impl StoreError {
             StoreError::DataDir { .. } => "data_dir",
             StoreError::NoDatabase { .. } => "no_database",
             StoreError::Corrupt(_) => "corrupt",
+            StoreError::StepEncoding(_) => "step_encoding",
             StoreError::Database(sqlx_err) => match sqlx_err {
                 sqlx::Error::PoolTimedOut => "pool_timed_out",
                 sqlx::Error::Database(_) => "database",

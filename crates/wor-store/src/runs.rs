@@ -1493,9 +1493,7 @@ pub(crate) async fn insert_steps(
 
 /// A step's `kind`, `provenance` and `payload` columns, as stored.
 pub(crate) fn step_values(provenance: Provenance, step: &Step) -> Result<[Param; 3], StoreError> {
-    let payload = step
-        .to_stored_text()
-        .map_err(|e| StoreError::Corrupt(format!("a step to record: {e}")))?;
+    let payload = step.to_stored_text().map_err(StoreError::StepEncoding)?;
     Ok([
         step.kind().as_str().into(),
         provenance.as_str().into(),
