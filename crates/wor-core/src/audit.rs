@@ -51,6 +51,40 @@ pub enum Actor {
     Run { run_id: RunId },
 }
 
+impl Actor {
+    /// The canonical JSON text of the actor, as stored.
+    pub fn canonical_json(&self) -> String {
+        let (kind, ids) = self.tag_and_ids();
+        canonical_object(&mut actor_members(kind, &ids))
+    }
+
+    /// The members of the actor's JSON form: its `kind` tag, and its ids by name as text.
+    fn tag_and_ids(&self) -> (&'static str, Vec<(&'static str, String)>) {
+        match self {
+            Actor::Operator => ("operator", Vec::new()),
+            Actor::Member { member_id, key_id } => (
+                "member",
+                vec![
+                    ("member_id", member_id.to_string()),
+                    ("key_id", key_id.to_string()),
+                ],
+            ),
+            Actor::ApiKey { key_id } => ("api_key", vec![("key_id", key_id.to_string())]),
+            Actor::ConsoleMember { member_id } => {
+                ("console_member", vec![("member_id", member_id.to_string())])
+            }
+            Actor::ConsoleVisitor => ("console_visitor", Vec::new()),
+            Actor::Schedule { routine_id } => {
+                ("schedule", vec![("routine_id", routine_id.to_string())])
+            }
+            Actor::Webhook { routine_id } => {
+                ("webhook", vec![("routine_id", routine_id.to_string())])
+            }
+            Actor::Run { run_id } => ("run", vec![("run_id", run_id.to_string())]),
+        }
+    }
+}
+
 /// What kind of thing happened. New kinds are added here as later features need them; the
 /// stored form is the text of [`AuditCategory::as_str`], so verification of old entries never
 /// depends on this list.
@@ -322,19 +356,13 @@ impl AuditEntry {
     }
 
     /// `write` given the members of [`AuditEntry::canonical_body`], the payload as given. Each
-    /// field is borrowed as it is, except the actor and the subjects, which are written through
-    /// their JSON values, and the ids, written as their text.
+    /// field is borrowed as it is, except the ids, written as their text.
     fn with_body(
         &self,
         payload: Member<'_>,
         write: impl FnOnce(&mut [(&str, Member<'_>)]) -> String,
     ) -> String {
-        // Their keys are written sorted through their values. Neither can fail to become one:
-        // serde_json refuses only a map whose keys are not strings and a value whose own
-        // serializer reports an error, and an actor (a tagged enum of ids) and the subjects
-        // (a map of strings) are neither.
-        let actor = serde_json::to_value(&self.actor).unwrap_or(Value::Null);
-        let subjects = serde_json::to_value(&self.subjects).unwrap_or(Value::Null);
+        let (actor_kind, actor_ids) = self.actor.tag_and_ids();
         let project_id = self.project_id.to_string();
         let root_run_id = self.root_run_id.map(|id| id.to_string());
         let parent_run_id = self.parent_run_id.map(|id| id.to_string());
@@ -343,9 +371,12 @@ impl AuditEntry {
             ("project_id", Member::Text(&project_id)),
             ("seq", Member::Int(self.seq)),
             ("at", Member::Int(self.at)),
-            ("actor", Member::Json(&actor)),
+            (
+                "actor",
+                Member::Object(actor_members(actor_kind, &actor_ids)),
+            ),
             ("category", Member::Text(&self.category)),
-            ("subjects", Member::Json(&subjects)),
+            ("subjects", Member::Object(subject_members(&self.subjects))),
             ("root_run_id", text_or_null(root_run_id.as_deref())),
             ("parent_run_id", text_or_null(parent_run_id.as_deref())),
             ("payload_digest", Member::Text(&self.payload_digest)),
@@ -354,6 +385,34 @@ impl AuditEntry {
         ];
         write(&mut members)
     }
+}
+
+impl AuditEntry {
+    /// The canonical JSON text of the entry's subjects, as stored.
+    pub fn subjects_canonical_json(&self) -> String {
+        canonical_object(&mut subject_members(&self.subjects))
+    }
+}
+
+/// The members of an actor's JSON object, from its [`Actor::tag_and_ids`].
+fn actor_members<'a>(
+    kind: &'static str,
+    ids: &'a [(&'static str, String)],
+) -> Vec<(&'a str, Member<'a>)> {
+    let mut members: Vec<(&str, Member<'_>)> = ids
+        .iter()
+        .map(|(name, id)| (*name, Member::Text(id)))
+        .collect();
+    members.push(("kind", Member::Text(kind)));
+    members
+}
+
+/// The members of the subjects' JSON object.
+fn subject_members(subjects: &BTreeMap<String, String>) -> Vec<(&str, Member<'_>)> {
+    subjects
+        .iter()
+        .map(|(name, value)| (name.as_str(), Member::Text(value)))
+        .collect()
 }
 
 /// A text member, or `null` when there is none.

@@ -19,7 +19,7 @@ pub fn to_canonical_json(value: &Value) -> String {
 }
 
 /// The value of one member given to [`canonical_object`].
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) enum Member<'a> {
     /// A value, written in canonical form.
     Json(&'a Value),
@@ -31,6 +31,8 @@ pub(crate) enum Member<'a> {
     Int(i64),
     /// `null`.
     Null,
+    /// An object given as its members, written as [`canonical_object`] writes one.
+    Object(Vec<(&'a str, Member<'a>)>),
 }
 
 /// The canonical JSON text of an object given as its members, borrowed: the same text as
@@ -116,11 +118,11 @@ fn write_value(out: &mut impl Sink, value: &Value) {
 fn write_members(out: &mut impl Sink, members: &mut [(&str, Member<'_>)]) {
     members.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
     put(out, b"{");
-    for (i, (name, value)) in members.iter().enumerate() {
+    for (i, (name, value)) in members.iter_mut().enumerate() {
         if i > 0 {
             put(out, b",");
         }
-        write_json(out, name);
+        write_json(out, *name);
         put(out, b":");
         match value {
             Member::Json(value) => write_value(out, value),
@@ -128,6 +130,7 @@ fn write_members(out: &mut impl Sink, members: &mut [(&str, Member<'_>)]) {
             Member::Text(text) => write_json(out, *text),
             Member::Int(number) => write_json(out, number),
             Member::Null => put(out, b"null"),
+            Member::Object(inner) => write_members(out, inner),
         }
     }
     put(out, b"}");
@@ -203,6 +206,24 @@ mod tests {
             ("n", Member::Int(i64::MIN)),
             ("p", Member::Canonical(&text)),
             ("m", Member::Int(-1)),
+        ];
+        assert_eq!(canonical_object(&mut members), to_canonical_json(&whole));
+        assert_eq!(canonical_object_hash(&mut members), canonical_hash(&whole));
+        // An object given as its members, in any order and nested, writes as its value does.
+        let whole = json!({"o": {"b": quoted, "a": {"y": 2, "x": null}, "": {}}, "k": 1});
+        let mut members = [
+            (
+                "o",
+                Member::Object(vec![
+                    ("b", Member::Text(quoted)),
+                    (
+                        "a",
+                        Member::Object(vec![("y", Member::Int(2)), ("x", Member::Null)]),
+                    ),
+                    ("", Member::Object(Vec::new())),
+                ]),
+            ),
+            ("k", Member::Int(1)),
         ];
         assert_eq!(canonical_object(&mut members), to_canonical_json(&whole));
         assert_eq!(canonical_object_hash(&mut members), canonical_hash(&whole));

@@ -29,7 +29,6 @@ use wor_core::audit::{
     Anchor, AuditCheckpoint, AuditEntry, AuditEvent, ChainVerifier, GENESIS_HASH, Verification,
     checkpoint_message, key_id,
 };
-use wor_core::canonical::to_canonical_json;
 use wor_secrets::{AuditSigningKey, redact_shapes_json};
 
 use crate::exec::{EmbeddedWriter, Exec};
@@ -1017,17 +1016,14 @@ async fn insert_entries(
     );
     let mut params = Vec::with_capacity(entries.len() * VALUES);
     for (entry, payload) in entries {
-        let actor = serde_json::to_value(&entry.actor)
-            .map_err(|e| StoreError::Corrupt(format!("audit actor: {e}")))?;
-        let subjects = serde_json::to_value(&entry.subjects)
-            .map_err(|e| StoreError::Corrupt(format!("audit subjects: {e}")))?;
+        let subjects = entry.subjects_canonical_json();
         params.extend([
             entry.project_id.to_string().into(),
             entry.seq.into(),
             entry.at.into(),
-            to_canonical_json(&actor).into(),
+            entry.actor.canonical_json().into(),
             entry.category.into(),
-            to_canonical_json(&subjects).into(),
+            subjects.into(),
             entry.root_run_id.map(|r| r.to_string()).into(),
             entry.parent_run_id.map(|r| r.to_string()).into(),
             entry.payload_digest.into(),

@@ -341,12 +341,25 @@ fn the_body_is_the_canonical_text_of_every_field_but_the_hash() {
     let project: ProjectId = "prj_0193b0c4d5e67f8091a2b3c4d5e6f708".parse().unwrap();
     let run: RunId = "run_0193b0c4d5e67f8091a2b3c4d5e6f70c".parse().unwrap();
     let parent: RunId = "run_0193b0c4d5e67f8091a2b3c4d5e6f70d".parse().unwrap();
+    let key = "key_0193b0c4d5e67f8091a2b3c4d5e6f70a".parse().unwrap();
+    let member = "mem_0193b0c4d5e67f8091a2b3c4d5e6f70b".parse().unwrap();
+    let routine = "rtn_0193b0c4d5e67f8091a2b3c4d5e6f70e".parse().unwrap();
+    // Every kind of actor: the body writes each one's members itself.
     let actors = [
         Actor::Operator,
         Actor::ConsoleVisitor,
         Actor::Run { run_id: run },
-        Actor::ApiKey {
-            key_id: "key_0193b0c4d5e67f8091a2b3c4d5e6f70a".parse().unwrap(),
+        Actor::ApiKey { key_id: key },
+        Actor::Member {
+            member_id: member,
+            key_id: key,
+        },
+        Actor::ConsoleMember { member_id: member },
+        Actor::Schedule {
+            routine_id: routine,
+        },
+        Actor::Webhook {
+            routine_id: routine,
         },
     ];
     for (n, actor) in actors.into_iter().enumerate() {
@@ -379,6 +392,17 @@ fn the_body_is_the_canonical_text_of_every_field_but_the_hash() {
             "payload": entry.payload,
         });
         assert_eq!(entry.canonical_body(), to_canonical_json(&whole), "{n}");
+        // The actor and the subjects are stored as the canonical text of their JSON values.
+        assert_eq!(
+            entry.actor.canonical_json(),
+            to_canonical_json(&serde_json::to_value(&entry.actor).unwrap()),
+            "{n}"
+        );
+        assert_eq!(
+            entry.subjects_canonical_json(),
+            to_canonical_json(&serde_json::to_value(&entry.subjects).unwrap()),
+            "{n}"
+        );
         assert_eq!(entry.hash, canonical_hash(&whole), "{n}");
         assert_eq!(entry.compute_hash(), entry.hash, "{n}");
     }
