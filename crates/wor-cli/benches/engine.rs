@@ -18,7 +18,9 @@
 //! `[metrics] listen` and `[traces] endpoint` (an in-bench loopback collector that accepts and
 //! discards) against the same server without them, the two side by side in each round;
 //! `throughput` — tool calls per second with 32 runs at once (a pool of 32), each followed,
-//! against 32 direct callers, and again with no one following the runs
+//! against 32 direct callers, and again with no one following the runs, with the CPU each
+//! half used a call, the server's and the bench's own (which serves the echo tool), and the
+//! calls per CPU-second of the runs not followed against the direct callers'
 //! (`WOR_BENCH_AT_ONCE` sets another number of runs and callers, `WOR_BENCH_TOOL_MS` a time
 //! the echo tool takes to answer each call, for the direct callers and the runs alike);
 //! `trivial` — runs of one model turn per second with 1, 8 and 32 concurrent starters, and
@@ -55,6 +57,7 @@ use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, Stream
 use serde_json::json;
 use support::{
     Api, Server, backends, between, database_for, drop_fresh_databases, env_number, ms, percentile,
+    process_cpu_time,
 };
 
 const LOOPBACK_CONFIG: &str = "[egress]\nallowed_cidrs = [\"127.0.0.1/32\"]\n";
@@ -398,6 +401,7 @@ async fn figure_throughput(backend: &str, base: &Option<String>) {
     };
     let addr = serve_echo(echo.clone()).await;
     let http = client();
+    let bench_cpu = process_cpu_time("self");
     let started = Instant::now();
     let callers: Vec<_> = (0..at_once)
         .map(|_| {
@@ -413,6 +417,8 @@ async fn figure_throughput(backend: &str, base: &Option<String>) {
         caller.await.unwrap();
     }
     let direct_rate = (at_once * per_run) as f64 / started.elapsed().as_secs_f64();
+    // The direct callers and the tool server share the bench's process.
+    let direct_cpu = process_cpu_time("self").saturating_sub(bench_cpu);
 
     let (server, key) = Server::start(
         database_for(base).await.as_deref(),
@@ -430,6 +436,7 @@ async fn figure_throughput(backend: &str, base: &Option<String>) {
         ))
         .await;
     echo.calls.store(0, Ordering::SeqCst);
+    let cpu = (server.cpu_time(), process_cpu_time("self"));
     let started = Instant::now();
     let runs: Vec<_> = (0..at_once)
         .map(|_| {
@@ -442,6 +449,10 @@ async fn figure_throughput(backend: &str, base: &Option<String>) {
     }
     let made = echo.calls.load(Ordering::SeqCst);
     let rate = made as f64 / started.elapsed().as_secs_f64();
+    let followed_cpu = (
+        server.cpu_time().saturating_sub(cpu.0),
+        process_cpu_time("self").saturating_sub(cpu.1),
+    );
 
     // The same runs again, started without a watcher: what following each run's events costs
     // the server, which shares the cores with the runs. This phase comes second, on a server
@@ -449,6 +460,7 @@ async fn figure_throughput(backend: &str, base: &Option<String>) {
     // when every run has ended: once the tool server has had all their calls, each run's
     // status is read until it is final.
     echo.calls.store(0, Ordering::SeqCst);
+    let cpu = (server.cpu_time(), process_cpu_time("self"));
     let started = Instant::now();
     let starts: Vec<_> = (0..at_once)
         .map(|_| {
@@ -490,6 +502,22 @@ async fn figure_throughput(backend: &str, base: &Option<String>) {
         }
     }
     let unfollowed = expected as f64 / started.elapsed().as_secs_f64();
+    let unfollowed_cpu = (
+        server.cpu_time().saturating_sub(cpu.0),
+        process_cpu_time("self").saturating_sub(cpu.1),
+    );
+    // CPU a call in µs: of the bench's process (the callers or the runs' starters and
+    // followers, and the tool server), and of the server's.
+    let per_call = |cpu: Duration, calls: usize| cpu.as_secs_f64() * 1e6 / calls.max(1) as f64;
+    let direct_us = per_call(direct_cpu, at_once * per_run);
+    let (followed_server, followed_bench) = (
+        per_call(followed_cpu.0, made),
+        per_call(followed_cpu.1, made),
+    );
+    let (unfollowed_server, unfollowed_bench) = (
+        per_call(unfollowed_cpu.0, expected),
+        per_call(unfollowed_cpu.1, expected),
+    );
     let tool = if takes == 0 {
         String::new()
     } else {
@@ -498,9 +526,13 @@ async fn figure_throughput(backend: &str, base: &Option<String>) {
     println!(
         "{backend:<8} throughput  {at_once} at once{tool}: direct {direct_rate:.0} calls/s | through \
          routines {rate:.0} calls/s ({made} calls) | ratio {:.3}x | runs not followed \
-         {unfollowed:.0} calls/s, ratio {:.3}x",
+         {unfollowed:.0} calls/s, ratio {:.3}x | CPU a call: direct {direct_us:.0} µs, followed \
+         {followed_server:.0} µs server + {followed_bench:.0} µs bench, not followed \
+         {unfollowed_server:.0} + {unfollowed_bench:.0} µs | calls per CPU-second, not followed \
+         against direct: ratio {:.3}x",
         rate / direct_rate,
-        unfollowed / direct_rate
+        unfollowed / direct_rate,
+        direct_us / (unfollowed_server + unfollowed_bench),
     );
 }
 

@@ -161,17 +161,9 @@ impl Server {
         size(&self._dir.path().join("data")) / 1024
     }
 
-    /// The CPU time the server process has used so far, every thread's, user and system
-    /// (`/proc/PID/stat`, counted in the kernel's 1/100 s ticks).
+    /// The CPU time the server process has used so far (see [`process_cpu_time`]).
     pub fn cpu_time(&self) -> Duration {
-        const TICKS_PER_SECOND: u64 = 100;
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).unwrap();
-        // The command name (field 2) may hold spaces; the fields after it follow its `)`.
-        let after_name = &stat[stat.rfind(')').unwrap() + 2..];
-        let fields: Vec<&str> = after_name.split(' ').collect();
-        // utime and stime are fields 14 and 15 of the whole line: 12 and 13 after the name.
-        let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
-        Duration::from_millis(ticks * 1000 / TICKS_PER_SECOND)
+        process_cpu_time(&self.child.id().to_string())
     }
 
     /// The server process's resident memory, in KiB.
@@ -183,6 +175,19 @@ impl Server {
             .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
             .unwrap()
     }
+}
+
+/// The CPU time process `pid` (a number, or `self` for the bench's own) has used so far,
+/// every thread's, user and system (`/proc/PID/stat`, counted in the kernel's 1/100 s ticks).
+pub fn process_cpu_time(pid: &str) -> Duration {
+    const TICKS_PER_SECOND: u64 = 100;
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // The command name (field 2) may hold spaces; the fields after it follow its `)`.
+    let after_name = &stat[stat.rfind(')').unwrap() + 2..];
+    let fields: Vec<&str> = after_name.split(' ').collect();
+    // utime and stime are fields 14 and 15 of the whole line: 12 and 13 after the name.
+    let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+    Duration::from_millis(ticks * 1000 / TICKS_PER_SECOND)
 }
 
 /// Spawns `command` and waits until it logs a line starting with `ready`: the child and the
