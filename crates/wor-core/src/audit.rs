@@ -27,6 +27,9 @@ pub const ENTRY_FORMAT: &str = "wor-audit-entry/1";
 pub const CHECKPOINT_FORMAT: &str = "wor-audit-checkpoint/1";
 
 /// Who caused an event.
+// INVARIANT: `Actor::tag_and_ids` writes the members these serde attributes give each variant
+// (the audit body and the stored text are written from it); the body test compares the two
+// for every variant.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Actor {
@@ -349,6 +352,11 @@ impl AuditEntry {
         self.hash_with_payload(Member::Json(&self.payload))
     }
 
+    /// The canonical JSON text of the entry's subjects, as stored.
+    pub fn subjects_canonical_json(&self) -> String {
+        canonical_object(&mut subject_members(&self.subjects))
+    }
+
     /// [`AuditEntry::compute_hash`] with the payload given as a value or as its canonical text,
     /// hashed as the body is written.
     fn hash_with_payload(&self, payload: Member<'_>) -> String {
@@ -384,13 +392,6 @@ impl AuditEntry {
             ("payload", payload),
         ];
         write(&mut members)
-    }
-}
-
-impl AuditEntry {
-    /// The canonical JSON text of the entry's subjects, as stored.
-    pub fn subjects_canonical_json(&self) -> String {
-        canonical_object(&mut subject_members(&self.subjects))
     }
 }
 

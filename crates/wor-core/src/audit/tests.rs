@@ -344,7 +344,19 @@ fn the_body_is_the_canonical_text_of_every_field_but_the_hash() {
     let key = "key_0193b0c4d5e67f8091a2b3c4d5e6f70a".parse().unwrap();
     let member = "mem_0193b0c4d5e67f8091a2b3c4d5e6f70b".parse().unwrap();
     let routine = "rtn_0193b0c4d5e67f8091a2b3c4d5e6f70e".parse().unwrap();
-    // Every kind of actor: the body writes each one's members itself.
+    // Every kind of actor, since the body writes each one's members itself: a kind added to
+    // `Actor` fails to compile in this match until it has a place, and the list is checked to
+    // hold every place.
+    let place = |actor: &Actor| match actor {
+        Actor::Operator => 0,
+        Actor::ConsoleVisitor => 1,
+        Actor::Run { .. } => 2,
+        Actor::ApiKey { .. } => 3,
+        Actor::Member { .. } => 4,
+        Actor::ConsoleMember { .. } => 5,
+        Actor::Schedule { .. } => 6,
+        Actor::Webhook { .. } => 7,
+    };
     let actors = [
         Actor::Operator,
         Actor::ConsoleVisitor,
@@ -362,6 +374,10 @@ fn the_body_is_the_canonical_text_of_every_field_but_the_hash() {
             routine_id: routine,
         },
     ];
+    let mut places: Vec<usize> = actors.iter().map(place).collect();
+    places.sort_unstable();
+    places.dedup();
+    assert_eq!(places, (0..8).collect::<Vec<_>>());
     for (n, actor) in actors.into_iter().enumerate() {
         let mut event = AuditEvent::new(project, AuditCategory::MemberCreate, actor)
             .payload(json!({"text": "\"quoted\" \\ \u{1} é 😀", "n": n}));

@@ -3,7 +3,8 @@
 // timeline, tool output that must stay text, and axe on every page built so far.
 //
 // Run by .ci/console.sh: WOR_BIN is the `wor` binary, WOR_NPM_CONSOLE the folder holding the
-// npm packages, WOR_TEST_DATABASE_URL empty for SQLite or a PostgreSQL URL.
+// npm packages, WOR_TEST_DATABASE_URL empty for SQLite or a PostgreSQL URL, and
+// WOR_CONSOLE_SCREENSHOTS the folder the SQLite run writes its screenshots to (none if unset).
 import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
 import { spawn, execFileSync } from 'node:child_process';
