@@ -19,8 +19,9 @@
 //! discards) against the same server without them, the two side by side in each round;
 //! `throughput` — tool calls per second with 32 runs at once (a pool of 32), each followed,
 //! against 32 direct callers, and again with no one following the runs, with the CPU each
-//! half used a call, the server's and the bench's own (which serves the echo tool), and the
-//! calls per CPU-second of the runs not followed against the direct callers'
+//! phase used a call, the server's and the bench's own (the direct callers, the echo tool's
+//! server, and the runs' starters, followers and final status reads), and the calls per
+//! CPU-second of the runs not followed against the direct callers'
 //! (`WOR_BENCH_AT_ONCE` sets another number of runs and callers, `WOR_BENCH_TOOL_MS` a time
 //! the echo tool takes to answer each call, for the direct callers and the runs alike);
 //! `trivial` — runs of one model turn per second with 1, 8 and 32 concurrent starters, and
@@ -506,8 +507,8 @@ async fn figure_throughput(backend: &str, base: &Option<String>) {
         server.cpu_time().saturating_sub(cpu.0),
         process_cpu_time("self").saturating_sub(cpu.1),
     );
-    // CPU a call in µs: of the bench's process (the callers or the runs' starters and
-    // followers, and the tool server), and of the server's.
+    // CPU a call in µs: of the bench's process (the direct callers, or the runs' starters,
+    // followers and final status reads; and the tool server), and of the server's.
     let per_call = |cpu: Duration, calls: usize| cpu.as_secs_f64() * 1e6 / calls.max(1) as f64;
     let direct_us = per_call(direct_cpu, at_once * per_run);
     let (followed_server, followed_bench) = (
@@ -526,10 +527,10 @@ async fn figure_throughput(backend: &str, base: &Option<String>) {
     println!(
         "{backend:<8} throughput  {at_once} at once{tool}: direct {direct_rate:.0} calls/s | through \
          routines {rate:.0} calls/s ({made} calls) | ratio {:.3}x | runs not followed \
-         {unfollowed:.0} calls/s, ratio {:.3}x | CPU a call: direct {direct_us:.0} µs, followed \
-         {followed_server:.0} µs server + {followed_bench:.0} µs bench, not followed \
-         {unfollowed_server:.0} + {unfollowed_bench:.0} µs | calls per CPU-second, not followed \
-         against direct: ratio {:.3}x",
+         {unfollowed:.0} calls/s, ratio {:.3}x | CPU a call: direct {direct_us:.0}us, followed \
+         {followed_server:.0}us server + {followed_bench:.0}us bench, not followed \
+         {unfollowed_server:.0}us server + {unfollowed_bench:.0}us bench | calls per \
+         CPU-second, not followed against direct: ratio {:.3}x",
         rate / direct_rate,
         unfollowed / direct_rate,
         direct_us / (unfollowed_server + unfollowed_bench),
