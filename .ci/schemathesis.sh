@@ -60,9 +60,12 @@ run_wor() { env -i PATH="$PATH" HOME="$work" "$wor" "$@"; }
 key=$(run_wor init --project schemathesis "${db_args[@]}" 2>"$work/init.log") \
   || { cat "$work/init.log"; exit 1; }
 
+# The log exists before the server starts: the background job opens it for the server only
+# after the fork, and a read of a missing file would end this script (`set -e`, `pipefail`).
+: > "$work/serve.log"
 # Not through the function: `env` execs the server, so $! is the server's own pid.
 env -i PATH="$PATH" HOME="$work" "$wor" serve --listen 127.0.0.1:0 "${db_args[@]}" \
-  2>"$work/serve.log" &
+  2>>"$work/serve.log" &
 server_pid=$!
 url=
 for _ in $(seq 1 300); do
