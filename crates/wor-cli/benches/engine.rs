@@ -436,8 +436,17 @@ async fn figure_throughput(backend: &str, base: &Option<String>) {
             "when = { last_tool_result_contains = \"#never#\" }",
         ))
         .await;
+    // The server's CPU and the bench's own so far, and what each used since such a reading.
+    let cpu_now = || (server.cpu_time(), process_cpu_time("self"));
+    let cpu_since = |(server_at, bench_at): (Duration, Duration)| {
+        let (server_now, bench_now) = cpu_now();
+        (
+            server_now.saturating_sub(server_at),
+            bench_now.saturating_sub(bench_at),
+        )
+    };
     echo.calls.store(0, Ordering::SeqCst);
-    let cpu = (server.cpu_time(), process_cpu_time("self"));
+    let cpu = cpu_now();
     let started = Instant::now();
     let runs: Vec<_> = (0..at_once)
         .map(|_| {
@@ -450,10 +459,7 @@ async fn figure_throughput(backend: &str, base: &Option<String>) {
     }
     let made = echo.calls.load(Ordering::SeqCst);
     let rate = made as f64 / started.elapsed().as_secs_f64();
-    let followed_cpu = (
-        server.cpu_time().saturating_sub(cpu.0),
-        process_cpu_time("self").saturating_sub(cpu.1),
-    );
+    let followed_cpu = cpu_since(cpu);
 
     // The same runs again, started without a watcher: what following each run's events costs
     // the server, which shares the cores with the runs. This phase comes second, on a server
@@ -461,7 +467,7 @@ async fn figure_throughput(backend: &str, base: &Option<String>) {
     // when every run has ended: once the tool server has had all their calls, each run's
     // status is read until it is final.
     echo.calls.store(0, Ordering::SeqCst);
-    let cpu = (server.cpu_time(), process_cpu_time("self"));
+    let cpu = cpu_now();
     let started = Instant::now();
     let starts: Vec<_> = (0..at_once)
         .map(|_| {
@@ -503,22 +509,16 @@ async fn figure_throughput(backend: &str, base: &Option<String>) {
         }
     }
     let unfollowed = expected as f64 / started.elapsed().as_secs_f64();
-    let unfollowed_cpu = (
-        server.cpu_time().saturating_sub(cpu.0),
-        process_cpu_time("self").saturating_sub(cpu.1),
-    );
+    let unfollowed_cpu = cpu_since(cpu);
     // CPU a call in µs: of the bench's process (the direct callers, or the runs' starters,
     // followers and final status reads; and the tool server), and of the server's.
     let per_call = |cpu: Duration, calls: usize| cpu.as_secs_f64() * 1e6 / calls.max(1) as f64;
+    let both_per_call = |(server_cpu, bench_cpu): (Duration, Duration), calls: usize| {
+        (per_call(server_cpu, calls), per_call(bench_cpu, calls))
+    };
     let direct_us = per_call(direct_cpu, at_once * per_run);
-    let (followed_server, followed_bench) = (
-        per_call(followed_cpu.0, made),
-        per_call(followed_cpu.1, made),
-    );
-    let (unfollowed_server, unfollowed_bench) = (
-        per_call(unfollowed_cpu.0, expected),
-        per_call(unfollowed_cpu.1, expected),
-    );
+    let (followed_server, followed_bench) = both_per_call(followed_cpu, made);
+    let (unfollowed_server, unfollowed_bench) = both_per_call(unfollowed_cpu, expected);
     let tool = if takes == 0 {
         String::new()
     } else {
