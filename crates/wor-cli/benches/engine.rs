@@ -21,8 +21,10 @@
 //! against 32 direct callers, and again with no one following the runs, with the CPU each
 //! phase used a call, the server's and the bench's own (the direct callers, the echo tool's
 //! server, and the runs' starters, followers and final status reads), and the calls per
-//! CPU-second of the runs not followed against the direct callers'
-//! (`WOR_BENCH_AT_ONCE` sets another number of runs and callers, `WOR_BENCH_TOOL_MS` a time
+//! CPU-second of the runs not followed against the direct callers'; each ratio is taken within
+//! a round, which measures the direct callers and both halves one after the other, and the
+//! figure gives its median and range over the rounds (`WOR_BENCH_THROUGHPUT_ROUNDS`, 3 unless
+//! set; `WOR_BENCH_AT_ONCE` sets another number of runs and callers, `WOR_BENCH_TOOL_MS` a time
 //! the echo tool takes to answer each call, for the direct callers and the runs alike);
 //! `trivial` — runs of one model turn per second with 1, 8 and 32 concurrent starters, and
 //! enqueue → start; `cron` — routines whose schedule fires in the same minute, dispatch lag (a
@@ -194,7 +196,6 @@ repeat = true
 max_runs = 1000
 "#;
 
-/// Starts a run and follows its events to the end; returns the run's id.
 /// Starts a run of `routine`; its id.
 async fn start_run(api: &Api, routine: &str) -> String {
     let run = api
@@ -206,6 +207,7 @@ async fn start_run(api: &Api, routine: &str) -> String {
     run["id"].as_str().unwrap().to_owned()
 }
 
+/// Starts a run of `routine` and follows its events to the end; the run's id.
 async fn start_and_follow(api: &Api, routine: &str) -> String {
     let id = start_run(api, routine).await;
     let mut response = api
@@ -392,35 +394,60 @@ async fn figure_observed(backend: &str, base: &Option<String>) {
     );
 }
 
+/// One round of the `throughput` figure: each phase's calls a second and CPU a call, in µs
+/// (the server's and the bench's own; the direct callers' all the bench's).
+struct ThroughputRound {
+    direct: f64,
+    direct_us: f64,
+    followed: f64,
+    followed_us: (f64, f64),
+    unfollowed: f64,
+    unfollowed_us: (f64, f64),
+}
+
+impl ThroughputRound {
+    fn followed_ratio(&self) -> f64 {
+        self.followed / self.direct
+    }
+
+    fn unfollowed_ratio(&self) -> f64 {
+        self.unfollowed / self.direct
+    }
+
+    /// Calls per CPU-second of the runs not followed, against the direct callers'.
+    fn per_cpu_ratio(&self) -> f64 {
+        self.direct_us / (self.unfollowed_us.0 + self.unfollowed_us.1)
+    }
+}
+
+/// The median of `values` (the mean of the middle two when their count is even) and their
+/// least and greatest.
+fn median_and_range(values: impl Iterator<Item = f64>) -> (f64, f64, f64) {
+    let mut values: Vec<f64> = values.collect();
+    values.sort_by(f64::total_cmp);
+    let (Some(&least), Some(&greatest)) = (values.first(), values.last()) else {
+        return (0.0, 0.0, 0.0);
+    };
+    let middle = values.len() / 2;
+    let median = if values.len().is_multiple_of(2) {
+        (values[middle - 1] + values[middle]) / 2.0
+    } else {
+        values[middle]
+    };
+    (median, least, greatest)
+}
+
 async fn figure_throughput(backend: &str, base: &Option<String>) {
     let at_once = env_number("WOR_BENCH_AT_ONCE", 32).max(1);
     let per_run = env_number("WOR_BENCH_CALLS_PER_RUN", 50);
     let takes = env_number("WOR_BENCH_TOOL_MS", 0);
+    let rounds = env_number("WOR_BENCH_THROUGHPUT_ROUNDS", 3).max(1);
     let echo = Echo {
         takes: Duration::from_millis(takes as u64),
         ..Echo::default()
     };
     let addr = serve_echo(echo.clone()).await;
     let http = client();
-    let bench_cpu = process_cpu_time("self");
-    let started = Instant::now();
-    let callers: Vec<_> = (0..at_once)
-        .map(|_| {
-            let http = http.clone();
-            tokio::spawn(async move {
-                for _ in 0..per_run {
-                    direct_call(&http, addr).await;
-                }
-            })
-        })
-        .collect();
-    for caller in callers {
-        caller.await.unwrap();
-    }
-    let direct_rate = (at_once * per_run) as f64 / started.elapsed().as_secs_f64();
-    // The direct callers and the tool server share the bench's process.
-    let direct_cpu = process_cpu_time("self").saturating_sub(bench_cpu);
-
     let (server, key) = Server::start(
         database_for(base).await.as_deref(),
         // As many runs at once as there are callers: the project's limit and the process's
@@ -445,95 +472,146 @@ async fn figure_throughput(backend: &str, base: &Option<String>) {
             bench_now.saturating_sub(bench_at),
         )
     };
-    echo.calls.store(0, Ordering::SeqCst);
-    let cpu = cpu_now();
-    let started = Instant::now();
-    let runs: Vec<_> = (0..at_once)
-        .map(|_| {
-            let (api, routine) = (api.clone(), routine.clone());
-            tokio::spawn(async move { start_and_follow(&api, &routine).await })
-        })
-        .collect();
-    for run in runs {
-        run.await.unwrap();
-    }
-    let made = echo.calls.load(Ordering::SeqCst);
-    let rate = made as f64 / started.elapsed().as_secs_f64();
-    let followed_cpu = cpu_since(cpu);
-
-    // The same runs again, started without a watcher: what following each run's events costs
-    // the server, which shares the cores with the runs. This phase comes second, on a server
-    // the first has warmed, so the difference is an upper bound. It ends, as the first does,
-    // when every run has ended: once the tool server has had all their calls, each run's
-    // status is read until it is final.
-    echo.calls.store(0, Ordering::SeqCst);
-    let cpu = cpu_now();
-    let started = Instant::now();
-    let starts: Vec<_> = (0..at_once)
-        .map(|_| {
-            let (api, routine) = (api.clone(), routine.clone());
-            tokio::spawn(async move { start_run(&api, &routine).await })
-        })
-        .collect();
-    let mut pending = Vec::with_capacity(at_once);
-    for start in starts {
-        pending.push(start.await.unwrap());
-    }
-    let expected = at_once * per_run;
-    let deadline = Duration::from_secs(300);
-    while echo.calls.load(Ordering::SeqCst) < expected {
-        assert!(
-            started.elapsed() < deadline,
-            "the runs that no one follows made {} of {expected} calls in 300 s",
-            echo.calls.load(Ordering::SeqCst)
-        );
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-    while !pending.is_empty() {
-        let mut still = Vec::new();
-        for id in pending {
-            let run = api.get(&format!("/v1/runs/{id}")).await;
-            let status = run["status"].as_str().unwrap_or_default();
-            if !["succeeded", "failed", "cancelled", "budget_exceeded"].contains(&status) {
-                still.push(id);
-            }
-        }
-        pending = still;
-        assert!(
-            started.elapsed() < deadline,
-            "{} runs that no one follows had not ended in 300 s",
-            pending.len()
-        );
-        if !pending.is_empty() {
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-    }
-    let unfollowed = expected as f64 / started.elapsed().as_secs_f64();
-    let unfollowed_cpu = cpu_since(cpu);
-    // CPU a call in µs: of the bench's process (the direct callers, or the runs' starters,
-    // followers and final status reads; and the tool server), and of the server's.
+    // CPU a call in µs, of the server's and of the bench's process.
     let per_call = |cpu: Duration, calls: usize| cpu.as_secs_f64() * 1e6 / calls.max(1) as f64;
     let both_per_call = |(server_cpu, bench_cpu): (Duration, Duration), calls: usize| {
         (per_call(server_cpu, calls), per_call(bench_cpu, calls))
     };
-    let direct_us = per_call(direct_cpu, at_once * per_run);
-    let (followed_server, followed_bench) = both_per_call(followed_cpu, made);
-    let (unfollowed_server, unfollowed_bench) = both_per_call(unfollowed_cpu, expected);
+    let expected = at_once * per_run;
+    let deadline = Duration::from_secs(300);
+    // The host's speed drifts over seconds: each round measures the direct callers and both
+    // halves of the runs one after the other, and the figure is each ratio's median over the
+    // rounds, each ratio taken within its round.
+    let mut measured = Vec::with_capacity(rounds);
+    for _ in 0..rounds {
+        // What the server does after the last round's runs ended (its log's checkpoints)
+        // settles before the direct callers share the cores with it.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        echo.calls.store(0, Ordering::SeqCst);
+        let bench_cpu = process_cpu_time("self");
+        let started = Instant::now();
+        let callers: Vec<_> = (0..at_once)
+            .map(|_| {
+                let http = http.clone();
+                tokio::spawn(async move {
+                    for _ in 0..per_run {
+                        direct_call(&http, addr).await;
+                    }
+                })
+            })
+            .collect();
+        for caller in callers {
+            caller.await.unwrap();
+        }
+        let direct = expected as f64 / started.elapsed().as_secs_f64();
+        // The direct callers and the tool server share the bench's process.
+        let direct_us = per_call(process_cpu_time("self").saturating_sub(bench_cpu), expected);
+
+        echo.calls.store(0, Ordering::SeqCst);
+        let cpu = cpu_now();
+        let started = Instant::now();
+        let runs: Vec<_> = (0..at_once)
+            .map(|_| {
+                let (api, routine) = (api.clone(), routine.clone());
+                tokio::spawn(async move { start_and_follow(&api, &routine).await })
+            })
+            .collect();
+        for run in runs {
+            run.await.unwrap();
+        }
+        let made = echo.calls.load(Ordering::SeqCst);
+        assert_eq!(
+            made, expected,
+            "the followed runs made {made} of {expected} calls"
+        );
+        let followed = made as f64 / started.elapsed().as_secs_f64();
+        let followed_us = both_per_call(cpu_since(cpu), made);
+
+        // The same runs again, started without a watcher: what following each run's events
+        // costs the server, which shares the cores with the runs. This half comes second, on a
+        // server the first has warmed, so the difference is an upper bound. It ends, as the
+        // first does, when every run has ended: once the tool server has had all their calls,
+        // each run's status is read until it is final.
+        echo.calls.store(0, Ordering::SeqCst);
+        let cpu = cpu_now();
+        let started = Instant::now();
+        let starts: Vec<_> = (0..at_once)
+            .map(|_| {
+                let (api, routine) = (api.clone(), routine.clone());
+                tokio::spawn(async move { start_run(&api, &routine).await })
+            })
+            .collect();
+        let mut pending = Vec::with_capacity(at_once);
+        for start in starts {
+            pending.push(start.await.unwrap());
+        }
+        while echo.calls.load(Ordering::SeqCst) < expected {
+            assert!(
+                started.elapsed() < deadline,
+                "the runs that no one follows made {} of {expected} calls in 300 s",
+                echo.calls.load(Ordering::SeqCst)
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        while !pending.is_empty() {
+            let mut still = Vec::new();
+            for id in pending {
+                let run = api.get(&format!("/v1/runs/{id}")).await;
+                let status = run["status"].as_str().unwrap_or_default();
+                if !["succeeded", "failed", "cancelled", "budget_exceeded"].contains(&status) {
+                    still.push(id);
+                }
+            }
+            pending = still;
+            assert!(
+                started.elapsed() < deadline,
+                "{} runs that no one follows had not ended in 300 s",
+                pending.len()
+            );
+            if !pending.is_empty() {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        }
+        let unfollowed = expected as f64 / started.elapsed().as_secs_f64();
+        let unfollowed_us = both_per_call(cpu_since(cpu), expected);
+        measured.push(ThroughputRound {
+            direct,
+            direct_us,
+            followed,
+            followed_us,
+            unfollowed,
+            unfollowed_us,
+        });
+    }
+    let median =
+        |figure: fn(&ThroughputRound) -> f64| median_and_range(measured.iter().map(figure)).0;
+    let (followed_ratio, followed_least, followed_most) =
+        median_and_range(measured.iter().map(ThroughputRound::followed_ratio));
+    let (unfollowed_ratio, unfollowed_least, unfollowed_most) =
+        median_and_range(measured.iter().map(ThroughputRound::unfollowed_ratio));
+    let (per_cpu_ratio, per_cpu_least, per_cpu_most) =
+        median_and_range(measured.iter().map(ThroughputRound::per_cpu_ratio));
     let tool = if takes == 0 {
         String::new()
     } else {
         format!(", each call taking the tool {takes} ms")
     };
     println!(
-        "{backend:<8} throughput  {at_once} at once{tool}: direct {direct_rate:.0} calls/s | through \
-         routines {rate:.0} calls/s ({made} calls) | ratio {:.3}x | runs not followed \
-         {unfollowed:.0} calls/s, ratio {:.3}x | CPU a call: direct {direct_us:.0}us, followed \
-         {followed_server:.0}us server + {followed_bench:.0}us bench, not followed \
-         {unfollowed_server:.0}us server + {unfollowed_bench:.0}us bench | calls per \
-         CPU-second, not followed against direct: ratio {:.3}x",
-        rate / direct_rate,
-        unfollowed / direct_rate,
-        direct_us / (unfollowed_server + unfollowed_bench),
+        "{backend:<8} throughput  {at_once} at once{tool}, medians of {rounds} rounds of {expected} \
+         calls: direct {:.0} calls/s | through routines {:.0} calls/s | ratio {followed_ratio:.3}x \
+         ({followed_least:.3}–{followed_most:.3}) | runs not followed {:.0} calls/s, ratio \
+         {unfollowed_ratio:.3}x ({unfollowed_least:.3}–{unfollowed_most:.3}) | CPU a call: direct \
+         {:.0}us, followed {:.0}us server + {:.0}us bench, not followed {:.0}us server + {:.0}us \
+         bench | calls per CPU-second, not followed against direct: ratio {per_cpu_ratio:.3}x \
+         ({per_cpu_least:.3}–{per_cpu_most:.3})",
+        median(|round| round.direct),
+        median(|round| round.followed),
+        median(|round| round.unfollowed),
+        median(|round| round.direct_us),
+        median(|round| round.followed_us.0),
+        median(|round| round.followed_us.1),
+        median(|round| round.unfollowed_us.0),
+        median(|round| round.unfollowed_us.1),
     );
 }
 
