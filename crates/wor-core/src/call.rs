@@ -128,7 +128,7 @@ impl std::str::FromStr for TriggerKind {
         TriggerKind::ALL
             .into_iter()
             .find(|k| k.as_str() == s)
-            .ok_or_else(|| TriggerKindParseError(s.chars().take(40).collect()))
+            .ok_or_else(|| TriggerKindParseError(crate::quote::excerpt(s, 40)))
     }
 }
 

@@ -28,7 +28,7 @@ fn parse_prefixed(
     let malformed = || IdError::Malformed {
         kind,
         prefix,
-        value: value.chars().take(80).collect(),
+        value: crate::quote::excerpt(value, 80),
     };
     let rest = value
         .strip_prefix(prefix)

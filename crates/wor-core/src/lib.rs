@@ -14,6 +14,7 @@ pub mod ids;
 pub mod json_depth;
 pub mod model;
 pub mod provenance;
+pub mod quote;
 pub mod replay;
 pub mod role;
 pub mod routine;

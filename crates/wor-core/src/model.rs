@@ -268,7 +268,7 @@ impl FromStr for ProviderKind {
         Self::ALL
             .into_iter()
             .find(|kind| kind.as_str() == s)
-            .ok_or_else(|| ProviderKindParseError(s.chars().take(80).collect()))
+            .ok_or_else(|| ProviderKindParseError(crate::quote::excerpt(s, 80)))
     }
 }
 

@@ -125,7 +125,7 @@ impl FromStr for Role {
         Role::ALL
             .into_iter()
             .find(|r| r.as_str() == s)
-            .ok_or_else(|| RoleParseError(s.chars().take(40).collect()))
+            .ok_or_else(|| RoleParseError(crate::quote::excerpt(s, 40)))
     }
 }
 

@@ -46,7 +46,7 @@ impl RoutineName {
         if ok {
             Ok(RoutineName(text.to_owned()))
         } else {
-            Err(RoutineNameError(text.chars().take(80).collect()))
+            Err(RoutineNameError(crate::quote::excerpt(text, 80)))
         }
     }
 

@@ -80,7 +80,7 @@ impl FromStr for RunStatus {
         RunStatus::ALL
             .into_iter()
             .find(|st| st.as_str() == s)
-            .ok_or_else(|| RunStatusParseError(s.chars().take(40).collect()))
+            .ok_or_else(|| RunStatusParseError(crate::quote::excerpt(s, 40)))
     }
 }
 
@@ -124,7 +124,7 @@ impl FromStr for Provenance {
         ]
         .into_iter()
         .find(|p| p.as_str() == s)
-        .ok_or_else(|| RunStatusParseError(s.chars().take(40).collect()))
+        .ok_or_else(|| RunStatusParseError(crate::quote::excerpt(s, 40)))
     }
 }
 

@@ -80,7 +80,7 @@ impl StepKind {
         StepKind::ALL
             .into_iter()
             .find(|k| k.as_str() == kind)
-            .ok_or_else(|| StepError::UnknownKind(kind.chars().take(40).collect()))
+            .ok_or_else(|| StepError::UnknownKind(crate::quote::excerpt(kind, 40)))
     }
 
     pub fn as_str(self) -> &'static str {
@@ -189,7 +189,7 @@ impl std::str::FromStr for MemoryRole {
         [MemoryRole::Requester, MemoryRole::Assistant]
             .into_iter()
             .find(|r| r.as_str() == s)
-            .ok_or_else(|| MemoryRoleParseError(s.chars().take(40).collect()))
+            .ok_or_else(|| MemoryRoleParseError(crate::quote::excerpt(s, 40)))
     }
 }
 

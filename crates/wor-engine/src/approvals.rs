@@ -92,7 +92,11 @@ impl EditRefusal {
                         .nth(1)
                         .filter(|first| !first.is_empty())
                         .map(|first| first.replace("~1", "/").replace("~0", "~")),
-                    message: v.message.chars().take(300).collect(),
+                    // Redacted whole, then cut: a secret cut short would no longer be recognised.
+                    message: wor_secrets::redact_shapes(&v.message)
+                        .chars()
+                        .take(300)
+                        .collect(),
                 })
                 .collect(),
             other => vec![ArgumentViolation {
@@ -278,7 +282,7 @@ impl Engine {
         };
         if let Some(pinned) = edits.keys().find(|k| approval.pinned_keys.contains(k)) {
             return Err(EditRefusal::Pinned {
-                argument: pinned.chars().take(100).collect(),
+                argument: wor_core::quote::excerpt(pinned, 100),
             }
             .into());
         }

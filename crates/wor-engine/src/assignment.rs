@@ -778,7 +778,7 @@ impl Engine {
         let pending = pending_calls(steps.iter().map(|s| &s.step))
             .into_iter()
             .find(|pending| pending.call.id == call_id);
-        let no_held_call = || WorkerStepRefusal::NoHeldCall(call_id.chars().take(80).collect());
+        let no_held_call = || WorkerStepRefusal::NoHeldCall(wor_core::quote::excerpt(call_id, 80));
         let Some(pending) = pending else {
             return Ok(Err(no_held_call()));
         };
@@ -821,7 +821,7 @@ impl Engine {
                     }
                     UnknownOutcome::Retry(_) | UnknownOutcome::Unknown => {
                         Ok(Err(WorkerStepRefusal::OutcomeUnknownDecided(
-                            call_id.chars().take(80).collect(),
+                            wor_core::quote::excerpt(call_id, 80),
                         )))
                     }
                 }
@@ -969,7 +969,7 @@ impl Engine {
             return Ok(Err(refusal));
         }
         let no_routine_call =
-            || WorkerStepRefusal::NoRoutineCall(call_id.chars().take(80).collect());
+            || WorkerStepRefusal::NoRoutineCall(wor_core::quote::excerpt(call_id, 80));
         let steps = self
             .store
             .list_run_steps(parent.project_id, parent.id, 0)

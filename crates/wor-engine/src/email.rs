@@ -186,7 +186,7 @@ impl Engine {
             address
                 .parse::<Mailbox>()
                 .map_err(|_| RouteError::Recipient {
-                    address: address.chars().take(100).collect(),
+                    address: wor_core::quote::excerpt(address, 100),
                 })?;
         }
         if digest_minutes.is_some_and(|m| m == 0 || m > MAX_DIGEST_MINUTES) {

@@ -294,8 +294,11 @@ fn error_summary(body: &[u8], endpoint: &ProviderEndpoint) -> String {
             .to_owned(),
         Err(_) => text.lines().next().unwrap_or_default().to_owned(),
     };
-    let short: String = message.trim().chars().take(SUMMARY_CHARS).collect();
-    redact_key(&short, endpoint)
+    // Redacted whole, then cut: a key cut short would no longer be recognised.
+    redact_key(message.trim(), endpoint)
+        .chars()
+        .take(SUMMARY_CHARS)
+        .collect()
 }
 
 /// `text` with the endpoint's key (in any encoding the redactor knows) and secret shapes removed.
@@ -462,6 +465,23 @@ mod tests {
                 "http://h/v1/chat/completions"
             );
         }
+    }
+
+    #[test]
+    fn a_key_the_provider_echoes_where_the_summary_is_cut_is_redacted_whole() {
+        let key = "sk-live-0123456789abcdefghij";
+        let endpoint =
+            ProviderEndpoint::new("http://h/v1", Some(SecretString::from(key.to_owned())));
+        // The key straddles the summary's cut: cut first, its start would go out unrecognised.
+        let message = format!(
+            "{} {key} is not a valid key",
+            "x".repeat(SUMMARY_CHARS - 15)
+        );
+        let body = serde_json::json!({"error": {"message": message}}).to_string();
+        let summary = error_summary(body.as_bytes(), &endpoint);
+        assert!(!summary.contains("sk-live-01"), "{summary}");
+        assert!(summary.starts_with("xxxx"), "{summary}");
+        assert_eq!(summary.chars().count(), SUMMARY_CHARS);
     }
 
     #[test]

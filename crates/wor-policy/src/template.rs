@@ -26,7 +26,7 @@ pub enum TemplateError {
 /// The project policy template `name` with `tools` as its list.
 pub fn fill_template(name: &str, tools: &[String]) -> Result<String, TemplateError> {
     if name != "trusted-arguments" {
-        return Err(TemplateError::Unknown(name.chars().take(40).collect()));
+        return Err(TemplateError::Unknown(wor_core::quote::excerpt(name, 40)));
     }
     if tools.is_empty() {
         return Err(TemplateError::NoTools);
@@ -41,7 +41,7 @@ pub fn fill_template(name: &str, tools: &[String]) -> Result<String, TemplateErr
                     .all(|c| c.is_ascii_alphanumeric() || "_-./".contains(c))
         });
         if !valid {
-            return Err(TemplateError::BadTool(tool.chars().take(80).collect()));
+            return Err(TemplateError::BadTool(wor_core::quote::excerpt(tool, 80)));
         }
         list.push(format!("Tool::\"{tool}\""));
     }

@@ -72,7 +72,7 @@ impl FromStr for ApprovalStatus {
             .ok_or_else(|| {
                 format!(
                     "`{}` is not an approval status: expected pending, approved, denied, expired or cancelled",
-                    s.chars().take(40).collect::<String>()
+                    wor_core::quote::excerpt(s, 40)
                 )
             })
     }

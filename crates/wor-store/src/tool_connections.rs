@@ -97,7 +97,7 @@ impl FromStr for ToolConnectionKind {
             "wasm" => Ok(ToolConnectionKind::Wasm),
             other => Err(format!(
                 "`{}` is not a tool connection kind: expected mcp_http, mcp_stdio, http_api or wasm",
-                other.chars().take(40).collect::<String>()
+                wor_core::quote::excerpt(other, 40)
             )),
         }
     }

@@ -121,6 +121,17 @@ fn samples() -> Vec<(&'static str, String, String)> {
             "sk_live_short".into(),
         ),
         (
+            "wor-api-key",
+            format!("wor_{}", hex(64)),
+            // The part of a key that listings show to identify it.
+            format!("wor_{}", hex(8)),
+        ),
+        (
+            "wor-run-token",
+            format!("wrt_{}", hex(64)),
+            format!("wrt_{}", hex(63)),
+        ),
+        (
             "whsec-secret",
             format!("whsec_{}", alnum(32)),
             "whsec_abc".into(),

@@ -509,10 +509,7 @@ fn enable_body(bytes: &[u8]) -> Result<EnableToolConnection, ConsoleError> {
             other => {
                 return Err(ConsoleError(ApiError::bad_request(
                     "invalid_form",
-                    format!(
-                        "unknown field `{}`",
-                        other.chars().take(40).collect::<String>()
-                    ),
+                    format!("unknown field `{}`", wor_core::quote::excerpt(other, 40)),
                 )));
             }
         }

@@ -50,7 +50,7 @@ fn invalid(field: &str, value: &str) -> ConsoleError {
         "invalid_filter",
         format!(
             "`{}` is not a valid {field}",
-            value.chars().take(80).collect::<String>()
+            wor_core::quote::excerpt(value, 80)
         ),
     ))
 }

@@ -604,7 +604,11 @@ pub async fn slack_interaction(
             response_action: "errors".to_owned(),
             errors: Some(std::collections::BTreeMap::from([(
                 "wor_reason".to_owned(),
-                reason.chars().take(150).collect(),
+                // Redacted whole, then cut: a secret cut short would no longer be recognised.
+                wor_secrets::redact_shapes(&reason)
+                    .chars()
+                    .take(150)
+                    .collect(),
             )])),
         }))),
         Err(rejection) => {
