@@ -1,6 +1,7 @@
 //! Request extractors that turn every rejection into the API's one error shape.
 
 use axum::body::Bytes;
+use axum::extract::path::ErrorKind;
 use axum::extract::rejection::{BytesRejection, JsonRejection, PathRejection, QueryRejection};
 use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::request::Parts;
@@ -11,8 +12,8 @@ use wor_core::json_depth::MAX_JSON_NESTING;
 
 use crate::error::ApiError;
 
-/// A JSON body. Request types use `#[serde(deny_unknown_fields)]`, so a misspelt field is an
-/// error rather than a silent default.
+/// A JSON body, which must be an object. Request types use `#[serde(deny_unknown_fields)]`, so a
+/// misspelt field is an error rather than a silent default.
 #[derive(Debug)]
 pub struct ApiJson<T>(pub T);
 
@@ -24,39 +25,61 @@ where
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        if !json_content_type(req.headers()) {
-            return Err(ApiError::UnsupportedMediaType);
-        }
-        let bytes = Bytes::from_request(req, state).await.map_err(|rejection| {
-            if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-                ApiError::PayloadTooLarge
-            } else {
-                ApiError::bad_request("invalid_body", rejection.body_text())
-            }
-        })?;
-        let nesting = wor_core::json_depth::text_nesting(&bytes);
-        if nesting > MAX_JSON_NESTING {
-            return Err(ApiError::bad_request(
-                "invalid_json",
-                format!("the body nests arrays and objects deeper than {MAX_JSON_NESTING} levels"),
-            ));
-        }
-        // PostgreSQL text cannot hold U+0000, so no input may carry it, on any backend.
-        if let Some(field) = field_with_nul(&bytes) {
-            return Err(ApiError::bad_request(
-                "invalid_body",
-                format!("{field} contains a NUL character (U+0000)"),
-            ));
-        }
-        match axum::Json::<T>::from_bytes(&bytes) {
-            Ok(axum::Json(value)) => Ok(ApiJson(value)),
-            Err(rejection) => Err(json_rejection(rejection)),
-        }
+        let bytes = json_body(req, state).await?;
+        object(&bytes).map(ApiJson)
     }
 }
 
+/// A JSON object read into `T`. Anything else is refused before `T` sees it: serde would read
+/// an array into a struct, field by field in order, past `deny_unknown_fields`.
+fn object<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    let first = bytes
+        .iter()
+        .find(|byte| !matches!(byte, b' ' | b'\t' | b'\n' | b'\r'));
+    if first != Some(&b'{') {
+        return Err(ApiError::bad_request(
+            "invalid_body",
+            "the body must be a JSON object",
+        ));
+    }
+    match axum::Json::<T>::from_bytes(bytes) {
+        Ok(axum::Json(value)) => Ok(value),
+        Err(rejection) => Err(json_rejection(rejection)),
+    }
+}
+
+/// The body of a request that says it is JSON, within the size and nesting limits and free
+/// of U+0000; not yet parsed.
+async fn json_body<S: Send + Sync>(req: Request, state: &S) -> Result<Bytes, ApiError> {
+    if !json_content_type(req.headers()) {
+        return Err(ApiError::UnsupportedMediaType);
+    }
+    let bytes = Bytes::from_request(req, state).await.map_err(|rejection| {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::PayloadTooLarge
+        } else {
+            ApiError::bad_request("invalid_body", rejection.body_text())
+        }
+    })?;
+    let nesting = wor_core::json_depth::text_nesting(&bytes);
+    if nesting > MAX_JSON_NESTING {
+        return Err(ApiError::bad_request(
+            "invalid_json",
+            format!("the body nests arrays and objects deeper than {MAX_JSON_NESTING} levels"),
+        ));
+    }
+    // PostgreSQL text cannot hold U+0000, so no input may carry it, on any backend.
+    if let Some(field) = field_with_nul(&bytes) {
+        return Err(ApiError::bad_request(
+            "invalid_body",
+            format!("{field} contains a NUL character (U+0000)"),
+        ));
+    }
+    Ok(bytes)
+}
+
 /// A JSON body that may be left out: no body (and no `Content-Type`) or a JSON `null` is
-/// `None`; anything else is read exactly as [`ApiJson`] reads it.
+/// `None`; anything else is read exactly as [`ApiJson`] reads it, an object.
 #[derive(Debug)]
 pub struct OptionalApiJson<T>(pub Option<T>);
 
@@ -69,8 +92,11 @@ where
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
         if req.headers().contains_key(header::CONTENT_TYPE) {
-            let ApiJson(value) = ApiJson::<Option<T>>::from_request(req, state).await?;
-            return Ok(OptionalApiJson(value));
+            let bytes = json_body(req, state).await?;
+            if bytes.trim_ascii() == b"null" {
+                return Ok(OptionalApiJson(None));
+            }
+            return object(&bytes).map(|value| OptionalApiJson(Some(value)));
         }
         let bytes = Bytes::from_request(req, state)
             .await
@@ -197,8 +223,16 @@ where
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
         match axum::extract::Path::<T>::from_request_parts(parts, state).await {
             Ok(axum::extract::Path(value)) => Ok(ApiPath(value)),
+            // The id's own message, without the prefix axum gives it about URLs: the URL is
+            // well formed, the id in it is not.
             Err(PathRejection::FailedToDeserializePathParams(e)) => {
-                Err(ApiError::bad_request("invalid_id", e.body_text()))
+                let message = match e.into_kind() {
+                    ErrorKind::Message(message) | ErrorKind::DeserializeError { message, .. } => {
+                        message
+                    }
+                    other => other.to_string(),
+                };
+                Err(ApiError::bad_request("invalid_id", message))
             }
             Err(other) => Err(ApiError::bad_request("invalid_path", other.body_text())),
         }

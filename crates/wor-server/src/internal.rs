@@ -22,6 +22,7 @@ use wor_store::{EnrolmentRefusal, WORKER_ENROLMENT_TOKEN_PREFIX};
 use crate::AppState;
 use crate::error::ApiError;
 use crate::extract::ApiJson;
+use crate::routes::members::check_name;
 
 use wor_engine::worker_wire::{
     ApprovalUseAnswer, ClaimRequest, ClaimedRun, ClaimedStep, ClaimedVersion, EndRequest,
@@ -92,20 +93,6 @@ async fn refuse_bearer_credentials(request: Request, next: Next) -> Response {
     next.run(request).await
 }
 
-fn check_name(name: &str) -> Result<(), ApiError> {
-    if name.is_empty()
-        || name.len() > 100
-        || name.trim() != name
-        || name.chars().any(char::is_control)
-    {
-        return Err(ApiError::bad_request(
-            "invalid_name",
-            "worker name must be 1 to 100 characters with no control characters or surrounding space",
-        ));
-    }
-    Ok(())
-}
-
 async fn enroll(
     State(state): State<AppState>,
     ApiJson(request): ApiJson<EnrollRequest>,
@@ -114,7 +101,7 @@ async fn enroll(
         .control_plane
         .as_ref()
         .ok_or_else(|| ApiError::Unavailable("this server does not enrol workers".to_owned()))?;
-    check_name(&request.name)?;
+    check_name(&request.name, "worker")?;
     let keys =
         WorkerPublicKeys::from_base64(&request.signing_public_key, &request.exchange_public_key)
             .map_err(|e| ApiError::bad_request("invalid_public_key", e.to_string()))?;

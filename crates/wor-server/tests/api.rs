@@ -536,6 +536,103 @@ async fn bad_requests_get_clear_4xx_errors_in_one_shape() {
         .await;
     assert_error(&bad_id, StatusCode::BAD_REQUEST, "invalid_id");
     assert!(bad_id.text.contains("key_"), "{}", bad_id.text);
+    assert_eq!(
+        bad_id.body["error"]["message"],
+        "`mem_123` is not an API key id: expected `key_` followed by 32 hex digits",
+        "an id is named without a prefix about URLs"
+    );
+
+    // A body that is JSON but not an object is refused before it is read into a request, which
+    // would otherwise take an array's items as its fields in order.
+    let before = api.call(Method::GET, "/v1/keys", Some(key), None).await;
+    for body in [r#"["arr", "viewer", false]"#, "[]", "\"k\"", "7", "null"] {
+        let not_object = Request::post("/v1/keys")
+            .header("authorization", format!("Bearer {key}"))
+            .header("content-type", "application/json")
+            .body(Body::from(body))
+            .unwrap();
+        let refused = api.raw(not_object).await;
+        assert_error(&refused, StatusCode::BAD_REQUEST, "invalid_body");
+        assert!(
+            refused.text.contains("must be a JSON object"),
+            "{body}: {}",
+            refused.text
+        );
+        assert!(!refused.text.contains("CreateApiKey"), "{}", refused.text);
+    }
+    let after = api.call(Method::GET, "/v1/keys", Some(key), None).await;
+    assert_eq!(
+        before.body, after.body,
+        "a body not an object created a key"
+    );
+
+    // A key sent where an id belongs is not sent back (S4): whole, it is redacted by its shape;
+    // longer than an id, it is cut to a few characters instead of cut where its shape breaks.
+    let pasted = api
+        .call(Method::GET, &format!("/v1/keys/{key}"), Some(key), None)
+        .await;
+    assert_error(&pasted, StatusCode::BAD_REQUEST, "invalid_id");
+    assert!(!pasted.text.contains(&key[12..]), "{}", pasted.text);
+    assert!(
+        pasted.text.contains("[REDACTED:wor-api-key]"),
+        "{}",
+        pasted.text
+    );
+    let anthropic = format!("sk-ant-api03-{}AA", "A".repeat(93));
+    for path in [
+        format!("/v1/keys/{anthropic}"),
+        format!("/v1/runs?routine_id={anthropic}"),
+        format!("/v1/runs?status={anthropic}"),
+    ] {
+        let refused = api.call(Method::GET, &path, Some(key), None).await;
+        assert_eq!(
+            refused.status,
+            StatusCode::BAD_REQUEST,
+            "{path}: {}",
+            refused.text
+        );
+        assert!(
+            !refused.text.contains("AAAAAAAAAA"),
+            "{path}: {}",
+            refused.text
+        );
+        assert!(
+            refused.text.contains("sk-ant-a…"),
+            "{path}: {}",
+            refused.text
+        );
+    }
+    let long_role = api
+        .call(
+            Method::POST,
+            "/v1/keys",
+            Some(key),
+            Some(json!({"name": "k", "role": anthropic})),
+        )
+        .await;
+    assert_error(&long_role, StatusCode::BAD_REQUEST, "invalid_role");
+    assert!(!long_role.text.contains("AAAAAAAAAA"), "{}", long_role.text);
+
+    // Names are counted in characters: 100 of them fit whatever their bytes.
+    let euros = "€".repeat(100);
+    let named = api
+        .call(
+            Method::POST,
+            "/v1/keys",
+            Some(key),
+            Some(json!({"name": euros, "role": "viewer"})),
+        )
+        .await;
+    assert_eq!(named.status, StatusCode::CREATED, "{}", named.text);
+    let too_long = api
+        .call(
+            Method::POST,
+            "/v1/keys",
+            Some(key),
+            Some(json!({"name": "€".repeat(101), "role": "viewer"})),
+        )
+        .await;
+    assert_error(&too_long, StatusCode::BAD_REQUEST, "invalid_name");
 
     let missing = api
         .call(

@@ -44,7 +44,7 @@ pub(crate) fn parse_role(text: &str) -> Result<Role, ApiError> {
 
 pub(crate) fn check_name(name: &str, what: &str) -> Result<(), ApiError> {
     let trimmed = name.trim();
-    if trimmed.is_empty() || trimmed.len() > 100 || trimmed != name {
+    if trimmed.is_empty() || trimmed.chars().nth(100).is_some() || trimmed != name {
         return Err(ApiError::bad_request(
             "invalid_name",
             format!("{what} name must be 1 to 100 characters with no leading or trailing space"),

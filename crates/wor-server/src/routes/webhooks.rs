@@ -18,7 +18,9 @@ use crate::views::rfc3339;
 #[derive(Debug, serde::Serialize, utoipa::ToSchema)]
 pub struct HookAccepted {
     pub run_id: String,
-    /// `queued`, or `skipped` when the routine's overlap policy refused it.
+    /// The new run's status as it was recorded: `running` when a worker took it as it was
+    /// created, `queued` while it waits for one, or `skipped` when the routine's overlap policy
+    /// refused it.
     pub status: String,
 }
 
