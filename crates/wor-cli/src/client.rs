@@ -1,9 +1,10 @@
 //! The client side of the HTTP API, used by the client subcommands.
 
-use anyhow::{Context, anyhow, bail};
+use anyhow::{Context, bail};
 use reqwest::Method;
 use serde_json::Value;
 
+use crate::UsageError;
 use crate::env;
 
 /// Where the server is and which key to present.
@@ -15,6 +16,11 @@ pub struct ClientArgs {
     /// Print the server's JSON instead of a summary.
     #[arg(long)]
     pub json: bool,
+}
+
+/// `message` as a [`UsageError`]: what the client was given, not what the server answered.
+fn usage(message: String) -> anyhow::Error {
+    UsageError(anyhow::Error::msg(message)).into()
 }
 
 /// How long a request waits for its answer.
@@ -29,13 +35,32 @@ pub struct ApiClient {
 }
 
 impl ApiClient {
+    /// A client of `--server` presenting `WOR_API_KEY`; a key or URL it cannot use is a
+    /// [`UsageError`].
     pub fn new(args: &ClientArgs) -> anyhow::Result<Self> {
-        let api_key = std::env::var(env::API_KEY).map_err(|_| {
-            anyhow!(
-                "{} is not set: export the key `wor init` printed",
+        let api_key = match std::env::var(env::API_KEY) {
+            Ok(key) => key,
+            Err(std::env::VarError::NotPresent) => {
+                return Err(usage(format!(
+                    "{} is not set: export the key `wor init` printed",
+                    env::API_KEY
+                )));
+            }
+            Err(std::env::VarError::NotUnicode(_)) => {
+                return Err(usage(format!(
+                    "{} is not a key: it holds bytes that are not text; export the key `wor init` printed",
+                    env::API_KEY
+                )));
+            }
+        };
+        // A key is one token of visible ASCII; anything else cannot be sent as a header, and
+        // would fail later as if the server could not be reached.
+        if api_key.is_empty() || !api_key.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(usage(format!(
+                "{} is not a key: it is empty or holds spaces, line breaks or other characters a key never has",
                 env::API_KEY
-            )
-        })?;
+            )));
+        }
         Self::with_key(&args.server, api_key)
     }
 
@@ -60,10 +85,12 @@ impl ApiClient {
         api_key: Option<String>,
         timeout: std::time::Duration,
     ) -> anyhow::Result<Self> {
-        let base =
-            url::Url::parse(server).with_context(|| format!("--server `{server}` is not a URL"))?;
+        let base = url::Url::parse(server)
+            .map_err(|err| usage(format!("--server `{server}` is not a URL: {err}")))?;
         if !matches!(base.scheme(), "http" | "https") {
-            bail!("--server must be an http:// or https:// URL");
+            return Err(usage(
+                "--server must be an http:// or https:// URL".to_owned(),
+            ));
         }
         // The CLI talks to the operator's own server, at an address the operator typed; it is
         // not egress chosen by a routine, so it does not go through the egress guard.

@@ -332,8 +332,17 @@ pub enum KeySource {
 
 impl ServerConfig {
     /// Converges file, environment and flags. `listen` and `production` come from `serve`'s own
-    /// flags; `None` / `false` there means "not given".
+    /// flags; `None` / `false` there means "not given". What it cannot use is a
+    /// [`UsageError`](crate::UsageError).
     pub fn resolve(
+        flags: &ServerFlags,
+        listen: Option<&str>,
+        production_flag: bool,
+    ) -> anyhow::Result<Self> {
+        Self::converge(flags, listen, production_flag).map_err(|err| crate::UsageError(err).into())
+    }
+
+    fn converge(
         flags: &ServerFlags,
         listen: Option<&str>,
         production_flag: bool,

@@ -50,7 +50,9 @@ const EXIT_CODES: &str = "Exit codes:\n  \
     1    failure, or a check that said no: an error, a run that did not succeed (run start \
     --follow), a URL refused (egress check), an invalid signature (webhook verify), a broken \
     chain (audit verify), a failed readiness check such as an unsupported sandbox layer (doctor)\n  \
-    2    usage: bad arguments or configuration, or production mode refusing to start\n  \
+    2    usage: bad arguments or configuration (a config file, flag or variable the command \
+    cannot use, a client's WOR_API_KEY or --server among them), or production mode refusing to \
+    start\n  \
     10   policy test: the call would wait for a person (confirm)\n  \
     11   policy test: the call would be denied\n  \
     sandbox exec exits with the command's own status (137 when it was killed or timed out)";
@@ -82,7 +84,29 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(err) => {
             eprintln!("error: {err:#}");
-            ExitCode::FAILURE
+            if err.chain().any(|cause| cause.is::<UsageError>()) {
+                ExitCode::from(2)
+            } else {
+                ExitCode::FAILURE
+            }
         }
+    }
+}
+
+/// A command given something it cannot use — a server's configuration, a client's key or
+/// server URL — as against one that failed at its work: `wor` exits with 2 for it, as
+/// [`EXIT_CODES`] says. It reads as the error it wraps, causes and all.
+#[derive(Debug)]
+pub(crate) struct UsageError(pub(crate) anyhow::Error);
+
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(&self.0, f)
+    }
+}
+
+impl std::error::Error for UsageError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
     }
 }

@@ -125,6 +125,27 @@ fn serve_and_client_commands_work_end_to_end() {
 
     let missing = run(wor(&["whoami"]).env("WOR_SERVER", &server.url));
     assert!(text(&missing.stderr).contains("WOR_API_KEY is not set"));
+    assert_eq!(missing.status.code(), Some(2), "a usage error");
+    // A key that cannot be one is said to be wrong, not the server to be out of reach.
+    for bad in [format!("{key}\nmore"), String::new(), format!("{key} ")] {
+        let refused = run(wor(&["whoami"])
+            .env("WOR_SERVER", &server.url)
+            .env("WOR_API_KEY", &bad));
+        assert_eq!(refused.status.code(), Some(2), "{bad:?}");
+        let said = text(&refused.stderr);
+        assert!(said.contains("WOR_API_KEY is not a key"), "{bad:?}: {said}");
+        assert!(!said.contains("cannot reach"), "{bad:?}: {said}");
+    }
+    {
+        use std::os::unix::ffi::OsStrExt;
+        let not_text = std::ffi::OsStr::from_bytes(b"wor_\xff");
+        let refused = run(wor(&["whoami"])
+            .env("WOR_SERVER", &server.url)
+            .env("WOR_API_KEY", not_text));
+        let said = text(&refused.stderr);
+        assert!(said.contains("WOR_API_KEY is not a key"), "{said}");
+        assert!(!said.contains("is not set"), "{said}");
+    }
     server.stop();
 }
 
@@ -320,11 +341,27 @@ fn configuration_file_is_read_and_typos_are_errors() {
         &config.display().to_string(),
     ]));
     let stderr = text(&out.stderr);
-    assert!(!out.status.success());
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "a configuration error: {stderr}"
+    );
     assert!(
         stderr.contains("unknown field `data_dri`") && stderr.contains("line 1"),
         "{stderr}"
     );
+    for args in [
+        vec!["serve", "--config", "/nonexistent/wor.toml"],
+        vec!["serve", "--listen", "127.0.0.1:99999"],
+    ] {
+        let out = run(wor(&args).current_dir(dir.path()));
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+    }
 }
 
 #[test]

@@ -57,7 +57,7 @@ pub enum Command {
     /// Routines: apply TOML definitions, list and show them.
     #[command(subcommand)]
     Routine(routines::RoutineCommand),
-    /// Runs: start (and follow), list, show and cancel.
+    /// Runs: start (and follow), list, get and cancel.
     #[command(subcommand)]
     Run(runs::RunCommand),
     /// Model connections: provider endpoints and their (sealed) API keys.
