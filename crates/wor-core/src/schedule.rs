@@ -2,7 +2,8 @@
 //! times, which missed slots to catch up after downtime, and a deterministic jitter.
 //!
 //! Times are Unix milliseconds (UTC). Cron expressions have five fields, or six with seconds
-//! first; daylight-saving transitions follow croner: a fixed-time slot that falls into a
+//! first, or are one of the nicknames `@yearly` (`@annually`), `@monthly`, `@weekly`, `@daily`
+//! and `@hourly`; daylight-saving transitions follow croner: a fixed-time slot that falls into a
 //! spring-forward gap fires at the first instant after the gap, and one that falls into a
 //! fall-back overlap fires once, at the earlier instant.
 
@@ -11,7 +12,7 @@ use std::str::FromStr;
 use chrono::{TimeZone as _, Utc};
 use chrono_tz::Tz;
 use croner::Cron;
-use croner::parser::{CronParser, Seconds};
+use croner::parser::{CronParser, Seconds, Year};
 use serde::{Deserialize, Serialize};
 
 use crate::canonical::sha256_hex;
@@ -40,7 +41,8 @@ pub enum CatchUp {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ScheduleSection {
-    /// Five fields (minute hour day-of-month month day-of-week) or six with seconds first.
+    /// Five fields (minute hour day-of-month month day-of-week), six with seconds first, or a
+    /// nickname such as `@daily`.
     pub cron: String,
     /// An IANA time zone name such as `Europe/Berlin`.
     #[serde(default = "utc")]
@@ -86,8 +88,10 @@ pub enum ScheduleError {
 impl ScheduleSection {
     /// Parses the expression and the time zone.
     pub fn compile(&self) -> Result<Schedule, ScheduleError> {
+        // No year field: five fields, or six with seconds first, as documented.
         let cron = CronParser::builder()
             .seconds(Seconds::Optional)
+            .year(Year::Disallowed)
             .build()
             .parse(&self.cron)
             .map_err(|source| ScheduleError::Cron {
@@ -276,6 +280,11 @@ mod tests {
         let err = section("* * * * *", "Mars/Olympus").compile().unwrap_err();
         assert!(matches!(err, ScheduleError::TimeZone(_)), "{err}");
         assert!(err.to_string().contains("`schedule.timezone`"), "{err}");
+        // A seventh field, a year, is not one of the documented forms.
+        let err = section("0 0 12 * * * 2030", "UTC").compile().unwrap_err();
+        assert!(matches!(err, ScheduleError::Cron { .. }), "{err}");
+        // The nicknames are five-field patterns.
+        assert!(section("@daily", "UTC").compile().is_ok());
         let err = section("0 0 30 2 *", "UTC").compile().unwrap_err();
         assert!(matches!(err, ScheduleError::NeverFires(_)), "{err}");
         assert!(err.to_string().contains("never fires"), "{err}");
