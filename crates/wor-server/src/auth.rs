@@ -126,6 +126,28 @@ impl FromRequestParts<AppState> for Caller {
     }
 }
 
+/// A caller whose role may change the project's configuration, checked before anything else
+/// of the request is read: a caller without that role is refused with the 403 of
+/// [`require_configure`] whatever its body holds, and a body is never read for it. Used by the
+/// routes that create something, whose path names nothing to look up first (a route that names
+/// another project's resource answers 404 before it answers 403, and takes a [`Caller`]). Where
+/// such a route calls a function the console calls too, that function checks the role again.
+#[derive(Debug, Clone)]
+pub struct Configurer(pub Caller);
+
+impl FromRequestParts<AppState> for Configurer {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        state: &AppState,
+    ) -> Result<Self, Self::Rejection> {
+        let caller = Caller::from_request_parts(parts, state).await?;
+        caller.require_configure()?;
+        Ok(Configurer(caller))
+    }
+}
+
 /// A run acting with its own credential: one running run of one project, until its deadline.
 #[derive(Debug, Clone)]
 pub struct RunCaller(pub RunGrant);

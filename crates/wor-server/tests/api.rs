@@ -714,6 +714,29 @@ async fn roles_are_checked_on_every_configuration_route() {
         )
         .await;
     assert_error(&denied, StatusCode::FORBIDDEN, "forbidden");
+    // A route that creates configuration refuses the role before it reads the body: whatever
+    // the body holds, the answer is the 403, and nothing of the body's shape is told.
+    for (method, path) in [
+        (Method::POST, "/v1/invitations"),
+        (Method::POST, "/v1/members"),
+        (Method::POST, "/v1/model-connections"),
+        (Method::POST, "/v1/notification-routes"),
+        (Method::PUT, "/v1/policy"),
+        (Method::POST, "/v1/routines"),
+        (Method::POST, "/v1/tool-connections"),
+    ] {
+        for body in [json!({}), json!({"no_such_field": 1})] {
+            let denied = api
+                .call(method.clone(), path, Some(&viewer_key), Some(body))
+                .await;
+            assert_error(&denied, StatusCode::FORBIDDEN, "forbidden");
+            assert!(
+                !denied.text.contains("field"),
+                "{method} {path}: {}",
+                denied.text
+            );
+        }
+    }
     // A viewer may make itself another viewer key, never a stronger one.
     let own = api
         .call(

@@ -8,7 +8,7 @@ use wor_core::audit::{Actor, AuditCategory, AuditEvent};
 use wor_core::{ApiKeyId, ProjectId, Role};
 
 use crate::AppState;
-use crate::auth::Caller;
+use crate::auth::Configurer;
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::ApiJson;
 use crate::routes::members::{check_name, parse_role};
@@ -42,7 +42,7 @@ pub struct CreatedInvitation {
         (status = 403, body = ErrorBody)))]
 pub async fn invite(
     State(state): State<AppState>,
-    caller: Caller,
+    Configurer(caller): Configurer,
     ApiJson(body): ApiJson<CreateInvitation>,
 ) -> Result<(StatusCode, Json<CreatedInvitation>), ApiError> {
     let created = invite_member(

@@ -9,7 +9,7 @@ use wor_core::{MemberId, ProjectId, Role};
 use wor_store::{ApiKeyKind, NewApiKey, RoleChange, RoleChanger};
 
 use crate::AppState;
-use crate::auth::Caller;
+use crate::auth::{Caller, Configurer};
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::{ApiJson, ApiPath};
 use crate::views::{CreatedApiKey, MemberView};
@@ -77,10 +77,9 @@ pub async fn list_members(
         (status = 403, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn create_member(
     State(state): State<AppState>,
-    caller: Caller,
+    Configurer(caller): Configurer,
     ApiJson(body): ApiJson<CreateMember>,
 ) -> Result<(StatusCode, Json<CreatedMember>), ApiError> {
-    caller.require_configure()?;
     check_name(&body.name, "member")?;
     let role = parse_role(&body.role)?;
     if !caller.role.can_grant(role) {

@@ -15,7 +15,7 @@ use wor_store::{
 };
 
 use crate::AppState;
-use crate::auth::{Caller, require_configure};
+use crate::auth::{Caller, Configurer, require_configure};
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::{ApiJson, ApiPath};
 use crate::routes::members::check_name;
@@ -146,7 +146,7 @@ pub async fn list(
         (status = 403, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn create(
     State(state): State<AppState>,
-    caller: Caller,
+    Configurer(caller): Configurer,
     ApiJson(body): ApiJson<CreateModelConnection>,
 ) -> Result<(StatusCode, Json<ModelConnectionView>), ApiError> {
     let record = create_model_connection(

@@ -18,7 +18,7 @@ use wor_store::{
 };
 
 use crate::AppState;
-use crate::auth::Caller;
+use crate::auth::{Caller, Configurer};
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::{ApiBytes, ApiJson, ApiPath, page_limit, query_id};
 use crate::routes::members::check_name;
@@ -350,10 +350,9 @@ pub async fn list(
         (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn create(
     State(state): State<AppState>,
-    caller: Caller,
+    Configurer(caller): Configurer,
     ApiJson(body): ApiJson<CreateNotificationRoute>,
 ) -> Result<(StatusCode, Json<NotificationRouteView>), ApiError> {
-    caller.require_configure()?;
     check_name(&body.name, "route")?;
     let routine_id = query_id::<RoutineId>(body.routine_id.as_deref())
         .map_err(|_| ApiError::bad_request("invalid_route", "`routine_id` is not a `rtn_…` id"))?;

@@ -7,7 +7,7 @@ use wor_core::{ApiKeyId, ProjectId, Role};
 use wor_policy::{DEFAULT_PROJECT_POLICY, PolicyEngine};
 
 use crate::AppState;
-use crate::auth::Caller;
+use crate::auth::{Caller, Configurer};
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::ApiJson;
 use crate::views::rfc3339;
@@ -67,7 +67,7 @@ pub async fn get(
     responses((status = 200, body = PolicyView), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody)))]
 pub async fn set(
     State(state): State<AppState>,
-    caller: Caller,
+    Configurer(caller): Configurer,
     ApiJson(body): ApiJson<SetPolicyBody>,
 ) -> Result<Json<PolicyView>, ApiError> {
     set_policy(

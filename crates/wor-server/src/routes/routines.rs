@@ -9,7 +9,7 @@ use wor_core::routine::RoutineDefinition;
 use wor_engine::WebhookSecretKind;
 
 use crate::AppState;
-use crate::auth::Caller;
+use crate::auth::{Caller, Configurer};
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::{ApiJson, ApiPath};
 use crate::views::rfc3339;
@@ -90,10 +90,9 @@ impl From<wor_store::RoutineRecord> for RoutineView {
         (status = 400, body = ErrorBody), (status = 403, body = ErrorBody)))]
 pub async fn apply(
     State(state): State<AppState>,
-    caller: Caller,
+    Configurer(caller): Configurer,
     ApiJson(body): ApiJson<ApplyRoutine>,
 ) -> Result<(StatusCode, Json<AppliedRoutineView>), ApiError> {
-    caller.require_configure()?;
     if body.toml.len() > MAX_ROUTINE_BYTES {
         return Err(ApiError::bad_request(
             "invalid_routine",

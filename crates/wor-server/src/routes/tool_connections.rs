@@ -20,7 +20,7 @@ use wor_engine::{
 use wor_store::{ToolConnectionKind, ToolConnectionRecord, header_field};
 
 use crate::AppState;
-use crate::auth::Caller;
+use crate::auth::{Caller, Configurer};
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::{ApiJson, ApiPath};
 use crate::routes::model_connections::SecretFieldView;
@@ -286,10 +286,9 @@ pub async fn list(
         (status = 403, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn create(
     State(state): State<AppState>,
-    caller: Caller,
+    Configurer(caller): Configurer,
     ApiJson(body): ApiJson<CreateToolConnection>,
 ) -> Result<(StatusCode, Json<ToolConnectionView>), ApiError> {
-    caller.require_configure()?;
     let config = state.engine.config();
     let spec = ToolConnectionSpec {
         name: body.name,
