@@ -7,7 +7,7 @@
 //! INVARIANT: a run credential never reaches a handler that takes a [`Caller`]: configuration,
 //! approvals, keys, members, other runs — all refuse it with 403 before any handler runs.
 
-use axum::extract::{FromRequestParts, Request};
+use axum::extract::{FromRequestParts, Request, State};
 use axum::http::header::AUTHORIZATION;
 use axum::http::request::Parts;
 use axum::http::{HeaderMap, Method};
@@ -83,15 +83,26 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
 }
 
 /// Refuses a run credential on every route but [`RUN_CREDENTIAL_ROUTES`], before routing, so a
-/// route added later is closed to it by default.
-pub async fn run_credential_gate(request: Request, next: Next) -> Response {
-    let is_run_credential =
-        bearer(request.headers()).is_some_and(|token| token.starts_with(RUN_TOKEN_PREFIX));
-    if is_run_credential
+/// route added later is closed to it by default: a live one with 403, and a token that only
+/// looks like one (unknown, expired, or of a run that is not running) with the 401 of any
+/// credential that is not one.
+pub async fn run_credential_gate(
+    State(state): State<AppState>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let run_credential =
+        bearer(request.headers()).filter(|token| token.starts_with(RUN_TOKEN_PREFIX));
+    if let Some(token) = run_credential
         && !RUN_CREDENTIAL_ROUTES
             .iter()
             .any(|(method, path)| request.method() == method && request.uri().path() == *path)
     {
+        match state.store.authenticate_run_token(token).await {
+            Ok(Some(_)) => {}
+            Ok(None) => return ApiError::Unauthenticated.into_response(),
+            Err(err) => return ApiError::from(err).into_response(),
+        }
         tracing::warn!(category = "auth", action = "run_credential.refused",
             method = %request.method(), "a run credential was refused");
         return ApiError::Forbidden(

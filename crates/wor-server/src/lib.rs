@@ -258,7 +258,10 @@ pub fn router(state: AppState) -> Router {
         .fallback(|| async { ApiError::NoRoute })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
-        .layer(axum::middleware::from_fn(auth::run_credential_gate))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            auth::run_credential_gate,
+        ))
         .layer(axum::middleware::from_fn(request_log::log_request))
         .with_state(state)
 }

@@ -1602,6 +1602,11 @@ async fn a_run_credential_reads_its_own_run_and_every_other_route_refuses_it() {
     let made_up = format!("wrt_{}", "0".repeat(64));
     let forged = api.call(Method::GET, "/v1/run", Some(&made_up), None).await;
     assert_error(&forged, StatusCode::UNAUTHORIZED, "unauthenticated");
+    // Nor is it one on any other route: it is not a credential, not a run's that is refused.
+    let forged = api
+        .call(Method::GET, "/v1/whoami", Some(&made_up), None)
+        .await;
+    assert_error(&forged, StatusCode::UNAUTHORIZED, "unauthenticated");
     // Past its deadline the credential is dead; so it is once the run ends.
     let expired = api
         .db
@@ -1932,9 +1937,10 @@ async fn the_bearer_scheme_is_case_insensitive() {
             "unauthenticated",
         );
     }
-    // The gate that keeps run credentials off the API reads the scheme the same way.
+    // The gate that keeps run credentials off the API reads the scheme the same way: it finds
+    // no such credential, a 401 (the extractor behind it would have answered 403).
     let gated = api.raw(with("bearer wrt_0123".to_owned())).await;
-    assert_error(&gated, StatusCode::FORBIDDEN, "forbidden");
+    assert_error(&gated, StatusCode::UNAUTHORIZED, "unauthenticated");
 }
 
 /// The operations of the served document, as (method, path template, operation).
