@@ -1,9 +1,9 @@
 //! Schedules: a routine's `[schedule]` (a cron expression in an IANA time zone), its firing
 //! times, which missed slots to catch up after downtime, and a deterministic jitter.
 //!
-//! Times are Unix milliseconds (UTC). Cron expressions have five fields, or six with seconds
-//! first, or are one of the nicknames `@yearly` (`@annually`), `@monthly`, `@weekly`, `@daily`
-//! and `@hourly`; daylight-saving transitions follow croner: a fixed-time slot that falls into a
+//! Times are Unix milliseconds (UTC). Cron expressions have five fields, six with seconds
+//! first, or seven with seconds first and a year last, or are one of the nicknames `@yearly`
+//! (`@annually`), `@monthly`, `@weekly`, `@daily` and `@hourly`; daylight-saving transitions follow croner: a fixed-time slot that falls into a
 //! spring-forward gap fires at the first instant after the gap, and one that falls into a
 //! fall-back overlap fires once, at the earlier instant.
 
@@ -41,8 +41,8 @@ pub enum CatchUp {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ScheduleSection {
-    /// Five fields (minute hour day-of-month month day-of-week), six with seconds first, or a
-    /// nickname such as `@daily`.
+    /// Five fields (minute hour day-of-month month day-of-week), six with seconds first, seven
+    /// with a year last, or a nickname such as `@daily`.
     pub cron: String,
     /// An IANA time zone name such as `Europe/Berlin`.
     #[serde(default = "utc")]
@@ -88,10 +88,11 @@ pub enum ScheduleError {
 impl ScheduleSection {
     /// Parses the expression and the time zone.
     pub fn compile(&self) -> Result<Schedule, ScheduleError> {
-        // No year field: five fields, or six with seconds first, as documented.
+        // Five fields, six with seconds first, or seven with a year last: routines stored
+        // with a year read as they were applied.
         let cron = CronParser::builder()
             .seconds(Seconds::Optional)
-            .year(Year::Disallowed)
+            .year(Year::Optional)
             .build()
             .parse(&self.cron)
             .map_err(|source| ScheduleError::Cron {
@@ -280,9 +281,14 @@ mod tests {
         let err = section("* * * * *", "Mars/Olympus").compile().unwrap_err();
         assert!(matches!(err, ScheduleError::TimeZone(_)), "{err}");
         assert!(err.to_string().contains("`schedule.timezone`"), "{err}");
-        // A seventh field, a year, is not one of the documented forms.
-        let err = section("0 0 12 * * * 2030", "UTC").compile().unwrap_err();
-        assert!(matches!(err, ScheduleError::Cron { .. }), "{err}");
+        // A seventh field is a year; a pattern whose years are all past never fires.
+        let in_2030 = section("0 0 12 1 1 * 2030", "UTC").compile().unwrap();
+        assert_eq!(
+            in_2030.next_after(utc_ms(2026, 11, 29, 10, 0, 0)),
+            Some(utc_ms(2030, 1, 1, 12, 0, 0))
+        );
+        let err = section("0 0 12 1 1 * 2020", "UTC").compile().unwrap_err();
+        assert!(matches!(err, ScheduleError::NeverFires(_)), "{err}");
         // The nicknames are five-field patterns.
         assert!(section("@daily", "UTC").compile().is_ok());
         let err = section("0 0 30 2 *", "UTC").compile().unwrap_err();
