@@ -142,6 +142,7 @@ fn serve_and_client_commands_work_end_to_end() {
         let refused = run(wor(&["whoami"])
             .env("WOR_SERVER", &server.url)
             .env("WOR_API_KEY", not_text));
+        assert_eq!(refused.status.code(), Some(2));
         let said = text(&refused.stderr);
         assert!(said.contains("WOR_API_KEY is not a key"), "{said}");
         assert!(!said.contains("is not set"), "{said}");

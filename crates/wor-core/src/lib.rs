@@ -13,6 +13,7 @@ pub mod canonical;
 pub mod ids;
 pub mod json_depth;
 pub mod model;
+pub mod name;
 pub mod provenance;
 pub mod quote;
 pub mod replay;

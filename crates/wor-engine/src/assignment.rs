@@ -1113,7 +1113,7 @@ impl Engine {
             });
         let not_seen = |why: &str| {
             tracing::warn!(category = "tools", action = "worker.change_not_seen", worker_id = %worker,
-                run_id = %run.id, connection = %connection.chars().take(100).collect::<String>(),
+                run_id = %run.id, connection = %wor_core::quote::excerpt(connection, 100),
                 why, "a worker reported changed tools this process does not find");
             Ok(Some(false))
         };

@@ -5,7 +5,9 @@
 //! INVARIANT: the project a request acts on comes from here and from nowhere else — never from
 //! a path, query or body.
 //! INVARIANT: a run credential never reaches a handler that takes a [`Caller`]: configuration,
-//! approvals, keys, members, other runs — all refuse it with 403 before any handler runs.
+//! approvals, keys, members, other runs — all refuse it with 403 before any handler runs (a
+//! token shaped like one that is not live with 401); the internal API refuses every bearer
+//! itself.
 
 use axum::extract::{FromRequestParts, Request, State};
 use axum::http::header::AUTHORIZATION;
@@ -85,7 +87,8 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
 /// Refuses a run credential on every route but [`RUN_CREDENTIAL_ROUTES`], before routing, so a
 /// route added later is closed to it by default: a live one with 403, and a token that only
 /// looks like one (unknown, expired, or of a run that is not running) with the 401 of any
-/// credential that is not one.
+/// credential that is not one. The internal API's routes refuse every bearer themselves (401
+/// `bearer_refused`), so this gate leaves them to it and looks nothing up for them.
 pub async fn run_credential_gate(
     State(state): State<AppState>,
     request: Request,
@@ -94,6 +97,10 @@ pub async fn run_credential_gate(
     let run_credential =
         bearer(request.headers()).filter(|token| token.starts_with(RUN_TOKEN_PREFIX));
     if let Some(token) = run_credential
+        && !request
+            .uri()
+            .path()
+            .starts_with(crate::internal::PATH_PREFIX)
         && !RUN_CREDENTIAL_ROUTES
             .iter()
             .any(|(method, path)| request.method() == method && request.uri().path() == *path)

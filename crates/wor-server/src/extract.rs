@@ -226,13 +226,15 @@ where
             // The id's own message, without the prefix axum gives it about URLs: the URL is
             // well formed, the id in it is not.
             Err(PathRejection::FailedToDeserializePathParams(e)) => {
-                let message = match e.into_kind() {
+                match e.into_kind() {
                     ErrorKind::Message(message) | ErrorKind::DeserializeError { message, .. } => {
-                        message
+                        Err(ApiError::bad_request("invalid_id", message))
                     }
-                    other => other.to_string(),
-                };
-                Err(ApiError::bad_request("invalid_id", message))
+                    // A handler that asks for the wrong parameters: this server's fault.
+                    ErrorKind::WrongNumberOfParameters { .. }
+                    | ErrorKind::UnsupportedType { .. } => Err(ApiError::Internal),
+                    other => Err(ApiError::bad_request("invalid_id", other.to_string())),
+                }
             }
             Err(other) => Err(ApiError::bad_request("invalid_path", other.body_text())),
         }

@@ -565,6 +565,22 @@ async fn bad_requests_get_clear_4xx_errors_in_one_shape() {
         before.body, after.body,
         "a body not an object created a key"
     );
+    // A body that may be left out is left out by `null`, and is otherwise an object too.
+    let authorize = format!(
+        "/v1/tool-connections/{}/authorize",
+        wor_core::ConnectionId::new()
+    );
+    for (body, status, code) in [
+        ("null", StatusCode::NOT_FOUND, "not_found"),
+        ("[]", StatusCode::BAD_REQUEST, "invalid_body"),
+    ] {
+        let optional = Request::post(authorize.as_str())
+            .header("authorization", format!("Bearer {key}"))
+            .header("content-type", "application/json")
+            .body(Body::from(body))
+            .unwrap();
+        assert_error(&api.raw(optional).await, status, code);
+    }
 
     // A key sent where an id belongs is not sent back (S4): whole, it is redacted by its shape;
     // longer than an id, it is cut to a few characters instead of cut where its shape breaks.
@@ -1630,6 +1646,23 @@ async fn a_run_credential_reads_its_own_run_and_every_other_route_refuses_it() {
         .call(Method::GET, "/v1/run", Some(live.expose()), None)
         .await;
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+    // A live credential under the scheme's other spelling is still refused off its route; the
+    // internal API refuses it as it refuses every bearer.
+    let lower = Request::get("/v1/whoami")
+        .header("authorization", format!("bearer {}", live.expose()))
+        .body(Body::empty())
+        .unwrap();
+    assert_error(&api.raw(lower).await, StatusCode::FORBIDDEN, "forbidden");
+    let internal = Request::post("/internal/v1/runs/claim")
+        .header("authorization", format!("Bearer {}", live.expose()))
+        .header("content-type", "application/json")
+        .body(Body::from("{}"))
+        .unwrap();
+    assert_error(
+        &api.raw(internal).await,
+        StatusCode::UNAUTHORIZED,
+        "bearer_refused",
+    );
     let old = api.call(Method::GET, "/v1/run", Some(token), None).await;
     assert_error(&old, StatusCode::UNAUTHORIZED, "unauthenticated");
     assert!(

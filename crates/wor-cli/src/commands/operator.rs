@@ -107,10 +107,7 @@ async fn create_audited(
 }
 
 fn check_name(name: &str, what: &str) -> anyhow::Result<()> {
-    if name.trim().is_empty() || name.trim() != name || name.len() > 100 {
-        bail!("{what} name must be 1 to 100 characters with no leading or trailing space");
-    }
-    Ok(())
+    wor_core::name::check_name(name).map_err(|err| anyhow::anyhow!("{what} name {err}"))
 }
 
 /// The key alone on stdout, so `KEY=$(wor init)` captures exactly it.

@@ -16,8 +16,10 @@
 //! The regexes are rewritten for the Rust `regex` dialect (no lookaround, no entropy checks) and
 //! lean towards redacting: a false positive hides a harmless string, a false negative leaks a
 //! credential. A few rules (`basic-auth-url`, `bearer-token`, `basic-auth-header`,
-//! `generic-credential-assignment`, `whsec-secret`, `dockerhub-pat`, and `wor-api-key` and
-//! `wor-run-token` for this project's own API keys and run credentials) are this project's own.
+//! `generic-credential-assignment`, `whsec-secret`, `dockerhub-pat`, and `wor-api-key`,
+//! `wor-run-token` and `wor-token` for this project's own API keys, run credentials and other
+//! tokens: invitations, sign-in links, sessions, worker enrolments and Slack links) are this
+//! project's own.
 //!
 //! One keyword of a rule occurs in every match of it: exactly as written for case-sensitive
 //! rules, in any case for rules whose pattern starts with `(?i)` (their keywords are lower
@@ -195,6 +197,12 @@ pub(crate) const SHAPE_RULES: &[ShapeRule] = &[
     ),
     rule("wor-api-key", (2, 72), &["wor_"], r"\bwor_[0-9a-f]{64}\b"),
     rule("wor-run-token", (2, 72), &["wrt_"], r"\bwrt_[0-9a-f]{64}\b"),
+    rule(
+        "wor-token",
+        (2, 72),
+        &["wri_", "wrl_", "wrs_", "wet_", "wsl_"],
+        r"\b(?:wri|wrl|wrs|wet|wsl)_[0-9a-f]{64}\b",
+    ),
     rule(
         "whsec-secret",
         (2, 128),

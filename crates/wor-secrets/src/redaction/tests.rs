@@ -132,6 +132,11 @@ fn samples() -> Vec<(&'static str, String, String)> {
             format!("wrt_{}", hex(63)),
         ),
         (
+            "wor-token",
+            format!("wrs_{}", hex(64)),
+            format!("wrx_{}", hex(64)),
+        ),
+        (
             "whsec-secret",
             format!("whsec_{}", alnum(32)),
             "whsec_abc".into(),

@@ -251,7 +251,7 @@ pub async fn sign_in(
                             Actor::ConsoleVisitor,
                         )
                         .payload(json!({
-                            "name": body.name.chars().take(100).collect::<String>(),
+                            "name": wor_core::quote::excerpt(&body.name, 100),
                             "address": address,
                             "reason": if locked { "locked_out" } else { "wrong_name_or_password" },
                         })),

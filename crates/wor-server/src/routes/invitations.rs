@@ -68,11 +68,7 @@ pub(crate) async fn invite_member(
     key: Option<ApiKeyId>,
     body: &CreateInvitation,
 ) -> Result<CreatedInvitation, ApiError> {
-    if !caller_role.can_configure() {
-        return Err(ApiError::Forbidden(format!(
-            "role `{caller_role}` cannot change configuration; `admin` or `owner` is required"
-        )));
-    }
+    crate::auth::require_configure(caller_role)?;
     check_name(&body.name, "member")?;
     let role = body.role.as_deref().map(parse_role).transpose()?;
     let existing = state

@@ -77,11 +77,7 @@ pub(crate) async fn create_api_key(
     check_name(&body.name, "key")?;
     let role = parse_role(&body.role)?;
     let kind = if body.service {
-        if !caller_role.can_configure() {
-            return Err(ApiError::Forbidden(format!(
-                "role `{caller_role}` cannot change configuration; `admin` or `owner` is required"
-            )));
-        }
+        crate::auth::require_configure(caller_role)?;
         if !caller_role.can_grant(role) {
             return Err(ApiError::Forbidden(format!(
                 "role `{}` cannot grant role `{role}`",

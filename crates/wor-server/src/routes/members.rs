@@ -42,21 +42,10 @@ pub(crate) fn parse_role(text: &str) -> Result<Role, ApiError> {
         .map_err(|e: wor_core::RoleParseError| ApiError::bad_request("invalid_role", e.to_string()))
 }
 
+/// `Ok` for a usable name ([`wor_core::name::check_name`]), else a 400 naming `what`.
 pub(crate) fn check_name(name: &str, what: &str) -> Result<(), ApiError> {
-    let trimmed = name.trim();
-    if trimmed.is_empty() || trimmed.chars().nth(100).is_some() || trimmed != name {
-        return Err(ApiError::bad_request(
-            "invalid_name",
-            format!("{what} name must be 1 to 100 characters with no leading or trailing space"),
-        ));
-    }
-    if name.chars().any(char::is_control) {
-        return Err(ApiError::bad_request(
-            "invalid_name",
-            format!("{what} name must not contain control characters"),
-        ));
-    }
-    Ok(())
+    wor_core::name::check_name(name)
+        .map_err(|err| ApiError::bad_request("invalid_name", format!("{what} name {err}")))
 }
 
 /// Lists the project's members.

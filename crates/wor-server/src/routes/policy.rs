@@ -112,11 +112,7 @@ pub(crate) async fn set_policy(
     key: Option<ApiKeyId>,
     text: Option<&str>,
 ) -> Result<(), ApiError> {
-    if !role.can_configure() {
-        return Err(ApiError::Forbidden(format!(
-            "role `{role}` cannot change configuration; `admin` or `owner` is required"
-        )));
-    }
+    crate::auth::require_configure(role)?;
     if let Some(text) = text {
         if text.len() > MAX_POLICY_BYTES {
             return Err(ApiError::bad_request(

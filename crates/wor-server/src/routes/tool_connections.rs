@@ -454,11 +454,7 @@ pub(crate) async fn enable_connection(
     body: &EnableToolConnection,
 ) -> Result<ToolConnectionRecord, ApiError> {
     let before = state.store.get_tool_connection(project, id).await?;
-    if !role.can_configure() {
-        return Err(ApiError::Forbidden(format!(
-            "role `{role}` cannot change configuration; `admin` or `owner` is required"
-        )));
-    }
+    crate::auth::require_configure(role)?;
     let record = state
         .engine
         .enable_tool_connection(project, id, &body.tools, &body.read_only, &body.open_world)
