@@ -71,6 +71,9 @@ impl Caller {
     }
 }
 
+/// Where every route of the internal API lives (`internal.rs`); none takes a bearer credential.
+const INTERNAL_PATH_PREFIX: &str = "/internal/";
+
 /// The routes a run credential may call: reading its own run. Everything else refuses it.
 pub const RUN_CREDENTIAL_ROUTES: &[(Method, &str)] = &[(Method::GET, "/v1/run")];
 
@@ -97,10 +100,7 @@ pub async fn run_credential_gate(
     let run_credential =
         bearer(request.headers()).filter(|token| token.starts_with(RUN_TOKEN_PREFIX));
     if let Some(token) = run_credential
-        && !request
-            .uri()
-            .path()
-            .starts_with(crate::internal::PATH_PREFIX)
+        && !request.uri().path().starts_with(INTERNAL_PATH_PREFIX)
         && !RUN_CREDENTIAL_ROUTES
             .iter()
             .any(|(method, path)| request.method() == method && request.uri().path() == *path)

@@ -34,8 +34,6 @@ pub use wor_engine::worker_wire::{CLAIM_PATH, ENROLL_PATH, HEARTBEAT_PATH};
 /// How long an envelope may be opened after it is issued, at least: a worker opens it as it
 /// arrives, so this only covers clock skew and a slow network.
 const MIN_ENVELOPE_LIFETIME_SECS: i64 = 60;
-/// Where every route of the internal API lives; none takes a bearer credential.
-pub(crate) const PATH_PREFIX: &str = "/internal/";
 /// How far a worker's request timestamp may be from this server's clock, in seconds.
 pub const WORKER_REQUEST_SKEW_SECS: i64 = 30;
 /// The largest body of a worker's signed request.
