@@ -1489,7 +1489,15 @@ async fn runs_are_listed_with_filters_and_cancelled_through_the_apis_path() {
     let page = ann.get(&format!("/console/runs/{first}")).await;
     assert!(!page.body.contains("Cancel this run"));
     let audit = h.audit_text().await;
-    assert!(audit.contains("run.cancel"));
+    assert_eq!(audit.matches("\"run.cancel\"").count(), 1, "{audit}");
+    // Asked again, the run is as it was and the log gains nothing: no run was asked to stop.
+    let csrf = page_csrf(&mut ann).await;
+    let page = ann
+        .post(&format!("/console/runs/{first}/cancel"), &[("csrf", &csrf)])
+        .await;
+    assert_eq!(page.status, StatusCode::SEE_OTHER, "{}", page.body);
+    let audit = h.audit_text().await;
+    assert_eq!(audit.matches("\"run.cancel\"").count(), 1, "{audit}");
 
     // Another project's run cannot be cancelled from there: the 404 page.
     let other =

@@ -526,7 +526,19 @@ impl Store {
         project: ProjectId,
         id: RunId,
     ) -> Result<RunRecord, StoreError> {
-        let run = self.request_cancel_of(project, id).await?;
+        Ok(self.request_cancel_counted(project, id).await?.0)
+    }
+
+    /// [`Store::request_cancel`], and how many runs it asked to stop: the run and its nested
+    /// runs that were still going and not asked before. None for a run that had ended with
+    /// nothing under it still going, or was asked already.
+    pub async fn request_cancel_counted(
+        &self,
+        project: ProjectId,
+        id: RunId,
+    ) -> Result<(RunRecord, u64), StoreError> {
+        let (run, asked) = self.request_cancel_of(project, id).await?;
+        let mut count = u64::from(asked);
         // Its nested runs are cancelled with it, however deep, wherever they are driven: a
         // nested run does not go on for a parent nobody waits for.
         // Every child is looked under (an ended one may have a live child of its own); only
@@ -545,25 +557,30 @@ impl Store {
                 let status: RunStatus =
                     parse_column(&child.try_get::<String, _>("status")?, "runs.status")?;
                 if !status.is_terminal() {
-                    self.request_cancel_of(project, id).await?;
+                    let (_, asked) = self.request_cancel_of(project, id).await?;
+                    count += u64::from(asked);
                 }
                 parents.push(id);
             }
         }
-        Ok(run)
+        Ok((run, count))
     }
 
-    /// Requests the cancel of run `id` alone ([`Store::request_cancel`]).
+    /// Requests the cancel of run `id` alone ([`Store::request_cancel`]); true when that
+    /// changed it (ended it, or flagged it for the first time).
     async fn request_cancel_of(
         &self,
         project: ProjectId,
         id: RunId,
-    ) -> Result<RunRecord, StoreError> {
+    ) -> Result<(RunRecord, bool), StoreError> {
         let now = now_millis();
         let mut tx = self.begin_write().await?;
+        // A queued run flagged already (parked, or left by a worker, when it was asked) is a
+        // worker's to end, as its pending approvals and steps are: asked again, it stays so.
         let cancelled = sqlx::query(
             "UPDATE runs SET status = 'cancelled', outcome = 'cancelled while queued', \
-             finished_at = $1, updated_at = $1 WHERE project_id = $2 AND id = $3 AND status = 'queued'",
+             finished_at = $1, updated_at = $1 WHERE project_id = $2 AND id = $3 AND status = 'queued' \
+             AND cancel_requested = 0",
         )
         .bind(now)
         .bind(project.to_string())
@@ -576,10 +593,12 @@ impl Store {
         }
         tx.commit().await?;
         // A parked run has no worker: it goes back in the queue, flagged, for one to end it.
-        sqlx::query(
+        // A run flagged already is left as it is.
+        let flagged = sqlx::query(
             "UPDATE runs SET cancel_requested = 1, updated_at = $1, \
              status = CASE WHEN status = 'waiting_for_approval' THEN 'queued' ELSE status END \
-             WHERE project_id = $2 AND id = $3 AND status IN ('running', 'waiting_for_approval')",
+             WHERE project_id = $2 AND id = $3 AND status IN ('running', 'waiting_for_approval') \
+             AND cancel_requested = 0",
         )
         .bind(now)
         .bind(project.to_string())
@@ -590,7 +609,7 @@ impl Store {
         if ended_queued {
             crate::metrics::run_ended_unclaimed(RunStatus::Cancelled, run.trigger_kind);
         }
-        Ok(run)
+        Ok((run, ended_queued || flagged.rows_affected() == 1))
     }
 
     /// Puts runs whose worker stopped renewing its lease back in the queue, to be resumed.

@@ -322,7 +322,9 @@ pub async fn own_run(
     }))
 }
 
-/// Cancels a run: a queued run at once, a running one at its next step.
+/// Cancels a run: a queued run at once, a running one at its next step, and its nested runs
+/// still going. Asking again, or of a run that has ended with nothing under it still going,
+/// changes nothing and records nothing.
 #[utoipa::path(post, path = "/v1/runs/{run_id}/cancel", tag = "runs", security(("bearer" = [])),
     params(("run_id" = String, Path, description = "a `run_…` id", pattern = "^run_[0-9a-f]{32}$")),
     responses((status = 200, body = RunView), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)))]
@@ -337,8 +339,9 @@ pub async fn cancel(
     Ok(Json(run.into()))
 }
 
-/// Asks run `id` of `project` to stop, for a caller with `role`, and audits it as `actor`: the
-/// API's and the console's one path. Another project's run is not found, before the role check.
+/// Asks run `id` of `project` to stop, for a caller with `role`, and audits it as `actor` when
+/// that asked any run to stop: the API's and the console's one path. Another project's run is
+/// not found, before the role check.
 pub(crate) async fn cancel_run(
     state: &AppState,
     project: ProjectId,
@@ -352,16 +355,18 @@ pub(crate) async fn cancel_run(
             "role `{role}` cannot cancel runs"
         )));
     }
-    let run = state.store.request_cancel(project, id).await?;
-    state
-        .audit
-        .append(
-            AuditEvent::new(project, AuditCategory::RunCancel, actor)
-                .subject("run_id", id)
-                .runs(run.root_run_id, run.parent_run_id)
-                .payload(serde_json::json!({ "status": run.status.as_str() })),
-        )
-        .await?;
+    let (run, asked) = state.store.request_cancel_counted(project, id).await?;
+    if asked > 0 {
+        state
+            .audit
+            .append(
+                AuditEvent::new(project, AuditCategory::RunCancel, actor)
+                    .subject("run_id", id)
+                    .runs(run.root_run_id, run.parent_run_id)
+                    .payload(serde_json::json!({ "status": run.status.as_str() })),
+            )
+            .await?;
+    }
     Ok(run)
 }
 
