@@ -1,5 +1,5 @@
-//! The names people give: projects, members, keys, connections, notification routes and
-//! workers.
+//! The names people give: projects, members, keys, model connections, notification routes
+//! and workers.
 
 /// The most characters (not bytes) a name may have.
 pub const MAX_NAME_CHARS: usize = 100;

@@ -2,10 +2,11 @@
 //! times, which missed slots to catch up after downtime, and a deterministic jitter.
 //!
 //! Times are Unix milliseconds (UTC). Cron expressions have five fields, six with seconds
-//! first, or seven with seconds first and a year last, or are one of the nicknames `@yearly`
-//! (`@annually`), `@monthly`, `@weekly`, `@daily` and `@hourly`; daylight-saving transitions follow croner: a fixed-time slot that falls into a
-//! spring-forward gap fires at the first instant after the gap, and one that falls into a
-//! fall-back overlap fires once, at the earlier instant.
+//! first, or seven with seconds first and a year last, or are one of the nicknames
+//! `@yearly` (`@annually`), `@monthly`, `@weekly`, `@daily` and `@hourly`. Daylight-saving
+//! transitions follow croner: a fixed-time slot that falls into a spring-forward gap fires at
+//! the first instant after the gap, and one that falls into a fall-back overlap fires once, at
+//! the earlier instant.
 
 use std::str::FromStr;
 
@@ -110,8 +111,10 @@ impl ScheduleSection {
             catch_up: self.catch_up,
             jitter_ms: i64::try_from(self.jitter_seconds.saturating_mul(1000)).unwrap_or(0),
         };
-        // A pattern that never matches (e.g. 30 February) is refused now, not at run time.
-        if schedule.next_after(Utc::now().timestamp_millis()).is_none() {
+        // A pattern that never matches (e.g. 30 February) is refused now, not at run time. One
+        // whose years have all passed did match: a version stored with it still reads (each
+        // read compiles it) and simply fires no more.
+        if schedule.next_after(0).is_none() {
             return Err(ScheduleError::NeverFires(self.cron.clone()));
         }
         Ok(schedule)
@@ -287,8 +290,8 @@ mod tests {
             in_2030.next_after(utc_ms(2026, 11, 29, 10, 0, 0)),
             Some(utc_ms(2030, 1, 1, 12, 0, 0))
         );
-        let err = section("0 0 12 1 1 * 2020", "UTC").compile().unwrap_err();
-        assert!(matches!(err, ScheduleError::NeverFires(_)), "{err}");
+        let in_2020 = section("0 0 12 1 1 * 2020", "UTC").compile().unwrap();
+        assert_eq!(in_2020.next_after(utc_ms(2026, 11, 29, 10, 0, 0)), None);
         // The nicknames are five-field patterns.
         assert!(section("@daily", "UTC").compile().is_ok());
         let err = section("0 0 30 2 *", "UTC").compile().unwrap_err();

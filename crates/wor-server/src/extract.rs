@@ -225,20 +225,28 @@ where
             Ok(axum::extract::Path(value)) => Ok(ApiPath(value)),
             // The id's own message, without the prefix axum gives it about URLs: the URL is
             // well formed, the id in it is not.
-            Err(PathRejection::FailedToDeserializePathParams(e)) => {
-                match e.into_kind() {
-                    ErrorKind::Message(message) | ErrorKind::DeserializeError { message, .. } => {
-                        Err(ApiError::bad_request("invalid_id", message))
-                    }
-                    // A handler that asks for the wrong parameters: this server's fault.
-                    ErrorKind::WrongNumberOfParameters { .. }
-                    | ErrorKind::UnsupportedType { .. } => Err(ApiError::Internal),
-                    other => Err(ApiError::bad_request("invalid_id", other.to_string())),
+            Err(PathRejection::FailedToDeserializePathParams(e)) => match e.into_kind() {
+                ErrorKind::Message(message) | ErrorKind::DeserializeError { message, .. } => {
+                    Err(ApiError::bad_request("invalid_id", message))
                 }
-            }
+                ErrorKind::WrongNumberOfParameters { .. } | ErrorKind::UnsupportedType { .. } => {
+                    Err(handler_asks_wrong_parameters())
+                }
+                other => Err(ApiError::bad_request("invalid_id", other.to_string())),
+            },
+            Err(PathRejection::MissingPathParams(_)) => Err(handler_asks_wrong_parameters()),
             Err(other) => Err(ApiError::bad_request("invalid_path", other.body_text())),
         }
     }
+}
+
+/// A handler whose path parameters do not fit its route: this server's fault, not the caller's.
+fn handler_asks_wrong_parameters() -> ApiError {
+    tracing::error!(
+        category = "http",
+        "a handler asks for path parameters its route does not have"
+    );
+    ApiError::Internal
 }
 
 /// Query parameters; a malformed one is a 400 naming it.

@@ -744,8 +744,8 @@ fn conflict_or(err: sqlx::Error, message: impl FnOnce() -> String) -> StoreError
 mod tests {
     use super::{Backend, Durability};
 
-    /// Every token the store mints is a secret shape, so text that leaves the process never
-    /// carries one whole: a new kind of token fails here until the redaction rules know it.
+    /// Every prefixed token the store mints is a secret shape, so text that leaves the process
+    /// never carries one whole. A new kind of token belongs in this list.
     #[test]
     fn every_token_the_store_mints_is_redacted_by_its_shape() {
         for prefix in [

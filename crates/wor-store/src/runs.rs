@@ -517,8 +517,9 @@ impl Store {
             .transpose()
     }
 
-    /// Asks a run to stop. A queued run is cancelled at once; a running one is flagged and its
-    /// worker stops it; a parked one is flagged and queued, for a worker to end it. Its nested
+    /// Asks a run to stop. A queued run is cancelled at once, unless it was asked before (it
+    /// is then a worker's to end); a running one is flagged and its worker stops it; a parked
+    /// one is flagged and queued, for a worker to end it. Its nested
     /// runs still going, however deep, are asked alike, even when the run itself has ended;
     /// of a finished run with none, nothing changes.
     pub async fn request_cancel(
@@ -567,7 +568,7 @@ impl Store {
     }
 
     /// Requests the cancel of run `id` alone ([`Store::request_cancel`]); true when that
-    /// changed it (ended it, or flagged it for the first time).
+    /// changed it (ended it, flagged it for the first time, or queued it from its park).
     async fn request_cancel_of(
         &self,
         project: ProjectId,
@@ -592,13 +593,14 @@ impl Store {
             requeue_parent(&mut *tx, id, now).await?;
         }
         tx.commit().await?;
-        // A parked run has no worker: it goes back in the queue, flagged, for one to end it.
-        // A run flagged already is left as it is.
+        // A parked run has no worker: it goes back in the queue, flagged, for one to end it,
+        // flagged already or not (a cancel may land as it parks). A running run flagged
+        // already is left as it is.
         let flagged = sqlx::query(
             "UPDATE runs SET cancel_requested = 1, updated_at = $1, \
              status = CASE WHEN status = 'waiting_for_approval' THEN 'queued' ELSE status END \
-             WHERE project_id = $2 AND id = $3 AND status IN ('running', 'waiting_for_approval') \
-             AND cancel_requested = 0",
+             WHERE project_id = $2 AND id = $3 \
+             AND (status = 'waiting_for_approval' OR (status = 'running' AND cancel_requested = 0))",
         )
         .bind(now)
         .bind(project.to_string())

@@ -2859,3 +2859,94 @@ async fn a_write_outside_a_transaction_waits_its_turn_with_the_process_writes() 
     .unwrap();
     assert_eq!(revoked, None, "there was no such session");
 }
+
+/// A cancel says how many runs it asked to stop, and asking again asks none: a queued run ends
+/// at once; a running one is flagged once; a run flagged as it parked (the cancel landed
+/// between its held call and its park) is queued for a worker by the next cancel, and a flagged
+/// queued run stays a worker's to end, its approval pending until then.
+#[tokio::test]
+async fn a_cancel_counts_the_runs_it_asked_and_asking_again_asks_none() {
+    use wor_core::run::RunStatus;
+    use wor_store::{ApprovalKind, NewApproval};
+    let db = TestDatabase::isolated().await.unwrap();
+    let created = created_project(&db.store, "cancels").await;
+    let project = created.project.id;
+    let key = db.store.list_api_keys(project).await.unwrap()[0].id;
+    let store = &db.store;
+    let routine = replay_routine(store, project, "r").await;
+    let input = || InputStep::requested(serde_json::json!("x"));
+
+    let queued = store
+        .create_run(project, queued_run(routine, 1, Some(key), 10), input())
+        .await
+        .unwrap();
+    let (run, asked) = store
+        .request_cancel_counted(project, queued.id)
+        .await
+        .unwrap();
+    assert_eq!((run.status, asked), (RunStatus::Cancelled, 1));
+    let (_, asked) = store
+        .request_cancel_counted(project, queued.id)
+        .await
+        .unwrap();
+    assert_eq!(asked, 0, "an ended run with nothing under it");
+
+    let running = store
+        .create_run(project, queued_run(routine, 1, Some(key), 10), input())
+        .await
+        .unwrap();
+    store
+        .claim_run_by_id(project, running.id, "w", 60_000)
+        .await
+        .unwrap()
+        .unwrap();
+    let (run, asked) = store
+        .request_cancel_counted(project, running.id)
+        .await
+        .unwrap();
+    assert_eq!(
+        (run.status, run.cancel_requested, asked),
+        (RunStatus::Running, true, 1)
+    );
+    let (_, asked) = store
+        .request_cancel_counted(project, running.id)
+        .await
+        .unwrap();
+    assert_eq!(asked, 0, "a running run flagged already");
+
+    // Flagged, it parks anyway (the driver saw no cancel when it recorded the held call).
+    let request = NewApproval {
+        run_id: running.id,
+        call_id: "call_1".to_owned(),
+        tool: "mail/send".to_owned(),
+        pin_hash: "pin".to_owned(),
+        arguments: serde_json::json!({}),
+        arguments_hash: "args".to_owned(),
+        pinned_keys: Vec::new(),
+        binding_hash: "binding".to_owned(),
+        kind: ApprovalKind::Policy,
+        why: serde_json::json!({}),
+        expires_at: wor_store::now_millis() + 60_000,
+    };
+    let (approval, _) = store
+        .park_for_approval(project, "w", &request)
+        .await
+        .unwrap()
+        .unwrap();
+    let (run, asked) = store
+        .request_cancel_counted(project, running.id)
+        .await
+        .unwrap();
+    assert_eq!(
+        (run.status, run.cancel_requested, asked),
+        (RunStatus::Queued, true, 1)
+    );
+    // Queued and flagged, it is a worker's to end: asked again, it stays as it is.
+    let (run, asked) = store
+        .request_cancel_counted(project, running.id)
+        .await
+        .unwrap();
+    assert_eq!((run.status, asked), (RunStatus::Queued, 0));
+    let pending = store.get_approval(project, approval).await.unwrap();
+    assert_eq!(pending.status.as_str(), "pending");
+}

@@ -322,9 +322,10 @@ pub async fn own_run(
     }))
 }
 
-/// Cancels a run: a queued run at once, a running one at its next step, and its nested runs
-/// still going. Asking again, or of a run that has ended with nothing under it still going,
-/// changes nothing and records nothing.
+/// Cancels a run: a queued run at once (one asked before is ended by a worker), a running one at
+/// its next step, a parked one by a worker it is queued for, and its nested runs still going.
+/// Asking again, or of a run that has ended with nothing under it still going, changes nothing
+/// and records nothing.
 #[utoipa::path(post, path = "/v1/runs/{run_id}/cancel", tag = "runs", security(("bearer" = [])),
     params(("run_id" = String, Path, description = "a `run_…` id", pattern = "^run_[0-9a-f]{32}$")),
     responses((status = 200, body = RunView), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)))]
