@@ -16,8 +16,8 @@ use wor_store::{ApiKeyKind, NewApiKey, StoreError};
 
 mod support;
 use support::{
-    audit_config, claimed_run, created_project, isolated_on, key_event, model_turn,
-    project_with_routine, queued_run, signing_key,
+    audit_config, claimed_run, created_project, held_mail_approval, isolated_on, key_event,
+    model_turn, project_with_routine, queued_run, signing_key,
 };
 
 #[tokio::test]
@@ -1682,9 +1682,7 @@ async fn recovering_an_owner_makes_a_working_owner_key() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn many_concurrent_writers_all_succeed() {
     use wor_core::run::{Provenance, RunStatus};
-    use wor_store::{
-        ApprovalAnswer, ApprovalDecision, ApprovalKind, ApprovedCall, ApprovedStart, NewApproval,
-    };
+    use wor_store::{ApprovalAnswer, ApprovalDecision, ApprovedCall, ApprovedStart};
     let db = TestDatabase::isolated().await.unwrap();
     let created = created_project(&db.store, "busy").await;
     let project = created.project.id;
@@ -1726,19 +1724,7 @@ async fn many_concurrent_writers_all_succeed() {
                         .await
                         .unwrap();
                 }
-                let approval = NewApproval {
-                    run_id: run.id,
-                    call_id: "call_1".to_owned(),
-                    tool: "mail/send".to_owned(),
-                    pin_hash: "pin".to_owned(),
-                    arguments: serde_json::json!({}),
-                    arguments_hash: "args".to_owned(),
-                    pinned_keys: Vec::new(),
-                    binding_hash: format!("binding-{task}-{round}"),
-                    kind: ApprovalKind::Policy,
-                    why: serde_json::json!({}),
-                    expires_at: wor_store::now_millis() + 60_000,
-                };
+                let approval = held_mail_approval(run.id, &format!("binding-{task}-{round}"));
                 let (approval_id, filed) = store
                     .park_for_approval(project, &worker, &approval)
                     .await
@@ -1834,10 +1820,7 @@ async fn many_concurrent_writers_all_succeed() {
 #[tokio::test]
 async fn an_approval_is_never_used_without_its_call_recorded_as_started() {
     use wor_core::budget::BudgetUsage;
-    use wor_store::{
-        ApprovalAnswer, ApprovalDecision, ApprovalKind, ApprovedCall, ApprovedStart, Backend,
-        NewApproval,
-    };
+    use wor_store::{ApprovalAnswer, ApprovalDecision, ApprovedCall, ApprovedStart, Backend};
     let db = TestDatabase::isolated().await.unwrap();
     let created = created_project(&db.store, "atomic").await;
     let project = created.project.id;
@@ -1854,19 +1837,7 @@ async fn an_approval_is_never_used_without_its_call_recorded_as_started() {
         .await
         .unwrap()
         .unwrap();
-    let request = NewApproval {
-        run_id: run.id,
-        call_id: "call_1".to_owned(),
-        tool: "mail/send".to_owned(),
-        pin_hash: "pin".to_owned(),
-        arguments: serde_json::json!({}),
-        arguments_hash: "args".to_owned(),
-        pinned_keys: Vec::new(),
-        binding_hash: "binding".to_owned(),
-        kind: ApprovalKind::Policy,
-        why: serde_json::json!({}),
-        expires_at: wor_store::now_millis() + 60_000,
-    };
+    let request = held_mail_approval(run.id, "binding");
     let (approval, _) = store
         .park_for_approval(project, "w", &request)
         .await
@@ -2866,87 +2837,51 @@ async fn a_write_outside_a_transaction_waits_its_turn_with_the_process_writes() 
 /// queued run stays a worker's to end, its approval pending until then.
 #[tokio::test]
 async fn a_cancel_counts_the_runs_it_asked_and_asking_again_asks_none() {
+    use RunStatus::{Cancelled, Queued, Running};
     use wor_core::run::RunStatus;
-    use wor_store::{ApprovalKind, NewApproval};
     let db = TestDatabase::isolated().await.unwrap();
     let created = created_project(&db.store, "cancels").await;
     let project = created.project.id;
     let key = db.store.list_api_keys(project).await.unwrap()[0].id;
     let store = &db.store;
     let routine = replay_routine(store, project, "r").await;
-    let input = || InputStep::requested(serde_json::json!("x"));
+    let create = async || {
+        let new = queued_run(routine, 1, Some(key), 10);
+        let input = InputStep::requested(serde_json::json!("x"));
+        store.create_run(project, new, input).await.unwrap().id
+    };
+    // The run's status and flag after a cancel, and how many runs the cancel asked.
+    let cancel = async |id| {
+        let (run, asked) = store.request_cancel_counted(project, id).await.unwrap();
+        (run.status, run.cancel_requested, asked)
+    };
 
-    let queued = store
-        .create_run(project, queued_run(routine, 1, Some(key), 10), input())
-        .await
-        .unwrap();
-    let (run, asked) = store
-        .request_cancel_counted(project, queued.id)
-        .await
-        .unwrap();
-    assert_eq!((run.status, asked), (RunStatus::Cancelled, 1));
-    let (_, asked) = store
-        .request_cancel_counted(project, queued.id)
-        .await
-        .unwrap();
-    assert_eq!(asked, 0, "an ended run with nothing under it");
+    let queued = create().await;
+    assert_eq!(cancel(queued).await, (Cancelled, false, 1));
+    assert_eq!(
+        cancel(queued).await,
+        (Cancelled, false, 0),
+        "ended, nothing under it"
+    );
 
-    let running = store
-        .create_run(project, queued_run(routine, 1, Some(key), 10), input())
-        .await
-        .unwrap();
+    let running = create().await;
     store
-        .claim_run_by_id(project, running.id, "w", 60_000)
+        .claim_run_by_id(project, running, "w", 60_000)
         .await
         .unwrap()
         .unwrap();
-    let (run, asked) = store
-        .request_cancel_counted(project, running.id)
-        .await
-        .unwrap();
-    assert_eq!(
-        (run.status, run.cancel_requested, asked),
-        (RunStatus::Running, true, 1)
-    );
-    let (_, asked) = store
-        .request_cancel_counted(project, running.id)
-        .await
-        .unwrap();
-    assert_eq!(asked, 0, "a running run flagged already");
+    assert_eq!(cancel(running).await, (Running, true, 1));
+    assert_eq!(cancel(running).await, (Running, true, 0), "flagged already");
 
     // Flagged, it parks anyway (the driver saw no cancel when it recorded the held call).
-    let request = NewApproval {
-        run_id: running.id,
-        call_id: "call_1".to_owned(),
-        tool: "mail/send".to_owned(),
-        pin_hash: "pin".to_owned(),
-        arguments: serde_json::json!({}),
-        arguments_hash: "args".to_owned(),
-        pinned_keys: Vec::new(),
-        binding_hash: "binding".to_owned(),
-        kind: ApprovalKind::Policy,
-        why: serde_json::json!({}),
-        expires_at: wor_store::now_millis() + 60_000,
-    };
     let (approval, _) = store
-        .park_for_approval(project, "w", &request)
+        .park_for_approval(project, "w", &held_mail_approval(running, "binding"))
         .await
         .unwrap()
         .unwrap();
-    let (run, asked) = store
-        .request_cancel_counted(project, running.id)
-        .await
-        .unwrap();
-    assert_eq!(
-        (run.status, run.cancel_requested, asked),
-        (RunStatus::Queued, true, 1)
-    );
+    assert_eq!(cancel(running).await, (Queued, true, 1));
     // Queued and flagged, it is a worker's to end: asked again, it stays as it is.
-    let (run, asked) = store
-        .request_cancel_counted(project, running.id)
-        .await
-        .unwrap();
-    assert_eq!((run.status, asked), (RunStatus::Queued, 0));
+    assert_eq!(cancel(running).await, (Queued, true, 0));
     let pending = store.get_approval(project, approval).await.unwrap();
     assert_eq!(pending.status.as_str(), "pending");
 }

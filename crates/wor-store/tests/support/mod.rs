@@ -173,3 +173,21 @@ pub fn mcp_connection(name: &str) -> wor_store::NewToolConnection {
         created_by: None,
     }
 }
+
+/// A request for a person's decision on call `call_1` (`mail/send`) of `run`, bound by
+/// `binding`, expiring in a minute.
+pub fn held_mail_approval(run: wor_core::RunId, binding: &str) -> wor_store::NewApproval {
+    wor_store::NewApproval {
+        run_id: run,
+        call_id: "call_1".to_owned(),
+        tool: "mail/send".to_owned(),
+        pin_hash: "pin".to_owned(),
+        arguments: serde_json::json!({}),
+        arguments_hash: "args".to_owned(),
+        pinned_keys: Vec::new(),
+        binding_hash: binding.to_owned(),
+        kind: wor_store::ApprovalKind::Policy,
+        why: serde_json::json!({}),
+        expires_at: wor_store::now_millis() + 60_000,
+    }
+}
