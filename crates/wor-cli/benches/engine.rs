@@ -477,6 +477,27 @@ async fn figure_throughput(backend: &str, base: &Option<String>) {
     let both_per_call = |(server_cpu, bench_cpu): (Duration, Duration), calls: usize| {
         (per_call(server_cpu, calls), per_call(bench_cpu, calls))
     };
+    // Starts `at_once` runs of the routine together, each followed to its end when `follow`,
+    // and returns their ids once every start (and follow) has returned.
+    let start_all = async |follow: bool| {
+        let starts: Vec<_> = (0..at_once)
+            .map(|_| {
+                let (api, routine) = (api.clone(), routine.clone());
+                tokio::spawn(async move {
+                    if follow {
+                        start_and_follow(&api, &routine).await
+                    } else {
+                        start_run(&api, &routine).await
+                    }
+                })
+            })
+            .collect();
+        let mut ids = Vec::with_capacity(at_once);
+        for start in starts {
+            ids.push(start.await.unwrap());
+        }
+        ids
+    };
     let expected = at_once * per_run;
     let deadline = Duration::from_secs(300);
     // The host's speed drifts over seconds: each round measures the direct callers and both
@@ -510,15 +531,7 @@ async fn figure_throughput(backend: &str, base: &Option<String>) {
         echo.calls.store(0, Ordering::SeqCst);
         let cpu = cpu_now();
         let started = Instant::now();
-        let runs: Vec<_> = (0..at_once)
-            .map(|_| {
-                let (api, routine) = (api.clone(), routine.clone());
-                tokio::spawn(async move { start_and_follow(&api, &routine).await })
-            })
-            .collect();
-        for run in runs {
-            run.await.unwrap();
-        }
+        start_all(true).await;
         let made = echo.calls.load(Ordering::SeqCst);
         assert_eq!(
             made, expected,
@@ -535,16 +548,7 @@ async fn figure_throughput(backend: &str, base: &Option<String>) {
         echo.calls.store(0, Ordering::SeqCst);
         let cpu = cpu_now();
         let started = Instant::now();
-        let starts: Vec<_> = (0..at_once)
-            .map(|_| {
-                let (api, routine) = (api.clone(), routine.clone());
-                tokio::spawn(async move { start_run(&api, &routine).await })
-            })
-            .collect();
-        let mut pending = Vec::with_capacity(at_once);
-        for start in starts {
-            pending.push(start.await.unwrap());
-        }
+        let mut pending = start_all(false).await;
         while echo.calls.load(Ordering::SeqCst) < expected {
             assert!(
                 started.elapsed() < deadline,

@@ -519,9 +519,9 @@ impl Store {
 
     /// Asks a run to stop. A queued run is cancelled at once, unless it was asked before (it
     /// is then a worker's to end); a running one is flagged and its worker stops it; a parked
-    /// one is flagged and queued, for a worker to end it. Its nested
-    /// runs still going, however deep, are asked alike, even when the run itself has ended;
-    /// of a finished run with none, nothing changes.
+    /// one is flagged and queued, for a worker to end it. Its nested runs still going, however
+    /// deep, are asked alike, even when the run itself has ended; of a finished run with none,
+    /// nothing changes.
     pub async fn request_cancel(
         &self,
         project: ProjectId,
