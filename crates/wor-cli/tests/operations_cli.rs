@@ -298,6 +298,26 @@ fn value(metrics: &std::collections::BTreeMap<String, f64>, series: &str) -> f64
     metrics.get(series).copied().unwrap_or(0.0)
 }
 
+/// Scrapes until `ready` holds of the exposition, or fails after 30 s: a worker counts a run's
+/// end just after the end's commit, which its followers and `run get` may see first.
+fn scrape_until(
+    addr: &str,
+    ready: impl Fn(&std::collections::BTreeMap<String, f64>) -> bool,
+) -> std::collections::BTreeMap<String, f64> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let now = scrape(addr);
+        if ready(&now) {
+            return now;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the metrics never settled: {now:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
 fn wait_for_status(server: &Server, key: &str, run: &str, status: &str) {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     loop {
@@ -403,7 +423,9 @@ fn metrics_move_by_exactly_a_held_approved_run_and_a_thousand_routines_add_no_se
     assert!(approved.status.success(), "{}", text(&approved.stderr));
     wait_for_status(&server, &owner, &run, "succeeded");
 
-    let after = scrape(&metrics);
+    let after = scrape_until(&metrics, |now| {
+        delta(now, r#"wor_run_duration_seconds_count{status="succeeded"}"#) >= 2.0
+    });
     for (series, expected) in [
         (r#"wor_runs_started_total{trigger="api"}"#, 1.0),
         (r#"wor_runs_started_total{trigger="routine"}"#, 1.0),
@@ -472,7 +494,9 @@ fn metrics_move_by_exactly_a_held_approved_run_and_a_thousand_routines_add_no_se
         );
         assert!(out.status.success(), "{}", text(&out.stderr));
     }
-    let bulk = scrape(&metrics);
+    let bulk = scrape_until(&metrics, |now| {
+        delta(now, r#"wor_run_duration_seconds_count{status="succeeded"}"#) >= 2.0 + 3.0
+    });
     assert_eq!(
         delta(
             &bulk,
@@ -1813,7 +1837,9 @@ fn metrics_count_a_tool_call_refused_by_egress_and_a_cancelled_queued_run() {
     assert!(cancelled.status.success(), "{}", text(&cancelled.stderr));
     wait_for_status(&server, &owner, &second, "cancelled");
 
-    let after = scrape(&metrics);
+    let after = scrape_until(&metrics, |now| {
+        delta(now, r#"wor_run_duration_seconds_count{status="succeeded"}"#) >= 1.0
+    });
     for (series, expected) in [
         (r#"wor_tool_calls_total{decision="allow"}"#, 1.0),
         (r#"wor_tool_calls_total{decision="egress_refused"}"#, 1.0),
