@@ -1836,6 +1836,19 @@ fn metrics_count_a_tool_call_refused_by_egress_and_a_cancelled_queued_run() {
     let cancelled = server.client(&owner, &["run", "cancel", &second]);
     assert!(cancelled.status.success(), "{}", text(&cancelled.stderr));
     wait_for_status(&server, &owner, &second, "cancelled");
+    // No worker had it: the cancel records its end on the chain, as a worker would.
+    let log = server.client(&owner, &["audit", "export"]);
+    assert!(log.status.success(), "{}", text(&log.stderr));
+    let ends: Vec<serde_json::Value> = text(&log.stdout)
+        .lines()
+        .map(|line| serde_json::from_str::<serde_json::Value>(line).unwrap())
+        .filter(|entry| entry["category"] == "run.end" && entry["subjects"]["run_id"] == second)
+        .map(|entry| entry["payload"].clone())
+        .collect();
+    assert_eq!(
+        ends,
+        [serde_json::json!({ "status": "cancelled", "outcome": "cancelled while queued" })]
+    );
 
     let after = scrape_until(&metrics, |now| {
         delta(now, r#"wor_run_duration_seconds_count{status="succeeded"}"#) >= 1.0

@@ -125,6 +125,18 @@ pub(crate) fn run_event(run: &RunRecord, category: AuditCategory) -> AuditEvent 
         .runs(run.root_run_id, run.parent_run_id)
 }
 
+/// The audit entry of run `run`'s end as `status`, saying `outcome`: whoever ended it, a
+/// worker or a cancel of it while it was queued.
+pub(crate) fn run_ended(
+    run: &RunRecord,
+    status: wor_core::run::RunStatus,
+    outcome: &str,
+) -> AuditEvent {
+    run_event(run, AuditCategory::RunEnd)
+        .subject("routine_id", run.routine_id)
+        .payload(json!({ "status": status.as_str(), "outcome": outcome }))
+}
+
 /// The audit entry a step is recorded with, derived from the step as recorded (redacted): a
 /// model turn's `model.call`, a call's decision and a call's answer. Other steps have no
 /// entry of their own. The control plane derives a remote worker's entries with it too, so

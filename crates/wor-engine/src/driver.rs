@@ -31,11 +31,11 @@ use wor_models::{
 use wor_policy::PolicyEngine;
 use wor_secrets::Redactor;
 use wor_store::{
-    API_KEY_FIELD, ConnectionStatus, MODEL_CONNECTIONS_TABLE, RunRecord, RunWrite, RunWritten,
-    SecretSlot,
+    API_KEY_FIELD, CANCELLED_WHILE_QUEUED, CancelAsked, ConnectionStatus, MODEL_CONNECTIONS_TABLE,
+    RunRecord, RunWrite, RunWritten, SecretSlot,
 };
 
-use crate::call::{CallScope, Stopped, as_recorded, run_event, with_step};
+use crate::call::{CallScope, Stopped, as_recorded, run_ended, run_event, with_step};
 use crate::output::AfterTurn;
 use crate::run_tools::{RunTools, ToolsUnavailable};
 use crate::{Engine, EngineError};
@@ -230,11 +230,11 @@ impl Engine {
         if let Some(usage) = usage {
             end = end.usage(usage);
         }
-        let end = end.end(ending.status, &ending.outcome).audit(
-            run_event(run, AuditCategory::RunEnd)
-                .subject("routine_id", run.routine_id)
-                .payload(json!({ "status": ending.status.as_str(), "outcome": ending.outcome })),
-        );
+        let end = end.end(ending.status, &ending.outcome).audit(run_ended(
+            run,
+            ending.status,
+            &ending.outcome,
+        ));
         let cancelled = match self.record_carried(end).await? {
             RunWritten::Committed {
                 cancelled_approvals,
@@ -262,6 +262,41 @@ impl Engine {
         tracing::info!(category = "run", action = "run.end", project_id = %run.project_id,
             run_id = %run.id, status = ending.status.as_str(), lease_held = finished, "run ended");
         Ok(finished)
+    }
+
+    /// Asks run `id` of `project` to stop, with its nested runs ([`Store::request_cancel`]),
+    /// and records the end of each run the cancel ended in the queue as a worker records the
+    /// ends it writes: its `run.end` entry and its run webhook. Workers are woken for the runs
+    /// it queued, flagged, for one to end.
+    ///
+    /// [`Store::request_cancel`]: wor_store::Store::request_cancel
+    pub async fn request_cancel(
+        &self,
+        project: wor_core::ProjectId,
+        id: wor_core::RunId,
+    ) -> Result<CancelAsked, EngineError> {
+        let asked = self.store.request_cancel(project, id).await?;
+        // Each ended `cancelled`, saying so, before any worker had it.
+        let (status, outcome) = (RunStatus::Cancelled, CANCELLED_WHILE_QUEUED);
+        if !asked.ended.is_empty() {
+            self.audit
+                .append_all(
+                    asked
+                        .ended
+                        .iter()
+                        .map(|run| run_ended(run, status, outcome))
+                        .collect(),
+                )
+                .await?;
+        }
+        for run in &asked.ended {
+            self.enqueue_run_webhook(run, status, Some(outcome), None)
+                .await?;
+        }
+        if asked.asked > 0 {
+            self.wake_workers();
+        }
+        Ok(asked)
     }
 
     async fn drive_loop(&self, run: &RunRecord) -> Result<Flow, EngineError> {

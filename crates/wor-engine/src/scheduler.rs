@@ -307,9 +307,7 @@ impl Engine {
                                 .oldest_active_run(schedule.project_id, schedule.routine_id)
                                 .await?
                         {
-                            self.store
-                                .request_cancel(schedule.project_id, oldest)
-                                .await?;
+                            self.request_cancel(schedule.project_id, oldest).await?;
                         }
                         if admission.run.status == RunStatus::Queued {
                             active = active.saturating_add(1);

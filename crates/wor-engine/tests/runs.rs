@@ -543,15 +543,36 @@ async fn cancel_stops_a_queued_run_and_a_running_model_call() {
         .await;
 
     let queued = h.start(&engine, routine, "first").await;
-    let cancelled =
-        h.db.store
-            .request_cancel(h.project, queued.id)
-            .await
-            .unwrap();
+    let cancelled = engine
+        .request_cancel(h.project, queued.id)
+        .await
+        .unwrap()
+        .run;
     assert_eq!(
         cancelled.status,
         RunStatus::Cancelled,
         "a queued run is cancelled at once"
+    );
+    // No worker had it: the cancel records its end, as a worker records the ends it writes.
+    let entries = h.db.store.audit_entries(h.project, 0, 100).await.unwrap();
+    let ends: Vec<_> = entries
+        .iter()
+        .filter(|e| e.category == "run.end")
+        .map(|e| {
+            (
+                e.subjects["run_id"].clone(),
+                e.actor.clone(),
+                e.payload.clone(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        ends,
+        [(
+            queued.id.to_string(),
+            wor_core::audit::Actor::Run { run_id: queued.id },
+            serde_json::json!({ "status": "cancelled", "outcome": "cancelled while queued" })
+        )]
     );
 
     let running = h.start(&engine, routine, "second").await;
@@ -566,10 +587,7 @@ async fn cancel_stops_a_queued_run_and_a_running_model_call() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(model.request_count(), 1, "the model call is in flight");
-    h.db.store
-        .request_cancel(h.project, running.id)
-        .await
-        .unwrap();
+    engine.request_cancel(h.project, running.id).await.unwrap();
     tokio::time::timeout(Duration::from_secs(10), driver)
         .await
         .unwrap()

@@ -521,25 +521,20 @@ impl Store {
     /// is then a worker's to end); a running one is flagged and its worker stops it; a parked
     /// one is flagged and queued, for a worker to end it. Its nested runs still going, however
     /// deep, are asked alike, even when the run itself has ended; of a finished run with none,
-    /// nothing changes.
+    /// nothing changes. The runs it ended from the queue have no worker to record their end:
+    /// that is the caller's, from [`CancelAsked::ended`].
     pub async fn request_cancel(
         &self,
         project: ProjectId,
         id: RunId,
-    ) -> Result<RunRecord, StoreError> {
-        Ok(self.request_cancel_counted(project, id).await?.0)
-    }
-
-    /// [`Store::request_cancel`], and how many runs it asked to stop: the run and its nested
-    /// runs that were still going and not asked before. None for a run that had ended with
-    /// nothing under it still going, or was asked already.
-    pub async fn request_cancel_counted(
-        &self,
-        project: ProjectId,
-        id: RunId,
-    ) -> Result<(RunRecord, u64), StoreError> {
+    ) -> Result<CancelAsked, StoreError> {
         let (run, asked) = self.request_cancel_of(project, id).await?;
-        let mut count = u64::from(asked);
+        let mut answer = CancelAsked {
+            run: run.clone(),
+            asked: 0,
+            ended: Vec::new(),
+        };
+        answer.add(run, asked);
         // Its nested runs are cancelled with it, however deep, wherever they are driven: a
         // nested run does not go on for a parent nobody waits for.
         // Every child is looked under (an ended one may have a live child of its own); only
@@ -558,60 +553,67 @@ impl Store {
                 let status: RunStatus =
                     parse_column(&child.try_get::<String, _>("status")?, "runs.status")?;
                 if !status.is_terminal() {
-                    let (_, asked) = self.request_cancel_of(project, id).await?;
-                    count += u64::from(asked);
+                    let (child, asked) = self.request_cancel_of(project, id).await?;
+                    answer.add(child, asked);
                 }
                 parents.push(id);
             }
         }
-        Ok((run, count))
+        Ok(answer)
     }
 
-    /// Requests the cancel of run `id` alone ([`Store::request_cancel`]); true when that
-    /// changed it (ended it, flagged it for the first time, or queued it from its park).
+    /// Requests the cancel of run `id` alone ([`Store::request_cancel`]), in one transaction:
+    /// the run as it left it, and what it did.
     async fn request_cancel_of(
         &self,
         project: ProjectId,
         id: RunId,
-    ) -> Result<(RunRecord, bool), StoreError> {
+    ) -> Result<(RunRecord, Asked), StoreError> {
         let now = now_millis();
         let mut tx = self.begin_write().await?;
         // A queued run flagged already (parked, or left by a worker, when it was asked) is a
         // worker's to end, as its pending approvals and steps are: asked again, it stays so.
         let cancelled = sqlx::query(
-            "UPDATE runs SET status = 'cancelled', outcome = 'cancelled while queued', \
+            "UPDATE runs SET status = 'cancelled', outcome = $4, \
              finished_at = $1, updated_at = $1 WHERE project_id = $2 AND id = $3 AND status = 'queued' \
              AND cancel_requested = 0",
         )
         .bind(now)
         .bind(project.to_string())
         .bind(id.to_string())
+        .bind(CANCELLED_WHILE_QUEUED)
         .execute(&mut **tx)
         .await?;
-        let ended_queued = cancelled.rows_affected() == 1;
-        if ended_queued {
+        let asked = if cancelled.rows_affected() == 1 {
             requeue_parent(&mut *tx, id, now).await?;
-        }
+            Asked::Ended
+        } else {
+            // A parked run has no worker: it goes back in the queue, flagged, for one to end
+            // it, flagged already or not (a cancel may land as it parks). A running run
+            // flagged already is left as it is.
+            let flagged = sqlx::query(
+                "UPDATE runs SET cancel_requested = 1, updated_at = $1, \
+                 status = CASE WHEN status = 'waiting_for_approval' THEN 'queued' ELSE status END \
+                 WHERE project_id = $2 AND id = $3 \
+                 AND (status = 'waiting_for_approval' OR (status = 'running' AND cancel_requested = 0))",
+            )
+            .bind(now)
+            .bind(project.to_string())
+            .bind(id.to_string())
+            .execute(&mut **tx)
+            .await?;
+            if flagged.rows_affected() == 1 {
+                Asked::Flagged
+            } else {
+                Asked::Nothing
+            }
+        };
         tx.commit().await?;
-        // A parked run has no worker: it goes back in the queue, flagged, for one to end it,
-        // flagged already or not (a cancel may land as it parks). A running run flagged
-        // already is left as it is.
-        let flagged = sqlx::query(
-            "UPDATE runs SET cancel_requested = 1, updated_at = $1, \
-             status = CASE WHEN status = 'waiting_for_approval' THEN 'queued' ELSE status END \
-             WHERE project_id = $2 AND id = $3 \
-             AND (status = 'waiting_for_approval' OR (status = 'running' AND cancel_requested = 0))",
-        )
-        .bind(now)
-        .bind(project.to_string())
-        .bind(id.to_string())
-        .execute(&*self.write_pool().await?)
-        .await?;
         let run = self.get_run(project, id).await?;
-        if ended_queued {
+        if asked == Asked::Ended {
             crate::metrics::run_ended_unclaimed(RunStatus::Cancelled, run.trigger_kind);
         }
-        Ok((run, ended_queued || flagged.rows_affected() == 1))
+        Ok((run, asked))
     }
 
     /// Puts runs whose worker stopped renewing its lease back in the queue, to be resumed.
@@ -1600,4 +1602,44 @@ pub(crate) async fn release_held(
     let done = query.execute(&mut *connection).await?;
     crate::run_tokens::sweep(connection, backend).await?;
     Ok(done.rows_affected())
+}
+
+/// The outcome of a run that a cancel ended in the queue, before any worker had it.
+pub const CANCELLED_WHILE_QUEUED: &str = "cancelled while queued";
+
+/// What a cancel did ([`Store::request_cancel`]).
+#[derive(Debug, Clone)]
+pub struct CancelAsked {
+    /// The run named, as the cancel left it.
+    pub run: RunRecord,
+    /// How many runs it asked to stop: the run and its nested runs that were still going and
+    /// not asked before. None for a run that had ended with nothing under it still going.
+    pub asked: u64,
+    /// The runs it ended itself, from the queue ([`CANCELLED_WHILE_QUEUED`]), as it left
+    /// them, the run named first when it is one: no worker records their end.
+    pub ended: Vec<RunRecord>,
+}
+
+impl CancelAsked {
+    fn add(&mut self, run: RunRecord, asked: Asked) {
+        match asked {
+            Asked::Ended => {
+                self.asked += 1;
+                self.ended.push(run);
+            }
+            Asked::Flagged => self.asked += 1,
+            Asked::Nothing => {}
+        }
+    }
+}
+
+/// What a cancel did to one run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Asked {
+    /// Ended it, from the queue.
+    Ended,
+    /// Flagged it for its worker (or queued it, flagged, from its park).
+    Flagged,
+    /// Nothing: it had ended, or was asked before.
+    Nothing,
 }

@@ -826,7 +826,13 @@ async fn an_ended_nested_run_always_releases_its_parked_parent() {
         .create_run(project, new(Some(grandchild_link), "c4"), input.clone())
         .await
         .unwrap();
-    store.request_cancel(project, parent.id).await.unwrap();
+    let asked = store.request_cancel(project, parent.id).await.unwrap();
+    let ended: Vec<_> = asked.ended.iter().map(|run| run.id).collect();
+    assert_eq!(
+        ended,
+        [grandchild.id],
+        "the one it ended, for its caller to record"
+    );
     let child = store.get_run(project, child.id).await.unwrap();
     assert!(child.cancel_requested, "{child:?}");
     let grandchild = store.get_run(project, grandchild.id).await.unwrap();
@@ -2831,8 +2837,8 @@ async fn a_write_outside_a_transaction_waits_its_turn_with_the_process_writes() 
     assert_eq!(revoked, None, "there was no such session");
 }
 
-/// A cancel says how many runs it asked to stop, and asking again asks none: a queued run ends
-/// at once; a running one is flagged once; a run flagged as it parked (the cancel landed
+/// A cancel says how many runs it asked to stop and which it ended itself, and asking again asks
+/// none: a queued run ends at once, for its caller to record; a running one is flagged once; a run flagged as it parked (the cancel landed
 /// between its held call and its park) is queued for a worker by the next cancel, and a flagged
 /// queued run stays a worker's to end, its approval pending until then.
 #[tokio::test]
@@ -2850,17 +2856,26 @@ async fn a_cancel_counts_the_runs_it_asked_and_asking_again_asks_none() {
         let input = InputStep::requested(serde_json::json!("x"));
         store.create_run(project, new, input).await.unwrap().id
     };
-    // The run's status and flag after a cancel, and how many runs the cancel asked.
+    // The run's status and flag after a cancel, how many runs the cancel asked, and how many
+    // it ended itself.
     let cancel = async |id| {
-        let (run, asked) = store.request_cancel_counted(project, id).await.unwrap();
-        (run.status, run.cancel_requested, asked)
+        let asked = store.request_cancel(project, id).await.unwrap();
+        assert!(asked.ended.iter().all(|run| run.id == id
+            && run.status == Cancelled
+            && run.outcome.as_deref() == Some(wor_store::CANCELLED_WHILE_QUEUED)));
+        (
+            asked.run.status,
+            asked.run.cancel_requested,
+            asked.asked,
+            asked.ended.len(),
+        )
     };
 
     let queued = create().await;
-    assert_eq!(cancel(queued).await, (Cancelled, false, 1));
+    assert_eq!(cancel(queued).await, (Cancelled, false, 1, 1));
     assert_eq!(
         cancel(queued).await,
-        (Cancelled, false, 0),
+        (Cancelled, false, 0, 0),
         "ended, nothing under it"
     );
 
@@ -2870,8 +2885,12 @@ async fn a_cancel_counts_the_runs_it_asked_and_asking_again_asks_none() {
         .await
         .unwrap()
         .unwrap();
-    assert_eq!(cancel(running).await, (Running, true, 1));
-    assert_eq!(cancel(running).await, (Running, true, 0), "flagged already");
+    assert_eq!(cancel(running).await, (Running, true, 1, 0));
+    assert_eq!(
+        cancel(running).await,
+        (Running, true, 0, 0),
+        "flagged already"
+    );
 
     // Flagged, it parks anyway (the driver saw no cancel when it recorded the held call).
     let (approval, _) = store
@@ -2879,9 +2898,9 @@ async fn a_cancel_counts_the_runs_it_asked_and_asking_again_asks_none() {
         .await
         .unwrap()
         .unwrap();
-    assert_eq!(cancel(running).await, (Queued, true, 1));
+    assert_eq!(cancel(running).await, (Queued, true, 1, 0));
     // Queued and flagged, it is a worker's to end: asked again, it stays as it is.
-    assert_eq!(cancel(running).await, (Queued, true, 0));
+    assert_eq!(cancel(running).await, (Queued, true, 0, 0));
     let pending = store.get_approval(project, approval).await.unwrap();
     assert_eq!(pending.status.as_str(), "pending");
 }

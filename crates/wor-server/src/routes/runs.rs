@@ -13,7 +13,7 @@ use wor_core::run::RunStatus;
 use wor_core::step::Step;
 use wor_core::{ProjectId, Role, RoutineId, RunId};
 use wor_engine::{StartRun, Trigger};
-use wor_store::{RunFilter, RunRecord, RunStep, Store, StoreError};
+use wor_store::{CancelAsked, RunFilter, RunRecord, RunStep, Store, StoreError};
 
 use crate::AppState;
 use crate::auth::{Caller, RunCaller};
@@ -356,7 +356,7 @@ pub(crate) async fn cancel_run(
             "role `{role}` cannot cancel runs"
         )));
     }
-    let (run, asked) = state.store.request_cancel_counted(project, id).await?;
+    let CancelAsked { run, asked, .. } = state.engine.request_cancel(project, id).await?;
     if asked > 0 {
         state
             .audit
