@@ -434,7 +434,7 @@ mod tests {
         assert_eq!(run.call_answered(&CallOutcome::Parked), AfterCall::Park);
         assert_eq!(
             run.call_answered(&CallOutcome::Cancelled),
-            AfterCall::End(Ending::new(RunStatus::Cancelled, "cancelled on request"))
+            AfterCall::End(Ending::cancelled())
         );
     }
 

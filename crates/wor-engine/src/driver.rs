@@ -300,6 +300,13 @@ impl Engine {
     }
 
     async fn drive_loop(&self, run: &RunRecord) -> Result<Flow, EngineError> {
+        // A run asked to stop before a worker took it up (parked, or given back) ends before
+        // its model, tools and credential are made ready: a connection revoked or disabled
+        // meanwhile must not turn its cancel into a failure. A cancel asked later is seen at
+        // the loop's first step.
+        if run.cancel_requested {
+            return Ok(Flow::End(Ending::cancelled(), None));
+        }
         let version = self
             .routine_version(run.project_id, run.routine_id, run.routine_version)
             .await?;
@@ -500,10 +507,7 @@ impl Engine {
         {
             // A cancel requested since still wins, as it would have before the next step.
             if self.cancel_requested(run.id).await? {
-                return Ok(Flow::End(
-                    Ending::new(RunStatus::Cancelled, "cancelled on request"),
-                    None,
-                ));
+                return Ok(Flow::End(Ending::cancelled(), None));
             }
             let answer = last.text.clone();
             let ended = machine.turn_recorded(Vec::new(), elapsed(), || answer);
@@ -747,9 +751,7 @@ impl Engine {
                 used: limits.wall_seconds,
                 allowed: limits.wall_seconds,
             })),
-            Err(Stopped::Cancelled) => {
-                TurnOutcome::End(Ending::new(RunStatus::Cancelled, "cancelled on request"))
-            }
+            Err(Stopped::Cancelled) => TurnOutcome::End(Ending::cancelled()),
         })
     }
 

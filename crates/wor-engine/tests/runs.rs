@@ -2259,3 +2259,46 @@ mode = "{mode}"
         .await;
     }
 }
+
+/// A run asked to stop while it waits for a person ends `cancelled` when a worker takes it up,
+/// before its model, tools or credential are made ready: a tool connection disabled while it
+/// waited does not turn the cancel into a failure.
+#[tokio::test]
+async fn a_parked_run_cancelled_ends_cancelled_even_with_its_connection_disabled() {
+    let h = Harness::new().await;
+    let api = RecordingApi::start(vec![Some(json!({"status": "created"}))]).await;
+    let engine = h.engine(EngineConfig::default());
+    h.items_connection(&engine, &api).await;
+    let script = r#"
+[[model.script.turns]]
+tool_calls = [{ id = "call_1", name = "items__create_item", arguments = { title = "report" } }]
+[[tools]]
+tool = "items/create_item"
+mode = "confirm"
+"#;
+    let routine = h.routine(&replay(script, "")).await;
+    let run = h.start(&engine, routine, "file the report").await;
+    assert!(engine.run_next().await.unwrap());
+    assert_eq!(h.run(run.id).await.status, RunStatus::WaitingForApproval);
+
+    let connection = h.db.store.list_tool_connections(h.project).await.unwrap()[0].id;
+    h.db.store
+        .disable_tool_connection(h.project, connection)
+        .await
+        .unwrap();
+    let asked = engine.request_cancel(h.project, run.id).await.unwrap();
+    assert_eq!(
+        (asked.asked, asked.ended.len()),
+        (1, 0),
+        "a worker's to end"
+    );
+    let ended = h.drive_to_end(&engine, run.id).await;
+    assert_eq!(
+        (ended.status, ended.outcome.as_deref()),
+        (RunStatus::Cancelled, Some("cancelled on request"))
+    );
+    let approvals = h.approvals_of(run.id).await;
+    assert_eq!(approvals.len(), 1);
+    assert_eq!(approvals[0].status, wor_store::ApprovalStatus::Cancelled);
+    assert_eq!(api.request_count(), 0, "the call never ran");
+}
