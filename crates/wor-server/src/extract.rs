@@ -33,10 +33,7 @@ where
 /// A JSON object read into `T`. Anything else is refused before `T` sees it: serde would read
 /// an array into a struct, field by field in order, past `deny_unknown_fields`.
 fn object<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
-    let first = bytes
-        .iter()
-        .find(|byte| !matches!(byte, b' ' | b'\t' | b'\n' | b'\r'));
-    if first != Some(&b'{') {
+    if !opens_an_object(bytes) {
         return Err(ApiError::bad_request(
             "invalid_body",
             "the body must be a JSON object",
@@ -46,6 +43,15 @@ fn object<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
         Ok(axum::Json(value)) => Ok(value),
         Err(rejection) => Err(json_rejection(rejection)),
     }
+}
+
+/// Whether JSON text `bytes` is an object, by its first character after any white space: what
+/// must hold before serde reads it into a struct.
+pub(crate) fn opens_an_object(bytes: &[u8]) -> bool {
+    bytes
+        .iter()
+        .find(|byte| !matches!(byte, b' ' | b'\t' | b'\n' | b'\r'))
+        == Some(&b'{')
 }
 
 /// The body of a request that says it is JSON, within the size and nesting limits and free

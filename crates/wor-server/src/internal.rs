@@ -548,10 +548,16 @@ async fn refuse(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// The body of a signed request, as `T`; a body of another shape is a 400 that says so.
+/// The body of a signed request, as `T`; a body of another shape is a 400 that says so. It
+/// must be an object: serde would read an array into `T` field by field.
 fn signed_body<T: serde::de::DeserializeOwned>(body: &[u8], shape: &str) -> Result<T, ApiError> {
-    serde_json::from_slice(body)
-        .map_err(|e| ApiError::bad_request("invalid_body", format!("expected {shape}: {e}")))
+    let refused = |why: &dyn std::fmt::Display| {
+        ApiError::bad_request("invalid_body", format!("expected {shape}: {why}"))
+    };
+    if !crate::extract::opens_an_object(body) {
+        return Err(refused(&"the body must be a JSON object"));
+    }
+    serde_json::from_slice(body).map_err(|e| refused(&e))
 }
 
 fn refused_write(refusal: wor_engine::WorkerStepRefusal) -> ApiError {
@@ -738,4 +744,27 @@ fn lease_not_held(worker: &str, run: wor_core::RunId) -> ApiError {
     tracing::warn!(category = "auth", action = "worker.lease_not_held", worker_id = %worker,
         run_id = %run, "a worker asked about a run it does not hold");
     ApiError::LeaseNotHeld
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_signed_body_is_read_only_from_an_object() {
+        let shape = "{\"wait_ms\": 0..}";
+        let claim: wor_engine::worker_wire::ClaimRequest =
+            signed_body(b" {\"wait_ms\": 5}", shape).unwrap();
+        assert_eq!(claim.wait_ms, 5);
+        // serde alone reads an array into the struct, field by field.
+        for body in [&b"[5]"[..], b" [5]", b"5", b"\"x\"", b""] {
+            let refused = signed_body::<wor_engine::worker_wire::ClaimRequest>(body, shape)
+                .map(|claim| claim.wait_ms)
+                .unwrap_err();
+            assert!(
+                matches!(&refused, ApiError::BadRequest { code, .. } if *code == "invalid_body"),
+                "{refused:?}"
+            );
+        }
+    }
 }
