@@ -302,6 +302,33 @@ fn a_structured_result_is_shown_by_follow_and_get_and_is_json_with_json() {
     let runs = runs.as_array().unwrap();
     assert_eq!(runs.len(), 2);
     assert!(runs.iter().all(|r| r["result"] == expected), "{runs:?}");
+
+    // Page by page: the page after the first run holds the second, and nothing follows it.
+    let page = |args: &[&str]| {
+        let mut all = vec!["run", "list", "--json", "--limit", "1"];
+        all.extend_from_slice(args);
+        let listed = server.client(&key, &all);
+        assert!(listed.status.success(), "{}", text(&listed.stderr));
+        let page: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
+        page.as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["id"].as_str().unwrap().to_owned())
+            .collect::<Vec<_>>()
+    };
+    let first = page(&[]);
+    assert_eq!(first, [runs[0]["id"].as_str().unwrap()]);
+    let second = page(&["--before", &first[0]]);
+    assert_eq!(second, [runs[1]["id"].as_str().unwrap()]);
+    assert!(page(&["--before", &second[0]]).is_empty());
+    // A value is sent as one value: it cannot add a parameter of its own.
+    let smuggled = server.client(&key, &["run", "list", "--status", "queued&limit=0"]);
+    assert!(!smuggled.status.success());
+    assert!(
+        text(&smuggled.stderr).contains("queued&limit=0"),
+        "{}",
+        text(&smuggled.stderr)
+    );
     server.stop();
 }
 

@@ -46,9 +46,12 @@ pub enum RunCommand {
         /// Only runs with this status.
         #[arg(long)]
         status: Option<String>,
-        /// At most this many.
+        /// At most this many (1 to 200).
         #[arg(long, default_value_t = 20)]
         limit: u32,
+        /// Only runs older than this one (a `run_…` id): the last run of the page before.
+        #[arg(long, value_name = "RUN_ID")]
+        before: Option<String>,
         #[command(flatten)]
         client: ClientArgs,
     },
@@ -221,20 +224,22 @@ pub async fn run(cmd: RunCommand) -> anyhow::Result<ExitCode> {
             routine,
             status,
             limit,
+            before,
             client,
         } => {
             let api = ApiClient::new(&client)?;
-            let mut query = format!("/v1/runs?limit={limit}");
+            let mut query = url::form_urlencoded::Serializer::new(String::new());
+            query.append_pair("limit", &limit.to_string());
             if let Some(routine) = routine {
-                query.push_str(&format!(
-                    "&routine_id={}",
-                    routine_id(&api, &routine).await?
-                ));
+                query.append_pair("routine_id", &routine_id(&api, &routine).await?);
             }
-            if let Some(status) = status {
-                query.push_str(&format!("&status={status}"));
+            if let Some(status) = &status {
+                query.append_pair("status", status);
             }
-            let runs = api.get(&query).await?;
+            if let Some(before) = &before {
+                query.append_pair("before", before);
+            }
+            let runs = api.get(&format!("/v1/runs?{}", query.finish())).await?;
             if client.json {
                 print_json(&runs)?;
             } else {
