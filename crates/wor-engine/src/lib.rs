@@ -404,6 +404,14 @@ impl Engine {
         &self.config
     }
 
+    /// Vets the base URL of a model connection with an API key when it is made, with the
+    /// egress policy model calls are sent under (the operator's model ranges open); see
+    /// [`EgressClient::vet_destination`]. A keyless one is vetted by
+    /// [`Engine::vet_keyless_model_url`].
+    pub fn vet_model_url(&self, url: &str) -> Result<(), Box<wor_egress::EgressDenial>> {
+        self.model_egress.vet_destination(url).map(|_| ())
+    }
+
     /// Vets a routine's run webhook destination (`notify.url`) when the routine is applied,
     /// with the egress policy its deliveries are sent under; see
     /// [`EgressClient::vet_destination`].

@@ -1024,6 +1024,33 @@ async fn model_connection_input_is_checked() {
         ),
         ("not a url", "anthropic", "invalid_base_url"),
         ("https://models.example.com", "gpt", "invalid_provider"),
+        // A credential has one place, `api_key`, where it is sealed: not a query or fragment.
+        (
+            "https://models.example.com/v1?key=user:pw",
+            "openai_compatible",
+            "invalid_base_url",
+        ),
+        (
+            "https://models.example.com/v1#user:pw",
+            "anthropic",
+            "invalid_base_url",
+        ),
+        (
+            "https://r.openai.azure.com?api-version=2024-10-21&sig=user:pw",
+            "azure_openai",
+            "invalid_base_url",
+        ),
+        (
+            "https://r.openai.azure.com?api-version=2024-10-21",
+            "openai_compatible",
+            "invalid_base_url",
+        ),
+        // Refused at once, as every call to it would be.
+        (
+            "http://169.254.169.254/v1",
+            "openai_compatible",
+            "invalid_base_url",
+        ),
     ] {
         let reply = api
             .call(
@@ -1049,6 +1076,28 @@ async fn model_connection_input_is_checked() {
         )
         .await;
     assert_error(&empty_key, StatusCode::BAD_REQUEST, "invalid_api_key");
+    let metadata = api
+        .call(
+            Method::POST,
+            "/v1/model-connections",
+            Some(owner),
+            Some(body("http://169.254.169.254/v1", "openai_compatible")),
+        )
+        .await;
+    assert!(metadata.text.contains("link-local"), "{}", metadata.text);
+    // Azure's API version is the one query a base URL may carry.
+    let azure = api
+        .call(
+            Method::POST,
+            "/v1/model-connections",
+            Some(owner),
+            Some(body(
+                "https://r.openai.azure.com?api-version=2024-10-21",
+                "azure_openai",
+            )),
+        )
+        .await;
+    assert_eq!(azure.status, StatusCode::CREATED, "{}", azure.text);
 
     let viewer = api
         .call(

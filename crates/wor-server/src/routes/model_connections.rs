@@ -113,12 +113,37 @@ fn check_api_key(key: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
-fn check_base_url(url: &str) -> Result<(), ApiError> {
-    wor_egress::EgressUrl::parse(url)
-        .map(|_| ())
-        .map_err(|refusal| {
-            ApiError::bad_request("invalid_base_url", format!("base_url: {refusal}"))
-        })
+/// A base URL carries nothing but where the provider is: the key goes in `api_key`, sealed.
+/// Its query may only choose Azure OpenAI's API version (`?api-version=…`, the provider's one
+/// use of it); any other query, or a fragment, could carry a credential, which would then be
+/// stored, shown and audited as plain text.
+fn check_base_url(url: &str, provider: ProviderKind) -> Result<(), ApiError> {
+    let refused = |message: String| ApiError::bad_request("invalid_base_url", message);
+    let parsed = wor_egress::EgressUrl::parse(url)
+        .map_err(|refusal| refused(format!("base_url: {refusal}")))?;
+    if parsed.as_url().fragment().is_some() {
+        return Err(refused(
+            "base_url: a fragment is not accepted; an API key goes in `api_key`, where it is sealed"
+                .to_owned(),
+        ));
+    }
+    if let Some(query) = parsed.as_url().query() {
+        let versions_only = provider == ProviderKind::AzureOpenai
+            && query
+                .split('&')
+                .all(|pair| pair.split('=').next() == Some("api-version"));
+        if !versions_only {
+            return Err(refused(format!(
+                "base_url: a query is not accepted{}; an API key goes in `api_key`, where it is sealed",
+                if provider == ProviderKind::AzureOpenai {
+                    " other than `api-version`"
+                } else {
+                    ""
+                }
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Lists the project's model connections.
@@ -185,9 +210,17 @@ pub(crate) async fn create_model_connection(
             format!("provider `{provider}` takes no model connection"),
         ));
     }
-    check_base_url(&body.base_url)?;
+    check_base_url(&body.base_url, provider)?;
     match &body.api_key {
-        Some(key) => check_api_key(key)?,
+        Some(key) => {
+            check_api_key(key)?;
+            state
+                .engine
+                .vet_model_url(&body.base_url)
+                .map_err(|denial| {
+                    ApiError::bad_request("invalid_base_url", format!("base_url: {denial}"))
+                })?;
+        }
         None => state
             .engine
             .vet_keyless_model_url(&body.base_url)
