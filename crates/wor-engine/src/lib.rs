@@ -80,8 +80,8 @@ pub use tool_connections::{
     check_stdio_spec, credential_slot,
 };
 pub use triggers::{
-    InboundWebhook, MAX_DELIVERY_ATTEMPTS, MAX_WEBHOOK_BYTES, REPLAY_WINDOW_SECS, WebhookRejection,
-    WebhookSecretKind,
+    InboundWebhook, MAX_DELIVERY_ATTEMPTS, MAX_WEBHOOK_BYTES, REPLAY_WINDOW_SECS, SignedHeaders,
+    WebhookRejection, WebhookSecretKind,
 };
 
 /// How long an approval waits for a decision unless configured otherwise: 24 hours.

@@ -64,14 +64,34 @@ pub const MAX_DELIVERY_ATTEMPTS: i64 = 6;
 /// A claimed delivery is retried by another process after this long.
 const DELIVERY_LEASE_MS: i64 = 30_000;
 
-/// Headers of an inbound webhook, as received.
+/// A webhook timestamp header as Unix seconds: decimal digits alone (around any white space),
+/// no sign, within `i64`. What the signature covers is the value this reads, so no other
+/// spelling of it is taken.
+fn unix_seconds(header: &str) -> Option<i64> {
+    let digits = header.trim();
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+/// An inbound webhook as received: the headers of each signing scheme, and the body. Only the
+/// headers of the routine's own scheme are read.
 #[derive(Debug, Clone, Default)]
 pub struct InboundWebhook {
+    /// `wor-timestamp`, `wor-signature`, `wor-delivery`.
+    pub wor: SignedHeaders,
+    /// Standard Webhooks: `webhook-timestamp`, `webhook-signature`, `webhook-id`.
+    pub standard: SignedHeaders,
+    pub body: Vec<u8>,
+}
+
+/// The headers of one signing scheme, as received.
+#[derive(Debug, Clone, Default)]
+pub struct SignedHeaders {
     pub timestamp: Option<String>,
     pub signature: Option<String>,
-    /// `wor-delivery` or `webhook-id`.
     pub delivery: Option<String>,
-    pub body: Vec<u8>,
 }
 
 /// Why an inbound webhook started nothing. Each maps to one HTTP answer.
@@ -230,10 +250,10 @@ impl Engine {
         if hook.body.len() > MAX_WEBHOOK_BYTES {
             return Err(WebhookRejection::TooLarge);
         }
-        if hook
-            .delivery
-            .as_deref()
-            .is_some_and(|id| id.len() > MAX_DELIVERY_ID_BYTES || id.chars().any(char::is_control))
+        if [&hook.wor, &hook.standard]
+            .into_iter()
+            .filter_map(|headers| headers.delivery.as_deref())
+            .any(|id| id.len() > MAX_DELIVERY_ID_BYTES || id.chars().any(char::is_control))
         {
             return Err(WebhookRejection::BadSignature(format!(
                 "the delivery id must be at most {MAX_DELIVERY_ID_BYTES} printable bytes"
@@ -258,14 +278,19 @@ impl Engine {
             return Err(WebhookRejection::NotFound);
         };
         let bad = |reason: &str| WebhookRejection::BadSignature(reason.to_owned());
-        let timestamp: i64 = hook
-            .timestamp
-            .as_deref()
-            .ok_or_else(|| bad("missing timestamp header"))?
-            .trim()
-            .parse()
-            .map_err(|_| bad("the timestamp is not Unix seconds"))?;
-        let signature = hook
+        // The routine's scheme names the headers read; the other scheme's are not looked at.
+        let headers = match settings.scheme {
+            WebhookScheme::Wor => &hook.wor,
+            WebhookScheme::Standard => &hook.standard,
+        };
+        let timestamp = unix_seconds(
+            headers
+                .timestamp
+                .as_deref()
+                .ok_or_else(|| bad("missing timestamp header"))?,
+        )
+        .ok_or_else(|| bad("the timestamp is not Unix seconds (decimal digits only)"))?;
+        let signature = headers
             .signature
             .as_deref()
             .ok_or_else(|| bad("missing signature header"))?;
@@ -280,7 +305,7 @@ impl Engine {
                 REPLAY_WINDOW_SECS,
             ),
             WebhookScheme::Standard => {
-                let id = hook
+                let id = headers
                     .delivery
                     .as_deref()
                     .ok_or_else(|| bad("missing webhook-id header"))?;
@@ -308,7 +333,7 @@ impl Engine {
                 wor_core::canonical::sha256_hex(signature.trim().to_ascii_lowercase().as_bytes())
             ),
             WebhookScheme::Standard => {
-                format!("id:{}", hook.delivery.clone().unwrap_or_default())
+                format!("id:{}", headers.delivery.as_deref().unwrap_or_default())
             }
         };
         // A payload nested deeper than any API body may be is kept as the text it came as.

@@ -325,6 +325,28 @@ async fn standard_webhooks_are_accepted_when_the_routine_says_so() {
         StatusCode::UNAUTHORIZED,
         "the id is signed too"
     );
+    // Only the routine's own scheme's headers are read: a valid Standard Webhooks signature
+    // under `wor-*` names is missing its headers.
+    let ts = now();
+    let renamed = vec![
+        ("wor-delivery", "msg_3".to_owned()),
+        ("wor-timestamp", ts.to_string()),
+        ("wor-signature", secret.sign("msg_3", ts, body)),
+    ];
+    let refused = h.hook(&routine, &renamed, body).await;
+    assert_eq!(refused.status, StatusCode::UNAUTHORIZED, "{}", refused.text);
+    assert!(refused.text.contains("missing"), "{}", refused.text);
+    // The timestamp is decimal digits: another spelling of the signed number is refused.
+    for spelled in [format!("+{ts}"), format!("{ts}.0"), format!("0x{ts:x}")] {
+        let headers = vec![
+            ("webhook-id", "msg_4".to_owned()),
+            ("webhook-timestamp", spelled.clone()),
+            ("webhook-signature", secret.sign("msg_4", ts, body)),
+        ];
+        let refused = h.hook(&routine, &headers, body).await;
+        assert_eq!(refused.status, StatusCode::UNAUTHORIZED, "{spelled}");
+        assert!(refused.text.contains("Unix seconds"), "{}", refused.text);
+    }
 }
 
 #[derive(Clone, Default)]

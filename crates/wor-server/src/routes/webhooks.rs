@@ -6,7 +6,7 @@ use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use secrecy::ExposeSecret as _;
 use wor_core::{RoutineId, RunId};
-use wor_engine::{InboundWebhook, WebhookRejection, WebhookSecretKind};
+use wor_engine::{InboundWebhook, SignedHeaders, WebhookRejection, WebhookSecretKind};
 use wor_store::{DeliveryFilter, DeliveryRecord};
 
 use crate::AppState;
@@ -86,10 +86,9 @@ pub struct DeliveryListQuery {
     pub limit: Option<u32>,
 }
 
-fn header(headers: &HeaderMap, names: &[&str]) -> Option<String> {
-    names
-        .iter()
-        .find_map(|name| headers.get(*name))
+fn header(headers: &HeaderMap, name: &str) -> Option<String> {
+    headers
+        .get(name)
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned)
 }
@@ -111,10 +110,14 @@ pub async fn receive(
 ) -> Result<(StatusCode, Json<HookAccepted>), ApiError> {
     // A malformed id is as unknown as any other: nothing tells the caller which it was.
     let routine: RoutineId = routine.parse().map_err(|_| ApiError::NotFound)?;
+    let signed = |prefix: &str, delivery: &str| SignedHeaders {
+        timestamp: header(&headers, &format!("{prefix}-timestamp")),
+        signature: header(&headers, &format!("{prefix}-signature")),
+        delivery: header(&headers, delivery),
+    };
     let hook = InboundWebhook {
-        timestamp: header(&headers, &["wor-timestamp", "webhook-timestamp"]),
-        signature: header(&headers, &["wor-signature", "webhook-signature"]),
-        delivery: header(&headers, &["wor-delivery", "webhook-id"]),
+        wor: signed("wor", "wor-delivery"),
+        standard: signed("webhook", "webhook-id"),
         body: body.to_vec(),
     };
     match state.engine.receive_webhook(routine, hook).await {
