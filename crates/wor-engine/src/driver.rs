@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use secrecy::ExposeSecret;
 use serde_json::json;
-use wor_core::audit::AuditCategory;
+use wor_core::audit::{Actor, AuditCategory, AuditEvent};
 use wor_core::budget::{BudgetExceeded, BudgetLimit, BudgetUsage};
 use wor_core::json_depth::{MAX_JSON_NESTING, value_nesting};
 use wor_core::model::{AssistantMessage, ChatMessage, ModelRequest, ModelResponse, ProviderKind};
@@ -24,6 +24,7 @@ use wor_core::step::{
     MemoryEntry, MemoryRole, ModelIdentity, ModelTurnStep, PendingCall, Step, ToolResultStep,
     conversation, last_model_identity, pending_calls, recorded_call_ids, untrusted_sources,
 };
+use wor_core::{ProjectId, RunId};
 use wor_models::{
     AnthropicProvider, AzureOpenAiProvider, GeminiProvider, ModelProvider,
     OpenAiCompatibleProvider, ProviderEndpoint, ProviderOptions, ReplayProvider, StreamSink,
@@ -265,36 +266,63 @@ impl Engine {
     }
 
     /// Asks run `id` of `project` to stop, with its nested runs ([`Store::request_cancel`]),
-    /// and records the end of each run the cancel ended in the queue as a worker records the
-    /// ends it writes: its `run.end` entry and its run webhook. Workers are woken for the runs
-    /// it queued, flagged, for one to end.
+    /// for `requester` when a person or a key asked (its `run.cancel` entry is appended when
+    /// the cancel asked any run to stop; a cancel the engine makes itself, by an overlap
+    /// policy or for a parent, has none). Each run the cancel took from the queue is ended
+    /// here, `cancelled`, as a worker ends a run: its end and `run.end` entry in one write,
+    /// then its run webhook. An end that fails is logged: the run stays leased to this
+    /// engine and flagged, so once the lease runs out a worker ends it, and its entry is
+    /// written then. The run named is answered as the cancel left it.
     ///
     /// [`Store::request_cancel`]: wor_store::Store::request_cancel
     pub async fn request_cancel(
         &self,
-        project: wor_core::ProjectId,
-        id: wor_core::RunId,
+        project: ProjectId,
+        id: RunId,
+        requester: Option<Actor>,
     ) -> Result<CancelAsked, EngineError> {
-        let asked = self.store.request_cancel(project, id).await?;
-        // Each ended `cancelled`, saying so, before any worker had it.
-        let (status, outcome) = (RunStatus::Cancelled, CANCELLED_WHILE_QUEUED);
-        if !asked.ended.is_empty() {
-            self.audit
-                .append_all(
-                    asked
-                        .ended
-                        .iter()
-                        .map(|run| run_ended(run, status, outcome))
-                        .collect(),
-                )
-                .await?;
-        }
-        for run in &asked.ended {
-            self.enqueue_run_webhook(run, status, Some(outcome), None)
-                .await?;
-        }
+        let holder = self.config.worker_id.as_str();
+        let mut asked = self
+            .store
+            .request_cancel(project, id, holder, self.lease_ms())
+            .await?;
+        // The flagged runs queued from their park are a worker's to end.
         if asked.asked > 0 {
             self.wake_workers();
+        }
+        let taken = asked.to_end.first().is_some_and(|run| run.id == id);
+        // The request is recorded before the ends it causes; the ends are made whatever came
+        // of it, and its error is answered after them.
+        let mut recorded = Ok(());
+        if let (Some(actor), true) = (requester, asked.asked > 0) {
+            // The status the cancel leads to: a run taken from the queue ends cancelled.
+            let status = if taken {
+                RunStatus::Cancelled
+            } else {
+                asked.run.status
+            };
+            let run = &asked.run;
+            recorded = self
+                .audit
+                .append(
+                    AuditEvent::new(project, AuditCategory::RunCancel, actor)
+                        .subject("run_id", id)
+                        .runs(run.root_run_id, run.parent_run_id)
+                        .payload(json!({ "status": status.as_str() })),
+                )
+                .await
+                .map(|_| ());
+        }
+        for run in &asked.to_end {
+            let ending = Ending::new(RunStatus::Cancelled, CANCELLED_WHILE_QUEUED);
+            if let Err(error) = self.end_run(run, holder, ending, None).await {
+                tracing::error!(category = "run", project_id = %project, run_id = %run.id,
+                    error = %error, "a run taken from the queue to be cancelled could not be ended; a worker ends it once its lease runs out");
+            }
+        }
+        recorded?;
+        if taken {
+            asked.run = self.store.get_run(project, id).await?;
         }
         Ok(asked)
     }

@@ -206,7 +206,7 @@ impl Engine {
                     _ = poll.tick() => {
                         self.renew_lease(parent).await?;
                         if !cancel_passed_on && self.store.is_cancel_requested(parent.id).await? {
-                            self.request_cancel(parent.project_id, child.id).await?;
+                            self.request_cancel(parent.project_id, child.id, None).await?;
                             cancel_passed_on = true;
                         }
                     }

@@ -307,7 +307,8 @@ impl Engine {
                                 .oldest_active_run(schedule.project_id, schedule.routine_id)
                                 .await?
                         {
-                            self.request_cancel(schedule.project_id, oldest).await?;
+                            self.request_cancel(schedule.project_id, oldest, None)
+                                .await?;
                         }
                         if admission.run.status == RunStatus::Queued {
                             active = active.saturating_add(1);

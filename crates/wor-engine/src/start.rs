@@ -97,7 +97,7 @@ impl Engine {
                 .oldest_active_run(request.project, routine.id)
                 .await?
         {
-            self.request_cancel(request.project, oldest).await?;
+            self.request_cancel(request.project, oldest, None).await?;
         }
         let Admission {
             run: new,

@@ -65,11 +65,14 @@ pub const MAX_DELIVERY_ATTEMPTS: i64 = 6;
 const DELIVERY_LEASE_MS: i64 = 30_000;
 
 /// A webhook timestamp header as Unix seconds: decimal digits alone (around any white space),
-/// no sign, within `i64`. What the signature covers is the value this reads, so no other
-/// spelling of it is taken.
+/// no sign and no leading zero, within `i64`. What the signature covers is the value this
+/// reads, so no other spelling of it is taken.
 fn unix_seconds(header: &str) -> Option<i64> {
     let digits = header.trim();
-    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+    let canonical = !digits.is_empty()
+        && digits.bytes().all(|b| b.is_ascii_digit())
+        && (digits == "0" || !digits.starts_with('0'));
+    if !canonical {
         return None;
     }
     digits.parse().ok()
@@ -250,15 +253,6 @@ impl Engine {
         if hook.body.len() > MAX_WEBHOOK_BYTES {
             return Err(WebhookRejection::TooLarge);
         }
-        if [&hook.wor, &hook.standard]
-            .into_iter()
-            .filter_map(|headers| headers.delivery.as_deref())
-            .any(|id| id.len() > MAX_DELIVERY_ID_BYTES || id.chars().any(char::is_control))
-        {
-            return Err(WebhookRejection::BadSignature(format!(
-                "the delivery id must be at most {MAX_DELIVERY_ID_BYTES} printable bytes"
-            )));
-        }
         let record = match self.store.get_routine_for_webhook(routine).await {
             Ok(record) => record,
             Err(StoreError::NotFound) => return Err(WebhookRejection::NotFound),
@@ -283,6 +277,15 @@ impl Engine {
             WebhookScheme::Wor => &hook.wor,
             WebhookScheme::Standard => &hook.standard,
         };
+        if headers
+            .delivery
+            .as_deref()
+            .is_some_and(|id| id.len() > MAX_DELIVERY_ID_BYTES || id.chars().any(char::is_control))
+        {
+            return Err(bad(&format!(
+                "the delivery id must be at most {MAX_DELIVERY_ID_BYTES} printable bytes"
+            )));
+        }
         let timestamp = unix_seconds(
             headers
                 .timestamp

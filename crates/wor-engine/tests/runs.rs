@@ -16,6 +16,7 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
+use wor_core::audit::Actor;
 use wor_core::budget::ModelPrice;
 use wor_core::run::RunStatus;
 use wor_core::step::Step;
@@ -544,36 +545,46 @@ async fn cancel_stops_a_queued_run_and_a_running_model_call() {
 
     let queued = h.start(&engine, routine, "first").await;
     let cancelled = engine
-        .request_cancel(h.project, queued.id)
+        .request_cancel(h.project, queued.id, Some(Actor::Operator))
         .await
         .unwrap()
         .run;
     assert_eq!(
-        cancelled.status,
-        RunStatus::Cancelled,
+        (cancelled.status, cancelled.outcome.as_deref()),
+        (RunStatus::Cancelled, Some("cancelled while queued")),
         "a queued run is cancelled at once"
     );
-    // No worker had it: the cancel records its end, as a worker records the ends it writes.
+    // No worker had it: the cancel ends it as a worker would, its `run.end` after the request.
     let entries = h.db.store.audit_entries(h.project, 0, 100).await.unwrap();
-    let ends: Vec<_> = entries
+    let about: Vec<_> = entries
         .iter()
-        .filter(|e| e.category == "run.end")
-        .map(|e| {
-            (
-                e.subjects["run_id"].clone(),
-                e.actor.clone(),
-                e.payload.clone(),
-            )
-        })
+        .filter(|e| e.subjects.get("run_id") == Some(&queued.id.to_string()))
+        .filter(|e| e.category != "run.start")
+        .map(|e| (e.category.as_str(), e.actor.clone(), e.payload.clone()))
         .collect();
     assert_eq!(
-        ends,
-        [(
-            queued.id.to_string(),
-            wor_core::audit::Actor::Run { run_id: queued.id },
-            serde_json::json!({ "status": "cancelled", "outcome": "cancelled while queued" })
-        )]
+        about,
+        [
+            (
+                "run.cancel",
+                Actor::Operator,
+                serde_json::json!({ "status": "cancelled" })
+            ),
+            (
+                "run.end",
+                Actor::Run { run_id: queued.id },
+                serde_json::json!({ "status": "cancelled", "outcome": "cancelled while queued" })
+            )
+        ]
     );
+    // Asked again, it asks nothing and records nothing.
+    let again = engine
+        .request_cancel(h.project, queued.id, Some(Actor::Operator))
+        .await
+        .unwrap();
+    assert_eq!(again.asked, 0);
+    let after = h.db.store.audit_entries(h.project, 0, 100).await.unwrap();
+    assert_eq!(after.len(), entries.len());
 
     let running = h.start(&engine, routine, "second").await;
     let driver = {
@@ -587,7 +598,10 @@ async fn cancel_stops_a_queued_run_and_a_running_model_call() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(model.request_count(), 1, "the model call is in flight");
-    engine.request_cancel(h.project, running.id).await.unwrap();
+    engine
+        .request_cancel(h.project, running.id, None)
+        .await
+        .unwrap();
     tokio::time::timeout(Duration::from_secs(10), driver)
         .await
         .unwrap()
@@ -1057,8 +1071,8 @@ text = "The answer, once."
         )
         .await
         .unwrap();
-    h.db.store
-        .request_cancel(h.project, cancelled.id)
+    engine
+        .request_cancel(h.project, cancelled.id, None)
         .await
         .unwrap();
     h.db.store.release_leases("dead").await.unwrap();
@@ -1289,7 +1303,10 @@ async fn a_cancel_requested_while_the_model_answers_stops_the_call_it_asks_for()
         // The cancel lands well before the wait's first look (a quarter of a second after
         // the request went out), and the model answers at once after it.
         arrived.notified().await;
-        h.db.store.request_cancel(h.project, run.id).await.unwrap();
+        engine
+            .request_cancel(h.project, run.id, None)
+            .await
+            .unwrap();
         release.notify_one();
         assert!(driving.await.unwrap());
         let run = h.run(run.id).await;
@@ -2286,9 +2303,12 @@ mode = "confirm"
         .disable_tool_connection(h.project, connection)
         .await
         .unwrap();
-    let asked = engine.request_cancel(h.project, run.id).await.unwrap();
+    let asked = engine
+        .request_cancel(h.project, run.id, None)
+        .await
+        .unwrap();
     assert_eq!(
-        (asked.asked, asked.ended.len()),
+        (asked.asked, asked.to_end.len()),
         (1, 0),
         "a worker's to end"
     );
@@ -2301,4 +2321,40 @@ mode = "confirm"
     assert_eq!(approvals.len(), 1);
     assert_eq!(approvals[0].status, wor_store::ApprovalStatus::Cancelled);
     assert_eq!(api.request_count(), 0, "the call never ran");
+}
+
+/// A run cancelled while queued is announced as any ended run is: its routine's `failed` run
+/// webhook is queued for delivery.
+#[tokio::test]
+async fn a_run_cancelled_while_queued_is_announced_by_its_run_webhook() {
+    let h = Harness::new().await;
+    let engine = h.engine(EngineConfig::default());
+    let notify = "[notify]\nurl = \"https://hooks.example.com/wor\"\nevents = [\"failed\"]";
+    let routine = h
+        .routine(&replay("[[model.script.turns]]\ntext = \"never\"", notify))
+        .await;
+    let run = h.start(&engine, routine, "go").await;
+    let asked = engine
+        .request_cancel(h.project, run.id, None)
+        .await
+        .unwrap();
+    assert_eq!(asked.run.status, RunStatus::Cancelled);
+    let deliveries =
+        h.db.store
+            .list_deliveries(
+                h.project,
+                &wor_store::DeliveryFilter {
+                    routine_id: None,
+                    run_id: Some(run.id),
+                    before: None,
+                    limit: 10,
+                },
+            )
+            .await
+            .unwrap();
+    assert_eq!(deliveries.len(), 1, "{deliveries:?}");
+    let body: Value = serde_json::from_str(&deliveries[0].body).unwrap();
+    assert_eq!(body["event"], "run.failed");
+    assert_eq!(body["run"]["status"], "cancelled");
+    assert_eq!(body["run"]["outcome"], "cancelled while queued");
 }

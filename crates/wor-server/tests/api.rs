@@ -1045,6 +1045,11 @@ async fn model_connection_input_is_checked() {
             "openai_compatible",
             "invalid_base_url",
         ),
+        (
+            "https://r.openai.azure.com?api-version",
+            "azure_openai",
+            "invalid_base_url",
+        ),
         // Refused at once, as every call to it would be.
         (
             "http://169.254.169.254/v1",

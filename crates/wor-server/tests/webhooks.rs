@@ -337,7 +337,12 @@ async fn standard_webhooks_are_accepted_when_the_routine_says_so() {
     assert_eq!(refused.status, StatusCode::UNAUTHORIZED, "{}", refused.text);
     assert!(refused.text.contains("missing"), "{}", refused.text);
     // The timestamp is decimal digits: another spelling of the signed number is refused.
-    for spelled in [format!("+{ts}"), format!("{ts}.0"), format!("0x{ts:x}")] {
+    for spelled in [
+        format!("+{ts}"),
+        format!("0{ts}"),
+        format!("{ts}.0"),
+        format!("0x{ts:x}"),
+    ] {
         let headers = vec![
             ("webhook-id", "msg_4".to_owned()),
             ("webhook-timestamp", spelled.clone()),

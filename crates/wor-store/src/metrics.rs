@@ -12,11 +12,11 @@ pub const AUDIT_COMMITS: &str = "wor_audit_commits_total";
 pub const AUDIT_BATCHES: &str = "wor_audit_batches_total";
 pub const AUDIT_LOG_SYNCS: &str = "wor_audit_log_syncs_total";
 pub const WAL_CHECKPOINTS: &str = "wor_sqlite_wal_checkpoints_total";
-/// Runs ended, by final status and trigger: counted here for runs that end without a worker
-/// (cancelled while queued, skipped by the overlap policy) and by the engine for the others.
+/// Runs ended, by final status and trigger: counted here for runs recorded as skipped by the
+/// overlap policy, which no worker ends, and by the engine for the others.
 pub const RUNS_FINISHED: &str = "wor_runs_finished_total";
 
-/// A run ended where no worker drives it: cancelled while queued, or recorded as skipped.
+/// A run recorded as ended when it was made: skipped by its routine's overlap policy.
 pub(crate) fn run_ended_unclaimed(
     status: wor_core::run::RunStatus,
     trigger: wor_core::call::TriggerKind,

@@ -517,22 +517,27 @@ impl Store {
             .transpose()
     }
 
-    /// Asks a run to stop. A queued run is cancelled at once, unless it was asked before (it
-    /// is then a worker's to end); a running one is flagged and its worker stops it; a parked
-    /// one is flagged and queued, for a worker to end it. Its nested runs still going, however
-    /// deep, are asked alike, even when the run itself has ended; of a finished run with none,
-    /// nothing changes. The runs it ended from the queue have no worker to record their end:
-    /// that is the caller's, from [`CancelAsked::ended`].
+    /// Asks a run to stop. A queued run is taken from the queue to be ended at once: leased
+    /// to `holder` for `lease_ms` and flagged, for the caller to end it with its audit entry
+    /// ([`CancelAsked::to_end`]); left alone, its lease runs out and a worker ends it, so no
+    /// end is lost. A queued run asked before is a worker's to end already. A running run is
+    /// flagged and its worker stops it; a parked one is flagged and queued, for a worker to
+    /// end it. Its nested runs still going, however deep, are asked alike, even when the run
+    /// itself has ended; of a finished run with none, nothing changes.
     pub async fn request_cancel(
         &self,
         project: ProjectId,
         id: RunId,
+        holder: &str,
+        lease_ms: i64,
     ) -> Result<CancelAsked, StoreError> {
-        let (run, asked) = self.request_cancel_of(project, id).await?;
+        let (run, asked) = self
+            .request_cancel_of(project, id, holder, lease_ms)
+            .await?;
         let mut answer = CancelAsked {
             run: run.clone(),
             asked: 0,
-            ended: Vec::new(),
+            to_end: Vec::new(),
         };
         answer.add(run, asked);
         // Its nested runs are cancelled with it, however deep, wherever they are driven: a
@@ -553,7 +558,9 @@ impl Store {
                 let status: RunStatus =
                     parse_column(&child.try_get::<String, _>("status")?, "runs.status")?;
                 if !status.is_terminal() {
-                    let (child, asked) = self.request_cancel_of(project, id).await?;
+                    let (child, asked) = self
+                        .request_cancel_of(project, id, holder, lease_ms)
+                        .await?;
                     answer.add(child, asked);
                 }
                 parents.push(id);
@@ -568,25 +575,27 @@ impl Store {
         &self,
         project: ProjectId,
         id: RunId,
+        holder: &str,
+        lease_ms: i64,
     ) -> Result<(RunRecord, Asked), StoreError> {
         let now = now_millis();
         let mut tx = self.begin_write().await?;
         // A queued run flagged already (parked, or left by a worker, when it was asked) is a
         // worker's to end, as its pending approvals and steps are: asked again, it stays so.
-        let cancelled = sqlx::query(
-            "UPDATE runs SET status = 'cancelled', outcome = $4, \
-             finished_at = $1, updated_at = $1 WHERE project_id = $2 AND id = $3 AND status = 'queued' \
-             AND cancel_requested = 0",
+        let taken = sqlx::query(
+            "UPDATE runs SET status = 'running', lease_owner = $4, lease_expires_at = $5, \
+             cancel_requested = 1, updated_at = $1 \
+             WHERE project_id = $2 AND id = $3 AND status = 'queued' AND cancel_requested = 0",
         )
         .bind(now)
         .bind(project.to_string())
         .bind(id.to_string())
-        .bind(CANCELLED_WHILE_QUEUED)
+        .bind(holder)
+        .bind(now.saturating_add(lease_ms))
         .execute(&mut **tx)
         .await?;
-        let asked = if cancelled.rows_affected() == 1 {
-            requeue_parent(&mut *tx, id, now).await?;
-            Asked::Ended
+        let asked = if taken.rows_affected() == 1 {
+            Asked::Taken
         } else {
             // A parked run has no worker: it goes back in the queue, flagged, for one to end
             // it, flagged already or not (a cancel may land as it parks). A running run
@@ -609,11 +618,7 @@ impl Store {
             }
         };
         tx.commit().await?;
-        let run = self.get_run(project, id).await?;
-        if asked == Asked::Ended {
-            crate::metrics::run_ended_unclaimed(RunStatus::Cancelled, run.trigger_kind);
-        }
-        Ok((run, asked))
+        Ok((self.get_run(project, id).await?, asked))
     }
 
     /// Puts runs whose worker stopped renewing its lease back in the queue, to be resumed.
@@ -1604,7 +1609,7 @@ pub(crate) async fn release_held(
     Ok(done.rows_affected())
 }
 
-/// The outcome of a run that a cancel ended in the queue, before any worker had it.
+/// The outcome of a run that a cancel took from the queue and ended, before any worker had it.
 pub const CANCELLED_WHILE_QUEUED: &str = "cancelled while queued";
 
 /// What a cancel did ([`Store::request_cancel`]).
@@ -1615,17 +1620,18 @@ pub struct CancelAsked {
     /// How many runs it asked to stop: the run and its nested runs that were still going and
     /// not asked before. None for a run that had ended with nothing under it still going.
     pub asked: u64,
-    /// The runs it ended itself, from the queue ([`CANCELLED_WHILE_QUEUED`]), as it left
-    /// them, the run named first when it is one: no worker records their end.
-    pub ended: Vec<RunRecord>,
+    /// The runs it took from the queue, as it left them: leased to its holder and flagged,
+    /// for the holder to end ([`CANCELLED_WHILE_QUEUED`]) with their audit entries. The run
+    /// named comes first when it is one.
+    pub to_end: Vec<RunRecord>,
 }
 
 impl CancelAsked {
     fn add(&mut self, run: RunRecord, asked: Asked) {
         match asked {
-            Asked::Ended => {
+            Asked::Taken => {
                 self.asked += 1;
-                self.ended.push(run);
+                self.to_end.push(run);
             }
             Asked::Flagged => self.asked += 1,
             Asked::Nothing => {}
@@ -1636,8 +1642,8 @@ impl CancelAsked {
 /// What a cancel did to one run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Asked {
-    /// Ended it, from the queue.
-    Ended,
+    /// Took it from the queue, to be ended by the cancel's holder.
+    Taken,
     /// Flagged it for its worker (or queued it, flagged, from its park).
     Flagged,
     /// Nothing: it had ended, or was asked before.

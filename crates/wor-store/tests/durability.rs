@@ -246,7 +246,10 @@ fn journal_writes_that_permit_an_effect_are_synced_and_the_others_deferred() {
 
             // Once a cancel is requested, a write to be made only unless one was (a call's
             // reservation) writes nothing; any other write goes in and reports the cancel.
-            store.request_cancel(project, run).await.unwrap();
+            store
+                .request_cancel(project, run, "canceller", 60_000)
+                .await
+                .unwrap();
             assert_eq!(
                 log.record(
                     write()

@@ -668,7 +668,24 @@ async fn an_ended_nested_run_always_releases_its_parked_parent() {
             .unwrap(),
         wor_store::NestedPark::Parked
     );
-    store.request_cancel(project, child.id).await.unwrap();
+    let asked = store
+        .request_cancel(project, child.id, "canceller", 60_000)
+        .await
+        .unwrap();
+    assert_eq!(asked.to_end.len(), 1);
+    // Taken from the queue for its canceller, who ends it: a worker's end, parent released.
+    assert!(
+        store
+            .finish_run(
+                project,
+                child.id,
+                "canceller",
+                RunStatus::Cancelled,
+                wor_store::CANCELLED_WHILE_QUEUED
+            )
+            .await
+            .unwrap()
+    );
     assert_eq!(
         store.get_run(project, parent.id).await.unwrap().status,
         RunStatus::Queued
@@ -826,21 +843,38 @@ async fn an_ended_nested_run_always_releases_its_parked_parent() {
         .create_run(project, new(Some(grandchild_link), "c4"), input.clone())
         .await
         .unwrap();
-    let asked = store.request_cancel(project, parent.id).await.unwrap();
-    let ended: Vec<_> = asked.ended.iter().map(|run| run.id).collect();
+    let asked = store
+        .request_cancel(project, parent.id, "canceller", 60_000)
+        .await
+        .unwrap();
+    let to_end: Vec<_> = asked.to_end.iter().map(|run| run.id).collect();
     assert_eq!(
-        ended,
+        to_end,
         [grandchild.id],
-        "the one it ended, for its caller to record"
+        "the queued one, for its canceller to end"
     );
     let child = store.get_run(project, child.id).await.unwrap();
     assert!(child.cancel_requested, "{child:?}");
     let grandchild = store.get_run(project, grandchild.id).await.unwrap();
     assert_eq!(
-        grandchild.status,
-        RunStatus::Cancelled,
-        "cancelled while queued"
+        (grandchild.status, grandchild.cancel_requested),
+        (RunStatus::Running, true),
+        "taken from the queue, flagged, for its canceller to end"
     );
+    let end = async |holder: &str| {
+        store
+            .finish_run(
+                project,
+                grandchild.id,
+                holder,
+                RunStatus::Cancelled,
+                wor_store::CANCELLED_WHILE_QUEUED,
+            )
+            .await
+            .unwrap()
+    };
+    assert!(!end("w").await, "only its canceller holds it");
+    assert!(end("canceller").await);
 }
 
 /// A parent parking for its nested run while that run's end is being written is never left
@@ -2612,7 +2646,10 @@ async fn a_journal_write_numbers_its_steps_after_the_runs_last_and_a_refused_one
         committed(log.record(long).await.unwrap());
         many.extend(texts);
     }
-    store.request_cancel(project, run).await.unwrap();
+    store
+        .request_cancel(project, run, "canceller", 60_000)
+        .await
+        .unwrap();
     assert_eq!(
         log.record(
             write()
@@ -2837,10 +2874,11 @@ async fn a_write_outside_a_transaction_waits_its_turn_with_the_process_writes() 
     assert_eq!(revoked, None, "there was no such session");
 }
 
-/// A cancel says how many runs it asked to stop and which it ended itself, and asking again asks
-/// none: a queued run ends at once, for its caller to record; a running one is flagged once; a run flagged as it parked (the cancel landed
-/// between its held call and its park) is queued for a worker by the next cancel, and a flagged
-/// queued run stays a worker's to end, its approval pending until then.
+/// A cancel says how many runs it asked to stop and which it took from the queue, and asking
+/// again asks none: a queued run is taken, flagged, for its canceller to end; a running one is
+/// flagged once; a run flagged as it parked (the cancel landed between its held call and its
+/// park) is queued for a worker by the next cancel, and a flagged queued run stays a worker's
+/// to end, its approval pending until then.
 #[tokio::test]
 async fn a_cancel_counts_the_runs_it_asked_and_asking_again_asks_none() {
     use RunStatus::{Cancelled, Queued, Running};
@@ -2857,25 +2895,43 @@ async fn a_cancel_counts_the_runs_it_asked_and_asking_again_asks_none() {
         store.create_run(project, new, input).await.unwrap().id
     };
     // The run's status and flag after a cancel, how many runs the cancel asked, and how many
-    // it ended itself.
+    // it took from the queue for its canceller to end.
     let cancel = async |id| {
-        let asked = store.request_cancel(project, id).await.unwrap();
-        assert!(asked.ended.iter().all(|run| run.id == id
-            && run.status == Cancelled
-            && run.outcome.as_deref() == Some(wor_store::CANCELLED_WHILE_QUEUED)));
+        let asked = store
+            .request_cancel(project, id, "canceller", 60_000)
+            .await
+            .unwrap();
+        assert!(asked.to_end.iter().all(|run| run.id == id));
         (
             asked.run.status,
             asked.run.cancel_requested,
             asked.asked,
-            asked.ended.len(),
+            asked.to_end.len(),
         )
     };
 
     let queued = create().await;
-    assert_eq!(cancel(queued).await, (Cancelled, false, 1, 1));
+    assert_eq!(cancel(queued).await, (Running, true, 1, 1));
     assert_eq!(
         cancel(queued).await,
-        (Cancelled, false, 0, 0),
+        (Running, true, 0, 0),
+        "taken already, for its canceller to end"
+    );
+    assert!(
+        store
+            .finish_run(
+                project,
+                queued,
+                "canceller",
+                Cancelled,
+                wor_store::CANCELLED_WHILE_QUEUED
+            )
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        cancel(queued).await,
+        (Cancelled, true, 0, 0),
         "ended, nothing under it"
     );
 

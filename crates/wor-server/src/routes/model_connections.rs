@@ -121,25 +121,28 @@ fn check_base_url(url: &str, provider: ProviderKind) -> Result<(), ApiError> {
     let refused = |message: String| ApiError::bad_request("invalid_base_url", message);
     let parsed = wor_egress::EgressUrl::parse(url)
         .map_err(|refusal| refused(format!("base_url: {refusal}")))?;
+    // Where a key goes instead of a query or a fragment.
+    const SEALED: &str = "an API key goes in `api_key`, where it is sealed";
     if parsed.as_url().fragment().is_some() {
-        return Err(refused(
-            "base_url: a fragment is not accepted; an API key goes in `api_key`, where it is sealed"
-                .to_owned(),
-        ));
+        return Err(refused(format!(
+            "base_url: a fragment is not accepted; {SEALED}"
+        )));
     }
     if let Some(query) = parsed.as_url().query() {
-        let versions_only = provider == ProviderKind::AzureOpenai
-            && query
-                .split('&')
-                .all(|pair| pair.split('=').next() == Some("api-version"));
+        let azure = provider == ProviderKind::AzureOpenai;
+        let versions_only = azure
+            && query.split('&').all(|pair| {
+                pair.split_once('=')
+                    .is_some_and(|(name, value)| name == "api-version" && !value.is_empty())
+            });
         if !versions_only {
+            let but = if azure {
+                " other than `api-version=…`"
+            } else {
+                ""
+            };
             return Err(refused(format!(
-                "base_url: a query is not accepted{}; an API key goes in `api_key`, where it is sealed",
-                if provider == ProviderKind::AzureOpenai {
-                    " other than `api-version`"
-                } else {
-                    ""
-                }
+                "base_url: a query{but} is not accepted; {SEALED}"
             )));
         }
     }

@@ -8,12 +8,12 @@ use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use futures_util::Stream;
-use wor_core::audit::{Actor, AuditCategory, AuditEvent};
+use wor_core::audit::Actor;
 use wor_core::run::RunStatus;
 use wor_core::step::Step;
 use wor_core::{ProjectId, Role, RoutineId, RunId};
 use wor_engine::{StartRun, Trigger};
-use wor_store::{CancelAsked, RunFilter, RunRecord, RunStep, Store, StoreError};
+use wor_store::{RunFilter, RunRecord, RunStep, Store, StoreError};
 
 use crate::AppState;
 use crate::auth::{Caller, RunCaller};
@@ -356,19 +356,11 @@ pub(crate) async fn cancel_run(
             "role `{role}` cannot cancel runs"
         )));
     }
-    let CancelAsked { run, asked, .. } = state.engine.request_cancel(project, id).await?;
-    if asked > 0 {
-        state
-            .audit
-            .append(
-                AuditEvent::new(project, AuditCategory::RunCancel, actor)
-                    .subject("run_id", id)
-                    .runs(run.root_run_id, run.parent_run_id)
-                    .payload(serde_json::json!({ "status": run.status.as_str() })),
-            )
-            .await?;
-    }
-    Ok(run)
+    let asked = state
+        .engine
+        .request_cancel(project, id, Some(actor))
+        .await?;
+    Ok(asked.run)
 }
 
 /// The run's steps as server-sent events (`event: step`), the model's text as it is written
