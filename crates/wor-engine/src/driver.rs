@@ -286,15 +286,13 @@ impl Engine {
             .store
             .request_cancel(project, id, holder, self.lease_ms())
             .await?;
-        // The flagged runs queued from their park are a worker's to end.
-        if asked.asked > 0 {
-            self.wake_workers();
-        }
         let taken = asked.to_end.first().is_some_and(|run| run.id == id);
         // The request is recorded before the ends it causes; the ends are made whatever came
         // of it, and its error is answered after them.
         let mut recorded = Ok(());
-        if let (Some(actor), true) = (requester, asked.asked > 0) {
+        if let Some(actor) = requester
+            && asked.asked > 0
+        {
             // The status the cancel leads to: a run taken from the queue ends cancelled.
             let status = if taken {
                 RunStatus::Cancelled
@@ -316,9 +314,17 @@ impl Engine {
         for run in &asked.to_end {
             let ending = Ending::new(RunStatus::Cancelled, CANCELLED_WHILE_QUEUED);
             if let Err(error) = self.end_run(run, holder, ending, None).await {
-                tracing::error!(category = "run", project_id = %project, run_id = %run.id,
-                    error = %error, "a run taken from the queue to be cancelled could not be ended; a worker ends it once its lease runs out");
+                // Before its end was written, the run stays leased and flagged until a worker
+                // ends it; after (its webhook, say), only what follows the end is missing.
+                tracing::error!(category = "run", action = "run.cancel", project_id = %project,
+                    run_id = %run.id, error = %error,
+                    "ending a run taken from the queue failed; if its end was not written, a worker writes it once the lease runs out");
             }
+        }
+        // Parked runs queued, flagged, for a worker to end, and whatever the ends freed: a
+        // parent waiting for its nested run, a slot of the routine's or the project's.
+        if asked.asked > 0 {
+            self.wake_workers();
         }
         recorded?;
         if taken {

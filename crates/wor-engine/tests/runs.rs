@@ -2358,3 +2358,37 @@ async fn a_run_cancelled_while_queued_is_announced_by_its_run_webhook() {
     assert_eq!(body["run"]["status"], "cancelled");
     assert_eq!(body["run"]["outcome"], "cancelled while queued");
 }
+
+/// A run a cancel took from the queue, whose canceller stopped before ending it, is not left
+/// behind: once the lease runs out a worker ends it, cancelled, with its `run.end` entry.
+#[tokio::test]
+async fn a_run_taken_by_a_canceller_that_stopped_is_ended_by_a_worker() {
+    let h = Harness::new().await;
+    let engine = h.engine(EngineConfig::default());
+    let routine = h
+        .routine(&replay("[[model.script.turns]]\ntext = \"never\"", ""))
+        .await;
+    let run = h.start(&engine, routine, "go").await;
+    let asked =
+        h.db.store
+            .request_cancel(h.project, run.id, "stopped", 1)
+            .await
+            .unwrap();
+    assert_eq!(
+        asked.to_end.len(),
+        1,
+        "taken, and never ended by its canceller"
+    );
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let ended = h.drive_to_end(&engine, run.id).await;
+    assert_eq!(
+        (ended.status, ended.outcome.as_deref()),
+        (RunStatus::Cancelled, Some("cancelled on request"))
+    );
+    let entries = h.db.store.audit_entries(h.project, 0, 100).await.unwrap();
+    let ends = entries
+        .iter()
+        .filter(|e| e.category == "run.end" && e.subjects["run_id"] == run.id.to_string())
+        .count();
+    assert_eq!(ends, 1);
+}

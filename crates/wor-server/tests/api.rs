@@ -1050,6 +1050,11 @@ async fn model_connection_input_is_checked() {
             "azure_openai",
             "invalid_base_url",
         ),
+        (
+            "https://r.openai.azure.com?api-version=",
+            "azure_openai",
+            "invalid_base_url",
+        ),
         // Refused at once, as every call to it would be.
         (
             "http://169.254.169.254/v1",

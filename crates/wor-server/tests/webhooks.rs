@@ -336,6 +336,16 @@ async fn standard_webhooks_are_accepted_when_the_routine_says_so() {
     let refused = h.hook(&routine, &renamed, body).await;
     assert_eq!(refused.status, StatusCode::UNAUTHORIZED, "{}", refused.text);
     assert!(refused.text.contains("missing"), "{}", refused.text);
+    // The other scheme's delivery header is not looked at, however long.
+    let ts = now();
+    let beside = vec![
+        ("webhook-id", "msg_5".to_owned()),
+        ("webhook-timestamp", ts.to_string()),
+        ("webhook-signature", secret.sign("msg_5", ts, body)),
+        ("wor-delivery", "x".repeat(300)),
+    ];
+    let accepted = h.hook(&routine, &beside, body).await;
+    assert_eq!(accepted.status, StatusCode::ACCEPTED, "{}", accepted.text);
     // The timestamp is decimal digits: another spelling of the signed number is refused.
     for spelled in [
         format!("+{ts}"),
