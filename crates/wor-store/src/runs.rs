@@ -523,7 +523,8 @@ impl Store {
     /// end is lost. A queued run asked before is a worker's to end already. A running run is
     /// flagged and its worker stops it; a parked one is flagged and queued, for a worker to
     /// end it. Its nested runs still going, however deep, are asked alike, even when the run
-    /// itself has ended; of a finished run with none, nothing changes.
+    /// itself has ended; of a finished run with none, nothing changes. The run and its tree
+    /// are asked in one transaction.
     pub async fn request_cancel(
         &self,
         project: ProjectId,
@@ -531,15 +532,14 @@ impl Store {
         holder: &str,
         lease_ms: i64,
     ) -> Result<CancelAsked, StoreError> {
-        let (run, asked) = self
-            .request_cancel_of(project, id, holder, lease_ms)
-            .await?;
-        let mut answer = CancelAsked {
-            run: run.clone(),
-            asked: 0,
-            to_end: Vec::new(),
-        };
-        answer.add(run, asked);
+        let now = now_millis();
+        // The run and its whole tree are asked in one transaction: a cancel that fails part
+        // way has asked none of them, so asking again asks them all.
+        let mut tx = self.begin_write().await?;
+        let mut asked = vec![(
+            id,
+            cancel_one(&mut tx, project, id, holder, lease_ms, now).await?,
+        )];
         // Its nested runs are cancelled with it, however deep, wherever they are driven: a
         // nested run does not go on for a parent nobody waits for.
         // Every child is looked under (an ended one may have a live child of its own); only
@@ -551,74 +551,43 @@ impl Store {
             )
             .bind(project.to_string())
             .bind(parent.to_string())
-            .fetch_all(self.pool())
+            .fetch_all(&mut **tx)
             .await?;
             for child in children {
-                let id: RunId = parse_column(&child.try_get::<String, _>("id")?, "runs.id")?;
+                let child_id: RunId = parse_column(&child.try_get::<String, _>("id")?, "runs.id")?;
                 let status: RunStatus =
                     parse_column(&child.try_get::<String, _>("status")?, "runs.status")?;
                 if !status.is_terminal() {
-                    let (child, asked) = self
-                        .request_cancel_of(project, id, holder, lease_ms)
-                        .await?;
-                    answer.add(child, asked);
+                    let what =
+                        cancel_one(&mut tx, project, child_id, holder, lease_ms, now).await?;
+                    asked.push((child_id, what));
                 }
-                parents.push(id);
+                parents.push(child_id);
+            }
+        }
+        tx.commit().await?;
+        // Read as the cancel left them.
+        let mut answer = CancelAsked {
+            run: self.get_run(project, id).await?,
+            asked: 0,
+            to_end: Vec::new(),
+        };
+        for (run, what) in asked {
+            match what {
+                Asked::Taken => {
+                    answer.asked += 1;
+                    let taken = if run == id {
+                        answer.run.clone()
+                    } else {
+                        self.get_run(project, run).await?
+                    };
+                    answer.to_end.push(taken);
+                }
+                Asked::Flagged => answer.asked += 1,
+                Asked::Nothing => {}
             }
         }
         Ok(answer)
-    }
-
-    /// Requests the cancel of run `id` alone ([`Store::request_cancel`]), in one transaction:
-    /// the run as it left it, and what it did.
-    async fn request_cancel_of(
-        &self,
-        project: ProjectId,
-        id: RunId,
-        holder: &str,
-        lease_ms: i64,
-    ) -> Result<(RunRecord, Asked), StoreError> {
-        let now = now_millis();
-        let mut tx = self.begin_write().await?;
-        // A queued run flagged already (parked, or left by a worker, when it was asked) is a
-        // worker's to end, as its pending approvals and steps are: asked again, it stays so.
-        let taken = sqlx::query(
-            "UPDATE runs SET status = 'running', lease_owner = $4, lease_expires_at = $5, \
-             cancel_requested = 1, updated_at = $1 \
-             WHERE project_id = $2 AND id = $3 AND status = 'queued' AND cancel_requested = 0",
-        )
-        .bind(now)
-        .bind(project.to_string())
-        .bind(id.to_string())
-        .bind(holder)
-        .bind(now.saturating_add(lease_ms))
-        .execute(&mut **tx)
-        .await?;
-        let asked = if taken.rows_affected() == 1 {
-            Asked::Taken
-        } else {
-            // A parked run has no worker: it goes back in the queue, flagged, for one to end
-            // it, flagged already or not (a cancel may land as it parks). A running run
-            // flagged already is left as it is.
-            let flagged = sqlx::query(
-                "UPDATE runs SET cancel_requested = 1, updated_at = $1, \
-                 status = CASE WHEN status = 'waiting_for_approval' THEN 'queued' ELSE status END \
-                 WHERE project_id = $2 AND id = $3 \
-                 AND (status = 'waiting_for_approval' OR (status = 'running' AND cancel_requested = 0))",
-            )
-            .bind(now)
-            .bind(project.to_string())
-            .bind(id.to_string())
-            .execute(&mut **tx)
-            .await?;
-            if flagged.rows_affected() == 1 {
-                Asked::Flagged
-            } else {
-                Asked::Nothing
-            }
-        };
-        tx.commit().await?;
-        Ok((self.get_run(project, id).await?, asked))
     }
 
     /// Puts runs whose worker stopped renewing its lease back in the queue, to be resumed.
@@ -1626,19 +1595,6 @@ pub struct CancelAsked {
     pub to_end: Vec<RunRecord>,
 }
 
-impl CancelAsked {
-    fn add(&mut self, run: RunRecord, asked: Asked) {
-        match asked {
-            Asked::Taken => {
-                self.asked += 1;
-                self.to_end.push(run);
-            }
-            Asked::Flagged => self.asked += 1,
-            Asked::Nothing => {}
-        }
-    }
-}
-
 /// What a cancel did to one run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Asked {
@@ -1648,4 +1604,51 @@ enum Asked {
     Flagged,
     /// Nothing: it had ended, or was asked before.
     Nothing,
+}
+
+/// Asks run `id` alone to stop, in `tx` ([`Store::request_cancel`]).
+async fn cancel_one(
+    tx: &mut crate::WriteTx,
+    project: ProjectId,
+    id: RunId,
+    holder: &str,
+    lease_ms: i64,
+    now: i64,
+) -> Result<Asked, StoreError> {
+    // A queued run flagged already (parked, or left by a worker, when it was asked) is a
+    // worker's to end, as its pending approvals and steps are: asked again, it stays so.
+    let taken = sqlx::query(
+        "UPDATE runs SET status = 'running', lease_owner = $4, lease_expires_at = $5, \
+         cancel_requested = 1, updated_at = $1 \
+         WHERE project_id = $2 AND id = $3 AND status = 'queued' AND cancel_requested = 0",
+    )
+    .bind(now)
+    .bind(project.to_string())
+    .bind(id.to_string())
+    .bind(holder)
+    .bind(now.saturating_add(lease_ms))
+    .execute(&mut ***tx)
+    .await?;
+    if taken.rows_affected() == 1 {
+        return Ok(Asked::Taken);
+    }
+    // A parked run has no worker: it goes back in the queue, flagged, for one to end it,
+    // flagged already or not (a cancel may land as it parks). A running run flagged already
+    // is left as it is.
+    let flagged = sqlx::query(
+        "UPDATE runs SET cancel_requested = 1, updated_at = $1, \
+         status = CASE WHEN status = 'waiting_for_approval' THEN 'queued' ELSE status END \
+         WHERE project_id = $2 AND id = $3 \
+         AND (status = 'waiting_for_approval' OR (status = 'running' AND cancel_requested = 0))",
+    )
+    .bind(now)
+    .bind(project.to_string())
+    .bind(id.to_string())
+    .execute(&mut ***tx)
+    .await?;
+    Ok(if flagged.rows_affected() == 1 {
+        Asked::Flagged
+    } else {
+        Asked::Nothing
+    })
 }
