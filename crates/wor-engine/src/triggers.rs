@@ -64,20 +64,6 @@ pub const MAX_DELIVERY_ATTEMPTS: i64 = 6;
 /// A claimed delivery is retried by another process after this long.
 const DELIVERY_LEASE_MS: i64 = 30_000;
 
-/// A webhook timestamp header as Unix seconds: decimal digits alone (around any white space),
-/// no sign and no leading zero, within `i64`. What the signature covers is the value this
-/// reads, so no other spelling of it is taken.
-fn unix_seconds(header: &str) -> Option<i64> {
-    let digits = header.trim();
-    let canonical = !digits.is_empty()
-        && digits.bytes().all(|b| b.is_ascii_digit())
-        && (digits == "0" || !digits.starts_with('0'));
-    if !canonical {
-        return None;
-    }
-    digits.parse().ok()
-}
-
 /// An inbound webhook as received: the headers of each signing scheme, and the body. Only the
 /// headers of the routine's own scheme are read.
 #[derive(Debug, Clone, Default)]
@@ -286,7 +272,7 @@ impl Engine {
                 "the delivery id must be at most {MAX_DELIVERY_ID_BYTES} printable bytes"
             )));
         }
-        let timestamp = unix_seconds(
+        let timestamp = webhook_signature::parse_timestamp(
             headers
                 .timestamp
                 .as_deref()

@@ -67,6 +67,20 @@ fn mac_for(key: &[u8]) -> HmacSha256 {
     HmacSha256::new_from_slice(key).expect("hmac accepts any key length")
 }
 
+/// A signed request's timestamp header as Unix seconds: decimal digits alone (around any white
+/// space), no sign and no leading zero, within `i64`. What a signature covers is the value
+/// this reads, so no other spelling of it is taken.
+pub fn parse_timestamp(header: &str) -> Option<i64> {
+    let digits = header.trim();
+    let canonical = !digits.is_empty()
+        && digits.bytes().all(|b| b.is_ascii_digit())
+        && (digits == "0" || !digits.starts_with('0'));
+    if !canonical {
+        return None;
+    }
+    digits.parse().ok()
+}
+
 pub(crate) fn check_window(
     timestamp: i64,
     now: i64,
@@ -249,6 +263,28 @@ impl StandardWebhookSecret {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_timestamp_is_read_only_as_plain_decimal_digits() {
+        for (header, seconds) in [("1700000000", 1_700_000_000), (" 12 ", 12), ("0", 0)] {
+            assert_eq!(parse_timestamp(header), Some(seconds), "{header:?}");
+        }
+        for header in [
+            "",
+            " ",
+            "+12",
+            "-12",
+            "012",
+            "00",
+            "12.0",
+            "1e3",
+            "0x1f",
+            "1 2",
+            "99999999999999999999",
+        ] {
+            assert_eq!(parse_timestamp(header), None, "{header:?}");
+        }
+    }
 
     fn corpus(name: &str) -> serde_json::Value {
         let text = match name {
