@@ -705,9 +705,12 @@ impl Engine {
                 "`X-Slack-Request-Timestamp` and `X-Slack-Signature` are required".to_owned(),
             ));
         };
-        let timestamp: i64 = timestamp.trim().parse().map_err(|_| {
-            SlackRejection::BadSignature("the timestamp is not Unix seconds".to_owned())
-        })?;
+        let timestamp =
+            wor_secrets::webhook_signature::parse_timestamp(timestamp).ok_or_else(|| {
+                SlackRejection::BadSignature(
+                    "the timestamp is not Unix seconds (decimal digits only)".to_owned(),
+                )
+            })?;
         let now = wor_store::now_millis() / 1000;
         wor_secrets::slack_signature::verify(
             secret.expose_secret(),

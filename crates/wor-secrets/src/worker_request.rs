@@ -159,7 +159,7 @@ impl WorkerRequestHeaders {
             .ok_or(bad(WORKER_ID_HEADER))?
             .to_owned();
         let timestamp = get(TIMESTAMP_HEADER)
-            .and_then(|v| v.parse::<i64>().ok())
+            .and_then(crate::webhook_signature::parse_timestamp)
             .ok_or(bad(TIMESTAMP_HEADER))?;
         let nonce = get(NONCE_HEADER)
             .and_then(|v| hex::decode(v).ok())
@@ -284,17 +284,21 @@ mod tests {
 
     #[test]
     fn malformed_headers_are_named() {
-        let err = WorkerRequestHeaders::parse(|name| match name {
-            WORKER_ID_HEADER => Some("wkr_1"),
-            TIMESTAMP_HEADER => Some("soon"),
-            _ => None,
-        })
-        .unwrap_err();
-        assert_eq!(
-            err,
-            WorkerRequestError::MalformedHeader {
-                header: TIMESTAMP_HEADER
-            }
-        );
+        // Another spelling of a number is not one: the signature covers the value read.
+        for timestamp in ["soon", "+1000", "01000"] {
+            let err = WorkerRequestHeaders::parse(|name| match name {
+                WORKER_ID_HEADER => Some("wkr_1"),
+                TIMESTAMP_HEADER => Some(timestamp),
+                _ => None,
+            })
+            .unwrap_err();
+            assert_eq!(
+                err,
+                WorkerRequestError::MalformedHeader {
+                    header: TIMESTAMP_HEADER
+                },
+                "{timestamp}"
+            );
+        }
     }
 }

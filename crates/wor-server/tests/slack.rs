@@ -514,6 +514,19 @@ async fn slack_decides_through_the_engine_and_every_message_follows_the_approval
     let unknown = wor_core::NotificationRouteId::new().to_string();
     let (status, _) = interact(&h, &unknown, &body, SIGNING_SECRET, now_secs()).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
+    // The timestamp is decimal digits: another spelling of the signed number is refused.
+    let timestamp = now_secs();
+    let signature = wor_secrets::slack_signature::sign(SIGNING_SECRET, timestamp, body.as_bytes());
+    let respelled = Request::builder()
+        .method(Method::POST)
+        .uri(format!("/hooks/slack/{all}"))
+        .header("content-type", "application/x-www-form-urlencoded")
+        .header("x-slack-request-timestamp", format!("+{timestamp}"))
+        .header("x-slack-signature", signature)
+        .body(Body::from(body.clone()))
+        .unwrap();
+    let response = h.router.clone().oneshot(respelled).await.unwrap();
+    assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
 
     // An unlinked Slack user is refused, the message says why, and a replay does nothing.
     let first = press("U0ANN", "approve", &approval, "t-unlinked");
