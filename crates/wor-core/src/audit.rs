@@ -88,124 +88,121 @@ impl Actor {
     }
 }
 
-/// What kind of thing happened. New kinds are added here as later features need them; the
-/// stored form is the text of [`AuditCategory::as_str`], so verification of old entries never
-/// depends on this list.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum AuditCategory {
-    ProjectCreate,
-    MemberCreate,
-    KeyCreate,
-    KeyRevoke,
-    ModelConnectionCreate,
-    ModelConnectionSetKey,
-    ModelConnectionRevoke,
-    RoutineApply,
-    RunStart,
-    RunCancel,
-    RunEnd,
-    ModelCall,
-    ToolCall,
-    SecretUse,
-    ToolConnectionCreate,
-    ToolConnectionEnable,
-    ToolConnectionDisable,
-    /// An `http_api` connection's tools were replaced (written again or imported again).
-    ToolConnectionUpdateTools,
-    /// A tool connection's live tools changed from its pins (S9).
-    ToolConnectionQuarantine,
-    /// A tool connection was authorized (MCP authorization); never carries a token.
-    ToolConnectionAuthorize,
-    /// A tool connection's access token was refreshed; never carries a token.
-    ToolConnectionTokenRefresh,
-    /// A tool connection's authorization or refresh failed.
-    ToolConnectionAuthorizeFailure,
-    /// A tool connection's server refused a run's call for its access token's scope: the
-    /// connection's next authorization asks for the wider scope. Never carries a token.
-    ToolConnectionScopeStepUp,
-    /// A run parked a tool call for a person's decision.
-    ApprovalRequest,
-    /// A person approved or denied a call.
-    ApprovalDecide,
-    /// Nobody decided before the approval expired.
-    ApprovalExpire,
-    /// A run used an approval to execute its call.
-    ApprovalUse,
-    /// The project's policy was set or reset.
-    PolicySet,
-    /// A routine's webhook secret was made or replaced.
-    WebhookSecretRotate,
-    /// A member's role was changed.
-    MemberRoleChange,
-    /// A member was invited to set a console password.
-    MemberInvite,
-    /// A member set their console password through an invitation.
-    MemberSetPassword,
-    /// A single-use sign-in link was made for a member.
-    MemberSignInLink,
-    /// A member signed in to the console.
-    ConsoleSignIn,
-    /// A console sign-in was refused (wrong name or password, or locked out).
-    ConsoleSignInFailure,
-    /// A member signed out of the console.
-    ConsoleSignOut,
-    /// A console session was ended by its member or by an admin.
-    ConsoleSessionRevoke,
-    /// A notification route was made.
-    NotificationRouteCreate,
-    /// A notification route was deleted.
-    NotificationRouteDelete,
-    /// A member linked a Slack identity from a console session.
-    SlackIdentityLink,
-    /// A Slack user pressed Approve or Deny: what came of it, decided or refused.
-    SlackInteraction,
+/// Declares [`AuditCategory`] with the stored name of each kind, from which both
+/// [`AuditCategory::as_str`] and [`AuditCategory::from_name`] are made: a kind cannot have a
+/// name one way and not the other.
+macro_rules! audit_categories {
+    ($($(#[$doc:meta])* $variant:ident => $name:literal,)+) => {
+        /// What kind of thing happened. New kinds are added here as later features need them;
+        /// the stored form is the text of [`AuditCategory::as_str`], so verification of old
+        /// entries never depends on this list.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum AuditCategory {
+            $($(#[$doc])* $variant,)+
+        }
+
+        impl AuditCategory {
+            /// Every kind, in the order declared.
+            pub const ALL: &'static [AuditCategory] = &[$(AuditCategory::$variant,)+];
+
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $(AuditCategory::$variant => $name,)+
+                }
+            }
+
+            /// The kind stored as `name`, if there is one.
+            pub fn from_name(name: &str) -> Option<AuditCategory> {
+                match name {
+                    $($name => Some(AuditCategory::$variant),)+
+                    _ => None,
+                }
+            }
+        }
+    };
 }
 
-impl AuditCategory {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            AuditCategory::ProjectCreate => "project.create",
-            AuditCategory::MemberCreate => "member.create",
-            AuditCategory::KeyCreate => "key.create",
-            AuditCategory::KeyRevoke => "key.revoke",
-            AuditCategory::ModelConnectionCreate => "model_connection.create",
-            AuditCategory::ModelConnectionSetKey => "model_connection.set_key",
-            AuditCategory::ModelConnectionRevoke => "model_connection.revoke",
-            AuditCategory::RoutineApply => "routine.apply",
-            AuditCategory::RunStart => "run.start",
-            AuditCategory::RunCancel => "run.cancel",
-            AuditCategory::RunEnd => "run.end",
-            AuditCategory::ModelCall => "model.call",
-            AuditCategory::ToolCall => "tool.call",
-            AuditCategory::SecretUse => "secret.use",
-            AuditCategory::ToolConnectionCreate => "connection.create",
-            AuditCategory::ToolConnectionEnable => "connection.enable",
-            AuditCategory::ToolConnectionDisable => "connection.disable",
-            AuditCategory::ToolConnectionUpdateTools => "connection.update_tools",
-            AuditCategory::ToolConnectionQuarantine => "connection.quarantine",
-            AuditCategory::ToolConnectionAuthorize => "connection.authorize",
-            AuditCategory::ToolConnectionTokenRefresh => "connection.token_refresh",
-            AuditCategory::ToolConnectionAuthorizeFailure => "connection.authorize_failure",
-            AuditCategory::ToolConnectionScopeStepUp => "connection.scope_step_up",
-            AuditCategory::ApprovalRequest => "approval.request",
-            AuditCategory::ApprovalDecide => "approval.decide",
-            AuditCategory::ApprovalExpire => "approval.expire",
-            AuditCategory::ApprovalUse => "approval.use",
-            AuditCategory::PolicySet => "policy.set",
-            AuditCategory::WebhookSecretRotate => "routine.webhook_secret",
-            AuditCategory::MemberRoleChange => "member.role_change",
-            AuditCategory::MemberInvite => "member.invite",
-            AuditCategory::MemberSetPassword => "member.set_password",
-            AuditCategory::MemberSignInLink => "member.sign_in_link",
-            AuditCategory::ConsoleSignIn => "console.sign_in",
-            AuditCategory::ConsoleSignInFailure => "console.sign_in_failure",
-            AuditCategory::ConsoleSignOut => "console.sign_out",
-            AuditCategory::ConsoleSessionRevoke => "console.session_revoke",
-            AuditCategory::NotificationRouteCreate => "notification_route.create",
-            AuditCategory::NotificationRouteDelete => "notification_route.delete",
-            AuditCategory::SlackIdentityLink => "slack.link",
-            AuditCategory::SlackInteraction => "slack.interaction",
-        }
+audit_categories! {
+    ProjectCreate => "project.create",
+    MemberCreate => "member.create",
+    KeyCreate => "key.create",
+    KeyRevoke => "key.revoke",
+    ModelConnectionCreate => "model_connection.create",
+    ModelConnectionSetKey => "model_connection.set_key",
+    ModelConnectionRevoke => "model_connection.revoke",
+    RoutineApply => "routine.apply",
+    RunStart => "run.start",
+    RunCancel => "run.cancel",
+    RunEnd => "run.end",
+    ModelCall => "model.call",
+    ToolCall => "tool.call",
+    SecretUse => "secret.use",
+    ToolConnectionCreate => "connection.create",
+    ToolConnectionEnable => "connection.enable",
+    ToolConnectionDisable => "connection.disable",
+    /// An `http_api` connection's tools were replaced (written again or imported again).
+    ToolConnectionUpdateTools => "connection.update_tools",
+    /// A tool connection's live tools changed from its pins (S9).
+    ToolConnectionQuarantine => "connection.quarantine",
+    /// A tool connection was authorized (MCP authorization); never carries a token.
+    ToolConnectionAuthorize => "connection.authorize",
+    /// A tool connection's access token was refreshed; never carries a token.
+    ToolConnectionTokenRefresh => "connection.token_refresh",
+    /// A tool connection's authorization or refresh failed.
+    ToolConnectionAuthorizeFailure => "connection.authorize_failure",
+    /// A tool connection's server refused a run's call for its access token's scope: the
+    /// connection's next authorization asks for the wider scope. Never carries a token.
+    ToolConnectionScopeStepUp => "connection.scope_step_up",
+    /// A run parked a tool call for a person's decision.
+    ApprovalRequest => "approval.request",
+    /// A person approved or denied a call.
+    ApprovalDecide => "approval.decide",
+    /// Nobody decided before the approval expired.
+    ApprovalExpire => "approval.expire",
+    /// A run used an approval to execute its call.
+    ApprovalUse => "approval.use",
+    /// The project's policy was set or reset.
+    PolicySet => "policy.set",
+    /// A routine's webhook secret was made or replaced.
+    WebhookSecretRotate => "routine.webhook_secret",
+    /// A member's role was changed.
+    MemberRoleChange => "member.role_change",
+    /// A member was invited to set a console password.
+    MemberInvite => "member.invite",
+    /// A member set their console password through an invitation.
+    MemberSetPassword => "member.set_password",
+    /// A single-use sign-in link was made for a member.
+    MemberSignInLink => "member.sign_in_link",
+    /// A member signed in to the console.
+    ConsoleSignIn => "console.sign_in",
+    /// A console sign-in was refused (wrong name or password, or locked out).
+    ConsoleSignInFailure => "console.sign_in_failure",
+    /// A member signed out of the console.
+    ConsoleSignOut => "console.sign_out",
+    /// A console session was ended by its member or by an admin.
+    ConsoleSessionRevoke => "console.session_revoke",
+    /// A notification route was made.
+    NotificationRouteCreate => "notification_route.create",
+    /// A notification route was deleted.
+    NotificationRouteDelete => "notification_route.delete",
+    /// A member linked a Slack identity from a console session.
+    SlackIdentityLink => "slack.link",
+    /// A Slack user pressed Approve or Deny: what came of it, decided or refused.
+    SlackInteraction => "slack.interaction",
+}
+
+/// Serialized as its stored name ([`AuditCategory::as_str`]).
+impl Serialize for AuditCategory {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for AuditCategory {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let name = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        AuditCategory::from_name(&name)
+            .ok_or_else(|| serde::de::Error::custom(format!("no audit category is named `{name}`")))
     }
 }
 
@@ -225,7 +222,11 @@ impl fmt::Display for AuditCategory {
 ///     .payload(serde_json::json!({"role": "viewer"}));
 /// assert_eq!(event.category(), AuditCategory::MemberCreate);
 /// ```
-#[derive(Debug, Clone, PartialEq)]
+///
+/// Its JSON form is how an event staged with the change it records waits in the database for
+/// the writer (`wor-store`'s `audit_staged`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct AuditEvent {
     project_id: ProjectId,
     category: AuditCategory,

@@ -423,3 +423,45 @@ fn the_body_is_the_canonical_text_of_every_field_but_the_hash() {
         assert_eq!(entry.compute_hash(), entry.hash, "{n}");
     }
 }
+
+#[test]
+fn every_category_is_read_back_from_its_stored_name_and_no_two_share_one() {
+    let mut names = std::collections::BTreeSet::new();
+    for &category in AuditCategory::ALL {
+        assert!(names.insert(category.as_str()), "{category} named twice");
+        assert_eq!(AuditCategory::from_name(category.as_str()), Some(category));
+    }
+    assert_eq!(AuditCategory::from_name("run.Start"), None);
+    assert_eq!(AuditCategory::from_name(""), None);
+}
+
+#[test]
+fn a_staged_event_reads_back_as_it_was_and_an_unknown_kind_or_field_is_refused() {
+    let run = RunId::new();
+    let event = AuditEvent::new(
+        ProjectId::new(),
+        AuditCategory::ApprovalDecide,
+        Actor::ConsoleMember {
+            member_id: MemberId::new(),
+        },
+    )
+    .subject("run_id", run)
+    .runs(run, None)
+    .payload(json!({"decision": "approved", "nested": {"a": [1, 2.5, null]}}));
+    let text = serde_json::to_string(&event).unwrap();
+    let back: AuditEvent = serde_json::from_str(&text).unwrap();
+    assert_eq!(back, event);
+    // The entry made from the event read back is the one made from the event itself.
+    let entry = |e: AuditEvent| e.into_entry(1, 5, GENESIS_HASH.to_owned(), |_| false);
+    assert_eq!(entry(back), entry(event));
+
+    let renamed = text.replace("approval.decide", "approval.decided");
+    let refused = serde_json::from_str::<AuditEvent>(&renamed).unwrap_err();
+    assert!(
+        refused.to_string().contains("approval.decided"),
+        "{refused}"
+    );
+    let mut extra: Value = serde_json::from_str(&text).unwrap();
+    extra["seq"] = json!(3);
+    assert!(serde_json::from_value::<AuditEvent>(extra).is_err());
+}
