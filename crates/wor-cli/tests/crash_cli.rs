@@ -296,6 +296,54 @@ impl Api {
     }
 }
 
+impl Api {
+    /// Every entry of the caller's project's audit chain, in order.
+    fn audit_entries(&self, key: &str) -> Vec<Value> {
+        let mut entries = Vec::new();
+        let mut after = 0;
+        loop {
+            let path = format!("/v1/audit?after={after}&limit=500");
+            let page = self.call(key, reqwest::Method::GET, &path, None, 200);
+            entries.extend(page["entries"].as_array().unwrap().iter().cloned());
+            match page["next_after"].as_i64() {
+                Some(next) => after = next,
+                None => return entries,
+            }
+        }
+    }
+}
+
+/// Every run has exactly one `run.start` entry, and every approval a person decided exactly one
+/// `approval.decide` (any other, none): a kill between a change and its entry loses neither.
+fn entry_problems(entries: &[Value], runs: &[Value], approvals: &[Value]) -> Vec<String> {
+    let count = |category: &str, subject: &str, id: &str| {
+        entries
+            .iter()
+            .filter(|e| e["category"] == category && e["subjects"][subject] == id)
+            .count()
+    };
+    let mut problems = Vec::new();
+    for run in runs {
+        let id = run["id"].as_str().unwrap();
+        let starts = count("run.start", "run_id", id);
+        if starts != 1 {
+            problems.push(format!("run {id} has {starts} run.start entries, not one"));
+        }
+    }
+    for approval in approvals {
+        let id = approval["id"].as_str().unwrap();
+        let decided = matches!(approval["status"].as_str(), Some("approved" | "denied"));
+        let decisions = count("approval.decide", "approval_id", id);
+        if decisions != usize::from(decided) {
+            problems.push(format!(
+                "approval {id} ({}) has {decisions} approval.decide entries",
+                approval["status"]
+            ));
+        }
+    }
+    problems
+}
+
 // ---------------------------------------------------------------------------------------------
 // The approver: a person deciding every pending approval as it appears, whichever server is
 // up. Policy approvals are approved except one in eight; re-running a call whose outcome is
@@ -780,9 +828,11 @@ fn runs_survive_repeated_sigkill_of_the_server_without_lost_or_repeated_calls() 
     let settled = started.elapsed();
     let runs = api.list_all(&owner, &runs_path);
     let approvals = api.list_all(&owner, "/v1/approvals?");
+    let entries = api.audit_entries(&owner);
     let mut problems: Vec<String> = exited_on_its_own;
     problems.extend(list_failures);
     problems.extend(run_problems(&runs, &approvals));
+    problems.extend(entry_problems(&entries, &runs, &approvals));
     server.stop();
 
     let executions = desk.state.executions.lock().unwrap().clone();

@@ -446,15 +446,27 @@ impl Engine {
             reason: reason.clone(),
         };
         let original_binding = approval.binding_hash.clone();
-        let recorded = match &edit {
-            Some(edit) => {
-                self.store
-                    .decide_approval_edited(project, id, &decision, edit)
-                    .await
-            }
-            None => self.store.decide_approval(project, id, &decision).await,
+        let actor = match (approver.member_id, approver.key_id) {
+            (Some(member_id), Some(key_id)) => Actor::Member { member_id, key_id },
+            (Some(member_id), None) => Actor::ConsoleMember { member_id },
+            (None, Some(key_id)) => Actor::ApiKey { key_id },
+            // Refused by `approver_refusal` above: a decision always has a person.
+            (None, None) => return Err(ApproverRefusal::NoPerson.into()),
         };
-        let decided = match recorded {
+        // The decision's entry is staged with the decision: a crash before it is appended here
+        // leaves it for the audit writer's sweep, never an approved call without its entry.
+        let entry = |decided: &ApprovalRecord| {
+            AuditEvent::new(project, AuditCategory::ApprovalDecide, actor.clone())
+                .subject("approval_id", id)
+                .subject("run_id", run.id)
+                .runs(run.root_run_id, run.parent_run_id)
+                .payload(decision_payload(decided, &reason, &via, &original_binding))
+        };
+        let recorded = self
+            .store
+            .decide_approval_staged(project, id, &decision, edit.as_ref(), &entry)
+            .await;
+        let (decided, staged) = match recorded {
             Ok(decided) => decided,
             Err(DecideError::NotFound) => return Err(StoreError::NotFound.into()),
             Err(DecideError::Store(error)) => return Err(error.into()),
@@ -463,22 +475,7 @@ impl Engine {
             }
             Err(DecideError::Expired) => return Err(DecisionRefusal::Expired.into()),
         };
-        let actor = match (approver.member_id, approver.key_id) {
-            (Some(member_id), Some(key_id)) => Actor::Member { member_id, key_id },
-            (Some(member_id), None) => Actor::ConsoleMember { member_id },
-            (None, Some(key_id)) => Actor::ApiKey { key_id },
-            // Refused by `approver_refusal` above: a decision always has a person.
-            (None, None) => return Err(ApproverRefusal::NoPerson.into()),
-        };
-        self.audit
-            .append(
-                AuditEvent::new(project, AuditCategory::ApprovalDecide, actor)
-                    .subject("approval_id", id)
-                    .subject("run_id", run.id)
-                    .runs(run.root_run_id, run.parent_run_id)
-                    .payload(decision_payload(&decided, &reason, &via, &original_binding)),
-            )
-            .await?;
+        self.audit.append_staged(vec![staged]).await?;
         crate::metrics::approval_decided(decided.status);
         crate::traces::approval_waited(&decided);
         self.wake_workers();

@@ -282,35 +282,39 @@ impl Engine {
         requester: Option<Actor>,
     ) -> Result<CancelAsked, EngineError> {
         let holder = self.config.worker_id.as_str();
-        let mut asked = self
-            .store
-            .request_cancel(project, id, holder, self.lease_ms())
-            .await?;
+        let lease_ms = self.lease_ms();
+        // The requester's `run.cancel` is staged with the cancel, when it asked anything: a
+        // crash before it is appended here leaves it for the audit writer's sweep.
+        let (mut asked, staged) = match requester {
+            Some(actor) => {
+                let entry = |asked: &CancelAsked| {
+                    // The status the cancel leads to: a run taken from the queue ends cancelled.
+                    let taken = asked.to_end.first().is_some_and(|run| run.id == id);
+                    let status = if taken {
+                        RunStatus::Cancelled
+                    } else {
+                        asked.run.status
+                    };
+                    AuditEvent::new(project, AuditCategory::RunCancel, actor.clone())
+                        .subject("run_id", id)
+                        .runs(asked.run.root_run_id, asked.run.parent_run_id)
+                        .payload(json!({ "status": status.as_str() }))
+                };
+                self.store
+                    .request_cancel_staged(project, id, holder, lease_ms, &entry)
+                    .await?
+            }
+            None => (
+                self.store
+                    .request_cancel(project, id, holder, lease_ms)
+                    .await?,
+                None,
+            ),
+        };
         let taken = asked.to_end.first().is_some_and(|run| run.id == id);
         // The request is recorded before the ends it causes; the ends are made whatever came
         // of it, and its error is answered after them.
-        let mut recorded = Ok(());
-        if let Some(actor) = requester
-            && asked.asked > 0
-        {
-            // The status the cancel leads to: a run taken from the queue ends cancelled.
-            let status = if taken {
-                RunStatus::Cancelled
-            } else {
-                asked.run.status
-            };
-            let run = &asked.run;
-            recorded = self
-                .audit
-                .append(
-                    AuditEvent::new(project, AuditCategory::RunCancel, actor)
-                        .subject("run_id", id)
-                        .runs(run.root_run_id, run.parent_run_id)
-                        .payload(json!({ "status": status.as_str() })),
-                )
-                .await
-                .map(|_| ());
-        }
+        let recorded = self.audit.append_staged(staged.into_iter().collect()).await;
         for run in &asked.to_end {
             let ending = Ending::new(RunStatus::Cancelled, CANCELLED_WHILE_QUEUED);
             if let Err(error) = self.end_run(run, holder, ending, None).await {

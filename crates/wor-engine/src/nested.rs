@@ -296,9 +296,27 @@ impl Engine {
         } else {
             (InputStep::requested(input), Provenance::Requester)
         };
-        let created = self
+        // The nested run's `run.start` is staged with it: a crash before it is appended here
+        // leaves it for the audit writer's sweep.
+        let depth = parent.depth + 1;
+        let started = |id: wor_core::RunId| {
+            AuditEvent::new(
+                parent.project_id,
+                AuditCategory::RunStart,
+                Actor::Run { run_id: parent.id },
+            )
+            .subject("run_id", id)
+            .subject("routine_id", routine.id)
+            .runs(parent.root_run_id, Some(parent.id))
+            .payload(json!({
+                "routine_version": version.version,
+                "trigger": "routine",
+                "depth": depth,
+            }))
+        };
+        let (created, staged) = self
             .store
-            .create_run(
+            .create_run_staged(
                 parent.project_id,
                 NewRun {
                     routine_id: routine.id,
@@ -318,30 +336,16 @@ impl Engine {
                     parent: Some(ParentLink {
                         root: parent.root_run_id,
                         parent: parent.id,
-                        depth: parent.depth + 1,
+                        depth,
                         budget_cap: serde_json::to_value(left).unwrap_or(Value::Null),
                     }),
                 },
                 input_step,
+                None,
+                &started,
             )
             .await?;
-        self.audit
-            .append(
-                AuditEvent::new(
-                    parent.project_id,
-                    AuditCategory::RunStart,
-                    Actor::Run { run_id: parent.id },
-                )
-                .subject("run_id", created.id)
-                .subject("routine_id", routine.id)
-                .runs(created.root_run_id, created.parent_run_id)
-                .payload(json!({
-                    "routine_version": version.version,
-                    "trigger": "routine",
-                    "depth": created.depth,
-                })),
-            )
-            .await?;
+        self.audit.append_staged(vec![staged]).await?;
         Ok((created, true))
     }
 }

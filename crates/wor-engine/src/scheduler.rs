@@ -19,6 +19,7 @@ use std::sync::Arc;
 use serde_json::Value;
 use tokio::task::JoinHandle;
 use wor_core::ProjectId;
+use wor_core::audit::Actor;
 use wor_core::routine::{OverlapPolicy, RoutineDefinition};
 use wor_core::run::RunStatus;
 use wor_core::schedule::slot_rfc3339;
@@ -162,9 +163,20 @@ impl Engine {
         // When the runs recorded ahead become claimable, and whether any is claimable now.
         let mut release = None::<i64>;
         let mut claimable_now = false;
-        let started = self.store.start_scheduled(starts, &advances).await?;
+        // Each run's `run.start` is staged with the run: a crash before they are appended
+        // leaves them for the audit writer's sweep.
+        // A scheduled run's starter is its schedule, as `Engine::admit` names it.
+        let entry = |start: &ScheduledStart, id: wor_core::RunId| {
+            let actor = Actor::Schedule {
+                routine_id: start.run.routine_id,
+            };
+            run_started(start.project, id, &start.run, actor)
+        };
+        let (started, staged) = self
+            .store
+            .start_scheduled(starts, &advances, &entry)
+            .await?;
         let recorded = wor_store::now_millis();
-        let mut entries = Vec::new();
         for (firing, id) in firings.into_iter().zip(started) {
             let Some(id) = id else {
                 report.already_started += 1;
@@ -186,13 +198,12 @@ impl Engine {
             tracing::info!(category = "run", action = "run.start", project_id = %project,
                 run_id = %id, routine_id = %admission.run.routine_id, version = version.version,
                 status = admission.run.status.as_str(), not_before = ?not_before, "run started");
-            entries.push(run_started(project, id, &admission.run, admission.actor));
         }
         // The start entries go to the audit writer together, which commits them in as few
         // transactions as its batch allows.
         let engine = self.clone();
         Ok(Some(tokio::spawn(async move {
-            let appended = engine.audit.append_all(entries).await;
+            let appended = engine.audit.append_staged(staged).await;
             if claimable_now {
                 engine.wake_workers();
             }

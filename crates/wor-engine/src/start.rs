@@ -149,19 +149,17 @@ impl Engine {
         actor: Actor,
         slot: Option<tokio::sync::OwnedSemaphorePermit>,
     ) -> Result<RunRecord, EngineError> {
-        let run = match slot {
-            Some(_) => {
-                let terms = self.claim_terms(&self.config.worker_id);
-                self.store
-                    .create_and_claim_run(project, new.clone(), input, terms)
-                    .await?
-            }
-            None => self.store.create_run(project, new.clone(), input).await?,
-        };
-        let recorded = self
-            .audit
-            .append(run_started(project, run.id, &new, actor))
-            .await;
+        // The run's `run.start` is staged with the run: a crash before it is appended here
+        // leaves it for the audit writer's sweep, never a run without its entry.
+        let started = |id: RunId| run_started(project, id, &new, actor.clone());
+        let terms = slot
+            .as_ref()
+            .map(|_| self.claim_terms(&self.config.worker_id));
+        let (run, staged) = self
+            .store
+            .create_run_staged(project, new.clone(), input, terms, &started)
+            .await?;
+        let recorded = self.audit.append_staged(vec![staged]).await;
         match (run.status, slot, recorded) {
             (RunStatus::Running, Some(slot), Ok(_)) => {
                 crate::metrics::run_claimed(&run, run.created_at);

@@ -15,12 +15,14 @@ use std::fmt;
 use std::str::FromStr;
 
 use sqlx::Row;
+use wor_core::audit::AuditEvent;
 use wor_core::budget::BudgetUsage;
 use wor_core::canonical::sha256_hex;
 use wor_core::run::Provenance;
 use wor_core::step::Step;
 use wor_core::{ApiKeyId, ApprovalId, MemberId, ProjectId, RunId};
 
+use crate::staged::StagedEvent;
 use crate::{Store, StoreError, now_millis, parse_column};
 
 /// Where an approval stands.
@@ -361,15 +363,7 @@ impl Store {
         project: ProjectId,
         id: ApprovalId,
     ) -> Result<ApprovalRecord, StoreError> {
-        let row = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "SELECT {COLUMNS} FROM approvals WHERE project_id = $1 AND id = $2"
-        )))
-        .bind(project.to_string())
-        .bind(id.to_string())
-        .fetch_optional(self.pool())
-        .await?
-        .ok_or(StoreError::NotFound)?;
-        approval_from_row(&row)
+        select_approval(self.pool(), project, id).await
     }
 
     /// The latest approval of `kind` filed for `call_id` of `run`, if any.
@@ -421,7 +415,10 @@ impl Store {
         id: ApprovalId,
         decision: &ApprovalDecision,
     ) -> Result<ApprovalRecord, DecideError> {
-        self.decide_approval_with(project, id, decision, None).await
+        Ok(self
+            .decide_approval_with(project, id, decision, None, None)
+            .await?
+            .0)
     }
 
     /// [`Self::decide_approval`] for an approval of a corrected call: the edit is recorded and
@@ -433,8 +430,30 @@ impl Store {
         decision: &ApprovalDecision,
         edit: &ApprovalEdit,
     ) -> Result<ApprovalRecord, DecideError> {
-        self.decide_approval_with(project, id, decision, Some(edit))
-            .await
+        Ok(self
+            .decide_approval_with(project, id, decision, Some(edit), None)
+            .await?
+            .0)
+    }
+
+    /// [`Self::decide_approval`], or with `edit` [`Self::decide_approval_edited`], staging the
+    /// decision's `approval.decide` entry, made by `decided` from the approval as decided, in
+    /// the decision's transaction: a call is never approved without its entry on its way to the
+    /// chain. The caller appends it with [`crate::AuditLog::append_staged`].
+    pub async fn decide_approval_staged(
+        &self,
+        project: ProjectId,
+        id: ApprovalId,
+        decision: &ApprovalDecision,
+        edit: Option<&ApprovalEdit>,
+        decided: &(dyn Fn(&ApprovalRecord) -> AuditEvent + Sync),
+    ) -> Result<(ApprovalRecord, StagedEvent), DecideError> {
+        let (approval, staged) = self
+            .decide_approval_with(project, id, decision, edit, Some(decided))
+            .await?;
+        let staged = staged
+            .ok_or_else(|| StoreError::Corrupt("a decision's entry was not staged".to_owned()))?;
+        Ok((approval, staged))
     }
 
     async fn decide_approval_with(
@@ -443,7 +462,8 @@ impl Store {
         id: ApprovalId,
         decision: &ApprovalDecision,
         edit: Option<&ApprovalEdit>,
-    ) -> Result<ApprovalRecord, DecideError> {
+        decided: Option<&(dyn Fn(&ApprovalRecord) -> AuditEvent + Sync)>,
+    ) -> Result<(ApprovalRecord, Option<StagedEvent>), DecideError> {
         let now = now_millis();
         let status = match decision.verdict {
             ApprovalAnswer::Approve => ApprovalStatus::Approved,
@@ -482,8 +502,17 @@ impl Store {
             });
         }
         requeue_parked(&mut tx, project, id, now).await?;
+        // Read as the decision leaves it, before it commits: a decision made is never answered
+        // with an error of a read after it.
+        let approval = select_approval(&mut **tx, project, id).await?;
+        let staged = match decided {
+            Some(decided) => crate::staged::stage(&mut tx, vec![decided(&approval)])
+                .await?
+                .pop(),
+            None => None,
+        };
         tx.commit().await?;
-        self.get_approval(project, id).await.map_err(Into::into)
+        Ok((approval, staged))
     }
 
     /// How many approvals wait for a decision across every project, and when the oldest was
@@ -785,4 +814,24 @@ async fn claimed_usage(
     } else {
         ApprovedStart::RunNotHeld
     })
+}
+
+/// Approval `id` of `project`, read with `executor`: the pool, or a transaction.
+async fn select_approval<'c, E>(
+    executor: E,
+    project: ProjectId,
+    id: ApprovalId,
+) -> Result<ApprovalRecord, StoreError>
+where
+    E: sqlx::Executor<'c, Database = sqlx::Any>,
+{
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {COLUMNS} FROM approvals WHERE project_id = $1 AND id = $2"
+    )))
+    .bind(project.to_string())
+    .bind(id.to_string())
+    .fetch_optional(executor)
+    .await?
+    .ok_or(StoreError::NotFound)?;
+    approval_from_row(&row)
 }

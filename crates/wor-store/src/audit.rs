@@ -33,6 +33,7 @@ use wor_secrets::{AuditSigningKey, redact_shapes_json};
 
 use crate::exec::{EmbeddedWriter, Exec};
 use crate::journal::{RunWrite, RunWritten};
+use crate::staged::StagedEvent;
 use crate::wal::{Acknowledgement, AfterCommit, WAL_SYNC, WalCheckpointer, sync_wal, wal_log};
 use crate::{Backend, Durability, HeldConnection, Store, StoreError, now_millis, parse_column};
 
@@ -76,6 +77,11 @@ enum Command {
         write: Box<RunWrite>,
         reply: oneshot::Sender<Result<RunWritten, StoreError>>,
     },
+    /// Events staged with the changes they record: each appended unless its row is gone.
+    Release {
+        staged: Vec<StagedEvent>,
+        reply: oneshot::Sender<Result<(), StoreError>>,
+    },
 }
 
 /// The handle through which everything is appended to the audit log. Cheap to clone.
@@ -106,6 +112,7 @@ impl std::fmt::Debug for Command {
             Command::Append { event, .. } => write!(f, "Append({})", event.category()),
             Command::Checkpoint { .. } => f.write_str("Checkpoint"),
             Command::Record { write, .. } => write!(f, "Record({})", write.run),
+            Command::Release { staged, .. } => write!(f, "Release({})", staged.len()),
         }
     }
 }
@@ -190,19 +197,19 @@ impl AuditLog {
         answer.await.map_err(|_| StoreError::AuditStopped)?
     }
 
-    /// Appends `events`, in order, and returns once all are committed. They are queued
-    /// together, so the writer commits them in as few transactions as its batch size allows.
-    pub async fn append_all(&self, events: Vec<AuditEvent>) -> Result<(), StoreError> {
-        let mut answers = Vec::with_capacity(events.len());
-        for event in events {
-            let (reply, answer) = oneshot::channel();
-            self.queue(Command::Append { event, reply }).await?;
-            answers.push(answer);
+    /// Appends the events `staged` with the changes they record, in order, and deletes their
+    /// staged rows in the same transaction; returns once that is committed. An event whose row
+    /// is gone was appended already, by the writer's sweep (here or in another process), and is
+    /// not appended again. Like [`AuditLog::append`], it always goes through the writer's
+    /// channel. A failure leaves the rows for the sweep, which appends them at the latest one
+    /// checkpoint interval later.
+    pub async fn append_staged(&self, staged: Vec<StagedEvent>) -> Result<(), StoreError> {
+        if staged.is_empty() {
+            return Ok(());
         }
-        for answer in answers {
-            answer.await.map_err(|_| StoreError::AuditStopped)??;
-        }
-        Ok(())
+        let (reply, answer) = oneshot::channel();
+        self.queue(Command::Release { staged, reply }).await?;
+        answer.await.map_err(|_| StoreError::AuditStopped)?
     }
 
     /// Records a run's step (steps, usage, audit entries) in one transaction, shared with
@@ -341,10 +348,11 @@ trait Work {
     ) -> Result<Self::Output, StoreError>;
 }
 
-/// A batch: the run writes (each fenced) and then every audit entry, `events` and those of
-/// the run writes that passed their fence.
+/// A batch: the run writes (each fenced) and then every audit entry: `events`, those of
+/// `staged` whose rows it deletes, and those of the run writes that passed their fence.
 struct BatchWork {
     events: Vec<AuditEvent>,
+    staged: Vec<StagedEvent>,
     writes: Vec<RunWrite>,
 }
 
@@ -354,6 +362,7 @@ impl Work for BatchWork {
     fn chains(&self, _: &Chain) -> BTreeSet<ProjectId> {
         self.events
             .iter()
+            .chain(self.staged.iter().map(StagedEvent::event))
             .chain(self.writes.iter().flat_map(|write| &write.audit))
             .map(AuditEvent::project_id)
             .collect()
@@ -365,7 +374,12 @@ impl Work for BatchWork {
         exec: &mut impl Exec,
         locked: &BTreeSet<ProjectId>,
     ) -> Result<Self::Output, StoreError> {
-        let BatchWork { mut events, writes } = self;
+        let BatchWork {
+            mut events,
+            staged,
+            writes,
+        } = self;
+        events.extend(crate::staged::release(exec, staged).await?);
         let at = now_millis();
         let mut written = Vec::with_capacity(writes.len());
         for write in writes {
@@ -534,6 +548,8 @@ impl Writer {
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         ticker.tick().await;
         let restart_wanted = this.restart_wanted.clone();
+        // What a crash left staged is appended before anything else this writer commits.
+        this.sweep_staged(&shared).await;
         drop(this);
         loop {
             tokio::select! {
@@ -552,7 +568,9 @@ impl Writer {
                     this.handle(batch, Committer::Writer, None).await;
                 }
                 _ = ticker.tick() => {
-                    let _ = writer.lock().await.checkpoint_unsigned().await;
+                    let mut this = writer.lock().await;
+                    this.sweep_staged(&shared).await;
+                    let _ = this.checkpoint_unsigned().await;
                 }
                 () = restart_wanted.notified() => {
                     writer.lock().await.restart_log();
@@ -560,6 +578,53 @@ impl Writer {
             }
         }
         let _ = writer.lock().await.checkpoint_unsigned().await;
+    }
+
+    /// Appends every event left staged (`audit_staged`) whose change's caller did not append it:
+    /// after a crash between the two, or a failed append. Rows read on `shared`, the process's
+    /// runtime, where the pool's connections answer; each page appended in one batch. An event a
+    /// caller or another process appends meanwhile is appended once all the same
+    /// ([`crate::staged::release`]).
+    async fn sweep_staged(&mut self, shared: &tokio::runtime::Handle) {
+        let mut after: Option<String> = None;
+        loop {
+            let store = self.store.clone();
+            let from = after.take();
+            let page = shared
+                .spawn(async move { store.staged_page(from.as_deref()).await })
+                .await;
+            let (staged, next) = match page {
+                Ok(Ok(page)) => page,
+                Ok(Err(error)) => {
+                    tracing::error!(
+                        category = "audit",
+                        kind = error.kind(),
+                        "staged audit events cannot be read; the sweep is tried again at the next checkpoint interval"
+                    );
+                    return;
+                }
+                Err(_) => return,
+            };
+            if !staged.is_empty() {
+                tracing::info!(
+                    category = "audit",
+                    staged = staged.len(),
+                    "appending audit events staged by changes whose own append has not happened"
+                );
+                // Acknowledged to nobody: a failure is logged by `handle`, and the rows stay.
+                let (reply, _answer) = oneshot::channel();
+                self.handle(
+                    vec![Command::Release { staged, reply }],
+                    Committer::Writer,
+                    None,
+                )
+                .await;
+            }
+            match next {
+                Some(last) => after = Some(last),
+                None => return,
+            }
+        }
     }
 
     /// Whether batches commit on the writer's own connection to SQLite, whose statements run
@@ -580,6 +645,8 @@ impl Writer {
         let mut replies: Replies = Vec::new();
         let mut records = Vec::new();
         let mut checkpoint_replies = Vec::new();
+        let mut staged = Vec::new();
+        let mut staged_replies = Vec::new();
         for command in batch {
             match command {
                 Command::Append { event, reply } => {
@@ -588,17 +655,24 @@ impl Writer {
                 }
                 Command::Record { write, reply } => records.push((write, reply)),
                 Command::Checkpoint { reply } => checkpoint_replies.push(reply),
+                Command::Release {
+                    staged: mut more,
+                    reply,
+                } => {
+                    staged.append(&mut more);
+                    staged_replies.push(reply);
+                }
             }
         }
         let mut after_commit = AfterCommit::Nothing;
-        if !events.is_empty() || !records.is_empty() {
-            let count = events.len() + records.len();
+        if !events.is_empty() || !records.is_empty() || !staged.is_empty() {
+            let count = events.len() + records.len() + staged.len();
             let (writes, record_replies): (Vec<_>, Vec<_>) = records
                 .into_iter()
                 .map(|(write, reply)| (*write, reply))
                 .unzip();
             let began = std::time::Instant::now();
-            let committed = self.commit_batch(events, writes, turn).await;
+            let committed = self.commit_batch(events, staged, writes, turn).await;
             crate::metrics::audit_batch(count, began.elapsed(), committed.is_ok());
             if committed.is_ok() {
                 crate::metrics::audit_batch_committed(committer.as_str());
@@ -621,12 +695,18 @@ impl Writer {
                             for (reply, written) in record_replies.into_iter().zip(written) {
                                 let _ = reply.send(Ok(written));
                             }
+                            for reply in staged_replies {
+                                let _ = reply.send(Ok(()));
+                            }
                         }
                         Err(kind) => {
                             for reply in replies {
                                 let _ = reply.send(Err(StoreError::AuditWrite(kind)));
                             }
                             for reply in record_replies {
+                                let _ = reply.send(Err(StoreError::AuditWrite(kind)));
+                            }
+                            for reply in staged_replies {
                                 let _ = reply.send(Err(StoreError::AuditWrite(kind)));
                             }
                         }
@@ -651,6 +731,9 @@ impl Writer {
                         let _ = reply.send(Err(StoreError::AuditWrite(err.kind())));
                     }
                     for reply in record_replies {
+                        let _ = reply.send(Err(StoreError::AuditWrite(err.kind())));
+                    }
+                    for reply in staged_replies {
                         let _ = reply.send(Err(StoreError::AuditWrite(err.kind())));
                     }
                 }
@@ -729,12 +812,13 @@ impl Writer {
         }
     }
 
-    /// Writes the runs' steps and then every audit entry — `events` and those of the run
-    /// writes that passed their fence — in one transaction, and returns the receipts of
-    /// `events` and what became of each write, in order.
+    /// Writes the runs' steps and then every audit entry — `events`, those of `staged` not
+    /// appended yet, and those of the run writes that passed their fence — in one transaction,
+    /// and returns the receipts of `events` and what became of each write, in order.
     async fn commit_batch(
         &mut self,
         events: Vec<AuditEvent>,
+        staged: Vec<StagedEvent>,
         writes: Vec<RunWrite>,
         turn: Option<HeldTurn>,
     ) -> Result<Committed, StoreError> {
@@ -746,11 +830,12 @@ impl Writer {
         // this process, and a power cut loses at most what followed the last synced commit,
         // which a run resumes from as it would from a crash before those steps. The next
         // synced commit flushes the deferred ones before it.
-        let durability = if appended > 0 || writes.iter().any(RunWrite::is_durable) {
-            Durability::Synced
-        } else {
-            Durability::Deferred
-        };
+        let durability =
+            if appended > 0 || !staged.is_empty() || writes.iter().any(RunWrite::is_durable) {
+                Durability::Synced
+            } else {
+                Durability::Deferred
+            };
         // With a log syncer, a synced batch commits as a deferred one and reaches the disk
         // through the syncer before it is acknowledged.
         let awaits_sync = durability == Durability::Synced && self.wal.is_some();
@@ -760,7 +845,15 @@ impl Writer {
             durability
         };
         let (mut receipts, written) = self
-            .transact(committing, BatchWork { events, writes }, turn)
+            .transact(
+                committing,
+                BatchWork {
+                    events,
+                    staged,
+                    writes,
+                },
+                turn,
+            )
             .await?;
         crate::metrics::audit_commit(durability);
         self.chain.signed_committed();

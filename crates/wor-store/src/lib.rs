@@ -27,6 +27,7 @@ mod projects;
 mod routines;
 mod run_tokens;
 mod runs;
+mod staged;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod tool_connections;
@@ -81,6 +82,7 @@ pub use runs::{
     RunFilter, RunRecord, RunStep, ScheduleAdvance, ScheduledStart, ThreadSummary, UnreadableRun,
 };
 pub use sqlx::Error as SqlxError;
+pub use staged::StagedEvent;
 pub use tool_connections::{
     NewToolConnection, StdioSpec, StoredPin, TOOL_CONNECTIONS_TABLE, ToolConnectionKind,
     ToolConnectionRecord, ToolConnectionStatus, env_field, header_field,

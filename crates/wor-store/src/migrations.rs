@@ -221,6 +221,12 @@ const MIGRATIONS: &[SchemaMigration] = &[
         sqlite: include_str!("../migrations/0038_oauth_scopes.sql"),
         postgres: include_str!("../migrations/0038_oauth_scopes.sql"),
     },
+    SchemaMigration {
+        version: 39,
+        description: "audit events staged with the change they record",
+        sqlite: include_str!("../migrations/0039_audit_staged.sql"),
+        postgres: include_str!("../migrations/0039_audit_staged.sql"),
+    },
 ];
 
 /// The newest migration of this release.

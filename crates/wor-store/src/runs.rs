@@ -5,6 +5,7 @@
 //! (`lease_owner`), so two workers never drive one run.
 
 use sqlx::Row;
+use wor_core::audit::AuditEvent;
 use wor_core::budget::BudgetUsage;
 use wor_core::call::TriggerKind;
 use wor_core::canonical::sha256_hex;
@@ -13,6 +14,7 @@ use wor_core::step::{InputStep, MemoryStep, Step};
 use wor_core::{ApiKeyId, MemberId, ProjectId, RoutineId, RunId};
 
 use crate::exec::{Exec, Param};
+use crate::staged::StagedEvent;
 use crate::{Store, StoreError, now_millis, parse_column};
 
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -205,7 +207,10 @@ impl Store {
         new: NewRun,
         input: InputStep,
     ) -> Result<RunRecord, StoreError> {
-        self.create_run_claimed_by(project, new, input, None).await
+        Ok(self
+            .create_run_claimed_by(project, new, input, None, None)
+            .await?
+            .0)
     }
 
     /// Creates a run as [`Store::create_run`] does and, when it is queued, no run of its
@@ -222,8 +227,31 @@ impl Store {
         input: InputStep,
         claim: ClaimTerms<'_>,
     ) -> Result<RunRecord, StoreError> {
-        self.create_run_claimed_by(project, new, input, Some(claim))
-            .await
+        Ok(self
+            .create_run_claimed_by(project, new, input, Some(claim), None)
+            .await?
+            .0)
+    }
+
+    /// Creates a run as [`Store::create_run`] does, or with `claim` as
+    /// [`Store::create_and_claim_run`] does, and stages its start entry, made by `started`
+    /// from the new run's id, in the same transaction: a run never exists without its entry on
+    /// its way to the chain. The caller appends it with [`crate::AuditLog::append_staged`]; if
+    /// that does not happen, the audit writer's sweep does.
+    pub async fn create_run_staged(
+        &self,
+        project: ProjectId,
+        new: NewRun,
+        input: InputStep,
+        claim: Option<ClaimTerms<'_>>,
+        started: &(dyn Fn(RunId) -> AuditEvent + Sync),
+    ) -> Result<(RunRecord, StagedEvent), StoreError> {
+        let (run, staged) = self
+            .create_run_claimed_by(project, new, input, claim, Some(started))
+            .await?;
+        let staged = staged
+            .ok_or_else(|| StoreError::Corrupt("a run's start entry was not staged".to_owned()))?;
+        Ok((run, staged))
     }
 
     async fn create_run_claimed_by(
@@ -232,7 +260,8 @@ impl Store {
         new: NewRun,
         input: InputStep,
         claim: Option<ClaimTerms<'_>>,
-    ) -> Result<RunRecord, StoreError> {
+        started: Option<&(dyn Fn(RunId) -> AuditEvent + Sync)>,
+    ) -> Result<(RunRecord, Option<StagedEvent>), StoreError> {
         let id = RunId::new();
         let now = now_millis();
         let mut tx = self.begin_write().await?;
@@ -291,22 +320,31 @@ impl Store {
         }
         // Read in the transaction: a run this write claimed is never committed unread.
         let run = select_run(&mut **tx, project, id).await?;
+        let staged = match started {
+            Some(started) => crate::staged::stage(&mut tx, vec![started(id)])
+                .await?
+                .pop(),
+            None => None,
+        };
         tx.commit().await?;
         if start.run.status == RunStatus::Skipped {
             crate::metrics::run_ended_unclaimed(start.run.status, start.run.trigger_kind);
         }
-        Ok(run)
+        Ok((run, staged))
     }
 
-    /// Records the runs a scheduler pass starts and moves the schedules on, in one
-    /// transaction: a crash leaves all of it or none. A slot that already started a run (in
-    /// another process) starts no other: its entry in the answer is `None`. A schedule another
-    /// process moved first is left as that process moved it.
+    /// Records the runs a scheduler pass starts, stages the start entry `started` makes of each
+    /// (from its start and its id), and moves the schedules on, in one transaction:
+    /// a crash leaves all of it or none. A slot that already started a run (in another process)
+    /// starts no other and stages nothing: its entry in the answer is `None`. A schedule another
+    /// process moved first is left as that process moved it. The caller appends the staged
+    /// entries with [`crate::AuditLog::append_staged`].
     pub async fn start_scheduled(
         &self,
         starts: Vec<ScheduledStart>,
         advances: &[ScheduleAdvance],
-    ) -> Result<Vec<Option<RunId>>, StoreError> {
+        started: &(dyn Fn(&ScheduledStart, RunId) -> AuditEvent + Sync),
+    ) -> Result<(Vec<Option<RunId>>, Vec<StagedEvent>), StoreError> {
         let now = now_millis();
         let ids: Vec<RunId> = starts.iter().map(|_| RunId::new()).collect();
         let mut tx = self.begin_write().await?;
@@ -321,16 +359,24 @@ impl Store {
         for advances in advances.chunks(values / ADVANCE_VALUES) {
             crate::triggers::advance_schedules(&mut tx, advances, now).await?;
         }
+        let entries = ids
+            .iter()
+            .zip(&starts)
+            .filter(|(id, _)| inserted.contains(*id))
+            .map(|(id, start)| started(start, *id))
+            .collect();
+        let staged = crate::staged::stage(&mut tx, entries).await?;
         tx.commit().await?;
         for (id, start) in ids.iter().zip(&starts) {
             if start.run.status == RunStatus::Skipped && inserted.contains(id) {
                 crate::metrics::run_ended_unclaimed(start.run.status, start.run.trigger_kind);
             }
         }
-        Ok(ids
+        let ids = ids
             .into_iter()
             .map(|id| inserted.contains(&id).then_some(id))
-            .collect())
+            .collect();
+        Ok((ids, staged))
     }
 
     pub async fn get_run(&self, project: ProjectId, id: RunId) -> Result<RunRecord, StoreError> {
@@ -524,7 +570,7 @@ impl Store {
     /// flagged and its worker stops it; a parked one is flagged and queued, for a worker to
     /// end it. Its nested runs still going, however deep, are asked alike, even when the run
     /// itself has ended; of a finished run with none, nothing changes. The run and its tree
-    /// are asked in one transaction.
+    /// are asked in one transaction, which reads them as it leaves them.
     pub async fn request_cancel(
         &self,
         project: ProjectId,
@@ -532,6 +578,36 @@ impl Store {
         holder: &str,
         lease_ms: i64,
     ) -> Result<CancelAsked, StoreError> {
+        Ok(self
+            .request_cancel_with(project, id, holder, lease_ms, None)
+            .await?
+            .0)
+    }
+
+    /// [`Store::request_cancel`] for a requester whose `run.cancel` entry, made by `requested`
+    /// from what the cancel did, is staged in the cancel's transaction when it asked anything:
+    /// a cancel is never made without its entry on its way to the chain. The caller appends it
+    /// with [`crate::AuditLog::append_staged`] before it ends the runs taken from the queue.
+    pub async fn request_cancel_staged(
+        &self,
+        project: ProjectId,
+        id: RunId,
+        holder: &str,
+        lease_ms: i64,
+        requested: &(dyn Fn(&CancelAsked) -> AuditEvent + Sync),
+    ) -> Result<(CancelAsked, Option<StagedEvent>), StoreError> {
+        self.request_cancel_with(project, id, holder, lease_ms, Some(requested))
+            .await
+    }
+
+    async fn request_cancel_with(
+        &self,
+        project: ProjectId,
+        id: RunId,
+        holder: &str,
+        lease_ms: i64,
+        requested: Option<&(dyn Fn(&CancelAsked) -> AuditEvent + Sync)>,
+    ) -> Result<(CancelAsked, Option<StagedEvent>), StoreError> {
         let now = now_millis();
         // The run and its whole tree are asked in one transaction: a cancel that fails part
         // way has asked none of them, so asking again asks them all.
@@ -565,10 +641,10 @@ impl Store {
                 parents.push(child_id);
             }
         }
-        tx.commit().await?;
-        // Read as the cancel left them.
+        // Read as the cancel leaves them, before it commits: a cancel that happened is never
+        // answered with an error of a read after it.
         let mut answer = CancelAsked {
-            run: self.get_run(project, id).await?,
+            run: select_run(&mut **tx, project, id).await?,
             asked: 0,
             to_end: Vec::new(),
         };
@@ -579,7 +655,7 @@ impl Store {
                     let taken = if run == id {
                         answer.run.clone()
                     } else {
-                        self.get_run(project, run).await?
+                        select_run(&mut **tx, project, run).await?
                     };
                     answer.to_end.push(taken);
                 }
@@ -587,7 +663,16 @@ impl Store {
                 Asked::Nothing => {}
             }
         }
-        Ok(answer)
+        let staged = match requested {
+            Some(requested) if answer.asked > 0 => {
+                crate::staged::stage(&mut tx, vec![requested(&answer)])
+                    .await?
+                    .pop()
+            }
+            _ => None,
+        };
+        tx.commit().await?;
+        Ok((answer, staged))
     }
 
     /// Puts runs whose worker stopped renewing its lease back in the queue, to be resumed.

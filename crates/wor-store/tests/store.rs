@@ -262,6 +262,100 @@ async fn concurrent_appends_form_one_chain_that_survives_a_restart() {
     assert_eq!(summary.head_hash, receipt.hash);
 }
 
+/// An entry staged with its change (a run's start, a cancel) is appended once: by its caller's
+/// `append_staged`, or, when the caller never gets there (a crash between the two), by the
+/// sweep of the next writer to start; never twice, whichever comes first.
+#[tokio::test]
+async fn an_entry_staged_with_its_change_is_appended_once_by_its_caller_or_the_next_sweep() {
+    let db = TestDatabase::new().await.unwrap();
+    let project = new_project(&db).await;
+    let routine = replay_routine(&db.store, project, "staged").await;
+    let started = |id: wor_core::RunId| {
+        AuditEvent::new(project, AuditCategory::RunStart, Actor::Operator).subject("run_id", id)
+    };
+    let create = |store: Store| async move {
+        store
+            .create_run_staged(
+                project,
+                queued_run(routine, 1, None, 100),
+                InputStep::requested(serde_json::json!("x")),
+                None,
+                &started,
+            )
+            .await
+            .unwrap()
+    };
+    // What each entry of the chain is about, in order.
+    let entries = |store: Store| async move {
+        store
+            .audit_entries(project, 0, 100)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|e| (e.category, e.subjects["run_id"].clone()))
+            .collect::<Vec<_>>()
+    };
+    let log = AuditLog::start(db.store.clone(), signing_key(4), audit_config(100));
+    let (appended, staged) = create(db.store.clone()).await;
+    log.append_staged(vec![staged]).await.unwrap();
+    // A run, and a cancel, whose callers stop before they append their entries.
+    let (lost, staged) = create(db.store.clone()).await;
+    drop(staged);
+    let (cancelled, staged) = db
+        .store
+        .request_cancel_staged(project, appended.id, "here", 60_000, &|asked| {
+            AuditEvent::new(project, AuditCategory::RunCancel, Actor::Operator)
+                .subject("run_id", asked.run.id)
+        })
+        .await
+        .unwrap();
+    assert_eq!(cancelled.asked, 1);
+    drop(staged);
+    // A cancel that asks nothing stages nothing.
+    let (_, none) = db
+        .store
+        .request_cancel_staged(project, appended.id, "here", 60_000, &|_| {
+            panic!("nothing was asked, so nothing is staged")
+        })
+        .await
+        .unwrap();
+    assert!(none.is_none());
+    log.checkpoint().await.unwrap();
+    let start = |run: wor_core::RunId| ("run.start".to_owned(), run.to_string());
+    let cancel = |run: wor_core::RunId| ("run.cancel".to_owned(), run.to_string());
+    assert_eq!(entries(db.store.clone()).await, vec![start(appended.id)]);
+    drop(log);
+
+    // The next process's writer appends what was left staged before anything else it commits.
+    let reopened = Store::connect(&db.url).await.unwrap();
+    let log = AuditLog::start(reopened.clone(), signing_key(4), audit_config(100));
+    log.checkpoint().await.unwrap();
+    let expected = vec![start(appended.id), start(lost.id), cancel(appended.id)];
+    assert_eq!(entries(reopened.clone()).await, expected);
+    // A staged event the sweep appended is not appended again by its caller, late.
+    let (late, staged) = create(reopened.clone()).await;
+    let other = AuditLog::start(
+        Store::connect(&db.url).await.unwrap(),
+        signing_key(4),
+        audit_config(100),
+    );
+    other.checkpoint().await.unwrap();
+    log.append_staged(vec![staged]).await.unwrap();
+    log.checkpoint().await.unwrap();
+    let mut expected = expected;
+    expected.push(start(late.id));
+    assert_eq!(entries(reopened.clone()).await, expected);
+    // Nor by a later sweep.
+    drop((log, other));
+    let log = AuditLog::start(reopened.clone(), signing_key(4), audit_config(100));
+    log.checkpoint().await.unwrap();
+    assert_eq!(entries(reopened.clone()).await, expected);
+    let Verification::Intact(summary) = verify(&reopened, project, &log).await else {
+        panic!("the chain is broken")
+    };
+    assert_eq!(summary.entries, 4);
+}
+
 #[tokio::test]
 async fn two_writers_on_one_database_keep_one_chain() {
     let db = TestDatabase::new().await.unwrap();
