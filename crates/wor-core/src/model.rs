@@ -221,6 +221,22 @@ pub enum ProviderKind {
     Replay,
 }
 
+/// Whether `text` is the shape of an Azure OpenAI `api-version`: a date, `YYYY-MM-DD`,
+/// optionally followed by `-preview`, or one of the words `preview` and `latest`. Nothing
+/// else is taken, so a base URL's query cannot carry a key in the version's place.
+pub fn is_azure_api_version(text: &str) -> bool {
+    if matches!(text, "preview" | "latest") {
+        return true;
+    }
+    let date = text.strip_suffix("-preview").unwrap_or(text);
+    let bytes = date.as_bytes();
+    bytes.len() == 10
+        && bytes.iter().enumerate().all(|(index, byte)| match index {
+            4 | 7 => *byte == b'-',
+            _ => byte.is_ascii_digit(),
+        })
+}
+
 impl ProviderKind {
     /// Every kind, in declaration order.
     pub const ALL: [ProviderKind; 5] = [
@@ -287,6 +303,27 @@ pub struct ModelIdentity {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn an_azure_api_version_is_a_date_or_a_named_channel_and_nothing_else() {
+        for good in ["2024-10-21", "2025-01-01-preview", "preview", "latest"] {
+            assert!(is_azure_api_version(good), "{good}");
+        }
+        for bad in [
+            "",
+            "2024-10-2",
+            "2024/10/21",
+            "2024-10-21-beta",
+            "2024-10-21-preview-preview",
+            "20241021",
+            "0123456789abcdef0123456789abcdef",
+            "Preview",
+            "2024-10-21 ",
+            "２０２４-10-21",
+        ] {
+            assert!(!is_azure_api_version(bad), "{bad}");
+        }
+    }
 
     #[test]
     fn messages_serialise_tagged_by_role() {

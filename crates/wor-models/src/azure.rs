@@ -103,9 +103,9 @@ pub fn deployment_url(base_url: &str, deployment: &str) -> Result<String, ModelE
         .split('&')
         .find_map(|pair| pair.strip_prefix("api-version="))
         .unwrap_or(DEFAULT_API_VERSION);
-    if !safe(version) {
+    if !wor_core::model::is_azure_api_version(version) {
         return Err(ModelError::InvalidRequest(
-            "the azure `api-version` is letters, digits, `-`, `_` and `.`".to_owned(),
+            "the azure `api-version` is a date (`YYYY-MM-DD`, optionally `-preview`), `preview` or `latest`".to_owned(),
         ));
     }
     let base = base.trim_end_matches('/');
@@ -136,7 +136,10 @@ mod tests {
         for bad in ["", "a/b", "../x", "a?b", "a b"] {
             assert!(deployment_url("https://r", bad).is_err(), "{bad}");
         }
-        assert!(deployment_url("https://r?api-version=1&x", "d").is_ok());
-        assert!(deployment_url("https://r?api-version=1/2", "d").is_err());
+        assert!(deployment_url("https://r?api-version=2024-10-21&x", "d").is_ok());
+        for version in ["1", "1/2", "2024-10-21/x", "0123456789abcdef"] {
+            let url = format!("https://r?api-version={version}");
+            assert!(deployment_url(&url, "d").is_err(), "{version}");
+        }
     }
 }

@@ -1055,6 +1055,12 @@ async fn model_connection_input_is_checked() {
             "azure_openai",
             "invalid_base_url",
         ),
+        // The version's place holds a version, not a key.
+        (
+            "https://r.openai.azure.com?api-version=user:pw",
+            "azure_openai",
+            "invalid_base_url",
+        ),
         // Refused at once, as every call to it would be.
         (
             "http://169.254.169.254/v1",

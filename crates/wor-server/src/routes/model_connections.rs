@@ -115,8 +115,9 @@ fn check_api_key(key: &str) -> Result<(), ApiError> {
 
 /// A base URL carries nothing but where the provider is: the key goes in `api_key`, sealed.
 /// Its query may only choose Azure OpenAI's API version (`?api-version=…`, the provider's one
-/// use of it); any other query, or a fragment, could carry a credential, which would then be
-/// stored, shown and audited as plain text.
+/// use of it, in the shape of a version: `wor_core::model::is_azure_api_version`); any other
+/// query, or a fragment, could carry a credential, which would then be stored, shown and
+/// audited as plain text.
 fn check_base_url(url: &str, provider: ProviderKind) -> Result<(), ApiError> {
     let refused = |message: String| ApiError::bad_request("invalid_base_url", message);
     let parsed = wor_egress::EgressUrl::parse(url)
@@ -132,12 +133,13 @@ fn check_base_url(url: &str, provider: ProviderKind) -> Result<(), ApiError> {
         let azure = provider == ProviderKind::AzureOpenai;
         let versions_only = azure
             && query.split('&').all(|pair| {
-                pair.split_once('=')
-                    .is_some_and(|(name, value)| name == "api-version" && !value.is_empty())
+                pair.split_once('=').is_some_and(|(name, value)| {
+                    name == "api-version" && wor_core::model::is_azure_api_version(value)
+                })
             });
         if !versions_only {
             let but = if azure {
-                " other than `api-version=…`"
+                " other than `api-version=` and a version (`YYYY-MM-DD`, optionally `-preview`, `preview` or `latest`)"
             } else {
                 ""
             };
