@@ -828,11 +828,20 @@ fn runs_survive_repeated_sigkill_of_the_server_without_lost_or_repeated_calls() 
     let settled = started.elapsed();
     let runs = api.list_all(&owner, &runs_path);
     let approvals = api.list_all(&owner, "/v1/approvals?");
-    let entries = api.audit_entries(&owner);
+    // An entry a kill left staged is appended by the next server's audit writer once its
+    // grace (5 s) has passed: waited for, up to four times that.
+    let entries_deadline = Instant::now() + Duration::from_secs(20);
+    let missing_entries = loop {
+        let found = entry_problems(&api.audit_entries(&owner), &runs, &approvals);
+        if found.is_empty() || Instant::now() >= entries_deadline {
+            break found;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    };
     let mut problems: Vec<String> = exited_on_its_own;
     problems.extend(list_failures);
     problems.extend(run_problems(&runs, &approvals));
-    problems.extend(entry_problems(&entries, &runs, &approvals));
+    problems.extend(missing_entries);
     server.stop();
 
     let executions = desk.state.executions.lock().unwrap().clone();

@@ -475,7 +475,13 @@ impl Engine {
             }
             Err(DecideError::Expired) => return Err(DecisionRefusal::Expired.into()),
         };
-        self.audit.append_staged(vec![staged]).await?;
+        // The decision is made and its entry is on disk, staged: a failed append is the sweep's
+        // to finish, and the run is woken and the channels told all the same.
+        if let Err(error) = self.audit.append_staged(vec![staged]).await {
+            tracing::error!(category = "audit", project_id = %project, approval_id = %id,
+                kind = error.kind(),
+                "a decision's entry could not be appended; it stays staged for the audit writer's sweep");
+        }
         crate::metrics::approval_decided(decided.status);
         crate::traces::approval_waited(&decided);
         self.wake_workers();

@@ -312,9 +312,14 @@ impl Engine {
             ),
         };
         let taken = asked.to_end.first().is_some_and(|run| run.id == id);
-        // The request is recorded before the ends it causes; the ends are made whatever came
-        // of it, and its error is answered after them.
-        let recorded = self.audit.append_staged(staged.into_iter().collect()).await;
+        // The request is appended before the ends it causes. The cancel is made and its entry
+        // is on disk, staged: a failed append is the sweep's to finish (after the ends, then),
+        // and the ends are made all the same.
+        if let Err(error) = self.audit.append_staged(staged.into_iter().collect()).await {
+            tracing::error!(category = "audit", project_id = %project, run_id = %id,
+                kind = error.kind(),
+                "a cancel's entry could not be appended; it stays staged for the audit writer's sweep");
+        }
         for run in &asked.to_end {
             let ending = Ending::new(RunStatus::Cancelled, CANCELLED_WHILE_QUEUED);
             if let Err(error) = self.end_run(run, holder, ending, None).await {
@@ -330,7 +335,6 @@ impl Engine {
         if asked.asked > 0 {
             self.wake_workers();
         }
-        recorded?;
         if taken {
             asked.run = self.store.get_run(project, id).await?;
         }

@@ -106,7 +106,7 @@ impl Engine {
                 Err(error) => error.to_string(),
             };
             tracing::error!(category = "schedule", error = %failure,
-                "the start entries of a page of scheduled runs could not be appended");
+                "the start entries of a page of scheduled runs could not be appended; they stay staged for the audit writer's sweep");
         }
         Ok(report)
     }

@@ -139,8 +139,7 @@ impl Engine {
 
     /// Creates run `new` of `project` and records its start. With a `slot` of this process's
     /// pool, the run is claimed as it is created when the limits and the queue allow it and
-    /// handed to the pool in that slot; a run claimed here whose start cannot be recorded goes
-    /// back to the queue. Otherwise the run is queued (or skipped) for any worker.
+    /// handed to the pool in that slot. Otherwise the run is queued (or skipped) for any worker.
     async fn create_started(
         &self,
         project: ProjectId,
@@ -159,22 +158,21 @@ impl Engine {
             .store
             .create_run_staged(project, new.clone(), input, terms, &started)
             .await?;
-        let recorded = self.audit.append_staged(vec![staged]).await;
-        match (run.status, slot, recorded) {
-            (RunStatus::Running, Some(slot), Ok(_)) => {
+        // The start has happened and its entry is on disk, staged: a failed append is the
+        // sweep's to finish, and the run goes on (answering an error would invite a second).
+        if let Err(error) = self.audit.append_staged(vec![staged]).await {
+            tracing::error!(category = "audit", project_id = %project, run_id = %run.id,
+                kind = error.kind(),
+                "a run's start entry could not be appended; it stays staged for the audit writer's sweep");
+        }
+        match (run.status, slot) {
+            (RunStatus::Running, Some(slot)) => {
                 crate::metrics::run_claimed(&run, run.created_at);
                 self.drive_started(run.clone(), slot).await;
             }
-            (RunStatus::Running, Some(slot), Err(error)) => {
+            (status, slot) => {
                 drop(slot);
-                self.give_back(&run, &self.config.worker_id).await;
-                self.wake_workers();
-                return Err(error.into());
-            }
-            (_, slot, recorded) => {
-                drop(slot);
-                recorded?;
-                if run.status == RunStatus::Queued {
+                if status == RunStatus::Queued {
                     self.wake_workers();
                 }
             }

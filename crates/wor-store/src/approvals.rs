@@ -506,9 +506,7 @@ impl Store {
         // with an error of a read after it.
         let approval = select_approval(&mut **tx, project, id).await?;
         let staged = match decided {
-            Some(decided) => crate::staged::stage(&mut tx, vec![decided(&approval)])
-                .await?
-                .pop(),
+            Some(decided) => Some(crate::staged::stage_one(&mut tx, decided(&approval)).await?),
             None => None,
         };
         tx.commit().await?;

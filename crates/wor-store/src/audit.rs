@@ -46,6 +46,9 @@ pub struct AuditConfig {
     pub checkpoint_interval: Duration,
     /// At most this many appends share one transaction.
     pub max_batch: usize,
+    /// How long an event staged with its change is left to its caller's own append before the
+    /// writer's sweep appends it (`crate::staged`).
+    pub staged_grace: Duration,
 }
 
 impl Default for AuditConfig {
@@ -54,6 +57,7 @@ impl Default for AuditConfig {
             checkpoint_every: 256,
             checkpoint_interval: Duration::from_secs(60),
             max_batch: 512,
+            staged_grace: Duration::from_secs(5),
         }
     }
 }
@@ -96,6 +100,8 @@ pub struct AuditLog {
     /// ([`AuditLog::submit`]).
     in_flight: Arc<AtomicUsize>,
     verifying_key: VerifyingKey,
+    /// The writer's [`AuditConfig::max_batch`].
+    max_batch: usize,
 }
 
 impl std::fmt::Debug for AuditLog {
@@ -121,7 +127,8 @@ impl AuditLog {
     /// Starts the writer: on SQLite on a thread of its own, otherwise as a task of the current
     /// tokio runtime. It runs until every handle is dropped.
     pub fn start(store: Store, key: AuditSigningKey, config: AuditConfig) -> AuditLog {
-        let (sender, receiver) = mpsc::channel(config.max_batch.max(1) * 4);
+        let max_batch = config.max_batch.max(1);
+        let (sender, receiver) = mpsc::channel(max_batch * 4);
         let verifying_key = key.verifying_key();
         let writer = Writer {
             chain: Chain {
@@ -148,6 +155,7 @@ impl AuditLog {
             writer,
             in_flight: Arc::new(AtomicUsize::new(0)),
             verifying_key,
+            max_batch,
         }
     }
 
@@ -201,15 +209,26 @@ impl AuditLog {
     /// staged rows in the same transaction; returns once that is committed. An event whose row
     /// is gone was appended already, by the writer's sweep (here or in another process), and is
     /// not appended again. Like [`AuditLog::append`], it always goes through the writer's
-    /// channel. A failure leaves the rows for the sweep, which appends them at the latest one
-    /// checkpoint interval later.
+    /// channel, in commands of at most a batch's events each. A failure leaves the rows for the
+    /// sweep of a running writer (this one, or the next to start), after its grace
+    /// ([`AuditConfig::staged_grace`]) and at its next checkpoint interval.
     pub async fn append_staged(&self, staged: Vec<StagedEvent>) -> Result<(), StoreError> {
-        if staged.is_empty() {
-            return Ok(());
+        let mut answers = Vec::new();
+        let mut staged = staged.into_iter().peekable();
+        while staged.peek().is_some() {
+            let chunk = staged.by_ref().take(self.max_batch).collect();
+            let (reply, answer) = oneshot::channel();
+            self.queue(Command::Release {
+                staged: chunk,
+                reply,
+            })
+            .await?;
+            answers.push(answer);
         }
-        let (reply, answer) = oneshot::channel();
-        self.queue(Command::Release { staged, reply }).await?;
-        answer.await.map_err(|_| StoreError::AuditStopped)?
+        for answer in answers {
+            answer.await.map_err(|_| StoreError::AuditStopped)??;
+        }
+        Ok(())
     }
 
     /// Records a run's step (steps, usage, audit entries) in one transaction, shared with
@@ -548,11 +567,20 @@ impl Writer {
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         ticker.tick().await;
         let restart_wanted = this.restart_wanted.clone();
-        // What a crash left staged is appended before anything else this writer commits.
+        // What a crash left staged is appended before anything else this writer commits, and
+        // what it left too recently for that once the grace has passed, before the first
+        // checkpoint interval.
         this.sweep_staged(&shared).await;
+        let after_grace = tokio::time::sleep(this.config.staged_grace);
+        tokio::pin!(after_grace);
+        let mut swept_after_grace = false;
         drop(this);
         loop {
             tokio::select! {
+                () = &mut after_grace, if !swept_after_grace => {
+                    swept_after_grace = true;
+                    writer.lock().await.sweep_staged(&shared).await;
+                }
                 command = receiver.recv() => {
                     let Some(command) = command else { break };
                     // Waiting here, the loop is next to get the writer: a caller's attempt to
@@ -580,51 +608,86 @@ impl Writer {
         let _ = writer.lock().await.checkpoint_unsigned().await;
     }
 
-    /// Appends every event left staged (`audit_staged`) whose change's caller did not append it:
-    /// after a crash between the two, or a failed append. Rows read on `shared`, the process's
-    /// runtime, where the pool's connections answer; each page appended in one batch. An event a
-    /// caller or another process appends meanwhile is appended once all the same
-    /// ([`crate::staged::release`]).
+    /// Appends every event left staged (`audit_staged`) longer than the grace whose change's
+    /// caller did not append it: after a crash between the two, or a failed append. Rows read
+    /// on `shared`, the process's runtime, where the pool's connections answer; each page
+    /// appended in one batch, and a page that fails row by row, so that one event that cannot be
+    /// appended holds up no other. An event a caller or another process appends meanwhile is
+    /// appended once all the same ([`crate::staged::release`]).
     async fn sweep_staged(&mut self, shared: &tokio::runtime::Handle) {
+        let grace = i64::try_from(self.config.staged_grace.as_millis()).unwrap_or(i64::MAX);
+        let older_than = now_millis().saturating_sub(grace);
         let mut after: Option<String> = None;
         loop {
-            let store = self.store.clone();
-            let from = after.take();
-            let page = shared
-                .spawn(async move { store.staged_page(from.as_deref()).await })
-                .await;
-            let (staged, next) = match page {
-                Ok(Ok(page)) => page,
-                Ok(Err(error)) => {
-                    tracing::error!(
-                        category = "audit",
-                        kind = error.kind(),
-                        "staged audit events cannot be read; the sweep is tried again at the next checkpoint interval"
-                    );
-                    return;
-                }
-                Err(_) => return,
+            let Some((staged, next)) = self.staged_page(shared, after.clone(), older_than).await
+            else {
+                return;
             };
             if !staged.is_empty() {
-                tracing::info!(
+                tracing::warn!(
                     category = "audit",
                     staged = staged.len(),
-                    "appending audit events staged by changes whose own append has not happened"
+                    "appending audit events left staged by changes whose own append did not happen"
                 );
-                // Acknowledged to nobody: a failure is logged by `handle`, and the rows stay.
-                let (reply, _answer) = oneshot::channel();
-                self.handle(
-                    vec![Command::Release { staged, reply }],
-                    Committer::Writer,
-                    None,
-                )
-                .await;
+                if self.release_swept(staged).await.is_err() {
+                    // Row by row: the page read again, each event in a batch of its own.
+                    let Some((staged, _)) =
+                        self.staged_page(shared, after.clone(), older_than).await
+                    else {
+                        return;
+                    };
+                    for one in staged {
+                        let id = one.id.clone();
+                        if let Err(error) = self.release_swept(vec![one]).await {
+                            tracing::error!(category = "audit", staged_id = %id, kind = error.kind(),
+                                "a staged audit event cannot be appended; it stays in audit_staged");
+                        }
+                    }
+                }
             }
             match next {
                 Some(last) => after = Some(last),
                 None => return,
             }
         }
+    }
+
+    /// A page of staged rows for the sweep (see [`Store::staged_page`]), read on `shared`;
+    /// `None` when it cannot be read, which is logged.
+    async fn staged_page(
+        &self,
+        shared: &tokio::runtime::Handle,
+        after: Option<String>,
+        older_than: i64,
+    ) -> Option<(Vec<StagedEvent>, Option<String>)> {
+        let store = self.store.clone();
+        let page = shared
+            .spawn(async move { store.staged_page(after.as_deref(), older_than).await })
+            .await;
+        match page {
+            Ok(Ok(page)) => Some(page),
+            Ok(Err(error)) => {
+                tracing::error!(
+                    category = "audit",
+                    kind = error.kind(),
+                    "staged audit events cannot be read; the sweep is tried again at the next checkpoint interval"
+                );
+                None
+            }
+            Err(_) => None,
+        }
+    }
+
+    /// Appends `staged` for the sweep, as one batch, and waits until it is acknowledged.
+    async fn release_swept(&mut self, staged: Vec<StagedEvent>) -> Result<(), StoreError> {
+        let (reply, answer) = oneshot::channel();
+        self.handle(
+            vec![Command::Release { staged, reply }],
+            Committer::Writer,
+            None,
+        )
+        .await;
+        answer.await.map_err(|_| StoreError::AuditStopped)?
     }
 
     /// Whether batches commit on the writer's own connection to SQLite, whose statements run

@@ -147,6 +147,9 @@ pub enum StoreError {
     /// A step to record could not be written as JSON; nothing was recorded.
     #[error("a step to record could not be encoded: {0}")]
     StepEncoding(#[source] wor_core::step::StepError),
+    /// An audit event to stage with its change could not be written as JSON; nothing changed.
+    #[error("an audit event to stage could not be encoded: {0}")]
+    EventEncoding(String),
     #[error("database error: {0}")]
     Database(#[from] sqlx::Error),
     /// From the audit writer's own connection to the embedded database.
@@ -178,6 +181,7 @@ impl StoreError {
             StoreError::NoDatabase { .. } => "no_database",
             StoreError::Corrupt(_) => "corrupt",
             StoreError::StepEncoding(_) => "step_encoding",
+            StoreError::EventEncoding(_) => "event_encoding",
             StoreError::Database(sqlx_err) => match sqlx_err {
                 sqlx::Error::PoolTimedOut => "pool_timed_out",
                 sqlx::Error::Database(_) => "database",

@@ -321,9 +321,7 @@ impl Store {
         // Read in the transaction: a run this write claimed is never committed unread.
         let run = select_run(&mut **tx, project, id).await?;
         let staged = match started {
-            Some(started) => crate::staged::stage(&mut tx, vec![started(id)])
-                .await?
-                .pop(),
+            Some(started) => Some(crate::staged::stage_one(&mut tx, started(id)).await?),
             None => None,
         };
         tx.commit().await?;
@@ -665,9 +663,7 @@ impl Store {
         }
         let staged = match requested {
             Some(requested) if answer.asked > 0 => {
-                crate::staged::stage(&mut tx, vec![requested(&answer)])
-                    .await?
-                    .pop()
+                Some(crate::staged::stage_one(&mut tx, requested(&answer)).await?)
             }
             _ => None,
         };

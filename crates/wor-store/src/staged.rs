@@ -38,40 +38,59 @@ const RELEASED_PER_STATEMENT: usize = 100;
 /// Staged rows a sweep reads, and appends in one batch, at a time.
 pub(crate) const SWEEP_PAGE: u32 = 512;
 
+/// Writes `event` as a staged row in `tx`, the transaction of the change it records.
+pub(crate) async fn stage_one(
+    tx: &mut sqlx::Transaction<'static, Any>,
+    event: AuditEvent,
+) -> Result<StagedEvent, StoreError> {
+    let row = staged_row(event)?;
+    insert_rows(tx, std::slice::from_ref(&row)).await?;
+    Ok(row.0)
+}
+
 /// Writes `events` as staged rows in `tx`, the transaction of the change they record.
 pub(crate) async fn stage(
-    tx: &mut sqlx::Transaction<'_, Any>,
+    tx: &mut sqlx::Transaction<'static, Any>,
     events: Vec<AuditEvent>,
 ) -> Result<Vec<StagedEvent>, StoreError> {
+    let rows = events
+        .into_iter()
+        .map(staged_row)
+        .collect::<Result<Vec<_>, _>>()?;
+    for chunk in rows.chunks(ROWS_PER_STATEMENT) {
+        insert_rows(tx, chunk).await?;
+    }
+    Ok(rows.into_iter().map(|(row, _)| row).collect())
+}
+
+/// `event` with a fresh, time-ordered id, and its stored JSON.
+fn staged_row(event: AuditEvent) -> Result<(StagedEvent, String), StoreError> {
+    let text =
+        serde_json::to_string(&event).map_err(|e| StoreError::EventEncoding(e.to_string()))?;
+    let id = format!("stg_{}", uuid::Uuid::now_v7().simple());
+    Ok((StagedEvent { id, event }, text))
+}
+
+/// Inserts `rows` in one statement.
+async fn insert_rows(
+    tx: &mut sqlx::Transaction<'static, Any>,
+    rows: &[(StagedEvent, String)],
+) -> Result<(), StoreError> {
+    let sql = format!(
+        "INSERT INTO audit_staged (id, project_id, event, created_at) VALUES {}",
+        crate::value_rows(1, rows.len(), 4)
+    );
     let now = now_millis();
-    let mut staged = Vec::with_capacity(events.len());
-    for event in events {
-        let text = serde_json::to_string(&event)
-            .map_err(|e| StoreError::Corrupt(format!("an audit event cannot be staged: {e}")))?;
-        staged.push((
-            StagedEvent {
-                id: format!("stg_{}", uuid::Uuid::now_v7().simple()),
-                event,
-            },
-            text,
-        ));
+    let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
+    for (row, text) in rows {
+        query = query
+            .bind(row.id.clone())
+            .bind(row.event.project_id().to_string())
+            .bind(text.clone())
+            .bind(now);
     }
-    for rows in staged.chunks(ROWS_PER_STATEMENT) {
-        let sql = format!(
-            "INSERT INTO audit_staged (id, project_id, event, created_at) VALUES {}",
-            crate::value_rows(1, rows.len(), 4)
-        );
-        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
-        for (row, text) in rows {
-            query = query
-                .bind(row.id.clone())
-                .bind(row.event.project_id().to_string())
-                .bind(text.clone())
-                .bind(now);
-        }
-        query.execute(&mut **tx).await?;
-    }
-    Ok(staged.into_iter().map(|(row, _)| row).collect())
+    query.execute(&mut **tx).await?;
+    Ok(())
 }
 
 /// Deletes the rows of `staged` in the writer's transaction and returns the events whose rows
@@ -94,6 +113,14 @@ pub(crate) async fn release(
             .iter()
             .map(|row| row.text("id"))
             .collect::<Result<std::collections::HashSet<String>, _>>()?;
+        if deleted.len() < chunk.len() {
+            // Another writer's sweep appended them first, or someone deleted the rows.
+            tracing::warn!(
+                category = "audit",
+                missing = chunk.len() - deleted.len(),
+                "staged audit events whose rows were gone are not appended again"
+            );
+        }
         kept.extend(
             chunk
                 .into_iter()
@@ -105,18 +132,22 @@ pub(crate) async fn release(
 }
 
 impl Store {
-    /// Up to [`SWEEP_PAGE`] staged rows after `after` (a row id), oldest first, for the writer's
-    /// sweep, and the id to read after for the next page when this one was full. A row whose
-    /// event cannot be read is logged and left where it is.
+    /// Up to [`SWEEP_PAGE`] staged rows after `after` (a row id) and staged at `older_than`
+    /// (Unix ms) or before, oldest first, for the writer's sweep, and the id to read after for
+    /// the next page when this one was full. A row whose event cannot be read is logged and
+    /// left where it is.
     pub(crate) async fn staged_page(
         &self,
         after: Option<&str>,
+        older_than: i64,
     ) -> Result<(Vec<StagedEvent>, Option<String>), StoreError> {
         let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "SELECT id, event FROM audit_staged WHERE $1 IS NULL OR id > $1 ORDER BY id {}",
+            "SELECT id, event FROM audit_staged WHERE ($1 IS NULL OR id > $1) AND created_at <= $2 \
+             ORDER BY id {}",
             crate::limit_clause(u64::from(SWEEP_PAGE))
         )))
         .bind(after.map(str::to_owned))
+        .bind(older_than)
         .fetch_all(self.pool())
         .await?;
         let full = rows.len() >= SWEEP_PAGE as usize;

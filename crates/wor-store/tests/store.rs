@@ -267,7 +267,7 @@ async fn concurrent_appends_form_one_chain_that_survives_a_restart() {
 /// sweep of the next writer to start; never twice, whichever comes first.
 #[tokio::test]
 async fn an_entry_staged_with_its_change_is_appended_once_by_its_caller_or_the_next_sweep() {
-    let db = TestDatabase::new().await.unwrap();
+    let db = TestDatabase::isolated().await.unwrap();
     let project = new_project(&db).await;
     let routine = replay_routine(&db.store, project, "staged").await;
     let started = |id: wor_core::RunId| {
@@ -295,7 +295,12 @@ async fn an_entry_staged_with_its_change_is_appended_once_by_its_caller_or_the_n
             .map(|e| (e.category, e.subjects["run_id"].clone()))
             .collect::<Vec<_>>()
     };
-    let log = AuditLog::start(db.store.clone(), signing_key(4), audit_config(100));
+    // Staged rows are swept at once here, with no grace for their callers.
+    let config = || wor_store::AuditConfig {
+        staged_grace: std::time::Duration::ZERO,
+        ..audit_config(100)
+    };
+    let log = AuditLog::start(db.store.clone(), signing_key(4), config());
     let (appended, staged) = create(db.store.clone()).await;
     log.append_staged(vec![staged]).await.unwrap();
     // A run, and a cancel, whose callers stop before they append their entries.
@@ -324,11 +329,15 @@ async fn an_entry_staged_with_its_change_is_appended_once_by_its_caller_or_the_n
     let start = |run: wor_core::RunId| ("run.start".to_owned(), run.to_string());
     let cancel = |run: wor_core::RunId| ("run.cancel".to_owned(), run.to_string());
     assert_eq!(entries(db.store.clone()).await, vec![start(appended.id)]);
-    drop(log);
+    // A writer leaves a row younger than its grace to the caller who staged it.
+    let graced = AuditLog::start(db.store.clone(), signing_key(4), audit_config(100));
+    graced.checkpoint().await.unwrap();
+    assert_eq!(entries(db.store.clone()).await, vec![start(appended.id)]);
+    drop((log, graced));
 
     // The next process's writer appends what was left staged before anything else it commits.
     let reopened = Store::connect(&db.url).await.unwrap();
-    let log = AuditLog::start(reopened.clone(), signing_key(4), audit_config(100));
+    let log = AuditLog::start(reopened.clone(), signing_key(4), config());
     log.checkpoint().await.unwrap();
     let expected = vec![start(appended.id), start(lost.id), cancel(appended.id)];
     assert_eq!(entries(reopened.clone()).await, expected);
@@ -337,7 +346,7 @@ async fn an_entry_staged_with_its_change_is_appended_once_by_its_caller_or_the_n
     let other = AuditLog::start(
         Store::connect(&db.url).await.unwrap(),
         signing_key(4),
-        audit_config(100),
+        config(),
     );
     other.checkpoint().await.unwrap();
     log.append_staged(vec![staged]).await.unwrap();
@@ -347,7 +356,7 @@ async fn an_entry_staged_with_its_change_is_appended_once_by_its_caller_or_the_n
     assert_eq!(entries(reopened.clone()).await, expected);
     // Nor by a later sweep.
     drop((log, other));
-    let log = AuditLog::start(reopened.clone(), signing_key(4), audit_config(100));
+    let log = AuditLog::start(reopened.clone(), signing_key(4), config());
     log.checkpoint().await.unwrap();
     assert_eq!(entries(reopened.clone()).await, expected);
     let Verification::Intact(summary) = verify(&reopened, project, &log).await else {

@@ -61,6 +61,8 @@ pub fn audit_config(checkpoint_every: i64) -> AuditConfig {
         checkpoint_every,
         checkpoint_interval: Duration::from_secs(3600),
         max_batch: 64,
+        // Tests share one PostgreSQL database: a writer leaves another test's fresh rows to it.
+        ..AuditConfig::default()
     }
 }
 
