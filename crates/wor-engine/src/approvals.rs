@@ -475,13 +475,9 @@ impl Engine {
             }
             Err(DecideError::Expired) => return Err(DecisionRefusal::Expired.into()),
         };
-        // The decision is made and its entry is on disk, staged: a failed append is the sweep's
-        // to finish, and the run is woken and the channels told all the same.
-        if let Err(error) = self.audit.append_staged(vec![staged]).await {
-            tracing::error!(category = "audit", project_id = %project, approval_id = %id,
-                kind = error.kind(),
-                "a decision's entry could not be appended; it stays staged for the audit writer's sweep");
-        }
+        // The decision is made and its entry is on disk: the run is woken and the channels told
+        // whatever the append.
+        self.append_staged_or_log([staged]).await;
         crate::metrics::approval_decided(decided.status);
         crate::traces::approval_waited(&decided);
         self.wake_workers();

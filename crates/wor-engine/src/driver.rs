@@ -313,13 +313,9 @@ impl Engine {
         };
         let taken = asked.to_end.first().is_some_and(|run| run.id == id);
         // The request is appended before the ends it causes. The cancel is made and its entry
-        // is on disk, staged: a failed append is the sweep's to finish (after the ends, then),
-        // and the ends are made all the same.
-        if let Err(error) = self.audit.append_staged(staged.into_iter().collect()).await {
-            tracing::error!(category = "audit", project_id = %project, run_id = %id,
-                kind = error.kind(),
-                "a cancel's entry could not be appended; it stays staged for the audit writer's sweep");
-        }
+        // is on disk: a failed append is the sweep's to finish (after the ends, then), and the
+        // ends are made all the same.
+        self.append_staged_or_log(staged).await;
         for run in &asked.to_end {
             let ending = Ending::new(RunStatus::Cancelled, CANCELLED_WHILE_QUEUED);
             if let Err(error) = self.end_run(run, holder, ending, None).await {

@@ -47,7 +47,7 @@ use std::time::Duration;
 
 use wor_core::budget::ModelPrice;
 use wor_egress::EgressClient;
-use wor_store::{AuditLog, RunWrite, Store, StoreError, Vault};
+use wor_store::{AuditLog, RunWrite, StagedEvent, Store, StoreError, Vault};
 
 pub use approvals::{Approver, ApproverRefusal, ArgumentViolation, DecisionRefusal, EditRefusal};
 pub use assignment::{
@@ -390,6 +390,23 @@ impl Engine {
 
     pub fn audit(&self) -> &AuditLog {
         &self.audit
+    }
+
+    /// Appends the entries `staged` with their changes. The changes are made and their entries
+    /// are on disk, staged: a failed append is logged and left to the audit writer's sweep,
+    /// and the caller goes on as after a change made (an error would invite it to make it
+    /// again).
+    pub async fn append_staged_or_log(&self, staged: impl IntoIterator<Item = StagedEvent>) {
+        let staged: Vec<StagedEvent> = staged.into_iter().collect();
+        let Some(first) = staged.first() else {
+            return;
+        };
+        let (project, action) = (first.event().project_id(), first.event().category());
+        if let Err(error) = self.audit.append_staged(staged).await {
+            tracing::error!(category = "audit", project_id = %project, action = %action,
+                kind = error.kind(),
+                "an entry staged with its change could not be appended; it stays staged for the audit writer's sweep");
+        }
     }
 
     pub fn store(&self) -> &Store {

@@ -345,13 +345,8 @@ impl Engine {
                 &started,
             )
             .await?;
-        // The nested run exists and its entry is on disk, staged: a failed append is the
-        // sweep's to finish.
-        if let Err(error) = self.audit.append_staged(vec![staged]).await {
-            tracing::error!(category = "audit", project_id = %parent.project_id, run_id = %created.id,
-                kind = error.kind(),
-                "a nested run's start entry could not be appended; it stays staged for the audit writer's sweep");
-        }
+        // The nested run exists and its entry is on disk, whatever the append.
+        self.append_staged_or_log([staged]).await;
         Ok((created, true))
     }
 }

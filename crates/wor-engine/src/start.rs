@@ -158,13 +158,8 @@ impl Engine {
             .store
             .create_run_staged(project, new.clone(), input, terms, &started)
             .await?;
-        // The start has happened and its entry is on disk, staged: a failed append is the
-        // sweep's to finish, and the run goes on (answering an error would invite a second).
-        if let Err(error) = self.audit.append_staged(vec![staged]).await {
-            tracing::error!(category = "audit", project_id = %project, run_id = %run.id,
-                kind = error.kind(),
-                "a run's start entry could not be appended; it stays staged for the audit writer's sweep");
-        }
+        // The start has happened and its entry is on disk: the run goes on whatever the append.
+        self.append_staged_or_log([staged]).await;
         match (run.status, slot) {
             (RunStatus::Running, Some(slot)) => {
                 crate::metrics::run_claimed(&run, run.created_at);

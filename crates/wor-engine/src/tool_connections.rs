@@ -684,7 +684,8 @@ impl Engine {
 
     /// Pins exactly the tools an admin reviewed: `reviewed` maps each tool name to the hash
     /// they saw. The live list is fetched again and must be exactly that set, or nothing is
-    /// pinned. `read_only` names the tools the admin classifies read-only.
+    /// pinned. `read_only` names the tools the admin classifies read-only. `recorded`, the
+    /// enable's `connection.enable` entry, is staged with it and appended here.
     pub async fn enable_tool_connection(
         &self,
         project: ProjectId,
@@ -692,6 +693,7 @@ impl Engine {
         reviewed: &BTreeMap<String, String>,
         read_only: &[String],
         open_world: &[String],
+        recorded: AuditEvent,
     ) -> Result<ToolConnectionRecord, EngineError> {
         let record = self.store.get_tool_connection(project, id).await?;
         for (field, tools) in [("read_only", read_only), ("open_world", open_world)] {
@@ -754,10 +756,12 @@ impl Engine {
                 (name.clone(), class)
             })
             .collect();
-        Ok(self
+        let (record, staged) = self
             .store
-            .enable_tool_connection(project, id, &pins, &classification)
-            .await?)
+            .enable_tool_connection(project, id, &pins, &classification, recorded)
+            .await?;
+        self.append_staged_or_log([staged]).await;
+        Ok(record)
     }
 
     /// The credentials a connection has sealed: its bearer token and secret headers.

@@ -1407,8 +1407,14 @@ impl Harness {
             .iter()
             .map(|t| (t.name.clone(), t.hash.clone()))
             .collect();
+        let recorded = wor_core::audit::AuditEvent::new(
+            self.project,
+            wor_core::audit::AuditCategory::ToolConnectionEnable,
+            Actor::Operator,
+        )
+        .subject("connection_id", created.id);
         engine
-            .enable_tool_connection(self.project, created.id, &reviewed, &[], &[])
+            .enable_tool_connection(self.project, created.id, &reviewed, &[], &[], recorded)
             .await
             .unwrap();
     }

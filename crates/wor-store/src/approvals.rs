@@ -642,13 +642,15 @@ impl Store {
     }
 
     /// Sets the project's policy text (validated by the caller); `None` goes back to the
-    /// built-in default.
+    /// built-in default. Stages `recorded`, its `policy.set` entry, in the same transaction
+    /// (`crate::staged`): the caller appends it with [`crate::AuditLog::append_staged`].
     pub async fn set_project_policy(
         &self,
         project: ProjectId,
         text: Option<&str>,
         by: Option<ApiKeyId>,
-    ) -> Result<(), StoreError> {
+        recorded: AuditEvent,
+    ) -> Result<StagedEvent, StoreError> {
         let mut tx = self.begin_write().await?;
         sqlx::query("DELETE FROM project_policies WHERE project_id = $1")
             .bind(project.to_string())
@@ -665,8 +667,9 @@ impl Store {
             .execute(&mut **tx)
             .await?;
         }
+        let staged = crate::staged::stage_one(&mut tx, recorded).await?;
         tx.commit().await?;
-        Ok(())
+        Ok(staged)
     }
 }
 

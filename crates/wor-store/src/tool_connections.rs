@@ -12,9 +12,11 @@ use std::str::FromStr;
 
 use serde_json::Value;
 use sqlx::Row;
+use wor_core::audit::AuditEvent;
 use wor_core::call::ToolClass;
 use wor_core::{ApiKeyId, ConnectionId, ProjectId};
 
+use crate::staged::StagedEvent;
 use crate::{Store, StoreError, conflict_or, now_millis, parse_column};
 
 /// The table secrets of tool connections are filed under in the vault.
@@ -308,15 +310,18 @@ impl Store {
     }
 
     /// Pins `pins` with `classification`, records them as the live list too, and enables the
-    /// connection.
+    /// connection, staging `recorded`, its `connection.enable` entry, in the same transaction
+    /// (`crate::staged`): the caller appends it with [`crate::AuditLog::append_staged`].
     pub async fn enable_tool_connection(
         &self,
         project: ProjectId,
         id: ConnectionId,
         pins: &BTreeMap<String, StoredPin>,
         classification: &BTreeMap<String, ToolClass>,
-    ) -> Result<ToolConnectionRecord, StoreError> {
+        recorded: AuditEvent,
+    ) -> Result<(ToolConnectionRecord, StagedEvent), StoreError> {
         let pins = to_json(pins)?;
+        let mut tx = self.begin_write().await?;
         let done = sqlx::query(
             "UPDATE tool_connections SET status = 'enabled', pinned_tools = $1, live_tools = $1, \
              tool_classification = $2, updated_at = $3 WHERE project_id = $4 AND id = $5",
@@ -326,10 +331,29 @@ impl Store {
         .bind(now_millis())
         .bind(project.to_string())
         .bind(id.to_string())
-        .execute(&*self.write_pool().await?)
+        .execute(&mut **tx)
         .await?;
-        self.updated_tool_connection(project, id, done.rows_affected())
+        self.changed_and_staged(tx, project, id, done.rows_affected(), recorded)
             .await
+    }
+
+    /// After a change of connection `id` in `tx` that touched `rows` rows: none, not found, and
+    /// nothing staged; otherwise `recorded` staged, committed, and the connection as it is now.
+    async fn changed_and_staged(
+        &self,
+        mut tx: crate::WriteTx,
+        project: ProjectId,
+        id: ConnectionId,
+        rows: u64,
+        recorded: AuditEvent,
+    ) -> Result<(ToolConnectionRecord, StagedEvent), StoreError> {
+        if rows == 0 {
+            tx.rollback().await?;
+            return Err(StoreError::NotFound);
+        }
+        let staged = crate::staged::stage_one(&mut tx, recorded).await?;
+        tx.commit().await?;
+        Ok((self.get_tool_connection(project, id).await?, staged))
     }
 
     /// Quarantines the connection, keeping its pins, with `live` as the list last seen.
@@ -394,7 +418,31 @@ impl Store {
             .await
     }
 
-    /// Disables the connection; its pins are kept for a later review.
+    /// Disables the connection, as an admin does, staging `recorded`, its `connection.disable`
+    /// entry, in the same transaction (`crate::staged`); its pins are kept for a later review.
+    /// The caller appends the entry with [`crate::AuditLog::append_staged`].
+    pub async fn disable_tool_connection_recorded(
+        &self,
+        project: ProjectId,
+        id: ConnectionId,
+        recorded: AuditEvent,
+    ) -> Result<(ToolConnectionRecord, StagedEvent), StoreError> {
+        let mut tx = self.begin_write().await?;
+        let done = sqlx::query(
+            "UPDATE tool_connections SET status = 'disabled', updated_at = $1 \
+             WHERE project_id = $2 AND id = $3",
+        )
+        .bind(now_millis())
+        .bind(project.to_string())
+        .bind(id.to_string())
+        .execute(&mut **tx)
+        .await?;
+        self.changed_and_staged(tx, project, id, done.rows_affected(), recorded)
+            .await
+    }
+
+    /// Disables the connection with no entry of its own: for a connection made disabled whose
+    /// making failed part way, kept disabled whatever happened.
     pub async fn disable_tool_connection(
         &self,
         project: ProjectId,

@@ -695,11 +695,41 @@ async fn tool_connections_are_confined_to_their_project_and_keep_their_pins() {
         },
     )]);
     let classes = BTreeMap::from([("echo".to_owned(), ToolClass::ReadOnly)]);
-    let enabled = db
+    let recorded = |id: wor_core::ConnectionId| {
+        wor_core::audit::AuditEvent::new(
+            a.project.id,
+            wor_core::audit::AuditCategory::ToolConnectionEnable,
+            wor_core::audit::Actor::Operator,
+        )
+        .subject("connection_id", id)
+    };
+    // Another project's connection is not found, and nothing is staged for it.
+    let elsewhere = db
         .store
-        .enable_tool_connection(a.project.id, created.id, &pins, &classes)
+        .enable_tool_connection(
+            b.project.id,
+            created.id,
+            &pins,
+            &classes,
+            recorded(created.id),
+        )
+        .await;
+    assert!(
+        matches!(elsewhere, Err(StoreError::NotFound)),
+        "{elsewhere:?}"
+    );
+    let (enabled, staged) = db
+        .store
+        .enable_tool_connection(
+            a.project.id,
+            created.id,
+            &pins,
+            &classes,
+            recorded(created.id),
+        )
         .await
         .unwrap();
+    assert_eq!(staged.event(), &recorded(created.id));
     assert_eq!(enabled.status, ToolConnectionStatus::Enabled);
     assert_eq!(enabled.pinned_tools, pins);
     assert_eq!(enabled.class_of("echo"), ToolClass::ReadOnly);

@@ -125,16 +125,16 @@ pub(crate) async fn set_policy(
             .build()
             .map_err(|e| ApiError::bad_request("invalid_policy", e.to_string()))?;
     }
-    state.store.set_project_policy(project, text, key).await?;
-    state
-        .audit
-        .append(
-            AuditEvent::new(project, AuditCategory::PolicySet, actor).payload(serde_json::json!({
-                "is_default": text.is_none(),
-                "content_hash": text.map(|t| wor_core::canonical::sha256_hex(t.as_bytes())),
-            })),
-        )
+    let recorded =
+        AuditEvent::new(project, AuditCategory::PolicySet, actor).payload(serde_json::json!({
+            "is_default": text.is_none(),
+            "content_hash": text.map(|t| wor_core::canonical::sha256_hex(t.as_bytes())),
+        }));
+    let staged = state
+        .store
+        .set_project_policy(project, text, key, recorded)
         .await?;
+    state.engine.append_staged_or_log([staged]).await;
     tracing::info!(category = "config", action = "policy.set", project_id = %project,
         is_default = text.is_none(), "project policy set");
     Ok(())

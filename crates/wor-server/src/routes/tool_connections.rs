@@ -455,21 +455,23 @@ pub(crate) async fn enable_connection(
 ) -> Result<ToolConnectionRecord, ApiError> {
     let before = state.store.get_tool_connection(project, id).await?;
     crate::auth::require_configure(role)?;
+    let recorded = AuditEvent::new(project, AuditCategory::ToolConnectionEnable, actor)
+        .subject("connection_id", id)
+        .payload(serde_json::json!({
+            "previous_status": before.status,
+            "pinned": body.tools,
+            "read_only": body.read_only,
+            "open_world": body.open_world,
+        }));
     let record = state
         .engine
-        .enable_tool_connection(project, id, &body.tools, &body.read_only, &body.open_world)
-        .await?;
-    state
-        .audit
-        .append(
-            AuditEvent::new(project, AuditCategory::ToolConnectionEnable, actor)
-                .subject("connection_id", id)
-                .payload(serde_json::json!({
-                    "previous_status": before.status,
-                    "pinned": body.tools,
-                    "read_only": body.read_only,
-                    "open_world": body.open_world,
-                })),
+        .enable_tool_connection(
+            project,
+            id,
+            &body.tools,
+            &body.read_only,
+            &body.open_world,
+            recorded,
         )
         .await?;
     Ok(record)
@@ -491,21 +493,17 @@ pub async fn disable(
         .get_tool_connection(caller.project_id, id)
         .await?;
     caller.require_configure()?;
-    let record = state
+    let recorded = AuditEvent::new(
+        caller.project_id,
+        AuditCategory::ToolConnectionDisable,
+        caller.actor(),
+    )
+    .subject("connection_id", id);
+    let (record, staged) = state
         .store
-        .disable_tool_connection(caller.project_id, id)
+        .disable_tool_connection_recorded(caller.project_id, id, recorded)
         .await?;
-    state
-        .audit
-        .append(
-            AuditEvent::new(
-                caller.project_id,
-                AuditCategory::ToolConnectionDisable,
-                caller.actor(),
-            )
-            .subject("connection_id", id),
-        )
-        .await?;
+    state.engine.append_staged_or_log([staged]).await;
     tracing::info!(category = "config", action = "connection.disable", project_id = %caller.project_id,
         connection_id = %id, actor_key_id = %caller.key_id, "tool connection disabled");
     Ok(Json(view(&state, record).await?))
