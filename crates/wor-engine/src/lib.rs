@@ -402,9 +402,11 @@ impl Engine {
             return;
         };
         let (project, action) = (first.event().project_id(), first.event().category());
+        // The rows an operator can find in `audit_staged`, should the append fail.
+        let ids: Vec<String> = staged.iter().map(|s| s.id().to_owned()).collect();
         if let Err(error) = self.audit.append_staged(staged).await {
             tracing::error!(category = "audit", project_id = %project, action = %action,
-                kind = error.kind(),
+                staged_ids = ?ids, kind = error.kind(),
                 "an entry staged with its change could not be appended; it stays staged for the audit writer's sweep");
         }
     }

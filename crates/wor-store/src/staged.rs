@@ -29,6 +29,11 @@ impl StagedEvent {
     pub fn event(&self) -> &AuditEvent {
         &self.event
     }
+
+    /// Its row's id in `audit_staged` (`stg_…`).
+    pub fn id(&self) -> &str {
+        &self.id
+    }
 }
 
 /// Staged rows written in one statement, at most.

@@ -140,3 +140,12 @@ pub fn audit_chain_lock_key(project: wor_core::ProjectId) -> i64 {
 /// The most steps of a run's journal write that its fence inserts in its own statement on
 /// PostgreSQL; a write with more inserts them in statements of their own.
 pub const STEPS_PER_WRITE_STATEMENT: usize = crate::runs::STEPS_PER_WRITE_STATEMENT;
+
+/// How many audit events of `project` wait staged (`audit_staged`), not yet appended.
+pub async fn staged_count(store: &Store, project: wor_core::ProjectId) -> Result<i64, StoreError> {
+    let count: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM audit_staged WHERE project_id = $1")
+        .bind(project.to_string())
+        .fetch_one(store.pool())
+        .await?;
+    Ok(count)
+}

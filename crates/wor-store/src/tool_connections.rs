@@ -421,7 +421,7 @@ impl Store {
     /// Disables the connection, as an admin does, staging `recorded`, its `connection.disable`
     /// entry, in the same transaction (`crate::staged`); its pins are kept for a later review.
     /// The caller appends the entry with [`crate::AuditLog::append_staged`].
-    pub async fn disable_tool_connection_recorded(
+    pub async fn disable_tool_connection_staged(
         &self,
         project: ProjectId,
         id: ConnectionId,

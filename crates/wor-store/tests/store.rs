@@ -673,12 +673,26 @@ async fn tool_connections_are_confined_to_their_project_and_keep_their_pins() {
         db.store.get_tool_connection(b.project.id, created.id).await,
         Err(StoreError::NotFound)
     ));
+    let disabled = |id: wor_core::ConnectionId| {
+        wor_core::audit::AuditEvent::new(
+            b.project.id,
+            wor_core::audit::AuditCategory::ToolConnectionDisable,
+            wor_core::audit::Actor::Operator,
+        )
+        .subject("connection_id", id)
+    };
     assert!(matches!(
         db.store
-            .disable_tool_connection(b.project.id, created.id)
+            .disable_tool_connection_staged(b.project.id, created.id, disabled(created.id))
             .await,
         Err(StoreError::NotFound)
     ));
+    let staged = |project| wor_store::testing::staged_count(&db.store, project);
+    assert_eq!(
+        staged(b.project.id).await.unwrap(),
+        0,
+        "a refused change stages nothing"
+    );
     let b_desk = db
         .store
         .get_tool_connection_by_name(b.project.id, "desk")
@@ -718,7 +732,8 @@ async fn tool_connections_are_confined_to_their_project_and_keep_their_pins() {
         matches!(elsewhere, Err(StoreError::NotFound)),
         "{elsewhere:?}"
     );
-    let (enabled, staged) = db
+    assert_eq!(staged(a.project.id).await.unwrap(), 0);
+    let (enabled, entry) = db
         .store
         .enable_tool_connection(
             a.project.id,
@@ -729,7 +744,12 @@ async fn tool_connections_are_confined_to_their_project_and_keep_their_pins() {
         )
         .await
         .unwrap();
-    assert_eq!(staged.event(), &recorded(created.id));
+    assert_eq!(entry.event(), &recorded(created.id));
+    assert_eq!(
+        staged(a.project.id).await.unwrap(),
+        1,
+        "staged with the change"
+    );
     assert_eq!(enabled.status, ToolConnectionStatus::Enabled);
     assert_eq!(enabled.pinned_tools, pins);
     assert_eq!(enabled.class_of("echo"), ToolClass::ReadOnly);

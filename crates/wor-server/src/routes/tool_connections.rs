@@ -501,7 +501,7 @@ pub async fn disable(
     .subject("connection_id", id);
     let (record, staged) = state
         .store
-        .disable_tool_connection_recorded(caller.project_id, id, recorded)
+        .disable_tool_connection_staged(caller.project_id, id, recorded)
         .await?;
     state.engine.append_staged_or_log([staged]).await;
     tracing::info!(category = "config", action = "connection.disable", project_id = %caller.project_id,
