@@ -428,15 +428,12 @@ impl Store {
         recorded: AuditEvent,
     ) -> Result<(ToolConnectionRecord, StagedEvent), StoreError> {
         let mut tx = self.begin_write().await?;
-        let done = sqlx::query(
-            "UPDATE tool_connections SET status = 'disabled', updated_at = $1 \
-             WHERE project_id = $2 AND id = $3",
-        )
-        .bind(now_millis())
-        .bind(project.to_string())
-        .bind(id.to_string())
-        .execute(&mut **tx)
-        .await?;
+        let done = sqlx::query(DISABLE)
+            .bind(now_millis())
+            .bind(project.to_string())
+            .bind(id.to_string())
+            .execute(&mut **tx)
+            .await?;
         self.changed_and_staged(tx, project, id, done.rows_affected(), recorded)
             .await
     }
@@ -448,15 +445,12 @@ impl Store {
         project: ProjectId,
         id: ConnectionId,
     ) -> Result<ToolConnectionRecord, StoreError> {
-        let done = sqlx::query(
-            "UPDATE tool_connections SET status = 'disabled', updated_at = $1 \
-             WHERE project_id = $2 AND id = $3",
-        )
-        .bind(now_millis())
-        .bind(project.to_string())
-        .bind(id.to_string())
-        .execute(&*self.write_pool().await?)
-        .await?;
+        let done = sqlx::query(DISABLE)
+            .bind(now_millis())
+            .bind(project.to_string())
+            .bind(id.to_string())
+            .execute(&*self.write_pool().await?)
+            .await?;
         self.updated_tool_connection(project, id, done.rows_affected())
             .await
     }
@@ -473,6 +467,10 @@ impl Store {
         self.get_tool_connection(project, id).await
     }
 }
+
+/// Disables connection `$3` of project `$2` at `$1`, with or without an entry staged beside.
+const DISABLE: &str = "UPDATE tool_connections SET status = 'disabled', updated_at = $1 \
+     WHERE project_id = $2 AND id = $3";
 
 fn json_column<T: serde::de::DeserializeOwned>(text: &str, column: &str) -> Result<T, StoreError> {
     serde_json::from_str(text)
