@@ -8,9 +8,11 @@ use std::fmt;
 
 use rand::TryRngCore;
 use sqlx::{Any, Row, Transaction};
+use wor_core::audit::AuditEvent;
 use wor_core::canonical::sha256_hex;
 use wor_core::{ApiKeyId, MemberId, ProjectId, Role};
 
+use crate::staged::StagedEvent;
 use crate::{Store, StoreError, now_millis, parse_column};
 
 /// The text every API key starts with.
@@ -272,6 +274,28 @@ impl Store {
         project: ProjectId,
         id: ApiKeyId,
     ) -> Result<ApiKeyRecord, StoreError> {
+        Ok(self.revoke_api_key_with(project, id, None).await?.0)
+    }
+
+    /// [`Store::revoke_api_key`] staging the revocation's `key.revoke` entry, made by
+    /// `recorded` from the key as revoked, in the same transaction (`crate::staged`) when it
+    /// revoked the key; a key revoked already stages nothing. The caller appends the entry
+    /// with [`crate::AuditLog::append_staged`].
+    pub async fn revoke_api_key_staged(
+        &self,
+        project: ProjectId,
+        id: ApiKeyId,
+        recorded: &(dyn Fn(&ApiKeyRecord) -> AuditEvent + Sync),
+    ) -> Result<(ApiKeyRecord, Option<StagedEvent>), StoreError> {
+        self.revoke_api_key_with(project, id, Some(recorded)).await
+    }
+
+    async fn revoke_api_key_with(
+        &self,
+        project: ProjectId,
+        id: ApiKeyId,
+        recorded: Option<&(dyn Fn(&ApiKeyRecord) -> AuditEvent + Sync)>,
+    ) -> Result<(ApiKeyRecord, Option<StagedEvent>), StoreError> {
         let mut tx = self.begin_write().await?;
         lock_project(&mut tx, project).await?;
         let key = fetch_key(&mut tx, project, id).await?;
@@ -290,8 +314,14 @@ impl Store {
             return Err(StoreError::LastOwnerKey { key_id: id });
         }
         let key = fetch_key(&mut tx, project, id).await?;
+        let staged = match recorded {
+            Some(recorded) if revoked > 0 => {
+                Some(crate::staged::stage_one(&mut tx, recorded(&key)).await?)
+            }
+            _ => None,
+        };
         tx.commit().await?;
-        Ok(key)
+        Ok((key, staged))
     }
 }
 

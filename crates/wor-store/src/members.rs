@@ -1,9 +1,11 @@
 //! Members of a project and their roles.
 
 use sqlx::{Any, Row, Transaction};
+use wor_core::audit::AuditEvent;
 use wor_core::{MemberId, ProjectId, Role};
 
 use crate::api_keys::{live_owner_keys, lock_project};
+use crate::staged::StagedEvent;
 use crate::{Store, StoreError, conflict_or, now_millis, parse_column};
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -104,6 +106,36 @@ impl Store {
         role: Role,
         by: RoleChanger,
     ) -> Result<RoleChange, StoreError> {
+        Ok(self
+            .change_member_role_with(project, id, role, by, None)
+            .await?
+            .0)
+    }
+
+    /// [`Store::change_member_role`] staging the change's `member.role_change` entry, made by
+    /// `recorded` from the change, in the same transaction (`crate::staged`) when the role
+    /// changed; asking for the role a member has stages nothing. The caller appends the entry
+    /// with [`crate::AuditLog::append_staged`].
+    pub async fn change_member_role_staged(
+        &self,
+        project: ProjectId,
+        id: MemberId,
+        role: Role,
+        by: RoleChanger,
+        recorded: &(dyn Fn(&RoleChange) -> AuditEvent + Sync),
+    ) -> Result<(RoleChange, Option<StagedEvent>), StoreError> {
+        self.change_member_role_with(project, id, role, by, Some(recorded))
+            .await
+    }
+
+    async fn change_member_role_with(
+        &self,
+        project: ProjectId,
+        id: MemberId,
+        role: Role,
+        by: RoleChanger,
+        recorded: Option<&(dyn Fn(&RoleChange) -> AuditEvent + Sync)>,
+    ) -> Result<(RoleChange, Option<StagedEvent>), StoreError> {
         let mut tx = self.begin_write().await?;
         lock_project(&mut tx, project).await?;
         let member = fetch_member(&mut **tx, project, id).await?;
@@ -121,7 +153,7 @@ impl Store {
         let previous = member.role;
         if previous == role {
             tx.rollback().await?;
-            return Ok(RoleChange { member, previous });
+            return Ok((RoleChange { member, previous }, None));
         }
         sqlx::query("UPDATE members SET role = $1 WHERE project_id = $2 AND id = $3")
             .bind(role.as_str())
@@ -133,11 +165,16 @@ impl Store {
             tx.rollback().await?;
             return Err(StoreError::LastOwner { member_id: id });
         }
-        tx.commit().await?;
-        Ok(RoleChange {
+        let change = RoleChange {
             member: MemberRecord { role, ..member },
             previous,
-        })
+        };
+        let staged = match recorded {
+            Some(recorded) => Some(crate::staged::stage_one(&mut tx, recorded(&change)).await?),
+            None => None,
+        };
+        tx.commit().await?;
+        Ok((change, staged))
     }
 
     pub async fn list_members(&self, project: ProjectId) -> Result<Vec<MemberRecord>, StoreError> {

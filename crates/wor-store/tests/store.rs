@@ -1406,6 +1406,73 @@ async fn owner_key(
     record.id
 }
 
+/// A key revoked and a role changed stage their entry with the change, and only when something
+/// changed: revoking a revoked key, or giving a member the role they have, stages nothing.
+#[tokio::test]
+async fn revocations_and_role_changes_stage_an_entry_only_when_they_change_something() {
+    use wor_core::audit::{Actor, AuditCategory, AuditEvent};
+    let db = TestDatabase::new().await.unwrap();
+    let p = created_project(&db.store, "staged").await;
+    let project = p.project.id;
+    let staged = || wor_store::testing::staged_count(&db.store, project);
+    let (service, _) = db
+        .store
+        .create_api_key(
+            project,
+            NewApiKey {
+                name: "ci".into(),
+                role: Role::Viewer,
+                kind: ApiKeyKind::Service,
+                created_by: None,
+            },
+        )
+        .await
+        .unwrap();
+    let revoked = |key: &wor_store::ApiKeyRecord| {
+        AuditEvent::new(project, AuditCategory::KeyRevoke, Actor::Operator)
+            .subject("key_id", key.id)
+    };
+    let (key, entry) = db
+        .store
+        .revoke_api_key_staged(project, service.id, &revoked)
+        .await
+        .unwrap();
+    assert!(key.revoked_at.is_some());
+    assert_eq!(entry.map(|e| e.event().clone()), Some(revoked(&key)));
+    assert_eq!(staged().await.unwrap(), 1);
+    let (_, again) = db
+        .store
+        .revoke_api_key_staged(project, service.id, &revoked)
+        .await
+        .unwrap();
+    assert!(again.is_none(), "a revoked key is not revoked again");
+    assert_eq!(staged().await.unwrap(), 1);
+
+    let member = db
+        .store
+        .create_member(project, &TestDatabase::unique_name("m"), Role::Viewer)
+        .await
+        .unwrap();
+    let owner = wor_store::RoleChanger {
+        role: Role::Owner,
+        member: Some(p.owner.id),
+    };
+    let changed = |change: &wor_store::RoleChange| {
+        AuditEvent::new(project, AuditCategory::MemberRoleChange, Actor::Operator)
+            .subject("member_id", change.member.id)
+    };
+    for (role, stages) in [(Role::Approver, 2), (Role::Approver, 2), (Role::Viewer, 3)] {
+        let (change, entry) = db
+            .store
+            .change_member_role_staged(project, member.id, role, owner, &changed)
+            .await
+            .unwrap();
+        assert_eq!(change.member.role, role);
+        assert_eq!(entry.is_some(), change.changed(), "{role:?}");
+        assert_eq!(staged().await.unwrap(), stages, "{role:?}");
+    }
+}
+
 #[tokio::test]
 async fn the_last_owner_key_cannot_be_revoked() {
     let db = TestDatabase::new().await.unwrap();

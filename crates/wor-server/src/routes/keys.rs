@@ -184,18 +184,18 @@ pub(crate) async fn revoke_api_key(
     if !own_key {
         crate::auth::require_configure(role)?;
     }
-    let revoked = state.store.revoke_api_key(project, key_id).await?;
-    // Revoking a revoked key changes nothing and records nothing.
-    if key.revoked_at.is_none() {
-        state
-            .audit
-            .append(
-                AuditEvent::new(project, AuditCategory::KeyRevoke, actor)
-                    .subject("key_id", key_id)
-                    .payload(json!({ "name": revoked.name, "own_key": own_key })),
-            )
-            .await?;
-    }
+    // The entry is staged with the revocation. Revoking a revoked key changes nothing and
+    // records nothing: the store decides, in the transaction that would revoke it.
+    let recorded = |revoked: &wor_store::ApiKeyRecord| {
+        AuditEvent::new(project, AuditCategory::KeyRevoke, actor.clone())
+            .subject("key_id", key_id)
+            .payload(json!({ "name": revoked.name, "own_key": own_key }))
+    };
+    let (revoked, staged) = state
+        .store
+        .revoke_api_key_staged(project, key_id, &recorded)
+        .await?;
+    state.engine.append_staged_or_log(staged).await;
     tracing::info!(category = "config", action = "key.revoke", project_id = %project,
         key_id = %key_id, "api key revoked");
     Ok(revoked)

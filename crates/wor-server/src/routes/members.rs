@@ -188,23 +188,22 @@ pub(crate) async fn change_member_role(
     role: &str,
 ) -> Result<RoleChange, ApiError> {
     let role = parse_role(role)?;
-    let change = state
+    // The entry is staged with the change, and only when the role changed.
+    let recorded = |change: &RoleChange| {
+        AuditEvent::new(project, AuditCategory::MemberRoleChange, actor.clone())
+            .subject("member_id", member_id)
+            .payload(json!({
+                "name": change.member.name,
+                "from": change.previous,
+                "to": change.member.role,
+            }))
+    };
+    let (change, staged) = state
         .store
-        .change_member_role(project, member_id, role, changer)
+        .change_member_role_staged(project, member_id, role, changer, &recorded)
         .await?;
-    if change.changed() {
-        state
-            .audit
-            .append(
-                AuditEvent::new(project, AuditCategory::MemberRoleChange, actor)
-                    .subject("member_id", member_id)
-                    .payload(json!({
-                        "name": change.member.name,
-                        "from": change.previous,
-                        "to": change.member.role,
-                    })),
-            )
-            .await?;
+    if staged.is_some() {
+        state.engine.append_staged_or_log(staged).await;
         tracing::info!(category = "config", action = "member.role_change", project_id = %project,
             member_id = %member_id, "member role changed");
     }
