@@ -685,10 +685,18 @@ async fn a_revoked_model_connection_fails_the_run_closed() {
     let model = MockModel::start(vec![Reply::Text("never")]).await;
     let routine = h.openai_routine(&model, "").await;
     let connection = h.db.store.list_model_connections(h.project).await.unwrap()[0].id;
-    h.db.store
-        .revoke_model_connection(h.project, connection)
-        .await
-        .unwrap();
+    let recorded = wor_core::audit::AuditEvent::new(
+        h.project,
+        wor_core::audit::AuditCategory::ModelConnectionRevoke,
+        Actor::Operator,
+    )
+    .subject("connection_id", connection);
+    // Its entry stays staged: this test has no use for it.
+    let (_, _entry) =
+        h.db.store
+            .revoke_model_connection(h.project, connection, recorded)
+            .await
+            .unwrap();
     let run = h.start(&engine, routine, "go").await;
     let run = h.drive_to_end(&engine, run.id).await;
     assert_eq!(run.status, RunStatus::Failed);

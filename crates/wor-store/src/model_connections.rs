@@ -7,9 +7,11 @@
 use std::str::FromStr;
 
 use sqlx::Row;
+use wor_core::audit::AuditEvent;
 use wor_core::model::ProviderKind;
 use wor_core::{ApiKeyId, ConnectionId, MemberId, ProjectId};
 
+use crate::staged::StagedEvent;
 use crate::{Store, StoreError, conflict_or, now_millis, parse_column};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -135,47 +137,64 @@ impl Store {
     }
 
     /// Records that the connection's key was replaced: its credential version rises by one.
+    /// Stages the replacement's `model_connection.set_key` entry, made by `recorded` from the
+    /// new credential version, in the same transaction (`crate::staged`): the caller appends it
+    /// with [`crate::AuditLog::append_staged`]. A revoked connection is a conflict.
     pub async fn bump_model_credential_version(
         &self,
         project: ProjectId,
         id: ConnectionId,
-    ) -> Result<ModelConnectionRecord, StoreError> {
-        let done = sqlx::query(
+        recorded: &(dyn Fn(i64) -> AuditEvent + Sync),
+    ) -> Result<(ModelConnectionRecord, StagedEvent), StoreError> {
+        let mut tx = self.begin_write().await?;
+        let bumped: Option<i64> = sqlx::query_scalar(
             "UPDATE model_connections SET credential_version = credential_version + 1, updated_at = $1 \
-             WHERE project_id = $2 AND id = $3 AND status = 'active'",
+             WHERE project_id = $2 AND id = $3 AND status = 'active' RETURNING credential_version",
         )
         .bind(now_millis())
         .bind(project.to_string())
         .bind(id.to_string())
-        .execute(&*self.write_pool().await?)
+        .fetch_optional(&mut **tx)
         .await?;
-        if done.rows_affected() == 0 {
+        let Some(version) = bumped else {
+            tx.rollback().await?;
             // Either absent (404) or revoked (409): tell which without revealing anything foreign.
-            let existing = self.get_model_connection(project, id).await?;
-            if existing.status == ConnectionStatus::Revoked {
-                return Err(StoreError::Conflict(format!(
-                    "model connection `{id}` is revoked"
-                )));
-            }
-        }
-        self.get_model_connection(project, id).await
+            self.get_model_connection(project, id).await?;
+            return Err(StoreError::Conflict(format!(
+                "model connection `{id}` is revoked"
+            )));
+        };
+        let staged = crate::staged::stage_one(&mut tx, recorded(version)).await?;
+        tx.commit().await?;
+        Ok((self.get_model_connection(project, id).await?, staged))
     }
 
+    /// Revokes the connection, staging `recorded`, its `model_connection.revoke` entry, in the
+    /// same transaction (`crate::staged`): the caller appends it with
+    /// [`crate::AuditLog::append_staged`].
     pub async fn revoke_model_connection(
         &self,
         project: ProjectId,
         id: ConnectionId,
-    ) -> Result<ModelConnectionRecord, StoreError> {
-        sqlx::query(
+        recorded: AuditEvent,
+    ) -> Result<(ModelConnectionRecord, StagedEvent), StoreError> {
+        let mut tx = self.begin_write().await?;
+        let done = sqlx::query(
             "UPDATE model_connections SET status = 'revoked', updated_at = $1 \
              WHERE project_id = $2 AND id = $3",
         )
         .bind(now_millis())
         .bind(project.to_string())
         .bind(id.to_string())
-        .execute(&*self.write_pool().await?)
+        .execute(&mut **tx)
         .await?;
-        self.get_model_connection(project, id).await
+        if done.rows_affected() == 0 {
+            tx.rollback().await?;
+            return Err(StoreError::NotFound);
+        }
+        let staged = crate::staged::stage_one(&mut tx, recorded).await?;
+        tx.commit().await?;
+        Ok((self.get_model_connection(project, id).await?, staged))
     }
 }
 

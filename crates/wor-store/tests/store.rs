@@ -1406,10 +1406,11 @@ async fn owner_key(
     record.id
 }
 
-/// A key revoked and a role changed stage their entry with the change, and only when something
-/// changed: revoking a revoked key, or giving a member the role they have, stages nothing.
+/// A key revoked, a role changed and a model connection's key replaced or the connection revoked
+/// stage their entry with the change, and only when something changed: revoking a revoked key,
+/// giving a member the role they have, or replacing a revoked connection's key stages nothing.
 #[tokio::test]
-async fn revocations_and_role_changes_stage_an_entry_only_when_they_change_something() {
+async fn revocations_role_changes_and_model_keys_stage_an_entry_only_when_they_change_something() {
     use wor_core::audit::{Actor, AuditCategory, AuditEvent};
     let db = TestDatabase::new().await.unwrap();
     let p = created_project(&db.store, "staged").await;
@@ -1471,6 +1472,62 @@ async fn revocations_and_role_changes_stage_an_entry_only_when_they_change_somet
         assert_eq!(entry.is_some(), change.changed(), "{role:?}");
         assert_eq!(staged().await.unwrap(), stages, "{role:?}");
     }
+
+    // A model connection's key replaced, then the connection revoked: an entry each; a key
+    // replaced on a revoked connection is refused and stages nothing.
+    let model = db
+        .store
+        .create_model_connection(
+            project,
+            wor_store::NewModelConnection {
+                name: "m".to_owned(),
+                provider: wor_core::model::ProviderKind::OpenaiCompatible,
+                base_url: "https://models.example.com/v1".to_owned(),
+                owner_member_id: None,
+                created_by: None,
+            },
+        )
+        .await
+        .unwrap();
+    let set_key = |version: i64| {
+        AuditEvent::new(
+            project,
+            AuditCategory::ModelConnectionSetKey,
+            Actor::Operator,
+        )
+        .payload(serde_json::json!({ "credential_version": version }))
+    };
+    let (bumped, entry) = db
+        .store
+        .bump_model_credential_version(project, model.id, &set_key)
+        .await
+        .unwrap();
+    assert_eq!(entry.event(), &set_key(bumped.credential_version));
+    assert_eq!(bumped.credential_version, model.credential_version + 1);
+    let revoked = AuditEvent::new(
+        project,
+        AuditCategory::ModelConnectionRevoke,
+        Actor::Operator,
+    );
+    let (_, _entry) = db
+        .store
+        .revoke_model_connection(project, model.id, revoked)
+        .await
+        .unwrap();
+    assert_eq!(staged().await.unwrap(), 5);
+    let refused = db
+        .store
+        .bump_model_credential_version(project, model.id, &set_key)
+        .await;
+    assert!(
+        matches!(refused, Err(StoreError::Conflict(_))),
+        "{refused:?}"
+    );
+    assert_eq!(
+        staged().await.unwrap(),
+        5,
+        "a refused change stages nothing"
+    );
 }
 
 #[tokio::test]

@@ -248,11 +248,16 @@ pub(crate) async fn create_model_connection(
     if let Some(key) = &body.api_key
         && let Err(err) = state.vault.put(&slot(&record), key).await
     {
-        // Never leave a connection that looks configured but holds no key.
-        state
+        // Never leave a connection that looks configured but holds no key: revoked at once,
+        // and its revocation recorded, since the connection's row stays.
+        let recorded = AuditEvent::new(project, AuditCategory::ModelConnectionRevoke, actor)
+            .subject("connection_id", record.id)
+            .payload(json!({ "reason": "its key could not be sealed" }));
+        let (_, staged) = state
             .store
-            .revoke_model_connection(project, record.id)
+            .revoke_model_connection(project, record.id, recorded)
             .await?;
+        state.engine.append_staged_or_log([staged]).await;
         return Err(err.into());
     }
     state
@@ -330,18 +335,17 @@ pub(crate) async fn replace_model_key(
         )));
     }
     state.vault.put(&slot(&record), api_key).await?;
-    let record = state
+    // The entry is staged with the new credential version.
+    let recorded = |version: i64| {
+        AuditEvent::new(project, AuditCategory::ModelConnectionSetKey, actor.clone())
+            .subject("connection_id", id)
+            .payload(json!({ "credential_version": version }))
+    };
+    let (record, staged) = state
         .store
-        .bump_model_credential_version(project, id)
+        .bump_model_credential_version(project, id, &recorded)
         .await?;
-    state
-        .audit
-        .append(
-            AuditEvent::new(project, AuditCategory::ModelConnectionSetKey, actor)
-                .subject("connection_id", id)
-                .payload(json!({ "credential_version": record.credential_version })),
-        )
-        .await?;
+    state.engine.append_staged_or_log([staged]).await;
     tracing::info!(category = "config", action = "model_connection.set_key", project_id = %project,
         connection_id = %id, credential_version = record.credential_version,
         "model connection key replaced");
@@ -374,18 +378,14 @@ pub(crate) async fn revoke_model_connection(
 ) -> Result<ModelConnectionRecord, ApiError> {
     let record = state.store.get_model_connection(project, id).await?;
     require_configure(role)?;
-    let record = state
+    let recorded = AuditEvent::new(project, AuditCategory::ModelConnectionRevoke, actor)
+        .subject("connection_id", id);
+    let (record, staged) = state
         .store
-        .revoke_model_connection(project, record.id)
+        .revoke_model_connection(project, record.id, recorded)
         .await?;
+    state.engine.append_staged_or_log([staged]).await;
     state.vault.delete(&slot(&record)).await?;
-    state
-        .audit
-        .append(
-            AuditEvent::new(project, AuditCategory::ModelConnectionRevoke, actor)
-                .subject("connection_id", id),
-        )
-        .await?;
     tracing::info!(category = "config", action = "model_connection.revoke", project_id = %project,
         connection_id = %id, "model connection revoked");
     Ok(record)
