@@ -99,14 +99,13 @@ impl Engine {
                 break;
             }
         }
+        // A failed append is logged by the task (`Engine::append_staged_or_log`); here only a
+        // task that did not finish.
         for appended in appending {
-            let failure = match appended.await {
-                Ok(Ok(())) => continue,
-                Ok(Err(error)) => error.to_string(),
-                Err(error) => error.to_string(),
-            };
-            tracing::error!(category = "schedule", error = %failure,
-                "the start entries of a page of scheduled runs could not be appended; they stay staged for the audit writer's sweep");
+            if let Err(error) = appended.await {
+                tracing::error!(category = "schedule", error = %error,
+                    "the task appending a page's start entries did not finish; they stay staged for the audit writer's sweep");
+            }
         }
         Ok(report)
     }
@@ -119,7 +118,7 @@ impl Engine {
         due: &[DueSchedule],
         now: i64,
         report: &mut SchedulerReport,
-    ) -> Result<Option<JoinHandle<Result<(), wor_store::StoreError>>>, EngineError> {
+    ) -> Result<Option<JoinHandle<()>>, EngineError> {
         let mut firings = Vec::new();
         let mut advances = Vec::new();
         let mut redactors: HashMap<ProjectId, Redactor> = HashMap::new();
@@ -203,7 +202,7 @@ impl Engine {
         // transactions as its batch allows.
         let engine = self.clone();
         Ok(Some(tokio::spawn(async move {
-            let appended = engine.audit.append_staged(staged).await;
+            engine.append_staged_or_log(staged).await;
             if claimable_now {
                 engine.wake_workers();
             }
@@ -212,7 +211,6 @@ impl Engine {
             if let Some(at) = release {
                 engine.wake_workers_at(at);
             }
-            appended
         })))
     }
 
