@@ -46,19 +46,7 @@ async fn unknown_and_revoked_keys_do_not_authenticate() {
     let db = TestDatabase::new().await.unwrap();
     let created = created_project(&db.store, "p").await;
     let project = created.project.id;
-    let (record, key) = db
-        .store
-        .create_api_key(
-            project,
-            NewApiKey {
-                name: "ci".into(),
-                role: Role::Viewer,
-                kind: ApiKeyKind::Service,
-                created_by: None,
-            },
-        )
-        .await
-        .unwrap();
+    let (record, key) = service_key(&db.store, project, Role::Viewer).await;
     assert!(
         db.store
             .authenticate_api_key(key.expose())
@@ -1416,19 +1404,7 @@ async fn revocations_role_changes_and_model_keys_stage_an_entry_only_when_they_c
     let p = created_project(&db.store, "staged").await;
     let project = p.project.id;
     let staged = || wor_store::testing::staged_count(&db.store, project);
-    let (service, _) = db
-        .store
-        .create_api_key(
-            project,
-            NewApiKey {
-                name: "ci".into(),
-                role: Role::Viewer,
-                kind: ApiKeyKind::Service,
-                created_by: None,
-            },
-        )
-        .await
-        .unwrap();
+    let (service, _) = service_key(&db.store, project, Role::Viewer).await;
     let revoked = |key: &wor_store::ApiKeyRecord| {
         AuditEvent::new(project, AuditCategory::KeyRevoke, Actor::Operator)
             .subject("key_id", key.id)
@@ -1537,19 +1513,7 @@ async fn the_last_owner_key_cannot_be_revoked() {
     let project = p.project.id;
     let first = db.store.list_api_keys(project).await.unwrap()[0].id;
     // A service key with role owner is no person: it does not keep the project manageable.
-    let (service, _) = db
-        .store
-        .create_api_key(
-            project,
-            NewApiKey {
-                name: "ci".into(),
-                role: Role::Owner,
-                kind: ApiKeyKind::Service,
-                created_by: None,
-            },
-        )
-        .await
-        .unwrap();
+    let (service, _) = service_key(&db.store, project, Role::Owner).await;
 
     let err = db.store.revoke_api_key(project, first).await.unwrap_err();
     assert!(
@@ -3236,4 +3200,24 @@ async fn a_cancel_counts_the_runs_it_asked_and_asking_again_asks_none() {
     assert_eq!(cancel(running).await, (Queued, true, 0, 0));
     let pending = store.get_approval(project, approval).await.unwrap();
     assert_eq!(pending.status.as_str(), "pending");
+}
+
+/// A service key named `ci` with `role` in `project`.
+async fn service_key(
+    store: &Store,
+    project: wor_core::ProjectId,
+    role: Role,
+) -> (wor_store::ApiKeyRecord, wor_store::PlaintextApiKey) {
+    store
+        .create_api_key(
+            project,
+            NewApiKey {
+                name: "ci".into(),
+                role,
+                kind: ApiKeyKind::Service,
+                created_by: None,
+            },
+        )
+        .await
+        .unwrap()
 }
