@@ -283,12 +283,15 @@ async fn an_entry_staged_with_its_change_is_appended_once_by_its_caller_or_the_n
             .map(|e| (e.category, e.subjects["run_id"].clone()))
             .collect::<Vec<_>>()
     };
-    // Staged rows are swept at once here, with no grace for their callers.
+    // The writers of the later processes sweep staged rows at once, with no grace for their
+    // callers.
     let config = || wor_store::AuditConfig {
         staged_grace: std::time::Duration::ZERO,
         ..audit_config(100)
     };
-    let log = AuditLog::start(db.store.clone(), signing_key(4), config());
+    // This one leaves them their grace: its own sweep after the grace must not take the rows
+    // of the callers that stop below before the next process starts.
+    let log = AuditLog::start(db.store.clone(), signing_key(4), audit_config(100));
     let (appended, staged) = create(db.store.clone()).await;
     log.append_staged(vec![staged]).await.unwrap();
     // A run, and a cancel, whose callers stop before they append their entries.
