@@ -805,27 +805,30 @@ impl Engine {
             }
             .into());
         }
-        let record = self.store.replace_http_tools(project, id, tools).await?;
-        // Checked before they were written (`HttpToolsSource::validate`): tools that do not read
-        // back are stored state gone bad.
-        let live: Vec<ToolDefinition> = http_tool_definitions(&record)
+        // Checked before (`HttpToolsSource::validate`): tools that do not read are what would be
+        // stored gone bad, and nothing is written.
+        let live: Vec<ToolDefinition> = http_definitions(tools)
             .map_err(|reason| ConnectionError::InvalidStored {
-                connection: record.name.clone(),
+                connection: before.name.clone(),
                 reason,
             })?
             .iter()
             .map(wor_tools::HttpToolDefinition::tool_definition)
             .collect();
-        self.audit
-            .append(
-                AuditEvent::new(project, AuditCategory::ToolConnectionUpdateTools, actor.clone())
-                    .subject("connection_id", id)
-                    .payload(json!({
-                        "connection": record.name,
-                        "tools": live.iter().map(|t| json!({"name": t.name, "hash": t.hash()})).collect::<Vec<_>>(),
-                    })),
-            )
+        // The entry is staged with the new tools: a crash before it is appended leaves it for
+        // the audit writer's sweep.
+        let recorded =
+            AuditEvent::new(project, AuditCategory::ToolConnectionUpdateTools, actor.clone())
+                .subject("connection_id", id)
+                .payload(json!({
+                    "connection": before.name,
+                    "tools": live.iter().map(|t| json!({"name": t.name, "hash": t.hash()})).collect::<Vec<_>>(),
+                }));
+        let (record, staged) = self
+            .store
+            .replace_http_tools(project, id, tools, recorded)
             .await?;
+        self.append_staged_or_log([staged]).await;
         if record.pinned_tools.is_empty() {
             return Ok(ReplacedTools {
                 connection: record,
@@ -848,25 +851,16 @@ impl Engine {
             .iter()
             .map(|tool| (tool.name.clone(), stored_from_definition(tool)))
             .collect();
-        let record = self
+        let recorded = AuditEvent::new(project, AuditCategory::ToolConnectionQuarantine, actor)
+            .subject("connection_id", id)
+            .payload(quarantine_payload(&record.name, &diff));
+        let (record, staged) = self
             .store
-            .quarantine_tool_connection(project, id, &seen)
+            .quarantine_tool_connection(project, id, &seen, recorded)
             .await?;
+        self.append_staged_or_log([staged]).await;
         tracing::warn!(category = "tools", action = "connection.quarantine", project_id = %project,
             connection_id = %id, "tool connection quarantined: its tools were replaced");
-        self.audit
-            .append(
-                AuditEvent::new(project, AuditCategory::ToolConnectionQuarantine, actor)
-                    .subject("connection_id", id)
-                    .payload(json!({
-                        "connection": record.name,
-                        "tools": quarantine_names(&diff),
-                        "changed": diff.changed.iter().map(|c| c.name.clone()).collect::<Vec<_>>(),
-                        "added": diff.added.iter().map(|t| t.name.clone()).collect::<Vec<_>>(),
-                        "duplicated": diff.duplicated,
-                    })),
-            )
-            .await?;
         Ok(ReplacedTools {
             connection: record,
             diff: Some(review_diff(&diff)),
@@ -886,26 +880,21 @@ impl Engine {
         for tool in live {
             seen.insert(tool.name.clone(), stored_from_definition(tool));
         }
-        self.store
-            .quarantine_tool_connection(record.project_id, record.id, &seen)
-            .await?;
-        tracing::warn!(category = "tools", action = "connection.quarantine", project_id = %record.project_id,
-            connection_id = %record.id, run_id = %run.id, "tool connection quarantined");
-        let event = AuditEvent::new(
+        let recorded = AuditEvent::new(
             record.project_id,
             AuditCategory::ToolConnectionQuarantine,
             Actor::Run { run_id: run.id },
         )
         .subject("connection_id", record.id)
         .runs(run.root_run_id, run.parent_run_id)
-        .payload(json!({
-            "connection": record.name,
-            "tools": quarantine_names(diff),
-            "changed": diff.changed.iter().map(|c| c.name.clone()).collect::<Vec<_>>(),
-            "added": diff.added.iter().map(|t| t.name.clone()).collect::<Vec<_>>(),
-            "duplicated": diff.duplicated,
-        }));
-        self.audit.append(event).await?;
+        .payload(quarantine_payload(&record.name, diff));
+        let (_, staged) = self
+            .store
+            .quarantine_tool_connection(record.project_id, record.id, &seen, recorded)
+            .await?;
+        self.append_staged_or_log([staged]).await;
+        tracing::warn!(category = "tools", action = "connection.quarantine", project_id = %record.project_id,
+            connection_id = %record.id, run_id = %run.id, "tool connection quarantined");
         Ok(())
     }
 
@@ -1008,8 +997,26 @@ pub fn check_stdio_spec(
 pub fn http_tool_definitions(
     record: &ToolConnectionRecord,
 ) -> Result<Vec<wor_tools::HttpToolDefinition>, StoredConnectionError> {
-    record
-        .http_tools
+    http_definitions(&record.http_tools)
+}
+
+/// What a `connection.quarantine` entry says about connection `name`'s tools that differ
+/// from its pins.
+fn quarantine_payload(name: &str, diff: &ToolListDiff) -> Value {
+    json!({
+        "connection": name,
+        "tools": quarantine_names(diff),
+        "changed": diff.changed.iter().map(|c| c.name.clone()).collect::<Vec<_>>(),
+        "added": diff.added.iter().map(|t| t.name.clone()).collect::<Vec<_>>(),
+        "duplicated": diff.duplicated,
+    })
+}
+
+/// The definitions of an `http_api` connection's tool configurations `tools`.
+fn http_definitions(
+    tools: &[Value],
+) -> Result<Vec<wor_tools::HttpToolDefinition>, StoredConnectionError> {
+    tools
         .iter()
         .map(|config| {
             let config: wor_tools::HttpToolConfig = serde_json::from_value(config.clone())

@@ -356,13 +356,17 @@ impl Store {
         Ok((self.get_tool_connection(project, id).await?, staged))
     }
 
-    /// Quarantines the connection, keeping its pins, with `live` as the list last seen.
+    /// Quarantines the connection, keeping its pins, with `live` as the list last seen, staging
+    /// `recorded`, its `connection.quarantine` entry, in the same transaction
+    /// (`crate::staged`) for the caller to append.
     pub async fn quarantine_tool_connection(
         &self,
         project: ProjectId,
         id: ConnectionId,
         live: &BTreeMap<String, StoredPin>,
-    ) -> Result<ToolConnectionRecord, StoreError> {
+        recorded: AuditEvent,
+    ) -> Result<(ToolConnectionRecord, StagedEvent), StoreError> {
+        let mut tx = self.begin_write().await?;
         let done = sqlx::query(
             "UPDATE tool_connections SET status = 'quarantined', live_tools = $1, updated_at = $2 \
              WHERE project_id = $3 AND id = $4",
@@ -371,9 +375,9 @@ impl Store {
         .bind(now_millis())
         .bind(project.to_string())
         .bind(id.to_string())
-        .execute(&*self.write_pool().await?)
+        .execute(&mut **tx)
         .await?;
-        self.updated_tool_connection(project, id, done.rows_affected())
+        self.changed_and_staged(tx, project, id, done.rows_affected(), recorded)
             .await
     }
 
@@ -396,14 +400,17 @@ impl Store {
             .await
     }
 
-    /// Replaces an `http_api` connection's configured tools (its live list); pins and status
-    /// are left as they are.
+    /// Replaces an `http_api` connection's configured tools (its live list), staging
+    /// `recorded`, its `connection.update_tools` entry, in the same transaction
+    /// (`crate::staged`) for the caller to append; pins and status are left as they are.
     pub async fn replace_http_tools(
         &self,
         project: ProjectId,
         id: ConnectionId,
         tools: &[Value],
-    ) -> Result<ToolConnectionRecord, StoreError> {
+        recorded: AuditEvent,
+    ) -> Result<(ToolConnectionRecord, StagedEvent), StoreError> {
+        let mut tx = self.begin_write().await?;
         let done = sqlx::query(
             "UPDATE tool_connections SET http_tools = $1, updated_at = $2 \
              WHERE project_id = $3 AND id = $4 AND kind = 'http_api'",
@@ -412,9 +419,9 @@ impl Store {
         .bind(now_millis())
         .bind(project.to_string())
         .bind(id.to_string())
-        .execute(&*self.write_pool().await?)
+        .execute(&mut **tx)
         .await?;
-        self.updated_tool_connection(project, id, done.rows_affected())
+        self.changed_and_staged(tx, project, id, done.rows_affected(), recorded)
             .await
     }
 

@@ -745,11 +745,48 @@ async fn tool_connections_are_confined_to_their_project_and_keep_their_pins() {
     assert_eq!(enabled.pinned_tools, pins);
     assert_eq!(enabled.class_of("echo"), ToolClass::ReadOnly);
     assert_eq!(enabled.class_of("other"), ToolClass::Consequential);
-    let quarantined = db
+    let quarantine = |id: wor_core::ConnectionId| {
+        wor_core::audit::AuditEvent::new(
+            a.project.id,
+            wor_core::audit::AuditCategory::ToolConnectionQuarantine,
+            wor_core::audit::Actor::Operator,
+        )
+        .subject("connection_id", id)
+    };
+    let elsewhere = db
         .store
-        .quarantine_tool_connection(a.project.id, created.id, &BTreeMap::new())
+        .quarantine_tool_connection(
+            b.project.id,
+            created.id,
+            &BTreeMap::new(),
+            quarantine(created.id),
+        )
+        .await;
+    assert!(
+        matches!(elsewhere, Err(StoreError::NotFound)),
+        "{elsewhere:?}"
+    );
+    assert_eq!(
+        staged(a.project.id).await.unwrap(),
+        1,
+        "nothing staged for a refusal"
+    );
+    let (quarantined, entry) = db
+        .store
+        .quarantine_tool_connection(
+            a.project.id,
+            created.id,
+            &BTreeMap::new(),
+            quarantine(created.id),
+        )
         .await
         .unwrap();
+    assert_eq!(entry.event(), &quarantine(created.id));
+    assert_eq!(
+        staged(a.project.id).await.unwrap(),
+        2,
+        "staged with the change"
+    );
     assert_eq!(quarantined.status, ToolConnectionStatus::Quarantined);
     assert_eq!(
         quarantined.pinned_tools, pins,
