@@ -582,27 +582,29 @@ impl Engine {
     /// Expires every pending approval whose time ran out; their runs go on as their routines
     /// say for a denial. Returns how many expired.
     pub async fn expire_approvals(&self) -> Result<usize, EngineError> {
-        let expired = self.store.expire_approvals().await?;
+        // Each expiry's entry is staged with it: a crash before the append below leaves it for
+        // the audit writer's sweep, never an expired approval without its entry.
+        let entry = |approval: &ApprovalRecord, run: &wor_store::RunRecord| {
+            AuditEvent::new(
+                approval.project_id,
+                AuditCategory::ApprovalExpire,
+                Actor::Run { run_id: run.id },
+            )
+            .subject("approval_id", approval.id)
+            .subject("run_id", run.id)
+            .runs(run.root_run_id, run.parent_run_id)
+            .payload(json!({ "tool": approval.tool, "expires_at": approval.expires_at }))
+        };
+        let (expired, staged): (Vec<ApprovalRecord>, Vec<_>) = self
+            .store
+            .expire_approvals(&entry)
+            .await?
+            .into_iter()
+            .unzip();
+        self.append_staged_or_log(staged).await;
         crate::metrics::approvals_expired(expired.len());
         expired.iter().for_each(crate::traces::approval_waited);
         for approval in &expired {
-            let run = self
-                .store
-                .get_run(approval.project_id, approval.run_id)
-                .await?;
-            self.audit
-                .append(
-                    AuditEvent::new(
-                        approval.project_id,
-                        AuditCategory::ApprovalExpire,
-                        Actor::Run { run_id: run.id },
-                    )
-                    .subject("approval_id", approval.id)
-                    .subject("run_id", run.id)
-                    .runs(run.root_run_id, run.parent_run_id)
-                    .payload(json!({ "tool": approval.tool, "expires_at": approval.expires_at })),
-                )
-                .await?;
             self.notify_approval_changed_or_log(approval.project_id, approval.id, "expired", None)
                 .await;
             tracing::info!(category = "approval", action = "approval.expire", project_id = %approval.project_id,

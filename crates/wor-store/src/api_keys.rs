@@ -158,6 +158,33 @@ impl Store {
         project: ProjectId,
         new: NewApiKey,
     ) -> Result<(ApiKeyRecord, PlaintextApiKey), StoreError> {
+        let (record, key, _) = self.create_api_key_with(project, new, None).await?;
+        Ok((record, key))
+    }
+
+    /// [`Self::create_api_key`], staging `recorded` from the new key in the same transaction
+    /// (`crate::staged`).
+    pub async fn create_api_key_staged(
+        &self,
+        project: ProjectId,
+        new: NewApiKey,
+        recorded: &(dyn Fn(&ApiKeyRecord) -> AuditEvent + Sync),
+    ) -> Result<(ApiKeyRecord, PlaintextApiKey, StagedEvent), StoreError> {
+        let (record, key, staged) = self
+            .create_api_key_with(project, new, Some(recorded))
+            .await?;
+        let staged = staged.ok_or_else(|| {
+            StoreError::Corrupt("a created key's entry was not staged".to_owned())
+        })?;
+        Ok((record, key, staged))
+    }
+
+    async fn create_api_key_with(
+        &self,
+        project: ProjectId,
+        new: NewApiKey,
+        recorded: Option<&(dyn Fn(&ApiKeyRecord) -> AuditEvent + Sync)>,
+    ) -> Result<(ApiKeyRecord, PlaintextApiKey, Option<StagedEvent>), StoreError> {
         let mut tx = self.begin_write().await?;
         if let ApiKeyKind::Personal(member) = new.kind {
             let found =
@@ -170,9 +197,13 @@ impl Store {
                 return Err(StoreError::NotFound);
             }
         }
-        let created = insert(&mut tx, project, new).await?;
+        let (record, key) = insert(&mut tx, project, new).await?;
+        let staged = match recorded {
+            Some(recorded) => Some(crate::staged::stage_one(&mut tx, recorded(&record)).await?),
+            None => None,
+        };
         tx.commit().await?;
-        Ok(created)
+        Ok((record, key, staged))
     }
 
     /// Resolves a presented key. Unknown and revoked keys are both `None`: the caller

@@ -525,8 +525,13 @@ impl Store {
     }
 
     /// Marks every pending approval whose time ran out as expired and puts its run back in the
-    /// queue (to continue with a denial or fail, as its routine says). Returns them.
-    pub async fn expire_approvals(&self) -> Result<Vec<ApprovalRecord>, StoreError> {
+    /// queue (to continue with a denial or fail, as its routine says). Returns them, each with
+    /// its `recorded` entry (from the approval as expired and its run), staged in the same
+    /// transaction (`crate::staged`) for the caller to append.
+    pub async fn expire_approvals(
+        &self,
+        recorded: &(dyn Fn(&ApprovalRecord, &crate::RunRecord) -> AuditEvent + Sync),
+    ) -> Result<Vec<(ApprovalRecord, StagedEvent)>, StoreError> {
         let now = now_millis();
         let due = sqlx::query(
             "SELECT id, project_id FROM approvals WHERE status = 'pending' AND expires_at <= $1 \
@@ -553,8 +558,11 @@ impl Store {
             .await?;
             if done.rows_affected() == 1 {
                 requeue_parked(&mut tx, project, id, now).await?;
+                let approval = select_approval(&mut **tx, project, id).await?;
+                let run = crate::runs::select_run(&mut **tx, project, approval.run_id).await?;
+                let staged = crate::staged::stage_one(&mut tx, recorded(&approval, &run)).await?;
                 tx.commit().await?;
-                expired.push(self.get_approval(project, id).await?);
+                expired.push((approval, staged));
             } else {
                 tx.rollback().await?;
             }

@@ -9,9 +9,11 @@ use std::fmt;
 
 use rand::TryRngCore;
 use sqlx::Row;
+use wor_core::audit::AuditEvent;
 use wor_core::canonical::sha256_hex;
 use wor_core::{ApiKeyId, ConsoleSessionId, MemberId, ProjectId, Role};
 
+use crate::staged::StagedEvent;
 use crate::{Store, StoreError, now_millis, parse_column};
 
 /// The text every invitation token starts with.
@@ -162,9 +164,43 @@ impl Store {
         created_by: Option<ApiKeyId>,
         ttl_ms: i64,
     ) -> Result<(ConsoleToken, i64), StoreError> {
+        let (token, expires_at, _) = self
+            .create_invitation_with(project, member, created_by, ttl_ms, None)
+            .await?;
+        Ok((token, expires_at))
+    }
+
+    /// [`Self::create_invitation`], staging `recorded` from the invitation's expiry time in
+    /// the same transaction (`crate::staged`).
+    pub async fn create_invitation_staged(
+        &self,
+        project: ProjectId,
+        member: MemberId,
+        created_by: Option<ApiKeyId>,
+        ttl_ms: i64,
+        recorded: &(dyn Fn(i64) -> AuditEvent + Sync),
+    ) -> Result<(ConsoleToken, i64, StagedEvent), StoreError> {
+        let (token, expires_at, staged) = self
+            .create_invitation_with(project, member, created_by, ttl_ms, Some(recorded))
+            .await?;
+        let staged = staged.ok_or_else(|| {
+            StoreError::Corrupt("an invitation's entry was not staged".to_owned())
+        })?;
+        Ok((token, expires_at, staged))
+    }
+
+    async fn create_invitation_with(
+        &self,
+        project: ProjectId,
+        member: MemberId,
+        created_by: Option<ApiKeyId>,
+        ttl_ms: i64,
+        recorded: Option<&(dyn Fn(i64) -> AuditEvent + Sync)>,
+    ) -> Result<(ConsoleToken, i64, Option<StagedEvent>), StoreError> {
         let token = ConsoleToken::generate(INVITATION_TOKEN_PREFIX)?;
         let now = now_millis();
         let expires_at = now.saturating_add(ttl_ms);
+        let mut tx = self.begin_write().await?;
         sqlx::query(
             "INSERT INTO member_invitations (sha256, project_id, member_id, created_by, \
              created_at, expires_at) VALUES ($1, $2, $3, $4, $5, $6)",
@@ -175,9 +211,14 @@ impl Store {
         .bind(created_by.map(|k| k.to_string()))
         .bind(now)
         .bind(expires_at)
-        .execute(&*self.write_pool().await?)
+        .execute(&mut **tx)
         .await?;
-        Ok((token, expires_at))
+        let staged = match recorded {
+            Some(recorded) => Some(crate::staged::stage_one(&mut tx, recorded(expires_at)).await?),
+            None => None,
+        };
+        tx.commit().await?;
+        Ok((token, expires_at, staged))
     }
 
     /// The invitation `presented` names, if it is unused and unexpired.

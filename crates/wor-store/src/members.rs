@@ -70,6 +70,35 @@ impl Store {
         name: &str,
         role: Role,
     ) -> Result<MemberRecord, StoreError> {
+        let (member, _) = self.create_member_with(project, name, role, None).await?;
+        Ok(member)
+    }
+
+    /// [`Self::create_member`], staging `recorded` from the new member in the same transaction
+    /// (`crate::staged`).
+    pub async fn create_member_staged(
+        &self,
+        project: ProjectId,
+        name: &str,
+        role: Role,
+        recorded: &(dyn Fn(&MemberRecord) -> AuditEvent + Sync),
+    ) -> Result<(MemberRecord, StagedEvent), StoreError> {
+        let (member, staged) = self
+            .create_member_with(project, name, role, Some(recorded))
+            .await?;
+        let staged = staged.ok_or_else(|| {
+            StoreError::Corrupt("a created member's entry was not staged".to_owned())
+        })?;
+        Ok((member, staged))
+    }
+
+    async fn create_member_with(
+        &self,
+        project: ProjectId,
+        name: &str,
+        role: Role,
+        recorded: Option<&(dyn Fn(&MemberRecord) -> AuditEvent + Sync)>,
+    ) -> Result<(MemberRecord, Option<StagedEvent>), StoreError> {
         let member = MemberRecord {
             id: MemberId::new(),
             project_id: project,
@@ -79,8 +108,12 @@ impl Store {
         };
         let mut tx = self.begin_write().await?;
         insert(&mut tx, &member).await?;
+        let staged = match recorded {
+            Some(recorded) => Some(crate::staged::stage_one(&mut tx, recorded(&member)).await?),
+            None => None,
+        };
         tx.commit().await?;
-        Ok(member)
+        Ok((member, staged))
     }
 
     pub async fn get_member(

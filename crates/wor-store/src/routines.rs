@@ -1,9 +1,11 @@
 //! Routines and their immutable versions.
 
 use sqlx::Row;
+use wor_core::audit::AuditEvent;
 use wor_core::routine::RoutineDefinition;
 use wor_core::{ApiKeyId, ProjectId, RoutineId};
 
+use crate::staged::StagedEvent;
 use crate::{Store, StoreError, now_millis, parse_column};
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -47,6 +49,35 @@ impl Store {
         definition: &RoutineDefinition,
         created_by: Option<ApiKeyId>,
     ) -> Result<AppliedRoutine, StoreError> {
+        let (applied, _) = self
+            .apply_routine_with(project, source_toml, definition, created_by, None)
+            .await?;
+        Ok(applied)
+    }
+
+    /// [`Self::apply_routine`], staging `recorded` from what the apply made in the same
+    /// transaction (`crate::staged`) when it made a new version; an apply that changed nothing
+    /// stages nothing.
+    pub async fn apply_routine_staged(
+        &self,
+        project: ProjectId,
+        source_toml: &str,
+        definition: &RoutineDefinition,
+        created_by: Option<ApiKeyId>,
+        recorded: &(dyn Fn(&AppliedRoutine) -> AuditEvent + Sync),
+    ) -> Result<(AppliedRoutine, Option<StagedEvent>), StoreError> {
+        self.apply_routine_with(project, source_toml, definition, created_by, Some(recorded))
+            .await
+    }
+
+    async fn apply_routine_with(
+        &self,
+        project: ProjectId,
+        source_toml: &str,
+        definition: &RoutineDefinition,
+        created_by: Option<ApiKeyId>,
+        recorded: Option<&(dyn Fn(&AppliedRoutine) -> AuditEvent + Sync)>,
+    ) -> Result<(AppliedRoutine, Option<StagedEvent>), StoreError> {
         let hash = definition.content_hash();
         let now = now_millis();
         let mut tx = self.begin_write().await?;
@@ -95,11 +126,12 @@ impl Store {
                 if current_hash == hash {
                     let version = routine.current_version;
                     tx.rollback().await?;
-                    return Ok(AppliedRoutine {
+                    let unchanged = AppliedRoutine {
                         routine,
                         version,
                         changed: false,
-                    });
+                    };
+                    return Ok((unchanged, None));
                 }
                 let next = routine.current_version + 1;
                 // Guarded by the version read above: a concurrent apply makes this a no-op,
@@ -145,12 +177,17 @@ impl Store {
             now,
         )
         .await?;
-        tx.commit().await?;
-        Ok(AppliedRoutine {
+        let applied = AppliedRoutine {
             routine,
             version,
             changed: true,
-        })
+        };
+        let staged = match recorded {
+            Some(recorded) => Some(crate::staged::stage_one(&mut tx, recorded(&applied)).await?),
+            None => None,
+        };
+        tx.commit().await?;
+        Ok((applied, staged))
     }
 
     pub async fn get_routine(

@@ -1109,7 +1109,7 @@ impl Store {
 }
 
 /// Run `id` of `project`, read on `executor` (the pool, or a transaction that just wrote it).
-async fn select_run<'c, E>(
+pub(crate) async fn select_run<'c, E>(
     executor: E,
     project: ProjectId,
     id: RunId,

@@ -3242,6 +3242,138 @@ async fn a_cancel_counts_the_runs_it_asked_and_asking_again_asks_none() {
     assert_eq!(pending.status.as_str(), "pending");
 }
 
+/// A routine's new version, a key, a member, an invitation and an approval's expiry each stage
+/// their entry in the transaction that makes them; an apply that changes nothing and a member
+/// refused for a taken name stage nothing.
+#[tokio::test]
+async fn creations_and_expiries_stage_their_entry_with_the_change() {
+    use wor_core::audit::{Actor, AuditCategory, AuditEvent};
+    // Its own database: an expiry sweep takes every project's due approvals.
+    let db = TestDatabase::isolated().await.unwrap();
+    let p = created_project(&db.store, "made").await;
+    let project = p.project.id;
+    let store = &db.store;
+    let staged = || wor_store::testing::staged_count(store, project);
+
+    let toml = "name = \"r\"\ninstructions = \"x\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\nscript = { turns = [{ text = \"hi\" }] }\n";
+    let definition = wor_core::routine::RoutineDefinition::from_toml(toml).unwrap();
+    let applied_entry = |applied: &wor_store::AppliedRoutine| {
+        AuditEvent::new(project, AuditCategory::RoutineApply, Actor::Operator)
+            .subject("routine_id", applied.routine.id)
+            .payload(serde_json::json!({ "version": applied.version }))
+    };
+    for (round, changed, stages) in [(1, true, 1), (2, false, 1)] {
+        let (applied, entry) = store
+            .apply_routine_staged(project, toml, &definition, None, &applied_entry)
+            .await
+            .unwrap();
+        assert_eq!(applied.changed, changed, "apply {round}");
+        assert_eq!(
+            entry.map(|e| e.event().clone()),
+            changed.then(|| applied_entry(&applied)),
+            "apply {round}"
+        );
+        assert_eq!(staged().await.unwrap(), stages, "apply {round}");
+    }
+
+    let key_entry = |key: &wor_store::ApiKeyRecord| {
+        AuditEvent::new(project, AuditCategory::KeyCreate, Actor::Operator)
+            .subject("key_id", key.id)
+    };
+    let new_key = NewApiKey {
+        name: "ci".into(),
+        role: Role::Viewer,
+        kind: ApiKeyKind::Service,
+        created_by: None,
+    };
+    let (key, _, entry) = store
+        .create_api_key_staged(project, new_key, &key_entry)
+        .await
+        .unwrap();
+    assert_eq!(entry.event(), &key_entry(&key));
+    assert_eq!(staged().await.unwrap(), 2);
+
+    let member_entry = |member: &wor_store::MemberRecord| {
+        AuditEvent::new(project, AuditCategory::MemberCreate, Actor::Operator)
+            .subject("member_id", member.id)
+    };
+    let (member, entry) = store
+        .create_member_staged(project, "bob", Role::Viewer, &member_entry)
+        .await
+        .unwrap();
+    assert_eq!(entry.event(), &member_entry(&member));
+    assert_eq!(staged().await.unwrap(), 3);
+    let taken = store
+        .create_member_staged(project, "bob", Role::Viewer, &member_entry)
+        .await;
+    assert!(matches!(taken, Err(StoreError::Conflict(_))), "{taken:?}");
+    assert_eq!(staged().await.unwrap(), 3, "nothing staged for a refusal");
+
+    let invited = |expires_at: i64| {
+        AuditEvent::new(project, AuditCategory::MemberInvite, Actor::Operator)
+            .subject("member_id", member.id)
+            .payload(serde_json::json!({ "expires_at": expires_at }))
+    };
+    let (_, expires_at, entry) = store
+        .create_invitation_staged(project, member.id, None, 60_000, &invited)
+        .await
+        .unwrap();
+    assert_eq!(entry.event(), &invited(expires_at));
+    assert_eq!(staged().await.unwrap(), 4);
+
+    // An approval whose time ran out: expired, its run queued again, its entry staged.
+    let routine = replay_routine(store, project, "held").await;
+    let run = store
+        .create_run(
+            project,
+            queued_run(routine, 1, Some(key.id), 1),
+            InputStep::requested(serde_json::json!("x")),
+        )
+        .await
+        .unwrap();
+    store
+        .claim_run_by_id(project, run.id, "w", 60_000)
+        .await
+        .unwrap()
+        .unwrap();
+    let overdue = wor_store::NewApproval {
+        expires_at: wor_store::now_millis() - 1,
+        ..held_mail_approval(run.id, "binding")
+    };
+    let (approval, _) = store
+        .park_for_approval(project, "w", &overdue)
+        .await
+        .unwrap()
+        .unwrap();
+    let expired_entry = |approval: &wor_store::ApprovalRecord, run: &wor_store::RunRecord| {
+        AuditEvent::new(
+            project,
+            AuditCategory::ApprovalExpire,
+            Actor::Run { run_id: run.id },
+        )
+        .subject("approval_id", approval.id)
+        .runs(run.root_run_id, run.parent_run_id)
+    };
+    let expired = store.expire_approvals(&expired_entry).await.unwrap();
+    let [(record, entry)] = expired.as_slice() else {
+        panic!("one approval expired: {expired:?}");
+    };
+    assert_eq!(record.id, approval);
+    assert_eq!(record.status.as_str(), "expired");
+    let queued = store.get_run(project, run.id).await.unwrap();
+    assert_eq!(entry.event(), &expired_entry(record, &queued));
+    assert_eq!(staged().await.unwrap(), 5);
+    assert!(
+        store
+            .expire_approvals(&expired_entry)
+            .await
+            .unwrap()
+            .is_empty(),
+        "an expired approval is not expired again"
+    );
+    assert_eq!(staged().await.unwrap(), 5);
+}
+
 /// A service key named `ci` with `role` in `project`.
 async fn service_key(
     store: &Store,

@@ -107,10 +107,19 @@ pub(crate) async fn invite_member(
                     caller_role
                 )));
             }
-            (
-                state.store.create_member(project, &body.name, role).await?,
-                true,
-            )
+            // The entry is staged with the member: a crash before it is appended leaves it
+            // for the audit writer's sweep.
+            let entry = |member: &wor_store::MemberRecord| {
+                AuditEvent::new(project, AuditCategory::MemberCreate, actor.clone())
+                    .subject("member_id", member.id)
+                    .payload(json!({ "name": member.name, "role": member.role }))
+            };
+            let (member, staged) = state
+                .store
+                .create_member_staged(project, &body.name, role, &entry)
+                .await?;
+            state.engine.append_staged_or_log([staged]).await;
+            (member, true)
         }
     };
     // Inviting someone sets their password: never for a role the caller could not grant.
@@ -120,33 +129,22 @@ pub(crate) async fn invite_member(
             caller_role, member.role
         )));
     }
-    if new_member {
-        state
-            .audit
-            .append(
-                AuditEvent::new(project, AuditCategory::MemberCreate, actor.clone())
-                    .subject("member_id", member.id)
-                    .payload(json!({ "name": member.name, "role": member.role })),
-            )
-            .await?;
-    }
-    let (token, expires_at) = state
+    let entry = |expires_at: i64| {
+        AuditEvent::new(project, AuditCategory::MemberInvite, actor.clone())
+            .subject("member_id", member.id)
+            .payload(json!({ "expires_at": rfc3339(expires_at) }))
+    };
+    let (token, expires_at, staged) = state
         .store
-        .create_invitation(
+        .create_invitation_staged(
             project,
             member.id,
             key,
             millis(state.console.invitation_ttl),
+            &entry,
         )
         .await?;
-    state
-        .audit
-        .append(
-            AuditEvent::new(project, AuditCategory::MemberInvite, actor.clone())
-                .subject("member_id", member.id)
-                .payload(json!({ "expires_at": rfc3339(expires_at) })),
-        )
-        .await?;
+    state.engine.append_staged_or_log([staged]).await;
     tracing::info!(category = "config", action = "member.invite", project_id = %project,
         member_id = %member.id, "member invited to the console");
     Ok(CreatedInvitation {

@@ -99,9 +99,22 @@ pub(crate) async fn create_api_key(
         }
         ApiKeyKind::Personal(member)
     };
-    let (record, key) = state
+    // The entry is staged with the key: a crash before it is appended leaves it for the audit
+    // writer's sweep, never a key without its entry.
+    let entry = |record: &wor_store::ApiKeyRecord| {
+        let event = AuditEvent::new(project, AuditCategory::KeyCreate, actor.clone())
+            .subject("key_id", record.id)
+            .payload(
+                json!({ "name": record.name, "role": record.role, "service": record.service }),
+            );
+        match record.member_id {
+            Some(member) => event.subject("member_id", member),
+            None => event,
+        }
+    };
+    let (record, key, staged) = state
         .store
-        .create_api_key(
+        .create_api_key_staged(
             project,
             NewApiKey {
                 name: body.name.clone(),
@@ -109,15 +122,10 @@ pub(crate) async fn create_api_key(
                 kind,
                 created_by,
             },
+            &entry,
         )
         .await?;
-    let mut event = AuditEvent::new(project, AuditCategory::KeyCreate, actor)
-        .subject("key_id", record.id)
-        .payload(json!({ "name": record.name, "role": record.role, "service": record.service }));
-    if let Some(member) = record.member_id {
-        event = event.subject("member_id", member);
-    }
-    state.audit.append(event).await?;
+    state.engine.append_staged_or_log([staged]).await;
     tracing::info!(category = "config", action = "key.create", project_id = %project,
         key_id = %record.id, "api key created");
     Ok(CreatedApiKey {

@@ -77,40 +77,39 @@ pub async fn create_member(
             caller.role
         )));
     }
-    let member = state
+    let project = caller.project_id;
+    // Each entry is staged with its change: a crash before they are appended leaves them for
+    // the audit writer's sweep, never a member or a key without its entry.
+    let member_entry = |member: &wor_store::MemberRecord| {
+        AuditEvent::new(project, AuditCategory::MemberCreate, caller.actor())
+            .subject("member_id", member.id)
+            .payload(json!({ "name": member.name, "role": role }))
+    };
+    let (member, staged) = state
         .store
-        .create_member(caller.project_id, &body.name, role)
+        .create_member_staged(project, &body.name, role, &member_entry)
         .await?;
-    let (record, key) = state
+    state.engine.append_staged_or_log([staged]).await;
+    let key_entry = |record: &wor_store::ApiKeyRecord| {
+        AuditEvent::new(project, AuditCategory::KeyCreate, caller.actor())
+            .subject("key_id", record.id)
+            .subject("member_id", member.id)
+            .payload(json!({ "name": record.name, "role": role, "service": false }))
+    };
+    let (record, key, staged) = state
         .store
-        .create_api_key(
-            caller.project_id,
+        .create_api_key_staged(
+            project,
             NewApiKey {
                 name: format!("{} (initial key)", member.name),
                 role,
                 kind: ApiKeyKind::Personal(member.id),
                 created_by: Some(caller.key_id),
             },
+            &key_entry,
         )
         .await?;
-    let project = caller.project_id;
-    state
-        .audit
-        .append(
-            AuditEvent::new(project, AuditCategory::MemberCreate, caller.actor())
-                .subject("member_id", member.id)
-                .payload(json!({ "name": member.name, "role": role })),
-        )
-        .await?;
-    state
-        .audit
-        .append(
-            AuditEvent::new(project, AuditCategory::KeyCreate, caller.actor())
-                .subject("key_id", record.id)
-                .subject("member_id", member.id)
-                .payload(json!({ "name": record.name, "role": role, "service": false })),
-        )
-        .await?;
+    state.engine.append_staged_or_log([staged]).await;
     tracing::info!(category = "config", action = "member.create", project_id = %caller.project_id,
         member_id = %member.id, actor_key_id = %caller.key_id, "member created");
     Ok((

@@ -137,33 +137,33 @@ pub async fn apply(
             ));
         }
     }
-    let applied = state
+    // The entry is staged with the new version: a crash before it is appended leaves it for
+    // the audit writer's sweep, never a version without its entry.
+    let content_hash = definition.content_hash();
+    let entry = |applied: &wor_store::AppliedRoutine| {
+        AuditEvent::new(
+            caller.project_id,
+            AuditCategory::RoutineApply,
+            caller.actor(),
+        )
+        .subject("routine_id", applied.routine.id)
+        .payload(serde_json::json!({
+            "name": applied.routine.name,
+            "version": applied.version,
+            "content_hash": content_hash,
+        }))
+    };
+    let (applied, staged) = state
         .store
-        .apply_routine(
+        .apply_routine_staged(
             caller.project_id,
             &body.toml,
             &definition,
             Some(caller.key_id),
+            &entry,
         )
         .await?;
-    if applied.changed {
-        state
-            .audit
-            .append(
-                AuditEvent::new(
-                    caller.project_id,
-                    AuditCategory::RoutineApply,
-                    caller.actor(),
-                )
-                .subject("routine_id", applied.routine.id)
-                .payload(serde_json::json!({
-                    "name": applied.routine.name,
-                    "version": applied.version,
-                    "content_hash": definition.content_hash(),
-                })),
-            )
-            .await?;
-    }
+    state.engine.append_staged_or_log(staged).await;
     tracing::info!(category = "config", action = "routine.apply", project_id = %caller.project_id,
         routine_id = %applied.routine.id, version = applied.version, changed = applied.changed,
         actor_key_id = %caller.key_id, "routine applied");
