@@ -2313,10 +2313,17 @@ mode = "confirm"
     assert_eq!(h.run(run.id).await.status, RunStatus::WaitingForApproval);
 
     let connection = h.db.store.list_tool_connections(h.project).await.unwrap()[0].id;
-    h.db.store
-        .disable_tool_connection(h.project, connection)
-        .await
-        .unwrap();
+    let recorded = wor_core::audit::AuditEvent::new(
+        h.project,
+        wor_core::audit::AuditCategory::ToolConnectionDisable,
+        Actor::Operator,
+    );
+    let (_, staged) =
+        h.db.store
+            .disable_tool_connection_staged(h.project, connection, recorded)
+            .await
+            .unwrap();
+    engine.append_staged_or_log([staged]).await;
     let asked = engine
         .request_cancel(h.project, run.id, None)
         .await

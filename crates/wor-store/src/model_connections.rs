@@ -70,6 +70,35 @@ impl Store {
         project: ProjectId,
         new: NewModelConnection,
     ) -> Result<ModelConnectionRecord, StoreError> {
+        let (record, _) = self
+            .create_model_connection_with(project, new, None)
+            .await?;
+        Ok(record)
+    }
+
+    /// [`Self::create_model_connection`], staging `recorded` from the new connection in the
+    /// same transaction (`crate::staged`).
+    pub async fn create_model_connection_staged(
+        &self,
+        project: ProjectId,
+        new: NewModelConnection,
+        recorded: &(dyn Fn(&ModelConnectionRecord) -> AuditEvent + Sync),
+    ) -> Result<(ModelConnectionRecord, StagedEvent), StoreError> {
+        let (record, staged) = self
+            .create_model_connection_with(project, new, Some(recorded))
+            .await?;
+        let staged = staged.ok_or_else(|| {
+            StoreError::Corrupt("a created model connection's entry was not staged".to_owned())
+        })?;
+        Ok((record, staged))
+    }
+
+    async fn create_model_connection_with(
+        &self,
+        project: ProjectId,
+        new: NewModelConnection,
+        recorded: Option<&(dyn Fn(&ModelConnectionRecord) -> AuditEvent + Sync)>,
+    ) -> Result<(ModelConnectionRecord, Option<StagedEvent>), StoreError> {
         let now = now_millis();
         let record = ModelConnectionRecord {
             id: ConnectionId::new(),
@@ -84,6 +113,7 @@ impl Store {
             created_at: now,
             updated_at: now,
         };
+        let mut tx = self.begin_write().await?;
         sqlx::query(
             "INSERT INTO model_connections (id, project_id, name, provider, base_url, owner_member_id, \
              status, credential_version, created_by, created_at, updated_at) \
@@ -97,14 +127,19 @@ impl Store {
         .bind(record.owner_member_id.map(|m| m.to_string()))
         .bind(record.created_by.map(|k| k.to_string()))
         .bind(now)
-        .execute(&*self.write_pool().await?)
+        .execute(&mut **tx)
         .await
         .map_err(|e| {
             conflict_or(e, || {
                 format!("a model connection named `{}` already exists", record.name)
             })
         })?;
-        Ok(record)
+        let staged = match recorded {
+            Some(recorded) => Some(crate::staged::stage_one(&mut tx, recorded(&record)).await?),
+            None => None,
+        };
+        tx.commit().await?;
+        Ok((record, staged))
     }
 
     pub async fn get_model_connection(

@@ -219,6 +219,33 @@ impl Store {
         project: ProjectId,
         new: NewToolConnection,
     ) -> Result<ToolConnectionRecord, StoreError> {
+        let (record, _) = self.create_tool_connection_with(project, new, None).await?;
+        Ok(record)
+    }
+
+    /// [`Self::create_tool_connection`], staging `recorded` from the new connection in the same
+    /// transaction (`crate::staged`).
+    pub async fn create_tool_connection_staged(
+        &self,
+        project: ProjectId,
+        new: NewToolConnection,
+        recorded: &(dyn Fn(&ToolConnectionRecord) -> AuditEvent + Sync),
+    ) -> Result<(ToolConnectionRecord, StagedEvent), StoreError> {
+        let (record, staged) = self
+            .create_tool_connection_with(project, new, Some(recorded))
+            .await?;
+        let staged = staged.ok_or_else(|| {
+            StoreError::Corrupt("a created tool connection's entry was not staged".to_owned())
+        })?;
+        Ok((record, staged))
+    }
+
+    async fn create_tool_connection_with(
+        &self,
+        project: ProjectId,
+        new: NewToolConnection,
+        recorded: Option<&(dyn Fn(&ToolConnectionRecord) -> AuditEvent + Sync)>,
+    ) -> Result<(ToolConnectionRecord, Option<StagedEvent>), StoreError> {
         let now = now_millis();
         let record = ToolConnectionRecord {
             id: ConnectionId::new(),
@@ -238,6 +265,7 @@ impl Store {
             created_at: now,
             updated_at: now,
         };
+        let mut tx = self.begin_write().await?;
         sqlx::query(
             "INSERT INTO tool_connections (id, project_id, name, kind, url, allowlist, status, \
              tool_classification, pinned_tools, live_tools, secret_headers, created_by, created_at, updated_at, command, http_tools) \
@@ -254,14 +282,19 @@ impl Store {
         .bind(now)
         .bind(record.command.as_ref().map(to_json).transpose()?)
         .bind((!record.http_tools.is_empty()).then(|| to_json(&record.http_tools)).transpose()?)
-        .execute(&*self.write_pool().await?)
+        .execute(&mut **tx)
         .await
         .map_err(|e| {
             conflict_or(e, || {
                 format!("a tool connection named `{}` already exists", record.name)
             })
         })?;
-        Ok(record)
+        let staged = match recorded {
+            Some(recorded) => Some(crate::staged::stage_one(&mut tx, recorded(&record)).await?),
+            None => None,
+        };
+        tx.commit().await?;
+        Ok((record, staged))
     }
 
     pub async fn get_tool_connection(
@@ -435,30 +468,16 @@ impl Store {
         recorded: AuditEvent,
     ) -> Result<(ToolConnectionRecord, StagedEvent), StoreError> {
         let mut tx = self.begin_write().await?;
-        let done = sqlx::query(DISABLE)
-            .bind(now_millis())
-            .bind(project.to_string())
-            .bind(id.to_string())
-            .execute(&mut **tx)
-            .await?;
+        let done = sqlx::query(
+            "UPDATE tool_connections SET status = 'disabled', updated_at = $1 \
+             WHERE project_id = $2 AND id = $3",
+        )
+        .bind(now_millis())
+        .bind(project.to_string())
+        .bind(id.to_string())
+        .execute(&mut **tx)
+        .await?;
         self.changed_and_staged(tx, project, id, done.rows_affected(), recorded)
-            .await
-    }
-
-    /// Disables the connection with no entry of its own: for a connection made disabled whose
-    /// making failed part way, kept disabled whatever happened.
-    pub async fn disable_tool_connection(
-        &self,
-        project: ProjectId,
-        id: ConnectionId,
-    ) -> Result<ToolConnectionRecord, StoreError> {
-        let done = sqlx::query(DISABLE)
-            .bind(now_millis())
-            .bind(project.to_string())
-            .bind(id.to_string())
-            .execute(&*self.write_pool().await?)
-            .await?;
-        self.updated_tool_connection(project, id, done.rows_affected())
             .await
     }
 
@@ -474,10 +493,6 @@ impl Store {
         self.get_tool_connection(project, id).await
     }
 }
-
-/// Disables connection `$3` of project `$2` at `$1`, with or without an entry staged beside.
-const DISABLE: &str = "UPDATE tool_connections SET status = 'disabled', updated_at = $1 \
-     WHERE project_id = $2 AND id = $3";
 
 fn json_column<T: serde::de::DeserializeOwned>(text: &str, column: &str) -> Result<T, StoreError> {
     serde_json::from_str(text)

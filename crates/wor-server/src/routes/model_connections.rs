@@ -232,9 +232,16 @@ pub(crate) async fn create_model_connection(
             .await
             .map_err(|refusal| ApiError::bad_request("api_key_required", refusal.to_string()))?,
     }
-    let record = state
+    // The entry is staged with the connection: a crash before it is appended leaves it for
+    // the audit writer's sweep, never a connection without its entry.
+    let entry = |record: &ModelConnectionRecord| {
+        AuditEvent::new(project, AuditCategory::ModelConnectionCreate, actor.clone())
+            .subject("connection_id", record.id)
+            .payload(json!({ "name": record.name, "provider": record.provider, "base_url": record.base_url }))
+    };
+    let (record, staged) = state
         .store
-        .create_model_connection(
+        .create_model_connection_staged(
             project,
             NewModelConnection {
                 name: body.name,
@@ -243,8 +250,10 @@ pub(crate) async fn create_model_connection(
                 owner_member_id: member,
                 created_by,
             },
+            &entry,
         )
         .await?;
+    state.engine.append_staged_or_log([staged]).await;
     if let Some(key) = &body.api_key
         && let Err(err) = state.vault.put(&slot(&record), key).await
     {
@@ -260,14 +269,6 @@ pub(crate) async fn create_model_connection(
         state.engine.append_staged_or_log([staged]).await;
         return Err(err.into());
     }
-    state
-        .audit
-        .append(
-            AuditEvent::new(project, AuditCategory::ModelConnectionCreate, actor)
-                .subject("connection_id", record.id)
-                .payload(json!({ "name": record.name, "provider": record.provider, "base_url": record.base_url })),
-        )
-        .await?;
     tracing::info!(category = "config", action = "model_connection.create", project_id = %project,
         connection_id = %record.id, "model connection created");
     Ok(record)

@@ -311,38 +311,44 @@ pub async fn create(
     })?;
     let mut new = checked.connection;
     new.created_by = Some(caller.key_id);
-    let record = state
-        .store
-        .create_tool_connection(caller.project_id, new)
-        .await?;
-    for (field, value) in &checked.secrets {
-        let slot = credential_slot(&record, field.clone());
-        if let Err(err) = state.vault.put(&slot, value.expose_secret()).await {
-            // Never leave a connection that could be enabled without its credentials.
-            state
-                .store
-                .disable_tool_connection(caller.project_id, record.id)
-                .await?;
-            return Err(err.into());
-        }
-    }
-    state
-        .audit
-        .append(
-            AuditEvent::new(
-                caller.project_id,
-                AuditCategory::ToolConnectionCreate,
-                caller.actor(),
-            )
+    let project = caller.project_id;
+    // The entry is staged with the connection: a crash before it is appended leaves it for the
+    // audit writer's sweep, never a connection without its entry.
+    let entry = |record: &wor_store::ToolConnectionRecord| {
+        AuditEvent::new(project, AuditCategory::ToolConnectionCreate, caller.actor())
             .subject("connection_id", record.id)
             .payload(serde_json::json!({
                 "name": record.name, "kind": record.kind, "url": record.url,
                 "allowlist": record.allowlist, "credential_headers": record.secret_headers,
                 "bearer_token": checked.has_bearer_token, "command": record.command,
                 "openapi_operations": checked.imported_operations,
-            })),
-        )
+            }))
+    };
+    let (record, staged) = state
+        .store
+        .create_tool_connection_staged(project, new, &entry)
         .await?;
+    state.engine.append_staged_or_log([staged]).await;
+    for (field, value) in &checked.secrets {
+        let slot = credential_slot(&record, field.clone());
+        if let Err(err) = state.vault.put(&slot, value.expose_secret()).await {
+            // Never leave a connection that could be enabled without its credentials: disabled
+            // at once, and its disabling recorded, since the connection's row stays.
+            let recorded = AuditEvent::new(
+                project,
+                AuditCategory::ToolConnectionDisable,
+                caller.actor(),
+            )
+            .subject("connection_id", record.id)
+            .payload(serde_json::json!({ "reason": "its credentials could not be sealed" }));
+            let (_, staged) = state
+                .store
+                .disable_tool_connection_staged(project, record.id, recorded)
+                .await?;
+            state.engine.append_staged_or_log([staged]).await;
+            return Err(err.into());
+        }
+    }
     tracing::info!(category = "config", action = "connection.create", project_id = %caller.project_id,
         connection_id = %record.id, actor_key_id = %caller.key_id, "tool connection created");
     Ok((StatusCode::CREATED, Json(view(&state, record).await?)))
