@@ -171,10 +171,35 @@ impl Engine {
         if let Some(routine) = route.filter.routine_id {
             self.store.get_routine(project, routine).await?;
         }
-        let created = self
+        let mut payload = json!({
+            "name": route.name,
+            "kind": route.channel.kind(),
+            "target": route.channel.target(),
+            "routine_id": route.filter.routine_id,
+            "tool": route.filter.tool,
+            "policy": route.filter.policy,
+        });
+        if let (RouteChannel::Slack { channel, .. }, Some(object)) =
+            (&route.channel, payload.as_object_mut())
+        {
+            object.insert("channel".to_owned(), json!(channel));
+        }
+        // The entry is staged with the route: a crash before it is appended leaves it for the
+        // audit writer's sweep, never a route without its entry.
+        let entry = |id: NotificationRouteId| {
+            AuditEvent::new(
+                project,
+                AuditCategory::NotificationRouteCreate,
+                actor.clone(),
+            )
+            .subject("route_id", id)
+            .payload(payload.clone())
+        };
+        let (created, staged) = self
             .store
-            .create_notification_route(project, &route)
+            .create_notification_route(project, &route, &entry)
             .await?;
+        self.append_staged_or_log([staged]).await;
         for (field, value) in &secrets {
             self.vault
                 .put(
@@ -184,26 +209,6 @@ impl Engine {
                 .await
                 .map_err(EngineError::Vault)?;
         }
-        let mut payload = json!({
-            "name": created.name,
-            "kind": created.channel.kind(),
-            "target": created.channel.target(),
-            "routine_id": created.filter.routine_id,
-            "tool": created.filter.tool,
-            "policy": created.filter.policy,
-        });
-        if let (RouteChannel::Slack { channel, .. }, Some(object)) =
-            (&created.channel, payload.as_object_mut())
-        {
-            object.insert("channel".to_owned(), json!(channel));
-        }
-        self.audit
-            .append(
-                AuditEvent::new(project, AuditCategory::NotificationRouteCreate, actor)
-                    .subject("route_id", created.id)
-                    .payload(payload),
-            )
-            .await?;
         Ok(created)
     }
 
@@ -214,7 +219,13 @@ impl Engine {
         id: NotificationRouteId,
         actor: Actor,
     ) -> Result<(), EngineError> {
-        self.store.delete_notification_route(project, id).await?;
+        let recorded = AuditEvent::new(project, AuditCategory::NotificationRouteDelete, actor)
+            .subject("route_id", id);
+        let staged = self
+            .store
+            .delete_notification_route(project, id, recorded)
+            .await?;
+        self.append_staged_or_log([staged]).await;
         for field in [
             SLACK_BOT_TOKEN_FIELD,
             SLACK_SIGNING_SECRET_FIELD,
@@ -223,12 +234,6 @@ impl Engine {
         ] {
             self.vault.delete(&route_slot(project, id, field)).await?;
         }
-        self.audit
-            .append(
-                AuditEvent::new(project, AuditCategory::NotificationRouteDelete, actor)
-                    .subject("route_id", id),
-            )
-            .await?;
         Ok(())
     }
 
@@ -1089,24 +1094,25 @@ impl Engine {
         token: &str,
         member: MemberId,
     ) -> Result<wor_store::SlackLinkRecord, EngineError> {
-        let Some(link) = self
+        // The entry is staged with the link: a crash before it is appended leaves it for the
+        // audit writer's sweep, never a Slack user who acts as a member without its entry.
+        let entry = |link: &wor_store::SlackLinkRecord| {
+            AuditEvent::new(
+                project,
+                AuditCategory::SlackIdentityLink,
+                Actor::ConsoleMember { member_id: member },
+            )
+            .subject("member_id", member)
+            .payload(json!({ "slack_team": link.team_id, "slack_user": link.slack_user_id }))
+        };
+        let Some((link, staged)) = self
             .store
-            .link_slack_identity(project, token, member)
+            .link_slack_identity(project, token, member, &entry)
             .await?
         else {
             return Err(StoreError::NotFound.into());
         };
-        self.audit
-            .append(
-                AuditEvent::new(
-                    project,
-                    AuditCategory::SlackIdentityLink,
-                    Actor::ConsoleMember { member_id: member },
-                )
-                .subject("member_id", member)
-                .payload(json!({ "slack_team": link.team_id, "slack_user": link.slack_user_id })),
-            )
-            .await?;
+        self.append_staged_or_log([staged]).await;
         Ok(link)
     }
 }

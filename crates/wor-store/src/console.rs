@@ -232,11 +232,14 @@ impl Store {
 
     /// Uses invitation `presented` to set its member's password hash. `None` when the
     /// invitation is unknown, used or expired: it works once, and only before it expires.
+    /// Stages `recorded`, the `member.set_password` entry, in the same transaction
+    /// (`crate::staged`).
     pub async fn accept_invitation(
         &self,
         presented: &str,
         phc: &str,
-    ) -> Result<Option<InvitationRecord>, StoreError> {
+        recorded: &(dyn Fn(&InvitationRecord) -> AuditEvent + Sync),
+    ) -> Result<Option<(InvitationRecord, StagedEvent)>, StoreError> {
         let Some(invitation) = self.invitation(presented).await? else {
             return Ok(None);
         };
@@ -273,20 +276,25 @@ impl Store {
         .bind(now)
         .execute(&mut **tx)
         .await?;
+        let staged = crate::staged::stage_one(&mut tx, recorded(&invitation)).await?;
         tx.commit().await?;
-        Ok(Some(invitation))
+        Ok(Some((invitation, staged)))
     }
 
-    /// Makes a single-use link that signs `member` in without a password, valid for `ttl_ms`.
+    /// Makes a single-use link that signs `member` in without a password, valid for `ttl_ms`,
+    /// staging `recorded` (from its expiry time), its `member.sign_in_link` entry, in the same
+    /// transaction (`crate::staged`).
     pub async fn create_sign_in_link(
         &self,
         project: ProjectId,
         member: MemberId,
         ttl_ms: i64,
-    ) -> Result<(ConsoleToken, i64), StoreError> {
+        recorded: &(dyn Fn(i64) -> AuditEvent + Sync),
+    ) -> Result<(ConsoleToken, i64, StagedEvent), StoreError> {
         let token = ConsoleToken::generate(SIGN_IN_LINK_TOKEN_PREFIX)?;
         let now = now_millis();
         let expires_at = now.saturating_add(ttl_ms);
+        let mut tx = self.begin_write().await?;
         let inserted = sqlx::query(
             "INSERT INTO member_sign_in_links (sha256, project_id, member_id, created_at, \
              expires_at) SELECT $1, project_id, id, $4, $5 FROM members \
@@ -297,13 +305,15 @@ impl Store {
         .bind(member.to_string())
         .bind(now)
         .bind(expires_at)
-        .execute(&*self.write_pool().await?)
+        .execute(&mut **tx)
         .await?;
         // A member of another project, or none, gets no link.
         if inserted.rows_affected() != 1 {
             return Err(StoreError::NotFound);
         }
-        Ok((token, expires_at))
+        let staged = crate::staged::stage_one(&mut tx, recorded(expires_at)).await?;
+        tx.commit().await?;
+        Ok((token, expires_at, staged))
     }
 
     /// The sign-in link `presented` names, if it is unused and unexpired.
@@ -407,9 +417,42 @@ impl Store {
         absolute_ms: i64,
         origin: &SessionOrigin,
     ) -> Result<ConsoleToken, StoreError> {
+        let (token, _) = self
+            .create_console_session_with(project, member, absolute_ms, origin, None)
+            .await?;
+        Ok(token)
+    }
+
+    /// [`Self::create_console_session`], staging `recorded`, its `console.sign_in` entry, in
+    /// the same transaction (`crate::staged`).
+    pub async fn create_console_session_staged(
+        &self,
+        project: ProjectId,
+        member: MemberId,
+        absolute_ms: i64,
+        origin: &SessionOrigin,
+        recorded: AuditEvent,
+    ) -> Result<(ConsoleToken, StagedEvent), StoreError> {
+        let (token, staged) = self
+            .create_console_session_with(project, member, absolute_ms, origin, Some(recorded))
+            .await?;
+        let staged = staged
+            .ok_or_else(|| StoreError::Corrupt("a session's entry was not staged".to_owned()))?;
+        Ok((token, staged))
+    }
+
+    async fn create_console_session_with(
+        &self,
+        project: ProjectId,
+        member: MemberId,
+        absolute_ms: i64,
+        origin: &SessionOrigin,
+        recorded: Option<AuditEvent>,
+    ) -> Result<(ConsoleToken, Option<StagedEvent>), StoreError> {
         let token = ConsoleToken::generate(SESSION_TOKEN_PREFIX)?;
         let csrf = ConsoleToken::generate("")?;
         let now = now_millis();
+        let mut tx = self.begin_write().await?;
         sqlx::query(
             "INSERT INTO console_sessions (sha256, id, project_id, member_id, csrf_token, \
              created_at, last_seen_at, expires_at, address, user_agent) \
@@ -430,9 +473,14 @@ impl Store {
                 .take(MAX_USER_AGENT_CHARS)
                 .collect::<String>(),
         )
-        .execute(&*self.write_pool().await?)
+        .execute(&mut **tx)
         .await?;
-        Ok(token)
+        let staged = match recorded {
+            Some(recorded) => Some(crate::staged::stage_one(&mut tx, recorded).await?),
+            None => None,
+        };
+        tx.commit().await?;
+        Ok((token, staged))
     }
 
     /// The live sessions of `project` (of `member` only, when given), most recently used first.
@@ -476,13 +524,17 @@ impl Store {
     }
 
     /// Ends session `id` of `project`, if it belongs to `member` (any member's, when `None`).
-    /// Returns the member whose session it was; `None` when there is no such session there.
+    /// Returns the member whose session it was, with `recorded` (from that member), its
+    /// `console.session_revoke` entry, staged in the same transaction (`crate::staged`); `None`
+    /// when there is no such session there, and nothing is staged.
     pub async fn revoke_console_session(
         &self,
         project: ProjectId,
         id: ConsoleSessionId,
         member: Option<MemberId>,
-    ) -> Result<Option<MemberId>, StoreError> {
+        recorded: &(dyn Fn(MemberId) -> AuditEvent + Sync),
+    ) -> Result<Option<(MemberId, StagedEvent)>, StoreError> {
+        let mut tx = self.begin_write().await?;
         let owner: Option<String> = sqlx::query_scalar(
             "DELETE FROM console_sessions WHERE project_id = $1 AND id = $2 \
              AND ($3 IS NULL OR member_id = $3) RETURNING member_id",
@@ -490,11 +542,15 @@ impl Store {
         .bind(project.to_string())
         .bind(id.to_string())
         .bind(member.map(|m| m.to_string()))
-        .fetch_optional(&*self.write_pool().await?)
+        .fetch_optional(&mut **tx)
         .await?;
-        owner
-            .map(|m| parse_column(&m, "console_sessions.member_id"))
-            .transpose()
+        let Some(owner) = owner else {
+            return Ok(None);
+        };
+        let owner: MemberId = parse_column(&owner, "console_sessions.member_id")?;
+        let staged = crate::staged::stage_one(&mut tx, recorded(owner)).await?;
+        tx.commit().await?;
+        Ok(Some((owner, staged)))
     }
 
     /// The live session `presented` names: not past its absolute expiry, and used within the
@@ -556,13 +612,25 @@ impl Store {
         }))
     }
 
-    /// Ends the session `presented` names (signing out). Ending an unknown one is a no-op.
-    pub async fn end_console_session(&self, presented: &str) -> Result<(), StoreError> {
-        sqlx::query("DELETE FROM console_sessions WHERE sha256 = $1")
+    /// Ends the session `presented` names (signing out), staging `recorded`, its
+    /// `console.sign_out` entry, in the same transaction (`crate::staged`). Ending an unknown
+    /// one does nothing and stages nothing.
+    pub async fn end_console_session(
+        &self,
+        presented: &str,
+        recorded: AuditEvent,
+    ) -> Result<Option<StagedEvent>, StoreError> {
+        let mut tx = self.begin_write().await?;
+        let done = sqlx::query("DELETE FROM console_sessions WHERE sha256 = $1")
             .bind(sha256_hex(presented.as_bytes()))
-            .execute(&*self.write_pool().await?)
+            .execute(&mut **tx)
             .await?;
-        Ok(())
+        if done.rows_affected() == 0 {
+            return Ok(None);
+        }
+        let staged = crate::staged::stage_one(&mut tx, recorded).await?;
+        tx.commit().await?;
+        Ok(Some(staged))
     }
 
     /// Counts a sign-in attempt against each of `scopes` (an account with its limit, an

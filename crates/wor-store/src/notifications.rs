@@ -12,11 +12,13 @@ use std::fmt;
 use std::str::FromStr;
 
 use sqlx::Row;
+use wor_core::audit::AuditEvent;
 use wor_core::canonical::sha256_hex;
 use wor_core::{ApiKeyId, ApprovalId, MemberId, NotificationRouteId, ProjectId, RoutineId};
 
 use crate::console::ConsoleToken;
 use crate::outbox::Outbox;
+use crate::staged::StagedEvent;
 use crate::{
     AttemptOutcome, Store, StoreError, changed_one, conflict_or, now_millis, parse_column,
 };
@@ -231,12 +233,17 @@ const DELIVERY_COLUMNS: &str = "id, project_id, route_id, approval_id, action, n
 
 impl Store {
     /// Makes a notification route; a second route of the same name is a conflict.
+    /// Makes `route`, staging `recorded` (from the new route's id), its
+    /// `notification_route.create` entry, in the same transaction (`crate::staged`) for the
+    /// caller to append.
     pub async fn create_notification_route(
         &self,
         project: ProjectId,
         route: &NewNotificationRoute,
-    ) -> Result<NotificationRouteRecord, StoreError> {
+        recorded: &(dyn Fn(NotificationRouteId) -> AuditEvent + Sync),
+    ) -> Result<(NotificationRouteRecord, StagedEvent), StoreError> {
         let id = NotificationRouteId::new();
+        let mut tx = self.begin_write().await?;
         let now = now_millis();
         let settings = serde_json::to_string(&route.channel)
             .map_err(|e| StoreError::Corrupt(format!("route settings: {e}")))?;
@@ -255,14 +262,16 @@ impl Store {
         .bind(settings)
         .bind(route.created_by.map(|k| k.to_string()))
         .bind(now)
-        .execute(&*self.write_pool().await?)
+        .execute(&mut **tx)
         .await
         .map_err(|e| {
             conflict_or(e, || {
                 format!("a notification route named `{}` exists", route.name)
             })
         })?;
-        self.get_notification_route(project, id).await
+        let staged = crate::staged::stage_one(&mut tx, recorded(id)).await?;
+        tx.commit().await?;
+        Ok((self.get_notification_route(project, id).await?, staged))
     }
 
     pub async fn get_notification_route(
@@ -295,12 +304,14 @@ impl Store {
         rows.iter().map(route_from_row).collect()
     }
 
-    /// Deletes a route; its deliveries still pending fail, naming why.
+    /// Deletes a route; its deliveries still pending fail, naming why. Stages `recorded`, its
+    /// `notification_route.delete` entry, in the same transaction (`crate::staged`).
     pub async fn delete_notification_route(
         &self,
         project: ProjectId,
         id: NotificationRouteId,
-    ) -> Result<(), StoreError> {
+        recorded: AuditEvent,
+    ) -> Result<StagedEvent, StoreError> {
         let mut tx = self.begin_write().await?;
         let done = sqlx::query("DELETE FROM notification_routes WHERE project_id = $1 AND id = $2")
             .bind(project.to_string())
@@ -317,8 +328,9 @@ impl Store {
         .bind(id.to_string())
         .execute(&mut **tx)
         .await?;
+        let staged = crate::staged::stage_one(&mut tx, recorded).await?;
         tx.commit().await?;
-        Ok(())
+        Ok(staged)
     }
 
     /// Enqueues a notification; enqueueing the same event again does nothing.
@@ -542,14 +554,16 @@ impl Store {
     }
 
     /// Uses the link token `presented` to link its Slack identity to `member`, replacing any
-    /// earlier link of that identity. `None` when the token is unknown, used, expired or of
-    /// another project.
+    /// earlier link of that identity, and stages `recorded`, its `slack.link` entry, in the
+    /// same transaction (`crate::staged`). `None` when the token is unknown, used, expired or
+    /// of another project: nothing is staged.
     pub async fn link_slack_identity(
         &self,
         project: ProjectId,
         presented: &str,
         member: MemberId,
-    ) -> Result<Option<SlackLinkRecord>, StoreError> {
+        recorded: &(dyn Fn(&SlackLinkRecord) -> AuditEvent + Sync),
+    ) -> Result<Option<(SlackLinkRecord, StagedEvent)>, StoreError> {
         let mut tx = self.begin_write().await?;
         let now = now_millis();
         let digest = sha256_hex(presented.as_bytes());
@@ -588,8 +602,9 @@ impl Store {
         .bind(now)
         .execute(&mut **tx)
         .await?;
+        let staged = crate::staged::stage_one(&mut tx, recorded(&link)).await?;
         tx.commit().await?;
-        Ok(Some(link))
+        Ok(Some((link, staged)))
     }
 }
 

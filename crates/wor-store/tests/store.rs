@@ -3136,23 +3136,28 @@ async fn a_write_outside_a_transaction_waits_its_turn_with_the_process_writes() 
     if db.store.backend() != wor_store::Backend::Sqlite {
         return;
     }
-    let created = support::held_up(
+    let created = db
+        .store
+        .create_tool_connection(project, support::mcp_connection("desk"))
+        .await
+        .unwrap();
+    let seen = support::held_up(
         &db.store,
         db.store
-            .create_tool_connection(project, support::mcp_connection("desk")),
+            .record_live_tools(project, created.id, &std::collections::BTreeMap::new()),
     )
     .await
     .unwrap();
-    assert_eq!(created.status, ToolConnectionStatus::PendingReview);
+    assert_eq!(seen.status, ToolConnectionStatus::PendingReview);
+    assert_eq!(seen.live_tools, Some(std::collections::BTreeMap::new()));
     // The same for a statement that returns what it changed.
-    let revoked = support::held_up(
+    let taken = support::held_up(
         &db.store,
-        db.store
-            .revoke_console_session(project, wor_core::ConsoleSessionId::new(), None),
+        db.store.take_oauth_authorization("no-such-state"),
     )
     .await
     .unwrap();
-    assert_eq!(revoked, None, "there was no such session");
+    assert!(taken.is_none(), "there was no such authorization");
 }
 
 /// A cancel says how many runs it asked to stop and which it took from the queue, and asking
@@ -3372,6 +3377,161 @@ async fn creations_and_expiries_stage_their_entry_with_the_change() {
         "an expired approval is not expired again"
     );
     assert_eq!(staged().await.unwrap(), 5);
+}
+
+/// Console sessions opened and ended, a session revoked, a sign-in link made, an invitation
+/// used to set a password, and a notification route made and deleted each stage their entry
+/// in the transaction that makes the change; what changes nothing (an unknown session ended
+/// or revoked, a link for a member of another project, an invitation used twice, an unknown
+/// route deleted) stages nothing.
+#[tokio::test]
+async fn console_sessions_links_and_routes_stage_their_entry_only_when_they_change_something() {
+    use wor_core::audit::{Actor, AuditCategory, AuditEvent};
+    let db = TestDatabase::new().await.unwrap();
+    let p = created_project(&db.store, "console").await;
+    let other = created_project(&db.store, "elsewhere").await;
+    let project = p.project.id;
+    let member = p.owner.id;
+    let store = &db.store;
+    let staged = || wor_store::testing::staged_count(store, project);
+    let event = |category| {
+        AuditEvent::new(
+            project,
+            category,
+            Actor::ConsoleMember { member_id: member },
+        )
+        .subject("member_id", member)
+    };
+
+    let (token, entry) = store
+        .create_console_session_staged(
+            project,
+            member,
+            60_000,
+            &Default::default(),
+            event(AuditCategory::ConsoleSignIn),
+        )
+        .await
+        .unwrap();
+    assert_eq!(entry.event(), &event(AuditCategory::ConsoleSignIn));
+    assert_eq!(staged().await.unwrap(), 1);
+    let unknown = store
+        .end_console_session("wcs_unknown", event(AuditCategory::ConsoleSignOut))
+        .await
+        .unwrap();
+    assert!(unknown.is_none(), "no session, nothing staged");
+    let ended = store
+        .end_console_session(token.expose(), event(AuditCategory::ConsoleSignOut))
+        .await
+        .unwrap();
+    assert_eq!(
+        ended.map(|e| e.event().clone()),
+        Some(event(AuditCategory::ConsoleSignOut))
+    );
+    assert_eq!(staged().await.unwrap(), 2);
+
+    store
+        .create_console_session(project, member, 60_000, &Default::default())
+        .await
+        .unwrap();
+    let session = store
+        .list_console_sessions(project, None, 60_000)
+        .await
+        .unwrap()[0]
+        .id;
+    let revoked = |owner: wor_core::MemberId| {
+        event(AuditCategory::ConsoleSessionRevoke).subject("session_id", owner)
+    };
+    let elsewhere = store
+        .revoke_console_session(other.project.id, session, None, &revoked)
+        .await
+        .unwrap();
+    assert!(
+        elsewhere.is_none(),
+        "another project's session is not found"
+    );
+    let (owner, entry) = store
+        .revoke_console_session(project, session, None, &revoked)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(owner, member);
+    assert_eq!(entry.event(), &revoked(member));
+    assert_eq!(staged().await.unwrap(), 3);
+
+    let linked = |expires_at: i64| {
+        event(AuditCategory::MemberSignInLink)
+            .payload(serde_json::json!({ "expires_at": expires_at }))
+    };
+    let foreign = store
+        .create_sign_in_link(project, other.owner.id, 60_000, &linked)
+        .await;
+    assert!(matches!(foreign, Err(StoreError::NotFound)), "{foreign:?}");
+    assert_eq!(staged().await.unwrap(), 3, "nothing staged for a refusal");
+    let (_, expires_at, entry) = store
+        .create_sign_in_link(project, member, 60_000, &linked)
+        .await
+        .unwrap();
+    assert_eq!(entry.event(), &linked(expires_at));
+    assert_eq!(staged().await.unwrap(), 4);
+
+    let (invitation, _) = store
+        .create_invitation(project, member, None, 60_000)
+        .await
+        .unwrap();
+    let set = |_: &wor_store::InvitationRecord| event(AuditCategory::MemberSetPassword);
+    let (accepted, entry) = store
+        .accept_invitation(invitation.expose(), "$argon2id$phc", &set)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(accepted.member_id, member);
+    assert_eq!(entry.event(), &event(AuditCategory::MemberSetPassword));
+    assert_eq!(staged().await.unwrap(), 5);
+    let again = store
+        .accept_invitation(invitation.expose(), "$argon2id$phc", &set)
+        .await
+        .unwrap();
+    assert!(again.is_none(), "an invitation works once");
+    assert_eq!(staged().await.unwrap(), 5);
+
+    let route = wor_store::NewNotificationRoute {
+        name: "ops".to_owned(),
+        channel: wor_store::RouteChannel::Slack {
+            channel: "C1".to_owned(),
+            api_url: "https://slack.com/api".to_owned(),
+        },
+        filter: wor_store::RouteFilter::default(),
+        created_by: None,
+    };
+    let made = |id: wor_core::NotificationRouteId| {
+        event(AuditCategory::NotificationRouteCreate).subject("route_id", id)
+    };
+    let (created, entry) = store
+        .create_notification_route(project, &route, &made)
+        .await
+        .unwrap();
+    assert_eq!(entry.event(), &made(created.id));
+    assert_eq!(staged().await.unwrap(), 6);
+    let taken = store
+        .create_notification_route(project, &route, &made)
+        .await;
+    assert!(matches!(taken, Err(StoreError::Conflict(_))), "{taken:?}");
+    let deleted = || event(AuditCategory::NotificationRouteDelete).subject("route_id", created.id);
+    let elsewhere = store
+        .delete_notification_route(other.project.id, created.id, deleted())
+        .await;
+    assert!(
+        matches!(elsewhere, Err(StoreError::NotFound)),
+        "{elsewhere:?}"
+    );
+    assert_eq!(staged().await.unwrap(), 6, "nothing staged for a refusal");
+    let entry = store
+        .delete_notification_route(project, created.id, deleted())
+        .await
+        .unwrap();
+    assert_eq!(entry.event(), &deleted());
+    assert_eq!(staged().await.unwrap(), 7);
 }
 
 /// A service key named `ci` with `role` in `project`.

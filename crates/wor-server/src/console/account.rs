@@ -87,24 +87,24 @@ pub async fn revoke(
 ) -> PageResult {
     let me = &member.session;
     let only = (!me.role.can_configure()).then_some(me.member_id);
-    let owner = state
+    // The entry is staged with the revocation: a crash before it is appended leaves it for
+    // the audit writer's sweep.
+    let entry = |owner: wor_core::MemberId| {
+        AuditEvent::new(
+            me.project_id,
+            AuditCategory::ConsoleSessionRevoke,
+            member.actor(),
+        )
+        .subject("member_id", owner)
+        .subject("session_id", id)
+        .payload(json!({ "own": owner == me.member_id }))
+    };
+    let (owner, staged) = state
         .store
-        .revoke_console_session(me.project_id, id, only)
+        .revoke_console_session(me.project_id, id, only, &entry)
         .await?
         .ok_or(ConsoleError(ApiError::NotFound))?;
-    state
-        .audit
-        .append(
-            AuditEvent::new(
-                me.project_id,
-                AuditCategory::ConsoleSessionRevoke,
-                member.actor(),
-            )
-            .subject("member_id", owner)
-            .subject("session_id", id)
-            .payload(json!({ "own": owner == me.member_id })),
-        )
-        .await?;
+    state.engine.append_staged_or_log([staged]).await;
     tracing::info!(category = "console", action = "session.revoke", project_id = %me.project_id,
         member_id = %owner, session_id = %id, "a console session was ended");
     if id == me.id {

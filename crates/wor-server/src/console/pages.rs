@@ -327,26 +327,30 @@ pub(super) async fn open_session(
             .unwrap_or_default()
             .to_owned(),
     };
-    let token = state
-        .store
-        .create_console_session(project, member, millis(config.session_absolute), &origin)
-        .await?;
     let mut payload = json!({ "address": address });
     if let (Some(via), Some(fields)) = (via, payload.as_object_mut()) {
         fields.insert("via".to_owned(), Value::from(via));
     }
-    state
-        .audit
-        .append(
-            AuditEvent::new(
-                project,
-                AuditCategory::ConsoleSignIn,
-                Actor::ConsoleMember { member_id: member },
-            )
-            .subject("member_id", member)
-            .payload(payload),
+    // The entry is staged with the session: a crash before it is appended leaves it for the
+    // audit writer's sweep, never a session without its entry.
+    let recorded = AuditEvent::new(
+        project,
+        AuditCategory::ConsoleSignIn,
+        Actor::ConsoleMember { member_id: member },
+    )
+    .subject("member_id", member)
+    .payload(payload);
+    let (token, staged) = state
+        .store
+        .create_console_session_staged(
+            project,
+            member,
+            millis(config.session_absolute),
+            &origin,
+            recorded,
         )
         .await?;
+    state.engine.append_staged_or_log([staged]).await;
     tracing::info!(category = "console", action = "sign_in", project_id = %project,
         member_id = %member, "a member signed in to the console");
     let mut response = Redirect::to(target).into_response();
@@ -369,18 +373,17 @@ pub(super) async fn open_session(
 }
 
 pub async fn sign_out(State(state): State<AppState>, member: ConsoleMember) -> PageResult {
-    state.store.end_console_session(&member.token).await?;
-    state
-        .audit
-        .append(
-            AuditEvent::new(
-                member.session.project_id,
-                AuditCategory::ConsoleSignOut,
-                member.actor(),
-            )
-            .subject("member_id", member.session.member_id),
-        )
+    let recorded = AuditEvent::new(
+        member.session.project_id,
+        AuditCategory::ConsoleSignOut,
+        member.actor(),
+    )
+    .subject("member_id", member.session.member_id);
+    let staged = state
+        .store
+        .end_console_session(&member.token, recorded)
         .await?;
+    state.engine.append_staged_or_log(staged).await;
     let mut response = Redirect::to("/console/sign-in").into_response();
     response.headers_mut().append(
         header::SET_COOKIE,
@@ -472,24 +475,24 @@ pub async fn accept_invitation(
             tracing::error!(category = "console", error = %error, "a password could not be hashed");
             ConsoleError(ApiError::Internal)
         })?;
-    let accepted = state
+    // The entry is staged with the password: a crash before it is appended leaves it for the
+    // audit writer's sweep.
+    let entry = |invitation: &wor_store::InvitationRecord| {
+        AuditEvent::new(
+            invitation.project_id,
+            AuditCategory::MemberSetPassword,
+            Actor::ConsoleMember {
+                member_id: invitation.member_id,
+            },
+        )
+        .subject("member_id", invitation.member_id)
+    };
+    let (accepted, staged) = state
         .store
-        .accept_invitation(&token, &phc)
+        .accept_invitation(&token, &phc, &entry)
         .await?
         .ok_or_else(invitation_gone)?;
-    state
-        .audit
-        .append(
-            AuditEvent::new(
-                accepted.project_id,
-                AuditCategory::MemberSetPassword,
-                Actor::ConsoleMember {
-                    member_id: accepted.member_id,
-                },
-            )
-            .subject("member_id", accepted.member_id),
-        )
-        .await?;
+    state.engine.append_staged_or_log([staged]).await;
     let project = state.store.get_project(accepted.project_id).await?;
     let target = url::form_urlencoded::Serializer::new(String::new())
         .append_pair("project", &project.name)

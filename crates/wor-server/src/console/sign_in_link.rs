@@ -35,22 +35,22 @@ pub async fn issue_sign_in_link(
     member: MemberId,
     ttl: Duration,
 ) -> Result<(String, i64), ApiError> {
-    let (token, expires_at): (ConsoleToken, i64) = state
-        .store
-        .create_sign_in_link(project, member, millis(ttl))
-        .await?;
-    state
-        .audit
-        .append(
-            AuditEvent::new(
-                project,
-                AuditCategory::MemberSignInLink,
-                wor_core::audit::Actor::Operator,
-            )
-            .subject("member_id", member)
-            .payload(json!({ "expires_at": expires_at })),
+    // The entry is staged with the link: a crash before it is appended leaves it for the
+    // audit writer's sweep, never a link that signs someone in without its entry.
+    let entry = |expires_at: i64| {
+        AuditEvent::new(
+            project,
+            AuditCategory::MemberSignInLink,
+            wor_core::audit::Actor::Operator,
         )
+        .subject("member_id", member)
+        .payload(json!({ "expires_at": expires_at }))
+    };
+    let (token, expires_at, staged): (ConsoleToken, i64, _) = state
+        .store
+        .create_sign_in_link(project, member, millis(ttl), &entry)
         .await?;
+    state.engine.append_staged_or_log([staged]).await;
     Ok((
         format!("/console/sign-in-links/{}", token.expose()),
         expires_at,
