@@ -288,9 +288,9 @@ impl Engine {
     }
 
     /// Files an approval request and parks `run`, which `holder` holds (under the claim whose
-    /// credential is `claim`, for a remote worker), then announces the request: its audit
-    /// entry, run webhook and notifications. The approval's id; `None` when `holder` does not
-    /// hold the run (nothing changed).
+    /// credential is `claim`, for a remote worker), its audit entry staged with it, then
+    /// announces the request: the entry appended, the run webhook and notifications. The
+    /// approval's id; `None` when `holder` does not hold the run (nothing changed).
     pub(crate) async fn park_run(
         &self,
         run: &RunRecord,
@@ -322,37 +322,30 @@ impl Engine {
             why: request.why,
             expires_at: wor_store::now_millis().saturating_add(ttl),
         };
-        let parked = match claim {
-            None => {
-                self.store
-                    .park_for_approval(run.project_id, holder, &approval)
-                    .await?
-            }
-            Some(credential) => {
-                self.store
-                    .park_for_approval_under_claim(run.project_id, holder, credential, &approval)
-                    .await?
-            }
+        // The request's entry is staged with the approval: a crash before it is appended here
+        // leaves it for the audit writer's sweep, never a held call without its entry.
+        let entry = |id: ApprovalId| {
+            run_event(run, AuditCategory::ApprovalRequest)
+                .subject("approval_id", id)
+                .payload(json!({
+                    "kind": approval.kind.as_str(),
+                    "tool": approval.tool,
+                    "call_id": approval.call_id,
+                    "binding_hash": binding,
+                    "arguments_hash": approval.arguments_hash,
+                    "pin_hash": approval.pin_hash,
+                    "expires_at": approval.expires_at,
+                }))
         };
-        let Some((id, created)) = parked else {
+        let parked = self
+            .store
+            .park_for_approval_staged(run.project_id, holder, claim, &approval, &entry)
+            .await?;
+        let Some((id, staged)) = parked else {
             return Ok(None);
         };
-        if created {
-            self.audit
-                .append(
-                    run_event(run, AuditCategory::ApprovalRequest)
-                        .subject("approval_id", id)
-                        .payload(json!({
-                            "kind": approval.kind.as_str(),
-                            "tool": approval.tool,
-                            "call_id": approval.call_id,
-                            "binding_hash": binding,
-                            "arguments_hash": approval.arguments_hash,
-                            "pin_hash": approval.pin_hash,
-                            "expires_at": approval.expires_at,
-                        })),
-                )
-                .await?;
+        if let Some(staged) = staged {
+            self.append_staged_or_log([staged]).await;
             self.enqueue_run_webhook(
                 run,
                 wor_core::run::RunStatus::WaitingForApproval,
@@ -383,8 +376,9 @@ impl Engine {
     /// remote worker), when `binding` — the call as it is about to
     /// run — is what the approval binds to: the approval used, the call recorded as started
     /// and the run's `usage` saved in one transaction (a crash leaves both or neither, never a
-    /// spent approval whose call did not start), then its `approval.use` entry; an approval
-    /// that is not usable for it is an `approval_mismatch` entry instead.
+    /// spent approval whose call did not start), its `approval.use` entry staged in that
+    /// transaction too; an approval that is not usable for it is an `approval_mismatch` entry
+    /// instead.
     pub(crate) async fn start_approved(
         &self,
         run: &RunRecord,
@@ -402,8 +396,18 @@ impl Engine {
                 approval_id: approval.id,
                 tool: approval.tool.clone(),
             });
-            self.store
-                .start_approved_call(
+            // The use's entry is staged with the call's start: a crash before it is appended
+            // here leaves it for the audit writer's sweep, never a spent approval without it.
+            let used = run_event(run, AuditCategory::ApprovalUse)
+                .subject("approval_id", approval.id)
+                .payload(json!({
+                    "tool": approval.tool,
+                    "call_id": approval.call_id,
+                    "binding_hash": binding,
+                }));
+            let (started, staged) = self
+                .store
+                .start_approved_call_staged(
                     run.project_id,
                     run.id,
                     holder,
@@ -414,28 +418,24 @@ impl Engine {
                         usage,
                         claim,
                     },
+                    used,
                 )
-                .await?
+                .await?;
+            self.append_staged_or_log(staged).await;
+            started
         } else {
             ApprovedStart::NotUsable
         };
-        let event = match started {
-            ApprovedStart::Started => run_event(run, AuditCategory::ApprovalUse)
-                .subject("approval_id", approval.id)
-                .payload(json!({
+        if started == ApprovedStart::NotUsable {
+            self.audit
+                .append(run_event(run, AuditCategory::ToolCall).payload(json!({
+                    "transition": "approval_mismatch",
                     "tool": approval.tool,
                     "call_id": approval.call_id,
-                    "binding_hash": binding,
-                })),
-            ApprovedStart::NotUsable => run_event(run, AuditCategory::ToolCall).payload(json!({
-                "transition": "approval_mismatch",
-                "tool": approval.tool,
-                "call_id": approval.call_id,
-                "approval_id": approval.id.to_string(),
-            })),
-            ApprovedStart::RunNotHeld | ApprovedStart::CancelRequested => return Ok(started),
-        };
-        self.audit.append(event).await?;
+                    "approval_id": approval.id.to_string(),
+                })))
+                .await?;
+        }
         Ok(started)
     }
 

@@ -271,7 +271,10 @@ impl Store {
         worker: &str,
         approval: &NewApproval,
     ) -> Result<Option<(ApprovalId, bool)>, StoreError> {
-        self.park_filing(project, worker, None, approval).await
+        let parked = self
+            .park_filing(project, worker, None, approval, None)
+            .await?;
+        Ok(parked.map(|(id, created, _)| (id, created)))
     }
 
     /// [`Store::park_for_approval`] for remote worker `worker`, only under the claim whose
@@ -283,8 +286,28 @@ impl Store {
         credential: &str,
         approval: &NewApproval,
     ) -> Result<Option<(ApprovalId, bool)>, StoreError> {
-        self.park_filing(project, worker, Some(credential), approval)
-            .await
+        let parked = self
+            .park_filing(project, worker, Some(credential), approval, None)
+            .await?;
+        Ok(parked.map(|(id, created, _)| (id, created)))
+    }
+
+    /// [`Store::park_for_approval`], or [`Store::park_for_approval_under_claim`] with `claim`,
+    /// staging `recorded` (from the new approval's id), its `approval.request` entry, in the
+    /// same transaction (`crate::staged`) when the approval is filed now; a request filed
+    /// before stages nothing.
+    pub async fn park_for_approval_staged(
+        &self,
+        project: ProjectId,
+        worker: &str,
+        claim: Option<&str>,
+        approval: &NewApproval,
+        recorded: &(dyn Fn(ApprovalId) -> AuditEvent + Sync),
+    ) -> Result<Option<(ApprovalId, Option<StagedEvent>)>, StoreError> {
+        let parked = self
+            .park_filing(project, worker, claim, approval, Some(recorded))
+            .await?;
+        Ok(parked.map(|(id, _, staged)| (id, staged)))
     }
 
     async fn park_filing(
@@ -293,7 +316,8 @@ impl Store {
         worker: &str,
         claim: Option<&str>,
         approval: &NewApproval,
-    ) -> Result<Option<(ApprovalId, bool)>, StoreError> {
+        recorded: Option<&(dyn Fn(ApprovalId) -> AuditEvent + Sync)>,
+    ) -> Result<Option<(ApprovalId, bool, Option<StagedEvent>)>, StoreError> {
         let now = now_millis();
         let mut tx = self.begin_write().await?;
         if !crate::runs::park(&mut tx, project, approval.run_id, worker, claim).await? {
@@ -354,8 +378,14 @@ impl Store {
                 (id, true)
             }
         };
+        let staged = match recorded {
+            Some(recorded) if parked.1 => {
+                Some(crate::staged::stage_one(&mut tx, recorded(parked.0)).await?)
+            }
+            _ => None,
+        };
         tx.commit().await?;
-        Ok(Some(parked))
+        Ok(Some((parked.0, parked.1, staged)))
     }
 
     pub async fn get_approval(
@@ -581,6 +611,34 @@ impl Store {
         worker: &str,
         call: &ApprovedCall<'_>,
     ) -> Result<ApprovedStart, StoreError> {
+        let (started, _) = self
+            .start_approved_call_with(project, run, worker, call, None)
+            .await?;
+        Ok(started)
+    }
+
+    /// [`Store::start_approved_call`], staging `recorded`, its `approval.use` entry, in the
+    /// same transaction (`crate::staged`) when the call starts; staged only then.
+    pub async fn start_approved_call_staged(
+        &self,
+        project: ProjectId,
+        run: RunId,
+        worker: &str,
+        call: &ApprovedCall<'_>,
+        recorded: AuditEvent,
+    ) -> Result<(ApprovedStart, Option<StagedEvent>), StoreError> {
+        self.start_approved_call_with(project, run, worker, call, Some(recorded))
+            .await
+    }
+
+    async fn start_approved_call_with(
+        &self,
+        project: ProjectId,
+        run: RunId,
+        worker: &str,
+        call: &ApprovedCall<'_>,
+        recorded: Option<AuditEvent>,
+    ) -> Result<(ApprovedStart, Option<StagedEvent>), StoreError> {
         let mut tx = self.begin_write().await?;
         // A remote worker's claim is checked first: a cancel, the deadline or a stale claim
         // is what it is told, whatever the approval.
@@ -588,7 +646,7 @@ impl Store {
             let held = claimed_usage(&mut tx, run, worker, claim, call.usage).await?;
             if held != ApprovedStart::Started {
                 tx.rollback().await?;
-                return Ok(held);
+                return Ok((held, None));
             }
         }
         let used = sqlx::query(
@@ -604,17 +662,21 @@ impl Store {
         .await?;
         if used.rows_affected() != 1 {
             tx.rollback().await?;
-            return Ok(ApprovedStart::NotUsable);
+            return Ok((ApprovedStart::NotUsable, None));
         }
         if call.claim.is_none()
             && !crate::runs::write_usage(&mut tx, run, worker, call.usage).await?
         {
             tx.rollback().await?;
-            return Ok(ApprovedStart::RunNotHeld);
+            return Ok((ApprovedStart::RunNotHeld, None));
         }
         crate::runs::append_step(&mut tx, project, run, Provenance::Engine, call.step).await?;
+        let staged = match recorded {
+            Some(recorded) => Some(crate::staged::stage_one(&mut tx, recorded).await?),
+            None => None,
+        };
         tx.commit().await?;
-        Ok(ApprovedStart::Started)
+        Ok((ApprovedStart::Started, staged))
     }
 
     /// Marks the pending approvals of `run` cancelled (its run ended without a decision);

@@ -2158,12 +2158,36 @@ async fn an_approval_is_never_used_without_its_call_recorded_as_started() {
         .await
         .unwrap()
         .unwrap();
+    let staged = || wor_store::testing::staged_count(store, project);
+    let requested = |id: wor_core::ApprovalId| {
+        wor_core::audit::AuditEvent::new(
+            project,
+            wor_core::audit::AuditCategory::ApprovalRequest,
+            wor_core::audit::Actor::Run { run_id: run.id },
+        )
+        .subject("approval_id", id)
+    };
     let request = held_mail_approval(run.id, "binding");
-    let (approval, _) = store
-        .park_for_approval(project, "w", &request)
+    let not_held = store
+        .park_for_approval_staged(project, "another", None, &request, &requested)
+        .await
+        .unwrap();
+    assert!(
+        not_held.is_none(),
+        "a worker that does not hold the run parks nothing"
+    );
+    assert_eq!(staged().await.unwrap(), 0);
+    let (approval, entry) = store
+        .park_for_approval_staged(project, "w", None, &request, &requested)
         .await
         .unwrap()
         .unwrap();
+    assert_eq!(entry.map(|e| e.event().clone()), Some(requested(approval)));
+    assert_eq!(
+        staged().await.unwrap(),
+        1,
+        "the request's entry is staged with it"
+    );
     let decision = ApprovalDecision {
         verdict: ApprovalAnswer::Approve,
         key_id: Some(key),
@@ -2209,12 +2233,23 @@ async fn an_approval_is_never_used_without_its_call_recorded_as_started() {
             "DROP TRIGGER refuse_start ON run_steps; DROP FUNCTION refuse_start();",
         ),
     };
+    let used = wor_core::audit::AuditEvent::new(
+        project,
+        wor_core::audit::AuditCategory::ApprovalUse,
+        wor_core::audit::Actor::Run { run_id: run.id },
+    )
+    .subject("approval_id", approval);
     sqlx::raw_sql(inject).execute(store.pool()).await.unwrap();
     let failed = store
-        .start_approved_call(project, run.id, "w", &call)
+        .start_approved_call_staged(project, run.id, "w", &call, used.clone())
         .await
         .unwrap_err();
     assert!(failed.to_string().contains("injected failure"), "{failed}");
+    assert_eq!(
+        staged().await.unwrap(),
+        1,
+        "no entry for a call that did not start"
+    );
     let approval_now = store.get_approval(project, approval).await.unwrap();
     assert_eq!(approval_now.used_at, None, "the approval is not spent");
     let steps = store.list_run_steps(project, run.id, 0).await.unwrap();
@@ -2234,12 +2269,16 @@ async fn an_approval_is_never_used_without_its_call_recorded_as_started() {
     );
 
     sqlx::raw_sql(remove).execute(store.pool()).await.unwrap();
+    let (started, entry) = store
+        .start_approved_call_staged(project, run.id, "w", &call, used.clone())
+        .await
+        .unwrap();
+    assert_eq!(started, ApprovedStart::Started);
+    assert_eq!(entry.map(|e| e.event().clone()), Some(used.clone()));
     assert_eq!(
-        store
-            .start_approved_call(project, run.id, "w", &call)
-            .await
-            .unwrap(),
-        ApprovedStart::Started
+        staged().await.unwrap(),
+        2,
+        "the use's entry is staged with it"
     );
     assert!(
         store
@@ -2266,14 +2305,14 @@ async fn an_approval_is_never_used_without_its_call_recorded_as_started() {
             .tool_calls,
         1
     );
-    // Used once, never again.
-    assert_eq!(
-        store
-            .start_approved_call(project, run.id, "w", &call)
-            .await
-            .unwrap(),
-        ApprovedStart::NotUsable
-    );
+    // Used once, never again, and nothing staged for the refusal.
+    let (again, entry) = store
+        .start_approved_call_staged(project, run.id, "w", &call, used)
+        .await
+        .unwrap();
+    assert_eq!(again, ApprovedStart::NotUsable);
+    assert!(entry.is_none());
+    assert_eq!(staged().await.unwrap(), 2);
 }
 
 #[tokio::test]
