@@ -2,10 +2,16 @@
 //! transaction, so a project never exists without someone who can manage it.
 
 use sqlx::Row;
+use wor_core::audit::AuditEvent;
 use wor_core::{MemberId, ProjectId, Role};
 
 use crate::api_keys::{self, ApiKeyKind, ApiKeyRecord, NewApiKey, PlaintextApiKey};
+use crate::staged::StagedEvent;
 use crate::{Store, StoreError, conflict_or, now_millis, parse_column};
+
+/// The audit entries of a project made, from the project, its owner and the owner's key.
+pub type ProjectEntries<'a> =
+    dyn Fn(&ProjectRecord, &crate::MemberRecord, &ApiKeyRecord) -> Vec<AuditEvent> + Sync + 'a;
 
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct ProjectRecord {
@@ -40,6 +46,28 @@ impl Store {
         name: &str,
         owner_name: &str,
     ) -> Result<CreatedProject, StoreError> {
+        let (created, _) = self.create_project_with(name, owner_name, None).await?;
+        Ok(created)
+    }
+
+    /// [`Self::create_project`], staging the entries `recorded` makes in the same transaction
+    /// (`crate::staged`).
+    pub async fn create_project_staged(
+        &self,
+        name: &str,
+        owner_name: &str,
+        recorded: &ProjectEntries<'_>,
+    ) -> Result<(CreatedProject, Vec<StagedEvent>), StoreError> {
+        self.create_project_with(name, owner_name, Some(recorded))
+            .await
+    }
+
+    async fn create_project_with(
+        &self,
+        name: &str,
+        owner_name: &str,
+        recorded: Option<&ProjectEntries<'_>>,
+    ) -> Result<(CreatedProject, Vec<StagedEvent>), StoreError> {
         let now = now_millis();
         let project = ProjectRecord {
             id: ProjectId::new(),
@@ -62,7 +90,7 @@ impl Store {
             created_at: now,
         };
         crate::members::insert(&mut tx, &owner).await?;
-        let (_, owner_key) = api_keys::insert(
+        let (key, owner_key) = api_keys::insert(
             &mut tx,
             project.id,
             NewApiKey {
@@ -73,23 +101,34 @@ impl Store {
             },
         )
         .await?;
+        let staged = match recorded {
+            Some(recorded) => {
+                crate::staged::stage(&mut tx, recorded(&project, &owner, &key)).await?
+            }
+            None => Vec::new(),
+        };
         tx.commit().await?;
-        Ok(CreatedProject {
+        let created = CreatedProject {
             project,
             owner,
             owner_key,
-        })
+        };
+        Ok((created, staged))
     }
 
     /// Lets someone manage `project` again (an operator's recovery, when every owner key is
     /// lost): a new personal `owner` key for the owner member named `owner_name`, or, when the
     /// project has no member of that name, a new `owner` member with that key. A member of that
     /// name with a lower role is refused: recovery makes no one an owner who was not.
+    ///
+    /// Stages the entries `recorded` makes from what the recovery made in the same
+    /// transaction (`crate::staged`).
     pub async fn recover_owner(
         &self,
         project: ProjectId,
         owner_name: &str,
-    ) -> Result<RecoveredOwner, StoreError> {
+        recorded: &(dyn Fn(&RecoveredOwner) -> Vec<AuditEvent> + Sync),
+    ) -> Result<(RecoveredOwner, Vec<StagedEvent>), StoreError> {
         let mut tx = self.begin_write().await?;
         api_keys::lock_project(&mut tx, project).await?;
         let existing = sqlx::query(
@@ -142,13 +181,15 @@ impl Store {
             },
         )
         .await?;
-        tx.commit().await?;
-        Ok(RecoveredOwner {
+        let recovered = RecoveredOwner {
             owner,
             owner_created,
             key,
             plaintext,
-        })
+        };
+        let staged = crate::staged::stage(&mut tx, recorded(&recovered)).await?;
+        tx.commit().await?;
+        Ok((recovered, staged))
     }
 
     /// The project named `name`.

@@ -1943,8 +1943,35 @@ async fn recovering_an_owner_makes_a_working_owner_key() {
         project
     );
 
+    // Each recovery stages what it says it made, from what it made.
+    let entries = |recovered: &wor_store::RecoveredOwner| {
+        let key = wor_core::audit::AuditEvent::new(
+            project,
+            wor_core::audit::AuditCategory::KeyCreate,
+            wor_core::audit::Actor::Operator,
+        )
+        .subject("key_id", recovered.key.id);
+        if recovered.owner_created {
+            vec![key.clone().subject("member_id", recovered.owner.id), key]
+        } else {
+            vec![key]
+        }
+    };
+    let staged = || wor_store::testing::staged_count(&db.store, project);
     // An existing owner gets a new key.
-    let again = db.store.recover_owner(project, "alice").await.unwrap();
+    let (again, entries_made) = db
+        .store
+        .recover_owner(project, "alice", &entries)
+        .await
+        .unwrap();
+    assert_eq!(
+        entries_made
+            .iter()
+            .map(|e| e.event().clone())
+            .collect::<Vec<_>>(),
+        entries(&again)
+    );
+    assert_eq!(staged().await.unwrap(), 1);
     assert!(!again.owner_created);
     assert_eq!(again.owner.id, p.owner.id);
     let auth = db
@@ -1959,7 +1986,12 @@ async fn recovering_an_owner_makes_a_working_owner_key() {
     );
 
     // An unknown name becomes a new owner member.
-    let fresh = db.store.recover_owner(project, "rescuer").await.unwrap();
+    let (fresh, _) = db
+        .store
+        .recover_owner(project, "rescuer", &entries)
+        .await
+        .unwrap();
+    assert_eq!(staged().await.unwrap(), 3, "a new owner and their key");
     assert!(fresh.owner_created);
     assert_eq!(fresh.owner.role, Role::Owner);
     assert_eq!(
@@ -1978,7 +2010,12 @@ async fn recovering_an_owner_makes_a_working_owner_key() {
         .create_member(project, "vera", Role::Viewer)
         .await
         .unwrap();
-    let err = db.store.recover_owner(project, "vera").await.unwrap_err();
+    let err = db
+        .store
+        .recover_owner(project, "vera", &entries)
+        .await
+        .unwrap_err();
+    assert_eq!(staged().await.unwrap(), 3, "nothing staged for a refusal");
     assert!(
         matches!(err, StoreError::Conflict(ref m) if m.contains("`vera`")),
         "{err:?}"
@@ -1989,7 +2026,7 @@ async fn recovering_an_owner_makes_a_working_owner_key() {
     );
     assert!(matches!(
         db.store
-            .recover_owner(wor_core::ProjectId::new(), "x")
+            .recover_owner(wor_core::ProjectId::new(), "x", &entries)
             .await,
         Err(StoreError::NotFound)
     ));

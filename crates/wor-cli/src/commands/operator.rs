@@ -6,7 +6,9 @@ use anyhow::{Context, bail};
 use serde_json::json;
 use wor_core::ProjectId;
 use wor_core::audit::{Actor, AuditCategory, AuditEvent};
-use wor_store::{AuditConfig, AuditLog, CreatedProject, ProjectRecord, Store, StoreError};
+use wor_store::{
+    AuditConfig, AuditLog, CreatedProject, ProjectRecord, StagedEvent, Store, StoreError,
+};
 
 use crate::config::{ServerConfig, ServerFlags};
 
@@ -82,27 +84,26 @@ async fn create_audited(
     owner: &str,
 ) -> anyhow::Result<CreatedProject> {
     let audit = start_audit(flags, store)?;
-    let created = store.create_project(name, owner).await?;
-    let project = created.project.id;
-    let key_id = store
-        .list_api_keys(project)
-        .await?
-        .first()
-        .map(|k| k.id)
-        .context("the new project has no owner key")?;
-    let events = [
-        AuditEvent::new(project, AuditCategory::ProjectCreate, Actor::Operator)
-            .subject("project_id", project)
-            .payload(json!({ "name": name })),
-        AuditEvent::new(project, AuditCategory::MemberCreate, Actor::Operator)
-            .subject("member_id", created.owner.id)
-            .payload(json!({ "name": owner, "role": created.owner.role })),
-        AuditEvent::new(project, AuditCategory::KeyCreate, Actor::Operator)
-            .subject("key_id", key_id)
-            .subject("member_id", created.owner.id)
-            .payload(json!({ "role": created.owner.role, "service": false })),
-    ];
-    record_and_sign(&audit, events).await?;
+    // The entries are staged with the project: a command stopped before they are appended
+    // leaves them for the audit writer's next sweep, never a project without its entries.
+    let entries = |project: &wor_store::ProjectRecord,
+                   member: &wor_store::MemberRecord,
+                   key: &wor_store::ApiKeyRecord| {
+        vec![
+            AuditEvent::new(project.id, AuditCategory::ProjectCreate, Actor::Operator)
+                .subject("project_id", project.id)
+                .payload(json!({ "name": name })),
+            AuditEvent::new(project.id, AuditCategory::MemberCreate, Actor::Operator)
+                .subject("member_id", member.id)
+                .payload(json!({ "name": owner, "role": member.role })),
+            AuditEvent::new(project.id, AuditCategory::KeyCreate, Actor::Operator)
+                .subject("key_id", key.id)
+                .subject("member_id", member.id)
+                .payload(json!({ "role": member.role, "service": false })),
+        ]
+    };
+    let (created, staged) = store.create_project_staged(name, owner, &entries).await?;
+    record_and_sign(&audit, staged).await?;
     Ok(created)
 }
 
@@ -198,27 +199,34 @@ async fn recover_owner(
 ) -> anyhow::Result<()> {
     let project = find_project(store, project).await?;
     let audit = start_audit(flags, store)?;
-    let recovered = store.recover_owner(project.id, owner).await?;
-    let mut events = Vec::new();
-    if recovered.owner_created {
+    // The entries are staged with the new key: a command stopped before they are appended
+    // leaves them for the audit writer's next sweep, never an owner key without its entry.
+    let entries = |recovered: &wor_store::RecoveredOwner| {
+        let mut events = Vec::new();
+        if recovered.owner_created {
+            events.push(
+                AuditEvent::new(project.id, AuditCategory::MemberCreate, Actor::Operator)
+                    .subject("member_id", recovered.owner.id)
+                    .payload(
+                        json!({ "name": owner, "role": recovered.owner.role, "recovery": true }),
+                    ),
+            );
+        }
         events.push(
-            AuditEvent::new(project.id, AuditCategory::MemberCreate, Actor::Operator)
+            AuditEvent::new(project.id, AuditCategory::KeyCreate, Actor::Operator)
+                .subject("key_id", recovered.key.id)
                 .subject("member_id", recovered.owner.id)
-                .payload(json!({ "name": owner, "role": recovered.owner.role, "recovery": true })),
+                .payload(json!({
+                    "name": recovered.key.name,
+                    "role": recovered.key.role,
+                    "service": false,
+                    "recovery": true,
+                })),
         );
-    }
-    events.push(
-        AuditEvent::new(project.id, AuditCategory::KeyCreate, Actor::Operator)
-            .subject("key_id", recovered.key.id)
-            .subject("member_id", recovered.owner.id)
-            .payload(json!({
-                "name": recovered.key.name,
-                "role": recovered.key.role,
-                "service": false,
-                "recovery": true,
-            })),
-    );
-    record_and_sign(&audit, events).await?;
+        events
+    };
+    let (recovered, staged) = store.recover_owner(project.id, owner, &entries).await?;
+    record_and_sign(&audit, staged).await?;
     let who = if recovered.owner_created {
         "new owner"
     } else {
@@ -233,18 +241,14 @@ async fn recover_owner(
     Ok(())
 }
 
-/// Appends `events` to the audit log, then signs the chain's new head: what an operator did is
-/// recorded and checkpointed before the command reports it.
-async fn record_and_sign(
-    audit: &AuditLog,
-    events: impl IntoIterator<Item = AuditEvent>,
-) -> anyhow::Result<()> {
-    for event in events {
-        audit
-            .append(event)
-            .await
-            .context("cannot write the audit log")?;
-    }
+/// Appends the entries `staged` with an operator's change to the audit log, then signs the
+/// chain's new head: what an operator did is recorded and checkpointed before the command
+/// reports it.
+async fn record_and_sign(audit: &AuditLog, staged: Vec<StagedEvent>) -> anyhow::Result<()> {
+    audit
+        .append_staged(staged)
+        .await
+        .context("cannot write the audit log")?;
     audit
         .checkpoint()
         .await
