@@ -516,34 +516,37 @@ impl Engine {
                 .await
                 .map_err(EngineError::Vault)?;
         }
-        self.store
-            .put_connection_oauth(&ConnectionOAuthRecord {
-                connection_id: record.id,
-                project_id: project,
-                client_id: pending.client_id.clone(),
-                discovery: pending.discovery.clone(),
-                access_expires_at: expires_at(now, &tokens),
-                authorized_by: pending.member_id,
-                authorized_key_id: pending.api_key_id,
-                authorized_at: now,
-                refreshed_at: None,
-                scope: pending.scope.clone(),
-            })
-            .await?;
-        self.audit
-            .append(
-                AuditEvent::new(project, AuditCategory::ToolConnectionAuthorize, actor)
-                    .subject("connection_id", record.id)
-                    .payload(json!({
-                        "connection": record.name,
-                        "issuer": discovery.authorization_server.issuer,
-                        "resource": discovery.resource,
-                        "client_id": pending.client_id,
-                        "scope": pending.scope,
-                        "refresh_token": tokens.refresh_token.is_some(),
-                    })),
+        // The entry is staged with the authorization: a crash before it is appended leaves it
+        // for the audit writer's sweep, never an authorized connection without its entry.
+        let recorded = AuditEvent::new(project, AuditCategory::ToolConnectionAuthorize, actor)
+            .subject("connection_id", record.id)
+            .payload(json!({
+                "connection": record.name,
+                "issuer": discovery.authorization_server.issuer,
+                "resource": discovery.resource,
+                "client_id": pending.client_id,
+                "scope": pending.scope,
+                "refresh_token": tokens.refresh_token.is_some(),
+            }));
+        let staged = self
+            .store
+            .put_connection_oauth_staged(
+                &ConnectionOAuthRecord {
+                    connection_id: record.id,
+                    project_id: project,
+                    client_id: pending.client_id.clone(),
+                    discovery: pending.discovery.clone(),
+                    access_expires_at: expires_at(now, &tokens),
+                    authorized_by: pending.member_id,
+                    authorized_key_id: pending.api_key_id,
+                    authorized_at: now,
+                    refreshed_at: None,
+                    scope: pending.scope.clone(),
+                },
+                recorded,
             )
             .await?;
+        self.append_staged_or_log([staged]).await;
         tracing::info!(category = "config", action = "connection.authorize", project_id = %project,
             connection_id = %record.id, "tool connection authorized");
         Ok(FinishedAuthorization {
@@ -771,19 +774,22 @@ impl Engine {
             }
         };
         self.seal_tokens(&slot, &tokens).await?;
-        self.store
-            .record_connection_oauth_refresh(project, id, expires_at(now_millis(), &tokens))
-            .await?;
-        self.audit
-            .append(
-                AuditEvent::new(project, AuditCategory::ToolConnectionTokenRefresh, actor)
-                    .subject("connection_id", id)
-                    .payload(json!({
-                        "connection": connection,
-                        "refresh_token_rotated": tokens.refresh_token.is_some(),
-                    })),
+        let recorded = AuditEvent::new(project, AuditCategory::ToolConnectionTokenRefresh, actor)
+            .subject("connection_id", id)
+            .payload(json!({
+                "connection": connection,
+                "refresh_token_rotated": tokens.refresh_token.is_some(),
+            }));
+        let staged = self
+            .store
+            .record_connection_oauth_refresh_staged(
+                project,
+                id,
+                expires_at(now_millis(), &tokens),
+                recorded,
             )
             .await?;
+        self.append_staged_or_log([staged]).await;
         Ok(tokens.access_token)
     }
 }

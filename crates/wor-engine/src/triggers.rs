@@ -198,17 +198,17 @@ impl Engine {
     ) -> Result<SecretString, EngineError> {
         let secret = webhook_signature::generate_secret().map_err(EngineError::WebhookSecret)?;
         let slot = Self::webhook_slot(project, routine, kind);
-        self.vault
-            .put(&slot, secret.expose_secret())
+        // The entry is staged with the secret: a crash before it is appended leaves it for the
+        // audit writer's sweep, never a new secret without its entry.
+        let recorded = AuditEvent::new(project, AuditCategory::WebhookSecretRotate, actor)
+            .subject("routine_id", routine)
+            .payload(json!({ "slot": slot.to_string(), "kind": kind.as_str() }));
+        let (_, staged) = self
+            .vault
+            .put_staged(&slot, secret.expose_secret(), recorded)
             .await
             .map_err(EngineError::Vault)?;
-        self.audit
-            .append(
-                AuditEvent::new(project, AuditCategory::WebhookSecretRotate, actor)
-                    .subject("routine_id", routine)
-                    .payload(json!({ "slot": slot.to_string(), "kind": kind.as_str() })),
-            )
-            .await?;
+        self.append_staged_or_log([staged]).await;
         Ok(secret)
     }
 

@@ -13,8 +13,10 @@ use std::sync::Arc;
 use secrecy::SecretString;
 use sqlx::{AssertSqlSafe, Row};
 use wor_core::ProjectId;
+use wor_core::audit::AuditEvent;
 use wor_secrets::{KeyRing, SealedSecret, SecretBinding, SecretsError};
 
+use crate::staged::StagedEvent;
 use crate::{Store, StoreError, now_millis};
 
 /// Where one secret lives.
@@ -148,6 +150,31 @@ impl Vault {
 
     /// Seals `value` into `slot`, replacing what was there.
     pub async fn put(&self, slot: &SecretSlot, value: &str) -> Result<SecretMetadata, VaultError> {
+        let (metadata, _) = self.put_with(slot, value, None).await?;
+        Ok(metadata)
+    }
+
+    /// [`Self::put`], staging `recorded`, the entry of the change the secret is, in the same
+    /// transaction (`crate::staged`).
+    pub async fn put_staged(
+        &self,
+        slot: &SecretSlot,
+        value: &str,
+        recorded: AuditEvent,
+    ) -> Result<(SecretMetadata, StagedEvent), VaultError> {
+        let (metadata, staged) = self.put_with(slot, value, Some(recorded)).await?;
+        let staged = staged.ok_or_else(|| {
+            StoreError::Corrupt("a sealed secret's entry was not staged".to_owned())
+        })?;
+        Ok((metadata, staged))
+    }
+
+    async fn put_with(
+        &self,
+        slot: &SecretSlot,
+        value: &str,
+        recorded: Option<AuditEvent>,
+    ) -> Result<(SecretMetadata, Option<StagedEvent>), VaultError> {
         let sealed = self.seal(slot, value.as_bytes())?;
         let now = now_millis();
         let query = sqlx::query(
@@ -156,14 +183,20 @@ impl Vault {
              ON CONFLICT (project_id, owner_table, owner_id, field) \
              DO UPDATE SET key_id = excluded.key_id, sealed = excluded.sealed, updated_at = excluded.updated_at",
         );
+        let mut tx = self.store.begin_write().await?;
         bind_slot(query, slot)
             .bind(sealed.key_id().to_string())
             .bind(sealed.to_bytes())
             .bind(now)
-            .execute(&*self.store.write_pool().await?)
+            .execute(&mut **tx)
             .await
             .map_err(StoreError::from)?;
-        Ok(SecretMetadata { updated_at: now })
+        let staged = match recorded {
+            Some(recorded) => Some(crate::staged::stage_one(&mut tx, recorded).await?),
+            None => None,
+        };
+        tx.commit().await.map_err(StoreError::from)?;
+        Ok((SecretMetadata { updated_at: now }, staged))
     }
 
     /// Opens the secret in `slot`: only for attaching it to an outgoing request.

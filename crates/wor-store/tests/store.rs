@@ -2512,13 +2512,53 @@ mod oauth_authorizations {
             refreshed_at: None,
             scope: Some("files:read".to_owned()),
         };
-        db.store.put_connection_oauth(&settled).await.unwrap();
-        // Authorizing again replaces the record.
-        db.store.put_connection_oauth(&settled).await.unwrap();
-        db.store
-            .record_connection_oauth_refresh(project, connection.id, Some(2_000))
+        let staged = || wor_store::testing::staged_count(&db.store, project);
+        let before = staged().await.unwrap();
+        let event = |category| {
+            wor_core::audit::AuditEvent::new(project, category, wor_core::audit::Actor::Operator)
+                .subject("connection_id", connection.id)
+        };
+        let authorized = event(wor_core::audit::AuditCategory::ToolConnectionAuthorize);
+        let entry = db
+            .store
+            .put_connection_oauth_staged(&settled, authorized.clone())
             .await
             .unwrap();
+        assert_eq!(entry.event(), &authorized);
+        assert_eq!(staged().await.unwrap(), before + 1);
+        // Authorizing again replaces the record.
+        db.store.put_connection_oauth(&settled).await.unwrap();
+        let refreshed = event(wor_core::audit::AuditCategory::ToolConnectionTokenRefresh);
+        let elsewhere = db
+            .store
+            .record_connection_oauth_refresh_staged(
+                wor_core::ProjectId::new(),
+                connection.id,
+                Some(2_000),
+                refreshed.clone(),
+            )
+            .await;
+        assert!(
+            matches!(elsewhere, Err(wor_store::StoreError::NotFound)),
+            "{elsewhere:?}"
+        );
+        assert_eq!(
+            staged().await.unwrap(),
+            before + 1,
+            "nothing staged for a refusal"
+        );
+        let entry = db
+            .store
+            .record_connection_oauth_refresh_staged(
+                project,
+                connection.id,
+                Some(2_000),
+                refreshed.clone(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(entry.event(), &refreshed);
+        assert_eq!(staged().await.unwrap(), before + 2);
         let after = db
             .store
             .get_connection_oauth(project, connection.id)
@@ -3608,6 +3648,22 @@ async fn console_sessions_links_and_routes_stage_their_entry_only_when_they_chan
         .unwrap();
     assert_eq!(entry.event(), &deleted());
     assert_eq!(staged().await.unwrap(), 7);
+
+    // A secret sealed as a change of its own (a webhook secret made) stages its entry with it.
+    let (keys, _) = wor_secrets::KeyRing::generate().unwrap();
+    let vault = wor_store::Vault::new(store.clone(), std::sync::Arc::new(keys));
+    let slot = wor_store::SecretSlot::new(project, "routines", "rtn_1", "webhook_secret");
+    let rotated = event(AuditCategory::WebhookSecretRotate);
+    let (_, entry) = vault
+        .put_staged(&slot, "whsec-one", rotated.clone())
+        .await
+        .unwrap();
+    assert_eq!(entry.event(), &rotated);
+    assert_eq!(staged().await.unwrap(), 8);
+    assert_eq!(
+        secrecy::ExposeSecret::expose_secret(&vault.open(&slot).await.unwrap()),
+        "whsec-one"
+    );
 }
 
 /// A service key named `ci` with `role` in `project`.
