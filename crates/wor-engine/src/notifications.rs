@@ -20,7 +20,7 @@ use wor_egress::{EgressRequest, HeaderMap, header};
 use wor_store::{
     ApprovalAnswer, ApprovalRecord, ApprovalStatus, AttemptOutcome, NewNotification,
     NewNotificationRoute, NotificationAction, NotificationDeliveryFilter,
-    NotificationDeliveryRecord, NotificationRouteRecord, RouteChannel, StoreError,
+    NotificationDeliveryRecord, NotificationRouteRecord, RouteChannel, SecretSlot, StoreError,
 };
 
 use crate::approvals::{DecidedVia, DecisionRefusal};
@@ -200,14 +200,26 @@ impl Engine {
             .create_notification_route(project, &route, &entry)
             .await?;
         self.append_staged_or_log([staged]).await;
-        for (field, value) in &secrets {
-            self.vault
-                .put(
-                    &route_slot(project, created.id, field),
-                    value.expose_secret(),
-                )
-                .await
-                .map_err(EngineError::Vault)?;
+        let slots: Vec<(SecretSlot, &SecretString)> = secrets
+            .iter()
+            .map(|(field, value)| (route_slot(project, created.id, field), value))
+            .collect();
+        let sealing: Vec<(&SecretSlot, &str)> = slots
+            .iter()
+            .map(|(slot, value)| (slot, value.expose_secret()))
+            .collect();
+        if let Err(error) = self.vault.put_staged(&sealing, None).await {
+            // Never leave a route that would send with no credentials: deleted at once, and
+            // its deletion recorded, since its making is.
+            let recorded = AuditEvent::new(project, AuditCategory::NotificationRouteDelete, actor)
+                .subject("route_id", created.id)
+                .payload(json!({ "reason": "its secrets could not be sealed" }));
+            let staged = self
+                .store
+                .delete_notification_route(project, created.id, recorded)
+                .await?;
+            self.append_staged_or_log([staged]).await;
+            return Err(EngineError::Vault(error));
         }
         Ok(created)
     }

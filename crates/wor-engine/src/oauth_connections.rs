@@ -506,7 +506,7 @@ impl Engine {
         let now = now_millis();
         let connection_slot =
             |field: &str| SecretSlot::new(project, TOOL_CONNECTIONS_TABLE, record.id, field);
-        self.seal_tokens(&connection_slot, &tokens).await?;
+        self.seal_tokens(&connection_slot, &tokens, None).await?;
         if let Some(secret) = &client.client_secret {
             self.vault
                 .put(
@@ -543,10 +543,10 @@ impl Engine {
                     refreshed_at: None,
                     scope: pending.scope.clone(),
                 },
-                recorded,
+                Some(recorded),
             )
             .await?;
-        self.append_staged_or_log([staged]).await;
+        self.append_staged_or_log(staged).await;
         tracing::info!(category = "config", action = "connection.authorize", project_id = %project,
             connection_id = %record.id, "tool connection authorized");
         Ok(FinishedAuthorization {
@@ -557,25 +557,26 @@ impl Engine {
         })
     }
 
+    /// Seals `tokens` into the slots `slot` names, in one transaction, staging `recorded`, when
+    /// given, in it too.
     async fn seal_tokens(
         &self,
         slot: &impl Fn(&str) -> SecretSlot,
         tokens: &TokenSet,
-    ) -> Result<(), EngineError> {
-        self.vault
-            .put(
-                &slot(ACCESS_TOKEN_FIELD),
-                tokens.access_token.expose_secret(),
-            )
+        recorded: Option<AuditEvent>,
+    ) -> Result<Option<wor_store::StagedEvent>, EngineError> {
+        let access = slot(ACCESS_TOKEN_FIELD);
+        let refresh = slot(REFRESH_TOKEN_FIELD);
+        let mut secrets = vec![(&access, tokens.access_token.expose_secret())];
+        if let Some(token) = &tokens.refresh_token {
+            secrets.push((&refresh, token.expose_secret()));
+        }
+        let (_, staged) = self
+            .vault
+            .put_staged(&secrets, recorded)
             .await
             .map_err(EngineError::Vault)?;
-        if let Some(refresh) = &tokens.refresh_token {
-            self.vault
-                .put(&slot(REFRESH_TOKEN_FIELD), refresh.expose_secret())
-                .await
-                .map_err(EngineError::Vault)?;
-        }
-        Ok(())
+        Ok(staged)
     }
 
     async fn audit_oauth_failure(
@@ -773,23 +774,19 @@ impl Engine {
                 return Err(failed(LostAuthorization::RefreshRefused(Box::new(error))));
             }
         };
-        self.seal_tokens(&slot, &tokens).await?;
+        // The entry is staged with the new tokens: a crash before it is appended leaves it for
+        // the audit writer's sweep, never tokens in use without their entry.
         let recorded = AuditEvent::new(project, AuditCategory::ToolConnectionTokenRefresh, actor)
             .subject("connection_id", id)
             .payload(json!({
                 "connection": connection,
                 "refresh_token_rotated": tokens.refresh_token.is_some(),
             }));
-        let staged = self
-            .store
-            .record_connection_oauth_refresh_staged(
-                project,
-                id,
-                expires_at(now_millis(), &tokens),
-                recorded,
-            )
+        let staged = self.seal_tokens(&slot, &tokens, Some(recorded)).await?;
+        self.append_staged_or_log(staged).await;
+        self.store
+            .record_connection_oauth_refresh(project, id, expires_at(now_millis(), &tokens))
             .await?;
-        self.append_staged_or_log([staged]).await;
         Ok(tokens.access_token)
     }
 }

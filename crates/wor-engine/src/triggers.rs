@@ -205,10 +205,10 @@ impl Engine {
             .payload(json!({ "slot": slot.to_string(), "kind": kind.as_str() }));
         let (_, staged) = self
             .vault
-            .put_staged(&slot, secret.expose_secret(), recorded)
+            .put_staged(&[(&slot, secret.expose_secret())], Some(recorded))
             .await
             .map_err(EngineError::Vault)?;
-        self.append_staged_or_log([staged]).await;
+        self.append_staged_or_log(staged).await;
         Ok(secret)
     }
 

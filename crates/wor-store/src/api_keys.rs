@@ -158,28 +158,13 @@ impl Store {
         project: ProjectId,
         new: NewApiKey,
     ) -> Result<(ApiKeyRecord, PlaintextApiKey), StoreError> {
-        let (record, key, _) = self.create_api_key_with(project, new, None).await?;
+        let (record, key, _) = self.create_api_key_staged(project, new, None).await?;
         Ok((record, key))
     }
 
-    /// [`Self::create_api_key`], staging `recorded` from the new key in the same transaction
-    /// (`crate::staged`).
+    /// [`Self::create_api_key`], staging `recorded`, when given, from the new key in the same
+    /// transaction (`crate::staged`).
     pub async fn create_api_key_staged(
-        &self,
-        project: ProjectId,
-        new: NewApiKey,
-        recorded: &(dyn Fn(&ApiKeyRecord) -> AuditEvent + Sync),
-    ) -> Result<(ApiKeyRecord, PlaintextApiKey, StagedEvent), StoreError> {
-        let (record, key, staged) = self
-            .create_api_key_with(project, new, Some(recorded))
-            .await?;
-        let staged = staged.ok_or_else(|| {
-            StoreError::Corrupt("a created key's entry was not staged".to_owned())
-        })?;
-        Ok((record, key, staged))
-    }
-
-    async fn create_api_key_with(
         &self,
         project: ProjectId,
         new: NewApiKey,
@@ -198,10 +183,8 @@ impl Store {
             }
         }
         let (record, key) = insert(&mut tx, project, new).await?;
-        let staged = match recorded {
-            Some(recorded) => Some(crate::staged::stage_one(&mut tx, recorded(&record)).await?),
-            None => None,
-        };
+        let staged =
+            crate::staged::stage_some(&mut tx, recorded.map(|recorded| recorded(&record))).await?;
         tx.commit().await?;
         Ok((record, key, staged))
     }

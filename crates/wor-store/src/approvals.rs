@@ -572,32 +572,57 @@ impl Store {
         .await?;
         let mut expired = Vec::with_capacity(due.len());
         for row in due {
-            let id: ApprovalId = parse_column(&row.try_get::<String, _>("id")?, "approvals.id")?;
-            let project: ProjectId = parse_column(
-                &row.try_get::<String, _>("project_id")?,
-                "approvals.project_id",
-            )?;
-            let mut tx = self.begin_write().await?;
-            let done = sqlx::query(
-                "UPDATE approvals SET status = 'expired', decided_at = $1 \
-                 WHERE id = $2 AND status = 'pending'",
-            )
-            .bind(now)
-            .bind(id.to_string())
-            .execute(&mut **tx)
-            .await?;
-            if done.rows_affected() == 1 {
-                requeue_parked(&mut tx, project, id, now).await?;
-                let approval = select_approval(&mut **tx, project, id).await?;
-                let run = crate::runs::select_run(&mut **tx, project, approval.run_id).await?;
-                let staged = crate::staged::stage_one(&mut tx, recorded(&approval, &run)).await?;
-                tx.commit().await?;
-                expired.push((approval, staged));
-            } else {
-                tx.rollback().await?;
+            match self.expire_one(&row, now, recorded).await {
+                Ok(Some(done)) => expired.push(done),
+                Ok(None) => {}
+                // What expired already is committed, its entries staged: it is returned, to be
+                // announced, and the next sweep meets this one again.
+                Err(error) if !expired.is_empty() => {
+                    tracing::warn!(
+                        category = "approval",
+                        kind = error.kind(),
+                        expired = expired.len(),
+                        "an approval could not be expired; the next sweep tries it again"
+                    );
+                    break;
+                }
+                Err(error) => return Err(error),
             }
         }
         Ok(expired)
+    }
+
+    /// Expires the approval `row` names, if still pending, in a transaction of its own.
+    async fn expire_one(
+        &self,
+        row: &sqlx::any::AnyRow,
+        now: i64,
+        recorded: &(dyn Fn(&ApprovalRecord, &crate::RunRecord) -> AuditEvent + Sync),
+    ) -> Result<Option<(ApprovalRecord, StagedEvent)>, StoreError> {
+        let id: ApprovalId = parse_column(&row.try_get::<String, _>("id")?, "approvals.id")?;
+        let project: ProjectId = parse_column(
+            &row.try_get::<String, _>("project_id")?,
+            "approvals.project_id",
+        )?;
+        let mut tx = self.begin_write().await?;
+        let done = sqlx::query(
+            "UPDATE approvals SET status = 'expired', decided_at = $1 \
+             WHERE id = $2 AND status = 'pending'",
+        )
+        .bind(now)
+        .bind(id.to_string())
+        .execute(&mut **tx)
+        .await?;
+        if done.rows_affected() != 1 {
+            tx.rollback().await?;
+            return Ok(None);
+        }
+        requeue_parked(&mut tx, project, id, now).await?;
+        let approval = select_approval(&mut **tx, project, id).await?;
+        let run = crate::runs::select_run(&mut **tx, project, approval.run_id).await?;
+        let staged = crate::staged::stage_one(&mut tx, recorded(&approval, &run)).await?;
+        tx.commit().await?;
+        Ok(Some((approval, staged)))
     }
 
     /// Starts a call a person approved, in one transaction: uses the approval (approved,
@@ -671,10 +696,7 @@ impl Store {
             return Ok((ApprovedStart::RunNotHeld, None));
         }
         crate::runs::append_step(&mut tx, project, run, Provenance::Engine, call.step).await?;
-        let staged = match recorded {
-            Some(recorded) => Some(crate::staged::stage_one(&mut tx, recorded).await?),
-            None => None,
-        };
+        let staged = crate::staged::stage_some(&mut tx, recorded).await?;
         tx.commit().await?;
         Ok((ApprovedStart::Started, staged))
     }

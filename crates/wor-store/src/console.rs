@@ -165,31 +165,14 @@ impl Store {
         ttl_ms: i64,
     ) -> Result<(ConsoleToken, i64), StoreError> {
         let (token, expires_at, _) = self
-            .create_invitation_with(project, member, created_by, ttl_ms, None)
+            .create_invitation_staged(project, member, created_by, ttl_ms, None)
             .await?;
         Ok((token, expires_at))
     }
 
-    /// [`Self::create_invitation`], staging `recorded` from the invitation's expiry time in
-    /// the same transaction (`crate::staged`).
+    /// [`Self::create_invitation`], staging `recorded`, when given, from the invitation's expiry
+    /// time in the same transaction (`crate::staged`).
     pub async fn create_invitation_staged(
-        &self,
-        project: ProjectId,
-        member: MemberId,
-        created_by: Option<ApiKeyId>,
-        ttl_ms: i64,
-        recorded: &(dyn Fn(i64) -> AuditEvent + Sync),
-    ) -> Result<(ConsoleToken, i64, StagedEvent), StoreError> {
-        let (token, expires_at, staged) = self
-            .create_invitation_with(project, member, created_by, ttl_ms, Some(recorded))
-            .await?;
-        let staged = staged.ok_or_else(|| {
-            StoreError::Corrupt("an invitation's entry was not staged".to_owned())
-        })?;
-        Ok((token, expires_at, staged))
-    }
-
-    async fn create_invitation_with(
         &self,
         project: ProjectId,
         member: MemberId,
@@ -213,10 +196,9 @@ impl Store {
         .bind(expires_at)
         .execute(&mut **tx)
         .await?;
-        let staged = match recorded {
-            Some(recorded) => Some(crate::staged::stage_one(&mut tx, recorded(expires_at)).await?),
-            None => None,
-        };
+        let staged =
+            crate::staged::stage_some(&mut tx, recorded.map(|recorded| recorded(expires_at)))
+                .await?;
         tx.commit().await?;
         Ok((token, expires_at, staged))
     }
@@ -418,30 +400,14 @@ impl Store {
         origin: &SessionOrigin,
     ) -> Result<ConsoleToken, StoreError> {
         let (token, _) = self
-            .create_console_session_with(project, member, absolute_ms, origin, None)
+            .create_console_session_staged(project, member, absolute_ms, origin, None)
             .await?;
         Ok(token)
     }
 
-    /// [`Self::create_console_session`], staging `recorded`, its `console.sign_in` entry, in
-    /// the same transaction (`crate::staged`).
+    /// [`Self::create_console_session`], staging `recorded`, when given, its `console.sign_in`
+    /// entry, in the same transaction (`crate::staged`).
     pub async fn create_console_session_staged(
-        &self,
-        project: ProjectId,
-        member: MemberId,
-        absolute_ms: i64,
-        origin: &SessionOrigin,
-        recorded: AuditEvent,
-    ) -> Result<(ConsoleToken, StagedEvent), StoreError> {
-        let (token, staged) = self
-            .create_console_session_with(project, member, absolute_ms, origin, Some(recorded))
-            .await?;
-        let staged = staged
-            .ok_or_else(|| StoreError::Corrupt("a session's entry was not staged".to_owned()))?;
-        Ok((token, staged))
-    }
-
-    async fn create_console_session_with(
         &self,
         project: ProjectId,
         member: MemberId,
@@ -475,10 +441,7 @@ impl Store {
         )
         .execute(&mut **tx)
         .await?;
-        let staged = match recorded {
-            Some(recorded) => Some(crate::staged::stage_one(&mut tx, recorded).await?),
-            None => None,
-        };
+        let staged = crate::staged::stage_some(&mut tx, recorded).await?;
         tx.commit().await?;
         Ok((token, staged))
     }

@@ -70,29 +70,13 @@ impl Store {
         name: &str,
         role: Role,
     ) -> Result<MemberRecord, StoreError> {
-        let (member, _) = self.create_member_with(project, name, role, None).await?;
+        let (member, _) = self.create_member_staged(project, name, role, None).await?;
         Ok(member)
     }
 
-    /// [`Self::create_member`], staging `recorded` from the new member in the same transaction
-    /// (`crate::staged`).
+    /// [`Self::create_member`], staging `recorded`, when given, from the new member in the same
+    /// transaction (`crate::staged`).
     pub async fn create_member_staged(
-        &self,
-        project: ProjectId,
-        name: &str,
-        role: Role,
-        recorded: &(dyn Fn(&MemberRecord) -> AuditEvent + Sync),
-    ) -> Result<(MemberRecord, StagedEvent), StoreError> {
-        let (member, staged) = self
-            .create_member_with(project, name, role, Some(recorded))
-            .await?;
-        let staged = staged.ok_or_else(|| {
-            StoreError::Corrupt("a created member's entry was not staged".to_owned())
-        })?;
-        Ok((member, staged))
-    }
-
-    async fn create_member_with(
         &self,
         project: ProjectId,
         name: &str,
@@ -108,10 +92,8 @@ impl Store {
         };
         let mut tx = self.begin_write().await?;
         insert(&mut tx, &member).await?;
-        let staged = match recorded {
-            Some(recorded) => Some(crate::staged::stage_one(&mut tx, recorded(&member)).await?),
-            None => None,
-        };
+        let staged =
+            crate::staged::stage_some(&mut tx, recorded.map(|recorded| recorded(&member))).await?;
         tx.commit().await?;
         Ok((member, staged))
     }
@@ -202,10 +184,8 @@ impl Store {
             member: MemberRecord { role, ..member },
             previous,
         };
-        let staged = match recorded {
-            Some(recorded) => Some(crate::staged::stage_one(&mut tx, recorded(&change)).await?),
-            None => None,
-        };
+        let staged =
+            crate::staged::stage_some(&mut tx, recorded.map(|recorded| recorded(&change))).await?;
         tx.commit().await?;
         Ok((change, staged))
     }

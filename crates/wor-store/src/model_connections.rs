@@ -71,29 +71,14 @@ impl Store {
         new: NewModelConnection,
     ) -> Result<ModelConnectionRecord, StoreError> {
         let (record, _) = self
-            .create_model_connection_with(project, new, None)
+            .create_model_connection_staged(project, new, None)
             .await?;
         Ok(record)
     }
 
-    /// [`Self::create_model_connection`], staging `recorded` from the new connection in the
-    /// same transaction (`crate::staged`).
+    /// [`Self::create_model_connection`], staging `recorded`, when given, from the new connection
+    /// in the same transaction (`crate::staged`).
     pub async fn create_model_connection_staged(
-        &self,
-        project: ProjectId,
-        new: NewModelConnection,
-        recorded: &(dyn Fn(&ModelConnectionRecord) -> AuditEvent + Sync),
-    ) -> Result<(ModelConnectionRecord, StagedEvent), StoreError> {
-        let (record, staged) = self
-            .create_model_connection_with(project, new, Some(recorded))
-            .await?;
-        let staged = staged.ok_or_else(|| {
-            StoreError::Corrupt("a created model connection's entry was not staged".to_owned())
-        })?;
-        Ok((record, staged))
-    }
-
-    async fn create_model_connection_with(
         &self,
         project: ProjectId,
         new: NewModelConnection,
@@ -134,10 +119,8 @@ impl Store {
                 format!("a model connection named `{}` already exists", record.name)
             })
         })?;
-        let staged = match recorded {
-            Some(recorded) => Some(crate::staged::stage_one(&mut tx, recorded(&record)).await?),
-            None => None,
-        };
+        let staged =
+            crate::staged::stage_some(&mut tx, recorded.map(|recorded| recorded(&record))).await?;
         tx.commit().await?;
         Ok((record, staged))
     }

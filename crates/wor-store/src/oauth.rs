@@ -246,25 +246,13 @@ impl Store {
         &self,
         record: &ConnectionOAuthRecord,
     ) -> Result<(), StoreError> {
-        self.put_connection_oauth_with(record, None).await?;
+        self.put_connection_oauth_staged(record, None).await?;
         Ok(())
     }
 
-    /// [`Self::put_connection_oauth`], staging `recorded`, its `connection.authorize` entry,
-    /// in the same transaction (`crate::staged`).
+    /// [`Self::put_connection_oauth`], staging `recorded`, when given, its `connection.authorize`
+    /// entry, in the same transaction (`crate::staged`).
     pub async fn put_connection_oauth_staged(
-        &self,
-        record: &ConnectionOAuthRecord,
-        recorded: AuditEvent,
-    ) -> Result<StagedEvent, StoreError> {
-        self.put_connection_oauth_with(record, Some(recorded))
-            .await?
-            .ok_or_else(|| {
-                StoreError::Corrupt("an authorization's entry was not staged".to_owned())
-            })
-    }
-
-    async fn put_connection_oauth_with(
         &self,
         record: &ConnectionOAuthRecord,
         recorded: Option<AuditEvent>,
@@ -294,10 +282,7 @@ impl Store {
         .bind(record.scope.as_deref())
         .execute(&mut **tx)
         .await?;
-        let staged = match recorded {
-            Some(recorded) => Some(crate::staged::stage_one(&mut tx, recorded).await?),
-            None => None,
-        };
+        let staged = crate::staged::stage_some(&mut tx, recorded).await?;
         tx.commit().await?;
         Ok(staged)
     }
@@ -354,38 +339,6 @@ impl Store {
         connection: ConnectionId,
         access_expires_at: Option<i64>,
     ) -> Result<(), StoreError> {
-        self.record_connection_oauth_refresh_with(project, connection, access_expires_at, None)
-            .await?;
-        Ok(())
-    }
-
-    /// [`Self::record_connection_oauth_refresh`], staging `recorded`, its
-    /// `connection.token_refresh` entry, in the same transaction (`crate::staged`).
-    pub async fn record_connection_oauth_refresh_staged(
-        &self,
-        project: ProjectId,
-        connection: ConnectionId,
-        access_expires_at: Option<i64>,
-        recorded: AuditEvent,
-    ) -> Result<StagedEvent, StoreError> {
-        self.record_connection_oauth_refresh_with(
-            project,
-            connection,
-            access_expires_at,
-            Some(recorded),
-        )
-        .await?
-        .ok_or_else(|| StoreError::Corrupt("a refresh's entry was not staged".to_owned()))
-    }
-
-    async fn record_connection_oauth_refresh_with(
-        &self,
-        project: ProjectId,
-        connection: ConnectionId,
-        access_expires_at: Option<i64>,
-        recorded: Option<AuditEvent>,
-    ) -> Result<Option<StagedEvent>, StoreError> {
-        let mut tx = self.begin_write().await?;
         let done = sqlx::query(
             "UPDATE tool_connection_oauth SET access_expires_at = $1, refreshed_at = $2, \
              refreshing_until = NULL, refresh_claim = NULL \
@@ -395,15 +348,9 @@ impl Store {
         .bind(now_millis())
         .bind(project.to_string())
         .bind(connection.to_string())
-        .execute(&mut **tx)
+        .execute(&*self.write_pool().await?)
         .await?;
-        changed_one(&done)?;
-        let staged = match recorded {
-            Some(recorded) => Some(crate::staged::stage_one(&mut tx, recorded).await?),
-            None => None,
-        };
-        tx.commit().await?;
-        Ok(staged)
+        changed_one(&done)
     }
 
     /// Marks the connection's access token expired, so the next caller refreshes it: the

@@ -182,10 +182,8 @@ impl Store {
             version,
             changed: true,
         };
-        let staged = match recorded {
-            Some(recorded) => Some(crate::staged::stage_one(&mut tx, recorded(&applied)).await?),
-            None => None,
-        };
+        let staged =
+            crate::staged::stage_some(&mut tx, recorded.map(|recorded| recorded(&applied))).await?;
         tx.commit().await?;
         Ok((applied, staged))
     }

@@ -53,6 +53,18 @@ pub(crate) async fn stage_one(
     Ok(row.0)
 }
 
+/// Writes `event`, when there is one, as a staged row in `tx`, the transaction of the change it
+/// records.
+pub(crate) async fn stage_some(
+    tx: &mut sqlx::Transaction<'static, Any>,
+    event: Option<AuditEvent>,
+) -> Result<Option<StagedEvent>, StoreError> {
+    match event {
+        Some(event) => stage_one(tx, event).await.map(Some),
+        None => Ok(None),
+    }
+}
+
 /// Writes `events` as staged rows in `tx`, the transaction of the change they record.
 pub(crate) async fn stage(
     tx: &mut sqlx::Transaction<'static, Any>,

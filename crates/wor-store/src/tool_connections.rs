@@ -219,28 +219,15 @@ impl Store {
         project: ProjectId,
         new: NewToolConnection,
     ) -> Result<ToolConnectionRecord, StoreError> {
-        let (record, _) = self.create_tool_connection_with(project, new, None).await?;
+        let (record, _) = self
+            .create_tool_connection_staged(project, new, None)
+            .await?;
         Ok(record)
     }
 
-    /// [`Self::create_tool_connection`], staging `recorded` from the new connection in the same
-    /// transaction (`crate::staged`).
+    /// [`Self::create_tool_connection`], staging `recorded`, when given, from the new connection in
+    /// the same transaction (`crate::staged`).
     pub async fn create_tool_connection_staged(
-        &self,
-        project: ProjectId,
-        new: NewToolConnection,
-        recorded: &(dyn Fn(&ToolConnectionRecord) -> AuditEvent + Sync),
-    ) -> Result<(ToolConnectionRecord, StagedEvent), StoreError> {
-        let (record, staged) = self
-            .create_tool_connection_with(project, new, Some(recorded))
-            .await?;
-        let staged = staged.ok_or_else(|| {
-            StoreError::Corrupt("a created tool connection's entry was not staged".to_owned())
-        })?;
-        Ok((record, staged))
-    }
-
-    async fn create_tool_connection_with(
         &self,
         project: ProjectId,
         new: NewToolConnection,
@@ -289,10 +276,8 @@ impl Store {
                 format!("a tool connection named `{}` already exists", record.name)
             })
         })?;
-        let staged = match recorded {
-            Some(recorded) => Some(crate::staged::stage_one(&mut tx, recorded(&record)).await?),
-            None => None,
-        };
+        let staged =
+            crate::staged::stage_some(&mut tx, recorded.map(|recorded| recorded(&record))).await?;
         tx.commit().await?;
         Ok((record, staged))
     }

@@ -150,51 +150,40 @@ impl Vault {
 
     /// Seals `value` into `slot`, replacing what was there.
     pub async fn put(&self, slot: &SecretSlot, value: &str) -> Result<SecretMetadata, VaultError> {
-        let (metadata, _) = self.put_with(slot, value, None).await?;
+        let (metadata, _) = self.put_staged(&[(slot, value)], None).await?;
         Ok(metadata)
     }
 
-    /// [`Self::put`], staging `recorded`, the entry of the change the secret is, in the same
-    /// transaction (`crate::staged`).
+    /// Seals each value of `secrets` into its slot, replacing what was there, all in one
+    /// transaction, and stages `recorded`, when given, the entry of the change they are, in it
+    /// too (`crate::staged`).
     pub async fn put_staged(
         &self,
-        slot: &SecretSlot,
-        value: &str,
-        recorded: AuditEvent,
-    ) -> Result<(SecretMetadata, StagedEvent), VaultError> {
-        let (metadata, staged) = self.put_with(slot, value, Some(recorded)).await?;
-        let staged = staged.ok_or_else(|| {
-            StoreError::Corrupt("a sealed secret's entry was not staged".to_owned())
-        })?;
-        Ok((metadata, staged))
-    }
-
-    async fn put_with(
-        &self,
-        slot: &SecretSlot,
-        value: &str,
+        secrets: &[(&SecretSlot, &str)],
         recorded: Option<AuditEvent>,
     ) -> Result<(SecretMetadata, Option<StagedEvent>), VaultError> {
-        let sealed = self.seal(slot, value.as_bytes())?;
+        let sealed = secrets
+            .iter()
+            .map(|(slot, value)| Ok((*slot, self.seal(slot, value.as_bytes())?)))
+            .collect::<Result<Vec<_>, VaultError>>()?;
         let now = now_millis();
-        let query = sqlx::query(
-            "INSERT INTO sealed_secrets (project_id, owner_table, owner_id, field, key_id, sealed, updated_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7) \
-             ON CONFLICT (project_id, owner_table, owner_id, field) \
-             DO UPDATE SET key_id = excluded.key_id, sealed = excluded.sealed, updated_at = excluded.updated_at",
-        );
         let mut tx = self.store.begin_write().await?;
-        bind_slot(query, slot)
-            .bind(sealed.key_id().to_string())
-            .bind(sealed.to_bytes())
-            .bind(now)
-            .execute(&mut **tx)
-            .await
-            .map_err(StoreError::from)?;
-        let staged = match recorded {
-            Some(recorded) => Some(crate::staged::stage_one(&mut tx, recorded).await?),
-            None => None,
-        };
+        for (slot, sealed) in sealed {
+            let query = sqlx::query(
+                "INSERT INTO sealed_secrets (project_id, owner_table, owner_id, field, key_id, sealed, updated_at) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7) \
+                 ON CONFLICT (project_id, owner_table, owner_id, field) \
+                 DO UPDATE SET key_id = excluded.key_id, sealed = excluded.sealed, updated_at = excluded.updated_at",
+            );
+            bind_slot(query, slot)
+                .bind(sealed.key_id().to_string())
+                .bind(sealed.to_bytes())
+                .bind(now)
+                .execute(&mut **tx)
+                .await
+                .map_err(StoreError::from)?;
+        }
+        let staged = crate::staged::stage_some(&mut tx, recorded).await?;
         tx.commit().await.map_err(StoreError::from)?;
         Ok((SecretMetadata { updated_at: now }, staged))
     }

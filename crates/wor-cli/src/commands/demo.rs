@@ -165,10 +165,16 @@ async fn scenario(
         "  tool server   {} (the project's example MCP server: read_inbox, fetch_url, send_mail)",
         tools.url()
     );
-    let created = store
-        .create_project("demo", "olivia (owner)")
+    let (name, owner_name) = ("demo", "olivia (owner)");
+    let (created, staged) = store
+        .create_project_staged(
+            name,
+            owner_name,
+            &super::operator::project_entries(name, owner_name),
+        )
         .await
         .context("cannot create the demo project")?;
+    console.engine.append_staged_or_log(staged).await;
     let owner = ApiClient::with_key(base, created.owner_key.expose().to_owned())?;
     let member = owner
         .post(

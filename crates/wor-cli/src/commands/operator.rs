@@ -75,20 +75,15 @@ fn start_audit(flags: &ServerFlags, store: &Store) -> anyhow::Result<AuditLog> {
     ))
 }
 
-/// Creates a project and records it, its owner and the owner's key in its audit log, with
-/// the operator as actor, then signs the new chain's head.
-async fn create_audited(
-    flags: &ServerFlags,
-    store: &Store,
-    name: &str,
-    owner: &str,
-) -> anyhow::Result<CreatedProject> {
-    let audit = start_audit(flags, store)?;
-    // The entries are staged with the project: a command stopped before they are appended
-    // leaves them for the audit writer's next sweep, never a project without its entries.
-    let entries = |project: &wor_store::ProjectRecord,
-                   member: &wor_store::MemberRecord,
-                   key: &wor_store::ApiKeyRecord| {
+/// The audit entries of project `name` made with owner `owner` by the operator: the project,
+/// its owner and the owner's key.
+pub(crate) fn project_entries<'a>(
+    name: &'a str,
+    owner: &'a str,
+) -> impl Fn(&ProjectRecord, &wor_store::MemberRecord, &wor_store::ApiKeyRecord) -> Vec<AuditEvent>
++ Sync
++ 'a {
+    move |project, member, key| {
         vec![
             AuditEvent::new(project.id, AuditCategory::ProjectCreate, Actor::Operator)
                 .subject("project_id", project.id)
@@ -101,8 +96,23 @@ async fn create_audited(
                 .subject("member_id", member.id)
                 .payload(json!({ "role": member.role, "service": false })),
         ]
-    };
-    let (created, staged) = store.create_project_staged(name, owner, &entries).await?;
+    }
+}
+
+/// Creates a project and records it, its owner and the owner's key in its audit log, with
+/// the operator as actor, then signs the new chain's head.
+async fn create_audited(
+    flags: &ServerFlags,
+    store: &Store,
+    name: &str,
+    owner: &str,
+) -> anyhow::Result<CreatedProject> {
+    let audit = start_audit(flags, store)?;
+    // The entries are staged with the project: a command stopped before they are appended
+    // leaves them for the audit writer's next sweep, never a project without its entries.
+    let (created, staged) = store
+        .create_project_staged(name, owner, &project_entries(name, owner))
+        .await?;
     record_and_sign(&audit, staged).await?;
     Ok(created)
 }

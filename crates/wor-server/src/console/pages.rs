@@ -347,10 +347,10 @@ pub(super) async fn open_session(
             member,
             millis(config.session_absolute),
             &origin,
-            recorded,
+            Some(recorded),
         )
         .await?;
-    state.engine.append_staged_or_log([staged]).await;
+    state.engine.append_staged_or_log(staged).await;
     tracing::info!(category = "console", action = "sign_in", project_id = %project,
         member_id = %member, "a member signed in to the console");
     let mut response = Redirect::to(target).into_response();

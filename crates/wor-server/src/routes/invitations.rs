@@ -116,9 +116,9 @@ pub(crate) async fn invite_member(
             };
             let (member, staged) = state
                 .store
-                .create_member_staged(project, &body.name, role, &entry)
+                .create_member_staged(project, &body.name, role, Some(&entry))
                 .await?;
-            state.engine.append_staged_or_log([staged]).await;
+            state.engine.append_staged_or_log(staged).await;
             (member, true)
         }
     };
@@ -141,10 +141,10 @@ pub(crate) async fn invite_member(
             member.id,
             key,
             millis(state.console.invitation_ttl),
-            &entry,
+            Some(&entry),
         )
         .await?;
-    state.engine.append_staged_or_log([staged]).await;
+    state.engine.append_staged_or_log(staged).await;
     tracing::info!(category = "config", action = "member.invite", project_id = %project,
         member_id = %member.id, "member invited to the console");
     Ok(CreatedInvitation {

@@ -122,10 +122,10 @@ pub(crate) async fn create_api_key(
                 kind,
                 created_by,
             },
-            &entry,
+            Some(&entry),
         )
         .await?;
-    state.engine.append_staged_or_log([staged]).await;
+    state.engine.append_staged_or_log(staged).await;
     tracing::info!(category = "config", action = "key.create", project_id = %project,
         key_id = %record.id, "api key created");
     Ok(CreatedApiKey {

@@ -87,9 +87,9 @@ pub async fn create_member(
     };
     let (member, staged) = state
         .store
-        .create_member_staged(project, &body.name, role, &member_entry)
+        .create_member_staged(project, &body.name, role, Some(&member_entry))
         .await?;
-    state.engine.append_staged_or_log([staged]).await;
+    state.engine.append_staged_or_log(staged).await;
     let key_entry = |record: &wor_store::ApiKeyRecord| {
         AuditEvent::new(project, AuditCategory::KeyCreate, caller.actor())
             .subject("key_id", record.id)
@@ -106,10 +106,10 @@ pub async fn create_member(
                 kind: ApiKeyKind::Personal(member.id),
                 created_by: Some(caller.key_id),
             },
-            &key_entry,
+            Some(&key_entry),
         )
         .await?;
-    state.engine.append_staged_or_log([staged]).await;
+    state.engine.append_staged_or_log(staged).await;
     tracing::info!(category = "config", action = "member.create", project_id = %caller.project_id,
         member_id = %member.id, actor_key_id = %caller.key_id, "member created");
     Ok((

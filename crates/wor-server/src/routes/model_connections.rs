@@ -250,10 +250,10 @@ pub(crate) async fn create_model_connection(
                 owner_member_id: member,
                 created_by,
             },
-            &entry,
+            Some(&entry),
         )
         .await?;
-    state.engine.append_staged_or_log([staged]).await;
+    state.engine.append_staged_or_log(staged).await;
     if let Some(key) = &body.api_key
         && let Err(err) = state.vault.put(&slot(&record), key).await
     {

@@ -326,9 +326,9 @@ pub async fn create(
     };
     let (record, staged) = state
         .store
-        .create_tool_connection_staged(project, new, &entry)
+        .create_tool_connection_staged(project, new, Some(&entry))
         .await?;
-    state.engine.append_staged_or_log([staged]).await;
+    state.engine.append_staged_or_log(staged).await;
     for (field, value) in &checked.secrets {
         let slot = credential_slot(&record, field.clone());
         if let Err(err) = state.vault.put(&slot, value.expose_secret()).await {
