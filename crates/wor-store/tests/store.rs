@@ -700,14 +700,11 @@ async fn tool_connections_are_confined_to_their_project_and_keep_their_pins() {
         },
     )]);
     let classes = BTreeMap::from([("echo".to_owned(), ToolClass::ReadOnly)]);
-    let recorded = |id: wor_core::ConnectionId| {
-        wor_core::audit::AuditEvent::new(
-            a.project.id,
-            wor_core::audit::AuditCategory::ToolConnectionEnable,
-            wor_core::audit::Actor::Operator,
-        )
-        .subject("connection_id", id)
+    let event = |category, id: wor_core::ConnectionId| {
+        wor_core::audit::AuditEvent::new(a.project.id, category, wor_core::audit::Actor::Operator)
+            .subject("connection_id", id)
     };
+    let recorded = |id| event(wor_core::audit::AuditCategory::ToolConnectionEnable, id);
     // Another project's connection is not found, and nothing is staged for it.
     let elsewhere = db
         .store
@@ -745,14 +742,7 @@ async fn tool_connections_are_confined_to_their_project_and_keep_their_pins() {
     assert_eq!(enabled.pinned_tools, pins);
     assert_eq!(enabled.class_of("echo"), ToolClass::ReadOnly);
     assert_eq!(enabled.class_of("other"), ToolClass::Consequential);
-    let quarantine = |id: wor_core::ConnectionId| {
-        wor_core::audit::AuditEvent::new(
-            a.project.id,
-            wor_core::audit::AuditCategory::ToolConnectionQuarantine,
-            wor_core::audit::Actor::Operator,
-        )
-        .subject("connection_id", id)
-    };
+    let quarantine = |id| event(wor_core::audit::AuditCategory::ToolConnectionQuarantine, id);
     let elsewhere = db
         .store
         .quarantine_tool_connection(
