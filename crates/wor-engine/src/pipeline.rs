@@ -12,7 +12,7 @@ use std::collections::BTreeSet;
 
 use serde_json::{Value, json};
 use wor_core::ApprovalId;
-use wor_core::audit::AuditCategory;
+use wor_core::audit::{AuditCategory, AuditEvent};
 use wor_core::budget::{BudgetExceeded, BudgetLimit, BudgetUsage};
 use wor_core::call::ToolClass;
 use wor_core::provenance::{ArgumentLabels, ContentIndex};
@@ -298,6 +298,20 @@ impl Engine {
         claim: Option<&str>,
         request: ApprovalRequest<'_>,
     ) -> Result<Option<ApprovalId>, EngineError> {
+        self.park_run_recording(run, holder, claim, request, None)
+            .await
+    }
+
+    /// [`Engine::park_run`], staging `also`, when given, with the park whenever the run parks,
+    /// after the request's own entry.
+    async fn park_run_recording(
+        &self,
+        run: &RunRecord,
+        holder: &str,
+        claim: Option<&str>,
+        request: ApprovalRequest<'_>,
+        also: Option<AuditEvent>,
+    ) -> Result<Option<ApprovalId>, EngineError> {
         let call = request.call;
         // Read before anything is written: the routes that want this approval are chosen by
         // them.
@@ -339,13 +353,13 @@ impl Engine {
         };
         let parked = self
             .store
-            .park_for_approval_staged(run.project_id, holder, claim, &approval, &entry)
+            .park_for_approval_staged(run.project_id, holder, claim, &approval, &entry, also)
             .await?;
-        let Some((id, staged)) = parked else {
+        let Some((id, created, staged)) = parked else {
             return Ok(None);
         };
-        if let Some(staged) = staged {
-            self.append_staged_or_log([staged]).await;
+        self.append_staged_or_log(staged).await;
+        if created {
             self.enqueue_run_webhook(
                 run,
                 wor_core::run::RunStatus::WaitingForApproval,
@@ -595,9 +609,9 @@ impl Engine {
     }
 
     /// Parks `run`, which `holder` holds (under the claim whose credential is `claim`, for a
-    /// remote worker), on the `outcome_unknown` approval for started call `ran`, then records
-    /// that its outcome is unknown for the `attempt`-th time when a person is asked anew. The
-    /// approval's id; `None` when `holder` does not hold the run.
+    /// remote worker), on the `outcome_unknown` approval for started call `ran`, recording with
+    /// the park that its outcome is unknown for the `attempt`-th time when a person is asked
+    /// anew. The approval's id; `None` when `holder` does not hold the run.
     pub(crate) async fn ask_outcome_unknown(
         &self,
         run: &RunRecord,
@@ -612,19 +626,18 @@ impl Engine {
             call: ran,
             why,
         };
-        let parked = self.park_run(run, holder, claim, request).await?;
-        // Recorded once the run is parked on it: a park that lost its lease records nothing.
-        if let (Some(_), Some(attempt)) = (parked, attempt) {
-            self.audit
-                .append(run_event(run, AuditCategory::ToolCall).payload(json!({
-                    "transition": "outcome_unknown",
-                    "tool": ran.tool,
-                    "call_id": ran.call_id,
-                    "attempt": attempt,
-                })))
-                .await?;
-        }
-        Ok(parked)
+        // Staged with the park: a park that lost its lease records nothing, and one that parked
+        // cannot lose it.
+        let unknown = attempt.map(|attempt| {
+            run_event(run, AuditCategory::ToolCall).payload(json!({
+                "transition": "outcome_unknown",
+                "tool": ran.tool,
+                "call_id": ran.call_id,
+                "attempt": attempt,
+            }))
+        });
+        self.park_run_recording(run, holder, claim, request, unknown)
+            .await
     }
 
     /// The answer to a call a person denied, or nobody decided in time.

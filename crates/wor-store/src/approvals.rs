@@ -292,10 +292,11 @@ impl Store {
         Ok(parked.map(|(id, created, _)| (id, created)))
     }
 
-    /// [`Store::park_for_approval`], or [`Store::park_for_approval_under_claim`] with `claim`,
+    /// [`Store::park_for_approval`] (the approval's id and whether it was filed now), or
+    /// [`Store::park_for_approval_under_claim`] with `claim`,
     /// staging `recorded` (from the new approval's id), its `approval.request` entry, in the
-    /// same transaction (`crate::staged`) when the approval is filed now; a request filed
-    /// before stages nothing.
+    /// same transaction (`crate::staged`) when the approval is filed now (a request filed
+    /// before stages nothing), and after it `also`, when given, whenever the run parks.
     pub async fn park_for_approval_staged(
         &self,
         project: ProjectId,
@@ -303,11 +304,16 @@ impl Store {
         claim: Option<&str>,
         approval: &NewApproval,
         recorded: &(dyn Fn(ApprovalId) -> AuditEvent + Sync),
-    ) -> Result<Option<(ApprovalId, Option<StagedEvent>)>, StoreError> {
-        let parked = self
-            .park_filing(project, worker, claim, approval, Some(recorded))
-            .await?;
-        Ok(parked.map(|(id, _, staged)| (id, staged)))
+        also: Option<AuditEvent>,
+    ) -> Result<Option<(ApprovalId, bool, Vec<StagedEvent>)>, StoreError> {
+        self.park_filing(
+            project,
+            worker,
+            claim,
+            approval,
+            Some(ParkEntries { recorded, also }),
+        )
+        .await
     }
 
     async fn park_filing(
@@ -316,8 +322,8 @@ impl Store {
         worker: &str,
         claim: Option<&str>,
         approval: &NewApproval,
-        recorded: Option<&(dyn Fn(ApprovalId) -> AuditEvent + Sync)>,
-    ) -> Result<Option<(ApprovalId, bool, Option<StagedEvent>)>, StoreError> {
+        entries: Option<ParkEntries<'_>>,
+    ) -> Result<Option<(ApprovalId, bool, Vec<StagedEvent>)>, StoreError> {
         let now = now_millis();
         let mut tx = self.begin_write().await?;
         if !crate::runs::park(&mut tx, project, approval.run_id, worker, claim).await? {
@@ -378,14 +384,18 @@ impl Store {
                 (id, true)
             }
         };
-        let staged = match recorded {
-            Some(recorded) if parked.1 => {
-                Some(crate::staged::stage_one(&mut tx, recorded(parked.0)).await?)
-            }
-            _ => None,
+        let (id, created) = parked;
+        let events = match entries {
+            Some(ParkEntries { recorded, also }) => created
+                .then(|| recorded(id))
+                .into_iter()
+                .chain(also)
+                .collect(),
+            None => Vec::new(),
         };
+        let staged = crate::staged::stage(&mut tx, events).await?;
         tx.commit().await?;
-        Ok(Some((parked.0, parked.1, staged)))
+        Ok(Some((id, created, staged)))
     }
 
     pub async fn get_approval(
@@ -763,6 +773,13 @@ impl Store {
         tx.commit().await?;
         Ok(staged)
     }
+}
+
+/// The audit entries a park stages with it: the request's, from the approval's id, when the
+/// approval is filed now, and `also`, whenever the run parks.
+struct ParkEntries<'a> {
+    recorded: &'a (dyn Fn(ApprovalId) -> AuditEvent + Sync),
+    also: Option<AuditEvent>,
 }
 
 /// Puts the run of approval `id` back in the queue when it is parked.

@@ -2194,9 +2194,21 @@ async fn an_approval_is_never_used_without_its_call_recorded_as_started() {
         )
         .subject("approval_id", id)
     };
+    let parked = wor_core::audit::AuditEvent::new(
+        project,
+        wor_core::audit::AuditCategory::ToolCall,
+        wor_core::audit::Actor::Run { run_id: run.id },
+    );
     let request = held_mail_approval(run.id, "binding");
     let not_held = store
-        .park_for_approval_staged(project, "another", None, &request, &requested)
+        .park_for_approval_staged(
+            project,
+            "another",
+            None,
+            &request,
+            &requested,
+            Some(parked.clone()),
+        )
         .await
         .unwrap();
     assert!(
@@ -2204,16 +2216,31 @@ async fn an_approval_is_never_used_without_its_call_recorded_as_started() {
         "a worker that does not hold the run parks nothing"
     );
     assert_eq!(staged().await.unwrap(), 0);
-    let (approval, entry) = store
-        .park_for_approval_staged(project, "w", None, &request, &requested)
+    let (approval, created, entries) = store
+        .park_for_approval_staged(
+            project,
+            "w",
+            None,
+            &request,
+            &requested,
+            Some(parked.clone()),
+        )
         .await
         .unwrap()
         .unwrap();
-    assert_eq!(entry.map(|e| e.event().clone()), Some(requested(approval)));
+    assert!(created);
+    assert_eq!(
+        entries
+            .iter()
+            .map(|e| e.event().clone())
+            .collect::<Vec<_>>(),
+        vec![requested(approval), parked],
+        "the request's entry, then the one given for the park"
+    );
     assert_eq!(
         staged().await.unwrap(),
-        1,
-        "the request's entry is staged with it"
+        2,
+        "the entries are staged with the park"
     );
     let decision = ApprovalDecision {
         verdict: ApprovalAnswer::Approve,
@@ -2274,7 +2301,7 @@ async fn an_approval_is_never_used_without_its_call_recorded_as_started() {
     assert!(failed.to_string().contains("injected failure"), "{failed}");
     assert_eq!(
         staged().await.unwrap(),
-        1,
+        2,
         "no entry for a call that did not start"
     );
     let approval_now = store.get_approval(project, approval).await.unwrap();
@@ -2304,7 +2331,7 @@ async fn an_approval_is_never_used_without_its_call_recorded_as_started() {
     assert_eq!(entry.map(|e| e.event().clone()), Some(used.clone()));
     assert_eq!(
         staged().await.unwrap(),
-        2,
+        3,
         "the use's entry is staged with it"
     );
     assert!(
@@ -2339,7 +2366,7 @@ async fn an_approval_is_never_used_without_its_call_recorded_as_started() {
         .unwrap();
     assert_eq!(again, ApprovedStart::NotUsable);
     assert!(entry.is_none());
-    assert_eq!(staged().await.unwrap(), 2);
+    assert_eq!(staged().await.unwrap(), 3);
 }
 
 #[tokio::test]
