@@ -156,6 +156,8 @@ fn check_secret(value: &SecretString, what: &str) -> Result<(), ToolConnectionSp
 pub struct CheckedHttpTools {
     /// Each tool's configuration, as stored.
     pub tools: Vec<Value>,
+    /// Each tool's definition, as its connection lists it, in the same order.
+    pub definitions: Vec<wor_tools::ToolDefinition>,
     /// The `operationId`s imported, for an OpenAPI source.
     pub imported_operations: Vec<String>,
 }
@@ -265,6 +267,7 @@ impl HttpToolsSource {
             .map_err(|e| bad(format!("url: {e}")))?;
         let mut names = BTreeSet::new();
         let mut tools = Vec::with_capacity(configs.len());
+        let mut definitions = Vec::with_capacity(configs.len());
         for (index, config) in configs.into_iter().enumerate() {
             if !is_valid_tool_name(&config.name) {
                 return Err(bad(format!(
@@ -280,11 +283,14 @@ impl HttpToolsSource {
             }
             let value =
                 serde_json::to_value(&config).map_err(|e| bad(format!("tools[{index}]: {e}")))?;
-            HttpToolDefinition::new(config).map_err(|e| bad(format!("tools[{index}]: {e}")))?;
+            let definition =
+                HttpToolDefinition::new(config).map_err(|e| bad(format!("tools[{index}]: {e}")))?;
             tools.push(value);
+            definitions.push(definition.tool_definition());
         }
         Ok(CheckedHttpTools {
             tools,
+            definitions,
             imported_operations,
         })
     }

@@ -794,7 +794,7 @@ impl Engine {
         &self,
         project: ProjectId,
         id: wor_core::ConnectionId,
-        tools: &[Value],
+        tools: &crate::CheckedHttpTools,
         actor: Actor,
     ) -> Result<ReplacedTools, EngineError> {
         let before = self.store.get_tool_connection(project, id).await?;
@@ -805,16 +805,7 @@ impl Engine {
             }
             .into());
         }
-        // Checked before (`HttpToolsSource::validate`): tools that do not read are what would be
-        // stored gone bad, and nothing is written.
-        let live: Vec<ToolDefinition> = http_definitions(tools)
-            .map_err(|reason| ConnectionError::InvalidStored {
-                connection: before.name.clone(),
-                reason,
-            })?
-            .iter()
-            .map(wor_tools::HttpToolDefinition::tool_definition)
-            .collect();
+        let live = &tools.definitions;
         // The entry is staged with the new tools: a crash before it is appended leaves it for
         // the audit writer's sweep.
         let recorded =
@@ -826,7 +817,7 @@ impl Engine {
                 }));
         let (record, staged) = self
             .store
-            .replace_http_tools(project, id, tools, recorded)
+            .replace_http_tools(project, id, &tools.tools, recorded)
             .await?;
         self.append_staged_or_log([staged]).await;
         if record.pinned_tools.is_empty() {
@@ -837,7 +828,7 @@ impl Engine {
             });
         }
         let pins = stored_pins(&record)?;
-        let diff = compare(&pins, &live);
+        let diff = compare(&pins, live);
         if diff.verdict() != ToolListVerdict::Quarantine
             || record.status != ToolConnectionStatus::Enabled
         {
@@ -997,7 +988,15 @@ pub fn check_stdio_spec(
 pub fn http_tool_definitions(
     record: &ToolConnectionRecord,
 ) -> Result<Vec<wor_tools::HttpToolDefinition>, StoredConnectionError> {
-    http_definitions(&record.http_tools)
+    record
+        .http_tools
+        .iter()
+        .map(|config| {
+            let config: wor_tools::HttpToolConfig = serde_json::from_value(config.clone())
+                .map_err(StoredConnectionError::HttpToolShape)?;
+            Ok(wor_tools::HttpToolDefinition::new(config)?)
+        })
+        .collect()
 }
 
 /// What a `connection.quarantine` entry says about connection `name`'s tools that differ
@@ -1010,20 +1009,6 @@ fn quarantine_payload(name: &str, diff: &ToolListDiff) -> Value {
         "added": diff.added.iter().map(|t| t.name.clone()).collect::<Vec<_>>(),
         "duplicated": diff.duplicated,
     })
-}
-
-/// The definitions of an `http_api` connection's tool configurations `tools`.
-fn http_definitions(
-    tools: &[Value],
-) -> Result<Vec<wor_tools::HttpToolDefinition>, StoredConnectionError> {
-    tools
-        .iter()
-        .map(|config| {
-            let config: wor_tools::HttpToolConfig = serde_json::from_value(config.clone())
-                .map_err(StoredConnectionError::HttpToolShape)?;
-            Ok(wor_tools::HttpToolDefinition::new(config)?)
-        })
-        .collect()
 }
 
 #[cfg(test)]

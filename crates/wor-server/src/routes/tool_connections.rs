@@ -567,7 +567,7 @@ pub async fn replace_tools(
     )?;
     let replaced = state
         .engine
-        .replace_http_tools(caller.project_id, id, &checked.tools, caller.actor())
+        .replace_http_tools(caller.project_id, id, &checked, caller.actor())
         .await?;
     tracing::info!(category = "config", action = "connection.update_tools", project_id = %caller.project_id,
         connection_id = %id, actor_key_id = %caller.key_id, tools = checked.tools.len(),
