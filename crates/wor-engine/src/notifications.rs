@@ -200,6 +200,9 @@ impl Engine {
             .create_notification_route(project, &route, &entry)
             .await?;
         self.append_staged_or_log([staged]).await;
+        if secrets.is_empty() {
+            return Ok(created);
+        }
         let slots: Vec<(SecretSlot, &SecretString)> = secrets
             .iter()
             .map(|(field, value)| (route_slot(project, created.id, field), value))
@@ -210,15 +213,25 @@ impl Engine {
             .collect();
         if let Err(error) = self.vault.put_staged(&sealing, None).await {
             // Never leave a route that would send with no credentials: deleted at once, and
-            // its deletion recorded, since its making is.
+            // its deletion recorded, since its making is. The sealing's error is the answer
+            // whatever the deletion does.
+            tracing::error!(category = "notification", project_id = %project, route_id = %created.id,
+                error = %error, "a notification route's secrets could not be sealed; the route is deleted");
             let recorded = AuditEvent::new(project, AuditCategory::NotificationRouteDelete, actor)
                 .subject("route_id", created.id)
                 .payload(json!({ "reason": "its secrets could not be sealed" }));
-            let staged = self
+            match self
                 .store
                 .delete_notification_route(project, created.id, recorded)
-                .await?;
-            self.append_staged_or_log([staged]).await;
+                .await
+            {
+                Ok(staged) => self.append_staged_or_log([staged]).await,
+                Err(deleting) => {
+                    tracing::error!(category = "notification", project_id = %project,
+                        route_id = %created.id, kind = deleting.kind(),
+                        "a route whose secrets could not be sealed could not be deleted");
+                }
+            }
             return Err(EngineError::Vault(error));
         }
         Ok(created)

@@ -581,25 +581,29 @@ impl Store {
         .fetch_all(self.pool())
         .await?;
         let mut expired = Vec::with_capacity(due.len());
+        let mut failed = None;
         for row in due {
             match self.expire_one(&row, now, recorded).await {
                 Ok(Some(done)) => expired.push(done),
                 Ok(None) => {}
-                // What expired already is committed, its entries staged: it is returned, to be
-                // announced, and the next sweep meets this one again.
-                Err(error) if !expired.is_empty() => {
+                // One approval that cannot be expired holds up no other; the next sweep meets it
+                // again.
+                Err(error) => {
                     tracing::warn!(
                         category = "approval",
                         kind = error.kind(),
-                        expired = expired.len(),
                         "an approval could not be expired; the next sweep tries it again"
                     );
-                    break;
+                    failed.get_or_insert(error);
                 }
-                Err(error) => return Err(error),
             }
         }
-        Ok(expired)
+        // What expired is committed, its entries staged: it is returned, to be announced, even
+        // when another failed; a sweep that expired nothing answers with its first failure.
+        match failed {
+            Some(error) if expired.is_empty() => Err(error),
+            _ => Ok(expired),
+        }
     }
 
     /// Expires the approval `row` names, if still pending, in a transaction of its own.

@@ -2550,6 +2550,14 @@ mod oauth_authorizations {
             before + 1,
             "nothing staged unasked"
         );
+        let elsewhere = db
+            .store
+            .record_connection_oauth_refresh(wor_core::ProjectId::new(), connection.id, Some(2_000))
+            .await;
+        assert!(
+            matches!(elsewhere, Err(wor_store::StoreError::NotFound)),
+            "{elsewhere:?}"
+        );
         db.store
             .record_connection_oauth_refresh(project, connection.id, Some(2_000))
             .await
@@ -3430,20 +3438,7 @@ async fn creations_and_expiries_stage_their_entry_with_the_change() {
 
     // The entry is written in the change's own transaction: when it cannot be written, the
     // change is not made either.
-    let (inject, remove) = match store.backend() {
-        wor_store::Backend::Sqlite => (
-            "CREATE TRIGGER refuse_staging BEFORE INSERT ON audit_staged \
-             BEGIN SELECT RAISE(ABORT, 'injected failure'); END;",
-            "DROP TRIGGER refuse_staging;",
-        ),
-        wor_store::Backend::Postgres => (
-            "CREATE FUNCTION refuse_staging() RETURNS trigger LANGUAGE plpgsql AS \
-             $$ BEGIN RAISE EXCEPTION 'injected failure'; END $$; \
-             CREATE TRIGGER refuse_staging BEFORE INSERT ON audit_staged FOR EACH ROW \
-             EXECUTE FUNCTION refuse_staging();",
-            "DROP TRIGGER refuse_staging ON audit_staged; DROP FUNCTION refuse_staging();",
-        ),
-    };
+    let (inject, remove) = support::staging_refusal(store.backend());
     sqlx::raw_sql(inject).execute(store.pool()).await.unwrap();
     let refused = store
         .create_member_staged(project, "carol", Role::Viewer, Some(&member_entry))
@@ -3701,12 +3696,40 @@ async fn console_sessions_links_and_routes_stage_their_entry_only_when_they_chan
         .put_staged(&[(&slot, "whsec-one")], Some(rotated.clone()))
         .await
         .unwrap();
-    assert_eq!(entry.map(|e| e.event().clone()), Some(rotated));
+    assert_eq!(entry.map(|e| e.event().clone()), Some(rotated.clone()));
     assert_eq!(staged().await.unwrap(), 8);
     assert_eq!(
         secrecy::ExposeSecret::expose_secret(&vault.open(&slot).await.unwrap()),
         "whsec-one"
     );
+    // Several secrets sealed as one change: all of them with the entry, or none of them.
+    let access = wor_store::SecretSlot::new(project, "tool_connections", "con_1", "access_token");
+    let refresh = wor_store::SecretSlot::new(project, "tool_connections", "con_1", "refresh_token");
+    let (inject, remove) = support::staging_refusal(store.backend());
+    let tokens = [(&access, "access-1"), (&refresh, "refresh-1")];
+    sqlx::raw_sql(inject).execute(store.pool()).await.unwrap();
+    let refused = vault.put_staged(&tokens, Some(rotated.clone())).await;
+    sqlx::raw_sql(remove).execute(store.pool()).await.unwrap();
+    assert!(refused.is_err(), "{refused:?}");
+    for slot in [&access, &refresh] {
+        assert!(
+            vault.metadata(slot).await.unwrap().is_none(),
+            "{slot} stays unset"
+        );
+    }
+    assert_eq!(staged().await.unwrap(), 8);
+    let (_, entry) = vault
+        .put_staged(&tokens, Some(rotated.clone()))
+        .await
+        .unwrap();
+    assert_eq!(entry.map(|e| e.event().clone()), Some(rotated));
+    assert_eq!(staged().await.unwrap(), 9);
+    for (slot, value) in tokens {
+        assert_eq!(
+            secrecy::ExposeSecret::expose_secret(&vault.open(slot).await.unwrap()),
+            value
+        );
+    }
 }
 
 /// A service key named `ci` with `role` in `project`.

@@ -193,3 +193,23 @@ pub fn held_mail_approval(run: wor_core::RunId, binding: &str) -> wor_store::New
         expires_at: wor_store::now_millis() + 60_000,
     }
 }
+
+/// The statements that make every insert into `audit_staged` fail (`injected failure`), and
+/// that undo it, on `backend`: for a test on a database of its own that shows a change whose
+/// entry cannot be staged is not made.
+pub fn staging_refusal(backend: wor_store::Backend) -> (&'static str, &'static str) {
+    match backend {
+        wor_store::Backend::Sqlite => (
+            "CREATE TRIGGER refuse_staging BEFORE INSERT ON audit_staged \
+             BEGIN SELECT RAISE(ABORT, 'injected failure'); END;",
+            "DROP TRIGGER refuse_staging;",
+        ),
+        wor_store::Backend::Postgres => (
+            "CREATE FUNCTION refuse_staging() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN RAISE EXCEPTION 'injected failure'; END $$; \
+             CREATE TRIGGER refuse_staging BEFORE INSERT ON audit_staged FOR EACH ROW \
+             EXECUTE FUNCTION refuse_staging();",
+            "DROP TRIGGER refuse_staging ON audit_staged; DROP FUNCTION refuse_staging();",
+        ),
+    }
+}
