@@ -506,18 +506,27 @@ impl Engine {
         let now = now_millis();
         let connection_slot =
             |field: &str| SecretSlot::new(project, TOOL_CONNECTIONS_TABLE, record.id, field);
-        self.seal_tokens(&connection_slot, &tokens, None).await?;
-        if let Some(secret) = &client.client_secret {
-            self.vault
-                .put(
-                    &connection_slot(CLIENT_SECRET_FIELD),
-                    secret.expose_secret(),
-                )
-                .await
-                .map_err(EngineError::Vault)?;
+        let mut secrets = vec![(
+            connection_slot(ACCESS_TOKEN_FIELD),
+            tokens.access_token.expose_secret(),
+        )];
+        if let Some(refresh) = &tokens.refresh_token {
+            secrets.push((
+                connection_slot(REFRESH_TOKEN_FIELD),
+                refresh.expose_secret(),
+            ));
         }
-        // The entry is staged with the authorization: a crash before it is appended leaves it
-        // for the audit writer's sweep, never an authorized connection without its entry.
+        if let Some(secret) = &client.client_secret {
+            secrets.push((connection_slot(CLIENT_SECRET_FIELD), secret.expose_secret()));
+        }
+        let sealed = secrets
+            .iter()
+            .map(|(slot, value)| self.vault.seal_put(slot, value))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(EngineError::Vault)?;
+        // The tokens and client secret are written, and the entry staged, with the
+        // authorization: a crash leaves all or none of them, never tokens in use without
+        // their entry.
         let recorded = AuditEvent::new(project, AuditCategory::ToolConnectionAuthorize, actor)
             .subject("connection_id", record.id)
             .payload(json!({
@@ -543,6 +552,7 @@ impl Engine {
                     refreshed_at: None,
                     scope: pending.scope.clone(),
                 },
+                &sealed,
                 Some(recorded),
             )
             .await?;
@@ -557,13 +567,13 @@ impl Engine {
         })
     }
 
-    /// Seals `tokens` into the slots `slot` names, in one transaction, staging `recorded`, when
-    /// given, in it too.
+    /// Seals refreshed `tokens` into the slots `slot` names, in one transaction, staging
+    /// `recorded`, the refresh's entry, in it too.
     async fn seal_tokens(
         &self,
         slot: &impl Fn(&str) -> SecretSlot,
         tokens: &TokenSet,
-        recorded: Option<AuditEvent>,
+        recorded: AuditEvent,
     ) -> Result<Option<wor_store::StagedEvent>, EngineError> {
         let access = slot(ACCESS_TOKEN_FIELD);
         let refresh = slot(REFRESH_TOKEN_FIELD);
@@ -573,7 +583,7 @@ impl Engine {
         }
         let (_, staged) = self
             .vault
-            .put_staged(&secrets, recorded)
+            .put_staged(&secrets, Some(recorded))
             .await
             .map_err(EngineError::Vault)?;
         Ok(staged)
@@ -782,7 +792,7 @@ impl Engine {
                 "connection": connection,
                 "refresh_token_rotated": tokens.refresh_token.is_some(),
             }));
-        let staged = self.seal_tokens(&slot, &tokens, Some(recorded)).await?;
+        let staged = self.seal_tokens(&slot, &tokens, recorded).await?;
         self.append_staged_or_log(staged).await;
         self.store
             .record_connection_oauth_refresh(project, id, expires_at(now_millis(), &tokens))

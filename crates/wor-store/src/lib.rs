@@ -88,7 +88,7 @@ pub use tool_connections::{
     ToolConnectionRecord, ToolConnectionStatus, env_field, header_field,
 };
 pub use triggers::{AttemptOutcome, DeliveryFilter, DeliveryRecord, DueSchedule, NewDelivery};
-pub use vault::{RotationReport, SecretMetadata, SecretSlot, Vault, VaultError};
+pub use vault::{RotationReport, SealedPut, SecretMetadata, SecretSlot, Vault, VaultError};
 pub use workers::{
     EnrolmentRefusal, NewEnrolmentToken, WORKER_ENROLMENT_TOKEN_PREFIX, WorkerRecord,
     WorkerRequestRefusal, WorkerRevocation, WorkerStatus,

@@ -154,22 +154,25 @@ impl Store {
         rows.iter().map(from_row).collect()
     }
 
-    /// Records that the connection's key was replaced: its credential version rises by one.
-    /// Stages the replacement's `model_connection.set_key` entry, made by `recorded` from the
-    /// new credential version, in the same transaction (`crate::staged`): the caller appends it
-    /// with [`crate::AuditLog::append_staged`]. A revoked connection is a conflict.
+    /// Replaces the connection's key with `key` (sealed for its slot): its credential version
+    /// rises by one. Writes the key and stages the replacement's `model_connection.set_key`
+    /// entry, made by `recorded` from the new credential version, in the same transaction
+    /// (`crate::staged`): the caller appends it with [`crate::AuditLog::append_staged`]. A
+    /// revoked connection is a conflict, and its key is left as it was.
     pub async fn bump_model_credential_version(
         &self,
         project: ProjectId,
         id: ConnectionId,
+        key: &crate::SealedPut,
         recorded: &(dyn Fn(i64) -> AuditEvent + Sync),
     ) -> Result<(ModelConnectionRecord, StagedEvent), StoreError> {
+        let now = now_millis();
         let mut tx = self.begin_write().await?;
         let bumped: Option<i64> = sqlx::query_scalar(
             "UPDATE model_connections SET credential_version = credential_version + 1, updated_at = $1 \
              WHERE project_id = $2 AND id = $3 AND status = 'active' RETURNING credential_version",
         )
-        .bind(now_millis())
+        .bind(now)
         .bind(project.to_string())
         .bind(id.to_string())
         .fetch_optional(&mut **tx)
@@ -182,6 +185,7 @@ impl Store {
                 "model connection `{id}` is revoked"
             )));
         };
+        crate::vault::write_sealed(&mut tx, key, now).await?;
         let staged = crate::staged::stage_one(&mut tx, recorded(version)).await?;
         tx.commit().await?;
         Ok((self.get_model_connection(project, id).await?, staged))

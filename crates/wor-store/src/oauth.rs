@@ -246,18 +246,24 @@ impl Store {
         &self,
         record: &ConnectionOAuthRecord,
     ) -> Result<(), StoreError> {
-        self.put_connection_oauth_staged(record, None).await?;
+        self.put_connection_oauth_staged(record, &[], None).await?;
         Ok(())
     }
 
-    /// [`Self::put_connection_oauth`], staging `recorded`, when given, its `connection.authorize`
-    /// entry, in the same transaction (`crate::staged`).
+    /// [`Self::put_connection_oauth`], writing `secrets` (the authorization's tokens and client
+    /// secret, sealed for their slots) and staging `recorded`, when given, its
+    /// `connection.authorize` entry, in the same transaction (`crate::staged`).
     pub async fn put_connection_oauth_staged(
         &self,
         record: &ConnectionOAuthRecord,
+        secrets: &[crate::SealedPut],
         recorded: Option<AuditEvent>,
     ) -> Result<Option<StagedEvent>, StoreError> {
         let mut tx = self.begin_write().await?;
+        let now = now_millis();
+        for secret in secrets {
+            crate::vault::write_sealed(&mut tx, secret, now).await?;
+        }
         sqlx::query(
             "DELETE FROM tool_connection_oauth WHERE project_id = $1 AND connection_id = $2",
         )

@@ -164,28 +164,25 @@ impl Vault {
     ) -> Result<(SecretMetadata, Option<StagedEvent>), VaultError> {
         let sealed = secrets
             .iter()
-            .map(|(slot, value)| Ok((*slot, self.seal(slot, value.as_bytes())?)))
+            .map(|(slot, value)| self.seal_put(slot, value))
             .collect::<Result<Vec<_>, VaultError>>()?;
         let now = now_millis();
         let mut tx = self.store.begin_write().await?;
-        for (slot, sealed) in sealed {
-            let query = sqlx::query(
-                "INSERT INTO sealed_secrets (project_id, owner_table, owner_id, field, key_id, sealed, updated_at) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7) \
-                 ON CONFLICT (project_id, owner_table, owner_id, field) \
-                 DO UPDATE SET key_id = excluded.key_id, sealed = excluded.sealed, updated_at = excluded.updated_at",
-            );
-            bind_slot(query, slot)
-                .bind(sealed.key_id().to_string())
-                .bind(sealed.to_bytes())
-                .bind(now)
-                .execute(&mut **tx)
-                .await
-                .map_err(StoreError::from)?;
+        for put in &sealed {
+            write_sealed(&mut tx, put, now).await?;
         }
         let staged = crate::staged::stage_some(&mut tx, recorded).await?;
         tx.commit().await.map_err(StoreError::from)?;
         Ok((SecretMetadata { updated_at: now }, staged))
+    }
+
+    /// Seals `value` for `slot`, to be written by the store operation whose change it belongs
+    /// to, in that change's own transaction.
+    pub fn seal_put(&self, slot: &SecretSlot, value: &str) -> Result<SealedPut, VaultError> {
+        Ok(SealedPut {
+            slot: slot.clone(),
+            sealed: self.seal(slot, value.as_bytes())?,
+        })
     }
 
     /// Opens the secret in `slot`: only for attaching it to an outgoing request.
@@ -363,6 +360,39 @@ type AnyQuery<'q> = sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments>;
 const SLOT_WHERE: &str = "project_id = $1 AND owner_table = $2 AND owner_id = $3 AND field = $4";
 
 /// Binds `slot` as parameters `$1` to `$4`, in the order of [`SLOT_WHERE`].
+/// A secret sealed for its slot ([`Vault::seal_put`]), not yet written.
+pub struct SealedPut {
+    slot: SecretSlot,
+    sealed: SealedSecret,
+}
+
+impl fmt::Debug for SealedPut {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "SealedPut({})", self.slot)
+    }
+}
+
+/// Writes `put` into its slot in `tx`, replacing what was there, as of `now`.
+pub(crate) async fn write_sealed(
+    tx: &mut sqlx::Transaction<'static, sqlx::Any>,
+    put: &SealedPut,
+    now: i64,
+) -> Result<(), StoreError> {
+    let query = sqlx::query(
+        "INSERT INTO sealed_secrets (project_id, owner_table, owner_id, field, key_id, sealed, updated_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7) \
+         ON CONFLICT (project_id, owner_table, owner_id, field) \
+         DO UPDATE SET key_id = excluded.key_id, sealed = excluded.sealed, updated_at = excluded.updated_at",
+    );
+    bind_slot(query, &put.slot)
+        .bind(put.sealed.key_id().to_string())
+        .bind(put.sealed.to_bytes())
+        .bind(now)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
 fn bind_slot<'q>(query: AnyQuery<'q>, slot: &SecretSlot) -> AnyQuery<'q> {
     query
         .bind(slot.project.to_string())

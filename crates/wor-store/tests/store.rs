@@ -1503,13 +1503,22 @@ async fn revocations_role_changes_and_model_keys_stage_an_entry_only_when_they_c
         )
         .payload(serde_json::json!({ "credential_version": version }))
     };
+    // The key is written in the transaction that raises the version and stages the entry.
+    let (keys, _) = wor_secrets::KeyRing::generate().unwrap();
+    let vault = wor_store::Vault::new(db.store.clone(), std::sync::Arc::new(keys));
+    let slot = wor_store::SecretSlot::new(project, "model_connections", model.id, "api_key");
+    let key = |value: &str| vault.seal_put(&slot, value).unwrap();
     let (bumped, entry) = db
         .store
-        .bump_model_credential_version(project, model.id, &set_key)
+        .bump_model_credential_version(project, model.id, &key("key-two"), &set_key)
         .await
         .unwrap();
     assert_eq!(entry.event(), &set_key(bumped.credential_version));
     assert_eq!(bumped.credential_version, model.credential_version + 1);
+    let held = || async {
+        secrecy::ExposeSecret::expose_secret(&vault.open(&slot).await.unwrap()).to_owned()
+    };
+    assert_eq!(held().await, "key-two");
     let revoked = AuditEvent::new(
         project,
         AuditCategory::ModelConnectionRevoke,
@@ -1523,7 +1532,7 @@ async fn revocations_role_changes_and_model_keys_stage_an_entry_only_when_they_c
     assert_eq!(staged().await.unwrap(), 5);
     let refused = db
         .store
-        .bump_model_credential_version(project, model.id, &set_key)
+        .bump_model_credential_version(project, model.id, &key("key-three"), &set_key)
         .await;
     assert!(
         matches!(refused, Err(StoreError::Conflict(_))),
@@ -1534,6 +1543,7 @@ async fn revocations_role_changes_and_model_keys_stage_an_entry_only_when_they_c
         5,
         "a refused change stages nothing"
     );
+    assert_eq!(held().await, "key-two", "nor writes the key it was given");
 }
 
 #[tokio::test]
@@ -2536,11 +2546,20 @@ mod oauth_authorizations {
                 .subject("connection_id", connection.id)
         };
         let authorized = event(wor_core::audit::AuditCategory::ToolConnectionAuthorize);
+        let (keys, _) = wor_secrets::KeyRing::generate().unwrap();
+        let vault = wor_store::Vault::new(db.store.clone(), std::sync::Arc::new(keys));
+        let slot =
+            wor_store::SecretSlot::new(project, "tool_connections", connection.id, "access_token");
+        let token = |value: &str| vault.seal_put(&slot, value).unwrap();
+        let held = || async {
+            secrecy::ExposeSecret::expose_secret(&vault.open(&slot).await.unwrap()).to_owned()
+        };
         let entry = db
             .store
-            .put_connection_oauth_staged(&settled, Some(authorized.clone()))
+            .put_connection_oauth_staged(&settled, &[token("access-1")], Some(authorized.clone()))
             .await
             .unwrap();
+        assert_eq!(held().await, "access-1", "the tokens are written with it");
         assert_eq!(entry.map(|e| e.event().clone()), Some(authorized));
         assert_eq!(staged().await.unwrap(), before + 1);
         // Authorizing again replaces the record.

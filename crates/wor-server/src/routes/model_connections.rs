@@ -335,8 +335,9 @@ pub(crate) async fn replace_model_key(
             "model connection `{id}` is revoked"
         )));
     }
-    state.vault.put(&slot(&record), api_key).await?;
-    // The entry is staged with the new credential version.
+    let key = state.vault.seal_put(&slot(&record), api_key)?;
+    // The key is written, and its entry staged, with the new credential version: a crash
+    // leaves all three or none of them.
     let recorded = |version: i64| {
         AuditEvent::new(project, AuditCategory::ModelConnectionSetKey, actor.clone())
             .subject("connection_id", id)
@@ -344,7 +345,7 @@ pub(crate) async fn replace_model_key(
     };
     let (record, staged) = state
         .store
-        .bump_model_credential_version(project, id, &recorded)
+        .bump_model_credential_version(project, id, &key, &recorded)
         .await?;
     state.engine.append_staged_or_log([staged]).await;
     tracing::info!(category = "config", action = "model_connection.set_key", project_id = %project,
