@@ -150,6 +150,10 @@ pub enum StoreError {
     /// An audit event to stage with its change could not be written as JSON; nothing changed.
     #[error("an audit event to stage could not be encoded: {0}")]
     EventEncoding(String),
+    /// A secret sealed for one slot was given to a change that writes another's; nothing
+    /// changed.
+    #[error("a secret sealed for `{slot}` does not belong to this change")]
+    MisplacedSecret { slot: String },
     #[error("database error: {0}")]
     Database(#[from] sqlx::Error),
     /// From the audit writer's own connection to the embedded database.
@@ -182,6 +186,7 @@ impl StoreError {
             StoreError::Corrupt(_) => "corrupt",
             StoreError::StepEncoding(_) => "step_encoding",
             StoreError::EventEncoding(_) => "event_encoding",
+            StoreError::MisplacedSecret { .. } => "misplaced_secret",
             StoreError::Database(sqlx_err) => match sqlx_err {
                 sqlx::Error::PoolTimedOut => "pool_timed_out",
                 sqlx::Error::Database(_) => "database",

@@ -166,6 +166,7 @@ impl Store {
         key: &crate::SealedPut,
         recorded: &(dyn Fn(i64) -> AuditEvent + Sync),
     ) -> Result<(ModelConnectionRecord, StagedEvent), StoreError> {
+        key.check_owner(project, MODEL_CONNECTIONS_TABLE, id)?;
         let now = now_millis();
         let mut tx = self.begin_write().await?;
         let bumped: Option<i64> = sqlx::query_scalar(

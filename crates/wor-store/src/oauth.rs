@@ -259,6 +259,13 @@ impl Store {
         secrets: &[crate::SealedPut],
         recorded: Option<AuditEvent>,
     ) -> Result<Option<StagedEvent>, StoreError> {
+        for secret in secrets {
+            secret.check_owner(
+                record.project_id,
+                crate::TOOL_CONNECTIONS_TABLE,
+                record.connection_id,
+            )?;
+        }
         let mut tx = self.begin_write().await?;
         let now = now_millis();
         for secret in secrets {

@@ -372,6 +372,28 @@ impl fmt::Debug for SealedPut {
     }
 }
 
+impl SealedPut {
+    /// Refused unless it is sealed for a slot of row `owner_id` of `owner_table` in `project`.
+    pub(crate) fn check_owner(
+        &self,
+        project: ProjectId,
+        owner_table: &str,
+        owner_id: impl fmt::Display,
+    ) -> Result<(), StoreError> {
+        let slot = &self.slot;
+        if slot.project == project
+            && slot.owner_table == owner_table
+            && slot.owner_id == owner_id.to_string()
+        {
+            Ok(())
+        } else {
+            Err(StoreError::MisplacedSecret {
+                slot: slot.to_string(),
+            })
+        }
+    }
+}
+
 /// Writes `put` into its slot in `tx`, replacing what was there, as of `now`.
 pub(crate) async fn write_sealed(
     tx: &mut sqlx::Transaction<'static, sqlx::Any>,

@@ -1519,6 +1519,30 @@ async fn revocations_role_changes_and_model_keys_stage_an_entry_only_when_they_c
         secrecy::ExposeSecret::expose_secret(&vault.open(&slot).await.unwrap()).to_owned()
     };
     assert_eq!(held().await, "key-two");
+    // A key sealed for another connection's slot is refused, and nothing changes.
+    let elsewhere =
+        wor_store::SecretSlot::new(project, "model_connections", "con_other", "api_key");
+    let misplaced = db
+        .store
+        .bump_model_credential_version(
+            project,
+            model.id,
+            &vault.seal_put(&elsewhere, "key-x").unwrap(),
+            &set_key,
+        )
+        .await;
+    assert!(
+        matches!(misplaced, Err(StoreError::MisplacedSecret { .. })),
+        "{misplaced:?}"
+    );
+    assert_eq!(
+        db.store
+            .get_model_connection(project, model.id)
+            .await
+            .unwrap()
+            .credential_version,
+        bumped.credential_version
+    );
     let revoked = AuditEvent::new(
         project,
         AuditCategory::ModelConnectionRevoke,
