@@ -203,13 +203,14 @@ impl Engine {
         if secrets.is_empty() {
             return Ok(created);
         }
-        let slots: Vec<(SecretSlot, &SecretString)> = secrets
+        let sealing: Vec<(SecretSlot, &str)> = secrets
             .iter()
-            .map(|(field, value)| (route_slot(project, created.id, field), value))
-            .collect();
-        let sealing: Vec<(&SecretSlot, &str)> = slots
-            .iter()
-            .map(|(slot, value)| (slot, value.expose_secret()))
+            .map(|(field, value)| {
+                (
+                    route_slot(project, created.id, field),
+                    value.expose_secret(),
+                )
+            })
             .collect();
         if let Err(error) = self.vault.put_staged(&sealing, None).await {
             // Never leave a route that would send with no credentials: deleted at once, and

@@ -506,16 +506,7 @@ impl Engine {
         let now = now_millis();
         let connection_slot =
             |field: &str| SecretSlot::new(project, TOOL_CONNECTIONS_TABLE, record.id, field);
-        let mut secrets = vec![(
-            connection_slot(ACCESS_TOKEN_FIELD),
-            tokens.access_token.expose_secret(),
-        )];
-        if let Some(refresh) = &tokens.refresh_token {
-            secrets.push((
-                connection_slot(REFRESH_TOKEN_FIELD),
-                refresh.expose_secret(),
-            ));
-        }
+        let mut secrets = token_secrets(&connection_slot, &tokens);
         if let Some(secret) = &client.client_secret {
             secrets.push((connection_slot(CLIENT_SECRET_FIELD), secret.expose_secret()));
         }
@@ -575,15 +566,9 @@ impl Engine {
         tokens: &TokenSet,
         recorded: AuditEvent,
     ) -> Result<Option<wor_store::StagedEvent>, EngineError> {
-        let access = slot(ACCESS_TOKEN_FIELD);
-        let refresh = slot(REFRESH_TOKEN_FIELD);
-        let mut secrets = vec![(&access, tokens.access_token.expose_secret())];
-        if let Some(token) = &tokens.refresh_token {
-            secrets.push((&refresh, token.expose_secret()));
-        }
         let (_, staged) = self
             .vault
-            .put_staged(&secrets, Some(recorded))
+            .put_staged(&token_secrets(slot, tokens), Some(recorded))
             .await
             .map_err(EngineError::Vault)?;
         Ok(staged)
@@ -952,4 +937,20 @@ fn expires_at(now: i64, tokens: &TokenSet) -> Option<i64> {
     tokens.expires_in.map(|seconds| {
         now.saturating_add(i64::try_from(seconds.saturating_mul(1000)).unwrap_or(i64::MAX))
     })
+}
+
+/// The slots `slot` names for `tokens`' access token and, when there is one, refresh token,
+/// each with its value.
+fn token_secrets<'a>(
+    slot: &impl Fn(&str) -> SecretSlot,
+    tokens: &'a TokenSet,
+) -> Vec<(SecretSlot, &'a str)> {
+    let mut secrets = vec![(
+        slot(ACCESS_TOKEN_FIELD),
+        tokens.access_token.expose_secret(),
+    )];
+    if let Some(refresh) = &tokens.refresh_token {
+        secrets.push((slot(REFRESH_TOKEN_FIELD), refresh.expose_secret()));
+    }
+    secrets
 }

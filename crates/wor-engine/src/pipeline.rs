@@ -432,7 +432,7 @@ impl Engine {
                         usage,
                         claim,
                     },
-                    used,
+                    Some(used),
                 )
                 .await?;
             self.append_staged_or_log(staged).await;

@@ -205,7 +205,7 @@ impl Engine {
             .payload(json!({ "slot": slot.to_string(), "kind": kind.as_str() }));
         let (_, staged) = self
             .vault
-            .put_staged(&[(&slot, secret.expose_secret())], Some(recorded))
+            .put_staged(&[(slot, secret.expose_secret())], Some(recorded))
             .await
             .map_err(EngineError::Vault)?;
         self.append_staged_or_log(staged).await;

@@ -288,23 +288,14 @@ impl Store {
         project: ProjectId,
         id: ApiKeyId,
     ) -> Result<ApiKeyRecord, StoreError> {
-        Ok(self.revoke_api_key_with(project, id, None).await?.0)
+        Ok(self.revoke_api_key_staged(project, id, None).await?.0)
     }
 
-    /// [`Store::revoke_api_key`] staging the revocation's `key.revoke` entry, made by
-    /// `recorded` from the key as revoked, in the same transaction (`crate::staged`) when it
-    /// revoked the key; a key revoked already stages nothing. The caller appends the entry
-    /// with [`crate::AuditLog::append_staged`].
+    /// [`Store::revoke_api_key`] staging the revocation's `key.revoke` entry, made by `recorded`,
+    /// when given, from the key as revoked, in the same transaction (`crate::staged`) when it
+    /// revoked the key; a key revoked already stages nothing. The caller appends the entry with
+    /// [`crate::AuditLog::append_staged`].
     pub async fn revoke_api_key_staged(
-        &self,
-        project: ProjectId,
-        id: ApiKeyId,
-        recorded: &(dyn Fn(&ApiKeyRecord) -> AuditEvent + Sync),
-    ) -> Result<(ApiKeyRecord, Option<StagedEvent>), StoreError> {
-        self.revoke_api_key_with(project, id, Some(recorded)).await
-    }
-
-    async fn revoke_api_key_with(
         &self,
         project: ProjectId,
         id: ApiKeyId,

@@ -277,26 +277,12 @@ impl Store {
         Ok(parked.map(|(id, created, _)| (id, created)))
     }
 
-    /// [`Store::park_for_approval`] for remote worker `worker`, only under the claim whose
-    /// `credential` it presents (a stale driver of an earlier claim parks nothing).
-    pub async fn park_for_approval_under_claim(
-        &self,
-        project: ProjectId,
-        worker: &str,
-        credential: &str,
-        approval: &NewApproval,
-    ) -> Result<Option<(ApprovalId, bool)>, StoreError> {
-        let parked = self
-            .park_filing(project, worker, Some(credential), approval, None)
-            .await?;
-        Ok(parked.map(|(id, created, _)| (id, created)))
-    }
-
-    /// [`Store::park_for_approval`] (the approval's id and whether it was filed now), or
-    /// [`Store::park_for_approval_under_claim`] with `claim`,
-    /// staging `recorded` (from the new approval's id), its `approval.request` entry, in the
-    /// same transaction (`crate::staged`) when the approval is filed now (a request filed
-    /// before stages nothing), and after it `also`, when given, whenever the run parks.
+    /// [`Store::park_for_approval`] (the approval's id and whether it was filed now), for remote
+    /// worker `worker` only under the claim whose credential is `claim`, when given (a stale driver
+    /// of an earlier claim parks nothing), staging `recorded` (from the new approval's id), its
+    /// `approval.request` entry, in the same transaction (`crate::staged`) when the approval is
+    /// filed now (a request filed before stages nothing), and after it `also`, when given, whenever
+    /// the run parks.
     pub async fn park_for_approval_staged(
         &self,
         project: ProjectId,
@@ -651,26 +637,14 @@ impl Store {
         call: &ApprovedCall<'_>,
     ) -> Result<ApprovedStart, StoreError> {
         let (started, _) = self
-            .start_approved_call_with(project, run, worker, call, None)
+            .start_approved_call_staged(project, run, worker, call, None)
             .await?;
         Ok(started)
     }
 
-    /// [`Store::start_approved_call`], staging `recorded`, its `approval.use` entry, in the
-    /// same transaction (`crate::staged`) when the call starts; staged only then.
+    /// [`Store::start_approved_call`], staging `recorded`, when given, its `approval.use` entry, in
+    /// the same transaction (`crate::staged`) when the call starts; staged only then.
     pub async fn start_approved_call_staged(
-        &self,
-        project: ProjectId,
-        run: RunId,
-        worker: &str,
-        call: &ApprovedCall<'_>,
-        recorded: AuditEvent,
-    ) -> Result<(ApprovedStart, Option<StagedEvent>), StoreError> {
-        self.start_approved_call_with(project, run, worker, call, Some(recorded))
-            .await
-    }
-
-    async fn start_approved_call_with(
         &self,
         project: ProjectId,
         run: RunId,

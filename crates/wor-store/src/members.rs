@@ -122,28 +122,16 @@ impl Store {
         by: RoleChanger,
     ) -> Result<RoleChange, StoreError> {
         Ok(self
-            .change_member_role_with(project, id, role, by, None)
+            .change_member_role_staged(project, id, role, by, None)
             .await?
             .0)
     }
 
     /// [`Store::change_member_role`] staging the change's `member.role_change` entry, made by
-    /// `recorded` from the change, in the same transaction (`crate::staged`) when the role
-    /// changed; asking for the role a member has stages nothing. The caller appends the entry
+    /// `recorded`, when given, from the change, in the same transaction (`crate::staged`) when the
+    /// role changed; asking for the role a member has stages nothing. The caller appends the entry
     /// with [`crate::AuditLog::append_staged`].
     pub async fn change_member_role_staged(
-        &self,
-        project: ProjectId,
-        id: MemberId,
-        role: Role,
-        by: RoleChanger,
-        recorded: &(dyn Fn(&RoleChange) -> AuditEvent + Sync),
-    ) -> Result<(RoleChange, Option<StagedEvent>), StoreError> {
-        self.change_member_role_with(project, id, role, by, Some(recorded))
-            .await
-    }
-
-    async fn change_member_role_with(
         &self,
         project: ProjectId,
         id: MemberId,

@@ -232,10 +232,9 @@ const DELIVERY_COLUMNS: &str = "id, project_id, route_id, approval_id, action, n
     attempts, next_attempt_at, last_status_code, last_error, created_at, updated_at";
 
 impl Store {
-    /// Makes a notification route; a second route of the same name is a conflict.
-    /// Makes `route`, staging `recorded` (from the new route's id), its
-    /// `notification_route.create` entry, in the same transaction (`crate::staged`) for the
-    /// caller to append.
+    /// Makes a notification route; a second route of the same name is a conflict. Stages
+    /// `recorded` (from the new route's id), its `notification_route.create` entry, in the same
+    /// transaction (`crate::staged`) for the caller to append.
     pub async fn create_notification_route(
         &self,
         project: ProjectId,

@@ -46,23 +46,13 @@ impl Store {
         name: &str,
         owner_name: &str,
     ) -> Result<CreatedProject, StoreError> {
-        let (created, _) = self.create_project_with(name, owner_name, None).await?;
+        let (created, _) = self.create_project_staged(name, owner_name, None).await?;
         Ok(created)
     }
 
-    /// [`Self::create_project`], staging the entries `recorded` makes in the same transaction
-    /// (`crate::staged`).
+    /// [`Self::create_project`], staging the entries `recorded`, when given, makes in the same
+    /// transaction (`crate::staged`).
     pub async fn create_project_staged(
-        &self,
-        name: &str,
-        owner_name: &str,
-        recorded: &ProjectEntries<'_>,
-    ) -> Result<(CreatedProject, Vec<StagedEvent>), StoreError> {
-        self.create_project_with(name, owner_name, Some(recorded))
-            .await
-    }
-
-    async fn create_project_with(
         &self,
         name: &str,
         owner_name: &str,

@@ -50,27 +50,15 @@ impl Store {
         created_by: Option<ApiKeyId>,
     ) -> Result<AppliedRoutine, StoreError> {
         let (applied, _) = self
-            .apply_routine_with(project, source_toml, definition, created_by, None)
+            .apply_routine_staged(project, source_toml, definition, created_by, None)
             .await?;
         Ok(applied)
     }
 
-    /// [`Self::apply_routine`], staging `recorded` from what the apply made in the same
-    /// transaction (`crate::staged`) when it made a new version; an apply that changed nothing
+    /// [`Self::apply_routine`], staging `recorded`, when given, from what the apply made in the
+    /// same transaction (`crate::staged`) when it made a new version; an apply that changed nothing
     /// stages nothing.
     pub async fn apply_routine_staged(
-        &self,
-        project: ProjectId,
-        source_toml: &str,
-        definition: &RoutineDefinition,
-        created_by: Option<ApiKeyId>,
-        recorded: &(dyn Fn(&AppliedRoutine) -> AuditEvent + Sync),
-    ) -> Result<(AppliedRoutine, Option<StagedEvent>), StoreError> {
-        self.apply_routine_with(project, source_toml, definition, created_by, Some(recorded))
-            .await
-    }
-
-    async fn apply_routine_with(
         &self,
         project: ProjectId,
         source_toml: &str,

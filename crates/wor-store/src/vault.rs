@@ -150,7 +150,7 @@ impl Vault {
 
     /// Seals `value` into `slot`, replacing what was there.
     pub async fn put(&self, slot: &SecretSlot, value: &str) -> Result<SecretMetadata, VaultError> {
-        let (metadata, _) = self.put_staged(&[(slot, value)], None).await?;
+        let (metadata, _) = self.put_staged(&[(slot.clone(), value)], None).await?;
         Ok(metadata)
     }
 
@@ -159,7 +159,7 @@ impl Vault {
     /// too (`crate::staged`).
     pub async fn put_staged(
         &self,
-        secrets: &[(&SecretSlot, &str)],
+        secrets: &[(SecretSlot, &str)],
         recorded: Option<AuditEvent>,
     ) -> Result<(SecretMetadata, Option<StagedEvent>), VaultError> {
         let sealed = secrets

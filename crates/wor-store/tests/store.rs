@@ -1441,7 +1441,7 @@ async fn revocations_role_changes_and_model_keys_stage_an_entry_only_when_they_c
     };
     let (key, entry) = db
         .store
-        .revoke_api_key_staged(project, service.id, &revoked)
+        .revoke_api_key_staged(project, service.id, Some(&revoked))
         .await
         .unwrap();
     assert!(key.revoked_at.is_some());
@@ -1449,7 +1449,7 @@ async fn revocations_role_changes_and_model_keys_stage_an_entry_only_when_they_c
     assert_eq!(staged().await.unwrap(), 1);
     let (_, again) = db
         .store
-        .revoke_api_key_staged(project, service.id, &revoked)
+        .revoke_api_key_staged(project, service.id, Some(&revoked))
         .await
         .unwrap();
     assert!(again.is_none(), "a revoked key is not revoked again");
@@ -1471,7 +1471,7 @@ async fn revocations_role_changes_and_model_keys_stage_an_entry_only_when_they_c
     for (role, stages) in [(Role::Approver, 2), (Role::Approver, 2), (Role::Viewer, 3)] {
         let (change, entry) = db
             .store
-            .change_member_role_staged(project, member.id, role, owner, &changed)
+            .change_member_role_staged(project, member.id, role, owner, Some(&changed))
             .await
             .unwrap();
         assert_eq!(change.member.role, role);
@@ -2329,7 +2329,7 @@ async fn an_approval_is_never_used_without_its_call_recorded_as_started() {
     .subject("approval_id", approval);
     sqlx::raw_sql(inject).execute(store.pool()).await.unwrap();
     let failed = store
-        .start_approved_call_staged(project, run.id, "w", &call, used.clone())
+        .start_approved_call_staged(project, run.id, "w", &call, Some(used.clone()))
         .await
         .unwrap_err();
     assert!(failed.to_string().contains("injected failure"), "{failed}");
@@ -2358,7 +2358,7 @@ async fn an_approval_is_never_used_without_its_call_recorded_as_started() {
 
     sqlx::raw_sql(remove).execute(store.pool()).await.unwrap();
     let (started, entry) = store
-        .start_approved_call_staged(project, run.id, "w", &call, used.clone())
+        .start_approved_call_staged(project, run.id, "w", &call, Some(used.clone()))
         .await
         .unwrap();
     assert_eq!(started, ApprovedStart::Started);
@@ -2395,7 +2395,7 @@ async fn an_approval_is_never_used_without_its_call_recorded_as_started() {
     );
     // Used once, never again, and nothing staged for the refusal.
     let (again, entry) = store
-        .start_approved_call_staged(project, run.id, "w", &call, used)
+        .start_approved_call_staged(project, run.id, "w", &call, Some(used))
         .await
         .unwrap();
     assert_eq!(again, ApprovedStart::NotUsable);
@@ -3431,7 +3431,7 @@ async fn creations_and_expiries_stage_their_entry_with_the_change() {
     };
     for (round, changed, stages) in [(1, true, 1), (2, false, 1)] {
         let (applied, entry) = store
-            .apply_routine_staged(project, toml, &definition, None, &applied_entry)
+            .apply_routine_staged(project, toml, &definition, None, Some(&applied_entry))
             .await
             .unwrap();
         assert_eq!(applied.changed, changed, "apply {round}");
@@ -3736,7 +3736,7 @@ async fn console_sessions_links_and_routes_stage_their_entry_only_when_they_chan
     let slot = wor_store::SecretSlot::new(project, "routines", "rtn_1", "webhook_secret");
     let rotated = event(AuditCategory::WebhookSecretRotate);
     let (_, entry) = vault
-        .put_staged(&[(&slot, "whsec-one")], Some(rotated.clone()))
+        .put_staged(&[(slot.clone(), "whsec-one")], Some(rotated.clone()))
         .await
         .unwrap();
     assert_eq!(entry.map(|e| e.event().clone()), Some(rotated.clone()));
@@ -3749,7 +3749,7 @@ async fn console_sessions_links_and_routes_stage_their_entry_only_when_they_chan
     let access = wor_store::SecretSlot::new(project, "tool_connections", "con_1", "access_token");
     let refresh = wor_store::SecretSlot::new(project, "tool_connections", "con_1", "refresh_token");
     let (inject, remove) = support::staging_refusal(store.backend());
-    let tokens = [(&access, "access-1"), (&refresh, "refresh-1")];
+    let tokens = [(access.clone(), "access-1"), (refresh.clone(), "refresh-1")];
     sqlx::raw_sql(inject).execute(store.pool()).await.unwrap();
     let refused = vault.put_staged(&tokens, Some(rotated.clone())).await;
     sqlx::raw_sql(remove).execute(store.pool()).await.unwrap();
@@ -3769,7 +3769,7 @@ async fn console_sessions_links_and_routes_stage_their_entry_only_when_they_chan
     assert_eq!(staged().await.unwrap(), 9);
     for (slot, value) in tokens {
         assert_eq!(
-            secrecy::ExposeSecret::expose_secret(&vault.open(slot).await.unwrap()),
+            secrecy::ExposeSecret::expose_secret(&vault.open(&slot).await.unwrap()),
             value
         );
     }

@@ -170,7 +170,7 @@ async fn scenario(
         .create_project_staged(
             name,
             owner_name,
-            &super::operator::project_entries(name, owner_name),
+            Some(&super::operator::project_entries(name, owner_name)),
         )
         .await
         .context("cannot create the demo project")?;

@@ -111,7 +111,7 @@ async fn create_audited(
     // The entries are staged with the project: a command stopped before they are appended
     // leaves them for the audit writer's next sweep, never a project without its entries.
     let (created, staged) = store
-        .create_project_staged(name, owner, &project_entries(name, owner))
+        .create_project_staged(name, owner, Some(&project_entries(name, owner)))
         .await?;
     record_and_sign(&audit, staged).await?;
     Ok(created)

@@ -201,7 +201,7 @@ pub(crate) async fn revoke_api_key(
     };
     let (revoked, staged) = state
         .store
-        .revoke_api_key_staged(project, key_id, &recorded)
+        .revoke_api_key_staged(project, key_id, Some(&recorded))
         .await?;
     state.engine.append_staged_or_log(staged).await;
     tracing::info!(category = "config", action = "key.revoke", project_id = %project,

@@ -199,7 +199,7 @@ pub(crate) async fn change_member_role(
     };
     let (change, staged) = state
         .store
-        .change_member_role_staged(project, member_id, role, changer, &recorded)
+        .change_member_role_staged(project, member_id, role, changer, Some(&recorded))
         .await?;
     if staged.is_some() {
         state.engine.append_staged_or_log(staged).await;

@@ -160,7 +160,7 @@ pub async fn apply(
             &body.toml,
             &definition,
             Some(caller.key_id),
-            &entry,
+            Some(&entry),
         )
         .await?;
     state.engine.append_staged_or_log(staged).await;
