@@ -20,7 +20,7 @@ use wor_egress::{EgressRequest, HeaderMap, header};
 use wor_store::{
     ApprovalAnswer, ApprovalRecord, ApprovalStatus, AttemptOutcome, NewNotification,
     NewNotificationRoute, NotificationAction, NotificationDeliveryFilter,
-    NotificationDeliveryRecord, NotificationRouteRecord, RouteChannel, SecretSlot, StoreError,
+    NotificationDeliveryRecord, NotificationRouteRecord, RouteChannel, StoreError,
 };
 
 use crate::approvals::{DecidedVia, DecisionRefusal};
@@ -184,57 +184,25 @@ impl Engine {
         {
             object.insert("channel".to_owned(), json!(channel));
         }
-        // The entry is staged with the route: a crash before it is appended leaves it for the
-        // audit writer's sweep, never a route without its entry.
-        let entry = |id: NotificationRouteId| {
-            AuditEvent::new(
-                project,
-                AuditCategory::NotificationRouteCreate,
-                actor.clone(),
-            )
-            .subject("route_id", id)
-            .payload(payload.clone())
-        };
-        let (created, staged) = self
-            .store
-            .create_notification_route(project, &route, &entry)
-            .await?;
-        self.append_staged_or_log([staged]).await;
-        if secrets.is_empty() {
-            return Ok(created);
-        }
-        let sealing: Vec<(SecretSlot, &str)> = secrets
+        // The secrets are sealed before anything is written, and written with the route and its
+        // staged entry: a crash leaves the route with its secrets and its entry, or nothing.
+        let id = NotificationRouteId::new();
+        let sealed = secrets
             .iter()
             .map(|(field, value)| {
-                (
-                    route_slot(project, created.id, field),
-                    value.expose_secret(),
-                )
+                self.vault
+                    .seal_put(&route_slot(project, id, field), value.expose_secret())
             })
-            .collect();
-        if let Err(error) = self.vault.put_staged(&sealing, None).await {
-            // Never leave a route that would send with no credentials: deleted at once, and
-            // its deletion recorded, since its making is. The sealing's error is the answer
-            // whatever the deletion does.
-            tracing::error!(category = "notification", project_id = %project, route_id = %created.id,
-                error = %error, "a notification route's secrets could not be sealed; the route is deleted");
-            let recorded = AuditEvent::new(project, AuditCategory::NotificationRouteDelete, actor)
-                .subject("route_id", created.id)
-                .payload(json!({ "reason": "its secrets could not be sealed" }));
-            match self
-                .store
-                .delete_notification_route(project, created.id, recorded)
-                .await
-            {
-                Ok(staged) => self.append_staged_or_log([staged]).await,
-                Err(deleting) => {
-                    tracing::error!(category = "notification", project_id = %project,
-                        route_id = %created.id, kind = deleting.kind(),
-                        "a route whose secrets could not be sealed could not be deleted");
-                }
-            }
-            return Err(EngineError::Vault(error));
-        }
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(EngineError::Vault)?;
+        let entry = AuditEvent::new(project, AuditCategory::NotificationRouteCreate, actor)
+            .subject("route_id", id)
+            .payload(payload);
+        let (created, staged) = self
+            .store
+            .create_notification_route(project, id, &route, &sealed, entry)
+            .await?;
+        self.append_staged_or_log([staged]).await;
         Ok(created)
     }
 

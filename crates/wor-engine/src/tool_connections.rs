@@ -9,9 +9,9 @@ use std::path::{Component, Path, PathBuf};
 
 use secrecy::SecretString;
 use serde_json::{Value, json};
-use wor_core::ProjectId;
 use wor_core::audit::{Actor, AuditCategory, AuditEvent};
 use wor_core::call::ToolClass;
+use wor_core::{ConnectionId, ProjectId};
 use wor_store::{SecretSlot, StdioSpec, StoreError, env_field};
 use wor_store::{
     StoredPin, TOOL_CONNECTIONS_TABLE, ToolConnectionKind, ToolConnectionRecord,
@@ -272,8 +272,12 @@ pub enum CommandRefusal {
 }
 
 /// The slot of a connection's credential `field`.
-pub fn credential_slot(record: &ToolConnectionRecord, field: impl Into<String>) -> SecretSlot {
-    SecretSlot::new(record.project_id, TOOL_CONNECTIONS_TABLE, record.id, field)
+pub fn credential_slot(
+    project: ProjectId,
+    connection: ConnectionId,
+    field: impl Into<String>,
+) -> SecretSlot {
+    SecretSlot::new(project, TOOL_CONNECTIONS_TABLE, connection, field)
 }
 
 /// A stored pin as the tool library's checked pin.
@@ -481,7 +485,7 @@ impl Engine {
             }
             return Ok(secrets);
         }
-        let bearer = credential_slot(record, BEARER_TOKEN_FIELD);
+        let bearer = credential_slot(record.project_id, record.id, BEARER_TOKEN_FIELD);
         if self
             .vault
             .metadata(&bearer)
@@ -507,7 +511,10 @@ impl Engine {
         }
         for header in &record.secret_headers {
             let value = self
-                .open_secret(&credential_slot(record, header_field(header)), name)
+                .open_secret(
+                    &credential_slot(record.project_id, record.id, header_field(header)),
+                    name,
+                )
                 .await?;
             secrets.push((RequestSecret::Header(header), value));
         }
@@ -604,7 +611,10 @@ impl Engine {
         let mut env = Vec::with_capacity(spec.env_names.len());
         for variable in &spec.env_names {
             let value = self
-                .open_secret(&credential_slot(record, env_field(variable)), name)
+                .open_secret(
+                    &credential_slot(record.project_id, record.id, env_field(variable)),
+                    name,
+                )
                 .await?;
             env.push((variable.clone(), value));
         }
@@ -776,7 +786,11 @@ impl Engine {
             .collect();
         if self
             .vault
-            .metadata(&credential_slot(record, BEARER_TOKEN_FIELD))
+            .metadata(&credential_slot(
+                record.project_id,
+                record.id,
+                BEARER_TOKEN_FIELD,
+            ))
             .await?
             .is_some()
         {

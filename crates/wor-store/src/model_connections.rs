@@ -71,22 +71,30 @@ impl Store {
         new: NewModelConnection,
     ) -> Result<ModelConnectionRecord, StoreError> {
         let (record, _) = self
-            .create_model_connection_staged(project, new, None)
+            .create_model_connection_staged(project, ConnectionId::new(), new, None, None)
             .await?;
         Ok(record)
     }
 
-    /// [`Self::create_model_connection`], staging `recorded`, when given, from the new connection
-    /// in the same transaction (`crate::staged`).
+    /// [`Self::create_model_connection`] under `id`, writing `key` (sealed for this connection's
+    /// slot, [`crate::Vault::seal_put`]) when given and staging `recorded`, when given, from the
+    /// new connection, all in one transaction (`crate::staged`): a crash leaves the connection
+    /// with its key and its entry, or nothing. A key sealed for another row is refused
+    /// ([`StoreError::MisplacedSecret`]) and nothing is made.
     pub async fn create_model_connection_staged(
         &self,
         project: ProjectId,
+        id: ConnectionId,
         new: NewModelConnection,
+        key: Option<&crate::SealedPut>,
         recorded: Option<&(dyn Fn(&ModelConnectionRecord) -> AuditEvent + Sync)>,
     ) -> Result<(ModelConnectionRecord, Option<StagedEvent>), StoreError> {
+        if let Some(key) = key {
+            key.check_owner(project, MODEL_CONNECTIONS_TABLE, id)?;
+        }
         let now = now_millis();
         let record = ModelConnectionRecord {
-            id: ConnectionId::new(),
+            id,
             project_id: project,
             name: new.name,
             provider: new.provider,
@@ -119,6 +127,9 @@ impl Store {
                 format!("a model connection named `{}` already exists", record.name)
             })
         })?;
+        if let Some(key) = key {
+            crate::vault::write_sealed(&mut tx, key, now).await?;
+        }
         let staged =
             crate::staged::stage_some(&mut tx, recorded.map(|recorded| recorded(&record))).await?;
         tx.commit().await?;

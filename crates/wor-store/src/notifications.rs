@@ -232,16 +232,23 @@ const DELIVERY_COLUMNS: &str = "id, project_id, route_id, approval_id, action, n
     attempts, next_attempt_at, last_status_code, last_error, created_at, updated_at";
 
 impl Store {
-    /// Makes a notification route; a second route of the same name is a conflict. Stages
-    /// `recorded` (from the new route's id), its `notification_route.create` entry, in the same
-    /// transaction (`crate::staged`) for the caller to append.
+    /// Makes a notification route under `id`; a second route of the same name is a conflict.
+    /// Writes `secrets` (sealed for slots of this route, [`crate::Vault::seal_put`]) and stages
+    /// `recorded`, its `notification_route.create` entry, in the same transaction
+    /// (`crate::staged`) for the caller to append: a crash leaves the route with its secrets and
+    /// its entry, or nothing. A secret sealed for another row is refused
+    /// ([`StoreError::MisplacedSecret`]) and nothing is made.
     pub async fn create_notification_route(
         &self,
         project: ProjectId,
+        id: NotificationRouteId,
         route: &NewNotificationRoute,
-        recorded: &(dyn Fn(NotificationRouteId) -> AuditEvent + Sync),
+        secrets: &[crate::SealedPut],
+        recorded: AuditEvent,
     ) -> Result<(NotificationRouteRecord, StagedEvent), StoreError> {
-        let id = NotificationRouteId::new();
+        for secret in secrets {
+            secret.check_owner(project, crate::NOTIFICATION_ROUTES_TABLE, id)?;
+        }
         let mut tx = self.begin_write().await?;
         let now = now_millis();
         let settings = serde_json::to_string(&route.channel)
@@ -268,7 +275,10 @@ impl Store {
                 format!("a notification route named `{}` exists", route.name)
             })
         })?;
-        let staged = crate::staged::stage_one(&mut tx, recorded(id)).await?;
+        for secret in secrets {
+            crate::vault::write_sealed(&mut tx, secret, now).await?;
+        }
+        let staged = crate::staged::stage_one(&mut tx, recorded).await?;
         tx.commit().await?;
         Ok((self.get_notification_route(project, id).await?, staged))
     }

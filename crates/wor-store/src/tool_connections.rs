@@ -220,22 +220,30 @@ impl Store {
         new: NewToolConnection,
     ) -> Result<ToolConnectionRecord, StoreError> {
         let (record, _) = self
-            .create_tool_connection_staged(project, new, None)
+            .create_tool_connection_staged(project, ConnectionId::new(), new, &[], None)
             .await?;
         Ok(record)
     }
 
-    /// [`Self::create_tool_connection`], staging `recorded`, when given, from the new connection in
-    /// the same transaction (`crate::staged`).
+    /// [`Self::create_tool_connection`] under `id`, writing `credentials` (sealed for slots of
+    /// this connection, [`crate::Vault::seal_put`]) and staging `recorded`, when given, from the
+    /// new connection, all in one transaction (`crate::staged`): a crash leaves the connection
+    /// with its credentials and its entry, or nothing. A credential sealed for another row is
+    /// refused ([`StoreError::MisplacedSecret`]) and nothing is made.
     pub async fn create_tool_connection_staged(
         &self,
         project: ProjectId,
+        id: ConnectionId,
         new: NewToolConnection,
+        credentials: &[crate::SealedPut],
         recorded: Option<&(dyn Fn(&ToolConnectionRecord) -> AuditEvent + Sync)>,
     ) -> Result<(ToolConnectionRecord, Option<StagedEvent>), StoreError> {
+        for credential in credentials {
+            credential.check_owner(project, crate::TOOL_CONNECTIONS_TABLE, id)?;
+        }
         let now = now_millis();
         let record = ToolConnectionRecord {
-            id: ConnectionId::new(),
+            id,
             project_id: project,
             name: new.name,
             kind: new.kind,
@@ -276,6 +284,9 @@ impl Store {
                 format!("a tool connection named `{}` already exists", record.name)
             })
         })?;
+        for credential in credentials {
+            crate::vault::write_sealed(&mut tx, credential, now).await?;
+        }
         let staged =
             crate::staged::stage_some(&mut tx, recorded.map(|recorded| recorded(&record))).await?;
         tx.commit().await?;

@@ -359,7 +359,6 @@ type AnyQuery<'q> = sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments>;
 /// The WHERE clause that names one slot, for [`bind_slot`].
 const SLOT_WHERE: &str = "project_id = $1 AND owner_table = $2 AND owner_id = $3 AND field = $4";
 
-/// Binds `slot` as parameters `$1` to `$4`, in the order of [`SLOT_WHERE`].
 /// A secret sealed for its slot ([`Vault::seal_put`]), not yet written.
 pub struct SealedPut {
     slot: SecretSlot,
@@ -415,6 +414,7 @@ pub(crate) async fn write_sealed(
     Ok(())
 }
 
+/// Binds `slot` as parameters `$1` to `$4`, in the order of [`SLOT_WHERE`].
 fn bind_slot<'q>(query: AnyQuery<'q>, slot: &SecretSlot) -> AnyQuery<'q> {
     query
         .bind(slot.project.to_string())

@@ -3409,6 +3409,204 @@ async fn a_cancel_counts_the_runs_it_asked_and_asking_again_asks_none() {
     assert_eq!(pending.status.as_str(), "pending");
 }
 
+/// A tool connection and a model connection are made with their sealed credentials and their
+/// staged entry in one transaction: when the entry cannot be staged, or a credential was sealed
+/// for another row, neither the connection nor any credential is written.
+#[tokio::test]
+async fn connections_are_made_with_their_credentials_and_entry_or_not_at_all() {
+    use wor_core::ConnectionId;
+    use wor_core::audit::{Actor, AuditCategory, AuditEvent};
+    use wor_store::{NewModelConnection, SecretSlot};
+    // Its own database: the injected refusal stops every staged write while it stands.
+    let db = TestDatabase::isolated().await.unwrap();
+    let project = created_project(&db.store, "connections").await.project.id;
+    let store = &db.store;
+    let staged = || wor_store::testing::staged_count(store, project);
+    let (keys, _) = wor_secrets::KeyRing::generate().unwrap();
+    let vault = wor_store::Vault::new(store.clone(), std::sync::Arc::new(keys));
+    let opened = |slot: SecretSlot| {
+        let vault = vault.clone();
+        async move {
+            vault
+                .open(&slot)
+                .await
+                .map(|s| secrecy::ExposeSecret::expose_secret(&s).to_owned())
+        }
+    };
+
+    let tool_slot = |id: ConnectionId, field: &str| {
+        SecretSlot::new(project, wor_store::TOOL_CONNECTIONS_TABLE, id, field)
+    };
+    let tool_entry = |record: &wor_store::ToolConnectionRecord| {
+        AuditEvent::new(
+            project,
+            AuditCategory::ToolConnectionCreate,
+            Actor::Operator,
+        )
+        .subject("connection_id", record.id)
+    };
+    let make_tool = |id: ConnectionId, name: &str, credentials: Vec<wor_store::SealedPut>| {
+        let new = support::mcp_connection(name);
+        async move {
+            store
+                .create_tool_connection_staged(project, id, new, &credentials, Some(&tool_entry))
+                .await
+        }
+    };
+    let sealed = |slot: SecretSlot, value: &str| vault.seal_put(&slot, value).unwrap();
+    let key_slot = |id: ConnectionId| {
+        SecretSlot::new(
+            project,
+            wor_store::MODEL_CONNECTIONS_TABLE,
+            id,
+            wor_store::API_KEY_FIELD,
+        )
+    };
+    let model_entry = |record: &wor_store::ModelConnectionRecord| {
+        AuditEvent::new(
+            project,
+            AuditCategory::ModelConnectionCreate,
+            Actor::Operator,
+        )
+        .subject("connection_id", record.id)
+    };
+    let make_model = |id: ConnectionId, name: &str, key: wor_store::SealedPut| {
+        let new = NewModelConnection {
+            name: name.to_owned(),
+            provider: wor_core::model::ProviderKind::OpenaiCompatible,
+            base_url: "https://models.example.com/v1".to_owned(),
+            owner_member_id: None,
+            created_by: None,
+        };
+        async move {
+            store
+                .create_model_connection_staged(project, id, new, Some(&key), Some(&model_entry))
+                .await
+        }
+    };
+
+    // Refused staging: no connection, no credential.
+    let refused_id = ConnectionId::new();
+    let (inject, remove) = support::staging_refusal(store.backend());
+    sqlx::raw_sql(inject).execute(store.pool()).await.unwrap();
+    let refused = make_tool(
+        refused_id,
+        "refused",
+        vec![sealed(tool_slot(refused_id, "bearer_token"), "tok-refused")],
+    )
+    .await;
+    let refused_model = make_model(
+        refused_id,
+        "refused",
+        sealed(key_slot(refused_id), "sk-refused"),
+    )
+    .await;
+    sqlx::raw_sql(remove).execute(store.pool()).await.unwrap();
+    assert!(refused.is_err(), "{refused:?}");
+    assert!(refused_model.is_err(), "{refused_model:?}");
+    assert!(matches!(
+        store.get_tool_connection(project, refused_id).await,
+        Err(StoreError::NotFound)
+    ));
+    assert!(matches!(
+        store.get_model_connection(project, refused_id).await,
+        Err(StoreError::NotFound)
+    ));
+    for slot in [tool_slot(refused_id, "bearer_token"), key_slot(refused_id)] {
+        assert!(vault.metadata(&slot).await.unwrap().is_none(), "{slot}");
+    }
+    assert_eq!(staged().await.unwrap(), 0);
+
+    // A credential sealed for another connection is refused before anything is written.
+    let model_id = ConnectionId::new();
+    let (model, entry) = make_model(model_id, "m", sealed(key_slot(model_id), "sk-1"))
+        .await
+        .unwrap();
+    assert_eq!(model.id, model_id);
+    assert_eq!(entry.map(|e| e.event().clone()), Some(model_entry(&model)));
+    assert_eq!(opened(key_slot(model_id)).await.unwrap(), "sk-1");
+    assert_eq!(staged().await.unwrap(), 1);
+    let elsewhere = make_model(
+        ConnectionId::new(),
+        "elsewhere",
+        sealed(key_slot(model_id), "sk-elsewhere"),
+    )
+    .await;
+    assert!(
+        matches!(elsewhere, Err(StoreError::MisplacedSecret { .. })),
+        "{elsewhere:?}"
+    );
+    assert_eq!(
+        opened(key_slot(model_id)).await.unwrap(),
+        "sk-1",
+        "another connection's key is left as it was"
+    );
+    let misplaced = make_tool(
+        refused_id,
+        "misplaced",
+        vec![sealed(
+            tool_slot(ConnectionId::new(), "bearer_token"),
+            "tok-2",
+        )],
+    )
+    .await;
+    assert!(
+        matches!(misplaced, Err(StoreError::MisplacedSecret { .. })),
+        "{misplaced:?}"
+    );
+    assert!(matches!(
+        store.get_tool_connection(project, refused_id).await,
+        Err(StoreError::NotFound)
+    ));
+    assert_eq!(staged().await.unwrap(), 1);
+
+    // Made: the connection, both credentials and the entry.
+    let id = ConnectionId::new();
+    let (record, entry) = make_tool(
+        id,
+        "desk",
+        vec![
+            sealed(tool_slot(id, "bearer_token"), "tok-1"),
+            sealed(tool_slot(id, "header:x-api-key"), "key-1"),
+        ],
+    )
+    .await
+    .unwrap();
+    assert_eq!(record.id, id);
+    assert_eq!(entry.map(|e| e.event().clone()), Some(tool_entry(&record)));
+    assert_eq!(staged().await.unwrap(), 2);
+    assert_eq!(
+        opened(tool_slot(id, "bearer_token")).await.unwrap(),
+        "tok-1"
+    );
+    assert_eq!(
+        opened(tool_slot(id, "header:x-api-key")).await.unwrap(),
+        "key-1"
+    );
+
+    // A taken name: nothing written, the first connection's credentials as they were.
+    let second = ConnectionId::new();
+    let taken = make_tool(
+        second,
+        "desk",
+        vec![sealed(tool_slot(second, "bearer_token"), "tok-3")],
+    )
+    .await;
+    assert!(matches!(taken, Err(StoreError::Conflict(_))), "{taken:?}");
+    assert!(
+        vault
+            .metadata(&tool_slot(second, "bearer_token"))
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert_eq!(
+        opened(tool_slot(id, "bearer_token")).await.unwrap(),
+        "tok-1"
+    );
+    assert_eq!(staged().await.unwrap(), 2);
+}
+
 /// A routine's new version, a key, a member, an invitation and an approval's expiry each stage
 /// their entry in the transaction that makes them; an apply that changes nothing and a member
 /// refused for a taken name stage nothing.
@@ -3701,19 +3899,85 @@ async fn console_sessions_links_and_routes_stage_their_entry_only_when_they_chan
         filter: wor_store::RouteFilter::default(),
         created_by: None,
     };
+    // A route is made with its secrets and its entry, or not at all.
+    let (keys, _) = wor_secrets::KeyRing::generate().unwrap();
+    let vault = wor_store::Vault::new(store.clone(), std::sync::Arc::new(keys));
     let made = |id: wor_core::NotificationRouteId| {
         event(AuditCategory::NotificationRouteCreate).subject("route_id", id)
     };
+    let token_of = |id: wor_core::NotificationRouteId| {
+        wor_store::SecretSlot::new(
+            project,
+            wor_store::NOTIFICATION_ROUTES_TABLE,
+            id,
+            "bot_token",
+        )
+    };
+    let unmade = wor_core::NotificationRouteId::new();
+    let (inject, remove) = support::staging_refusal(store.backend());
+    sqlx::raw_sql(inject).execute(store.pool()).await.unwrap();
+    let refused = store
+        .create_notification_route(
+            project,
+            unmade,
+            &route,
+            &[vault.seal_put(&token_of(unmade), "xoxb-refused").unwrap()],
+            made(unmade),
+        )
+        .await;
+    sqlx::raw_sql(remove).execute(store.pool()).await.unwrap();
+    assert!(refused.is_err(), "{refused:?}");
+    assert!(matches!(
+        store.get_notification_route(project, unmade).await,
+        Err(StoreError::NotFound)
+    ));
+    assert!(vault.metadata(&token_of(unmade)).await.unwrap().is_none());
+    let misplaced = store
+        .create_notification_route(
+            project,
+            unmade,
+            &route,
+            &[vault
+                .seal_put(&token_of(wor_core::NotificationRouteId::new()), "xoxb-2")
+                .unwrap()],
+            made(unmade),
+        )
+        .await;
+    assert!(
+        matches!(misplaced, Err(StoreError::MisplacedSecret { .. })),
+        "{misplaced:?}"
+    );
+    assert_eq!(staged().await.unwrap(), 5, "nothing staged for a refusal");
+    let id = wor_core::NotificationRouteId::new();
     let (created, entry) = store
-        .create_notification_route(project, &route, &made)
+        .create_notification_route(
+            project,
+            id,
+            &route,
+            &[vault.seal_put(&token_of(id), "xoxb-1").unwrap()],
+            made(id),
+        )
         .await
         .unwrap();
+    assert_eq!(created.id, id);
     assert_eq!(entry.event(), &made(created.id));
     assert_eq!(staged().await.unwrap(), 6);
+    assert_eq!(
+        secrecy::ExposeSecret::expose_secret(&vault.open(&token_of(id)).await.unwrap()),
+        "xoxb-1"
+    );
+    let second = wor_core::NotificationRouteId::new();
     let taken = store
-        .create_notification_route(project, &route, &made)
+        .create_notification_route(
+            project,
+            second,
+            &route,
+            &[vault.seal_put(&token_of(second), "xoxb-3").unwrap()],
+            made(second),
+        )
         .await;
     assert!(matches!(taken, Err(StoreError::Conflict(_))), "{taken:?}");
+    assert!(vault.metadata(&token_of(second)).await.unwrap().is_none());
     let deleted = || event(AuditCategory::NotificationRouteDelete).subject("route_id", created.id);
     let elsewhere = store
         .delete_notification_route(other.project.id, created.id, deleted())
@@ -3731,8 +3995,6 @@ async fn console_sessions_links_and_routes_stage_their_entry_only_when_they_chan
     assert_eq!(staged().await.unwrap(), 7);
 
     // A secret sealed as a change of its own (a webhook secret made) stages its entry with it.
-    let (keys, _) = wor_secrets::KeyRing::generate().unwrap();
-    let vault = wor_store::Vault::new(store.clone(), std::sync::Arc::new(keys));
     let slot = wor_store::SecretSlot::new(project, "routines", "rtn_1", "webhook_secret");
     let rotated = event(AuditCategory::WebhookSecretRotate);
     let (_, entry) = vault
@@ -3748,7 +4010,6 @@ async fn console_sessions_links_and_routes_stage_their_entry_only_when_they_chan
     // Several secrets sealed as one change: all of them with the entry, or none of them.
     let access = wor_store::SecretSlot::new(project, "tool_connections", "con_1", "access_token");
     let refresh = wor_store::SecretSlot::new(project, "tool_connections", "con_1", "refresh_token");
-    let (inject, remove) = support::staging_refusal(store.backend());
     let tokens = [(access.clone(), "access-1"), (refresh.clone(), "refresh-1")];
     sqlx::raw_sql(inject).execute(store.pool()).await.unwrap();
     let refused = vault.put_staged(&tokens, Some(rotated.clone())).await;

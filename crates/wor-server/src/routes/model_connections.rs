@@ -69,20 +69,18 @@ pub struct ModelConnectionView {
     pub updated_at: String,
 }
 
-fn slot(record: &ModelConnectionRecord) -> SecretSlot {
-    SecretSlot::new(
-        record.project_id,
-        MODEL_CONNECTIONS_TABLE,
-        record.id,
-        API_KEY_FIELD,
-    )
+fn slot(project: ProjectId, id: ConnectionId) -> SecretSlot {
+    SecretSlot::new(project, MODEL_CONNECTIONS_TABLE, id, API_KEY_FIELD)
 }
 
 async fn view(
     state: &AppState,
     record: ModelConnectionRecord,
 ) -> Result<ModelConnectionView, ApiError> {
-    let secret = state.vault.metadata(&slot(&record)).await?;
+    let secret = state
+        .vault
+        .metadata(&slot(record.project_id, record.id))
+        .await?;
     Ok(ModelConnectionView {
         id: record.id.to_string(),
         name: record.name,
@@ -232,8 +230,14 @@ pub(crate) async fn create_model_connection(
             .await
             .map_err(|refusal| ApiError::bad_request("api_key_required", refusal.to_string()))?,
     }
-    // The entry is staged with the connection: a crash before it is appended leaves it for
-    // the audit writer's sweep, never a connection without its entry.
+    // The key is sealed before anything is written, and written with the connection and its
+    // staged entry: a crash leaves the connection with its key and its entry, or nothing.
+    let id = ConnectionId::new();
+    let key = body
+        .api_key
+        .as_deref()
+        .map(|key| state.vault.seal_put(&slot(project, id), key))
+        .transpose()?;
     let entry = |record: &ModelConnectionRecord| {
         AuditEvent::new(project, AuditCategory::ModelConnectionCreate, actor.clone())
             .subject("connection_id", record.id)
@@ -243,6 +247,7 @@ pub(crate) async fn create_model_connection(
         .store
         .create_model_connection_staged(
             project,
+            id,
             NewModelConnection {
                 name: body.name,
                 provider,
@@ -250,25 +255,11 @@ pub(crate) async fn create_model_connection(
                 owner_member_id: member,
                 created_by,
             },
+            key.as_ref(),
             Some(&entry),
         )
         .await?;
     state.engine.append_staged_or_log(staged).await;
-    if let Some(key) = &body.api_key
-        && let Err(err) = state.vault.put(&slot(&record), key).await
-    {
-        // Never leave a connection that looks configured but holds no key: revoked at once,
-        // and its revocation recorded, since the connection's row stays.
-        let recorded = AuditEvent::new(project, AuditCategory::ModelConnectionRevoke, actor)
-            .subject("connection_id", record.id)
-            .payload(json!({ "reason": "its key could not be sealed" }));
-        let (_, staged) = state
-            .store
-            .revoke_model_connection(project, record.id, recorded)
-            .await?;
-        state.engine.append_staged_or_log([staged]).await;
-        return Err(err.into());
-    }
     tracing::info!(category = "config", action = "model_connection.create", project_id = %project,
         connection_id = %record.id, "model connection created");
     Ok(record)
@@ -335,7 +326,9 @@ pub(crate) async fn replace_model_key(
             "model connection `{id}` is revoked"
         )));
     }
-    let key = state.vault.seal_put(&slot(&record), api_key)?;
+    let key = state
+        .vault
+        .seal_put(&slot(record.project_id, record.id), api_key)?;
     // The key is written, and its entry staged, with the new credential version: a crash
     // leaves all three or none of them.
     let recorded = |version: i64| {
@@ -387,7 +380,10 @@ pub(crate) async fn revoke_model_connection(
         .revoke_model_connection(project, record.id, recorded)
         .await?;
     state.engine.append_staged_or_log([staged]).await;
-    state.vault.delete(&slot(&record)).await?;
+    state
+        .vault
+        .delete(&slot(record.project_id, record.id))
+        .await?;
     tracing::info!(category = "config", action = "model_connection.revoke", project_id = %project,
         connection_id = %id, "model connection revoked");
     Ok(record)

@@ -232,7 +232,7 @@ async fn view(
     for (name, field) in fields {
         if let Some(secret) = state
             .vault
-            .metadata(&credential_slot(&record, field))
+            .metadata(&credential_slot(record.project_id, record.id, field))
             .await?
         {
             credentials.insert(
@@ -312,8 +312,20 @@ pub async fn create(
     let mut new = checked.connection;
     new.created_by = Some(caller.key_id);
     let project = caller.project_id;
-    // The entry is staged with the connection: a crash before it is appended leaves it for the
-    // audit writer's sweep, never a connection without its entry.
+    // The credentials are sealed before anything is written, and written with the connection
+    // and its staged entry: a crash leaves the connection with its credentials and its entry, or
+    // nothing.
+    let id = ConnectionId::new();
+    let credentials = checked
+        .secrets
+        .iter()
+        .map(|(field, value)| {
+            state.vault.seal_put(
+                &credential_slot(project, id, field.clone()),
+                value.expose_secret(),
+            )
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     let entry = |record: &wor_store::ToolConnectionRecord| {
         AuditEvent::new(project, AuditCategory::ToolConnectionCreate, caller.actor())
             .subject("connection_id", record.id)
@@ -326,29 +338,9 @@ pub async fn create(
     };
     let (record, staged) = state
         .store
-        .create_tool_connection_staged(project, new, Some(&entry))
+        .create_tool_connection_staged(project, id, new, &credentials, Some(&entry))
         .await?;
     state.engine.append_staged_or_log(staged).await;
-    for (field, value) in &checked.secrets {
-        let slot = credential_slot(&record, field.clone());
-        if let Err(err) = state.vault.put(&slot, value.expose_secret()).await {
-            // Never leave a connection that could be enabled without its credentials: disabled
-            // at once, and its disabling recorded, since the connection's row stays.
-            let recorded = AuditEvent::new(
-                project,
-                AuditCategory::ToolConnectionDisable,
-                caller.actor(),
-            )
-            .subject("connection_id", record.id)
-            .payload(serde_json::json!({ "reason": "its credentials could not be sealed" }));
-            let (_, staged) = state
-                .store
-                .disable_tool_connection_staged(project, record.id, recorded)
-                .await?;
-            state.engine.append_staged_or_log([staged]).await;
-            return Err(err.into());
-        }
-    }
     tracing::info!(category = "config", action = "connection.create", project_id = %caller.project_id,
         connection_id = %record.id, actor_key_id = %caller.key_id, "tool connection created");
     Ok((StatusCode::CREATED, Json(view(&state, record).await?)))
