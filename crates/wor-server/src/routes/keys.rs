@@ -101,17 +101,7 @@ pub(crate) async fn create_api_key(
     };
     // The entry is staged with the key: a crash before it is appended leaves it for the audit
     // writer's sweep, never a key without its entry.
-    let entry = |record: &wor_store::ApiKeyRecord| {
-        let event = AuditEvent::new(project, AuditCategory::KeyCreate, actor.clone())
-            .subject("key_id", record.id)
-            .payload(
-                json!({ "name": record.name, "role": record.role, "service": record.service }),
-            );
-        match record.member_id {
-            Some(member) => event.subject("member_id", member),
-            None => event,
-        }
-    };
+    let entry = |record: &wor_store::ApiKeyRecord| key_created(record, actor.clone());
     let (record, key, staged) = state
         .store
         .create_api_key_staged(
@@ -207,4 +197,15 @@ pub(crate) async fn revoke_api_key(
     tracing::info!(category = "config", action = "key.revoke", project_id = %project,
         key_id = %key_id, "api key revoked");
     Ok(revoked)
+}
+
+/// The `key.create` entry of `record`, made by `actor`.
+pub(crate) fn key_created(record: &wor_store::ApiKeyRecord, actor: Actor) -> AuditEvent {
+    let event = AuditEvent::new(record.project_id, AuditCategory::KeyCreate, actor)
+        .subject("key_id", record.id)
+        .payload(json!({ "name": record.name, "role": record.role, "service": record.service }));
+    match record.member_id {
+        Some(member) => event.subject("member_id", member),
+        None => event,
+    }
 }

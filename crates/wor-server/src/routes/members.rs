@@ -90,12 +90,8 @@ pub async fn create_member(
         .create_member_staged(project, &body.name, role, Some(&member_entry))
         .await?;
     state.engine.append_staged_or_log(staged).await;
-    let key_entry = |record: &wor_store::ApiKeyRecord| {
-        AuditEvent::new(project, AuditCategory::KeyCreate, caller.actor())
-            .subject("key_id", record.id)
-            .subject("member_id", member.id)
-            .payload(json!({ "name": record.name, "role": role, "service": false }))
-    };
+    let key_entry =
+        |record: &wor_store::ApiKeyRecord| crate::routes::keys::key_created(record, caller.actor());
     let (record, key, staged) = state
         .store
         .create_api_key_staged(
