@@ -155,11 +155,23 @@ fn check_secret(value: &SecretString, what: &str) -> Result<(), ToolConnectionSp
 #[derive(Debug)]
 pub struct CheckedHttpTools {
     /// Each tool's configuration, as stored.
-    pub tools: Vec<Value>,
+    pub(crate) tools: Vec<Value>,
     /// Each tool's definition, as its connection lists it, in the same order.
-    pub definitions: Vec<wor_tools::ToolDefinition>,
+    pub(crate) definitions: Vec<wor_tools::ToolDefinition>,
     /// The `operationId`s imported, for an OpenAPI source.
-    pub imported_operations: Vec<String>,
+    pub(crate) imported_operations: Vec<String>,
+}
+
+impl CheckedHttpTools {
+    /// How many tools were checked.
+    pub fn len(&self) -> usize {
+        self.tools.len()
+    }
+
+    /// Whether no tool was checked.
+    pub fn is_empty(&self) -> bool {
+        self.tools.is_empty()
+    }
 }
 
 impl HttpToolsSource {

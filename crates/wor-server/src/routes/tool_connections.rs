@@ -562,7 +562,7 @@ pub async fn replace_tools(
         .replace_http_tools(caller.project_id, id, &checked, caller.actor())
         .await?;
     tracing::info!(category = "config", action = "connection.update_tools", project_id = %caller.project_id,
-        connection_id = %id, actor_key_id = %caller.key_id, tools = checked.tools.len(),
+        connection_id = %id, actor_key_id = %caller.key_id, tools = checked.len(),
         quarantined = replaced.quarantined, "tool connection's tools replaced");
     Ok(Json(ReplacedToolsView {
         connection: view(&state, replaced.connection).await?,
