@@ -464,7 +464,7 @@ impl Engine {
         };
         let recorded = self
             .store
-            .decide_approval_staged(project, id, &decision, edit.as_ref(), &entry)
+            .decide_approval_staged(project, id, &decision, edit.as_ref(), Some(&entry))
             .await;
         let (decided, staged) = match recorded {
             Ok(decided) => decided,
@@ -477,7 +477,7 @@ impl Engine {
         };
         // The decision is made and its entry is on disk: the run is woken and the channels told
         // whatever the append.
-        self.append_staged_or_log([staged]).await;
+        self.append_staged_or_log(staged).await;
         crate::metrics::approval_decided(decided.status);
         crate::traces::approval_waited(&decided);
         self.wake_workers();

@@ -342,11 +342,11 @@ impl Engine {
                 },
                 input_step,
                 None,
-                &started,
+                Some(&started),
             )
             .await?;
         // The nested run exists and its entry is on disk, whatever the append.
-        self.append_staged_or_log([staged]).await;
+        self.append_staged_or_log(staged).await;
         Ok((created, true))
     }
 }

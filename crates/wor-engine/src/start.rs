@@ -156,10 +156,10 @@ impl Engine {
             .map(|_| self.claim_terms(&self.config.worker_id));
         let (run, staged) = self
             .store
-            .create_run_staged(project, new.clone(), input, terms, &started)
+            .create_run_staged(project, new.clone(), input, terms, Some(&started))
             .await?;
         // The start has happened and its entry is on disk: the run goes on whatever the append.
-        self.append_staged_or_log([staged]).await;
+        self.append_staged_or_log(staged).await;
         match (run.status, slot) {
             (RunStatus::Running, Some(slot)) => {
                 crate::metrics::run_claimed(&run, run.created_at);

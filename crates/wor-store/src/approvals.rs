@@ -442,7 +442,7 @@ impl Store {
         decision: &ApprovalDecision,
     ) -> Result<ApprovalRecord, DecideError> {
         Ok(self
-            .decide_approval_with(project, id, decision, None, None)
+            .decide_approval_staged(project, id, decision, None, None)
             .await?
             .0)
     }
@@ -457,32 +457,16 @@ impl Store {
         edit: &ApprovalEdit,
     ) -> Result<ApprovalRecord, DecideError> {
         Ok(self
-            .decide_approval_with(project, id, decision, Some(edit), None)
+            .decide_approval_staged(project, id, decision, Some(edit), None)
             .await?
             .0)
     }
 
-    /// [`Self::decide_approval`], or with `edit` [`Self::decide_approval_edited`], staging the
-    /// decision's `approval.decide` entry, made by `decided` from the approval as decided, in
-    /// the decision's transaction: a call is never approved without its entry on its way to the
-    /// chain. The caller appends it with [`crate::AuditLog::append_staged`].
+    /// [`Self::decide_approval`], or with `edit` [`Self::decide_approval_edited`], staging
+    /// `decided`, when given, the decision's `approval.decide` entry made from the approval as
+    /// decided, in the decision's transaction: a call is never approved without its entry on its
+    /// way to the chain. The caller appends it with [`crate::AuditLog::append_staged`].
     pub async fn decide_approval_staged(
-        &self,
-        project: ProjectId,
-        id: ApprovalId,
-        decision: &ApprovalDecision,
-        edit: Option<&ApprovalEdit>,
-        decided: &(dyn Fn(&ApprovalRecord) -> AuditEvent + Sync),
-    ) -> Result<(ApprovalRecord, StagedEvent), DecideError> {
-        let (approval, staged) = self
-            .decide_approval_with(project, id, decision, edit, Some(decided))
-            .await?;
-        let staged = staged
-            .ok_or_else(|| StoreError::Corrupt("a decision's entry was not staged".to_owned()))?;
-        Ok((approval, staged))
-    }
-
-    async fn decide_approval_with(
         &self,
         project: ProjectId,
         id: ApprovalId,

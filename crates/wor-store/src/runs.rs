@@ -208,7 +208,7 @@ impl Store {
         input: InputStep,
     ) -> Result<RunRecord, StoreError> {
         Ok(self
-            .create_run_claimed_by(project, new, input, None, None)
+            .create_run_staged(project, new, input, None, None)
             .await?
             .0)
     }
@@ -228,33 +228,18 @@ impl Store {
         claim: ClaimTerms<'_>,
     ) -> Result<RunRecord, StoreError> {
         Ok(self
-            .create_run_claimed_by(project, new, input, Some(claim), None)
+            .create_run_staged(project, new, input, Some(claim), None)
             .await?
             .0)
     }
 
     /// Creates a run as [`Store::create_run`] does, or with `claim` as
-    /// [`Store::create_and_claim_run`] does, and stages its start entry, made by `started`
-    /// from the new run's id, in the same transaction: a run never exists without its entry on
-    /// its way to the chain. The caller appends it with [`crate::AuditLog::append_staged`]; if
-    /// that does not happen, the audit writer's sweep does.
+    /// [`Store::create_and_claim_run`] does, and stages `started`, when given, its start entry,
+    /// made from the new run's id, in the same transaction: a run never exists without its
+    /// entry on its way to the chain. The caller appends it with
+    /// [`crate::AuditLog::append_staged`]; if that does not happen, the audit writer's sweep
+    /// does.
     pub async fn create_run_staged(
-        &self,
-        project: ProjectId,
-        new: NewRun,
-        input: InputStep,
-        claim: Option<ClaimTerms<'_>>,
-        started: &(dyn Fn(RunId) -> AuditEvent + Sync),
-    ) -> Result<(RunRecord, StagedEvent), StoreError> {
-        let (run, staged) = self
-            .create_run_claimed_by(project, new, input, claim, Some(started))
-            .await?;
-        let staged = staged
-            .ok_or_else(|| StoreError::Corrupt("a run's start entry was not staged".to_owned()))?;
-        Ok((run, staged))
-    }
-
-    async fn create_run_claimed_by(
         &self,
         project: ProjectId,
         new: NewRun,

@@ -268,9 +268,10 @@ async fn an_entry_staged_with_its_change_is_appended_once_by_its_caller_or_the_n
                 queued_run(routine, 1, None, 100),
                 InputStep::requested(serde_json::json!("x")),
                 None,
-                &started,
+                Some(&started),
             )
             .await
+            .map(|(run, staged)| (run, staged.expect("an entry was given to stage")))
             .unwrap()
     };
     // What each entry of the chain is about, in order.
