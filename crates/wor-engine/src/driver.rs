@@ -301,7 +301,7 @@ impl Engine {
                         .payload(json!({ "status": status.as_str() }))
                 };
                 self.store
-                    .request_cancel_staged(project, id, holder, lease_ms, &entry)
+                    .request_cancel_staged(project, id, holder, lease_ms, Some(&entry))
                     .await?
             }
             None => (

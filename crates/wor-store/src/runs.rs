@@ -562,28 +562,16 @@ impl Store {
         lease_ms: i64,
     ) -> Result<CancelAsked, StoreError> {
         Ok(self
-            .request_cancel_with(project, id, holder, lease_ms, None)
+            .request_cancel_staged(project, id, holder, lease_ms, None)
             .await?
             .0)
     }
 
-    /// [`Store::request_cancel`] for a requester whose `run.cancel` entry, made by `requested`
-    /// from what the cancel did, is staged in the cancel's transaction when it asked anything:
-    /// a cancel is never made without its entry on its way to the chain. The caller appends it
-    /// with [`crate::AuditLog::append_staged`] before it ends the runs taken from the queue.
+    /// [`Store::request_cancel`], staging `requested`, when given, the `run.cancel` entry made
+    /// from what the cancel did, in the cancel's transaction when it asked anything: a cancel is
+    /// never made without its entry on its way to the chain. The caller appends it with
+    /// [`crate::AuditLog::append_staged`] before it ends the runs taken from the queue.
     pub async fn request_cancel_staged(
-        &self,
-        project: ProjectId,
-        id: RunId,
-        holder: &str,
-        lease_ms: i64,
-        requested: &(dyn Fn(&CancelAsked) -> AuditEvent + Sync),
-    ) -> Result<(CancelAsked, Option<StagedEvent>), StoreError> {
-        self.request_cancel_with(project, id, holder, lease_ms, Some(requested))
-            .await
-    }
-
-    async fn request_cancel_with(
         &self,
         project: ProjectId,
         id: RunId,

@@ -300,10 +300,16 @@ async fn an_entry_staged_with_its_change_is_appended_once_by_its_caller_or_the_n
     drop(staged);
     let (cancelled, staged) = db
         .store
-        .request_cancel_staged(project, appended.id, "here", 60_000, &|asked| {
-            AuditEvent::new(project, AuditCategory::RunCancel, Actor::Operator)
-                .subject("run_id", asked.run.id)
-        })
+        .request_cancel_staged(
+            project,
+            appended.id,
+            "here",
+            60_000,
+            Some(&|asked| {
+                AuditEvent::new(project, AuditCategory::RunCancel, Actor::Operator)
+                    .subject("run_id", asked.run.id)
+            }),
+        )
         .await
         .unwrap();
     assert_eq!(cancelled.asked, 1);
@@ -311,9 +317,13 @@ async fn an_entry_staged_with_its_change_is_appended_once_by_its_caller_or_the_n
     // A cancel that asks nothing stages nothing.
     let (_, none) = db
         .store
-        .request_cancel_staged(project, appended.id, "here", 60_000, &|_| {
-            panic!("nothing was asked, so nothing is staged")
-        })
+        .request_cancel_staged(
+            project,
+            appended.id,
+            "here",
+            60_000,
+            Some(&|_| panic!("nothing was asked, so nothing is staged")),
+        )
         .await
         .unwrap();
     assert!(none.is_none());
