@@ -173,7 +173,12 @@ struct ConsoleSection {
 const MIN_ARGON2_MEMORY_KIB: u32 = 8 * 1024;
 
 impl ConsoleSection {
-    fn resolve(self, production: bool) -> anyhow::Result<wor_server::console::ConsoleConfig> {
+    /// The console's settings; its cookies carry `Secure` unless the operator says otherwise
+    /// when `reached_over_https` (production mode, or TLS served by this process).
+    fn resolve(
+        self,
+        reached_over_https: bool,
+    ) -> anyhow::Result<wor_server::console::ConsoleConfig> {
         use std::time::Duration;
         let defaults = wor_server::console::ConsoleConfig::default();
         let positive = |value: Option<u64>, key: &str, unit: u64, default: Duration| match value {
@@ -238,7 +243,7 @@ impl ConsoleSection {
                 60,
                 defaults.lockout,
             )?,
-            secure_cookies: self.secure_cookies.unwrap_or(production),
+            secure_cookies: self.secure_cookies.unwrap_or(reached_over_https),
             trusted_proxies: self
                 .trusted_proxies
                 .iter()
@@ -381,6 +386,8 @@ impl ServerConfig {
         console_section
             .trusted_proxies
             .extend(tls.proxy_cidrs.iter().cloned());
+        // A console this process serves over HTTPS itself is reached over HTTPS.
+        let reached_over_https = production || tls_files.is_some();
         let demo = env_flag(env::DEMO, |v| v == "1" || v == "true")? || file.demo.unwrap_or(false);
         let encryption_key = std::env::var(env::ENCRYPTION_KEY)
             .ok()
@@ -447,7 +454,7 @@ impl ServerConfig {
                 None => Vec::new(),
             },
             prices: file.prices,
-            console: console_section.resolve(production)?,
+            console: console_section.resolve(reached_over_https)?,
             smtp_plaintext_loopback: file
                 .notifications
                 .as_ref()
@@ -903,6 +910,12 @@ mod tests {
         .unwrap();
         let config = ServerConfig::resolve(&flags, Some("127.0.0.1:0"), false).unwrap();
         assert!(!config.console.secure_cookies, "the operator's word");
+        std::fs::write(&path, "[tls]\ncert = \"c.pem\"\nkey = \"k.pem\"\n").unwrap();
+        let config = ServerConfig::resolve(&flags, Some("127.0.0.1:0"), false).unwrap();
+        assert!(
+            config.console.secure_cookies,
+            "Secure by default when this process serves HTTPS"
+        );
         for (text, complaint) in [
             ("trusted_proxies = [\"a proxy\"]", "trusted_proxies"),
             ("argon2_memory_kib = 1024", "argon2_memory_kib"),
@@ -917,6 +930,35 @@ mod tests {
                 "{text}: {error:#}"
             );
         }
+    }
+
+    /// The example file in docs/configuration.md loads, and production mode accepts it with a
+    /// real key: an operator who starts from it is not refused.
+    #[test]
+    fn the_documented_example_file_loads_and_production_accepts_it() {
+        let doc = include_str!(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../docs/configuration.md"
+        ));
+        let example = doc
+            .split_once("## Example file")
+            .and_then(|(_, rest)| rest.split_once("```toml\n"))
+            .and_then(|(_, rest)| rest.split_once("\n```"))
+            .map(|(block, _)| block)
+            .expect("docs/configuration.md has an example file");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("wor.toml");
+        std::fs::write(&path, example).unwrap();
+        let flags = ServerFlags {
+            config: Some(path),
+            ..ServerFlags::default()
+        };
+        let mut config = ServerConfig::resolve(&flags, None, false).unwrap();
+        assert!(config.production, "the example is a production file");
+        assert_eq!(config.listen.to_string(), "0.0.0.0:8443");
+        assert!(config.console.secure_cookies);
+        config.encryption_key = Some(GOOD_KEY.to_owned());
+        assert_eq!(config.production_problems(), Vec::<String>::new());
     }
 
     #[test]

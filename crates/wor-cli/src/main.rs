@@ -31,10 +31,14 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
     about = "Work on Repeat: run AI agent routines whose every tool call is bounded",
     long_about = "Work on Repeat runs AI agent routines on a schedule, on a signed webhook or on \
                   request, and bounds what they can do even when their model is hijacked.\n\n\
-                  Server and operator commands: serve, init, project, secrets, backup, restore.\n\
-                  Local commands: sandbox exec, doctor, egress check, policy test.\n\
+                  Server and operator commands: serve, init, project, secrets, backup, restore, \
+                  worker token, worker list, worker revoke.\n\
+                  Local commands: sandbox exec, doctor, egress check, policy test, webhook sign, \
+                  webhook verify.\n\
                   Client commands (need --server/WOR_SERVER and WOR_API_KEY): whoami, member, key, \
-                  model-connection, connection, routine, run, audit export.\n\
+                  model-connection, connection, routine, run, approvals, policy show/set/reset, \
+                  webhook deliveries, notify, audit export.\n\
+                  A worker of a scaled-out deployment: worker enroll, then serve --role worker.\n\
                   Audit: audit verify, audit public-key (operator) and audit export (client).\n\
                   Shell: completions, manpages.",
     after_help = EXIT_CODES

@@ -93,7 +93,7 @@ pub enum Command {
     /// Workers of a scaled-out deployment: enrolment tokens (operator) and enrolling a worker.
     #[command(subcommand)]
     Worker(worker::WorkerCommand),
-    /// Notification routes: approval requests sent to Slack, and their delivery log.
+    /// Notification routes: approval requests sent to Slack or by email, and their delivery log.
     #[command(subcommand)]
     Notify(notify::NotifyCommand),
     /// Print a shell completion script (bash, zsh, fish, powershell, elvish) on standard output.

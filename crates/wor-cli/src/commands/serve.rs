@@ -20,7 +20,8 @@ pub struct ServeArgs {
     /// Address to listen on [default: 127.0.0.1:8080].
     #[arg(long, env = env::LISTEN, value_name = "ADDR")]
     listen: Option<String>,
-    /// Production mode: refuses demo mode, a missing encryption key and default credentials.
+    /// Production mode: refuses demo mode, a missing or example encryption key, default database
+    /// credentials and a plaintext listener on a public address with no TLS-ending proxy named.
     #[arg(long)]
     production: bool,
     /// How many runs this process drives at once [default: `workers` in the file, else 16].

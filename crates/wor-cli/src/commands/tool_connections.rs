@@ -26,7 +26,7 @@ pub enum ToolConnectionCommand {
         /// A name for the connection: rosters call its tools `NAME/TOOL`.
         name: String,
         /// mcp_http, mcp_stdio, http_api or wasm [default: mcp_stdio with --stdio, wasm with
-        /// --wasm, else mcp_http].
+        /// --wasm, http_api with --openapi or --tools-file, else mcp_http].
         #[arg(long)]
         kind: Option<String>,
         /// The MCP endpoint or API base URL (with --openapi, the document's first server when
