@@ -28,6 +28,12 @@ pub const MAX_SCHEMA_DEPTH: usize = 32;
 /// The most schemas one tool's input schema may hold once its references are inlined (a few
 /// references used many times each could otherwise grow it exponentially).
 pub const MAX_SCHEMA_NODES: usize = 10_000;
+/// The most bytes (about, as JSON) one tool's input schema may hold once its references are
+/// inlined: a long description or enum copied at each use could otherwise grow it without
+/// bound while the schemas stay few.
+pub const MAX_SCHEMA_BYTES: usize = 2 * 1024 * 1024;
+/// The most bytes (about, as JSON) the input schemas of one import may hold together.
+pub const MAX_IMPORT_BYTES: usize = 16 * 1024 * 1024;
 /// The most `$ref` hops from a parameter, request body or security scheme to its definition.
 const MAX_OBJECT_HOPS: usize = 8;
 
@@ -108,6 +114,22 @@ pub enum OpenApiError {
     )]
     TooLarge {
         /// The `operationId`.
+        operation: String,
+    },
+    /// The inlined schema is too many bytes.
+    #[error(
+        "operation `{operation}`: its schema holds more than {MAX_SCHEMA_BYTES} bytes once references are inlined"
+    )]
+    TooManyBytes {
+        /// The `operationId`.
+        operation: String,
+    },
+    /// The chosen operations' inlined schemas are too many bytes together.
+    #[error(
+        "the chosen operations' schemas hold more than {MAX_IMPORT_BYTES} bytes together once references are inlined (the limit was passed at operation `{operation}`); choose fewer"
+    )]
+    ImportTooLarge {
+        /// The `operationId` at which the limit was passed.
         operation: String,
     },
     /// The tool name made from the `operationId` is not a valid tool name.
@@ -405,7 +427,13 @@ impl OpenApiDocument {
                     return Err(OpenApiError::DuplicateOperationId(id.clone()));
                 }
                 if chosen.is_empty() || chosen.contains(id) {
-                    found.push((path, item, method, operation, id));
+                    found.push(ChosenOperation {
+                        path,
+                        item,
+                        method,
+                        operation,
+                        id,
+                    });
                 }
             }
         }
@@ -420,12 +448,14 @@ impl OpenApiDocument {
         let schemes = self.schemes()?;
         let mut names: BTreeMap<String, String> = BTreeMap::new();
         let mut operations = Vec::new();
-        for (path, item, method, operation, id) in found {
-            let imported = self.import_operation(path, item, method, operation, id, &schemes)?;
-            if let Some(first) = names.insert(imported.tool.name.clone(), id.clone()) {
+        let mut bytes = 0;
+        for chosen in found {
+            let imported = self.import_operation(&chosen, &schemes, &mut bytes)?;
+            let id = chosen.id;
+            if let Some(first) = names.insert(imported.tool.name.clone(), id.to_owned()) {
                 return Err(OpenApiError::ToolNameClash {
                     first,
-                    second: id.clone(),
+                    second: id.to_owned(),
                     name: imported.tool.name,
                 });
             }
@@ -502,13 +532,17 @@ impl OpenApiDocument {
 
     fn import_operation(
         &self,
-        path: &str,
-        item: &PathItem,
-        method: &str,
-        operation: &Operation,
-        id: &str,
+        chosen: &ChosenOperation<'_>,
         schemes: &BTreeMap<String, Option<CredentialSlot>>,
+        import_bytes: &mut usize,
     ) -> Result<ImportedOperation, OpenApiError> {
+        let ChosenOperation {
+            path,
+            item,
+            method,
+            operation,
+            id,
+        } = *chosen;
         let unsupported = |reason: String| OpenApiError::Unsupported {
             operation: id.to_owned(),
             reason,
@@ -536,6 +570,8 @@ impl OpenApiDocument {
             version: self.version,
             operation: id,
             nodes: 0,
+            bytes: 0,
+            import_bytes: *import_bytes,
             chain: Vec::new(),
         };
         // Path-level parameters first; an operation's parameter of the same name and place
@@ -671,6 +707,7 @@ impl OpenApiDocument {
             .as_ref()
             .or(self.document.security.as_ref());
         let security = self.security(id, requirements, schemes)?;
+        *import_bytes = inliner.import_bytes;
         Ok(ImportedOperation {
             operation_id: id.to_owned(),
             tool,
@@ -844,12 +881,26 @@ fn resolve_local<'a>(raw: &'a Value, reference: &str) -> Result<&'a Value, bool>
     raw.pointer(&pointer).ok_or(false)
 }
 
+/// An operation chosen for import, where the document has it.
+#[derive(Clone, Copy)]
+struct ChosenOperation<'a> {
+    path: &'a str,
+    item: &'a PathItem,
+    method: &'static str,
+    operation: &'a Operation,
+    id: &'a str,
+}
+
 /// Inlines a schema's references, bounded in depth and size.
 struct Inliner<'a> {
     raw: &'a Value,
     version: Version,
     operation: &'a str,
     nodes: usize,
+    /// About how many bytes the schemas inlined so far hold, as JSON ([`json_bytes`]).
+    bytes: usize,
+    /// The same, counted from the start of the import.
+    import_bytes: usize,
     chain: Vec<String>,
 }
 
@@ -879,7 +930,54 @@ const SCHEMA_MAP_KEYWORDS: &[&str] = &[
     "dependentSchemas",
 ];
 
+/// About how many bytes `value` takes written as JSON: its strings and keys, and a few bytes
+/// for each other value. Iterative: the depth is serde_json's.
+fn json_bytes(value: &Value) -> usize {
+    let mut total = 0usize;
+    let mut pending = vec![value];
+    while let Some(value) = pending.pop() {
+        let own = match value {
+            Value::String(text) => text.len() + 2,
+            Value::Array(items) => {
+                pending.extend(items);
+                2
+            }
+            Value::Object(map) => {
+                pending.extend(map.values());
+                map.keys().map(|key| key.len() + 4).sum::<usize>() + 2
+            }
+            _ => 8,
+        };
+        total = total.saturating_add(own);
+    }
+    total
+}
+
 impl Inliner<'_> {
+    /// Counts `bytes` more of output: refused past [`MAX_SCHEMA_BYTES`] for the operation or
+    /// [`MAX_IMPORT_BYTES`] for the import.
+    fn count(&mut self, bytes: usize) -> Result<(), OpenApiError> {
+        self.bytes = self.bytes.saturating_add(bytes);
+        self.import_bytes = self.import_bytes.saturating_add(bytes);
+        if self.bytes > MAX_SCHEMA_BYTES {
+            return Err(OpenApiError::TooManyBytes {
+                operation: self.operation.to_owned(),
+            });
+        }
+        if self.import_bytes > MAX_IMPORT_BYTES {
+            return Err(OpenApiError::ImportTooLarge {
+                operation: self.operation.to_owned(),
+            });
+        }
+        Ok(())
+    }
+
+    /// `value`, a keyword's value that is not a schema, copied into the output and counted.
+    fn copied(&mut self, value: &Value) -> Result<Value, OpenApiError> {
+        self.count(json_bytes(value))?;
+        Ok(value.clone())
+    }
+
     fn schema(&mut self, schema: &Value, depth: usize) -> Result<Value, OpenApiError> {
         if depth > MAX_SCHEMA_DEPTH {
             return Err(OpenApiError::TooDeep {
@@ -894,7 +992,7 @@ impl Inliner<'_> {
         }
         let Value::Object(object) = schema else {
             // `true` and `false` schemas; anything else, the schema validator refuses later.
-            return Ok(schema.clone());
+            return self.copied(schema);
         };
         if let Some(reference) = object.get("$ref") {
             let resolved = self.reference(reference, depth)?;
@@ -935,20 +1033,24 @@ impl Inliner<'_> {
                             .map(|s| self.schema(s, depth + 1))
                             .collect::<Result<_, _>>()?,
                     ),
-                    other => other.clone(),
+                    other => self.copied(other)?,
                 }
             } else if SCHEMA_MAP_KEYWORDS.contains(&key.as_str()) {
                 match value {
                     Value::Object(map) => Value::Object(
                         map.iter()
-                            .map(|(name, s)| Ok((name.clone(), self.schema(s, depth + 1)?)))
+                            .map(|(name, s)| {
+                                self.count(name.len() + 4)?;
+                                Ok((name.clone(), self.schema(s, depth + 1)?))
+                            })
                             .collect::<Result<_, OpenApiError>>()?,
                     ),
-                    other => other.clone(),
+                    other => self.copied(other)?,
                 }
             } else {
-                value.clone()
+                self.copied(value)?
             };
+            self.count(key.len() + 4)?;
             out.insert(key.clone(), converted);
         }
         if self.version == Version::V30 {
@@ -1139,6 +1241,58 @@ mod tests {
         schemas.insert("L10".to_owned(), json!({"type": "string"}));
         let wide = document(body("#/components/schemas/L0"), json!({"schemas": schemas}));
         assert!(matches!(one(&wide), Err(OpenApiError::TooLarge { .. })));
+    }
+
+    /// A long description copied at each use of its schema: few schemas, many bytes. One
+    /// operation past its limit is refused, and so are operations each within theirs whose
+    /// schemas together pass the import's.
+    #[test]
+    fn a_schema_copied_into_many_bytes_is_refused() {
+        let long = |bytes: usize| json!({"schemas": {"Long": {"type": "string", "description": "d".repeat(bytes)}}});
+        let uses = |count: usize| {
+            let properties: Map<String, Value> = (0..count)
+                .map(|i| {
+                    (
+                        format!("p{i}"),
+                        json!({"$ref": "#/components/schemas/Long"}),
+                    )
+                })
+                .collect();
+            json!({"type": "object", "properties": properties})
+        };
+        let operation = |id: String, schema: Value| {
+            json!({"post": {"operationId": id,
+                "requestBody": {"content": {"application/json": {"schema": schema}}}}})
+        };
+        // 64 KiB used 40 times: 2.5 MiB from 41 schemas.
+        let many = document(
+            json!({"/a": operation("a".to_owned(), uses(40))}),
+            long(64 * 1024),
+        );
+        assert!(matches!(
+            one(&many),
+            Err(OpenApiError::TooManyBytes { ref operation }) if operation == "a"
+        ));
+        // 30 times is within one operation's limit ...
+        let fewer = document(
+            json!({"/a": operation("a".to_owned(), uses(30))}),
+            long(64 * 1024),
+        );
+        assert!(one(&fewer).is_ok());
+        // ... and 9 such operations pass the import's.
+        let paths: Map<String, Value> = (0..9)
+            .map(|i| (format!("/op{i}"), operation(format!("op{i}"), uses(30))))
+            .collect();
+        let together = document(Value::Object(paths), long(64 * 1024));
+        assert!(matches!(
+            together.import(&[]),
+            Err(OpenApiError::ImportTooLarge { ref operation }) if operation == "op8"
+        ));
+        assert!(
+            together
+                .import(&["op0".to_owned(), "op1".to_owned()])
+                .is_ok()
+        );
     }
 
     #[test]
