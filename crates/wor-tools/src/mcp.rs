@@ -51,6 +51,9 @@ pub struct McpLimits {
     pub max_message_bytes: usize,
     /// Most `tools/list` pages followed before giving up.
     pub max_tool_pages: usize,
+    /// Most bytes (as JSON) of tool definitions one list may hold, all its pages together:
+    /// the list is pinned, stored and read again for every run.
+    pub max_tool_list_bytes: usize,
 }
 
 impl Default for McpLimits {
@@ -60,6 +63,7 @@ impl Default for McpLimits {
             request_timeout: Duration::from_secs(60),
             max_message_bytes: 4 * 1024 * 1024,
             max_tool_pages: 100,
+            max_tool_list_bytes: 8 * 1024 * 1024,
         }
     }
 }
@@ -119,6 +123,9 @@ pub enum McpError {
     /// The tool list did not end within [`McpLimits::max_tool_pages`].
     #[error("the tool list has more than {0} pages")]
     TooManyPages(usize),
+    /// The tool list's definitions hold more than [`McpLimits::max_tool_list_bytes`].
+    #[error("the tool list's definitions hold more than {0} bytes")]
+    ToolListTooLarge(usize),
     /// The server refused the connection's access token and it could not be renewed, or it
     /// refused the renewed one too: the reason names the connection and what to do.
     #[error(transparent)]
@@ -354,7 +361,10 @@ impl McpSession {
         let process = tokio::time::timeout(limits.initialize_timeout, launcher.launch(command))
             .await
             .map_err(|_| McpError::Timeout(limits.initialize_timeout))??;
-        let transport = (process.stdout, process.stdin);
+        // A line is one message: held to the limit that holds over HTTP.
+        let transport =
+            rmcp::transport::async_rw::AsyncRwTransport::new_client(process.stdout, process.stdin)
+                .with_max_line_length(limits.max_message_bytes);
         Self::initialize(transport, redactor, limits, Some(process.guard)).await
     }
 
@@ -422,6 +432,7 @@ impl McpSession {
     /// [`McpLimits::max_tool_pages`] pages.
     pub async fn list_tools(&self) -> Result<Vec<ToolDefinition>, McpError> {
         let mut tools = Vec::new();
+        let mut bytes = 0usize;
         let mut cursor: Option<String> = None;
         for _ in 0..self.limits.max_tool_pages {
             let params = PaginatedRequestParams::default().with_cursor(cursor.take());
@@ -447,6 +458,14 @@ impl McpSession {
                 _ => return Err(McpError::UnexpectedResponse("not a tool list")),
             };
             for tool in page.tools {
+                bytes = bytes.saturating_add(
+                    serde_json::to_vec(&tool)
+                        .map_err(|_| McpError::UnexpectedResponse("unencodable tool definition"))?
+                        .len(),
+                );
+                if bytes > self.limits.max_tool_list_bytes {
+                    return Err(McpError::ToolListTooLarge(self.limits.max_tool_list_bytes));
+                }
                 let annotations = tool
                     .annotations
                     .as_ref()

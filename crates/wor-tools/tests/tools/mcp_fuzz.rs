@@ -134,6 +134,7 @@ fn limits() -> McpLimits {
         request_timeout: Duration::from_secs(5),
         max_message_bytes: MAX_MESSAGE,
         max_tool_pages: 3,
+        max_tool_list_bytes: MAX_MESSAGE,
     }
 }
 

@@ -246,6 +246,16 @@ async fn tool_lists_are_paged_fresh_and_bounded() {
         bounded.list_tools().await,
         Err(McpError::TooManyPages(5))
     ));
+    // All its pages together are held to a size too, whatever their number.
+    let limits = McpLimits {
+        max_tool_list_bytes: 4096,
+        ..McpLimits::default()
+    };
+    let bounded = connect(&server, limits).await;
+    assert!(matches!(
+        bounded.list_tools().await,
+        Err(McpError::ToolListTooLarge(4096))
+    ));
 }
 
 #[tokio::test]
