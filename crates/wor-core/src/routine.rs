@@ -450,6 +450,47 @@ fn line_of(text: &str, offset: usize) -> usize {
         .map_or(1, |before| before.matches('\n').count() + 1)
 }
 
+/// The line of a string or key that, its escapes read, holds U+0000, which no stored text may
+/// carry (PostgreSQL text cannot hold it); `None` when none does. A replay model's script is
+/// left out: it plays a model's replies, in which a run replaces U+0000 as in any model's. The
+/// text is only read again as TOML when it has such an escape at all; the line is that of the
+/// first one outside the script's turns.
+fn nul_escape_line(text: &str) -> Option<usize> {
+    let mut escapes: Vec<usize> = [r"\u0000", r"\U00000000"]
+        .iter()
+        .flat_map(|escape| text.match_indices(escape).map(|(at, _)| at))
+        .collect();
+    if escapes.is_empty() {
+        return None;
+    }
+    escapes.sort_unstable();
+    let turns: Vec<std::ops::Range<usize>> = toml::from_str::<ScriptTurnSpans>(text)
+        .map(|spans| spans.model.script.turns.iter().map(Spanned::span).collect())
+        .unwrap_or_default();
+    let first = escapes
+        .iter()
+        .copied()
+        .find(|at| !turns.iter().any(|turn| turn.contains(at)))?;
+    let mut table: toml::Table = toml::from_str(text).ok()?;
+    if let Some(toml::Value::Table(model)) = table.get_mut("model") {
+        model.remove("script");
+    }
+    let mut pending: Vec<&toml::Value> = table.values().collect();
+    let mut found = table.keys().any(|k| k.contains('\0'));
+    while let (false, Some(value)) = (found, pending.pop()) {
+        match value {
+            toml::Value::String(s) => found = s.contains('\0'),
+            toml::Value::Array(items) => pending.extend(items),
+            toml::Value::Table(table) => {
+                found = table.keys().any(|k| k.contains('\0'));
+                pending.extend(table.values());
+            }
+            _ => {}
+        }
+    }
+    found.then(|| line_of(text, first))
+}
+
 impl RoutineDefinition {
     /// Parses and validates a routine written in TOML.
     pub fn from_toml(text: &str) -> Result<Self, RoutineError> {
@@ -465,6 +506,12 @@ impl RoutineDefinition {
             }
             RoutineError { message, line }
         })?;
+        if let Some(line) = nul_escape_line(text) {
+            return Err(RoutineError {
+                message: format!("line {line}: a string or key holds a NUL character (U+0000)"),
+                line: Some(line),
+            });
+        }
         let at = |span: std::ops::Range<usize>, message: String| {
             let line = line_of(text, span.start);
             RoutineError {

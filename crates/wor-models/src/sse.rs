@@ -20,6 +20,9 @@ pub(crate) struct SseEvent {
 #[derive(Debug, Default)]
 pub(crate) struct SseDecoder {
     pending: Vec<u8>,
+    /// How many bytes at the start of `pending` are known to hold no line end: a line that
+    /// arrives in many chunks is searched once, not once per chunk.
+    scanned: usize,
     event: Option<String>,
     data: Option<String>,
 }
@@ -29,21 +32,24 @@ impl SseDecoder {
     pub fn feed(&mut self, chunk: &[u8], events: &mut Vec<SseEvent>) -> Result<(), ModelError> {
         self.pending.extend_from_slice(chunk);
         let mut consumed = 0;
+        let mut from = self.scanned;
         while let Some(offset) = self
             .pending
-            .get(consumed..)
+            .get(from..)
             .and_then(|rest| rest.iter().position(|&b| b == b'\n'))
         {
-            let end = consumed + offset;
+            let end = from + offset;
             let raw = self.pending.get(consumed..end).unwrap_or_default();
             let raw = raw.strip_suffix(b"\r").unwrap_or(raw);
             let line = std::str::from_utf8(raw)
                 .map_err(|_| ModelError::malformed("event stream line is not utf-8"))?
                 .to_owned();
             consumed = end + 1;
+            from = consumed;
             self.line(&line, events);
         }
         self.pending.drain(..consumed);
+        self.scanned = self.pending.len();
         Ok(())
     }
 

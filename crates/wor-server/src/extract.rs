@@ -60,13 +60,9 @@ async fn json_body<S: Send + Sync>(req: Request, state: &S) -> Result<Bytes, Api
     if !json_content_type(req.headers()) {
         return Err(ApiError::UnsupportedMediaType);
     }
-    let bytes = Bytes::from_request(req, state).await.map_err(|rejection| {
-        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::PayloadTooLarge
-        } else {
-            ApiError::bad_request("invalid_body", rejection.body_text())
-        }
-    })?;
+    let bytes = Bytes::from_request(req, state)
+        .await
+        .map_err(bytes_rejection)?;
     let nesting = wor_core::json_depth::text_nesting(&bytes);
     if nesting > MAX_JSON_NESTING {
         return Err(ApiError::bad_request(
@@ -106,7 +102,7 @@ where
         }
         let bytes = Bytes::from_request(req, state)
             .await
-            .map_err(|rejection| ApiError::bad_request("invalid_body", rejection.body_text()))?;
+            .map_err(bytes_rejection)?;
         if bytes.is_empty() {
             Ok(OptionalApiJson(None))
         } else {
@@ -171,6 +167,31 @@ fn holds_nul(value: &Value) -> bool {
         }
     }
     false
+}
+
+/// Why JSON typed into a console form field is refused.
+#[derive(Debug, thiserror::Error)]
+pub enum JsonFieldError {
+    #[error("it nests arrays and objects deeper than {MAX_JSON_NESTING} levels")]
+    TooDeep,
+    #[error("not valid JSON: {0}")]
+    Invalid(#[from] serde_json::Error),
+    #[error("it contains a NUL character (U+0000)")]
+    Nul,
+}
+
+/// JSON typed into a console form field, held to what an API body is held to: within the
+/// nesting limit (what is stored must read back) and free of U+0000 (which PostgreSQL text
+/// cannot hold).
+pub fn json_field(text: &str) -> Result<Value, JsonFieldError> {
+    if wor_core::json_depth::text_nesting(text.as_bytes()) > MAX_JSON_NESTING {
+        return Err(JsonFieldError::TooDeep);
+    }
+    let value: Value = serde_json::from_str(text)?;
+    if holds_nul(&value) {
+        return Err(JsonFieldError::Nul);
+    }
+    Ok(value)
 }
 
 fn json_rejection(rejection: JsonRejection) -> ApiError {
@@ -298,4 +319,40 @@ where
     text.map(str::parse::<T>)
         .transpose()
         .map_err(|e| ApiError::bad_request("invalid_id", e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests fail loudly")]
+    use super::*;
+
+    /// JSON typed into a console field is held to an API body's limits: what is stored reads
+    /// back, and PostgreSQL can hold it.
+    #[test]
+    fn a_json_field_is_held_to_the_limits_of_a_body() {
+        let nested = |levels: usize| format!("{}{}", "[".repeat(levels), "]".repeat(levels));
+        assert_eq!(
+            json_field(&nested(MAX_JSON_NESTING)).unwrap(),
+            serde_json::from_str::<Value>(&nested(MAX_JSON_NESTING)).unwrap()
+        );
+        // serde_json alone reads up to 127 levels; what it stores then does not read back.
+        assert!(matches!(
+            json_field(&nested(MAX_JSON_NESTING + 1)),
+            Err(JsonFieldError::TooDeep)
+        ));
+        assert!(matches!(
+            json_field(r#"{"a": ["x\u0000y"]}"#),
+            Err(JsonFieldError::Nul)
+        ));
+        assert!(matches!(
+            json_field(r#"{"\u0000": 1}"#),
+            Err(JsonFieldError::Nul)
+        ));
+        assert_eq!(
+            json_field(r#"{"a": "x\\u0000y"}"#).unwrap(),
+            serde_json::json!({"a": "x\\u0000y"}),
+            "an escaped backslash before `u0000` is no NUL"
+        );
+        assert!(matches!(json_field("{"), Err(JsonFieldError::Invalid(_))));
+    }
 }

@@ -262,8 +262,42 @@ pub fn router(state: AppState) -> Router {
             state.clone(),
             auth::run_credential_gate,
         ))
+        .layer(axum::middleware::from_fn(refuse_nul_in_uri))
         .layer(axum::middleware::from_fn(request_log::log_request))
         .with_state(state)
+}
+
+/// Refuses, with 400 and before anything else reads it, a request whose path or query holds
+/// U+0000 (`%00`): PostgreSQL text cannot hold it, so no path segment or query value may carry
+/// it to the database, on any backend.
+async fn refuse_nul_in_uri(
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::response::IntoResponse as _;
+    let uri = request.uri();
+    let holds_nul = |text: &str| {
+        text.as_bytes()
+            .windows(3)
+            .any(|w| w.eq_ignore_ascii_case(b"%00"))
+    };
+    let (in_path, in_query) = (holds_nul(uri.path()), uri.query().is_some_and(holds_nul));
+    if !in_path && !in_query {
+        return next.run(request).await;
+    }
+    let error = if in_path {
+        ApiError::bad_request("invalid_path", "the path contains a NUL character (U+0000)")
+    } else {
+        ApiError::bad_request(
+            "invalid_query",
+            "the query contains a NUL character (U+0000)",
+        )
+    };
+    if uri.path().starts_with("/console") {
+        console::ConsoleError(error).into_response()
+    } else {
+        error.into_response()
+    }
 }
 
 /// Only the liveness and readiness probes, for a process that serves no API (`wor serve

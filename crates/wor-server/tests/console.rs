@@ -2545,7 +2545,20 @@ async fn a_member_starts_a_run_from_the_console_and_may_not_decide_its_approvals
         )
         .await;
     assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{}", refused.body);
-    assert!(refused.body.contains("not JSON"), "{}", refused.body);
+    assert!(refused.body.contains("not valid JSON"), "{}", refused.body);
+    // JSON the API would refuse in a body is refused here too: nested past the limit (what was
+    // stored would not read back), or holding U+0000 (which PostgreSQL cannot store).
+    let deep = format!("{}{}", "[".repeat(100), "]".repeat(100));
+    for (input, complaint) in [
+        (deep.as_str(), "deeper than 64 levels"),
+        (r#"{"note": "a\u0000b"}"#, "NUL character"),
+    ] {
+        let refused = ann
+            .post(&start, &[("csrf", &csrf), ("input", input), ("json", "on")])
+            .await;
+        assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{}", refused.body);
+        assert!(refused.body.contains(complaint), "{}", refused.body);
+    }
     let (_, runs) = h.call(Method::GET, "/v1/runs", None).await;
     assert_eq!(runs.as_array().unwrap().len(), 0);
 

@@ -380,6 +380,68 @@ async fn a_nul_in_api_input_is_refused_naming_the_field() {
         )
         .await;
     assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    // A TOML escape that reads as U+0000 is refused with its line, wherever it is; in a literal
+    // string the same characters are text, and kept.
+    for (line, toml) in [
+        (
+            2,
+            r#"name = "nul-toml"
+instructions = "Do \u0000 the task."
+[model]
+provider = "replay"
+model = "script"
+script = { turns = [{ text = "hi" }] }
+"#,
+        ),
+        // A replay script plays a model's replies, where a run replaces U+0000: one there is
+        // not what is refused, nor the line named.
+        (
+            8,
+            r#"name = "nul-toml"
+instructions = "Do the task."
+[model]
+provider = "replay"
+model = "script"
+script = { turns = [{ text = "a \u0000 reply" }] }
+[notify]
+url = "https://hooks.example.com/\U00000000"
+"#,
+        ),
+    ] {
+        let (status, body) = h
+            .call(Method::POST, "/v1/routines", Some(json!({ "toml": toml })))
+            .await;
+        assert_bad_request(
+            status,
+            &body,
+            "invalid_routine",
+            &format!("line {line}: a string or key holds a NUL character (U+0000)"),
+        );
+    }
+    let literal = r#"name = "nul-literal"
+instructions = 'Do \u0000 the task.'
+[model]
+provider = "replay"
+model = "script"
+script = { turns = [{ text = "hi" }] }
+"#;
+    let (status, body) = h
+        .call(
+            Method::POST,
+            "/v1/routines",
+            Some(json!({ "toml": literal })),
+        )
+        .await;
+    assert!(status.is_success(), "{body}");
+    // A path or query holding `%00` is refused before any handler reads it.
+    for (path, code) in [
+        ("/v1/routines/rtn_%00", "invalid_path"),
+        ("/v1/whoami?x=%00", "invalid_query"),
+        ("/v1/runs?status=a%00b", "invalid_query"),
+    ] {
+        let (status, body) = h.call(Method::GET, path, None).await;
+        assert_bad_request(status, &body, code, "NUL character (U+0000)");
+    }
     // Nothing was saved.
     let (_, policy) = h.call(Method::GET, "/v1/policy", None).await;
     assert_eq!(policy["is_default"], true);

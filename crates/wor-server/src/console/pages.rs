@@ -826,7 +826,7 @@ pub async fn edit_and_approve(
         let value = if original.is_none_or(Value::is_string) {
             Value::String(text.clone())
         } else {
-            match serde_json::from_str::<Value>(&text) {
+            match crate::extract::json_field(&text) {
                 Ok(value) => value,
                 Err(error) => {
                     if let Some(field) = shown
@@ -835,7 +835,7 @@ pub async fn edit_and_approve(
                         .find(|f| f.name == name && !f.pinned)
                     {
                         field.text = text;
-                        field.error = Some(format!("not valid JSON: {error}"));
+                        field.error = Some(error.to_string());
                     }
                     continue;
                 }
