@@ -611,6 +611,9 @@ test('a policy that does not validate is refused with its line, and the audit lo
   assert.equal((await api('GET', '/v1/policy')).is_default, true);
   await page.getByRole('link', { name: 'Audit' }).click();
   await page.waitForURL(/\/console\/audit$/);
+  assert.match(await page.locator('.verification').innerText(), /Chain verification: not run/);
+  await page.getByRole('button', { name: 'Verify the whole chain' }).click();
+  await page.waitForURL(/\/console\/audit\?verify=true$/);
   assert.match(await page.locator('.verification').innerText(), /Chain verification: Intact/);
   await accessible(page, 'audit');
   await page.getByRole('link', { name: 'Members' }).click();
