@@ -450,45 +450,44 @@ fn line_of(text: &str, offset: usize) -> usize {
         .map_or(1, |before| before.matches('\n').count() + 1)
 }
 
-/// The line of a string or key that, its escapes read, holds U+0000, which no stored text may
-/// carry (PostgreSQL text cannot hold it); `None` when none does. A replay model's script is
-/// left out: it plays a model's replies, in which a run replaces U+0000 as in any model's. The
-/// text is only read again as TOML when it has such an escape at all; the line is that of the
-/// first one outside the script's turns.
-fn nul_escape_line(text: &str) -> Option<usize> {
-    let mut escapes: Vec<usize> = [r"\u0000", r"\U00000000"]
-        .iter()
-        .flat_map(|escape| text.match_indices(escape).map(|(at, _)| at))
-        .collect();
-    if escapes.is_empty() {
+/// The field (`notify.url`, `tools[2].name`) of a string or key that, its escapes read
+/// (`\u0000`, `\U00000000`, `\x00`), holds U+0000, which no stored text may carry
+/// (PostgreSQL text cannot hold it); `None` when none does. A replay model's script is left
+/// out: it plays a model's replies, in which a run replaces U+0000 as in any model's. The text
+/// is only read again when it has an escape at all; U+0000 itself is no TOML a parser reads.
+fn nul_field(text: &str) -> Option<String> {
+    if !text.contains('\\') {
         return None;
     }
-    escapes.sort_unstable();
-    let turns: Vec<std::ops::Range<usize>> = toml::from_str::<ScriptTurnSpans>(text)
-        .map(|spans| spans.model.script.turns.iter().map(Spanned::span).collect())
-        .unwrap_or_default();
-    let first = escapes
-        .iter()
-        .copied()
-        .find(|at| !turns.iter().any(|turn| turn.contains(at)))?;
     let mut table: toml::Table = toml::from_str(text).ok()?;
     if let Some(toml::Value::Table(model)) = table.get_mut("model") {
         model.remove("script");
     }
-    let mut pending: Vec<&toml::Value> = table.values().collect();
-    let mut found = table.keys().any(|k| k.contains('\0'));
-    while let (false, Some(value)) = (found, pending.pop()) {
+    let holds_nul = |table: &toml::Table| table.keys().any(|k| k.contains('\0'));
+    if holds_nul(&table) {
+        return Some("a top-level key".to_owned());
+    }
+    let mut pending: Vec<(String, &toml::Value)> =
+        table.iter().map(|(k, v)| (k.clone(), v)).collect();
+    while let Some((field, value)) = pending.pop() {
         match value {
-            toml::Value::String(s) => found = s.contains('\0'),
-            toml::Value::Array(items) => pending.extend(items),
-            toml::Value::Table(table) => {
-                found = table.keys().any(|k| k.contains('\0'));
-                pending.extend(table.values());
+            toml::Value::String(s) if s.contains('\0') => return Some(field),
+            toml::Value::Array(items) => pending.extend(
+                items
+                    .iter()
+                    .enumerate()
+                    .map(|(i, v)| (format!("{field}[{i}]"), v)),
+            ),
+            toml::Value::Table(inner) => {
+                if holds_nul(inner) {
+                    return Some(format!("a key of {field}"));
+                }
+                pending.extend(inner.iter().map(|(k, v)| (format!("{field}.{k}"), v)));
             }
             _ => {}
         }
     }
-    found.then(|| line_of(text, first))
+    None
 }
 
 impl RoutineDefinition {
@@ -506,10 +505,10 @@ impl RoutineDefinition {
             }
             RoutineError { message, line }
         })?;
-        if let Some(line) = nul_escape_line(text) {
+        if let Some(field) = nul_field(text) {
             return Err(RoutineError {
-                message: format!("line {line}: a string or key holds a NUL character (U+0000)"),
-                line: Some(line),
+                message: format!("`{field}` holds a NUL character (U+0000)"),
+                line: None,
             });
         }
         let at = |span: std::ops::Range<usize>, message: String| {
@@ -648,6 +647,13 @@ impl RoutineDefinition {
                     }
                     other => other,
                 };
+                // JSON written as a TOML string has escapes of its own.
+                if crate::text::json_holds_nul(&schema) {
+                    return Err(at(
+                        span,
+                        "`output.schema` holds a NUL character (U+0000)".to_owned(),
+                    ));
+                }
                 if !schema.is_object() {
                     return Err(at(
                         span,

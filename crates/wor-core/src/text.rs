@@ -22,6 +22,25 @@ pub fn replace_nul(text: &str) -> Cow<'_, str> {
     }
 }
 
+/// Whether any string or key of `value` holds U+0000. Iterative, so any depth is safe.
+pub fn json_holds_nul(value: &Value) -> bool {
+    let mut pending = vec![value];
+    while let Some(value) = pending.pop() {
+        match value {
+            Value::String(s) if s.contains('\0') => return true,
+            Value::Array(items) => pending.extend(items),
+            Value::Object(map) => {
+                if map.keys().any(|k| k.contains('\0')) {
+                    return true;
+                }
+                pending.extend(map.values());
+            }
+            _ => {}
+        }
+    }
+    false
+}
+
 /// Replaces U+0000 in every string and key of `value`; true when there was any. Iterative, so
 /// any depth is safe.
 pub fn replace_nul_in_json(value: &mut Value) -> bool {

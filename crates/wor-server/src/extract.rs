@@ -144,29 +144,10 @@ fn field_with_nul(body: &[u8]) -> Option<String> {
     if let Value::Object(map) = &value {
         found = map
             .iter()
-            .find(|(key, field)| key.contains('\0') || holds_nul(field))
+            .find(|(key, field)| key.contains('\0') || wor_core::text::json_holds_nul(field))
             .map(|(key, _)| format!("`{key}`"));
     }
-    found.or_else(|| holds_nul(&value).then(|| "the body".to_owned()))
-}
-
-/// Whether any string or key in `value` holds U+0000. Iterative: the depth is serde_json's.
-fn holds_nul(value: &Value) -> bool {
-    let mut pending = vec![value];
-    while let Some(value) = pending.pop() {
-        match value {
-            Value::String(s) if s.contains('\0') => return true,
-            Value::Array(items) => pending.extend(items),
-            Value::Object(map) => {
-                if map.keys().any(|k| k.contains('\0')) {
-                    return true;
-                }
-                pending.extend(map.values());
-            }
-            _ => {}
-        }
-    }
-    false
+    found.or_else(|| wor_core::text::json_holds_nul(&value).then(|| "the body".to_owned()))
 }
 
 /// Why JSON typed into a console form field is refused.
@@ -188,7 +169,7 @@ pub fn json_field(text: &str) -> Result<Value, JsonFieldError> {
         return Err(JsonFieldError::TooDeep);
     }
     let value: Value = serde_json::from_str(text)?;
-    if holds_nul(&value) {
+    if wor_core::text::json_holds_nul(&value) {
         return Err(JsonFieldError::Nul);
     }
     Ok(value)

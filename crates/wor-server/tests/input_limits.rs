@@ -380,32 +380,37 @@ async fn a_nul_in_api_input_is_refused_naming_the_field() {
         )
         .await;
     assert_eq!(status, StatusCode::ACCEPTED, "{body}");
-    // A TOML escape that reads as U+0000 is refused with its line, wherever it is; in a literal
-    // string the same characters are text, and kept.
-    for (line, toml) in [
+    // A TOML escape that reads as U+0000 is refused naming its field, wherever it is, and so
+    // is JSON written as a TOML string that reads as one; in a literal string the same
+    // characters are text, and kept.
+    let routine = |extra: &str| {
+        format!(
+            "name = \"nul-toml\"\ninstructions = \"Do the task.\"\n[model]\nprovider = \"replay\"\nmodel = \"script\"\nscript = {{ turns = [{{ text = \"hi\" }}] }}\n{extra}"
+        )
+    };
+    for (field, toml) in [
         (
-            2,
-            r#"name = "nul-toml"
-instructions = "Do \u0000 the task."
-[model]
-provider = "replay"
-model = "script"
-script = { turns = [{ text = "hi" }] }
-"#,
+            "instructions",
+            routine("").replace("Do the task.", r"Do \u0000 the task."),
+        ),
+        (
+            "description",
+            routine("").replace("[model]", "description = \"a \\x00 b\"\n[model]"),
         ),
         // A replay script plays a model's replies, where a run replaces U+0000: one there is
-        // not what is refused, nor the line named.
+        // not what is refused.
         (
-            8,
-            r#"name = "nul-toml"
-instructions = "Do the task."
-[model]
-provider = "replay"
-model = "script"
-script = { turns = [{ text = "a \u0000 reply" }] }
-[notify]
-url = "https://hooks.example.com/\U00000000"
-"#,
+            "notify.url",
+            routine("[notify]\nurl = \"https://hooks.example.com/\\U00000000\"\n")
+                .replace("text = \"hi\"", r#"text = "a \u0000 reply""#),
+        ),
+        (
+            "tools[0].tool",
+            routine("[[tools]]\ntool = \"desk/\\u0000\"\nmode = \"auto\"\n"),
+        ),
+        (
+            "output.schema",
+            routine("[output]\nschema = '{\"type\": \"object\", \"title\": \"\\u0000\"}'\n"),
         ),
     ] {
         let (status, body) = h
@@ -415,7 +420,7 @@ url = "https://hooks.example.com/\U00000000"
             status,
             &body,
             "invalid_routine",
-            &format!("line {line}: a string or key holds a NUL character (U+0000)"),
+            &format!("`{field}` holds a NUL character (U+0000)"),
         );
     }
     let literal = r#"name = "nul-literal"
