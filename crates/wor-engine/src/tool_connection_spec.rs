@@ -24,8 +24,7 @@ use crate::tool_connections::{BEARER_TOKEN_FIELD, check_stdio_spec};
 pub const MAX_SECRET_LEN: usize = 8 * 1024;
 /// The most credential headers one connection holds.
 pub const MAX_HEADERS: usize = 16;
-/// The most tools one `http_api` connection holds.
-pub const MAX_HTTP_TOOLS: usize = 256;
+pub use wor_tools::MAX_HTTP_TOOLS;
 
 /// Where an `http_api` connection's tools come from.
 #[derive(Debug, Clone, Default)]

@@ -37,8 +37,8 @@ pub use definition::{
     ToolListVerdict, compare, pin_all,
 };
 pub use http_tool::{
-    HttpApiConnection, HttpToolConfig, HttpToolDefinition, HttpToolError, PathTemplate,
-    is_valid_tool_name,
+    HttpApiConnection, HttpToolConfig, HttpToolDefinition, HttpToolError, MAX_HTTP_TOOLS,
+    PathTemplate, is_valid_tool_name,
 };
 pub use mcp::egress_http::McpHttpError;
 pub use mcp::sandbox::{

@@ -21,7 +21,7 @@ use percent_encoding::percent_decode_str;
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
-use crate::http_tool::{HttpToolConfig, HttpToolDefinition, is_valid_tool_name};
+use crate::http_tool::{HttpToolConfig, HttpToolDefinition, MAX_HTTP_TOOLS, is_valid_tool_name};
 
 /// The deepest a schema may nest once its references are inlined.
 pub const MAX_SCHEMA_DEPTH: usize = 32;
@@ -123,6 +123,14 @@ pub enum OpenApiError {
     TooManyBytes {
         /// The `operationId`.
         operation: String,
+    },
+    /// More operations are chosen than a connection holds tools.
+    #[error(
+        "{count} operations are chosen, and an `http_api` connection holds at most {MAX_HTTP_TOOLS} tools; choose fewer"
+    )]
+    TooManyOperations {
+        /// How many were chosen.
+        count: usize,
     },
     /// The chosen operations' inlined schemas are too many bytes together.
     #[error(
@@ -445,6 +453,10 @@ impl OpenApiDocument {
         if found.is_empty() {
             return Err(OpenApiError::NoOperations);
         }
+        // Refused before any is imported: each may hold up to its limit of schema.
+        if found.len() > MAX_HTTP_TOOLS {
+            return Err(OpenApiError::TooManyOperations { count: found.len() });
+        }
         let schemes = self.schemes()?;
         let mut names: BTreeMap<String, String> = BTreeMap::new();
         let mut operations = Vec::new();
@@ -640,8 +652,12 @@ impl OpenApiDocument {
                 && !description.is_empty()
                 && !object.contains_key("description")
             {
+                // A parameter may be a reference used by every operation: counted as a schema's
+                // keywords are.
+                inliner.count(description.len() + 16)?;
                 object.insert("description".to_owned(), Value::String(description.clone()));
             }
+            inliner.count(parameter.name.len() + 8)?;
             if parameter.location == ParameterLocation::Path || parameter.required {
                 required.push(Value::String(parameter.name.clone()));
             }
@@ -1293,6 +1309,39 @@ mod tests {
                 .import(&["op0".to_owned(), "op1".to_owned()])
                 .is_ok()
         );
+        // A parameter's description, a reference every operation uses, is counted too.
+        let paths: Map<String, Value> = (0..12)
+            .map(|i| {
+                (
+                    format!("/get{i:02}"),
+                    json!({"get": {"operationId": format!("get{i:02}"),
+                        "parameters": [{"$ref": "#/components/parameters/Q"}]}}),
+                )
+            })
+            .collect();
+        let described = document(
+            Value::Object(paths),
+            json!({"parameters": {"Q": {"name": "q", "in": "query",
+                "description": "d".repeat(1536 * 1024), "schema": {"type": "string"}}}}),
+        );
+        assert!(matches!(
+            described.import(&[]),
+            Err(OpenApiError::ImportTooLarge { ref operation }) if operation == "get10"
+        ));
+        // More operations than a connection holds tools are refused before any is imported.
+        let paths: Map<String, Value> = (0..=MAX_HTTP_TOOLS)
+            .map(|i| {
+                (
+                    format!("/t{i}"),
+                    json!({"get": {"operationId": format!("t{i}")}}),
+                )
+            })
+            .collect();
+        let many = document(Value::Object(paths), json!({}));
+        assert!(matches!(
+            many.import(&[]),
+            Err(OpenApiError::TooManyOperations { count }) if count == MAX_HTTP_TOOLS + 1
+        ));
     }
 
     #[test]
