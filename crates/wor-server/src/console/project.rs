@@ -8,6 +8,7 @@ use axum::extract::rejection::{FormRejection, QueryRejection};
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Redirect};
+use wor_core::ProjectId;
 use wor_core::audit::Verification;
 
 use super::pages::{Banner, PageResult, form};
@@ -122,9 +123,33 @@ pub struct AuditQuery {
     verify: bool,
 }
 
-/// One verification of a chain at a time for the whole console: it reads every entry of a
-/// project's log, so views that ask for it wait their turn rather than add up.
-static VERIFYING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
+/// The projects whose chain a console view is verifying. A verification reads every entry of a
+/// project's log: one at a time for a project, and a view that asks meanwhile is told so
+/// rather than queued.
+static VERIFYING: std::sync::LazyLock<std::sync::Mutex<std::collections::HashSet<ProjectId>>> =
+    std::sync::LazyLock::new(Default::default);
+
+/// A project's turn to verify its chain, given back when dropped.
+struct VerifyingTurn(ProjectId);
+
+impl VerifyingTurn {
+    /// The turn, unless a verification of `project`'s chain is running.
+    fn take(project: ProjectId) -> Option<Self> {
+        let mut verifying = VERIFYING
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        verifying.insert(project).then(|| Self(project))
+    }
+}
+
+impl Drop for VerifyingTurn {
+    fn drop(&mut self) {
+        VERIFYING
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(&self.0);
+    }
+}
 
 struct AuditRow {
     seq: i64,
@@ -160,24 +185,27 @@ pub async fn audit(
         )));
     }
     let project = member.session.project_id;
-    let verification = if query.verify {
-        // A closed semaphore is never closed here: it is a static no code closes.
-        let _turn = VERIFYING.acquire().await.map_err(|_| ApiError::Internal)?;
-        Some(
+    let turn = query.verify.then(|| VerifyingTurn::take(project));
+    let verification = match &turn {
+        Some(Some(_)) => Some(
             state
                 .store
                 .verify_audit_chain(project, &state.audit.verifying_key(), &[])
                 .await?,
-        )
-    } else {
-        None
+        ),
+        _ => None,
     };
-    let (intact, verdict) = match verification {
-        None => (
+    drop(turn);
+    let (intact, verdict) = match (query.verify, verification) {
+        (false, _) => (
             true,
             "not run on this view; it reads every entry of the log.".to_owned(),
         ),
-        Some(Verification::Intact(summary)) => (
+        (true, None) => (
+            true,
+            "another view is verifying this chain; ask again in a moment.".to_owned(),
+        ),
+        (true, Some(Verification::Intact(summary))) => (
             true,
             format!(
                 "Intact: {} entries, {} signed checkpoints{}; {} entries after the last checkpoint rest on the hash chain alone.",
@@ -190,7 +218,7 @@ pub async fn audit(
                 summary.unsigned_tail
             ),
         ),
-        Some(Verification::Broken(at)) => (false, format!("Broken at {at}.")),
+        (true, Some(Verification::Broken(at))) => (false, format!("Broken at {at}.")),
     };
     let entries = state
         .store
@@ -225,4 +253,21 @@ pub async fn audit(
 /// A value as pretty JSON text.
 fn pretty<T: serde::Serialize>(value: &T) -> String {
     serde_json::to_string_pretty(value).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_projects_chain_is_verified_by_one_view_at_a_time() {
+        let (one, other) = (ProjectId::new(), ProjectId::new());
+        let turn = VerifyingTurn::take(one);
+        assert!(turn.is_some());
+        assert!(VerifyingTurn::take(one).is_none(), "one view at a time");
+        let elsewhere = VerifyingTurn::take(other);
+        assert!(elsewhere.is_some(), "another project's view goes on");
+        drop(turn);
+        assert!(VerifyingTurn::take(one).is_some(), "the turn comes back");
+    }
 }
