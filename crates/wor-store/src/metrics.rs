@@ -61,6 +61,17 @@ pub fn describe() {
         "Transactions the audit writer committed, by durability: synced to disk before they \
          were acknowledged, or deferred to the next synced one"
     );
+    // Every series of a fixed label set exists from the start, at zero: the set of series a
+    // scrape sees never changes with what happened to happen first.
+    for mode in ["passive", "restart"] {
+        counter!(WAL_CHECKPOINTS, "mode" => mode).increment(0);
+    }
+    for durability in ["synced", "deferred"] {
+        counter!(AUDIT_COMMITS, "durability" => durability).increment(0);
+    }
+    for path in ["queued", "direct"] {
+        counter!(AUDIT_BATCHES, "path" => path).increment(0);
+    }
 }
 
 /// The log syncer flushed SQLite's write-ahead log for the synced batches waiting on it.
