@@ -450,9 +450,9 @@ fn line_of(text: &str, offset: usize) -> usize {
         .map_or(1, |before| before.matches('\n').count() + 1)
 }
 
-/// The field (`notify.url`, `tools[2].name`) of a string or key that, its escapes read
-/// (`\u0000`, `\U00000000`, `\x00`), holds U+0000, which no stored text may carry
-/// (PostgreSQL text cannot hold it); `None` when none does. A replay model's script is left
+/// Where a string or key holds U+0000 once its escapes are read (`\u0000`, `\U00000000`,
+/// `\x00`), as `` `notify.url` `` or `` a key of `tools[2].pinned` ``: no stored text may carry
+/// it (PostgreSQL text cannot hold it); `None` when none does. A replay model's script is left
 /// out: it plays a model's replies, in which a run replaces U+0000 as in any model's. The text
 /// is only read again when it has an escape at all; U+0000 itself is no TOML a parser reads.
 fn nul_field(text: &str) -> Option<String> {
@@ -471,7 +471,7 @@ fn nul_field(text: &str) -> Option<String> {
         table.iter().map(|(k, v)| (k.clone(), v)).collect();
     while let Some((field, value)) = pending.pop() {
         match value {
-            toml::Value::String(s) if s.contains('\0') => return Some(field),
+            toml::Value::String(s) if s.contains('\0') => return Some(format!("`{field}`")),
             toml::Value::Array(items) => pending.extend(
                 items
                     .iter()
@@ -480,7 +480,7 @@ fn nul_field(text: &str) -> Option<String> {
             ),
             toml::Value::Table(inner) => {
                 if holds_nul(inner) {
-                    return Some(format!("a key of {field}"));
+                    return Some(format!("a key of `{field}`"));
                 }
                 pending.extend(inner.iter().map(|(k, v)| (format!("{field}.{k}"), v)));
             }
@@ -507,7 +507,7 @@ impl RoutineDefinition {
         })?;
         if let Some(field) = nul_field(text) {
             return Err(RoutineError {
-                message: format!("`{field}` holds a NUL character (U+0000)"),
+                message: format!("{field} holds a NUL character (U+0000)"),
                 line: None,
             });
         }

@@ -390,26 +390,39 @@ async fn a_nul_in_api_input_is_refused_naming_the_field() {
     };
     for (field, toml) in [
         (
-            "instructions",
+            "`instructions`",
             routine("").replace("Do the task.", r"Do \u0000 the task."),
         ),
         (
-            "description",
+            "`description`",
             routine("").replace("[model]", "description = \"a \\x00 b\"\n[model]"),
         ),
-        // A replay script plays a model's replies, where a run replaces U+0000: one there is
-        // not what is refused.
         (
-            "notify.url",
+            "`instructions`",
+            routine("").replace(
+                "\"Do the task.\"",
+                "\"\"\"\nDo the\\\n  \\x00 task.\n\"\"\"",
+            ),
+        ),
+        // Beside a replay script holding one (exempt: a run replaces U+0000 in a model's
+        // replies, a_nul_in_a_model_reply_is_replaced_and_the_run_ends_at_once).
+        (
+            "`notify.url`",
             routine("[notify]\nurl = \"https://hooks.example.com/\\U00000000\"\n")
                 .replace("text = \"hi\"", r#"text = "a \u0000 reply""#),
         ),
         (
-            "tools[0].tool",
+            "`tools[0].tool`",
             routine("[[tools]]\ntool = \"desk/\\u0000\"\nmode = \"auto\"\n"),
         ),
         (
-            "output.schema",
+            "a key of `tools[0].pinned`",
+            routine(
+                "[[tools]]\ntool = \"desk/send\"\nmode = \"auto\"\npinned = { \"a\\u0000\" = 1 }\n",
+            ),
+        ),
+        (
+            "`output.schema`",
             routine("[output]\nschema = '{\"type\": \"object\", \"title\": \"\\u0000\"}'\n"),
         ),
     ] {
@@ -420,7 +433,7 @@ async fn a_nul_in_api_input_is_refused_naming_the_field() {
             status,
             &body,
             "invalid_routine",
-            &format!("`{field}` holds a NUL character (U+0000)"),
+            &format!("{field} holds a NUL character (U+0000)"),
         );
     }
     let literal = r#"name = "nul-literal"

@@ -20,10 +20,10 @@ use crate::credentials::ConnectionCredentials;
 use crate::definition::ToolDefinition;
 use crate::result::{ToolCallResult, ToolContent};
 
-/// Everything but RFC 3986 unreserved characters is encoded in a path value or query part.
 /// The most tools one `http_api` connection holds, written or imported.
 pub const MAX_HTTP_TOOLS: usize = 256;
 
+/// Everything but RFC 3986 unreserved characters is encoded in a path value or query part.
 const COMPONENT: &AsciiSet = &NON_ALPHANUMERIC
     .remove(b'-')
     .remove(b'.')

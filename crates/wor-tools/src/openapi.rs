@@ -659,6 +659,7 @@ impl OpenApiDocument {
             }
             inliner.count(parameter.name.len() + 8)?;
             if parameter.location == ParameterLocation::Path || parameter.required {
+                inliner.count(parameter.name.len() + 4)?;
                 required.push(Value::String(parameter.name.clone()));
             }
             if properties.insert(parameter.name.clone(), schema).is_some() {
