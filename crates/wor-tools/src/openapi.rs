@@ -591,6 +591,9 @@ impl OpenApiDocument {
         let mut parameters: Vec<Parameter> = Vec::new();
         for value in item.parameters.iter().chain(&operation.parameters) {
             let value = self.follow(value, id)?;
+            // A parameter may be a reference every operation uses: counted whole, before it is
+            // read (a copy), whether or not the tool will send it.
+            inliner.count(json_bytes(value))?;
             let parameter = Parameter::deserialize(value)
                 .map_err(|e| unsupported(format!("a parameter is not valid: {e}")))?;
             parameters.retain(|p| !(p.name == parameter.name && p.location == parameter.location));
@@ -652,13 +655,10 @@ impl OpenApiDocument {
                 && !description.is_empty()
                 && !object.contains_key("description")
             {
-                // A parameter may be a reference used by every operation: counted as a schema's
-                // keywords are.
-                inliner.count(description.len() + 16)?;
                 object.insert("description".to_owned(), Value::String(description.clone()));
             }
-            inliner.count(parameter.name.len() + 8)?;
             if parameter.location == ParameterLocation::Path || parameter.required {
+                // Written a second time, in `required`.
                 inliner.count(parameter.name.len() + 4)?;
                 required.push(Value::String(parameter.name.clone()));
             }
@@ -1310,7 +1310,8 @@ mod tests {
                 .import(&["op0".to_owned(), "op1".to_owned()])
                 .is_ok()
         );
-        // A parameter's description, a reference every operation uses, is counted too.
+        // A parameter, a reference every operation uses, is counted too: its description, and
+        // even a header parameter the tool never sends.
         let paths: Map<String, Value> = (0..12)
             .map(|i| {
                 (
@@ -1327,6 +1328,24 @@ mod tests {
         );
         assert!(matches!(
             described.import(&[]),
+            Err(OpenApiError::ImportTooLarge { ref operation }) if operation == "get10"
+        ));
+        let paths: Map<String, Value> = (0..12)
+            .map(|i| {
+                (
+                    format!("/get{i:02}"),
+                    json!({"get": {"operationId": format!("get{i:02}"),
+                        "parameters": [{"$ref": "#/components/parameters/H"}]}}),
+                )
+            })
+            .collect();
+        let unsent = document(
+            Value::Object(paths),
+            json!({"parameters": {"H": {"name": "x-trace", "in": "header",
+                "description": "d".repeat(1536 * 1024), "schema": {"type": "string"}}}}),
+        );
+        assert!(matches!(
+            unsent.import(&[]),
             Err(OpenApiError::ImportTooLarge { ref operation }) if operation == "get10"
         ));
         // More operations than a connection holds tools are refused before any is imported.
