@@ -89,9 +89,8 @@ impl Store {
         key: Option<&crate::SealedPut>,
         recorded: Option<&(dyn Fn(&ModelConnectionRecord) -> AuditEvent + Sync)>,
     ) -> Result<(ModelConnectionRecord, Option<StagedEvent>), StoreError> {
-        if let Some(key) = key {
-            key.check_owner(project, MODEL_CONNECTIONS_TABLE, id)?;
-        }
+        let key = key.map(std::slice::from_ref).unwrap_or_default();
+        crate::vault::check_owners(key, project, MODEL_CONNECTIONS_TABLE, id)?;
         let now = now_millis();
         let record = ModelConnectionRecord {
             id,
@@ -127,9 +126,7 @@ impl Store {
                 format!("a model connection named `{}` already exists", record.name)
             })
         })?;
-        if let Some(key) = key {
-            crate::vault::write_sealed(&mut tx, key, now).await?;
-        }
+        crate::vault::write_sealed(&mut tx, key, now).await?;
         let staged =
             crate::staged::stage_some(&mut tx, recorded.map(|recorded| recorded(&record))).await?;
         tx.commit().await?;
@@ -177,7 +174,8 @@ impl Store {
         key: &crate::SealedPut,
         recorded: &(dyn Fn(i64) -> AuditEvent + Sync),
     ) -> Result<(ModelConnectionRecord, StagedEvent), StoreError> {
-        key.check_owner(project, MODEL_CONNECTIONS_TABLE, id)?;
+        let key = std::slice::from_ref(key);
+        crate::vault::check_owners(key, project, MODEL_CONNECTIONS_TABLE, id)?;
         let now = now_millis();
         let mut tx = self.begin_write().await?;
         let bumped: Option<i64> = sqlx::query_scalar(

@@ -246,9 +246,7 @@ impl Store {
         secrets: &[crate::SealedPut],
         recorded: AuditEvent,
     ) -> Result<(NotificationRouteRecord, StagedEvent), StoreError> {
-        for secret in secrets {
-            secret.check_owner(project, crate::NOTIFICATION_ROUTES_TABLE, id)?;
-        }
+        crate::vault::check_owners(secrets, project, crate::NOTIFICATION_ROUTES_TABLE, id)?;
         let mut tx = self.begin_write().await?;
         let now = now_millis();
         let settings = serde_json::to_string(&route.channel)
@@ -275,9 +273,7 @@ impl Store {
                 format!("a notification route named `{}` exists", route.name)
             })
         })?;
-        for secret in secrets {
-            crate::vault::write_sealed(&mut tx, secret, now).await?;
-        }
+        crate::vault::write_sealed(&mut tx, secrets, now).await?;
         let staged = crate::staged::stage_one(&mut tx, recorded).await?;
         tx.commit().await?;
         Ok((self.get_notification_route(project, id).await?, staged))

@@ -259,18 +259,15 @@ impl Store {
         secrets: &[crate::SealedPut],
         recorded: Option<AuditEvent>,
     ) -> Result<Option<StagedEvent>, StoreError> {
-        for secret in secrets {
-            secret.check_owner(
-                record.project_id,
-                crate::TOOL_CONNECTIONS_TABLE,
-                record.connection_id,
-            )?;
-        }
+        crate::vault::check_owners(
+            secrets,
+            record.project_id,
+            crate::TOOL_CONNECTIONS_TABLE,
+            record.connection_id,
+        )?;
         let mut tx = self.begin_write().await?;
         let now = now_millis();
-        for secret in secrets {
-            crate::vault::write_sealed(&mut tx, secret, now).await?;
-        }
+        crate::vault::write_sealed(&mut tx, secrets, now).await?;
         sqlx::query(
             "DELETE FROM tool_connection_oauth WHERE project_id = $1 AND connection_id = $2",
         )

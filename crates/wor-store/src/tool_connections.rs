@@ -238,9 +238,7 @@ impl Store {
         credentials: &[crate::SealedPut],
         recorded: Option<&(dyn Fn(&ToolConnectionRecord) -> AuditEvent + Sync)>,
     ) -> Result<(ToolConnectionRecord, Option<StagedEvent>), StoreError> {
-        for credential in credentials {
-            credential.check_owner(project, crate::TOOL_CONNECTIONS_TABLE, id)?;
-        }
+        crate::vault::check_owners(credentials, project, crate::TOOL_CONNECTIONS_TABLE, id)?;
         let now = now_millis();
         let record = ToolConnectionRecord {
             id,
@@ -284,9 +282,7 @@ impl Store {
                 format!("a tool connection named `{}` already exists", record.name)
             })
         })?;
-        for credential in credentials {
-            crate::vault::write_sealed(&mut tx, credential, now).await?;
-        }
+        crate::vault::write_sealed(&mut tx, credentials, now).await?;
         let staged =
             crate::staged::stage_some(&mut tx, recorded.map(|recorded| recorded(&record))).await?;
         tx.commit().await?;

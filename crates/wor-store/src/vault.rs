@@ -168,9 +168,7 @@ impl Vault {
             .collect::<Result<Vec<_>, VaultError>>()?;
         let now = now_millis();
         let mut tx = self.store.begin_write().await?;
-        for put in &sealed {
-            write_sealed(&mut tx, put, now).await?;
-        }
+        write_sealed(&mut tx, &sealed, now).await?;
         let staged = crate::staged::stage_some(&mut tx, recorded).await?;
         tx.commit().await.map_err(StoreError::from)?;
         Ok((SecretMetadata { updated_at: now }, staged))
@@ -371,46 +369,47 @@ impl fmt::Debug for SealedPut {
     }
 }
 
-impl SealedPut {
-    /// Refused unless it is sealed for a slot of row `owner_id` of `owner_table` in `project`.
-    pub(crate) fn check_owner(
-        &self,
-        project: ProjectId,
-        owner_table: &str,
-        owner_id: impl fmt::Display,
-    ) -> Result<(), StoreError> {
-        let slot = &self.slot;
-        if slot.project == project
-            && slot.owner_table == owner_table
-            && slot.owner_id == owner_id.to_string()
-        {
-            Ok(())
-        } else {
-            Err(StoreError::MisplacedSecret {
-                slot: slot.to_string(),
-            })
-        }
+/// Refused unless every one of `puts` is sealed for a slot of row `owner_id` of `owner_table`
+/// in `project`: the row the change that writes them writes.
+pub(crate) fn check_owners(
+    puts: &[SealedPut],
+    project: ProjectId,
+    owner_table: &str,
+    owner_id: impl fmt::Display,
+) -> Result<(), StoreError> {
+    let owner_id = owner_id.to_string();
+    match puts.iter().find(|put| {
+        put.slot.project != project
+            || put.slot.owner_table != owner_table
+            || put.slot.owner_id != owner_id
+    }) {
+        Some(misplaced) => Err(StoreError::MisplacedSecret {
+            slot: misplaced.slot.to_string(),
+        }),
+        None => Ok(()),
     }
 }
 
-/// Writes `put` into its slot in `tx`, replacing what was there, as of `now`.
+/// Writes each of `puts` into its slot in `tx`, replacing what was there, as of `now`.
 pub(crate) async fn write_sealed(
     tx: &mut sqlx::Transaction<'static, sqlx::Any>,
-    put: &SealedPut,
+    puts: &[SealedPut],
     now: i64,
 ) -> Result<(), StoreError> {
-    let query = sqlx::query(
-        "INSERT INTO sealed_secrets (project_id, owner_table, owner_id, field, key_id, sealed, updated_at) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7) \
-         ON CONFLICT (project_id, owner_table, owner_id, field) \
-         DO UPDATE SET key_id = excluded.key_id, sealed = excluded.sealed, updated_at = excluded.updated_at",
-    );
-    bind_slot(query, &put.slot)
-        .bind(put.sealed.key_id().to_string())
-        .bind(put.sealed.to_bytes())
-        .bind(now)
-        .execute(&mut **tx)
-        .await?;
+    for put in puts {
+        let query = sqlx::query(
+            "INSERT INTO sealed_secrets (project_id, owner_table, owner_id, field, key_id, sealed, updated_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7) \
+             ON CONFLICT (project_id, owner_table, owner_id, field) \
+             DO UPDATE SET key_id = excluded.key_id, sealed = excluded.sealed, updated_at = excluded.updated_at",
+        );
+        bind_slot(query, &put.slot)
+            .bind(put.sealed.key_id().to_string())
+            .bind(put.sealed.to_bytes())
+            .bind(now)
+            .execute(&mut **tx)
+            .await?;
+    }
     Ok(())
 }
 

@@ -583,7 +583,7 @@ impl OpenApiDocument {
             operation: id,
             nodes: 0,
             bytes: 0,
-            import_bytes: *import_bytes,
+            import_bytes,
             chain: Vec::new(),
         };
         // Path-level parameters first; an operation's parameter of the same name and place
@@ -724,7 +724,6 @@ impl OpenApiDocument {
             .as_ref()
             .or(self.document.security.as_ref());
         let security = self.security(id, requirements, schemes)?;
-        *import_bytes = inliner.import_bytes;
         Ok(ImportedOperation {
             operation_id: id.to_owned(),
             tool,
@@ -917,7 +916,7 @@ struct Inliner<'a> {
     /// About how many bytes the schemas inlined so far hold, as JSON ([`json_bytes`]).
     bytes: usize,
     /// The same, counted from the start of the import.
-    import_bytes: usize,
+    import_bytes: &'a mut usize,
     chain: Vec<String>,
 }
 
@@ -975,13 +974,13 @@ impl Inliner<'_> {
     /// [`MAX_IMPORT_BYTES`] for the import.
     fn count(&mut self, bytes: usize) -> Result<(), OpenApiError> {
         self.bytes = self.bytes.saturating_add(bytes);
-        self.import_bytes = self.import_bytes.saturating_add(bytes);
+        *self.import_bytes = self.import_bytes.saturating_add(bytes);
         if self.bytes > MAX_SCHEMA_BYTES {
             return Err(OpenApiError::TooManyBytes {
                 operation: self.operation.to_owned(),
             });
         }
-        if self.import_bytes > MAX_IMPORT_BYTES {
+        if *self.import_bytes > MAX_IMPORT_BYTES {
             return Err(OpenApiError::ImportTooLarge {
                 operation: self.operation.to_owned(),
             });
@@ -1312,42 +1311,32 @@ mod tests {
         );
         // A parameter, a reference every operation uses, is counted too: its description, and
         // even a header parameter the tool never sends.
-        let paths: Map<String, Value> = (0..12)
-            .map(|i| {
-                (
-                    format!("/get{i:02}"),
-                    json!({"get": {"operationId": format!("get{i:02}"),
-                        "parameters": [{"$ref": "#/components/parameters/Q"}]}}),
-                )
-            })
-            .collect();
-        let described = document(
-            Value::Object(paths),
-            json!({"parameters": {"Q": {"name": "q", "in": "query",
-                "description": "d".repeat(1536 * 1024), "schema": {"type": "string"}}}}),
-        );
-        assert!(matches!(
-            described.import(&[]),
-            Err(OpenApiError::ImportTooLarge { ref operation }) if operation == "get10"
-        ));
-        let paths: Map<String, Value> = (0..12)
-            .map(|i| {
-                (
-                    format!("/get{i:02}"),
-                    json!({"get": {"operationId": format!("get{i:02}"),
-                        "parameters": [{"$ref": "#/components/parameters/H"}]}}),
-                )
-            })
-            .collect();
-        let unsent = document(
-            Value::Object(paths),
-            json!({"parameters": {"H": {"name": "x-trace", "in": "header",
-                "description": "d".repeat(1536 * 1024), "schema": {"type": "string"}}}}),
-        );
-        assert!(matches!(
-            unsent.import(&[]),
-            Err(OpenApiError::ImportTooLarge { ref operation }) if operation == "get10"
-        ));
+        let used_by_twelve = |parameter: Value| {
+            let paths: Map<String, Value> = (0..12)
+                .map(|i| {
+                    (
+                        format!("/get{i:02}"),
+                        json!({"get": {"operationId": format!("get{i:02}"),
+                            "parameters": [{"$ref": "#/components/parameters/P"}]}}),
+                    )
+                })
+                .collect();
+            document(
+                Value::Object(paths),
+                json!({"parameters": {"P": parameter}}),
+            )
+        };
+        for place in ["query", "header"] {
+            let parameter = json!({"name": "p", "in": place,
+                "description": "d".repeat(1536 * 1024), "schema": {"type": "string"}});
+            assert!(
+                matches!(
+                    used_by_twelve(parameter).import(&[]),
+                    Err(OpenApiError::ImportTooLarge { ref operation }) if operation == "get10"
+                ),
+                "a {place} parameter"
+            );
+        }
         // More operations than a connection holds tools are refused before any is imported.
         let paths: Map<String, Value> = (0..=MAX_HTTP_TOOLS)
             .map(|i| {
