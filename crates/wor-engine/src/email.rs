@@ -9,7 +9,6 @@
 //! any credential or message is sent, unless the route is a plaintext one to a loopback relay
 //! and the operator's configuration allows that.
 
-use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,8 +21,8 @@ use lettre::transport::smtp::extension::ClientId;
 use rustls::pki_types::{CertificateDer, ServerName};
 use secrecy::{ExposeSecret as _, SecretString};
 use serde_json::Value;
+use wor_core::ProjectId;
 use wor_core::audit::Actor;
-use wor_core::{NotificationRouteId, ProjectId};
 use wor_store::{
     ApprovalRecord, ApprovalStatus, AttemptOutcome, NewNotificationRoute,
     NotificationDeliveryRecord, NotificationRouteRecord, RouteChannel, SmtpTls, StoreError,
@@ -40,7 +39,7 @@ pub const SMTP_USERNAME_FIELD: &str = "smtp_username";
 pub const SMTP_PASSWORD_FIELD: &str = "smtp_password";
 
 /// Time allowed for one whole SMTP exchange, from the greeting to `QUIT`.
-const SMTP_TIMEOUT: Duration = Duration::from_secs(60);
+pub(crate) const SMTP_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// A route's SMTP credentials, as an admin gives them; sealed at once, never shown again.
 /// Both or neither: a relay that needs no login (a local one) gets none.
@@ -629,18 +628,6 @@ fn plain_line(text: &str) -> String {
         .map(|c| if c.is_control() { ' ' } else { c })
         .take(150)
         .collect()
-}
-
-/// Groups claimed email deliveries by route, keeping their order.
-pub(crate) fn by_route(
-    deliveries: Vec<NotificationDeliveryRecord>,
-) -> BTreeMap<NotificationRouteId, Vec<NotificationDeliveryRecord>> {
-    let mut routes: BTreeMap<NotificationRouteId, Vec<NotificationDeliveryRecord>> =
-        BTreeMap::new();
-    for delivery in deliveries {
-        routes.entry(delivery.route_id).or_default().push(delivery);
-    }
-    routes
 }
 
 #[cfg(test)]

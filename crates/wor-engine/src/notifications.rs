@@ -27,6 +27,7 @@ use crate::approvals::{DecidedVia, DecisionRefusal};
 use crate::metrics::{DeliveryResult, NotificationChannel};
 use crate::notice::{MAX_ROUTE_NAME_CHARS, RouteError, route_slot, shown_value};
 use crate::triggers::retry_at;
+use crate::triggers::{grouped, time_for_one_more};
 use crate::{Approver, Engine, EngineError};
 
 pub use wor_store::NOTIFICATION_ROUTES_TABLE;
@@ -45,8 +46,10 @@ const UNLINKED: &str = "this Slack user is not linked to a member of the project
 const DENY_FORM: &str = "wor_deny";
 /// How long a Slack link stays usable.
 const SLACK_LINK_TTL_MS: i64 = 15 * 60 * 1000;
-/// A claimed notification is retried by another process after this long.
-const NOTIFICATION_LEASE_MS: i64 = 30_000;
+/// A claimed notification is taken by another pass after this long: room for an email's
+/// longest exchange, or an approval's Slack messages in turn, each started only while the
+/// claim has room for it.
+const NOTIFICATION_LEASE_MS: i64 = 180_000;
 
 /// A Slack route's secrets, as an admin gives them; sealed at once, never shown again.
 pub struct SlackSecrets {
@@ -332,41 +335,101 @@ impl Engine {
     }
 
     /// Sends the notifications due at `now` through the egress guard; failures are retried
-    /// with backoff, at most [`crate::MAX_DELIVERY_ATTEMPTS`] times. Returns how many were attempted.
+    /// with backoff, at most [`crate::MAX_DELIVERY_ATTEMPTS`] times. Returns how many were
+    /// claimed.
     pub async fn deliver_notifications(&self, now: i64) -> Result<usize, EngineError> {
         let claimed = self
             .store
-            .claim_due_notifications(now, NOTIFICATION_LEASE_MS, 50)
+            .claim_due_notifications(now, NOTIFICATION_LEASE_MS, crate::triggers::OUTBOX_BATCH)
             .await?;
-        let attempted = claimed.len();
+        let count = claimed.items.len();
+        let leased_until = claimed.leased_until;
         let (emails, slack): (Vec<_>, Vec<_>) = claimed
+            .items
             .into_iter()
             .partition(|d| d.action == NotificationAction::EmailSend);
-        // Email deliveries go per route: a digest route sends its due ones as one message.
-        for deliveries in crate::email::by_route(emails).into_values() {
-            for (id, outcome, result) in self.attempt_emails(&deliveries).await? {
-                crate::metrics::notification_attempted(NotificationChannel::Email, result);
-                tracing::info!(category = "notification", action = "email.send",
-                    route_id = %deliveries.first().map(|d| d.route_id.to_string()).unwrap_or_default(),
-                    delivered = matches!(outcome, AttemptOutcome::Delivered { .. }),
-                    "notification attempted");
-                self.store
-                    .record_notification_attempt(&id, &outcome)
-                    .await?;
-            }
+        // Email deliveries go per route (a digest route sends its due ones as one message),
+        // Slack's per approval, its post before its updates; routes and approvals side by side.
+        let routes = grouped(emails, |d| d.route_id);
+        let approvals = grouped(slack, |d| d.approval_id);
+        let (emailed, posted) = tokio::join!(
+            futures::future::join_all(
+                routes
+                    .iter()
+                    .map(|deliveries| self.deliver_route_emails(deliveries, leased_until))
+            ),
+            futures::future::join_all(
+                approvals
+                    .iter()
+                    .map(|deliveries| self.deliver_slack_messages(deliveries, leased_until))
+            ),
+        );
+        emailed
+            .into_iter()
+            .chain(posted)
+            .collect::<Result<(), _>>()?;
+        Ok(count)
+    }
+
+    /// Sends one route's claimed emails, if the claim leaves time for them.
+    async fn deliver_route_emails(
+        &self,
+        deliveries: &[NotificationDeliveryRecord],
+        leased_until: i64,
+    ) -> Result<(), EngineError> {
+        if !time_for_one_more(leased_until, crate::email::SMTP_TIMEOUT) {
+            return Ok(());
         }
-        for delivery in &slack {
+        for (id, outcome, result) in self.attempt_emails(deliveries).await? {
+            crate::metrics::notification_attempted(NotificationChannel::Email, result);
+            tracing::info!(category = "notification", action = "email.send",
+                route_id = %deliveries.first().map(|d| d.route_id.to_string()).unwrap_or_default(),
+                delivered = matches!(outcome, AttemptOutcome::Delivered { .. }),
+                "notification attempted");
+            self.record_notification(&id, leased_until, &outcome)
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Sends one approval's claimed Slack messages in turn, while the claim leaves time.
+    async fn deliver_slack_messages(
+        &self,
+        deliveries: &[NotificationDeliveryRecord],
+        leased_until: i64,
+    ) -> Result<(), EngineError> {
+        for delivery in deliveries {
+            if !time_for_one_more(leased_until, wor_egress::WEBHOOK_TIMEOUT) {
+                return Ok(());
+            }
             let (outcome, result) = self.attempt_notification(delivery).await?;
             crate::metrics::notification_attempted(NotificationChannel::Slack, result);
             tracing::info!(category = "notification", action = delivery.action.as_str(),
                 project_id = %delivery.project_id, approval_id = %delivery.approval_id,
                 delivered = matches!(outcome, AttemptOutcome::Delivered { .. }),
                 attempt = delivery.attempts + 1, "notification attempted");
-            self.store
-                .record_notification_attempt(&delivery.id, &outcome)
+            self.record_notification(&delivery.id, leased_until, &outcome)
                 .await?;
         }
-        Ok(attempted)
+        Ok(())
+    }
+
+    /// Records an attempt of notification `id`, saying so when its claim ran out first.
+    async fn record_notification(
+        &self,
+        id: &str,
+        leased_until: i64,
+        outcome: &AttemptOutcome,
+    ) -> Result<(), EngineError> {
+        if !self
+            .store
+            .record_notification_attempt(id, leased_until, outcome)
+            .await?
+        {
+            tracing::warn!(category = "notification", delivery = %id,
+                "a notification's claim ran out before its attempt was recorded; another pass may send it again");
+        }
+        Ok(())
     }
 
     async fn attempt_notification(

@@ -57,12 +57,22 @@ pub const REPLAY_WINDOW_SECS: u64 = 300;
 pub const MAX_WEBHOOK_BYTES: usize = 256 * 1024;
 /// Longest delivery id (`wor-delivery`, `webhook-id`) accepted.
 pub const MAX_DELIVERY_ID_BYTES: usize = 256;
-/// How often the scheduler and the webhook outbox look for work.
+/// How often the scheduler and each outbox look for work when they found none.
 const TICK: Duration = Duration::from_secs(1);
 /// Attempts per run webhook before it is given up.
 pub const MAX_DELIVERY_ATTEMPTS: i64 = 6;
-/// A claimed delivery is retried by another process after this long.
-const DELIVERY_LEASE_MS: i64 = 30_000;
+/// Which outbox a delivery task serves.
+#[derive(Debug, Clone, Copy)]
+enum Outbox {
+    Webhooks,
+    Notifications,
+}
+
+/// How many items of an outbox one pass claims, and so at most how many it sends at once.
+pub(crate) const OUTBOX_BATCH: u32 = 32;
+/// A claimed delivery is taken by another pass after this long: room for a run's batch of
+/// attempts in turn, each started only while the claim has room for it.
+const DELIVERY_LEASE_MS: i64 = 60_000;
 
 /// An inbound webhook as received: the headers of each signing scheme, and the body. Only the
 /// headers of the routine's own scheme are read.
@@ -122,37 +132,75 @@ impl Engine {
         Ok(schedule.upcoming(from, count))
     }
 
-    /// A task that runs the scheduler and, every second, the webhook outbox and the
-    /// notification outbox, until `shutdown`. The scheduler wakes when the earliest schedule
-    /// is due (and at least every second, for routines applied meanwhile).
-    pub fn spawn_triggers(&self, mut shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
-        let engine = self.clone();
+    /// A task that runs the scheduler, the webhook outbox and the notification outbox, each
+    /// in a task of its own, until `shutdown`: a receiver that is slow to answer holds up
+    /// neither the schedules nor the other outbox. The scheduler wakes when the earliest
+    /// schedule is due (and at least every second, for routines applied meanwhile); an outbox
+    /// passes again at once after a full batch, else a second later.
+    pub fn spawn_triggers(&self, shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
+        let scheduler = tokio::spawn(self.clone().schedule_until(shutdown.clone()));
+        let webhooks = tokio::spawn(
+            self.clone()
+                .deliver_until(Outbox::Webhooks, shutdown.clone()),
+        );
+        let notifications =
+            tokio::spawn(self.clone().deliver_until(Outbox::Notifications, shutdown));
         tokio::spawn(async move {
-            let mut outboxes_at = tokio::time::Instant::now();
-            loop {
-                if *shutdown.borrow() {
-                    return;
-                }
-                let now = wor_store::now_millis();
-                if let Err(error) = engine.schedule_tick(now).await {
-                    tracing::error!(category = "schedule", error = %error, "scheduler pass failed");
-                }
-                if tokio::time::Instant::now() >= outboxes_at {
-                    if let Err(error) = engine.deliver_webhooks(now).await {
-                        tracing::error!(category = "webhook", error = %error, "webhook delivery pass failed");
-                    }
-                    if let Err(error) = engine.deliver_notifications(now).await {
-                        tracing::error!(category = "notification", error = %error, "notification pass failed");
-                    }
-                    outboxes_at = tokio::time::Instant::now() + TICK;
-                }
-                let wake = engine.next_scheduler_wake(now).await.min(outboxes_at);
-                tokio::select! {
-                    () = tokio::time::sleep_until(wake) => {},
-                    _ = shutdown.changed() => return,
+            for (name, task) in [
+                ("scheduler", scheduler),
+                ("webhook outbox", webhooks),
+                ("notification outbox", notifications),
+            ] {
+                if let Err(error) = task.await {
+                    tracing::error!(category = "schedule", task = name, error = %error, "a trigger task ended abnormally");
                 }
             }
         })
+    }
+
+    async fn schedule_until(self, mut shutdown: watch::Receiver<bool>) {
+        loop {
+            if *shutdown.borrow() {
+                return;
+            }
+            let now = wor_store::now_millis();
+            if let Err(error) = self.schedule_tick(now).await {
+                tracing::error!(category = "schedule", error = %error, "scheduler pass failed");
+            }
+            let wake = self.next_scheduler_wake(now).await;
+            tokio::select! {
+                () = tokio::time::sleep_until(wake) => {},
+                _ = shutdown.changed() => return,
+            }
+        }
+    }
+
+    async fn deliver_until(self, outbox: Outbox, mut shutdown: watch::Receiver<bool>) {
+        loop {
+            if *shutdown.borrow() {
+                return;
+            }
+            let now = wor_store::now_millis();
+            let claimed = match outbox {
+                Outbox::Webhooks => self.deliver_webhooks(now).await.unwrap_or_else(|error| {
+                    tracing::error!(category = "webhook", error = %error, "webhook delivery pass failed");
+                    0
+                }),
+                Outbox::Notifications => {
+                    self.deliver_notifications(now).await.unwrap_or_else(|error| {
+                        tracing::error!(category = "notification", error = %error, "notification pass failed");
+                        0
+                    })
+                }
+            };
+            if claimed >= OUTBOX_BATCH as usize {
+                continue;
+            }
+            tokio::select! {
+                () = tokio::time::sleep(TICK) => {},
+                _ = shutdown.changed() => return,
+            }
+        }
     }
 
     /// When the scheduler looks again after a pass that looked at `looked_at` (Unix ms); see
@@ -438,56 +486,38 @@ impl Engine {
 
     /// Sends the run webhooks due at `now`, signed with their routine's secret, through the
     /// egress guard; failures are retried with exponential backoff and jitter, at most
-    /// [`MAX_DELIVERY_ATTEMPTS`] times. Returns how many were attempted.
+    /// [`MAX_DELIVERY_ATTEMPTS`] times. A run's webhooks go one after another, in the order
+    /// they were queued; different runs' go side by side. Returns how many were claimed.
     pub async fn deliver_webhooks(&self, now: i64) -> Result<usize, EngineError> {
         let claimed = self
             .store
-            .claim_due_deliveries(now, DELIVERY_LEASE_MS, 50)
+            .claim_due_deliveries(now, DELIVERY_LEASE_MS, OUTBOX_BATCH)
             .await?;
-        for delivery in &claimed {
+        let count = claimed.items.len();
+        let leased_until = claimed.leased_until;
+        let runs = grouped(claimed.items, |delivery| delivery.run_id);
+        let sent = futures::future::join_all(
+            runs.iter()
+                .map(|deliveries| self.deliver_run_webhooks(deliveries, leased_until)),
+        )
+        .await;
+        sent.into_iter().collect::<Result<(), _>>()?;
+        Ok(count)
+    }
+
+    /// Sends one run's claimed webhooks in turn, while the claim leaves time for one more.
+    async fn deliver_run_webhooks(
+        &self,
+        deliveries: &[wor_store::DeliveryRecord],
+        leased_until: i64,
+    ) -> Result<(), EngineError> {
+        for delivery in deliveries {
+            if !time_for_one_more(leased_until, wor_egress::WEBHOOK_TIMEOUT) {
+                // Left claimed: another pass takes it once the claim runs out.
+                return Ok(());
+            }
             let began = std::time::SystemTime::now();
-            let outcome = match self
-                .open_webhook_secret(
-                    delivery.project_id,
-                    delivery.routine_id,
-                    WebhookSecretKind::Notify,
-                )
-                .await?
-            {
-                None => AttemptOutcome::Failed {
-                    status_code: None,
-                    error: "the routine has no notify secret; create one with `wor routine webhook-secret --notify`".to_owned(),
-                    retry_at: None,
-                },
-                Some(secret) => {
-                    let timestamp = wor_store::now_millis() / 1000;
-                    let signature = webhook_signature::sign(
-                        secret.expose_secret(),
-                        timestamp,
-                        delivery.body.as_bytes(),
-                    );
-                    let mut request =
-                        EgressRequest::webhook(&delivery.url, delivery.body.clone().into_bytes());
-                    request.headers =
-                        delivery_headers(&delivery.id, &delivery.event, timestamp, &signature);
-                    request.max_response_bytes = Some(wor_egress::EgressLimits::webhook().max_response_bytes);
-                    match self.egress.send(request).await {
-                        Ok(response) if response.status.is_success() => AttemptOutcome::Delivered {
-                            status_code: response.status.as_u16(),
-                        },
-                        Ok(response) => AttemptOutcome::Failed {
-                            status_code: Some(response.status.as_u16()),
-                            error: format!("the receiver answered {}", response.status),
-                            retry_at: retry_at(&delivery.id, delivery.attempts + 1),
-                        },
-                        Err(error) => AttemptOutcome::Failed {
-                            status_code: None,
-                            error: wor_secrets::redact_shapes(&error.to_string()).into_owned(),
-                            retry_at: retry_at(&delivery.id, delivery.attempts + 1),
-                        },
-                    }
-                }
-            };
+            let outcome = self.attempt_webhook(delivery).await?;
             tracing::info!(category = "webhook", action = "webhook.deliver", project_id = %delivery.project_id,
                 run_id = %delivery.run_id, delivered = matches!(outcome, AttemptOutcome::Delivered { .. }),
                 attempt = delivery.attempts + 1, "run webhook attempted");
@@ -499,12 +529,80 @@ impl Engine {
                 delivery.attempts + 1,
                 &outcome,
             );
-            self.store
-                .record_delivery_attempt(&delivery.id, &outcome)
-                .await?;
+            if !self
+                .store
+                .record_delivery_attempt(&delivery.id, leased_until, &outcome)
+                .await?
+            {
+                tracing::warn!(category = "webhook", project_id = %delivery.project_id,
+                    run_id = %delivery.run_id, delivery = %delivery.id,
+                    "a run webhook's claim ran out before its attempt was recorded; another pass may send it again");
+            }
         }
-        Ok(claimed.len())
+        Ok(())
     }
+
+    /// One attempt at sending `delivery`.
+    async fn attempt_webhook(
+        &self,
+        delivery: &wor_store::DeliveryRecord,
+    ) -> Result<AttemptOutcome, EngineError> {
+        let Some(secret) = self
+            .open_webhook_secret(
+                delivery.project_id,
+                delivery.routine_id,
+                WebhookSecretKind::Notify,
+            )
+            .await?
+        else {
+            return Ok(AttemptOutcome::Failed {
+                status_code: None,
+                error: "the routine has no notify secret; create one with `wor routine webhook-secret --notify`".to_owned(),
+                retry_at: None,
+            });
+        };
+        let timestamp = wor_store::now_millis() / 1000;
+        let signature =
+            webhook_signature::sign(secret.expose_secret(), timestamp, delivery.body.as_bytes());
+        let mut request = EgressRequest::webhook(&delivery.url, delivery.body.clone().into_bytes());
+        request.headers = delivery_headers(&delivery.id, &delivery.event, timestamp, &signature);
+        request.max_response_bytes = Some(wor_egress::EgressLimits::webhook().max_response_bytes);
+        Ok(match self.egress.send(request).await {
+            Ok(response) if response.status.is_success() => AttemptOutcome::Delivered {
+                status_code: response.status.as_u16(),
+            },
+            Ok(response) => AttemptOutcome::Failed {
+                status_code: Some(response.status.as_u16()),
+                error: format!("the receiver answered {}", response.status),
+                retry_at: retry_at(&delivery.id, delivery.attempts + 1),
+            },
+            Err(error) => AttemptOutcome::Failed {
+                status_code: None,
+                error: wor_secrets::redact_shapes(&error.to_string()).into_owned(),
+                retry_at: retry_at(&delivery.id, delivery.attempts + 1),
+            },
+        })
+    }
+}
+
+/// `items` in groups of one `key` each, every group in the order the items came.
+pub(crate) fn grouped<T, K: Ord>(items: Vec<T>, key: impl Fn(&T) -> K) -> Vec<Vec<T>> {
+    let mut groups: std::collections::BTreeMap<K, Vec<T>> = std::collections::BTreeMap::new();
+    for item in items {
+        groups.entry(key(&item)).or_default().push(item);
+    }
+    groups.into_values().collect()
+}
+
+/// Whether a claim held until `leased_until` (Unix ms) still has room for an attempt that
+/// may take `attempt`, with a margin for recording it.
+pub(crate) fn time_for_one_more(leased_until: i64, attempt: Duration) -> bool {
+    const MARGIN_MS: i64 = 5_000;
+    let attempt_ms = i64::try_from(attempt.as_millis()).unwrap_or(i64::MAX);
+    wor_store::now_millis()
+        .saturating_add(attempt_ms)
+        .saturating_add(MARGIN_MS)
+        <= leased_until
 }
 
 fn delivery_headers(id: &str, event: &str, timestamp: i64, signature: &str) -> HeaderMap {

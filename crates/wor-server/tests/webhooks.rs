@@ -651,3 +651,160 @@ async fn a_run_of_a_routine_without_an_output_schema_sends_no_result() {
     assert_eq!(payload["run"]["outcome"], r#"{"severity": "high"}"#);
     assert!(payload["run"].get("result").is_none(), "{payload:#}");
 }
+
+#[tokio::test]
+async fn a_receiver_that_never_answers_holds_up_neither_the_schedules_nor_other_runs_webhooks() {
+    // Takes connections and never answers: each attempt to it waits out its 10 s.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent_addr = silent.local_addr().unwrap();
+    let held = Arc::new(Mutex::new(Vec::new()));
+    tokio::spawn({
+        let held = held.clone();
+        async move {
+            while let Ok((socket, _)) = silent.accept().await {
+                held.lock().unwrap().push(socket);
+            }
+        }
+    });
+    let receiver = Receiver::default();
+    let addr = serve_receiver(receiver.clone()).await;
+    let h = Harness::new().await;
+    let notifying = |name: &str, url: String| {
+        format!(
+            "name = \"{name}\"\ninstructions = \"Say.\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\n\
+             [[model.script.turns]]\ntext = \"done\"\n[notify]\nurl = \"{url}\"\nevents = [\"finished\"]\n"
+        )
+    };
+    let (to_silent, _) = h
+        .apply(&notifying(
+            "to-silent",
+            format!("http://{silent_addr}/hook"),
+        ))
+        .await;
+    let (to_receiver, _) = h
+        .apply(&notifying("to-receiver", format!("http://{addr}/hook")))
+        .await;
+    // The silent receiver's webhooks are queued first.
+    for routine in [&to_silent, &to_silent, &to_silent, &to_receiver] {
+        let run = h
+            .reply(
+                Method::POST,
+                &format!("/v1/routines/{routine}/runs"),
+                Some(json!({"input": "go"})),
+            )
+            .await;
+        assert!(run.status.is_success(), "{}", run.text);
+        assert!(h.engine.run_next().await.unwrap());
+    }
+    let (ticking, _) = h
+        .apply(
+            "name = \"ticking\"\ninstructions = \"Say.\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\n\
+             [[model.script.turns]]\ntext = \"done\"\n[schedule]\ncron = \"* * * * * *\"\n",
+        )
+        .await;
+
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let triggers = h.engine.spawn_triggers(stopped);
+    let began = std::time::Instant::now();
+    while receiver.got.lock().unwrap().is_empty() {
+        assert!(
+            began.elapsed() < std::time::Duration::from_secs(8),
+            "the other run's webhook waited behind the silent receiver"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    // Each of the silent receiver's three webhooks is in flight at once, none answered yet.
+    assert_eq!(held.lock().unwrap().len(), 3);
+    let scheduled = || async {
+        let runs = h
+            .reply(Method::GET, &format!("/v1/runs?routine_id={ticking}"), None)
+            .await;
+        runs.body.as_array().map(Vec::len).unwrap()
+    };
+    // The scheduler's first pass records the slots of the next few seconds ahead; from then
+    // on one a second.
+    let before = scheduled().await;
+    tokio::time::sleep(std::time::Duration::from_secs(4)).await;
+    let after = scheduled().await;
+    assert!(
+        after >= before + 3,
+        "a schedule firing every second recorded {} slots in four seconds beside the silent receiver",
+        after - before
+    );
+    stop.send(true).unwrap();
+    triggers.await.unwrap();
+}
+
+#[tokio::test]
+async fn an_attempt_recorded_after_its_claim_ran_out_leaves_the_delivery_to_its_new_claimant() {
+    let receiver = Receiver::default();
+    let addr = serve_receiver(receiver.clone()).await;
+    let h = Harness::new().await;
+    let (routine, _) = h
+        .apply(&format!(
+            "name = \"late\"\ninstructions = \"Say.\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\n\
+             [[model.script.turns]]\ntext = \"done\"\n[notify]\nurl = \"http://{addr}/hook\"\nevents = [\"finished\"]\n"
+        ))
+        .await;
+    h.reply(
+        Method::POST,
+        &format!("/v1/routines/{routine}/runs"),
+        Some(json!({"input": "go"})),
+    )
+    .await;
+    assert!(h.engine.run_next().await.unwrap());
+    let store = h.engine.store();
+    let now = wor_store::now_millis();
+    // A pass that claims the delivery for a second and is then too slow to record it.
+    let stale = store.claim_due_deliveries(now, 1_000, 10).await.unwrap();
+    assert_eq!(stale.items.len(), 1);
+    let id = stale.items[0].id.clone();
+    // Another pass takes it once that claim has run out, and sends it.
+    let fresh = store
+        .claim_due_deliveries(now + 2_000, 60_000, 10)
+        .await
+        .unwrap();
+    assert_eq!(fresh.items.len(), 1);
+    let failed = wor_store::AttemptOutcome::Failed {
+        status_code: Some(500),
+        error: "late".to_owned(),
+        retry_at: Some(now + 3_000),
+    };
+    assert!(
+        !store
+            .record_delivery_attempt(&id, stale.leased_until, &failed)
+            .await
+            .unwrap(),
+        "the stale claim's record is refused"
+    );
+    let delivered = wor_store::AttemptOutcome::Delivered { status_code: 204 };
+    assert!(
+        store
+            .record_delivery_attempt(&id, fresh.leased_until, &delivered)
+            .await
+            .unwrap()
+    );
+    // Recording again under either claim changes nothing: it is delivered, once.
+    assert!(
+        !store
+            .record_delivery_attempt(&id, fresh.leased_until, &failed)
+            .await
+            .unwrap()
+    );
+    let listed = h
+        .reply(
+            Method::GET,
+            &format!("/v1/webhook-deliveries?routine_id={routine}"),
+            None,
+        )
+        .await;
+    assert!(listed.text.contains("\"delivered\""), "{}", listed.text);
+    assert!(
+        store
+            .claim_due_deliveries(now + 1_000_000, 60_000, 10)
+            .await
+            .unwrap()
+            .items
+            .is_empty()
+    );
+}

@@ -73,6 +73,7 @@ pub use oauth::{
     OAUTH_AUTHORIZATIONS_TABLE, OAuthAuthorizationRecord, PKCE_VERIFIER_FIELD, REFRESH_TOKEN_FIELD,
     state_digest,
 };
+pub use outbox::OutboxClaim;
 pub use probe::{DatabaseProbe, probe};
 pub use projects::{CreatedProject, ProjectRecord, RecoveredOwner};
 pub use routines::{AppliedRoutine, RoutineRecord, RoutineVersionRecord};

@@ -17,7 +17,7 @@ use wor_core::canonical::sha256_hex;
 use wor_core::{ApiKeyId, ApprovalId, MemberId, NotificationRouteId, ProjectId, RoutineId};
 
 use crate::console::ConsoleToken;
-use crate::outbox::Outbox;
+use crate::outbox::{Outbox, OutboxClaim};
 use crate::staged::StagedEvent;
 use crate::{
     AttemptOutcome, Store, StoreError, changed_one, conflict_or, now_millis, parse_column,
@@ -371,7 +371,7 @@ impl Store {
         now: i64,
         lease_ms: i64,
         limit: u32,
-    ) -> Result<Vec<NotificationDeliveryRecord>, StoreError> {
+    ) -> Result<OutboxClaim<NotificationDeliveryRecord>, StoreError> {
         self.claim_due(
             Outbox::Notifications,
             DELIVERY_COLUMNS,
@@ -383,13 +383,15 @@ impl Store {
         .await
     }
 
-    /// Records one attempt of a claimed notification.
+    /// Records one attempt of a notification claimed until `leased_until`; whether the claim
+    /// still held (else nothing is written: another process may have taken it).
     pub async fn record_notification_attempt(
         &self,
         id: &str,
+        leased_until: i64,
         outcome: &AttemptOutcome,
-    ) -> Result<(), StoreError> {
-        self.record_attempt(Outbox::Notifications, id, outcome)
+    ) -> Result<bool, StoreError> {
+        self.record_attempt(Outbox::Notifications, id, leased_until, outcome)
             .await
     }
 

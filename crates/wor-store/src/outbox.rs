@@ -23,6 +23,16 @@ impl Outbox {
     }
 }
 
+/// Items of an outbox claimed together, and until when they are the claimant's: another
+/// process may take an item not recorded by then, and an attempt is recorded only while the
+/// claim still holds.
+#[derive(Debug)]
+pub struct OutboxClaim<T> {
+    pub items: Vec<T>,
+    /// Unix ms.
+    pub leased_until: i64,
+}
+
 impl Store {
     /// Claims up to `limit` pending items of `outbox` due at `now` for `lease_ms`, each read
     /// as `columns` by `from_row`: each is returned to exactly one caller until its lease runs
@@ -35,8 +45,9 @@ impl Store {
         now: i64,
         lease_ms: i64,
         limit: u32,
-    ) -> Result<Vec<T>, StoreError> {
+    ) -> Result<OutboxClaim<T>, StoreError> {
         let table = outbox.table();
+        let leased_until = now.saturating_add(lease_ms);
         let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
             "SELECT {columns} FROM {table} WHERE status = 'pending' AND next_attempt_at <= $1 \
              ORDER BY next_attempt_at, id {}",
@@ -54,7 +65,7 @@ impl Store {
                 "UPDATE {table} SET next_attempt_at = $1, updated_at = $2 \
                  WHERE id = $3 AND status = 'pending' AND next_attempt_at = $4"
             )))
-            .bind(now.saturating_add(lease_ms))
+            .bind(leased_until)
             .bind(now)
             .bind(id)
             .bind(due)
@@ -64,17 +75,22 @@ impl Store {
                 claimed.push(item);
             }
         }
-        Ok(claimed)
+        Ok(OutboxClaim {
+            items: claimed,
+            leased_until,
+        })
     }
 
-    /// Records one attempt of a claimed item of `outbox`: delivered, to be retried at a time,
-    /// or failed for good.
+    /// Records one attempt of an item of `outbox` claimed until `leased_until`: delivered, to
+    /// be retried at a time, or failed for good. Whether the claim still held: once it has run
+    /// out another process may have taken the item, and its record is left to that process.
     pub(crate) async fn record_attempt(
         &self,
         outbox: Outbox,
         id: &str,
+        leased_until: i64,
         outcome: &AttemptOutcome,
-    ) -> Result<(), StoreError> {
+    ) -> Result<bool, StoreError> {
         let now = now_millis();
         let (status, code, error, next) = match outcome {
             AttemptOutcome::Delivered { status_code } => {
@@ -95,9 +111,10 @@ impl Store {
                 retry_at.unwrap_or(now),
             ),
         };
-        sqlx::query(sqlx::AssertSqlSafe(format!(
+        let done = sqlx::query(sqlx::AssertSqlSafe(format!(
             "UPDATE {} SET status = $1, attempts = attempts + 1, last_status_code = $2, \
-             last_error = $3, next_attempt_at = $4, updated_at = $5 WHERE id = $6",
+             last_error = $3, next_attempt_at = $4, updated_at = $5 \
+             WHERE id = $6 AND status = 'pending' AND next_attempt_at = $7",
             outbox.table()
         )))
         .bind(status)
@@ -106,8 +123,9 @@ impl Store {
         .bind(next)
         .bind(now)
         .bind(id)
+        .bind(leased_until)
         .execute(&*self.write_pool().await?)
         .await?;
-        Ok(())
+        Ok(done.rows_affected() == 1)
     }
 }

@@ -9,7 +9,7 @@ use sqlx::Row;
 use wor_core::schedule::ScheduleSection;
 use wor_core::{ProjectId, RoutineId, RunId};
 
-use crate::outbox::Outbox;
+use crate::outbox::{Outbox, OutboxClaim};
 use crate::{ScheduleAdvance, Store, StoreError, now_millis, parse_column};
 
 /// A scheduled routine whose next slot is due.
@@ -256,7 +256,7 @@ impl Store {
         now: i64,
         lease_ms: i64,
         limit: u32,
-    ) -> Result<Vec<DeliveryRecord>, StoreError> {
+    ) -> Result<OutboxClaim<DeliveryRecord>, StoreError> {
         self.claim_due(
             Outbox::Webhooks,
             DELIVERY_COLUMNS,
@@ -268,13 +268,16 @@ impl Store {
         .await
     }
 
-    /// Records one attempt of a claimed delivery.
+    /// Records one attempt of a delivery claimed until `leased_until`; whether the claim still
+    /// held (else nothing is written: another process may have taken it).
     pub async fn record_delivery_attempt(
         &self,
         id: &str,
+        leased_until: i64,
         outcome: &AttemptOutcome,
-    ) -> Result<(), StoreError> {
-        self.record_attempt(Outbox::Webhooks, id, outcome).await
+    ) -> Result<bool, StoreError> {
+        self.record_attempt(Outbox::Webhooks, id, leased_until, outcome)
+            .await
     }
 
     pub async fn list_deliveries(
