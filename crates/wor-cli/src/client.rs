@@ -205,7 +205,13 @@ impl ApiClient {
         // Bytes until a whole line is in: a chunk may end inside a multi-byte character.
         let mut buffer: Vec<u8> = Vec::new();
         let (mut name, mut data) = (String::new(), String::new());
-        while let Some(chunk) = response.chunk().await.context("the event stream broke")? {
+        while let Some(chunk) = response.chunk().await.with_context(|| {
+            format!(
+                "the event stream from {} broke off (the server may be stopping); follow again \
+                 with `wor run follow`",
+                self.base
+            )
+        })? {
             buffer.extend_from_slice(&chunk);
             while let Some(end) = buffer.iter().position(|b| *b == b'\n') {
                 let raw: Vec<u8> = buffer.drain(..=end).collect();

@@ -573,11 +573,15 @@ impl ServerConfig {
             })
     }
 
+    /// Whether an audit signing key is configured without making one: `WOR_AUDIT_SIGNING_KEY`,
+    /// or the key file already in the data dir.
+    pub fn audit_signing_key_configured(&self) -> bool {
+        self.audit_signing_key.is_some() || self.data_dir.join(AUDIT_SIGNING_KEY_FILE_NAME).exists()
+    }
+
     /// The key that verifies this installation's checkpoints, without creating a signing key.
     pub fn audit_verifying_key(&self) -> anyhow::Result<VerifyingKey> {
-        if self.audit_signing_key.is_none()
-            && !self.data_dir.join(AUDIT_SIGNING_KEY_FILE_NAME).exists()
-        {
+        if !self.audit_signing_key_configured() {
             bail!(
                 "no audit signing key: {} is not set and `{}` has no {AUDIT_SIGNING_KEY_FILE_NAME}; \
                  pass --public-key",

@@ -59,6 +59,7 @@ const EXIT_CODES: &str = "Exit codes:\n  \
     start\n  \
     10   policy test: the call would wait for a person (confirm)\n  \
     11   policy test: the call would be denied\n  \
+    141  what read the output closed it first (`wor run list | head -1`)\n  \
     sandbox exec exits with the command's own status (137 when it was killed or timed out)";
 
 fn main() -> ExitCode {
@@ -69,6 +70,7 @@ fn main() -> ExitCode {
     // more at rest. They are turned off for this process and those it starts; where the kernel
     // cannot, that costs memory only, so the answer is not needed.
     let _ = rustix::thread::disable_transparent_huge_pages(true);
+    quiet_on_closed_stdout();
     let cli = Cli::parse();
     if let Err(err) = logging::init(cli.command.default_log_level()) {
         eprintln!("error: {err:#}");
@@ -95,6 +97,29 @@ fn main() -> ExitCode {
             }
         }
     }
+}
+
+/// Ends the process quietly, as a pipeline expects, when what reads its output has gone
+/// (`wor run list | head -1`): the standard library answers a write to a closed pipe with a
+/// panic in `println!` (and clap_complete with one of its own), which would otherwise print
+/// a panic message and exit 101. The exit status is a SIGPIPE death's (128 + 13).
+fn quiet_on_closed_stdout() {
+    const CLOSED_PIPE_EXIT: i32 = 141;
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let payload = info
+            .payload()
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| info.payload().downcast_ref::<&str>().copied())
+            .unwrap_or_default();
+        let printing = payload.starts_with("failed printing to stdout")
+            || payload.starts_with("failed to write completion file");
+        if printing && (payload.contains("Broken pipe") || payload.contains("BrokenPipe")) {
+            std::process::exit(CLOSED_PIPE_EXIT);
+        }
+        report(info);
+    }));
 }
 
 /// A command given something it cannot use — a server's configuration, a client's key or

@@ -954,3 +954,33 @@ fn an_operator_recovers_an_owner_and_the_audit_log_records_it() {
         text(&verified.stdout)
     );
 }
+
+#[test]
+fn output_into_a_pipe_nobody_reads_ends_the_command_quietly() {
+    for args in [
+        &["completions", "bash"][..],
+        &[
+            "egress",
+            "check",
+            "https://api.example.com/",
+            "--resolve",
+            "api.example.com:93.184.215.14",
+        ],
+    ] {
+        // A pipe whose reading end is closed before the command writes: every write fails.
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = wor(args)
+            .stdout(writer)
+            .stderr(std::process::Stdio::piped())
+            .output()
+            .unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(141),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+        assert_eq!(text(&out.stderr), "", "{args:?}");
+    }
+}

@@ -168,6 +168,38 @@ fn a_backup_of_a_running_server_restores_verifies_and_runs_and_a_wrong_key_is_re
     assert!(verified.status.success(), "{}", text(&verified.stdout));
     assert!(text(&verified.stdout).contains("intact"));
 
+    // Started without the key its secrets were sealed under, it refuses to make a new one.
+    let mut keyless = wor(&[
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        &second.display().to_string(),
+    ])
+    .stdout(std::process::Stdio::null())
+    .stderr(std::process::Stdio::piped())
+    .spawn()
+    .unwrap();
+    let began = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = keyless.try_wait().unwrap() {
+            break status;
+        }
+        if began.elapsed() > std::time::Duration::from_secs(60) {
+            keyless.kill().unwrap();
+            panic!("a server without its encryption key started on a database of sealed secrets");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let mut refusal = String::new();
+    std::io::Read::read_to_string(&mut keyless.stderr.take().unwrap(), &mut refusal).unwrap();
+    assert_eq!(status.code(), Some(1), "{refusal}");
+    assert!(
+        refusal.contains("holds 1 sealed secret(s), but WOR_ENCRYPTION_KEY is not set"),
+        "{refusal}"
+    );
+    assert!(!second.join(wor_secrets::DEV_KEY_FILE_NAME).exists());
+
     let server = Server::start(&dir_args(&second), &[("WOR_ENCRYPTION_KEY", KEY)]);
     run_greeter(&server, &owner);
     let listed = server.client(&owner, &["run", "list", "--routine", "greeter"]);
@@ -577,10 +609,12 @@ fn doctor_reports_readiness_with_an_exit_code() {
             .contains("would generate one")
     );
     assert_eq!(code == Some(0), sandbox_ready, "{report}");
-    // Opening the vault makes the development key file.
+    // Verifying a vault with nothing sealed makes no key; a server's first start would.
     let mut verify = vec!["secrets", "verify"];
     verify.extend_from_slice(&db);
     assert!(run(&mut wor(&verify)).status.success());
+    assert!(!dir.path().join(wor_secrets::DEV_KEY_FILE_NAME).exists());
+    wor_secrets::load_or_create_dev_key(dir.path()).unwrap();
     let (code, report) = doctor(&db, &[]);
     let (database, detail) = status(&report, "database");
     assert_eq!(database, "ok", "{report}");
@@ -1880,4 +1914,104 @@ fn metrics_count_a_tool_call_refused_by_egress_and_a_cancelled_queued_run() {
     }
     assert_eq!(value(&after, "wor_approvals_pending"), 1.0);
     server.stop();
+}
+
+#[test]
+fn operator_commands_given_a_data_dir_without_a_database_make_nothing_there() {
+    let root = tempfile::tempdir().unwrap();
+    let missing = root.path().join("mistyped");
+    let missing_text = missing.display().to_string();
+    for args in [
+        &["project", "list"][..],
+        &["project", "recover-owner", "default"],
+        &["secrets", "verify"],
+        &["secrets", "rotate"],
+        &[
+            "backup",
+            "--to",
+            &root.path().join("b.db").display().to_string(),
+        ],
+        &["worker", "list"],
+        &["audit", "verify"],
+        &["audit", "public-key"],
+    ] {
+        let out = operator(args, &missing, Some(KEY));
+        assert!(!out.status.success(), "{args:?}: {}", text(&out.stdout));
+        let stderr = text(&out.stderr);
+        assert!(
+            stderr.contains("no database at") || stderr.contains("no audit signing key"),
+            "{args:?}: {stderr}"
+        );
+        assert!(!missing.exists(), "{args:?} made {missing_text}");
+    }
+    assert!(!root.path().join("b.db").exists());
+}
+
+#[test]
+fn a_server_stops_on_sigterm_while_a_client_follows_a_run_that_waits_for_a_person() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = common::database_args(dir.path());
+    let owner = common::create_project(&db);
+    let server = Server::start(&db, &[]);
+    for (name, toml) in [
+        ("helper", helper_routine("helper")),
+        ("caller", CALLER.to_owned()),
+    ] {
+        let file = dir.path().join(format!("{name}.toml"));
+        std::fs::write(&file, toml).unwrap();
+        let applied = server.client(
+            &owner,
+            &["routine", "apply", "-f", &file.display().to_string()],
+        );
+        assert!(applied.status.success(), "{}", text(&applied.stderr));
+    }
+    // A client following a run that waits for a person: its event stream stays open.
+    let follower = wor(&["run", "start", "caller", "--input", "go", "--follow"])
+        .env("WOR_SERVER", &server.url)
+        .env("WOR_API_KEY", &owner)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let listed = || {
+        text(
+            &server
+                .client(&owner, &["run", "list", "--routine", "caller"])
+                .stdout,
+        )
+    };
+    let began = std::time::Instant::now();
+    while !listed().contains("waiting_for_approval") {
+        assert!(
+            began.elapsed() < std::time::Duration::from_secs(30),
+            "{}",
+            listed()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+
+    let mut server = server;
+    let stopping = std::time::Instant::now();
+    let _ = std::process::Command::new("kill")
+        .arg(server.child.id().to_string())
+        .status();
+    let status = loop {
+        if let Some(status) = server.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            stopping.elapsed() < wor_server::DRAIN_GRACE + std::time::Duration::from_secs(20),
+            "the server did not stop while a client followed a run"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status}");
+    // The follower is told its stream ended, and does not take the run as finished.
+    let followed = follower.wait_with_output().unwrap();
+    assert!(!followed.status.success(), "{}", text(&followed.stdout));
+    assert!(
+        text(&followed.stderr).contains("broke off (the server may be stopping)"),
+        "{}",
+        text(&followed.stderr)
+    );
 }

@@ -16,7 +16,7 @@ pub mod tls;
 pub mod traces;
 pub mod views;
 
-use std::future::Future;
+use std::future::{Future, IntoFuture as _};
 
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
@@ -359,19 +359,64 @@ pub async fn serve_health(
     .await
 }
 
+/// How long the requests open when shutdown begins may go on; those still open then (an
+/// event stream following a run that waits for a person, a client that stopped reading) are
+/// closed, so a stopping server does not wait on its clients.
+pub const DRAIN_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Serves the API and the console on `listener` until `shutdown` completes, then drains open
-/// requests. Handlers can read the peer's address (the console's per-address sign-in limit).
+/// requests for at most [`DRAIN_GRACE`]. Handlers can read the peer's address (the console's
+/// per-address sign-in limit).
 pub async fn serve(
     listener: TcpListener,
     state: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(
+    let (shutdown, begun) = announced(shutdown);
+    let serving = axum::serve(
         sending_at_once(listener),
         router(state).into_make_service_with_connect_info::<std::net::SocketAddr>(),
     )
-    .with_graceful_shutdown(shutdown)
-    .await
+    .with_graceful_shutdown(shutdown);
+    within_drain_grace(serving.into_future(), begun).await
+}
+
+/// `shutdown`, and a receiver that turns `true` when it has completed.
+fn announced(
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> (
+    impl Future<Output = ()> + Send + 'static,
+    tokio::sync::watch::Receiver<bool>,
+) {
+    let (tell, begun) = tokio::sync::watch::channel(false);
+    let shutdown = async move {
+        shutdown.await;
+        let _ = tell.send(true);
+    };
+    (shutdown, begun)
+}
+
+/// `serving` to its end, or until [`DRAIN_GRACE`] after `begun` turned `true`, whichever
+/// comes first; what is still open then is dropped, its connections closed.
+async fn within_drain_grace(
+    serving: impl Future<Output = std::io::Result<()>>,
+    mut begun: tokio::sync::watch::Receiver<bool>,
+) -> std::io::Result<()> {
+    let grace = async {
+        if begun.wait_for(|begun| *begun).await.is_err() {
+            // The shutdown future was dropped unfinished: shutdown never begins.
+            std::future::pending::<()>().await;
+        }
+        tokio::time::sleep(DRAIN_GRACE).await;
+    };
+    tokio::select! {
+        served = serving => served,
+        () = grace => {
+            tracing::warn!(category = "http", grace_seconds = DRAIN_GRACE.as_secs(),
+                "requests still open after the drain's grace were closed");
+            Ok(())
+        }
+    }
 }
 
 /// `listener`, its connections sending what is written at once ([`send_at_once`]).
@@ -397,7 +442,7 @@ pub(crate) fn send_at_once(connection: &tokio::net::TcpStream) {
     }
 }
 
-/// [`serve`] over TLS: connections are accepted under `tls`'s current certificate, which
+/// [`serve`] over TLS (open requests drained as there): connections are accepted under `tls`'s current certificate, which
 /// [`tls::ReloadableTls::reload`] replaces without touching connections already open.
 pub async fn serve_tls(
     listener: TcpListener,
@@ -408,10 +453,11 @@ pub async fn serve_tls(
     use axum::serve::ListenerExt as _;
     // `tap_io` gives the listener the peer address as connect info, as a plain TCP one has.
     let listener = tls::TlsListener::new(listener, tls)?.tap_io(|_| {});
-    axum::serve(
+    let (shutdown, begun) = announced(shutdown);
+    let serving = axum::serve(
         listener,
         router(state).into_make_service_with_connect_info::<std::net::SocketAddr>(),
     )
-    .with_graceful_shutdown(shutdown)
-    .await
+    .with_graceful_shutdown(shutdown);
+    within_drain_grace(serving.into_future(), begun).await
 }

@@ -41,7 +41,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use sqlx::any::{AnyPoolOptions, install_default_drivers};
-use sqlx::{Any, AnyPool, Executor, Transaction};
+use sqlx::{Any, AnyPool, Executor, Row as _, Transaction};
 
 pub use api_keys::{API_KEY_PREFIX, api_key_digest};
 pub use api_keys::{ApiKeyKind, ApiKeyRecord, AuthenticatedKey, NewApiKey, PlaintextApiKey};
@@ -308,6 +308,37 @@ impl Store {
             }
         };
         Self::connect(&url).await
+    }
+
+    /// Opens the database an operator command works on: as [`Store::open`], except that with
+    /// no URL a data dir without a database is [`StoreError::NoDatabase`], not a new one (a
+    /// mistyped `--data-dir` must not answer from an empty database, or put keys in it).
+    pub async fn open_existing(
+        database_url: Option<&str>,
+        data_dir: &Path,
+    ) -> Result<Self, StoreError> {
+        if database_url.is_none() && !data_dir.join(SQLITE_FILE).is_file() {
+            return Err(StoreError::NoDatabase {
+                path: data_dir.join(SQLITE_FILE).display().to_string(),
+            });
+        }
+        Self::open(database_url, data_dir).await
+    }
+
+    /// How many secrets are sealed in the vault, under any key.
+    pub async fn count_sealed_secrets(&self) -> Result<i64, StoreError> {
+        let row = sqlx::query("SELECT COUNT(*) AS n FROM sealed_secrets")
+            .fetch_one(self.pool())
+            .await?;
+        Ok(row.try_get("n")?)
+    }
+
+    /// How many audit checkpoints are signed, in every project.
+    pub async fn count_audit_checkpoints(&self) -> Result<i64, StoreError> {
+        let row = sqlx::query("SELECT COUNT(*) AS n FROM audit_checkpoints")
+            .fetch_one(self.pool())
+            .await?;
+        Ok(row.try_get("n")?)
     }
 
     /// Connects to a `sqlite://` or `postgres://` URL and applies pending migrations.

@@ -81,8 +81,9 @@ pub async fn run(cmd: AuditCommand) -> anyhow::Result<ExitCode> {
         } => export(&client, output).await,
         AuditCommand::PublicKey { flags } => {
             let config = ServerConfig::resolve(&flags, None, false)?;
-            let key = config.audit_signing_key()?;
-            println!("{}", verifying_key_to_base64(&key.verifying_key()));
+            // Never a new signing key: its public half would verify nothing stored.
+            let key = config.audit_verifying_key()?;
+            println!("{}", verifying_key_to_base64(&key));
             Ok(ExitCode::SUCCESS)
         }
     }
@@ -98,7 +99,7 @@ async fn verify(args: VerifyArgs) -> anyhow::Result<ExitCode> {
         let (project, verification) = verify_file(file, &key, &args.anchor, args.project)?;
         return report_all(&[(project, verification)], args.json);
     }
-    let store = Store::open(config.database.as_deref(), &config.data_dir)
+    let store = Store::open_existing(config.database.as_deref(), &config.data_dir)
         .await
         .context("cannot open the database")?;
     let projects = match args.project {

@@ -48,7 +48,7 @@ pub async fn backup(args: BackupArgs) -> anyhow::Result<ExitCode> {
         eprintln!("error: {}", BackupError::Postgres);
         return Ok(ExitCode::from(2));
     }
-    let store = Store::open(config.database.as_deref(), &config.data_dir)
+    let store = Store::open_existing(config.database.as_deref(), &config.data_dir)
         .await
         .context("cannot open the database")?;
     let made = store.backup_into(&args.to).await;
@@ -111,9 +111,13 @@ pub async fn restore(args: RestoreArgs) -> anyhow::Result<ExitCode> {
                 println!("{}", summary.text());
             }
             eprintln!(
-                "restored into {}: start it with `wor serve --data-dir {}`",
+                "restored into {}: start it with `wor serve --data-dir {}`, with {} and {} (or \
+                 its `{}` in the data dir) as the backed-up server had them",
                 config.data_dir.display(),
-                config.data_dir.display()
+                config.data_dir.display(),
+                crate::env::ENCRYPTION_KEY,
+                crate::env::AUDIT_SIGNING_KEY,
+                wor_secrets::AUDIT_SIGNING_KEY_FILE_NAME,
             );
             Ok(ExitCode::SUCCESS)
         }

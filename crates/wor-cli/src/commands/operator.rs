@@ -58,11 +58,15 @@ pub enum ProjectCommand {
     },
 }
 
-async fn open(flags: &ServerFlags) -> anyhow::Result<Store> {
+/// The database of `flags`, made when missing only for a command that makes a project.
+async fn open(flags: &ServerFlags, create: bool) -> anyhow::Result<Store> {
     let config = ServerConfig::resolve(flags, None, false)?;
-    Store::open(config.database.as_deref(), &config.data_dir)
-        .await
-        .context("cannot open the database")
+    let opened = if create {
+        Store::open(config.database.as_deref(), &config.data_dir).await
+    } else {
+        Store::open_existing(config.database.as_deref(), &config.data_dir).await
+    };
+    opened.context("cannot open the database")
 }
 
 /// The audit log's one writer, for an operator command.
@@ -134,7 +138,7 @@ fn report(created: &CreatedProject) {
 pub async fn init(args: InitArgs) -> anyhow::Result<ExitCode> {
     check_name(&args.project, "project")?;
     check_name(&args.owner, "owner")?;
-    let store = open(&args.flags).await?;
+    let store = open(&args.flags, true).await?;
     if store.count_projects().await? > 0 {
         bail!(
             "already initialised: this database has projects; add another with `wor project create NAME`"
@@ -151,7 +155,7 @@ pub async fn project(cmd: ProjectCommand) -> anyhow::Result<ExitCode> {
         ProjectCommand::Create { name, owner, flags } => {
             check_name(&name, "project")?;
             check_name(&owner, "owner")?;
-            let store = open(&flags).await?;
+            let store = open(&flags, true).await?;
             let created = create_audited(&flags, &store, &name, &owner).await?;
             report(&created);
             store.close().await;
@@ -162,12 +166,12 @@ pub async fn project(cmd: ProjectCommand) -> anyhow::Result<ExitCode> {
             flags,
         } => {
             check_name(&owner, "owner")?;
-            let store = open(&flags).await?;
+            let store = open(&flags, false).await?;
             recover_owner(&flags, &store, &project, &owner).await?;
             store.close().await;
         }
         ProjectCommand::List { json, flags } => {
-            let store = open(&flags).await?;
+            let store = open(&flags, false).await?;
             let projects = store.list_projects().await?;
             store.close().await;
             if json {

@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use anyhow::Context;
+use anyhow::{Context, bail};
 use secrecy::ExposeSecret;
 use wor_store::{Store, Vault};
 
@@ -37,12 +37,25 @@ pub enum SecretsCommand {
 
 async fn open_vault(flags: &ServerFlags) -> anyhow::Result<(Store, Vault)> {
     let config = ServerConfig::resolve(flags, None, false)?;
-    let (keys, _) = config
-        .key_ring()
-        .context("cannot load the encryption key")?;
-    let store = Store::open(config.database.as_deref(), &config.data_dir)
+    let store = Store::open_existing(config.database.as_deref(), &config.data_dir)
         .await
         .context("cannot open the database")?;
+    // Never a new key kept: nothing stored would open under it. With nothing stored, a
+    // throwaway key serves, written nowhere.
+    let keys = if config.encryption_key_configured()? {
+        config
+            .key_ring()
+            .context("cannot load the encryption key")?
+            .0
+    } else if store.count_sealed_secrets().await? == 0 {
+        wor_secrets::KeyRing::generate()?.0
+    } else {
+        bail!(
+            "no encryption key: {} is not set and `{}` has no development key",
+            crate::env::ENCRYPTION_KEY,
+            config.data_dir.display()
+        );
+    };
     let vault = Vault::new(store.clone(), Arc::new(keys));
     Ok((store, vault))
 }

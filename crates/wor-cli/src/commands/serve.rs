@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use anyhow::Context;
+use anyhow::{Context, bail};
 use tokio::net::TcpListener;
 use wor_engine::{Engine, EngineConfig};
 use wor_secrets::ControlPlaneSigningKey;
@@ -229,9 +229,46 @@ fn control_plane_key(config: &ServerConfig) -> anyhow::Result<ControlPlaneSignin
     })
 }
 
+/// Refuses to make an encryption key for a database that already holds sealed secrets, or an
+/// audit signing key for one that already holds signed checkpoints: a server started with the
+/// key left out of its environment (after a restore, say) would otherwise come up with every
+/// secret unreadable and every checkpoint failing verification.
+async fn refuse_new_keys_for_kept_data(config: &ServerConfig, store: &Store) -> anyhow::Result<()> {
+    if !config.encryption_key_configured()? {
+        let sealed = store.count_sealed_secrets().await?;
+        if sealed > 0 {
+            bail!(
+                "this database holds {sealed} sealed secret(s), but {} is not set and `{}` has no \
+                 development key: set {} to the key they were sealed under",
+                env::ENCRYPTION_KEY,
+                config.data_dir.display(),
+                env::ENCRYPTION_KEY
+            );
+        }
+    }
+    if !config.audit_signing_key_configured() {
+        let signed = store.count_audit_checkpoints().await?;
+        if signed > 0 {
+            bail!(
+                "this database holds {signed} signed audit checkpoint(s), but {} is not set and \
+                 `{}` has no {}: set {} to the key that signed them",
+                env::AUDIT_SIGNING_KEY,
+                config.data_dir.display(),
+                wor_secrets::AUDIT_SIGNING_KEY_FILE_NAME,
+                env::AUDIT_SIGNING_KEY
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Opens the database, the key ring, the audit log and the egress client of `config`, and
 /// builds the engine on them (what `wor serve` and `wor demo` run).
 pub(crate) async fn open_engine(config: &ServerConfig) -> anyhow::Result<(Engine, AuditLog)> {
+    let store = Store::open(config.database.as_deref(), &config.data_dir)
+        .await
+        .context("cannot open the database")?;
+    refuse_new_keys_for_kept_data(config, &store).await?;
     let (keys, key_source) = config
         .key_ring()
         .context("cannot load the encryption key")?;
@@ -249,9 +286,6 @@ pub(crate) async fn open_engine(config: &ServerConfig) -> anyhow::Result<(Engine
             );
         }
     }
-    let store = Store::open(config.database.as_deref(), &config.data_dir)
-        .await
-        .context("cannot open the database")?;
     let audit = AuditLog::start(
         store.clone(),
         config.audit_signing_key()?,

@@ -91,7 +91,7 @@ pub async fn run(command: WorkerCommand) -> anyhow::Result<ExitCode> {
 
 async fn open_store(flags: &ServerFlags) -> anyhow::Result<wor_store::Store> {
     let config = ServerConfig::resolve(flags, None, false)?;
-    wor_store::Store::open(config.database.as_deref(), &config.data_dir)
+    wor_store::Store::open_existing(config.database.as_deref(), &config.data_dir)
         .await
         .context("cannot open the database")
 }
