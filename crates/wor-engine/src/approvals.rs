@@ -188,6 +188,9 @@ pub enum DecisionRefusal {
     /// The approval expired before it was decided.
     #[error("the approval expired before it was decided")]
     Expired,
+    /// The approval's run was asked to cancel before the decision.
+    #[error("the approval's run was cancelled; its calls are no longer decided")]
+    RunCancelled,
 }
 
 /// Who is deciding: the authenticated caller.
@@ -474,6 +477,7 @@ impl Engine {
                 return Err(DecisionRefusal::NotPending(status).into());
             }
             Err(DecideError::Expired) => return Err(DecisionRefusal::Expired.into()),
+            Err(DecideError::RunCancelled) => return Err(DecisionRefusal::RunCancelled.into()),
         };
         // The decision is made and its entry is on disk: the run is woken and the channels told
         // whatever the append.

@@ -272,7 +272,8 @@ pub(crate) enum Stopped {
 impl Engine {
     /// Waits for `work`, at most `remaining`, polling for a cancel request and renewing the
     /// run's lease meanwhile. On a cancel or at the deadline, `work` is dropped (which aborts
-    /// it); a lost lease is an error.
+    /// it); a lost lease is an error, and so is a database that keeps failing the poll for
+    /// half a lease.
     ///
     /// `work` is polled while the lease is renewed, not only between renewals: it may itself
     /// write (a tool call whose server rejected its token records the rejection and claims a
@@ -290,12 +291,31 @@ impl Engine {
         tokio::pin!(deadline);
         let watch = async {
             let mut poll = cancel_poll();
+            // A database that fails a poll or a renewal once (busy behind a backup, a dropped
+            // connection) does not stop the work: it is asked again at the next tick, for as
+            // long as half the lease, which the last renewal keeps well ahead of another
+            // worker's claim. A lost lease stops it at once.
+            let mut held_since = tokio::time::Instant::now();
             loop {
                 poll.tick().await;
-                if self.cancel_requested(run.id).await? {
-                    return Ok::<_, EngineError>(Stopped::Cancelled);
+                let polled = async {
+                    if self.cancel_requested(run.id).await? {
+                        return Ok(true);
+                    }
+                    self.renew_lease(run).await?;
+                    Ok::<_, EngineError>(false)
+                };
+                match polled.await {
+                    Ok(true) => return Ok::<_, EngineError>(Stopped::Cancelled),
+                    Ok(false) => held_since = tokio::time::Instant::now(),
+                    Err(EngineError::Store(error))
+                        if held_since.elapsed() < self.config.lease / 2 =>
+                    {
+                        tracing::warn!(category = "run", run_id = %run.id, error = %error,
+                            "polling for a cancel or renewing the lease failed; trying again at the next tick");
+                    }
+                    Err(error) => return Err(error),
                 }
-                self.renew_lease(run).await?;
             }
         };
         tokio::pin!(watch);

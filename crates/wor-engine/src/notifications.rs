@@ -965,7 +965,9 @@ impl Engine {
             Err(
                 refused @ (EngineError::ApproverRefused(_)
                 | EngineError::Decision(
-                    DecisionRefusal::NotPending(_) | DecisionRefusal::Expired,
+                    DecisionRefusal::NotPending(_)
+                    | DecisionRefusal::Expired
+                    | DecisionRefusal::RunCancelled,
                 )),
             ) => {
                 let refusal = refused.to_string();

@@ -167,7 +167,10 @@ impl From<wor_engine::EngineError> for ApiError {
                     ApiError::bad_request("invalid_request", refusal.to_string())
                 }
                 wor_engine::DecisionRefusal::NotPending(_)
-                | wor_engine::DecisionRefusal::Expired => ApiError::Conflict(refusal.to_string()),
+                | wor_engine::DecisionRefusal::Expired
+                | wor_engine::DecisionRefusal::RunCancelled => {
+                    ApiError::Conflict(refusal.to_string())
+                }
             },
             // A routine whose policies, model or roster cannot be used: what is stored is
             // the conflict, not the request.

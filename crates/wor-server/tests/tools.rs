@@ -1279,6 +1279,17 @@ async fn cancelling_a_parked_run_ends_it_and_its_approval() {
         .call(Method::POST, &format!("/v1/runs/{run_id}/cancel"), None)
         .await;
     assert_eq!(status, StatusCode::OK);
+    // Before a worker has ended the run, its approval can no longer be approved.
+    let approver = h.member("approver").await;
+    let (status, refused) = h.decide(&approver, &id, "approve", "too late").await;
+    assert_eq!(status, StatusCode::CONFLICT, "{refused}");
+    assert!(
+        refused["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("run was cancelled"),
+        "{refused}"
+    );
     assert!(h.engine.run_next().await.unwrap());
     let run = h.get_run(&run_id).await;
     assert_eq!(run["status"], "cancelled", "{run:#}");

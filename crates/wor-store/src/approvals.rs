@@ -196,8 +196,7 @@ pub enum ApprovedStart {
     RunNotHeld,
     /// The approval is not approved, already used, or bound to another call; nothing changed.
     NotUsable,
-    /// A cancel of the run was requested (checked for a remote worker's claim, whose call
-    /// would run next); nothing changed.
+    /// A cancel of the run was requested; nothing changed.
     CancelRequested,
 }
 
@@ -228,6 +227,9 @@ pub enum DecideError {
     NotPending(ApprovalStatus),
     #[error("the approval expired before it was decided")]
     Expired,
+    /// Its run was asked to cancel; the approval is cancelled with the run.
+    #[error("the approval's run was cancelled")]
+    RunCancelled,
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -485,7 +487,8 @@ impl Store {
              decision_reason = $4, decided_at = $5, edited_arguments = $8, \
              binding_hash = COALESCE($9, binding_hash) \
              WHERE project_id = $6 AND id = $7 AND status = 'pending' AND expires_at > $5 \
-             AND edited_arguments IS NULL",
+             AND edited_arguments IS NULL AND NOT EXISTS (SELECT 1 FROM runs \
+             WHERE runs.id = approvals.run_id AND runs.cancel_requested <> 0)",
         )
         .bind(status.as_str())
         .bind(decision.key_id.map(|k| k.to_string()))
@@ -505,10 +508,15 @@ impl Store {
                 Err(StoreError::NotFound) => return Err(DecideError::NotFound),
                 Err(other) => return Err(other.into()),
             };
-            return Err(if current.status == ApprovalStatus::Pending {
-                DecideError::Expired
+            if current.status != ApprovalStatus::Pending {
+                return Err(DecideError::NotPending(current.status));
+            }
+            // Pending still: expired, or its run's cancel has not ended it yet.
+            let cancelled = self.is_cancel_requested(current.run_id).await?;
+            return Err(if cancelled {
+                DecideError::RunCancelled
             } else {
-                DecideError::NotPending(current.status)
+                DecideError::Expired
             });
         }
         requeue_parked(&mut tx, project, id, now).await?;
@@ -638,13 +646,27 @@ impl Store {
     ) -> Result<(ApprovedStart, Option<StagedEvent>), StoreError> {
         let mut tx = self.begin_write().await?;
         // A remote worker's claim is checked first: a cancel, the deadline or a stale claim
-        // is what it is told, whatever the approval.
-        if let Some(claim) = call.claim {
-            let held = claimed_usage(&mut tx, run, worker, claim, call.usage).await?;
-            if held != ApprovedStart::Started {
-                tx.rollback().await?;
-                return Ok((held, None));
+        // is what it is told, whatever the approval. A local worker's run is checked for a
+        // cancel asked since its last poll: an approved call never starts after one.
+        let held = match call.claim {
+            Some(claim) => claimed_usage(&mut tx, run, worker, claim, call.usage).await?,
+            None => {
+                let cancelled = sqlx::query(
+                    "SELECT 1 AS cancelled FROM runs WHERE id = $1 AND cancel_requested <> 0",
+                )
+                .bind(run.to_string())
+                .fetch_optional(&mut **tx)
+                .await?;
+                if cancelled.is_some() {
+                    ApprovedStart::CancelRequested
+                } else {
+                    ApprovedStart::Started
+                }
             }
+        };
+        if held != ApprovedStart::Started {
+            tx.rollback().await?;
+            return Ok((held, None));
         }
         let used = sqlx::query(
             "UPDATE approvals SET used_at = $1 WHERE project_id = $2 AND run_id = $3 AND id = $4 \

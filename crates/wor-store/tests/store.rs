@@ -2368,6 +2368,25 @@ async fn an_approval_is_never_used_without_its_call_recorded_as_started() {
     );
 
     sqlx::raw_sql(remove).execute(store.pool()).await.unwrap();
+    // A cancel asked since the worker last looked: the call does not start.
+    let cancel = |flag: i64| {
+        sqlx::query("UPDATE runs SET cancel_requested = $1 WHERE id = $2")
+            .bind(flag)
+            .bind(run.id.to_string())
+    };
+    cancel(1).execute(store.pool()).await.unwrap();
+    let (cancelled, entry) = store
+        .start_approved_call_staged(project, run.id, "w", &call, Some(used.clone()))
+        .await
+        .unwrap();
+    assert_eq!(cancelled, ApprovedStart::CancelRequested);
+    assert!(entry.is_none());
+    assert_eq!(staged().await.unwrap(), 2);
+    assert_eq!(
+        store.get_approval(project, approval).await.unwrap().used_at,
+        None
+    );
+    cancel(0).execute(store.pool()).await.unwrap();
     let (started, entry) = store
         .start_approved_call_staged(project, run.id, "w", &call, Some(used.clone()))
         .await
