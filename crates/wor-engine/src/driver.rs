@@ -24,7 +24,7 @@ use wor_core::step::{
     MemoryEntry, MemoryRole, ModelIdentity, ModelTurnStep, PendingCall, Step, ToolResultStep,
     conversation, last_model_identity, pending_calls, recorded_call_ids, untrusted_sources,
 };
-use wor_core::{ProjectId, RunId};
+use wor_core::{ApprovalId, ProjectId, RunId};
 use wor_models::{
     AnthropicProvider, AzureOpenAiProvider, GeminiProvider, ModelProvider,
     OpenAiCompatibleProvider, ProviderEndpoint, ProviderOptions, ReplayProvider, StreamSink,
@@ -249,20 +249,37 @@ impl Engine {
         if let Some(cancelled) = cancelled {
             crate::metrics::run_finished(run, &ending);
             crate::traces::run_finished(run, ending.status);
-            for cancelled in cancelled {
-                self.notify_approval_changed_or_log(run.project_id, cancelled, "cancelled", None)
-                    .await;
-            }
-            if ending.status == RunStatus::Succeeded {
-                self.remember(run, &ending.outcome).await?;
-            }
-            self.enqueue_run_webhook(run, ending.status, Some(&ending.outcome), None)
+            self.announce_end(run, ending.status, &ending.outcome, &cancelled)
                 .await?;
         }
         self.live_text.close(run.id);
         tracing::info!(category = "run", action = "run.end", project_id = %run.project_id,
             run_id = %run.id, status = ending.status.as_str(), lease_held = finished, "run ended");
         Ok(finished)
+    }
+
+    /// Queues what `run`'s end announces — the notices of the approvals it left `cancelled`,
+    /// its memory (when it succeeded), its run webhook — then marks them queued. Each is
+    /// queued once, by its key, so a sweep that finds them still due after a crash (the end
+    /// made them due in its own write) queues only what is missing.
+    pub(crate) async fn announce_end(
+        &self,
+        run: &RunRecord,
+        status: RunStatus,
+        outcome: &str,
+        cancelled: &[ApprovalId],
+    ) -> Result<(), EngineError> {
+        for cancelled in cancelled {
+            self.notify_approval_changed(run.project_id, *cancelled, "cancelled", None)
+                .await?;
+        }
+        if status == RunStatus::Succeeded {
+            self.remember(run, outcome).await?;
+        }
+        self.enqueue_run_webhook(run, status, Some(outcome), None)
+            .await?;
+        self.store.announced(run.id, status).await?;
+        Ok(())
     }
 
     /// Asks run `id` of `project` to stop, with its nested runs ([`Store::request_cancel`]),

@@ -359,31 +359,125 @@ impl Engine {
             return Ok(None);
         };
         self.append_staged_or_log(staged).await;
-        if created {
-            self.enqueue_run_webhook(
-                run,
-                wor_core::run::RunStatus::WaitingForApproval,
-                None,
-                Some(json!({
-                    "id": id.to_string(),
-                    "tool": approval.tool,
-                    "kind": approval.kind.as_str(),
-                    "expires_at": wor_core::schedule::slot_rfc3339(approval.expires_at),
-                })),
-            )
-            .await?;
-            self.notify_approval_requested(
-                run.project_id,
-                run.routine_id,
-                id,
-                &approval.tool,
-                &policies,
-            )
-            .await?;
+        // Announced whether the approval was filed now or by a drive of the run that stopped
+        // before it announced it: each announcement is queued once, by its key.
+        self.announce_park(
+            run,
+            id,
+            &approval.tool,
+            approval.kind,
+            approval.expires_at,
+            &policies,
+        )
+        .await?;
+        if !created {
+            tracing::debug!(category = "approval", run_id = %run.id, approval_id = %id,
+                "the run parked again for an approval filed before");
         }
         tracing::info!(category = "approval", action = "approval.request", project_id = %run.project_id,
             run_id = %run.id, approval_id = %id, "run parked for approval");
         Ok(Some(id))
+    }
+
+    /// Queues what `run`'s park for approval `id` announces — its run webhook, the
+    /// notifications of the routes that want it — then marks them queued (each once, by its
+    /// key; a sweep queues what a park that stopped first did not).
+    pub(crate) async fn announce_park(
+        &self,
+        run: &RunRecord,
+        id: ApprovalId,
+        tool: &str,
+        kind: wor_store::ApprovalKind,
+        expires_at: i64,
+        policies: &[String],
+    ) -> Result<(), EngineError> {
+        self.enqueue_run_webhook(
+            run,
+            wor_core::run::RunStatus::WaitingForApproval,
+            None,
+            Some(json!({
+                "id": id.to_string(),
+                "tool": tool,
+                "kind": kind.as_str(),
+                "expires_at": wor_core::schedule::slot_rfc3339(expires_at),
+            })),
+        )
+        .await?;
+        self.notify_approval_requested(run.project_id, run.routine_id, id, tool, policies)
+            .await?;
+        self.store
+            .announced(run.id, wor_core::run::RunStatus::WaitingForApproval)
+            .await?;
+        Ok(())
+    }
+
+    /// Queues, in place of the process that parked or ended them, the announcements of runs
+    /// whose announcements stayed due past their grace (that process stopped first, or failed
+    /// to queue them). Returns how many runs it looked at.
+    pub async fn announce_overdue(&self) -> Result<usize, EngineError> {
+        let due = self
+            .store
+            .claim_due_announcements(wor_store::now_millis(), wor_store::ANNOUNCE_GRACE_MS, 100)
+            .await?;
+        for run in &due {
+            if let Err(error) = self.announce_overdue_run(run).await {
+                tracing::error!(category = "run", run_id = %run.id, error = %error,
+                    "queueing an overdue run's announcements failed; the sweep tries again");
+            }
+        }
+        Ok(due.len())
+    }
+
+    async fn announce_overdue_run(&self, run: &RunRecord) -> Result<(), EngineError> {
+        let approvals = |status| wor_store::ApprovalFilter {
+            status: Some(status),
+            run_id: Some(run.id),
+            before: None,
+            limit: 1000,
+        };
+        if run.status.is_terminal() {
+            let cancelled = self
+                .store
+                .list_approvals(
+                    run.project_id,
+                    &approvals(wor_store::ApprovalStatus::Cancelled),
+                )
+                .await?
+                .iter()
+                .map(|a| a.id)
+                .collect::<Vec<_>>();
+            let outcome = run.outcome.clone().unwrap_or_default();
+            self.announce_end(run, run.status, &outcome, &cancelled)
+                .await?;
+        } else if run.status == wor_core::run::RunStatus::WaitingForApproval {
+            for approval in self
+                .store
+                .list_approvals(
+                    run.project_id,
+                    &approvals(wor_store::ApprovalStatus::Pending),
+                )
+                .await?
+            {
+                let policies = why_policies(&approval.why)?;
+                self.announce_park(
+                    run,
+                    approval.id,
+                    &approval.tool,
+                    approval.kind,
+                    approval.expires_at,
+                    &policies,
+                )
+                .await?;
+            }
+            // A run parked for its nested run has no approval to announce.
+            self.store.announced(run.id, run.status).await?;
+        } else {
+            // The run moved on (decided and queued again): what its park announced is past.
+            self.store.announced(run.id, run.status).await?;
+        }
+        tracing::info!(category = "run", run_id = %run.id, status = run.status.as_str(),
+            "queued the announcements of a run whose process did not");
+        Ok(())
     }
 
     /// Uses `approval` to start its call in `run`, which `holder` holds (under `claim`, for a

@@ -7,8 +7,8 @@
 //! it is written (`wor-store`), so they hold across slots and processes alike. An idle pool
 //! asks the database for work once per poll interval, whatever its size; it is woken sooner
 //! when this process queues a run or a driver ends one, and on PostgreSQL when any process
-//! queues one (LISTEN/NOTIFY). The sweeps (expired leases, expired approvals) run once per
-//! process.
+//! queues one (LISTEN/NOTIFY). The sweeps (expired leases, expired approvals, overdue
+//! announcements) run once per process.
 
 use std::sync::{Arc, Mutex};
 
@@ -359,8 +359,9 @@ impl Engine {
         }
     }
 
-    /// Looks for runs of dead workers every half lease and for expired approvals every
-    /// second, until `shutdown`.
+    /// Looks for runs of dead workers every half lease, and every second for expired
+    /// approvals and for runs whose park or end was not announced (their process stopped
+    /// first), until `shutdown`.
     async fn sweep(self, mut shutdown: watch::Receiver<bool>) {
         let mut last_requeue: Option<std::time::Instant> = None;
         loop {
@@ -383,6 +384,9 @@ impl Engine {
                 Err(error) => {
                     tracing::error!(category = "approval", error = %error, "expiring approvals failed");
                 }
+            }
+            if let Err(error) = self.announce_overdue().await {
+                tracing::error!(category = "run", error = %error, "queueing overdue announcements failed");
             }
             tokio::select! {
                 () = tokio::time::sleep(APPROVAL_SWEEP) => {}

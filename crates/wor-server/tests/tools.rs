@@ -1941,3 +1941,62 @@ mode = "auto"
     assert_ne!(hashes_after["get_pet_by_id"], hashes["get_pet_by_id"]);
     assert_eq!(hashes_after["add_pet"], hashes["add_pet"]);
 }
+
+#[tokio::test]
+async fn a_park_whose_process_stopped_before_announcing_it_is_announced_by_the_sweep() {
+    let desk = Desk::default();
+    let addr = serve_desk(desk.clone()).await;
+    let h = Harness::new().await;
+    h.connect_and_enable("desk", addr, json!({}), &["lookup"])
+        .await;
+    let routine = format!(
+        "{MAILER}\n[notify]\nurl = \"http://127.0.0.1:9/hook\"\nevents = [\"waiting_for_approval\"]\n"
+    );
+    let (status, applied) = h
+        .call(Method::POST, "/v1/routines", Some(json!({"toml": routine})))
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{applied}");
+    let routine_id = applied["routine"]["id"].as_str().unwrap();
+    let (_, run) = h
+        .call(
+            Method::POST,
+            &format!("/v1/routines/{routine_id}/runs"),
+            Some(json!({"input": "go"})),
+        )
+        .await;
+    let run_id = run["id"].as_str().unwrap().to_owned();
+    assert!(h.engine.run_next().await.unwrap());
+    let approval = h.pending_approvals(&run_id).await[0]["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let pool = h.engine.store().pool();
+    let deliveries = || async {
+        let rows = sqlx::query("SELECT event_key FROM webhook_deliveries WHERE run_id = $1")
+            .bind(run_id.clone())
+            .fetch_all(pool)
+            .await
+            .unwrap();
+        rows.iter()
+            .map(|row| sqlx::Row::try_get::<String, _>(row, "event_key").unwrap())
+            .collect::<Vec<_>>()
+    };
+    let announced = format!("run.waiting_for_approval:{approval}");
+    assert_eq!(deliveries().await, std::slice::from_ref(&announced));
+    // The park on record, its approval filed, its announcement due and not queued: as a
+    // process that stopped between the two leaves it.
+    sqlx::query("DELETE FROM webhook_deliveries WHERE run_id = $1")
+        .bind(run_id.clone())
+        .execute(pool)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE runs SET announce_due_at = $1 WHERE id = $2")
+        .bind(wor_store::now_millis() - 1)
+        .bind(run_id.clone())
+        .execute(pool)
+        .await
+        .unwrap();
+    assert_eq!(h.engine.announce_overdue().await.unwrap(), 1);
+    assert_eq!(deliveries().await, [announced]);
+    assert_eq!(h.engine.announce_overdue().await.unwrap(), 0);
+}

@@ -808,3 +808,92 @@ async fn an_attempt_recorded_after_its_claim_ran_out_leaves_the_delivery_to_its_
             .is_empty()
     );
 }
+
+#[tokio::test]
+async fn what_an_end_announces_is_queued_by_the_sweep_when_its_process_stopped_first_and_only_once()
+{
+    let receiver = Receiver::default();
+    let addr = serve_receiver(receiver.clone()).await;
+    let h = Harness::new().await;
+    let (routine, _) = h
+        .apply(&format!(
+            "name = \"remembers\"\ninstructions = \"Say.\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\n\
+             [[model.script.turns]]\ntext = \"done\"\n[memory]\nenabled = true\n\
+             [notify]\nurl = \"http://{addr}/hook\"\nevents = [\"finished\"]\n"
+        ))
+        .await;
+    let run = h
+        .reply(
+            Method::POST,
+            &format!("/v1/routines/{routine}/runs"),
+            Some(json!({"input": "go", "thread": "t1"})),
+        )
+        .await;
+    assert!(run.status.is_success(), "{}", run.text);
+    let run_id = run.body["id"].as_str().unwrap().to_owned();
+    assert!(h.engine.run_next().await.unwrap());
+    let pool = h.engine.store().pool();
+    let count = |table: &'static str| {
+        let run_id = run_id.clone();
+        async move {
+            let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+                "SELECT COUNT(*) AS n FROM {table} WHERE run_id = $1"
+            )))
+            .bind(run_id)
+            .fetch_one(pool)
+            .await
+            .unwrap();
+            sqlx::Row::try_get::<i64, _>(&row, "n").unwrap()
+        }
+    };
+    let due = || async {
+        let row = sqlx::query("SELECT announce_due_at FROM runs WHERE id = $1")
+            .bind(run_id.clone())
+            .fetch_one(pool)
+            .await
+            .unwrap();
+        sqlx::Row::try_get::<Option<i64>, _>(&row, "announce_due_at").unwrap()
+    };
+    // The process that ended the run queued its announcements and said so.
+    assert_eq!(count("webhook_deliveries").await, 1);
+    assert_eq!(count("memory_entries").await, 2);
+    assert_eq!(due().await, None);
+    assert_eq!(h.engine.announce_overdue().await.unwrap(), 0);
+
+    // As a process that stopped right after the end's write leaves it: the end on record, its
+    // announcements due and none of them queued.
+    for table in ["webhook_deliveries", "memory_entries"] {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DELETE FROM {table} WHERE run_id = $1"
+        )))
+        .bind(run_id.clone())
+        .execute(pool)
+        .await
+        .unwrap();
+    }
+    let overdue = wor_store::now_millis() - 1;
+    let mark = || {
+        sqlx::query("UPDATE runs SET announce_due_at = $1 WHERE id = $2")
+            .bind(overdue)
+            .bind(run_id.clone())
+    };
+    mark().execute(pool).await.unwrap();
+    assert_eq!(h.engine.announce_overdue().await.unwrap(), 1);
+    assert_eq!(count("webhook_deliveries").await, 1);
+    assert_eq!(count("memory_entries").await, 2);
+    assert_eq!(due().await, None);
+    // Queued again (a sweep beside a process that queued them late): nothing twice.
+    mark().execute(pool).await.unwrap();
+    assert_eq!(h.engine.announce_overdue().await.unwrap(), 1);
+    assert_eq!(count("webhook_deliveries").await, 1);
+    assert_eq!(count("memory_entries").await, 2);
+    h.engine
+        .deliver_webhooks(wor_store::now_millis())
+        .await
+        .unwrap();
+    let got = receiver.got.lock().unwrap().clone();
+    assert_eq!(got.len(), 1);
+    let payload: Value = serde_json::from_slice(&got[0].1).unwrap();
+    assert_eq!(payload["event"], "run.finished");
+    assert_eq!(payload["run"]["outcome"], "done");
+}

@@ -314,7 +314,7 @@ impl Store {
     ) -> Result<Option<(ApprovalId, bool, Vec<StagedEvent>)>, StoreError> {
         let now = now_millis();
         let mut tx = self.begin_write().await?;
-        if !crate::runs::park(&mut tx, project, approval.run_id, worker, claim).await? {
+        if !crate::runs::park(&mut tx, project, approval.run_id, worker, claim, true).await? {
             tx.rollback().await?;
             return Ok(None);
         }

@@ -273,10 +273,11 @@ pub(crate) async fn write_run(
         Some((status, outcome)) => {
             let status = fence.text(status.as_str());
             let outcome = fence.text(outcome);
+            let announce = fence.int(now.saturating_add(crate::ANNOUNCE_GRACE_MS));
             let _ = write!(
                 sql,
                 ", lease_owner = NULL, lease_expires_at = NULL, finished_at = {at}, \
-                 status = {status}, outcome = {outcome}"
+                 status = {status}, outcome = {outcome}, announce_due_at = {announce}"
             );
         }
         None => {

@@ -293,6 +293,11 @@ impl WorkListener {
 /// The SQLite database file inside a data directory.
 pub const SQLITE_FILE: &str = "wor.db";
 
+/// How long after a run parks or ends a sweep may queue its announcements (run webhook,
+/// notifications, memory) in place of the process that moved it: well past the moment that
+/// process queues them itself.
+pub const ANNOUNCE_GRACE_MS: i64 = 60_000;
+
 impl Store {
     /// Opens `database_url` if given, or the embedded SQLite database in `data_dir`, creating
     /// it if needed, and applies every pending migration.

@@ -7,7 +7,8 @@ use wor_core::{ProjectId, RoutineId};
 use crate::{Store, StoreError, now_millis, parse_column};
 
 impl Store {
-    /// Appends entries to a thread's memory.
+    /// Appends entries to a thread's memory; nothing when the thread holds entries of their
+    /// run already.
     pub async fn append_memory(
         &self,
         project: ProjectId,
@@ -16,6 +17,23 @@ impl Store {
         entries: &[MemoryEntry],
     ) -> Result<(), StoreError> {
         let mut tx = self.begin_write().await?;
+        // A run's entries are appended once: a sweep that queues an ended run's announcements
+        // again finds them there.
+        for run in entries
+            .iter()
+            .map(|e| e.run_id)
+            .collect::<std::collections::BTreeSet<_>>()
+        {
+            let kept =
+                sqlx::query("SELECT 1 AS kept FROM memory_entries WHERE run_id = $1 LIMIT 1")
+                    .bind(run.to_string())
+                    .fetch_optional(&mut **tx)
+                    .await?;
+            if kept.is_some() {
+                tx.rollback().await?;
+                return Ok(());
+            }
+        }
         for entry in entries {
             sqlx::query(
                 "INSERT INTO memory_entries (id, project_id, routine_id, thread, run_id, role, provenance, text, created_at) \

@@ -227,6 +227,12 @@ const MIGRATIONS: &[SchemaMigration] = &[
         sqlite: include_str!("../migrations/0039_audit_staged.sql"),
         postgres: include_str!("../migrations/0039_audit_staged.sql"),
     },
+    SchemaMigration {
+        version: 40,
+        description: "announcements of a run's park or end, until queued",
+        sqlite: include_str!("../migrations/0040_run_announcements.sql"),
+        postgres: include_str!("../migrations/0040_run_announcements.sql"),
+    },
 ];
 
 /// The newest migration of this release.

@@ -931,7 +931,7 @@ impl Store {
             tx.rollback().await?;
             return Ok(NestedPark::ChildEnded);
         }
-        let parked = park(&mut tx, project, id, worker, claim).await?;
+        let parked = park(&mut tx, project, id, worker, claim, false).await?;
         tx.commit().await?;
         Ok(if parked {
             NestedPark::Parked
@@ -957,6 +957,64 @@ impl Store {
         .execute(&*self.write_pool().await?)
         .await?;
         Ok(done.rows_affected() == 1)
+    }
+
+    /// Up to `limit` runs whose announcements were due by `now` and are not yet queued, each
+    /// taken for `grace_ms` (another process takes it after that, if it is still due): the
+    /// process that parked or ended them stopped before it queued them, or failed to.
+    pub async fn claim_due_announcements(
+        &self,
+        now: i64,
+        grace_ms: i64,
+        limit: u32,
+    ) -> Result<Vec<RunRecord>, StoreError> {
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {COLUMNS}, announce_due_at FROM runs WHERE announce_due_at <= $1 \
+             ORDER BY announce_due_at {}",
+            crate::limit_clause(u64::from(limit))
+        )))
+        .bind(now)
+        .fetch_all(self.pool())
+        .await?;
+        let mut claimed = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let due: i64 = row.try_get("announce_due_at")?;
+            let Ok(run) = run_from_row(row) else {
+                // A row that does not read as a run was ended saying so; it announces nothing.
+                let id: String = row.try_get("id")?;
+                sqlx::query("UPDATE runs SET announce_due_at = NULL WHERE id = $1")
+                    .bind(id)
+                    .execute(&*self.write_pool().await?)
+                    .await?;
+                continue;
+            };
+            let taken = sqlx::query(
+                "UPDATE runs SET announce_due_at = $1 WHERE id = $2 AND announce_due_at = $3",
+            )
+            .bind(now.saturating_add(grace_ms))
+            .bind(run.id.to_string())
+            .bind(due)
+            .execute(&*self.write_pool().await?)
+            .await?;
+            if taken.rows_affected() == 1 {
+                claimed.push(run);
+            }
+        }
+        Ok(claimed)
+    }
+
+    /// Records that the announcements of run `id`'s park or end are queued, while its status
+    /// is still `status`: a run that has moved on since keeps what its later move made due.
+    pub async fn announced(&self, id: RunId, status: RunStatus) -> Result<(), StoreError> {
+        sqlx::query(
+            "UPDATE runs SET announce_due_at = NULL WHERE id = $1 AND status = $2 \
+             AND announce_due_at IS NOT NULL",
+        )
+        .bind(id.to_string())
+        .bind(status.as_str())
+        .execute(&*self.write_pool().await?)
+        .await?;
+        Ok(())
     }
 
     pub async fn is_cancel_requested(&self, run: RunId) -> Result<bool, StoreError> {
@@ -1377,7 +1435,8 @@ async fn insert_runs(
         .collect())
 }
 
-/// Parks a run `worker` holds: status `waiting_for_approval`, lease released, `parked_at` set.
+/// Parks a run `worker` holds: status `waiting_for_approval`, lease released, `parked_at` set,
+/// and, with `announce` (a park for a person), its announcements due (`announce_due_at`).
 /// False when the worker no longer holds it.
 pub(crate) async fn park(
     connection: &mut sqlx::AnyConnection,
@@ -1385,26 +1444,28 @@ pub(crate) async fn park(
     id: RunId,
     worker: &str,
     claim: Option<&str>,
+    announce: bool,
 ) -> Result<bool, StoreError> {
     let now = now_millis();
     // A remote worker parks only under the claim whose credential it presents, before the
     // run's deadline and while no cancel was requested.
     let under_claim = if claim.is_some() {
         " AND cancel_requested = 0 AND EXISTS (SELECT 1 FROM run_tokens t \
-         WHERE t.run_id = runs.id AND t.lease_owner = runs.lease_owner AND t.sha256 = $5 \
+         WHERE t.run_id = runs.id AND t.lease_owner = runs.lease_owner AND t.sha256 = $6 \
          AND t.expires_at > $1)"
     } else {
         ""
     };
     let mut query = sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE runs SET status = 'waiting_for_approval', lease_owner = NULL, lease_expires_at = NULL, \
-         updated_at = $1, parked_at = $1 WHERE project_id = $2 AND id = $3 AND lease_owner = $4 \
-         AND status = 'running'{under_claim}"
+         updated_at = $1, parked_at = $1, announce_due_at = COALESCE($5, announce_due_at) \
+         WHERE project_id = $2 AND id = $3 AND lease_owner = $4 AND status = 'running'{under_claim}"
     )))
     .bind(now)
     .bind(project.to_string())
     .bind(id.to_string())
-    .bind(worker);
+    .bind(worker)
+    .bind(announce.then(|| now.saturating_add(crate::ANNOUNCE_GRACE_MS)));
     if let Some(credential) = claim {
         query = query.bind(sha256_hex(credential.as_bytes()));
     }
