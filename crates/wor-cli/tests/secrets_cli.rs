@@ -881,6 +881,25 @@ async fn mcp_authorization_tokens_appear_nowhere() {
     ));
     assert!(callback.starts_with("HTTP/1.1 200"), "{callback}");
     responses.borrow_mut().push_str(&callback);
+    // The page hands the browser on to the console, where the owner, signed in, finishes it.
+    let start = callback.find("url=").unwrap() + 4;
+    let finish = callback[start..][..callback[start..].find('"').unwrap()].replace("&amp;", "&");
+    let projects = run(&mut wor(&[
+        &["project", "list", "--json"][..],
+        &db.iter().map(String::as_str).collect::<Vec<_>>(),
+    ]
+    .concat()));
+    let project = serde_json::from_slice::<serde_json::Value>(&projects.stdout).unwrap()[0]["name"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let mut console = RawConsole::default();
+    let invited = client(&["member", "invite", "owner"]);
+    let invitation = invited.trim().trim_start_matches(&server.url).to_owned();
+    console.sign_in(&server, &invitation, &project, "owner");
+    let finished = console.request(&server, "GET", &finish, &[]);
+    assert!(finished.starts_with("HTTP/1.1 303"), "{finished}");
+    responses.borrow_mut().push_str(&finished);
 
     let review = client(&["connection", "review", &id, "--json"]);
     let review_file = dir.path().join("review.json");
@@ -953,4 +972,83 @@ async fn mcp_authorization_tokens_appear_nowhere() {
         &canaries,
         "the database",
     );
+}
+
+/// A browser of the console over raw HTTP/1.1: a cookie jar, no redirects followed.
+#[derive(Default)]
+struct RawConsole {
+    cookies: std::collections::BTreeMap<String, String>,
+}
+
+impl RawConsole {
+    /// One request; the whole response, its cookies kept.
+    fn request(
+        &mut self,
+        server: &Server,
+        method: &str,
+        path: &str,
+        form: &[(&str, &str)],
+    ) -> String {
+        let body = url::form_urlencoded::Serializer::new(String::new())
+            .extend_pairs(form)
+            .finish();
+        let cookie = self
+            .cookies
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join("; ");
+        let response = server.raw(&format!(
+            "{method} {path} HTTP/1.1\r\nHost: wor.test\r\nCookie: {cookie}\r\n\
+             Content-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\n\
+             Connection: close\r\n\r\n{body}",
+            body.len()
+        ));
+        let head = &response[..response.find("\r\n\r\n").unwrap_or(response.len())];
+        for line in head.lines() {
+            if let Some(set) = line.strip_prefix("set-cookie: ") {
+                let pair = set.split(';').next().unwrap();
+                let (name, value) = pair.split_once('=').unwrap();
+                self.cookies.insert(name.to_owned(), value.to_owned());
+            }
+        }
+        response
+    }
+
+    /// The hidden `csrf` field of the page at `path`.
+    fn csrf(&mut self, server: &Server, path: &str) -> String {
+        let page = self.request(server, "GET", path, &[]);
+        let start = page.find("name=\"csrf\" value=\"").expect("a csrf field") + 19;
+        page[start..][..page[start..].find('"').unwrap()].to_owned()
+    }
+
+    /// Sets a password through `invitation` and signs in as `name` of `project`.
+    fn sign_in(&mut self, server: &Server, invitation: &str, project: &str, name: &str) {
+        const PASSWORD: &str = "a long and quiet passphrase";
+        let csrf = self.csrf(server, invitation);
+        let set = self.request(
+            server,
+            "POST",
+            invitation,
+            &[
+                ("csrf", &csrf),
+                ("password", PASSWORD),
+                ("repeat", PASSWORD),
+            ],
+        );
+        assert!(set.starts_with("HTTP/1.1 303"), "{set}");
+        let csrf = self.csrf(server, "/console/sign-in");
+        let signed = self.request(
+            server,
+            "POST",
+            "/console/sign-in",
+            &[
+                ("csrf", &csrf),
+                ("project", project),
+                ("name", name),
+                ("password", PASSWORD),
+            ],
+        );
+        assert!(signed.starts_with("HTTP/1.1 303"), "{signed}");
+    }
 }

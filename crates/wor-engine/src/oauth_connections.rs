@@ -77,8 +77,6 @@ pub struct FinishedAuthorization {
     pub project_id: ProjectId,
     pub connection_id: ConnectionId,
     pub connection: String,
-    /// It was started in the console, where the callback sends the person back.
-    pub started_in_console: bool,
 }
 
 /// Who acts for an authorization: the member with their key, or signed in to the console.
@@ -123,6 +121,11 @@ pub enum OAuthRefusal {
         "this authorization is unknown, was already used or has expired; run `wor connection authorize` again"
     )]
     UnknownState,
+    /// The authorization was started by another member than the one finishing it.
+    #[error(
+        "this authorization was started by another member: only they can finish it, signed in to the console; to authorize the connection yourself, run `wor connection authorize` again"
+    )]
+    AnotherMember,
     /// The callback's `iss` (RFC 9207) is not the authorization server this authorization was
     /// sent to, or is missing where that server promised it: a mix-up, and the code is not
     /// exchanged anywhere.
@@ -419,16 +422,24 @@ impl Engine {
         Ok(())
     }
 
-    /// Finishes the authorization `state` names with `code`: once, before it expires; the
-    /// tokens are sealed under the connection and the audit chain records who authorized it.
+    /// Finishes the authorization `state` names with `code`, for `member`, signed in to the
+    /// console in the browser the authorization server sent back: only the member who started
+    /// it (a link to another's authorization, opened by someone else, does not give that
+    /// person's grant to their connection), once, before it expires. The tokens are sealed
+    /// under the connection and the audit chain records who authorized it.
     pub async fn finish_oauth_authorization(
         &self,
         state: &str,
         code: &SecretString,
         issuer: Option<&str>,
+        member: MemberId,
     ) -> Result<FinishedAuthorization, EngineError> {
-        let Some(pending) = self.store.take_oauth_authorization(state).await? else {
-            return Err(OAuthRefusal::UnknownState.into());
+        let Some(pending) = self.store.take_oauth_authorization(state, member).await? else {
+            return Err(match self.store.pending_oauth_authorization(state).await? {
+                Some(_) => OAuthRefusal::AnotherMember,
+                None => OAuthRefusal::UnknownState,
+            }
+            .into());
         };
         let project = pending.project_id;
         let record = self
@@ -554,7 +565,6 @@ impl Engine {
             project_id: project,
             connection_id: record.id,
             connection: record.name,
-            started_in_console: pending.api_key_id.is_none(),
         })
     }
 

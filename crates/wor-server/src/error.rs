@@ -207,6 +207,7 @@ impl From<wor_engine::EngineError> for ApiError {
                 wor_engine::OAuthRefusal::NotAuthorized { .. } => {
                     ApiError::Conflict(refusal.to_string())
                 }
+                wor_engine::OAuthRefusal::AnotherMember => ApiError::Forbidden(refusal.to_string()),
             },
             wor_engine::EngineError::WebhookSecret(_) => {
                 tracing::error!(category = "engine", "a webhook secret could not be made");

@@ -301,14 +301,38 @@ async fn a_connection_is_authorized_refreshed_and_fails_closed_when_revoked() {
         )
         .await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
-    let (status, finished, finished_text) = h.call_as("none", Method::GET, &callback, None).await;
-    assert_eq!(status, StatusCode::OK, "{finished}");
-    assert_eq!(finished["connection"], "tracker");
-    let (status, again) = h.call(Method::GET, &callback, None).await;
+    // The callback hands the browser on to the console, which finishes it only for the member
+    // who started it. Another member sent the link finishes nothing, and it stays pending.
+    let console = browser::serve_console(&h).await;
+    let mut other = browser::signed_in(&h, console, "mallory", Some("admin")).await;
+    let (_, refused) = come_back(&mut other, &callback).await;
+    assert_eq!(refused.status, StatusCode::FORBIDDEN, "{}", refused.body);
+    assert!(
+        refused.body.contains("started by another member"),
+        "{}",
+        refused.body
+    );
+    // A browser signed in to nothing is asked to sign in first, and comes back to the finish.
+    let (_, asked) = come_back(&mut browser::Browser::new(console), &callback).await;
+    assert_eq!(asked.status, StatusCode::SEE_OTHER, "{}", asked.body);
+    assert!(
+        asked
+            .location()
+            .starts_with("/console/sign-in?next=%2Fconsole%2Foauth%2Ffinish"),
+        "{}",
+        asked.location()
+    );
+    let mut owner = browser::signed_in(&h, console, "alice", None).await;
+    let (handed, finished) = come_back(&mut owner, &callback).await;
+    assert_eq!(finished.status, StatusCode::SEE_OTHER, "{}", finished.body);
+    assert_eq!(finished.location(), format!("/console/connections/{id}"));
+    let finished_text = format!("{}{}", handed.body, finished.body);
+    let again = owner.get(&callback).await;
     assert_eq!(
-        status,
+        again.status,
         StatusCode::BAD_REQUEST,
-        "a state is used once: {again}"
+        "a state is used once: {}",
+        again.body
     );
 
     let project = h.project.project.id;
@@ -385,7 +409,6 @@ async fn a_connection_is_authorized_refreshed_and_fails_closed_when_revoked() {
             "a token leaked: {text}"
         );
     }
-    let _: Value = finished;
 }
 
 /// The tracker's MCP tools: `lookup` answers what it was asked and, as a careless or hostile
@@ -590,9 +613,33 @@ async fn authorize_again(h: &Harness, id: &str) -> Value {
         .await;
     assert_eq!(status, StatusCode::OK, "{started}");
     let callback = browse_to_callback(started["authorization_url"].as_str().unwrap()).await;
-    let (status, finished) = h.call(Method::GET, &callback, None).await;
-    assert_eq!(status, StatusCode::OK, "{finished}");
+    let (_, finished) = come_back(&mut owner_browser(h).await, &callback).await;
+    assert_eq!(finished.status, StatusCode::SEE_OTHER, "{}", finished.body);
+    assert_eq!(finished.location(), format!("/console/connections/{id}"));
     started
+}
+
+/// The owner (`alice`), who starts the API's authorizations, signed in to the console.
+async fn owner_browser(h: &Harness) -> browser::Browser {
+    let console = browser::serve_console(h).await;
+    browser::signed_in(h, console, "alice", None).await
+}
+
+/// The person's browser, back from the authorization server at `callback`: the page there
+/// hands it on to the console's finish, which `browser` then opens. Both pages.
+async fn come_back(
+    browser: &mut browser::Browser,
+    callback: &str,
+) -> (browser::Page, browser::Page) {
+    let handed = browser.get(callback).await;
+    assert_eq!(handed.status, StatusCode::OK, "{}", handed.body);
+    assert_eq!(handed.headers["referrer-policy"], "no-referrer");
+    let start = handed.body.find("url=").expect("a refresh to the finish") + 4;
+    let rest = &handed.body[start..];
+    let finish = rest[..rest.find('"').unwrap()].replace("&amp;", "&");
+    assert!(finish.starts_with("/console/oauth/finish?"), "{finish}");
+    let finished = browser.get(&finish).await;
+    (handed, finished)
 }
 
 fn oauth_harness_config() -> wor_engine::EngineConfig {
@@ -793,8 +840,9 @@ async fn a_client_registered_beforehand_authorizes_a_server_without_dynamic_regi
     assert_eq!(status, StatusCode::OK, "{started}");
     let callback = browse_to_callback(started["authorization_url"].as_str().unwrap()).await;
     // The code is exchanged with the client's id and secret in `Authorization: Basic`.
-    let (status, finished, finished_text) = h.call_as("none", Method::GET, &callback, None).await;
-    assert_eq!(status, StatusCode::OK, "{finished}");
+    let (handed, finished) = come_back(&mut owner_browser(&h).await, &callback).await;
+    assert_eq!(finished.status, StatusCode::SEE_OTHER, "{}", finished.body);
+    let finished_text = format!("{}{}", handed.body, finished.body);
 
     // The refresh authenticates the same way, with the secret sealed under the connection.
     h.review_and_enable(&id, &["lookup"]).await;
@@ -954,7 +1002,7 @@ async fn an_admin_authorizes_a_connection_from_the_console_and_comes_back_to_it(
         started.location()
     );
     let callback = browse_to_callback(started.location()).await;
-    let back = admin.get(&callback).await;
+    let (_, back) = come_back(&mut admin, &callback).await;
     assert_eq!(back.status, StatusCode::SEE_OTHER, "{}", back.body);
     assert_eq!(back.location(), page_path);
     let page = admin.get(&page_path).await;
@@ -1194,6 +1242,7 @@ async fn an_answer_from_another_authorization_server_is_exchanged_nowhere() {
     .await;
     let id = create_tracker(&h, addr).await;
     let mut refused = Vec::new();
+    let mut owner = owner_browser(&h).await;
     for sends in [Some("https://honest.example".to_owned()), None] {
         shared.lock().unwrap().sends_iss = sends;
         let (status, started) = h
@@ -1205,9 +1254,9 @@ async fn an_answer_from_another_authorization_server_is_exchanged_nowhere() {
             .await;
         assert_eq!(status, StatusCode::OK, "{started}");
         let callback = browse_to_callback(started["authorization_url"].as_str().unwrap()).await;
-        let (status, answer) = h.call(Method::GET, &callback, None).await;
-        assert_eq!(status, StatusCode::BAD_REQUEST, "{answer}");
-        refused.push(answer["error"]["message"].as_str().unwrap().to_owned());
+        let (_, answer) = come_back(&mut owner, &callback).await;
+        assert_eq!(answer.status, StatusCode::BAD_REQUEST, "{}", answer.body);
+        refused.push(answer.body);
     }
     assert!(
         refused[0].contains("another authorization server")

@@ -184,19 +184,39 @@ impl Store {
         Ok(record)
     }
 
-    /// Takes the pending authorization `state` names, once: `None` when it is unknown, was
-    /// taken before or has expired.
+    /// Takes the pending authorization `state` names, once, for `member`, who started it:
+    /// `None` when it is unknown, was taken before, has expired or is another member's.
     pub async fn take_oauth_authorization(
+        &self,
+        state: &str,
+        member: MemberId,
+    ) -> Result<Option<OAuthAuthorizationRecord>, StoreError> {
+        let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE oauth_authorizations SET used_at = $1 WHERE state_digest = $2 \
+             AND member_id = $3 AND used_at IS NULL AND expires_at > $1 \
+             RETURNING {AUTHORIZATION_COLUMNS}"
+        )))
+        .bind(now_millis())
+        .bind(state_digest(state))
+        .bind(member.to_string())
+        .fetch_optional(&*self.write_pool().await?)
+        .await?;
+        row.as_ref().map(authorization_from_row).transpose()
+    }
+
+    /// The pending authorization `state` names while it can still be finished (not taken,
+    /// not expired), left as it is.
+    pub async fn pending_oauth_authorization(
         &self,
         state: &str,
     ) -> Result<Option<OAuthAuthorizationRecord>, StoreError> {
         let row = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "UPDATE oauth_authorizations SET used_at = $1 WHERE state_digest = $2 \
-             AND used_at IS NULL AND expires_at > $1 RETURNING {AUTHORIZATION_COLUMNS}"
+            "SELECT {AUTHORIZATION_COLUMNS} FROM oauth_authorizations WHERE state_digest = $1 \
+             AND used_at IS NULL AND expires_at > $2"
         )))
-        .bind(now_millis())
         .bind(state_digest(state))
-        .fetch_optional(&*self.write_pool().await?)
+        .bind(now_millis())
+        .fetch_optional(self.pool())
         .await?;
         row.as_ref().map(authorization_from_row).transpose()
     }

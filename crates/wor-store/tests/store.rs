@@ -2519,21 +2519,44 @@ mod oauth_authorizations {
         assert_eq!(pending.state_digest, state_digest(state));
         assert_ne!(pending.state_digest, state);
 
+        let owner = created.owner.id;
         assert_eq!(
-            db.store.take_oauth_authorization("another").await.unwrap(),
+            db.store
+                .take_oauth_authorization("another", owner)
+                .await
+                .unwrap(),
             None
+        );
+        // Only the member who started it takes it; anyone else leaves it pending.
+        assert_eq!(
+            db.store
+                .take_oauth_authorization(state, wor_core::MemberId::new())
+                .await
+                .unwrap(),
+            None
+        );
+        assert_eq!(
+            db.store.pending_oauth_authorization(state).await.unwrap(),
+            Some(pending.clone())
         );
         let taken = db
             .store
-            .take_oauth_authorization(state)
+            .take_oauth_authorization(state, owner)
             .await
             .unwrap()
             .expect("the first take finds it");
         assert_eq!(taken, pending);
         assert_eq!(
-            db.store.take_oauth_authorization(state).await.unwrap(),
+            db.store
+                .take_oauth_authorization(state, owner)
+                .await
+                .unwrap(),
             None,
             "a state is used once"
+        );
+        assert_eq!(
+            db.store.pending_oauth_authorization(state).await.unwrap(),
+            None
         );
 
         db.store
@@ -2541,9 +2564,16 @@ mod oauth_authorizations {
             .await
             .unwrap();
         assert_eq!(
-            db.store.take_oauth_authorization(expired).await.unwrap(),
+            db.store
+                .take_oauth_authorization(expired, owner)
+                .await
+                .unwrap(),
             None,
             "an expired authorization cannot be finished"
+        );
+        assert_eq!(
+            db.store.pending_oauth_authorization(expired).await.unwrap(),
+            None
         );
         // The taken and the expired one can be purged; a live one cannot.
         let live = TestDatabase::unique_name("live-state");
@@ -3345,7 +3375,8 @@ async fn a_write_outside_a_transaction_waits_its_turn_with_the_process_writes() 
     // The same for a statement that returns what it changed.
     let taken = support::held_up(
         &db.store,
-        db.store.take_oauth_authorization("no-such-state"),
+        db.store
+            .take_oauth_authorization("no-such-state", wor_core::MemberId::new()),
     )
     .await
     .unwrap();

@@ -155,7 +155,8 @@ pub enum ToolConnectionCommand {
     },
     /// Authorize an `mcp_http` connection whose server requires MCP authorization (OAuth
     /// with PKCE): prints the URL to open in a browser; the browser comes back to `wor serve`
-    /// (its `public_url`), which seals the tokens. Needs a member's key.
+    /// (its `public_url`), whose console finishes it for the member who started it, signed in
+    /// there, and seals the tokens. Needs a member's key.
     Authorize {
         /// A `con_…` id.
         id: String,
@@ -543,7 +544,8 @@ pub async fn run(cmd: ToolConnectionCommand) -> anyhow::Result<ExitCode> {
                     eprintln!("asks for scopes: {}", scopes.join(" "));
                 }
                 println!(
-                    "open this URL in a browser to authorize the connection (before {until}):"
+                    "open this URL in a browser signed in to the console as you (it is finished \
+                     there, for you alone) to authorize the connection (before {until}):"
                 );
                 println!("{url}");
             }

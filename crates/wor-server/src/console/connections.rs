@@ -471,6 +471,27 @@ pub async fn authorize(
     Ok(Redirect::to(&started.authorization_url).into_response())
 }
 
+/// Finishes an MCP authorization the callback handed on (`routes::oauth::callback`): for the
+/// member signed in, who must be the one who started it (the proof that the browser the
+/// authorization server sent back is theirs, not someone else's sent a link to it), and
+/// still allowed to configure. Back to the connection's page.
+pub async fn finish_authorization(
+    State(state): State<AppState>,
+    member: ConsoleMember,
+    uri: axum::http::Uri,
+) -> PageResult {
+    if !member.session.role.can_configure() {
+        return Err(ConsoleError(ApiError::Forbidden(
+            "only an admin or owner authorizes a connection".to_owned(),
+        )));
+    }
+    let query = crate::routes::oauth::CallbackQuery::parse(uri.query().unwrap_or_default());
+    let finished = crate::routes::oauth::finish(&state, &query, member.session.member_id)
+        .await
+        .map_err(ConsoleError)?;
+    Ok(Redirect::to(&format!("/console/connections/{}", finished.connection_id)).into_response())
+}
+
 /// The enable form: `pin` fields (`HASH:NAME`, one per reviewed tool) and `read_only` fields
 /// (tool names). Repeated fields are why this reads the body itself.
 fn enable_body(bytes: &[u8]) -> Result<EnableToolConnection, ConsoleError> {

@@ -149,6 +149,7 @@ pub fn router(state: AppState) -> Router<AppState> {
             "/connections/{connection_id}/authorize",
             post(connections::authorize),
         )
+        .route("/oauth/finish", get(connections::finish_authorization))
         .route("/model-connections", post(connections::create_model))
         .route(
             "/model-connections/{connection_id}/revoke",

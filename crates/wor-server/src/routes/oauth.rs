@@ -5,7 +5,7 @@
 use axum::Json;
 use axum::extract::State;
 use axum::http::Uri;
-use axum::response::{IntoResponse, Redirect, Response};
+use axum::response::{IntoResponse, Response};
 use secrecy::SecretString;
 use wor_core::ConnectionId;
 
@@ -35,14 +35,6 @@ pub struct AuthorizationStartedView {
     pub notice: Option<String>,
 }
 
-/// An authorization finished.
-#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
-pub struct AuthorizationFinishedView {
-    pub connection_id: String,
-    pub connection: String,
-    pub authorized: bool,
-}
-
 /// What the authorization server sends the browser back with.
 #[derive(Debug, Default, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
@@ -57,8 +49,49 @@ pub struct CallbackQuery {
 }
 
 impl CallbackQuery {
+    /// The code and the state, when the authorization server sent both: `error` instead (the
+    /// person or the server refused), or either missing, is a 400 that says so.
+    pub(crate) fn checked(&self) -> Result<(&str, &str), ApiError> {
+        if let Some(error) = &self.error {
+            let code: String = error
+                .chars()
+                .filter(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .take(64)
+                .collect();
+            return Err(ApiError::bad_request(
+                "authorization_refused",
+                format!(
+                    "the authorization server refused: `{code}`; run `wor connection authorize` again"
+                ),
+            ));
+        }
+        match (&self.code, &self.state) {
+            (Some(code), Some(state)) => Ok((code, state)),
+            _ => Err(ApiError::bad_request(
+                "invalid_callback",
+                "the callback needs `code` and `state`",
+            )),
+        }
+    }
+
+    /// The console's path that finishes this authorization, with its `code`, `state` and
+    /// `iss` encoded again.
+    pub(crate) fn finish_path(&self) -> String {
+        let mut query = url::form_urlencoded::Serializer::new(String::new());
+        for (name, value) in [
+            ("code", &self.code),
+            ("state", &self.state),
+            ("iss", &self.iss),
+        ] {
+            if let Some(value) = value {
+                query.append_pair(name, value);
+            }
+        }
+        format!("/console/oauth/finish?{}", query.finish())
+    }
+
     /// The first of each parameter; others are ignored.
-    fn parse(query: &str) -> Self {
+    pub(crate) fn parse(query: &str) -> Self {
         let mut parsed = Self::default();
         for (key, value) in url::form_urlencoded::parse(query.as_bytes()) {
             let slot = match key.as_ref() {
@@ -185,50 +218,70 @@ pub async fn client_metadata(
         .ok_or(ApiError::NotFound)
 }
 
-/// Where the authorization server sends the person's browser back. No API key: the single-use
-/// `state` names the pending authorization, its member and connection. The code is exchanged
-/// (with the PKCE verifier) and the tokens sealed; nothing secret is returned. An
-/// authorization started in the console sends the person back to the connection's page.
+/// Where the authorization server sends the person's browser back. No API key, and no
+/// console session either: a browser sends the console's cookie (`SameSite=Strict`) on no
+/// navigation another site started. So this page only checks that `state` names an
+/// authorization that can still finish and hands the browser on to
+/// `/console/oauth/finish` (same query), a navigation of this site's own, where the console
+/// session shows whether the person who came back is the member who started it.
 #[utoipa::path(get, path = "/hooks/oauth/callback", tag = "tool-connections",
     params(CallbackQuery),
-    responses((status = 200, body = AuthorizationFinishedView),
-        (status = 303, description = "started in the console: back to the connection's page there"),
-        (status = 400, body = ErrorBody), (status = 503, body = ErrorBody)))]
+    responses((status = 200, content_type = "text/html", description = "a page that takes the browser on to `/console/oauth/finish` with the same query"),
+        (status = 400, body = ErrorBody)))]
 pub async fn callback(State(state): State<AppState>, uri: Uri) -> Result<Response, ApiError> {
     let query = CallbackQuery::parse(uri.query().unwrap_or_default());
-    if let Some(error) = query.error {
-        let code: String = error
-            .chars()
-            .filter(|c| c.is_ascii_alphanumeric() || *c == '_')
-            .take(64)
-            .collect();
-        return Err(ApiError::bad_request(
-            "authorization_refused",
-            format!(
-                "the authorization server refused: `{code}`; run `wor connection authorize` again"
-            ),
-        ));
+    let (_, pending) = query.checked()?;
+    if state
+        .store
+        .pending_oauth_authorization(pending)
+        .await?
+        .is_none()
+    {
+        return Err(wor_engine::EngineError::from(wor_engine::OAuthRefusal::UnknownState).into());
     }
-    let (Some(code), Some(pending)) = (query.code, query.state) else {
-        return Err(ApiError::bad_request(
-            "invalid_callback",
-            "the callback needs `code` and `state`",
-        ));
-    };
-    let finished = state
+    Ok(hand_on_page(&query.finish_path()))
+}
+
+/// Finishes the authorization `query` names for `member`, signed in to the console: its code
+/// exchanged (with the PKCE verifier) and the tokens sealed; nothing secret is returned.
+pub(crate) async fn finish(
+    state: &AppState,
+    query: &CallbackQuery,
+    member: wor_core::MemberId,
+) -> Result<wor_engine::FinishedAuthorization, ApiError> {
+    let (code, pending) = query.checked()?;
+    Ok(state
         .engine
-        .finish_oauth_authorization(&pending, &SecretString::from(code), query.iss.as_deref())
-        .await?;
-    if finished.started_in_console {
-        return Ok(
-            Redirect::to(&format!("/console/connections/{}", finished.connection_id))
-                .into_response(),
-        );
-    }
-    Ok(Json(AuthorizationFinishedView {
-        connection_id: finished.connection_id.to_string(),
-        connection: finished.connection,
-        authorized: true,
-    })
-    .into_response())
+        .finish_oauth_authorization(
+            pending,
+            &SecretString::from(code.to_owned()),
+            query.iss.as_deref(),
+            member,
+        )
+        .await?)
+}
+
+/// A page that takes the browser on to `path` on this site at once (and a link, should it not).
+/// Nothing on it loads from elsewhere, and it sends no referrer.
+fn hand_on_page(path: &str) -> Response {
+    // `path` holds only what a query's encoding leaves: letters, digits, `%`, `&`, `=`, `+`,
+    // `-`, `.`, `_`, `*` and `/`, `?`; only `&` needs an entity in an attribute.
+    let href = path.replace('&', "&amp;");
+    let page = format!(
+        "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">\
+         <meta name=\"referrer\" content=\"no-referrer\">\
+         <meta http-equiv=\"refresh\" content=\"0;url={href}\">\
+         <title>Finishing the authorization</title></head><body>\
+         <p>Finishing the authorization in the console, where you need to be signed in as the \
+         member who started it. <a href=\"{href}\">Continue</a></p></body></html>"
+    );
+    (
+        [
+            (axum::http::header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (axum::http::header::CACHE_CONTROL, "no-store"),
+            (axum::http::header::REFERRER_POLICY, "no-referrer"),
+        ],
+        page,
+    )
+        .into_response()
 }
