@@ -365,7 +365,7 @@ impl ServerConfig {
             format!("listen address `{listen_text}` is not of the form `IP:PORT`")
         })?;
         let production = production_flag
-            || env_flag(env::ENV, |v| v == "production")?
+            || env_flag(env::ENV, &["production"], &["development"])?
             || file.production.unwrap_or(false);
         let tls = file.tls.unwrap_or_default();
         let tls_files = match (tls.cert, tls.key) {
@@ -388,7 +388,8 @@ impl ServerConfig {
             .extend(tls.proxy_cidrs.iter().cloned());
         // A console this process serves over HTTPS itself is reached over HTTPS.
         let reached_over_https = production || tls_files.is_some();
-        let demo = env_flag(env::DEMO, |v| v == "1" || v == "true")? || file.demo.unwrap_or(false);
+        let demo =
+            env_flag(env::DEMO, &["1", "true"], &["0", "false"])? || file.demo.unwrap_or(false);
         let encryption_key = std::env::var(env::ENCRYPTION_KEY)
             .ok()
             .filter(|k| !k.is_empty());
@@ -663,11 +664,27 @@ fn read_file(path: &Path) -> anyhow::Result<FileConfig> {
         .with_context(|| format!("invalid configuration file `{}`", path.display()))
 }
 
-fn env_flag(name: &str, is_on: impl Fn(&str) -> bool) -> anyhow::Result<bool> {
-    match std::env::var(name) {
-        Ok(value) => Ok(is_on(value.trim())),
-        Err(std::env::VarError::NotPresent) => Ok(false),
+/// Whether variable `name` turns its setting on: a value of `on`; unset, empty or a value of
+/// `off` leaves it off. Any other value is refused, naming both lists: a misspelt
+/// `WOR_ENV=prod` must not quietly leave production mode off.
+fn env_flag(name: &str, on: &[&str], off: &[&str]) -> anyhow::Result<bool> {
+    let value = match std::env::var(name) {
+        Ok(value) => value,
+        Err(std::env::VarError::NotPresent) => return Ok(false),
         Err(std::env::VarError::NotUnicode(_)) => bail!("{name} is not valid UTF-8"),
+    };
+    let value = value.trim();
+    if on.contains(&value) {
+        Ok(true)
+    } else if value.is_empty() || off.contains(&value) {
+        Ok(false)
+    } else {
+        bail!(
+            "{name} is `{}`: set it to {} to turn it on, or {} (or leave it unset) to leave it off",
+            value.chars().take(40).collect::<String>(),
+            on.join(" or "),
+            off.join(" or ")
+        )
     }
 }
 

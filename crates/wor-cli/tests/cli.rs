@@ -984,3 +984,39 @@ fn output_into_a_pipe_nobody_reads_ends_the_command_quietly() {
         assert_eq!(text(&out.stderr), "", "{args:?}");
     }
 }
+
+#[test]
+fn a_misspelt_mode_variable_is_refused_not_taken_as_off() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().display().to_string();
+    for (name, value) in [
+        ("WOR_ENV", "prod"),
+        ("WOR_ENV", "Production"),
+        ("WOR_DEMO", "yes"),
+    ] {
+        let out = run(wor(&["project", "list", "--data-dir", &data]).env(name, value));
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{name}={value}: {}",
+            text(&out.stderr)
+        );
+        assert!(
+            text(&out.stderr).contains(&format!("{name} is `{value}`")),
+            "{}",
+            text(&out.stderr)
+        );
+    }
+    for (name, value) in [
+        ("WOR_ENV", "development"),
+        ("WOR_ENV", ""),
+        ("WOR_DEMO", "0"),
+    ] {
+        let out = run(wor(&["project", "list", "--data-dir", &data]).env(name, value));
+        assert!(
+            !text(&out.stderr).contains(name),
+            "{name}={value}: {}",
+            text(&out.stderr)
+        );
+    }
+}

@@ -715,6 +715,26 @@ impl RoutineDefinition {
 mod tests {
     use super::*;
 
+    /// The complete example of docs/routines.md reads as written, every section in its place.
+    #[test]
+    fn the_documented_complete_example_reads() {
+        let doc = include_str!(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../docs/routines.md"
+        ));
+        let start = doc.find("## A complete example").expect("the section");
+        let block = doc[start..].split("```toml\n").nth(1).expect("its TOML");
+        let text = block.split("\n```").next().expect("its end");
+        let routine = RoutineDefinition::from_toml(text).unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            routine
+                .policy
+                .is_some_and(|p| p.contains("mail-only-to-our-domain"))
+        );
+        assert!(routine.notify.is_some() && routine.schedule.is_some());
+        assert!(routine.memory.enabled);
+    }
+
     const EXAMPLE: &str = r#"
 name = "inbox-triage"
 description = "Sort the support inbox"

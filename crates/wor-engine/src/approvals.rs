@@ -43,6 +43,12 @@ pub enum EditRefusal {
     /// The edit leaves the call as it was.
     #[error("the edit changes nothing; approve the call as it is")]
     Unchanged,
+    /// The edit names an argument the call does not have and the tool's input schema does
+    /// not declare: a misspelt name, which would otherwise be sent as an extra argument.
+    #[error(
+        "`{argument}` is neither an argument of the call nor one the tool declares; correct the name"
+    )]
+    UnknownArgument { argument: String },
     /// The edited arguments do not fit the tool's pinned input schema.
     #[error("the edited arguments do not fit the tool's input schema: {}", describe(.violations))]
     Schema { violations: Vec<ArgumentViolation> },
@@ -111,7 +117,9 @@ impl EditRefusal {
     /// the edit as a whole.
     pub fn by_argument(&self) -> Vec<(Option<String>, String)> {
         match self {
-            EditRefusal::Pinned { argument } => vec![(Some(argument.clone()), self.to_string())],
+            EditRefusal::Pinned { argument } | EditRefusal::UnknownArgument { argument } => {
+                vec![(Some(argument.clone()), self.to_string())]
+            }
             EditRefusal::Schema { violations } => violations
                 .iter()
                 .map(|v| (v.argument.clone(), v.message.clone()))
@@ -297,7 +305,17 @@ impl Engine {
         if edited == approval.arguments {
             return Err(EditRefusal::Unchanged.into());
         }
-        let arguments = self.check_edit(&approval, &run, &edited).await?;
+        let added: Vec<&str> = edits
+            .keys()
+            .filter(|k| {
+                approval
+                    .arguments
+                    .as_object()
+                    .is_none_or(|call| !call.contains_key(k.as_str()))
+            })
+            .map(String::as_str)
+            .collect();
+        let arguments = self.check_edit(&approval, &run, &edited, &added).await?;
         let binding = wor_core::approval::binding_hash(
             approval.run_id,
             &approval.call_id,
@@ -333,6 +351,7 @@ impl Engine {
         approval: &ApprovalRecord,
         run: &RunRecord,
         edited: &serde_json::Value,
+        added: &[&str],
     ) -> Result<CanonicalArguments, EngineError> {
         let project = run.project_id;
         let version = self
@@ -379,6 +398,20 @@ impl Engine {
             return Err(unavailable(
                 "its pinned definition changed since the call was held".to_owned(),
             )
+            .into());
+        }
+        // An argument the call did not have must be one the tool declares, when it declares
+        // any: an edit adds an optional argument the model left out, never a misspelt one.
+        if let Some(declared) = offered
+            .pin
+            .input_schema()
+            .get("properties")
+            .and_then(serde_json::Value::as_object)
+            && let Some(unknown) = added.iter().find(|name| !declared.contains_key(**name))
+        {
+            return Err(EditRefusal::UnknownArgument {
+                argument: wor_core::quote::excerpt(unknown, 100),
+            }
             .into());
         }
         let arguments = offered

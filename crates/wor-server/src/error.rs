@@ -223,6 +223,7 @@ impl From<wor_engine::EngineError> for ApiError {
                 }
                 wor_engine::EditRefusal::NotAnObject
                 | wor_engine::EditRefusal::Pinned { .. }
+                | wor_engine::EditRefusal::UnknownArgument { .. }
                 | wor_engine::EditRefusal::Unchanged
                 | wor_engine::EditRefusal::Schema { .. } => {
                     ApiError::bad_request("invalid_edit", refusal.to_string())

@@ -140,6 +140,11 @@ async fn an_edited_call_runs_once_with_its_edits_and_both_calls_are_audited() {
         ),
         (json!({"arguments": [], "reason": "r"}), "arguments"),
         (json!({"arguments": {}, "reason": "r"}), "arguments"),
+        // A name neither the call nor the tool has: a misspelt `text`, not an extra argument.
+        (
+            json!({"arguments": {"txet": "hello world"}, "reason": "r"}),
+            "`txet` is neither an argument of the call nor one the tool declares",
+        ),
     ] {
         let (status, answer) = edit(&h, &approver, &approval, body.clone()).await;
         assert_eq!(status, StatusCode::BAD_REQUEST, "{body}: {answer}");

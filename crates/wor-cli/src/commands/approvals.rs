@@ -91,15 +91,29 @@ pub(crate) fn show(approval: &Value) {
         .flatten()
         .filter_map(Value::as_str)
         .collect();
-    println!("arguments (exactly what will be sent):");
-    if let Some(Value::Object(arguments)) = approval.get("arguments") {
-        for (key, value) in arguments {
-            let mark = if pinned.contains(&key.as_str()) {
-                "  (pinned by the routine)"
-            } else {
-                ""
-            };
-            println!("  {key} = {value}{mark}");
+    let print_arguments = |arguments: Option<&Value>| {
+        if let Some(Value::Object(arguments)) = arguments {
+            for (key, value) in arguments {
+                let mark = if pinned.contains(&key.as_str()) {
+                    "  (pinned by the routine)"
+                } else {
+                    ""
+                };
+                println!("  {key} = {value}{mark}");
+            }
+        }
+    };
+    // An approval given with an edit binds the edited call: that is what runs.
+    match approval.get("edited_arguments").filter(|v| v.is_object()) {
+        Some(edited) => {
+            println!("arguments as edited by the approver (exactly what will be sent):");
+            print_arguments(Some(edited));
+            println!("arguments the model asked for (not sent):");
+            print_arguments(approval.get("arguments"));
+        }
+        None => {
+            println!("arguments (exactly what will be sent):");
+            print_arguments(approval.get("arguments"));
         }
     }
     // Labels recorded since arguments were labelled; older approvals have none.

@@ -26,7 +26,10 @@ pub enum MemberCommand {
     Invite(super::member_invite::InviteArgs),
     /// Change a member's role. Nobody grants a role above their own or changes a member who
     /// outranks them, and the project's last owner cannot be demoted. The new role holds from
-    /// the member's next request, for all of their keys and console sessions.
+    /// the member's next request, in their console sessions and as the most any of their keys
+    /// may do: a key acts with the lower of its own role and its member's, so a demotion
+    /// reaches every key at once, and a promotion reaches none made for the lower role (make
+    /// the member a new key for it).
     Role {
         /// A `mem_…` id, or the member's name.
         member: String,
