@@ -2000,3 +2000,66 @@ async fn a_park_whose_process_stopped_before_announcing_it_is_announced_by_the_s
     assert_eq!(deliveries().await, [announced]);
     assert_eq!(h.engine.announce_overdue().await.unwrap(), 0);
 }
+
+#[tokio::test]
+async fn a_runs_event_stream_ends_once_its_key_is_revoked() {
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+
+    let desk = Desk::default();
+    let addr = serve_desk(desk.clone()).await;
+    let h = Harness::new().await;
+    h.connect_and_enable("desk", addr, json!({}), &["lookup"])
+        .await;
+    // A run that waits for a person: its stream stays open.
+    let run = h.run(MAILER).await;
+    let run_id = run["id"].as_str().unwrap().to_owned();
+    assert_eq!(run["status"], "waiting_for_approval");
+    let (status, key) = h
+        .call(
+            Method::POST,
+            "/v1/keys",
+            Some(json!({"name": "watcher", "role": "viewer", "service": true})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{key}");
+    let request = axum::http::Request::builder()
+        .uri(format!("/v1/runs/{run_id}/events"))
+        .header(
+            "authorization",
+            format!("Bearer {}", key["api_key"].as_str().unwrap()),
+        )
+        .body(axum::body::Body::empty())
+        .unwrap();
+    let response = h.router.clone().oneshot(request).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let mut body = response.into_body();
+    // The steps so far arrive, and the stream then waits.
+    let first = tokio::time::timeout(Duration::from_secs(10), body.frame())
+        .await
+        .unwrap();
+    assert!(first.is_some());
+    let (status, revoked) = h
+        .call(
+            Method::DELETE,
+            &format!("/v1/keys/{}", key["id"].as_str().unwrap()),
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{revoked}");
+    let ended = tokio::time::timeout(Duration::from_secs(15), async {
+        loop {
+            match body.frame().await {
+                None => return,
+                Some(frame) => {
+                    frame.unwrap();
+                }
+            }
+        }
+    })
+    .await;
+    assert!(
+        ended.is_ok(),
+        "the stream went on after its key was revoked"
+    );
+}

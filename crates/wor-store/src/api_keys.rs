@@ -195,6 +195,21 @@ impl Store {
     /// INVARIANT: a personal key acts with the lower of its own role and its member's role as
     /// it is now, read with the key on every request: a member's new role holds for all of
     /// their keys from the next request, and no key acts above the person it belongs to.
+    /// Whether key `id` still opens anything: not revoked, and, for a personal key, its member
+    /// still in the project. What a request authenticated by it earlier (an event stream held
+    /// open) checks again as it goes on.
+    pub async fn api_key_opens(&self, id: ApiKeyId) -> Result<bool, StoreError> {
+        let row = sqlx::query(
+            "SELECT 1 AS opens FROM api_keys k \
+             LEFT JOIN members m ON m.id = k.member_id AND m.project_id = k.project_id \
+             WHERE k.id = $1 AND k.revoked_at IS NULL AND (k.member_id IS NULL OR m.id IS NOT NULL)",
+        )
+        .bind(id.to_string())
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(row.is_some())
+    }
+
     pub async fn authenticate_api_key(
         &self,
         presented: &str,

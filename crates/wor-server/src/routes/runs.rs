@@ -11,7 +11,7 @@ use futures_util::Stream;
 use wor_core::audit::Actor;
 use wor_core::run::RunStatus;
 use wor_core::step::Step;
-use wor_core::{ProjectId, Role, RoutineId, RunId};
+use wor_core::{ApiKeyId, ProjectId, Role, RoutineId, RunId};
 use wor_engine::{StartRun, Trigger};
 use wor_store::{RunFilter, RunRecord, RunStep, Store, StoreError};
 
@@ -26,6 +26,8 @@ const EVENTS_POLL: Duration = Duration::from_millis(200);
 /// At most this many steps are read, and turned into events, at a time: a long run's backlog
 /// goes out in pieces, each one read after the last is sent.
 const EVENTS_PAGE: u16 = 64;
+/// How often a run's event stream checks that its key still opens anything.
+const KEY_RECHECK: Duration = Duration::from_secs(2);
 // A full page is read on from without waiting: an empty one would never end.
 const _: () = assert!(EVENTS_PAGE > 0);
 
@@ -365,7 +367,8 @@ pub(crate) async fn cancel_run(
 
 /// The run's steps as server-sent events (`event: step`), the model's text as it is written
 /// (`event: text`, `{"delta": …}`, redacted; only while this server drives the run), then
-/// `event: end` with the run once it has ended.
+/// `event: end` with the run once it has ended. A stream whose key is revoked (or whose
+/// member is removed) ends within seconds, without `end`.
 #[utoipa::path(get, path = "/v1/runs/{run_id}/events", tag = "runs", security(("bearer" = [])),
     params(("run_id" = String, Path, description = "a `run_…` id", pattern = "^run_[0-9a-f]{32}$")),
     responses((status = 200, description = "text/event-stream of `step` and `text` events and one `end` event"),
@@ -379,7 +382,13 @@ pub async fn events(
     // Subscribed before the first read, so no text written after it is missed; the text
     // written before it by the model call under way comes with it.
     let text = state.engine.watch_text(id);
-    let stream = step_stream(state.store.clone(), caller.project_id, id, text);
+    let stream = step_stream(
+        state.store.clone(),
+        caller.project_id,
+        id,
+        caller.key_id,
+        text,
+    );
     Ok(Sse::new(stream).keep_alive(KeepAlive::default()))
 }
 
@@ -387,6 +396,10 @@ struct Follow {
     store: Store,
     project: ProjectId,
     run: RunId,
+    /// The key the stream was opened with, checked again every [`KEY_RECHECK`]: revoked (or
+    /// its member removed), the stream ends.
+    key: ApiKeyId,
+    key_checked: tokio::time::Instant,
     last_seq: i64,
     pending: std::collections::VecDeque<Event>,
     ended: bool,
@@ -458,12 +471,15 @@ fn step_stream(
     store: Store,
     project: ProjectId,
     run: RunId,
+    key: ApiKeyId,
     text: wor_engine::TextWatch,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
     let follow = Follow {
         store,
         project,
         run,
+        key,
+        key_checked: tokio::time::Instant::now(),
         last_seq: 0,
         pending: Default::default(),
         ended: false,
@@ -477,6 +493,21 @@ fn step_stream(
             }
             if f.ended {
                 return None;
+            }
+            if f.key_checked.elapsed() >= KEY_RECHECK {
+                match f.store.api_key_opens(f.key).await {
+                    Ok(true) => f.key_checked = tokio::time::Instant::now(),
+                    Ok(false) => {
+                        tracing::info!(category = "auth", run_id = %f.run, key_id = %f.key,
+                            "a run's event stream ended: its key no longer opens anything");
+                        return None;
+                    }
+                    // Asked again at the next poll.
+                    Err(error) => {
+                        tracing::warn!(category = "auth", %error,
+                            "the key of a followed run could not be checked");
+                    }
+                }
             }
             // Text already written goes out before the steps that follow it.
             f.drain_text();
