@@ -12,11 +12,12 @@ pub mod internal;
 pub mod metrics;
 mod request_log;
 pub mod routes;
+pub mod serving;
 pub mod tls;
 pub mod traces;
 pub mod views;
 
-use std::future::{Future, IntoFuture as _};
+use std::future::Future;
 
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
@@ -258,6 +259,9 @@ pub fn router(state: AppState) -> Router {
         .fallback(|| async { ApiError::NoRoute })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
+            serving::BODY_READ_TIMEOUT,
+        ))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             auth::run_credential_gate,
@@ -373,12 +377,13 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let (shutdown, begun) = announced(shutdown);
-    let serving = axum::serve(
+    let serving = serving::serve_connections(
         sending_at_once(listener),
-        router(state).into_make_service_with_connect_info::<std::net::SocketAddr>(),
-    )
-    .with_graceful_shutdown(shutdown);
-    within_drain_grace(serving.into_future(), begun).await
+        router(state),
+        serving::ConnectionLimits::default(),
+        shutdown,
+    );
+    within_drain_grace(serving, begun).await
 }
 
 /// `shutdown`, and a receiver that turns `true` when it has completed.
@@ -454,10 +459,11 @@ pub async fn serve_tls(
     // `tap_io` gives the listener the peer address as connect info, as a plain TCP one has.
     let listener = tls::TlsListener::new(listener, tls)?.tap_io(|_| {});
     let (shutdown, begun) = announced(shutdown);
-    let serving = axum::serve(
+    let serving = serving::serve_connections(
         listener,
-        router(state).into_make_service_with_connect_info::<std::net::SocketAddr>(),
-    )
-    .with_graceful_shutdown(shutdown);
-    within_drain_grace(serving.into_future(), begun).await
+        router(state),
+        serving::ConnectionLimits::default(),
+        shutdown,
+    );
+    within_drain_grace(serving, begun).await
 }
