@@ -339,6 +339,7 @@ impl Engine {
                         depth,
                         budget_cap: serde_json::to_value(left).unwrap_or(Value::Null),
                     }),
+                    skip_at: None,
                 },
                 input_step,
                 None,

@@ -112,12 +112,51 @@ impl Engine {
         } else {
             None
         };
-        let run = match slot {
+        let run = match self
+            .create_admitted(
+                request.project,
+                new.clone(),
+                input.clone(),
+                actor.clone(),
+                slot,
+            )
+            .await
+        {
+            // Runs started at the same moment filled the routine since it was counted: this
+            // one is skipped, as it would have been a moment later.
+            Err(EngineError::Store(wor_store::StoreError::RoutineFull { active, max })) => {
+                let skipped = NewRun {
+                    status: RunStatus::Skipped,
+                    outcome: Some(skipped_outcome(active, max)),
+                    skip_at: None,
+                    ..new
+                };
+                self.create_started(request.project, skipped, input, actor, None)
+                    .await?
+            }
+            other => other?,
+        };
+        tracing::info!(category = "run", action = "run.start", project_id = %request.project,
+            run_id = %run.id, routine_id = %routine.id, version = version.version,
+            status = run.status.as_str(), "run started");
+        Ok(run)
+    }
+
+    /// Creates run `new` as admitted: claimed in `slot` of this process's pool when it has
+    /// one, else queued (or skipped) for any worker.
+    async fn create_admitted(
+        &self,
+        project: ProjectId,
+        new: NewRun,
+        input: InputStep,
+        actor: Actor,
+        slot: Option<tokio::sync::OwnedSemaphorePermit>,
+    ) -> Result<RunRecord, EngineError> {
+        Ok(match slot {
             // On a task of its own from the claim to the hand-over, so a caller that goes away
             // meanwhile (a client hanging up) cannot leave the run claimed with no driver.
             Some(slot) => {
                 let engine = self.clone();
-                let project = request.project;
                 tokio::spawn(async move {
                     engine
                         .create_started(project, new, input, actor, Some(slot))
@@ -127,14 +166,10 @@ impl Engine {
                 .map_err(|error| EngineError::StartTask(error.to_string()))??
             }
             None => {
-                self.create_started(request.project, new, input, actor, None)
+                self.create_started(project, new, input, actor, None)
                     .await?
             }
-        };
-        tracing::info!(category = "run", action = "run.start", project_id = %request.project,
-            run_id = %run.id, routine_id = %routine.id, version = version.version,
-            status = run.status.as_str(), "run started");
-        Ok(run)
+        })
     }
 
     /// Creates run `new` of `project` and records its start. With a `slot` of this process's
@@ -196,12 +231,9 @@ impl Engine {
         let max = definition.concurrency.max_runs;
         let full = active.filter(|active| *active >= max);
         let (status, outcome) = match (full, definition.concurrency.overlap) {
-            (Some(active), OverlapPolicy::Skip) => (
-                RunStatus::Skipped,
-                Some(format!(
-                    "skipped: {active} run(s) of this routine active, at most {max}"
-                )),
-            ),
+            (Some(active), OverlapPolicy::Skip) => {
+                (RunStatus::Skipped, Some(skipped_outcome(active, max)))
+            }
             _ => (RunStatus::Queued, None),
         };
         let cancel_oldest =
@@ -306,12 +338,20 @@ impl Engine {
                 thread: definition.memory.enabled.then_some(thread),
                 memory,
                 parent: None,
+                skip_at: (status == RunStatus::Queued
+                    && definition.concurrency.overlap == OverlapPolicy::Skip)
+                    .then_some(max),
             },
             input,
             actor: request.actor.clone().unwrap_or(default_actor),
             cancel_oldest,
         })
     }
+}
+
+/// What a run skipped by its routine's overlap policy ends with.
+fn skipped_outcome(active: u64, max: u64) -> String {
+    format!("skipped: {active} run(s) of this routine active, at most {max}")
 }
 
 /// The audit entry of the start of run `id`, recorded as `run`.

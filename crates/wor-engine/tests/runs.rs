@@ -751,6 +751,45 @@ async fn overlap_policies_skip_queue_or_cancel_the_previous_run() {
 }
 
 #[tokio::test]
+async fn starts_at_the_same_moment_never_pass_a_skip_policy_together() {
+    let h = Harness::new().await;
+    let engine = h.engine(EngineConfig::default());
+    let text = "[[model.script.turns]]\ntext = \"ok\"\nrepeat = true";
+    let skip = h
+        .routine(
+            &replay(text, "[concurrency]\nmax_runs = 2\noverlap = \"skip\"")
+                .replace("name = \"r\"", "name = \"s\""),
+        )
+        .await;
+    let starts = (0..12).map(|n| {
+        let engine = engine.clone();
+        let (project, key) = (h.project, h.key);
+        tokio::spawn(async move {
+            engine
+                .start_run(StartRun {
+                    project,
+                    routine: skip,
+                    input: json!(n),
+                    trigger: Trigger::Api(key),
+                    actor: None,
+                    thread: None,
+                })
+                .await
+                .unwrap()
+        })
+    });
+    let mut statuses = Vec::new();
+    for start in starts.collect::<Vec<_>>() {
+        statuses.push(start.await.unwrap().status);
+    }
+    let admitted = statuses
+        .iter()
+        .filter(|s| **s != RunStatus::Skipped)
+        .count();
+    assert_eq!(admitted, 2, "{statuses:?}");
+}
+
+#[tokio::test]
 async fn production_refuses_the_replay_model() {
     let h = Harness::new().await;
     let engine = h.engine(EngineConfig {

@@ -66,6 +66,7 @@ async fn main() {
                     thread: None,
                     memory: None,
                     parent: None,
+                    skip_at: None,
                 },
                 wor_core::step::InputStep::requested(serde_json::json!("go")),
             )

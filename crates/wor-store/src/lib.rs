@@ -141,6 +141,10 @@ pub enum StoreError {
         path: String,
         source: std::io::Error,
     },
+    /// A run to be skipped at `max` active runs of its routine found `active` when it was
+    /// recorded; nothing was written.
+    #[error("{active} run(s) of this routine active, at most {max}")]
+    RoutineFull { active: u64, max: u64 },
     #[error("no database at `{path}` yet (`wor init` or `wor serve` creates it)")]
     NoDatabase { path: String },
     #[error("stored row is corrupt: {0}")]
@@ -184,6 +188,7 @@ impl StoreError {
             StoreError::UnsupportedUrl(_) => "unsupported_url",
             StoreError::DataDir { .. } => "data_dir",
             StoreError::NoDatabase { .. } => "no_database",
+            StoreError::RoutineFull { .. } => "routine_full",
             StoreError::Corrupt(_) => "corrupt",
             StoreError::StepEncoding(_) => "step_encoding",
             StoreError::EventEncoding(_) => "event_encoding",

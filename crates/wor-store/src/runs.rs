@@ -83,6 +83,11 @@ pub struct NewRun {
     pub memory: Option<(Provenance, MemoryStep)>,
     /// For a run started by another run's call: its place in the tree and its budget cap.
     pub parent: Option<ParentLink>,
+    /// For a run of a routine whose overlap policy skips: how many active runs of the routine
+    /// make this one skipped. Counted again in the transaction that records it (with the
+    /// routine's row locked on PostgreSQL), so starts at the same moment never pass it
+    /// together: one that would is refused with [`StoreError::RoutineFull`].
+    pub skip_at: Option<u64>,
 }
 
 /// A run a scheduler pass starts.
@@ -250,6 +255,20 @@ impl Store {
         let id = RunId::new();
         let now = now_millis();
         let mut tx = self.begin_write().await?;
+        if let Some(max) = new.skip_at.filter(|_| new.status == RunStatus::Queued) {
+            if self.backend() == crate::Backend::Postgres {
+                sqlx::query("SELECT id FROM routines WHERE id = $1 AND project_id = $2 FOR UPDATE")
+                    .bind(new.routine_id.to_string())
+                    .bind(project.to_string())
+                    .execute(&mut **tx)
+                    .await?;
+            }
+            let active = count_active(&mut tx, project, new.routine_id, max).await?;
+            if active >= max {
+                tx.rollback().await?;
+                return Err(StoreError::RoutineFull { active, max });
+            }
+        }
         let start = ScheduledStart {
             project,
             run: new,
@@ -480,19 +499,8 @@ impl Store {
         routine: RoutineId,
         up_to: u64,
     ) -> Result<u64, StoreError> {
-        // The limit stays bound: it is a routine's own `max_runs`, whose every value would be
-        // a statement of its own in each connection's cache.
-        let row = sqlx::query(
-            "SELECT COUNT(*) AS n FROM (SELECT 1 AS one FROM runs WHERE routine_id = $1 \
-             AND project_id = $2 AND status IN ('queued', 'running', 'waiting_for_approval') \
-             LIMIT $3) AS active",
-        )
-        .bind(routine.to_string())
-        .bind(project.to_string())
-        .bind(to_i64(up_to))
-        .fetch_one(self.pool())
-        .await?;
-        Ok(to_u64(row.try_get("n")?))
+        let mut connection = self.pool().acquire().await?;
+        count_active(&mut connection, project, routine, up_to).await
     }
 
     /// How many runs of each of `routines` (project, routine) are active, by one statement
@@ -1766,4 +1774,26 @@ async fn cancel_one(
     } else {
         Asked::Nothing
     })
+}
+
+/// How many runs of `routine` are active, counted up to `up_to`.
+async fn count_active(
+    connection: &mut sqlx::AnyConnection,
+    project: ProjectId,
+    routine: RoutineId,
+    up_to: u64,
+) -> Result<u64, StoreError> {
+    // The limit stays bound: it is a routine's own `max_runs`, whose every value would be a
+    // statement of its own in each connection's cache.
+    let row = sqlx::query(
+        "SELECT COUNT(*) AS n FROM (SELECT 1 AS one FROM runs WHERE routine_id = $1 \
+         AND project_id = $2 AND status IN ('queued', 'running', 'waiting_for_approval') \
+         LIMIT $3) AS active",
+    )
+    .bind(routine.to_string())
+    .bind(project.to_string())
+    .bind(to_i64(up_to))
+    .fetch_one(&mut *connection)
+    .await?;
+    Ok(to_u64(row.try_get("n")?))
 }

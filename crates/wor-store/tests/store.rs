@@ -818,6 +818,7 @@ async fn an_ended_nested_run_always_releases_its_parked_parent() {
         thread: None,
         memory: None,
         parent,
+        skip_at: None,
     };
     let input = InputStep::requested(serde_json::json!("x"));
     let store = &db.store;
@@ -1084,6 +1085,7 @@ async fn a_parent_parking_as_its_nested_run_ends_is_never_left_parked() {
             thread: None,
             memory: None,
             parent,
+            skip_at: None,
         };
         let input = InputStep::requested(serde_json::json!("x"));
         let parent = store

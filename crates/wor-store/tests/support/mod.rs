@@ -101,6 +101,7 @@ pub fn queued_run(
         thread: None,
         memory: None,
         parent: None,
+        skip_at: None,
     }
 }
 
