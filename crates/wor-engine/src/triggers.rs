@@ -260,6 +260,38 @@ impl Engine {
         Ok(secret)
     }
 
+    /// Makes the routine's webhook secret of `kind` if it has none, and returns it: the only
+    /// time it is shown. `None` when it had one, made by a caller beside this one included, so
+    /// that of applies at the same moment one shows the secret that verifies.
+    pub async fn create_webhook_secret(
+        &self,
+        project: ProjectId,
+        routine: RoutineId,
+        kind: WebhookSecretKind,
+        actor: Actor,
+    ) -> Result<Option<SecretString>, EngineError> {
+        let slot = Self::webhook_slot(project, routine, kind);
+        if self.vault.metadata(&slot).await?.is_some() {
+            return Ok(None);
+        }
+        let secret = webhook_signature::generate_secret().map_err(EngineError::WebhookSecret)?;
+        let recorded = AuditEvent::new(project, AuditCategory::WebhookSecretRotate, actor)
+            .subject("routine_id", routine)
+            .payload(json!({ "slot": slot.to_string(), "kind": kind.as_str() }));
+        let staged = self
+            .vault
+            .put_new_staged(&slot, secret.expose_secret(), recorded)
+            .await
+            .map_err(EngineError::Vault)?;
+        Ok(match staged {
+            Some(staged) => {
+                self.append_staged_or_log(Some(staged)).await;
+                Some(secret)
+            }
+            None => None,
+        })
+    }
+
     async fn open_webhook_secret(
         &self,
         project: ProjectId,

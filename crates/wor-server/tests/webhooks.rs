@@ -897,3 +897,35 @@ async fn what_an_end_announces_is_queued_by_the_sweep_when_its_process_stopped_f
     assert_eq!(payload["event"], "run.finished");
     assert_eq!(payload["run"]["outcome"], "done");
 }
+
+#[tokio::test]
+async fn applies_at_the_same_moment_show_one_webhook_secret_the_one_that_verifies() {
+    let h = Harness::new().await;
+    let toml = "name = \"hooked\"\ninstructions = \"Say.\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\n\
+                [[model.script.turns]]\ntext = \"done\"\n[webhook]\nenabled = true\n";
+    let apply = || h.reply(Method::POST, "/v1/routines", Some(json!({ "toml": toml })));
+    let (a, b, c, d) = tokio::join!(apply(), apply(), apply(), apply());
+    let mut shown = Vec::new();
+    for reply in [&a, &b, &c, &d] {
+        assert!(reply.status.is_success(), "{}", reply.text);
+        if let Some(secret) = reply.body["webhook_secret"].as_str() {
+            shown.push(secret.to_owned());
+        }
+    }
+    assert_eq!(shown.len(), 1, "{shown:?}");
+    let routine = a.body["routine"]["id"].as_str().unwrap().to_owned();
+    let body = br#"{"ticket": 1}"#;
+    let timestamp = wor_store::now_millis() / 1000;
+    let signature = webhook_signature::sign(&shown[0], timestamp, body);
+    let reply = h
+        .hook(
+            &routine,
+            &[
+                ("wor-timestamp", timestamp.to_string()),
+                ("wor-signature", signature),
+            ],
+            body,
+        )
+        .await;
+    assert_eq!(reply.status, StatusCode::ACCEPTED, "{}", reply.text);
+}

@@ -174,6 +174,39 @@ impl Vault {
         Ok((SecretMetadata { updated_at: now }, staged))
     }
 
+    /// Seals `value` into `slot` only if the slot holds nothing, staging `recorded` with it
+    /// when it does: the staged entry when this call filled the slot, `None` (and nothing
+    /// written) when a secret was there already, one put there a moment before by a caller
+    /// beside this one included.
+    pub async fn put_new_staged(
+        &self,
+        slot: &SecretSlot,
+        value: &str,
+        recorded: AuditEvent,
+    ) -> Result<Option<StagedEvent>, VaultError> {
+        let sealed = self.seal_put(slot, value)?;
+        let mut tx = self.store.begin_write().await?;
+        let query = sqlx::query(
+            "INSERT INTO sealed_secrets (project_id, owner_table, owner_id, field, key_id, sealed, updated_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7) \
+             ON CONFLICT (project_id, owner_table, owner_id, field) DO NOTHING",
+        );
+        let written = bind_slot(query, &sealed.slot)
+            .bind(sealed.sealed.key_id().to_string())
+            .bind(sealed.sealed.to_bytes())
+            .bind(now_millis())
+            .execute(&mut **tx)
+            .await
+            .map_err(StoreError::from)?;
+        if written.rows_affected() != 1 {
+            tx.rollback().await.map_err(StoreError::from)?;
+            return Ok(None);
+        }
+        let staged = crate::staged::stage_one(&mut tx, recorded).await?;
+        tx.commit().await.map_err(StoreError::from)?;
+        Ok(Some(staged))
+    }
+
     /// Seals `value` for `slot`, to be written by the store operation whose change it belongs
     /// to, in that change's own transaction.
     pub fn seal_put(&self, slot: &SecretSlot, value: &str) -> Result<SealedPut, VaultError> {

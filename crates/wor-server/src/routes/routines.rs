@@ -173,15 +173,11 @@ pub async fn apply(
         (definition.notify.is_some(), WebhookSecretKind::Notify),
     ]) {
         if wanted
-            && !state
+            && let Some(secret) = state
                 .engine
-                .has_webhook_secret(caller.project_id, applied.routine.id, kind)
+                .create_webhook_secret(caller.project_id, applied.routine.id, kind, caller.actor())
                 .await?
         {
-            let secret = state
-                .engine
-                .rotate_webhook_secret(caller.project_id, applied.routine.id, kind, caller.actor())
-                .await?;
             *slot = Some(secrecy::ExposeSecret::expose_secret(&secret).to_owned());
         }
     }
