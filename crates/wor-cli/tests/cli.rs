@@ -1020,3 +1020,23 @@ fn a_misspelt_mode_variable_is_refused_not_taken_as_off() {
         );
     }
 }
+
+#[test]
+fn a_new_data_dir_and_its_database_are_the_servers_user_alone() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("nested").join("data");
+    let out = run(&mut wor(&["init", "--data-dir", &data.display().to_string()]));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let mode = |path: &std::path::Path| std::fs::metadata(path).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&data), 0o700);
+    assert_eq!(mode(&dir.path().join("nested")), 0o700);
+    for entry in std::fs::read_dir(&data).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if name.starts_with("wor.db") || name.ends_with(".key") {
+            assert_eq!(mode(&path) & 0o077, 0, "{name} is open to others: {:o}", mode(&path));
+        }
+    }
+    assert!(data.join("wor.db").exists());
+}

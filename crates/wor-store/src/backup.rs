@@ -105,7 +105,14 @@ pub async fn restore_sqlite(from: &Path, data_dir: &Path) -> Result<Store, Backu
     if &header != b"SQLite format 3\0" {
         return Err(not_a_backup("it is not an SQLite database".to_owned()));
     }
-    std::fs::create_dir_all(data_dir).map_err(io(data_dir))?;
+    {
+        use std::os::unix::fs::DirBuilderExt as _;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(data_dir)
+            .map_err(io(data_dir))?;
+    }
     let bytes = std::fs::read(from).map_err(io(from))?;
     let mut file = std::fs::OpenOptions::new()
         .write(true)

@@ -303,6 +303,29 @@ pub const SQLITE_FILE: &str = "wor.db";
 /// process queues them itself.
 pub const ANNOUNCE_GRACE_MS: i64 = 60_000;
 
+/// Makes `data_dir` (mode 0700, with any parent missing) and its database file (mode 0600)
+/// when they are missing, so that run inputs, outputs and the audit log are the server's
+/// user's alone: SQLite would make the file as the process's umask says, commonly readable by
+/// everyone, and its log files after it take the database file's mode. Existing ones are left
+/// as they are.
+pub(crate) fn private_database_file(data_dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(data_dir)?;
+    match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(data_dir.join(SQLITE_FILE))
+    {
+        Ok(_) => Ok(()),
+        Err(error) if error.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(error) => Err(error),
+    }
+}
+
 impl Store {
     /// Opens `database_url` if given, or the embedded SQLite database in `data_dir`, creating
     /// it if needed, and applies every pending migration.
@@ -310,7 +333,7 @@ impl Store {
         let url = match database_url {
             Some(url) => url.to_owned(),
             None => {
-                std::fs::create_dir_all(data_dir).map_err(|source| StoreError::DataDir {
+                private_database_file(data_dir).map_err(|source| StoreError::DataDir {
                     path: data_dir.display().to_string(),
                     source,
                 })?;
