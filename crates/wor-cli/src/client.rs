@@ -256,13 +256,15 @@ impl ApiClient {
             .with_context(|| format!("cannot reach the server at {}", self.base))?;
         let status = response.status();
         let text = response.text().await.context("cannot read the response")?;
-        let value: Value = if text.is_empty() {
-            Value::Null
-        } else {
-            serde_json::from_str(&text).with_context(|| {
-                format!("the server answered {status} with a body that is not JSON")
-            })?
-        };
+        // Every answer of the API, success or error, is a JSON body: one without is not from
+        // a Work on Repeat server (a wrong --server, a proxy's page), whatever its status.
+        let value: Value = serde_json::from_str(&text).map_err(|_| {
+            anyhow::anyhow!(
+                "{} answered {status} without a JSON body: is --server ({}) a Work on Repeat server?",
+                self.base,
+                env::SERVER
+            )
+        })?;
         if status.is_success() {
             return Ok(value);
         }

@@ -1026,17 +1026,61 @@ fn a_new_data_dir_and_its_database_are_the_servers_user_alone() {
     use std::os::unix::fs::PermissionsExt as _;
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("nested").join("data");
-    let out = run(&mut wor(&["init", "--data-dir", &data.display().to_string()]));
+    let out = run(&mut wor(&[
+        "init",
+        "--data-dir",
+        &data.display().to_string(),
+    ]));
     assert!(out.status.success(), "{}", text(&out.stderr));
-    let mode = |path: &std::path::Path| std::fs::metadata(path).unwrap().permissions().mode() & 0o777;
+    let mode =
+        |path: &std::path::Path| std::fs::metadata(path).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode(&data), 0o700);
     assert_eq!(mode(&dir.path().join("nested")), 0o700);
     for entry in std::fs::read_dir(&data).unwrap() {
         let path = entry.unwrap().path();
         let name = path.file_name().unwrap().to_string_lossy().into_owned();
         if name.starts_with("wor.db") || name.ends_with(".key") {
-            assert_eq!(mode(&path) & 0o077, 0, "{name} is open to others: {:o}", mode(&path));
+            assert_eq!(
+                mode(&path) & 0o077,
+                0,
+                "{name} is open to others: {:o}",
+                mode(&path)
+            );
         }
     }
     assert!(data.join("wor.db").exists());
+}
+
+#[test]
+fn an_answer_without_a_json_body_is_not_taken_for_success() {
+    use std::io::{Read as _, Write as _};
+    // Something at --server that is not a Work on Repeat server: 200 and nothing else.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { return };
+            let mut request = [0u8; 4096];
+            let _ = stream.read(&mut request);
+            let _ = stream
+                .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+        }
+    });
+    let out = run(wor(&[
+        "key",
+        "revoke",
+        "key_01a2b3c4d5e6f708192a3b4c5d6e7f80",
+        "--server",
+        &format!("http://{addr}"),
+    ])
+    .env(
+        "WOR_API_KEY",
+        "wor_0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+    ));
+    assert!(!out.status.success(), "{}", text(&out.stdout));
+    assert!(
+        text(&out.stderr).contains("without a JSON body: is --server"),
+        "{}",
+        text(&out.stderr)
+    );
 }

@@ -180,6 +180,11 @@ pub enum EngineError {
         start::MAX_THREAD_CHARS
     )]
     InvalidThread,
+    /// A run's `thread` for a routine that keeps no memory: it would be dropped.
+    #[error(
+        "`thread` names a memory thread, and this routine keeps no memory (`[memory] enabled = true` turns it on); start the run without one"
+    )]
+    ThreadWithoutMemory,
     /// A roster entry `routine/NAME` names a routine the project does not have.
     #[error("routine `{name}` named by the roster does not exist")]
     MissingRosterRoutine { name: String },
@@ -271,6 +276,7 @@ impl EngineError {
             | EngineError::Decision(_)
             | EngineError::EditRefused(_)
             | EngineError::InvalidThread
+            | EngineError::ThreadWithoutMemory
             | EngineError::Schedule(_)
             | EngineError::WebhookSecret(_)
             | EngineError::Route(_)

@@ -279,6 +279,9 @@ impl Engine {
         };
         // Memory is replayed with the labels it was stored with; one untrusted entry makes the
         // whole memory step untrusted, so decisions see it from the first call.
+        if request.thread.is_some() && !definition.memory.enabled {
+            return Err(EngineError::ThreadWithoutMemory);
+        }
         let thread = match &request.thread {
             Some(thread) => {
                 let thread = thread.trim();

@@ -790,6 +790,30 @@ async fn starts_at_the_same_moment_never_pass_a_skip_policy_together() {
 }
 
 #[tokio::test]
+async fn a_thread_for_a_routine_without_memory_is_refused_not_dropped() {
+    let h = Harness::new().await;
+    let engine = h.engine(EngineConfig::default());
+    let routine = h
+        .routine(&replay("[[model.script.turns]]\ntext = \"x\"", ""))
+        .await;
+    let err = engine
+        .start_run(StartRun {
+            project: h.project,
+            routine,
+            input: json!("go"),
+            trigger: Trigger::Api(h.key),
+            actor: None,
+            thread: Some("t1".to_owned()),
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, wor_engine::EngineError::ThreadWithoutMemory),
+        "{err}"
+    );
+}
+
+#[tokio::test]
 async fn production_refuses_the_replay_model() {
     let h = Harness::new().await;
     let engine = h.engine(EngineConfig {

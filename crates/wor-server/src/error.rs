@@ -180,6 +180,7 @@ impl From<wor_engine::EngineError> for ApiError {
                 ApiError::Conflict(error.to_string())
             }
             error @ (wor_engine::EngineError::InvalidThread
+            | wor_engine::EngineError::ThreadWithoutMemory
             | wor_engine::EngineError::Schedule(_)
             | wor_engine::EngineError::Route(_)) => {
                 ApiError::bad_request("invalid_request", error.to_string())
