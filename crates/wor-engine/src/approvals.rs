@@ -462,7 +462,11 @@ impl Engine {
         let approval = self.store.get_approval(project, id).await?;
         let run = self.store.get_run(project, approval.run_id).await?;
         let reason = reason.trim();
-        if reason.is_empty() {
+        // A reason of nothing but spaces and invisible characters says nothing either.
+        if reason
+            .chars()
+            .all(|c| c.is_whitespace() || wor_core::name::is_format_char(c))
+        {
             return Err(DecisionRefusal::NoReason.into());
         }
         if reason.chars().count() > MAX_REASON_CHARS {

@@ -370,6 +370,7 @@ impl ToolConnectionSpec {
         let kind: ToolConnectionKind =
             kind.parse().map_err(ToolConnectionSpecError::InvalidKind)?;
         let has_tools = !matches!(tools, HttpToolsSource::None);
+        let mut stated_url = None;
         let command = if kind.is_local() {
             let Some(mut command) = command else {
                 return Err(ToolConnectionSpecError::InvalidCommand(format!(
@@ -408,9 +409,9 @@ impl ToolConnectionSpec {
             }
             // An imported document may name the URL itself.
             if !(url.is_empty() && matches!(tools, HttpToolsSource::OpenApi(_))) {
-                wor_egress::EgressUrl::parse(&url).map_err(|refusal| {
+                stated_url = Some(wor_egress::EgressUrl::parse(&url).map_err(|refusal| {
                     ToolConnectionSpecError::InvalidUrl(format!("url: {refusal}"))
-                })?;
+                })?);
             }
             if allowlist.is_empty() {
                 return Err(ToolConnectionSpecError::InvalidAllowlist(
@@ -421,6 +422,16 @@ impl ToolConnectionSpec {
         };
         let parsed_allowlist = wor_egress::HostAllowlist::parse(&allowlist)
             .map_err(|e| ToolConnectionSpecError::InvalidAllowlist(format!("allowlist: {e}")))?;
+        // A connection whose own URL its allowlist leaves out could never be reached.
+        if let Some(stated) = &stated_url
+            && !parsed_allowlist.allows(stated.host(), stated.port())
+        {
+            return Err(ToolConnectionSpecError::InvalidAllowlist(format!(
+                "allowlist must name at least the host of `url` (`{}`, port {})",
+                stated.host(),
+                stated.port()
+            )));
+        }
         let mut http_tools = Vec::new();
         let mut imported_operations = Vec::new();
         if kind == ToolConnectionKind::HttpApi {

@@ -1122,8 +1122,10 @@ async fn a_consequential_call_after_untrusted_content_waits_for_exactly_one_appr
     let (status, _) = h.decide(&service, &first_id, "approve", "ok").await;
     assert_eq!(status, StatusCode::FORBIDDEN);
     let approver = h.member("approver").await;
-    let (status, _) = h.decide(&approver, &first_id, "approve", "  ").await;
-    assert_eq!(status, StatusCode::BAD_REQUEST);
+    for blank in ["  ", "\u{200B}", " \u{2060}\u{FEFF} "] {
+        let (status, _) = h.decide(&approver, &first_id, "approve", blank).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{blank:?}");
+    }
     assert_eq!(h.pending_approvals(&run_id).await.len(), 1);
 
     // Approving exactly this call lets the run go on, on a restarted engine: it sends once.
@@ -2062,4 +2064,29 @@ async fn a_runs_event_stream_ends_once_its_key_is_revoked() {
         ended.is_ok(),
         "the stream went on after its key was revoked"
     );
+}
+
+#[tokio::test]
+async fn a_connection_whose_allowlist_leaves_out_its_own_url_is_refused() {
+    let h = Harness::new().await;
+    let create = |allowlist: Value| {
+        h.call(
+            Method::POST,
+            "/v1/tool-connections",
+            Some(json!({"name": "other", "kind": "mcp_http",
+                "url": "https://other.example.com/mcp", "allowlist": allowlist})),
+        )
+    };
+    let (status, body) = create(json!(["mcp.example.com"])).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert_eq!(body["error"]["code"], "invalid_allowlist", "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("`other.example.com`, port 443"),
+        "{body}"
+    );
+    let (status, body) = create(json!(["other.example.com"])).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
 }
