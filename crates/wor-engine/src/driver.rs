@@ -37,6 +37,19 @@ use wor_store::{
 };
 
 use crate::call::{CallScope, Stopped, as_recorded, run_ended, run_event, with_step};
+
+/// How many runs' notes that their announcements are queued are written together.
+const ANNOUNCED_BATCH: usize = 64;
+/// The longest a note waits to be written with others.
+const ANNOUNCED_WAIT: Duration = Duration::from_millis(500);
+
+/// Runs whose announcements are queued, not yet marked so in the database.
+#[derive(Debug, Default)]
+pub(crate) struct AnnouncedRuns {
+    runs: Vec<(RunId, RunStatus)>,
+    /// When the first of `runs` was noted.
+    since: Option<Instant>,
+}
 use crate::output::AfterTurn;
 use crate::run_tools::{RunTools, ToolsUnavailable};
 use crate::{Engine, EngineError};
@@ -278,8 +291,48 @@ impl Engine {
         }
         self.enqueue_run_webhook(run, status, Some(outcome), None)
             .await?;
-        self.store.announced(run.id, status).await?;
+        self.mark_announced(run.id, status).await;
         Ok(())
+    }
+
+    /// Notes that `run`'s announcements for its move to `status` are queued. The notes are
+    /// written together, once [`ANNOUNCED_BATCH`] have gathered or the first has waited
+    /// [`ANNOUNCED_WAIT`], and by each sweep: one write for many runs, off their path. A note
+    /// lost with its process only makes the sweep queue those announcements again, each once
+    /// by its key.
+    pub(crate) async fn mark_announced(&self, run: RunId, status: RunStatus) {
+        let due = {
+            let mut announced = self.announced_runs();
+            announced.runs.push((run, status));
+            let since = *announced.since.get_or_insert_with(Instant::now);
+            announced.runs.len() >= ANNOUNCED_BATCH || since.elapsed() >= ANNOUNCED_WAIT
+        };
+        if due {
+            self.flush_announced().await;
+        }
+    }
+
+    /// Writes the notes [`Engine::mark_announced`] gathered; a failure is logged and the
+    /// notes are dropped (the sweep then queues those announcements again).
+    pub(crate) async fn flush_announced(&self) {
+        let runs = {
+            let mut announced = self.announced_runs();
+            announced.since = None;
+            std::mem::take(&mut announced.runs)
+        };
+        if runs.is_empty() {
+            return;
+        }
+        if let Err(error) = self.store.announced(&runs).await {
+            tracing::warn!(category = "run", runs = runs.len(), error = %error,
+                "marking runs announced failed; the sweep queues their announcements again");
+        }
+    }
+
+    fn announced_runs(&self) -> std::sync::MutexGuard<'_, AnnouncedRuns> {
+        self.announced
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Asks run `id` of `project` to stop, with its nested runs ([`Store::request_cancel`]),

@@ -329,6 +329,9 @@ pub struct Engine {
     /// Per run driven here: a model turn recorded but not yet committed, which the run's next
     /// journal write carries ([`Engine::carry`]).
     carried: Arc<std::sync::Mutex<std::collections::HashMap<wor_core::RunId, RunWrite>>>,
+    /// Runs whose announcements this process has queued, to be marked so in the database
+    /// together ([`Engine::mark_announced`]).
+    announced: Arc<std::sync::Mutex<driver::AnnouncedRuns>>,
     /// Set for a remote worker's engine: the runs it claimed and how it reaches the control
     /// plane (`remote.rs`).
     remote: Option<Arc<remote::RemoteRuns>>,
@@ -359,6 +362,7 @@ impl Engine {
             versions: Arc::default(),
             oauth_refreshes: Arc::default(),
             carried: Arc::default(),
+            announced: Arc::default(),
             remote: None,
         }
     }

@@ -405,9 +405,8 @@ impl Engine {
         .await?;
         self.notify_approval_requested(run.project_id, run.routine_id, id, tool, policies)
             .await?;
-        self.store
-            .announced(run.id, wor_core::run::RunStatus::WaitingForApproval)
-            .await?;
+        self.mark_announced(run.id, wor_core::run::RunStatus::WaitingForApproval)
+            .await;
         Ok(())
     }
 
@@ -415,6 +414,8 @@ impl Engine {
     /// whose announcements stayed due past their grace (that process stopped first, or failed
     /// to queue them). Returns how many runs it looked at.
     pub async fn announce_overdue(&self) -> Result<usize, EngineError> {
+        // What this process queued and has not marked yet is not overdue.
+        self.flush_announced().await;
         let due = self
             .store
             .claim_due_announcements(wor_store::now_millis(), wor_store::ANNOUNCE_GRACE_MS, 100)
@@ -470,10 +471,10 @@ impl Engine {
                 .await?;
             }
             // A run parked for its nested run has no approval to announce.
-            self.store.announced(run.id, run.status).await?;
+            self.store.announced(&[(run.id, run.status)]).await?;
         } else {
             // The run moved on (decided and queued again): what its park announced is past.
-            self.store.announced(run.id, run.status).await?;
+            self.store.announced(&[(run.id, run.status)]).await?;
         }
         tracing::info!(category = "run", run_id = %run.id, status = run.status.as_str(),
             "queued the announcements of a run whose process did not");

@@ -89,7 +89,11 @@ impl Sandbox {
         std::fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
-            .create(&config.state_dir)?;
+            .create(&config.state_dir)
+            .map_err(|error| SandboxError::StateDir {
+                path: config.state_dir.clone(),
+                error,
+            })?;
         Ok(Self {
             config: Arc::new(config),
         })
@@ -441,7 +445,13 @@ impl TempRoot {
             std::process::id(),
             COUNTER.fetch_add(1, Ordering::Relaxed)
         ));
-        std::fs::DirBuilder::new().mode(0o700).create(&path)?;
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&path)
+            .map_err(|error| SandboxError::StateDir {
+                path: state_dir.to_owned(),
+                error,
+            })?;
         Ok(Self { path })
     }
 }

@@ -116,4 +116,14 @@ pub enum SandboxError {
     /// An I/O error on the parent side.
     #[error("sandbox i/o error: {0}")]
     Io(#[from] std::io::Error),
+    /// The state directory (where each sandbox's root is made) cannot be made or used, such
+    /// as one another user made first.
+    #[error(
+        "cannot use the sandbox state directory `{}` ({error}); give one of your own with `--state-dir` or `WOR_SANDBOX_DIR`",
+        path.display()
+    )]
+    StateDir {
+        path: std::path::PathBuf,
+        error: std::io::Error,
+    },
 }

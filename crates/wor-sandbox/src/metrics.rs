@@ -24,7 +24,7 @@ pub fn stage(error: &SandboxError) -> &'static str {
         SandboxError::Exec { .. } => "exec",
         SandboxError::Profile(_) => "profile",
         SandboxError::Helper(_) => "helper",
-        SandboxError::Io(_) => "io",
+        SandboxError::Io(_) | SandboxError::StateDir { .. } => "io",
     }
 }
 

@@ -468,3 +468,30 @@ async fn doctor_probes_every_layer() {
     }
     assert_eq!(roots(dir.path()), 0);
 }
+
+#[test]
+fn a_state_directory_that_cannot_be_made_is_named_with_the_way_out() {
+    let dir = tempfile::tempdir().unwrap();
+    // Under a file: no directory can be made there.
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, "").unwrap();
+    let state = file.join("state");
+    let Err(refused) = Sandbox::new(SandboxConfig {
+        helper: HELPER.into(),
+        state_dir: state.clone(),
+        resolver: Arc::new(GuardedResolver::new(
+            Arc::new(StaticResolver::new()),
+            Arc::new(EgressPolicy::development()),
+        )),
+        startup_timeout: Duration::from_secs(10),
+    }) else {
+        panic!("a state directory under a file was taken");
+    };
+    let message = refused.to_string();
+    assert!(message.contains(&state.display().to_string()), "{message}");
+    assert!(message.contains("WOR_SANDBOX_DIR"), "{message}");
+    assert!(
+        std::error::Error::source(&refused).is_none(),
+        "its cause is in its message once, not again as its source"
+    );
+}

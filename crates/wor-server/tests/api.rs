@@ -1445,6 +1445,23 @@ async fn policies_are_validated_when_saved_with_the_line_named() {
         "{}",
         refused.text
     );
+    // An empty policy would deny every call: refused, pointing at the reset.
+    for empty in ["", "  \n\t"] {
+        let refused = api
+            .call(
+                Method::PUT,
+                "/v1/policy",
+                owner,
+                Some(json!({"text": empty})),
+            )
+            .await;
+        assert_error(&refused, StatusCode::BAD_REQUEST, "invalid_policy");
+        assert!(
+            refused.text.contains("DELETE /v1/policy"),
+            "{}",
+            refused.text
+        );
+    }
     let unchanged = api.call(Method::GET, "/v1/policy", owner, None).await;
     assert_eq!(unchanged.body["is_default"], true);
 

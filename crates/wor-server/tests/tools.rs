@@ -1985,6 +1985,7 @@ async fn a_park_whose_process_stopped_before_announcing_it_is_announced_by_the_s
     };
     let announced = format!("run.waiting_for_approval:{approval}");
     assert_eq!(deliveries().await, std::slice::from_ref(&announced));
+    assert_eq!(h.engine.announce_overdue().await.unwrap(), 0);
     // The park on record, its approval filed, its announcement due and not queued: as a
     // process that stopped between the two leaves it.
     sqlx::query("DELETE FROM webhook_deliveries WHERE run_id = $1")

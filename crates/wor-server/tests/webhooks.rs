@@ -854,11 +854,12 @@ async fn what_an_end_announces_is_queued_by_the_sweep_when_its_process_stopped_f
             .unwrap();
         sqlx::Row::try_get::<Option<i64>, _>(&row, "announce_due_at").unwrap()
     };
-    // The process that ended the run queued its announcements and said so.
+    // The process that ended the run queued its announcements and says so (its notes are
+    // written together, at the latest by its sweep).
     assert_eq!(count("webhook_deliveries").await, 1);
     assert_eq!(count("memory_entries").await, 2);
-    assert_eq!(due().await, None);
     assert_eq!(h.engine.announce_overdue().await.unwrap(), 0);
+    assert_eq!(due().await, None);
 
     // As a process that stopped right after the end's write leaves it: the end on record, its
     // announcements due and none of them queued.
@@ -881,6 +882,7 @@ async fn what_an_end_announces_is_queued_by_the_sweep_when_its_process_stopped_f
     assert_eq!(h.engine.announce_overdue().await.unwrap(), 1);
     assert_eq!(count("webhook_deliveries").await, 1);
     assert_eq!(count("memory_entries").await, 2);
+    assert_eq!(h.engine.announce_overdue().await.unwrap(), 0);
     assert_eq!(due().await, None);
     // Queued again (a sweep beside a process that queued them late): nothing twice.
     mark().execute(pool).await.unwrap();

@@ -263,7 +263,7 @@ impl Store {
                     .execute(&mut **tx)
                     .await?;
             }
-            let active = count_active(&mut tx, project, new.routine_id, max).await?;
+            let active = count_active(&mut **tx, project, new.routine_id, max).await?;
             if active >= max {
                 tx.rollback().await?;
                 return Err(StoreError::RoutineFull { active, max });
@@ -499,8 +499,7 @@ impl Store {
         routine: RoutineId,
         up_to: u64,
     ) -> Result<u64, StoreError> {
-        let mut connection = self.pool().acquire().await?;
-        count_active(&mut connection, project, routine, up_to).await
+        count_active(self.pool(), project, routine, up_to).await
     }
 
     /// How many runs of each of `routines` (project, routine) are active, by one statement
@@ -1011,17 +1010,35 @@ impl Store {
         Ok(claimed)
     }
 
-    /// Records that the announcements of run `id`'s park or end are queued, while its status
-    /// is still `status`: a run that has moved on since keeps what its later move made due.
-    pub async fn announced(&self, id: RunId, status: RunStatus) -> Result<(), StoreError> {
-        sqlx::query(
-            "UPDATE runs SET announce_due_at = NULL WHERE id = $1 AND status = $2 \
-             AND announce_due_at IS NOT NULL",
-        )
-        .bind(id.to_string())
-        .bind(status.as_str())
-        .execute(&*self.write_pool().await?)
-        .await?;
+    /// Records that the announcements of each run's park or end are queued, for a run whose
+    /// status is still the one given: a run that has moved on since keeps what its later move
+    /// made due. One statement per status and 200 runs.
+    pub async fn announced(&self, runs: &[(RunId, RunStatus)]) -> Result<(), StoreError> {
+        const PER_STATEMENT: usize = 200;
+        let mut by_status: std::collections::BTreeMap<&str, Vec<String>> = Default::default();
+        for (id, status) in runs {
+            by_status
+                .entry(status.as_str())
+                .or_default()
+                .push(id.to_string());
+        }
+        for (status, ids) in by_status {
+            for ids in ids.chunks(PER_STATEMENT) {
+                let placeholders = (2..ids.len() + 2)
+                    .map(|n| format!("${n}"))
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                let mut query = sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "UPDATE runs SET announce_due_at = NULL WHERE status = $1 \
+                     AND announce_due_at IS NOT NULL AND id IN ({placeholders})"
+                )))
+                .bind(status);
+                for id in ids {
+                    query = query.bind(id.as_str());
+                }
+                query.execute(&*self.write_pool().await?).await?;
+            }
+        }
         Ok(())
     }
 
@@ -1777,8 +1794,8 @@ async fn cancel_one(
 }
 
 /// How many runs of `routine` are active, counted up to `up_to`.
-async fn count_active(
-    connection: &mut sqlx::AnyConnection,
+async fn count_active<'e>(
+    executor: impl sqlx::Executor<'e, Database = sqlx::Any>,
     project: ProjectId,
     routine: RoutineId,
     up_to: u64,
@@ -1793,7 +1810,7 @@ async fn count_active(
     .bind(routine.to_string())
     .bind(project.to_string())
     .bind(to_i64(up_to))
-    .fetch_one(&mut *connection)
+    .fetch_one(executor)
     .await?;
     Ok(to_u64(row.try_get("n")?))
 }

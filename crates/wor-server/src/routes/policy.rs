@@ -114,6 +114,12 @@ pub(crate) async fn set_policy(
 ) -> Result<(), ApiError> {
     crate::auth::require_configure(role)?;
     if let Some(text) = text {
+        if text.trim().is_empty() {
+            return Err(ApiError::bad_request(
+                "invalid_policy",
+                "the policy is empty, which would deny every call (nothing would permit one); to go back to the built-in default, reset it (`DELETE /v1/policy`, `wor policy reset`)",
+            ));
+        }
         if text.len() > MAX_POLICY_BYTES {
             return Err(ApiError::bad_request(
                 "invalid_policy",
