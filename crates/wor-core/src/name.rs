@@ -29,7 +29,11 @@ pub fn check_name(name: &str) -> Result<(), NameError> {
     }
     // Two names that look the same must be the same name: `owner` and `owner` with a
     // zero-width space, or a name whose letters a direction override reorders, are refused.
-    if name.chars().any(is_format_char) {
+    // The zero-width non-joiner and joiner stay: Persian and Indic names are spelt with them.
+    if name
+        .chars()
+        .any(|c| is_format_char(c) && !matches!(c, '\u{200C}' | '\u{200D}'))
+    {
         return Err(NameError::Invisible);
     }
     Ok(())
@@ -91,7 +95,14 @@ mod tests {
             assert_eq!(check_name(bad), Err(NameError::Invisible), "{bad:?}");
         }
         // Letters of every script stay names, joiners inside emoji aside.
-        for good in ["Zoë", "Łukasz", "مريم", "田中", "o'brien"] {
+        for good in [
+            "Zoë",
+            "Łukasz",
+            "مريم",
+            "田中",
+            "o'brien",
+            "می\u{200C}خواهم",
+        ] {
             assert_eq!(check_name(good), Ok(()), "{good:?}");
         }
     }

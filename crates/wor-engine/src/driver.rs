@@ -37,6 +37,9 @@ use wor_store::{
 };
 
 use crate::call::{CallScope, Stopped, as_recorded, run_ended, run_event, with_step};
+use crate::output::AfterTurn;
+use crate::run_tools::{RunTools, ToolsUnavailable};
+use crate::{Engine, EngineError};
 
 /// How many runs' notes that their announcements are queued are written together.
 const ANNOUNCED_BATCH: usize = 64;
@@ -46,13 +49,10 @@ const ANNOUNCED_WAIT: Duration = Duration::from_millis(500);
 /// Runs whose announcements are queued, not yet marked so in the database.
 #[derive(Debug, Default)]
 pub(crate) struct AnnouncedRuns {
-    runs: Vec<(RunId, RunStatus)>,
+    runs: Vec<wor_store::AnnouncedRun>,
     /// When the first of `runs` was noted.
     since: Option<Instant>,
 }
-use crate::output::AfterTurn;
-use crate::run_tools::{RunTools, ToolsUnavailable};
-use crate::{Engine, EngineError};
 
 /// Output tokens asked for per turn when the routine does not say.
 const DEFAULT_MAX_OUTPUT_TOKENS: u32 = 1024;
@@ -262,8 +262,13 @@ impl Engine {
         if let Some(cancelled) = cancelled {
             crate::metrics::run_finished(run, &ending);
             crate::traces::run_finished(run, ending.status);
-            self.announce_end(run, ending.status, &ending.outcome, &cancelled)
-                .await?;
+            let announced = self
+                .announce_end(run, ending.status, &ending.outcome, &cancelled)
+                .await;
+            if let Err(error) = announced {
+                self.live_text.close(run.id);
+                return Err(error);
+            }
         }
         self.live_text.close(run.id);
         tracing::info!(category = "run", action = "run.end", project_id = %run.project_id,
@@ -282,17 +287,35 @@ impl Engine {
         outcome: &str,
         cancelled: &[ApprovalId],
     ) -> Result<(), EngineError> {
+        // Each is attempted whatever the others did; the first failure is answered, and the
+        // run stays due for the sweep, which queues what is missing.
+        let mut first_failure = None;
         for cancelled in cancelled {
-            self.notify_approval_changed(run.project_id, *cancelled, "cancelled", None)
-                .await?;
+            if let Err(error) = self
+                .notify_approval_changed(run.project_id, *cancelled, "cancelled", None)
+                .await
+            {
+                first_failure.get_or_insert(error);
+            }
         }
-        if status == RunStatus::Succeeded {
-            self.remember(run, outcome).await?;
+        if status == RunStatus::Succeeded
+            && let Err(error) = self.remember(run, outcome).await
+        {
+            first_failure.get_or_insert(error);
         }
-        self.enqueue_run_webhook(run, status, Some(outcome), None)
-            .await?;
-        self.mark_announced(run.id, status).await;
-        Ok(())
+        if let Err(error) = self
+            .enqueue_run_webhook(run, status, Some(outcome), None)
+            .await
+        {
+            first_failure.get_or_insert(error);
+        }
+        match first_failure {
+            Some(error) => Err(error),
+            None => {
+                self.mark_announced(run.id, status).await;
+                Ok(())
+            }
+        }
     }
 
     /// Notes that `run`'s announcements for its move to `status` are queued. The notes are
@@ -301,14 +324,29 @@ impl Engine {
     /// lost with its process only makes the sweep queue those announcements again, each once
     /// by its key.
     pub(crate) async fn mark_announced(&self, run: RunId, status: RunStatus) {
-        let due = {
+        let (due, first) = {
             let mut announced = self.announced_runs();
-            announced.runs.push((run, status));
+            announced.runs.push(wor_store::AnnouncedRun {
+                id: run,
+                status,
+                noted_at: wor_store::now_millis(),
+            });
+            let first = announced.since.is_none();
             let since = *announced.since.get_or_insert_with(Instant::now);
-            announced.runs.len() >= ANNOUNCED_BATCH || since.elapsed() >= ANNOUNCED_WAIT
+            (
+                announced.runs.len() >= ANNOUNCED_BATCH || since.elapsed() >= ANNOUNCED_WAIT,
+                first,
+            )
         };
         if due {
             self.flush_announced().await;
+        } else if first {
+            // The first note of a batch is written after its wait, whatever follows it.
+            let engine = self.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(ANNOUNCED_WAIT).await;
+                engine.flush_announced().await;
+            });
         }
     }
 

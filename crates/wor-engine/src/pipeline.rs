@@ -471,10 +471,22 @@ impl Engine {
                 .await?;
             }
             // A run parked for its nested run has no approval to announce.
-            self.store.announced(&[(run.id, run.status)]).await?;
+            self.store
+                .announced(&[wor_store::AnnouncedRun {
+                    id: run.id,
+                    status: run.status,
+                    noted_at: wor_store::now_millis(),
+                }])
+                .await?;
         } else {
             // The run moved on (decided and queued again): what its park announced is past.
-            self.store.announced(&[(run.id, run.status)]).await?;
+            self.store
+                .announced(&[wor_store::AnnouncedRun {
+                    id: run.id,
+                    status: run.status,
+                    noted_at: wor_store::now_millis(),
+                }])
+                .await?;
         }
         tracing::info!(category = "run", run_id = %run.id, status = run.status.as_str(),
             "queued the announcements of a run whose process did not");

@@ -152,7 +152,7 @@ impl Engine {
                 ("notification outbox", notifications),
             ] {
                 if let Err(error) = task.await {
-                    tracing::error!(category = "schedule", task = name, error = %error, "a trigger task ended abnormally");
+                    tracing::error!(category = "lifecycle", task = name, error = %error, "a trigger task ended abnormally");
                 }
             }
         })

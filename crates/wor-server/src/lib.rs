@@ -402,7 +402,8 @@ fn announced(
 }
 
 /// `serving` to its end, or until [`DRAIN_GRACE`] after `begun` turned `true`, whichever
-/// comes first; what is still open then is dropped, its connections closed.
+/// comes first; `serving` is then dropped, and with it ([`serving::serve_connections`]) the
+/// tasks of the connections still open, which closes them.
 async fn within_drain_grace(
     serving: impl Future<Output = std::io::Result<()>>,
     mut begun: tokio::sync::watch::Receiver<bool>,

@@ -20,7 +20,8 @@ use tokio::sync::{Semaphore, watch};
 /// connection no longer.
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// How long a request's body may take to arrive once its headers are in.
+/// How long a request's body may go without a byte arriving once its headers are in (a gap,
+/// not a total: a body is also held to `MAX_BODY_BYTES`).
 pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The most connections served at once; one more waits until one closes. Well below the
@@ -58,10 +59,13 @@ where
     L: Listener<Addr = SocketAddr>,
 {
     let permits = Arc::new(Semaphore::new(limits.max_connections));
-    // Every connection's task holds a receiver of `closing`; all dropped, all have closed.
     let (closing, closed) = watch::channel(false);
+    // Each connection's task, aborted with the set when this future is dropped (the drain's
+    // grace having run out).
+    let mut connections = tokio::task::JoinSet::new();
     tokio::pin!(shutdown);
     loop {
+        while connections.try_join_next().is_some() {}
         let permit = tokio::select! {
             permit = permits.clone().acquire_owned() => match permit {
                 Ok(permit) => permit,
@@ -89,7 +93,7 @@ where
                 }
             });
         let mut closing = closed.clone();
-        tokio::spawn(async move {
+        connections.spawn(async move {
             let mut builder = hyper::server::conn::http1::Builder::new();
             builder
                 .timer(TokioTimer::new())
@@ -122,7 +126,7 @@ where
     drop(listener);
     let _ = closing.send(true);
     drop(closed);
-    closing.closed().await;
+    while connections.join_next().await.is_some() {}
     Ok(())
 }
 

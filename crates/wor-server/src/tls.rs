@@ -116,8 +116,15 @@ impl TlsListener {
     pub fn new(listener: TcpListener, tls: ReloadableTls) -> io::Result<Self> {
         let local = listener.local_addr()?;
         let (sender, accepted) = mpsc::channel(64);
+        // Connections in their handshake, or handed over and not yet taken, are bounded as the
+        // served ones are (`serving::MAX_CONNECTIONS`): one more waits to be accepted.
+        let handshakes =
+            std::sync::Arc::new(tokio::sync::Semaphore::new(crate::serving::MAX_CONNECTIONS));
         tokio::spawn(async move {
             loop {
+                let Ok(permit) = handshakes.clone().acquire_owned().await else {
+                    break;
+                };
                 let (stream, peer) = match listener.accept().await {
                     Ok(accepted) => accepted,
                     Err(error) => {
@@ -136,6 +143,7 @@ impl TlsListener {
                     match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
                         Ok(Ok(stream)) => {
                             let _ = sender.send((stream, peer)).await;
+                            drop(permit);
                         }
                         Ok(Err(_)) | Err(_) => {
                             tracing::debug!(

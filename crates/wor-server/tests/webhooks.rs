@@ -714,6 +714,13 @@ async fn a_receiver_that_never_answers_holds_up_neither_the_schedules_nor_other_
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
     // Each of the silent receiver's three webhooks is in flight at once, none answered yet.
+    while held.lock().unwrap().len() < 3 {
+        assert!(
+            began.elapsed() < std::time::Duration::from_secs(8),
+            "the silent receiver's webhooks were not sent side by side"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
     assert_eq!(held.lock().unwrap().len(), 3);
     let scheduled = || async {
         let runs = h

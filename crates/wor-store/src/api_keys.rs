@@ -189,12 +189,6 @@ impl Store {
         Ok((record, key, staged))
     }
 
-    /// Resolves a presented key. Unknown and revoked keys are both `None`: the caller
-    /// learns nothing about which.
-    ///
-    /// INVARIANT: a personal key acts with the lower of its own role and its member's role as
-    /// it is now, read with the key on every request: a member's new role holds for all of
-    /// their keys from the next request, and no key acts above the person it belongs to.
     /// Whether key `id` still opens anything: not revoked, and, for a personal key, its member
     /// still in the project. What a request authenticated by it earlier (an event stream held
     /// open) checks again as it goes on.
@@ -210,6 +204,12 @@ impl Store {
         Ok(row.is_some())
     }
 
+    /// Resolves a presented key. Unknown and revoked keys are both `None`: the caller
+    /// learns nothing about which.
+    ///
+    /// INVARIANT: a personal key acts with the lower of its own role and its member's role as
+    /// it is now, read with the key on every request: a member's new role holds for all of
+    /// their keys from the next request, and no key acts above the person it belongs to.
     pub async fn authenticate_api_key(
         &self,
         presented: &str,

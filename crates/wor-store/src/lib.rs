@@ -79,8 +79,9 @@ pub use projects::{CreatedProject, ProjectRecord, RecoveredOwner};
 pub use routines::{AppliedRoutine, RoutineRecord, RoutineVersionRecord};
 pub use run_tokens::{RUN_TOKEN_PREFIX, RunGrant, RunToken};
 pub use runs::{
-    CANCELLED_WHILE_QUEUED, CancelAsked, ClaimTerms, Claimed, NestedPark, NewRun, ParentLink,
-    RunFilter, RunRecord, RunStep, ScheduleAdvance, ScheduledStart, ThreadSummary, UnreadableRun,
+    AnnouncedRun, CANCELLED_WHILE_QUEUED, CancelAsked, ClaimTerms, Claimed, NestedPark, NewRun,
+    ParentLink, RunFilter, RunRecord, RunStep, ScheduleAdvance, ScheduledStart, ThreadSummary,
+    UnreadableRun,
 };
 pub use sqlx::Error as SqlxError;
 pub use staged::StagedEvent;

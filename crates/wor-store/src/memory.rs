@@ -24,6 +24,14 @@ impl Store {
             .map(|e| e.run_id)
             .collect::<std::collections::BTreeSet<_>>()
         {
+            // Two appends of one run's entries at once (its process late, a sweep beside it)
+            // take turns on the run's row, so the second finds the first's entries.
+            if self.backend() == crate::Backend::Postgres {
+                sqlx::query("SELECT id FROM runs WHERE id = $1 FOR UPDATE")
+                    .bind(run.to_string())
+                    .execute(&mut **tx)
+                    .await?;
+            }
             let kept =
                 sqlx::query("SELECT 1 AS kept FROM memory_entries WHERE run_id = $1 LIMIT 1")
                     .bind(run.to_string())

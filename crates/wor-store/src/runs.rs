@@ -90,6 +90,15 @@ pub struct NewRun {
     pub skip_at: Option<u64>,
 }
 
+/// A note that a run's announcements for its move to `status` were queued at `noted_at`
+/// (milliseconds): see [`Store::announced`].
+#[derive(Debug, Clone, Copy)]
+pub struct AnnouncedRun {
+    pub id: RunId,
+    pub status: RunStatus,
+    pub noted_at: i64,
+}
+
 /// A run a scheduler pass starts.
 #[derive(Debug, Clone)]
 pub struct ScheduledStart {
@@ -1010,31 +1019,37 @@ impl Store {
         Ok(claimed)
     }
 
-    /// Records that the announcements of each run's park or end are queued, for a run whose
-    /// status is still the one given: a run that has moved on since keeps what its later move
-    /// made due. One statement per status and 200 runs.
-    pub async fn announced(&self, runs: &[(RunId, RunStatus)]) -> Result<(), StoreError> {
+    /// Records that the announcements of each run's park or end are queued: for a run whose
+    /// status is still the one noted, and whose announcements were made due no later than the
+    /// note (a run that has moved on, or parked again, since keeps what its later move made
+    /// due). One statement per status and 200 runs.
+    pub async fn announced(&self, runs: &[AnnouncedRun]) -> Result<(), StoreError> {
         const PER_STATEMENT: usize = 200;
-        let mut by_status: std::collections::BTreeMap<&str, Vec<String>> = Default::default();
-        for (id, status) in runs {
-            by_status
-                .entry(status.as_str())
-                .or_default()
-                .push(id.to_string());
+        let mut by_status: std::collections::BTreeMap<&str, Vec<&AnnouncedRun>> =
+            Default::default();
+        for run in runs {
+            by_status.entry(run.status.as_str()).or_default().push(run);
         }
-        for (status, ids) in by_status {
-            for ids in ids.chunks(PER_STATEMENT) {
-                let placeholders = (2..ids.len() + 2)
-                    .map(|n| format!("${n}"))
+        for (status, runs) in by_status {
+            for runs in runs.chunks(PER_STATEMENT) {
+                let each = (0..runs.len())
+                    .map(|n| {
+                        format!(
+                            "(id = ${} AND announce_due_at <= ${})",
+                            2 + 2 * n,
+                            3 + 2 * n
+                        )
+                    })
                     .collect::<Vec<_>>()
-                    .join(", ");
+                    .join(" OR ");
                 let mut query = sqlx::query(sqlx::AssertSqlSafe(format!(
-                    "UPDATE runs SET announce_due_at = NULL WHERE status = $1 \
-                     AND announce_due_at IS NOT NULL AND id IN ({placeholders})"
+                    "UPDATE runs SET announce_due_at = NULL WHERE status = $1 AND ({each})"
                 )))
                 .bind(status);
-                for id in ids {
-                    query = query.bind(id.as_str());
+                for run in runs {
+                    query = query
+                        .bind(run.id.to_string())
+                        .bind(run.noted_at.saturating_add(crate::ANNOUNCE_GRACE_MS));
                 }
                 query.execute(&*self.write_pool().await?).await?;
             }
