@@ -912,7 +912,18 @@ async fn applies_at_the_same_moment_show_one_webhook_secret_the_one_that_verifie
     let h = Harness::new().await;
     let toml = "name = \"hooked\"\ninstructions = \"Say.\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\n\
                 [[model.script.turns]]\ntext = \"done\"\n[webhook]\nenabled = true\n";
-    let apply = || h.reply(Method::POST, "/v1/routines", Some(json!({ "toml": toml })));
+    // An apply that finds another creating the routine at that moment is told to apply again
+    // (409 on PostgreSQL), and does.
+    let apply = || async {
+        loop {
+            let reply = h
+                .reply(Method::POST, "/v1/routines", Some(json!({ "toml": toml })))
+                .await;
+            if reply.status != StatusCode::CONFLICT {
+                return reply;
+            }
+        }
+    };
     let (a, b, c, d) = tokio::join!(apply(), apply(), apply(), apply());
     let mut shown = Vec::new();
     for reply in [&a, &b, &c, &d] {
