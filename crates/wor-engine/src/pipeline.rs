@@ -470,16 +470,10 @@ impl Engine {
                 )
                 .await?;
             }
-            // A run parked for its nested run has no approval to announce.
-            self.store
-                .announced(&[wor_store::AnnouncedRun {
-                    id: run.id,
-                    status: run.status,
-                    noted_at: wor_store::now_millis(),
-                }])
-                .await?;
-        } else {
-            // The run moved on (decided and queued again): what its park announced is past.
+        }
+        if !run.status.is_terminal() {
+            // Queued for its approvals above; and a run parked for its nested run has none to
+            // announce, as a run that moved on since (decided and queued again) has none left.
             self.store
                 .announced(&[wor_store::AnnouncedRun {
                     id: run.id,
