@@ -112,19 +112,22 @@ impl Engine {
         } else {
             None
         };
-        let run = match self
-            .create_admitted(
-                request.project,
-                new.clone(),
-                input.clone(),
-                actor.clone(),
-                slot,
-            )
-            .await
-        {
+        // Only a run the overlap policy may yet skip keeps what recording it skipped takes.
+        let skippable = new
+            .skip_at
+            .is_some()
+            .then(|| (new.clone(), input.clone(), actor.clone()));
+        let run = match (
+            self.create_admitted(request.project, new, input, actor, slot)
+                .await,
+            skippable,
+        ) {
             // Runs started at the same moment filled the routine since it was counted: this
             // one is skipped, as it would have been a moment later.
-            Err(EngineError::Store(wor_store::StoreError::RoutineFull { active, max })) => {
+            (
+                Err(EngineError::Store(wor_store::StoreError::RoutineFull { active, max })),
+                Some((new, input, actor)),
+            ) => {
                 let skipped = NewRun {
                     status: RunStatus::Skipped,
                     outcome: Some(skipped_outcome(active, max)),
@@ -134,7 +137,7 @@ impl Engine {
                 self.create_started(request.project, skipped, input, actor, None)
                     .await?
             }
-            other => other?,
+            (created, _) => created?,
         };
         tracing::info!(category = "run", action = "run.start", project_id = %request.project,
             run_id = %run.id, routine_id = %routine.id, version = version.version,

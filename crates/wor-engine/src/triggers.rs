@@ -248,9 +248,7 @@ impl Engine {
         let slot = Self::webhook_slot(project, routine, kind);
         // The entry is staged with the secret: a crash before it is appended leaves it for the
         // audit writer's sweep, never a new secret without its entry.
-        let recorded = AuditEvent::new(project, AuditCategory::WebhookSecretRotate, actor)
-            .subject("routine_id", routine)
-            .payload(json!({ "slot": slot.to_string(), "kind": kind.as_str() }));
+        let recorded = webhook_secret_entry(&slot, routine, kind, actor);
         let (_, staged) = self
             .vault
             .put_staged(&[(slot, secret.expose_secret())], Some(recorded))
@@ -275,9 +273,7 @@ impl Engine {
             return Ok(None);
         }
         let secret = webhook_signature::generate_secret().map_err(EngineError::WebhookSecret)?;
-        let recorded = AuditEvent::new(project, AuditCategory::WebhookSecretRotate, actor)
-            .subject("routine_id", routine)
-            .payload(json!({ "slot": slot.to_string(), "kind": kind.as_str() }));
+        let recorded = webhook_secret_entry(&slot, routine, kind, actor);
         let staged = self
             .vault
             .put_new_staged(&slot, secret.expose_secret(), recorded)
@@ -615,6 +611,18 @@ impl Engine {
             },
         })
     }
+}
+
+/// The entry of a webhook secret of `routine` made into `slot`, new or in place of another.
+fn webhook_secret_entry(
+    slot: &SecretSlot,
+    routine: RoutineId,
+    kind: WebhookSecretKind,
+    actor: Actor,
+) -> AuditEvent {
+    AuditEvent::new(slot.project, AuditCategory::WebhookSecretRotate, actor)
+        .subject("routine_id", routine)
+        .payload(json!({ "slot": slot.to_string(), "kind": kind.as_str() }))
 }
 
 /// `items` in groups of one `key` each, every group in the order the items came.

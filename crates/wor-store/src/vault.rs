@@ -186,19 +186,7 @@ impl Vault {
     ) -> Result<Option<StagedEvent>, VaultError> {
         let sealed = self.seal_put(slot, value)?;
         let mut tx = self.store.begin_write().await?;
-        let query = sqlx::query(
-            "INSERT INTO sealed_secrets (project_id, owner_table, owner_id, field, key_id, sealed, updated_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7) \
-             ON CONFLICT (project_id, owner_table, owner_id, field) DO NOTHING",
-        );
-        let written = bind_slot(query, &sealed.slot)
-            .bind(sealed.sealed.key_id().to_string())
-            .bind(sealed.sealed.to_bytes())
-            .bind(now_millis())
-            .execute(&mut **tx)
-            .await
-            .map_err(StoreError::from)?;
-        if written.rows_affected() != 1 {
+        if !insert_sealed(&mut tx, &sealed, now_millis(), Existing::Keep).await? {
             tx.rollback().await.map_err(StoreError::from)?;
             return Ok(None);
         }
@@ -430,20 +418,45 @@ pub(crate) async fn write_sealed(
     now: i64,
 ) -> Result<(), StoreError> {
     for put in puts {
-        let query = sqlx::query(
-            "INSERT INTO sealed_secrets (project_id, owner_table, owner_id, field, key_id, sealed, updated_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7) \
-             ON CONFLICT (project_id, owner_table, owner_id, field) \
-             DO UPDATE SET key_id = excluded.key_id, sealed = excluded.sealed, updated_at = excluded.updated_at",
-        );
-        bind_slot(query, &put.slot)
-            .bind(put.sealed.key_id().to_string())
-            .bind(put.sealed.to_bytes())
-            .bind(now)
-            .execute(&mut **tx)
-            .await?;
+        insert_sealed(tx, put, now, Existing::Replace).await?;
     }
     Ok(())
+}
+
+/// What writing a secret into a slot that holds one does.
+#[derive(Debug, Clone, Copy)]
+enum Existing {
+    Replace,
+    Keep,
+}
+
+/// Writes `put` into its slot at `now`; whether it was written (with [`Existing::Keep`], not
+/// when the slot held a secret).
+async fn insert_sealed(
+    tx: &mut sqlx::Transaction<'static, sqlx::Any>,
+    put: &SealedPut,
+    now: i64,
+    existing: Existing,
+) -> Result<bool, StoreError> {
+    let on_conflict = match existing {
+        Existing::Replace => {
+            "DO UPDATE SET key_id = excluded.key_id, sealed = excluded.sealed, \
+             updated_at = excluded.updated_at"
+        }
+        Existing::Keep => "DO NOTHING",
+    };
+    let query = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO sealed_secrets (project_id, owner_table, owner_id, field, key_id, sealed, updated_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7) \
+         ON CONFLICT (project_id, owner_table, owner_id, field) {on_conflict}"
+    )));
+    let written = bind_slot(query, &put.slot)
+        .bind(put.sealed.key_id().to_string())
+        .bind(put.sealed.to_bytes())
+        .bind(now)
+        .execute(&mut **tx)
+        .await?;
+    Ok(written.rows_affected() == 1)
 }
 
 /// Binds `slot` as parameters `$1` to `$4`, in the order of [`SLOT_WHERE`].
