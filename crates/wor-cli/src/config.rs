@@ -100,7 +100,7 @@ struct SandboxSection {
 #[derive(Debug, Default, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 struct MetricsSection {
-    /// `IP:PORT` of the metrics listener; without it no metrics are recorded or served.
+    /// `IP:PORT` or `HOST:PORT` of the metrics listener; without it no metrics are recorded or served.
     listen: Option<String>,
 }
 
@@ -361,9 +361,7 @@ impl ServerConfig {
             .map(str::to_owned)
             .or(file.listen)
             .unwrap_or_else(|| DEFAULT_LISTEN.to_owned());
-        let listen: SocketAddr = listen_text.parse().with_context(|| {
-            format!("listen address `{listen_text}` is not of the form `IP:PORT`")
-        })?;
+        let listen = listen_address(&listen_text).context("the listen address")?;
         let production = production_flag
             || env_flag(env::ENV, &["production"], &["development"])?
             || file.production.unwrap_or(false);
@@ -480,9 +478,7 @@ impl ServerConfig {
                 None => None,
             },
             metrics_listen: match file.metrics.and_then(|m| m.listen) {
-                Some(text) => Some(text.parse().with_context(|| {
-                    format!("`[metrics] listen` address `{text}` is not of the form `IP:PORT`")
-                })?),
+                Some(text) => Some(listen_address(&text).context("`[metrics] listen`")?),
                 None => None,
             },
             traces: match file.traces {
@@ -733,9 +729,65 @@ fn database_credential_problem(url: &str) -> Option<String> {
     None
 }
 
+/// The address a listener binds: `IP:PORT` (`[::1]:PORT` for IPv6), or `HOST:PORT` with the
+/// host name resolved now. `localhost` is the IPv4 loopback whatever the resolver says; a name
+/// with several addresses binds its first IPv4 one, else its first.
+fn listen_address(text: &str) -> anyhow::Result<SocketAddr> {
+    if let Ok(addr) = text.parse::<SocketAddr>() {
+        return Ok(addr);
+    }
+    let form = "is not of the form `IP:PORT` or `HOST:PORT`";
+    let Some((host, port)) = text.rsplit_once(':') else {
+        bail!("`{text}` {form}: it has no port");
+    };
+    let port: u16 = port
+        .parse()
+        .map_err(|_| anyhow::anyhow!("`{text}` {form}: `{port}` is not a port (0 to 65535)"))?;
+    if host.is_empty() {
+        bail!("`{text}` {form}: it has no host (all addresses are `0.0.0.0:{port}`)");
+    }
+    if host.eq_ignore_ascii_case("localhost") {
+        return Ok(SocketAddr::from(([127, 0, 0, 1], port)));
+    }
+    if host.contains([':', '[', ']']) {
+        bail!("`{text}` {form}: an IPv6 address is written `[ADDRESS]:PORT`");
+    }
+    let found: Vec<SocketAddr> = std::net::ToSocketAddrs::to_socket_addrs(&(host, port))
+        .with_context(|| format!("cannot resolve the host name `{host}`"))?
+        .collect();
+    found
+        .iter()
+        .find(|addr| addr.is_ipv4())
+        .or(found.first())
+        .copied()
+        .ok_or_else(|| anyhow::anyhow!("the host name `{host}` has no address"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_listen_address_is_an_ip_and_port_or_a_host_name_and_port() {
+        for (text, want) in [
+            ("127.0.0.1:8080", "127.0.0.1:8080"),
+            ("[::1]:9000", "[::1]:9000"),
+            ("localhost:8080", "127.0.0.1:8080"),
+            ("LocalHost:0", "127.0.0.1:0"),
+        ] {
+            assert_eq!(listen_address(text).unwrap().to_string(), want, "{text}");
+        }
+        for (text, says) in [
+            ("8080", "has no port"),
+            (":8080", "has no host"),
+            ("localhost:http", "is not a port"),
+            ("localhost:65536", "is not a port"),
+            ("::1:8080", "`[ADDRESS]:PORT`"),
+        ] {
+            let refused = format!("{:#}", listen_address(text).unwrap_err());
+            assert!(refused.contains(says), "{text}: {refused}");
+        }
+    }
 
     #[test]
     fn smtp_ca_file_is_read_as_pem_certificates_and_one_without_any_is_refused() {
