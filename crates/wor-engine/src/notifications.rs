@@ -27,7 +27,7 @@ use crate::approvals::{DecidedVia, DecisionRefusal};
 use crate::metrics::{DeliveryResult, NotificationChannel};
 use crate::notice::{MAX_ROUTE_NAME_CHARS, RouteError, route_slot, shown_value};
 use crate::triggers::retry_at;
-use crate::triggers::{grouped, time_for_one_more};
+use crate::triggers::{PassRoom, grouped};
 use crate::{Approver, Engine, EngineError};
 
 pub use wor_store::NOTIFICATION_ROUTES_TABLE;
@@ -338,12 +338,24 @@ impl Engine {
     /// with backoff, at most [`crate::MAX_DELIVERY_ATTEMPTS`] times. Returns how many were
     /// claimed.
     pub async fn deliver_notifications(&self, now: i64) -> Result<usize, EngineError> {
+        self.notification_pass(now, None).await
+    }
+
+    /// [`Engine::deliver_notifications`], starting no attempt once `stopping` says so.
+    pub(crate) async fn notification_pass(
+        &self,
+        now: i64,
+        stopping: Option<tokio::sync::watch::Receiver<bool>>,
+    ) -> Result<usize, EngineError> {
         let claimed = self
             .store
             .claim_due_notifications(now, NOTIFICATION_LEASE_MS, crate::triggers::OUTBOX_BATCH)
             .await?;
         let count = claimed.items.len();
-        let leased_until = claimed.leased_until;
+        let room = PassRoom {
+            leased_until: claimed.leased_until,
+            stopping,
+        };
         let (emails, slack): (Vec<_>, Vec<_>) = claimed
             .items
             .into_iter()
@@ -356,12 +368,12 @@ impl Engine {
             futures::future::join_all(
                 routes
                     .iter()
-                    .map(|deliveries| self.deliver_route_emails(deliveries, leased_until))
+                    .map(|deliveries| self.deliver_route_emails(deliveries, &room))
             ),
             futures::future::join_all(
                 approvals
                     .iter()
-                    .map(|deliveries| self.deliver_slack_messages(deliveries, leased_until))
+                    .map(|deliveries| self.deliver_slack_messages(deliveries, &room))
             ),
         );
         emailed
@@ -371,14 +383,15 @@ impl Engine {
         Ok(count)
     }
 
-    /// Sends one route's claimed emails, if the claim leaves time for them.
+    /// Sends one route's claimed emails, if the pass has room for them.
     async fn deliver_route_emails(
         &self,
         deliveries: &[NotificationDeliveryRecord],
-        leased_until: i64,
+        room: &PassRoom,
     ) -> Result<(), EngineError> {
-        if !time_for_one_more(leased_until, crate::email::SMTP_TIMEOUT) {
-            return Ok(());
+        let leased_until = room.leased_until;
+        if !room.for_one_more(crate::email::SMTP_TIMEOUT) {
+            return self.give_back_unstarted(deliveries, room).await;
         }
         for (id, outcome, result) in self.attempt_emails(deliveries).await? {
             crate::metrics::notification_attempted(NotificationChannel::Email, result);
@@ -392,15 +405,17 @@ impl Engine {
         Ok(())
     }
 
-    /// Sends one approval's claimed Slack messages in turn, while the claim leaves time.
+    /// Sends one approval's claimed Slack messages in turn, while the pass has room for one
+    /// more.
     async fn deliver_slack_messages(
         &self,
         deliveries: &[NotificationDeliveryRecord],
-        leased_until: i64,
+        room: &PassRoom,
     ) -> Result<(), EngineError> {
-        for delivery in deliveries {
-            if !time_for_one_more(leased_until, wor_egress::WEBHOOK_TIMEOUT) {
-                return Ok(());
+        let leased_until = room.leased_until;
+        for (started, delivery) in deliveries.iter().enumerate() {
+            if !room.for_one_more(wor_egress::WEBHOOK_TIMEOUT) {
+                return self.give_back_unstarted(&deliveries[started..], room).await;
             }
             let (outcome, result) = self.attempt_notification(delivery).await?;
             crate::metrics::notification_attempted(NotificationChannel::Slack, result);
@@ -409,6 +424,22 @@ impl Engine {
                 delivered = matches!(outcome, AttemptOutcome::Delivered { .. }),
                 attempt = delivery.attempts + 1, "notification attempted");
             self.record_notification(&delivery.id, leased_until, &outcome)
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// What a pass did not start: given back when the process is stopping, else left claimed
+    /// for another pass once the claim runs out.
+    async fn give_back_unstarted(
+        &self,
+        unstarted: &[NotificationDeliveryRecord],
+        room: &PassRoom,
+    ) -> Result<(), EngineError> {
+        if room.stopping() {
+            let ids: Vec<&str> = unstarted.iter().map(|d| d.id.as_str()).collect();
+            self.store
+                .release_notification_claims(&ids, room.leased_until)
                 .await?;
         }
         Ok(())

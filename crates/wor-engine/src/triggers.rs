@@ -181,13 +181,16 @@ impl Engine {
                 return;
             }
             let now = wor_store::now_millis();
+            // A pass started here starts no attempt once the process is stopping: it waits
+            // only for those in flight, and gives back what it claimed and did not start.
+            let stopping = Some(shutdown.clone());
             let claimed = match outbox {
-                Outbox::Webhooks => self.deliver_webhooks(now).await.unwrap_or_else(|error| {
+                Outbox::Webhooks => self.webhook_pass(now, stopping).await.unwrap_or_else(|error| {
                     tracing::error!(category = "webhook", error = %error, "webhook delivery pass failed");
                     0
                 }),
                 Outbox::Notifications => {
-                    self.deliver_notifications(now).await.unwrap_or_else(|error| {
+                    self.notification_pass(now, stopping).await.unwrap_or_else(|error| {
                         tracing::error!(category = "notification", error = %error, "notification pass failed");
                         0
                     })
@@ -517,31 +520,54 @@ impl Engine {
     /// [`MAX_DELIVERY_ATTEMPTS`] times. A run's webhooks go one after another, in the order
     /// they were queued; different runs' go side by side. Returns how many were claimed.
     pub async fn deliver_webhooks(&self, now: i64) -> Result<usize, EngineError> {
+        self.webhook_pass(now, None).await
+    }
+
+    /// [`Engine::deliver_webhooks`], starting no attempt once `stopping` says so.
+    async fn webhook_pass(
+        &self,
+        now: i64,
+        stopping: Option<watch::Receiver<bool>>,
+    ) -> Result<usize, EngineError> {
         let claimed = self
             .store
             .claim_due_deliveries(now, DELIVERY_LEASE_MS, OUTBOX_BATCH)
             .await?;
         let count = claimed.items.len();
-        let leased_until = claimed.leased_until;
+        let room = PassRoom {
+            leased_until: claimed.leased_until,
+            stopping,
+        };
         let runs = grouped(claimed.items, |delivery| delivery.run_id);
         let sent = futures::future::join_all(
             runs.iter()
-                .map(|deliveries| self.deliver_run_webhooks(deliveries, leased_until)),
+                .map(|deliveries| self.deliver_run_webhooks(deliveries, &room)),
         )
         .await;
         sent.into_iter().collect::<Result<(), _>>()?;
         Ok(count)
     }
 
-    /// Sends one run's claimed webhooks in turn, while the claim leaves time for one more.
+    /// Sends one run's claimed webhooks in turn, while the pass has room for one more.
     async fn deliver_run_webhooks(
         &self,
         deliveries: &[wor_store::DeliveryRecord],
-        leased_until: i64,
+        room: &PassRoom,
     ) -> Result<(), EngineError> {
-        for delivery in deliveries {
-            if !time_for_one_more(leased_until, wor_egress::WEBHOOK_TIMEOUT) {
-                // Left claimed: another pass takes it once the claim runs out.
+        let leased_until = room.leased_until;
+        for (started, delivery) in deliveries.iter().enumerate() {
+            if !room.for_one_more(wor_egress::WEBHOOK_TIMEOUT) {
+                // Given back when stopping; else left claimed, for another pass once the
+                // claim runs out.
+                if room.stopping() {
+                    let ids: Vec<&str> = deliveries[started..]
+                        .iter()
+                        .map(|d| d.id.as_str())
+                        .collect();
+                    self.store
+                        .release_delivery_claims(&ids, leased_until)
+                        .await?;
+                }
                 return Ok(());
             }
             let began = std::time::SystemTime::now();
@@ -634,9 +660,33 @@ pub(crate) fn grouped<T, K: Ord>(items: Vec<T>, key: impl Fn(&T) -> K) -> Vec<Ve
     groups.into_values().collect()
 }
 
+/// What one outbox pass may still start: an attempt only while its claim has room for it, and
+/// none once the process is stopping.
+#[derive(Debug)]
+pub(crate) struct PassRoom {
+    /// Unix ms: the pass's claim holds until then.
+    pub(crate) leased_until: i64,
+    /// Says when the process is stopping; none for a pass run on its own.
+    pub(crate) stopping: Option<watch::Receiver<bool>>,
+}
+
+impl PassRoom {
+    /// Whether the process is stopping: what the pass has not started it gives back.
+    pub(crate) fn stopping(&self) -> bool {
+        self.stopping
+            .as_ref()
+            .is_some_and(|stopping| *stopping.borrow())
+    }
+
+    /// Whether the pass may start an attempt that may take `attempt`.
+    pub(crate) fn for_one_more(&self, attempt: Duration) -> bool {
+        !self.stopping() && time_for_one_more(self.leased_until, attempt)
+    }
+}
+
 /// Whether a claim held until `leased_until` (Unix ms) still has room for an attempt that
 /// may take `attempt`, with a margin for recording it.
-pub(crate) fn time_for_one_more(leased_until: i64, attempt: Duration) -> bool {
+fn time_for_one_more(leased_until: i64, attempt: Duration) -> bool {
     const MARGIN_MS: i64 = 5_000;
     let attempt_ms = i64::try_from(attempt.as_millis()).unwrap_or(i64::MAX);
     wor_store::now_millis()

@@ -743,6 +743,108 @@ async fn a_receiver_that_never_answers_holds_up_neither_the_schedules_nor_other_
 }
 
 #[tokio::test]
+async fn a_stopping_process_waits_only_for_attempts_in_flight_and_gives_back_the_rest() {
+    // Takes connections and answers none until told to drop them.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent_addr = silent.local_addr().unwrap();
+    let held = Arc::new(Mutex::new(Vec::new()));
+    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    tokio::spawn({
+        let (held, accepted) = (held.clone(), accepted.clone());
+        async move {
+            while let Ok((socket, _)) = silent.accept().await {
+                accepted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                held.lock().unwrap().push(socket);
+            }
+        }
+    });
+    let h = Harness::new().await;
+    let (routine, _) = h
+        .apply(&format!(
+            "name = \"slow-receiver\"\ninstructions = \"Say.\"\n[model]\nprovider = \"replay\"\nmodel = \"m\"\n\
+             [[model.script.turns]]\ntext = \"done\"\n[notify]\nurl = \"http://{silent_addr}/hook\"\nevents = [\"finished\"]\n"
+        ))
+        .await;
+    let run = h
+        .reply(
+            Method::POST,
+            &format!("/v1/routines/{routine}/runs"),
+            Some(json!({"input": "go"})),
+        )
+        .await;
+    assert!(run.status.is_success(), "{}", run.text);
+    assert!(h.engine.run_next().await.unwrap());
+    // A second webhook of the same run, sent only after the first.
+    let store = h.engine.store();
+    let first = store
+        .list_deliveries(
+            h.project.project.id,
+            &wor_store::DeliveryFilter {
+                limit: 10,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(first.len(), 1);
+    store
+        .enqueue_delivery(&wor_store::NewDelivery {
+            project_id: first[0].project_id,
+            routine_id: first[0].routine_id,
+            run_id: first[0].run_id,
+            event: first[0].event.clone(),
+            event_key: "second".to_owned(),
+            url: first[0].url.clone(),
+            body: first[0].body.clone(),
+        })
+        .await
+        .unwrap();
+
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let triggers = h.engine.spawn_triggers(stopped);
+    let began = std::time::Instant::now();
+    while accepted.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+        assert!(began.elapsed() < std::time::Duration::from_secs(8));
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    // The first attempt is in flight when the process stops; it then fails at once.
+    stop.send(true).unwrap();
+    held.lock().unwrap().clear();
+    tokio::time::timeout(std::time::Duration::from_secs(5), triggers)
+        .await
+        .expect("the stopping process started the run's next webhook rather than stopping")
+        .unwrap();
+    assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
+    let now = wor_store::now_millis();
+    let deliveries = store
+        .list_deliveries(
+            h.project.project.id,
+            &wor_store::DeliveryFilter {
+                limit: 10,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    let second = deliveries
+        .iter()
+        .find(|d| d.id != first[0].id)
+        .expect("the second webhook");
+    assert_eq!((second.status.as_str(), second.attempts), ("pending", 0));
+    assert!(
+        second.next_attempt_at <= now,
+        "the unstarted webhook stays claimed until {} rather than due at once",
+        second.next_attempt_at
+    );
+    // The next process takes it at once.
+    let claimed = store.claim_due_deliveries(now, 60_000, 10).await.unwrap();
+    assert_eq!(
+        claimed.items.iter().map(|d| &d.id).collect::<Vec<_>>(),
+        vec![&second.id]
+    );
+}
+
+#[tokio::test]
 async fn an_attempt_recorded_after_its_claim_ran_out_leaves_the_delivery_to_its_new_claimant() {
     let receiver = Receiver::default();
     let addr = serve_receiver(receiver.clone()).await;

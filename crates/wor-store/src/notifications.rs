@@ -395,6 +395,17 @@ impl Store {
             .await
     }
 
+    /// Gives back notifications claimed until `leased_until` that a stopping process did not
+    /// attempt: due again at once.
+    pub async fn release_notification_claims(
+        &self,
+        ids: &[&str],
+        leased_until: i64,
+    ) -> Result<(), StoreError> {
+        self.release_claims(Outbox::Notifications, ids, leased_until)
+            .await
+    }
+
     pub async fn list_notification_deliveries(
         &self,
         project: ProjectId,

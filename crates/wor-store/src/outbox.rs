@@ -128,4 +128,28 @@ impl Store {
         .await?;
         Ok(done.rows_affected() == 1)
     }
+
+    /// Gives back items of `outbox` claimed until `leased_until` and not attempted, due again
+    /// at once rather than when the claim runs out; an item whose claim ran out is left alone.
+    pub(crate) async fn release_claims(
+        &self,
+        outbox: Outbox,
+        ids: &[&str],
+        leased_until: i64,
+    ) -> Result<(), StoreError> {
+        let now = now_millis();
+        for id in ids {
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "UPDATE {} SET next_attempt_at = $1, updated_at = $1 \
+                 WHERE id = $2 AND status = 'pending' AND next_attempt_at = $3",
+                outbox.table()
+            )))
+            .bind(now)
+            .bind(*id)
+            .bind(leased_until)
+            .execute(&*self.write_pool().await?)
+            .await?;
+        }
+        Ok(())
+    }
 }

@@ -280,6 +280,17 @@ impl Store {
             .await
     }
 
+    /// Gives back deliveries claimed until `leased_until` that a stopping process did not
+    /// attempt: due again at once.
+    pub async fn release_delivery_claims(
+        &self,
+        ids: &[&str],
+        leased_until: i64,
+    ) -> Result<(), StoreError> {
+        self.release_claims(Outbox::Webhooks, ids, leased_until)
+            .await
+    }
+
     pub async fn list_deliveries(
         &self,
         project: ProjectId,
