@@ -111,8 +111,9 @@ impl Engine {
     }
 
     /// Starts the due slots of one batch of schedules and moves the schedules on; returns the
-    /// task appending the runs' start entries to the audit chain, which wakes the worker pool
-    /// when they are appended (the next page is written meanwhile).
+    /// task appending the runs' start entries to the audit chain, which then cancels what
+    /// the starts of `cancel_previous` routines replaced and wakes the worker pool (the next
+    /// page is written meanwhile).
     async fn start_due(
         &self,
         due: &[DueSchedule],
@@ -176,6 +177,8 @@ impl Engine {
             .start_scheduled(starts, &advances, &entry)
             .await?;
         let recorded = wor_store::now_millis();
+        // The routines of overlap `cancel_previous` a run was recorded for, once each.
+        let mut cancelling = std::collections::BTreeSet::new();
         for (firing, id) in firings.into_iter().zip(started) {
             let Some(id) = id else {
                 report.already_started += 1;
@@ -190,6 +193,10 @@ impl Engine {
                 not_before,
             } = firing;
             crate::metrics::slot_started(due_at, recorded);
+            let concurrency = &version.definition.concurrency;
+            if concurrency.overlap == OverlapPolicy::CancelPrevious {
+                cancelling.insert((project, admission.run.routine_id, concurrency.max_runs));
+            }
             match not_before {
                 Some(at) => release = Some(release.map_or(at, |r| r.min(at))),
                 None => claimable_now = true,
@@ -203,6 +210,14 @@ impl Engine {
         let engine = self.clone();
         Ok(Some(tokio::spawn(async move {
             engine.append_staged_or_log(staged).await;
+            // After the starts' entries, so a run recorded by this page and replaced by a
+            // later slot of it ends after its `run.start`.
+            for (project, routine, max_runs) in cancelling {
+                if let Err(error) = engine.cancel_previous(project, routine, max_runs).await {
+                    tracing::error!(category = "schedule", routine_id = %routine, error = %error,
+                        "the runs a scheduled start of a `cancel_previous` routine replaced could not be asked to stop");
+                }
+            }
             if claimable_now {
                 engine.wake_workers();
             }
@@ -310,15 +325,6 @@ impl Engine {
                 // passed, not retried forever.
                 match self.admit(&request, &version, Some(active), redactor).await {
                     Ok(admission) => {
-                        if admission.cancel_oldest
-                            && let Some(oldest) = self
-                                .store
-                                .oldest_active_run(schedule.project_id, schedule.routine_id)
-                                .await?
-                        {
-                            self.request_cancel(schedule.project_id, oldest, None)
-                                .await?;
-                        }
                         if admission.run.status == RunStatus::Queued {
                             active = active.saturating_add(1);
                         }

@@ -56,14 +56,12 @@ pub const DEFAULT_THREAD: &str = "default";
 /// Longest thread name accepted.
 pub(crate) const MAX_THREAD_CHARS: usize = 128;
 
-/// What a start decided before anything is written: the run to record, its input, who the
-/// audit log names as starting it, and whether the routine's oldest active run is to be
-/// cancelled (overlap policy `cancel_previous`).
+/// What a start decided before anything is written: the run to record, its input, and who the
+/// audit log names as starting it.
 pub(crate) struct Admission {
     pub run: NewRun,
     pub input: InputStep,
     pub actor: Actor,
-    pub cancel_oldest: bool,
 }
 
 impl Engine {
@@ -78,33 +76,24 @@ impl Engine {
             .routine_version(request.project, routine.id, routine.current_version)
             .await?;
         let definition = &version.definition;
-        // Only the policies that look at the routine's active runs count them: `queue` queues
-        // the run whatever is active (its claim holds `max_runs`), so a start of such a
-        // routine costs the same however many of its runs are parked.
+        // Only `skip` counts the routine's active runs before the start: `queue` queues the
+        // run whatever is active (its claim holds `max_runs`) and `cancel_previous` cancels
+        // once the run is recorded, so a start of such a routine costs the same however many
+        // of its runs are parked.
         let active = match definition.concurrency.overlap {
-            OverlapPolicy::Queue => None,
-            OverlapPolicy::Skip | OverlapPolicy::CancelPrevious => Some(
+            OverlapPolicy::Skip => Some(
                 self.store
                     .active_run_count(request.project, routine.id, definition.concurrency.max_runs)
                     .await?,
             ),
+            OverlapPolicy::Queue | OverlapPolicy::CancelPrevious => None,
         };
         let redactor = self.project_redactor(request.project).await?;
-        let admission = self.admit(&request, &version, active, &redactor).await?;
-        if admission.cancel_oldest
-            && let Some(oldest) = self
-                .store
-                .oldest_active_run(request.project, routine.id)
-                .await?
-        {
-            self.request_cancel(request.project, oldest, None).await?;
-        }
         let Admission {
             run: new,
             input,
             actor,
-            ..
-        } = admission;
+        } = self.admit(&request, &version, active, &redactor).await?;
         // With a slot of this process's pool free, the run is claimed as it is created and
         // driven here at once; otherwise it waits in the queue for any worker.
         let slot = if new.status == RunStatus::Queued {
@@ -139,10 +128,33 @@ impl Engine {
             }
             (created, _) => created?,
         };
+        if definition.concurrency.overlap == OverlapPolicy::CancelPrevious {
+            self.cancel_previous(request.project, routine.id, definition.concurrency.max_runs)
+                .await?;
+        }
         tracing::info!(category = "run", action = "run.start", project_id = %request.project,
             run_id = %run.id, routine_id = %routine.id, version = version.version,
             status = run.status.as_str(), "run started");
         Ok(run)
+    }
+
+    /// Overlap `cancel_previous`, once a start is recorded: cancels the routine's active runs
+    /// beyond its newest `max_runs`. Starts at the same moment each look after their own run
+    /// is recorded, so the last to look sees every one of them and leaves only the newest.
+    pub(crate) async fn cancel_previous(
+        &self,
+        project: ProjectId,
+        routine: RoutineId,
+        max_runs: u64,
+    ) -> Result<(), EngineError> {
+        for run in self
+            .store
+            .surplus_active_runs(project, routine, max_runs)
+            .await?
+        {
+            self.request_cancel(project, run, None).await?;
+        }
+        Ok(())
     }
 
     /// Creates run `new` as admitted: claimed in `slot` of this process's pool when it has
@@ -214,7 +226,7 @@ impl Engine {
     }
 
     /// Decides how `request` starts a run of `version` with `active` runs of the routine
-    /// active (`None`: not counted, as overlap policy `queue` needs no count): queued, or
+    /// active (`None`: not counted, as only overlap policy `skip` needs the count): queued, or
     /// skipped by the overlap policy; its input redacted with `redactor` and its memory
     /// replayed.
     pub(crate) async fn admit(
@@ -239,8 +251,6 @@ impl Engine {
             }
             _ => (RunStatus::Queued, None),
         };
-        let cancel_oldest =
-            full.is_some() && definition.concurrency.overlap == OverlapPolicy::CancelPrevious;
         let routine_id = version.routine_id;
         let started_by_member = match request.trigger {
             Trigger::Console(member) => Some(member),
@@ -350,7 +360,6 @@ impl Engine {
             },
             input,
             actor: request.actor.clone().unwrap_or(default_actor),
-            cancel_oldest,
         })
     }
 }

@@ -751,6 +751,66 @@ async fn overlap_policies_skip_queue_or_cancel_the_previous_run() {
 }
 
 #[tokio::test]
+async fn starts_at_the_same_moment_leave_only_the_newest_under_cancel_previous() {
+    let h = Harness::new().await;
+    let engine = h.engine(EngineConfig::default());
+    let text = "[[model.script.turns]]\ntext = \"ok\"\nrepeat = true";
+    let cancel = h
+        .routine(
+            &replay(
+                text,
+                "[concurrency]\nmax_runs = 2\noverlap = \"cancel_previous\"",
+            )
+            .replace("name = \"r\"", "name = \"c\""),
+        )
+        .await;
+    let earlier = h.start(&engine, cancel, "earlier").await;
+    let starts = (0..12).map(|n| {
+        let engine = engine.clone();
+        let (project, key) = (h.project, h.key);
+        tokio::spawn(async move {
+            engine
+                .start_run(StartRun {
+                    project,
+                    routine: cancel,
+                    input: json!(n),
+                    trigger: Trigger::Api(key),
+                    actor: None,
+                    thread: None,
+                })
+                .await
+                .unwrap()
+                .id
+        })
+    });
+    let mut ids = vec![earlier.id];
+    for start in starts.collect::<Vec<_>>() {
+        ids.push(start.await.unwrap());
+    }
+    let mut statuses = Vec::new();
+    for id in &ids {
+        statuses.push((*id, h.run(*id).await.status));
+    }
+    let left: Vec<_> = statuses
+        .iter()
+        .filter(|(_, status)| *status != RunStatus::Cancelled)
+        .collect();
+    assert_eq!(left.len(), 2, "{statuses:?}");
+    // The two left are the newest recorded.
+    let mut newest = ids.clone();
+    newest.sort();
+    assert_eq!(
+        left.iter().map(|(id, _)| *id).collect::<Vec<_>>(),
+        {
+            let mut kept: Vec<_> = newest[newest.len() - 2..].to_vec();
+            kept.sort_by_key(|id| ids.iter().position(|i| i == id));
+            kept
+        },
+        "{statuses:?}"
+    );
+}
+
+#[tokio::test]
 async fn starts_at_the_same_moment_never_pass_a_skip_policy_together() {
     let h = Harness::new().await;
     let engine = h.engine(EngineConfig::default());

@@ -544,22 +544,30 @@ impl Store {
         Ok(counts)
     }
 
-    /// The oldest active run of a routine, if any.
-    pub async fn oldest_active_run(
+    /// The active runs of a routine not asked to stop yet, beyond its newest `keep`, oldest
+    /// first and at most 100: what overlap `cancel_previous` cancels once a start is recorded.
+    pub async fn surplus_active_runs(
         &self,
         project: ProjectId,
         routine: RoutineId,
-    ) -> Result<Option<RunId>, StoreError> {
-        let row = sqlx::query(
+        keep: u64,
+    ) -> Result<Vec<RunId>, StoreError> {
+        let rows = sqlx::query(
             "SELECT id FROM runs WHERE routine_id = $1 AND project_id = $2 \
-             AND status IN ('queued', 'running', 'waiting_for_approval') ORDER BY id LIMIT 1",
+             AND status IN ('queued', 'running', 'waiting_for_approval') AND cancel_requested = 0 \
+             ORDER BY id DESC LIMIT 100 OFFSET $3",
         )
         .bind(routine.to_string())
         .bind(project.to_string())
-        .fetch_optional(self.pool())
+        .bind(i64::try_from(keep).unwrap_or(i64::MAX))
+        .fetch_all(self.pool())
         .await?;
-        row.map(|row| parse_column(&row.try_get::<String, _>("id")?, "runs.id"))
-            .transpose()
+        let mut surplus = rows
+            .iter()
+            .map(|row| parse_column(&row.try_get::<String, _>("id")?, "runs.id"))
+            .collect::<Result<Vec<RunId>, StoreError>>()?;
+        surplus.reverse();
+        Ok(surplus)
     }
 
     /// Asks a run to stop. A queued run is taken from the queue to be ended at once: leased
