@@ -4,8 +4,8 @@ use anyhow::{Context, bail};
 use reqwest::Method;
 use serde_json::Value;
 
-use crate::UsageError;
 use crate::env;
+use crate::usage;
 
 /// Where the server is and which key to present.
 #[derive(Debug, Clone, clap::Args)]
@@ -16,11 +16,6 @@ pub struct ClientArgs {
     /// Print the server's JSON instead of a summary.
     #[arg(long)]
     pub json: bool,
-}
-
-/// `message` as a [`UsageError`]: what the client was given, not what the server answered.
-fn usage(message: String) -> anyhow::Error {
-    UsageError(anyhow::Error::msg(message)).into()
 }
 
 /// How long a request waits for its answer.

@@ -128,6 +128,11 @@ fn quiet_on_closed_stdout() {
 #[derive(Debug)]
 pub(crate) struct UsageError(pub(crate) anyhow::Error);
 
+/// `message` as a [`UsageError`].
+pub(crate) fn usage(message: impl std::fmt::Display) -> anyhow::Error {
+    UsageError(anyhow::Error::msg(message.to_string())).into()
+}
+
 impl std::fmt::Display for UsageError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         std::fmt::Display::fmt(&self.0, f)

@@ -1084,3 +1084,59 @@ fn an_answer_without_a_json_body_is_not_taken_for_success() {
         text(&out.stderr)
     );
 }
+
+#[test]
+fn what_a_command_is_given_and_cannot_use_exits_2_before_any_request() {
+    // Nothing listens at the server named: each refusal comes before a request is made.
+    let dir = tempfile::tempdir().unwrap();
+    let nowhere = "http://127.0.0.1:9";
+    let key = "wor_0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+    let worker_dir = dir.path().join("worker");
+    let worker_dir = worker_dir.to_str().unwrap();
+    for (args, says) in [
+        (
+            vec![
+                "run",
+                "start",
+                "r",
+                "--input-json",
+                "{",
+                "--server",
+                nowhere,
+            ],
+            "--input-json is not valid JSON",
+        ),
+        (
+            vec![
+                "worker",
+                "enroll",
+                "--control-plane",
+                "ftp://cp.example",
+                "--token",
+                "t",
+                "--data-dir",
+                worker_dir,
+            ],
+            "must be an https:// URL",
+        ),
+        (
+            vec![
+                "worker",
+                "enroll",
+                "--control-plane",
+                "http://10.0.0.1:8080",
+                "--token",
+                "t",
+                "--data-dir",
+                worker_dir,
+            ],
+            "unless it is on loopback",
+        ),
+    ] {
+        let out = run(wor(&args).env("WOR_API_KEY", key));
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+        assert!(!stderr.contains("cannot reach"), "{args:?}: {stderr}");
+    }
+}

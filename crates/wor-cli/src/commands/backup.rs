@@ -77,7 +77,9 @@ pub async fn restore(args: RestoreArgs) -> anyhow::Result<ExitCode> {
                  with `wor audit verify` and `wor secrets verify` (see docs/operations.md)"
             );
         }
-        bail!("`wor restore` writes the embedded database of --data-dir; give no --database");
+        return Err(crate::usage(
+            "`wor restore` writes the embedded database of --data-dir; give no --database",
+        ));
     }
     // A restore never makes a key: a fresh one would open none of the backup's secrets.
     if !config.encryption_key_configured()? {

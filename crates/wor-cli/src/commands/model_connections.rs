@@ -4,7 +4,7 @@
 use std::io::Read;
 use std::process::ExitCode;
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use serde_json::{Value, json};
 
 use super::{field, print_json};
@@ -25,7 +25,9 @@ impl ApiKeySource {
     fn read(&self) -> anyhow::Result<String> {
         match self.read_if_given()? {
             Some(key) => Ok(key),
-            None => bail!("give the provider API key with --api-key-env VAR or --api-key-stdin"),
+            None => Err(crate::usage(
+                "give the provider API key with --api-key-env VAR or --api-key-stdin",
+            )),
         }
     }
 
@@ -33,7 +35,8 @@ impl ApiKeySource {
     /// operator's `[egress] model_cidrs` may take none; the server decides).
     fn read_if_given(&self) -> anyhow::Result<Option<String>> {
         let key = if let Some(var) = &self.api_key_env {
-            std::env::var(var).with_context(|| format!("environment variable {var} is not set"))?
+            std::env::var(var)
+                .map_err(|_| crate::usage(format!("environment variable {var} is not set")))?
         } else if self.api_key_stdin {
             let mut text = String::new();
             std::io::stdin()

@@ -56,10 +56,12 @@ pub struct CreateRoute {
         required_unless_present = "email_to"
     )]
     slack_channel: Option<String>,
-    /// Slack: the app's bot token (`xoxb-…`); sealed, never shown again.
+    /// Slack: the app's bot token (`xoxb-…`); sealed, never shown again. Best given in the
+    /// environment, which keeps it out of the process list and shell history.
     #[arg(long, env = "WOR_SLACK_BOT_TOKEN", hide_env_values = true)]
     slack_bot_token: Option<String>,
-    /// Slack: the app's signing secret; sealed, never shown again.
+    /// Slack: the app's signing secret; sealed, never shown again. Best given in the
+    /// environment.
     #[arg(long, env = "WOR_SLACK_SIGNING_SECRET", hide_env_values = true)]
     slack_signing_secret: Option<String>,
     /// Slack: the Web API base URL [default: https://slack.com/api].
@@ -87,7 +89,7 @@ pub struct CreateRoute {
     /// Email: the relay's user name (with `WOR_SMTP_PASSWORD`); sealed.
     #[arg(long, env = "WOR_SMTP_USERNAME", hide_env_values = true)]
     smtp_username: Option<String>,
-    /// Email: the relay's password; sealed, never shown again.
+    /// Email: the relay's password; sealed, never shown again. Best given in the environment.
     #[arg(long, env = "WOR_SMTP_PASSWORD", hide_env_values = true)]
     smtp_password: Option<String>,
     /// Email: one message every this many minutes listing the requests since the last.

@@ -78,7 +78,7 @@ pub async fn run(cmd: PolicyCommand) -> anyhow::Result<ExitCode> {
                 (Some(file), _) => std::fs::read_to_string(&file)
                     .map_err(|e| anyhow::anyhow!("cannot read `{}`: {e}", file.display()))?,
                 (None, Some(template)) => wor_policy::fill_template(&template, &tools)?,
-                (None, None) => anyhow::bail!("give --file or --template"),
+                (None, None) => return Err(crate::usage("give --file or --template")),
             };
             let view = ApiClient::new(&client)?
                 .put("/v1/policy", &json!({ "text": text }))

@@ -2,7 +2,6 @@
 
 use std::process::ExitCode;
 
-use anyhow::Context;
 use serde_json::{Value, json};
 use wor_core::step::Step;
 
@@ -175,15 +174,14 @@ pub async fn run(cmd: RunCommand) -> anyhow::Result<ExitCode> {
             thread,
             client,
         } => {
-            let api = ApiClient::new(&client)?;
-            let id = routine_id(&api, &routine).await?;
             let input = match (input, input_json) {
-                (_, Some(text)) => {
-                    serde_json::from_str(&text).context("--input-json is not valid JSON")?
-                }
+                (_, Some(text)) => serde_json::from_str(&text)
+                    .map_err(|e| crate::usage(format!("--input-json is not valid JSON: {e}")))?,
                 (Some(text), None) => Value::String(text),
                 (None, None) => Value::Null,
             };
+            let api = ApiClient::new(&client)?;
+            let id = routine_id(&api, &routine).await?;
             let run = api
                 .post(
                     &format!("/v1/routines/{id}/runs"),

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use wor_egress::{EgressPolicy, GuardedResolver, NameResolver, StaticResolver, SystemResolver};
 use wor_sandbox::{
     NetworkAccess, Sandbox, SandboxConfig, SandboxExit, SandboxProfile, SandboxStdio,
@@ -66,7 +66,7 @@ fn sandbox(flags: &SandboxFlags, resolver: GuardedResolver) -> anyhow::Result<Sa
 
 pub async fn exec(args: ExecArgs) -> anyhow::Result<ExitCode> {
     let Some((program, rest)) = args.command.split_first() else {
-        bail!("no command given");
+        return Err(crate::usage("no command given"));
     };
     let path_var = std::env::var(env::PATH).ok();
     let program = wor_sandbox::resolve_program(program, path_var.as_deref())

@@ -171,8 +171,11 @@ async fn create_token(flags: &ServerFlags, ttl_minutes: u32) -> anyhow::Result<E
 
 /// Plain http carries the enrolment token in clear: only to this machine.
 pub(crate) fn check_transport(control_plane: &str) -> anyhow::Result<()> {
-    let url = url::Url::parse(control_plane)
-        .with_context(|| format!("--control-plane `{control_plane}` is not a URL"))?;
+    let url = url::Url::parse(control_plane).map_err(|e| {
+        crate::usage(format!(
+            "--control-plane `{control_plane}` is not a URL: {e}"
+        ))
+    })?;
     let loopback = match url.host() {
         Some(url::Host::Ipv4(ip)) => ip.is_loopback(),
         Some(url::Host::Ipv6(ip)) => ip.is_loopback(),
@@ -182,10 +185,12 @@ pub(crate) fn check_transport(control_plane: &str) -> anyhow::Result<()> {
     match url.scheme() {
         "https" => Ok(()),
         "http" if loopback => Ok(()),
-        "http" => bail!(
-            "--control-plane must be https:// unless it is on loopback: the enrolment token would cross the network in clear"
-        ),
-        other => bail!("--control-plane must be an https:// URL, not `{other}:`"),
+        "http" => Err(crate::usage(
+            "--control-plane must be https:// unless it is on loopback: the enrolment token would cross the network in clear",
+        )),
+        other => Err(crate::usage(format!(
+            "--control-plane must be an https:// URL, not `{other}:`"
+        ))),
     }
 }
 
