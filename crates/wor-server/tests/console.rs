@@ -2329,6 +2329,54 @@ async fn the_inbox_and_an_active_run_send_live_change_events() {
     assert_eq!(page.status, StatusCode::NOT_FOUND);
 }
 
+/// Reads the event stream `response` until it ends, for at most `within`; what it carried.
+async fn stream_to_its_end(response: &mut reqwest::Response, within: Duration) -> String {
+    let mut seen = String::new();
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        match tokio::time::timeout_at(deadline, response.chunk()).await {
+            Err(_) => panic!("the stream did not end in time; saw {seen:?}"),
+            Ok(Ok(Some(chunk))) => seen.push_str(&String::from_utf8_lossy(&chunk)),
+            Ok(Ok(None) | Err(_)) => return seen,
+        }
+    }
+}
+
+#[tokio::test]
+async fn live_streams_end_with_the_session_they_were_opened_under() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    hostile_tools(&h).await;
+    let routine = note_sender(&h).await;
+    let run = parked_run(&h, &routine).await;
+    let mut ann = signed_in(&h, addr, "ann", Some("approver")).await;
+    let cookie = format!("wor_session={}", ann.cookies["wor_session"]);
+    let open = |path: String| {
+        let request = ann
+            .client
+            .get(format!("{}{path}", ann.base))
+            .header("cookie", cookie.clone());
+        async move { request.send().await.unwrap() }
+    };
+    let mut inbox = open("/console/approvals/events".to_owned()).await;
+    let mut follow = open(format!("/console/runs/{run}/events")).await;
+    assert_eq!(
+        (inbox.status().as_u16(), follow.status().as_u16()),
+        (200, 200)
+    );
+    // Open past a recheck of the session while it is live.
+    let quiet = tokio::time::timeout(Duration::from_millis(2500), inbox.chunk()).await;
+    assert!(quiet.is_err(), "the inbox stream ended early: {quiet:?}");
+
+    let csrf = ann.get("/console/approvals").await.csrf();
+    let page = ann.post("/console/sign-out", &[("csrf", &csrf)]).await;
+    assert_eq!(page.status, StatusCode::SEE_OTHER);
+    // Both end within a recheck of the session (2 s), changes or none.
+    parked_run(&h, &routine).await;
+    stream_to_its_end(&mut inbox, Duration::from_secs(6)).await;
+    stream_to_its_end(&mut follow, Duration::from_secs(6)).await;
+}
+
 #[tokio::test]
 async fn a_key_made_in_the_console_is_shown_once_and_keeps_the_apis_role_rules() {
     let h = Harness::new().await;

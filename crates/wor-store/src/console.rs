@@ -528,23 +528,10 @@ impl Store {
         presented: &str,
         idle_ms: i64,
     ) -> Result<Option<ConsoleSessionRecord>, StoreError> {
-        if !presented.starts_with(SESSION_TOKEN_PREFIX) {
-            return Ok(None);
-        }
-        let digest = sha256_hex(presented.as_bytes());
         let now = now_millis();
-        let row = sqlx::query(
-            "SELECT s.id, s.project_id, s.member_id, s.csrf_token, s.last_seen_at, m.name, \
-             m.role FROM console_sessions s \
-             JOIN members m ON m.id = s.member_id AND m.project_id = s.project_id \
-             WHERE s.sha256 = $1 AND s.expires_at > $2 AND s.last_seen_at > $3",
-        )
-        .bind(&digest)
-        .bind(now)
-        .bind(now.saturating_sub(idle_ms))
-        .fetch_optional(&self.pool)
-        .await?;
-        let Some(row) = row else { return Ok(None) };
+        let Some((digest, row)) = self.live_session(presented, idle_ms, now).await? else {
+            return Ok(None);
+        };
         let last_seen_at: i64 = row.try_get("last_seen_at")?;
         if now.saturating_sub(last_seen_at) >= session_seen_resolution_ms(idle_ms) {
             // Never moved back by a request that read the session before another's refresh.
@@ -573,6 +560,45 @@ impl Store {
             role: parse_column(&role, "members.role")?,
             csrf_token: row.try_get("csrf_token")?,
         }))
+    }
+
+    /// Whether the session `presented` names is live, as [`Store::console_session`] finds it,
+    /// without using it: what a long-lived answer (a page's live updates) asks again as it
+    /// goes, so that it ends with its session but does not keep it from idling out.
+    pub async fn console_session_opens(
+        &self,
+        presented: &str,
+        idle_ms: i64,
+    ) -> Result<bool, StoreError> {
+        Ok(self
+            .live_session(presented, idle_ms, now_millis())
+            .await?
+            .is_some())
+    }
+
+    /// The live session `presented` names at `now`, by its digest, with its member.
+    async fn live_session(
+        &self,
+        presented: &str,
+        idle_ms: i64,
+        now: i64,
+    ) -> Result<Option<(String, sqlx::any::AnyRow)>, StoreError> {
+        if !presented.starts_with(SESSION_TOKEN_PREFIX) {
+            return Ok(None);
+        }
+        let digest = sha256_hex(presented.as_bytes());
+        let row = sqlx::query(
+            "SELECT s.id, s.project_id, s.member_id, s.csrf_token, s.last_seen_at, m.name, \
+             m.role FROM console_sessions s \
+             JOIN members m ON m.id = s.member_id AND m.project_id = s.project_id \
+             WHERE s.sha256 = $1 AND s.expires_at > $2 AND s.last_seen_at > $3",
+        )
+        .bind(&digest)
+        .bind(now)
+        .bind(now.saturating_sub(idle_ms))
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(row.map(|row| (digest, row)))
     }
 
     /// Ends the session `presented` names (signing out), staging `recorded`, its

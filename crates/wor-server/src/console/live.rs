@@ -22,6 +22,57 @@ use crate::error::ApiError;
 
 /// How often a stream looks at the store.
 const POLL: Duration = Duration::from_millis(500);
+/// How often a stream asks again whether its session is live.
+const SESSION_RECHECK: Duration = Duration::from_secs(2);
+
+/// The session a stream was opened under, asked about again every [`SESSION_RECHECK`]
+/// without being used: signed out, ended by an admin, idle or expired, or its member
+/// removed, the stream ends; an open page does not keep its session from idling out.
+pub(super) struct SessionWatch {
+    store: Store,
+    token: String,
+    idle_ms: i64,
+    checked: tokio::time::Instant,
+}
+
+impl SessionWatch {
+    pub(super) fn new(state: &AppState, member: &ConsoleMember) -> Self {
+        SessionWatch {
+            store: state.store.clone(),
+            token: member.token.clone(),
+            idle_ms: super::millis(state.console.session_idle),
+            checked: tokio::time::Instant::now(),
+        }
+    }
+
+    /// Whether the stream may go on; a store that cannot answer is asked again later.
+    pub(super) async fn still_open(&mut self) -> bool {
+        if self.checked.elapsed() < SESSION_RECHECK {
+            return true;
+        }
+        match self
+            .store
+            .console_session_opens(&self.token, self.idle_ms)
+            .await
+        {
+            Ok(open) => {
+                self.checked = tokio::time::Instant::now();
+                if !open {
+                    tracing::info!(
+                        category = "auth",
+                        "a console live stream ended: its session is no longer live"
+                    );
+                }
+                open
+            }
+            Err(error) => {
+                tracing::warn!(category = "auth", %error,
+                    "the session of a console live stream could not be checked");
+                true
+            }
+        }
+    }
+}
 
 /// The ids of the project's newest `limit` pending approvals, newest first.
 async fn pending(
@@ -79,28 +130,35 @@ pub async fn inbox(
         None => false,
     };
     let baseline = pending(&store, project, INBOX_LIMIT).await.ok();
-    let stream = futures_util::stream::unfold((baseline, moved), move |(mut seen, moved)| {
-        let store = store.clone();
-        async move {
-            if moved {
-                return Some((
-                    Ok(Event::default().event("changed").data("inbox")),
-                    (seen, false),
-                ));
-            }
-            loop {
-                tokio::time::sleep(POLL).await;
-                let now = pending(&store, project, INBOX_LIMIT).await.ok();
-                if now.is_some() && now != seen {
-                    seen = now;
+    let watch = SessionWatch::new(&state, &member);
+    let stream = futures_util::stream::unfold(
+        (baseline, moved, watch),
+        move |(mut seen, moved, mut watch)| {
+            let store = store.clone();
+            async move {
+                if moved {
                     return Some((
                         Ok(Event::default().event("changed").data("inbox")),
-                        (seen, false),
+                        (seen, false, watch),
                     ));
                 }
+                loop {
+                    tokio::time::sleep(POLL).await;
+                    if !watch.still_open().await {
+                        return None;
+                    }
+                    let now = pending(&store, project, INBOX_LIMIT).await.ok();
+                    if now.is_some() && now != seen {
+                        seen = now;
+                        return Some((
+                            Ok(Event::default().event("changed").data("inbox")),
+                            (seen, false, watch),
+                        ));
+                    }
+                }
             }
-        }
-    });
+        },
+    );
     Ok(Sse::new(stream).keep_alive(KeepAlive::default()))
 }
 
@@ -167,29 +225,36 @@ pub async fn run(
         Some(seen) => Some(seen),
         None => run_state(&store, project, id).await,
     };
-    let stream = futures_util::stream::unfold((baseline, false), move |(mut seen, ended)| {
-        let store = store.clone();
-        async move {
-            if ended {
-                return None;
-            }
-            loop {
-                if seen.is_some_and(|s| s.status.is_terminal()) {
-                    let end = Event::default().event("end").data("run");
-                    return Some((Ok(end), (seen, true)));
+    let watch = SessionWatch::new(&state, &member);
+    let stream = futures_util::stream::unfold(
+        (baseline, false, watch),
+        move |(mut seen, ended, mut watch)| {
+            let store = store.clone();
+            async move {
+                if ended {
+                    return None;
                 }
-                let now = run_state(&store, project, id).await;
-                if now.is_some() && now != seen {
-                    seen = now;
-                    if !seen.is_some_and(|s| s.status.is_terminal()) {
-                        let changed = Event::default().event("changed").data("run");
-                        return Some((Ok(changed), (seen, false)));
+                loop {
+                    if seen.is_some_and(|s| s.status.is_terminal()) {
+                        let end = Event::default().event("end").data("run");
+                        return Some((Ok(end), (seen, true, watch)));
                     }
-                    continue;
+                    if !watch.still_open().await {
+                        return None;
+                    }
+                    let now = run_state(&store, project, id).await;
+                    if now.is_some() && now != seen {
+                        seen = now;
+                        if !seen.is_some_and(|s| s.status.is_terminal()) {
+                            let changed = Event::default().event("changed").data("run");
+                            return Some((Ok(changed), (seen, false, watch)));
+                        }
+                        continue;
+                    }
+                    tokio::time::sleep(POLL).await;
                 }
-                tokio::time::sleep(POLL).await;
             }
-        }
-    });
+        },
+    );
     Ok(Sse::new(stream).keep_alive(KeepAlive::default()))
 }

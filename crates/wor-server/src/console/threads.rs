@@ -411,6 +411,8 @@ struct Follow {
     pending: VecDeque<Event>,
     ticks: u32,
     ended: bool,
+    /// The session the stream was opened under: it ends with it.
+    session: super::live::SessionWatch,
 }
 
 impl Follow {
@@ -497,6 +499,7 @@ pub async fn events(
         pending: VecDeque::new(),
         ticks: 0,
         ended: false,
+        session: super::live::SessionWatch::new(&state, &member),
     };
     // The text of turns already being answered is watched from the start.
     follow.seen = fingerprint(&follow.store, project, routine, &follow.thread).await;
@@ -511,6 +514,9 @@ pub async fn events(
                 return None;
             }
             tokio::time::sleep(TICK).await;
+            if !f.session.still_open().await {
+                return None;
+            }
             f.drain_text();
             f.ticks = f.ticks.wrapping_add(1);
             if f.ticks % STORE_EVERY != 0 {
