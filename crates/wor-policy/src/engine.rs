@@ -97,6 +97,15 @@ impl PolicyEngine {
     }
 
     /// Every loaded policy, with its id (`project.read-only-runs`, …).
+    /// How many policies the text of `source` holds: none for a text of only comments.
+    pub fn policies_from(&self, source: PolicySource) -> usize {
+        let prefix = format!("{}.", source.as_str());
+        self.policies
+            .policies()
+            .filter(|policy| policy.id().to_string().starts_with(&prefix))
+            .count()
+    }
+
     pub fn policy_set(&self) -> &PolicySet {
         &self.policies
     }

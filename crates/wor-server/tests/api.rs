@@ -1445,8 +1445,13 @@ async fn policies_are_validated_when_saved_with_the_line_named() {
         "{}",
         refused.text
     );
-    // An empty policy would deny every call: refused, pointing at the reset.
-    for empty in ["", "  \n\t"] {
+    // An empty policy, or one of comments alone, would deny every call: refused, pointing at
+    // the reset.
+    for empty in [
+        "",
+        "  \n\t",
+        "// permit (principal, action, resource);\n// later\n",
+    ] {
         let refused = api
             .call(
                 Method::PUT,

@@ -126,10 +126,16 @@ pub(crate) async fn set_policy(
                 "the policy is larger than 128 KiB",
             ));
         }
-        PolicyEngine::builder()
+        let built = PolicyEngine::builder()
             .project_policy(text.to_owned())
             .build()
             .map_err(|e| ApiError::bad_request("invalid_policy", e.to_string()))?;
+        if built.policies_from(wor_policy::PolicySource::Project) == 0 {
+            return Err(ApiError::bad_request(
+                "invalid_policy",
+                "the policy holds no statement, only comments, which would deny every call (nothing would permit one); to go back to the built-in default, reset it (`DELETE /v1/policy`, `wor policy reset`)",
+            ));
+        }
     }
     let recorded =
         AuditEvent::new(project, AuditCategory::PolicySet, actor).payload(serde_json::json!({
