@@ -2446,7 +2446,7 @@ mode = "confirm"
             .disable_tool_connection_staged(h.project, connection, recorded)
             .await
             .unwrap();
-    engine.append_staged_or_log([staged]).await;
+    engine.append_staged_or_log(staged).await;
     let asked = engine
         .request_cancel(h.project, run.id, None)
         .await

@@ -203,17 +203,18 @@ impl Store {
 
     /// Revokes the connection, staging `recorded`, its `model_connection.revoke` entry, in the
     /// same transaction (`crate::staged`): the caller appends it with
-    /// [`crate::AuditLog::append_staged`].
+    /// [`crate::AuditLog::append_staged`]. One revoked already is left as it is, and no entry
+    /// is staged.
     pub async fn revoke_model_connection(
         &self,
         project: ProjectId,
         id: ConnectionId,
         recorded: AuditEvent,
-    ) -> Result<(ModelConnectionRecord, StagedEvent), StoreError> {
+    ) -> Result<(ModelConnectionRecord, Option<StagedEvent>), StoreError> {
         let mut tx = self.begin_write().await?;
         let done = sqlx::query(
             "UPDATE model_connections SET status = 'revoked', updated_at = $1 \
-             WHERE project_id = $2 AND id = $3",
+             WHERE project_id = $2 AND id = $3 AND status <> 'revoked'",
         )
         .bind(now_millis())
         .bind(project.to_string())
@@ -222,11 +223,12 @@ impl Store {
         .await?;
         if done.rows_affected() == 0 {
             tx.rollback().await?;
-            return Err(StoreError::NotFound);
+            // Revoked before, or not there (a 404).
+            return Ok((self.get_model_connection(project, id).await?, None));
         }
         let staged = crate::staged::stage_one(&mut tx, recorded).await?;
         tx.commit().await?;
-        Ok((self.get_model_connection(project, id).await?, staged))
+        Ok((self.get_model_connection(project, id).await?, Some(staged)))
     }
 }
 

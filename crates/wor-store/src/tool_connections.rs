@@ -452,25 +452,33 @@ impl Store {
 
     /// Disables the connection, as an admin does, staging `recorded`, its `connection.disable`
     /// entry, in the same transaction (`crate::staged`); its pins are kept for a later review.
-    /// The caller appends the entry with [`crate::AuditLog::append_staged`].
+    /// The caller appends the entry with [`crate::AuditLog::append_staged`]. One disabled
+    /// already is left as it is, and no entry is staged.
     pub async fn disable_tool_connection_staged(
         &self,
         project: ProjectId,
         id: ConnectionId,
         recorded: AuditEvent,
-    ) -> Result<(ToolConnectionRecord, StagedEvent), StoreError> {
+    ) -> Result<(ToolConnectionRecord, Option<StagedEvent>), StoreError> {
         let mut tx = self.begin_write().await?;
         let done = sqlx::query(
             "UPDATE tool_connections SET status = 'disabled', updated_at = $1 \
-             WHERE project_id = $2 AND id = $3",
+             WHERE project_id = $2 AND id = $3 AND status <> 'disabled'",
         )
         .bind(now_millis())
         .bind(project.to_string())
         .bind(id.to_string())
         .execute(&mut **tx)
         .await?;
-        self.changed_and_staged(tx, project, id, done.rows_affected(), recorded)
-            .await
+        if done.rows_affected() == 0 {
+            tx.rollback().await?;
+            // Disabled before, or not there (a 404).
+            return Ok((self.get_tool_connection(project, id).await?, None));
+        }
+        let (record, staged) = self
+            .changed_and_staged(tx, project, id, done.rows_affected(), recorded)
+            .await?;
+        Ok((record, Some(staged)))
     }
 
     async fn updated_tool_connection(

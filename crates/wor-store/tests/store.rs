@@ -794,6 +794,31 @@ async fn tool_connections_are_confined_to_their_project_and_keep_their_pins() {
         "a quarantine keeps the pins"
     );
     assert_eq!(quarantined.live_tools, Some(BTreeMap::new()));
+    // Disabled once, with its entry; disabled again, nothing changes and nothing is staged.
+    let disable = |id| {
+        wor_core::audit::AuditEvent::new(
+            a.project.id,
+            wor_core::audit::AuditCategory::ToolConnectionDisable,
+            wor_core::audit::Actor::Operator,
+        )
+        .subject("connection_id", id)
+    };
+    let (first, entry) = db
+        .store
+        .disable_tool_connection_staged(a.project.id, created.id, disable(created.id))
+        .await
+        .unwrap();
+    assert_eq!(first.status, ToolConnectionStatus::Disabled);
+    assert!(entry.is_some());
+    assert_eq!(staged(a.project.id).await.unwrap(), 3);
+    let (again, entry) = db
+        .store
+        .disable_tool_connection_staged(a.project.id, created.id, disable(created.id))
+        .await
+        .unwrap();
+    assert_eq!(again.status, ToolConnectionStatus::Disabled);
+    assert!(entry.is_none());
+    assert_eq!(staged(a.project.id).await.unwrap(), 3);
 }
 
 #[tokio::test]
@@ -1561,11 +1586,21 @@ async fn revocations_role_changes_and_model_keys_stage_an_entry_only_when_they_c
         AuditCategory::ModelConnectionRevoke,
         Actor::Operator,
     );
-    let (_, _entry) = db
+    let (_, entry) = db
+        .store
+        .revoke_model_connection(project, model.id, revoked.clone())
+        .await
+        .unwrap();
+    assert!(entry.is_some());
+    assert_eq!(staged().await.unwrap(), 5);
+    // Revoked again: nothing changes, so nothing is staged.
+    let (again, entry) = db
         .store
         .revoke_model_connection(project, model.id, revoked)
         .await
         .unwrap();
+    assert!(entry.is_none());
+    assert!(matches!(again.status, wor_store::ConnectionStatus::Revoked));
     assert_eq!(staged().await.unwrap(), 5);
     let refused = db
         .store

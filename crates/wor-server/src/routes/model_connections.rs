@@ -379,7 +379,7 @@ pub(crate) async fn revoke_model_connection(
         .store
         .revoke_model_connection(project, record.id, recorded)
         .await?;
-    state.engine.append_staged_or_log([staged]).await;
+    state.engine.append_staged_or_log(staged).await;
     state
         .vault
         .delete(&slot(record.project_id, record.id))

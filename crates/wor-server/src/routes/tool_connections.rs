@@ -501,7 +501,7 @@ pub async fn disable(
         .store
         .disable_tool_connection_staged(caller.project_id, id, recorded)
         .await?;
-    state.engine.append_staged_or_log([staged]).await;
+    state.engine.append_staged_or_log(staged).await;
     tracing::info!(category = "config", action = "connection.disable", project_id = %caller.project_id,
         connection_id = %id, actor_key_id = %caller.key_id, "tool connection disabled");
     Ok(Json(view(&state, record).await?))
