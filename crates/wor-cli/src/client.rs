@@ -18,6 +18,34 @@ pub struct ClientArgs {
     pub json: bool,
 }
 
+/// The most of an answer the client reads: a larger one is refused rather than held in memory.
+const MAX_ANSWER_BYTES: usize = 64 << 20;
+/// The longest line, and the longest data of one event, an event stream may send.
+const MAX_EVENT_BYTES: usize = 16 << 20;
+
+/// The body of `response`, at most [`MAX_ANSWER_BYTES`] of it.
+async fn read_capped(
+    mut response: reqwest::Response,
+    base: &reqwest::Url,
+) -> anyhow::Result<Vec<u8>> {
+    let mut body = Vec::new();
+    while let Some(chunk) = response
+        .chunk()
+        .await
+        .with_context(|| format!("the answer of {base} broke off"))?
+    {
+        if body.len().saturating_add(chunk.len()) > MAX_ANSWER_BYTES {
+            bail!(
+                "the answer of {base} is larger than {} MiB: is --server ({}) a Work on Repeat server?",
+                MAX_ANSWER_BYTES >> 20,
+                env::SERVER
+            );
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
+}
+
 /// How long a request waits for its answer.
 const REQUEST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
@@ -139,11 +167,7 @@ impl ApiClient {
             .await
             .with_context(|| format!("cannot reach the server at {}", self.base))?;
         let status = response.status().as_u16();
-        let body = response
-            .bytes()
-            .await
-            .with_context(|| format!("the answer of {} broke off", self.base))?;
-        Ok((status, body.to_vec()))
+        Ok((status, read_capped(response, &self.base).await?))
     }
 
     pub async fn put(&self, path: &str, body: &Value) -> anyhow::Result<Value> {
@@ -190,7 +214,11 @@ impl ApiClient {
             .with_context(|| format!("cannot reach the server at {}", self.base))?;
         if !response.status().is_success() {
             let status = response.status();
-            let value: Value = response.json().await.unwrap_or(Value::Null);
+            let value: Value = read_capped(response, &self.base)
+                .await
+                .ok()
+                .and_then(|body| serde_json::from_slice(&body).ok())
+                .unwrap_or(Value::Null);
             let message = value
                 .pointer("/error/message")
                 .and_then(|v| v.as_str())
@@ -208,6 +236,13 @@ impl ApiClient {
             )
         })? {
             buffer.extend_from_slice(&chunk);
+            if buffer.len() > MAX_EVENT_BYTES || data.len() > MAX_EVENT_BYTES {
+                bail!(
+                    "the event stream from {} sent an event larger than {} MiB",
+                    self.base,
+                    MAX_EVENT_BYTES >> 20
+                );
+            }
             while let Some(end) = buffer.iter().position(|b| *b == b'\n') {
                 let raw: Vec<u8> = buffer.drain(..=end).collect();
                 let text = String::from_utf8_lossy(&raw);
@@ -250,10 +285,10 @@ impl ApiClient {
             .await
             .with_context(|| format!("cannot reach the server at {}", self.base))?;
         let status = response.status();
-        let text = response.text().await.context("cannot read the response")?;
+        let body = read_capped(response, &self.base).await?;
         // Every answer of the API, success or error, is a JSON body: one without is not from
         // a Work on Repeat server (a wrong --server, a proxy's page), whatever its status.
-        let value: Value = serde_json::from_str(&text).map_err(|_| {
+        let value: Value = serde_json::from_slice(&body).map_err(|_| {
             anyhow::anyhow!(
                 "{} answered {status} without a JSON body: is --server ({}) a Work on Repeat server?",
                 self.base,

@@ -1140,3 +1140,35 @@ fn what_a_command_is_given_and_cannot_use_exits_2_before_any_request() {
         assert!(!stderr.contains("cannot reach"), "{args:?}: {stderr}");
     }
 }
+
+#[test]
+fn an_answer_larger_than_the_client_reads_is_refused_not_held() {
+    use std::io::{Read as _, Write as _};
+    // Something at --server that answers 200 and then sends bytes without end.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { return };
+            let mut request = [0u8; 4096];
+            let _ = stream.read(&mut request);
+            let _ = stream.write_all(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n[",
+            );
+            let filler = vec![b' '; 1 << 20];
+            while stream.write_all(&filler).is_ok() {}
+        }
+    });
+    let out = run(
+        wor(&["routine", "list", "--server", &format!("http://{addr}")]).env(
+            "WOR_API_KEY",
+            "wor_0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+        ),
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("is larger than 64 MiB"),
+        "{}",
+        text(&out.stderr)
+    );
+}
