@@ -152,7 +152,8 @@ pub enum OverlapPolicy {
     Skip,
     /// The new run waits until a slot frees.
     Queue,
-    /// The oldest active run is cancelled to make room.
+    /// The new run is recorded, and the routine's active runs beyond the newest `max_runs`
+    /// are cancelled to make room.
     CancelPrevious,
 }
 

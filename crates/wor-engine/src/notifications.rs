@@ -415,7 +415,8 @@ impl Engine {
         let leased_until = room.leased_until;
         for (started, delivery) in deliveries.iter().enumerate() {
             if !room.for_one_more(wor_egress::WEBHOOK_TIMEOUT) {
-                return self.give_back_unstarted(&deliveries[started..], room).await;
+                let unstarted = deliveries.get(started..).unwrap_or_default();
+                return self.give_back_unstarted(unstarted, room).await;
             }
             let (outcome, result) = self.attempt_notification(delivery).await?;
             crate::metrics::notification_attempted(NotificationChannel::Slack, result);

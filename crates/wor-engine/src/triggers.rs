@@ -560,7 +560,9 @@ impl Engine {
                 // Given back when stopping; else left claimed, for another pass once the
                 // claim runs out.
                 if room.stopping() {
-                    let ids: Vec<&str> = deliveries[started..]
+                    let ids: Vec<&str> = deliveries
+                        .get(started..)
+                        .unwrap_or_default()
                         .iter()
                         .map(|d| d.id.as_str())
                         .collect();
