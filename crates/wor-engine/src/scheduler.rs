@@ -179,8 +179,8 @@ impl Engine {
         let recorded = wor_store::now_millis();
         // The routines of overlap `cancel_previous` a run was recorded for, once each.
         let mut cancelling = std::collections::BTreeSet::new();
-        for (firing, id) in firings.into_iter().zip(started) {
-            let Some(id) = id else {
+        for (firing, recorded_as) in firings.into_iter().zip(started) {
+            let Some((id, status)) = recorded_as else {
                 report.already_started += 1;
                 continue;
             };
@@ -197,13 +197,14 @@ impl Engine {
             if concurrency.overlap == OverlapPolicy::CancelPrevious {
                 cancelling.insert((project, admission.run.routine_id, concurrency.max_runs));
             }
-            match not_before {
-                Some(at) => release = Some(release.map_or(at, |r| r.min(at))),
-                None => claimable_now = true,
+            match (status, not_before) {
+                (RunStatus::Queued, Some(at)) => release = Some(release.map_or(at, |r| r.min(at))),
+                (RunStatus::Queued, None) => claimable_now = true,
+                _ => {}
             }
             tracing::info!(category = "run", action = "run.start", project_id = %project,
                 run_id = %id, routine_id = %admission.run.routine_id, version = version.version,
-                status = admission.run.status.as_str(), not_before = ?not_before, "run started");
+                status = status.as_str(), not_before = ?not_before, "run started");
         }
         // The start entries go to the audit writer together, which commits them in as few
         // transactions as its batch allows.

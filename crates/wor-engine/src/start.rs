@@ -8,7 +8,7 @@ use wor_core::run::{Provenance, RunStatus};
 use wor_core::step::{InputSource, InputStep, MemoryStep, new_boundary};
 use wor_core::{ApiKeyId, MemberId, ProjectId, RoutineId, RunId};
 use wor_secrets::Redactor;
-use wor_store::{NewRun, RoutineVersionRecord, RunRecord};
+use wor_store::{NewRun, RoutineVersionRecord, RunRecord, skipped_outcome};
 
 use crate::{Engine, EngineError};
 
@@ -128,10 +128,28 @@ impl Engine {
             }
             (created, _) => created?,
         };
-        if definition.concurrency.overlap == OverlapPolicy::CancelPrevious {
-            self.cancel_previous(request.project, routine.id, definition.concurrency.max_runs)
-                .await?;
-        }
+        // The run is recorded (and may be driven): a cancel that fails is logged, not the
+        // start's answer, so a caller does not start it again.
+        let run = if definition.concurrency.overlap == OverlapPolicy::CancelPrevious {
+            match self
+                .cancel_previous(request.project, routine.id, definition.concurrency.max_runs)
+                .await
+            {
+                // A start whose own run another one at the same moment replaced says so.
+                Ok(cancelled) if cancelled.contains(&run.id) => {
+                    self.store.get_run(request.project, run.id).await?
+                }
+                Ok(_) => run,
+                Err(error) => {
+                    tracing::error!(category = "run", project_id = %request.project, run_id = %run.id,
+                        routine_id = %routine.id, error = %error,
+                        "the runs a start of a `cancel_previous` routine replaced could not all be asked to stop");
+                    run
+                }
+            }
+        } else {
+            run
+        };
         tracing::info!(category = "run", action = "run.start", project_id = %request.project,
             run_id = %run.id, routine_id = %routine.id, version = version.version,
             status = run.status.as_str(), "run started");
@@ -139,22 +157,35 @@ impl Engine {
     }
 
     /// Overlap `cancel_previous`, once a start is recorded: cancels the routine's active runs
-    /// beyond its newest `max_runs`. Starts at the same moment each look after their own run
-    /// is recorded, so the last to look sees every one of them and leaves only the newest.
+    /// beyond its newest `max_runs`, and returns them. Starts at the same moment each look
+    /// after their own run is recorded, so the last to look sees every one of them and leaves
+    /// only the newest. Newest is by run id, which orders runs by when the process that
+    /// recorded them made them: of runs recorded within the processes' clock skew of each
+    /// other, which is kept is arbitrary, but always the same for every start that looks.
     pub(crate) async fn cancel_previous(
         &self,
         project: ProjectId,
         routine: RoutineId,
         max_runs: u64,
-    ) -> Result<(), EngineError> {
-        for run in self
-            .store
-            .surplus_active_runs(project, routine, max_runs)
-            .await?
-        {
-            self.request_cancel(project, run, None).await?;
+    ) -> Result<Vec<RunId>, EngineError> {
+        // A page at a time: each page asked to stop leaves the next among the active ones.
+        const MAX_PAGES: usize = 100;
+        let mut cancelled = Vec::new();
+        for _ in 0..MAX_PAGES {
+            let surplus = self
+                .store
+                .surplus_active_runs(project, routine, max_runs)
+                .await?;
+            let full_page = surplus.len() >= wor_store::SURPLUS_PAGE;
+            for run in surplus {
+                self.request_cancel(project, run, None).await?;
+                cancelled.push(run);
+            }
+            if !full_page {
+                break;
+            }
         }
-        Ok(())
+        Ok(cancelled)
     }
 
     /// Creates run `new` as admitted: claimed in `slot` of this process's pool when it has
@@ -362,11 +393,6 @@ impl Engine {
             actor: request.actor.clone().unwrap_or(default_actor),
         })
     }
-}
-
-/// What a run skipped by its routine's overlap policy ends with.
-fn skipped_outcome(active: u64, max: u64) -> String {
-    format!("skipped: {active} run(s) of this routine active, at most {max}")
 }
 
 /// The audit entry of the start of run `id`, recorded as `run`.

@@ -494,3 +494,57 @@ async fn a_new_version_without_a_schedule_stops_firing() {
     );
     assert!(h.slots(routine).await.is_empty());
 }
+
+/// A scheduled start of a `cancel_previous` routine cancels the run of the slot before it.
+#[tokio::test]
+async fn a_scheduled_start_under_cancel_previous_replaces_the_run_before_it() {
+    let h = Harness::new().await;
+    let toml = "name = \"replacing\"\ninstructions = \"Report.\"\n[model]\nprovider = \"replay\"\n\
+                model = \"m\"\nscript = { turns = [{ text = \"hi\" }] }\n[concurrency]\nmax_runs = 1\n\
+                overlap = \"cancel_previous\"\n[schedule]\ncron = \"* * * * *\"\n";
+    let definition = wor_core::routine::RoutineDefinition::from_toml(toml).unwrap();
+    let routine =
+        h.db.store
+            .apply_routine(h.project, toml, &definition, None)
+            .await
+            .unwrap()
+            .routine
+            .id;
+    let first = h.next_slot(routine).await.unwrap();
+    let engine = h.engine();
+    assert_eq!(engine.schedule_tick(first + 200).await.unwrap().started, 1);
+    assert_eq!(
+        engine
+            .schedule_tick(first + MINUTE + 200)
+            .await
+            .unwrap()
+            .started,
+        1
+    );
+    let runs =
+        h.db.store
+            .list_runs(
+                h.project,
+                &RunFilter {
+                    routine_id: Some(routine),
+                    limit: 10,
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+    let statuses: Vec<_> = runs
+        .iter()
+        .map(|r| (r.trigger_key.clone().unwrap(), r.status))
+        .collect();
+    assert_eq!(
+        statuses,
+        [
+            (
+                format!("slot:{}", first + MINUTE),
+                wor_core::run::RunStatus::Queued
+            ),
+            (format!("slot:{first}"), wor_core::run::RunStatus::Cancelled),
+        ]
+    );
+}

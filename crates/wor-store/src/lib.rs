@@ -80,8 +80,8 @@ pub use routines::{AppliedRoutine, RoutineRecord, RoutineVersionRecord};
 pub use run_tokens::{RUN_TOKEN_PREFIX, RunGrant, RunToken};
 pub use runs::{
     AnnouncedRun, CANCELLED_WHILE_QUEUED, CancelAsked, ClaimTerms, Claimed, NestedPark, NewRun,
-    ParentLink, RunFilter, RunRecord, RunStep, ScheduleAdvance, ScheduledStart, ThreadSummary,
-    UnreadableRun,
+    ParentLink, RunFilter, RunRecord, RunStep, SURPLUS_PAGE, ScheduleAdvance, ScheduledStart,
+    ThreadSummary, UnreadableRun, skipped_outcome,
 };
 pub use sqlx::Error as SqlxError;
 pub use staged::StagedEvent;

@@ -265,14 +265,8 @@ impl Store {
         let now = now_millis();
         let mut tx = self.begin_write().await?;
         if let Some(max) = new.skip_at.filter(|_| new.status == RunStatus::Queued) {
-            if self.backend() == crate::Backend::Postgres {
-                sqlx::query("SELECT id FROM routines WHERE id = $1 AND project_id = $2 FOR UPDATE")
-                    .bind(new.routine_id.to_string())
-                    .bind(project.to_string())
-                    .execute(&mut **tx)
-                    .await?;
-            }
-            let active = count_active(&mut **tx, project, new.routine_id, max).await?;
+            let active =
+                count_active_locked(&mut tx, self.backend(), project, new.routine_id, max).await?;
             if active >= max {
                 tx.rollback().await?;
                 return Err(StoreError::RoutineFull { active, max });
@@ -349,16 +343,19 @@ impl Store {
     /// a crash leaves all of it or none. A slot that already started a run (in another process)
     /// starts no other and stages nothing: its entry in the answer is `None`. A schedule another
     /// process moved first is left as that process moved it. The caller appends the staged
-    /// entries with [`crate::AuditLog::append_staged`].
+    /// entries with [`crate::AuditLog::append_staged`]. A run the overlap policy may yet skip
+    /// (`skip_at`) is counted again in the transaction, as a start by the API is, and recorded
+    /// skipped when its routine is full; the answer has each run's id and status.
     pub async fn start_scheduled(
         &self,
-        starts: Vec<ScheduledStart>,
+        mut starts: Vec<ScheduledStart>,
         advances: &[ScheduleAdvance],
         started: &(dyn Fn(&ScheduledStart, RunId) -> AuditEvent + Sync),
-    ) -> Result<(Vec<Option<RunId>>, Vec<StagedEvent>), StoreError> {
+    ) -> Result<(Vec<Option<(RunId, RunStatus)>>, Vec<StagedEvent>), StoreError> {
         let now = now_millis();
         let ids: Vec<RunId> = starts.iter().map(|_| RunId::new()).collect();
         let mut tx = self.begin_write().await?;
+        skip_the_full(&mut tx, self.backend(), &mut starts).await?;
         let mut inserted = std::collections::HashSet::new();
         let values = values_per_statement(self.backend());
         for (ids, starts) in ids
@@ -385,7 +382,8 @@ impl Store {
         }
         let ids = ids
             .into_iter()
-            .map(|id| inserted.contains(&id).then_some(id))
+            .zip(&starts)
+            .map(|(id, start)| inserted.contains(&id).then_some((id, start.run.status)))
             .collect();
         Ok((ids, staged))
     }
@@ -544,8 +542,9 @@ impl Store {
         Ok(counts)
     }
 
-    /// The active runs of a routine not asked to stop yet, beyond its newest `keep`, oldest
-    /// first and at most 100: what overlap `cancel_previous` cancels once a start is recorded.
+    /// The active runs of a routine not asked to stop yet, beyond its newest `keep`: the
+    /// [`SURPLUS_PAGE`] newest of them, oldest first. What overlap `cancel_previous` cancels
+    /// once a start is recorded, a page at a time.
     pub async fn surplus_active_runs(
         &self,
         project: ProjectId,
@@ -555,11 +554,12 @@ impl Store {
         let rows = sqlx::query(
             "SELECT id FROM runs WHERE routine_id = $1 AND project_id = $2 \
              AND status IN ('queued', 'running', 'waiting_for_approval') AND cancel_requested = 0 \
-             ORDER BY id DESC LIMIT 100 OFFSET $3",
+             ORDER BY id DESC LIMIT $4 OFFSET $3",
         )
         .bind(routine.to_string())
         .bind(project.to_string())
         .bind(i64::try_from(keep).unwrap_or(i64::MAX))
+        .bind(i64::try_from(SURPLUS_PAGE).unwrap_or(i64::MAX))
         .fetch_all(self.pool())
         .await?;
         let mut surplus = rows
@@ -1817,6 +1817,73 @@ async fn cancel_one(
 }
 
 /// How many runs of `routine` are active, counted up to `up_to`.
+/// How many surplus runs [`Store::surplus_active_runs`] answers at most.
+pub const SURPLUS_PAGE: usize = 100;
+
+/// What a run skipped by its routine's overlap policy ends with.
+pub fn skipped_outcome(active: u64, max: u64) -> String {
+    format!("skipped: {active} run(s) of this routine active, at most {max}")
+}
+
+/// Counts the routine's active runs, up to `up_to`, in `tx`, after taking the routine's row
+/// on PostgreSQL (SQLite's write transaction holds the whole database), so that no other start
+/// counts them until `tx` ends.
+async fn count_active_locked(
+    tx: &mut crate::WriteTx,
+    backend: crate::Backend,
+    project: ProjectId,
+    routine: RoutineId,
+    up_to: u64,
+) -> Result<u64, StoreError> {
+    if backend == crate::Backend::Postgres {
+        sqlx::query("SELECT id FROM routines WHERE id = $1 AND project_id = $2 FOR UPDATE")
+            .bind(routine.to_string())
+            .bind(project.to_string())
+            .execute(&mut ***tx)
+            .await?;
+    }
+    count_active(&mut ***tx, project, routine, up_to).await
+}
+
+/// Marks skipped, in `tx`, the queued `starts` a `skip` overlap policy may yet pass over
+/// (`skip_at`) that find their routine full: its active runs counted again, with those of
+/// `starts` queued before them. Routines are taken in the order of their ids, so two passes
+/// never wait for each other's rows.
+async fn skip_the_full(
+    tx: &mut crate::WriteTx,
+    backend: crate::Backend,
+    starts: &mut [ScheduledStart],
+) -> Result<(), StoreError> {
+    let skippable = |start: &ScheduledStart| {
+        start
+            .run
+            .skip_at
+            .filter(|_| start.run.status == RunStatus::Queued)
+    };
+    let mut routines = std::collections::BTreeMap::new();
+    for start in starts.iter() {
+        if let Some(max) = skippable(start) {
+            routines.insert(start.run.routine_id, (start.project, max));
+        }
+    }
+    for (routine, (project, max)) in routines {
+        let mut active = count_active_locked(tx, backend, project, routine, max).await?;
+        for start in starts.iter_mut() {
+            if start.run.routine_id != routine || skippable(start).is_none() {
+                continue;
+            }
+            if active >= max {
+                start.run.status = RunStatus::Skipped;
+                start.run.outcome = Some(skipped_outcome(active, max));
+                start.run.skip_at = None;
+            } else {
+                active = active.saturating_add(1);
+            }
+        }
+    }
+    Ok(())
+}
+
 async fn count_active<'e>(
     executor: impl sqlx::Executor<'e, Database = sqlx::Any>,
     project: ProjectId,

@@ -4153,3 +4153,77 @@ async fn service_key(
         .await
         .unwrap()
 }
+
+#[tokio::test]
+async fn a_scheduled_start_a_skip_policy_may_pass_over_is_counted_in_its_transaction() {
+    use wor_core::run::RunStatus;
+    let db = TestDatabase::new().await.unwrap();
+    let (project, routine) = project_with_routine(&db.store, "sched-skip", 2).await;
+    let input = InputStep::requested(serde_json::json!("x"));
+    // One run already active: the scheduler's count, made before, may not have seen it.
+    db.store
+        .create_run(project, queued_run(routine, 1, None, 2), input.clone())
+        .await
+        .unwrap();
+    let start = |slot: i64, skip_at: Option<u64>| wor_store::ScheduledStart {
+        project,
+        run: wor_store::NewRun {
+            trigger_kind: wor_core::call::TriggerKind::Schedule,
+            trigger_key: Some(format!("slot:{slot}")),
+            input_provenance: wor_core::run::Provenance::Engine,
+            skip_at,
+            ..queued_run(routine, 1, None, 2)
+        },
+        input: input.clone(),
+        not_before: None,
+    };
+    let entry = |start: &wor_store::ScheduledStart, id: wor_core::RunId| {
+        wor_core::audit::AuditEvent::new(
+            start.project,
+            wor_core::audit::AuditCategory::RunStart,
+            wor_core::audit::Actor::Schedule {
+                routine_id: start.run.routine_id,
+            },
+        )
+        .subject("run_id", id)
+        .payload(serde_json::json!({ "status": start.run.status.as_str() }))
+    };
+    let (recorded, staged) = db
+        .store
+        .start_scheduled(
+            vec![start(1, Some(2)), start(2, Some(2)), start(3, Some(2))],
+            &[],
+            &entry,
+        )
+        .await
+        .unwrap();
+    let statuses: Vec<RunStatus> = recorded.iter().map(|r| r.unwrap().1).collect();
+    assert_eq!(
+        statuses,
+        [RunStatus::Queued, RunStatus::Skipped, RunStatus::Skipped]
+    );
+    let skipped = db
+        .store
+        .get_run(project, recorded[1].unwrap().0)
+        .await
+        .unwrap();
+    assert_eq!(skipped.status, RunStatus::Skipped);
+    assert_eq!(
+        skipped.outcome.as_deref(),
+        Some("skipped: 2 run(s) of this routine active, at most 2")
+    );
+    // Each start's entry is made from the start as recorded.
+    assert_eq!(staged.len(), 3);
+    assert_eq!(
+        staged[1].event(),
+        &entry(&start(2, None), recorded[1].unwrap().0)
+            .payload(serde_json::json!({ "status": "skipped" }))
+    );
+    // A start the policy does not look at is queued whatever is active.
+    let (recorded, _staged) = db
+        .store
+        .start_scheduled(vec![start(4, None)], &[], &entry)
+        .await
+        .unwrap();
+    assert_eq!(recorded[0].unwrap().1, RunStatus::Queued);
+}
