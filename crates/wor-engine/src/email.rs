@@ -30,7 +30,7 @@ use wor_store::{
 
 use crate::metrics::DeliveryResult;
 use crate::notice::{MAX_DIGEST_MINUTES, MAX_RECIPIENTS, RouteError, route_slot, shown_value};
-use crate::triggers::retry_at;
+use crate::triggers::{PassRoom, retry_at};
 use crate::{Engine, EngineError};
 
 /// The vault field of a route's SMTP user name.
@@ -202,10 +202,13 @@ impl Engine {
     }
 
     /// Sends the due email deliveries of one route: one message per delivery, or for a digest
-    /// route one message for all of them. Returns each delivery with what came of it.
+    /// route one message for all of them, each while `room` has room for it (what it did not
+    /// start is given back when the process is stopping). Returns each delivery attempted with
+    /// what came of it.
     pub(crate) async fn attempt_emails(
         &self,
         deliveries: &[NotificationDeliveryRecord],
+        room: &PassRoom,
     ) -> Result<Vec<(String, AttemptOutcome, DeliveryResult)>, EngineError> {
         let Some(first) = deliveries.first() else {
             return Ok(Vec::new());
@@ -244,7 +247,14 @@ impl Engine {
             deliveries.chunks(1).collect()
         };
         let mut outcomes = Vec::with_capacity(deliveries.len());
-        for group in groups {
+        // The groups are the deliveries in order: the `started`-th begins at that delivery
+        // (one each), or is all of them (a digest).
+        for (started, group) in groups.into_iter().enumerate() {
+            if !room.for_one_more(SMTP_TIMEOUT) {
+                let unstarted = deliveries.get(started..).unwrap_or_default();
+                self.give_back_unstarted(unstarted, room).await?;
+                break;
+            }
             let Some(lead) = group.first() else {
                 continue;
             };

@@ -383,17 +383,14 @@ impl Engine {
         Ok(count)
     }
 
-    /// Sends one route's claimed emails, if the pass has room for them.
+    /// Sends one route's claimed emails, each while the pass has room for it.
     async fn deliver_route_emails(
         &self,
         deliveries: &[NotificationDeliveryRecord],
         room: &PassRoom,
     ) -> Result<(), EngineError> {
         let leased_until = room.leased_until;
-        if !room.for_one_more(crate::email::SMTP_TIMEOUT) {
-            return self.give_back_unstarted(deliveries, room).await;
-        }
-        for (id, outcome, result) in self.attempt_emails(deliveries).await? {
+        for (id, outcome, result) in self.attempt_emails(deliveries, room).await? {
             crate::metrics::notification_attempted(NotificationChannel::Email, result);
             tracing::info!(category = "notification", action = "email.send",
                 route_id = %deliveries.first().map(|d| d.route_id.to_string()).unwrap_or_default(),
@@ -432,7 +429,7 @@ impl Engine {
 
     /// What a pass did not start: given back when the process is stopping, else left claimed
     /// for another pass once the claim runs out.
-    async fn give_back_unstarted(
+    pub(crate) async fn give_back_unstarted(
         &self,
         unstarted: &[NotificationDeliveryRecord],
         room: &PassRoom,

@@ -96,7 +96,14 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     };
     let (engine, audit) = open_engine(&config).await?;
     let store = engine.store().clone();
-    let shutdown = shutdown_signal()?;
+    let signalled = shutdown_signal()?;
+    // The scheduler and the outboxes stop at the signal, while open requests drain: an
+    // outbox then starts no further delivery, and waits only for those in flight.
+    let (stop_triggers, triggers_stopped) = tokio::sync::watch::channel(false);
+    let shutdown = async move {
+        signalled.await;
+        let _ = stop_triggers.send(true);
+    };
     let (stop_metrics, metrics_stopped) = tokio::sync::watch::channel(false);
     let metrics_served = match metrics {
         Some((handle, addr)) => {
@@ -150,7 +157,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     // The scheduler, outboxes and sweeps run wherever runs are fired or driven; the pool only
     // under `all`. An `api` process starts none of them.
     let triggers = matches!(args.role, Role::All | Role::Scheduler)
-        .then(|| engine.spawn_triggers(workers_stopped.clone()));
+        .then(|| engine.spawn_triggers(triggers_stopped));
     // An `api` process listens for runs queued elsewhere: its remote workers' claims wait
     // for them.
     let worker = match args.role {
