@@ -100,7 +100,7 @@ struct SandboxSection {
 #[derive(Debug, Default, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 struct MetricsSection {
-    /// `IP:PORT` or `HOST:PORT` of the metrics listener; without it no metrics are recorded or served.
+    /// `IP:PORT` (or `localhost:PORT`) of the metrics listener; without it no metrics are recorded or served.
     listen: Option<String>,
 }
 
@@ -729,14 +729,14 @@ fn database_credential_problem(url: &str) -> Option<String> {
     None
 }
 
-/// The address a listener binds: `IP:PORT` (`[::1]:PORT` for IPv6), or `HOST:PORT` with the
-/// host name resolved now. `localhost` is the IPv4 loopback whatever the resolver says; a name
-/// with several addresses binds its first IPv4 one, else its first.
+/// The address a listener binds: `IP:PORT` (`[IPv6]:PORT`), or `localhost:PORT`, the IPv4
+/// loopback. Other host names are refused rather than looked up: every command that reads the
+/// configuration reads this, offline ones too, and none should depend on a resolver.
 fn listen_address(text: &str) -> anyhow::Result<SocketAddr> {
     if let Ok(addr) = text.parse::<SocketAddr>() {
         return Ok(addr);
     }
-    let form = "is not of the form `IP:PORT` or `HOST:PORT`";
+    let form = "is not of the form `IP:PORT`, `[IPv6]:PORT` or `localhost:PORT`";
     let Some((host, port)) = text.rsplit_once(':') else {
         bail!("`{text}` {form}: it has no port");
     };
@@ -752,15 +752,7 @@ fn listen_address(text: &str) -> anyhow::Result<SocketAddr> {
     if host.contains([':', '[', ']']) {
         bail!("`{text}` {form}: an IPv6 address is written `[ADDRESS]:PORT`");
     }
-    let found: Vec<SocketAddr> = std::net::ToSocketAddrs::to_socket_addrs(&(host, port))
-        .with_context(|| format!("cannot resolve the host name `{host}`"))?
-        .collect();
-    found
-        .iter()
-        .find(|addr| addr.is_ipv4())
-        .or(found.first())
-        .copied()
-        .ok_or_else(|| anyhow::anyhow!("the host name `{host}` has no address"))
+    bail!("`{text}` {form}: a host name other than `localhost` is not looked up; give its address")
 }
 
 #[cfg(test)]
@@ -768,7 +760,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_listen_address_is_an_ip_and_port_or_a_host_name_and_port() {
+    fn a_listen_address_is_an_ip_and_port_or_localhost_and_port() {
         for (text, want) in [
             ("127.0.0.1:8080", "127.0.0.1:8080"),
             ("[::1]:9000", "[::1]:9000"),
@@ -783,6 +775,7 @@ mod tests {
             ("localhost:http", "is not a port"),
             ("localhost:65536", "is not a port"),
             ("::1:8080", "`[ADDRESS]:PORT`"),
+            ("wor.example:8080", "is not looked up"),
         ] {
             let refused = format!("{:#}", listen_address(text).unwrap_err());
             assert!(refused.contains(says), "{text}: {refused}");
