@@ -20,13 +20,17 @@ pub struct ClientArgs {
 
 /// The most of an answer the client reads: a larger one is refused rather than held in memory.
 const MAX_ANSWER_BYTES: usize = 64 << 20;
+/// The most of a control plane's answer a worker reads: a claim carries every step of its
+/// run, so only a bound against a link gone wrong.
+const MAX_CONTROL_PLANE_ANSWER_BYTES: usize = 1 << 30;
 /// The longest line, and the longest data of one event, an event stream may send.
 const MAX_EVENT_BYTES: usize = 16 << 20;
 
-/// The body of `response`, at most [`MAX_ANSWER_BYTES`] of it.
+/// The body of `response`, at most `max` bytes of it.
 async fn read_capped(
     mut response: reqwest::Response,
     base: &reqwest::Url,
+    max: usize,
 ) -> anyhow::Result<Vec<u8>> {
     let mut body = Vec::new();
     while let Some(chunk) = response
@@ -34,11 +38,10 @@ async fn read_capped(
         .await
         .with_context(|| format!("the answer of {base} broke off"))?
     {
-        if body.len().saturating_add(chunk.len()) > MAX_ANSWER_BYTES {
+        if body.len().saturating_add(chunk.len()) > max {
             bail!(
-                "the answer of {base} is larger than {} MiB: is --server ({}) a Work on Repeat server?",
-                MAX_ANSWER_BYTES >> 20,
-                env::SERVER
+                "the answer of {base} is larger than {} MiB: is it a Work on Repeat server?",
+                max >> 20
             );
         }
         body.extend_from_slice(&chunk);
@@ -167,7 +170,10 @@ impl ApiClient {
             .await
             .with_context(|| format!("cannot reach the server at {}", self.base))?;
         let status = response.status().as_u16();
-        Ok((status, read_capped(response, &self.base).await?))
+        Ok((
+            status,
+            read_capped(response, &self.base, MAX_CONTROL_PLANE_ANSWER_BYTES).await?,
+        ))
     }
 
     pub async fn put(&self, path: &str, body: &Value) -> anyhow::Result<Value> {
@@ -214,7 +220,7 @@ impl ApiClient {
             .with_context(|| format!("cannot reach the server at {}", self.base))?;
         if !response.status().is_success() {
             let status = response.status();
-            let value: Value = read_capped(response, &self.base)
+            let value: Value = read_capped(response, &self.base, MAX_ANSWER_BYTES)
                 .await
                 .ok()
                 .and_then(|body| serde_json::from_slice(&body).ok())
@@ -285,7 +291,7 @@ impl ApiClient {
             .await
             .with_context(|| format!("cannot reach the server at {}", self.base))?;
         let status = response.status();
-        let body = read_capped(response, &self.base).await?;
+        let body = read_capped(response, &self.base, MAX_ANSWER_BYTES).await?;
         // Every answer of the API, success or error, is a JSON body: one without is not from
         // a Work on Repeat server (a wrong --server, a proxy's page), whatever its status.
         let value: Value = serde_json::from_slice(&body).map_err(|_| {

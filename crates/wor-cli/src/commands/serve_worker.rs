@@ -97,7 +97,13 @@ pub async fn run(config: &ServerConfig) -> anyhow::Result<ExitCode> {
     })?;
     let enrolment: Enrolment = serde_json::from_str(&text)
         .with_context(|| format!("{} is not an enrolment", enrolment_file.display()))?;
-    super::worker::check_transport(&enrolment.control_plane)?;
+    super::worker::check_transport(&enrolment.control_plane).with_context(|| {
+        format!(
+            "the control plane {} recorded in {}",
+            enrolment.control_plane,
+            enrolment_file.display()
+        )
+    })?;
     let identity = WorkerIdentity::load(&config.data_dir)
         .context("cannot read the worker identity")?
         .with_context(|| {
