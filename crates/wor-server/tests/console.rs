@@ -2378,6 +2378,30 @@ async fn live_streams_end_with_the_session_they_were_opened_under() {
 }
 
 #[tokio::test]
+async fn an_open_live_stream_does_not_keep_its_session_from_idling_out() {
+    let h = Harness::with_console(ConsoleConfig {
+        session_idle: Duration::from_secs(3),
+        ..ConsoleConfig::default()
+    })
+    .await;
+    let addr = serve_console(&h).await;
+    let mut ann = signed_in(&h, addr, "ann", Some("approver")).await;
+    let cookie = format!("wor_session={}", ann.cookies["wor_session"]);
+    let mut inbox = ann
+        .client
+        .get(format!("{}/console/approvals/events", ann.base))
+        .header("cookie", cookie)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(inbox.status().as_u16(), 200);
+    // Unused but for the stream, the session idles out and the stream ends with it.
+    stream_to_its_end(&mut inbox, Duration::from_secs(10)).await;
+    let page = ann.get("/console/approvals").await;
+    assert_eq!(page.status, StatusCode::SEE_OTHER, "the session is over");
+}
+
+#[tokio::test]
 async fn a_key_made_in_the_console_is_shown_once_and_keeps_the_apis_role_rules() {
     let h = Harness::new().await;
     let addr = serve_console(&h).await;

@@ -45,18 +45,19 @@ impl SessionWatch {
         }
     }
 
-    /// Whether the stream may go on; a store that cannot answer is asked again later.
+    /// Whether the stream may go on; a store that cannot answer is asked again at the next
+    /// recheck.
     pub(super) async fn still_open(&mut self) -> bool {
         if self.checked.elapsed() < SESSION_RECHECK {
             return true;
         }
+        self.checked = tokio::time::Instant::now();
         match self
             .store
             .console_session_opens(&self.token, self.idle_ms)
             .await
         {
             Ok(open) => {
-                self.checked = tokio::time::Instant::now();
                 if !open {
                     tracing::info!(
                         category = "auth",
