@@ -96,7 +96,6 @@ impl PolicyEngine {
         }
     }
 
-    /// Every loaded policy, with its id (`project.read-only-runs`, …).
     /// How many policies the text of `source` holds: none for a text of only comments.
     pub fn policies_from(&self, source: PolicySource) -> usize {
         let prefix = format!("{}.", source.as_str());
@@ -106,6 +105,7 @@ impl PolicyEngine {
             .count()
     }
 
+    /// Every loaded policy, with its id (`project.read-only-runs`, …).
     pub fn policy_set(&self) -> &PolicySet {
         &self.policies
     }

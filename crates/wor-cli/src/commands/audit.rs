@@ -35,8 +35,8 @@ pub enum AuditCommand {
         #[command(flatten)]
         client: ClientArgs,
     },
-    /// Print the public key that verifies checkpoints (base64), creating the signing key if
-    /// this installation has none yet.
+    /// Print the public key that verifies checkpoints (base64), from the audit signing key
+    /// (`WOR_AUDIT_SIGNING_KEY`, or the data dir's key file); never makes one.
     PublicKey {
         #[command(flatten)]
         flags: ServerFlags,
