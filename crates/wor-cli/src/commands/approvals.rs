@@ -69,10 +69,19 @@ fn summary(approval: &Value) -> String {
     )
 }
 
+/// Prints approval `approval` (the API's view) for a person deciding it.
 pub(crate) fn show(approval: &Value) {
-    println!("approval   {}", field(approval, "/id"));
-    println!("status     {}", field(approval, "/status"));
-    println!(
+    print!("{}", shown(approval));
+}
+
+/// Approval `approval` as [`show`] prints it, one line each.
+fn shown(approval: &Value) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let _ = writeln!(out, "approval   {}", field(approval, "/id"));
+    let _ = writeln!(out, "status     {}", field(approval, "/status"));
+    let _ = writeln!(
+        out,
         "routine    {}  run {} ({}, trigger {})",
         field(approval, "/routine"),
         field(approval, "/run_id"),
@@ -80,10 +89,10 @@ pub(crate) fn show(approval: &Value) {
         field(approval, "/run/trigger"),
     );
     if let Some(input) = approval.get("run_input") {
-        println!("run input  {input}");
+        let _ = writeln!(out, "run input  {input}");
     }
-    println!("tool       {}", field(approval, "/tool"));
-    println!("definition {}", field(approval, "/pin_hash"));
+    let _ = writeln!(out, "tool       {}", field(approval, "/tool"));
+    let _ = writeln!(out, "definition {}", field(approval, "/pin_hash"));
     let pinned: Vec<&str> = approval
         .get("pinned_keys")
         .and_then(Value::as_array)
@@ -91,7 +100,7 @@ pub(crate) fn show(approval: &Value) {
         .flatten()
         .filter_map(Value::as_str)
         .collect();
-    let print_arguments = |arguments: Option<&Value>| {
+    let print_arguments = |out: &mut String, arguments: Option<&Value>| {
         if let Some(Value::Object(arguments)) = arguments {
             for (key, value) in arguments {
                 let mark = if pinned.contains(&key.as_str()) {
@@ -99,21 +108,24 @@ pub(crate) fn show(approval: &Value) {
                 } else {
                     ""
                 };
-                println!("  {key} = {value}{mark}");
+                let _ = writeln!(out, "  {key} = {value}{mark}");
             }
         }
     };
     // An approval given with an edit binds the edited call: that is what runs.
     match approval.get("edited_arguments").filter(|v| v.is_object()) {
         Some(edited) => {
-            println!("arguments as edited by the approver (exactly what will be sent):");
-            print_arguments(Some(edited));
-            println!("arguments the model asked for (not sent):");
-            print_arguments(approval.get("arguments"));
+            let _ = writeln!(
+                out,
+                "arguments as edited by the approver (exactly what will be sent):"
+            );
+            print_arguments(&mut out, Some(edited));
+            let _ = writeln!(out, "arguments the model asked for (not sent):");
+            print_arguments(&mut out, approval.get("arguments"));
         }
         None => {
-            println!("arguments (exactly what will be sent):");
-            print_arguments(approval.get("arguments"));
+            let _ = writeln!(out, "arguments (exactly what will be sent):");
+            print_arguments(&mut out, approval.get("arguments"));
         }
     }
     // Labels recorded since arguments were labelled; older approvals have none.
@@ -124,9 +136,9 @@ pub(crate) fn show(approval: &Value) {
             serde_json::from_value::<wor_core::provenance::ArgumentLabels>(v.clone()).ok()
         })
     {
-        println!("where the arguments come from:");
+        let _ = writeln!(out, "where the arguments come from:");
         for line in labels.describe() {
-            println!("  {line}");
+            let _ = writeln!(out, "  {line}");
         }
     }
     let list = |pointer: &str| -> Vec<&str> {
@@ -138,21 +150,27 @@ pub(crate) fn show(approval: &Value) {
             .filter_map(Value::as_str)
             .collect()
     };
-    println!("why ({}):", list("/why/determining_policies").join(", "));
+    let _ = writeln!(
+        out,
+        "why ({}):",
+        list("/why/determining_policies").join(", ")
+    );
     for reason in list("/why/reasons") {
-        println!("  {reason}");
+        let _ = writeln!(out, "  {reason}");
     }
-    println!("binding    {}", field(approval, "/binding_hash"));
-    println!("requested  {}", field(approval, "/requested_at"));
-    println!("expires    {}", field(approval, "/expires_at"));
+    let _ = writeln!(out, "binding    {}", field(approval, "/binding_hash"));
+    let _ = writeln!(out, "requested  {}", field(approval, "/requested_at"));
+    let _ = writeln!(out, "expires    {}", field(approval, "/expires_at"));
     if field(approval, "/status") != "pending" {
-        println!(
+        let _ = writeln!(
+            out,
             "decided    {} by {}: {}",
             field(approval, "/decided_at"),
             field(approval, "/decided_by_member"),
             field(approval, "/decision_reason"),
         );
     }
+    out
 }
 
 pub async fn run(cmd: ApprovalsCommand) -> anyhow::Result<ExitCode> {
@@ -244,4 +262,51 @@ async fn decide(id: &str, verb: &str, reason: &str, client: &ClientArgs) -> anyh
         eprintln!("{}", summary(&approval));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::shown;
+
+    #[test]
+    fn an_edited_approval_shows_the_edited_arguments_as_what_is_sent() {
+        let approval = json!({
+            "id": "apr_1",
+            "status": "approved",
+            "tool": "mail/send",
+            "pinned_keys": ["from"],
+            "arguments": {"to": "attacker@evil.example", "from": "desk@corp.example"},
+            "edited_arguments": {"to": "ops@corp.example", "from": "desk@corp.example"},
+        });
+        let text = shown(&approval);
+        let sent = text
+            .find("arguments as edited by the approver (exactly what will be sent):")
+            .expect(&text);
+        let asked = text
+            .find("arguments the model asked for (not sent):")
+            .expect(&text);
+        assert!(sent < asked, "{text}");
+        let edited = text.get(sent..asked).unwrap();
+        assert!(edited.contains("to = \"ops@corp.example\""), "{text}");
+        assert!(
+            edited.contains("from = \"desk@corp.example\"  (pinned by the routine)"),
+            "{text}"
+        );
+        let requested = text.get(asked..).unwrap();
+        assert!(
+            requested.contains("to = \"attacker@evil.example\""),
+            "{text}"
+        );
+        assert!(!edited.contains("attacker"), "{text}");
+
+        // Without an edit, the requested arguments are what is sent.
+        let plain = shown(&json!({"arguments": {"to": "a@b.example"}}));
+        assert!(
+            plain.contains("arguments (exactly what will be sent):\n  to = \"a@b.example\"\n"),
+            "{plain}"
+        );
+        assert!(!plain.contains("not sent"), "{plain}");
+    }
 }
