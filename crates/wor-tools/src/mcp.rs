@@ -9,6 +9,7 @@
 //! response cache: pinning compares what the server says now.
 
 pub mod egress_http;
+mod line_limit;
 pub mod sandbox;
 pub mod sandboxed;
 
@@ -114,6 +115,10 @@ pub enum McpError {
     /// The exchange failed below the protocol (connection, HTTP status, framing).
     #[error("mcp transport failed: {0}")]
     Transport(String),
+    /// A stdio server wrote a message (a line) longer than [`McpLimits::max_message_bytes`]:
+    /// the session ends, and what was in flight fails at once.
+    #[error("the mcp server sent a message larger than {0} bytes; the session is closed")]
+    MessageTooLarge(usize),
     /// No answer in time.
     #[error("no answer from the mcp server within {0:?}")]
     Timeout(Duration),
@@ -280,6 +285,8 @@ pub struct McpSession {
     redactor: Arc<LiveRedactor>,
     /// Keeps a sandboxed stdio server alive for as long as the session.
     _process: Option<Box<dyn ProcessGuard>>,
+    /// Set when a stdio server's message went past the limit and ended the session.
+    oversized: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl fmt::Debug for McpSession {
@@ -361,11 +368,22 @@ impl McpSession {
         let process = tokio::time::timeout(limits.initialize_timeout, launcher.launch(command))
             .await
             .map_err(|_| McpError::Timeout(limits.initialize_timeout))??;
-        // A line is one message: held to the limit that holds over HTTP.
+        // A line is one message: held to the limit that holds over HTTP. A longer one ends
+        // the session (`line_limit`) before the transport, whose own limit is just above, would
+        // drop it and leave its request waiting.
+        let oversized = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stdout = line_limit::LineLimited::new(
+            process.stdout,
+            limits.max_message_bytes,
+            oversized.clone(),
+        );
         let transport =
-            rmcp::transport::async_rw::AsyncRwTransport::new_client(process.stdout, process.stdin)
-                .with_max_line_length(limits.max_message_bytes);
-        Self::initialize(transport, redactor, limits, Some(process.guard)).await
+            rmcp::transport::async_rw::AsyncRwTransport::new_client(stdout, process.stdin)
+                .with_max_line_length(limits.max_message_bytes.saturating_add(2));
+        let mut session =
+            Self::initialize(transport, redactor, limits, Some(process.guard)).await?;
+        session.oversized = oversized;
+        Ok(session)
     }
 
     async fn initialize<T, E, A>(
@@ -394,6 +412,7 @@ impl McpSession {
             limits,
             redactor,
             _process: process,
+            oversized: Arc::default(),
         })
     }
 
@@ -408,6 +427,9 @@ impl McpSession {
     }
 
     fn service_error(&self, error: ServiceError) -> McpError {
+        if self.oversized.load(std::sync::atomic::Ordering::Acquire) {
+            return McpError::MessageTooLarge(self.limits.max_message_bytes);
+        }
         let redactor = self.redactor.current();
         if let Some(failure) = authorization_failure(&error) {
             return failure;

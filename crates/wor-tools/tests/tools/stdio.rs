@@ -114,3 +114,85 @@ async fn a_sandbox_launcher_plugs_in() {
         "the process guard outlived the session"
     );
 }
+
+/// Stands in for a stdio server that answers `initialize` and then answers `tools/list` with
+/// one line longer than the session's message limit.
+#[derive(Debug, Default)]
+struct OversizedLauncher;
+
+impl SandboxLauncher for OversizedLauncher {
+    fn launch<'a>(&'a self, _command: &'a StdioCommand) -> LaunchFuture<'a> {
+        Box::pin(async move {
+            use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _};
+            let (client_end, server_end) = tokio::io::duplex(64 * 1024);
+            tokio::spawn(async move {
+                let (read, mut write) = tokio::io::split(server_end);
+                let mut lines = tokio::io::BufReader::new(read).lines();
+                while let Ok(Some(line)) = lines.next_line().await {
+                    let message: serde_json::Value = serde_json::from_str(&line).unwrap();
+                    let id = message["id"].clone();
+                    let answer = match message["method"].as_str() {
+                        Some("initialize") => serde_json::json!({
+                            "jsonrpc": "2.0", "id": id, "result": {
+                                "protocolVersion": message["params"]["protocolVersion"],
+                                "capabilities": {"tools": {}},
+                                "serverInfo": {"name": "big", "version": "1"},
+                            }
+                        }),
+                        Some("tools/list") => serde_json::json!({
+                            "jsonrpc": "2.0", "id": id, "result": {"tools": [{
+                                "name": "big",
+                                "description": "x".repeat(5 * 1024 * 1024),
+                                "inputSchema": {"type": "object"},
+                            }]}
+                        }),
+                        _ => continue,
+                    };
+                    let mut text = answer.to_string();
+                    text.push('\n');
+                    if write.write_all(text.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+            let (stdout, stdin) = tokio::io::split(client_end);
+            Ok(LaunchedProcess {
+                stdin: Box::new(stdin),
+                stdout: Box::new(stdout),
+                guard: Box::new(DropFlag(Arc::default())),
+            })
+        })
+    }
+}
+
+#[tokio::test]
+async fn a_message_past_the_limit_fails_its_request_at_once() {
+    let marker = std::env::temp_dir().join("wor-tools-never-used");
+    let limits = McpLimits {
+        request_timeout: std::time::Duration::from_secs(30),
+        ..McpLimits::default()
+    };
+    let session = McpSession::connect(
+        &McpServerKind::Stdio(command(&marker)),
+        &loopback_egress(),
+        &OversizedLauncher,
+        limits,
+    )
+    .await
+    .unwrap();
+    let began = std::time::Instant::now();
+    let error = session.list_tools().await.unwrap_err();
+    assert!(
+        began.elapsed() < std::time::Duration::from_secs(5),
+        "the request waited {:?} for an answer it could not read: {error:?}",
+        began.elapsed()
+    );
+    assert!(
+        matches!(error, McpError::MessageTooLarge(limit) if limit == McpLimits::default().max_message_bytes),
+        "{error:?}"
+    );
+    assert_eq!(
+        error.to_string(),
+        "the mcp server sent a message larger than 4194304 bytes; the session is closed"
+    );
+}
