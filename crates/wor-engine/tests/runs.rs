@@ -750,6 +750,39 @@ async fn overlap_policies_skip_queue_or_cancel_the_previous_run() {
     );
 }
 
+/// `count` runs of `routine` started through the API at the same moment, as recorded.
+async fn starts_at_once(
+    h: &Harness,
+    engine: &Engine,
+    routine: RoutineId,
+    count: usize,
+) -> Vec<RunRecord> {
+    let starts: Vec<_> = (0..count)
+        .map(|n| {
+            let engine = engine.clone();
+            let (project, key) = (h.project, h.key);
+            tokio::spawn(async move {
+                engine
+                    .start_run(StartRun {
+                        project,
+                        routine,
+                        input: json!(n),
+                        trigger: Trigger::Api(key),
+                        actor: None,
+                        thread: None,
+                    })
+                    .await
+                    .unwrap()
+            })
+        })
+        .collect();
+    let mut runs = Vec::new();
+    for start in starts {
+        runs.push(start.await.unwrap());
+    }
+    runs
+}
+
 #[tokio::test]
 async fn starts_at_the_same_moment_leave_only_the_newest_under_cancel_previous() {
     let h = Harness::new().await;
@@ -765,28 +798,13 @@ async fn starts_at_the_same_moment_leave_only_the_newest_under_cancel_previous()
         )
         .await;
     let earlier = h.start(&engine, cancel, "earlier").await;
-    let starts = (0..12).map(|n| {
-        let engine = engine.clone();
-        let (project, key) = (h.project, h.key);
-        tokio::spawn(async move {
-            engine
-                .start_run(StartRun {
-                    project,
-                    routine: cancel,
-                    input: json!(n),
-                    trigger: Trigger::Api(key),
-                    actor: None,
-                    thread: None,
-                })
-                .await
-                .unwrap()
-                .id
-        })
-    });
     let mut ids = vec![earlier.id];
-    for start in starts.collect::<Vec<_>>() {
-        ids.push(start.await.unwrap());
-    }
+    ids.extend(
+        starts_at_once(&h, &engine, cancel, 12)
+            .await
+            .iter()
+            .map(|run| run.id),
+    );
     let mut statuses = Vec::new();
     for id in &ids {
         statuses.push((*id, h.run(*id).await.status));
@@ -821,27 +839,11 @@ async fn starts_at_the_same_moment_never_pass_a_skip_policy_together() {
                 .replace("name = \"r\"", "name = \"s\""),
         )
         .await;
-    let starts = (0..12).map(|n| {
-        let engine = engine.clone();
-        let (project, key) = (h.project, h.key);
-        tokio::spawn(async move {
-            engine
-                .start_run(StartRun {
-                    project,
-                    routine: skip,
-                    input: json!(n),
-                    trigger: Trigger::Api(key),
-                    actor: None,
-                    thread: None,
-                })
-                .await
-                .unwrap()
-        })
-    });
-    let mut statuses = Vec::new();
-    for start in starts.collect::<Vec<_>>() {
-        statuses.push(start.await.unwrap().status);
-    }
+    let statuses: Vec<RunStatus> = starts_at_once(&h, &engine, skip, 12)
+        .await
+        .iter()
+        .map(|run| run.status)
+        .collect();
     let admitted = statuses
         .iter()
         .filter(|s| **s != RunStatus::Skipped)

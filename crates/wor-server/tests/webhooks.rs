@@ -776,16 +776,19 @@ async fn a_stopping_process_waits_only_for_attempts_in_flight_and_gives_back_the
     assert!(h.engine.run_next().await.unwrap());
     // A second webhook of the same run, sent only after the first.
     let store = h.engine.store();
-    let first = store
-        .list_deliveries(
-            h.project.project.id,
-            &wor_store::DeliveryFilter {
-                limit: 10,
-                ..Default::default()
-            },
-        )
-        .await
-        .unwrap();
+    let deliveries = || async {
+        store
+            .list_deliveries(
+                h.project.project.id,
+                &wor_store::DeliveryFilter {
+                    limit: 10,
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap()
+    };
+    let first = deliveries().await;
     assert_eq!(first.len(), 1);
     store
         .enqueue_delivery(&wor_store::NewDelivery {
@@ -816,16 +819,7 @@ async fn a_stopping_process_waits_only_for_attempts_in_flight_and_gives_back_the
         .unwrap();
     assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
     let now = wor_store::now_millis();
-    let deliveries = store
-        .list_deliveries(
-            h.project.project.id,
-            &wor_store::DeliveryFilter {
-                limit: 10,
-                ..Default::default()
-            },
-        )
-        .await
-        .unwrap();
+    let deliveries = deliveries().await;
     let second = deliveries
         .iter()
         .find(|d| d.id != first[0].id)
