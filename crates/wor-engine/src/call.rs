@@ -470,12 +470,8 @@ mod tests {
     use super::CANCEL_POLL;
     use crate::{Engine, EngineConfig, StartRun, Trigger};
 
-    /// On SQLite: a guarded call whose work waits for the process's turn to write while the
-    /// lease's renewal comes due. The turn passes to the work first (it asked first); the
-    /// renewal, queued behind it, must not keep the work from being polled, or neither could
-    /// go on until the turn's wait timed out and the run failed.
-    #[tokio::test]
-    async fn work_waiting_for_the_turn_to_write_goes_on_while_the_lease_is_renewed() {
+    /// An engine on a fresh database and a run of a one-turn routine it has claimed.
+    async fn claimed() -> (TestDatabase, Engine, wor_store::RunRecord) {
         let db = TestDatabase::isolated().await.unwrap();
         let created = db
             .store
@@ -529,6 +525,17 @@ mod tests {
             .unwrap()
             .unwrap();
 
+        (db, engine, run)
+    }
+
+    /// On SQLite: a guarded call whose work waits for the process's turn to write while the
+    /// lease's renewal comes due. The turn passes to the work first (it asked first); the
+    /// renewal, queued behind it, must not keep the work from being polled, or neither could
+    /// go on until the turn's wait timed out and the run failed.
+    #[tokio::test]
+    async fn work_waiting_for_the_turn_to_write_goes_on_while_the_lease_is_renewed() {
+        let (db, engine, run) = claimed().await;
+
         // PostgreSQL has no such turn.
         let Some(held) = hold_write_turn(&db.store).await.unwrap() else {
             return;
@@ -558,6 +565,35 @@ mod tests {
                 .renew_lease(run.id, &engine.config().worker_id, engine.lease_ms())
                 .await
                 .unwrap()
+        );
+    }
+
+    /// On SQLite: a renewal that fails once (the turn to write held past its wait) does not
+    /// stop the work; it is tried again at the next tick, within half the lease.
+    #[tokio::test]
+    async fn a_renewal_that_fails_once_leaves_the_work_going() {
+        let (db, engine, run) = claimed().await;
+        // PostgreSQL has no such turn.
+        let Some(held) = hold_write_turn(&db.store).await.unwrap() else {
+            return;
+        };
+        // Held past the renewal's wait for the turn (10 s), so that renewal fails.
+        let release = async move {
+            tokio::time::sleep(Duration::from_secs(11)).await;
+            drop(held);
+        };
+        let work = async {
+            tokio::time::sleep(Duration::from_secs(12)).await;
+            "answered"
+        };
+        let (guarded, ()) = tokio::join!(
+            engine.until_stopped(&run, Duration::from_secs(60), work),
+            release
+        );
+        assert!(
+            matches!(guarded, Ok(Ok("answered"))),
+            "a failed renewal stopped the work: {:?}",
+            guarded.map(|r| r.is_ok())
         );
     }
 }
