@@ -2015,3 +2015,41 @@ fn a_server_stops_on_sigterm_while_a_client_follows_a_run_that_waits_for_a_perso
         text(&followed.stderr)
     );
 }
+
+#[test]
+fn a_sighup_without_a_certificate_to_reload_is_logged_and_the_server_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = common::database_args(dir.path());
+    let mut server = Server::start(&db, &[]);
+    let addr = server.url.strip_prefix("http://").unwrap().to_owned();
+    assert!(
+        std::process::Command::new("kill")
+            .args(["-HUP", &server.child.id().to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !server
+        .log
+        .lock()
+        .unwrap()
+        .contains("no TLS certificate to reload")
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no SIGHUP logged: {}",
+            server.log.lock().unwrap()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(
+        server.child.try_wait().unwrap().is_none(),
+        "SIGHUP ended the server"
+    );
+    let answer = http(
+        &addr,
+        "GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    );
+    assert!(answer.contains("200 OK"), "{answer}");
+}

@@ -97,6 +97,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let (engine, audit) = open_engine(&config).await?;
     let store = engine.store().clone();
     let signalled = shutdown_signal()?;
+    // SIGHUP (`systemctl reload`) reloads the certificate of a listener serving TLS, and is
+    // otherwise only logged: never the default action, which would end the process undrained.
+    let hangup = spawn_hangup(tls.clone().filter(|_| args.role != Role::Scheduler))?;
     // The scheduler and the outboxes stop at the signal, while open requests drain: an
     // outbox then starts no further delivery, and waits only for those in flight.
     let (stop_triggers, triggers_stopped) = tokio::sync::watch::channel(false);
@@ -174,14 +177,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         _ if args.role == Role::Scheduler => {
             wor_server::serve_health(listener, state, shutdown).await
         }
-        Some(tls) => {
-            let reloader = spawn_tls_reloader(tls.clone())?;
-            let served = wor_server::serve_tls(listener, tls, state, shutdown).await;
-            reloader.abort();
-            served
-        }
+        Some(tls) => wor_server::serve_tls(listener, tls, state, shutdown).await,
         None => wor_server::serve(listener, state, shutdown).await,
     };
+    hangup.abort();
     // Runs in flight are given back, to be resumed at the next start rather than after
     // their lease runs out.
     let _ = stop_workers.send(true);
@@ -362,15 +361,24 @@ pub(crate) fn shutdown_signal()
     })
 }
 
-/// Reloads the listener's certificate and key on every SIGHUP; a file that does not load
-/// leaves the previous certificate in use, and says so.
-fn spawn_tls_reloader(
-    tls: wor_server::tls::ReloadableTls,
+/// Handles every SIGHUP from now on: reloads the listener's certificate and key when it
+/// serves `tls` (a file that does not load leaves the previous certificate in use, and says
+/// so), and otherwise says there is nothing to reload. Either way the process goes on.
+pub(crate) fn spawn_hangup(
+    tls: Option<wor_server::tls::ReloadableTls>,
 ) -> anyhow::Result<tokio::task::JoinHandle<()>> {
     use tokio::signal::unix::{SignalKind, signal};
     let mut hangup = signal(SignalKind::hangup()).context("cannot handle SIGHUP")?;
     Ok(tokio::spawn(async move {
         while hangup.recv().await.is_some() {
+            let Some(tls) = &tls else {
+                tracing::info!(
+                    category = "lifecycle",
+                    "SIGHUP: this process serves no TLS certificate; nothing to reload"
+                );
+                eprintln!("wor: SIGHUP: no TLS certificate to reload; going on");
+                continue;
+            };
             match tls.reload() {
                 Ok(()) => {
                     tracing::info!(category = "lifecycle", "TLS certificate reloaded");

@@ -155,6 +155,7 @@ pub async fn run(config: &ServerConfig) -> anyhow::Result<ExitCode> {
         );
     }
     let shutdown = super::serve::shutdown_signal()?;
+    let hangup = super::serve::spawn_hangup(None)?;
     let (stop, stopped) = tokio::sync::watch::channel(false);
     // Answered until the drain is over: a stopping worker is not ready.
     let (probes_stop, probes_stopped) = tokio::sync::watch::channel(false);
@@ -205,6 +206,7 @@ pub async fn run(config: &ServerConfig) -> anyhow::Result<ExitCode> {
     engine.store().close().await;
     drop(scratch);
     drop(data_dir_held);
+    hangup.abort();
     tracing::info!(category = "lifecycle", "worker stopped");
     Ok(ExitCode::SUCCESS)
 }
