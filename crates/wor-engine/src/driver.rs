@@ -262,8 +262,20 @@ impl Engine {
         if let Some(cancelled) = cancelled {
             crate::metrics::run_finished(run, &ending);
             crate::traces::run_finished(run, ending.status);
+            // What the end announces carries the usage the run ended with: the driver's, or,
+            // for an end that brought none, the run's as stored.
+            let ended = match usage {
+                Some(usage) => RunRecord {
+                    usage,
+                    ..run.clone()
+                },
+                None => match self.store.get_run(run.project_id, run.id).await {
+                    Ok(stored) => stored,
+                    Err(_) => run.clone(),
+                },
+            };
             let announced = self
-                .announce_end(run, ending.status, &ending.outcome, &cancelled)
+                .announce_end(&ended, ending.status, &ending.outcome, &cancelled)
                 .await;
             if let Err(error) = announced {
                 self.live_text.close(run.id);

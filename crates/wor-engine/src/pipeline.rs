@@ -391,8 +391,13 @@ impl Engine {
         expires_at: i64,
         policies: &[String],
     ) -> Result<(), EngineError> {
+        // The run as the park left it, with the usage its steps so far recorded.
+        let parked = match self.store.get_run(run.project_id, run.id).await {
+            Ok(stored) => stored,
+            Err(_) => run.clone(),
+        };
         self.enqueue_run_webhook(
-            run,
+            &parked,
             wor_core::run::RunStatus::WaitingForApproval,
             None,
             Some(json!({

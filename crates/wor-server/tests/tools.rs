@@ -1366,6 +1366,11 @@ async fn a_parked_run_notifies_people_with_a_signed_approval_webhook() {
     assert_eq!(payload["approval"]["id"], pending[0]["id"]);
     assert_eq!(payload["approval"]["tool"], "desk/send");
     assert_eq!(payload["run"]["status"], "waiting_for_approval");
+    // The usage the run had when it parked, as the API shows it: not the one it was claimed
+    // with.
+    let parked = h.get_run(&run_id).await;
+    assert_eq!(payload["run"]["usage"]["turns"], 2, "{payload:#}");
+    assert_eq!(payload["run"]["usage"], parked["usage"], "{payload:#}");
 }
 
 #[tokio::test]

@@ -495,6 +495,12 @@ async fn run_webhooks_arrive_signed_and_failed_deliveries_are_retried() {
     assert_eq!(payload["run"]["id"], run_id.as_str());
     assert_eq!(payload["run"]["status"], "succeeded");
     assert_eq!(payload["routine"]["name"], "notifier");
+    // The usage the run ended with, as the API shows it.
+    let ended = h
+        .reply(Method::GET, &format!("/v1/runs/{run_id}"), None)
+        .await;
+    assert_eq!(payload["run"]["usage"]["turns"], 1, "{payload:#}");
+    assert_eq!(payload["run"]["usage"], ended.body["usage"], "{payload:#}");
     let outcome = payload["run"]["outcome"].as_str().unwrap();
     assert!(
         !outcome.contains("ghp_a1B2"),
