@@ -168,34 +168,58 @@ fn a_backup_of_a_running_server_restores_verifies_and_runs_and_a_wrong_key_is_re
     assert!(verified.status.success(), "{}", text(&verified.stdout));
     assert!(text(&verified.stdout).contains("intact"));
 
-    // Started without the key its secrets were sealed under, it refuses to make a new one.
-    let mut keyless = wor(&[
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--data-dir",
-        &second.display().to_string(),
-    ])
-    .stdout(std::process::Stdio::null())
-    .stderr(std::process::Stdio::piped())
-    .spawn()
-    .unwrap();
-    let began = std::time::Instant::now();
-    let status = loop {
-        if let Some(status) = keyless.try_wait().unwrap() {
-            break status;
-        }
-        if began.elapsed() > std::time::Duration::from_secs(60) {
-            keyless.kill().unwrap();
-            panic!("a server without its encryption key started on a database of sealed secrets");
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
+    // Started without the key its secrets were sealed under, it refuses to make a new one;
+    // started with another key, or another audit signing key, it refuses as well.
+    let refused_start = |envs: &[(&str, &str)]| {
+        let mut refused = wor(&[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            &second.display().to_string(),
+        ])
+        .envs(envs.iter().copied())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+        let began = std::time::Instant::now();
+        let status = loop {
+            if let Some(status) = refused.try_wait().unwrap() {
+                break status;
+            }
+            if began.elapsed() > std::time::Duration::from_secs(60) {
+                refused.kill().unwrap();
+                panic!("a server started on a database its keys do not open: {envs:?}");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        };
+        let mut refusal = String::new();
+        std::io::Read::read_to_string(&mut refused.stderr.take().unwrap(), &mut refusal).unwrap();
+        assert_eq!(status.code(), Some(1), "{refusal}");
+        refusal
     };
-    let mut refusal = String::new();
-    std::io::Read::read_to_string(&mut keyless.stderr.take().unwrap(), &mut refusal).unwrap();
-    assert_eq!(status.code(), Some(1), "{refusal}");
+    let refusal = refused_start(&[]);
     assert!(
         refusal.contains("holds 1 sealed secret(s), but WOR_ENCRYPTION_KEY is not set"),
+        "{refusal}"
+    );
+    let (_, other_key) = wor_secrets::KeyRing::generate().unwrap();
+    let other_key = secrecy::ExposeSecret::expose_secret(&other_key).to_owned();
+    let refusal = refused_start(&[("WOR_ENCRYPTION_KEY", &other_key)]);
+    assert!(
+        refusal.contains("holds 1 secret(s) sealed under key")
+            && refusal.contains("which neither WOR_ENCRYPTION_KEY"),
+        "{refusal}"
+    );
+    let (_, other_signer) = wor_secrets::AuditSigningKey::generate().unwrap();
+    let other_signer = secrecy::ExposeSecret::expose_secret(&other_signer).to_owned();
+    let refusal = refused_start(&[
+        ("WOR_ENCRYPTION_KEY", KEY),
+        ("WOR_AUDIT_SIGNING_KEY", &other_signer),
+    ]);
+    assert!(
+        refusal.contains("the newest audit checkpoint is signed by key"),
         "{refusal}"
     );
     assert!(!second.join(wor_secrets::DEV_KEY_FILE_NAME).exists());

@@ -367,6 +367,30 @@ impl Store {
         Ok(row.try_get("n")?)
     }
 
+    /// The keys the vault's secrets are sealed under (their ids, as the key ring names them),
+    /// with how many secrets each seals.
+    pub async fn sealed_secret_key_ids(&self) -> Result<Vec<(String, i64)>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT key_id, COUNT(*) AS n FROM sealed_secrets GROUP BY key_id ORDER BY key_id",
+        )
+        .fetch_all(self.pool())
+        .await?;
+        rows.iter()
+            .map(|row| Ok((row.try_get("key_id")?, row.try_get("n")?)))
+            .collect()
+    }
+
+    /// The id of the key that signed the newest audit checkpoint, of any project; `None` when
+    /// none is signed.
+    pub async fn newest_checkpoint_key_id(&self) -> Result<Option<String>, StoreError> {
+        let row = sqlx::query("SELECT key_id FROM audit_checkpoints ORDER BY at DESC LIMIT 1")
+            .fetch_optional(self.pool())
+            .await?;
+        row.map(|row| row.try_get("key_id"))
+            .transpose()
+            .map_err(StoreError::from)
+    }
+
     /// How many audit checkpoints are signed, in every project.
     pub async fn count_audit_checkpoints(&self) -> Result<i64, StoreError> {
         let row = sqlx::query("SELECT COUNT(*) AS n FROM audit_checkpoints")

@@ -268,6 +268,46 @@ async fn refuse_new_keys_for_kept_data(config: &ServerConfig, store: &Store) -> 
     Ok(())
 }
 
+/// Refuses to serve a database whose sealed secrets were sealed under a key `keys` does not
+/// hold, or whose newest audit checkpoint another key signed than `audit_key`: a server on the
+/// wrong encryption key would fail every run that needs a secret, for good, and one on the
+/// wrong signing key would sign checkpoints no one key verifies with the ones before.
+async fn refuse_keys_the_data_was_not_made_with(
+    store: &Store,
+    keys: &wor_secrets::KeyRing,
+    audit_key: &wor_secrets::AuditSigningKey,
+) -> anyhow::Result<()> {
+    let held: Vec<String> = std::iter::once(keys.primary_key_id())
+        .chain(keys.retired_key_ids())
+        .map(|id| id.to_string())
+        .collect();
+    for (key_id, sealed) in store.sealed_secret_key_ids().await? {
+        if !held.contains(&key_id) {
+            bail!(
+                "this database holds {sealed} secret(s) sealed under key {key_id}, which neither {} \
+                 (key {}) nor {} holds: start with the key they were sealed under (during a \
+                 rotation, the old one in {})",
+                env::ENCRYPTION_KEY,
+                keys.primary_key_id(),
+                env::ENCRYPTION_KEY_RETIRED,
+                env::ENCRYPTION_KEY_RETIRED
+            );
+        }
+    }
+    let ours = wor_core::audit::key_id(&audit_key.verifying_key());
+    if let Some(signer) = store.newest_checkpoint_key_id().await?
+        && signer != ours
+    {
+        bail!(
+            "the newest audit checkpoint is signed by key {signer}, not by this server's audit \
+             signing key ({ours}): start with the key that signed it ({}), or the checkpoints \
+             signed from now on would leave the chain verifiable by no one key",
+            env::AUDIT_SIGNING_KEY
+        );
+    }
+    Ok(())
+}
+
 /// Opens the database, the key ring, the audit log and the egress client of `config`, and
 /// builds the engine on them (what `wor serve` and `wor demo` run).
 pub(crate) async fn open_engine(config: &ServerConfig) -> anyhow::Result<(Engine, AuditLog)> {
@@ -292,11 +332,9 @@ pub(crate) async fn open_engine(config: &ServerConfig) -> anyhow::Result<(Engine
             );
         }
     }
-    let audit = AuditLog::start(
-        store.clone(),
-        config.audit_signing_key()?,
-        AuditConfig::default(),
-    );
+    let audit_key = config.audit_signing_key()?;
+    refuse_keys_the_data_was_not_made_with(&store, &keys, &audit_key).await?;
+    let audit = AuditLog::start(store.clone(), audit_key, AuditConfig::default());
     let policy = egress_policy(config)?;
     // Model connections go out under a policy of their own, which alone opens the
     // operator's `[egress] model_cidrs`.
