@@ -2538,3 +2538,53 @@ async fn a_run_taken_by_a_canceller_that_stopped_is_ended_by_a_worker() {
         .count();
     assert_eq!(ends, 1);
 }
+
+#[tokio::test]
+async fn a_secret_shaped_value_the_model_puts_in_a_held_call_never_reaches_the_tool() {
+    let h = Harness::new().await;
+    let api = RecordingApi::start(vec![Some(json!({"status": "created"}))]).await;
+    let engine = h.engine(EngineConfig::default());
+    h.items_connection(&engine, &api).await;
+    let script = r#"
+[[model.script.turns]]
+when = { last_tool_result_contains = "created" }
+text = "Filed."
+[[model.script.turns]]
+tool_calls = [{ id = "call_1", name = "items__create_item", arguments = { title = "token ghp_abcdefghijklmnopqrstuvwxyz0123456789 end" } }]
+[[tools]]
+tool = "items/create_item"
+mode = "confirm"
+"#;
+    let routine = h.routine(&replay(script, "")).await;
+    let run = h.start(&engine, routine, "file it").await;
+    assert!(engine.run_next().await.unwrap());
+    // The person is shown what will be sent: the value redacted, as the run records it.
+    let held = h.approvals_of(run.id).await;
+    assert_eq!(held.len(), 1);
+    assert_eq!(
+        held[0].arguments,
+        json!({"title": "token [REDACTED:github-pat] end"})
+    );
+    let approver = h.approver().await;
+    engine
+        .decide_approval(
+            h.project,
+            held[0].id,
+            approver,
+            wor_store::ApprovalAnswer::Approve,
+            "as shown",
+        )
+        .await
+        .unwrap();
+    let ended = h.drive_to_end(&engine, run.id).await;
+    assert_eq!(ended.status, RunStatus::Succeeded, "{:?}", ended.outcome);
+    // Exactly what was shown is what the tool got: never the value the model wrote.
+    assert_eq!(
+        *api.requests.lock().unwrap(),
+        vec![json!({"title": "token [REDACTED:github-pat] end"})]
+    );
+    assert!(
+        !format!("{:?}", h.steps(run.id).await).contains("ghp_abcdefghij"),
+        "the record holds no secret"
+    );
+}
