@@ -1108,6 +1108,36 @@ fn what_a_command_is_given_and_cannot_use_exits_2_before_any_request() {
         ),
         (
             vec![
+                "approvals",
+                "approve",
+                "apr_01a2b3c4d5e6f708192a3b4c5d6e7f80",
+                "--reason",
+                "r",
+                "--edit",
+                "text=hello",
+                "--server",
+                nowhere,
+            ],
+            "the value is not JSON",
+        ),
+        (
+            vec![
+                "approvals",
+                "approve",
+                "apr_01a2b3c4d5e6f708192a3b4c5d6e7f80",
+                "--reason",
+                "r",
+                "--edit",
+                "text=\"a\"",
+                "--edit",
+                "text=\"b\"",
+                "--server",
+                nowhere,
+            ],
+            "is given more than once",
+        ),
+        (
+            vec![
                 "worker",
                 "enroll",
                 "--control-plane",

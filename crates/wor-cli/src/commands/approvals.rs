@@ -71,7 +71,7 @@ fn summary(approval: &Value) -> String {
 
 /// Prints approval `approval` (the API's view) for a person deciding it.
 pub(crate) fn show(approval: &Value) {
-    print!("{}", shown(approval));
+    print!("{}", super::for_terminal(&shown(approval)));
 }
 
 /// Approval `approval` as [`show`] prints it, one line each.
@@ -193,7 +193,7 @@ pub async fn run(cmd: ApprovalsCommand) -> anyhow::Result<ExitCode> {
                 print_json(&approvals)?;
             } else {
                 for approval in approvals.as_array().into_iter().flatten() {
-                    println!("{}", summary(approval));
+                    println!("{}", super::for_terminal(&summary(approval)));
                 }
             }
         }
@@ -216,14 +216,18 @@ pub async fn run(cmd: ApprovalsCommand) -> anyhow::Result<ExitCode> {
             let mut arguments = serde_json::Map::new();
             for edit in &edits {
                 let Some((name, value)) = edit.split_once('=') else {
-                    anyhow::bail!("`--edit {edit}`: expected NAME=JSON");
+                    return Err(crate::usage(format!("`--edit {edit}`: expected NAME=JSON")));
                 };
                 let value: Value = serde_json::from_str(value).map_err(|e| {
-                    anyhow::anyhow!(
+                    crate::usage(format!(
                         "`--edit {name}=…`: the value is not JSON ({e}); quote text as '\"text\"'"
-                    )
+                    ))
                 })?;
-                arguments.insert(name.to_owned(), value);
+                if arguments.insert(name.to_owned(), value).is_some() {
+                    return Err(crate::usage(format!(
+                        "`--edit {name}=…` is given more than once: give each argument once"
+                    )));
+                }
             }
             let approval = ApiClient::new(&client)?
                 .post(
@@ -234,7 +238,7 @@ pub async fn run(cmd: ApprovalsCommand) -> anyhow::Result<ExitCode> {
             if client.json {
                 print_json(&approval)?;
             } else {
-                eprintln!("{}", summary(&approval));
+                println!("{}", super::for_terminal(&summary(&approval)));
             }
         }
         ApprovalsCommand::Approve {
@@ -259,7 +263,7 @@ async fn decide(id: &str, verb: &str, reason: &str, client: &ClientArgs) -> anyh
     if client.json {
         print_json(&approval)?;
     } else {
-        eprintln!("{}", summary(&approval));
+        println!("{}", super::for_terminal(&summary(&approval)));
     }
     Ok(())
 }

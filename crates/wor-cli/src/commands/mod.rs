@@ -143,6 +143,25 @@ impl Command {
     }
 }
 
+/// `text` as it may reach a terminal: text a run, a tool or a person wrote is shown, never
+/// obeyed, so every control character but a newline and a tab (C0, DEL and C1: escape
+/// sequences, carriage returns, bells) is written as its `\u{…}` escape.
+pub(crate) fn for_terminal(text: &str) -> std::borrow::Cow<'_, str> {
+    let control = |c: char| c.is_control() && c != '\n' && c != '\t';
+    if !text.chars().any(control) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut shown = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if control(c) {
+            shown.push_str(&format!("\\u{{{:x}}}", u32::from(c)));
+        } else {
+            shown.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(shown)
+}
+
 /// Prints `value` as pretty JSON on stdout.
 pub(crate) fn print_json(value: &serde_json::Value) -> anyhow::Result<()> {
     println!("{}", serde_json::to_string_pretty(value)?);
@@ -155,4 +174,19 @@ pub(crate) fn field<'a>(value: &'a serde_json::Value, pointer: &str) -> &'a str 
         .pointer(pointer)
         .and_then(|v| v.as_str())
         .unwrap_or("-")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::for_terminal;
+
+    #[test]
+    fn control_characters_reach_the_terminal_escaped_and_text_as_it_is() {
+        assert_eq!(for_terminal("plain\ttext\nnext"), "plain\ttext\nnext");
+        assert_eq!(
+            for_terminal("\u{1b}[2J\u{1b}]0;pwned\u{7}\rRED\u{7f}\u{9b}31m"),
+            "\\u{1b}[2J\\u{1b}]0;pwned\\u{7}\\u{d}RED\\u{7f}\\u{9b}31m"
+        );
+        assert_eq!(for_terminal("héllo — ✓"), "héllo — ✓");
+    }
 }

@@ -6,7 +6,7 @@ use serde_json::{Value, json};
 use wor_core::step::Step;
 
 use super::routines::routine_id;
-use super::{field, print_json};
+use super::{field, for_terminal, print_json};
 use crate::client::{ApiClient, ClientArgs};
 
 #[derive(Debug, clap::Subcommand)]
@@ -105,9 +105,9 @@ pub(crate) fn describe_step(step: &Value) -> String {
 /// Prints `line` for a person watching: on stdout, or on stderr when stdout is kept for JSON.
 fn watch_line(json: bool, line: &str) {
     if json {
-        eprintln!("{line}");
+        eprintln!("{}", for_terminal(line));
     } else {
-        println!("{line}");
+        println!("{}", for_terminal(line));
     }
 }
 
@@ -124,9 +124,9 @@ async fn follow(api: &ApiClient, id: &str, json: bool) -> anyhow::Result<ExitCod
             "text" => {
                 let delta = field(&data, "/delta");
                 if json {
-                    eprint!("{delta}");
+                    eprint!("{}", for_terminal(delta));
                 } else {
-                    print!("{delta}");
+                    print!("{}", for_terminal(delta));
                     let _ = std::io::Write::flush(&mut std::io::stdout());
                 }
                 in_text = true;
@@ -145,7 +145,7 @@ async fn follow(api: &ApiClient, id: &str, json: bool) -> anyhow::Result<ExitCod
     if last.is_null() || json {
         last = api.get(&format!("/v1/runs/{id}")).await?;
     }
-    eprintln!("{}", summary(&last));
+    eprintln!("{}", for_terminal(&summary(&last)));
     if json {
         print_json(&last)?;
     }
@@ -159,7 +159,10 @@ async fn follow(api: &ApiClient, id: &str, json: bool) -> anyhow::Result<ExitCod
 /// A run's validated result (routines with `[output] schema`), indented, under its summary.
 fn print_result(run: &Value) -> anyhow::Result<()> {
     if let Some(result) = run.get("result") {
-        println!("result:\n{}", serde_json::to_string_pretty(result)?);
+        println!(
+            "result:\n{}",
+            for_terminal(&serde_json::to_string_pretty(result)?)
+        );
     }
     Ok(())
 }
@@ -206,7 +209,7 @@ pub async fn run(cmd: RunCommand) -> anyhow::Result<ExitCode> {
             if client.json {
                 print_json(&run)?;
             } else {
-                println!("{}", summary(&run));
+                println!("{}", for_terminal(&summary(&run)));
                 print_result(&run)?;
                 for step in run
                     .get("steps")
@@ -214,7 +217,7 @@ pub async fn run(cmd: RunCommand) -> anyhow::Result<ExitCode> {
                     .into_iter()
                     .flatten()
                 {
-                    println!("  {}", describe_step(step));
+                    println!("  {}", for_terminal(&describe_step(step)));
                 }
             }
         }
@@ -242,7 +245,7 @@ pub async fn run(cmd: RunCommand) -> anyhow::Result<ExitCode> {
                 print_json(&runs)?;
             } else {
                 for r in runs.as_array().into_iter().flatten() {
-                    println!("{}", summary(r));
+                    println!("{}", for_terminal(&summary(r)));
                 }
             }
         }
@@ -253,7 +256,7 @@ pub async fn run(cmd: RunCommand) -> anyhow::Result<ExitCode> {
             if client.json {
                 print_json(&run)?;
             } else {
-                eprintln!("{}", summary(&run));
+                println!("{}", for_terminal(&summary(&run)));
             }
         }
         RunCommand::Follow { id, client } => {
