@@ -29,6 +29,8 @@ const DEFAULT_PASSWORDS: &[&str] = &[
 /// resumed soon.
 const DEFAULT_LEASE_SECONDS: u64 = 30;
 const MIN_LEASE_SECONDS: u64 = 5;
+/// The longest an approval may wait for a decision: a year.
+const MAX_APPROVAL_TTL_SECONDS: u64 = 365 * 24 * 60 * 60;
 const MAX_LEASE_SECONDS: u64 = 3600;
 
 /// The configuration file's keys. Unknown keys are errors, so a typo never silently becomes a
@@ -380,6 +382,12 @@ impl ServerConfig {
         if !tls.behind_proxy && !tls.proxy_cidrs.is_empty() {
             bail!("`[tls] proxy_cidrs` is given without `behind_proxy = true`");
         }
+        // Checked here, in the operator's words: they join `[console] trusted_proxies` below.
+        for text in &tls.proxy_cidrs {
+            if text.parse::<ipnet::IpNet>().is_err() && text.parse::<std::net::IpAddr>().is_err() {
+                bail!("`[tls] proxy_cidrs`: `{text}` is not an address or a CIDR");
+            }
+        }
         let mut console_section = file.console.unwrap_or_default();
         console_section
             .trusted_proxies
@@ -400,11 +408,13 @@ impl ServerConfig {
         Ok(ServerConfig {
             listen,
             listen_given,
-            data_dir: flags
-                .data_dir
-                .clone()
-                .or(file.data_dir)
-                .unwrap_or_else(|| PathBuf::from(DEFAULT_DATA_DIR)),
+            data_dir: match flags.data_dir.clone().or(file.data_dir) {
+                Some(dir) if dir.as_os_str().is_empty() => {
+                    bail!("`data_dir` is empty: name a directory (default `{DEFAULT_DATA_DIR}`)")
+                }
+                Some(dir) => dir,
+                None => PathBuf::from(DEFAULT_DATA_DIR),
+            },
             database: flags.database.clone().or(file.database),
             production,
             demo,
@@ -426,6 +436,9 @@ impl ServerConfig {
             },
             approval_ttl: match file.approval_ttl_seconds {
                 Some(0) => bail!("`approval_ttl_seconds` must be at least 1"),
+                Some(n) if n > MAX_APPROVAL_TTL_SECONDS => bail!(
+                    "`approval_ttl_seconds` is at most {MAX_APPROVAL_TTL_SECONDS} (365 days), not {n}"
+                ),
                 Some(n) => std::time::Duration::from_secs(n),
                 None => wor_engine::DEFAULT_APPROVAL_TTL,
             },
@@ -580,8 +593,8 @@ impl ServerConfig {
     pub fn audit_verifying_key(&self) -> anyhow::Result<VerifyingKey> {
         if !self.audit_signing_key_configured() {
             bail!(
-                "no audit signing key: {} is not set and `{}` has no {AUDIT_SIGNING_KEY_FILE_NAME}; \
-                 pass --public-key",
+                "no audit signing key: {} is not set and `{}` has no {AUDIT_SIGNING_KEY_FILE_NAME} \
+                 (`wor audit verify` takes the public key as --public-key instead)",
                 env::AUDIT_SIGNING_KEY,
                 self.data_dir.display()
             );
@@ -856,6 +869,40 @@ mod tests {
                 "{error:#}"
             );
         }
+    }
+
+    #[test]
+    fn file_values_out_of_their_bounds_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("wor.toml");
+        let flags = ServerFlags {
+            config: Some(path.clone()),
+            ..ServerFlags::default()
+        };
+        for (text, complaint) in [
+            (
+                "approval_ttl_seconds = 99999999999999",
+                "`approval_ttl_seconds` is at most",
+            ),
+            ("data_dir = \"\"", "`data_dir` is empty"),
+            (
+                "[tls]\nbehind_proxy = true\nproxy_cidrs = [\"garbage\"]",
+                "`[tls] proxy_cidrs`: `garbage` is not an address or a CIDR",
+            ),
+        ] {
+            std::fs::write(&path, format!("{text}\n")).unwrap();
+            let error = ServerConfig::resolve(&flags, Some("127.0.0.1:0"), false).unwrap_err();
+            assert!(
+                format!("{error:#}").contains(complaint),
+                "{text}: {error:#}"
+            );
+        }
+        std::fs::write(&path, "approval_ttl_seconds = 31536000\n").unwrap();
+        let config = ServerConfig::resolve(&flags, Some("127.0.0.1:0"), false).unwrap();
+        assert_eq!(
+            config.approval_ttl,
+            std::time::Duration::from_secs(31_536_000)
+        );
     }
 
     #[test]

@@ -426,6 +426,12 @@ fn audit_log_is_written_exported_and_verified_end_to_end() {
     );
     assert!(out.status.success(), "{}", text(&out.stderr));
     server.stop();
+    // Readable by its owner alone, whatever the umask.
+    assert_eq!(
+        std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&export).unwrap().permissions())
+            & 0o777,
+        0o600
+    );
 
     let exported = std::fs::read_to_string(&export).unwrap();
     let categories: Vec<String> = exported

@@ -25,7 +25,7 @@ pub enum BackupError {
     TargetExists { path: String },
     #[error("`{path}` already holds a database; restore into an empty data directory")]
     DatabaseExists { path: String },
-    #[error("cannot write `{path}`: {source}")]
+    #[error("cannot read or write `{path}`")]
     Io {
         path: String,
         source: std::io::Error,

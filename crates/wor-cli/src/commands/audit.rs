@@ -244,10 +244,17 @@ fn verify_file(
 async fn export(client: &ClientArgs, output: Option<PathBuf>) -> anyhow::Result<ExitCode> {
     let api = ApiClient::new(client)?;
     let sink: Box<dyn std::io::Write> = match &output {
-        Some(path) => Box::new(
-            std::fs::File::create(path)
-                .with_context(|| format!("cannot create `{}`", path.display()))?,
-        ),
+        // The project's record of who did what: readable by its owner alone, as a backup is.
+        Some(path) => Box::new({
+            use std::os::unix::fs::OpenOptionsExt as _;
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(path)
+                .with_context(|| format!("cannot create `{}`", path.display()))?
+        }),
         None => Box::new(std::io::stdout().lock()),
     };
     let mut out = BufWriter::new(sink);
