@@ -1118,7 +1118,7 @@ mod tests {
             ("[tls]\ncert = \"c.pem\"\n", "both `cert` and `key`"),
             (
                 "[tls]\nbehind_proxy = true\nproxy_cidrs = [\"a proxy\"]\n",
-                "trusted_proxies",
+                "`[tls] proxy_cidrs`: `a proxy` is not an address or a CIDR",
             ),
         ] {
             std::fs::write(&path, text).unwrap();

@@ -309,11 +309,49 @@ impl From<StoreError> for ApiError {
                 tracing::warn!(category = "store", kind = busy.kind(), "store busy");
                 ApiError::Unavailable(busy.to_string())
             }
+            // The database is down or unreachable: a 503 the client may retry, not a 500.
+            down if down.is_unreachable() => {
+                tracing::warn!(
+                    category = "store",
+                    kind = down.kind(),
+                    "database unreachable"
+                );
+                ApiError::Unavailable("the database is not reachable; try again".to_owned())
+            }
             other => {
                 // The variant is logged, not the message: database messages can quote data.
                 tracing::error!(category = "store", kind = other.kind(), "store error");
                 ApiError::Internal
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use axum::http::StatusCode;
+    use wor_store::StoreError;
+
+    use super::ApiError;
+
+    #[test]
+    fn a_database_that_cannot_be_reached_is_a_503_and_other_store_errors_a_500() {
+        for down in [
+            sqlx::Error::PoolTimedOut,
+            sqlx::Error::PoolClosed,
+            sqlx::Error::Io(std::io::Error::from(std::io::ErrorKind::ConnectionRefused)),
+        ] {
+            let answer = ApiError::from(StoreError::Database(down));
+            assert_eq!(
+                answer.status_and_code(),
+                (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
+                "{answer:?}"
+            );
+        }
+        let corrupt = ApiError::from(StoreError::Corrupt("x".to_owned()));
+        assert_eq!(
+            corrupt.status_and_code(),
+            (StatusCode::INTERNAL_SERVER_ERROR, "internal")
+        );
     }
 }

@@ -179,6 +179,20 @@ pub enum StoreError {
 
 impl StoreError {
     /// A fixed label for the kind of error, for logs: messages can quote data, labels cannot.
+    /// Whether the database could not be reached at all (no connection in time, or one that
+    /// failed): nothing was done, and the same request may succeed once it is back.
+    pub fn is_unreachable(&self) -> bool {
+        matches!(
+            self,
+            StoreError::Database(
+                sqlx::Error::PoolTimedOut
+                    | sqlx::Error::PoolClosed
+                    | sqlx::Error::Io(_)
+                    | sqlx::Error::Tls(_)
+            )
+        )
+    }
+
     pub fn kind(&self) -> &'static str {
         match self {
             StoreError::NotFound => "not_found",
