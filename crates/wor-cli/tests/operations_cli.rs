@@ -649,6 +649,30 @@ fn doctor_reports_readiness_with_an_exit_code() {
     assert_eq!(key, "warn", "a development key file: {report}");
     assert!(detail.contains("day(s) old"), "{detail}");
     assert_eq!(code == Some(0), sandbox_ready, "{report}");
+    // A key file `wor serve` would refuse, readable by others, is not ready either.
+    let set_mode = |name: &str, mode: u32| {
+        std::fs::set_permissions(dir.path().join(name), std::fs::Permissions::from_mode(mode))
+            .unwrap();
+    };
+    for (name, check, before) in [
+        (wor_secrets::DEV_KEY_FILE_NAME, "encryption-key", "warn"),
+        (
+            wor_secrets::AUDIT_SIGNING_KEY_FILE_NAME,
+            "audit-signing-key",
+            "ok",
+        ),
+    ] {
+        if !dir.path().join(name).exists() {
+            wor_secrets::AuditSigningKey::load_or_create(dir.path()).unwrap();
+        }
+        assert_eq!(status(&doctor(&db, &[]).1, check).0, before);
+        set_mode(name, 0o644);
+        let (code, report) = doctor(&db, &[]);
+        let (state, detail) = status(&report, check);
+        assert_eq!((state, code), ("fail", Some(1)), "{report}");
+        assert!(detail.contains("644"), "{detail}");
+        set_mode(name, 0o600);
+    }
 
     // Production without a real key is not ready, whatever else is.
     let (code, report) = doctor(&db, &[("WOR_ENV", "production")]);

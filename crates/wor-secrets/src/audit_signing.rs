@@ -80,6 +80,14 @@ impl AuditSigningKey {
         )
     }
 
+    /// Loads `dir/audit-signing.key` if it exists; never creates it.
+    ///
+    /// # Errors
+    /// As [`Self::load_or_create`], but for a missing file, which is `None`.
+    pub fn load_existing(dir: &Path) -> Result<Option<Self>, SecretsError> {
+        key_file::load_existing(dir, AUDIT_SIGNING_KEY_FILE_NAME, Self::from_base64)
+    }
+
     /// The key from the environment value if one is set, else from (or created in) `dir`.
     ///
     /// # Errors

@@ -126,6 +126,7 @@ pub async fn run(args: DoctorArgs) -> anyhow::Result<ExitCode> {
 
 async fn server_checks(config: &ServerConfig, checks: &mut Vec<Check>) {
     checks.push(key_check(config));
+    checks.push(audit_key_check(config));
     for problem in config.production_problems() {
         checks.push(check("production", Status::Fail, problem));
     }
@@ -256,6 +257,10 @@ fn key_check(config: &ServerConfig) -> Check {
         };
     }
     let file = config.data_dir.join(wor_secrets::DEV_KEY_FILE_NAME);
+    // A key file `wor serve` would refuse (a loose mode, not a key) is not ready either.
+    if let Err(error) = wor_secrets::load_dev_key(&config.data_dir) {
+        return check("encryption-key", Status::Fail, format!("{error:#}"));
+    }
     let status = if config.production {
         Status::Fail
     } else {
@@ -286,6 +291,46 @@ fn key_check(config: &ServerConfig) -> Check {
                 env::ENCRYPTION_KEY
             ),
         ),
+    }
+}
+
+/// The audit signing key as `wor serve` would load it: from the environment, or from its file
+/// in the data dir, which must be the server's alone. None yet is fine: a first start makes one.
+fn audit_key_check(config: &ServerConfig) -> Check {
+    const NAME: &str = "audit-signing-key";
+    if config.audit_signing_key_set() {
+        return match config.audit_signing_key() {
+            Ok(key) => check(
+                NAME,
+                Status::Ok,
+                format!(
+                    "{} (key id {})",
+                    env::AUDIT_SIGNING_KEY,
+                    wor_core::audit::key_id(&key.verifying_key())
+                ),
+            ),
+            Err(error) => check(NAME, Status::Fail, format!("{error:#}")),
+        };
+    }
+    match wor_secrets::AuditSigningKey::load_existing(&config.data_dir) {
+        Ok(Some(key)) => check(
+            NAME,
+            Status::Ok,
+            format!(
+                "`{}` (key id {})",
+                config
+                    .data_dir
+                    .join(wor_secrets::AUDIT_SIGNING_KEY_FILE_NAME)
+                    .display(),
+                wor_core::audit::key_id(&key.verifying_key())
+            ),
+        ),
+        Ok(None) => check(
+            NAME,
+            Status::Ok,
+            "none yet: `wor serve` makes one in the data dir on its first start",
+        ),
+        Err(error) => check(NAME, Status::Fail, format!("{error:#}")),
     }
 }
 
