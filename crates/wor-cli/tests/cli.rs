@@ -1114,6 +1114,18 @@ fn what_a_command_is_given_and_cannot_use_exits_2_before_any_request() {
         ),
         (
             vec![
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--data-dir",
+                worker_dir,
+                "--database",
+                "mysql://wor@127.0.0.1/wor",
+            ],
+            "unsupported database url",
+        ),
+        (
+            vec![
                 "approvals",
                 "approve",
                 "apr_01a2b3c4d5e6f708192a3b4c5d6e7f80",

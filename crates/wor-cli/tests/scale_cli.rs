@@ -167,7 +167,7 @@ fn a_worker_refuses_to_start_with_a_database_or_the_encryption_key() {
         "--database",
         "postgres://wor@127.0.0.1:1/wor",
     ]));
-    assert!(!with_database.status.success());
+    assert_eq!(with_database.status.code(), Some(2), "a usage error");
     assert!(
         text(&with_database.stderr).contains("a worker takes no database URL"),
         "{}",
@@ -179,7 +179,7 @@ fn a_worker_refuses_to_start_with_a_database_or_the_encryption_key() {
             "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=",
         ),
     );
-    assert!(!with_key.status.success());
+    assert_eq!(with_key.status.code(), Some(2), "a usage error");
     assert!(
         text(&with_key.stderr).contains("a worker holds no encryption key"),
         "{}",

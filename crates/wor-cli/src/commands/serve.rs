@@ -83,14 +83,16 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         Some(addr) => Some((wor_server::metrics::install_recorder()?, addr)),
         None => None,
     };
+    // What the configuration names and cannot be used is a usage error (exit 2).
     let traces = match &config.traces {
-        Some(traces) => Some(trace_exporter(&config, traces)?),
+        Some(traces) => Some(trace_exporter(&config, traces).map_err(crate::UsageError)?),
         None => None,
     };
     let tls = match &config.tls {
         Some(files) => Some(
             wor_server::tls::ReloadableTls::load(files.clone())
-                .context("cannot set up TLS on the listener")?,
+                .context("cannot set up TLS on the listener")
+                .map_err(crate::UsageError)?,
         ),
         None => None,
     };
@@ -311,9 +313,13 @@ async fn refuse_keys_the_data_was_not_made_with(
 /// Opens the database, the key ring, the audit log and the egress client of `config`, and
 /// builds the engine on them (what `wor serve` and `wor demo` run).
 pub(crate) async fn open_engine(config: &ServerConfig) -> anyhow::Result<(Engine, AuditLog)> {
-    let store = Store::open(config.database.as_deref(), &config.data_dir)
-        .await
-        .context("cannot open the database")?;
+    let store = match Store::open(config.database.as_deref(), &config.data_dir).await {
+        Ok(store) => store,
+        Err(unusable @ wor_store::StoreError::UnsupportedUrl(_)) => {
+            return Err(crate::UsageError(anyhow::Error::new(unusable)).into());
+        }
+        Err(error) => return Err(anyhow::Error::new(error).context("cannot open the database")),
+    };
     refuse_new_keys_for_kept_data(config, &store).await?;
     let (keys, key_source) = config
         .key_ring()
@@ -465,4 +471,5 @@ pub(crate) fn egress_policy(config: &ServerConfig) -> anyhow::Result<wor_egress:
         model_cidrs: config.egress_model_cidrs.clone(),
     })
     .context("invalid `[egress]` section")
+    .map_err(|error| crate::UsageError(error).into())
 }

@@ -77,16 +77,16 @@ impl ControlPlaneLink for SignedLink {
 pub async fn run(config: &ServerConfig) -> anyhow::Result<ExitCode> {
     // A worker holds the secrets of the runs it drives and nothing more.
     if config.database.is_some() {
-        bail!(
+        return Err(crate::usage(format!(
             "a worker takes no database URL: it talks only to the control plane; unset {} and --database",
             env::DATABASE_URL
-        );
+        )));
     }
     if std::env::var_os(env::ENCRYPTION_KEY).is_some() {
-        bail!(
+        return Err(crate::usage(format!(
             "a worker holds no encryption key: unset {} (the control plane sends each run's secrets in its envelope)",
             env::ENCRYPTION_KEY
-        );
+        )));
     }
     let enrolment_file = config.data_dir.join(super::worker::ENROLMENT_FILE_NAME);
     let text = std::fs::read_to_string(&enrolment_file).with_context(|| {
