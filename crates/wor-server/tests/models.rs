@@ -834,3 +834,158 @@ async fn a_key_replaced_while_a_run_waits_stops_it_when_it_resumes() {
         Some("Bearer sk-first-0123456789abcdef")
     );
 }
+
+/// A model that asks for a note first, then, once it has the result, answers with text that
+/// streams slowly.
+async fn calling_then_streaming_model() -> SocketAddr {
+    let calls = Arc::new(Mutex::new(0usize));
+    let route = axum::routing::post(move || {
+        let calls = calls.clone();
+        async move {
+            let first = {
+                let mut calls = calls.lock().unwrap();
+                *calls += 1;
+                *calls == 1
+            };
+            let mut chunks: Vec<(u64, String)> = if first {
+                vec![(
+                    0,
+                    format!(
+                        "data: {}\n\ndata: {}\n\n",
+                        json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0,
+                            "id": "call_1", "type": "function", "function": {"name":
+                            "notes__send_note", "arguments": "{\"text\":\"hi\"}"}}]},
+                            "finish_reason": null}]}),
+                        json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
+                    ),
+                )]
+            } else {
+                // More than the 256 bytes the stream holds back, each piece a moment apart.
+                let filler = "the note went out. ".repeat(8);
+                (0..4)
+                    .map(|_| {
+                        (
+                            100,
+                            format!(
+                                "data: {}\n\n",
+                                json!({"choices": [{"index": 0, "delta": {"content": filler}}]})
+                            ),
+                        )
+                    })
+                    .chain(std::iter::once((
+                        300,
+                        format!(
+                            "data: {}\n\n",
+                            json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+                        ),
+                    )))
+                    .collect()
+            };
+            chunks.push((
+                0,
+                format!(
+                    "data: {}\n\ndata: [DONE]\n\n",
+                    json!({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 12}})
+                ),
+            ));
+            let stream =
+                futures_util::stream::unfold(chunks.into_iter(), |mut chunks| async move {
+                    let (pause, chunk) = chunks.next()?;
+                    tokio::time::sleep(std::time::Duration::from_millis(pause)).await;
+                    Some((Ok::<_, std::convert::Infallible>(chunk), chunks))
+                });
+            axum::response::Response::builder()
+                .header("content-type", "text/event-stream")
+                .body(axum::body::Body::from_stream(stream))
+                .unwrap()
+        }
+    });
+    common::serve(Router::new().route("/v1/chat/completions", route)).await
+}
+
+#[tokio::test]
+async fn a_turns_streamed_text_follows_the_tool_result_it_answers() {
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+
+    let h = Harness::new().await;
+    let model = calling_then_streaming_model().await;
+    let tool = common::serve(Router::new().route(
+        "/v1/notes",
+        axum::routing::post(|| async { axum::Json(json!({"status": "sent"})) }),
+    ))
+    .await;
+    let (status, created) = h
+        .call(
+            Method::POST,
+            "/v1/tool-connections",
+            Some(json!({"name": "notes", "kind": "http_api", "url": format!("http://{tool}/v1"),
+                "allowlist": [tool.to_string()], "tools": [{"name": "send_note", "description": "Sends a note",
+                "method": "POST", "path": "/notes",
+                "inputSchema": {"type": "object", "properties": {"text": {"type": "string"}}}}]})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    h.review_and_enable(created["id"].as_str().unwrap(), &[])
+        .await;
+    let (status, connection) = h
+        .call(
+            Method::POST,
+            "/v1/model-connections",
+            Some(json!({"name": "cloud", "provider": "openai_compatible",
+                "base_url": format!("http://{model}/v1"), "api_key": "sk-first-0123456789abcdef"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{connection}");
+    let toml = "name = \"noter\"\ninstructions = \"Send a note.\"\n[model]\nprovider = \"openai_compatible\"\n\
+                connection = \"cloud\"\nmodel = \"m\"\n[[tools]]\ntool = \"notes/send_note\"\nmode = \"auto\"\n";
+    let (status, applied) = h
+        .call(Method::POST, "/v1/routines", Some(json!({ "toml": toml })))
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{applied}");
+    let routine = applied["routine"]["id"].as_str().unwrap();
+    let (_, run) = h
+        .call(
+            Method::POST,
+            &format!("/v1/routines/{routine}/runs"),
+            Some(json!({"input": "go"})),
+        )
+        .await;
+    let run_id = run["id"].as_str().unwrap().to_owned();
+    let request = axum::http::Request::builder()
+        .uri(format!("/v1/runs/{run_id}/events"))
+        .header("authorization", format!("Bearer {}", h.owner()))
+        .body(axum::body::Body::empty())
+        .unwrap();
+    let response = h.router.clone().oneshot(request).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let reader = tokio::spawn(async move {
+        let mut body = response.into_body();
+        let mut seen = String::new();
+        while let Some(frame) = body.frame().await {
+            if let Ok(data) = frame.unwrap().into_data() {
+                seen.push_str(&String::from_utf8_lossy(&data));
+                if seen.contains("event: end") {
+                    break;
+                }
+            }
+        }
+        seen
+    });
+    assert!(h.engine.run_next().await.unwrap());
+    let seen = tokio::time::timeout(std::time::Duration::from_secs(20), reader)
+        .await
+        .unwrap()
+        .unwrap();
+    let at = |needle: &str| {
+        seen.find(needle)
+            .unwrap_or_else(|| panic!("no `{needle}` in: {seen}"))
+    };
+    let result = at("\"tool_result\"");
+    let text = at("event: text");
+    let answer = seen.rfind("\"model_turn\"").unwrap();
+    assert!(
+        result < text && text < answer,
+        "the text came before the result it answers, or after its turn: {seen}"
+    );
+}

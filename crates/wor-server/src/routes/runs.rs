@@ -408,11 +408,15 @@ struct Follow {
     /// The text the model call under way had written when the watch began: sent once the
     /// steps recorded before it are out, ahead of the deltas that follow it.
     so_far: Option<String>,
+    /// Deltas received and not sent yet: they go out after the steps recorded before their
+    /// model call began (the previous call's result among them) and before the turn they
+    /// belong to, so they wait for the next read of the steps.
+    held: Vec<String>,
 }
 
 impl Follow {
-    /// Queues every text delta that has already arrived, once the steps recorded before the
-    /// watch began are out (the text so far first).
+    /// Takes every text delta that has already arrived, once the steps recorded before the
+    /// watch began are out (the text so far first), to be sent after the next read of steps.
     fn drain_text(&mut self) {
         use tokio::sync::broadcast::error::TryRecvError;
         if self.so_far.is_some() {
@@ -420,11 +424,36 @@ impl Follow {
         }
         while let Some(text) = self.text.as_mut() {
             match text.try_recv() {
-                Ok(delta) => self.push_text(delta),
+                Ok(delta) => self.held.push(delta),
                 Err(TryRecvError::Lagged(_)) => {}
                 Err(TryRecvError::Empty) => return,
                 Err(TryRecvError::Closed) => self.text = None,
             }
+        }
+    }
+
+    /// Queues the deltas held so far.
+    fn send_held(&mut self) {
+        for delta in std::mem::take(&mut self.held) {
+            self.push_text(delta);
+        }
+    }
+
+    /// Queues the oldest deltas held, as many as make up `len` bytes of text: those of a
+    /// turn whose text is that long (a turn that only called tools streamed none).
+    fn send_held_up_to(&mut self, len: usize) {
+        let mut sent = 0usize;
+        let mut taken = 0usize;
+        for delta in &self.held {
+            if sent >= len {
+                break;
+            }
+            sent = sent.saturating_add(delta.len());
+            taken += 1;
+        }
+        let deltas: Vec<String> = self.held.drain(..taken).collect();
+        for delta in deltas {
+            self.push_text(delta);
         }
     }
 
@@ -452,7 +481,7 @@ impl Follow {
                 () = &mut poll => return,
                 delta = text.recv() => match delta {
                     Ok(delta) => {
-                        self.push_text(delta);
+                        self.held.push(delta);
                         return;
                     }
                     // A watcher too slow for the text misses some; the steps still come.
@@ -485,6 +514,7 @@ fn step_stream(
         ended: false,
         text: Some(text.deltas),
         so_far: Some(text.so_far),
+        held: Vec::new(),
     };
     futures_util::stream::unfold(follow, |mut f| async move {
         loop {
@@ -540,6 +570,11 @@ fn step_stream(
             let more = steps.len() == usize::from(EVENTS_PAGE);
             for step in steps {
                 f.last_seq = step.seq;
+                // Text held goes before the turn it belongs to: the deltas of a turn with text
+                // make up its text, so as many as its text is long go out ahead of it.
+                if let wor_core::step::Step::ModelTurn(turn) = &step.step {
+                    f.send_held_up_to(turn.message.text.len());
+                }
                 match Event::default()
                     .event("step")
                     .json_data(RunStepView::from(step))
@@ -560,6 +595,8 @@ fn step_stream(
             {
                 f.push_text(so_far);
             }
+            // The steps recorded so far are queued: the text of the turn under way after them.
+            f.send_held();
             if record.status.is_terminal() {
                 if let Ok(event) = Event::default()
                     .event("end")
