@@ -1220,3 +1220,34 @@ fn an_answer_larger_than_the_client_reads_is_refused_not_held() {
         text(&out.stderr)
     );
 }
+
+#[test]
+fn an_operator_command_signs_only_with_the_key_that_signed_the_chain() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().display().to_string();
+    let out = run(&mut wor(&["init", "--data-dir", &data]));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    // Another audit signing key in the operator's shell: the project is not made, and no
+    // checkpoint another key signed keeps the server from starting.
+    let (_, other) = wor_secrets::AuditSigningKey::generate().unwrap();
+    let other = secrecy::ExposeSecret::expose_secret(&other).to_owned();
+    let refused = run(wor(&["project", "create", "second", "--data-dir", &data])
+        .env("WOR_AUDIT_SIGNING_KEY", &other));
+    assert!(!refused.status.success());
+    assert!(
+        text(&refused.stderr).contains("the newest audit checkpoint is signed by key"),
+        "{}",
+        text(&refused.stderr)
+    );
+    // With the data dir's own key, it is.
+    let made = run(&mut wor(&[
+        "project",
+        "create",
+        "second",
+        "--data-dir",
+        &data,
+    ]));
+    assert!(made.status.success(), "{}", text(&made.stderr));
+    let verified = run(&mut wor(&["audit", "verify", "--data-dir", &data]));
+    assert!(verified.status.success(), "{}", text(&verified.stdout));
+}

@@ -397,7 +397,9 @@ impl Store {
     /// The id of the key that signed the newest audit checkpoint, of any project; `None` when
     /// none is signed.
     pub async fn newest_checkpoint_key_id(&self) -> Result<Option<String>, StoreError> {
-        let row = sqlx::query("SELECT key_id FROM audit_checkpoints ORDER BY at DESC LIMIT 1")
+        let row = sqlx::query(
+            "SELECT key_id FROM audit_checkpoints ORDER BY at DESC, project_id DESC, seq DESC LIMIT 1",
+        )
             .fetch_optional(self.pool())
             .await?;
         row.map(|row| row.try_get("key_id"))

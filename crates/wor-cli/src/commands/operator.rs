@@ -69,14 +69,12 @@ async fn open(flags: &ServerFlags, create: bool) -> anyhow::Result<Store> {
     opened.context("cannot open the database")
 }
 
-/// The audit log's one writer, for an operator command.
-fn start_audit(flags: &ServerFlags, store: &Store) -> anyhow::Result<AuditLog> {
+/// The audit log's one writer, for an operator command: signing with the key the database's
+/// checkpoints were signed with, as `wor serve` does (never a key made anew beside them).
+async fn start_audit(flags: &ServerFlags, store: &Store) -> anyhow::Result<AuditLog> {
     let config = ServerConfig::resolve(flags, None, false)?;
-    Ok(AuditLog::start(
-        store.clone(),
-        config.audit_signing_key()?,
-        AuditConfig::default(),
-    ))
+    let key = super::serve::kept_audit_key(&config, store).await?;
+    Ok(AuditLog::start(store.clone(), key, AuditConfig::default()))
 }
 
 /// The audit entries of project `name` made with owner `owner` by the operator: the project,
@@ -111,7 +109,7 @@ async fn create_audited(
     name: &str,
     owner: &str,
 ) -> anyhow::Result<CreatedProject> {
-    let audit = start_audit(flags, store)?;
+    let audit = start_audit(flags, store).await?;
     // The entries are staged with the project: a command stopped before they are appended
     // leaves them for the audit writer's next sweep, never a project without its entries.
     let (created, staged) = store
@@ -212,7 +210,7 @@ async fn recover_owner(
     owner: &str,
 ) -> anyhow::Result<()> {
     let project = find_project(store, project).await?;
-    let audit = start_audit(flags, store)?;
+    let audit = start_audit(flags, store).await?;
     // The entries are staged with the new key: a command stopped before they are appended
     // leaves them for the audit writer's next sweep, never an owner key without its entry.
     let entries = |recovered: &wor_store::RecoveredOwner| {

@@ -254,6 +254,18 @@ async fn refuse_new_keys_for_kept_data(config: &ServerConfig, store: &Store) -> 
             );
         }
     }
+    Ok(())
+}
+
+/// The audit signing key `config` names, for a database whose checkpoints it goes on signing:
+/// never one made anew for a database that holds signed checkpoints, and never one other than
+/// the key that signed the newest of them, whose checkpoints would leave the chain verifiable
+/// by no one key. What `wor serve` and the operator commands that sign (`wor project create`,
+/// `recover-owner`) start their audit writer with.
+pub(crate) async fn kept_audit_key(
+    config: &ServerConfig,
+    store: &Store,
+) -> anyhow::Result<wor_secrets::AuditSigningKey> {
     if !config.audit_signing_key_configured() {
         let signed = store.count_audit_checkpoints().await?;
         if signed > 0 {
@@ -267,17 +279,26 @@ async fn refuse_new_keys_for_kept_data(config: &ServerConfig, store: &Store) -> 
             );
         }
     }
-    Ok(())
+    let key = config.audit_signing_key()?;
+    let ours = wor_core::audit::key_id(&key.verifying_key());
+    if let Some(signer) = store.newest_checkpoint_key_id().await?
+        && signer != ours
+    {
+        bail!(
+            "the newest audit checkpoint is signed by key {signer}, not by this audit signing key \
+             ({ours}): use the key that signed it ({}), or the checkpoints signed from now on \
+             would leave the chain verifiable by no one key",
+            env::AUDIT_SIGNING_KEY
+        );
+    }
+    Ok(key)
 }
 
-/// Refuses to serve a database whose sealed secrets were sealed under a key `keys` does not
-/// hold, or whose newest audit checkpoint another key signed than `audit_key`: a server on the
-/// wrong encryption key would fail every run that needs a secret, for good, and one on the
-/// wrong signing key would sign checkpoints no one key verifies with the ones before.
-async fn refuse_keys_the_data_was_not_made_with(
+/// Refuses to serve a database with a secret sealed under a key `keys` does not hold: a server
+/// on the wrong encryption key would fail every run that needs that secret, for good.
+async fn refuse_a_ring_that_opens_none(
     store: &Store,
     keys: &wor_secrets::KeyRing,
-    audit_key: &wor_secrets::AuditSigningKey,
 ) -> anyhow::Result<()> {
     let held: Vec<String> = std::iter::once(keys.primary_key_id())
         .chain(keys.retired_key_ids())
@@ -295,17 +316,6 @@ async fn refuse_keys_the_data_was_not_made_with(
                 env::ENCRYPTION_KEY_RETIRED
             );
         }
-    }
-    let ours = wor_core::audit::key_id(&audit_key.verifying_key());
-    if let Some(signer) = store.newest_checkpoint_key_id().await?
-        && signer != ours
-    {
-        bail!(
-            "the newest audit checkpoint is signed by key {signer}, not by this server's audit \
-             signing key ({ours}): start with the key that signed it ({}), or the checkpoints \
-             signed from now on would leave the chain verifiable by no one key",
-            env::AUDIT_SIGNING_KEY
-        );
     }
     Ok(())
 }
@@ -338,8 +348,8 @@ pub(crate) async fn open_engine(config: &ServerConfig) -> anyhow::Result<(Engine
             );
         }
     }
-    let audit_key = config.audit_signing_key()?;
-    refuse_keys_the_data_was_not_made_with(&store, &keys, &audit_key).await?;
+    refuse_a_ring_that_opens_none(&store, &keys).await?;
+    let audit_key = kept_audit_key(config, &store).await?;
     let audit = AuditLog::start(store.clone(), audit_key, AuditConfig::default());
     let policy = egress_policy(config)?;
     // Model connections go out under a policy of their own, which alone opens the
