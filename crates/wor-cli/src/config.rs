@@ -583,13 +583,13 @@ impl ServerConfig {
             })
     }
 
-    /// Whether an audit signing key is configured without making one: `WOR_AUDIT_SIGNING_KEY`,
-    /// or the key file already in the data dir.
     /// Whether `WOR_AUDIT_SIGNING_KEY` gives the audit signing key.
     pub fn audit_signing_key_set(&self) -> bool {
         self.audit_signing_key.is_some()
     }
 
+    /// Whether an audit signing key is configured without making one: `WOR_AUDIT_SIGNING_KEY`,
+    /// or the key file already in the data dir.
     pub fn audit_signing_key_configured(&self) -> bool {
         self.audit_signing_key.is_some() || self.data_dir.join(AUDIT_SIGNING_KEY_FILE_NAME).exists()
     }

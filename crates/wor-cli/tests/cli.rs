@@ -413,6 +413,9 @@ fn audit_log_is_written_exported_and_verified_end_to_end() {
     );
 
     let export = dir.path().join("export.jsonl");
+    // A file already there, readable by all: the export replaces it, the owner's alone.
+    std::fs::write(&export, "old\n").unwrap();
+    std::fs::set_permissions(&export, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
     let out = server.client(
         &key,
         &[

@@ -179,20 +179,18 @@ pub enum StoreError {
 
 impl StoreError {
     /// A fixed label for the kind of error, for logs: messages can quote data, labels cannot.
-    /// Whether the database could not be reached at all (no connection in time, or one that
-    /// failed): nothing was done, and the same request may succeed once it is back.
+    /// Whether no connection to the database could be had (none in time, or the pool
+    /// closed): nothing was sent to it, so nothing was done, and the same request may succeed
+    /// once it is back. An error in the middle of a statement is not this: its write may have
+    /// committed.
     pub fn is_unreachable(&self) -> bool {
         matches!(
             self,
-            StoreError::Database(
-                sqlx::Error::PoolTimedOut
-                    | sqlx::Error::PoolClosed
-                    | sqlx::Error::Io(_)
-                    | sqlx::Error::Tls(_)
-            )
+            StoreError::Database(sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed)
         )
     }
 
+    /// A fixed word for the variant, for logs (which never carry the message).
     pub fn kind(&self) -> &'static str {
         match self {
             StoreError::NotFound => "not_found",

@@ -246,14 +246,18 @@ async fn export(client: &ClientArgs, output: Option<PathBuf>) -> anyhow::Result<
     let sink: Box<dyn std::io::Write> = match &output {
         // The project's record of who did what: readable by its owner alone, as a backup is.
         Some(path) => Box::new({
-            use std::os::unix::fs::OpenOptionsExt as _;
-            std::fs::OpenOptions::new()
+            use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
+            let file = std::fs::OpenOptions::new()
                 .write(true)
                 .create(true)
                 .truncate(true)
                 .mode(0o600)
                 .open(path)
-                .with_context(|| format!("cannot create `{}`", path.display()))?
+                .with_context(|| format!("cannot create `{}`", path.display()))?;
+            // A file that was there keeps its mode on opening: it is made the owner's alone.
+            file.set_permissions(std::fs::Permissions::from_mode(0o600))
+                .with_context(|| format!("cannot make `{}` private", path.display()))?;
+            file
         }),
         None => Box::new(std::io::stdout().lock()),
     };
