@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use serde_json::{Value, json};
 
-use super::{field, print_json};
+use super::{field, one_line, print_json};
 use crate::client::{ApiClient, ClientArgs};
 
 #[derive(Debug, clap::Subcommand)]
@@ -91,7 +91,7 @@ fn shown(approval: &Value) -> String {
     if let Some(input) = approval.get("run_input") {
         let _ = writeln!(out, "run input  {input}");
     }
-    let _ = writeln!(out, "tool       {}", field(approval, "/tool"));
+    let _ = writeln!(out, "tool       {}", one_line(field(approval, "/tool")));
     let _ = writeln!(out, "definition {}", field(approval, "/pin_hash"));
     let pinned: Vec<&str> = approval
         .get("pinned_keys")
@@ -107,6 +107,17 @@ fn shown(approval: &Value) -> String {
                     "  (pinned by the routine)"
                 } else {
                     ""
+                };
+                // A key that is not a plain name is shown quoted: an argument's name is the
+                // model's to choose, and may hold anything.
+                let plain = !key.is_empty()
+                    && key
+                        .chars()
+                        .all(|c| c.is_alphanumeric() || matches!(c, '_' | '-' | '.'));
+                let key = if plain {
+                    key.clone()
+                } else {
+                    Value::String(key.clone()).to_string()
                 };
                 let _ = writeln!(out, "  {key} = {value}{mark}");
             }
@@ -138,7 +149,7 @@ fn shown(approval: &Value) -> String {
     {
         let _ = writeln!(out, "where the arguments come from:");
         for line in labels.describe() {
-            let _ = writeln!(out, "  {line}");
+            let _ = writeln!(out, "  {}", one_line(&line));
         }
     }
     let list = |pointer: &str| -> Vec<&str> {
@@ -156,7 +167,7 @@ fn shown(approval: &Value) -> String {
         list("/why/determining_policies").join(", ")
     );
     for reason in list("/why/reasons") {
-        let _ = writeln!(out, "  {reason}");
+        let _ = writeln!(out, "  {}", one_line(reason));
     }
     let _ = writeln!(out, "binding    {}", field(approval, "/binding_hash"));
     let _ = writeln!(out, "requested  {}", field(approval, "/requested_at"));
@@ -167,7 +178,7 @@ fn shown(approval: &Value) -> String {
             "decided    {} by {}: {}",
             field(approval, "/decided_at"),
             field(approval, "/decided_by_member"),
-            field(approval, "/decision_reason"),
+            one_line(field(approval, "/decision_reason")),
         );
     }
     out
@@ -304,6 +315,27 @@ mod tests {
             "{text}"
         );
         assert!(!edited.contains("attacker"), "{text}");
+
+        // An argument's name is the model's: one that is not a plain name is quoted, so it
+        // cannot pass for lines of the listing.
+        let forged = shown(&json!({"arguments": {
+            "a\narguments the model asked for (not sent):\n  to": "x",
+            "to": "ops@corp.example",
+        }}));
+        assert!(
+            !forged
+                .lines()
+                .any(|l| l.starts_with("arguments the model asked for")),
+            "{forged}"
+        );
+        assert!(
+            forged.contains(r#"  "a\narguments the model asked for (not sent):\n  to" = "x""#),
+            "{forged}"
+        );
+        // A reason on one line, whatever it holds.
+        let decided =
+            shown(&json!({"status": "denied", "decision_reason": "no\nbinding    forged"}));
+        assert!(decided.contains("no\\nbinding    forged"), "{decided}");
 
         // Without an edit, the requested arguments are what is sent.
         let plain = shown(&json!({"arguments": {"to": "a@b.example"}}));

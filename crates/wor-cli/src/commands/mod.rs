@@ -145,9 +145,17 @@ impl Command {
 
 /// `text` as it may reach a terminal: text a run, a tool or a person wrote is shown, never
 /// obeyed, so every control character but a newline and a tab (C0, DEL and C1: escape
-/// sequences, carriage returns, bells) is written as its `\u{…}` escape.
+/// sequences, carriage returns, bells), and the invisible characters that reorder or hide
+/// text (direction embeddings, overrides and isolates, the zero-width space, the byte order
+/// mark), is written as its `\u{…}` escape. The joiners some scripts need are kept.
 pub(crate) fn for_terminal(text: &str) -> std::borrow::Cow<'_, str> {
-    let control = |c: char| c.is_control() && c != '\n' && c != '\t';
+    let control = |c: char| {
+        (c.is_control() && c != '\n' && c != '\t')
+            || matches!(
+                u32::from(c),
+                0x200B | 0x202A..=0x202E | 0x2066..=0x2069 | 0xFEFF
+            )
+    };
     if !text.chars().any(control) {
         return std::borrow::Cow::Borrowed(text);
     }
@@ -160,6 +168,16 @@ pub(crate) fn for_terminal(text: &str) -> std::borrow::Cow<'_, str> {
         }
     }
     std::borrow::Cow::Owned(shown)
+}
+
+/// `text` on one line: its line breaks written as `\n`, so that what someone else wrote cannot
+/// pass for lines of the output around it.
+pub(crate) fn one_line(text: &str) -> std::borrow::Cow<'_, str> {
+    if text.contains(['\n', '\r']) {
+        std::borrow::Cow::Owned(text.replace('\n', "\\n").replace('\r', "\\r"))
+    } else {
+        std::borrow::Cow::Borrowed(text)
+    }
 }
 
 /// Prints `value` as pretty JSON on stdout.
@@ -188,5 +206,9 @@ mod tests {
             "\\u{1b}[2J\\u{1b}]0;pwned\\u{7}\\u{d}RED\\u{7f}\\u{9b}31m"
         );
         assert_eq!(for_terminal("héllo — ✓"), "héllo — ✓");
+        assert_eq!(
+            for_terminal("a\u{202e}b\u{200b}c\u{200d}d"),
+            "a\\u{202e}b\\u{200b}c\u{200d}d"
+        );
     }
 }

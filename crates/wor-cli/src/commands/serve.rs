@@ -96,12 +96,13 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         ),
         None => None,
     };
+    // From here on SIGHUP (`systemctl reload`) reloads the certificate of a listener serving
+    // TLS, and is otherwise only logged: never the default action, which would end the
+    // process undrained, while it starts or once it serves.
+    let hangup = spawn_hangup(tls.clone().filter(|_| args.role != Role::Scheduler))?;
     let (engine, audit) = open_engine(&config).await?;
     let store = engine.store().clone();
     let signalled = shutdown_signal()?;
-    // SIGHUP (`systemctl reload`) reloads the certificate of a listener serving TLS, and is
-    // otherwise only logged: never the default action, which would end the process undrained.
-    let hangup = spawn_hangup(tls.clone().filter(|_| args.role != Role::Scheduler))?;
     // The scheduler and the outboxes stop at the signal, while open requests drain: an
     // outbox then starts no further delivery, and waits only for those in flight.
     let (stop_triggers, triggers_stopped) = tokio::sync::watch::channel(false);

@@ -88,6 +88,8 @@ pub async fn run(config: &ServerConfig) -> anyhow::Result<ExitCode> {
             env::ENCRYPTION_KEY
         )));
     }
+    // SIGHUP is only logged from here on: a worker has no certificate to reload.
+    let hangup = super::serve::spawn_hangup(None)?;
     let enrolment_file = config.data_dir.join(super::worker::ENROLMENT_FILE_NAME);
     let text = std::fs::read_to_string(&enrolment_file).with_context(|| {
         format!(
@@ -155,7 +157,6 @@ pub async fn run(config: &ServerConfig) -> anyhow::Result<ExitCode> {
         );
     }
     let shutdown = super::serve::shutdown_signal()?;
-    let hangup = super::serve::spawn_hangup(None)?;
     let (stop, stopped) = tokio::sync::watch::channel(false);
     // Answered until the drain is over: a stopping worker is not ready.
     let (probes_stop, probes_stopped) = tokio::sync::watch::channel(false);
