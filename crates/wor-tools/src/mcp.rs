@@ -347,7 +347,7 @@ impl McpSession {
             .max_json_response_size(limits.max_message_bytes)
             .max_sse_event_size(limits.max_message_bytes);
         let transport = StreamableHttpClientTransport::with_client(http, config);
-        Self::initialize(transport, redactor, limits, None).await
+        Self::initialize(transport, redactor, limits, None, Arc::default()).await
     }
 
     /// Initializes a session with a stdio server started by `launcher`. Without a sandbox
@@ -380,10 +380,7 @@ impl McpSession {
         let transport =
             rmcp::transport::async_rw::AsyncRwTransport::new_client(stdout, process.stdin)
                 .with_max_line_length(limits.max_message_bytes.saturating_add(2));
-        let mut session =
-            Self::initialize(transport, redactor, limits, Some(process.guard)).await?;
-        session.oversized = oversized;
-        Ok(session)
+        Self::initialize(transport, redactor, limits, Some(process.guard), oversized).await
     }
 
     async fn initialize<T, E, A>(
@@ -391,6 +388,7 @@ impl McpSession {
         redactor: Arc<LiveRedactor>,
         limits: McpLimits,
         process: Option<Box<dyn ProcessGuard>>,
+        oversized: Arc<std::sync::atomic::AtomicBool>,
     ) -> Result<Self, McpError>
     where
         T: rmcp::transport::IntoTransport<RoleClient, E, A> + Send + 'static,
@@ -404,6 +402,9 @@ impl McpSession {
             .await
             .map_err(|_| McpError::Timeout(limits.initialize_timeout))?
             .map_err(|error| {
+                if oversized.load(std::sync::atomic::Ordering::Acquire) {
+                    return McpError::MessageTooLarge(limits.max_message_bytes);
+                }
                 McpError::Initialize(redactor.current().redact(&error.to_string()).into_owned())
             })?;
         Ok(Self {
@@ -412,7 +413,7 @@ impl McpSession {
             limits,
             redactor,
             _process: process,
-            oversized: Arc::default(),
+            oversized,
         })
     }
 

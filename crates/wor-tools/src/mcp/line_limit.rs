@@ -57,17 +57,26 @@ impl<R: AsyncRead + Unpin> AsyncRead for LineLimited<R> {
         let read = buf.filled().get(before..).unwrap_or_default();
         // Each segment but the last ends with a newline; the first goes on the line before.
         let mut in_line = this.in_line;
+        // Where the segment being counted begins, in this read.
+        let mut start = 0usize;
         let mut segments = read.split(|byte| *byte == b'\n').peekable();
         while let Some(segment) = segments.next() {
             in_line = in_line.saturating_add(segment.len());
             if in_line > this.limit {
                 this.exceeded.store(true, Ordering::Release);
-                // A failed read hands over nothing.
-                buf.set_filled(before);
-                return Poll::Ready(Err(this.too_long()));
+                if start == 0 {
+                    // A failed read hands over nothing.
+                    buf.set_filled(before);
+                    return Poll::Ready(Err(this.too_long()));
+                }
+                // The whole messages before the long line are handed over; the next read
+                // fails.
+                buf.set_filled(before.saturating_add(start));
+                return Poll::Ready(Ok(()));
             }
             if segments.peek().is_some() {
                 in_line = 0;
+                start = start.saturating_add(segment.len()).saturating_add(1);
             }
         }
         this.in_line = in_line;
@@ -104,6 +113,17 @@ mod tests {
             assert!(refused.is_err(), "{input:?}");
             assert!(exceeded, "{input:?}");
         }
+    }
+
+    #[tokio::test]
+    async fn the_whole_lines_before_a_long_one_are_handed_over_first() {
+        let exceeded = Arc::new(AtomicBool::new(false));
+        let mut reader = LineLimited::new(&b"ab\ncd\n1234567"[..], 5, exceeded.clone());
+        let mut buf = [0u8; 64];
+        let read = reader.read(&mut buf).await.unwrap();
+        assert_eq!(buf.get(..read).unwrap(), b"ab\ncd\n");
+        assert!(reader.read(&mut buf).await.is_err());
+        assert!(exceeded.load(Ordering::Acquire));
     }
 
     #[tokio::test]
