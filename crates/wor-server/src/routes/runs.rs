@@ -566,6 +566,11 @@ fn step_stream(
                     continue;
                 }
             };
+            // A run that has ended writes no more text: what is still on its way goes out with
+            // the steps, ahead of the end.
+            if record.status.is_terminal() {
+                f.drain_text();
+            }
             // A full page may have more behind it: read on once it is out, without waiting.
             let more = steps.len() == usize::from(EVENTS_PAGE);
             for step in steps {
