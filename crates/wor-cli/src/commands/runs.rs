@@ -102,6 +102,18 @@ pub(crate) fn describe_step(step: &Value) -> String {
     }
 }
 
+/// What a person watching is told when `step` holds a call for a decision: that the run
+/// waits for one, and where to find it.
+fn waiting_hint(step: &Value, run: &str) -> Option<String> {
+    let held = field(step, "/kind") == "tool_call" && field(step, "/payload/decision") == "confirm";
+    held.then(|| {
+        format!(
+            "  waiting for a person to decide this call: `wor approvals list --run {run}`, then \
+             `wor approvals show ID`"
+        )
+    })
+}
+
 /// Prints `line` for a person watching: on stdout, or on stderr when stdout is kept for JSON.
 fn watch_line(json: bool, line: &str) {
     if json {
@@ -136,6 +148,9 @@ async fn follow(api: &ApiClient, id: &str, json: bool) -> anyhow::Result<ExitCod
                     watch_line(json, "");
                 }
                 watch_line(json, &describe_step(&data));
+                if let Some(hint) = waiting_hint(&data, id) {
+                    watch_line(json, &hint);
+                }
             }
             "end" => last = data,
             _ => {}
@@ -264,4 +279,24 @@ pub async fn run(cmd: RunCommand) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::waiting_hint;
+
+    #[test]
+    fn a_held_call_tells_the_watcher_where_to_decide_it() {
+        let held = json!({"kind": "tool_call", "payload": {"decision": "confirm"}});
+        let hint = waiting_hint(&held, "run_1").expect("a hint");
+        assert!(hint.contains("wor approvals list --run run_1"), "{hint}");
+        for other in [
+            json!({"kind": "tool_call", "payload": {"decision": "allow"}}),
+            json!({"kind": "tool_result", "payload": {}}),
+        ] {
+            assert_eq!(waiting_hint(&other, "run_1"), None, "{other}");
+        }
+    }
 }
