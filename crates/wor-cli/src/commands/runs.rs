@@ -105,7 +105,11 @@ pub(crate) fn describe_step(step: &Value) -> String {
 /// What a person watching is told when `step` holds a call for a decision: that the run
 /// waits for one, and where to find it.
 fn waiting_hint(step: &Value, run: &str) -> Option<String> {
-    let held = field(step, "/kind") == "tool_call" && field(step, "/payload/decision") == "confirm";
+    let payload = step.get("payload").cloned().unwrap_or(Value::Null);
+    let held = matches!(
+        Step::from_stored(field(step, "/kind"), payload),
+        Ok(Step::ToolCall(call)) if call.decision == wor_core::call::Verdict::Confirm
+    );
     held.then(|| {
         format!(
             "  waiting for a person to decide this call: `wor approvals list --run {run}`, then \
@@ -289,13 +293,16 @@ mod tests {
 
     #[test]
     fn a_held_call_tells_the_watcher_where_to_decide_it() {
-        let held = json!({"kind": "tool_call", "payload": {"decision": "confirm"}});
-        let hint = waiting_hint(&held, "run_1").expect("a hint");
+        let call = |decision: &str| {
+            json!({"kind": "tool_call", "payload": {
+                "tool": "mail/send", "model_name": "mail__send", "call_id": "c1",
+                "arguments": {}, "arguments_hash": "h", "pinned_keys": [], "pin_hash": "p",
+                "decision": decision,
+            }})
+        };
+        let hint = waiting_hint(&call("confirm"), "run_1").expect("a hint");
         assert!(hint.contains("wor approvals list --run run_1"), "{hint}");
-        for other in [
-            json!({"kind": "tool_call", "payload": {"decision": "allow"}}),
-            json!({"kind": "tool_result", "payload": {}}),
-        ] {
+        for other in [call("allow"), json!({"kind": "tool_result", "payload": {}})] {
             assert_eq!(waiting_hint(&other, "run_1"), None, "{other}");
         }
     }
