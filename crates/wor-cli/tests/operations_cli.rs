@@ -2101,3 +2101,61 @@ fn a_sighup_without_a_certificate_to_reload_is_logged_and_the_server_goes_on() {
     );
     assert!(answer.contains("200 OK"), "{answer}");
 }
+
+#[test]
+fn a_second_signal_ends_a_draining_server_at_once() {
+    use std::io::Write as _;
+    let dir = tempfile::tempdir().unwrap();
+    let db = common::database_args(dir.path());
+    let mut server = Server::start(&db, &[]);
+    let addr = server.url.strip_prefix("http://").unwrap().to_owned();
+    // A request whose body never comes: the drain waits its grace (10 s) for it.
+    #[expect(
+        clippy::disallowed_methods,
+        reason = "the test's own client on loopback"
+    )]
+    let mut held = std::net::TcpStream::connect(&addr).unwrap();
+    held.write_all(
+        b"POST /hooks/rtn_0123456789abcdef0123456789abcdef HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{",
+    )
+    .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let signal = |pid: u32| {
+        assert!(
+            std::process::Command::new("kill")
+                .args(["-TERM", &pid.to_string()])
+                .status()
+                .unwrap()
+                .success()
+        );
+    };
+    signal(server.child.id());
+    std::thread::sleep(std::time::Duration::from_millis(1000));
+    assert!(
+        server.child.try_wait().unwrap().is_none(),
+        "the server stopped without waiting for the open request"
+    );
+    let began = std::time::Instant::now();
+    signal(server.child.id());
+    let status = loop {
+        if let Some(status) = server.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            began.elapsed() < std::time::Duration::from_secs(5),
+            "a second SIGTERM did not end the drain"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(143), "{}", server.log.lock().unwrap());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    while !server.log.lock().unwrap().contains("a second signal") {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{}",
+            server.log.lock().unwrap()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    drop(held);
+}

@@ -413,6 +413,20 @@ pub(crate) fn shutdown_signal()
             _ = term.recv() => {},
             _ = int.recv() => {},
         }
+        // A second signal while the process drains ends it at once, as a signal's death
+        // would: what the drain had left to do is done by the next start (runs in flight
+        // resume once their lease runs out).
+        tokio::spawn(async move {
+            let code = tokio::select! {
+                _ = term.recv() => 128 + 15,
+                _ = int.recv() => 128 + 2,
+            };
+            eprintln!(
+                "wor: a second signal: stopping now, without the rest of the drain (runs in flight \
+                 resume once their lease runs out)"
+            );
+            std::process::exit(code);
+        });
     })
 }
 
