@@ -2170,7 +2170,7 @@ fn a_stopping_worker_finishes_the_call_in_flight_and_gives_its_run_back_at_the_s
             ready.starts_with("HTTP/1.1 503") && ready.contains("stopping")
         },
     );
-    let log = first.stop();
+    let log = first.stopped();
     assert!(log.contains("worker.handed_back"), "{log}");
     assert!(!log.contains("panicked"), "{log}");
     let shown = shown_run(&project, &run_id);

@@ -219,10 +219,16 @@ impl Server {
 
     /// Stops the server with SIGTERM and returns everything it logged; a server a test does
     /// not stop is killed when it is dropped.
-    pub fn stop(mut self) -> String {
+    pub fn stop(self) -> String {
         let _ = Command::new("kill")
             .arg(self.child.id().to_string())
             .status();
+        self.stopped()
+    }
+
+    /// Waits for a server already sent SIGTERM to stop (a second signal would end its drain
+    /// at once), and returns everything it logged.
+    pub fn stopped(mut self) -> String {
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
             if let Ok(Some(status)) = self.child.try_wait() {
