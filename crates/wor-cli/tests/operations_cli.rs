@@ -865,13 +865,7 @@ async fn tls_serves_a_generated_certificate_and_reloads_it_on_sighup_keeping_con
     let second = generated_certificate();
     std::fs::write(&cert_path, &second.cert).unwrap();
     std::fs::write(&key_path, &second.key).unwrap();
-    assert!(
-        std::process::Command::new("kill")
-            .args(["-HUP", &server.child.id().to_string()])
-            .status()
-            .unwrap()
-            .success()
-    );
+    server.signal("-HUP");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     while !server
         .log
@@ -897,13 +891,7 @@ async fn tls_serves_a_generated_certificate_and_reloads_it_on_sighup_keeping_con
 
     // A broken file on the next SIGHUP keeps the working certificate.
     std::fs::write(&key_path, "not a key").unwrap();
-    assert!(
-        std::process::Command::new("kill")
-            .args(["-HUP", &server.child.id().to_string()])
-            .status()
-            .unwrap()
-            .success()
-    );
+    server.signal("-HUP");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     while !server
         .log
@@ -2070,27 +2058,11 @@ fn a_sighup_without_a_certificate_to_reload_is_logged_and_the_server_goes_on() {
     let db = common::database_args(dir.path());
     let mut server = Server::start(&db, &[]);
     let addr = server.url.strip_prefix("http://").unwrap().to_owned();
-    assert!(
-        std::process::Command::new("kill")
-            .args(["-HUP", &server.child.id().to_string()])
-            .status()
-            .unwrap()
-            .success()
+    server.signal("-HUP");
+    server.wait_logged(
+        "no TLS certificate to reload",
+        std::time::Duration::from_secs(10),
     );
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while !server
-        .log
-        .lock()
-        .unwrap()
-        .contains("no TLS certificate to reload")
-    {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no SIGHUP logged: {}",
-            server.log.lock().unwrap()
-        );
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
     assert!(
         server.child.try_wait().unwrap().is_none(),
         "SIGHUP ended the server"
@@ -2120,23 +2092,14 @@ fn a_second_signal_ends_a_draining_server_at_once() {
     )
     .unwrap();
     std::thread::sleep(std::time::Duration::from_millis(300));
-    let signal = |pid: u32| {
-        assert!(
-            std::process::Command::new("kill")
-                .args(["-TERM", &pid.to_string()])
-                .status()
-                .unwrap()
-                .success()
-        );
-    };
-    signal(server.child.id());
+    server.signal("-TERM");
     std::thread::sleep(std::time::Duration::from_millis(1000));
     assert!(
         server.child.try_wait().unwrap().is_none(),
         "the server stopped without waiting for the open request"
     );
     let began = std::time::Instant::now();
-    signal(server.child.id());
+    server.signal("-TERM");
     let status = loop {
         if let Some(status) = server.child.try_wait().unwrap() {
             break status;
@@ -2148,14 +2111,6 @@ fn a_second_signal_ends_a_draining_server_at_once() {
         std::thread::sleep(std::time::Duration::from_millis(20));
     };
     assert_eq!(status.code(), Some(143), "{}", server.log.lock().unwrap());
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
-    while !server.log.lock().unwrap().contains("a second signal") {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{}",
-            server.log.lock().unwrap()
-        );
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    server.wait_logged("a second signal", std::time::Duration::from_secs(2));
     drop(held);
 }

@@ -269,10 +269,7 @@ impl Engine {
                     usage,
                     ..run.clone()
                 },
-                None => match self.store.get_run(run.project_id, run.id).await {
-                    Ok(stored) => stored,
-                    Err(_) => run.clone(),
-                },
+                None => self.as_stored(run).await,
             };
             let announced = self
                 .announce_end(&ended, ending.status, &ending.outcome, &cancelled)
@@ -286,6 +283,15 @@ impl Engine {
         tracing::info!(category = "run", action = "run.end", project_id = %run.project_id,
             run_id = %run.id, status = ending.status.as_str(), lease_held = finished, "run ended");
         Ok(finished)
+    }
+
+    /// `run` as the store now holds it (its usage as its writes left it), or as given when it
+    /// cannot be read: what an announcement of its park or end describes.
+    pub(crate) async fn as_stored(&self, run: &RunRecord) -> RunRecord {
+        match self.store.get_run(run.project_id, run.id).await {
+            Ok(stored) => stored,
+            Err(_) => run.clone(),
+        }
     }
 
     /// Queues what `run`'s end announces — the notices of the approvals it left `cancelled`,

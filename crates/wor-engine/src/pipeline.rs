@@ -392,10 +392,7 @@ impl Engine {
         policies: &[String],
     ) -> Result<(), EngineError> {
         // The run as the park left it, with the usage its steps so far recorded.
-        let parked = match self.store.get_run(run.project_id, run.id).await {
-            Ok(stored) => stored,
-            Err(_) => run.clone(),
-        };
+        let parked = self.as_stored(run).await;
         self.enqueue_run_webhook(
             &parked,
             wor_core::run::RunStatus::WaitingForApproval,

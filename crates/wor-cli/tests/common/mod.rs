@@ -217,6 +217,28 @@ impl Server {
         response
     }
 
+    /// Sends the server `signal` (`-HUP`, `-TERM`, …).
+    pub fn signal(&self, signal: &str) {
+        let sent = Command::new("kill")
+            .args([signal, &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(sent.success(), "kill {signal} failed");
+    }
+
+    /// Waits up to `within` for the server to log a line holding `needle`.
+    pub fn wait_logged(&self, needle: &str, within: Duration) {
+        let deadline = Instant::now() + within;
+        while !self.log.lock().unwrap().contains(needle) {
+            assert!(
+                Instant::now() < deadline,
+                "no `{needle}` logged: {}",
+                self.log.lock().unwrap()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Stops the server with SIGTERM and returns everything it logged; a server a test does
     /// not stop is killed when it is dropped.
     pub fn stop(self) -> String {
