@@ -138,11 +138,27 @@ impl ApiClient {
     }
 
     pub async fn get(&self, path: &str) -> anyhow::Result<Value> {
-        self.send(Method::GET, path, None).await
+        self.send(Method::GET, path, None, None)
+            .await
+            .map(|(_, value)| value)
     }
 
     pub async fn post(&self, path: &str, body: &Value) -> anyhow::Result<Value> {
-        self.send(Method::POST, path, Some(body)).await
+        self.send(Method::POST, path, Some(body), None)
+            .await
+            .map(|(_, value)| value)
+    }
+
+    /// POSTs `body` to `path` under idempotency key `key`, and says whether the answer is what
+    /// an earlier request under the key did (status 200) rather than something new.
+    pub async fn post_idempotent(
+        &self,
+        path: &str,
+        body: &Value,
+        key: &str,
+    ) -> anyhow::Result<(Value, bool)> {
+        let (status, value) = self.send(Method::POST, path, Some(body), Some(key)).await?;
+        Ok((value, status == reqwest::StatusCode::OK))
     }
 
     /// POSTs `body` as JSON to `path` with `headers` (a worker's signature) and returns the
@@ -177,15 +193,21 @@ impl ApiClient {
     }
 
     pub async fn put(&self, path: &str, body: &Value) -> anyhow::Result<Value> {
-        self.send(Method::PUT, path, Some(body)).await
+        self.send(Method::PUT, path, Some(body), None)
+            .await
+            .map(|(_, value)| value)
     }
 
     pub async fn patch(&self, path: &str, body: &Value) -> anyhow::Result<Value> {
-        self.send(Method::PATCH, path, Some(body)).await
+        self.send(Method::PATCH, path, Some(body), None)
+            .await
+            .map(|(_, value)| value)
     }
 
     pub async fn delete(&self, path: &str) -> anyhow::Result<Value> {
-        self.send(Method::DELETE, path, None).await
+        self.send(Method::DELETE, path, None, None)
+            .await
+            .map(|(_, value)| value)
     }
 
     /// Reads a server-sent event stream to its end, calling `on_event` with each event's name
@@ -269,12 +291,15 @@ impl ApiClient {
         Ok(())
     }
 
+    /// Sends one request, with `idempotency_key` as its `Idempotency-Key` when given, and
+    /// returns a successful answer's status and body.
     async fn send(
         &self,
         method: Method,
         path: &str,
         body: Option<&Value>,
-    ) -> anyhow::Result<Value> {
+        idempotency_key: Option<&str>,
+    ) -> anyhow::Result<(reqwest::StatusCode, Value)> {
         let url = self
             .base
             .join(path)
@@ -285,6 +310,9 @@ impl ApiClient {
         }
         if let Some(body) = body.filter(|b| !b.is_null()) {
             request = request.json(body);
+        }
+        if let Some(key) = idempotency_key {
+            request = request.header("idempotency-key", key);
         }
         let response = request
             .send()
@@ -302,7 +330,7 @@ impl ApiClient {
             )
         })?;
         if status.is_success() {
-            return Ok(value);
+            return Ok((status, value));
         }
         let code = value
             .pointer("/error/code")

@@ -139,6 +139,100 @@ fn a_routine_runs_and_is_followed_live() {
 }
 
 #[test]
+fn a_start_sent_again_under_its_idempotency_key_starts_nothing_new() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = database_args(dir.path());
+    let key = create_project(&db);
+    let server = Server::start(&db, &[]);
+    let file = dir.path().join("greeter.toml");
+    std::fs::write(&file, ROUTINE).unwrap();
+    let applied = server.client(
+        &key,
+        &["routine", "apply", "-f", &file.display().to_string()],
+    );
+    assert!(applied.status.success(), "{}", text(&applied.stderr));
+    let start = |input: &str, idempotency_key: &str| {
+        server.client(
+            &key,
+            &[
+                "run",
+                "start",
+                "greeter",
+                "--input",
+                input,
+                "--idempotency-key",
+                idempotency_key,
+            ],
+        )
+    };
+
+    let first = start("hi", "order-1");
+    assert!(first.status.success(), "{}", text(&first.stderr));
+    let run_id = text(&first.stdout).trim().to_owned();
+    assert!(run_id.starts_with("run_"), "{run_id}");
+    // Sent again, after a lost answer say: the same run, and nothing new started.
+    let again = start("hi", "order-1");
+    assert!(again.status.success(), "{}", text(&again.stderr));
+    assert_eq!(text(&again.stdout).trim(), run_id);
+    assert!(
+        text(&again.stderr).contains(&format!("already started run {run_id}")),
+        "{}",
+        text(&again.stderr)
+    );
+    // Other input under the key is refused with the run it started named.
+    let reused = start("something else", "order-1");
+    assert_eq!(reused.status.code(), Some(1), "{}", text(&reused.stdout));
+    let said = text(&reused.stderr);
+    assert!(
+        said.contains("idempotency_key_reused")
+            && said.contains("HTTP 422")
+            && said.contains(&run_id),
+        "{said}"
+    );
+    // A key that cannot be one is a usage error, before any request.
+    let bad = start("hi", "two words");
+    assert_eq!(bad.status.code(), Some(2), "{}", text(&bad.stderr));
+    assert!(
+        text(&bad.stderr).contains("visible ASCII"),
+        "{}",
+        text(&bad.stderr)
+    );
+
+    // Through the API as it is: a replay answers 200 and says so; a repeated header is a 400.
+    let shown = server.client(&key, &["run", "get", &run_id, "--json"]);
+    let shown: serde_json::Value = serde_json::from_slice(&shown.stdout).unwrap();
+    assert_eq!(shown["trigger_key"], "request:order-1");
+    let routine_id = shown["routine_id"].as_str().unwrap().to_owned();
+    let post = |headers: &str| {
+        let body = r#"{"input":"hi"}"#;
+        server.raw(&format!(
+            "POST /v1/routines/{routine_id}/runs HTTP/1.1\r\nHost: wor\r\nAuthorization: Bearer {key}\r\n\
+             Content-Type: application/json\r\n{headers}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        ))
+    };
+    let replayed = post("Idempotency-Key: order-1\r\n").to_ascii_lowercase();
+    assert!(replayed.starts_with("http/1.1 200"), "{replayed}");
+    assert!(replayed.contains("idempotent-replayed: true"), "{replayed}");
+    assert!(replayed.contains(&run_id), "{replayed}");
+    let twice = post("Idempotency-Key: a\r\nIdempotency-Key: b\r\n");
+    assert!(twice.starts_with("HTTP/1.1 400"), "{twice}");
+    assert!(twice.contains("invalid_idempotency_key"), "{twice}");
+    let fresh = post("Idempotency-Key: order-2\r\n");
+    assert!(fresh.starts_with("HTTP/1.1 202"), "{fresh}");
+
+    // One run for each key that started one, however often it was sent.
+    let listed = server.client(&key, &["run", "list", "--routine", "greeter"]);
+    assert_eq!(
+        text(&listed.stdout).lines().count(),
+        2,
+        "{}",
+        text(&listed.stdout)
+    );
+    server.stop();
+}
+
+#[test]
 fn a_malformed_replay_script_is_refused_by_routine_apply_with_its_line() {
     let dir = tempfile::tempdir().unwrap();
     let db = database_args(dir.path());

@@ -515,6 +515,7 @@ mod tests {
                 trigger: Trigger::Api(key),
                 actor: None,
                 thread: None,
+                idempotency_key: None,
             })
             .await
             .unwrap();

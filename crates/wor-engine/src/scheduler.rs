@@ -321,6 +321,7 @@ impl Engine {
                     trigger: Trigger::Schedule { slot },
                     actor: None,
                     thread: None,
+                    idempotency_key: None,
                 };
                 // A slot whose run cannot start (the routine is refused, say) is logged and
                 // passed, not retried forever.

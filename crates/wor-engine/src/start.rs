@@ -4,7 +4,7 @@
 use wor_core::audit::{Actor, AuditCategory, AuditEvent};
 use wor_core::call::TriggerKind;
 use wor_core::routine::OverlapPolicy;
-use wor_core::run::{Provenance, RunStatus};
+use wor_core::run::{IdempotencyKey, Provenance, RunStatus};
 use wor_core::step::{InputSource, InputStep, MemoryStep, new_boundary};
 use wor_core::{ApiKeyId, MemberId, ProjectId, RoutineId, RunId};
 use wor_secrets::Redactor;
@@ -49,6 +49,28 @@ pub struct StartRun {
     pub actor: Option<Actor>,
     /// The memory thread (routines with `[memory]`); `None` is the thread `default`.
     pub thread: Option<String>,
+    /// The requester's key for this start (an API or console start only): a start under a
+    /// key that already started a run of the routine starts nothing and answers with that run.
+    pub idempotency_key: Option<IdempotencyKey>,
+}
+
+/// What a start did.
+#[derive(Debug, Clone)]
+pub enum Started {
+    /// The request started this run (or recorded it skipped).
+    New(RunRecord),
+    /// The request's idempotency key had already started this run, with the same input and
+    /// thread: nothing new was started.
+    Earlier(RunRecord),
+}
+
+impl Started {
+    /// The run, new or earlier.
+    pub fn into_run(self) -> RunRecord {
+        match self {
+            Started::New(run) | Started::Earlier(run) => run,
+        }
+    }
 }
 
 /// The thread a run without one belongs to.
@@ -67,7 +89,70 @@ pub(crate) struct Admission {
 impl Engine {
     /// Starts a run of the routine's current version, applying its overlap policy: queued,
     /// or claimed at once when this process's pool has a free slot (`running`), or skipped.
-    pub async fn start_run(&self, request: StartRun) -> Result<RunRecord, EngineError> {
+    /// Under an idempotency key that already started a run of the routine, starts nothing and
+    /// answers with that run, if it was asked for with the same input and thread
+    /// ([`EngineError::IdempotencyKeyReused`] if not); two such starts at the same moment
+    /// record one run, which both answer with.
+    pub async fn start_run(&self, request: StartRun) -> Result<Started, EngineError> {
+        let Some(key) = &request.idempotency_key else {
+            return self.start_new(&request).await.map(Started::New);
+        };
+        if let Some(earlier) = self.started_under(&request, key).await? {
+            return Ok(Started::Earlier(earlier));
+        }
+        match self.start_new(&request).await {
+            // Another start under the key recorded its run since this one looked.
+            Err(EngineError::Store(wor_store::StoreError::Conflict(message))) => {
+                match self.started_under(&request, key).await? {
+                    Some(earlier) => Ok(Started::Earlier(earlier)),
+                    None => Err(wor_store::StoreError::Conflict(message).into()),
+                }
+            }
+            started => started.map(Started::New),
+        }
+    }
+
+    /// The run `key` already started of `request`'s routine, if any, when `request` asks for
+    /// it again: the same input (as recorded, redacted) and the same thread.
+    async fn started_under(
+        &self,
+        request: &StartRun,
+        key: &IdempotencyKey,
+    ) -> Result<Option<RunRecord>, EngineError> {
+        let Some(earlier) = self
+            .store
+            .run_by_trigger_key(request.project, request.routine, &key.trigger_key())
+            .await?
+        else {
+            return Ok(None);
+        };
+        let recorded = self
+            .store
+            .list_run_steps_page(request.project, earlier.id, 0, 1)
+            .await?;
+        let recorded_input = recorded.first().and_then(|step| match &step.step {
+            wor_core::step::Step::Input(input) => Some(&input.input),
+            _ => None,
+        });
+        let mut input = request.input.clone();
+        self.project_redactor(request.project)
+            .await?
+            .redact_json(&mut input);
+        let thread = |thread: Option<&str>| thread.map_or(DEFAULT_THREAD, str::trim).to_owned();
+        if recorded_input == Some(&input)
+            && thread(request.thread.as_deref()) == thread(earlier.thread.as_deref())
+        {
+            Ok(Some(earlier))
+        } else {
+            Err(EngineError::IdempotencyKeyReused {
+                key: key.clone(),
+                run: earlier.id,
+            })
+        }
+    }
+
+    /// Starts a new run of `request`: [`Engine::start_run`] once no earlier run answers it.
+    async fn start_new(&self, request: &StartRun) -> Result<RunRecord, EngineError> {
         let routine = self
             .store
             .get_routine(request.project, request.routine)
@@ -93,7 +178,7 @@ impl Engine {
             run: new,
             input,
             actor,
-        } = self.admit(&request, &version, active, &redactor).await?;
+        } = self.admit(request, &version, active, &redactor).await?;
         // With a slot of this process's pool free, the run is claimed as it is created and
         // driven here at once; otherwise it waits in the queue for any worker.
         let slot = if new.status == RunStatus::Queued {
@@ -287,16 +372,20 @@ impl Engine {
             Trigger::Console(member) => Some(member),
             _ => None,
         };
+        let requested_key = request
+            .idempotency_key
+            .as_ref()
+            .map(IdempotencyKey::trigger_key);
         let (started_by, trigger_key, provenance, default_actor) = match &request.trigger {
             Trigger::Api(key) => (
                 Some(*key),
-                None,
+                requested_key,
                 Provenance::Requester,
                 Actor::ApiKey { key_id: *key },
             ),
             Trigger::Console(member) => (
                 None,
-                None,
+                requested_key,
                 Provenance::Requester,
                 Actor::ConsoleMember { member_id: *member },
             ),

@@ -426,10 +426,11 @@ impl Engine {
                 trigger: Trigger::Webhook { delivery },
                 actor: None,
                 thread: None,
+                idempotency_key: None,
             })
             .await
         {
-            Ok(run) => Ok(run),
+            Ok(started) => Ok(started.into_run()),
             Err(EngineError::Store(StoreError::Conflict(_))) => Err(WebhookRejection::Replayed),
             Err(refused @ EngineError::RefusedInProduction(_)) => {
                 Err(WebhookRejection::Refused(refused.to_string()))

@@ -126,9 +126,11 @@ impl ControlPlane {
                 trigger: Trigger::Api(self.key),
                 actor: None,
                 thread: None,
+                idempotency_key: None,
             })
             .await
             .unwrap()
+            .into_run()
     }
 }
 

@@ -21,7 +21,7 @@ use wor_core::budget::ModelPrice;
 use wor_core::run::RunStatus;
 use wor_core::step::Step;
 use wor_core::{ProjectId, RoutineId, RunId};
-use wor_engine::{Engine, EngineConfig, StartRun, Trigger};
+use wor_engine::{Engine, EngineConfig, EngineError, StartRun, Trigger};
 use wor_store::testing::TestDatabase;
 use wor_store::{AuditConfig, AuditLog, NewModelConnection, RunRecord, SecretSlot, Vault};
 
@@ -90,9 +90,11 @@ impl Harness {
                 trigger: Trigger::Api(self.key),
                 actor: None,
                 thread: None,
+                idempotency_key: None,
             })
             .await
             .unwrap()
+            .into_run()
     }
 
     async fn run(&self, id: RunId) -> RunRecord {
@@ -770,9 +772,11 @@ async fn starts_at_once(
                         trigger: Trigger::Api(key),
                         actor: None,
                         thread: None,
+                        idempotency_key: None,
                     })
                     .await
                     .unwrap()
+                    .into_run()
             })
         })
         .collect();
@@ -781,6 +785,104 @@ async fn starts_at_once(
         runs.push(start.await.unwrap());
     }
     runs
+}
+
+/// A start of `routine` under idempotency key `key` with `input`.
+fn keyed(h: &Harness, routine: RoutineId, key: &str, input: Value) -> StartRun {
+    StartRun {
+        project: h.project,
+        routine,
+        input,
+        trigger: Trigger::Api(h.key),
+        actor: None,
+        thread: None,
+        idempotency_key: Some(key.parse().unwrap()),
+    }
+}
+
+#[tokio::test]
+async fn a_start_sent_again_under_its_idempotency_key_starts_nothing_new() {
+    let h = Harness::new().await;
+    let engine = h.engine(EngineConfig::default());
+    let text = "[[model.script.turns]]\ntext = \"ok\"\nrepeat = true";
+    let routine = h.routine(&replay(text, "")).await;
+    let other = h
+        .routine(&replay(text, "").replace("name = \"r\"", "name = \"o\""))
+        .await;
+    // The input holds a secret shape: what is compared is the input as recorded, redacted.
+    let note = ["token ", "ghp_", "0123456789abcdefghijABCDEFGHIJ012345"].concat();
+    let input = json!({"order": 42, "note": note});
+    let first = engine
+        .start_run(keyed(&h, routine, "order-42", input.clone()))
+        .await
+        .unwrap();
+    let wor_engine::Started::New(first) = first else {
+        panic!("the first start under a key is new: {first:?}");
+    };
+    assert_eq!(first.trigger_key.as_deref(), Some("request:order-42"));
+    let again = engine
+        .start_run(keyed(&h, routine, "order-42", input.clone()))
+        .await
+        .unwrap();
+    assert!(
+        matches!(&again, wor_engine::Started::Earlier(run) if run.id == first.id),
+        "{again:?}"
+    );
+    // Other input under the key is refused, naming the run the key started.
+    let reused = engine
+        .start_run(keyed(&h, routine, "order-42", json!({"order": 43})))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&reused, EngineError::IdempotencyKeyReused { run, .. } if *run == first.id),
+        "{reused:?}"
+    );
+    // The key is the routine's: another routine's start under it is its own.
+    let elsewhere = engine
+        .start_run(keyed(&h, other, "order-42", input.clone()))
+        .await
+        .unwrap();
+    assert!(
+        matches!(elsewhere, wor_engine::Started::New(_)),
+        "{elsewhere:?}"
+    );
+
+    // Eight starts under one new key at the same moment record one run, which all answer with.
+    let starts: Vec<_> = (0..8)
+        .map(|_| {
+            let (engine, start) = (
+                engine.clone(),
+                keyed(&h, routine, "order-43", json!("same")),
+            );
+            tokio::spawn(async move { engine.start_run(start).await.unwrap() })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for start in starts {
+        answers.push(start.await.unwrap());
+    }
+    let new: Vec<_> = answers
+        .iter()
+        .filter(|a| matches!(a, wor_engine::Started::New(_)))
+        .collect();
+    assert_eq!(new.len(), 1, "{answers:?}");
+    let ids: std::collections::BTreeSet<RunId> =
+        answers.into_iter().map(|a| a.into_run().id).collect();
+    assert_eq!(ids.len(), 1, "{ids:?}");
+
+    let runs =
+        h.db.store
+            .list_runs(
+                h.project,
+                &wor_store::RunFilter {
+                    routine_id: Some(routine),
+                    limit: 50,
+                    ..wor_store::RunFilter::default()
+                },
+            )
+            .await
+            .unwrap();
+    assert_eq!(runs.len(), 2, "one run a key: {runs:?}");
 }
 
 #[tokio::test]
@@ -866,6 +968,7 @@ async fn a_thread_for_a_routine_without_memory_is_refused_not_dropped() {
             trigger: Trigger::Api(h.key),
             actor: None,
             thread: Some("t1".to_owned()),
+            idempotency_key: None,
         })
         .await
         .unwrap_err();
@@ -893,6 +996,7 @@ async fn production_refuses_the_replay_model() {
             trigger: Trigger::Api(h.key),
             actor: None,
             thread: None,
+            idempotency_key: None,
         })
         .await
         .unwrap_err();

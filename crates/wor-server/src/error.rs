@@ -29,6 +29,9 @@ pub enum ApiError {
     UnsupportedMediaType,
     #[error("{0}")]
     Conflict(String),
+    /// An idempotency key that started a run sent again with a different request.
+    #[error("{0}")]
+    IdempotencyKeyReused(String),
     /// The change would leave the project without an owner who can manage it.
     #[error("{0}")]
     LastOwnerKey(String),
@@ -85,6 +88,9 @@ impl ApiError {
                 (StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type")
             }
             ApiError::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
+            ApiError::IdempotencyKeyReused(_) => {
+                (StatusCode::UNPROCESSABLE_ENTITY, "idempotency_key_reused")
+            }
             ApiError::LastOwnerKey(_) => (StatusCode::CONFLICT, "last_owner_key"),
             ApiError::LastOwner(_) => (StatusCode::CONFLICT, "last_owner"),
             ApiError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
@@ -178,6 +184,9 @@ impl From<wor_engine::EngineError> for ApiError {
             | wor_engine::EngineError::RefusedInProduction(_)
             | wor_engine::EngineError::MissingRosterRoutine { .. }) => {
                 ApiError::Conflict(error.to_string())
+            }
+            error @ wor_engine::EngineError::IdempotencyKeyReused { .. } => {
+                ApiError::IdempotencyKeyReused(error.to_string())
             }
             error @ (wor_engine::EngineError::InvalidThread
             | wor_engine::EngineError::ThreadWithoutMemory

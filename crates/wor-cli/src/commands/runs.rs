@@ -3,6 +3,7 @@
 use std::process::ExitCode;
 
 use serde_json::{Value, json};
+use wor_core::run::IdempotencyKey;
 use wor_core::step::Step;
 
 use super::routines::routine_id;
@@ -27,6 +28,11 @@ pub enum RunCommand {
         /// The memory thread, for routines with `[memory]` [default: default].
         #[arg(long)]
         thread: Option<String>,
+        /// This start's own key (1 to 255 visible ASCII characters): the same command run
+        /// again with the same key, after a crash or a lost answer, starts nothing and shows
+        /// the run the key started; with other input it is refused.
+        #[arg(long, value_name = "KEY")]
+        idempotency_key: Option<String>,
         #[command(flatten)]
         client: ClientArgs,
     },
@@ -194,6 +200,7 @@ pub async fn run(cmd: RunCommand) -> anyhow::Result<ExitCode> {
             input_json,
             follow: live,
             thread,
+            idempotency_key,
             client,
         } => {
             let input = match (input, input_json) {
@@ -202,17 +209,28 @@ pub async fn run(cmd: RunCommand) -> anyhow::Result<ExitCode> {
                 (Some(text), None) => Value::String(text),
                 (None, None) => Value::Null,
             };
+            if let Some(key) = &idempotency_key {
+                key.parse::<IdempotencyKey>()
+                    .map_err(|e| crate::usage(format!("--idempotency-key is refused: {e}")))?;
+            }
             let api = ApiClient::new(&client)?;
             let id = routine_id(&api, &routine).await?;
-            let run = api
-                .post(
-                    &format!("/v1/routines/{id}/runs"),
-                    &json!({ "input": input, "thread": thread }),
-                )
-                .await?;
+            let path = format!("/v1/routines/{id}/runs");
+            let body = json!({ "input": input, "thread": thread });
+            let (run, earlier) = match &idempotency_key {
+                Some(key) => api.post_idempotent(&path, &body, key).await?,
+                None => (api.post(&path, &body).await?, false),
+            };
             let run_id = field(&run, "/id").to_owned();
+            if earlier {
+                eprintln!(
+                    "this idempotency key already started run {run_id}: nothing new was started"
+                );
+            }
             if live {
-                eprintln!("run {run_id} started");
+                if !earlier {
+                    eprintln!("run {run_id} started");
+                }
                 return follow(&api, &run_id, client.json).await;
             }
             if client.json {

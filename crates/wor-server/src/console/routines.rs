@@ -267,8 +267,10 @@ pub async fn start(
         wor_engine::Trigger::Console(session.member_id),
         member.actor(),
         body,
+        None,
     )
-    .await?;
+    .await?
+    .into_run();
     Ok(Redirect::to(&format!("/console/runs/{}", run.id)).into_response())
 }
 

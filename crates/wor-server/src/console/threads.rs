@@ -368,8 +368,10 @@ pub async fn write(
             input: serde_json::Value::String(body.message),
             thread: Some(thread.clone()),
         },
+        None,
     )
-    .await?;
+    .await?
+    .into_run();
     let to = format!("{}#turn-{}", thread_href(id, &thread), run.id);
     Ok(Redirect::to(&to).into_response())
 }

@@ -5,14 +5,15 @@ use std::time::Duration;
 
 use axum::Json;
 use axum::extract::{Query, State};
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
 use futures_util::Stream;
 use wor_core::audit::Actor;
-use wor_core::run::RunStatus;
+use wor_core::run::{IdempotencyKey, RunStatus};
 use wor_core::step::Step;
 use wor_core::{ApiKeyId, ProjectId, Role, RoutineId, RunId};
-use wor_engine::{StartRun, Trigger};
+use wor_engine::{StartRun, Started, Trigger};
 use wor_store::{RunFilter, RunRecord, RunStep, Store, StoreError};
 
 use crate::AppState;
@@ -62,7 +63,8 @@ pub struct RunView {
     /// queued, running, waiting_for_approval, succeeded, failed, cancelled, budget_exceeded or skipped.
     pub status: String,
     pub trigger: String,
-    /// `slot:<unix ms>` for a scheduled run, `delivery:<id>` for a webhook's.
+    /// `slot:<unix ms>` for a scheduled run, `delivery:<id>` for a webhook's, `request:<key>`
+    /// for a start under an idempotency key.
     pub trigger_key: Option<String>,
     /// The memory thread, for routines with `[memory]`.
     pub thread: Option<String>,
@@ -170,19 +172,33 @@ pub struct RunListQuery {
     pub limit: Option<u32>,
 }
 
-/// Starts a run of the routine's current version.
+/// The request header that names a start's idempotency key.
+const IDEMPOTENCY_KEY: &str = "idempotency-key";
+/// The answer's header that says a start under an idempotency key started nothing new.
+const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
+
+/// Starts a run of the routine's current version. With an `Idempotency-Key` header (1 to 255
+/// visible ASCII characters), a request sent again under the same key, with the same input and
+/// thread, starts nothing and answers `200` with the run the key started (header
+/// `Idempotent-Replayed: true`); the same key with other input is a `422`. A key is the
+/// routine's for as long as the run it started is kept.
 #[utoipa::path(post, path = "/v1/routines/{routine_id}/runs", tag = "runs", security(("bearer" = [])),
     request_body = StartRunBody,
-    params(("routine_id" = String, Path, description = "a `rtn_…` id", pattern = "^rtn_[0-9a-f]{32}$")),
-    responses((status = 202, body = RunView), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody),
-        (status = 409, body = ErrorBody)))]
+    params(("routine_id" = String, Path, description = "a `rtn_…` id", pattern = "^rtn_[0-9a-f]{32}$"),
+        ("Idempotency-Key" = Option<String>, Header, description = "the requester's key for this start: 1 to 255 visible ASCII characters")),
+    responses((status = 202, body = RunView, description = "the run started"),
+        (status = 200, body = RunView, description = "the run this idempotency key already started"),
+        (status = 400, body = ErrorBody), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody),
+        (status = 409, body = ErrorBody), (status = 422, body = ErrorBody)))]
 pub async fn start(
     State(state): State<AppState>,
     caller: Caller,
     ApiPath(routine): ApiPath<RoutineId>,
+    headers: HeaderMap,
     ApiJson(body): ApiJson<StartRunBody>,
-) -> Result<(StatusCode, Json<RunView>), ApiError> {
-    let run = start_run(
+) -> Result<Response, ApiError> {
+    let key = idempotency_key(&headers)?;
+    let started = start_run(
         &state,
         caller.project_id,
         caller.role,
@@ -190,14 +206,51 @@ pub async fn start(
         Trigger::Api(caller.key_id),
         caller.actor(),
         body,
+        key,
     )
     .await?;
-    Ok((StatusCode::ACCEPTED, Json(run.into())))
+    Ok(match started {
+        Started::New(run) => (StatusCode::ACCEPTED, Json(RunView::from(run))).into_response(),
+        Started::Earlier(run) => (
+            StatusCode::OK,
+            [(IDEMPOTENT_REPLAYED, "true")],
+            Json(RunView::from(run)),
+        )
+            .into_response(),
+    })
+}
+
+/// The request's `Idempotency-Key`, if it has one: a `400` naming what is wrong with a key
+/// that cannot be one, or with a second such header.
+fn idempotency_key(headers: &HeaderMap) -> Result<Option<IdempotencyKey>, ApiError> {
+    let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
+    let Some(value) = values.next() else {
+        return Ok(None);
+    };
+    let refused = |reason: String| {
+        ApiError::bad_request(
+            "invalid_idempotency_key",
+            format!("the `Idempotency-Key` header is refused: {reason}"),
+        )
+    };
+    if values.next().is_some() {
+        return Err(refused("it is given more than once".to_owned()));
+    }
+    let text = value
+        .to_str()
+        .map_err(|_| refused("it is not visible ASCII".to_owned()))?;
+    text.parse()
+        .map(Some)
+        .map_err(|e: wor_core::run::IdempotencyKeyError| refused(e.to_string()))
 }
 
 /// Starts a run of `routine`'s current version for a caller of `role` in `project`: the API's
 /// and the console's one path (another project's routine is a 404, a role that cannot operate
-/// runs a 403).
+/// runs a 403), under the requester's idempotency `key` when it gave one.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the one start both front ends share"
+)]
 pub(crate) async fn start_run(
     state: &AppState,
     project: ProjectId,
@@ -206,7 +259,8 @@ pub(crate) async fn start_run(
     trigger: Trigger,
     actor: Actor,
     body: StartRunBody,
-) -> Result<RunRecord, ApiError> {
+    key: Option<IdempotencyKey>,
+) -> Result<Started, ApiError> {
     // Looked up before the role check: another project's routine is a 404, not a 403.
     state.store.get_routine(project, routine).await?;
     if !role.can_operate_runs() {
@@ -223,6 +277,7 @@ pub(crate) async fn start_run(
             trigger,
             actor: Some(actor),
             thread: body.thread,
+            idempotency_key: key,
         })
         .await?)
 }
