@@ -259,6 +259,37 @@ fn a_backup_of_a_running_server_restores_verifies_and_runs_and_a_wrong_key_is_re
         text(&refused.stderr)
     );
     assert!(!third.join("wor.db").exists());
+
+    // A backup cut short (a copy that stopped part way) is refused at once, and the data dir
+    // the restore would have made is not left behind, empty.
+    let whole = std::fs::read(&backup).unwrap();
+    let cut = root.path().join("cut.db");
+    std::fs::write(&cut, &whole[..whole.len() / 2]).unwrap();
+    let fourth = root.path().join("fourth");
+    let started = std::time::Instant::now();
+    let signing_key = std::fs::read_to_string(first.join("audit-signing.key")).unwrap();
+    let refused = run(wor(&[
+        "restore",
+        "--from",
+        &cut.display().to_string(),
+        "--data-dir",
+        &fourth.display().to_string(),
+    ])
+    .env("WOR_ENCRYPTION_KEY", KEY)
+    .env("WOR_AUDIT_SIGNING_KEY", signing_key.trim()));
+    assert_eq!(refused.status.code(), Some(1), "{}", text(&refused.stdout));
+    let said = text(&refused.stderr);
+    assert!(
+        said.contains("is not a Work on Repeat backup: it is cut short"),
+        "{said}"
+    );
+    assert!(!said.contains("pool timed out"), "{said}");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(5),
+        "refused after {:?}",
+        started.elapsed()
+    );
+    assert!(!fourth.exists(), "a refused restore leaves no data dir");
 }
 
 #[test]

@@ -95,16 +95,17 @@ pub async fn restore_sqlite(from: &Path, data_dir: &Path) -> Result<Store, Backu
         path: from.display().to_string(),
         reason,
     };
-    let mut header = [0u8; 16];
-    {
-        use std::io::Read as _;
-        let mut file = std::fs::File::open(from).map_err(io(from))?;
-        file.read_exact(&mut header)
-            .map_err(|e| not_a_backup(e.to_string()))?;
-    }
-    if &header != b"SQLite format 3\0" {
-        return Err(not_a_backup("it is not an SQLite database".to_owned()));
-    }
+    let bytes = std::fs::read(from).map_err(io(from))?;
+    sqlite_file_whole(&bytes).map_err(not_a_backup)?;
+    // A data dir this restore makes is taken away again if the restore is refused.
+    let made_dir = !data_dir.exists();
+    let refuse = |reason: String| {
+        discard_restored(data_dir);
+        if made_dir {
+            let _ = std::fs::remove_dir(data_dir);
+        }
+        not_a_backup(reason)
+    };
     {
         use std::os::unix::fs::DirBuilderExt as _;
         std::fs::DirBuilder::new()
@@ -113,16 +114,30 @@ pub async fn restore_sqlite(from: &Path, data_dir: &Path) -> Result<Store, Backu
             .create(data_dir)
             .map_err(io(data_dir))?;
     }
-    let bytes = std::fs::read(from).map_err(io(from))?;
-    let mut file = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&target)
-        .map_err(io(&target))?;
-    file.write_all(&bytes).map_err(io(&target))?;
-    file.sync_all().map_err(io(&target))?;
-    drop(file);
+    let written = (|| {
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&target)?;
+        file.write_all(&bytes)?;
+        file.sync_all()
+    })();
+    if let Err(source) = written {
+        discard_restored(data_dir);
+        if made_dir {
+            let _ = std::fs::remove_dir(data_dir);
+        }
+        return Err(BackupError::Io {
+            path: target.display().to_string(),
+            source,
+        });
+    }
+    // Damage inside the file is found before the store opens it: the pool would otherwise
+    // retry a connection to it until its timeout.
+    if let Err(reason) = quick_check(&target) {
+        return Err(refuse(reason));
+    }
     let url = format!("sqlite://{}?mode=rw", target.display());
     let has_schema = async {
         let store = Store::connect(&url).await?;
@@ -136,13 +151,69 @@ pub async fn restore_sqlite(from: &Path, data_dir: &Path) -> Result<Store, Backu
         Ok((store, Ok(_))) => Ok(store),
         Ok((store, Err(err))) => {
             store.close().await;
-            discard_restored(data_dir);
-            Err(not_a_backup(err.to_string()))
+            Err(refuse(err.to_string()))
         }
-        Err(err) => {
-            discard_restored(data_dir);
-            Err(not_a_backup(err.to_string()))
+        Err(err) => Err(refuse(err.to_string())),
+    }
+}
+
+/// Length of an SQLite database file's header.
+const SQLITE_HEADER_LEN: usize = 100;
+
+/// Whether `bytes` are a whole SQLite database file, as far as its header tells: its magic
+/// string, and as many pages as the header counts (a copy cut short has fewer).
+fn sqlite_file_whole(bytes: &[u8]) -> Result<(), String> {
+    let header = bytes
+        .get(..SQLITE_HEADER_LEN)
+        .ok_or_else(|| "it is not an SQLite database (shorter than a header)".to_owned())?;
+    if header.get(..16) != Some(b"SQLite format 3\0".as_slice()) {
+        return Err("it is not an SQLite database".to_owned());
+    }
+    let be_u32 = |at: usize| {
+        header
+            .get(at..at + 4)
+            .and_then(|b| <[u8; 4]>::try_from(b).ok())
+            .map_or(0, u32::from_be_bytes)
+    };
+    let page_size = match header.get(16..18) {
+        Some([0, 1]) => 65_536,
+        Some([high, low]) => u64::from(u16::from_be_bytes([*high, *low])),
+        _ => 0,
+    };
+    // The page count in the header is valid when the change counter it was written with
+    // matches the file's (SQLite's file format, "in-header database size").
+    let pages = u64::from(be_u32(28));
+    if page_size > 0 && pages > 0 && be_u32(92) == be_u32(24) {
+        let expected = page_size.saturating_mul(pages);
+        let len = u64::try_from(bytes.len()).unwrap_or(u64::MAX);
+        if len < expected {
+            return Err(format!(
+                "it is cut short: it holds {len} of the {expected} bytes its header counts"
+            ));
         }
+    }
+    Ok(())
+}
+
+/// SQLite's own quick check of the database file at `path`, opened read-only: `Err` with what
+/// it found when the file is damaged.
+fn quick_check(path: &Path) -> Result<(), String> {
+    let connection = rusqlite::Connection::open_with_flags(
+        path,
+        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )
+    .map_err(|e| format!("it cannot be opened: {e}"))?;
+    let found: Vec<String> = connection
+        .prepare("PRAGMA quick_check(5)")
+        .and_then(|mut statement| {
+            statement
+                .query_map([], |row| row.get::<_, String>(0))?
+                .collect::<Result<_, _>>()
+        })
+        .map_err(|e| format!("it is damaged: {e}"))?;
+    match found.as_slice() {
+        [ok] if ok == "ok" => Ok(()),
+        _ => Err(format!("it is damaged: {}", found.join("; "))),
     }
 }
 
@@ -151,5 +222,78 @@ pub fn discard_restored(data_dir: &Path) {
     for suffix in ["", "-wal", "-shm"] {
         let path: PathBuf = data_dir.join(format!("{SQLITE_FILE}{suffix}"));
         let _ = std::fs::remove_file(path);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A header of `pages` pages of 4096 bytes, its page count valid.
+    fn header(pages: u32) -> Vec<u8> {
+        let mut header = vec![0u8; SQLITE_HEADER_LEN];
+        header[..16].copy_from_slice(b"SQLite format 3\0");
+        header[16..18].copy_from_slice(&4096u16.to_be_bytes());
+        header[24..28].copy_from_slice(&7u32.to_be_bytes());
+        header[28..32].copy_from_slice(&pages.to_be_bytes());
+        header[92..96].copy_from_slice(&7u32.to_be_bytes());
+        header
+    }
+
+    #[test]
+    fn a_file_shorter_than_its_header_counts_is_cut_short() {
+        let mut whole = header(3);
+        whole.resize(3 * 4096, 0);
+        assert_eq!(sqlite_file_whole(&whole), Ok(()));
+        let cut = whole.get(..2 * 4096 + 10).unwrap();
+        let refused = sqlite_file_whole(cut).unwrap_err();
+        assert!(
+            refused.contains("cut short") && refused.contains("8202 of the 12288"),
+            "{refused}"
+        );
+        // A page count left by an older writer (its change counter differs) is not trusted.
+        let mut stale = whole.get(..2 * 4096).unwrap().to_vec();
+        stale[92..96].copy_from_slice(&6u32.to_be_bytes());
+        assert_eq!(sqlite_file_whole(&stale), Ok(()));
+        assert!(
+            sqlite_file_whole(b"SQLite format 3\0")
+                .unwrap_err()
+                .contains("shorter")
+        );
+        assert!(
+            sqlite_file_whole(&[b'x'; 200])
+                .unwrap_err()
+                .contains("not an SQLite")
+        );
+    }
+
+    #[test]
+    fn a_file_damaged_inside_fails_the_quick_check() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db");
+        {
+            let connection = rusqlite::Connection::open(&path).unwrap();
+            connection
+                .execute_batch(
+                    "CREATE TABLE t (id INTEGER PRIMARY KEY, body TEXT); \
+                     CREATE INDEX t_body ON t (body);",
+                )
+                .unwrap();
+            for n in 0..2000 {
+                connection
+                    .execute(
+                        "INSERT INTO t (body) VALUES (?1)",
+                        [format!("row {n} {}", "x".repeat(200))],
+                    )
+                    .unwrap();
+            }
+        }
+        assert_eq!(quick_check(&path), Ok(()));
+        let mut bytes = std::fs::read(&path).unwrap();
+        let middle = bytes.len() / 2;
+        bytes[middle..middle + 3000].fill(0x5a);
+        std::fs::write(&path, &bytes).unwrap();
+        let found = quick_check(&path).unwrap_err();
+        assert!(found.starts_with("it is damaged"), "{found}");
     }
 }
