@@ -16,6 +16,89 @@ pub struct ClientArgs {
     /// Print the server's JSON instead of a summary.
     #[arg(long)]
     pub json: bool,
+    /// A PEM file of certificates to trust for an `https` server beside the system's: a
+    /// private CA, or the server's own self-signed certificate.
+    #[arg(long, env = env::CA_CERT, value_name = "FILE")]
+    pub ca_cert: Option<std::path::PathBuf>,
+}
+
+/// The most of a `--ca-cert` file read: certificates, not a disk image.
+const MAX_CA_CERT_BYTES: u64 = 1 << 20;
+
+/// The certificates of the PEM file at `path`, to trust beside the system's; a file that
+/// cannot be read or holds none is a [`UsageError`](crate::UsageError).
+fn trusted_certificates(
+    path: Option<&std::path::Path>,
+) -> anyhow::Result<Vec<reqwest::Certificate>> {
+    let Some(path) = path else {
+        return Ok(Vec::new());
+    };
+    let refused = |reason: String| {
+        usage(format!(
+            "--ca-cert ({}) `{}` is refused: {reason}",
+            env::CA_CERT,
+            path.display()
+        ))
+    };
+    let mut bytes = Vec::new();
+    {
+        use std::io::Read as _;
+        std::fs::File::open(path)
+            .and_then(|file| file.take(MAX_CA_CERT_BYTES + 1).read_to_end(&mut bytes))
+            .map_err(|e| refused(format!("cannot read it: {e}")))?;
+    }
+    if u64::try_from(bytes.len()).unwrap_or(u64::MAX) > MAX_CA_CERT_BYTES {
+        return Err(refused(format!(
+            "it is larger than {} MiB",
+            MAX_CA_CERT_BYTES >> 20
+        )));
+    }
+    let certificates = reqwest::Certificate::from_pem_bundle(&bytes)
+        .map_err(|e| refused(format!("it is not PEM certificates: {e}")))?;
+    if certificates.is_empty() {
+        return Err(refused("it holds no `BEGIN CERTIFICATE` block".to_owned()));
+    }
+    Ok(certificates)
+}
+
+/// Why a request to `base` got no answer: as reqwest says, and, when the server's certificate
+/// is what stopped it, how to trust it.
+fn unreachable(base: &url::Url, error: reqwest::Error) -> anyhow::Error {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&error);
+    let mut untrusted = false;
+    while let Some(current) = cause {
+        if matches!(
+            current.downcast_ref::<rustls::Error>(),
+            Some(rustls::Error::InvalidCertificate(_))
+        ) {
+            untrusted = true;
+            break;
+        }
+        // An I/O error hides the error it wraps from `source`, so it is opened here.
+        cause = match current.downcast_ref::<std::io::Error>() {
+            Some(io) => io
+                .get_ref()
+                .map(|inner| inner as &(dyn std::error::Error + 'static)),
+            None => current.source(),
+        };
+    }
+    let hint = if untrusted {
+        format!(
+            ": its TLS certificate is not trusted here; give the certificate of its CA (or its own) \
+             with --ca-cert or {}",
+            env::CA_CERT
+        )
+    } else {
+        String::new()
+    };
+    anyhow::Error::new(error).context(format!("cannot reach the server at {base}{hint}"))
+}
+
+/// The `WOR_CA_CERT` of a client that takes no [`ClientArgs`] (a worker, an enrolment).
+fn ca_cert_from_env() -> Option<std::path::PathBuf> {
+    std::env::var_os(env::CA_CERT)
+        .filter(|path| !path.is_empty())
+        .map(std::path::PathBuf::from)
 }
 
 /// The most of an answer the client reads: a larger one is refused rather than held in memory.
@@ -58,6 +141,8 @@ pub struct ApiClient {
     /// `None` for the internal API, which takes no bearer credential.
     api_key: Option<String>,
     http: reqwest::Client,
+    /// Certificates trusted beside the system's, for the event streams' own client too.
+    trusted: Vec<reqwest::Certificate>,
 }
 
 impl ApiClient {
@@ -87,29 +172,46 @@ impl ApiClient {
                 env::API_KEY
             )));
         }
-        Self::with_key(&args.server, api_key)
+        Self::build(
+            &args.server,
+            Some(api_key),
+            REQUEST_TIMEOUT,
+            trusted_certificates(args.ca_cert.as_deref())?,
+        )
     }
 
-    /// A client of the server at `server` presenting `api_key`.
+    /// A client of the server at `server` presenting `api_key`, trusting the system's
+    /// certificates only.
     pub fn with_key(server: &str, api_key: String) -> anyhow::Result<Self> {
-        Self::build(server, Some(api_key), REQUEST_TIMEOUT)
+        Self::build(server, Some(api_key), REQUEST_TIMEOUT, Vec::new())
     }
 
     /// A client that sends no key: for the internal API's enrolment, proven by its token.
     pub fn without_key(server: &str) -> anyhow::Result<Self> {
-        Self::build(server, None, REQUEST_TIMEOUT)
+        Self::build(
+            server,
+            None,
+            REQUEST_TIMEOUT,
+            trusted_certificates(ca_cert_from_env().as_deref())?,
+        )
     }
 
     /// A client for a worker's signed requests: no key, and answers awaited for `timeout`, well
     /// within a run's lease.
     pub fn for_worker(server: &str, timeout: std::time::Duration) -> anyhow::Result<Self> {
-        Self::build(server, None, timeout)
+        Self::build(
+            server,
+            None,
+            timeout,
+            trusted_certificates(ca_cert_from_env().as_deref())?,
+        )
     }
 
     fn build(
         server: &str,
         api_key: Option<String>,
         timeout: std::time::Duration,
+        trusted: Vec<reqwest::Certificate>,
     ) -> anyhow::Result<Self> {
         let base = url::Url::parse(server)
             .map_err(|err| usage(format!("--server `{server}` is not a URL: {err}")))?;
@@ -128,12 +230,14 @@ impl ApiClient {
             .no_proxy()
             .redirect(reqwest::redirect::Policy::none())
             .timeout(timeout)
+            .tls_certs_merge(trusted.iter().cloned())
             .build()
             .context("cannot build the HTTP client")?;
         Ok(ApiClient {
             base,
             api_key,
             http,
+            trusted,
         })
     }
 
@@ -184,7 +288,7 @@ impl ApiClient {
         let response = request
             .send()
             .await
-            .with_context(|| format!("cannot reach the server at {}", self.base))?;
+            .map_err(|error| unreachable(&self.base, error))?;
         let status = response.status().as_u16();
         Ok((
             status,
@@ -230,6 +334,7 @@ impl ApiClient {
             .no_proxy()
             .redirect(reqwest::redirect::Policy::none())
             .connect_timeout(std::time::Duration::from_secs(10))
+            .tls_certs_merge(self.trusted.iter().cloned())
             .build()
             .context("cannot build the HTTP client")?;
         let mut request = http.get(url);
@@ -239,7 +344,7 @@ impl ApiClient {
         let mut response = request
             .send()
             .await
-            .with_context(|| format!("cannot reach the server at {}", self.base))?;
+            .map_err(|error| unreachable(&self.base, error))?;
         if !response.status().is_success() {
             let status = response.status();
             let value: Value = read_capped(response, &self.base, MAX_ANSWER_BYTES)
@@ -317,7 +422,7 @@ impl ApiClient {
         let response = request
             .send()
             .await
-            .with_context(|| format!("cannot reach the server at {}", self.base))?;
+            .map_err(|error| unreachable(&self.base, error))?;
         let status = response.status();
         let body = read_capped(response, &self.base, MAX_ANSWER_BYTES).await?;
         // Every answer of the API, success or error, is a JSON body: one without is not from

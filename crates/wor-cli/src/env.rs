@@ -29,6 +29,9 @@ pub const LOG_FORMAT: &str = "WOR_LOG_FORMAT";
 pub const SERVER: &str = "WOR_SERVER";
 /// API key that client subcommands present.
 pub const API_KEY: &str = "WOR_API_KEY";
+/// A PEM file of certificates the client subcommands and a worker trust for the server they
+/// talk to, beside the system's: a private CA, or a server's own self-signed certificate.
+pub const CA_CERT: &str = "WOR_CA_CERT";
 /// Directory for per-operation sandbox roots.
 pub const SANDBOX_DIR: &str = "WOR_SANDBOX_DIR";
 /// Where `wor sandbox exec` looks commands up (the shell's search path).

@@ -944,6 +944,86 @@ async fn tls_serves_a_generated_certificate_and_reloads_it_on_sighup_keeping_con
 }
 
 #[test]
+fn the_cli_trusts_a_private_certificate_it_is_given_and_no_other() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cert_path, key_path) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    let made = generated_certificate();
+    std::fs::write(&cert_path, &made.cert).unwrap();
+    std::fs::write(&key_path, &made.key).unwrap();
+    let config = dir.path().join("wor.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[tls]\ncert = \"{}\"\nkey = \"{}\"\n",
+            cert_path.display(),
+            key_path.display()
+        ),
+    )
+    .unwrap();
+    let mut db = dir_args(dir.path());
+    let owner = common::create_project(&db);
+    db.extend(["--config".to_owned(), config.display().to_string()]);
+    let server = Server::start(&db, &[]);
+    assert!(server.url.starts_with("https://"), "{}", server.url);
+    let list = |extra: &[&str], ca_env: Option<&std::path::Path>| {
+        let mut args = vec!["key", "list"];
+        args.extend_from_slice(extra);
+        let mut cmd = wor(&args);
+        cmd.env("WOR_SERVER", &server.url)
+            .env("WOR_API_KEY", &owner)
+            .env_remove("SSL_CERT_FILE")
+            .env_remove("SSL_CERT_DIR")
+            .env_remove("WOR_CA_CERT");
+        if let Some(path) = ca_env {
+            cmd.env("WOR_CA_CERT", path);
+        }
+        run(&mut cmd)
+    };
+
+    // Not trusted by the system: refused, saying why.
+    let refused = list(&[], None);
+    assert_eq!(refused.status.code(), Some(1), "{}", text(&refused.stdout));
+    assert!(
+        text(&refused.stderr).contains("its TLS certificate is not trusted here")
+            && text(&refused.stderr).contains("--ca-cert or WOR_CA_CERT"),
+        "{}",
+        text(&refused.stderr)
+    );
+    // Trusted when given, by flag or by variable.
+    let cert_text = cert_path.display().to_string();
+    let flagged = list(&["--ca-cert", &cert_text], None);
+    assert!(flagged.status.success(), "{}", text(&flagged.stderr));
+    assert!(
+        text(&flagged.stdout).contains("owner"),
+        "{}",
+        text(&flagged.stdout)
+    );
+    let from_env = list(&[], Some(&cert_path));
+    assert!(from_env.status.success(), "{}", text(&from_env.stderr));
+    // Another certificate is not this server's.
+    let other = dir.path().join("other.pem");
+    std::fs::write(&other, generated_certificate().cert).unwrap();
+    let wrong = list(&["--ca-cert", &other.display().to_string()], None);
+    assert_eq!(wrong.status.code(), Some(1), "{}", text(&wrong.stdout));
+    assert!(
+        text(&wrong.stderr).contains("not trusted"),
+        "{}",
+        text(&wrong.stderr)
+    );
+    // A file that holds no certificate is a usage error, before any request.
+    let refused = list(&["--ca-cert", &key_path.display().to_string()], None);
+    assert_eq!(refused.status.code(), Some(2), "{}", text(&refused.stderr));
+    assert!(
+        text(&refused.stderr).contains("holds no `BEGIN CERTIFICATE` block"),
+        "{}",
+        text(&refused.stderr)
+    );
+    let missing = list(&["--ca-cert", "/nonexistent/ca.pem"], None);
+    assert_eq!(missing.status.code(), Some(2), "{}", text(&missing.stderr));
+    server.stop();
+}
+
+#[test]
 fn production_refuses_a_plaintext_listener_on_a_public_address() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().display().to_string();
