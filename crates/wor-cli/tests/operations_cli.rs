@@ -782,6 +782,102 @@ fn doctor_reports_readiness_with_an_exit_code() {
     );
 }
 
+#[test]
+fn doctor_compares_the_keys_with_the_database_as_serve_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = common::database_args(dir.path());
+    let owner = common::create_project(&db);
+    let server = Server::start(&db, &[("WOR_ENCRYPTION_KEY", KEY)]);
+    let connection = run(wor(&[
+        "model-connection",
+        "create",
+        "main",
+        "--provider",
+        "openai_compatible",
+        "--base-url",
+        "https://models.example.com/v1",
+        "--api-key-env",
+        "MODEL_KEY",
+    ])
+    .env("WOR_SERVER", &server.url)
+    .env("WOR_API_KEY", &owner)
+    .env("MODEL_KEY", MODEL_KEY));
+    assert!(connection.status.success(), "{}", text(&connection.stderr));
+    server.stop();
+    let db: Vec<&str> = db.iter().map(String::as_str).collect();
+    let keys_in_use = |envs: &[(&str, &str)]| {
+        let (code, report) = doctor(&db, envs);
+        let (state, detail) = status(&report, "keys-in-use");
+        (code, state.to_owned(), detail.to_owned())
+    };
+
+    let (_, state, detail) = keys_in_use(&[("WOR_ENCRYPTION_KEY", KEY)]);
+    assert_eq!(state, "ok", "{detail}");
+    assert!(
+        detail.contains("the key ring opens all 1 sealed secret(s)")
+            && detail.contains("signed the newest of"),
+        "{detail}"
+    );
+    // Another encryption key, or none: `wor serve` would refuse, and so does doctor.
+    let (code, state, detail) = keys_in_use(&[("WOR_ENCRYPTION_KEY", OTHER_KEY)]);
+    assert_eq!((code, state.as_str()), (Some(1), "fail"), "{detail}");
+    assert!(
+        detail.contains("1 secret(s) sealed under key")
+            && detail.contains("which neither WOR_ENCRYPTION_KEY"),
+        "{detail}"
+    );
+    let (code, state, detail) = keys_in_use(&[]);
+    assert_eq!((code, state.as_str()), (Some(1), "fail"), "{detail}");
+    assert!(detail.contains("no encryption key is set"), "{detail}");
+    // Another audit signing key than the one that signed the chain.
+    let (_, other) = wor_secrets::AuditSigningKey::generate().unwrap();
+    let other = secrecy::ExposeSecret::expose_secret(&other).to_owned();
+    let (code, state, detail) = keys_in_use(&[
+        ("WOR_ENCRYPTION_KEY", KEY),
+        ("WOR_AUDIT_SIGNING_KEY", &other),
+    ]);
+    assert_eq!((code, state.as_str()), (Some(1), "fail"), "{detail}");
+    assert!(
+        detail.contains("the newest audit checkpoint is signed by key"),
+        "{detail}"
+    );
+    // No audit signing key at all, where checkpoints are signed: serve would make one.
+    let key_file = dir.path().join(wor_secrets::AUDIT_SIGNING_KEY_FILE_NAME);
+    let kept = dir.path().join("kept-audit-signing.key");
+    std::fs::rename(&key_file, &kept).unwrap();
+    let (code, state, detail) = keys_in_use(&[("WOR_ENCRYPTION_KEY", KEY)]);
+    assert_eq!((code, state.as_str()), (Some(1), "fail"), "{detail}");
+    assert!(
+        detail.contains("signed audit checkpoint(s), but WOR_AUDIT_SIGNING_KEY is not set"),
+        "{detail}"
+    );
+    assert!(!key_file.exists(), "doctor made no key");
+    std::fs::rename(&kept, &key_file).unwrap();
+    assert_eq!(keys_in_use(&[("WOR_ENCRYPTION_KEY", KEY)]).1, "ok");
+
+    // An embedded database's data dir that others may write to: refused by both.
+    if !db.contains(&"--database") {
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+        let (code, report) = doctor(&db, &[("WOR_ENCRYPTION_KEY", KEY)]);
+        let (state, detail) = status(&report, "database");
+        assert_eq!((code, state), (Some(1), "fail"), "{report}");
+        assert!(
+            detail.contains("may be written by group or others (mode 0777)"),
+            "{detail}"
+        );
+        let mut serve = vec!["serve", "--listen", "127.0.0.1:0"];
+        serve.extend_from_slice(&db);
+        let refused = run(wor(&serve).env("WOR_ENCRYPTION_KEY", KEY));
+        assert_eq!(refused.status.code(), Some(1), "{}", text(&refused.stdout));
+        assert!(
+            text(&refused.stderr).contains("chmod go-w"),
+            "{}",
+            text(&refused.stderr)
+        );
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // TLS on the listener.
 

@@ -74,7 +74,7 @@ pub use oauth::{
     state_digest,
 };
 pub use outbox::OutboxClaim;
-pub use probe::{DatabaseProbe, probe};
+pub use probe::{DatabaseProbe, KeysInUse, probe};
 pub use projects::{CreatedProject, ProjectRecord, RecoveredOwner};
 pub use routines::{AppliedRoutine, RoutineRecord, RoutineVersionRecord};
 pub use run_tokens::{RUN_TOKEN_PREFIX, RunGrant, RunToken};
@@ -142,6 +142,12 @@ pub enum StoreError {
         path: String,
         source: std::io::Error,
     },
+    /// The data directory may be written by users other than its owner, who could replace its
+    /// database or key files.
+    #[error(
+        "data directory `{path}` may be written by group or others (mode {mode:04o}): whoever can write there can replace its database and key files; make it private with `chmod go-w {path}` (`chmod 700` is what a new one gets)"
+    )]
+    DataDirTooOpen { path: String, mode: u32 },
     /// A run to be skipped at `max` active runs of its routine found `active` when it was
     /// recorded; nothing was written.
     #[error("{active} run(s) of this routine active, at most {max}")]
@@ -200,6 +206,7 @@ impl StoreError {
             StoreError::RoleChange(_) => "role_change",
             StoreError::UnsupportedUrl(_) => "unsupported_url",
             StoreError::DataDir { .. } => "data_dir",
+            StoreError::DataDirTooOpen { .. } => "data_dir_too_open",
             StoreError::NoDatabase { .. } => "no_database",
             StoreError::RoutineFull { .. } => "routine_full",
             StoreError::Corrupt(_) => "corrupt",
@@ -339,6 +346,60 @@ pub(crate) fn private_database_file(data_dir: &Path) -> std::io::Result<()> {
     }
 }
 
+/// [`Store::sealed_secret_key_ids`] of the database `pool` opens (a probe's, too).
+pub(crate) async fn sealed_secret_key_ids(
+    pool: &AnyPool,
+) -> Result<Vec<(String, i64)>, StoreError> {
+    let rows = sqlx::query(
+        "SELECT key_id, COUNT(*) AS n FROM sealed_secrets GROUP BY key_id ORDER BY key_id",
+    )
+    .fetch_all(pool)
+    .await?;
+    rows.iter()
+        .map(|row| Ok((row.try_get("key_id")?, row.try_get("n")?)))
+        .collect()
+}
+
+/// [`Store::newest_checkpoint_key_id`] of the database `pool` opens.
+pub(crate) async fn newest_checkpoint_key_id(pool: &AnyPool) -> Result<Option<String>, StoreError> {
+    let row = sqlx::query(
+        "SELECT key_id FROM audit_checkpoints ORDER BY at DESC, project_id DESC, seq DESC LIMIT 1",
+    )
+    .fetch_optional(pool)
+    .await?;
+    row.map(|row| row.try_get("key_id"))
+        .transpose()
+        .map_err(StoreError::from)
+}
+
+/// [`Store::count_audit_checkpoints`] of the database `pool` opens.
+pub(crate) async fn count_audit_checkpoints(pool: &AnyPool) -> Result<i64, StoreError> {
+    let row = sqlx::query("SELECT COUNT(*) AS n FROM audit_checkpoints")
+        .fetch_one(pool)
+        .await?;
+    Ok(row.try_get("n")?)
+}
+
+/// Refuses a data dir that group or others may write to ([`StoreError::DataDirTooOpen`]).
+fn refuse_an_open_data_dir(data_dir: &Path) -> Result<(), StoreError> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let mode = std::fs::metadata(data_dir)
+        .map_err(|source| StoreError::DataDir {
+            path: data_dir.display().to_string(),
+            source,
+        })?
+        .permissions()
+        .mode()
+        & 0o7777;
+    if mode & 0o022 != 0 {
+        return Err(StoreError::DataDirTooOpen {
+            path: data_dir.display().to_string(),
+            mode,
+        });
+    }
+    Ok(())
+}
+
 impl Store {
     /// Opens `database_url` if given, or the embedded SQLite database in `data_dir`, creating
     /// it if needed, and applies every pending migration.
@@ -350,6 +411,7 @@ impl Store {
                     path: data_dir.display().to_string(),
                     source,
                 })?;
+                refuse_an_open_data_dir(data_dir)?;
                 format!("sqlite://{}?mode=rwc", data_dir.join(SQLITE_FILE).display())
             }
         };
@@ -382,35 +444,18 @@ impl Store {
     /// The keys the vault's secrets are sealed under (their ids, as the key ring names them),
     /// with how many secrets each seals.
     pub async fn sealed_secret_key_ids(&self) -> Result<Vec<(String, i64)>, StoreError> {
-        let rows = sqlx::query(
-            "SELECT key_id, COUNT(*) AS n FROM sealed_secrets GROUP BY key_id ORDER BY key_id",
-        )
-        .fetch_all(self.pool())
-        .await?;
-        rows.iter()
-            .map(|row| Ok((row.try_get("key_id")?, row.try_get("n")?)))
-            .collect()
+        sealed_secret_key_ids(self.pool()).await
     }
 
     /// The id of the key that signed the newest audit checkpoint, of any project; `None` when
     /// none is signed.
     pub async fn newest_checkpoint_key_id(&self) -> Result<Option<String>, StoreError> {
-        let row = sqlx::query(
-            "SELECT key_id FROM audit_checkpoints ORDER BY at DESC, project_id DESC, seq DESC LIMIT 1",
-        )
-            .fetch_optional(self.pool())
-            .await?;
-        row.map(|row| row.try_get("key_id"))
-            .transpose()
-            .map_err(StoreError::from)
+        newest_checkpoint_key_id(self.pool()).await
     }
 
     /// How many audit checkpoints are signed, in every project.
     pub async fn count_audit_checkpoints(&self) -> Result<i64, StoreError> {
-        let row = sqlx::query("SELECT COUNT(*) AS n FROM audit_checkpoints")
-            .fetch_one(self.pool())
-            .await?;
-        Ok(row.try_get("n")?)
+        count_audit_checkpoints(self.pool()).await
     }
 
     /// Connects to a `sqlite://` or `postgres://` URL and applies pending migrations.

@@ -19,6 +19,19 @@ pub struct DatabaseProbe {
     /// The database server's clock, in milliseconds since the epoch (PostgreSQL only: an
     /// embedded SQLite database has the host's clock).
     pub server_now_ms: Option<i64>,
+    /// The keys the database's records need, once its migrations made their tables.
+    pub keys: Option<KeysInUse>,
+}
+
+/// The keys a database's records need: what a server on it must hold.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeysInUse {
+    /// The key ids its secrets are sealed under, with how many secrets each seals.
+    pub sealed: Vec<(String, i64)>,
+    /// How many audit checkpoints are signed.
+    pub checkpoints: i64,
+    /// The key id that signed the newest checkpoint.
+    pub checkpoint_signer: Option<String>,
 }
 
 /// Connects to `database_url`, or the embedded SQLite database of `data_dir` (read-only,
@@ -35,6 +48,7 @@ pub async fn probe(
         Some(url) if url.starts_with("sqlite:") => (url.to_owned(), Backend::Sqlite),
         Some(url) => return Err(StoreError::UnsupportedUrl(crate::scrub_url(url))),
         None => {
+            crate::refuse_an_open_data_dir(data_dir)?;
             let file = data_dir.join(SQLITE_FILE);
             if !file.exists() {
                 return Err(StoreError::NoDatabase {
@@ -73,11 +87,29 @@ pub async fn probe(
         ),
         Backend::Sqlite => None,
     };
+    let keys = if applied > 0 {
+        let read = async {
+            Ok::<_, StoreError>(KeysInUse {
+                sealed: crate::sealed_secret_key_ids(&pool).await?,
+                checkpoints: crate::count_audit_checkpoints(&pool).await?,
+                checkpoint_signer: crate::newest_checkpoint_key_id(&pool).await?,
+            })
+        };
+        match read.await {
+            Ok(keys) => Some(keys),
+            // Tables a database this old does not have yet: nothing is sealed or signed in it.
+            Err(StoreError::Database(sqlx::Error::Database(_))) => None,
+            Err(other) => return Err(other),
+        }
+    } else {
+        None
+    };
     pool.close().await;
     Ok(DatabaseProbe {
         backend,
         applied_migration: applied,
         latest_migration: crate::migrations::latest_version(),
         server_now_ms,
+        keys,
     })
 }

@@ -194,6 +194,9 @@ async fn server_checks(config: &ServerConfig, checks: &mut Vec<Check>) {
             "not measured: the database is unreachable",
         )),
     }
+    if let Some(keys) = probed.as_ref().ok().and_then(|p| p.keys.as_ref()) {
+        checks.push(keys_in_use_check(config, keys));
+    }
     checks.push(disk_check(config));
     if let Some(files) = &config.tls {
         checks.push(tls_check(files));
@@ -332,6 +335,72 @@ fn audit_key_check(config: &ServerConfig) -> Check {
         ),
         Err(error) => check(NAME, Status::Fail, format!("{error:#}")),
     }
+}
+
+/// The keys against the database, as `wor serve` checks them before it starts: the key ring
+/// holds every key a secret is sealed under, and the audit signing key is the one that signed
+/// the newest checkpoint. Neither key is made here.
+fn keys_in_use_check(config: &ServerConfig, keys: &wor_store::KeysInUse) -> Check {
+    const NAME: &str = "keys-in-use";
+    let sealed: i64 = keys.sealed.iter().map(|(_, count)| count).sum();
+    let ring = match config.encryption_key_configured() {
+        Ok(true) => match config.key_ring() {
+            Ok((ring, _)) => Some(ring),
+            Err(error) => return check(NAME, Status::Fail, format!("{error:#}")),
+        },
+        Ok(false) => None,
+        Err(error) => return check(NAME, Status::Fail, format!("{error:#}")),
+    };
+    match &ring {
+        Some(ring) => {
+            if let Some(refusal) = super::serve::ring_refusal(ring, &keys.sealed) {
+                return check(NAME, Status::Fail, refusal);
+            }
+        }
+        None if sealed > 0 => {
+            return check(
+                NAME,
+                Status::Fail,
+                format!(
+                    "this database holds {sealed} sealed secret(s), and no encryption key is set \
+                     ({}) or in the data dir: `wor serve` would refuse to start",
+                    env::ENCRYPTION_KEY
+                ),
+            );
+        }
+        None => {}
+    }
+    let signer = if config.audit_signing_key_configured() {
+        match config.audit_signing_key() {
+            Ok(key) => {
+                let ours = wor_core::audit::key_id(&key.verifying_key());
+                if let Some(refusal) =
+                    super::serve::signer_refusal(&ours, keys.checkpoint_signer.as_deref())
+                {
+                    return check(NAME, Status::Fail, refusal);
+                }
+                Some(ours)
+            }
+            Err(error) => return check(NAME, Status::Fail, format!("{error:#}")),
+        }
+    } else {
+        if let Some(refusal) = super::serve::unsigned_refusal(config, keys.checkpoints) {
+            return check(NAME, Status::Fail, refusal);
+        }
+        None
+    };
+    let secrets = match sealed {
+        0 => "no secret is sealed yet".to_owned(),
+        n => format!("the key ring opens all {n} sealed secret(s)"),
+    };
+    let checkpoints = match (keys.checkpoints, signer) {
+        (0, _) => "no audit checkpoint is signed yet".to_owned(),
+        (n, Some(ours)) => {
+            format!("the audit signing key ({ours}) signed the newest of {n} checkpoint(s)")
+        }
+        (n, None) => format!("{n} audit checkpoint(s) signed"),
+    };
+    check(NAME, Status::Ok, format!("{secrets}; {checkpoints}"))
 }
 
 fn disk_check(config: &ServerConfig) -> Check {

@@ -267,32 +267,46 @@ pub(crate) async fn kept_audit_key(
     config: &ServerConfig,
     store: &Store,
 ) -> anyhow::Result<wor_secrets::AuditSigningKey> {
-    if !config.audit_signing_key_configured() {
-        let signed = store.count_audit_checkpoints().await?;
-        if signed > 0 {
-            bail!(
-                "this database holds {signed} signed audit checkpoint(s), but {} is not set and \
-                 `{}` has no {}: set {} to the key that signed them",
-                env::AUDIT_SIGNING_KEY,
-                config.data_dir.display(),
-                wor_secrets::AUDIT_SIGNING_KEY_FILE_NAME,
-                env::AUDIT_SIGNING_KEY
-            );
-        }
+    if !config.audit_signing_key_configured()
+        && let Some(refusal) = unsigned_refusal(config, store.count_audit_checkpoints().await?)
+    {
+        bail!(refusal);
     }
     let key = config.audit_signing_key()?;
     let ours = wor_core::audit::key_id(&key.verifying_key());
-    if let Some(signer) = store.newest_checkpoint_key_id().await?
-        && signer != ours
+    if let Some(refusal) = signer_refusal(&ours, store.newest_checkpoint_key_id().await?.as_deref())
     {
-        bail!(
+        bail!(refusal);
+    }
+    Ok(key)
+}
+
+/// Why a server with no audit signing key configured may not start on a database with
+/// `signed` checkpoints: a key it made would sign on where another key signed.
+pub(crate) fn unsigned_refusal(config: &ServerConfig, signed: i64) -> Option<String> {
+    (signed > 0).then(|| {
+        format!(
+            "this database holds {signed} signed audit checkpoint(s), but {} is not set and `{}` \
+             has no {}: set {} to the key that signed them",
+            env::AUDIT_SIGNING_KEY,
+            config.data_dir.display(),
+            wor_secrets::AUDIT_SIGNING_KEY_FILE_NAME,
+            env::AUDIT_SIGNING_KEY
+        )
+    })
+}
+
+/// Why the audit signing key `ours` (its key id) may not sign on after the newest checkpoint,
+/// signed by `signer`.
+pub(crate) fn signer_refusal(ours: &str, signer: Option<&str>) -> Option<String> {
+    signer.filter(|signer| *signer != ours).map(|signer| {
+        format!(
             "the newest audit checkpoint is signed by key {signer}, not by this audit signing key \
              ({ours}): use the key that signed it ({}), or the checkpoints signed from now on \
              would leave the chain verifiable by no one key",
             env::AUDIT_SIGNING_KEY
-        );
-    }
-    Ok(key)
+        )
+    })
 }
 
 /// Refuses to serve a database with a secret sealed under a key `keys` does not hold: a server
@@ -301,24 +315,36 @@ async fn refuse_a_ring_that_opens_none(
     store: &Store,
     keys: &wor_secrets::KeyRing,
 ) -> anyhow::Result<()> {
+    match ring_refusal(keys, &store.sealed_secret_key_ids().await?) {
+        Some(refusal) => bail!(refusal),
+        None => Ok(()),
+    }
+}
+
+/// Why `keys` cannot serve a database whose secrets are sealed under `sealed` (key ids, with
+/// how many secrets each seals): the first of those keys the ring does not hold.
+pub(crate) fn ring_refusal(
+    keys: &wor_secrets::KeyRing,
+    sealed: &[(String, i64)],
+) -> Option<String> {
     let held: Vec<String> = std::iter::once(keys.primary_key_id())
         .chain(keys.retired_key_ids())
         .map(|id| id.to_string())
         .collect();
-    for (key_id, sealed) in store.sealed_secret_key_ids().await? {
-        if !held.contains(&key_id) {
-            bail!(
-                "this database holds {sealed} secret(s) sealed under key {key_id}, which neither {} \
+    sealed
+        .iter()
+        .find(|(key_id, _)| !held.contains(key_id))
+        .map(|(key_id, count)| {
+            format!(
+                "this database holds {count} secret(s) sealed under key {key_id}, which neither {} \
                  (key {}) nor {} holds: start with the key they were sealed under (during a \
                  rotation, the old one in {})",
                 env::ENCRYPTION_KEY,
                 keys.primary_key_id(),
                 env::ENCRYPTION_KEY_RETIRED,
                 env::ENCRYPTION_KEY_RETIRED
-            );
-        }
-    }
-    Ok(())
+            )
+        })
 }
 
 /// Opens the database, the key ring, the audit log and the egress client of `config`, and
