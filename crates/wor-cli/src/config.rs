@@ -609,6 +609,25 @@ impl ServerConfig {
 
     /// Production refuses to start with demo mode, without an encryption key, or with any
     /// default credential. Returns every problem found, not only the first.
+    /// Why the metrics listener may be reachable from hosts that should not read it: bound to
+    /// every address, or to a public one. `GET /metrics` asks for no credential.
+    pub fn metrics_exposure(&self) -> Option<String> {
+        let addr = self.metrics_listen?;
+        let ip = addr.ip();
+        let reach = if ip.is_unspecified() {
+            "every address of this host"
+        } else if wor_egress::classify(ip).is_none() {
+            "a public address"
+        } else {
+            return None;
+        };
+        Some(format!(
+            "the metrics listener {addr} is on {reach}, and `GET /metrics` asks for no \
+             credential: bind `[metrics] listen` to loopback or a private address that only the \
+             scraper reaches"
+        ))
+    }
+
     pub fn production_problems(&self) -> Vec<String> {
         if !self.production {
             return Vec::new();
@@ -851,6 +870,36 @@ mod tests {
     }
 
     const GOOD_KEY: &str = "q6mZ2k0kq3c7b1pY8Jx0M1yJc4pN9rO2vW6tU5sR3aE=";
+
+    #[test]
+    fn a_metrics_listener_on_every_or_a_public_address_is_called_exposed() {
+        for (listen, exposed) in [
+            ("127.0.0.1:9464", None),
+            ("10.0.3.7:9464", None),
+            ("[fd00::7]:9464", None),
+            ("0.0.0.0:9464", Some("every address of this host")),
+            ("[::]:9464", Some("every address of this host")),
+            ("203.0.113.9:9464", None),
+            ("8.8.4.4:9464", Some("a public address")),
+        ] {
+            let config = ServerConfig {
+                metrics_listen: Some(listen.parse().unwrap()),
+                ..config(false, false, None, None)
+            };
+            let found = config.metrics_exposure();
+            match exposed {
+                None => assert_eq!(found, None, "{listen}"),
+                Some(reach) => {
+                    let said = found.unwrap_or_else(|| panic!("{listen} is exposed"));
+                    assert!(
+                        said.contains(reach) && said.contains("no credential"),
+                        "{said}"
+                    );
+                }
+            }
+        }
+        assert_eq!(config(false, false, None, None).metrics_exposure(), None);
+    }
 
     #[test]
     fn the_lease_comes_from_the_file_within_its_bounds() {

@@ -780,6 +780,13 @@ fn doctor_reports_readiness_with_an_exit_code() {
         ("fail", Some(1)),
         "{report}"
     );
+
+    // Metrics served on every address, to anyone who asks: a warning, not a failure.
+    std::fs::write(&config, "[metrics]\nlisten = \"0.0.0.0:0\"\n").unwrap();
+    let (_, report) = doctor(&with_tls, &[]);
+    let (metrics, detail) = status(&report, "metrics");
+    assert_eq!(metrics, "warn", "{report}");
+    assert!(detail.contains("every address of this host"), "{detail}");
 }
 
 #[test]

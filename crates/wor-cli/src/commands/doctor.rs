@@ -130,6 +130,9 @@ async fn server_checks(config: &ServerConfig, checks: &mut Vec<Check>) {
     for problem in config.production_problems() {
         checks.push(check("production", Status::Fail, problem));
     }
+    if let Some(exposure) = config.metrics_exposure() {
+        checks.push(check("metrics", Status::Warn, exposure));
+    }
     let probed = wor_store::probe(config.database.as_deref(), &config.data_dir).await;
     match &probed {
         Ok(found) if found.applied_migration < found.latest_migration => checks.push(check(

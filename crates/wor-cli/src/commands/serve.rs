@@ -78,6 +78,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         eprintln!("error: refusing to start in production mode");
         return Ok(ExitCode::from(2));
     }
+    if let Some(exposure) = config.metrics_exposure() {
+        tracing::warn!(category = "config", "{exposure}");
+    }
     // Installed before the engine starts, so nothing it records is lost.
     let metrics = match config.metrics_listen {
         Some(addr) => Some((wor_server::metrics::install_recorder()?, addr)),
