@@ -186,7 +186,8 @@ fn a_start_sent_again_under_its_idempotency_key_starts_nothing_new() {
     assert!(
         said.contains("idempotency_key_reused")
             && said.contains("HTTP 422")
-            && said.contains(&run_id),
+            && said.contains(&run_id)
+            && said.contains("with other input"),
         "{said}"
     );
     // A key that cannot be one is a usage error, before any request.
@@ -218,6 +219,11 @@ fn a_start_sent_again_under_its_idempotency_key_starts_nothing_new() {
     let twice = post("Idempotency-Key: a\r\nIdempotency-Key: b\r\n");
     assert!(twice.starts_with("HTTP/1.1 400"), "{twice}");
     assert!(twice.contains("invalid_idempotency_key"), "{twice}");
+    // A key with a secret's shape would be kept and shown in the clear: refused.
+    let shaped = ["ghp_", "0123456789abcdefghijABCDEFGHIJ012345"].concat();
+    let secret = post(&format!("Idempotency-Key: {shaped}\r\n"));
+    assert!(secret.starts_with("HTTP/1.1 400"), "{secret}");
+    assert!(secret.contains("the shape of a secret"), "{secret}");
     let fresh = post("Idempotency-Key: order-2\r\n");
     assert!(fresh.starts_with("HTTP/1.1 202"), "{fresh}");
 

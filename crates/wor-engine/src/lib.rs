@@ -69,7 +69,7 @@ pub use oauth_connections::{
 };
 pub use remote::{ClaimError, ControlPlaneLink, LinkAnswer, LinkError, LinkFuture, WorkerTimings};
 pub use scheduler::{DISPATCH_AHEAD_MS, SchedulerReport};
-pub use start::{DEFAULT_THREAD, StartRun, Started, Trigger};
+pub use start::{DEFAULT_THREAD, Differs, StartRun, Started, Trigger};
 pub use tool_connection_spec::{
     CheckedHttpTools, CheckedToolConnection, HttpToolsSource, LocalCommandRules, OpenApiSource,
     ToolConnectionSpec, ToolConnectionSpecError,
@@ -188,11 +188,12 @@ pub enum EngineError {
     /// A start's idempotency key already started a run of the routine, with other input or
     /// another thread: a different request under a key that is not its own.
     #[error(
-        "idempotency key `{key}` already started run {run} of this routine with other input or another thread; a different request needs a key of its own"
+        "idempotency key `{key}` already started run {run} of this routine with {differs}; a different request needs a key of its own"
     )]
     IdempotencyKeyReused {
         key: wor_core::run::IdempotencyKey,
         run: wor_core::RunId,
+        differs: Differs,
     },
     /// A roster entry `routine/NAME` names a routine the project does not have.
     #[error("routine `{name}` named by the roster does not exist")]

@@ -64,6 +64,22 @@ pub enum Started {
     Earlier(RunRecord),
 }
 
+/// What differs between a start and the earlier one under its idempotency key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Differs {
+    Input,
+    Thread,
+}
+
+impl std::fmt::Display for Differs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Differs::Input => "other input",
+            Differs::Thread => "another thread",
+        })
+    }
+}
+
 impl Started {
     /// The run, new or earlier.
     pub fn into_run(self) -> RunRecord {
@@ -139,16 +155,18 @@ impl Engine {
             .await?
             .redact_json(&mut input);
         let thread = |thread: Option<&str>| thread.map_or(DEFAULT_THREAD, str::trim).to_owned();
-        if recorded_input == Some(&input)
-            && thread(request.thread.as_deref()) == thread(earlier.thread.as_deref())
-        {
-            Ok(Some(earlier))
+        let differs = if recorded_input != Some(&input) {
+            Differs::Input
+        } else if thread(request.thread.as_deref()) != thread(earlier.thread.as_deref()) {
+            Differs::Thread
         } else {
-            Err(EngineError::IdempotencyKeyReused {
-                key: key.clone(),
-                run: earlier.id,
-            })
-        }
+            return Ok(Some(earlier));
+        };
+        Err(EngineError::IdempotencyKeyReused {
+            key: key.clone(),
+            run: earlier.id,
+            differs,
+        })
     }
 
     /// Starts a new run of `request`: [`Engine::start_run`] once no earlier run answers it.

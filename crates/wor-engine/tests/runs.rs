@@ -834,7 +834,7 @@ async fn a_start_sent_again_under_its_idempotency_key_starts_nothing_new() {
         .await
         .unwrap_err();
     assert!(
-        matches!(&reused, EngineError::IdempotencyKeyReused { run, .. } if *run == first.id),
+        matches!(&reused, EngineError::IdempotencyKeyReused { run, differs: wor_engine::Differs::Input, .. } if *run == first.id),
         "{reused:?}"
     );
     // The key is the routine's: another routine's start under it is its own.

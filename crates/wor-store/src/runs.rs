@@ -289,7 +289,7 @@ impl Store {
         .is_empty()
         {
             return Err(StoreError::Conflict(
-                "this trigger (schedule slot or webhook delivery) already started a run".to_owned(),
+                "this trigger (a schedule slot, a webhook delivery or an idempotency key) already started a run of the routine".to_owned(),
             ));
         }
         if let Some(claim) = claim

@@ -187,7 +187,8 @@ const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
     params(("routine_id" = String, Path, description = "a `rtn_…` id", pattern = "^rtn_[0-9a-f]{32}$"),
         ("Idempotency-Key" = Option<String>, Header, description = "the requester's key for this start: 1 to 255 visible ASCII characters")),
     responses((status = 202, body = RunView, description = "the run started"),
-        (status = 200, body = RunView, description = "the run this idempotency key already started"),
+        (status = 200, body = RunView, description = "the run this idempotency key already started",
+            headers(("Idempotent-Replayed" = String, description = "`true`: nothing new was started"))),
         (status = 400, body = ErrorBody), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody),
         (status = 409, body = ErrorBody), (status = 422, body = ErrorBody)))]
 pub async fn start(
@@ -239,9 +240,16 @@ fn idempotency_key(headers: &HeaderMap) -> Result<Option<IdempotencyKey>, ApiErr
     let text = value
         .to_str()
         .map_err(|_| refused("it is not visible ASCII".to_owned()))?;
-    text.parse()
-        .map(Some)
-        .map_err(|e: wor_core::run::IdempotencyKeyError| refused(e.to_string()))
+    let key: IdempotencyKey = text
+        .parse()
+        .map_err(|e: wor_core::run::IdempotencyKeyError| refused(e.to_string()))?;
+    // Kept in the clear as the run's trigger key: a key with a secret's shape is not.
+    if wor_secrets::redact_shapes(key.as_str()) != key.as_str() {
+        return Err(refused(
+            "it has the shape of a secret, and a key is kept and shown in the clear; choose one that is not a credential".to_owned(),
+        ));
+    }
+    Ok(Some(key))
 }
 
 /// Starts a run of `routine`'s current version for a caller of `role` in `project`: the API's
