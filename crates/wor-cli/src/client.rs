@@ -17,8 +17,9 @@ pub struct ClientArgs {
     #[arg(long)]
     pub json: bool,
     /// A PEM file of certificates to trust for an `https` server beside the system's: a
-    /// private CA, or the server's own self-signed certificate.
-    #[arg(long, env = env::CA_CERT, value_name = "FILE")]
+    /// private CA, or the server's own self-signed certificate (one that is not a CA)
+    /// [env: WOR_CA_CERT].
+    #[arg(long, value_name = "FILE")]
     pub ca_cert: Option<std::path::PathBuf>,
 }
 
@@ -26,7 +27,8 @@ pub struct ClientArgs {
 const MAX_CA_CERT_BYTES: u64 = 1 << 20;
 
 /// The certificates of the PEM file at `path`, to trust beside the system's; a file that
-/// cannot be read or holds none is a [`UsageError`](crate::UsageError).
+/// cannot be read, or holds a block that is not a certificate, or none, is a
+/// [`UsageError`](crate::UsageError).
 fn trusted_certificates(
     path: Option<&std::path::Path>,
 ) -> anyhow::Result<Vec<reqwest::Certificate>> {
@@ -53,25 +55,46 @@ fn trusted_certificates(
             MAX_CA_CERT_BYTES >> 20
         )));
     }
-    let certificates = reqwest::Certificate::from_pem_bundle(&bytes)
-        .map_err(|e| refused(format!("it is not PEM certificates: {e}")))?;
+    let mut certificates = Vec::new();
+    for (n, pem) in x509_parser::pem::Pem::iter_from_buffer(&bytes).enumerate() {
+        let block = n + 1;
+        let pem = pem.map_err(|e| refused(format!("block {block} is not PEM: {e}")))?;
+        if pem.label != "CERTIFICATE" {
+            continue;
+        }
+        // Parsed here, so a damaged one is named now rather than when the client is built.
+        pem.parse_x509()
+            .map_err(|e| refused(format!("block {block} is not a certificate: {e}")))?;
+        certificates.push(
+            reqwest::Certificate::from_der(&pem.contents)
+                .map_err(|e| refused(format!("block {block} is not a certificate: {e}")))?,
+        );
+    }
     if certificates.is_empty() {
         return Err(refused("it holds no `BEGIN CERTIFICATE` block".to_owned()));
     }
     Ok(certificates)
 }
 
+/// The `--ca-cert` file given, else `WOR_CA_CERT` when it is set and not empty.
+fn ca_cert_file(given: Option<&std::path::Path>) -> Option<std::path::PathBuf> {
+    given.map(std::path::Path::to_path_buf).or_else(|| {
+        std::env::var_os(env::CA_CERT)
+            .filter(|path| !path.is_empty())
+            .map(std::path::PathBuf::from)
+    })
+}
+
 /// Why a request to `base` got no answer: as reqwest says, and, when the server's certificate
-/// is what stopped it, how to trust it.
-fn unreachable(base: &url::Url, error: reqwest::Error) -> anyhow::Error {
+/// is what stopped it, what to do about it (`trusted_given`: whether `--ca-cert` gave any).
+fn unreachable(base: &url::Url, error: reqwest::Error, trusted_given: bool) -> anyhow::Error {
     let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&error);
-    let mut untrusted = false;
+    let mut refusal = None;
     while let Some(current) = cause {
-        if matches!(
-            current.downcast_ref::<rustls::Error>(),
-            Some(rustls::Error::InvalidCertificate(_))
-        ) {
-            untrusted = true;
+        if let Some(rustls::Error::InvalidCertificate(reason)) =
+            current.downcast_ref::<rustls::Error>()
+        {
+            refusal = Some(reason.clone());
             break;
         }
         // An I/O error hides the error it wraps from `source`, so it is opened here.
@@ -82,23 +105,48 @@ fn unreachable(base: &url::Url, error: reqwest::Error) -> anyhow::Error {
             None => current.source(),
         };
     }
-    let hint = if untrusted {
-        format!(
-            ": its TLS certificate is not trusted here; give the certificate of its CA (or its own) \
-             with --ca-cert or {}",
-            env::CA_CERT
-        )
-    } else {
-        String::new()
+    let hint = match refusal {
+        None => String::new(),
+        Some(reason) => format!(": {}", certificate_hint(&reason, trusted_given)),
     };
     anyhow::Error::new(error).context(format!("cannot reach the server at {base}{hint}"))
 }
 
-/// The `WOR_CA_CERT` of a client that takes no [`ClientArgs`] (a worker, an enrolment).
-fn ca_cert_from_env() -> Option<std::path::PathBuf> {
-    std::env::var_os(env::CA_CERT)
-        .filter(|path| !path.is_empty())
-        .map(std::path::PathBuf::from)
+/// What to do about a server certificate refused for `reason`.
+fn certificate_hint(reason: &rustls::CertificateError, trusted_given: bool) -> String {
+    use rustls::CertificateError as Refused;
+    match reason {
+        // A trusted certificate with the issuer's name whose key did not sign it is refused as
+        // a bad signature: the same case.
+        Refused::UnknownIssuer | Refused::BadSignature if trusted_given => format!(
+            "its TLS certificate is signed by none of the certificates --ca-cert ({}) gave, nor \
+             by one the system trusts",
+            env::CA_CERT
+        ),
+        Refused::UnknownIssuer | Refused::BadSignature => format!(
+            "its TLS certificate is not trusted here; give the certificate of its CA (or its own) \
+             with --ca-cert or {}",
+            env::CA_CERT
+        ),
+        Refused::Expired | Refused::ExpiredContext { .. } => {
+            "its TLS certificate has expired".to_owned()
+        }
+        Refused::NotValidYet | Refused::NotValidYetContext { .. } => {
+            "its TLS certificate is not valid yet (or this host's clock is behind)".to_owned()
+        }
+        Refused::NotValidForName | Refused::NotValidForNameContext { .. } => {
+            "its TLS certificate is for another name than the one in --server".to_owned()
+        }
+        // rustls names this one only through the verifier's own error.
+        other if format!("{other:?}").contains("CaUsedAsEndEntity") => {
+            "its TLS certificate is a CA certificate, which TLS does not accept as a server's own \
+             (`openssl req -x509` makes one unless told `-addext basicConstraints=critical,CA:FALSE`): \
+             give the server a certificate that is not a CA, or one signed by a CA whose \
+             certificate --ca-cert gives"
+                .to_owned()
+        }
+        other => format!("its TLS certificate is refused ({other:?})"),
+    }
 }
 
 /// The most of an answer the client reads: a larger one is refused rather than held in memory.
@@ -176,7 +224,7 @@ impl ApiClient {
             &args.server,
             Some(api_key),
             REQUEST_TIMEOUT,
-            trusted_certificates(args.ca_cert.as_deref())?,
+            trusted_certificates(ca_cert_file(args.ca_cert.as_deref()).as_deref())?,
         )
     }
 
@@ -192,7 +240,7 @@ impl ApiClient {
             server,
             None,
             REQUEST_TIMEOUT,
-            trusted_certificates(ca_cert_from_env().as_deref())?,
+            trusted_certificates(ca_cert_file(None).as_deref())?,
         )
     }
 
@@ -203,7 +251,7 @@ impl ApiClient {
             server,
             None,
             timeout,
-            trusted_certificates(ca_cert_from_env().as_deref())?,
+            trusted_certificates(ca_cert_file(None).as_deref())?,
         )
     }
 
@@ -288,7 +336,7 @@ impl ApiClient {
         let response = request
             .send()
             .await
-            .map_err(|error| unreachable(&self.base, error))?;
+            .map_err(|error| unreachable(&self.base, error, !self.trusted.is_empty()))?;
         let status = response.status().as_u16();
         Ok((
             status,
@@ -344,7 +392,7 @@ impl ApiClient {
         let mut response = request
             .send()
             .await
-            .map_err(|error| unreachable(&self.base, error))?;
+            .map_err(|error| unreachable(&self.base, error, !self.trusted.is_empty()))?;
         if !response.status().is_success() {
             let status = response.status();
             let value: Value = read_capped(response, &self.base, MAX_ANSWER_BYTES)
@@ -422,7 +470,7 @@ impl ApiClient {
         let response = request
             .send()
             .await
-            .map_err(|error| unreachable(&self.base, error))?;
+            .map_err(|error| unreachable(&self.base, error, !self.trusted.is_empty()))?;
         let status = response.status();
         let body = read_capped(response, &self.base, MAX_ANSWER_BYTES).await?;
         // Every answer of the API, success or error, is a JSON body: one without is not from

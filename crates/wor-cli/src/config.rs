@@ -607,13 +607,12 @@ impl ServerConfig {
         Ok(self.audit_signing_key()?.verifying_key())
     }
 
-    /// Production refuses to start with demo mode, without an encryption key, or with any
-    /// default credential. Returns every problem found, not only the first.
     /// Why the metrics listener may be reachable from hosts that should not read it: bound to
     /// every address, or to a public one. `GET /metrics` asks for no credential.
     pub fn metrics_exposure(&self) -> Option<String> {
         let addr = self.metrics_listen?;
-        let ip = addr.ip();
+        // `::ffff:0.0.0.0` binds every IPv4 address as `0.0.0.0` does.
+        let ip = addr.ip().to_canonical();
         let reach = if ip.is_unspecified() {
             "every address of this host"
         } else if wor_egress::classify(ip).is_none() {
@@ -628,6 +627,8 @@ impl ServerConfig {
         ))
     }
 
+    /// Production refuses to start with demo mode, without an encryption key, or with any
+    /// default credential. Returns every problem found, not only the first.
     pub fn production_problems(&self) -> Vec<String> {
         if !self.production {
             return Vec::new();
@@ -879,6 +880,7 @@ mod tests {
             ("[fd00::7]:9464", None),
             ("0.0.0.0:9464", Some("every address of this host")),
             ("[::]:9464", Some("every address of this host")),
+            ("[::ffff:0.0.0.0]:9464", Some("every address of this host")),
             ("203.0.113.9:9464", None),
             ("8.8.4.4:9464", Some("a public address")),
         ] {

@@ -126,7 +126,9 @@ fn a_backup_of_a_running_server_restores_verifies_and_runs_and_a_wrong_key_is_re
 
     // Restored into a new data dir, with the audit signing key the operator kept apart.
     let second = root.path().join("second");
-    std::fs::create_dir_all(&second).unwrap();
+    std::os::unix::fs::DirBuilderExt::mode(&mut std::fs::DirBuilder::new(), 0o700)
+        .create(&second)
+        .unwrap();
     std::fs::copy(
         first.join("audit-signing.key"),
         second.join("audit-signing.key"),
@@ -151,6 +153,28 @@ fn a_backup_of_a_running_server_restores_verifies_and_runs_and_a_wrong_key_is_re
     assert!(
         !second.join("wor.db").exists(),
         "a refused restore leaves nothing"
+    );
+    // Refused into a data dir it made, parents and all: none of them is left.
+    let signing_key = std::fs::read_to_string(first.join("audit-signing.key")).unwrap();
+    let nested = root.path().join("fresh").join("a").join("data");
+    let refused = run(wor(&[
+        "restore",
+        "--from",
+        &backup_text,
+        "--data-dir",
+        &nested.display().to_string(),
+    ])
+    .env("WOR_ENCRYPTION_KEY", OTHER_KEY)
+    .env("WOR_AUDIT_SIGNING_KEY", signing_key.trim()));
+    assert_eq!(refused.status.code(), Some(1), "{}", text(&refused.stdout));
+    assert!(
+        text(&refused.stderr).contains("wrong encryption key"),
+        "{}",
+        text(&refused.stderr)
+    );
+    assert!(
+        !root.path().join("fresh").exists(),
+        "a refused restore leaves no directory it made"
     );
 
     let restored = operator(&["restore", "--from", &backup_text], &second, Some(KEY));
@@ -260,6 +284,25 @@ fn a_backup_of_a_running_server_restores_verifies_and_runs_and_a_wrong_key_is_re
     );
     assert!(!third.join("wor.db").exists());
 
+    // An SQLite database of something else is no backup, though migrations would fit it.
+    let foreign = root.path().join("foreign.db");
+    rusqlite::Connection::open(&foreign)
+        .unwrap()
+        .execute_batch("CREATE TABLE notes (body TEXT); INSERT INTO notes VALUES ('x');")
+        .unwrap();
+    let refused = operator(
+        &["restore", "--from", &foreign.display().to_string()],
+        &third,
+        Some(KEY),
+    );
+    assert_eq!(refused.status.code(), Some(1), "{}", text(&refused.stdout));
+    assert!(
+        text(&refused.stderr).contains("an SQLite database of something else"),
+        "{}",
+        text(&refused.stderr)
+    );
+    assert!(!third.join("wor.db").exists());
+
     // A backup cut short (a copy that stopped part way) is refused at once, and the data dir
     // the restore would have made is not left behind, empty.
     let whole = std::fs::read(&backup).unwrap();
@@ -267,7 +310,6 @@ fn a_backup_of_a_running_server_restores_verifies_and_runs_and_a_wrong_key_is_re
     std::fs::write(&cut, &whole[..whole.len() / 2]).unwrap();
     let fourth = root.path().join("fourth");
     let started = std::time::Instant::now();
-    let signing_key = std::fs::read_to_string(first.join("audit-signing.key")).unwrap();
     let refused = run(wor(&[
         "restore",
         "--from",
@@ -869,7 +911,7 @@ fn doctor_compares_the_keys_with_the_database_as_serve_does() {
         let (state, detail) = status(&report, "database");
         assert_eq!((code, state), (Some(1), "fail"), "{report}");
         assert!(
-            detail.contains("may be written by group or others (mode 0777)"),
+            detail.contains("may be written by any user (mode 0777)"),
             "{detail}"
         );
         let mut serve = vec!["serve", "--listen", "127.0.0.1:0"];
@@ -877,7 +919,7 @@ fn doctor_compares_the_keys_with_the_database_as_serve_does() {
         let refused = run(wor(&serve).env("WOR_ENCRYPTION_KEY", KEY));
         assert_eq!(refused.status.code(), Some(1), "{}", text(&refused.stdout));
         assert!(
-            text(&refused.stderr).contains("chmod go-w"),
+            text(&refused.stderr).contains("chmod o-w"),
             "{}",
             text(&refused.stderr)
         );
@@ -1109,9 +1151,37 @@ fn the_cli_trusts_a_private_certificate_it_is_given_and_no_other() {
     let wrong = list(&["--ca-cert", &other.display().to_string()], None);
     assert_eq!(wrong.status.code(), Some(1), "{}", text(&wrong.stdout));
     assert!(
-        text(&wrong.stderr).contains("not trusted"),
+        text(&wrong.stderr).contains("signed by none of the certificates --ca-cert"),
         "{}",
         text(&wrong.stderr)
+    );
+    // An empty variable is no file: the server is refused as untrusted, not the variable.
+    let empty = list(&[], Some(std::path::Path::new("")));
+    assert_eq!(empty.status.code(), Some(1), "{}", text(&empty.stderr));
+    assert!(
+        text(&empty.stderr).contains("not trusted here"),
+        "{}",
+        text(&empty.stderr)
+    );
+    // A certificate block whose content is damaged is named, before any request.
+    let damaged = dir.path().join("damaged.pem");
+    // Forty characters less of one line: whole base64, but DER whose lengths do not add up.
+    let pem: String = made
+        .cert
+        .lines()
+        .enumerate()
+        .map(|(n, line)| match n {
+            3 => format!("{}\n", &line[..line.len() - 40]),
+            _ => format!("{line}\n"),
+        })
+        .collect();
+    std::fs::write(&damaged, pem).unwrap();
+    let refused = list(&["--ca-cert", &damaged.display().to_string()], None);
+    assert_eq!(refused.status.code(), Some(2), "{}", text(&refused.stderr));
+    assert!(
+        text(&refused.stderr).contains("block 1 is not a certificate"),
+        "{}",
+        text(&refused.stderr)
     );
     // A file that holds no certificate is a usage error, before any request.
     let refused = list(&["--ca-cert", &key_path.display().to_string()], None);
@@ -1123,7 +1193,67 @@ fn the_cli_trusts_a_private_certificate_it_is_given_and_no_other() {
     );
     let missing = list(&["--ca-cert", "/nonexistent/ca.pem"], None);
     assert_eq!(missing.status.code(), Some(2), "{}", text(&missing.stderr));
+
+    // A self-signed certificate that is a CA (what `openssl req -x509` makes by default) is
+    // refused by TLS as a server's own, whatever is trusted: the message says so.
+    let mut params =
+        rcgen::CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()])
+            .unwrap();
+    params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let key = rcgen::KeyPair::generate().unwrap();
+    let authority = params.self_signed(&key).unwrap();
+    std::fs::write(&cert_path, authority.pem()).unwrap();
+    std::fs::write(&key_path, key.serialize_pem()).unwrap();
+    server.signal("-HUP");
+    server.wait_logged(
+        "TLS certificate reloaded",
+        std::time::Duration::from_secs(10),
+    );
+    let refused = list(&["--ca-cert", &cert_text], None);
+    assert_eq!(refused.status.code(), Some(1), "{}", text(&refused.stdout));
+    assert!(
+        text(&refused.stderr).contains("is a CA certificate"),
+        "{}",
+        text(&refused.stderr)
+    );
+    assert!(
+        !text(&refused.stderr).contains("rustls_platform_verifier"),
+        "the verifier's own log line is not shown: {}",
+        text(&refused.stderr)
+    );
     server.stop();
+}
+
+#[test]
+fn serve_warns_of_a_listener_certificate_near_its_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cert_path, key_path) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    let mut params = rcgen::CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
+    let soon = chrono::Utc::now() + chrono::Duration::days(3);
+    params.not_after = rcgen::date_time_ymd(
+        chrono::Datelike::year(&soon),
+        u8::try_from(chrono::Datelike::month(&soon)).unwrap(),
+        u8::try_from(chrono::Datelike::day(&soon)).unwrap(),
+    );
+    let key = rcgen::KeyPair::generate().unwrap();
+    std::fs::write(&cert_path, params.self_signed(&key).unwrap().pem()).unwrap();
+    std::fs::write(&key_path, key.serialize_pem()).unwrap();
+    let config = dir.path().join("wor.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[tls]\ncert = \"{}\"\nkey = \"{}\"\n",
+            cert_path.display(),
+            key_path.display()
+        ),
+    )
+    .unwrap();
+    let mut db = dir_args(dir.path());
+    db.extend(["--config".to_owned(), config.display().to_string()]);
+    let server = Server::start(&db, &[]);
+    server.wait_logged("expires in", std::time::Duration::from_secs(10));
+    let log = server.stop();
+    assert!(log.contains("renew it, then reload with SIGHUP"), "{log}");
 }
 
 #[test]

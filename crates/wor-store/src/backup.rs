@@ -81,15 +81,89 @@ impl Store {
     }
 }
 
+/// A backup restored into a data dir and opened, not yet accepted: [`Restored::discard`]
+/// takes it away again, with the directories the restore made.
+#[derive(Debug)]
+pub struct Restored {
+    pub store: Store,
+    place: RestorePlace,
+}
+
+impl Restored {
+    /// Closes the restored database and removes it, its journal files, and each directory the
+    /// restore made for it that is still empty.
+    pub async fn discard(self) {
+        self.store.close().await;
+        self.place.discard();
+    }
+}
+
+/// Where a restore writes: the data dir, and the outermost directory of it the restore made
+/// (`None`: it existed).
+#[derive(Debug)]
+struct RestorePlace {
+    data_dir: PathBuf,
+    made_from: Option<PathBuf>,
+}
+
+impl RestorePlace {
+    /// Makes `data_dir` (mode 0700, parents too) where it is missing, remembering the
+    /// outermost directory it made.
+    fn make(data_dir: &Path) -> Result<Self, BackupError> {
+        let mut made_from = None;
+        let mut dir = data_dir;
+        while !dir.exists() {
+            made_from = Some(dir.to_path_buf());
+            match dir.parent() {
+                Some(parent) if !parent.as_os_str().is_empty() => dir = parent,
+                _ => break,
+            }
+        }
+        {
+            use std::os::unix::fs::DirBuilderExt as _;
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(data_dir)
+                .map_err(io(data_dir))?;
+        }
+        Ok(RestorePlace {
+            data_dir: data_dir.to_path_buf(),
+            made_from,
+        })
+    }
+
+    /// Removes the restored database with its journal files, then each directory made for it,
+    /// from the data dir outwards, while it is empty.
+    fn discard(&self) {
+        discard_restored(&self.data_dir);
+        let Some(outermost) = &self.made_from else {
+            return;
+        };
+        let mut dir = self.data_dir.as_path();
+        loop {
+            if std::fs::remove_dir(dir).is_err() || dir == outermost.as_path() {
+                break;
+            }
+            match dir.parent() {
+                Some(parent) => dir = parent,
+                None => break,
+            }
+        }
+    }
+}
+
 /// Copies the backup `from` into `data_dir` as its database, which must not exist yet, and
-/// opens it (applying the migrations of this release to an older backup). The caller checks
-/// the restored copy and calls [`discard_restored`] if it refuses it.
-pub async fn restore_sqlite(from: &Path, data_dir: &Path) -> Result<Store, BackupError> {
+/// opens it (applying the migrations of this release to an older backup), after checking that
+/// the file is whole, undamaged and a Work on Repeat database. The caller checks the restored
+/// copy and calls [`Restored::discard`] if it refuses it.
+pub async fn restore_sqlite(from: &Path, data_dir: &Path) -> Result<Restored, BackupError> {
     let target = data_dir.join(SQLITE_FILE);
+    let exists = || BackupError::DatabaseExists {
+        path: target.display().to_string(),
+    };
     if target.exists() {
-        return Err(BackupError::DatabaseExists {
-            path: target.display().to_string(),
-        });
+        return Err(exists());
     }
     let not_a_backup = |reason: String| BackupError::NotABackup {
         path: from.display().to_string(),
@@ -97,63 +171,47 @@ pub async fn restore_sqlite(from: &Path, data_dir: &Path) -> Result<Store, Backu
     };
     let bytes = std::fs::read(from).map_err(io(from))?;
     sqlite_file_whole(&bytes).map_err(not_a_backup)?;
-    // A data dir this restore makes is taken away again if the restore is refused.
-    let made_dir = !data_dir.exists();
-    let refuse = |reason: String| {
-        discard_restored(data_dir);
-        if made_dir {
-            let _ = std::fs::remove_dir(data_dir);
+    let place = RestorePlace::make(data_dir)?;
+    let created = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&target);
+    let mut file = match created {
+        Ok(file) => file,
+        // Another process made the database since it was looked for: it is not this
+        // restore's to remove.
+        Err(error) if error.kind() == std::io::ErrorKind::AlreadyExists => return Err(exists()),
+        Err(source) => {
+            place.discard();
+            return Err(BackupError::Io {
+                path: target.display().to_string(),
+                source,
+            });
         }
-        not_a_backup(reason)
     };
-    {
-        use std::os::unix::fs::DirBuilderExt as _;
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(data_dir)
-            .map_err(io(data_dir))?;
-    }
-    let written = (|| {
-        let mut file = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&target)?;
-        file.write_all(&bytes)?;
-        file.sync_all()
-    })();
-    if let Err(source) = written {
-        discard_restored(data_dir);
-        if made_dir {
-            let _ = std::fs::remove_dir(data_dir);
-        }
-        return Err(BackupError::Io {
+    // From here the database file is this restore's own, removed with anything refused.
+    let refuse = |error: BackupError| {
+        place.discard();
+        error
+    };
+    if let Err(source) = file.write_all(&bytes).and_then(|()| file.sync_all()) {
+        return Err(refuse(BackupError::Io {
             path: target.display().to_string(),
             source,
-        });
+        }));
     }
-    // Damage inside the file is found before the store opens it: the pool would otherwise
-    // retry a connection to it until its timeout.
+    drop(file);
+    // Damage inside the file, or a database of something else, is found before the store
+    // opens it: the pool would retry a connection to a damaged file until its timeout, and
+    // the migrations would make any database look like one of ours.
     if let Err(reason) = quick_check(&target) {
-        return Err(refuse(reason));
+        return Err(refuse(not_a_backup(reason)));
     }
     let url = format!("sqlite://{}?mode=rw", target.display());
-    let has_schema = async {
-        let store = Store::connect(&url).await?;
-        let projects: Result<(i64,), sqlx::Error> = sqlx::query_as("SELECT COUNT(*) FROM projects")
-            .fetch_one(store.pool())
-            .await;
-        Ok::<_, StoreError>((store, projects))
-    }
-    .await;
-    match has_schema {
-        Ok((store, Ok(_))) => Ok(store),
-        Ok((store, Err(err))) => {
-            store.close().await;
-            Err(refuse(err.to_string()))
-        }
-        Err(err) => Err(refuse(err.to_string())),
+    match Store::connect(&url).await {
+        Ok(store) => Ok(Restored { store, place }),
+        Err(error) => Err(refuse(not_a_backup(error.to_string()))),
     }
 }
 
@@ -188,15 +246,17 @@ fn sqlite_file_whole(bytes: &[u8]) -> Result<(), String> {
         let len = u64::try_from(bytes.len()).unwrap_or(u64::MAX);
         if len < expected {
             return Err(format!(
-                "it is cut short: it holds {len} of the {expected} bytes its header counts"
+                "it is cut short (or its header is damaged): it holds {len} of the {expected} \
+                 bytes its header counts"
             ));
         }
     }
     Ok(())
 }
 
-/// SQLite's own quick check of the database file at `path`, opened read-only: `Err` with what
-/// it found when the file is damaged.
+/// SQLite's own quick check of the database file at `path`, opened read-only, and whether it
+/// holds Work on Repeat's tables: `Err` with what was found when the file is damaged or is
+/// some other database.
 fn quick_check(path: &Path) -> Result<(), String> {
     let connection = rusqlite::Connection::open_with_flags(
         path,
@@ -211,14 +271,31 @@ fn quick_check(path: &Path) -> Result<(), String> {
                 .collect::<Result<_, _>>()
         })
         .map_err(|e| format!("it is damaged: {e}"))?;
-    match found.as_slice() {
-        [ok] if ok == "ok" => Ok(()),
-        _ => Err(format!("it is damaged: {}", found.join("; "))),
+    if !matches!(found.as_slice(), [ok] if ok == "ok") {
+        return Err(format!("it is damaged: {}", found.join("; ")));
     }
+    // A backup is a database this project's migrations made: it records them, and holds the
+    // projects every record belongs to.
+    let ours: i64 = connection
+        .query_row(
+            "SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' \
+             AND name IN ('_sqlx_migrations', 'projects')",
+            [],
+            |row| row.get(0),
+        )
+        .map_err(|e| format!("it is damaged: {e}"))?;
+    if ours < 2 {
+        return Err(
+            "it is an SQLite database of something else: it has no migrations or projects of \
+             Work on Repeat"
+                .to_owned(),
+        );
+    }
+    Ok(())
 }
 
 /// Removes a restored database that its checks refused (with SQLite's journal files).
-pub fn discard_restored(data_dir: &Path) {
+fn discard_restored(data_dir: &Path) {
     for suffix in ["", "-wal", "-shm"] {
         let path: PathBuf = data_dir.join(format!("{SQLITE_FILE}{suffix}"));
         let _ = std::fs::remove_file(path);
@@ -268,14 +345,24 @@ mod tests {
     }
 
     #[test]
-    fn a_file_damaged_inside_fails_the_quick_check() {
+    fn a_file_damaged_inside_or_of_something_else_fails_the_quick_check() {
         let dir = tempfile::tempdir().unwrap();
+        let other = dir.path().join("other");
+        rusqlite::Connection::open(&other)
+            .unwrap()
+            .execute_batch("CREATE TABLE t (id INTEGER PRIMARY KEY)")
+            .unwrap();
+        let found = quick_check(&other).unwrap_err();
+        assert!(found.contains("of something else"), "{found}");
+
         let path = dir.path().join("db");
         {
             let connection = rusqlite::Connection::open(&path).unwrap();
             connection
                 .execute_batch(
-                    "CREATE TABLE t (id INTEGER PRIMARY KEY, body TEXT); \
+                    "CREATE TABLE _sqlx_migrations (version BIGINT PRIMARY KEY); \
+                     CREATE TABLE projects (id TEXT PRIMARY KEY); \
+                     CREATE TABLE t (id INTEGER PRIMARY KEY, body TEXT); \
                      CREATE INDEX t_body ON t (body);",
                 )
                 .unwrap();

@@ -51,7 +51,7 @@ pub use approvals::{
     ProjectPolicyRecord,
 };
 pub use audit::{AuditConfig, AuditLog, AuditReceipt};
-pub use backup::{BackupError, discard_restored, restore_sqlite};
+pub use backup::{BackupError, Restored, restore_sqlite};
 pub use console::{
     ConsoleSessionRecord, ConsoleSessionSummary, ConsoleToken, INVITATION_TOKEN_PREFIX,
     InvitationRecord, MAX_USER_AGENT_CHARS, PurgedConsoleState, SESSION_TOKEN_PREFIX,
@@ -142,10 +142,10 @@ pub enum StoreError {
         path: String,
         source: std::io::Error,
     },
-    /// The data directory may be written by users other than its owner, who could replace its
+    /// The data directory may be written by any user of the host, who could replace its
     /// database or key files.
     #[error(
-        "data directory `{path}` may be written by group or others (mode {mode:04o}): whoever can write there can replace its database and key files; make it private with `chmod go-w {path}` (`chmod 700` is what a new one gets)"
+        "data directory `{path}` may be written by any user (mode {mode:04o}): whoever can write there can replace its database and key files; take that away with `chmod o-w {path}` (`chmod 700` is what a new one gets)"
     )]
     DataDirTooOpen { path: String, mode: u32 },
     /// A run to be skipped at `max` active runs of its routine found `active` when it was
@@ -327,13 +327,20 @@ pub const ANNOUNCE_GRACE_MS: i64 = 60_000;
 /// when they are missing, so that run inputs, outputs and the audit log are the server's
 /// user's alone: SQLite would make the file as the process's umask says, commonly readable by
 /// everyone, and its log files after it take the database file's mode. Existing ones are left
-/// as they are.
-pub(crate) fn private_database_file(data_dir: &Path) -> std::io::Result<()> {
+/// as they are, but a data dir any user may write to is refused before anything is put in it.
+pub(crate) fn private_database_file(data_dir: &Path) -> Result<(), StoreError> {
     use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _};
+    let failed = |source| StoreError::DataDir {
+        path: data_dir.display().to_string(),
+        source,
+    };
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
-        .create(data_dir)?;
+        .create(data_dir)
+        .map_err(failed)?;
+    // Checked before anything is put in it.
+    refuse_an_open_data_dir(data_dir)?;
     match std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -342,7 +349,7 @@ pub(crate) fn private_database_file(data_dir: &Path) -> std::io::Result<()> {
     {
         Ok(_) => Ok(()),
         Err(error) if error.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
-        Err(error) => Err(error),
+        Err(error) => Err(failed(error)),
     }
 }
 
@@ -380,7 +387,8 @@ pub(crate) async fn count_audit_checkpoints(pool: &AnyPool) -> Result<i64, Store
     Ok(row.try_get("n")?)
 }
 
-/// Refuses a data dir that group or others may write to ([`StoreError::DataDirTooOpen`]).
+/// Refuses a data dir that any user may write to ([`StoreError::DataDirTooOpen`]). One its
+/// group may write to is left to the operator (a volume shared through its group).
 fn refuse_an_open_data_dir(data_dir: &Path) -> Result<(), StoreError> {
     use std::os::unix::fs::PermissionsExt as _;
     let mode = std::fs::metadata(data_dir)
@@ -391,7 +399,7 @@ fn refuse_an_open_data_dir(data_dir: &Path) -> Result<(), StoreError> {
         .permissions()
         .mode()
         & 0o7777;
-    if mode & 0o022 != 0 {
+    if mode & 0o002 != 0 {
         return Err(StoreError::DataDirTooOpen {
             path: data_dir.display().to_string(),
             mode,
@@ -407,11 +415,7 @@ impl Store {
         let url = match database_url {
             Some(url) => url.to_owned(),
             None => {
-                private_database_file(data_dir).map_err(|source| StoreError::DataDir {
-                    path: data_dir.display().to_string(),
-                    source,
-                })?;
-                refuse_an_open_data_dir(data_dir)?;
+                private_database_file(data_dir)?;
                 format!("sqlite://{}?mode=rwc", data_dir.join(SQLITE_FILE).display())
             }
         };

@@ -48,13 +48,13 @@ pub async fn probe(
         Some(url) if url.starts_with("sqlite:") => (url.to_owned(), Backend::Sqlite),
         Some(url) => return Err(StoreError::UnsupportedUrl(crate::scrub_url(url))),
         None => {
-            crate::refuse_an_open_data_dir(data_dir)?;
             let file = data_dir.join(SQLITE_FILE);
             if !file.exists() {
                 return Err(StoreError::NoDatabase {
                     path: file.display().to_string(),
                 });
             }
+            crate::refuse_an_open_data_dir(data_dir)?;
             (
                 format!("sqlite://{}?mode=ro", file.display()),
                 Backend::Sqlite,
@@ -87,20 +87,15 @@ pub async fn probe(
         ),
         Backend::Sqlite => None,
     };
-    let keys = if applied > 0 {
-        let read = async {
-            Ok::<_, StoreError>(KeysInUse {
-                sealed: crate::sealed_secret_key_ids(&pool).await?,
-                checkpoints: crate::count_audit_checkpoints(&pool).await?,
-                checkpoint_signer: crate::newest_checkpoint_key_id(&pool).await?,
-            })
-        };
-        match read.await {
-            Ok(keys) => Some(keys),
-            // Tables a database this old does not have yet: nothing is sealed or signed in it.
-            Err(StoreError::Database(sqlx::Error::Database(_))) => None,
-            Err(other) => return Err(other),
-        }
+    // The migration that made the vault and the audit tables: before it nothing is sealed or
+    // signed.
+    const KEYS_MIGRATION: i64 = 3;
+    let keys = if applied >= KEYS_MIGRATION {
+        Some(KeysInUse {
+            sealed: crate::sealed_secret_key_ids(&pool).await?,
+            checkpoints: crate::count_audit_checkpoints(&pool).await?,
+            checkpoint_signer: crate::newest_checkpoint_key_id(&pool).await?,
+        })
     } else {
         None
     };

@@ -98,10 +98,10 @@ pub async fn restore(args: RestoreArgs) -> anyhow::Result<ExitCode> {
     let (keys, _) = config
         .key_ring()
         .context("cannot load the encryption key")?;
-    let store = wor_store::restore_sqlite(&args.from, &config.data_dir).await?;
-    match check_restored(&store, keys, &audit_key).await {
+    let restored = wor_store::restore_sqlite(&args.from, &config.data_dir).await?;
+    match check_restored(&restored.store, keys, &audit_key).await {
         Ok(summary) => {
-            store.close().await;
+            restored.store.close().await;
             tracing::info!(category = "backup", "backup restored");
             if args.json {
                 super::print_json(&serde_json::json!({
@@ -124,10 +124,12 @@ pub async fn restore(args: RestoreArgs) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Err(problem) => {
-            store.close().await;
-            wor_store::discard_restored(&config.data_dir);
+            restored.discard().await;
             eprintln!("error: {problem:#}");
-            eprintln!("error: the restore is refused; nothing was left in the data dir");
+            eprintln!(
+                "error: the restore is refused; what it wrote is removed, and the data dir too \
+                 if it made it"
+            );
             Ok(ExitCode::FAILURE)
         }
     }

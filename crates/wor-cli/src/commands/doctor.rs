@@ -24,7 +24,7 @@ const DISK_WARN_BYTES: u64 = 2 * 1024 * 1024 * 1024;
 /// A listener certificate expiring sooner than this fails the check; sooner than the second,
 /// it warns.
 const CERT_FAIL_DAYS: i64 = 7;
-const CERT_WARN_DAYS: i64 = 30;
+pub(crate) const CERT_WARN_DAYS: i64 = 30;
 
 #[derive(Debug, clap::Args)]
 pub struct DoctorArgs {
@@ -130,8 +130,15 @@ async fn server_checks(config: &ServerConfig, checks: &mut Vec<Check>) {
     for problem in config.production_problems() {
         checks.push(check("production", Status::Fail, problem));
     }
-    if let Some(exposure) = config.metrics_exposure() {
-        checks.push(check("metrics", Status::Warn, exposure));
+    if let Some(addr) = config.metrics_listen {
+        checks.push(match config.metrics_exposure() {
+            Some(exposure) => check("metrics", Status::Warn, exposure),
+            None => check(
+                "metrics",
+                Status::Ok,
+                format!("served on {addr}, an address only this host or its network reaches"),
+            ),
+        });
     }
     let probed = wor_store::probe(config.database.as_deref(), &config.data_dir).await;
     match &probed {
@@ -206,21 +213,23 @@ async fn server_checks(config: &ServerConfig, checks: &mut Vec<Check>) {
     }
 }
 
+/// Whole days until the listener's certificate expires (negative once it has), or why its
+/// expiry cannot be read.
+pub(crate) fn days_to_expiry(files: &wor_server::tls::TlsFiles) -> Result<i64, String> {
+    let bytes = std::fs::read(&files.cert).map_err(|e| e.to_string())?;
+    let (_, pem) = x509_parser::pem::parse_x509_pem(&bytes).map_err(|e| e.to_string())?;
+    let cert = pem.parse_x509().map_err(|e| e.to_string())?;
+    let not_after = cert.validity().not_after.timestamp();
+    Ok((not_after - wor_store::now_millis() / 1000) / 86_400)
+}
+
 /// The listener's certificate loads with its key, and how long until it expires.
 fn tls_check(files: &wor_server::tls::TlsFiles) -> Check {
     if let Err(error) = files.load() {
         return check("tls", Status::Fail, error.to_string());
     }
-    let leaf = std::fs::read(&files.cert)
-        .map_err(|e| e.to_string())
-        .and_then(|bytes| {
-            let (_, pem) = x509_parser::pem::parse_x509_pem(&bytes).map_err(|e| e.to_string())?;
-            let cert = pem.parse_x509().map_err(|e| e.to_string())?;
-            Ok(cert.validity().not_after.timestamp())
-        });
-    match leaf {
-        Ok(not_after) => {
-            let days = (not_after - wor_store::now_millis() / 1000) / 86_400;
+    match days_to_expiry(files) {
+        Ok(days) => {
             let status = if days < CERT_FAIL_DAYS {
                 Status::Fail
             } else if days < CERT_WARN_DAYS {

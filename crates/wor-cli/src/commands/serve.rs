@@ -99,6 +99,18 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         ),
         None => None,
     };
+    // As `wor doctor` would warn: a certificate near its end is said when the server starts.
+    if let Some(files) = &config.tls
+        && let Ok(days) = super::doctor::days_to_expiry(files)
+        && days < super::doctor::CERT_WARN_DAYS
+    {
+        tracing::warn!(
+            category = "config",
+            days,
+            "the listener's TLS certificate `{}` expires in {days} day(s): renew it, then reload with SIGHUP",
+            files.cert.display()
+        );
+    }
     // From here on SIGHUP (`systemctl reload`) reloads the certificate of a listener serving
     // TLS, and is otherwise only logged: never the default action, which would end the
     // process undrained, while it starts or once it serves.
