@@ -26,8 +26,9 @@ pub struct ClientArgs {
 /// The most of a `--ca-cert` file read: certificates, not a disk image.
 const MAX_CA_CERT_BYTES: u64 = 1 << 20;
 
-/// The certificates of the PEM file at `path`, to trust beside the system's; a file that
-/// cannot be read, or holds a block that is not a certificate, or none, is a
+/// The certificates of the PEM file at `path`, to trust beside the system's (its other blocks,
+/// a key say, are passed over); a file that cannot be read, holds a block that is not PEM or a
+/// certificate block that does not parse, or holds no certificate, is a
 /// [`UsageError`](crate::UsageError).
 fn trusted_certificates(
     path: Option<&std::path::Path>,
@@ -125,7 +126,7 @@ fn certificate_hint(reason: &rustls::CertificateError, trusted_given: bool) -> S
         ),
         Refused::UnknownIssuer | Refused::BadSignature => format!(
             "its TLS certificate is not trusted here; give the certificate of its CA (or its own) \
-             with --ca-cert or {}",
+             with --ca-cert (a client command's flag) or {}",
             env::CA_CERT
         ),
         Refused::Expired | Refused::ExpiredContext { .. } => {
@@ -135,7 +136,9 @@ fn certificate_hint(reason: &rustls::CertificateError, trusted_given: bool) -> S
             "its TLS certificate is not valid yet (or this host's clock is behind)".to_owned()
         }
         Refused::NotValidForName | Refused::NotValidForNameContext { .. } => {
-            "its TLS certificate is for another name than the one in --server".to_owned()
+            "its TLS certificate is for another name than the one it was reached at (its \
+             subjectAltName must name that host or address)"
+                .to_owned()
         }
         // rustls names this one only through the verifier's own error.
         other if format!("{other:?}").contains("CaUsedAsEndEntity") => {

@@ -1,5 +1,7 @@
 //! Structured logs on stderr. Work on Repeat's own components log at `WOR_LOG` (default
 //! `info`; `warn` for `wor demo`, whose output is its narrative); every dependency stays at `warn`, so no HTTP library can log a header or body.
+//! A command that is only a client of a server leaves out the certificate verifier's own lines:
+//! its error says why a certificate was refused, once.
 //! Every line passes through shape redaction on its way out (S4), as a last line of defence:
 //! log fields are fixed categories, ids, counters and timings in the first place.
 
@@ -20,8 +22,10 @@ const OWN_TARGETS: &[&str] = &[
     "wor_egress",
 ];
 
-/// Installs the logger; `default_level` applies when `WOR_LOG` is not set.
-pub fn init(default_level: &str) -> anyhow::Result<()> {
+/// Installs the logger; `default_level` applies when `WOR_LOG` is not set, and
+/// `certificate_refusals` says whether the certificate verifier's own lines are kept (a
+/// server's are: they are the only record of why one of its outbound connections failed).
+pub fn init(default_level: &str, certificate_refusals: bool) -> anyhow::Result<()> {
     let level = std::env::var(env::LOG).unwrap_or_else(|_| default_level.to_owned());
     let level = level.trim().to_ascii_lowercase();
     if !["error", "warn", "info", "debug", "trace", "off"].contains(&level.as_str()) {
@@ -30,9 +34,10 @@ pub fn init(default_level: &str) -> anyhow::Result<()> {
             env::LOG
         );
     }
-    // The certificate verifier logs each refusal as an error of its own; the refusal reaches
-    // whoever made the connection as its error, which says it once.
-    let mut filter = EnvFilter::new("warn").add_directive("rustls_platform_verifier=off".parse()?);
+    let mut filter = EnvFilter::new("warn");
+    if !certificate_refusals {
+        filter = filter.add_directive("rustls_platform_verifier=off".parse()?);
+    }
     for target in OWN_TARGETS {
         filter = filter.add_directive(format!("{target}={level}").parse()?);
     }

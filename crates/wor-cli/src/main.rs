@@ -73,7 +73,10 @@ fn main() -> ExitCode {
     let _ = rustix::thread::disable_transparent_huge_pages(true);
     quiet_on_closed_stdout();
     let cli = Cli::parse();
-    if let Err(err) = logging::init(cli.command.default_log_level()) {
+    if let Err(err) = logging::init(
+        cli.command.default_log_level(),
+        cli.command.makes_outbound_connections(),
+    ) {
         eprintln!("error: {err:#}");
         return ExitCode::from(2);
     }

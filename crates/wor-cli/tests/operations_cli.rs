@@ -187,7 +187,7 @@ fn a_backup_of_a_running_server_restores_verifies_and_runs_and_a_wrong_key_is_re
     );
     let over = operator(&["restore", "--from", &backup_text], &second, Some(KEY));
     assert_eq!(over.status.code(), Some(1));
-    assert!(text(&over.stderr).contains("already holds a database"));
+    assert!(text(&over.stderr).contains("is there already (a database or its journal files)"));
     let verified = operator(&["audit", "verify"], &second, Some(KEY));
     assert!(verified.status.success(), "{}", text(&verified.stdout));
     assert!(text(&verified.stdout).contains("intact"));
@@ -284,6 +284,41 @@ fn a_backup_of_a_running_server_restores_verifies_and_runs_and_a_wrong_key_is_re
     );
     assert!(!third.join("wor.db").exists());
 
+    // A log a database left in the data dir would be read into the restored copy: refused,
+    // and left as it was; so is a data dir any user may write to.
+    std::fs::write(third.join("wor.db-wal"), "left over").unwrap();
+    let refused = operator(&["restore", "--from", &backup_text], &third, Some(KEY));
+    assert_eq!(refused.status.code(), Some(1), "{}", text(&refused.stdout));
+    assert!(
+        text(&refused.stderr).contains("wor.db-wal` is there already"),
+        "{}",
+        text(&refused.stderr)
+    );
+    assert_eq!(
+        std::fs::read_to_string(third.join("wor.db-wal")).unwrap(),
+        "left over"
+    );
+    std::fs::remove_file(third.join("wor.db-wal")).unwrap();
+    let open_dir = root.path().join("open");
+    std::fs::create_dir(&open_dir).unwrap();
+    std::fs::set_permissions(&open_dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let refused = run(wor(&[
+        "restore",
+        "--from",
+        &backup_text,
+        "--data-dir",
+        &open_dir.display().to_string(),
+    ])
+    .env("WOR_ENCRYPTION_KEY", KEY)
+    .env("WOR_AUDIT_SIGNING_KEY", signing_key.trim()));
+    assert_eq!(refused.status.code(), Some(1), "{}", text(&refused.stdout));
+    assert!(
+        text(&refused.stderr).contains("may be written by any user"),
+        "{}",
+        text(&refused.stderr)
+    );
+    assert!(!open_dir.join("wor.db").exists());
+
     // An SQLite database of something else is no backup, though migrations would fit it.
     let foreign = root.path().join("foreign.db");
     rusqlite::Connection::open(&foreign)
@@ -332,6 +367,36 @@ fn a_backup_of_a_running_server_restores_verifies_and_runs_and_a_wrong_key_is_re
         started.elapsed()
     );
     assert!(!fourth.exists(), "a refused restore leaves no data dir");
+}
+
+#[test]
+fn a_traces_section_serve_cannot_use_exits_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("wor.toml");
+    for (section, says) in [
+        (
+            "[traces]\nendpoint = \"ftp://127.0.0.1:4318/v1/traces\"\nallowed_cidrs = [\"127.0.0.1/32\"]\n",
+            "is not an http or https URL",
+        ),
+        (
+            "[traces]\nendpoint = \"http://[::1\"\nallowed_cidrs = [\"127.0.0.1/32\"]\n",
+            "is not an http or https URL",
+        ),
+    ] {
+        std::fs::write(&config, section).unwrap();
+        let out = run(wor(&[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            &dir.path().display().to_string(),
+            "--config",
+            &config.display().to_string(),
+        ])
+        .env("WOR_ENCRYPTION_KEY", KEY));
+        assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+        assert!(text(&out.stderr).contains(says), "{}", text(&out.stderr));
+    }
 }
 
 #[test]
@@ -1130,7 +1195,7 @@ fn the_cli_trusts_a_private_certificate_it_is_given_and_no_other() {
     assert_eq!(refused.status.code(), Some(1), "{}", text(&refused.stdout));
     assert!(
         text(&refused.stderr).contains("its TLS certificate is not trusted here")
-            && text(&refused.stderr).contains("--ca-cert or WOR_CA_CERT"),
+            && text(&refused.stderr).contains("--ca-cert (a client command's flag) or WOR_CA_CERT"),
         "{}",
         text(&refused.stderr)
     );

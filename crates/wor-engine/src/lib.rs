@@ -195,6 +195,12 @@ pub enum EngineError {
         run: wor_core::RunId,
         differs: Differs,
     },
+    /// A start's idempotency key is one of the project's secrets or has a secret's shape:
+    /// it would be kept and shown in the clear.
+    #[error(
+        "the idempotency key has the shape of a secret, or is one of this project's, and a key is kept and shown in the clear; choose one that is not a credential"
+    )]
+    IdempotencyKeySecret,
     /// A roster entry `routine/NAME` names a routine the project does not have.
     #[error("routine `{name}` named by the roster does not exist")]
     MissingRosterRoutine { name: String },
@@ -288,6 +294,7 @@ impl EngineError {
             | EngineError::InvalidThread
             | EngineError::ThreadWithoutMemory
             | EngineError::IdempotencyKeyReused { .. }
+            | EngineError::IdempotencyKeySecret
             | EngineError::Schedule(_)
             | EngineError::WebhookSecret(_)
             | EngineError::Route(_)

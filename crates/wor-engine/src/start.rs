@@ -69,6 +69,7 @@ pub enum Started {
 pub enum Differs {
     Input,
     Thread,
+    InputAndThread,
 }
 
 impl std::fmt::Display for Differs {
@@ -76,6 +77,7 @@ impl std::fmt::Display for Differs {
         f.write_str(match self {
             Differs::Input => "other input",
             Differs::Thread => "another thread",
+            Differs::InputAndThread => "other input and another thread",
         })
     }
 }
@@ -113,13 +115,18 @@ impl Engine {
         let Some(key) = &request.idempotency_key else {
             return self.start_new(&request).await.map(Started::New);
         };
-        if let Some(earlier) = self.started_under(&request, key).await? {
+        // The key is kept and shown in the clear, as the run's trigger key: never a secret's.
+        let redactor = self.project_redactor(request.project).await?;
+        if redactor.redact(key.as_str()) != key.as_str() {
+            return Err(EngineError::IdempotencyKeySecret);
+        }
+        if let Some(earlier) = self.started_under(&request, key, &redactor).await? {
             return Ok(Started::Earlier(earlier));
         }
         match self.start_new(&request).await {
             // Another start under the key recorded its run since this one looked.
             Err(EngineError::Store(wor_store::StoreError::Conflict(message))) => {
-                match self.started_under(&request, key).await? {
+                match self.started_under(&request, key, &redactor).await? {
                     Some(earlier) => Ok(Started::Earlier(earlier)),
                     None => Err(wor_store::StoreError::Conflict(message).into()),
                 }
@@ -129,11 +136,12 @@ impl Engine {
     }
 
     /// The run `key` already started of `request`'s routine, if any, when `request` asks for
-    /// it again: the same input (as recorded, redacted) and the same thread.
+    /// it again: the same input (as recorded, redacted with `redactor`) and the same thread.
     async fn started_under(
         &self,
         request: &StartRun,
         key: &IdempotencyKey,
+        redactor: &Redactor,
     ) -> Result<Option<RunRecord>, EngineError> {
         let Some(earlier) = self
             .store
@@ -151,16 +159,15 @@ impl Engine {
             _ => None,
         });
         let mut input = request.input.clone();
-        self.project_redactor(request.project)
-            .await?
-            .redact_json(&mut input);
+        redactor.redact_json(&mut input);
         let thread = |thread: Option<&str>| thread.map_or(DEFAULT_THREAD, str::trim).to_owned();
-        let differs = if recorded_input != Some(&input) {
-            Differs::Input
-        } else if thread(request.thread.as_deref()) != thread(earlier.thread.as_deref()) {
-            Differs::Thread
-        } else {
-            return Ok(Some(earlier));
+        let other_input = recorded_input != Some(&input);
+        let other_thread = thread(request.thread.as_deref()) != thread(earlier.thread.as_deref());
+        let differs = match (other_input, other_thread) {
+            (false, false) => return Ok(Some(earlier)),
+            (true, false) => Differs::Input,
+            (false, true) => Differs::Thread,
+            (true, true) => Differs::InputAndThread,
         };
         Err(EngineError::IdempotencyKeyReused {
             key: key.clone(),

@@ -837,6 +837,44 @@ async fn a_start_sent_again_under_its_idempotency_key_starts_nothing_new() {
         matches!(&reused, EngineError::IdempotencyKeyReused { run, differs: wor_engine::Differs::Input, .. } if *run == first.id),
         "{reused:?}"
     );
+    // A key with a secret's shape would be kept in the clear: refused, nothing started.
+    let shaped = ["ghp_", "abcdefghijABCDEFGHIJ0123456789abcdef"].concat();
+    let refused = engine
+        .start_run(keyed(&h, routine, &shaped, json!("x")))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(refused, EngineError::IdempotencyKeySecret),
+        "{refused:?}"
+    );
+    // On a routine with memory, another thread under the key is refused as such.
+    let remembering = h
+        .routine(&format!(
+            "{}\n[memory]\nenabled = true\n",
+            replay(text, "").replace("name = \"r\"", "name = \"m\"")
+        ))
+        .await;
+    let threaded = |thread: &str, input: &str| StartRun {
+        thread: Some(thread.to_owned()),
+        ..keyed(&h, remembering, "order-44", json!(input))
+    };
+    engine.start_run(threaded("a", "same")).await.unwrap();
+    for (thread, input, differs) in [
+        ("b", "same", wor_engine::Differs::Thread),
+        ("b", "other", wor_engine::Differs::InputAndThread),
+        ("a", "other", wor_engine::Differs::Input),
+    ] {
+        let reused = engine.start_run(threaded(thread, input)).await.unwrap_err();
+        assert!(
+            matches!(&reused, EngineError::IdempotencyKeyReused { differs: found, .. } if *found == differs),
+            "{thread} {input}: {reused:?}"
+        );
+    }
+    assert!(matches!(
+        engine.start_run(threaded(" a ", "same")).await.unwrap(),
+        wor_engine::Started::Earlier(_)
+    ));
+
     // The key is the routine's: another routine's start under it is its own.
     let elsewhere = engine
         .start_run(keyed(&h, other, "order-42", input.clone()))

@@ -188,6 +188,9 @@ impl From<wor_engine::EngineError> for ApiError {
             error @ wor_engine::EngineError::IdempotencyKeyReused { .. } => {
                 ApiError::IdempotencyKeyReused(error.to_string())
             }
+            error @ wor_engine::EngineError::IdempotencyKeySecret => {
+                ApiError::bad_request("invalid_idempotency_key", error.to_string())
+            }
             error @ (wor_engine::EngineError::InvalidThread
             | wor_engine::EngineError::ThreadWithoutMemory
             | wor_engine::EngineError::Schedule(_)

@@ -23,7 +23,9 @@ pub enum BackupError {
     Postgres,
     #[error("`{path}` already exists; a backup never overwrites a file")]
     TargetExists { path: String },
-    #[error("`{path}` already holds a database; restore into an empty data directory")]
+    #[error(
+        "`{path}` is there already (a database or its journal files); restore into a data directory without them"
+    )]
     DatabaseExists { path: String },
     #[error("cannot read or write `{path}`")]
     Io {
@@ -127,10 +129,16 @@ impl RestorePlace {
                 .create(data_dir)
                 .map_err(io(data_dir))?;
         }
-        Ok(RestorePlace {
+        let place = RestorePlace {
             data_dir: data_dir.to_path_buf(),
             made_from,
-        })
+        };
+        // A data dir `wor serve` would refuse is refused before anything is written to it.
+        if let Err(refused) = crate::refuse_an_open_data_dir(data_dir) {
+            place.discard();
+            return Err(refused.into());
+        }
+        Ok(place)
     }
 
     /// Removes the restored database with its journal files, then each directory made for it,
@@ -162,8 +170,16 @@ pub async fn restore_sqlite(from: &Path, data_dir: &Path) -> Result<Restored, Ba
     let exists = || BackupError::DatabaseExists {
         path: target.display().to_string(),
     };
-    if target.exists() {
-        return Err(exists());
+    // The database, or journal files a database left: SQLite would read a log left beside the
+    // restored copy into it.
+    if let Some(found) = ["", "-wal", "-shm"]
+        .iter()
+        .map(|suffix| data_dir.join(format!("{SQLITE_FILE}{suffix}")))
+        .find(|path| path.exists())
+    {
+        return Err(BackupError::DatabaseExists {
+            path: found.display().to_string(),
+        });
     }
     let not_a_backup = |reason: String| BackupError::NotABackup {
         path: from.display().to_string(),

@@ -137,7 +137,7 @@ pub enum StoreError {
     RoleChange(wor_core::RoleChangeRefusal),
     #[error("unsupported database url `{0}`: expected `sqlite://…` or `postgres://…`")]
     UnsupportedUrl(String),
-    #[error("cannot create data directory `{path}`: {source}")]
+    #[error("cannot make or use data directory `{path}`: {source}")]
     DataDir {
         path: String,
         source: std::io::Error,

@@ -136,13 +136,13 @@ pub async fn restore(args: RestoreArgs) -> anyhow::Result<ExitCode> {
 }
 
 /// What a restore accepted.
-struct Restored {
+struct RestoreSummary {
     projects: usize,
     entries: i64,
     secrets: u64,
 }
 
-impl Restored {
+impl RestoreSummary {
     fn text(&self) -> String {
         let key_note = if self.secrets == 0 {
             "no sealed secrets, so the key was not checked"
@@ -161,7 +161,7 @@ async fn check_restored(
     store: &Store,
     keys: wor_secrets::KeyRing,
     audit_key: &wor_core::audit::VerifyingKey,
-) -> anyhow::Result<Restored> {
+) -> anyhow::Result<RestoreSummary> {
     let vault = Vault::new(store.clone(), Arc::new(keys));
     let (total, failed) = vault.verify_all().await?;
     if let Some(first) = failed.first() {
@@ -189,7 +189,7 @@ async fn check_restored(
             ),
         }
     }
-    Ok(Restored {
+    Ok(RestoreSummary {
         projects: projects.len(),
         entries,
         secrets: total,

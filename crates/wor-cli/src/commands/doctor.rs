@@ -213,14 +213,14 @@ async fn server_checks(config: &ServerConfig, checks: &mut Vec<Check>) {
     }
 }
 
-/// Whole days until the listener's certificate expires (negative once it has), or why its
-/// expiry cannot be read.
+/// Whole days until the listener's certificate expires, rounded down (negative once it has:
+/// -1 on the day after), or why its expiry cannot be read.
 pub(crate) fn days_to_expiry(files: &wor_server::tls::TlsFiles) -> Result<i64, String> {
     let bytes = std::fs::read(&files.cert).map_err(|e| e.to_string())?;
     let (_, pem) = x509_parser::pem::parse_x509_pem(&bytes).map_err(|e| e.to_string())?;
     let cert = pem.parse_x509().map_err(|e| e.to_string())?;
     let not_after = cert.validity().not_after.timestamp();
-    Ok((not_after - wor_store::now_millis() / 1000) / 86_400)
+    Ok((not_after - wor_store::now_millis() / 1000).div_euclid(86_400))
 }
 
 /// The listener's certificate loads with its key, and how long until it expires.

@@ -112,6 +112,13 @@ impl Command {
         }
     }
 
+    /// Whether the command runs routines, and so makes outbound connections whose failures
+    /// only its log records (`wor serve` in any role, `wor demo`); the others are clients of a
+    /// server, or touch no network.
+    pub fn makes_outbound_connections(&self) -> bool {
+        matches!(self, Command::Serve(_) | Command::Demo(_))
+    }
+
     pub async fn run(self) -> anyhow::Result<ExitCode> {
         match self {
             Command::Serve(args) => serve::run(args).await,

@@ -88,7 +88,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     };
     // What the configuration names and cannot be used is a usage error (exit 2).
     let traces = match &config.traces {
-        Some(traces) => Some(trace_exporter(&config, traces).map_err(crate::UsageError)?),
+        Some(traces) => Some(trace_exporter(&config, traces)?),
         None => None,
     };
     let tls = match &config.tls {
@@ -104,10 +104,15 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         && let Ok(days) = super::doctor::days_to_expiry(files)
         && days < super::doctor::CERT_WARN_DAYS
     {
+        let when = if days < 0 {
+            format!("expired {} day(s) ago", -days)
+        } else {
+            format!("expires in {days} day(s)")
+        };
         tracing::warn!(
             category = "config",
             days,
-            "the listener's TLS certificate `{}` expires in {days} day(s): renew it, then reload with SIGHUP",
+            "the listener's TLS certificate `{}` {when}: renew it, then reload with SIGHUP",
             files.cert.display()
         );
     }
@@ -516,15 +521,25 @@ fn trace_exporter(
     wor_server::traces::TraceExporter,
     wor_engine::traces::SpanReceiver,
 )> {
+    // What the `[traces]` section says and cannot be used is a usage error (exit 2); the rest
+    // is the host's.
     let policy = wor_egress::EgressPolicy::from_config(&wor_egress::EgressConfig {
         production: config.production,
         allowed_cidrs: traces.allowed_cidrs.clone(),
         model_cidrs: Vec::new(),
     })
-    .context("invalid `[traces] allowed_cidrs`")?;
+    .context("invalid `[traces] allowed_cidrs`")
+    .map_err(crate::UsageError)?;
     let egress = wor_egress::EgressClient::new(policy)
         .context("cannot build the trace exporter's outbound client")?;
-    let exporter = wor_server::traces::exporter(&traces.endpoint, egress)?;
+    let exporter = match wor_server::traces::exporter(&traces.endpoint, egress) {
+        Ok(exporter) => exporter,
+        Err(
+            unusable @ (wor_server::traces::TraceExportError::Endpoint(_)
+            | wor_server::traces::TraceExportError::Allowlist(_)),
+        ) => return Err(crate::UsageError(unusable.into()).into()),
+        Err(other) => return Err(other.into()),
+    };
     let spans = wor_engine::traces::install_sink()?;
     Ok((exporter, spans))
 }
