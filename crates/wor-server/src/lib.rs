@@ -185,9 +185,71 @@ fn finish_document(mut doc: OpenApi) -> OpenApi {
         ];
         for operation in operations.into_iter().flatten() {
             document_extractor_answers(operation);
+            describe_every_answer(operation);
         }
     }
+    unique_operation_ids(&mut doc);
     doc
+}
+
+/// Gives every answer of `operation` the description OpenAPI requires: a handler's own, else
+/// the status's reason phrase.
+fn describe_every_answer(operation: &mut Operation) {
+    for (status, answer) in &mut operation.responses.responses {
+        if let RefOr::T(answer) = answer
+            && answer.description.is_empty()
+        {
+            answer.description = status
+                .parse::<u16>()
+                .ok()
+                .and_then(|code| axum::http::StatusCode::from_u16(code).ok())
+                .and_then(|code| code.canonical_reason())
+                .unwrap_or("the answer")
+                .to_owned();
+        }
+    }
+}
+
+/// Makes every operation's id unique, as OpenAPI requires and client generators rely on: an
+/// id that handlers of several modules share (`list`, `get`) is prefixed with the operation's
+/// first tag (`runs_list`); an id no other operation has stays as the handler named it.
+fn unique_operation_ids(doc: &mut OpenApi) {
+    let mut seen: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+    for item in doc.paths.paths.values() {
+        for operation in [&item.get, &item.put, &item.post, &item.delete, &item.patch]
+            .into_iter()
+            .flatten()
+        {
+            if let Some(id) = &operation.operation_id {
+                *seen.entry(id.clone()).or_default() += 1;
+            }
+        }
+    }
+    for item in doc.paths.paths.values_mut() {
+        for operation in [
+            &mut item.get,
+            &mut item.put,
+            &mut item.post,
+            &mut item.delete,
+            &mut item.patch,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            let shared = operation
+                .operation_id
+                .as_ref()
+                .is_some_and(|id| seen.get(id).copied().unwrap_or(0) > 1);
+            if shared
+                && let (Some(id), Some(tag)) = (
+                    operation.operation_id.as_ref(),
+                    operation.tags.as_ref().and_then(|tags| tags.first()),
+                )
+            {
+                operation.operation_id = Some(format!("{}_{id}", tag.replace('-', "_")));
+            }
+        }
+    }
 }
 
 /// Adds the answers an operation gives whatever its handler does, because they come from the

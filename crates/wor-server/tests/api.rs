@@ -2083,6 +2083,25 @@ async fn the_openapi_document_describes_what_the_server_answers() {
     assert_eq!(doc, serde_json::to_value(wor_server::openapi()).unwrap());
     let ops = document_operations(&doc);
     assert!(ops.len() >= 30, "{}", ops.len());
+    // What OpenAPI requires and client generators rely on: one id an operation, and a
+    // description for every answer.
+    let mut ids = std::collections::BTreeMap::new();
+    for (method, path, op) in &ops {
+        let id = op["operationId"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{method} {path}: no operationId"));
+        if let Some(other) = ids.insert(id.to_owned(), format!("{method} {path}")) {
+            panic!("operationId `{id}` of {method} {path} is also {other}'s");
+        }
+        for (status, answer) in op["responses"].as_object().unwrap() {
+            assert!(
+                answer["description"]
+                    .as_str()
+                    .is_some_and(|d| !d.is_empty()),
+                "{method} {path} {status}: no description"
+            );
+        }
+    }
     let mut queries = 0;
     for (method, path, op) in &ops {
         let params = op["parameters"].as_array().cloned().unwrap_or_default();
