@@ -126,7 +126,7 @@ fn certificate_hint(reason: &rustls::CertificateError, trusted_given: bool) -> S
         ),
         Refused::UnknownIssuer | Refused::BadSignature => format!(
             "its TLS certificate is not trusted here; give the certificate of its CA (or its own) \
-             with --ca-cert (a client command's flag) or {}",
+             with --ca-cert or {}",
             env::CA_CERT
         ),
         Refused::Expired | Refused::ExpiredContext { .. } => {
@@ -237,13 +237,14 @@ impl ApiClient {
         Self::build(server, Some(api_key), REQUEST_TIMEOUT, Vec::new())
     }
 
-    /// A client that sends no key: for the internal API's enrolment, proven by its token.
-    pub fn without_key(server: &str) -> anyhow::Result<Self> {
+    /// A client that sends no key: for the internal API's enrolment, proven by its token;
+    /// trusting the certificates of `ca_cert` (else `WOR_CA_CERT`) beside the system's.
+    pub fn without_key(server: &str, ca_cert: Option<&std::path::Path>) -> anyhow::Result<Self> {
         Self::build(
             server,
             None,
             REQUEST_TIMEOUT,
-            trusted_certificates(ca_cert_file(None).as_deref())?,
+            trusted_certificates(ca_cert_file(ca_cert).as_deref())?,
         )
     }
 

@@ -1195,7 +1195,7 @@ fn the_cli_trusts_a_private_certificate_it_is_given_and_no_other() {
     assert_eq!(refused.status.code(), Some(1), "{}", text(&refused.stdout));
     assert!(
         text(&refused.stderr).contains("its TLS certificate is not trusted here")
-            && text(&refused.stderr).contains("--ca-cert (a client command's flag) or WOR_CA_CERT"),
+            && text(&refused.stderr).contains("--ca-cert or WOR_CA_CERT"),
         "{}",
         text(&refused.stderr)
     );
@@ -1258,6 +1258,45 @@ fn the_cli_trusts_a_private_certificate_it_is_given_and_no_other() {
     );
     let missing = list(&["--ca-cert", "/nonexistent/ca.pem"], None);
     assert_eq!(missing.status.code(), Some(2), "{}", text(&missing.stderr));
+
+    // A worker enrols with a control plane whose certificate it is given, and only then.
+    let db_args: Vec<String> = dir_args(dir.path());
+    let enroll = |worker: &std::path::Path, ca_cert: Option<&str>| {
+        let token = common::create_token(&db_args);
+        let worker = worker.display().to_string();
+        let mut args = vec![
+            "worker",
+            "enroll",
+            "--control-plane",
+            server.url.as_str(),
+            "--token",
+            token.as_str(),
+            "--data-dir",
+            worker.as_str(),
+        ];
+        if let Some(ca_cert) = ca_cert {
+            args.extend(["--ca-cert", ca_cert]);
+        }
+        run(wor(&args)
+            .env_remove("SSL_CERT_FILE")
+            .env_remove("SSL_CERT_DIR")
+            .env_remove("WOR_CA_CERT"))
+    };
+    let untrusted = enroll(&dir.path().join("worker-a"), None);
+    assert_eq!(
+        untrusted.status.code(),
+        Some(1),
+        "{}",
+        text(&untrusted.stdout)
+    );
+    assert!(
+        text(&untrusted.stderr).contains("the enrolment did not go through")
+            && text(&untrusted.stderr).contains("not trusted here"),
+        "{}",
+        text(&untrusted.stderr)
+    );
+    let enrolled = enroll(&dir.path().join("worker-b"), Some(&cert_text));
+    assert!(enrolled.status.success(), "{}", text(&enrolled.stderr));
 
     // A self-signed certificate that is a CA (what `openssl req -x509` makes by default) is
     // refused by TLS as a server's own, whatever is trusted: the message says so.

@@ -76,6 +76,10 @@ pub struct EnrollArgs {
     /// A name for this worker, shown to operators [default: the host name, else `worker`].
     #[arg(long)]
     name: Option<String>,
+    /// A PEM file of certificates to trust for an `https` control plane beside the system's
+    /// (a private CA) [env: WOR_CA_CERT, which the worker itself reads too].
+    #[arg(long, value_name = "FILE")]
+    ca_cert: Option<PathBuf>,
 }
 
 pub async fn run(command: WorkerCommand) -> anyhow::Result<ExitCode> {
@@ -208,7 +212,7 @@ async fn enroll(args: EnrollArgs) -> anyhow::Result<ExitCode> {
         .context("cannot make or read the worker identity")?;
     let public: WorkerPublicKeys = identity.public_keys();
     let name = args.name.unwrap_or_else(default_name);
-    let client = ApiClient::without_key(&args.control_plane)?;
+    let client = ApiClient::without_key(&args.control_plane, args.ca_cert.as_deref())?;
     let answer = client
         .post(
             wor_server::internal::ENROLL_PATH,
@@ -220,7 +224,7 @@ async fn enroll(args: EnrollArgs) -> anyhow::Result<ExitCode> {
             }),
         )
         .await
-        .context("the control plane refused the enrolment")?;
+        .context("the enrolment did not go through (the worker identity made for it is kept for a retry)")?;
     let worker_id = answer
         .get("worker_id")
         .and_then(|v| v.as_str())
