@@ -176,6 +176,27 @@ fn a_backup_of_a_running_server_restores_verifies_and_runs_and_a_wrong_key_is_re
         !root.path().join("fresh").exists(),
         "a refused restore leaves no directory it made"
     );
+    // Another audit signing key: the checkpoints are said to be another key's, not tampered.
+    let (_, stranger) = wor_secrets::AuditSigningKey::generate().unwrap();
+    let refused = run(wor(&[
+        "restore",
+        "--from",
+        &backup_text,
+        "--data-dir",
+        &nested.display().to_string(),
+    ])
+    .env("WOR_ENCRYPTION_KEY", KEY)
+    .env(
+        "WOR_AUDIT_SIGNING_KEY",
+        secrecy::ExposeSecret::expose_secret(&stranger),
+    ));
+    assert_eq!(refused.status.code(), Some(1), "{}", text(&refused.stdout));
+    let said = text(&refused.stderr);
+    assert!(
+        said.contains("are signed by key") && !said.contains("is broken"),
+        "{said}"
+    );
+    assert!(!root.path().join("fresh").exists());
 
     let restored = operator(&["restore", "--from", &backup_text], &second, Some(KEY));
     assert!(restored.status.success(), "{}", text(&restored.stderr));

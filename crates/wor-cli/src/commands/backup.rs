@@ -181,12 +181,23 @@ async fn check_restored(
             .with_context(|| format!("cannot read the audit log of `{}`", project.id))?
         {
             Verification::Intact(summary) => entries += summary.entries,
-            Verification::Broken(found) => bail!(
-                "the audit chain of `{}` is broken at entry {}: {}",
-                project.id,
-                found.seq,
-                found.reason
-            ),
+            // A checkpoint signed by another key is the operator's key, not a tampered chain.
+            Verification::Broken(found) => match &found.reason {
+                wor_core::audit::BreakReason::UnknownKey { key_id } => bail!(
+                    "the audit checkpoints of `{}` are signed by key `{key_id}`, not by the audit \
+                     key given here (key {}): give {} of the server the backup came from, or its \
+                     public key with --public-key",
+                    project.id,
+                    wor_core::audit::key_id(audit_key),
+                    env::AUDIT_SIGNING_KEY
+                ),
+                _ => bail!(
+                    "the audit chain of `{}` is broken at entry {}: {}",
+                    project.id,
+                    found.seq,
+                    found.reason
+                ),
+            },
         }
     }
     Ok(RestoreSummary {
