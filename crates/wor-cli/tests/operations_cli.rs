@@ -964,6 +964,14 @@ fn doctor_compares_the_keys_with_the_database_as_serve_does() {
     let (code, state, detail) = keys_in_use(&[]);
     assert_eq!((code, state.as_str()), (Some(1), "fail"), "{detail}");
     assert!(detail.contains("no encryption key is set"), "{detail}");
+    // The key's own check says the same, rather than that a first start would make one.
+    let (_, report) = doctor(&db, &[]);
+    let (state, detail) = status(&report, "encryption-key");
+    assert_eq!(state, "fail", "{report}");
+    assert!(
+        detail.contains("refuses to start without the key they were sealed under"),
+        "{detail}"
+    );
     // Another audit signing key than the one that signed the chain.
     let (_, other) = wor_secrets::AuditSigningKey::generate().unwrap();
     let other = secrecy::ExposeSecret::expose_secret(&other).to_owned();

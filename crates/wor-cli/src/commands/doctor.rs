@@ -125,7 +125,13 @@ pub async fn run(args: DoctorArgs) -> anyhow::Result<ExitCode> {
 }
 
 async fn server_checks(config: &ServerConfig, checks: &mut Vec<Check>) {
-    checks.push(key_check(config));
+    let probed = wor_store::probe(config.database.as_deref(), &config.data_dir).await;
+    let sealed = probed
+        .as_ref()
+        .ok()
+        .and_then(|p| p.keys.as_ref())
+        .map_or(0, |keys| keys.sealed.iter().map(|(_, count)| count).sum());
+    checks.push(key_check(config, sealed));
     checks.push(audit_key_check(config));
     for problem in config.production_problems() {
         checks.push(check("production", Status::Fail, problem));
@@ -140,7 +146,6 @@ async fn server_checks(config: &ServerConfig, checks: &mut Vec<Check>) {
             ),
         });
     }
-    let probed = wor_store::probe(config.database.as_deref(), &config.data_dir).await;
     match &probed {
         Ok(found) if found.applied_migration < found.latest_migration => checks.push(check(
             "database",
@@ -255,7 +260,9 @@ fn tls_check(files: &wor_server::tls::TlsFiles) -> Check {
     }
 }
 
-fn key_check(config: &ServerConfig) -> Check {
+/// The encryption key's state; `sealed` is how many secrets the database holds sealed (0 when
+/// it could not be read).
+fn key_check(config: &ServerConfig, sealed: i64) -> Check {
     if config.encryption_key_set() {
         return match config.key_ring() {
             Ok((ring, _)) => check(
@@ -298,6 +305,16 @@ fn key_check(config: &ServerConfig) -> Check {
                 ),
             )
         }
+        // Where secrets are sealed already, a key made now would open none of them.
+        Err(_) if sealed > 0 => check(
+            "encryption-key",
+            Status::Fail,
+            format!(
+                "no {} and no development key file, and the database holds {sealed} sealed \
+                 secret(s): `wor serve` refuses to start without the key they were sealed under",
+                env::ENCRYPTION_KEY
+            ),
+        ),
         Err(_) => check(
             "encryption-key",
             status,
