@@ -86,16 +86,28 @@ fn ca_cert_file(given: Option<&std::path::Path>) -> Option<std::path::PathBuf> {
     })
 }
 
-/// Why a request to `base` got no answer: as reqwest says, and, when the server's certificate
-/// is what stopped it, what to do about it (`trusted_given`: whether `--ca-cert` gave any).
+/// Why a request to `base` got no answer: as reqwest says, and, when TLS or HTTP itself is
+/// what stopped it (a refused certificate, a server that speaks the other scheme), what to do
+/// about it (`trusted_given`: whether `--ca-cert` gave any certificate).
 fn unreachable(base: &url::Url, error: reqwest::Error, trusted_given: bool) -> anyhow::Error {
     let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&error);
-    let mut refusal = None;
+    let mut hint = None;
     while let Some(current) = cause {
-        if let Some(rustls::Error::InvalidCertificate(reason)) =
-            current.downcast_ref::<rustls::Error>()
-        {
-            refusal = Some(reason.clone());
+        hint = match current.downcast_ref::<rustls::Error>() {
+            Some(rustls::Error::InvalidCertificate(reason)) => {
+                Some(certificate_hint(reason, trusted_given))
+            }
+            Some(rustls::Error::InvalidMessage(_)) => Some(
+                "it did not answer in TLS: if it serves plain HTTP, give an http:// URL".to_owned(),
+            ),
+            _ => current
+                .downcast_ref::<hyper::Error>()
+                .filter(|error| error.is_parse())
+                .map(|_| {
+                    "its answer is not HTTP: if it serves TLS, give an https:// URL".to_owned()
+                }),
+        };
+        if hint.is_some() {
             break;
         }
         // An I/O error hides the error it wraps from `source`, so it is opened here.
@@ -106,10 +118,7 @@ fn unreachable(base: &url::Url, error: reqwest::Error, trusted_given: bool) -> a
             None => current.source(),
         };
     }
-    let hint = match refusal {
-        None => String::new(),
-        Some(reason) => format!(": {}", certificate_hint(&reason, trusted_given)),
-    };
+    let hint = hint.map(|hint| format!(": {hint}")).unwrap_or_default();
     anyhow::Error::new(error).context(format!("cannot reach the server at {base}{hint}"))
 }
 

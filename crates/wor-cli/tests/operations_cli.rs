@@ -1288,6 +1288,22 @@ fn the_cli_trusts_a_private_certificate_it_is_given_and_no_other() {
     let missing = list(&["--ca-cert", "/nonexistent/ca.pem"], None);
     assert_eq!(missing.status.code(), Some(2), "{}", text(&missing.stderr));
 
+    // The other scheme's URL for the same server: said so.
+    let plain_url = server.url.replacen("https://", "http://", 1);
+    let wrong_scheme =
+        run(wor(&["key", "list", "--server", &plain_url]).env("WOR_API_KEY", &owner));
+    assert_eq!(
+        wrong_scheme.status.code(),
+        Some(1),
+        "{}",
+        text(&wrong_scheme.stdout)
+    );
+    assert!(
+        text(&wrong_scheme.stderr).contains("if it serves TLS, give an https:// URL"),
+        "{}",
+        text(&wrong_scheme.stderr)
+    );
+
     // A worker enrols with a control plane whose certificate it is given, and only then.
     let db_args: Vec<String> = dir_args(dir.path());
     let enroll = |worker: &std::path::Path, ca_cert: Option<&str>| {

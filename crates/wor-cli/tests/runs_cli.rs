@@ -224,6 +224,16 @@ fn a_start_sent_again_under_its_idempotency_key_starts_nothing_new() {
     let secret = post(&format!("Idempotency-Key: {shaped}\r\n"));
     assert!(secret.starts_with("HTTP/1.1 400"), "{secret}");
     assert!(secret.contains("the shape of a secret"), "{secret}");
+    // An https URL for this plain HTTP server: said so.
+    let tls_url = server.url.replacen("http://", "https://", 1);
+    let wrong_scheme =
+        common::run(common::wor(&["run", "list", "--server", &tls_url]).env("WOR_API_KEY", &key));
+    assert_eq!(wrong_scheme.status.code(), Some(1));
+    assert!(
+        text(&wrong_scheme.stderr).contains("if it serves plain HTTP, give an http:// URL"),
+        "{}",
+        text(&wrong_scheme.stderr)
+    );
     let fresh = post("Idempotency-Key: order-2\r\n");
     assert!(fresh.starts_with("HTTP/1.1 202"), "{fresh}");
 
