@@ -340,6 +340,15 @@ fn a_backup_of_a_running_server_restores_verifies_and_runs_and_a_wrong_key_is_re
     );
     assert!(!open_dir.join("wor.db").exists());
 
+    // A device that never ends is refused before any of it is read.
+    let refused = operator(&["restore", "--from", "/dev/zero"], &third, Some(KEY));
+    assert_eq!(refused.status.code(), Some(1), "{}", text(&refused.stdout));
+    assert!(
+        text(&refused.stderr).contains("it is not a regular file"),
+        "{}",
+        text(&refused.stderr)
+    );
+
     // An SQLite database of something else is no backup, though migrations would fit it.
     let foreign = root.path().join("foreign.db");
     rusqlite::Connection::open(&foreign)

@@ -6,7 +6,6 @@
 //! sealed secrets as ciphertexts only; the key ring lives outside the database (environment or
 //! key file) and so is never in a backup. PostgreSQL is backed up with `pg_dump`.
 
-use std::io::Write as _;
 use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::{Path, PathBuf};
 
@@ -185,8 +184,26 @@ pub async fn restore_sqlite(from: &Path, data_dir: &Path) -> Result<Restored, Ba
         path: from.display().to_string(),
         reason,
     };
-    let bytes = std::fs::read(from).map_err(io(from))?;
-    sqlite_file_whole(&bytes).map_err(not_a_backup)?;
+    // Only the header is read before the file is known to be a whole SQLite database; the
+    // rest is copied, never held in memory.
+    let mut source = std::fs::File::open(from).map_err(io(from))?;
+    let metadata = source.metadata().map_err(io(from))?;
+    if !metadata.is_file() {
+        return Err(not_a_backup("it is not a regular file".to_owned()));
+    }
+    let mut header = Vec::with_capacity(SQLITE_HEADER_LEN);
+    {
+        use std::io::Read as _;
+        (&mut source)
+            .take(SQLITE_HEADER_LEN as u64)
+            .read_to_end(&mut header)
+            .map_err(io(from))?;
+    }
+    sqlite_file_whole(&header, metadata.len()).map_err(not_a_backup)?;
+    {
+        use std::io::Seek as _;
+        source.seek(std::io::SeekFrom::Start(0)).map_err(io(from))?;
+    }
     let place = RestorePlace::make(data_dir)?;
     let created = std::fs::OpenOptions::new()
         .write(true)
@@ -211,10 +228,10 @@ pub async fn restore_sqlite(from: &Path, data_dir: &Path) -> Result<Restored, Ba
         place.discard();
         error
     };
-    if let Err(source) = file.write_all(&bytes).and_then(|()| file.sync_all()) {
+    if let Err(error) = std::io::copy(&mut source, &mut file).and_then(|_| file.sync_all()) {
         return Err(refuse(BackupError::Io {
             path: target.display().to_string(),
-            source,
+            source: error,
         }));
     }
     drop(file);
@@ -234,10 +251,11 @@ pub async fn restore_sqlite(from: &Path, data_dir: &Path) -> Result<Restored, Ba
 /// Length of an SQLite database file's header.
 const SQLITE_HEADER_LEN: usize = 100;
 
-/// Whether `bytes` are a whole SQLite database file, as far as its header tells: its magic
-/// string, and as many pages as the header counts (a copy cut short has fewer).
-fn sqlite_file_whole(bytes: &[u8]) -> Result<(), String> {
-    let header = bytes
+/// Whether a file of `len` bytes that begins with `header` is a whole SQLite database file, as
+/// far as its header tells: its magic string, and as many pages as the header counts (a copy
+/// cut short has fewer).
+fn sqlite_file_whole(header: &[u8], len: u64) -> Result<(), String> {
+    let header = header
         .get(..SQLITE_HEADER_LEN)
         .ok_or_else(|| "it is not an SQLite database (shorter than a header)".to_owned())?;
     if header.get(..16) != Some(b"SQLite format 3\0".as_slice()) {
@@ -259,7 +277,6 @@ fn sqlite_file_whole(bytes: &[u8]) -> Result<(), String> {
     let pages = u64::from(be_u32(28));
     if page_size > 0 && pages > 0 && be_u32(92) == be_u32(24) {
         let expected = page_size.saturating_mul(pages);
-        let len = u64::try_from(bytes.len()).unwrap_or(u64::MAX);
         if len < expected {
             return Err(format!(
                 "it is cut short (or its header is damaged): it holds {len} of the {expected} \
@@ -337,9 +354,10 @@ mod tests {
     fn a_file_shorter_than_its_header_counts_is_cut_short() {
         let mut whole = header(3);
         whole.resize(3 * 4096, 0);
-        assert_eq!(sqlite_file_whole(&whole), Ok(()));
+        let len = |bytes: &[u8]| u64::try_from(bytes.len()).unwrap();
+        assert_eq!(sqlite_file_whole(&whole, len(&whole)), Ok(()));
         let cut = whole.get(..2 * 4096 + 10).unwrap();
-        let refused = sqlite_file_whole(cut).unwrap_err();
+        let refused = sqlite_file_whole(cut, len(cut)).unwrap_err();
         assert!(
             refused.contains("cut short") && refused.contains("8202 of the 12288"),
             "{refused}"
@@ -347,14 +365,14 @@ mod tests {
         // A page count left by an older writer (its change counter differs) is not trusted.
         let mut stale = whole.get(..2 * 4096).unwrap().to_vec();
         stale[92..96].copy_from_slice(&6u32.to_be_bytes());
-        assert_eq!(sqlite_file_whole(&stale), Ok(()));
+        assert_eq!(sqlite_file_whole(&stale, len(&stale)), Ok(()));
         assert!(
-            sqlite_file_whole(b"SQLite format 3\0")
+            sqlite_file_whole(b"SQLite format 3\0", 16)
                 .unwrap_err()
                 .contains("shorter")
         );
         assert!(
-            sqlite_file_whole(&[b'x'; 200])
+            sqlite_file_whole(&[b'x'; 200], 200)
                 .unwrap_err()
                 .contains("not an SQLite")
         );
