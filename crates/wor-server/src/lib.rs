@@ -23,7 +23,7 @@ use axum::Router;
 use axum::extract::DefaultBodyLimit;
 use axum::routing::get;
 use tokio::net::TcpListener;
-use utoipa::openapi::path::Operation;
+use utoipa::openapi::path::{Operation, PathItem};
 use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
 use utoipa::openapi::{Content, InfoBuilder, OpenApi, Ref, RefOr, Response};
 use utoipa_axum::router::OpenApiRouter;
@@ -176,20 +176,26 @@ fn finish_document(mut doc: OpenApi) -> OpenApi {
         SecurityScheme::Http(Http::new(HttpAuthScheme::Bearer)),
     );
     for item in doc.paths.paths.values_mut() {
-        let operations = [
-            &mut item.get,
-            &mut item.put,
-            &mut item.post,
-            &mut item.delete,
-            &mut item.patch,
-        ];
-        for operation in operations.into_iter().flatten() {
+        for operation in operations_mut(item) {
             document_extractor_answers(operation);
             describe_every_answer(operation);
+            name_by_tag(operation);
         }
     }
-    unique_operation_ids(&mut doc);
     doc
+}
+
+/// The operations of a path, whatever their method.
+fn operations_mut(item: &mut PathItem) -> impl Iterator<Item = &mut Operation> {
+    [
+        &mut item.get,
+        &mut item.put,
+        &mut item.post,
+        &mut item.delete,
+        &mut item.patch,
+    ]
+    .into_iter()
+    .flatten()
 }
 
 /// Gives every answer of `operation` the description OpenAPI requires: a handler's own, else
@@ -210,45 +216,15 @@ fn describe_every_answer(operation: &mut Operation) {
     }
 }
 
-/// Makes every operation's id unique, as OpenAPI requires and client generators rely on: an
-/// id that handlers of several modules share (`list`, `get`) is prefixed with the operation's
-/// first tag (`runs_list`); an id no other operation has stays as the handler named it.
-fn unique_operation_ids(doc: &mut OpenApi) {
-    let mut seen: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
-    for item in doc.paths.paths.values() {
-        for operation in [&item.get, &item.put, &item.post, &item.delete, &item.patch]
-            .into_iter()
-            .flatten()
-        {
-            if let Some(id) = &operation.operation_id {
-                *seen.entry(id.clone()).or_default() += 1;
-            }
-        }
-    }
-    for item in doc.paths.paths.values_mut() {
-        for operation in [
-            &mut item.get,
-            &mut item.put,
-            &mut item.post,
-            &mut item.delete,
-            &mut item.patch,
-        ]
-        .into_iter()
-        .flatten()
-        {
-            let shared = operation
-                .operation_id
-                .as_ref()
-                .is_some_and(|id| seen.get(id).copied().unwrap_or(0) > 1);
-            if shared
-                && let (Some(id), Some(tag)) = (
-                    operation.operation_id.as_ref(),
-                    operation.tags.as_ref().and_then(|tags| tags.first()),
-                )
-            {
-                operation.operation_id = Some(format!("{}_{id}", tag.replace('-', "_")));
-            }
-        }
+/// Names `operation` by its first tag and its handler (`runs_list`, `approvals_get`): one id an
+/// operation, as OpenAPI requires and client generators rely on, however many modules have a
+/// handler of the same name, and an id that stays as it is when another module adds one.
+fn name_by_tag(operation: &mut Operation) {
+    if let (Some(id), Some(tag)) = (
+        operation.operation_id.as_ref(),
+        operation.tags.as_ref().and_then(|tags| tags.first()),
+    ) {
+        operation.operation_id = Some(format!("{}_{id}", tag.replace('-', "_")));
     }
 }
 

@@ -189,7 +189,8 @@ const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
     responses((status = 202, body = RunView, description = "the run started"),
         (status = 200, body = RunView, description = "the run this idempotency key already started",
             headers(("Idempotent-Replayed" = String, description = "`true`: nothing new was started"))),
-        (status = 400, body = ErrorBody), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody),
+        (status = 400, body = ErrorBody, description = "the body, the routine id or the `Idempotency-Key` is malformed"),
+        (status = 403, body = ErrorBody), (status = 404, body = ErrorBody),
         (status = 409, body = ErrorBody), (status = 422, body = ErrorBody)))]
 pub async fn start(
     State(state): State<AppState>,
