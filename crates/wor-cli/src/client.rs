@@ -23,13 +23,8 @@ pub struct ClientArgs {
     pub ca_cert: Option<std::path::PathBuf>,
 }
 
-/// The most of a `--ca-cert` file read: certificates, not a disk image.
-const MAX_CA_CERT_BYTES: u64 = 1 << 20;
-
-/// The certificates of the PEM file at `path`, to trust beside the system's (its other blocks,
-/// a key say, are passed over); a file that cannot be read, holds a block that is not PEM or a
-/// certificate block that does not parse, or holds no certificate, is a
-/// [`UsageError`](crate::UsageError).
+/// The certificates of the PEM file at `path`, to trust beside the system's; a file
+/// [`crate::config::pem_certificates`] refuses is a [`UsageError`](crate::UsageError).
 fn trusted_certificates(
     path: Option<&std::path::Path>,
 ) -> anyhow::Result<Vec<reqwest::Certificate>> {
@@ -43,38 +38,13 @@ fn trusted_certificates(
             path.display()
         ))
     };
-    let mut bytes = Vec::new();
-    {
-        use std::io::Read as _;
-        std::fs::File::open(path)
-            .and_then(|file| file.take(MAX_CA_CERT_BYTES + 1).read_to_end(&mut bytes))
-            .map_err(|e| refused(format!("cannot read it: {e}")))?;
-    }
-    if u64::try_from(bytes.len()).unwrap_or(u64::MAX) > MAX_CA_CERT_BYTES {
-        return Err(refused(format!(
-            "it is larger than {} MiB",
-            MAX_CA_CERT_BYTES >> 20
-        )));
-    }
-    let mut certificates = Vec::new();
-    for (n, pem) in x509_parser::pem::Pem::iter_from_buffer(&bytes).enumerate() {
-        let block = n + 1;
-        let pem = pem.map_err(|e| refused(format!("block {block} is not PEM: {e}")))?;
-        if pem.label != "CERTIFICATE" {
-            continue;
-        }
-        // Parsed here, so a damaged one is named now rather than when the client is built.
-        pem.parse_x509()
-            .map_err(|e| refused(format!("block {block} is not a certificate: {e}")))?;
-        certificates.push(
-            reqwest::Certificate::from_der(&pem.contents)
-                .map_err(|e| refused(format!("block {block} is not a certificate: {e}")))?,
-        );
-    }
-    if certificates.is_empty() {
-        return Err(refused("it holds no `BEGIN CERTIFICATE` block".to_owned()));
-    }
-    Ok(certificates)
+    crate::config::pem_certificates(path)
+        .map_err(refused)?
+        .iter()
+        .map(|certificate| {
+            reqwest::Certificate::from_der(certificate).map_err(|e| refused(e.to_string()))
+        })
+        .collect()
 }
 
 /// The `--ca-cert` file given, else `WOR_CA_CERT` when it is set and not empty.

@@ -672,23 +672,51 @@ impl ServerConfig {
 /// The CA certificates of `[notifications] smtp_ca_file`, as DER; a file without one, or
 /// with one that is not PEM, is refused at start.
 fn smtp_roots(path: &Path) -> anyhow::Result<Vec<Vec<u8>>> {
+    let certificates = pem_certificates(path).map_err(|reason| {
+        anyhow::anyhow!(
+            "`[notifications] smtp_ca_file` {} cannot be used: {reason}",
+            path.display()
+        )
+    })?;
+    Ok(certificates.into_iter().map(|c| c.to_vec()).collect())
+}
+
+/// The most of a file of certificates read: certificates, not a disk image.
+const MAX_PEM_BYTES: u64 = 1 << 20;
+
+/// The certificates of the PEM file at `path` (its other blocks, a key say, passed over), each
+/// parsed, so that a damaged one is named when the file is read rather than at first use; why
+/// not, when the file cannot be read, is larger than 1 MiB, holds a block that is not PEM or a
+/// certificate that does not parse, or holds none. For the operator's files of certificates to
+/// trust: `[notifications] smtp_ca_file`, and a client's `--ca-cert`.
+pub(crate) fn pem_certificates(
+    path: &Path,
+) -> Result<Vec<rustls::pki_types::CertificateDer<'static>>, String> {
     use rustls::pki_types::CertificateDer;
     use rustls::pki_types::pem::PemObject as _;
-    let certificates = CertificateDer::pem_file_iter(path)
-        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-        .map_err(|e| {
-            anyhow::anyhow!(
-                "`[notifications] smtp_ca_file` {} cannot be read as PEM certificates: {e}",
-                path.display()
-            )
-        })?;
-    if certificates.is_empty() {
-        bail!(
-            "`[notifications] smtp_ca_file` {} holds no certificate",
-            path.display()
-        );
+    let mut bytes = Vec::new();
+    {
+        use std::io::Read as _;
+        std::fs::File::open(path)
+            .and_then(|file| file.take(MAX_PEM_BYTES + 1).read_to_end(&mut bytes))
+            .map_err(|e| format!("cannot read it: {e}"))?;
     }
-    Ok(certificates.into_iter().map(|c| c.to_vec()).collect())
+    if u64::try_from(bytes.len()).unwrap_or(u64::MAX) > MAX_PEM_BYTES {
+        return Err(format!("it is larger than {} MiB", MAX_PEM_BYTES >> 20));
+    }
+    let mut certificates = Vec::new();
+    for (n, certificate) in CertificateDer::pem_slice_iter(&bytes).enumerate() {
+        let number = n + 1;
+        let certificate =
+            certificate.map_err(|e| format!("certificate {number} is not PEM: {e}"))?;
+        x509_parser::parse_x509_certificate(&certificate)
+            .map_err(|e| format!("certificate {number} does not parse: {e}"))?;
+        certificates.push(certificate);
+    }
+    if certificates.is_empty() {
+        return Err("it holds no `BEGIN CERTIFICATE` block".to_owned());
+    }
+    Ok(certificates)
 }
 
 fn read_file(path: &Path) -> anyhow::Result<FileConfig> {
@@ -836,7 +864,7 @@ mod tests {
         let empty = dir.path().join("empty.pem");
         std::fs::write(&empty, "not a certificate\n").unwrap();
         let refused = smtp_roots(&empty).unwrap_err().to_string();
-        assert!(refused.contains("holds no certificate"), "{refused}");
+        assert!(refused.contains("holds no `BEGIN CERTIFICATE` block"), "{refused}");
         assert!(smtp_roots(&dir.path().join("missing.pem")).is_err());
     }
 

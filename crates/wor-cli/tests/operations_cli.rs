@@ -1282,7 +1282,7 @@ fn the_cli_trusts_a_private_certificate_it_is_given_and_no_other() {
     let refused = list(&["--ca-cert", &damaged.display().to_string()], None);
     assert_eq!(refused.status.code(), Some(2), "{}", text(&refused.stderr));
     assert!(
-        text(&refused.stderr).contains("block 1 is not a certificate"),
+        text(&refused.stderr).contains("certificate 1 does not parse"),
         "{}",
         text(&refused.stderr)
     );
