@@ -56,16 +56,29 @@ fn ca_cert_file(given: Option<&std::path::Path>) -> Option<std::path::PathBuf> {
     })
 }
 
+/// How a client is given certificates to trust beside the system's, and whether it was.
+#[derive(Debug, Clone, Copy)]
+struct Trust {
+    /// The flag or variable that gives them: a worker has no flag.
+    by: &'static str,
+    given: bool,
+}
+
+/// A client command's, or an enrolment's, way to be given certificates.
+const BY_FLAG_OR_VARIABLE: &str = "--ca-cert or WOR_CA_CERT";
+/// A worker's.
+const BY_VARIABLE: &str = "WOR_CA_CERT";
+
 /// Why a request to `base` got no answer: as reqwest says, and, when TLS or HTTP itself is
 /// what stopped it (a refused certificate, a server that speaks the other scheme), what to do
-/// about it (`trusted_given`: whether `--ca-cert` gave any certificate).
-fn unreachable(base: &url::Url, error: reqwest::Error, trusted_given: bool) -> anyhow::Error {
+/// about it (`trust`: how this client is given certificates, and whether it was).
+fn unreachable(base: &url::Url, error: reqwest::Error, trust: Trust) -> anyhow::Error {
     let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&error);
     let mut hint = None;
     while let Some(current) = cause {
         hint = match current.downcast_ref::<rustls::Error>() {
             Some(rustls::Error::InvalidCertificate(reason)) => {
-                Some(certificate_hint(reason, trusted_given))
+                Some(certificate_hint(reason, trust))
             }
             Some(rustls::Error::InvalidMessage(_)) => Some(
                 "it did not answer in TLS: if it serves plain HTTP, give an http:// URL".to_owned(),
@@ -93,20 +106,20 @@ fn unreachable(base: &url::Url, error: reqwest::Error, trusted_given: bool) -> a
 }
 
 /// What to do about a server certificate refused for `reason`.
-fn certificate_hint(reason: &rustls::CertificateError, trusted_given: bool) -> String {
+fn certificate_hint(reason: &rustls::CertificateError, trust: Trust) -> String {
     use rustls::CertificateError as Refused;
     match reason {
         // A trusted certificate with the issuer's name whose key did not sign it is refused as
         // a bad signature: the same case.
-        Refused::UnknownIssuer | Refused::BadSignature if trusted_given => format!(
-            "its TLS certificate is signed by none of the certificates --ca-cert ({}) gave, nor \
-             by one the system trusts",
-            env::CA_CERT
+        Refused::UnknownIssuer | Refused::BadSignature if trust.given => format!(
+            "its TLS certificate is signed by none of the certificates {} gave, nor by one the \
+             system trusts",
+            trust.by
         ),
         Refused::UnknownIssuer | Refused::BadSignature => format!(
             "its TLS certificate is not trusted here; give the certificate of its CA (or its own) \
-             with --ca-cert or {}",
-            env::CA_CERT
+             with {}",
+            trust.by
         ),
         Refused::Expired | Refused::ExpiredContext { .. } => {
             "its TLS certificate has expired".to_owned()
@@ -173,6 +186,8 @@ pub struct ApiClient {
     http: reqwest::Client,
     /// Certificates trusted beside the system's, for the event streams' own client too.
     trusted: Vec<reqwest::Certificate>,
+    /// How this client is given them (`BY_FLAG_OR_VARIABLE` or `BY_VARIABLE`).
+    trust_by: &'static str,
 }
 
 impl ApiClient {
@@ -207,13 +222,20 @@ impl ApiClient {
             Some(api_key),
             REQUEST_TIMEOUT,
             trusted_certificates(ca_cert_file(args.ca_cert.as_deref()).as_deref())?,
+            BY_FLAG_OR_VARIABLE,
         )
     }
 
     /// A client of the server at `server` presenting `api_key`, trusting the system's
     /// certificates only.
     pub fn with_key(server: &str, api_key: String) -> anyhow::Result<Self> {
-        Self::build(server, Some(api_key), REQUEST_TIMEOUT, Vec::new())
+        Self::build(
+            server,
+            Some(api_key),
+            REQUEST_TIMEOUT,
+            Vec::new(),
+            BY_FLAG_OR_VARIABLE,
+        )
     }
 
     /// A client that sends no key: for the internal API's enrolment, proven by its token;
@@ -224,6 +246,7 @@ impl ApiClient {
             None,
             REQUEST_TIMEOUT,
             trusted_certificates(ca_cert_file(ca_cert).as_deref())?,
+            BY_FLAG_OR_VARIABLE,
         )
     }
 
@@ -235,6 +258,7 @@ impl ApiClient {
             None,
             timeout,
             trusted_certificates(ca_cert_file(None).as_deref())?,
+            BY_VARIABLE,
         )
     }
 
@@ -243,6 +267,7 @@ impl ApiClient {
         api_key: Option<String>,
         timeout: std::time::Duration,
         trusted: Vec<reqwest::Certificate>,
+        trust_by: &'static str,
     ) -> anyhow::Result<Self> {
         let base = url::Url::parse(server)
             .map_err(|err| usage(format!("--server `{server}` is not a URL: {err}")))?;
@@ -269,7 +294,16 @@ impl ApiClient {
             api_key,
             http,
             trusted,
+            trust_by,
         })
+    }
+
+    /// How this client is given certificates to trust, and whether it was.
+    fn trust(&self) -> Trust {
+        Trust {
+            by: self.trust_by,
+            given: !self.trusted.is_empty(),
+        }
     }
 
     pub async fn get(&self, path: &str) -> anyhow::Result<Value> {
@@ -319,7 +353,7 @@ impl ApiClient {
         let response = request
             .send()
             .await
-            .map_err(|error| unreachable(&self.base, error, !self.trusted.is_empty()))?;
+            .map_err(|error| unreachable(&self.base, error, self.trust()))?;
         let status = response.status().as_u16();
         Ok((
             status,
@@ -375,7 +409,7 @@ impl ApiClient {
         let mut response = request
             .send()
             .await
-            .map_err(|error| unreachable(&self.base, error, !self.trusted.is_empty()))?;
+            .map_err(|error| unreachable(&self.base, error, self.trust()))?;
         if !response.status().is_success() {
             let status = response.status();
             let value: Value = read_capped(response, &self.base, MAX_ANSWER_BYTES)
@@ -448,12 +482,12 @@ impl ApiClient {
             request = request.json(body);
         }
         if let Some(key) = idempotency_key {
-            request = request.header("idempotency-key", key);
+            request = request.header(wor_server::routes::runs::IDEMPOTENCY_KEY, key);
         }
         let response = request
             .send()
             .await
-            .map_err(|error| unreachable(&self.base, error, !self.trusted.is_empty()))?;
+            .map_err(|error| unreachable(&self.base, error, self.trust()))?;
         let status = response.status();
         let body = read_capped(response, &self.base, MAX_ANSWER_BYTES).await?;
         // Every answer of the API, success or error, is a JSON body: one without is not from

@@ -864,7 +864,10 @@ mod tests {
         let empty = dir.path().join("empty.pem");
         std::fs::write(&empty, "not a certificate\n").unwrap();
         let refused = smtp_roots(&empty).unwrap_err().to_string();
-        assert!(refused.contains("holds no `BEGIN CERTIFICATE` block"), "{refused}");
+        assert!(
+            refused.contains("holds no `BEGIN CERTIFICATE` block"),
+            "{refused}"
+        );
         assert!(smtp_roots(&dir.path().join("missing.pem")).is_err());
     }
 

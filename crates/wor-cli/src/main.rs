@@ -93,7 +93,9 @@ fn main() -> ExitCode {
     match runtime.block_on(cli.command.run()) {
         Ok(code) => code,
         Err(err) => {
-            eprintln!("error: {err:#}");
+            // An error can quote what a server, a backup or a database holds: escaped, so
+            // none of it can move the cursor or rewrite lines already shown.
+            eprintln!("error: {}", commands::for_terminal(&format!("{err:#}")));
             if err.chain().any(|cause| cause.is::<UsageError>()) {
                 ExitCode::from(2)
             } else {

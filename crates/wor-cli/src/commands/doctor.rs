@@ -101,11 +101,13 @@ pub async fn run(args: DoctorArgs) -> anyhow::Result<ExitCode> {
         }))?;
     } else {
         for c in &checks {
+            // A detail can quote what the database or a file holds.
+            let detail = super::for_terminal(&c.detail);
             match c.status {
                 Status::Ok if c.detail.is_empty() => println!("{:<20} supported", c.name),
-                Status::Ok => println!("{:<20} ok: {}", c.name, c.detail),
-                Status::Warn => println!("{:<20} warn: {}", c.name, c.detail),
-                Status::Fail => println!("{:<20} FAIL: {}", c.name, c.detail),
+                Status::Ok => println!("{:<20} ok: {detail}", c.name),
+                Status::Warn => println!("{:<20} warn: {detail}", c.name),
+                Status::Fail => println!("{:<20} FAIL: {detail}", c.name),
             }
         }
         println!(

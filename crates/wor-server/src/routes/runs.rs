@@ -173,7 +173,7 @@ pub struct RunListQuery {
 }
 
 /// The request header that names a start's idempotency key.
-const IDEMPOTENCY_KEY: &str = "idempotency-key";
+pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 /// The answer's header that says a start under an idempotency key started nothing new.
 const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
 
