@@ -129,6 +129,16 @@ pub enum SecretsError {
         /// What is wrong with it.
         reason: &'static str,
     },
+    /// The directory of a key file may be written by any user, who could replace the key.
+    #[error(
+        "key directory `{path}` has mode {mode:o}: any user may write to it, and so replace its keys (chmod o-w)"
+    )]
+    KeyDirTooOpen {
+        /// The directory.
+        path: PathBuf,
+        /// Its permission bits.
+        mode: u32,
+    },
     /// A key file may be read by other users.
     #[error(
         "key file `{path}` has mode {mode:o}; it must not be readable by group or others (chmod 600)"

@@ -93,12 +93,16 @@ pub(crate) fn write_new_private_file(path: &Path, contents: &str) -> io::Result<
     file.sync_all()
 }
 
-/// The text of a key file, refused if group or others may read it.
+/// The text of a key file, refused if group or others may read it, or if any user may write to
+/// its directory (and so put another key in its place).
 fn read_private(path: &Path) -> Result<Zeroizing<String>, SecretsError> {
     let io_error = |source| SecretsError::KeyFile {
         path: path.to_path_buf(),
         source,
     };
+    if let Some(dir) = path.parent().filter(|dir| !dir.as_os_str().is_empty()) {
+        refuse_an_open_dir(dir)?;
+    }
     let mode = fs::metadata(path).map_err(io_error)?.permissions().mode() & 0o777;
     if mode & 0o077 != 0 {
         return Err(SecretsError::KeyFileTooOpen {
@@ -107,4 +111,58 @@ fn read_private(path: &Path) -> Result<Zeroizing<String>, SecretsError> {
         });
     }
     Ok(Zeroizing::new(fs::read_to_string(path).map_err(io_error)?))
+}
+
+/// Refuses directory `dir` when any user may write to it; a directory that does not exist
+/// (yet) is left to the caller.
+fn refuse_an_open_dir(dir: &Path) -> Result<(), SecretsError> {
+    match fs::metadata(dir) {
+        Ok(metadata) => {
+            let mode = metadata.permissions().mode() & 0o7777;
+            if mode & 0o002 != 0 {
+                return Err(SecretsError::KeyDirTooOpen {
+                    path: dir.to_path_buf(),
+                    mode,
+                });
+            }
+            Ok(())
+        }
+        Err(_) => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt as _;
+
+    use crate::SecretsError;
+
+    #[test]
+    fn a_key_in_a_directory_any_user_may_write_to_is_refused_made_or_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let keys = dir.path().join("keys");
+        std::fs::create_dir(&keys).unwrap();
+        let set = |mode: u32| {
+            std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(mode)).unwrap();
+        };
+        set(0o777);
+        let refused = crate::load_or_create_dev_key(&keys).unwrap_err();
+        assert!(
+            matches!(refused, SecretsError::KeyDirTooOpen { mode: 0o777, .. }),
+            "{refused}"
+        );
+        assert_eq!(
+            std::fs::read_dir(&keys).unwrap().count(),
+            0,
+            "no key was made"
+        );
+        // A directory its group may write to is the operator's choice.
+        set(0o770);
+        crate::load_or_create_dev_key(&keys).unwrap();
+        set(0o703);
+        let refused = crate::load_dev_key(&keys).unwrap_err();
+        assert!(refused.to_string().contains("chmod o-w"), "{refused}");
+        set(0o700);
+        assert!(crate::load_dev_key(&keys).unwrap().is_some());
+    }
 }
