@@ -77,7 +77,7 @@ fn main() -> ExitCode {
         cli.command.default_log_level(),
         cli.command.makes_outbound_connections(),
     ) {
-        eprintln!("error: {err:#}");
+        eprintln!("error: {}", commands::for_terminal(&format!("{err:#}")));
         return ExitCode::from(2);
     }
     let runtime = match tokio::runtime::Builder::new_multi_thread()

@@ -131,7 +131,7 @@ pub enum SecretsError {
     },
     /// The directory of a key file may be written by any user, who could replace the key.
     #[error(
-        "key directory `{path}` has mode {mode:o}: any user may write to it, and so replace its keys (chmod o-w)"
+        "key directory `{path}` has mode {mode:04o}: any user may write to it, and so replace its keys (chmod o-w)"
     )]
     KeyDirTooOpen {
         /// The directory.

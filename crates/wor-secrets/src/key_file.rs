@@ -48,6 +48,8 @@ pub(crate) fn load_or_create<K>(
         .mode(0o700)
         .create(dir)
         .map_err(io_error(dir))?;
+    // No key is made where any user could put another in its place.
+    refuse_an_open_dir(dir)?;
     let (key, text) = generate()?;
     let mut suffix = [0u8; 8];
     getrandom::fill(&mut suffix).map_err(|_| SecretsError::RandomnessUnavailable)?;
@@ -100,10 +102,12 @@ fn read_private(path: &Path) -> Result<Zeroizing<String>, SecretsError> {
         path: path.to_path_buf(),
         source,
     };
+    let mode = fs::metadata(path).map_err(io_error)?.permissions().mode() & 0o777;
+    // Only a key that is there is refused for where it lies: a directory that holds none is
+    // not this key's to refuse.
     if let Some(dir) = path.parent().filter(|dir| !dir.as_os_str().is_empty()) {
         refuse_an_open_dir(dir)?;
     }
-    let mode = fs::metadata(path).map_err(io_error)?.permissions().mode() & 0o777;
     if mode & 0o077 != 0 {
         return Err(SecretsError::KeyFileTooOpen {
             path: path.to_path_buf(),
@@ -113,8 +117,8 @@ fn read_private(path: &Path) -> Result<Zeroizing<String>, SecretsError> {
     Ok(Zeroizing::new(fs::read_to_string(path).map_err(io_error)?))
 }
 
-/// Refuses directory `dir` when any user may write to it; a directory that does not exist
-/// (yet) is left to the caller.
+/// Refuses directory `dir` when any user may write to it; one that cannot be read is left to
+/// the caller, whose own read or write then fails.
 fn refuse_an_open_dir(dir: &Path) -> Result<(), SecretsError> {
     match fs::metadata(dir) {
         Ok(metadata) => {
@@ -146,6 +150,8 @@ mod tests {
             std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(mode)).unwrap();
         };
         set(0o777);
+        // A directory that holds no key is no key's to refuse: nothing is read from it.
+        assert!(crate::load_dev_key(&keys).unwrap().is_none());
         let refused = crate::load_or_create_dev_key(&keys).unwrap_err();
         assert!(
             matches!(refused, SecretsError::KeyDirTooOpen { mode: 0o777, .. }),

@@ -2090,6 +2090,14 @@ async fn the_openapi_document_describes_what_the_server_answers() {
         let id = op["operationId"]
             .as_str()
             .unwrap_or_else(|| panic!("{method} {path}: no operationId"));
+        // Named by its tag, so no later handler of the same name elsewhere can take its id.
+        let tag = op["tags"][0]
+            .as_str()
+            .unwrap_or_else(|| panic!("{method} {path}: no tag"));
+        assert!(
+            id.starts_with(&format!("{}_", tag.replace('-', "_"))),
+            "{method} {path}: `{id}` is not named by its tag `{tag}`"
+        );
         if let Some(other) = ids.insert(id.to_owned(), format!("{method} {path}")) {
             panic!("operationId `{id}` of {method} {path} is also {other}'s");
         }

@@ -125,7 +125,7 @@ pub async fn restore(args: RestoreArgs) -> anyhow::Result<ExitCode> {
         }
         Err(problem) => {
             restored.discard().await;
-            eprintln!("error: {problem:#}");
+            eprintln!("error: {}", super::for_terminal(&format!("{problem:#}")));
             eprintln!(
                 "error: the restore is refused; what it wrote is removed, and the data dir too \
                  if it made it"

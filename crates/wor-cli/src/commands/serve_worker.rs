@@ -140,7 +140,12 @@ pub async fn run(config: &ServerConfig) -> anyhow::Result<ExitCode> {
                 error @ (wor_engine::ClaimError::Link(_)
                 | wor_engine::ClaimError::Refused { status: 500.., .. }),
             ) => {
-                eprintln!("wor: {error}; trying again in {} ms", wait.as_millis());
+                // The control plane's answer is quoted: escaped for the terminal.
+                eprintln!(
+                    "wor: {}; trying again in {} ms",
+                    super::for_terminal(&error.to_string()),
+                    wait.as_millis()
+                );
                 tokio::time::sleep(wait).await;
                 wait = (wait * 2).min(Duration::from_secs(5));
             }
