@@ -341,14 +341,25 @@ fn a_backup_of_a_running_server_restores_verifies_and_runs_and_a_wrong_key_is_re
     );
     assert!(!open_dir.join("wor.db").exists());
 
-    // A device that never ends is refused before any of it is read.
-    let refused = operator(&["restore", "--from", "/dev/zero"], &third, Some(KEY));
-    assert_eq!(refused.status.code(), Some(1), "{}", text(&refused.stdout));
+    // A device that never ends, and a FIFO no one writes to, are refused before any of them is
+    // read (opening the FIFO would wait for a writer).
+    let fifo = root.path().join("fifo");
     assert!(
-        text(&refused.stderr).contains("it is not a regular file"),
-        "{}",
-        text(&refused.stderr)
+        std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap()
+            .success()
     );
+    for device in ["/dev/zero".to_owned(), fifo.display().to_string()] {
+        let refused = operator(&["restore", "--from", &device], &third, Some(KEY));
+        assert_eq!(refused.status.code(), Some(1), "{}", text(&refused.stdout));
+        assert!(
+            text(&refused.stderr).contains("it is not a regular file"),
+            "{device}: {}",
+            text(&refused.stderr)
+        );
+    }
 
     // An SQLite database of something else is no backup, though migrations would fit it.
     let foreign = root.path().join("foreign.db");
@@ -2266,6 +2277,12 @@ fn metrics_count_skipped_runs_expired_approvals_budgets_by_limit_and_webhooks_by
     let held_run = text(&started.stdout).trim().to_owned();
     wait_for_status(&server, &owner, &held_run, "waiting_for_approval");
     let skipped = server.client(&owner, &["run", "start", "held", "--input", "again"]);
+    // Recorded skipped, not run: said on stderr, the id on stdout as for any start.
+    assert!(
+        text(&skipped.stderr).contains("was recorded skipped, not run"),
+        "{}",
+        text(&skipped.stderr)
+    );
     let skipped = text(&skipped.stdout).trim().to_owned();
     wait_for_status(&server, &owner, &skipped, "skipped");
     // Nobody decides: the approval expires and the run fails, as its routine says.

@@ -186,10 +186,16 @@ pub async fn restore_sqlite(from: &Path, data_dir: &Path) -> Result<Restored, Ba
     };
     // Only the header is read before the file is known to be a whole SQLite database; the
     // rest is copied, never held in memory.
+    // Looked at before it is opened, as opening a FIFO would wait for a writer; and again once
+    // open, for what the path names now.
+    let not_a_file = || not_a_backup("it is not a regular file".to_owned());
+    if !std::fs::metadata(from).map_err(io(from))?.is_file() {
+        return Err(not_a_file());
+    }
     let mut source = std::fs::File::open(from).map_err(io(from))?;
     let metadata = source.metadata().map_err(io(from))?;
     if !metadata.is_file() {
-        return Err(not_a_backup("it is not a regular file".to_owned()));
+        return Err(not_a_file());
     }
     let mut header = Vec::with_capacity(SQLITE_HEADER_LEN);
     {

@@ -227,6 +227,13 @@ pub async fn run(cmd: RunCommand) -> anyhow::Result<ExitCode> {
                     "this idempotency key already started run {run_id}: nothing new was started"
                 );
             }
+            // A start the overlap policy passed over is recorded, not run: said, not only shown.
+            if field(&run, "/status") == "skipped" && !live {
+                eprintln!(
+                    "run {run_id} was recorded skipped, not run: {}",
+                    for_terminal(field(&run, "/outcome"))
+                );
+            }
             if live {
                 if !earlier {
                     eprintln!("run {run_id} started");
