@@ -120,19 +120,26 @@ fn read_private(path: &Path) -> Result<Zeroizing<String>, SecretsError> {
 /// Refuses directory `dir` when any user may write to it; one that cannot be read is left to
 /// the caller, whose own read or write then fails.
 fn refuse_an_open_dir(dir: &Path) -> Result<(), SecretsError> {
-    match fs::metadata(dir) {
-        Ok(metadata) => {
-            let mode = metadata.permissions().mode() & 0o7777;
-            if mode & 0o002 != 0 {
-                return Err(SecretsError::KeyDirTooOpen {
-                    path: dir.to_path_buf(),
-                    mode,
-                });
-            }
-            Ok(())
-        }
-        Err(_) => Ok(()),
+    match fs::metadata(dir)
+        .ok()
+        .as_ref()
+        .and_then(writable_by_any_user)
+    {
+        Some(mode) => Err(SecretsError::KeyDirTooOpen {
+            path: dir.to_path_buf(),
+            mode,
+        }),
+        None => Ok(()),
     }
+}
+
+/// The permission bits of a directory any user of the host may write to, and so put another
+/// file in place of one it holds (a key, a database); `None` for one only its owner and group
+/// may write to. The one rule for the key directories here and the embedded database's data
+/// dir in `wor-store`.
+pub fn writable_by_any_user(metadata: &fs::Metadata) -> Option<u32> {
+    let mode = metadata.permissions().mode() & 0o7777;
+    (mode & 0o002 != 0).then_some(mode)
 }
 
 #[cfg(test)]

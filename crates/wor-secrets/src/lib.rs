@@ -22,7 +22,7 @@ pub use aead::{
 pub use audit_signing::{
     AUDIT_SIGNING_KEY_FILE_NAME, AuditSigningKey, parse_verifying_key, verifying_key_to_base64,
 };
-pub use key_file::KeyFileOrigin;
+pub use key_file::{KeyFileOrigin, writable_by_any_user};
 pub use redaction::{
     REDACTED_MARKER, RedactionError, Redactor, StreamRedactor, redact_shapes, redact_shapes_json,
 };

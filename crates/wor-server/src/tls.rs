@@ -29,6 +29,10 @@ pub enum TlsError {
     Config(#[from] rustls::Error),
 }
 
+/// How many days before its end a listener's certificate is warned of (`wor serve` when it
+/// starts, `wor doctor`).
+pub const EXPIRY_WARNING_DAYS: i64 = 30;
+
 /// Where the certificate chain and its private key are, in PEM.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TlsFiles {
@@ -62,6 +66,21 @@ impl TlsFiles {
             .with_single_cert(chain, key)?;
         config.alpn_protocols = vec![b"http/1.1".to_vec()];
         Ok(Arc::new(config))
+    }
+
+    /// Whole days until the certificate (the first of the chain) expires, rounded down
+    /// (negative once it has: -1 on the day after), or why its expiry cannot be read.
+    pub fn days_to_expiry(&self) -> Result<i64, TlsError> {
+        let unreadable = |reason: String| TlsError::Certificate {
+            path: self.cert.display().to_string(),
+            reason,
+        };
+        let bytes = std::fs::read(&self.cert).map_err(|e| unreadable(e.to_string()))?;
+        let (_, pem) =
+            x509_parser::pem::parse_x509_pem(&bytes).map_err(|e| unreadable(e.to_string()))?;
+        let cert = pem.parse_x509().map_err(|e| unreadable(e.to_string()))?;
+        let not_after = cert.validity().not_after.timestamp();
+        Ok((not_after - wor_store::now_millis() / 1000).div_euclid(86_400))
     }
 }
 

@@ -390,22 +390,17 @@ pub(crate) async fn count_audit_checkpoints(pool: &AnyPool) -> Result<i64, Store
 /// Refuses a data dir that any user may write to ([`StoreError::DataDirTooOpen`]). One its
 /// group may write to is left to the operator (a volume shared through its group).
 fn refuse_an_open_data_dir(data_dir: &Path) -> Result<(), StoreError> {
-    use std::os::unix::fs::PermissionsExt as _;
-    let mode = std::fs::metadata(data_dir)
-        .map_err(|source| StoreError::DataDir {
-            path: data_dir.display().to_string(),
-            source,
-        })?
-        .permissions()
-        .mode()
-        & 0o7777;
-    if mode & 0o002 != 0 {
-        return Err(StoreError::DataDirTooOpen {
+    let metadata = std::fs::metadata(data_dir).map_err(|source| StoreError::DataDir {
+        path: data_dir.display().to_string(),
+        source,
+    })?;
+    match wor_secrets::writable_by_any_user(&metadata) {
+        Some(mode) => Err(StoreError::DataDirTooOpen {
             path: data_dir.display().to_string(),
             mode,
-        });
+        }),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 impl Store {

@@ -24,7 +24,6 @@ const DISK_WARN_BYTES: u64 = 2 * 1024 * 1024 * 1024;
 /// A listener certificate expiring sooner than this fails the check; sooner than the second,
 /// it warns.
 const CERT_FAIL_DAYS: i64 = 7;
-pub(crate) const CERT_WARN_DAYS: i64 = 30;
 
 #[derive(Debug, clap::Args)]
 pub struct DoctorArgs {
@@ -220,26 +219,16 @@ async fn server_checks(config: &ServerConfig, checks: &mut Vec<Check>) {
     }
 }
 
-/// Whole days until the listener's certificate expires, rounded down (negative once it has:
-/// -1 on the day after), or why its expiry cannot be read.
-pub(crate) fn days_to_expiry(files: &wor_server::tls::TlsFiles) -> Result<i64, String> {
-    let bytes = std::fs::read(&files.cert).map_err(|e| e.to_string())?;
-    let (_, pem) = x509_parser::pem::parse_x509_pem(&bytes).map_err(|e| e.to_string())?;
-    let cert = pem.parse_x509().map_err(|e| e.to_string())?;
-    let not_after = cert.validity().not_after.timestamp();
-    Ok((not_after - wor_store::now_millis() / 1000).div_euclid(86_400))
-}
-
 /// The listener's certificate loads with its key, and how long until it expires.
 fn tls_check(files: &wor_server::tls::TlsFiles) -> Check {
     if let Err(error) = files.load() {
         return check("tls", Status::Fail, error.to_string());
     }
-    match days_to_expiry(files) {
+    match files.days_to_expiry() {
         Ok(days) => {
             let status = if days < CERT_FAIL_DAYS {
                 Status::Fail
-            } else if days < CERT_WARN_DAYS {
+            } else if days < wor_server::tls::EXPIRY_WARNING_DAYS {
                 Status::Warn
             } else {
                 Status::Ok
@@ -251,13 +240,10 @@ fn tls_check(files: &wor_server::tls::TlsFiles) -> Check {
             };
             check("tls", status, detail)
         }
-        Err(reason) => check(
+        Err(error) => check(
             "tls",
             Status::Fail,
-            format!(
-                "cannot read the expiry of `{}`: {reason}",
-                files.cert.display()
-            ),
+            format!("its expiry cannot be read: {error}"),
         ),
     }
 }

@@ -101,8 +101,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     };
     // As `wor doctor` would warn: a certificate near its end is said when the server starts.
     if let Some(files) = &config.tls
-        && let Ok(days) = super::doctor::days_to_expiry(files)
-        && days < super::doctor::CERT_WARN_DAYS
+        && let Ok(days) = files.days_to_expiry()
+        && days < wor_server::tls::EXPIRY_WARNING_DAYS
     {
         let when = if days < 0 {
             format!("expired {} day(s) ago", -days)
