@@ -14,7 +14,7 @@
 mod common;
 
 use std::os::unix::fs::PermissionsExt as _;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use base64::Engine as _;
 use common::{Server, run, text, wor};
@@ -51,6 +51,45 @@ fn operator(args: &[&str], dir: &Path, key: Option<&str>) -> std::process::Outpu
     run(&mut cmd)
 }
 
+/// Creates model connection `main` on `server` as `owner`, its API key `key` (sealed by the
+/// server: a secret in the database).
+fn create_model_connection(server: &Server, owner: &str, key: &str) {
+    let created = run(wor(&[
+        "model-connection",
+        "create",
+        "main",
+        "--provider",
+        "openai_compatible",
+        "--base-url",
+        "https://models.example.com/v1",
+        "--api-key-env",
+        "MODEL_KEY",
+    ])
+    .env("WOR_SERVER", &server.url)
+    .env("WOR_API_KEY", owner)
+    .env("MODEL_KEY", key));
+    assert!(created.status.success(), "{}", text(&created.stderr));
+}
+
+/// `wor restore --from from --data-dir data_dir`, both keys given in the environment: a data
+/// dir that is not there yet has no key file to read.
+fn restore_with_keys(
+    from: &Path,
+    data_dir: &Path,
+    encryption_key: &str,
+    audit_signing_key: &str,
+) -> std::process::Output {
+    run(wor(&[
+        "restore",
+        "--from",
+        &from.display().to_string(),
+        "--data-dir",
+        &data_dir.display().to_string(),
+    ])
+    .env("WOR_ENCRYPTION_KEY", encryption_key)
+    .env("WOR_AUDIT_SIGNING_KEY", audit_signing_key))
+}
+
 fn run_greeter(server: &Server, owner: &str) -> String {
     let out = server.client(
         owner,
@@ -70,21 +109,7 @@ fn a_backup_of_a_running_server_restores_verifies_and_runs_and_a_wrong_key_is_re
     assert!(created.status.success(), "{}", text(&created.stderr));
     let owner = text(&created.stdout).trim().to_owned();
     let server = Server::start(&dir_args(&first), &[("WOR_ENCRYPTION_KEY", KEY)]);
-    let connection = run(wor(&[
-        "model-connection",
-        "create",
-        "main",
-        "--provider",
-        "openai_compatible",
-        "--base-url",
-        "https://models.example.com/v1",
-        "--api-key-env",
-        "MODEL_KEY",
-    ])
-    .env("WOR_SERVER", &server.url)
-    .env("WOR_API_KEY", &owner)
-    .env("MODEL_KEY", MODEL_KEY));
-    assert!(connection.status.success(), "{}", text(&connection.stderr));
+    create_model_connection(&server, &owner, MODEL_KEY);
     let file = root.path().join("greeter.toml");
     std::fs::write(&file, ROUTINE).unwrap();
     let applied = server.client(
@@ -157,15 +182,7 @@ fn a_backup_of_a_running_server_restores_verifies_and_runs_and_a_wrong_key_is_re
     // Refused into a data dir it made, parents and all: none of them is left.
     let signing_key = std::fs::read_to_string(first.join("audit-signing.key")).unwrap();
     let nested = root.path().join("fresh").join("a").join("data");
-    let refused = run(wor(&[
-        "restore",
-        "--from",
-        &backup_text,
-        "--data-dir",
-        &nested.display().to_string(),
-    ])
-    .env("WOR_ENCRYPTION_KEY", OTHER_KEY)
-    .env("WOR_AUDIT_SIGNING_KEY", signing_key.trim()));
+    let refused = restore_with_keys(&backup, &nested, OTHER_KEY, signing_key.trim());
     assert_eq!(refused.status.code(), Some(1), "{}", text(&refused.stdout));
     assert!(
         text(&refused.stderr).contains("wrong encryption key"),
@@ -178,18 +195,12 @@ fn a_backup_of_a_running_server_restores_verifies_and_runs_and_a_wrong_key_is_re
     );
     // Another audit signing key: the checkpoints are said to be another key's, not tampered.
     let (_, stranger) = wor_secrets::AuditSigningKey::generate().unwrap();
-    let refused = run(wor(&[
-        "restore",
-        "--from",
-        &backup_text,
-        "--data-dir",
-        &nested.display().to_string(),
-    ])
-    .env("WOR_ENCRYPTION_KEY", KEY)
-    .env(
-        "WOR_AUDIT_SIGNING_KEY",
+    let refused = restore_with_keys(
+        &backup,
+        &nested,
+        KEY,
         secrecy::ExposeSecret::expose_secret(&stranger),
-    ));
+    );
     assert_eq!(refused.status.code(), Some(1), "{}", text(&refused.stdout));
     let said = text(&refused.stderr);
     assert!(
@@ -323,15 +334,7 @@ fn a_backup_of_a_running_server_restores_verifies_and_runs_and_a_wrong_key_is_re
     let open_dir = root.path().join("open");
     std::fs::create_dir(&open_dir).unwrap();
     std::fs::set_permissions(&open_dir, std::fs::Permissions::from_mode(0o777)).unwrap();
-    let refused = run(wor(&[
-        "restore",
-        "--from",
-        &backup_text,
-        "--data-dir",
-        &open_dir.display().to_string(),
-    ])
-    .env("WOR_ENCRYPTION_KEY", KEY)
-    .env("WOR_AUDIT_SIGNING_KEY", signing_key.trim()));
+    let refused = restore_with_keys(&backup, &open_dir, KEY, signing_key.trim());
     assert_eq!(refused.status.code(), Some(1), "{}", text(&refused.stdout));
     // Said by the first of the restore's steps to look in it: the key files' or the database's.
     let said = text(&refused.stderr);
@@ -387,15 +390,7 @@ fn a_backup_of_a_running_server_restores_verifies_and_runs_and_a_wrong_key_is_re
     std::fs::write(&cut, &whole[..whole.len() / 2]).unwrap();
     let fourth = root.path().join("fourth");
     let started = std::time::Instant::now();
-    let refused = run(wor(&[
-        "restore",
-        "--from",
-        &cut.display().to_string(),
-        "--data-dir",
-        &fourth.display().to_string(),
-    ])
-    .env("WOR_ENCRYPTION_KEY", KEY)
-    .env("WOR_AUDIT_SIGNING_KEY", signing_key.trim()));
+    let refused = restore_with_keys(&cut, &fourth, KEY, signing_key.trim());
     assert_eq!(refused.status.code(), Some(1), "{}", text(&refused.stdout));
     let said = text(&refused.stderr);
     assert!(
@@ -892,16 +887,7 @@ fn doctor_reports_readiness_with_an_exit_code() {
     let certs = tempfile::tempdir().unwrap();
     let config = certs.path().join("wor.toml");
     let write_tls = |cert: &str, key: &str| {
-        std::fs::write(certs.path().join("cert.pem"), cert).unwrap();
-        std::fs::write(certs.path().join("key.pem"), key).unwrap();
-        std::fs::write(
-            &config,
-            format!(
-                "[tls]\ncert = \"{0}/cert.pem\"\nkey = \"{0}/key.pem\"\n",
-                certs.path().display()
-            ),
-        )
-        .unwrap();
+        write_tls_config(certs.path(), cert, key);
     };
     let fresh = generated_certificate();
     write_tls(&fresh.cert, &fresh.key);
@@ -944,21 +930,7 @@ fn doctor_compares_the_keys_with_the_database_as_serve_does() {
     let db = common::database_args(dir.path());
     let owner = common::create_project(&db);
     let server = Server::start(&db, &[("WOR_ENCRYPTION_KEY", KEY)]);
-    let connection = run(wor(&[
-        "model-connection",
-        "create",
-        "main",
-        "--provider",
-        "openai_compatible",
-        "--base-url",
-        "https://models.example.com/v1",
-        "--api-key-env",
-        "MODEL_KEY",
-    ])
-    .env("WOR_SERVER", &server.url)
-    .env("WOR_API_KEY", &owner)
-    .env("MODEL_KEY", MODEL_KEY));
-    assert!(connection.status.success(), "{}", text(&connection.stderr));
+    create_model_connection(&server, &owner, MODEL_KEY);
     server.stop();
     let db: Vec<&str> = db.iter().map(String::as_str).collect();
     let keys_in_use = |envs: &[(&str, &str)]| {
@@ -1062,6 +1034,26 @@ fn generated_certificate() -> Pem {
     }
 }
 
+/// The listener's files in `dir`: `cert` and `key` (PEM) as `cert.pem` and `key.pem`, and a
+/// `wor.toml` whose `[tls]` names them. Returns the certificate's path, the key's and the
+/// configuration's.
+fn write_tls_config(dir: &Path, cert: &str, key: &str) -> (PathBuf, PathBuf, PathBuf) {
+    let (cert_path, key_path) = (dir.join("cert.pem"), dir.join("key.pem"));
+    std::fs::write(&cert_path, cert).unwrap();
+    std::fs::write(&key_path, key).unwrap();
+    let config = dir.join("wor.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[tls]\ncert = \"{}\"\nkey = \"{}\"\n",
+            cert_path.display(),
+            key_path.display()
+        ),
+    )
+    .unwrap();
+    (cert_path, key_path, config)
+}
+
 type Tls = tokio_rustls::client::TlsStream<tokio::net::TcpStream>;
 
 async fn tls_connect(addr: &str, trusted: &Pem) -> std::io::Result<Tls> {
@@ -1116,20 +1108,8 @@ async fn get(stream: &mut Tls, path: &str) -> (String, String) {
 #[tokio::test(flavor = "multi_thread")]
 async fn tls_serves_a_generated_certificate_and_reloads_it_on_sighup_keeping_connections() {
     let dir = tempfile::tempdir().unwrap();
-    let (cert_path, key_path) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
     let first = generated_certificate();
-    std::fs::write(&cert_path, &first.cert).unwrap();
-    std::fs::write(&key_path, &first.key).unwrap();
-    let config = dir.path().join("wor.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[tls]\ncert = \"{}\"\nkey = \"{}\"\n",
-            cert_path.display(),
-            key_path.display()
-        ),
-    )
-    .unwrap();
+    let (cert_path, key_path, config) = write_tls_config(dir.path(), &first.cert, &first.key);
     let mut db = dir_args(dir.path());
     db.extend(["--config".to_owned(), config.display().to_string()]);
     let server = tokio::task::block_in_place(|| Server::start(&db, &[]));
@@ -1206,20 +1186,8 @@ async fn tls_serves_a_generated_certificate_and_reloads_it_on_sighup_keeping_con
 #[test]
 fn the_cli_trusts_a_private_certificate_it_is_given_and_no_other() {
     let dir = tempfile::tempdir().unwrap();
-    let (cert_path, key_path) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
     let made = generated_certificate();
-    std::fs::write(&cert_path, &made.cert).unwrap();
-    std::fs::write(&key_path, &made.key).unwrap();
-    let config = dir.path().join("wor.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[tls]\ncert = \"{}\"\nkey = \"{}\"\n",
-            cert_path.display(),
-            key_path.display()
-        ),
-    )
-    .unwrap();
+    let (cert_path, key_path, config) = write_tls_config(dir.path(), &made.cert, &made.key);
     let mut db = dir_args(dir.path());
     let owner = common::create_project(&db);
     db.extend(["--config".to_owned(), config.display().to_string()]);
@@ -1397,7 +1365,6 @@ fn the_cli_trusts_a_private_certificate_it_is_given_and_no_other() {
 #[test]
 fn serve_warns_of_a_listener_certificate_near_its_end() {
     let dir = tempfile::tempdir().unwrap();
-    let (cert_path, key_path) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
     let mut params = rcgen::CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
     let soon = chrono::Utc::now() + chrono::Duration::days(3);
     params.not_after = rcgen::date_time_ymd(
@@ -1406,18 +1373,11 @@ fn serve_warns_of_a_listener_certificate_near_its_end() {
         u8::try_from(chrono::Datelike::day(&soon)).unwrap(),
     );
     let key = rcgen::KeyPair::generate().unwrap();
-    std::fs::write(&cert_path, params.self_signed(&key).unwrap().pem()).unwrap();
-    std::fs::write(&key_path, key.serialize_pem()).unwrap();
-    let config = dir.path().join("wor.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[tls]\ncert = \"{}\"\nkey = \"{}\"\n",
-            cert_path.display(),
-            key_path.display()
-        ),
-    )
-    .unwrap();
+    let (_, _, config) = write_tls_config(
+        dir.path(),
+        &params.self_signed(&key).unwrap().pem(),
+        &key.serialize_pem(),
+    );
     let mut db = dir_args(dir.path());
     db.extend(["--config".to_owned(), config.display().to_string()]);
     let server = Server::start(&db, &[]);
@@ -1462,21 +1422,7 @@ fn a_run_logged_at_trace_level_leaves_no_prompt_input_tool_content_or_secret_in_
     let db = common::database_args(dir.path());
     let owner = common::create_project(&db);
     let server = Server::start(&db, &[("WOR_LOG", "trace")]);
-    let created = run(wor(&[
-        "model-connection",
-        "create",
-        "main",
-        "--provider",
-        "openai_compatible",
-        "--base-url",
-        "https://models.example.com/v1",
-        "--api-key-env",
-        "MODEL_KEY",
-    ])
-    .env("WOR_SERVER", &server.url)
-    .env("WOR_API_KEY", &owner)
-    .env("MODEL_KEY", SECRET));
-    assert!(created.status.success(), "{}", text(&created.stderr));
+    create_model_connection(&server, &owner, SECRET);
     let approver = server.client(&owner, &["member", "create", "pat", "--role", "approver"]);
     let approver = text(&approver.stdout).trim().to_owned();
     let helper = helper_routine("helper").replace("Hello from helper.", TOOL_TEXT);
