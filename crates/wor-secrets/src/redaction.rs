@@ -19,6 +19,7 @@
 use std::borrow::Cow;
 use std::collections::BTreeSet;
 use std::fmt;
+use std::ops::Range;
 use std::sync::LazyLock;
 
 use aho_corasick::{AhoCorasick, AhoCorasickKind, Anchored, Input, MatchKind, StartKind};
@@ -388,7 +389,58 @@ struct ShapeScanner {
     keywords: AhoCorasick,
     /// For each keyword pattern, the rules it belongs to with the keyword as they spell it.
     keyword_rules: Vec<Vec<(usize, &'static str)>>,
+    /// Each rule's regex, without the `\b` at its ends (see [`Edges`]).
     regexes: Vec<Regex>,
+    /// Each rule's ends that its pattern bounds with `\b`.
+    edges: Vec<Edges>,
+}
+
+/// The ends of a rule's match that its pattern bounds with `\b`.
+///
+/// The scanner checks them itself, with a letter or a digit as the only thing that joins:
+/// `\b` in a regex takes `_` for part of a word, so `retry_ghp_…` or `ghp_…_old` would hide
+/// a token from a rule whose pattern starts or ends with it.
+#[derive(Clone, Copy, Debug, Default)]
+struct Edges {
+    /// No letter or digit may come just before the match.
+    lead: bool,
+    /// No letter or digit may come just after the match.
+    trail: bool,
+}
+
+impl Edges {
+    /// The pattern without a `\b` at its start (after a leading `(?i)`) or its end, and which
+    /// of them it had.
+    fn split(pattern: &str) -> (String, Self) {
+        let (flags, body) = match pattern.strip_prefix("(?i)") {
+            Some(body) => ("(?i)", body),
+            None => ("", pattern),
+        };
+        let (lead, body) = match body.strip_prefix(r"\b") {
+            Some(rest) => (true, rest),
+            None => (false, body),
+        };
+        // No pattern holds `\\b` (`the_shape_probe_builds_from_every_rule`), so a `\b` at
+        // the end is a boundary.
+        let (trail, body) = match body.strip_suffix(r"\b") {
+            Some(rest) => (true, rest),
+            None => (false, body),
+        };
+        (format!("{flags}{body}"), Self { lead, trail })
+    }
+
+    fn hold_before(self, text: &str, at: usize) -> bool {
+        !self.lead || !joins(text.get(..at).and_then(|t| t.chars().next_back()))
+    }
+
+    fn hold_after(self, text: &str, at: usize) -> bool {
+        !self.trail || !joins(text.get(at..).and_then(|t| t.chars().next()))
+    }
+}
+
+/// Whether a character next to a match makes it part of a longer word.
+fn joins(next: Option<char>) -> bool {
+    next.is_some_and(char::is_alphanumeric)
 }
 
 fn shape_scanner() -> &'static ShapeScanner {
@@ -424,14 +476,18 @@ impl ShapeScanner {
             .ascii_case_insensitive(true)
             .build(&keywords)
             .expect("keyword matcher builds");
-        let regexes = SHAPE_RULES
+        let (regexes, edges) = SHAPE_RULES
             .iter()
-            .map(|rule| Regex::new(rule.pattern).expect("rule pattern compiles"))
-            .collect();
+            .map(|rule| {
+                let (pattern, edges) = Edges::split(rule.pattern);
+                (Regex::new(&pattern).expect("rule pattern compiles"), edges)
+            })
+            .unzip();
         Self {
             keywords,
             keyword_rules,
             regexes,
+            edges,
         }
     }
 
@@ -473,41 +529,90 @@ impl ShapeScanner {
                 }
             }
         }
-        for ((rule, regex), list) in SHAPE_RULES.iter().zip(&self.regexes).zip(&windows) {
+        let rules = SHAPE_RULES.iter().zip(&self.regexes).zip(&self.edges);
+        for (((rule, regex), &edges), list) in rules.zip(&windows) {
             for &(start, end) in list {
-                find_in_window(text, rule, regex, start, end, spans);
+                find_in_window(text, Bounded { rule, regex, edges }, start, end, spans);
             }
         }
     }
 }
 
-fn find_in_window(
-    text: &str,
-    rule: &ShapeRule,
-    regex: &Regex,
-    start: usize,
-    end: usize,
-    spans: &mut Vec<Span>,
-) {
+/// A rule with its regex and the ends the scanner checks.
+#[derive(Clone, Copy)]
+struct Bounded<'r> {
+    rule: &'r ShapeRule,
+    regex: &'r Regex,
+    edges: Edges,
+}
+
+impl Bounded<'_> {
+    /// The first match in `haystack` (a prefix of `text`) that starts at or after `at` and
+    /// whose ends hold, as its whole range and its secret's.
+    ///
+    /// Where a match's end does not hold, shorter matches from the same start are tried, as a
+    /// regex's own `\b` would backtrack to them.
+    fn find(
+        self,
+        text: &str,
+        haystack: &str,
+        mut at: usize,
+    ) -> Option<(Range<usize>, Range<usize>)> {
+        while at < haystack.len() {
+            let (whole, secret) = self.search(haystack, at)?;
+            let start = whole.start;
+            if self.edges.hold_before(text, start) {
+                if self.edges.hold_after(text, whole.end) {
+                    return Some((whole, secret));
+                }
+                let mut end = whole.end;
+                while end > start {
+                    let shorter = text.floor_char_boundary(end.saturating_sub(1));
+                    let Some(found) = haystack.get(..shorter).and_then(|h| self.search(h, start))
+                    else {
+                        break;
+                    };
+                    if found.0.start != start {
+                        break;
+                    }
+                    if self.edges.hold_after(text, found.0.end) {
+                        return Some(found);
+                    }
+                    end = found.0.end.min(shorter);
+                }
+            }
+            at = text.ceil_char_boundary(start.saturating_add(1));
+        }
+        None
+    }
+
+    fn search(self, haystack: &str, at: usize) -> Option<(Range<usize>, Range<usize>)> {
+        if self.rule.secret_group == 0 {
+            self.regex
+                .find_at(haystack, at)
+                .map(|m| (m.range(), m.range()))
+        } else {
+            self.regex.captures_at(haystack, at).and_then(|caps| {
+                let whole = caps.get(0)?.range();
+                Some((whole, caps.get(self.rule.secret_group)?.range()))
+            })
+        }
+    }
+}
+
+fn find_in_window(text: &str, rule: Bounded<'_>, start: usize, end: usize, spans: &mut Vec<Span>) {
     let start = text.floor_char_boundary(start);
     let end = text.ceil_char_boundary(end);
     // Searching `text[..end]` from `start` keeps the context before the window visible to
-    // `\b`; matches end within `after` bytes of their keyword, so the cut at `end` loses none.
+    // the regex; matches end within `after` bytes of their keyword, so the cut at `end` loses
+    // none. The ends a rule bounds are checked against `text` itself.
     let Some(haystack) = text.get(..end) else {
         return;
     };
-    let marker = Marker::Shape(rule.id);
+    let marker = Marker::Shape(rule.rule.id);
     let mut at = start;
     while at < haystack.len() {
-        let found = if rule.secret_group == 0 {
-            regex.find_at(haystack, at).map(|m| (m.range(), m.range()))
-        } else {
-            regex.captures_at(haystack, at).and_then(|caps| {
-                let whole = caps.get(0)?.range();
-                Some((whole, caps.get(rule.secret_group)?.range()))
-            })
-        };
-        let Some((whole, secret)) = found else {
+        let Some((whole, secret)) = rule.find(text, haystack, at) else {
             break;
         };
         let match_end = whole.end;

@@ -381,12 +381,17 @@ fn every_rule_redacts_its_positive_and_spares_its_negative() {
 
     for (id, positive, negative) in &samples {
         let (index, rule) = rule_by_id(id);
-        let regex = &shape_scanner().regexes[index];
-        let caps = regex
-            .captures(positive)
+        let scanner = shape_scanner();
+        let bounded = Bounded {
+            rule,
+            regex: &scanner.regexes[index],
+            edges: scanner.edges[index],
+        };
+        let (whole, secret) = bounded
+            .find(positive, positive, 0)
             .unwrap_or_else(|| panic!("`{id}` does not match its positive sample"));
-        let secret = caps.get(rule.secret_group).unwrap().as_str();
-        let matched = caps.get(0).unwrap().as_str();
+        let secret = &positive[secret];
+        let matched = &positive[whole.clone()];
         let holds_keyword = if rule.ignores_case() {
             let lower = matched.to_lowercase();
             rule.keywords.iter().any(|k| lower.contains(k))
@@ -397,11 +402,10 @@ fn every_rule_redacts_its_positive_and_spares_its_negative() {
             holds_keyword,
             "`{id}`: its match holds none of its keywords"
         );
-        let whole = caps.get(0).unwrap();
         let keyword_at = rule
             .keywords
             .iter()
-            .filter_map(|k| whole.as_str().to_lowercase().find(&k.to_lowercase()))
+            .filter_map(|k| matched.to_lowercase().find(&k.to_lowercase()))
             .min()
             .unwrap();
         assert!(
@@ -421,13 +425,67 @@ fn every_rule_redacts_its_positive_and_spares_its_negative() {
         assert!(redacted.starts_with("before ") && redacted.ends_with(" after"));
 
         assert!(
-            !regex.is_match(negative),
+            bounded.find(negative, negative, 0).is_none(),
             "`{id}` matches its negative sample"
         );
         let spared = redact_shapes(negative);
         assert_eq!(spared, negative.as_str(), "`{id}` negative was redacted");
         assert!(matches!(spared, Cow::Borrowed(_)));
     }
+}
+
+#[test]
+fn an_underscore_beside_a_token_does_not_hide_it() {
+    let token = format!("ghp_{}", alnum(36));
+    for text in [
+        format!("retry_{token}"),
+        format!("{token}_old"),
+        format!("X_{token}_Y"),
+        format!("-{token}-"),
+    ] {
+        let redacted = redact_shapes(&text);
+        assert!(!redacted.contains(&token), "{text} became {redacted}");
+        assert!(redacted.contains("[REDACTED:github-pat]"), "{redacted}");
+    }
+    assert_eq!(
+        redact_shapes(&format!("retry_{token}")),
+        "retry_[REDACTED:github-pat]"
+    );
+    let stripe = format!("sk_live_{}", alnum(24));
+    assert_eq!(
+        redact_shapes(&format!("key_{stripe}_2")),
+        "key_[REDACTED:stripe-access-token]_2"
+    );
+    // An environment dump's `DB_PASSWORD=…` is an assignment of a password.
+    assert_eq!(
+        redact_shapes("DB_PASSWORD=hunter2hunter2 next"),
+        "DB_PASSWORD=[REDACTED:generic-credential-assignment] next"
+    );
+
+    // A letter or a digit still joins: these are parts of longer words, not tokens.
+    for text in [
+        format!("x{token}"),
+        format!("{token}x"),
+        format!("é{token}"),
+        format!("ghp_{}", alnum(37)),
+    ] {
+        assert_eq!(redact_shapes(&text), text.as_str(), "{text}");
+    }
+}
+
+#[test]
+fn a_match_whose_end_joins_a_word_gives_way_to_a_shorter_one() {
+    // `(?:-\d)?` at the end: `-1` is followed by a letter, so the match without it is the
+    // one whose end holds, as a regex's own `\b` would have backtracked to.
+    let token = format!("dapi{}", hex(32));
+    assert_eq!(
+        redact_shapes(&format!("{token}-1x")),
+        "[REDACTED:databricks-api-token]-1x"
+    );
+    assert_eq!(
+        redact_shapes(&format!("{token}-1 ")),
+        "[REDACTED:databricks-api-token] "
+    );
 }
 
 #[test]
