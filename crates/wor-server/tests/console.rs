@@ -2743,6 +2743,39 @@ async fn a_member_starts_a_run_from_the_console_and_may_not_decide_its_approvals
     let audit = h.audit_text().await;
     assert!(audit.contains("run.start"), "{audit}");
     assert!(audit.contains("console_member"), "{audit}");
+
+    // The form carries a key drawn for its page: sent twice it starts one run, sent with
+    // other input another, and a fresh page's form a new one.
+    let page = ann.get(&format!("/console/routines/{routine}")).await;
+    let key = page.hidden("start_key");
+    assert_eq!(key.len(), 64, "{key}");
+    let send = async |ann: &mut Browser, key: &str, input: &str| {
+        let sent = ann
+            .post(
+                &start,
+                &[("csrf", &csrf), ("start_key", key), ("input", input)],
+            )
+            .await;
+        assert_eq!(sent.status, StatusCode::SEE_OTHER, "{}", sent.body);
+        sent.location().to_owned()
+    };
+    let first = send(&mut ann, &key, "send note 7").await;
+    let repeated = send(&mut ann, &key, "send note 7").await;
+    assert_eq!(repeated, first, "sent again: the same run");
+    let other = send(&mut ann, &key, "send note 8").await;
+    assert_ne!(other, first, "other input: another run");
+    let fresh = ann
+        .get(&format!("/console/routines/{routine}"))
+        .await
+        .hidden("start_key");
+    assert_ne!(fresh, key, "each page draws its own key");
+    let again = send(&mut ann, &fresh, "send note 7").await;
+    assert!(
+        again != first && again != other,
+        "a fresh page: another run"
+    );
+    let (_, runs) = h.call(Method::GET, "/v1/runs", None).await;
+    assert_eq!(runs.as_array().unwrap().len(), 4, "{runs:#}");
 }
 
 /// Makes a personal key in the console; returns its secret and its id.
@@ -3190,15 +3223,27 @@ async fn a_thread_starts_runs_from_messages_and_shows_each_turn_with_its_provena
         "a thread with no turn being answered is not followed"
     );
 
-    // The next message's run is told the first turn, still labelled untrusted.
-    let page = ann
-        .post(
-            &thread,
-            &[("csrf", &csrf), ("thread", "desk"), ("message", "and now?")],
-        )
-        .await;
-    assert_eq!(page.status, StatusCode::SEE_OTHER, "{}", page.body);
-    let second = page.location().split_once("#turn-").unwrap().1.to_owned();
+    // The next message's run is told the first turn, still labelled untrusted. The page's
+    // form sent twice starts one turn.
+    let key = ann.get(back).await.hidden("start_key");
+    let mut turns = Vec::new();
+    for _ in 0..2 {
+        let page = ann
+            .post(
+                &thread,
+                &[
+                    ("csrf", &csrf),
+                    ("thread", "desk"),
+                    ("message", "and now?"),
+                    ("start_key", &key),
+                ],
+            )
+            .await;
+        assert_eq!(page.status, StatusCode::SEE_OTHER, "{}", page.body);
+        turns.push(page.location().split_once("#turn-").unwrap().1.to_owned());
+    }
+    assert_eq!(turns[0], turns[1], "sent twice: one turn");
+    let second = turns.swap_remove(0);
     let page = ann.get(back).await;
     assert!(page.body.contains(&format!(
         "data-live=\"/console/routines/{routine}/thread/events?name=desk\""

@@ -13,6 +13,7 @@ use axum::response::{IntoResponse, Redirect, Response};
 use rand::TryRngCore;
 use serde_json::{Value, json};
 use wor_core::audit::{Actor, AuditCategory, AuditEvent};
+use wor_core::run::IdempotencyKey;
 use wor_core::step::Step;
 use wor_core::{ApprovalId, RoutineId, RunId};
 use wor_engine::Approver;
@@ -35,14 +36,33 @@ pub(super) fn form<T>(form: Result<Form<T>, FormRejection>) -> Result<T, Console
         .map_err(|e| ConsoleError(ApiError::bad_request("invalid_form", e.body_text())))
 }
 
-/// A random token for a form before sign-in.
-fn form_token() -> Result<String, ConsoleError> {
+/// A random token for a form: one before sign-in, or a start form's `start_key`.
+pub(super) fn form_token() -> Result<String, ConsoleError> {
     let mut bytes = [0u8; 32];
     rand::rngs::OsRng.try_fill_bytes(&mut bytes).map_err(|_| {
         tracing::error!(category = "console", "random source failed");
         ConsoleError(ApiError::Internal)
     })?;
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// The idempotency key of a start that a console form sent: its page's `start_key` (a
+/// random value rendered with the form) hashed with the form's `fields` as sent, so the same
+/// form sent again (a second click, a reload that posts again) starts one run and goes to it,
+/// while the form sent with other fields starts another. None when the form has no key.
+pub(super) fn start_form_key(page_key: &str, fields: &[&str]) -> Option<IdempotencyKey> {
+    if page_key.is_empty() {
+        return None;
+    }
+    let mut sent = Vec::new();
+    for field in std::iter::once(page_key).chain(fields.iter().copied()) {
+        sent.extend_from_slice(&field.len().to_le_bytes());
+        sent.extend_from_slice(field.as_bytes());
+    }
+    // A digest's hex under a prefix is always a key.
+    format!("console-{}", wor_core::canonical::sha256_hex(&sent))
+        .parse()
+        .ok()
 }
 
 /// Who is signed in, for the page header.

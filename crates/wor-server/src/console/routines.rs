@@ -13,7 +13,7 @@ use similar::{ChangeTag, TextDiff};
 use wor_core::RoutineId;
 use wor_engine::WebhookSecretKind;
 
-use super::pages::{Banner, PageResult, form};
+use super::pages::{Banner, PageResult, form, form_token, start_form_key};
 use super::session::ConsoleMember;
 use super::{ConsoleError, PagePath, render};
 use crate::AppState;
@@ -105,6 +105,8 @@ struct RoutinePage {
     may_start: bool,
     /// Whether the routine keeps memory, and so runs belong to threads.
     memory: bool,
+    /// The start form's key (`pages::start_form_key`).
+    start_key: String,
 }
 
 /// How long a diff of two versions may search for the smallest one; past it, the diff shown
@@ -215,6 +217,7 @@ pub async fn show(
         diff,
         may_start: member.session.role.can_operate_runs(),
         memory: current.definition.memory.enabled,
+        start_key: form_token()?,
     };
     Ok(render(StatusCode::OK, &page))
 }
@@ -227,9 +230,18 @@ pub struct StartForm {
     json: Option<String>,
     #[serde(default)]
     thread: String,
+    #[serde(default)]
+    start_key: String,
 }
 
 impl StartForm {
+    /// The start's idempotency key (`pages::start_form_key`): the input, whether it is JSON
+    /// and the thread, as sent.
+    fn key(&self) -> Option<wor_core::run::IdempotencyKey> {
+        let kind = if self.json.is_some() { "json" } else { "text" };
+        start_form_key(&self.start_key, &[&self.input, kind, &self.thread])
+    }
+
     /// The API's body for this form: the input as text, or parsed as JSON (a 400 naming the
     /// parser's complaint when it is not), and the thread when one is named.
     pub(super) fn body(self) -> Result<StartRunBody, ConsoleError> {
@@ -257,7 +269,9 @@ pub async fn start(
     PagePath(routine): PagePath<RoutineId>,
     body: Result<Form<StartForm>, FormRejection>,
 ) -> PageResult {
-    let body = form(body)?.body()?;
+    let form = form(body)?;
+    let key = form.key();
+    let body = form.body()?;
     let session = &member.session;
     let run = start_run(
         &state,
@@ -267,7 +281,7 @@ pub async fn start(
         wor_engine::Trigger::Console(session.member_id),
         member.actor(),
         body,
-        None,
+        key,
     )
     .await?
     .into_run();

@@ -28,7 +28,7 @@ use wor_core::{ProjectId, RoutineId, RunId};
 use wor_engine::DEFAULT_THREAD;
 use wor_store::{ApprovalFilter, RunRecord, Store};
 
-use super::pages::{Banner, PageResult, form};
+use super::pages::{Banner, PageResult, form, form_token, start_form_key};
 use super::session::ConsoleMember;
 use super::{ConsoleError, INBOX_LIMIT, PagePath, render};
 use crate::AppState;
@@ -83,6 +83,8 @@ struct ThreadsPage {
     routine: String,
     threads: Vec<ThreadRow>,
     may_start: bool,
+    /// The message form's key (`pages::start_form_key`).
+    start_key: String,
 }
 
 /// A routine's threads, with the form that starts a new one.
@@ -113,6 +115,7 @@ pub async fn list(
             routine,
             threads,
             may_start: member.session.role.can_operate_runs(),
+            start_key: form_token()?,
         },
     ))
 }
@@ -187,6 +190,8 @@ struct ThreadPage {
     /// The live stream's address, while a turn is being answered.
     live: Option<String>,
     may_start: bool,
+    /// The message form's key (`pages::start_form_key`).
+    start_key: String,
 }
 
 /// Who started `run`, as a person reads it; member names are looked up once per page.
@@ -324,6 +329,7 @@ pub async fn show(
             turns,
             live,
             may_start: member.session.role.can_operate_runs(),
+            start_key: form_token()?,
         },
     ))
 }
@@ -334,6 +340,8 @@ pub struct MessageForm {
     #[serde(default)]
     thread: String,
     message: String,
+    #[serde(default)]
+    start_key: String,
 }
 
 /// Starts a run on the thread with the message as its input (text, labelled `requester`),
@@ -357,6 +365,7 @@ pub async fn write(
         "" => DEFAULT_THREAD.to_owned(),
         name => name.to_owned(),
     };
+    let key = start_form_key(&body.start_key, &[&body.message, &thread]);
     let run = start_run(
         &state,
         session.project_id,
@@ -368,7 +377,7 @@ pub async fn write(
             input: serde_json::Value::String(body.message),
             thread: Some(thread.clone()),
         },
-        None,
+        key,
     )
     .await?
     .into_run();

@@ -50,11 +50,17 @@ impl Page {
 
     /// The value of the first hidden `csrf` field.
     pub fn csrf(&self) -> String {
+        self.hidden("csrf")
+    }
+
+    /// The value of the first hidden field named `name`.
+    pub fn hidden(&self, name: &str) -> String {
+        let field = format!("name=\"{name}\" value=\"");
         let start = self
             .body
-            .find("name=\"csrf\" value=\"")
-            .expect("a csrf field")
-            + 19;
+            .find(&field)
+            .unwrap_or_else(|| panic!("a {name} field"))
+            + field.len();
         let rest = &self.body[start..];
         rest[..rest.find('"').unwrap()].to_owned()
     }
