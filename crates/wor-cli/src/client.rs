@@ -67,7 +67,7 @@ struct Trust {
 /// A client command's, or an enrolment's, way to be given certificates.
 const BY_FLAG_OR_VARIABLE: &str = "--ca-cert or WOR_CA_CERT";
 /// A worker's.
-const BY_VARIABLE: &str = "WOR_CA_CERT";
+const BY_VARIABLE: &str = "WOR_CA_CERT, else the ca_cert its enrolment recorded,";
 
 /// Why a request to `base` got no answer: as reqwest says, and, when TLS or HTTP itself is
 /// what stopped it (a refused certificate, a server that speaks the other scheme), what to do
@@ -251,15 +251,34 @@ impl ApiClient {
     }
 
     /// A client for a worker's signed requests: no key, and answers awaited for `timeout`, well
-    /// within a run's lease.
-    pub fn for_worker(server: &str, timeout: std::time::Duration) -> anyhow::Result<Self> {
+    /// within a run's lease; trusting the certificates of `WOR_CA_CERT`, else of `recorded`
+    /// (the file its enrolment trusted), beside the system's.
+    pub fn for_worker(
+        server: &str,
+        timeout: std::time::Duration,
+        recorded: Option<&std::path::Path>,
+    ) -> anyhow::Result<Self> {
+        let ca_cert = ca_cert_file(None).or_else(|| recorded.map(std::path::Path::to_path_buf));
         Self::build(
             server,
             None,
             timeout,
-            trusted_certificates(ca_cert_file(None).as_deref())?,
+            trusted_certificates(ca_cert.as_deref())?,
             BY_VARIABLE,
         )
+    }
+
+    /// The file of certificates an enrolment trusts: `ca_cert`, else `WOR_CA_CERT`; as an
+    /// absolute path, to be recorded for the worker.
+    pub fn enrolment_ca_cert(
+        ca_cert: Option<&std::path::Path>,
+    ) -> anyhow::Result<Option<std::path::PathBuf>> {
+        ca_cert_file(ca_cert)
+            .map(|path| {
+                std::path::absolute(&path)
+                    .with_context(|| format!("cannot make {} an absolute path", path.display()))
+            })
+            .transpose()
     }
 
     fn build(

@@ -1332,6 +1332,29 @@ fn the_cli_trusts_a_private_certificate_it_is_given_and_no_other() {
     let enrolled = enroll(&dir.path().join("worker-b"), Some(&cert_text));
     assert!(enrolled.status.success(), "{}", text(&enrolled.stderr));
 
+    // The enrolment records the file it trusted, and the worker trusts it with no
+    // WOR_CA_CERT of its own: it reaches the control plane and says so.
+    let worker_dir = dir.path().join("worker-b");
+    let enrolment: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(worker_dir.join("worker-enrolment.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(enrolment["ca_cert"], cert_text.as_str(), "{enrolment}");
+    let worker = Server::try_spawn_within(
+        &[
+            "serve",
+            "--role",
+            "worker",
+            "--data-dir",
+            worker_dir.to_str().unwrap(),
+        ],
+        &[],
+        "wor: worker ",
+        std::time::Duration::from_secs(20),
+    )
+    .unwrap_or_else(|why| panic!("the worker did not reach its control plane: {why}"));
+    worker.stop();
+
     // A self-signed certificate that is a CA (what `openssl req -x509` makes by default) is
     // refused by TLS as a server's own, whatever is trusted: the message says so.
     let mut params =

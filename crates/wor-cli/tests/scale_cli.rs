@@ -1777,6 +1777,46 @@ fn memory_holds(pid: u32, needle: &[u8]) -> bool {
     false
 }
 
+/// A worker the operator revokes while it runs stops at its next request and says why, with
+/// a failing exit status, rather than asking again for ever.
+#[test]
+fn a_revoked_worker_stops_and_says_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = database_args(dir.path());
+    create_project(&db);
+    let api = start_role(&db, "api");
+    let worker_dir = dir.path().join("worker");
+    let mut worker = Server::worker(&worker_dir, &enrol_loopback_worker(&api, &db, &worker_dir));
+    let enrolment: Value = serde_json::from_str(
+        &std::fs::read_to_string(worker_dir.join("worker-enrolment.json")).unwrap(),
+    )
+    .unwrap();
+    let worker_id = enrolment["worker_id"].as_str().unwrap().to_owned();
+    let mut revoke = vec!["worker", "revoke", worker_id.as_str()];
+    revoke.extend(db.iter().map(String::as_str));
+    let out = run(&mut wor(&revoke));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+
+    let mut status = None;
+    wait_for(
+        "the revoked worker to stop",
+        Duration::from_secs(60),
+        || {
+            status = worker.child.try_wait().unwrap();
+            status.is_some()
+        },
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    let log = worker.log.lock().unwrap().clone();
+    assert_eq!(status.unwrap().code(), Some(1), "{log}");
+    assert!(
+        log.contains(&format!("the control plane revoked worker {worker_id}"))
+            && log.contains("enrol a new worker"),
+        "{log}"
+    );
+    api.stop();
+}
+
 #[test]
 fn a_worker_process_drives_the_runs_it_claims_without_a_database_or_the_encryption_key() {
     let dir = tempfile::tempdir().unwrap();

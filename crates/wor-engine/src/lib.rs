@@ -67,7 +67,9 @@ pub use oauth_connections::{
     OAUTH_CLIENT_METADATA_PATH, OAuthRefusal, REFRESH_AHEAD_MS, RegisteredClient,
     StartedAuthorization,
 };
-pub use remote::{ClaimError, ControlPlaneLink, LinkAnswer, LinkError, LinkFuture, WorkerTimings};
+pub use remote::{
+    ClaimError, ControlPlaneLink, LinkAnswer, LinkError, LinkFuture, WorkerEnd, WorkerTimings,
+};
 pub use scheduler::{DISPATCH_AHEAD_MS, SchedulerReport};
 pub use start::{DEFAULT_THREAD, Differs, StartRun, Started, Trigger};
 pub use tool_connection_spec::{

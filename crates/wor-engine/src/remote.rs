@@ -79,6 +79,10 @@ pub enum ClaimError {
     Link(#[from] LinkError),
     #[error("the control plane answered the claim with status {status}: {message}")]
     Refused { status: u16, message: String },
+    #[error(
+        "the control plane revoked this worker: it answers none of its requests; enrol a new worker to drive runs here"
+    )]
+    Revoked,
     #[error("the claim does not read: {0}")]
     Malformed(String),
     #[error("the run's envelope is refused: {0}")]
@@ -122,6 +126,15 @@ const RENEW_EVERY: Duration = Duration::from_secs(1);
 
 /// How long a stalled idle worker waits at most between claims, after failures.
 const MAX_CLAIM_BACKOFF: Duration = Duration::from_secs(5);
+
+/// How a remote worker's loop ended ([`Engine::spawn_remote_worker`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkerEnd {
+    /// It was asked to stop.
+    Stopped,
+    /// The control plane revoked the worker: it stopped, as nothing it asks is answered.
+    Revoked,
+}
 
 /// How a remote worker paces itself ([`Engine::spawn_remote_worker`]).
 #[derive(Debug, Clone, Copy)]
@@ -355,6 +368,21 @@ fn error_code(body: &[u8]) -> Option<String> {
 }
 
 /// The message of an error answer, or its first bytes.
+/// A claim's or a heartbeat's refusal: [`ClaimError::Revoked`] when the control plane answers
+/// that this worker is revoked.
+fn refusal(answer: &LinkAnswer) -> ClaimError {
+    let code = serde_json::from_slice::<serde_json::Value>(&answer.body)
+        .ok()
+        .and_then(|v| v.pointer("/error/code")?.as_str().map(str::to_owned));
+    if answer.status == 401 && code.as_deref() == Some(worker_wire::WORKER_REVOKED) {
+        return ClaimError::Revoked;
+    }
+    ClaimError::Refused {
+        status: answer.status,
+        message: error_message(&answer.body),
+    }
+}
+
 fn error_message(body: &[u8]) -> String {
     serde_json::from_slice::<serde_json::Value>(body)
         .ok()
@@ -465,12 +493,7 @@ impl Engine {
         match answer.status {
             200 => {}
             204 => return Ok(None),
-            status => {
-                return Err(ClaimError::Refused {
-                    status,
-                    message: error_message(&answer.body),
-                });
-            }
+            _ => return Err(refusal(&answer)),
         }
         let claimed: ClaimedRun = serde_json::from_slice(&answer.body)
             .map_err(|e| ClaimError::Malformed(e.to_string()))?;
@@ -642,10 +665,7 @@ impl Engine {
             .await;
         let answer = remote.answered(answer)?;
         if answer.status != 200 {
-            return Err(ClaimError::Refused {
-                status: answer.status,
-                message: error_message(&answer.body),
-            });
+            return Err(refusal(&answer));
         }
         serde_json::from_slice::<worker_wire::HeartbeatAnswer>(&answer.body)
             .map(|a| a.worker_id)
@@ -1089,9 +1109,10 @@ impl Engine {
         &self,
         mut stop: tokio::sync::watch::Receiver<bool>,
         timings: WorkerTimings,
-    ) -> tokio::task::JoinHandle<()> {
+    ) -> tokio::task::JoinHandle<WorkerEnd> {
         let engine = self.clone();
         tokio::spawn(async move {
+            let mut ended = WorkerEnd::Stopped;
             let slots = Arc::new(tokio::sync::Semaphore::new(engine.config.workers.max(1)));
             let mut drives = tokio::task::JoinSet::new();
             let mut beat = tokio::time::interval(timings.heartbeat);
@@ -1143,6 +1164,10 @@ impl Engine {
                         continue;
                     }
                     Ok(None) => backoff = poll,
+                    Err(ClaimError::Revoked) => {
+                        ended = WorkerEnd::Revoked;
+                        break;
+                    }
                     Err(error) => {
                         tracing::warn!(category = "run", action = "worker.claim_failed",
                             error = %error, "claiming a run failed");
@@ -1157,14 +1182,26 @@ impl Engine {
                 tokio::select! {
                     biased;
                     _ = stop.changed() => break,
-                    _ = beat.tick() => {
-                        if let Err(error) = engine.heartbeat().await {
+                    _ = beat.tick() => match engine.heartbeat().await {
+                        Ok(_) => {}
+                        Err(ClaimError::Revoked) => {
+                            ended = WorkerEnd::Revoked;
+                            break;
+                        }
+                        Err(error) => {
                             tracing::warn!(category = "lifecycle", action = "worker.heartbeat_failed",
                                 error = %error, "the control plane did not take the heartbeat");
                         }
-                    }
+                    },
                     () = tokio::time::sleep(pause) => {}
                 }
+            }
+            if ended == WorkerEnd::Revoked {
+                tracing::error!(
+                    category = "lifecycle",
+                    action = "worker.revoked",
+                    "the control plane revoked this worker; it stops"
+                );
             }
             // Draining: each drive gives its run back at its next step boundary; those still
             // going after `drain` are aborted and their runs given back, to be resumed
@@ -1194,6 +1231,7 @@ impl Engine {
                 }
             }
             engine.release_claimed().await;
+            ended
         })
     }
 }

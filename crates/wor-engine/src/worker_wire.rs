@@ -26,6 +26,10 @@ pub fn approval_use_path(run: RunId, approval: wor_core::ApprovalId) -> String {
     format!("/internal/v1/runs/{run}/approvals/{approval}/use")
 }
 
+/// The error code of a signed request refused because its worker is revoked: the worker
+/// stops, as nothing it asks will be answered again.
+pub const WORKER_REVOKED: &str = "worker_revoked";
+
 /// The longest a claim waits for a run when none is queued, whatever the worker asks.
 pub const MAX_CLAIM_WAIT_MS: u64 = 10_000;
 

@@ -47,12 +47,36 @@ pub enum ApiError {
     )]
     InternalCredentialRefused,
     #[error("{0}")]
-    WorkerUnauthenticated(String),
+    WorkerUnauthenticated(WorkerAuthError),
     /// A worker asked to act on a run whose lease it does not hold.
     #[error("this worker does not hold the run's lease; it must stop driving the run")]
     LeaseNotHeld,
     #[error("internal error")]
     Internal,
+}
+
+/// Why a worker's signed request was refused; logged, and named in the 401 it answers.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WorkerAuthError {
+    #[error("{0}")]
+    Request(#[from] wor_secrets::WorkerRequestError),
+    #[error("worker is not enrolled")]
+    UnknownWorker,
+    #[error("worker is revoked")]
+    Revoked,
+    #[error("request nonce was already used: a replay")]
+    Replayed,
+}
+
+impl WorkerAuthError {
+    /// The code a refusal answers with: a revoked worker's is its own, for the worker to stop
+    /// on rather than ask again.
+    pub fn code(&self) -> &'static str {
+        match self {
+            WorkerAuthError::Revoked => wor_engine::worker_wire::WORKER_REVOKED,
+            _ => "worker_unauthenticated",
+        }
+    }
 }
 
 fn enrolment_refusal_message(refusal: wor_store::EnrolmentRefusal) -> &'static str {
@@ -98,9 +122,7 @@ impl ApiError {
                 (StatusCode::CONFLICT, "keys_in_use")
             }
             ApiError::EnrolmentRefused(_) => (StatusCode::UNAUTHORIZED, "enrolment_refused"),
-            ApiError::WorkerUnauthenticated(_) => {
-                (StatusCode::UNAUTHORIZED, "worker_unauthenticated")
-            }
+            ApiError::WorkerUnauthenticated(reason) => (StatusCode::UNAUTHORIZED, reason.code()),
             ApiError::InternalCredentialRefused => (StatusCode::UNAUTHORIZED, "bearer_refused"),
             ApiError::LeaseNotHeld => (StatusCode::CONFLICT, "lease_not_held"),
             ApiError::Internal => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),

@@ -20,7 +20,7 @@ use wor_secrets::{ControlPlaneSigningKey, WorkerPublicKeys};
 use wor_store::{EnrolmentRefusal, WORKER_ENROLMENT_TOKEN_PREFIX};
 
 use crate::AppState;
-use crate::error::ApiError;
+use crate::error::{ApiError, WorkerAuthError};
 use crate::extract::ApiJson;
 use crate::routes::members::check_name;
 
@@ -135,19 +135,6 @@ async fn enroll(
     ))
 }
 
-/// Why a worker's signed request was refused; logged, and named in the 401 it answers.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum WorkerAuthError {
-    #[error("{0}")]
-    Request(#[from] wor_secrets::WorkerRequestError),
-    #[error("worker is not enrolled")]
-    UnknownWorker,
-    #[error("worker is revoked")]
-    Revoked,
-    #[error("request nonce was already used: a replay")]
-    Replayed,
-}
-
 /// The public keys the control plane stored for `worker`; one that no longer parses is the
 /// server's fault, logged.
 fn stored_keys(worker: &wor_store::WorkerRecord) -> Result<WorkerPublicKeys, ApiError> {
@@ -173,7 +160,7 @@ pub async fn authenticate_worker(
     let refused = |reason: WorkerAuthError| {
         tracing::warn!(category = "auth", action = "worker.request_refused",
             reason = %reason, "a worker request was refused");
-        ApiError::WorkerUnauthenticated(reason.to_string())
+        ApiError::WorkerUnauthenticated(reason)
     };
     let headers = wor_secrets::WorkerRequestHeaders::parse(|name| {
         parts.headers.get(name).and_then(|v| v.to_str().ok())
@@ -371,7 +358,7 @@ async fn claim(State(state): State<AppState>, request: Request) -> Result<Respon
             Some(w) if w.status == wor_store::WorkerStatus::Active => {
                 lease_not_held(&worker.id, run.id)
             }
-            _ => ApiError::WorkerUnauthenticated(WorkerAuthError::Revoked.to_string()),
+            _ => ApiError::WorkerUnauthenticated(WorkerAuthError::Revoked),
         };
         return Err(give_back(refused).await);
     }

@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use wor_engine::{
-    ControlPlaneLink, Engine, EngineConfig, LinkAnswer, LinkError, LinkFuture, WorkerTimings,
+    ControlPlaneLink, Engine, EngineConfig, LinkAnswer, LinkError, LinkFuture, WorkerEnd,
+    WorkerTimings,
 };
 use wor_secrets::{EnvelopeLimits, EnvelopeOpener, RequestToSign, WorkerIdentity};
 use wor_store::{AuditConfig, AuditLog, Store};
@@ -35,6 +36,9 @@ struct Enrolment {
     worker_id: String,
     control_plane: String,
     control_plane_verifying_key: String,
+    /// The file of certificates the enrolment trusted for the control plane, if any.
+    #[serde(default)]
+    ca_cert: Option<std::path::PathBuf>,
 }
 
 /// Requests to the control plane, signed with the worker's key.
@@ -123,7 +127,11 @@ pub async fn run(config: &ServerConfig) -> anyhow::Result<ExitCode> {
         EnvelopeLimits::default(),
     );
     let link = SignedLink {
-        client: ApiClient::for_worker(&enrolment.control_plane, REQUEST_TIMEOUT)?,
+        client: ApiClient::for_worker(
+            &enrolment.control_plane,
+            REQUEST_TIMEOUT,
+            enrolment.ca_cert.as_deref(),
+        )?,
         identity,
         worker_id: enrolment.worker_id.clone(),
     };
@@ -192,7 +200,7 @@ pub async fn run(config: &ServerConfig) -> anyhow::Result<ExitCode> {
         "wor: worker {} driving runs of {}",
         enrolment.worker_id, enrolment.control_plane
     );
-    let worker = engine.spawn_remote_worker(
+    let mut worker = engine.spawn_remote_worker(
         stopped,
         WorkerTimings {
             heartbeat: HEARTBEAT,
@@ -200,10 +208,15 @@ pub async fn run(config: &ServerConfig) -> anyhow::Result<ExitCode> {
             claim_wait: CLAIM_WAIT,
         },
     );
-    shutdown.await;
-    eprintln!("wor: stopping: runs in flight are given back at their next step boundary");
-    let _ = stop.send(true);
-    let _ = worker.await;
+    // The worker's loop ends on its own only when the control plane revoked it.
+    let revoked = tokio::select! {
+        () = shutdown => {
+            eprintln!("wor: stopping: runs in flight are given back at their next step boundary");
+            let _ = stop.send(true);
+            matches!(worker.await, Ok(WorkerEnd::Revoked))
+        }
+        ended = &mut worker => matches!(ended, Ok(WorkerEnd::Revoked)),
+    };
     let _ = probes_stop.send(true);
     if let Some(probes) = probes {
         let _ = probes.await;
@@ -214,6 +227,12 @@ pub async fn run(config: &ServerConfig) -> anyhow::Result<ExitCode> {
     drop(data_dir_held);
     hangup.abort();
     tracing::info!(category = "lifecycle", "worker stopped");
+    if revoked {
+        bail!(
+            "the control plane revoked worker {}: it stopped, and answers none of its requests; enrol a new worker (`wor worker enroll`, with a new data dir) to drive runs here",
+            enrolment.worker_id
+        );
+    }
     Ok(ExitCode::SUCCESS)
 }
 

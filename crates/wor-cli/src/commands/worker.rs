@@ -77,7 +77,8 @@ pub struct EnrollArgs {
     #[arg(long)]
     name: Option<String>,
     /// A PEM file of certificates to trust for an `https` control plane beside the system's
-    /// (a private CA) [env: WOR_CA_CERT, which the worker itself reads too].
+    /// (a private CA); its path is recorded, and the worker trusts it too unless it is given
+    /// WOR_CA_CERT [env: WOR_CA_CERT].
     #[arg(long, value_name = "FILE")]
     ca_cert: Option<PathBuf>,
 }
@@ -212,7 +213,20 @@ async fn enroll(args: EnrollArgs) -> anyhow::Result<ExitCode> {
         .context("cannot make or read the worker identity")?;
     let public: WorkerPublicKeys = identity.public_keys();
     let name = args.name.unwrap_or_else(default_name);
-    let client = ApiClient::without_key(&args.control_plane, args.ca_cert.as_deref())?;
+    let ca_cert = ApiClient::enrolment_ca_cert(args.ca_cert.as_deref())?;
+    // Recorded in a JSON file, before the token is spent.
+    let ca_cert_recorded = ca_cert
+        .as_deref()
+        .map(|path| {
+            path.to_str().ok_or_else(|| {
+                crate::usage(format!(
+                    "the --ca-cert path {} is not UTF-8, so the enrolment cannot record it",
+                    path.display()
+                ))
+            })
+        })
+        .transpose()?;
+    let client = ApiClient::without_key(&args.control_plane, ca_cert.as_deref())?;
     let answer = client
         .post(
             wor_server::internal::ENROLL_PATH,
@@ -235,14 +249,14 @@ async fn enroll(args: EnrollArgs) -> anyhow::Result<ExitCode> {
         .context("the control plane's answer has no verifying key")?;
     wor_secrets::parse_verifying_key(pinned)
         .context("the control plane's verifying key is malformed")?;
-    write_enrolment(
-        &enrolment_file,
-        &json!({
-            "worker_id": worker_id,
-            "control_plane": args.control_plane,
-            "control_plane_verifying_key": pinned,
-        }),
-    )?;
+    let mut enrolment = serde_json::Map::new();
+    enrolment.insert("worker_id".to_owned(), json!(worker_id));
+    enrolment.insert("control_plane".to_owned(), json!(args.control_plane));
+    enrolment.insert("control_plane_verifying_key".to_owned(), json!(pinned));
+    if let Some(path) = ca_cert_recorded {
+        enrolment.insert("ca_cert".to_owned(), json!(path));
+    }
+    write_enrolment(&enrolment_file, &serde_json::Value::Object(enrolment))?;
     eprintln!(
         "enrolled as worker {worker_id}; identity in {}",
         args.data_dir.display()
