@@ -922,6 +922,45 @@ fn doctor_reports_readiness_with_an_exit_code() {
     let (metrics, detail) = status(&report, "metrics");
     assert_eq!(metrics, "warn", "{report}");
     assert!(detail.contains("every address of this host"), "{detail}");
+
+    // A listener address that no interface of this host has fails, as `wor serve` would fail
+    // to bind it; one another process holds warns (it may be `wor serve` itself).
+    std::fs::write(&config, "[metrics]\nlisten = \"192.0.2.1:9090\"\n").unwrap();
+    let (code, report) = doctor(&with_tls, &[]);
+    let (metrics, detail) = status(&report, "metrics");
+    assert_eq!((metrics, code), ("fail", Some(1)), "{report}");
+    assert!(detail.contains("no interface of this host"), "{detail}");
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let held = held.local_addr().unwrap().to_string();
+    std::fs::write(&config, format!("[metrics]\nlisten = \"{held}\"\n")).unwrap();
+    let (code, report) = doctor(&with_tls, &[("WOR_LISTEN", &held)]);
+    for name in ["metrics", "listen"] {
+        let (state, detail) = status(&report, name);
+        assert_eq!(state, "warn", "{report}");
+        assert!(detail.contains(&format!("{held} is in use")), "{detail}");
+    }
+    assert_eq!(code, Some(0), "warnings only: {report}");
+    let (code, report) = doctor(&with_tls, &[("WOR_LISTEN", "192.0.2.1:8080")]);
+    let (listen, detail) = status(&report, "listen");
+    assert_eq!((listen, code), ("fail", Some(1)), "{report}");
+    assert!(detail.contains("no interface of this host"), "{detail}");
+
+    // A certificate clients would refuse by its kind or its names warns: a CA's, one that
+    // names no host.
+    let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let key = rcgen::KeyPair::generate().unwrap();
+    write_tls(
+        &params.self_signed(&key).unwrap().pem(),
+        &key.serialize_pem(),
+    );
+    let (code, report) = doctor(&with_tls, &[]);
+    let (tls, detail) = status(&report, "tls");
+    assert_eq!((tls, code), ("warn", Some(0)), "{report}");
+    assert!(
+        detail.contains("is a CA certificate") && detail.contains("names no host"),
+        "{detail}"
+    );
 }
 
 #[test]
@@ -1405,8 +1444,21 @@ fn serve_warns_of_a_listener_certificate_near_its_end() {
     db.extend(["--config".to_owned(), config.display().to_string()]);
     let server = Server::start(&db, &[]);
     server.wait_logged("expires in", std::time::Duration::from_secs(10));
+    // A certificate reloaded by SIGHUP is judged as one read at the start: a CA's that names
+    // no host is warned of.
+    let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let key = rcgen::KeyPair::generate().unwrap();
+    write_tls_config(
+        dir.path(),
+        &params.self_signed(&key).unwrap().pem(),
+        &key.serialize_pem(),
+    );
+    server.signal("-HUP");
+    server.wait_logged("names no host", std::time::Duration::from_secs(10));
     let log = server.stop();
     assert!(log.contains("renew it, then reload with SIGHUP"), "{log}");
+    assert!(log.contains("is a CA certificate"), "{log}");
 }
 
 #[test]

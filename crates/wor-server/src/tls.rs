@@ -68,9 +68,9 @@ impl TlsFiles {
         Ok(Arc::new(config))
     }
 
-    /// Whole days until the certificate (the first of the chain) expires, rounded down
-    /// (negative once it has: -1 on the day after), or why its expiry cannot be read.
-    pub fn days_to_expiry(&self) -> Result<i64, TlsError> {
+    /// What the certificate (the first of the chain) says that clients judge it by, or why it
+    /// cannot be read.
+    pub fn facts(&self) -> Result<CertificateFacts, TlsError> {
         let unreadable = |reason: String| TlsError::Certificate {
             path: self.cert.display().to_string(),
             reason,
@@ -80,7 +80,73 @@ impl TlsFiles {
             x509_parser::pem::parse_x509_pem(&bytes).map_err(|e| unreadable(e.to_string()))?;
         let cert = pem.parse_x509().map_err(|e| unreadable(e.to_string()))?;
         let not_after = cert.validity().not_after.timestamp();
-        Ok((not_after - wor_store::now_millis() / 1000).div_euclid(86_400))
+        let is_ca = cert
+            .basic_constraints()
+            .map_err(|e| unreadable(e.to_string()))?
+            .is_some_and(|constraints| constraints.value.ca);
+        let names = cert
+            .subject_alternative_name()
+            .map_err(|e| unreadable(e.to_string()))?
+            .map_or(0, |names| names.value.general_names.len());
+        Ok(CertificateFacts {
+            cert: self.cert.clone(),
+            days_to_expiry: (not_after - wor_store::now_millis() / 1000).div_euclid(86_400),
+            is_ca,
+            names,
+        })
+    }
+}
+
+/// What a listener's certificate says that clients judge it by.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CertificateFacts {
+    /// The file it was read from.
+    pub cert: PathBuf,
+    /// Whole days until it expires, rounded down (negative once it has: -1 on the day after).
+    pub days_to_expiry: i64,
+    /// Whether it is a CA certificate (`basicConstraints` CA:TRUE).
+    pub is_ca: bool,
+    /// How many names (hosts, addresses) its `subjectAltName` holds.
+    pub names: usize,
+}
+
+impl CertificateFacts {
+    /// When it expires, as a phrase: `expires in N day(s)` or `expired N day(s) ago`.
+    pub fn expiry(&self) -> String {
+        if self.days_to_expiry < 0 {
+            format!("expired {} day(s) ago", -self.days_to_expiry)
+        } else {
+            format!("expires in {} day(s)", self.days_to_expiry)
+        }
+    }
+
+    /// What clients would hold against it, a sentence each: its end within
+    /// [`EXPIRY_WARNING_DAYS`] (or past), being a CA certificate, naming no host. `wor serve`
+    /// logs them when it starts and when SIGHUP reloads it; `wor doctor` reports them.
+    pub fn warnings(&self) -> Vec<String> {
+        let cert = self.cert.display();
+        let mut warnings = Vec::new();
+        if self.days_to_expiry < EXPIRY_WARNING_DAYS {
+            warnings.push(format!(
+                "the listener's TLS certificate `{cert}` {}: renew it, then reload with SIGHUP",
+                self.expiry()
+            ));
+        }
+        if self.is_ca {
+            warnings.push(format!(
+                "the listener's TLS certificate `{cert}` is a CA certificate: clients that \
+                 check, `wor`'s own among them, refuse one as a server's certificate; give one \
+                 with basicConstraints CA:FALSE, or one a CA signed"
+            ));
+        }
+        if self.names == 0 {
+            warnings.push(format!(
+                "the listener's TLS certificate `{cert}` names no host or address \
+                 (subjectAltName): clients check the name they connect to against those \
+                 names only, not the subject's common name"
+            ));
+        }
+        warnings
     }
 }
 

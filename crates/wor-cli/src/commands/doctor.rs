@@ -3,8 +3,9 @@
 //!
 //! Checks: every sandbox layer and the Wasm runtime, the encryption key (and what production
 //! mode would refuse), the database (reachable, migrations), the clock against the database's,
-//! free disk in the data dir, and the listener's TLS certificate when one is configured. It
-//! changes nothing: no database or key is created.
+//! free disk in the data dir, the listeners' addresses (each bound and let go at once), and the
+//! listener's TLS certificate when one is configured. It changes nothing: no database or key
+//! is created.
 
 use std::process::ExitCode;
 use std::time::{Duration, SystemTime};
@@ -83,7 +84,9 @@ pub async fn run(args: DoctorArgs) -> anyhow::Result<ExitCode> {
         })
         .collect();
     if !args.sandbox_only {
-        match ServerConfig::resolve(&args.server, None, false) {
+        // `wor serve` takes its listener from WOR_LISTEN (or `--listen`) before the file.
+        let listen = std::env::var(env::LISTEN).ok().filter(|l| !l.is_empty());
+        match ServerConfig::resolve(&args.server, listen.as_deref(), false) {
             Ok(config) => server_checks(&config, &mut checks).await,
             Err(error) => checks.push(check("configuration", Status::Fail, format!("{error:#}"))),
         }
@@ -137,14 +140,35 @@ async fn server_checks(config: &ServerConfig, checks: &mut Vec<Check>) {
     for problem in config.production_problems() {
         checks.push(check("production", Status::Fail, problem));
     }
+    checks.push(match bind_problem(config.listen) {
+        Some((status, why)) => check("listen", status, why),
+        None => check(
+            "listen",
+            Status::Ok,
+            format!("{} can be listened on", config.listen),
+        ),
+    });
     if let Some(addr) = config.metrics_listen {
-        checks.push(match config.metrics_exposure() {
-            Some(exposure) => check("metrics", Status::Warn, exposure),
-            None => check(
+        let mut problems: Vec<(Status, String)> = bind_problem(addr).into_iter().collect();
+        problems.extend(
+            config
+                .metrics_exposure()
+                .map(|exposure| (Status::Warn, exposure)),
+        );
+        checks.push(if problems.is_empty() {
+            check(
                 "metrics",
                 Status::Ok,
                 format!("served on {addr}, an address only this host or its network reaches"),
-            ),
+            )
+        } else {
+            let status = if problems.iter().any(|(status, _)| *status == Status::Fail) {
+                Status::Fail
+            } else {
+                Status::Warn
+            };
+            let why: Vec<String> = problems.into_iter().map(|(_, why)| why).collect();
+            check("metrics", status, why.join("; "))
         });
     }
     match &probed {
@@ -219,33 +243,68 @@ async fn server_checks(config: &ServerConfig, checks: &mut Vec<Check>) {
     }
 }
 
-/// The listener's certificate loads with its key, and how long until it expires.
+/// The listener's certificate loads with its key, how long until it expires, and what
+/// clients would hold against it (a CA certificate, no name).
 fn tls_check(files: &wor_server::tls::TlsFiles) -> Check {
     if let Err(error) = files.load() {
         return check("tls", Status::Fail, error.to_string());
     }
-    match files.days_to_expiry() {
-        Ok(days) => {
-            let status = if days < CERT_FAIL_DAYS {
+    match files.facts() {
+        Ok(facts) => {
+            let warnings = facts.warnings();
+            let status = if facts.days_to_expiry < CERT_FAIL_DAYS {
                 Status::Fail
-            } else if days < wor_server::tls::EXPIRY_WARNING_DAYS {
-                Status::Warn
-            } else {
+            } else if warnings.is_empty() {
                 Status::Ok
-            };
-            let detail = if days < 0 {
-                format!("`{}` expired {} day(s) ago", files.cert.display(), -days)
             } else {
-                format!("`{}` expires in {days} day(s)", files.cert.display())
+                Status::Warn
+            };
+            let detail = if warnings.is_empty() {
+                format!("`{}` {}", files.cert.display(), facts.expiry())
+            } else {
+                warnings.join("; ")
             };
             check("tls", status, detail)
         }
         Err(error) => check(
             "tls",
             Status::Fail,
-            format!("its expiry cannot be read: {error}"),
+            format!("the certificate cannot be read: {error}"),
         ),
     }
+}
+
+/// Whether `wor serve` could listen on `addr`: it is bound and let go at once. A warning when
+/// something holds it (`wor serve` itself, when it runs), a failure when it cannot be bound.
+fn bind_problem(addr: std::net::SocketAddr) -> Option<(Status, String)> {
+    use std::io::ErrorKind;
+    let error = std::net::TcpListener::bind(addr).err()?;
+    Some(match error.kind() {
+        ErrorKind::AddrInUse => (
+            Status::Warn,
+            format!(
+                "{addr} is in use: by `wor serve` if it is running, else another process \
+                 holds it and `wor serve` would not start"
+            ),
+        ),
+        ErrorKind::AddrNotAvailable => (
+            Status::Fail,
+            format!(
+                "{addr} is an address of no interface of this host: `wor serve` cannot listen on it"
+            ),
+        ),
+        ErrorKind::PermissionDenied => (
+            Status::Fail,
+            format!(
+                "this user may not listen on {addr}: a port below 1024 needs root or \
+                 CAP_NET_BIND_SERVICE"
+            ),
+        ),
+        _ => (
+            Status::Fail,
+            format!("{addr} cannot be listened on: {error}"),
+        ),
+    })
 }
 
 /// The encryption key's state; `sealed` is how many secrets the database holds sealed (0 when

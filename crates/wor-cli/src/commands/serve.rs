@@ -99,22 +99,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         ),
         None => None,
     };
-    // As `wor doctor` would warn: a certificate near its end is said when the server starts.
-    if let Some(files) = &config.tls
-        && let Ok(days) = files.days_to_expiry()
-        && days < wor_server::tls::EXPIRY_WARNING_DAYS
-    {
-        let when = if days < 0 {
-            format!("expired {} day(s) ago", -days)
-        } else {
-            format!("expires in {days} day(s)")
-        };
-        tracing::warn!(
-            category = "config",
-            days,
-            "the listener's TLS certificate `{}` {when}: renew it, then reload with SIGHUP",
-            files.cert.display()
-        );
+    // As `wor doctor` would warn: a certificate near its end, a CA's or one that names no
+    // host is said when the server starts.
+    if let Some(files) = &config.tls {
+        warn_of_certificate(files);
     }
     // From here on SIGHUP (`systemctl reload`) reloads the certificate of a listener serving
     // TLS, and is otherwise only logged: never the default action, which would end the
@@ -498,6 +486,7 @@ pub(crate) fn spawn_hangup(
                 Ok(()) => {
                     tracing::info!(category = "lifecycle", "TLS certificate reloaded");
                     eprintln!("wor: TLS certificate reloaded");
+                    warn_of_certificate(tls.files());
                 }
                 Err(error) => {
                     tracing::error!(
@@ -509,6 +498,22 @@ pub(crate) fn spawn_hangup(
             }
         }
     }))
+}
+
+/// Logs what clients would hold against the listener's certificate
+/// ([`wor_server::tls::CertificateFacts::warnings`]); one that cannot be read was already
+/// refused by loading it.
+fn warn_of_certificate(files: &wor_server::tls::TlsFiles) {
+    let Ok(facts) = files.facts() else {
+        return;
+    };
+    for warning in facts.warnings() {
+        tracing::warn!(
+            category = "config",
+            days = facts.days_to_expiry,
+            "{warning}"
+        );
+    }
 }
 
 /// The trace exporter of `[traces]` and the sink the engine's spans arrive on. The exporter
