@@ -438,9 +438,12 @@ impl Edges {
     }
 }
 
-/// Whether a character next to a match makes it part of a longer word.
+/// Whether a character next to a match makes it part of a longer word: a word character of a
+/// regex's `\b` (letters, decimal digits, marks), but for `_`.
 fn joins(next: Option<char>) -> bool {
-    next.is_some_and(char::is_alphanumeric)
+    next.is_some_and(|c| {
+        c != '_' && regex_syntax::try_is_word_character(c).unwrap_or_else(|_| c.is_alphanumeric())
+    })
 }
 
 fn shape_scanner() -> &'static ShapeScanner {
@@ -550,24 +553,30 @@ impl Bounded<'_> {
     /// The first match in `haystack` (a prefix of `text`) that starts at or after `at` and
     /// whose ends hold, as its whole range and its secret's.
     ///
-    /// Where a match's end does not hold, shorter matches from the same start are tried, as a
-    /// regex's own `\b` would backtrack to them.
+    /// Where a match's end does not hold, shorter matches from the same start are tried, each
+    /// ending before a character that does not join (the only places an end can hold), as a
+    /// regex's own `\b` would backtrack to them (the rules with an end to check repeat
+    /// greedily: `no_rule_with_an_end_to_check_repeats_lazily`). A match that reaches the cut
+    /// of a window short of the text holds there, as it did against the regex's `\b`: the
+    /// window's `after` is as long as a match may be, but for a rule without an upper bound.
     fn find(
         self,
         text: &str,
         haystack: &str,
         mut at: usize,
     ) -> Option<(Range<usize>, Range<usize>)> {
+        let ends_held = |end: usize| {
+            (end == haystack.len() && end < text.len()) || self.edges.hold_after(text, end)
+        };
         while at < haystack.len() {
             let (whole, secret) = self.search(haystack, at)?;
             let start = whole.start;
             if self.edges.hold_before(text, start) {
-                if self.edges.hold_after(text, whole.end) {
+                if ends_held(whole.end) {
                     return Some((whole, secret));
                 }
                 let mut end = whole.end;
-                while end > start {
-                    let shorter = text.floor_char_boundary(end.saturating_sub(1));
+                while let Some(shorter) = last_separator_before(text, start, end) {
                     let Some(found) = haystack.get(..shorter).and_then(|h| self.search(h, start))
                     else {
                         break;
@@ -578,7 +587,7 @@ impl Bounded<'_> {
                     if self.edges.hold_after(text, found.0.end) {
                         return Some(found);
                     }
-                    end = found.0.end.min(shorter);
+                    end = found.0.end;
                 }
             }
             at = text.ceil_char_boundary(start.saturating_add(1));
@@ -598,6 +607,17 @@ impl Bounded<'_> {
             })
         }
     }
+}
+
+/// The last position after `start` and before `end` where a character that does not join a
+/// word begins: where a shorter match's end could hold.
+fn last_separator_before(text: &str, start: usize, end: usize) -> Option<usize> {
+    let between = text.get(start..end)?;
+    between
+        .char_indices()
+        .rev()
+        .find(|&(offset, c)| offset > 0 && !joins(Some(c)))
+        .map(|(offset, _)| start + offset)
 }
 
 fn find_in_window(text: &str, rule: Bounded<'_>, start: usize, end: usize, spans: &mut Vec<Span>) {

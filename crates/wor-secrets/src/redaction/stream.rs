@@ -63,7 +63,7 @@ pub(super) fn probe_pattern(pattern: &str) -> String {
     pattern.replace(r"\b", "")
 }
 
-fn has_lazy_repetition(pattern: &str) -> bool {
+pub(super) fn has_lazy_repetition(pattern: &str) -> bool {
     ["*?", "+?", "}?"].iter().any(|lazy| pattern.contains(lazy))
 }
 

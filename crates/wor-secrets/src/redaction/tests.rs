@@ -489,6 +489,53 @@ fn a_match_whose_end_joins_a_word_gives_way_to_a_shorter_one() {
 }
 
 #[test]
+fn a_numeral_that_is_not_a_digit_does_not_join_a_token() {
+    // A footnote mark or a circled number is no word character of a regex's `\b`.
+    let token = format!("ghp_{}", alnum(36));
+    for text in [format!("{token}¹"), format!("①{token}")] {
+        assert!(!redact_shapes(&text).contains(&token), "{text}");
+    }
+}
+
+#[test]
+fn a_secret_that_ends_in_a_slash_is_redacted_before_a_quote() {
+    // The key's last character is not a word character: a regex's `\b` before the quote
+    // found no boundary there, and the key went out whole.
+    let text = "aws_secret_access_key = \"wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKE/\"";
+    assert_eq!(
+        redact_shapes(text),
+        "aws_secret_access_key = \"[REDACTED:aws-secret-access-key]\""
+    );
+}
+
+#[test]
+fn a_token_longer_than_its_window_is_redacted_as_far_as_the_window_reaches() {
+    // `vault-token` has no upper bound: a match reaching the window's cut holds there, as it
+    // did against the regex's own `\b`.
+    let token = format!("hvs.{}", alnum(400));
+    let text = format!("token {token} end");
+    let redacted = redact_shapes(&text);
+    assert!(
+        redacted.starts_with("token [REDACTED:vault-token]"),
+        "{redacted}"
+    );
+    assert!(!redacted.contains(&token[..200]), "{redacted}");
+}
+
+#[test]
+fn no_rule_with_an_end_to_check_repeats_lazily() {
+    // A shorter match is looked for by cutting the text, which finds the longest one only for
+    // greedy repetition.
+    for rule in SHAPE_RULES {
+        assert!(
+            !(rule.pattern.ends_with(r"\b") && stream::has_lazy_repetition(rule.pattern)),
+            "{}",
+            rule.id
+        );
+    }
+}
+
+#[test]
 fn shape_marker_names_the_rule() {
     let token = format!("ghp_{}", alnum(36));
     assert_eq!(
