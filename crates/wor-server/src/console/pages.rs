@@ -56,13 +56,23 @@ pub(super) fn start_form_key(page_key: &str, fields: &[&str]) -> Option<Idempote
     }
     let mut sent = Vec::new();
     for field in std::iter::once(page_key).chain(fields.iter().copied()) {
-        sent.extend_from_slice(&field.len().to_le_bytes());
+        // As eight bytes on every platform: servers of one database hash alike.
+        sent.extend_from_slice(&u64::try_from(field.len()).unwrap_or(u64::MAX).to_le_bytes());
         sent.extend_from_slice(field.as_bytes());
     }
     // A digest's hex under a prefix is always a key.
     format!("console-{}", wor_core::canonical::sha256_hex(&sent))
         .parse()
         .ok()
+}
+
+/// A start form's `start_key` for a member who may start runs; none for one who sees no form.
+pub(super) fn start_key_for(may_start: bool) -> Result<String, ConsoleError> {
+    if may_start {
+        form_token()
+    } else {
+        Ok(String::new())
+    }
 }
 
 /// Who is signed in, for the page header.

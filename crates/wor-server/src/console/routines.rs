@@ -13,7 +13,7 @@ use similar::{ChangeTag, TextDiff};
 use wor_core::RoutineId;
 use wor_engine::WebhookSecretKind;
 
-use super::pages::{Banner, PageResult, form, form_token, start_form_key};
+use super::pages::{Banner, PageResult, form, start_form_key, start_key_for};
 use super::session::ConsoleMember;
 use super::{ConsoleError, PagePath, render};
 use crate::AppState;
@@ -217,7 +217,7 @@ pub async fn show(
         diff,
         may_start: member.session.role.can_operate_runs(),
         memory: current.definition.memory.enabled,
-        start_key: form_token()?,
+        start_key: start_key_for(member.session.role.can_operate_runs())?,
     };
     Ok(render(StatusCode::OK, &page))
 }

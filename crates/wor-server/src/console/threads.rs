@@ -28,7 +28,7 @@ use wor_core::{ProjectId, RoutineId, RunId};
 use wor_engine::DEFAULT_THREAD;
 use wor_store::{ApprovalFilter, RunRecord, Store};
 
-use super::pages::{Banner, PageResult, form, form_token, start_form_key};
+use super::pages::{Banner, PageResult, form, start_form_key, start_key_for};
 use super::session::ConsoleMember;
 use super::{ConsoleError, INBOX_LIMIT, PagePath, render};
 use crate::AppState;
@@ -115,7 +115,7 @@ pub async fn list(
             routine,
             threads,
             may_start: member.session.role.can_operate_runs(),
-            start_key: form_token()?,
+            start_key: start_key_for(member.session.role.can_operate_runs())?,
         },
     ))
 }
@@ -329,7 +329,7 @@ pub async fn show(
             turns,
             live,
             may_start: member.session.role.can_operate_runs(),
-            start_key: form_token()?,
+            start_key: start_key_for(member.session.role.can_operate_runs())?,
         },
     ))
 }
