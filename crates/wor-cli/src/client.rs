@@ -24,17 +24,18 @@ pub struct ClientArgs {
 }
 
 /// The certificates of the PEM file at `path`, to trust beside the system's; a file
-/// [`crate::config::pem_certificates`] refuses is a [`UsageError`](crate::UsageError).
+/// [`crate::config::pem_certificates`] refuses is a [`UsageError`](crate::UsageError) that
+/// names where the path came from (`named_by`).
 fn trusted_certificates(
     path: Option<&std::path::Path>,
+    named_by: &str,
 ) -> anyhow::Result<Vec<reqwest::Certificate>> {
     let Some(path) = path else {
         return Ok(Vec::new());
     };
     let refused = |reason: String| {
         usage(format!(
-            "--ca-cert ({}) `{}` is refused: {reason}",
-            env::CA_CERT,
+            "{named_by} `{}` is refused: {reason}",
             path.display()
         ))
     };
@@ -64,6 +65,8 @@ struct Trust {
     given: bool,
 }
 
+/// How a client command's, or an enrolment's, file of certificates is named when refused.
+const GIVEN: &str = "--ca-cert (WOR_CA_CERT)";
 /// A client command's, or an enrolment's, way to be given certificates.
 const BY_FLAG_OR_VARIABLE: &str = "--ca-cert or WOR_CA_CERT";
 /// A worker's.
@@ -221,7 +224,7 @@ impl ApiClient {
             &args.server,
             Some(api_key),
             REQUEST_TIMEOUT,
-            trusted_certificates(ca_cert_file(args.ca_cert.as_deref()).as_deref())?,
+            trusted_certificates(ca_cert_file(args.ca_cert.as_deref()).as_deref(), GIVEN)?,
             BY_FLAG_OR_VARIABLE,
         )
     }
@@ -245,7 +248,7 @@ impl ApiClient {
             server,
             None,
             REQUEST_TIMEOUT,
-            trusted_certificates(ca_cert_file(ca_cert).as_deref())?,
+            trusted_certificates(ca_cert_file(ca_cert).as_deref(), GIVEN)?,
             BY_FLAG_OR_VARIABLE,
         )
     }
@@ -258,14 +261,14 @@ impl ApiClient {
         timeout: std::time::Duration,
         recorded: Option<&std::path::Path>,
     ) -> anyhow::Result<Self> {
-        let ca_cert = ca_cert_file(None).or_else(|| recorded.map(std::path::Path::to_path_buf));
-        Self::build(
-            server,
-            None,
-            timeout,
-            trusted_certificates(ca_cert.as_deref())?,
-            BY_VARIABLE,
-        )
+        let trusted = match ca_cert_file(None) {
+            Some(path) => trusted_certificates(Some(&path), env::CA_CERT)?,
+            None => trusted_certificates(
+                recorded,
+                "the ca_cert the worker's enrolment recorded (worker-enrolment.json)",
+            )?,
+        };
+        Self::build(server, None, timeout, trusted, BY_VARIABLE)
     }
 
     /// The file of certificates an enrolment trusts: `ca_cert`, else `WOR_CA_CERT`; as an

@@ -1777,16 +1777,56 @@ fn memory_holds(pid: u32, needle: &[u8]) -> bool {
     false
 }
 
-/// A worker the operator revokes while it runs stops at its next request and says why, with
-/// a failing exit status, rather than asking again for ever.
+/// A worker the operator revokes while it drives a run stops at once and says why, with a
+/// failing exit status, rather than asking again for ever: its one slot is busy with a tool
+/// that answers after a minute, so only the answer to the drive's own lease renewal can tell
+/// it. The run stays where the revocation put it, back in the queue.
 #[test]
 fn a_revoked_worker_stops_and_says_why() {
     let dir = tempfile::tempdir().unwrap();
     let db = database_args(dir.path());
-    create_project(&db);
+    let key = create_project(&db);
     let api = start_role(&db, "api");
+    let project = Project {
+        api: &api,
+        key,
+        dir: dir.path(),
+    };
+    let tools = tool_server_answering_after(Duration::from_secs(60));
+    project.http_connection_at(
+        "desk",
+        &format!("http://127.0.0.1:{}/v1", tools.port),
+        WORKER_TOOL_TOKEN,
+        true,
+    );
+    replay_routine(&project, "desk", "auto");
     let worker_dir = dir.path().join("worker");
-    let mut worker = Server::worker(&worker_dir, &enrol_loopback_worker(&api, &db, &worker_dir));
+    let config = enrol_loopback_worker(&api, &db, &worker_dir);
+    let (worker_path, config) = (worker_dir.to_str().unwrap(), config.to_str().unwrap());
+    let mut worker = Server::try_spawn_within(
+        &[
+            "serve",
+            "--role",
+            "worker",
+            "--data-dir",
+            worker_path,
+            "--config",
+            config,
+            "--workers",
+            "1",
+        ],
+        &[],
+        "wor: worker ",
+        Duration::from_secs(30),
+    )
+    .unwrap_or_else(|why| panic!("{why}"));
+    let run_id = project.start("desk");
+    wait_for(
+        "the worker to call the tool",
+        Duration::from_secs(60),
+        || !tools.seen.lock().unwrap().is_empty(),
+    );
+
     let enrolment: Value = serde_json::from_str(
         &std::fs::read_to_string(worker_dir.join("worker-enrolment.json")).unwrap(),
     )
@@ -1796,24 +1836,23 @@ fn a_revoked_worker_stops_and_says_why() {
     revoke.extend(db.iter().map(String::as_str));
     let out = run(&mut wor(&revoke));
     assert!(out.status.success(), "{}", text(&out.stderr));
-
     let mut status = None;
     wait_for(
-        "the revoked worker to stop",
-        Duration::from_secs(60),
+        "the revoked worker to stop, well before its tool answers",
+        Duration::from_secs(20),
         || {
             status = worker.child.try_wait().unwrap();
             status.is_some()
         },
     );
-    std::thread::sleep(Duration::from_millis(200));
+    worker.wait_logged("enrol a new worker", Duration::from_secs(10));
     let log = worker.log.lock().unwrap().clone();
     assert_eq!(status.unwrap().code(), Some(1), "{log}");
     assert!(
-        log.contains(&format!("the control plane revoked worker {worker_id}"))
-            && log.contains("enrol a new worker"),
+        log.contains(&format!("the control plane revoked worker {worker_id}")),
         "{log}"
     );
+    assert_eq!(shown_run(&project, &run_id)["status"], "queued");
     api.stop();
 }
 

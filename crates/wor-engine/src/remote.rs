@@ -105,6 +105,9 @@ pub(crate) struct RemoteRuns {
     /// Why this worker cannot take work now, from the last claim or heartbeat: the control
     /// plane could not be reached or refused it. `None` while it answers.
     unready: Mutex<Option<String>>,
+    /// Set once the control plane answers any request of this worker's with
+    /// [`worker_wire::WORKER_REVOKED`]: its loop stops and its drives are ended at once.
+    revoked: tokio::sync::watch::Sender<bool>,
 }
 
 impl std::fmt::Debug for RemoteRuns {
@@ -238,12 +241,23 @@ impl RemoteRuns {
             held: Mutex::new(HashMap::new()),
             draining: AtomicBool::new(false),
             unready: Mutex::new(Some("the control plane has not answered yet".to_owned())),
+            revoked: tokio::sync::watch::Sender::new(false),
+        }
+    }
+
+    /// Notes an answer that says this worker is revoked, whichever request it answers.
+    fn note_revocation(&self, answer: &LinkAnswer) {
+        if is_revocation(answer) {
+            self.revoked.send_replace(true);
         }
     }
 
     /// Notes whether the control plane took a claim or heartbeat (for readiness), and passes
     /// the answer on.
     fn answered(&self, answer: Result<LinkAnswer, LinkError>) -> Result<LinkAnswer, LinkError> {
+        if let Ok(answer) = &answer {
+            self.note_revocation(answer);
+        }
         *locked(&self.unready) = match &answer {
             Ok(LinkAnswer { status, .. }) if *status < 300 => None,
             // The status alone: the probe is served over plain HTTP, and the body is the
@@ -312,10 +326,13 @@ impl RemoteRuns {
     ) -> Result<LinkAnswer, EngineError> {
         let body = serde_json::to_vec(body)
             .map_err(|e| EngineError::InvalidState(format!("a request does not encode: {e}")))?;
-        self.link
+        let answer = self
+            .link
             .post(path, body)
             .await
-            .map_err(|e| EngineError::ControlPlane(e.to_string()))
+            .map_err(|e| EngineError::ControlPlane(e.to_string()))?;
+        self.note_revocation(&answer);
+        Ok(answer)
     }
 
     /// Sends `body` to `path` and reads the answer as `T`.
@@ -351,6 +368,19 @@ fn answered(path: &str, what: &str, answer: LinkAnswer) -> Result<Answer<Vec<u8>
     }
 }
 
+/// Waits until the control plane has said the worker is revoked; never, for an engine that is
+/// not a remote worker's.
+async fn until_revoked(revoked: &mut Option<tokio::sync::watch::Receiver<bool>>) {
+    match revoked {
+        Some(revoked) => {
+            if revoked.wait_for(|revoked| *revoked).await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+        None => std::future::pending().await,
+    }
+}
+
 /// `mutex` locked; one a panicking holder left poisoned holds plain data and is used as it is.
 fn locked<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex
@@ -368,13 +398,15 @@ fn error_code(body: &[u8]) -> Option<String> {
 }
 
 /// The message of an error answer, or its first bytes.
+/// Whether the control plane answered that this worker is revoked.
+fn is_revocation(answer: &LinkAnswer) -> bool {
+    answer.status == 401 && error_code(&answer.body).as_deref() == Some(worker_wire::WORKER_REVOKED)
+}
+
 /// A claim's or a heartbeat's refusal: [`ClaimError::Revoked`] when the control plane answers
 /// that this worker is revoked.
 fn refusal(answer: &LinkAnswer) -> ClaimError {
-    let code = serde_json::from_slice::<serde_json::Value>(&answer.body)
-        .ok()
-        .and_then(|v| v.pointer("/error/code")?.as_str().map(str::to_owned));
-    if answer.status == 401 && code.as_deref() == Some(worker_wire::WORKER_REVOKED) {
+    if is_revocation(answer) {
         return ClaimError::Revoked;
     }
     ClaimError::Refused {
@@ -1113,6 +1145,9 @@ impl Engine {
         let engine = self.clone();
         tokio::spawn(async move {
             let mut ended = WorkerEnd::Stopped;
+            // Any request's answer can say the worker is revoked, a drive's among them while
+            // every slot is taken.
+            let mut revoked = engine.remote.as_ref().map(|r| r.revoked.subscribe());
             let slots = Arc::new(tokio::sync::Semaphore::new(engine.config.workers.max(1)));
             let mut drives = tokio::task::JoinSet::new();
             let mut beat = tokio::time::interval(timings.heartbeat);
@@ -1136,6 +1171,10 @@ impl Engine {
                 let permit = tokio::select! {
                     permit = slots.clone().acquire_owned() => permit,
                     _ = stop.changed() => break,
+                    () = until_revoked(&mut revoked) => {
+                        ended = WorkerEnd::Revoked;
+                        break;
+                    }
                 };
                 let Ok(permit) = permit else { break };
                 // Not raced with the stop: a claim the control plane made is driven or given
@@ -1182,6 +1221,10 @@ impl Engine {
                 tokio::select! {
                     biased;
                     _ = stop.changed() => break,
+                    () = until_revoked(&mut revoked) => {
+                        ended = WorkerEnd::Revoked;
+                        break;
+                    }
                     _ = beat.tick() => match engine.heartbeat().await {
                         Ok(_) => {}
                         Err(ClaimError::Revoked) => {
@@ -1197,11 +1240,21 @@ impl Engine {
                 }
             }
             if ended == WorkerEnd::Revoked {
+                // The revocation already put this worker's runs back in the queue, for another
+                // worker to claim: its drives end now rather than at a step boundary, nothing
+                // is given back (the control plane would refuse it), and the claims' secrets
+                // are dropped.
                 tracing::error!(
                     category = "lifecycle",
                     action = "worker.revoked",
                     "the control plane revoked this worker; it stops"
                 );
+                drives.abort_all();
+                while drives.join_next().await.is_some() {}
+                if let Some(remote) = engine.remote.as_deref() {
+                    remote.held_map().clear();
+                }
+                return ended;
             }
             // Draining: each drive gives its run back at its next step boundary; those still
             // going after `drain` are aborted and their runs given back, to be resumed

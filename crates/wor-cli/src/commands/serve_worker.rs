@@ -209,14 +209,16 @@ pub async fn run(config: &ServerConfig) -> anyhow::Result<ExitCode> {
         },
     );
     // The worker's loop ends on its own only when the control plane revoked it.
-    let revoked = tokio::select! {
+    let ended = tokio::select! {
         () = shutdown => {
             eprintln!("wor: stopping: runs in flight are given back at their next step boundary");
             let _ = stop.send(true);
-            matches!(worker.await, Ok(WorkerEnd::Revoked))
+            worker.await
         }
-        ended = &mut worker => matches!(ended, Ok(WorkerEnd::Revoked)),
+        ended = &mut worker => ended,
     };
+    // A loop that panicked ends the process as a failure, for its supervisor to restart.
+    let revoked = ended.context("the worker's loop ended unexpectedly")? == WorkerEnd::Revoked;
     let _ = probes_stop.send(true);
     if let Some(probes) = probes {
         let _ = probes.await;
