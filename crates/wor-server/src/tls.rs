@@ -80,14 +80,31 @@ impl TlsFiles {
             x509_parser::pem::parse_x509_pem(&bytes).map_err(|e| unreadable(e.to_string()))?;
         let cert = pem.parse_x509().map_err(|e| unreadable(e.to_string()))?;
         let not_after = cert.validity().not_after.timestamp();
+        // An extension that does not parse (or is there twice) says nothing either way: the
+        // expiry is still read.
         let is_ca = cert
             .basic_constraints()
-            .map_err(|e| unreadable(e.to_string()))?
+            .ok()
+            .flatten()
             .is_some_and(|constraints| constraints.value.ca);
         let names = cert
             .subject_alternative_name()
-            .map_err(|e| unreadable(e.to_string()))?
-            .map_or(0, |names| names.value.general_names.len());
+            .ok()
+            .flatten()
+            .map_or(0, |names| {
+                names
+                    .value
+                    .general_names
+                    .iter()
+                    .filter(|name| {
+                        matches!(
+                            name,
+                            x509_parser::extensions::GeneralName::DNSName(_)
+                                | x509_parser::extensions::GeneralName::IPAddress(_)
+                        )
+                    })
+                    .count()
+            });
         Ok(CertificateFacts {
             cert: self.cert.clone(),
             days_to_expiry: (not_after - wor_store::now_millis() / 1000).div_euclid(86_400),
@@ -106,7 +123,8 @@ pub struct CertificateFacts {
     pub days_to_expiry: i64,
     /// Whether it is a CA certificate (`basicConstraints` CA:TRUE).
     pub is_ca: bool,
-    /// How many names (hosts, addresses) its `subjectAltName` holds.
+    /// How many host names and addresses its `subjectAltName` holds (other kinds of name, an
+    /// email or a URI, name no host).
     pub names: usize,
 }
 

@@ -150,6 +150,21 @@ async fn server_checks(config: &ServerConfig, checks: &mut Vec<Check>) {
     });
     if let Some(addr) = config.metrics_listen {
         let mut problems: Vec<(Status, String)> = bind_problem(addr).into_iter().collect();
+        // Each is bound alone above, so a clash between the two shows only here.
+        if addr.port() == config.listen.port()
+            && (addr.ip() == config.listen.ip()
+                || addr.ip().is_unspecified()
+                || config.listen.ip().is_unspecified())
+        {
+            problems.push((
+                Status::Fail,
+                format!(
+                    "{addr} is where the API listens too ({}): `wor serve` cannot bind both; \
+                     give `[metrics] listen` a port of its own",
+                    config.listen
+                ),
+            ));
+        }
         problems.extend(
             config
                 .metrics_exposure()
@@ -293,7 +308,7 @@ fn bind_problem(addr: std::net::SocketAddr) -> Option<(Status, String)> {
                 "{addr} is an address of no interface of this host: `wor serve` cannot listen on it"
             ),
         ),
-        ErrorKind::PermissionDenied => (
+        ErrorKind::PermissionDenied if addr.port() < 1024 => (
             Status::Fail,
             format!(
                 "this user may not listen on {addr}: a port below 1024 needs root or \
