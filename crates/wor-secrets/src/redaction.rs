@@ -397,9 +397,9 @@ struct ShapeScanner {
 
 /// The ends of a rule's match that its pattern bounds with `\b`.
 ///
-/// The scanner checks them itself, with a letter or a digit as the only thing that joins:
-/// `\b` in a regex takes `_` for part of a word, so `retry_ghp_…` or `ghp_…_old` would hide
-/// a token from a rule whose pattern starts or ends with it.
+/// The scanner checks them itself, with a word character other than `_` as the only thing
+/// that joins ([`joins`]): `\b` in a regex takes `_` for part of a word, so `retry_ghp_…` or
+/// `ghp_…_old` would hide a token from a rule whose pattern starts or ends with it.
 #[derive(Clone, Copy, Debug, Default)]
 struct Edges {
     /// No letter or digit may come just before the match.

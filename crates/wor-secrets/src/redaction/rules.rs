@@ -16,8 +16,9 @@
 //! The regexes are rewritten for the Rust `regex` dialect (no lookaround, no entropy checks) and
 //! lean towards redacting: a false positive hides a harmless string, a false negative leaks a
 //! credential. A `\b` at either end of a pattern is checked by the scanner rather than the
-//! regex, with only a letter or a digit joining a match to what is beside it: a regex's `\b`
-//! takes `_` for part of a word, so `retry_ghp_…` or `DB_PASSWORD=…` would not match.
+//! regex, with a word character other than `_` (a letter, a decimal digit, a mark) the only
+//! thing that joins a match to what is beside it: a regex's `\b` takes `_` for part of a
+//! word, so `retry_ghp_…` or `DB_PASSWORD=…` would not match.
 //!
 //! A few rules (`basic-auth-url`, `bearer-token`, `basic-auth-header`,
 //! `generic-credential-assignment`, `whsec-secret`, `dockerhub-pat`, and `wor-api-key`,
