@@ -980,6 +980,32 @@ fn doctor_reports_readiness_with_an_exit_code() {
         detail.contains("is a CA certificate") && detail.contains("names no host"),
         "{detail}"
     );
+
+    // A file with the key before the certificate is read as `wor serve` reads it: the first
+    // certificate in it.
+    write_tls(&format!("{}{}", fresh.key, fresh.cert), &fresh.key);
+    let (_, report) = doctor(&with_tls, &[]);
+    let (tls, detail) = status(&report, "tls");
+    assert_eq!(tls, "ok", "{report}");
+    assert!(detail.contains("expires in"), "{detail}");
+    // One not valid yet fails: clients refuse it until then.
+    let mut params = rcgen::CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
+    let later = chrono::Utc::now() + chrono::Duration::days(3);
+    params.not_before = rcgen::date_time_ymd(
+        chrono::Datelike::year(&later),
+        u8::try_from(chrono::Datelike::month(&later)).unwrap(),
+        u8::try_from(chrono::Datelike::day(&later)).unwrap(),
+    );
+    params.not_after = rcgen::date_time_ymd(2099, 1, 1);
+    let key = rcgen::KeyPair::generate().unwrap();
+    write_tls(
+        &params.self_signed(&key).unwrap().pem(),
+        &key.serialize_pem(),
+    );
+    let (code, report) = doctor(&with_tls, &[]);
+    let (tls, detail) = status(&report, "tls");
+    assert_eq!((tls, code), ("fail", Some(1)), "{report}");
+    assert!(detail.contains("is not valid yet"), "{detail}");
 }
 
 #[test]

@@ -29,6 +29,9 @@ pub enum TlsError {
     Config(#[from] rustls::Error),
 }
 
+/// Seconds in a day, for a certificate's days to its end.
+const DAY_SECONDS: i64 = 86_400;
+
 /// How many days before its end a listener's certificate is warned of (`wor serve` when it
 /// starts, `wor doctor`).
 pub const EXPIRY_WARNING_DAYS: i64 = 30;
@@ -75,11 +78,16 @@ impl TlsFiles {
             path: self.cert.display().to_string(),
             reason,
         };
-        let bytes = std::fs::read(&self.cert).map_err(|e| unreadable(e.to_string()))?;
-        let (_, pem) =
-            x509_parser::pem::parse_x509_pem(&bytes).map_err(|e| unreadable(e.to_string()))?;
-        let cert = pem.parse_x509().map_err(|e| unreadable(e.to_string()))?;
-        let not_after = cert.validity().not_after.timestamp();
+        // The first certificate of the file, as `load` serves it: other PEM blocks (a key
+        // before it, say) are passed over.
+        let first = CertificateDer::pem_file_iter(&self.cert)
+            .map_err(|e| unreadable(e.to_string()))?
+            .next()
+            .ok_or_else(|| unreadable("no certificate in the file".to_owned()))?
+            .map_err(|e| unreadable(e.to_string()))?;
+        let (_, cert) = x509_parser::parse_x509_certificate(&first)
+            .map_err(|e| unreadable(format!("the certificate does not parse: {e}")))?;
+        let now = wor_store::now_millis() / 1000;
         // An extension that does not parse (or is there twice) says nothing either way: the
         // expiry is still read.
         let is_ca = cert
@@ -107,7 +115,8 @@ impl TlsFiles {
             });
         Ok(CertificateFacts {
             cert: self.cert.clone(),
-            days_to_expiry: (not_after - wor_store::now_millis() / 1000).div_euclid(86_400),
+            seconds_to_expiry: cert.validity().not_after.timestamp() - now,
+            seconds_to_start: cert.validity().not_before.timestamp() - now,
             is_ca,
             names,
         })
@@ -119,8 +128,10 @@ impl TlsFiles {
 pub struct CertificateFacts {
     /// The file it was read from.
     pub cert: PathBuf,
-    /// Whole days until it expires, rounded down (negative once it has: -1 on the day after).
-    pub days_to_expiry: i64,
+    /// Seconds until it expires (negative once it has).
+    pub seconds_to_expiry: i64,
+    /// Seconds until it becomes valid (positive while it is not yet).
+    pub seconds_to_start: i64,
     /// Whether it is a CA certificate (`basicConstraints` CA:TRUE).
     pub is_ca: bool,
     /// How many host names and addresses its `subjectAltName` holds (other kinds of name, an
@@ -129,22 +140,42 @@ pub struct CertificateFacts {
 }
 
 impl CertificateFacts {
-    /// When it expires, as a phrase: `expires in N day(s)` or `expired N day(s) ago`.
+    /// Whole days until it expires, rounded down; negative once it has (-1 on the day after).
+    pub fn days_to_expiry(&self) -> i64 {
+        self.seconds_to_expiry.div_euclid(DAY_SECONDS)
+    }
+
+    /// Whether it is not valid yet: clients refuse it until then.
+    pub fn not_valid_yet(&self) -> bool {
+        self.seconds_to_start > 0
+    }
+
+    /// When it expires, as a phrase: `expires in N day(s)`, `expired today` or `expired N
+    /// day(s) ago` (whole days since).
     pub fn expiry(&self) -> String {
-        if self.days_to_expiry < 0 {
-            format!("expired {} day(s) ago", -self.days_to_expiry)
-        } else {
-            format!("expires in {} day(s)", self.days_to_expiry)
+        match self.seconds_to_expiry {
+            left if left >= 0 => format!("expires in {} day(s)", left / DAY_SECONDS),
+            left => match (-left) / DAY_SECONDS {
+                0 => "expired today".to_owned(),
+                days => format!("expired {days} day(s) ago"),
+            },
         }
     }
 
-    /// What clients would hold against it, a sentence each: its end within
+    /// What clients would hold against it, a sentence each: not valid yet, its end within
     /// [`EXPIRY_WARNING_DAYS`] (or past), being a CA certificate, naming no host. `wor serve`
     /// logs them when it starts and when SIGHUP reloads it; `wor doctor` reports them.
     pub fn warnings(&self) -> Vec<String> {
         let cert = self.cert.display();
         let mut warnings = Vec::new();
-        if self.days_to_expiry < EXPIRY_WARNING_DAYS {
+        if self.not_valid_yet() {
+            warnings.push(format!(
+                "the listener's TLS certificate `{cert}` is not valid yet, for {} more \
+                 hour(s): clients refuse it until then",
+                (self.seconds_to_start + 3599) / 3600
+            ));
+        }
+        if self.days_to_expiry() < EXPIRY_WARNING_DAYS {
             warnings.push(format!(
                 "the listener's TLS certificate `{cert}` {}: renew it, then reload with SIGHUP",
                 self.expiry()
@@ -276,5 +307,48 @@ impl axum::serve::Listener for TlsListener {
 
     fn local_addr(&self) -> io::Result<Self::Addr> {
         Ok(self.local)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn facts(seconds_to_expiry: i64, seconds_to_start: i64) -> CertificateFacts {
+        CertificateFacts {
+            cert: PathBuf::from("cert.pem"),
+            seconds_to_expiry,
+            seconds_to_start,
+            is_ca: false,
+            names: 1,
+        }
+    }
+
+    #[test]
+    fn an_expiry_is_told_in_whole_days_each_side_of_it() {
+        let hours = |h: i64| h * 3600;
+        for (left, phrase, days) in [
+            (hours(49), "expires in 2 day(s)", 2),
+            (hours(2), "expires in 0 day(s)", 0),
+            (-hours(2), "expired today", -1),
+            (-hours(25), "expired 1 day(s) ago", -2),
+            (-hours(49), "expired 2 day(s) ago", -3),
+        ] {
+            let facts = facts(left, -hours(100));
+            assert_eq!(facts.expiry(), phrase, "{left}");
+            assert_eq!(facts.days_to_expiry(), days, "{left}");
+        }
+    }
+
+    #[test]
+    fn a_certificate_not_valid_yet_is_warned_of() {
+        let warnings = facts(86_400 * 90, 7_200).warnings();
+        assert!(
+            warnings
+                .iter()
+                .any(|w| w.contains("is not valid yet, for 2 more hour(s)")),
+            "{warnings:?}"
+        );
+        assert!(facts(86_400 * 90, -1).warnings().is_empty());
     }
 }

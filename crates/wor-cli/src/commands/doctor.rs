@@ -151,11 +151,7 @@ async fn server_checks(config: &ServerConfig, checks: &mut Vec<Check>) {
     if let Some(addr) = config.metrics_listen {
         let mut problems: Vec<(Status, String)> = bind_problem(addr).into_iter().collect();
         // Each is bound alone above, so a clash between the two shows only here.
-        if addr.port() == config.listen.port()
-            && (addr.ip() == config.listen.ip()
-                || addr.ip().is_unspecified()
-                || config.listen.ip().is_unspecified())
-        {
+        if listeners_clash(addr, config.listen) {
             problems.push((
                 Status::Fail,
                 format!(
@@ -267,7 +263,7 @@ fn tls_check(files: &wor_server::tls::TlsFiles) -> Check {
     match files.facts() {
         Ok(facts) => {
             let warnings = facts.warnings();
-            let status = if facts.days_to_expiry < CERT_FAIL_DAYS {
+            let status = if facts.days_to_expiry() < CERT_FAIL_DAYS || facts.not_valid_yet() {
                 Status::Fail
             } else if warnings.is_empty() {
                 Status::Ok
@@ -287,6 +283,19 @@ fn tls_check(files: &wor_server::tls::TlsFiles) -> Check {
             format!("the certificate cannot be read: {error}"),
         ),
     }
+}
+
+/// Whether two listeners' addresses would keep `wor serve` from binding both: one port (not
+/// 0, which each binds anew) on one address, or on `0.0.0.0` and an IPv4 address, or on `[::]`
+/// (which takes IPv4 too, as Linux binds it by default) and any address.
+fn listeners_clash(a: std::net::SocketAddr, b: std::net::SocketAddr) -> bool {
+    let covers = |wide: std::net::IpAddr, other: std::net::IpAddr| match wide {
+        std::net::IpAddr::V4(ip) => ip.is_unspecified() && other.is_ipv4(),
+        std::net::IpAddr::V6(ip) => ip.is_unspecified(),
+    };
+    a.port() == b.port()
+        && a.port() != 0
+        && (a.ip() == b.ip() || covers(a.ip(), b.ip()) || covers(b.ip(), a.ip()))
 }
 
 /// Whether `wor serve` could listen on `addr`: it is bound and let go at once. A warning when
@@ -532,5 +541,31 @@ fn disk_check(config: &ServerConfig) -> Check {
             Status::Fail,
             format!("cannot read free space in `{}`: {error}", dir.display()),
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn listeners_clash_only_where_serve_could_not_bind_both() {
+        let clash = |a: &str, b: &str| listeners_clash(a.parse().unwrap(), b.parse().unwrap());
+        for (a, b) in [
+            ("127.0.0.1:9000", "127.0.0.1:9000"),
+            ("0.0.0.0:9000", "127.0.0.1:9000"),
+            ("[::]:9000", "127.0.0.1:9000"),
+            ("[::]:9000", "[::1]:9000"),
+        ] {
+            assert!(clash(a, b) && clash(b, a), "{a} {b}");
+        }
+        for (a, b) in [
+            ("127.0.0.1:0", "127.0.0.1:0"),
+            ("0.0.0.0:9000", "[::1]:9000"),
+            ("127.0.0.1:9000", "127.0.0.2:9000"),
+            ("127.0.0.1:9000", "127.0.0.1:9001"),
+        ] {
+            assert!(!clash(a, b) && !clash(b, a), "{a} {b}");
+        }
     }
 }

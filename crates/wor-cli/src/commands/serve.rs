@@ -491,6 +491,7 @@ pub(crate) fn spawn_hangup(
                 Err(error) => {
                     tracing::error!(
                         category = "lifecycle",
+                        error = %error,
                         "TLS certificate reload failed; the previous one stays"
                     );
                     eprintln!("wor: error: {error}; the previous certificate stays in use");
@@ -510,7 +511,7 @@ fn warn_of_certificate(files: &wor_server::tls::TlsFiles) {
     for warning in facts.warnings() {
         tracing::warn!(
             category = "config",
-            days = facts.days_to_expiry,
+            days = facts.days_to_expiry(),
             "{warning}"
         );
     }
