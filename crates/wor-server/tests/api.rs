@@ -1214,6 +1214,29 @@ async fn routines_apply_as_immutable_versions() {
         bad.text
     );
 
+    // A schedule whose years have all passed would never start a run: refused when applied.
+    let past = apply(format!(
+        "{REPLAY_ROUTINE}[schedule]\ncron = \"0 0 0 1 1 * 2020\"\n"
+    ))
+    .await;
+    assert_error(&past, StatusCode::BAD_REQUEST, "invalid_routine");
+    assert!(past.text.contains("fires no more"), "{}", past.text);
+    // Memory that recalls nothing, or more than a run could be given: refused.
+    for entries in [0, 1001] {
+        let memory = apply(format!(
+            "{REPLAY_ROUTINE}[memory]\nenabled = true\nmax_entries = {entries}\n"
+        ))
+        .await;
+        assert_error(&memory, StatusCode::BAD_REQUEST, "invalid_routine");
+        assert!(
+            memory
+                .text
+                .contains("`memory.max_entries` must be from 1 to 1000"),
+            "{}",
+            memory.text
+        );
+    }
+
     let missing_connection = apply(
         REPLAY_ROUTINE
             .replace(

@@ -83,6 +83,9 @@ impl From<wor_store::RoutineRecord> for RoutineView {
     }
 }
 
+/// The most memory entries a run of a routine may be given.
+const MAX_MEMORY_ENTRIES: u32 = 1000;
+
 /// Applies a routine: creates it, or makes a new immutable version if it changed.
 #[utoipa::path(post, path = "/v1/routines", tag = "routines", security(("bearer" = [])),
     request_body = ApplyRoutine,
@@ -108,6 +111,29 @@ pub async fn apply(
         state.engine.vet_notify_url(&notify.url).map_err(|denial| {
             ApiError::bad_request("invalid_routine", format!("`notify.url`: {denial}"))
         })?;
+    }
+    // Memory that recalls nothing, or more than a model could be given: refused when applied
+    // (a stored version reads back as it was).
+    let entries = definition.memory.max_entries;
+    if definition.memory.enabled && !(1..=MAX_MEMORY_ENTRIES).contains(&entries) {
+        return Err(ApiError::bad_request(
+            "invalid_routine",
+            format!("`memory.max_entries` must be from 1 to {MAX_MEMORY_ENTRIES}, not {entries}"),
+        ));
+    }
+    // A schedule whose every time has passed still reads back from a stored version, but
+    // applied now it would never start a run.
+    if let Some(section) = &definition.schedule
+        && let Ok(schedule) = section.compile()
+        && schedule.next_after(wor_store::now_millis()).is_none()
+    {
+        return Err(ApiError::bad_request(
+            "invalid_routine",
+            format!(
+                "`schedule.cron` `{}` fires no more: every time it names has passed",
+                section.cron
+            ),
+        ));
     }
     if let Some(output) = &definition.output {
         wor_tools::OutputSchema::compile(&output.schema)
