@@ -52,13 +52,21 @@ pub struct BudgetExceeded {
 
 impl fmt::Display for BudgetExceeded {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "budget `{}` exhausted: {} used of {} allowed",
-            self.limit.as_str(),
-            self.used,
-            self.allowed
-        )
+        let limit = self.limit.as_str();
+        match self.limit {
+            // Turns and tool calls are reserved one at a time, and a reservation past the limit
+            // is refused: `used` counts the one refused, which the run's usage never shows.
+            BudgetLimit::Turns | BudgetLimit::ToolCalls => write!(
+                f,
+                "budget `{limit}` exhausted: all {} allowed are used, and the run needed one more",
+                self.allowed
+            ),
+            _ => write!(
+                f,
+                "budget `{limit}` exhausted: {} used of {} allowed",
+                self.used, self.allowed
+            ),
+        }
     }
 }
 
@@ -194,7 +202,16 @@ mod tests {
         );
         assert_eq!(
             e.to_string(),
-            "budget `turns` exhausted: 3 used of 2 allowed"
+            "budget `turns` exhausted: all 2 allowed are used, and the run needed one more"
+        );
+        let tokens = BudgetExceeded {
+            limit: BudgetLimit::InputTokens,
+            used: 1200,
+            allowed: 1000,
+        };
+        assert_eq!(
+            tokens.to_string(),
+            "budget `input_tokens` exhausted: 1200 used of 1000 allowed"
         );
     }
 
