@@ -298,6 +298,14 @@ impl ApiClient {
                 "--server must be an http:// or https:// URL".to_owned(),
             ));
         }
+        // A user name or password in the URL would go out as basic credentials, which the
+        // server does not take: the API key is the one credential.
+        if !base.username().is_empty() || base.password().is_some() {
+            return Err(usage(
+                "--server must not carry a user name or password: give the API key in WOR_API_KEY"
+                    .to_owned(),
+            ));
+        }
         // The CLI talks to the operator's own server, at an address the operator typed; it is
         // not egress chosen by a routine, so it does not go through the egress guard.
         #[expect(
@@ -318,6 +326,15 @@ impl ApiClient {
             trusted,
             trust_by,
         })
+    }
+
+    /// `path` (from `/`, with its query) under the server's URL, whose own path is kept: a
+    /// server a proxy serves at `https://host/wor/` is asked at `/wor/v1/…`.
+    fn url(&self, path: &str) -> anyhow::Result<url::Url> {
+        let prefix = self.base.path().trim_end_matches('/');
+        self.base
+            .join(&format!("{prefix}{path}"))
+            .with_context(|| format!("cannot form a URL from `{path}`"))
     }
 
     /// How this client is given certificates to trust, and whether it was.
@@ -360,10 +377,7 @@ impl ApiClient {
         body: Vec<u8>,
         headers: &[(&'static str, String)],
     ) -> anyhow::Result<(u16, Vec<u8>)> {
-        let url = self
-            .base
-            .join(path)
-            .with_context(|| format!("cannot form a URL from `{path}`"))?;
+        let url = self.url(path)?;
         let mut request = self
             .http
             .post(url)
@@ -408,10 +422,7 @@ impl ApiClient {
         path: &str,
         mut on_event: impl FnMut(&str, Value),
     ) -> anyhow::Result<()> {
-        let url = self
-            .base
-            .join(path)
-            .with_context(|| format!("cannot form a URL from `{path}`"))?;
+        let url = self.url(path)?;
         // The event stream lives as long as the run: no total timeout, only the connect one.
         #[expect(
             clippy::disallowed_methods,
@@ -492,10 +503,7 @@ impl ApiClient {
         body: Option<&Value>,
         idempotency_key: Option<&str>,
     ) -> anyhow::Result<(reqwest::StatusCode, Value)> {
-        let url = self
-            .base
-            .join(path)
-            .with_context(|| format!("cannot form a URL from `{path}`"))?;
+        let url = self.url(path)?;
         let mut request = self.http.request(method, url.clone());
         if let Some(key) = &self.api_key {
             request = request.bearer_auth(key);

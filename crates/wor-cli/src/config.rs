@@ -431,6 +431,10 @@ impl ServerConfig {
             },
             workers: match file.workers {
                 Some(0) => bail!("`workers` must be at least 1"),
+                // As `--workers` takes them.
+                Some(n) if n > usize::from(u16::MAX) => {
+                    bail!("`workers` is at most {}, not {n}", u16::MAX)
+                }
                 Some(n) => n,
                 None => wor_engine::DEFAULT_WORKERS,
             },
@@ -1053,9 +1057,14 @@ mod tests {
         std::fs::write(&path, "workers = 64\n").unwrap();
         let config = ServerConfig::resolve(&flags, Some("127.0.0.1:0"), false).unwrap();
         assert_eq!(config.workers, 64);
-        std::fs::write(&path, "workers = 0\n").unwrap();
-        let error = ServerConfig::resolve(&flags, Some("127.0.0.1:0"), false).unwrap_err();
-        assert!(format!("{error:#}").contains("`workers`"), "{error:#}");
+        for (text, says) in [
+            ("workers = 0\n", "must be at least 1"),
+            ("workers = 100000000\n", "is at most 65535"),
+        ] {
+            std::fs::write(&path, text).unwrap();
+            let error = ServerConfig::resolve(&flags, Some("127.0.0.1:0"), false).unwrap_err();
+            assert!(format!("{error:#}").contains(says), "{error:#}");
+        }
     }
 
     #[test]

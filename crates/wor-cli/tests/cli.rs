@@ -1183,12 +1183,69 @@ fn what_a_command_is_given_and_cannot_use_exits_2_before_any_request() {
             ],
             "unless it is on loopback",
         ),
+        (
+            vec!["whoami", "--server", "http://user:pass@127.0.0.1:9"],
+            "must not carry a user name or password",
+        ),
+        (
+            vec!["run", "list", "--limit", "0", "--server", nowhere],
+            "0 is not in 1..=200",
+        ),
+        (
+            vec![
+                "routine",
+                "apply",
+                "-f",
+                "/nonexistent/routine.toml",
+                "--server",
+                nowhere,
+            ],
+            "cannot read `/nonexistent/routine.toml`",
+        ),
+        (
+            vec!["webhook", "sign", "--secret", ""],
+            "the webhook secret is empty",
+        ),
     ] {
         let out = run(wor(&args).env("WOR_API_KEY", key));
         let stderr = text(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
         assert!(stderr.contains(says), "{args:?}: {stderr}");
         assert!(!stderr.contains("cannot reach"), "{args:?}: {stderr}");
+    }
+}
+
+#[test]
+fn a_server_url_with_a_path_is_asked_under_that_path() {
+    use std::io::{BufRead as _, Write as _};
+    // A proxy that serves the API under `/wor/`: the request line it is sent is kept.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (sent, lines) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { return };
+            let mut first = String::new();
+            let _ = std::io::BufReader::new(&stream).read_line(&mut first);
+            let _ = sent.send(first.trim_end().to_owned());
+            let body = r#"{"error":{"code":"unauthenticated","message":"no"}}"#;
+            let _ = write!(
+                stream,
+                "HTTP/1.1 401 Unauthorized\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    for server in [format!("http://{addr}/wor"), format!("http://{addr}/wor/")] {
+        let out = run(wor(&["whoami", "--server", &server]).env(
+            "WOR_API_KEY",
+            "wor_0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+        ));
+        assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+        let line = lines
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .unwrap();
+        assert_eq!(line, "GET /wor/v1/whoami HTTP/1.1", "{server}");
     }
 }
 

@@ -965,13 +965,16 @@ fn doctor_reports_readiness_with_an_exit_code() {
 
     // A certificate clients would refuse by its kind or its names warns: a CA's, one that
     // names no host.
+    let write_signed = |params: rcgen::CertificateParams| {
+        let key = rcgen::KeyPair::generate().unwrap();
+        write_tls(
+            &params.self_signed(&key).unwrap().pem(),
+            &key.serialize_pem(),
+        );
+    };
     let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
     params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-    let key = rcgen::KeyPair::generate().unwrap();
-    write_tls(
-        &params.self_signed(&key).unwrap().pem(),
-        &key.serialize_pem(),
-    );
+    write_signed(params);
     let (code, report) = doctor(&with_tls, &[]);
     let (tls, detail) = status(&report, "tls");
     assert_eq!(tls, "warn", "{report}");
@@ -990,18 +993,10 @@ fn doctor_reports_readiness_with_an_exit_code() {
     assert!(detail.contains("expires in"), "{detail}");
     // One not valid yet fails: clients refuse it until then.
     let mut params = rcgen::CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
-    let later = chrono::Utc::now() + chrono::Duration::days(3);
-    params.not_before = rcgen::date_time_ymd(
-        chrono::Datelike::year(&later),
-        u8::try_from(chrono::Datelike::month(&later)).unwrap(),
-        u8::try_from(chrono::Datelike::day(&later)).unwrap(),
-    );
+    let (year, month, day) = day_from_now(3);
+    params.not_before = rcgen::date_time_ymd(year, month, day);
     params.not_after = rcgen::date_time_ymd(2099, 1, 1);
-    let key = rcgen::KeyPair::generate().unwrap();
-    write_tls(
-        &params.self_signed(&key).unwrap().pem(),
-        &key.serialize_pem(),
-    );
+    write_signed(params);
     let (code, report) = doctor(&with_tls, &[]);
     let (tls, detail) = status(&report, "tls");
     assert_eq!((tls, code), ("fail", Some(1)), "{report}");
@@ -1105,6 +1100,16 @@ struct Pem {
     cert: String,
     key: String,
     der: rustls::pki_types::CertificateDer<'static>,
+}
+
+/// The day `days` from now, for a certificate's validity.
+fn day_from_now(days: i64) -> (i32, u8, u8) {
+    let time = chrono::Utc::now() + chrono::Duration::days(days);
+    (
+        chrono::Datelike::year(&time),
+        u8::try_from(chrono::Datelike::month(&time)).unwrap(),
+        u8::try_from(chrono::Datelike::day(&time)).unwrap(),
+    )
 }
 
 fn generated_certificate() -> Pem {
@@ -1473,12 +1478,8 @@ fn the_cli_trusts_a_private_certificate_it_is_given_and_no_other() {
 fn serve_warns_of_a_listener_certificate_near_its_end() {
     let dir = tempfile::tempdir().unwrap();
     let mut params = rcgen::CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
-    let soon = chrono::Utc::now() + chrono::Duration::days(3);
-    params.not_after = rcgen::date_time_ymd(
-        chrono::Datelike::year(&soon),
-        u8::try_from(chrono::Datelike::month(&soon)).unwrap(),
-        u8::try_from(chrono::Datelike::day(&soon)).unwrap(),
-    );
+    let (year, month, day) = day_from_now(3);
+    params.not_after = rcgen::date_time_ymd(year, month, day);
     let key = rcgen::KeyPair::generate().unwrap();
     let (_, _, config) = write_tls_config(
         dir.path(),
@@ -2351,6 +2352,16 @@ fn metrics_count_skipped_runs_expired_approvals_budgets_by_limit_and_webhooks_by
     );
     let skipped = text(&skipped.stdout).trim().to_owned();
     wait_for_status(&server, &owner, &skipped, "skipped");
+    // Followed, it is said the same, and never that it started.
+    let followed = server.client(
+        &owner,
+        &["run", "start", "held", "--input", "once more", "--follow"],
+    );
+    let said = text(&followed.stderr);
+    assert!(
+        said.contains("was recorded skipped, not run") && !said.contains(" started"),
+        "{said}"
+    );
     // Nobody decides: the approval expires and the run fails, as its routine says.
     wait_for_status(&server, &owner, &held_run, "failed");
     let tight = server.client(&owner, &["run", "start", "tight", "--input", "go"]);
@@ -2368,7 +2379,7 @@ fn metrics_count_skipped_runs_expired_approvals_budgets_by_limit_and_webhooks_by
     for (series, expected) in [
         (
             r#"wor_runs_finished_total{status="skipped",trigger="api"}"#,
-            1.0,
+            2.0,
         ),
         (
             r#"wor_runs_finished_total{status="failed",trigger="api"}"#,

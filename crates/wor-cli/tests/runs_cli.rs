@@ -216,6 +216,9 @@ fn a_start_sent_again_under_its_idempotency_key_starts_nothing_new() {
     assert!(replayed.starts_with("http/1.1 200"), "{replayed}");
     assert!(replayed.contains("idempotent-replayed: true"), "{replayed}");
     assert!(replayed.contains(&run_id), "{replayed}");
+    let empty = post("Idempotency-Key: \r\n");
+    assert!(empty.starts_with("HTTP/1.1 400"), "{empty}");
+    assert!(empty.contains("invalid_idempotency_key"), "{empty}");
     let twice = post("Idempotency-Key: a\r\nIdempotency-Key: b\r\n");
     assert!(twice.starts_with("HTTP/1.1 400"), "{twice}");
     assert!(twice.contains("invalid_idempotency_key"), "{twice}");

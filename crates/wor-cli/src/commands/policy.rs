@@ -76,7 +76,7 @@ pub async fn run(cmd: PolicyCommand) -> anyhow::Result<ExitCode> {
         } => {
             let text = match (file, template) {
                 (Some(file), _) => std::fs::read_to_string(&file)
-                    .map_err(|e| anyhow::anyhow!("cannot read `{}`: {e}", file.display()))?,
+                    .map_err(|e| crate::usage(format!("cannot read `{}`: {e}", file.display())))?,
                 (None, Some(template)) => wor_policy::fill_template(&template, &tools)?,
                 (None, None) => return Err(crate::usage("give --file or --template")),
             };

@@ -61,7 +61,7 @@ pub async fn run(cmd: RoutineCommand) -> anyhow::Result<ExitCode> {
                 std::io::read_to_string(std::io::stdin()).context("cannot read standard input")?
             } else {
                 std::fs::read_to_string(&file)
-                    .with_context(|| format!("cannot read `{}`", file.display()))?
+                    .map_err(|e| crate::usage(format!("cannot read `{}`: {e}", file.display())))?
             };
             let applied = ApiClient::new(&client)?
                 .post("/v1/routines", &json!({ "toml": toml }))

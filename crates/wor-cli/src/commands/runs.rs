@@ -52,7 +52,7 @@ pub enum RunCommand {
         #[arg(long)]
         status: Option<String>,
         /// At most this many (1 to 200).
-        #[arg(long, default_value_t = 20)]
+        #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=200))]
         limit: u32,
         /// Only runs older than this one (a `run_…` id): the last run of the page before.
         #[arg(long, value_name = "RUN_ID")]
@@ -82,7 +82,11 @@ pub(crate) fn summary(run: &Value) -> String {
     let n = |k: &str| usage.get(k).and_then(Value::as_u64).unwrap_or(0);
     let ended = match run.get("result") {
         Some(result) => format!("result {result}"),
-        None => field(run, "/outcome").to_owned(),
+        // One line a run: an outcome of several lines is joined.
+        None => field(run, "/outcome")
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" "),
     };
     format!(
         "{}  {:<20}  turns {} tools {} tokens {}/{}  {}",
@@ -228,14 +232,15 @@ pub async fn run(cmd: RunCommand) -> anyhow::Result<ExitCode> {
                 );
             }
             // A start the overlap policy passed over is recorded, not run: said, not only shown.
-            if field(&run, "/status") == "skipped" && !live {
+            let skipped = field(&run, "/status") == "skipped";
+            if skipped {
                 eprintln!(
                     "run {run_id} was recorded skipped, not run: {}",
                     for_terminal(field(&run, "/outcome"))
                 );
             }
             if live {
-                if !earlier {
+                if !earlier && !skipped {
                     eprintln!("run {run_id} started");
                 }
                 return follow(&api, &run_id, client.json).await;
@@ -314,7 +319,20 @@ pub async fn run(cmd: RunCommand) -> anyhow::Result<ExitCode> {
 mod tests {
     use serde_json::json;
 
-    use super::waiting_hint;
+    use super::{summary, waiting_hint};
+
+    #[test]
+    fn a_run_is_summed_up_on_one_line() {
+        let run = json!({
+            "id": "run_1",
+            "status": "failed",
+            "usage": {"turns": 1},
+            "outcome": "the model said:\nno\n  and stopped",
+        });
+        let line = summary(&run);
+        assert!(!line.contains('\n'), "{line}");
+        assert!(line.ends_with("the model said: no and stopped"), "{line}");
+    }
 
     #[test]
     fn a_held_call_tells_the_watcher_where_to_decide_it() {

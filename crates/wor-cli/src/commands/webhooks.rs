@@ -99,6 +99,14 @@ fn now_secs() -> i64 {
 }
 
 pub async fn run(cmd: WebhookCommand) -> anyhow::Result<ExitCode> {
+    // An empty secret signs what no routine would take: a mistake, said before anything else.
+    if let WebhookCommand::Sign { secret, .. } | WebhookCommand::Verify { secret, .. } = &cmd
+        && secret.is_empty()
+    {
+        return Err(crate::usage(
+            "the webhook secret is empty: give --secret or WOR_WEBHOOK_SECRET",
+        ));
+    }
     match cmd {
         WebhookCommand::Sign {
             secret,
