@@ -57,6 +57,33 @@ fn a_routine_runs_and_is_followed_live() {
         "{}",
         text(&again.stdout)
     );
+    assert!(
+        !text(&again.stderr).contains("warning"),
+        "{}",
+        text(&again.stderr)
+    );
+    // A roster naming a connection the project does not have is applied, and said.
+    std::fs::write(
+        &file,
+        format!("{ROUTINE}[[tools]]\ntool = \"nocon/lookup\"\nmode = \"auto\"\n"),
+    )
+    .unwrap();
+    let gap = server.client(
+        &key,
+        &["routine", "apply", "-f", &file.display().to_string()],
+    );
+    assert!(gap.status.success(), "{}", text(&gap.stderr));
+    assert!(
+        text(&gap.stderr)
+            .contains("warning: `tools`: `nocon/lookup` names tool connection `nocon`"),
+        "{}",
+        text(&gap.stderr)
+    );
+    std::fs::write(&file, ROUTINE).unwrap();
+    server.client(
+        &key,
+        &["routine", "apply", "-f", &file.display().to_string()],
+    );
 
     let followed = server.client(
         &key,

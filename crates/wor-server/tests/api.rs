@@ -1214,6 +1214,39 @@ async fn routines_apply_as_immutable_versions() {
         bad.text
     );
 
+    // A roster naming what the project does not have is applied, and said: its runs would
+    // fail until it is there.
+    let gaps = apply(
+        REPLAY_ROUTINE.replace("name = \"probe\"", "name = \"gappy\"")
+            + "[[tools]]\ntool = \"nocon/foo\"\nmode = \"auto\"\n\
+               [[tools]]\ntool = \"routine/nope\"\nmode = \"auto\"\n\
+               [[tools]]\ntool = \"routine/gappy\"\nmode = \"auto\"\n\
+               [[tools]]\ntool = \"gone/bar\"\nmode = \"deny\"\n",
+    )
+    .await;
+    assert_eq!(gaps.status, StatusCode::CREATED, "{}", gaps.text);
+    let warnings = gaps.body["warnings"].as_array().unwrap();
+    assert_eq!(warnings.len(), 2, "{warnings:?}");
+    assert!(
+        warnings[0]
+            .as_str()
+            .unwrap()
+            .contains("names tool connection `nocon`"),
+        "{warnings:?}"
+    );
+    assert!(
+        warnings[1]
+            .as_str()
+            .unwrap()
+            .contains("calls routine `nope`"),
+        "{warnings:?}"
+    );
+    assert_eq!(
+        first.body["warnings"],
+        json!([]),
+        "nothing named: nothing said"
+    );
+
     // A schedule whose years have all passed would never start a run: refused when applied.
     let past = apply(format!(
         "{REPLAY_ROUTINE}[schedule]\ncron = \"0 0 0 1 1 * 2020\"\n"
@@ -1280,7 +1313,7 @@ async fn routines_apply_as_immutable_versions() {
     let listed = api
         .call(Method::GET, "/v1/routines", Some(viewer_key), None)
         .await;
-    assert_eq!(listed.body.as_array().unwrap().len(), 1);
+    assert_eq!(listed.body.as_array().unwrap().len(), 2, "probe and gappy");
 }
 
 #[tokio::test]

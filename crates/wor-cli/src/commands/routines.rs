@@ -77,6 +77,16 @@ pub async fn run(cmd: RoutineCommand) -> anyhow::Result<ExitCode> {
                     field(&applied, "/routine/name"),
                     field(&applied, "/routine/id"),
                 );
+                // The server's sentences quote what the routine names: escaped for the terminal.
+                for warning in applied
+                    .get("warnings")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                    .filter_map(Value::as_str)
+                {
+                    eprintln!("warning: {}", super::for_terminal(warning));
+                }
                 for (key, what) in [
                     (
                         "webhook_secret",

@@ -45,6 +45,10 @@ pub struct AppliedRoutineView {
     /// The routine's new run webhook secret, shown this once: made when a version first sets
     /// `[notify]` and the routine has none. Receivers verify run webhooks with it.
     pub notify_secret: Option<String>,
+    /// What the roster names that the project does not have (a tool connection, a routine):
+    /// the routine is applied all the same, as it may be made first, and its runs fail until
+    /// what it names is there.
+    pub warnings: Vec<String>,
 }
 
 #[derive(Debug, serde::Serialize, utoipa::ToSchema)]
@@ -163,6 +167,7 @@ pub async fn apply(
             ));
         }
     }
+    let warnings = roster_gaps(&state, caller.project_id, &definition).await?;
     // The entry is staged with the new version: a crash before it is appended leaves it for
     // the audit writer's sweep, never a version without its entry.
     let content_hash = definition.content_hash();
@@ -221,8 +226,59 @@ pub async fn apply(
             changed: applied.changed,
             webhook_secret,
             notify_secret,
+            warnings,
         }),
     ))
+}
+
+/// What `definition`'s roster names that `project` does not have, a sentence each: a tool
+/// connection, or a routine a `routine/NAME` entry calls (`deny` entries call nothing).
+async fn roster_gaps(
+    state: &AppState,
+    project: wor_core::ProjectId,
+    definition: &RoutineDefinition,
+) -> Result<Vec<String>, ApiError> {
+    use wor_core::routine::{ROUTINE_CONNECTION, ToolMode};
+    let called = || {
+        definition
+            .tools
+            .iter()
+            .filter(|entry| entry.mode != ToolMode::Deny)
+            .filter_map(|entry| Some((entry, entry.split()?)))
+    };
+    let connections: std::collections::BTreeSet<String> =
+        if called().any(|(_, (connection, _))| connection != ROUTINE_CONNECTION) {
+            let listed = state.store.list_tool_connections(project).await?;
+            listed.into_iter().map(|c| c.name).collect()
+        } else {
+            Default::default()
+        };
+    let routines: std::collections::BTreeSet<String> =
+        if called().any(|(_, (connection, _))| connection == ROUTINE_CONNECTION) {
+            let listed = state.store.list_routines(project).await?;
+            listed.into_iter().map(|r| r.name).collect()
+        } else {
+            Default::default()
+        };
+    let mut gaps = Vec::new();
+    for (entry, (connection, tool)) in called() {
+        if connection == ROUTINE_CONNECTION {
+            if !routines.contains(tool) && tool != definition.name.as_str() {
+                gaps.push(format!(
+                    "`tools`: `{}` calls routine `{tool}`, which this project does not have: \
+                     the routine's runs fail until it is applied",
+                    entry.tool
+                ));
+            }
+        } else if !connections.contains(connection) {
+            gaps.push(format!(
+                "`tools`: `{}` names tool connection `{connection}`, which this project does \
+                 not have: the routine's runs fail until it is made",
+                entry.tool
+            ));
+        }
+    }
+    Ok(gaps)
 }
 
 /// Lists the project's routines.
