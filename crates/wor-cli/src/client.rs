@@ -329,12 +329,20 @@ impl ApiClient {
     }
 
     /// `path` (from `/`, with its query) under the server's URL, whose own path is kept: a
-    /// server a proxy serves at `https://host/wor/` is asked at `/wor/v1/…`.
-    fn url(&self, path: &str) -> anyhow::Result<url::Url> {
+    /// server a proxy serves at `https://host/wor/` is asked at `/wor/v1/…`. The URL is set
+    /// part by part, never parsed again: a path of the server's that begins `//` must not
+    /// read as another host.
+    fn url(&self, path: &str) -> url::Url {
+        let (path, query) = match path.split_once('?') {
+            Some((path, query)) => (path, Some(query)),
+            None => (path, None),
+        };
+        let mut url = self.base.clone();
         let prefix = self.base.path().trim_end_matches('/');
-        self.base
-            .join(&format!("{prefix}{path}"))
-            .with_context(|| format!("cannot form a URL from `{path}`"))
+        url.set_path(&format!("{prefix}{path}"));
+        url.set_query(query);
+        url.set_fragment(None);
+        url
     }
 
     /// How this client is given certificates to trust, and whether it was.
@@ -377,7 +385,7 @@ impl ApiClient {
         body: Vec<u8>,
         headers: &[(&'static str, String)],
     ) -> anyhow::Result<(u16, Vec<u8>)> {
-        let url = self.url(path)?;
+        let url = self.url(path);
         let mut request = self
             .http
             .post(url)
@@ -422,7 +430,7 @@ impl ApiClient {
         path: &str,
         mut on_event: impl FnMut(&str, Value),
     ) -> anyhow::Result<()> {
-        let url = self.url(path)?;
+        let url = self.url(path);
         // The event stream lives as long as the run: no total timeout, only the connect one.
         #[expect(
             clippy::disallowed_methods,
@@ -503,7 +511,7 @@ impl ApiClient {
         body: Option<&Value>,
         idempotency_key: Option<&str>,
     ) -> anyhow::Result<(reqwest::StatusCode, Value)> {
-        let url = self.url(path)?;
+        let url = self.url(path);
         let mut request = self.http.request(method, url.clone());
         if let Some(key) = &self.api_key {
             request = request.bearer_auth(key);

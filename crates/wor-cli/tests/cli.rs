@@ -1236,7 +1236,13 @@ fn a_server_url_with_a_path_is_asked_under_that_path() {
             );
         }
     });
-    for server in [format!("http://{addr}/wor"), format!("http://{addr}/wor/")] {
+    // A path that begins `//` stays a path of this server: it never reads as another host,
+    // which would be sent the key.
+    for (server, asked) in [
+        (format!("http://{addr}/wor"), "/wor/v1/whoami"),
+        (format!("http://{addr}/wor/"), "/wor/v1/whoami"),
+        (format!("http://{addr}//wor"), "//wor/v1/whoami"),
+    ] {
         let out = run(wor(&["whoami", "--server", &server]).env(
             "WOR_API_KEY",
             "wor_0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
@@ -1245,7 +1251,7 @@ fn a_server_url_with_a_path_is_asked_under_that_path() {
         let line = lines
             .recv_timeout(std::time::Duration::from_secs(10))
             .unwrap();
-        assert_eq!(line, "GET /wor/v1/whoami HTTP/1.1", "{server}");
+        assert_eq!(line, format!("GET {asked} HTTP/1.1"), "{server}");
     }
 }
 
