@@ -56,6 +56,11 @@ impl fmt::Display for BudgetExceeded {
         match self.limit {
             // Turns and tool calls are reserved one at a time, and a reservation past the limit
             // is refused: `used` counts the one refused, which the run's usage never shows.
+            // A nested run given nothing of its parent's budget.
+            BudgetLimit::Turns | BudgetLimit::ToolCalls if self.allowed == 0 => write!(
+                f,
+                "budget `{limit}` exhausted: none was left for this run, and it needed one"
+            ),
             BudgetLimit::Turns | BudgetLimit::ToolCalls => write!(
                 f,
                 "budget `{limit}` exhausted: all {} allowed are used, and the run needed one more",
@@ -203,6 +208,15 @@ mod tests {
         assert_eq!(
             e.to_string(),
             "budget `turns` exhausted: all 2 allowed are used, and the run needed one more"
+        );
+        let none_left = BudgetExceeded {
+            limit: BudgetLimit::Turns,
+            used: 1,
+            allowed: 0,
+        };
+        assert_eq!(
+            none_left.to_string(),
+            "budget `turns` exhausted: none was left for this run, and it needed one"
         );
         let tokens = BudgetExceeded {
             limit: BudgetLimit::InputTokens,

@@ -169,10 +169,13 @@ impl CertificateFacts {
         let cert = self.cert.display();
         let mut warnings = Vec::new();
         if self.not_valid_yet() {
+            let wait = match self.seconds_to_start {
+                seconds if seconds < 3600 => format!("{} minute(s)", (seconds + 59) / 60),
+                seconds => format!("{} hour(s)", (seconds + 3599) / 3600),
+            };
             warnings.push(format!(
-                "the listener's TLS certificate `{cert}` is not valid yet, for {} more \
-                 hour(s): clients refuse it until then",
-                (self.seconds_to_start + 3599) / 3600
+                "the listener's TLS certificate `{cert}` is not valid yet, for {wait} more: \
+                 clients refuse it until then"
             ));
         }
         if self.days_to_expiry() < EXPIRY_WARNING_DAYS {
@@ -346,8 +349,13 @@ mod tests {
         assert!(
             warnings
                 .iter()
-                .any(|w| w.contains("is not valid yet, for 2 more hour(s)")),
+                .any(|w| w.contains("is not valid yet, for 2 hour(s) more")),
             "{warnings:?}"
+        );
+        let soon = facts(86_400 * 90, 5).warnings();
+        assert!(
+            soon.iter().any(|w| w.contains("for 1 minute(s) more")),
+            "{soon:?}"
         );
         assert!(facts(86_400 * 90, -1).warnings().is_empty());
     }

@@ -1216,9 +1216,20 @@ async fn routines_apply_as_immutable_versions() {
 
     // A roster naming what the project does not have is applied, and said: its runs would
     // fail until it is there.
+    let pending = api
+        .call(
+            Method::POST,
+            "/v1/tool-connections",
+            Some(owner),
+            Some(json!({"name": "pending", "kind": "mcp_http",
+                "url": "https://mcp.example.com/mcp", "allowlist": ["mcp.example.com"]})),
+        )
+        .await;
+    assert_eq!(pending.status, StatusCode::CREATED, "{}", pending.text);
     let gaps = apply(
         REPLAY_ROUTINE.replace("name = \"probe\"", "name = \"gappy\"")
             + "[[tools]]\ntool = \"nocon/foo\"\nmode = \"auto\"\n\
+               [[tools]]\ntool = \"pending/foo\"\nmode = \"confirm\"\n\
                [[tools]]\ntool = \"routine/nope\"\nmode = \"auto\"\n\
                [[tools]]\ntool = \"routine/gappy\"\nmode = \"auto\"\n\
                [[tools]]\ntool = \"gone/bar\"\nmode = \"deny\"\n",
@@ -1226,21 +1237,17 @@ async fn routines_apply_as_immutable_versions() {
     .await;
     assert_eq!(gaps.status, StatusCode::CREATED, "{}", gaps.text);
     let warnings = gaps.body["warnings"].as_array().unwrap();
-    assert_eq!(warnings.len(), 2, "{warnings:?}");
+    let said: Vec<&str> = warnings.iter().map(|w| w.as_str().unwrap()).collect();
+    assert_eq!(said.len(), 3, "{said:?}");
     assert!(
-        warnings[0]
-            .as_str()
-            .unwrap()
-            .contains("names tool connection `nocon`"),
-        "{warnings:?}"
+        said[0].contains("names tool connection `nocon`"),
+        "{said:?}"
     );
     assert!(
-        warnings[1]
-            .as_str()
-            .unwrap()
-            .contains("calls routine `nope`"),
-        "{warnings:?}"
+        said[1].contains("tool connection `pending`, which is pending_review"),
+        "{said:?}"
     );
+    assert!(said[2].contains("calls routine `nope`"), "{said:?}");
     assert_eq!(
         first.body["warnings"],
         json!([]),
@@ -1254,6 +1261,13 @@ async fn routines_apply_as_immutable_versions() {
     .await;
     assert_error(&past, StatusCode::BAD_REQUEST, "invalid_routine");
     assert!(past.text.contains("fires no more"), "{}", past.text);
+    // Memory off says nothing of its entries.
+    let off = apply(format!(
+        "{}[memory]\nenabled = false\nmax_entries = 0\n",
+        REPLAY_ROUTINE.replace("name = \"probe\"", "name = \"forgetful\"")
+    ))
+    .await;
+    assert_eq!(off.status, StatusCode::CREATED, "{}", off.text);
     // Memory that recalls nothing, or more than a run could be given: refused.
     for entries in [0, 1001] {
         let memory = apply(format!(
@@ -1313,7 +1327,11 @@ async fn routines_apply_as_immutable_versions() {
     let listed = api
         .call(Method::GET, "/v1/routines", Some(viewer_key), None)
         .await;
-    assert_eq!(listed.body.as_array().unwrap().len(), 2, "probe and gappy");
+    assert_eq!(
+        listed.body.as_array().unwrap().len(),
+        3,
+        "probe, gappy and forgetful"
+    );
 }
 
 #[tokio::test]

@@ -293,9 +293,11 @@ fn listeners_clash(a: std::net::SocketAddr, b: std::net::SocketAddr) -> bool {
         std::net::IpAddr::V4(ip) => ip.is_unspecified() && other.is_ipv4(),
         std::net::IpAddr::V6(ip) => ip.is_unspecified(),
     };
+    // `[::ffff:127.0.0.1]` is 127.0.0.1 to the kernel.
+    let (ip_a, ip_b) = (a.ip().to_canonical(), b.ip().to_canonical());
     a.port() == b.port()
         && a.port() != 0
-        && (a.ip() == b.ip() || covers(a.ip(), b.ip()) || covers(b.ip(), a.ip()))
+        && (ip_a == ip_b || covers(ip_a, ip_b) || covers(ip_b, ip_a))
 }
 
 /// Whether `wor serve` could listen on `addr`: it is bound and let go at once. A warning when
@@ -556,6 +558,8 @@ mod tests {
             ("0.0.0.0:9000", "127.0.0.1:9000"),
             ("[::]:9000", "127.0.0.1:9000"),
             ("[::]:9000", "[::1]:9000"),
+            ("[::ffff:127.0.0.1]:9000", "127.0.0.1:9000"),
+            ("0.0.0.0:9000", "[::ffff:10.0.0.1]:9000"),
         ] {
             assert!(clash(a, b) && clash(b, a), "{a} {b}");
         }

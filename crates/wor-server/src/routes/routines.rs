@@ -232,7 +232,8 @@ pub async fn apply(
 }
 
 /// What `definition`'s roster names that `project` does not have, a sentence each: a tool
-/// connection, or a routine a `routine/NAME` entry calls (`deny` entries call nothing).
+/// connection (or one not enabled), or a routine a `routine/NAME` entry calls (`deny` entries
+/// call nothing).
 async fn roster_gaps(
     state: &AppState,
     project: wor_core::ProjectId,
@@ -246,10 +247,10 @@ async fn roster_gaps(
             .filter(|entry| entry.mode != ToolMode::Deny)
             .filter_map(|entry| Some((entry, entry.split()?)))
     };
-    let connections: std::collections::BTreeSet<String> =
+    let connections: std::collections::BTreeMap<String, wor_store::ToolConnectionStatus> =
         if called().any(|(_, (connection, _))| connection != ROUTINE_CONNECTION) {
             let listed = state.store.list_tool_connections(project).await?;
-            listed.into_iter().map(|c| c.name).collect()
+            listed.into_iter().map(|c| (c.name, c.status)).collect()
         } else {
             Default::default()
         };
@@ -270,12 +271,20 @@ async fn roster_gaps(
                     entry.tool
                 ));
             }
-        } else if !connections.contains(connection) {
-            gaps.push(format!(
-                "`tools`: `{}` names tool connection `{connection}`, which this project does \
-                 not have: the routine's runs fail until it is made",
-                entry.tool
-            ));
+        } else {
+            match connections.get(connection) {
+                None => gaps.push(format!(
+                    "`tools`: `{}` names tool connection `{connection}`, which this project \
+                     does not have: the routine's runs fail until it is made",
+                    entry.tool
+                )),
+                Some(wor_store::ToolConnectionStatus::Enabled) => {}
+                Some(status) => gaps.push(format!(
+                    "`tools`: `{}` names tool connection `{connection}`, which is {status}: the \
+                     routine's runs fail until it is enabled",
+                    entry.tool
+                )),
+            }
         }
     }
     Ok(gaps)
