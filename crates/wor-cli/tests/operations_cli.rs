@@ -51,26 +51,6 @@ fn operator(args: &[&str], dir: &Path, key: Option<&str>) -> std::process::Outpu
     run(&mut cmd)
 }
 
-/// Creates model connection `main` on `server` as `owner`, its API key `key` (sealed by the
-/// server: a secret in the database).
-fn create_model_connection(server: &Server, owner: &str, key: &str) {
-    let created = run(wor(&[
-        "model-connection",
-        "create",
-        "main",
-        "--provider",
-        "openai_compatible",
-        "--base-url",
-        "https://models.example.com/v1",
-        "--api-key-env",
-        "MODEL_KEY",
-    ])
-    .env("WOR_SERVER", &server.url)
-    .env("WOR_API_KEY", owner)
-    .env("MODEL_KEY", key));
-    assert!(created.status.success(), "{}", text(&created.stderr));
-}
-
 /// `wor restore --from from --data-dir data_dir`, both keys given in the environment: a data
 /// dir that is not there yet has no key file to read.
 fn restore_with_keys(
@@ -109,7 +89,7 @@ fn a_backup_of_a_running_server_restores_verifies_and_runs_and_a_wrong_key_is_re
     assert!(created.status.success(), "{}", text(&created.stderr));
     let owner = text(&created.stdout).trim().to_owned();
     let server = Server::start(&dir_args(&first), &[("WOR_ENCRYPTION_KEY", KEY)]);
-    create_model_connection(&server, &owner, MODEL_KEY);
+    common::create_model_connection(&server, &owner, MODEL_KEY);
     let file = root.path().join("greeter.toml");
     std::fs::write(&file, ROUTINE).unwrap();
     let applied = server.client(
@@ -1009,7 +989,7 @@ fn doctor_compares_the_keys_with_the_database_as_serve_does() {
     let db = common::database_args(dir.path());
     let owner = common::create_project(&db);
     let server = Server::start(&db, &[("WOR_ENCRYPTION_KEY", KEY)]);
-    create_model_connection(&server, &owner, MODEL_KEY);
+    common::create_model_connection(&server, &owner, MODEL_KEY);
     server.stop();
     let db: Vec<&str> = db.iter().map(String::as_str).collect();
     let keys_in_use = |envs: &[(&str, &str)]| {
@@ -1543,7 +1523,7 @@ fn a_run_logged_at_trace_level_leaves_no_prompt_input_tool_content_or_secret_in_
     let db = common::database_args(dir.path());
     let owner = common::create_project(&db);
     let server = Server::start(&db, &[("WOR_LOG", "trace")]);
-    create_model_connection(&server, &owner, SECRET);
+    common::create_model_connection(&server, &owner, SECRET);
     let approver = server.client(&owner, &["member", "create", "pat", "--role", "approver"]);
     let approver = text(&approver.stdout).trim().to_owned();
     let helper = helper_routine("helper").replace("Hello from helper.", TOOL_TEXT);
@@ -1892,22 +1872,7 @@ fn a_collector_receives_a_runs_spans_in_their_tree_and_no_content() {
             .env("WOR_API_KEY", key)
             .envs(envs.iter().copied()))
     };
-    let created = client(
-        &owner,
-        &[
-            "model-connection",
-            "create",
-            "main",
-            "--provider",
-            "openai_compatible",
-            "--base-url",
-            "https://models.example.com/v1",
-            "--api-key-env",
-            "MODEL_KEY",
-        ],
-        &[("MODEL_KEY", MODEL_SECRET)],
-    );
-    assert!(created.status.success(), "{}", text(&created.stderr));
+    common::create_model_connection(&server, &owner, MODEL_SECRET);
     traced::enable_desk(&client, &owner, desk, TOOL_TOKEN, dir.path(), "desk", &[]);
     let routine = format!(
         r#"

@@ -576,26 +576,25 @@ impl Project<'_> {
 
     /// The model connection `main`, with `key` sealed as its API key.
     fn model_connection(&self, key: &str) {
-        self.client(
-            &[
-                "model-connection",
-                "create",
-                "main",
-                "--provider",
-                "openai_compatible",
-                "--base-url",
-                "https://models.example.com/v1",
-                "--api-key-env",
-                "MODEL_KEY",
-            ],
-            &[("MODEL_KEY", key)],
-        );
+        common::create_model_connection(self.api, &self.key, key);
     }
 
     /// An HTTP API connection `name` with one tool, `lookup`, written here and, when
     /// `enable`, reviewed and enabled without a server; its bearer token is `token`.
     fn http_connection(&self, name: &str, token: &str, enable: bool) -> String {
         self.http_connection_at(name, "http://127.0.0.1:9/v1", token, enable)
+    }
+
+    /// The connection `desk`, enabled, on `tools` (its bearer token [`WORKER_TOOL_TOKEN`]),
+    /// and the routine `desk` that calls it without asking.
+    fn desk_on(&self, tools: &ToolServer) {
+        self.http_connection_at(
+            "desk",
+            &format!("http://127.0.0.1:{}/v1", tools.port),
+            WORKER_TOOL_TOKEN,
+            true,
+        );
+        replay_routine(self, "desk", "auto");
     }
 
     /// [`Project::http_connection`] on the server at `url`.
@@ -1793,13 +1792,7 @@ fn a_revoked_worker_stops_and_says_why() {
         dir: dir.path(),
     };
     let tools = tool_server_answering_after(Duration::from_secs(60));
-    project.http_connection_at(
-        "desk",
-        &format!("http://127.0.0.1:{}/v1", tools.port),
-        WORKER_TOOL_TOKEN,
-        true,
-    );
-    replay_routine(&project, "desk", "auto");
+    project.desk_on(&tools);
     let worker_dir = dir.path().join("worker");
     let config = enrol_loopback_worker(&api, &db, &worker_dir);
     let (worker_path, config) = (worker_dir.to_str().unwrap(), config.to_str().unwrap());
@@ -1868,13 +1861,7 @@ fn a_worker_process_drives_the_runs_it_claims_without_a_database_or_the_encrypti
         dir: dir.path(),
     };
     let tools = tool_server();
-    project.http_connection_at(
-        "desk",
-        &format!("http://127.0.0.1:{}/v1", tools.port),
-        WORKER_TOOL_TOKEN,
-        true,
-    );
-    replay_routine(&project, "desk", "auto");
+    project.desk_on(&tools);
     replay_routine(&project, "held-desk", "confirm");
 
     // The worker enrols on its own machine (its own data dir) and starts with nothing of the
@@ -2190,13 +2177,7 @@ fn a_stopping_worker_finishes_the_call_in_flight_and_gives_its_run_back_at_the_s
     // The tool answers three seconds after the call reaches it: the worker is told to stop
     // while the call is in flight.
     let tools = tool_server_answering_after(Duration::from_secs(3));
-    project.http_connection_at(
-        "desk",
-        &format!("http://127.0.0.1:{}/v1", tools.port),
-        WORKER_TOOL_TOKEN,
-        true,
-    );
-    replay_routine(&project, "desk", "auto");
+    project.desk_on(&tools);
     // Each worker serves its probes on a listener of its own.
     let start_worker = |name: &str| {
         let worker_dir = dir.path().join(name);

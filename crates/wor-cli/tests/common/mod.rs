@@ -335,3 +335,23 @@ pub async fn serve_router(router: axum::Router) -> std::net::SocketAddr {
     tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
     addr
 }
+
+/// Creates model connection `main` on `server` as `owner`, its API key `key` (sealed by the
+/// server: a secret in the database).
+pub fn create_model_connection(server: &Server, owner: &str, key: &str) {
+    let created = run(wor(&[
+        "model-connection",
+        "create",
+        "main",
+        "--provider",
+        "openai_compatible",
+        "--base-url",
+        "https://models.example.com/v1",
+        "--api-key-env",
+        "MODEL_KEY",
+    ])
+    .env("WOR_SERVER", &server.url)
+    .env("WOR_API_KEY", owner)
+    .env("MODEL_KEY", key));
+    assert!(created.status.success(), "{}", text(&created.stderr));
+}
