@@ -1248,6 +1248,37 @@ async fn tls_serves_a_generated_certificate_and_reloads_it_on_sighup_keeping_con
     let mut again = tls_connect(&addr, &second).await.unwrap();
     let (status, _) = get(&mut again, "/healthz").await;
     assert!(status.contains("200"), "{status}");
+
+    // So does a certificate that has expired, or one not valid yet: every client would
+    // refuse it, where the working one still serves.
+    for (refused, phrase) in [
+        ((-10, -2), "expired 2 day(s) ago: clients would refuse it"),
+        ((2, 40), "hour(s) more: clients would refuse it"),
+    ] {
+        let mut params =
+            rcgen::CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()])
+                .unwrap();
+        let ((year, month, day), (to_year, to_month, to_day)) =
+            (day_from_now(refused.0), day_from_now(refused.1));
+        params.not_before = rcgen::date_time_ymd(year, month, day);
+        params.not_after = rcgen::date_time_ymd(to_year, to_month, to_day);
+        let key = rcgen::KeyPair::generate().unwrap();
+        std::fs::write(&cert_path, params.self_signed(&key).unwrap().pem()).unwrap();
+        std::fs::write(&key_path, key.serialize_pem()).unwrap();
+        server.signal("-HUP");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !server.log.lock().unwrap().contains(phrase) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no refused reload logged: {}",
+                server.log.lock().unwrap()
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        let mut still = tls_connect(&addr, &second).await.unwrap();
+        let (status, _) = get(&mut still, "/healthz").await;
+        assert!(status.contains("200"), "{status}");
+    }
     drop((kept, fresh, again));
     tokio::task::block_in_place(|| server.stop());
 }

@@ -27,6 +27,9 @@ pub enum TlsError {
     Key { path: String, reason: String },
     #[error("the TLS certificate and key do not make a server configuration: {0}")]
     Config(#[from] rustls::Error),
+    /// A reload's certificate that clients would refuse for its dates.
+    #[error("the TLS certificate `{path}` {reason}: clients would refuse it")]
+    Dates { path: String, reason: String },
 }
 
 /// Seconds in a day, for a certificate's days to its end.
@@ -162,6 +165,27 @@ impl CertificateFacts {
         }
     }
 
+    /// How long until it is valid, as a phrase (`N minute(s)` under an hour, else `N hour(s)`,
+    /// rounded up).
+    fn wait(&self) -> String {
+        match self.seconds_to_start {
+            seconds if seconds < 3600 => format!("{} minute(s)", (seconds + 59) / 60),
+            seconds => format!("{} hour(s)", (seconds + 3599) / 3600),
+        }
+    }
+
+    /// Why clients would refuse it for its dates, when they would: it has expired, or it is
+    /// not valid yet.
+    pub fn refused_for_dates(&self) -> Option<String> {
+        if self.seconds_to_expiry < 0 {
+            Some(self.expiry())
+        } else if self.not_valid_yet() {
+            Some(format!("is not valid yet, for {} more", self.wait()))
+        } else {
+            None
+        }
+    }
+
     /// What clients would hold against it, a sentence each: not valid yet, its end within
     /// [`EXPIRY_WARNING_DAYS`] (or past), being a CA certificate, naming no host. `wor serve`
     /// logs them when it starts and when SIGHUP reloads it; `wor doctor` reports them.
@@ -169,13 +193,10 @@ impl CertificateFacts {
         let cert = self.cert.display();
         let mut warnings = Vec::new();
         if self.not_valid_yet() {
-            let wait = match self.seconds_to_start {
-                seconds if seconds < 3600 => format!("{} minute(s)", (seconds + 59) / 60),
-                seconds => format!("{} hour(s)", (seconds + 3599) / 3600),
-            };
             warnings.push(format!(
-                "the listener's TLS certificate `{cert}` is not valid yet, for {wait} more: \
-                 clients refuse it until then"
+                "the listener's TLS certificate `{cert}` is not valid yet, for {} more: \
+                 clients refuse it until then",
+                self.wait()
             ));
         }
         if self.days_to_expiry() < EXPIRY_WARNING_DAYS {
@@ -219,9 +240,17 @@ impl ReloadableTls {
     }
 
     /// Reads the files again; on success new connections get the new certificate. On failure
-    /// the previous one stays in use.
+    /// the previous one stays in use: files that do not load, or a certificate that clients
+    /// would refuse for its dates (expired, or not valid yet), which would turn away every new
+    /// connection the previous one may still serve.
     pub fn reload(&self) -> Result<(), TlsError> {
         let config = self.files.load()?;
+        if let Some(reason) = self.files.facts()?.refused_for_dates() {
+            return Err(TlsError::Dates {
+                path: self.files.cert.display().to_string(),
+                reason,
+            });
+        }
         match self.current.write() {
             Ok(mut current) => *current = config,
             Err(poisoned) => *poisoned.into_inner() = config,
@@ -358,5 +387,20 @@ mod tests {
             "{soon:?}"
         );
         assert!(facts(86_400 * 90, -1).warnings().is_empty());
+    }
+
+    #[test]
+    fn a_certificate_clients_would_refuse_for_its_dates_is_named_so() {
+        assert_eq!(
+            facts(-3600, -86_400).refused_for_dates().as_deref(),
+            Some("expired today")
+        );
+        assert_eq!(
+            facts(86_400, 90).refused_for_dates().as_deref(),
+            Some("is not valid yet, for 2 minute(s) more")
+        );
+        // Near its end is warned of, not refused: it still serves.
+        assert_eq!(facts(60, -86_400).refused_for_dates(), None);
+        assert_eq!(facts(0, 0).refused_for_dates(), None);
     }
 }

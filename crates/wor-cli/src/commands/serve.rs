@@ -465,8 +465,9 @@ pub(crate) fn shutdown_signal()
 }
 
 /// Handles every SIGHUP from now on: reloads the listener's certificate and key when it
-/// serves `tls` (a file that does not load leaves the previous certificate in use, and says
-/// so), and otherwise says there is nothing to reload. Either way the process goes on.
+/// serves `tls` (a file that does not load, or a certificate expired or not valid yet, leaves
+/// the previous certificate in use, and says so), and otherwise says there is nothing to
+/// reload. Either way the process goes on.
 pub(crate) fn spawn_hangup(
     tls: Option<wor_server::tls::ReloadableTls>,
 ) -> anyhow::Result<tokio::task::JoinHandle<()>> {
