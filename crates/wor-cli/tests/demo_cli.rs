@@ -1,6 +1,6 @@
 //! `wor demo`: the scenario to its end with `--no-wait`, and the interactive form decided by a
 //! person through `wor approvals` while the demo waits, after its console link signed the
-//! approver in once.
+//! approver in once, and a second Ctrl-C while it drains.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -277,4 +277,96 @@ fn a_person_decides_the_held_call_with_wor_approvals_while_the_demo_waits() {
         !PathBuf::from(&dir).exists(),
         "the temporary data dir is removed"
     );
+}
+
+#[test]
+fn a_second_ctrl_c_while_the_demo_drains_still_removes_its_data_dir() {
+    let mut child = wor(&["demo"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (lines, received) = mpsc::channel::<String>();
+    let stdout = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { return };
+            if lines.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let mut seen = String::new();
+    let mut read_until = |marker: &str| -> String {
+        loop {
+            let line = received
+                .recv_timeout(Duration::from_secs(60))
+                .unwrap_or_else(|_| panic!("no `{marker}` in:\n{seen}"));
+            seen.push_str(&line);
+            seen.push('\n');
+            if line.contains(marker) {
+                return seen.clone();
+            }
+        }
+    };
+    let dir = data_dir_of(&read_until("data dir"));
+    let shown = read_until("Waiting for the decision");
+    let export = shown
+        .lines()
+        .find(|l| l.contains("export WOR_SERVER="))
+        .unwrap();
+    let mut vars = export.trim().trim_start_matches("export ").split(' ');
+    let server = vars.next().unwrap().trim_start_matches("WOR_SERVER=");
+    let key = vars.next().unwrap().trim_start_matches("WOR_API_KEY=");
+    let run = shown
+        .split(|c: char| !c.is_ascii_alphanumeric() && c != '_')
+        .find(|w| w.starts_with("run_"))
+        .unwrap();
+    // A client following the waiting run holds the drain open (for its grace, 10 s), so the
+    // second signal surely lands while the demo drains.
+    #[expect(
+        clippy::disallowed_methods,
+        reason = "the test talks to the demo's own server on loopback"
+    )]
+    let mut follower = TcpStream::connect(server.trim_start_matches("http://")).unwrap();
+    follower
+        .write_all(
+            format!(
+                "GET /v1/runs/{run}/events HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n\r\n"
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+    let mut head = [0u8; 12];
+    follower.read_exact(&mut head).unwrap();
+    assert_eq!(&head, b"HTTP/1.1 200", "the follower is answered");
+    let interrupt = || {
+        let sent = std::process::Command::new("kill")
+            .args(["-INT", &child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(sent.success());
+    };
+    interrupt();
+    read_until("Stopped before the decision");
+    interrupt();
+    let status = child.wait().unwrap();
+    let mut stderr = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    assert_eq!(status.code(), Some(130), "{stderr}");
+    assert!(stderr.contains("a second signal"), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "the temporary data dir {} is removed",
+            dir.display()
+        )),
+        "{stderr}"
+    );
+    assert!(!dir.exists(), "{} is left: {stderr}", dir.display());
+    drop(follower);
 }

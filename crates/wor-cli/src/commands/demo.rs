@@ -92,7 +92,25 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     let (stop_workers, workers_stopped) = tokio::sync::watch::channel(false);
     let worker = engine.spawn_workers(workers_stopped);
 
-    let outcome = scenario(&args, &base, &console, &tools, &data_dir).await;
+    // A second Ctrl-C while the demo drains ends it at once: its temporary data dir is
+    // removed even then.
+    let removed_at_exit = temporary.as_ref().map(|dir| dir.path().to_path_buf());
+    let interrupted = if args.no_wait {
+        None
+    } else {
+        Some(serve::shutdown_signal_then(move || {
+            if let Some(dir) = removed_at_exit {
+                match std::fs::remove_dir_all(&dir) {
+                    Ok(()) => eprintln!("wor: the temporary data dir {} is removed", dir.display()),
+                    Err(error) => eprintln!(
+                        "wor: cannot remove the temporary data dir {}: {error}",
+                        dir.display()
+                    ),
+                }
+            }
+        })?)
+    };
+    let outcome = scenario(&args, interrupted, &base, &console, &tools, &data_dir).await;
 
     let _ = stop_workers.send(true);
     let _ = worker.await;
@@ -145,6 +163,7 @@ struct Scenario {
 
 async fn scenario(
     args: &DemoArgs,
+    interrupted: Option<impl std::future::Future<Output = ()> + Send + 'static>,
     base: &str,
     console: &wor_server::AppState,
     tools: &DemoToolServer,
@@ -153,10 +172,9 @@ async fn scenario(
     let store = &console.store;
     // Without --no-wait the demo waits for a person; Ctrl-C then ends it cleanly.
     let mut interrupted: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> =
-        if args.no_wait {
-            Box::pin(std::future::pending())
-        } else {
-            Box::pin(serve::shutdown_signal()?)
+        match interrupted {
+            Some(signal) => Box::pin(signal),
+            None => Box::pin(std::future::pending()),
         };
     println!("Work on Repeat demo");
     println!("  data dir      {}", data_dir.display());

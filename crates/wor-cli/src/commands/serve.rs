@@ -439,6 +439,14 @@ pub(crate) async fn open_engine(config: &ServerConfig) -> anyhow::Result<(Engine
 /// says it is listening is not lost, and returns the future that completes on either.
 pub(crate) fn shutdown_signal()
 -> anyhow::Result<impl std::future::Future<Output = ()> + Send + 'static> {
+    shutdown_signal_then(|| {})
+}
+
+/// [`shutdown_signal`], calling `last` before the process ends at a second signal, for what
+/// must not outlive it even then (the demo's temporary data dir).
+pub(crate) fn shutdown_signal_then(
+    last: impl FnOnce() + Send + 'static,
+) -> anyhow::Result<impl std::future::Future<Output = ()> + Send + 'static> {
     use tokio::signal::unix::{SignalKind, signal};
     let mut term = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
     let mut int = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
@@ -459,6 +467,7 @@ pub(crate) fn shutdown_signal()
                 "wor: a second signal: stopping now, without the rest of the drain (runs in flight \
                  resume once their lease runs out)"
             );
+            last();
             std::process::exit(code);
         });
     })
