@@ -234,11 +234,13 @@ pub async fn restore_sqlite(from: &Path, data_dir: &Path) -> Result<Restored, Ba
         place.discard();
         error
     };
-    if let Err(error) = std::io::copy(&mut source, &mut file).and_then(|_| file.sync_all()) {
-        return Err(refuse(BackupError::Io {
-            path: target.display().to_string(),
-            source: error,
-        }));
+    // An error is told under the file it came from: the backup's when reading it failed.
+    let copied = copy_into(&mut source, &mut file)
+        .and_then(|()| file.sync_all().map_err(CopyFailed::Writing));
+    match copied {
+        Ok(()) => {}
+        Err(CopyFailed::Reading(error)) => return Err(refuse(io(from)(error))),
+        Err(CopyFailed::Writing(error)) => return Err(refuse(io(&target)(error))),
     }
     drop(file);
     // Damage inside the file, or a database of something else, is found before the store
@@ -251,6 +253,31 @@ pub async fn restore_sqlite(from: &Path, data_dir: &Path) -> Result<Restored, Ba
     match Store::connect(&url).await {
         Ok(store) => Ok(Restored { store, place }),
         Err(error) => Err(refuse(not_a_backup(error.to_string()))),
+    }
+}
+
+/// Which side of a copy failed.
+#[derive(Debug)]
+enum CopyFailed {
+    Reading(std::io::Error),
+    Writing(std::io::Error),
+}
+
+/// Copies all of `source` into `target`, saying which of them an error came from.
+fn copy_into(
+    source: &mut impl std::io::Read,
+    target: &mut impl std::io::Write,
+) -> Result<(), CopyFailed> {
+    let mut buffer = vec![0u8; 64 * 1024];
+    loop {
+        let read = match source.read(&mut buffer) {
+            Ok(0) => return target.flush().map_err(CopyFailed::Writing),
+            Ok(read) => read,
+            Err(error) if error.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(error) => return Err(CopyFailed::Reading(error)),
+        };
+        let chunk = buffer.get(..read).unwrap_or_default();
+        target.write_all(chunk).map_err(CopyFailed::Writing)?;
     }
 }
 
@@ -344,6 +371,43 @@ fn discard_restored(data_dir: &Path) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Gives `good` bytes, then fails as a disk's read error would.
+    struct FailsAfter {
+        good: usize,
+    }
+
+    impl std::io::Read for FailsAfter {
+        fn read(&mut self, buffer: &mut [u8]) -> std::io::Result<usize> {
+            if self.good == 0 {
+                return Err(std::io::Error::from_raw_os_error(5));
+            }
+            let read = self.good.min(buffer.len());
+            self.good -= read;
+            Ok(read)
+        }
+    }
+
+    #[test]
+    fn a_copy_says_which_side_failed() {
+        use std::io::Read as _;
+        let mut copied = Vec::new();
+        match copy_into(&mut FailsAfter { good: 70_000 }, &mut copied) {
+            Err(CopyFailed::Reading(error)) => assert_eq!(error.raw_os_error(), Some(5)),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(copied.len(), 70_000, "what was read before is written");
+        let mut full = [0u8; 10];
+        match copy_into(&mut std::io::repeat(1).take(11), &mut full.as_mut_slice()) {
+            Err(CopyFailed::Writing(error)) => {
+                assert_eq!(error.kind(), std::io::ErrorKind::WriteZero);
+            }
+            other => panic!("{other:?}"),
+        }
+        let mut whole = Vec::new();
+        assert!(copy_into(&mut std::io::repeat(7).take(200_000), &mut whole).is_ok());
+        assert_eq!(whole, vec![7u8; 200_000]);
+    }
 
     /// A header of `pages` pages of 4096 bytes, its page count valid.
     fn header(pages: u32) -> Vec<u8> {
