@@ -23,6 +23,17 @@ pub struct ClientArgs {
     pub ca_cert: Option<std::path::PathBuf>,
 }
 
+/// Why the API refused the request's key, when it did (`401 unauthenticated`): a key the
+/// command cannot use is a usage error, exit 2, as for a malformed one.
+fn refused_key(status: reqwest::StatusCode, code: &str) -> Option<String> {
+    (status == reqwest::StatusCode::UNAUTHORIZED && code == "unauthenticated").then(|| {
+        format!(
+            "check {}: it may be revoked, or a key of another server",
+            env::API_KEY
+        )
+    })
+}
+
 /// The certificates of the PEM file at `path`, to trust beside the system's; a file
 /// [`crate::config::pem_certificates`] refuses is a [`UsageError`](crate::UsageError) that
 /// names where the path came from (`named_by`).
@@ -462,7 +473,15 @@ impl ApiClient {
                 .pointer("/error/message")
                 .and_then(|v| v.as_str())
                 .unwrap_or("no message");
-            bail!("{message} (HTTP {})", status.as_u16());
+            let code = value
+                .pointer("/error/code")
+                .and_then(|v| v.as_str())
+                .unwrap_or("unknown");
+            let error = format!("{message} (HTTP {})", status.as_u16());
+            return Err(match refused_key(status, code) {
+                Some(why) => usage(format!("{error}: {why}")),
+                None => anyhow::Error::msg(error),
+            });
         }
         // Bytes until a whole line is in: a chunk may end inside a multi-byte character.
         let mut buffer: Vec<u8> = Vec::new();
@@ -548,6 +567,10 @@ impl ApiClient {
             .pointer("/error/message")
             .and_then(|v| v.as_str())
             .unwrap_or("no message");
-        bail!("{message} ({code}, HTTP {})", status.as_u16())
+        let error = format!("{message} ({code}, HTTP {})", status.as_u16());
+        Err(match refused_key(status, code) {
+            Some(why) => usage(format!("{error}: {why}")),
+            None => anyhow::Error::msg(error),
+        })
     }
 }

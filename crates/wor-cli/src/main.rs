@@ -55,8 +55,8 @@ const EXIT_CODES: &str = "Exit codes:\n  \
     --follow), a URL refused (egress check), an invalid signature (webhook verify), a broken \
     chain (audit verify), a failed readiness check such as an unsupported sandbox layer (doctor)\n  \
     2    usage: bad arguments or configuration (a config file, flag or variable the command \
-    cannot use, a client's WOR_API_KEY or --server among them), or production mode refusing to \
-    start\n  \
+    cannot use, a client's WOR_API_KEY, one the server refuses included, or --server among \
+    them), or production mode refusing to start\n  \
     10   policy test: the call would wait for a person (confirm)\n  \
     11   policy test: the call would be denied\n  \
     130  serve: a second SIGINT ended the drain at once (143: a second SIGTERM)\n  \

@@ -107,12 +107,29 @@ fn serve_and_client_commands_work_end_to_end() {
 
     let revoked = server.client(&key, &["key", "revoke", key_id]);
     assert!(revoked.status.success(), "{}", text(&revoked.stderr));
+    // A key the server no longer accepts is one the command cannot use: exit 2, as for a
+    // malformed one, whether a request or an event stream is refused.
     let after = server.client(&service_key, &["whoami"]);
-    assert!(!after.status.success());
+    assert_eq!(after.status.code(), Some(2), "{}", text(&after.stderr));
     assert!(
-        text(&after.stderr).contains("HTTP 401"),
+        text(&after.stderr).contains("HTTP 401): check WOR_API_KEY"),
         "{}",
         text(&after.stderr)
+    );
+    let followed = server.client(
+        &service_key,
+        &["run", "follow", "run_01a24be534327421bc412597736c7c11"],
+    );
+    assert_eq!(
+        followed.status.code(),
+        Some(2),
+        "{}",
+        text(&followed.stderr)
+    );
+    assert!(
+        text(&followed.stderr).contains("HTTP 401): check WOR_API_KEY"),
+        "{}",
+        text(&followed.stderr)
     );
 
     let member = server.client(&key, &["member", "create", "pat", "--role", "approver"]);
@@ -1247,7 +1264,7 @@ fn a_server_url_with_a_path_is_asked_under_that_path() {
             "WOR_API_KEY",
             "wor_0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
         ));
-        assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+        assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
         let line = lines
             .recv_timeout(std::time::Duration::from_secs(10))
             .unwrap();
