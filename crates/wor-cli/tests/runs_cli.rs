@@ -96,7 +96,13 @@ fn a_routine_runs_and_is_followed_live() {
         text(&followed.stderr)
     );
     assert!(out.contains("[requester] input: \"hi there\""), "{out}");
-    assert!(out.contains("[model] Hello from the routine."), "{out}");
+    // The model's text as it streams, its turn then pointing at it; or, for a follower that
+    // came after the turn, the turn as recorded.
+    assert!(
+        out.contains("Hello from the routine.\n[model] (the text above)\n")
+            || out.contains("[model] Hello from the routine.\n"),
+        "{out}"
+    );
     assert!(out.contains("[engine] succeeded"), "{out}");
 
     // A run that runs out of turns: the follow ends non-zero, naming the limit.
@@ -596,5 +602,9 @@ fn follow_prints_the_models_text_as_it_streams_with_a_split_token_redacted() {
         .unwrap_or_else(|| panic!("no streamed line: {out}"));
     let turn_at = out.find("[model] ").unwrap();
     assert!(text_at < turn_at, "{out}");
+    // The turn that records it is not shown again: its line points at the text above.
+    let before_the_end = out.split("[engine]").next().unwrap();
+    assert_eq!(before_the_end.matches("The token is").count(), 1, "{out}");
+    assert!(out.contains("[model] (the text above)\n"), "{out}");
     server.stop();
 }

@@ -112,6 +112,25 @@ pub(crate) fn describe_step(step: &Value) -> String {
     }
 }
 
+/// [`describe_step`] for a person who has just watched `streamed` written: a model turn whose
+/// text is all of it is not shown again, only its calls. Text the stream did not carry
+/// whole (a follower that fell behind) is shown as recorded.
+fn describe_step_after(step: &Value, streamed: &str) -> String {
+    let payload = step.get("payload").cloned().unwrap_or(Value::Null);
+    match Step::from_stored(field(step, "/kind"), payload) {
+        Ok(Step::ModelTurn(mut turn)) if !streamed.is_empty() && turn.message.text == streamed => {
+            turn.message.text.clear();
+            let calls = Step::ModelTurn(turn).describe();
+            let sep = if calls.is_empty() { "" } else { " " };
+            format!(
+                "[{}] (the text above){sep}{calls}",
+                field(step, "/provenance")
+            )
+        }
+        _ => describe_step(step),
+    }
+}
+
 /// What a person watching is told when `step` holds a call for a decision: that the run
 /// waits for one, and where to find it.
 fn waiting_hint(step: &Value, run: &str) -> Option<String> {
@@ -144,6 +163,8 @@ async fn follow(api: &ApiClient, id: &str, json: bool) -> anyhow::Result<ExitCod
     let mut last = Value::Null;
     // The model's text as it is written, on one line ended when the next step arrives.
     let mut in_text = false;
+    // That text since the last step, for the turn that records it.
+    let mut streamed = String::new();
     api.events(
         &format!("/v1/runs/{id}/events"),
         |event, data| match event {
@@ -155,13 +176,17 @@ async fn follow(api: &ApiClient, id: &str, json: bool) -> anyhow::Result<ExitCod
                     print!("{}", for_terminal(delta));
                     let _ = std::io::Write::flush(&mut std::io::stdout());
                 }
+                streamed.push_str(delta);
                 in_text = true;
             }
             "step" => {
                 if std::mem::take(&mut in_text) {
                     watch_line(json, "");
                 }
-                watch_line(json, &describe_step(&data));
+                watch_line(
+                    json,
+                    &describe_step_after(&data, &std::mem::take(&mut streamed)),
+                );
                 if let Some(hint) = waiting_hint(&data, id) {
                     watch_line(json, &hint);
                 }
