@@ -108,6 +108,72 @@ fn the_console_link_signs_in_once(link: &str, approval: &str) {
     assert_eq!(status, 404);
 }
 
+/// `wor demo` waiting for a person, its output read line by line as it comes.
+struct Waiting {
+    child: std::process::Child,
+    received: mpsc::Receiver<String>,
+    /// Every line read so far.
+    seen: String,
+}
+
+impl Waiting {
+    fn start() -> Self {
+        let mut child = wor(&["demo"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (lines, received) = mpsc::channel::<String>();
+        let stdout = child.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { return };
+                if lines.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        Waiting {
+            child,
+            received,
+            seen: String::new(),
+        }
+    }
+
+    /// Reads up to the first line that holds `marker`, and returns that line.
+    fn read_until(&mut self, marker: &str) -> String {
+        loop {
+            let line = self
+                .received
+                .recv_timeout(Duration::from_secs(60))
+                .unwrap_or_else(|_| panic!("no `{marker}` in:\n{}", self.seen));
+            self.seen.push_str(&line);
+            self.seen.push('\n');
+            if line.contains(marker) {
+                return line;
+            }
+        }
+    }
+
+    /// The server and the approver's key the demo printed for its `export` line.
+    fn server_and_key(&mut self) -> (String, String) {
+        let export = self.read_until("export WOR_SERVER=");
+        let mut vars = export.trim().trim_start_matches("export ").split(' ');
+        let server = vars.next().unwrap().trim_start_matches("WOR_SERVER=");
+        let key = vars.next().unwrap().trim_start_matches("WOR_API_KEY=");
+        (server.to_owned(), key.to_owned())
+    }
+
+    /// Sends the demo SIGINT, as Ctrl-C does.
+    fn interrupt(&self) {
+        let sent = std::process::Command::new("kill")
+            .args(["-INT", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(sent.success());
+    }
+}
+
 #[test]
 fn the_demo_runs_to_its_end_and_every_step_behaves() {
     let out = run(&mut wor(&["demo", "--no-wait"]));
@@ -128,48 +194,13 @@ fn the_demo_runs_to_its_end_and_every_step_behaves() {
 
 #[test]
 fn a_person_decides_the_held_call_with_wor_approvals_while_the_demo_waits() {
-    let mut child = wor(&["demo"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let (lines, received) = mpsc::channel::<String>();
-    let stdout = child.stdout.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { return };
-            if lines.send(line).is_err() {
-                return;
-            }
-        }
-    });
-    let mut seen = String::new();
-    let mut read_until = |marker: &str| -> String {
-        loop {
-            let line = received
-                .recv_timeout(Duration::from_secs(60))
-                .unwrap_or_else(|_| panic!("no `{marker}` in:\n{seen}"));
-            seen.push_str(&line);
-            seen.push('\n');
-            if line.contains(marker) {
-                return line;
-            }
-        }
-    };
-    let link = read_until("/console/sign-in-links/wrl_").trim().to_owned();
-    let export = read_until("export WOR_SERVER=");
-    let deny = read_until("wor approvals deny");
-    let mut vars = export.trim().trim_start_matches("export ").split(' ');
-    let server = vars
-        .next()
-        .unwrap()
-        .trim_start_matches("WOR_SERVER=")
+    let mut demo = Waiting::start();
+    let link = demo
+        .read_until("/console/sign-in-links/wrl_")
+        .trim()
         .to_owned();
-    let approver_key = vars
-        .next()
-        .unwrap()
-        .trim_start_matches("WOR_API_KEY=")
-        .to_owned();
+    let (server, approver_key) = demo.server_and_key();
+    let deny = demo.read_until("wor approvals deny");
     let id = deny
         .split_whitespace()
         .find(|w| w.starts_with("apr_"))
@@ -248,23 +279,20 @@ fn a_person_decides_the_held_call_with_wor_approvals_while_the_demo_waits() {
         );
     }
 
-    let verify = read_until("wor audit verify --data-dir");
+    let verify = demo.read_until("wor audit verify --data-dir");
     let dir = verify.split("--data-dir").nth(1).unwrap().trim().to_owned();
     let verified = shell(&verify);
     assert!(verified.status.success(), "{}", text(&verified.stdout));
     assert!(text(&verified.stdout).contains("intact"));
 
     // Ctrl-C ends the demo, which then reports and removes its data dir.
-    let interrupted = std::process::Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(interrupted.success());
-    let status = child.wait().unwrap();
-    while let Ok(line) = received.recv_timeout(Duration::from_secs(5)) {
-        seen.push_str(&line);
-        seen.push('\n');
+    demo.interrupt();
+    let status = demo.child.wait().unwrap();
+    while let Ok(line) = demo.received.recv_timeout(Duration::from_secs(5)) {
+        demo.seen.push_str(&line);
+        demo.seen.push('\n');
     }
+    let seen = demo.seen;
     assert!(status.success(), "{seen}");
     for check in CHECKS {
         assert!(seen.contains(check), "missing `{check}` in:\n{seen}");
@@ -281,47 +309,16 @@ fn a_person_decides_the_held_call_with_wor_approvals_while_the_demo_waits() {
 
 #[test]
 fn a_second_ctrl_c_while_the_demo_drains_still_removes_its_data_dir() {
-    let mut child = wor(&["demo"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let (lines, received) = mpsc::channel::<String>();
-    let stdout = child.stdout.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { return };
-            if lines.send(line).is_err() {
-                return;
-            }
-        }
-    });
-    let mut seen = String::new();
-    let mut read_until = |marker: &str| -> String {
-        loop {
-            let line = received
-                .recv_timeout(Duration::from_secs(60))
-                .unwrap_or_else(|_| panic!("no `{marker}` in:\n{seen}"));
-            seen.push_str(&line);
-            seen.push('\n');
-            if line.contains(marker) {
-                return seen.clone();
-            }
-        }
-    };
-    let dir = data_dir_of(&read_until("data dir"));
-    let shown = read_until("Waiting for the decision");
-    let export = shown
-        .lines()
-        .find(|l| l.contains("export WOR_SERVER="))
-        .unwrap();
-    let mut vars = export.trim().trim_start_matches("export ").split(' ');
-    let server = vars.next().unwrap().trim_start_matches("WOR_SERVER=");
-    let key = vars.next().unwrap().trim_start_matches("WOR_API_KEY=");
-    let run = shown
+    let mut demo = Waiting::start();
+    let dir = data_dir_of(&demo.read_until("data dir"));
+    let (server, key) = demo.server_and_key();
+    demo.read_until("Waiting for the decision");
+    let run = demo
+        .seen
         .split(|c: char| !c.is_ascii_alphanumeric() && c != '_')
         .find(|w| w.starts_with("run_"))
-        .unwrap();
+        .unwrap()
+        .to_owned();
     // A client following the waiting run holds the drain open (for its grace, 10 s), so the
     // second signal surely lands while the demo drains.
     #[expect(
@@ -340,19 +337,12 @@ fn a_second_ctrl_c_while_the_demo_drains_still_removes_its_data_dir() {
     let mut head = [0u8; 12];
     follower.read_exact(&mut head).unwrap();
     assert_eq!(&head, b"HTTP/1.1 200", "the follower is answered");
-    let interrupt = || {
-        let sent = std::process::Command::new("kill")
-            .args(["-INT", &child.id().to_string()])
-            .status()
-            .unwrap();
-        assert!(sent.success());
-    };
-    interrupt();
-    read_until("Stopped before the decision");
-    interrupt();
-    let status = child.wait().unwrap();
+    demo.interrupt();
+    demo.read_until("Stopped before the decision");
+    demo.interrupt();
+    let status = demo.child.wait().unwrap();
     let mut stderr = String::new();
-    child
+    demo.child
         .stderr
         .take()
         .unwrap()
