@@ -59,7 +59,7 @@ const EXIT_CODES: &str = "Exit codes:\n  \
     them), or production mode refusing to start\n  \
     10   policy test: the call would wait for a person (confirm)\n  \
     11   policy test: the call would be denied\n  \
-    130  serve: a second SIGINT ended the drain at once (143: a second SIGTERM)\n  \
+    130  serve, demo: a second SIGINT ended the drain at once (143: a second SIGTERM)\n  \
     141  what read the output closed it first (`wor run list | head -1`)\n  \
     sandbox exec exits with the command's own status (137 when it was killed or timed out)";
 
