@@ -176,4 +176,31 @@ fn operator_cidrs_come_from_the_config_file_and_production_narrows_them() {
         "production refuses a list that disables the guard"
     );
     assert!(String::from_utf8_lossy(&refused.stderr).contains("too broad"));
+
+    // An IPv6 range that embeds IPv4 is judged by the IPv4 range it reaches: all of IPv4, or
+    // cloud metadata spelt as IPv4-mapped.
+    for (cidr, says) in [
+        ("::ffff:0:0/96", "reaches the IPv4 range 0.0.0.0/0"),
+        ("::ffff:169.254.0.0/112", "link-local"),
+        ("2001::/32", "Teredo"),
+    ] {
+        std::fs::write(
+            dir.path().join("mapped.toml"),
+            format!("[egress]\nallowed_cidrs = [\"{cidr}\"]\n"),
+        )
+        .unwrap();
+        let mapped = dir.path().join("mapped.toml").display().to_string();
+        let refused = check(&[
+            "http://[::ffff:169.254.169.254]/latest/meta-data/",
+            "--config",
+            &mapped,
+            "--production",
+        ]);
+        assert_eq!(refused.status.code(), Some(2), "{cidr}");
+        assert!(
+            String::from_utf8_lossy(&refused.stderr).contains(says),
+            "{cidr}: {}",
+            String::from_utf8_lossy(&refused.stderr)
+        );
+    }
 }

@@ -4,7 +4,8 @@
 //! through the API can widen it. Special-use addresses (see [`crate::address`]) are refused in
 //! every mode unless the operator lists a CIDR covering them. Production additionally refuses
 //! lists that would switch the guard off (prefixes shorter than /8 or /16) or open cloud
-//! metadata (link-local ranges).
+//! metadata (link-local ranges), judging an IPv6 range that embeds IPv4 addresses by the IPv4
+//! range it reaches.
 //!
 //! A [`HostAllowlist`] narrows one connection to the hosts it declares; it never widens the
 //! address policy.
@@ -53,6 +54,73 @@ pub enum PolicyError {
         "allowed cidr `{0}` covers link-local addresses (cloud metadata), refused in production"
     )]
     LinkLocal(IpNet),
+    /// Production judges an IPv6 range that embeds IPv4 addresses (IPv4-mapped, -compatible,
+    /// NAT64, 6to4) by the IPv4 range it reaches.
+    #[error(
+        "allowed cidr `{0}` reaches the IPv4 range {1}, which is too broad for production \
+         (shorter than /8)"
+    )]
+    EmbedsTooBroad(IpNet, ipnet::Ipv4Net),
+    /// Production refuses an IPv6 range that embeds IPv4 addresses where the guard cannot
+    /// read them (Teredo, local-use NAT64).
+    #[error(
+        "allowed cidr `{0}` overlaps {1} addresses, which reach IPv4 addresses production \
+         cannot check: list the IPv4 range itself"
+    )]
+    EmbedsUnchecked(IpNet, &'static str),
+}
+
+/// IPv6 ranges whose addresses carry an IPv4 address, and the bit where it starts: a listed
+/// range within one is judged by the IPv4 range it reaches.
+const EMBEDDING_V4: [(ipnet::Ipv6Net, u8); 4] = [
+    // IPv4-mapped, `::ffff:a.b.c.d`.
+    (
+        ipnet::Ipv6Net::new_assert(std::net::Ipv6Addr::new(0, 0, 0, 0, 0, 0xffff, 0, 0), 96),
+        96,
+    ),
+    // IPv4-compatible (deprecated), `::a.b.c.d`.
+    (
+        ipnet::Ipv6Net::new_assert(std::net::Ipv6Addr::new(0, 0, 0, 0, 0, 0, 0, 0), 96),
+        96,
+    ),
+    // NAT64's well-known prefix, `64:ff9b::a.b.c.d`.
+    (
+        ipnet::Ipv6Net::new_assert(std::net::Ipv6Addr::new(0x64, 0xff9b, 0, 0, 0, 0, 0, 0), 96),
+        96,
+    ),
+    // 6to4, `2002:AABB:CCDD::/48`.
+    (
+        ipnet::Ipv6Net::new_assert(std::net::Ipv6Addr::new(0x2002, 0, 0, 0, 0, 0, 0, 0), 16),
+        16,
+    ),
+];
+
+/// IPv6 ranges whose addresses reach IPv4 in a form not read here, and their names.
+const UNCHECKED_V4: [(ipnet::Ipv6Net, &str); 2] = [
+    (
+        ipnet::Ipv6Net::new_assert(std::net::Ipv6Addr::new(0x2001, 0, 0, 0, 0, 0, 0, 0), 32),
+        "Teredo",
+    ),
+    (
+        ipnet::Ipv6Net::new_assert(std::net::Ipv6Addr::new(0x64, 0xff9b, 1, 0, 0, 0, 0, 0), 48),
+        "local-use NAT64",
+    ),
+];
+
+/// The IPv4 range `cidr` reaches through `embedding`, whose IPv4 address starts at bit `at`:
+/// the whole of IPv4 for a range that holds all of `embedding`, and `None` for one outside it.
+fn embedded_v4(cidr: ipnet::Ipv6Net, embedding: ipnet::Ipv6Net, at: u8) -> Option<ipnet::Ipv4Net> {
+    if cidr.contains(&embedding) {
+        return Some(ipnet::Ipv4Net::default());
+    }
+    if !embedding.contains(&cidr) {
+        return None;
+    }
+    let bits = u128::from(cidr.network());
+    let shift = 128 - u32::from(at) - 32;
+    let address = u32::try_from((bits >> shift) & u128::from(u32::MAX)).unwrap_or_default();
+    let len = cidr.prefix_len().saturating_sub(at).min(32);
+    ipnet::Ipv4Net::new(std::net::Ipv4Addr::from(address), len).ok()
 }
 
 const LINK_LOCAL: [IpNet; 2] = [
@@ -157,11 +225,33 @@ impl EgressPolicy {
         if cidr.prefix_len() < min {
             return Err(PolicyError::TooBroad(cidr, min));
         }
-        if LINK_LOCAL
-            .iter()
-            .any(|ll| ll.contains(&cidr) || cidr.contains(ll))
-        {
+        let link_local = |range: IpNet| {
+            LINK_LOCAL
+                .iter()
+                .any(|ll| ll.contains(&range) || range.contains(ll))
+        };
+        if link_local(cidr) {
             return Err(PolicyError::LinkLocal(cidr));
+        }
+        let IpNet::V6(v6) = cidr else {
+            return Ok(());
+        };
+        for (embedding, at) in EMBEDDING_V4 {
+            let Some(v4) = embedded_v4(v6, embedding, at) else {
+                continue;
+            };
+            if v4.prefix_len() < 8 {
+                return Err(PolicyError::EmbedsTooBroad(cidr, v4));
+            }
+            if link_local(IpNet::V4(v4)) {
+                return Err(PolicyError::LinkLocal(cidr));
+            }
+        }
+        if let Some((_, name)) = UNCHECKED_V4
+            .iter()
+            .find(|(range, _)| range.contains(&v6) || v6.contains(range))
+        {
+            return Err(PolicyError::EmbedsUnchecked(cidr, name));
         }
         Ok(())
     }
@@ -483,6 +573,67 @@ mod tests {
                 .with_allowed_cidrs(["0.0.0.0/0".parse().unwrap()])
                 .is_ok()
         );
+    }
+
+    #[test]
+    fn production_judges_an_ipv6_range_that_embeds_ipv4_by_what_it_reaches() {
+        let listed = |cidr: &str| {
+            EgressPolicy::production().with_allowed_cidrs([cidr.parse::<IpNet>().unwrap()])
+        };
+        for (cidr, reaches) in [
+            ("::ffff:0:0/96", "0.0.0.0/0"),
+            ("::ffff:0:0/100", "0.0.0.0/4"),
+            ("64:ff9b::/96", "0.0.0.0/0"),
+            ("2002::/16", "0.0.0.0/0"),
+            ("2002:a000::/20", "160.0.0.0/4"),
+            ("::/64", "0.0.0.0/0"),
+        ] {
+            assert_eq!(
+                listed(cidr),
+                Err(PolicyError::EmbedsTooBroad(
+                    cidr.parse().unwrap(),
+                    reaches.parse().unwrap()
+                )),
+                "{cidr}"
+            );
+        }
+        // Cloud metadata, however it is spelt.
+        for cidr in [
+            "::ffff:169.254.169.254/128",
+            "::ffff:169.254.0.0/112",
+            "::ffff:169.0.0.0/104",
+            "64:ff9b::a9fe:0/112",
+            "2002:a9fe::/32",
+            "2002:a9fe:a9fe::/48",
+        ] {
+            assert_eq!(
+                listed(cidr),
+                Err(PolicyError::LinkLocal(cidr.parse().unwrap())),
+                "{cidr}"
+            );
+        }
+        for (cidr, name) in [
+            ("2001::/32", "Teredo"),
+            ("2001:0:a9fe::/48", "Teredo"),
+            ("64:ff9b:1::/64", "local-use NAT64"),
+        ] {
+            assert_eq!(
+                listed(cidr),
+                Err(PolicyError::EmbedsUnchecked(cidr.parse().unwrap(), name)),
+                "{cidr}"
+            );
+        }
+        // What an operator lists for a private service stays listable, in either spelling.
+        for cidr in [
+            "::ffff:10.1.0.0/112",
+            "64:ff9b::a01:5/128",
+            "2002:a01::/32",
+            "::1/128",
+            "fd00:1::/64",
+            "2001:db8::/32",
+        ] {
+            assert!(listed(cidr).is_ok(), "{cidr}");
+        }
         let bad = EgressConfig {
             production: false,
             allowed_cidrs: vec!["10.0.0.0/33".into()],
