@@ -815,6 +815,36 @@ async fn roles_are_checked_on_every_configuration_route() {
         )
         .await;
     assert_error(&personal, StatusCode::FORBIDDEN, "forbidden");
+    // Nor can it become one: adding a member would hand it their key, and an invitation sets
+    // a member's password; either would let a key approve the calls of the runs it starts.
+    for (path, body) in [
+        (
+            "/v1/members",
+            json!({"name": "stand-in", "role": "approver"}),
+        ),
+        (
+            "/v1/invitations",
+            json!({"name": "stand-in", "role": "approver"}),
+        ),
+        ("/v1/invitations", json!({"name": "vera"})),
+    ] {
+        let refused = api
+            .call(Method::POST, path, Some(&service_key), Some(body))
+            .await;
+        assert_error(&refused, StatusCode::FORBIDDEN, "forbidden");
+        assert!(
+            refused.body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("a service key cannot"),
+            "{}",
+            refused.text
+        );
+    }
+    let members = api
+        .call(Method::GET, "/v1/members", Some(owner), None)
+        .await;
+    assert!(!members.text.contains("stand-in"), "{}", members.text);
 
     // A viewer may revoke its own key but not another's.
     let own_id = own.body["id"].as_str().unwrap();

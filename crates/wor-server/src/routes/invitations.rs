@@ -45,6 +45,11 @@ pub async fn invite(
     Configurer(caller): Configurer,
     ApiJson(body): ApiJson<CreateInvitation>,
 ) -> Result<(StatusCode, Json<CreatedInvitation>), ApiError> {
+    // The link sets the member's password: a service key that could invite could sign in as a
+    // person, and approve the calls of the runs it starts.
+    caller.require_member(
+        "invite a member to the console, as the link it would be given sets their password",
+    )?;
     let created = invite_member(
         &state,
         caller.project_id,

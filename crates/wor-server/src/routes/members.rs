@@ -71,6 +71,9 @@ pub async fn create_member(
 ) -> Result<(StatusCode, Json<CreatedMember>), ApiError> {
     check_name(&body.name, "member")?;
     let role = parse_role(&body.role)?;
+    // The answer holds the new member's key: a service key that could add members could act
+    // as a person, and approve the calls of the runs it starts.
+    caller.require_member("add a member, whose key it would be given")?;
     if !caller.role.can_grant(role) {
         return Err(ApiError::Forbidden(format!(
             "role `{}` cannot grant role `{role}`",
