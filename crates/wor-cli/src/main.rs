@@ -72,7 +72,16 @@ fn main() -> ExitCode {
     // cannot, that costs memory only, so the answer is not needed.
     let _ = rustix::thread::disable_transparent_huge_pages(true);
     quiet_on_closed_stdout();
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        // Help and the version, on stdout as clap prints them.
+        Err(err) if !err.use_stderr() => err.exit(),
+        // A refused argument is quoted as typed: escaped, as every other error is.
+        Err(err) => {
+            eprint!("{}", commands::for_terminal(&err.render().to_string()));
+            return ExitCode::from(2);
+        }
+    };
     if let Err(err) = logging::init(
         cli.command.default_log_level(),
         cli.command.makes_outbound_connections(),

@@ -204,6 +204,18 @@ fn member_role_changes_a_role_by_name_or_id_and_refuses_the_last_owner() {
         (json["id"].as_str(), json["role"].as_str()),
         (Some(pat.as_str()), Some("viewer"))
     );
+    // Shown by name or by id, alike.
+    let by_name = server.client(&key, &["member", "show", "pat"]);
+    assert!(by_name.status.success(), "{}", text(&by_name.stderr));
+    assert!(
+        text(&by_name.stdout).contains(&format!("member   pat ({pat})"))
+            && text(&by_name.stdout).contains("role     viewer"),
+        "{}",
+        text(&by_name.stdout)
+    );
+    let by_id = server.client(&key, &["member", "show", &pat, "--json"]);
+    let by_id: serde_json::Value = serde_json::from_slice(&by_id.stdout).unwrap();
+    assert_eq!(by_id["name"], "pat");
     let same = server.client(&key, &["member", "role", "pat", "viewer"]);
     assert!(
         text(&same.stdout).contains("nothing changed"),
@@ -239,6 +251,48 @@ fn member_role_changes_a_role_by_name_or_id_and_refuses_the_last_owner() {
     let log = text(&server.client(&key, &["audit", "export"]).stdout);
     assert_eq!(log.matches("member.role_change").count(), 2, "{log}");
     server.stop();
+}
+
+#[test]
+fn an_id_is_checked_before_any_request_so_it_cannot_name_another_route() {
+    // Nothing listens at this server: a command that sent anything would fail to connect.
+    let commands: [&[&str]; 12] = [
+        &[
+            "approvals",
+            "approve",
+            "../runs/run_0/cancel?",
+            "--reason",
+            "x",
+        ],
+        &["approvals", "deny", "apr_0123/approve?", "--reason", "x"],
+        &["approvals", "show", "../runs"],
+        &["run", "cancel", "run_../../keys"],
+        &["run", "get", "run_01"],
+        &["run", "follow", "x"],
+        &["key", "revoke", "key_../members"],
+        &["connection", "enable", "con_x?", "--tool", "a=b"],
+        &["model-connection", "revoke", "../con"],
+        &["notify", "delete", "ntf_%2e%2e"],
+        &["member", "show", "mem_../keys"],
+        &["member", "role", "mem_x#y", "viewer"],
+    ];
+    for args in commands {
+        let out = run(wor(args).env("WOR_SERVER", "http://127.0.0.1:9").env(
+            "WOR_API_KEY",
+            "wor_0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+        ));
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+        assert!(
+            text(&out.stderr).contains("followed by 32 hex digits"),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+    }
 }
 
 #[test]

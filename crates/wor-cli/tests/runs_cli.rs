@@ -261,14 +261,24 @@ fn a_start_sent_again_under_its_idempotency_key_starts_nothing_new() {
     assert!(secret.starts_with("HTTP/1.1 400"), "{secret}");
     assert!(secret.contains("the shape of a secret"), "{secret}");
     // An error that quotes what was sent reaches the terminal with its control characters
-    // escaped.
-    let escaped = server.client(&key, &["run", "get", "run_\u{1b}[2Jgone"]);
-    assert_eq!(escaped.status.code(), Some(1), "{}", text(&escaped.stdout));
-    let said = text(&escaped.stderr);
-    assert!(
-        !said.contains('\u{1b}') && said.contains("\\u{1b}"),
-        "{said:?}"
-    );
+    // escaped: the server's, and the CLI's own refusal of an argument.
+    for (args, code) in [
+        (["run", "start", "gone\u{1b}[2J\u{202e}"], 1),
+        (["run", "get", "run_\u{1b}[2Jgone\r"], 2),
+    ] {
+        let escaped = server.client(&key, &args);
+        assert_eq!(
+            escaped.status.code(),
+            Some(code),
+            "{}",
+            text(&escaped.stdout)
+        );
+        let said = text(&escaped.stderr);
+        assert!(
+            !said.contains(['\u{1b}', '\r', '\u{202e}']) && said.contains("\\u{"),
+            "{said:?}"
+        );
+    }
 
     // An https URL for this plain HTTP server: said so.
     let tls_url = server.url.replacen("http://", "https://", 1);

@@ -27,7 +27,7 @@ pub enum ApprovalsCommand {
     /// Show one approval: the exact call, why it needs a decision, and its run.
     Show {
         /// An `apr_…` id.
-        id: String,
+        id: wor_core::ApprovalId,
         #[command(flatten)]
         client: ClientArgs,
     },
@@ -35,7 +35,7 @@ pub enum ApprovalsCommand {
     /// with some arguments corrected: the edited call runs instead, if policy allows it.
     Approve {
         /// An `apr_…` id.
-        id: String,
+        id: wor_core::ApprovalId,
         /// Why (recorded with the decision and in the audit log).
         #[arg(long)]
         reason: String,
@@ -49,7 +49,7 @@ pub enum ApprovalsCommand {
     /// Deny this call; its run goes on without it, or fails, as its routine says.
     Deny {
         /// An `apr_…` id.
-        id: String,
+        id: wor_core::ApprovalId,
         /// Why (recorded with the decision and in the audit log).
         #[arg(long)]
         reason: String,
@@ -264,7 +264,12 @@ pub async fn run(cmd: ApprovalsCommand) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-async fn decide(id: &str, verb: &str, reason: &str, client: &ClientArgs) -> anyhow::Result<()> {
+async fn decide(
+    id: &wor_core::ApprovalId,
+    verb: &str,
+    reason: &str,
+    client: &ClientArgs,
+) -> anyhow::Result<()> {
     let approval = ApiClient::new(client)?
         .post(
             &format!("/v1/approvals/{id}/{verb}"),

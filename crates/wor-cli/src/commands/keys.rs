@@ -28,7 +28,7 @@ pub enum KeyCommand {
     /// Revoke a key at once.
     Revoke {
         /// A `key_…` id.
-        id: String,
+        id: wor_core::ApiKeyId,
         #[command(flatten)]
         client: ClientArgs,
     },

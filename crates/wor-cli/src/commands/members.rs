@@ -4,7 +4,9 @@ use std::process::ExitCode;
 
 use serde_json::json;
 
-use super::{field, print_json};
+use anyhow::Context as _;
+
+use super::{field, for_terminal, print_json};
 use crate::client::{ApiClient, ClientArgs};
 
 #[derive(Debug, clap::Subcommand)]
@@ -38,28 +40,36 @@ pub enum MemberCommand {
         #[command(flatten)]
         client: ClientArgs,
     },
-    /// Show one member.
+    /// Show one member (`--json`: as the API shows them).
     Show {
-        /// A `mem_…` id.
-        id: String,
+        /// A `mem_…` id, or the member's name.
+        member: String,
         #[command(flatten)]
         client: ClientArgs,
     },
 }
 
-/// The id of `member`: a `mem_…` id as it is, or the id of the member of that name.
-async fn member_id(api: &ApiClient, member: &str) -> anyhow::Result<String> {
+/// The id of `member`: a `mem_…` id (a malformed one is a usage error), or the id of the
+/// member of that name.
+async fn member_id(api: &ApiClient, member: &str) -> anyhow::Result<wor_core::MemberId> {
     if member.starts_with("mem_") {
-        return Ok(member.to_owned());
+        return member.parse().map_err(crate::usage);
     }
     let members = api.get("/v1/members").await?;
-    members
+    let id = members
         .as_array()
         .into_iter()
         .flatten()
         .find(|m| m.pointer("/name").and_then(|n| n.as_str()) == Some(member))
         .map(|m| field(m, "/id").to_owned())
-        .ok_or_else(|| anyhow::anyhow!("there is no member named `{member}` in the project"))
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "there is no member named `{}` in the project",
+                for_terminal(member)
+            )
+        })?;
+    id.parse()
+        .with_context(|| format!("the server named member `{member}` with a malformed id"))
 }
 
 pub async fn whoami(args: ClientArgs) -> anyhow::Result<ExitCode> {
@@ -143,11 +153,21 @@ pub async fn run(cmd: MemberCommand) -> anyhow::Result<ExitCode> {
                 );
             }
         }
-        MemberCommand::Show { id, client } => {
-            let member = ApiClient::new(&client)?
-                .get(&format!("/v1/members/{id}"))
-                .await?;
-            print_json(&member)?;
+        MemberCommand::Show { member, client } => {
+            let api = ApiClient::new(&client)?;
+            let id = member_id(&api, &member).await?;
+            let member = api.get(&format!("/v1/members/{id}")).await?;
+            if client.json {
+                print_json(&member)?;
+            } else {
+                println!(
+                    "member   {} ({})",
+                    for_terminal(field(&member, "/name")),
+                    field(&member, "/id")
+                );
+                println!("role     {}", field(&member, "/role"));
+                println!("created  {}", field(&member, "/created_at"));
+            }
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -72,14 +72,14 @@ pub enum ModelConnectionCommand {
     /// Show one model connection.
     Show {
         /// A `con_…` id.
-        id: String,
+        id: wor_core::ConnectionId,
         #[command(flatten)]
         client: ClientArgs,
     },
     /// Replace a connection's API key.
     SetKey {
         /// A `con_…` id.
-        id: String,
+        id: wor_core::ConnectionId,
         #[command(flatten)]
         key: ApiKeySource,
         #[command(flatten)]
@@ -88,7 +88,7 @@ pub enum ModelConnectionCommand {
     /// Revoke a connection and delete its key.
     Revoke {
         /// A `con_…` id.
-        id: String,
+        id: wor_core::ConnectionId,
         #[command(flatten)]
         client: ClientArgs,
     },

@@ -22,7 +22,7 @@ pub enum NotifyCommand {
     },
     /// Delete a route (`ntf_…`) and its sealed secrets.
     Delete {
-        id: String,
+        id: wor_core::NotificationRouteId,
         #[command(flatten)]
         client: ClientArgs,
     },

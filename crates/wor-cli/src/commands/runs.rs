@@ -39,7 +39,7 @@ pub enum RunCommand {
     /// Show a run and its steps.
     Get {
         /// A `run_…` id.
-        id: String,
+        id: wor_core::RunId,
         #[command(flatten)]
         client: ClientArgs,
     },
@@ -63,14 +63,14 @@ pub enum RunCommand {
     /// Cancel a run.
     Cancel {
         /// A `run_…` id.
-        id: String,
+        id: wor_core::RunId,
         #[command(flatten)]
         client: ClientArgs,
     },
     /// Show a run live until it ends; exit 0 only if it succeeded (`--json`: as for `start`).
     Follow {
         /// A `run_…` id.
-        id: String,
+        id: wor_core::RunId,
         #[command(flatten)]
         client: ClientArgs,
     },
@@ -334,7 +334,7 @@ pub async fn run(cmd: RunCommand) -> anyhow::Result<ExitCode> {
             }
         }
         RunCommand::Follow { id, client } => {
-            return follow(&ApiClient::new(&client)?, &id, client.json).await;
+            return follow(&ApiClient::new(&client)?, &id.to_string(), client.json).await;
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -92,7 +92,7 @@ pub enum ToolConnectionCommand {
     #[command(group(clap::ArgGroup::new("source").args(["openapi", "tools_file"]).required(true)))]
     ReplaceTools {
         /// A `con_…` id.
-        id: String,
+        id: wor_core::ConnectionId,
         /// The OpenAPI document (JSON or YAML) to import again.
         #[arg(long, value_name = "FILE")]
         openapi: Option<PathBuf>,
@@ -110,21 +110,21 @@ pub enum ToolConnectionCommand {
     /// Show one tool connection.
     Show {
         /// A `con_…` id.
-        id: String,
+        id: wor_core::ConnectionId,
         #[command(flatten)]
         client: ClientArgs,
     },
     /// List the server's live tools with their hashes, and the diff against the pins.
     Review {
         /// A `con_…` id.
-        id: String,
+        id: wor_core::ConnectionId,
         #[command(flatten)]
         client: ClientArgs,
     },
     /// Pin the reviewed tools and enable the connection.
     Enable {
         /// A `con_…` id.
-        id: String,
+        id: wor_core::ConnectionId,
         /// The output of `wor connection review --json` the tools were reviewed from.
         #[arg(long, value_name = "FILE", required_unless_present = "tools")]
         from_review: Option<PathBuf>,
@@ -149,7 +149,7 @@ pub enum ToolConnectionCommand {
     /// Disable the connection; runs that need it fail closed.
     Disable {
         /// A `con_…` id.
-        id: String,
+        id: wor_core::ConnectionId,
         #[command(flatten)]
         client: ClientArgs,
     },
@@ -159,7 +159,7 @@ pub enum ToolConnectionCommand {
     /// there, and seals the tokens. Needs a member's key.
     Authorize {
         /// A `con_…` id.
-        id: String,
+        id: wor_core::ConnectionId,
         /// A client you registered with the authorization server beforehand (a server without
         /// dynamic registration needs one); without it, a client is registered dynamically.
         #[arg(long, value_name = "ID")]
