@@ -293,6 +293,41 @@ fn an_id_is_checked_before_any_request_so_it_cannot_name_another_route() {
             text(&out.stderr)
         );
     }
+    // So are a listing's filters, which go in its query.
+    let filters: [(&[&str], &str); 6] = [
+        (
+            &["approvals", "list", "--run", "run_x&status=all"],
+            "32 hex digits",
+        ),
+        (&["approvals", "list", "--status", "ALL"], "possible values"),
+        (&["approvals", "list", "--limit", "0"], "not in 1..=200"),
+        (&["webhook", "deliveries", "--run", "x"], "32 hex digits"),
+        (
+            &["notify", "deliveries", "--approval", "apr_1&x=y"],
+            "32 hex digits",
+        ),
+        (
+            &["notify", "deliveries", "--status", "sent"],
+            "possible values",
+        ),
+    ];
+    for (args, says) in filters {
+        let out = run(wor(args).env("WOR_SERVER", "http://127.0.0.1:9").env(
+            "WOR_API_KEY",
+            "wor_0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+        ));
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+        assert!(
+            text(&out.stderr).contains(says),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+    }
 }
 
 #[test]

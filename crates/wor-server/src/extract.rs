@@ -292,6 +292,35 @@ pub fn page_limit(limit: Option<u32>) -> Result<u32, ApiError> {
     }
 }
 
+/// A page cursor from a query string (`before=`): the id of a row of the listing, `prefix_`
+/// and 32 hex digits, naming it `what` in the 400 a malformed one gets. Anything else could
+/// name no row, and would answer a page as if it did.
+pub fn page_cursor(
+    before: Option<String>,
+    prefix: &str,
+    what: &str,
+) -> Result<Option<String>, ApiError> {
+    match before {
+        Some(id)
+            if !id
+                .strip_prefix(prefix)
+                .and_then(|r| r.strip_prefix('_'))
+                .is_some_and(|hex| {
+                    hex.len() == 32
+                        && hex
+                            .bytes()
+                            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+                }) =>
+        {
+            Err(ApiError::bad_request(
+                "invalid_query",
+                format!("`before` is not {what} id (`{prefix}_` and 32 hex digits)"),
+            ))
+        }
+        other => Ok(other),
+    }
+}
+
 /// An optional id from a query string, e.g. `run_id=run_…`; a malformed one is a 400.
 pub fn query_id<T>(text: Option<&str>) -> Result<Option<T>, ApiError>
 where

@@ -663,6 +663,33 @@ async fn slack_decides_through_the_engine_and_every_message_follows_the_approval
         all_deliveries.iter().all(|d| d["status"] == "delivered"),
         "{all_deliveries:?}"
     );
+    // A page cursor is a delivery's id; what could name none is a 400, not a page.
+    let newest = all_deliveries[0]["id"].as_str().unwrap();
+    let (status, older) = h
+        .call(
+            Method::GET,
+            &format!("/v1/notification-deliveries?before={newest}"),
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{older}");
+    assert_eq!(older.as_array().unwrap().len(), all_deliveries.len() - 1);
+    for bad in [
+        "xyz",
+        "aaa",
+        "apr_0123456789abcdef0123456789abcdef",
+        "ntd_%00",
+    ] {
+        let (status, body) = h
+            .call(
+                Method::GET,
+                &format!("/v1/notification-deliveries?before={bad}"),
+                None,
+            )
+            .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{bad}: {body}");
+        assert_eq!(body["error"]["code"], "invalid_query", "{bad}");
+    }
 }
 
 /// A submitted Deny form (`view_submission`) as Slack posts it, form-encoded.

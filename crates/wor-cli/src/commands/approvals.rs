@@ -12,14 +12,15 @@ use crate::client::{ApiClient, ClientArgs};
 pub enum ApprovalsCommand {
     /// List approvals, newest first (pending ones by default).
     List {
-        /// Only approvals with this status: pending, approved, denied, expired, cancelled or all.
-        #[arg(long, default_value = "pending")]
+        /// Only approvals with this status.
+        #[arg(long, default_value = "pending",
+            value_parser = ["pending", "approved", "denied", "expired", "cancelled", "all"])]
         status: String,
         /// Only approvals of this run (`run_…`).
         #[arg(long)]
-        run: Option<String>,
-        /// At most this many.
-        #[arg(long, default_value_t = 20)]
+        run: Option<wor_core::RunId>,
+        /// At most this many (1 to 200).
+        #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=200))]
         limit: u32,
         #[command(flatten)]
         client: ClientArgs,

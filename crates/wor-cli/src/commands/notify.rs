@@ -30,12 +30,12 @@ pub enum NotifyCommand {
     Deliveries {
         /// Only this route's (`ntf_…`).
         #[arg(long)]
-        route: Option<String>,
+        route: Option<wor_core::NotificationRouteId>,
         /// Only those about this approval (`apr_…`).
         #[arg(long)]
-        approval: Option<String>,
-        /// Only `pending`, `delivered` or `failed` ones.
-        #[arg(long)]
+        approval: Option<wor_core::ApprovalId>,
+        /// Only these.
+        #[arg(long, value_parser = ["pending", "delivered", "failed"])]
         status: Option<String>,
         #[arg(long, default_value_t = 20)]
         limit: u32,
@@ -260,8 +260,8 @@ pub async fn run(cmd: NotifyCommand) -> anyhow::Result<ExitCode> {
             let api = ApiClient::new(&client)?;
             let mut query = format!("/v1/notification-deliveries?limit={limit}");
             for (key, value) in [
-                ("route_id", route),
-                ("approval_id", approval),
+                ("route_id", route.map(|id| id.to_string())),
+                ("approval_id", approval.map(|id| id.to_string())),
                 ("status", status),
             ] {
                 if let Some(value) = value {

@@ -39,19 +39,25 @@ pub enum RoutineCommand {
     },
 }
 
-/// Resolves a routine name to its id through the list; ids pass through.
-pub(crate) async fn routine_id(api: &ApiClient, routine: &str) -> anyhow::Result<String> {
+/// Resolves a routine name to its id through the list; an id passes through, checked (a
+/// malformed one is a usage error).
+pub(crate) async fn routine_id(
+    api: &ApiClient,
+    routine: &str,
+) -> anyhow::Result<wor_core::RoutineId> {
     if routine.starts_with("rtn_") {
-        return Ok(routine.to_owned());
+        return routine.parse().map_err(crate::usage);
     }
     let list = api.get("/v1/routines").await?;
-    list.as_array()
+    let id = list
+        .as_array()
         .into_iter()
         .flatten()
         .find(|r| r.get("name").and_then(Value::as_str) == Some(routine))
         .and_then(|r| r.get("id").and_then(Value::as_str))
-        .map(str::to_owned)
-        .with_context(|| format!("no routine named `{routine}` in this project"))
+        .with_context(|| format!("no routine named `{routine}` in this project"))?;
+    id.parse()
+        .with_context(|| format!("the server named routine `{routine}` with a malformed id"))
 }
 
 pub async fn run(cmd: RoutineCommand) -> anyhow::Result<ExitCode> {

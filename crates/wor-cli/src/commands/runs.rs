@@ -306,7 +306,7 @@ pub async fn run(cmd: RunCommand) -> anyhow::Result<ExitCode> {
             let mut query = url::form_urlencoded::Serializer::new(String::new());
             query.append_pair("limit", &limit.to_string());
             if let Some(routine) = routine {
-                query.append_pair("routine_id", &routine_id(&api, &routine).await?);
+                query.append_pair("routine_id", &routine_id(&api, &routine).await?.to_string());
             }
             if let Some(status) = &status {
                 query.append_pair("status", status);

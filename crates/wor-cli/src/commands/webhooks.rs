@@ -75,8 +75,8 @@ pub enum WebhookCommand {
         routine: Option<String>,
         /// Only this run's (`run_…`).
         #[arg(long)]
-        run: Option<String>,
-        #[arg(long, default_value_t = 20)]
+        run: Option<wor_core::RunId>,
+        #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=200))]
         limit: u32,
         #[command(flatten)]
         client: ClientArgs,

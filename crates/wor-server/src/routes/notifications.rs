@@ -521,19 +521,7 @@ pub async fn deliveries(
             ));
         }
     };
-    let before = match query.before {
-        Some(id)
-            if id.is_empty()
-                || id.len() > 64
-                || !id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') =>
-        {
-            return Err(ApiError::bad_request(
-                "invalid_query",
-                "`before` is not a delivery id",
-            ));
-        }
-        other => other,
-    };
+    let before = crate::extract::page_cursor(query.before, "ntd", "a delivery")?;
     let filter = NotificationDeliveryFilter {
         route_id: query_id::<NotificationRouteId>(query.route_id.as_deref())?,
         approval_id: query_id::<ApprovalId>(query.approval_id.as_deref())?,

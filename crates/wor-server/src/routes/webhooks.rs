@@ -218,7 +218,7 @@ pub async fn deliveries(
     let filter = DeliveryFilter {
         routine_id: query_id::<RoutineId>(query.routine_id.as_deref())?,
         run_id: query_id::<RunId>(query.run_id.as_deref())?,
-        before: delivery_cursor(query.before)?,
+        before: crate::extract::page_cursor(query.before, "dlv", "a delivery")?,
         limit: page_limit(query.limit)?,
     };
     let list = state
@@ -226,22 +226,4 @@ pub async fn deliveries(
         .list_deliveries(caller.project_id, &filter)
         .await?;
     Ok(Json(list.into_iter().map(Into::into).collect()))
-}
-
-/// A page cursor of the delivery log: a delivery id, letters, digits and `_` only (anything
-/// else, U+0000 included, cannot name a delivery and must not reach the database).
-fn delivery_cursor(before: Option<String>) -> Result<Option<String>, ApiError> {
-    match before {
-        Some(id)
-            if id.is_empty()
-                || id.len() > 64
-                || !id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') =>
-        {
-            Err(ApiError::bad_request(
-                "invalid_query",
-                "`before` is not a delivery id",
-            ))
-        }
-        other => Ok(other),
-    }
 }
