@@ -11,7 +11,7 @@ use std::process::ExitCode;
 use anyhow::{Context, bail};
 use serde_json::{Value, json};
 
-use super::{field, print_json};
+use super::{field, for_terminal, one_line, print_json};
 use crate::client::{ApiClient, ClientArgs};
 
 #[derive(Debug, clap::Subcommand)]
@@ -197,33 +197,43 @@ fn show(client: &ClientArgs, value: &Value) -> anyhow::Result<()> {
     }
 }
 
+/// What `read` makes of what the command was given; its errors are usage errors (exit 2):
+/// a file, a variable or a flag the command cannot use.
+fn given<T>(read: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
+    read().map_err(|error| crate::UsageError(error).into())
+}
+
 fn read_bearer(env: Option<&str>, stdin: bool) -> anyhow::Result<Option<String>> {
-    if let Some(var) = env {
-        let value =
-            std::env::var(var).with_context(|| format!("environment variable {var} is not set"))?;
-        return Ok(Some(value.trim().to_owned()));
-    }
-    if stdin {
-        let mut text = String::new();
-        std::io::stdin()
-            .read_to_string(&mut text)
-            .context("cannot read the bearer token from standard input")?;
-        return Ok(Some(text.trim().to_owned()));
-    }
-    Ok(None)
+    given(|| {
+        if let Some(var) = env {
+            let value = std::env::var(var)
+                .with_context(|| format!("environment variable {var} is not set"))?;
+            return Ok(Some(value.trim().to_owned()));
+        }
+        if stdin {
+            let mut text = String::new();
+            std::io::stdin()
+                .read_to_string(&mut text)
+                .context("cannot read the bearer token from standard input")?;
+            return Ok(Some(text.trim().to_owned()));
+        }
+        Ok(None)
+    })
 }
 
 fn read_headers(specs: &[String]) -> anyhow::Result<BTreeMap<String, String>> {
-    let mut headers = BTreeMap::new();
-    for spec in specs {
-        let Some((name, var)) = spec.split_once('=') else {
-            bail!("--header-env, --env-from and --scheme-env take NAME=VAR, got `{spec}`");
-        };
-        let value =
-            std::env::var(var).with_context(|| format!("environment variable {var} is not set"))?;
-        headers.insert(name.to_owned(), value.trim().to_owned());
-    }
-    Ok(headers)
+    given(|| {
+        let mut headers = BTreeMap::new();
+        for spec in specs {
+            let Some((name, var)) = spec.split_once('=') else {
+                bail!("--header-env, --env-from and --scheme-env take NAME=VAR, got `{spec}`");
+            };
+            let value = std::env::var(var)
+                .with_context(|| format!("environment variable {var} is not set"))?;
+            headers.insert(name.to_owned(), value.trim().to_owned());
+        }
+        Ok(headers)
+    })
 }
 
 /// The largest document or tools file read (the API takes bodies of 1 MiB).
@@ -231,33 +241,35 @@ const MAX_DOCUMENT_BYTES: u64 = 1024 * 1024;
 
 /// A JSON or YAML file as JSON: `.yaml`/`.yml` as YAML, anything else as JSON.
 fn read_document(path: &Path) -> anyhow::Result<Value> {
-    let size = std::fs::metadata(path)
-        .with_context(|| format!("cannot read {}", path.display()))?
-        .len();
-    if size > MAX_DOCUMENT_BYTES {
-        bail!(
-            "{} is {size} bytes; the API takes documents of at most {MAX_DOCUMENT_BYTES}",
-            path.display()
-        );
-    }
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let yaml = path
-        .extension()
-        .and_then(|e| e.to_str())
-        .is_some_and(|e| e.eq_ignore_ascii_case("yaml") || e.eq_ignore_ascii_case("yml"));
-    if yaml {
-        serde_norway::from_str(&text)
-            .with_context(|| format!("{} is not a YAML document", path.display()))
-    } else {
-        serde_json::from_str(&text)
-            .with_context(|| format!("{} is not a JSON document", path.display()))
-    }
+    given(|| {
+        let size = std::fs::metadata(path)
+            .with_context(|| format!("cannot read {}", path.display()))?
+            .len();
+        if size > MAX_DOCUMENT_BYTES {
+            bail!(
+                "{} is {size} bytes; the API takes documents of at most {MAX_DOCUMENT_BYTES}",
+                path.display()
+            );
+        }
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        let yaml = path
+            .extension()
+            .and_then(|e| e.to_str())
+            .is_some_and(|e| e.eq_ignore_ascii_case("yaml") || e.eq_ignore_ascii_case("yml"));
+        if yaml {
+            serde_norway::from_str(&text)
+                .with_context(|| format!("{} is not a YAML document", path.display()))
+        } else {
+            serde_json::from_str(&text)
+                .with_context(|| format!("{} is not a JSON document", path.display()))
+        }
+    })
 }
 
 /// The tools of a `--tools-file`: a list, or an object with a `tools` list.
 fn read_tools_file(path: &Path) -> anyhow::Result<Value> {
-    match read_document(path)? {
+    given(|| match read_document(path)? {
         Value::Array(tools) => Ok(Value::Array(tools)),
         Value::Object(mut object) => match object.remove("tools") {
             Some(Value::Array(tools)) => Ok(Value::Array(tools)),
@@ -267,7 +279,7 @@ fn read_tools_file(path: &Path) -> anyhow::Result<Value> {
             "{} holds neither a list of tools nor an object with `tools`",
             path.display()
         ),
-    }
+    })
 }
 
 /// The `openapi` part of a request body.
@@ -283,67 +295,83 @@ fn reviewed_tools(
     from_review: Option<&PathBuf>,
     tools: &[String],
 ) -> anyhow::Result<BTreeMap<String, String>> {
-    let mut reviewed = BTreeMap::new();
-    if let Some(path) = from_review {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("cannot read {}", path.display()))?;
-        let review: Value = serde_json::from_str(&text)
-            .with_context(|| format!("{} is not the json of a review", path.display()))?;
-        for tool in review
-            .get("tools")
-            .and_then(Value::as_array)
-            .context("the review has no `tools`")?
-        {
-            let name = tool.get("name").and_then(Value::as_str);
-            let hash = tool.get("hash").and_then(Value::as_str);
-            let (Some(name), Some(hash)) = (name, hash) else {
-                bail!("a tool in the review has no name or hash");
+    given(|| {
+        let mut reviewed = BTreeMap::new();
+        if let Some(path) = from_review {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read {}", path.display()))?;
+            let review: Value = serde_json::from_str(&text)
+                .with_context(|| format!("{} is not the json of a review", path.display()))?;
+            for tool in review
+                .get("tools")
+                .and_then(Value::as_array)
+                .context("the review has no `tools`")?
+            {
+                let name = tool.get("name").and_then(Value::as_str);
+                let hash = tool.get("hash").and_then(Value::as_str);
+                let (Some(name), Some(hash)) = (name, hash) else {
+                    bail!("a tool in the review has no name or hash");
+                };
+                reviewed.insert(name.to_owned(), hash.to_owned());
+            }
+        }
+        for spec in tools {
+            let Some((name, hash)) = spec.split_once('=') else {
+                bail!("--tool takes NAME=HASH, got `{spec}`");
             };
             reviewed.insert(name.to_owned(), hash.to_owned());
         }
-    }
-    for spec in tools {
-        let Some((name, hash)) = spec.split_once('=') else {
-            bail!("--tool takes NAME=HASH, got `{spec}`");
-        };
-        reviewed.insert(name.to_owned(), hash.to_owned());
-    }
-    Ok(reviewed)
+        Ok(reviewed)
+    })
 }
 
+/// A review as text. Everything a tool server wrote (names, descriptions, schemas, hints, and
+/// the diff quoting them) is escaped: a reviewer sees the control characters a server sent,
+/// which could otherwise rewrite what the terminal shows of the tools being pinned.
 fn print_review(review: &Value) {
     println!(
         "{}",
         summary(review.get("connection").unwrap_or(&Value::Null))
     );
+    let quoted = |text: &str| for_terminal(&one_line(text)).into_owned();
     for tool in review
         .get("tools")
         .and_then(Value::as_array)
         .into_iter()
         .flatten()
     {
+        let name = quoted(field(tool, "/name"));
         println!();
-        println!("tool {}  {}", field(tool, "/name"), field(tool, "/hash"));
-        println!("  description: {}", field(tool, "/description"));
+        println!("tool {name}  {}", field(tool, "/hash"));
+        println!("  description: {}", quoted(field(tool, "/description")));
         println!(
             "  input schema: {}",
-            tool.get("input_schema").unwrap_or(&Value::Null)
+            quoted(&tool.get("input_schema").unwrap_or(&Value::Null).to_string())
         );
         println!(
             "  annotations (hints, not trusted): {}",
-            tool.get("annotations").unwrap_or(&Value::Null)
+            quoted(&tool.get("annotations").unwrap_or(&Value::Null).to_string())
         );
         if tool.pointer("/annotations/openWorldHint") == Some(&Value::Bool(true)) {
             println!(
-                "  suggestion: the server hints it is open-world; classify it with --open-world {} if it contacts destinations its arguments name",
-                field(tool, "/name")
+                "  suggestion: the server hints it is open-world; classify it with --open-world {name} if it contacts destinations its arguments name"
             );
         }
     }
-    if let Some(text) = review.pointer("/diff/text").and_then(Value::as_str) {
+    print_diff(review);
+}
+
+/// The difference from the pins an answer holds, escaped as a review is; nothing when there is
+/// none.
+fn print_diff(answer: &Value) {
+    if let Some(text) = answer
+        .pointer("/diff/text")
+        .and_then(Value::as_str)
+        .filter(|text| !text.trim().is_empty())
+    {
         println!();
         println!("difference from the pins:");
-        print!("{text}");
+        print!("{}", for_terminal(text));
     }
 }
 
@@ -434,11 +462,7 @@ pub async fn run(cmd: ToolConnectionCommand) -> anyhow::Result<ExitCode> {
                     "{}",
                     summary(replaced.get("connection").unwrap_or(&Value::Null))
                 );
-                if let Some(text) = replaced.pointer("/diff/text").and_then(Value::as_str) {
-                    println!();
-                    println!("difference from the pins:");
-                    print!("{text}");
-                }
+                print_diff(&replaced);
                 if replaced.get("quarantined") == Some(&Value::Bool(true)) {
                     println!();
                     println!(
