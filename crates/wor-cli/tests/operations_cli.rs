@@ -188,6 +188,25 @@ fn a_backup_of_a_running_server_restores_verifies_and_runs_and_a_wrong_key_is_re
         "{said}"
     );
     assert!(!root.path().join("fresh").exists());
+    // A copy whose audit log was opened to edits (its append-only triggers dropped) is not a
+    // backup to restore: the migrations, recorded as run, would not make them again.
+    let opened = root.path().join("opened.db");
+    std::fs::copy(&backup, &opened).unwrap();
+    rusqlite::Connection::open(&opened)
+        .unwrap()
+        .execute_batch(
+            "DROP TRIGGER audit_entries_no_update; DROP TRIGGER audit_entries_no_delete;",
+        )
+        .unwrap();
+    let refused = restore_with_keys(&opened, &nested, KEY, signing_key.trim());
+    assert_eq!(refused.status.code(), Some(1), "{}", text(&refused.stdout));
+    assert!(
+        text(&refused.stderr)
+            .contains("append-only were altered (`audit_entries_no_update` missing"),
+        "{}",
+        text(&refused.stderr)
+    );
+    assert!(!root.path().join("fresh").exists());
 
     let restored = operator(&["restore", "--from", &backup_text], &second, Some(KEY));
     assert!(restored.status.success(), "{}", text(&restored.stderr));

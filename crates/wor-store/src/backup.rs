@@ -357,7 +357,55 @@ fn quick_check(path: &Path) -> Result<(), String> {
                 .to_owned(),
         );
     }
-    Ok(())
+    audit_triggers_intact(&connection)
+}
+
+/// Whether the database holds the triggers that keep its audit log append-only, each as the
+/// migrations made it: one dropped or rewritten (which the migrations, recorded as run, would
+/// not make again) would leave the restored log open to edits. `Err` names them.
+fn audit_triggers_intact(connection: &rusqlite::Connection) -> Result<(), String> {
+    let words = |sql: &str| {
+        sql.trim()
+            .trim_end_matches(';')
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let found: std::collections::HashMap<String, String> = connection
+        .prepare("SELECT name, sql FROM sqlite_master WHERE type = 'trigger'")
+        .and_then(|mut statement| {
+            statement
+                .query_map([], |row| {
+                    Ok((row.get::<_, String>(0)?, row.get::<_, Option<String>>(1)?))
+                })?
+                .collect::<Result<Vec<_>, _>>()
+        })
+        .map_err(|e| format!("it is damaged: {e}"))?
+        .into_iter()
+        .map(|(name, sql)| (name, words(&sql.unwrap_or_default())))
+        .collect();
+    let mut altered = Vec::new();
+    for statement in crate::migrations::AUDIT_TRIGGERS_SQLITE
+        .split("CREATE TRIGGER")
+        .filter(|s| !s.trim().is_empty())
+    {
+        let expected = words(&format!("CREATE TRIGGER{statement}"));
+        let name = statement.split_whitespace().next().unwrap_or_default();
+        match found.get(name) {
+            Some(sql) if *sql == expected => {}
+            Some(_) => altered.push(format!("`{name}` rewritten")),
+            None => altered.push(format!("`{name}` missing")),
+        }
+    }
+    if altered.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "the triggers that keep its audit log append-only were altered ({}): a backup is \
+             never changed so",
+            altered.join(", ")
+        ))
+    }
 }
 
 /// Removes a restored database that its checks refused (with SQLite's journal files).
@@ -466,9 +514,14 @@ mod tests {
                 .execute_batch(
                     "CREATE TABLE _sqlx_migrations (version BIGINT PRIMARY KEY); \
                      CREATE TABLE projects (id TEXT PRIMARY KEY); \
+                     CREATE TABLE audit_entries (seq INTEGER PRIMARY KEY); \
+                     CREATE TABLE audit_checkpoints (seq INTEGER PRIMARY KEY); \
                      CREATE TABLE t (id INTEGER PRIMARY KEY, body TEXT); \
                      CREATE INDEX t_body ON t (body);",
                 )
+                .unwrap();
+            connection
+                .execute_batch(crate::migrations::AUDIT_TRIGGERS_SQLITE)
                 .unwrap();
             for n in 0..2000 {
                 connection
@@ -486,5 +539,39 @@ mod tests {
         std::fs::write(&path, &bytes).unwrap();
         let found = quick_check(&path).unwrap_err();
         assert!(found.starts_with("it is damaged"), "{found}");
+    }
+
+    #[test]
+    fn a_database_whose_audit_triggers_were_dropped_or_rewritten_fails_the_check() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db");
+        let connection = rusqlite::Connection::open(&path).unwrap();
+        connection
+            .execute_batch(
+                "CREATE TABLE _sqlx_migrations (version BIGINT PRIMARY KEY); \
+                 CREATE TABLE projects (id TEXT PRIMARY KEY); \
+                 CREATE TABLE audit_entries (seq INTEGER PRIMARY KEY); \
+                 CREATE TABLE audit_checkpoints (seq INTEGER PRIMARY KEY);",
+            )
+            .unwrap();
+        connection
+            .execute_batch(crate::migrations::AUDIT_TRIGGERS_SQLITE)
+            .unwrap();
+        assert_eq!(quick_check(&path), Ok(()));
+        connection
+            .execute_batch(
+                "DROP TRIGGER audit_entries_no_delete; \
+                 DROP TRIGGER audit_checkpoints_no_update; \
+                 CREATE TRIGGER audit_checkpoints_no_update BEFORE UPDATE ON audit_checkpoints \
+                 BEGIN SELECT 1; END;",
+            )
+            .unwrap();
+        let found = quick_check(&path).unwrap_err();
+        assert!(
+            found.contains("`audit_entries_no_delete` missing")
+                && found.contains("`audit_checkpoints_no_update` rewritten")
+                && !found.contains("audit_entries_no_update"),
+            "{found}"
+        );
     }
 }

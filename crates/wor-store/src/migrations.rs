@@ -30,9 +30,9 @@ const PARKED_TIME: &str = include_str!("../migrations/0012_parked_time.sql");
 const NESTED_RUNS: &str = include_str!("../migrations/0013_nested_runs.sql");
 const RUN_TOKENS: &str = include_str!("../migrations/0014_run_tokens.sql");
 
-/// The triggers that make the audit tables append-only, per backend; also used by the test
-/// support that plays an attacker who drops them.
-#[cfg(feature = "testing")]
+/// The triggers that make the audit tables append-only, per backend; a restore checks that
+/// a backup holds SQLite's as they are here, and the test support plays an attacker who drops
+/// them.
 pub(crate) const AUDIT_TRIGGERS_SQLITE: &str =
     include_str!("../migrations/0003_audit_triggers.sqlite.sql");
 #[cfg(feature = "testing")]
