@@ -409,9 +409,22 @@ impl ToolConnectionSpec {
             }
             // An imported document may name the URL itself.
             if !(url.is_empty() && matches!(tools, HttpToolsSource::OpenApi(_))) {
-                stated_url = Some(wor_egress::EgressUrl::parse(&url).map_err(|refusal| {
+                let parsed = wor_egress::EgressUrl::parse(&url).map_err(|refusal| {
                     ToolConnectionSpecError::InvalidUrl(format!("url: {refusal}"))
-                })?);
+                })?;
+                // A query or a fragment could carry a credential, which would be stored,
+                // shown to every member and written into the audit log in the clear.
+                let parts = parsed.as_url();
+                if kind == ToolConnectionKind::McpHttp
+                    && (parts.query().is_some() || parts.fragment().is_some())
+                {
+                    return Err(ToolConnectionSpecError::InvalidUrl(
+                        "url: a query or a fragment is not accepted; a token goes in \
+                         `bearer_token` or `headers`, where it is sealed"
+                            .to_owned(),
+                    ));
+                }
+                stated_url = Some(parsed);
             }
             if allowlist.is_empty() {
                 return Err(ToolConnectionSpecError::InvalidAllowlist(

@@ -2073,7 +2073,7 @@ async fn a_runs_event_stream_ends_once_its_key_is_revoked() {
 }
 
 #[tokio::test]
-async fn a_connection_whose_allowlist_leaves_out_its_own_url_is_refused() {
+async fn a_connection_url_its_allowlist_leaves_out_or_that_could_carry_a_token_is_refused() {
     let h = Harness::new().await;
     let create = |allowlist: Value| {
         h.call(
@@ -2095,4 +2095,23 @@ async fn a_connection_whose_allowlist_leaves_out_its_own_url_is_refused() {
     );
     let (status, body) = create(json!(["other.example.com"])).await;
     assert_eq!(status, StatusCode::CREATED, "{body}");
+    // A token in the URL would be stored, shown and audited in the clear: refused, as for a
+    // model connection, however it is put.
+    for url in [
+        "https://other.example.com/mcp?token=plain-canary-QUERYTOKEN",
+        "https://other.example.com/mcp?",
+        "https://other.example.com/mcp#plain-canary",
+    ] {
+        let (status, body) = h
+            .call(
+                Method::POST,
+                "/v1/tool-connections",
+                Some(json!({"name": "tokened", "kind": "mcp_http", "url": url,
+                    "allowlist": ["other.example.com"]})),
+            )
+            .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{url}: {body}");
+        assert_eq!(body["error"]["code"], "invalid_url", "{body}");
+        assert!(!body.to_string().contains("plain-canary"), "{body}");
+    }
 }
