@@ -631,14 +631,25 @@ impl Engine {
                 "*Approval needed* for `{}` in routine *{}* (version {}), run `{}`",
                 slack_escape(&approval.tool), slack_escape(&routine.name), run.routine_version, run.id) },
         })];
+        // Once an approver edited the call, the edited arguments are what the tool receives.
+        let sent = approval
+            .edited_arguments
+            .as_ref()
+            .unwrap_or(&approval.arguments);
         let mut arguments = Vec::new();
-        if let Some(map) = approval.arguments.as_object() {
+        if let Some(map) = sent.as_object() {
             for (key, value) in map {
                 let pinned = approval.pinned_keys.iter().any(|k| k == key);
+                let edited = approval.edited_arguments.is_some()
+                    && approval.arguments.get(key) != Some(value);
                 arguments.push(format!(
                     "• `{}`{}: {}",
                     slack_escape(key),
-                    if pinned { " (pinned)" } else { "" },
+                    match (pinned, edited) {
+                        (true, _) => " (pinned)",
+                        (false, true) => " (edited by the approver)",
+                        (false, false) => "",
+                    },
                     slack_escape(&shown_value(value))
                 ));
             }
@@ -646,8 +657,13 @@ impl Engine {
         if arguments.is_empty() {
             arguments.push("(no arguments)".to_owned());
         }
+        let heading = if approval.edited_arguments.is_some() {
+            "*Arguments*, as the approver edited them (canonical)"
+        } else {
+            "*Arguments* (canonical)"
+        };
         blocks.push(json!({ "type": "section", "text": { "type": "mrkdwn",
-            "text": format!("*Arguments* (canonical)\n{}", arguments.join("\n")) } }));
+            "text": format!("{heading}\n{}", arguments.join("\n")) } }));
         let texts = |key: &str| -> Vec<String> {
             approval
                 .why

@@ -743,7 +743,20 @@ async fn an_approver_edits_and_approves_a_held_call_on_its_page_under_the_apis_r
     let h = Harness::new().await;
     let addr = serve_console(&h).await;
     hostile_tools(&h).await;
-    let routine = note_sender(&h).await;
+    // The model's text begins with a line break and has a CRLF in it, which a browser's form
+    // would lose or rewrite if the page and the form did not keep them.
+    let (status, applied) = h
+        .call(
+            Method::POST,
+            "/v1/routines",
+            Some(json!({"toml": ROUTINE.replace(
+                r#"text = "<script>alert(1)</script>""#,
+                r#"text = "\n<script>alert(1)</script>\r\nbye""#,
+            )})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{applied}");
+    let routine = applied["routine"]["id"].as_str().unwrap().to_owned();
     // The project forbids notes that mention a password, whoever wrote them.
     let policy = format!(
         "{}\n@id(\"no-passwords-in-notes\")\nforbid (principal, action, resource) when {{\n  context.arguments.hasTag(\"text\") && context.arguments.getTag(\"text\") like \"*password*\"\n}};\n",
@@ -797,6 +810,9 @@ async fn an_approver_edits_and_approves_a_held_call_on_its_page_under_the_apis_r
         area.contains("alert(1)") && !area.contains('<'),
         "escaped: {area}"
     );
+    // A line break after the tag, which an HTML parser drops, so the text's own first line
+    // break stays in the text area.
+    assert!(area.contains(">\n\n&#60;script&#62;"), "{area:?}");
     assert!(!page.body.contains("name=\"arg.to\""), "{}", page.body);
     assert!(
         page.body.contains("value=\"team@example.com\" readonly"),
@@ -828,13 +844,14 @@ async fn an_approver_edits_and_approves_a_held_call_on_its_page_under_the_apis_r
         "{}",
         page.body
     );
-    // An edit that changes nothing, or has no reason, is refused on the form.
+    // An edit that changes nothing, or has no reason, is refused on the form: the text as a
+    // browser sends it back untouched, every line break a CRLF, changes nothing.
     let page = ann
         .post(
             &edit,
             &[
                 ("csrf", &csrf),
-                ("arg.text", "<script>alert(1)</script>"),
+                ("arg.text", "\r\n<script>alert(1)</script>\r\nbye"),
                 ("reason", "r"),
             ],
         )
@@ -850,7 +867,7 @@ async fn an_approver_edits_and_approves_a_held_call_on_its_page_under_the_apis_r
     assert_eq!(page.status, StatusCode::BAD_REQUEST, "{}", page.body);
     assert!(page.body.contains("needs a reason"), "{}", page.body);
     assert!(
-        page.body.contains(">hello team</textarea>"),
+        page.body.contains(">\nhello team</textarea>"),
         "kept: {}",
         page.body
     );
@@ -898,6 +915,20 @@ async fn an_approver_edits_and_approves_a_held_call_on_its_page_under_the_apis_r
     assert!(
         !page.body.contains(&edit),
         "a decided call has no edit form"
+    );
+    // The page shows what the tool receives: the edited text, said to be the approver's.
+    let table = page
+        .body
+        .split("<table class=\"arguments\">")
+        .nth(1)
+        .unwrap();
+    let table = table.split("</table>").next().unwrap();
+    assert!(
+        table.contains("hello team")
+            && table.contains("the approver, editing the model's")
+            && table.contains("the approver&#39;s edit")
+            && !table.contains("alert(1)"),
+        "{table}"
     );
     while h.engine.run_next().await.unwrap() {}
     let run_view = h.get_run(&run).await;

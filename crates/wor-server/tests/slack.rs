@@ -653,6 +653,26 @@ async fn slack_decides_through_the_engine_and_every_message_follows_the_approval
         h.get_run(&second_run).await["status"],
         "waiting_for_approval"
     );
+    // An approval given with an edit: every message then shows the edited call, which is
+    // what the tool receives, and says which argument the approver changed.
+    let (_, third) = parked_run(&h, h.owner(), &routine).await;
+    deliver(&h, 0).await;
+    let (status, edited, _) = h
+        .call_as(
+            &ann_key,
+            Method::POST,
+            &format!("/v1/approvals/{third}/edit-and-approve"),
+            Some(json!({"arguments": {"text": "a shorter note"}, "reason": "too long"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{edited}");
+    deliver(&h, 0).await;
+    assert_eq!(
+        updates(
+            "as the approver edited them (canonical)\\n• `text` (edited by the approver): a shorter note"
+        ),
+        2
+    );
 
     // Every delivery is visible; none failed.
     let (_, all_deliveries) = h

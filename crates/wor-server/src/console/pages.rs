@@ -550,6 +550,8 @@ struct ArgumentRow {
     source: Option<String>,
     /// Some value of it appears in untrusted content.
     untrusted: bool,
+    /// The approver's edit set it: the model's value is not what the tool receives.
+    edited: bool,
 }
 
 struct ApprovalCard {
@@ -623,6 +625,12 @@ struct EditField {
 /// The form's name of argument `name`'s field.
 const ARGUMENT_FIELD: &str = "arg.";
 
+/// Whether `a` and `b` hold the same lines, whichever of CRLF, CR or LF breaks them.
+fn same_lines(a: &str, b: &str) -> bool {
+    let lines = |text: &str| text.replace("\r\n", "\n").replace('\r', "\n");
+    lines(a) == lines(b)
+}
+
 fn edit_form(approval: &ApprovalRecord) -> EditForm {
     let fields = match &approval.arguments {
         Value::Object(arguments) => arguments
@@ -672,6 +680,8 @@ fn texts(value: Option<&Value>) -> Vec<String> {
     }
 }
 
+/// The arguments the tool receives: the edited call's, once an approver edited it, each
+/// edited one marked and its source the edit.
 fn argument_rows(approval: &ApprovalRecord) -> Vec<ArgumentRow> {
     let labels = approval
         .why
@@ -681,17 +691,28 @@ fn argument_rows(approval: &ApprovalRecord) -> Vec<ArgumentRow> {
             serde_json::from_value::<wor_core::provenance::ArgumentLabels>(v.clone()).ok()
         })
         .unwrap_or_default();
-    match &approval.arguments {
+    let sent = approval
+        .edited_arguments
+        .as_ref()
+        .unwrap_or(&approval.arguments);
+    match sent {
         Value::Object(fields) => fields
             .iter()
             .map(|(name, value)| {
-                let label = labels.0.get(name);
+                let edited = approval.edited_arguments.is_some()
+                    && approval.arguments.get(name) != Some(value);
+                let label = labels.0.get(name).filter(|_| !edited);
                 ArgumentRow {
                     name: name.clone(),
                     value: serde_json::to_string_pretty(value).unwrap_or_default(),
                     pinned: approval.pinned_keys.contains(name),
-                    source: label.map(wor_core::provenance::ArgumentLabel::describe),
+                    source: if edited {
+                        Some("the approver's edit".to_owned())
+                    } else {
+                        label.map(wor_core::provenance::ArgumentLabel::describe)
+                    },
                     untrusted: label.is_some_and(wor_core::provenance::ArgumentLabel::untrusted),
+                    edited,
                 }
             })
             .collect(),
@@ -701,6 +722,7 @@ fn argument_rows(approval: &ApprovalRecord) -> Vec<ArgumentRow> {
             pinned: false,
             source: None,
             untrusted: false,
+            edited: false,
         }],
     }
 }
@@ -851,10 +873,16 @@ pub async fn edit_and_approve(
             continue;
         };
         // Browsers send a text area's line breaks as CRLF.
-        let text = text.replace("\r\n", "\n");
+        let sent = text;
+        let text = sent.replace("\r\n", "\n");
         let original = approval.arguments.get(name);
         let value = if original.is_none_or(Value::is_string) {
-            Value::String(text.clone())
+            match original.and_then(Value::as_str) {
+                // Whatever its line breaks were, a browser sends them all as CRLF: text with
+                // the original's lines is the original, left as the model wrote it.
+                Some(before) if same_lines(before, sent) => Value::String(before.to_owned()),
+                _ => Value::String(text.clone()),
+            }
         } else {
             match crate::extract::json_field(&text) {
                 Ok(value) => value,
