@@ -284,6 +284,11 @@ impl Engine {
         {
             return Err(refusal.into());
         }
+        // A call decided already is answered as deciding it again is, before its edit is
+        // looked at: an edit of it would say nothing true.
+        if approval.status != ApprovalStatus::Pending {
+            return Err(DecisionRefusal::NotPending(approval.status).into());
+        }
         if approval.kind != ApprovalKind::Policy {
             return Err(EditRefusal::NotEditable.into());
         }

@@ -916,6 +916,15 @@ async fn an_approver_edits_and_approves_a_held_call_on_its_page_under_the_apis_r
         !page.body.contains(&edit),
         "a decided call has no edit form"
     );
+    // Its form posted anyway is told the call was decided.
+    let posted = ann
+        .post(
+            &edit,
+            &[("csrf", &csrf), ("arg.text", "hello team"), ("reason", "r")],
+        )
+        .await;
+    assert_eq!(posted.status, StatusCode::CONFLICT, "{}", posted.body);
+    assert!(posted.body.contains("already approved"), "{}", posted.body);
     // The page shows what the tool receives: the edited text, said to be the approver's.
     let table = page
         .body

@@ -178,15 +178,23 @@ async fn an_edited_call_runs_once_with_its_edits_and_both_calls_are_audited() {
         json!({"text": "hello world", "to": "team@example.com"})
     );
     assert_ne!(decided["binding_hash"], original_binding.as_str());
-    // Decided once: a second edit or decision is refused.
-    let (status, _) = edit(
-        &h,
-        &approver,
-        &approval,
+    // Decided once: a second edit or decision is refused as already decided, whatever the
+    // edit would be (one that changes nothing, or a pinned argument, included).
+    for body in [
         json!({"arguments": {"text": "again"}, "reason": "r"}),
-    )
-    .await;
-    assert_eq!(status, StatusCode::CONFLICT);
+        json!({"arguments": {"text": "helo wrld"}, "reason": "r"}),
+        json!({"arguments": {"to": "me@evil.example"}, "reason": "r"}),
+    ] {
+        let (status, refused) = edit(&h, &approver, &approval, body).await;
+        assert_eq!(status, StatusCode::CONFLICT, "{refused}");
+        assert!(
+            refused["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("already approved"),
+            "{refused}"
+        );
+    }
 
     // The run resumes: the edited call runs exactly once, with the pinned value still pinned.
     while h.engine.run_next().await.unwrap() {}

@@ -862,6 +862,12 @@ pub async fn edit_and_approve(
     {
         return Err(ConsoleError(refusal.into()));
     }
+    if approval.status != wor_store::ApprovalStatus::Pending {
+        return Err(ConsoleError(
+            wor_engine::EngineError::from(wor_engine::DecisionRefusal::NotPending(approval.status))
+                .into(),
+        ));
+    }
     let mut shown = edit_form(&approval);
     let mut edits = serde_json::Map::new();
     for (key, text) in &fields {
