@@ -1006,6 +1006,11 @@ impl Engine {
             .await
         {
             Ok(decided) => Ok(SlackOutcome::Decided(decided.status)),
+            // A reason the engine does not take (invisible characters only, or too long) is
+            // the person's to correct: told to them alone, on the form.
+            Err(EngineError::Decision(
+                refusal @ (DecisionRefusal::NoReason | DecisionRefusal::ReasonTooLong),
+            )) => Ok(SlackOutcome::Refused(refusal.to_string())),
             // Refusals the person in Slack is told of; anything else is the request's failure.
             Err(
                 refused @ (EngineError::ApproverRefused(_)

@@ -785,18 +785,31 @@ async fn deny_in_slack_asks_for_a_reason_and_the_decision_names_the_slack_user()
     assert_eq!(opened[0].1["view"]["private_metadata"], approval.as_str());
     assert_eq!(h.pending_approvals(&run).await.len(), 1);
 
-    // A blank reason keeps the form open with why; a forged submission is refused.
-    let (status, reply) = interact(
-        &h,
-        &all,
-        &deny_form("U0ANN", &approval, "f-blank", "   "),
-        SIGNING_SECRET,
-        now_secs(),
-    )
-    .await;
-    assert_eq!(status, StatusCode::OK, "{reply}");
-    assert_eq!(reply["response_action"], "errors");
-    assert!(reply["errors"]["wor_reason"].is_string(), "{reply}");
+    // A blank reason, one of invisible characters only, or one too long keeps the form open
+    // with why; a forged submission is refused.
+    let long = "r".repeat(2001);
+    for (trigger, reason, says) in [
+        ("f-blank", "   ", "reason"),
+        ("f-invisible", "\u{200b}\u{200b}", "needs a reason"),
+        ("f-long", long.as_str(), "longer than 2000"),
+    ] {
+        let (status, reply) = interact(
+            &h,
+            &all,
+            &deny_form("U0ANN", &approval, trigger, reason),
+            SIGNING_SECRET,
+            now_secs(),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK, "{trigger}: {reply}");
+        assert_eq!(reply["response_action"], "errors", "{trigger}: {reply}");
+        assert!(
+            reply["errors"]["wor_reason"]
+                .as_str()
+                .is_some_and(|why| why.contains(says)),
+            "{trigger}: {reply}"
+        );
+    }
     let forged = deny_form("U0ANN", &approval, "f-forged", "forged");
     let (status, _) = interact(&h, &all, &forged, "not-the-secret", now_secs()).await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
