@@ -710,6 +710,10 @@ async fn an_approvals_own_page_opens_after_sign_in_and_sign_in_returns_only_insi
         "/elsewhere",
         "/console/sign-in",
         "/console/approvals\r\nSet-Cookie: x=1",
+        "/console/../x",
+        "/console/%2e%2e/%2E%2E/v1/whoami",
+        "/console/./sign-in",
+        "/console/runs/..",
     ] {
         let mut visitor = Browser::new(addr);
         let query: String = url::form_urlencoded::byte_serialize(next.as_bytes()).collect();

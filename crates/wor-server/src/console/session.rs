@@ -117,14 +117,21 @@ impl IntoResponse for SessionRejection {
 
 /// `next` when it is a page of this console to return to after sign-in: a relative path under
 /// `/console/`, with nothing that could make a browser leave this origin (`//`, a backslash,
-/// spaces or control characters), and not the sign-in or sign-out page itself. Anything else
-/// is no place to go, so no link can send a member elsewhere after they sign in.
+/// spaces or control characters) or this console (a `.` or `..` segment, spelt with `%2e` or
+/// not), and not the sign-in or sign-out page itself. Anything else is no place to go, so no
+/// link can send a member elsewhere after they sign in.
 pub fn safe_next(next: &str) -> Option<&str> {
+    let path = next.split(['?', '#']).next().unwrap_or_default();
+    let dot_segment = |segment: &str| {
+        let dots = segment.to_ascii_lowercase().replace("%2e", ".");
+        dots == "." || dots == ".."
+    };
     let safe = next.len() <= 1024
         && next.starts_with("/console/")
         && !next.contains("//")
         && !next.contains('\\')
         && next.bytes().all(|b| b.is_ascii_graphic())
+        && !path.split('/').any(dot_segment)
         && !next.starts_with("/console/sign-in")
         && !next.starts_with("/console/sign-out");
     safe.then_some(next)
