@@ -986,6 +986,11 @@ async fn routes_are_checked_when_made_and_only_admins_make_them() {
             with("slack_signing_secret", json!("tab\tinside")),
             "slack_signing_secret",
         ),
+        // A tool filter no approval could match.
+        (with("tool", json!(" spaced tool ")), "CONNECTION/TOOL"),
+        (with("tool", json!("<script>")), "CONNECTION/TOOL"),
+        (with("tool", json!("notes/")), "CONNECTION/TOOL"),
+        (with("tool", json!("notes/send note")), "CONNECTION/TOOL"),
     ] {
         let (status, reply) = h
             .call(Method::POST, "/v1/notification-routes", Some(body))

@@ -325,6 +325,28 @@ fn filter_text(value: Option<String>, field: &str) -> Result<Option<String>, Api
     }
 }
 
+/// A tool filter: a roster name `CONNECTION/TOOL`, as a routine's `[[tools]]` names it and
+/// an approval's `tool` reads; anything else could match no approval.
+fn tool_filter(value: Option<String>) -> Result<Option<String>, ApiError> {
+    let tool = filter_text(value, "tool")?;
+    if let Some(tool) = &tool {
+        let roster_name = tool
+            .split_once('/')
+            .is_some_and(|(connection, name)| !connection.is_empty() && !name.is_empty())
+            && !tool.chars().any(char::is_whitespace);
+        if !roster_name {
+            return Err(ApiError::bad_request(
+                "invalid_route",
+                format!(
+                    "`tool` `{}` is not a roster name CONNECTION/TOOL, as an approval names its tool",
+                    wor_core::quote::excerpt(tool, 80)
+                ),
+            ));
+        }
+    }
+    Ok(tool)
+}
+
 /// The project's notification routes, oldest first.
 #[utoipa::path(get, path = "/v1/notification-routes", tag = "notifications", security(("bearer" = [])),
     responses((status = 200, body = [NotificationRouteView])))]
@@ -358,7 +380,7 @@ pub async fn create(
         .map_err(|_| ApiError::bad_request("invalid_route", "`routine_id` is not a `rtn_…` id"))?;
     let filter = RouteFilter {
         routine_id,
-        tool: filter_text(body.tool, "tool")?,
+        tool: tool_filter(body.tool)?,
         policy: filter_text(body.policy, "policy")?,
     };
     let created = match body.kind {
