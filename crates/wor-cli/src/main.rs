@@ -114,12 +114,40 @@ fn main() -> ExitCode {
     }
 }
 
+/// The exit status of a process whose output was closed by its reader: a SIGPIPE death's
+/// (128 + 13).
+const CLOSED_PIPE_EXIT: i32 = 141;
+
+/// Standard output for a command that streams it with `write!` rather than `println!`, ended
+/// as [`quiet_on_closed_stdout`] ends a `println!` when what reads it has gone.
+pub(crate) struct Stdout(pub(crate) std::io::StdoutLock<'static>);
+
+impl Stdout {
+    fn closed<T>(result: std::io::Result<T>) -> std::io::Result<T> {
+        if let Err(error) = &result
+            && error.kind() == std::io::ErrorKind::BrokenPipe
+        {
+            std::process::exit(CLOSED_PIPE_EXIT);
+        }
+        result
+    }
+}
+
+impl std::io::Write for Stdout {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        Self::closed(self.0.write(buf))
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Self::closed(self.0.flush())
+    }
+}
+
 /// Ends the process quietly, as a pipeline expects, when what reads its output has gone
 /// (`wor run list | head -1`): the standard library answers a write to a closed pipe with a
 /// panic in `println!` (and clap_complete with one of its own), which would otherwise print
 /// a panic message and exit 101. The exit status is a SIGPIPE death's (128 + 13).
 fn quiet_on_closed_stdout() {
-    const CLOSED_PIPE_EXIT: i32 = 141;
     let report = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
         let payload = info

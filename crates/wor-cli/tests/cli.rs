@@ -250,6 +250,23 @@ fn member_role_changes_a_role_by_name_or_id_and_refuses_the_last_owner() {
     );
     let log = text(&server.client(&key, &["audit", "export"]).stdout);
     assert_eq!(log.matches("member.role_change").count(), 2, "{log}");
+    // What reads the export goes away before it is written (`wor audit export | head -0`):
+    // the export ends as a pipeline expects, 141 and no error.
+    let mut export = wor(&["audit", "export"])
+        .env("WOR_SERVER", &server.url)
+        .env("WOR_API_KEY", &key)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(export.stdout.take());
+    let out = export.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(141), "{}", text(&out.stderr));
+    assert!(
+        !text(&out.stderr).contains("error"),
+        "{}",
+        text(&out.stderr)
+    );
     server.stop();
 }
 

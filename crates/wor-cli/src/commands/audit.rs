@@ -259,7 +259,7 @@ async fn export(client: &ClientArgs, output: Option<PathBuf>) -> anyhow::Result<
                 .with_context(|| format!("cannot make `{}` private", path.display()))?;
             file
         }),
-        None => Box::new(std::io::stdout().lock()),
+        None => Box::new(crate::Stdout(std::io::stdout().lock())),
     };
     let mut out = BufWriter::new(sink);
     let mut after = 0;
