@@ -536,9 +536,14 @@ impl ServerConfig {
         let retired = self.encryption_key_retired.as_deref().unwrap_or("");
         match &self.encryption_key {
             Some(primary) => {
+                // A variable that holds no key is one the command cannot use: exit 2.
                 let mut ring = wor_secrets::KeyRing::from_env_values(Some(primary), retired)
-                    .with_context(|| {
-                        format!("{} or {}", env::ENCRYPTION_KEY, env::ENCRYPTION_KEY_RETIRED)
+                    .map_err(|error| {
+                        crate::UsageError(anyhow::Error::new(error).context(format!(
+                            "{} or {}",
+                            env::ENCRYPTION_KEY,
+                            env::ENCRYPTION_KEY_RETIRED
+                        )))
                     })?;
                 if let Some(dev) = wor_secrets::load_dev_key(&self.data_dir)? {
                     ring = ring.with_retired_ring(dev);
@@ -578,13 +583,21 @@ impl ServerConfig {
     /// The audit signing key: from the environment, else `audit-signing.key` in the data dir,
     /// created (mode 0600) when missing.
     pub fn audit_signing_key(&self) -> anyhow::Result<AuditSigningKey> {
-        AuditSigningKey::from_env_or_dir(self.audit_signing_key.as_deref(), &self.data_dir)
-            .with_context(|| {
-                format!(
+        AuditSigningKey::from_env_or_dir(self.audit_signing_key.as_deref(), &self.data_dir).map_err(
+            |error| {
+                let error = anyhow::Error::new(error).context(format!(
                     "cannot load the audit signing key ({})",
                     env::AUDIT_SIGNING_KEY
-                )
-            })
+                ));
+                // A variable that holds no key is one the command cannot use: exit 2. A key
+                // file that cannot be read or made is a failure.
+                if self.audit_signing_key.is_some() {
+                    crate::UsageError(error).into()
+                } else {
+                    error
+                }
+            },
+        )
     }
 
     /// Whether `WOR_AUDIT_SIGNING_KEY` gives the audit signing key.

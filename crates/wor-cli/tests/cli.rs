@@ -1062,6 +1062,71 @@ fn help_documents_the_exit_codes_the_commands_use() {
     }
     // Usage errors are 2; a check that says no is 1.
     assert_eq!(run(&mut wor(&["--no-such-flag"])).status.code(), Some(2));
+    // A key the command is given that holds no key is a usage error, wherever it is given.
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().display().to_string();
+    let unusable: [(&[&str], &[(&str, &str)], &str); 5] = [
+        (
+            &[
+                "audit",
+                "verify",
+                "--public-key",
+                "notbase64",
+                "--data-dir",
+                &data,
+            ],
+            &[],
+            "--public-key",
+        ),
+        (
+            &[
+                "restore",
+                "--from",
+                "x.db",
+                "--public-key",
+                "AAAA",
+                "--data-dir",
+                &data,
+            ],
+            &[],
+            "--public-key",
+        ),
+        (
+            &["serve", "--data-dir", &data, "--listen", "127.0.0.1:0"],
+            &[("WOR_ENCRYPTION_KEY", "bad")],
+            "WOR_ENCRYPTION_KEY",
+        ),
+        (
+            &["audit", "verify", "--data-dir", &data],
+            &[("WOR_AUDIT_SIGNING_KEY", "bad")],
+            "WOR_AUDIT_SIGNING_KEY",
+        ),
+        (
+            &[
+                "restore",
+                "--from",
+                "x.db",
+                "--database",
+                "postgres://wor@127.0.0.1:1/wor",
+            ],
+            &[],
+            "pg_restore",
+        ),
+    ];
+    for (args, envs, says) in unusable {
+        let out = run(wor(args).envs(envs.iter().copied()));
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+        assert!(
+            text(&out.stderr).contains(says),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+    }
     assert_eq!(
         run(&mut wor(&["egress", "check", "http://127.0.0.1/"]))
             .status

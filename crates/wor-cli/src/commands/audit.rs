@@ -14,7 +14,7 @@ use wor_core::ProjectId;
 use wor_core::audit::{
     Anchor, AuditCheckpoint, AuditEntry, ChainVerifier, Verification, VerifyingKey,
 };
-use wor_secrets::{parse_verifying_key, verifying_key_to_base64};
+use wor_secrets::verifying_key_to_base64;
 use wor_store::Store;
 
 use crate::client::{ApiClient, ClientArgs};
@@ -57,8 +57,8 @@ pub struct VerifyArgs {
     #[arg(long, value_name = "FILE", requires = "public_key")]
     file: Option<PathBuf>,
     /// The checkpoint key (base64, from `wor audit public-key`); default: this installation's.
-    #[arg(long, value_name = "KEY")]
-    public_key: Option<String>,
+    #[arg(long, value_name = "KEY", value_parser = super::public_key_argument)]
+    public_key: Option<wor_core::audit::VerifyingKey>,
     /// `SEQ:HASH` of an entry recorded earlier outside the database (a previous verify's
     /// head); catches a chain cut back behind it. Repeatable.
     #[arg(long, value_name = "SEQ:HASH")]
@@ -92,7 +92,7 @@ pub async fn run(cmd: AuditCommand) -> anyhow::Result<ExitCode> {
 async fn verify(args: VerifyArgs) -> anyhow::Result<ExitCode> {
     let config = ServerConfig::resolve(&args.flags, None, false)?;
     let key = match &args.public_key {
-        Some(text) => parse_verifying_key(text)?,
+        Some(key) => *key,
         None => config.audit_verifying_key()?,
     };
     if let Some(file) = &args.file {

@@ -33,8 +33,8 @@ pub struct RestoreArgs {
     from: PathBuf,
     /// The checkpoint key (base64, from `wor audit public-key`) to verify the audit chains
     /// with; default: WOR_AUDIT_SIGNING_KEY or `audit-signing.key` in the data dir.
-    #[arg(long, value_name = "KEY")]
-    public_key: Option<String>,
+    #[arg(long, value_name = "KEY", value_parser = super::public_key_argument)]
+    public_key: Option<wor_core::audit::VerifyingKey>,
     /// Print `{projects, audit_entries, sealed_secrets}` of the accepted restore as JSON.
     #[arg(long)]
     json: bool,
@@ -72,10 +72,10 @@ pub async fn restore(args: RestoreArgs) -> anyhow::Result<ExitCode> {
     let config = ServerConfig::resolve(&args.flags, None, false)?;
     if let Some(url) = config.database.as_deref() {
         if is_postgres(url) {
-            bail!(
+            return Err(crate::usage(
                 "the database is PostgreSQL: restore a `pg_dump` with `pg_restore`, then check it \
-                 with `wor audit verify` and `wor secrets verify` (see docs/operations.md)"
-            );
+                 with `wor audit verify` and `wor secrets verify` (see docs/operations.md)",
+            ));
         }
         return Err(crate::usage(
             "`wor restore` writes the embedded database of --data-dir; give no --database",
@@ -92,7 +92,7 @@ pub async fn restore(args: RestoreArgs) -> anyhow::Result<ExitCode> {
         );
     }
     let audit_key = match &args.public_key {
-        Some(text) => wor_secrets::parse_verifying_key(text)?,
+        Some(key) => *key,
         None => config.audit_verifying_key()?,
     };
     let (keys, _) = config

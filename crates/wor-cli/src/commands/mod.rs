@@ -219,3 +219,9 @@ mod tests {
         );
     }
 }
+
+/// A checkpoint key given on the command line (`--public-key`), read as clap reads an
+/// argument: one that is not a key is a usage error, exit 2.
+pub(crate) fn public_key_argument(text: &str) -> Result<wor_core::audit::VerifyingKey, String> {
+    wor_secrets::parse_verifying_key(text).map_err(|error| error.to_string())
+}
