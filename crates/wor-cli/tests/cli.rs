@@ -1065,7 +1065,8 @@ fn help_documents_the_exit_codes_the_commands_use() {
     // A key the command is given that holds no key is a usage error, wherever it is given.
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().display().to_string();
-    let unusable: [(&[&str], &[(&str, &str)], &str); 5] = [
+    type Case<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)], &'a str);
+    let unusable: [Case; 5] = [
         (
             &[
                 "audit",
