@@ -23,7 +23,7 @@ use crate::config::{ServerConfig, ServerFlags};
 #[derive(Debug, clap::Subcommand)]
 pub enum AuditCommand {
     /// Check hash chains and checkpoint signatures; print the first bad entry and why.
-    Verify(VerifyArgs),
+    Verify(Box<VerifyArgs>),
     /// Write your project's audit log as JSON lines (client of `GET /v1/audit`).
     Export {
         /// The only format: one JSON object per line, `"type": "entry"` or `"checkpoint"`.
@@ -73,7 +73,7 @@ pub struct VerifyArgs {
 
 pub async fn run(cmd: AuditCommand) -> anyhow::Result<ExitCode> {
     match cmd {
-        AuditCommand::Verify(args) => verify(args).await,
+        AuditCommand::Verify(args) => verify(*args).await,
         AuditCommand::Export {
             format: ExportFormat::Jsonl,
             output,

@@ -201,6 +201,12 @@ pub(crate) fn field<'a>(value: &'a serde_json::Value, pointer: &str) -> &'a str 
         .unwrap_or("-")
 }
 
+/// A checkpoint key given on the command line (`--public-key`), read as clap reads an
+/// argument: one that is not a key is a usage error, exit 2.
+pub(crate) fn public_key_argument(text: &str) -> Result<wor_core::audit::VerifyingKey, String> {
+    wor_secrets::parse_verifying_key(text).map_err(|error| error.to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::for_terminal;
@@ -218,10 +224,4 @@ mod tests {
             "a\\u{202e}b\\u{200b}c\u{200d}d"
         );
     }
-}
-
-/// A checkpoint key given on the command line (`--public-key`), read as clap reads an
-/// argument: one that is not a key is a usage error, exit 2.
-pub(crate) fn public_key_argument(text: &str) -> Result<wor_core::audit::VerifyingKey, String> {
-    wor_secrets::parse_verifying_key(text).map_err(|error| error.to_string())
 }
