@@ -86,7 +86,7 @@ fn main() -> ExitCode {
         cli.command.default_log_level(),
         cli.command.makes_outbound_connections(),
     ) {
-        eprintln!("error: {}", commands::for_terminal(&format!("{err:#}")));
+        eprintln!("error: {}", commands::for_terminal(&error_text(&err)));
         return ExitCode::from(2);
     }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
@@ -104,7 +104,7 @@ fn main() -> ExitCode {
         Err(err) => {
             // An error can quote what a server, a backup or a database holds: escaped, so
             // none of it can move the cursor or rewrite lines already shown.
-            eprintln!("error: {}", commands::for_terminal(&format!("{err:#}")));
+            eprintln!("error: {}", commands::for_terminal(&error_text(&err)));
             if err.chain().any(|cause| cause.is::<UsageError>()) {
                 ExitCode::from(2)
             } else {
@@ -112,6 +112,22 @@ fn main() -> ExitCode {
             }
         }
     }
+}
+
+/// `error` and its causes, each after a colon, as `{:#}` writes them, without a cause that the
+/// message before it already ends with (an error that quotes its source in its own message).
+fn error_text(error: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in error.chain() {
+        let said = cause.to_string();
+        if text.is_empty() {
+            text = said;
+        } else if !text.ends_with(&said) {
+            text.push_str(": ");
+            text.push_str(&said);
+        }
+    }
+    text
 }
 
 /// The exit status of a process whose output was closed by its reader: a SIGPIPE death's
@@ -185,5 +201,43 @@ impl std::fmt::Display for UsageError {
 impl std::error::Error for UsageError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         self.0.source()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cause_its_message_already_quotes_is_told_once() {
+        let io = std::io::Error::from_raw_os_error(17);
+        let quoted = anyhow::Error::new(std::io::Error::other(format!("cannot make `/d`: {io}")))
+            .context("cannot open the database");
+        assert_eq!(
+            error_text(&quoted),
+            format!("cannot open the database: cannot make `/d`: {io}")
+        );
+        /// An error that quotes its source in its message and gives it as its source too.
+        #[derive(Debug)]
+        struct Quoting(std::io::Error);
+        impl std::fmt::Display for Quoting {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                write!(f, "cannot make `/d`: {}", self.0)
+            }
+        }
+        impl std::error::Error for Quoting {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        let both = anyhow::Error::new(Quoting(std::io::Error::from_raw_os_error(17)))
+            .context("cannot open the database");
+        assert_eq!(
+            error_text(&both),
+            format!("cannot open the database: cannot make `/d`: {io}")
+        );
+        // Causes that add something are all told.
+        let chained = anyhow::anyhow!("root").context("middle").context("top");
+        assert_eq!(error_text(&chained), "top: middle: root");
     }
 }

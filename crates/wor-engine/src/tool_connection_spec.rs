@@ -109,7 +109,7 @@ pub enum ToolConnectionSpecError {
     #[error("openapi: {0}")]
     OpenApi(#[from] OpenApiError),
     #[error(
-        "openapi: operation `{operation}` needs {needs}: give it in `openapi.credentials` by scheme name (CLI: `--scheme-env SCHEME=VAR`), or as `bearer_token` or `headers`"
+        "openapi: operation `{operation}` needs {needs}, which the connection does not have: a connection's credentials are given when it is created (`openapi.credentials` by scheme name, with the CLI `wor connection create --scheme-env SCHEME=VAR`; or `bearer_token` or `headers`)"
     )]
     MissingCredential {
         /// The `operationId`.

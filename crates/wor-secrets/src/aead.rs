@@ -105,13 +105,14 @@ pub enum SecretsError {
     /// The operating system's random number generator failed.
     #[error("operating system randomness is unavailable")]
     RandomnessUnavailable,
-    /// Reading or creating a key file failed.
-    #[error("key file `{path}`: {source}")]
+    /// Reading or creating a key file failed. The I/O error is part of the message, not a
+    /// source of its own, so it is told once.
+    #[error("key file `{path}`: {error}")]
     KeyFile {
         /// The file involved.
         path: PathBuf,
         /// The I/O error.
-        source: io::Error,
+        error: io::Error,
     },
     /// An audit signing or verifying key is malformed (the key itself is not echoed).
     #[error("audit {which} key {reason}")]

@@ -36,11 +36,11 @@ pub(crate) fn load_or_create<K>(
     let path = dir.join(file_name);
     let io_error = |path: &Path| {
         let path = path.to_path_buf();
-        move |source| SecretsError::KeyFile { path, source }
+        move |error| SecretsError::KeyFile { path, error }
     };
     match read_private(&path) {
         Ok(text) => return parse(&text).map(|key| (key, KeyFileOrigin::Loaded)),
-        Err(SecretsError::KeyFile { source, .. }) if source.kind() == io::ErrorKind::NotFound => {}
+        Err(SecretsError::KeyFile { error, .. }) if error.kind() == io::ErrorKind::NotFound => {}
         Err(other) => return Err(other),
     }
     fs::DirBuilder::new()
@@ -77,7 +77,7 @@ pub(crate) fn load_existing<K>(
 ) -> Result<Option<K>, SecretsError> {
     match read_private(&dir.join(file_name)) {
         Ok(text) => parse(&text).map(Some),
-        Err(SecretsError::KeyFile { source, .. }) if source.kind() == io::ErrorKind::NotFound => {
+        Err(SecretsError::KeyFile { error, .. }) if error.kind() == io::ErrorKind::NotFound => {
             Ok(None)
         }
         Err(other) => Err(other),
@@ -98,9 +98,9 @@ pub(crate) fn write_new_private_file(path: &Path, contents: &str) -> io::Result<
 /// The text of a key file, refused if group or others may read it, or if any user may write to
 /// its directory (and so put another key in its place).
 fn read_private(path: &Path) -> Result<Zeroizing<String>, SecretsError> {
-    let io_error = |source| SecretsError::KeyFile {
+    let io_error = |error| SecretsError::KeyFile {
         path: path.to_path_buf(),
-        source,
+        error,
     };
     let mode = fs::metadata(path).map_err(io_error)?.permissions().mode() & 0o777;
     // Only a key that is there is refused for where it lies: a directory that holds none is

@@ -252,6 +252,8 @@ pub async fn restore_sqlite(from: &Path, data_dir: &Path) -> Result<Restored, Ba
     let url = format!("sqlite://{}?mode=rw", target.display());
     match Store::connect(&url).await {
         Ok(store) => Ok(Restored { store, place }),
+        // A backup of a newer release is one, which this release cannot serve: said so.
+        Err(error @ StoreError::NewerSchema(_)) => Err(refuse(error.into())),
         Err(error) => Err(refuse(not_a_backup(error.to_string()))),
     }
 }

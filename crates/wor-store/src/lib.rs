@@ -173,6 +173,12 @@ pub enum StoreError {
     Embedded(#[from] rusqlite::Error),
     #[error("migration failed: {0}")]
     Migration(#[from] sqlx::migrate::MigrateError),
+    /// The database holds a migration this release does not have: a newer release made it.
+    #[error(
+        "the database was made by a newer release of Work on Repeat (its schema has migration \
+         {0}, which this release does not know): use that release or a newer one"
+    )]
+    NewerSchema(i64),
     /// Other writes of this process kept the database for longer than a write waits
     /// (`busy_timeout`, 10 s).
     #[error("the database stayed busy with other writes; try again")]
@@ -220,7 +226,7 @@ impl StoreError {
                 _ => "other",
             },
             StoreError::Embedded(_) => "database",
-            StoreError::Migration(_) => "migration",
+            StoreError::Migration(_) | StoreError::NewerSchema(_) => "migration",
             StoreError::WriteTurnTimedOut => "write_turn_timed_out",
             StoreError::AuditStopped => "audit_stopped",
             StoreError::AuditWrite(_) => "audit_write",

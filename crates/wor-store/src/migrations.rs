@@ -259,6 +259,12 @@ pub(crate) async fn apply(store: &Store) -> Result<(), StoreError> {
         .collect();
     Migrator::with_migrations(migrations)
         .run(&store.pool)
-        .await?;
+        .await
+        .map_err(|error| match error {
+            sqlx::migrate::MigrateError::VersionMissing(version) => {
+                StoreError::NewerSchema(version)
+            }
+            other => other.into(),
+        })?;
     Ok(())
 }

@@ -175,6 +175,29 @@ async fn migrations_are_idempotent() {
     again.ping().await.unwrap();
 }
 
+#[tokio::test]
+async fn a_database_of_a_newer_release_is_said_to_be_one() {
+    let db = TestDatabase::isolated().await.unwrap();
+    // A migration this release does not have, as a newer release would have recorded it.
+    let pool = sqlx::AnyPool::connect(&db.url).await.unwrap();
+    sqlx::query(
+        "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time) \
+         VALUES ($1, 'from a newer release', TRUE, $2, 0)",
+    )
+    .bind(99_999_i64)
+    .bind(vec![0u8; 48])
+    .execute(&pool)
+    .await
+    .unwrap();
+    pool.close().await;
+    let refused = wor_store::Store::connect(&db.url).await.unwrap_err();
+    assert!(
+        matches!(refused, StoreError::NewerSchema(99_999)),
+        "{refused:?}"
+    );
+    assert!(refused.to_string().contains("newer release"), "{refused}");
+}
+
 // ---- The audit chain ----
 
 use wor_core::ProjectId;

@@ -54,6 +54,9 @@ pub enum CredentialError {
     /// The transport sets this header itself.
     #[error("header `{0}` is set by the transport and cannot be a credential")]
     ReservedHeader(String),
+    /// The same header given twice (names are case-insensitive).
+    #[error("header `{0}` is given twice (header names are case-insensitive)")]
+    DuplicateHeader(String),
     /// Both a bearer token and an `Authorization` header.
     #[error("a connection has either a bearer token or an `authorization` header, not both")]
     DuplicateAuthorization,
@@ -105,7 +108,7 @@ impl ConnectionCredentials {
             return Err(if name == AUTHORIZATION {
                 CredentialError::DuplicateAuthorization
             } else {
-                CredentialError::InvalidHeaderName(name.as_str().to_owned())
+                CredentialError::DuplicateHeader(name.as_str().to_owned())
             });
         }
         HeaderValue::from_str(value.expose_secret())
@@ -220,6 +223,14 @@ mod tests {
                 .unwrap_err(),
             CredentialError::DuplicateAuthorization
         );
+        // The same header twice, however it is cased, is said to be that.
+        let twice = ConnectionCredentials::none()
+            .with_header("X-A", SecretString::from("a"))
+            .unwrap()
+            .with_header("x-a", SecretString::from("b"))
+            .unwrap_err();
+        assert_eq!(twice, CredentialError::DuplicateHeader("x-a".into()));
+        assert!(twice.to_string().contains("given twice"), "{twice}");
     }
 
     #[test]
