@@ -373,20 +373,20 @@ async fn signed_in(h: &Harness, addr: SocketAddr, name: &str, role: Option<&str>
     browser
 }
 
-/// Presses a button as an unlinked Slack user, takes the link Slack was asked to show them
-/// privately, and links it from `browser`'s session.
-async fn link(
+/// Presses a button as an unlinked Slack user (`press` naming the press) and returns the path
+/// of the link Slack was asked to show them privately.
+async fn link_sent(
     h: &Harness,
     calls: &Calls,
     route: &str,
     approval: &str,
     user: &str,
-    browser: &mut Browser,
-) {
+    press_id: &str,
+) -> String {
     let (status, reply) = interact(
         h,
         route,
-        &press(user, "approve", approval, &format!("link-{user}")),
+        &press(user, "approve", approval, press_id),
         SIGNING_SECRET,
         now_secs(),
     )
@@ -409,6 +409,20 @@ async fn link(
         .unwrap()
         .to_owned();
     assert!(path.starts_with("/console/slack/link/wsl_"), "{path}");
+    path
+}
+
+/// Presses a button as an unlinked Slack user, takes the link Slack was asked to show them
+/// privately, and links it from `browser`'s session.
+async fn link(
+    h: &Harness,
+    calls: &Calls,
+    route: &str,
+    approval: &str,
+    user: &str,
+    browser: &mut Browser,
+) {
+    let path = link_sent(h, calls, route, approval, user, &format!("link-{user}")).await;
     let (status, page) = browser.get(&path).await;
     assert_eq!(status, StatusCode::OK, "{page}");
     assert!(page.contains(user), "{page}");
@@ -565,6 +579,16 @@ async fn slack_decides_through_the_engine_and_every_message_follows_the_approval
     let mut alice = signed_in(&h, addr, "alice", None).await;
     link(&h, &calls, &all, &approval, "U0ALICE", &mut alice).await;
     assert!(h.audit_text().await.contains("slack.link"));
+    // A Slack user sent two links links once: using one spends the other, so a link handed
+    // on cannot move the identity to whoever opens it later.
+    let first = link_sent(&h, &calls, &all, &approval, "U0TWICE", "twice-1").await;
+    let second = link_sent(&h, &calls, &all, &approval, "U0TWICE", "twice-2").await;
+    assert_ne!(first, second);
+    let (_, page) = ann.get(&first).await;
+    let (status, page) = ann.post(&first, &[("csrf", &csrf(&page))]).await;
+    assert_eq!(status, StatusCode::OK, "{page}");
+    let (status, page) = vic.get(&second).await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{page}");
 
     // The run's starter and a viewer are refused, and the message says why.
     let (status, reply) = interact(

@@ -572,7 +572,7 @@ impl Store {
     }
 
     /// Uses the link token `presented` to link its Slack identity to `member`, replacing any
-    /// earlier link of that identity, and stages `recorded`, its `slack.link` entry, in the
+    /// earlier link of that identity and spending its other link tokens, and stages `recorded`, its `slack.link` entry, in the
     /// same transaction (`crate::staged`). `None` when the token is unknown, used, expired or
     /// of another project: nothing is staged.
     pub async fn link_slack_identity(
@@ -601,6 +601,18 @@ impl Store {
             team_id: row.try_get("team_id")?,
             slack_user_id: row.try_get("slack_user_id")?,
         };
+        // The identity's other links are spent with this one: a link handed on cannot move
+        // the identity to whoever opens it later.
+        sqlx::query(
+            "UPDATE slack_link_tokens SET used_at = $1 WHERE project_id = $2 AND team_id = $3 \
+             AND slack_user_id = $4 AND used_at IS NULL",
+        )
+        .bind(now)
+        .bind(project.to_string())
+        .bind(&link.team_id)
+        .bind(&link.slack_user_id)
+        .execute(&mut **tx)
+        .await?;
         sqlx::query(
             "DELETE FROM slack_identities WHERE project_id = $1 AND team_id = $2 AND slack_user_id = $3",
         )
