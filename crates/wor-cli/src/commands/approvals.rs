@@ -148,7 +148,16 @@ fn shown(approval: &Value) -> String {
             serde_json::from_value::<wor_core::provenance::ArgumentLabels>(v.clone()).ok()
         })
     {
-        let _ = writeln!(out, "where the arguments come from:");
+        // An edited argument is the approver's: the labels are of the model's call.
+        let heading = if approval
+            .get("edited_arguments")
+            .is_some_and(Value::is_object)
+        {
+            "where the model's arguments come from:"
+        } else {
+            "where the arguments come from:"
+        };
+        let _ = writeln!(out, "{heading}");
         for line in labels.describe() {
             let _ = writeln!(out, "  {}", one_line(&line));
         }
@@ -173,14 +182,28 @@ fn shown(approval: &Value) -> String {
     let _ = writeln!(out, "binding    {}", field(approval, "/binding_hash"));
     let _ = writeln!(out, "requested  {}", field(approval, "/requested_at"));
     let _ = writeln!(out, "expires    {}", field(approval, "/expires_at"));
-    if field(approval, "/status") != "pending" {
-        let _ = writeln!(
-            out,
-            "decided    {} by {}: {}",
-            field(approval, "/decided_at"),
-            field(approval, "/decided_by_member"),
-            one_line(field(approval, "/decision_reason")),
-        );
+    let text = |pointer: &str| approval.pointer(pointer).and_then(Value::as_str);
+    match (field(approval, "/status"), text("/decided_by_member")) {
+        ("pending", _) => {}
+        (_, Some(member)) => {
+            let _ = writeln!(
+                out,
+                "decided    {} by {member}: {}",
+                field(approval, "/decided_at"),
+                one_line(field(approval, "/decision_reason")),
+            );
+        }
+        // Expired or cancelled: nobody decided it.
+        (status, None) => {
+            let _ = writeln!(
+                out,
+                "{status:<10} {}{}",
+                text("/decided_at").unwrap_or("(no time recorded)"),
+                text("/decision_reason")
+                    .map(|reason| format!(": {}", one_line(reason)))
+                    .unwrap_or_default(),
+            );
+        }
     }
     out
 }
@@ -342,6 +365,21 @@ mod tests {
         let decided =
             shown(&json!({"status": "denied", "decision_reason": "no\nbinding    forged"}));
         assert!(decided.contains("no\\nbinding    forged"), "{decided}");
+
+        // An approval nobody decided says what became of it, and names nobody.
+        let expired = shown(&json!({"status": "expired", "decided_at": "2026-12-01T10:00:00Z"}));
+        assert!(
+            expired.contains("expired    2026-12-01T10:00:00Z\n") && !expired.contains(" by "),
+            "{expired}"
+        );
+        let approved = shown(
+            &json!({"status": "approved", "decided_at": "2026-12-01T10:00:00Z",
+            "decided_by_member": "mem_1", "decision_reason": "ok"}),
+        );
+        assert!(
+            approved.contains("decided    2026-12-01T10:00:00Z by mem_1: ok"),
+            "{approved}"
+        );
 
         // Without an edit, the requested arguments are what is sent.
         let plain = shown(&json!({"arguments": {"to": "a@b.example"}}));
