@@ -270,6 +270,26 @@ fn member_role_changes_a_role_by_name_or_id_and_refuses_the_last_owner() {
     server.stop();
 }
 
+/// Runs `args` against a server that is not there, and checks the command refused it with
+/// exit 2, saying `says`, before sending anything (which would have failed to connect).
+fn refused_before_sending(args: &[&str], says: &str) {
+    let out = run(wor(args).env("WOR_SERVER", "http://127.0.0.1:9").env(
+        "WOR_API_KEY",
+        "wor_0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+    ));
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{args:?}: {}",
+        text(&out.stderr)
+    );
+    assert!(
+        text(&out.stderr).contains(says),
+        "{args:?}: {}",
+        text(&out.stderr)
+    );
+}
+
 #[test]
 fn an_id_is_checked_before_any_request_so_it_cannot_name_another_route() {
     // Nothing listens at this server: a command that sent anything would fail to connect.
@@ -294,21 +314,7 @@ fn an_id_is_checked_before_any_request_so_it_cannot_name_another_route() {
         &["member", "role", "mem_x#y", "viewer"],
     ];
     for args in commands {
-        let out = run(wor(args).env("WOR_SERVER", "http://127.0.0.1:9").env(
-            "WOR_API_KEY",
-            "wor_0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
-        ));
-        assert_eq!(
-            out.status.code(),
-            Some(2),
-            "{args:?}: {}",
-            text(&out.stderr)
-        );
-        assert!(
-            text(&out.stderr).contains("followed by 32 hex digits"),
-            "{args:?}: {}",
-            text(&out.stderr)
-        );
+        refused_before_sending(args, "followed by 32 hex digits");
     }
     // So are a listing's filters, which go in its query.
     let filters: [(&[&str], &str); 9] = [
@@ -364,21 +370,7 @@ fn an_id_is_checked_before_any_request_so_it_cannot_name_another_route() {
         ),
     ];
     for (args, says) in filters {
-        let out = run(wor(args).env("WOR_SERVER", "http://127.0.0.1:9").env(
-            "WOR_API_KEY",
-            "wor_0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
-        ));
-        assert_eq!(
-            out.status.code(),
-            Some(2),
-            "{args:?}: {}",
-            text(&out.stderr)
-        );
-        assert!(
-            text(&out.stderr).contains(says),
-            "{args:?}: {}",
-            text(&out.stderr)
-        );
+        refused_before_sending(args, says);
     }
 }
 
@@ -398,25 +390,8 @@ fn a_review_shows_what_a_tool_server_wrote_escaped() {
         .to_string(),
     )
     .unwrap();
-    let created = server.client(
-        &key,
-        &[
-            "connection",
-            "create",
-            "api",
-            "--tools-file",
-            tools.to_str().unwrap(),
-            "--url",
-            "http://127.0.0.1:9/v1",
-            "--allow",
-            "127.0.0.1",
-            "--json",
-        ],
-    );
-    assert!(created.status.success(), "{}", text(&created.stderr));
-    let created: serde_json::Value = serde_json::from_slice(&created.stdout).unwrap();
-    let id = created["id"].as_str().unwrap();
-    let review = server.client(&key, &["connection", "review", id]);
+    let id = common::create_tools_file_connection(&server, &key, &tools);
+    let review = server.client(&key, &["connection", "review", &id]);
     assert!(review.status.success(), "{}", text(&review.stderr));
     let shown = text(&review.stdout);
     assert!(

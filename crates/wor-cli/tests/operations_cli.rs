@@ -2442,24 +2442,7 @@ fn metrics_count_a_tool_call_refused_by_egress_and_a_cancelled_queued_run() {
             "inputSchema": {"type": "object"}}]}"#,
     )
     .unwrap();
-    let created = server.client(
-        &owner,
-        &[
-            "connection",
-            "create",
-            "api",
-            "--tools-file",
-            tools.to_str().unwrap(),
-            "--url",
-            "http://127.0.0.1:9/v1",
-            "--allow",
-            "127.0.0.1",
-            "--json",
-        ],
-    );
-    assert!(created.status.success(), "{}", text(&created.stderr));
-    let created: serde_json::Value = serde_json::from_slice(&created.stdout).unwrap();
-    let id = created["id"].as_str().unwrap().to_owned();
+    let id = common::create_tools_file_connection(&server, &owner, &tools);
     let review = server.client(&owner, &["connection", "review", &id, "--json"]);
     assert!(review.status.success(), "{}", text(&review.stderr));
     let review_file = dir.path().join("review.json");

@@ -422,6 +422,24 @@ fn discard_restored(data_dir: &Path) {
 mod tests {
     use super::*;
 
+    /// A database at `path` with what the quick check looks for in one of ours: the migrations
+    /// and projects tables, and the audit tables with their append-only triggers.
+    fn ours(path: &Path) -> rusqlite::Connection {
+        let connection = rusqlite::Connection::open(path).unwrap();
+        connection
+            .execute_batch(
+                "CREATE TABLE _sqlx_migrations (version BIGINT PRIMARY KEY); \
+                 CREATE TABLE projects (id TEXT PRIMARY KEY); \
+                 CREATE TABLE audit_entries (seq INTEGER PRIMARY KEY); \
+                 CREATE TABLE audit_checkpoints (seq INTEGER PRIMARY KEY);",
+            )
+            .unwrap();
+        connection
+            .execute_batch(crate::migrations::AUDIT_TRIGGERS_SQLITE)
+            .unwrap();
+        connection
+    }
+
     /// Gives `good` bytes, then fails as a disk's read error would.
     struct FailsAfter {
         good: usize,
@@ -511,19 +529,12 @@ mod tests {
 
         let path = dir.path().join("db");
         {
-            let connection = rusqlite::Connection::open(&path).unwrap();
+            let connection = ours(&path);
             connection
                 .execute_batch(
-                    "CREATE TABLE _sqlx_migrations (version BIGINT PRIMARY KEY); \
-                     CREATE TABLE projects (id TEXT PRIMARY KEY); \
-                     CREATE TABLE audit_entries (seq INTEGER PRIMARY KEY); \
-                     CREATE TABLE audit_checkpoints (seq INTEGER PRIMARY KEY); \
-                     CREATE TABLE t (id INTEGER PRIMARY KEY, body TEXT); \
+                    "CREATE TABLE t (id INTEGER PRIMARY KEY, body TEXT); \
                      CREATE INDEX t_body ON t (body);",
                 )
-                .unwrap();
-            connection
-                .execute_batch(crate::migrations::AUDIT_TRIGGERS_SQLITE)
                 .unwrap();
             for n in 0..2000 {
                 connection
@@ -547,18 +558,7 @@ mod tests {
     fn a_database_whose_audit_triggers_were_dropped_or_rewritten_fails_the_check() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("db");
-        let connection = rusqlite::Connection::open(&path).unwrap();
-        connection
-            .execute_batch(
-                "CREATE TABLE _sqlx_migrations (version BIGINT PRIMARY KEY); \
-                 CREATE TABLE projects (id TEXT PRIMARY KEY); \
-                 CREATE TABLE audit_entries (seq INTEGER PRIMARY KEY); \
-                 CREATE TABLE audit_checkpoints (seq INTEGER PRIMARY KEY);",
-            )
-            .unwrap();
-        connection
-            .execute_batch(crate::migrations::AUDIT_TRIGGERS_SQLITE)
-            .unwrap();
+        let connection = ours(&path);
         assert_eq!(quick_check(&path), Ok(()));
         connection
             .execute_batch(

@@ -355,3 +355,31 @@ pub fn create_model_connection(server: &Server, owner: &str, key: &str) {
     .env("MODEL_KEY", key));
     assert!(created.status.success(), "{}", text(&created.stderr));
 }
+
+/// Creates `http_api` connection `api` on `server` as `owner`, its tools read from the tools
+/// file `tools` and its API at `http://127.0.0.1:9/v1` (allowlisted; nothing listens there),
+/// and returns its id. It is pending review.
+pub fn create_tools_file_connection(
+    server: &Server,
+    owner: &str,
+    tools: &std::path::Path,
+) -> String {
+    let created = server.client(
+        owner,
+        &[
+            "connection",
+            "create",
+            "api",
+            "--tools-file",
+            tools.to_str().unwrap(),
+            "--url",
+            "http://127.0.0.1:9/v1",
+            "--allow",
+            "127.0.0.1",
+            "--json",
+        ],
+    );
+    assert!(created.status.success(), "{}", text(&created.stderr));
+    let created: serde_json::Value = serde_json::from_slice(&created.stdout).unwrap();
+    created["id"].as_str().unwrap().to_owned()
+}
