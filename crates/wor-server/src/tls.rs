@@ -35,6 +35,10 @@ pub enum TlsError {
 /// Seconds in a day, for a certificate's days to its end.
 const DAY_SECONDS: i64 = 86_400;
 
+/// How far in the future a reloaded certificate's start may lie and still be taken: clocks
+/// differ by that much between a CA and this host.
+pub const START_SKEW_SECONDS: i64 = 300;
+
 /// How many days before its end a listener's certificate is warned of (`wor serve` when it
 /// starts, `wor doctor`).
 pub const EXPIRY_WARNING_DAYS: i64 = 30;
@@ -49,18 +53,25 @@ pub struct TlsFiles {
 impl TlsFiles {
     /// Reads both files and builds a server configuration (HTTP/1.1 over TLS 1.2 and 1.3).
     pub fn load(&self) -> Result<Arc<ServerConfig>, TlsError> {
+        self.read().map(|(config, _)| config)
+    }
+
+    /// [`TlsFiles::load`], with the certificate it serves (the chain's first), so that what
+    /// is judged of it is what was loaded.
+    fn read(&self) -> Result<(Arc<ServerConfig>, CertificateDer<'static>), TlsError> {
         let chain = CertificateDer::pem_file_iter(&self.cert)
             .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
             .map_err(|e| TlsError::Certificate {
                 path: self.cert.display().to_string(),
                 reason: e.to_string(),
             })?;
-        if chain.is_empty() {
-            return Err(TlsError::Certificate {
+        let served = chain
+            .first()
+            .cloned()
+            .ok_or_else(|| TlsError::Certificate {
                 path: self.cert.display().to_string(),
                 reason: "no certificate in the file".to_owned(),
-            });
-        }
+            })?;
         let key = PrivateKeyDer::from_pem_file(&self.key).map_err(|e| TlsError::Key {
             path: self.key.display().to_string(),
             reason: e.to_string(),
@@ -71,7 +82,7 @@ impl TlsFiles {
             .with_no_client_auth()
             .with_single_cert(chain, key)?;
         config.alpn_protocols = vec![b"http/1.1".to_vec()];
-        Ok(Arc::new(config))
+        Ok((Arc::new(config), served))
     }
 
     /// What the certificate (the first of the chain) says that clients judge it by, or why it
@@ -88,7 +99,16 @@ impl TlsFiles {
             .next()
             .ok_or_else(|| unreadable("no certificate in the file".to_owned()))?
             .map_err(|e| unreadable(e.to_string()))?;
-        let (_, cert) = x509_parser::parse_x509_certificate(&first)
+        self.facts_of(&first)
+    }
+
+    /// What certificate `der`, read from this chain's file, says that clients judge it by.
+    fn facts_of(&self, der: &CertificateDer<'_>) -> Result<CertificateFacts, TlsError> {
+        let unreadable = |reason: String| TlsError::Certificate {
+            path: self.cert.display().to_string(),
+            reason,
+        };
+        let (_, cert) = x509_parser::parse_x509_certificate(der)
             .map_err(|e| unreadable(format!("the certificate does not parse: {e}")))?;
         let now = wor_store::now_millis() / 1000;
         // An extension that does not parse (or is there twice) says nothing either way: the
@@ -175,11 +195,12 @@ impl CertificateFacts {
     }
 
     /// Why clients would refuse it for its dates, when they would: it has expired, or it is
-    /// not valid yet.
+    /// not valid yet by more than [`START_SKEW_SECONDS`] (a renewal a CA dated this very moment,
+    /// seen by a host whose clock runs a little behind, is not refused).
     pub fn refused_for_dates(&self) -> Option<String> {
         if self.seconds_to_expiry < 0 {
             Some(self.expiry())
-        } else if self.not_valid_yet() {
+        } else if self.seconds_to_start > START_SKEW_SECONDS {
             Some(format!("is not valid yet, for {} more", self.wait()))
         } else {
             None
@@ -244,8 +265,8 @@ impl ReloadableTls {
     /// would refuse for its dates (expired, or not valid yet), which would turn away every new
     /// connection the previous one may still serve.
     pub fn reload(&self) -> Result<(), TlsError> {
-        let config = self.files.load()?;
-        if let Some(reason) = self.files.facts()?.refused_for_dates() {
+        let (config, served) = self.files.read()?;
+        if let Some(reason) = self.files.facts_of(&served)?.refused_for_dates() {
             return Err(TlsError::Dates {
                 path: self.files.cert.display().to_string(),
                 reason,
@@ -396,9 +417,11 @@ mod tests {
             Some("expired today")
         );
         assert_eq!(
-            facts(86_400, 90).refused_for_dates().as_deref(),
-            Some("is not valid yet, for 2 minute(s) more")
+            facts(86_400, 1_800).refused_for_dates().as_deref(),
+            Some("is not valid yet, for 30 minute(s) more")
         );
+        // A start a few minutes off is a clock's difference, not a certificate's date.
+        assert_eq!(facts(86_400, START_SKEW_SECONDS).refused_for_dates(), None);
         // Near its end is warned of, not refused: it still serves.
         assert_eq!(facts(60, -86_400).refused_for_dates(), None);
         assert_eq!(facts(0, 0).refused_for_dates(), None);
