@@ -625,6 +625,11 @@ struct EditField {
 /// The form's name of argument `name`'s field.
 const ARGUMENT_FIELD: &str = "arg.";
 
+/// Whether `text` has line breaks and every one is CRLF.
+fn breaks_are_crlf(text: &str) -> bool {
+    text.contains("\r\n") && !text.replace("\r\n", "").contains(['\r', '\n'])
+}
+
 /// Whether `a` and `b` hold the same lines, whichever of CRLF, CR or LF breaks them.
 fn same_lines(a: &str, b: &str) -> bool {
     let lines = |text: &str| text.replace("\r\n", "\n").replace('\r', "\n");
@@ -887,6 +892,10 @@ pub async fn edit_and_approve(
                 // Whatever its line breaks were, a browser sends them all as CRLF: text with
                 // the original's lines is the original, left as the model wrote it.
                 Some(before) if same_lines(before, sent) => Value::String(before.to_owned()),
+                // An edit of text whose every line break was CRLF keeps them CRLF.
+                Some(before) if breaks_are_crlf(before) => {
+                    Value::String(text.replace('\n', "\r\n"))
+                }
                 _ => Value::String(text.clone()),
             }
         } else {
@@ -1348,4 +1357,23 @@ pub async fn run(
             .collect(),
     };
     Ok(render(StatusCode::OK, &page))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_a_browser_sends_back_unchanged_has_the_same_lines() {
+        // A browser sends every line break of a text area as CRLF.
+        assert!(same_lines("a\nb\r\nc\rd", "a\r\nb\r\nc\r\nd"));
+        assert!(same_lines("\nfirst", "\r\nfirst"));
+        assert!(!same_lines("a\nb", "a\r\nb "));
+        assert!(!same_lines("\nfirst", "first"));
+        // Only text whose every break is CRLF keeps CRLF when edited.
+        assert!(breaks_are_crlf("a\r\nb\r\n"));
+        assert!(!breaks_are_crlf("a\r\nb\nc"));
+        assert!(!breaks_are_crlf("a\rb\r\nc"));
+        assert!(!breaks_are_crlf("one line"));
+    }
 }
