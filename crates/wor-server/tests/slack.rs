@@ -1014,7 +1014,7 @@ async fn routes_are_checked_when_made_and_only_admins_make_them() {
         (with("tool", json!(" spaced tool ")), "CONNECTION/TOOL"),
         (with("tool", json!("<script>")), "CONNECTION/TOOL"),
         (with("tool", json!("notes/")), "CONNECTION/TOOL"),
-        (with("tool", json!("notes/send note")), "CONNECTION/TOOL"),
+        (with("tool", json!("/send_note")), "CONNECTION/TOOL"),
     ] {
         let (status, reply) = h
             .call(Method::POST, "/v1/notification-routes", Some(body))

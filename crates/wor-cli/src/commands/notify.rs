@@ -37,7 +37,8 @@ pub enum NotifyCommand {
         /// Only these.
         #[arg(long, value_parser = ["pending", "delivered", "failed"])]
         status: Option<String>,
-        #[arg(long, default_value_t = 20)]
+        /// At most this many (1 to 200).
+        #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=200))]
         limit: u32,
         #[command(flatten)]
         client: ClientArgs,

@@ -76,6 +76,7 @@ pub enum WebhookCommand {
         /// Only this run's (`run_…`).
         #[arg(long)]
         run: Option<wor_core::RunId>,
+        /// At most this many (1 to 200).
         #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=200))]
         limit: u32,
         #[command(flatten)]

@@ -330,10 +330,10 @@ fn filter_text(value: Option<String>, field: &str) -> Result<Option<String>, Api
 fn tool_filter(value: Option<String>) -> Result<Option<String>, ApiError> {
     let tool = filter_text(value, "tool")?;
     if let Some(tool) = &tool {
+        // As a routine's roster takes it: a connection and a tool, neither empty.
         let roster_name = tool
             .split_once('/')
-            .is_some_and(|(connection, name)| !connection.is_empty() && !name.is_empty())
-            && !tool.chars().any(char::is_whitespace);
+            .is_some_and(|(connection, name)| !connection.is_empty() && !name.is_empty());
         if !roster_name {
             return Err(ApiError::bad_request(
                 "invalid_route",
