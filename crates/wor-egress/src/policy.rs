@@ -49,6 +49,9 @@ pub enum PolicyError {
     /// Production refuses prefixes that would switch most of the guard off.
     #[error("allowed cidr `{0}` is too broad for production (shorter than /{1})")]
     TooBroad(IpNet, u8),
+    /// Production refuses a range holding a cloud metadata service's IPv6 address.
+    #[error("allowed cidr `{0}` covers {1}, a cloud metadata address, refused in production")]
+    Metadata(IpNet, std::net::Ipv6Addr),
     /// Production refuses link-local ranges: cloud metadata services live there.
     #[error(
         "allowed cidr `{0}` covers link-local addresses (cloud metadata), refused in production"
@@ -72,10 +75,15 @@ pub enum PolicyError {
 
 /// IPv6 ranges whose addresses carry an IPv4 address, and the bit where it starts: a listed
 /// range within one is judged by the IPv4 range it reaches.
-const EMBEDDING_V4: [(ipnet::Ipv6Net, u8); 4] = [
+const EMBEDDING_V4: [(ipnet::Ipv6Net, u8); 5] = [
     // IPv4-mapped, `::ffff:a.b.c.d`.
     (
         ipnet::Ipv6Net::new_assert(std::net::Ipv6Addr::new(0, 0, 0, 0, 0, 0xffff, 0, 0), 96),
+        96,
+    ),
+    // IPv4-translated (SIIT), `::ffff:0:a.b.c.d`.
+    (
+        ipnet::Ipv6Net::new_assert(std::net::Ipv6Addr::new(0, 0, 0, 0, 0xffff, 0, 0, 0), 96),
         96,
     ),
     // IPv4-compatible (deprecated), `::a.b.c.d`.
@@ -94,6 +102,11 @@ const EMBEDDING_V4: [(ipnet::Ipv6Net, u8); 4] = [
         16,
     ),
 ];
+
+/// Cloud metadata services' IPv6 addresses outside link-local (AWS's IMDS, in unique-local
+/// space an operator may well list).
+const METADATA_V6: [std::net::Ipv6Addr; 1] =
+    [std::net::Ipv6Addr::new(0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x254)];
 
 /// IPv6 ranges whose addresses reach IPv4 in a form not read here, and their names.
 const UNCHECKED_V4: [(ipnet::Ipv6Net, &str); 2] = [
@@ -236,6 +249,9 @@ impl EgressPolicy {
         let IpNet::V6(v6) = cidr else {
             return Ok(());
         };
+        if let Some(metadata) = METADATA_V6.iter().find(|address| v6.contains(*address)) {
+            return Err(PolicyError::Metadata(cidr, *metadata));
+        }
         for (embedding, at) in EMBEDDING_V4 {
             let Some(v4) = embedded_v4(v6, embedding, at) else {
                 continue;
@@ -623,6 +639,30 @@ mod tests {
                 "{cidr}"
             );
         }
+        // AWS's IPv6 metadata address, in unique-local space.
+        for cidr in ["fd00::/16", "fd00:ec2::/64", "fd00:ec2::254/128"] {
+            assert_eq!(
+                listed(cidr),
+                Err(PolicyError::Metadata(
+                    cidr.parse().unwrap(),
+                    "fd00:ec2::254".parse().unwrap()
+                )),
+                "{cidr}"
+            );
+        }
+        assert_eq!(
+            listed("::ffff:0:0:0/96"),
+            Err(PolicyError::EmbedsTooBroad(
+                "::ffff:0:0:0/96".parse().unwrap(),
+                "0.0.0.0/0".parse().unwrap()
+            ))
+        );
+        assert_eq!(
+            listed("::ffff:0:a9fe:0/112"),
+            Err(PolicyError::LinkLocal(
+                "::ffff:0:a9fe:0/112".parse().unwrap()
+            ))
+        );
         // What an operator lists for a private service stays listable, in either spelling.
         for cidr in [
             "::ffff:10.1.0.0/112",
@@ -630,6 +670,7 @@ mod tests {
             "2002:a01::/32",
             "::1/128",
             "fd00:1::/64",
+            "fd00:ec3::/32",
             "2001:db8::/32",
         ] {
             assert!(listed(cidr).is_ok(), "{cidr}");
