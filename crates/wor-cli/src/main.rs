@@ -211,12 +211,6 @@ mod tests {
     #[test]
     fn a_cause_its_message_already_quotes_is_told_once() {
         let io = std::io::Error::from_raw_os_error(17);
-        let quoted = anyhow::Error::new(std::io::Error::other(format!("cannot make `/d`: {io}")))
-            .context("cannot open the database");
-        assert_eq!(
-            error_text(&quoted),
-            format!("cannot open the database: cannot make `/d`: {io}")
-        );
         /// An error that quotes its source in its message and gives it as its source too.
         #[derive(Debug)]
         struct Quoting(std::io::Error);
