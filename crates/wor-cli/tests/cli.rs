@@ -277,6 +277,11 @@ fn refused_before_sending(args: &[&str], says: &str) {
         "WOR_API_KEY",
         "wor_0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
     ));
+    refused_as_usage(&out, args, says);
+}
+
+/// `out`, of the command `args`, exited 2 saying `says`.
+fn refused_as_usage(out: &std::process::Output, args: &[&str], says: &str) {
     assert_eq!(
         out.status.code(),
         Some(2),
@@ -1094,18 +1099,7 @@ fn help_documents_the_exit_codes_the_commands_use() {
         ),
     ];
     for (args, envs, says) in unusable {
-        let out = run(wor(args).envs(envs.iter().copied()));
-        assert_eq!(
-            out.status.code(),
-            Some(2),
-            "{args:?}: {}",
-            text(&out.stderr)
-        );
-        assert!(
-            text(&out.stderr).contains(says),
-            "{args:?}: {}",
-            text(&out.stderr)
-        );
+        refused_as_usage(&run(wor(args).envs(envs.iter().copied())), args, says);
     }
     assert_eq!(
         run(&mut wor(&["egress", "check", "http://127.0.0.1/"]))
