@@ -213,6 +213,14 @@ impl HttpToolsSource {
                 let import = document.import(&source.operations)?;
                 if url.is_empty() {
                     match document.server_url() {
+                        // A variable the document gives no value for stays as `{name}`.
+                        Some(server) if server.contains(['{', '}']) => {
+                            return Err(ToolConnectionSpecError::InvalidUrl(format!(
+                                "the document's first server url `{}` has a variable its \
+                                 `variables` give no value for: give the API's base `url`",
+                                wor_core::quote::excerpt(&server, 200)
+                            )));
+                        }
                         Some(server)
                             if server.starts_with("https://") || server.starts_with("http://") =>
                         {
