@@ -1003,6 +1003,30 @@ fn doctor_reports_readiness_with_an_exit_code() {
 }
 
 #[test]
+fn doctor_fails_an_audit_log_that_is_no_longer_append_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = common::database_args(dir.path());
+    common::create_project(&db);
+    let url = common::database_url(&db, dir.path());
+    let args: Vec<&str> = db.iter().map(String::as_str).collect();
+    let (_, report) = doctor(&args, &[]);
+    assert_eq!(status(&report, "audit").0, "ok", "{report}");
+    // Someone with the database's credentials drops the triggers that refuse edits.
+    tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let store = wor_store::Store::connect(&url).await.unwrap();
+        wor_store::testing::unguard_audit(&store).await.unwrap();
+        store.close().await;
+    });
+    let (code, report) = doctor(&args, &[]);
+    let (audit, detail) = status(&report, "audit");
+    assert_eq!((audit, code), ("fail", Some(1)), "{report}");
+    assert!(
+        detail.contains("not append-only") && detail.contains("missing"),
+        "{detail}"
+    );
+}
+
+#[test]
 fn doctor_compares_the_keys_with_the_database_as_serve_does() {
     let dir = tempfile::tempdir().unwrap();
     let db = common::database_args(dir.path());

@@ -375,13 +375,6 @@ fn quick_check(path: &Path) -> Result<(), String> {
 /// migrations made it: one dropped or rewritten (which the migrations, recorded as run, would
 /// not make again) would leave the restored log open to edits. `Err` names them.
 fn audit_triggers_intact(connection: &rusqlite::Connection) -> Result<(), String> {
-    let words = |sql: &str| {
-        sql.trim()
-            .trim_end_matches(';')
-            .split_whitespace()
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
     let found: std::collections::HashMap<String, String> = connection
         .prepare("SELECT name, sql FROM sqlite_master WHERE type = 'trigger'")
         .and_then(|mut statement| {
@@ -393,21 +386,9 @@ fn audit_triggers_intact(connection: &rusqlite::Connection) -> Result<(), String
         })
         .map_err(|e| format!("it is damaged: {e}"))?
         .into_iter()
-        .map(|(name, sql)| (name, words(&sql.unwrap_or_default())))
+        .map(|(name, sql)| (name, sql.unwrap_or_default()))
         .collect();
-    let mut altered = Vec::new();
-    for statement in crate::migrations::AUDIT_TRIGGERS_SQLITE
-        .split("CREATE TRIGGER")
-        .filter(|s| !s.trim().is_empty())
-    {
-        let expected = words(&format!("CREATE TRIGGER{statement}"));
-        let name = statement.split_whitespace().next().unwrap_or_default();
-        match found.get(name) {
-            Some(sql) if *sql == expected => {}
-            Some(_) => altered.push(format!("`{name}` rewritten")),
-            None => altered.push(format!("`{name}` missing")),
-        }
-    }
+    let altered = crate::migrations::altered_sqlite_audit_triggers(&found);
     if altered.is_empty() {
         Ok(())
     } else {

@@ -35,9 +35,52 @@ const RUN_TOKENS: &str = include_str!("../migrations/0014_run_tokens.sql");
 /// them.
 pub(crate) const AUDIT_TRIGGERS_SQLITE: &str =
     include_str!("../migrations/0003_audit_triggers.sqlite.sql");
-#[cfg(feature = "testing")]
 pub(crate) const AUDIT_TRIGGERS_POSTGRES: &str =
     include_str!("../migrations/0003_audit_triggers.postgres.sql");
+
+/// The names of the triggers `sql` (one of the texts above) makes, with each statement.
+fn audit_trigger_statements(sql: &str) -> impl Iterator<Item = (&str, String)> {
+    sql.split("CREATE TRIGGER")
+        .filter(|statement| !statement.trim().is_empty())
+        .map(|statement| {
+            let name = statement.split_whitespace().next().unwrap_or_default();
+            (name, words(&format!("CREATE TRIGGER{statement}")))
+        })
+}
+
+/// `sql` as its words, one space apart, without a closing `;`: how SQLite stores a statement,
+/// whatever its lines.
+fn words(sql: &str) -> String {
+    sql.trim()
+        .trim_end_matches(';')
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// What is wrong with an SQLite database's audit triggers, given `found`, each trigger's name
+/// and stored SQL: each missing one, or one whose SQL is not the migration's, named. Empty
+/// when the audit log is append-only as the migrations made it.
+pub(crate) fn altered_sqlite_audit_triggers(
+    found: &std::collections::HashMap<String, String>,
+) -> Vec<String> {
+    audit_trigger_statements(AUDIT_TRIGGERS_SQLITE)
+        .filter_map(|(name, expected)| match found.get(name) {
+            Some(sql) if words(sql) == expected => None,
+            Some(_) => Some(format!("`{name}` rewritten")),
+            None => Some(format!("`{name}` missing")),
+        })
+        .collect()
+}
+
+/// What is wrong with a PostgreSQL database's audit triggers, given the names of those enabled
+/// on it: each missing or disabled one, named.
+pub(crate) fn missing_postgres_audit_triggers(enabled: &[String]) -> Vec<String> {
+    audit_trigger_statements(AUDIT_TRIGGERS_POSTGRES)
+        .filter(|(name, _)| !enabled.iter().any(|found| found == name))
+        .map(|(name, _)| format!("`{name}` missing or disabled"))
+        .collect()
+}
 
 const MIGRATIONS: &[SchemaMigration] = &[
     SchemaMigration {

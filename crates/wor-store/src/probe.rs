@@ -21,6 +21,10 @@ pub struct DatabaseProbe {
     pub server_now_ms: Option<i64>,
     /// The keys the database's records need, once its migrations made their tables.
     pub keys: Option<KeysInUse>,
+    /// What keeps the audit log append-only and is not as the migrations made it (each trigger
+    /// missing, rewritten or disabled, named), once its migrations made the audit tables:
+    /// empty when it is whole.
+    pub audit_unguarded: Option<Vec<String>>,
 }
 
 /// The keys a database's records need: what a server on it must hold.
@@ -99,6 +103,11 @@ pub async fn probe(
     } else {
         None
     };
+    let audit_unguarded = if applied >= KEYS_MIGRATION {
+        Some(audit_unguarded(&pool, backend).await?)
+    } else {
+        None
+    };
     pool.close().await;
     Ok(DatabaseProbe {
         backend,
@@ -106,5 +115,39 @@ pub async fn probe(
         latest_migration: crate::migrations::latest_version(),
         server_now_ms,
         keys,
+        audit_unguarded,
+    })
+}
+
+/// What keeps the audit tables append-only and is missing or altered, named
+/// ([`DatabaseProbe::audit_unguarded`]).
+async fn audit_unguarded(
+    pool: &sqlx::AnyPool,
+    backend: Backend,
+) -> Result<Vec<String>, StoreError> {
+    Ok(match backend {
+        Backend::Sqlite => {
+            let found: Vec<(String, Option<String>)> =
+                sqlx::query_as("SELECT name, sql FROM sqlite_master WHERE type = 'trigger'")
+                    .fetch_all(pool)
+                    .await?;
+            let found = found
+                .into_iter()
+                .map(|(name, sql)| (name, sql.unwrap_or_default()))
+                .collect();
+            crate::migrations::altered_sqlite_audit_triggers(&found)
+        }
+        Backend::Postgres => {
+            let enabled: Vec<(String,)> = sqlx::query_as(
+                "SELECT t.tgname::text FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid \
+                 WHERE c.relname IN ('audit_entries', 'audit_checkpoints') \
+                 AND c.relnamespace = (SELECT oid FROM pg_namespace WHERE nspname = current_schema()) \
+                 AND NOT t.tgisinternal AND t.tgenabled <> 'D'",
+            )
+            .fetch_all(pool)
+            .await?;
+            let enabled: Vec<String> = enabled.into_iter().map(|(name,)| name).collect();
+            crate::migrations::missing_postgres_audit_triggers(&enabled)
+        }
     })
 }

@@ -96,22 +96,39 @@ pub async fn hold_write_turn(
     store.write_turn().await
 }
 
+/// The statements that drop the audit log's append-only triggers on `backend`.
+fn drop_audit_triggers(backend: Backend) -> &'static str {
+    match backend {
+        Backend::Sqlite => {
+            "DROP TRIGGER audit_entries_no_update; DROP TRIGGER audit_entries_no_delete; \
+             DROP TRIGGER audit_checkpoints_no_update; DROP TRIGGER audit_checkpoints_no_delete;"
+        }
+        Backend::Postgres => {
+            "DROP TRIGGER audit_entries_append_only ON audit_entries; \
+             DROP TRIGGER audit_entries_no_truncate ON audit_entries; \
+             DROP TRIGGER audit_checkpoints_append_only ON audit_checkpoints; \
+             DROP TRIGGER audit_checkpoints_no_truncate ON audit_checkpoints;"
+        }
+    }
+}
+
+/// Drops the audit log's append-only triggers and leaves them dropped, as an attacker with the
+/// database's credentials could.
+pub async fn unguard_audit(store: &Store) -> Result<(), StoreError> {
+    let mut tx = store.begin_write().await?;
+    tx.execute(sqlx::raw_sql(drop_audit_triggers(store.backend())))
+        .await?;
+    tx.commit().await?;
+    Ok(())
+}
+
 /// [`TestDatabase::tamper`] on any store, for tests that open the database a binary used.
 pub async fn tamper(store: &Store, statements: &[String]) -> Result<(), StoreError> {
     {
-        let (drop, create) = match store.backend() {
-            Backend::Sqlite => (
-                "DROP TRIGGER audit_entries_no_update; DROP TRIGGER audit_entries_no_delete; \
-                 DROP TRIGGER audit_checkpoints_no_update; DROP TRIGGER audit_checkpoints_no_delete;",
-                AUDIT_TRIGGERS_SQLITE,
-            ),
-            Backend::Postgres => (
-                "DROP TRIGGER audit_entries_append_only ON audit_entries; \
-                 DROP TRIGGER audit_entries_no_truncate ON audit_entries; \
-                 DROP TRIGGER audit_checkpoints_append_only ON audit_checkpoints; \
-                 DROP TRIGGER audit_checkpoints_no_truncate ON audit_checkpoints;",
-                AUDIT_TRIGGERS_POSTGRES,
-            ),
+        let drop = drop_audit_triggers(store.backend());
+        let create = match store.backend() {
+            Backend::Sqlite => AUDIT_TRIGGERS_SQLITE,
+            Backend::Postgres => AUDIT_TRIGGERS_POSTGRES,
         };
         let mut tx = store.begin_write().await?;
         tx.execute(sqlx::raw_sql(drop)).await?;

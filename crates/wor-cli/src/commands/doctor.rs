@@ -216,6 +216,27 @@ async fn server_checks(config: &ServerConfig, checks: &mut Vec<Check>) {
             wor_secrets::redact_shapes(&error.to_string()).into_owned(),
         )),
     }
+    // An audit log whose append-only triggers were dropped or altered can be edited in place.
+    if let Some(Some(unguarded)) = probed.as_ref().ok().map(|p| p.audit_unguarded.as_ref()) {
+        checks.push(if unguarded.is_empty() {
+            check(
+                "audit",
+                Status::Ok,
+                "the audit log is append-only (its triggers as the migrations made them)"
+                    .to_owned(),
+            )
+        } else {
+            check(
+                "audit",
+                Status::Fail,
+                format!(
+                    "the audit log is not append-only: {}; someone with the database's \
+                     credentials altered it. `wor audit verify` shows whether entries changed",
+                    unguarded.join(", ")
+                ),
+            )
+        });
+    }
     match probed.as_ref().ok().map(|p| p.server_now_ms) {
         Some(Some(server_ms)) => {
             let skew_ms = wor_store::now_millis().saturating_sub(server_ms);
