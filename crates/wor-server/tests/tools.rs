@@ -1781,44 +1781,28 @@ async fn an_openapi_document_becomes_pinned_tools_and_a_changed_operation_quaran
         }
         request
     };
-    // A relative server (`/v3`) needs the base URL to be given.
-    let mut relative = document.clone();
-    relative["servers"] = json!([{"url": "/v3"}]);
-    let (status, body) = h
-        .call(
-            Method::POST,
-            "/v1/tool-connections",
-            Some(create(json!({"openapi": {"document": relative}}))),
-        )
-        .await;
-    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
-    assert_eq!(body["error"]["code"], "invalid_url", "{body}");
-    assert!(
-        body["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("`/v3` is not absolute"),
-        "{body}"
-    );
-    // So does a server whose variable the document gives no value for.
-    let mut unresolved = document.clone();
-    unresolved["servers"] = json!([{"url": "https://{host}/v1"}]);
-    let (status, body) = h
-        .call(
-            Method::POST,
-            "/v1/tool-connections",
-            Some(create(json!({"openapi": {"document": unresolved}}))),
-        )
-        .await;
-    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
-    assert_eq!(body["error"]["code"], "invalid_url", "{body}");
-    assert!(
-        body["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("`https://{host}/v1` has a variable"),
-        "{body}"
-    );
+    // A relative server (`/v3`), or one whose variable the document gives no value for, needs
+    // the base URL to be given.
+    for (server, says) in [
+        ("/v3", "`/v3` is not absolute"),
+        ("https://{host}/v1", "`https://{host}/v1` has a variable"),
+    ] {
+        let mut unusable = document.clone();
+        unusable["servers"] = json!([{ "url": server }]);
+        let (status, body) = h
+            .call(
+                Method::POST,
+                "/v1/tool-connections",
+                Some(create(json!({"openapi": {"document": unusable}}))),
+            )
+            .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+        assert_eq!(body["error"]["code"], "invalid_url", "{body}");
+        assert!(
+            body["error"]["message"].as_str().unwrap().contains(says),
+            "{body}"
+        );
+    }
     // `addPet` needs the oauth2 token; none was given.
     let url = format!("http://{addr}/v3");
     let (status, body) = h
