@@ -23,15 +23,18 @@ pub struct ClientArgs {
     pub ca_cert: Option<std::path::PathBuf>,
 }
 
-/// Why the API refused the request's key, when it did (`401 unauthenticated`): a key the
-/// command cannot use is a usage error, exit 2, as for a malformed one.
-fn refused_key(status: reqwest::StatusCode, code: &str) -> Option<String> {
-    (status == reqwest::StatusCode::UNAUTHORIZED && code == "unauthenticated").then(|| {
-        format!(
-            "check {}: it may be revoked, or a key of another server",
+/// The error of an answer with `status` and error `code`, told as `said`. A refused key
+/// (`401 unauthenticated`) is one the command cannot use: a usage error, exit 2, as for a
+/// malformed one.
+fn answer_error(status: reqwest::StatusCode, code: &str, said: String) -> anyhow::Error {
+    if status == reqwest::StatusCode::UNAUTHORIZED && code == "unauthenticated" {
+        usage(format!(
+            "{said}: check {}: it may be revoked, or a key of another server",
             env::API_KEY
-        )
-    })
+        ))
+    } else {
+        anyhow::Error::msg(said)
+    }
 }
 
 /// The certificates of the PEM file at `path`, to trust beside the system's; a file
@@ -477,11 +480,11 @@ impl ApiClient {
                 .pointer("/error/code")
                 .and_then(|v| v.as_str())
                 .unwrap_or("unknown");
-            let error = format!("{message} (HTTP {})", status.as_u16());
-            return Err(match refused_key(status, code) {
-                Some(why) => usage(format!("{error}: {why}")),
-                None => anyhow::Error::msg(error),
-            });
+            return Err(answer_error(
+                status,
+                code,
+                format!("{message} (HTTP {})", status.as_u16()),
+            ));
         }
         // Bytes until a whole line is in: a chunk may end inside a multi-byte character.
         let mut buffer: Vec<u8> = Vec::new();
@@ -567,10 +570,10 @@ impl ApiClient {
             .pointer("/error/message")
             .and_then(|v| v.as_str())
             .unwrap_or("no message");
-        let error = format!("{message} ({code}, HTTP {})", status.as_u16());
-        Err(match refused_key(status, code) {
-            Some(why) => usage(format!("{error}: {why}")),
-            None => anyhow::Error::msg(error),
-        })
+        Err(answer_error(
+            status,
+            code,
+            format!("{message} ({code}, HTTP {})", status.as_u16()),
+        ))
     }
 }

@@ -4,8 +4,6 @@ use std::process::ExitCode;
 
 use serde_json::json;
 
-use anyhow::Context as _;
-
 use super::{field, for_terminal, print_json};
 use crate::client::{ApiClient, ClientArgs};
 
@@ -52,24 +50,14 @@ pub enum MemberCommand {
 /// The id of `member`: a `mem_…` id (a malformed one is a usage error), or the id of the
 /// member of that name.
 async fn member_id(api: &ApiClient, member: &str) -> anyhow::Result<wor_core::MemberId> {
-    if member.starts_with("mem_") {
-        return member.parse().map_err(crate::usage);
-    }
-    let members = api.get("/v1/members").await?;
-    let id = members
-        .as_array()
-        .into_iter()
-        .flatten()
-        .find(|m| m.pointer("/name").and_then(|n| n.as_str()) == Some(member))
-        .map(|m| field(m, "/id").to_owned())
-        .ok_or_else(|| {
-            anyhow::anyhow!(
-                "there is no member named `{}` in the project",
-                for_terminal(member)
-            )
-        })?;
-    id.parse()
-        .with_context(|| format!("the server named member `{member}` with a malformed id"))
+    super::id_or_name(
+        api,
+        member,
+        wor_core::MemberId::PREFIX,
+        "member",
+        "/v1/members",
+    )
+    .await
 }
 
 pub async fn whoami(args: ClientArgs) -> anyhow::Result<ExitCode> {

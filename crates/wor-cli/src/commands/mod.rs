@@ -201,6 +201,43 @@ pub(crate) fn field<'a>(value: &'a serde_json::Value, pointer: &str) -> &'a str 
         .unwrap_or("-")
 }
 
+/// The id of a resource the command was given as `given`: an id of `prefix` as it is,
+/// checked (a malformed one is a usage error), or else the id of the `what` of that name in
+/// the listing at `list`.
+pub(crate) async fn id_or_name<T>(
+    api: &crate::client::ApiClient,
+    given: &str,
+    prefix: &str,
+    what: &str,
+    list: &str,
+) -> anyhow::Result<T>
+where
+    T: std::str::FromStr<Err = wor_core::IdError>,
+{
+    use anyhow::Context as _;
+    if given
+        .strip_prefix(prefix)
+        .is_some_and(|rest| rest.starts_with('_'))
+    {
+        return given.parse().map_err(crate::usage);
+    }
+    let listed = api.get(list).await?;
+    let id = listed
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|item| item.get("name").and_then(serde_json::Value::as_str) == Some(given))
+        .and_then(|item| item.get("id").and_then(serde_json::Value::as_str))
+        .with_context(|| {
+            format!(
+                "there is no {what} named `{}` in the project",
+                for_terminal(given)
+            )
+        })?;
+    id.parse()
+        .with_context(|| format!("the server named {what} `{given}` with a malformed id"))
+}
+
 /// A checkpoint key given on the command line (`--public-key`), read as clap reads an
 /// argument: one that is not a key is a usage error, exit 2.
 pub(crate) fn public_key_argument(text: &str) -> Result<wor_core::audit::VerifyingKey, String> {

@@ -45,19 +45,14 @@ pub(crate) async fn routine_id(
     api: &ApiClient,
     routine: &str,
 ) -> anyhow::Result<wor_core::RoutineId> {
-    if routine.starts_with("rtn_") {
-        return routine.parse().map_err(crate::usage);
-    }
-    let list = api.get("/v1/routines").await?;
-    let id = list
-        .as_array()
-        .into_iter()
-        .flatten()
-        .find(|r| r.get("name").and_then(Value::as_str) == Some(routine))
-        .and_then(|r| r.get("id").and_then(Value::as_str))
-        .with_context(|| format!("no routine named `{routine}` in this project"))?;
-    id.parse()
-        .with_context(|| format!("the server named routine `{routine}` with a malformed id"))
+    super::id_or_name(
+        api,
+        routine,
+        wor_core::RoutineId::PREFIX,
+        "routine",
+        "/v1/routines",
+    )
+    .await
 }
 
 pub async fn run(cmd: RoutineCommand) -> anyhow::Result<ExitCode> {
