@@ -632,16 +632,11 @@ impl Engine {
                 slack_escape(&approval.tool), slack_escape(&routine.name), run.routine_version, run.id) },
         })];
         // Once an approver edited the call, the edited arguments are what the tool receives.
-        let sent = approval
-            .edited_arguments
-            .as_ref()
-            .unwrap_or(&approval.arguments);
         let mut arguments = Vec::new();
-        if let Some(map) = sent.as_object() {
+        if let Some(map) = approval.arguments_sent().as_object() {
             for (key, value) in map {
                 let pinned = approval.pinned_keys.iter().any(|k| k == key);
-                let edited = approval.edited_arguments.is_some()
-                    && approval.arguments.get(key) != Some(value);
+                let edited = approval.edited_to(key, value);
                 arguments.push(format!(
                     "• `{}`{}: {}",
                     slack_escape(key),

@@ -157,6 +157,20 @@ pub struct ApprovalRecord {
     pub edited_arguments: Option<serde_json::Value>,
 }
 
+impl ApprovalRecord {
+    /// The arguments the tool receives: the edited call's once an approver edited it, else
+    /// the model's.
+    pub fn arguments_sent(&self) -> &serde_json::Value {
+        self.edited_arguments.as_ref().unwrap_or(&self.arguments)
+    }
+
+    /// Whether an approver's edit set argument `name` to `value`, where the model asked for
+    /// something else (or nothing).
+    pub fn edited_to(&self, name: &str, value: &serde_json::Value) -> bool {
+        self.edited_arguments.is_some() && self.arguments.get(name) != Some(value)
+    }
+}
+
 /// An approver's correction of a held call: the arguments it runs with instead, and the
 /// binding hash of the call with them.
 #[derive(Debug, Clone)]

@@ -696,16 +696,11 @@ fn argument_rows(approval: &ApprovalRecord) -> Vec<ArgumentRow> {
             serde_json::from_value::<wor_core::provenance::ArgumentLabels>(v.clone()).ok()
         })
         .unwrap_or_default();
-    let sent = approval
-        .edited_arguments
-        .as_ref()
-        .unwrap_or(&approval.arguments);
-    match sent {
+    match approval.arguments_sent() {
         Value::Object(fields) => fields
             .iter()
             .map(|(name, value)| {
-                let edited = approval.edited_arguments.is_some()
-                    && approval.arguments.get(name) != Some(value);
+                let edited = approval.edited_to(name, value);
                 let label = labels.0.get(name).filter(|_| !edited);
                 ArgumentRow {
                     name: name.clone(),
