@@ -20,6 +20,20 @@ pub enum IdError {
 
 const HEX_LEN: usize = 32;
 
+/// The 32 hex digits of `value` when it has the shape of an id of `prefix`: `prefix_` and 32
+/// lowercase hex digits, as every id has, typed here or not (a delivery's `dlv_…`).
+pub fn id_digits<'a>(value: &'a str, prefix: &str) -> Option<&'a str> {
+    value
+        .strip_prefix(prefix)
+        .and_then(|r| r.strip_prefix('_'))
+        .filter(|rest| {
+            rest.len() == HEX_LEN
+                && rest
+                    .bytes()
+                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        })
+}
+
 fn parse_prefixed(
     value: &str,
     prefix: &'static str,
@@ -30,17 +44,7 @@ fn parse_prefixed(
         prefix,
         value: crate::quote::excerpt(value, 80),
     };
-    let rest = value
-        .strip_prefix(prefix)
-        .and_then(|r| r.strip_prefix('_'))
-        .ok_or_else(malformed)?;
-    if rest.len() != HEX_LEN
-        || !rest
-            .bytes()
-            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-    {
-        return Err(malformed());
-    }
+    let rest = id_digits(value, prefix).ok_or_else(malformed)?;
     uuid::Uuid::try_parse(rest).map_err(|_| malformed())
 }
 

@@ -301,22 +301,10 @@ pub fn page_cursor(
     what: &str,
 ) -> Result<Option<String>, ApiError> {
     match before {
-        Some(id)
-            if !id
-                .strip_prefix(prefix)
-                .and_then(|r| r.strip_prefix('_'))
-                .is_some_and(|hex| {
-                    hex.len() == 32
-                        && hex
-                            .bytes()
-                            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-                }) =>
-        {
-            Err(ApiError::bad_request(
-                "invalid_query",
-                format!("`before` is not {what} id (`{prefix}_` and 32 hex digits)"),
-            ))
-        }
+        Some(id) if wor_core::ids::id_digits(&id, prefix).is_none() => Err(ApiError::bad_request(
+            "invalid_query",
+            format!("`before` is not {what} id (`{prefix}_` and 32 hex digits)"),
+        )),
         other => Ok(other),
     }
 }
