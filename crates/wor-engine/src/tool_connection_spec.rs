@@ -300,6 +300,8 @@ impl HttpToolsSource {
                     config.name
                 )));
             }
+            wor_tools::check_input_schema(&Value::Object(config.input_schema.clone()))
+                .map_err(|e| bad(format!("tools[{index}] `{}`: {e}", config.name)))?;
             let value =
                 serde_json::to_value(&config).map_err(|e| bad(format!("tools[{index}]: {e}")))?;
             let definition =

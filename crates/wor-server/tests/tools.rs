@@ -1467,6 +1467,40 @@ async fn http_api_tools_run_in_routines_with_credentials_attached_at_send_time()
         .await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
     assert_eq!(body["error"]["code"], "invalid_tools");
+    // A schema that could check no call's arguments is refused when written, naming the tool.
+    for (schema, says) in [
+        (
+            json!({"type": "object", "properties": {"id": {"type": "string", "pattern": "(["}}}),
+            "cannot be used",
+        ),
+        (
+            json!({"type": "string"}),
+            "a call's arguments are an object",
+        ),
+        (
+            json!({"type": ["array", "null"]}),
+            "a call's arguments are an object",
+        ),
+    ] {
+        let (status, body) = h
+            .call(
+                Method::POST,
+                "/v1/tool-connections",
+                Some(
+                    json!({"name": "items", "kind": "http_api", "url": format!("http://{addr}/v1"),
+                    "allowlist": [addr.to_string()], "tools": [{"name": "find",
+                    "method": "GET", "path": "/", "inputSchema": schema}]}),
+                ),
+            )
+            .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{schema}: {body}");
+        assert_eq!(body["error"]["code"], "invalid_tools", "{body}");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("tools[0] `find`") && message.contains(says),
+            "{schema}: {message}"
+        );
+    }
     let (status, created) = h
         .call(
             Method::POST,

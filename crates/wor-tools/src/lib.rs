@@ -55,7 +55,7 @@ pub use openapi::{
 pub use output::{OutputSchema, OutputSchemaError, OutputViolation};
 pub use result::{ResultLimits, ShapedResult, ToolCallResult, ToolContent, Truncation};
 pub use roster::{
-    ArgumentError, ArgumentSchema, CanonicalArguments, ModelToolSpec, SchemaViolation, model_view,
-    prepare_arguments,
+    ArgumentError, ArgumentSchema, CanonicalArguments, InputSchemaError, ModelToolSpec,
+    SchemaViolation, check_input_schema, model_view, prepare_arguments,
 };
 pub use session::{ToolSession, ToolSessionError};

@@ -172,12 +172,7 @@ impl ArgumentSchema {
 
         let validator = self
             .compiled
-            .get_or_init(|| {
-                jsonschema::options()
-                    .offline()
-                    .build(&self.schema)
-                    .map_err(|error| error.to_string())
-            })
+            .get_or_init(|| compile(&self.schema))
             .as_ref()
             .map_err(|reason| ArgumentError::UnusableSchema {
                 reason: reason.clone(),
@@ -215,6 +210,50 @@ impl ArgumentSchema {
     }
 }
 
+/// Compiles a tool's input schema as every call's arguments are checked against it: offline,
+/// so a remote reference is an error rather than a fetch.
+fn compile(schema: &Value) -> Result<jsonschema::Validator, String> {
+    jsonschema::options()
+        .offline()
+        .build(schema)
+        .map_err(|error| error.to_string())
+}
+
+/// Why an input schema written for a tool could check no call's arguments.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InputSchemaError {
+    /// It does not compile (an invalid `pattern`, a keyword of the wrong type, a remote
+    /// reference, ...).
+    #[error("the input schema cannot be used: {0}")]
+    Unusable(String),
+    /// Its `type` leaves out `object`, which a call's arguments always are.
+    #[error(
+        "the input schema's `type` is {found}, but a call's arguments are an object: give `object` or leave `type` out"
+    )]
+    NotForObjects {
+        /// The `type` as written.
+        found: String,
+    },
+}
+
+/// Checks a tool's input schema before it is stored, where a schema that cannot be used
+/// would otherwise only refuse each call at the time it is made.
+pub fn check_input_schema(schema: &Value) -> Result<(), InputSchemaError> {
+    let allows_object = match schema.get("type") {
+        None => true,
+        Some(Value::String(kind)) => kind == "object",
+        Some(Value::Array(kinds)) => kinds.iter().any(|kind| kind == "object"),
+        Some(_) => true,
+    };
+    if !allows_object {
+        let found = schema.get("type").map(Value::to_string).unwrap_or_default();
+        return Err(InputSchemaError::NotForObjects { found });
+    }
+    compile(schema)
+        .map(drop)
+        .map_err(InputSchemaError::Unusable)
+}
+
 /// [`ArgumentSchema::prepare`] against `pinned_schema`, compiled for this one call.
 pub fn prepare_arguments(
     model_arguments: &Value,
@@ -234,6 +273,39 @@ mod tests {
     use crate::definition::ToolDefinition;
     use serde_json::json;
     use wor_core::routine::ToolMode;
+
+    #[test]
+    fn an_input_schema_that_could_check_no_calls_arguments_is_refused_before_it_is_stored() {
+        for schema in [
+            json!({}),
+            json!({"type": "object", "properties": {"q": {"type": "string", "pattern": "^a+$"}}}),
+            json!({"type": ["object", "null"]}),
+        ] {
+            assert_eq!(check_input_schema(&schema), Ok(()), "{schema}");
+        }
+        for schema in [json!({"type": "string"}), json!({"type": ["array"]})] {
+            assert!(
+                matches!(
+                    check_input_schema(&schema),
+                    Err(InputSchemaError::NotForObjects { .. })
+                ),
+                "{schema}"
+            );
+        }
+        for schema in [
+            json!({"properties": {"q": {"pattern": "(["}}}),
+            json!({"properties": {"q": {"$ref": "https://example.com/s.json"}}}),
+            json!({"required": "q"}),
+        ] {
+            assert!(
+                matches!(
+                    check_input_schema(&schema),
+                    Err(InputSchemaError::Unusable(_))
+                ),
+                "{schema}"
+            );
+        }
+    }
 
     fn schema() -> Value {
         json!({
