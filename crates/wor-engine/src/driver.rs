@@ -17,7 +17,7 @@ use wor_core::budget::{BudgetExceeded, BudgetLimit, BudgetUsage};
 use wor_core::json_depth::{MAX_JSON_NESTING, value_nesting};
 use wor_core::model::{AssistantMessage, ChatMessage, ModelRequest, ModelResponse, ProviderKind};
 use wor_core::provenance::ContentIndex;
-use wor_core::routine::RoutineDefinition;
+use wor_core::routine::{OverlapPolicy, RoutineDefinition};
 use wor_core::run::{Provenance, RunStatus};
 use wor_core::run_loop::{AfterCall, CallOutcome, Ending, Next, RunLoop};
 use wor_core::step::{
@@ -407,12 +407,24 @@ impl Engine {
         id: RunId,
         requester: Option<Actor>,
     ) -> Result<CancelAsked, EngineError> {
+        self.cancel_as(project, id, requester.map(|actor| (actor, None)))
+            .await
+    }
+
+    /// [`Engine::request_cancel`], its `run.cancel` naming, beside the requester, the overlap
+    /// policy that asked when it was one.
+    pub(crate) async fn cancel_as(
+        &self,
+        project: ProjectId,
+        id: RunId,
+        requester: Option<(Actor, Option<OverlapPolicy>)>,
+    ) -> Result<CancelAsked, EngineError> {
         let holder = self.config.worker_id.as_str();
         let lease_ms = self.lease_ms();
         // The requester's `run.cancel` is staged with the cancel, when it asked anything: a
         // crash before it is appended here leaves it for the audit writer's sweep.
         let (mut asked, staged) = match requester {
-            Some(actor) => {
+            Some((actor, overlap)) => {
                 let entry = |asked: &CancelAsked| {
                     // The status the cancel leads to: a run taken from the queue ends cancelled.
                     let taken = asked.to_end.first().is_some_and(|run| run.id == id);
@@ -424,7 +436,10 @@ impl Engine {
                     AuditEvent::new(project, AuditCategory::RunCancel, actor.clone())
                         .subject("run_id", id)
                         .runs(asked.run.root_run_id, asked.run.parent_run_id)
-                        .payload(json!({ "status": status.as_str() }))
+                        .payload(match overlap {
+                            Some(policy) => json!({ "status": status.as_str(), "overlap": policy }),
+                            None => json!({ "status": status.as_str() }),
+                        })
                 };
                 self.store
                     .request_cancel_staged(project, id, holder, lease_ms, Some(&entry))

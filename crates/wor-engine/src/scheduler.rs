@@ -214,7 +214,13 @@ impl Engine {
             // After the starts' entries, so a run recorded by this page and replaced by a
             // later slot of it ends after its `run.start`.
             for (project, routine, max_runs) in cancelling {
-                if let Err(error) = engine.cancel_previous(project, routine, max_runs).await {
+                let schedule = Actor::Schedule {
+                    routine_id: routine,
+                };
+                if let Err(error) = engine
+                    .cancel_previous(project, routine, max_runs, &schedule)
+                    .await
+                {
                     tracing::error!(category = "schedule", routine_id = %routine, error = %error,
                         "the runs a scheduled start of a `cancel_previous` routine replaced could not be asked to stop");
                 }

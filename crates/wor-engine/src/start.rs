@@ -204,6 +204,7 @@ impl Engine {
             input,
             actor,
         } = self.admit(request, &version, active, &redactor).await?;
+        let starter = actor.clone();
         // With a slot of this process's pool free, the run is claimed as it is created and
         // driven here at once; otherwise it waits in the queue for any worker.
         let slot = if new.status == RunStatus::Queued {
@@ -242,7 +243,12 @@ impl Engine {
         // start's answer, so a caller does not start it again.
         let run = if definition.concurrency.overlap == OverlapPolicy::CancelPrevious {
             match self
-                .cancel_previous(request.project, routine.id, definition.concurrency.max_runs)
+                .cancel_previous(
+                    request.project,
+                    routine.id,
+                    definition.concurrency.max_runs,
+                    &starter,
+                )
                 .await
             {
                 // A start whose own run another one at the same moment replaced says so.
@@ -267,7 +273,8 @@ impl Engine {
     }
 
     /// Overlap `cancel_previous`, once a start is recorded: cancels the routine's active runs
-    /// beyond its newest `max_runs`, and returns them. Starts at the same moment each look
+    /// beyond its newest `max_runs`, and returns them, each cancel's `run.cancel` naming
+    /// `starter` (who started the run that replaces them) and the policy. Starts at the same moment each look
     /// after their own run is recorded, so the last to look sees every one of them and leaves
     /// only the newest. Newest is by run id, which orders runs by when the process that
     /// recorded them made them: of runs recorded within the processes' clock skew of each
@@ -277,6 +284,7 @@ impl Engine {
         project: ProjectId,
         routine: RoutineId,
         max_runs: u64,
+        starter: &Actor,
     ) -> Result<Vec<RunId>, EngineError> {
         // A page at a time: each page asked to stop leaves the next among the active ones.
         const MAX_PAGES: usize = 100;
@@ -288,7 +296,8 @@ impl Engine {
                 .await?;
             let full_page = surplus.len() >= wor_store::SURPLUS_PAGE;
             for run in surplus {
-                self.request_cancel(project, run, None).await?;
+                let requester = (starter.clone(), Some(OverlapPolicy::CancelPrevious));
+                self.cancel_as(project, run, Some(requester)).await?;
                 cancelled.push(run);
             }
             if !full_page {

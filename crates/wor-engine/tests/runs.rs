@@ -737,6 +737,29 @@ async fn overlap_policies_skip_queue_or_cancel_the_previous_run() {
     let newer = h.start(&engine, cancel, "2").await;
     assert_eq!(h.run(older.id).await.status, RunStatus::Cancelled);
     assert_eq!(newer.status, RunStatus::Queued);
+    // The replaced run's cancel is on the chain, asked by whoever started the newer run, naming
+    // the policy, before the run's end.
+    let about_older: Vec<_> =
+        h.db.store
+            .audit_entries(h.project, 0, 1000)
+            .await
+            .unwrap()
+            .into_iter()
+            .filter(|e| e.subjects.get("run_id") == Some(&older.id.to_string()))
+            .map(|e| (e.category, e.actor, e.payload))
+            .collect();
+    let categories: Vec<&str> = about_older.iter().map(|(c, ..)| c.as_str()).collect();
+    assert_eq!(
+        categories,
+        ["run.start", "run.cancel", "run.end"],
+        "{about_older:?}"
+    );
+    let (_, actor, payload) = &about_older[1];
+    assert_eq!(actor, &Actor::ApiKey { key_id: h.key });
+    assert_eq!(
+        payload,
+        &json!({"status": "cancelled", "overlap": "cancel_previous"})
+    );
 
     let queue = h
         .routine(&replay(text, "").replace("name = \"r\"", "name = \"q\""))

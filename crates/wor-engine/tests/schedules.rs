@@ -547,4 +547,18 @@ async fn a_scheduled_start_under_cancel_previous_replaces_the_run_before_it() {
             (format!("slot:{first}"), wor_core::run::RunStatus::Cancelled),
         ]
     );
+    // The schedule asked for the cancel, naming the policy.
+    let replaced = runs[1].id.to_string();
+    let audit = h.db.store.audit_entries(h.project, 0, 100).await.unwrap();
+    let cancel = audit
+        .iter()
+        .find(|e| e.category == "run.cancel" && e.subjects.get("run_id") == Some(&replaced))
+        .expect("the replaced run's cancel is on the audit chain");
+    assert_eq!(
+        cancel.actor,
+        wor_core::audit::Actor::Schedule {
+            routine_id: routine
+        }
+    );
+    assert_eq!(cancel.payload["overlap"], "cancel_previous");
 }
