@@ -2296,6 +2296,76 @@ fn a_stopping_worker_finishes_the_call_in_flight_and_gives_its_run_back_at_the_s
     second.stop();
 }
 
+/// `wor serve` (role `all`) stopping while its pool's run is in a tool call lets the call
+/// finish and its result be recorded, then gives the run back at that step boundary: the
+/// next start resumes it with nothing asked of a person and the call made once.
+#[test]
+fn a_stopping_server_finishes_its_pools_call_in_flight_and_gives_the_run_back_at_the_step_boundary()
+{
+    let dir = tempfile::tempdir().unwrap();
+    let db = database_args(dir.path());
+    let key = create_project(&db);
+    let config = dir.path().join("all.toml");
+    std::fs::write(&config, "[egress]\nallowed_cidrs = [\"127.0.0.1/32\"]\n").unwrap();
+    let config = ["--config", config.to_str().unwrap()];
+    let all = start_role_with(&db, "all", &config);
+    let project = Project {
+        api: &all,
+        key: key.clone(),
+        dir: dir.path(),
+    };
+    let tools = tool_server_answering_after(Duration::from_secs(3));
+    project.desk_on(&tools);
+    let run_id = project.start("desk");
+    wait_for(
+        "the call to reach the tool",
+        Duration::from_secs(60),
+        || !tools.seen.lock().unwrap().is_empty(),
+    );
+    let log = all.stop();
+    assert!(log.contains("run.handed_back"), "{log}");
+    assert!(!log.contains("panicked"), "{log}");
+
+    let again = start_role_with(&db, "all", &config);
+    let project = Project {
+        api: &again,
+        key,
+        dir: dir.path(),
+    };
+    wait_for("the run to finish", Duration::from_secs(60), || {
+        !matches!(
+            shown_run(&project, &run_id)["status"].as_str(),
+            Some("queued" | "running")
+        )
+    });
+    let shown = shown_run(&project, &run_id);
+    assert_eq!(shown["status"], "succeeded", "{shown}");
+    let kinds: Vec<&str> = shown["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["kind"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            "input",
+            "model_turn",
+            "tool_call",
+            "tool_result",
+            "model_turn",
+            "outcome"
+        ],
+        "{shown}"
+    );
+    assert_eq!(tools.seen.lock().unwrap().len(), 1, "the call ran once");
+    let listed: Value =
+        serde_json::from_slice(&project.client(&["approvals", "list", "--json"], &[]).stdout)
+            .unwrap();
+    assert_eq!(listed, serde_json::json!([]), "{listed}");
+    again.stop();
+}
+
 /// `GET path` of a worker's probe listener at `addr`: the whole response.
 fn probe(addr: &str, path: &str) -> String {
     use std::io::{Read as _, Write as _};

@@ -641,12 +641,14 @@ impl Engine {
     }
 
     /// Whether the drive of `run` stops here, at a step boundary, to be given back: this
-    /// worker is stopping, and nothing of the run waits to be written (a model turn carried
+    /// worker, or this process's pool, is stopping, and nothing of the run waits to be written (a model turn carried
     /// to its first call's write is written before the run stops).
     pub(crate) fn stops_here(&self, run: RunId) -> bool {
-        self.remote
-            .as_ref()
-            .is_some_and(|remote| remote.draining.load(Ordering::Relaxed))
+        (self.pool.is_draining()
+            || self
+                .remote
+                .as_ref()
+                .is_some_and(|remote| remote.draining.load(Ordering::Relaxed)))
             && !self.carries(run)
     }
 

@@ -10,6 +10,7 @@
 //! queues one (LISTEN/NOTIFY). The sweeps (expired leases, expired approvals, overdue
 //! announcements) run once per process.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
@@ -26,6 +27,8 @@ type Claimed = (wor_store::RunRecord, OwnedSemaphorePermit);
 pub(crate) struct Pool {
     slots: Arc<Semaphore>,
     started: Mutex<Option<mpsc::UnboundedSender<Claimed>>>,
+    /// The pool is stopping: each run it drives is given back at its next step boundary.
+    draining: AtomicBool,
 }
 
 impl Pool {
@@ -33,7 +36,13 @@ impl Pool {
         Pool {
             slots: Arc::new(Semaphore::new(workers.max(1))),
             started: Mutex::new(None),
+            draining: AtomicBool::new(false),
         }
+    }
+
+    /// Whether the pool is stopping, so that a run it drives stops at its next step boundary.
+    pub(crate) fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
     }
 
     /// A free slot of a running pool, for a run about to be started here; `None` when every
@@ -71,6 +80,11 @@ impl Pool {
         rx
     }
 }
+
+/// How long a stopping pool lets the runs it drives reach a step boundary (the end of a model
+/// turn, or of a tool call and the recording of its result) before it stops them where they
+/// are: a tool call stopped in flight is asked about when its run resumes.
+pub const POOL_DRAIN: std::time::Duration = std::time::Duration::from_secs(20);
 
 /// How long the queued-run listener waits before reconnecting after an error.
 const LISTEN_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
@@ -220,8 +234,9 @@ impl Engine {
     }
 
     /// Starts the worker pool: up to `workers` runs driven at once (at least one), until
-    /// `shutdown` turns true; then the runs in flight are stopped where they are (their
-    /// steps say where to resume) and the returned task ends. The caller gives their leases
+    /// `shutdown` turns true; then it claims no more, each run in flight stops at its next
+    /// step boundary, those still going after [`POOL_DRAIN`] are stopped where they are (their
+    /// steps say where to resume), and the returned task ends. The caller gives their leases
     /// back.
     pub fn spawn_workers(&self, shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
         let engine = self.clone();
@@ -306,8 +321,22 @@ impl Engine {
             drop(slot);
             self.give_back(&run, &self.config.worker_id).await;
         }
-        drivers.abort_all();
-        while drivers.join_next().await.is_some() {}
+        // Each run in flight finishes the step it is in and stops there; those still going
+        // after the drain are stopped where they are.
+        self.pool.draining.store(true, Ordering::Relaxed);
+        let drained = tokio::time::timeout(POOL_DRAIN, async {
+            while drivers.join_next().await.is_some() {}
+        })
+        .await;
+        if drained.is_err() {
+            tracing::warn!(
+                category = "lifecycle",
+                runs = drivers.len(),
+                "runs still in a step when the drain ended are stopped where they are"
+            );
+            drivers.abort_all();
+            while drivers.join_next().await.is_some() {}
+        }
     }
 
     /// Drives `run` in `slot` on a task of its own; the slot is freed when the run stops.
@@ -319,8 +348,16 @@ impl Engine {
     ) {
         let engine = self.clone();
         drivers.spawn(async move {
-            if let Err(error) = engine.drive(run).await {
-                tracing::error!(category = "run", error = %error, "worker step failed");
+            let id = run.id;
+            match engine.drive(run).await {
+                Ok(()) => {}
+                Err(EngineError::Stopping) => {
+                    tracing::info!(category = "run", action = "run.handed_back", run_id = %id,
+                        "the pool is stopping; the run stopped at a step boundary");
+                }
+                Err(error) => {
+                    tracing::error!(category = "run", run_id = %id, error = %error, "worker step failed");
+                }
             }
             drop(slot);
             engine.wake_workers();
