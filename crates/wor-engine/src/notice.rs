@@ -68,12 +68,14 @@ pub(crate) fn route_slot(
     SecretSlot::new(project, NOTIFICATION_ROUTES_TABLE, route, field)
 }
 
-/// A value as a message shows it: strings as they are, anything else as canonical JSON, cut
-/// to [`MAX_SHOWN_VALUE_CHARS`] with a mark saying how much was left out.
+/// A value as a message shows it: strings as they are, anything else as canonical JSON, what
+/// would hide or reorder text written as its escape ([`wor_core::text::shown`]), cut to
+/// [`MAX_SHOWN_VALUE_CHARS`] with a mark saying how much was left out.
 pub(crate) fn shown_value(value: &Value) -> String {
     let text = match value {
-        Value::String(s) => s.clone(),
-        other => wor_core::canonical::to_canonical_json(other),
+        Value::String(s) => wor_core::text::shown(s, |_| false).into_owned(),
+        other => wor_core::text::shown(&wor_core::canonical::to_canonical_json(other), |_| false)
+            .into_owned(),
     };
     let total = text.chars().count();
     if total <= MAX_SHOWN_VALUE_CHARS {

@@ -1401,6 +1401,12 @@ mod tests {
         assert!(shown.starts_with(&"x".repeat(200)));
         assert!(shown.contains("50 more characters"));
         assert_eq!(shown_value(&json!({"b": 1, "a": 2})), r#"{"a":2,"b":1}"#);
+        // What would reverse or hide text shows as its escape.
+        assert_eq!(shown_value(&json!("pay \u{202e}evil")), r"pay \u{202e}evil");
+        assert_eq!(
+            shown_value(&json!({"to": "a\u{2066}b"})),
+            r#"{"to":"a\u{2066}b"}"#
+        );
         assert_eq!(
             slack_escape("<!channel> & <@U1>"),
             "&lt;!channel&gt; &amp; &lt;@U1&gt;"

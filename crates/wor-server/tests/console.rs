@@ -3401,3 +3401,69 @@ async fn the_inbox_shows_fifty_held_calls_a_page_newest_first_with_a_link_to_old
     let refused = ann.get("/console/approvals?before=not-an-id").await;
     assert_eq!(refused.status, StatusCode::BAD_REQUEST);
 }
+
+/// A held call whose text holds a right-to-left override and an isolate: every page shows each
+/// as its escape, never the character that would reverse what the approver reads, says so
+/// beside the argument, and the text sent back as the page showed it is the model's, unchanged.
+#[tokio::test]
+async fn text_that_would_hide_or_reorder_shows_escaped_and_sent_back_unchanged_is_the_models() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    hostile_tools(&h).await;
+    let (status, applied) = h
+        .call(
+            Method::POST,
+            "/v1/routines",
+            Some(json!({"toml": ROUTINE.replace(
+                r#"text = "<script>alert(1)</script>""#,
+                r#"text = "pay \u202Eevil\u2066 now""#,
+            )})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{applied}");
+    let routine = applied["routine"]["id"].as_str().unwrap().to_owned();
+    let run = parked_run(&h, &routine).await;
+    let approval = h.pending_approvals(&run).await[0]["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let path = format!("/console/approvals/{approval}");
+    let mut ann = signed_in(&h, addr, "ann", Some("approver")).await;
+    let hidden = ['\u{202e}', '\u{2066}'];
+    for page in [&path, "/console/approvals", &format!("/console/runs/{run}")] {
+        let shown = ann.get(page).await;
+        assert_eq!(shown.status, StatusCode::OK, "{page}");
+        assert!(!shown.body.contains(hidden), "{page}: {}", shown.body);
+    }
+    let page = ann.get(&path).await;
+    // The table shows the value as JSON, its escapes JSON's; the text area as text, its
+    // escapes the page's.
+    assert!(
+        page.body.contains(r"&#34;pay \u202eevil\u2066 now&#34;"),
+        "{}",
+        page.body
+    );
+    let area = page.body.split("name=\"arg.text\"").nth(1).unwrap();
+    let area = area.split("</textarea>").next().unwrap();
+    assert!(area.contains(r"pay \u{202e}evil\u{2066} now"), "{area}");
+    assert!(
+        page.body
+            .contains("Holds characters that would hide or reorder text"),
+        "{}",
+        page.body
+    );
+    // Sent back as shown, the text is the model's: the edit changes nothing.
+    let csrf = page.csrf();
+    let sent = ann
+        .post(
+            &format!("{path}/edit"),
+            &[
+                ("csrf", &csrf),
+                ("arg.text", r"pay \u{202e}evil\u{2066} now"),
+                ("reason", "r"),
+            ],
+        )
+        .await;
+    assert_eq!(sent.status, StatusCode::BAD_REQUEST, "{}", sent.body);
+    assert!(sent.body.contains("changes nothing"), "{}", sent.body);
+}

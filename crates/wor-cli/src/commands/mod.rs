@@ -153,28 +153,9 @@ impl Command {
 /// `text` as it may reach a terminal: text a run, a tool or a person wrote is shown, never
 /// obeyed, so every control character but a newline and a tab (C0, DEL and C1: escape
 /// sequences, carriage returns, bells), and the invisible characters that reorder or hide
-/// text (direction embeddings, overrides and isolates, the zero-width space, the byte order
-/// mark), is written as its `\u{…}` escape. The joiners some scripts need are kept.
+/// text ([`wor_core::text::is_hidden`]), is written as its `\u{…}` escape.
 pub(crate) fn for_terminal(text: &str) -> std::borrow::Cow<'_, str> {
-    let control = |c: char| {
-        (c.is_control() && c != '\n' && c != '\t')
-            || matches!(
-                u32::from(c),
-                0x200B | 0x202A..=0x202E | 0x2066..=0x2069 | 0xFEFF
-            )
-    };
-    if !text.chars().any(control) {
-        return std::borrow::Cow::Borrowed(text);
-    }
-    let mut shown = String::with_capacity(text.len() + 8);
-    for c in text.chars() {
-        if control(c) {
-            shown.push_str(&format!("\\u{{{:x}}}", u32::from(c)));
-        } else {
-            shown.push(c);
-        }
-    }
-    std::borrow::Cow::Owned(shown)
+    wor_core::text::shown(text, |c| c == '\r')
 }
 
 /// `text` on one line: its line breaks written as `\n`, so that what someone else wrote cannot

@@ -2,8 +2,9 @@
 //!
 //! Members sign in with a password set through a single-use invitation; a server-side session
 //! (its token in an `HttpOnly; SameSite=Strict` cookie) decides the project, never the request
-//! (S1). Every page is rendered by askama, which escapes everything it prints: text a model or
-//! a tool produced is shown, never interpreted. Every response carries a Content-Security-Policy
+//! (S1). Every page is rendered by askama, which escapes everything it prints with [`Shown`]:
+//! text a model or a tool produced is shown, never interpreted, and what in it would hide or
+//! reorder text shows as its escape. Every response carries a Content-Security-Policy
 //! without inline script or any third-party origin; every POST passes [`session::csrf_gate`].
 //!
 //! INVARIANT: an API key or a run credential never opens a console session, and a console
@@ -27,6 +28,20 @@ mod slack_link;
 mod threads;
 
 use std::time::Duration;
+
+/// The escaper of every console template (`askama.toml`): HTML escaping, after each character
+/// that would hide itself or reorder the text around it ([`wor_core::text::is_hidden`]: a
+/// direction override, an isolate, a zero-width space, an escape sequence, a tag character) is
+/// written as its `\u{…}` escape. An approver reads a call as the tool receives it: text that
+/// a right-to-left override reverses on screen shows the override instead.
+#[derive(Debug, Clone, Copy)]
+pub struct Shown;
+
+impl askama::filters::Escaper for Shown {
+    fn write_escaped_str<W: std::fmt::Write>(&self, dest: W, string: &str) -> std::fmt::Result {
+        askama::filters::Html.write_escaped_str(dest, &wor_core::text::shown(string, |_| false))
+    }
+}
 
 use askama::Template;
 use axum::Router;

@@ -552,6 +552,8 @@ struct ArgumentRow {
     untrusted: bool,
     /// The approver's edit set it: the model's value is not what the tool receives.
     edited: bool,
+    /// Its name or value holds characters that would hide or reorder text, shown escaped.
+    hidden: bool,
 }
 
 struct ApprovalCard {
@@ -620,6 +622,8 @@ struct EditField {
     json: bool,
     pinned: bool,
     error: Option<String>,
+    /// Its text holds characters that would hide or reorder text, shown escaped.
+    hidden: bool,
 }
 
 /// The form's name of argument `name`'s field.
@@ -628,6 +632,35 @@ const ARGUMENT_FIELD: &str = "arg.";
 /// Whether `text` has line breaks and every one is CRLF.
 fn breaks_are_crlf(text: &str) -> bool {
     text.contains("\r\n") && !text.replace("\r\n", "").contains(['\r', '\n'])
+}
+
+/// Whether argument `name` or any string or key of its `value` holds a character that would
+/// hide or reorder text. Iterative, so any depth is safe.
+fn holds_hidden(name: &str, value: &Value) -> bool {
+    let hides = |text: &str| text.chars().any(wor_core::text::is_hidden);
+    if hides(name) {
+        return true;
+    }
+    let mut pending = vec![value];
+    while let Some(value) = pending.pop() {
+        match value {
+            Value::String(text) if hides(text) => return true,
+            Value::Array(items) => pending.extend(items),
+            Value::Object(map) => {
+                if map.keys().any(|key| hides(key)) {
+                    return true;
+                }
+                pending.extend(map.values());
+            }
+            _ => {}
+        }
+    }
+    false
+}
+
+/// `text` as the page shows it, what would hide in it escaped (as [`super::Shown`] writes it).
+fn shown_text(text: &str) -> std::borrow::Cow<'_, str> {
+    wor_core::text::shown(text, |_| false)
 }
 
 /// Whether `a` and `b` hold the same lines, whichever of CRLF, CR or LF breaks them.
@@ -644,13 +677,18 @@ fn edit_form(approval: &ApprovalRecord) -> EditForm {
             .map(|(index, (name, value))| EditField {
                 index,
                 name: name.clone(),
+                // A string as it is (the page's escaper shows what would hide in it), anything
+                // else as JSON whose hidden characters are JSON escapes, so it reads back the same.
                 text: match value {
                     Value::String(text) => text.clone(),
-                    other => serde_json::to_string_pretty(other).unwrap_or_default(),
+                    other => wor_core::text::json_shown(other),
                 },
                 json: !value.is_string(),
                 pinned: approval.pinned_keys.contains(name),
                 error: None,
+                hidden: value
+                    .as_str()
+                    .is_some_and(|text| text.chars().any(wor_core::text::is_hidden)),
             })
             .collect(),
         _ => Vec::new(),
@@ -704,7 +742,7 @@ fn argument_rows(approval: &ApprovalRecord) -> Vec<ArgumentRow> {
                 let label = labels.0.get(name).filter(|_| !edited);
                 ArgumentRow {
                     name: name.clone(),
-                    value: serde_json::to_string_pretty(value).unwrap_or_default(),
+                    value: wor_core::text::json_shown(value),
                     pinned: approval.pinned_keys.contains(name),
                     source: if edited {
                         Some("the approver's edit".to_owned())
@@ -713,6 +751,7 @@ fn argument_rows(approval: &ApprovalRecord) -> Vec<ArgumentRow> {
                     },
                     untrusted: label.is_some_and(wor_core::provenance::ArgumentLabel::untrusted),
                     edited,
+                    hidden: holds_hidden(name, value),
                 }
             })
             .collect(),
@@ -723,6 +762,7 @@ fn argument_rows(approval: &ApprovalRecord) -> Vec<ArgumentRow> {
             source: None,
             untrusted: false,
             edited: false,
+            hidden: holds_hidden("", other),
         }],
     }
 }
@@ -878,6 +918,16 @@ pub async fn edit_and_approve(
         let Some(name) = key.strip_prefix(ARGUMENT_FIELD) else {
             continue;
         };
+        // A name holding characters that would hide was shown, and so sent back, escaped.
+        let name = approval
+            .arguments
+            .as_object()
+            .and_then(|arguments| {
+                arguments
+                    .keys()
+                    .find(|key| key.as_str() == name || shown_text(key) == name)
+            })
+            .map_or(name, String::as_str);
         // Browsers send a text area's line breaks as CRLF.
         let sent = text;
         let text = sent.replace("\r\n", "\n");
@@ -885,8 +935,14 @@ pub async fn edit_and_approve(
         let value = if original.is_none_or(Value::is_string) {
             match original.and_then(Value::as_str) {
                 // Whatever its line breaks were, a browser sends them all as CRLF: text with
-                // the original's lines is the original, left as the model wrote it.
-                Some(before) if same_lines(before, sent) => Value::String(before.to_owned()),
+                // the original's lines, as the page showed them (what would hide in them
+                // escaped), is the original, left as the model wrote it. An edit is taken as
+                // typed: an escape shown there and kept is sent as the text it reads as.
+                Some(before)
+                    if same_lines(before, sent) || same_lines(&shown_text(before), sent) =>
+                {
+                    Value::String(before.to_owned())
+                }
                 // An edit of text whose every line break was CRLF keeps them CRLF.
                 Some(before) if breaks_are_crlf(before) => {
                     Value::String(text.replace('\n', "\r\n"))
