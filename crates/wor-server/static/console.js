@@ -7,6 +7,8 @@
 (function () {
   const main = document.querySelector('main');
   if (!main) return;
+  // What a page's own script does once a refresh has put the fresh content in place.
+  let afterRefresh = () => {};
 
   // Replaces the page's content with a fresh rendering of the same page, unless the person is
   // typing in it: then a notice offers the reload instead.
@@ -29,7 +31,10 @@
     const response = await fetch(window.location.href, { credentials: 'same-origin' });
     if (!response.ok) return;
     const fresh = new DOMParser().parseFromString(await response.text(), 'text/html').querySelector('main');
-    if (fresh) main.replaceChildren(...fresh.childNodes);
+    if (fresh) {
+      main.replaceChildren(...fresh.childNodes);
+      afterRefresh();
+    }
   }
 
   const live = main.dataset.live;
@@ -57,16 +62,30 @@
   }
 
   if (!main.classList.contains('inbox')) return;
-  let current = -1;
+  // The held call selected, by its approval's id, never by its place in the list: a refresh
+  // that adds or removes calls moves the cards, and a shortcut must still act on the one the
+  // person chose, or on none once it has gone.
+  let selected = null;
   const cards = () => Array.from(main.querySelectorAll('section.card'));
+  const selectedCard = () => cards().find((card) => card.dataset.approval === selected);
   function focusCard(index) {
     const all = cards();
     if (all.length === 0) return;
-    current = Math.max(0, Math.min(index, all.length - 1));
-    all[current].focus();
+    const card = all[Math.max(0, Math.min(index, all.length - 1))];
+    selected = card.dataset.approval;
+    card.focus();
   }
+  function move(step) {
+    const index = cards().indexOf(selectedCard());
+    focusCard(index < 0 ? 0 : index + step);
+  }
+  afterRefresh = () => {
+    const card = selectedCard();
+    if (card) card.focus();
+    else selected = null;
+  };
   function decide(verdict) {
-    const card = cards()[current];
+    const card = selectedCard();
     const form = card && card.querySelector('form.decide');
     if (!form) return;
     const reason = form.querySelector('input[name=reason]');
@@ -90,10 +109,9 @@
     }
     if (event.ctrlKey || event.metaKey || event.altKey) return;
     if (target instanceof HTMLInputElement || target instanceof HTMLTextAreaElement || target instanceof HTMLSelectElement) return;
-    const active = cards().indexOf(document.activeElement);
-    if (active >= 0) current = active;
-    if (event.key === 'j') focusCard(current + 1);
-    else if (event.key === 'k') focusCard(current - 1);
+    if (cards().includes(document.activeElement)) selected = document.activeElement.dataset.approval;
+    if (event.key === 'j') move(1);
+    else if (event.key === 'k') move(-1);
     else if (event.key === 'a') decide('approve');
     else if (event.key === 'd') decide('deny');
     else return;

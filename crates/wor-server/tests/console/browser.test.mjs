@@ -678,6 +678,38 @@ test('the inbox shows a new held call live, and j then d denies it with a reason
   await page.context().close();
 });
 
+test('a shortcut acts on the held call chosen, not on the one a live refresh moved into its place', async () => {
+  const page = await memberPage('kai', 'approver');
+  const chosenRun = await parkedRun();
+  const newerRun = await parkedRun();
+  const chosen = page.locator('section.card', { hasText: chosenRun });
+  await page.locator('section.card', { hasText: newerRun }).waitFor({ timeout: 15000 });
+  // j down the list to the older of the two.
+  await page.locator('h1').click();
+  for (let i = 0; i < 50 && !(await chosen.evaluate((node) => node === document.activeElement)); i++) {
+    await page.keyboard.press('j');
+  }
+  assert.equal(await chosen.evaluate((node) => node === document.activeElement), true);
+  // A third call arrives: the page refreshes and every card below it moves down one place.
+  const newestRun = await parkedRun();
+  await page.locator('section.card', { hasText: newestRun }).waitFor({ timeout: 15000 });
+  await page.waitForFunction((run) => {
+    const card = Array.from(document.querySelectorAll('section.card')).find((c) => c.textContent.includes(run));
+    return card && card === document.activeElement;
+  }, chosenRun, { timeout: 15000 });
+  await page.keyboard.press('d');
+  assert.equal(await chosen.getByLabel('Reason').evaluate((node) => node === document.activeElement), true);
+  await page.keyboard.type('the one I chose');
+  await page.keyboard.press('Enter');
+  await page.waitForURL(new RegExp(`/console/runs/${chosenRun}$`));
+  assert.equal((await api('GET', `/v1/approvals?run_id=${chosenRun}`))[0].status, 'denied');
+  for (const run of [newerRun, newestRun]) {
+    assert.equal((await api('GET', `/v1/approvals?run_id=${run}`))[0].status, 'pending', run);
+  }
+  assert.deepEqual(dialogs, []);
+  await page.context().close();
+});
+
 /// A routine with memory: it greets (in markup that must stay text), and a message asking it to
 /// send something makes a call held for approval.
 async function helper() {
