@@ -110,6 +110,19 @@ async fn an_invitation_works_once_sets_a_checked_password_and_signs_in_with_a_st
         .get(&format!("/console/invitations/{}", token.expose()))
         .await;
     assert_eq!(page.status, StatusCode::NOT_FOUND);
+    // A member has one live invitation: a newer link spends the one sent before it, so an
+    // older link that leaked cannot set the password after the newer one has.
+    let mut links = Vec::new();
+    for _ in 0..2 {
+        let (token, _) =
+            h.db.store
+                .create_invitation(h.project.project.id, bob.id, None, 60_000)
+                .await
+                .unwrap();
+        links.push(format!("/console/invitations/{}", token.expose()));
+    }
+    assert_eq!(browser.get(&links[0]).await.status, StatusCode::NOT_FOUND);
+    assert_eq!(browser.get(&links[1]).await.status, StatusCode::OK);
 
     let page = browser
         .sign_in(

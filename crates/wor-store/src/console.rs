@@ -184,6 +184,9 @@ impl Store {
         let now = now_millis();
         let expires_at = now.saturating_add(ttl_ms);
         let mut tx = self.begin_write().await?;
+        // A member has one live invitation: a new link spends the ones sent before it, so an
+        // older link that leaked cannot set the password after the newer one did.
+        spend_invitations(&mut tx, project, member, now).await?;
         sqlx::query(
             "INSERT INTO member_invitations (sha256, project_id, member_id, created_by, \
              created_at, expires_at) VALUES ($1, $2, $3, $4, $5, $6)",
@@ -239,6 +242,8 @@ impl Store {
         if used.rows_affected() != 1 {
             return Ok(None);
         }
+        // The password set, no other invitation of the member's may set it again.
+        spend_invitations(&mut tx, invitation.project_id, invitation.member_id, now).await?;
         sqlx::query("DELETE FROM member_passwords WHERE member_id = $1")
             .bind(invitation.member_id.to_string())
             .execute(&mut **tx)
@@ -710,4 +715,23 @@ impl Store {
             .await?;
         Ok(())
     }
+}
+
+/// Marks every invitation of `member` not used yet as used at `now`, in `tx`.
+async fn spend_invitations(
+    tx: &mut sqlx::Transaction<'static, sqlx::Any>,
+    project: ProjectId,
+    member: MemberId,
+    now: i64,
+) -> Result<(), StoreError> {
+    sqlx::query(
+        "UPDATE member_invitations SET used_at = $1 \
+         WHERE project_id = $2 AND member_id = $3 AND used_at IS NULL",
+    )
+    .bind(now)
+    .bind(project.to_string())
+    .bind(member.to_string())
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
 }
