@@ -171,8 +171,9 @@ impl Schedule {
     }
 
     /// What to start at `now` for a schedule whose first unhandled slot is `next_slot`:
-    /// on-time slots (within [`ON_TIME_GRACE_MS`]) whose jitter has passed, plus missed ones
-    /// as the catch-up policy says. A slot whose jitter has not passed yet stays unhandled.
+    /// on-time slots (within [`ON_TIME_GRACE_MS`]) whose jitter, and every earlier slot's, has
+    /// passed, plus missed ones as the catch-up policy says. A slot whose jitter has not passed
+    /// yet stays unhandled, with the slots after it.
     pub fn plan(&self, routine: &str, next_slot: i64, now: i64) -> DuePlan {
         // Bounded: a schedule that fires every second and was down for a year does not
         // enumerate its whole outage; it resumes from the on-time window instead.
@@ -197,12 +198,19 @@ impl Schedule {
             due.push(slot);
             cursor = self.next_after(slot);
         }
-        // A slot is due at its time plus its jitter; lateness counts from there.
+        // A slot is due at its time plus its jitter, and not before the slot ahead of it: slots
+        // start in order, so one whose jitter passed while an earlier slot's had not waits for
+        // it, and its lateness counts from then. Only slots no scheduler looked at in time are
+        // missed; a slot still starts within its jitter of its time, as every slot before it did.
         let mut missed = Vec::new();
         let mut on_time = Vec::new();
         let mut next = cursor;
+        let mut ready_at = i64::MIN;
         for slot in due {
-            let at = slot + self.jitter_of(routine, slot);
+            let at = slot
+                .saturating_add(self.jitter_of(routine, slot))
+                .max(ready_at);
+            ready_at = at;
             if at > now {
                 // Not yet: this slot and everything after it wait for a later tick.
                 next = Some(slot);
@@ -386,6 +394,35 @@ mod tests {
         let long = schedule("* * * * *", "UTC", CatchUp::All, 0).plan("r", start, day_later);
         assert_eq!(long.fire.len(), MAX_CATCH_UP + 1);
         assert_eq!(long.fire.last(), Some(&(start + 24 * 3600 * 1000)));
+    }
+
+    #[test]
+    fn a_scheduler_ticking_every_second_starts_every_jittered_slot_once_and_in_order() {
+        // Slots two seconds apart with up to two minutes of jitter: a slot whose jitter is short
+        // comes due while one before it still waits for a long one.
+        let start = utc_ms(2026, 3, 1, 12, 0, 0);
+        for catch_up in [CatchUp::Skip, CatchUp::One, CatchUp::All] {
+            let jittery = schedule("*/2 * * * * *", "UTC", catch_up, 120);
+            let mut next = Some(start);
+            let mut fired = Vec::new();
+            let end = start + 10 * 60_000;
+            for now in (start..end).step_by(1_000) {
+                let plan = jittery.plan("rtn_j", next.unwrap(), now);
+                for slot in &plan.fire {
+                    let late = now - (slot + jittery.jitter_of("rtn_j", *slot));
+                    assert!(late >= 0, "{slot} started before its jitter passed");
+                    assert!(
+                        *slot + 120_000 + 1_000 >= now,
+                        "{slot} started past its jitter"
+                    );
+                }
+                fired.extend(plan.fire);
+                next = plan.next_slot;
+            }
+            let expected: Vec<i64> = (start..end - 120_000).step_by(2_000).collect();
+            assert!(fired.starts_with(&expected), "{catch_up:?}: {fired:?}");
+            assert!(fired.windows(2).all(|w| w[0] < w[1]), "{catch_up:?}: in order, once");
+        }
     }
 
     #[test]
