@@ -6,7 +6,12 @@
 //! `@yearly` (`@annually`), `@monthly`, `@weekly`, `@daily` and `@hourly`. Daylight-saving
 //! transitions follow croner: a fixed-time slot that falls into a spring-forward gap fires at
 //! the first instant after the gap, and one that falls into a fall-back overlap fires once, at
-//! the earlier instant.
+//! the earlier instant. croner counts a pattern as fixed-time only when it names one time of
+//! day; a pattern whose seconds, minutes and hours list fixed values (`30 2,14 * * *`,
+//! `0 1-3 * * *`) is read here as one fixed-time pattern per time of day it names (at most
+//! [`MAX_FIXED_TIMES`]), so each of its slots keeps those rules too. A wildcard or a step in
+//! any of the three (`0 * * * *`, `*/15 9 * * *`) makes an interval pattern, which runs at
+//! every real instant it names.
 
 use std::str::FromStr;
 
@@ -24,6 +29,9 @@ pub const ON_TIME_GRACE_MS: i64 = 60_000;
 pub const MAX_CATCH_UP: usize = 24;
 /// Longest jitter a schedule may ask for.
 pub const MAX_JITTER_SECONDS: u64 = 3600;
+/// The most times of day a pattern of fixed values may name to be read as that many
+/// fixed-time patterns; one naming more is an interval pattern.
+pub const MAX_FIXED_TIMES: usize = 64;
 
 /// What to do with slots missed while no scheduler ran.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -62,7 +70,9 @@ fn utc() -> String {
 /// A schedule ready to compute with.
 #[derive(Debug, Clone)]
 pub struct Schedule {
-    cron: Cron,
+    /// The pattern, or, for one whose seconds, minutes and hours list fixed values, one
+    /// pattern per time of day it names, each fixed-time to croner (the module's comment).
+    crons: Vec<Cron>,
     tz: Tz,
     catch_up: CatchUp,
     jitter_ms: i64,
@@ -89,12 +99,7 @@ pub enum ScheduleError {
 impl ScheduleSection {
     /// Parses the expression and the time zone.
     pub fn compile(&self) -> Result<Schedule, ScheduleError> {
-        // Five fields, six with seconds first, or seven with a year last: routines stored
-        // with a year read as they were applied.
-        let cron = CronParser::builder()
-            .seconds(Seconds::Optional)
-            .year(Year::Optional)
-            .build()
+        let cron = parser()
             .parse(&self.cron)
             .map_err(|source| ScheduleError::Cron {
                 cron: self.cron.clone(),
@@ -106,7 +111,7 @@ impl ScheduleSection {
             return Err(ScheduleError::Jitter);
         }
         let schedule = Schedule {
-            cron,
+            crons: fixed_times(&self.cron, &cron).unwrap_or_else(|| vec![cron]),
             tz,
             catch_up: self.catch_up,
             jitter_ms: i64::try_from(self.jitter_seconds.saturating_mul(1000)).unwrap_or(0),
@@ -134,10 +139,11 @@ impl Schedule {
     /// The first slot strictly after `after_ms`; `None` when the pattern never fires again.
     pub fn next_after(&self, after_ms: i64) -> Option<i64> {
         let after = self.tz.timestamp_millis_opt(after_ms).single()?;
-        self.cron
-            .find_next_occurrence(&after, false)
-            .ok()
+        self.crons
+            .iter()
+            .filter_map(|cron| cron.find_next_occurrence(&after, false).ok())
             .map(|t| t.timestamp_millis())
+            .min()
     }
 
     /// The next `count` slots after `after_ms`.
@@ -241,11 +247,63 @@ impl Schedule {
     /// The last slot strictly before `before_ms`.
     fn previous_before(&self, before_ms: i64) -> Option<i64> {
         let before = self.tz.timestamp_millis_opt(before_ms).single()?;
-        self.cron
-            .find_previous_occurrence(&before, false)
-            .ok()
+        self.crons
+            .iter()
+            .filter_map(|cron| cron.find_previous_occurrence(&before, false).ok())
             .map(|t| t.timestamp_millis())
+            .max()
     }
+}
+
+/// `text` (which parsed as `cron`) as one fixed-time pattern per time of day it names, when
+/// its seconds, minutes and hours each list fixed values (no wildcard, no step) and name
+/// between 2 and [`MAX_FIXED_TIMES`] times of day; `None` otherwise, `cron` then being read as
+/// it is. Each is the same text with those three fields one value each.
+fn fixed_times(text: &str, cron: &Cron) -> Option<Vec<Cron>> {
+    let listed = |field: &croner::CronComponent| field.step == 1 && !field.from_wildcard;
+    let pattern = &cron.pattern;
+    if !(listed(&pattern.seconds) && listed(&pattern.minutes) && listed(&pattern.hours)) {
+        return None;
+    }
+    let (seconds, minutes, hours) = (
+        pattern.seconds.values(),
+        pattern.minutes.values(),
+        pattern.hours.values(),
+    );
+    let count = seconds.len() * minutes.len() * hours.len();
+    if !(2..=MAX_FIXED_TIMES).contains(&count) {
+        return None;
+    }
+    // The fields after the hour: day of month, month, day of week and, when given, year.
+    let fields: Vec<&str> = text.split_whitespace().collect();
+    let rest = match fields.len() {
+        5 => fields.get(2..)?,
+        6 | 7 => fields.get(3..)?,
+        _ => return None,
+    }
+    .join(" ");
+    let mut crons = Vec::with_capacity(count);
+    for hour in &hours {
+        for minute in &minutes {
+            for second in &seconds {
+                crons.push(
+                    parser()
+                        .parse(&format!("{second} {minute} {hour} {rest}"))
+                        .ok()?,
+                );
+            }
+        }
+    }
+    Some(crons)
+}
+
+/// The parser of every schedule: five fields, six with seconds first, or seven with a year
+/// last, so that routines stored with a year read as they were applied.
+fn parser() -> CronParser {
+    CronParser::builder()
+        .seconds(Seconds::Optional)
+        .year(Year::Optional)
+        .build()
 }
 
 /// A slot as RFC 3339 in UTC, for people.
@@ -366,6 +424,57 @@ mod tests {
     }
 
     #[test]
+    fn a_pattern_listing_times_of_day_keeps_each_one_fixed_across_daylight_saving() {
+        // Europe/Berlin in 2026: 29 March jumps from 02:00 CET to 03:00 CEST; 25 October
+        // falls back from 03:00 CEST to 02:00 CET.
+        let berlin = |cron| schedule(cron, "Europe/Berlin", CatchUp::One, 0);
+        let from_spring = utc_ms(2026, 3, 28, 12, 0, 0);
+        let from_autumn = utc_ms(2026, 10, 24, 12, 0, 0);
+        assert_eq!(
+            berlin("30 2,14 29 3 *").upcoming(from_spring, 2),
+            [
+                utc_ms(2026, 3, 29, 1, 0, 0),   // 02:30 is in the gap: 03:00 CEST
+                utc_ms(2026, 3, 29, 12, 30, 0), // 14:30 CEST
+            ]
+        );
+        // Both times in the gap start one run, at the first instant after it.
+        assert_eq!(
+            berlin("0,30 2 29 3 *").upcoming(from_spring, 1),
+            [utc_ms(2026, 3, 29, 1, 0, 0)]
+        );
+        assert_eq!(
+            berlin("30 2,14 25 10 *").upcoming(from_autumn, 2),
+            [
+                utc_ms(2026, 10, 25, 0, 30, 0),  // the earlier 02:30 only
+                utc_ms(2026, 10, 25, 13, 30, 0), // 14:30 CET
+            ]
+        );
+        assert_eq!(
+            berlin("0 1-3 25 10 *").upcoming(from_autumn, 3),
+            [
+                utc_ms(2026, 10, 24, 23, 0, 0), // 01:00 CEST
+                utc_ms(2026, 10, 25, 0, 0, 0),  // 02:00 CEST, once
+                utc_ms(2026, 10, 25, 2, 0, 0),  // 03:00 CET
+            ]
+        );
+        // A step still makes an interval pattern, which runs at every real instant it names.
+        assert_eq!(
+            berlin("0 */1 25 10 *").upcoming(utc_ms(2026, 10, 24, 23, 30, 0), 3),
+            [
+                utc_ms(2026, 10, 25, 0, 0, 0),
+                utc_ms(2026, 10, 25, 1, 0, 0),
+                utc_ms(2026, 10, 25, 2, 0, 0),
+            ]
+        );
+        // And the last slot before a time is found among every time of day.
+        let twice = berlin("0 9,17 * * *");
+        assert_eq!(
+            twice.previous_before(utc_ms(2026, 6, 1, 12, 0, 0)),
+            Some(utc_ms(2026, 6, 1, 7, 0, 0))
+        );
+    }
+
+    #[test]
     fn catch_up_policies_choose_among_missed_slots() {
         let start = utc_ms(2026, 11, 29, 10, 0, 0);
         let now = utc_ms(2026, 11, 29, 10, 5, 10); // 10:00 … 10:05 are due; 10:05 is on time
@@ -421,7 +530,10 @@ mod tests {
             }
             let expected: Vec<i64> = (start..end - 120_000).step_by(2_000).collect();
             assert!(fired.starts_with(&expected), "{catch_up:?}: {fired:?}");
-            assert!(fired.windows(2).all(|w| w[0] < w[1]), "{catch_up:?}: in order, once");
+            assert!(
+                fired.windows(2).all(|w| w[0] < w[1]),
+                "{catch_up:?}: in order, once"
+            );
         }
     }
 
