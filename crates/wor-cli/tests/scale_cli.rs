@@ -2178,10 +2178,13 @@ fn a_stopping_worker_finishes_the_call_in_flight_and_gives_its_run_back_at_the_s
     // while the call is in flight.
     let tools = tool_server_answering_after(Duration::from_secs(3));
     project.desk_on(&tools);
-    // Each worker serves its probes on a listener of its own.
+    // Each worker serves its probes, and its own metrics, on listeners of its own.
     let start_worker = |name: &str| {
         let worker_dir = dir.path().join(name);
         let config = enrol_loopback_worker(&api, &db, &worker_dir);
+        let mut text = std::fs::read_to_string(&config).unwrap();
+        text.push_str("[metrics]\nlisten = \"127.0.0.1:0\"\n");
+        std::fs::write(&config, text).unwrap();
         let worker = Server::spawn(
             &[
                 "serve",
@@ -2282,6 +2285,26 @@ fn a_stopping_worker_finishes_the_call_in_flight_and_gives_its_run_back_at_the_s
         serde_json::from_slice(&project.client(&["approvals", "list", "--json"], &[]).stdout)
             .unwrap();
     assert_eq!(listed, serde_json::json!([]), "{listed}");
+    // The worker that finished the run counts its model turn on its own metrics listener.
+    let metrics = second
+        .log
+        .lock()
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("wor: metrics on http://"))
+        .and_then(|rest| rest.split_once('/'))
+        .map(|(addr, _)| addr.to_owned())
+        .expect("the worker names its metrics listener");
+    let scraped = probe(&metrics, "/metrics");
+    assert!(scraped.starts_with("HTTP/1.1 200"), "{scraped}");
+    assert!(
+        scraped
+            .lines()
+            .any(|l| l.starts_with("wor_model_calls_total{") && !l.ends_with(" 0")),
+        "{scraped}"
+    );
+    // No gauge read from a database: a worker has none.
+    assert!(!scraped.contains("wor_db_pool"), "{scraped}");
 
     // A worker whose control plane is gone is alive but not ready, and says why.
     api.stop();

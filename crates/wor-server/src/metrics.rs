@@ -14,7 +14,9 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use metrics::gauge;
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+/// What renders this process's metrics, made by [`install_recorder`].
+pub use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::net::TcpListener;
 use wor_store::Store;
 
@@ -69,7 +71,9 @@ pub fn install_recorder() -> Result<PrometheusHandle, MetricsError> {
 #[derive(Debug, Clone)]
 pub struct MetricsState {
     pub handle: PrometheusHandle,
-    pub store: Store,
+    /// The deployment's database, for the gauges read from it at each scrape (the approval
+    /// backlog, the pool's connections); `None` for a remote worker, which has none.
+    pub store: Option<Store>,
 }
 
 /// The metrics listener's router: `GET /metrics` and nothing else.
@@ -91,7 +95,24 @@ pub async fn serve(
 }
 
 async fn scrape(State(state): State<MetricsState>) -> Response {
-    match state.store.pending_approval_backlog().await {
+    if let Some(store) = &state.store {
+        store_gauges(store).await;
+    }
+    state.handle.run_upkeep();
+    (
+        StatusCode::OK,
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        state.handle.render(),
+    )
+        .into_response()
+}
+
+/// Sets the gauges read from the database: the approval backlog and the pool's connections.
+async fn store_gauges(store: &Store) {
+    match store.pending_approval_backlog().await {
         Ok((pending, oldest)) => {
             gauge!(APPROVALS_PENDING).set(pending as f64);
             let age_ms = oldest.map_or(0, |at| wor_store::now_millis().saturating_sub(at).max(0));
@@ -106,20 +127,10 @@ async fn scrape(State(state): State<MetricsState>) -> Response {
             );
         }
     }
-    let pool = state.store.pool();
+    let pool = store.pool();
     let size = f64::from(pool.size());
     let idle = pool.num_idle() as f64;
     gauge!(DB_POOL_CONNECTIONS, "state" => "idle").set(idle);
     gauge!(DB_POOL_CONNECTIONS, "state" => "in_use").set((size - idle).max(0.0));
     gauge!(DB_POOL_MAX).set(f64::from(pool.options().get_max_connections()));
-    state.handle.run_upkeep();
-    (
-        StatusCode::OK,
-        [(
-            header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        state.handle.render(),
-    )
-        .into_response()
 }

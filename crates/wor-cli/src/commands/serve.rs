@@ -121,33 +121,13 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let (stop_metrics, metrics_stopped) = tokio::sync::watch::channel(false);
     let metrics_served = match metrics {
         Some((handle, addr)) => {
-            let listener = TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("cannot listen for metrics on {addr}"))?;
-            let local = listener.local_addr()?;
-            eprintln!("wor: metrics on http://{local}/metrics");
-            let state = wor_server::metrics::MetricsState {
-                handle,
-                store: store.clone(),
-            };
-            let mut stopped = metrics_stopped;
-            Some(tokio::spawn(wor_server::metrics::serve(
-                listener,
-                state,
-                async move {
-                    let _ = stopped.changed().await;
-                },
-            )))
+            Some(serve_metrics(handle, addr, Some(store.clone()), metrics_stopped).await?)
         }
         None => None,
     };
     let (stop_traces, traces_stopped) = tokio::sync::watch::channel(false);
-    let traces_sent = traces.map(|(exporter, spans)| {
-        let mut stopped = traces_stopped;
-        tokio::spawn(wor_server::traces::export(spans, exporter, async move {
-            let _ = stopped.changed().await;
-        }))
-    });
+    let traces_sent =
+        traces.map(|(exporter, spans)| export_traces(exporter, spans, traces_stopped));
     let listener = TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("cannot listen on {}", config.listen))?;
@@ -530,7 +510,41 @@ fn warn_of_certificate(files: &wor_server::tls::TlsFiles) {
 /// The trace exporter of `[traces]` and the sink the engine's spans arrive on. The exporter
 /// sends through an egress client of its own: the server's production rules, the ranges
 /// listed for the collector only, and an allowlist of the collector's host alone.
-fn trace_exporter(
+/// Serves the metrics of this process on `addr` until `stopped` changes, the gauges read from
+/// the database only where there is one.
+pub(crate) async fn serve_metrics(
+    handle: wor_server::metrics::PrometheusHandle,
+    addr: std::net::SocketAddr,
+    store: Option<wor_store::Store>,
+    mut stopped: tokio::sync::watch::Receiver<bool>,
+) -> anyhow::Result<tokio::task::JoinHandle<std::io::Result<()>>> {
+    let listener = TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen for metrics on {addr}"))?;
+    let local = listener.local_addr()?;
+    eprintln!("wor: metrics on http://{local}/metrics");
+    let state = wor_server::metrics::MetricsState { handle, store };
+    Ok(tokio::spawn(wor_server::metrics::serve(
+        listener,
+        state,
+        async move {
+            let _ = stopped.changed().await;
+        },
+    )))
+}
+
+/// Sends this process's spans to the collector until `stopped` changes, then what is left.
+pub(crate) fn export_traces(
+    exporter: wor_server::traces::TraceExporter,
+    spans: wor_engine::traces::SpanReceiver,
+    mut stopped: tokio::sync::watch::Receiver<bool>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(wor_server::traces::export(spans, exporter, async move {
+        let _ = stopped.changed().await;
+    }))
+}
+
+pub(crate) fn trace_exporter(
     config: &ServerConfig,
     traces: &crate::config::TracesConfig,
 ) -> anyhow::Result<(

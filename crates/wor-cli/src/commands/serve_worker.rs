@@ -92,6 +92,20 @@ pub async fn run(config: &ServerConfig) -> anyhow::Result<ExitCode> {
             env::ENCRYPTION_KEY
         )));
     }
+    // Installed before the engine starts, so nothing it records is lost: a worker's model,
+    // tool and token counts are its own, served by it (its own `[metrics] listen`) and its
+    // spans sent by it, as an `all` process does.
+    if let Some(exposure) = config.metrics_exposure() {
+        tracing::warn!(category = "config", "{exposure}");
+    }
+    let metrics = match config.metrics_listen {
+        Some(addr) => Some((wor_server::metrics::install_recorder()?, addr)),
+        None => None,
+    };
+    let traces = match &config.traces {
+        Some(traces) => Some(super::serve::trace_exporter(config, traces)?),
+        None => None,
+    };
     // SIGHUP is only logged from here on: a worker has no certificate to reload.
     let hangup = super::serve::spawn_hangup(None)?;
     let enrolment_file = config.data_dir.join(super::worker::ENROLMENT_FILE_NAME);
@@ -171,6 +185,17 @@ pub async fn run(config: &ServerConfig) -> anyhow::Result<ExitCode> {
     }
     let shutdown = super::serve::shutdown_signal()?;
     let (stop, stopped) = tokio::sync::watch::channel(false);
+    // The metrics are answered, and the spans sent, until the drain is over.
+    let (stop_reporting, reporting_stopped) = tokio::sync::watch::channel(false);
+    let metrics_served = match metrics {
+        Some((handle, addr)) => Some(
+            super::serve::serve_metrics(handle, addr, None, reporting_stopped.clone()).await?,
+        ),
+        None => None,
+    };
+    let traces_sent = traces.map(|(exporter, spans)| {
+        super::serve::export_traces(exporter, spans, reporting_stopped)
+    });
     // Answered until the drain is over: a stopping worker is not ready.
     let (probes_stop, probes_stopped) = tokio::sync::watch::channel(false);
     // Probes only where the operator asked for a listener: a worker beside an `api` process
@@ -222,6 +247,14 @@ pub async fn run(config: &ServerConfig) -> anyhow::Result<ExitCode> {
     let _ = probes_stop.send(true);
     if let Some(probes) = probes {
         let _ = probes.await;
+    }
+    // The spans of the runs just given back are sent before the process ends.
+    let _ = stop_reporting.send(true);
+    if let Some(sent) = traces_sent {
+        let _ = tokio::time::timeout(Duration::from_secs(15), sent).await;
+    }
+    if let Some(served) = metrics_served {
+        let _ = served.await;
     }
     drop(audit);
     engine.store().close().await;
@@ -364,6 +397,11 @@ async fn worker_engine(
             stdio_allowed_roots: config.stdio_allowed_roots.clone(),
             protected_paths: vec![config.data_dir.clone()],
             prices: config.prices.clone(),
+            trace_context_to: config
+                .traces
+                .as_ref()
+                .map(|t| t.propagate_to.clone())
+                .unwrap_or_default(),
             ..EngineConfig::default()
         },
     );
