@@ -203,4 +203,29 @@ fn operator_cidrs_come_from_the_config_file_and_production_narrows_them() {
             String::from_utf8_lossy(&refused.stderr)
         );
     }
+
+    // `wor serve` refuses a section it cannot use before the data dir gets a database or a key.
+    std::fs::write(
+        dir.path().join("garbage.toml"),
+        "[egress]\nallowed_cidrs = [\"garbage\"]\n",
+    )
+    .unwrap();
+    let fresh = dir.path().join("fresh");
+    std::fs::create_dir(&fresh).unwrap();
+    let served = Command::new(WOR)
+        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(&fresh)
+        .arg("--config")
+        .arg(dir.path().join("garbage.toml"))
+        .env_clear()
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(served.status.code(), Some(2), "{served:?}");
+    assert!(String::from_utf8_lossy(&served.stderr).contains("[egress]"));
+    let left: Vec<_> = std::fs::read_dir(&fresh)
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name())
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
 }

@@ -835,9 +835,18 @@ fn doctor_reports_readiness_with_an_exit_code() {
             "audit-signing-key",
             "ok",
         ),
+        (
+            wor_secrets::CONTROL_PLANE_SIGNING_KEY_FILE_NAME,
+            "control-plane-key",
+            "ok",
+        ),
     ] {
         if !dir.path().join(name).exists() {
-            wor_secrets::AuditSigningKey::load_or_create(dir.path()).unwrap();
+            if name == wor_secrets::AUDIT_SIGNING_KEY_FILE_NAME {
+                wor_secrets::AuditSigningKey::load_or_create(dir.path()).unwrap();
+            } else {
+                wor_secrets::ControlPlaneSigningKey::load_or_create(dir.path()).unwrap();
+            }
         }
         assert_eq!(status(&doctor(&db, &[]).1, check).0, before);
         set_mode(name, 0o644);
@@ -921,6 +930,40 @@ fn doctor_reports_readiness_with_an_exit_code() {
     let (metrics, detail) = status(&report, "metrics");
     assert_eq!(metrics, "warn", "{report}");
     assert!(detail.contains("every address of this host"), "{detail}");
+
+    // An `[egress]` or `[traces]` section `wor serve` refuses fails here too, among them a
+    // collector at an address its own `allowed_cidrs` leave closed.
+    for (section, check, says) in [
+        (
+            "[egress]\nallowed_cidrs = [\"garbage\"]\n",
+            "egress",
+            "[egress]",
+        ),
+        (
+            "[traces]\nendpoint = \"http://127.0.0.1:4318/v1/traces\"\nallowed_cidrs = [\"bad\"]\n",
+            "traces",
+            "allowed_cidrs",
+        ),
+        (
+            "[traces]\nendpoint = \"http://127.0.0.1:4318/v1/traces\"\n",
+            "traces",
+            "127.0.0.1",
+        ),
+    ] {
+        std::fs::write(&config, section).unwrap();
+        let (code, report) = doctor(&with_tls, &[]);
+        let (state, detail) = status(&report, check);
+        assert_eq!((state, code), ("fail", Some(1)), "{section}: {report}");
+        assert!(detail.contains(says), "{section}: {detail}");
+    }
+    std::fs::write(
+        &config,
+        "[egress]\nallowed_cidrs = [\"10.1.0.0/16\"]\n[traces]\nendpoint = \"http://127.0.0.1:4318/v1/traces\"\nallowed_cidrs = [\"127.0.0.1/32\"]\n",
+    )
+    .unwrap();
+    let (_, report) = doctor(&with_tls, &[]);
+    assert_eq!(status(&report, "egress").0, "ok", "{report}");
+    assert_eq!(status(&report, "traces").0, "ok", "{report}");
 
     // A listener address that no interface of this host has fails, as `wor serve` would fail
     // to bind it (unless the host is set to bind addresses it does not have).

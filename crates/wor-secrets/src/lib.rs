@@ -31,5 +31,7 @@ pub use run_envelope::{
     SealedEnvelope, ToolCredential,
 };
 pub use webhook_signature::{SignatureError, StandardWebhookSecret};
-pub use worker_keys::{ControlPlaneSigningKey, WorkerIdentity, WorkerPublicKeys};
+pub use worker_keys::{
+    CONTROL_PLANE_SIGNING_KEY_FILE_NAME, ControlPlaneSigningKey, WorkerIdentity, WorkerPublicKeys,
+};
 pub use worker_request::{RequestToSign, WorkerRequestError, WorkerRequestHeaders};

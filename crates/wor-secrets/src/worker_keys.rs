@@ -93,6 +93,14 @@ impl ControlPlaneSigningKey {
         )
     }
 
+    /// Loads `dir/control-plane-signing.key` if it exists; never creates it.
+    ///
+    /// # Errors
+    /// I/O, loose permissions, or an invalid key.
+    pub fn load_existing(dir: &Path) -> Result<Option<Self>, SecretsError> {
+        key_file::load_existing(dir, CONTROL_PLANE_SIGNING_KEY_FILE_NAME, Self::from_base64)
+    }
+
     /// The public half, which workers pin at enrolment.
     pub fn verifying_key(&self) -> VerifyingKey {
         self.0.verifying_key()

@@ -14,9 +14,9 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use metrics::gauge;
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 /// What renders this process's metrics, made by [`install_recorder`].
 pub use metrics_exporter_prometheus::PrometheusHandle;
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use tokio::net::TcpListener;
 use wor_store::Store;
 

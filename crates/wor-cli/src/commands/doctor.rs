@@ -137,6 +137,30 @@ async fn server_checks(config: &ServerConfig, checks: &mut Vec<Check>) {
         .map_or(0, |keys| keys.sealed.iter().map(|(_, count)| count).sum());
     checks.push(key_check(config, sealed));
     checks.push(audit_key_check(config));
+    checks.push(control_plane_key_check(config));
+    // The sections `wor serve` refuses to start on, checked as it checks them.
+    checks.push(match super::serve::egress_policy(config) {
+        Ok(policy) => check(
+            "egress",
+            Status::Ok,
+            format!(
+                "{} operator range(s) open to tools, {} to models only",
+                policy.allowed_cidrs().len(),
+                policy.model_cidrs().len()
+            ),
+        ),
+        Err(error) => check("egress", Status::Fail, format!("{error:#}")),
+    });
+    if let Some(traces) = &config.traces {
+        checks.push(match super::serve::trace_exporter_for(config, traces) {
+            Ok(_) => check(
+                "traces",
+                Status::Ok,
+                format!("spans go to {}", traces.endpoint),
+            ),
+            Err(error) => check("traces", Status::Fail, format!("{error:#}")),
+        });
+    }
     for problem in config.production_problems() {
         checks.push(check("production", Status::Fail, problem));
     }
@@ -457,6 +481,38 @@ fn audit_key_check(config: &ServerConfig) -> Check {
             "none yet: `wor serve` makes one in the data dir on its first start",
         ),
         Err(error) => check(NAME, Status::Fail, format!("{error:#}")),
+    }
+}
+
+/// The key that signs run envelopes for scaled-out workers, as `wor serve` (role `all` or
+/// `api`) reads it: from the environment, else the data dir's file, which it makes when there
+/// is none. Nothing is made here.
+fn control_plane_key_check(config: &ServerConfig) -> Check {
+    const NAME: &str = "control-plane-key";
+    if let Some(text) = std::env::var(env::CONTROL_PLANE_SIGNING_KEY)
+        .ok()
+        .filter(|v| !v.trim().is_empty())
+    {
+        return match wor_secrets::ControlPlaneSigningKey::from_base64(&text) {
+            Ok(_) => check(NAME, Status::Ok, env::CONTROL_PLANE_SIGNING_KEY),
+            Err(error) => check(
+                NAME,
+                Status::Fail,
+                format!("{}: {error}", env::CONTROL_PLANE_SIGNING_KEY),
+            ),
+        };
+    }
+    let file = config
+        .data_dir
+        .join(wor_secrets::CONTROL_PLANE_SIGNING_KEY_FILE_NAME);
+    match wor_secrets::ControlPlaneSigningKey::load_existing(&config.data_dir) {
+        Ok(Some(_)) => check(NAME, Status::Ok, format!("`{}`", file.display())),
+        Ok(None) => check(
+            NAME,
+            Status::Ok,
+            "none yet: `wor serve` makes one in the data dir on its first start",
+        ),
+        Err(error) => check(NAME, Status::Fail, format!("`{}`: {error}", file.display())),
     }
 }
 

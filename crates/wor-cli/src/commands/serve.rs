@@ -109,6 +109,12 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     // process undrained, while it starts or once it serves.
     let hangup = spawn_hangup(tls.clone().filter(|_| args.role != Role::Scheduler))?;
     let (engine, audit) = open_engine(&config).await?;
+    // The key that signs run envelopes is read before anything starts: a process that
+    // cannot sign them claims no run and takes no request.
+    let control_plane = match args.role {
+        Role::All | Role::Api => Some(Arc::new(control_plane_key(&config)?)),
+        Role::Scheduler | Role::Worker => None,
+    };
     let store = engine.store().clone();
     let signalled = shutdown_signal()?;
     // The scheduler and the outboxes stop at the signal, while open requests drain: an
@@ -161,8 +167,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         Role::Worker => None,
     };
     let mut state = AppState::new(engine.clone()).with_console(config.console.clone());
-    if matches!(args.role, Role::All | Role::Api) {
-        state = state.with_control_plane(Arc::new(control_plane_key(&config)?));
+    if let Some(key) = control_plane {
+        state = state.with_control_plane(key);
     }
     let served = match tls {
         _ if args.role == Role::Scheduler => {
@@ -338,6 +344,8 @@ pub(crate) fn ring_refusal(
 /// Opens the database, the key ring, the audit log and the egress client of `config`, and
 /// builds the engine on them (what `wor serve` and `wor demo` run).
 pub(crate) async fn open_engine(config: &ServerConfig) -> anyhow::Result<(Engine, AuditLog)> {
+    // A section that cannot be used is refused before the data dir gets a database or a key.
+    let policy = egress_policy(config)?;
     let store = match Store::open(config.database.as_deref(), &config.data_dir).await {
         Ok(store) => store,
         Err(unusable @ wor_store::StoreError::UnsupportedUrl(_)) => {
@@ -366,7 +374,6 @@ pub(crate) async fn open_engine(config: &ServerConfig) -> anyhow::Result<(Engine
     refuse_a_ring_that_opens_none(&store, &keys).await?;
     let audit_key = kept_audit_key(config, &store).await?;
     let audit = AuditLog::start(store.clone(), audit_key, AuditConfig::default());
-    let policy = egress_policy(config)?;
     // Model connections go out under a policy of their own, which alone opens the
     // operator's `[egress] model_cidrs`.
     let model_egress = wor_egress::EgressClient::new(policy.for_models())
@@ -551,8 +558,18 @@ pub(crate) fn trace_exporter(
     wor_server::traces::TraceExporter,
     wor_engine::traces::SpanReceiver,
 )> {
-    // What the `[traces]` section says and cannot be used is a usage error (exit 2); the rest
-    // is the host's.
+    let exporter = trace_exporter_for(config, traces)?;
+    let spans = wor_engine::traces::install_sink()?;
+    Ok((exporter, spans))
+}
+
+/// The exporter `[traces]` describes, checked as `wor serve` and `wor doctor` check it: what
+/// the section says and cannot be used is a usage error (exit 2), among it a collector at an
+/// address the section's `allowed_cidrs` leave closed; the rest is the host's.
+pub(crate) fn trace_exporter_for(
+    config: &ServerConfig,
+    traces: &crate::config::TracesConfig,
+) -> anyhow::Result<wor_server::traces::TraceExporter> {
     let policy = wor_egress::EgressPolicy::from_config(&wor_egress::EgressConfig {
         production: config.production,
         allowed_cidrs: traces.allowed_cidrs.clone(),
@@ -560,6 +577,23 @@ pub(crate) fn trace_exporter(
     })
     .context("invalid `[traces] allowed_cidrs`")
     .map_err(crate::UsageError)?;
+    // A collector named by its address is checked now, where each export would otherwise be
+    // refused by the egress guard with nothing said but that it failed.
+    let literal = url::Url::parse(&traces.endpoint)
+        .ok()
+        .and_then(|url| match url.host() {
+            Some(url::Host::Ipv4(ip)) => Some(std::net::IpAddr::V4(ip)),
+            Some(url::Host::Ipv6(ip)) => Some(std::net::IpAddr::V6(ip)),
+            _ => None,
+        });
+    if let Some(ip) = literal
+        && let Err(range) = policy.check_address(ip)
+    {
+        return Err(crate::UsageError(anyhow::anyhow!(
+            "`[traces] endpoint` is at {ip}, in {range}, which the egress guard refuses: list a range holding it in `[traces] allowed_cidrs`"
+        ))
+        .into());
+    }
     let egress = wor_egress::EgressClient::new(policy)
         .context("cannot build the trace exporter's outbound client")?;
     let exporter = match wor_server::traces::exporter(&traces.endpoint, egress) {
@@ -570,8 +604,7 @@ pub(crate) fn trace_exporter(
         ) => return Err(crate::UsageError(unusable.into()).into()),
         Err(other) => return Err(other.into()),
     };
-    let spans = wor_engine::traces::install_sink()?;
-    Ok((exporter, spans))
+    Ok(exporter)
 }
 
 /// The server-wide egress policy: production flag and the operator's CIDRs from the file.

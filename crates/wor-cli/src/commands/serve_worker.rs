@@ -188,14 +188,13 @@ pub async fn run(config: &ServerConfig) -> anyhow::Result<ExitCode> {
     // The metrics are answered, and the spans sent, until the drain is over.
     let (stop_reporting, reporting_stopped) = tokio::sync::watch::channel(false);
     let metrics_served = match metrics {
-        Some((handle, addr)) => Some(
-            super::serve::serve_metrics(handle, addr, None, reporting_stopped.clone()).await?,
-        ),
+        Some((handle, addr)) => {
+            Some(super::serve::serve_metrics(handle, addr, None, reporting_stopped.clone()).await?)
+        }
         None => None,
     };
-    let traces_sent = traces.map(|(exporter, spans)| {
-        super::serve::export_traces(exporter, spans, reporting_stopped)
-    });
+    let traces_sent = traces
+        .map(|(exporter, spans)| super::serve::export_traces(exporter, spans, reporting_stopped));
     // Answered until the drain is over: a stopping worker is not ready.
     let (probes_stop, probes_stopped) = tokio::sync::watch::channel(false);
     // Probes only where the operator asked for a listener: a worker beside an `api` process
