@@ -1969,6 +1969,21 @@ async fn the_policy_is_validated_with_its_line_named_and_the_audit_page_verifies
     assert_eq!(page.status, StatusCode::SEE_OTHER, "{}", page.body);
     let (_, policy) = h.call(Method::GET, "/v1/policy", None).await;
     assert_eq!(policy["text"], good);
+    // A policy as large as the API takes saves from the form too, whose encoding makes it
+    // longer still.
+    let large: String = (0..2_400)
+        .map(|n| format!("@id(\"p{n}\")\npermit (principal, action, resource);\n"))
+        .collect();
+    assert!(large.len() > 100 * 1024 && large.len() < 128 * 1024);
+    let page = alice
+        .post(
+            "/console/policy",
+            &[("csrf", &csrf), ("text", &large), ("action", "save")],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::SEE_OTHER, "{}", page.body);
+    let (_, policy) = h.call(Method::GET, "/v1/policy", None).await;
+    assert_eq!(policy["text"], large.as_str());
     let page = alice
         .post("/console/policy", &[("csrf", &csrf), ("action", "reset")])
         .await;

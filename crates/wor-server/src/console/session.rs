@@ -26,8 +26,10 @@ use crate::error::ApiError;
 pub const SESSION_COOKIE: &str = "wor_session";
 /// The pre-session CSRF cookie of the sign-in and invitation forms.
 pub const FORM_COOKIE: &str = "wor_form";
-/// Largest form body the console reads.
-const MAX_FORM_BYTES: usize = 64 * 1024;
+/// Largest form body the console reads: the API's body limit, so that what the API takes
+/// (a 128 KiB policy, which a form's percent-encoding can make three times as long) the
+/// console's forms take too, each field then held to the API's own limit.
+const MAX_FORM_BYTES: usize = crate::MAX_BODY_BYTES;
 
 /// The value of cookie `name`, if the request has it.
 pub fn cookie<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
