@@ -204,7 +204,16 @@ pub fn router(state: AppState) -> Router<AppState> {
             session::csrf_gate,
         ))
         .layer(axum::middleware::from_fn(security_headers));
-    Router::new().nest("/console", pages)
+    // `/console/`, as a person may type it, is the console's home, with the console's headers.
+    let home_with_slash = Router::new()
+        .route(
+            "/console/",
+            get(|| async { axum::response::Redirect::permanent("/console") }),
+        )
+        .layer(axum::middleware::from_fn(security_headers));
+    Router::new()
+        .nest("/console", pages)
+        .merge(home_with_slash)
 }
 
 async fn stylesheet() -> Response {
