@@ -621,7 +621,12 @@ async fn the_inbox_decides_through_the_engine_and_tells_the_starter_why_they_can
     );
     // `/console/` leads to the console's home, with the console's headers.
     let slash = ann.get("/console/").await;
-    assert_eq!(slash.status, StatusCode::PERMANENT_REDIRECT, "{}", slash.body);
+    assert_eq!(
+        slash.status,
+        StatusCode::PERMANENT_REDIRECT,
+        "{}",
+        slash.body
+    );
     assert_eq!(slash.location(), "/console");
     assert_eq!(
         slash.headers["content-security-policy"],

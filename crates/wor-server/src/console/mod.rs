@@ -211,9 +211,7 @@ pub fn router(state: AppState) -> Router<AppState> {
             get(|| async { axum::response::Redirect::permanent("/console") }),
         )
         .layer(axum::middleware::from_fn(security_headers));
-    Router::new()
-        .nest("/console", pages)
-        .merge(home_with_slash)
+    Router::new().nest("/console", pages).merge(home_with_slash)
 }
 
 async fn stylesheet() -> Response {

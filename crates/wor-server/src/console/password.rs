@@ -73,8 +73,25 @@ pub enum PasswordRuleError {
     Common,
     #[error("the password must not be your member name")]
     SameAsName,
+    #[error("the password must use at least {MIN_DISTINCT_CHARS} different characters")]
+    Repetitive,
     #[error("the two passwords do not match")]
     Mismatch,
+}
+
+/// The fewest different characters a new password has: twelve spaces, or one letter or two
+/// repeated, are not passwords.
+pub const MIN_DISTINCT_CHARS: usize = 4;
+
+/// `password` as it is hashed and checked: in Unicode normalization form C, so that the same
+/// characters typed on keyboards that compose them differently are the same password.
+fn normalized(password: &str) -> std::borrow::Cow<'_, str> {
+    use unicode_normalization::UnicodeNormalization as _;
+    if unicode_normalization::is_nfc(password) {
+        std::borrow::Cow::Borrowed(password)
+    } else {
+        std::borrow::Cow::Owned(password.nfc().collect())
+    }
 }
 
 /// Checks a new password for member `name`, typed twice.
@@ -83,6 +100,7 @@ pub fn check_new_password(
     repeated: &str,
     name: &str,
 ) -> Result<(), PasswordRuleError> {
+    let (password, repeated) = (normalized(password), normalized(repeated));
     if password != repeated {
         return Err(PasswordRuleError::Mismatch);
     }
@@ -99,6 +117,10 @@ pub fn check_new_password(
     }
     if lowered == name.to_lowercase() {
         return Err(PasswordRuleError::SameAsName);
+    }
+    let distinct: std::collections::BTreeSet<char> = password.chars().collect();
+    if distinct.len() < MIN_DISTINCT_CHARS {
+        return Err(PasswordRuleError::Repetitive);
     }
     Ok(())
 }
@@ -139,7 +161,7 @@ fn hash_now(config: &ConsoleConfig, password: &str) -> Result<String, PasswordHa
         .map_err(|e| PasswordHashError::Random(e.to_string()))?;
     let salt = SaltString::encode_b64(&salt).map_err(|e| PasswordHashError::Hash(e.to_string()))?;
     Ok(hasher(config)?
-        .hash_password(password.as_bytes(), &salt)
+        .hash_password(normalized(password).as_bytes(), &salt)
         .map_err(|e| PasswordHashError::Hash(e.to_string()))?
         .to_string())
 }
@@ -180,9 +202,15 @@ pub async fn verify_password(
         };
         // The parameters come from the stored hash, so raising them later keeps old ones valid.
         let parsed = PasswordHash::new(&phc).map_err(|e| PasswordHashError::Hash(e.to_string()))?;
-        let matches = Argon2::default()
-            .verify_password(password.as_bytes(), &parsed)
-            .is_ok();
+        // The normalized form, as passwords are hashed; a password set before they were
+        // normalized was hashed as typed, so that is tried too when it differs.
+        let verify = |text: &str| {
+            Argon2::default()
+                .verify_password(text.as_bytes(), &parsed)
+                .is_ok()
+        };
+        let as_hashed = normalized(&password);
+        let matches = verify(&as_hashed) || (as_hashed != password.as_str() && verify(&password));
         Ok(known && matches)
     })
     .await
@@ -215,6 +243,64 @@ mod tests {
             check_new_password("correct horse battery", "correct horse battery", "ann"),
             Ok(())
         );
+        for repetitive in [
+            " ".repeat(12),
+            "bbbbbbbbbbbb".to_owned(),
+            "ab ab ab ab ab".to_owned(),
+        ] {
+            assert_eq!(
+                check_new_password(&repetitive, &repetitive, "ann"),
+                Err(PasswordRuleError::Repetitive),
+                "{repetitive:?}"
+            );
+        }
+        // The same characters, composed (NFC) and decomposed (NFD), are the same password.
+        assert_eq!(
+            check_new_password(
+                "caf\u{e9} au lait, please",
+                "cafe\u{301} au lait, please",
+                "ann"
+            ),
+            Ok(())
+        );
+    }
+
+    #[tokio::test]
+    async fn a_password_typed_composed_or_decomposed_verifies_alike() {
+        let config = ConsoleConfig::default();
+        let phc = hash_password(&config, "cafe\u{301} au lait, please".to_owned())
+            .await
+            .unwrap();
+        for typed in ["caf\u{e9} au lait, please", "cafe\u{301} au lait, please"] {
+            assert!(
+                verify_password(&config, Some(phc.clone()), typed.to_owned())
+                    .await
+                    .unwrap(),
+                "{typed:?}"
+            );
+        }
+        // A hash made before passwords were normalized, of the text as typed, still verifies.
+        let before = hash_now_as_typed(&config, "cafe\u{301} au lait, please");
+        assert!(
+            verify_password(
+                &config,
+                Some(before),
+                "cafe\u{301} au lait, please".to_owned()
+            )
+            .await
+            .unwrap()
+        );
+    }
+
+    /// The argon2id hash of `password` exactly as given, as hashes were made before passwords
+    /// were normalized.
+    fn hash_now_as_typed(config: &ConsoleConfig, password: &str) -> String {
+        let salt = SaltString::encode_b64(&[7u8; 16]).unwrap();
+        hasher(config)
+            .unwrap()
+            .hash_password(password.as_bytes(), &salt)
+            .unwrap()
+            .to_string()
     }
 
     #[tokio::test]
