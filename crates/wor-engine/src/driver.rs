@@ -148,9 +148,10 @@ enum TurnOutcome {
 }
 
 impl Engine {
-    /// The redactor for everything a run of `project` records or sends: the project's live
-    /// secret values and the common secret shapes.
-    pub(crate) async fn project_redactor(
+    /// The redactor for everything a run of `project` records or sends, and for what the
+    /// project's configuration shows (a routine's TOML): the project's live secret values and
+    /// the common secret shapes.
+    pub async fn project_redactor(
         &self,
         project: wor_core::ProjectId,
     ) -> Result<Redactor, EngineError> {

@@ -224,6 +224,16 @@ impl Redactor {
         })
     }
 
+    /// Whether `text` holds one of the live secret values (in any of its encoded forms); the
+    /// secret shapes are not looked for.
+    pub fn holds_live_secret(&self, text: &str) -> bool {
+        self.live.as_ref().is_some_and(|live| {
+            let mut spans = Vec::new();
+            live.find(text, 0, &mut spans);
+            !spans.is_empty()
+        })
+    }
+
     /// A redactor for text that arrives in pieces (a model's streamed deltas).
     pub fn stream(&self) -> StreamRedactor<'_> {
         StreamRedactor::new(self)

@@ -1039,6 +1039,76 @@ async fn model_connection_keys_go_in_and_never_come_out() {
     }
 }
 
+/// A project secret's value in a routine's TOML is refused when the routine is applied; a
+/// secret's shape, or a value that became a secret later, is shown redacted, as in the records
+/// of its runs.
+#[tokio::test]
+async fn a_secret_in_a_routine_is_refused_when_applied_and_shown_redacted() {
+    let api = TestApi::new().await;
+    let p = api.project("alice").await;
+    let owner = p.owner_key.expose();
+    let model_connection = |key: &'static str, name: &'static str| {
+        api.call(
+            Method::POST,
+            "/v1/model-connections",
+            Some(owner),
+            Some(json!({"name": name, "provider": "anthropic",
+                "base_url": "https://api.anthropic.example", "api_key": key})),
+        )
+    };
+    let apply = |toml: String| {
+        api.call(
+            Method::POST,
+            "/v1/routines",
+            Some(owner),
+            Some(json!({"toml": toml})),
+        )
+    };
+    let key = "sk-live-routine-canary-3d9f1a";
+    assert_eq!(
+        model_connection(key, "main").await.status,
+        StatusCode::CREATED
+    );
+    let refused = apply(REPLAY_ROUTINE.replace("Say hello.", &format!("Use {key}."))).await;
+    assert_error(&refused, StatusCode::BAD_REQUEST, "secret_in_routine");
+    assert!(!refused.text.contains(key), "{}", refused.text);
+
+    let github = format!("ghp_{}", "a1B2c3D4e5".repeat(4).get(..36).unwrap());
+    let later = "sk-live-became-a-secret-8e7c";
+    let applied =
+        apply(REPLAY_ROUTINE.replace("Say hello.", &format!("Use {github} and {later}."))).await;
+    assert_eq!(applied.status, StatusCode::CREATED, "{}", applied.text);
+    assert_eq!(
+        model_connection(later, "second").await.status,
+        StatusCode::CREATED
+    );
+    let shown = api
+        .call(
+            Method::GET,
+            &format!(
+                "/v1/routines/{}",
+                applied.body["routine"]["id"].as_str().unwrap()
+            ),
+            Some(owner),
+            None,
+        )
+        .await;
+    assert_eq!(shown.status, StatusCode::OK, "{}", shown.text);
+    for value in [github.as_str(), later] {
+        assert!(!shown.text.contains(value), "{value}: {}", shown.text);
+    }
+    for field in [
+        &shown.body["source_toml"],
+        &shown.body["definition"]["instructions"],
+    ] {
+        assert_eq!(
+            field.as_str().unwrap().matches("[REDACTED").count(),
+            2,
+            "{field}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn model_connection_input_is_checked() {
     let api = TestApi::new().await;

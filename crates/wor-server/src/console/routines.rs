@@ -166,12 +166,21 @@ pub async fn show(
         .engine
         .has_webhook_secret(project, id, WebhookSecretKind::Inbound)
         .await?;
+    // A secret written into the routine is shown redacted, as the API shows it.
+    let redactor = state.engine.project_redactor(project).await?;
     let diff = match (query.from, query.to) {
         (Some(from), Some(to)) => {
             // A version that does not exist is a 404, as in the API.
             let old = state.store.get_routine_version(project, id, from).await?;
             let new = state.store.get_routine_version(project, id, to).await?;
-            Some((from, to, line_diff(&old.source_toml, &new.source_toml)))
+            Some((
+                from,
+                to,
+                line_diff(
+                    &redactor.redact(&old.source_toml),
+                    &redactor.redact(&new.source_toml),
+                ),
+            ))
         }
         (None, None) => None,
         _ => {
@@ -195,7 +204,7 @@ pub async fn show(
         name: routine.name,
         version: routine.current_version,
         has_schedule: current.definition.schedule.is_some(),
-        source_toml: current.source_toml,
+        source_toml: redactor.redact(&current.source_toml).into_owned(),
         versions: versions
             .into_iter()
             .map(|(version, content_hash, created_at)| VersionRow {

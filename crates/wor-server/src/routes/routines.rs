@@ -108,6 +108,19 @@ pub async fn apply(
     }
     let definition = RoutineDefinition::from_toml(&body.toml)
         .map_err(|e| ApiError::bad_request("invalid_routine", e.message))?;
+    // A routine is stored and shown as written: a project secret's value in it would sit in
+    // the clear beside its sealed copy.
+    if state
+        .engine
+        .project_redactor(caller.project_id)
+        .await?
+        .holds_live_secret(&body.toml)
+    {
+        return Err(ApiError::bad_request(
+            "secret_in_routine",
+            "the routine's TOML holds the value of one of the project's secrets; a routine is stored and shown as written, so a secret belongs in a connection's credentials, sealed (`wor connection create --bearer-env`, `--header-env`, or a model connection's key)",
+        ));
+    }
     if let Some(refusal) = definition.production_refusal().filter(|_| state.production) {
         return Err(ApiError::bad_request("invalid_routine", refusal));
     }
@@ -334,13 +347,19 @@ pub async fn get(
         .engine
         .has_webhook_secret(caller.project_id, id, WebhookSecretKind::Notify)
         .await?;
+    // A secret written into the routine (a project secret's value, a key's shape) is shown
+    // redacted, as in its runs' records: viewers read routines too.
+    let redactor = state.engine.project_redactor(caller.project_id).await?;
+    let mut definition =
+        serde_json::to_value(&current.definition).map_err(|_| ApiError::Internal)?;
+    redactor.redact_json(&mut definition);
     Ok(Json(RoutineDetail {
         next_firings,
         webhook_secret_configured,
         notify_secret_configured,
         routine: routine.into(),
-        definition: serde_json::to_value(&current.definition).map_err(|_| ApiError::Internal)?,
-        source_toml: current.source_toml,
+        definition,
+        source_toml: redactor.redact(&current.source_toml).into_owned(),
         versions: versions
             .into_iter()
             .map(
