@@ -124,11 +124,20 @@ async fn an_invitation_works_once_sets_a_checked_password_and_signs_in_with_a_st
     assert_eq!(browser.get(&links[0]).await.status, StatusCode::NOT_FOUND);
     assert_eq!(browser.get(&links[1]).await.status, StatusCode::OK);
 
+    // Two sign-in pages open side by side in one browser (two tabs signed out) share the
+    // browser's form token: the form of the first opened still signs in.
+    let first = browser.get("/console/sign-in").await;
+    let second = browser.get("/console/sign-in?next=/console/runs").await;
+    assert_eq!(first.csrf(), second.csrf());
     let page = browser
-        .sign_in(
-            &h.project.project.name,
-            "ann",
-            "a long and quiet passphrase",
+        .post(
+            "/console/sign-in",
+            &[
+                ("csrf", &first.csrf()),
+                ("project", &h.project.project.name),
+                ("name", "ann"),
+                ("password", "a long and quiet passphrase"),
+            ],
         )
         .await;
     assert_eq!(page.status, StatusCode::SEE_OTHER, "{}", page.body);
@@ -3507,4 +3516,36 @@ async fn text_that_would_hide_or_reorder_shows_escaped_and_sent_back_unchanged_i
         .await;
     assert_eq!(sent.status, StatusCode::BAD_REQUEST, "{}", sent.body);
     assert!(sent.body.contains("changes nothing"), "{}", sent.body);
+}
+
+/// A form sent with a session that has ended since its page was shown leads to the sign-in
+/// page, which says so, and the stale cookie is cleared; one sent with no session at all is
+/// still refused as a forgery.
+#[tokio::test]
+async fn a_form_sent_after_its_session_ended_leads_to_sign_in_saying_so() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    let mut ann = signed_in(&h, addr, "ann", Some("approver")).await;
+    let csrf = ann.get("/console/approvals").await.csrf();
+    // A new password, set through another invitation, ends every session ann had.
+    let _elsewhere = signed_in(&h, addr, "ann", None).await;
+    let sent = ann.post("/console/sign-out", &[("csrf", &csrf)]).await;
+    assert_eq!(sent.status, StatusCode::SEE_OTHER, "{}", sent.body);
+    assert_eq!(sent.location(), "/console/sign-in?session_ended=1");
+    assert!(
+        sent.set_cookies()
+            .iter()
+            .any(|c| c.starts_with("wor_session=;") && c.contains("Max-Age=0")),
+        "{:?}",
+        sent.set_cookies()
+    );
+    let page = ann.get("/console/sign-in?session_ended=1").await;
+    assert_eq!(page.status, StatusCode::OK);
+    assert!(page.body.contains("Your session ended"), "{}", page.body);
+
+    let mut stranger = Browser::new(addr);
+    let forged = stranger
+        .post("/console/sign-out", &[("csrf", "made-up")])
+        .await;
+    assert_eq!(forged.status, StatusCode::FORBIDDEN, "{}", forged.body);
 }

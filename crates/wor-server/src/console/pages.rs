@@ -22,7 +22,8 @@ use wor_store::{ApprovalAnswer, ApprovalFilter, ApprovalRecord, ApprovalStatus, 
 use super::client::ClientAddress;
 use super::password::{check_new_password, hash_password, verify_password};
 use super::session::{
-    ConsoleMember, FORM_COOKIE, MaybeConsoleMember, SESSION_COOKIE, safe_next, set_cookie,
+    ConsoleMember, FORM_COOKIE, HeldFormToken, MaybeConsoleMember, SESSION_COOKIE, safe_next,
+    set_cookie,
 };
 use super::{ConsoleConfig, ConsoleError, INBOX_LIMIT, INBOX_PAGE, PagePath, millis, render};
 use crate::AppState;
@@ -122,6 +123,9 @@ pub struct SignInQuery {
     name: String,
     #[serde(default)]
     password_set: Option<String>,
+    /// Set when a form was sent with a session that had ended ([`super::session::SESSION_ENDED_PAGE`]).
+    #[serde(default)]
+    session_ended: Option<String>,
     #[serde(default)]
     next: String,
 }
@@ -139,8 +143,12 @@ pub(super) fn form_page<T: askama::Template>(
     status: StatusCode,
     mut page: T,
     csrf: impl FnOnce(&mut T) -> &mut String,
+    held: HeldFormToken,
 ) -> Result<Response, ConsoleError> {
-    let token = form_token()?;
+    let token = match held.0 {
+        Some(token) => token,
+        None => form_token()?,
+    };
     csrf(&mut page).clone_from(&token);
     let mut response = render(status, &page);
     response.headers_mut().append(
@@ -155,13 +163,15 @@ fn sign_in_form(
     config: &ConsoleConfig,
     status: StatusCode,
     page: SignInPage,
+    held: HeldFormToken,
 ) -> Result<Response, ConsoleError> {
-    form_page(config, status, page, |p| &mut p.csrf)
+    form_page(config, status, page, |p| &mut p.csrf, held)
 }
 
 pub async fn sign_in_page(
     State(state): State<AppState>,
     MaybeConsoleMember(member): MaybeConsoleMember,
+    held: HeldFormToken,
     query: Result<Query<SignInQuery>, axum::extract::rejection::QueryRejection>,
 ) -> PageResult {
     let query = query.map(|Query(q)| q).unwrap_or_default();
@@ -176,11 +186,16 @@ pub async fn sign_in_page(
             next: safe_next(&query.next).unwrap_or_default().to_owned(),
             project: query.project,
             name: query.name,
-            notice: query
-                .password_set
-                .map(|_| "Your password is set. Sign in with it."),
+            notice: match (&query.password_set, &query.session_ended) {
+                (Some(_), _) => Some("Your password is set. Sign in with it."),
+                (None, Some(_)) => {
+                    Some("Your session ended, so what you last sent was not done. Sign in again.")
+                }
+                (None, None) => None,
+            },
             error: None,
         },
+        held,
     )
 }
 
@@ -214,6 +229,7 @@ fn locked_out(lockout: std::time::Duration) -> String {
 pub async fn sign_in(
     State(state): State<AppState>,
     parts: Parts,
+    held: HeldFormToken,
     body: Result<Form<SignInForm>, FormRejection>,
 ) -> PageResult {
     let body = form(body)?;
@@ -310,6 +326,7 @@ pub async fn sign_in(
                     notice: None,
                     error: Some(error),
                 },
+                held,
             );
         }
     };
@@ -395,10 +412,6 @@ pub(super) async fn open_session(
             Some(millis(config.session_absolute) / 1000),
         ),
     );
-    headers.append(
-        header::SET_COOKIE,
-        set_cookie(config, FORM_COOKIE, "", "/console", Some(0)),
-    );
     Ok(response)
 }
 
@@ -443,13 +456,15 @@ fn invitation_form(
     config: &ConsoleConfig,
     status: StatusCode,
     page: InvitationPage,
+    held: HeldFormToken,
 ) -> Result<Response, ConsoleError> {
-    form_page(config, status, page, |p| &mut p.csrf)
+    form_page(config, status, page, |p| &mut p.csrf, held)
 }
 
 pub async fn invitation_page(
     State(state): State<AppState>,
     Path(token): Path<String>,
+    held: HeldFormToken,
 ) -> PageResult {
     let invitation = state
         .store
@@ -466,6 +481,7 @@ pub async fn invitation_page(
             min_chars: super::password::MIN_PASSWORD_CHARS,
             error: None,
         },
+        held,
     )
 }
 
@@ -478,6 +494,7 @@ pub struct SetPasswordForm {
 pub async fn accept_invitation(
     State(state): State<AppState>,
     Path(token): Path<String>,
+    held: HeldFormToken,
     body: Result<Form<SetPasswordForm>, FormRejection>,
 ) -> PageResult {
     let body = form(body)?;
@@ -497,6 +514,7 @@ pub async fn accept_invitation(
                 min_chars: super::password::MIN_PASSWORD_CHARS,
                 error: Some(rule.to_string()),
             },
+            held,
         );
     }
     let phc = hash_password(&state.console, body.password)

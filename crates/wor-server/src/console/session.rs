@@ -189,6 +189,24 @@ impl FromRequestParts<AppState> for MaybeConsoleMember {
     }
 }
 
+/// The pre-session form token this browser holds already, when it is one this server made
+/// (64 hex digits): every form page before sign-in renders with it and sets it again, so two
+/// such pages open side by side (two tabs signed out) do not refuse each other's form.
+#[derive(Debug, Clone, Default)]
+pub struct HeldFormToken(pub Option<String>);
+
+impl<S: Send + Sync> FromRequestParts<S> for HeldFormToken {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+        Ok(HeldFormToken(
+            cookie(&parts.headers, FORM_COOKIE)
+                .filter(|token| token.len() == 64 && token.bytes().all(|b| b.is_ascii_hexdigit()))
+                .map(str::to_owned),
+        ))
+    }
+}
+
 fn csrf_refused() -> Response {
     ConsoleError(ApiError::Forbidden(
         "this form is missing its security token or it has expired; reload the page and try again"
@@ -196,6 +214,9 @@ fn csrf_refused() -> Response {
     ))
     .into_response()
 }
+
+/// Where a form sent with a session that has ended leads: the sign-in page, saying so.
+pub const SESSION_ENDED_PAGE: &str = "/console/sign-in?session_ended=1";
 
 /// Whether `path` (under `/console`) is a form used before sign-in, whose token is the form
 /// cookie's rather than a session's: a member may open an invitation or a sign-in link while
@@ -243,6 +264,19 @@ pub async fn csrf_gate(State(state): State<AppState>, request: Request, next: Ne
         !expected.is_empty() && bool::from(expected.as_bytes().ct_eq(presented.as_bytes()))
     });
     if !matches {
+        // A form of a session that has ended since its page was shown (idle, expired, signed
+        // out elsewhere) is not a forgery: the member is sent to sign in again, told why.
+        let session_ended = member.is_none()
+            && !is_pre_session_form(parts.uri.path())
+            && cookie(&parts.headers, SESSION_COOKIE).is_some_and(|token| !token.is_empty());
+        if session_ended {
+            let mut response = Redirect::to(SESSION_ENDED_PAGE).into_response();
+            response.headers_mut().append(
+                header::SET_COOKIE,
+                set_cookie(&state.console, SESSION_COOKIE, "", "/", Some(0)),
+            );
+            return response;
+        }
         tracing::warn!(
             category = "console",
             action = "csrf.refused",

@@ -70,7 +70,11 @@ fn link_gone() -> ConsoleError {
 }
 
 /// Names the member the link signs in, with a button; uses nothing.
-pub async fn page(State(state): State<AppState>, Path(token): Path<String>) -> PageResult {
+pub async fn page(
+    State(state): State<AppState>,
+    Path(token): Path<String>,
+    held: super::session::HeldFormToken,
+) -> PageResult {
     let link = state
         .store
         .sign_in_link(&token)
@@ -85,6 +89,7 @@ pub async fn page(State(state): State<AppState>, Path(token): Path<String>) -> P
             expires_at: crate::views::rfc3339(link.expires_at),
         },
         |p| &mut p.csrf,
+        held,
     )
 }
 
