@@ -3549,3 +3549,33 @@ async fn a_form_sent_after_its_session_ended_leads_to_sign_in_saying_so() {
         .await;
     assert_eq!(forged.status, StatusCode::FORBIDDEN, "{}", forged.body);
 }
+
+/// A run's page counts its wall time without the park it is in: ten minutes waiting for a
+/// person are not ten minutes of its budget.
+#[tokio::test]
+async fn a_parked_runs_page_does_not_count_the_wait_as_wall_time() {
+    let h = Harness::new().await;
+    let addr = serve_console(&h).await;
+    hostile_tools(&h).await;
+    let routine = note_sender(&h).await;
+    let run = parked_run(&h, &routine).await;
+    // As if it had started, run a moment and parked ten minutes ago.
+    sqlx::query(
+        "UPDATE runs SET started_at = started_at - 600000, parked_at = parked_at - 600000 \
+         WHERE id = $1",
+    )
+    .bind(&run)
+    .execute(h.db.store.pool())
+    .await
+    .unwrap();
+    let mut ann = signed_in(&h, addr, "ann", Some("approver")).await;
+    let page = ann.get(&format!("/console/runs/{run}")).await;
+    assert_eq!(page.status, StatusCode::OK);
+    let wall = page
+        .body
+        .split("Wall time (s)</th><td>")
+        .nth(1)
+        .and_then(|rest| rest.split(" of ").next())
+        .unwrap_or_else(|| panic!("{}", page.body));
+    assert!(wall.parse::<u64>().unwrap() < 60, "{wall} s: {}", page.body);
+}

@@ -37,6 +37,9 @@ pub struct RunRecord {
     pub usage: BudgetUsage,
     /// Milliseconds spent parked for approvals, not counted as the run's wall time.
     pub parked_ms: i64,
+    /// When the park the run is in began, while it is parked; not yet in `parked_ms`.
+    #[serde(default)]
+    pub parked_at: Option<i64>,
     /// A nested run's cap: what was left of its root's budget when it started.
     pub budget_cap: Option<serde_json::Value>,
     pub cancel_requested: bool,
@@ -202,7 +205,7 @@ pub struct RunFilter {
 
 const COLUMNS: &str = "id, project_id, routine_id, routine_version, root_run_id, parent_run_id, depth, \
     status, trigger_kind, started_by, started_by_member, trigger_key, thread, outcome, usage_turns, usage_tool_calls, usage_input_tokens, \
-    usage_output_tokens, usage_cost_microdollars, cancel_requested, created_at, started_at, finished_at, parked_ms, budget_cap, not_before";
+    usage_output_tokens, usage_cost_microdollars, cancel_requested, created_at, started_at, finished_at, parked_ms, parked_at, budget_cap, not_before";
 
 pub(crate) fn to_i64(value: u64) -> i64 {
     i64::try_from(value).unwrap_or(i64::MAX)
@@ -1708,6 +1711,7 @@ fn run_from_row(row: &sqlx::any::AnyRow) -> Result<RunRecord, StoreError> {
         started_at: row.try_get("started_at")?,
         finished_at: row.try_get("finished_at")?,
         parked_ms: row.try_get("parked_ms")?,
+        parked_at: row.try_get("parked_at")?,
         budget_cap: row
             .try_get::<Option<String>, _>("budget_cap")?
             .map(|text| {

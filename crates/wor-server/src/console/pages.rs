@@ -1330,7 +1330,9 @@ pub async fn run(
         .await?;
     let limits = &version.definition.budget;
     let steps = state.store.list_run_steps(project, run.id, 0).await?;
+    // Wall time stops while the run waits for a person: up to the park it is in, if any.
     let end = run.finished_at.unwrap_or_else(wor_store::now_millis);
+    let end = run.parked_at.map_or(end, |parked| end.min(parked));
     let wall_seconds = run
         .started_at
         .map(|started| (end - started - run.parked_ms).max(0) / 1000)
