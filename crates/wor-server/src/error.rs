@@ -17,6 +17,10 @@ pub enum ApiError {
     InvalidSignature(String),
     #[error("not found")]
     NotFound,
+    /// A single-use link (an invitation, a sign-in link) that is unknown, used, expired or
+    /// replaced: a 404 that says what to do next.
+    #[error("{0}")]
+    LinkGone(&'static str),
     #[error("no route for this method and path")]
     NoRoute,
     #[error("method not allowed")]
@@ -103,7 +107,7 @@ impl ApiError {
             ApiError::Unauthenticated => (StatusCode::UNAUTHORIZED, "unauthenticated"),
             ApiError::Forbidden(_) => (StatusCode::FORBIDDEN, "forbidden"),
             ApiError::InvalidSignature(_) => (StatusCode::UNAUTHORIZED, "invalid_signature"),
-            ApiError::NotFound => (StatusCode::NOT_FOUND, "not_found"),
+            ApiError::NotFound | ApiError::LinkGone(_) => (StatusCode::NOT_FOUND, "not_found"),
             ApiError::NoRoute => (StatusCode::NOT_FOUND, "no_route"),
             ApiError::MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"),
             ApiError::BadRequest { code, .. } => (StatusCode::BAD_REQUEST, code),

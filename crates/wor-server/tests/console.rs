@@ -91,9 +91,15 @@ async fn an_invitation_works_once_sets_a_checked_password_and_signs_in_with_a_st
     let page = browser.accept(path, "a long and quiet passphrase").await;
     assert_eq!(page.status, StatusCode::SEE_OTHER, "{}", page.body);
     assert!(page.location().starts_with("/console/sign-in?"));
-    // Single use.
+    // Single use, and the page says what to do next.
     let page = browser.get(path).await;
     assert_eq!(page.status, StatusCode::NOT_FOUND);
+    assert!(
+        page.body.contains("This invitation link cannot be used")
+            && page.body.contains("Ask an admin"),
+        "{}",
+        page.body
+    );
 
     // An expired invitation is refused like a used one.
     let bob =

@@ -303,7 +303,8 @@ impl IntoResponse for ConsoleError {
         let title = match status {
             StatusCode::NOT_FOUND => "Not found",
             StatusCode::FORBIDDEN => "Not allowed",
-            StatusCode::CONFLICT => "Already decided",
+            // Decided meanwhile, expired, cancelled, in use: the message says which.
+            StatusCode::CONFLICT => "No longer possible",
             StatusCode::BAD_REQUEST => "Not accepted",
             StatusCode::TOO_MANY_REQUESTS => "Too many attempts",
             _ => "Something went wrong",

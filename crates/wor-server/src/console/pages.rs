@@ -449,7 +449,9 @@ struct InvitationPage {
 }
 
 fn invitation_gone() -> ConsoleError {
-    ConsoleError(ApiError::NotFound)
+    ConsoleError(ApiError::LinkGone(
+        "This invitation link cannot be used: it was used already, it expired, or a newer link replaced it. Ask an admin of your project for a new one.",
+    ))
 }
 
 fn invitation_form(

@@ -66,7 +66,9 @@ struct SignInLinkPage {
 }
 
 fn link_gone() -> ConsoleError {
-    ConsoleError(ApiError::NotFound)
+    ConsoleError(ApiError::LinkGone(
+        "This sign-in link cannot be used: it was used already or it expired. Sign in with your password, or ask for a new link.",
+    ))
 }
 
 /// Names the member the link signs in, with a button; uses nothing.
