@@ -1164,6 +1164,14 @@ async fn a_member_signed_in_can_accept_an_invitation_in_the_same_browser() {
     let page = ann.accept(path, "bob's long passphrase").await;
     assert_eq!(page.status, StatusCode::SEE_OTHER, "{}", page.body);
     assert!(page.location().starts_with("/console/sign-in?"));
+    // The page it leads to asks bob to sign in, though the browser is ann's.
+    let asked = ann.get(&page.location()).await;
+    assert_eq!(asked.status, StatusCode::OK, "{}", asked.body);
+    assert!(
+        asked.body.contains("Your password is set"),
+        "{}",
+        asked.body
+    );
     // Ann's own session is untouched; bob can sign in.
     assert_eq!(ann.get("/console/approvals").await.status, StatusCode::OK);
     let page = Browser::new(addr)

@@ -175,7 +175,9 @@ pub async fn sign_in_page(
     query: Result<Query<SignInQuery>, axum::extract::rejection::QueryRejection>,
 ) -> PageResult {
     let query = query.map(|Query(q)| q).unwrap_or_default();
-    if member.is_some() {
+    // A member who just set a password through an invitation is asked to sign in with it,
+    // even in a browser signed in as someone else (whose session signing in replaces).
+    if member.is_some() && query.password_set.is_none() {
         return Ok(Redirect::to(after_sign_in(&query.next)).into_response());
     }
     sign_in_form(
