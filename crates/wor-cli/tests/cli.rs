@@ -322,12 +322,13 @@ fn an_id_is_checked_before_any_request_so_it_cannot_name_another_route() {
         refused_before_sending(args, "followed by 32 hex digits");
     }
     // So are a listing's filters, which go in its query.
-    let filters: [(&[&str], &str); 10] = [
+    let filters: [(&[&str], &str); 11] = [
         (
             &["approvals", "list", "--run", "run_x&status=all"],
             "32 hex digits",
         ),
         (&["approvals", "list", "--status", "ALL"], "possible values"),
+        (&["run", "list", "--status", "bogus"], "not a run status"),
         (&["approvals", "list", "--limit", "0"], "not in 1..=200"),
         (
             &["notify", "deliveries", "--limit", "500"],

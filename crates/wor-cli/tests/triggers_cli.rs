@@ -50,6 +50,60 @@ fn with_stdin(args: &[&str], body: &[u8]) -> Output {
 }
 
 #[test]
+fn webhook_commands_given_what_cannot_sign_or_verify_exit_2() {
+    let standard = |command: &str, extra: &[&str]| {
+        let mut args = vec![
+            "webhook",
+            command,
+            "--scheme",
+            "standard",
+            "--timestamp",
+            "1700000000",
+        ];
+        args.extend_from_slice(extra);
+        with_stdin(&args, b"{}")
+    };
+    for (command, extra, says) in [
+        (
+            "sign",
+            &["--secret", "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"][..],
+            "needs --id",
+        ),
+        (
+            "verify",
+            &[
+                "--secret",
+                "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
+                "--signature",
+                "v1,x",
+            ][..],
+            "needs --id",
+        ),
+        (
+            "verify",
+            &[
+                "--secret",
+                "not-a-whsec",
+                "--signature",
+                "v1,x",
+                "--id",
+                "msg_1",
+            ][..],
+            "--secret",
+        ),
+    ] {
+        let out = standard(command, extra);
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{command} {extra:?}: {}",
+            text(&out.stderr)
+        );
+        assert!(text(&out.stderr).contains(says), "{}", text(&out.stderr));
+    }
+}
+
+#[test]
 fn webhook_sign_and_verify_agree_with_the_public_vectors() {
     for vector in corpus("run-webhook-signature.json")["vectors"]
         .as_array()

@@ -613,8 +613,12 @@ impl RoutineDefinition {
             Some(section) => {
                 let span = section.span();
                 let section = section.into_inner();
-                let scheme = section.url.split_once("://").map(|(s, _)| s);
-                if !matches!(scheme, Some("http" | "https")) {
+                // A scheme is case-insensitive (RFC 3986): `HTTPS://` is `https://`.
+                let scheme = section
+                    .url
+                    .split_once("://")
+                    .map(|(s, _)| s.to_ascii_lowercase());
+                if !matches!(scheme.as_deref(), Some("http" | "https")) {
                     return Err(at(
                         span,
                         format!(

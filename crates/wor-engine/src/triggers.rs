@@ -373,10 +373,9 @@ impl Engine {
                 REPLAY_WINDOW_SECS,
             ),
             WebhookScheme::Standard => {
-                let id = headers
-                    .delivery
-                    .as_deref()
-                    .ok_or_else(|| bad("missing webhook-id header"))?;
+                let id = headers.delivery.as_deref().ok_or_else(|| {
+                    bad("missing webhook-id header, or one that is not visible ASCII")
+                })?;
                 wor_secrets::StandardWebhookSecret::parse(secret.expose_secret()).and_then(
                     |standard| {
                         standard.verify(

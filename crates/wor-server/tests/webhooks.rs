@@ -585,7 +585,12 @@ async fn a_notify_url_the_egress_guard_refuses_is_refused_when_applied() {
     }
     // The operator's allowed CIDRs still count (the harness allows 127.0.0.1/32), and a name
     // is resolved and checked when a webhook is sent, not when the routine is saved.
-    for url in ["http://127.0.0.1:9/hook", "https://hooks.example.com/wor"] {
+    // A scheme is case-insensitive.
+    for url in [
+        "http://127.0.0.1:9/hook",
+        "https://hooks.example.com/wor",
+        "HTTPS://hooks.example.com/upper",
+    ] {
         let reply = apply(url).await;
         assert!(reply.status.is_success(), "{url}: {}", reply.text);
     }

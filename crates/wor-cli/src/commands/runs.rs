@@ -49,7 +49,7 @@ pub enum RunCommand {
         #[arg(long)]
         routine: Option<String>,
         /// Only runs with this status.
-        #[arg(long)]
+        #[arg(long, value_parser = run_status)]
         status: Option<String>,
         /// At most this many (1 to 200).
         #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=200))]
@@ -374,4 +374,19 @@ mod tests {
             assert_eq!(waiting_hint(&other, "run_1"), None, "{other}");
         }
     }
+}
+
+/// A run status as `--status` takes it: one of the statuses a run has.
+fn run_status(text: &str) -> Result<String, String> {
+    wor_core::run::RunStatus::ALL
+        .iter()
+        .find(|status| status.as_str() == text)
+        .map(|status| status.as_str().to_owned())
+        .ok_or_else(|| {
+            let known: Vec<&str> = wor_core::run::RunStatus::ALL
+                .iter()
+                .map(|status| status.as_str())
+                .collect();
+            format!("not a run status; one of {}", known.join(", "))
+        })
 }

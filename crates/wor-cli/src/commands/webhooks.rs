@@ -4,7 +4,7 @@
 use std::io::Read as _;
 use std::process::ExitCode;
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use serde_json::Value;
 use wor_secrets::StandardWebhookSecret;
 use wor_secrets::webhook_signature;
@@ -128,9 +128,10 @@ pub async fn run(cmd: WebhookCommand) -> anyhow::Result<ExitCode> {
                 ],
                 Scheme::Standard => {
                     let Some(id) = id else {
-                        bail!("--scheme standard needs --id");
+                        return Err(crate::usage("--scheme standard needs --id"));
                     };
-                    let secret = StandardWebhookSecret::parse(&secret)?;
+                    let secret = StandardWebhookSecret::parse(&secret)
+                        .map_err(|e| crate::usage(format!("--secret: {e}")))?;
                     let signature = secret.sign(&id, timestamp, &body);
                     vec![
                         ("webhook-id", id),
@@ -171,11 +172,13 @@ pub async fn run(cmd: WebhookCommand) -> anyhow::Result<ExitCode> {
                 }
                 Scheme::Standard => {
                     let Some(id) = id else {
-                        bail!("--scheme standard needs --id");
+                        return Err(crate::usage("--scheme standard needs --id"));
                     };
-                    StandardWebhookSecret::parse(&secret).and_then(|secret| {
-                        secret.verify(&id, timestamp, &body, &signature, now, window)
-                    })
+                    // A secret that is not one is a mistake in the command, not a signature
+                    // that failed (exit 2, not 1).
+                    let secret = StandardWebhookSecret::parse(&secret)
+                        .map_err(|e| crate::usage(format!("--secret: {e}")))?;
+                    secret.verify(&id, timestamp, &body, &signature, now, window)
                 }
             };
             if json {
