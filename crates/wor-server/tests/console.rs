@@ -1165,7 +1165,7 @@ async fn a_member_signed_in_can_accept_an_invitation_in_the_same_browser() {
     assert_eq!(page.status, StatusCode::SEE_OTHER, "{}", page.body);
     assert!(page.location().starts_with("/console/sign-in?"));
     // The page it leads to asks bob to sign in, though the browser is ann's.
-    let asked = ann.get(&page.location()).await;
+    let asked = ann.get(page.location()).await;
     assert_eq!(asked.status, StatusCode::OK, "{}", asked.body);
     assert!(
         asked.body.contains("Your password is set"),

@@ -340,6 +340,21 @@ pub async fn run(cmd: RunCommand) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// A run status as `--status` takes it: one of the statuses a run has.
+fn run_status(text: &str) -> Result<String, String> {
+    wor_core::run::RunStatus::ALL
+        .iter()
+        .find(|status| status.as_str() == text)
+        .map(|status| status.as_str().to_owned())
+        .ok_or_else(|| {
+            let known: Vec<&str> = wor_core::run::RunStatus::ALL
+                .iter()
+                .map(|status| status.as_str())
+                .collect();
+            format!("not a run status; one of {}", known.join(", "))
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use serde_json::json;
@@ -374,19 +389,4 @@ mod tests {
             assert_eq!(waiting_hint(&other, "run_1"), None, "{other}");
         }
     }
-}
-
-/// A run status as `--status` takes it: one of the statuses a run has.
-fn run_status(text: &str) -> Result<String, String> {
-    wor_core::run::RunStatus::ALL
-        .iter()
-        .find(|status| status.as_str() == text)
-        .map(|status| status.as_str().to_owned())
-        .ok_or_else(|| {
-            let known: Vec<&str> = wor_core::run::RunStatus::ALL
-                .iter()
-                .map(|status| status.as_str())
-                .collect();
-            format!("not a run status; one of {}", known.join(", "))
-        })
 }
