@@ -1110,6 +1110,16 @@ fn doctor_compares_the_keys_with_the_database_as_serve_does() {
         detail.contains("refuses to start without the key they were sealed under"),
         "{detail}"
     );
+    // A development key file in the data dir, with no key set, is named as that file.
+    wor_secrets::load_or_create_dev_key(dir.path()).unwrap();
+    let (code, state, detail) = keys_in_use(&[]);
+    assert_eq!((code, state.as_str()), (Some(1), "fail"), "{detail}");
+    assert!(
+        detail.contains("which neither the development key file")
+            && detail.contains("WOR_ENCRYPTION_KEY is not set"),
+        "{detail}"
+    );
+    std::fs::remove_file(dir.path().join(wor_secrets::DEV_KEY_FILE_NAME)).unwrap();
     // Another audit signing key than the one that signed the chain.
     let (_, other) = wor_secrets::AuditSigningKey::generate().unwrap();
     let other = secrecy::ExposeSecret::expose_secret(&other).to_owned();

@@ -524,15 +524,15 @@ fn keys_in_use_check(config: &ServerConfig, keys: &wor_store::KeysInUse) -> Chec
     let sealed: i64 = keys.sealed.iter().map(|(_, count)| count).sum();
     let ring = match config.encryption_key_configured() {
         Ok(true) => match config.key_ring() {
-            Ok((ring, _)) => Some(ring),
+            Ok(ring) => Some(ring),
             Err(error) => return check(NAME, Status::Fail, format!("{error:#}")),
         },
         Ok(false) => None,
         Err(error) => return check(NAME, Status::Fail, format!("{error:#}")),
     };
     match &ring {
-        Some(ring) => {
-            if let Some(refusal) = super::serve::ring_refusal(ring, &keys.sealed) {
+        Some((ring, source)) => {
+            if let Some(refusal) = super::serve::ring_refusal(ring, *source, config, &keys.sealed) {
                 return check(NAME, Status::Fail, refusal);
             }
         }

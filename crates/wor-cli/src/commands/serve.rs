@@ -308,8 +308,10 @@ pub(crate) fn signer_refusal(ours: &str, signer: Option<&str>) -> Option<String>
 async fn refuse_a_ring_that_opens_none(
     store: &Store,
     keys: &wor_secrets::KeyRing,
+    source: KeySource,
+    config: &ServerConfig,
 ) -> anyhow::Result<()> {
-    match ring_refusal(keys, &store.sealed_secret_key_ids().await?) {
+    match ring_refusal(keys, source, config, &store.sealed_secret_key_ids().await?) {
         Some(refusal) => bail!(refusal),
         None => Ok(()),
     }
@@ -319,23 +321,39 @@ async fn refuse_a_ring_that_opens_none(
 /// how many secrets each seals): the first of those keys the ring does not hold.
 pub(crate) fn ring_refusal(
     keys: &wor_secrets::KeyRing,
+    source: KeySource,
+    config: &ServerConfig,
     sealed: &[(String, i64)],
 ) -> Option<String> {
     let held: Vec<String> = std::iter::once(keys.primary_key_id())
         .chain(keys.retired_key_ids())
         .map(|id| id.to_string())
         .collect();
+    // The key the ring is made of, named as it was given.
+    let primary = match source {
+        KeySource::Environment => {
+            format!("{} (key {})", env::ENCRYPTION_KEY, keys.primary_key_id())
+        }
+        KeySource::DevFileLoaded | KeySource::DevFileCreated => format!(
+            "the development key file `{}` (key {}), used because {} is not set,",
+            config
+                .data_dir
+                .join(wor_secrets::DEV_KEY_FILE_NAME)
+                .display(),
+            keys.primary_key_id(),
+            env::ENCRYPTION_KEY
+        ),
+    };
     sealed
         .iter()
         .find(|(key_id, _)| !held.contains(key_id))
         .map(|(key_id, count)| {
             format!(
-                "this database holds {count} secret(s) sealed under key {key_id}, which neither {} \
-                 (key {}) nor {} holds: start with the key they were sealed under (during a \
-                 rotation, the old one in {})",
-                env::ENCRYPTION_KEY,
-                keys.primary_key_id(),
+                "this database holds {count} secret(s) sealed under key {key_id}, which neither \
+                 {primary} nor {} holds: start with the key they were sealed under in {} (during \
+                 a rotation, the old one in {})",
                 env::ENCRYPTION_KEY_RETIRED,
+                env::ENCRYPTION_KEY,
                 env::ENCRYPTION_KEY_RETIRED
             )
         })
@@ -371,7 +389,7 @@ pub(crate) async fn open_engine(config: &ServerConfig) -> anyhow::Result<(Engine
             );
         }
     }
-    refuse_a_ring_that_opens_none(&store, &keys).await?;
+    refuse_a_ring_that_opens_none(&store, &keys, key_source, config).await?;
     let audit_key = kept_audit_key(config, &store).await?;
     let audit = AuditLog::start(store.clone(), audit_key, AuditConfig::default());
     // Model connections go out under a policy of their own, which alone opens the
