@@ -616,7 +616,7 @@ impl ServerConfig {
         if !self.audit_signing_key_configured() {
             bail!(
                 "no audit signing key: {} is not set and `{}` has no {AUDIT_SIGNING_KEY_FILE_NAME} \
-                 (`wor audit verify` takes the public key as --public-key instead)",
+                 (give the public key that verifies the chain with --public-key instead)",
                 env::AUDIT_SIGNING_KEY,
                 self.data_dir.display()
             );

@@ -1563,3 +1563,21 @@ fn an_operator_command_signs_only_with_the_key_that_signed_the_chain() {
     let verified = run(&mut wor(&["audit", "verify", "--data-dir", &data]));
     assert!(verified.status.success(), "{}", text(&verified.stdout));
 }
+
+/// `wor audit verify` of a data dir that has no database says that, not that a key is missing.
+#[test]
+fn audit_verify_of_a_data_dir_without_a_database_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(&mut wor(&[
+        "audit",
+        "verify",
+        "--data-dir",
+        dir.path().to_str().unwrap(),
+    ]));
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("no database at"),
+        "{}",
+        text(&out.stderr)
+    );
+}

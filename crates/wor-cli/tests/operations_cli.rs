@@ -139,6 +139,19 @@ fn a_backup_of_a_running_server_restores_verifies_and_runs_and_a_wrong_key_is_re
         second.join("audit-signing.key"),
     )
     .unwrap();
+    // A backup that is not there is the mistake named, whatever else is missing.
+    let missing = root.path().join("nope.db");
+    let nowhere = operator(
+        &["restore", "--from", missing.to_str().unwrap()],
+        &second,
+        None,
+    );
+    assert_eq!(nowhere.status.code(), Some(2), "{}", text(&nowhere.stderr));
+    assert!(
+        text(&nowhere.stderr).contains("no backup file at"),
+        "{}",
+        text(&nowhere.stderr)
+    );
     let keyless = operator(&["restore", "--from", &backup_text], &second, None);
     assert_eq!(keyless.status.code(), Some(1));
     assert!(

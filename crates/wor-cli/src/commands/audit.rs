@@ -91,17 +91,21 @@ pub async fn run(cmd: AuditCommand) -> anyhow::Result<ExitCode> {
 
 async fn verify(args: VerifyArgs) -> anyhow::Result<ExitCode> {
     let config = ServerConfig::resolve(&args.flags, None, false)?;
-    let key = match &args.public_key {
-        Some(key) => *key,
-        None => config.audit_verifying_key()?,
+    let key = || -> anyhow::Result<_> {
+        Ok(match &args.public_key {
+            Some(key) => *key,
+            None => config.audit_verifying_key()?,
+        })
     };
     if let Some(file) = &args.file {
-        let (project, verification) = verify_file(file, &key, &args.anchor, args.project)?;
+        let (project, verification) = verify_file(file, &key()?, &args.anchor, args.project)?;
         return report_all(&[(project, verification)], args.json);
     }
+    // The database is looked for before the key, so a data dir without one says so.
     let store = Store::open_existing(config.database.as_deref(), &config.data_dir)
         .await
         .context("cannot open the database")?;
+    let key = key()?;
     let projects = match args.project {
         Some(project) => vec![
             store

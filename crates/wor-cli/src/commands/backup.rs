@@ -81,6 +81,13 @@ pub async fn restore(args: RestoreArgs) -> anyhow::Result<ExitCode> {
             "`wor restore` writes the embedded database of --data-dir; give no --database",
         ));
     }
+    // What to restore is looked for first: a backup that is not there is the mistake to name.
+    if !args.from.exists() {
+        return Err(crate::usage(format!(
+            "no backup file at `{}`",
+            args.from.display()
+        )));
+    }
     // A restore never makes a key: a fresh one would open none of the backup's secrets.
     if !config.encryption_key_configured()? {
         bail!(
