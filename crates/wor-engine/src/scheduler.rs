@@ -319,6 +319,17 @@ impl Engine {
                 }
             };
             let mut active = page.active;
+            // Under overlap `skip` the newest slots take the free places: after an outage the
+            // slot on time runs and a caught-up one is recorded skipped, not the reverse. The
+            // runs are still recorded oldest first.
+            let newest_first =
+                version.definition.concurrency.overlap == OverlapPolicy::Skip && slots.len() > 1;
+            let slots: Vec<_> = if newest_first {
+                slots.into_iter().rev().collect()
+            } else {
+                slots
+            };
+            let first_firing = firings.len();
             for (slot, due_at, ahead) in slots {
                 let request = StartRun {
                     project: schedule.project_id,
@@ -350,6 +361,9 @@ impl Engine {
                             "a scheduled run could not start; the slot is passed");
                     }
                 }
+            }
+            if newest_first && let Some(these) = firings.get_mut(first_firing..) {
+                these.reverse();
             }
         }
         Ok(

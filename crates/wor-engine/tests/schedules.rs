@@ -495,6 +495,61 @@ async fn a_new_version_without_a_schedule_stops_firing() {
     assert!(h.slots(routine).await.is_empty());
 }
 
+/// After an outage, a `skip` routine with one place runs its slot on time and records the
+/// caught-up one skipped, rather than running the old slot and skipping the current one.
+#[tokio::test]
+async fn after_an_outage_a_skip_routine_runs_the_slot_on_time_and_skips_the_caught_up_one() {
+    let h = Harness::new().await;
+    let toml = "name = \"latest\"\ninstructions = \"Report.\"\n[model]\nprovider = \"replay\"\n\
+                model = \"m\"\nscript = { turns = [{ text = \"hi\" }] }\n[concurrency]\nmax_runs = 1\n\
+                overlap = \"skip\"\n[schedule]\ncron = \"* * * * *\"\ncatch_up = \"one\"\n";
+    let definition = wor_core::routine::RoutineDefinition::from_toml(toml).unwrap();
+    let routine =
+        h.db.store
+            .apply_routine(h.project, toml, &definition, None)
+            .await
+            .unwrap()
+            .routine
+            .id;
+    let first = h.next_slot(routine).await.unwrap();
+    let engine = h.engine();
+    // The scheduler was down for five slots: the latest missed one and the one on time fire.
+    let report = engine
+        .schedule_tick(first + 5 * MINUTE + 200)
+        .await
+        .unwrap();
+    assert_eq!(report.started, 2, "{report:?}");
+    let runs =
+        h.db.store
+            .list_runs(
+                h.project,
+                &RunFilter {
+                    routine_id: Some(routine),
+                    limit: 10,
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+    let statuses: Vec<_> = runs
+        .iter()
+        .map(|r| (r.trigger_key.clone().unwrap(), r.status))
+        .collect();
+    assert_eq!(
+        statuses,
+        [
+            (
+                format!("slot:{}", first + 5 * MINUTE),
+                wor_core::run::RunStatus::Queued
+            ),
+            (
+                format!("slot:{}", first + 4 * MINUTE),
+                wor_core::run::RunStatus::Skipped
+            ),
+        ]
+    );
+}
+
 /// A scheduled start of a `cancel_previous` routine cancels the run of the slot before it.
 #[tokio::test]
 async fn a_scheduled_start_under_cancel_previous_replaces_the_run_before_it() {
