@@ -446,6 +446,37 @@ fn script_turn_span(text: &str, turn: usize) -> Option<std::ops::Range<usize>> {
         .map(Spanned::span)
 }
 
+/// The key whose value starts at `offset`, as `section.key` (`budget.turns`), read from the
+/// text: the bare key before the `=` on that line, under the nearest table header above it.
+/// `None` where the value is not on a `key = value` line of its own (an inline table's, an
+/// array's element).
+fn key_at(text: &str, offset: usize) -> Option<String> {
+    let before = text.get(..offset)?;
+    let line_start = before.rfind('\n').map_or(0, |at| at + 1);
+    let (key, _) = before.get(line_start..)?.split_once('=')?;
+    let key = key.trim();
+    let bare = |k: &str| {
+        !k.is_empty()
+            && k.chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
+    };
+    if !bare(key) {
+        return None;
+    }
+    let section = before
+        .get(..line_start)?
+        .lines()
+        .rev()
+        .map(str::trim)
+        .find(|l| l.starts_with('['))
+        .map(|header| header.trim_matches(|c| c == '[' || c == ']').trim())
+        .filter(|header| bare(header));
+    Some(match section {
+        Some(section) => format!("{section}.{key}"),
+        None => key.to_owned(),
+    })
+}
+
 fn line_of(text: &str, offset: usize) -> usize {
     text.get(..offset)
         .map_or(1, |before| before.matches('\n').count() + 1)
@@ -500,6 +531,11 @@ impl RoutineDefinition {
             if message.contains("max recursion depth") {
                 message =
                     format!("arrays and inline tables nest deeper than {MAX_TOML_NESTING} levels");
+            } else if let Some(key) = e.span().and_then(|s| key_at(text, s.start)) {
+                // A value refused for what it is names its key, as every other refusal does.
+                if !message.contains(&format!("`{key}`")) {
+                    message = format!("`{key}`: {message}");
+                }
             }
             if let Some(line) = line {
                 message = format!("line {line}: {message}");
@@ -800,7 +836,12 @@ pinned = { from = "support@example.com" }
 
         let e = error(&EXAMPLE.replace("turns = 5", "turns = 0"));
         assert_eq!(e.line, Some(12), "{e}");
-        assert!(e.message.contains("positive"), "{e}");
+        assert!(
+            e.message.contains("positive") && e.message.contains("`budget.turns`"),
+            "{e}"
+        );
+        let e = error(&EXAMPLE.replace("turns = 5", "turns = \"five\""));
+        assert!(e.message.contains("`budget.turns`"), "{e}");
 
         let e = error(&EXAMPLE.replace("name = \"inbox-triage\"", "name = \"Inbox Triage\""));
         assert_eq!(e.line, Some(2), "{e}");

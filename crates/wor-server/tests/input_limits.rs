@@ -507,7 +507,7 @@ async fn a_malformed_replay_script_is_refused_when_applied_with_its_line() {
         ),
         (
             "script = \"turns.toml\"\n",
-            "line 6: invalid type: string \"turns.toml\"",
+            "line 6: `model.script`: invalid type: string \"turns.toml\"",
         ),
     ] {
         let (status, body) = h
