@@ -81,7 +81,10 @@ pub struct Schedule {
 /// Why a `[schedule]` does not compile.
 #[derive(Debug, thiserror::Error)]
 pub enum ScheduleError {
-    #[error("`schedule.cron` `{cron}` is not a cron expression: {source}")]
+    #[error(
+        "`schedule.cron` `{cron}` is not a cron expression: {source}{}",
+        six_fields_hint(cron)
+    )]
     Cron {
         cron: String,
         #[source]
@@ -94,6 +97,16 @@ pub enum ScheduleError {
     /// A pattern that matches no time (30 February).
     #[error("`schedule.cron` `{0}` never fires")]
     NeverFires(String),
+}
+
+/// What a six-field pattern that does not parse may have meant: six fields are read with
+/// seconds first, so a year needs all seven.
+fn six_fields_hint(cron: &str) -> &'static str {
+    if cron.split_whitespace().count() == 6 {
+        " (six fields are read as second, minute, hour, day of month, month, day of week; a year comes seventh, after the seconds)"
+    } else {
+        ""
+    }
 }
 
 impl ScheduleSection {
@@ -358,6 +371,15 @@ mod tests {
         );
         let in_2020 = section("0 0 12 1 1 * 2020", "UTC").compile().unwrap();
         assert_eq!(in_2020.next_after(utc_ms(2026, 11, 29, 10, 0, 0)), None);
+        // Six fields are read with seconds first: a year there is out of a day of week's range,
+        // and the refusal says how the six were read.
+        let err = section("0 0 1 1 * 2020", "UTC").compile().unwrap_err();
+        assert!(
+            err.to_string().contains("six fields are read as second"),
+            "{err}"
+        );
+        let err = section("61 * * * *", "UTC").compile().unwrap_err();
+        assert!(!err.to_string().contains("six fields"), "{err}");
         // The nicknames are five-field patterns.
         assert!(section("@daily", "UTC").compile().is_ok());
         let err = section("0 0 30 2 *", "UTC").compile().unwrap_err();
