@@ -1,7 +1,7 @@
 //! The console's pages and forms. Handlers parse, call the same store and engine functions
 //! the API calls, and render; the separation-of-duties rules live in the engine only.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 
 use askama::Template;
 use axum::Form;
@@ -727,6 +727,20 @@ fn editable(approval: &ApprovalRecord, card: &ApprovalCard) -> bool {
     approval.status == ApprovalStatus::Pending
         && approval.kind == wor_store::ApprovalKind::Policy
         && card.refusal.is_none()
+        && names_are_told_apart(&approval.arguments)
+}
+
+/// Whether every argument's name, as a page shows it (what would hide in it escaped), is one
+/// no other argument's name shows as: the edit form's fields are named so, and a field must
+/// reach the one argument it was shown for. A name holding a right-to-left override and a name
+/// holding the text of its escape show alike; such a call is not edited on a page.
+fn names_are_told_apart(arguments: &Value) -> bool {
+    let Value::Object(arguments) = arguments else {
+        return true;
+    };
+    let shown: BTreeSet<std::borrow::Cow<'_, str>> =
+        arguments.keys().map(|name| shown_text(name)).collect();
+    shown.len() == arguments.len()
 }
 
 /// A JSON value as the text a person reads: strings as they are, the rest as JSON.
@@ -929,6 +943,13 @@ pub async fn edit_and_approve(
             wor_engine::EngineError::from(wor_engine::DecisionRefusal::NotPending(approval.status))
                 .into(),
         ));
+    }
+    if !names_are_told_apart(&approval.arguments) {
+        return Err(ConsoleError(ApiError::bad_request(
+            "invalid_form",
+            "two of this call's arguments show the same name, so a field cannot be told to \
+             reach one of them: approve or deny the call as it is",
+        )));
     }
     let mut shown = edit_form(&approval);
     let mut edits = serde_json::Map::new();
@@ -1437,6 +1458,18 @@ pub async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn arguments_whose_names_show_alike_are_not_edited_on_a_page() {
+        assert!(names_are_told_apart(
+            &serde_json::json!({"to": 1, "text": 2})
+        ));
+        assert!(names_are_told_apart(&serde_json::json!({"x\u{202e}": 1})));
+        // One name holds a right-to-left override, the other the text of its escape.
+        assert!(!names_are_told_apart(
+            &serde_json::json!({"x\u{202e}": 1, "x\\u{202e}": 2})
+        ));
+    }
 
     #[test]
     fn text_a_browser_sends_back_unchanged_has_the_same_lines() {
