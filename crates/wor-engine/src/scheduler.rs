@@ -286,31 +286,35 @@ impl Engine {
         };
         // The slots after those due now whose time comes within the lead, for a routine whose
         // start is the same whenever it is decided.
-        let mut ahead = Vec::new();
+        // Each slot is due at its time plus its jitter, and not before the slot ahead of it
+        // (`Schedule::plan`): the slots due now, then those recorded ahead, in order.
+        let mut ready_at = i64::MIN;
+        let mut due = |slot: i64| {
+            ready_at = slot
+                .saturating_add(compiled.jitter_of(&routine, slot))
+                .max(ready_at);
+            ready_at
+        };
+        let mut slots: Vec<(i64, i64, bool)> = plan
+            .fire
+            .iter()
+            .map(|slot| (*slot, due(*slot), false))
+            .collect();
         if may_dispatch_ahead(&version.definition) {
+            let mut ahead = 0;
             while let Some(slot) = plan.next_slot {
-                let at = slot.saturating_add(compiled.jitter_of(&routine, slot));
+                let at = due(slot);
                 if at <= now
                     || at > now.saturating_add(DISPATCH_AHEAD_MS)
-                    || ahead.len() >= MAX_AHEAD_SLOTS
+                    || ahead >= MAX_AHEAD_SLOTS
                 {
                     break;
                 }
-                ahead.push(slot);
+                slots.push((slot, at, true));
+                ahead += 1;
                 plan.next_slot = compiled.next_after(slot);
             }
         }
-        // Each slot with when it is due, and whether it is recorded ahead of that.
-        let slots: Vec<(i64, i64, bool)> = plan
-            .fire
-            .iter()
-            .map(|slot| (*slot, false))
-            .chain(ahead.iter().map(|slot| (*slot, true)))
-            .map(|(slot, ahead)| {
-                let due_at = slot.saturating_add(compiled.jitter_of(&routine, slot));
-                (slot, due_at, ahead)
-            })
-            .collect();
         if !slots.is_empty() {
             let redactor = match redactors.entry(schedule.project_id) {
                 std::collections::hash_map::Entry::Occupied(found) => found.into_mut(),
