@@ -145,6 +145,8 @@ pub(crate) enum ModelUnavailable {
 enum TurnOutcome {
     Response(Box<ModelResponse>),
     End(Ending),
+    /// The call failed; the run ends failed, saying why once redacted.
+    Failed(wor_models::ModelError),
 }
 
 impl Engine {
@@ -736,6 +738,16 @@ impl Engine {
                         TurnOutcome::End(ending) => {
                             return Ok(Flow::End(ending, Some(machine.usage())));
                         }
+                        // Redacted as everything the run records: the provider's words may
+                        // echo the model key or any of the run's secrets, not only their shapes.
+                        TurnOutcome::Failed(error) => {
+                            let reason = format!("the model call failed: {error}");
+                            let ending = Ending::new(
+                                RunStatus::Failed,
+                                redactor.redact(&reason).into_owned(),
+                            );
+                            return Ok(Flow::End(ending, Some(machine.usage())));
+                        }
                     };
                     // Call ids key steps and approvals: the loop makes each unique in the run,
                     // whatever the model sent.
@@ -922,10 +934,7 @@ impl Engine {
                 Some(ending) => TurnOutcome::End(ending),
                 None => TurnOutcome::Response(Box::new(response)),
             },
-            Ok(Err(error)) => TurnOutcome::End(Ending::new(
-                RunStatus::Failed,
-                wor_secrets::redact_shapes(&format!("the model call failed: {error}")).into_owned(),
-            )),
+            Ok(Err(error)) => TurnOutcome::Failed(error),
             Err(Stopped::Deadline) => TurnOutcome::End(Ending::budget(BudgetExceeded {
                 limit: BudgetLimit::WallTime,
                 used: limits.wall_seconds,

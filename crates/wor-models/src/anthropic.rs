@@ -30,7 +30,7 @@ use crate::transport::{
     ProviderEndpoint, ProviderOptions, StreamAssembler, json_headers, post_json, read_answer,
     secret_header,
 };
-use crate::{ModelFuture, ModelProvider, StreamSink, parse_json, parse_tool_arguments, shorten};
+use crate::{ModelFuture, ModelProvider, StreamSink, parse_json, parse_tool_arguments};
 
 /// The API version this client speaks, sent as `anthropic-version`.
 pub const ANTHROPIC_VERSION: &str = "2023-06-01";
@@ -544,10 +544,10 @@ impl StreamAssembler for MessageStream {
                 self.stopped = true;
             }
             StreamEvent::Error { error } => {
+                // Whole: `read_answer` redacts the key from it, then cuts it.
                 return Err(ModelError::StreamError(format!(
                     "{}: {}",
-                    shorten(&error.kind),
-                    shorten(&error.message)
+                    error.kind, error.message
                 )));
             }
             StreamEvent::Ignored => {}

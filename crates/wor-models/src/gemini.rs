@@ -347,7 +347,8 @@ impl GeminiStream {
                 .get("message")
                 .and_then(Value::as_str)
                 .unwrap_or("no message");
-            return Err(ModelError::StreamError(shorten(message)));
+            // Whole: `read_answer` redacts the key from it, then cuts it.
+            return Err(ModelError::StreamError(message.to_owned()));
         }
         if let Some(usage) = answer.usage_metadata {
             self.usage = Some(usage.into());

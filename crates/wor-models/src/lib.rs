@@ -150,9 +150,11 @@ pub(crate) fn parse_json<T: serde::de::DeserializeOwned>(
         .map_err(|e| ModelError::malformed(format!("{what}: {}", describe_json_error(&e))))
 }
 
-/// At most 64 characters of a provider-supplied name, for error messages.
+/// A provider-supplied name as an error message quotes it: whole up to 64 characters, else
+/// only its first few ([`wor_core::quote::excerpt`]), never cut in between, where the part of
+/// a key it might be would be recognised by no redactor.
 pub(crate) fn shorten(name: &str) -> String {
-    name.chars().take(64).collect()
+    wor_core::quote::excerpt(name, 64)
 }
 
 #[cfg(test)]

@@ -28,7 +28,7 @@ use crate::transport::{
     ProviderEndpoint, ProviderOptions, StreamAssembler, json_headers, post_json, read_answer,
     secret_header,
 };
-use crate::{ModelFuture, ModelProvider, StreamSink, parse_json, parse_tool_arguments, shorten};
+use crate::{ModelFuture, ModelProvider, StreamSink, parse_json, parse_tool_arguments};
 
 /// A client of one OpenAI-compatible endpoint.
 #[derive(Debug)]
@@ -471,7 +471,8 @@ impl StreamAssembler for ChatStream {
                 .get("message")
                 .and_then(Value::as_str)
                 .unwrap_or("no message");
-            return Err(ModelError::StreamError(shorten(message)));
+            // Whole: `read_answer` redacts the key from it, then cuts it.
+            return Err(ModelError::StreamError(message.to_owned()));
         }
         if let Some(usage) = chunk.usage {
             self.usage = Some(usage.into());

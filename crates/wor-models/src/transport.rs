@@ -399,9 +399,13 @@ pub(crate) async fn read_answer<S: StreamAssembler>(
         Err(ModelError::Transport(_)) => Err(ModelError::TruncatedStream {
             usage_so_far: stream.usage_so_far(),
         }),
-        Err(ModelError::StreamError(message)) => {
-            Err(ModelError::StreamError(redact_key(&message, endpoint)))
-        }
+        // Redacted whole, then cut: a key cut short would no longer be recognised.
+        Err(ModelError::StreamError(message)) => Err(ModelError::StreamError(
+            redact_key(message.trim(), endpoint)
+                .chars()
+                .take(SUMMARY_CHARS)
+                .collect(),
+        )),
         Err(other) => Err(other),
     }
 }

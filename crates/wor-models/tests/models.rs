@@ -1083,6 +1083,36 @@ async fn openai_mid_stream_error_is_reported_without_the_key() {
     assert_key_hidden(&error);
 }
 
+/// A provider's mid-stream error that echoes the key where a cut would split it: redacted
+/// whole before it is cut, so no part of the key is left.
+#[tokio::test]
+async fn a_mid_stream_error_echoing_the_key_past_any_cut_is_redacted_whole() {
+    let message = format!("{} {API_KEY} revoked", "x".repeat(38));
+    let openai_stream = format!(
+        "data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"Hel\"}}}}]}}\n\ndata: {{\"error\":{{\"message\":\"{message}\"}}}}\n\n"
+    );
+    let server = MockServer::start(vec![sse_reply(&openai_stream, 64)]).await;
+    let error = openai(&server, true)
+        .complete(&simple_request(), &mut DiscardStream)
+        .await
+        .unwrap_err();
+    assert!(matches!(error, ModelError::StreamError(_)), "{error:?}");
+    assert!(error.to_string().contains("revoked"), "{error}");
+    assert_key_hidden(&error);
+
+    let anthropic_stream = format!(
+        "event: error\ndata: {{\"type\":\"error\",\"error\":{{\"type\":\"overloaded_error\",\"message\":\"{message}\"}}}}\n\n"
+    );
+    let server = MockServer::start(vec![sse_reply(&anthropic_stream, 64)]).await;
+    let error = anthropic(&server, true)
+        .complete(&simple_request(), &mut DiscardStream)
+        .await
+        .unwrap_err();
+    assert!(matches!(error, ModelError::StreamError(_)), "{error:?}");
+    assert!(error.to_string().contains("overloaded_error"), "{error}");
+    assert_key_hidden(&error);
+}
+
 #[tokio::test]
 async fn replay_resuming_a_conversation_continues_where_it_was() {
     let script = ReplayScript::from_toml_str(

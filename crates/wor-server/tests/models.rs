@@ -423,6 +423,45 @@ async fn azure_and_gemini_connections_run_routines_with_usage_and_cost() {
     assert!(!audit.contains("azure-key-0123") && !audit.contains("AIzaSyA-test"));
 }
 
+/// A model call that fails on what the provider sent fails the run with an outcome redacted
+/// of the run's secrets, the model key among them, not only of secret shapes.
+#[tokio::test]
+async fn a_failed_model_call_that_echoes_the_key_is_redacted_of_it() {
+    const KEY: &str = "plainkey-ABCDEFGHIJKLMNOPQRSTUVWX-0123";
+    let h = Harness::new().await;
+    let body = [
+        json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c1",
+            "type": "function", "function": {"name": KEY, "arguments": "{bad"}}]},
+            "finish_reason": null}]}),
+        json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}),
+    ]
+    .iter()
+    .map(|chunk| format!("data: {chunk}\n\n"))
+    .chain(["data: [DONE]\n\n".to_owned()])
+    .collect();
+    let (addr, _) = cloud_model(body, "authorization").await;
+    let (status, created) = h
+        .call(
+            Method::POST,
+            "/v1/model-connections",
+            Some(json!({"name": "echo", "provider": "openai_compatible",
+                "base_url": format!("http://{addr}/v1"), "api_key": KEY})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    let run = h
+        .run("name = \"echoed\"\ninstructions = \"Answer.\"\n[model]\nprovider = \"openai_compatible\"\nconnection = \"echo\"\nmodel = \"m\"\n")
+        .await;
+    assert_eq!(run["status"], "failed", "{run:#}");
+    let outcome = run["outcome"].as_str().unwrap();
+    assert!(
+        outcome.contains("not valid json") && outcome.contains("[REDACTED"),
+        "{outcome}"
+    );
+    assert!(!run.to_string().contains("ABCDEFGHIJ"), "{run:#}");
+    assert!(!h.audit_text().await.contains("ABCDEFGHIJ"));
+}
+
 /// A replay routine with `[output] schema` whose model answers `answers` in turn.
 fn structured_routine(answers: &[&str], turns: u64) -> String {
     let mut toml = format!(
