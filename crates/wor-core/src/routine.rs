@@ -468,7 +468,9 @@ fn key_at(text: &str, offset: usize) -> Option<String> {
         .lines()
         .rev()
         .map(str::trim)
-        .find(|l| l.starts_with('['))
+        // A header, its comment left out: `[budget] # note`.
+        .map(|l| l.split('#').next().unwrap_or_default().trim())
+        .find(|l| l.starts_with('[') && l.ends_with(']'))
         .map(|header| header.trim_matches(|c| c == '[' || c == ']').trim())
         .filter(|header| bare(header));
     Some(match section {
@@ -841,6 +843,12 @@ pinned = { from = "support@example.com" }
             "{e}"
         );
         let e = error(&EXAMPLE.replace("turns = 5", "turns = \"five\""));
+        assert!(e.message.contains("`budget.turns`"), "{e}");
+        let e = error(
+            &EXAMPLE
+                .replace("[budget]", "[budget] # the run's limits")
+                .replace("turns = 5", "turns = -1"),
+        );
         assert!(e.message.contains("`budget.turns`"), "{e}");
 
         let e = error(&EXAMPLE.replace("name = \"inbox-triage\"", "name = \"Inbox Triage\""));

@@ -31,7 +31,7 @@ pub const MAX_CATCH_UP: usize = 24;
 pub const MAX_JITTER_SECONDS: u64 = 3600;
 /// The most times of day a pattern of fixed values may name to be read as that many
 /// fixed-time patterns; one naming more is an interval pattern.
-pub const MAX_FIXED_TIMES: usize = 64;
+pub const MAX_FIXED_TIMES: usize = 24;
 
 /// What to do with slots missed while no scheduler ran.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]

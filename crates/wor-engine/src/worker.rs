@@ -73,6 +73,8 @@ impl Pool {
 
     /// Opens the way in for runs claimed as they are started; closed when the receiver drops.
     fn open(&self) -> mpsc::UnboundedReceiver<Claimed> {
+        // A pool opened again (after a drain) drives runs again.
+        self.draining.store(false, Ordering::Relaxed);
         let (tx, rx) = mpsc::unbounded_channel();
         if let Ok(mut started) = self.started.lock() {
             *started = Some(tx);

@@ -489,10 +489,7 @@ fn audit_key_check(config: &ServerConfig) -> Check {
 /// is none. Nothing is made here.
 fn control_plane_key_check(config: &ServerConfig) -> Check {
     const NAME: &str = "control-plane-key";
-    if let Some(text) = std::env::var(env::CONTROL_PLANE_SIGNING_KEY)
-        .ok()
-        .filter(|v| !v.trim().is_empty())
-    {
+    if let Some(text) = super::serve::control_plane_key_in_env() {
         return match wor_secrets::ControlPlaneSigningKey::from_base64(&text) {
             Ok(_) => check(NAME, Status::Ok, env::CONTROL_PLANE_SIGNING_KEY),
             Err(error) => check(

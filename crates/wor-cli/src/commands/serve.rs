@@ -217,10 +217,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
 /// The key that signs run envelopes and that workers pin at enrolment: from the environment,
 /// else from (or created in) the data dir.
 fn control_plane_key(config: &ServerConfig) -> anyhow::Result<ControlPlaneSigningKey> {
-    match std::env::var(env::CONTROL_PLANE_SIGNING_KEY)
-        .ok()
-        .filter(|v| !v.trim().is_empty())
-    {
+    match control_plane_key_in_env() {
         Some(text) => ControlPlaneSigningKey::from_base64(&text),
         None => ControlPlaneSigningKey::load_or_create(&config.data_dir).map(|(key, _)| key),
     }
@@ -230,6 +227,14 @@ fn control_plane_key(config: &ServerConfig) -> anyhow::Result<ControlPlaneSignin
             env::CONTROL_PLANE_SIGNING_KEY
         )
     })
+}
+
+/// The control plane signing key the environment gives, when it gives one: it is read from
+/// there before the data dir's file (`wor serve`, `wor doctor`).
+pub(crate) fn control_plane_key_in_env() -> Option<String> {
+    std::env::var(env::CONTROL_PLANE_SIGNING_KEY)
+        .ok()
+        .filter(|v| !v.trim().is_empty())
 }
 
 /// Refuses to make an encryption key for a database that already holds sealed secrets, or an
@@ -532,9 +537,6 @@ fn warn_of_certificate(files: &wor_server::tls::TlsFiles) {
     }
 }
 
-/// The trace exporter of `[traces]` and the sink the engine's spans arrive on. The exporter
-/// sends through an egress client of its own: the server's production rules, the ranges
-/// listed for the collector only, and an allowlist of the collector's host alone.
 /// Serves the metrics of this process on `addr` until `stopped` changes, the gauges read from
 /// the database only where there is one.
 pub(crate) async fn serve_metrics(
@@ -569,6 +571,9 @@ pub(crate) fn export_traces(
     }))
 }
 
+/// The trace exporter of `[traces]` and the sink the engine's spans arrive on. The exporter
+/// sends through an egress client of its own: the server's production rules, the ranges
+/// listed for the collector only, and an allowlist of the collector's host alone.
 pub(crate) fn trace_exporter(
     config: &ServerConfig,
     traces: &crate::config::TracesConfig,

@@ -551,12 +551,8 @@ pub async fn accept_invitation(
         .append_pair("name", &accepted.member_name)
         .append_pair("password_set", "1")
         .finish();
-    let mut response = Redirect::to(&format!("/console/sign-in?{target}")).into_response();
-    response.headers_mut().append(
-        header::SET_COOKIE,
-        set_cookie(&state.console, FORM_COOKIE, "", "/console", Some(0)),
-    );
-    Ok(response)
+    // The form cookie stays: another form before sign-in, open in another tab, still works.
+    Ok(Redirect::to(&format!("/console/sign-in?{target}")).into_response())
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -210,7 +210,10 @@ pub async fn verify_password(
                 .is_ok()
         };
         let as_hashed = normalized(&password);
-        let matches = verify(&as_hashed) || (as_hashed != password.as_str() && verify(&password));
+        // Only for a member who has a hash: an unknown name costs one check, as a wrong
+        // password does, whatever form its text comes in.
+        let matches =
+            verify(&as_hashed) || (known && as_hashed != password.as_str() && verify(&password));
         Ok(known && matches)
     })
     .await

@@ -189,9 +189,11 @@ impl FromRequestParts<AppState> for MaybeConsoleMember {
     }
 }
 
-/// The pre-session form token this browser holds already, when it is one this server made
-/// (64 hex digits): every form page before sign-in renders with it and sets it again, so two
-/// such pages open side by side (two tabs signed out) do not refuse each other's form.
+/// The pre-session form token this browser holds already, when it has the shape of one this
+/// server makes (64 hex digits): every form page before sign-in renders with it and sets it
+/// again, so two such pages open side by side (two tabs signed out) do not refuse each other's
+/// form. As any double-submit token, it is only as safe as the cookie is from being set by
+/// another site of the same domain.
 #[derive(Debug, Clone, Default)]
 pub struct HeldFormToken(pub Option<String>);
 
@@ -270,6 +272,11 @@ pub async fn csrf_gate(State(state): State<AppState>, request: Request, next: Ne
             && !is_pre_session_form(parts.uri.path())
             && cookie(&parts.headers, SESSION_COOKIE).is_some_and(|token| !token.is_empty());
         if session_ended {
+            tracing::info!(
+                category = "console",
+                action = "csrf.session_ended",
+                "a console form came with a session that has ended; sign-in asked again"
+            );
             let mut response = Redirect::to(SESSION_ENDED_PAGE).into_response();
             response.headers_mut().append(
                 header::SET_COOKIE,

@@ -61,9 +61,10 @@ pub struct RoutineVersionSummary {
 #[derive(Debug, serde::Serialize, utoipa::ToSchema)]
 pub struct RoutineDetail {
     pub routine: RoutineView,
-    /// The current version's source, as applied.
+    /// The current version's source, as applied, redacted of the project's secrets and of
+    /// secret shapes.
     pub source_toml: String,
-    /// The current version, parsed, with defaults filled in.
+    /// The current version, parsed, with defaults filled in, redacted as `source_toml`.
     #[schema(value_type = Object)]
     pub definition: serde_json::Value,
     pub versions: Vec<RoutineVersionSummary>,
