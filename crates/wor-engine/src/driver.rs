@@ -741,6 +741,14 @@ impl Engine {
                         // Redacted as everything the run records: the provider's words may
                         // echo the model key or any of the run's secrets, not only their shapes.
                         TurnOutcome::Failed(error) => {
+                            // What the provider said it used before failing counts too.
+                            let used = error.usage_consumed();
+                            machine.model_answered(
+                                used.input_tokens,
+                                used.output_tokens,
+                                &price,
+                                &mut [],
+                            );
                             let reason = format!("the model call failed: {error}");
                             let ending = Ending::new(
                                 RunStatus::Failed,

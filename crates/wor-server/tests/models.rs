@@ -462,6 +462,36 @@ async fn a_failed_model_call_that_echoes_the_key_is_redacted_of_it() {
     assert!(!h.audit_text().await.contains("ABCDEFGHIJ"));
 }
 
+/// A stream cut short after the provider reported its usage fails the run, and the tokens it
+/// reported count against the run's budgets.
+#[tokio::test]
+async fn the_tokens_a_cut_stream_reported_count_against_the_run() {
+    let h = Harness::new().await;
+    let body = [
+        json!({"choices": [{"index": 0, "delta": {"content": "partial"}, "finish_reason": null}]}),
+        json!({"choices": [], "usage": {"prompt_tokens": 100, "completion_tokens": 50}}),
+    ]
+    .iter()
+    .map(|chunk| format!("data: {chunk}\n\n"))
+    .collect();
+    let (addr, _) = cloud_model(body, "authorization").await;
+    let (status, created) = h
+        .call(
+            Method::POST,
+            "/v1/model-connections",
+            Some(json!({"name": "cut", "provider": "openai_compatible",
+                "base_url": format!("http://{addr}/v1"), "api_key": "cut-key-0123456789abcdef"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    let run = h
+        .run("name = \"cut-short\"\ninstructions = \"Answer.\"\n[model]\nprovider = \"openai_compatible\"\nconnection = \"cut\"\nmodel = \"m\"\n")
+        .await;
+    assert_eq!(run["status"], "failed", "{run:#}");
+    assert_eq!(run["usage"]["input_tokens"], 100, "{run:#}");
+    assert_eq!(run["usage"]["output_tokens"], 50, "{run:#}");
+}
+
 /// A replay routine with `[output] schema` whose model answers `answers` in turn.
 fn structured_routine(answers: &[&str], turns: u64) -> String {
     let mut toml = format!(
