@@ -78,19 +78,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         eprintln!("error: refusing to start in production mode");
         return Ok(ExitCode::from(2));
     }
-    if let Some(exposure) = config.metrics_exposure() {
-        tracing::warn!(category = "config", "{exposure}");
-    }
-    // Installed before the engine starts, so nothing it records is lost.
-    let metrics = match config.metrics_listen {
-        Some(addr) => Some((wor_server::metrics::install_recorder()?, addr)),
-        None => None,
-    };
-    // What the configuration names and cannot be used is a usage error (exit 2).
-    let traces = match &config.traces {
-        Some(traces) => Some(trace_exporter(&config, traces)?),
-        None => None,
-    };
+    let Reporting { metrics, traces } = reporting(&config)?;
     let tls = match &config.tls {
         Some(files) => Some(
             wor_server::tls::ReloadableTls::load(files.clone())
@@ -535,6 +523,35 @@ fn warn_of_certificate(files: &wor_server::tls::TlsFiles) {
             "{warning}"
         );
     }
+}
+
+/// What `[metrics]` and `[traces]` set up in this process, before its engine starts so that
+/// nothing the engine records is lost: the metrics recorder and where to serve it, the span
+/// exporter and the sink spans arrive on. Each process reports what it does itself, a
+/// scaled-out worker as an `all` process.
+pub(crate) struct Reporting {
+    pub(crate) metrics: Option<(wor_server::metrics::PrometheusHandle, std::net::SocketAddr)>,
+    pub(crate) traces: Option<(
+        wor_server::traces::TraceExporter,
+        wor_engine::traces::SpanReceiver,
+    )>,
+}
+
+/// Sets up [`Reporting`] as `config` says; what the configuration names and cannot be used is
+/// a usage error (exit 2). A metrics listener anyone may reach is warned of.
+pub(crate) fn reporting(config: &ServerConfig) -> anyhow::Result<Reporting> {
+    if let Some(exposure) = config.metrics_exposure() {
+        tracing::warn!(category = "config", "{exposure}");
+    }
+    let metrics = match config.metrics_listen {
+        Some(addr) => Some((wor_server::metrics::install_recorder()?, addr)),
+        None => None,
+    };
+    let traces = match &config.traces {
+        Some(traces) => Some(trace_exporter(config, traces)?),
+        None => None,
+    };
+    Ok(Reporting { metrics, traces })
 }
 
 /// Serves the metrics of this process on `addr` until `stopped` changes, the gauges read from

@@ -92,20 +92,9 @@ pub async fn run(config: &ServerConfig) -> anyhow::Result<ExitCode> {
             env::ENCRYPTION_KEY
         )));
     }
-    // Installed before the engine starts, so nothing it records is lost: a worker's model,
-    // tool and token counts are its own, served by it (its own `[metrics] listen`) and its
-    // spans sent by it, as an `all` process does.
-    if let Some(exposure) = config.metrics_exposure() {
-        tracing::warn!(category = "config", "{exposure}");
-    }
-    let metrics = match config.metrics_listen {
-        Some(addr) => Some((wor_server::metrics::install_recorder()?, addr)),
-        None => None,
-    };
-    let traces = match &config.traces {
-        Some(traces) => Some(super::serve::trace_exporter(config, traces)?),
-        None => None,
-    };
+    // A worker's model, tool and token counts are its own, served by it (its own `[metrics]
+    // listen`) and its spans sent by it, as an `all` process does.
+    let super::serve::Reporting { metrics, traces } = super::serve::reporting(config)?;
     // SIGHUP is only logged from here on: a worker has no certificate to reload.
     let hangup = super::serve::spawn_hangup(None)?;
     let enrolment_file = config.data_dir.join(super::worker::ENROLMENT_FILE_NAME);
