@@ -2199,15 +2199,7 @@ fn a_stopping_worker_finishes_the_call_in_flight_and_gives_its_run_back_at_the_s
             ],
             "wor: worker ",
         );
-        let probes = worker
-            .log
-            .lock()
-            .unwrap()
-            .lines()
-            .find_map(|l| l.strip_prefix("wor: probes on http://"))
-            .and_then(|rest| rest.split_once('/'))
-            .map(|(addr, _)| addr.to_owned())
-            .expect("the worker names its probe listener");
+        let probes = listener_named(&worker, "wor: probes on http://");
         (worker, probes)
     };
     let (first, first_probes) = start_worker("worker-a");
@@ -2255,46 +2247,9 @@ fn a_stopping_worker_finishes_the_call_in_flight_and_gives_its_run_back_at_the_s
     // Another worker resumes from the recorded steps: the call is not made again, and no
     // person is asked about an outcome that is known.
     let (second, second_probes) = start_worker("worker-b");
-    wait_for("the run to finish", Duration::from_secs(60), || {
-        !matches!(
-            shown_run(&project, &run_id)["status"].as_str(),
-            Some("queued" | "running")
-        )
-    });
-    let shown = shown_run(&project, &run_id);
-    assert_eq!(
-        shown["status"],
-        "succeeded",
-        "{shown}\n{}",
-        second.log.lock().unwrap()
-    );
-    assert_eq!(
-        kinds(&shown),
-        [
-            "input",
-            "model_turn",
-            "tool_call",
-            "tool_result",
-            "model_turn",
-            "outcome"
-        ],
-        "{shown}"
-    );
-    assert_eq!(tools.seen.lock().unwrap().len(), 1, "the call ran once");
-    let listed: Value =
-        serde_json::from_slice(&project.client(&["approvals", "list", "--json"], &[]).stdout)
-            .unwrap();
-    assert_eq!(listed, serde_json::json!([]), "{listed}");
+    ends_after_its_one_call_made_once(&project, &run_id, &tools, &second);
     // The worker that finished the run counts its model turn on its own metrics listener.
-    let metrics = second
-        .log
-        .lock()
-        .unwrap()
-        .lines()
-        .find_map(|l| l.strip_prefix("wor: metrics on http://"))
-        .and_then(|rest| rest.split_once('/'))
-        .map(|(addr, _)| addr.to_owned())
-        .expect("the worker names its metrics listener");
+    let metrics = listener_named(&second, "wor: metrics on http://");
     let scraped = probe(&metrics, "/metrics");
     assert!(scraped.starts_with("HTTP/1.1 200"), "{scraped}");
     assert!(
@@ -2355,14 +2310,32 @@ fn a_stopping_server_finishes_its_pools_call_in_flight_and_gives_the_run_back_at
         key,
         dir: dir.path(),
     };
+    ends_after_its_one_call_made_once(&project, &run_id, &tools, &again);
+    again.stop();
+}
+
+/// Waits for run `run_id`, resumed by `server` after it was given back with its one call
+/// answered, to end, and checks that it succeeded from its recorded steps: the call made once,
+/// nothing asked of a person. `server`'s log is shown when it did not.
+fn ends_after_its_one_call_made_once(
+    project: &Project<'_>,
+    run_id: &str,
+    tools: &ToolServer,
+    server: &Server,
+) {
     wait_for("the run to finish", Duration::from_secs(60), || {
         !matches!(
-            shown_run(&project, &run_id)["status"].as_str(),
+            shown_run(project, run_id)["status"].as_str(),
             Some("queued" | "running")
         )
     });
-    let shown = shown_run(&project, &run_id);
-    assert_eq!(shown["status"], "succeeded", "{shown}");
+    let shown = shown_run(project, run_id);
+    assert_eq!(
+        shown["status"],
+        "succeeded",
+        "{shown}\n{}",
+        server.log.lock().unwrap()
+    );
     let kinds: Vec<&str> = shown["steps"]
         .as_array()
         .unwrap()
@@ -2386,7 +2359,19 @@ fn a_stopping_server_finishes_its_pools_call_in_flight_and_gives_the_run_back_at
         serde_json::from_slice(&project.client(&["approvals", "list", "--json"], &[]).stdout)
             .unwrap();
     assert_eq!(listed, serde_json::json!([]), "{listed}");
-    again.stop();
+}
+
+/// The address of the listener `server` logged a line `PREFIX<addr>/…` for.
+fn listener_named(server: &Server, prefix: &str) -> String {
+    server
+        .log
+        .lock()
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix(prefix))
+        .and_then(|rest| rest.split_once('/'))
+        .map(|(addr, _)| addr.to_owned())
+        .unwrap_or_else(|| panic!("no `{prefix}` line in the log"))
 }
 
 /// `GET path` of a worker's probe listener at `addr`: the whole response.
