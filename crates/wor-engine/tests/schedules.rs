@@ -65,14 +65,38 @@ impl Harness {
             "name = \"{name}\"\ninstructions = \"Report.\"\n[model]\nprovider = \"replay\"\n\
              model = \"m\"\nscript = {{ turns = [{{ text = \"hi\" }}] }}\n[concurrency]\nmax_runs = 100\n{schedule}\n"
         );
-        let definition = wor_core::routine::RoutineDefinition::from_toml(&toml).unwrap();
+        self.apply_toml(&toml).await
+    }
+
+    /// Applies the routine `toml`; its id.
+    async fn apply_toml(&self, toml: &str) -> RoutineId {
+        let definition = wor_core::routine::RoutineDefinition::from_toml(toml).unwrap();
         self.db
             .store
-            .apply_routine(self.project, &toml, &definition, None)
+            .apply_routine(self.project, toml, &definition, None)
             .await
             .unwrap()
             .routine
             .id
+    }
+
+    /// The routine's runs, newest first, as their trigger key and status.
+    async fn slot_statuses(&self, routine: RoutineId) -> Vec<(String, wor_core::run::RunStatus)> {
+        self.db
+            .store
+            .list_runs(
+                self.project,
+                &RunFilter {
+                    routine_id: Some(routine),
+                    limit: 10,
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| (r.trigger_key.clone().unwrap(), r.status))
+            .collect()
     }
 
     async fn next_slot(&self, routine: RoutineId) -> Option<i64> {
@@ -503,14 +527,7 @@ async fn after_an_outage_a_skip_routine_runs_the_slot_on_time_and_skips_the_caug
     let toml = "name = \"latest\"\ninstructions = \"Report.\"\n[model]\nprovider = \"replay\"\n\
                 model = \"m\"\nscript = { turns = [{ text = \"hi\" }] }\n[concurrency]\nmax_runs = 1\n\
                 overlap = \"skip\"\n[schedule]\ncron = \"* * * * *\"\ncatch_up = \"one\"\n";
-    let definition = wor_core::routine::RoutineDefinition::from_toml(toml).unwrap();
-    let routine =
-        h.db.store
-            .apply_routine(h.project, toml, &definition, None)
-            .await
-            .unwrap()
-            .routine
-            .id;
+    let routine = h.apply_toml(toml).await;
     let first = h.next_slot(routine).await.unwrap();
     let engine = h.engine();
     // The scheduler was down for five slots: the latest missed one and the one on time fire.
@@ -519,24 +536,9 @@ async fn after_an_outage_a_skip_routine_runs_the_slot_on_time_and_skips_the_caug
         .await
         .unwrap();
     assert_eq!(report.started, 2, "{report:?}");
-    let runs =
-        h.db.store
-            .list_runs(
-                h.project,
-                &RunFilter {
-                    routine_id: Some(routine),
-                    limit: 10,
-                    ..Default::default()
-                },
-            )
-            .await
-            .unwrap();
-    let statuses: Vec<_> = runs
-        .iter()
-        .map(|r| (r.trigger_key.clone().unwrap(), r.status))
-        .collect();
+    let runs = h.slot_statuses(routine).await;
     assert_eq!(
-        statuses,
+        runs,
         [
             (
                 format!("slot:{}", first + 5 * MINUTE),
@@ -557,14 +559,7 @@ async fn a_scheduled_start_under_cancel_previous_replaces_the_run_before_it() {
     let toml = "name = \"replacing\"\ninstructions = \"Report.\"\n[model]\nprovider = \"replay\"\n\
                 model = \"m\"\nscript = { turns = [{ text = \"hi\" }] }\n[concurrency]\nmax_runs = 1\n\
                 overlap = \"cancel_previous\"\n[schedule]\ncron = \"* * * * *\"\n";
-    let definition = wor_core::routine::RoutineDefinition::from_toml(toml).unwrap();
-    let routine =
-        h.db.store
-            .apply_routine(h.project, toml, &definition, None)
-            .await
-            .unwrap()
-            .routine
-            .id;
+    let routine = h.apply_toml(toml).await;
     let first = h.next_slot(routine).await.unwrap();
     let engine = h.engine();
     assert_eq!(engine.schedule_tick(first + 200).await.unwrap().started, 1);
@@ -576,24 +571,9 @@ async fn a_scheduled_start_under_cancel_previous_replaces_the_run_before_it() {
             .started,
         1
     );
-    let runs =
-        h.db.store
-            .list_runs(
-                h.project,
-                &RunFilter {
-                    routine_id: Some(routine),
-                    limit: 10,
-                    ..Default::default()
-                },
-            )
-            .await
-            .unwrap();
-    let statuses: Vec<_> = runs
-        .iter()
-        .map(|r| (r.trigger_key.clone().unwrap(), r.status))
-        .collect();
+    let runs = h.slot_statuses(routine).await;
     assert_eq!(
-        statuses,
+        runs,
         [
             (
                 format!("slot:{}", first + MINUTE),
@@ -603,7 +583,14 @@ async fn a_scheduled_start_under_cancel_previous_replaces_the_run_before_it() {
         ]
     );
     // The schedule asked for the cancel, naming the policy.
-    let replaced = runs[1].id.to_string();
+    let replaced =
+        h.db.store
+            .run_by_trigger_key(h.project, routine, &format!("slot:{first}"))
+            .await
+            .unwrap()
+            .unwrap()
+            .id
+            .to_string();
     let audit = h.db.store.audit_entries(h.project, 0, 100).await.unwrap();
     let cancel = audit
         .iter()
