@@ -300,9 +300,7 @@ async fn azure_and_gemini_connections_run_routines_with_usage_and_cost() {
             json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
             json!({"choices": [], "usage": {"prompt_tokens": 1000, "completion_tokens": 500}}),
         ];
-        let mut sse: String = chunks.iter().map(|c| format!("data: {c}\n\n")).collect();
-        sse.push_str("data: [DONE]\n\n");
-        sse
+        sse_chunks(&chunks, true)
     };
     let gemini_body = format!(
         "data: {}\r\n\r\n",
@@ -429,29 +427,16 @@ async fn azure_and_gemini_connections_run_routines_with_usage_and_cost() {
 async fn a_failed_model_call_that_echoes_the_key_is_redacted_of_it() {
     const KEY: &str = "plainkey-ABCDEFGHIJKLMNOPQRSTUVWX-0123";
     let h = Harness::new().await;
-    let body = [
-        json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c1",
-            "type": "function", "function": {"name": KEY, "arguments": "{bad"}}]},
-            "finish_reason": null}]}),
-        json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}),
-    ]
-    .iter()
-    .map(|chunk| format!("data: {chunk}\n\n"))
-    .chain(["data: [DONE]\n\n".to_owned()])
-    .collect();
-    let (addr, _) = cloud_model(body, "authorization").await;
-    let (status, created) = h
-        .call(
-            Method::POST,
-            "/v1/model-connections",
-            Some(json!({"name": "echo", "provider": "openai_compatible",
-                "base_url": format!("http://{addr}/v1"), "api_key": KEY})),
-        )
-        .await;
-    assert_eq!(status, StatusCode::CREATED, "{created}");
-    let run = h
-        .run("name = \"echoed\"\ninstructions = \"Answer.\"\n[model]\nprovider = \"openai_compatible\"\nconnection = \"echo\"\nmodel = \"m\"\n")
-        .await;
+    let stream = sse_chunks(
+        &[
+            json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c1",
+                "type": "function", "function": {"name": KEY, "arguments": "{bad"}}]},
+                "finish_reason": null}]}),
+            json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}),
+        ],
+        true,
+    );
+    let run = run_on_openai_compatible_fake(&h, stream, KEY).await;
     assert_eq!(run["status"], "failed", "{run:#}");
     let outcome = run["outcome"].as_str().unwrap();
     assert!(
@@ -467,29 +452,44 @@ async fn a_failed_model_call_that_echoes_the_key_is_redacted_of_it() {
 #[tokio::test]
 async fn the_tokens_a_cut_stream_reported_count_against_the_run() {
     let h = Harness::new().await;
-    let body = [
-        json!({"choices": [{"index": 0, "delta": {"content": "partial"}, "finish_reason": null}]}),
-        json!({"choices": [], "usage": {"prompt_tokens": 100, "completion_tokens": 50}}),
-    ]
-    .iter()
-    .map(|chunk| format!("data: {chunk}\n\n"))
-    .collect();
-    let (addr, _) = cloud_model(body, "authorization").await;
+    // No `[DONE]`: the stream is cut after the usage chunk.
+    let stream = sse_chunks(
+        &[
+            json!({"choices": [{"index": 0, "delta": {"content": "partial"}, "finish_reason": null}]}),
+            json!({"choices": [], "usage": {"prompt_tokens": 100, "completion_tokens": 50}}),
+        ],
+        false,
+    );
+    let run = run_on_openai_compatible_fake(&h, stream, "cut-key-0123456789abcdef").await;
+    assert_eq!(run["status"], "failed", "{run:#}");
+    assert_eq!(run["usage"]["input_tokens"], 100, "{run:#}");
+    assert_eq!(run["usage"]["output_tokens"], 50, "{run:#}");
+}
+
+/// `chunks` as an OpenAI-compatible event stream, ended by `[DONE]` when `done`.
+fn sse_chunks(chunks: &[Value], done: bool) -> String {
+    let mut sse: String = chunks.iter().map(|c| format!("data: {c}\n\n")).collect();
+    if done {
+        sse.push_str("data: [DONE]\n\n");
+    }
+    sse
+}
+
+/// Runs a routine on an `openai_compatible` connection with `key` to a fake that answers every
+/// call with `stream`; the run as the API shows it once it has ended.
+async fn run_on_openai_compatible_fake(h: &Harness, stream: String, key: &str) -> Value {
+    let (addr, _) = cloud_model(stream, "authorization").await;
     let (status, created) = h
         .call(
             Method::POST,
             "/v1/model-connections",
-            Some(json!({"name": "cut", "provider": "openai_compatible",
-                "base_url": format!("http://{addr}/v1"), "api_key": "cut-key-0123456789abcdef"})),
+            Some(json!({"name": "fake", "provider": "openai_compatible",
+                "base_url": format!("http://{addr}/v1"), "api_key": key})),
         )
         .await;
     assert_eq!(status, StatusCode::CREATED, "{created}");
-    let run = h
-        .run("name = \"cut-short\"\ninstructions = \"Answer.\"\n[model]\nprovider = \"openai_compatible\"\nconnection = \"cut\"\nmodel = \"m\"\n")
-        .await;
-    assert_eq!(run["status"], "failed", "{run:#}");
-    assert_eq!(run["usage"]["input_tokens"], 100, "{run:#}");
-    assert_eq!(run["usage"]["output_tokens"], 50, "{run:#}");
+    h.run("name = \"on-fake\"\ninstructions = \"Answer.\"\n[model]\nprovider = \"openai_compatible\"\nconnection = \"fake\"\nmodel = \"m\"\n")
+        .await
 }
 
 /// A replay routine with `[output] schema` whose model answers `answers` in turn.
